@@ -1,0 +1,49 @@
+//! The one error type of the core.
+
+use crate::model::BlockId;
+
+/// Everything the core can refuse.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum CoreError {
+    /// The model definition cannot be used.
+    #[error("invalid model: {0}")]
+    InvalidModel(String),
+    /// A request named a block the model does not have.
+    #[error("unknown block {0}")]
+    UnknownBlock(BlockId),
+    /// A request named a worker outside `0..num_workers`.
+    #[error("unknown worker {0}")]
+    UnknownWorker(u32),
+    /// A push or pull whose payload does not fit the block.
+    #[error("block {block} holds {expected} values, the request carries {got}")]
+    WrongLength {
+        /// The block.
+        block: BlockId,
+        /// Its length.
+        expected: usize,
+        /// What arrived.
+        got: usize,
+    },
+    /// A push that skips a clock: pushes of one worker to one block come in clock order.
+    #[error("worker {worker} pushed clock {got} to block {block}, expected clock {expected}")]
+    ClockGap {
+        /// The block.
+        block: BlockId,
+        /// The worker.
+        worker: u32,
+        /// The clock the server expects next from that worker.
+        expected: u32,
+        /// The clock that arrived.
+        got: u32,
+    },
+    /// A configuration string (policy, optimizer, placement) that does not parse.
+    #[error("invalid {what} {input:?}: {why}")]
+    Parse {
+        /// What was being parsed.
+        what: &'static str,
+        /// The input.
+        input: String,
+        /// Why it was refused, with the accepted forms.
+        why: String,
+    },
+}

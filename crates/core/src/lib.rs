@@ -1,0 +1,22 @@
+//! elasticps-core: the decisions of the parameter server, with no I/O and no clock.
+//!
+//! The runtime feeds events in (a push arrived, a pull arrived, a worker left) together
+//! with the current time, and carries the returned actions out. Nothing here touches a
+//! socket, a thread or the system clock, so every policy is testable in microseconds and
+//! a simulator can drive the same code.
+//!
+//! - [`model`]: tensors, blocks and deterministic initial values.
+//! - [`placement`]: which server owns which block (`range`, `hash`, `roundrobin`, `bestfit`).
+//! - [`optimizer`]: server-side SGD, momentum and Adam, with state that lives with a block.
+//! - [`sync`]: the synchronization policies and the clock bookkeeping they decide on.
+//! - [`block`]: the per-block state machine a server runs (values, optimizer, clocks,
+//!   held pulls, counters).
+
+pub mod block;
+pub mod error;
+pub mod model;
+pub mod optimizer;
+pub mod placement;
+pub mod sync;
+
+pub use error::CoreError;

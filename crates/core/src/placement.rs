@@ -1,0 +1,169 @@
+//! Which server owns which block. A placement carries an epoch that increases with
+//! every change; workers cache it and a server answers `Moved` for a block it does
+//! not own.
+//!
+//! Initial policies, to compare against each other: `range` (ps-lite: contiguous runs
+//! of blocks), `hash` (BytePS: djb2 of the tensor name and block index), `roundrobin`
+//! (TensorFlow: tensor by tensor in turn), `bestfit` (largest block first onto the
+//! least-loaded server: PSLD's starting point).
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::CoreError;
+use crate::model::{BlockId, Partition};
+
+/// Identifier of a server, assigned by the scheduler from 0.
+pub type ServerId = u32;
+
+/// The initial placement policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PlacementKind {
+    /// Contiguous runs of about equal numbers of blocks (ps-lite key ranges).
+    Range,
+    /// djb2 hash of tensor name and block index, modulo the server count.
+    Hash,
+    /// Tensor by tensor, in turn.
+    RoundRobin,
+    /// Largest block first onto the server with the fewest bytes.
+    BestFit,
+}
+
+impl fmt::Display for PlacementKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PlacementKind::Range => "range",
+            PlacementKind::Hash => "hash",
+            PlacementKind::RoundRobin => "roundrobin",
+            PlacementKind::BestFit => "bestfit",
+        })
+    }
+}
+
+impl FromStr for PlacementKind {
+    type Err = CoreError;
+
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        match input.trim().to_ascii_lowercase().as_str() {
+            "range" => Ok(PlacementKind::Range),
+            "hash" => Ok(PlacementKind::Hash),
+            "roundrobin" | "round-robin" => Ok(PlacementKind::RoundRobin),
+            "bestfit" | "best-fit" => Ok(PlacementKind::BestFit),
+            _ => Err(CoreError::Parse {
+                what: "placement",
+                input: input.to_string(),
+                why: "expected range, hash, roundrobin or bestfit".into(),
+            }),
+        }
+    }
+}
+
+/// Block -> owner map with an epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// Increases with every change of an owner.
+    pub epoch: u64,
+    /// `owners[block]` is the server that owns the block.
+    pub owners: Vec<ServerId>,
+}
+
+impl Placement {
+    /// The initial placement of `partition` on `servers` servers (ids `0..servers`), epoch 1.
+    pub fn initial(kind: PlacementKind, partition: &Partition, servers: u32) -> Result<Self, CoreError> {
+        if servers == 0 {
+            return Err(CoreError::InvalidModel("no server to place blocks on".into()));
+        }
+        let n = partition.blocks.len();
+        let owners = match kind {
+            PlacementKind::Range => (0..n).map(|i| (i * servers as usize / n) as ServerId).collect(),
+            PlacementKind::Hash => partition
+                .blocks
+                .iter()
+                .map(|b| {
+                    let name = &partition.tensors[b.tensor as usize].name;
+                    let key = format!("{name}#{}", b.offset);
+                    (djb2(key.as_bytes()) % u64::from(servers)) as ServerId
+                })
+                .collect(),
+            PlacementKind::RoundRobin => partition.blocks.iter().map(|b| b.tensor % servers).collect(),
+            PlacementKind::BestFit => {
+                let mut order: Vec<usize> = (0..n).collect();
+                order.sort_by_key(|&i| (std::cmp::Reverse(partition.blocks[i].len), i));
+                let mut load = vec![0usize; servers as usize];
+                let mut owners = vec![0; n];
+                for i in order {
+                    let target = (0..servers as usize).min_by_key(|&s| (load[s], s)).unwrap_or(0);
+                    load[target] += partition.blocks[i].bytes();
+                    owners[i] = target as ServerId;
+                }
+                owners
+            }
+        };
+        Ok(Self { epoch: 1, owners })
+    }
+
+    /// The owner of `block`.
+    pub fn owner(&self, block: BlockId) -> Option<ServerId> {
+        self.owners.get(block as usize).copied()
+    }
+
+    /// The blocks owned by `server`, in id order.
+    pub fn blocks_of(&self, server: ServerId) -> impl Iterator<Item = BlockId> + '_ {
+        self.owners.iter().enumerate().filter(move |(_, o)| **o == server).map(|(b, _)| b as BlockId)
+    }
+}
+
+/// djb2 string hash, as BytePS uses to spread keys.
+pub fn djb2(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(5381u64, |h, b| h.wrapping_mul(33).wrapping_add(u64::from(*b)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Init, TensorSpec};
+
+    fn partition(lens: &[usize]) -> Partition {
+        let tensors = lens
+            .iter()
+            .enumerate()
+            .map(|(i, l)| TensorSpec { name: format!("t{i}"), shape: vec![*l], init: Init::Zeros })
+            .collect();
+        Partition::new(tensors, 4 * 100).unwrap()
+    }
+
+    #[test]
+    fn every_policy_gives_every_block_exactly_one_valid_owner() {
+        let p = partition(&[250, 10, 90, 400, 5]);
+        for kind in [PlacementKind::Range, PlacementKind::Hash, PlacementKind::RoundRobin, PlacementKind::BestFit] {
+            for servers in 1..5 {
+                let pl = Placement::initial(kind, &p, servers).unwrap();
+                assert_eq!(pl.owners.len(), p.blocks.len(), "{kind}");
+                assert!(pl.owners.iter().all(|o| *o < servers), "{kind}");
+                let total: usize = (0..servers).map(|s| pl.blocks_of(s).count()).sum();
+                assert_eq!(total, p.blocks.len());
+            }
+        }
+        assert!(Placement::initial(PlacementKind::Range, &p, 0).is_err());
+    }
+
+    #[test]
+    fn bestfit_balances_bytes_better_than_range() {
+        let p = partition(&[400, 10, 10, 10, 100, 100]);
+        let bytes = |pl: &Placement, s| pl.blocks_of(s).map(|b| p.blocks[b as usize].bytes()).sum::<usize>();
+        let bf = Placement::initial(PlacementKind::BestFit, &p, 2).unwrap();
+        let spread = |pl: &Placement| bytes(pl, 0).abs_diff(bytes(pl, 1));
+        assert!(spread(&bf) <= spread(&Placement::initial(PlacementKind::Range, &p, 2).unwrap()));
+        assert!(spread(&bf) <= 40);
+    }
+
+    #[test]
+    fn parses_kinds() {
+        for s in ["range", "hash", "roundrobin", "bestfit"] {
+            assert_eq!(s.parse::<PlacementKind>().unwrap().to_string(), s);
+        }
+        assert!("random".parse::<PlacementKind>().is_err());
+    }
+}
