@@ -1,9 +1,20 @@
-//! The per-block state machine a server runs.
+//! The per-block state machine a server runs: values, optimizer state, clocks, held
+//! pulls and counters of one block.
+//!
+//! Events come in as method calls with the current time in microseconds (the core has
+//! no clock of its own); the pulls that can be answered come back as [`Answer`]s, which
+//! the runtime sends. `T` is the runtime's opaque handle for where to send an answer.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::optimizer::OptimizerConfig;
-use crate::sync::SyncPolicy;
+use crate::CoreError;
+use crate::model::BlockSpec;
+use crate::optimizer::{self, OptState, OptimizerConfig};
+use crate::stats::Histogram;
+use crate::sync::{Clock, Clocks, SyncPolicy};
 
 /// How a server treats the blocks it owns; sent by the scheduler with the assignment.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -33,4 +44,452 @@ pub struct BlockStats {
     pub bytes_in: u64,
     /// Payload bytes sent in pull replies.
     pub bytes_out: u64,
+}
+
+impl BlockStats {
+    /// Adds `other` into `self`.
+    pub fn merge(&mut self, other: &BlockStats) {
+        self.pushes += other.pushes;
+        self.pulls += other.pulls;
+        self.pulls_held += other.pulls_held;
+        self.hold_us += other.hold_us;
+        self.releases += other.releases;
+        self.bytes_in += other.bytes_in;
+        self.bytes_out += other.bytes_out;
+    }
+}
+
+/// A pull the server can answer now.
+#[derive(Clone, Debug)]
+pub struct Answer<T> {
+    /// The runtime's handle of the request.
+    pub token: T,
+    /// Rank of the worker that pulled.
+    pub worker: u32,
+    /// The clock of the pull.
+    pub clock: Clock,
+    /// The block's `done` clock when the pull was answered (for traces and invariants).
+    pub done: Clock,
+    /// How long the pull was held, if it was.
+    pub held_us: Option<u64>,
+    /// The values to send (shared; the next push copies on write if this is still alive).
+    pub values: Arc<Vec<f32>>,
+}
+
+#[derive(Clone, Debug)]
+struct HeldPull<T> {
+    token: T,
+    worker: u32,
+    clock: Clock,
+    since_us: u64,
+}
+
+/// One block owned by a server.
+#[derive(Debug)]
+pub struct Block<T> {
+    spec: BlockSpec,
+    values: Arc<Vec<f32>>,
+    opt: OptState,
+    clocks: Clocks,
+    /// Aggregate mode: per clock, the sum of the pushes received and how many.
+    pending: BTreeMap<Clock, (Vec<f32>, u32)>,
+    held: Vec<HeldPull<T>>,
+    stats: BlockStats,
+    hold_hist: Histogram,
+}
+
+impl<T> Block<T> {
+    /// A block with its initial values, expecting pushes from `config.workers` workers.
+    pub fn new(spec: BlockSpec, values: Vec<f32>, config: &ShardConfig) -> Result<Self, CoreError> {
+        if values.len() != spec.len {
+            return Err(CoreError::WrongLength {
+                block: spec.id,
+                expected: spec.len,
+                got: values.len(),
+            });
+        }
+        Ok(Self {
+            spec,
+            values: Arc::new(values),
+            opt: OptState::default(),
+            clocks: Clocks::new(config.workers),
+            pending: BTreeMap::new(),
+            held: Vec::new(),
+            stats: BlockStats::default(),
+            hold_hist: Histogram::default(),
+        })
+    }
+
+    /// The block's description.
+    pub fn spec(&self) -> &BlockSpec {
+        &self.spec
+    }
+
+    /// Current values.
+    pub fn values(&self) -> &Arc<Vec<f32>> {
+        &self.values
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> &BlockStats {
+        &self.stats
+    }
+
+    /// Distribution of hold times, in microseconds.
+    pub fn hold_histogram(&self) -> &Histogram {
+        &self.hold_hist
+    }
+
+    /// The smallest clock not yet pushed by every active worker.
+    pub fn done(&self) -> Clock {
+        self.clocks.done()
+    }
+
+    /// The clock state.
+    pub fn clocks(&self) -> &Clocks {
+        &self.clocks
+    }
+
+    /// Number of pulls currently held.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// What a held pull waits for, for logs: `(worker, clock)` of the oldest one.
+    pub fn oldest_held(&self) -> Option<(u32, Clock)> {
+        self.held
+            .iter()
+            .min_by_key(|h| h.since_us)
+            .map(|h| (h.worker, h.clock))
+    }
+
+    /// A worker pushed the gradient `grad` of clock `clock`. Applies it (or buffers it
+    /// in aggregate mode) exactly once, and returns the held pulls it releases. A
+    /// duplicate push (a clock the worker already pushed) changes nothing.
+    pub fn push(
+        &mut self,
+        config: &ShardConfig,
+        worker: u32,
+        clock: Clock,
+        grad: &[f32],
+        now_us: u64,
+    ) -> Result<Vec<Answer<T>>, CoreError> {
+        if grad.len() != self.spec.len {
+            return Err(CoreError::WrongLength {
+                block: self.spec.id,
+                expected: self.spec.len,
+                got: grad.len(),
+            });
+        }
+        if !self.clocks.record(self.spec.id, worker, clock)? {
+            return Ok(Vec::new());
+        }
+        self.stats.pushes += 1;
+        self.stats.bytes_in += self.spec.bytes() as u64;
+        let opt = config.optimizer;
+        if opt.aggregate {
+            let (sum, count) = self
+                .pending
+                .entry(clock)
+                .or_insert_with(|| (vec![0.0; grad.len()], 0));
+            for (s, g) in sum.iter_mut().zip(grad) {
+                *s += g;
+            }
+            *count += 1;
+            self.apply_complete_clocks(opt);
+        } else {
+            optimizer::step(
+                opt.kind,
+                opt.lr,
+                Arc::make_mut(&mut self.values).as_mut_slice(),
+                &mut self.opt,
+                grad,
+            );
+        }
+        Ok(self.release(config.sync, now_us))
+    }
+
+    /// A worker asks for the values at clock `clock`. Returns the answer now, or `None`
+    /// if the sync policy holds the pull; it then comes back from a later `push` or
+    /// `remove_worker`.
+    pub fn pull(
+        &mut self,
+        config: &ShardConfig,
+        token: T,
+        worker: u32,
+        clock: Clock,
+        now_us: u64,
+    ) -> Result<Option<Answer<T>>, CoreError> {
+        if worker >= self.clocks.workers() {
+            return Err(CoreError::UnknownWorker(worker));
+        }
+        let done = self.clocks.done();
+        if config.sync.holds(clock, done) {
+            self.held.push(HeldPull {
+                token,
+                worker,
+                clock,
+                since_us: now_us,
+            });
+            return Ok(None);
+        }
+        Ok(Some(self.answer(config.sync, token, worker, clock, None)))
+    }
+
+    /// Takes a worker out of the quorum (it died or left) and returns the pulls that no
+    /// longer have to wait for it.
+    pub fn remove_worker(
+        &mut self,
+        config: &ShardConfig,
+        worker: u32,
+        now_us: u64,
+    ) -> Vec<Answer<T>> {
+        self.clocks.remove_worker(worker);
+        self.held.retain(|h| h.worker != worker);
+        if config.optimizer.aggregate {
+            self.apply_complete_clocks(config.optimizer);
+        }
+        self.release(config.sync, now_us)
+    }
+
+    /// Takes every held pull out, for a block that is leaving this server.
+    pub fn take_held(&mut self) -> Vec<(T, u32, Clock)> {
+        self.held
+            .drain(..)
+            .map(|h| (h.token, h.worker, h.clock))
+            .collect()
+    }
+
+    fn apply_complete_clocks(&mut self, opt: OptimizerConfig) {
+        let done = self.clocks.done();
+        while let Some(entry) = self.pending.first_entry() {
+            if *entry.key() >= done {
+                break;
+            }
+            let (mut sum, count) = entry.remove();
+            let scale = 1.0 / count as f32;
+            sum.iter_mut().for_each(|s| *s *= scale);
+            optimizer::step(
+                opt.kind,
+                opt.lr,
+                Arc::make_mut(&mut self.values).as_mut_slice(),
+                &mut self.opt,
+                &sum,
+            );
+        }
+    }
+
+    fn release(&mut self, sync: SyncPolicy, now_us: u64) -> Vec<Answer<T>> {
+        if self.held.is_empty() {
+            return Vec::new();
+        }
+        let done = self.clocks.done();
+        let (ready, still): (Vec<_>, Vec<_>) = self
+            .held
+            .drain(..)
+            .partition(|h| !sync.holds(h.clock, done));
+        self.held = still;
+        if ready.is_empty() {
+            return Vec::new();
+        }
+        self.stats.releases += 1;
+        ready
+            .into_iter()
+            .map(|h| {
+                let waited = now_us.saturating_sub(h.since_us);
+                self.answer(sync, h.token, h.worker, h.clock, Some(waited))
+            })
+            .collect()
+    }
+
+    fn answer(
+        &mut self,
+        sync: SyncPolicy,
+        token: T,
+        worker: u32,
+        clock: Clock,
+        held_us: Option<u64>,
+    ) -> Answer<T> {
+        let done = self.clocks.done();
+        debug_assert!(
+            !sync.holds(clock, done),
+            "pull({clock}) answered while done = {done} under {sync}"
+        );
+        self.stats.pulls += 1;
+        self.stats.bytes_out += self.spec.bytes() as u64;
+        if let Some(us) = held_us {
+            self.stats.pulls_held += 1;
+            self.stats.hold_us += us;
+            self.hold_hist.record(us);
+        }
+        Answer {
+            token,
+            worker,
+            clock,
+            done,
+            held_us,
+            values: Arc::clone(&self.values),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optimizer::OptimizerKind;
+
+    fn config(sync: SyncPolicy, aggregate: bool, workers: u32) -> ShardConfig {
+        ShardConfig {
+            sync,
+            optimizer: OptimizerConfig {
+                kind: OptimizerKind::Sgd,
+                lr: 1.0,
+                aggregate,
+            },
+            workers,
+        }
+    }
+
+    fn block(len: usize, cfg: &ShardConfig) -> Block<u32> {
+        Block::new(
+            BlockSpec {
+                id: 0,
+                tensor: 0,
+                offset: 0,
+                len,
+            },
+            vec![0.0; len],
+            cfg,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn bsp_holds_pull_until_every_worker_pushed_the_previous_clock() {
+        let cfg = config(SyncPolicy::Bsp, false, 2);
+        let mut b = block(1, &cfg);
+        assert!(b.pull(&cfg, 10, 0, 0, 0).unwrap().is_some());
+        assert!(b.push(&cfg, 0, 0, &[1.0], 1).unwrap().is_empty());
+        assert!(b.pull(&cfg, 11, 0, 1, 2).unwrap().is_none());
+        let released = b.push(&cfg, 1, 0, &[2.0], 12).unwrap();
+        assert_eq!(released.len(), 1);
+        assert_eq!(
+            (released[0].token, released[0].held_us, released[0].done),
+            (11, Some(10), 1)
+        );
+        assert_eq!(*released[0].values, vec![-3.0]);
+        assert_eq!(b.stats().pulls_held, 1);
+        assert_eq!(b.stats().releases, 1);
+    }
+
+    #[test]
+    fn aggregate_takes_one_step_with_the_mean_once_the_clock_is_complete() {
+        let cfg = config(SyncPolicy::Bsp, true, 2);
+        let mut b = block(2, &cfg);
+        b.push(&cfg, 0, 0, &[1.0, 2.0], 0).unwrap();
+        assert_eq!(**b.values(), vec![0.0, 0.0]);
+        b.push(&cfg, 1, 0, &[3.0, 6.0], 0).unwrap();
+        assert_eq!(**b.values(), vec![-2.0, -4.0]);
+    }
+
+    #[test]
+    fn duplicate_pushes_are_applied_once_and_gaps_refused() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let mut b = block(1, &cfg);
+        b.push(&cfg, 0, 0, &[1.0], 0).unwrap();
+        b.push(&cfg, 0, 0, &[1.0], 0).unwrap();
+        assert_eq!(**b.values(), vec![-1.0]);
+        assert_eq!(b.stats().pushes, 1);
+        assert!(b.push(&cfg, 0, 5, &[1.0], 0).is_err());
+        assert!(b.push(&cfg, 0, 1, &[1.0, 2.0], 0).is_err());
+        assert!(b.pull(&cfg, 0, 3, 0, 0).is_err());
+    }
+
+    #[test]
+    fn removing_a_worker_releases_what_waited_for_it() {
+        let cfg = config(SyncPolicy::Ssp(1), true, 2);
+        let mut b = block(1, &cfg);
+        b.push(&cfg, 0, 0, &[4.0], 0).unwrap();
+        b.push(&cfg, 0, 1, &[4.0], 0).unwrap();
+        assert!(b.pull(&cfg, 7, 0, 2, 0).unwrap().is_none());
+        let released = b.remove_worker(&cfg, 1, 5);
+        assert_eq!(released.len(), 1);
+        assert_eq!(**b.values(), vec![-8.0]);
+    }
+
+    #[test]
+    fn pull_replies_share_values_until_the_next_push_copies() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let mut b = block(3, &cfg);
+        let a = b.pull(&cfg, 0, 0, 0, 0).unwrap().unwrap();
+        assert!(Arc::ptr_eq(&a.values, b.values()));
+        b.push(&cfg, 0, 0, &[1.0; 3], 0).unwrap();
+        assert_eq!(*a.values, vec![0.0; 3]);
+        assert_eq!(**b.values(), vec![-1.0; 3]);
+    }
+}
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use crate::optimizer::OptimizerKind;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Whatever order workers run in, no pull(t) is answered while done < t - s,
+        /// every pull is answered by the time every worker has pushed its last clock,
+        /// and with aggregate + integer gradients the result is exact.
+        #[test]
+        fn ssp_never_answers_early_and_never_loses_a_pull(
+            s in 0u32..4,
+            workers in 1u32..4,
+            schedule in proptest::collection::vec(0u32..4, 1..200),
+        ) {
+            const CLOCKS: u32 = 6;
+            let cfg = ShardConfig {
+                sync: SyncPolicy::Ssp(s),
+                optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: true },
+                workers,
+            };
+            let mut b: Block<(u32, u32)> =
+                Block::new(BlockSpec { id: 0, tensor: 0, offset: 0, len: 1 }, vec![0.0], &cfg).unwrap();
+            // Each worker: pull(t), then (once answered) push(t). Phase 0: must pull,
+            // 1: pull held, 2: pull answered, may push.
+            let mut next = vec![0u32; workers as usize];
+            let mut phase = vec![0u8; workers as usize];
+            let mut answered = 0u32;
+            let check = |a: &Answer<(u32, u32)>| {
+                prop_assert!(!cfg.sync.holds(a.clock, a.done));
+                prop_assert_eq!(a.token, (a.worker, a.clock));
+                Ok(())
+            };
+            let steps = schedule.iter().map(|w| w % workers).chain((0..workers * CLOCKS * 4).map(|i| i % workers));
+            for (now, w) in steps.enumerate() {
+                let wi = w as usize;
+                let t = next[wi];
+                if t >= CLOCKS {
+                    continue;
+                }
+                match phase[wi] {
+                    0 => match b.pull(&cfg, (w, t), w, t, now as u64).unwrap() {
+                        Some(a) => { check(&a)?; answered += 1; phase[wi] = 2; }
+                        None => phase[wi] = 1,
+                    },
+                    2 => {
+                        for a in b.push(&cfg, w, t, &[1.0], now as u64).unwrap() {
+                            check(&a)?;
+                            answered += 1;
+                            phase[a.worker as usize] = 2;
+                        }
+                        next[wi] += 1;
+                        phase[wi] = 0;
+                    }
+                    _ => {}
+                }
+            }
+            prop_assert_eq!(answered, workers * CLOCKS);
+            prop_assert_eq!(b.held(), 0);
+            prop_assert_eq!(b.values()[0], -(CLOCKS as f32));
+        }
+    }
 }

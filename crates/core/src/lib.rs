@@ -17,6 +17,7 @@ pub mod error;
 pub mod model;
 pub mod optimizer;
 pub mod placement;
+pub mod stats;
 pub mod sync;
 
 pub use error::CoreError;

@@ -72,7 +72,10 @@ impl FromStr for SyncPolicy {
             "bsp" => Ok(SyncPolicy::Bsp),
             "asp" => Ok(SyncPolicy::Asp),
             other => match other.split_once(':') {
-                Some(("ssp", s)) => s.parse().map(SyncPolicy::Ssp).map_err(|_| err("bad staleness")),
+                Some(("ssp", s)) => s
+                    .parse()
+                    .map(SyncPolicy::Ssp)
+                    .map_err(|_| err("bad staleness")),
                 _ => Err(err("unknown policy")),
             },
         }
@@ -89,7 +92,10 @@ pub struct Clocks {
 impl Clocks {
     /// Fresh state for `workers` workers, none of whom has pushed.
     pub fn new(workers: u32) -> Self {
-        Self { pushed: vec![0; workers as usize], active: vec![true; workers as usize] }
+        Self {
+            pushed: vec![0; workers as usize],
+            active: vec![true; workers as usize],
+        }
     }
 
     /// Number of workers this block expects pushes from (including removed ones).
@@ -122,12 +128,20 @@ impl Clocks {
     /// Records that `worker` pushed clock `clock`. Returns `Ok(false)` for a duplicate
     /// (already pushed: drop it), `Ok(true)` for the next clock, an error for a gap.
     pub fn record(&mut self, block: u32, worker: u32, clock: Clock) -> Result<bool, CoreError> {
-        let slot = self.pushed.get_mut(worker as usize).ok_or(CoreError::UnknownWorker(worker))?;
+        let slot = self
+            .pushed
+            .get_mut(worker as usize)
+            .ok_or(CoreError::UnknownWorker(worker))?;
         if clock < *slot {
             return Ok(false);
         }
         if clock > *slot {
-            return Err(CoreError::ClockGap { block, worker, expected: *slot, got: clock });
+            return Err(CoreError::ClockGap {
+                block,
+                worker,
+                expected: *slot,
+                got: clock,
+            });
         }
         *slot += 1;
         Ok(true)
@@ -187,7 +201,14 @@ mod tests {
         assert_eq!(c.record(0, 0, 1), Ok(true));
         assert_eq!((c.done(), c.fast()), (0, Some(1)));
         assert_eq!(c.record(0, 0, 1), Ok(false));
-        assert!(matches!(c.record(0, 1, 1), Err(CoreError::ClockGap { expected: 0, got: 1, .. })));
+        assert!(matches!(
+            c.record(0, 1, 1),
+            Err(CoreError::ClockGap {
+                expected: 0,
+                got: 1,
+                ..
+            })
+        ));
         assert_eq!(c.record(0, 1, 0), Ok(true));
         assert_eq!(c.done(), 1);
         c.remove_worker(1);
