@@ -1,1 +1,63 @@
-//! elasticps-runtime
+//! elasticps-runtime: the tokio drivers that move bytes and time in and out of the core.
+//!
+//! - [`conn`]: framed I/O on a TCP connection (read header, then payload straight into
+//!   an aligned `Vec<f32>`; one writer task per connection).
+//! - [`peer`]: request/response multiplexing for the asking side of a connection.
+//! - [`scheduler`]: membership, the model's layout (partition + placement), heartbeats,
+//!   the end of the job. Its decisions live in [`scheduler::Membership`], a plain state
+//!   machine with no I/O.
+//! - [`server`]: owns blocks and drives the core's per-block state machines.
+//! - [`client`]: the worker library a user's training loop calls: `pull(t)`, `push(t)`.
+//!
+//! Every wait has a timeout whose error says what was waited for.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+pub mod client;
+pub mod conn;
+pub mod error;
+pub mod peer;
+pub mod scheduler;
+pub mod server;
+
+pub use error::{Result, RuntimeError};
+
+/// How often nodes send a heartbeat to the scheduler.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+/// How long the scheduler waits without hearing from a node before declaring it dead.
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a TCP connect may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a control request (register, layout) may take to be answered.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Microseconds since this value was made: the time the runtime hands to the core.
+#[derive(Clone, Copy, Debug)]
+pub struct Micros(Instant);
+
+impl Micros {
+    /// Starts counting now.
+    pub fn new() -> Self {
+        Self(Instant::now())
+    }
+
+    /// Microseconds elapsed.
+    pub fn now(&self) -> u64 {
+        self.0.elapsed().as_micros() as u64
+    }
+}
+
+impl Default for Micros {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Runs `fut` for at most `after`; the error names `what` was waited for.
+pub async fn timeout<T>(after: Duration, what: impl Into<String>, fut: impl Future<Output = Result<T>>) -> Result<T> {
+    match tokio::time::timeout(after, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(RuntimeError::Timeout { what: what.into(), after }),
+    }
+}

@@ -1,0 +1,135 @@
+//! Framed I/O over a TCP connection: the only place that reads and writes frames.
+//!
+//! Reading takes the 32-byte header first, validates it (so an oversized length is
+//! refused before a byte of payload is read), then reads a tensor payload straight into
+//! an aligned `Vec<f32>`: no intermediate buffer, no per-element decoding. Writing goes
+//! through one task per connection that encodes, batches small frames in a buffer and
+//! writes large payloads directly from their shared `Bytes`.
+
+use std::net::SocketAddr;
+
+use bytes::{Bytes, BytesMut};
+use elasticps_wire::{Codec, FrameHeader, HEADER_LEN, Kind, Message, Values};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::mpsc;
+
+use crate::error::{Result, RuntimeError};
+
+/// A frame to send: request id and message.
+pub type Outgoing = (u64, Message);
+
+/// Sender side of a connection's writer task.
+pub type Outbox = mpsc::UnboundedSender<Outgoing>;
+
+const BUF: usize = 256 * 1024;
+
+/// Reads frames from one connection.
+pub struct FrameReader {
+    inner: BufReader<OwnedReadHalf>,
+    codec: Codec,
+    peer: String,
+}
+
+impl FrameReader {
+    /// Name of the peer, for errors and logs.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Renames the peer once it said who it is.
+    pub fn set_peer(&mut self, peer: String) {
+        self.peer = peer;
+    }
+
+    /// The next frame, or `None` when the peer closed the connection between frames.
+    pub async fn next(&mut self) -> Result<Option<(FrameHeader, Message)>> {
+        let mut head = [0u8; HEADER_LEN];
+        // A clean end of stream is only allowed before the first header byte.
+        let first = self.inner.read(&mut head[..1]).await.map_err(|e| self.io_err(e))?;
+        if first == 0 {
+            return Ok(None);
+        }
+        self.inner.read_exact(&mut head[1..]).await.map_err(|e| self.io_err(e))?;
+        let header = self.codec.decode_header(&head).map_err(|source| self.wire_err(source))?;
+        let len = header.payload_len as usize;
+        let payload = if matches!(header.kind, Kind::Push | Kind::PullReply) && len % 4 == 0 {
+            let mut v = vec![0f32; len / 4];
+            self.inner.read_exact(bytemuck::cast_slice_mut(&mut v)).await.map_err(|e| self.io_err(e))?;
+            Values::from_vec(v).as_bytes().clone()
+        } else {
+            let mut b = BytesMut::zeroed(len);
+            self.inner.read_exact(&mut b).await.map_err(|e| self.io_err(e))?;
+            b.freeze()
+        };
+        let msg = Message::decode(&header, payload).map_err(|source| self.wire_err(source))?;
+        Ok(Some((header, msg)))
+    }
+
+    fn io_err(&self, e: std::io::Error) -> RuntimeError {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            RuntimeError::Closed(format!("{} (in the middle of a frame)", self.peer))
+        } else {
+            RuntimeError::io(format!("reading from {}", self.peer), e)
+        }
+    }
+
+    fn wire_err(&self, source: elasticps_wire::WireError) -> RuntimeError {
+        RuntimeError::Wire { peer: self.peer.clone(), source }
+    }
+}
+
+/// Splits a connected stream into a frame reader and the outbox of a new writer task.
+/// The writer task ends when every outbox clone is dropped or the socket fails.
+pub fn split(stream: TcpStream, codec: Codec, peer: String) -> (FrameReader, Outbox) {
+    let _ = stream.set_nodelay(true);
+    let (r, w) = stream.into_split();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(write_loop(BufWriter::with_capacity(BUF, w), codec.clone(), rx, peer.clone()));
+    (FrameReader { inner: BufReader::with_capacity(BUF, r), codec, peer }, tx)
+}
+
+/// Connects to `addr` and splits the stream, with a timeout naming what is connected.
+pub async fn connect(addr: &str, codec: Codec, peer: String) -> Result<(FrameReader, Outbox)> {
+    let stream = crate::timeout(crate::CONNECT_TIMEOUT, format!("connecting to {peer} at {addr}"), async {
+        TcpStream::connect(addr).await.map_err(|e| RuntimeError::io(format!("connecting to {peer} at {addr}"), e))
+    })
+    .await?;
+    Ok(split(stream, codec, peer))
+}
+
+async fn write_loop(
+    mut w: BufWriter<OwnedWriteHalf>,
+    codec: Codec,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    peer: String,
+) {
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        while let Some((id, msg)) = next {
+            if let Err(e) = write_one(&mut w, &codec, id, &msg).await {
+                tracing::debug!(peer = %peer, error = %e, "writer stops");
+                return;
+            }
+            next = rx.try_recv().ok();
+        }
+        if let Err(e) = w.flush().await {
+            tracing::debug!(peer = %peer, error = %e, "writer stops");
+            return;
+        }
+    }
+    let _ = w.shutdown().await;
+}
+
+async fn write_one(w: &mut BufWriter<OwnedWriteHalf>, codec: &Codec, id: u64, msg: &Message) -> std::io::Result<()> {
+    let (head, payload): ([u8; HEADER_LEN], Bytes) =
+        codec.encode(id, msg).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    w.write_all(&head).await?;
+    w.write_all(&payload).await
+}
+
+/// A human name for a socket address, for logs.
+pub fn addr_name(addr: Option<SocketAddr>) -> String {
+    addr.map_or_else(|| "unknown peer".to_string(), |a| a.to_string())
+}

@@ -1,0 +1,75 @@
+//! The one error type of the runtime.
+
+use std::time::Duration;
+
+use elasticps_core::CoreError;
+use elasticps_wire::{ErrorReply, WireError};
+
+/// Everything a scheduler, server or worker client can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// A socket operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done, naming the peer.
+        context: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A peer sent bytes that are not a valid frame.
+    #[error("invalid frame from {peer}: {source}")]
+    Wire {
+        /// The peer.
+        peer: String,
+        /// What was wrong.
+        #[source]
+        source: WireError,
+    },
+    /// A peer answered with an error frame.
+    #[error("{peer} answered {:?}: {}", .reply.code, .reply.message)]
+    Remote {
+        /// The peer.
+        peer: String,
+        /// Its error.
+        reply: ErrorReply,
+    },
+    /// A peer closed the connection.
+    #[error("{0} closed the connection")]
+    Closed(String),
+    /// A wait ran out of time.
+    #[error("timed out after {:.1} s: {what}", .after.as_secs_f64())]
+    Timeout {
+        /// What was waited for, e.g. "server 1 to answer pull(clock 17) of block 3".
+        what: String,
+        /// How long.
+        after: Duration,
+    },
+    /// A peer broke the conversation (an unexpected message).
+    #[error("protocol error with {peer}: {what}")]
+    Protocol {
+        /// The peer.
+        peer: String,
+        /// What happened.
+        what: String,
+    },
+    /// The core refused a request.
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    /// The job was shut down by the scheduler.
+    #[error("shut down by the scheduler: {0}")]
+    Shutdown(String),
+    /// Invalid use of the API or options.
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl RuntimeError {
+    /// An I/O error with context.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        RuntimeError::Io { context: context.into(), source }
+    }
+}
+
+/// Result alias of the runtime.
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

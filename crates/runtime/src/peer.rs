@@ -1,0 +1,113 @@
+//! Request/response over one connection, for the side that asks: worker -> server,
+//! node -> scheduler. Any number of requests are in flight at once; replies are matched
+//! by request id. Request id 0 is reserved for notifications (messages that answer no
+//! request, such as `Shutdown` or `Assign` from the scheduler); they are handed to the
+//! owner through a channel.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use elasticps_wire::{Codec, Message};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::conn::{self, FrameReader, Outbox};
+use crate::error::{Result, RuntimeError};
+
+type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Message>>>>;
+
+/// The asking side of one connection.
+#[derive(Clone)]
+pub struct Peer {
+    name: Arc<str>,
+    out: Outbox,
+    pending: Pending,
+    next_id: Arc<AtomicU64>,
+}
+
+/// Notifications (request id 0) that arrived on a peer's connection. The channel closes
+/// when the connection does.
+pub type Notifications = mpsc::UnboundedReceiver<Message>;
+
+impl Peer {
+    /// Connects to `addr`; `name` names the peer in errors ("server 2").
+    pub async fn connect(addr: &str, codec: Codec, name: &str) -> Result<(Peer, Notifications)> {
+        let (reader, out) = conn::connect(addr, codec, name.to_string()).await?;
+        Ok(Self::start(reader, out, name))
+    }
+
+    /// Wraps an already split connection.
+    pub fn start(reader: FrameReader, out: Outbox, name: &str) -> (Peer, Notifications) {
+        let pending: Pending = Arc::default();
+        let (ntx, nrx) = mpsc::unbounded_channel();
+        tokio::spawn(read_loop(reader, pending.clone(), ntx));
+        let peer = Peer { name: name.into(), out, pending, next_id: Arc::new(AtomicU64::new(1)) };
+        (peer, nrx)
+    }
+
+    /// The peer's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Sends a notification (request id 0); nothing answers it.
+    pub fn notify(&self, msg: Message) -> Result<()> {
+        self.out.send((0, msg)).map_err(|_| RuntimeError::Closed(self.name.to_string()))
+    }
+
+    /// Sends `msg` and waits for the reply, at most `timeout`; `what` says what is
+    /// waited for in the timeout error. An `Error` frame comes back as
+    /// [`RuntimeError::Remote`].
+    pub async fn call(&self, msg: Message, timeout: Duration, what: impl FnOnce() -> String) -> Result<Message> {
+        let rx = self.send_request(msg)?;
+        let reply = match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => return Err(RuntimeError::Closed(self.name.to_string())),
+            Err(_) => return Err(RuntimeError::Timeout { what: what(), after: timeout }),
+        };
+        match reply {
+            Message::Error(reply) => Err(RuntimeError::Remote { peer: self.name.to_string(), reply }),
+            other => Ok(other),
+        }
+    }
+
+    /// Sends `msg` as a request and returns the receiver of its reply.
+    pub fn send_request(&self, msg: Message) -> Result<oneshot::Receiver<Message>> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
+        if self.out.send((id, msg)).is_err() {
+            self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            return Err(RuntimeError::Closed(self.name.to_string()));
+        }
+        Ok(rx)
+    }
+}
+
+async fn read_loop(mut reader: FrameReader, pending: Pending, notes: mpsc::UnboundedSender<Message>) {
+    loop {
+        match reader.next().await {
+            Ok(Some((header, msg))) => {
+                if header.request_id == 0 {
+                    let _ = notes.send(msg);
+                    continue;
+                }
+                let waiter = pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&header.request_id);
+                match waiter {
+                    Some(tx) => {
+                        let _ = tx.send(msg);
+                    }
+                    None => tracing::warn!(peer = reader.peer(), id = header.request_id, "reply to no request"),
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(peer = reader.peer(), error = %e, "connection failed");
+                break;
+            }
+        }
+    }
+    // Dropping the waiters makes every call in flight fail with `Closed`.
+    pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}

@@ -1,0 +1,475 @@
+//! The scheduler's decisions as a plain state machine: who is in the job, the model's
+//! layout, when the job ends. Events in, actions out; no I/O and no clock of its own.
+
+use std::collections::{BTreeSet, HashMap};
+
+use elasticps_core::block::ShardConfig;
+use elasticps_core::model::{Partition, TensorSpec};
+use elasticps_core::placement::{Placement, PlacementKind};
+use elasticps_wire::{Assignment, Control, ErrorCode, ErrorReply, Layout, Message, ServerAddr};
+
+/// Identifies one connection to the scheduler.
+pub type ConnId = u64;
+
+/// The job as the scheduler was told to run it.
+#[derive(Clone, Debug)]
+pub struct JobConfig {
+    /// Number of servers to wait for.
+    pub servers: u32,
+    /// Number of workers to wait for.
+    pub workers: u32,
+    /// Maximum block size in bytes.
+    pub block_bytes: usize,
+    /// Initial placement policy.
+    pub placement: PlacementKind,
+    /// Sync policy, optimizer, worker count, for every server.
+    pub shard: ShardConfig,
+    /// Seed of the initial values.
+    pub seed: u64,
+}
+
+/// Something that happened at the scheduler.
+#[derive(Debug)]
+pub enum Event {
+    /// A message arrived on a connection.
+    Received {
+        /// The connection.
+        conn: ConnId,
+        /// Its request id (0: a notification).
+        request_id: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// A connection closed or failed.
+    Lost {
+        /// The connection.
+        conn: ConnId,
+        /// Why, for the log.
+        why: String,
+    },
+    /// Time passed; `now_us` is the scheduler's clock.
+    Tick {
+        /// Microseconds since the scheduler started.
+        now_us: u64,
+    },
+}
+
+/// What the runtime must do.
+#[derive(Debug, PartialEq)]
+pub enum Action {
+    /// Send a message on a connection.
+    Send {
+        /// The connection.
+        conn: ConnId,
+        /// Request id to answer (0 for a notification).
+        request_id: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// Close a connection (after its pending sends).
+    Close(ConnId),
+    /// The job is over: shut down and exit, successfully or not.
+    Finish {
+        /// True if every worker finished its run.
+        ok: bool,
+        /// Why it ended.
+        reason: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Role {
+    Server(u32),
+    Worker(u32),
+}
+
+#[derive(Debug)]
+struct Node {
+    role: Role,
+    last_seen_us: u64,
+}
+
+/// The scheduler's state.
+#[derive(Debug)]
+pub struct Membership {
+    config: JobConfig,
+    nodes: HashMap<ConnId, Node>,
+    servers: Vec<(ConnId, String)>,
+    workers: Vec<ConnId>,
+    partition: Option<Partition>,
+    placement: Option<Placement>,
+    assigned: BTreeSet<u32>,
+    layout_ready: bool,
+    waiting_for_layout: Vec<(ConnId, u64)>,
+    finished_workers: BTreeSet<u32>,
+    failed_workers: Vec<String>,
+    now_us: u64,
+    last_wait_log_us: u64,
+    heartbeat_timeout_us: u64,
+    over: bool,
+}
+
+impl Membership {
+    /// A scheduler for `config` that declares a node dead after `heartbeat_timeout_us`
+    /// without a message from it.
+    pub fn new(config: JobConfig, heartbeat_timeout_us: u64) -> Self {
+        Self {
+            config,
+            nodes: HashMap::new(),
+            servers: Vec::new(),
+            workers: Vec::new(),
+            partition: None,
+            placement: None,
+            assigned: BTreeSet::new(),
+            layout_ready: false,
+            waiting_for_layout: Vec::new(),
+            finished_workers: BTreeSet::new(),
+            failed_workers: Vec::new(),
+            now_us: 0,
+            last_wait_log_us: 0,
+            heartbeat_timeout_us,
+            over: false,
+        }
+    }
+
+    /// What the scheduler waits for right now, in words, or `None` while training runs.
+    pub fn waiting_for(&self) -> Option<String> {
+        let (s, w) = (self.servers.len() as u32, self.workers.len() as u32);
+        if s < self.config.servers || w < self.config.workers {
+            return Some(format!(
+                "scheduler waits for {} servers and {} workers to register (has {s} servers, {w} workers)",
+                self.config.servers, self.config.workers
+            ));
+        }
+        if self.partition.is_none() {
+            return Some("scheduler waits for a worker to define the model".into());
+        }
+        if !self.layout_ready {
+            let missing: Vec<_> = (0..self.config.servers).filter(|s| !self.assigned.contains(s)).collect();
+            return Some(format!("scheduler waits for servers {missing:?} to load their blocks"));
+        }
+        None
+    }
+
+    /// Feeds one event; returns what to do.
+    pub fn step(&mut self, event: Event) -> Vec<Action> {
+        let mut out = Vec::new();
+        if self.over {
+            return out;
+        }
+        match event {
+            Event::Received { conn, request_id, msg } => {
+                if let Some(node) = self.nodes.get_mut(&conn) {
+                    node.last_seen_us = self.now_us;
+                }
+                self.on_message(conn, request_id, msg, &mut out);
+            }
+            Event::Lost { conn, why } => self.on_lost(conn, &why, &mut out),
+            Event::Tick { now_us } => {
+                self.now_us = now_us;
+                let dead: Vec<ConnId> = self
+                    .nodes
+                    .iter()
+                    .filter(|(_, n)| now_us.saturating_sub(n.last_seen_us) > self.heartbeat_timeout_us)
+                    .map(|(c, _)| *c)
+                    .collect();
+                for conn in dead {
+                    let secs = self.heartbeat_timeout_us as f64 / 1e6;
+                    self.on_lost(conn, &format!("no heartbeat for {secs:.0} s"), &mut out);
+                    out.push(Action::Close(conn));
+                }
+                if now_us.saturating_sub(self.last_wait_log_us) >= 5_000_000 {
+                    self.last_wait_log_us = now_us;
+                    if let Some(what) = self.waiting_for() {
+                        tracing::info!("{what}");
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn on_message(&mut self, conn: ConnId, request_id: u64, msg: Message, out: &mut Vec<Action>) {
+        let reply = |out: &mut Vec<Action>, msg: Message| out.push(Action::Send { conn, request_id, msg });
+        let refuse = |out: &mut Vec<Action>, code: ErrorCode, message: String| {
+            tracing::warn!(conn, %message, "refused");
+            out.push(Action::Send { conn, request_id, msg: Message::Error(ErrorReply { code, message }) });
+        };
+        let role = self.nodes.get(&conn).map(|n| n.role);
+        let Message::Control(control) = msg else {
+            refuse(out, ErrorCode::BadRequest, format!("the scheduler takes control messages only, got {:?}", msg.kind()));
+            out.push(Action::Close(conn));
+            return;
+        };
+        match (control, role) {
+            (Control::RegisterServer { data_addr }, None) => {
+                let id = self.servers.len() as u32;
+                if id >= self.config.servers {
+                    refuse(out, ErrorCode::BadRequest, format!("the job already has its {} servers", self.config.servers));
+                    out.push(Action::Close(conn));
+                    return;
+                }
+                tracing::info!(server = id, addr = %data_addr, "server joined");
+                self.servers.push((conn, data_addr));
+                self.nodes.insert(conn, Node { role: Role::Server(id), last_seen_us: self.now_us });
+                reply(out, self.welcome(id));
+                self.try_assign(out);
+            }
+            (Control::RegisterWorker, None) => {
+                let rank = self.workers.len() as u32;
+                if rank >= self.config.workers {
+                    refuse(out, ErrorCode::BadRequest, format!("the job already has its {} workers", self.config.workers));
+                    out.push(Action::Close(conn));
+                    return;
+                }
+                tracing::info!(rank, "worker joined");
+                self.workers.push(conn);
+                self.nodes.insert(conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
+                reply(out, self.welcome(rank));
+            }
+            (Control::DefineModel { tensors }, Some(Role::Worker(rank))) => {
+                if let Err(message) = self.define(tensors, rank) {
+                    refuse(out, ErrorCode::BadRequest, message);
+                    return;
+                }
+                self.waiting_for_layout.push((conn, request_id));
+                self.try_assign(out);
+                self.answer_layout_waiters(out);
+            }
+            (Control::GetLayout, Some(_)) => {
+                if self.partition.is_none() {
+                    refuse(out, ErrorCode::NotReady, "no model is defined yet".into());
+                    return;
+                }
+                self.waiting_for_layout.push((conn, request_id));
+                self.answer_layout_waiters(out);
+            }
+            (Control::AssignDone { .. }, Some(Role::Server(id))) => {
+                self.assigned.insert(id);
+                if self.assigned.len() as u32 == self.config.servers {
+                    tracing::info!(servers = self.config.servers, "every server holds its blocks: training can start");
+                    self.layout_ready = true;
+                    self.answer_layout_waiters(out);
+                }
+            }
+            (Control::Heartbeat, Some(_)) => {}
+            (Control::WorkerDone { .. }, Some(Role::Worker(rank))) => {
+                tracing::info!(rank, "worker finished");
+                reply(out, Control::Ok.into());
+                self.worker_left(rank, out);
+            }
+            (other, role) => {
+                let who = role.map_or("an unregistered peer".to_string(), |r| format!("{r:?}").to_lowercase());
+                refuse(out, ErrorCode::BadRequest, format!("{who} sent {other:?}, which the scheduler does not take now"));
+            }
+        }
+    }
+
+    fn welcome(&self, node_id: u32) -> Message {
+        Control::Welcome { node_id, num_workers: self.config.workers, num_servers: self.config.servers }.into()
+    }
+
+    fn define(&mut self, tensors: Vec<TensorSpec>, rank: u32) -> Result<(), String> {
+        match &self.partition {
+            Some(p) if p.tensors == tensors => Ok(()),
+            Some(p) => Err(format!(
+                "worker {rank} defined a model that differs from the one already defined ({} tensors, first {:?}; got {} tensors)",
+                p.tensors.len(),
+                p.tensors.first().map(|t| &t.name),
+                tensors.len()
+            )),
+            None => {
+                let p = Partition::new(tensors, self.config.block_bytes).map_err(|e| e.to_string())?;
+                tracing::info!(tensors = p.tensors.len(), blocks = p.blocks.len(), values = p.total_len(), "model defined");
+                self.partition = Some(p);
+                Ok(())
+            }
+        }
+    }
+
+    fn try_assign(&mut self, out: &mut Vec<Action>) {
+        let Some(partition) = &self.partition else { return };
+        if self.placement.is_some() || (self.servers.len() as u32) < self.config.servers {
+            return;
+        }
+        let placement = match Placement::initial(self.config.placement, partition, self.config.servers) {
+            Ok(p) => p,
+            Err(e) => {
+                self.finish(false, format!("cannot place the model: {e}"), out);
+                return;
+            }
+        };
+        for (id, (conn, _)) in self.servers.iter().enumerate() {
+            let assignment = Assignment {
+                server_id: id as u32,
+                partition: partition.clone(),
+                placement: placement.clone(),
+                config: self.config.shard,
+                seed: self.config.seed,
+            };
+            out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Assign(assignment).into() });
+        }
+        self.placement = Some(placement);
+    }
+
+    fn layout(&self) -> Option<Layout> {
+        Some(Layout {
+            partition: self.partition.clone()?,
+            placement: self.placement.clone()?,
+            servers: self.servers.iter().enumerate().map(|(id, (_, addr))| ServerAddr { id: id as u32, addr: addr.clone() }).collect(),
+            seed: self.config.seed,
+        })
+    }
+
+    fn answer_layout_waiters(&mut self, out: &mut Vec<Action>) {
+        if !self.layout_ready {
+            return;
+        }
+        let Some(layout) = self.layout() else { return };
+        for (conn, request_id) in self.waiting_for_layout.drain(..) {
+            out.push(Action::Send { conn, request_id, msg: Control::Layout(layout.clone()).into() });
+        }
+    }
+
+    fn worker_left(&mut self, rank: u32, out: &mut Vec<Action>) {
+        if !self.finished_workers.insert(rank) {
+            return;
+        }
+        for (conn, _) in &self.servers {
+            out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::RemoveWorker { rank }.into() });
+        }
+        if self.finished_workers.len() as u32 == self.config.workers {
+            if self.failed_workers.is_empty() {
+                self.finish(true, "every worker finished".into(), out);
+            } else {
+                let reason = format!("the job ended without {}", self.failed_workers.join(", "));
+                self.finish(false, reason, out);
+            }
+        }
+    }
+
+    fn on_lost(&mut self, conn: ConnId, why: &str, out: &mut Vec<Action>) {
+        let Some(node) = self.nodes.remove(&conn) else { return };
+        match node.role {
+            Role::Server(id) => {
+                let addr = self.servers.get(id as usize).map_or("", |(_, a)| a.as_str());
+                self.finish(false, format!("server {id} ({addr}) is gone: {why}"), out);
+            }
+            Role::Worker(rank) if !self.finished_workers.contains(&rank) => {
+                tracing::error!(rank, %why, "worker lost before it finished; removing it from every quorum");
+                self.failed_workers.push(format!("worker {rank} ({why})"));
+                self.worker_left(rank, out);
+            }
+            Role::Worker(_) => {}
+        }
+    }
+
+    fn finish(&mut self, ok: bool, reason: String, out: &mut Vec<Action>) {
+        for (conn, node) in &self.nodes {
+            let _ = node;
+            out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Shutdown { reason: reason.clone() }.into() });
+        }
+        out.push(Action::Finish { ok, reason });
+        self.over = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use elasticps_core::model::Init;
+    use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+    use elasticps_core::sync::SyncPolicy;
+
+    fn config() -> JobConfig {
+        JobConfig {
+            servers: 2,
+            workers: 2,
+            block_bytes: 16,
+            placement: PlacementKind::Range,
+            shard: ShardConfig {
+                sync: SyncPolicy::Bsp,
+                optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 0.1, aggregate: false },
+                workers: 2,
+            },
+            seed: 1,
+        }
+    }
+
+    fn recv(m: &mut Membership, conn: ConnId, request_id: u64, c: Control) -> Vec<Action> {
+        m.step(Event::Received { conn, request_id, msg: c.into() })
+    }
+
+    fn model() -> Vec<TensorSpec> {
+        vec![TensorSpec { name: "w".into(), shape: vec![8], init: Init::Zeros }]
+    }
+
+    fn sent_to(actions: &[Action], conn: ConnId) -> Vec<&Message> {
+        actions.iter().filter_map(|a| match a { Action::Send { conn: c, msg, .. } if *c == conn => Some(msg), _ => None }).collect()
+    }
+
+    #[test]
+    fn layout_is_answered_once_every_server_holds_its_blocks() {
+        let mut m = Membership::new(config(), 10_000_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        let a = recv(&mut m, 1, 2, Control::DefineModel { tensors: model() });
+        assert!(a.is_empty(), "no servers yet: {a:?}");
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        let a = recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
+        assert!(matches!(sent_to(&a, 10)[0], Message::Control(Control::Assign(_))));
+        assert!(matches!(sent_to(&a, 11)[1], Message::Control(Control::Assign(_))));
+        assert!(recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 }).is_empty());
+        let a = recv(&mut m, 11, 0, Control::AssignDone { server_id: 1 });
+        match &a[..] {
+            [Action::Send { conn: 1, request_id: 2, msg: Message::Control(Control::Layout(l)) }] => {
+                assert_eq!(l.partition.blocks.len(), 2);
+                assert_eq!(l.servers[1].addr, "s1");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(m.waiting_for(), Some("scheduler waits for 2 servers and 2 workers to register (has 2 servers, 1 workers)".into()));
+    }
+
+    #[test]
+    fn refuses_extra_nodes_and_a_different_model() {
+        let mut m = Membership::new(config(), 10_000_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        let a = recv(&mut m, 3, 1, Control::RegisterWorker);
+        assert!(a.contains(&Action::Close(3)));
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model() });
+        let mut other = model();
+        other[0].shape = vec![9];
+        let a = recv(&mut m, 2, 2, Control::DefineModel { tensors: other });
+        assert!(matches!(sent_to(&a, 2)[0], Message::Error(e) if e.message.contains("differs")));
+    }
+
+    #[test]
+    fn job_ends_when_every_worker_is_done_and_fails_when_a_server_dies() {
+        let mut m = Membership::new(config(), 10_000_000);
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        let a = recv(&mut m, 1, 5, Control::WorkerDone { rank: 0 });
+        assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::RemoveWorker { rank: 0 }))));
+        let a = recv(&mut m, 2, 5, Control::WorkerDone { rank: 1 });
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })));
+
+        let mut m = Membership::new(config(), 10_000_000);
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        let a = m.step(Event::Lost { conn: 10, why: "closed".into() });
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: false, reason } if reason.contains("server 0"))));
+    }
+
+    #[test]
+    fn a_silent_node_is_declared_dead_after_the_heartbeat_timeout() {
+        let mut m = Membership::new(config(), 1_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        assert!(m.step(Event::Tick { now_us: 500 }).is_empty());
+        recv(&mut m, 2, 0, Control::Heartbeat);
+        let a = m.step(Event::Tick { now_us: 1_400 });
+        assert!(a.contains(&Action::Close(1)));
+        assert!(!a.contains(&Action::Close(2)));
+    }
+}

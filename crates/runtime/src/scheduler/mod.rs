@@ -1,0 +1,135 @@
+//! The scheduler role: one actor task owns [`Membership`]; one task per connection
+//! reads frames and forwards them as events; a ticker feeds time.
+
+mod membership;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use elasticps_wire::{Codec, Message};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+pub use membership::{Action, ConnId, Event, JobConfig, Membership};
+
+use crate::conn::{self, Outbox};
+use crate::error::{Result, RuntimeError};
+use crate::{HEARTBEAT_TIMEOUT, Micros};
+
+/// How to start a scheduler.
+#[derive(Clone, Debug)]
+pub struct SchedulerOptions {
+    /// Listen address (`127.0.0.1:0` picks a free port).
+    pub listen: String,
+    /// The job.
+    pub job: JobConfig,
+    /// Frame codec (cluster secret, maximum payload).
+    pub codec: Codec,
+    /// Give up if the cluster is not complete and the model placed within this time.
+    pub join_timeout: Duration,
+}
+
+/// Runs the scheduler until the job ends. `on_bound` receives the bound address before
+/// any node can connect. Returns the reason the job ended, or an error if it failed.
+pub async fn run(opts: SchedulerOptions, on_bound: impl FnOnce(SocketAddr)) -> Result<String> {
+    let listener = TcpListener::bind(&opts.listen)
+        .await
+        .map_err(|e| RuntimeError::io(format!("binding the scheduler's listen address {}", opts.listen), e))?;
+    on_bound(listener.local_addr().map_err(|e| RuntimeError::io("reading the bound address", e))?);
+    let (events_tx, mut events) = mpsc::unbounded_channel::<(Event, Option<Outbox>)>();
+    let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), events_tx));
+
+    let clock = Micros::new();
+    let mut state = Membership::new(opts.job.clone(), HEARTBEAT_TIMEOUT.as_micros() as u64);
+    let mut conns: HashMap<ConnId, Outbox> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let outcome = loop {
+        let event = tokio::select! {
+            e = events.recv() => match e {
+                Some((event, outbox)) => {
+                    if let (Event::Received { conn, .. }, Some(out)) = (&event, outbox) {
+                        conns.entry(*conn).or_insert(out);
+                    }
+                    event
+                }
+                None => break Err(RuntimeError::Protocol { peer: "scheduler".into(), what: "accept loop ended".into() }),
+            },
+            _ = tick.tick() => {
+                let now_us = clock.now();
+                if now_us > opts.join_timeout.as_micros() as u64 {
+                    if let Some(what) = state.waiting_for() {
+                        break Err(RuntimeError::Timeout { what, after: opts.join_timeout });
+                    }
+                }
+                Event::Tick { now_us }
+            }
+        };
+        if let Event::Lost { conn, .. } = &event {
+            conns.remove(conn);
+        }
+        let mut finished = None;
+        for action in state.step(event) {
+            match action {
+                Action::Send { conn, request_id, msg } => {
+                    if let Some(out) = conns.get(&conn) {
+                        let _ = out.send((request_id, msg));
+                    }
+                }
+                Action::Close(conn) => {
+                    conns.remove(&conn);
+                }
+                Action::Finish { ok, reason } => finished = Some((ok, reason)),
+            }
+        }
+        if let Some((ok, reason)) = finished {
+            tracing::info!(ok, %reason, "job over");
+            break if ok { Ok(reason) } else { Err(RuntimeError::Shutdown(reason)) };
+        }
+    };
+    accept.abort();
+    // Let the writer tasks deliver the Shutdown messages before the process exits.
+    drop(conns);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    outcome
+}
+
+async fn accept_loop(listener: TcpListener, codec: Codec, events: mpsc::UnboundedSender<(Event, Option<Outbox>)>) {
+    let mut next: ConnId = 1;
+    loop {
+        let (stream, addr) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let conn = next;
+        next += 1;
+        let (mut reader, out) = conn::split(stream, codec.clone(), addr.to_string());
+        let events = events.clone();
+        tokio::spawn(async move {
+            let why = loop {
+                match reader.next().await {
+                    Ok(Some((header, msg))) => {
+                        let event = Event::Received { conn, request_id: header.request_id, msg };
+                        if events.send((event, Some(out.clone()))).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => break "closed the connection".to_string(),
+                    Err(e) => {
+                        tracing::warn!(peer = %addr, error = %e, "closing connection");
+                        if let RuntimeError::Wire { source, .. } = &e {
+                            let reply = elasticps_wire::ErrorReply { code: source.code(), message: source.to_string() };
+                            let _ = out.send((0, Message::Error(reply)));
+                        }
+                        break e.to_string();
+                    }
+                }
+            };
+            let _ = events.send((Event::Lost { conn, why }, None));
+        });
+    }
+}

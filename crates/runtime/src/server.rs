@@ -1,0 +1,335 @@
+//! The server role: owns blocks, applies pushes, answers pulls under its sync policy.
+//!
+//! One task per worker connection reads frames and drives the block state machines of
+//! the core ([`elasticps_core::block::Block`]) directly, one short lock per block, so
+//! pushes and pulls of different blocks proceed in parallel. A held pull keeps the
+//! outbox of its connection as its token: whichever push releases it sends the answer.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use elasticps_core::block::{Answer, Block, BlockStats, ShardConfig};
+use elasticps_core::model::{BlockId, Partition};
+use elasticps_core::placement::Placement;
+use elasticps_core::stats::Histogram;
+use elasticps_wire::{Codec, Control, ErrorCode, ErrorReply, Message, ServerStats, Values};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::conn::{self, Outbox};
+use crate::error::{Result, RuntimeError};
+use crate::peer::Peer;
+use crate::{HEARTBEAT_EVERY, Micros, timeout};
+
+/// How to start a server.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// The scheduler's address.
+    pub scheduler: String,
+    /// Where to listen for workers (`127.0.0.1:0` picks a free port).
+    pub listen: String,
+    /// The address workers should dial, if not the bound one (e.g. behind NAT or when
+    /// listening on 0.0.0.0).
+    pub advertise: Option<String>,
+    /// Frame codec (cluster secret, maximum payload).
+    pub codec: Codec,
+    /// Write one JSON line per answered pull (block, worker, clock, done, held_us) here.
+    pub trace: Option<PathBuf>,
+}
+
+/// Where an answer goes: the connection's outbox and the request id.
+#[derive(Clone, Debug)]
+struct ReplyTo {
+    out: Outbox,
+    request_id: u64,
+    block: BlockId,
+}
+
+/// The blocks this server owns, with the job's configuration.
+struct Shard {
+    id: u32,
+    config: ShardConfig,
+    partition: Partition,
+    placement: Placement,
+    blocks: HashMap<BlockId, Mutex<Block<ReplyTo>>>,
+}
+
+struct State {
+    codec: Codec,
+    clock: Micros,
+    shard: RwLock<Option<Arc<Shard>>>,
+    trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
+}
+
+/// Runs a server until the scheduler shuts the job down; returns its final counters.
+pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
+    let listener = TcpListener::bind(&opts.listen)
+        .await
+        .map_err(|e| RuntimeError::io(format!("binding the server's listen address {}", opts.listen), e))?;
+    let bound = listener.local_addr().map_err(|e| RuntimeError::io("reading the bound address", e))?;
+    let data_addr = opts.advertise.clone().unwrap_or_else(|| bound.to_string());
+    let trace = match &opts.trace {
+        Some(path) => Some(Mutex::new(std::io::BufWriter::new(
+            std::fs::File::create(path).map_err(|e| RuntimeError::io(format!("creating trace {}", path.display()), e))?,
+        ))),
+        None => None,
+    };
+    let state = Arc::new(State { codec: opts.codec.clone(), clock: Micros::new(), shard: RwLock::new(None), trace });
+
+    let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
+    let welcome = sched
+        .call(Control::RegisterServer { data_addr: data_addr.clone() }.into(), crate::CALL_TIMEOUT, || {
+            "the scheduler to accept this server".into()
+        })
+        .await?;
+    let id = match welcome {
+        Message::Control(Control::Welcome { node_id, .. }) => node_id,
+        other => return Err(unexpected("scheduler", "Welcome", &other)),
+    };
+    tracing::info!(server = id, addr = %data_addr, "server registered");
+
+    let accept = tokio::spawn(accept_loop(listener, state.clone()));
+    let heartbeat = {
+        let sched = sched.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+            while sched.notify(Control::Heartbeat.into()).is_ok() {
+                tick.tick().await;
+            }
+        })
+    };
+
+    let result = control_loop(id, &state, &sched, &mut notes).await;
+    accept.abort();
+    heartbeat.abort();
+    if let Some(t) = &state.trace {
+        let _ = t.lock().unwrap_or_else(|e| e.into_inner()).flush();
+    }
+    result?;
+    Ok(stats(id, &state))
+}
+
+async fn control_loop(
+    id: u32,
+    state: &Arc<State>,
+    sched: &Peer,
+    notes: &mut crate::peer::Notifications,
+) -> Result<()> {
+    let mut waiting = tokio::time::interval(Duration::from_secs(10));
+    waiting.tick().await;
+    loop {
+        let msg = tokio::select! {
+            msg = notes.recv() => msg,
+            _ = waiting.tick() => {
+                if current(state).is_none() {
+                    tracing::info!(server = id, "server waits for the scheduler to assign blocks (a worker must define the model and every server must join)");
+                }
+                continue;
+            }
+        };
+        match msg {
+            None => return Err(RuntimeError::Closed("scheduler".into())),
+            Some(Message::Control(Control::Assign(a))) => {
+                let shard = build_shard(a)?;
+                tracing::info!(server = id, blocks = shard.blocks.len(), sync = %shard.config.sync, "blocks assigned");
+                *state.shard.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(shard));
+                sched.notify(Control::AssignDone { server_id: id }.into())?;
+            }
+            Some(Message::Control(Control::RemoveWorker { rank })) => {
+                if let Some(shard) = current(state) {
+                    tracing::info!(server = id, rank, "worker removed from every quorum");
+                    for block in shard.blocks.values() {
+                        let answers = lock(block).remove_worker(&shard.config, rank, state.clock.now());
+                        send_answers(state, answers);
+                    }
+                }
+            }
+            Some(Message::Control(Control::Shutdown { reason })) => {
+                tracing::info!(server = id, %reason, "server shuts down");
+                return Ok(());
+            }
+            Some(other) => tracing::warn!(server = id, kind = ?other.kind(), "unexpected message from the scheduler"),
+        }
+    }
+}
+
+fn build_shard(a: elasticps_wire::Assignment) -> Result<Shard> {
+    let mut blocks = HashMap::new();
+    for b in a.placement.blocks_of(a.server_id) {
+        let spec = *a.partition.block(b)?;
+        let values = a.partition.init_values(b, a.seed)?;
+        blocks.insert(b, Mutex::new(Block::new(spec, values, &a.config)?));
+    }
+    Ok(Shard { id: a.server_id, config: a.config, partition: a.partition, placement: a.placement, blocks })
+}
+
+fn current(state: &State) -> Option<Arc<Shard>> {
+    state.shard.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn stats(id: u32, state: &State) -> ServerStats {
+    let mut totals = BlockStats::default();
+    let mut hist = Histogram::default();
+    let (mut blocks, mut bytes, mut sync) = (0, 0, String::new());
+    if let Some(shard) = current(state) {
+        sync = shard.config.sync.to_string();
+        for b in shard.blocks.values() {
+            let b = lock(b);
+            totals.merge(b.stats());
+            hist.merge(b.hold_histogram());
+            blocks += 1;
+            bytes += b.spec().bytes() as u64;
+        }
+    }
+    ServerStats { server_id: id, sync, blocks, bytes, totals, hold_p99_us: hist.quantile(0.99) }
+}
+
+async fn accept_loop(listener: TcpListener, state: Arc<State>) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, addr)) => {
+                tokio::spawn(serve_connection(stream, addr.to_string(), state.clone()));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Serves one connection until it closes or sends something invalid; never takes the
+/// server down.
+async fn serve_connection(stream: TcpStream, peer: String, state: Arc<State>) {
+    let (mut reader, out) = conn::split(stream, state.codec.clone(), peer.clone());
+    let mut rank: Option<u32> = None;
+    loop {
+        let frame = if rank.is_none() {
+            timeout(crate::CALL_TIMEOUT, format!("{peer} to say Hello"), reader.next()).await
+        } else {
+            reader.next().await
+        };
+        let (header, msg) = match frame {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(peer = %peer, error = %e, "closing connection");
+                if let RuntimeError::Wire { source, .. } = &e {
+                    let _ = out.send((0, error(source.code(), source.to_string())));
+                }
+                return;
+            }
+        };
+        let id = header.request_id;
+        match msg {
+            Message::Control(Control::Hello { rank: r }) => {
+                rank = Some(r);
+                reader.set_peer(format!("worker {r} ({peer})"));
+                let _ = out.send((id, Control::Ok.into()));
+            }
+            Message::Control(Control::GetStats) => {
+                let sid = current(&state).map_or(u32::MAX, |s| s.id);
+                let _ = out.send((id, Control::Stats(stats(sid, &state)).into()));
+            }
+            Message::Push { block, clock, values } if rank.is_some() => {
+                let reply = push(&state, rank.unwrap_or_default(), block, clock, &values);
+                let _ = out.send((id, reply));
+            }
+            Message::Pull { block, clock } if rank.is_some() => {
+                let to = ReplyTo { out: out.clone(), request_id: id, block };
+                if let Some(reply) = pull(&state, rank.unwrap_or_default(), block, clock, to) {
+                    let _ = out.send((id, reply));
+                }
+            }
+            other => {
+                let what = match rank {
+                    None => format!("expected Hello as the first message, got {:?}", other.kind()),
+                    Some(_) => format!("a server does not take {:?} messages", other.kind()),
+                };
+                tracing::warn!(peer = reader.peer(), %what, "closing connection");
+                let _ = out.send((id, error(ErrorCode::BadRequest, what)));
+                return;
+            }
+        }
+    }
+}
+
+fn error(code: ErrorCode, message: impl Into<String>) -> Message {
+    Message::Error(ErrorReply { code, message: message.into() })
+}
+
+/// The block's state machine, or the reply that says why it is not here.
+fn with_block<R>(state: &State, block: BlockId, f: impl FnOnce(&Shard, &Mutex<Block<ReplyTo>>) -> R) -> Result<R, Message> {
+    let Some(shard) = current(state) else {
+        return Err(error(ErrorCode::NotReady, "this server holds no blocks yet: the model is not placed"));
+    };
+    match shard.blocks.get(&block) {
+        Some(b) => Ok(f(&shard, b)),
+        None => match shard.placement.owner(block) {
+            Some(owner) => Err(Control::Moved { block, owner, epoch: shard.placement.epoch }.into()),
+            None => Err(error(
+                ErrorCode::UnknownBlock,
+                format!("block {block} does not exist: the model has {} blocks", shard.partition.blocks.len()),
+            )),
+        },
+    }
+}
+
+fn push(state: &State, rank: u32, block: BlockId, clock: u32, values: &Values) -> Message {
+    let now = state.clock.now();
+    let result = with_block(state, block, |shard, b| {
+        let grad = values.to_f32s();
+        lock(b).push(&shard.config, rank, clock, &grad, now)
+    });
+    match result {
+        Ok(Ok(answers)) => {
+            send_answers(state, answers);
+            Message::PushAck { block, clock }
+        }
+        Ok(Err(e)) => error(ErrorCode::BadRequest, e.to_string()),
+        Err(reply) => reply,
+    }
+}
+
+fn pull(state: &State, rank: u32, block: BlockId, clock: u32, to: ReplyTo) -> Option<Message> {
+    let now = state.clock.now();
+    let result = with_block(state, block, |shard, b| lock(b).pull(&shard.config, to, rank, clock, now));
+    match result {
+        Ok(Ok(Some(answer))) => {
+            send_answers(state, vec![answer]);
+            None
+        }
+        Ok(Ok(None)) => None,
+        Ok(Err(e)) => Some(error(ErrorCode::BadRequest, e.to_string())),
+        Err(reply) => Some(reply),
+    }
+}
+
+fn send_answers(state: &State, answers: Vec<Answer<ReplyTo>>) {
+    for a in answers {
+        if let Some(trace) = &state.trace {
+            let mut t = lock(trace);
+            let _ = writeln!(
+                t,
+                r#"{{"block":{},"worker":{},"clock":{},"done":{},"held_us":{}}}"#,
+                a.token.block,
+                a.worker,
+                a.clock,
+                a.done,
+                a.held_us.map_or("null".to_string(), |u| u.to_string())
+            );
+        }
+        let msg = Message::PullReply { block: a.token.block, clock: a.clock, values: Values::from_shared(a.values) };
+        let _ = a.token.out.send((a.token.request_id, msg));
+    }
+}
+
+fn unexpected(peer: &str, wanted: &str, got: &Message) -> RuntimeError {
+    RuntimeError::Protocol { peer: peer.into(), what: format!("expected {wanted}, got {:?}", got.kind()) }
+}
