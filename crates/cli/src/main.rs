@@ -1,1 +1,88 @@
-fn main() {}
+//! `elasticps`: the parameter server's command-line binary.
+//!
+//! One binary, several roles: `scheduler`, `server` and `worker` are the processes of a
+//! cluster (run them by hand on several hosts, or let a launcher do it); `train` starts a
+//! whole local cluster and trains the MNIST MLP end to end; `bench` measures.
+//!
+//! - [`args`]: flags shared by the roles (each with an `ELASTICPS_*` variable).
+//! - [`roles`]: the role commands, including the worker's training loop.
+//! - [`launch`]: the local process launcher (spawn, supervise, kill).
+//! - [`train`]: the main job and its report.
+//! - [`report`]: report.json, summary.md and curves.png.
+//! - [`bench`]: benchmarks that compare side by side in one run.
+//! - [`events`]: the JSON lines roles print for the launcher.
+
+mod args;
+mod bench;
+mod events;
+mod launch;
+mod report;
+mod roles;
+mod train;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+/// A parameter server for distributed deep-learning training.
+#[derive(Parser, Debug)]
+#[command(name = "elasticps", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start a local cluster (scheduler, servers, workers as processes) and train the MNIST MLP.
+    Train(train::TrainCmd),
+    /// Run the scheduler: membership, layout, heartbeats, the end of the job.
+    Scheduler(roles::SchedulerCmd),
+    /// Run a server: owns blocks, applies pushes, answers pulls.
+    Server(roles::ServerCmd),
+    /// Run a worker: trains the MLP on its shard of the data.
+    Worker(roles::WorkerCmd),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let default_level = match cli.command {
+        Command::Train(_) | Command::Bench(_) => "warn",
+        _ => "info",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level)))
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match cli.command {
+        // The launchers only move lines and wait on children: one thread is plenty, and it
+        // stays alive for the whole run (children die with the thread that spawned them).
+        Command::Train(_) | Command::Bench(_) => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        _ => tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build(),
+    };
+    let runtime = match runtime {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Train(cmd) => train::train(cmd).await,
+            Command::Scheduler(cmd) => roles::scheduler(cmd).await,
+            Command::Server(cmd) => roles::server(cmd).await,
+            Command::Worker(cmd) => roles::worker(cmd).await,
+            Command::Bench(cmd) => bench::run(cmd).await,
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

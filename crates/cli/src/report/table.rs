@@ -15,9 +15,9 @@
 ///   cell can never break the table structure.
 ///
 /// ```text
-/// | id | sync  |  bytes |
-/// |---:|:------|-------:|
-/// |  0 | bsp   | 1.0 MB |
+/// | id | sync |  bytes |
+/// |---:|:-----|-------:|
+/// |  0 | bsp  | 1.0 MB |
 /// ```
 pub fn markdown_table(headers: &[&str], rows: &[Vec<String>]) -> String {
     let ncols = rows
@@ -157,7 +157,10 @@ mod tests {
     fn aligned_pipes_and_numeric_right_alignment() {
         let t = markdown_table(
             &["id", "sync", "bytes"],
-            &[row(&["0", "bsp", "1.50 MiB"]), row(&["12", "async", "800 B"])],
+            &[
+                row(&["0", "bsp", "1.50 MiB"]),
+                row(&["12", "async", "800 B"]),
+            ],
         );
         let expected = "\
 | id | sync  |    bytes |
@@ -196,7 +199,9 @@ mod tests {
 
     #[test]
     fn numeric_detection() {
-        for s in ["1", "-0.5", "12,345.6", "97.3%", "1.50 MiB", "12 ms", "3e-4"] {
+        for s in [
+            "1", "-0.5", "12,345.6", "97.3%", "1.50 MiB", "12 ms", "3e-4",
+        ] {
             assert!(looks_numeric(s), "{s}");
         }
         for s in ["", "bsp", "n/a", "rank 0", "NaN", "inf"] {

@@ -1,0 +1,189 @@
+//! Command-line arguments shared by the roles. Every flag also reads an environment
+//! variable (`ELASTICPS_...`), so a launcher or a Kubernetes manifest can configure a
+//! role without a command line.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use elasticps_core::block::ShardConfig;
+use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+use elasticps_core::placement::PlacementKind;
+use elasticps_core::sync::SyncPolicy;
+use elasticps_runtime::scheduler::JobConfig;
+use elasticps_train::DatasetKind;
+use elasticps_wire::Codec;
+
+/// Cluster-wide transport settings; every node of a job must agree on them.
+#[derive(Args, Clone, Debug)]
+pub struct NetArgs {
+    /// Shared cluster secret, mixed into every frame's header checksum (not encryption).
+    #[arg(long, env = "ELASTICPS_SECRET", default_value = "", hide_env_values = true)]
+    pub secret: String,
+    /// Largest frame payload accepted, in MiB.
+    #[arg(long, env = "ELASTICPS_MAX_FRAME_MIB", default_value_t = 64)]
+    pub max_frame_mib: u32,
+}
+
+impl NetArgs {
+    /// The frame codec these settings describe.
+    pub fn codec(&self) -> Codec {
+        Codec::new(self.secret.as_bytes(), self.max_frame_mib.saturating_mul(1 << 20))
+    }
+
+    /// The flags that reproduce these settings on a child process.
+    pub fn to_flags(&self) -> Vec<String> {
+        vec!["--max-frame-mib".into(), self.max_frame_mib.to_string()]
+    }
+}
+
+/// What the scheduler needs to know about the job.
+#[derive(Args, Clone, Debug)]
+pub struct JobArgs {
+    /// Number of servers.
+    #[arg(long, env = "ELASTICPS_SERVERS", default_value_t = 2)]
+    pub servers: u32,
+    /// Number of workers.
+    #[arg(long, env = "ELASTICPS_WORKERS", default_value_t = 2)]
+    pub workers: u32,
+    /// Synchronization policy: bsp, asp or ssp:S.
+    #[arg(long, env = "ELASTICPS_SYNC", default_value = "bsp", value_parser = parse_core::<SyncPolicy>)]
+    pub sync: SyncPolicy,
+    /// Server-side optimizer: sgd, momentum[:BETA] or adam.
+    #[arg(long, env = "ELASTICPS_OPTIMIZER", default_value = "sgd", value_parser = parse_core::<OptimizerKind>)]
+    pub optimizer: OptimizerKind,
+    /// Learning rate of the server-side optimizer.
+    #[arg(long, env = "ELASTICPS_LR", default_value_t = 0.1)]
+    pub lr: f32,
+    /// Sum the pushes of one clock from every worker and take one step with their mean
+    /// (exact BSP, like BytePS); by default every push is applied as it arrives.
+    #[arg(long, env = "ELASTICPS_AGGREGATE")]
+    pub aggregate: bool,
+    /// Initial placement of blocks: range, hash, roundrobin or bestfit.
+    #[arg(long, env = "ELASTICPS_PLACEMENT", default_value = "range", value_parser = parse_core::<PlacementKind>)]
+    pub placement: PlacementKind,
+    /// Largest block, in bytes (tensors are cut into blocks of at most this size).
+    #[arg(long, env = "ELASTICPS_BLOCK_BYTES", default_value_t = 4 << 20)]
+    pub block_bytes: usize,
+    /// Seed of the initial parameters (and of the data order on workers).
+    #[arg(long, env = "ELASTICPS_SEED", default_value_t = 42)]
+    pub seed: u64,
+}
+
+impl JobArgs {
+    /// The scheduler's job configuration.
+    pub fn job_config(&self) -> anyhow::Result<JobConfig> {
+        anyhow::ensure!(self.servers > 0, "--servers must be at least 1");
+        anyhow::ensure!(self.workers > 0, "--workers must be at least 1");
+        anyhow::ensure!(self.block_bytes >= 4, "--block-bytes must be at least 4 (one f32)");
+        anyhow::ensure!(self.lr.is_finite() && self.lr > 0.0, "--lr must be a positive number");
+        Ok(JobConfig {
+            servers: self.servers,
+            workers: self.workers,
+            block_bytes: self.block_bytes,
+            placement: self.placement,
+            shard: ShardConfig {
+                sync: self.sync,
+                optimizer: OptimizerConfig { kind: self.optimizer, lr: self.lr, aggregate: self.aggregate },
+                workers: self.workers,
+            },
+            seed: self.seed,
+        })
+    }
+
+    /// The flags that reproduce these settings on a child process.
+    pub fn to_flags(&self) -> Vec<String> {
+        let mut f = vec![
+            "--servers".into(),
+            self.servers.to_string(),
+            "--workers".into(),
+            self.workers.to_string(),
+            "--sync".into(),
+            self.sync.to_string(),
+            "--optimizer".into(),
+            self.optimizer.to_string(),
+            "--lr".into(),
+            self.lr.to_string(),
+            "--placement".into(),
+            self.placement.to_string(),
+            "--block-bytes".into(),
+            self.block_bytes.to_string(),
+            "--seed".into(),
+            self.seed.to_string(),
+        ];
+        if self.aggregate {
+            f.push("--aggregate".into());
+        }
+        f
+    }
+}
+
+/// What a worker trains on and for how long.
+#[derive(Args, Clone, Debug)]
+pub struct DataArgs {
+    /// Dataset: mnist-subset (bundled), mnist, fashion-mnist.
+    #[arg(long, env = "ELASTICPS_DATASET", default_value = "mnist-subset", value_parser = parse_dataset)]
+    pub dataset: DatasetKind,
+    /// Directory holding the dataset's IDX files (default: where scripts/fetch-data or
+    /// the Debian package puts them).
+    #[arg(long, env = "ELASTICPS_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Mini-batch size per worker.
+    #[arg(long, env = "ELASTICPS_BATCH_SIZE", default_value_t = 32)]
+    pub batch_size: usize,
+    /// Passes over the training set (each worker covers its shard once per epoch).
+    #[arg(long, env = "ELASTICPS_EPOCHS", default_value_t = 4)]
+    pub epochs: usize,
+    /// Run exactly this many iterations per worker instead of --epochs.
+    #[arg(long, env = "ELASTICPS_ITERATIONS")]
+    pub iterations: Option<u32>,
+    /// Evaluate test accuracy (on worker 0) every this many iterations (0: only at the end).
+    #[arg(long, env = "ELASTICPS_EVAL_EVERY", default_value_t = 50)]
+    pub eval_every: u32,
+    /// Seed of the data order.
+    #[arg(long = "data-seed", env = "ELASTICPS_DATA_SEED", default_value_t = 7)]
+    pub data_seed: u64,
+    /// How long one push or pull may wait for its server, in seconds.
+    #[arg(long, env = "ELASTICPS_REQUEST_TIMEOUT", default_value_t = 300)]
+    pub request_timeout_s: u64,
+}
+
+impl DataArgs {
+    /// The request timeout.
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_secs(self.request_timeout_s.max(1))
+    }
+
+    /// The flags that reproduce these settings on a child process.
+    pub fn to_flags(&self) -> Vec<String> {
+        let mut f = vec![
+            "--dataset".into(),
+            self.dataset.as_str().into(),
+            "--batch-size".into(),
+            self.batch_size.to_string(),
+            "--epochs".into(),
+            self.epochs.to_string(),
+            "--eval-every".into(),
+            self.eval_every.to_string(),
+            "--data-seed".into(),
+            self.data_seed.to_string(),
+            "--request-timeout-s".into(),
+            self.request_timeout_s.to_string(),
+        ];
+        if let Some(dir) = &self.data_dir {
+            f.extend(["--data-dir".into(), dir.display().to_string()]);
+        }
+        if let Some(n) = self.iterations {
+            f.extend(["--iterations".into(), n.to_string()]);
+        }
+        f
+    }
+}
+
+fn parse_core<T: std::str::FromStr<Err = elasticps_core::CoreError>>(s: &str) -> Result<T, String> {
+    s.parse().map_err(|e: elasticps_core::CoreError| e.to_string())
+}
+
+fn parse_dataset(s: &str) -> Result<DatasetKind, String> {
+    s.parse().map_err(|e: elasticps_train::TrainError| e.to_string())
+}

@@ -1,0 +1,248 @@
+//! `elasticps train`: the main job. Starts a whole local cluster (scheduler, servers,
+//! workers as separate processes on 127.0.0.1), shows progress, prints a summary and
+//! writes the report.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::args::{DataArgs, JobArgs, NetArgs};
+use crate::events::Event;
+use crate::launch::{Cluster, NodeEvent};
+use crate::report::{CurvePoint, Report, ServerReport, WorkerReport};
+
+/// `elasticps train`.
+#[derive(Args, Clone, Debug)]
+pub struct TrainCmd {
+    /// The job (servers, workers, sync, optimizer, placement...).
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Data and schedule.
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// Transport settings.
+    #[command(flatten)]
+    pub net: NetArgs,
+    /// Write report.json, summary.md, curves.png (and the nodes' logs) into this directory.
+    #[arg(long, env = "ELASTICPS_REPORT")]
+    pub report: Option<PathBuf>,
+    /// Do not draw progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Everything a local run produced.
+#[derive(Debug, Default)]
+pub struct RunOutcome {
+    /// Wall time from the first spawn to the last exit.
+    pub wall: Duration,
+    /// Final `WorkerDone` of each rank.
+    pub workers: BTreeMap<u32, Event>,
+    /// Final counters of each server.
+    pub servers: BTreeMap<u32, elasticps_wire::ServerStats>,
+    /// Loss and accuracy points over time.
+    pub curve: Vec<CurvePoint>,
+    /// The last evaluation: (accuracy, loss).
+    pub final_eval: Option<(f32, f32)>,
+}
+
+/// Runs one job on a local cluster and collects its events.
+pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::Result<RunOutcome> {
+    let log_dir = match &cmd.report {
+        Some(dir) => dir.join("logs"),
+        None => std::env::temp_dir().join(format!("elasticps-{}", std::process::id())),
+    };
+    let mut cluster = Cluster::new(&log_dir)?;
+    let env = [("ELASTICPS_SECRET", cmd.net.secret.as_str())];
+    let started = Instant::now();
+
+    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into()];
+    args.extend(cmd.job.to_flags());
+    args.extend(cmd.net.to_flags());
+    let sched = cluster.spawn("scheduler", &args, &env)?;
+    let addr = loop {
+        let next = tokio::time::timeout(Duration::from_secs(20), cluster.next()).await;
+        match next {
+            Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => break addr,
+            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => anyhow::bail!("the scheduler did not report its address within 20 s\n{}", cluster.log_tail(sched, 12)),
+        }
+    };
+    for i in 0..cmd.job.servers {
+        let mut args = vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
+        args.extend(cmd.net.to_flags());
+        args.extend(extra_server_args.iter().map(|a| a.replace("{i}", &i.to_string())));
+        cluster.spawn(&format!("server {i}"), &args, &env)?;
+    }
+    for i in 0..cmd.job.workers {
+        let mut args = vec!["worker".to_string(), "--scheduler".into(), addr.clone()];
+        args.extend(cmd.data.to_flags());
+        args.extend(cmd.net.to_flags());
+        cluster.spawn(&format!("worker {i}"), &args, &env)?;
+    }
+
+    let bars = Bars::new(cmd.quiet);
+    let mut out = RunOutcome::default();
+    loop {
+        let next = tokio::select! {
+            ev = cluster.next() => ev,
+            _ = tokio::signal::ctrl_c() => {
+                cluster.kill_all();
+                anyhow::bail!("interrupted: every node was stopped");
+            }
+        };
+        let t_s = started.elapsed().as_secs_f64();
+        match next {
+            None => break,
+            Some(NodeEvent::Exited { node, status }) => {
+                if !status.success() {
+                    bars.clear();
+                    let err = cluster.failure(node, status);
+                    cluster.kill_all();
+                    return Err(err.context("the job failed; every other node was stopped"));
+                }
+                if cluster.all_exited() {
+                    break;
+                }
+            }
+            Some(NodeEvent::Line { event, .. }) => match event {
+                Event::Progress { rank, iteration, total, loss } => {
+                    bars.update(rank, iteration, total, loss);
+                    out.curve.push(CurvePoint { t_s, iteration: iteration.into(), rank, loss: Some(loss.into()), test_accuracy: None });
+                }
+                Event::Eval { rank, iteration, accuracy, loss } => {
+                    out.final_eval = Some((accuracy, loss));
+                    out.curve.push(CurvePoint { t_s, iteration: iteration.into(), rank, loss: None, test_accuracy: Some(accuracy.into()) });
+                }
+                e @ Event::WorkerDone { rank, .. } => {
+                    out.workers.insert(rank, e);
+                }
+                Event::ServerStats(s) => {
+                    out.servers.insert(s.server_id, s);
+                }
+                Event::Listening { .. } => {}
+            },
+        }
+    }
+    bars.clear();
+    out.wall = started.elapsed();
+    Ok(out)
+}
+
+/// `elasticps train`: run, print the summary, write the report.
+pub async fn train(cmd: TrainCmd) -> anyhow::Result<()> {
+    let outcome = run_local(&cmd, &[]).await?;
+    let report = build_report(&cmd, &outcome)?;
+    println!(
+        "test accuracy {:.2}% (loss {:.4}) after {} iterations per worker",
+        report.test_accuracy * 100.0,
+        report.test_loss,
+        report.iterations
+    );
+    let held: u64 = report.servers.iter().map(|s| s.pulls_held).sum();
+    let hold_ms: f64 = report.servers.iter().map(|s| s.hold_ms).sum();
+    println!(
+        "{} servers, {} workers, {}: {:.0} samples/s, wall {:.1} s, pulls held {} ({:.1} ms in total)",
+        cmd.job.servers, cmd.job.workers, cmd.job.sync, report.samples_per_sec, report.wall_s, held, hold_ms
+    );
+    if let Some(dir) = &cmd.report {
+        crate::report::write(dir, &report)?;
+        println!("report written to {}", dir.display());
+    }
+    Ok(())
+}
+
+/// Turns a run's events into the report.
+pub fn build_report(cmd: &TrainCmd, o: &RunOutcome) -> anyhow::Result<Report> {
+    let (test_accuracy, test_loss) = o.final_eval.context("worker 0 reported no test evaluation")?;
+    let mut workers = Vec::new();
+    let (mut samples, mut train_s, mut iterations) = (0u64, 0f64, 0u64);
+    for e in o.workers.values() {
+        if let Event::WorkerDone { rank, iterations: it, samples: s, wait_ms, final_loss, train_s: ts } = e {
+            samples += s;
+            train_s = train_s.max(*ts);
+            iterations = iterations.max(u64::from(*it));
+            workers.push(WorkerReport { rank: *rank, iterations: (*it).into(), wait_ms: *wait_ms, final_loss: (*final_loss).into() });
+        }
+    }
+    anyhow::ensure!(workers.len() as u32 == cmd.job.workers, "only {} of {} workers reported their end", workers.len(), cmd.job.workers);
+    let servers = o
+        .servers
+        .values()
+        .map(|s| ServerReport {
+            id: s.server_id,
+            sync: s.sync.clone(),
+            blocks: s.blocks,
+            bytes: s.bytes,
+            pushes: s.totals.pushes,
+            pulls: s.totals.pulls,
+            pulls_held: s.totals.pulls_held,
+            hold_ms: s.totals.hold_us as f64 / 1e3,
+        })
+        .collect();
+    let config = serde_json::json!({
+        "servers": cmd.job.servers,
+        "workers": cmd.job.workers,
+        "sync": cmd.job.sync.to_string(),
+        "optimizer": cmd.job.optimizer.to_string(),
+        "lr": cmd.job.lr,
+        "aggregate": cmd.job.aggregate,
+        "placement": cmd.job.placement.to_string(),
+        "block_bytes": cmd.job.block_bytes,
+        "seed": cmd.job.seed,
+        "dataset": cmd.data.dataset.as_str(),
+        "batch_size": cmd.data.batch_size,
+        "epochs": cmd.data.epochs,
+        "iterations": cmd.data.iterations,
+    });
+    Ok(Report {
+        config,
+        test_accuracy: test_accuracy.into(),
+        test_loss: test_loss.into(),
+        samples_per_sec: if train_s > 0.0 { samples as f64 / train_s } else { 0.0 },
+        wall_s: o.wall.as_secs_f64(),
+        iterations,
+        servers,
+        workers,
+        curve: o.curve.clone(),
+    })
+}
+
+/// One progress bar per worker rank.
+struct Bars {
+    multi: MultiProgress,
+    bars: std::cell::RefCell<BTreeMap<u32, ProgressBar>>,
+}
+
+impl Bars {
+    fn new(quiet: bool) -> Self {
+        let target = if quiet { ProgressDrawTarget::hidden() } else { ProgressDrawTarget::stderr() };
+        Self { multi: MultiProgress::with_draw_target(target), bars: Default::default() }
+    }
+
+    fn update(&self, rank: u32, iteration: u32, total: u32, loss: f32) {
+        let mut bars = self.bars.borrow_mut();
+        let bar = bars.entry(rank).or_insert_with(|| {
+            let b = self.multi.add(ProgressBar::new(total.into()));
+            b.set_style(
+                ProgressStyle::with_template("worker {prefix:>2} [{bar:30.cyan/blue}] {pos:>6}/{len} it  {per_sec:>10}  loss {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            b.set_prefix(rank.to_string());
+            b
+        });
+        bar.set_position(iteration.into());
+        bar.set_message(format!("{loss:.4}"));
+    }
+
+    fn clear(&self) {
+        for b in self.bars.borrow().values() {
+            b.finish();
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! [`Message`]: a frame's typed meaning, and the payload rules of every kind.
+
+use bytes::Bytes;
+
+use crate::control::Control;
+use crate::error::{ErrorReply, WireError};
+use crate::header::{FrameHeader, Kind};
+use crate::values::Values;
+
+/// One typed message: what a frame (header + payload) means.
+///
+/// | kind      | block, clock | payload |
+/// |-----------|--------------|---------|
+/// | Control   | 0, 0         | postcard [`Control`] |
+/// | Push      | set          | f32 little-endian, `len % 4 == 0` |
+/// | PushAck   | set          | empty |
+/// | Pull      | set          | empty |
+/// | PullReply | set          | f32 little-endian, `len % 4 == 0` |
+/// | Error     | 0, 0         | postcard [`ErrorReply`] |
+#[derive(Debug, Clone, PartialEq)]
+pub enum Message {
+    /// A control-plane message.
+    Control(Control),
+    /// Worker -> server: the gradient of `block` computed at iteration `clock`.
+    Push {
+        /// Block id.
+        block: u32,
+        /// The worker's iteration.
+        clock: u32,
+        /// The gradient.
+        values: Values,
+    },
+    /// Server -> worker: the push of `block` at `clock` was applied (or was a duplicate).
+    PushAck {
+        /// Block id.
+        block: u32,
+        /// The pushed clock.
+        clock: u32,
+    },
+    /// Worker -> server: the values of `block` for iteration `clock`; the server's sync
+    /// policy may hold the reply (DESIGN.md §3).
+    Pull {
+        /// Block id.
+        block: u32,
+        /// The worker's iteration.
+        clock: u32,
+    },
+    /// Server -> worker: the values of `block` answering a pull at `clock`.
+    PullReply {
+        /// Block id.
+        block: u32,
+        /// The clock of the pull this answers.
+        clock: u32,
+        /// The block's values.
+        values: Values,
+    },
+    /// A refusal; the sender usually closes the connection after it.
+    Error(ErrorReply),
+}
+
+impl Message {
+    /// The frame kind that carries this message.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Message::Control(_) => Kind::Control,
+            Message::Push { .. } => Kind::Push,
+            Message::PushAck { .. } => Kind::PushAck,
+            Message::Pull { .. } => Kind::Pull,
+            Message::PullReply { .. } => Kind::PullReply,
+            Message::Error(_) => Kind::Error,
+        }
+    }
+
+    /// The `(block, clock)` header fields of this message: `(0, 0)` for Control and Error.
+    pub fn block_clock(&self) -> (u32, u32) {
+        match self {
+            Message::Control(_) | Message::Error(_) => (0, 0),
+            Message::Push { block, clock, .. }
+            | Message::PushAck { block, clock }
+            | Message::Pull { block, clock }
+            | Message::PullReply { block, clock, .. } => (*block, *clock),
+        }
+    }
+
+    /// The payload bytes of this message: the shared f32 bytes for Push and PullReply
+    /// (no copy), empty for PushAck and Pull, postcard for Control and Error.
+    ///
+    /// Does not check any size limit; [`Codec::encode`](crate::Codec::encode) does.
+    pub fn encode_payload(&self) -> Result<Bytes, WireError> {
+        Ok(match self {
+            Message::Control(c) => Bytes::from(postcard::to_allocvec(c)?),
+            Message::Error(e) => Bytes::from(postcard::to_allocvec(e)?),
+            Message::Push { values, .. } | Message::PullReply { values, .. } => {
+                values.as_bytes().clone()
+            }
+            Message::PushAck { .. } | Message::Pull { .. } => Bytes::new(),
+        })
+    }
+
+    /// Decodes the payload of a frame whose header `h` was validated by
+    /// [`Codec::decode_header`](crate::Codec::decode_header).
+    ///
+    /// `payload.len()` must equal `h.payload_len`. f32 payloads are wrapped, not copied
+    /// (read them into a `Vec<f32>` and pass `Values::from_vec(v).into_bytes()` to keep
+    /// them aligned). Postcard payloads must be consumed exactly: trailing bytes are an
+    /// error. The block and clock of Control and Error frames are ignored.
+    pub fn decode(h: &FrameHeader, payload: Bytes) -> Result<Message, WireError> {
+        let kind = h.kind;
+        let bad = |why: String| WireError::BadPayload { kind, why };
+        if payload.len() != h.payload_len as usize {
+            return Err(bad(format!(
+                "the header announces {} payload bytes, {} were given",
+                h.payload_len,
+                payload.len()
+            )));
+        }
+        check_payload_len(kind, h.payload_len)?;
+        let (block, clock) = (h.block, h.clock);
+        Ok(match kind {
+            Kind::Control => Message::Control(decode_postcard(kind, &payload)?),
+            Kind::Error => Message::Error(decode_postcard(kind, &payload)?),
+            Kind::Push => Message::Push {
+                block,
+                clock,
+                values: Values::from_le_bytes(payload)?,
+            },
+            Kind::PullReply => Message::PullReply {
+                block,
+                clock,
+                values: Values::from_le_bytes(payload)?,
+            },
+            Kind::PushAck => Message::PushAck { block, clock },
+            Kind::Pull => Message::Pull { block, clock },
+        })
+    }
+}
+
+impl From<Control> for Message {
+    fn from(c: Control) -> Self {
+        Message::Control(c)
+    }
+}
+
+impl From<ErrorReply> for Message {
+    fn from(e: ErrorReply) -> Self {
+        Message::Error(e)
+    }
+}
+
+/// The payload-length rules that can be checked from the header alone: f32 kinds carry
+/// a multiple of 4 bytes, PushAck and Pull carry nothing.
+pub(crate) fn check_payload_len(kind: Kind, len: u32) -> Result<(), WireError> {
+    if kind.carries_f32() && !len.is_multiple_of(4) {
+        return Err(WireError::BadPayload {
+            kind,
+            why: format!("{len} bytes are not a whole number of f32 values"),
+        });
+    }
+    if kind.is_empty_payload() && len != 0 {
+        return Err(WireError::BadPayload {
+            kind,
+            why: format!("must be empty, has {len} bytes"),
+        });
+    }
+    Ok(())
+}
+
+fn decode_postcard<T: serde::de::DeserializeOwned>(
+    kind: Kind,
+    payload: &[u8],
+) -> Result<T, WireError> {
+    let (value, rest) = postcard::take_from_bytes::<T>(payload)
+        .map_err(|e| WireError::Postcard(format!("{kind} payload: {e}")))?;
+    if !rest.is_empty() {
+        return Err(WireError::BadPayload {
+            kind,
+            why: format!("{} trailing bytes after the message", rest.len()),
+        });
+    }
+    Ok(value)
+}

@@ -1,0 +1,1060 @@
+//! Integration tests of elasticps-wire through its public API.
+
+mod common {
+    use elasticps_core::block::{BlockStats, ShardConfig};
+    use elasticps_core::model::{Init, Partition, TensorSpec};
+    use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+    use elasticps_core::placement::{Placement, PlacementKind};
+    use elasticps_core::sync::SyncPolicy;
+    use elasticps_wire::*;
+    use proptest::prelude::*;
+
+    /// Space-separated lowercase hex, as docs/PROTOCOL.md writes bytes.
+    pub fn hex(b: &[u8]) -> String {
+        b.iter()
+            .map(|x| format!("{x:02x}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Rewrites the checksum of a hand-edited header so that only the edited field is wrong.
+    pub fn reseal(head: &mut [u8; HEADER_LEN], secret: &[u8]) {
+        let sum = checksum(head, secret);
+        head[CHECKSUM_OFFSET..].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    /// The postcard tag of every Control variant: the table in docs/PROTOCOL.md. The match is
+    /// exhaustive, so adding a variant does not compile until this table (and the doc) has it.
+    pub fn control_tag(c: &Control) -> u8 {
+        match c {
+            Control::RegisterServer { .. } => 0,
+            Control::RegisterWorker => 1,
+            Control::Welcome { .. } => 2,
+            Control::DefineModel { .. } => 3,
+            Control::GetLayout => 4,
+            Control::Layout(_) => 5,
+            Control::Assign(_) => 6,
+            Control::AssignDone { .. } => 7,
+            Control::Heartbeat => 8,
+            Control::WorkerDone { .. } => 9,
+            Control::RemoveWorker { .. } => 10,
+            Control::Shutdown { .. } => 11,
+            Control::Hello { .. } => 12,
+            Control::Ok => 13,
+            Control::Moved { .. } => 14,
+            Control::GetStats => 15,
+            Control::Stats(_) => 16,
+        }
+    }
+
+    /// Any f32 but NaN (for fields compared with `==`).
+    pub fn finite_or_inf() -> impl Strategy<Value = f32> {
+        any::<u32>()
+            .prop_map(f32::from_bits)
+            .prop_filter("not NaN", |v| !v.is_nan())
+    }
+
+    /// Any f32 bit pattern, NaNs included (compared bitwise through `Values`).
+    pub fn any_bits_f32() -> impl Strategy<Value = f32> {
+        any::<u32>().prop_map(f32::from_bits)
+    }
+
+    pub fn arb_values() -> impl Strategy<Value = Values> {
+        (prop::collection::vec(any_bits_f32(), 0..64), 0..3u8).prop_map(|(v, how)| match how {
+            0 => Values::from_vec(v),
+            1 => Values::from_shared(std::sync::Arc::new(v)),
+            _ => Values::from_slice(&v),
+        })
+    }
+
+    fn arb_init() -> impl Strategy<Value = Init> {
+        prop_oneof![
+            Just(Init::Zeros),
+            (finite_or_inf(), finite_or_inf()).prop_map(|(low, high)| Init::Uniform { low, high }),
+            finite_or_inf().prop_map(Init::Constant),
+        ]
+    }
+
+    pub fn arb_tensors() -> impl Strategy<Value = Vec<TensorSpec>> {
+        prop::collection::vec(
+            (
+                "[a-z.]{0,12}",
+                prop::collection::vec(1..6usize, 0..4),
+                arb_init(),
+            ),
+            1..5,
+        )
+        .prop_map(|ts| {
+            ts.into_iter()
+                .enumerate()
+                .map(|(i, (name, shape, init))| TensorSpec {
+                    name: format!("{i}{name}"),
+                    shape,
+                    init,
+                })
+                .collect()
+        })
+    }
+
+    fn arb_partition() -> impl Strategy<Value = Partition> {
+        (arb_tensors(), 4..64usize)
+            .prop_map(|(t, block_bytes)| Partition::new(t, block_bytes).unwrap())
+    }
+
+    fn arb_placement(p: &Partition) -> impl Strategy<Value = Placement> + use<> {
+        let p = p.clone();
+        (0..4usize, 1..5u32, any::<u64>()).prop_map(move |(kind, servers, epoch)| {
+            let kind = [
+                PlacementKind::Range,
+                PlacementKind::Hash,
+                PlacementKind::RoundRobin,
+                PlacementKind::BestFit,
+            ][kind];
+            let mut pl = Placement::initial(kind, &p, servers).unwrap();
+            pl.epoch = epoch;
+            pl
+        })
+    }
+
+    fn arb_addrs() -> impl Strategy<Value = Vec<ServerAddr>> {
+        prop::collection::vec((any::<u32>(), "[a-z0-9.:]{0,20}"), 0..4).prop_map(|v| {
+            v.into_iter()
+                .map(|(id, addr)| ServerAddr { id, addr })
+                .collect()
+        })
+    }
+
+    fn arb_layout() -> impl Strategy<Value = Layout> {
+        arb_partition()
+            .prop_flat_map(|p| (arb_placement(&p), Just(p), arb_addrs(), any::<u64>()))
+            .prop_map(|(placement, partition, servers, seed)| Layout {
+                partition,
+                placement,
+                servers,
+                seed,
+            })
+    }
+
+    fn arb_shard_config() -> impl Strategy<Value = ShardConfig> {
+        let sync = prop_oneof![
+            Just(SyncPolicy::Bsp),
+            Just(SyncPolicy::Asp),
+            any::<u32>().prop_map(SyncPolicy::Ssp)
+        ];
+        let kind = prop_oneof![
+            Just(OptimizerKind::Sgd),
+            finite_or_inf().prop_map(|beta| OptimizerKind::Momentum { beta }),
+            (finite_or_inf(), finite_or_inf(), finite_or_inf())
+                .prop_map(|(beta1, beta2, eps)| OptimizerKind::Adam { beta1, beta2, eps }),
+        ];
+        (sync, kind, finite_or_inf(), any::<bool>(), any::<u32>()).prop_map(
+            |(sync, kind, lr, aggregate, workers)| ShardConfig {
+                sync,
+                optimizer: OptimizerConfig {
+                    kind,
+                    lr,
+                    aggregate,
+                },
+                workers,
+            },
+        )
+    }
+
+    fn arb_assignment() -> impl Strategy<Value = Assignment> {
+        arb_partition()
+            .prop_flat_map(|p| {
+                (
+                    any::<u32>(),
+                    arb_placement(&p),
+                    Just(p),
+                    arb_shard_config(),
+                    any::<u64>(),
+                )
+            })
+            .prop_map(
+                |(server_id, placement, partition, config, seed)| Assignment {
+                    server_id,
+                    partition,
+                    placement,
+                    config,
+                    seed,
+                },
+            )
+    }
+
+    fn arb_stats() -> impl Strategy<Value = ServerStats> {
+        (
+            any::<u32>(),
+            ".{0,10}",
+            any::<u32>(),
+            any::<u64>(),
+            any::<[u64; 7]>(),
+            any::<u64>(),
+        )
+            .prop_map(|(server_id, sync, blocks, bytes, c, hold_p99_us)| {
+                // `..Default::default()` keeps this compiling if core adds counters.
+                #[allow(clippy::needless_update)]
+                let totals = BlockStats {
+                    pushes: c[0],
+                    pulls: c[1],
+                    pulls_held: c[2],
+                    hold_us: c[3],
+                    releases: c[4],
+                    bytes_in: c[5],
+                    bytes_out: c[6],
+                    ..BlockStats::default()
+                };
+                ServerStats {
+                    server_id,
+                    sync,
+                    blocks,
+                    bytes,
+                    totals,
+                    hold_p99_us,
+                }
+            })
+    }
+
+    pub fn arb_control() -> impl Strategy<Value = Control> {
+        prop_oneof![
+            ".{0,30}".prop_map(|data_addr| Control::RegisterServer { data_addr }),
+            Just(Control::RegisterWorker),
+            any::<(u32, u32, u32)>().prop_map(|(node_id, num_workers, num_servers)| {
+                Control::Welcome {
+                    node_id,
+                    num_workers,
+                    num_servers,
+                }
+            }),
+            arb_tensors().prop_map(|tensors| Control::DefineModel { tensors }),
+            Just(Control::GetLayout),
+            arb_layout().prop_map(Control::Layout),
+            arb_assignment().prop_map(Control::Assign),
+            any::<u32>().prop_map(|server_id| Control::AssignDone { server_id }),
+            Just(Control::Heartbeat),
+            any::<u32>().prop_map(|rank| Control::WorkerDone { rank }),
+            any::<u32>().prop_map(|rank| Control::RemoveWorker { rank }),
+            ".{0,30}".prop_map(|reason| Control::Shutdown { reason }),
+            any::<u32>().prop_map(|rank| Control::Hello { rank }),
+            Just(Control::Ok),
+            any::<(u32, u32, u64)>().prop_map(|(block, owner, epoch)| Control::Moved {
+                block,
+                owner,
+                epoch
+            }),
+            Just(Control::GetStats),
+            arb_stats().prop_map(Control::Stats),
+        ]
+    }
+
+    pub fn arb_error_code() -> impl Strategy<Value = ErrorCode> {
+        prop::sample::select(vec![
+            ErrorCode::Malformed,
+            ErrorCode::BadVersion,
+            ErrorCode::UnknownKind,
+            ErrorCode::TooLarge,
+            ErrorCode::BadChecksum,
+            ErrorCode::UnknownBlock,
+            ErrorCode::BadRequest,
+            ErrorCode::NotReady,
+            ErrorCode::ShuttingDown,
+            ErrorCode::Internal,
+        ])
+    }
+
+    pub fn arb_message() -> impl Strategy<Value = Message> {
+        prop_oneof![
+            arb_control().prop_map(Message::Control),
+            (any::<u32>(), any::<u32>(), arb_values()).prop_map(|(block, clock, values)| {
+                Message::Push {
+                    block,
+                    clock,
+                    values,
+                }
+            }),
+            any::<(u32, u32)>().prop_map(|(block, clock)| Message::PushAck { block, clock }),
+            any::<(u32, u32)>().prop_map(|(block, clock)| Message::Pull { block, clock }),
+            (any::<u32>(), any::<u32>(), arb_values()).prop_map(|(block, clock, values)| {
+                Message::PullReply {
+                    block,
+                    clock,
+                    values,
+                }
+            }),
+            (arb_error_code(), ".{0,40}")
+                .prop_map(|(code, message)| Message::Error(ErrorReply { code, message })),
+        ]
+    }
+}
+
+mod roundtrip {
+    use bytes::BytesMut;
+    use elasticps_wire::*;
+    use proptest::prelude::*;
+
+    use crate::common::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        /// Header + payload, the way the runtime reads a socket.
+        #[test]
+        fn through_decode_header_and_message_decode(
+            id in any::<u64>(),
+            msg in arb_message(),
+            secret in prop::collection::vec(any::<u8>(), 0..16),
+        ) {
+            let codec = Codec::new(&secret, DEFAULT_MAX_PAYLOAD);
+            let (head, payload) = codec.encode(id, &msg).unwrap();
+            let h = codec.decode_header(&head).unwrap();
+            prop_assert_eq!(h.kind, msg.kind());
+            prop_assert_eq!(h.request_id, id);
+            prop_assert_eq!((h.block, h.clock), msg.block_clock());
+            prop_assert_eq!(h.payload_len as usize, payload.len());
+            let back = Message::decode(&h, payload).unwrap();
+            prop_assert_eq!(&back, &msg);
+            if let Message::Control(c) = &msg {
+                let bytes = postcard::to_allocvec(c).unwrap();
+                prop_assert_eq!(bytes[0], control_tag(c), "postcard tag of {:?}", c);
+            }
+        }
+
+        /// A stream of frames fed in arbitrary chunks through `decode_frame`.
+        #[test]
+        fn through_decode_frame_in_chunks(
+            msgs in prop::collection::vec((any::<u64>(), arb_message()), 1..4),
+            cuts in prop::collection::vec(0..1usize << 16, 0..12),
+        ) {
+            let codec = Codec::new(b"secret", DEFAULT_MAX_PAYLOAD);
+            let mut stream = Vec::new();
+            let mut ends = Vec::new();
+            for (id, m) in &msgs {
+                let (head, payload) = codec.encode(*id, m).unwrap();
+                stream.extend_from_slice(&head);
+                stream.extend_from_slice(&payload);
+                ends.push(stream.len());
+            }
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (stream.len() + 1)).collect();
+            cuts.push(stream.len());
+            cuts.sort_unstable();
+
+            let mut buf = BytesMut::new();
+            let mut fed = 0;
+            let mut consumed = 0;
+            let mut got = Vec::new();
+            for cut in cuts {
+                buf.extend_from_slice(&stream[fed..cut]);
+                fed = cut;
+                loop {
+                    let before = buf.clone();
+                    match codec.decode_frame(&mut buf).unwrap() {
+                        None => {
+                            prop_assert_eq!(&buf, &before, "incomplete must leave the buffer untouched");
+                            prop_assert!(consumed + buf.len() < ends.get(got.len()).copied().unwrap_or(usize::MAX));
+                            break;
+                        }
+                        Some((h, payload)) => {
+                            consumed += HEADER_LEN + payload.len();
+                            prop_assert_eq!(consumed, ends[got.len()]);
+                            got.push((h.request_id, Message::decode(&h, payload).unwrap()));
+                        }
+                    }
+                }
+            }
+            prop_assert!(buf.is_empty());
+            prop_assert_eq!(got, msgs);
+        }
+
+        /// Every proper prefix of a frame is "incomplete", never an error, and consumes nothing.
+        #[test]
+        fn every_prefix_is_incomplete(id in any::<u64>(), msg in arb_message()) {
+            let codec = Codec::default();
+            let mut frame = BytesMut::new();
+            codec.encode_to(id, &msg, &mut frame).unwrap();
+            for n in 0..frame.len() {
+                let mut buf = BytesMut::from(&frame[..n]);
+                prop_assert_eq!(codec.decode_frame(&mut buf), Ok(None));
+                prop_assert_eq!(&buf[..], &frame[..n]);
+            }
+            let mut buf = frame.clone();
+            prop_assert_eq!(codec.decode_message(&mut buf).unwrap(), Some((id, msg)));
+        }
+
+        /// Arbitrary bytes never panic the decoder.
+        #[test]
+        fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let codec = Codec::default();
+            let mut buf = BytesMut::from(&bytes[..]);
+            while let Ok(Some((h, payload))) = codec.decode_frame(&mut buf) {
+                let _ = Message::decode(&h, payload);
+            }
+        }
+
+        /// Random frames with a valid envelope (magic, version, checksum) but arbitrary kind,
+        /// fields and payload reach the payload decoders (postcard on garbage) without panic.
+        #[test]
+        fn random_sealed_frames_never_panic(
+            kind in 0..8u8,
+            flags in prop::sample::select(vec![0u16, 0, 0, 1, 0x8000]),
+            fields in any::<(u64, u32, u32)>(),
+            payload in prop::collection::vec(any::<u8>(), 0..128),
+            extra in 0..3u32,
+        ) {
+            let codec = Codec::new(b"k", 100);
+            let mut head = [0u8; HEADER_LEN];
+            head[..4].copy_from_slice(&MAGIC);
+            head[4] = VERSION;
+            head[5] = kind;
+            head[6..8].copy_from_slice(&flags.to_le_bytes());
+            head[8..16].copy_from_slice(&fields.0.to_le_bytes());
+            head[16..20].copy_from_slice(&fields.1.to_le_bytes());
+            head[20..24].copy_from_slice(&fields.2.to_le_bytes());
+            head[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+            reseal(&mut head, b"k");
+            let mut buf = BytesMut::from(&head[..]);
+            buf.extend_from_slice(&payload);
+            buf.extend_from_slice(&vec![0u8; extra as usize]);
+            match codec.decode_frame(&mut buf) {
+                Ok(Some((h, p))) => {
+                    prop_assert_eq!(h.payload_len as usize, payload.len());
+                    prop_assert_eq!(buf.len(), extra as usize);
+                    if let Ok(m) = Message::decode(&h, p) {
+                        // Whatever decodes re-encodes to the same frame, except postcard
+                        // payloads: postcard accepts non-shortest varints (see
+                        // `postcard_accepts_long_varints`), we re-encode them shortest.
+                        let (h2, p2) = codec.encode(h.request_id, &m).unwrap();
+                        if !h.kind.is_postcard() {
+                            prop_assert_eq!(&p2[..], &payload[..]);
+                            prop_assert_eq!(h2, head);
+                        }
+                    }
+                }
+                Ok(None) => prop_assert!(false, "a whole frame is never incomplete"),
+                Err(_) => {}
+            }
+        }
+    }
+}
+
+mod invalid {
+    use bytes::{Bytes, BytesMut};
+    use elasticps_wire::*;
+
+    use crate::common::*;
+
+    const SECRET: &[u8] = b"cluster-a";
+
+    fn codec() -> Codec {
+        Codec::new(SECRET, 1024)
+    }
+
+    fn pull_header() -> [u8; HEADER_LEN] {
+        codec()
+            .encode(9, &Message::Pull { block: 1, clock: 2 })
+            .unwrap()
+            .0
+    }
+
+    /// A header with one byte range replaced and the checksum made right again.
+    fn edited(range: std::ops::Range<usize>, bytes: &[u8]) -> [u8; HEADER_LEN] {
+        let mut h = pull_header();
+        h[range].copy_from_slice(bytes);
+        reseal(&mut h, SECRET);
+        h
+    }
+
+    /// Both entry points refuse `head`; returns the error.
+    fn refuse(head: [u8; HEADER_LEN]) -> WireError {
+        let err = codec().decode_header(&head).unwrap_err();
+        let mut buf = BytesMut::from(&head[..]);
+        assert_eq!(
+            codec().decode_frame(&mut buf),
+            Err(err.clone()),
+            "decode_frame agrees"
+        );
+        assert_eq!(&buf[..], &head[..], "an invalid frame is not consumed");
+        err
+    }
+
+    #[test]
+    fn the_untouched_header_is_valid() {
+        let h = codec().decode_header(&pull_header()).unwrap();
+        assert_eq!(
+            h,
+            FrameHeader {
+                kind: Kind::Pull,
+                request_id: 9,
+                block: 1,
+                clock: 2,
+                payload_len: 0
+            }
+        );
+    }
+
+    #[test]
+    fn bad_magic() {
+        let mut h = pull_header();
+        h[..4].copy_from_slice(b"GET ");
+        let err = refuse(h);
+        assert_eq!(err, WireError::BadMagic { got: *b"GET " });
+        assert_eq!(err.code(), ErrorCode::Malformed);
+        assert_eq!(
+            refuse(edited(0..4, b"EPS2")),
+            WireError::BadMagic { got: *b"EPS2" }
+        );
+    }
+
+    #[test]
+    fn version_2() {
+        let err = refuse(edited(4..5, &[2]));
+        assert_eq!(err, WireError::BadVersion { got: 2 });
+        assert_eq!(err.code(), ErrorCode::BadVersion);
+        // Version is checked before the checksum: a newer peer learns that it is the version.
+        let mut h = pull_header();
+        h[4] = 2;
+        assert_eq!(refuse(h), WireError::BadVersion { got: 2 });
+    }
+
+    #[test]
+    fn unknown_kinds() {
+        for k in [0u8, 7, 99, 255] {
+            let err = refuse(edited(5..6, &[k]));
+            assert_eq!(err, WireError::UnknownKind { got: k });
+            assert_eq!(err.code(), ErrorCode::UnknownKind);
+        }
+        assert_eq!(
+            Kind::try_from(99u8),
+            Err(WireError::UnknownKind { got: 99 })
+        );
+        for k in Kind::ALL {
+            assert_eq!(Kind::try_from(u8::from(k)), Ok(k));
+        }
+    }
+
+    #[test]
+    fn nonzero_flags() {
+        let err = refuse(edited(6..8, &[1, 0]));
+        assert_eq!(err, WireError::BadFlags { got: 1 });
+        assert_eq!(err.code(), ErrorCode::Malformed);
+        assert_eq!(
+            refuse(edited(6..8, &[0, 0x80])),
+            WireError::BadFlags { got: 0x8000 }
+        );
+    }
+
+    #[test]
+    fn too_large_is_detected_from_the_header_alone() {
+        let mut h = edited(5..6, &[Kind::Push as u8]);
+        h[24..28].copy_from_slice(&1028u32.to_le_bytes());
+        reseal(&mut h, SECRET);
+        // Only the 32 header bytes are in the buffer: refused, not "incomplete".
+        let err = refuse(h);
+        assert_eq!(
+            err,
+            WireError::TooLarge {
+                len: 1028,
+                max: 1024
+            }
+        );
+        assert_eq!(err.code(), ErrorCode::TooLarge);
+        // u32::MAX too (no overflow anywhere).
+        h[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
+        reseal(&mut h, SECRET);
+        assert_eq!(
+            refuse(h),
+            WireError::TooLarge {
+                len: u64::from(u32::MAX),
+                max: 1024
+            }
+        );
+        // Exactly the limit is fine.
+        h[24..28].copy_from_slice(&1024u32.to_le_bytes());
+        reseal(&mut h, SECRET);
+        assert_eq!(codec().decode_header(&h).unwrap().payload_len, 1024);
+    }
+
+    #[test]
+    fn encode_refuses_payloads_over_the_limit() {
+        let push = Message::Push {
+            block: 0,
+            clock: 0,
+            values: Values::from_vec(vec![0.0; 257]),
+        };
+        let err = codec().encode(1, &push).unwrap_err();
+        assert_eq!(
+            err,
+            WireError::TooLarge {
+                len: 1028,
+                max: 1024
+            }
+        );
+        let push = Message::Push {
+            block: 0,
+            clock: 0,
+            values: Values::from_vec(vec![0.0; 256]),
+        };
+        assert_eq!(codec().encode(1, &push).unwrap().1.len(), 1024);
+    }
+
+    #[test]
+    fn wrong_secret_is_bad_checksum() {
+        let head = pull_header();
+        let other = Codec::new(b"cluster-b", 1024);
+        let err = other.decode_header(&head).unwrap_err();
+        assert_eq!(err, WireError::BadChecksum);
+        assert_eq!(err.code(), ErrorCode::BadChecksum);
+        assert!(err.to_string().contains("wrong cluster secret"), "{err}");
+        assert_eq!(
+            Codec::default().decode_header(&head),
+            Err(WireError::BadChecksum)
+        );
+    }
+
+    #[test]
+    fn corrupt_header_is_bad_checksum() {
+        for byte in 8..32 {
+            let mut h = pull_header();
+            h[byte] ^= 0x10;
+            assert_eq!(refuse(h), WireError::BadChecksum, "byte {byte}");
+        }
+    }
+
+    #[test]
+    fn push_payload_of_7_bytes() {
+        let mut h = edited(5..6, &[Kind::Push as u8]);
+        h[24..28].copy_from_slice(&7u32.to_le_bytes());
+        reseal(&mut h, SECRET);
+        let err = refuse(h);
+        assert!(
+            matches!(
+                err,
+                WireError::BadPayload {
+                    kind: Kind::Push,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(err.code(), ErrorCode::Malformed);
+        // Message::decode checks it as well, for headers it did not validate itself.
+        let fh = FrameHeader {
+            kind: Kind::PullReply,
+            request_id: 1,
+            block: 0,
+            clock: 0,
+            payload_len: 7,
+        };
+        let err = Message::decode(&fh, Bytes::from_static(&[0; 7])).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                WireError::BadPayload {
+                    kind: Kind::PullReply,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn pull_and_push_ack_with_a_payload() {
+        for kind in [Kind::Pull, Kind::PushAck] {
+            let mut h = edited(5..6, &[kind as u8]);
+            h[24..28].copy_from_slice(&4u32.to_le_bytes());
+            reseal(&mut h, SECRET);
+            assert!(matches!(refuse(h), WireError::BadPayload { kind: k, .. } if k == kind));
+            let fh = FrameHeader {
+                kind,
+                request_id: 1,
+                block: 0,
+                clock: 0,
+                payload_len: 4,
+            };
+            assert!(matches!(
+                Message::decode(&fh, Bytes::from_static(&[0; 4])),
+                Err(WireError::BadPayload { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn payload_length_must_match_the_header() {
+        let fh = FrameHeader {
+            kind: Kind::Push,
+            request_id: 1,
+            block: 0,
+            clock: 0,
+            payload_len: 8,
+        };
+        assert!(matches!(
+            Message::decode(&fh, Bytes::from_static(&[0; 4])),
+            Err(WireError::BadPayload { .. })
+        ));
+    }
+
+    fn control_header(len: usize) -> FrameHeader {
+        FrameHeader {
+            kind: Kind::Control,
+            request_id: 1,
+            block: 0,
+            clock: 0,
+            payload_len: len as u32,
+        }
+    }
+
+    #[test]
+    fn garbage_postcard() {
+        for garbage in [
+            &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff][..],
+            &[17],
+            &[200, 1],
+            &[0, 50, b'a'],
+            &[],
+        ] {
+            let err = Message::decode(
+                &control_header(garbage.len()),
+                Bytes::copy_from_slice(garbage),
+            )
+            .unwrap_err();
+            assert!(matches!(err, WireError::Postcard(_)), "{garbage:?}: {err}");
+            assert_eq!(err.code(), ErrorCode::Malformed);
+        }
+        // An Error frame with an unknown code.
+        let fh = FrameHeader {
+            kind: Kind::Error,
+            payload_len: 2,
+            ..control_header(0)
+        };
+        assert!(matches!(
+            Message::decode(&fh, Bytes::from_static(&[10, 0])),
+            Err(WireError::Postcard(_))
+        ));
+        // Invalid UTF-8 in a string.
+        let bad_utf8 = [11u8, 2, 0xc3, 0x28];
+        let err =
+            Message::decode(&control_header(4), Bytes::copy_from_slice(&bad_utf8)).unwrap_err();
+        assert!(matches!(err, WireError::Postcard(_)), "{err}");
+    }
+
+    #[test]
+    fn trailing_postcard_bytes() {
+        // Heartbeat (tag 8) followed by a stray byte.
+        let err = Message::decode(&control_header(2), Bytes::from_static(&[8, 0])).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                WireError::BadPayload {
+                    kind: Kind::Control,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            Message::decode(&control_header(1), Bytes::from_static(&[8])).unwrap(),
+            Control::Heartbeat.into()
+        );
+    }
+
+    #[test]
+    fn postcard_accepts_long_varints() {
+        // Documented in PROTOCOL.md §5: encoders write shortest varints, decoders accept longer ones.
+        let hello2 = Message::Control(Control::Hello { rank: 2 });
+        for p in [
+            &[0x0c, 0x02][..],
+            &[0x0c, 0x82, 0x00],
+            &[0x8c, 0x00, 0x82, 0x80, 0x00],
+        ] {
+            let got = Message::decode(&control_header(p.len()), Bytes::copy_from_slice(p)).unwrap();
+            assert_eq!(got, hello2, "{p:02x?}");
+        }
+        // But not longer than the type allows (u32: 5 bytes).
+        let p = [0x0c, 0x82, 0x80, 0x80, 0x80, 0x80, 0x00];
+        assert!(Message::decode(&control_header(p.len()), Bytes::copy_from_slice(&p)).is_err());
+    }
+
+    #[test]
+    fn a_huge_announced_vector_does_not_allocate_it() {
+        // DefineModel with a tensor list claiming 2^62 entries, in 10 bytes.
+        let mut p = vec![3u8];
+        p.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x3f]);
+        let err = Message::decode(&control_header(p.len()), Bytes::from(p)).unwrap_err();
+        assert!(matches!(err, WireError::Postcard(_)), "{err}");
+    }
+
+    #[test]
+    fn error_replies_carry_the_code_and_text() {
+        let err = WireError::BadVersion { got: 2 };
+        let reply = err.to_reply();
+        assert_eq!(reply.code, ErrorCode::BadVersion);
+        assert!(reply.message.contains("version 2"), "{}", reply.message);
+        let (head, payload) = codec().encode(5, &Message::Error(reply.clone())).unwrap();
+        let h = codec().decode_header(&head).unwrap();
+        assert_eq!(Message::decode(&h, payload).unwrap(), Message::Error(reply));
+        assert_eq!(WireError::NotF32 { len: 3 }.code(), ErrorCode::Malformed);
+        assert_eq!(WireError::Postcard("x".into()).code(), ErrorCode::Malformed);
+    }
+
+    #[test]
+    fn messages_are_clear() {
+        assert_eq!(
+            WireError::TooLarge {
+                len: 70_000_000,
+                max: DEFAULT_MAX_PAYLOAD
+            }
+            .to_string(),
+            "payload of 70000000 bytes exceeds the limit of 67108864 bytes"
+        );
+        assert_eq!(
+            WireError::BadMagic { got: *b"GET " }.to_string(),
+            "bad magic [47, 45, 54, 20]: not an elasticps frame (expected \"EPS1\")"
+        );
+        assert_eq!(
+            WireError::UnknownKind { got: 99 }.to_string(),
+            "unknown frame kind 99"
+        );
+        assert_eq!(
+            WireError::BadFlags { got: 1 }.to_string(),
+            "reserved flags 0x0001 are set (must be 0)"
+        );
+        assert_eq!(
+            WireError::BadPayload {
+                kind: Kind::Pull,
+                why: "must be empty, has 4 bytes".into()
+            }
+            .to_string(),
+            "bad Pull payload: must be empty, has 4 bytes"
+        );
+        assert!(
+            !format!("{:?}", Codec::new(b"hunter2", 1)).contains("hunter2"),
+            "Debug hides the secret"
+        );
+        let _ = hex(&[]);
+    }
+}
+
+/// The worked examples of docs/PROTOCOL.md, pinned byte for byte; each test also checks that
+/// the doc still shows those bytes, so the document cannot drift from the code.
+mod golden {
+    use elasticps_core::model::{Init, Partition, TensorSpec};
+    use elasticps_core::placement::{Placement, PlacementKind};
+    use elasticps_wire::*;
+
+    use crate::common::*;
+
+    fn doc() -> String {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/PROTOCOL.md");
+        std::fs::read_to_string(path).expect("docs/PROTOCOL.md")
+    }
+
+    #[track_caller]
+    fn pinned(what: &str, got: &[u8], want: &str) {
+        assert_eq!(
+            hex(got),
+            want,
+            "{what}: the encoding changed; update docs/PROTOCOL.md and this test"
+        );
+        assert!(
+            doc().contains(want),
+            "docs/PROTOCOL.md no longer shows the {what} bytes `{want}`"
+        );
+    }
+
+    #[test]
+    fn pull_header_empty_secret() {
+        let (head, payload) = Codec::default()
+            .encode(7, &Message::Pull { block: 3, clock: 5 })
+            .unwrap();
+        assert!(payload.is_empty());
+        pinned(
+            "Pull header (empty secret)",
+            &head,
+            "45 50 53 31 01 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 2c af 94 98",
+        );
+        assert_eq!(checksum(&head, b""), 0x9894_af2c);
+        assert!(doc().contains("0x9894af2c"));
+    }
+
+    #[test]
+    fn pull_header_with_secret() {
+        let codec = Codec::new(b"s3cret", DEFAULT_MAX_PAYLOAD);
+        let (head, _) = codec
+            .encode(7, &Message::Pull { block: 3, clock: 5 })
+            .unwrap();
+        pinned(
+            "Pull header (secret s3cret)",
+            &head,
+            "45 50 53 31 01 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 3f 80 ca a8",
+        );
+        assert!(doc().contains("0xa8ca803f"));
+    }
+
+    #[test]
+    fn push_frame() {
+        let msg = Message::Push {
+            block: 3,
+            clock: 5,
+            values: Values::from_vec(vec![1.0, -2.0]),
+        };
+        let (head, payload) = Codec::default().encode(8, &msg).unwrap();
+        pinned(
+            "Push header",
+            &head,
+            "45 50 53 31 01 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 98 85 75 cc",
+        );
+        pinned("Push payload", &payload, "00 00 80 3f 00 00 00 c0");
+    }
+
+    #[test]
+    fn hello_frame() {
+        let (head, payload) = Codec::default()
+            .encode(1, &Control::Hello { rank: 2 }.into())
+            .unwrap();
+        pinned(
+            "Hello header",
+            &head,
+            "45 50 53 31 01 01 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 02 00 00 00 a1 6d ef 12",
+        );
+        pinned("Hello payload", &payload, "0c 02");
+    }
+
+    #[test]
+    fn error_frame() {
+        let msg = Message::Error(ErrorReply::new(ErrorCode::UnknownBlock, "no block 9"));
+        let (head, payload) = Codec::default().encode(8, &msg).unwrap();
+        pinned(
+            "Error header",
+            &head,
+            "45 50 53 31 01 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 c8 6f 35 7c",
+        );
+        pinned(
+            "Error payload",
+            &payload,
+            "05 0a 6e 6f 20 62 6c 6f 63 6b 20 39",
+        );
+    }
+
+    #[test]
+    fn control_payloads() {
+        let cases = [
+            (
+                Control::Welcome {
+                    node_id: 1,
+                    num_workers: 2,
+                    num_servers: 3,
+                },
+                "02 01 02 03",
+            ),
+            (
+                Control::Moved {
+                    block: 300,
+                    owner: 1,
+                    epoch: 2,
+                },
+                "0e ac 02 01 02",
+            ),
+            (
+                Control::RegisterServer {
+                    data_addr: "10.0.0.5:7001".into(),
+                },
+                "00 0d 31 30 2e 30 2e 30 2e 35 3a 37 30 30 31",
+            ),
+        ];
+        for (c, want) in cases {
+            pinned(&format!("{c:?}"), &postcard::to_allocvec(&c).unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn layout_payload() {
+        let tensors = vec![
+            TensorSpec {
+                name: "w".into(),
+                shape: vec![2, 3],
+                init: Init::Uniform {
+                    low: -1.0,
+                    high: 1.0,
+                },
+            },
+            TensorSpec {
+                name: "b".into(),
+                shape: vec![3],
+                init: Init::Zeros,
+            },
+        ];
+        let partition = Partition::new(tensors, 16).unwrap();
+        let placement = Placement::initial(PlacementKind::RoundRobin, &partition, 2).unwrap();
+        let servers = vec![
+            ServerAddr {
+                id: 0,
+                addr: "h:1".into(),
+            },
+            ServerAddr {
+                id: 1,
+                addr: "h:2".into(),
+            },
+        ];
+        let layout = Control::Layout(Layout {
+            partition,
+            placement,
+            servers,
+            seed: 42,
+        });
+        pinned(
+            "Layout example",
+            &postcard::to_allocvec(&layout).unwrap(),
+            "05 02 01 77 02 02 03 01 00 00 80 bf 00 00 80 3f 01 62 01 03 00 03 00 00 00 04 01 00 04 02 02 01 00 03 01 03 00 00 01 02 00 03 68 3a 31 01 03 68 3a 32 2a",
+        );
+    }
+
+    #[test]
+    fn doc_lists_every_control_tag() {
+        let doc = doc();
+        let names = [
+            "RegisterServer",
+            "RegisterWorker",
+            "Welcome",
+            "DefineModel",
+            "GetLayout",
+            "Layout",
+            "Assign",
+            "AssignDone",
+            "Heartbeat",
+            "WorkerDone",
+            "RemoveWorker",
+            "Shutdown",
+            "Hello",
+            "Ok",
+            "Moved",
+            "GetStats",
+            "Stats",
+        ];
+        for (i, name) in names.iter().enumerate() {
+            let row = format!("| {i} | `{name}");
+            assert!(
+                doc.contains(&row),
+                "docs/PROTOCOL.md lacks the Control tag row `{row}`"
+            );
+        }
+        let codes = [
+            "Malformed",
+            "BadVersion",
+            "UnknownKind",
+            "TooLarge",
+            "BadChecksum",
+            "UnknownBlock",
+            "BadRequest",
+            "NotReady",
+            "ShuttingDown",
+            "Internal",
+        ];
+        for (i, name) in codes.iter().enumerate() {
+            let row = format!("| {i} | `{name}`");
+            assert!(
+                doc.contains(&row),
+                "docs/PROTOCOL.md lacks the ErrorCode row `{row}`"
+            );
+        }
+    }
+}
