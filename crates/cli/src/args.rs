@@ -50,10 +50,10 @@ pub struct JobArgs {
     #[arg(long, env = "ELASTICPS_SYNC", default_value = "bsp", value_parser = parse_core::<SyncPolicy>)]
     pub sync: SyncPolicy,
     /// Server-side optimizer: sgd, momentum[:BETA] or adam.
-    #[arg(long, env = "ELASTICPS_OPTIMIZER", default_value = "sgd", value_parser = parse_core::<OptimizerKind>)]
+    #[arg(long, env = "ELASTICPS_OPTIMIZER", default_value = "adam", value_parser = parse_core::<OptimizerKind>)]
     pub optimizer: OptimizerKind,
     /// Learning rate of the server-side optimizer.
-    #[arg(long, env = "ELASTICPS_LR", default_value_t = 0.1)]
+    #[arg(long, env = "ELASTICPS_LR", default_value_t = 0.001)]
     pub lr: f32,
     /// Sum the pushes of one clock from every worker and take one step with their mean
     /// (exact BSP, like BytePS); by default every push is applied as it arrives.
@@ -132,7 +132,7 @@ pub struct DataArgs {
     #[arg(long, env = "ELASTICPS_BATCH_SIZE", default_value_t = 32)]
     pub batch_size: usize,
     /// Passes over the training set (each worker covers its shard once per epoch).
-    #[arg(long, env = "ELASTICPS_EPOCHS", default_value_t = 4)]
+    #[arg(long, env = "ELASTICPS_EPOCHS", default_value_t = 6)]
     pub epochs: usize,
     /// Run exactly this many iterations per worker instead of --epochs.
     #[arg(long, env = "ELASTICPS_ITERATIONS")]

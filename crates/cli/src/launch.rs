@@ -17,8 +17,6 @@ use crate::events::Event;
 pub enum NodeEvent {
     /// The node printed an event.
     Line {
-        /// Index of the node, in spawn order.
-        node: usize,
         /// The event.
         event: Event,
     },
@@ -84,7 +82,7 @@ impl Cluster {
             while let Ok(Some(line)) = lines.next_line().await {
                 match serde_json::from_str::<Event>(&line) {
                     Ok(event) => {
-                        let _ = tx.send(NodeEvent::Line { node, event });
+                        let _ = tx.send(NodeEvent::Line { event });
                     }
                     Err(_) => tracing::debug!(node = %label, %line, "not an event"),
                 }

@@ -67,7 +67,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
     let addr = loop {
         let next = tokio::time::timeout(Duration::from_secs(20), cluster.next()).await;
         match next {
-            Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => break addr,
+            Ok(Some(NodeEvent::Line { event: Event::Listening { addr } })) => break addr,
             Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
             Ok(Some(_)) => continue,
             Ok(None) | Err(_) => anyhow::bail!("the scheduler did not report its address within 20 s\n{}", cluster.log_tail(sched, 12)),
@@ -110,7 +110,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
                     break;
                 }
             }
-            Some(NodeEvent::Line { event, .. }) => match event {
+            Some(NodeEvent::Line { event }) => match event {
                 Event::Progress { rank, iteration, total, loss } => {
                     bars.update(rank, iteration, total, loss);
                     out.curve.push(CurvePoint { t_s, iteration: iteration.into(), rank, loss: Some(loss.into()), test_accuracy: None });

@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
 use zerocopy::little_endian::{U16, U32, U64};
-use zerocopy::{FromBytes, IntoBytes};
 
 use crate::error::WireError;
 use crate::header::{
-    DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION, checksum,
+    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
+    checksum,
 };
 use crate::message::{Message, check_payload_len};
 
@@ -73,10 +73,9 @@ impl Codec {
             payload_len: U32::new(h.payload_len),
             checksum: U32::new(0),
         };
-        let mut out = [0u8; HEADER_LEN];
-        out.copy_from_slice(raw.as_bytes());
+        let mut out: [u8; HEADER_LEN] = zerocopy::transmute!(raw);
         let sum = checksum(&out, &self.secret);
-        out[HEADER_LEN - 4..].copy_from_slice(&sum.to_le_bytes());
+        out[CHECKSUM_OFFSET..].copy_from_slice(&sum.to_le_bytes());
         out
     }
 
@@ -88,7 +87,8 @@ impl Codec {
     /// After `Ok(h)` a reader may allocate `h.payload_len` bytes (at most the limit), or
     /// `h.f32_len()` f32 values for Push and PullReply, and read the payload into them.
     pub fn decode_header(&self, bytes: &[u8; HEADER_LEN]) -> Result<FrameHeader, WireError> {
-        let raw = RawHeader::ref_from_bytes(bytes).expect("RawHeader is 32 unaligned bytes");
+        // Infallible: checked at compile time (same size, every bit pattern valid).
+        let raw: RawHeader = zerocopy::transmute!(*bytes);
         if raw.magic != MAGIC {
             return Err(WireError::BadMagic { got: raw.magic });
         }
