@@ -48,7 +48,8 @@ pub struct Cluster {
 impl Cluster {
     /// A cluster of this binary's roles, with each node's stderr logged under `log_dir`.
     pub fn new(log_dir: &Path) -> anyhow::Result<Self> {
-        std::fs::create_dir_all(log_dir).with_context(|| format!("creating the log directory {}", log_dir.display()))?;
+        std::fs::create_dir_all(log_dir)
+            .with_context(|| format!("creating the log directory {}", log_dir.display()))?;
         let exe = std::env::current_exe().context("finding the elasticps binary")?;
         let (tx, rx) = mpsc::unbounded_channel();
         Ok(Self { exe, log_dir: log_dir.to_path_buf(), nodes: Vec::new(), tx, rx })

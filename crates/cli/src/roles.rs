@@ -102,7 +102,13 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
         trace: cmd.trace,
     };
     let stats = server::run(opts).await?;
-    tracing::info!(server = stats.server_id, pushes = stats.totals.pushes, pulls = stats.totals.pulls, held = stats.totals.pulls_held, "server done");
+    tracing::info!(
+        server = stats.server_id,
+        pushes = stats.totals.pushes,
+        pulls = stats.totals.pulls,
+        held = stats.totals.pulls_held,
+        "server done"
+    );
     emitter.emit(&Event::ServerStats(stats));
     Ok(())
 }
@@ -129,7 +135,8 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
         Some(n) => n,
         None => (d.epochs * per_worker.div_ceil(d.batch_size)) as u32,
     };
-    let mut batches = Batcher::new(train.shard(rank as usize, world as usize), d.batch_size, d.data_seed + u64::from(rank))?;
+    let mut batches =
+        Batcher::new(train.shard(rank as usize, world as usize), d.batch_size, d.data_seed + u64::from(rank))?;
     let mut params = client.zeros();
     let mut grads = client.zeros();
     let (mut wait, mut samples, mut loss) = (Duration::ZERO, 0u64, f32::NAN);
@@ -142,6 +149,7 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
         wait += started.elapsed();
         if rank == 0 && d.eval_every > 0 && t % d.eval_every == 0 {
             let e = mlp.evaluate(&as_slices(&params), &test);
+            tracing::info!(rank, iteration = t, accuracy = e.accuracy, loss = e.loss, "test evaluation");
             emitter.emit(&Event::Eval { rank, iteration: t, accuracy: e.accuracy, loss: e.loss });
         }
         let batch = batches.next_batch();
@@ -163,7 +171,14 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
         tracing::info!(rank, accuracy = e.accuracy, loss = e.loss, "final test evaluation");
         emitter.emit(&Event::Eval { rank, iteration: iterations, accuracy: e.accuracy, loss: e.loss });
     }
-    emitter.emit(&Event::WorkerDone { rank, iterations, samples, wait_ms: wait.as_secs_f64() * 1e3, final_loss: loss, train_s });
+    emitter.emit(&Event::WorkerDone {
+        rank,
+        iterations,
+        samples,
+        wait_ms: wait.as_secs_f64() * 1e3,
+        final_loss: loss,
+        train_s,
+    });
     client.finish().await.context("telling the scheduler this worker is done")?;
     Ok(())
 }

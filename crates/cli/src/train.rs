@@ -70,11 +70,14 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
             Ok(Some(NodeEvent::Line { event: Event::Listening { addr } })) => break addr,
             Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
             Ok(Some(_)) => continue,
-            Ok(None) | Err(_) => anyhow::bail!("the scheduler did not report its address within 20 s\n{}", cluster.log_tail(sched, 12)),
+            Ok(None) | Err(_) => {
+                anyhow::bail!("the scheduler did not report its address within 20 s\n{}", cluster.log_tail(sched, 12))
+            }
         }
     };
     for i in 0..cmd.job.servers {
-        let mut args = vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
+        let mut args =
+            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
         args.extend(cmd.net.to_flags());
         args.extend(extra_server_args.iter().map(|a| a.replace("{i}", &i.to_string())));
         cluster.spawn(&format!("server {i}"), &args, &env)?;
@@ -113,11 +116,23 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
             Some(NodeEvent::Line { event }) => match event {
                 Event::Progress { rank, iteration, total, loss } => {
                     bars.update(rank, iteration, total, loss);
-                    out.curve.push(CurvePoint { t_s, iteration: iteration.into(), rank, loss: Some(loss.into()), test_accuracy: None });
+                    out.curve.push(CurvePoint {
+                        t_s,
+                        iteration: iteration.into(),
+                        rank,
+                        loss: Some(loss.into()),
+                        test_accuracy: None,
+                    });
                 }
                 Event::Eval { rank, iteration, accuracy, loss } => {
                     out.final_eval = Some((accuracy, loss));
-                    out.curve.push(CurvePoint { t_s, iteration: iteration.into(), rank, loss: None, test_accuracy: Some(accuracy.into()) });
+                    out.curve.push(CurvePoint {
+                        t_s,
+                        iteration: iteration.into(),
+                        rank,
+                        loss: None,
+                        test_accuracy: Some(accuracy.into()),
+                    });
                 }
                 e @ Event::WorkerDone { rank, .. } => {
                     out.workers.insert(rank, e);
@@ -167,10 +182,20 @@ pub fn build_report(cmd: &TrainCmd, o: &RunOutcome) -> anyhow::Result<Report> {
             samples += s;
             train_s = train_s.max(*ts);
             iterations = iterations.max(u64::from(*it));
-            workers.push(WorkerReport { rank: *rank, iterations: (*it).into(), wait_ms: *wait_ms, final_loss: (*final_loss).into() });
+            workers.push(WorkerReport {
+                rank: *rank,
+                iterations: (*it).into(),
+                wait_ms: *wait_ms,
+                final_loss: (*final_loss).into(),
+            });
         }
     }
-    anyhow::ensure!(workers.len() as u32 == cmd.job.workers, "only {} of {} workers reported their end", workers.len(), cmd.job.workers);
+    anyhow::ensure!(
+        workers.len() as u32 == cmd.job.workers,
+        "only {} of {} workers reported their end",
+        workers.len(),
+        cmd.job.workers
+    );
     let servers = o
         .servers
         .values()
@@ -190,7 +215,7 @@ pub fn build_report(cmd: &TrainCmd, o: &RunOutcome) -> anyhow::Result<Report> {
         "workers": cmd.job.workers,
         "sync": cmd.job.sync.to_string(),
         "optimizer": cmd.job.optimizer.to_string(),
-        "lr": cmd.job.lr,
+        "lr": cmd.job.lr.to_string().parse::<f64>().unwrap_or(f64::NAN),
         "aggregate": cmd.job.aggregate,
         "placement": cmd.job.placement.to_string(),
         "block_bytes": cmd.job.block_bytes,
@@ -230,8 +255,10 @@ impl Bars {
         let bar = bars.entry(rank).or_insert_with(|| {
             let b = self.multi.add(ProgressBar::new(total.into()));
             b.set_style(
-                ProgressStyle::with_template("worker {prefix:>2} [{bar:30.cyan/blue}] {pos:>6}/{len} it  {per_sec:>10}  loss {msg}")
-                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                ProgressStyle::with_template(
+                    "worker {prefix:>2} [{bar:30.cyan/blue}] {pos:>6}/{len} it  {per_sec:>10}  loss {msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
             b.set_prefix(rank.to_string());
             b

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use elasticps_core::model::{BlockSpec, TensorSpec};
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Codec, Control, Layout, Message, Values};
+use elasticps_wire::{Codec, Control, Layout, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
@@ -132,7 +132,7 @@ impl Client {
             })
             .await?;
         self.install_layout(reply).await?;
-        Ok(&self.layout.as_ref().map(|l| &l.partition.tensors[..]).unwrap_or_default()[..])
+        Ok(self.layout.as_ref().map(|l| &l.partition.tensors[..]).unwrap_or_default())
     }
 
     /// Fresh zeroed buffers shaped like the model's tensors, for [`Client::pull`].
@@ -162,7 +162,7 @@ impl Client {
             |b| Message::Push {
                 block: b.id,
                 clock,
-                values: Values::from_slice(&grads[b.tensor as usize][b.offset..b.offset + b.len]),
+                values: crate::conn::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]),
             },
             |_, reply| match reply {
                 Message::PushAck { .. } => Ok(()),

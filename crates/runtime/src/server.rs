@@ -221,7 +221,7 @@ async fn serve_connection(stream: TcpStream, peer: String, state: Arc<State>) {
             Err(e) => {
                 tracing::warn!(peer = %peer, error = %e, "closing connection");
                 if let RuntimeError::Wire { source, .. } = &e {
-                    let _ = out.send((0, error(source.code(), source.to_string())));
+                    let _ = out.send((reader.refused_request_id(), error(source.code(), source.to_string())));
                 }
                 return;
             }
@@ -252,9 +252,9 @@ async fn serve_connection(stream: TcpStream, peer: String, state: Arc<State>) {
                     None => format!("expected Hello as the first message, got {:?}", other.kind()),
                     Some(_) => format!("a server does not take {:?} messages", other.kind()),
                 };
-                tracing::warn!(peer = reader.peer(), %what, "closing connection");
+                // Well-formed but out of turn: refuse it and keep the connection (PROTOCOL.md §7).
+                tracing::warn!(peer = reader.peer(), %what, "request refused");
                 let _ = out.send((id, error(ErrorCode::BadRequest, what)));
-                return;
             }
         }
     }
@@ -264,20 +264,39 @@ fn error(code: ErrorCode, message: impl Into<String>) -> Message {
     Message::Error(ErrorReply { code, message: message.into() })
 }
 
-/// The block's state machine, or the reply that says why it is not here.
-fn with_block<R>(state: &State, block: BlockId, f: impl FnOnce(&Shard, &Mutex<Block<ReplyTo>>) -> R) -> Result<R, Message> {
-    let Some(shard) = current(state) else {
-        return Err(error(ErrorCode::NotReady, "this server holds no blocks yet: the model is not placed"));
-    };
-    match shard.blocks.get(&block) {
-        Some(b) => Ok(f(&shard, b)),
-        None => match shard.placement.owner(block) {
-            Some(owner) => Err(Control::Moved { block, owner, epoch: shard.placement.epoch }.into()),
-            None => Err(error(
-                ErrorCode::UnknownBlock,
-                format!("block {block} does not exist: the model has {} blocks", shard.partition.blocks.len()),
-            )),
-        },
+/// Why a request cannot be served here.
+enum Refusal {
+    /// No assignment yet.
+    NotReady,
+    /// Another server owns the block.
+    Moved { owner: u32, epoch: u64 },
+    /// The model has no such block.
+    Unknown { blocks: usize },
+}
+
+impl Refusal {
+    fn reply(self, block: BlockId) -> Message {
+        match self {
+            Refusal::NotReady => error(ErrorCode::NotReady, "this server holds no blocks yet: the model is not placed"),
+            Refusal::Moved { owner, epoch } => Control::Moved { block, owner, epoch }.into(),
+            Refusal::Unknown { blocks } => {
+                error(ErrorCode::UnknownBlock, format!("block {block} does not exist: the model has {blocks} blocks"))
+            }
+        }
+    }
+}
+
+/// Runs `f` on the block's state machine, or says why the block is not here.
+fn with_block<R>(
+    state: &State,
+    block: BlockId,
+    f: impl FnOnce(&Shard, &Mutex<Block<ReplyTo>>) -> R,
+) -> Result<R, Refusal> {
+    let shard = current(state).ok_or(Refusal::NotReady)?;
+    match (shard.blocks.get(&block), shard.placement.owner(block)) {
+        (Some(b), _) => Ok(f(&shard, b)),
+        (None, Some(owner)) => Err(Refusal::Moved { owner, epoch: shard.placement.epoch }),
+        (None, None) => Err(Refusal::Unknown { blocks: shard.partition.blocks.len() }),
     }
 }
 
@@ -293,7 +312,7 @@ fn push(state: &State, rank: u32, block: BlockId, clock: u32, values: &Values) -
             Message::PushAck { block, clock }
         }
         Ok(Err(e)) => error(ErrorCode::BadRequest, e.to_string()),
-        Err(reply) => reply,
+        Err(refusal) => refusal.reply(block),
     }
 }
 
@@ -307,7 +326,7 @@ fn pull(state: &State, rank: u32, block: BlockId, clock: u32, to: ReplyTo) -> Op
         }
         Ok(Ok(None)) => None,
         Ok(Err(e)) => Some(error(ErrorCode::BadRequest, e.to_string())),
-        Err(reply) => Some(reply),
+        Err(refusal) => Some(refusal.reply(block)),
     }
 }
 

@@ -1,17 +1,37 @@
 //! `elasticps bench ...`: benchmarks that compare side by side in one run and print ratios.
+//!
+//! - [`transport`]: push/pull throughput and latency of the parameter server against the
+//!   same bytes over plain TCP socket pairs (`elasticps bench transport`).
+//! - [`sink`]: the raw TCP peer of that comparison, a separate process
+//!   (`elasticps bench tcp-sink`, hidden) so both sides pay the same process costs.
+//! - [`stats`]: latency percentiles and rates.
 
 use clap::Subcommand;
+
+pub mod sink;
+pub mod stats;
+pub mod transport;
 
 /// The benchmarks.
 #[derive(Subcommand, Debug)]
 pub enum BenchCmd {
     /// Push/pull throughput and latency against raw TCP.
-    Transport,
+    Transport(transport::TransportCmd),
+    /// The raw TCP peer of `bench transport` (started by it; not for direct use).
+    #[command(hide = true)]
+    TcpSink(sink::SinkCmd),
 }
 
 /// Runs a benchmark.
 pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
-        BenchCmd::Transport => anyhow::bail!("not yet"),
+        BenchCmd::Transport(cmd) => transport::run(cmd).await,
+        BenchCmd::TcpSink(cmd) => sink::run(cmd).await,
     }
+}
+
+/// A tokio runtime with `threads` worker threads, like the one every role process runs
+/// on (`main.rs` gives the launcher-style commands, `bench` among them, a single thread).
+pub fn multi_thread_runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?)
 }

@@ -133,21 +133,17 @@ pub struct CurvePoint {
 /// `dir`, creating the directory (and its parents) if needed. Existing files
 /// of those names are overwritten.
 pub fn write(dir: &Path, report: &Report) -> anyhow::Result<()> {
-    fs::create_dir_all(dir)
-        .with_context(|| format!("creating report directory {}", dir.display()))?;
+    fs::create_dir_all(dir).with_context(|| format!("creating report directory {}", dir.display()))?;
 
     let json_path = dir.join(REPORT_JSON);
     let json = serde_json::to_string_pretty(report).context("serializing report to JSON")?;
-    fs::write(&json_path, json + "\n")
-        .with_context(|| format!("writing {}", json_path.display()))?;
+    fs::write(&json_path, json + "\n").with_context(|| format!("writing {}", json_path.display()))?;
 
     let md_path = dir.join(SUMMARY_MD);
-    fs::write(&md_path, summary::render(report))
-        .with_context(|| format!("writing {}", md_path.display()))?;
+    fs::write(&md_path, summary::render(report)).with_context(|| format!("writing {}", md_path.display()))?;
 
     let png_path = dir.join(CURVES_PNG);
-    plot::draw_curves(&png_path, &report.curve)
-        .with_context(|| format!("drawing {}", png_path.display()))?;
+    plot::draw_curves(&png_path, &report.curve).with_context(|| format!("drawing {}", png_path.display()))?;
     Ok(())
 }
 
@@ -170,10 +166,8 @@ mod tests {
     impl TempDir {
         fn new(tag: &str) -> Self {
             static N: AtomicU32 = AtomicU32::new(0);
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0);
+            let nanos =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
             let dir = std::env::temp_dir().join(format!(
                 "elasticps-report-{tag}-{}-{nanos}-{}",
                 std::process::id(),
@@ -216,25 +210,12 @@ mod tests {
                 let t_s = it as f64 * secs_per_iter + 0.002 * rank as f64;
                 let base = 0.12 + 2.18 * (-(it as f64) / 70.0).exp();
                 let noise = (rng.next_f64() - 0.5) * 0.35 * base;
-                let test_accuracy = (rank == 0 && it % 50 == 0).then(|| {
-                    0.1 + 0.87 * (1.0 - (-(it as f64) / 80.0).exp()) + (rng.next_f64() - 0.5) * 0.01
-                });
-                curve.push(CurvePoint {
-                    t_s,
-                    iteration: it,
-                    rank,
-                    loss: Some(base + noise),
-                    test_accuracy,
-                });
+                let test_accuracy = (rank == 0 && it % 50 == 0)
+                    .then(|| 0.1 + 0.87 * (1.0 - (-(it as f64) / 80.0).exp()) + (rng.next_f64() - 0.5) * 0.01);
+                curve.push(CurvePoint { t_s, iteration: it, rank, loss: Some(base + noise), test_accuracy });
             }
         }
-        curve.push(CurvePoint {
-            t_s: 12.4,
-            iteration: iters,
-            rank: 0,
-            loss: None,
-            test_accuracy: Some(0.9712),
-        });
+        curve.push(CurvePoint { t_s: 12.4, iteration: iters, rank: 0, loss: None, test_accuracy: Some(0.9712) });
         Report {
             config: serde_json::json!({
                 "workers": 4,
@@ -284,11 +265,7 @@ mod tests {
         let w = u32::from_be_bytes(bytes[16..20].try_into().unwrap());
         let h = u32::from_be_bytes(bytes[20..24].try_into().unwrap());
         assert_eq!((w, h), (width, height), "PNG dimensions");
-        assert_eq!(
-            &bytes[bytes.len() - 8..bytes.len() - 4],
-            b"IEND",
-            "ends with IEND"
-        );
+        assert_eq!(&bytes[bytes.len() - 8..bytes.len() - 4], b"IEND", "ends with IEND");
     }
 
     #[test]
@@ -309,17 +286,10 @@ mod tests {
                 .filter(|l| l.starts_with('|'))
                 .find(|l| l.split('|').nth(1).map(str::trim) == Some(&s.id.to_string()));
             let row = row.unwrap_or_else(|| panic!("no row for server {}:\n{md}", s.id));
-            assert!(
-                row.contains(&s.sync) && row.contains(&s.pulls_held.to_string()),
-                "{row}"
-            );
+            assert!(row.contains(&s.sync) && row.contains(&s.pulls_held.to_string()), "{row}");
         }
         for w in &report.workers {
-            assert!(
-                md.contains(&format!("{:.4}", w.final_loss)),
-                "worker {}:\n{md}",
-                w.rank
-            );
+            assert!(md.contains(&format!("{:.4}", w.final_loss)), "worker {}:\n{md}", w.rank);
         }
 
         let png = tmp.0.join(CURVES_PNG);
@@ -338,8 +308,7 @@ mod tests {
         report.config = serde_json::Value::Null;
         write(&tmp.0, &report).expect("write report");
         assert_png(&tmp.0.join(CURVES_PNG), plot::WIDTH, plot::HEIGHT);
-        let back: Report =
-            serde_json::from_str(&fs::read_to_string(tmp.0.join(REPORT_JSON)).unwrap()).unwrap();
+        let back: Report = serde_json::from_str(&fs::read_to_string(tmp.0.join(REPORT_JSON)).unwrap()).unwrap();
         assert_eq!(back, report);
     }
 
@@ -355,17 +324,13 @@ mod tests {
             test_accuracy: acc,
         };
         // A single point, a diverged (NaN / inf) loss, no accuracy at all.
-        report.curve = vec![
-            p(0.0, Some(2.3), None),
-            p(0.0, Some(f64::NAN), None),
-            p(f64::INFINITY, Some(f64::INFINITY), None),
-        ];
+        report.curve =
+            vec![p(0.0, Some(2.3), None), p(0.0, Some(f64::NAN), None), p(f64::INFINITY, Some(f64::INFINITY), None)];
         report.test_loss = f64::NAN;
         write(&tmp.0, &report).expect("write report");
         assert_png(&tmp.0.join(CURVES_PNG), plot::WIDTH, plot::HEIGHT);
         // NaN is written as null and read back as NaN.
-        let back: Report =
-            serde_json::from_str(&fs::read_to_string(tmp.0.join(REPORT_JSON)).unwrap()).unwrap();
+        let back: Report = serde_json::from_str(&fs::read_to_string(tmp.0.join(REPORT_JSON)).unwrap()).unwrap();
         assert!(back.test_loss.is_nan());
         assert_eq!(back.curve[1].loss, None);
 

@@ -93,18 +93,12 @@ pub fn draw_curves(path: &Path, curve: &[CurvePoint]) -> anyhow::Result<()> {
     draw_loss_panel(&panels[0], curve, time.clone()).context("drawing the loss panel")?;
     draw_accuracy_panel(&panels[1], curve, time).context("drawing the accuracy panel")?;
 
-    root.present()
-        .map_err(plot_err)
-        .with_context(|| format!("saving {}", path.display()))
+    root.present().map_err(plot_err).with_context(|| format!("saving {}", path.display()))
 }
 
 type Panel<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 
-fn draw_loss_panel(
-    area: &Panel<'_>,
-    curve: &[CurvePoint],
-    time: std::ops::Range<f64>,
-) -> anyhow::Result<()> {
+fn draw_loss_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::Range<f64>) -> anyhow::Result<()> {
     let series = by_rank(curve, |p| p.loss);
     let values = series.values().flatten().map(|&(_, y)| y);
     let (lo, hi) = padded_range(values, 0.05).unwrap_or((0.0, 1.0));
@@ -148,31 +142,20 @@ fn draw_loss_panel(
     for (i, (rank, points)) in series.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
         // Raw samples, faint, behind the smoothed line.
-        chart
-            .draw_series(LineSeries::new(
-                points.iter().copied(),
-                color.mix(0.3).stroke_width(1),
-            ))
-            .map_err(plot_err)?;
+        chart.draw_series(LineSeries::new(points.iter().copied(), color.mix(0.3).stroke_width(1))).map_err(plot_err)?;
         let smoothed = moving_average(points, smoothing_half_window(points.len()));
-        let drawn = chart
-            .draw_series(LineSeries::new(smoothed, color.stroke_width(2)))
-            .map_err(plot_err)?;
+        let drawn = chart.draw_series(LineSeries::new(smoothed, color.stroke_width(2))).map_err(plot_err)?;
         if labelled < MAX_LEGEND_ENTRIES {
             labelled += 1;
-            drawn.label(format!("worker {rank}")).legend(move |(x, y)| {
-                PathElement::new([(x, y), (x + 22, y)], color.stroke_width(3))
-            });
+            drawn
+                .label(format!("worker {rank}"))
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 22, y)], color.stroke_width(3)));
         }
     }
     legend(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
-fn draw_accuracy_panel(
-    area: &Panel<'_>,
-    curve: &[CurvePoint],
-    time: std::ops::Range<f64>,
-) -> anyhow::Result<()> {
+fn draw_accuracy_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::Range<f64>) -> anyhow::Result<()> {
     let series: BTreeMap<u32, Vec<(f64, f64)>> = by_rank(curve, |p| p.test_accuracy)
         .into_iter()
         .map(|(rank, pts)| (rank, pts.into_iter().map(|(t, a)| (t, a * 100.0)).collect()))
@@ -217,18 +200,11 @@ fn draw_accuracy_panel(
     for (i, (rank, points)) in series.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
         let drawn = chart
-            .draw_series(
-                LineSeries::new(points.iter().copied(), color.filled().stroke_width(2))
-                    .point_size(4),
-            )
+            .draw_series(LineSeries::new(points.iter().copied(), color.filled().stroke_width(2)).point_size(4))
             .map_err(plot_err)?;
         if labelled < MAX_LEGEND_ENTRIES {
             labelled += 1;
-            let label = if single {
-                "test accuracy".to_string()
-            } else {
-                format!("test accuracy (rank {rank})")
-            };
+            let label = if single { "test accuracy".to_string() } else { format!("test accuracy (rank {rank})") };
             drawn.label(label).legend(move |(x, y)| {
                 EmptyElement::at((x, y))
                     + PathElement::new([(0, 0), (22, 0)], color.stroke_width(2))
@@ -237,9 +213,7 @@ fn draw_accuracy_panel(
         }
         // Annotate the final value, just above and left of the last marker.
         if let Some(&(t, acc)) = points.last() {
-            let style = TextStyle::from((FONT, 15).into_font())
-                .color(&color)
-                .pos(Pos::new(HPos::Right, VPos::Bottom));
+            let style = TextStyle::from((FONT, 15).into_font()).color(&color).pos(Pos::new(HPos::Right, VPos::Bottom));
             chart
                 .draw_series(std::iter::once(
                     EmptyElement::at((t, acc)) + Text::new(format!("{acc:.2}%"), (-6, -6), style),
@@ -250,13 +224,9 @@ fn draw_accuracy_panel(
     legend(&mut chart, SeriesLabelPosition::LowerRight)
 }
 
-type Chart<'a, 'b> =
-    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
-fn legend<'a, 'b: 'a>(
-    chart: &mut Chart<'a, 'b>,
-    position: SeriesLabelPosition,
-) -> anyhow::Result<()> {
+fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, position: SeriesLabelPosition) -> anyhow::Result<()> {
     chart
         .configure_series_labels()
         .position(position)
@@ -272,20 +242,13 @@ fn legend<'a, 'b: 'a>(
 fn no_data(chart: &Chart<'_, '_>, message: &str) -> anyhow::Result<()> {
     let area = chart.plotting_area();
     let (w, h) = area.dim_in_pixel();
-    let style = TextStyle::from((FONT, 18).into_font())
-        .color(&MUTED_TEXT)
-        .pos(Pos::new(HPos::Center, VPos::Center));
-    area.strip_coord_spec()
-        .draw_text(message, &style, (w as i32 / 2, h as i32 / 2))
-        .map_err(plot_err)
+    let style = TextStyle::from((FONT, 18).into_font()).color(&MUTED_TEXT).pos(Pos::new(HPos::Center, VPos::Center));
+    area.strip_coord_spec().draw_text(message, &style, (w as i32 / 2, h as i32 / 2)).map_err(plot_err)
 }
 
 /// Groups the finite `(t_s, value)` pairs selected by `value` by rank, each
 /// group sorted by time.
-fn by_rank(
-    curve: &[CurvePoint],
-    value: impl Fn(&CurvePoint) -> Option<f64>,
-) -> BTreeMap<u32, Vec<(f64, f64)>> {
+fn by_rank(curve: &[CurvePoint], value: impl Fn(&CurvePoint) -> Option<f64>) -> BTreeMap<u32, Vec<(f64, f64)>> {
     let mut out: BTreeMap<u32, Vec<(f64, f64)>> = BTreeMap::new();
     for p in curve {
         if let Some(v) = value(p)
@@ -304,14 +267,9 @@ fn by_rank(
 /// The time axis shared by both panels: from `min(0, first)` to 3% past the last
 /// finite timestamp (at least one second wide when there is no data).
 fn time_range(curve: &[CurvePoint]) -> std::ops::Range<f64> {
-    let times = curve
-        .iter()
-        .filter(|p| p.loss.is_some() || p.test_accuracy.is_some())
-        .map(|p| p.t_s)
-        .filter(|t| t.is_finite());
-    let (min, max) = times.fold((0.0f64, f64::NEG_INFINITY), |(lo, hi), t| {
-        (lo.min(t), hi.max(t))
-    });
+    let times =
+        curve.iter().filter(|p| p.loss.is_some() || p.test_accuracy.is_some()).map(|p| p.t_s).filter(|t| t.is_finite());
+    let (min, max) = times.fold((0.0f64, f64::NEG_INFINITY), |(lo, hi), t| (lo.min(t), hi.max(t)));
     if max.is_finite() && max > min {
         min..max + (max - min) * 0.03
     } else if max.is_finite() {
@@ -324,9 +282,7 @@ fn time_range(curve: &[CurvePoint]) -> std::ops::Range<f64> {
 /// `[min, max]` of `values` widened by `pad` of the span on both sides (or by
 /// a sensible amount when all values are equal); `None` when empty.
 fn padded_range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64)> {
-    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
-        (lo.min(v), hi.max(v))
-    });
+    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
     if !lo.is_finite() || !hi.is_finite() {
         return None;
     }
@@ -343,9 +299,7 @@ fn padded_range(values: impl Iterator<Item = f64>, pad: f64) -> Option<(f64, f64
 /// below and 5 above with a little headroom, clamped to `0..=100` (unless the
 /// data itself leaves that range), and at least 10 points wide.
 fn percent_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (min, max) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
-        (lo.min(v), hi.max(v))
-    });
+    let (min, max) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
     if !min.is_finite() || !max.is_finite() {
         return (0.0, 100.0);
     }
@@ -421,9 +375,7 @@ mod tests {
 
     #[test]
     fn moving_average_smooths_and_keeps_times() {
-        let pts: Vec<(f64, f64)> = (0..5)
-            .map(|i| (i as f64, if i % 2 == 0 { 0.0 } else { 2.0 }))
-            .collect();
+        let pts: Vec<(f64, f64)> = (0..5).map(|i| (i as f64, if i % 2 == 0 { 0.0 } else { 2.0 })).collect();
         let s = moving_average(&pts, 1);
         assert_eq!(s.len(), 5);
         assert_eq!(s[0], (0.0, 1.0));
@@ -446,13 +398,7 @@ mod tests {
         assert_eq!(padded_range(std::iter::empty(), 0.05), None);
         let (lo, hi) = padded_range([2.0, 2.0].into_iter(), 0.05).unwrap();
         assert!(lo < 2.0 && hi > 2.0);
-        let p = |t_s: f64| CurvePoint {
-            t_s,
-            iteration: 0,
-            rank: 0,
-            loss: Some(1.0),
-            test_accuracy: None,
-        };
+        let p = |t_s: f64| CurvePoint { t_s, iteration: 0, rank: 0, loss: Some(1.0), test_accuracy: None };
         assert_eq!(time_range(&[]), 0.0..1.0);
         assert_eq!(time_range(&[p(0.0)]), 0.0..1.0);
         assert_eq!(time_range(&[p(f64::NAN), p(3.0)]).start, 0.0);

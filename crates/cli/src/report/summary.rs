@@ -14,11 +14,7 @@ pub fn render(report: &Report) -> String {
     // Headline numbers.
     let _ = writeln!(md, "- **Test accuracy:** {}", percent(report.test_accuracy));
     let _ = writeln!(md, "- **Test loss:** {}", fixed(report.test_loss, 4));
-    let _ = writeln!(
-        md,
-        "- **Throughput:** {} samples/s",
-        thousands(report.samples_per_sec, 1)
-    );
+    let _ = writeln!(md, "- **Throughput:** {} samples/s", thousands(report.samples_per_sec, 1));
     let _ = writeln!(md, "- **Wall time:** {} s", fixed(report.wall_s, 2));
     let _ = writeln!(md, "- **Iterations per worker:** {}", report.iterations);
     let _ = writeln!(
@@ -75,26 +71,12 @@ pub fn render(report: &Report) -> String {
                     s.pulls.to_string(),
                     s.pulls_held.to_string(),
                     thousands(s.hold_ms, 1),
-                    if s.pulls_held > 0 {
-                        fixed(s.hold_ms / s.pulls_held as f64, 2)
-                    } else {
-                        "-".into()
-                    },
+                    if s.pulls_held > 0 { fixed(s.hold_ms / s.pulls_held as f64, 2) } else { "-".into() },
                 ]
             })
             .collect();
         md.push_str(&markdown_table(
-            &[
-                "id",
-                "sync",
-                "blocks",
-                "bytes",
-                "pushes",
-                "pulls",
-                "pulls held",
-                "hold ms",
-                "ms / held pull",
-            ],
+            &["id", "sync", "blocks", "bytes", "pushes", "pulls", "pulls held", "hold ms", "ms / held pull"],
             &rows,
         ));
     }
@@ -115,30 +97,19 @@ pub fn render(report: &Report) -> String {
                     w.rank.to_string(),
                     w.iterations.to_string(),
                     thousands(w.wait_ms, 1),
-                    if wall_ms > 0.0 {
-                        percent(w.wait_ms / wall_ms)
-                    } else {
-                        "-".into()
-                    },
+                    if wall_ms > 0.0 { percent(w.wait_ms / wall_ms) } else { "-".into() },
                     fixed(w.final_loss, 4),
                 ]
             })
             .collect();
-        md.push_str(&markdown_table(
-            &["rank", "iterations", "wait ms", "wait / wall", "final loss"],
-            &rows,
-        ));
+        md.push_str(&markdown_table(&["rank", "iterations", "wait ms", "wait / wall", "final loss"], &rows));
     }
     md.push('\n');
 
     // Curves.
     md.push_str("## Curves\n\n");
     let with_loss = report.curve.iter().filter(|p| p.loss.is_some()).count();
-    let with_acc = report
-        .curve
-        .iter()
-        .filter(|p| p.test_accuracy.is_some())
-        .count();
+    let with_acc = report.curve.iter().filter(|p| p.test_accuracy.is_some()).count();
     let _ = writeln!(
         md,
         "{} curve points ({with_loss} with training loss, {with_acc} with test accuracy).\n",
@@ -151,20 +122,12 @@ pub fn render(report: &Report) -> String {
 
 /// `0.97123` -> `"97.12%"`; non-finite values -> `"n/a"`.
 fn percent(fraction: f64) -> String {
-    if fraction.is_finite() {
-        format!("{:.2}%", fraction * 100.0)
-    } else {
-        "n/a".into()
-    }
+    if fraction.is_finite() { format!("{:.2}%", fraction * 100.0) } else { "n/a".into() }
 }
 
 /// Fixed-point with `decimals` digits; non-finite values -> `"n/a"`.
 fn fixed(x: f64, decimals: usize) -> String {
-    if x.is_finite() {
-        format!("{x:.decimals$}")
-    } else {
-        "n/a".into()
-    }
+    if x.is_finite() { format!("{x:.decimals$}") } else { "n/a".into() }
 }
 
 /// Fixed-point with `,` thousands separators: `12345.67` -> `"12,345.7"`.
@@ -181,16 +144,8 @@ fn thousands(x: f64, decimals: usize) -> String {
         }
         grouped.push(c);
     }
-    let sign = if x < 0.0 && s.chars().any(|c| c.is_ascii_digit() && c != '0') {
-        "-"
-    } else {
-        ""
-    };
-    if frac.is_empty() {
-        format!("{sign}{grouped}")
-    } else {
-        format!("{sign}{grouped}.{frac}")
-    }
+    let sign = if x < 0.0 && s.chars().any(|c| c.is_ascii_digit() && c != '0') { "-" } else { "" };
+    if frac.is_empty() { format!("{sign}{grouped}") } else { format!("{sign}{grouped}.{frac}") }
 }
 
 /// Binary-prefixed size: `1536` -> `"1.50 KiB"`.
@@ -250,12 +205,7 @@ mod tests {
                 pulls_held: 0,
                 hold_ms: 0.0,
             }],
-            workers: vec![WorkerReport {
-                rank: 0,
-                iterations: 10,
-                wait_ms: 500.0,
-                final_loss: 0.25,
-            }],
+            workers: vec![WorkerReport { rank: 0, iterations: 10, wait_ms: 500.0, final_loss: 0.25 }],
             curve: vec![],
         };
         let md = render(&report);

@@ -20,26 +20,15 @@
 /// |  0 | bsp  | 1.0 MB |
 /// ```
 pub fn markdown_table(headers: &[&str], rows: &[Vec<String>]) -> String {
-    let ncols = rows
-        .iter()
-        .map(Vec::len)
-        .chain(std::iter::once(headers.len()))
-        .max()
-        .unwrap_or(0);
+    let ncols = rows.iter().map(Vec::len).chain(std::iter::once(headers.len())).max().unwrap_or(0);
     if ncols == 0 {
         return String::new();
     }
 
-    let header_cells: Vec<String> = (0..ncols)
-        .map(|c| escape_cell(headers.get(c).copied().unwrap_or("")))
-        .collect();
+    let header_cells: Vec<String> = (0..ncols).map(|c| escape_cell(headers.get(c).copied().unwrap_or(""))).collect();
     let body: Vec<Vec<String>> = rows
         .iter()
-        .map(|row| {
-            (0..ncols)
-                .map(|c| escape_cell(row.get(c).map(String::as_str).unwrap_or("")))
-                .collect()
-        })
+        .map(|row| (0..ncols).map(|c| escape_cell(row.get(c).map(String::as_str).unwrap_or(""))).collect())
         .collect();
 
     let mut widths: Vec<usize> = header_cells.iter().map(|h| width(h)).collect();
@@ -94,9 +83,7 @@ pub fn looks_numeric(cell: &str) -> bool {
     // Strip an optional unit suffix separated by a single space.
     let s = match s.rsplit_once(' ') {
         Some((num, unit))
-            if !unit.is_empty()
-                && unit.len() <= 4
-                && unit.chars().all(|c| c.is_ascii_alphabetic() || c == '/') =>
+            if !unit.is_empty() && unit.len() <= 4 && unit.chars().all(|c| c.is_ascii_alphabetic() || c == '/') =>
         {
             num
         }
@@ -105,10 +92,7 @@ pub fn looks_numeric(cell: &str) -> bool {
     let s = s.strip_suffix('%').unwrap_or(s);
     let cleaned: String = s.chars().filter(|&c| c != ',' && c != '_').collect();
     !cleaned.is_empty()
-        && cleaned
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_digit() || c == '-' || c == '+' || c == '.')
+        && cleaned.chars().next().is_some_and(|c| c.is_ascii_digit() || c == '-' || c == '+' || c == '.')
         && cleaned.parse::<f64>().is_ok()
 }
 
@@ -155,13 +139,8 @@ mod tests {
 
     #[test]
     fn aligned_pipes_and_numeric_right_alignment() {
-        let t = markdown_table(
-            &["id", "sync", "bytes"],
-            &[
-                row(&["0", "bsp", "1.50 MiB"]),
-                row(&["12", "async", "800 B"]),
-            ],
-        );
+        let t =
+            markdown_table(&["id", "sync", "bytes"], &[row(&["0", "bsp", "1.50 MiB"]), row(&["12", "async", "800 B"])]);
         let expected = "\
 | id | sync  |    bytes |
 |---:|:------|---------:|
@@ -170,10 +149,7 @@ mod tests {
 ";
         assert_eq!(t, expected);
         // Every line has its pipes at the same byte offsets.
-        let pipes: Vec<Vec<usize>> = t
-            .lines()
-            .map(|l| l.match_indices('|').map(|(i, _)| i).collect())
-            .collect();
+        let pipes: Vec<Vec<usize>> = t.lines().map(|l| l.match_indices('|').map(|(i, _)| i).collect()).collect();
         assert!(pipes.windows(2).all(|w| w[0] == w[1]));
     }
 
@@ -199,9 +175,7 @@ mod tests {
 
     #[test]
     fn numeric_detection() {
-        for s in [
-            "1", "-0.5", "12,345.6", "97.3%", "1.50 MiB", "12 ms", "3e-4",
-        ] {
+        for s in ["1", "-0.5", "12,345.6", "97.3%", "1.50 MiB", "12 ms", "3e-4"] {
             assert!(looks_numeric(s), "{s}");
         }
         for s in ["", "bsp", "n/a", "rank 0", "NaN", "inf"] {

@@ -5,17 +5,28 @@ mod membership;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use elasticps_wire::{Codec, Message};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 
 pub use membership::{Action, ConnId, Event, JobConfig, Membership};
 
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
 use crate::{HEARTBEAT_TIMEOUT, Micros};
+
+/// One connection as the actor sees it: where to send, and how to close it. The reader
+/// task holds a clone of the outbox too, so dropping ours alone does not close anything:
+/// `close` makes the reader task stop, which drops the last outbox, and the writer task
+/// then delivers what is queued and closes the socket.
+#[derive(Clone)]
+struct Handle {
+    out: Outbox,
+    close: Arc<Notify>,
+}
 
 /// How to start a scheduler.
 #[derive(Clone, Debug)]
@@ -37,19 +48,19 @@ pub async fn run(opts: SchedulerOptions, on_bound: impl FnOnce(SocketAddr)) -> R
         .await
         .map_err(|e| RuntimeError::io(format!("binding the scheduler's listen address {}", opts.listen), e))?;
     on_bound(listener.local_addr().map_err(|e| RuntimeError::io("reading the bound address", e))?);
-    let (events_tx, mut events) = mpsc::unbounded_channel::<(Event, Option<Outbox>)>();
+    let (events_tx, mut events) = mpsc::unbounded_channel::<(Event, Option<Handle>)>();
     let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), events_tx));
 
     let clock = Micros::new();
     let mut state = Membership::new(opts.job.clone(), HEARTBEAT_TIMEOUT.as_micros() as u64);
-    let mut conns: HashMap<ConnId, Outbox> = HashMap::new();
+    let mut conns: HashMap<ConnId, Handle> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     let outcome = loop {
         let event = tokio::select! {
             e = events.recv() => match e {
-                Some((event, outbox)) => {
-                    if let (Event::Received { conn, .. }, Some(out)) = (&event, outbox) {
-                        conns.entry(*conn).or_insert(out);
+                Some((event, handle)) => {
+                    if let (Event::Received { conn, .. }, Some(h)) = (&event, handle) {
+                        conns.entry(*conn).or_insert(h);
                     }
                     event
                 }
@@ -57,10 +68,10 @@ pub async fn run(opts: SchedulerOptions, on_bound: impl FnOnce(SocketAddr)) -> R
             },
             _ = tick.tick() => {
                 let now_us = clock.now();
-                if now_us > opts.join_timeout.as_micros() as u64 {
-                    if let Some(what) = state.waiting_for() {
-                        break Err(RuntimeError::Timeout { what, after: opts.join_timeout });
-                    }
+                if now_us > opts.join_timeout.as_micros() as u64
+                    && let Some(what) = state.waiting_for()
+                {
+                    break Err(RuntimeError::Timeout { what, after: opts.join_timeout });
                 }
                 Event::Tick { now_us }
             }
@@ -72,12 +83,14 @@ pub async fn run(opts: SchedulerOptions, on_bound: impl FnOnce(SocketAddr)) -> R
         for action in state.step(event) {
             match action {
                 Action::Send { conn, request_id, msg } => {
-                    if let Some(out) = conns.get(&conn) {
-                        let _ = out.send((request_id, msg));
+                    if let Some(h) = conns.get(&conn) {
+                        let _ = h.out.send((request_id, msg));
                     }
                 }
                 Action::Close(conn) => {
-                    conns.remove(&conn);
+                    if let Some(h) = conns.remove(&conn) {
+                        h.close.notify_one();
+                    }
                 }
                 Action::Finish { ok, reason } => finished = Some((ok, reason)),
             }
@@ -94,7 +107,7 @@ pub async fn run(opts: SchedulerOptions, on_bound: impl FnOnce(SocketAddr)) -> R
     outcome
 }
 
-async fn accept_loop(listener: TcpListener, codec: Codec, events: mpsc::UnboundedSender<(Event, Option<Outbox>)>) {
+async fn accept_loop(listener: TcpListener, codec: Codec, events: mpsc::UnboundedSender<(Event, Option<Handle>)>) {
     let mut next: ConnId = 1;
     loop {
         let (stream, addr) = match listener.accept().await {
@@ -109,12 +122,19 @@ async fn accept_loop(listener: TcpListener, codec: Codec, events: mpsc::Unbounde
         next += 1;
         let (mut reader, out) = conn::split(stream, codec.clone(), addr.to_string());
         let events = events.clone();
+        let close = Arc::new(Notify::new());
         tokio::spawn(async move {
             let why = loop {
-                match reader.next().await {
+                let next = tokio::select! {
+                    biased;
+                    _ = close.notified() => break "closed by the scheduler".to_string(),
+                    next = reader.next() => next,
+                };
+                match next {
                     Ok(Some((header, msg))) => {
                         let event = Event::Received { conn, request_id: header.request_id, msg };
-                        if events.send((event, Some(out.clone()))).is_err() {
+                        let handle = Handle { out: out.clone(), close: close.clone() };
+                        if events.send((event, Some(handle))).is_err() {
                             return;
                         }
                     }
@@ -123,7 +143,7 @@ async fn accept_loop(listener: TcpListener, codec: Codec, events: mpsc::Unbounde
                         tracing::warn!(peer = %addr, error = %e, "closing connection");
                         if let RuntimeError::Wire { source, .. } = &e {
                             let reply = elasticps_wire::ErrorReply { code: source.code(), message: source.to_string() };
-                            let _ = out.send((0, Message::Error(reply)));
+                            let _ = out.send((reader.refused_request_id(), Message::Error(reply)));
                         }
                         break e.to_string();
                     }

@@ -1,0 +1,717 @@
+//! `elasticps bench transport`: push and pull throughput and latency of the parameter
+//! server, next to the same bytes over plain TCP socket pairs, in one run.
+//!
+//! For each topology (servers x workers) and payload size:
+//!
+//! 1. A local cluster (scheduler and servers as child processes, `--sync asp`, sgd, so
+//!    no pull is ever held) and one in-process [`Client`] per worker, each on its own
+//!    task of a 2-thread runtime (the runtime of a worker process). Each worker registers
+//!    a model of one tensor of the payload size (zeros), pushes it as often as the bounds
+//!    allow (each push waits for its ack), then pulls it as often.
+//! 2. The raw ceiling: the same directions over plain TCP to `tcp-sink` processes (one per
+//!    server, one connection per worker): a stream in 1 MiB writes (`iperf3 -l 1M`), and
+//!    request/reply round trips of the same shape as a push (payload up, 32 bytes back)
+//!    and a pull (32 bytes up, payload back).
+//!
+//! The six phases (push, pull, the two streams, the two round trips) run in turn, in
+//! several rounds, so that a disturbance from another process hits both sides of a ratio
+//! alike. Every phase is bounded by a count and a time. Throughput is the payload bytes
+//! moved by every worker over the wall time of a round, in GB/s (10^9 B/s), the median
+//! over rounds; latencies are per operation, over every worker and round.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use elasticps_core::model::{Init, TensorSpec};
+use elasticps_core::placement::PlacementKind;
+use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_wire::Codec;
+use serde::Serialize;
+use tokio::runtime::Runtime;
+use tokio::sync::{Barrier, mpsc, oneshot};
+
+use super::sink::{self, Bounds};
+use super::stats::{Lane, Measured};
+use crate::args::{JobArgs, NetArgs};
+use crate::events::Event;
+use crate::launch::{Cluster, NodeEvent};
+use crate::report::table::markdown_table;
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+/// The default block size of a job (`--block-bytes`).
+const DEFAULT_BLOCK: usize = 4 * MIB;
+/// A raw stream moves at least this many bytes (if time allows).
+const MIN_STREAM_BYTES: u64 = 256 << 20;
+
+/// `elasticps bench transport`.
+#[derive(Args, Clone, Debug)]
+pub struct TransportCmd {
+    /// A short run for CI: 4 KiB and 1 MiB only, 2 rounds of 0.1 s per phase.
+    #[arg(long)]
+    pub quick: bool,
+    /// Payload sizes, comma-separated (e.g. 4K,64K,1M,16M; K and M are powers of 2).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    pub sizes: Option<Vec<usize>>,
+    /// Topologies, servers x workers, comma-separated (e.g. 1x1,2x2).
+    #[arg(long, value_delimiter = ',', value_parser = parse_topology)]
+    pub topologies: Option<Vec<Topology>>,
+    /// Rounds of every phase (default 5, quick 2).
+    #[arg(long)]
+    pub rounds: Option<u32>,
+    /// Time bound of each phase in each round, in seconds (default 0.2, quick 0.1).
+    #[arg(long)]
+    pub seconds: Option<f64>,
+    /// Worker threads of the runtime that drives the workers and the raw senders.
+    #[arg(long, default_value_t = 2)]
+    pub driver_threads: usize,
+    /// Write bench-transport.json, bench-transport.md and the nodes' logs here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Transport settings of the cluster.
+    #[command(flatten)]
+    pub net: NetArgs,
+}
+
+/// Servers x workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Topology {
+    /// Server processes.
+    pub servers: u32,
+    /// Workers (tasks of this process).
+    pub workers: u32,
+}
+
+impl std::fmt::Display for Topology {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.servers, self.workers)
+    }
+}
+
+fn parse_topology(s: &str) -> Result<Topology, String> {
+    let (a, b) = s.trim().split_once(['x', 'X']).ok_or_else(|| format!("{s:?}: expected SERVERSxWORKERS, e.g. 2x2"))?;
+    let n = |v: &str| v.trim().parse::<u32>().ok().filter(|n| (1..=16).contains(n));
+    match (n(a), n(b)) {
+        (Some(servers), Some(workers)) => Ok(Topology { servers, workers }),
+        _ => Err(format!("{s:?}: servers and workers must be whole numbers from 1 to 16")),
+    }
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let (num, mult) = if let Some(n) = lower.strip_suffix("kib").or_else(|| lower.strip_suffix('k')) {
+        (n, KIB)
+    } else if let Some(n) = lower.strip_suffix("mib").or_else(|| lower.strip_suffix('m')) {
+        (n, MIB)
+    } else {
+        (lower.as_str(), 1)
+    };
+    let n: usize = num.trim().parse().map_err(|_| format!("{s:?}: expected a size such as 4096, 64K or 16M"))?;
+    let bytes = n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))?;
+    if bytes == 0 || bytes % 4 != 0 || bytes > 256 * MIB {
+        return Err(format!("{s:?}: a payload is a positive whole number of f32s, at most 256 MiB"));
+    }
+    Ok(bytes)
+}
+
+/// `4 KiB`, `16 MiB`.
+pub fn size_name(bytes: usize) -> String {
+    if bytes.is_multiple_of(MIB) {
+        format!("{} MiB", bytes / MIB)
+    } else if bytes.is_multiple_of(KIB) {
+        format!("{} KiB", bytes / KIB)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// What is run, resolved from the flags.
+#[derive(Clone, Debug, Serialize)]
+struct Plan {
+    quick: bool,
+    sizes: Vec<usize>,
+    topologies: Vec<Topology>,
+    rounds: u32,
+    seconds: f64,
+    driver_threads: usize,
+}
+
+impl Plan {
+    fn new(cmd: &TransportCmd) -> anyhow::Result<Self> {
+        let sizes = cmd
+            .sizes
+            .clone()
+            .unwrap_or_else(|| if cmd.quick { vec![4 * KIB, MIB] } else { vec![4 * KIB, 64 * KIB, MIB, 16 * MIB] });
+        let topologies = cmd
+            .topologies
+            .clone()
+            .unwrap_or_else(|| vec![Topology { servers: 1, workers: 1 }, Topology { servers: 2, workers: 2 }]);
+        let rounds = cmd.rounds.unwrap_or(if cmd.quick { 2 } else { 5 });
+        let seconds = cmd.seconds.unwrap_or(if cmd.quick { 0.1 } else { 0.2 });
+        anyhow::ensure!((1..=1000).contains(&rounds), "--rounds must be from 1 to 1000");
+        anyhow::ensure!(seconds > 0.0 && seconds <= 600.0, "--seconds must be in (0, 600]");
+        anyhow::ensure!(!sizes.is_empty() && !topologies.is_empty(), "nothing to measure");
+        anyhow::ensure!((1..=64).contains(&cmd.driver_threads), "--driver-threads must be from 1 to 64");
+        let max_frame = cmd.net.max_frame_mib as usize * MIB;
+        for &size in &sizes {
+            for t in &topologies {
+                anyhow::ensure!(
+                    size.is_multiple_of(4 * t.servers as usize),
+                    "{} cannot be cut into {} blocks of whole f32s",
+                    size_name(size),
+                    t.servers
+                );
+                anyhow::ensure!(
+                    block_bytes(size, *t) <= max_frame,
+                    "a {} block exceeds --max-frame-mib",
+                    size_name(block_bytes(size, *t))
+                );
+            }
+        }
+        Ok(Plan { quick: cmd.quick, sizes, topologies, rounds, seconds, driver_threads: cmd.driver_threads })
+    }
+
+    fn time(&self) -> Duration {
+        Duration::from_secs_f64(self.seconds)
+    }
+
+    /// Count bound of a phase in one round: 1 GiB of payload (256 MiB in quick mode), at
+    /// least 10 and at most 50 000 operations. The time bound usually ends a phase first.
+    fn bounds(&self, size: usize) -> Bounds {
+        let budget: u64 = if self.quick { 256 << 20 } else { 1 << 30 };
+        Bounds { count: (budget / size as u64).clamp(10, 50_000), time: self.time() }
+    }
+
+    /// Untimed operations per worker before the first round (and per raw connection).
+    fn warmup(&self, size: usize) -> u64 {
+        if size >= 4 * MIB { 3 } else { 20 }
+    }
+}
+
+/// The block size of a payload's job: the whole payload in one block per server (so
+/// with two servers, each owns half of it), at most the default 4 MiB.
+fn block_bytes(size: usize, t: Topology) -> usize {
+    (size / t.servers as usize).min(DEFAULT_BLOCK)
+}
+
+/// One line of the result.
+#[derive(Clone, Debug, Serialize)]
+struct Row {
+    size: usize,
+    topology: Topology,
+    /// push, pull, tcp rr up, tcp rr down, tcp stream up, tcp stream down.
+    op: &'static str,
+    /// Blocks of the model and their size (push and pull only).
+    blocks: Option<usize>,
+    block_bytes: Option<usize>,
+    #[serde(flatten)]
+    measured: Measured,
+    /// GB/s over the raw TCP stream of the same direction.
+    ratio: f64,
+}
+
+/// Everything a run produced.
+#[derive(Clone, Debug, Serialize)]
+struct Output {
+    command: String,
+    machine: Machine,
+    plan: Plan,
+    rows: Vec<Row>,
+    targets: Vec<Target>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Machine {
+    nproc: usize,
+    cpu: String,
+    kernel: String,
+    /// /proc/loadavg before and after the run: other work on the machine skews it.
+    loadavg_before: String,
+    loadavg_after: String,
+}
+
+impl Machine {
+    fn probe(loadavg_before: String) -> Self {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown".into());
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map_or_else(|_| "unknown".into(), |s| s.trim().into());
+        let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Machine { nproc, cpu, kernel, loadavg_before, loadavg_after: loadavg() }
+    }
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg").map_or_else(|_| "unknown".into(), |s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+}
+
+/// One target of the issue, checked against the measurements.
+#[derive(Clone, Debug, Serialize)]
+struct Target {
+    what: String,
+    measured: String,
+    met: bool,
+}
+
+/// Runs the benchmark and prints the table.
+pub async fn run(cmd: TransportCmd) -> anyhow::Result<()> {
+    let plan = Plan::new(&cmd)?;
+    let log_dir = match &cmd.out {
+        Some(dir) => dir.join("logs"),
+        None => std::env::temp_dir().join(format!("elasticps-bench-{}", std::process::id())),
+    };
+    let driver = super::multi_thread_runtime(plan.driver_threads)?;
+    let started = Instant::now();
+    let load_before = loadavg();
+    let result = measure_all(&driver, &plan, &cmd.net, &log_dir).await;
+    // Dropping a runtime blocks; this is an async context.
+    driver.shutdown_background();
+    let rows = result?;
+    let out = Output {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine: Machine::probe(load_before),
+        targets: targets(&rows),
+        plan,
+        rows,
+    };
+    let md = render(&out, started.elapsed());
+    print!("{md}");
+    if let Some(dir) = &cmd.out {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let json = serde_json::to_string_pretty(&out)?;
+        std::fs::write(dir.join("bench-transport.json"), json + "\n").context("writing bench-transport.json")?;
+        std::fs::write(dir.join("bench-transport.md"), &md).context("writing bench-transport.md")?;
+        println!("\nwritten to {}", dir.display());
+    }
+    Ok(())
+}
+
+async fn measure_all(driver: &Runtime, plan: &Plan, net: &NetArgs, log_dir: &Path) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for &topo in &plan.topologies {
+        let (_sinks, sink_addrs) = start_sinks(log_dir, topo).await?;
+        for &size in &plan.sizes {
+            eprintln!("bench transport: {topo}, {} ...", size_name(size));
+            rows.extend(measure_case(driver, plan, net, log_dir, &sink_addrs, topo, size).await?);
+        }
+    }
+    Ok(rows)
+}
+
+/// Waits for the next `listening` event of a cluster.
+async fn listening(cluster: &mut Cluster, what: &str) -> anyhow::Result<String> {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), cluster.next()).await {
+            Ok(Some(NodeEvent::Line { event: Event::Listening { addr } })) => return Ok(addr),
+            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => anyhow::bail!("{what} did not report its address within 20 s"),
+        }
+    }
+}
+
+/// One `tcp-sink` process per server of the topology.
+async fn start_sinks(log_dir: &Path, topo: Topology) -> anyhow::Result<(Cluster, Vec<String>)> {
+    let mut sinks = Cluster::new(log_dir)?;
+    for i in 0..topo.servers {
+        let args = ["bench", "tcp-sink", "--listen", "127.0.0.1:0"].map(String::from);
+        sinks.spawn(&format!("tcp-sink {topo} {i}"), &args, &[])?;
+    }
+    let mut addrs = Vec::new();
+    for _ in 0..topo.servers {
+        addrs.push(listening(&mut sinks, "a tcp sink").await?);
+    }
+    Ok((sinks, addrs))
+}
+
+/// The six phases of one topology and payload size, in rounds.
+async fn measure_case(
+    driver: &Runtime,
+    plan: &Plan,
+    net: &NetArgs,
+    log_dir: &Path,
+    sinks: &[String],
+    topo: Topology,
+    size: usize,
+) -> anyhow::Result<Vec<Row>> {
+    let tag = format!("{topo} {}", size_name(size).replace(' ', ""));
+    let mut cluster = start_cluster(net, log_dir, topo, size, &tag).await?;
+    let addr = cluster.1.clone();
+    let cluster = &mut cluster.0;
+    let b = plan.bounds(size);
+    let warmup = plan.warmup(size);
+    let workers =
+        guarded(cluster, PsWorkers::start(driver, addr, net.codec(), topo.workers, size, warmup)).await.context("starting the workers")?;
+    let total = (b.count * size as u64).max(MIN_STREAM_BYTES);
+    let lanes = topo.workers as usize;
+    let sink = |i: usize| sinks[i % sinks.len()].clone();
+    // push, pull, stream up, stream down, rr up, rr down.
+    let mut rounds: [Vec<Vec<Lane>>; 6] = Default::default();
+    for _ in 0..plan.rounds {
+        rounds[0].push(guarded(cluster, workers.phase(Op::Push, b)).await.with_context(|| format!("{tag}: push"))?);
+        rounds[1].push(guarded(cluster, workers.phase(Op::Pull, b)).await.with_context(|| format!("{tag}: pull"))?);
+        let barrier = || Arc::new(Barrier::new(lanes));
+        let start = barrier();
+        rounds[2].push(side_by_side(driver, (0..lanes).map(|i| sink::stream_in(sink(i), total, b.time, start.clone()))).await?);
+        let start = barrier();
+        rounds[3].push(side_by_side(driver, (0..lanes).map(|i| sink::stream_out(sink(i), total, b.time, start.clone()))).await?);
+        let start = barrier();
+        rounds[4].push(side_by_side(driver, (0..lanes).map(|i| sink::ping(sink(i), size, b, warmup, start.clone()))).await?);
+        let start = barrier();
+        rounds[5].push(side_by_side(driver, (0..lanes).map(|i| sink::pong(sink(i), size, b, warmup, start.clone()))).await?);
+    }
+    let blocks = workers.blocks;
+    guarded(cluster, workers.finish()).await.with_context(|| format!("{tag}: finishing the workers"))?;
+    // Every worker finished: the scheduler ends the job and every node exits.
+    let _ = tokio::time::timeout(Duration::from_secs(10), async {
+        while !cluster.all_exited() {
+            match cluster.next().await {
+                Some(NodeEvent::Exited { node, status }) if !status.success() => {
+                    tracing::warn!("{}", cluster.failure(node, status));
+                }
+                None => break,
+                _ => {}
+            }
+        }
+    })
+    .await;
+
+    let [push, pull, stream_up, stream_down, rr_up, rr_down] = rounds.map(|r| Measured::of_rounds(&r));
+    let bb = block_bytes(size, topo);
+    let row = |op, m: &Measured, base: &Measured, ps: bool| Row {
+        size,
+        topology: topo,
+        op,
+        blocks: ps.then_some(blocks),
+        block_bytes: ps.then_some(bb),
+        measured: m.clone(),
+        ratio: if base.gbps > 0.0 { m.gbps / base.gbps } else { 0.0 },
+    };
+    Ok(vec![
+        row("push", &push, &stream_up, true),
+        row("pull", &pull, &stream_down, true),
+        row("tcp rr up", &rr_up, &stream_up, false),
+        row("tcp rr down", &rr_down, &stream_down, false),
+        row("tcp stream up", &stream_up, &stream_up, false),
+        row("tcp stream down", &stream_down, &stream_down, false),
+    ])
+}
+
+/// A scheduler and the servers of `topo` for one payload size; returns them and the
+/// scheduler's address.
+async fn start_cluster(
+    net: &NetArgs,
+    log_dir: &Path,
+    topo: Topology,
+    size: usize,
+    tag: &str,
+) -> anyhow::Result<(Cluster, String)> {
+    let job = JobArgs {
+        servers: topo.servers,
+        workers: topo.workers,
+        sync: "asp".parse()?,
+        optimizer: "sgd".parse()?,
+        lr: 0.001,
+        aggregate: false,
+        placement: PlacementKind::Range,
+        block_bytes: block_bytes(size, topo),
+        seed: 42,
+    };
+    let mut cluster = Cluster::new(log_dir)?;
+    let env = [("ELASTICPS_SECRET", net.secret.as_str())];
+    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into()];
+    args.extend(job.to_flags());
+    args.extend(net.to_flags());
+    cluster.spawn(&format!("scheduler {tag}"), &args, &env)?;
+    let addr = listening(&mut cluster, "the scheduler").await?;
+    for i in 0..topo.servers {
+        let mut args = vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
+        args.extend(net.to_flags());
+        cluster.spawn(&format!("server {i} {tag}"), &args, &env)?;
+    }
+    Ok((cluster, addr))
+}
+
+/// Runs `fut` unless a node of the cluster fails first.
+async fn guarded<T>(cluster: &mut Cluster, fut: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    tokio::select! {
+        r = fut => r,
+        e = failure(cluster) => Err(e),
+    }
+}
+
+/// Resolves when a node of the cluster fails.
+async fn failure(cluster: &mut Cluster) -> anyhow::Error {
+    loop {
+        match cluster.next().await {
+            Some(NodeEvent::Exited { node, status }) if !status.success() => return cluster.failure(node, status),
+            Some(_) => {}
+            None => return anyhow::anyhow!("the cluster's event stream ended"),
+        }
+    }
+}
+
+/// What a worker measures next.
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Push,
+    Pull,
+}
+
+/// One phase for one worker: the operation, its bounds, the barrier every worker passes
+/// before it starts, and where its lane goes.
+struct Phase {
+    op: Op,
+    bounds: Bounds,
+    start: Arc<Barrier>,
+    done: oneshot::Sender<anyhow::Result<Lane>>,
+}
+
+/// The workers of one cluster: tasks on the driver runtime, each with its own
+/// [`Client`], that run the phases they are sent.
+struct PsWorkers {
+    phases: Vec<mpsc::UnboundedSender<Phase>>,
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    blocks: usize,
+}
+
+impl PsWorkers {
+    /// Connects every worker, registers the model and warms up.
+    async fn start(driver: &Runtime, addr: String, codec: Codec, workers: u32, size: usize, warmup: u64) -> anyhow::Result<Self> {
+        let (mut phases, mut tasks, mut ready) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..workers {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let (ready_tx, ready_rx) = oneshot::channel();
+            tasks.push(driver.spawn(ps_worker(addr.clone(), codec.clone(), size, warmup, ready_tx, rx)));
+            phases.push(tx);
+            ready.push(ready_rx);
+        }
+        let mut blocks = 0;
+        for (r, task) in ready.into_iter().zip(&mut tasks) {
+            blocks = match r.await {
+                Ok(n) => n,
+                // The worker ended before it was ready: its task says why.
+                Err(_) => return Err(task.await.context("a benchmark worker panicked")?.err().unwrap_or_else(|| anyhow::anyhow!("a worker ended"))),
+            };
+        }
+        Ok(PsWorkers { phases, tasks, blocks })
+    }
+
+    /// Runs one phase on every worker side by side.
+    async fn phase(&self, op: Op, bounds: Bounds) -> anyhow::Result<Vec<Lane>> {
+        let start = Arc::new(Barrier::new(self.phases.len()));
+        let mut waits = Vec::new();
+        for tx in &self.phases {
+            let (done, rx) = oneshot::channel();
+            tx.send(Phase { op, bounds, start: start.clone(), done }).map_err(|_| anyhow::anyhow!("a benchmark worker is gone"))?;
+            waits.push(rx);
+        }
+        let mut lanes = Vec::new();
+        for rx in waits {
+            lanes.push(rx.await.map_err(|_| anyhow::anyhow!("a benchmark worker is gone"))??);
+        }
+        Ok(lanes)
+    }
+
+    /// Tells the scheduler every worker is done.
+    async fn finish(self) -> anyhow::Result<()> {
+        drop(self.phases);
+        for t in self.tasks {
+            t.await.context("a benchmark worker panicked")??;
+        }
+        Ok(())
+    }
+}
+
+async fn ps_worker(
+    addr: String,
+    codec: Codec,
+    size: usize,
+    warmup: u64,
+    ready: oneshot::Sender<usize>,
+    mut phases: mpsc::UnboundedReceiver<Phase>,
+) -> anyhow::Result<()> {
+    let mut opts = ClientOptions::new(addr);
+    opts.codec = codec;
+    opts.request_timeout = Duration::from_secs(60);
+    let mut client = Client::connect(opts).await.context("joining the job")?;
+    let rank = client.rank();
+    let tensor = TensorSpec { name: "payload".into(), shape: vec![size / 4], init: Init::Zeros };
+    client.register_model(vec![tensor]).await.context("registering the model")?;
+    let blocks = client.layout().map_or(0, |l| l.partition.blocks.len());
+    let grads = vec![vec![1e-3f32; size / 4]];
+    let mut params = client.zeros();
+    let mut clock = 0;
+    for _ in 0..warmup {
+        client.push(clock, &grads).await.with_context(|| format!("worker {rank}: warm-up push"))?;
+        clock += 1;
+        client.pull(clock, &mut params).await.with_context(|| format!("worker {rank}: warm-up pull"))?;
+    }
+    let _ = ready.send(blocks);
+
+    while let Some(Phase { op, bounds: b, start, done }) = phases.recv().await {
+        start.wait().await;
+        let mut ops = Vec::new();
+        let mut failed = None;
+        let t0 = Instant::now();
+        while (ops.len() as u64) < b.count && t0.elapsed() < b.time {
+            let t = Instant::now();
+            let r = match op {
+                Op::Push => client.push(clock, &grads).await.map(|()| clock += 1),
+                Op::Pull => client.pull(clock, &mut params).await,
+            };
+            if let Err(e) = r {
+                failed = Some(anyhow::Error::new(e).context(format!("worker {rank}: {op:?} at clock {clock}")));
+                break;
+            }
+            ops.push(t.elapsed());
+        }
+        let lane = Lane { start: t0, end: Instant::now(), bytes: ops.len() as u64 * size as u64, ops };
+        match failed {
+            None => {
+                let _ = done.send(Ok(lane));
+            }
+            Some(e) => {
+                let msg = format!("{e:#}");
+                let _ = done.send(Err(e));
+                anyhow::bail!(msg);
+            }
+        }
+    }
+    // Every value was pushed `clock` times with gradient 1e-3 and lr 1e-3 from zero.
+    anyhow::ensure!(params[0].iter().all(|v| v.is_finite() && *v < 0.0), "the pulled values are not what was pushed");
+    client.finish().await.context("finishing")?;
+    Ok(())
+}
+
+/// Runs lanes side by side on the driver runtime.
+async fn side_by_side<F>(driver: &Runtime, lanes: impl Iterator<Item = F>) -> anyhow::Result<Vec<Lane>>
+where
+    F: std::future::Future<Output = anyhow::Result<Lane>> + Send + 'static,
+{
+    let tasks: Vec<_> = lanes.map(|f| driver.spawn(f)).collect();
+    let mut done = Vec::new();
+    for t in tasks {
+        done.push(tokio::time::timeout(Duration::from_secs(120), t).await.context("a raw TCP lane hangs")??.context("raw TCP")?);
+    }
+    Ok(done)
+}
+
+/// The issue's targets, checked.
+fn targets(rows: &[Row]) -> Vec<Target> {
+    let mut out = Vec::new();
+    for r in rows.iter().filter(|r| r.size >= MIB && (r.op == "push" || r.op == "pull")) {
+        out.push(Target {
+            what: format!("{} {} at {}: at least 85% of raw TCP", r.topology, r.op, size_name(r.size)),
+            measured: format!("{:.0}%", r.ratio * 100.0),
+            met: r.ratio >= 0.85,
+        });
+    }
+    for r in rows.iter().filter(|r| r.size == 4 * KIB && (r.op == "push" || r.op == "pull")) {
+        let p50 = r.measured.p50_us.unwrap_or(f64::INFINITY);
+        out.push(Target {
+            what: format!("{} {} at 4 KiB: p50 round trip under 100 µs", r.topology, r.op),
+            measured: format!("{p50:.0} µs"),
+            met: p50 < 100.0,
+        });
+    }
+    out
+}
+
+fn render(out: &Output, took: Duration) -> String {
+    let headers = ["size", "topology", "op", "GB/s", "ratio to raw TCP", "p50 µs", "p99 µs"];
+    let us = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.1}"));
+    let rows: Vec<Vec<String>> = out
+        .rows
+        .iter()
+        .map(|r| {
+            vec![
+                size_name(r.size),
+                r.topology.to_string(),
+                r.op.to_string(),
+                format!("{:.3}", r.measured.gbps),
+                format!("{:.2}", r.ratio),
+                us(r.measured.p50_us),
+                us(r.measured.p99_us),
+            ]
+        })
+        .collect();
+    let m = &out.machine;
+    let mut s = String::new();
+    s.push_str("## bench transport\n\n");
+    s.push_str(&format!("`{}`\n\n", out.command));
+    s.push_str(&format!(
+        "{} CPUs ({}), Linux {}, loopback; {} rounds of {} s per phase, {:.0} s in all; load average {} before, {} after.\n\n",
+        m.nproc,
+        m.cpu,
+        m.kernel,
+        out.plan.rounds,
+        out.plan.seconds,
+        took.as_secs_f64(),
+        m.loadavg_before,
+        m.loadavg_after,
+    ));
+    s.push_str(&markdown_table(&headers, &rows));
+    s.push_str(
+        "\nGB/s = 10^9 payload bytes per second, summed over workers, median of the rounds; p50/p99 over every \
+         operation of every round. push/pull: one request at a time per worker, each waiting for its answer. tcp rr up/down: the same round trips over a plain socket (payload up and \
+         32 bytes back / 32 bytes up and payload back). tcp stream: 1 MiB writes, one socket per worker (the \
+         ceiling; the ratio column divides by the stream of the same direction).\n",
+    );
+    let blocks: Vec<String> = out
+        .rows
+        .iter()
+        .filter(|r| r.op == "push")
+        .filter_map(|r| {
+            Some(format!("{} {}: {} x {}", r.topology, size_name(r.size), r.blocks?, size_name(r.block_bytes?)))
+        })
+        .collect();
+    s.push_str(&format!("Blocks per model: {}.\n", blocks.join("; ")));
+    s.push_str("\nTargets:\n\n");
+    for t in &out.targets {
+        s.push_str(&format!("- [{}] {}: {}\n", if t.met { "x" } else { " " }, t.what, t.measured));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_topologies_parse() {
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("64KiB"), Ok(64 * KIB));
+        assert_eq!(parse_size("16m"), Ok(16 * MIB));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("3").is_err());
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("1G").is_err());
+        assert_eq!(parse_topology("2x2"), Ok(Topology { servers: 2, workers: 2 }));
+        assert!(parse_topology("2").is_err());
+        assert!(parse_topology("0x1").is_err());
+        assert_eq!(size_name(4096), "4 KiB");
+        assert_eq!(size_name(16 * MIB), "16 MiB");
+    }
+
+    #[test]
+    fn one_block_per_server_at_most_4_mib() {
+        let one = Topology { servers: 1, workers: 1 };
+        let two = Topology { servers: 2, workers: 2 };
+        assert_eq!(block_bytes(MIB, one), MIB);
+        assert_eq!(block_bytes(16 * MIB, one), 4 * MIB);
+        assert_eq!(block_bytes(4 * KIB, two), 2 * KIB);
+        assert_eq!(block_bytes(16 * MIB, two), 4 * MIB);
+    }
+}

@@ -1,0 +1,685 @@
+//! Bad input against live processes (DESIGN.md §5, docs/PROTOCOL.md §2, §7, §8).
+//!
+//! A node that receives a frame it cannot validate answers with an `Error` frame carrying
+//! the matching code, if it can, closes **that connection only**, and keeps serving every
+//! other connection. These tests run the scheduler and the servers as real processes of
+//! the binary, send them garbage over raw TCP connections, and check the codes, the end of
+//! the connection, and that well-behaved clients (in process, or worker processes training
+//! the MLP) carry on unharmed.
+
+use std::io::Write;
+use std::net::Shutdown;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use elasticps_core::model::{Init, TensorSpec};
+use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_wire::{
+    Codec, Control, DEFAULT_MAX_PAYLOAD, ErrorCode, FrameHeader, HEADER_LEN, Kind, MAGIC, Message, Values, checksum,
+};
+
+use crate::common::*;
+
+/// Every node of these tests runs with this cluster secret.
+const SECRET: &str = "s3cret";
+/// How long a refusal may take to arrive.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn codec() -> Codec {
+    Codec::new(SECRET.as_bytes(), DEFAULT_MAX_PAYLOAD)
+}
+
+/// 32 header bytes from raw fields, with a checksum that is correct for `secret`, so that
+/// exactly the field under test is wrong.
+fn raw_header(version: u8, kind: u8, flags: u16, request_id: u64, payload_len: u32, secret: &[u8]) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[0..4].copy_from_slice(&MAGIC);
+    h[4] = version;
+    h[5] = kind;
+    h[6..8].copy_from_slice(&flags.to_le_bytes());
+    h[8..16].copy_from_slice(&request_id.to_le_bytes());
+    h[24..28].copy_from_slice(&payload_len.to_le_bytes());
+    let sum = checksum(&h, secret);
+    h[28..32].copy_from_slice(&sum.to_le_bytes());
+    h
+}
+
+/// Deterministic noise (xorshift64*).
+fn noise(len: usize, mut seed: u64) -> Vec<u8> {
+    (0..len)
+        .map(|_| {
+            seed ^= seed >> 12;
+            seed ^= seed << 25;
+            seed ^= seed >> 27;
+            (seed.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8
+        })
+        .collect()
+}
+
+/// One way of sending a node something that is not a valid frame.
+struct Bad {
+    name: &'static str,
+    bytes: Vec<u8>,
+    /// Close our sending side after the bytes (the node sees end of stream).
+    half_close: bool,
+    /// The `Error` code the node must answer with; `None`: it answers nothing (the peer
+    /// left in the middle of a frame) and just closes.
+    expect: Option<ErrorCode>,
+    /// A word the error message must contain (a clear error, not just a code).
+    mentions: &'static str,
+    /// The request id the `Error` frame must carry: the refused frame's own when its
+    /// header was readable (magic, version and checksum held), else 0.
+    request_id: u64,
+}
+
+fn bad_frames() -> Vec<Bad> {
+    let secret = SECRET.as_bytes();
+    let c = codec();
+    let hello = Message::Control(Control::Hello { rank: 0 });
+    let (hello_head, hello_payload) = c.encode(48, &hello).expect("hello");
+
+    let mut garbage = noise(64, 0x5eed);
+    garbage[0] = b'X'; // never the magic, whatever the noise
+    let oversized =
+        c.encode_header(&FrameHeader { kind: Kind::Push, request_id: 41, block: 0, clock: 0, payload_len: 1 << 30 });
+    let (wrong_secret_head, wrong_secret_payload) =
+        Codec::new(b"not the secret", DEFAULT_MAX_PAYLOAD).encode(44, &hello).expect("hello");
+    let mut trailing = hello_head.to_vec();
+    trailing.extend_from_slice(&hello_payload);
+    trailing.push(0);
+    // The same Hello, announcing one more payload byte (so the header is valid).
+    trailing[..HEADER_LEN].copy_from_slice(&raw_header(
+        1,
+        Kind::Control as u8,
+        0,
+        48,
+        hello_payload.len() as u32 + 1,
+        secret,
+    ));
+    let truncated = {
+        let head =
+            c.encode_header(&FrameHeader { kind: Kind::Push, request_id: 49, block: 0, clock: 0, payload_len: 64 });
+        let mut v = head.to_vec();
+        v.extend_from_slice(&[0u8; 20]); // 20 of the 64 announced bytes, then end of stream
+        v
+    };
+
+    vec![
+        Bad {
+            name: "random garbage",
+            bytes: garbage,
+            half_close: false,
+            expect: Some(ErrorCode::Malformed),
+            mentions: "magic",
+            request_id: 0,
+        },
+        Bad {
+            name: "a header announcing a 1 GiB payload (header only: refused before any payload)",
+            bytes: oversized.to_vec(),
+            half_close: false,
+            expect: Some(ErrorCode::TooLarge),
+            mentions: "1073741824",
+            request_id: 41,
+        },
+        Bad {
+            name: "protocol version 2",
+            bytes: raw_header(2, Kind::Control as u8, 0, 42, 0, secret).to_vec(),
+            half_close: false,
+            expect: Some(ErrorCode::BadVersion),
+            mentions: "version 2",
+            request_id: 0,
+        },
+        Bad {
+            name: "unknown kind 99",
+            bytes: raw_header(1, 99, 0, 43, 0, secret).to_vec(),
+            half_close: false,
+            expect: Some(ErrorCode::UnknownKind),
+            mentions: "99",
+            request_id: 43,
+        },
+        Bad {
+            name: "a wrong cluster secret",
+            bytes: [&wrong_secret_head[..], &wrong_secret_payload[..]].concat(),
+            half_close: false,
+            expect: Some(ErrorCode::BadChecksum),
+            mentions: "secret",
+            request_id: 0,
+        },
+        Bad {
+            name: "reserved flags set",
+            bytes: raw_header(1, Kind::Control as u8, 1, 45, 0, secret).to_vec(),
+            half_close: false,
+            expect: Some(ErrorCode::Malformed),
+            mentions: "flags",
+            request_id: 45,
+        },
+        Bad {
+            name: "a Pull with a payload",
+            bytes: [&raw_header(1, Kind::Pull as u8, 0, 46, 4, secret)[..], &[0u8; 4][..]].concat(),
+            half_close: false,
+            expect: Some(ErrorCode::Malformed),
+            mentions: "empty",
+            request_id: 46,
+        },
+        Bad {
+            name: "an undecodable control payload",
+            bytes: [&raw_header(1, Kind::Control as u8, 0, 47, 3, secret)[..], &[0xff; 3][..]].concat(),
+            half_close: false,
+            expect: Some(ErrorCode::Malformed),
+            mentions: "postcard",
+            request_id: 47,
+        },
+        Bad {
+            name: "a control payload with a trailing byte",
+            bytes: trailing,
+            half_close: false,
+            expect: Some(ErrorCode::Malformed),
+            mentions: "trailing",
+            request_id: 48,
+        },
+        Bad {
+            name: "a frame truncated in its payload",
+            bytes: truncated,
+            half_close: true,
+            expect: None,
+            mentions: "",
+            request_id: 0,
+        },
+        Bad {
+            name: "a truncated header",
+            bytes: hello_head[..12].to_vec(),
+            half_close: true,
+            expect: None,
+            mentions: "",
+            request_id: 0,
+        },
+    ]
+}
+
+/// Sends `bad` on a new connection to `addr`; checks the refusal and that the node then
+/// closes the connection (EOF).
+fn check_refused(addr: &str, bad: &Bad) {
+    let mut s = connect_raw(addr);
+    s.write_all(&bad.bytes).unwrap_or_else(|e| panic!("{}: sending to {addr}: {e}", bad.name));
+    if bad.half_close {
+        s.shutdown(Shutdown::Write).expect("half close");
+    }
+    let c = codec();
+    if let Some(code) = bad.expect {
+        let started = Instant::now();
+        match read_reply(&mut s, &c, REPLY_TIMEOUT) {
+            Reply::Frame(h, Message::Error(e)) => {
+                assert_eq!(e.code, code, "{}: {addr} answered {e}", bad.name);
+                assert_eq!((h.block, h.clock), (0, 0), "{}: an Error frame has block and clock 0", bad.name);
+                assert_eq!(h.request_id, bad.request_id, "{}: the request id of the Error frame", bad.name);
+                assert!(
+                    e.message.contains(bad.mentions),
+                    "{}: the message {:?} should mention {:?}",
+                    bad.name,
+                    e.message,
+                    bad.mentions
+                );
+                assert!(started.elapsed() < REPLY_TIMEOUT, "{}", bad.name);
+            }
+            other => panic!("{}: expected Error {code:?} from {addr}, got {other:?}", bad.name),
+        }
+    }
+    match read_reply(&mut s, &c, REPLY_TIMEOUT) {
+        Reply::Eof => {}
+        other => panic!("{}: expected {addr} to close the connection after refusing it, got {other:?}", bad.name),
+    }
+}
+
+/// Scheduler + 2 server processes, and one in-process worker client (rank 0) that
+/// defined a tiny model with exact arithmetic: plain SGD with lr 1 and constant initial
+/// values, so every pull can be checked value for value.
+struct Tiny {
+    rt: tokio::runtime::Runtime,
+    client: Option<Client>,
+    sched: Proc,
+    servers: Vec<Proc>,
+    /// `addrs[s]`: data address of server `s`.
+    addrs: Vec<String>,
+    /// `owners[b]`: the server of block `b`.
+    owners: Vec<u32>,
+    epoch: u64,
+    /// `blocks[b]`: (tensor, offset, len).
+    blocks: Vec<(usize, usize, usize)>,
+    clock: u32,
+    expected: Vec<Vec<f32>>,
+}
+
+impl Tiny {
+    fn start() -> Tiny {
+        let (sched, addr) = start_scheduler(&[
+            "--servers",
+            "2",
+            "--workers",
+            "1",
+            "--sync",
+            "bsp",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "1",
+            "--block-bytes",
+            "16",
+            "--secret",
+            SECRET,
+            "--join-timeout-s",
+            "60",
+        ]);
+        let servers = vec![start_server(&addr, &["--secret", SECRET]), start_server(&addr, &["--secret", SECRET])];
+        let rt = tokio_rt();
+        let mut opts = ClientOptions::new(&addr);
+        opts.codec = codec();
+        opts.request_timeout = Duration::from_secs(10);
+        let tensors = vec![
+            TensorSpec { name: "w".into(), shape: vec![2, 3], init: Init::Constant(1.0) },
+            TensorSpec { name: "b".into(), shape: vec![2], init: Init::Constant(-1.0) },
+        ];
+        let client = rt.block_on(async {
+            tokio::time::timeout(START_TIMEOUT, async {
+                let mut client = Client::connect(opts).await.expect("the worker client joins");
+                client.register_model(tensors).await.expect("the model is placed");
+                client
+            })
+            .await
+            .expect("the tiny cluster starts within the start timeout")
+        });
+        let layout = client.layout().expect("a layout").clone();
+        let mut addrs = vec![String::new(); layout.servers.len()];
+        for s in &layout.servers {
+            addrs[s.id as usize] = s.addr.clone();
+        }
+        let owners = layout.placement.owners.clone();
+        assert_eq!(owners.len(), 3, "6 + 2 values in blocks of at most 4: {owners:?}");
+        assert!(owners.contains(&0) && owners.contains(&1), "both servers must own a block: {owners:?}");
+        let blocks = layout.partition.blocks.iter().map(|b| (b.tensor as usize, b.offset, b.len)).collect();
+        Tiny {
+            rt,
+            client: Some(client),
+            sched,
+            servers,
+            addrs,
+            owners,
+            epoch: layout.placement.epoch,
+            blocks,
+            clock: 0,
+            expected: vec![vec![1.0; 6], vec![-1.0; 2]],
+        }
+    }
+
+    /// One iteration of the well-behaved worker: pull (checked exactly), push 0.5 everywhere.
+    fn round(&mut self, after: &str) {
+        let t = self.clock;
+        let mut client = self.client.take().expect("the client is connected");
+        let (client, params) = self.rt.block_on(async move {
+            let mut params = client.zeros();
+            let r = tokio::time::timeout(Duration::from_secs(10), client.pull(t, &mut params)).await;
+            match r {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("pull({t}) after {after} failed: {e}"),
+                Err(_) => panic!("pull({t}) after {after} timed out"),
+            }
+            let grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.5; p.len()]).collect();
+            match tokio::time::timeout(Duration::from_secs(10), client.push(t, &grads)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("push({t}) after {after} failed: {e}"),
+                Err(_) => panic!("push({t}) after {after} timed out"),
+            }
+            (client, params)
+        });
+        self.client = Some(client);
+        assert_eq!(params, self.expected, "values pulled at clock {t} after {after}");
+        for v in self.expected.iter_mut().flatten() {
+            *v -= 0.5; // sgd, lr 1: exact in f32
+        }
+        self.clock += 1;
+    }
+
+    /// Ends the job: the worker says it is done; every process must exit 0, and the
+    /// servers' counters must show exactly the well-behaved worker's requests.
+    fn finish(mut self) {
+        let client = self.client.take().expect("the client is connected");
+        self.rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), client.finish())
+                .await
+                .expect("WorkerDone is acknowledged in time")
+                .expect("WorkerDone is acknowledged");
+        });
+        self.sched.assert_success(EXIT_TIMEOUT);
+        let (mut pushes, mut blocks) = (0, 0);
+        for s in &mut self.servers {
+            s.assert_success(EXIT_TIMEOUT);
+            let stats = s.events_named("server_stats");
+            let stats = stats.last().unwrap_or_else(|| panic!("{} printed no server_stats", s.name));
+            pushes += stats["totals"]["pushes"].as_u64().expect("pushes");
+            blocks += stats["blocks"].as_u64().expect("blocks");
+        }
+        assert_eq!(blocks, 3);
+        assert_eq!(pushes, 3 * u64::from(self.clock), "only the well-behaved worker's pushes were applied");
+    }
+
+    /// The blocks of server `s`, and one block of the other server.
+    fn owned_and_foreign(&self, s: u32) -> (Vec<u32>, u32) {
+        let owned: Vec<u32> = (0..self.owners.len() as u32).filter(|b| self.owners[*b as usize] == s).collect();
+        let foreign = (0..self.owners.len() as u32).find(|b| self.owners[*b as usize] != s).expect("a block elsewhere");
+        (owned, foreign)
+    }
+}
+
+#[test]
+fn a_server_refuses_each_bad_frame_closes_only_that_connection_and_keeps_serving() {
+    let mut c = Tiny::start();
+    c.round("start");
+    // An idle, well-behaved raw connection opened before the garbage must survive it too.
+    let mut idle = connect_raw(&c.addrs[0]);
+    let (h, m) = call_raw(&mut idle, &codec(), 1, &Control::Hello { rank: 0 }.into());
+    assert!(matches!(m, Message::Control(Control::Ok)) && h.request_id == 1, "Hello: {m:?}");
+
+    for s in 0..c.addrs.len() {
+        for bad in bad_frames() {
+            check_refused(&c.addrs[s].clone(), &bad);
+            c.round(&format!("{} sent to server {s}", bad.name));
+        }
+    }
+
+    let (h, m) = call_raw(&mut idle, &codec(), 2, &Control::GetStats.into());
+    match m {
+        Message::Control(Control::Stats(st)) => {
+            assert_eq!((h.request_id, st.server_id), (2, 0));
+            let owned = c.owned_and_foreign(0).0.len() as u64;
+            assert_eq!(st.totals.pushes, owned * u64::from(c.clock), "server 0 applied exactly the worker's pushes");
+        }
+        other => panic!("GetStats on the idle connection: {other:?}"),
+    }
+    drop(idle);
+    c.finish();
+}
+
+#[test]
+fn a_request_for_a_missing_block_gets_unknown_block_and_the_connection_stays_usable() {
+    let mut c = Tiny::start();
+    let k = codec();
+    for s in 0..c.addrs.len() as u32 {
+        let (owned, foreign) = c.owned_and_foreign(s);
+        let mut conn = connect_raw(&c.addrs[s as usize]);
+
+        // Before Hello a server does not know whose requests these are.
+        let (_, m) = call_raw(&mut conn, &k, 1, &Control::Hello { rank: 0 }.into());
+        assert!(matches!(m, Message::Control(Control::Ok)), "Hello: {m:?}");
+
+        for (id, block) in [(2, 9_999u32), (3, u32::MAX)] {
+            let (h, m) = call_raw(&mut conn, &k, id, &Message::Pull { block, clock: 0 });
+            match m {
+                Message::Error(e) => {
+                    assert_eq!(e.code, ErrorCode::UnknownBlock, "pull of block {block}: {e}");
+                    assert!(e.message.contains(&block.to_string()), "the message names the block: {e}");
+                    assert_eq!(h.request_id, id, "the error answers the request");
+                }
+                other => panic!("pull of missing block {block}: {other:?}"),
+            }
+        }
+        let (h, m) =
+            call_raw(&mut conn, &k, 4, &Message::Push { block: 9_999, clock: 0, values: Values::from_vec(vec![1.0]) });
+        assert!(
+            matches!(&m, Message::Error(e) if e.code == ErrorCode::UnknownBlock) && h.request_id == 4,
+            "push of a missing block: {m:?}"
+        );
+
+        // The same connection still works: a pull of an owned block...
+        let b = owned[0];
+        let (_, off, len) = c.blocks[b as usize];
+        let (h, m) = call_raw(&mut conn, &k, 5, &Message::Pull { block: b, clock: 0 });
+        match m {
+            Message::PullReply { block, clock: 0, values } if block == b => {
+                let want = c.expected[c.blocks[b as usize].0][off..off + len].to_vec();
+                assert_eq!((h.request_id, values.to_vec()), (5, want), "initial values of block {b}");
+            }
+            other => panic!("pull of owned block {b} after UnknownBlock: {other:?}"),
+        }
+        // ...a block of the other server is Moved, not unknown...
+        let (h, m) = call_raw(&mut conn, &k, 6, &Message::Pull { block: foreign, clock: 0 });
+        assert_eq!(h.request_id, 6);
+        assert_eq!(
+            m,
+            Message::Control(Control::Moved { block: foreign, owner: 1 - s, epoch: c.epoch }),
+            "pull of a foreign block"
+        );
+        // ...a push of the wrong length is a BadRequest that keeps the connection...
+        let (h, m) = call_raw(
+            &mut conn,
+            &k,
+            7,
+            &Message::Push { block: b, clock: 0, values: Values::from_vec(vec![1.0; len + 1]) },
+        );
+        assert!(
+            matches!(&m, Message::Error(e) if e.code == ErrorCode::BadRequest) && h.request_id == 7,
+            "push of the wrong length: {m:?}"
+        );
+        // ...and nothing of that was applied.
+        let (_, m) = call_raw(&mut conn, &k, 8, &Control::GetStats.into());
+        match m {
+            Message::Control(Control::Stats(st)) => assert_eq!((st.server_id, st.totals.pushes), (s, 0), "{st:?}"),
+            other => panic!("GetStats: {other:?}"),
+        }
+    }
+    // The well-behaved worker is unaffected.
+    c.round("requests for missing blocks");
+    c.round("requests for missing blocks");
+    c.finish();
+}
+
+#[test]
+fn the_scheduler_survives_garbage_and_a_job_still_completes() {
+    let (mut sched, addr) =
+        start_scheduler(&["--servers", "2", "--workers", "1", "--secret", SECRET, "--join-timeout-s", "60"]);
+    let garbage_round = |when: &str| {
+        for bad in bad_frames() {
+            check_refused(&addr, &bad);
+        }
+        // A well-formed frame that is not a control message: refused and closed.
+        let mut s = connect_raw(&addr);
+        write_frame(&mut s, &codec(), 9, &Message::Pull { block: 0, clock: 0 }).expect("send");
+        match read_reply(&mut s, &codec(), REPLY_TIMEOUT) {
+            Reply::Frame(h, Message::Error(e)) => {
+                assert_eq!((e.code, h.request_id), (ErrorCode::BadRequest, 9), "{when}: {e}");
+            }
+            other => panic!("{when}: a Pull sent to the scheduler: {other:?}"),
+        }
+        match read_reply(&mut s, &codec(), REPLY_TIMEOUT) {
+            Reply::Eof => {}
+            other => panic!("{when}: the scheduler should close a connection that sends data frames, got {other:?}"),
+        }
+    };
+    garbage_round("before anyone joined");
+    let mut servers = vec![start_server(&addr, &["--secret", SECRET])];
+    garbage_round("after a server joined");
+    servers.push(start_server(&addr, &["--secret", SECRET]));
+    let mut worker = start_worker(
+        &addr,
+        &["--iterations", "100", "--eval-every", "0", "--secret", SECRET, "--request-timeout-s", "30"],
+    );
+
+    worker.assert_success(Duration::from_secs(60));
+    let evals = worker.events_named("eval");
+    let last = evals.last().unwrap_or_else(|| panic!("the worker printed no eval\n{}", worker.log_tail(30)));
+    assert_eq!(last["iteration"], 100);
+    assert!(last["accuracy"].as_f64().expect("accuracy") > 0.5, "final eval {last}");
+    sched.assert_success(EXIT_TIMEOUT);
+    for s in &mut servers {
+        s.assert_success(EXIT_TIMEOUT);
+    }
+}
+
+/// Opens connections to `addr` and sends it invalid frames, one per connection, until
+/// `stop`; checks every refusal and counts it in `refused`. Fails with the first wrong
+/// refusal seen before `stop` (after it, the job may be ending and the server gone).
+fn spam(addr: String, stop: Arc<AtomicBool>, refused: Arc<AtomicU64>, seed: u64) -> Result<(), String> {
+    let cases = bad_frames().into_iter().filter(|b| b.expect.is_some()).collect::<Vec<_>>();
+    let mut i = seed as usize;
+    while !stop.load(Ordering::Relaxed) {
+        i += 1;
+        match spam_once(&addr, &cases, i) {
+            Ok(()) => {
+                refused.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) if stop.load(Ordering::Relaxed) => break,
+            Err(e) => return Err(e),
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
+/// One invalid frame on a new connection to `addr`, and its refusal checked.
+fn spam_once(addr: &str, cases: &[Bad], i: usize) -> Result<(), String> {
+    let k = codec();
+    let sock = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+    let mut s =
+        std::net::TcpStream::connect_timeout(&sock, REPLY_TIMEOUT).map_err(|e| format!("connecting to {addr}: {e}"))?;
+    s.set_write_timeout(Some(REPLY_TIMEOUT)).map_err(|e| e.to_string())?;
+    if i.is_multiple_of(7) {
+        // An oversized header followed by a flood of payload bytes: the node must close the
+        // connection instead of reading (or allocating) the announced 4 GiB.
+        let head = k.encode_header(&FrameHeader {
+            kind: Kind::Push,
+            request_id: 77,
+            block: 0,
+            clock: 0,
+            payload_len: u32::MAX,
+        });
+        s.write_all(&head).map_err(|e| format!("sending an oversized header to {addr}: {e}"))?;
+        let chunk = noise(64 << 10, i as u64);
+        let mut sent = 0usize;
+        while sent < 256 << 20 {
+            match s.write(&chunk) {
+                Ok(n) => sent += n,
+                Err(_) => return Ok(()), // refused: the server closed (reset) the connection
+            }
+        }
+        return Err(format!("{addr} took {sent} payload bytes of a frame announcing {} bytes", u32::MAX));
+    }
+    let bad = &cases[i % cases.len()];
+    s.write_all(&bad.bytes).map_err(|e| format!("{}: sending to {addr}: {e}", bad.name))?;
+    match read_reply(&mut s, &k, REPLY_TIMEOUT) {
+        Reply::Frame(_, Message::Error(e)) if Some(e.code) == bad.expect => {}
+        other => return Err(format!("{}: expected {:?} from {addr}, got {other:?}", bad.name, bad.expect)),
+    }
+    match read_reply(&mut s, &k, REPLY_TIMEOUT) {
+        Reply::Eof => Ok(()),
+        other => Err(format!("{}: expected {addr} to close, got {other:?}", bad.name)),
+    }
+}
+
+#[test]
+fn garbage_sent_to_a_servers_port_mid_training_does_not_stop_that_training_run() {
+    const ITERATIONS: u64 = 300;
+    let (mut sched, addr) =
+        start_scheduler(&["--servers", "2", "--workers", "2", "--secret", SECRET, "--join-timeout-s", "60"]);
+    let (s0, a0) = start_server_on(&addr, &["--secret", SECRET]);
+    let (s1, a1) = start_server_on(&addr, &["--secret", SECRET]);
+    let mut servers = [s0, s1];
+    let worker_args = ["--iterations", "300", "--eval-every", "0", "--secret", SECRET, "--request-timeout-s", "60"];
+    let mut workers = [start_worker(&addr, &worker_args), start_worker(&addr, &worker_args)];
+
+    // Connections that stay open for the whole run: a partial header that never completes,
+    // and an oversized header whose refusal is only read at the end.
+    let mut stalled = Vec::new();
+    for a in [&a0, &a1] {
+        let mut partial = connect_raw(a);
+        partial.write_all(&MAGIC).expect("partial header");
+        let mut unread = connect_raw(a);
+        unread
+            .write_all(&codec().encode_header(&FrameHeader {
+                kind: Kind::Pull,
+                request_id: 5,
+                block: 0,
+                clock: 0,
+                payload_len: 1 << 30,
+            }))
+            .expect("oversized");
+        stalled.push((partial, unread));
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let refused = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(Mutex::new(Vec::<String>::new()));
+    let mut spammers = Vec::new();
+    for (n, a) in [&a0, &a1, &a0, &a1].into_iter().enumerate() {
+        let (a, stop, refused, errors) = (a.clone(), stop.clone(), refused.clone(), errors.clone());
+        spammers.push(std::thread::spawn(move || {
+            if let Err(e) = spam(a, stop, refused, n as u64 * 3) {
+                errors.lock().unwrap_or_else(|e| e.into_inner()).push(e);
+            }
+        }));
+    }
+
+    // Training is under way once worker 0 reports progress; the spam must overlap it. It
+    // stops half way, so that it never races the servers' exit at the end of the job.
+    let first = workers[0].wait_event("progress", Duration::from_secs(30));
+    let during_from = refused.load(Ordering::Relaxed);
+    assert!(first.is_some(), "worker 0 reported no progress\n{}", workers[0].log_tail(30));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Some(ev) = workers[0].read_event_line(deadline.saturating_duration_since(Instant::now())) {
+        if ev["iteration"].as_u64().is_some_and(|i| i >= ITERATIONS / 2) {
+            break;
+        }
+    }
+    let during = refused.load(Ordering::Relaxed) - during_from;
+    stop.store(true, Ordering::Relaxed);
+    for t in spammers {
+        t.join().expect("a spammer thread panicked");
+    }
+    let outcome: Vec<_> = workers.iter_mut().map(|w| w.finish(Duration::from_secs(60))).collect();
+    let errors = errors.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    assert!(errors.is_empty(), "refusals were wrong: {errors:#?}");
+
+    for (w, status) in workers.iter().zip(&outcome) {
+        assert!(matches!(status, Some(s) if s.success()), "{} ended with {status:?}\n{}", w.name, w.log_tail(30));
+    }
+    eprintln!("{during} invalid frames refused while the workers trained");
+    assert!(during > 0, "no garbage was refused while the workers trained");
+    let mut ranks = Vec::new();
+    for w in &workers {
+        let done = w.events_named("worker_done");
+        assert_eq!(done.len(), 1, "{}: {:?}", w.name, w.events());
+        assert_eq!(done[0]["iterations"], ITERATIONS);
+        ranks.push(done[0]["rank"].as_u64().expect("rank"));
+    }
+    ranks.sort_unstable();
+    assert_eq!(ranks, [0, 1]);
+    // Rank 0 (whichever process registered first) evaluates the final model.
+    let evals: Vec<_> = workers.iter().flat_map(|w| w.events_named("eval")).collect();
+    assert_eq!(evals.len(), 1, "only rank 0 evaluates, once at the end (--eval-every 0): {evals:?}");
+    let last = evals[0];
+    assert_eq!((last["rank"].as_u64(), last["iteration"].as_u64()), (Some(0), Some(ITERATIONS)), "{last}");
+    assert!(last["accuracy"].as_f64().expect("accuracy") > 0.5, "final eval {last}");
+
+    sched.assert_success(EXIT_TIMEOUT);
+    let (mut pushes, mut pulls, mut blocks) = (0, 0, 0);
+    for s in &mut servers {
+        s.assert_success(EXIT_TIMEOUT);
+        let stats = s.events_named("server_stats");
+        let st = stats.last().unwrap_or_else(|| panic!("{} printed no server_stats", s.name));
+        pushes += st["totals"]["pushes"].as_u64().expect("pushes");
+        pulls += st["totals"]["pulls"].as_u64().expect("pulls");
+        blocks += st["blocks"].as_u64().expect("blocks");
+    }
+    // Exactly the workers' requests were served; no garbage counted as one. Worker 0
+    // pulls once more for its final evaluation.
+    assert!(blocks > 0);
+    assert_eq!(pushes, blocks * 2 * ITERATIONS, "pushes");
+    assert_eq!(pulls, blocks * (2 * ITERATIONS + 1), "pulls");
+
+    // The connection that announced 1 GiB was refused at once, although nobody read it.
+    for (partial, mut unread) in stalled {
+        match read_reply(&mut unread, &codec(), REPLY_TIMEOUT) {
+            Reply::Frame(_, Message::Error(e)) => assert_eq!(e.code, ErrorCode::TooLarge, "{e}"),
+            other => panic!("the oversized header kept open: {other:?}"),
+        }
+        drop(partial);
+    }
+}

@@ -1,0 +1,460 @@
+//! Helpers for integration tests that run the real `elasticps` binary as processes.
+//!
+//! - [`Proc`]: a child process of the binary, killed when dropped. Its stdout (the JSON
+//!   events that roles print with `--events`) is read on a background thread into a
+//!   channel, so every read has a timeout; its stderr goes to a log file in a scratch
+//!   directory, kept (and its path printed) only if the test panics.
+//! - [`start_scheduler`], [`start_server`], [`start_server_on`], [`start_worker`]: the roles,
+//!   each started with `--events`.
+//! - [`tokio_rt`]: a runtime for tests that drive `elasticps_runtime::client::Client` in
+//!   process.
+//! - Raw frames over `std::net::TcpStream` ([`connect_raw`], [`write_frame`],
+//!   [`read_reply`]) for tests that speak the wire protocol by hand.
+//!
+//! Every wait is bounded in time; nothing loops forever. Children get
+//! `PR_SET_PDEATHSIG(SIGKILL)`, so they die with the test thread that spawned them even if
+//! the test binary is killed (spawn them from the test's own thread, not from a helper
+//! thread that ends early).
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use elasticps_wire::{Codec, FrameHeader, HEADER_LEN, Message, WireError};
+use serde_json::Value;
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_elasticps");
+/// How long a role may take to start (print its address, accept connections).
+pub const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a role may take to exit once its job is over.
+pub const EXIT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A fresh directory under the system temp dir, unique to this test process and call.
+pub fn scratch_dir(tag: &str) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let tag: String = tag.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
+    let dir = std::env::temp_dir().join(format!("elasticps-it-{}-{n}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+    dir
+}
+
+/// Same as [`scratch_dir`]: a fresh, existing directory for a test's files (not removed
+/// afterwards).
+pub fn temp_dir(tag: &str) -> PathBuf {
+    scratch_dir(tag)
+}
+
+/// Waits at most `timeout` for a child started by hand to exit (polling `try_wait`).
+pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(s) = child.try_wait().unwrap_or_else(|e| panic!("waiting for a child: {e}")) {
+            return Some(s);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A running `elasticps` process; killed (and reaped) when dropped.
+pub struct Proc {
+    /// A name for messages ("server 1").
+    pub name: String,
+    child: Child,
+    events: mpsc::Receiver<Value>,
+    history: Vec<Value>,
+    dir: PathBuf,
+    log: PathBuf,
+    status: Option<ExitStatus>,
+}
+
+impl Proc {
+    /// Starts `elasticps ARGS...` with stdout piped and stderr logged to a file.
+    /// `ELASTICPS_*` variables of the test environment are not passed on, so the command
+    /// line alone configures the role.
+    pub fn spawn(name: &str, args: &[&str]) -> Proc {
+        let dir = scratch_dir(name);
+        let log = dir.join("stderr.log");
+        let stderr = std::fs::File::create(&log).unwrap_or_else(|e| panic!("creating {}: {e}", log.display()));
+        let mut cmd = Command::new(BIN);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("ELASTICPS_") {
+                cmd.env_remove(k);
+            }
+        }
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+        }
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {name} ({BIN}): {e}"));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, events) = mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("{name} stdout"))
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    // Roles print only JSON events on stdout; anything else is kept as a string.
+                    let value = serde_json::from_str(&line).unwrap_or(Value::String(line));
+                    if tx.send(value).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning a reader thread");
+        Proc { name: name.to_string(), child, events, history: Vec::new(), dir, log, status: None }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The next line of stdout as JSON, waiting at most `timeout`; `None` on timeout or
+    /// once stdout is closed and drained. Every line read is also kept in [`Proc::events`].
+    pub fn read_event_line(&mut self, timeout: Duration) -> Option<Value> {
+        let v = self.events.recv_timeout(timeout).ok()?;
+        self.history.push(v.clone());
+        Some(v)
+    }
+
+    /// The next event named `name` (`{"event": name, ...}`), skipping others, waiting at
+    /// most `timeout` in all.
+    pub fn wait_event(&mut self, name: &str, timeout: Duration) -> Option<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            let v = self.read_event_line(left)?;
+            if event_name(&v) == Some(name) {
+                return Some(v);
+            }
+        }
+    }
+
+    /// Every line read so far, in order.
+    pub fn events(&self) -> &[Value] {
+        &self.history
+    }
+
+    /// The events named `name` read so far.
+    pub fn events_named(&self, name: &str) -> Vec<&Value> {
+        self.history.iter().filter(|v| event_name(v) == Some(name)).collect()
+    }
+
+    /// Reads every remaining event until stdout closes, then waits for the exit status;
+    /// at most `timeout` in all. `None` if the process is still running at the deadline.
+    pub fn finish(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.events.recv_timeout(left) {
+                Ok(v) => self.history.push(v),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => return None,
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.wait_exit(left.max(Duration::from_millis(100)))
+    }
+
+    /// The exit status if the process has exited (non-blocking).
+    pub fn try_exit(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().unwrap_or_else(|e| panic!("waiting for {}: {e}", self.name));
+        }
+        self.status
+    }
+
+    /// Waits at most `timeout` for the process to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.try_exit() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Asserts that the process exits with status 0 within `timeout`, reading its
+    /// remaining events on the way (see [`Proc::finish`]).
+    pub fn assert_success(&mut self, timeout: Duration) {
+        match self.finish(timeout) {
+            Some(s) if s.success() => {}
+            Some(s) => panic!("{} exited with {s}\n{}", self.name, self.log_tail(30)),
+            None => panic!("{} did not exit within {timeout:?}\n{}", self.name, self.log_tail(30)),
+        }
+    }
+
+    /// True if the process exits with status 0 within `timeout` (its remaining events are
+    /// read on the way, see [`Proc::finish`]).
+    pub fn wait_success(&mut self, timeout: Duration) -> bool {
+        self.finish(timeout).is_some_and(|s| s.success())
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        if self.try_exit().is_none() {
+            let _ = self.child.kill();
+            self.status = self.child.wait().ok();
+        }
+    }
+
+    /// The process's stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The last `lines` lines of stderr, labelled, for assertion messages.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = self.log();
+        let all: Vec<&str> = text.lines().collect();
+        format!(
+            "--- last lines of {} ({}):\n{}",
+            self.name,
+            self.log.display(),
+            all[all.len().saturating_sub(lines)..].join("\n")
+        )
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("{}: stderr kept in {}", self.name, self.log.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// The `"event"` field of an event line.
+pub fn event_name(v: &Value) -> Option<&str> {
+    v.get("event").and_then(Value::as_str)
+}
+
+/// Starts `elasticps scheduler --listen 127.0.0.1:0 --events ARGS...` and waits (at most
+/// [`START_TIMEOUT`]) for its `listening` event; returns it with its address.
+pub fn start_scheduler(args: &[&str]) -> (Proc, String) {
+    let mut all = vec!["scheduler", "--listen", "127.0.0.1:0", "--events"];
+    all.extend_from_slice(args);
+    let mut p = Proc::spawn("scheduler", &all);
+    let Some(ev) = p.wait_event("listening", START_TIMEOUT) else {
+        panic!("the scheduler did not print its address within {START_TIMEOUT:?}\n{}", p.log_tail(30));
+    };
+    let addr = ev["addr"].as_str().unwrap_or_else(|| panic!("listening event without addr: {ev}")).to_string();
+    (p, addr)
+}
+
+/// Starts `elasticps server --scheduler SCHED --listen 127.0.0.1:0 --events EXTRA...`.
+/// Its data address is only known to the scheduler (and to workers through the layout);
+/// use [`start_server_on`] when the test must dial the server itself.
+pub fn start_server(sched_addr: &str, extra: &[&str]) -> Proc {
+    let mut all = vec!["server", "--scheduler", sched_addr, "--listen", "127.0.0.1:0", "--events"];
+    all.extend_from_slice(extra);
+    Proc::spawn("server", &all)
+}
+
+/// Starts a server on a free port the test knows, and waits (at most [`START_TIMEOUT`])
+/// until it accepts connections; returns it with its data address.
+///
+/// The port is found by binding `127.0.0.1:0` and closing it again, so another process may
+/// take it in between (a tiny race); a server that then fails to bind exits at once, and
+/// this retries with a new port, up to 5 times.
+pub fn start_server_on(sched_addr: &str, extra: &[&str]) -> (Proc, String) {
+    for _attempt in 0..5 {
+        let addr = free_local_addr();
+        let mut all = vec!["server", "--scheduler", sched_addr, "--listen", addr.as_str(), "--events"];
+        all.extend_from_slice(extra);
+        let mut p = Proc::spawn(&format!("server on {addr}"), &all);
+        let deadline = Instant::now() + START_TIMEOUT;
+        let sock: SocketAddr = addr.parse().expect("a socket address");
+        loop {
+            if let Some(status) = p.try_exit() {
+                let log = p.log();
+                if log.contains("binding") {
+                    break; // the port was taken meanwhile: try another one
+                }
+                panic!("server on {addr} exited with {status} before accepting connections\n{}", p.log_tail(30));
+            }
+            if TcpStream::connect_timeout(&sock, Duration::from_millis(200)).is_ok() {
+                return (p, addr);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "server on {addr} did not accept within {START_TIMEOUT:?}\n{}",
+                p.log_tail(30)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    panic!("could not start a server on a free port in 5 attempts");
+}
+
+/// Starts `elasticps worker --scheduler SCHED --events EXTRA...`.
+pub fn start_worker(sched_addr: &str, extra: &[&str]) -> Proc {
+    let mut all = vec!["worker", "--scheduler", sched_addr, "--events"];
+    all.extend_from_slice(extra);
+    Proc::spawn("worker", &all)
+}
+
+/// A multi-thread tokio runtime with 2 workers, for in-process clients.
+pub fn tokio_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("a tokio runtime")
+}
+
+/// `127.0.0.1:PORT` with a port that was free a moment ago (see [`start_server_on`]).
+pub fn free_local_addr() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0");
+    l.local_addr().expect("bound address").to_string()
+}
+
+/// Polls `f` every 10 ms until it returns `Some`, at most `timeout`.
+pub fn poll_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Raw frames over std TcpStream.
+
+/// A blocking connection with no delay and 10 s read/write timeouts.
+pub fn connect_raw(addr: &str) -> TcpStream {
+    let sock: SocketAddr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
+    let s = TcpStream::connect_timeout(&sock, Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+    s.set_nodelay(true).expect("nodelay");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("read timeout");
+    s.set_write_timeout(Some(Duration::from_secs(10))).expect("write timeout");
+    s
+}
+
+/// Writes one frame (header and payload).
+pub fn write_frame(s: &mut TcpStream, codec: &Codec, request_id: u64, msg: &Message) -> std::io::Result<()> {
+    let (head, payload) = codec.encode(request_id, msg).expect("encodable message");
+    let mut buf = head.to_vec();
+    buf.extend_from_slice(&payload);
+    s.write_all(&buf)
+}
+
+/// What a read of one frame found.
+#[derive(Debug)]
+pub enum Reply {
+    /// A whole, valid frame.
+    Frame(FrameHeader, Message),
+    /// The peer closed the connection cleanly at a frame boundary.
+    Eof,
+    /// The peer reset the connection (at a frame boundary).
+    Reset,
+    /// Nothing (or only part of a frame) arrived in time.
+    TimedOut,
+    /// The connection ended in the middle of a frame (`got` of `wanted` bytes).
+    Truncated {
+        /// Bytes read.
+        got: usize,
+        /// Bytes expected.
+        wanted: usize,
+    },
+    /// The bytes are not a valid frame for this codec.
+    Invalid(WireError),
+}
+
+/// Reads one frame with `codec`, waiting at most `timeout` in all.
+pub fn read_reply(s: &mut TcpStream, codec: &Codec, timeout: Duration) -> Reply {
+    let deadline = Instant::now() + timeout;
+    let mut head = [0u8; HEADER_LEN];
+    match read_full(s, &mut head, deadline) {
+        Full::Done => {}
+        Full::Eof(0) => return Reply::Eof,
+        Full::Reset(0) => return Reply::Reset,
+        Full::Eof(got) | Full::Reset(got) => return Reply::Truncated { got, wanted: HEADER_LEN },
+        Full::TimedOut => return Reply::TimedOut,
+    }
+    let h = match codec.decode_header(&head) {
+        Ok(h) => h,
+        Err(e) => return Reply::Invalid(e),
+    };
+    let mut payload = vec![0u8; h.payload_len as usize];
+    match read_full(s, &mut payload, deadline) {
+        Full::Done => {}
+        Full::Eof(got) | Full::Reset(got) => {
+            return Reply::Truncated { got: HEADER_LEN + got, wanted: HEADER_LEN + payload.len() };
+        }
+        Full::TimedOut => return Reply::TimedOut,
+    }
+    match Message::decode(&h, payload.into()) {
+        Ok(m) => Reply::Frame(h, m),
+        Err(e) => Reply::Invalid(e),
+    }
+}
+
+/// Sends `msg` and reads the next frame, which must be a valid one; returns it.
+pub fn call_raw(s: &mut TcpStream, codec: &Codec, request_id: u64, msg: &Message) -> (FrameHeader, Message) {
+    write_frame(s, codec, request_id, msg).unwrap_or_else(|e| panic!("sending {:?}: {e}", msg.kind()));
+    match read_reply(s, codec, Duration::from_secs(10)) {
+        Reply::Frame(h, m) => (h, m),
+        other => panic!("expected a reply to {:?} (request {request_id}), got {other:?}", msg.kind()),
+    }
+}
+
+enum Full {
+    Done,
+    Eof(usize),
+    Reset(usize),
+    TimedOut,
+}
+
+fn read_full(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> Full {
+    let mut got = 0;
+    while got < buf.len() {
+        let Some(left) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
+            return Full::TimedOut;
+        };
+        s.set_read_timeout(Some(left)).expect("read timeout");
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Full::Eof(got),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Full::TimedOut;
+            }
+            Err(e)
+                if matches!(e.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted) =>
+            {
+                return Full::Reset(got);
+            }
+            Err(e) => panic!("reading from a raw connection: {e}"),
+        }
+    }
+    Full::Done
+}

@@ -1,0 +1,148 @@
+//! `elasticps train` end to end: the report it writes, and that it stops every node and
+//! names the culprit when a node dies or the user presses Ctrl-C.
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common;
+
+fn train(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_elasticps"));
+    cmd.arg("train").arg("--quiet").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd
+}
+
+/// The pids of `pid`'s children, with their command lines.
+fn children(pid: u32) -> Vec<(u32, String)> {
+    let list = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    list.split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .map(|p: u32| {
+            let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            (p, String::from_utf8_lossy(&cmdline).replace('\0', " "))
+        })
+        .collect()
+}
+
+/// Waits (bounded) until the launcher has all `n` children running as roles.
+fn wait_for_children(child: &Child, n: usize) -> Vec<(u32, String)> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let kids = children(child.id());
+        if kids.len() >= n || Instant::now() > deadline {
+            return kids;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie is dead for our purposes; /proc/PID/stat field 3 is the state.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
+}
+
+fn wait_exit(child: &mut Child, limit: Duration) -> (std::process::ExitStatus, String) {
+    let status = common::wait_timeout(child, limit).expect("train did not exit in time");
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    (status, err)
+}
+
+fn assert_all_gone(pids: &[(u32, String)]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|(p, _)| alive(*p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<_> = pids.iter().filter(|(p, _)| alive(*p)).collect();
+    assert!(left.is_empty(), "orphan processes left behind: {left:?}");
+}
+
+#[test]
+fn train_writes_a_complete_report() {
+    let dir = common::temp_dir("report");
+    let dir_s = dir.display().to_string();
+    let out = train(&["--iterations", "80", "--eval-every", "40", "--report", &dir_s]).output().expect("run train");
+    assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("test accuracy"), "{stdout}");
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json");
+    let acc = report["test_accuracy"].as_f64().expect("test_accuracy");
+    assert!(acc > 0.6, "80 iterations of adam must learn something: {acc}");
+    assert!(report["samples_per_sec"].as_f64().expect("samples_per_sec") > 0.0);
+    assert!(report["wall_s"].as_f64().expect("wall_s") > 0.0);
+    assert_eq!(report["iterations"], 80);
+    assert_eq!(report["config"]["sync"], "bsp");
+    // The MLP has 6 tensors, one block each, range-placed 3 and 3. Every worker pushes
+    // every block once per iteration; worker 0 pulls once more for the final evaluation.
+    let servers = report["servers"].as_array().expect("servers");
+    assert_eq!(servers.len(), 2);
+    for s in servers {
+        assert_eq!(s["blocks"], 3, "{s}");
+        assert_eq!(s["pushes"], 3 * 2 * 80, "{s}");
+        assert_eq!(s["pulls"], 3 * (80 + 81), "{s}");
+        assert!(s["pulls_held"].as_u64().is_some() && s["hold_ms"].as_f64().is_some(), "{s}");
+    }
+    let total_bytes: u64 = servers.iter().map(|s| s["bytes"].as_u64().unwrap_or(0)).sum();
+    assert_eq!(total_bytes, 4 * (784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10));
+    let workers = report["workers"].as_array().expect("workers");
+    assert_eq!(workers.len(), 2);
+    assert!(workers.iter().all(|w| w["iterations"] == 80 && w["wait_ms"].as_f64().is_some()));
+
+    let summary = std::fs::read_to_string(dir.join("summary.md")).expect("summary.md");
+    assert!(summary.contains("Test accuracy"));
+    let png = std::fs::read(dir.join("curves.png")).expect("curves.png");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(dir.join("logs/server-0.log").exists());
+}
+
+#[test]
+fn a_dead_worker_stops_the_job_with_an_error_naming_it_and_leaves_no_orphans() {
+    let mut child = train(&["--iterations", "1000000", "--eval-every", "0"]).spawn().expect("spawn train");
+    let kids = wait_for_children(&child, 5);
+    assert_eq!(kids.len(), 5, "scheduler, 2 servers, 2 workers: {kids:?}");
+    // Let training start, then kill worker 1 as hard as possible.
+    std::thread::sleep(Duration::from_millis(1500));
+    let (victim, _) = kids.iter().rev().find(|(_, c)| c.contains(" worker ")).expect("a worker").clone();
+    // SAFETY: kill(2) on a live child of the launcher we started.
+    unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+    let (status, err) = wait_exit(&mut child, Duration::from_secs(30));
+    assert!(!status.success());
+    assert!(err.contains("worker 1 exited with signal: 9"), "the error must name the dead node: {err}");
+    assert_all_gone(&kids);
+}
+
+#[test]
+fn ctrl_c_stops_every_node() {
+    let mut child = train(&["--iterations", "1000000", "--eval-every", "0"]).spawn().expect("spawn train");
+    let kids = wait_for_children(&child, 5);
+    assert_eq!(kids.len(), 5, "{kids:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: kill(2) on the launcher we started.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let (status, err) = wait_exit(&mut child, Duration::from_secs(20));
+    assert!(!status.success());
+    assert!(err.contains("interrupted"), "{err}");
+    assert_all_gone(&kids);
+}
+
+#[test]
+fn missing_data_gets_an_error_that_says_how_to_get_it() {
+    let out = train(&["--dataset", "mnist", "--data-dir", "/nonexistent/elasticps-data"]).output().expect("run train");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("MNIST not found at /nonexistent/elasticps-data"), "{err}");
+    assert!(err.contains("scripts/fetch-data"), "{err}");
+}
+
+#[test]
+fn a_wrong_flag_is_refused_before_anything_starts() {
+    let out = train(&["--sync", "ssp:x"]).output().expect("run train");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("invalid sync policy") && err.contains("ssp:S"), "{err}");
+}
