@@ -37,6 +37,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             workers: WORKERS,
         },
         seed: 1,
+        server_sync: Vec::new(), // every server runs the job's policy
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let sched_opts =

@@ -46,9 +46,14 @@ pub struct JobArgs {
     /// Number of workers.
     #[arg(long, env = "ELASTICPS_WORKERS", default_value_t = 2)]
     pub workers: u32,
-    /// Synchronization policy: bsp, asp or ssp:S.
+    /// Synchronization policy of every server: bsp, asp, ssp:S, lazy:S, pssp:S:P,
+    /// dpssp:S, adaptive or adaptive:MIN:MAX (see README, "Sync semantics").
     #[arg(long, env = "ELASTICPS_SYNC", default_value = "bsp", value_parser = parse_core::<SyncPolicy>)]
     pub sync: SyncPolicy,
+    /// Override the sync policy of one server: IDX=POLICY (repeatable, e.g.
+    /// `--server-sync 1=bsp`), so servers of one job can run different policies.
+    #[arg(long = "server-sync", env = "ELASTICPS_SERVER_SYNC", value_delimiter = ',', value_parser = parse_server_sync)]
+    pub server_sync: Vec<(u32, SyncPolicy)>,
     /// Server-side optimizer: sgd, momentum[:BETA] or adam.
     #[arg(long, env = "ELASTICPS_OPTIMIZER", default_value = "adam", value_parser = parse_core::<OptimizerKind>)]
     pub optimizer: OptimizerKind,
@@ -77,6 +82,9 @@ impl JobArgs {
         anyhow::ensure!(self.workers > 0, "--workers must be at least 1");
         anyhow::ensure!(self.block_bytes >= 4, "--block-bytes must be at least 4 (one f32)");
         anyhow::ensure!(self.lr.is_finite() && self.lr > 0.0, "--lr must be a positive number");
+        if let Some((idx, _)) = self.server_sync.iter().find(|(i, _)| *i >= self.servers) {
+            anyhow::bail!("--server-sync names server {idx}, but the job has servers 0..{}", self.servers);
+        }
         Ok(JobConfig {
             servers: self.servers,
             workers: self.workers,
@@ -88,6 +96,7 @@ impl JobArgs {
                 workers: self.workers,
             },
             seed: self.seed,
+            server_sync: self.server_sync.clone(),
         })
     }
 
@@ -113,6 +122,9 @@ impl JobArgs {
         ];
         if self.aggregate {
             f.push("--aggregate".into());
+        }
+        for (idx, policy) in &self.server_sync {
+            f.extend(["--server-sync".into(), format!("{idx}={policy}")]);
         }
         f
     }
@@ -182,6 +194,12 @@ impl DataArgs {
 
 fn parse_core<T: std::str::FromStr<Err = elasticps_core::CoreError>>(s: &str) -> Result<T, String> {
     s.parse().map_err(|e: elasticps_core::CoreError| e.to_string())
+}
+
+fn parse_server_sync(s: &str) -> Result<(u32, SyncPolicy), String> {
+    let (idx, policy) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected IDX=POLICY, e.g. 1=bsp"))?;
+    let idx = idx.trim().parse::<u32>().map_err(|_| format!("{s:?}: {idx:?} is not a server index"))?;
+    Ok((idx, parse_core(policy)?))
 }
 
 fn parse_dataset(s: &str) -> Result<DatasetKind, String> {

@@ -14,7 +14,9 @@ use crate::CoreError;
 use crate::model::BlockSpec;
 use crate::optimizer::{self, OptState, OptimizerConfig};
 use crate::stats::Histogram;
-use crate::sync::{Clock, Clocks, SyncPolicy};
+use rand::Rng;
+
+use crate::sync::{Clock, Clocks, PullView, SyncPolicy, Verdict};
 
 /// How a server treats the blocks it owns; sent by the scheduler with the assignment.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -44,6 +46,8 @@ pub struct BlockStats {
     pub bytes_in: u64,
     /// Payload bytes sent in pull replies.
     pub bytes_out: u64,
+    /// Largest lead seen between the fastest and the slowest worker, in clocks.
+    pub max_lead: u64,
 }
 
 impl BlockStats {
@@ -56,6 +60,7 @@ impl BlockStats {
         self.releases += other.releases;
         self.bytes_in += other.bytes_in;
         self.bytes_out += other.bytes_out;
+        self.max_lead = self.max_lead.max(other.max_lead);
     }
 }
 
@@ -81,6 +86,8 @@ struct HeldPull<T> {
     token: T,
     worker: u32,
     clock: Clock,
+    /// The `done` clock that releases it.
+    until: Clock,
     since_us: u64,
 }
 
@@ -186,6 +193,7 @@ impl<T> Block<T> {
         }
         self.stats.pushes += 1;
         self.stats.bytes_in += self.spec.bytes() as u64;
+        self.stats.max_lead = self.stats.max_lead.max(self.clocks.lead().into());
         let opt = config.optimizer;
         if opt.aggregate {
             let (sum, count) = self
@@ -211,7 +219,7 @@ impl<T> Block<T> {
 
     /// A worker asks for the values at clock `clock`. Returns the answer now, or `None`
     /// if the sync policy holds the pull; it then comes back from a later `push` or
-    /// `remove_worker`.
+    /// `remove_worker`. `rng` feeds the probabilistic policies' coin.
     pub fn pull(
         &mut self,
         config: &ShardConfig,
@@ -219,21 +227,24 @@ impl<T> Block<T> {
         worker: u32,
         clock: Clock,
         now_us: u64,
+        rng: &mut impl Rng,
     ) -> Result<Option<Answer<T>>, CoreError> {
         if worker >= self.clocks.workers() {
             return Err(CoreError::UnknownWorker(worker));
         }
-        let done = self.clocks.done();
-        if config.sync.holds(clock, done) {
-            self.held.push(HeldPull {
-                token,
-                worker,
-                clock,
-                since_us: now_us,
-            });
-            return Ok(None);
+        let view = PullView {
+            clock,
+            done: self.clocks.done(),
+            fast: self.clocks.fast(),
+            same_clock_held: self.held.iter().any(|h| h.clock == clock),
+        };
+        match config.sync.on_pull(&view, rng) {
+            Verdict::Hold { until } => {
+                self.held.push(HeldPull { token, worker, clock, until, since_us: now_us });
+                Ok(None)
+            }
+            Verdict::Answer => Ok(Some(self.answer(config.sync, token, worker, clock, None))),
         }
-        Ok(Some(self.answer(config.sync, token, worker, clock, None)))
     }
 
     /// Takes a worker out of the quorum (it died or left) and returns the pulls that no
@@ -287,7 +298,7 @@ impl<T> Block<T> {
         let (ready, still): (Vec<_>, Vec<_>) = self
             .held
             .drain(..)
-            .partition(|h| !sync.holds(h.clock, done));
+            .partition(|h| done >= h.until);
         self.held = still;
         if ready.is_empty() {
             return Vec::new();
@@ -312,7 +323,7 @@ impl<T> Block<T> {
     ) -> Answer<T> {
         let done = self.clocks.done();
         debug_assert!(
-            !sync.holds(clock, done),
+            !sync.violates_bound(clock, done),
             "pull({clock}) answered while done = {done} under {sync}"
         );
         self.stats.pulls += 1;
@@ -337,6 +348,11 @@ impl<T> Block<T> {
 mod tests {
     use super::*;
     use crate::optimizer::OptimizerKind;
+    use rand::SeedableRng;
+
+    pub(super) fn rng() -> rand::rngs::StdRng {
+        rand::rngs::StdRng::seed_from_u64(1)
+    }
 
     fn config(sync: SyncPolicy, aggregate: bool, workers: u32) -> ShardConfig {
         ShardConfig {
@@ -368,9 +384,9 @@ mod tests {
     fn bsp_holds_pull_until_every_worker_pushed_the_previous_clock() {
         let cfg = config(SyncPolicy::Bsp, false, 2);
         let mut b = block(1, &cfg);
-        assert!(b.pull(&cfg, 10, 0, 0, 0).unwrap().is_some());
+        assert!(b.pull(&cfg, 10, 0, 0, 0, &mut rng()).unwrap().is_some());
         assert!(b.push(&cfg, 0, 0, &[1.0], 1).unwrap().is_empty());
-        assert!(b.pull(&cfg, 11, 0, 1, 2).unwrap().is_none());
+        assert!(b.pull(&cfg, 11, 0, 1, 2, &mut rng()).unwrap().is_none());
         let released = b.push(&cfg, 1, 0, &[2.0], 12).unwrap();
         assert_eq!(released.len(), 1);
         assert_eq!(
@@ -402,7 +418,7 @@ mod tests {
         assert_eq!(b.stats().pushes, 1);
         assert!(b.push(&cfg, 0, 5, &[1.0], 0).is_err());
         assert!(b.push(&cfg, 0, 1, &[1.0, 2.0], 0).is_err());
-        assert!(b.pull(&cfg, 0, 3, 0, 0).is_err());
+        assert!(b.pull(&cfg, 0, 3, 0, 0, &mut rng()).is_err());
     }
 
     #[test]
@@ -411,7 +427,7 @@ mod tests {
         let mut b = block(1, &cfg);
         b.push(&cfg, 0, 0, &[4.0], 0).unwrap();
         b.push(&cfg, 0, 1, &[4.0], 0).unwrap();
-        assert!(b.pull(&cfg, 7, 0, 2, 0).unwrap().is_none());
+        assert!(b.pull(&cfg, 7, 0, 2, 0, &mut rng()).unwrap().is_none());
         let released = b.remove_worker(&cfg, 1, 5);
         assert_eq!(released.len(), 1);
         assert_eq!(**b.values(), vec![-8.0]);
@@ -421,7 +437,7 @@ mod tests {
     fn pull_replies_share_values_until_the_next_push_copies() {
         let cfg = config(SyncPolicy::Asp, false, 1);
         let mut b = block(3, &cfg);
-        let a = b.pull(&cfg, 0, 0, 0, 0).unwrap().unwrap();
+        let a = b.pull(&cfg, 0, 0, 0, 0, &mut rng()).unwrap().unwrap();
         assert!(Arc::ptr_eq(&a.values, b.values()));
         b.push(&cfg, 0, 0, &[1.0; 3], 0).unwrap();
         assert_eq!(*a.values, vec![0.0; 3]);
@@ -429,67 +445,189 @@ mod tests {
     }
 }
 
+/// A deterministic driver for one block and a few workers, shared by the scenario tests
+/// and the property tests: each worker loops pull(t) -> (answered) -> push(t), taking a
+/// step whenever the schedule names it and it is not held.
 #[cfg(test)]
-mod proptests {
+pub(crate) mod sim {
     use super::*;
-    use crate::optimizer::OptimizerKind;
-    use proptest::prelude::*;
+    use crate::optimizer::{OptimizerConfig, OptimizerKind};
+    use rand::SeedableRng;
 
-    proptest! {
-        /// Whatever order workers run in, no pull(t) is answered while done < t - s,
-        /// every pull is answered by the time every worker has pushed its last clock,
-        /// and with aggregate + integer gradients the result is exact.
-        #[test]
-        fn ssp_never_answers_early_and_never_loses_a_pull(
-            s in 0u32..4,
-            workers in 1u32..4,
-            schedule in proptest::collection::vec(0u32..4, 1..200),
-        ) {
-            const CLOCKS: u32 = 6;
-            let cfg = ShardConfig {
-                sync: SyncPolicy::Ssp(s),
-                optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: true },
-                workers,
+    /// What happened in a run.
+    #[derive(Debug, Default)]
+    pub struct Outcome {
+        /// Every answered pull: (worker, clock, done when answered, held?).
+        pub answers: Vec<(u32, Clock, Clock, bool)>,
+        /// Pulls held.
+        pub held: u64,
+        /// Release events.
+        pub releases: u64,
+        /// The block's final value (aggregate SGD, lr 1, every push = 1.0).
+        pub value: f32,
+        /// Pulls still held at the end.
+        pub still_held: usize,
+        /// Largest lead seen.
+        pub max_lead: u64,
+    }
+
+    /// Runs `clocks` iterations of `workers` workers under `sync`, in the order `schedule`
+    /// gives (then round-robin until everyone is done).
+    pub fn run(sync: SyncPolicy, workers: u32, clocks: u32, schedule: &[u32], seed: u64) -> Outcome {
+        let cfg = ShardConfig {
+            sync,
+            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: true },
+            workers,
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut b: Block<(u32, Clock)> =
+            Block::new(BlockSpec { id: 0, tensor: 0, offset: 0, len: 1 }, vec![0.0], &cfg).unwrap();
+        let mut out = Outcome::default();
+        // Phase 0: must pull, 1: pull held, 2: pull answered, may push.
+        let mut next = vec![0u32; workers as usize];
+        let mut phase = vec![0u8; workers as usize];
+        let tail = (0..workers * clocks * 4).map(|i| i % workers);
+        for (now, w) in schedule.iter().map(|w| w % workers).chain(tail).enumerate() {
+            let wi = w as usize;
+            let t = next[wi];
+            if t >= clocks {
+                continue;
+            }
+            let mut record = |a: Answer<(u32, Clock)>, phase: &mut Vec<u8>| {
+                assert_eq!(a.token, (a.worker, a.clock));
+                out.answers.push((a.worker, a.clock, a.done, a.held_us.is_some()));
+                phase[a.worker as usize] = 2;
             };
-            let mut b: Block<(u32, u32)> =
-                Block::new(BlockSpec { id: 0, tensor: 0, offset: 0, len: 1 }, vec![0.0], &cfg).unwrap();
-            // Each worker: pull(t), then (once answered) push(t). Phase 0: must pull,
-            // 1: pull held, 2: pull answered, may push.
-            let mut next = vec![0u32; workers as usize];
-            let mut phase = vec![0u8; workers as usize];
-            let mut answered = 0u32;
-            let check = |a: &Answer<(u32, u32)>| {
-                prop_assert!(!cfg.sync.holds(a.clock, a.done));
-                prop_assert_eq!(a.token, (a.worker, a.clock));
-                Ok(())
-            };
-            let steps = schedule.iter().map(|w| w % workers).chain((0..workers * CLOCKS * 4).map(|i| i % workers));
-            for (now, w) in steps.enumerate() {
-                let wi = w as usize;
-                let t = next[wi];
-                if t >= CLOCKS {
-                    continue;
-                }
-                match phase[wi] {
-                    0 => match b.pull(&cfg, (w, t), w, t, now as u64).unwrap() {
-                        Some(a) => { check(&a)?; answered += 1; phase[wi] = 2; }
-                        None => phase[wi] = 1,
-                    },
-                    2 => {
-                        for a in b.push(&cfg, w, t, &[1.0], now as u64).unwrap() {
-                            check(&a)?;
-                            answered += 1;
-                            phase[a.worker as usize] = 2;
-                        }
-                        next[wi] += 1;
-                        phase[wi] = 0;
+            match phase[wi] {
+                0 => match b.pull(&cfg, (w, t), w, t, now as u64, &mut rng).unwrap() {
+                    Some(a) => record(a, &mut phase),
+                    None => phase[wi] = 1,
+                },
+                2 => {
+                    for a in b.push(&cfg, w, t, &[1.0], now as u64).unwrap() {
+                        record(a, &mut phase);
                     }
-                    _ => {}
+                    next[wi] += 1;
+                    phase[wi] = 0;
+                }
+                _ => {}
+            }
+        }
+        out.held = b.stats().pulls_held;
+        out.releases = b.stats().releases;
+        out.max_lead = b.stats().max_lead;
+        out.value = b.values()[0];
+        out.still_held = b.held();
+        out
+    }
+
+    /// A straggler schedule: worker `slow` gets one step for every `every` steps of each
+    /// other worker.
+    pub fn straggler(workers: u32, slow: u32, every: u32, steps: u32) -> Vec<u32> {
+        let mut s = Vec::new();
+        for i in 0..steps {
+            for w in 0..workers {
+                if w != slow || i % every == 0 {
+                    s.push(w);
                 }
             }
-            prop_assert_eq!(answered, workers * CLOCKS);
-            prop_assert_eq!(b.held(), 0);
-            prop_assert_eq!(b.values()[0], -(CLOCKS as f32));
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod scenarios {
+    use super::sim::{run, straggler};
+    use crate::sync::SyncPolicy;
+
+    fn policy(s: &str) -> SyncPolicy {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn lazy_releases_a_clock_s_pulls_together_and_the_lead_drops_to_zero() {
+        // 3 workers, worker 2 runs one step for every 4 of the others.
+        let o = run(policy("lazy:1"), 3, 12, &straggler(3, 2, 4, 60), 1);
+        // Every held pull of the fast workers was answered at a full catch-up (done == t)...
+        let held: Vec<_> = o.answers.iter().filter(|a| a.3).collect();
+        assert!(!held.is_empty());
+        assert!(held.iter().all(|(_, t, done, _)| done >= t), "{held:?}");
+        // ...together: each release event answered both fast workers' pulls of one clock.
+        for (w, t, _, _) in &held {
+            if *w != 2 {
+                assert!(held.iter().any(|(w2, t2, _, _)| w2 != w && *w2 != 2 && t2 == t), "pull({t}) of worker {w} released alone");
+            }
+        }
+        // At a release the lead is 0: everybody has pushed exactly t clocks.
+        assert!(held.iter().all(|(_, t, done, _)| done == t));
+    }
+
+    #[test]
+    fn with_a_straggler_lazy_and_pssp_hold_far_fewer_pulls_than_ssp() {
+        let sched = straggler(4, 3, 3, 400);
+        let ssp = run(policy("ssp:3"), 4, 60, &sched, 1);
+        let lazy = run(policy("lazy:3"), 4, 60, &sched, 1);
+        let pssp = run(policy("pssp:3:0.5"), 4, 60, &sched, 1);
+        let bsp = run(policy("bsp"), 4, 60, &sched, 1);
+        let asp = run(policy("asp"), 4, 60, &sched, 1);
+        assert_eq!(asp.held, 0);
+        assert!(ssp.held > 0 && bsp.held >= ssp.held, "bsp {} ssp {}", bsp.held, ssp.held);
+        assert!(lazy.held * 2 <= ssp.held, "lazy {} vs ssp {}", lazy.held, ssp.held);
+        assert!(pssp.held * 2 <= ssp.held, "pssp {} vs ssp {}", pssp.held, ssp.held);
+        for o in [&ssp, &lazy, &pssp, &bsp, &asp] {
+            assert_eq!(o.answers.len(), 4 * 60);
+            assert_eq!(o.value, -60.0);
+        }
+    }
+
+    #[test]
+    fn pssp_with_p_1_holds_only_the_fastest_worker() {
+        let o = run(policy("pssp:1:1"), 3, 20, &straggler(3, 2, 3, 100), 1);
+        assert!(o.held > 0);
+        assert!(o.answers.iter().filter(|a| a.3).all(|a| a.0 != 2), "the straggler was held: {:?}", o.answers);
+    }
+}
+
+#[cfg(test)]
+mod proptests {
+    use super::sim::run;
+    use crate::sync::SyncPolicy;
+    use proptest::prelude::*;
+
+    fn any_policy() -> impl Strategy<Value = SyncPolicy> {
+        prop_oneof![
+            Just(SyncPolicy::Bsp),
+            Just(SyncPolicy::Asp),
+            (0u32..4).prop_map(SyncPolicy::Ssp),
+            (0u32..4).prop_map(SyncPolicy::Lazy),
+            (0u32..4, 0.0f64..=1.0).prop_map(|(s, p)| SyncPolicy::Pssp { s, p }),
+            (0u32..4).prop_map(SyncPolicy::Dpssp),
+        ]
+    }
+
+    proptest! {
+        /// Whatever order workers run in and whatever the policy: no pull(t) is answered
+        /// while done < t - s (for the policies with a bound), every pull is answered
+        /// exactly once by the time every worker has pushed its last clock, and with
+        /// aggregate + integer gradients the result is exact.
+        #[test]
+        fn no_policy_answers_early_or_loses_a_pull(
+            sync in any_policy(),
+            workers in 1u32..4,
+            schedule in proptest::collection::vec(0u32..4, 1..200),
+            seed in any::<u64>(),
+        ) {
+            const CLOCKS: u32 = 6;
+            let o = run(sync, workers, CLOCKS, &schedule, seed);
+            for (w, t, done, _) in &o.answers {
+                prop_assert!(!sync.violates_bound(*t, *done), "{sync}: pull({t}) of worker {w} answered at done {done}");
+            }
+            let mut seen = std::collections::HashSet::new();
+            prop_assert!(o.answers.iter().all(|(w, t, _, _)| seen.insert((*w, *t))));
+            prop_assert_eq!(o.answers.len() as u32, workers * CLOCKS);
+            prop_assert_eq!(o.still_held, 0);
+            prop_assert_eq!(o.value, -(CLOCKS as f32));
         }
     }
 }

@@ -9,9 +9,11 @@
 //! - [`placement`]: which server owns which block (`range`, `hash`, `roundrobin`, `bestfit`).
 //! - [`optimizer`]: server-side SGD, momentum and Adam, with state that lives with a block.
 //! - [`sync`]: the synchronization policies and the clock bookkeeping they decide on.
+//! - [`adaptive`]: per-server tuning of the staleness bound.
 //! - [`block`]: the per-block state machine a server runs (values, optimizer, clocks,
 //!   held pulls, counters).
 
+pub mod adaptive;
 pub mod block;
 pub mod error;
 pub mod model;

@@ -4,11 +4,22 @@
 //! a server tracks, per worker, how many clocks that worker has pushed. `done` is the
 //! smallest clock that some worker has not pushed yet (every clock below `done` is
 //! complete); `fast` is the highest clock pushed by anyone. Pushes are never held; a
-//! pull may be, and [`SyncPolicy::holds`] is the one place that says when.
+//! pull may be, and [`SyncPolicy::on_pull`] is the one place that says when:
+//!
+//! | policy | hold `pull(t)` while | released when |
+//! |---|---|---|
+//! | `bsp` | `done < t` | `done >= t` |
+//! | `asp` | never | — |
+//! | `ssp:s` | `done < t - s` | `done >= t - s` |
+//! | `lazy:s` | `done < t - s`, or other pulls for clock t are already buffered | `done >= t`, all pulls for t together |
+//! | `pssp:s:p` | the worker is the fastest (`t - 1 == fast`), `done < t - s`, and a coin with probability p says pause | `done >= t - s` |
+//! | `dpssp:s` | as `pssp`, with p = 1 / (1 + e^(s - k)), k = t - 1 - done | `done >= t - s` |
+//! | `adaptive` | as `ssp:s`, with s tuned per server by [`crate::adaptive::Adaptive`] | `done >= t - s` |
 
 use std::fmt;
 use std::str::FromStr;
 
+use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::CoreError;
@@ -17,7 +28,7 @@ use crate::CoreError;
 pub type Clock = u32;
 
 /// When a server answers a pull.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum SyncPolicy {
     /// Bulk synchronous: `pull(t)` waits until every worker pushed clock `t - 1`.
     Bsp,
@@ -25,28 +36,126 @@ pub enum SyncPolicy {
     Asp,
     /// Stale synchronous with staleness `s`: `pull(t)` waits while `done < t - s`.
     Ssp(u32),
+    /// FluentPS lazy execution: a pull that SSP would hold is buffered until a full
+    /// catch-up (`done >= t`), and later pulls of the same clock join it, so all of them
+    /// are released together and the next ~s iterations run without waiting.
+    Lazy(u32),
+    /// FluentPS probabilistic pause: only the fastest worker is ever held, and only
+    /// with probability `p` when it is more than `s` clocks ahead of `done`.
+    Pssp {
+        /// Staleness bound.
+        s: u32,
+        /// Probability of pausing the fastest worker, in [0, 1].
+        p: f64,
+    },
+    /// As `Pssp`, with the probability growing with the lead k = t - 1 - done:
+    /// p = 1 / (1 + e^(s - k)).
+    Dpssp(u32),
+    /// SSP whose staleness each server tunes within `[min, max]` from the delays it
+    /// observes ([`crate::adaptive::Adaptive`]).
+    Adaptive {
+        /// Smallest staleness.
+        min: u32,
+        /// Largest staleness.
+        max: u32,
+    },
+}
+
+/// What a server knows about a block when `pull(clock)` arrives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullView {
+    /// The clock of the pull.
+    pub clock: Clock,
+    /// The block's `done` clock.
+    pub done: Clock,
+    /// The highest clock pushed by anyone, if any.
+    pub fast: Option<Clock>,
+    /// True if pulls of the same clock are already held (buffered) on this block.
+    pub same_clock_held: bool,
+}
+
+/// A policy's decision about one pull.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Answer now.
+    Answer,
+    /// Hold until the block's `done` reaches `until`.
+    Hold {
+        /// The `done` clock that releases the pull.
+        until: Clock,
+    },
 }
 
 impl SyncPolicy {
-    /// The staleness bound: 0 for BSP, `None` (unbounded) for ASP.
+    /// The staleness bound every answered pull respects (`done >= t - s`): 0 for BSP,
+    /// s for SSP and lazy; `None` where no bound is guaranteed (ASP, and PSSP, whose
+    /// pauses are probabilistic and only apply to the fastest worker). `Adaptive` has
+    /// no fixed bound: resolve it first ([`SyncPolicy::resolve`]).
     pub fn staleness(self) -> Option<u32> {
         match self {
             SyncPolicy::Bsp => Some(0),
-            SyncPolicy::Asp => None,
-            SyncPolicy::Ssp(s) => Some(s),
+            SyncPolicy::Ssp(s) | SyncPolicy::Lazy(s) => Some(s),
+            SyncPolicy::Asp | SyncPolicy::Pssp { .. } | SyncPolicy::Dpssp(_) | SyncPolicy::Adaptive { .. } => None,
         }
     }
 
-    /// True if a `pull(t)` must be held while the block's `done` clock is `done`.
-    ///
-    /// This is the invariant every test checks: no `pull(t)` is answered while
-    /// `done < t - s`.
-    pub fn holds(self, t: Clock, done: Clock) -> bool {
-        match self.staleness() {
-            None => false,
-            Some(s) => u64::from(done) + u64::from(s) < u64::from(t),
+    /// The concrete policy to decide with: `Adaptive` becomes `Ssp(s)` with the
+    /// server's current `s`; every other policy is itself.
+    pub fn resolve(self, adaptive_s: u32) -> SyncPolicy {
+        match self {
+            SyncPolicy::Adaptive { min, max } => SyncPolicy::Ssp(adaptive_s.clamp(min, max)),
+            other => other,
         }
     }
+
+    /// True if answering `pull(t)` while `done` breaks this policy's staleness bound.
+    /// This is the invariant every test checks: no pull at clock t is answered while
+    /// `done < t - s`.
+    pub fn violates_bound(self, t: Clock, done: Clock) -> bool {
+        self.staleness().is_some_and(|s| behind(t, done, s))
+    }
+
+    /// Decides about a pull that just arrived. `rng` is drawn from only when a
+    /// probabilistic policy must toss its coin.
+    pub fn on_pull(self, v: &PullView, rng: &mut impl Rng) -> Verdict {
+        let t = v.clock;
+        let hold_ssp = |s: u32| if behind(t, v.done, s) { Verdict::Hold { until: t - s } } else { Verdict::Answer };
+        match self {
+            SyncPolicy::Asp => Verdict::Answer,
+            SyncPolicy::Bsp => hold_ssp(0),
+            SyncPolicy::Ssp(s) => hold_ssp(s),
+            // Unresolved adaptive: the tightest bound is the safe one.
+            SyncPolicy::Adaptive { min, .. } => hold_ssp(min),
+            SyncPolicy::Lazy(s) => {
+                if behind(t, v.done, s) || (v.same_clock_held && v.done < t) {
+                    Verdict::Hold { until: t }
+                } else {
+                    Verdict::Answer
+                }
+            }
+            SyncPolicy::Pssp { s, p } => pause_fastest(v, s, |_| p, rng),
+            SyncPolicy::Dpssp(s) => {
+                pause_fastest(v, s, |lead| 1.0 / (1.0 + (f64::from(s) - lead as f64).exp()), rng)
+            }
+        }
+    }
+}
+
+/// `done < t - s`, without underflow.
+fn behind(t: Clock, done: Clock, s: u32) -> bool {
+    u64::from(done) + u64::from(s) < u64::from(t)
+}
+
+/// PSSP: hold the fastest worker (`t - 1 == fast`) when `done < t - s`, with the
+/// probability `p(lead)` where lead = t - 1 - done.
+fn pause_fastest(v: &PullView, s: u32, p: impl Fn(u64) -> f64, rng: &mut impl Rng) -> Verdict {
+    let t = v.clock;
+    let fastest = t >= 1 && v.fast == Some(t - 1);
+    if !fastest || !behind(t, v.done, s) {
+        return Verdict::Answer;
+    }
+    let lead = u64::from(t - 1 - v.done);
+    if rng.random::<f64>() < p(lead) { Verdict::Hold { until: t - s } } else { Verdict::Answer }
 }
 
 impl fmt::Display for SyncPolicy {
@@ -55,9 +164,17 @@ impl fmt::Display for SyncPolicy {
             SyncPolicy::Bsp => f.write_str("bsp"),
             SyncPolicy::Asp => f.write_str("asp"),
             SyncPolicy::Ssp(s) => write!(f, "ssp:{s}"),
+            SyncPolicy::Lazy(s) => write!(f, "lazy:{s}"),
+            SyncPolicy::Pssp { s, p } => write!(f, "pssp:{s}:{p}"),
+            SyncPolicy::Dpssp(s) => write!(f, "dpssp:{s}"),
+            SyncPolicy::Adaptive { min, max } if (*min, *max) == DEFAULT_ADAPTIVE => f.write_str("adaptive"),
+            SyncPolicy::Adaptive { min, max } => write!(f, "adaptive:{min}:{max}"),
         }
     }
 }
+
+/// The staleness range of plain `adaptive`.
+pub const DEFAULT_ADAPTIVE: (u32, u32) = (0, 8);
 
 impl FromStr for SyncPolicy {
     type Err = CoreError;
@@ -66,18 +183,33 @@ impl FromStr for SyncPolicy {
         let err = |why: &str| CoreError::Parse {
             what: "sync policy",
             input: input.to_string(),
-            why: format!("{why}; expected bsp, asp or ssp:S (S a non-negative integer)"),
+            why: format!(
+                "{why}; expected bsp, asp, ssp:S, lazy:S, pssp:S:P, dpssp:S, adaptive or adaptive:MIN:MAX \
+                 (S a non-negative integer, P a probability in [0, 1])"
+            ),
         };
-        match input.trim().to_ascii_lowercase().as_str() {
-            "bsp" => Ok(SyncPolicy::Bsp),
-            "asp" => Ok(SyncPolicy::Asp),
-            other => match other.split_once(':') {
-                Some(("ssp", s)) => s
-                    .parse()
-                    .map(SyncPolicy::Ssp)
-                    .map_err(|_| err("bad staleness")),
-                _ => Err(err("unknown policy")),
+        let lower = input.trim().to_ascii_lowercase();
+        let parts: Vec<&str> = lower.split(':').collect();
+        let int = |s: &str| s.parse::<u32>().map_err(|_| err("bad staleness"));
+        match parts[..] {
+            ["bsp"] => Ok(SyncPolicy::Bsp),
+            ["asp"] => Ok(SyncPolicy::Asp),
+            ["ssp", s] => Ok(SyncPolicy::Ssp(int(s)?)),
+            ["lazy", s] => Ok(SyncPolicy::Lazy(int(s)?)),
+            ["dpssp", s] => Ok(SyncPolicy::Dpssp(int(s)?)),
+            ["pssp", s, p] => match p.parse::<f64>() {
+                Ok(p) if (0.0..=1.0).contains(&p) => Ok(SyncPolicy::Pssp { s: int(s)?, p }),
+                _ => Err(err("bad probability")),
             },
+            ["adaptive"] => Ok(SyncPolicy::Adaptive { min: DEFAULT_ADAPTIVE.0, max: DEFAULT_ADAPTIVE.1 }),
+            ["adaptive", min, max] => {
+                let (min, max) = (int(min)?, int(max)?);
+                if min > max {
+                    return Err(err("MIN is larger than MAX"));
+                }
+                Ok(SyncPolicy::Adaptive { min, max })
+            }
+            _ => Err(err("unknown policy")),
         }
     }
 }
@@ -125,6 +257,13 @@ impl Clocks {
         self.pushed.iter().max().and_then(|p| p.checked_sub(1))
     }
 
+    /// The lead of the fastest active worker over the slowest, in clocks.
+    pub fn lead(&self) -> u32 {
+        let active = self.pushed.iter().zip(&self.active).filter(|(_, a)| **a).map(|(p, _)| *p);
+        let (lo, hi) = active.fold((Clock::MAX, 0), |(lo, hi), p| (lo.min(p), hi.max(p)));
+        hi.saturating_sub(lo)
+    }
+
     /// Records that `worker` pushed clock `clock`. Returns `Ok(false)` for a duplicate
     /// (already pushed: drop it), `Ok(true)` for the next clock, an error for a gap.
     pub fn record(&mut self, block: u32, worker: u32, clock: Clock) -> Result<bool, CoreError> {
@@ -166,29 +305,96 @@ mod tests {
 
     #[test]
     fn parses_and_prints_policies() {
-        for s in ["bsp", "asp", "ssp:0", "ssp:3"] {
+        for s in ["bsp", "asp", "ssp:0", "ssp:3", "lazy:3", "pssp:3:0.5", "dpssp:2", "adaptive", "adaptive:1:4"] {
             assert_eq!(s.parse::<SyncPolicy>().unwrap().to_string(), s);
         }
         assert!("ssp".parse::<SyncPolicy>().is_err());
         assert!("ssp:-1".parse::<SyncPolicy>().is_err());
         assert!("lazy:x".parse::<SyncPolicy>().is_err());
+        assert!("pssp:3:1.5".parse::<SyncPolicy>().is_err());
+        assert!("pssp:3".parse::<SyncPolicy>().is_err());
+        assert!("adaptive:5:2".parse::<SyncPolicy>().is_err());
+    }
+
+    /// An RNG whose every draw is the same: `Fixed(0)` draws 0.0, `Fixed(u64::MAX)`
+    /// draws just under 1.0.
+    pub(crate) struct Fixed(pub u64);
+
+    impl rand::RngCore for Fixed {
+        fn next_u32(&mut self) -> u32 {
+            (self.0 >> 32) as u32
+        }
+        fn next_u64(&mut self) -> u64 {
+            self.0
+        }
+        fn fill_bytes(&mut self, dst: &mut [u8]) {
+            dst.fill(self.0 as u8);
+        }
+    }
+
+    const LOW: u64 = 0; // the coin always says "pause" (draw 0.0 < p for any p > 0)
+    const HIGH: u64 = u64::MAX; // the coin says "pause" only for p = 1
+
+    #[test]
+    fn decisions_match_the_table() {
+        use Verdict::{Answer, Hold};
+        let p = |s: &str| s.parse::<SyncPolicy>().unwrap();
+        // (policy, t, done, fast, same clock already held, coin draw, verdict)
+        let rows: &[(&str, Clock, Clock, Option<Clock>, bool, u64, Verdict)] = &[
+            ("bsp", 0, 0, None, false, LOW, Answer),
+            ("bsp", 1, 0, Some(0), false, LOW, Hold { until: 1 }),
+            ("bsp", 1, 1, Some(0), false, LOW, Answer),
+            ("asp", 9, 0, Some(8), true, LOW, Answer),
+            ("ssp:2", 2, 0, Some(1), false, LOW, Answer),
+            ("ssp:2", 3, 0, Some(2), false, LOW, Hold { until: 1 }),
+            ("ssp:2", 3, 1, Some(2), false, LOW, Answer),
+            // lazy: held like ssp, but released only by a full catch-up...
+            ("lazy:2", 3, 0, Some(2), false, LOW, Hold { until: 3 }),
+            // ...and a pull of a clock already buffered joins the buffer, even in bound.
+            ("lazy:2", 3, 1, Some(2), true, LOW, Hold { until: 3 }),
+            ("lazy:2", 3, 1, Some(2), false, LOW, Answer),
+            ("lazy:2", 3, 3, Some(2), true, LOW, Answer),
+            // pssp pauses only the fastest worker, only out of bound, only if the coin says so.
+            ("pssp:1:0.5", 3, 0, Some(2), false, LOW, Hold { until: 2 }),
+            ("pssp:1:0.5", 3, 0, Some(2), false, HIGH, Answer),
+            ("pssp:1:0.5", 3, 0, Some(4), false, LOW, Answer),
+            ("pssp:1:0.5", 2, 1, Some(1), false, LOW, Answer),
+            ("pssp:1:1", 3, 0, Some(2), false, HIGH, Hold { until: 2 }),
+            ("pssp:1:0", 3, 0, Some(2), false, LOW, Answer),
+            // dpssp:2 at lead k = t - 1 - done = 3: p = 1 / (1 + e^-1) = 0.731.
+            ("dpssp:2", 4, 0, Some(3), false, LOW, Hold { until: 2 }),
+            ("dpssp:2", 4, 0, Some(3), false, (0.70 * (1u64 << 53) as f64) as u64 * 2048, Hold { until: 2 }),
+            ("dpssp:2", 4, 0, Some(3), false, (0.76 * (1u64 << 53) as f64) as u64 * 2048, Answer),
+            // ...at k = 2 = s it is 1/2; in bound (done >= t - s) it never pauses.
+            ("dpssp:2", 3, 0, Some(2), false, LOW, Hold { until: 1 }),
+            ("dpssp:2", 3, 0, Some(2), false, (0.51 * (1u64 << 53) as f64) as u64 * 2048, Answer),
+            ("dpssp:2", 3, 1, Some(2), false, LOW, Answer),
+            // adaptive, unresolved, decides with its tightest bound (ssp:1 here).
+            ("adaptive:1:4", 3, 2, Some(2), false, LOW, Answer),
+            ("adaptive:1:4", 3, 1, Some(2), false, LOW, Hold { until: 2 }),
+        ];
+        for (i, (policy, t, done, fast, held, coin, want)) in rows.iter().enumerate() {
+            let view = PullView { clock: *t, done: *done, fast: *fast, same_clock_held: *held };
+            let got = p(policy).on_pull(&view, &mut Fixed(*coin));
+            assert_eq!(got, *want, "row {i}: {policy} pull({t}) with done {done}, fast {fast:?}");
+        }
     }
 
     #[test]
-    fn hold_rules_match_the_table() {
-        // bsp holds pull(t) while done < t
-        assert!(SyncPolicy::Bsp.holds(1, 0));
-        assert!(!SyncPolicy::Bsp.holds(1, 1));
-        assert!(!SyncPolicy::Bsp.holds(0, 0));
-        // ssp:2 holds pull(t) while done < t - 2
-        assert!(!SyncPolicy::Ssp(2).holds(2, 0));
-        assert!(SyncPolicy::Ssp(2).holds(3, 0));
-        assert!(!SyncPolicy::Ssp(2).holds(3, 1));
-        // ssp:0 is bsp, asp never holds
-        for t in 0..5 {
-            for d in 0..5 {
-                assert_eq!(SyncPolicy::Ssp(0).holds(t, d), SyncPolicy::Bsp.holds(t, d));
-                assert!(!SyncPolicy::Asp.holds(t, d));
+    fn degenerate_policies_agree_with_their_equivalents() {
+        let mut rng = Fixed(LOW);
+        for t in 0..6u32 {
+            for done in 0..6 {
+                for fast in [None, Some(0), Some(t.saturating_sub(1)), Some(5)] {
+                    let v = PullView { clock: t, done, fast, same_clock_held: false };
+                    assert_eq!(SyncPolicy::Ssp(0).on_pull(&v, &mut rng), SyncPolicy::Bsp.on_pull(&v, &mut rng));
+                    assert_eq!(SyncPolicy::Pssp { s: 2, p: 0.0 }.on_pull(&v, &mut rng), Verdict::Answer);
+                    // pssp:s:1 holds exactly the fastest worker's pulls that ssp:s holds.
+                    let fastest = t >= 1 && fast == Some(t - 1);
+                    let ssp = SyncPolicy::Ssp(2).on_pull(&v, &mut rng);
+                    let pssp = SyncPolicy::Pssp { s: 2, p: 1.0 }.on_pull(&v, &mut Fixed(HIGH));
+                    assert_eq!(pssp, if fastest { ssp } else { Verdict::Answer }, "t {t} done {done} fast {fast:?}");
+                }
             }
         }
     }

@@ -2,7 +2,8 @@
 //!
 //! Reading takes the 32-byte header first, validates it (so an oversized length is
 //! refused before a byte of payload is read), then reads a tensor payload straight into
-//! an aligned `Vec<f32>`: no intermediate buffer, no per-element decoding. Writing goes
+//! an aligned `Vec<f32>`: no intermediate buffer, no per-element decoding. Large payload
+//! buffers are recycled through a small process-wide pool ([`payload_buffer`]). Writing goes
 //! through one task per connection that encodes, batches small frames in a buffer and
 //! writes large payloads directly from their shared `Bytes`.
 
@@ -74,7 +75,7 @@ impl FrameReader {
         };
         self.request_id = header.request_id;
         let len = header.payload_len as usize;
-        let payload = if matches!(header.kind, Kind::Push | Kind::PullReply) && len % 4 == 0 {
+        let payload = if matches!(header.kind, Kind::Push | Kind::PullReply) && len.is_multiple_of(4) {
             let mut v = payload_buffer(len / 4);
             self.inner.read_exact(bytemuck::cast_slice_mut(&mut v)).await.map_err(|e| self.io_err(e))?;
             pooled_values(v).into_bytes()
@@ -156,8 +157,8 @@ pub fn addr_name(addr: Option<SocketAddr>) -> String {
 
 /// Payload buffers of at least this many bytes are recycled; smaller ones are cheap to allocate.
 const POOL_MIN_BYTES: usize = 64 * 1024;
-/// At most this many buffers wait in the pool...
-const POOL_MAX_BUFFERS: usize = 16;
+/// At most this many buffers wait in the pool (a push of small blocks has many in flight)...
+const POOL_MAX_BUFFERS: usize = 64;
 /// ...holding at most this many bytes.
 const POOL_MAX_BYTES: usize = 64 << 20;
 
@@ -230,5 +231,31 @@ impl Drop for Pooled {
         if free.len() < POOL_MAX_BUFFERS && held + v.capacity() * 4 <= POOL_MAX_BYTES {
             free.push(v);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_payload_buffers_are_recycled_with_the_right_length() {
+        // Other tests of this binary may share the pool: look for this buffer by address.
+        let n = 256 * 1024;
+        let values = copy_values(&vec![1.5f32; n]);
+        let ptr = values.as_bytes().as_ptr();
+        assert_eq!(values.len(), n);
+        assert!(values.to_f32s().iter().all(|v| *v == 1.5));
+        let view = values.clone();
+        drop(values);
+        assert!(!pool().iter().any(|b| b.as_ptr() as *const u8 == ptr), "a view is still alive");
+        drop(view);
+        assert!(pool().iter().any(|b| b.as_ptr() as *const u8 == ptr), "back in the pool");
+        // A smaller payload reuses it (truncated), a small one never comes from the pool.
+        let again = payload_buffer(n / 2);
+        assert_eq!(again.len(), n / 2);
+        assert!(payload_buffer(16).len() == 16);
+        drop(again);
+        assert_eq!(copy_values(&[2.0; 8]).to_vec(), vec![2.0; 8]);
     }
 }

@@ -27,6 +27,8 @@ pub use error::{Result, RuntimeError};
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// How long the scheduler waits without hearing from a node before declaring it dead.
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often servers evaluate their load and adaptive policies.
+pub const STATS_INTERVAL: Duration = Duration::from_secs(1);
 /// How long a TCP connect may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a control request (register, layout) may take to be answered.

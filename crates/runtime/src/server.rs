@@ -8,20 +8,25 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use elasticps_core::adaptive::Adaptive;
 use elasticps_core::block::{Answer, Block, BlockStats, ShardConfig};
 use elasticps_core::model::{BlockId, Partition};
 use elasticps_core::placement::Placement;
 use elasticps_core::stats::Histogram;
+use elasticps_core::sync::SyncPolicy;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
 use elasticps_wire::{Codec, Control, ErrorCode, ErrorReply, Message, ServerStats, Values};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
 use crate::peer::Peer;
-use crate::{HEARTBEAT_EVERY, Micros, timeout};
+use crate::{HEARTBEAT_EVERY, Micros, STATS_INTERVAL, timeout};
 
 /// How to start a server.
 #[derive(Clone, Debug)]
@@ -47,13 +52,39 @@ struct ReplyTo {
     block: BlockId,
 }
 
+/// One owned block with the coin its probabilistic sync policies toss.
+struct Slot {
+    block: Block<ReplyTo>,
+    rng: StdRng,
+}
+
 /// The blocks this server owns, with the job's configuration.
 struct Shard {
     id: u32,
+    /// As assigned; `sync` may be `Adaptive`.
     config: ShardConfig,
+    /// The staleness an `Adaptive` policy currently uses.
+    staleness: AtomicU32,
     partition: Partition,
     placement: Placement,
-    blocks: HashMap<BlockId, Mutex<Block<ReplyTo>>>,
+    blocks: HashMap<BlockId, Mutex<Slot>>,
+}
+
+impl Shard {
+    /// The configuration to decide with now (an adaptive policy resolved to its current s).
+    fn effective(&self) -> ShardConfig {
+        ShardConfig { sync: self.config.sync.resolve(self.staleness.load(Ordering::Relaxed)), ..self.config }
+    }
+
+    /// The policy as reported: `adaptive:0:8 (s=3)` for an adaptive one.
+    fn policy_name(&self) -> String {
+        match self.config.sync {
+            SyncPolicy::Adaptive { .. } => {
+                format!("{} (s={})", self.config.sync, self.staleness.load(Ordering::Relaxed))
+            }
+            other => other.to_string(),
+        }
+    }
 }
 
 struct State {
@@ -119,9 +150,22 @@ async fn control_loop(
 ) -> Result<()> {
     let mut waiting = tokio::time::interval(Duration::from_secs(10));
     waiting.tick().await;
+    let mut interval = tokio::time::interval(STATS_INTERVAL);
+    let mut adaptive: Option<Adaptive> = None;
     loop {
         let msg = tokio::select! {
             msg = notes.recv() => msg,
+            _ = interval.tick() => {
+                if let (Some(shard), Some(a)) = (current(state), adaptive.as_mut()) {
+                    let before = a.staleness();
+                    let s = a.observe(&stats(id, state).totals);
+                    shard.staleness.store(s, Ordering::Relaxed);
+                    if s != before {
+                        tracing::info!(server = id, from = before, to = s, "adaptive staleness changed");
+                    }
+                }
+                continue;
+            }
             _ = waiting.tick() => {
                 if current(state).is_none() {
                     tracing::info!(server = id, "server waits for the scheduler to assign blocks (a worker must define the model and every server must join)");
@@ -134,14 +178,18 @@ async fn control_loop(
             Some(Message::Control(Control::Assign(a))) => {
                 let shard = build_shard(a)?;
                 tracing::info!(server = id, blocks = shard.blocks.len(), sync = %shard.config.sync, "blocks assigned");
+                if let SyncPolicy::Adaptive { min, max } = shard.config.sync {
+                    adaptive = Some(Adaptive::new(min, max));
+                }
                 *state.shard.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(shard));
                 sched.notify(Control::AssignDone { server_id: id }.into())?;
             }
             Some(Message::Control(Control::RemoveWorker { rank })) => {
                 if let Some(shard) = current(state) {
                     tracing::info!(server = id, rank, "worker removed from every quorum");
-                    for block in shard.blocks.values() {
-                        let answers = lock(block).remove_worker(&shard.config, rank, state.clock.now());
+                    let config = shard.effective();
+                    for slot in shard.blocks.values() {
+                        let answers = lock(slot).block.remove_worker(&config, rank, state.clock.now());
                         send_answers(state, answers);
                     }
                 }
@@ -160,9 +208,22 @@ fn build_shard(a: elasticps_wire::Assignment) -> Result<Shard> {
     for b in a.placement.blocks_of(a.server_id) {
         let spec = *a.partition.block(b)?;
         let values = a.partition.init_values(b, a.seed)?;
-        blocks.insert(b, Mutex::new(Block::new(spec, values, &a.config)?));
+        let block = Block::new(spec, values, &a.config)?;
+        let rng = StdRng::seed_from_u64(a.seed ^ u64::from(b).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        blocks.insert(b, Mutex::new(Slot { block, rng }));
     }
-    Ok(Shard { id: a.server_id, config: a.config, partition: a.partition, placement: a.placement, blocks })
+    let staleness = match a.config.sync {
+        SyncPolicy::Adaptive { min, .. } => min,
+        _ => 0,
+    };
+    Ok(Shard {
+        id: a.server_id,
+        config: a.config,
+        staleness: AtomicU32::new(staleness),
+        partition: a.partition,
+        placement: a.placement,
+        blocks,
+    })
 }
 
 fn current(state: &State) -> Option<Arc<Shard>> {
@@ -178,9 +239,9 @@ fn stats(id: u32, state: &State) -> ServerStats {
     let mut hist = Histogram::default();
     let (mut blocks, mut bytes, mut sync) = (0, 0, String::new());
     if let Some(shard) = current(state) {
-        sync = shard.config.sync.to_string();
-        for b in shard.blocks.values() {
-            let b = lock(b);
+        sync = shard.policy_name();
+        for slot in shard.blocks.values() {
+            let b = &lock(slot).block;
             totals.merge(b.stats());
             hist.merge(b.hold_histogram());
             blocks += 1;
@@ -290,11 +351,11 @@ impl Refusal {
 fn with_block<R>(
     state: &State,
     block: BlockId,
-    f: impl FnOnce(&Shard, &Mutex<Block<ReplyTo>>) -> R,
+    f: impl FnOnce(&ShardConfig, &mut Slot) -> R,
 ) -> Result<R, Refusal> {
     let shard = current(state).ok_or(Refusal::NotReady)?;
     match (shard.blocks.get(&block), shard.placement.owner(block)) {
-        (Some(b), _) => Ok(f(&shard, b)),
+        (Some(slot), _) => Ok(f(&shard.effective(), &mut lock(slot))),
         (None, Some(owner)) => Err(Refusal::Moved { owner, epoch: shard.placement.epoch }),
         (None, None) => Err(Refusal::Unknown { blocks: shard.partition.blocks.len() }),
     }
@@ -302,9 +363,9 @@ fn with_block<R>(
 
 fn push(state: &State, rank: u32, block: BlockId, clock: u32, values: &Values) -> Message {
     let now = state.clock.now();
-    let result = with_block(state, block, |shard, b| {
+    let result = with_block(state, block, |config, slot| {
         let grad = values.to_f32s();
-        lock(b).push(&shard.config, rank, clock, &grad, now)
+        slot.block.push(config, rank, clock, &grad, now)
     });
     match result {
         Ok(Ok(answers)) => {
@@ -318,7 +379,10 @@ fn push(state: &State, rank: u32, block: BlockId, clock: u32, values: &Values) -
 
 fn pull(state: &State, rank: u32, block: BlockId, clock: u32, to: ReplyTo) -> Option<Message> {
     let now = state.clock.now();
-    let result = with_block(state, block, |shard, b| lock(b).pull(&shard.config, to, rank, clock, now));
+    let result = with_block(state, block, |config, slot| {
+        let Slot { block, rng } = slot;
+        block.pull(config, to, rank, clock, now, rng)
+    });
     match result {
         Ok(Ok(Some(answer))) => {
             send_answers(state, vec![answer]);

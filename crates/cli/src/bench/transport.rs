@@ -65,6 +65,11 @@ pub struct TransportCmd {
     /// Time bound of each phase in each round, in seconds (default 0.2, quick 0.1).
     #[arg(long)]
     pub seconds: Option<f64>,
+    /// Largest block (e.g. 256K): a payload is cut into one block per server, or into
+    /// blocks of at most this size, which are then in flight at once (default 4M, the
+    /// default `--block-bytes` of a job).
+    #[arg(long, value_parser = parse_size)]
+    pub max_block: Option<usize>,
     /// Worker threads of the runtime that drives the workers and the raw senders.
     #[arg(long, default_value_t = 2)]
     pub driver_threads: usize,
@@ -137,6 +142,7 @@ struct Plan {
     topologies: Vec<Topology>,
     rounds: u32,
     seconds: f64,
+    max_block: usize,
     driver_threads: usize,
 }
 
@@ -157,6 +163,7 @@ impl Plan {
         anyhow::ensure!(!sizes.is_empty() && !topologies.is_empty(), "nothing to measure");
         anyhow::ensure!((1..=64).contains(&cmd.driver_threads), "--driver-threads must be from 1 to 64");
         let max_frame = cmd.net.max_frame_mib as usize * MIB;
+        let max_block = cmd.max_block.unwrap_or(DEFAULT_BLOCK);
         for &size in &sizes {
             for t in &topologies {
                 anyhow::ensure!(
@@ -166,13 +173,13 @@ impl Plan {
                     t.servers
                 );
                 anyhow::ensure!(
-                    block_bytes(size, *t) <= max_frame,
+                    block_bytes(size, *t, max_block) <= max_frame,
                     "a {} block exceeds --max-frame-mib",
-                    size_name(block_bytes(size, *t))
+                    size_name(block_bytes(size, *t, max_block))
                 );
             }
         }
-        Ok(Plan { quick: cmd.quick, sizes, topologies, rounds, seconds, driver_threads: cmd.driver_threads })
+        Ok(Plan { quick: cmd.quick, sizes, topologies, rounds, seconds, max_block, driver_threads: cmd.driver_threads })
     }
 
     fn time(&self) -> Duration {
@@ -193,9 +200,9 @@ impl Plan {
 }
 
 /// The block size of a payload's job: the whole payload in one block per server (so
-/// with two servers, each owns half of it), at most the default 4 MiB.
-fn block_bytes(size: usize, t: Topology) -> usize {
-    (size / t.servers as usize).min(DEFAULT_BLOCK)
+/// with two servers, each owns half of it), at most `max_block`.
+fn block_bytes(size: usize, t: Topology, max_block: usize) -> usize {
+    (size / t.servers as usize).min(max_block)
 }
 
 /// One line of the result.
@@ -229,31 +236,62 @@ struct Machine {
     nproc: usize,
     cpu: String,
     kernel: String,
-    /// /proc/loadavg before and after the run: other work on the machine skews it.
-    loadavg_before: String,
-    loadavg_after: String,
+    /// Share of the machine's CPU time that processes outside this benchmark used during
+    /// the run (other work skews every number; the ratios less so).
+    other_cpu_share: Option<f64>,
+    /// Share of the machine's CPU time the hypervisor took (steal).
+    steal_share: Option<f64>,
 }
 
 impl Machine {
-    fn probe(loadavg_before: String) -> Self {
+    fn probe(before: Option<CpuSample>, after: Option<CpuSample>) -> Self {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
             .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("model name"))
-                    .and_then(|l| l.split_once(':'))
-                    .map(|(_, v)| v.trim().to_string())
+                s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string())
             })
             .unwrap_or_else(|| "unknown".into());
-        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .map_or_else(|_| "unknown".into(), |s| s.trim().into());
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(|_| "unknown".into(), |s| s.trim().into());
         let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Machine { nproc, cpu, kernel, loadavg_before, loadavg_after: loadavg() }
+        let (other_cpu_share, steal_share) = match (before, after) {
+            (Some(a), Some(b)) if b.total > a.total => {
+                let total = (b.total - a.total) as f64;
+                let other = (b.busy - a.busy).saturating_sub(b.own - a.own) as f64;
+                (Some(other / total), Some((b.steal - a.steal) as f64 / total))
+            }
+            _ => (None, None),
+        };
+        Machine { nproc, cpu, kernel, other_cpu_share, steal_share }
     }
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").map_or_else(|_| "unknown".into(), |s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+/// CPU time, in clock ticks: of the whole machine (from /proc/stat) and of this process
+/// with its reaped children, the cluster nodes and sinks (from /proc/self/stat).
+#[derive(Clone, Copy, Debug)]
+struct CpuSample {
+    /// Every state of every CPU.
+    total: u64,
+    /// Time in processes: user, nice and system (interrupt time is left out: most of it is
+    /// this run's own network traffic).
+    busy: u64,
+    steal: u64,
+    /// utime + stime + cutime + cstime of this process.
+    own: u64,
+}
+
+impl CpuSample {
+    fn now() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> =
+            stat.lines().next()?.split_whitespace().skip(1).take(8).map(|v| v.parse().ok()).collect::<Option<_>>()?;
+        // user nice system idle iowait irq softirq steal
+        let (total, busy, steal) = (cpu.iter().sum(), cpu.first()? + cpu.get(1)? + cpu.get(2)?, *cpu.get(7)?);
+        let me = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after "pid (comm)": state is field 3, utime..cstime are fields 14..17.
+        let fields: Vec<&str> = me.rsplit_once(')')?.1.split_whitespace().collect();
+        let own = (11..=14).map(|i| fields.get(i)?.parse::<u64>().ok()).sum::<Option<u64>>()?;
+        Some(CpuSample { total, busy, steal, own })
+    }
 }
 
 /// One target of the issue, checked against the measurements.
@@ -273,14 +311,17 @@ pub async fn run(cmd: TransportCmd) -> anyhow::Result<()> {
     };
     let driver = super::multi_thread_runtime(plan.driver_threads)?;
     let started = Instant::now();
-    let load_before = loadavg();
+    let cpu_before = CpuSample::now();
     let result = measure_all(&driver, &plan, &cmd.net, &log_dir).await;
     // Dropping a runtime blocks; this is an async context.
     driver.shutdown_background();
+    // Let the launcher reap the last nodes, so their CPU time counts as this run's.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cpu_after = CpuSample::now();
     let rows = result?;
     let out = Output {
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        machine: Machine::probe(load_before),
+        machine: Machine::probe(cpu_before, cpu_after),
         targets: targets(&rows),
         plan,
         rows,
@@ -346,13 +387,14 @@ async fn measure_case(
     size: usize,
 ) -> anyhow::Result<Vec<Row>> {
     let tag = format!("{topo} {}", size_name(size).replace(' ', ""));
-    let mut cluster = start_cluster(net, log_dir, topo, size, &tag).await?;
+    let mut cluster = start_cluster(plan.max_block, net, log_dir, topo, size, &tag).await?;
     let addr = cluster.1.clone();
     let cluster = &mut cluster.0;
     let b = plan.bounds(size);
     let warmup = plan.warmup(size);
-    let workers =
-        guarded(cluster, PsWorkers::start(driver, addr, net.codec(), topo.workers, size, warmup)).await.context("starting the workers")?;
+    let workers = guarded(cluster, PsWorkers::start(driver, addr, net.codec(), topo.workers, size, warmup))
+        .await
+        .context("starting the workers")?;
     let total = (b.count * size as u64).max(MIN_STREAM_BYTES);
     let lanes = topo.workers as usize;
     let sink = |i: usize| sinks[i % sinks.len()].clone();
@@ -363,13 +405,19 @@ async fn measure_case(
         rounds[1].push(guarded(cluster, workers.phase(Op::Pull, b)).await.with_context(|| format!("{tag}: pull"))?);
         let barrier = || Arc::new(Barrier::new(lanes));
         let start = barrier();
-        rounds[2].push(side_by_side(driver, (0..lanes).map(|i| sink::stream_in(sink(i), total, b.time, start.clone()))).await?);
+        rounds[2].push(
+            side_by_side(driver, (0..lanes).map(|i| sink::stream_in(sink(i), total, b.time, start.clone()))).await?,
+        );
         let start = barrier();
-        rounds[3].push(side_by_side(driver, (0..lanes).map(|i| sink::stream_out(sink(i), total, b.time, start.clone()))).await?);
+        rounds[3].push(
+            side_by_side(driver, (0..lanes).map(|i| sink::stream_out(sink(i), total, b.time, start.clone()))).await?,
+        );
         let start = barrier();
-        rounds[4].push(side_by_side(driver, (0..lanes).map(|i| sink::ping(sink(i), size, b, warmup, start.clone()))).await?);
+        rounds[4]
+            .push(side_by_side(driver, (0..lanes).map(|i| sink::ping(sink(i), size, b, warmup, start.clone()))).await?);
         let start = barrier();
-        rounds[5].push(side_by_side(driver, (0..lanes).map(|i| sink::pong(sink(i), size, b, warmup, start.clone()))).await?);
+        rounds[5]
+            .push(side_by_side(driver, (0..lanes).map(|i| sink::pong(sink(i), size, b, warmup, start.clone()))).await?);
     }
     let blocks = workers.blocks;
     guarded(cluster, workers.finish()).await.with_context(|| format!("{tag}: finishing the workers"))?;
@@ -388,7 +436,7 @@ async fn measure_case(
     .await;
 
     let [push, pull, stream_up, stream_down, rr_up, rr_down] = rounds.map(|r| Measured::of_rounds(&r));
-    let bb = block_bytes(size, topo);
+    let bb = block_bytes(size, topo, plan.max_block);
     let row = |op, m: &Measured, base: &Measured, ps: bool| Row {
         size,
         topology: topo,
@@ -411,6 +459,7 @@ async fn measure_case(
 /// A scheduler and the servers of `topo` for one payload size; returns them and the
 /// scheduler's address.
 async fn start_cluster(
+    max_block: usize,
     net: &NetArgs,
     log_dir: &Path,
     topo: Topology,
@@ -425,8 +474,9 @@ async fn start_cluster(
         lr: 0.001,
         aggregate: false,
         placement: PlacementKind::Range,
-        block_bytes: block_bytes(size, topo),
+        block_bytes: block_bytes(size, topo, max_block),
         seed: 42,
+        server_sync: Vec::new(),
     };
     let mut cluster = Cluster::new(log_dir)?;
     let env = [("ELASTICPS_SECRET", net.secret.as_str())];
@@ -436,7 +486,8 @@ async fn start_cluster(
     cluster.spawn(&format!("scheduler {tag}"), &args, &env)?;
     let addr = listening(&mut cluster, "the scheduler").await?;
     for i in 0..topo.servers {
-        let mut args = vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
+        let mut args =
+            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
         args.extend(net.to_flags());
         cluster.spawn(&format!("server {i} {tag}"), &args, &env)?;
     }
@@ -444,7 +495,10 @@ async fn start_cluster(
 }
 
 /// Runs `fut` unless a node of the cluster fails first.
-async fn guarded<T>(cluster: &mut Cluster, fut: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+async fn guarded<T>(
+    cluster: &mut Cluster,
+    fut: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
     tokio::select! {
         r = fut => r,
         e = failure(cluster) => Err(e),
@@ -488,7 +542,14 @@ struct PsWorkers {
 
 impl PsWorkers {
     /// Connects every worker, registers the model and warms up.
-    async fn start(driver: &Runtime, addr: String, codec: Codec, workers: u32, size: usize, warmup: u64) -> anyhow::Result<Self> {
+    async fn start(
+        driver: &Runtime,
+        addr: String,
+        codec: Codec,
+        workers: u32,
+        size: usize,
+        warmup: u64,
+    ) -> anyhow::Result<Self> {
         let (mut phases, mut tasks, mut ready) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..workers {
             let (tx, rx) = mpsc::unbounded_channel();
@@ -502,7 +563,13 @@ impl PsWorkers {
             blocks = match r.await {
                 Ok(n) => n,
                 // The worker ended before it was ready: its task says why.
-                Err(_) => return Err(task.await.context("a benchmark worker panicked")?.err().unwrap_or_else(|| anyhow::anyhow!("a worker ended"))),
+                Err(_) => {
+                    return Err(task
+                        .await
+                        .context("a benchmark worker panicked")?
+                        .err()
+                        .unwrap_or_else(|| anyhow::anyhow!("a worker ended")));
+                }
             };
         }
         Ok(PsWorkers { phases, tasks, blocks })
@@ -514,7 +581,8 @@ impl PsWorkers {
         let mut waits = Vec::new();
         for tx in &self.phases {
             let (done, rx) = oneshot::channel();
-            tx.send(Phase { op, bounds, start: start.clone(), done }).map_err(|_| anyhow::anyhow!("a benchmark worker is gone"))?;
+            tx.send(Phase { op, bounds, start: start.clone(), done })
+                .map_err(|_| anyhow::anyhow!("a benchmark worker is gone"))?;
             waits.push(rx);
         }
         let mut lanes = Vec::new();
@@ -603,7 +671,12 @@ where
     let tasks: Vec<_> = lanes.map(|f| driver.spawn(f)).collect();
     let mut done = Vec::new();
     for t in tasks {
-        done.push(tokio::time::timeout(Duration::from_secs(120), t).await.context("a raw TCP lane hangs")??.context("raw TCP")?);
+        done.push(
+            tokio::time::timeout(Duration::from_secs(120), t)
+                .await
+                .context("a raw TCP lane hangs")??
+                .context("raw TCP")?,
+        );
     }
     Ok(done)
 }
@@ -629,6 +702,10 @@ fn targets(rows: &[Row]) -> Vec<Target> {
     out
 }
 
+fn pct(share: Option<f64>) -> String {
+    share.map_or_else(|| "an unknown share".into(), |s| format!("{:.0}%", s * 100.0))
+}
+
 fn render(out: &Output, took: Duration) -> String {
     let headers = ["size", "topology", "op", "GB/s", "ratio to raw TCP", "p50 µs", "p99 µs"];
     let us = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.1}"));
@@ -652,15 +729,16 @@ fn render(out: &Output, took: Duration) -> String {
     s.push_str("## bench transport\n\n");
     s.push_str(&format!("`{}`\n\n", out.command));
     s.push_str(&format!(
-        "{} CPUs ({}), Linux {}, loopback; {} rounds of {} s per phase, {:.0} s in all; load average {} before, {} after.\n\n",
+        "{} CPUs ({}), Linux {}, loopback; {} rounds of {} s per phase, {:.0} s in all. Other processes used {} \
+         of the machine's CPU time during the run, the hypervisor stole {}.\n\n",
         m.nproc,
         m.cpu,
         m.kernel,
         out.plan.rounds,
         out.plan.seconds,
         took.as_secs_f64(),
-        m.loadavg_before,
-        m.loadavg_after,
+        pct(m.other_cpu_share),
+        pct(m.steal_share),
     ));
     s.push_str(&markdown_table(&headers, &rows));
     s.push_str(
@@ -709,9 +787,10 @@ mod tests {
     fn one_block_per_server_at_most_4_mib() {
         let one = Topology { servers: 1, workers: 1 };
         let two = Topology { servers: 2, workers: 2 };
-        assert_eq!(block_bytes(MIB, one), MIB);
-        assert_eq!(block_bytes(16 * MIB, one), 4 * MIB);
-        assert_eq!(block_bytes(4 * KIB, two), 2 * KIB);
-        assert_eq!(block_bytes(16 * MIB, two), 4 * MIB);
+        assert_eq!(block_bytes(MIB, one, DEFAULT_BLOCK), MIB);
+        assert_eq!(block_bytes(16 * MIB, one, DEFAULT_BLOCK), 4 * MIB);
+        assert_eq!(block_bytes(4 * KIB, two, DEFAULT_BLOCK), 2 * KIB);
+        assert_eq!(block_bytes(16 * MIB, two, DEFAULT_BLOCK), 4 * MIB);
+        assert_eq!(block_bytes(MIB, one, 256 * KIB), 256 * KIB);
     }
 }

@@ -6,6 +6,7 @@ use std::collections::{BTreeSet, HashMap};
 use elasticps_core::block::ShardConfig;
 use elasticps_core::model::{Partition, TensorSpec};
 use elasticps_core::placement::{Placement, PlacementKind};
+use elasticps_core::sync::SyncPolicy;
 use elasticps_wire::{Assignment, Control, ErrorCode, ErrorReply, Layout, Message, ServerAddr};
 
 /// Identifies one connection to the scheduler.
@@ -24,8 +25,18 @@ pub struct JobConfig {
     pub placement: PlacementKind,
     /// Sync policy, optimizer, worker count, for every server.
     pub shard: ShardConfig,
+    /// Per-server sync policies that override `shard.sync`: (server id, policy).
+    pub server_sync: Vec<(u32, SyncPolicy)>,
     /// Seed of the initial values.
     pub seed: u64,
+}
+
+impl JobConfig {
+    /// The configuration of server `id`: the job's, with its own sync policy if it has one.
+    pub fn shard_config(&self, id: u32) -> ShardConfig {
+        let sync = self.server_sync.iter().rev().find(|(s, _)| *s == id).map_or(self.shard.sync, |(_, p)| *p);
+        ShardConfig { sync, ..self.shard }
+    }
 }
 
 /// Something that happened at the scheduler.
@@ -304,7 +315,7 @@ impl Membership {
                 server_id: id as u32,
                 partition: partition.clone(),
                 placement: placement.clone(),
-                config: self.config.shard,
+                config: self.config.shard_config(id as u32),
                 seed: self.config.seed,
             };
             out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Assign(assignment).into() });
@@ -379,7 +390,6 @@ mod tests {
     use super::*;
     use elasticps_core::model::Init;
     use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
-    use elasticps_core::sync::SyncPolicy;
 
     fn config() -> JobConfig {
         JobConfig {
@@ -393,6 +403,7 @@ mod tests {
                 workers: 2,
             },
             seed: 1,
+            server_sync: vec![(1, SyncPolicy::Ssp(2))],
         }
     }
 
@@ -416,8 +427,8 @@ mod tests {
         assert!(a.is_empty(), "no servers yet: {a:?}");
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
         let a = recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
-        assert!(matches!(sent_to(&a, 10)[0], Message::Control(Control::Assign(_))));
-        assert!(matches!(sent_to(&a, 11)[1], Message::Control(Control::Assign(_))));
+        assert!(matches!(sent_to(&a, 10)[0], Message::Control(Control::Assign(x)) if x.config.sync == SyncPolicy::Bsp));
+        assert!(matches!(sent_to(&a, 11)[1], Message::Control(Control::Assign(x)) if x.config.sync == SyncPolicy::Ssp(2)));
         assert!(recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 }).is_empty());
         let a = recv(&mut m, 11, 0, Control::AssignDone { server_id: 1 });
         match &a[..] {
