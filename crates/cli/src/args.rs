@@ -12,6 +12,7 @@ use elasticps_core::placement::PlacementKind;
 use elasticps_core::sync::SyncPolicy;
 use elasticps_runtime::scheduler::JobConfig;
 use elasticps_train::DatasetKind;
+use elasticps_train::synthetic::ModelKind;
 use elasticps_wire::Codec;
 
 /// Cluster-wide transport settings; every node of a job must agree on them.
@@ -130,9 +131,55 @@ impl JobArgs {
     }
 }
 
+/// `--worker-delay RANKS:MEAN_MS:SD_MS`: a normal delay (clipped at 0) added after each
+/// iteration of the listed ranks, as in FluentPS's straggler experiments.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StragglerSpec {
+    /// Ranks that straggle.
+    pub ranks: Vec<u32>,
+    /// Mean delay, ms.
+    pub mean_ms: f64,
+    /// Standard deviation, ms.
+    pub sd_ms: f64,
+}
+
+impl std::str::FromStr for StragglerSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = |why: &str| format!("--worker-delay {s:?}: {why}; expected RANKS:MEAN_MS:SD_MS, e.g. 0,4:50:10");
+        let parts: Vec<&str> = s.split(':').collect();
+        let [ranks, mean, sd] = parts[..] else { return Err(bad("three fields separated by ':'")) };
+        let ranks = ranks.split(',').map(|r| r.trim().parse::<u32>()).collect::<Result<Vec<_>, _>>().map_err(|_| bad("bad rank"))?;
+        let mean_ms: f64 = mean.parse().map_err(|_| bad("bad mean"))?;
+        let sd_ms: f64 = sd.parse().map_err(|_| bad("bad standard deviation"))?;
+        if !(mean_ms.is_finite() && sd_ms.is_finite() && mean_ms >= 0.0 && sd_ms >= 0.0) {
+            return Err(bad("mean and standard deviation must be non-negative"));
+        }
+        Ok(Self { ranks, mean_ms, sd_ms })
+    }
+}
+
+impl std::fmt::Display for StragglerSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ranks: Vec<String> = self.ranks.iter().map(u32::to_string).collect();
+        write!(f, "{}:{}:{}", ranks.join(","), self.mean_ms, self.sd_ms)
+    }
+}
+
 /// What a worker trains on and for how long.
 #[derive(Args, Clone, Debug)]
 pub struct DataArgs {
+    /// Model: mlp (784-256-128-10 on the dataset) or synthetic:resnet56|resnet50|vgg16|bert-base
+    /// (those networks' tensor sizes, random gradients, --compute-ms per iteration).
+    #[arg(long, env = "ELASTICPS_MODEL", default_value = "mlp", value_parser = parse_model)]
+    pub model: ModelKind,
+    /// Compute time per iteration of a synthetic model, ms (+-10% seeded jitter).
+    #[arg(long, env = "ELASTICPS_COMPUTE_MS", default_value_t = 20.0)]
+    pub compute_ms: f64,
+    /// Straggler injection: RANKS:MEAN_MS:SD_MS, e.g. 0,4:50:10.
+    #[arg(long, env = "ELASTICPS_WORKER_DELAY")]
+    pub worker_delay: Option<StragglerSpec>,
     /// Dataset: mnist-subset (bundled), mnist, fashion-mnist.
     #[arg(long, env = "ELASTICPS_DATASET", default_value = "mnist-subset", value_parser = parse_dataset)]
     pub dataset: DatasetKind,
@@ -169,6 +216,10 @@ impl DataArgs {
     /// The flags that reproduce these settings on a child process.
     pub fn to_flags(&self) -> Vec<String> {
         let mut f = vec![
+            "--model".into(),
+            self.model.to_string(),
+            "--compute-ms".into(),
+            self.compute_ms.to_string(),
             "--dataset".into(),
             self.dataset.as_str().into(),
             "--batch-size".into(),
@@ -188,6 +239,9 @@ impl DataArgs {
         if let Some(n) = self.iterations {
             f.extend(["--iterations".into(), n.to_string()]);
         }
+        if let Some(d) = &self.worker_delay {
+            f.extend(["--worker-delay".into(), d.to_string()]);
+        }
         f
     }
 }
@@ -200,6 +254,10 @@ fn parse_server_sync(s: &str) -> Result<(u32, SyncPolicy), String> {
     let (idx, policy) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected IDX=POLICY, e.g. 1=bsp"))?;
     let idx = idx.trim().parse::<u32>().map_err(|_| format!("{s:?}: {idx:?} is not a server index"))?;
     Ok((idx, parse_core(policy)?))
+}
+
+fn parse_model(s: &str) -> Result<ModelKind, String> {
+    s.parse().map_err(|e: elasticps_train::TrainError| e.to_string())
 }
 
 fn parse_dataset(s: &str) -> Result<DatasetKind, String> {

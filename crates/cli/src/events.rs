@@ -5,6 +5,8 @@
 use std::io::Write;
 
 use elasticps_wire::ServerStats;
+
+use crate::report::WorkerReport;
 use serde::{Deserialize, Serialize};
 
 /// One line of a role's event stream.
@@ -39,20 +41,7 @@ pub enum Event {
         loss: f32,
     },
     /// A worker finished.
-    WorkerDone {
-        /// Worker rank.
-        rank: u32,
-        /// Iterations run.
-        iterations: u32,
-        /// Examples processed.
-        samples: u64,
-        /// Time spent in pull and push, in ms.
-        wait_ms: f64,
-        /// Loss of the last batch.
-        final_loss: f32,
-        /// Seconds from the first pull to the last push.
-        train_s: f64,
-    },
+    WorkerDone(WorkerReport),
     /// A server's final counters.
     ServerStats(ServerStats),
 }

@@ -5,7 +5,8 @@
 //! whole local cluster and trains the MNIST MLP end to end; `bench` measures.
 //!
 //! - [`args`]: flags shared by the roles (each with an `ELASTICPS_*` variable).
-//! - [`roles`]: the role commands, including the worker's training loop.
+//! - [`roles`]: the role commands.
+//! - [`job`]: the worker's training loop (MLP or synthetic model, straggler injection).
 //! - [`launch`]: the local process launcher (spawn, supervise, kill).
 //! - [`train`]: the main job and its report.
 //! - [`report`]: report.json, summary.md and curves.png.
@@ -15,6 +16,7 @@
 mod args;
 mod bench;
 mod events;
+mod job;
 mod launch;
 mod report;
 mod roles;

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use elasticps_core::model::{BlockSpec, TensorSpec};
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Codec, Control, Layout, Message};
+use elasticps_wire::{Codec, Control, Layout, Message, Values};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
@@ -144,32 +144,24 @@ impl Client {
     /// The server holds the pull as its sync policy says.
     pub async fn pull(&mut self, clock: Clock, params: &mut [Vec<f32>]) -> Result<()> {
         self.check_shapes(params.iter().map(Vec::len))?;
-        self.exchange(clock, |b| Message::Pull { block: b.id, clock }, |b, reply| match reply {
-            Message::PullReply { values, .. } if values.len() == b.len => {
-                values.copy_into(&mut params[b.tensor as usize][b.offset..b.offset + b.len]);
-                Ok(())
-            }
-            other => Err(format!("expected PullReply of {} values, got {:?}", b.len, other.kind())),
-        })
-        .await
+        self.round(None, Some((clock, params))).await
     }
 
     /// Pushes the gradient of every tensor for clock `clock`.
     pub async fn push(&mut self, clock: Clock, grads: &[Vec<f32>]) -> Result<()> {
         self.check_shapes(grads.iter().map(Vec::len))?;
-        self.exchange(
-            clock,
-            |b| Message::Push {
-                block: b.id,
-                clock,
-                values: crate::conn::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]),
-            },
-            |_, reply| match reply {
-                Message::PushAck { .. } => Ok(()),
-                other => Err(format!("expected PushAck, got {:?}", other.kind())),
-            },
-        )
-        .await
+        self.round(Some((clock, grads)), None).await
+    }
+
+    /// Pushes the gradients of clock `clock` and pulls the parameters of clock
+    /// `clock + 1`, overlapping the two: the pull of a server's blocks is sent as soon as
+    /// that server acknowledged their pushes, without waiting for the other servers.
+    /// [`Client::last_waits`] then tells how long each server took.
+    pub async fn push_pull(&mut self, clock: Clock, grads: &[Vec<f32>], params: &mut [Vec<f32>]) -> Result<()> {
+        self.check_shapes(grads.iter().map(Vec::len))?;
+        self.check_shapes(params.iter().map(Vec::len))?;
+        let next = clock.checked_add(1).ok_or_else(|| RuntimeError::Usage("clock overflow".into()))?;
+        self.round(Some((clock, grads)), Some((next, params))).await
     }
 
     /// Tells the scheduler this worker is done. Servers stop waiting for it.
@@ -182,53 +174,47 @@ impl Client {
         reply.map(|_| ())
     }
 
-    /// Sends one request per block (all in flight at once, to every server), handles each
-    /// reply with `on_reply`, and resends the blocks whose server answered `Moved`.
-    async fn exchange(
-        &mut self,
-        clock: Clock,
-        request: impl Fn(&BlockSpec) -> Message,
-        mut on_reply: impl FnMut(&BlockSpec, Message) -> std::result::Result<(), String>,
-    ) -> Result<()> {
-        let layout = self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))?;
-        let mut todo: Vec<BlockSpec> = layout.partition.blocks.clone();
+    /// One round trip with every server at once: for each block, the push (if any),
+    /// then, once the block's server acknowledged all of this round's pushes, the pull
+    /// (if any). Blocks whose server answered `Moved` are resent after a layout refresh.
+    async fn round(&mut self, push: Option<(Clock, &[Vec<f32>])>, mut pull: Option<(Clock, &mut [Vec<f32>])>) -> Result<()> {
+        let mut layout = self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))?;
+        let pull_clock = pull.as_ref().map(|(c, _)| *c);
+        // (block, still to push, still to pull)
+        let mut todo: Vec<(BlockSpec, bool, bool)> =
+            layout.partition.blocks.iter().map(|b| (*b, push.is_some(), pull_clock.is_some())).collect();
         let started = Instant::now();
         let mut waits = vec![Duration::ZERO; layout.servers.len()];
         for _attempt in 0..8 {
-            let layout = self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))?;
-            let mut inflight = FuturesUnordered::new();
-            for b in &todo {
-                let owner = layout.placement.owner(b.id).ok_or(elasticps_core::CoreError::UnknownBlock(b.id))?;
-                let peer = self.servers.get(&owner).ok_or_else(|| RuntimeError::Protocol {
+            let mut by_server: HashMap<u32, Vec<(BlockSpec, bool, bool)>> = HashMap::new();
+            for item in &todo {
+                let owner = layout.placement.owner(item.0.id).ok_or(elasticps_core::CoreError::UnknownBlock(item.0.id))?;
+                by_server.entry(owner).or_default().push(*item);
+            }
+            let mut rounds = FuturesUnordered::new();
+            for (owner, items) in by_server {
+                let peer = self.servers.get(&owner).cloned().ok_or_else(|| RuntimeError::Protocol {
                     peer: "scheduler".into(),
                     what: format!("layout names server {owner}, which it does not list"),
                 })?;
-                let rx = peer.send_request(request(b))?;
-                let limit = self.opts.request_timeout;
-                let block = *b;
-                inflight.push(async move { (block, owner, tokio::time::timeout(limit, rx).await) });
+                let ctx = RoundCtx { rank: self.rank, owner, timeout: self.opts.request_timeout, started };
+                rounds.push(server_round(ctx, peer, items, push, pull_clock));
             }
             let mut moved = Vec::new();
-            while let Some((b, owner, reply)) = inflight.next().await {
-                let what = |verb: &str| format!("server {owner} to answer {verb}(clock {clock}) of block {}", b.id);
-                let reply = match reply {
-                    Ok(Ok(r)) => r,
-                    Ok(Err(_)) => return Err(self.closed(owner)),
-                    Err(_) => {
-                        return Err(RuntimeError::Timeout {
-                            what: format!("worker {} waits for {}", self.rank, what("request")),
-                            after: self.opts.request_timeout,
-                        });
-                    }
+            while let Some(done) = rounds.next().await {
+                let done = match done {
+                    Ok(done) => done,
+                    Err(e) => return Err(self.explain(e)),
                 };
-                if let Some(w) = waits.get_mut(owner as usize) {
-                    *w = started.elapsed();
+                if let Some(w) = waits.get_mut(done.owner as usize) {
+                    *w = done.waited;
                 }
-                match reply {
-                    Message::Control(Control::Moved { .. }) => moved.push(b),
-                    Message::Error(reply) => return Err(RuntimeError::Remote { peer: format!("server {owner}"), reply }),
-                    other => on_reply(&b, other).map_err(|what| RuntimeError::Protocol { peer: format!("server {owner}"), what })?,
+                if let Some((_, params)) = pull.as_mut() {
+                    for (b, values) in done.pulled {
+                        values.copy_into(&mut params[b.tensor as usize][b.offset..b.offset + b.len]);
+                    }
                 }
+                moved.extend(done.moved);
             }
             if moved.is_empty() {
                 self.waits = Waits { per_server: waits };
@@ -237,6 +223,7 @@ impl Client {
             tracing::debug!(blocks = moved.len(), "blocks moved; refreshing the layout");
             let reply = self.sched.call(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into()).await?;
             self.install_layout(reply).await?;
+            layout = self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))?;
             todo = moved;
         }
         Err(RuntimeError::Protocol { peer: "servers".into(), what: "blocks kept moving through 8 layout refreshes".into() })
@@ -273,12 +260,103 @@ impl Client {
         Ok(())
     }
 
-    fn closed(&self, owner: u32) -> RuntimeError {
-        match self.shutdown.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-            Some(reason) => RuntimeError::Shutdown(reason),
-            None => RuntimeError::Closed(format!("server {owner}")),
+    /// A lost server connection is explained by the scheduler's shutdown, if there was one.
+    fn explain(&self, e: RuntimeError) -> RuntimeError {
+        match (&e, self.shutdown.lock().unwrap_or_else(|e| e.into_inner()).clone()) {
+            (RuntimeError::Closed(_), Some(reason)) => RuntimeError::Shutdown(reason),
+            _ => e,
         }
     }
+}
+
+/// Who waits on whom, for one server's part of a round.
+#[derive(Clone, Copy)]
+struct RoundCtx {
+    rank: u32,
+    owner: u32,
+    timeout: Duration,
+    started: Instant,
+}
+
+/// What one server's part of a round produced.
+struct ServerRound {
+    owner: u32,
+    waited: Duration,
+    pulled: Vec<(BlockSpec, Values)>,
+    /// Blocks this server no longer owns, with what is still to do for them.
+    moved: Vec<(BlockSpec, bool, bool)>,
+}
+
+/// One server's part of a round: all its pushes in flight at once, then all its pulls.
+async fn server_round(
+    ctx: RoundCtx,
+    peer: Peer,
+    items: Vec<(BlockSpec, bool, bool)>,
+    push: Option<(Clock, &[Vec<f32>])>,
+    pull_clock: Option<Clock>,
+) -> Result<ServerRound> {
+    let mut out = ServerRound { owner: ctx.owner, waited: Duration::ZERO, pulled: Vec::new(), moved: Vec::new() };
+    let mut pulls = Vec::new();
+    if let Some((clock, grads)) = push {
+        let mut acks = Vec::new();
+        for (b, do_push, do_pull) in &items {
+            if !do_push {
+                pulls.push((*b, *do_pull));
+                continue;
+            }
+            let values = crate::conn::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]);
+            acks.push((*b, *do_pull, peer.send_request(Message::Push { block: b.id, clock, values })?));
+        }
+        for (b, do_pull, rx) in acks {
+            match await_reply(&ctx, "push", clock, &b, rx).await? {
+                Message::PushAck { .. } => pulls.push((b, do_pull)),
+                Message::Control(Control::Moved { .. }) => out.moved.push((b, true, do_pull)),
+                other => return Err(bad_reply(&ctx, "PushAck", &other)),
+            }
+        }
+    } else {
+        pulls.extend(items.iter().map(|(b, _, do_pull)| (*b, *do_pull)));
+    }
+    if let Some(clock) = pull_clock {
+        let mut replies = Vec::new();
+        for (b, do_pull) in pulls {
+            if do_pull {
+                replies.push((b, peer.send_request(Message::Pull { block: b.id, clock })?));
+            }
+        }
+        for (b, rx) in replies {
+            match await_reply(&ctx, "pull", clock, &b, rx).await? {
+                Message::PullReply { values, .. } if values.len() == b.len => out.pulled.push((b, values)),
+                Message::Control(Control::Moved { .. }) => out.moved.push((b, false, true)),
+                other => return Err(bad_reply(&ctx, &format!("PullReply of {} values", b.len), &other)),
+            }
+        }
+    }
+    out.waited = ctx.started.elapsed();
+    Ok(out)
+}
+
+/// Waits for the reply to one request, at most the request timeout.
+async fn await_reply(
+    ctx: &RoundCtx,
+    verb: &str,
+    clock: Clock,
+    b: &BlockSpec,
+    rx: tokio::sync::oneshot::Receiver<Message>,
+) -> Result<Message> {
+    match tokio::time::timeout(ctx.timeout, rx).await {
+        Ok(Ok(Message::Error(reply))) => Err(RuntimeError::Remote { peer: format!("server {}", ctx.owner), reply }),
+        Ok(Ok(reply)) => Ok(reply),
+        Ok(Err(_)) => Err(RuntimeError::Closed(format!("server {}", ctx.owner))),
+        Err(_) => Err(RuntimeError::Timeout {
+            what: format!("worker {} waits for server {} to answer {verb}(clock {clock}) of block {}", ctx.rank, ctx.owner, b.id),
+            after: ctx.timeout,
+        }),
+    }
+}
+
+fn bad_reply(ctx: &RoundCtx, wanted: &str, got: &Message) -> RuntimeError {
+    RuntimeError::Protocol { peer: format!("server {}", ctx.owner), what: format!("expected {wanted}, got {:?}", got.kind()) }
 }
 
 fn unexpected(peer: &str, wanted: &str, got: &Message) -> RuntimeError {

@@ -69,6 +69,13 @@ pub enum TrainError {
     #[error("unknown dataset {0:?}; expected one of: mnist-subset (default), mnist, fashion-mnist")]
     UnknownDataset(String),
 
+    /// An unknown `--model` value (or synthetic profile name).
+    #[error(
+        "unknown model {0:?}; expected one of: mlp (default), synthetic:resnet56, synthetic:resnet50, \
+         synthetic:vgg16, synthetic:bert-base"
+    )]
+    UnknownModel(String),
+
     /// An MLP description or a parameter set that does not fit the MLP.
     #[error("invalid MLP: {0}")]
     InvalidModel(String),

@@ -15,6 +15,9 @@
 //!   [`Mlp::tensor_specs`], the same [`TensorSpec`](elasticps_core::model::TensorSpec)s the
 //!   parameter server partitions into blocks, so a worker pulls the tensors, calls
 //!   [`Mlp::loss_and_grad`] on its batch, and pushes the gradients back unchanged.
+//! - [`synthetic`]: [`Profile`]s with the exact parameter tensors of ResNet-56, ResNet-50,
+//!   VGG-16 and BERT-base, [`ModelKind`] (the `--model` value: `mlp` or `synthetic:NAME`),
+//!   and [`GradientSource`], cheap seeded random gradients for throughput experiments.
 //!
 //! A worker's loop, without the parameter server (the runtime replaces `sgd_step` by a
 //! push and a pull):
@@ -46,7 +49,9 @@ pub mod dataset;
 pub mod error;
 pub mod idx;
 pub mod mlp;
+pub mod synthetic;
 
 pub use dataset::{Batch, Batcher, Dataset, DatasetKind, NUM_CLASSES, load};
 pub use error::TrainError;
 pub use mlp::{Evaluation, Mlp, as_slices, sgd_step};
+pub use synthetic::{GradientSource, ModelKind, Profile};

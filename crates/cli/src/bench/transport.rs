@@ -248,10 +248,14 @@ impl Machine {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
             .and_then(|s| {
-                s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string())
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.trim().to_string())
             })
             .unwrap_or_else(|| "unknown".into());
-        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(|_| "unknown".into(), |s| s.trim().into());
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map_or_else(|_| "unknown".into(), |s| s.trim().into());
         let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
         let (other_cpu_share, steal_share) = match (before, after) {
             (Some(a), Some(b)) if b.total > a.total => {
@@ -387,9 +391,8 @@ async fn measure_case(
     size: usize,
 ) -> anyhow::Result<Vec<Row>> {
     let tag = format!("{topo} {}", size_name(size).replace(' ', ""));
-    let mut cluster = start_cluster(plan.max_block, net, log_dir, topo, size, &tag).await?;
-    let addr = cluster.1.clone();
-    let cluster = &mut cluster.0;
+    let (mut cluster, addr) = start_cluster(plan.max_block, net, log_dir, topo, size, &tag).await?;
+    let cluster = &mut cluster;
     let b = plan.bounds(size);
     let warmup = plan.warmup(size);
     let workers = guarded(cluster, PsWorkers::start(driver, addr, net.codec(), topo.workers, size, warmup))

@@ -72,7 +72,7 @@ pub struct Report {
 }
 
 /// Statistics of one parameter server over the run.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 pub struct ServerReport {
     /// Server id.
     pub id: u32,
@@ -92,21 +92,48 @@ pub struct ServerReport {
     /// Total time pulls spent held back, in milliseconds.
     #[serde(deserialize_with = "f64_or_nan")]
     pub hold_ms: f64,
+    /// 99th percentile of the hold time of held pulls (log2-bucket upper bound), ms.
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub hold_p99_ms: f64,
+    /// Sync events: times held pulls were released.
+    #[serde(default)]
+    pub releases: u64,
+    /// Largest lead between the fastest and the slowest worker seen on any block, clocks.
+    #[serde(default)]
+    pub max_lead: u64,
 }
 
 /// Statistics of one worker over the run.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 pub struct WorkerReport {
     /// Worker rank.
     pub rank: u32,
     /// Training iterations the worker completed.
     pub iterations: u64,
-    /// Total time spent waiting on parameter servers, in milliseconds.
+    /// Examples processed.
+    #[serde(default)]
+    pub samples: u64,
+    /// Total time spent waiting on parameter servers (push and pull), in milliseconds.
     #[serde(deserialize_with = "f64_or_nan")]
     pub wait_ms: f64,
     /// Training loss at the worker's last iteration.
     #[serde(deserialize_with = "f64_or_nan")]
     pub final_loss: f64,
+    /// Seconds from the first pull to the last push.
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub train_s: f64,
+    /// Mean iteration time (compute + communication), ms.
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub iter_ms_mean: f64,
+    /// 99th percentile of the iteration time (upper bound of its log2 bucket), ms.
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub iter_ms_p99: f64,
+    /// Mean communication time per iteration (the overlapped push + pull), ms.
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub comm_ms_per_iter: f64,
+    /// Total time each server took to answer this worker's rounds, ms, by server id.
+    #[serde(default)]
+    pub wait_ms_by_server: Vec<f64>,
 }
 
 /// One sample of the training curve.
@@ -241,6 +268,7 @@ mod tests {
                     pulls: 1600,
                     pulls_held: 1187 + u64::from(id),
                     hold_ms: 2345.678,
+                    ..ServerReport::default()
                 })
                 .collect(),
             workers: (0..4)
@@ -249,6 +277,7 @@ mod tests {
                     iterations: iters,
                     wait_ms: if rank == 3 { 120.5 } else { 2400.25 },
                     final_loss: 0.13 + 0.01 * f64::from(rank),
+                    ..WorkerReport::default()
                 })
                 .collect(),
             curve,

@@ -72,11 +72,27 @@ pub fn render(report: &Report) -> String {
                     s.pulls_held.to_string(),
                     thousands(s.hold_ms, 1),
                     if s.pulls_held > 0 { fixed(s.hold_ms / s.pulls_held as f64, 2) } else { "-".into() },
+                    fixed(s.hold_p99_ms, 1),
+                    s.releases.to_string(),
+                    s.max_lead.to_string(),
                 ]
             })
             .collect();
         md.push_str(&markdown_table(
-            &["id", "sync", "blocks", "bytes", "pushes", "pulls", "pulls held", "hold ms", "ms / held pull"],
+            &[
+                "id",
+                "sync",
+                "blocks",
+                "bytes",
+                "pushes",
+                "pulls",
+                "pulls held",
+                "hold ms",
+                "ms / held pull",
+                "hold p99 ms",
+                "sync events",
+                "max lead",
+            ],
             &rows,
         ));
     }
@@ -98,11 +114,28 @@ pub fn render(report: &Report) -> String {
                     w.iterations.to_string(),
                     thousands(w.wait_ms, 1),
                     if wall_ms > 0.0 { percent(w.wait_ms / wall_ms) } else { "-".into() },
+                    fixed(w.iter_ms_mean, 2),
+                    fixed(w.iter_ms_p99, 1),
+                    fixed(w.comm_ms_per_iter, 2),
+                    w.wait_ms_by_server.iter().map(|ms| thousands(*ms, 0)).collect::<Vec<_>>().join(" / "),
                     fixed(w.final_loss, 4),
                 ]
             })
             .collect();
-        md.push_str(&markdown_table(&["rank", "iterations", "wait ms", "wait / wall", "final loss"], &rows));
+        md.push_str(&markdown_table(
+            &[
+                "rank",
+                "iterations",
+                "wait ms",
+                "wait / wall",
+                "iter ms",
+                "iter p99 ms",
+                "comm ms / iter",
+                "wait ms by server",
+                "final loss",
+            ],
+            &rows,
+        ));
     }
     md.push('\n');
 
@@ -204,8 +237,9 @@ mod tests {
                 pulls: 10,
                 pulls_held: 0,
                 hold_ms: 0.0,
+                ..ServerReport::default()
             }],
-            workers: vec![WorkerReport { rank: 0, iterations: 10, wait_ms: 500.0, final_loss: 0.25 }],
+            workers: vec![WorkerReport { rank: 0, iterations: 10, wait_ms: 500.0, final_loss: 0.25, ..WorkerReport::default() }],
             curve: vec![],
         };
         let md = render(&report);
