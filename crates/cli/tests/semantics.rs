@@ -161,27 +161,31 @@ struct TraceLine {
     held_us: Option<u64>,
 }
 
+/// What a traced run produced.
+struct Traced {
+    /// Every answered pull, per server process (in spawn order).
+    per_server: Vec<Vec<TraceLine>>,
+    /// Per worker rank: total time each server (by id) took to answer its rounds.
+    waits: Vec<Vec<Duration>>,
+}
+
+impl Traced {
+    fn all(&self) -> Vec<&TraceLine> {
+        self.per_server.iter().flatten().collect()
+    }
+}
+
 /// Runs 3 in-process workers (worker 2 sleeps `straggle` per iteration) against 2 server
-/// processes under `sync`, and returns what the servers traced.
-fn traced_run(sync: &str, iterations: u32, straggle: Duration) -> Vec<TraceLine> {
+/// processes under `sync` (plus `extra` scheduler flags), each iteration one overlapped
+/// push(t) + pull(t + 1) round, and returns what the servers traced.
+fn traced_run(sync: &str, extra: &[&str], iterations: u32, straggle: Duration) -> Traced {
     let dir = common::temp_dir("trace");
-    let args = [
-        "--servers",
-        "2",
-        "--workers",
-        "3",
-        "--sync",
-        sync,
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.01",
-        "--block-bytes",
-        "40",
-    ];
+    let mut args =
+        vec!["--servers", "2", "--workers", "3", "--sync", sync, "--optimizer", "sgd", "--lr", "0.01", "--block-bytes", "40"];
+    args.extend_from_slice(extra);
     let (_sched, addr, mut servers) = cluster(&args, 2, Some(&dir));
     let rt = common::tokio_rt();
-    rt.block_on(async {
+    let mut waits = rt.block_on(async {
         let tasks: Vec<_> = (0..3)
             .map(|_| {
                 let addr = addr.clone();
@@ -190,39 +194,54 @@ fn traced_run(sync: &str, iterations: u32, straggle: Duration) -> Vec<TraceLine>
                     c.register_model(model()).await.expect("register");
                     let mut params = c.zeros();
                     let (xs, ys) = data(c.rank() as usize);
+                    let mut waits = vec![Duration::ZERO; 2];
+                    c.pull(0, &mut params).await.expect("pull");
                     for t in 0..iterations {
-                        c.pull(t, &mut params).await.expect("pull");
                         if c.rank() == 2 {
                             tokio::time::sleep(straggle).await;
                         }
                         let (gw, gb) = gradient(&params[0], params[1][0], &xs, &ys);
-                        c.push(t, &[gw, vec![gb]]).await.expect("push");
+                        if t + 1 < iterations {
+                            c.push_pull(t, &[gw, vec![gb]], &mut params).await.expect("push_pull");
+                        } else {
+                            c.push(t, &[gw, vec![gb]]).await.expect("push");
+                        }
+                        for (w, d) in waits.iter_mut().zip(&c.last_waits().per_server) {
+                            *w += *d;
+                        }
                     }
+                    let rank = c.rank();
                     c.finish().await.expect("finish");
+                    (rank, waits)
                 })
             })
             .collect();
+        let mut out = Vec::new();
         for t in tasks {
-            tokio::time::timeout(Duration::from_secs(60), t).await.expect("worker timed out").expect("worker panicked");
+            out.push(tokio::time::timeout(Duration::from_secs(60), t).await.expect("worker timed out").expect("worker panicked"));
         }
+        out
     });
+    waits.sort_by_key(|(rank, _)| *rank);
     // The servers flush their traces when the scheduler shuts them down.
     for s in &mut servers {
         assert!(s.wait_success(Duration::from_secs(20)), "server did not exit cleanly");
     }
-    let mut lines = Vec::new();
-    for i in 0..2 {
-        let text = std::fs::read_to_string(dir.join(format!("trace-{i}.jsonl"))).expect("trace");
-        lines.extend(text.lines().map(|l| serde_json::from_str::<TraceLine>(l).expect("trace line")));
-    }
-    lines
+    let per_server = (0..2)
+        .map(|i| {
+            let text = std::fs::read_to_string(dir.join(format!("trace-{i}.jsonl"))).expect("trace");
+            text.lines().map(|l| serde_json::from_str::<TraceLine>(l).expect("trace line")).collect()
+        })
+        .collect();
+    Traced { per_server, waits: waits.into_iter().map(|(_, w)| w).collect() }
 }
 
 #[test]
 fn ssp_never_answers_a_pull_while_done_is_more_than_s_behind() {
     const S: u32 = 1;
     const ITER: u32 = 25;
-    let trace = traced_run("ssp:1", ITER, Duration::from_millis(4));
+    let traced = traced_run("ssp:1", &[], ITER, Duration::from_millis(4));
+    let trace = traced.all();
     // w (20 floats) in 40-byte blocks = 2 blocks, b = 1 block: 3 blocks, 3 workers.
     assert_eq!(trace.len() as u32, 3 * 3 * ITER, "every pull answered exactly once");
     let mut seen = std::collections::HashSet::new();
@@ -242,9 +261,46 @@ fn ssp_never_answers_a_pull_while_done_is_more_than_s_behind() {
 
 #[test]
 fn asp_never_holds_a_pull() {
-    let trace = traced_run("asp", 25, Duration::from_millis(4));
+    let traced = traced_run("asp", &[], 25, Duration::from_millis(4));
+    let trace = traced.all();
     assert_eq!(trace.len(), 3 * 3 * 25);
     assert!(trace.iter().all(|l| l.held_us.is_none()), "asp held a pull");
     // ...even though the workers drifted apart: some pull ran ahead of `done` by more than 1.
     assert!(trace.iter().any(|l| l.clock > l.done + 1), "the straggler never fell behind; the test proves nothing");
+}
+
+#[test]
+fn lazy_releases_held_pulls_only_at_a_full_catch_up_all_of_a_clock_together() {
+    const ITER: u32 = 25;
+    let traced = traced_run("lazy:1", &[], ITER, Duration::from_millis(4));
+    let trace = traced.all();
+    assert_eq!(trace.len() as u32, 3 * 3 * ITER);
+    assert!(trace.iter().all(|l| l.done + 1 >= l.clock), "lazy:1 broke the ssp:1 bound");
+    let held: Vec<_> = trace.iter().filter(|l| l.held_us.is_some()).collect();
+    assert!(!held.is_empty(), "with a straggler, fast workers must have been held");
+    // Released only when every worker caught up with the pull's clock...
+    assert!(held.iter().all(|l| l.done >= l.clock), "{held:?}");
+    // ...and all pulls of one (block, clock) that were held came out at the same `done`.
+    for l in &held {
+        assert!(held.iter().filter(|m| m.block == l.block && m.clock == l.clock).all(|m| m.done == l.done));
+    }
+}
+
+#[test]
+fn servers_decide_independently_and_each_servers_round_completes_on_its_own() {
+    const ITER: u32 = 30;
+    // Server 0 runs asp, server 1 bsp, in one job; worker 2 straggles.
+    let traced = traced_run("asp", &["--server-sync", "1=bsp"], ITER, Duration::from_millis(5));
+    let held: Vec<usize> = traced.per_server.iter().map(|t| t.iter().filter(|l| l.held_us.is_some()).count()).collect();
+    // Exactly one of the two server processes (whichever registered as server 1) held pulls.
+    assert!(held.contains(&0) && held.iter().any(|h| *h > 0), "held per server: {held:?}");
+    let bsp = traced.per_server.iter().find(|t| t.iter().any(|l| l.held_us.is_some())).expect("bsp server");
+    assert!(bsp.iter().all(|l| l.done >= l.clock), "the bsp server answered early");
+    // The fast workers' rounds with the asp server (id 0) ended long before their rounds
+    // with the bsp server (id 1), which waited for the straggler: pushes and pulls of
+    // different servers proceed independently.
+    for rank in [0, 1] {
+        let w = &traced.waits[rank];
+        assert!(w[0] * 2 < w[1], "worker {rank}: waited {:?} on the asp server, {:?} on the bsp server", w[0], w[1]);
+    }
 }
