@@ -21,6 +21,9 @@ use crate::events::{Emitter, Event};
 use crate::report::WorkerReport;
 
 /// What computes gradients.
+// One value per worker process, built once and never moved on the hot path: its size is
+// irrelevant.
+#[allow(clippy::large_enum_variant)]
 enum Workload {
     Mlp { mlp: Mlp, batches: Batcher, test: Dataset },
     Synthetic { grads: GradientSource, compute: Duration, jitter: StdRng },

@@ -340,7 +340,8 @@ mod tests {
         use Verdict::{Answer, Hold};
         let p = |s: &str| s.parse::<SyncPolicy>().unwrap();
         // (policy, t, done, fast, same clock already held, coin draw, verdict)
-        let rows: &[(&str, Clock, Clock, Option<Clock>, bool, u64, Verdict)] = &[
+        type Row = (&'static str, Clock, Clock, Option<Clock>, bool, u64, Verdict);
+        let rows: &[Row] = &[
             ("bsp", 0, 0, None, false, LOW, Answer),
             ("bsp", 1, 0, Some(0), false, LOW, Hold { until: 1 }),
             ("bsp", 1, 1, Some(0), false, LOW, Answer),

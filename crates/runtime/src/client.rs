@@ -304,7 +304,7 @@ async fn server_round(
                 pulls.push((*b, *do_pull));
                 continue;
             }
-            let values = crate::conn::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]);
+            let values = crate::pool::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]);
             acks.push((*b, *do_pull, peer.send_request(Message::Push { block: b.id, clock, values })?));
         }
         for (b, do_pull, rx) in acks {

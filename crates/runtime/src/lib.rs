@@ -2,6 +2,7 @@
 //!
 //! - [`conn`]: framed I/O on a TCP connection (read header, then payload straight into
 //!   an aligned `Vec<f32>`; one writer task per connection).
+//! - [`pool`]: recycled buffers for large tensor payloads.
 //! - [`peer`]: request/response multiplexing for the asking side of a connection.
 //! - [`scheduler`]: membership, the model's layout (partition + placement), heartbeats,
 //!   the end of the job. Its decisions live in [`scheduler::Membership`], a plain state
@@ -18,6 +19,7 @@ pub mod client;
 pub mod conn;
 pub mod error;
 pub mod peer;
+pub mod pool;
 pub mod scheduler;
 pub mod server;
 
