@@ -40,14 +40,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         server_sync: Vec::new(), // every server runs the job's policy
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let sched_opts =
-        SchedulerOptions { listen: "127.0.0.1:0".into(), job, codec: codec.clone(), join_timeout: Duration::from_secs(30) };
+    let sched_opts = SchedulerOptions {
+        listen: "127.0.0.1:0".into(),
+        job,
+        codec: codec.clone(),
+        join_timeout: Duration::from_secs(30),
+    };
     let scheduler = tokio::spawn(scheduler::run(sched_opts, move |addr| {
         let _ = tx.send(addr);
     }));
     let addr = rx.await?.to_string();
     for _ in 0..2 {
-        let opts = ServerOptions { scheduler: addr.clone(), listen: "127.0.0.1:0".into(), advertise: None, codec: codec.clone(), trace: None };
+        let opts = ServerOptions {
+            scheduler: addr.clone(),
+            listen: "127.0.0.1:0".into(),
+            advertise: None,
+            codec: codec.clone(),
+            trace: None,
+        };
         tokio::spawn(server::run(opts));
     }
 

@@ -150,7 +150,11 @@ impl std::str::FromStr for StragglerSpec {
         let bad = |why: &str| format!("--worker-delay {s:?}: {why}; expected RANKS:MEAN_MS:SD_MS, e.g. 0,4:50:10");
         let parts: Vec<&str> = s.split(':').collect();
         let [ranks, mean, sd] = parts[..] else { return Err(bad("three fields separated by ':'")) };
-        let ranks = ranks.split(',').map(|r| r.trim().parse::<u32>()).collect::<Result<Vec<_>, _>>().map_err(|_| bad("bad rank"))?;
+        let ranks = ranks
+            .split(',')
+            .map(|r| r.trim().parse::<u32>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| bad("bad rank"))?;
         let mean_ms: f64 = mean.parse().map_err(|_| bad("bad mean"))?;
         let sd_ms: f64 = sd.parse().map_err(|_| bad("bad standard deviation"))?;
         if !(mean_ms.is_finite() && sd_ms.is_finite() && mean_ms >= 0.0 && sd_ms >= 0.0) {

@@ -50,7 +50,8 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
             // Every worker runs the same number of iterations, from the smallest shard.
             let per_worker = train.len() / world as usize;
             anyhow::ensure!(per_worker > 0, "{} training examples cannot feed {world} workers", train.len());
-            let iterations = d.iterations.unwrap_or((d.epochs * per_worker.div_ceil(d.batch_size)) as u32);
+            let full_batches = (per_worker / d.batch_size).max(1);
+            let iterations = d.iterations.unwrap_or((d.epochs * full_batches) as u32);
             let batches =
                 Batcher::new(train.shard(rank as usize, world as usize), d.batch_size, d.data_seed + u64::from(rank))?;
             (Workload::Mlp { mlp: Mlp::default(), batches, test }, iterations)
@@ -78,12 +79,18 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
         let iteration = Instant::now();
         match &mut work {
             Workload::Mlp { mlp, batches, test } => {
+                let batches_per_epoch = batches.batches_per_epoch();
                 if rank == 0 && d.eval_every > 0 && t % d.eval_every == 0 {
                     let e = mlp.evaluate(&as_slices(&params), test);
                     tracing::info!(rank, iteration = t, accuracy = e.accuracy, loss = e.loss, "test evaluation");
                     emitter.emit(&Event::Eval { rank, iteration: t, accuracy: e.accuracy, loss: e.loss });
                 }
-                let batch = batches.next_batch();
+                // Full batches only (drop the last partial batch of an epoch, like
+                // PyTorch's drop_last): a 2-image batch would take a full, noisy step.
+                let mut batch = batches.next_batch();
+                if batch.y.len() < d.batch_size && batches_per_epoch > 1 {
+                    batch = batches.next_batch();
+                }
                 samples += batch.y.len() as u64;
                 loss = mlp.loss_and_grad_into(&as_slices(&params), batch.x, batch.y, &mut grads);
             }
@@ -144,7 +151,12 @@ struct Tally {
 
 impl Tally {
     fn new(servers: usize) -> Self {
-        Self { iterations: Histogram::default(), iter_total: Duration::ZERO, comm: Duration::ZERO, per_server: vec![Duration::ZERO; servers] }
+        Self {
+            iterations: Histogram::default(),
+            iter_total: Duration::ZERO,
+            comm: Duration::ZERO,
+            per_server: vec![Duration::ZERO; servers],
+        }
     }
 
     fn record(&mut self, iteration: Duration, waits: &[Duration]) {

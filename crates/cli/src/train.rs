@@ -31,7 +31,7 @@ pub struct TrainCmd {
     #[arg(long, env = "ELASTICPS_REPORT")]
     pub report: Option<PathBuf>,
     /// Do not draw progress bars.
-    #[arg(long)]
+    #[arg(long, env = "ELASTICPS_QUIET")]
     pub quiet: bool,
 }
 

@@ -39,7 +39,8 @@ fn wait_for_children(child: &Child, n: usize) -> Vec<(u32, String)> {
 
 fn alive(pid: u32) -> bool {
     // A zombie is dead for our purposes; /proc/PID/stat field 3 is the state.
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
 }
 
 fn wait_exit(child: &mut Child, limit: Duration) -> (std::process::ExitStatus, String) {

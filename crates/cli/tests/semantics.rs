@@ -180,8 +180,20 @@ impl Traced {
 /// push(t) + pull(t + 1) round, and returns what the servers traced.
 fn traced_run(sync: &str, extra: &[&str], iterations: u32, straggle: Duration) -> Traced {
     let dir = common::temp_dir("trace");
-    let mut args =
-        vec!["--servers", "2", "--workers", "3", "--sync", sync, "--optimizer", "sgd", "--lr", "0.01", "--block-bytes", "40"];
+    let mut args = vec![
+        "--servers",
+        "2",
+        "--workers",
+        "3",
+        "--sync",
+        sync,
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.01",
+        "--block-bytes",
+        "40",
+    ];
     args.extend_from_slice(extra);
     let (_sched, addr, mut servers) = cluster(&args, 2, Some(&dir));
     let rt = common::tokio_rt();
@@ -218,7 +230,12 @@ fn traced_run(sync: &str, extra: &[&str], iterations: u32, straggle: Duration) -
             .collect();
         let mut out = Vec::new();
         for t in tasks {
-            out.push(tokio::time::timeout(Duration::from_secs(60), t).await.expect("worker timed out").expect("worker panicked"));
+            out.push(
+                tokio::time::timeout(Duration::from_secs(60), t)
+                    .await
+                    .expect("worker timed out")
+                    .expect("worker panicked"),
+            );
         }
         out
     });

@@ -1,6 +1,6 @@
 //! Integration tests of the elasticps binary: real processes over real TCP.
 
-mod common;
 mod bad_input;
+mod common;
 mod launcher;
 mod semantics;

@@ -109,11 +109,7 @@ impl<T> Block<T> {
     /// A block with its initial values, expecting pushes from `config.workers` workers.
     pub fn new(spec: BlockSpec, values: Vec<f32>, config: &ShardConfig) -> Result<Self, CoreError> {
         if values.len() != spec.len {
-            return Err(CoreError::WrongLength {
-                block: spec.id,
-                expected: spec.len,
-                got: values.len(),
-            });
+            return Err(CoreError::WrongLength { block: spec.id, expected: spec.len, got: values.len() });
         }
         Ok(Self {
             spec,
@@ -164,10 +160,7 @@ impl<T> Block<T> {
 
     /// What a held pull waits for, for logs: `(worker, clock)` of the oldest one.
     pub fn oldest_held(&self) -> Option<(u32, Clock)> {
-        self.held
-            .iter()
-            .min_by_key(|h| h.since_us)
-            .map(|h| (h.worker, h.clock))
+        self.held.iter().min_by_key(|h| h.since_us).map(|h| (h.worker, h.clock))
     }
 
     /// A worker pushed the gradient `grad` of clock `clock`. Applies it (or buffers it
@@ -182,11 +175,7 @@ impl<T> Block<T> {
         now_us: u64,
     ) -> Result<Vec<Answer<T>>, CoreError> {
         if grad.len() != self.spec.len {
-            return Err(CoreError::WrongLength {
-                block: self.spec.id,
-                expected: self.spec.len,
-                got: grad.len(),
-            });
+            return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: grad.len() });
         }
         if !self.clocks.record(self.spec.id, worker, clock)? {
             return Ok(Vec::new());
@@ -196,23 +185,14 @@ impl<T> Block<T> {
         self.stats.max_lead = self.stats.max_lead.max(self.clocks.lead().into());
         let opt = config.optimizer;
         if opt.aggregate {
-            let (sum, count) = self
-                .pending
-                .entry(clock)
-                .or_insert_with(|| (vec![0.0; grad.len()], 0));
+            let (sum, count) = self.pending.entry(clock).or_insert_with(|| (vec![0.0; grad.len()], 0));
             for (s, g) in sum.iter_mut().zip(grad) {
                 *s += g;
             }
             *count += 1;
             self.apply_complete_clocks(opt);
         } else {
-            optimizer::step(
-                opt.kind,
-                opt.lr,
-                Arc::make_mut(&mut self.values).as_mut_slice(),
-                &mut self.opt,
-                grad,
-            );
+            optimizer::step(opt.kind, opt.lr, Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, grad);
         }
         Ok(self.release(config.sync, now_us))
     }
@@ -249,12 +229,7 @@ impl<T> Block<T> {
 
     /// Takes a worker out of the quorum (it died or left) and returns the pulls that no
     /// longer have to wait for it.
-    pub fn remove_worker(
-        &mut self,
-        config: &ShardConfig,
-        worker: u32,
-        now_us: u64,
-    ) -> Vec<Answer<T>> {
+    pub fn remove_worker(&mut self, config: &ShardConfig, worker: u32, now_us: u64) -> Vec<Answer<T>> {
         self.clocks.remove_worker(worker);
         self.held.retain(|h| h.worker != worker);
         if config.optimizer.aggregate {
@@ -265,10 +240,7 @@ impl<T> Block<T> {
 
     /// Takes every held pull out, for a block that is leaving this server.
     pub fn take_held(&mut self) -> Vec<(T, u32, Clock)> {
-        self.held
-            .drain(..)
-            .map(|h| (h.token, h.worker, h.clock))
-            .collect()
+        self.held.drain(..).map(|h| (h.token, h.worker, h.clock)).collect()
     }
 
     fn apply_complete_clocks(&mut self, opt: OptimizerConfig) {
@@ -280,13 +252,7 @@ impl<T> Block<T> {
             let (mut sum, count) = entry.remove();
             let scale = 1.0 / count as f32;
             sum.iter_mut().for_each(|s| *s *= scale);
-            optimizer::step(
-                opt.kind,
-                opt.lr,
-                Arc::make_mut(&mut self.values).as_mut_slice(),
-                &mut self.opt,
-                &sum,
-            );
+            optimizer::step(opt.kind, opt.lr, Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, &sum);
         }
     }
 
@@ -295,10 +261,7 @@ impl<T> Block<T> {
             return Vec::new();
         }
         let done = self.clocks.done();
-        let (ready, still): (Vec<_>, Vec<_>) = self
-            .held
-            .drain(..)
-            .partition(|h| done >= h.until);
+        let (ready, still): (Vec<_>, Vec<_>) = self.held.drain(..).partition(|h| done >= h.until);
         self.held = still;
         if ready.is_empty() {
             return Vec::new();
@@ -313,19 +276,9 @@ impl<T> Block<T> {
             .collect()
     }
 
-    fn answer(
-        &mut self,
-        sync: SyncPolicy,
-        token: T,
-        worker: u32,
-        clock: Clock,
-        held_us: Option<u64>,
-    ) -> Answer<T> {
+    fn answer(&mut self, sync: SyncPolicy, token: T, worker: u32, clock: Clock, held_us: Option<u64>) -> Answer<T> {
         let done = self.clocks.done();
-        debug_assert!(
-            !sync.violates_bound(clock, done),
-            "pull({clock}) answered while done = {done} under {sync}"
-        );
+        debug_assert!(!sync.violates_bound(clock, done), "pull({clock}) answered while done = {done} under {sync}");
         self.stats.pulls += 1;
         self.stats.bytes_out += self.spec.bytes() as u64;
         if let Some(us) = held_us {
@@ -333,14 +286,7 @@ impl<T> Block<T> {
             self.stats.hold_us += us;
             self.hold_hist.record(us);
         }
-        Answer {
-            token,
-            worker,
-            clock,
-            done,
-            held_us,
-            values: Arc::clone(&self.values),
-        }
+        Answer { token, worker, clock, done, held_us, values: Arc::clone(&self.values) }
     }
 }
 
@@ -355,29 +301,11 @@ mod tests {
     }
 
     fn config(sync: SyncPolicy, aggregate: bool, workers: u32) -> ShardConfig {
-        ShardConfig {
-            sync,
-            optimizer: OptimizerConfig {
-                kind: OptimizerKind::Sgd,
-                lr: 1.0,
-                aggregate,
-            },
-            workers,
-        }
+        ShardConfig { sync, optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate }, workers }
     }
 
     fn block(len: usize, cfg: &ShardConfig) -> Block<u32> {
-        Block::new(
-            BlockSpec {
-                id: 0,
-                tensor: 0,
-                offset: 0,
-                len,
-            },
-            vec![0.0; len],
-            cfg,
-        )
-        .unwrap()
+        Block::new(BlockSpec { id: 0, tensor: 0, offset: 0, len }, vec![0.0; len], cfg).unwrap()
     }
 
     #[test]
@@ -389,10 +317,7 @@ mod tests {
         assert!(b.pull(&cfg, 11, 0, 1, 2, &mut rng()).unwrap().is_none());
         let released = b.push(&cfg, 1, 0, &[2.0], 12).unwrap();
         assert_eq!(released.len(), 1);
-        assert_eq!(
-            (released[0].token, released[0].held_us, released[0].done),
-            (11, Some(10), 1)
-        );
+        assert_eq!((released[0].token, released[0].held_us, released[0].done), (11, Some(10), 1));
         assert_eq!(*released[0].values, vec![-3.0]);
         assert_eq!(b.stats().pulls_held, 1);
         assert_eq!(b.stats().releases, 1);
@@ -556,7 +481,10 @@ mod scenarios {
         // ...together: each release event answered both fast workers' pulls of one clock.
         for (w, t, _, _) in &held {
             if *w != 2 {
-                assert!(held.iter().any(|(w2, t2, _, _)| w2 != w && *w2 != 2 && t2 == t), "pull({t}) of worker {w} released alone");
+                assert!(
+                    held.iter().any(|(w2, t2, _, _)| w2 != w && *w2 != 2 && t2 == t),
+                    "pull({t}) of worker {w} released alone"
+                );
             }
         }
         // At a release the lead is 0: everybody has pushed exactly t clocks.

@@ -90,28 +90,17 @@ impl Partition {
         let mut blocks = Vec::new();
         for (t, spec) in tensors.iter().enumerate() {
             if spec.is_empty() {
-                return Err(CoreError::InvalidModel(format!(
-                    "tensor {:?} is empty",
-                    spec.name
-                )));
+                return Err(CoreError::InvalidModel(format!("tensor {:?} is empty", spec.name)));
             }
             if tensors[..t].iter().any(|o| o.name == spec.name) {
-                return Err(CoreError::InvalidModel(format!(
-                    "tensor name {:?} is used twice",
-                    spec.name
-                )));
+                return Err(CoreError::InvalidModel(format!("tensor name {:?} is used twice", spec.name)));
             }
             let mut offset = 0;
             while offset < spec.len() {
                 let len = max_len.min(spec.len() - offset);
                 let id = BlockId::try_from(blocks.len())
                     .map_err(|_| CoreError::InvalidModel("more than 2^32 blocks".into()))?;
-                blocks.push(BlockSpec {
-                    id,
-                    tensor: t as u32,
-                    offset,
-                    len,
-                });
+                blocks.push(BlockSpec { id, tensor: t as u32, offset, len });
                 offset += len;
             }
         }
@@ -125,9 +114,7 @@ impl Partition {
 
     /// The block with this id, or an error naming it.
     pub fn block(&self, id: BlockId) -> Result<&BlockSpec, CoreError> {
-        self.blocks
-            .get(id as usize)
-            .ok_or(CoreError::UnknownBlock(id))
+        self.blocks.get(id as usize).ok_or(CoreError::UnknownBlock(id))
     }
 
     /// Deterministic initial values of one block: depends only on `seed`, the tensor's
@@ -148,9 +135,8 @@ impl Partition {
                 let mut i = block.offset;
                 while i < end {
                     let chunk = i / CHUNK;
-                    let mut rng = StdRng::seed_from_u64(
-                        key.wrapping_add((chunk as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-                    );
+                    let mut rng =
+                        StdRng::seed_from_u64(key.wrapping_add((chunk as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
                     let chunk_start = chunk * CHUNK;
                     for _ in chunk_start..i {
                         let _: f32 = rng.random();
@@ -182,25 +168,13 @@ mod tests {
     use super::*;
 
     fn tensor(name: &str, len: usize, init: Init) -> TensorSpec {
-        TensorSpec {
-            name: name.into(),
-            shape: vec![len],
-            init,
-        }
+        TensorSpec { name: name.into(), shape: vec![len], init }
     }
 
     #[test]
     fn cuts_tensors_into_blocks_of_at_most_block_bytes() {
-        let p = Partition::new(
-            vec![tensor("a", 10, Init::Zeros), tensor("b", 3, Init::Zeros)],
-            16,
-        )
-        .unwrap();
-        let lens: Vec<_> = p
-            .blocks
-            .iter()
-            .map(|b| (b.tensor, b.offset, b.len))
-            .collect();
+        let p = Partition::new(vec![tensor("a", 10, Init::Zeros), tensor("b", 3, Init::Zeros)], 16).unwrap();
+        let lens: Vec<_> = p.blocks.iter().map(|b| (b.tensor, b.offset, b.len)).collect();
         assert_eq!(lens, vec![(0, 0, 4), (0, 4, 4), (0, 8, 2), (1, 0, 3)]);
         assert!(p.blocks.iter().enumerate().all(|(i, b)| b.id as usize == i));
         assert_eq!(p.total_len(), 13);
@@ -210,33 +184,16 @@ mod tests {
     fn rejects_empty_and_duplicate_tensors() {
         assert!(Partition::new(vec![], 16).is_err());
         assert!(Partition::new(vec![tensor("a", 0, Init::Zeros)], 16).is_err());
-        assert!(
-            Partition::new(
-                vec![tensor("a", 1, Init::Zeros), tensor("a", 1, Init::Zeros)],
-                16
-            )
-            .is_err()
-        );
+        assert!(Partition::new(vec![tensor("a", 1, Init::Zeros), tensor("a", 1, Init::Zeros)], 16).is_err());
     }
 
     #[test]
     fn initial_values_do_not_depend_on_the_cut() {
-        let t = vec![tensor(
-            "w",
-            5000,
-            Init::Uniform {
-                low: -1.0,
-                high: 1.0,
-            },
-        )];
+        let t = vec![tensor("w", 5000, Init::Uniform { low: -1.0, high: 1.0 })];
         let whole = Partition::new(t.clone(), 1 << 20).unwrap();
         let cut = Partition::new(t, 4 * 700).unwrap();
         let a = whole.init_values(0, 7).unwrap();
-        let b: Vec<f32> = cut
-            .blocks
-            .iter()
-            .flat_map(|b| cut.init_values(b.id, 7).unwrap())
-            .collect();
+        let b: Vec<f32> = cut.blocks.iter().flat_map(|b| cut.init_values(b.id, 7).unwrap()).collect();
         assert_eq!(a, b);
         assert!(a.iter().all(|v| (-1.0..1.0).contains(v)));
         assert_ne!(a, whole.init_values(0, 8).unwrap());

@@ -52,11 +52,7 @@ impl FromStr for OptimizerKind {
         match input.trim().to_ascii_lowercase().as_str() {
             "sgd" => Ok(OptimizerKind::Sgd),
             "momentum" => Ok(OptimizerKind::Momentum { beta: 0.9 }),
-            "adam" => Ok(OptimizerKind::Adam {
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            }),
+            "adam" => Ok(OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }),
             other => match other.split_once(':') {
                 Some(("momentum", b)) => match b.parse::<f32>() {
                     Ok(beta) if (0.0..1.0).contains(&beta) => Ok(OptimizerKind::Momentum { beta }),
@@ -116,12 +112,7 @@ pub fn step(kind: OptimizerKind, lr: f32, w: &mut [f32], state: &mut OptState, g
             let c1 = 1.0 - beta1.powi(t);
             let c2 = 1.0 - beta2.powi(t);
             let step = lr * c2.sqrt() / c1;
-            for (((w, g), m), v) in w
-                .iter_mut()
-                .zip(grad)
-                .zip(state.m.iter_mut())
-                .zip(state.v.iter_mut())
-            {
+            for (((w, g), m), v) in w.iter_mut().zip(grad).zip(state.m.iter_mut()).zip(state.v.iter_mut()) {
                 *m = beta1 * *m + (1.0 - beta1) * g;
                 *v = beta2 * *v + (1.0 - beta2) * g * g;
                 *w -= step * *m / (v.sqrt() + eps);
@@ -137,14 +128,8 @@ mod tests {
     #[test]
     fn parses_optimizers() {
         assert_eq!("sgd".parse::<OptimizerKind>().unwrap(), OptimizerKind::Sgd);
-        assert_eq!(
-            "momentum".parse::<OptimizerKind>().unwrap(),
-            OptimizerKind::Momentum { beta: 0.9 }
-        );
-        assert_eq!(
-            "momentum:0.5".parse::<OptimizerKind>().unwrap(),
-            OptimizerKind::Momentum { beta: 0.5 }
-        );
+        assert_eq!("momentum".parse::<OptimizerKind>().unwrap(), OptimizerKind::Momentum { beta: 0.9 });
+        assert_eq!("momentum:0.5".parse::<OptimizerKind>().unwrap(), OptimizerKind::Momentum { beta: 0.5 });
         assert!("momentum:1.5".parse::<OptimizerKind>().is_err());
         assert!("rmsprop".parse::<OptimizerKind>().is_err());
         for s in ["sgd", "momentum", "adam"] {
@@ -170,20 +155,7 @@ mod tests {
     fn adam_first_step_moves_by_lr_against_the_gradient_sign() {
         let mut w = vec![0.0, 0.0];
         let mut st = OptState::default();
-        step(
-            OptimizerKind::Adam {
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-            },
-            0.1,
-            &mut w,
-            &mut st,
-            &[3.0, -0.01],
-        );
-        assert!(
-            (w[0] + 0.1).abs() < 1e-4 && (w[1] - 0.1).abs() < 1e-4,
-            "{w:?}"
-        );
+        step(OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, 0.1, &mut w, &mut st, &[3.0, -0.01]);
+        assert!((w[0] + 0.1).abs() < 1e-4 && (w[1] - 0.1).abs() < 1e-4, "{w:?}");
     }
 }

@@ -71,21 +71,13 @@ pub struct Placement {
 
 impl Placement {
     /// The initial placement of `partition` on `servers` servers (ids `0..servers`), epoch 1.
-    pub fn initial(
-        kind: PlacementKind,
-        partition: &Partition,
-        servers: u32,
-    ) -> Result<Self, CoreError> {
+    pub fn initial(kind: PlacementKind, partition: &Partition, servers: u32) -> Result<Self, CoreError> {
         if servers == 0 {
-            return Err(CoreError::InvalidModel(
-                "no server to place blocks on".into(),
-            ));
+            return Err(CoreError::InvalidModel("no server to place blocks on".into()));
         }
         let n = partition.blocks.len();
         let owners = match kind {
-            PlacementKind::Range => (0..n)
-                .map(|i| (i * servers as usize / n) as ServerId)
-                .collect(),
+            PlacementKind::Range => (0..n).map(|i| (i * servers as usize / n) as ServerId).collect(),
             PlacementKind::Hash => partition
                 .blocks
                 .iter()
@@ -95,20 +87,14 @@ impl Placement {
                     (djb2(key.as_bytes()) % u64::from(servers)) as ServerId
                 })
                 .collect(),
-            PlacementKind::RoundRobin => partition
-                .blocks
-                .iter()
-                .map(|b| b.tensor % servers)
-                .collect(),
+            PlacementKind::RoundRobin => partition.blocks.iter().map(|b| b.tensor % servers).collect(),
             PlacementKind::BestFit => {
                 let mut order: Vec<usize> = (0..n).collect();
                 order.sort_by_key(|&i| (std::cmp::Reverse(partition.blocks[i].len), i));
                 let mut load = vec![0usize; servers as usize];
                 let mut owners = vec![0; n];
                 for i in order {
-                    let target = (0..servers as usize)
-                        .min_by_key(|&s| (load[s], s))
-                        .unwrap_or(0);
+                    let target = (0..servers as usize).min_by_key(|&s| (load[s], s)).unwrap_or(0);
                     load[target] += partition.blocks[i].bytes();
                     owners[i] = target as ServerId;
                 }
@@ -125,19 +111,13 @@ impl Placement {
 
     /// The blocks owned by `server`, in id order.
     pub fn blocks_of(&self, server: ServerId) -> impl Iterator<Item = BlockId> + '_ {
-        self.owners
-            .iter()
-            .enumerate()
-            .filter(move |(_, o)| **o == server)
-            .map(|(b, _)| b as BlockId)
+        self.owners.iter().enumerate().filter(move |(_, o)| **o == server).map(|(b, _)| b as BlockId)
     }
 }
 
 /// djb2 string hash, as BytePS uses to spread keys.
 pub fn djb2(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(5381u64, |h, b| {
-        h.wrapping_mul(33).wrapping_add(u64::from(*b))
-    })
+    bytes.iter().fold(5381u64, |h, b| h.wrapping_mul(33).wrapping_add(u64::from(*b)))
 }
 
 #[cfg(test)]
@@ -149,11 +129,7 @@ mod tests {
         let tensors = lens
             .iter()
             .enumerate()
-            .map(|(i, l)| TensorSpec {
-                name: format!("t{i}"),
-                shape: vec![*l],
-                init: Init::Zeros,
-            })
+            .map(|(i, l)| TensorSpec { name: format!("t{i}"), shape: vec![*l], init: Init::Zeros })
             .collect();
         Partition::new(tensors, 4 * 100).unwrap()
     }
@@ -161,12 +137,7 @@ mod tests {
     #[test]
     fn every_policy_gives_every_block_exactly_one_valid_owner() {
         let p = partition(&[250, 10, 90, 400, 5]);
-        for kind in [
-            PlacementKind::Range,
-            PlacementKind::Hash,
-            PlacementKind::RoundRobin,
-            PlacementKind::BestFit,
-        ] {
+        for kind in [PlacementKind::Range, PlacementKind::Hash, PlacementKind::RoundRobin, PlacementKind::BestFit] {
             for servers in 1..5 {
                 let pl = Placement::initial(kind, &p, servers).unwrap();
                 assert_eq!(pl.owners.len(), p.blocks.len(), "{kind}");
@@ -181,11 +152,7 @@ mod tests {
     #[test]
     fn bestfit_balances_bytes_better_than_range() {
         let p = partition(&[400, 10, 10, 10, 100, 100]);
-        let bytes = |pl: &Placement, s| {
-            pl.blocks_of(s)
-                .map(|b| p.blocks[b as usize].bytes())
-                .sum::<usize>()
-        };
+        let bytes = |pl: &Placement, s| pl.blocks_of(s).map(|b| p.blocks[b as usize].bytes()).sum::<usize>();
         let bf = Placement::initial(PlacementKind::BestFit, &p, 2).unwrap();
         let spread = |pl: &Placement| bytes(pl, 0).abs_diff(bytes(pl, 1));
         assert!(spread(&bf) <= spread(&Placement::initial(PlacementKind::Range, &p, 2).unwrap()));

@@ -134,9 +134,7 @@ impl SyncPolicy {
                 }
             }
             SyncPolicy::Pssp { s, p } => pause_fastest(v, s, |_| p, rng),
-            SyncPolicy::Dpssp(s) => {
-                pause_fastest(v, s, |lead| 1.0 / (1.0 + (f64::from(s) - lead as f64).exp()), rng)
-            }
+            SyncPolicy::Dpssp(s) => pause_fastest(v, s, |lead| 1.0 / (1.0 + (f64::from(s) - lead as f64).exp()), rng),
         }
     }
 }
@@ -224,10 +222,7 @@ pub struct Clocks {
 impl Clocks {
     /// Fresh state for `workers` workers, none of whom has pushed.
     pub fn new(workers: u32) -> Self {
-        Self {
-            pushed: vec![0; workers as usize],
-            active: vec![true; workers as usize],
-        }
+        Self { pushed: vec![0; workers as usize], active: vec![true; workers as usize] }
     }
 
     /// Number of workers this block expects pushes from (including removed ones).
@@ -243,13 +238,7 @@ impl Clocks {
     /// The smallest clock not yet pushed by every active worker. With no active worker
     /// left, nothing can hold: `Clock::MAX`.
     pub fn done(&self) -> Clock {
-        self.pushed
-            .iter()
-            .zip(&self.active)
-            .filter(|(_, a)| **a)
-            .map(|(p, _)| *p)
-            .min()
-            .unwrap_or(Clock::MAX)
+        self.pushed.iter().zip(&self.active).filter(|(_, a)| **a).map(|(p, _)| *p).min().unwrap_or(Clock::MAX)
     }
 
     /// The highest clock pushed by anyone, or `None` before the first push.
@@ -267,20 +256,12 @@ impl Clocks {
     /// Records that `worker` pushed clock `clock`. Returns `Ok(false)` for a duplicate
     /// (already pushed: drop it), `Ok(true)` for the next clock, an error for a gap.
     pub fn record(&mut self, block: u32, worker: u32, clock: Clock) -> Result<bool, CoreError> {
-        let slot = self
-            .pushed
-            .get_mut(worker as usize)
-            .ok_or(CoreError::UnknownWorker(worker))?;
+        let slot = self.pushed.get_mut(worker as usize).ok_or(CoreError::UnknownWorker(worker))?;
         if clock < *slot {
             return Ok(false);
         }
         if clock > *slot {
-            return Err(CoreError::ClockGap {
-                block,
-                worker,
-                expected: *slot,
-                got: clock,
-            });
+            return Err(CoreError::ClockGap { block, worker, expected: *slot, got: clock });
         }
         *slot += 1;
         Ok(true)
@@ -408,14 +389,7 @@ mod tests {
         assert_eq!(c.record(0, 0, 1), Ok(true));
         assert_eq!((c.done(), c.fast()), (0, Some(1)));
         assert_eq!(c.record(0, 0, 1), Ok(false));
-        assert!(matches!(
-            c.record(0, 1, 1),
-            Err(CoreError::ClockGap {
-                expected: 0,
-                got: 1,
-                ..
-            })
-        ));
+        assert!(matches!(c.record(0, 1, 1), Err(CoreError::ClockGap { expected: 0, got: 1, .. })));
         assert_eq!(c.record(0, 1, 0), Ok(true));
         assert_eq!(c.done(), 1);
         c.remove_worker(1);

@@ -76,11 +76,13 @@ impl Client {
     /// Registers with the scheduler and learns this worker's rank.
     pub async fn connect(opts: ClientOptions) -> Result<Client> {
         let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
-        let (rank, num_workers) =
-            match sched.call(Control::RegisterWorker.into(), CALL_TIMEOUT, || "the scheduler to accept this worker".into()).await? {
-                Message::Control(Control::Welcome { node_id, num_workers, .. }) => (node_id, num_workers),
-                other => return Err(unexpected("scheduler", "Welcome", &other)),
-            };
+        let (rank, num_workers) = match sched
+            .call(Control::RegisterWorker.into(), CALL_TIMEOUT, || "the scheduler to accept this worker".into())
+            .await?
+        {
+            Message::Control(Control::Welcome { node_id, num_workers, .. }) => (node_id, num_workers),
+            other => return Err(unexpected("scheduler", "Welcome", &other)),
+        };
         let shutdown = Arc::new(Mutex::new(None));
         let flag = shutdown.clone();
         tokio::spawn(async move {
@@ -99,7 +101,17 @@ impl Client {
             }
         });
         tracing::info!(rank, num_workers, "worker registered");
-        Ok(Client { rank, num_workers, opts, sched, layout: None, servers: HashMap::new(), shutdown, heartbeat, waits: Waits::default() })
+        Ok(Client {
+            rank,
+            num_workers,
+            opts,
+            sched,
+            layout: None,
+            servers: HashMap::new(),
+            shutdown,
+            heartbeat,
+            waits: Waits::default(),
+        })
     }
 
     /// This worker's rank, `0..num_workers`.
@@ -168,7 +180,9 @@ impl Client {
     pub async fn finish(self) -> Result<()> {
         let reply = self
             .sched
-            .call(Control::WorkerDone { rank: self.rank }.into(), CALL_TIMEOUT, || "the scheduler to acknowledge WorkerDone".into())
+            .call(Control::WorkerDone { rank: self.rank }.into(), CALL_TIMEOUT, || {
+                "the scheduler to acknowledge WorkerDone".into()
+            })
             .await;
         self.heartbeat.abort();
         reply.map(|_| ())
@@ -177,7 +191,11 @@ impl Client {
     /// One round trip with every server at once: for each block, the push (if any),
     /// then, once the block's server acknowledged all of this round's pushes, the pull
     /// (if any). Blocks whose server answered `Moved` are resent after a layout refresh.
-    async fn round(&mut self, push: Option<(Clock, &[Vec<f32>])>, mut pull: Option<(Clock, &mut [Vec<f32>])>) -> Result<()> {
+    async fn round(
+        &mut self,
+        push: Option<(Clock, &[Vec<f32>])>,
+        mut pull: Option<(Clock, &mut [Vec<f32>])>,
+    ) -> Result<()> {
         let mut layout = self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))?;
         let pull_clock = pull.as_ref().map(|(c, _)| *c);
         // (block, still to push, still to pull)
@@ -188,7 +206,8 @@ impl Client {
         for _attempt in 0..8 {
             let mut by_server: HashMap<u32, Vec<(BlockSpec, bool, bool)>> = HashMap::new();
             for item in &todo {
-                let owner = layout.placement.owner(item.0.id).ok_or(elasticps_core::CoreError::UnknownBlock(item.0.id))?;
+                let owner =
+                    layout.placement.owner(item.0.id).ok_or(elasticps_core::CoreError::UnknownBlock(item.0.id))?;
                 by_server.entry(owner).or_default().push(*item);
             }
             let mut rounds = FuturesUnordered::new();
@@ -221,12 +240,18 @@ impl Client {
                 return Ok(());
             }
             tracing::debug!(blocks = moved.len(), "blocks moved; refreshing the layout");
-            let reply = self.sched.call(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into()).await?;
+            let reply = self
+                .sched
+                .call(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into())
+                .await?;
             self.install_layout(reply).await?;
             layout = self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))?;
             todo = moved;
         }
-        Err(RuntimeError::Protocol { peer: "servers".into(), what: "blocks kept moving through 8 layout refreshes".into() })
+        Err(RuntimeError::Protocol {
+            peer: "servers".into(),
+            what: "blocks kept moving through 8 layout refreshes".into(),
+        })
     }
 
     async fn install_layout(&mut self, reply: Message) -> Result<()> {
@@ -240,7 +265,10 @@ impl Client {
             }
             let name = format!("server {}", s.id);
             let (peer, _notes) = Peer::connect(&s.addr, self.opts.codec.clone(), &name).await?;
-            match peer.call(Control::Hello { rank: self.rank }.into(), CALL_TIMEOUT, || format!("{name} to accept Hello")).await? {
+            match peer
+                .call(Control::Hello { rank: self.rank }.into(), CALL_TIMEOUT, || format!("{name} to accept Hello"))
+                .await?
+            {
                 Message::Control(Control::Ok) => {}
                 other => return Err(unexpected(&name, "Ok", &other)),
             }
@@ -349,14 +377,20 @@ async fn await_reply(
         Ok(Ok(reply)) => Ok(reply),
         Ok(Err(_)) => Err(RuntimeError::Closed(format!("server {}", ctx.owner))),
         Err(_) => Err(RuntimeError::Timeout {
-            what: format!("worker {} waits for server {} to answer {verb}(clock {clock}) of block {}", ctx.rank, ctx.owner, b.id),
+            what: format!(
+                "worker {} waits for server {} to answer {verb}(clock {clock}) of block {}",
+                ctx.rank, ctx.owner, b.id
+            ),
             after: ctx.timeout,
         }),
     }
 }
 
 fn bad_reply(ctx: &RoundCtx, wanted: &str, got: &Message) -> RuntimeError {
-    RuntimeError::Protocol { peer: format!("server {}", ctx.owner), what: format!("expected {wanted}, got {:?}", got.kind()) }
+    RuntimeError::Protocol {
+        peer: format!("server {}", ctx.owner),
+        what: format!("expected {wanted}, got {:?}", got.kind()),
+    }
 }
 
 fn unexpected(peer: &str, wanted: &str, got: &Message) -> RuntimeError {

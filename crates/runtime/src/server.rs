@@ -18,9 +18,9 @@ use elasticps_core::model::{BlockId, Partition};
 use elasticps_core::placement::Placement;
 use elasticps_core::stats::Histogram;
 use elasticps_core::sync::SyncPolicy;
+use elasticps_wire::{Codec, Control, ErrorCode, ErrorReply, Message, ServerStats, Values};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use elasticps_wire::{Codec, Control, ErrorCode, ErrorReply, Message, ServerStats, Values};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::conn::{self, Outbox};
@@ -52,12 +52,6 @@ struct ReplyTo {
     block: BlockId,
 }
 
-/// One owned block with the coin its probabilistic sync policies toss.
-struct Slot {
-    block: Block<ReplyTo>,
-    rng: StdRng,
-}
-
 /// The blocks this server owns, with the job's configuration.
 struct Shard {
     id: u32,
@@ -67,7 +61,9 @@ struct Shard {
     staleness: AtomicU32,
     partition: Partition,
     placement: Placement,
-    blocks: HashMap<BlockId, Mutex<Slot>>,
+    /// The job's seed (initial values, coins).
+    seed: u64,
+    blocks: HashMap<BlockId, Mutex<Block<ReplyTo>>>,
 }
 
 impl Shard {
@@ -103,7 +99,8 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     let data_addr = opts.advertise.clone().unwrap_or_else(|| bound.to_string());
     let trace = match &opts.trace {
         Some(path) => Some(Mutex::new(std::io::BufWriter::new(
-            std::fs::File::create(path).map_err(|e| RuntimeError::io(format!("creating trace {}", path.display()), e))?,
+            std::fs::File::create(path)
+                .map_err(|e| RuntimeError::io(format!("creating trace {}", path.display()), e))?,
         ))),
         None => None,
     };
@@ -142,12 +139,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     Ok(stats(id, &state))
 }
 
-async fn control_loop(
-    id: u32,
-    state: &Arc<State>,
-    sched: &Peer,
-    notes: &mut crate::peer::Notifications,
-) -> Result<()> {
+async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut crate::peer::Notifications) -> Result<()> {
     let mut waiting = tokio::time::interval(Duration::from_secs(10));
     waiting.tick().await;
     let mut interval = tokio::time::interval(STATS_INTERVAL);
@@ -188,8 +180,8 @@ async fn control_loop(
                 if let Some(shard) = current(state) {
                     tracing::info!(server = id, rank, "worker removed from every quorum");
                     let config = shard.effective();
-                    for slot in shard.blocks.values() {
-                        let answers = lock(slot).block.remove_worker(&config, rank, state.clock.now());
+                    for b in shard.blocks.values() {
+                        let answers = lock(b).remove_worker(&config, rank, state.clock.now());
                         send_answers(state, answers);
                     }
                 }
@@ -209,8 +201,7 @@ fn build_shard(a: elasticps_wire::Assignment) -> Result<Shard> {
         let spec = *a.partition.block(b)?;
         let values = a.partition.init_values(b, a.seed)?;
         let block = Block::new(spec, values, &a.config)?;
-        let rng = StdRng::seed_from_u64(a.seed ^ u64::from(b).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        blocks.insert(b, Mutex::new(Slot { block, rng }));
+        blocks.insert(b, Mutex::new(block));
     }
     let staleness = match a.config.sync {
         SyncPolicy::Adaptive { min, .. } => min,
@@ -222,6 +213,7 @@ fn build_shard(a: elasticps_wire::Assignment) -> Result<Shard> {
         staleness: AtomicU32::new(staleness),
         partition: a.partition,
         placement: a.placement,
+        seed: a.seed,
         blocks,
     })
 }
@@ -240,8 +232,8 @@ fn stats(id: u32, state: &State) -> ServerStats {
     let (mut blocks, mut bytes, mut sync) = (0, 0, String::new());
     if let Some(shard) = current(state) {
         sync = shard.policy_name();
-        for slot in shard.blocks.values() {
-            let b = &lock(slot).block;
+        for b in shard.blocks.values() {
+            let b = lock(b);
             totals.merge(b.stats());
             hist.merge(b.hold_histogram());
             blocks += 1;
@@ -351,11 +343,11 @@ impl Refusal {
 fn with_block<R>(
     state: &State,
     block: BlockId,
-    f: impl FnOnce(&ShardConfig, &mut Slot) -> R,
+    f: impl FnOnce(&Shard, &mut Block<ReplyTo>) -> R,
 ) -> Result<R, Refusal> {
     let shard = current(state).ok_or(Refusal::NotReady)?;
     match (shard.blocks.get(&block), shard.placement.owner(block)) {
-        (Some(slot), _) => Ok(f(&shard.effective(), &mut lock(slot))),
+        (Some(b), _) => Ok(f(&shard, &mut lock(b))),
         (None, Some(owner)) => Err(Refusal::Moved { owner, epoch: shard.placement.epoch }),
         (None, None) => Err(Refusal::Unknown { blocks: shard.partition.blocks.len() }),
     }
@@ -363,9 +355,9 @@ fn with_block<R>(
 
 fn push(state: &State, rank: u32, block: BlockId, clock: u32, values: &Values) -> Message {
     let now = state.clock.now();
-    let result = with_block(state, block, |config, slot| {
+    let result = with_block(state, block, |shard, b| {
         let grad = values.to_f32s();
-        slot.block.push(config, rank, clock, &grad, now)
+        b.push(&shard.effective(), rank, clock, &grad, now)
     });
     match result {
         Ok(Ok(answers)) => {
@@ -379,9 +371,12 @@ fn push(state: &State, rank: u32, block: BlockId, clock: u32, values: &Values) -
 
 fn pull(state: &State, rank: u32, block: BlockId, clock: u32, to: ReplyTo) -> Option<Message> {
     let now = state.clock.now();
-    let result = with_block(state, block, |config, slot| {
-        let Slot { block, rng } = slot;
-        block.pull(config, to, rank, clock, now, rng)
+    // One coin per pull request, not per block: every block (on every server) of worker
+    // `rank`'s pull(clock) draws the same value, so a probabilistic policy pauses the
+    // whole pull or none of it.
+    let result = with_block(state, block, |shard, b| {
+        let mut coin = StdRng::seed_from_u64(pull_coin_seed(shard.seed, rank, clock));
+        b.pull(&shard.effective(), to, rank, clock, now, &mut coin)
     });
     match result {
         Ok(Ok(Some(answer))) => {
@@ -392,6 +387,12 @@ fn pull(state: &State, rank: u32, block: BlockId, clock: u32, to: ReplyTo) -> Op
         Ok(Err(e)) => Some(error(ErrorCode::BadRequest, e.to_string())),
         Err(refusal) => Some(refusal.reply(block)),
     }
+}
+
+/// The seed of the coin of worker `rank`'s pull(clock): the same on every server.
+fn pull_coin_seed(job_seed: u64, rank: u32, clock: u32) -> u64 {
+    let key = (u64::from(rank) << 32) | u64::from(clock);
+    (job_seed ^ key.wrapping_mul(0x9E37_79B9_7F4A_7C15)).rotate_left(29)
 }
 
 fn send_answers(state: &State, answers: Vec<Answer<ReplyTo>>) {

@@ -25,43 +25,27 @@ pub const PIXELS: usize = 28 * 28;
 
 /// Base names of the four IDX files, in the order train images, train labels, test
 /// images, test labels. Each may exist as is or with a `.gz` suffix.
-pub const FILE_NAMES: [&str; 4] = [
-    "train-images-idx3-ubyte",
-    "train-labels-idx1-ubyte",
-    "t10k-images-idx3-ubyte",
-    "t10k-labels-idx1-ubyte",
-];
+pub const FILE_NAMES: [&str; 4] =
+    ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"];
 
 /// The bundled subset (first 10,000 train and first 2,000 test examples of MNIST),
 /// embedded in the binary so it works from any directory without a download.
 const SUBSET: [(&str, &[u8]); 4] = [
     (
         "train-images-idx3-ubyte.gz",
-        include_bytes!(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../data/mnist-subset/train-images-idx3-ubyte.gz"
-        )),
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/mnist-subset/train-images-idx3-ubyte.gz")),
     ),
     (
         "train-labels-idx1-ubyte.gz",
-        include_bytes!(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../data/mnist-subset/train-labels-idx1-ubyte.gz"
-        )),
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/mnist-subset/train-labels-idx1-ubyte.gz")),
     ),
     (
         "t10k-images-idx3-ubyte.gz",
-        include_bytes!(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../data/mnist-subset/t10k-images-idx3-ubyte.gz"
-        )),
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/mnist-subset/t10k-images-idx3-ubyte.gz")),
     ),
     (
         "t10k-labels-idx1-ubyte.gz",
-        include_bytes!(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../data/mnist-subset/t10k-labels-idx1-ubyte.gz"
-        )),
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data/mnist-subset/t10k-labels-idx1-ubyte.gz")),
     ),
 ];
 
@@ -78,35 +62,16 @@ impl Dataset {
     /// Builds a dataset from parsed IDX images and labels, checking that they agree and
     /// that every label is a class. `name` names the dataset in errors.
     pub fn from_idx(images: IdxImages, labels: Vec<u8>, name: &str) -> Result<Self, TrainError> {
-        let inconsistent = |reason: String| TrainError::Inconsistent {
-            dataset: name.to_owned(),
-            reason,
-        };
+        let inconsistent = |reason: String| TrainError::Inconsistent { dataset: name.to_owned(), reason };
         if images.count != labels.len() {
-            return Err(inconsistent(format!(
-                "{} images but {} labels",
-                images.count,
-                labels.len()
-            )));
+            return Err(inconsistent(format!("{} images but {} labels", images.count, labels.len())));
         }
-        if let Some((i, l)) = labels
-            .iter()
-            .enumerate()
-            .find(|&(_, &l)| usize::from(l) >= NUM_CLASSES)
-        {
-            return Err(inconsistent(format!(
-                "label {l} of example {i} is not a class 0..={}",
-                NUM_CLASSES - 1
-            )));
+        if let Some((i, l)) = labels.iter().enumerate().find(|&(_, &l)| usize::from(l) >= NUM_CLASSES) {
+            return Err(inconsistent(format!("label {l} of example {i} is not a class 0..={}", NUM_CLASSES - 1)));
         }
         let per = images.pixels_per_image();
-        let pixels: Vec<f32> = images
-            .pixels
-            .iter()
-            .map(|&p| f32::from(p) / 255.0)
-            .collect();
-        let images = Array2::from_shape_vec((images.count, per), pixels)
-            .expect("IDX parser checked the length");
+        let pixels: Vec<f32> = images.pixels.iter().map(|&p| f32::from(p) / 255.0).collect();
+        let images = Array2::from_shape_vec((images.count, per), pixels).expect("IDX parser checked the length");
         Ok(Self { images, labels })
     }
 
@@ -132,15 +97,9 @@ impl Dataset {
     /// # Panics
     /// If `world == 0` or `rank >= world`.
     pub fn shard(&self, rank: usize, world: usize) -> Dataset {
-        assert!(
-            world > 0 && rank < world,
-            "shard {rank} of {world} does not exist (need rank < world)"
-        );
+        assert!(world > 0 && rank < world, "shard {rank} of {world} does not exist (need rank < world)");
         let idx: Vec<usize> = (rank..self.len()).step_by(world).collect();
-        Dataset {
-            images: self.images.select(Axis(0), &idx),
-            labels: idx.iter().map(|&i| self.labels[i]).collect(),
-        }
+        Dataset { images: self.images.select(Axis(0), &idx), labels: idx.iter().map(|&i| self.labels[i]).collect() }
     }
 }
 
@@ -159,11 +118,7 @@ pub enum DatasetKind {
 
 impl DatasetKind {
     /// Every kind, in CLI order.
-    pub const ALL: [DatasetKind; 3] = [
-        DatasetKind::MnistSubset,
-        DatasetKind::Mnist,
-        DatasetKind::FashionMnist,
-    ];
+    pub const ALL: [DatasetKind; 3] = [DatasetKind::MnistSubset, DatasetKind::Mnist, DatasetKind::FashionMnist];
 
     /// The CLI value.
     pub fn as_str(self) -> &'static str {
@@ -217,10 +172,7 @@ impl FromStr for DatasetKind {
     type Err = TrainError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|k| k.as_str() == s)
-            .ok_or_else(|| TrainError::UnknownDataset(s.to_owned()))
+        Self::ALL.into_iter().find(|k| k.as_str() == s).ok_or_else(|| TrainError::UnknownDataset(s.to_owned()))
     }
 }
 
@@ -228,20 +180,15 @@ impl FromStr for DatasetKind {
 /// (`train-images.idx3-ubyte`, with or without `.gz`).
 fn find_file(kind: DatasetKind, dir: &Path, name: &str) -> Result<PathBuf, TrainError> {
     let dotted = name.replacen("-idx", ".idx", 1);
-    [
-        name.to_owned(),
-        format!("{name}.gz"),
-        dotted.clone(),
-        format!("{dotted}.gz"),
-    ]
-    .into_iter()
-    .map(|n| dir.join(n))
-    .find(|p| p.is_file())
-    .ok_or_else(|| TrainError::NotFound {
-        dataset: kind.title().to_owned(),
-        path: dir.join(name),
-        hint: kind.install_hint().to_owned(),
-    })
+    [name.to_owned(), format!("{name}.gz"), dotted.clone(), format!("{dotted}.gz")]
+        .into_iter()
+        .map(|n| dir.join(n))
+        .find(|p| p.is_file())
+        .ok_or_else(|| TrainError::NotFound {
+            dataset: kind.title().to_owned(),
+            path: dir.join(name),
+            hint: kind.install_hint().to_owned(),
+        })
 }
 
 /// Loads the train and test sets of `kind`.
@@ -251,9 +198,7 @@ fn find_file(kind: DatasetKind, dir: &Path, name: &str) -> Result<PathBuf, Train
 /// directory, each of [`FILE_NAMES`] may be plain or gzip-compressed.
 pub fn load(kind: DatasetKind, data_dir: Option<&Path>) -> Result<(Dataset, Dataset), TrainError> {
     let name = kind.title();
-    let dir = data_dir
-        .map(Path::to_path_buf)
-        .or_else(|| kind.default_dir());
+    let dir = data_dir.map(Path::to_path_buf).or_else(|| kind.default_dir());
     let (train_images, train_labels, test_images, test_labels) = match dir {
         None if kind == DatasetKind::MnistSubset => {
             let file = |i: usize| format!("embedded data/mnist-subset/{}", SUBSET[i].0);
@@ -273,12 +218,7 @@ pub fn load(kind: DatasetKind, data_dir: Option<&Path>) -> Result<(Dataset, Data
         }
         Some(dir) => {
             let [a, b, c, d] = FILE_NAMES.map(|n| find_file(kind, &dir, n));
-            (
-                idx::read_images(&a?)?,
-                idx::read_labels(&b?)?,
-                idx::read_images(&c?)?,
-                idx::read_labels(&d?)?,
-            )
+            (idx::read_images(&a?)?, idx::read_labels(&b?)?, idx::read_images(&c?)?, idx::read_labels(&d?)?)
         }
     };
     if (train_images.rows, train_images.cols) != (test_images.rows, test_images.cols) {
@@ -334,9 +274,7 @@ impl<D: Borrow<Dataset>> Batcher<D> {
     pub fn new(data: D, batch_size: usize, seed: u64) -> Result<Self, TrainError> {
         let ds: &Dataset = data.borrow();
         if batch_size == 0 {
-            return Err(TrainError::InvalidBatching(
-                "the batch size is 0; pass a batch size of at least 1".into(),
-            ));
+            return Err(TrainError::InvalidBatching("the batch size is 0; pass a batch size of at least 1".into()));
         }
         if ds.is_empty() {
             return Err(TrainError::InvalidBatching(
@@ -401,13 +339,7 @@ impl<D: Borrow<Dataset>> Batcher<D> {
             self.index = 0;
             self.epoch += 1;
         }
-        Batch {
-            epoch,
-            index,
-            last_in_epoch,
-            x: self.x.slice(ndarray::s![..take, ..]),
-            y: &self.y,
-        }
+        Batch { epoch, index, last_in_epoch, x: self.x.slice(ndarray::s![..take, ..]), y: &self.y }
     }
 }
 
@@ -429,10 +361,7 @@ mod tests {
         }
         assert_eq!(DatasetKind::default(), DatasetKind::MnistSubset);
         let err = "cifar".parse::<DatasetKind>().unwrap_err().to_string();
-        assert!(
-            err.contains("cifar") && err.contains("fashion-mnist"),
-            "{err}"
-        );
+        assert!(err.contains("cifar") && err.contains("fashion-mnist"), "{err}");
     }
 
     #[test]
@@ -445,27 +374,16 @@ mod tests {
         assert_eq!(&train.labels[..5], &[5, 0, 4, 1, 9]);
         assert_eq!(&test.labels[..5], &[7, 2, 1, 0, 4]);
         for c in 0..NUM_CLASSES as u8 {
-            assert!(
-                train.labels.iter().filter(|&&l| l == c).count() > 800,
-                "class {c} underrepresented"
-            );
+            assert!(train.labels.iter().filter(|&&l| l == c).count() > 800, "class {c} underrepresented");
         }
     }
 
     #[test]
     fn missing_dir_names_the_file_and_the_fix() {
         let dir = std::env::temp_dir().join("elasticps-train-no-such-dir");
-        let err = load(DatasetKind::Mnist, Some(&dir))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("MNIST not found at") && err.contains("train-images-idx3-ubyte(.gz)"),
-            "{err}"
-        );
-        assert!(
-            err.contains("scripts/fetch-data") && err.contains("--data-dir"),
-            "{err}"
-        );
+        let err = load(DatasetKind::Mnist, Some(&dir)).unwrap_err().to_string();
+        assert!(err.contains("MNIST not found at") && err.contains("train-images-idx3-ubyte(.gz)"), "{err}");
+        assert!(err.contains("scripts/fetch-data") && err.contains("--data-dir"), "{err}");
     }
 
     #[test]
@@ -487,19 +405,10 @@ mod tests {
 
     #[test]
     fn mismatched_counts_are_rejected() {
-        let images = IdxImages {
-            count: 2,
-            rows: 1,
-            cols: 1,
-            pixels: vec![0, 255],
-        };
-        let err = Dataset::from_idx(images.clone(), vec![1], "toy")
-            .unwrap_err()
-            .to_string();
+        let images = IdxImages { count: 2, rows: 1, cols: 1, pixels: vec![0, 255] };
+        let err = Dataset::from_idx(images.clone(), vec![1], "toy").unwrap_err().to_string();
         assert!(err.contains("2 images but 1 labels"), "{err}");
-        let err = Dataset::from_idx(images, vec![1, 10], "toy")
-            .unwrap_err()
-            .to_string();
+        let err = Dataset::from_idx(images, vec![1, 10], "toy").unwrap_err().to_string();
         assert!(err.contains("label 10"), "{err}");
     }
 
@@ -507,10 +416,7 @@ mod tests {
     fn shards_partition_the_dataset() {
         let d = toy(10);
         let shards: Vec<Dataset> = (0..3).map(|r| d.shard(r, 3)).collect();
-        assert_eq!(
-            shards.iter().map(Dataset::len).collect::<Vec<_>>(),
-            vec![4, 3, 3]
-        );
+        assert_eq!(shards.iter().map(Dataset::len).collect::<Vec<_>>(), vec![4, 3, 3]);
         assert_eq!(shards[1].images.row(0), d.images.row(1));
         assert_eq!(shards[2].images.row(2), d.images.row(8));
         assert_eq!(d.shard(0, 1), d);
@@ -526,10 +432,7 @@ mod tests {
             let mut seen = Vec::new();
             for index in 0..3 {
                 let batch = b.next_batch();
-                assert_eq!(
-                    (batch.epoch, batch.index, batch.last_in_epoch),
-                    (epoch, index, index == 2)
-                );
+                assert_eq!((batch.epoch, batch.index, batch.last_in_epoch), (epoch, index, index == 2));
                 assert_eq!(batch.x.nrows(), if index == 2 { 2 } else { 4 });
                 assert_eq!(batch.x.nrows(), batch.y.len());
                 for (row, &y) in batch.x.outer_iter().zip(batch.y) {
@@ -543,13 +446,7 @@ mod tests {
             assert_eq!(seen, (0..10).collect::<Vec<_>>());
         }
         assert_ne!(firsts[0], firsts[1], "each epoch is reshuffled");
-        let first = |seed| {
-            Batcher::new(d.clone(), 4, seed)
-                .unwrap()
-                .next_batch()
-                .x
-                .to_owned()
-        };
+        let first = |seed| Batcher::new(d.clone(), 4, seed).unwrap().next_batch().x.to_owned();
         assert_eq!(first(7), first(7));
         assert_ne!(first(7), first(8));
     }

@@ -44,9 +44,7 @@ pub enum TrainError {
     },
 
     /// An IDX file is truncated, too long, or otherwise corrupt.
-    #[error(
-        "{file}: {reason}; the file is truncated or corrupt: delete it and run scripts/fetch-data again"
-    )]
+    #[error("{file}: {reason}; the file is truncated or corrupt: delete it and run scripts/fetch-data again")]
     CorruptIdx {
         /// The file (path or embedded name).
         file: String,
@@ -55,9 +53,7 @@ pub enum TrainError {
     },
 
     /// Images and labels (or train and test sets) do not fit together.
-    #[error(
-        "inconsistent {dataset} dataset: {reason}; make sure all four files come from the same dataset"
-    )]
+    #[error("inconsistent {dataset} dataset: {reason}; make sure all four files come from the same dataset")]
     Inconsistent {
         /// Human name of the dataset.
         dataset: String,

@@ -50,10 +50,7 @@ pub fn gunzip_if_needed<'a>(bytes: &'a [u8], file: &str) -> Result<Cow<'a, [u8]>
         let mut out = Vec::with_capacity(bytes.len() * 4);
         flate2::read::GzDecoder::new(bytes)
             .read_to_end(&mut out)
-            .map_err(|e| TrainError::CorruptIdx {
-                file: file.to_owned(),
-                reason: format!("bad gzip stream ({e})"),
-            })?;
+            .map_err(|e| TrainError::CorruptIdx { file: file.to_owned(), reason: format!("bad gzip stream ({e})") })?;
         Ok(Cow::Owned(out))
     } else {
         Ok(Cow::Borrowed(bytes))
@@ -65,63 +62,30 @@ fn header(bytes: &[u8], fields: usize, file: &str) -> Result<Vec<u32>, TrainErro
     if bytes.len() < fields * 4 {
         return Err(TrainError::CorruptIdx {
             file: file.to_owned(),
-            reason: format!(
-                "only {} bytes, shorter than the {}-byte IDX header",
-                bytes.len(),
-                fields * 4
-            ),
+            reason: format!("only {} bytes, shorter than the {}-byte IDX header", bytes.len(), fields * 4),
         });
     }
-    Ok(bytes[..fields * 4]
-        .chunks_exact(4)
-        .map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
+    Ok(bytes[..fields * 4].chunks_exact(4).map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
-fn check_magic(
-    bytes: &[u8],
-    expected: u32,
-    kind: &'static str,
-    file: &str,
-) -> Result<(), TrainError> {
+fn check_magic(bytes: &[u8], expected: u32, kind: &'static str, file: &str) -> Result<(), TrainError> {
     let magic = header(bytes, 1, file)?[0];
     if magic != expected {
-        return Err(TrainError::BadMagic {
-            file: file.to_owned(),
-            expected_kind: kind,
-            found: magic,
-            expected,
-        });
+        return Err(TrainError::BadMagic { file: file.to_owned(), expected_kind: kind, found: magic, expected });
     }
     Ok(())
 }
 
-fn check_len(
-    bytes: &[u8],
-    header_len: usize,
-    dims: &[usize],
-    file: &str,
-) -> Result<usize, TrainError> {
-    let data_len = dims
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| TrainError::CorruptIdx {
-            file: file.to_owned(),
-            reason: format!("dimensions {dims:?} overflow"),
-        })?;
+fn check_len(bytes: &[u8], header_len: usize, dims: &[usize], file: &str) -> Result<usize, TrainError> {
+    let data_len = dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
+        TrainError::CorruptIdx { file: file.to_owned(), reason: format!("dimensions {dims:?} overflow") }
+    })?;
     let expected = header_len + data_len;
     if bytes.len() != expected {
-        let what = if bytes.len() < expected {
-            "truncated"
-        } else {
-            "has trailing bytes"
-        };
+        let what = if bytes.len() < expected { "truncated" } else { "has trailing bytes" };
         return Err(TrainError::CorruptIdx {
             file: file.to_owned(),
-            reason: format!(
-                "{what}: {} bytes, but dimensions {dims:?} need exactly {expected}",
-                bytes.len()
-            ),
+            reason: format!("{what}: {} bytes, but dimensions {dims:?} need exactly {expected}", bytes.len()),
         });
     }
     Ok(data_len)
@@ -147,12 +111,7 @@ pub fn parse_images(bytes: &[u8], file: &str) -> Result<IdxImages, TrainError> {
         }
         Cow::Borrowed(b) => b[16..].to_vec(),
     };
-    Ok(IdxImages {
-        count,
-        rows,
-        cols,
-        pixels,
-    })
+    Ok(IdxImages { count, rows, cols, pixels })
 }
 
 /// Parses an IDX labels file (plain or gzip). `file` names the source in errors.
@@ -165,10 +124,7 @@ pub fn parse_labels(bytes: &[u8], file: &str) -> Result<Vec<u8>, TrainError> {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TrainError> {
-    std::fs::read(path).map_err(|source| TrainError::Io {
-        path: path.to_owned(),
-        source,
-    })
+    std::fs::read(path).map_err(|source| TrainError::Io { path: path.to_owned(), source })
 }
 
 /// Reads and parses an IDX images file from disk (plain or gzip).
@@ -216,23 +172,14 @@ mod tests {
         assert_eq!((img.count, img.rows, img.cols), (3, 2, 4));
         assert_eq!(img.pixels.len(), 24);
         assert_eq!(img.pixels[5], 5);
-        assert_eq!(
-            parse_labels(&labels_bytes(&[1, 2, 9]), "lab").unwrap(),
-            vec![1, 2, 9]
-        );
+        assert_eq!(parse_labels(&labels_bytes(&[1, 2, 9]), "lab").unwrap(), vec![1, 2, 9]);
     }
 
     #[test]
     fn parses_gzip_transparently() {
         let plain = images_bytes(5, 3, 3);
-        assert_eq!(
-            parse_images(&gz(&plain), "img.gz").unwrap(),
-            parse_images(&plain, "img").unwrap()
-        );
-        assert_eq!(
-            parse_labels(&gz(&labels_bytes(&[7, 0])), "lab.gz").unwrap(),
-            vec![7, 0]
-        );
+        assert_eq!(parse_images(&gz(&plain), "img.gz").unwrap(), parse_images(&plain, "img").unwrap());
+        assert_eq!(parse_labels(&gz(&labels_bytes(&[7, 0])), "lab.gz").unwrap(), vec![7, 0]);
     }
 
     #[test]
@@ -240,24 +187,16 @@ mod tests {
         let mut b = images_bytes(3, 2, 2);
         b.pop();
         let err = parse_images(&b, "short-file").unwrap_err().to_string();
-        assert!(
-            err.contains("short-file") && err.contains("truncated"),
-            "{err}"
-        );
+        assert!(err.contains("short-file") && err.contains("truncated"), "{err}");
         let mut b = labels_bytes(&[1, 2]);
         b.push(0);
         let err = parse_labels(&b, "long-file").unwrap_err().to_string();
-        assert!(
-            err.contains("long-file") && err.contains("trailing"),
-            "{err}"
-        );
+        assert!(err.contains("long-file") && err.contains("trailing"), "{err}");
         let err = parse_labels(&[0, 0, 8], "tiny").unwrap_err().to_string();
         assert!(err.contains("tiny") && err.contains("header"), "{err}");
         // A truncated gzip stream is also an error naming the file.
         let z = gz(&images_bytes(10, 4, 4));
-        let err = parse_images(&z[..z.len() / 2], "cut.gz")
-            .unwrap_err()
-            .to_string();
+        let err = parse_images(&z[..z.len() / 2], "cut.gz").unwrap_err().to_string();
         assert!(err.contains("cut.gz"), "{err}");
     }
 
@@ -265,35 +204,15 @@ mod tests {
     fn rejects_bad_magic() {
         // A labels file passed as images and vice versa.
         let err = parse_images(&labels_bytes(&[1]), "labels-as-images").unwrap_err();
-        assert!(
-            matches!(
-                err,
-                TrainError::BadMagic {
-                    found: LABELS_MAGIC,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, TrainError::BadMagic { found: LABELS_MAGIC, .. }), "{err}");
         assert!(err.to_string().contains("labels-as-images"));
         let err = parse_labels(&images_bytes(1, 1, 1), "images-as-labels").unwrap_err();
-        assert!(
-            matches!(
-                err,
-                TrainError::BadMagic {
-                    found: IMAGES_MAGIC,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, TrainError::BadMagic { found: IMAGES_MAGIC, .. }), "{err}");
     }
 
     #[test]
     fn rejects_empty_image_size() {
-        let err = parse_images(&images_bytes(0, 0, 5), "zero")
-            .unwrap_err()
-            .to_string();
+        let err = parse_images(&images_bytes(0, 0, 5), "zero").unwrap_err().to_string();
         assert!(err.contains("empty"), "{err}");
     }
 }

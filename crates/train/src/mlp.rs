@@ -43,9 +43,7 @@ pub struct Mlp {
 impl Default for Mlp {
     /// `784-256-128-10`, for 28 x 28 images in 10 classes.
     fn default() -> Self {
-        Self {
-            sizes: vec![784, 256, 128, 10],
-        }
+        Self { sizes: vec![784, 256, 128, 10] }
     }
 }
 
@@ -60,12 +58,7 @@ pub struct Evaluation {
 
 impl fmt::Display for Evaluation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "loss {:.4}, accuracy {:.2}%",
-            self.loss,
-            self.accuracy * 100.0
-        )
+        write!(f, "loss {:.4}, accuracy {:.2}%", self.loss, self.accuracy * 100.0)
     }
 }
 
@@ -102,25 +95,15 @@ impl Mlp {
         (0..self.layers())
             .flat_map(|l| {
                 let (fan_in, fan_out) = (self.sizes[l], self.sizes[l + 1]);
-                let bound = if l < last {
-                    (6.0 / fan_in as f32).sqrt()
-                } else {
-                    (6.0 / (fan_in + fan_out) as f32).sqrt()
-                };
+                let bound =
+                    if l < last { (6.0 / fan_in as f32).sqrt() } else { (6.0 / (fan_in + fan_out) as f32).sqrt() };
                 [
                     TensorSpec {
                         name: format!("fc{}.weight", l + 1),
                         shape: vec![fan_in, fan_out],
-                        init: Init::Uniform {
-                            low: -bound,
-                            high: bound,
-                        },
+                        init: Init::Uniform { low: -bound, high: bound },
                     },
-                    TensorSpec {
-                        name: format!("fc{}.bias", l + 1),
-                        shape: vec![fan_out],
-                        init: Init::Zeros,
-                    },
+                    TensorSpec { name: format!("fc{}.bias", l + 1), shape: vec![fan_out], init: Init::Zeros },
                 ]
             })
             .collect()
@@ -138,25 +121,17 @@ impl Mlp {
     /// # Panics
     /// If the MLP is invalid (see [`Mlp::new`]).
     pub fn init_params(&self, seed: u64) -> Vec<Vec<f32>> {
-        let partition = Partition::new(self.tensor_specs(), usize::MAX)
-            .unwrap_or_else(|e| panic!("invalid MLP {self}: {e}"));
-        assert_eq!(
-            partition.blocks.len(),
-            partition.tensors.len(),
-            "one block per tensor"
-        );
-        (0..partition.blocks.len())
-            .map(|b| partition.init_values(b as u32, seed).expect("block exists"))
-            .collect()
+        let partition =
+            Partition::new(self.tensor_specs(), usize::MAX).unwrap_or_else(|e| panic!("invalid MLP {self}: {e}"));
+        assert_eq!(partition.blocks.len(), partition.tensors.len(), "one block per tensor");
+        (0..partition.blocks.len()).map(|b| partition.init_values(b as u32, seed).expect("block exists")).collect()
     }
 
     /// Checks that `params` has one slice per tensor of the right length.
     pub fn check_params(&self, params: &[&[f32]]) -> Result<(), TrainError> {
         let specs = self.tensor_specs();
         if specs.is_empty() {
-            return Err(TrainError::InvalidModel(format!(
-                "{self} has no layer; give at least two widths"
-            )));
+            return Err(TrainError::InvalidModel(format!("{self} has no layer; give at least two widths")));
         }
         if params.len() != specs.len() {
             return Err(TrainError::InvalidModel(format!(
@@ -180,8 +155,7 @@ impl Mlp {
     }
 
     fn weight<'a>(&self, params: &[&'a [f32]], l: usize) -> ArrayView2<'a, f32> {
-        ArrayView2::from_shape((self.sizes[l], self.sizes[l + 1]), params[2 * l])
-            .expect("checked by check_params")
+        ArrayView2::from_shape((self.sizes[l], self.sizes[l + 1]), params[2 * l]).expect("checked by check_params")
     }
 
     fn bias<'a>(params: &[&'a [f32]], l: usize) -> ArrayView1<'a, f32> {
@@ -212,25 +186,10 @@ impl Mlp {
             panic!("{e}");
         }
         assert!(x.nrows() > 0, "empty batch: give at least one example");
-        assert_eq!(
-            x.ncols(),
-            self.sizes[0],
-            "inputs have {} features but {self} expects {}",
-            x.ncols(),
-            self.sizes[0]
-        );
-        assert_eq!(
-            y.len(),
-            x.nrows(),
-            "{} labels for {} examples",
-            y.len(),
-            x.nrows()
-        );
+        assert_eq!(x.ncols(), self.sizes[0], "inputs have {} features but {self} expects {}", x.ncols(), self.sizes[0]);
+        assert_eq!(y.len(), x.nrows(), "{} labels for {} examples", y.len(), x.nrows());
         if let Some(&bad) = y.iter().find(|&&l| usize::from(l) >= self.classes()) {
-            panic!(
-                "label {bad} is not a class of {self} (0..{})",
-                self.classes()
-            );
+            panic!("label {bad} is not a class of {self} (0..{})", self.classes());
         }
     }
 
@@ -240,12 +199,7 @@ impl Mlp {
     /// # Panics
     /// If `params` does not fit the model ([`Mlp::check_params`]), the batch is empty,
     /// `x` has the wrong width, `y` the wrong length, or a label is not a class.
-    pub fn loss_and_grad(
-        &self,
-        params: &[&[f32]],
-        x: ArrayView2<f32>,
-        y: &[u8],
-    ) -> (f32, Vec<Vec<f32>>) {
+    pub fn loss_and_grad(&self, params: &[&[f32]], x: ArrayView2<f32>, y: &[u8]) -> (f32, Vec<Vec<f32>>) {
         let mut grads = vec![Vec::new(); 2 * self.layers()];
         let loss = self.loss_and_grad_into(params, x, y, &mut grads);
         (loss, grads)
@@ -256,13 +210,7 @@ impl Mlp {
     ///
     /// # Panics
     /// As [`Mlp::loss_and_grad`], and if `grads.len()` is not the number of tensors.
-    pub fn loss_and_grad_into(
-        &self,
-        params: &[&[f32]],
-        x: ArrayView2<f32>,
-        y: &[u8],
-        grads: &mut [Vec<f32>],
-    ) -> f32 {
+    pub fn loss_and_grad_into(&self, params: &[&[f32]], x: ArrayView2<f32>, y: &[u8], grads: &mut [Vec<f32>]) -> f32 {
         self.check_batch(params, &x, y);
         let layers = self.layers();
         assert_eq!(grads.len(), 2 * layers, "grads needs one Vec per tensor");
@@ -275,8 +223,7 @@ impl Mlp {
             let input = if l == 0 { x.view() } else { acts[l - 1].view() };
             let gw = &mut grads[2 * l];
             gw.resize(fan_in * fan_out, 0.0);
-            let mut gw =
-                ArrayViewMut2::from_shape((fan_in, fan_out), &mut gw[..]).expect("sized above");
+            let mut gw = ArrayViewMut2::from_shape((fan_in, fan_out), &mut gw[..]).expect("sized above");
             general_mat_mul(1.0, &input.t(), &dz, 0.0, &mut gw);
             let gb = &mut grads[2 * l + 1];
             gb.resize(fan_out, 0.0);
@@ -300,10 +247,7 @@ impl Mlp {
     /// As [`Mlp::loss_and_grad`] (an empty dataset gives loss and accuracy 0 instead).
     pub fn evaluate(&self, params: &[&[f32]], data: &Dataset) -> Evaluation {
         if data.is_empty() {
-            return Evaluation {
-                loss: 0.0,
-                accuracy: 0.0,
-            };
+            return Evaluation { loss: 0.0, accuracy: 0.0 };
         }
         let (mut loss_sum, mut correct) = (0.0f64, 0usize);
         for start in (0..data.len()).step_by(EVAL_CHUNK) {
@@ -317,10 +261,7 @@ impl Mlp {
             correct += c;
         }
         let n = data.len() as f64;
-        Evaluation {
-            loss: (loss_sum / n) as f32,
-            accuracy: (correct as f64 / n) as f32,
-        }
+        Evaluation { loss: (loss_sum / n) as f32, accuracy: (correct as f64 / n) as f32 }
     }
 }
 
@@ -354,21 +295,9 @@ fn softmax_xent(logits: &mut Array2<f32>, y: &[u8], grad_scale: Option<f32>) -> 
 /// # Panics
 /// If the tensor counts or lengths differ.
 pub fn sgd_step(params: &mut [Vec<f32>], grads: &[Vec<f32>], lr: f32) {
-    assert_eq!(
-        params.len(),
-        grads.len(),
-        "{} parameter tensors but {} gradients",
-        params.len(),
-        grads.len()
-    );
+    assert_eq!(params.len(), grads.len(), "{} parameter tensors but {} gradients", params.len(), grads.len());
     for (p, g) in params.iter_mut().zip(grads) {
-        assert_eq!(
-            p.len(),
-            g.len(),
-            "a tensor of {} values got a gradient of {}",
-            p.len(),
-            g.len()
-        );
+        assert_eq!(p.len(), g.len(), "a tensor of {} values got a gradient of {}", p.len(), g.len());
         for (p, g) in p.iter_mut().zip(g) {
             *p -= lr * g;
         }
@@ -402,7 +331,9 @@ impl FromStr for Mlp {
             .split('-')
             .map(|w| {
                 w.trim().parse::<usize>().map_err(|_| {
-                    TrainError::InvalidModel(format!("{s:?}: {w:?} is not a layer width; write widths joined by '-', e.g. 784-256-128-10"))
+                    TrainError::InvalidModel(format!(
+                        "{s:?}: {w:?} is not a layer width; write widths joined by '-', e.g. 784-256-128-10"
+                    ))
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -418,10 +349,7 @@ mod tests {
     use super::*;
 
     fn random_params(mlp: &Mlp, rng: &mut StdRng) -> Vec<Vec<f32>> {
-        mlp.tensor_specs()
-            .iter()
-            .map(|s| (0..s.len()).map(|_| rng.random_range(-1.0..1.0)).collect())
-            .collect()
+        mlp.tensor_specs().iter().map(|s| (0..s.len()).map(|_| rng.random_range(-1.0..1.0)).collect()).collect()
     }
 
     fn grad_check(sizes: &[usize], seed: u64) {
@@ -430,9 +358,7 @@ mod tests {
         let params = random_params(&mlp, &mut rng);
         let batch = 7;
         let x = Array2::from_shape_fn((batch, sizes[0]), |_| rng.random_range(-1.0f32..1.0));
-        let y: Vec<u8> = (0..batch)
-            .map(|_| rng.random_range(0..mlp.classes()) as u8)
-            .collect();
+        let y: Vec<u8> = (0..batch).map(|_| rng.random_range(0..mlp.classes()) as u8).collect();
         let (_, grads) = mlp.loss_and_grad(&as_slices(&params), x.view(), &y);
 
         let eps = 1e-2f32;
@@ -469,34 +395,15 @@ mod tests {
     fn tensor_specs_follow_the_documented_layout() {
         let specs = Mlp::default().tensor_specs();
         let names: Vec<_> = specs.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "fc1.weight",
-                "fc1.bias",
-                "fc2.weight",
-                "fc2.bias",
-                "fc3.weight",
-                "fc3.bias"
-            ]
-        );
+        assert_eq!(names, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]);
         assert_eq!(specs[0].shape, [784, 256]);
         assert_eq!(specs[5].shape, [10]);
         assert_eq!(specs[1].init, Init::Zeros);
         let he = (6.0f32 / 784.0).sqrt();
         assert_eq!(specs[0].init, Init::Uniform { low: -he, high: he });
         let glorot = (6.0f32 / 138.0).sqrt();
-        assert_eq!(
-            specs[4].init,
-            Init::Uniform {
-                low: -glorot,
-                high: glorot
-            }
-        );
-        assert_eq!(
-            Mlp::default().num_params(),
-            784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
-        );
+        assert_eq!(specs[4].init, Init::Uniform { low: -glorot, high: glorot });
+        assert_eq!(Mlp::default().num_params(), 784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10);
     }
 
     #[test]
@@ -515,30 +422,15 @@ mod tests {
         let m: Mlp = "784-256-128-10".parse().unwrap();
         assert_eq!(m, Mlp::default());
         assert_eq!(m.to_string(), "784-256-128-10");
-        assert!(
-            "784"
-                .parse::<Mlp>()
-                .unwrap_err()
-                .to_string()
-                .contains("fewer than two")
-        );
-        assert!(
-            "784-x-10"
-                .parse::<Mlp>()
-                .unwrap_err()
-                .to_string()
-                .contains("\"x\"")
-        );
+        assert!("784".parse::<Mlp>().unwrap_err().to_string().contains("fewer than two"));
+        assert!("784-x-10".parse::<Mlp>().unwrap_err().to_string().contains("\"x\""));
         assert!("784-0-10".parse::<Mlp>().is_err());
     }
 
     #[test]
     fn check_params_names_the_bad_tensor() {
         let mlp = Mlp::new(vec![3, 2]).unwrap();
-        let err = mlp
-            .check_params(&[&[0.0; 6], &[0.0; 3]])
-            .unwrap_err()
-            .to_string();
+        let err = mlp.check_params(&[&[0.0; 6], &[0.0; 3]]).unwrap_err().to_string();
         assert!(err.contains("fc1.bias") && err.contains("needs 2"), "{err}");
         assert!(mlp.check_params(&[&[0.0; 6]]).is_err());
     }
@@ -602,10 +494,6 @@ mod tests {
     fn out_of_range_label_panics_clearly() {
         let mlp = Mlp::new(vec![2, 3]).unwrap();
         let params = mlp.init_params(0);
-        let _ = mlp.loss_and_grad(
-            &as_slices(&params),
-            ndarray::arr2(&[[0.0, 0.0]]).view(),
-            &[3],
-        );
+        let _ = mlp.loss_and_grad(&as_slices(&params), ndarray::arr2(&[[0.0, 0.0]]).view(), &[3]);
     }
 }

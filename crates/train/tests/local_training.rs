@@ -26,10 +26,7 @@ fn sgd_on_bundled_subset_reaches_90_percent_in_5_epochs() {
         sgd_step(&mut params, &grads, 0.1);
     }
     let after = mlp.evaluate(&as_slices(&params), &test);
-    eprintln!(
-        "mnist-subset, 5 epochs: before {before}, after {after}, {:.2?}",
-        start.elapsed()
-    );
+    eprintln!("mnist-subset, 5 epochs: before {before}, after {after}, {:.2?}", start.elapsed());
     assert!(after.accuracy >= 0.90, "test accuracy {after}");
     assert!(after.loss < before.loss);
 }

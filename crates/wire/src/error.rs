@@ -21,10 +21,7 @@ pub enum WireError {
         got: [u8; 4],
     },
     /// A protocol version this node does not speak.
-    #[error(
-        "unsupported protocol version {got} (this node speaks version {})",
-        crate::VERSION
-    )]
+    #[error("unsupported protocol version {got} (this node speaks version {})", crate::VERSION)]
     BadVersion {
         /// The version byte that arrived.
         got: u8,
@@ -81,18 +78,13 @@ impl WireError {
             WireError::BadFlags { .. } => ErrorCode::Malformed,
             WireError::TooLarge { .. } => ErrorCode::TooLarge,
             WireError::BadChecksum => ErrorCode::BadChecksum,
-            WireError::BadPayload { .. } | WireError::NotF32 { .. } | WireError::Postcard(_) => {
-                ErrorCode::Malformed
-            }
+            WireError::BadPayload { .. } | WireError::NotF32 { .. } | WireError::Postcard(_) => ErrorCode::Malformed,
         }
     }
 
     /// The `Error` message body to send back: [`WireError::code`] and this error's text.
     pub fn to_reply(&self) -> ErrorReply {
-        ErrorReply {
-            code: self.code(),
-            message: self.to_string(),
-        }
+        ErrorReply { code: self.code(), message: self.to_string() }
     }
 }
 
@@ -160,10 +152,7 @@ pub struct ErrorReply {
 impl ErrorReply {
     /// An error reply with this code and message.
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self {
-            code,
-            message: message.into(),
-        }
+        Self { code, message: message.into() }
     }
 }
 

@@ -9,8 +9,7 @@ use zerocopy::little_endian::{U16, U32, U64};
 
 use crate::error::WireError;
 use crate::header::{
-    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
-    checksum,
+    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION, checksum,
 };
 use crate::message::{Message, check_payload_len};
 
@@ -37,20 +36,14 @@ impl Default for Codec {
 impl fmt::Debug for Codec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never print the secret.
-        f.debug_struct("Codec")
-            .field("secret_len", &self.secret.len())
-            .field("max_payload", &self.max_payload)
-            .finish()
+        f.debug_struct("Codec").field("secret_len", &self.secret.len()).field("max_payload", &self.max_payload).finish()
     }
 }
 
 impl Codec {
     /// A codec with this cluster secret (may be empty) and payload limit in bytes.
     pub fn new(secret: &[u8], max_payload: u32) -> Self {
-        Codec {
-            secret: Arc::from(secret),
-            max_payload,
-        }
+        Codec { secret: Arc::from(secret), max_payload }
     }
 
     /// The payload limit in bytes.
@@ -100,16 +93,11 @@ impl Codec {
         }
         let kind = Kind::from_u8(raw.kind).ok_or(WireError::UnknownKind { got: raw.kind })?;
         if raw.flags.get() != 0 {
-            return Err(WireError::BadFlags {
-                got: raw.flags.get(),
-            });
+            return Err(WireError::BadFlags { got: raw.flags.get() });
         }
         let payload_len = raw.payload_len.get();
         if payload_len > self.max_payload {
-            return Err(WireError::TooLarge {
-                len: u64::from(payload_len),
-                max: self.max_payload,
-            });
+            return Err(WireError::TooLarge { len: u64::from(payload_len), max: self.max_payload });
         }
         check_payload_len(kind, payload_len)?;
         Ok(FrameHeader {
@@ -130,10 +118,7 @@ impl Codec {
     ///   `buf`'s memory (no copy). Decode it with [`Message::decode`].
     /// - `Err(_)`: the bytes are not a valid frame; the connection cannot be resynchronised
     ///   and should be closed (after an `Error` frame). `buf` is untouched.
-    pub fn decode_frame(
-        &self,
-        buf: &mut BytesMut,
-    ) -> Result<Option<(FrameHeader, Bytes)>, WireError> {
+    pub fn decode_frame(&self, buf: &mut BytesMut) -> Result<Option<(FrameHeader, Bytes)>, WireError> {
         let Some(head) = buf.first_chunk::<HEADER_LEN>() else {
             return Ok(None);
         };
@@ -160,38 +145,20 @@ impl Codec {
     /// the other (vectored write; no concatenation). f32 payloads are the message's own
     /// shared bytes, not a copy. [`WireError::TooLarge`] if the payload exceeds this
     /// codec's limit.
-    pub fn encode(
-        &self,
-        request_id: u64,
-        msg: &Message,
-    ) -> Result<([u8; HEADER_LEN], Bytes), WireError> {
+    pub fn encode(&self, request_id: u64, msg: &Message) -> Result<([u8; HEADER_LEN], Bytes), WireError> {
         let payload = msg.encode_payload()?;
         let len = payload.len() as u64;
         if len > u64::from(self.max_payload) {
-            return Err(WireError::TooLarge {
-                len,
-                max: self.max_payload,
-            });
+            return Err(WireError::TooLarge { len, max: self.max_payload });
         }
         let (block, clock) = msg.block_clock();
-        let h = FrameHeader {
-            kind: msg.kind(),
-            request_id,
-            block,
-            clock,
-            payload_len: len as u32,
-        };
+        let h = FrameHeader { kind: msg.kind(), request_id, block, clock, payload_len: len as u32 };
         Ok((self.encode_header(&h), payload))
     }
 
     /// [`Codec::encode`] appended to `buf` (copies the payload; for tests and small
     /// messages — the data path writes header and payload separately).
-    pub fn encode_to(
-        &self,
-        request_id: u64,
-        msg: &Message,
-        buf: &mut BytesMut,
-    ) -> Result<(), WireError> {
+    pub fn encode_to(&self, request_id: u64, msg: &Message, buf: &mut BytesMut) -> Result<(), WireError> {
         let (head, payload) = self.encode(request_id, msg)?;
         buf.reserve(HEADER_LEN + payload.len());
         buf.extend_from_slice(&head);

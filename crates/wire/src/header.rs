@@ -51,14 +51,7 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, in wire order.
-    pub const ALL: [Kind; 6] = [
-        Kind::Control,
-        Kind::Push,
-        Kind::PushAck,
-        Kind::Pull,
-        Kind::PullReply,
-        Kind::Error,
-    ];
+    pub const ALL: [Kind; 6] = [Kind::Control, Kind::Push, Kind::PushAck, Kind::Pull, Kind::PullReply, Kind::Error];
 
     /// The kind with this wire value, if any.
     pub fn from_u8(v: u8) -> Option<Kind> {

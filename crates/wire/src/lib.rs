@@ -62,8 +62,7 @@ pub use control::{Assignment, Control, Layout, ServerAddr, ServerStats};
 pub use error::{ErrorCode, ErrorReply, WireError};
 pub use frame::Codec;
 pub use header::{
-    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
-    checksum,
+    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION, checksum,
 };
 pub use message::Message;
 pub use values::Values;

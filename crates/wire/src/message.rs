@@ -90,9 +90,7 @@ impl Message {
         Ok(match self {
             Message::Control(c) => Bytes::from(postcard::to_allocvec(c)?),
             Message::Error(e) => Bytes::from(postcard::to_allocvec(e)?),
-            Message::Push { values, .. } | Message::PullReply { values, .. } => {
-                values.as_bytes().clone()
-            }
+            Message::Push { values, .. } | Message::PullReply { values, .. } => values.as_bytes().clone(),
             Message::PushAck { .. } | Message::Pull { .. } => Bytes::new(),
         })
     }
@@ -119,16 +117,8 @@ impl Message {
         Ok(match kind {
             Kind::Control => Message::Control(decode_postcard(kind, &payload)?),
             Kind::Error => Message::Error(decode_postcard(kind, &payload)?),
-            Kind::Push => Message::Push {
-                block,
-                clock,
-                values: Values::from_le_bytes(payload)?,
-            },
-            Kind::PullReply => Message::PullReply {
-                block,
-                clock,
-                values: Values::from_le_bytes(payload)?,
-            },
+            Kind::Push => Message::Push { block, clock, values: Values::from_le_bytes(payload)? },
+            Kind::PullReply => Message::PullReply { block, clock, values: Values::from_le_bytes(payload)? },
             Kind::PushAck => Message::PushAck { block, clock },
             Kind::Pull => Message::Pull { block, clock },
         })
@@ -151,31 +141,19 @@ impl From<ErrorReply> for Message {
 /// a multiple of 4 bytes, PushAck and Pull carry nothing.
 pub(crate) fn check_payload_len(kind: Kind, len: u32) -> Result<(), WireError> {
     if kind.carries_f32() && !len.is_multiple_of(4) {
-        return Err(WireError::BadPayload {
-            kind,
-            why: format!("{len} bytes are not a whole number of f32 values"),
-        });
+        return Err(WireError::BadPayload { kind, why: format!("{len} bytes are not a whole number of f32 values") });
     }
     if kind.is_empty_payload() && len != 0 {
-        return Err(WireError::BadPayload {
-            kind,
-            why: format!("must be empty, has {len} bytes"),
-        });
+        return Err(WireError::BadPayload { kind, why: format!("must be empty, has {len} bytes") });
     }
     Ok(())
 }
 
-fn decode_postcard<T: serde::de::DeserializeOwned>(
-    kind: Kind,
-    payload: &[u8],
-) -> Result<T, WireError> {
-    let (value, rest) = postcard::take_from_bytes::<T>(payload)
-        .map_err(|e| WireError::Postcard(format!("{kind} payload: {e}")))?;
+fn decode_postcard<T: serde::de::DeserializeOwned>(kind: Kind, payload: &[u8]) -> Result<T, WireError> {
+    let (value, rest) =
+        postcard::take_from_bytes::<T>(payload).map_err(|e| WireError::Postcard(format!("{kind} payload: {e}")))?;
     if !rest.is_empty() {
-        return Err(WireError::BadPayload {
-            kind,
-            why: format!("{} trailing bytes after the message", rest.len()),
-        });
+        return Err(WireError::BadPayload { kind, why: format!("{} trailing bytes after the message", rest.len()) });
     }
     Ok(value)
 }

@@ -112,11 +112,7 @@ impl Values {
     /// If `dst.len() != self.len()`. Callers check the length first (a push of the
     /// wrong length is a `BadRequest`, not a crash).
     pub fn copy_into(&self, dst: &mut [f32]) {
-        assert_eq!(
-            dst.len(),
-            self.len(),
-            "Values::copy_into: destination length differs"
-        );
+        assert_eq!(dst.len(), self.len(), "Values::copy_into: destination length differs");
         bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(&self.0);
     }
 }
@@ -142,12 +138,8 @@ impl From<&[f32]> for Values {
 impl fmt::Debug for Values {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const SHOWN: usize = 8;
-        let head: Vec<f32> = self
-            .0
-            .chunks_exact(4)
-            .take(SHOWN)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let head: Vec<f32> =
+            self.0.chunks_exact(4).take(SHOWN).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         write!(f, "Values(len={}, {head:?}", self.len())?;
         if self.len() > SHOWN {
             f.write_str("...")?;
@@ -167,30 +159,18 @@ mod tests {
         let values = Values::from_vec(v);
         assert_eq!(values.as_bytes().as_ptr(), ptr);
         assert_eq!(values.len(), 3);
-        assert_eq!(
-            values.to_f32s().as_ptr() as *const u8,
-            ptr,
-            "aligned: borrowed, not copied"
-        );
+        assert_eq!(values.to_f32s().as_ptr() as *const u8, ptr, "aligned: borrowed, not copied");
 
         let shared = Arc::new(vec![4.0f32; 1000]);
         let ptr = shared.as_ptr() as *const u8;
         let values = Values::from_shared(shared.clone());
         assert_eq!(values.as_bytes().as_ptr(), ptr);
-        assert_eq!(
-            Arc::strong_count(&shared),
-            2,
-            "the Bytes keeps the Arc alive"
-        );
+        assert_eq!(Arc::strong_count(&shared), 2, "the Bytes keeps the Arc alive");
         let clone = values.clone();
         assert_eq!(clone.as_bytes().as_ptr(), ptr);
         drop(values);
         drop(clone);
-        assert_eq!(
-            Arc::strong_count(&shared),
-            1,
-            "dropping the Bytes releases the Arc"
-        );
+        assert_eq!(Arc::strong_count(&shared), 1, "dropping the Bytes releases the Arc");
     }
 
     #[test]
@@ -199,13 +179,9 @@ mod tests {
         // A 4-aligned buffer (it is a Vec<f32>) with the values written one byte in, so the
         // slice below starts at an address that is certainly not 4-aligned.
         let mut backing = vec![0.0f32; 5];
-        bytemuck::cast_slice_mut::<f32, u8>(&mut backing)[1..17]
-            .copy_from_slice(bytemuck::cast_slice(&want));
+        bytemuck::cast_slice_mut::<f32, u8>(&mut backing)[1..17].copy_from_slice(bytemuck::cast_slice(&want));
         let odd = Values::from_vec(backing).into_bytes().slice(1..17);
-        assert!(
-            bytemuck::try_cast_slice::<u8, f32>(&odd).is_err(),
-            "the test needs misaligned bytes"
-        );
+        assert!(bytemuck::try_cast_slice::<u8, f32>(&odd).is_err(), "the test needs misaligned bytes");
         let values = Values::from_le_bytes(odd).unwrap();
         let got = values.to_f32s();
         assert!(matches!(got, Cow::Owned(_)));
@@ -219,10 +195,7 @@ mod tests {
 
     #[test]
     fn rejects_lengths_that_are_not_whole_f32s() {
-        assert_eq!(
-            Values::from_le_bytes(Bytes::from_static(&[0; 7])),
-            Err(WireError::NotF32 { len: 7 })
-        );
+        assert_eq!(Values::from_le_bytes(Bytes::from_static(&[0; 7])), Err(WireError::NotF32 { len: 7 }));
         assert!(Values::from_le_bytes(Bytes::new()).unwrap().is_empty());
     }
 

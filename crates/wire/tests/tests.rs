@@ -11,10 +11,7 @@ mod common {
 
     /// Space-separated lowercase hex, as docs/PROTOCOL.md writes bytes.
     pub fn hex(b: &[u8]) -> String {
-        b.iter()
-            .map(|x| format!("{x:02x}"))
-            .collect::<Vec<_>>()
-            .join(" ")
+        b.iter().map(|x| format!("{x:02x}")).collect::<Vec<_>>().join(" ")
     }
 
     /// Rewrites the checksum of a hand-edited header so that only the edited field is wrong.
@@ -49,9 +46,7 @@ mod common {
 
     /// Any f32 but NaN (for fields compared with `==`).
     pub fn finite_or_inf() -> impl Strategy<Value = f32> {
-        any::<u32>()
-            .prop_map(f32::from_bits)
-            .prop_filter("not NaN", |v| !v.is_nan())
+        any::<u32>().prop_map(f32::from_bits).prop_filter("not NaN", |v| !v.is_nan())
     }
 
     /// Any f32 bit pattern, NaNs included (compared bitwise through `Values`).
@@ -76,40 +71,25 @@ mod common {
     }
 
     pub fn arb_tensors() -> impl Strategy<Value = Vec<TensorSpec>> {
-        prop::collection::vec(
-            (
-                "[a-z.]{0,12}",
-                prop::collection::vec(1..6usize, 0..4),
-                arb_init(),
-            ),
-            1..5,
+        prop::collection::vec(("[a-z.]{0,12}", prop::collection::vec(1..6usize, 0..4), arb_init()), 1..5).prop_map(
+            |ts| {
+                ts.into_iter()
+                    .enumerate()
+                    .map(|(i, (name, shape, init))| TensorSpec { name: format!("{i}{name}"), shape, init })
+                    .collect()
+            },
         )
-        .prop_map(|ts| {
-            ts.into_iter()
-                .enumerate()
-                .map(|(i, (name, shape, init))| TensorSpec {
-                    name: format!("{i}{name}"),
-                    shape,
-                    init,
-                })
-                .collect()
-        })
     }
 
     fn arb_partition() -> impl Strategy<Value = Partition> {
-        (arb_tensors(), 4..64usize)
-            .prop_map(|(t, block_bytes)| Partition::new(t, block_bytes).unwrap())
+        (arb_tensors(), 4..64usize).prop_map(|(t, block_bytes)| Partition::new(t, block_bytes).unwrap())
     }
 
     fn arb_placement(p: &Partition) -> impl Strategy<Value = Placement> + use<> {
         let p = p.clone();
         (0..4usize, 1..5u32, any::<u64>()).prop_map(move |(kind, servers, epoch)| {
-            let kind = [
-                PlacementKind::Range,
-                PlacementKind::Hash,
-                PlacementKind::RoundRobin,
-                PlacementKind::BestFit,
-            ][kind];
+            let kind =
+                [PlacementKind::Range, PlacementKind::Hash, PlacementKind::RoundRobin, PlacementKind::BestFit][kind];
             let mut pl = Placement::initial(kind, &p, servers).unwrap();
             pl.epoch = epoch;
             pl
@@ -117,81 +97,45 @@ mod common {
     }
 
     fn arb_addrs() -> impl Strategy<Value = Vec<ServerAddr>> {
-        prop::collection::vec((any::<u32>(), "[a-z0-9.:]{0,20}"), 0..4).prop_map(|v| {
-            v.into_iter()
-                .map(|(id, addr)| ServerAddr { id, addr })
-                .collect()
-        })
+        prop::collection::vec((any::<u32>(), "[a-z0-9.:]{0,20}"), 0..4)
+            .prop_map(|v| v.into_iter().map(|(id, addr)| ServerAddr { id, addr }).collect())
     }
 
     fn arb_layout() -> impl Strategy<Value = Layout> {
         arb_partition()
             .prop_flat_map(|p| (arb_placement(&p), Just(p), arb_addrs(), any::<u64>()))
-            .prop_map(|(placement, partition, servers, seed)| Layout {
-                partition,
-                placement,
-                servers,
-                seed,
-            })
+            .prop_map(|(placement, partition, servers, seed)| Layout { partition, placement, servers, seed })
     }
 
     fn arb_shard_config() -> impl Strategy<Value = ShardConfig> {
-        let sync = prop_oneof![
-            Just(SyncPolicy::Bsp),
-            Just(SyncPolicy::Asp),
-            any::<u32>().prop_map(SyncPolicy::Ssp)
-        ];
-        let kind = prop_oneof![
-            Just(OptimizerKind::Sgd),
-            finite_or_inf().prop_map(|beta| OptimizerKind::Momentum { beta }),
-            (finite_or_inf(), finite_or_inf(), finite_or_inf())
-                .prop_map(|(beta1, beta2, eps)| OptimizerKind::Adam { beta1, beta2, eps }),
-        ];
-        (sync, kind, finite_or_inf(), any::<bool>(), any::<u32>()).prop_map(
-            |(sync, kind, lr, aggregate, workers)| ShardConfig {
-                sync,
-                optimizer: OptimizerConfig {
-                    kind,
-                    lr,
-                    aggregate,
-                },
-                workers,
-            },
-        )
+        let sync = prop_oneof![Just(SyncPolicy::Bsp), Just(SyncPolicy::Asp), any::<u32>().prop_map(SyncPolicy::Ssp)];
+        let kind =
+            prop_oneof![
+                Just(OptimizerKind::Sgd),
+                finite_or_inf().prop_map(|beta| OptimizerKind::Momentum { beta }),
+                (finite_or_inf(), finite_or_inf(), finite_or_inf())
+                    .prop_map(|(beta1, beta2, eps)| OptimizerKind::Adam { beta1, beta2, eps }),
+            ];
+        (sync, kind, finite_or_inf(), any::<bool>(), any::<u32>()).prop_map(|(sync, kind, lr, aggregate, workers)| {
+            ShardConfig { sync, optimizer: OptimizerConfig { kind, lr, aggregate }, workers }
+        })
     }
 
     fn arb_assignment() -> impl Strategy<Value = Assignment> {
         arb_partition()
-            .prop_flat_map(|p| {
-                (
-                    any::<u32>(),
-                    arb_placement(&p),
-                    Just(p),
-                    arb_shard_config(),
-                    any::<u64>(),
-                )
+            .prop_flat_map(|p| (any::<u32>(), arb_placement(&p), Just(p), arb_shard_config(), any::<u64>()))
+            .prop_map(|(server_id, placement, partition, config, seed)| Assignment {
+                server_id,
+                partition,
+                placement,
+                config,
+                seed,
             })
-            .prop_map(
-                |(server_id, placement, partition, config, seed)| Assignment {
-                    server_id,
-                    partition,
-                    placement,
-                    config,
-                    seed,
-                },
-            )
     }
 
     fn arb_stats() -> impl Strategy<Value = ServerStats> {
-        (
-            any::<u32>(),
-            ".{0,10}",
-            any::<u32>(),
-            any::<u64>(),
-            any::<[u64; 7]>(),
-            any::<u64>(),
-        )
-            .prop_map(|(server_id, sync, blocks, bytes, c, hold_p99_us)| {
+        (any::<u32>(), ".{0,10}", any::<u32>(), any::<u64>(), any::<[u64; 7]>(), any::<u64>()).prop_map(
+            |(server_id, sync, blocks, bytes, c, hold_p99_us)| {
                 // `..Default::default()` keeps this compiling if core adds counters.
                 #[allow(clippy::needless_update)]
                 let totals = BlockStats {
@@ -204,15 +148,9 @@ mod common {
                     bytes_out: c[6],
                     ..BlockStats::default()
                 };
-                ServerStats {
-                    server_id,
-                    sync,
-                    blocks,
-                    bytes,
-                    totals,
-                    hold_p99_us,
-                }
-            })
+                ServerStats { server_id, sync, blocks, bytes, totals, hold_p99_us }
+            },
+        )
     }
 
     pub fn arb_control() -> impl Strategy<Value = Control> {
@@ -220,11 +158,7 @@ mod common {
             ".{0,30}".prop_map(|data_addr| Control::RegisterServer { data_addr }),
             Just(Control::RegisterWorker),
             any::<(u32, u32, u32)>().prop_map(|(node_id, num_workers, num_servers)| {
-                Control::Welcome {
-                    node_id,
-                    num_workers,
-                    num_servers,
-                }
+                Control::Welcome { node_id, num_workers, num_servers }
             }),
             arb_tensors().prop_map(|tensors| Control::DefineModel { tensors }),
             Just(Control::GetLayout),
@@ -237,11 +171,7 @@ mod common {
             ".{0,30}".prop_map(|reason| Control::Shutdown { reason }),
             any::<u32>().prop_map(|rank| Control::Hello { rank }),
             Just(Control::Ok),
-            any::<(u32, u32, u64)>().prop_map(|(block, owner, epoch)| Control::Moved {
-                block,
-                owner,
-                epoch
-            }),
+            any::<(u32, u32, u64)>().prop_map(|(block, owner, epoch)| Control::Moved { block, owner, epoch }),
             Just(Control::GetStats),
             arb_stats().prop_map(Control::Stats),
         ]
@@ -265,24 +195,13 @@ mod common {
     pub fn arb_message() -> impl Strategy<Value = Message> {
         prop_oneof![
             arb_control().prop_map(Message::Control),
-            (any::<u32>(), any::<u32>(), arb_values()).prop_map(|(block, clock, values)| {
-                Message::Push {
-                    block,
-                    clock,
-                    values,
-                }
-            }),
+            (any::<u32>(), any::<u32>(), arb_values())
+                .prop_map(|(block, clock, values)| { Message::Push { block, clock, values } }),
             any::<(u32, u32)>().prop_map(|(block, clock)| Message::PushAck { block, clock }),
             any::<(u32, u32)>().prop_map(|(block, clock)| Message::Pull { block, clock }),
-            (any::<u32>(), any::<u32>(), arb_values()).prop_map(|(block, clock, values)| {
-                Message::PullReply {
-                    block,
-                    clock,
-                    values,
-                }
-            }),
-            (arb_error_code(), ".{0,40}")
-                .prop_map(|(code, message)| Message::Error(ErrorReply { code, message })),
+            (any::<u32>(), any::<u32>(), arb_values())
+                .prop_map(|(block, clock, values)| { Message::PullReply { block, clock, values } }),
+            (arb_error_code(), ".{0,40}").prop_map(|(code, message)| Message::Error(ErrorReply { code, message })),
         ]
     }
 }
@@ -449,10 +368,7 @@ mod invalid {
     }
 
     fn pull_header() -> [u8; HEADER_LEN] {
-        codec()
-            .encode(9, &Message::Pull { block: 1, clock: 2 })
-            .unwrap()
-            .0
+        codec().encode(9, &Message::Pull { block: 1, clock: 2 }).unwrap().0
     }
 
     /// A header with one byte range replaced and the checksum made right again.
@@ -467,11 +383,7 @@ mod invalid {
     fn refuse(head: [u8; HEADER_LEN]) -> WireError {
         let err = codec().decode_header(&head).unwrap_err();
         let mut buf = BytesMut::from(&head[..]);
-        assert_eq!(
-            codec().decode_frame(&mut buf),
-            Err(err.clone()),
-            "decode_frame agrees"
-        );
+        assert_eq!(codec().decode_frame(&mut buf), Err(err.clone()), "decode_frame agrees");
         assert_eq!(&buf[..], &head[..], "an invalid frame is not consumed");
         err
     }
@@ -479,16 +391,7 @@ mod invalid {
     #[test]
     fn the_untouched_header_is_valid() {
         let h = codec().decode_header(&pull_header()).unwrap();
-        assert_eq!(
-            h,
-            FrameHeader {
-                kind: Kind::Pull,
-                request_id: 9,
-                block: 1,
-                clock: 2,
-                payload_len: 0
-            }
-        );
+        assert_eq!(h, FrameHeader { kind: Kind::Pull, request_id: 9, block: 1, clock: 2, payload_len: 0 });
     }
 
     #[test]
@@ -498,10 +401,7 @@ mod invalid {
         let err = refuse(h);
         assert_eq!(err, WireError::BadMagic { got: *b"GET " });
         assert_eq!(err.code(), ErrorCode::Malformed);
-        assert_eq!(
-            refuse(edited(0..4, b"EPS2")),
-            WireError::BadMagic { got: *b"EPS2" }
-        );
+        assert_eq!(refuse(edited(0..4, b"EPS2")), WireError::BadMagic { got: *b"EPS2" });
     }
 
     #[test]
@@ -522,10 +422,7 @@ mod invalid {
             assert_eq!(err, WireError::UnknownKind { got: k });
             assert_eq!(err.code(), ErrorCode::UnknownKind);
         }
-        assert_eq!(
-            Kind::try_from(99u8),
-            Err(WireError::UnknownKind { got: 99 })
-        );
+        assert_eq!(Kind::try_from(99u8), Err(WireError::UnknownKind { got: 99 }));
         for k in Kind::ALL {
             assert_eq!(Kind::try_from(u8::from(k)), Ok(k));
         }
@@ -536,10 +433,7 @@ mod invalid {
         let err = refuse(edited(6..8, &[1, 0]));
         assert_eq!(err, WireError::BadFlags { got: 1 });
         assert_eq!(err.code(), ErrorCode::Malformed);
-        assert_eq!(
-            refuse(edited(6..8, &[0, 0x80])),
-            WireError::BadFlags { got: 0x8000 }
-        );
+        assert_eq!(refuse(edited(6..8, &[0, 0x80])), WireError::BadFlags { got: 0x8000 });
     }
 
     #[test]
@@ -549,24 +443,12 @@ mod invalid {
         reseal(&mut h, SECRET);
         // Only the 32 header bytes are in the buffer: refused, not "incomplete".
         let err = refuse(h);
-        assert_eq!(
-            err,
-            WireError::TooLarge {
-                len: 1028,
-                max: 1024
-            }
-        );
+        assert_eq!(err, WireError::TooLarge { len: 1028, max: 1024 });
         assert_eq!(err.code(), ErrorCode::TooLarge);
         // u32::MAX too (no overflow anywhere).
         h[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
         reseal(&mut h, SECRET);
-        assert_eq!(
-            refuse(h),
-            WireError::TooLarge {
-                len: u64::from(u32::MAX),
-                max: 1024
-            }
-        );
+        assert_eq!(refuse(h), WireError::TooLarge { len: u64::from(u32::MAX), max: 1024 });
         // Exactly the limit is fine.
         h[24..28].copy_from_slice(&1024u32.to_le_bytes());
         reseal(&mut h, SECRET);
@@ -575,24 +457,10 @@ mod invalid {
 
     #[test]
     fn encode_refuses_payloads_over_the_limit() {
-        let push = Message::Push {
-            block: 0,
-            clock: 0,
-            values: Values::from_vec(vec![0.0; 257]),
-        };
+        let push = Message::Push { block: 0, clock: 0, values: Values::from_vec(vec![0.0; 257]) };
         let err = codec().encode(1, &push).unwrap_err();
-        assert_eq!(
-            err,
-            WireError::TooLarge {
-                len: 1028,
-                max: 1024
-            }
-        );
-        let push = Message::Push {
-            block: 0,
-            clock: 0,
-            values: Values::from_vec(vec![0.0; 256]),
-        };
+        assert_eq!(err, WireError::TooLarge { len: 1028, max: 1024 });
+        let push = Message::Push { block: 0, clock: 0, values: Values::from_vec(vec![0.0; 256]) };
         assert_eq!(codec().encode(1, &push).unwrap().1.len(), 1024);
     }
 
@@ -604,10 +472,7 @@ mod invalid {
         assert_eq!(err, WireError::BadChecksum);
         assert_eq!(err.code(), ErrorCode::BadChecksum);
         assert!(err.to_string().contains("wrong cluster secret"), "{err}");
-        assert_eq!(
-            Codec::default().decode_header(&head),
-            Err(WireError::BadChecksum)
-        );
+        assert_eq!(Codec::default().decode_header(&head), Err(WireError::BadChecksum));
     }
 
     #[test]
@@ -625,36 +490,12 @@ mod invalid {
         h[24..28].copy_from_slice(&7u32.to_le_bytes());
         reseal(&mut h, SECRET);
         let err = refuse(h);
-        assert!(
-            matches!(
-                err,
-                WireError::BadPayload {
-                    kind: Kind::Push,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, WireError::BadPayload { kind: Kind::Push, .. }), "{err}");
         assert_eq!(err.code(), ErrorCode::Malformed);
         // Message::decode checks it as well, for headers it did not validate itself.
-        let fh = FrameHeader {
-            kind: Kind::PullReply,
-            request_id: 1,
-            block: 0,
-            clock: 0,
-            payload_len: 7,
-        };
+        let fh = FrameHeader { kind: Kind::PullReply, request_id: 1, block: 0, clock: 0, payload_len: 7 };
         let err = Message::decode(&fh, Bytes::from_static(&[0; 7])).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                WireError::BadPayload {
-                    kind: Kind::PullReply,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, WireError::BadPayload { kind: Kind::PullReply, .. }), "{err}");
     }
 
     #[test]
@@ -664,76 +505,34 @@ mod invalid {
             h[24..28].copy_from_slice(&4u32.to_le_bytes());
             reseal(&mut h, SECRET);
             assert!(matches!(refuse(h), WireError::BadPayload { kind: k, .. } if k == kind));
-            let fh = FrameHeader {
-                kind,
-                request_id: 1,
-                block: 0,
-                clock: 0,
-                payload_len: 4,
-            };
-            assert!(matches!(
-                Message::decode(&fh, Bytes::from_static(&[0; 4])),
-                Err(WireError::BadPayload { .. })
-            ));
+            let fh = FrameHeader { kind, request_id: 1, block: 0, clock: 0, payload_len: 4 };
+            assert!(matches!(Message::decode(&fh, Bytes::from_static(&[0; 4])), Err(WireError::BadPayload { .. })));
         }
     }
 
     #[test]
     fn payload_length_must_match_the_header() {
-        let fh = FrameHeader {
-            kind: Kind::Push,
-            request_id: 1,
-            block: 0,
-            clock: 0,
-            payload_len: 8,
-        };
-        assert!(matches!(
-            Message::decode(&fh, Bytes::from_static(&[0; 4])),
-            Err(WireError::BadPayload { .. })
-        ));
+        let fh = FrameHeader { kind: Kind::Push, request_id: 1, block: 0, clock: 0, payload_len: 8 };
+        assert!(matches!(Message::decode(&fh, Bytes::from_static(&[0; 4])), Err(WireError::BadPayload { .. })));
     }
 
     fn control_header(len: usize) -> FrameHeader {
-        FrameHeader {
-            kind: Kind::Control,
-            request_id: 1,
-            block: 0,
-            clock: 0,
-            payload_len: len as u32,
-        }
+        FrameHeader { kind: Kind::Control, request_id: 1, block: 0, clock: 0, payload_len: len as u32 }
     }
 
     #[test]
     fn garbage_postcard() {
-        for garbage in [
-            &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff][..],
-            &[17],
-            &[200, 1],
-            &[0, 50, b'a'],
-            &[],
-        ] {
-            let err = Message::decode(
-                &control_header(garbage.len()),
-                Bytes::copy_from_slice(garbage),
-            )
-            .unwrap_err();
+        for garbage in [&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff][..], &[17], &[200, 1], &[0, 50, b'a'], &[]] {
+            let err = Message::decode(&control_header(garbage.len()), Bytes::copy_from_slice(garbage)).unwrap_err();
             assert!(matches!(err, WireError::Postcard(_)), "{garbage:?}: {err}");
             assert_eq!(err.code(), ErrorCode::Malformed);
         }
         // An Error frame with an unknown code.
-        let fh = FrameHeader {
-            kind: Kind::Error,
-            payload_len: 2,
-            ..control_header(0)
-        };
-        assert!(matches!(
-            Message::decode(&fh, Bytes::from_static(&[10, 0])),
-            Err(WireError::Postcard(_))
-        ));
+        let fh = FrameHeader { kind: Kind::Error, payload_len: 2, ..control_header(0) };
+        assert!(matches!(Message::decode(&fh, Bytes::from_static(&[10, 0])), Err(WireError::Postcard(_))));
         // Invalid UTF-8 in a string.
         let bad_utf8 = [11u8, 2, 0xc3, 0x28];
-        let err =
-            Message::decode(&control_header(4), Bytes::copy_from_slice(&bad_utf8)).unwrap_err();
+        let err = Message::decode(&control_header(4), Bytes::copy_from_slice(&bad_utf8)).unwrap_err();
         assert!(matches!(err, WireError::Postcard(_)), "{err}");
     }
 
@@ -741,31 +540,15 @@ mod invalid {
     fn trailing_postcard_bytes() {
         // Heartbeat (tag 8) followed by a stray byte.
         let err = Message::decode(&control_header(2), Bytes::from_static(&[8, 0])).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                WireError::BadPayload {
-                    kind: Kind::Control,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert_eq!(
-            Message::decode(&control_header(1), Bytes::from_static(&[8])).unwrap(),
-            Control::Heartbeat.into()
-        );
+        assert!(matches!(err, WireError::BadPayload { kind: Kind::Control, .. }), "{err}");
+        assert_eq!(Message::decode(&control_header(1), Bytes::from_static(&[8])).unwrap(), Control::Heartbeat.into());
     }
 
     #[test]
     fn postcard_accepts_long_varints() {
         // Documented in PROTOCOL.md §5: encoders write shortest varints, decoders accept longer ones.
         let hello2 = Message::Control(Control::Hello { rank: 2 });
-        for p in [
-            &[0x0c, 0x02][..],
-            &[0x0c, 0x82, 0x00],
-            &[0x8c, 0x00, 0x82, 0x80, 0x00],
-        ] {
+        for p in [&[0x0c, 0x02][..], &[0x0c, 0x82, 0x00], &[0x8c, 0x00, 0x82, 0x80, 0x00]] {
             let got = Message::decode(&control_header(p.len()), Bytes::copy_from_slice(p)).unwrap();
             assert_eq!(got, hello2, "{p:02x?}");
         }
@@ -799,37 +582,20 @@ mod invalid {
     #[test]
     fn messages_are_clear() {
         assert_eq!(
-            WireError::TooLarge {
-                len: 70_000_000,
-                max: DEFAULT_MAX_PAYLOAD
-            }
-            .to_string(),
+            WireError::TooLarge { len: 70_000_000, max: DEFAULT_MAX_PAYLOAD }.to_string(),
             "payload of 70000000 bytes exceeds the limit of 67108864 bytes"
         );
         assert_eq!(
             WireError::BadMagic { got: *b"GET " }.to_string(),
             "bad magic [47, 45, 54, 20]: not an elasticps frame (expected \"EPS1\")"
         );
+        assert_eq!(WireError::UnknownKind { got: 99 }.to_string(), "unknown frame kind 99");
+        assert_eq!(WireError::BadFlags { got: 1 }.to_string(), "reserved flags 0x0001 are set (must be 0)");
         assert_eq!(
-            WireError::UnknownKind { got: 99 }.to_string(),
-            "unknown frame kind 99"
-        );
-        assert_eq!(
-            WireError::BadFlags { got: 1 }.to_string(),
-            "reserved flags 0x0001 are set (must be 0)"
-        );
-        assert_eq!(
-            WireError::BadPayload {
-                kind: Kind::Pull,
-                why: "must be empty, has 4 bytes".into()
-            }
-            .to_string(),
+            WireError::BadPayload { kind: Kind::Pull, why: "must be empty, has 4 bytes".into() }.to_string(),
             "bad Pull payload: must be empty, has 4 bytes"
         );
-        assert!(
-            !format!("{:?}", Codec::new(b"hunter2", 1)).contains("hunter2"),
-            "Debug hides the secret"
-        );
+        assert!(!format!("{:?}", Codec::new(b"hunter2", 1)).contains("hunter2"), "Debug hides the secret");
         let _ = hex(&[]);
     }
 }
@@ -850,22 +616,13 @@ mod golden {
 
     #[track_caller]
     fn pinned(what: &str, got: &[u8], want: &str) {
-        assert_eq!(
-            hex(got),
-            want,
-            "{what}: the encoding changed; update docs/PROTOCOL.md and this test"
-        );
-        assert!(
-            doc().contains(want),
-            "docs/PROTOCOL.md no longer shows the {what} bytes `{want}`"
-        );
+        assert_eq!(hex(got), want, "{what}: the encoding changed; update docs/PROTOCOL.md and this test");
+        assert!(doc().contains(want), "docs/PROTOCOL.md no longer shows the {what} bytes `{want}`");
     }
 
     #[test]
     fn pull_header_empty_secret() {
-        let (head, payload) = Codec::default()
-            .encode(7, &Message::Pull { block: 3, clock: 5 })
-            .unwrap();
+        let (head, payload) = Codec::default().encode(7, &Message::Pull { block: 3, clock: 5 }).unwrap();
         assert!(payload.is_empty());
         pinned(
             "Pull header (empty secret)",
@@ -879,9 +636,7 @@ mod golden {
     #[test]
     fn pull_header_with_secret() {
         let codec = Codec::new(b"s3cret", DEFAULT_MAX_PAYLOAD);
-        let (head, _) = codec
-            .encode(7, &Message::Pull { block: 3, clock: 5 })
-            .unwrap();
+        let (head, _) = codec.encode(7, &Message::Pull { block: 3, clock: 5 }).unwrap();
         pinned(
             "Pull header (secret s3cret)",
             &head,
@@ -892,11 +647,7 @@ mod golden {
 
     #[test]
     fn push_frame() {
-        let msg = Message::Push {
-            block: 3,
-            clock: 5,
-            values: Values::from_vec(vec![1.0, -2.0]),
-        };
+        let msg = Message::Push { block: 3, clock: 5, values: Values::from_vec(vec![1.0, -2.0]) };
         let (head, payload) = Codec::default().encode(8, &msg).unwrap();
         pinned(
             "Push header",
@@ -908,9 +659,7 @@ mod golden {
 
     #[test]
     fn hello_frame() {
-        let (head, payload) = Codec::default()
-            .encode(1, &Control::Hello { rank: 2 }.into())
-            .unwrap();
+        let (head, payload) = Codec::default().encode(1, &Control::Hello { rank: 2 }.into()).unwrap();
         pinned(
             "Hello header",
             &head,
@@ -928,36 +677,16 @@ mod golden {
             &head,
             "45 50 53 31 01 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 c8 6f 35 7c",
         );
-        pinned(
-            "Error payload",
-            &payload,
-            "05 0a 6e 6f 20 62 6c 6f 63 6b 20 39",
-        );
+        pinned("Error payload", &payload, "05 0a 6e 6f 20 62 6c 6f 63 6b 20 39");
     }
 
     #[test]
     fn control_payloads() {
         let cases = [
+            (Control::Welcome { node_id: 1, num_workers: 2, num_servers: 3 }, "02 01 02 03"),
+            (Control::Moved { block: 300, owner: 1, epoch: 2 }, "0e ac 02 01 02"),
             (
-                Control::Welcome {
-                    node_id: 1,
-                    num_workers: 2,
-                    num_servers: 3,
-                },
-                "02 01 02 03",
-            ),
-            (
-                Control::Moved {
-                    block: 300,
-                    owner: 1,
-                    epoch: 2,
-                },
-                "0e ac 02 01 02",
-            ),
-            (
-                Control::RegisterServer {
-                    data_addr: "10.0.0.5:7001".into(),
-                },
+                Control::RegisterServer { data_addr: "10.0.0.5:7001".into() },
                 "00 0d 31 30 2e 30 2e 30 2e 35 3a 37 30 30 31",
             ),
         ];
@@ -969,38 +698,13 @@ mod golden {
     #[test]
     fn layout_payload() {
         let tensors = vec![
-            TensorSpec {
-                name: "w".into(),
-                shape: vec![2, 3],
-                init: Init::Uniform {
-                    low: -1.0,
-                    high: 1.0,
-                },
-            },
-            TensorSpec {
-                name: "b".into(),
-                shape: vec![3],
-                init: Init::Zeros,
-            },
+            TensorSpec { name: "w".into(), shape: vec![2, 3], init: Init::Uniform { low: -1.0, high: 1.0 } },
+            TensorSpec { name: "b".into(), shape: vec![3], init: Init::Zeros },
         ];
         let partition = Partition::new(tensors, 16).unwrap();
         let placement = Placement::initial(PlacementKind::RoundRobin, &partition, 2).unwrap();
-        let servers = vec![
-            ServerAddr {
-                id: 0,
-                addr: "h:1".into(),
-            },
-            ServerAddr {
-                id: 1,
-                addr: "h:2".into(),
-            },
-        ];
-        let layout = Control::Layout(Layout {
-            partition,
-            placement,
-            servers,
-            seed: 42,
-        });
+        let servers = vec![ServerAddr { id: 0, addr: "h:1".into() }, ServerAddr { id: 1, addr: "h:2".into() }];
+        let layout = Control::Layout(Layout { partition, placement, servers, seed: 42 });
         pinned(
             "Layout example",
             &postcard::to_allocvec(&layout).unwrap(),
@@ -1032,10 +736,7 @@ mod golden {
         ];
         for (i, name) in names.iter().enumerate() {
             let row = format!("| {i} | `{name}");
-            assert!(
-                doc.contains(&row),
-                "docs/PROTOCOL.md lacks the Control tag row `{row}`"
-            );
+            assert!(doc.contains(&row), "docs/PROTOCOL.md lacks the Control tag row `{row}`");
         }
         let codes = [
             "Malformed",
@@ -1051,10 +752,7 @@ mod golden {
         ];
         for (i, name) in codes.iter().enumerate() {
             let row = format!("| {i} | `{name}`");
-            assert!(
-                doc.contains(&row),
-                "docs/PROTOCOL.md lacks the ErrorCode row `{row}`"
-            );
+            assert!(doc.contains(&row), "docs/PROTOCOL.md lacks the ErrorCode row `{row}`");
         }
     }
 }

@@ -5,11 +5,17 @@
 //! - [`sink`]: the raw TCP peer of that comparison, a separate process
 //!   (`elasticps bench tcp-sink`, hidden) so both sides pay the same process costs.
 //! - [`stats`]: latency percentiles and rates.
+//! - [`machine`]: CPU model, kernel, and the CPU share other processes took during a run.
+//! - [`sync`]: every sync policy on the same straggler job, side by side
+//!   (`elasticps bench sync`); [`sync_plot`] draws its `sync.png`.
 
 use clap::Subcommand;
 
+pub mod machine;
 pub mod sink;
 pub mod stats;
+pub mod sync;
+pub mod sync_plot;
 pub mod transport;
 
 /// The benchmarks.
@@ -20,6 +26,8 @@ pub enum BenchCmd {
     /// The raw TCP peer of `bench transport` (started by it; not for direct use).
     #[command(hide = true)]
     TcpSink(sink::SinkCmd),
+    /// Every sync policy on the same job with two stragglers: throughput, delayed pulls, accuracy.
+    Sync(sync::SyncBenchCmd),
 }
 
 /// Runs a benchmark.
@@ -27,6 +35,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Transport(cmd) => transport::run(cmd).await,
         BenchCmd::TcpSink(cmd) => sink::run(cmd).await,
+        BenchCmd::Sync(cmd) => sync::run(cmd).await,
     }
 }
 

@@ -33,6 +33,7 @@ use serde::Serialize;
 use tokio::runtime::Runtime;
 use tokio::sync::{Barrier, mpsc, oneshot};
 
+use super::machine::{self, CpuSample};
 use super::sink::{self, Bounds};
 use super::stats::{Lane, Measured};
 use crate::args::{JobArgs, NetArgs};
@@ -245,56 +246,14 @@ struct Machine {
 
 impl Machine {
     fn probe(before: Option<CpuSample>, after: Option<CpuSample>) -> Self {
-        let cpu = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("model name"))
-                    .and_then(|l| l.split_once(':'))
-                    .map(|(_, v)| v.trim().to_string())
-            })
-            .unwrap_or_else(|| "unknown".into());
-        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .map_or_else(|_| "unknown".into(), |s| s.trim().into());
+        let cpu = machine::cpu_model();
+        let kernel = machine::read_trim("/proc/sys/kernel/osrelease");
         let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
         let (other_cpu_share, steal_share) = match (before, after) {
-            (Some(a), Some(b)) if b.total > a.total => {
-                let total = (b.total - a.total) as f64;
-                let other = (b.busy - a.busy).saturating_sub(b.own - a.own) as f64;
-                (Some(other / total), Some((b.steal - a.steal) as f64 / total))
-            }
+            (Some(a), Some(b)) => (a.others(b), a.steal(b)),
             _ => (None, None),
         };
         Machine { nproc, cpu, kernel, other_cpu_share, steal_share }
-    }
-}
-
-/// CPU time, in clock ticks: of the whole machine (from /proc/stat) and of this process
-/// with its reaped children, the cluster nodes and sinks (from /proc/self/stat).
-#[derive(Clone, Copy, Debug)]
-struct CpuSample {
-    /// Every state of every CPU.
-    total: u64,
-    /// Time in processes: user, nice and system (interrupt time is left out: most of it is
-    /// this run's own network traffic).
-    busy: u64,
-    steal: u64,
-    /// utime + stime + cutime + cstime of this process.
-    own: u64,
-}
-
-impl CpuSample {
-    fn now() -> Option<Self> {
-        let stat = std::fs::read_to_string("/proc/stat").ok()?;
-        let cpu: Vec<u64> =
-            stat.lines().next()?.split_whitespace().skip(1).take(8).map(|v| v.parse().ok()).collect::<Option<_>>()?;
-        // user nice system idle iowait irq softirq steal
-        let (total, busy, steal) = (cpu.iter().sum(), cpu.first()? + cpu.get(1)? + cpu.get(2)?, *cpu.get(7)?);
-        let me = std::fs::read_to_string("/proc/self/stat").ok()?;
-        // Fields after "pid (comm)": state is field 3, utime..cstime are fields 14..17.
-        let fields: Vec<&str> = me.rsplit_once(')')?.1.split_whitespace().collect();
-        let own = (11..=14).map(|i| fields.get(i)?.parse::<u64>().ok()).sum::<Option<u64>>()?;
-        Some(CpuSample { total, busy, steal, own })
     }
 }
 

@@ -39,10 +39,10 @@ const FONT_FILE: &str = "crates/cli/assets/DejaVuSans.ttf";
 /// DejaVu Sans, embedded so that rendering needs no system fonts.
 static FONT_BYTES: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
 /// Font family every text style in the plot uses.
-const FONT: &str = "sans-serif";
+pub(crate) const FONT: &str = "sans-serif";
 
 /// Qualitative palette (matplotlib's "tab10"); ranks cycle through it.
-const PALETTE: [RGBColor; 10] = [
+pub(crate) const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),

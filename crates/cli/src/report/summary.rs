@@ -239,7 +239,13 @@ mod tests {
                 hold_ms: 0.0,
                 ..ServerReport::default()
             }],
-            workers: vec![WorkerReport { rank: 0, iterations: 10, wait_ms: 500.0, final_loss: 0.25, ..WorkerReport::default() }],
+            workers: vec![WorkerReport {
+                rank: 0,
+                iterations: 10,
+                wait_ms: 500.0,
+                final_loss: 0.25,
+                ..WorkerReport::default()
+            }],
             curve: vec![],
         };
         let md = render(&report);

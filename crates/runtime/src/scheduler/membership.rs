@@ -208,7 +208,11 @@ impl Membership {
         };
         let role = self.nodes.get(&conn).map(|n| n.role);
         let Message::Control(control) = msg else {
-            refuse(out, ErrorCode::BadRequest, format!("the scheduler takes control messages only, got {:?}", msg.kind()));
+            refuse(
+                out,
+                ErrorCode::BadRequest,
+                format!("the scheduler takes control messages only, got {:?}", msg.kind()),
+            );
             out.push(Action::Close(conn));
             return;
         };
@@ -216,7 +220,11 @@ impl Membership {
             (Control::RegisterServer { data_addr }, None) => {
                 let id = self.servers.len() as u32;
                 if id >= self.config.servers {
-                    refuse(out, ErrorCode::BadRequest, format!("the job already has its {} servers", self.config.servers));
+                    refuse(
+                        out,
+                        ErrorCode::BadRequest,
+                        format!("the job already has its {} servers", self.config.servers),
+                    );
                     out.push(Action::Close(conn));
                     return;
                 }
@@ -229,7 +237,11 @@ impl Membership {
             (Control::RegisterWorker, None) => {
                 let rank = self.workers.len() as u32;
                 if rank >= self.config.workers {
-                    refuse(out, ErrorCode::BadRequest, format!("the job already has its {} workers", self.config.workers));
+                    refuse(
+                        out,
+                        ErrorCode::BadRequest,
+                        format!("the job already has its {} workers", self.config.workers),
+                    );
                     out.push(Action::Close(conn));
                     return;
                 }
@@ -271,7 +283,11 @@ impl Membership {
             }
             (other, role) => {
                 let who = role.map_or("an unregistered peer".to_string(), |r| format!("{r:?}").to_lowercase());
-                refuse(out, ErrorCode::BadRequest, format!("{who} sent {other:?}, which the scheduler does not take now"));
+                refuse(
+                    out,
+                    ErrorCode::BadRequest,
+                    format!("{who} sent {other:?}, which the scheduler does not take now"),
+                );
             }
         }
     }
@@ -291,7 +307,12 @@ impl Membership {
             )),
             None => {
                 let p = Partition::new(tensors, self.config.block_bytes).map_err(|e| e.to_string())?;
-                tracing::info!(tensors = p.tensors.len(), blocks = p.blocks.len(), values = p.total_len(), "model defined");
+                tracing::info!(
+                    tensors = p.tensors.len(),
+                    blocks = p.blocks.len(),
+                    values = p.total_len(),
+                    "model defined"
+                );
                 self.partition = Some(p);
                 Ok(())
             }
@@ -327,7 +348,12 @@ impl Membership {
         Some(Layout {
             partition: self.partition.clone()?,
             placement: self.placement.clone()?,
-            servers: self.servers.iter().enumerate().map(|(id, (_, addr))| ServerAddr { id: id as u32, addr: addr.clone() }).collect(),
+            servers: self
+                .servers
+                .iter()
+                .enumerate()
+                .map(|(id, (_, addr))| ServerAddr { id: id as u32, addr: addr.clone() })
+                .collect(),
             seed: self.config.seed,
         })
     }
@@ -378,7 +404,11 @@ impl Membership {
     fn finish(&mut self, ok: bool, reason: String, out: &mut Vec<Action>) {
         for (conn, node) in &self.nodes {
             let _ = node;
-            out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Shutdown { reason: reason.clone() }.into() });
+            out.push(Action::Send {
+                conn: *conn,
+                request_id: 0,
+                msg: Control::Shutdown { reason: reason.clone() }.into(),
+            });
         }
         out.push(Action::Finish { ok, reason });
         self.over = true;
@@ -416,7 +446,13 @@ mod tests {
     }
 
     fn sent_to(actions: &[Action], conn: ConnId) -> Vec<&Message> {
-        actions.iter().filter_map(|a| match a { Action::Send { conn: c, msg, .. } if *c == conn => Some(msg), _ => None }).collect()
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send { conn: c, msg, .. } if *c == conn => Some(msg),
+                _ => None,
+            })
+            .collect()
     }
 
     #[test]
@@ -428,7 +464,9 @@ mod tests {
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
         let a = recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
         assert!(matches!(sent_to(&a, 10)[0], Message::Control(Control::Assign(x)) if x.config.sync == SyncPolicy::Bsp));
-        assert!(matches!(sent_to(&a, 11)[1], Message::Control(Control::Assign(x)) if x.config.sync == SyncPolicy::Ssp(2)));
+        assert!(
+            matches!(sent_to(&a, 11)[1], Message::Control(Control::Assign(x)) if x.config.sync == SyncPolicy::Ssp(2))
+        );
         assert!(recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 }).is_empty());
         let a = recv(&mut m, 11, 0, Control::AssignDone { server_id: 1 });
         match &a[..] {
@@ -438,7 +476,10 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(m.waiting_for(), Some("scheduler waits for 2 servers and 2 workers to register (has 2 servers, 1 workers)".into()));
+        assert_eq!(
+            m.waiting_for(),
+            Some("scheduler waits for 2 servers and 2 workers to register (has 2 servers, 1 workers)".into())
+        );
     }
 
     #[test]

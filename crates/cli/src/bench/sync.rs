@@ -1,0 +1,973 @@
+//! `elasticps bench sync`: the same job under every synchronization policy, side by side.
+//!
+//! Two workloads, each run once per policy on a real local cluster (scheduler, 2 servers,
+//! 8 workers as processes, [`crate::train::run_local`]), with ranks 0 and 4 delayed by
+//! N(50 ms, 10 ms) per iteration on top of their compute time (FluentPS's stragglers):
+//!
+//! 1. `synthetic:resnet56` (ResNet-56's tensors, random gradients, `--compute-ms` of
+//!    sleep per iteration): throughput and the papers' sync metrics (delayed pulls, hold
+//!    time, sync events, lead). Every policy runs once per round (`--rounds`, forward then
+//!    backward) and the table shows its fastest round, so that a burst of load from another
+//!    process does not decide an ordering.
+//! 2. The MLP on the bundled MNIST subset: test accuracy after a fixed number of
+//!    iterations, and after a fixed wall-clock budget (the last evaluation of worker 0 at or
+//!    before it; the budget is a share of the first policy's run, `bsp` by default).
+//!
+//! Numbers per run:
+//!
+//! - iterations/s = the iterations of every worker / the longest worker's training time
+//!   (the job's throughput: how fast the fixed amount of work is done);
+//! - worker rate = the sum of each worker's own iterations / its own training time (what a
+//!   run that lets every worker go on for a fixed time would process);
+//! - delayed pulls = the servers' `pulls_held`, summed (counted per block);
+//! - mean / p99 hold of a delayed pull, sync events (`releases`), the largest lead.
+//!
+//! It writes `bench-sync.json` (every run), `bench-sync.md` (the table, the checks, the
+//! targets) and `sync.png` ([`super::sync_plot`]) into `--out`, and prints the Markdown.
+//! The *checks* are orderings with wide margins that must hold on a noisy 2-core machine
+//! (a failed check fails the command); the issue's *targets* are reported, met or missed,
+//! with the measured ratio.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Args, Parser};
+use elasticps_core::sync::SyncPolicy;
+use serde::Serialize;
+
+use super::{machine, sync_plot};
+use crate::args::{NetArgs, StragglerSpec};
+use crate::report::table::markdown_table;
+use crate::report::{ServerReport, WorkerReport};
+use crate::train::{TrainCmd, build_report, run_local};
+
+/// Every policy of the default run, in table order.
+pub const DEFAULT_POLICIES: &[&str] = &["bsp", "asp", "ssp:3", "lazy:3", "pssp:3:0.5", "dpssp:3", "adaptive"];
+/// The synthetic half of `--quick`: what the checks need.
+const QUICK_SYNTHETIC: &[&str] = &["bsp", "asp", "ssp:3", "lazy:3", "pssp:3:0.5"];
+/// The MNIST half of `--quick`.
+const QUICK_MNIST: &[&str] = &["bsp", "pssp:3:0.5"];
+
+/// `elasticps bench sync`.
+#[derive(Args, Clone, Debug)]
+pub struct SyncBenchCmd {
+    /// A short run for CI (under a minute on 2 cores): fewer iterations, the synthetic half
+    /// with bsp, asp, ssp:3, lazy:3 and pssp:3:0.5 only, the MNIST half with bsp and
+    /// pssp:3:0.5.
+    #[arg(long)]
+    pub quick: bool,
+    /// Policies to compare, comma-separated (default: bsp, asp, ssp:3, lazy:3, pssp:3:0.5,
+    /// dpssp:3, adaptive). Checks that need a missing policy are skipped.
+    #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
+    pub policies: Option<Vec<SyncPolicy>>,
+    /// Iterations per worker of the synthetic ResNet-56 runs (default 60, quick 30).
+    #[arg(long)]
+    pub synthetic_iterations: Option<u32>,
+    /// Rounds of the synthetic half: every policy runs once per round, in turn (forward,
+    /// then backward), and the table shows each policy's fastest round, so a burst of
+    /// load from another process does not decide an ordering.
+    #[arg(long, default_value_t = 2)]
+    pub rounds: u32,
+    /// Iterations per worker of the MNIST runs (default 210, quick 60; 0 skips MNIST).
+    /// A worker's shard of the subset is 1,250 images, 40 batches of 32 whose last holds
+    /// only 2 images, so every 40th iteration takes a noisy step; the defaults end 10 or 20
+    /// iterations after one rather than right on it.
+    #[arg(long)]
+    pub mnist_iterations: Option<u32>,
+    /// Compute time per iteration of the synthetic model, ms.
+    #[arg(long, default_value_t = 20.0)]
+    pub compute_ms: f64,
+    /// Stragglers: RANKS:MEAN_MS:SD_MS.
+    #[arg(long, default_value = "0,4:50:10")]
+    pub worker_delay: StragglerSpec,
+    /// Workers per job.
+    #[arg(long, default_value_t = 8)]
+    pub workers: u32,
+    /// Servers per job.
+    #[arg(long, default_value_t = 2)]
+    pub servers: u32,
+    /// Wall-clock budget of "accuracy after a fixed time", in seconds from the launch
+    /// (default: half of the first MNIST run's last evaluation time).
+    #[arg(long)]
+    pub budget_s: Option<f64>,
+    /// Worker 0 evaluates the MNIST model every this many iterations.
+    #[arg(long, default_value_t = 20)]
+    pub eval_every: u32,
+    /// Write bench-sync.json, bench-sync.md, sync.png, each run's report.json and the
+    /// nodes' logs here.
+    #[arg(long, default_value = "reports/bench-sync")]
+    pub out: PathBuf,
+    /// Transport settings of the clusters.
+    #[command(flatten)]
+    pub net: NetArgs,
+}
+
+fn parse_policy(s: &str) -> Result<SyncPolicy, String> {
+    s.parse().map_err(|e: elasticps_core::CoreError| e.to_string())
+}
+
+/// The two halves of the benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Workload {
+    /// `synthetic:resnet56`: throughput and sync metrics.
+    Resnet56,
+    /// The MLP on the MNIST subset: accuracy.
+    Mnist,
+}
+
+impl Workload {
+    /// Short name, for tables and file names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Workload::Resnet56 => "resnet56",
+            Workload::Mnist => "mnist",
+        }
+    }
+}
+
+/// What is run, resolved from the flags.
+#[derive(Clone, Debug, Serialize)]
+struct Plan {
+    quick: bool,
+    workers: u32,
+    servers: u32,
+    worker_delay: String,
+    compute_ms: f64,
+    synthetic_policies: Vec<String>,
+    synthetic_iterations: u32,
+    rounds: u32,
+    mnist_policies: Vec<String>,
+    mnist_iterations: u32,
+    eval_every: u32,
+}
+
+impl Plan {
+    fn new(cmd: &SyncBenchCmd) -> anyhow::Result<Self> {
+        let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let given = cmd.policies.as_ref().map(|p| p.iter().map(ToString::to_string).collect::<Vec<_>>());
+        let (synthetic_policies, mnist_policies) = match (given, cmd.quick) {
+            (Some(p), _) => (p.clone(), p),
+            (None, true) => (names(QUICK_SYNTHETIC), names(QUICK_MNIST)),
+            (None, false) => (names(DEFAULT_POLICIES), names(DEFAULT_POLICIES)),
+        };
+        let synthetic_iterations = cmd.synthetic_iterations.unwrap_or(if cmd.quick { 30 } else { 60 });
+        let mnist_iterations = cmd.mnist_iterations.unwrap_or(if cmd.quick { 60 } else { 210 });
+        anyhow::ensure!((1..=20).contains(&cmd.rounds), "--rounds must be from 1 to 20");
+        anyhow::ensure!(!synthetic_policies.is_empty(), "--policies: nothing to compare");
+        anyhow::ensure!(synthetic_iterations > 0, "--synthetic-iterations must be at least 1");
+        anyhow::ensure!(cmd.workers > 0 && cmd.servers > 0, "--workers and --servers must be at least 1");
+        anyhow::ensure!(cmd.compute_ms.is_finite() && cmd.compute_ms >= 0.0, "--compute-ms must be non-negative");
+        if let Some(b) = cmd.budget_s {
+            anyhow::ensure!(b.is_finite() && b > 0.0, "--budget-s must be positive");
+        }
+        Ok(Plan {
+            quick: cmd.quick,
+            workers: cmd.workers,
+            servers: cmd.servers,
+            worker_delay: cmd.worker_delay.to_string(),
+            compute_ms: cmd.compute_ms,
+            synthetic_policies,
+            synthetic_iterations,
+            rounds: cmd.rounds,
+            mnist_policies: if mnist_iterations == 0 { Vec::new() } else { mnist_policies },
+            mnist_iterations,
+            eval_every: cmd.eval_every,
+        })
+    }
+
+    /// The `elasticps train` flags of one run.
+    fn train_flags(&self, workload: Workload, policy: &str) -> Vec<String> {
+        let mut f: Vec<String> = vec![
+            "--servers".into(),
+            self.servers.to_string(),
+            "--workers".into(),
+            self.workers.to_string(),
+            "--sync".into(),
+            policy.into(),
+            "--worker-delay".into(),
+            self.worker_delay.clone(),
+            // Spelled out, so that ELASTICPS_* variables of the shell do not change the job.
+            "--optimizer".into(),
+            "adam".into(),
+            "--lr".into(),
+            "0.001".into(),
+            "--placement".into(),
+            "range".into(),
+            "--block-bytes".into(),
+            (4 << 20).to_string(),
+            "--seed".into(),
+            "42".into(),
+            "--batch-size".into(),
+            "32".into(),
+            "--data-seed".into(),
+            "7".into(),
+        ];
+        match workload {
+            Workload::Resnet56 => f.extend([
+                "--model".into(),
+                "synthetic:resnet56".into(),
+                "--compute-ms".into(),
+                self.compute_ms.to_string(),
+                "--iterations".into(),
+                self.synthetic_iterations.to_string(),
+            ]),
+            Workload::Mnist => f.extend([
+                "--model".into(),
+                "mlp".into(),
+                "--dataset".into(),
+                "mnist-subset".into(),
+                "--iterations".into(),
+                self.mnist_iterations.to_string(),
+                "--eval-every".into(),
+                self.eval_every.to_string(),
+            ]),
+        }
+        f
+    }
+
+    /// Every run, in order: (workload, policy, round). Odd rounds go backwards, so no
+    /// policy always runs first or last.
+    fn runs(&self) -> Vec<(Workload, String, u32)> {
+        let mut out = Vec::new();
+        for round in 0..self.rounds {
+            let mut policies = self.synthetic_policies.clone();
+            if round % 2 == 1 {
+                policies.reverse();
+            }
+            out.extend(policies.into_iter().map(|p| (Workload::Resnet56, p, round)));
+        }
+        out.extend(self.mnist_policies.iter().map(|p| (Workload::Mnist, p.clone(), 0)));
+        out
+    }
+}
+
+/// `elasticps train`'s flags, parsed into its command (so every flag not given keeps the
+/// default of `train`).
+#[derive(Parser, Debug)]
+#[command(name = "train")]
+struct TrainFlags {
+    #[command(flatten)]
+    cmd: TrainCmd,
+}
+
+/// One test evaluation of worker 0.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct EvalPoint {
+    /// Seconds since the launch of the run.
+    pub t_s: f64,
+    /// Iteration of worker 0.
+    pub iteration: u64,
+    /// Test accuracy in [0, 1].
+    pub accuracy: f64,
+}
+
+/// Everything one run produced.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunResult {
+    /// Which half.
+    pub workload: Workload,
+    /// The policy asked for.
+    pub policy: String,
+    /// Round of the run (the synthetic half runs every policy once per round).
+    pub round: u32,
+    /// True for the run the table shows: the fastest round of its workload and policy.
+    pub chosen: bool,
+    /// The `elasticps train` flags of the run.
+    pub flags: Vec<String>,
+    /// Iterations per worker.
+    pub iterations: u64,
+    /// From the first spawn to the last exit, s.
+    pub wall_s: f64,
+    /// The longest worker's training time, s.
+    pub train_s: f64,
+    /// Every worker's iterations / the longest training time.
+    pub iters_per_s: f64,
+    /// Sum over workers of iterations / own training time.
+    pub worker_rate: f64,
+    /// Mean over workers of the mean iteration time, ms.
+    pub iter_ms_mean: f64,
+    /// Mean iteration time of the delayed ranks, ms.
+    pub straggler_iter_ms: f64,
+    /// Mean iteration time of the other ranks, ms.
+    pub other_iter_ms: f64,
+    /// Pulls answered by every server (per block).
+    pub pulls: u64,
+    /// Pulls the sync policy held (per block), summed over servers.
+    pub pulls_held: u64,
+    /// Mean hold of a held pull, ms.
+    pub hold_ms_mean: f64,
+    /// Largest per-server p99 hold, ms.
+    pub hold_p99_ms: f64,
+    /// Sync events (releases of held pulls), summed over servers.
+    pub releases: u64,
+    /// Largest lead between the fastest and the slowest worker, clocks.
+    pub max_lead: u64,
+    /// Final test accuracy (MNIST).
+    pub accuracy: Option<f64>,
+    /// Mean of the last three evaluations (MNIST): less noisy than the last one alone.
+    pub accuracy_last3: Option<f64>,
+    /// Accuracy at the budget (MNIST), filled in once the budget is known.
+    pub accuracy_at_budget: Option<f64>,
+    /// Worker 0's evaluations.
+    pub evals: Vec<EvalPoint>,
+    /// Every server's counters.
+    pub servers: Vec<ServerReport>,
+    /// Every worker's numbers.
+    pub workers: Vec<WorkerReport>,
+}
+
+impl RunResult {
+    /// The last accuracy measured at or before `budget_s`.
+    fn accuracy_at(&self, budget_s: f64) -> Option<f64> {
+        self.evals.iter().filter(|e| e.t_s <= budget_s).max_by(|a, b| a.t_s.total_cmp(&b.t_s)).map(|e| e.accuracy)
+    }
+}
+
+/// A robust ordering that must hold (a failure fails the command).
+#[derive(Clone, Debug, Serialize)]
+struct Check {
+    what: String,
+    measured: String,
+    /// `None`: skipped (a policy it needs was not run).
+    pass: Option<bool>,
+}
+
+/// One of the issue's targets.
+#[derive(Clone, Debug, Serialize)]
+struct Target {
+    what: String,
+    measured: String,
+    met: Option<bool>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Machine {
+    nproc: usize,
+    cpu: String,
+    kernel: String,
+    loadavg_before: String,
+    loadavg_after: String,
+    /// Share of the machine's CPU time that processes outside this benchmark used during
+    /// the run (from /proc/stat; other work slows every run, and not every run alike).
+    other_cpu_share: Option<f64>,
+}
+
+/// Everything the benchmark wrote into bench-sync.json.
+#[derive(Clone, Debug, Serialize)]
+struct Output {
+    command: String,
+    machine: Machine,
+    plan: Plan,
+    took_s: f64,
+    budget_s: Option<f64>,
+    runs: Vec<RunResult>,
+    checks: Vec<Check>,
+    targets: Vec<Target>,
+}
+
+/// Runs the benchmark, writes its files and prints the table.
+pub async fn run(cmd: SyncBenchCmd) -> anyhow::Result<()> {
+    let plan = Plan::new(&cmd)?;
+    std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
+    let loadavg_before = machine::read_trim("/proc/loadavg");
+    let cpu_before = machine::CpuSample::now();
+    let started = Instant::now();
+    let all = plan.runs();
+    let mut runs = Vec::new();
+    for (i, (workload, policy, round)) in all.iter().enumerate() {
+        eprint!("bench sync: [{}/{}] {} {policy} ... ", i + 1, all.len(), workload.name());
+        let t = Instant::now();
+        let r = one_run(&plan, &cmd, *workload, policy, *round)
+            .await
+            .with_context(|| format!("{} under {policy}", workload.name()))?;
+        eprintln!(
+            "{:.1} s: {:.1} it/s, {} delayed pulls{}",
+            t.elapsed().as_secs_f64(),
+            r.iters_per_s,
+            r.pulls_held,
+            r.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
+        );
+        runs.push(r);
+    }
+    choose(&mut runs);
+    let budget_s = cmd.budget_s.or_else(|| default_budget(&runs));
+    if let Some(b) = budget_s {
+        for r in runs.iter_mut().filter(|r| r.workload == Workload::Mnist) {
+            r.accuracy_at_budget = r.accuracy_at(b);
+        }
+    }
+    let out = Output {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine: Machine {
+            nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpu: machine::cpu_model(),
+            kernel: machine::read_trim("/proc/sys/kernel/osrelease"),
+            loadavg_before,
+            loadavg_after: machine::read_trim("/proc/loadavg"),
+            other_cpu_share: cpu_before.zip(machine::CpuSample::now()).and_then(|(a, b)| a.others(b)),
+        },
+        checks: checks(&runs),
+        targets: targets(&runs),
+        took_s: started.elapsed().as_secs_f64(),
+        budget_s,
+        plan,
+        runs,
+    };
+    let md = render(&out);
+    print!("{md}");
+    let json = serde_json::to_string_pretty(&out)?;
+    std::fs::write(cmd.out.join("bench-sync.json"), json + "\n").context("writing bench-sync.json")?;
+    std::fs::write(cmd.out.join("bench-sync.md"), &md).context("writing bench-sync.md")?;
+    let png = cmd.out.join("sync.png");
+    sync_plot::draw(&png, &plot_data(&out)).with_context(|| format!("drawing {}", png.display()))?;
+    println!("\nwritten to {} (bench-sync.json, bench-sync.md, sync.png)", cmd.out.display());
+    let failed = out.checks.iter().filter(|c| c.pass == Some(false)).count();
+    anyhow::ensure!(failed == 0, "{failed} of {} checks failed", out.checks.len());
+    Ok(())
+}
+
+/// Half of the first MNIST run's last evaluation time (that run reaches it by definition).
+fn default_budget(runs: &[RunResult]) -> Option<f64> {
+    let first = runs.iter().find(|r| r.workload == Workload::Mnist)?;
+    let last = first.evals.iter().map(|e| e.t_s).fold(f64::NAN, f64::max);
+    last.is_finite().then(|| (last * 0.5 * 10.0).round() / 10.0)
+}
+
+async fn one_run(
+    plan: &Plan,
+    cmd: &SyncBenchCmd,
+    workload: Workload,
+    policy: &str,
+    round: u32,
+) -> anyhow::Result<RunResult> {
+    let flags = plan.train_flags(workload, policy);
+    let parsed = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags.iter().cloned()))
+        .map_err(|e| anyhow::anyhow!("building the job: {e}"))?;
+    let mut train = parsed.cmd;
+    train.net = cmd.net.clone();
+    train.quiet = true;
+    // Only the nodes' logs go there (run_local writes no report itself).
+    let dir = run_dir(&cmd.out, workload, policy, round);
+    train.report = Some(dir.clone());
+    let outcome = run_local(&train, &[]).await?;
+    let report = build_report(&train, &outcome)?;
+    std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&report)? + "\n")
+        .with_context(|| format!("writing {}", dir.join("report.json").display()))?;
+
+    let w = &report.workers;
+    let iterations: u64 = w.iter().map(|w| w.iterations).sum();
+    let train_s = w.iter().map(|w| w.train_s).fold(0.0, f64::max);
+    let mean = |it: &mut dyn Iterator<Item = f64>| {
+        let (n, s) = it.fold((0usize, 0.0), |(n, s), v| (n + 1, s + v));
+        if n == 0 { f64::NAN } else { s / n as f64 }
+    };
+    let delayed = |r: &WorkerReport| cmd.worker_delay.ranks.contains(&r.rank);
+    let s = &report.servers;
+    let held: u64 = s.iter().map(|s| s.pulls_held).sum();
+    let hold_ms: f64 = s.iter().map(|s| s.hold_ms).sum();
+    let evals: Vec<EvalPoint> = report
+        .curve
+        .iter()
+        .filter_map(|p| Some(EvalPoint { t_s: p.t_s, iteration: p.iteration, accuracy: p.test_accuracy? }))
+        .collect();
+    Ok(RunResult {
+        workload,
+        policy: policy.to_string(),
+        round,
+        chosen: false,
+        flags,
+        iterations: report.iterations,
+        wall_s: report.wall_s,
+        train_s,
+        iters_per_s: if train_s > 0.0 { iterations as f64 / train_s } else { 0.0 },
+        worker_rate: w.iter().filter(|w| w.train_s > 0.0).map(|w| w.iterations as f64 / w.train_s).sum(),
+        iter_ms_mean: mean(&mut w.iter().map(|w| w.iter_ms_mean)),
+        straggler_iter_ms: mean(&mut w.iter().filter(|w| delayed(w)).map(|w| w.iter_ms_mean)),
+        other_iter_ms: mean(&mut w.iter().filter(|w| !delayed(w)).map(|w| w.iter_ms_mean)),
+        pulls: s.iter().map(|s| s.pulls).sum(),
+        pulls_held: held,
+        hold_ms_mean: if held > 0 { hold_ms / held as f64 } else { 0.0 },
+        hold_p99_ms: s.iter().map(|s| s.hold_p99_ms).fold(0.0, f64::max),
+        releases: s.iter().map(|s| s.releases).sum(),
+        max_lead: s.iter().map(|s| s.max_lead).max().unwrap_or(0),
+        accuracy: report.test_accuracy.is_finite().then_some(report.test_accuracy),
+        accuracy_at_budget: None,
+        accuracy_last3: last3(&evals),
+        evals,
+        servers: report.servers.clone(),
+        workers: report.workers.clone(),
+    })
+}
+
+/// The mean accuracy of the last three evaluations.
+fn last3(evals: &[EvalPoint]) -> Option<f64> {
+    let tail = &evals[evals.len().saturating_sub(3)..];
+    (!tail.is_empty()).then(|| tail.iter().map(|e| e.accuracy).sum::<f64>() / tail.len() as f64)
+}
+
+/// `OUT/runs/resnet56-pssp_3_0.5-r1`.
+fn run_dir(out: &Path, workload: Workload, policy: &str, round: u32) -> PathBuf {
+    out.join("runs").join(format!("{}-{}-r{round}", workload.name(), policy.replace(':', "_")))
+}
+
+/// Marks, for each workload and policy, its fastest round as the one the table shows.
+fn choose(runs: &mut [RunResult]) {
+    for i in 0..runs.len() {
+        let (w, p) = (runs[i].workload, runs[i].policy.clone());
+        let best = runs
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.workload == w && r.policy == p)
+            .max_by(|a, b| a.1.iters_per_s.total_cmp(&b.1.iters_per_s).then(b.0.cmp(&a.0)))
+            .map(|(j, _)| j);
+        runs[i].chosen = best == Some(i);
+    }
+}
+
+/// The run the table shows for `workload` and `policy`.
+fn find<'a>(runs: &'a [RunResult], workload: Workload, policy: &str) -> Option<&'a RunResult> {
+    runs.iter().find(|r| r.workload == workload && r.policy == policy && r.chosen)
+}
+
+/// it/s of every round of `workload` and `policy`, in round order.
+fn rounds_of(runs: &[RunResult], workload: Workload, policy: &str) -> Vec<f64> {
+    let mut v: Vec<(u32, f64)> = runs
+        .iter()
+        .filter(|r| r.workload == workload && r.policy == policy)
+        .map(|r| (r.round, r.iters_per_s))
+        .collect();
+    v.sort_by_key(|x| x.0);
+    v.into_iter().map(|x| x.1).collect()
+}
+
+/// The orderings that fail the command. Their margins leave room for a noisy machine:
+/// see docs/BENCHMARKS.md ("Sync") for the spread they were chosen from.
+fn checks(runs: &[RunResult]) -> Vec<Check> {
+    let syn = |p: &str| find(runs, Workload::Resnet56, p);
+    let mut out = Vec::new();
+    let held = |p: &str| syn(p).map(|r| r.pulls_held as f64);
+    let pair = |a: Option<f64>, b: Option<f64>, show: &dyn Fn(f64, f64) -> String| match (a, b) {
+        (Some(a), Some(b)) => show(a, b),
+        _ => "not run".to_string(),
+    };
+    // Held pulls (counts of the servers, barely touched by timing noise): lazy and pssp
+    // hold clearly fewer than raw SSP, SSP fewer than BSP, ASP none.
+    for (p, factor) in [("lazy:3", 2.0), ("pssp:3:0.5", 1.3)] {
+        let (a, b) = (held(p), held("ssp:3"));
+        out.push(Check {
+            what: format!("resnet56: delayed pulls of {p} x {factor} < those of ssp:3"),
+            measured: pair(a, b, &|a, b| format!("{a:.0} vs {b:.0} (ssp:3 / {p} = {})", ratio(b, a))),
+            pass: a.zip(b).map(|(a, b)| a * factor < b),
+        });
+    }
+    let (a, b) = (held("ssp:3"), held("bsp"));
+    out.push(Check {
+        what: "resnet56: delayed pulls of ssp:3 < those of bsp".into(),
+        measured: pair(a, b, &|a, b| format!("{a:.0} vs {b:.0}")),
+        pass: a.zip(b).map(|(a, b)| a < b),
+    });
+    out.push(Check {
+        what: "resnet56: asp delays no pull".into(),
+        measured: held("asp").map_or("not run".into(), |h| format!("{h:.0}")),
+        pass: held("asp").map(|h| h == 0.0),
+    });
+    // Throughput. Persistent stragglers set the pace of every policy that bounds staleness
+    // (docs/BENCHMARKS.md, "Sync"): only asp, where nobody waits, is far ahead of bsp (on
+    // the worker rate); the relaxed policies must at least not be slower than bsp.
+    let rate = |p: &str| syn(p).map(|r| r.worker_rate);
+    let (a, b) = (rate("asp"), rate("bsp"));
+    out.push(Check {
+        what: "resnet56: worker rate of asp > 1.5 x bsp".into(),
+        measured: pair(a, b, &|a, b| format!("{a:.1} vs {b:.1} it/s ({})", ratio(a, b))),
+        pass: a.zip(b).map(|(a, b)| a > 1.5 * b),
+    });
+    let it_s = |p: &str| syn(p).map(|r| r.iters_per_s);
+    for p in ["ssp:3", "lazy:3", "pssp:3:0.5"] {
+        let (a, b) = (it_s(p), it_s("bsp"));
+        out.push(Check {
+            what: format!("resnet56: iterations/s of {p} > {THROUGHPUT_FLOOR} x bsp"),
+            measured: pair(a, b, &|a, b| format!("{a:.1} vs {b:.1} ({})", ratio(a, b))),
+            pass: a.zip(b).map(|(a, b)| a > THROUGHPUT_FLOOR * b),
+        });
+    }
+    // Every policy still trains the model (a sync bug that serves wrong values would not).
+    let mnist: Vec<&RunResult> = runs.iter().filter(|r| r.chosen && r.workload == Workload::Mnist).collect();
+    let lowest =
+        mnist.iter().filter_map(|r| r.accuracy.map(|a| (a, r.policy.as_str()))).min_by(|a, b| a.0.total_cmp(&b.0));
+    out.push(Check {
+        what: format!("mnist: every policy ends above {:.0}% test accuracy", MIN_ACCURACY * 100.0),
+        measured: lowest.map_or("not run".into(), |(a, p)| format!("lowest {:.2}% ({p})", a * 100.0)),
+        pass: if mnist.is_empty() {
+            None
+        } else {
+            Some(mnist.iter().all(|r| r.accuracy.is_some_and(|a| a > MIN_ACCURACY)))
+        },
+    });
+    out
+}
+
+/// Every MNIST run must end above this test accuracy (60 iterations reach about 85-90%).
+const MIN_ACCURACY: f64 = 0.7;
+
+/// The relaxed policies' iterations/s must be above this share of bsp's.
+const THROUGHPUT_FLOOR: f64 = 0.9;
+
+/// The issue's targets, reported.
+fn targets(runs: &[RunResult]) -> Vec<Target> {
+    let syn = |p: &str| find(runs, Workload::Resnet56, p);
+    let mut out = Vec::new();
+    for p in ["lazy:3", "pssp:3:0.5"] {
+        let (a, b) = (syn(p).map(|r| r.pulls_held as f64), syn("ssp:3").map(|r| r.pulls_held as f64));
+        out.push(Target {
+            what: format!("{p} delays at least 10x fewer pulls than ssp:3"),
+            measured: match (a, b) {
+                (Some(a), Some(b)) => format!("{} fewer ({a:.0} vs {b:.0})", ratio(b, a)),
+                _ => "not run".into(),
+            },
+            met: a.zip(b).map(|(a, b)| a * 10.0 <= b),
+        });
+    }
+    for p in ["lazy:3", "pssp:3:0.5"] {
+        let (a, b) = (syn(p).map(|r| r.iters_per_s), syn("bsp").map(|r| r.iters_per_s));
+        out.push(Target {
+            what: format!("with the two stragglers, {p} runs at least 2x the iterations/s of bsp"),
+            measured: match (a, b) {
+                (Some(a), Some(b)) => format!("{} ({a:.1} vs {b:.1} it/s)", ratio(a, b)),
+                _ => "not run".into(),
+            },
+            met: a.zip(b).map(|(a, b)| a >= 2.0 * b),
+        });
+    }
+    let bsp = find(runs, Workload::Mnist, "bsp").and_then(|r| r.accuracy);
+    for r in runs.iter().filter(|r| r.chosen && r.workload == Workload::Mnist && r.policy != "bsp" && r.policy != "asp")
+    {
+        let measured = match (r.accuracy, bsp) {
+            (Some(a), Some(b)) => format!("{:.2}% vs {:.2}% ({:+.2} points)", a * 100.0, b * 100.0, (a - b) * 100.0),
+            _ => "not run".into(),
+        };
+        out.push(Target {
+            what: format!(
+                "mnist after {} iterations: {} within 1 point of bsp's accuracy (not more than 1 point below)",
+                r.iterations, r.policy
+            ),
+            measured,
+            met: r.accuracy.zip(bsp).map(|(a, b)| a >= b - 0.01),
+        });
+    }
+    out
+}
+
+/// `a / b` as `2.31x`.
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}x", a / b)
+    } else if a > 0.0 {
+        "inf".into()
+    } else {
+        "-".into()
+    }
+}
+
+fn render(out: &Output) -> String {
+    let headers = [
+        "workload",
+        "policy",
+        "it/s",
+        "it/s by round",
+        "vs bsp",
+        "worker rate it/s",
+        "iter ms (delayed / other)",
+        "delayed pulls",
+        "vs ssp:3",
+        "mean hold ms",
+        "p99 hold ms",
+        "sync events",
+        "max lead",
+        "acc @ budget",
+        "acc @ iters",
+        "acc, last 3 evals",
+    ];
+    let pct = |v: Option<f64>| v.map_or("-".to_string(), |a| format!("{:.2}%", a * 100.0));
+    let rows: Vec<Vec<String>> = table_order(out)
+        .into_iter()
+        .map(|r| {
+            let bsp = find(&out.runs, r.workload, "bsp");
+            let ssp = find(&out.runs, r.workload, "ssp:3");
+            vec![
+                r.workload.name().to_string(),
+                r.policy.clone(),
+                format!("{:.1}", r.iters_per_s),
+                rounds_of(&out.runs, r.workload, &r.policy)
+                    .iter()
+                    .map(|v| format!("{v:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(" / "),
+                bsp.map_or("-".into(), |b| ratio(r.iters_per_s, b.iters_per_s)),
+                format!("{:.1}", r.worker_rate),
+                format!("{:.1} / {:.1}", r.straggler_iter_ms, r.other_iter_ms),
+                r.pulls_held.to_string(),
+                ssp.map_or("-".into(), |s| format!("{:.3}", r.pulls_held as f64 / s.pulls_held.max(1) as f64)),
+                format!("{:.1}", r.hold_ms_mean),
+                format!("{:.1}", r.hold_p99_ms),
+                r.releases.to_string(),
+                r.max_lead.to_string(),
+                pct(r.accuracy_at_budget),
+                pct(r.accuracy),
+                pct(r.accuracy_last3),
+            ]
+        })
+        .collect();
+    let p = &out.plan;
+    let m = &out.machine;
+    let mut s = String::new();
+    s.push_str("## bench sync\n\n");
+    s.push_str(&format!("`{}`\n\n", out.command));
+    s.push_str(&format!(
+        "{} CPUs ({}), Linux {}, loopback; {:.0} s in all. Other processes used {} of the machine's CPU \
+         time during the run (load average before {}, after {}).\n\n",
+        m.nproc,
+        m.cpu,
+        m.kernel,
+        out.took_s,
+        m.other_cpu_share.map_or("an unknown share".into(), |s| format!("{:.0}%", s * 100.0)),
+        first_field(&m.loadavg_before),
+        first_field(&m.loadavg_after),
+    ));
+    s.push_str(&format!(
+        "{} workers, {} servers, ranks {} delayed by N({} ms, {} ms) per iteration. resnet56: \
+         synthetic:resnet56, {} ms compute, {} iterations per worker, {} rounds (the table shows each \
+         policy's fastest). mnist: MLP 784-256-128-10 on \
+         the MNIST subset, batch 32, adam 0.001, {} iterations per worker, worker 0 evaluates every {}; \
+         budget {}.\n\n",
+        p.workers,
+        p.servers,
+        p.worker_delay.split(':').next().unwrap_or(""),
+        p.worker_delay.split(':').nth(1).unwrap_or(""),
+        p.worker_delay.split(':').nth(2).unwrap_or(""),
+        p.compute_ms,
+        p.synthetic_iterations,
+        p.rounds,
+        p.mnist_iterations,
+        p.eval_every,
+        out.budget_s.map_or("none".into(), |b| format!("{b:.1} s after the launch")),
+    ));
+    s.push_str(&markdown_table(&headers, &rows));
+    s.push_str(
+        "\nit/s: every worker's iterations / the longest worker's training time (the job's \
+         throughput). worker rate: the sum of each worker's iterations / its own training time. \
+         delayed pulls: pulls the servers held (per block), summed; vs ssp:3 = delayed pulls / \
+         those of ssp:3. sync events: releases of held pulls. acc @ budget: worker 0's last test \
+         accuracy at or before the budget; acc @ iters: after the last iteration.\n",
+    );
+    s.push_str("\nChecks (fail the command):\n\n");
+    for c in &out.checks {
+        let tag = match c.pass {
+            Some(true) => "PASS",
+            Some(false) => "FAIL",
+            None => "SKIP",
+        };
+        s.push_str(&format!("- {tag} {}: {}\n", c.what, c.measured));
+    }
+    s.push_str("\nTargets (reported):\n\n");
+    for t in &out.targets {
+        let tag = match t.met {
+            Some(true) => "[x]",
+            Some(false) => "[ ]",
+            None => "[-]",
+        };
+        s.push_str(&format!("- {tag} {}: {}\n", t.what, t.measured));
+    }
+    s
+}
+
+/// The runs the table shows: the synthetic half, then MNIST, each in the plan's order.
+fn table_order(out: &Output) -> Vec<&RunResult> {
+    let key = |r: &RunResult| {
+        let list = match r.workload {
+            Workload::Resnet56 => &out.plan.synthetic_policies,
+            Workload::Mnist => &out.plan.mnist_policies,
+        };
+        (r.workload == Workload::Mnist, list.iter().position(|p| *p == r.policy).unwrap_or(usize::MAX))
+    };
+    let mut rows: Vec<&RunResult> = out.runs.iter().filter(|r| r.chosen).collect();
+    rows.sort_by_key(|r| key(r));
+    rows
+}
+
+fn first_field(s: &str) -> &str {
+    s.split_whitespace().next().unwrap_or(s)
+}
+
+fn plot_data(out: &Output) -> sync_plot::PlotData {
+    let rows = table_order(out);
+    let syn: Vec<&RunResult> = rows.iter().copied().filter(|r| r.workload == Workload::Resnet56).collect();
+    let mut policies: Vec<String> = Vec::new();
+    for r in &rows {
+        if !policies.contains(&r.policy) {
+            policies.push(r.policy.clone());
+        }
+    }
+    sync_plot::PlotData {
+        policies,
+        rates: syn.iter().map(|r| (r.policy.clone(), r.iters_per_s)).collect(),
+        held: syn.iter().map(|r| (r.policy.clone(), r.pulls_held)).collect(),
+        accuracy: rows
+            .iter()
+            .filter(|r| r.workload == Workload::Mnist)
+            .map(|r| (r.policy.clone(), r.evals.iter().map(|e| (e.t_s, e.accuracy * 100.0)).collect()))
+            .collect(),
+        budget_s: out.budget_s,
+        subtitle: format!(
+            "{} workers, {} servers, ranks {} delayed",
+            out.plan.workers,
+            out.plan.servers,
+            out.plan.worker_delay.split(':').next().unwrap_or("")
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(workload: Workload, policy: &str, it_s: f64, held: u64, acc: Option<f64>) -> RunResult {
+        RunResult {
+            workload,
+            policy: policy.into(),
+            round: 0,
+            chosen: true,
+            flags: Vec::new(),
+            iterations: 100,
+            wall_s: 10.0,
+            train_s: 9.0,
+            iters_per_s: it_s,
+            worker_rate: it_s,
+            iter_ms_mean: 90.0,
+            straggler_iter_ms: 95.0,
+            other_iter_ms: 85.0,
+            pulls: 1000,
+            pulls_held: held,
+            hold_ms_mean: 1.0,
+            hold_p99_ms: 2.0,
+            releases: 10,
+            max_lead: 3,
+            accuracy: acc,
+            accuracy_at_budget: None,
+            accuracy_last3: acc,
+            evals: vec![
+                EvalPoint { t_s: 1.0, iteration: 0, accuracy: 0.1 },
+                EvalPoint { t_s: 5.0, iteration: 50, accuracy: 0.8 },
+                EvalPoint { t_s: 9.0, iteration: 100, accuracy: acc.unwrap_or(0.9) },
+            ],
+            servers: Vec::new(),
+            workers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn plans_parse_into_train_commands() {
+        let cmd = SyncBenchCmd::try_parse_from_args(&["--quick"]);
+        let plan = Plan::new(&cmd).unwrap();
+        assert_eq!(plan.synthetic_policies, QUICK_SYNTHETIC);
+        for (w, p, _) in plan.runs() {
+            let flags = plan.train_flags(w, &p);
+            let t = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags)).unwrap().cmd;
+            assert_eq!(t.job.workers, 8);
+            assert_eq!(t.job.sync.to_string(), p);
+            assert_eq!(t.data.worker_delay.as_ref().map(|d| d.ranks.clone()), Some(vec![0, 4]));
+        }
+        let full = Plan::new(&SyncBenchCmd::try_parse_from_args(&[])).unwrap();
+        assert_eq!(full.runs().len(), 3 * DEFAULT_POLICIES.len());
+        assert_eq!(full.runs()[DEFAULT_POLICIES.len()].1, "adaptive");
+        let none = Plan::new(&SyncBenchCmd::try_parse_from_args(&["--mnist-iterations", "0"])).unwrap();
+        assert!(none.runs().iter().all(|(w, _, _)| *w == Workload::Resnet56));
+    }
+
+    #[test]
+    fn checks_and_targets_decide_on_the_numbers() {
+        let runs = vec![
+            run(Workload::Resnet56, "bsp", 80.0, 1000, None),
+            run(Workload::Resnet56, "asp", 100.0, 0, None),
+            run(Workload::Resnet56, "ssp:3", 85.0, 900, None),
+            run(Workload::Resnet56, "lazy:3", 90.0, 50, None),
+            run(Workload::Resnet56, "pssp:3:0.5", 70.0, 800, None),
+            run(Workload::Mnist, "bsp", 50.0, 10, Some(0.92)),
+            run(Workload::Mnist, "pssp:3:0.5", 50.0, 10, Some(0.905)),
+        ];
+        let c = checks(&runs);
+        let pass = |needle: &str| c.iter().find(|c| c.what.contains(needle)).and_then(|c| c.pass);
+        assert_eq!(pass("lazy:3 x 2"), Some(true));
+        assert_eq!(pass("pssp:3:0.5 x 1.3"), Some(false));
+        assert_eq!(pass("ssp:3 < those of bsp"), Some(true));
+        assert_eq!(pass("asp delays"), Some(true));
+        assert_eq!(pass("worker rate of asp"), Some(false));
+        assert_eq!(pass("of pssp:3:0.5 >"), Some(false));
+        assert_eq!(pass("of lazy:3 >"), Some(true));
+        assert_eq!(pass("mnist: every"), Some(true));
+        let t = targets(&runs);
+        assert_eq!(t[0].met, Some(true)); // lazy: 18x fewer
+        assert_eq!(t[1].met, Some(false));
+        assert_eq!(t.last().and_then(|t| t.met), Some(false)); // 1.5 points below
+        // A missing policy skips, it does not fail.
+        assert!(checks(&runs[..1]).iter().all(|c| c.pass.is_none()));
+    }
+
+    #[test]
+    fn accuracy_at_a_budget_is_the_last_eval_before_it() {
+        let r = run(Workload::Mnist, "bsp", 1.0, 0, Some(0.9));
+        assert_eq!(r.accuracy_at(0.5), None);
+        assert_eq!(r.accuracy_at(5.0), Some(0.8));
+        assert_eq!(r.accuracy_at(100.0), Some(0.9));
+        assert_eq!(default_budget(&[r]), Some(4.5));
+    }
+
+    #[test]
+    fn renders_and_draws() {
+        let runs = vec![
+            run(Workload::Resnet56, "bsp", 80.0, 1000, None),
+            run(Workload::Resnet56, "asp", 100.0, 0, None),
+            run(Workload::Mnist, "bsp", 50.0, 10, Some(0.92)),
+            run(Workload::Mnist, "asp", 50.0, 0, Some(0.93)),
+        ];
+        let out = Output {
+            command: "elasticps bench sync".into(),
+            machine: Machine {
+                nproc: 2,
+                cpu: "cpu".into(),
+                kernel: "6".into(),
+                loadavg_before: "0.1 0 0".into(),
+                loadavg_after: "1 0 0".into(),
+                other_cpu_share: Some(0.1),
+            },
+            plan: Plan::new(&SyncBenchCmd::try_parse_from_args(&["--quick"])).unwrap(),
+            took_s: 1.0,
+            budget_s: Some(4.5),
+            checks: checks(&runs),
+            targets: targets(&runs),
+            runs,
+        };
+        let md = render(&out);
+        assert!(md.contains("| resnet56 | asp"), "{md}");
+        assert!(md.contains("SKIP") && md.contains("PASS"), "{md}");
+        let dir = std::env::temp_dir().join(format!("elasticps-bench-sync-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let png = dir.join("sync.png");
+        sync_plot::draw(&png, &plot_data(&out)).unwrap();
+        let bytes = std::fs::read(&png).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    impl SyncBenchCmd {
+        fn try_parse_from_args(args: &[&str]) -> Self {
+            #[derive(Parser)]
+            struct Wrap {
+                #[command(flatten)]
+                cmd: SyncBenchCmd,
+            }
+            Wrap::try_parse_from(std::iter::once("sync").chain(args.iter().copied())).unwrap().cmd
+        }
+    }
+}
