@@ -64,6 +64,22 @@ impl BlockStats {
     }
 }
 
+/// What a block's oldest held pull waits for ("pull(17) of worker 1 waits for worker 2
+/// to push clock 15").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    /// The worker whose pull is held.
+    pub worker: u32,
+    /// The clock of that pull.
+    pub clock: Clock,
+    /// The slowest worker, whose next push moves `done`.
+    pub slowest: u32,
+    /// The clock the slowest worker must push next.
+    pub next_clock: Clock,
+    /// How long the pull has been held.
+    pub held_us: u64,
+}
+
 /// A pull the server can answer now.
 #[derive(Clone, Debug)]
 pub struct Answer<T> {
@@ -158,9 +174,17 @@ impl<T> Block<T> {
         self.held.len()
     }
 
-    /// What a held pull waits for, for logs: `(worker, clock)` of the oldest one.
-    pub fn oldest_held(&self) -> Option<(u32, Clock)> {
-        self.held.iter().min_by_key(|h| h.since_us).map(|h| (h.worker, h.clock))
+    /// What the oldest held pull waits for, for logs: (worker and clock of that pull,
+    /// the slowest worker and the clock it must push next), with how long it has waited.
+    pub fn waiting(&self, now_us: u64) -> Option<Waiting> {
+        let h = self.held.iter().min_by_key(|h| h.since_us)?;
+        Some(Waiting {
+            worker: h.worker,
+            clock: h.clock,
+            slowest: self.clocks.slowest()?,
+            next_clock: self.clocks.done(),
+            held_us: now_us.saturating_sub(h.since_us),
+        })
     }
 
     /// A worker pushed the gradient `grad` of clock `clock`. Applies it (or buffers it
@@ -315,12 +339,15 @@ mod tests {
         assert!(b.pull(&cfg, 10, 0, 0, 0, &mut rng()).unwrap().is_some());
         assert!(b.push(&cfg, 0, 0, &[1.0], 1).unwrap().is_empty());
         assert!(b.pull(&cfg, 11, 0, 1, 2, &mut rng()).unwrap().is_none());
+        let w = b.waiting(7).unwrap();
+        assert_eq!((w.worker, w.clock, w.slowest, w.next_clock, w.held_us), (0, 1, 1, 0, 5));
         let released = b.push(&cfg, 1, 0, &[2.0], 12).unwrap();
         assert_eq!(released.len(), 1);
         assert_eq!((released[0].token, released[0].held_us, released[0].done), (11, Some(10), 1));
         assert_eq!(*released[0].values, vec![-3.0]);
         assert_eq!(b.stats().pulls_held, 1);
         assert_eq!(b.stats().releases, 1);
+        assert_eq!(b.waiting(20), None);
     }
 
     #[test]

@@ -246,6 +246,17 @@ impl Clocks {
         self.pushed.iter().max().and_then(|p| p.checked_sub(1))
     }
 
+    /// The active worker that has pushed the fewest clocks (the one `done` waits for).
+    pub fn slowest(&self) -> Option<u32> {
+        self.pushed
+            .iter()
+            .zip(&self.active)
+            .enumerate()
+            .filter(|(_, (_, a))| **a)
+            .min_by_key(|(_, (p, _))| **p)
+            .map(|(w, _)| w as u32)
+    }
+
     /// The lead of the fastest active worker over the slowest, in clocks.
     pub fn lead(&self) -> u32 {
         let active = self.pushed.iter().zip(&self.active).filter(|(_, a)| **a).map(|(p, _)| *p);

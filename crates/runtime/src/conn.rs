@@ -7,8 +7,6 @@
 //! through one task per connection that encodes, batches small frames in a buffer and
 //! writes large payloads directly from their shared `Bytes`.
 
-use std::net::SocketAddr;
-
 use bytes::{Bytes, BytesMut};
 use elasticps_wire::{Codec, FrameHeader, HEADER_LEN, Kind, Message, WireError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
@@ -148,9 +146,4 @@ async fn write_one(w: &mut BufWriter<OwnedWriteHalf>, codec: &Codec, id: u64, ms
         codec.encode(id, msg).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     w.write_all(&head).await?;
     w.write_all(&payload).await
-}
-
-/// A human name for a socket address, for logs.
-pub fn addr_name(addr: Option<SocketAddr>) -> String {
-    addr.map_or_else(|| "unknown peer".to_string(), |a| a.to_string())
 }

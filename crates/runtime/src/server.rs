@@ -159,8 +159,9 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
                 continue;
             }
             _ = waiting.tick() => {
-                if current(state).is_none() {
-                    tracing::info!(server = id, "server waits for the scheduler to assign blocks (a worker must define the model and every server must join)");
+                match current(state) {
+                    None => tracing::info!(server = id, "server waits for the scheduler to assign blocks (a worker must define the model and every server must join)"),
+                    Some(shard) => log_long_holds(id, &shard, state.clock.now()),
                 }
                 continue;
             }
@@ -192,6 +193,28 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
             }
             Some(other) => tracing::warn!(server = id, kind = ?other.kind(), "unexpected message from the scheduler"),
         }
+    }
+}
+
+/// Says, for a pull held for more than 5 s, what it waits for: a held pull is the one
+/// wait on a server that no timeout ends (the worker's request timeout does).
+fn log_long_holds(id: u32, shard: &Shard, now_us: u64) {
+    let longest = shard
+        .blocks
+        .iter()
+        .filter_map(|(b, block)| lock(block).waiting(now_us).map(|w| (*b, w)))
+        .max_by_key(|(_, w)| w.held_us);
+    if let Some((block, w)) = longest.filter(|(_, w)| w.held_us > 5_000_000) {
+        tracing::warn!(
+            server = id,
+            block,
+            held_s = w.held_us / 1_000_000,
+            "pull({}) of worker {} waits for worker {} to push clock {}",
+            w.clock,
+            w.worker,
+            w.slowest,
+            w.next_clock
+        );
     }
 }
 
