@@ -65,7 +65,8 @@ pub struct Client {
     num_workers: u32,
     opts: ClientOptions,
     sched: Peer,
-    layout: Option<Layout>,
+    /// Shared so that a round can hold it while it mutates the client (cheap clone).
+    layout: Option<Arc<Layout>>,
     servers: HashMap<u32, Peer>,
     shutdown: Arc<Mutex<Option<String>>>,
     heartbeat: tokio::task::JoinHandle<()>,
@@ -126,7 +127,7 @@ impl Client {
 
     /// The model's layout (tensors, blocks, owners), once registered.
     pub fn layout(&self) -> Option<&Layout> {
-        self.layout.as_ref()
+        self.layout.as_deref()
     }
 
     /// Time waited per server in the last pull or push.
@@ -196,7 +197,7 @@ impl Client {
         push: Option<(Clock, &[Vec<f32>])>,
         mut pull: Option<(Clock, &mut [Vec<f32>])>,
     ) -> Result<()> {
-        let mut layout = self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))?;
+        let mut layout = self.current_layout()?;
         let pull_clock = pull.as_ref().map(|(c, _)| *c);
         // (block, still to push, still to pull)
         let mut todo: Vec<(BlockSpec, bool, bool)> =
@@ -245,7 +246,7 @@ impl Client {
                 .call(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into())
                 .await?;
             self.install_layout(reply).await?;
-            layout = self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))?;
+            layout = self.current_layout()?;
             todo = moved;
         }
         Err(RuntimeError::Protocol {
@@ -274,15 +275,22 @@ impl Client {
             }
             self.servers.insert(s.id, peer);
         }
-        self.layout = Some(layout);
+        self.layout = Some(Arc::new(layout));
         Ok(())
     }
 
-    fn check_shapes(&self, lens: impl ExactSizeIterator<Item = usize>) -> Result<()> {
-        let layout = self.layout.as_ref().ok_or_else(|| RuntimeError::Usage("register_model first".into()))?;
-        let want: Vec<usize> = layout.partition.tensors.iter().map(TensorSpec::len).collect();
-        let got: Vec<usize> = lens.collect();
-        if want != got {
+    /// The layout, or the error for a client that has not registered the model.
+    fn current_layout(&self) -> Result<Arc<Layout>> {
+        self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))
+    }
+
+    /// Checks (without allocating: this is on every push and pull) that `lens` are the
+    /// model's tensor lengths.
+    fn check_shapes(&self, lens: impl ExactSizeIterator<Item = usize> + Clone) -> Result<()> {
+        let layout = self.current_layout()?;
+        let want = layout.partition.tensors.iter().map(TensorSpec::len);
+        if !want.clone().eq(lens.clone()) {
+            let (want, got): (Vec<_>, Vec<_>) = (want.collect(), lens.collect());
             return Err(RuntimeError::Usage(format!("tensor lengths {got:?} do not match the model's {want:?}")));
         }
         Ok(())

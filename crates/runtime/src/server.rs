@@ -303,27 +303,26 @@ async fn serve_connection(stream: TcpStream, peer: String, state: Arc<State>) {
             }
         };
         let id = header.request_id;
-        match msg {
-            Message::Control(Control::Hello { rank: r }) => {
+        match (msg, rank) {
+            (Message::Control(Control::Hello { rank: r }), _) => {
                 rank = Some(r);
                 reader.set_peer(format!("worker {r} ({peer})"));
                 let _ = out.send((id, Control::Ok.into()));
             }
-            Message::Control(Control::GetStats) => {
+            (Message::Control(Control::GetStats), _) => {
                 let sid = current(&state).map_or(u32::MAX, |s| s.id);
                 let _ = out.send((id, Control::Stats(stats(sid, &state)).into()));
             }
-            Message::Push { block, clock, values } if rank.is_some() => {
-                let reply = push(&state, rank.unwrap_or_default(), block, clock, &values);
-                let _ = out.send((id, reply));
+            (Message::Push { block, clock, values }, Some(r)) => {
+                let _ = out.send((id, push(&state, r, block, clock, &values)));
             }
-            Message::Pull { block, clock } if rank.is_some() => {
+            (Message::Pull { block, clock }, Some(r)) => {
                 let to = ReplyTo { out: out.clone(), request_id: id, block };
-                if let Some(reply) = pull(&state, rank.unwrap_or_default(), block, clock, to) {
+                if let Some(reply) = pull(&state, r, block, clock, to) {
                     let _ = out.send((id, reply));
                 }
             }
-            other => {
+            (other, _) => {
                 let what = match rank {
                     None => format!("expected Hello as the first message, got {:?}", other.kind()),
                     Some(_) => format!("a server does not take {:?} messages", other.kind()),

@@ -10,23 +10,16 @@
 
 use std::path::Path;
 
-use anyhow::anyhow;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use crate::report::plot::ensure_font;
+use crate::report::plot::{FONT, MUTED_TEXT, PALETTE, decimals_for, ensure_font, house_style, legend, plot_err};
 
 /// Width of `sync.png`, pixels.
 pub const WIDTH: u32 = 1950;
 /// Height of `sync.png`, pixels.
 pub const HEIGHT: u32 = 620;
-
-use crate::report::plot::{FONT, PALETTE};
-
-const GRID_LIGHT: RGBColor = RGBColor(238, 238, 238);
-const GRID_BOLD: RGBColor = RGBColor(205, 205, 205);
-const MUTED_TEXT: RGBColor = RGBColor(120, 120, 120);
 
 /// What the plot shows.
 #[derive(Clone, Debug, Default)]
@@ -108,18 +101,13 @@ fn bars(
             .y_label_area_size(70)
             .build_cartesian_2d((0u32..n - 1).into_segmented(), (1f64..hi).log_scale())
             .map_err(plot_err)?;
-        chart
-            .configure_mesh()
+        house_style(&mut chart.configure_mesh())
             .disable_x_mesh()
             .x_labels(n as usize)
             .x_label_formatter(&x_fmt)
             .max_light_lines(2)
             .y_desc(y_desc)
             .y_label_formatter(&|v: &f64| format!("{v:.0}"))
-            .label_style((FONT, 14))
-            .axis_desc_style((FONT, 16))
-            .light_line_style(GRID_LIGHT)
-            .bold_line_style(GRID_BOLD)
             .draw()
             .map_err(plot_err)?;
         for (i, (p, v)) in values.iter().enumerate() {
@@ -145,18 +133,13 @@ fn bars(
             .y_label_area_size(70)
             .build_cartesian_2d((0u32..n - 1).into_segmented(), 0f64..hi)
             .map_err(plot_err)?;
-        chart
-            .configure_mesh()
+        house_style(&mut chart.configure_mesh())
             .disable_x_mesh()
             .x_labels(n as usize)
             .x_label_formatter(&x_fmt)
             .max_light_lines(2)
             .y_desc(y_desc)
             .y_label_formatter(&|v: &f64| format!("{v:.0}"))
-            .label_style((FONT, 14))
-            .axis_desc_style((FONT, 16))
-            .light_line_style(GRID_LIGHT)
-            .bold_line_style(GRID_BOLD)
             .draw()
             .map_err(plot_err)?;
         for (i, (p, v)) in values.iter().enumerate() {
@@ -204,19 +187,15 @@ fn accuracy(area: &Area<'_>, data: &PlotData) -> anyhow::Result<()> {
         .y_label_area_size(68)
         .build_cartesian_2d(0f64..t_max, lo..hi)
         .map_err(plot_err)?;
-    chart
-        .configure_mesh()
+    let x_dec = decimals_for(t_max);
+    house_style(&mut chart.configure_mesh())
         .x_desc("time since launch (s)")
         .y_desc("test accuracy (%)")
         .x_labels(8)
         .y_labels(8)
-        .x_label_formatter(&|v: &f64| format!("{v:.0}"))
+        .x_label_formatter(&|v: &f64| format!("{v:.x_dec$}"))
         .y_label_formatter(&|v: &f64| format!("{v:.0}%"))
-        .label_style((FONT, 14))
-        .axis_desc_style((FONT, 16))
         .max_light_lines(4)
-        .light_line_style(GRID_LIGHT)
-        .bold_line_style(GRID_BOLD)
         .draw()
         .map_err(plot_err)?;
     if series.is_empty() {
@@ -238,25 +217,13 @@ fn accuracy(area: &Area<'_>, data: &PlotData) -> anyhow::Result<()> {
             .label(p.clone())
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 22, y)], color.stroke_width(3)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .margin(12)
-        .label_font((FONT, 14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(GRID_BOLD)
-        .draw()
-        .map_err(plot_err)
+    legend(&mut chart, SeriesLabelPosition::LowerRight)
 }
 
 fn no_data(area: &Area<'_>, message: &str) -> anyhow::Result<()> {
     let (w, h) = area.dim_in_pixel();
     let style = TextStyle::from((FONT, 18).into_font()).color(&MUTED_TEXT).pos(Pos::new(HPos::Center, VPos::Center));
     area.draw_text(message, &style, (w as i32 / 2, h as i32 / 2)).map_err(plot_err)
-}
-
-fn plot_err(e: impl std::fmt::Display) -> anyhow::Error {
-    anyhow!("plotting failed: {e}")
 }
 
 #[cfg(test)]

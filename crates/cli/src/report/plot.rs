@@ -58,8 +58,15 @@ pub(crate) const PALETTE: [RGBColor; 10] = [
 const MAX_LEGEND_ENTRIES: usize = 10;
 
 const GRID_LIGHT: RGBColor = RGBColor(238, 238, 238);
-const GRID_BOLD: RGBColor = RGBColor(205, 205, 205);
-const MUTED_TEXT: RGBColor = RGBColor(120, 120, 120);
+pub(crate) const GRID_BOLD: RGBColor = RGBColor(205, 205, 205);
+
+/// The house style of every chart's mesh (also `bench sync`'s): fonts and grid colours.
+pub(crate) fn house_style<'m, 'a, 'b, X: Ranged, Y: Ranged, DB: DrawingBackend>(
+    mesh: &'m mut plotters::chart::MeshStyle<'a, 'b, X, Y, DB>,
+) -> &'m mut plotters::chart::MeshStyle<'a, 'b, X, Y, DB> {
+    mesh.label_style((FONT, 14)).axis_desc_style((FONT, 16)).light_line_style(GRID_LIGHT).bold_line_style(GRID_BOLD)
+}
+pub(crate) const MUTED_TEXT: RGBColor = RGBColor(120, 120, 120);
 
 /// Registers the embedded font with plotters exactly once per process.
 ///
@@ -117,19 +124,14 @@ fn draw_loss_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::Range
     let y_dec = decimals_for(hi - lo);
     let x_fmt = |v: &f64| format!("{v:.x_dec$}");
     let y_fmt = |v: &f64| format!("{v:.y_dec$}");
-    chart
-        .configure_mesh()
+    house_style(&mut chart.configure_mesh())
         .x_desc("time (s)")
         .y_desc("training loss")
         .x_labels(8)
         .y_labels(8)
         .x_label_formatter(&x_fmt)
         .y_label_formatter(&y_fmt)
-        .label_style((FONT, 14))
-        .axis_desc_style((FONT, 16))
         .max_light_lines(4)
-        .light_line_style(GRID_LIGHT)
-        .bold_line_style(GRID_BOLD)
         .draw()
         .map_err(plot_err)?;
 
@@ -174,19 +176,14 @@ fn draw_accuracy_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::R
     let y_dec = if hi - lo >= 5.0 { 0 } else { 1 };
     let x_fmt = |v: &f64| format!("{v:.x_dec$}");
     let y_fmt = |v: &f64| format!("{v:.y_dec$}%");
-    chart
-        .configure_mesh()
+    house_style(&mut chart.configure_mesh())
         .x_desc("time (s)")
         .y_desc("test accuracy (%)")
         .x_labels(8)
         .y_labels(8)
         .x_label_formatter(&x_fmt)
         .y_label_formatter(&y_fmt)
-        .label_style((FONT, 14))
-        .axis_desc_style((FONT, 16))
         .max_light_lines(4)
-        .light_line_style(GRID_LIGHT)
-        .bold_line_style(GRID_BOLD)
         .draw()
         .map_err(plot_err)?;
 
@@ -224,9 +221,11 @@ fn draw_accuracy_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::R
     legend(&mut chart, SeriesLabelPosition::LowerRight)
 }
 
-type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+/// A chart of f64 against f64 on a bitmap.
+pub(crate) type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
-fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, position: SeriesLabelPosition) -> anyhow::Result<()> {
+/// Draws the series labels in the house style.
+pub(crate) fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, position: SeriesLabelPosition) -> anyhow::Result<()> {
     chart
         .configure_series_labels()
         .position(position)
@@ -350,7 +349,7 @@ fn moving_average(points: &[(f64, f64)], half: usize) -> Vec<(f64, f64)> {
 }
 
 /// Number of decimals for axis labels spanning `span`.
-fn decimals_for(span: f64) -> usize {
+pub(crate) fn decimals_for(span: f64) -> usize {
     match span {
         s if s >= 10.0 => 0,
         s if s >= 1.0 => 1,
@@ -359,7 +358,8 @@ fn decimals_for(span: f64) -> usize {
     }
 }
 
-fn plot_err(e: impl std::fmt::Display) -> anyhow::Error {
+/// A plotters error as an anyhow error.
+pub(crate) fn plot_err(e: impl std::fmt::Display) -> anyhow::Error {
     anyhow!("plotting failed: {e}")
 }
 
