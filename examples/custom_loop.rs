@@ -38,6 +38,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         seed: 1,
         server_sync: Vec::new(), // every server runs the job's policy
+        inject: Vec::new(),
+        balance: Default::default(),
+        max_servers: 2,
+        min_servers: 2,
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let sched_opts = SchedulerOptions {

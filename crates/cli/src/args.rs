@@ -98,6 +98,10 @@ impl JobArgs {
             },
             seed: self.seed,
             server_sync: self.server_sync.clone(),
+            inject: Vec::new(),
+            balance: Default::default(),
+            max_servers: self.servers,
+            min_servers: self.servers,
         })
     }
 

@@ -107,6 +107,50 @@ struct HeldPull<T> {
     since_us: u64,
 }
 
+/// Everything a block carries to its new owner when it migrates: values, optimizer state,
+/// clock state and the aggregate buffer. Held pulls stay behind (the old owner answers
+/// them `Moved` and the workers re-issue them); counters stay with the server that
+/// counted them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BlockState {
+    /// The block.
+    pub spec: BlockSpec,
+    /// Its values.
+    #[serde(with = "crate::f32s")]
+    pub values: Vec<f32>,
+    /// Its optimizer state.
+    pub opt: OptState,
+    /// Which clocks each worker has pushed (what makes a resent push a duplicate).
+    pub clocks: Clocks,
+    /// Aggregate mode: the sums of clocks not yet complete.
+    pub pending: Vec<PendingSum>,
+}
+
+/// Aggregate mode: the sum of the pushes of one clock received so far, and how many.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PendingSum {
+    /// The clock.
+    pub clock: Clock,
+    /// Sum of the gradients pushed for it.
+    #[serde(with = "crate::f32s")]
+    pub sum: Vec<f32>,
+    /// Number of pushes summed.
+    pub count: u32,
+}
+
+/// A push applied while its block was being copied to a new owner, which replays it
+/// (in order) on top of the snapshot: the "delta" of a migration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoggedPush {
+    /// The worker that pushed.
+    pub worker: u32,
+    /// The clock it pushed.
+    pub clock: Clock,
+    /// The gradient.
+    #[serde(with = "crate::f32s")]
+    pub grad: Vec<f32>,
+}
+
 /// One block owned by a server.
 #[derive(Debug)]
 pub struct Block<T> {
@@ -119,6 +163,8 @@ pub struct Block<T> {
     held: Vec<HeldPull<T>>,
     stats: BlockStats,
     hold_hist: Histogram,
+    /// While a migration copies the block: the pushes applied since the snapshot.
+    log: Option<Vec<LoggedPush>>,
 }
 
 impl<T> Block<T> {
@@ -136,7 +182,63 @@ impl<T> Block<T> {
             held: Vec::new(),
             stats: BlockStats::default(),
             hold_hist: Histogram::default(),
+            log: None,
         })
+    }
+
+    /// A block arriving by migration: `state` as the old owner sent it, then the pushes it
+    /// applied after its snapshot, replayed in order (duplicates are dropped by the clock
+    /// state, so a push is applied exactly once). Counters start at zero.
+    pub fn from_state(state: BlockState, delta: &[LoggedPush], config: &ShardConfig) -> Result<Self, CoreError> {
+        let spec = state.spec;
+        let lens_ok = state.values.len() == spec.len
+            && [&state.opt.m, &state.opt.v].iter().all(|v| v.is_empty() || v.len() == spec.len)
+            && state.pending.iter().all(|p| p.sum.len() == spec.len);
+        if !lens_ok {
+            return Err(CoreError::WrongLength { block: spec.id, expected: spec.len, got: state.values.len() });
+        }
+        if state.clocks.workers() != config.workers {
+            return Err(CoreError::UnknownWorker(state.clocks.workers()));
+        }
+        let mut block = Self {
+            spec,
+            values: Arc::new(state.values),
+            opt: state.opt,
+            clocks: state.clocks,
+            pending: state.pending.into_iter().map(|p| (p.clock, (p.sum, p.count))).collect(),
+            held: Vec::new(),
+            stats: BlockStats::default(),
+            hold_hist: Histogram::default(),
+            log: None,
+        };
+        for p in delta {
+            block.push(config, p.worker, p.clock, &p.grad, 0)?;
+        }
+        block.stats = BlockStats::default();
+        Ok(block)
+    }
+
+    /// The block's state for a migration, and from now on a log of the pushes applied
+    /// after it ([`Block::take_log`]).
+    pub fn snapshot(&mut self) -> BlockState {
+        self.log = Some(Vec::new());
+        BlockState {
+            spec: self.spec,
+            values: self.values.as_ref().clone(),
+            opt: self.opt.clone(),
+            clocks: self.clocks.clone(),
+            pending: self
+                .pending
+                .iter()
+                .map(|(clock, (sum, count))| PendingSum { clock: *clock, sum: sum.clone(), count: *count })
+                .collect(),
+        }
+    }
+
+    /// The pushes applied since [`Block::snapshot`]; logging stops (also to abandon a
+    /// migration).
+    pub fn take_log(&mut self) -> Vec<LoggedPush> {
+        self.log.take().unwrap_or_default()
     }
 
     /// The block's description.
@@ -206,6 +308,9 @@ impl<T> Block<T> {
         }
         self.stats.pushes += 1;
         self.stats.bytes_in += self.spec.bytes() as u64;
+        if let Some(log) = &mut self.log {
+            log.push(LoggedPush { worker, clock, grad: grad.to_vec() });
+        }
         self.stats.max_lead = self.stats.max_lead.max(self.clocks.lead().into());
         let opt = config.optimizer;
         if opt.aggregate {

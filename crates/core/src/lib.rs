@@ -16,6 +16,7 @@
 pub mod adaptive;
 pub mod block;
 pub mod error;
+pub mod f32s;
 pub mod model;
 pub mod optimizer;
 pub mod placement;

@@ -83,8 +83,10 @@ pub struct OptState {
     /// Steps taken so far (Adam's bias correction).
     pub steps: u64,
     /// Momentum buffer or Adam's first moment; empty for SGD.
+    #[serde(with = "crate::f32s")]
     pub m: Vec<f32>,
     /// Adam's second moment; empty otherwise.
+    #[serde(with = "crate::f32s")]
     pub v: Vec<f32>,
 }
 

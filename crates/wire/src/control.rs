@@ -5,7 +5,7 @@
 //! the protocol**: new variants are only ever appended, and existing ones never change
 //! their fields without a protocol version bump. docs/PROTOCOL.md lists the indices.
 
-use elasticps_core::block::{BlockStats, ShardConfig};
+use elasticps_core::block::{BlockState, BlockStats, LoggedPush, ShardConfig};
 use elasticps_core::model::{BlockId, Partition, TensorSpec};
 use elasticps_core::placement::{Placement, ServerId};
 use serde::{Deserialize, Serialize};
@@ -92,6 +92,202 @@ pub enum Control {
     GetStats,
     /// Tag 16: Server -> asker: the counters.
     Stats(ServerStats),
+    /// Tag 17: Scheduler -> server (notification): move `block` to server `to`, whose data
+    /// listener is `to_addr`; the placement becomes `epoch` once it is done. The server
+    /// answers later with [`Control::MigrateDone`].
+    Migrate {
+        /// The block to move.
+        block: BlockId,
+        /// The new owner.
+        to: ServerId,
+        /// The new owner's data address.
+        to_addr: String,
+        /// The placement epoch after the move.
+        epoch: u64,
+    },
+    /// Tag 18: Server -> server, on a data connection: the snapshot of a migrating block,
+    /// taken while the old owner keeps serving it. Reply: [`Control::Ok`].
+    BlockSnapshot {
+        /// The placement epoch after the move.
+        epoch: u64,
+        /// Values, optimizer and clock state.
+        state: BlockState,
+    },
+    /// Tag 19: Server -> server: the pushes the old owner applied after the snapshot, sent
+    /// while the block is frozen there. The receiver replays them and from then on owns
+    /// the block. Reply: [`Control::Ok`].
+    BlockDelta {
+        /// The block.
+        block: BlockId,
+        /// The placement epoch after the move.
+        epoch: u64,
+        /// The pushes, in the order they were applied.
+        pushes: Vec<LoggedPush>,
+    },
+    /// Tag 20: Server -> scheduler: a migration it was asked for ended. Reply:
+    /// [`Control::Ok`] once the scheduler's placement says so (only then does the old
+    /// owner answer `Moved`).
+    MigrateDone(MigrationReport),
+    /// Tag 21: Server -> scheduler, every stats interval (notification): its load.
+    ServerLoad(ServerLoad),
+    /// Tag 22: Worker -> scheduler, every stats interval (notification): its iterations
+    /// and what each server cost it.
+    WorkerLoad(WorkerLoad),
+    /// Tag 23: Anyone -> scheduler: the state of the cluster. Reply: [`Control::Status`].
+    GetStatus,
+    /// Tag 24: Scheduler -> asker: the state of the cluster.
+    Status(ClusterStatus),
+    /// Tag 25: Operator -> scheduler: add or remove a server. Reply: [`Control::Ok`] once
+    /// it is under way, or an `Error`.
+    Scale(ScaleRequest),
+}
+
+/// Server straggler injection, as in PSLD's experiments: part of a server's assignment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Injection {
+    /// Cap on the server's socket bandwidth in bytes/s, each direction (0: none).
+    pub bandwidth_bps: u64,
+    /// The server spends this many times the normal CPU per byte handled (<= 1: none).
+    pub interference: f32,
+    /// Microseconds after the assignment at which the injection starts.
+    pub at_us: u64,
+}
+
+/// How a migration went: one entry of the report's migration log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigrationReport {
+    /// The block.
+    pub block: BlockId,
+    /// The old owner (the reporting server).
+    pub from: ServerId,
+    /// The new owner.
+    pub to: ServerId,
+    /// The placement epoch after the move.
+    pub epoch: u64,
+    /// Bytes sent (snapshot and delta).
+    pub bytes: u64,
+    /// How long the block was frozen (no push or pull served), in microseconds.
+    pub freeze_us: u64,
+    /// From the request to the handover, in microseconds.
+    pub total_us: u64,
+    /// Why it failed; `None` if the new owner now serves the block.
+    pub error: Option<String>,
+}
+
+/// A server's load over one stats interval.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServerLoad {
+    /// The server.
+    pub server_id: ServerId,
+    /// Length of the interval, in microseconds.
+    pub interval_us: u64,
+    /// Payload bytes received.
+    pub bytes_in: u64,
+    /// Payload bytes sent.
+    pub bytes_out: u64,
+    /// Pushes and pulls handled.
+    pub requests: u64,
+    /// Time spent applying pushes and answering pulls (including injected work), in
+    /// microseconds.
+    pub busy_us: u64,
+    /// Time frames waited for the bandwidth cap (queueing delay), in microseconds.
+    pub shaped_us: u64,
+    /// Blocks it holds now.
+    pub blocks: u32,
+    /// Bytes of values it holds now.
+    pub bytes: u64,
+}
+
+/// What one server cost one worker over a stats interval.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServerSample {
+    /// The server.
+    pub server: ServerId,
+    /// Rounds (push, pull or both) with this server.
+    pub rounds: u32,
+    /// Payload bytes pushed to it.
+    pub push_bytes: u64,
+    /// Time from the first push of a round to its last acknowledgement, summed, in
+    /// microseconds: the server's service time (pushes are never held by a sync policy).
+    pub push_us: u64,
+    /// Time from a round's start until this server's last reply, summed, in microseconds
+    /// (includes pulls held by the sync policy).
+    pub wait_us: u64,
+}
+
+/// A worker's progress and per-server costs over one stats interval.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkerLoad {
+    /// The worker.
+    pub rank: u32,
+    /// The last clock it pushed.
+    pub clock: u32,
+    /// Iterations completed in the interval.
+    pub iterations: u32,
+    /// Their summed duration, in microseconds.
+    pub iter_us: u64,
+    /// Per server.
+    pub per_server: Vec<ServerSample>,
+}
+
+/// One server as `elasticps status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServerStatus {
+    /// Server id.
+    pub id: ServerId,
+    /// Data address.
+    pub addr: String,
+    /// `serving`, `joining`, `draining` or `gone`.
+    pub state: String,
+    /// Blocks it owns.
+    pub blocks: u32,
+    /// Bytes of the blocks it owns.
+    pub bytes: u64,
+    /// Estimated service rate in bytes/s (0: not measured yet).
+    pub rate_bps: f64,
+    /// Confidence of the estimate in [0, 1].
+    pub confidence: f64,
+    /// Estimated service time per iteration, in milliseconds.
+    pub service_ms: f64,
+    /// Its service time exceeds the median by more than the threshold.
+    pub straggler: bool,
+}
+
+/// One worker as `elasticps status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    /// Rank.
+    pub rank: u32,
+    /// The last clock it pushed.
+    pub clock: u32,
+    /// Mean iteration time over its last report, in milliseconds.
+    pub iter_ms: f64,
+    /// It finished (or died).
+    pub done: bool,
+}
+
+/// The state of the cluster, answered to [`Control::GetStatus`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// `static` or `psld`.
+    pub balance: String,
+    /// The placement epoch.
+    pub epoch: u64,
+    /// Migrations completed.
+    pub migrations: u32,
+    /// The servers.
+    pub servers: Vec<ServerStatus>,
+    /// The workers.
+    pub workers: Vec<WorkerStatus>,
+}
+
+/// An operator's scaling request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ScaleRequest {
+    /// Tag 0: start one more server (through the scheduler's launcher) and move load to it.
+    AddServer,
+    /// Tag 1: drain this server's blocks to the others, then stop it.
+    RemoveServer(ServerId),
 }
 
 /// Where the blocks live: everything a worker needs to push and pull.
@@ -129,6 +325,8 @@ pub struct Assignment {
     pub config: ShardConfig,
     /// Seed of the deterministic initial values.
     pub seed: u64,
+    /// Straggler injection for this server (experiments), none by default.
+    pub inject: Injection,
 }
 
 /// A server's counters, answered to [`Control::GetStats`].

@@ -58,7 +58,10 @@ pub mod header;
 pub mod message;
 pub mod values;
 
-pub use control::{Assignment, Control, Layout, ServerAddr, ServerStats};
+pub use control::{
+    Assignment, ClusterStatus, Control, Injection, Layout, MigrationReport, ScaleRequest, ServerAddr, ServerLoad,
+    ServerSample, ServerStats, ServerStatus, WorkerLoad, WorkerStatus,
+};
 pub use error::{ErrorCode, ErrorReply, WireError};
 pub use frame::Codec;
 pub use header::{

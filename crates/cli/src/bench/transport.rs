@@ -439,6 +439,10 @@ async fn start_cluster(
         block_bytes: block_bytes(size, topo, max_block),
         seed: 42,
         server_sync: Vec::new(),
+        inject: Vec::new(),
+        balance: Default::default(),
+        max_servers: topo.servers,
+        min_servers: topo.servers,
     };
     let mut cluster = Cluster::new(log_dir)?;
     let env = [("ELASTICPS_SECRET", net.secret.as_str())];

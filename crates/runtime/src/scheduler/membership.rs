@@ -7,7 +7,7 @@ use elasticps_core::block::ShardConfig;
 use elasticps_core::model::{Partition, TensorSpec};
 use elasticps_core::placement::{Placement, PlacementKind};
 use elasticps_core::sync::SyncPolicy;
-use elasticps_wire::{Assignment, Control, ErrorCode, ErrorReply, Layout, Message, ServerAddr};
+use elasticps_wire::{Assignment, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr};
 
 /// Identifies one connection to the scheduler.
 pub type ConnId = u64;
@@ -29,9 +29,52 @@ pub struct JobConfig {
     pub server_sync: Vec<(u32, SyncPolicy)>,
     /// Seed of the initial values.
     pub seed: u64,
+    /// Straggler injection per server id (experiments): (server id, injection).
+    pub inject: Vec<(u32, Injection)>,
+    /// Whether the scheduler moves blocks and scales servers while training runs.
+    pub balance: BalanceMode,
+    /// The balancer may scale out up to this many servers (at least `servers`).
+    pub max_servers: u32,
+    /// The balancer may scale in down to this many servers (at most `servers`).
+    pub min_servers: u32,
+}
+
+/// `--balance`: keep the initial placement, or rebalance and scale as PSLD does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BalanceMode {
+    /// The initial placement stays (ps-lite, BytePS); operators may still `scale`.
+    #[default]
+    Static,
+    /// Measure, move blocks off stragglers, scale out and in (DESIGN.md §4).
+    Psld,
+}
+
+impl std::fmt::Display for BalanceMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BalanceMode::Static => "static",
+            BalanceMode::Psld => "psld",
+        })
+    }
+}
+
+impl std::str::FromStr for BalanceMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "static" => Ok(BalanceMode::Static),
+            "psld" => Ok(BalanceMode::Psld),
+            other => Err(format!("unknown balance mode {other:?}: expected static or psld")),
+        }
+    }
 }
 
 impl JobConfig {
+    /// The straggler injection of server `id` (none for most servers).
+    pub fn injection(&self, id: u32) -> Injection {
+        self.inject.iter().rev().find(|(s, _)| *s == id).map_or_else(Injection::default, |(_, i)| *i)
+    }
+
     /// The configuration of server `id`: the job's, with its own sync policy if it has one.
     pub fn shard_config(&self, id: u32) -> ShardConfig {
         let sync = self.server_sync.iter().rev().find(|(s, _)| *s == id).map_or(self.shard.sync, |(_, p)| *p);
@@ -338,6 +381,7 @@ impl Membership {
                 placement: placement.clone(),
                 config: self.config.shard_config(id as u32),
                 seed: self.config.seed,
+                inject: self.config.injection(id as u32),
             };
             out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Assign(assignment).into() });
         }
@@ -434,6 +478,10 @@ mod tests {
             },
             seed: 1,
             server_sync: vec![(1, SyncPolicy::Ssp(2))],
+            inject: Vec::new(),
+            balance: Default::default(),
+            max_servers: 2,
+            min_servers: 2,
         }
     }
 

@@ -1,6 +1,7 @@
 //! The scheduler role: one actor task owns [`Membership`]; one task per connection
 //! reads frames and forwards them as events; a ticker feeds time.
 
+mod history;
 mod membership;
 
 use std::collections::HashMap;
@@ -12,7 +13,8 @@ use elasticps_wire::{Codec, Message};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc};
 
-pub use membership::{Action, ConnId, Event, JobConfig, Membership};
+pub use history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+pub use membership::{Action, BalanceMode, ConnId, Event, JobConfig, Membership};
 
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};

@@ -1,0 +1,84 @@
+//! What the scheduler records about balancing for the report: every migration, every
+//! scaling event, and a per-interval timeline of server load and iteration time.
+
+use serde::{Deserialize, Serialize};
+
+/// The balancing history of one job (report.json's `balance`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct BalanceLog {
+    /// `static` or `psld`.
+    pub mode: String,
+    /// Every migration, in the order they ended.
+    pub migrations: Vec<MigrationEvent>,
+    /// Every scaling event.
+    pub scaling: Vec<ScaleEvent>,
+    /// One sample per stats interval once training runs.
+    pub timeline: Vec<LoadSample>,
+    /// Seconds since the scheduler started at which the last migration or scaling
+    /// decision ended (`None`: the placement never changed).
+    pub settled_s: Option<f64>,
+}
+
+/// One block migration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MigrationEvent {
+    /// When it ended, seconds since the scheduler started.
+    pub at_s: f64,
+    /// The block.
+    pub block: u32,
+    /// Old owner.
+    pub from: u32,
+    /// New owner.
+    pub to: u32,
+    /// Bytes sent (snapshot and delta).
+    pub bytes: u64,
+    /// How long the block was frozen, in milliseconds.
+    pub freeze_ms: f64,
+    /// From the request to the handover, in milliseconds.
+    pub total_ms: f64,
+    /// Why it failed (`None`: it succeeded).
+    pub error: Option<String>,
+}
+
+/// One scaling event.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScaleEvent {
+    /// When, seconds since the scheduler started.
+    pub at_s: f64,
+    /// `scale-out` (a server was requested), `joined` (it registered), `scale-in` (a
+    /// server is being drained), `removed` (it was stopped), `kept` / `reverted` (the
+    /// verdict on a scale-out).
+    pub action: String,
+    /// The server concerned, once it has an id.
+    pub server: Option<u32>,
+    /// Why, in words.
+    pub reason: String,
+}
+
+/// The cluster at one instant.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoadSample {
+    /// Seconds since the scheduler started.
+    pub t_s: f64,
+    /// Mean iteration time of the workers over the last interval, in milliseconds.
+    pub iter_ms: Option<f64>,
+    /// Every server that owns blocks or is joining.
+    pub servers: Vec<ServerPoint>,
+}
+
+/// One server in a [`LoadSample`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServerPoint {
+    /// Server id.
+    pub id: u32,
+    /// Blocks owned.
+    pub blocks: u32,
+    /// Bytes owned.
+    pub bytes: u64,
+    /// Estimated service rate, bytes/s (0: unknown).
+    pub rate_bps: f64,
+    /// Estimated service time per iteration, in milliseconds.
+    pub service_ms: f64,
+    /// Flagged as a straggler.
+    pub straggler: bool,
+}
