@@ -2,6 +2,7 @@
 //! variable (`ELASTICPS_...`), so a launcher or a Kubernetes manifest can configure a
 //! role without a command line.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -10,10 +11,10 @@ use elasticps_core::block::ShardConfig;
 use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
 use elasticps_core::placement::PlacementKind;
 use elasticps_core::sync::SyncPolicy;
-use elasticps_runtime::scheduler::JobConfig;
+use elasticps_runtime::scheduler::{BalanceMode, JobConfig};
 use elasticps_train::DatasetKind;
 use elasticps_train::synthetic::ModelKind;
-use elasticps_wire::Codec;
+use elasticps_wire::{Codec, Injection};
 
 /// Cluster-wide transport settings; every node of a job must agree on them.
 #[derive(Args, Clone, Debug)]
@@ -65,7 +66,8 @@ pub struct JobArgs {
     /// (exact BSP, like BytePS); by default every push is applied as it arrives.
     #[arg(long, env = "ELASTICPS_AGGREGATE")]
     pub aggregate: bool,
-    /// Initial placement of blocks: range, hash, roundrobin or bestfit.
+    /// Initial placement of blocks: range, hash, roundrobin, bestfit or skewed:IDX (at
+    /// least 70% of the bytes on server IDX, the rest best-fit over the others).
     #[arg(long, env = "ELASTICPS_PLACEMENT", default_value = "range", value_parser = parse_core::<PlacementKind>)]
     pub placement: PlacementKind,
     /// Largest block, in bytes (tensors are cut into blocks of at most this size).
@@ -74,6 +76,46 @@ pub struct JobArgs {
     /// Seed of the initial parameters (and of the data order on workers).
     #[arg(long, env = "ELASTICPS_SEED", default_value_t = 42)]
     pub seed: u64,
+    /// Straggler injection: cap server IDX's socket bandwidth, each direction, at MBPS
+    /// megabytes (10^6 bytes) per second: IDX=MBPS (repeatable, e.g. `--server-bandwidth 0=12.5`).
+    #[arg(
+        long = "server-bandwidth",
+        env = "ELASTICPS_SERVER_BANDWIDTH",
+        value_name = "IDX=MBPS",
+        value_delimiter = ',',
+        value_parser = parse_server_bandwidth
+    )]
+    pub server_bandwidth: Vec<(u32, f64)>,
+    /// Straggler injection: server IDX burns FACTOR times the CPU time of each request:
+    /// IDX=FACTOR, FACTOR >= 1 (repeatable, e.g. `--server-interference 1=3`).
+    #[arg(
+        long = "server-interference",
+        env = "ELASTICPS_SERVER_INTERFERENCE",
+        value_name = "IDX=FACTOR",
+        value_delimiter = ',',
+        value_parser = parse_server_interference
+    )]
+    pub server_interference: Vec<(u32, f32)>,
+    /// Seconds after a server gets its blocks at which its --server-bandwidth and
+    /// --server-interference start.
+    #[arg(
+        long,
+        env = "ELASTICPS_STRAGGLER_AT",
+        value_name = "SECONDS",
+        default_value_t = 0.0,
+        value_parser = parse_straggler_at
+    )]
+    pub straggler_at: f64,
+    /// Load balancing: static (keep the initial placement) or psld (move blocks off
+    /// stragglers, scale servers out and in between --min-servers and --max-servers).
+    #[arg(long, env = "ELASTICPS_BALANCE", default_value = "static")]
+    pub balance: BalanceMode,
+    /// Most servers the balancer may scale out to [default: --servers].
+    #[arg(long, env = "ELASTICPS_MAX_SERVERS")]
+    pub max_servers: Option<u32>,
+    /// Fewest servers the balancer may scale in to [default: --servers].
+    #[arg(long, env = "ELASTICPS_MIN_SERVERS")]
+    pub min_servers: Option<u32>,
 }
 
 impl JobArgs {
@@ -86,8 +128,19 @@ impl JobArgs {
         if let Some((idx, _)) = self.server_sync.iter().find(|(i, _)| *i >= self.servers) {
             anyhow::bail!("--server-sync names server {idx}, but the job has servers 0..{}", self.servers);
         }
+        let servers = self.servers;
+        if let PlacementKind::Skewed(idx) = self.placement
+            && idx >= servers
+        {
+            anyhow::bail!("--placement skewed:{idx} names server {idx}, but the job starts with servers 0..{servers}");
+        }
+        let max_servers = self.max_servers.unwrap_or(servers);
+        let min_servers = self.min_servers.unwrap_or(servers);
+        anyhow::ensure!(max_servers >= servers, "--max-servers {max_servers} is below --servers {servers}");
+        anyhow::ensure!(min_servers >= 1, "--min-servers must be at least 1");
+        anyhow::ensure!(min_servers <= servers, "--min-servers {min_servers} is above --servers {servers}");
         Ok(JobConfig {
-            servers: self.servers,
+            servers,
             workers: self.workers,
             block_bytes: self.block_bytes,
             placement: self.placement,
@@ -98,11 +151,35 @@ impl JobArgs {
             },
             seed: self.seed,
             server_sync: self.server_sync.clone(),
-            inject: Vec::new(),
-            balance: Default::default(),
-            max_servers: self.servers,
-            min_servers: self.servers,
+            inject: self.injections(max_servers)?,
+            balance: self.balance,
+            max_servers,
+            min_servers,
         })
+    }
+
+    /// One injection per server named by --server-bandwidth or --server-interference (the
+    /// last value of a server wins), in server order, all starting --straggler-at seconds
+    /// after the server gets its blocks.
+    fn injections(&self, max_servers: u32) -> anyhow::Result<Vec<(u32, Injection)>> {
+        let named = self.server_bandwidth.iter().map(|(i, _)| (*i, "--server-bandwidth"));
+        let named = named.chain(self.server_interference.iter().map(|(i, _)| (*i, "--server-interference")));
+        for (idx, flag) in named {
+            anyhow::ensure!(
+                idx < max_servers,
+                "{flag} names server {idx}, but the job has at most {max_servers} servers (0..{max_servers}, see \
+                 --max-servers)"
+            );
+        }
+        let base = Injection { at_us: (self.straggler_at * 1e6).round() as u64, ..Injection::default() };
+        let mut by_server: BTreeMap<u32, Injection> = BTreeMap::new();
+        for (idx, mbps) in &self.server_bandwidth {
+            by_server.entry(*idx).or_insert(base).bandwidth_bps = (mbps * 1e6).round() as u64;
+        }
+        for (idx, factor) in &self.server_interference {
+            by_server.entry(*idx).or_insert(base).interference = *factor;
+        }
+        Ok(by_server.into_iter().collect())
     }
 
     /// The flags that reproduce these settings on a child process.
@@ -130,6 +207,24 @@ impl JobArgs {
         }
         for (idx, policy) in &self.server_sync {
             f.extend(["--server-sync".into(), format!("{idx}={policy}")]);
+        }
+        for (idx, mbps) in &self.server_bandwidth {
+            f.extend(["--server-bandwidth".into(), format!("{idx}={mbps}")]);
+        }
+        for (idx, factor) in &self.server_interference {
+            f.extend(["--server-interference".into(), format!("{idx}={factor}")]);
+        }
+        f.extend([
+            "--straggler-at".into(),
+            self.straggler_at.to_string(),
+            "--balance".into(),
+            self.balance.to_string(),
+        ]);
+        if let Some(n) = self.max_servers {
+            f.extend(["--max-servers".into(), n.to_string()]);
+        }
+        if let Some(n) = self.min_servers {
+            f.extend(["--min-servers".into(), n.to_string()]);
         }
         f
     }
@@ -264,10 +359,168 @@ fn parse_server_sync(s: &str) -> Result<(u32, SyncPolicy), String> {
     Ok((idx, parse_core(policy)?))
 }
 
+/// `IDX=VALUE` of a per-server flag; `value` parses and checks VALUE.
+fn parse_per_server<T>(
+    s: &str,
+    example: &str,
+    value: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<(u32, T), String> {
+    let (idx, v) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected IDX=VALUE, e.g. {example}"))?;
+    let idx = idx.trim().parse::<u32>().map_err(|_| format!("{s:?}: {idx:?} is not a server index"))?;
+    Ok((idx, value(v.trim()).map_err(|why| format!("{s:?}: {why}"))?))
+}
+
+fn parse_server_bandwidth(s: &str) -> Result<(u32, f64), String> {
+    parse_per_server(s, "0=12.5 (MB/s)", |v| match v.parse::<f64>() {
+        // At least one byte per second: 0 would mean no cap.
+        Ok(mbps) if mbps.is_finite() && mbps * 1e6 >= 1.0 => Ok(mbps),
+        _ => Err(format!("{v:?} is not a bandwidth in MB/s greater than 0 (1 MB = 10^6 bytes)")),
+    })
+}
+
+fn parse_server_interference(s: &str) -> Result<(u32, f32), String> {
+    parse_per_server(s, "1=3 (3 times the CPU)", |v| match v.parse::<f32>() {
+        Ok(factor) if factor.is_finite() && factor >= 1.0 => Ok(factor),
+        _ => Err(format!("{v:?} is not a CPU factor of at least 1")),
+    })
+}
+
+fn parse_straggler_at(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(secs) if (0.0..1e9).contains(&secs) => Ok(secs),
+        _ => Err(format!("{s:?} is not a number of seconds >= 0")),
+    }
+}
+
 fn parse_model(s: &str) -> Result<ModelKind, String> {
     s.parse().map_err(|e: elasticps_train::TrainError| e.to_string())
 }
 
 fn parse_dataset(s: &str) -> Result<DatasetKind, String> {
     s.parse().map_err(|e: elasticps_train::TrainError| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        job: JobArgs,
+    }
+
+    fn parse(flags: &[&str]) -> Result<JobArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("elasticps").chain(flags.iter().copied())).map(|c| c.job)
+    }
+
+    fn config(flags: &[&str]) -> anyhow::Result<JobConfig> {
+        parse(flags).map_err(|e| anyhow::anyhow!("{e}"))?.job_config()
+    }
+
+    #[test]
+    fn stragglers_and_balancing_default_to_none() {
+        let c = config(&["--servers", "3"]).unwrap();
+        assert!(c.inject.is_empty());
+        assert_eq!(c.balance, BalanceMode::Static);
+        assert_eq!((c.max_servers, c.min_servers), (3, 3));
+    }
+
+    #[test]
+    fn injections_merge_per_server() {
+        let c = config(&[
+            "--servers",
+            "3",
+            "--max-servers",
+            "5",
+            "--server-bandwidth",
+            "2=0.5,0=12.5",
+            "--server-interference",
+            "2=3",
+            "--server-interference",
+            "4=1.5",
+            "--straggler-at",
+            "2.5",
+        ])
+        .unwrap();
+        let inj = |bandwidth_bps, interference| Injection { bandwidth_bps, interference, at_us: 2_500_000 };
+        assert_eq!(c.inject, vec![(0, inj(12_500_000, 0.0)), (2, inj(500_000, 3.0)), (4, inj(0, 1.5))]);
+        assert_eq!(c.injection(2), inj(500_000, 3.0));
+        assert_eq!(c.injection(1), Injection::default());
+    }
+
+    #[test]
+    fn refuses_bad_stragglers_and_server_bounds() {
+        for bad in [
+            &["--server-bandwidth", "0=0"][..],
+            &["--server-bandwidth", "0=-1"],
+            &["--server-bandwidth", "0=x"],
+            &["--server-bandwidth", "0=inf"],
+            &["--server-bandwidth", "12.5"],
+            &["--server-bandwidth", "a=12.5"],
+            &["--server-interference", "1=0.5"],
+            &["--server-interference", "1=NaN"],
+            &["--straggler-at", "-1"],
+            &["--balance", "fast"],
+            &["--placement", "skewed"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+        let err = |flags: &[&str]| config(flags).unwrap_err().to_string();
+        assert!(err(&["--servers", "2", "--max-servers", "1"]).contains("--max-servers 1 is below --servers 2"));
+        assert!(err(&["--servers", "2", "--min-servers", "3"]).contains("--min-servers 3 is above --servers 2"));
+        assert!(err(&["--min-servers", "0"]).contains("--min-servers must be at least 1"));
+        assert!(err(&["--servers", "2", "--placement", "skewed:2"]).contains("skewed:2 names server 2"));
+        let e = err(&["--servers", "2", "--max-servers", "3", "--server-interference", "3=2"]);
+        assert!(e.contains("--server-interference names server 3") && e.contains("0..3"), "{e}");
+        assert!(err(&["--servers", "2", "--server-bandwidth", "2=1"]).contains("--server-bandwidth names server 2"));
+        // A server the balancer may start later can be named.
+        assert!(config(&["--servers", "2", "--max-servers", "3", "--server-bandwidth", "2=1"]).is_ok());
+    }
+
+    #[test]
+    fn to_flags_round_trips() {
+        let original = parse(&[
+            "--servers",
+            "3",
+            "--workers",
+            "4",
+            "--sync",
+            "ssp:2",
+            "--server-sync",
+            "1=bsp",
+            "--placement",
+            "skewed:1",
+            "--aggregate",
+            "--server-bandwidth",
+            "0=12.5,2=0.125",
+            "--server-interference",
+            "1=2.5",
+            "--straggler-at",
+            "1.25",
+            "--balance",
+            "psld",
+            "--max-servers",
+            "6",
+            "--min-servers",
+            "2",
+        ])
+        .unwrap();
+        let flags = original.to_flags();
+        let again = parse(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(again.to_flags(), flags);
+        assert_eq!(format!("{:?}", again.job_config().unwrap()), format!("{:?}", original.job_config().unwrap()));
+        let c = again.job_config().unwrap();
+        assert_eq!((c.balance, c.max_servers, c.min_servers), (BalanceMode::Psld, 6, 2));
+        assert_eq!(c.placement, PlacementKind::Skewed(1));
+        assert_eq!(c.inject.len(), 3);
+
+        // Defaults round-trip too (max and min stay "= --servers").
+        let defaults = parse(&[]).unwrap();
+        let again = parse(&defaults.to_flags().iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(again.to_flags(), defaults.to_flags());
+        assert_eq!((again.max_servers, again.min_servers), (None, None));
+    }
 }

@@ -4,6 +4,7 @@
 
 use std::io::Write;
 
+use elasticps_runtime::scheduler::BalanceLog;
 use elasticps_wire::ServerStats;
 
 use crate::report::WorkerReport;
@@ -44,6 +45,8 @@ pub enum Event {
     WorkerDone(WorkerReport),
     /// A server's final counters.
     ServerStats(ServerStats),
+    /// The scheduler's balancing history (migrations, scaling, load timeline), at the end.
+    Balance(BalanceLog),
 }
 
 /// Writes events to stdout when enabled.

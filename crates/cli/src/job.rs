@@ -75,8 +75,8 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
     let started = Instant::now();
     client.pull(0, &mut params).await.with_context(|| format!("worker {rank} pulling clock 0"))?;
     stats.comm += started.elapsed();
+    stats.start();
     for t in 0..iterations {
-        let iteration = Instant::now();
         match &mut work {
             Workload::Mlp { mlp, batches, test } => {
                 let batches_per_epoch = batches.batches_per_epoch();
@@ -116,7 +116,7 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
             client.push(t, &grads).await.with_context(|| format!("worker {rank} pushing clock {t}"))?;
         }
         stats.comm += comm.elapsed();
-        stats.record(iteration.elapsed(), &client.last_waits().per_server);
+        stats.record(&client.last_waits().per_server);
         if last_progress.elapsed() >= Duration::from_millis(100) || t + 1 == iterations {
             last_progress = Instant::now();
             emitter.emit(&Event::Progress { rank, iteration: t + 1, total: iterations, loss });
@@ -142,11 +142,22 @@ fn straggler(spec: Option<&StragglerSpec>, rank: u32, seed: u64) -> anyhow::Resu
 }
 
 /// Per-iteration timings of one worker.
+///
+/// Iteration k lasts from the end of iteration k - 1 (or from [`Tally::start`]) to the end
+/// of its push/pull, so the durations tile the training loop without gaps: iteration k
+/// ends `sum(iter_ms[..=k])` after `started_unix_ms`, which lets a benchmark line them up
+/// with the scheduler's clock (migrations, scaling events).
 struct Tally {
     iterations: Histogram,
     iter_total: Duration,
     comm: Duration,
     per_server: Vec<Duration>,
+    /// Where the current iteration started.
+    mark: Instant,
+    /// Wall-clock time of the first iteration's start, ms since the Unix epoch.
+    started_unix_ms: f64,
+    /// Every iteration's duration, ms, in order.
+    iter_ms: Vec<f32>,
 }
 
 impl Tally {
@@ -156,12 +167,27 @@ impl Tally {
             iter_total: Duration::ZERO,
             comm: Duration::ZERO,
             per_server: vec![Duration::ZERO; servers],
+            mark: Instant::now(),
+            started_unix_ms: unix_ms(),
+            iter_ms: Vec::new(),
         }
     }
 
-    fn record(&mut self, iteration: Duration, waits: &[Duration]) {
+    /// The first iteration starts now.
+    fn start(&mut self) {
+        self.mark = Instant::now();
+        self.started_unix_ms = unix_ms();
+    }
+
+    /// The current iteration ended now; `waits` is how long each server took in its round.
+    fn record(&mut self, waits: &[Duration]) {
+        let now = Instant::now();
+        let iteration = now.saturating_duration_since(self.mark);
+        self.mark = now;
         self.iterations.record(iteration.as_micros() as u64);
         self.iter_total += iteration;
+        // Microsecond resolution, written as a short decimal in report.json.
+        self.iter_ms.push(iteration.as_micros() as f32 / 1e3);
         for (total, w) in self.per_server.iter_mut().zip(waits) {
             *total += *w;
         }
@@ -180,6 +206,13 @@ impl Tally {
             iter_ms_p99: self.iterations.quantile(0.99) as f64 / 1e3,
             comm_ms_per_iter: per_iter(self.comm),
             wait_ms_by_server: self.per_server.iter().map(|d| d.as_secs_f64() * 1e3).collect(),
+            started_unix_ms: self.started_unix_ms,
+            iter_ms: self.iter_ms.clone(),
         }
     }
+}
+
+/// Milliseconds since the Unix epoch, now (0 if the clock is before 1970).
+fn unix_ms() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }

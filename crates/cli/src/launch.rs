@@ -59,21 +59,9 @@ impl Cluster {
     pub fn spawn(&mut self, name: &str, args: &[String], env: &[(&str, &str)]) -> anyhow::Result<usize> {
         let node = self.nodes.len();
         let log = self.log_dir.join(format!("{}.log", name.replace(' ', "-")));
-        let stderr = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let mut cmd = Command::new(&self.exe);
-        cmd.args(args).arg("--events").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr).kill_on_drop(true);
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        #[cfg(target_os = "linux")]
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-        unsafe {
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().with_context(|| format!("starting {name} ({})", self.exe.display()))?;
+        let mut child = role_command(&self.exe, args, env, &log)?
+            .spawn()
+            .with_context(|| format!("starting {name} ({})", self.exe.display()))?;
         let pid = child.id();
         let stdout = child.stdout.take().context("child stdout")?;
         let tx = self.tx.clone();
@@ -144,6 +132,84 @@ impl Cluster {
     /// The error for a node that exited with `status`, with the tail of its log.
     pub fn failure(&self, node: usize, status: ExitStatus) -> anyhow::Error {
         anyhow::anyhow!("{} exited with {status}\n{}", self.name(node), self.log_tail(node, 12))
+    }
+}
+
+/// `elasticps ARGS... --events` with stdout piped (the event stream), stderr into `log`,
+/// and death with the thread that spawns it (Linux `PR_SET_PDEATHSIG`).
+fn role_command(exe: &Path, args: &[String], env: &[(&str, &str)], log: &Path) -> anyhow::Result<Command> {
+    let stderr = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args).arg("--events").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr).kill_on_drop(true);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
+/// The scheduler's launcher for scale-out: starts `elasticps server` processes on this
+/// host, logs them into `log_dir` and forwards their event lines (their final counters)
+/// to this process's stdout, where `elasticps train` reads them.
+pub struct ServerLauncher {
+    exe: PathBuf,
+    log_dir: PathBuf,
+    /// Transport flags for the servers.
+    args: Vec<String>,
+    secret: String,
+    started: u32,
+}
+
+impl ServerLauncher {
+    /// A launcher whose servers get `args` and the cluster `secret`.
+    pub fn new(log_dir: &Path, args: Vec<String>, secret: String) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(log_dir)
+            .with_context(|| format!("creating the log directory {}", log_dir.display()))?;
+        let exe = std::env::current_exe().context("finding the elasticps binary")?;
+        Ok(Self { exe, log_dir: log_dir.to_path_buf(), args, secret, started: 0 })
+    }
+
+    fn start(&mut self, scheduler_addr: &str) -> anyhow::Result<()> {
+        self.started += 1;
+        let log = self.log_dir.join(format!("server-scaled-{}.log", self.started));
+        let mut args = vec!["server".into(), "--scheduler".into(), scheduler_addr.into(), "--listen".into()];
+        args.push("127.0.0.1:0".into());
+        args.extend(self.args.iter().cloned());
+        let mut child = role_command(&self.exe, &args, &[("ELASTICPS_SECRET", &self.secret)], &log)?
+            .spawn()
+            .context("starting a server")?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        tracing::info!(log = %log.display(), pid = child.id(), "server process started");
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if serde_json::from_str::<Event>(&line).is_ok() {
+                    use std::io::Write;
+                    let mut out = std::io::stdout().lock();
+                    let _ = writeln!(out, "{line}");
+                    let _ = out.flush();
+                }
+            }
+            match child.wait().await {
+                Ok(status) if status.success() => tracing::info!("a scaled server exited"),
+                Ok(status) => tracing::warn!(%status, "a scaled server failed"),
+                Err(e) => tracing::warn!(error = %e, "cannot wait for a scaled server"),
+            }
+        });
+        Ok(())
+    }
+}
+
+impl elasticps_runtime::scheduler::Launcher for ServerLauncher {
+    fn start_server(&mut self, scheduler_addr: &str) -> Result<(), String> {
+        self.start(scheduler_addr).map_err(|e| format!("{e:#}"))
     }
 }
 

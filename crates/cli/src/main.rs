@@ -18,6 +18,7 @@ mod bench;
 mod events;
 mod job;
 mod launch;
+mod ops;
 mod report;
 mod roles;
 mod train;
@@ -46,6 +47,10 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Show a running job: servers, workers, balancing, migrations.
+    Status(ops::StatusCmd),
+    /// Ask a running job's scheduler to add a server, drain and remove one, or move a block.
+    Scale(ops::ScaleCmd),
 }
 
 fn main() -> std::process::ExitCode {
@@ -79,6 +84,8 @@ fn main() -> std::process::ExitCode {
             Command::Server(cmd) => roles::server(cmd).await,
             Command::Worker(cmd) => roles::worker(cmd).await,
             Command::Bench(cmd) => bench::run(cmd).await,
+            Command::Status(cmd) => ops::status(cmd).await,
+            Command::Scale(cmd) => ops::scale(cmd).await,
         }
     });
     match result {

@@ -10,6 +10,7 @@ use elasticps_runtime::server::{self, ServerOptions};
 
 use crate::args::{DataArgs, JobArgs, NetArgs};
 use crate::events::{Emitter, Event};
+use crate::launch::ServerLauncher;
 
 /// `elasticps scheduler`: membership, layout, heartbeats, the end of the job.
 #[derive(Args, Clone, Debug)]
@@ -26,6 +27,13 @@ pub struct SchedulerCmd {
     /// Give up if the cluster is not complete within this many seconds.
     #[arg(long, env = "ELASTICPS_JOIN_TIMEOUT", default_value_t = 300)]
     pub join_timeout_s: u64,
+    /// How to start servers when the job scales out: `local` (processes on this host) or
+    /// `none` (operators start them by hand with `elasticps server`).
+    #[arg(long, env = "ELASTICPS_LAUNCHER", default_value = "local", value_parser = ["local", "none"])]
+    pub launcher: String,
+    /// Where servers started by the local launcher write their logs.
+    #[arg(long, env = "ELASTICPS_LOG_DIR")]
+    pub log_dir: Option<PathBuf>,
     /// Print JSON events on stdout.
     #[arg(long, env = "ELASTICPS_EVENTS")]
     pub events: bool,
@@ -80,12 +88,20 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
         codec: cmd.net.codec(),
         join_timeout: Duration::from_secs(cmd.join_timeout_s),
     };
-    let reason = scheduler::run(opts, |addr| {
+    let launcher: Option<Box<dyn scheduler::Launcher>> = match cmd.launcher.as_str() {
+        "local" => {
+            let dir = cmd.log_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("elasticps-scaled"));
+            Some(Box::new(ServerLauncher::new(&dir, cmd.net.to_flags(), cmd.net.secret.clone())?))
+        }
+        _ => None,
+    };
+    let end = scheduler::run_with(opts, launcher, |addr| {
         tracing::info!(%addr, "scheduler listening");
         emitter.emit(&Event::Listening { addr: addr.to_string() });
     })
     .await?;
-    tracing::info!(%reason, "scheduler done");
+    tracing::info!(reason = %end.reason, migrations = end.balance.migrations.len(), "scheduler done");
+    emitter.emit(&Event::Balance(end.balance));
     Ok(())
 }
 

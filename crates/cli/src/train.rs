@@ -13,6 +13,7 @@ use crate::args::{DataArgs, JobArgs, NetArgs};
 use crate::events::Event;
 use crate::launch::{Cluster, NodeEvent};
 use crate::report::{CurvePoint, Report, ServerReport, WorkerReport};
+use elasticps_runtime::scheduler::BalanceLog;
 use elasticps_train::synthetic::ModelKind;
 
 /// `elasticps train`.
@@ -48,6 +49,8 @@ pub struct RunOutcome {
     pub curve: Vec<CurvePoint>,
     /// The last evaluation: (accuracy, loss).
     pub final_eval: Option<(f32, f32)>,
+    /// The scheduler's balancing history.
+    pub balance: Option<BalanceLog>,
 }
 
 /// Runs one job on a local cluster and collects its events.
@@ -60,7 +63,8 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
     let env = [("ELASTICPS_SECRET", cmd.net.secret.as_str())];
     let started = Instant::now();
 
-    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into()];
+    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into(), "--log-dir".into()];
+    args.push(log_dir.display().to_string());
     args.extend(cmd.job.to_flags());
     args.extend(cmd.net.to_flags());
     let sched = cluster.spawn("scheduler", &args, &env)?;
@@ -140,6 +144,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
                 Event::ServerStats(s) => {
                     out.servers.insert(s.server_id, s);
                 }
+                Event::Balance(log) => out.balance = Some(log),
                 Event::Listening { .. } => {}
             },
         }
@@ -229,6 +234,12 @@ pub fn build_report(cmd: &TrainCmd, o: &RunOutcome) -> anyhow::Result<Report> {
         "compute_ms": cmd.data.compute_ms,
         "worker_delay": cmd.data.worker_delay.as_ref().map(ToString::to_string),
         "server_sync": cmd.job.server_sync.iter().map(|(i, p)| format!("{i}={p}")).collect::<Vec<_>>(),
+        "server_bandwidth": cmd.job.server_bandwidth.iter().map(|(i, mbps)| format!("{i}={mbps}")).collect::<Vec<_>>(),
+        "server_interference": cmd.job.server_interference.iter().map(|(i, f)| format!("{i}={f}")).collect::<Vec<_>>(),
+        "straggler_at": cmd.job.straggler_at,
+        "balance": cmd.job.balance.to_string(),
+        "max_servers": cmd.job.max_servers.unwrap_or(cmd.job.servers),
+        "min_servers": cmd.job.min_servers.unwrap_or(cmd.job.servers),
     });
     Ok(Report {
         config,
@@ -240,6 +251,7 @@ pub fn build_report(cmd: &TrainCmd, o: &RunOutcome) -> anyhow::Result<Report> {
         servers,
         workers,
         curve: o.curve.clone(),
+        balance: o.balance.clone(),
     })
 }
 

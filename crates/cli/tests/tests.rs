@@ -3,4 +3,5 @@
 mod bad_input;
 mod common;
 mod launcher;
+mod migration;
 mod semantics;

@@ -500,6 +500,269 @@ mod tests {
         assert_eq!(*a.values, vec![0.0; 3]);
         assert_eq!(**b.values(), vec![-1.0; 3]);
     }
+
+    // Migration: snapshot, logged pushes, rebuild on the new owner.
+
+    fn opt_config(kind: OptimizerKind, aggregate: bool, workers: u32) -> ShardConfig {
+        ShardConfig { sync: SyncPolicy::Ssp(2), optimizer: OptimizerConfig { kind, lr: 0.01, aggregate }, workers }
+    }
+
+    fn spec(len: usize) -> BlockSpec {
+        BlockSpec { id: 7, tensor: 1, offset: 12, len }
+    }
+
+    /// A gradient that differs per (worker, clock) and is not a round number, so that the
+    /// order of the optimizer's operations shows in the bits.
+    fn grad(worker: u32, clock: Clock, len: usize) -> Vec<f32> {
+        (0..len).map(|i| ((worker * 31 + clock * 7 + i as u32) as f32 * 0.37).sin() * 1.3 - 0.11).collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Everything of a block that a migration must carry, bit for bit (the pending sums of
+    /// aggregate mode included); `snapshot` starts a log, which the caller then ignores.
+    fn fingerprint(b: &mut Block<u32>) -> (Vec<u32>, u64, Vec<u32>, Vec<u32>, Clocks, Vec<(Clock, Vec<u32>, u32)>) {
+        let s = b.snapshot();
+        b.take_log();
+        let pending = s.pending.iter().map(|p| (p.clock, bits(&p.sum), p.count)).collect();
+        (bits(&s.values), s.opt.steps, bits(&s.opt.m), bits(&s.opt.v), s.clocks, pending)
+    }
+
+    const KINDS: [OptimizerKind; 3] = [
+        OptimizerKind::Sgd,
+        OptimizerKind::Momentum { beta: 0.9 },
+        OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 },
+    ];
+
+    #[test]
+    fn a_block_rebuilt_from_snapshot_and_log_is_bit_identical() {
+        const LEN: usize = 5;
+        for kind in KINDS {
+            for aggregate in [false, true] {
+                let cfg = opt_config(kind, aggregate, 3);
+                let init: Vec<f32> = (0..LEN).map(|i| i as f32 * 0.25 - 0.5).collect();
+                let mut old: Block<u32> = Block::new(spec(LEN), init, &cfg).unwrap();
+                // Before the snapshot: clock 0 complete, clock 1 half done (workers 0 and 1).
+                for (w, t) in [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1)] {
+                    old.push(&cfg, w, t, &grad(w, t, LEN), 0).unwrap();
+                }
+                let snapshot = old.snapshot();
+                assert_eq!(snapshot.spec, spec(LEN));
+                assert_eq!(snapshot.pending.len(), usize::from(aggregate), "{kind} aggregate={aggregate}");
+                if let Some(p) = snapshot.pending.first() {
+                    assert_eq!((p.clock, p.count), (1, 2));
+                }
+                // While the snapshot travels: clock 1 completes, clock 2 is half done, and a
+                // duplicate push is dropped (not logged).
+                for (w, t) in [(2, 1), (0, 2), (0, 2), (1, 2)] {
+                    old.push(&cfg, w, t, &grad(w, t, LEN), 0).unwrap();
+                }
+                let log = old.take_log();
+                let logged: Vec<_> = log.iter().map(|p| (p.worker, p.clock)).collect();
+                assert_eq!(logged, [(2, 1), (0, 2), (1, 2)]);
+                assert_eq!(log[1].grad, grad(0, 2, LEN));
+
+                let mut new: Block<u32> = Block::from_state(snapshot, &log, &cfg).unwrap();
+                assert_eq!(fingerprint(&mut new), fingerprint(&mut old), "{kind} aggregate={aggregate}");
+                assert_ne!(bits(new.values()), bits(&(0..LEN).map(|i| i as f32 * 0.25 - 0.5).collect::<Vec<_>>()));
+                assert_eq!(new.done(), 2);
+                assert_eq!(*new.stats(), BlockStats::default(), "counters stay with the old owner");
+                assert_eq!(new.held(), 0);
+
+                // Both go on identically: the rebuilt block is the same state machine.
+                for (w, t) in [(2, 2), (0, 3), (1, 3), (2, 3)] {
+                    old.push(&cfg, w, t, &grad(w, t, LEN), 0).unwrap();
+                    new.push(&cfg, w, t, &grad(w, t, LEN), 0).unwrap();
+                }
+                assert_eq!(fingerprint(&mut new), fingerprint(&mut old), "{kind} aggregate={aggregate}, later");
+                if kind != OptimizerKind::Sgd {
+                    assert!(!new.snapshot().opt.m.is_empty());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_new_owner_drops_duplicates_of_migrated_pushes() {
+        let cfg = opt_config(OptimizerKind::Momentum { beta: 0.9 }, false, 2);
+        let mut old: Block<u32> = Block::new(spec(3), vec![1.0; 3], &cfg).unwrap();
+        old.push(&cfg, 0, 0, &grad(0, 0, 3), 0).unwrap();
+        let snapshot = old.snapshot();
+        old.push(&cfg, 1, 0, &grad(1, 0, 3), 0).unwrap();
+        let log = old.take_log();
+        // A delta that repeats a push (of the snapshot, then of the delta) applies it once.
+        let mut doubled = log.clone();
+        doubled.insert(0, LoggedPush { worker: 0, clock: 0, grad: grad(0, 0, 3) });
+        doubled.push(log[0].clone());
+        let mut new: Block<u32> = Block::from_state(snapshot.clone(), &doubled, &cfg).unwrap();
+        assert_eq!(fingerprint(&mut new), fingerprint(&mut old));
+
+        // A worker resends pushes the new owner already has (it got Moved, or its ack was
+        // lost): acknowledged, dropped, nothing changes.
+        let mut new: Block<u32> = Block::from_state(snapshot, &log, &cfg).unwrap();
+        let before = fingerprint(&mut new);
+        for (w, t) in [(0, 0), (1, 0)] {
+            assert!(new.push(&cfg, w, t, &grad(w, t, 3), 1).unwrap().is_empty());
+        }
+        assert_eq!(new.stats().pushes, 0);
+        assert_eq!(fingerprint(&mut new), before);
+        // The next clock is applied.
+        new.push(&cfg, 0, 1, &grad(0, 1, 3), 2).unwrap();
+        assert_eq!(new.stats().pushes, 1);
+        assert_eq!(new.clocks().pushed(0), Some(2));
+    }
+
+    #[test]
+    fn a_rebuilt_block_holds_and_releases_pulls_like_the_old_one() {
+        let cfg = config(SyncPolicy::Bsp, true, 2);
+        let mut old = block(2, &cfg);
+        old.push(&cfg, 0, 0, &[1.0, 2.0], 0).unwrap();
+        let mut new: Block<u32> = Block::from_state(old.snapshot(), &old.take_log(), &cfg).unwrap();
+        // Worker 0's pull(1), re-issued to the new owner after Moved, waits for worker 1.
+        assert!(new.pull(&cfg, 5, 0, 1, 10, &mut rng()).unwrap().is_none());
+        let released = new.push(&cfg, 1, 0, &[3.0, 4.0], 20).unwrap();
+        assert_eq!(released.len(), 1);
+        assert_eq!((released[0].token, released[0].held_us), (5, Some(10)));
+        assert_eq!(*released[0].values, vec![-2.0, -3.0]);
+    }
+
+    #[test]
+    fn a_removal_after_the_snapshot_is_replayed_by_removing_the_worker_again() {
+        // The log carries pushes only: a worker removed while the snapshot travels must be
+        // removed on the new owner too (in aggregate mode that applies the clocks that only
+        // waited for it).
+        let cfg = config(SyncPolicy::Bsp, true, 2);
+        let mut old = block(1, &cfg);
+        old.push(&cfg, 0, 0, &[4.0], 0).unwrap();
+        let snapshot = old.snapshot();
+        old.remove_worker(&cfg, 1, 0);
+        assert_eq!(**old.values(), vec![-4.0]);
+        let log = old.take_log();
+        assert!(log.is_empty());
+        let mut new: Block<u32> = Block::from_state(snapshot, &log, &cfg).unwrap();
+        assert_eq!(**new.values(), vec![0.0], "the removal did not travel");
+        new.remove_worker(&cfg, 1, 0);
+        assert_eq!(fingerprint(&mut new), fingerprint(&mut old));
+    }
+
+    #[test]
+    fn take_log_stops_logging() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let mut b = block(2, &cfg);
+        b.push(&cfg, 0, 0, &[1.0, 1.0], 0).unwrap();
+        assert!(b.take_log().is_empty(), "no snapshot, no log");
+        b.push(&cfg, 0, 1, &[1.0, 1.0], 0).unwrap();
+        assert!(b.take_log().is_empty());
+
+        let s = b.snapshot();
+        assert_eq!(s.clocks.pushed(0), Some(2));
+        b.push(&cfg, 0, 2, &[0.5, 0.25], 0).unwrap();
+        b.push(&cfg, 0, 3, &[1.5, 2.5], 0).unwrap();
+        let log = b.take_log();
+        assert_eq!(
+            log,
+            [
+                LoggedPush { worker: 0, clock: 2, grad: vec![0.5, 0.25] },
+                LoggedPush { worker: 0, clock: 3, grad: vec![1.5, 2.5] }
+            ]
+        );
+        // Abandoned (or finished): later pushes are not logged.
+        b.push(&cfg, 0, 4, &[1.0, 1.0], 0).unwrap();
+        assert!(b.take_log().is_empty());
+        // A new snapshot starts a fresh log.
+        b.snapshot();
+        b.push(&cfg, 0, 5, &[1.0, 1.0], 0).unwrap();
+        assert_eq!(b.take_log().len(), 1);
+    }
+
+    #[test]
+    fn from_state_refuses_a_state_that_does_not_fit() {
+        let cfg = opt_config(OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, true, 2);
+        let mut b: Block<u32> = Block::new(spec(3), vec![0.0; 3], &cfg).unwrap();
+        b.push(&cfg, 0, 0, &[1.0; 3], 0).unwrap();
+        b.push(&cfg, 1, 0, &[1.0; 3], 0).unwrap();
+        b.push(&cfg, 0, 1, &[1.0; 3], 0).unwrap();
+        let good = b.snapshot();
+        assert_eq!((good.opt.m.len(), good.opt.v.len(), good.pending.len()), (3, 3, 1));
+        assert!(Block::<u32>::from_state(good.clone(), &[], &cfg).is_ok());
+
+        let wrong_len = |edit: &dyn Fn(&mut BlockState)| {
+            let mut s = good.clone();
+            edit(&mut s);
+            match Block::<u32>::from_state(s, &[], &cfg) {
+                Err(CoreError::WrongLength { block: 7, .. }) => {}
+                other => panic!("expected WrongLength, got {other:?}"),
+            }
+        };
+        wrong_len(&|s| s.values.push(0.0));
+        wrong_len(&|s| s.values.clear());
+        wrong_len(&|s| s.opt.m.truncate(2));
+        wrong_len(&|s| s.opt.v.push(0.0));
+        wrong_len(&|s| {
+            s.pending[0].sum.pop();
+        });
+        wrong_len(&|s| s.spec.len = 4);
+        // Empty optimizer buffers are fine (a block that never took a momentum/Adam step).
+        let mut fresh = good.clone();
+        fresh.opt = OptState::default();
+        assert!(Block::<u32>::from_state(fresh, &[], &cfg).is_ok());
+
+        // A clock state for another number of workers.
+        for workers in [1, 3] {
+            let other = ShardConfig { workers, ..cfg };
+            assert_eq!(Block::<u32>::from_state(good.clone(), &[], &other).unwrap_err(), CoreError::UnknownWorker(2));
+        }
+        // A delta that does not fit: wrong gradient length, unknown worker, clock gap.
+        let bad_deltas = [
+            (LoggedPush { worker: 1, clock: 1, grad: vec![1.0; 2] }, "length"),
+            (LoggedPush { worker: 2, clock: 0, grad: vec![1.0; 3] }, "worker"),
+            (LoggedPush { worker: 1, clock: 3, grad: vec![1.0; 3] }, "gap"),
+        ];
+        for (p, what) in bad_deltas {
+            let err = Block::<u32>::from_state(good.clone(), &[p], &cfg).unwrap_err();
+            let ok = match what {
+                "length" => matches!(err, CoreError::WrongLength { .. }),
+                "worker" => err == CoreError::UnknownWorker(2),
+                _ => matches!(err, CoreError::ClockGap { worker: 1, expected: 1, got: 3, .. }),
+            };
+            assert!(ok, "{what}: {err:?}");
+        }
+    }
+
+    #[test]
+    fn block_state_survives_postcard_bit_for_bit() {
+        let cfg = opt_config(OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, true, 3);
+        let mut b: Block<u32> = Block::new(spec(4), vec![0.0; 4], &cfg).unwrap();
+        for (w, t) in [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1)] {
+            b.push(&cfg, w, t, &grad(w, t, 4), 0).unwrap();
+        }
+        b.remove_worker(&cfg, 1, 0);
+        b.push(&cfg, 0, 2, &grad(0, 2, 4), 0).unwrap();
+        let mut state = b.snapshot();
+        // Odd values travel unchanged too: signed zero, infinities, NaN payloads, subnormals.
+        state.values = vec![-0.0, f32::INFINITY, f32::from_bits(0x7fc0_1234), f32::from_bits(1)];
+        state.pending[0].sum[3] = f32::from_bits(0xffff_ffff);
+        let bytes = postcard::to_allocvec(&state).unwrap();
+        let back: BlockState = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(bits(&back.values), bits(&state.values));
+        assert_eq!(bits(&back.opt.m), bits(&state.opt.m));
+        assert_eq!(bits(&back.opt.v), bits(&state.opt.v));
+        assert_eq!(back.opt.steps, state.opt.steps);
+        assert_eq!((back.spec, &back.clocks), (state.spec, &state.clocks));
+        assert_eq!(back.clocks.active_workers(), 2);
+        let sums = |s: &BlockState| s.pending.iter().map(|p| (p.clock, bits(&p.sum), p.count)).collect::<Vec<_>>();
+        assert_eq!(sums(&back), sums(&state));
+        // f32 vectors are one byte string each (16-byte length prefix 0x10, then raw bytes).
+        let mut values = vec![0x10];
+        values.extend(state.values.iter().flat_map(|x| x.to_le_bytes()));
+        assert!(bytes.windows(values.len()).any(|w| w == values), "{bytes:02x?}");
+        // And a logged push.
+        let p = LoggedPush { worker: 2, clock: 9, grad: vec![f32::NEG_INFINITY, 1e-40] };
+        let back: LoggedPush = postcard::from_bytes(&postcard::to_allocvec(&p).unwrap()).unwrap();
+        assert_eq!((back.worker, back.clock, bits(&back.grad)), (2, 9, bits(&p.grad)));
+    }
 }
 
 /// A deterministic driver for one block and a few workers, shared by the scenario tests

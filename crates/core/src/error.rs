@@ -36,6 +36,16 @@ pub enum CoreError {
         /// The clock that arrived.
         got: u32,
     },
+    /// A configuration that names a server the job does not have.
+    #[error("{what} names server {server}, but the job has servers 0..{servers}")]
+    UnknownServer {
+        /// The server named.
+        server: u32,
+        /// How many servers the job has.
+        servers: u32,
+        /// What named it (a flag or setting, e.g. "placement skewed").
+        what: &'static str,
+    },
     /// A configuration string (policy, optimizer, placement) that does not parse.
     #[error("invalid {what} {input:?}: {why}")]
     Parse {

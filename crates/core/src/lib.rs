@@ -10,13 +10,17 @@
 //! - [`optimizer`]: server-side SGD, momentum and Adam, with state that lives with a block.
 //! - [`sync`]: the synchronization policies and the clock bookkeeping they decide on.
 //! - [`adaptive`]: per-server tuning of the staleness bound.
+//! - [`load`]: per-server service-rate estimates with a confidence (PSLD's measurements).
+//! - [`balance`]: the PSLD balancer: block moves, probes, scale-out trials and scale-in.
 //! - [`block`]: the per-block state machine a server runs (values, optimizer, clocks,
 //!   held pulls, counters).
 
 pub mod adaptive;
+pub mod balance;
 pub mod block;
 pub mod error;
 pub mod f32s;
+pub mod load;
 pub mod model;
 pub mod optimizer;
 pub mod placement;

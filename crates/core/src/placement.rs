@@ -5,7 +5,8 @@
 //! Initial policies, to compare against each other: `range` (ps-lite: contiguous runs
 //! of blocks), `hash` (BytePS: djb2 of the tensor name and block index), `roundrobin`
 //! (TensorFlow: tensor by tensor in turn), `bestfit` (largest block first onto the
-//! least-loaded server: PSLD's starting point).
+//! least-loaded server: PSLD's starting point), `skewed:IDX` (most of the model on
+//! server IDX: PSLD's skewed-placement experiment, a load imbalance to repair).
 
 use std::fmt;
 use std::str::FromStr;
@@ -29,7 +30,13 @@ pub enum PlacementKind {
     RoundRobin,
     /// Largest block first onto the server with the fewest bytes.
     BestFit,
+    /// Most of the model on one server: largest blocks first onto it until it holds at
+    /// least [`SKEWED_SHARE`] of the bytes, the rest best-fit over the other servers.
+    Skewed(ServerId),
 }
+
+/// The share of the model's bytes `skewed:IDX` puts on server IDX (at least).
+pub const SKEWED_SHARE: f64 = 0.7;
 
 impl fmt::Display for PlacementKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -38,6 +45,7 @@ impl fmt::Display for PlacementKind {
             PlacementKind::Hash => "hash",
             PlacementKind::RoundRobin => "roundrobin",
             PlacementKind::BestFit => "bestfit",
+            PlacementKind::Skewed(idx) => return write!(f, "skewed:{idx}"),
         })
     }
 }
@@ -46,16 +54,20 @@ impl FromStr for PlacementKind {
     type Err = CoreError;
 
     fn from_str(input: &str) -> Result<Self, Self::Err> {
+        let bad = |why: &str| CoreError::Parse { what: "placement", input: input.to_string(), why: why.into() };
         match input.trim().to_ascii_lowercase().as_str() {
             "range" => Ok(PlacementKind::Range),
             "hash" => Ok(PlacementKind::Hash),
             "roundrobin" | "round-robin" => Ok(PlacementKind::RoundRobin),
             "bestfit" | "best-fit" => Ok(PlacementKind::BestFit),
-            _ => Err(CoreError::Parse {
-                what: "placement",
-                input: input.to_string(),
-                why: "expected range, hash, roundrobin or bestfit".into(),
-            }),
+            s => match s.split_once(':') {
+                Some(("skewed", idx)) => idx
+                    .trim()
+                    .parse()
+                    .map(PlacementKind::Skewed)
+                    .map_err(|_| bad("expected skewed:IDX with IDX a server index, e.g. skewed:0")),
+                _ => Err(bad("expected range, hash, roundrobin, bestfit or skewed:IDX")),
+            },
         }
     }
 }
@@ -71,9 +83,15 @@ pub struct Placement {
 
 impl Placement {
     /// The initial placement of `partition` on `servers` servers (ids `0..servers`), epoch 1.
+    /// Refuses no server, and `skewed:IDX` with IDX not below `servers`.
     pub fn initial(kind: PlacementKind, partition: &Partition, servers: u32) -> Result<Self, CoreError> {
         if servers == 0 {
             return Err(CoreError::InvalidModel("no server to place blocks on".into()));
+        }
+        if let PlacementKind::Skewed(idx) = kind
+            && idx >= servers
+        {
+            return Err(CoreError::UnknownServer { server: idx, servers, what: "placement skewed" });
         }
         let n = partition.blocks.len();
         let owners = match kind {
@@ -89,12 +107,29 @@ impl Placement {
                 .collect(),
             PlacementKind::RoundRobin => partition.blocks.iter().map(|b| b.tensor % servers).collect(),
             PlacementKind::BestFit => {
-                let mut order: Vec<usize> = (0..n).collect();
-                order.sort_by_key(|&i| (std::cmp::Reverse(partition.blocks[i].len), i));
                 let mut load = vec![0usize; servers as usize];
                 let mut owners = vec![0; n];
-                for i in order {
+                for i in largest_first(partition) {
                     let target = (0..servers as usize).min_by_key(|&s| (load[s], s)).unwrap_or(0);
+                    load[target] += partition.blocks[i].bytes();
+                    owners[i] = target as ServerId;
+                }
+                owners
+            }
+            PlacementKind::Skewed(heavy) => {
+                let total: usize = partition.blocks.iter().map(|b| b.bytes()).sum();
+                let share = (total as f64 * SKEWED_SHARE).ceil() as usize;
+                let mut load = vec![0usize; servers as usize];
+                let mut owners = vec![heavy; n];
+                for i in largest_first(partition) {
+                    let target = if load[heavy as usize] < share || servers == 1 {
+                        heavy as usize
+                    } else {
+                        (0..servers as usize)
+                            .filter(|&s| s != heavy as usize)
+                            .min_by_key(|&s| (load[s], s))
+                            .unwrap_or(0)
+                    };
                     load[target] += partition.blocks[i].bytes();
                     owners[i] = target as ServerId;
                 }
@@ -113,6 +148,13 @@ impl Placement {
     pub fn blocks_of(&self, server: ServerId) -> impl Iterator<Item = BlockId> + '_ {
         self.owners.iter().enumerate().filter(move |(_, o)| **o == server).map(|(b, _)| b as BlockId)
     }
+}
+
+/// Block indices, largest block first (ties by id).
+fn largest_first(partition: &Partition) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..partition.blocks.len()).collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(partition.blocks[i].len), i));
+    order
 }
 
 /// djb2 string hash, as BytePS uses to spread keys.
@@ -137,7 +179,13 @@ mod tests {
     #[test]
     fn every_policy_gives_every_block_exactly_one_valid_owner() {
         let p = partition(&[250, 10, 90, 400, 5]);
-        for kind in [PlacementKind::Range, PlacementKind::Hash, PlacementKind::RoundRobin, PlacementKind::BestFit] {
+        for kind in [
+            PlacementKind::Range,
+            PlacementKind::Hash,
+            PlacementKind::RoundRobin,
+            PlacementKind::BestFit,
+            PlacementKind::Skewed(0),
+        ] {
             for servers in 1..5 {
                 let pl = Placement::initial(kind, &p, servers).unwrap();
                 assert_eq!(pl.owners.len(), p.blocks.len(), "{kind}");
@@ -161,9 +209,43 @@ mod tests {
 
     #[test]
     fn parses_kinds() {
-        for s in ["range", "hash", "roundrobin", "bestfit"] {
+        for s in ["range", "hash", "roundrobin", "bestfit", "skewed:0", "skewed:3"] {
             assert_eq!(s.parse::<PlacementKind>().unwrap().to_string(), s);
         }
-        assert!("random".parse::<PlacementKind>().is_err());
+        assert_eq!("Skewed: 2".parse::<PlacementKind>(), Ok(PlacementKind::Skewed(2)));
+        for bad in ["random", "skewed", "skewed:", "skewed:-1", "skewed:x", "bestfit:1"] {
+            assert!(bad.parse::<PlacementKind>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn skewed_puts_most_bytes_on_one_server() {
+        // ResNet-like: a few large tensors (conv, fc), many small ones (batch norm, bias).
+        let mut lens = vec![2_359_296, 1_048_576, 589_824, 2_048_000, 147_456, 36_864];
+        lens.extend((0..40).map(|i| 64 << (i % 4)));
+        let tensors = lens
+            .iter()
+            .enumerate()
+            .map(|(i, l)| TensorSpec { name: format!("t{i}"), shape: vec![*l], init: Init::Zeros })
+            .collect();
+        let p = Partition::new(tensors, 1 << 20).unwrap();
+        let total: usize = p.blocks.iter().map(|b| b.bytes()).sum();
+        for idx in 0..4 {
+            let pl = Placement::initial(PlacementKind::Skewed(idx), &p, 4).unwrap();
+            assert_eq!(pl.owners.len(), p.blocks.len());
+            assert!(pl.owners.iter().all(|o| *o < 4));
+            let bytes = |s| pl.blocks_of(s).map(|b| p.blocks[b as usize].bytes()).sum::<usize>();
+            assert!(bytes(idx) as f64 >= SKEWED_SHARE * total as f64, "server {idx}: {} of {total}", bytes(idx));
+            assert!(bytes(idx) < total, "the other servers hold something");
+            // The rest is spread: no other server is empty, none holds more than the heavy one.
+            for s in (0..4).filter(|s| *s != idx) {
+                assert!(bytes(s) > 0 && bytes(s) < bytes(idx), "server {s}");
+            }
+        }
+        let one = Placement::initial(PlacementKind::Skewed(0), &p, 1).unwrap();
+        assert!(one.owners.iter().all(|o| *o == 0));
+        let err = Placement::initial(PlacementKind::Skewed(4), &p, 4).unwrap_err();
+        assert!(matches!(err, CoreError::UnknownServer { server: 4, servers: 4, .. }), "{err}");
+        assert!(err.to_string().contains("servers 0..4"), "{err}");
     }
 }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use elasticps_core::model::{BlockSpec, TensorSpec};
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Codec, Control, Layout, Message, Values};
+use elasticps_wire::{Codec, Control, Layout, Message, ServerSample, Values, WorkerLoad};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
@@ -71,6 +71,58 @@ pub struct Client {
     shutdown: Arc<Mutex<Option<String>>>,
     heartbeat: tokio::task::JoinHandle<()>,
     waits: Waits,
+    load: LoadReport,
+}
+
+/// What this worker reports to the scheduler every stats interval: its iterations and
+/// what each server cost it (the balancer's measurements).
+#[derive(Debug)]
+struct LoadReport {
+    since: Instant,
+    last_push: Option<Instant>,
+    report: WorkerLoad,
+}
+
+impl LoadReport {
+    fn new(rank: u32) -> Self {
+        Self { since: Instant::now(), last_push: None, report: WorkerLoad { rank, ..Default::default() } }
+    }
+
+    /// A round pushing `clock` starts: the time since the last one is one iteration.
+    fn iteration(&mut self, clock: Clock) {
+        let now = Instant::now();
+        if let Some(last) = self.last_push.replace(now) {
+            self.report.iterations += 1;
+            self.report.iter_us += now.duration_since(last).as_micros() as u64;
+        }
+        self.report.clock = clock;
+    }
+
+    fn server(&mut self, r: &ServerRound) {
+        let per = &mut self.report.per_server;
+        let i = match per.iter().position(|p| p.server == r.owner) {
+            Some(i) => i,
+            None => {
+                per.push(ServerSample { server: r.owner, ..Default::default() });
+                per.len() - 1
+            }
+        };
+        let p = &mut per[i];
+        p.rounds += 1;
+        p.push_bytes += r.push_bytes;
+        p.push_us += r.push_time.as_micros() as u64;
+        p.wait_us += r.waited.as_micros() as u64;
+    }
+
+    /// The report, if an interval has passed (then a fresh one starts).
+    fn due(&mut self) -> Option<WorkerLoad> {
+        if self.since.elapsed() < crate::STATS_INTERVAL {
+            return None;
+        }
+        self.since = Instant::now();
+        let fresh = WorkerLoad { rank: self.report.rank, clock: self.report.clock, ..Default::default() };
+        Some(std::mem::replace(&mut self.report, fresh))
+    }
 }
 
 impl Client {
@@ -112,6 +164,7 @@ impl Client {
             shutdown,
             heartbeat,
             waits: Waits::default(),
+            load: LoadReport::new(rank),
         })
     }
 
@@ -203,8 +256,13 @@ impl Client {
         let mut todo: Vec<(BlockSpec, bool, bool)> =
             layout.partition.blocks.iter().map(|b| (*b, push.is_some(), pull_clock.is_some())).collect();
         let started = Instant::now();
-        let mut waits = vec![Duration::ZERO; layout.servers.len()];
-        for _attempt in 0..8 {
+        if let Some((clock, _)) = push {
+            self.load.iteration(clock);
+        }
+        let mut waits: HashMap<u32, Duration> = HashMap::new();
+        // Blocks may move again while we chase them; give up only after many refreshes
+        // (each one waits for a migration to complete) or the request timeout.
+        for attempt in 0..MAX_LAYOUT_REFRESHES {
             let mut by_server: HashMap<u32, Vec<(BlockSpec, bool, bool)>> = HashMap::new();
             for item in &todo {
                 let owner =
@@ -226,9 +284,8 @@ impl Client {
                     Ok(done) => done,
                     Err(e) => return Err(self.explain(e)),
                 };
-                if let Some(w) = waits.get_mut(done.owner as usize) {
-                    *w = done.waited;
-                }
+                waits.insert(done.owner, done.waited);
+                self.load.server(&done);
                 if let Some((_, params)) = pull.as_mut() {
                     for (b, values) in done.pulled {
                         values.copy_into(&mut params[b.tensor as usize][b.offset..b.offset + b.len]);
@@ -237,21 +294,41 @@ impl Client {
                 moved.extend(done.moved);
             }
             if moved.is_empty() {
-                self.waits = Waits { per_server: waits };
+                let n = waits.keys().max().map_or(0, |m| *m as usize + 1).max(layout.servers.len());
+                let mut per_server = vec![Duration::ZERO; n];
+                for (s, w) in waits {
+                    per_server[s as usize] = w;
+                }
+                self.waits = Waits { per_server };
+                if let Some(report) = self.load.due() {
+                    let _ = self.sched.notify(Control::WorkerLoad(report).into());
+                }
                 return Ok(());
             }
-            tracing::debug!(blocks = moved.len(), "blocks moved; refreshing the layout");
+            if started.elapsed() > self.opts.request_timeout {
+                break;
+            }
+            tracing::debug!(blocks = moved.len(), attempt, "blocks moved; refreshing the layout");
+            let epoch = layout.placement.epoch;
             let reply = self
                 .sched
                 .call(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into())
                 .await?;
             self.install_layout(reply).await?;
             layout = self.current_layout()?;
+            if layout.placement.epoch == epoch {
+                // A server answered Moved before the scheduler published the move: give
+                // the scheduler a moment.
+                tokio::time::sleep(Duration::from_millis(5 * (attempt as u64 + 1).min(20))).await;
+            }
             todo = moved;
         }
         Err(RuntimeError::Protocol {
             peer: "servers".into(),
-            what: "blocks kept moving through 8 layout refreshes".into(),
+            what: format!(
+                "blocks kept moving through {MAX_LAYOUT_REFRESHES} layout refreshes in {:.1} s",
+                started.elapsed().as_secs_f64()
+            ),
         })
     }
 
@@ -275,6 +352,8 @@ impl Client {
             }
             self.servers.insert(s.id, peer);
         }
+        // Servers that left the job (scaled in): drop their connections.
+        self.servers.retain(|id, _| layout.servers.iter().any(|s| s.id == *id));
         self.layout = Some(Arc::new(layout));
         Ok(())
     }
@@ -305,6 +384,9 @@ impl Client {
     }
 }
 
+/// How many times one round refreshes the layout to chase moved blocks.
+const MAX_LAYOUT_REFRESHES: u32 = 64;
+
 /// Who waits on whom, for one server's part of a round.
 #[derive(Clone, Copy)]
 struct RoundCtx {
@@ -318,6 +400,10 @@ struct RoundCtx {
 struct ServerRound {
     owner: u32,
     waited: Duration,
+    /// From the first push sent to the last acknowledgement.
+    push_time: Duration,
+    /// Payload bytes pushed.
+    push_bytes: u64,
     pulled: Vec<(BlockSpec, Values)>,
     /// Blocks this server no longer owns, with what is still to do for them.
     moved: Vec<(BlockSpec, bool, bool)>,
@@ -331,9 +417,17 @@ async fn server_round(
     push: Option<(Clock, &[Vec<f32>])>,
     pull_clock: Option<Clock>,
 ) -> Result<ServerRound> {
-    let mut out = ServerRound { owner: ctx.owner, waited: Duration::ZERO, pulled: Vec::new(), moved: Vec::new() };
+    let mut out = ServerRound {
+        owner: ctx.owner,
+        waited: Duration::ZERO,
+        push_time: Duration::ZERO,
+        push_bytes: 0,
+        pulled: Vec::new(),
+        moved: Vec::new(),
+    };
     let mut pulls = Vec::new();
     if let Some((clock, grads)) = push {
+        let pushing = Instant::now();
         let mut acks = Vec::new();
         for (b, do_push, do_pull) in &items {
             if !do_push {
@@ -341,6 +435,7 @@ async fn server_round(
                 continue;
             }
             let values = crate::pool::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]);
+            out.push_bytes += b.len as u64 * 4;
             acks.push((*b, *do_pull, peer.send_request(Message::Push { block: b.id, clock, values })?));
         }
         for (b, do_pull, rx) in acks {
@@ -350,6 +445,7 @@ async fn server_round(
                 other => return Err(bad_reply(&ctx, "PushAck", &other)),
             }
         }
+        out.push_time = pushing.elapsed();
     } else {
         pulls.extend(items.iter().map(|(b, _, do_pull)| (*b, *do_pull)));
     }

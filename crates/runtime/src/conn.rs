@@ -6,6 +6,11 @@
 //! buffers are recycled through a small process-wide pool ([`crate::pool`]). Writing goes
 //! through one task per connection that encodes, batches small frames in a buffer and
 //! writes large payloads directly from their shared `Bytes`.
+//!
+//! A connection split with a [`Shaper`] ([`split_shaped`]) passes every frame through
+//! the server's bandwidth buckets: after reading it, and before writing it.
+
+use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use elasticps_wire::{Codec, FrameHeader, HEADER_LEN, Kind, Message, WireError};
@@ -16,6 +21,7 @@ use tokio::sync::mpsc;
 
 use crate::error::{Result, RuntimeError};
 use crate::pool;
+use crate::shaping::Shaper;
 
 /// A frame to send: request id and message.
 pub type Outgoing = (u64, Message);
@@ -31,6 +37,7 @@ pub struct FrameReader {
     codec: Codec,
     peer: String,
     request_id: u64,
+    shaper: Option<Arc<Shaper>>,
 }
 
 impl FrameReader {
@@ -82,6 +89,9 @@ impl FrameReader {
             self.inner.read_exact(&mut b).await.map_err(|e| self.io_err(e))?;
             b.freeze()
         };
+        if let Some(shaper) = &self.shaper {
+            shaper.take_in(HEADER_LEN + len).await;
+        }
         let msg = Message::decode(&header, payload).map_err(|source| self.wire_err(source))?;
         Ok(Some((header, msg)))
     }
@@ -102,11 +112,22 @@ impl FrameReader {
 /// Splits a connected stream into a frame reader and the outbox of a new writer task.
 /// The writer task ends when every outbox clone is dropped or the socket fails.
 pub fn split(stream: TcpStream, codec: Codec, peer: String) -> (FrameReader, Outbox) {
+    split_shaped(stream, codec, peer, None)
+}
+
+/// [`split`], with every frame read or written passing through `shaper`'s bandwidth
+/// buckets (a server's injected bandwidth cap). `None` costs nothing.
+pub fn split_shaped(
+    stream: TcpStream,
+    codec: Codec,
+    peer: String,
+    shaper: Option<Arc<Shaper>>,
+) -> (FrameReader, Outbox) {
     let _ = stream.set_nodelay(true);
     let (r, w) = stream.into_split();
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(write_loop(BufWriter::with_capacity(BUF, w), codec.clone(), rx, peer.clone()));
-    (FrameReader { inner: BufReader::with_capacity(BUF, r), codec, peer, request_id: 0 }, tx)
+    tokio::spawn(write_loop(BufWriter::with_capacity(BUF, w), codec.clone(), rx, peer.clone(), shaper.clone()));
+    (FrameReader { inner: BufReader::with_capacity(BUF, r), codec, peer, request_id: 0, shaper }, tx)
 }
 
 /// Connects to `addr` and splits the stream, with a timeout naming what is connected.
@@ -123,11 +144,12 @@ async fn write_loop(
     codec: Codec,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
     peer: String,
+    shaper: Option<Arc<Shaper>>,
 ) {
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
         while let Some((id, msg)) = next {
-            if let Err(e) = write_one(&mut w, &codec, id, &msg).await {
+            if let Err(e) = write_one(&mut w, &codec, id, &msg, shaper.as_deref()).await {
                 tracing::debug!(peer = %peer, error = %e, "writer stops");
                 return;
             }
@@ -141,9 +163,91 @@ async fn write_loop(
     let _ = w.shutdown().await;
 }
 
-async fn write_one(w: &mut BufWriter<OwnedWriteHalf>, codec: &Codec, id: u64, msg: &Message) -> std::io::Result<()> {
+async fn write_one(
+    w: &mut BufWriter<OwnedWriteHalf>,
+    codec: &Codec,
+    id: u64,
+    msg: &Message,
+    shaper: Option<&Shaper>,
+) -> std::io::Result<()> {
     let (head, payload): ([u8; HEADER_LEN], Bytes) =
         codec.encode(id, msg).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    if let Some(shaper) = shaper {
+        let wait = shaper.reserve_out(HEADER_LEN + payload.len());
+        if !wait.is_zero() {
+            // The frames batched so far were already paid for: send them before waiting.
+            w.flush().await?;
+            shaper.wait(wait).await;
+        }
+    }
     w.write_all(&head).await?;
     w.write_all(&payload).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use elasticps_wire::{Injection, Values};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    async fn pair(a: Option<Arc<Shaper>>) -> ((FrameReader, Outbox), (FrameReader, Outbox)) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (dialed, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let codec = Codec::new(b"", 64 << 20);
+        let a = split_shaped(accepted.unwrap().0, codec.clone(), "a".into(), a);
+        (a, split(dialed.unwrap(), codec, "b".into()))
+    }
+
+    fn push(len: usize) -> Message {
+        Message::Push { block: 0, clock: 0, values: Values::from_vec(vec![1.0; len]) }
+    }
+
+    #[tokio::test]
+    async fn a_shaped_side_reads_and_writes_at_its_cap() {
+        let shaper = Shaper::new();
+        shaper.configure(&Injection { bandwidth_bps: 1_000_000, interference: 0.0, at_us: 0 });
+        let ((mut a_in, a_out), (mut b_in, b_out)) = pair(Some(shaper.clone())).await;
+        // 4 frames of 100 KB: 400 KB at 1 MB/s, less the 64 KiB burst.
+        let expected = Duration::from_millis(400) - Duration::from_nanos(64 * 1024 * 1000);
+        let bound = expected + Duration::from_millis(500);
+
+        let t = Instant::now();
+        for _ in 0..4 {
+            b_out.send((1, push(25_000))).unwrap();
+        }
+        for _ in 0..4 {
+            let (_, msg) = a_in.next().await.unwrap().unwrap();
+            assert!(matches!(msg, Message::Push { values, .. } if values.len() == 25_000));
+        }
+        let took = t.elapsed();
+        assert!(took >= expected && took < bound, "reading took {took:?}");
+
+        let t = Instant::now();
+        for _ in 0..4 {
+            a_out.send((1, push(25_000))).unwrap();
+        }
+        for _ in 0..4 {
+            b_in.next().await.unwrap().unwrap();
+        }
+        let took = t.elapsed();
+        assert!(took >= expected && took < bound, "writing took {took:?}");
+        assert!(shaper.take_shaped_us() >= 2 * expected.as_micros() as u64 - 10_000);
+    }
+
+    #[tokio::test]
+    async fn an_unshaped_connection_does_not_wait() {
+        let ((mut a_in, _a_out), (_b_in, b_out)) = pair(None).await;
+        let t = Instant::now();
+        for _ in 0..4 {
+            b_out.send((1, push(250_000))).unwrap();
+        }
+        for _ in 0..4 {
+            a_in.next().await.unwrap().unwrap();
+        }
+        assert!(t.elapsed() < Duration::from_millis(300), "{:?}", t.elapsed());
+    }
 }

@@ -8,6 +8,8 @@
 //!   the end of the job. Its decisions live in [`scheduler::Membership`], a plain state
 //!   machine with no I/O.
 //! - [`server`]: owns blocks and drives the core's per-block state machines.
+//! - [`shaping`]: server straggler injection for experiments (a bandwidth cap on a
+//!   server's sockets, CPU interference), as in PSLD.
 //! - [`client`]: the worker library a user's training loop calls: `pull(t)`, `push(t)`.
 //!
 //! Every wait has a timeout whose error says what was waited for.
@@ -22,6 +24,7 @@ pub mod peer;
 pub mod pool;
 pub mod scheduler;
 pub mod server;
+pub mod shaping;
 
 pub use error::{Result, RuntimeError};
 

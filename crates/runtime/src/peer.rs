@@ -37,6 +37,23 @@ impl Peer {
         Ok(Self::start(reader, out, name))
     }
 
+    /// Connects to `addr` with this node's bandwidth shaper on the connection (a server
+    /// streaming a migrating block is as slow as its NIC).
+    pub async fn connect_shaped(
+        addr: &str,
+        codec: Codec,
+        name: &str,
+        shaper: Option<Arc<crate::shaping::Shaper>>,
+    ) -> Result<(Peer, Notifications)> {
+        let what = format!("connecting to {name} at {addr}");
+        let stream = crate::timeout(crate::CONNECT_TIMEOUT, what.clone(), async {
+            tokio::net::TcpStream::connect(addr).await.map_err(|e| RuntimeError::io(what.clone(), e))
+        })
+        .await?;
+        let (reader, out) = conn::split_shaped(stream, codec, name.to_string(), shaper);
+        Ok(Self::start(reader, out, name))
+    }
+
     /// Wraps an already split connection.
     pub fn start(reader: FrameReader, out: Outbox, name: &str) -> (Peer, Notifications) {
         let pending: Pending = Arc::default();

@@ -170,6 +170,9 @@ pub struct MigrationReport {
     pub freeze_us: u64,
     /// From the request to the handover, in microseconds.
     pub total_us: u64,
+    /// Pulls held by the sync policy when the block froze: the old owner answers them
+    /// `Moved` and the workers re-issue them at the new owner.
+    pub held: u32,
     /// Why it failed; `None` if the new owner now serves the block.
     pub error: Option<String>,
 }
@@ -288,6 +291,14 @@ pub enum ScaleRequest {
     AddServer,
     /// Tag 1: drain this server's blocks to the others, then stop it.
     RemoveServer(ServerId),
+    /// Tag 2: move one block to another server (manual rebalancing; queued behind the
+    /// migrations already planned).
+    MoveBlock {
+        /// The block.
+        block: BlockId,
+        /// Its new owner.
+        to: ServerId,
+    },
 }
 
 /// Where the blocks live: everything a worker needs to push and pull.

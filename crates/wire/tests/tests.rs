@@ -1,11 +1,11 @@
 //! Integration tests of elasticps-wire through its public API.
 
 mod common {
-    use elasticps_core::block::{BlockStats, ShardConfig};
-    use elasticps_core::model::{Init, Partition, TensorSpec};
-    use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+    use elasticps_core::block::{BlockState, BlockStats, LoggedPush, PendingSum, ShardConfig};
+    use elasticps_core::model::{BlockSpec, Init, Partition, TensorSpec};
+    use elasticps_core::optimizer::{OptState, OptimizerConfig, OptimizerKind};
     use elasticps_core::placement::{Placement, PlacementKind};
-    use elasticps_core::sync::SyncPolicy;
+    use elasticps_core::sync::{Clocks, SyncPolicy};
     use elasticps_wire::*;
     use proptest::prelude::*;
 
@@ -41,12 +41,26 @@ mod common {
             Control::Moved { .. } => 14,
             Control::GetStats => 15,
             Control::Stats(_) => 16,
+            Control::Migrate { .. } => 17,
+            Control::BlockSnapshot { .. } => 18,
+            Control::BlockDelta { .. } => 19,
+            Control::MigrateDone(_) => 20,
+            Control::ServerLoad(_) => 21,
+            Control::WorkerLoad(_) => 22,
+            Control::GetStatus => 23,
+            Control::Status(_) => 24,
+            Control::Scale(_) => 25,
         }
     }
 
     /// Any f32 but NaN (for fields compared with `==`).
     pub fn finite_or_inf() -> impl Strategy<Value = f32> {
         any::<u32>().prop_map(f32::from_bits).prop_filter("not NaN", |v| !v.is_nan())
+    }
+
+    /// Any f64 but NaN (for fields compared with `==`).
+    pub fn f64_not_nan() -> impl Strategy<Value = f64> {
+        any::<u64>().prop_map(f64::from_bits).prop_filter("not NaN", |v| !v.is_nan())
     }
 
     /// Any f32 bit pattern, NaNs included (compared bitwise through `Values`).
@@ -108,7 +122,15 @@ mod common {
     }
 
     fn arb_shard_config() -> impl Strategy<Value = ShardConfig> {
-        let sync = prop_oneof![Just(SyncPolicy::Bsp), Just(SyncPolicy::Asp), any::<u32>().prop_map(SyncPolicy::Ssp)];
+        let sync = prop_oneof![
+            Just(SyncPolicy::Bsp),
+            Just(SyncPolicy::Asp),
+            any::<u32>().prop_map(SyncPolicy::Ssp),
+            any::<u32>().prop_map(SyncPolicy::Lazy),
+            (any::<u32>(), f64_not_nan()).prop_map(|(s, p)| SyncPolicy::Pssp { s, p }),
+            any::<u32>().prop_map(SyncPolicy::Dpssp),
+            any::<(u32, u32)>().prop_map(|(min, max)| SyncPolicy::Adaptive { min, max }),
+        ];
         let kind =
             prop_oneof![
                 Just(OptimizerKind::Sgd),
@@ -121,15 +143,155 @@ mod common {
         })
     }
 
+    fn arb_injection() -> impl Strategy<Value = Injection> {
+        (any::<u64>(), finite_or_inf(), any::<u64>()).prop_map(|(bandwidth_bps, interference, at_us)| Injection {
+            bandwidth_bps,
+            interference,
+            at_us,
+        })
+    }
+
     fn arb_assignment() -> impl Strategy<Value = Assignment> {
         arb_partition()
-            .prop_flat_map(|p| (any::<u32>(), arb_placement(&p), Just(p), arb_shard_config(), any::<u64>()))
-            .prop_map(|(server_id, placement, partition, config, seed)| Assignment {
+            .prop_flat_map(|p| {
+                (any::<u32>(), arb_placement(&p), Just(p), arb_shard_config(), any::<u64>(), arb_injection())
+            })
+            .prop_map(|(server_id, placement, partition, config, seed, inject)| Assignment {
                 server_id,
                 partition,
                 placement,
                 config,
                 seed,
+                inject,
+            })
+    }
+
+    /// `n` f32s (no NaN: `BlockState` is compared with `==`).
+    fn arb_f32s(n: usize) -> impl Strategy<Value = Vec<f32>> {
+        prop::collection::vec(finite_or_inf(), n)
+    }
+
+    /// A clock state for `workers` workers: each has pushed some clocks, some were removed.
+    fn arb_clocks(workers: u32) -> impl Strategy<Value = Clocks> {
+        (prop::collection::vec(0..6u32, workers as usize), prop::collection::vec(any::<bool>(), workers as usize))
+            .prop_map(move |(pushed, removed)| {
+                let mut c = Clocks::new(workers);
+                for (w, n) in pushed.iter().enumerate() {
+                    for t in 0..*n {
+                        assert!(c.record(0, w as u32, t).unwrap());
+                    }
+                }
+                for (w, r) in removed.iter().enumerate() {
+                    if *r {
+                        c.remove_worker(w as u32);
+                    }
+                }
+                c
+            })
+    }
+
+    /// A consistent block state: values, optimizer buffers (empty, or one value per
+    /// element) and pending sums all have the block's length.
+    pub fn arb_block_state() -> impl Strategy<Value = BlockState> {
+        (any::<u32>(), any::<u32>(), 0..1000usize, 0..24usize, 0..4u32)
+            .prop_flat_map(|(id, tensor, offset, len, workers)| {
+                let spec = BlockSpec { id, tensor, offset, len };
+                let buf = prop_oneof![Just(Vec::new()), arb_f32s(len)];
+                let opt = (any::<u64>(), buf.clone(), buf).prop_map(|(steps, m, v)| OptState { steps, m, v });
+                let pending = prop::collection::vec(
+                    (any::<u32>(), arb_f32s(len), any::<u32>()).prop_map(|(clock, sum, count)| PendingSum {
+                        clock,
+                        sum,
+                        count,
+                    }),
+                    0..3,
+                );
+                (Just(spec), arb_f32s(len), opt, arb_clocks(workers), pending)
+            })
+            .prop_map(|(spec, values, opt, clocks, pending)| BlockState { spec, values, opt, clocks, pending })
+    }
+
+    fn arb_logged_push() -> impl Strategy<Value = LoggedPush> {
+        (any::<u32>(), any::<u32>(), 0..24usize)
+            .prop_flat_map(|(worker, clock, len)| (Just(worker), Just(clock), arb_f32s(len)))
+            .prop_map(|(worker, clock, grad)| LoggedPush { worker, clock, grad })
+    }
+
+    fn arb_migration_report() -> impl Strategy<Value = MigrationReport> {
+        (any::<(u32, u32, u32, u64)>(), any::<(u64, u64, u64, u32)>(), prop::option::of(".{0,30}")).prop_map(
+            |((block, from, to, epoch), (bytes, freeze_us, total_us, held), error)| MigrationReport {
+                block,
+                from,
+                to,
+                epoch,
+                bytes,
+                freeze_us,
+                total_us,
+                held,
+                error,
+            },
+        )
+    }
+
+    fn arb_server_load() -> impl Strategy<Value = ServerLoad> {
+        (any::<(u32, u64, u64, u64)>(), any::<(u64, u64, u64, u32, u64)>()).prop_map(
+            |((server_id, interval_us, bytes_in, bytes_out), (requests, busy_us, shaped_us, blocks, bytes))| {
+                ServerLoad { server_id, interval_us, bytes_in, bytes_out, requests, busy_us, shaped_us, blocks, bytes }
+            },
+        )
+    }
+
+    fn arb_worker_load() -> impl Strategy<Value = WorkerLoad> {
+        let sample = any::<(u32, u32, u64, u64, u64)>().prop_map(|(server, rounds, push_bytes, push_us, wait_us)| {
+            ServerSample { server, rounds, push_bytes, push_us, wait_us }
+        });
+        (any::<(u32, u32, u32, u64)>(), prop::collection::vec(sample, 0..4)).prop_map(
+            |((rank, clock, iterations, iter_us), per_server)| WorkerLoad {
+                rank,
+                clock,
+                iterations,
+                iter_us,
+                per_server,
+            },
+        )
+    }
+
+    fn arb_cluster_status() -> impl Strategy<Value = ClusterStatus> {
+        let server = (
+            any::<u32>(),
+            "[a-z0-9.:]{0,20}",
+            prop::sample::select(vec!["serving", "joining", "draining", "gone"]),
+            any::<(u32, u64)>(),
+            (f64_not_nan(), f64_not_nan(), f64_not_nan()),
+            any::<bool>(),
+        )
+            .prop_map(|(id, addr, state, (blocks, bytes), (rate_bps, confidence, service_ms), straggler)| {
+                ServerStatus {
+                    id,
+                    addr,
+                    state: state.to_string(),
+                    blocks,
+                    bytes,
+                    rate_bps,
+                    confidence,
+                    service_ms,
+                    straggler,
+                }
+            });
+        let worker = (any::<(u32, u32)>(), f64_not_nan(), any::<bool>())
+            .prop_map(|((rank, clock), iter_ms, done)| WorkerStatus { rank, clock, iter_ms, done });
+        (
+            prop::sample::select(vec!["static", "psld"]),
+            any::<(u64, u32)>(),
+            prop::collection::vec(server, 0..4),
+            prop::collection::vec(worker, 0..4),
+        )
+            .prop_map(|(balance, (epoch, migrations), servers, workers)| ClusterStatus {
+                balance: balance.to_string(),
+                epoch,
+                migrations,
+                servers,
+                workers,
             })
     }
 
@@ -174,6 +336,26 @@ mod common {
             any::<(u32, u32, u64)>().prop_map(|(block, owner, epoch)| Control::Moved { block, owner, epoch }),
             Just(Control::GetStats),
             arb_stats().prop_map(Control::Stats),
+            (any::<(u32, u32, u64)>(), "[a-z0-9.:]{0,20}").prop_map(|((block, to, epoch), to_addr)| Control::Migrate {
+                block,
+                to,
+                to_addr,
+                epoch
+            }),
+            (any::<u64>(), arb_block_state()).prop_map(|(epoch, state)| Control::BlockSnapshot { epoch, state }),
+            (any::<(u32, u64)>(), prop::collection::vec(arb_logged_push(), 0..4))
+                .prop_map(|((block, epoch), pushes)| Control::BlockDelta { block, epoch, pushes }),
+            arb_migration_report().prop_map(Control::MigrateDone),
+            arb_server_load().prop_map(Control::ServerLoad),
+            arb_worker_load().prop_map(Control::WorkerLoad),
+            Just(Control::GetStatus),
+            arb_cluster_status().prop_map(Control::Status),
+            prop_oneof![
+                Just(ScaleRequest::AddServer),
+                any::<u32>().prop_map(ScaleRequest::RemoveServer),
+                any::<(u32, u32)>().prop_map(|(block, to)| ScaleRequest::MoveBlock { block, to }),
+            ]
+            .prop_map(Control::Scale),
         ]
     }
 
@@ -557,6 +739,78 @@ mod invalid {
         assert!(Message::decode(&control_header(p.len()), Bytes::copy_from_slice(&p)).is_err());
     }
 
+    /// `BlockSnapshot { epoch: 7, state }` of a one-value block, by hand, with the f32
+    /// byte strings given: values, then the optimizer's `m` and `v`.
+    fn snapshot_bytes(values: &[u8], m: &[u8], v: &[u8]) -> Vec<u8> {
+        let mut p = vec![18, 7, 0, 0, 0, 1]; // tag 18, epoch 7, spec { id 0, tensor 0, offset 0, len 1 }
+        let bytes = |p: &mut Vec<u8>, f: &[u8]| {
+            p.push(f.len() as u8);
+            p.extend_from_slice(f);
+        };
+        bytes(&mut p, values);
+        p.push(0); // opt.steps
+        bytes(&mut p, m);
+        bytes(&mut p, v);
+        p.extend_from_slice(&[1, 0, 1, 1, 0]); // clocks { pushed [0], active [true] }, pending []
+        p
+    }
+
+    #[test]
+    fn f32_byte_strings_must_be_whole_f32s() {
+        use elasticps_core::block::{BlockState, LoggedPush};
+        use elasticps_core::model::BlockSpec;
+        use elasticps_core::optimizer::OptState;
+        use elasticps_core::sync::Clocks;
+
+        // The hand-made bytes are right when the lengths are.
+        let one = [0, 0, 0x80, 0x3f];
+        let state = BlockState {
+            spec: BlockSpec { id: 0, tensor: 0, offset: 0, len: 1 },
+            values: vec![1.0],
+            opt: OptState { steps: 0, m: vec![1.0], v: vec![] },
+            clocks: Clocks::new(1),
+            pending: vec![],
+        };
+        let good = snapshot_bytes(&one, &one, &[]);
+        assert_eq!(postcard::to_allocvec(&Control::BlockSnapshot { epoch: 7, state: state.clone() }).unwrap(), good);
+        let msg = Message::decode(&control_header(good.len()), Bytes::from(good)).unwrap();
+        assert_eq!(msg, Message::Control(Control::BlockSnapshot { epoch: 7, state }));
+
+        let refused = |p: Vec<u8>, what: &str| {
+            let err = Message::decode(&control_header(p.len()), Bytes::from(p.clone())).unwrap_err();
+            assert!(matches!(err, WireError::Postcard(_)), "{what}: {err}");
+            assert_eq!(err.code(), ErrorCode::Malformed, "{what}");
+            // (postcard drops the visitor's "a multiple of 4 bytes": its custom errors have no text.)
+            // The same through a whole frame.
+            let codec = Codec::default();
+            let mut frame = BytesMut::new();
+            let head = FrameHeader { request_id: 3, ..control_header(p.len()) };
+            frame.extend_from_slice(&codec.encode_header(&head));
+            frame.extend_from_slice(&p);
+            assert!(matches!(codec.decode_message(&mut frame), Err(WireError::Postcard(_))), "{what}");
+        };
+        refused(snapshot_bytes(&one[..3], &one, &[]), "3 bytes of values");
+        refused(snapshot_bytes(&[0, 0, 0x80, 0x3f, 0], &one, &[]), "5 bytes of values");
+        refused(snapshot_bytes(&one, &one[..2], &[]), "2 bytes of m");
+        refused(snapshot_bytes(&one, &one, &[1]), "1 byte of v");
+
+        // A pending sum and a logged push, too.
+        let mut p = snapshot_bytes(&one, &[], &[]);
+        p.pop();
+        p.extend_from_slice(&[1, 0, 3, 0, 0, 0x80, 1]); // pending [{ clock 0, sum: 3 bytes, count 1 }]
+        refused(p, "3 bytes of a pending sum");
+        let delta = Control::BlockDelta {
+            block: 3,
+            epoch: 2,
+            pushes: vec![LoggedPush { worker: 1, clock: 5, grad: vec![1.0] }],
+        };
+        let mut p = postcard::to_allocvec(&delta).unwrap();
+        assert_eq!(p, [19, 3, 2, 1, 1, 5, 4, 0, 0, 0x80, 0x3f]);
+        p[6] = 3;
+        p.pop();
+        refused(p, "3 bytes of a gradient");
+    }
+
     #[test]
     fn a_huge_announced_vector_does_not_allocate_it() {
         // DefineModel with a tensor list claiming 2^62 entries, in 10 bytes.
@@ -603,6 +857,7 @@ mod invalid {
 /// The worked examples of docs/PROTOCOL.md, pinned byte for byte; each test also checks that
 /// the doc still shows those bytes, so the document cannot drift from the code.
 mod golden {
+    use elasticps_core::block::LoggedPush;
     use elasticps_core::model::{Init, Partition, TensorSpec};
     use elasticps_core::placement::{Placement, PlacementKind};
     use elasticps_wire::*;
@@ -696,6 +951,26 @@ mod golden {
     }
 
     #[test]
+    fn migration_payloads() {
+        let migrate = Control::Migrate { block: 3, to: 1, to_addr: "10.0.0.6:7001".into(), epoch: 2 };
+        pinned(
+            "Migrate example",
+            &postcard::to_allocvec(&migrate).unwrap(),
+            "11 03 01 0d 31 30 2e 30 2e 30 2e 36 3a 37 30 30 31 02",
+        );
+        let delta = Control::BlockDelta {
+            block: 3,
+            epoch: 2,
+            pushes: vec![LoggedPush { worker: 1, clock: 5, grad: vec![1.0, -2.0] }],
+        };
+        pinned(
+            "BlockDelta example",
+            &postcard::to_allocvec(&delta).unwrap(),
+            "13 03 02 01 01 05 08 00 00 80 3f 00 00 00 c0",
+        );
+    }
+
+    #[test]
     fn layout_payload() {
         let tensors = vec![
             TensorSpec { name: "w".into(), shape: vec![2, 3], init: Init::Uniform { low: -1.0, high: 1.0 } },
@@ -733,6 +1008,15 @@ mod golden {
             "Moved",
             "GetStats",
             "Stats",
+            "Migrate",
+            "BlockSnapshot",
+            "BlockDelta",
+            "MigrateDone",
+            "ServerLoad",
+            "WorkerLoad",
+            "GetStatus",
+            "Status",
+            "Scale",
         ];
         for (i, name) in names.iter().enumerate() {
             let row = format!("| {i} | `{name}");

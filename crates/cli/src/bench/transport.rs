@@ -439,10 +439,12 @@ async fn start_cluster(
         block_bytes: block_bytes(size, topo, max_block),
         seed: 42,
         server_sync: Vec::new(),
-        inject: Vec::new(),
+        server_bandwidth: Vec::new(),
+        server_interference: Vec::new(),
+        straggler_at: 0.0,
         balance: Default::default(),
-        max_servers: topo.servers,
-        min_servers: topo.servers,
+        max_servers: None,
+        min_servers: None,
     };
     let mut cluster = Cluster::new(log_dir)?;
     let env = [("ELASTICPS_SECRET", net.secret.as_str())];

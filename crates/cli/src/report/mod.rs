@@ -9,7 +9,8 @@
 //!   traffic, how often and how long pulls were held back by the consistency
 //!   model),
 //! * one [`WorkerReport`] per worker (iterations, time spent waiting on the
-//!   servers, final training loss),
+//!   servers, final training loss, every iteration's duration),
+//! * the balancing history (`balance`: migrations, scaling events, load timeline),
 //! * the training curve: timestamped [`CurvePoint`]s carrying a worker's
 //!   training loss and/or a test-accuracy measurement.
 //!
@@ -20,12 +21,19 @@
 //! | `report.json` | the [`Report`] itself, pretty-printed JSON (machine-readable; deserialize it back into [`Report`]) |
 //! | `summary.md`  | human-readable Markdown: headline numbers, configuration, a servers table and a workers table ([`summary`]) |
 //! | `curves.png`  | two panels: training loss vs time per worker, test accuracy vs time ([`plot`]) |
+//! | `balance.png` | bytes and estimated service time per server, mean iteration time, migrations and scaling events over time ([`balance_plot`]); only when the report has a balance timeline |
+//!
+//! The report also carries the scheduler's [`BalanceLog`] (`balance`: every migration and
+//! scaling event, the load timeline, the settling time) and, per worker, every iteration's
+//! duration with the wall-clock start ([`WorkerReport::iter_ms`]), so that iteration times
+//! can be lined up with migrations. [`to_json`] keeps arrays of numbers on one line.
 //!
 //! Non-finite floating-point values (a diverged run's `NaN` loss, say) are
 //! written by `serde_json` as `null`; the plain `f64` fields read `null` back
 //! as `NaN` so such a `report.json` still loads, while `CurvePoint`'s optional
 //! fields read it back as `None`.
 
+pub mod balance_plot;
 pub mod plot;
 pub mod summary;
 pub mod table;
@@ -34,6 +42,7 @@ use std::fs;
 use std::path::Path;
 
 use anyhow::Context;
+pub use elasticps_runtime::scheduler::{BalanceLog, ServerPoint};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// File name of the machine-readable report inside the report directory.
@@ -42,6 +51,9 @@ pub const REPORT_JSON: &str = "report.json";
 pub const SUMMARY_MD: &str = "summary.md";
 /// File name of the training-curve plot inside the report directory.
 pub const CURVES_PNG: &str = "curves.png";
+/// File name of the load-balancing plot inside the report directory (written when the
+/// report has a balance timeline).
+pub const BALANCE_PNG: &str = "balance.png";
 
 /// Everything recorded about one training run.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -69,6 +81,10 @@ pub struct Report {
     pub workers: Vec<WorkerReport>,
     /// The training curve drawn in `curves.png`.
     pub curve: Vec<CurvePoint>,
+    /// The scheduler's balancing history: migrations, scaling events, the load timeline
+    /// drawn in `balance.png` (`null` when the scheduler sent none).
+    #[serde(default)]
+    pub balance: Option<BalanceLog>,
 }
 
 /// Statistics of one parameter server over the run.
@@ -134,6 +150,29 @@ pub struct WorkerReport {
     /// Total time each server took to answer this worker's rounds, ms, by server id.
     #[serde(default)]
     pub wait_ms_by_server: Vec<f64>,
+    /// When the worker's first iteration started, ms since the Unix epoch (the clock of
+    /// [`BalanceLog::started_unix_ms`], so iterations line up with migrations).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub started_unix_ms: f64,
+    /// Every iteration's duration, ms (microsecond resolution), in order. The iterations
+    /// tile the training loop: iteration k ends `sum(iter_ms[..=k])` after
+    /// `started_unix_ms`. Written on one line of report.json.
+    #[serde(default)]
+    pub iter_ms: Vec<f32>,
+}
+
+impl WorkerReport {
+    /// When each iteration ended, ms since the Unix epoch.
+    pub fn iteration_ends_unix_ms(&self) -> Vec<f64> {
+        let mut at = self.started_unix_ms;
+        self.iter_ms
+            .iter()
+            .map(|ms| {
+                at += f64::from(*ms);
+                at
+            })
+            .collect()
+    }
 }
 
 /// One sample of the training curve.
@@ -163,7 +202,7 @@ pub fn write(dir: &Path, report: &Report) -> anyhow::Result<()> {
     fs::create_dir_all(dir).with_context(|| format!("creating report directory {}", dir.display()))?;
 
     let json_path = dir.join(REPORT_JSON);
-    let json = serde_json::to_string_pretty(report).context("serializing report to JSON")?;
+    let json = to_json(report).context("serializing report to JSON")?;
     fs::write(&json_path, json + "\n").with_context(|| format!("writing {}", json_path.display()))?;
 
     let md_path = dir.join(SUMMARY_MD);
@@ -171,7 +210,64 @@ pub fn write(dir: &Path, report: &Report) -> anyhow::Result<()> {
 
     let png_path = dir.join(CURVES_PNG);
     plot::draw_curves(&png_path, &report.curve).with_context(|| format!("drawing {}", png_path.display()))?;
+
+    let balance_path = dir.join(BALANCE_PNG);
+    match &report.balance {
+        Some(log) if !log.timeline.is_empty() => {
+            balance_plot::draw(&balance_path, log).with_context(|| format!("drawing {}", balance_path.display()))?
+        }
+        // No timeline: no plot, and none left over from an earlier run in the same directory.
+        _ => match fs::remove_file(&balance_path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing the stale {}", balance_path.display()));
+            }
+            _ => {}
+        },
+    }
     Ok(())
+}
+
+/// Pretty-printed JSON (as `serde_json::to_string_pretty`), except that arrays holding
+/// only numbers (or nulls) stay on one line: a worker's thousands of iteration times
+/// take one line instead of thousands.
+pub fn to_json<T: Serialize + ?Sized>(value: &T) -> serde_json::Result<String> {
+    let pretty = serde_json::to_string_pretty(value)?;
+    let lines: Vec<&str> = pretty.lines().collect();
+    let mut out = String::with_capacity(pretty.len());
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        if line.ends_with('[') {
+            // Scan the items up to the closing bracket; collapse if all are scalars.
+            let mut j = i + 1;
+            let mut items = Vec::new();
+            while j < lines.len() {
+                let item = lines[j].trim();
+                if item == "]" || item == "]," {
+                    break;
+                }
+                let bare = item.strip_suffix(',').unwrap_or(item);
+                if bare != "null" && bare.parse::<f64>().is_err() {
+                    break;
+                }
+                items.push(bare);
+                j += 1;
+            }
+            if j < lines.len() && j > i + 1 && matches!(lines[j].trim(), "]" | "],") {
+                out.push_str(line);
+                out.push_str(&items.join(", "));
+                out.push_str(lines[j].trim());
+                out.push('\n');
+                i = j + 1;
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+        i += 1;
+    }
+    out.pop();
+    Ok(out)
 }
 
 /// Deserializes an `f64` that `serde_json` may have written as `null` (it
@@ -281,6 +377,7 @@ mod tests {
                 })
                 .collect(),
             curve,
+            balance: None,
         }
     }
 
@@ -325,6 +422,60 @@ mod tests {
         assert_png(&png, plot::WIDTH, plot::HEIGHT);
         // A blank canvas compresses to a few KB; text and curves make it larger.
         assert!(fs::metadata(&png).unwrap().len() > 20_000);
+    }
+
+    #[test]
+    fn balance_log_round_trips_and_draws() {
+        let tmp = TempDir::new("balance");
+        let mut report = synthetic_report();
+        report.balance = Some(balance_plot::tests::sample_log());
+        report.workers[0].started_unix_ms = 1.7e12 + 1234.5;
+        report.workers[0].iter_ms = vec![12.5, 13.25, 1000.001, 0.0];
+        write(&tmp.0, &report).expect("write report");
+        let json = fs::read_to_string(tmp.0.join(REPORT_JSON)).unwrap();
+        let back: Report = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, report);
+        // Numeric arrays stay on one line; arrays of objects do not.
+        assert!(json.contains("\"iter_ms\": [12.5, 13.25, 1000.001, 0.0]"), "{json}");
+        assert!(json.contains("\"migrations\": [\n"), "{json}");
+        assert_eq!(back.workers[0].iteration_ends_unix_ms()[1], 1.7e12 + 1234.5 + 12.5 + 13.25);
+        assert_png(&tmp.0.join(BALANCE_PNG), balance_plot::WIDTH, balance_plot::HEIGHT);
+        let md = fs::read_to_string(tmp.0.join(SUMMARY_MD)).unwrap();
+        assert!(md.contains("## Balance") && md.contains("**Migrations:** 7 (1 more failed)"), "{md}");
+        assert!(md.contains("| 20.0 | scale-out |"), "{md}");
+        assert!(md.contains("![load balance](balance.png)"), "{md}");
+
+        // Without a log: null in report.json, no plot (the stale one is removed).
+        report.balance = None;
+        write(&tmp.0, &report).expect("write report");
+        let json = fs::read_to_string(tmp.0.join(REPORT_JSON)).unwrap();
+        assert!(json.contains("\"balance\": null"), "{json}");
+        assert!(!tmp.0.join(BALANCE_PNG).exists());
+        assert!(!fs::read_to_string(tmp.0.join(SUMMARY_MD)).unwrap().contains("## Balance"));
+        // An older report.json without the new fields still loads.
+        let mut value: serde_json::Value = serde_json::from_str(&json).unwrap();
+        value.as_object_mut().unwrap().remove("balance");
+        for w in value["workers"].as_array_mut().unwrap() {
+            w.as_object_mut().unwrap().remove("iter_ms");
+            w.as_object_mut().unwrap().remove("started_unix_ms");
+        }
+        let old: Report = serde_json::from_value(value).unwrap();
+        assert_eq!(old.balance, None);
+        assert!(old.workers[0].iter_ms.is_empty());
+    }
+
+    #[test]
+    fn to_json_only_inlines_scalar_arrays() {
+        let v =
+            serde_json::json!({"a": [1, 2.5, null], "b": [], "c": [[1, 2], [3]], "d": ["x", "y"], "e": [{"f": [1]}]});
+        let s = to_json(&v).unwrap();
+        assert!(s.contains("\"a\": [1, 2.5, null]"), "{s}");
+        assert!(s.contains("\"b\": []"), "{s}");
+        assert!(s.contains("[1, 2],") && s.contains("[3]\n"), "{s}");
+        assert!(s.contains("\"d\": [\n"), "{s}");
+        assert!(s.contains("\"f\": [1]"), "{s}");
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&s).unwrap(), v);
+        assert!(!s.ends_with('\n'));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 
 use super::table::markdown_table;
-use super::{CURVES_PNG, REPORT_JSON, Report};
+use super::{BALANCE_PNG, BalanceLog, CURVES_PNG, REPORT_JSON, Report};
 
 /// Renders the human-readable Markdown summary of `report`.
 pub fn render(report: &Report) -> String {
@@ -149,8 +149,150 @@ pub fn render(report: &Report) -> String {
         report.curve.len()
     );
     let _ = writeln!(md, "![training curves]({CURVES_PNG})\n");
+
+    // Balance.
+    if let Some(log) = &report.balance {
+        balance(&mut md, log);
+    }
     let _ = writeln!(md, "Full data: [`{REPORT_JSON}`]({REPORT_JSON}).");
     md
+}
+
+/// The "Balance" section: mode, migrations (count, bytes, freeze and total time), scaling
+/// events, settling time, the servers at the last sample, a link to `balance.png`.
+fn balance(md: &mut String, log: &BalanceLog) {
+    md.push_str(
+        "## Balance
+
+",
+    );
+    let ok: Vec<_> = log.migrations.iter().filter(|m| m.error.is_none()).collect();
+    let failed = log.migrations.len() - ok.len();
+    let bytes: u64 = ok.iter().map(|m| m.bytes).sum();
+    let freeze: Vec<f64> = ok.iter().map(|m| m.freeze_ms).collect();
+    let total: Vec<f64> = ok.iter().map(|m| m.total_ms).collect();
+    let _ = writeln!(md, "- **Mode:** {}", if log.mode.is_empty() { "unknown" } else { &log.mode });
+    let _ = writeln!(
+        md,
+        "- **Migrations:** {}{}, {} moved",
+        ok.len(),
+        if failed > 0 { format!(" ({failed} more failed)") } else { String::new() },
+        human_bytes(bytes)
+    );
+    if !ok.is_empty() {
+        let _ = writeln!(
+            md,
+            "- **Block frozen:** p50 {} ms, max {} ms; **request to handover:** p50 {} ms, max {} ms",
+            fixed(median(&freeze), 2),
+            fixed(max(&freeze), 2),
+            fixed(median(&total), 1),
+            fixed(max(&total), 1)
+        );
+        let mut moves: Vec<((u32, u32), (usize, u64))> = Vec::new();
+        for m in &ok {
+            match moves.iter_mut().find(|(k, _)| *k == (m.from, m.to)) {
+                Some((_, (n, b))) => {
+                    *n += 1;
+                    *b += m.bytes;
+                }
+                None => moves.push(((m.from, m.to), (1, m.bytes))),
+            }
+        }
+        moves.sort_by_key(|(k, _)| *k);
+        let list: Vec<String> =
+            moves.iter().map(|((f, t), (n, b))| format!("{f} -> {t}: {n} ({})", human_bytes(*b))).collect();
+        let _ = writeln!(md, "- **Moves by server:** {}", list.join(", "));
+        if let (Some(first), Some(last)) = (ok.first(), ok.last()) {
+            let _ =
+                writeln!(md, "- **First / last migration:** {} s / {} s", fixed(first.at_s, 1), fixed(last.at_s, 1));
+        }
+    }
+    let _ = writeln!(
+        md,
+        "- **Settled:** {}",
+        log.settled_s.map_or("never moved (placement unchanged)".to_string(), |s| format!(
+            "{} s after the scheduler started (the last migration or scaling decision)",
+            fixed(s, 1)
+        ))
+    );
+    if failed > 0 {
+        let errors: Vec<String> = log
+            .migrations
+            .iter()
+            .filter_map(|m| {
+                Some(format!(
+                    "block {} {} -> {} at {} s: {}",
+                    m.block,
+                    m.from,
+                    m.to,
+                    fixed(m.at_s, 1),
+                    m.error.as_ref()?
+                ))
+            })
+            .take(5)
+            .collect();
+        let _ = writeln!(md, "- **Failed migrations** (first {}): {}", errors.len(), errors.join("; "));
+    }
+    md.push('\n');
+
+    if log.scaling.is_empty() {
+        md.push_str("No scaling events.\n\n");
+    } else {
+        md.push_str("Scaling events:\n\n");
+        let rows: Vec<Vec<String>> = log
+            .scaling
+            .iter()
+            .map(|e| {
+                vec![
+                    fixed(e.at_s, 1),
+                    e.action.clone(),
+                    e.server.map_or("-".into(), |s| s.to_string()),
+                    e.reason.clone(),
+                ]
+            })
+            .collect();
+        md.push_str(&markdown_table(&["at s", "action", "server", "reason"], &rows));
+        md.push('\n');
+    }
+
+    if let Some(last) = log.timeline.last() {
+        let _ = writeln!(md, "Servers at the last sample ({} s):\n", fixed(last.t_s, 1));
+        let rows: Vec<Vec<String>> = last
+            .servers
+            .iter()
+            .map(|s| {
+                vec![
+                    s.id.to_string(),
+                    s.blocks.to_string(),
+                    human_bytes(s.bytes),
+                    if s.rate_bps > 0.0 { format!("{} MB/s", fixed(s.rate_bps / 1e6, 1)) } else { "-".into() },
+                    if s.rate_bps > 0.0 { fixed(s.service_ms, 1) } else { "-".into() },
+                    if s.straggler { "yes".into() } else { "".into() },
+                ]
+            })
+            .collect();
+        md.push_str(&markdown_table(&["id", "blocks", "bytes", "rate", "service ms", "straggler"], &rows));
+        md.push('\n');
+        let _ = writeln!(md, "![load balance]({BALANCE_PNG})\n");
+    } else {
+        md.push_str("_no load timeline recorded_\n\n");
+    }
+}
+
+/// The median of the finite values (NaN for none).
+fn median(values: &[f64]) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
+
+/// The largest finite value (NaN for none).
+fn max(values: &[f64]) -> f64 {
+    values.iter().copied().filter(|x| x.is_finite()).fold(f64::NAN, f64::max)
 }
 
 /// `0.97123` -> `"97.12%"`; non-finite values -> `"n/a"`.
@@ -247,6 +389,7 @@ mod tests {
                 ..WorkerReport::default()
             }],
             curve: vec![],
+            balance: None,
         };
         let md = render(&report);
         assert!(md.contains("**Test accuracy:** 50.00%"), "{md}");

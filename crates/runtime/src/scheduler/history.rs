@@ -8,6 +8,9 @@ use serde::{Deserialize, Serialize};
 pub struct BalanceLog {
     /// `static` or `psld`.
     pub mode: String,
+    /// When the scheduler started, in milliseconds since the Unix epoch: every `*_s` time
+    /// of this log counts from there (to align with the workers' clocks).
+    pub started_unix_ms: f64,
     /// Every migration, in the order they ended.
     pub migrations: Vec<MigrationEvent>,
     /// Every scaling event.
@@ -36,6 +39,8 @@ pub struct MigrationEvent {
     pub freeze_ms: f64,
     /// From the request to the handover, in milliseconds.
     pub total_ms: f64,
+    /// Pulls held by the sync policy at the freeze, re-issued at the new owner.
+    pub held: u32,
     /// Why it failed (`None`: it succeeded).
     pub error: Option<String>,
 }

@@ -7,6 +7,9 @@ use elasticps_core::block::ShardConfig;
 use elasticps_core::model::{Partition, TensorSpec};
 use elasticps_core::placement::{Placement, PlacementKind};
 use elasticps_core::sync::SyncPolicy;
+
+use super::elastic::{Elastic, Order};
+use super::history::BalanceLog;
 use elasticps_wire::{Assignment, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr};
 
 /// Identifies one connection to the scheduler.
@@ -122,6 +125,8 @@ pub enum Action {
     },
     /// Close a connection (after its pending sends).
     Close(ConnId),
+    /// Start one more server (through the launcher, if the scheduler has one).
+    StartServer,
     /// The job is over: shut down and exit, successfully or not.
     Finish {
         /// True if every worker finished its run.
@@ -161,6 +166,8 @@ pub struct Membership {
     last_wait_log_us: u64,
     heartbeat_timeout_us: u64,
     over: bool,
+    elastic: Elastic,
+    can_launch: bool,
 }
 
 impl Membership {
@@ -168,7 +175,6 @@ impl Membership {
     /// without a message from it.
     pub fn new(config: JobConfig, heartbeat_timeout_us: u64) -> Self {
         Self {
-            config,
             nodes: HashMap::new(),
             servers: Vec::new(),
             workers: Vec::new(),
@@ -183,7 +189,21 @@ impl Membership {
             last_wait_log_us: 0,
             heartbeat_timeout_us,
             over: false,
+            elastic: Elastic::new(config.balance, config.min_servers, config.max_servers, unix_ms()),
+            can_launch: false,
+            config,
         }
+    }
+
+    /// Says whether the runtime can start servers ([`Action::StartServer`]).
+    pub fn with_launcher(mut self, can_launch: bool) -> Self {
+        self.can_launch = can_launch;
+        self
+    }
+
+    /// The balancing history so far (migrations, scaling, load timeline).
+    pub fn balance_log(&self) -> &BalanceLog {
+        self.elastic.log()
     }
 
     /// What the scheduler waits for right now, in words, or `None` while training runs.
@@ -232,6 +252,12 @@ impl Membership {
                     self.on_lost(conn, &format!("no heartbeat for {secs:.0} s"), &mut out);
                     out.push(Action::Close(conn));
                 }
+                if self.layout_ready
+                    && let Some(placement) = self.placement.as_ref()
+                {
+                    let orders = self.elastic.tick(placement, now_us);
+                    self.carry_out(orders, &mut out);
+                }
                 if now_us.saturating_sub(self.last_wait_log_us) >= 5_000_000 {
                     self.last_wait_log_us = now_us;
                     if let Some(what) = self.waiting_for() {
@@ -262,20 +288,24 @@ impl Membership {
         match (control, role) {
             (Control::RegisterServer { data_addr }, None) => {
                 let id = self.servers.len() as u32;
-                if id >= self.config.servers {
-                    refuse(
-                        out,
-                        ErrorCode::BadRequest,
-                        format!("the job already has its {} servers", self.config.servers),
-                    );
+                let initial = id < self.config.servers;
+                let late_ok = self.layout_ready && self.elastic.registered_count() < self.config.max_servers;
+                if !initial && !late_ok {
+                    let max = self.config.max_servers.max(self.config.servers);
+                    refuse(out, ErrorCode::BadRequest, format!("the job already has its {max} servers (--max-servers)"));
                     out.push(Action::Close(conn));
                     return;
                 }
-                tracing::info!(server = id, addr = %data_addr, "server joined");
+                tracing::info!(server = id, addr = %data_addr, initial, "server joined");
                 self.servers.push((conn, data_addr));
                 self.nodes.insert(conn, Node { role: Role::Server(id), last_seen_us: self.now_us });
+                self.elastic.registered(id, initial, self.now_us);
                 reply(out, self.welcome(id));
-                self.try_assign(out);
+                if initial {
+                    self.try_assign(out);
+                } else if let Some(a) = self.assignment(id) {
+                    out.push(Action::Send { conn, request_id: 0, msg: Control::Assign(a).into() });
+                }
             }
             (Control::RegisterWorker, None) => {
                 let rank = self.workers.len() as u32;
@@ -310,6 +340,12 @@ impl Membership {
                 self.waiting_for_layout.push((conn, request_id));
                 self.answer_layout_waiters(out);
             }
+            (Control::AssignDone { .. }, Some(Role::Server(id))) if self.layout_ready => {
+                if let Some(placement) = self.placement.as_ref() {
+                    let orders = self.elastic.serving_now(id, placement, self.now_us);
+                    self.carry_out(orders, out);
+                }
+            }
             (Control::AssignDone { .. }, Some(Role::Server(id))) => {
                 self.assigned.insert(id);
                 if self.assigned.len() as u32 == self.config.servers {
@@ -319,6 +355,40 @@ impl Membership {
                 }
             }
             (Control::Heartbeat, Some(_)) => {}
+            (Control::ServerLoad(load), Some(Role::Server(_))) => self.elastic.server_load(load),
+            (Control::WorkerLoad(load), Some(Role::Worker(_))) => self.elastic.worker_load(load, self.now_us),
+            (Control::MigrateDone(report), Some(Role::Server(id))) if report.from == id => {
+                let Some(placement) = self.placement.as_mut() else { return };
+                let (expected, orders) = self.elastic.migrated(&report, placement, self.now_us);
+                if request_id != 0 {
+                    if expected {
+                        reply(out, Control::Ok.into());
+                    } else {
+                        let block = report.block;
+                        refuse(out, ErrorCode::BadRequest, format!("no migration of block {block} from server {id} is under way"));
+                    }
+                }
+                self.carry_out(orders, out);
+            }
+            (Control::GetStatus, _) => {
+                let addrs: Vec<(u32, String)> =
+                    self.servers.iter().enumerate().map(|(id, (_, a))| (id as u32, a.clone())).collect();
+                let status = self.elastic.status(self.placement.as_ref(), &addrs, self.now_us);
+                reply(out, Control::Status(status).into());
+            }
+            (Control::Scale(req), _) => {
+                let Some(placement) = self.placement.as_ref().filter(|_| self.layout_ready) else {
+                    refuse(out, ErrorCode::NotReady, "the job is not running yet: no model is placed".into());
+                    return;
+                };
+                match self.elastic.scale(req, placement, self.can_launch, self.now_us) {
+                    Ok(orders) => {
+                        reply(out, Control::Ok.into());
+                        self.carry_out(orders, out);
+                    }
+                    Err(message) => refuse(out, ErrorCode::BadRequest, message),
+                }
+            }
             (Control::WorkerDone { .. }, Some(Role::Worker(rank))) => {
                 tracing::info!(rank, "worker finished");
                 reply(out, Control::Ok.into());
@@ -374,21 +444,54 @@ impl Membership {
                 return;
             }
         };
-        for (id, (conn, _)) in self.servers.iter().enumerate() {
-            let assignment = Assignment {
-                server_id: id as u32,
-                partition: partition.clone(),
-                placement: placement.clone(),
-                config: self.config.shard_config(id as u32),
-                seed: self.config.seed,
-                inject: self.config.injection(id as u32),
-            };
-            out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Assign(assignment).into() });
-        }
+        self.elastic.model_placed(partition.blocks.iter().map(|b| b.bytes() as u64).collect());
         self.placement = Some(placement);
+        for (id, (conn, _)) in self.servers.iter().enumerate() {
+            if let Some(a) = self.assignment(id as u32) {
+                out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Assign(a).into() });
+            }
+        }
+    }
+
+    /// What server `id` is to hold now (for a late server: nothing, until blocks move to it).
+    fn assignment(&self, id: u32) -> Option<Assignment> {
+        Some(Assignment {
+            server_id: id,
+            partition: self.partition.clone()?,
+            placement: self.placement.clone()?,
+            config: self.config.shard_config(id),
+            seed: self.config.seed,
+            inject: self.config.injection(id),
+        })
+    }
+
+    /// Turns elasticity orders into actions.
+    fn carry_out(&mut self, orders: Vec<Order>, out: &mut Vec<Action>) {
+        for order in orders {
+            match order {
+                Order::Migrate { block, from, to, epoch } => {
+                    let (Some((conn, _)), Some((_, to_addr))) =
+                        (self.servers.get(from as usize), self.servers.get(to as usize))
+                    else {
+                        continue;
+                    };
+                    tracing::info!(block, from, to, epoch, "migration starts");
+                    let msg = Control::Migrate { block, to, to_addr: to_addr.clone(), epoch }.into();
+                    out.push(Action::Send { conn: *conn, request_id: 0, msg });
+                }
+                Order::StartServer => out.push(Action::StartServer),
+                Order::Stop { server, reason } => {
+                    if let Some((conn, _)) = self.servers.get(server as usize) {
+                        tracing::info!(server, %reason, "server stops");
+                        out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Shutdown { reason }.into() });
+                    }
+                }
+            }
+        }
     }
 
     fn layout(&self) -> Option<Layout> {
+        let removed = self.elastic.removed();
         Some(Layout {
             partition: self.partition.clone()?,
             placement: self.placement.clone()?,
@@ -396,6 +499,7 @@ impl Membership {
                 .servers
                 .iter()
                 .enumerate()
+                .filter(|(id, _)| !removed.contains(&(*id as u32)))
                 .map(|(id, (_, addr))| ServerAddr { id: id as u32, addr: addr.clone() })
                 .collect(),
             seed: self.config.seed,
@@ -416,6 +520,7 @@ impl Membership {
         if !self.finished_workers.insert(rank) {
             return;
         }
+        self.elastic.worker_left(rank);
         for (conn, _) in &self.servers {
             out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::RemoveWorker { rank }.into() });
         }
@@ -432,6 +537,9 @@ impl Membership {
     fn on_lost(&mut self, conn: ConnId, why: &str, out: &mut Vec<Action>) {
         let Some(node) = self.nodes.remove(&conn) else { return };
         match node.role {
+            Role::Server(id) if self.elastic.lost(id) => {
+                tracing::info!(server = id, %why, "a removed server left");
+            }
             Role::Server(id) => {
                 let addr = self.servers.get(id as usize).map_or("", |(_, a)| a.as_str());
                 self.finish(false, format!("server {id} ({addr}) is gone: {why}"), out);
@@ -457,6 +565,11 @@ impl Membership {
         out.push(Action::Finish { ok, reason });
         self.over = true;
     }
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+fn unix_ms() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
 #[cfg(test)]

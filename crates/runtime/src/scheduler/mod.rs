@@ -1,6 +1,7 @@
 //! The scheduler role: one actor task owns [`Membership`]; one task per connection
 //! reads frames and forwards them as events; a ticker feeds time.
 
+mod elastic;
 mod history;
 mod membership;
 
@@ -43,18 +44,47 @@ pub struct SchedulerOptions {
     pub join_timeout: Duration,
 }
 
+/// Starts servers for the scheduler when it scales out: a local process launcher (the
+/// one `elasticps train` uses), later Kubernetes. Stopping needs no launcher: the
+/// scheduler tells a drained server to shut down and it exits.
+pub trait Launcher: Send {
+    /// Starts one server that registers with the scheduler at `scheduler_addr`.
+    fn start_server(&mut self, scheduler_addr: &str) -> std::result::Result<(), String>;
+}
+
+/// How a job ended.
+#[derive(Clone, Debug)]
+pub struct JobEnd {
+    /// Why it ended.
+    pub reason: String,
+    /// Migrations, scaling events and the load timeline.
+    pub balance: BalanceLog,
+}
+
 /// Runs the scheduler until the job ends. `on_bound` receives the bound address before
 /// any node can connect. Returns the reason the job ended, or an error if it failed.
 pub async fn run(opts: SchedulerOptions, on_bound: impl FnOnce(SocketAddr)) -> Result<String> {
+    run_with(opts, None, on_bound).await.map(|end| end.reason)
+}
+
+/// [`run`] with a launcher to start servers when the job scales out; returns the
+/// balancing history too.
+pub async fn run_with(
+    opts: SchedulerOptions,
+    mut launcher: Option<Box<dyn Launcher>>,
+    on_bound: impl FnOnce(SocketAddr),
+) -> Result<JobEnd> {
     let listener = TcpListener::bind(&opts.listen)
         .await
         .map_err(|e| RuntimeError::io(format!("binding the scheduler's listen address {}", opts.listen), e))?;
-    on_bound(listener.local_addr().map_err(|e| RuntimeError::io("reading the bound address", e))?);
+    let bound = listener.local_addr().map_err(|e| RuntimeError::io("reading the bound address", e))?;
+    on_bound(bound);
     let (events_tx, mut events) = mpsc::unbounded_channel::<(Event, Option<Handle>)>();
     let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), events_tx));
 
     let clock = Micros::new();
-    let mut state = Membership::new(opts.job.clone(), HEARTBEAT_TIMEOUT.as_micros() as u64);
+    let mut state =
+        Membership::new(opts.job.clone(), HEARTBEAT_TIMEOUT.as_micros() as u64).with_launcher(launcher.is_some());
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     let outcome = loop {
@@ -94,12 +124,24 @@ pub async fn run(opts: SchedulerOptions, on_bound: impl FnOnce(SocketAddr)) -> R
                         h.close.notify_one();
                     }
                 }
+                Action::StartServer => match launcher.as_mut() {
+                    Some(l) => {
+                        if let Err(e) = l.start_server(&bound.to_string()) {
+                            tracing::error!(error = %e, "could not start a server");
+                        }
+                    }
+                    None => tracing::warn!("a server was to be started, but this scheduler has no launcher"),
+                },
                 Action::Finish { ok, reason } => finished = Some((ok, reason)),
             }
         }
         if let Some((ok, reason)) = finished {
             tracing::info!(ok, %reason, "job over");
-            break if ok { Ok(reason) } else { Err(RuntimeError::Shutdown(reason)) };
+            break if ok {
+                Ok(JobEnd { reason, balance: state.balance_log().clone() })
+            } else {
+                Err(RuntimeError::Shutdown(reason))
+            };
         }
     };
     accept.abort();

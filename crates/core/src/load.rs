@@ -1,0 +1,250 @@
+//! Per-server service-rate estimates with a confidence: the measuring half of PSLD.
+//!
+//! Workers report, per interval and per server, how many bytes they pushed to it and how
+//! long those pushes took (first push sent to last ack, summed over rounds). Pushes are
+//! never held by a synchronization policy, so `bytes / time` is the rate at which that
+//! server serves this worker. Each report is one *sample* `r = bytes / seconds`.
+//!
+//! The model per server:
+//!
+//! - **Estimate.** A time-decayed weighted mean of the sample rates. When a sample arrives
+//!   `dt` after the previous one, every older weight is multiplied by `2^(-dt/half_life)`
+//!   and the new sample weighs 1. So once fresh samples arrive, a sample `half_life` old
+//!   counts half, and after a change of the true rate the estimate closes
+//!   `1 - 2^(-t/half_life)` of the gap in time `t` (about 94% after four half-lives).
+//!   Without new samples the estimate stays where it is and only its age grows.
+//! - **Spread.** The weighted variance of the sample rates (West's incremental algorithm,
+//!   numerically stable), giving the coefficient of variation `cv = sd / mean`.
+//! - **Confidence.** `1 - rse`, clamped to `[0, 1]`, where the relative standard error of
+//!   the mean is `rse = sqrt((cv^2 + PRIOR_CV^2) / n_eff)` and `n_eff = (Σw)^2 / Σw^2` is
+//!   the effective number of samples under the decay. The prior spread [`PRIOR_CV`] (1.0)
+//!   stands for "a single sample may be off by its own size", so one sample gives
+//!   confidence 0, four agreeing samples 0.5, sixteen 0.75; noisy samples give less. With a
+//!   steady stream of samples `n_eff` saturates (e.g. about 9 for one sample per second and
+//!   a 3 s half-life, 17 for two), so confidence is bounded below 1 and old, undecayed data
+//!   never makes it grow without limit. Confidence does not decay with age: the balancer
+//!   looks at [`RateEstimate::age_us`] for staleness.
+
+use std::collections::BTreeMap;
+
+use crate::placement::ServerId;
+
+/// Relative spread assumed a priori for a single sample (see the module doc).
+pub const PRIOR_CV: f64 = 1.0;
+
+/// Service-rate estimates of every server that has samples.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadModel {
+    half_life_us: u64,
+    servers: BTreeMap<ServerId, Stats>,
+}
+
+/// Decayed sample statistics of one server.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Stats {
+    /// Σw.
+    weight: f64,
+    /// Σw².
+    weight_sq: f64,
+    /// Weighted mean rate, bytes/s.
+    mean: f64,
+    /// Σw (r - mean)².
+    m2: f64,
+    /// Samples ever observed.
+    samples: u64,
+    /// Time of the latest sample.
+    last_us: u64,
+}
+
+/// The rate estimate of one server.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RateEstimate {
+    /// Estimated service rate, bytes per second.
+    pub bps: f64,
+    /// How much to trust `bps`, from 0 (nothing) to 1 (see the module doc).
+    pub confidence: f64,
+    /// Number of samples ever observed for this server.
+    pub samples: u64,
+    /// Microseconds since the latest sample.
+    pub age_us: u64,
+}
+
+impl LoadModel {
+    /// A model in which old samples weigh half after `half_life_us` (e.g. 3_000_000);
+    /// 0 is taken as 1 µs (only the latest instant counts).
+    pub fn new(half_life_us: u64) -> Self {
+        Self { half_life_us: half_life_us.max(1), servers: BTreeMap::new() }
+    }
+
+    /// The half-life of sample weights, in microseconds.
+    pub fn half_life_us(&self) -> u64 {
+        self.half_life_us
+    }
+
+    /// One worker's report about one server over one interval: it pushed `push_bytes`
+    /// to that server and the pushes took `push_us` in total (first push sent -> last ack,
+    /// summed over rounds). Pushes are never held by sync policies, so bytes/time is the
+    /// server's service rate as this worker sees it. Samples with `push_us == 0` or
+    /// `push_bytes == 0` are ignored. A sample older than the latest one counts as if it
+    /// arrived with it.
+    pub fn observe(&mut self, server: ServerId, push_bytes: u64, push_us: u64, now_us: u64) {
+        if push_us == 0 || push_bytes == 0 {
+            return;
+        }
+        let rate = push_bytes as f64 * 1e6 / push_us as f64;
+        let half_life = self.half_life_us as f64;
+        let s = self.servers.entry(server).or_insert(Stats {
+            weight: 0.0,
+            weight_sq: 0.0,
+            mean: 0.0,
+            m2: 0.0,
+            samples: 0,
+            last_us: now_us,
+        });
+        let dt = now_us.saturating_sub(s.last_us) as f64;
+        let decay = (-dt / half_life).exp2();
+        s.weight *= decay;
+        s.weight_sq *= decay * decay;
+        s.m2 *= decay;
+        s.weight += 1.0;
+        s.weight_sq += 1.0;
+        let delta = rate - s.mean;
+        s.mean += delta / s.weight;
+        s.m2 += delta * (rate - s.mean);
+        s.samples += 1;
+        s.last_us = s.last_us.max(now_us);
+    }
+
+    /// Forgets a server (removed from the job).
+    pub fn remove(&mut self, server: ServerId) {
+        self.servers.remove(&server);
+    }
+
+    /// The estimate for one server, if it has any samples.
+    pub fn estimate(&self, server: ServerId, now_us: u64) -> Option<RateEstimate> {
+        let s = self.servers.get(&server)?;
+        let n_eff = if s.weight_sq > 0.0 { s.weight * s.weight / s.weight_sq } else { 0.0 };
+        let cv2 =
+            if s.mean > 0.0 && s.weight > 0.0 { (s.m2 / s.weight).max(0.0) / (s.mean * s.mean) } else { f64::INFINITY };
+        let confidence = if n_eff > 0.0 {
+            let rse = ((cv2 + PRIOR_CV * PRIOR_CV) / n_eff).sqrt();
+            if rse.is_finite() { (1.0 - rse).clamp(0.0, 1.0) } else { 0.0 }
+        } else {
+            0.0
+        };
+        Some(RateEstimate { bps: s.mean, confidence, samples: s.samples, age_us: now_us.saturating_sub(s.last_us) })
+    }
+
+    /// bytes/s of every server that has an estimate.
+    pub fn rates(&self, now_us: u64) -> BTreeMap<ServerId, f64> {
+        self.servers.keys().filter_map(|&id| self.estimate(id, now_us).map(|e| (id, e.bps))).collect()
+    }
+
+    /// The servers that have an estimate, in id order.
+    pub fn servers(&self) -> impl Iterator<Item = ServerId> + '_ {
+        self.servers.keys().copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000;
+    const MB: u64 = 1_000_000;
+
+    /// `bytes` at `bps` as a push duration in µs.
+    fn us(bytes: u64, bps: f64) -> u64 {
+        (bytes as f64 / bps * 1e6).round() as u64
+    }
+
+    #[test]
+    fn constant_samples_give_the_rate_with_rising_confidence() {
+        let mut m = LoadModel::new(3 * S);
+        assert_eq!(m.estimate(0, 0), None);
+        let mut last = -1.0;
+        for t in 0..10 {
+            m.observe(0, 4 * MB, us(4 * MB, 100e6), t * S);
+            let e = m.estimate(0, t * S).unwrap();
+            assert!((e.bps - 100e6).abs() < 1e3, "{e:?}");
+            assert!(e.confidence > last, "confidence must rise with samples: {e:?} after {last}");
+            last = e.confidence;
+            assert_eq!(e.samples, t + 1);
+        }
+        assert_eq!(m.estimate(0, 9 * S).unwrap().age_us, 0);
+        assert_eq!(m.estimate(0, 12 * S).unwrap().age_us, 3 * S);
+        assert!(last >= 0.6, "10 agreeing samples a second apart are trustworthy: {last}");
+        // One sample alone says little.
+        let mut one = LoadModel::new(3 * S);
+        one.observe(7, MB, 10_000, 0);
+        assert!(one.estimate(7, 0).unwrap().confidence < 0.1);
+        // Several workers reporting in the same interval count as several samples.
+        let mut many = LoadModel::new(3 * S);
+        for _ in 0..4 {
+            many.observe(1, MB, 10_000, 0);
+        }
+        assert!((many.estimate(1, 0).unwrap().confidence - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn noisy_samples_give_lower_confidence() {
+        let mut steady = LoadModel::new(3 * S);
+        let mut noisy = LoadModel::new(3 * S);
+        for t in 0..20 {
+            steady.observe(0, MB, us(MB, 100e6), t * S);
+            let bps = if t % 2 == 0 { 50e6 } else { 150e6 };
+            noisy.observe(0, MB, us(MB, bps), t * S);
+        }
+        let (s, n) = (steady.estimate(0, 20 * S).unwrap(), noisy.estimate(0, 20 * S).unwrap());
+        assert!(n.confidence + 0.02 < s.confidence, "noisy {n:?} vs steady {s:?}");
+        assert!((n.bps - 100e6).abs() < 20e6, "{n:?}");
+    }
+
+    #[test]
+    fn estimate_follows_a_rate_change_within_a_few_half_lives() {
+        let half = 3 * S;
+        let mut m = LoadModel::new(half);
+        for t in 0..30 {
+            m.observe(0, MB, us(MB, 100e6), t * S);
+        }
+        // The rate halves at t = 30 s.
+        for t in 30..60 {
+            m.observe(0, MB, us(MB, 50e6), t * S);
+            let e = m.estimate(0, t * S).unwrap();
+            let since = (t - 30) * S;
+            if since < half {
+                assert!(e.bps > 60e6, "one sample must not swing the estimate: {e:?} at {t} s");
+            }
+            if since >= 4 * half {
+                assert!((e.bps - 50e6).abs() < 5e6, "must follow within 4 half-lives: {e:?} at {t} s");
+            }
+        }
+        // After a long silence the first new samples dominate.
+        for _ in 0..3 {
+            m.observe(0, MB, us(MB, 200e6), 200 * S);
+        }
+        assert!(m.estimate(0, 200 * S).unwrap().bps > 190e6);
+    }
+
+    #[test]
+    fn ignores_empty_samples_and_forgets_removed_servers() {
+        let mut m = LoadModel::new(3 * S);
+        m.observe(0, 0, 100, 0);
+        m.observe(0, 100, 0, 0);
+        assert_eq!(m.estimate(0, 0), None);
+        m.observe(0, MB, 10_000, 0);
+        m.observe(2, MB, 20_000, 0);
+        let rates = m.rates(0);
+        assert_eq!(rates.len(), 2);
+        assert!((rates[&0] - 100e6).abs() < 1.0 && (rates[&2] - 50e6).abs() < 1.0);
+        assert_eq!(m.servers().collect::<Vec<_>>(), vec![0, 2]);
+        m.remove(0);
+        assert_eq!(m.estimate(0, 0), None);
+        assert_eq!(m.rates(0).keys().copied().collect::<Vec<_>>(), vec![2]);
+        // Zero half-life: only the latest instant counts.
+        let mut z = LoadModel::new(0);
+        z.observe(0, MB, 10_000, 0);
+        z.observe(0, MB, 20_000, S);
+        assert!((z.estimate(0, S).unwrap().bps - 50e6).abs() < 1.0);
+    }
+}

@@ -1,0 +1,479 @@
+//! The scheduler's elasticity as a plain state machine: load reports in; migrations,
+//! server starts and stops out. The decisions themselves (which blocks, when to scale)
+//! are the core's ([`elasticps_core::balance::Balancer`]); this part executes them one
+//! migration at a time, tracks server states (joining, serving, draining, removed) and
+//! records the history for the report.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use elasticps_core::balance::{self, BalanceParams, Balancer, Decision, Move, View};
+use elasticps_core::load::LoadModel;
+use elasticps_core::placement::{Placement, ServerId};
+use elasticps_wire::{ClusterStatus, MigrationReport, ScaleRequest, ServerLoad, ServerStatus, WorkerLoad, WorkerStatus};
+
+use super::history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+use super::membership::BalanceMode;
+
+/// A migration that takes longer than this is written off (the old owner reports its
+/// own failure after 30 s per step; this only guards against a lost report).
+const MIGRATION_TIMEOUT_US: u64 = 120_000_000;
+/// Rate estimates: old samples weigh half after this long.
+const HALF_LIFE_US: u64 = 3_000_000;
+
+/// Where a server is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ServerState {
+    /// Registered, loading its (empty) assignment.
+    Joining,
+    /// Serves and may receive blocks.
+    Serving,
+    /// Gives its blocks away, then stops.
+    Draining,
+    /// Stopped.
+    Removed,
+}
+
+impl ServerState {
+    fn name(self) -> &'static str {
+        match self {
+            ServerState::Joining => "joining",
+            ServerState::Serving => "serving",
+            ServerState::Draining => "draining",
+            ServerState::Removed => "gone",
+        }
+    }
+}
+
+/// What the scheduler must do for elasticity.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Order {
+    /// Ask `from` to move `block` to `to`; the placement becomes `epoch`.
+    Migrate { block: u32, from: ServerId, to: ServerId, epoch: u64 },
+    /// Start one more server through the launcher.
+    StartServer,
+    /// Tell this (drained) server to stop.
+    Stop { server: ServerId, reason: String },
+}
+
+/// Who asked for a server that has not registered yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Requester {
+    Balancer,
+    Operator,
+}
+
+/// The elastic part of the scheduler's state.
+pub(super) struct Elastic {
+    mode: BalanceMode,
+    balancer: Option<Balancer>,
+    load: LoadModel,
+    sizes: Vec<u64>,
+    queue: VecDeque<Move>,
+    in_flight: Option<(Move, u64)>,
+    states: BTreeMap<ServerId, ServerState>,
+    requested: VecDeque<Requester>,
+    joining_by: BTreeMap<ServerId, Requester>,
+    server_loads: BTreeMap<ServerId, ServerLoad>,
+    workers: BTreeMap<u32, WorkerStatus>,
+    /// Iterations and their summed time reported since the last timeline sample.
+    window: (u64, u64),
+    iter_us: Option<f64>,
+    last_sample_us: u64,
+    migrations: u32,
+    log: BalanceLog,
+    max_servers: u32,
+}
+
+impl std::fmt::Debug for Elastic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Elastic")
+            .field("mode", &self.mode)
+            .field("states", &self.states)
+            .field("queue", &self.queue.len())
+            .field("in_flight", &self.in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Elastic {
+    /// Elasticity for a job that may run between `min` and `max` servers.
+    /// `started_unix_ms`: when the scheduler's clock started, for the report.
+    pub fn new(mode: BalanceMode, min_servers: u32, max_servers: u32, started_unix_ms: f64) -> Self {
+        let balancer = match mode {
+            BalanceMode::Psld => Some(Balancer::new(BalanceParams::new(min_servers, max_servers))),
+            BalanceMode::Static => None,
+        };
+        Self {
+            mode,
+            balancer,
+            load: LoadModel::new(HALF_LIFE_US),
+            sizes: Vec::new(),
+            queue: VecDeque::new(),
+            in_flight: None,
+            states: BTreeMap::new(),
+            requested: VecDeque::new(),
+            joining_by: BTreeMap::new(),
+            server_loads: BTreeMap::new(),
+            workers: BTreeMap::new(),
+            window: (0, 0),
+            iter_us: None,
+            last_sample_us: 0,
+            migrations: 0,
+            log: BalanceLog { mode: mode.to_string(), started_unix_ms, ..Default::default() },
+            max_servers,
+        }
+    }
+
+    /// The model is placed: block sizes in bytes, indexed by block id.
+    pub fn model_placed(&mut self, sizes: Vec<u64>) {
+        self.sizes = sizes;
+    }
+
+    /// Servers that may hold blocks (serving).
+    fn serving(&self) -> Vec<ServerId> {
+        self.states.iter().filter(|(_, s)| **s == ServerState::Serving).map(|(id, _)| *id).collect()
+    }
+
+    /// Servers that count against `max_servers`: all but removed, plus requested ones.
+    pub fn active(&self) -> u32 {
+        self.states.values().filter(|s| **s != ServerState::Removed).count() as u32 + self.requested.len() as u32
+    }
+
+    /// Servers registered and not removed.
+    pub fn registered_count(&self) -> u32 {
+        self.states.values().filter(|s| **s != ServerState::Removed).count() as u32
+    }
+
+    /// A server registered; `initial` for the job's first servers.
+    pub fn registered(&mut self, id: ServerId, initial: bool, now_us: u64) {
+        self.states.insert(id, if initial { ServerState::Serving } else { ServerState::Joining });
+        if !initial {
+            let by = self.requested.pop_front().unwrap_or(Requester::Operator);
+            self.joining_by.insert(id, by);
+            self.event(now_us, "joined", Some(id), "a new server registered".into());
+        }
+    }
+
+    /// A joining server holds its (empty) assignment and serves.
+    pub fn serving_now(&mut self, id: ServerId, placement: &Placement, now_us: u64) -> Vec<Order> {
+        if self.states.get(&id) != Some(&ServerState::Joining) {
+            return Vec::new();
+        }
+        self.states.insert(id, ServerState::Serving);
+        match (self.joining_by.remove(&id), self.balancer.as_mut()) {
+            (Some(Requester::Balancer), Some(b)) => b.joined(id, now_us),
+            _ => {
+                // An operator's server: give it about the average load now.
+                let rates = self.load.rates(now_us);
+                let moves = balance::fill(placement, &self.sizes, id, &self.serving(), &rates);
+                self.queue.extend(moves);
+            }
+        }
+        self.next_migration(placement, now_us)
+    }
+
+    /// A server's connection is gone. Returns true if that was expected (it was stopped).
+    pub fn lost(&mut self, id: ServerId) -> bool {
+        self.load.remove(id);
+        self.states.get(&id) == Some(&ServerState::Removed)
+    }
+
+    /// A server's load report.
+    pub fn server_load(&mut self, load: ServerLoad) {
+        self.server_loads.insert(load.server_id, load);
+    }
+
+    /// A worker's load report.
+    pub fn worker_load(&mut self, w: WorkerLoad, now_us: u64) {
+        for s in &w.per_server {
+            self.load.observe(s.server, s.push_bytes, s.push_us, now_us);
+        }
+        self.window.0 += u64::from(w.iterations);
+        self.window.1 += w.iter_us;
+        let iter_ms = if w.iterations > 0 { w.iter_us as f64 / f64::from(w.iterations) / 1e3 } else { f64::NAN };
+        let entry = self.workers.entry(w.rank).or_insert(WorkerStatus { rank: w.rank, clock: 0, iter_ms, done: false });
+        entry.clock = w.clock;
+        if iter_ms.is_finite() {
+            entry.iter_ms = iter_ms;
+        }
+    }
+
+    /// A worker finished or died.
+    pub fn worker_left(&mut self, rank: u32) {
+        self.workers.entry(rank).or_insert(WorkerStatus { rank, clock: 0, iter_ms: f64::NAN, done: true }).done = true;
+    }
+
+    /// The old owner reports the end of a migration; on success the placement changes.
+    /// Returns false if the report does not match the migration in flight.
+    pub fn migrated(&mut self, r: &MigrationReport, placement: &mut Placement, now_us: u64) -> (bool, Vec<Order>) {
+        let expected = matches!(self.in_flight, Some((m, _)) if m.block == r.block && m.from == r.from && m.to == r.to);
+        if !expected {
+            return (false, Vec::new());
+        }
+        self.in_flight = None;
+        if r.error.is_none() {
+            if let Some(o) = placement.owners.get_mut(r.block as usize) {
+                *o = r.to;
+            }
+            placement.epoch = placement.epoch.max(r.epoch);
+            self.migrations += 1;
+            self.log.settled_s = Some(now_us as f64 / 1e6);
+        }
+        self.log.migrations.push(MigrationEvent {
+            at_s: now_us as f64 / 1e6,
+            block: r.block,
+            from: r.from,
+            to: r.to,
+            bytes: r.bytes,
+            freeze_ms: r.freeze_us as f64 / 1e3,
+            total_ms: r.total_us as f64 / 1e3,
+            held: r.held,
+            error: r.error.clone(),
+        });
+        (true, self.next_migration(placement, now_us))
+    }
+
+    /// An operator's scaling request. `can_launch`: the scheduler has a launcher.
+    pub fn scale(
+        &mut self,
+        req: ScaleRequest,
+        placement: &Placement,
+        can_launch: bool,
+        now_us: u64,
+    ) -> Result<Vec<Order>, String> {
+        match req {
+            ScaleRequest::AddServer => {
+                if !can_launch {
+                    return Err("this scheduler has no launcher: start a server by hand with \
+                                `elasticps server --scheduler ADDR`; it joins and receives blocks"
+                        .into());
+                }
+                if self.active() >= self.max_servers {
+                    return Err(format!("the job already runs {} servers (--max-servers {})", self.active(), self.max_servers));
+                }
+                self.requested.push_back(Requester::Operator);
+                self.event(now_us, "scale-out", None, "operator: add-server".into());
+                Ok(vec![Order::StartServer])
+            }
+            ScaleRequest::RemoveServer(id) => {
+                match self.states.get(&id) {
+                    Some(ServerState::Serving) => {}
+                    Some(s) => return Err(format!("server {id} is {}, not serving", s.name())),
+                    None => return Err(format!("there is no server {id}")),
+                }
+                if self.serving().len() <= 1 {
+                    return Err(format!("server {id} is the last one serving: it cannot be removed"));
+                }
+                Ok(self.drain(id, placement, now_us, "operator: remove-server".into()))
+            }
+            ScaleRequest::MoveBlock { block, to } => {
+                let from = placement.owner(block).ok_or_else(|| {
+                    format!("block {block} does not exist: the model has {} blocks", placement.owners.len())
+                })?;
+                if self.states.get(&to) != Some(&ServerState::Serving) {
+                    return Err(format!("server {to} is not serving"));
+                }
+                // Chained moves of one block are planned from where it will be by then.
+                let planned = self.in_flight.iter().map(|(m, _)| m).chain(self.queue.iter());
+                let from = planned.filter(|m| m.block == block).last().map_or(from, |m| m.to);
+                if from == to {
+                    return Err(format!("block {block} is already on server {to}"));
+                }
+                self.queue.push_back(Move { block, from, to });
+                Ok(self.next_migration(placement, now_us))
+            }
+        }
+    }
+
+    /// Starts draining `id`: its blocks go to the others, then it stops.
+    fn drain(&mut self, id: ServerId, placement: &Placement, now_us: u64, why: String) -> Vec<Order> {
+        self.states.insert(id, ServerState::Draining);
+        self.event(now_us, "scale-in", Some(id), why);
+        let rates = self.load.rates(now_us);
+        let moves = balance::drain(placement, &self.sizes, id, &self.serving(), &rates);
+        self.queue.retain(|m| m.to != id);
+        self.queue.extend(moves);
+        self.next_migration(placement, now_us)
+    }
+
+    /// Time passed: sample the timeline, let the balancer decide, move on.
+    pub fn tick(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
+        let mut out = Vec::new();
+        if let Some((m, started)) = self.in_flight
+            && now_us.saturating_sub(started) > MIGRATION_TIMEOUT_US
+        {
+            tracing::warn!(block = m.block, from = m.from, to = m.to, "migration never reported; written off");
+            self.in_flight = None;
+        }
+        if now_us.saturating_sub(self.last_sample_us) >= 1_000_000 {
+            self.last_sample_us = now_us;
+            if self.window.0 > 0 {
+                self.iter_us = Some(self.window.1 as f64 / self.window.0 as f64);
+            }
+            self.window = (0, 0);
+            let sample = LoadSample {
+                t_s: now_us as f64 / 1e6,
+                iter_ms: self.iter_us.map(|u| u / 1e3),
+                servers: self.points(placement, now_us),
+            };
+            self.log.timeline.push(sample);
+            out.extend(self.decide(placement, now_us));
+        }
+        out.extend(self.next_migration(placement, now_us));
+        out
+    }
+
+    /// The balancer's decisions, turned into orders.
+    fn decide(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
+        let serving = self.serving();
+        let busy = self.in_flight.is_some()
+            || !self.queue.is_empty()
+            || !self.requested.is_empty()
+            || self.states.values().any(|s| matches!(s, ServerState::Joining | ServerState::Draining));
+        let Some(balancer) = self.balancer.as_mut() else { return Vec::new() };
+        if self.sizes.is_empty() {
+            return Vec::new();
+        }
+        let view = View {
+            now_us,
+            placement,
+            sizes: &self.sizes,
+            servers: &serving,
+            load: &self.load,
+            iter_us: self.iter_us,
+            busy,
+        };
+        let decisions = balancer.step(&view);
+        let mut out = Vec::new();
+        for d in decisions {
+            match d {
+                Decision::Migrate { moves, why } => {
+                    tracing::info!(moves = moves.len(), %why, "balancer moves blocks");
+                    self.queue.extend(moves);
+                }
+                Decision::ScaleOut { why } => {
+                    tracing::info!(%why, "balancer scales out");
+                    self.requested.push_back(Requester::Balancer);
+                    self.event(now_us, "scale-out", None, why);
+                    out.push(Order::StartServer);
+                }
+                Decision::ScaleIn { server, why } => {
+                    tracing::info!(server, %why, "balancer scales in");
+                    out.extend(self.drain(server, placement, now_us, why));
+                }
+                Decision::Keep { server, why } => {
+                    tracing::info!(server, %why, "balancer keeps the new server");
+                    self.event(now_us, "kept", Some(server), why);
+                }
+            }
+        }
+        out
+    }
+
+    /// Starts the next queued migration if none is in flight; stops drained servers.
+    fn next_migration(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
+        let mut out = Vec::new();
+        if self.in_flight.is_none() {
+            while let Some(m) = self.queue.pop_front() {
+                let valid = placement.owner(m.block) == Some(m.from)
+                    && m.from != m.to
+                    && self.states.get(&m.to) == Some(&ServerState::Serving);
+                if valid {
+                    self.in_flight = Some((m, now_us));
+                    out.push(Order::Migrate { block: m.block, from: m.from, to: m.to, epoch: placement.epoch + 1 });
+                    break;
+                }
+            }
+        }
+        let drained: Vec<ServerId> = self
+            .states
+            .iter()
+            .filter(|(id, s)| {
+                **s == ServerState::Draining
+                    && placement.blocks_of(**id).next().is_none()
+                    && !matches!(self.in_flight, Some((m, _)) if m.from == **id || m.to == **id)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in drained {
+            self.states.insert(id, ServerState::Removed);
+            self.event(now_us, "removed", Some(id), "drained: it owns no blocks".into());
+            out.push(Order::Stop { server: id, reason: "drained: scaled in".into() });
+        }
+        out
+    }
+
+    fn points(&self, placement: &Placement, now_us: u64) -> Vec<ServerPoint> {
+        let rates = self.load.rates(now_us);
+        let serving = self.serving();
+        let times = balance::service_times(placement, &self.sizes, &serving, &rates);
+        let stragglers = balance::stragglers(&times, BalanceParams::new(1, 1).threshold);
+        self.states
+            .iter()
+            .filter(|(_, s)| **s != ServerState::Removed)
+            .map(|(id, _)| {
+                let (blocks, bytes) = self.owned(placement, *id);
+                ServerPoint {
+                    id: *id,
+                    blocks,
+                    bytes,
+                    rate_bps: rates.get(id).copied().unwrap_or(0.0),
+                    service_ms: times.get(id).map_or(0.0, |t| t * 1e3),
+                    straggler: stragglers.contains(id),
+                }
+            })
+            .collect()
+    }
+
+    fn owned(&self, placement: &Placement, id: ServerId) -> (u32, u64) {
+        placement
+            .blocks_of(id)
+            .fold((0, 0), |(n, b), blk| (n + 1, b + self.sizes.get(blk as usize).copied().unwrap_or(0)))
+    }
+
+    fn event(&mut self, now_us: u64, action: &str, server: Option<ServerId>, reason: String) {
+        tracing::info!(action, server, %reason, "scaling event");
+        self.log.scaling.push(ScaleEvent { at_s: now_us as f64 / 1e6, action: action.into(), server, reason });
+        self.log.settled_s = Some(now_us as f64 / 1e6);
+    }
+
+    /// The cluster as `elasticps status` shows it.
+    pub fn status(&self, placement: Option<&Placement>, addrs: &[(ServerId, String)], now_us: u64) -> ClusterStatus {
+        let points: BTreeMap<ServerId, ServerPoint> =
+            placement.map(|p| self.points(p, now_us)).unwrap_or_default().into_iter().map(|p| (p.id, p)).collect();
+        let servers = addrs
+            .iter()
+            .map(|(id, addr)| {
+                let p = points.get(id);
+                ServerStatus {
+                    id: *id,
+                    addr: addr.clone(),
+                    state: self.states.get(id).map_or("registered", |s| s.name()).into(),
+                    blocks: p.map_or(0, |p| p.blocks),
+                    bytes: p.map_or(0, |p| p.bytes),
+                    rate_bps: p.map_or(0.0, |p| p.rate_bps),
+                    confidence: self.load.estimate(*id, now_us).map_or(0.0, |e| e.confidence),
+                    service_ms: p.map_or(0.0, |p| p.service_ms),
+                    straggler: p.is_some_and(|p| p.straggler),
+                }
+            })
+            .collect();
+        ClusterStatus {
+            balance: self.mode.to_string(),
+            epoch: placement.map_or(0, |p| p.epoch),
+            migrations: self.migrations,
+            servers,
+            workers: self.workers.values().cloned().collect(),
+        }
+    }
+
+    /// The history so far, for the report.
+    pub fn log(&self) -> &BalanceLog {
+        &self.log
+    }
+
+    /// Server ids that are stopped (not in the layout any more).
+    pub fn removed(&self) -> BTreeSet<ServerId> {
+        self.states.iter().filter(|(_, s)| **s == ServerState::Removed).map(|(id, _)| *id).collect()
+    }
+}
