@@ -66,9 +66,10 @@ pub struct JobArgs {
     /// (exact BSP, like BytePS); by default every push is applied as it arrives.
     #[arg(long, env = "ELASTICPS_AGGREGATE")]
     pub aggregate: bool,
-    /// Initial placement of blocks: range, hash, roundrobin, bestfit or skewed:IDX (at
-    /// least 70% of the bytes on server IDX, the rest best-fit over the others).
-    #[arg(long, env = "ELASTICPS_PLACEMENT", default_value = "range", value_parser = parse_core::<PlacementKind>)]
+    /// Initial placement of blocks: bestfit (size-balanced), range (ps-lite), hash
+    /// (BytePS), roundrobin (TensorFlow) or skewed:IDX (at least 70% of the bytes on
+    /// server IDX, the rest best-fit over the others).
+    #[arg(long, env = "ELASTICPS_PLACEMENT", default_value = "bestfit", value_parser = parse_core::<PlacementKind>)]
     pub placement: PlacementKind,
     /// Largest block, in bytes (tensors are cut into blocks of at most this size).
     #[arg(long, env = "ELASTICPS_BLOCK_BYTES", default_value_t = 4 << 20)]

@@ -193,11 +193,11 @@ impl<T> Block<T> {
         let spec = state.spec;
         let lens_ok = state.values.len() == spec.len
             && [&state.opt.m, &state.opt.v].iter().all(|v| v.is_empty() || v.len() == spec.len)
-            && state.pending.iter().all(|p| p.sum.len() == spec.len);
+            && state.pending.iter().all(|p| p.sum.len() == spec.len && p.count > 0);
         if !lens_ok {
             return Err(CoreError::WrongLength { block: spec.id, expected: spec.len, got: state.values.len() });
         }
-        if state.clocks.workers() != config.workers {
+        if !state.clocks.is_consistent() || state.clocks.workers() != config.workers {
             return Err(CoreError::UnknownWorker(state.clocks.workers()));
         }
         let mut block = Self {
@@ -233,6 +233,11 @@ impl<T> Block<T> {
                 .map(|(clock, (sum, count))| PendingSum { clock: *clock, sum: sum.clone(), count: *count })
                 .collect(),
         }
+    }
+
+    /// Number of f32s a snapshot carries (values, optimizer state, aggregate sums).
+    pub fn state_len(&self) -> usize {
+        self.values.len() + self.opt.m.len() + self.opt.v.len() + self.pending.values().map(|(s, _)| s.len()).sum::<usize>()
     }
 
     /// The pushes applied since [`Block::snapshot`]; logging stops (also to abandon a
@@ -523,7 +528,9 @@ mod tests {
 
     /// Everything of a block that a migration must carry, bit for bit (the pending sums of
     /// aggregate mode included); `snapshot` starts a log, which the caller then ignores.
-    fn fingerprint(b: &mut Block<u32>) -> (Vec<u32>, u64, Vec<u32>, Vec<u32>, Clocks, Vec<(Clock, Vec<u32>, u32)>) {
+    type Fingerprint = (Vec<u32>, u64, Vec<u32>, Vec<u32>, Clocks, Vec<(Clock, Vec<u32>, u32)>);
+
+    fn fingerprint(b: &mut Block<u32>) -> Fingerprint {
         let s = b.snapshot();
         b.take_log();
         let pending = s.pending.iter().map(|p| (p.clock, bits(&p.sum), p.count)).collect();

@@ -225,6 +225,12 @@ impl Clocks {
         Self { pushed: vec![0; workers as usize], active: vec![true; workers as usize] }
     }
 
+    /// True if the state is well formed (one pushed clock and one flag per worker): a
+    /// snapshot from the network is checked with this before use.
+    pub fn is_consistent(&self) -> bool {
+        self.pushed.len() == self.active.len()
+    }
+
     /// Number of workers this block expects pushes from (including removed ones).
     pub fn workers(&self) -> u32 {
         self.pushed.len() as u32

@@ -274,8 +274,8 @@ impl Elastic {
                     return Err(format!("server {to} is not serving"));
                 }
                 // Chained moves of one block are planned from where it will be by then.
-                let planned = self.in_flight.iter().map(|(m, _)| m).chain(self.queue.iter());
-                let from = planned.filter(|m| m.block == block).last().map_or(from, |m| m.to);
+                let mut planned = self.in_flight.iter().map(|(m, _)| m).chain(self.queue.iter());
+                let from = planned.rfind(|m| m.block == block).map_or(from, |m| m.to);
                 if from == to {
                     return Err(format!("block {block} is already on server {to}"));
                 }

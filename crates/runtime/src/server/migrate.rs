@@ -100,12 +100,31 @@ async fn hand_over(state: &State, order: &MigrateOrder, report: &mut MigrationRe
         })
         .await?;
     ok(reply, "expected Ok to BlockSnapshot")?;
-    let (frozen_at, pushes) = {
+    let (frozen_at, mut pushes, resend) = {
         let mut s = lock(&slot);
         s.frozen = true;
         report.held = s.block.held() as u32;
-        (Instant::now(), s.block.take_log())
+        let pushes = s.block.take_log();
+        // Many pushes arrived while the snapshot travelled (a slow server): the state as
+        // it is now is smaller than the log, and bounded by the frame size.
+        let log_bytes: u64 = pushes.iter().map(|p| p.grad.len() as u64 * 4).sum();
+        let fresh = (log_bytes > state_bytes_of(&s.block)).then(|| {
+            let state = s.block.snapshot();
+            s.block.take_log();
+            state
+        });
+        (Instant::now(), pushes, fresh)
     };
+    if let Some(state) = resend {
+        pushes.clear();
+        report.bytes += state_bytes(&state);
+        let reply = peer
+            .call(Control::BlockSnapshot { epoch, state }.into(), STEP_TIMEOUT, || {
+                format!("server {to} to take the frozen state of block {block}")
+            })
+            .await?;
+        ok(reply, "expected Ok to BlockSnapshot")?;
+    }
     report.bytes += pushes.iter().map(|p| p.grad.len() as u64 * 4).sum::<u64>();
     let reply = peer
         .call(Control::BlockDelta { block, epoch, pushes }.into(), STEP_TIMEOUT, || {
@@ -179,8 +198,14 @@ pub(super) fn take_delta(state: &State, block: BlockId, epoch: u64, pushes: &[Lo
         Some((e, s)) if e == epoch => s,
         _ => return error(ErrorCode::BadRequest, format!("no snapshot of block {block} at epoch {epoch} arrived")),
     };
-    match Block::from_state(snapshot, pushes, &shard.effective()) {
-        Ok(b) => {
+    let config = shard.effective();
+    match Block::from_state(snapshot, pushes, &config) {
+        Ok(mut b) => {
+            // Workers this server removed (RemoveWorker reaches every server, maybe not the
+            // old owner first): the block must not wait for them here either.
+            for rank in lock(&shard.removed_workers).iter() {
+                b.remove_worker(&config, *rank, state.clock.now());
+            }
             let slot = SlotState { block: b, frozen: false, parked: Vec::new(), gone: None };
             write(&shard.blocks).insert(block, Arc::new(Mutex::new(slot)));
             shard.set_owner(block, shard.id, epoch);
@@ -189,6 +214,11 @@ pub(super) fn take_delta(state: &State, block: BlockId, epoch: u64, pushes: &[Lo
         }
         Err(e) => error(ErrorCode::BadRequest, format!("block {block} cannot be rebuilt: {e}")),
     }
+}
+
+/// Bytes a snapshot of `b` would take.
+fn state_bytes_of<T>(b: &Block<T>) -> u64 {
+    b.state_len() as u64 * 4
 }
 
 /// Bytes of a snapshot on the wire (values, optimizer state, aggregate sums).

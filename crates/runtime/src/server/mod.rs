@@ -169,6 +169,7 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
             Some(Message::Control(Control::RemoveWorker { rank })) => {
                 if let Some(shard) = state.current() {
                     tracing::info!(server = id, rank, "worker removed from every quorum");
+                    shard::lock(&shard.removed_workers).push(rank);
                     let config = shard.effective();
                     for (_, slot) in shard.slots() {
                         let answers = lock(&slot).block.remove_worker(&config, rank, state.clock.now());

@@ -73,6 +73,8 @@ pub(super) struct Shard {
     pub incoming: Mutex<HashMap<BlockId, (u64, BlockState)>>,
     /// Counters of blocks that left this server.
     pub departed: Mutex<(BlockStats, Histogram)>,
+    /// Workers removed from every quorum: a block arriving later leaves them out too.
+    pub removed_workers: Mutex<Vec<u32>>,
 }
 
 impl Shard {
@@ -99,6 +101,7 @@ impl Shard {
             blocks: RwLock::new(blocks),
             incoming: Mutex::new(HashMap::new()),
             departed: Mutex::new(Default::default()),
+            removed_workers: Mutex::new(Vec::new()),
         })
     }
 
