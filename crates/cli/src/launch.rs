@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -165,6 +166,22 @@ pub struct ServerLauncher {
     args: Vec<String>,
     secret: String,
     started: u32,
+    running: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+/// Waits for the servers a [`ServerLauncher`] started (their final events forwarded).
+#[derive(Clone)]
+pub struct LaunchedServers(Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>);
+
+impl LaunchedServers {
+    /// Waits until every launched server exited, at most `timeout` in all.
+    pub async fn wait(&self, timeout: std::time::Duration) {
+        let tasks: Vec<_> = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        let all = futures::future::join_all(tasks);
+        if tokio::time::timeout(timeout, all).await.is_err() {
+            tracing::warn!("launched servers did not exit within {timeout:?}");
+        }
+    }
 }
 
 impl ServerLauncher {
@@ -173,7 +190,12 @@ impl ServerLauncher {
         std::fs::create_dir_all(log_dir)
             .with_context(|| format!("creating the log directory {}", log_dir.display()))?;
         let exe = std::env::current_exe().context("finding the elasticps binary")?;
-        Ok(Self { exe, log_dir: log_dir.to_path_buf(), args, secret, started: 0 })
+        Ok(Self { exe, log_dir: log_dir.to_path_buf(), args, secret, started: 0, running: Arc::default() })
+    }
+
+    /// A handle to wait for the launched servers once the job is over.
+    pub fn launched(&self) -> LaunchedServers {
+        LaunchedServers(self.running.clone())
     }
 
     fn start(&mut self, scheduler_addr: &str) -> anyhow::Result<()> {
@@ -187,7 +209,7 @@ impl ServerLauncher {
             .context("starting a server")?;
         let stdout = child.stdout.take().context("child stdout")?;
         tracing::info!(log = %log.display(), pid = child.id(), "server process started");
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let mut lines = BufReader::new(stdout).lines();
             while let Ok(Some(line)) = lines.next_line().await {
                 if serde_json::from_str::<Event>(&line).is_ok() {
@@ -203,6 +225,7 @@ impl ServerLauncher {
                 Err(e) => tracing::warn!(error = %e, "cannot wait for a scaled server"),
             }
         });
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).push(task);
         Ok(())
     }
 }

@@ -88,10 +88,13 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
         codec: cmd.net.codec(),
         join_timeout: Duration::from_secs(cmd.join_timeout_s),
     };
+    let mut launched = None;
     let launcher: Option<Box<dyn scheduler::Launcher>> = match cmd.launcher.as_str() {
         "local" => {
             let dir = cmd.log_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("elasticps-scaled"));
-            Some(Box::new(ServerLauncher::new(&dir, cmd.net.to_flags(), cmd.net.secret.clone())?))
+            let l = ServerLauncher::new(&dir, cmd.net.to_flags(), cmd.net.secret.clone())?;
+            launched = Some(l.launched());
+            Some(Box::new(l))
         }
         _ => None,
     };
@@ -100,6 +103,10 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
         emitter.emit(&Event::Listening { addr: addr.to_string() });
     })
     .await?;
+    if let Some(servers) = launched {
+        // Their final counters are forwarded on our stdout: wait for them.
+        servers.wait(Duration::from_secs(30)).await;
+    }
     tracing::info!(reason = %end.reason, migrations = end.balance.migrations.len(), "scheduler done");
     emitter.emit(&Event::Balance(end.balance));
     Ok(())

@@ -3,6 +3,8 @@
 //! final parameter value is exact (no update lost, none applied twice); the same while
 //! the sync policy holds pulls at the old owner.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use elasticps_core::model::{Init, TensorSpec};
@@ -13,6 +15,7 @@ use elasticps_wire::{Codec, Control, Message, ScaleRequest};
 use crate::common::{self, Proc};
 
 const WORKERS: u32 = 2;
+const NO_LAUNCHER: &[&str] = &["--launcher", "none"];
 const LEN: usize = 40;
 
 fn model() -> Vec<TensorSpec> {
@@ -33,11 +36,12 @@ fn expected(t: u32, len: usize) -> Vec<f32> {
     (0..len).map(|i| (t * 3) as f32 * ((i % 5) + 1) as f32).collect()
 }
 
-/// Starts a scheduler and `servers` servers; blocks of 16 bytes (4 values), round robin.
-fn cluster(sync: &str, servers: u32) -> (Proc, String, Vec<Proc>) {
+/// Starts a scheduler and `servers` servers; blocks of 16 bytes (4 values), placed by
+/// range (every server holds several blocks).
+fn cluster(sync: &str, servers: u32, extra: &[&str]) -> (Proc, String, Vec<Proc>) {
     let servers_s = servers.to_string();
     let workers_s = WORKERS.to_string();
-    let args = [
+    let mut args = vec![
         "--servers",
         servers_s.as_str(),
         "--workers",
@@ -51,10 +55,9 @@ fn cluster(sync: &str, servers: u32) -> (Proc, String, Vec<Proc>) {
         "--block-bytes",
         "16",
         "--placement",
-        "roundrobin",
-        "--launcher",
-        "none",
+        "range",
     ];
+    args.extend_from_slice(extra);
     let (sched, addr) = common::start_scheduler(&args);
     let procs = (0..servers).map(|_| common::start_server(&addr, &[])).collect();
     (sched, addr, procs)
@@ -62,13 +65,12 @@ fn cluster(sync: &str, servers: u32) -> (Proc, String, Vec<Proc>) {
 
 /// Asks the scheduler to move blocks round and round between `servers` servers until
 /// `stop` is set or `max_moves` were requested; returns how many were accepted.
-async fn keep_moving(addr: String, servers: u32, blocks: u32, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> u32 {
-    let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
-    let (peer, _notes) = Peer::connect(&addr, codec, "scheduler").await.expect("operator connects");
+async fn keep_moving(addr: String, servers: u32, blocks: u32, stop: Arc<AtomicBool>) -> u32 {
+    let peer = operator(&addr).await;
     let mut accepted = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut i = 0u32;
-    while !stop.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < deadline && i < 400 {
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline && i < 400 {
         let block = (i * 7) % blocks;
         // Cycle every block through every server: back and forth, continuously.
         let to = (block + 1 + i / blocks) % servers;
@@ -85,16 +87,46 @@ async fn keep_moving(addr: String, servers: u32, blocks: u32, stop: std::sync::A
     accepted
 }
 
-/// Runs `clocks` clocks on each worker (worker 1 sleeping `straggle` per clock) while
-/// blocks move; checks every value exactly; returns (moves accepted, the scheduler).
-fn run_while_migrating(sync: &str, clocks: u32, pace: Duration, straggle: Duration) -> (u32, Proc, Vec<Proc>) {
+/// A connection to the scheduler, as `elasticps scale` opens one.
+async fn operator(addr: &str) -> Peer {
+    let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+    Peer::connect(addr, codec, "scheduler").await.expect("operator connects").0
+}
+
+/// Sends one scale request; panics unless the scheduler accepts it.
+async fn scale(addr: &str, req: ScaleRequest) {
+    let peer = operator(addr).await;
+    match peer.call(Control::Scale(req).into(), Duration::from_secs(10), || "the scheduler to accept".into()).await {
+        Ok(Message::Control(Control::Ok)) => {}
+        other => panic!("{req:?} refused: {other:?}"),
+    }
+}
+
+/// What the operator does while the workers train: (scheduler address, stop flag) ->
+/// number of requests accepted.
+type Operator = fn(String, Arc<AtomicBool>) -> futures::future::BoxFuture<'static, u32>;
+
+/// Moves every block round and round between 3 servers.
+fn moving(addr: String, stop: Arc<AtomicBool>) -> futures::future::BoxFuture<'static, u32> {
+    Box::pin(keep_moving(addr, 3, (LEN / 4 + 1) as u32, stop))
+}
+
+/// Runs `clocks` clocks on each worker (worker 1 sleeping `straggle` per clock, worker 0
+/// `pace`) on `servers` servers while `op` acts; checks every value exactly; returns
+/// (requests accepted, the scheduler, the servers).
+fn run_while(
+    sync: &str,
+    (servers, extra): (u32, &[&str]),
+    clocks: u32,
+    (pace, straggle): (Duration, Duration),
+    op: Operator,
+) -> (u32, Proc, Vec<Proc>) {
     // A pull at clocks + s sees every push of clocks < clocks under ssp:s (s = 0: bsp).
     let staleness: u32 = sync.strip_prefix("ssp:").map_or(0, |s| s.parse().expect("ssp:S"));
-    let (sched, addr, servers) = cluster(sync, 3);
+    let (sched, addr, servers) = cluster(sync, servers, extra);
     let rt = common::tokio_rt();
-    let blocks = (LEN / 4 + 1) as u32;
     let moves = rt.block_on(async {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
         let workers: Vec<_> = (0..WORKERS)
             .map(|_| {
                 let addr = addr.clone();
@@ -118,13 +150,19 @@ fn run_while_migrating(sync: &str, clocks: u32, pace: Duration, straggle: Durati
             .collect();
         // Moves start once the model is placed (the first worker's register_model).
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let mover = tokio::spawn(keep_moving(addr.clone(), 3, blocks, stop.clone()));
+        let mover = tokio::spawn(op(addr.clone(), stop.clone()));
         let mut results = Vec::new();
         for w in workers {
-            results.push(tokio::time::timeout(Duration::from_secs(120), w).await.expect("worker timed out").expect("worker panicked"));
+            results.push(
+                tokio::time::timeout(Duration::from_secs(120), w)
+                    .await
+                    .expect("worker timed out")
+                    .expect("worker panicked"),
+            );
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let moves = tokio::time::timeout(Duration::from_secs(30), mover).await.expect("mover timed out").expect("mover");
+        stop.store(true, Ordering::Relaxed);
+        let moves =
+            tokio::time::timeout(Duration::from_secs(30), mover).await.expect("mover timed out").expect("mover");
         for params in &results {
             assert_eq!(params[0], expected(clocks, LEN), "tensor a after {clocks} clocks");
             assert_eq!(params[1], expected(clocks, 3), "tensor b after {clocks} clocks");
@@ -137,7 +175,8 @@ fn run_while_migrating(sync: &str, clocks: u32, pace: Duration, straggle: Durati
 /// The scheduler's balance log and the servers' final counters, once the job ended.
 fn collect(mut sched: Proc, mut servers: Vec<Proc>) -> (serde_json::Value, u64) {
     sched.assert_success(common::EXIT_TIMEOUT);
-    let balance = sched.events_named("balance").first().map(|v| (*v).clone()).expect("the scheduler printed its balance log");
+    let balance =
+        sched.events_named("balance").first().map(|v| (*v).clone()).expect("the scheduler printed its balance log");
     let mut pushes = 0;
     for s in &mut servers {
         s.assert_success(common::EXIT_TIMEOUT);
@@ -152,7 +191,7 @@ fn collect(mut sched: Proc, mut servers: Vec<Proc>) -> (serde_json::Value, u64) 
 fn every_update_is_applied_exactly_once_while_blocks_migrate_back_and_forth() {
     const CLOCKS: u32 = 300;
     let pace = Duration::from_millis(5);
-    let (moves, sched, servers) = run_while_migrating("ssp:2", CLOCKS, pace, pace);
+    let (moves, sched, servers) = run_while("ssp:2", (3, NO_LAUNCHER), CLOCKS, (pace, pace), moving);
     let (balance, pushes) = collect(sched, servers);
     let migrations = balance["migrations"].as_array().expect("migrations");
     let done = migrations.iter().filter(|m| m["error"].is_null()).count();
@@ -167,7 +206,8 @@ fn every_update_is_applied_exactly_once_while_blocks_migrate_back_and_forth() {
 fn pulls_held_by_ssp_at_the_old_owner_are_answered_by_the_new_owner() {
     const CLOCKS: u32 = 40;
     // bsp with a straggler: worker 0's pulls wait at the servers most of the time.
-    let (_moves, sched, servers) = run_while_migrating("bsp", CLOCKS, Duration::ZERO, Duration::from_millis(40));
+    let straggle = (Duration::ZERO, Duration::from_millis(40));
+    let (_moves, sched, servers) = run_while("bsp", (3, NO_LAUNCHER), CLOCKS, straggle, moving);
     let (balance, pushes) = collect(sched, servers);
     let migrations = balance["migrations"].as_array().expect("migrations");
     let held: u64 = migrations.iter().filter_map(|m| m["held"].as_u64()).sum();
@@ -175,4 +215,55 @@ fn pulls_held_by_ssp_at_the_old_owner_are_answered_by_the_new_owner() {
     assert!(held > 0, "some migrations froze a block with pulls held there\n{balance}");
     let blocks = (LEN / 4 + 1) as u64;
     assert_eq!(pushes, u64::from(WORKERS) * u64::from(CLOCKS) * blocks);
+}
+
+#[test]
+fn a_removed_server_drains_first_and_loses_nothing() {
+    const CLOCKS: u32 = 150;
+    fn remove(addr: String, _stop: Arc<AtomicBool>) -> futures::future::BoxFuture<'static, u32> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            scale(&addr, ScaleRequest::RemoveServer(1)).await;
+            1
+        })
+    }
+    let pace = Duration::from_millis(5);
+    let (_, sched, mut servers) = run_while("ssp:1", (3, NO_LAUNCHER), CLOCKS, (pace, pace), remove);
+    // Server 1 (the second to register) stopped by itself, cleanly, before the others.
+    let (balance, pushes) = collect(sched, std::mem::take(&mut servers));
+    let actions: Vec<&str> =
+        balance["scaling"].as_array().expect("scaling").iter().filter_map(|e| e["action"].as_str()).collect();
+    assert_eq!(actions, ["scale-in", "removed"], "{balance}");
+    let moved_off_1 = balance["migrations"].as_array().expect("migrations").iter().filter(|m| m["from"] == 1).count();
+    assert!(moved_off_1 >= 3, "server 1's blocks were drained: {balance}");
+    let blocks = (LEN / 4 + 1) as u64;
+    assert_eq!(pushes, u64::from(WORKERS) * u64::from(CLOCKS) * blocks);
+}
+
+#[test]
+fn an_added_server_is_started_by_the_launcher_and_receives_blocks() {
+    const CLOCKS: u32 = 200;
+    fn add(addr: String, _stop: Arc<AtomicBool>) -> futures::future::BoxFuture<'static, u32> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            scale(&addr, ScaleRequest::AddServer).await;
+            1
+        })
+    }
+    let dir = common::scratch_dir("scale-out");
+    let logs = dir.display().to_string();
+    let extra = ["--max-servers", "3", "--launcher", "local", "--log-dir", logs.as_str()];
+    let pace = Duration::from_millis(5);
+    let (_, mut sched, servers) = run_while("ssp:1", (2, &extra), CLOCKS, (pace, pace), add);
+    sched.assert_success(common::EXIT_TIMEOUT);
+    let balance = sched.events_named("balance").first().map(|v| (*v).clone()).expect("balance log");
+    let actions: Vec<&str> =
+        balance["scaling"].as_array().expect("scaling").iter().filter_map(|e| e["action"].as_str()).collect();
+    assert_eq!(actions, ["scale-out", "joined"], "{balance}");
+    let to_new = balance["migrations"].as_array().expect("migrations").iter().filter(|m| m["to"] == 2).count();
+    assert!(to_new >= 2, "the new server received about a third of the blocks: {balance}");
+    // The launched server's final counters reach the scheduler's event stream.
+    let stats = sched.events_named("server_stats");
+    assert!(stats.iter().any(|s| s["server_id"] == 2), "the new server reported its counters: {stats:?}");
+    drop(servers);
 }

@@ -237,7 +237,10 @@ impl<T> Block<T> {
 
     /// Number of f32s a snapshot carries (values, optimizer state, aggregate sums).
     pub fn state_len(&self) -> usize {
-        self.values.len() + self.opt.m.len() + self.opt.v.len() + self.pending.values().map(|(s, _)| s.len()).sum::<usize>()
+        self.values.len()
+            + self.opt.m.len()
+            + self.opt.v.len()
+            + self.pending.values().map(|(s, _)| s.len()).sum::<usize>()
     }
 
     /// The pushes applied since [`Block::snapshot`]; logging stops (also to abandon a

@@ -8,12 +8,17 @@
 //! - [`machine`]: CPU model, kernel, and the CPU share other processes took during a run.
 //! - [`sync`]: every sync policy on the same straggler job, side by side
 //!   (`elasticps bench sync`); [`sync_plot`] draws its `sync.png`.
+//! - [`straggler`]: a straggling server (bandwidth, CPU, skewed placement, mid-run) under
+//!   static placement and under the PSLD balancer (`elasticps bench straggler`);
+//!   [`straggler_plot`] draws its `straggler.png`.
 
 use clap::Subcommand;
 
 pub mod machine;
 pub mod sink;
 pub mod stats;
+pub mod straggler;
+pub mod straggler_plot;
 pub mod sync;
 pub mod sync_plot;
 pub mod transport;
@@ -28,6 +33,8 @@ pub enum BenchCmd {
     TcpSink(sink::SinkCmd),
     /// Every sync policy on the same job with two stragglers: throughput, delayed pulls, accuracy.
     Sync(sync::SyncBenchCmd),
+    /// A straggling server under static placement and under the PSLD balancer: it/s, settling, migration spikes.
+    Straggler(straggler::StragglerBenchCmd),
 }
 
 /// Runs a benchmark.
@@ -36,6 +43,7 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Transport(cmd) => transport::run(cmd).await,
         BenchCmd::TcpSink(cmd) => sink::run(cmd).await,
         BenchCmd::Sync(cmd) => sync::run(cmd).await,
+        BenchCmd::Straggler(cmd) => straggler::run(cmd).await,
     }
 }
 

@@ -9,7 +9,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use elasticps_core::balance::{self, BalanceParams, Balancer, Decision, Move, View};
 use elasticps_core::load::LoadModel;
 use elasticps_core::placement::{Placement, ServerId};
-use elasticps_wire::{ClusterStatus, MigrationReport, ScaleRequest, ServerLoad, ServerStatus, WorkerLoad, WorkerStatus};
+use elasticps_wire::{
+    ClusterStatus, MigrationReport, ScaleRequest, ServerLoad, ServerStatus, WorkerLoad, WorkerStatus,
+};
 
 use super::history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
 use super::membership::BalanceMode;
@@ -97,8 +99,7 @@ impl std::fmt::Debug for Elastic {
 
 impl Elastic {
     /// Elasticity for a job that may run between `min` and `max` servers.
-    /// `started_unix_ms`: when the scheduler's clock started, for the report.
-    pub fn new(mode: BalanceMode, min_servers: u32, max_servers: u32, started_unix_ms: f64) -> Self {
+    pub fn new(mode: BalanceMode, min_servers: u32, max_servers: u32) -> Self {
         let balancer = match mode {
             BalanceMode::Psld => Some(Balancer::new(BalanceParams::new(min_servers, max_servers))),
             BalanceMode::Static => None,
@@ -119,9 +120,14 @@ impl Elastic {
             iter_us: None,
             last_sample_us: 0,
             migrations: 0,
-            log: BalanceLog { mode: mode.to_string(), started_unix_ms, ..Default::default() },
+            log: BalanceLog { mode: mode.to_string(), ..Default::default() },
             max_servers,
         }
+    }
+
+    /// When the scheduler's clock started, in ms since the Unix epoch.
+    pub fn set_clock_origin(&mut self, unix_ms: f64) {
+        self.log.started_unix_ms = unix_ms;
     }
 
     /// The model is placed: block sizes in bytes, indexed by block id.
@@ -249,7 +255,11 @@ impl Elastic {
                         .into());
                 }
                 if self.active() >= self.max_servers {
-                    return Err(format!("the job already runs {} servers (--max-servers {})", self.active(), self.max_servers));
+                    return Err(format!(
+                        "the job already runs {} servers (--max-servers {})",
+                        self.active(),
+                        self.max_servers
+                    ));
                 }
                 self.requested.push_back(Requester::Operator);
                 self.event(now_us, "scale-out", None, "operator: add-server".into());
@@ -475,5 +485,55 @@ impl Elastic {
     /// Server ids that are stopped (not in the layout any more).
     pub fn removed(&self) -> BTreeSet<ServerId> {
         self.states.iter().filter(|(_, s)| **s == ServerState::Removed).map(|(id, _)| *id).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn placement(owners: Vec<u32>) -> Placement {
+        Placement { epoch: 1, owners }
+    }
+
+    #[test]
+    fn remove_server_drains_one_block_at_a_time_then_stops_it() {
+        let mut e = Elastic::new(BalanceMode::Static, 1, 3);
+        let mut p = placement(vec![0, 1, 2, 0, 1, 2, 0, 1]);
+        e.model_placed(vec![16; 8]);
+        for id in 0..3 {
+            e.registered(id, true, 0);
+        }
+        let orders = e.scale(ScaleRequest::RemoveServer(1), &p, false, 10).expect("accepted");
+        assert!(
+            matches!(orders[..], [Order::Migrate { from: 1, .. }]),
+            "one migration at a time, nothing stopped yet: {orders:?}"
+        );
+        let mut stopped = false;
+        for step in 0..10 {
+            let Some((m, _)) = e.in_flight else { break };
+            let r = MigrationReport {
+                block: m.block,
+                from: m.from,
+                to: m.to,
+                epoch: p.epoch + 1,
+                bytes: 16,
+                freeze_us: 1,
+                total_us: 2,
+                held: 0,
+                error: None,
+            };
+            let (ok, orders) = e.migrated(&r, &mut p, 100 + step);
+            assert!(ok);
+            stopped |= orders.iter().any(|o| matches!(o, Order::Stop { server: 1, .. }));
+            if stopped {
+                assert_eq!(p.blocks_of(1).count(), 0, "stopped only once drained");
+            }
+        }
+        assert!(stopped, "server 1 stops once drained");
+        assert_eq!(p.epoch, 4, "one epoch per migration");
+        assert!(p.owners.iter().all(|o| *o != 1));
+        assert!(e.removed().contains(&1));
+        assert!(e.lost(1), "its connection closing is expected");
     }
 }

@@ -189,7 +189,7 @@ impl Membership {
             last_wait_log_us: 0,
             heartbeat_timeout_us,
             over: false,
-            elastic: Elastic::new(config.balance, config.min_servers, config.max_servers, unix_ms()),
+            elastic: Elastic::new(config.balance, config.min_servers, config.max_servers),
             can_launch: false,
             config,
         }
@@ -198,6 +198,13 @@ impl Membership {
     /// Says whether the runtime can start servers ([`Action::StartServer`]).
     pub fn with_launcher(mut self, can_launch: bool) -> Self {
         self.can_launch = can_launch;
+        self
+    }
+
+    /// Where the clock of `Tick { now_us }` starts, in milliseconds since the Unix epoch
+    /// (for the report, to align with the workers' clocks).
+    pub fn with_clock_origin(mut self, unix_ms: f64) -> Self {
+        self.elastic.set_clock_origin(unix_ms);
         self
     }
 
@@ -292,7 +299,11 @@ impl Membership {
                 let late_ok = self.layout_ready && self.elastic.registered_count() < self.config.max_servers;
                 if !initial && !late_ok {
                     let max = self.config.max_servers.max(self.config.servers);
-                    refuse(out, ErrorCode::BadRequest, format!("the job already has its {max} servers (--max-servers)"));
+                    refuse(
+                        out,
+                        ErrorCode::BadRequest,
+                        format!("the job already has its {max} servers (--max-servers)"),
+                    );
                     out.push(Action::Close(conn));
                     return;
                 }
@@ -365,7 +376,11 @@ impl Membership {
                         reply(out, Control::Ok.into());
                     } else {
                         let block = report.block;
-                        refuse(out, ErrorCode::BadRequest, format!("no migration of block {block} from server {id} is under way"));
+                        refuse(
+                            out,
+                            ErrorCode::BadRequest,
+                            format!("no migration of block {block} from server {id} is under way"),
+                        );
                     }
                 }
                 self.carry_out(orders, out);
@@ -565,11 +580,6 @@ impl Membership {
         out.push(Action::Finish { ok, reason });
         self.over = true;
     }
-}
-
-/// Milliseconds since the Unix epoch (0 if the clock is before it).
-fn unix_ms() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
 #[cfg(test)]

@@ -83,8 +83,11 @@ pub async fn run_with(
     let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), events_tx));
 
     let clock = Micros::new();
-    let mut state =
-        Membership::new(opts.job.clone(), HEARTBEAT_TIMEOUT.as_micros() as u64).with_launcher(launcher.is_some());
+    let origin =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
+    let mut state = Membership::new(opts.job.clone(), HEARTBEAT_TIMEOUT.as_micros() as u64)
+        .with_launcher(launcher.is_some())
+        .with_clock_origin(origin);
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     let outcome = loop {

@@ -112,6 +112,7 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
     let mut interval = tokio::time::interval(STATS_INTERVAL);
     let mut last_report = Instant::now();
     let mut adaptive: Option<Adaptive> = None;
+    let mut migrations = tokio::task::JoinSet::new();
     loop {
         let msg = tokio::select! {
             msg = notes.recv() => msg,
@@ -164,9 +165,10 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
             }
             Some(Message::Control(Control::Migrate { block, to, to_addr, epoch })) => {
                 let order = MigrateOrder { block, to, to_addr, epoch };
-                tokio::spawn(migrate::migrate_out(state.clone(), id, order, sched.clone()));
+                migrations.spawn(migrate::migrate_out(state.clone(), id, order, sched.clone()));
             }
             Some(Message::Control(Control::RemoveWorker { rank })) => {
+                while migrations.try_join_next().is_some() {}
                 if let Some(shard) = state.current() {
                     tracing::info!(server = id, rank, "worker removed from every quorum");
                     shard::lock(&shard.removed_workers).push(rank);
@@ -179,6 +181,14 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
             }
             Some(Message::Control(Control::Shutdown { reason })) => {
                 tracing::info!(server = id, %reason, "server shuts down");
+                // A drained server is stopped right after its last handover was recorded:
+                // finish handing over (answer Moved) and let the writers deliver that.
+                let pending = migrations.len();
+                let finish = async { while migrations.join_next().await.is_some() {} };
+                if tokio::time::timeout(2 * migrate::STEP_TIMEOUT, finish).await.is_err() {
+                    tracing::warn!(server = id, pending, "migrations still running at shutdown");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 return Ok(());
             }
             Some(other) => tracing::warn!(server = id, kind = ?other.kind(), "unexpected message from the scheduler"),

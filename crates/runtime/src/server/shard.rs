@@ -268,7 +268,8 @@ impl State {
                 );
             }
             self.load.bytes_out.fetch_add(a.values.len() as u64 * 4, Ordering::Relaxed);
-            let msg = Message::PullReply { block: a.token.block, clock: a.clock, values: Values::from_shared(a.values) };
+            let msg =
+                Message::PullReply { block: a.token.block, clock: a.clock, values: Values::from_shared(a.values) };
             let _ = a.token.out.send((a.token.request_id, msg));
         }
     }
