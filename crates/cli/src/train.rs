@@ -174,6 +174,21 @@ pub async fn train(cmd: TrainCmd) -> anyhow::Result<()> {
         "{} servers, {} workers, {}: {:.0} samples/s, wall {:.1} s, pulls held {} ({:.1} ms in total)",
         cmd.job.servers, cmd.job.workers, cmd.job.sync, report.samples_per_sec, report.wall_s, held, hold_ms
     );
+    if let Some(log) = &outcome.balance
+        && (log.mode != "static" || !log.migrations.is_empty())
+    {
+        let done: Vec<_> = log.migrations.iter().filter(|m| m.error.is_none()).collect();
+        let mb: f64 = done.iter().map(|m| m.bytes as f64).sum::<f64>() / 1e6;
+        let freeze = done.iter().map(|m| m.freeze_ms).fold(0.0, f64::max);
+        let scaling: Vec<String> =
+            log.scaling.iter().map(|e| format!("{} {}", e.action, e.server.map_or("-".into(), |s| s.to_string()))).collect();
+        println!(
+            "balance {}: {} migrations ({mb:.1} MB moved, longest freeze {freeze:.1} ms), scaling: {}",
+            log.mode,
+            done.len(),
+            if scaling.is_empty() { "none".to_string() } else { scaling.join(", ") }
+        );
+    }
     if let Some(dir) = &cmd.report {
         crate::report::write(dir, &report)?;
         println!("report written to {}", dir.display());
