@@ -93,7 +93,7 @@ pub struct StragglerBenchCmd {
     /// When the straggler starts in scenario d, seconds after the servers get their blocks.
     #[arg(long, default_value_t = 8.0)]
     pub straggler_at: f64,
-    /// Iterations per worker of every psld run (default: 24, d 30, e 30; quick 16).
+    /// Iterations per worker of every psld run (default: 24, d 30, e 30; quick 20).
     #[arg(long)]
     pub psld_iterations: Option<u32>,
     /// Iterations per worker of every static run (default: 10, d 20; quick 6).
@@ -259,7 +259,7 @@ impl Plan {
                 _ => 10,
             }),
             (Mode::Psld, s) => self.psld_iterations.unwrap_or(match s {
-                _ if self.quick => 16,
+                _ if self.quick => 20,
                 Some(Scenario::MidRun | Scenario::ScaleOut) => 30,
                 _ => 24,
             }),
@@ -1093,7 +1093,7 @@ fn render(out: &Output) -> String {
         p.static_iterations
             .map_or_else(|| if p.quick { "6".to_string() } else { "10 (d 20)".to_string() }, |n| n.to_string()),
         p.psld_iterations
-            .map_or_else(|| if p.quick { "16".to_string() } else { "24 (d, e 30)".to_string() }, |n| n.to_string()),
+            .map_or_else(|| if p.quick { "20".to_string() } else { "24 (d, e 30)".to_string() }, |n| n.to_string()),
         if p.baseline { ", baseline and uncapped 16" } else { "" },
     ));
     s.push_str(&markdown_table(&headers, &rows));
@@ -1209,7 +1209,7 @@ mod tests {
         assert_eq!((t.job.workers, t.job.servers, t.job.max_servers), (4, 4, Some(4)));
         assert_eq!(t.job.balance.to_string(), "psld");
         assert_eq!(t.job.server_bandwidth, vec![(0, 200.0), (1, 50.0), (2, 200.0), (3, 200.0)]);
-        assert_eq!(t.data.iterations, Some(16));
+        assert_eq!(t.data.iterations, Some(20));
 
         let full = Plan::new(&cmd(&["--scenarios", "e,a,b,c,d"])).unwrap();
         let runs = full.runs();

@@ -19,6 +19,8 @@ use super::membership::BalanceMode;
 /// A migration that takes longer than this is written off (the old owner reports its
 /// own failure after 30 s per step; this only guards against a lost report).
 const MIGRATION_TIMEOUT_US: u64 = 120_000_000;
+/// A requested server that has not registered after this long is not coming.
+const JOIN_TIMEOUT_US: u64 = 60_000_000;
 /// Rate estimates: old samples weigh half after this long.
 const HALF_LIFE_US: u64 = 3_000_000;
 
@@ -73,7 +75,8 @@ pub(super) struct Elastic {
     queue: VecDeque<Move>,
     in_flight: Option<(Move, u64)>,
     states: BTreeMap<ServerId, ServerState>,
-    requested: VecDeque<Requester>,
+    /// Servers asked of the launcher that have not registered yet, with when.
+    requested: VecDeque<(Requester, u64)>,
     joining_by: BTreeMap<ServerId, Requester>,
     server_loads: BTreeMap<ServerId, ServerLoad>,
     workers: BTreeMap<u32, WorkerStatus>,
@@ -154,7 +157,7 @@ impl Elastic {
     pub fn registered(&mut self, id: ServerId, initial: bool, now_us: u64) {
         self.states.insert(id, if initial { ServerState::Serving } else { ServerState::Joining });
         if !initial {
-            let by = self.requested.pop_front().unwrap_or(Requester::Operator);
+            let by = self.requested.pop_front().map_or(Requester::Operator, |(r, _)| r);
             self.joining_by.insert(id, by);
             self.event(now_us, "joined", Some(id), "a new server registered".into());
         }
@@ -261,7 +264,7 @@ impl Elastic {
                         self.max_servers
                     ));
                 }
-                self.requested.push_back(Requester::Operator);
+                self.requested.push_back((Requester::Operator, now_us));
                 self.event(now_us, "scale-out", None, "operator: add-server".into());
                 Ok(vec![Order::StartServer])
             }
@@ -315,6 +318,14 @@ impl Elastic {
             tracing::warn!(block = m.block, from = m.from, to = m.to, "migration never reported; written off");
             self.in_flight = None;
         }
+        while let Some(&(_, at)) = self.requested.front()
+            && now_us.saturating_sub(at) > JOIN_TIMEOUT_US
+        {
+            // The launcher failed or the server died before registering; the balancer
+            // gives up on its own (its join timeout) and decides afresh.
+            self.requested.pop_front();
+            self.event(now_us, "scale-out-failed", None, "no server registered within 60 s".into());
+        }
         if now_us.saturating_sub(self.last_sample_us) >= 1_000_000 {
             self.last_sample_us = now_us;
             if self.window.0 > 0 {
@@ -338,7 +349,7 @@ impl Elastic {
         let serving = self.serving();
         let busy = self.in_flight.is_some()
             || !self.queue.is_empty()
-            || !self.requested.is_empty()
+            || self.requested.iter().any(|(r, _)| *r == Requester::Operator)
             || self.states.values().any(|s| matches!(s, ServerState::Joining | ServerState::Draining));
         let Some(balancer) = self.balancer.as_mut() else { return Vec::new() };
         if self.sizes.is_empty() {
@@ -363,7 +374,7 @@ impl Elastic {
                 }
                 Decision::ScaleOut { why } => {
                     tracing::info!(%why, "balancer scales out");
-                    self.requested.push_back(Requester::Balancer);
+                    self.requested.push_back((Requester::Balancer, now_us));
                     self.event(now_us, "scale-out", None, why);
                     out.push(Order::StartServer);
                 }
