@@ -151,15 +151,7 @@ fn run_while(
         // Moves start once the model is placed (the first worker's register_model).
         tokio::time::sleep(Duration::from_millis(300)).await;
         let mover = tokio::spawn(op(addr.clone(), stop.clone()));
-        let mut results = Vec::new();
-        for w in workers {
-            results.push(
-                tokio::time::timeout(Duration::from_secs(120), w)
-                    .await
-                    .expect("worker timed out")
-                    .expect("worker panicked"),
-            );
-        }
+        let results = common::join_workers(workers).await;
         stop.store(true, Ordering::Relaxed);
         let moves =
             tokio::time::timeout(Duration::from_secs(30), mover).await.expect("mover timed out").expect("mover");

@@ -44,17 +44,6 @@ fn gradient(w: &[f32], b: f32, xs: &[[f32; FEATURES]], ys: &[f32]) -> (Vec<f32>,
     (gw.iter().map(|g| g / n).collect(), gb / n)
 }
 
-/// Waits for every worker task, at most 60 s each, in order.
-async fn join_workers<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(
-            tokio::time::timeout(Duration::from_secs(60), t).await.expect("worker timed out").expect("worker panicked"),
-        );
-    }
-    out
-}
-
 fn model() -> Vec<TensorSpec> {
     vec![
         TensorSpec { name: "w".into(), shape: vec![FEATURES], init: Init::Uniform { low: -1.0, high: 1.0 } },
@@ -125,7 +114,7 @@ fn bsp_with_aggregate_equals_sequential_large_batch_sgd() {
                 })
             })
             .collect();
-        join_workers(tasks).await
+        common::join_workers(tasks).await
     });
     // Both workers started from the same initial values and ended with the same model.
     assert_eq!(results[0].0, results[1].0);
@@ -230,7 +219,7 @@ fn traced_run(sync: &str, extra: &[&str], iterations: u32, straggle: Duration) -
                 })
             })
             .collect();
-        join_workers(tasks).await
+        common::join_workers(tasks).await
     });
     waits.sort_by_key(|(rank, _)| *rank);
     // The servers flush their traces when the scheduler shuts them down.

@@ -458,3 +458,14 @@ fn read_full(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> Full {
     }
     Full::Done
 }
+
+/// Waits for every worker task, at most 60 s each, in order.
+pub async fn join_workers<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(
+            tokio::time::timeout(Duration::from_secs(60), t).await.expect("worker timed out").expect("worker panicked"),
+        );
+    }
+    out
+}
