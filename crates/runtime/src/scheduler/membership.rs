@@ -11,6 +11,8 @@ use elasticps_core::sync::SyncPolicy;
 use super::elastic::{Elastic, Order};
 use super::history::BalanceLog;
 use elasticps_wire::{Assignment, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr};
+#[cfg(test)]
+use elasticps_wire::{MigrationReport, ScaleRequest};
 
 /// Identifies one connection to the scheduler.
 pub type ConnId = u64;
@@ -694,5 +696,97 @@ mod tests {
         let a = m.step(Event::Tick { now_us: 1_400 });
         assert!(a.contains(&Action::Close(1)));
         assert!(!a.contains(&Action::Close(2)));
+    }
+
+    /// Two servers and two workers with a model of `len` values (blocks of 4) placed.
+    fn running(config: JobConfig, len: usize) -> Membership {
+        let mut m = Membership::new(config, 10_000_000).with_launcher(true);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        let tensors = vec![TensorSpec { name: "w".into(), shape: vec![len], init: Init::Zeros }];
+        recv(&mut m, 1, 2, Control::DefineModel { tensors });
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
+        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+        recv(&mut m, 11, 0, Control::AssignDone { server_id: 1 });
+        assert_eq!(m.waiting_for(), None);
+        m
+    }
+
+    #[test]
+    fn an_operator_adds_a_server_which_joins_empty_and_receives_blocks() {
+        let mut m = running(JobConfig { max_servers: 3, ..config() }, 24);
+        let a = recv(&mut m, 50, 1, Control::Scale(ScaleRequest::AddServer));
+        assert!(a.contains(&Action::StartServer), "{a:?}");
+        assert!(matches!(sent_to(&a, 50)[0], Message::Control(Control::Ok)));
+        // A fourth would exceed --max-servers.
+        let a = recv(&mut m, 50, 2, Control::Scale(ScaleRequest::AddServer));
+        assert!(matches!(sent_to(&a, 50)[0], Message::Error(e) if e.message.contains("--max-servers")), "{a:?}");
+        // The launched server registers late: an assignment that owns nothing.
+        let a = recv(&mut m, 12, 1, Control::RegisterServer { data_addr: "s2".into() });
+        match &sent_to(&a, 12)[..] {
+            [Message::Control(Control::Welcome { node_id: 2, .. }), Message::Control(Control::Assign(x))] => {
+                assert_eq!(x.placement.blocks_of(2).count(), 0);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Once it serves, blocks start moving to it (6 blocks: 2 of them), one at a time.
+        let a = recv(&mut m, 12, 0, Control::AssignDone { server_id: 2 });
+        let migrations: Vec<_> = a
+            .iter()
+            .filter_map(|x| match x {
+                Action::Send { msg: Message::Control(Control::Migrate { to, to_addr, epoch, .. }), .. } => {
+                    Some((*to, to_addr.clone(), *epoch))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(migrations, [(2, "s2".to_string(), 2)], "{a:?}");
+        // The layout lists the new server for the workers.
+        let a = recv(&mut m, 1, 3, Control::GetLayout);
+        assert!(matches!(sent_to(&a, 1)[0], Message::Control(Control::Layout(l)) if l.servers.len() == 3));
+    }
+
+    #[test]
+    fn a_removed_server_leaving_does_not_end_the_job_and_status_shows_it_gone() {
+        let mut m = running(config(), 8);
+        // Server 1 owns block 1 (range over 2 blocks): removing it moves that block first.
+        let a = recv(&mut m, 50, 1, Control::Scale(ScaleRequest::RemoveServer(1)));
+        let report = a.iter().find_map(|x| match x {
+            Action::Send { conn: 11, msg: Message::Control(Control::Migrate { block, to, epoch, .. }), .. } => {
+                Some(MigrationReport {
+                    block: *block,
+                    from: 1,
+                    to: *to,
+                    epoch: *epoch,
+                    bytes: 16,
+                    freeze_us: 5,
+                    total_us: 9,
+                    held: 0,
+                    error: None,
+                })
+            }
+            _ => None,
+        });
+        let report = report.unwrap_or_else(|| panic!("a migration off server 1: {a:?}"));
+        let a = recv(&mut m, 11, 7, Control::MigrateDone(report));
+        assert!(matches!(sent_to(&a, 11)[0], Message::Control(Control::Ok)), "{a:?}");
+        assert!(
+            sent_to(&a, 11).iter().any(|x| matches!(x, Message::Control(Control::Shutdown { .. }))),
+            "drained, so stopped: {a:?}"
+        );
+        let a = m.step(Event::Lost { conn: 11, why: "closed".into() });
+        assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "{a:?}");
+        let a = recv(&mut m, 50, 2, Control::GetStatus);
+        match &sent_to(&a, 50)[..] {
+            [Message::Control(Control::Status(s))] => {
+                assert_eq!(s.migrations, 1);
+                assert_eq!(s.epoch, 2);
+                assert_eq!(s.servers[1].state, "gone");
+                assert_eq!(s.servers[0].blocks, 2);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(m.balance_log().migrations.len(), 1);
     }
 }
