@@ -180,8 +180,11 @@ pub async fn train(cmd: TrainCmd) -> anyhow::Result<()> {
         let done: Vec<_> = log.migrations.iter().filter(|m| m.error.is_none()).collect();
         let mb: f64 = done.iter().map(|m| m.bytes as f64).sum::<f64>() / 1e6;
         let freeze = done.iter().map(|m| m.freeze_ms).fold(0.0, f64::max);
-        let scaling: Vec<String> =
-            log.scaling.iter().map(|e| format!("{} {}", e.action, e.server.map_or("-".into(), |s| s.to_string()))).collect();
+        let scaling: Vec<String> = log
+            .scaling
+            .iter()
+            .map(|e| format!("{} {}", e.action, e.server.map_or("-".into(), |s| s.to_string())))
+            .collect();
         println!(
             "balance {}: {} migrations ({mb:.1} MB moved, longest freeze {freeze:.1} ms), scaling: {}",
             log.mode,

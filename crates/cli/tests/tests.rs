@@ -1,6 +1,7 @@
 //! Integration tests of the elasticps binary: real processes over real TCP.
 
 mod bad_input;
+mod balance_report;
 mod common;
 mod launcher;
 mod migration;

@@ -98,20 +98,32 @@ impl LoadReport {
         self.report.clock = clock;
     }
 
-    fn server(&mut self, r: &ServerRound) {
+    fn sample(&mut self, server: u32) -> &mut ServerSample {
         let per = &mut self.report.per_server;
-        let i = match per.iter().position(|p| p.server == r.owner) {
+        let i = match per.iter().position(|p| p.server == server) {
             Some(i) => i,
             None => {
-                per.push(ServerSample { server: r.owner, ..Default::default() });
+                per.push(ServerSample { server, ..Default::default() });
                 per.len() - 1
             }
         };
-        let p = &mut per[i];
+        &mut per[i]
+    }
+
+    /// A push phase measures the server's service time.
+    fn phase(&mut self, done: &PhaseDone) {
+        if done.push_bytes > 0 {
+            let p = self.sample(done.owner);
+            p.push_bytes += done.push_bytes;
+            p.push_us += done.push_time.as_micros() as u64;
+        }
+    }
+
+    /// At the end of a round: how long it waited for this server.
+    fn waited(&mut self, server: u32, waited: Duration) {
+        let p = self.sample(server);
         p.rounds += 1;
-        p.push_bytes += r.push_bytes;
-        p.push_us += r.push_time.as_micros() as u64;
-        p.wait_us += r.waited.as_micros() as u64;
+        p.wait_us += waited.as_micros() as u64;
     }
 
     /// The report, if an interval has passed (then a fresh one starts).
@@ -244,7 +256,10 @@ impl Client {
 
     /// One round trip with every server at once: for each block, the push (if any),
     /// then, once the block's server acknowledged all of this round's pushes, the pull
-    /// (if any). Blocks whose server answered `Moved` are resent after a layout refresh.
+    /// (if any). Each server's push phase and pull phase are separate futures, so a
+    /// block whose server answered `Moved` is resent (after a layout refresh) at once, not
+    /// after pulls that the sync policy holds elsewhere: those may wait for exactly that
+    /// push from another worker.
     async fn round(
         &mut self,
         push: Option<(Clock, &[Vec<f32>])>,
@@ -252,63 +267,49 @@ impl Client {
     ) -> Result<()> {
         let mut layout = self.current_layout()?;
         let pull_clock = pull.as_ref().map(|(c, _)| *c);
-        // (block, still to push, still to pull)
-        let mut todo: Vec<(BlockSpec, bool, bool)> =
-            layout.partition.blocks.iter().map(|b| (*b, push.is_some(), pull_clock.is_some())).collect();
         let started = Instant::now();
         if let Some((clock, _)) = push {
             self.load.iteration(clock);
         }
+        let rank = self.rank;
+        let timeout = self.opts.request_timeout;
+        let ctx = |owner| RoundCtx { rank, owner, timeout };
+        let mut phases = FuturesUnordered::new();
+        // (block, still to push, still to pull)
+        let todo: Vec<(BlockSpec, bool, bool)> =
+            layout.partition.blocks.iter().map(|b| (*b, push.is_some(), pull_clock.is_some())).collect();
+        for (owner, items) in by_owner(&layout, todo)? {
+            phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
+        }
         let mut waits: HashMap<u32, Duration> = HashMap::new();
-        // Blocks may move again while we chase them; give up only after many refreshes
-        // (each one waits for a migration to complete) or the request timeout.
-        for attempt in 0..MAX_LAYOUT_REFRESHES {
-            let mut by_server: HashMap<u32, Vec<(BlockSpec, bool, bool)>> = HashMap::new();
-            for item in &todo {
-                let owner =
-                    layout.placement.owner(item.0.id).ok_or(elasticps_core::CoreError::UnknownBlock(item.0.id))?;
-                by_server.entry(owner).or_default().push(*item);
-            }
-            let mut rounds = FuturesUnordered::new();
-            for (owner, items) in by_server {
-                let peer = self.servers.get(&owner).cloned().ok_or_else(|| RuntimeError::Protocol {
-                    peer: "scheduler".into(),
-                    what: format!("layout names server {owner}, which it does not list"),
-                })?;
-                let ctx = RoundCtx { rank: self.rank, owner, timeout: self.opts.request_timeout, started };
-                rounds.push(server_round(ctx, peer, items, push, pull_clock));
-            }
-            let mut moved = Vec::new();
-            while let Some(done) = rounds.next().await {
-                let done = match done {
-                    Ok(done) => done,
-                    Err(e) => return Err(self.explain(e)),
-                };
-                waits.insert(done.owner, done.waited);
-                self.load.server(&done);
-                if let Some((_, params)) = pull.as_mut() {
-                    for (b, values) in done.pulled {
-                        values.copy_into(&mut params[b.tensor as usize][b.offset..b.offset + b.len]);
-                    }
+        let mut refreshes = 0;
+        while let Some(done) = phases.next().await {
+            let done = done.map_err(|e| self.explain(e))?;
+            waits.insert(done.owner, started.elapsed());
+            self.load.phase(&done);
+            if let Some((_, params)) = pull.as_mut() {
+                for (b, values) in done.pulled {
+                    values.copy_into(&mut params[b.tensor as usize][b.offset..b.offset + b.len]);
                 }
-                moved.extend(done.moved);
             }
-            if moved.is_empty() {
-                let n = waits.keys().max().map_or(0, |m| *m as usize + 1).max(layout.servers.len());
-                let mut per_server = vec![Duration::ZERO; n];
-                for (s, w) in waits {
-                    per_server[s as usize] = w;
-                }
-                self.waits = Waits { per_server };
-                if let Some(report) = self.load.due() {
-                    let _ = self.sched.notify(Control::WorkerLoad(report).into());
-                }
-                return Ok(());
+            if !done.to_pull.is_empty() {
+                let items = done.to_pull.into_iter().map(|b| (b, false, true)).collect();
+                phases.push(phase(ctx(done.owner), self.peer(done.owner)?, items, push, pull_clock));
             }
-            if started.elapsed() > self.opts.request_timeout {
-                break;
+            if done.moved.is_empty() {
+                continue;
             }
-            tracing::debug!(blocks = moved.len(), attempt, "blocks moved; refreshing the layout");
+            refreshes += 1;
+            if refreshes > MAX_LAYOUT_REFRESHES || started.elapsed() > self.opts.request_timeout {
+                return Err(RuntimeError::Protocol {
+                    peer: "servers".into(),
+                    what: format!(
+                        "blocks kept moving through {refreshes} layout refreshes in {:.1} s",
+                        started.elapsed().as_secs_f64()
+                    ),
+                });
+            }
+            tracing::debug!(blocks = done.moved.len(), refreshes, "blocks moved; refreshing the layout");
             let epoch = layout.placement.epoch;
             let reply = self
                 .sched
@@ -319,16 +320,30 @@ impl Client {
             if layout.placement.epoch == epoch {
                 // A server answered Moved before the scheduler published the move: give
                 // the scheduler a moment.
-                tokio::time::sleep(Duration::from_millis(5 * (attempt as u64 + 1).min(20))).await;
+                tokio::time::sleep(Duration::from_millis(5 * u64::from(refreshes.min(20)))).await;
             }
-            todo = moved;
+            for (owner, items) in by_owner(&layout, done.moved)? {
+                phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
+            }
         }
-        Err(RuntimeError::Protocol {
-            peer: "servers".into(),
-            what: format!(
-                "blocks kept moving through {MAX_LAYOUT_REFRESHES} layout refreshes in {:.1} s",
-                started.elapsed().as_secs_f64()
-            ),
+        let n = waits.keys().max().map_or(0, |m| *m as usize + 1).max(layout.servers.len());
+        let mut per_server = vec![Duration::ZERO; n];
+        for (s, w) in waits {
+            per_server[s as usize] = w;
+            self.load.waited(s, w);
+        }
+        self.waits = Waits { per_server };
+        if let Some(report) = self.load.due() {
+            let _ = self.sched.notify(Control::WorkerLoad(report).into());
+        }
+        Ok(())
+    }
+
+    /// The connection to server `owner`.
+    fn peer(&self, owner: u32) -> Result<Peer> {
+        self.servers.get(&owner).cloned().ok_or_else(|| RuntimeError::Protocol {
+            peer: "scheduler".into(),
+            what: format!("layout names server {owner}, which it does not list"),
         })
     }
 
@@ -393,79 +408,99 @@ struct RoundCtx {
     rank: u32,
     owner: u32,
     timeout: Duration,
-    started: Instant,
 }
 
-/// What one server's part of a round produced.
-struct ServerRound {
+/// What one phase (pushes, or pulls) with one server produced.
+struct PhaseDone {
     owner: u32,
-    waited: Duration,
-    /// From the first push sent to the last acknowledgement.
+    /// From the first push sent to the last acknowledgement (push phases).
     push_time: Duration,
-    /// Payload bytes pushed.
+    /// Payload bytes pushed and acknowledged.
     push_bytes: u64,
+    /// Blocks whose pushes were acknowledged and which are to be pulled now.
+    to_pull: Vec<BlockSpec>,
     pulled: Vec<(BlockSpec, Values)>,
     /// Blocks this server no longer owns, with what is still to do for them.
     moved: Vec<(BlockSpec, bool, bool)>,
 }
 
-/// One server's part of a round: all its pushes in flight at once, then all its pulls.
-async fn server_round(
+/// Groups blocks by their owner in `layout`.
+fn by_owner(
+    layout: &Layout,
+    items: Vec<(BlockSpec, bool, bool)>,
+) -> Result<HashMap<u32, Vec<(BlockSpec, bool, bool)>>> {
+    let mut by: HashMap<u32, Vec<_>> = HashMap::new();
+    for item in items {
+        let owner = layout.placement.owner(item.0.id).ok_or(elasticps_core::CoreError::UnknownBlock(item.0.id))?;
+        by.entry(owner).or_default().push(item);
+    }
+    Ok(by)
+}
+
+/// One phase with one server: the pushes of `items` that have one (all in flight at
+/// once), or, if none has, their pulls. Blocks pushed and to be pulled come back in
+/// `to_pull`, for a pull phase once this one ends.
+fn phase<'a>(
     ctx: RoundCtx,
     peer: Peer,
     items: Vec<(BlockSpec, bool, bool)>,
-    push: Option<(Clock, &[Vec<f32>])>,
+    push: Option<(Clock, &'a [Vec<f32>])>,
     pull_clock: Option<Clock>,
-) -> Result<ServerRound> {
-    let mut out = ServerRound {
-        owner: ctx.owner,
-        waited: Duration::ZERO,
-        push_time: Duration::ZERO,
-        push_bytes: 0,
-        pulled: Vec::new(),
-        moved: Vec::new(),
-    };
-    let mut pulls = Vec::new();
-    if let Some((clock, grads)) = push {
-        let pushing = Instant::now();
-        let mut acks = Vec::new();
-        for (b, do_push, do_pull) in &items {
-            if !do_push {
-                pulls.push((*b, *do_pull));
-                continue;
+) -> futures::future::BoxFuture<'a, Result<PhaseDone>> {
+    Box::pin(async move {
+        let mut out = PhaseDone {
+            owner: ctx.owner,
+            push_time: Duration::ZERO,
+            push_bytes: 0,
+            to_pull: Vec::new(),
+            pulled: Vec::new(),
+            moved: Vec::new(),
+        };
+        match push {
+            Some((clock, grads)) if items.iter().any(|(_, do_push, _)| *do_push) => {
+                let pushing = Instant::now();
+                let mut acks = Vec::new();
+                for (b, do_push, do_pull) in items {
+                    if !do_push {
+                        out.to_pull.extend(do_pull.then_some(b));
+                        continue;
+                    }
+                    let values = crate::pool::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]);
+                    acks.push((b, do_pull, peer.send_request(Message::Push { block: b.id, clock, values })?));
+                }
+                for (b, do_pull, rx) in acks {
+                    match await_reply(&ctx, "push", clock, &b, rx).await? {
+                        Message::PushAck { .. } => {
+                            out.push_bytes += b.len as u64 * 4;
+                            if do_pull && pull_clock.is_some() {
+                                out.to_pull.push(b);
+                            }
+                        }
+                        Message::Control(Control::Moved { .. }) => out.moved.push((b, true, do_pull)),
+                        other => return Err(bad_reply(&ctx, "PushAck", &other)),
+                    }
+                }
+                out.push_time = pushing.elapsed();
             }
-            let values = crate::pool::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]);
-            out.push_bytes += b.len as u64 * 4;
-            acks.push((*b, *do_pull, peer.send_request(Message::Push { block: b.id, clock, values })?));
-        }
-        for (b, do_pull, rx) in acks {
-            match await_reply(&ctx, "push", clock, &b, rx).await? {
-                Message::PushAck { .. } => pulls.push((b, do_pull)),
-                Message::Control(Control::Moved { .. }) => out.moved.push((b, true, do_pull)),
-                other => return Err(bad_reply(&ctx, "PushAck", &other)),
+            _ => {
+                let Some(clock) = pull_clock else { return Ok(out) };
+                let mut replies = Vec::new();
+                for (b, _, do_pull) in items {
+                    if do_pull {
+                        replies.push((b, peer.send_request(Message::Pull { block: b.id, clock })?));
+                    }
+                }
+                for (b, rx) in replies {
+                    match await_reply(&ctx, "pull", clock, &b, rx).await? {
+                        Message::PullReply { values, .. } if values.len() == b.len => out.pulled.push((b, values)),
+                        Message::Control(Control::Moved { .. }) => out.moved.push((b, false, true)),
+                        other => return Err(bad_reply(&ctx, &format!("PullReply of {} values", b.len), &other)),
+                    }
+                }
             }
         }
-        out.push_time = pushing.elapsed();
-    } else {
-        pulls.extend(items.iter().map(|(b, _, do_pull)| (*b, *do_pull)));
-    }
-    if let Some(clock) = pull_clock {
-        let mut replies = Vec::new();
-        for (b, do_pull) in pulls {
-            if do_pull {
-                replies.push((b, peer.send_request(Message::Pull { block: b.id, clock })?));
-            }
-        }
-        for (b, rx) in replies {
-            match await_reply(&ctx, "pull", clock, &b, rx).await? {
-                Message::PullReply { values, .. } if values.len() == b.len => out.pulled.push((b, values)),
-                Message::Control(Control::Moved { .. }) => out.moved.push((b, false, true)),
-                other => return Err(bad_reply(&ctx, &format!("PullReply of {} values", b.len), &other)),
-            }
-        }
-    }
-    out.waited = ctx.started.elapsed();
-    Ok(out)
+        Ok(out)
+    })
 }
 
 /// Waits for the reply to one request, at most the request timeout.

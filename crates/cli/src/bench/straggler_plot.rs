@@ -3,7 +3,7 @@
 //! - Top: iterations/s per scenario, static and psld side by side (after the settle; value
 //!   on top of each bar), the no-straggler baseline as a dashed line and the uncapped
 //!   reference as a dotted one.
-//! - Below, one panel per scenario: worker 0's iteration time against the time since the
+//! - Below, one panel per scenario (three to a row): worker 0's iteration time against the time since the
 //!   start of training, static and psld, with psld's migrations as ticks along the top, the
 //!   start of its measured window (the settle) as a dotted line, the straggler's start (d)
 //!   and scaling events as dashed lines, and the baseline's median iteration time as a grey
@@ -24,8 +24,17 @@ use crate::report::plot::{
 
 /// Width of `straggler.png`, pixels.
 pub const WIDTH: u32 = 1800;
-/// Height of `straggler.png`, pixels.
-pub const HEIGHT: u32 = 1000;
+/// Height of the bar chart at the top, pixels.
+const BARS_HEIGHT: u32 = 480;
+/// Height of a row of scenario panels, pixels.
+const ROW_HEIGHT: u32 = 400;
+/// Scenario panels per row.
+const PER_ROW: usize = 3;
+
+/// Height of `straggler.png` for `scenarios` scenarios, pixels.
+pub fn height(scenarios: usize) -> u32 {
+    BARS_HEIGHT + ROW_HEIGHT * scenarios.div_ceil(PER_ROW).max(1) as u32
+}
 
 const STATIC: RGBColor = PALETTE[1];
 const PSLD: RGBColor = PALETTE[0];
@@ -79,12 +88,14 @@ type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 /// Draws `straggler.png` into `path`.
 pub fn draw(path: &Path, data: &PlotData) -> anyhow::Result<()> {
     ensure_font()?;
-    let root = BitMapBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
+    let n = data.scenarios.len();
+    let root = BitMapBackend::new(path, (WIDTH, height(n))).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
-    let (top, bottom) = root.split_vertically(HEIGHT * 46 / 100);
+    let (top, bottom) = root.split_vertically(BARS_HEIGHT);
     bars(&root, &top, data)?;
-    let n = data.scenarios.len().max(1);
-    let panels = bottom.split_evenly((1, n));
+    // Up to PER_ROW panels per row; a single short row is as wide as it needs.
+    let cols = n.clamp(1, PER_ROW);
+    let panels = bottom.split_evenly((n.div_ceil(PER_ROW).max(1), cols));
     for (panel, s) in panels.iter().zip(&data.scenarios) {
         timeline(panel, s, data.baseline_iter_ms)?;
     }
@@ -210,7 +221,8 @@ fn timeline(area: &Area<'_>, s: &ScenarioData, baseline_iter_ms: Option<f64>) ->
         || runs.iter().flat_map(|(r, _)| r.series.iter().copied()).filter(|(t, v)| t.is_finite() && v.is_finite());
     let t_max = points().map(|p| p.0).fold(1.0f64, f64::max) * 1.03;
     let y_max = points().map(|p| p.1).chain(baseline_iter_ms).filter(|v| v.is_finite()).fold(0.0f64, f64::max);
-    let hi = if y_max > 0.0 { y_max * 1.15 } else { 1.0 };
+    // Headroom for the legend and the migration ticks above the lines.
+    let hi = if y_max > 0.0 { y_max * 1.6 } else { 1.0 };
     let mut chart = ChartBuilder::on(area)
         .caption(format!("{}: worker 0 iteration time", s.label), (FONT, 17))
         .margin(8)

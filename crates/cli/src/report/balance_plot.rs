@@ -337,7 +337,7 @@ pub(crate) mod tests {
                 bytes[1] -= 3.0e6;
                 bytes[(t % 3 + 2) as usize % 4] += 3.0e6;
             }
-            if t >= 20 && t < 24 {
+            if (20..24).contains(&t) {
                 for b in &mut bytes[..4] {
                     *b -= 1.2e6;
                 }
@@ -376,7 +376,7 @@ pub(crate) mod tests {
                 bytes: 3_000_000,
                 freeze_ms: 1.5,
                 total_ms: 300.0,
-                held: (i % 3) as u32,
+                held: i % 3,
                 error: (i == 5).then(|| "server 1 went away".to_string()),
             })
             .collect();
