@@ -275,8 +275,7 @@ impl Client {
         let timeout = self.opts.request_timeout;
         let ctx = |owner| RoundCtx { rank, owner, timeout };
         let mut phases = FuturesUnordered::new();
-        // (block, still to push, still to pull)
-        let todo: Vec<(BlockSpec, bool, bool)> =
+        let todo: Vec<Todo> =
             layout.partition.blocks.iter().map(|b| (*b, push.is_some(), pull_clock.is_some())).collect();
         for (owner, items) in by_owner(&layout, todo)? {
             phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
@@ -410,6 +409,9 @@ struct RoundCtx {
     timeout: Duration,
 }
 
+/// A block still to do in a round: (block, still to push, still to pull).
+type Todo = (BlockSpec, bool, bool);
+
 /// What one phase (pushes, or pulls) with one server produced.
 struct PhaseDone {
     owner: u32,
@@ -421,14 +423,11 @@ struct PhaseDone {
     to_pull: Vec<BlockSpec>,
     pulled: Vec<(BlockSpec, Values)>,
     /// Blocks this server no longer owns, with what is still to do for them.
-    moved: Vec<(BlockSpec, bool, bool)>,
+    moved: Vec<Todo>,
 }
 
 /// Groups blocks by their owner in `layout`.
-fn by_owner(
-    layout: &Layout,
-    items: Vec<(BlockSpec, bool, bool)>,
-) -> Result<HashMap<u32, Vec<(BlockSpec, bool, bool)>>> {
+fn by_owner(layout: &Layout, items: Vec<Todo>) -> Result<HashMap<u32, Vec<Todo>>> {
     let mut by: HashMap<u32, Vec<_>> = HashMap::new();
     for item in items {
         let owner = layout.placement.owner(item.0.id).ok_or(elasticps_core::CoreError::UnknownBlock(item.0.id))?;
@@ -443,7 +442,7 @@ fn by_owner(
 fn phase<'a>(
     ctx: RoundCtx,
     peer: Peer,
-    items: Vec<(BlockSpec, bool, bool)>,
+    items: Vec<Todo>,
     push: Option<(Clock, &'a [Vec<f32>])>,
     pull_clock: Option<Clock>,
 ) -> futures::future::BoxFuture<'a, Result<PhaseDone>> {
