@@ -353,6 +353,10 @@ pub(crate) mod tests {
                         blocks: (bytes[id] / 1e6) as u32,
                         bytes: bytes[id] as u64,
                         rate_bps: rate,
+                        confidence: 0.9,
+                        in_mbps: 0.0,
+                        out_mbps: 0.0,
+                        queued_ms_per_s: 0.0,
                         service_ms,
                         straggler: id == 1 && (3..14).contains(&t),
                     }

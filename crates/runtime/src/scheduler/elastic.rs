@@ -434,13 +434,20 @@ impl Elastic {
             .filter(|(_, s)| **s != ServerState::Removed)
             .map(|(id, _)| {
                 let (blocks, bytes) = self.owned(placement, *id);
+                let load = self.server_loads.get(id);
+                let per_s = |x: u64| load.map_or(0.0, |l| x as f64 / (l.interval_us.max(1) as f64 / 1e6));
                 ServerPoint {
                     id: *id,
                     blocks,
                     bytes,
                     rate_bps: rates.get(id).copied().unwrap_or(0.0),
-                    service_ms: times.get(id).map_or(0.0, |t| t * 1e3),
-                    straggler: stragglers.contains(id),
+                    confidence: self.load.estimate(*id, now_us).map_or(0.0, |e| e.confidence),
+                    in_mbps: load.map_or(0.0, |l| per_s(l.bytes_in) / 1e6),
+                    out_mbps: load.map_or(0.0, |l| per_s(l.bytes_out) / 1e6),
+                    queued_ms_per_s: load.map_or(0.0, |l| per_s(l.shaped_us) / 1e3),
+                    // Without any rate the model's times are relative: not worth plotting.
+                    service_ms: if rates.is_empty() { 0.0 } else { times.get(id).map_or(0.0, |t| t * 1e3) },
+                    straggler: !rates.is_empty() && stragglers.contains(id),
                 }
             })
             .collect()

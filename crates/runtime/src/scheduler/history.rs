@@ -82,7 +82,20 @@ pub struct ServerPoint {
     pub bytes: u64,
     /// Estimated service rate, bytes/s (0: unknown).
     pub rate_bps: f64,
-    /// Estimated service time per iteration, in milliseconds.
+    /// Confidence of that estimate, 0..=1.
+    #[serde(default)]
+    pub confidence: f64,
+    /// Payload received and sent per second, as the server reported its last interval (MB/s).
+    #[serde(default)]
+    pub in_mbps: f64,
+    /// See `in_mbps`.
+    #[serde(default)]
+    pub out_mbps: f64,
+    /// Time its frames waited for a bandwidth cap, per second of its last interval
+    /// (queueing delay; 0 without a cap).
+    #[serde(default)]
+    pub queued_ms_per_s: f64,
+    /// Estimated service time per iteration, in milliseconds (0: no rate known yet).
     pub service_ms: f64,
     /// Flagged as a straggler.
     pub straggler: bool,
