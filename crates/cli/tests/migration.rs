@@ -233,6 +233,30 @@ fn a_removed_server_drains_first_and_loses_nothing() {
 }
 
 #[test]
+fn workers_that_compute_long_between_rounds_find_the_blocks_of_a_removed_server() {
+    // 150 ms of "compute" per clock: the drain happens while the workers compute, and
+    // their next round must find the blocks at their new owners, exactly once.
+    const CLOCKS: u32 = 14;
+    fn remove(addr: String, _stop: Arc<AtomicBool>) -> futures::future::BoxFuture<'static, u32> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            scale(&addr, ScaleRequest::RemoveServer(2)).await;
+            1
+        })
+    }
+    let pace = Duration::from_millis(150);
+    let started = Instant::now();
+    let (_, sched, servers) = run_while("bsp", (3, NO_LAUNCHER), CLOCKS, (pace, pace), remove);
+    let (balance, pushes) = collect(sched, servers);
+    assert!(started.elapsed() < Duration::from_secs(30), "no worker waited for a timeout");
+    let actions: Vec<&str> =
+        balance["scaling"].as_array().expect("scaling").iter().filter_map(|e| e["action"].as_str()).collect();
+    assert_eq!(actions, ["scale-in", "removed"], "{balance}");
+    let blocks = (LEN / 4 + 1) as u64;
+    assert_eq!(pushes, u64::from(WORKERS) * u64::from(CLOCKS) * blocks);
+}
+
+#[test]
 fn an_added_server_is_started_by_the_launcher_and_receives_blocks() {
     const CLOCKS: u32 = 200;
     fn add(addr: String, _stop: Arc<AtomicBool>) -> futures::future::BoxFuture<'static, u32> {

@@ -93,7 +93,7 @@ pub struct OptState {
 /// Applies one optimizer step with gradient `grad` (already scaled) to `w`.
 pub fn step(kind: OptimizerKind, lr: f32, w: &mut [f32], state: &mut OptState, grad: &[f32]) {
     debug_assert_eq!(w.len(), grad.len());
-    state.steps += 1;
+    state.steps = state.steps.saturating_add(1);
     match kind {
         OptimizerKind::Sgd => {
             for (w, g) in w.iter_mut().zip(grad) {

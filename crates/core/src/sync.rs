@@ -277,10 +277,12 @@ impl Clocks {
         if clock < *slot {
             return Ok(false);
         }
-        if clock > *slot {
+        // The last clock (u32::MAX) cannot be pushed: nothing could follow it.
+        let next = slot.checked_add(1);
+        if clock > *slot || next.is_none() {
             return Err(CoreError::ClockGap { block, worker, expected: *slot, got: clock });
         }
-        *slot += 1;
+        *slot = next.unwrap_or(u32::MAX);
         Ok(true)
     }
 

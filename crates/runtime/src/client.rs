@@ -292,8 +292,12 @@ impl Client {
                 }
             }
             if !done.to_pull.is_empty() {
+                // Routed by the layout as it is now: a refresh meanwhile may have moved
+                // them, or dropped their server.
                 let items = done.to_pull.into_iter().map(|b| (b, false, true)).collect();
-                phases.push(phase(ctx(done.owner), self.peer(done.owner)?, items, push, pull_clock));
+                for (owner, items) in by_owner(&layout, items)? {
+                    phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
+                }
             }
             if done.moved.is_empty() {
                 continue;

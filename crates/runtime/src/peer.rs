@@ -15,7 +15,9 @@ use tokio::sync::{mpsc, oneshot};
 use crate::conn::{self, FrameReader, Outbox};
 use crate::error::{Result, RuntimeError};
 
-type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Message>>>>;
+/// Requests waiting for their reply; `None` once the connection is gone (a request sent
+/// then fails at once instead of waiting for a reply that cannot come).
+type Pending = Arc<Mutex<Option<HashMap<u64, oneshot::Sender<Message>>>>>;
 
 /// The asking side of one connection.
 #[derive(Clone)]
@@ -56,7 +58,7 @@ impl Peer {
 
     /// Wraps an already split connection.
     pub fn start(reader: FrameReader, out: Outbox, name: &str) -> (Peer, Notifications) {
-        let pending: Pending = Arc::default();
+        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         let (ntx, nrx) = mpsc::unbounded_channel();
         tokio::spawn(read_loop(reader, pending.clone(), ntx));
         let peer = Peer { name: name.into(), out, pending, next_id: Arc::new(AtomicU64::new(1)) };
@@ -93,9 +95,14 @@ impl Peer {
     pub fn send_request(&self, msg: Message) -> Result<oneshot::Receiver<Message>> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
+        match self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            Some(waiting) => waiting.insert(id, tx),
+            None => return Err(RuntimeError::Closed(self.name.to_string())),
+        };
         if self.out.send((id, msg)).is_err() {
-            self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            if let Some(waiting) = self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                waiting.remove(&id);
+            }
             return Err(RuntimeError::Closed(self.name.to_string()));
         }
         Ok(rx)
@@ -110,7 +117,11 @@ async fn read_loop(mut reader: FrameReader, pending: Pending, notes: mpsc::Unbou
                     let _ = notes.send(msg);
                     continue;
                 }
-                let waiter = pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&header.request_id);
+                let waiter = pending
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_mut()
+                    .and_then(|w| w.remove(&header.request_id));
                 match waiter {
                     Some(tx) => {
                         let _ = tx.send(msg);
@@ -126,5 +137,5 @@ async fn read_loop(mut reader: FrameReader, pending: Pending, notes: mpsc::Unbou
         }
     }
     // Dropping the waiters makes every call in flight fail with `Closed`.
-    pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    *pending.lock().unwrap_or_else(|e| e.into_inner()) = None;
 }

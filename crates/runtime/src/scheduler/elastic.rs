@@ -18,7 +18,7 @@ use super::membership::BalanceMode;
 
 /// A migration that takes longer than this is written off (the old owner reports its
 /// own failure after 30 s per step; this only guards against a lost report).
-const MIGRATION_TIMEOUT_US: u64 = 120_000_000;
+const MIGRATION_TIMEOUT_US: u64 = 300_000_000;
 /// A requested server that has not registered after this long is not coming.
 const JOIN_TIMEOUT_US: u64 = 60_000_000;
 /// Rate estimates: old samples weigh half after this long.
@@ -73,7 +73,8 @@ pub(super) struct Elastic {
     load: LoadModel,
     sizes: Vec<u64>,
     queue: VecDeque<Move>,
-    in_flight: Option<(Move, u64)>,
+    /// The migration under way: the move, when it started, the epoch it leads to.
+    in_flight: Option<(Move, u64, u64)>,
     states: BTreeMap<ServerId, ServerState>,
     /// Servers asked of the launcher that have not registered yet, with when.
     requested: VecDeque<(Requester, u64)>,
@@ -181,10 +182,20 @@ impl Elastic {
         self.next_migration(placement, now_us)
     }
 
-    /// A server's connection is gone. Returns true if that was expected (it was stopped).
-    pub fn lost(&mut self, id: ServerId) -> bool {
+    /// A server's connection is gone. Returns true if the job can go on: it was stopped,
+    /// or it was still joining (owning nothing: a failed scale-out).
+    pub fn lost(&mut self, id: ServerId, now_us: u64) -> bool {
         self.load.remove(id);
-        self.states.get(&id) == Some(&ServerState::Removed)
+        match self.states.get(&id) {
+            Some(ServerState::Removed) => true,
+            Some(ServerState::Joining) => {
+                self.states.insert(id, ServerState::Removed);
+                self.joining_by.remove(&id);
+                self.event(now_us, "scale-out-failed", Some(id), "the new server left before it served".into());
+                true
+            }
+            _ => false,
+        }
     }
 
     /// A server's load report.
@@ -194,11 +205,11 @@ impl Elastic {
 
     /// A worker's load report.
     pub fn worker_load(&mut self, w: WorkerLoad, now_us: u64) {
-        for s in &w.per_server {
+        for s in w.per_server.iter().filter(|s| self.states.contains_key(&s.server)) {
             self.load.observe(s.server, s.push_bytes, s.push_us, now_us);
         }
-        self.window.0 += u64::from(w.iterations);
-        self.window.1 += w.iter_us;
+        self.window.0 = self.window.0.saturating_add(u64::from(w.iterations));
+        self.window.1 = self.window.1.saturating_add(w.iter_us);
         let iter_ms = if w.iterations > 0 { w.iter_us as f64 / f64::from(w.iterations) / 1e3 } else { f64::NAN };
         let entry = self.workers.entry(w.rank).or_insert(WorkerStatus { rank: w.rank, clock: 0, iter_ms, done: false });
         entry.clock = w.clock;
@@ -215,16 +226,19 @@ impl Elastic {
     /// The old owner reports the end of a migration; on success the placement changes.
     /// Returns false if the report does not match the migration in flight.
     pub fn migrated(&mut self, r: &MigrationReport, placement: &mut Placement, now_us: u64) -> (bool, Vec<Order>) {
-        let expected = matches!(self.in_flight, Some((m, _)) if m.block == r.block && m.from == r.from && m.to == r.to);
-        if !expected {
-            return (false, Vec::new());
-        }
+        let expected = match self.in_flight {
+            Some((m, _, epoch)) if m.block == r.block && m.from == r.from && m.to == r.to && epoch == r.epoch => {
+                Some(epoch)
+            }
+            _ => None,
+        };
+        let Some(epoch) = expected else { return (false, Vec::new()) };
         self.in_flight = None;
         if r.error.is_none() {
             if let Some(o) = placement.owners.get_mut(r.block as usize) {
                 *o = r.to;
             }
-            placement.epoch = placement.epoch.max(r.epoch);
+            placement.epoch = epoch;
             self.migrations += 1;
             self.log.settled_s = Some(now_us as f64 / 1e6);
         }
@@ -287,7 +301,7 @@ impl Elastic {
                     return Err(format!("server {to} is not serving"));
                 }
                 // Chained moves of one block are planned from where it will be by then.
-                let mut planned = self.in_flight.iter().map(|(m, _)| m).chain(self.queue.iter());
+                let mut planned = self.in_flight.iter().map(|(m, _, _)| m).chain(self.queue.iter());
                 let from = planned.rfind(|m| m.block == block).map_or(from, |m| m.to);
                 if from == to {
                     return Err(format!("block {block} is already on server {to}"));
@@ -312,7 +326,7 @@ impl Elastic {
     /// Time passed: sample the timeline, let the balancer decide, move on.
     pub fn tick(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
         let mut out = Vec::new();
-        if let Some((m, started)) = self.in_flight
+        if let Some((m, started, _)) = self.in_flight
             && now_us.saturating_sub(started) > MIGRATION_TIMEOUT_US
         {
             tracing::warn!(block = m.block, from = m.from, to = m.to, "migration never reported; written off");
@@ -400,10 +414,30 @@ impl Elastic {
                     && m.from != m.to
                     && self.states.get(&m.to) == Some(&ServerState::Serving);
                 if valid {
-                    self.in_flight = Some((m, now_us));
-                    out.push(Order::Migrate { block: m.block, from: m.from, to: m.to, epoch: placement.epoch + 1 });
+                    let epoch = placement.epoch.saturating_add(1);
+                    self.in_flight = Some((m, now_us, epoch));
+                    out.push(Order::Migrate { block: m.block, from: m.from, to: m.to, epoch });
                     break;
                 }
+            }
+        }
+        if self.in_flight.is_none() && self.queue.is_empty() {
+            // A draining server that still owns blocks (a block arrived after its drain was
+            // planned, or a move failed): plan the rest.
+            let stuck: Vec<ServerId> = self
+                .states
+                .iter()
+                .filter(|(id, s)| **s == ServerState::Draining && placement.blocks_of(**id).next().is_some())
+                .map(|(id, _)| *id)
+                .collect();
+            for id in stuck {
+                let rates = self.load.rates(now_us);
+                self.queue.extend(balance::drain(placement, &self.sizes, id, &self.serving(), &rates));
+            }
+            if let Some(m) = self.queue.pop_front() {
+                let epoch = placement.epoch.saturating_add(1);
+                self.in_flight = Some((m, now_us, epoch));
+                out.push(Order::Migrate { block: m.block, from: m.from, to: m.to, epoch });
             }
         }
         let drained: Vec<ServerId> = self
@@ -412,7 +446,7 @@ impl Elastic {
             .filter(|(id, s)| {
                 **s == ServerState::Draining
                     && placement.blocks_of(**id).next().is_none()
-                    && !matches!(self.in_flight, Some((m, _)) if m.from == **id || m.to == **id)
+                    && !matches!(self.in_flight, Some((m, _, _)) if m.from == **id || m.to == **id)
             })
             .map(|(id, _)| *id)
             .collect();
@@ -529,7 +563,7 @@ mod tests {
         );
         let mut stopped = false;
         for step in 0..10 {
-            let Some((m, _)) = e.in_flight else { break };
+            let Some((m, _, _)) = e.in_flight else { break };
             let r = MigrationReport {
                 block: m.block,
                 from: m.from,
@@ -552,6 +586,6 @@ mod tests {
         assert_eq!(p.epoch, 4, "one epoch per migration");
         assert!(p.owners.iter().all(|o| *o != 1));
         assert!(e.removed().contains(&1));
-        assert!(e.lost(1), "its connection closing is expected");
+        assert!(e.lost(1, 200), "its connection closing is expected");
     }
 }

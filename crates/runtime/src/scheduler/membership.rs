@@ -10,7 +10,9 @@ use elasticps_core::sync::SyncPolicy;
 
 use super::elastic::{Elastic, Order};
 use super::history::BalanceLog;
-use elasticps_wire::{Assignment, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr};
+use elasticps_wire::{
+    Assignment, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr, ServerLoad, WorkerLoad,
+};
 #[cfg(test)]
 use elasticps_wire::{MigrationReport, ScaleRequest};
 
@@ -368,8 +370,12 @@ impl Membership {
                 }
             }
             (Control::Heartbeat, Some(_)) => {}
-            (Control::ServerLoad(load), Some(Role::Server(_))) => self.elastic.server_load(load),
-            (Control::WorkerLoad(load), Some(Role::Worker(_))) => self.elastic.worker_load(load, self.now_us),
+            (Control::ServerLoad(load), Some(Role::Server(id))) => {
+                self.elastic.server_load(ServerLoad { server_id: id, ..load });
+            }
+            (Control::WorkerLoad(load), Some(Role::Worker(rank))) => {
+                self.elastic.worker_load(WorkerLoad { rank, ..load }, self.now_us);
+            }
             (Control::MigrateDone(report), Some(Role::Server(id))) if report.from == id => {
                 let Some(placement) = self.placement.as_mut() else { return };
                 let (expected, orders) = self.elastic.migrated(&report, placement, self.now_us);
@@ -554,7 +560,7 @@ impl Membership {
     fn on_lost(&mut self, conn: ConnId, why: &str, out: &mut Vec<Action>) {
         let Some(node) = self.nodes.remove(&conn) else { return };
         match node.role {
-            Role::Server(id) if self.elastic.lost(id) => {
+            Role::Server(id) if self.elastic.lost(id, self.now_us) => {
                 tracing::info!(server = id, %why, "a removed server left");
             }
             Role::Server(id) => {

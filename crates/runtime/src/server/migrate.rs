@@ -39,7 +39,18 @@ pub(super) async fn migrate_out(state: Arc<State>, id: ServerId, order: MigrateO
     let MigrateOrder { block, to, epoch, .. } = order.clone();
     let mut report =
         MigrationReport { block, from: id, to, epoch, bytes: 0, freeze_us: 0, total_us: 0, held: 0, error: None };
-    match hand_over(&state, &order, &mut report).await {
+    let snapshot = match start(&state, block) {
+        Ok(s) => s,
+        Err(e) => {
+            // Not started (not owned here, or already migrating): nothing to undo, and a
+            // migration of this block that runs must not be touched.
+            tracing::warn!(server = id, block, to, error = %e, "migration refused");
+            report.error = Some(e.to_string());
+            let _ = sched.notify(Control::MigrateDone(report).into());
+            return;
+        }
+    };
+    match hand_over(&state, &order, snapshot, &mut report).await {
         Ok(frozen_at) => {
             report.total_us = started.elapsed().as_micros() as u64;
             report.freeze_us = frozen_at.elapsed().as_micros() as u64;
@@ -48,10 +59,18 @@ pub(super) async fn migrate_out(state: Arc<State>, id: ServerId, order: MigrateO
                     format!("server {id} waits for the scheduler to record block {block} on server {to}")
                 })
                 .await;
-            if let Err(e) = &done {
+            match &done {
+                Err(RuntimeError::Remote { reply, .. }) => {
+                    // The scheduler does not know this migration (it wrote it off): its
+                    // placement still says this server. Keep serving the block here.
+                    tracing::warn!(server = id, block, error = %reply.message, "the scheduler refused a migration");
+                    abandon(&state, block);
+                    return;
+                }
                 // The new owner serves the block; the scheduler is gone or stuck, and the
                 // job ends with it. Answering Moved is still right.
-                tracing::warn!(server = id, block, error = %e, "the scheduler did not confirm a migration");
+                Err(e) => tracing::warn!(server = id, block, error = %e, "the scheduler did not confirm a migration"),
+                Ok(_) => {}
             }
             finish_handover(&state, block, to, epoch);
             tracing::info!(
@@ -75,18 +94,29 @@ pub(super) async fn migrate_out(state: Arc<State>, id: ServerId, order: MigrateO
     }
 }
 
-/// Steps 1-3: snapshot, stream, freeze, delta. Returns when the block was frozen.
-async fn hand_over(state: &State, order: &MigrateOrder, report: &mut MigrationReport) -> Result<Instant> {
-    let MigrateOrder { block, to, ref to_addr, epoch } = *order;
+/// Step 1: marks the block as migrating and takes its snapshot (logging starts).
+fn start(state: &State, block: BlockId) -> Result<(Arc<super::shard::Slot>, BlockState)> {
     let shard = state.current().ok_or_else(|| RuntimeError::Usage("no blocks assigned yet".into()))?;
     let slot = shard.slot(block).ok_or_else(|| RuntimeError::Usage(format!("block {block} is not owned here")))?;
     let snapshot = {
         let mut s = lock(&slot);
-        if s.gone.is_some() || s.frozen {
+        if s.gone.is_some() || s.migrating {
             return Err(RuntimeError::Usage(format!("block {block} is already migrating")));
         }
+        s.migrating = true;
         s.block.snapshot()
     };
+    Ok((slot, snapshot))
+}
+
+/// Steps 2-3: stream, freeze, delta. Returns when the block was frozen.
+async fn hand_over(
+    state: &State,
+    order: &MigrateOrder,
+    (slot, snapshot): (Arc<super::shard::Slot>, BlockState),
+    report: &mut MigrationReport,
+) -> Result<Instant> {
+    let MigrateOrder { block, to, ref to_addr, epoch } = *order;
     report.bytes += state_bytes(&snapshot);
     let name = format!("server {to}");
     let (peer, _notes) = Peer::connect_shaped(to_addr, state.codec.clone(), &name, Some(state.shaper.clone())).await?;
@@ -164,6 +194,7 @@ fn abandon(state: &State, block: BlockId) {
     let parked = {
         let mut s = lock(&slot);
         s.frozen = false;
+        s.migrating = false;
         s.block.take_log();
         std::mem::take(&mut s.parked)
     };
@@ -184,7 +215,9 @@ pub(super) fn take_snapshot(state: &State, epoch: u64, snapshot: BlockState) -> 
         Ok(spec) if *spec == snapshot.spec => {}
         _ => return error(ErrorCode::BadRequest, format!("the snapshot of block {block} does not match the model")),
     }
-    if shard.slot(block).is_some() {
+    if let Some(slot) = shard.slot(block)
+        && lock(&slot).epoch >= epoch
+    {
         return error(ErrorCode::BadRequest, format!("block {block} is already owned by this server"));
     }
     lock(&shard.incoming).insert(block, (epoch, snapshot));
@@ -202,12 +235,30 @@ pub(super) fn take_delta(state: &State, block: BlockId, epoch: u64, pushes: &[Lo
     match Block::from_state(snapshot, pushes, &config) {
         Ok(mut b) => {
             // Workers this server removed (RemoveWorker reaches every server, maybe not the
-            // old owner first): the block must not wait for them here either.
-            for rank in lock(&shard.removed_workers).iter() {
+            // old owner first): the block must not wait for them here either. The lock is
+            // held until the block is in the map (the RemoveWorker handler holds it too).
+            let removed = lock(&shard.removed_workers);
+            for rank in removed.iter() {
                 b.remove_worker(&config, *rank, state.clock.now());
             }
-            let slot = SlotState { block: b, frozen: false, parked: Vec::new(), gone: None };
-            write(&shard.blocks).insert(block, Arc::new(Mutex::new(slot)));
+            let slot = SlotState { epoch, ..SlotState::new(b) };
+            let stale = write(&shard.blocks).insert(block, Arc::new(Mutex::new(slot)));
+            drop(removed);
+            if let Some(stale) = stale {
+                // A copy from a handover whose acknowledgement was lost: its held pulls
+                // are decided again on the block as it is now.
+                let held = {
+                    let mut s = lock(&stale);
+                    s.gone = Some((shard.id, epoch));
+                    s.block.take_held()
+                };
+                for (to, rank, clock) in held {
+                    let (out, id) = (to.out.clone(), to.request_id);
+                    if let Some(reply) = state.handle(rank, to, super::shard::Request::Pull { clock }) {
+                        let _ = out.send((id, reply));
+                    }
+                }
+            }
             shard.set_owner(block, shard.id, epoch);
             tracing::info!(server = shard.id, block, epoch, replayed = pushes.len(), "block arrived");
             Control::Ok.into()

@@ -17,7 +17,7 @@ mod shard;
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -71,6 +71,8 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         trace,
         shaper: Shaper::new(),
         load: Default::default(),
+        connections: AtomicU64::new(0),
+        last_request_us: AtomicU64::new(0),
     });
 
     let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
@@ -171,12 +173,16 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
                 while migrations.try_join_next().is_some() {}
                 if let Some(shard) = state.current() {
                     tracing::info!(server = id, rank, "worker removed from every quorum");
-                    shard::lock(&shard.removed_workers).push(rank);
+                    // Held across the slots, so that a block arriving meanwhile
+                    // (migrate::take_delta) sees either the removal or the slot list.
+                    let mut removed = shard::lock(&shard.removed_workers);
+                    removed.push(rank);
                     let config = shard.effective();
                     for (_, slot) in shard.slots() {
                         let answers = lock(&slot).block.remove_worker(&config, rank, state.clock.now());
                         state.send_answers(answers);
                     }
+                    drop(removed);
                 }
             }
             Some(Message::Control(Control::Shutdown { reason })) => {
@@ -188,6 +194,9 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
                 if tokio::time::timeout(2 * migrate::STEP_TIMEOUT, finish).await.is_err() {
                     tracing::warn!(server = id, pending, "migrations still running at shutdown");
                 }
+                if state.current().is_some_and(|s| s.slots().is_empty()) {
+                    linger(id, state).await;
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 return Ok(());
             }
@@ -195,6 +204,26 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
         }
     }
 }
+
+/// A drained server stops only once workers stopped using it: a worker whose layout is
+/// older than the drain still sends it requests, which must get `Moved`, not a closed
+/// socket. It lingers until every data connection is closed (workers drop a server that
+/// left their layout) or no request came for [`LINGER_QUIET`].
+async fn linger(id: u32, state: &State) {
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        let open = state.connections.load(Ordering::Relaxed);
+        let quiet_us = state.clock.now().saturating_sub(state.last_request_us.load(Ordering::Relaxed));
+        if open == 0 || quiet_us > LINGER_QUIET.as_micros() as u64 {
+            tracing::info!(server = id, open, quiet_s = quiet_us as f64 / 1e6, "drained server leaves");
+            return;
+        }
+    }
+}
+
+/// How long a drained server waits for a request before it leaves anyway.
+const LINGER_QUIET: Duration = Duration::from_secs(10);
 
 /// Says, for a pull held for more than 5 s, what it waits for: a held pull is the one
 /// wait on a server that no timeout ends (the worker's request timeout does).
@@ -237,6 +266,10 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
 /// BlockSnapshot and BlockDelta.
 async fn serve_connection(stream: TcpStream, peer: String, state: Arc<State>) {
     let (mut reader, out) = conn::split_shaped(stream, state.codec.clone(), peer.clone(), Some(state.shaper.clone()));
+    state.connections.fetch_add(1, Ordering::Relaxed);
+    let _open = OnDrop(|| {
+        state.connections.fetch_sub(1, Ordering::Relaxed);
+    });
     let mut rank: Option<u32> = None;
     let mut introduced = false;
     loop {
@@ -294,6 +327,15 @@ async fn serve_connection(stream: TcpStream, peer: String, state: Arc<State>) {
         if let Some(reply) = reply {
             let _ = out.send((id, reply));
         }
+    }
+}
+
+/// Runs a closure when dropped (a connection count that survives every return path).
+struct OnDrop<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        (self.0)()
     }
 }
 

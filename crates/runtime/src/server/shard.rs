@@ -48,10 +48,21 @@ pub(super) enum Request {
 /// One owned block and its migration state.
 pub(super) struct SlotState {
     pub block: Block<ReplyTo>,
+    /// The placement epoch at which the block arrived here (0: initial assignment).
+    pub epoch: u64,
+    /// A migration of this block is under way (one at a time).
+    pub migrating: bool,
     pub frozen: bool,
     pub parked: Vec<Parked>,
     /// Set at the handover: (new owner, epoch).
     pub gone: Option<(ServerId, u64)>,
+}
+
+impl SlotState {
+    /// A block served here, not migrating.
+    pub fn new(block: Block<ReplyTo>) -> Self {
+        Self { block, epoch: 0, migrating: false, frozen: false, parked: Vec::new(), gone: None }
+    }
 }
 
 pub(super) type Slot = Mutex<SlotState>;
@@ -85,7 +96,7 @@ impl Shard {
             let spec = *a.partition.block(b)?;
             let values = a.partition.init_values(b, a.seed)?;
             let block = Block::new(spec, values, &a.config)?;
-            blocks.insert(b, Arc::new(Mutex::new(SlotState { block, frozen: false, parked: Vec::new(), gone: None })));
+            blocks.insert(b, Arc::new(Mutex::new(SlotState::new(block))));
         }
         let staleness = match a.config.sync {
             SyncPolicy::Adaptive { min, .. } => min,
@@ -184,6 +195,10 @@ pub(super) struct State {
     pub trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
     pub shaper: Arc<Shaper>,
     pub load: LoadCounters,
+    /// Open data connections (workers and migrating servers).
+    pub connections: AtomicU64,
+    /// When the last data request arrived (the server's clock, µs).
+    pub last_request_us: AtomicU64,
 }
 
 /// Load counters since the last report.
@@ -204,6 +219,7 @@ impl State {
     /// `None`, the answer comes from a push), or parks it while its block is frozen.
     pub fn handle(&self, rank: u32, to: ReplyTo, request: Request) -> Option<Message> {
         let block = to.block;
+        self.last_request_us.store(self.clock.now(), Ordering::Relaxed);
         let Some(shard) = self.current() else { return Some(Refusal::NotReady.reply(block)) };
         let Some(slot) = shard.slot(block) else { return Some(shard.refusal(block).reply(block)) };
         let started = Instant::now();
