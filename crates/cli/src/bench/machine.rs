@@ -1,5 +1,11 @@
 //! What the benchmarks report about the machine: CPU model, kernel, and how much of the
 //! CPU other processes took while a benchmark ran (other work skews every number).
+//!
+//! [`Machine`] is the `machine` object of `bench-sync.json` and `bench-straggler.json` and
+//! the machine line of their Markdown ([`Machine::markdown`]); a [`MachineWatch`] started
+//! before the runs builds it after them. [`CpuSample`] is the CPU probe underneath.
+
+use serde::Serialize;
 
 /// CPU time in clock ticks: of the whole machine (/proc/stat) and of this process with
 /// its reaped children, the cluster nodes (/proc/self/stat).
@@ -62,4 +68,75 @@ pub fn cpu_model() -> String {
                 .map(|(_, v)| v.trim().to_string())
         })
         .unwrap_or_else(|| "unknown".into())
+}
+
+/// The machine a benchmark ran on, as `bench sync` and `bench straggler` report it (the
+/// `machine` object of their JSON). `bench transport` keeps its own, with the hypervisor's
+/// steal share and without load averages.
+#[derive(Clone, Debug, Serialize)]
+pub struct Machine {
+    /// CPUs available to this process.
+    pub nproc: usize,
+    /// The CPU model.
+    pub cpu: String,
+    /// The kernel release.
+    pub kernel: String,
+    /// /proc/loadavg when the benchmark started.
+    pub loadavg_before: String,
+    /// /proc/loadavg when it ended.
+    pub loadavg_after: String,
+    /// Share of the machine's CPU time that processes outside this benchmark used during
+    /// the run (from /proc/stat; other work slows every run, and not every run alike).
+    pub other_cpu_share: Option<f64>,
+}
+
+impl Machine {
+    /// The Markdown paragraph on the machine (with the blank line after it), `took_s` being
+    /// the benchmark's whole time.
+    pub fn markdown(&self, took_s: f64) -> String {
+        format!(
+            "{} CPUs ({}), Linux {}, loopback; {:.0} s in all. Other processes used {} of the machine's CPU \
+             time during the run (load average before {}, after {}).\n\n",
+            self.nproc,
+            self.cpu,
+            self.kernel,
+            took_s,
+            self.other_cpu_share.map_or("an unknown share".into(), |s| format!("{:.0}%", s * 100.0)),
+            first_field(&self.loadavg_before),
+            first_field(&self.loadavg_after),
+        )
+    }
+}
+
+/// The machine's state when a benchmark starts: [`MachineWatch::start`] before the runs,
+/// [`MachineWatch::finish`] after them gives the [`Machine`] to report.
+#[derive(Clone, Debug)]
+pub struct MachineWatch {
+    loadavg_before: String,
+    cpu_before: Option<CpuSample>,
+}
+
+impl MachineWatch {
+    /// Reads the load average and the CPU counters now.
+    pub fn start() -> Self {
+        let loadavg_before = read_trim("/proc/loadavg");
+        MachineWatch { loadavg_before, cpu_before: CpuSample::now() }
+    }
+
+    /// Describes the machine, with what other processes took since [`MachineWatch::start`].
+    pub fn finish(self) -> Machine {
+        Machine {
+            nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpu: cpu_model(),
+            kernel: read_trim("/proc/sys/kernel/osrelease"),
+            loadavg_before: self.loadavg_before,
+            loadavg_after: read_trim("/proc/loadavg"),
+            other_cpu_share: self.cpu_before.zip(CpuSample::now()).and_then(|(a, b)| a.others(b)),
+        }
+    }
+}
+
+/// The first whitespace-separated field (the 1-minute load average of a /proc/loadavg line).
+fn first_field(s: &str) -> &str {
+    s.split_whitespace().next().unwrap_or(s)
 }

@@ -5,7 +5,10 @@
 //! - [`sink`]: the raw TCP peer of that comparison, a separate process
 //!   (`elasticps bench tcp-sink`, hidden) so both sides pay the same process costs.
 //! - [`stats`]: latency percentiles and rates.
-//! - [`machine`]: CPU model, kernel, and the CPU share other processes took during a run.
+//! - [`machine`]: CPU model, kernel, and the CPU share other processes took during a run;
+//!   [`machine::Machine`], the machine line of `bench sync` and `bench straggler`.
+//! - [`checks`]: the checks (fail the command) and targets (reported) that end the reports
+//!   of `bench sync` and `bench straggler`, and their Markdown.
 //! - [`sync`]: every sync policy on the same straggler job, side by side
 //!   (`elasticps bench sync`); [`sync_plot`] draws its `sync.png`.
 //! - [`straggler`]: a straggling server (bandwidth, CPU, skewed placement, mid-run) under
@@ -14,6 +17,7 @@
 
 use clap::Subcommand;
 
+pub mod checks;
 pub mod machine;
 pub mod sink;
 pub mod stats;

@@ -62,7 +62,9 @@ use anyhow::Context;
 use clap::{Args, Parser};
 use serde::Serialize;
 
-use super::{machine, straggler_plot};
+use super::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use super::machine::{Machine, MachineWatch};
+use super::straggler_plot;
 use crate::args::NetArgs;
 use crate::report::table::markdown_table;
 use crate::report::{BalanceLog, Report, WorkerReport};
@@ -498,33 +500,6 @@ impl RunResult {
     }
 }
 
-/// Must hold (a failure fails the command).
-#[derive(Clone, Debug, Serialize)]
-struct Check {
-    what: String,
-    measured: String,
-    pass: Option<bool>,
-}
-
-/// One of the issue's targets.
-#[derive(Clone, Debug, Serialize)]
-struct Target {
-    what: String,
-    measured: String,
-    met: Option<bool>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-struct Machine {
-    nproc: usize,
-    cpu: String,
-    kernel: String,
-    loadavg_before: String,
-    loadavg_after: String,
-    /// Share of the machine's CPU time that processes outside this benchmark used.
-    other_cpu_share: Option<f64>,
-}
-
 /// Everything the benchmark wrote into bench-straggler.json.
 #[derive(Clone, Debug, Serialize)]
 struct Output {
@@ -541,8 +516,7 @@ struct Output {
 pub async fn run(cmd: StragglerBenchCmd) -> anyhow::Result<()> {
     let plan = Plan::new(&cmd)?;
     std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
-    let loadavg_before = machine::read_trim("/proc/loadavg");
-    let cpu_before = machine::CpuSample::now();
+    let watch = MachineWatch::start();
     let started = Instant::now();
     let all = plan.runs();
     let mut runs = Vec::new();
@@ -566,14 +540,7 @@ pub async fn run(cmd: StragglerBenchCmd) -> anyhow::Result<()> {
     }
     let out = Output {
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        machine: Machine {
-            nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            cpu: machine::cpu_model(),
-            kernel: machine::read_trim("/proc/sys/kernel/osrelease"),
-            loadavg_before,
-            loadavg_after: machine::read_trim("/proc/loadavg"),
-            other_cpu_share: cpu_before.zip(machine::CpuSample::now()).and_then(|(a, b)| a.others(b)),
-        },
+        machine: watch.finish(),
         checks: checks(&runs),
         targets: targets(&runs),
         took_s: started.elapsed().as_secs_f64(),
@@ -588,9 +555,7 @@ pub async fn run(cmd: StragglerBenchCmd) -> anyhow::Result<()> {
     let png = cmd.out.join("straggler.png");
     straggler_plot::draw(&png, &plot_data(&out)).with_context(|| format!("drawing {}", png.display()))?;
     println!("\nwritten to {} (bench-straggler.json, bench-straggler.md, straggler.png, runs/)", cmd.out.display());
-    let failed = out.checks.iter().filter(|c| c.pass == Some(false)).count();
-    anyhow::ensure!(failed == 0, "{failed} of {} checks failed", out.checks.len());
-    Ok(())
+    ensure_no_check_failed(&out.checks)
 }
 
 /// `OUT/runs/a-psld`, `OUT/runs/baseline`.
@@ -1067,21 +1032,10 @@ fn render(out: &Output) -> String {
         })
         .collect();
     let p = &out.plan;
-    let m = &out.machine;
     let mut s = String::new();
     s.push_str("## bench straggler\n\n");
     s.push_str(&format!("`{}`\n\n", out.command));
-    s.push_str(&format!(
-        "{} CPUs ({}), Linux {}, loopback; {:.0} s in all. Other processes used {} of the machine's CPU \
-         time during the run (load average before {}, after {}).\n\n",
-        m.nproc,
-        m.cpu,
-        m.kernel,
-        out.took_s,
-        m.other_cpu_share.map_or("an unknown share".into(), |s| format!("{:.0}%", s * 100.0)),
-        first_field(&m.loadavg_before),
-        first_field(&m.loadavg_after),
-    ));
+    s.push_str(&out.machine.markdown(out.took_s));
     s.push_str(&format!(
         "{} workers, {} servers, {} ({} ms compute), bsp, sgd, bestfit placement. Every server's sockets \
          capped at {} MB/s each way (uncapped: none). Straggler: server 1 — a: capped at {} MB/s; b: CPU \
@@ -1114,24 +1068,7 @@ fn render(out: &Output) -> String {
          / the median of its 3 iterations before the migration (since the straggler's start). Each run's \
          report.json, summary.md and balance.png are under runs/.\n",
     );
-    s.push_str("\nChecks (fail the command):\n\n");
-    for c in &out.checks {
-        let tag = match c.pass {
-            Some(true) => "PASS",
-            Some(false) => "FAIL",
-            None => "SKIP",
-        };
-        s.push_str(&format!("- {tag} {}: {}\n", c.what, c.measured));
-    }
-    s.push_str("\nTargets (reported):\n\n");
-    for t in &out.targets {
-        let tag = match t.met {
-            Some(true) => "[x]",
-            Some(false) => "[ ]",
-            None => "[-]",
-        };
-        s.push_str(&format!("- {tag} {}: {}\n", t.what, t.measured));
-    }
+    s.push_str(&checks_and_targets_markdown(&out.checks, &out.targets));
     let failures: Vec<&RunResult> = out.runs.iter().filter(|r| r.error.is_some()).collect();
     if !failures.is_empty() {
         s.push_str("\nFailed runs:\n\n");
@@ -1145,10 +1082,6 @@ fn render(out: &Output) -> String {
         }
     }
     s
-}
-
-fn first_field(s: &str) -> &str {
-    s.split_whitespace().next().unwrap_or(s)
 }
 
 fn plot_data(out: &Output) -> straggler_plot::PlotData {

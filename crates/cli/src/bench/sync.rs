@@ -36,7 +36,9 @@ use clap::{Args, Parser};
 use elasticps_core::sync::SyncPolicy;
 use serde::Serialize;
 
-use super::{machine, sync_plot};
+use super::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use super::machine::{Machine, MachineWatch};
+use super::sync_plot;
 use crate::args::{NetArgs, StragglerSpec};
 use crate::report::table::markdown_table;
 use crate::report::{ServerReport, WorkerReport};
@@ -325,35 +327,6 @@ impl RunResult {
     }
 }
 
-/// A robust ordering that must hold (a failure fails the command).
-#[derive(Clone, Debug, Serialize)]
-struct Check {
-    what: String,
-    measured: String,
-    /// `None`: skipped (a policy it needs was not run).
-    pass: Option<bool>,
-}
-
-/// One of the issue's targets.
-#[derive(Clone, Debug, Serialize)]
-struct Target {
-    what: String,
-    measured: String,
-    met: Option<bool>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-struct Machine {
-    nproc: usize,
-    cpu: String,
-    kernel: String,
-    loadavg_before: String,
-    loadavg_after: String,
-    /// Share of the machine's CPU time that processes outside this benchmark used during
-    /// the run (from /proc/stat; other work slows every run, and not every run alike).
-    other_cpu_share: Option<f64>,
-}
-
 /// Everything the benchmark wrote into bench-sync.json.
 #[derive(Clone, Debug, Serialize)]
 struct Output {
@@ -371,8 +344,7 @@ struct Output {
 pub async fn run(cmd: SyncBenchCmd) -> anyhow::Result<()> {
     let plan = Plan::new(&cmd)?;
     std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
-    let loadavg_before = machine::read_trim("/proc/loadavg");
-    let cpu_before = machine::CpuSample::now();
+    let watch = MachineWatch::start();
     let started = Instant::now();
     let all = plan.runs();
     let mut runs = Vec::new();
@@ -400,14 +372,7 @@ pub async fn run(cmd: SyncBenchCmd) -> anyhow::Result<()> {
     }
     let out = Output {
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        machine: Machine {
-            nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            cpu: machine::cpu_model(),
-            kernel: machine::read_trim("/proc/sys/kernel/osrelease"),
-            loadavg_before,
-            loadavg_after: machine::read_trim("/proc/loadavg"),
-            other_cpu_share: cpu_before.zip(machine::CpuSample::now()).and_then(|(a, b)| a.others(b)),
-        },
+        machine: watch.finish(),
         checks: checks(&runs),
         targets: targets(&runs),
         took_s: started.elapsed().as_secs_f64(),
@@ -423,9 +388,7 @@ pub async fn run(cmd: SyncBenchCmd) -> anyhow::Result<()> {
     let png = cmd.out.join("sync.png");
     sync_plot::draw(&png, &plot_data(&out)).with_context(|| format!("drawing {}", png.display()))?;
     println!("\nwritten to {} (bench-sync.json, bench-sync.md, sync.png)", cmd.out.display());
-    let failed = out.checks.iter().filter(|c| c.pass == Some(false)).count();
-    anyhow::ensure!(failed == 0, "{failed} of {} checks failed", out.checks.len());
-    Ok(())
+    ensure_no_check_failed(&out.checks)
 }
 
 /// Half of the first MNIST run's last evaluation time (that run reaches it by definition).
@@ -720,21 +683,10 @@ fn render(out: &Output) -> String {
         })
         .collect();
     let p = &out.plan;
-    let m = &out.machine;
     let mut s = String::new();
     s.push_str("## bench sync\n\n");
     s.push_str(&format!("`{}`\n\n", out.command));
-    s.push_str(&format!(
-        "{} CPUs ({}), Linux {}, loopback; {:.0} s in all. Other processes used {} of the machine's CPU \
-         time during the run (load average before {}, after {}).\n\n",
-        m.nproc,
-        m.cpu,
-        m.kernel,
-        out.took_s,
-        m.other_cpu_share.map_or("an unknown share".into(), |s| format!("{:.0}%", s * 100.0)),
-        first_field(&m.loadavg_before),
-        first_field(&m.loadavg_after),
-    ));
+    s.push_str(&out.machine.markdown(out.took_s));
     s.push_str(&format!(
         "{} workers, {} servers, ranks {} delayed by N({} ms, {} ms) per iteration. resnet56: \
          synthetic:resnet56, {} ms compute, {} iterations per worker, {} rounds (the table shows each \
@@ -761,24 +713,7 @@ fn render(out: &Output) -> String {
          those of ssp:3. sync events: releases of held pulls. acc @ budget: worker 0's last test \
          accuracy at or before the budget; acc @ iters: after the last iteration.\n",
     );
-    s.push_str("\nChecks (fail the command):\n\n");
-    for c in &out.checks {
-        let tag = match c.pass {
-            Some(true) => "PASS",
-            Some(false) => "FAIL",
-            None => "SKIP",
-        };
-        s.push_str(&format!("- {tag} {}: {}\n", c.what, c.measured));
-    }
-    s.push_str("\nTargets (reported):\n\n");
-    for t in &out.targets {
-        let tag = match t.met {
-            Some(true) => "[x]",
-            Some(false) => "[ ]",
-            None => "[-]",
-        };
-        s.push_str(&format!("- {tag} {}: {}\n", t.what, t.measured));
-    }
+    s.push_str(&checks_and_targets_markdown(&out.checks, &out.targets));
     s
 }
 
@@ -794,10 +729,6 @@ fn table_order(out: &Output) -> Vec<&RunResult> {
     let mut rows: Vec<&RunResult> = out.runs.iter().filter(|r| r.chosen).collect();
     rows.sort_by_key(|r| key(r));
     rows
-}
-
-fn first_field(s: &str) -> &str {
-    s.split_whitespace().next().unwrap_or(s)
 }
 
 fn plot_data(out: &Output) -> sync_plot::PlotData {
