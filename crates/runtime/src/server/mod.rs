@@ -119,6 +119,7 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
         let msg = tokio::select! {
             msg = notes.recv() => msg,
             _ = interval.tick() => {
+                while migrations.try_join_next().is_some() {} // reap finished migrations
                 if let (Some(shard), Some(a)) = (state.current(), adaptive.as_mut()) {
                     let before = a.staleness();
                     let s = a.observe(&state.stats(id).totals);
@@ -170,7 +171,6 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
                 migrations.spawn(migrate::migrate_out(state.clone(), id, order, sched.clone()));
             }
             Some(Message::Control(Control::RemoveWorker { rank })) => {
-                while migrations.try_join_next().is_some() {}
                 if let Some(shard) = state.current() {
                     tracing::info!(server = id, rank, "worker removed from every quorum");
                     // Held across the slots, so that a block arriving meanwhile
