@@ -55,6 +55,8 @@ pub struct RunOutcome {
 
 /// Runs one job on a local cluster and collects its events.
 pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::Result<RunOutcome> {
+    // A wrong job flag is refused here, before any process starts.
+    cmd.job.job_config()?;
     let log_dir = match &cmd.report {
         Some(dir) => dir.join("logs"),
         None => std::env::temp_dir().join(format!("elasticps-{}", std::process::id())),

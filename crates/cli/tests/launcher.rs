@@ -150,4 +150,9 @@ fn a_wrong_flag_is_refused_before_anything_starts() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("invalid sync policy") && err.contains("ssp:S"), "{err}");
+    // Flags that only make sense together are checked before any process starts too.
+    let out = train(&["--server-bandwidth", "5=20"]).output().expect("run train");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--server-bandwidth names server 5") && !err.contains("scheduler exited"), "{err}");
 }
