@@ -355,9 +355,7 @@ fn parse_core<T: std::str::FromStr<Err = elasticps_core::CoreError>>(s: &str) ->
 }
 
 fn parse_server_sync(s: &str) -> Result<(u32, SyncPolicy), String> {
-    let (idx, policy) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected IDX=POLICY, e.g. 1=bsp"))?;
-    let idx = idx.trim().parse::<u32>().map_err(|_| format!("{s:?}: {idx:?} is not a server index"))?;
-    Ok((idx, parse_core(policy)?))
+    parse_per_server(s, "1=bsp", parse_core)
 }
 
 /// `IDX=VALUE` of a per-server flag; `value` parses and checks VALUE.

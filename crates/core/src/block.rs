@@ -126,6 +126,17 @@ pub struct BlockState {
     pub pending: Vec<PendingSum>,
 }
 
+impl BlockState {
+    /// Number of f32s it carries (values, optimizer state, aggregate sums), as
+    /// [`Block::state_len`] counts them.
+    pub fn state_len(&self) -> usize {
+        self.values.len()
+            + self.opt.m.len()
+            + self.opt.v.len()
+            + self.pending.iter().map(|p| p.sum.len()).sum::<usize>()
+    }
+}
+
 /// Aggregate mode: the sum of the pushes of one clock received so far, and how many.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PendingSum {

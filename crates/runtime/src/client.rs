@@ -292,11 +292,14 @@ impl Client {
                 }
             }
             if !done.to_pull.is_empty() {
-                // Routed by the layout as it is now: a refresh meanwhile may have moved
-                // them, or dropped their server.
-                let items = done.to_pull.into_iter().map(|b| (b, false, true)).collect();
-                for (owner, items) in by_owner(&layout, items)? {
-                    phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
+                let items: Vec<Todo> = done.to_pull.into_iter().map(|b| (b, false, true)).collect();
+                if refreshes == 0 {
+                    phases.push(phase(ctx(done.owner), self.peer(done.owner)?, items, push, pull_clock));
+                } else {
+                    // A refresh meanwhile may have moved them, or dropped their server.
+                    for (owner, items) in by_owner(&layout, items)? {
+                        phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
+                    }
                 }
             }
             if done.moved.is_empty() {
@@ -443,67 +446,65 @@ fn by_owner(layout: &Layout, items: Vec<Todo>) -> Result<HashMap<u32, Vec<Todo>>
 /// One phase with one server: the pushes of `items` that have one (all in flight at
 /// once), or, if none has, their pulls. Blocks pushed and to be pulled come back in
 /// `to_pull`, for a pull phase once this one ends.
-fn phase<'a>(
+async fn phase(
     ctx: RoundCtx,
     peer: Peer,
     items: Vec<Todo>,
-    push: Option<(Clock, &'a [Vec<f32>])>,
+    push: Option<(Clock, &[Vec<f32>])>,
     pull_clock: Option<Clock>,
-) -> futures::future::BoxFuture<'a, Result<PhaseDone>> {
-    Box::pin(async move {
-        let mut out = PhaseDone {
-            owner: ctx.owner,
-            push_time: Duration::ZERO,
-            push_bytes: 0,
-            to_pull: Vec::new(),
-            pulled: Vec::new(),
-            moved: Vec::new(),
-        };
-        match push {
-            Some((clock, grads)) if items.iter().any(|(_, do_push, _)| *do_push) => {
-                let pushing = Instant::now();
-                let mut acks = Vec::new();
-                for (b, do_push, do_pull) in items {
-                    if !do_push {
-                        out.to_pull.extend(do_pull.then_some(b));
-                        continue;
-                    }
-                    let values = crate::pool::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]);
-                    acks.push((b, do_pull, peer.send_request(Message::Push { block: b.id, clock, values })?));
+) -> Result<PhaseDone> {
+    let mut out = PhaseDone {
+        owner: ctx.owner,
+        push_time: Duration::ZERO,
+        push_bytes: 0,
+        to_pull: Vec::new(),
+        pulled: Vec::new(),
+        moved: Vec::new(),
+    };
+    match push {
+        Some((clock, grads)) if items.iter().any(|(_, do_push, _)| *do_push) => {
+            let pushing = Instant::now();
+            let mut acks = Vec::new();
+            for (b, do_push, do_pull) in items {
+                if !do_push {
+                    out.to_pull.extend(do_pull.then_some(b));
+                    continue;
                 }
-                for (b, do_pull, rx) in acks {
-                    match await_reply(&ctx, "push", clock, &b, rx).await? {
-                        Message::PushAck { .. } => {
-                            out.push_bytes += b.len as u64 * 4;
-                            if do_pull && pull_clock.is_some() {
-                                out.to_pull.push(b);
-                            }
-                        }
-                        Message::Control(Control::Moved { .. }) => out.moved.push((b, true, do_pull)),
-                        other => return Err(bad_reply(&ctx, "PushAck", &other)),
-                    }
-                }
-                out.push_time = pushing.elapsed();
+                let values = crate::pool::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]);
+                acks.push((b, do_pull, peer.send_request(Message::Push { block: b.id, clock, values })?));
             }
-            _ => {
-                let Some(clock) = pull_clock else { return Ok(out) };
-                let mut replies = Vec::new();
-                for (b, _, do_pull) in items {
-                    if do_pull {
-                        replies.push((b, peer.send_request(Message::Pull { block: b.id, clock })?));
+            for (b, do_pull, rx) in acks {
+                match await_reply(&ctx, "push", clock, &b, rx).await? {
+                    Message::PushAck { .. } => {
+                        out.push_bytes += b.len as u64 * 4;
+                        if do_pull {
+                            out.to_pull.push(b);
+                        }
                     }
+                    Message::Control(Control::Moved { .. }) => out.moved.push((b, true, do_pull)),
+                    other => return Err(bad_reply(&ctx, "PushAck", &other)),
                 }
-                for (b, rx) in replies {
-                    match await_reply(&ctx, "pull", clock, &b, rx).await? {
-                        Message::PullReply { values, .. } if values.len() == b.len => out.pulled.push((b, values)),
-                        Message::Control(Control::Moved { .. }) => out.moved.push((b, false, true)),
-                        other => return Err(bad_reply(&ctx, &format!("PullReply of {} values", b.len), &other)),
-                    }
+            }
+            out.push_time = pushing.elapsed();
+        }
+        _ => {
+            let Some(clock) = pull_clock else { return Ok(out) };
+            let mut replies = Vec::new();
+            for (b, _, do_pull) in items {
+                if do_pull {
+                    replies.push((b, peer.send_request(Message::Pull { block: b.id, clock })?));
+                }
+            }
+            for (b, rx) in replies {
+                match await_reply(&ctx, "pull", clock, &b, rx).await? {
+                    Message::PullReply { values, .. } if values.len() == b.len => out.pulled.push((b, values)),
+                    Message::Control(Control::Moved { .. }) => out.moved.push((b, false, true)),
+                    other => return Err(bad_reply(&ctx, &format!("PullReply of {} values", b.len), &other)),
                 }
             }
         }
-        Ok(out)
-    })
+    }
+    Ok(out)
 }
 
 /// Waits for the reply to one request, at most the request timeout.

@@ -81,13 +81,8 @@ impl Measured {
 
 /// The median (the mean of the middle two for an even count); 0 for none.
 pub fn median(values: &[f64]) -> f64 {
-    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+    let m = crate::report::summary::median(values);
+    if m.is_nan() { 0.0 } else { m }
 }
 
 /// Nearest-rank quantile of sorted durations, in microseconds.

@@ -66,6 +66,7 @@ use super::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_
 use super::machine::{Machine, MachineWatch};
 use super::straggler_plot;
 use crate::args::NetArgs;
+use crate::report::summary::{max, median};
 use crate::report::table::markdown_table;
 use crate::report::{BalanceLog, Report, WorkerReport};
 use crate::train::{TrainCmd, build_report, run_local};
@@ -596,21 +597,6 @@ async fn run_and_report(cmd: &StragglerBenchCmd, flags: &[String], dir: &Path) -
     let report = build_report(&train, &outcome)?;
     crate::report::write(dir, &report)?;
     Ok(report)
-}
-
-/// The median of the finite values (NaN for none).
-fn median(values: &[f64]) -> f64 {
-    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
-}
-
-fn max(values: &[f64]) -> f64 {
-    values.iter().copied().filter(|x| x.is_finite()).fold(f64::NAN, f64::max)
 }
 
 /// One worker's iterations on the wall clock.

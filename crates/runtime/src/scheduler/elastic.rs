@@ -408,6 +408,15 @@ impl Elastic {
     /// Starts the next queued migration if none is in flight; stops drained servers.
     fn next_migration(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
         let mut out = Vec::new();
+        if self.in_flight.is_none() && self.queue.is_empty() {
+            // A draining server that still owns blocks (a block arrived after its drain was
+            // planned, or a move failed): plan the rest.
+            let rates = self.load.rates(now_us);
+            let serving = self.serving();
+            for (id, _) in self.states.iter().filter(|(_, s)| **s == ServerState::Draining) {
+                self.queue.extend(balance::drain(placement, &self.sizes, *id, &serving, &rates));
+            }
+        }
         if self.in_flight.is_none() {
             while let Some(m) = self.queue.pop_front() {
                 let valid = placement.owner(m.block) == Some(m.from)
@@ -419,25 +428,6 @@ impl Elastic {
                     out.push(Order::Migrate { block: m.block, from: m.from, to: m.to, epoch });
                     break;
                 }
-            }
-        }
-        if self.in_flight.is_none() && self.queue.is_empty() {
-            // A draining server that still owns blocks (a block arrived after its drain was
-            // planned, or a move failed): plan the rest.
-            let stuck: Vec<ServerId> = self
-                .states
-                .iter()
-                .filter(|(id, s)| **s == ServerState::Draining && placement.blocks_of(**id).next().is_some())
-                .map(|(id, _)| *id)
-                .collect();
-            for id in stuck {
-                let rates = self.load.rates(now_us);
-                self.queue.extend(balance::drain(placement, &self.sizes, id, &self.serving(), &rates));
-            }
-            if let Some(m) = self.queue.pop_front() {
-                let epoch = placement.epoch.saturating_add(1);
-                self.in_flight = Some((m, now_us, epoch));
-                out.push(Order::Migrate { block: m.block, from: m.from, to: m.to, epoch });
             }
         }
         let drained: Vec<ServerId> = self

@@ -117,7 +117,7 @@ async fn hand_over(
     report: &mut MigrationReport,
 ) -> Result<Instant> {
     let MigrateOrder { block, to, ref to_addr, epoch } = *order;
-    report.bytes += state_bytes(&snapshot);
+    report.bytes += snapshot.state_len() as u64 * 4;
     let name = format!("server {to}");
     let (peer, _notes) = Peer::connect_shaped(to_addr, state.codec.clone(), &name, Some(state.shaper.clone())).await?;
     let ok = |reply: Message, what: &str| match reply {
@@ -137,8 +137,8 @@ async fn hand_over(
         let pushes = s.block.take_log();
         // Many pushes arrived while the snapshot travelled (a slow server): the state as
         // it is now is smaller than the log, and bounded by the frame size.
-        let log_bytes: u64 = pushes.iter().map(|p| p.grad.len() as u64 * 4).sum();
-        let fresh = (log_bytes > state_bytes_of(&s.block)).then(|| {
+        let logged: usize = pushes.iter().map(|p| p.grad.len()).sum();
+        let fresh = (logged > s.block.state_len()).then(|| {
             let state = s.block.snapshot();
             s.block.take_log();
             state
@@ -147,7 +147,7 @@ async fn hand_over(
     };
     if let Some(state) = resend {
         pushes.clear();
-        report.bytes += state_bytes(&state);
+        report.bytes += state.state_len() as u64 * 4;
         let reply = peer
             .call(Control::BlockSnapshot { epoch, state }.into(), STEP_TIMEOUT, || {
                 format!("server {to} to take the frozen state of block {block}")
@@ -265,15 +265,4 @@ pub(super) fn take_delta(state: &State, block: BlockId, epoch: u64, pushes: &[Lo
         }
         Err(e) => error(ErrorCode::BadRequest, format!("block {block} cannot be rebuilt: {e}")),
     }
-}
-
-/// Bytes a snapshot of `b` would take.
-fn state_bytes_of<T>(b: &Block<T>) -> u64 {
-    b.state_len() as u64 * 4
-}
-
-/// Bytes of a snapshot on the wire (values, optimizer state, aggregate sums).
-fn state_bytes(s: &BlockState) -> u64 {
-    let floats = s.values.len() + s.opt.m.len() + s.opt.v.len() + s.pending.iter().map(|p| p.sum.len()).sum::<usize>();
-    floats as u64 * 4
 }

@@ -8,7 +8,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Instant;
 
 use elasticps_core::block::{Answer, Block, BlockState, BlockStats, ShardConfig};
 use elasticps_core::model::{BlockId, Partition};
@@ -219,10 +218,10 @@ impl State {
     /// `None`, the answer comes from a push), or parks it while its block is frozen.
     pub fn handle(&self, rank: u32, to: ReplyTo, request: Request) -> Option<Message> {
         let block = to.block;
-        self.last_request_us.store(self.clock.now(), Ordering::Relaxed);
+        let now = self.clock.now();
+        self.last_request_us.store(now, Ordering::Relaxed);
         let Some(shard) = self.current() else { return Some(Refusal::NotReady.reply(block)) };
         let Some(slot) = shard.slot(block) else { return Some(shard.refusal(block).reply(block)) };
-        let started = Instant::now();
         let mut s = lock(&slot);
         if let Some((owner, epoch)) = s.gone {
             return Some(Refusal::Moved { owner, epoch }.reply(block));
@@ -231,7 +230,6 @@ impl State {
             s.parked.push(Parked { rank, to, request });
             return None;
         }
-        let now = self.clock.now();
         let config = shard.effective();
         self.load.requests.fetch_add(1, Ordering::Relaxed);
         let reply = match request {
@@ -261,9 +259,9 @@ impl State {
                 }
             }
         };
-        let spent = started.elapsed();
-        self.load.busy_us.fetch_add(spent.as_micros() as u64, Ordering::Relaxed);
-        self.shaper.interfere(spent);
+        let spent_us = self.clock.now().saturating_sub(now);
+        self.load.busy_us.fetch_add(spent_us, Ordering::Relaxed);
+        self.shaper.interfere(std::time::Duration::from_micros(spent_us));
         reply
     }
 
