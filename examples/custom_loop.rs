@@ -33,7 +33,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         placement: PlacementKind::RoundRobin,
         shard: ShardConfig {
             sync: SyncPolicy::Ssp(1),
-            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 0.1, aggregate: false },
+            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 0.1, aggregate: false, weight_decay: 0.0 },
             workers: WORKERS,
         },
         seed: 1,

@@ -147,7 +147,12 @@ impl JobArgs {
             placement: self.placement,
             shard: ShardConfig {
                 sync: self.sync,
-                optimizer: OptimizerConfig { kind: self.optimizer, lr: self.lr, aggregate: self.aggregate },
+                optimizer: OptimizerConfig {
+                    kind: self.optimizer,
+                    lr: self.lr,
+                    aggregate: self.aggregate,
+                    weight_decay: 0.0,
+                },
                 workers: self.workers,
             },
             seed: self.seed,

@@ -229,6 +229,19 @@ impl<T> Block<T> {
         Ok(block)
     }
 
+    /// Replaces the initial values (the first worker's parameters, broadcast), allowed
+    /// only before any push: afterwards the values carry training and stay.
+    pub fn set_initial(&mut self, values: &[f32]) -> Result<(), CoreError> {
+        if values.len() != self.spec.len {
+            return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: values.len() });
+        }
+        if self.clocks.fast().is_some() || !self.pending.is_empty() || self.log.is_some() {
+            return Err(CoreError::AlreadyTrained(self.spec.id));
+        }
+        Arc::make_mut(&mut self.values).copy_from_slice(values);
+        Ok(())
+    }
+
     /// The block's state for a migration, and from now on a log of the pushes applied
     /// after it ([`Block::take_log`]).
     pub fn snapshot(&mut self) -> BlockState {
@@ -340,7 +353,14 @@ impl<T> Block<T> {
             *count += 1;
             self.apply_complete_clocks(opt);
         } else {
-            optimizer::step(opt.kind, opt.lr, Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, grad);
+            optimizer::step(
+                opt.kind,
+                opt.lr,
+                opt.weight_decay,
+                Arc::make_mut(&mut self.values).as_mut_slice(),
+                &mut self.opt,
+                grad,
+            );
         }
         Ok(self.release(config.sync, now_us))
     }
@@ -400,7 +420,14 @@ impl<T> Block<T> {
             let (mut sum, count) = entry.remove();
             let scale = 1.0 / count as f32;
             sum.iter_mut().for_each(|s| *s *= scale);
-            optimizer::step(opt.kind, opt.lr, Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, &sum);
+            optimizer::step(
+                opt.kind,
+                opt.lr,
+                opt.weight_decay,
+                Arc::make_mut(&mut self.values).as_mut_slice(),
+                &mut self.opt,
+                &sum,
+            );
         }
     }
 
@@ -449,7 +476,11 @@ mod tests {
     }
 
     fn config(sync: SyncPolicy, aggregate: bool, workers: u32) -> ShardConfig {
-        ShardConfig { sync, optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate }, workers }
+        ShardConfig {
+            sync,
+            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate, weight_decay: 0.0 },
+            workers,
+        }
     }
 
     fn block(len: usize, cfg: &ShardConfig) -> Block<u32> {
@@ -522,8 +553,25 @@ mod tests {
 
     // Migration: snapshot, logged pushes, rebuild on the new owner.
 
+    #[test]
+    fn initial_values_are_set_only_before_the_first_push() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let spec = BlockSpec { id: 0, tensor: 0, offset: 0, len: 2 };
+        let mut b: Block<u32> = Block::new(spec, vec![0.0; 2], &cfg).unwrap();
+        b.set_initial(&[1.0, 2.0]).unwrap();
+        assert_eq!(b.values().as_slice(), &[1.0, 2.0]);
+        assert!(matches!(b.set_initial(&[1.0]), Err(CoreError::WrongLength { .. })));
+        b.push(&cfg, 0, 0, &[1.0, 1.0], 0).unwrap();
+        assert!(matches!(b.set_initial(&[5.0, 5.0]), Err(CoreError::AlreadyTrained(0))));
+        assert_eq!(b.values().as_slice(), &[0.0, 1.0]);
+    }
+
     fn opt_config(kind: OptimizerKind, aggregate: bool, workers: u32) -> ShardConfig {
-        ShardConfig { sync: SyncPolicy::Ssp(2), optimizer: OptimizerConfig { kind, lr: 0.01, aggregate }, workers }
+        ShardConfig {
+            sync: SyncPolicy::Ssp(2),
+            optimizer: OptimizerConfig { kind, lr: 0.01, aggregate, weight_decay: 0.0 },
+            workers,
+        }
     }
 
     fn spec(len: usize) -> BlockSpec {
@@ -817,7 +865,7 @@ pub(crate) mod sim {
     pub fn run(sync: SyncPolicy, workers: u32, clocks: u32, schedule: &[u32], seed: u64) -> Outcome {
         let cfg = ShardConfig {
             sync,
-            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: true },
+            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: true, weight_decay: 0.0 },
             workers,
         };
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);

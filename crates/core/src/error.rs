@@ -24,6 +24,9 @@ pub enum CoreError {
         /// What arrived.
         got: usize,
     },
+    /// Initial values sent for a block that has already taken pushes.
+    #[error("block {0} has already taken pushes: its initial values can no longer be set")]
+    AlreadyTrained(BlockId),
     /// A push that skips a clock: pushes of one worker to one block come in clock order.
     #[error("worker {worker} pushed clock {got} to block {block}, expected clock {expected}")]
     ClockGap {

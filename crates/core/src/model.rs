@@ -8,6 +8,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::CoreError;
+use crate::optimizer::TensorOptimizer;
 
 /// Dense index of a block, unique within one model.
 pub type BlockId = u32;
@@ -78,6 +79,9 @@ pub struct Partition {
     pub tensors: Vec<TensorSpec>,
     /// The blocks, `blocks[i].id == i`, in tensor order.
     pub blocks: Vec<BlockSpec>,
+    /// Each tensor's own optimizer (`optimizers[t]`), or none: then the job's. Empty when
+    /// no tensor has one.
+    pub optimizers: Vec<Option<TensorOptimizer>>,
 }
 
 impl Partition {
@@ -104,7 +108,43 @@ impl Partition {
                 offset += len;
             }
         }
-        Ok(Self { tensors, blocks })
+        Ok(Self { tensors, blocks, optimizers: Vec::new() })
+    }
+
+    /// This partition with per-tensor optimizers: `optimizers` is empty or has one entry
+    /// per tensor, each valid.
+    pub fn with_optimizers(mut self, optimizers: Vec<Option<TensorOptimizer>>) -> Result<Self, CoreError> {
+        if !optimizers.is_empty() && optimizers.len() != self.tensors.len() {
+            return Err(CoreError::InvalidModel(format!(
+                "{} optimizers for {} tensors",
+                optimizers.len(),
+                self.tensors.len()
+            )));
+        }
+        for o in optimizers.iter().flatten() {
+            o.validate()?;
+        }
+        self.optimizers = optimizers;
+        Ok(self)
+    }
+
+    /// The optimizer of tensor `tensor`, if it has its own.
+    pub fn optimizer(&self, tensor: u32) -> Option<&TensorOptimizer> {
+        self.optimizers.get(tensor as usize).and_then(Option::as_ref)
+    }
+
+    /// Gives tensor `tensor` its own optimizer (a learning-rate change, say).
+    pub fn set_optimizer(&mut self, tensor: u32, optimizer: TensorOptimizer) -> Result<(), CoreError> {
+        if tensor as usize >= self.tensors.len() {
+            return Err(CoreError::InvalidModel(format!(
+                "tensor {tensor} does not exist: the model has {} tensors",
+                self.tensors.len()
+            )));
+        }
+        optimizer.validate()?;
+        self.optimizers.resize(self.tensors.len(), None);
+        self.optimizers[tensor as usize] = Some(optimizer);
+        Ok(())
     }
 
     /// Total number of f32 values in the model.

@@ -18,7 +18,7 @@ pub enum OptimizerKind {
         /// Momentum coefficient, typically 0.9.
         beta: f32,
     },
-    /// Adam (Kingma & Ba) with bias correction.
+    /// Adam (Kingma & Ba) with bias correction, computed as PyTorch's `torch.optim.Adam`.
     Adam {
         /// First-moment decay, typically 0.9.
         beta1: f32,
@@ -75,6 +75,53 @@ pub struct OptimizerConfig {
     /// one clock from every worker, then take one step with their mean (exact BSP, like
     /// BytePS summation followed by one update).
     pub aggregate: bool,
+    /// L2 penalty added to the gradient before the step (`g + weight_decay * w`, as
+    /// PyTorch's `weight_decay`); 0 for none.
+    pub weight_decay: f32,
+}
+
+impl OptimizerConfig {
+    /// This configuration with a tensor's own rule, learning rate and weight decay.
+    pub fn with(self, t: &TensorOptimizer) -> Self {
+        Self { kind: t.kind, lr: t.lr, weight_decay: t.weight_decay, aggregate: self.aggregate }
+    }
+}
+
+/// One tensor's own update rule (a PyTorch parameter group's hyperparameters), set when
+/// the model is defined and changed with `SetOptimizer`; it overrides the job's
+/// `--optimizer` and `--lr` for that tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TensorOptimizer {
+    /// The update rule.
+    pub kind: OptimizerKind,
+    /// Learning rate.
+    pub lr: f32,
+    /// L2 penalty (`g + weight_decay * w`).
+    pub weight_decay: f32,
+}
+
+impl TensorOptimizer {
+    /// Checks that the hyperparameters are usable (finite, in range).
+    pub fn validate(&self) -> Result<(), CoreError> {
+        let bad = |why: &str| Err(CoreError::InvalidModel(format!("optimizer {self:?}: {why}")));
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad("the learning rate must be a finite number >= 0");
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad("weight_decay must be a finite number >= 0");
+        }
+        match self.kind {
+            OptimizerKind::Sgd => Ok(()),
+            OptimizerKind::Momentum { beta } if (0.0..1.0).contains(&beta) => Ok(()),
+            OptimizerKind::Momentum { .. } => bad("momentum must be in [0, 1)"),
+            OptimizerKind::Adam { beta1, beta2, eps }
+                if (0.0..1.0).contains(&beta1) && (0.0..1.0).contains(&beta2) && eps.is_finite() && eps >= 0.0 =>
+            {
+                Ok(())
+            }
+            OptimizerKind::Adam { .. } => bad("betas must be in [0, 1) and eps a finite number >= 0"),
+        }
+    }
 }
 
 /// Optimizer state of one block.
@@ -90,34 +137,42 @@ pub struct OptState {
     pub v: Vec<f32>,
 }
 
-/// Applies one optimizer step with gradient `grad` (already scaled) to `w`.
-pub fn step(kind: OptimizerKind, lr: f32, w: &mut [f32], state: &mut OptState, grad: &[f32]) {
+/// Applies one optimizer step with gradient `grad` (already scaled) to `w`, with
+/// PyTorch's arithmetic (`torch.optim.SGD`, and `Adam` with `foreach=False`): with weight
+/// decay `wd`, `g = grad + wd * w` first; momentum `m = beta * m + g`, `w -= lr * m`; Adam
+/// `m += (1 - beta1) * (g - m)`, `v = beta2 * v + (1 - beta2) * g * g`,
+/// `w -= (lr / c1) * m / (sqrt(v) / sqrt(c2) + eps)` with the bias corrections
+/// `c1 = 1 - beta1^t`, `c2 = 1 - beta2^t` computed in f64 and rounded to f32.
+pub fn step(kind: OptimizerKind, lr: f32, wd: f32, w: &mut [f32], state: &mut OptState, grad: &[f32]) {
     debug_assert_eq!(w.len(), grad.len());
     state.steps = state.steps.saturating_add(1);
+    let decayed = |w: f32, g: f32| if wd == 0.0 { g } else { g + wd * w };
     match kind {
         OptimizerKind::Sgd => {
             for (w, g) in w.iter_mut().zip(grad) {
-                *w -= lr * g;
+                *w -= lr * decayed(*w, *g);
             }
         }
         OptimizerKind::Momentum { beta } => {
             state.m.resize(w.len(), 0.0);
             for ((w, g), m) in w.iter_mut().zip(grad).zip(state.m.iter_mut()) {
-                *m = beta * *m + g;
+                *m = beta * *m + decayed(*w, *g);
                 *w -= lr * *m;
             }
         }
         OptimizerKind::Adam { beta1, beta2, eps } => {
             state.m.resize(w.len(), 0.0);
             state.v.resize(w.len(), 0.0);
-            let t = state.steps as i32;
-            let c1 = 1.0 - beta1.powi(t);
-            let c2 = 1.0 - beta2.powi(t);
-            let step = lr * c2.sqrt() / c1;
+            let t = state.steps.min(i32::MAX as u64) as i32;
+            let c1 = 1.0 - f64::from(beta1).powi(t);
+            let c2 = 1.0 - f64::from(beta2).powi(t);
+            let step = (f64::from(lr) / c1) as f32;
+            let c2_sqrt = c2.sqrt() as f32;
             for (((w, g), m), v) in w.iter_mut().zip(grad).zip(state.m.iter_mut()).zip(state.v.iter_mut()) {
-                *m = beta1 * *m + (1.0 - beta1) * g;
+                let g = decayed(*w, *g);
+                *m += (1.0 - beta1) * (g - *m);
                 *v = beta2 * *v + (1.0 - beta2) * g * g;
-                *w -= step * *m / (v.sqrt() + eps);
+                *w -= step * *m / (v.sqrt() / c2_sqrt + eps);
             }
         }
     }
@@ -143,13 +198,13 @@ mod tests {
     fn sgd_and_momentum_steps_are_exact() {
         let mut w = vec![1.0, 2.0];
         let mut st = OptState::default();
-        step(OptimizerKind::Sgd, 0.5, &mut w, &mut st, &[2.0, -2.0]);
+        step(OptimizerKind::Sgd, 0.5, 0.0, &mut w, &mut st, &[2.0, -2.0]);
         assert_eq!(w, vec![0.0, 3.0]);
         let mut w = vec![0.0];
         let mut st = OptState::default();
         let k = OptimizerKind::Momentum { beta: 0.5 };
-        step(k, 1.0, &mut w, &mut st, &[1.0]);
-        step(k, 1.0, &mut w, &mut st, &[1.0]);
+        step(k, 1.0, 0.0, &mut w, &mut st, &[1.0]);
+        step(k, 1.0, 0.0, &mut w, &mut st, &[1.0]);
         assert_eq!(w, vec![-2.5]); // v = 1, then 1.5
     }
 
@@ -157,7 +212,24 @@ mod tests {
     fn adam_first_step_moves_by_lr_against_the_gradient_sign() {
         let mut w = vec![0.0, 0.0];
         let mut st = OptState::default();
-        step(OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, 0.1, &mut w, &mut st, &[3.0, -0.01]);
+        step(OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, 0.1, 0.0, &mut w, &mut st, &[3.0, -0.01]);
         assert!((w[0] + 0.1).abs() < 1e-4 && (w[1] - 0.1).abs() < 1e-4, "{w:?}");
+    }
+
+    #[test]
+    fn weight_decay_adds_the_l2_gradient() {
+        let mut w = vec![2.0];
+        let mut st = OptState::default();
+        step(OptimizerKind::Sgd, 0.5, 0.25, &mut w, &mut st, &[1.0]);
+        assert_eq!(w, vec![2.0 - 0.5 * (1.0 + 0.25 * 2.0)]);
+    }
+
+    #[test]
+    fn tensor_optimizers_are_validated() {
+        let ok = TensorOptimizer { kind: OptimizerKind::Momentum { beta: 0.9 }, lr: 0.1, weight_decay: 0.0 };
+        assert!(ok.validate().is_ok());
+        assert!(TensorOptimizer { lr: f32::NAN, ..ok }.validate().is_err());
+        assert!(TensorOptimizer { kind: OptimizerKind::Momentum { beta: 1.0 }, ..ok }.validate().is_err());
+        assert!(TensorOptimizer { weight_decay: -1.0, ..ok }.validate().is_err());
     }
 }

@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use elasticps_core::model::{BlockSpec, TensorSpec};
+use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_wire::{Codec, Control, Layout, Message, ServerSample, Values, WorkerLoad};
 use futures::StreamExt;
@@ -79,7 +80,8 @@ pub struct Client {
 #[derive(Debug)]
 struct LoadReport {
     since: Instant,
-    last_push: Option<Instant>,
+    /// When the last push of a new clock started, and that clock.
+    last_push: Option<(Instant, Clock)>,
     report: WorkerLoad,
 }
 
@@ -88,10 +90,14 @@ impl LoadReport {
         Self { since: Instant::now(), last_push: None, report: WorkerLoad { rank, ..Default::default() } }
     }
 
-    /// A round pushing `clock` starts: the time since the last one is one iteration.
+    /// A round pushing `clock` starts: the time since the first push of the previous clock
+    /// is one iteration (a client that pushes tensor by tensor pushes one clock many times).
     fn iteration(&mut self, clock: Clock) {
+        if self.last_push.is_some_and(|(_, c)| c == clock) {
+            return;
+        }
         let now = Instant::now();
-        if let Some(last) = self.last_push.replace(now) {
+        if let Some((last, _)) = self.last_push.replace((now, clock)) {
             self.report.iterations += 1;
             self.report.iter_us += now.duration_since(last).as_micros() as u64;
         }
@@ -203,14 +209,70 @@ impl Client {
     /// Defines the model (the first worker's definition wins; others must be equal) and
     /// waits until every server holds its blocks. Returns the tensors, in order.
     pub async fn register_model(&mut self, tensors: Vec<TensorSpec>) -> Result<&[TensorSpec]> {
+        self.register_model_with(tensors, Vec::new()).await
+    }
+
+    /// As [`Client::register_model`], with each tensor's own optimizer (`optimizers` empty,
+    /// or one entry per tensor; `None`: the job's `--optimizer` and `--lr`).
+    pub async fn register_model_with(
+        &mut self,
+        tensors: Vec<TensorSpec>,
+        optimizers: Vec<Option<TensorOptimizer>>,
+    ) -> Result<&[TensorSpec]> {
         let reply = self
             .sched
-            .call(Control::DefineModel { tensors }.into(), CALL_TIMEOUT, || {
+            .call(Control::DefineModel { tensors, optimizers }.into(), CALL_TIMEOUT, || {
                 "the scheduler to place the model (every server must join and load its blocks)".into()
             })
             .await?;
         self.install_layout(reply).await?;
         Ok(self.layout.as_ref().map(|l| &l.partition.tensors[..]).unwrap_or_default())
+    }
+
+    /// Sets the initial values of every tensor (the first worker's parameters, so that
+    /// every worker starts from them: a broadcast through the servers). Only before any
+    /// push; follow it with [`Client::barrier`] so that no worker pulls earlier.
+    pub async fn init_values<T: AsRef<[f32]>>(&mut self, values: &[T]) -> Result<()> {
+        self.check_shapes(values.iter().map(|v| v.as_ref().len()))?;
+        let values: Vec<Option<&[f32]>> = values.iter().map(|v| Some(v.as_ref())).collect();
+        self.round(Some((PushOp::Init, &values)), None).await
+    }
+
+    /// Waits until every worker still in the job has called `barrier` (ps-lite's
+    /// `Barrier`, `torch.distributed.barrier`).
+    pub async fn barrier(&mut self) -> Result<()> {
+        match self
+            .sched
+            .call(Control::Barrier.into(), self.opts.request_timeout, || {
+                format!("worker {} waits in a barrier for every other worker", self.rank)
+            })
+            .await?
+        {
+            Message::Control(Control::Ok) => Ok(()),
+            other => Err(unexpected("scheduler", "Ok", &other)),
+        }
+    }
+
+    /// Gives tensor `tensor` (its index in the model) a new optimizer, e.g. the learning
+    /// rate of a schedule's next step: recorded by the scheduler (for servers that join
+    /// later), then by every server, before this returns; every push sent after it uses it.
+    pub async fn set_optimizer(&mut self, tensor: u32, optimizer: TensorOptimizer) -> Result<()> {
+        let layout = self.current_layout()?;
+        let msg = Message::from(Control::SetOptimizer { tensor, optimizer });
+        let what = |peer: &str| format!("{peer} to take the optimizer of tensor {tensor}");
+        match self.sched.call(msg.clone(), CALL_TIMEOUT, || what("the scheduler")).await? {
+            Message::Control(Control::Ok) => {}
+            other => return Err(unexpected("scheduler", "Ok", &other)),
+        }
+        for s in &layout.servers {
+            let name = format!("server {}", s.id);
+            match self.peer(s.id)?.call(msg.clone(), CALL_TIMEOUT, || what(&name)).await? {
+                Message::Control(Control::Ok) => {}
+                Message::Error(reply) => return Err(RuntimeError::Remote { peer: name, reply }),
+                other => return Err(unexpected(&name, "Ok", &other)),
+            }
+        }
+        Ok(())
     }
 
     /// Fresh zeroed buffers shaped like the model's tensors, for [`Client::pull`].
@@ -220,26 +282,75 @@ impl Client {
 
     /// Pulls every tensor at clock `clock` into `params` (shaped like [`Client::zeros`]).
     /// The server holds the pull as its sync policy says.
-    pub async fn pull(&mut self, clock: Clock, params: &mut [Vec<f32>]) -> Result<()> {
-        self.check_shapes(params.iter().map(Vec::len))?;
-        self.round(None, Some((clock, params))).await
+    pub async fn pull<P: AsMut<[f32]>>(&mut self, clock: Clock, params: &mut [P]) -> Result<()> {
+        let mut params: Vec<Option<&mut [f32]>> = params.iter_mut().map(|p| Some(p.as_mut())).collect();
+        self.check_shapes(params.iter().map(|p| p.as_ref().map_or(0, |p| p.len())))?;
+        self.round(None, Some((clock, &mut params))).await
     }
 
     /// Pushes the gradient of every tensor for clock `clock`.
-    pub async fn push(&mut self, clock: Clock, grads: &[Vec<f32>]) -> Result<()> {
-        self.check_shapes(grads.iter().map(Vec::len))?;
-        self.round(Some((clock, grads)), None).await
+    pub async fn push<G: AsRef<[f32]>>(&mut self, clock: Clock, grads: &[G]) -> Result<()> {
+        self.check_shapes(grads.iter().map(|g| g.as_ref().len()))?;
+        let grads: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(g.as_ref())).collect();
+        self.round(Some((PushOp::Grad(clock), &grads)), None).await
     }
 
     /// Pushes the gradients of clock `clock` and pulls the parameters of clock
     /// `clock + 1`, overlapping the two: the pull of a server's blocks is sent as soon as
     /// that server acknowledged their pushes, without waiting for the other servers.
     /// [`Client::last_waits`] then tells how long each server took.
-    pub async fn push_pull(&mut self, clock: Clock, grads: &[Vec<f32>], params: &mut [Vec<f32>]) -> Result<()> {
-        self.check_shapes(grads.iter().map(Vec::len))?;
-        self.check_shapes(params.iter().map(Vec::len))?;
+    pub async fn push_pull<G: AsRef<[f32]>, P: AsMut<[f32]>>(
+        &mut self,
+        clock: Clock,
+        grads: &[G],
+        params: &mut [P],
+    ) -> Result<()> {
         let next = clock.checked_add(1).ok_or_else(|| RuntimeError::Usage("clock overflow".into()))?;
-        self.round(Some((clock, grads)), Some((next, params))).await
+        let grads: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(g.as_ref())).collect();
+        let mut params: Vec<Option<&mut [f32]>> = params.iter_mut().map(|p| Some(p.as_mut())).collect();
+        self.check_shapes(grads.iter().map(|g| g.map_or(0, <[f32]>::len)))?;
+        self.check_shapes(params.iter().map(|p| p.as_ref().map_or(0, |p| p.len())))?;
+        self.round(Some((PushOp::Grad(clock), &grads)), Some((next, &mut params))).await
+    }
+
+    /// A round over some of the tensors: `grads[t]` (if `Some`) is pushed at `push_clock`,
+    /// `params[t]` (if `Some`) pulled at `pull_clock`, each as long as tensor `t`; a tensor
+    /// in both is pulled once its push was acknowledged. Both lists are empty or have one
+    /// entry per tensor. This is what a client that pushes each gradient as soon as it
+    /// is ready (PyTorch's backward hooks) calls, one tensor or a few at a time.
+    pub async fn round_tensors(
+        &mut self,
+        push: Option<(Clock, &[Option<&[f32]>])>,
+        pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
+    ) -> Result<()> {
+        let layout = self.current_layout()?;
+        let tensors = &layout.partition.tensors;
+        let check = |what: &str, lens: Vec<Option<usize>>| -> Result<()> {
+            if lens.len() != tensors.len() {
+                return Err(RuntimeError::Usage(format!(
+                    "{what} lists {} tensors, the model has {}",
+                    lens.len(),
+                    tensors.len()
+                )));
+            }
+            for (t, len) in tensors.iter().zip(lens) {
+                if let Some(len) = len.filter(|l| *l != t.len()) {
+                    return Err(RuntimeError::Usage(format!(
+                        "{what}: tensor {:?} holds {} values, {len} were given",
+                        t.name,
+                        t.len()
+                    )));
+                }
+            }
+            Ok(())
+        };
+        if let Some((_, grads)) = push {
+            check("push", grads.iter().map(|g| g.map(<[f32]>::len)).collect())?;
+        }
+        if let Some((_, params)) = &pull {
+            check("pull", params.iter().map(|p| p.as_ref().map(|p| p.len())).collect())?;
+        }
+        self.round(push.map(|(c, g)| (PushOp::Grad(c), g)), pull).await
     }
 
     /// Tells the scheduler this worker is done. Servers stop waiting for it.
@@ -262,21 +373,28 @@ impl Client {
     /// push from another worker.
     async fn round(
         &mut self,
-        push: Option<(Clock, &[Vec<f32>])>,
-        mut pull: Option<(Clock, &mut [Vec<f32>])>,
+        push: Option<(PushOp, &[Option<&[f32]>])>,
+        mut pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
     ) -> Result<()> {
         let mut layout = self.current_layout()?;
         let pull_clock = pull.as_ref().map(|(c, _)| *c);
         let started = Instant::now();
-        if let Some((clock, _)) = push {
+        if let Some((PushOp::Grad(clock), _)) = push {
             self.load.iteration(clock);
         }
         let rank = self.rank;
         let timeout = self.opts.request_timeout;
         let ctx = |owner| RoundCtx { rank, owner, timeout };
         let mut phases = FuturesUnordered::new();
-        let todo: Vec<Todo> =
-            layout.partition.blocks.iter().map(|b| (*b, push.is_some(), pull_clock.is_some())).collect();
+        let pushes = |t: u32| push.is_some_and(|(_, g)| g.get(t as usize).is_some_and(Option::is_some));
+        let pulls = |t: u32| pull.as_ref().is_some_and(|(_, p)| p.get(t as usize).is_some_and(Option::is_some));
+        let todo: Vec<Todo> = layout
+            .partition
+            .blocks
+            .iter()
+            .map(|b| (*b, pushes(b.tensor), pulls(b.tensor)))
+            .filter(|(_, push, pull)| *push || *pull)
+            .collect();
         for (owner, items) in by_owner(&layout, todo)? {
             phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
         }
@@ -288,7 +406,9 @@ impl Client {
             self.load.phase(&done);
             if let Some((_, params)) = pull.as_mut() {
                 for (b, values) in done.pulled {
-                    values.copy_into(&mut params[b.tensor as usize][b.offset..b.offset + b.len]);
+                    if let Some(Some(p)) = params.get_mut(b.tensor as usize) {
+                        values.copy_into(&mut p[b.offset..b.offset + b.len]);
+                    }
                 }
             }
             if !done.to_pull.is_empty() {
@@ -419,6 +539,25 @@ struct RoundCtx {
 /// A block still to do in a round: (block, still to push, still to pull).
 type Todo = (BlockSpec, bool, bool);
 
+/// What the push half of a round sends.
+#[derive(Clone, Copy, Debug)]
+enum PushOp {
+    /// Gradients of this clock.
+    Grad(Clock),
+    /// Initial values ([`Client::init_values`]).
+    Init,
+}
+
+impl PushOp {
+    /// The verb and clock that errors and timeouts name.
+    fn verb_clock(self) -> (&'static str, Clock) {
+        match self {
+            PushOp::Grad(clock) => ("push", clock),
+            PushOp::Init => ("init", 0),
+        }
+    }
+}
+
 /// What one phase (pushes, or pulls) with one server produced.
 struct PhaseDone {
     owner: u32,
@@ -450,7 +589,7 @@ async fn phase(
     ctx: RoundCtx,
     peer: Peer,
     items: Vec<Todo>,
-    push: Option<(Clock, &[Vec<f32>])>,
+    push: Option<(PushOp, &[Option<&[f32]>])>,
     pull_clock: Option<Clock>,
 ) -> Result<PhaseDone> {
     let mut out = PhaseDone {
@@ -462,19 +601,24 @@ async fn phase(
         moved: Vec::new(),
     };
     match push {
-        Some((clock, grads)) if items.iter().any(|(_, do_push, _)| *do_push) => {
+        Some((op, grads)) if items.iter().any(|(_, do_push, _)| *do_push) => {
             let pushing = Instant::now();
             let mut acks = Vec::new();
             for (b, do_push, do_pull) in items {
-                if !do_push {
+                let Some(Some(grad)) = grads.get(b.tensor as usize).filter(|_| do_push) else {
                     out.to_pull.extend(do_pull.then_some(b));
                     continue;
-                }
-                let values = crate::pool::copy_values(&grads[b.tensor as usize][b.offset..b.offset + b.len]);
-                acks.push((b, do_pull, peer.send_request(Message::Push { block: b.id, clock, values })?));
+                };
+                let values = crate::pool::copy_values(&grad[b.offset..b.offset + b.len]);
+                let msg = match op {
+                    PushOp::Grad(clock) => Message::Push { block: b.id, clock, values },
+                    PushOp::Init => Message::Init { block: b.id, values },
+                };
+                acks.push((b, do_pull, peer.send_request(msg)?));
             }
+            let (verb, clock) = op.verb_clock();
             for (b, do_pull, rx) in acks {
-                match await_reply(&ctx, "push", clock, &b, rx).await? {
+                match await_reply(&ctx, verb, clock, &b, rx).await? {
                     Message::PushAck { .. } => {
                         out.push_bytes += b.len as u64 * 4;
                         if do_pull {
@@ -516,7 +660,13 @@ async fn await_reply(
     rx: tokio::sync::oneshot::Receiver<Message>,
 ) -> Result<Message> {
     match tokio::time::timeout(ctx.timeout, rx).await {
-        Ok(Ok(Message::Error(reply))) => Err(RuntimeError::Remote { peer: format!("server {}", ctx.owner), reply }),
+        Ok(Ok(Message::Error(reply))) => Err(RuntimeError::Remote {
+            peer: format!(
+                "server {} (answering {verb}(clock {clock}) of block {} from worker {})",
+                ctx.owner, b.id, ctx.rank
+            ),
+            reply,
+        }),
         Ok(Ok(reply)) => Ok(reply),
         Ok(Err(_)) => Err(RuntimeError::Closed(format!("server {}", ctx.owner))),
         Err(_) => Err(RuntimeError::Timeout {

@@ -7,6 +7,7 @@
 
 use elasticps_core::block::{BlockState, BlockStats, LoggedPush, ShardConfig};
 use elasticps_core::model::{BlockId, Partition, TensorSpec};
+use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::{Placement, ServerId};
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +39,9 @@ pub enum Control {
     DefineModel {
         /// The tensors, in order.
         tensors: Vec<TensorSpec>,
+        /// Each tensor's own optimizer (a PyTorch parameter group's hyperparameters), or
+        /// none (the job's `--optimizer`, `--lr`); empty when no tensor has one.
+        optimizers: Vec<Option<TensorOptimizer>>,
     },
     /// Tag 4: Node -> scheduler: send me the current layout. Reply: [`Control::Layout`]
     /// (or an `Error` with `NotReady` before the model is defined and assigned).
@@ -140,6 +144,20 @@ pub enum Control {
     /// Tag 25: Operator -> scheduler: add or remove a server. Reply: [`Control::Ok`] once
     /// it is under way, or an `Error`.
     Scale(ScaleRequest),
+    /// Tag 26: Worker -> scheduler: wait for every other worker still in the job. Reply:
+    /// [`Control::Ok`] once each worker not done or removed has sent `Barrier` (its
+    /// next barrier then starts a new round).
+    Barrier,
+    /// Tag 27: Worker -> scheduler, then worker -> every server on its data connection:
+    /// tensor `tensor` now uses `optimizer` (a learning-rate schedule's step, say). Reply:
+    /// [`Control::Ok`] once recorded (the scheduler keeps it for servers that join later;
+    /// a server applies it to every push that arrives after it on any connection).
+    SetOptimizer {
+        /// Index of the tensor in the model.
+        tensor: u32,
+        /// Its new rule and hyperparameters.
+        optimizer: TensorOptimizer,
+    },
 }
 
 /// Server straggler injection, as in PSLD's experiments: part of a server's assignment.

@@ -47,11 +47,15 @@ pub enum Kind {
     PullReply = 5,
     /// A postcard-encoded [`ErrorReply`](crate::ErrorReply).
     Error = 6,
+    /// Worker -> server: the initial values of `block` (the first worker's parameters),
+    /// f32 little-endian payload; answered `PushAck`.
+    Init = 7,
 }
 
 impl Kind {
     /// Every kind, in wire order.
-    pub const ALL: [Kind; 6] = [Kind::Control, Kind::Push, Kind::PushAck, Kind::Pull, Kind::PullReply, Kind::Error];
+    pub const ALL: [Kind; 7] =
+        [Kind::Control, Kind::Push, Kind::PushAck, Kind::Pull, Kind::PullReply, Kind::Error, Kind::Init];
 
     /// The kind with this wire value, if any.
     pub fn from_u8(v: u8) -> Option<Kind> {
@@ -62,13 +66,14 @@ impl Kind {
             4 => Some(Kind::Pull),
             5 => Some(Kind::PullReply),
             6 => Some(Kind::Error),
+            7 => Some(Kind::Init),
             _ => None,
         }
     }
 
     /// True for the kinds whose payload is a run of little-endian f32 (Push, PullReply).
     pub fn carries_f32(self) -> bool {
-        matches!(self, Kind::Push | Kind::PullReply)
+        matches!(self, Kind::Push | Kind::PullReply | Kind::Init)
     }
 
     /// True for the kinds whose payload must be empty (PushAck, Pull).
@@ -105,6 +110,7 @@ impl fmt::Display for Kind {
             Kind::Pull => "Pull",
             Kind::PullReply => "PullReply",
             Kind::Error => "Error",
+            Kind::Init => "Init",
         })
     }
 }

@@ -17,6 +17,7 @@ use crate::values::Values;
 /// | Pull      | set          | empty |
 /// | PullReply | set          | f32 little-endian, `len % 4 == 0` |
 /// | Error     | 0, 0         | postcard [`ErrorReply`] |
+/// | Init      | block, 0     | f32 little-endian, `len % 4 == 0` |
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
     /// A control-plane message.
@@ -56,6 +57,14 @@ pub enum Message {
     },
     /// A refusal; the sender usually closes the connection after it.
     Error(ErrorReply),
+    /// Worker -> server: the initial values of `block` (the first worker's parameters,
+    /// broadcast through the servers), before any push. Answered `PushAck` with clock 0.
+    Init {
+        /// Block id.
+        block: u32,
+        /// The values.
+        values: Values,
+    },
 }
 
 impl Message {
@@ -68,6 +77,7 @@ impl Message {
             Message::Pull { .. } => Kind::Pull,
             Message::PullReply { .. } => Kind::PullReply,
             Message::Error(_) => Kind::Error,
+            Message::Init { .. } => Kind::Init,
         }
     }
 
@@ -79,6 +89,7 @@ impl Message {
             | Message::PushAck { block, clock }
             | Message::Pull { block, clock }
             | Message::PullReply { block, clock, .. } => (*block, *clock),
+            Message::Init { block, .. } => (*block, 0),
         }
     }
 
@@ -90,7 +101,9 @@ impl Message {
         Ok(match self {
             Message::Control(c) => Bytes::from(postcard::to_allocvec(c)?),
             Message::Error(e) => Bytes::from(postcard::to_allocvec(e)?),
-            Message::Push { values, .. } | Message::PullReply { values, .. } => values.as_bytes().clone(),
+            Message::Push { values, .. } | Message::PullReply { values, .. } | Message::Init { values, .. } => {
+                values.as_bytes().clone()
+            }
             Message::PushAck { .. } | Message::Pull { .. } => Bytes::new(),
         })
     }
@@ -121,6 +134,7 @@ impl Message {
             Kind::PullReply => Message::PullReply { block, clock, values: Values::from_le_bytes(payload)? },
             Kind::PushAck => Message::PushAck { block, clock },
             Kind::Pull => Message::Pull { block, clock },
+            Kind::Init => Message::Init { block, values: Values::from_le_bytes(payload)? },
         })
     }
 }

@@ -3,7 +3,7 @@
 mod common {
     use elasticps_core::block::{BlockState, BlockStats, LoggedPush, PendingSum, ShardConfig};
     use elasticps_core::model::{BlockSpec, Init, Partition, TensorSpec};
-    use elasticps_core::optimizer::{OptState, OptimizerConfig, OptimizerKind};
+    use elasticps_core::optimizer::{OptState, OptimizerConfig, OptimizerKind, TensorOptimizer};
     use elasticps_core::placement::{Placement, PlacementKind};
     use elasticps_core::sync::{Clocks, SyncPolicy};
     use elasticps_wire::*;
@@ -50,6 +50,8 @@ mod common {
             Control::GetStatus => 23,
             Control::Status(_) => 24,
             Control::Scale(_) => 25,
+            Control::Barrier => 26,
+            Control::SetOptimizer { .. } => 27,
         }
     }
 
@@ -139,7 +141,7 @@ mod common {
                     .prop_map(|(beta1, beta2, eps)| OptimizerKind::Adam { beta1, beta2, eps }),
             ];
         (sync, kind, finite_or_inf(), any::<bool>(), any::<u32>()).prop_map(|(sync, kind, lr, aggregate, workers)| {
-            ShardConfig { sync, optimizer: OptimizerConfig { kind, lr, aggregate }, workers }
+            ShardConfig { sync, optimizer: OptimizerConfig { kind, lr, aggregate, weight_decay: 0.0 }, workers }
         })
     }
 
@@ -322,7 +324,8 @@ mod common {
             any::<(u32, u32, u32)>().prop_map(|(node_id, num_workers, num_servers)| {
                 Control::Welcome { node_id, num_workers, num_servers }
             }),
-            arb_tensors().prop_map(|tensors| Control::DefineModel { tensors }),
+            (arb_tensors(), prop::collection::vec(prop::option::of(arb_tensor_optimizer()), 0..3))
+                .prop_map(|(tensors, optimizers)| Control::DefineModel { tensors, optimizers }),
             Just(Control::GetLayout),
             arb_layout().prop_map(Control::Layout),
             arb_assignment().prop_map(Control::Assign),
@@ -356,7 +359,25 @@ mod common {
                 any::<(u32, u32)>().prop_map(|(block, to)| ScaleRequest::MoveBlock { block, to }),
             ]
             .prop_map(Control::Scale),
+            Just(Control::Barrier),
+            (any::<u32>(), arb_tensor_optimizer())
+                .prop_map(|(tensor, optimizer)| Control::SetOptimizer { tensor, optimizer }),
         ]
+    }
+
+    pub fn arb_tensor_optimizer() -> impl Strategy<Value = TensorOptimizer> {
+        let kind =
+            prop_oneof![
+                Just(OptimizerKind::Sgd),
+                finite_or_inf().prop_map(|beta| OptimizerKind::Momentum { beta }),
+                (finite_or_inf(), finite_or_inf(), finite_or_inf())
+                    .prop_map(|(beta1, beta2, eps)| OptimizerKind::Adam { beta1, beta2, eps }),
+            ];
+        (kind, finite_or_inf(), finite_or_inf()).prop_map(|(kind, lr, weight_decay)| TensorOptimizer {
+            kind,
+            lr,
+            weight_decay,
+        })
     }
 
     pub fn arb_error_code() -> impl Strategy<Value = ErrorCode> {
@@ -384,6 +405,7 @@ mod common {
             (any::<u32>(), any::<u32>(), arb_values())
                 .prop_map(|(block, clock, values)| { Message::PullReply { block, clock, values } }),
             (arb_error_code(), ".{0,40}").prop_map(|(code, message)| Message::Error(ErrorReply { code, message })),
+            (any::<u32>(), arb_values()).prop_map(|(block, values)| Message::Init { block, values }),
         ]
     }
 }

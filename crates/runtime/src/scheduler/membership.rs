@@ -5,6 +5,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use elasticps_core::block::ShardConfig;
 use elasticps_core::model::{Partition, TensorSpec};
+use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::{Placement, PlacementKind};
 use elasticps_core::sync::SyncPolicy;
 
@@ -164,6 +165,8 @@ pub struct Membership {
     assigned: BTreeSet<u32>,
     layout_ready: bool,
     waiting_for_layout: Vec<(ConnId, u64)>,
+    /// Workers waiting in a `Barrier`: (connection, request id, rank).
+    barrier: Vec<(ConnId, u64, u32)>,
     finished_workers: BTreeSet<u32>,
     failed_workers: Vec<String>,
     now_us: u64,
@@ -187,6 +190,7 @@ impl Membership {
             assigned: BTreeSet::new(),
             layout_ready: false,
             waiting_for_layout: Vec::new(),
+            barrier: Vec::new(),
             finished_workers: BTreeSet::new(),
             failed_workers: Vec::new(),
             now_us: 0,
@@ -338,8 +342,8 @@ impl Membership {
                 self.nodes.insert(conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
                 reply(out, self.welcome(rank));
             }
-            (Control::DefineModel { tensors }, Some(Role::Worker(rank))) => {
-                if let Err(message) = self.define(tensors, rank) {
+            (Control::DefineModel { tensors, optimizers }, Some(Role::Worker(rank))) => {
+                if let Err(message) = self.define(tensors, optimizers, rank) {
                     refuse(out, ErrorCode::BadRequest, message);
                     return;
                 }
@@ -412,6 +416,24 @@ impl Membership {
                     Err(message) => refuse(out, ErrorCode::BadRequest, message),
                 }
             }
+            (Control::Barrier, Some(Role::Worker(rank))) => {
+                self.barrier.retain(|(_, _, r)| *r != rank);
+                self.barrier.push((conn, request_id, rank));
+                self.release_barrier(out);
+            }
+            (Control::SetOptimizer { tensor, optimizer }, Some(Role::Worker(rank))) => {
+                let Some(partition) = self.partition.as_mut() else {
+                    refuse(out, ErrorCode::NotReady, "no model is defined yet".into());
+                    return;
+                };
+                match partition.set_optimizer(tensor, optimizer) {
+                    Ok(()) => {
+                        tracing::info!(rank, tensor, ?optimizer, "tensor optimizer set");
+                        reply(out, Control::Ok.into());
+                    }
+                    Err(e) => refuse(out, ErrorCode::BadRequest, e.to_string()),
+                }
+            }
             (Control::WorkerDone { .. }, Some(Role::Worker(rank))) => {
                 tracing::info!(rank, "worker finished");
                 reply(out, Control::Ok.into());
@@ -432,7 +454,12 @@ impl Membership {
         Control::Welcome { node_id, num_workers: self.config.workers, num_servers: self.config.servers }.into()
     }
 
-    fn define(&mut self, tensors: Vec<TensorSpec>, rank: u32) -> Result<(), String> {
+    fn define(
+        &mut self,
+        tensors: Vec<TensorSpec>,
+        optimizers: Vec<Option<TensorOptimizer>>,
+        rank: u32,
+    ) -> Result<(), String> {
         match &self.partition {
             Some(p) if p.tensors == tensors => Ok(()),
             Some(p) => Err(format!(
@@ -442,7 +469,9 @@ impl Membership {
                 tensors.len()
             )),
             None => {
-                let p = Partition::new(tensors, self.config.block_bytes).map_err(|e| e.to_string())?;
+                let p = Partition::new(tensors, self.config.block_bytes)
+                    .and_then(|p| p.with_optimizers(optimizers))
+                    .map_err(|e| e.to_string())?;
                 tracing::info!(
                     tensors = p.tensors.len(),
                     blocks = p.blocks.len(),
@@ -452,6 +481,19 @@ impl Membership {
                 self.partition = Some(p);
                 Ok(())
             }
+        }
+    }
+
+    /// Answers a barrier once every worker still in the job (registered or yet to come,
+    /// not done and not removed) waits in it.
+    fn release_barrier(&mut self, out: &mut Vec<Action>) {
+        let live = (self.config.workers as usize).saturating_sub(self.finished_workers.len());
+        if self.barrier.is_empty() || self.barrier.len() < live {
+            return;
+        }
+        tracing::debug!(workers = self.barrier.len(), "barrier released");
+        for (conn, request_id, _) in self.barrier.drain(..) {
+            out.push(Action::Send { conn, request_id, msg: Control::Ok.into() });
         }
     }
 
@@ -544,6 +586,8 @@ impl Membership {
             return;
         }
         self.elastic.worker_left(rank);
+        self.barrier.retain(|(_, _, r)| *r != rank);
+        self.release_barrier(out);
         for (conn, _) in &self.servers {
             out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::RemoveWorker { rank }.into() });
         }
@@ -604,7 +648,7 @@ mod tests {
             placement: PlacementKind::Range,
             shard: ShardConfig {
                 sync: SyncPolicy::Bsp,
-                optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 0.1, aggregate: false },
+                optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 0.1, aggregate: false, weight_decay: 0.0 },
                 workers: 2,
             },
             seed: 1,
@@ -638,7 +682,7 @@ mod tests {
     fn layout_is_answered_once_every_server_holds_its_blocks() {
         let mut m = Membership::new(config(), 10_000_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
-        let a = recv(&mut m, 1, 2, Control::DefineModel { tensors: model() });
+        let a = recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new() });
         assert!(a.is_empty(), "no servers yet: {a:?}");
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
         let a = recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
@@ -662,16 +706,50 @@ mod tests {
     }
 
     #[test]
+    fn a_barrier_opens_when_every_live_worker_waits_in_it() {
+        let mut m = Membership::new(config(), 10_000_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        assert!(recv(&mut m, 1, 7, Control::Barrier).is_empty());
+        let a = recv(&mut m, 2, 9, Control::Barrier);
+        assert_eq!(
+            a,
+            vec![
+                Action::Send { conn: 1, request_id: 7, msg: Control::Ok.into() },
+                Action::Send { conn: 2, request_id: 9, msg: Control::Ok.into() }
+            ]
+        );
+        // A worker that dies while the other waits lets it through.
+        assert!(recv(&mut m, 1, 8, Control::Barrier).is_empty());
+        let a = m.step(Event::Lost { conn: 2, why: "killed".into() });
+        assert!(a.contains(&Action::Send { conn: 1, request_id: 8, msg: Control::Ok.into() }), "{a:?}");
+    }
+
+    #[test]
+    fn tensor_optimizers_are_defined_with_the_model_and_changed_later() {
+        let mut m = Membership::new(config(), 10_000_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        let sgd = TensorOptimizer { kind: OptimizerKind::Sgd, lr: 0.1, weight_decay: 0.0 };
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: vec![Some(sgd)] });
+        let slower = TensorOptimizer { lr: 0.01, ..sgd };
+        let a = recv(&mut m, 1, 3, Control::SetOptimizer { tensor: 0, optimizer: slower });
+        assert_eq!(a, vec![Action::Send { conn: 1, request_id: 3, msg: Control::Ok.into() }]);
+        assert_eq!(m.partition.as_ref().unwrap().optimizer(0), Some(&slower));
+        let a = recv(&mut m, 1, 4, Control::SetOptimizer { tensor: 5, optimizer: slower });
+        assert!(matches!(sent_to(&a, 1)[0], Message::Error(e) if e.message.contains("tensor 5")));
+    }
+
+    #[test]
     fn refuses_extra_nodes_and_a_different_model() {
         let mut m = Membership::new(config(), 10_000_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
         let a = recv(&mut m, 3, 1, Control::RegisterWorker);
         assert!(a.contains(&Action::Close(3)));
-        recv(&mut m, 1, 2, Control::DefineModel { tensors: model() });
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new() });
         let mut other = model();
         other[0].shape = vec![9];
-        let a = recv(&mut m, 2, 2, Control::DefineModel { tensors: other });
+        let a = recv(&mut m, 2, 2, Control::DefineModel { tensors: other, optimizers: Vec::new() });
         assert!(matches!(sent_to(&a, 2)[0], Message::Error(e) if e.message.contains("differs")));
     }
 
@@ -710,7 +788,7 @@ mod tests {
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
         let tensors = vec![TensorSpec { name: "w".into(), shape: vec![len], init: Init::Zeros }];
-        recv(&mut m, 1, 2, Control::DefineModel { tensors });
+        recv(&mut m, 1, 2, Control::DefineModel { tensors, optimizers: Vec::new() });
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
         recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
         recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });

@@ -231,7 +231,7 @@ pub(super) fn take_delta(state: &State, block: BlockId, epoch: u64, pushes: &[Lo
         Some((e, s)) if e == epoch => s,
         _ => return error(ErrorCode::BadRequest, format!("no snapshot of block {block} at epoch {epoch} arrived")),
     };
-    let config = shard.effective();
+    let config = shard.config_for(&snapshot.spec);
     match Block::from_state(snapshot, pushes, &config) {
         Ok(mut b) => {
             // Workers this server removed (RemoveWorker reaches every server, maybe not the

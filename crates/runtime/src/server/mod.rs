@@ -32,7 +32,7 @@ use crate::peer::Peer;
 use crate::shaping::Shaper;
 use crate::{HEARTBEAT_EVERY, Micros, STATS_INTERVAL, timeout};
 use migrate::MigrateOrder;
-use shard::{ReplyTo, Request, Shard, State, error, lock};
+use shard::{Refusal, ReplyTo, Request, Shard, State, error, lock};
 
 /// How to start a server.
 #[derive(Clone, Debug)]
@@ -177,9 +177,11 @@ async fn control_loop(id: u32, state: &Arc<State>, sched: &Peer, notes: &mut cra
                     // (migrate::take_delta) sees either the removal or the slot list.
                     let mut removed = shard::lock(&shard.removed_workers);
                     removed.push(rank);
-                    let config = shard.effective();
                     for (_, slot) in shard.slots() {
-                        let answers = lock(&slot).block.remove_worker(&config, rank, state.clock.now());
+                        let mut s = lock(&slot);
+                        let config = shard.config_for(s.block.spec());
+                        let answers = s.block.remove_worker(&config, rank, state.clock.now());
+                        drop(s);
                         state.send_answers(answers);
                     }
                     drop(removed);
@@ -314,6 +316,19 @@ async fn serve_connection(stream: TcpStream, peer: String, state: Arc<State>) {
             (Message::Pull { block, clock }, Some(r)) => {
                 state.handle(r, ReplyTo { out: out.clone(), request_id: id, block }, Request::Pull { clock })
             }
+            (Message::Init { block, values }, Some(r)) => {
+                state.handle(r, ReplyTo { out: out.clone(), request_id: id, block }, Request::Init { values })
+            }
+            (Message::Control(Control::SetOptimizer { tensor, optimizer }), Some(r)) => match state.current() {
+                None => Some(Refusal::NotReady.reply(0)),
+                Some(shard) => match shard.set_optimizer(tensor, optimizer) {
+                    Ok(()) => {
+                        tracing::info!(server = shard.id, rank = r, tensor, ?optimizer, "tensor optimizer set");
+                        Some(Control::Ok.into())
+                    }
+                    Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
+                },
+            },
             (other, _) => {
                 let what = match rank {
                     None => format!("expected Hello as the first message, got {:?}", other.kind()),

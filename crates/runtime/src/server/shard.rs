@@ -9,8 +9,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
+use elasticps_core::CoreError;
 use elasticps_core::block::{Answer, Block, BlockState, BlockStats, ShardConfig};
-use elasticps_core::model::{BlockId, Partition};
+use elasticps_core::model::{BlockId, BlockSpec, Partition};
+use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::{Placement, ServerId};
 use elasticps_core::stats::Histogram;
 use elasticps_core::sync::{Clock, SyncPolicy};
@@ -40,8 +42,17 @@ pub(super) struct Parked {
 /// A data request for one block.
 #[derive(Debug)]
 pub(super) enum Request {
-    Push { clock: Clock, values: Values },
-    Pull { clock: Clock },
+    Push {
+        clock: Clock,
+        values: Values,
+    },
+    Pull {
+        clock: Clock,
+    },
+    /// The block's initial values (the first worker's parameters), before any push.
+    Init {
+        values: Values,
+    },
 }
 
 /// One owned block and its migration state.
@@ -85,6 +96,9 @@ pub(super) struct Shard {
     pub departed: Mutex<(BlockStats, Histogram)>,
     /// Workers removed from every quorum: a block arriving later leaves them out too.
     pub removed_workers: Mutex<Vec<u32>>,
+    /// Each tensor's own optimizer, if it has one (set with the model, changed by
+    /// `SetOptimizer`); the job's otherwise.
+    pub tensor_optimizers: RwLock<Vec<Option<TensorOptimizer>>>,
 }
 
 impl Shard {
@@ -102,6 +116,7 @@ impl Shard {
             _ => 0,
         };
         Ok(Shard {
+            tensor_optimizers: RwLock::new(a.partition.optimizers.clone()),
             id: a.server_id,
             config: a.config,
             staleness: AtomicU32::new(staleness),
@@ -118,6 +133,31 @@ impl Shard {
     /// The configuration to decide with now (an adaptive policy resolved to its current s).
     pub fn effective(&self) -> ShardConfig {
         ShardConfig { sync: self.config.sync.resolve(self.staleness.load(Ordering::Relaxed)), ..self.config }
+    }
+
+    /// The configuration to decide with now for one block: [`Shard::effective`] with the
+    /// optimizer of the block's tensor, if it has its own.
+    pub fn config_for(&self, spec: &BlockSpec) -> ShardConfig {
+        let mut config = self.effective();
+        if let Some(Some(t)) = read(&self.tensor_optimizers).get(spec.tensor as usize) {
+            config.optimizer = config.optimizer.with(t);
+        }
+        config
+    }
+
+    /// Gives tensor `tensor` its own optimizer (every later push of its blocks uses it).
+    pub fn set_optimizer(&self, tensor: u32, optimizer: TensorOptimizer) -> Result<(), CoreError> {
+        let tensors = self.partition.tensors.len();
+        if tensor as usize >= tensors {
+            return Err(CoreError::InvalidModel(format!(
+                "tensor {tensor} does not exist: the model has {tensors} tensors"
+            )));
+        }
+        optimizer.validate()?;
+        let mut all = write(&self.tensor_optimizers);
+        all.resize(tensors, None);
+        all[tensor as usize] = Some(optimizer);
+        Ok(())
     }
 
     /// The policy as reported: `adaptive:0:8 (s=3)` for an adaptive one.
@@ -230,7 +270,7 @@ impl State {
             s.parked.push(Parked { rank, to, request });
             return None;
         }
-        let config = shard.effective();
+        let config = shard.config_for(s.block.spec());
         self.load.requests.fetch_add(1, Ordering::Relaxed);
         let reply = match request {
             Request::Push { clock, values } => {
@@ -244,6 +284,17 @@ impl State {
                     Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
                 }
             }
+            Request::Init { values } if s.migrating => {
+                drop(values);
+                Some(error(
+                    ErrorCode::NotReady,
+                    format!("block {block} is migrating: initial values must be set before training starts"),
+                ))
+            }
+            Request::Init { values } => match s.block.set_initial(&values.to_f32s()) {
+                Ok(()) => Some(Message::PushAck { block, clock: 0 }),
+                Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
+            },
             Request::Pull { clock } => {
                 // One coin per pull request, not per block: every block (on every server) of
                 // worker `rank`'s pull(clock) draws the same value, so a probabilistic policy

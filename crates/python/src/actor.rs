@@ -1,0 +1,182 @@
+//! The task that owns the Rust [`Client`] on the runtime and carries out what Python asks,
+//! one command at a time. Pushes queued back to back for the same clock (the gradients a
+//! backward pass produces, tensor by tensor) go out as one round, so that their requests
+//! are in flight together.
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use elasticps_core::model::TensorSpec;
+use elasticps_core::optimizer::TensorOptimizer;
+use elasticps_core::sync::Clock;
+use elasticps_runtime::client::{Client, ClientOptions};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::arrays::{Dst, Keep, Src};
+use crate::stats::RunStats;
+
+/// A reply to Python: the value, or the error's message.
+pub type Reply<T> = oneshot::Sender<Result<T, String>>;
+
+/// What Python asks of the client.
+pub enum Cmd {
+    /// Define the model; rank 0 also sends its values (`init`); everyone then meets in a
+    /// barrier and pulls clock 0 into `pull`.
+    Register {
+        tensors: Vec<TensorSpec>,
+        optimizers: Vec<Option<TensorOptimizer>>,
+        init: Vec<Src>,
+        pull: Vec<Dst>,
+        keep: Keep,
+        done: Reply<()>,
+    },
+    /// Push (some tensors' gradients at a clock) and/or pull (some tensors at a clock).
+    Round {
+        push: Option<(Clock, Vec<(usize, Src)>)>,
+        pull: Option<(Clock, Vec<(usize, Dst)>)>,
+        keep: Keep,
+        done: Reply<()>,
+    },
+    /// A tensor's new optimizer.
+    SetOptimizer { tensor: u32, optimizer: TensorOptimizer, done: Reply<()> },
+    /// Wait for every worker.
+    Barrier { done: Reply<()> },
+    /// Tell the scheduler this worker is done; the task ends. Replies with the run's numbers.
+    Finish { done: Reply<RunStats> },
+}
+
+/// Connects, then serves commands until `Finish` or until every sender is gone.
+pub async fn run(opts: ClientOptions, ready: Reply<(u32, u32)>, mut rx: mpsc::UnboundedReceiver<Cmd>) {
+    let mut client = match Client::connect(opts).await {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = ready.send(Err(format!("elasticps: cannot join the job: {e}")));
+            return;
+        }
+    };
+    let _ = ready.send(Ok((client.rank(), client.num_workers())));
+    let mut stats = RunStats::default();
+    let mut next: Option<Cmd> = None;
+    loop {
+        let cmd = match next.take() {
+            Some(c) => c,
+            None => match rx.recv().await {
+                Some(c) => c,
+                None => break,
+            },
+        };
+        match cmd {
+            Cmd::Register { tensors, optimizers, init, pull, keep, done } => {
+                let r = register(&mut client, tensors, optimizers, &init, &pull).await;
+                drop(keep);
+                let _ = done.send(r.map_err(|e| format!("elasticps: register_model failed: {e}")));
+            }
+            Cmd::Round { push: Some((clock, grads)), pull: None, keep, done } => {
+                // Gather the pushes queued right behind this one (same clock, other tensors).
+                let mut grads = grads;
+                let mut keeps = vec![keep];
+                let mut dones = vec![done];
+                let mut tensors: BTreeSet<usize> = grads.iter().map(|(t, _)| *t).collect();
+                while let Ok(more) = rx.try_recv() {
+                    match more {
+                        Cmd::Round { push: Some((c, g)), pull: None, keep, done }
+                            if c == clock && g.iter().all(|(t, _)| !tensors.contains(t)) =>
+                        {
+                            tensors.extend(g.iter().map(|(t, _)| *t));
+                            grads.extend(g);
+                            keeps.push(keep);
+                            dones.push(done);
+                        }
+                        other => {
+                            next = Some(other);
+                            break;
+                        }
+                    }
+                }
+                let r = round(&mut client, &mut stats, Some((clock, grads)), None).await;
+                drop(keeps);
+                for done in dones {
+                    let _ = done.send(r.clone());
+                }
+            }
+            Cmd::Round { push, pull, keep, done } => {
+                let r = round(&mut client, &mut stats, push, pull).await;
+                drop(keep);
+                let _ = done.send(r);
+            }
+            Cmd::SetOptimizer { tensor, optimizer, done } => {
+                let r = client.set_optimizer(tensor, optimizer).await;
+                let _ = done.send(r.map_err(|e| format!("elasticps: set_optimizer failed: {e}")));
+            }
+            Cmd::Barrier { done } => {
+                let _ = done.send(client.barrier().await.map_err(|e| format!("elasticps: barrier failed: {e}")));
+            }
+            Cmd::Finish { done } => {
+                let rank = client.rank();
+                let r = client.finish().await;
+                stats.rank = rank;
+                let _ = done.send(r.map(|()| stats).map_err(|e| format!("elasticps: finish failed: {e}")));
+                return;
+            }
+        }
+    }
+    // Every handle is gone without finish(): leave the job as a finished worker would.
+    let _ = client.finish().await;
+}
+
+async fn register(
+    client: &mut Client,
+    tensors: Vec<TensorSpec>,
+    optimizers: Vec<Option<TensorOptimizer>>,
+    init: &[Src],
+    pull: &[Dst],
+) -> elasticps_runtime::Result<()> {
+    client.register_model_with(tensors, optimizers).await?;
+    if !init.is_empty() {
+        // SAFETY: the arrays are kept alive by the command's `keep` until it ends.
+        let values: Vec<&[f32]> = init.iter().map(|s| unsafe { s.as_slice() }).collect();
+        client.init_values(&values).await?;
+    }
+    client.barrier().await?;
+    // SAFETY: as above; Python waits for this command before touching the arrays.
+    let mut params: Vec<&mut [f32]> = pull.iter().map(|d| unsafe { d.as_mut_slice() }).collect();
+    client.pull(0, &mut params).await
+}
+
+async fn round(
+    client: &mut Client,
+    stats: &mut RunStats,
+    push: Option<(Clock, Vec<(usize, Src)>)>,
+    pull: Option<(Clock, Vec<(usize, Dst)>)>,
+) -> Result<(), String> {
+    let n = client.layout().map_or(0, |l| l.partition.tensors.len());
+    let mut grads: Vec<Option<&[f32]>> = vec![None; n];
+    let mut params: Vec<Option<&mut [f32]>> = (0..n).map(|_| None).collect();
+    let push_clock = push.as_ref().map(|(c, _)| *c);
+    for (t, src) in push.into_iter().flat_map(|(_, g)| g) {
+        // SAFETY: the arrays are kept alive by the command's `keep` until it ends.
+        grads[t] = Some(unsafe { src.as_slice() });
+    }
+    let pull_clock = pull.as_ref().map(|(c, _)| *c);
+    for (t, dst) in pull.into_iter().flat_map(|(_, p)| p) {
+        // SAFETY: as above; Python waits for the handle before reading the array.
+        params[t] = Some(unsafe { dst.as_mut_slice() });
+    }
+    let started = Instant::now();
+    if let Some(clock) = push_clock {
+        stats.clock_starts(clock, started);
+    }
+    let push = push_clock.map(|c| (c, &grads[..]));
+    let pull = pull_clock.map(|c| (c, &mut params[..]));
+    let r = client.round_tensors(push, pull).await;
+    stats.communicated(started.elapsed(), &client.last_waits().per_server);
+    r.map_err(|e| {
+        let what = match (push_clock, pull_clock) {
+            (Some(c), None) => format!("push(clock {c})"),
+            (None, Some(c)) => format!("pull(clock {c})"),
+            (Some(c), Some(p)) => format!("push(clock {c}) + pull(clock {p})"),
+            (None, None) => "round".to_string(),
+        };
+        format!("elasticps: worker {} {what} failed: {e}", client.rank())
+    })
+}

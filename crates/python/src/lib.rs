@@ -1,0 +1,102 @@
+//! The native half of the `elasticps` Python package (`elasticps._native`): the Rust
+//! worker client ([`elasticps_runtime::client::Client`]) behind a numpy API.
+//!
+//! - [`worker`]: `Worker` (register_model, pull, push, push_pull, the asynchronous forms,
+//!   set_optimizer, barrier, finish) and `Handle`.
+//! - [`actor`]: the task that owns the client on the runtime and batches pushes queued
+//!   back to back.
+//! - [`arrays`]: borrowing numpy buffers without a copy (float32, C-contiguous only).
+//! - [`runtime`]: one process-wide tokio runtime, the fork guard, waiting with the GIL
+//!   released and Ctrl-C let through.
+//! - [`events`], [`stats`]: what a worker reports to `elasticps launch`.
+//!
+//! The Python side (`python/elasticps/`) adds the process's default worker and
+//! `elasticps.torch.DistributedOptimizer`.
+
+mod actor;
+mod arrays;
+mod events;
+mod runtime;
+mod stats;
+mod worker;
+
+use std::collections::BTreeMap;
+use std::sync::Once;
+use std::time::Duration;
+
+use elasticps_runtime::client::ClientOptions;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+pyo3::create_exception!(
+    _native,
+    ElasticpsError,
+    PyRuntimeError,
+    "An elasticps operation failed; the message names the server, block and clock involved."
+);
+
+/// Reads `ELASTICPS_<NAME>` as a number, or `default`.
+fn env_number<T: std::str::FromStr>(name: &str, default: T) -> PyResult<T> {
+    match std::env::var(name) {
+        Ok(v) => {
+            v.trim().parse().map_err(|_| PyValueError::new_err(format!("elasticps: {name}={v:?} is not a number")))
+        }
+        Err(_) => Ok(default),
+    }
+}
+
+/// Connects to the scheduler (`scheduler`, else `ELASTICPS_SCHEDULER`, else
+/// 127.0.0.1:7000) with the transport settings of the roles' environment variables
+/// (`ELASTICPS_SECRET`, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`), joins the
+/// job and returns the worker.
+#[pyfunction]
+#[pyo3(signature = (scheduler=None))]
+fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker> {
+    static LOGS: Once = Once::new();
+    LOGS.call_once(|| {
+        let filter = std::env::var("ELASTICPS_LOG").unwrap_or_else(|_| "warn".into());
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .try_init();
+    });
+    let scheduler =
+        scheduler.or_else(|| std::env::var("ELASTICPS_SCHEDULER").ok()).unwrap_or_else(|| "127.0.0.1:7000".into());
+    let secret = std::env::var("ELASTICPS_SECRET").unwrap_or_default();
+    let max_frame_mib: u32 = env_number("ELASTICPS_MAX_FRAME_MIB", 64)?;
+    let request_timeout_s: u64 = env_number("ELASTICPS_REQUEST_TIMEOUT", 300)?;
+    let mut opts = ClientOptions::new(scheduler);
+    opts.codec = elasticps_wire::Codec::new(secret.as_bytes(), max_frame_mib.saturating_mul(1 << 20));
+    opts.request_timeout = Duration::from_secs(request_timeout_s.max(1));
+    worker::Worker::connect(py, opts)
+}
+
+/// Writes a `log` event (`elasticps.log(**metrics)`) for the launcher.
+#[pyfunction]
+fn log_event(rank: u32, step: u64, metrics: &Bound<'_, PyDict>) -> PyResult<()> {
+    let mut m = BTreeMap::new();
+    for (k, v) in metrics.iter() {
+        let key: String = k.extract()?;
+        let value: f64 = v.extract().map_err(|_| {
+            PyValueError::new_err(format!(
+                "elasticps.log: {key} must be a number, got {}",
+                v.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })?;
+        m.insert(key, value);
+    }
+    events::log(rank, step, m);
+    Ok(())
+}
+
+/// The module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(connect, m)?)?;
+    m.add_function(wrap_pyfunction!(log_event, m)?)?;
+    m.add_class::<worker::Worker>()?;
+    m.add_class::<worker::Handle>()?;
+    m.add("ElasticpsError", m.py().get_type::<ElasticpsError>())?;
+    Ok(())
+}

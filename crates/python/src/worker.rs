@@ -1,0 +1,376 @@
+//! `elasticps.Worker`: the numpy-level client, and `Handle`, what an asynchronous call
+//! returns.
+
+use std::collections::HashMap;
+use std::mem::ManuallyDrop;
+
+use elasticps_core::model::{Init, TensorSpec};
+use elasticps_core::optimizer::{OptimizerKind, TensorOptimizer};
+use elasticps_core::sync::Clock;
+use elasticps_runtime::client::ClientOptions;
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::actor::{self, Cmd};
+use crate::arrays::{self, Dst, Keep, Src};
+use crate::runtime::{self, wait};
+use crate::stats::RunStats;
+use crate::{ElasticpsError, events};
+
+/// A worker of a running job: connects to the scheduler, then pushes gradients and pulls
+/// parameters of the model it registered.
+#[pyclass(module = "elasticps._native")]
+pub struct Worker {
+    rank: u32,
+    size: u32,
+    /// The process that connected (a forked child must not use the client).
+    pid: u32,
+    /// Forgotten, not dropped, in a forked child (dropping it could wake a runtime
+    /// thread that does not exist there).
+    tx: ManuallyDrop<mpsc::UnboundedSender<Cmd>>,
+    /// The model's tensors, once registered: name -> (index, length).
+    tensors: HashMap<String, (usize, usize)>,
+    names: Vec<String>,
+    finished: bool,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if !runtime::forked_from(self.pid) {
+            // SAFETY: dropped once, here; never used again.
+            unsafe { ManuallyDrop::drop(&mut self.tx) };
+        }
+    }
+}
+
+/// What an asynchronous push or pull returns: `wait()` blocks until it is done.
+#[pyclass(module = "elasticps._native")]
+pub struct Handle {
+    rx: Option<oneshot::Receiver<Result<(), String>>>,
+    /// The outcome, once `done()` saw it.
+    outcome: Option<Result<(), String>>,
+    what: String,
+    pid: u32,
+}
+
+impl Handle {
+    fn new(rx: oneshot::Receiver<Result<(), String>>, what: String, pid: u32) -> Self {
+        Self { rx: Some(rx), outcome: None, what, pid }
+    }
+}
+
+#[pymethods]
+impl Handle {
+    /// Waits until the operation is done; raises its error if it failed. A second call
+    /// returns at once.
+    fn wait(&mut self, py: Python<'_>) -> PyResult<()> {
+        runtime::check_not_forked(self.pid)?;
+        if let Some(outcome) = self.outcome.take() {
+            return outcome.map_err(ElasticpsError::new_err);
+        }
+        match self.rx.take() {
+            Some(rx) => wait(py, &self.what, rx),
+            None => Ok(()),
+        }
+    }
+
+    /// True once the operation has finished (successfully or not); never blocks.
+    fn done(&mut self) -> bool {
+        let Some(rx) = &mut self.rx else { return true };
+        match rx.try_recv() {
+            Ok(outcome) => {
+                self.outcome = Some(outcome);
+                self.rx = None;
+                true
+            }
+            Err(oneshot::error::TryRecvError::Empty) => false,
+            Err(oneshot::error::TryRecvError::Closed) => true,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<elasticps.Handle {}>", self.what)
+    }
+}
+
+impl Worker {
+    /// Connects to the scheduler with `opts` and joins the job.
+    pub fn connect(py: Python<'_>, opts: ClientOptions) -> PyResult<Self> {
+        let rt = runtime::runtime()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (ready, joined) = oneshot::channel();
+        let scheduler = opts.scheduler.clone();
+        rt.spawn(actor::run(opts, ready, rx));
+        let (rank, size) = wait(py, &format!("joining the job of the scheduler at {scheduler}"), joined)?;
+        Ok(Worker {
+            rank,
+            size,
+            pid: std::process::id(),
+            tx: ManuallyDrop::new(tx),
+            tensors: HashMap::new(),
+            names: Vec::new(),
+            finished: false,
+        })
+    }
+
+    /// Sends a command; the reply comes on the returned receiver.
+    fn send<T>(&self, make: impl FnOnce(actor::Reply<T>) -> Cmd) -> PyResult<oneshot::Receiver<Result<T, String>>> {
+        runtime::check_not_forked(self.pid)?;
+        if self.finished {
+            return Err(ElasticpsError::new_err(format!("elasticps: worker {} has finished", self.rank)));
+        }
+        let (done, rx) = oneshot::channel();
+        self.tx
+            .send(make(done))
+            .map_err(|_| ElasticpsError::new_err(format!("elasticps: worker {}'s client has stopped", self.rank)))?;
+        Ok(rx)
+    }
+
+    /// The index and length of tensor `name`.
+    fn tensor(&self, name: &str) -> PyResult<(usize, usize)> {
+        if self.names.is_empty() {
+            return Err(ElasticpsError::new_err("elasticps: call register_model first"));
+        }
+        self.tensors.get(name).copied().ok_or_else(|| {
+            PyKeyError::new_err(format!("elasticps: the model has no tensor {name:?} (it has {:?})", self.names))
+        })
+    }
+
+    /// Borrows every array of `arrays` (a dict name -> ndarray) for reading or writing.
+    fn borrow_dict<T>(
+        &self,
+        arrays: &Bound<'_, PyDict>,
+        keep: &mut Keep,
+        borrow: impl Fn(&Bound<'_, PyAny>, &str, usize, &mut Keep) -> PyResult<T>,
+    ) -> PyResult<Vec<(usize, T)>> {
+        let mut out = Vec::with_capacity(arrays.len());
+        for (k, v) in arrays.iter() {
+            let name: String = k.extract().map_err(|_| PyTypeError::new_err("elasticps: tensor names must be str"))?;
+            let (t, len) = self.tensor(&name)?;
+            out.push((t, borrow(&v, &name, len, keep)?));
+        }
+        Ok(out)
+    }
+
+    fn round(
+        &self,
+        push: Option<(Clock, Vec<(usize, Src)>)>,
+        pull: Option<(Clock, Vec<(usize, Dst)>)>,
+        keep: Keep,
+    ) -> PyResult<oneshot::Receiver<Result<(), String>>> {
+        self.send(|done| Cmd::Round { push, pull, keep, done })
+    }
+}
+
+#[pymethods]
+impl Worker {
+    /// This worker's rank, `0..size`.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Number of workers in the job.
+    #[getter]
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    /// The model's tensor names, in order (empty before `register_model`).
+    fn tensor_names(&self) -> Vec<String> {
+        self.names.clone()
+    }
+
+    /// Defines the model from `tensors` (a dict name -> float32 ndarray, in order) and
+    /// waits until every server holds its blocks. Rank 0's values become every worker's
+    /// initial parameters: they are written in place into each worker's arrays.
+    /// `optimizers` maps tensor names to server-side optimizers (dicts with `kind`
+    /// "sgd", "momentum" or "adam", `lr`, and `momentum`, `betas`, `eps`,
+    /// `weight_decay`); tensors not named use the job's `--optimizer` and `--lr`.
+    #[pyo3(signature = (tensors, optimizers=None))]
+    fn register_model(
+        &mut self,
+        py: Python<'_>,
+        tensors: &Bound<'_, PyDict>,
+        optimizers: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        if !self.names.is_empty() {
+            return Err(ElasticpsError::new_err("elasticps: register_model was already called"));
+        }
+        if tensors.is_empty() {
+            return Err(PyValueError::new_err("elasticps: register_model needs at least one tensor"));
+        }
+        let mut specs = Vec::with_capacity(tensors.len());
+        let mut keep = Keep::new();
+        let (mut init, mut pull) = (Vec::new(), Vec::new());
+        for (k, v) in tensors.iter() {
+            let name: String = k.extract().map_err(|_| PyTypeError::new_err("elasticps: tensor names must be str"))?;
+            let shape = arrays::shape(&v, &name)?;
+            let len = shape.iter().product();
+            if self.rank == 0 {
+                init.push(arrays::source(&v, &name, len, &mut keep)?);
+            }
+            pull.push(arrays::destination(&v, &name, len, &mut keep)?);
+            specs.push(TensorSpec { name, shape, init: Init::Zeros });
+        }
+        let mut opts = Vec::new();
+        if let Some(optimizers) = optimizers {
+            opts = vec![None; specs.len()];
+            for (k, v) in optimizers.iter() {
+                let name: String = k.extract()?;
+                let t = specs.iter().position(|s| s.name == name).ok_or_else(|| {
+                    PyKeyError::new_err(format!(
+                        "elasticps: optimizers names {name:?}, which is not a tensor of the model"
+                    ))
+                })?;
+                opts[t] = Some(parse_optimizer(&v, &name)?);
+            }
+        }
+        let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+        let lens: Vec<usize> = specs.iter().map(TensorSpec::len).collect();
+        let rx = self.send(|done| Cmd::Register { tensors: specs, optimizers: opts, init, pull, keep, done })?;
+        wait(py, "registering the model", rx)?;
+        self.tensors = names.iter().cloned().zip(lens).enumerate().map(|(i, (n, l))| (n, (i, l))).collect();
+        self.names = names;
+        Ok(())
+    }
+
+    /// Pulls the parameters of clock `clock` into the arrays of `out` (a dict name ->
+    /// float32 ndarray; every tensor or some), in place. The server may hold the pull as
+    /// its sync policy says.
+    fn pull(&self, py: Python<'_>, clock: Clock, out: &Bound<'_, PyDict>) -> PyResult<()> {
+        let mut keep = Keep::new();
+        let dst = self.borrow_dict(out, &mut keep, arrays::destination)?;
+        let rx = self.round(None, Some((clock, dst)), keep)?;
+        wait(py, &format!("worker {} pulls clock {clock}", self.rank), rx)
+    }
+
+    /// Pushes the gradients of clock `clock` (a dict name -> float32 ndarray).
+    fn push(&self, py: Python<'_>, clock: Clock, grads: &Bound<'_, PyDict>) -> PyResult<()> {
+        let mut keep = Keep::new();
+        let src = self.borrow_dict(grads, &mut keep, arrays::source)?;
+        let rx = self.round(Some((clock, src)), None, keep)?;
+        wait(py, &format!("worker {} pushes clock {clock}", self.rank), rx)
+    }
+
+    /// Pushes the gradients of clock `clock` and pulls the parameters of clock `clock + 1`
+    /// into `out`, overlapping the two per server.
+    fn push_pull(
+        &self,
+        py: Python<'_>,
+        clock: Clock,
+        grads: &Bound<'_, PyDict>,
+        out: &Bound<'_, PyDict>,
+    ) -> PyResult<()> {
+        let next = clock.checked_add(1).ok_or_else(|| PyValueError::new_err("elasticps: clock overflow"))?;
+        let mut keep = Keep::new();
+        let src = self.borrow_dict(grads, &mut keep, arrays::source)?;
+        let dst = self.borrow_dict(out, &mut keep, arrays::destination)?;
+        let rx = self.round(Some((clock, src)), Some((next, dst)), keep)?;
+        wait(py, &format!("worker {} pushes clock {clock} and pulls clock {next}", self.rank), rx)
+    }
+
+    /// Starts pushing the gradient of tensor `name` at clock `clock` and returns at once.
+    /// Do not change `grad` before the handle's `wait()` returned.
+    fn push_async(&self, clock: Clock, name: &str, grad: &Bound<'_, PyAny>) -> PyResult<Handle> {
+        let (t, len) = self.tensor(name)?;
+        let mut keep = Keep::new();
+        let src = arrays::source(grad, name, len, &mut keep)?;
+        let rx = self.round(Some((clock, vec![(t, src)])), None, keep)?;
+        Ok(Handle::new(rx, format!("push(clock {clock}) of {name:?}"), self.pid))
+    }
+
+    /// Starts pulling tensor `name` at clock `clock` into `out` and returns at once. Do
+    /// not read `out` before the handle's `wait()` returned.
+    fn pull_async(&self, clock: Clock, name: &str, out: &Bound<'_, PyAny>) -> PyResult<Handle> {
+        let (t, len) = self.tensor(name)?;
+        let mut keep = Keep::new();
+        let dst = arrays::destination(out, name, len, &mut keep)?;
+        let rx = self.round(None, Some((clock, vec![(t, dst)])), keep)?;
+        Ok(Handle::new(rx, format!("pull(clock {clock}) of {name:?}"), self.pid))
+    }
+
+    /// Gives tensor `name` a new server-side optimizer (a dict as in `register_model`),
+    /// e.g. a learning-rate schedule's next value. Every push sent after this returns
+    /// uses it.
+    fn set_optimizer(&self, py: Python<'_>, name: &str, optimizer: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (t, _) = self.tensor(name)?;
+        let optimizer = parse_optimizer(optimizer, name)?;
+        let rx = self.send(|done| Cmd::SetOptimizer { tensor: t as u32, optimizer, done })?;
+        wait(py, &format!("setting the optimizer of {name:?}"), rx)
+    }
+
+    /// Waits until every worker still in the job called `barrier`.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let rx = self.send(|done| Cmd::Barrier { done })?;
+        wait(py, &format!("worker {} waits in a barrier", self.rank), rx)
+    }
+
+    /// Tells the scheduler this worker is done (servers stop waiting for it) and reports
+    /// the run to the launcher. Later calls do nothing.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<()> {
+        if self.finished {
+            return Ok(());
+        }
+        let rx = self.send(|done| Cmd::Finish { done })?;
+        self.finished = true;
+        let stats: RunStats = wait(py, &format!("worker {} finishes", self.rank), rx)?;
+        events::worker_done(&stats);
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<elasticps.Worker rank {} of {}, {} tensors>", self.rank, self.size, self.names.len())
+    }
+}
+
+/// A server-side optimizer from a dict: `kind` ("sgd", "momentum", "adam"), `lr`, and
+/// `momentum`, `betas`, `eps`, `weight_decay`.
+fn parse_optimizer(spec: &Bound<'_, PyAny>, name: &str) -> PyResult<TensorOptimizer> {
+    let d = spec
+        .cast::<PyDict>()
+        .map_err(|_| PyTypeError::new_err(format!("elasticps: the optimizer of {name:?} must be a dict")))?;
+    let get_f32 =
+        |key: &str, default: Option<f32>| -> PyResult<f32> {
+            match d.get_item(key)? {
+                Some(v) => v.extract::<f64>().map(|x| x as f32).map_err(|_| {
+                    PyTypeError::new_err(format!("elasticps: optimizer of {name:?}: {key} must be a number"))
+                }),
+                None => default
+                    .ok_or_else(|| PyValueError::new_err(format!("elasticps: optimizer of {name:?} needs {key:?}"))),
+            }
+        };
+    let kind: String = match d.get_item("kind")? {
+        Some(k) => k.extract()?,
+        None => return Err(PyValueError::new_err(format!("elasticps: optimizer of {name:?} needs \"kind\""))),
+    };
+    let lr = get_f32("lr", None)?;
+    let weight_decay = get_f32("weight_decay", Some(0.0))?;
+    let kind = match kind.as_str() {
+        "sgd" => OptimizerKind::Sgd,
+        "momentum" => OptimizerKind::Momentum { beta: get_f32("momentum", Some(0.9))? },
+        "adam" => {
+            let (beta1, beta2) = match d.get_item("betas")? {
+                Some(b) => {
+                    let t = b.cast::<PyTuple>().map_err(|_| {
+                        PyTypeError::new_err(format!("elasticps: optimizer of {name:?}: betas must be a tuple"))
+                    })?;
+                    let (b1, b2): (f64, f64) = t.extract()?;
+                    (b1 as f32, b2 as f32)
+                }
+                None => (0.9, 0.999),
+            };
+            OptimizerKind::Adam { beta1, beta2, eps: get_f32("eps", Some(1e-8))? }
+        }
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "elasticps: optimizer of {name:?}: unknown kind {other:?} (server optimizers: sgd, momentum, adam)"
+            )));
+        }
+    };
+    let o = TensorOptimizer { kind, lr, weight_decay };
+    o.validate().map_err(|e| PyValueError::new_err(format!("elasticps: optimizer of {name:?}: {e}")))?;
+    Ok(o)
+}

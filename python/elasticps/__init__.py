@@ -1,0 +1,91 @@
+"""elasticps: a parameter server for distributed deep-learning training.
+
+The numpy level mirrors the Rust client::
+
+    import numpy as np, elasticps
+    w = elasticps.init()                      # ELASTICPS_SCHEDULER etc. from the environment
+    params = {"w": np.zeros(10, np.float32)}
+    w.register_model(params)                  # rank 0's values become everyone's
+    for t in range(100):
+        w.pull(t, params)                     # in place, no copy
+        grads = {"w": compute(params)}
+        w.push(t, grads)
+        elasticps.log(step=t, loss=...)
+    elasticps.finish()
+
+Arrays must be float32 and C-contiguous (anything else raises ``TypeError``). Every wait
+releases the GIL and can be interrupted with Ctrl-C. A forked child (a DataLoader worker)
+that touches the client gets ``ElasticpsError``. ``elasticps.torch.DistributedOptimizer``
+wraps a torch optimizer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from ._native import ElasticpsError, Handle, Worker, connect, log_event
+
+__all__ = [
+    "ElasticpsError",
+    "Handle",
+    "Worker",
+    "init",
+    "worker",
+    "rank",
+    "size",
+    "finish",
+    "log",
+]
+
+_lock = threading.Lock()
+_default: Optional[Worker] = None
+_steps = 0
+
+
+def init(scheduler: Optional[str] = None) -> Worker:
+    """Joins the job as a worker and returns it; it is also the process's default worker.
+
+    ``scheduler`` is ``host:port``; by default ``ELASTICPS_SCHEDULER`` (set by
+    ``elasticps launch``), else ``127.0.0.1:7000``. Calling ``init`` again returns the same
+    worker.
+    """
+    global _default
+    with _lock:
+        if _default is None:
+            _default = connect(scheduler)
+        return _default
+
+
+def worker() -> Worker:
+    """The process's default worker (``init`` first)."""
+    if _default is None:
+        raise ElasticpsError("elasticps: call elasticps.init() first")
+    return _default
+
+
+def rank() -> int:
+    """This worker's rank, ``0..size()``."""
+    return worker().rank
+
+
+def size() -> int:
+    """Number of workers in the job."""
+    return worker().size
+
+
+def finish() -> None:
+    """Tells the job this worker is done and reports its run to the launcher."""
+    if _default is not None:
+        _default.finish()
+
+
+def log(**metrics: float) -> None:
+    """Reports metrics (``loss``, ``accuracy``, ``samples``, ``total``, ...) to the
+    launcher's progress bars and report. ``step`` is the iteration (default: one more
+    than the last call's)."""
+    global _steps
+    step = metrics.pop("step", None)
+    step = _steps + 1 if step is None else int(step)
+    _steps = step
+    log_event(worker().rank, step, metrics)
