@@ -134,6 +134,7 @@ impl Message {
             Kind::PullReply => Message::PullReply { block, clock, values: Values::from_le_bytes(payload)? },
             Kind::PushAck => Message::PushAck { block, clock },
             Kind::Pull => Message::Pull { block, clock },
+            Kind::Init if clock != 0 => return Err(bad(format!("an Init frame carries clock 0, not {clock}"))),
             Kind::Init => Message::Init { block, values: Values::from_le_bytes(payload)? },
         })
     }

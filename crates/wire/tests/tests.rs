@@ -517,7 +517,7 @@ mod roundtrip {
         /// fields and payload reach the payload decoders (postcard on garbage) without panic.
         #[test]
         fn random_sealed_frames_never_panic(
-            kind in 0..8u8,
+            kind in 0..9u8,
             flags in prop::sample::select(vec![0u16, 0, 0, 1, 0x8000]),
             fields in any::<(u64, u32, u32)>(),
             payload in prop::collection::vec(any::<u8>(), 0..128),
@@ -621,7 +621,7 @@ mod invalid {
 
     #[test]
     fn unknown_kinds() {
-        for k in [0u8, 7, 99, 255] {
+        for k in [0u8, 8, 99, 255] {
             let err = refuse(edited(5..6, &[k]));
             assert_eq!(err, WireError::UnknownKind { got: k });
             assert_eq!(err.code(), ErrorCode::UnknownKind);
@@ -630,6 +630,17 @@ mod invalid {
         for k in Kind::ALL {
             assert_eq!(Kind::try_from(u8::from(k)), Ok(k));
         }
+    }
+
+    #[test]
+    fn an_init_frame_carries_clock_zero() {
+        let values = Values::from_vec(vec![1.0, 2.0]);
+        let (head, payload) = codec().encode(3, &Message::Init { block: 4, values: values.clone() }).unwrap();
+        let h = codec().decode_header(&head).unwrap();
+        assert_eq!((h.kind, h.block, h.clock), (Kind::Init, 4, 0));
+        assert_eq!(Message::decode(&h, payload.clone()).unwrap(), Message::Init { block: 4, values });
+        let wrong = FrameHeader { clock: 5, ..h };
+        assert!(matches!(Message::decode(&wrong, payload), Err(WireError::BadPayload { kind: Kind::Init, .. })));
     }
 
     #[test]
@@ -1005,7 +1016,7 @@ mod golden {
         pinned(
             "Layout example",
             &postcard::to_allocvec(&layout).unwrap(),
-            "05 02 01 77 02 02 03 01 00 00 80 bf 00 00 80 3f 01 62 01 03 00 03 00 00 00 04 01 00 04 02 02 01 00 03 01 03 00 00 01 02 00 03 68 3a 31 01 03 68 3a 32 2a",
+            "05 02 01 77 02 02 03 01 00 00 80 bf 00 00 80 3f 01 62 01 03 00 03 00 00 00 04 01 00 04 02 02 01 00 03 00 01 03 00 00 01 02 00 03 68 3a 31 01 03 68 3a 32 2a",
         );
     }
 
