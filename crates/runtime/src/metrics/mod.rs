@@ -450,7 +450,7 @@ impl SchedulerMetrics {
             servers.get_or_create(&StateLabel { state: state.into() }).set(0);
         }
         for action in SCALING_ACTIONS {
-            scaling.get_or_create(&ActionLabel { action: action.into() });
+            let _ = scaling.get_or_create(&ActionLabel { action: action.into() });
         }
         for state in ["running", "done"] {
             workers.get_or_create(&StateLabel { state: state.into() }).set(0);
