@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use elasticps_runtime::client::ClientOptions;
-use elasticps_runtime::metrics::{MetricsEndpoint, Scrape, SchedulerMetrics, ServerMetrics, WorkerMetrics};
+use elasticps_runtime::metrics::{MetricsEndpoint, SchedulerMetrics, Scrape, ServerMetrics, WorkerMetrics};
 use elasticps_runtime::scheduler::{self, SchedulerOptions};
 use elasticps_runtime::server::{self, ServerOptions};
 

@@ -291,7 +291,9 @@ mod tests {
 
     #[test]
     fn other_paths_and_methods_are_not_found() {
-        for req in [&b"GET / HTTP/1.1\r\n\r\n"[..], b"GET /metricsx HTTP/1.1\r\n\r\n", b"POST /metrics HTTP/1.1\r\n\r\n"] {
+        for req in
+            [&b"GET / HTTP/1.1\r\n\r\n"[..], b"GET /metricsx HTTP/1.1\r\n\r\n", b"POST /metrics HTTP/1.1\r\n\r\n"]
+        {
             let out = exchange(req);
             assert!(out.starts_with("HTTP/1.1 404 Not Found\r\n"), "{out}");
             assert!(!out.contains("x_total"), "{out}");

@@ -210,7 +210,8 @@ impl Collector for ServerCollector {
         let s = self.read();
         let t = &s.totals;
         if let (Some(id), Some(sync)) = (s.server_id, s.sync) {
-            let m = enc.encode_descriptor("elasticps_server", "This server and its sync policy.", None, MetricType::Info)?;
+            let m =
+                enc.encode_descriptor("elasticps_server", "This server and its sync policy.", None, MetricType::Info)?;
             let labels = [("server", id.to_string()), ("sync", sync.to_string())];
             encode_info(m, &labels)?;
         } else {
@@ -303,7 +304,11 @@ impl WorkerMetrics {
         let node = watch::channel(None).0;
         registry.register_collector(Box::new(RankInfo(node.subscribe())));
         let iterations = Counter::default();
-        registry.register("elasticps_worker_iterations", "Training iterations (rounds that pushed a clock)", iterations.clone());
+        registry.register(
+            "elasticps_worker_iterations",
+            "Training iterations (rounds that pushed a clock)",
+            iterations.clone(),
+        );
         // 1 ms .. about 33 s.
         let iteration_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         registry.register_with_unit(

@@ -11,7 +11,8 @@ use elasticps_core::sync::SyncPolicy;
 use super::elastic::{Elastic, Order};
 use super::history::BalanceLog;
 use elasticps_wire::{
-    Assignment, ClusterStatus, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr, ServerLoad, WorkerLoad,
+    Assignment, ClusterStatus, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr, ServerLoad,
+    WorkerLoad,
 };
 #[cfg(test)]
 use elasticps_wire::{MigrationReport, ScaleRequest};
