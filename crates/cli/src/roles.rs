@@ -125,6 +125,7 @@ fn any_port(listen: &str) -> String {
 /// Runs the scheduler until the job ends.
 pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
     let emitter = Emitter::new(cmd.events);
+    let job = cmd.job.job_config()?;
     let metrics = cmd.metrics_listen.as_ref().map(|_| SchedulerMetrics::new());
     let endpoint = match (&cmd.metrics_listen, &metrics) {
         (Some(listen), Some(m)) => Some(serve_metrics(listen, m.clone()).await?),
@@ -132,7 +133,7 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
     };
     let opts = SchedulerOptions {
         listen: cmd.listen.clone(),
-        job: cmd.job.job_config()?,
+        job,
         codec: cmd.net.codec(),
         join_timeout: Duration::from_secs(cmd.join_timeout_s),
         metrics,
@@ -216,4 +217,16 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
         _endpoint = Some(e);
     }
     crate::job::run(&cmd.scheduler, &cmd.data, opts, emitter).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::any_port;
+
+    #[test]
+    fn launched_servers_get_a_free_port_on_the_schedulers_metrics_host() {
+        assert_eq!(any_port("0.0.0.0:9100"), "0.0.0.0:0");
+        assert_eq!(any_port("[::1]:9100"), "[::1]:0");
+        assert_eq!(any_port("localhost"), "127.0.0.1:0");
+    }
 }

@@ -71,7 +71,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
 
     let metrics_flags: Vec<String> =
         if cmd.metrics { vec!["--metrics-listen".into(), "127.0.0.1:0".into()] } else { Vec::new() };
-    let mut scrape = Scrape::new(cmd.metrics, 1 + cmd.job.servers as usize + cmd.job.workers as usize);
+    let mut scrape = ScrapeList::new(cmd.metrics, 1 + cmd.job.servers as usize + cmd.job.workers as usize);
 
     let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into(), "--log-dir".into()];
     args.push(log_dir.display().to_string());
@@ -290,14 +290,14 @@ pub fn build_report(cmd: &TrainCmd, o: &RunOutcome) -> anyhow::Result<Report> {
 
 /// Where to scrape each node (`--metrics`): printed once every node started reports its
 /// address, then one line per node that joins later (a server the scheduler launched).
-struct Scrape {
+struct ScrapeList {
     enabled: bool,
     expected: usize,
     nodes: Vec<(String, String)>,
     printed: bool,
 }
 
-impl Scrape {
+impl ScrapeList {
     fn new(enabled: bool, expected: usize) -> Self {
         Self { enabled, expected, nodes: Vec::new(), printed: false }
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::common::{self, Proc, START_TIMEOUT};
 
-const ITERATIONS: u32 = 300;
+const ITERATIONS: u32 = 400;
 const METRICS: &[&str] = &["--metrics-listen", "127.0.0.1:0"];
 
 /// One answer of a metrics endpoint.
@@ -59,6 +59,25 @@ fn metrics_event(p: &mut Proc) -> (String, String) {
     };
     let field = |k: &str| ev[k].as_str().unwrap_or_else(|| panic!("metrics event without {k}: {ev}")).to_string();
     (field("node"), field("addr"))
+}
+
+/// `elasticps scale move-block BLOCK TO`: true if the scheduler accepted the move.
+fn move_block(sched_addr: &str, block: u32, to: u32) -> bool {
+    let mut child = Command::new(common::BIN)
+        .args(["scale", "--scheduler", sched_addr, "move-block", &block.to_string(), &to.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("starting elasticps scale");
+    match common::wait_timeout(&mut child, Duration::from_secs(30)) {
+        Some(status) => status.success(),
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("elasticps scale move-block did not exit within 30 s");
+        }
+    }
 }
 
 #[test]
@@ -161,6 +180,31 @@ fn every_node_serves_its_families_while_the_job_runs() {
         "# TYPE elasticps_scheduler_migrations counter",
     ] {
         assert!(sched_text.contains(family), "scheduler lacks {family:?}:\n{sched_text}");
+    }
+
+    // An operator moves block 0 to the other server: the old owner counts a migration
+    // out, the new one a migration in, the scheduler a migration and a new epoch.
+    let moved_to = (0..2u32)
+        .find(|to| move_block(&addr, 0, *to))
+        .unwrap_or_else(|| panic!("the scheduler refused to move block 0 anywhere"));
+    let (from_m, to_m) = (&server_metrics[1 - moved_to as usize].1, &server_metrics[moved_to as usize].1);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (from_t, to_t, sched_t) = (scrape(from_m), scrape(to_m), scrape(&sched_metrics));
+        let done = sample(&from_t, "elasticps_server_migrations_out_total") == Some(1.0)
+            && sample(&to_t, "elasticps_server_migrations_in_total") == Some(1.0)
+            && sample(&sched_t, "elasticps_scheduler_migrations_total") == Some(1.0)
+            && sample(&sched_t, "elasticps_scheduler_placement_epoch") == Some(2.0);
+        if done {
+            assert_eq!(sample(&from_t, "elasticps_server_migrations_in_total"), Some(0.0), "{from_t}");
+            assert_eq!(sample(&to_t, "elasticps_server_migrations_out_total"), Some(0.0), "{to_t}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the move of block 0 to server {moved_to} never showed:\n{from_t}\n{to_t}\n{sched_t}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 
     // A live node refuses other paths and garbage, and keeps serving.
