@@ -49,6 +49,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         job,
         codec: codec.clone(),
         join_timeout: Duration::from_secs(30),
+        metrics: None,
     };
     let scheduler = tokio::spawn(scheduler::run(sched_opts, move |addr| {
         let _ = tx.send(addr);
@@ -61,6 +62,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             advertise: None,
             codec: codec.clone(),
             trace: None,
+            metrics: None,
         };
         tokio::spawn(server::run(opts));
     }

@@ -47,6 +47,13 @@ pub enum Event {
     ServerStats(ServerStats),
     /// The scheduler's balancing history (migrations, scaling, load timeline), at the end.
     Balance(BalanceLog),
+    /// A node serves Prometheus metrics at `http://ADDR/metrics` (`--metrics-listen`).
+    Metrics {
+        /// `scheduler`, `server 1` (its id) or `worker 0` (its rank).
+        node: String,
+        /// The bound address.
+        addr: String,
+    },
 }
 
 /// Writes events to stdout when enabled.

@@ -142,6 +142,8 @@ fn role_command(exe: &Path, args: &[String], env: &[(&str, &str)], log: &Path) -
     let stderr = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
     let mut cmd = Command::new(exe);
     cmd.args(args).arg("--events").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr).kill_on_drop(true);
+    // Every child would bind the same metrics address: each gets its own flag instead.
+    cmd.env_remove("ELASTICPS_METRICS_LISTEN");
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -1,10 +1,14 @@
 //! The three roles as commands: `scheduler`, `server`, `worker`.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::Args;
 use elasticps_runtime::client::ClientOptions;
+use elasticps_runtime::metrics::{MetricsEndpoint, SchedulerMetrics, Scrape, ServerMetrics, WorkerMetrics};
 use elasticps_runtime::scheduler::{self, SchedulerOptions};
 use elasticps_runtime::server::{self, ServerOptions};
 
@@ -34,6 +38,9 @@ pub struct SchedulerCmd {
     /// Where servers started by the local launcher write their logs.
     #[arg(long, env = "ELASTICPS_LOG_DIR")]
     pub log_dir: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port).
+    #[arg(long, env = "ELASTICPS_METRICS_LISTEN", value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
     /// Print JSON events on stdout.
     #[arg(long, env = "ELASTICPS_EVENTS")]
     pub events: bool,
@@ -57,6 +64,9 @@ pub struct ServerCmd {
     /// Transport settings.
     #[command(flatten)]
     pub net: NetArgs,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port).
+    #[arg(long, env = "ELASTICPS_METRICS_LISTEN", value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
     /// Print JSON events on stdout.
     #[arg(long, env = "ELASTICPS_EVENTS")]
     pub events: bool,
@@ -74,25 +84,70 @@ pub struct WorkerCmd {
     /// Transport settings.
     #[command(flatten)]
     pub net: NetArgs,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port).
+    #[arg(long, env = "ELASTICPS_METRICS_LISTEN", value_name = "HOST:PORT")]
+    pub metrics_listen: Option<String>,
     /// Print JSON events on stdout.
     #[arg(long, env = "ELASTICPS_EVENTS")]
     pub events: bool,
 }
 
+/// How long a role's metrics event waits for the node to register (then it is not printed).
+const METRICS_EVENT_WAIT: Duration = elasticps_runtime::CALL_TIMEOUT;
+
+/// Binds `--metrics-listen` for `metrics`; the endpoint serves until dropped.
+async fn serve_metrics(listen: &str, metrics: Arc<dyn Scrape>) -> anyhow::Result<MetricsEndpoint> {
+    MetricsEndpoint::bind(listen, metrics).await.with_context(|| format!("--metrics-listen {listen}"))
+}
+
+/// The metrics event of a node, once `registered` says its id (a server's id and a
+/// worker's rank are known only once the scheduler accepted it).
+fn emit_metrics_when<F>(emitter: Emitter, role: &'static str, addr: SocketAddr, registered: F)
+where
+    F: std::future::Future<Output = Option<u32>> + Send + 'static,
+{
+    tokio::spawn(async move {
+        match registered.await {
+            Some(id) => emitter.emit(&Event::Metrics { node: format!("{role} {id}"), addr: addr.to_string() }),
+            None => tracing::warn!(role, "no metrics event: the node did not register in time"),
+        }
+    });
+}
+
+/// `HOST:0` for the servers a scheduler launches, from the scheduler's `--metrics-listen`.
+fn any_port(listen: &str) -> String {
+    match listen.rsplit_once(':') {
+        Some((host, _)) => format!("{host}:0"),
+        None => "127.0.0.1:0".into(),
+    }
+}
+
 /// Runs the scheduler until the job ends.
 pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
     let emitter = Emitter::new(cmd.events);
+    let job = cmd.job.job_config()?;
+    let metrics = cmd.metrics_listen.as_ref().map(|_| SchedulerMetrics::new());
+    let endpoint = match (&cmd.metrics_listen, &metrics) {
+        (Some(listen), Some(m)) => Some(serve_metrics(listen, m.clone()).await?),
+        _ => None,
+    };
     let opts = SchedulerOptions {
         listen: cmd.listen.clone(),
-        job: cmd.job.job_config()?,
+        job,
         codec: cmd.net.codec(),
         join_timeout: Duration::from_secs(cmd.join_timeout_s),
+        metrics,
     };
     let mut launched = None;
     let launcher: Option<Box<dyn scheduler::Launcher>> = match cmd.launcher.as_str() {
         "local" => {
             let dir = cmd.log_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("elasticps-scaled"));
-            let l = ServerLauncher::new(&dir, cmd.net.to_flags(), cmd.net.secret.clone())?;
+            let mut flags = cmd.net.to_flags();
+            if let Some(listen) = &cmd.metrics_listen {
+                // Launched servers serve metrics too, on a free port of the same host.
+                flags.extend(["--metrics-listen".into(), any_port(listen)]);
+            }
+            let l = ServerLauncher::new(&dir, flags, cmd.net.secret.clone())?;
             launched = Some(l.launched());
             Some(Box::new(l))
         }
@@ -101,6 +156,9 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
     let end = scheduler::run_with(opts, launcher, |addr| {
         tracing::info!(%addr, "scheduler listening");
         emitter.emit(&Event::Listening { addr: addr.to_string() });
+        if let Some(e) = &endpoint {
+            emitter.emit(&Event::Metrics { node: "scheduler".into(), addr: e.addr().to_string() });
+        }
     })
     .await?;
     if let Some(servers) = launched {
@@ -115,12 +173,21 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
 /// Runs a server until the scheduler ends the job.
 pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
     let emitter = Emitter::new(cmd.events);
+    let metrics = cmd.metrics_listen.as_ref().map(|_| ServerMetrics::new());
+    let mut _endpoint = None;
+    if let (Some(listen), Some(m)) = (&cmd.metrics_listen, &metrics) {
+        let e = serve_metrics(listen, m.clone()).await?;
+        let m = m.clone();
+        emit_metrics_when(emitter, "server", e.addr(), async move { m.registered(METRICS_EVENT_WAIT).await });
+        _endpoint = Some(e);
+    }
     let opts = ServerOptions {
         scheduler: cmd.scheduler,
         listen: cmd.listen,
         advertise: cmd.advertise,
         codec: cmd.net.codec(),
         trace: cmd.trace,
+        metrics,
     };
     let stats = server::run(opts).await?;
     tracing::info!(
@@ -136,8 +203,30 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
 
 /// Runs the training job of one worker.
 pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
+    let emitter = Emitter::new(cmd.events);
     let mut opts = ClientOptions::new(&cmd.scheduler);
     opts.codec = cmd.net.codec();
     opts.request_timeout = cmd.data.request_timeout();
-    crate::job::run(&cmd.scheduler, &cmd.data, opts, Emitter::new(cmd.events)).await
+    let mut _endpoint = None;
+    if let Some(listen) = &cmd.metrics_listen {
+        let m = WorkerMetrics::new();
+        let e = serve_metrics(listen, m.clone()).await?;
+        let registered = m.clone();
+        emit_metrics_when(emitter, "worker", e.addr(), async move { registered.registered(METRICS_EVENT_WAIT).await });
+        opts.metrics = Some(m);
+        _endpoint = Some(e);
+    }
+    crate::job::run(&cmd.scheduler, &cmd.data, opts, emitter).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::any_port;
+
+    #[test]
+    fn launched_servers_get_a_free_port_on_the_schedulers_metrics_host() {
+        assert_eq!(any_port("0.0.0.0:9100"), "0.0.0.0:0");
+        assert_eq!(any_port("[::1]:9100"), "[::1]:0");
+        assert_eq!(any_port("localhost"), "127.0.0.1:0");
+    }
 }

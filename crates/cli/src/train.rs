@@ -34,6 +34,10 @@ pub struct TrainCmd {
     /// Do not draw progress bars.
     #[arg(long, env = "ELASTICPS_QUIET")]
     pub quiet: bool,
+    /// Serve Prometheus metrics on every node (a free port each) and print where to
+    /// scrape them.
+    #[arg(long, env = "ELASTICPS_METRICS")]
+    pub metrics: bool,
 }
 
 /// Everything a local run produced.
@@ -65,15 +69,21 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
     let env = [("ELASTICPS_SECRET", cmd.net.secret.as_str())];
     let started = Instant::now();
 
+    let metrics_flags: Vec<String> =
+        if cmd.metrics { vec!["--metrics-listen".into(), "127.0.0.1:0".into()] } else { Vec::new() };
+    let mut scrape = ScrapeList::new(cmd.metrics, 1 + cmd.job.servers as usize + cmd.job.workers as usize);
+
     let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into(), "--log-dir".into()];
     args.push(log_dir.display().to_string());
     args.extend(cmd.job.to_flags());
     args.extend(cmd.net.to_flags());
+    args.extend(metrics_flags.iter().cloned());
     let sched = cluster.spawn("scheduler", &args, &env)?;
     let addr = loop {
         let next = tokio::time::timeout(Duration::from_secs(20), cluster.next()).await;
         match next {
             Ok(Some(NodeEvent::Line { event: Event::Listening { addr } })) => break addr,
+            Ok(Some(NodeEvent::Line { event: Event::Metrics { node, addr } })) => scrape.add(node, addr),
             Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
             Ok(Some(_)) => continue,
             Ok(None) | Err(_) => {
@@ -85,6 +95,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
         let mut args =
             vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
         args.extend(cmd.net.to_flags());
+        args.extend(metrics_flags.iter().cloned());
         args.extend(extra_server_args.iter().map(|a| a.replace("{i}", &i.to_string())));
         cluster.spawn(&format!("server {i}"), &args, &env)?;
     }
@@ -92,6 +103,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
         let mut args = vec!["worker".to_string(), "--scheduler".into(), addr.clone()];
         args.extend(cmd.data.to_flags());
         args.extend(cmd.net.to_flags());
+        args.extend(metrics_flags.iter().cloned());
         cluster.spawn(&format!("worker {i}"), &args, &env)?;
     }
 
@@ -147,6 +159,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
                     out.servers.insert(s.server_id, s);
                 }
                 Event::Balance(log) => out.balance = Some(log),
+                Event::Metrics { node, addr } => scrape.add(node, addr),
                 Event::Listening { .. } => {}
             },
         }
@@ -273,6 +286,49 @@ pub fn build_report(cmd: &TrainCmd, o: &RunOutcome) -> anyhow::Result<Report> {
         curve: o.curve.clone(),
         balance: o.balance.clone(),
     })
+}
+
+/// Where to scrape each node (`--metrics`): printed once every node started reports its
+/// address, then one line per node that joins later (a server the scheduler launched).
+struct ScrapeList {
+    enabled: bool,
+    expected: usize,
+    nodes: Vec<(String, String)>,
+    printed: bool,
+}
+
+impl ScrapeList {
+    fn new(enabled: bool, expected: usize) -> Self {
+        Self { enabled, expected, nodes: Vec::new(), printed: false }
+    }
+
+    fn add(&mut self, node: String, addr: String) {
+        if !self.enabled {
+            return;
+        }
+        let url = format!("http://{addr}/metrics");
+        if self.printed {
+            println!("metrics: {node} {url}");
+            return;
+        }
+        self.nodes.push((node, url));
+        if self.nodes.len() >= self.expected {
+            // scheduler first, then servers and workers by id.
+            let key = |n: &str| {
+                let (role, id) = n.split_once(' ').unwrap_or((n, ""));
+                let order = match role {
+                    "scheduler" => 0,
+                    "server" => 1,
+                    _ => 2,
+                };
+                (order, id.parse::<u32>().unwrap_or(0))
+            };
+            self.nodes.sort_by_key(|(n, _)| key(n));
+            let list: Vec<String> = self.nodes.iter().map(|(n, u)| format!("{n} {u}")).collect();
+            println!("metrics: {}", list.join(", "));
+            self.printed = true;
+        }
+    }
 }
 
 /// One progress bar per worker rank.

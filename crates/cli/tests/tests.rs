@@ -4,5 +4,6 @@ mod bad_input;
 mod balance_report;
 mod common;
 mod launcher;
+mod metrics;
 mod migration;
 mod semantics;

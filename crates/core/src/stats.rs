@@ -29,6 +29,12 @@ impl Histogram {
         }
     }
 
+    /// The counts per bucket: `buckets()[i]` counts values in `[2^(i-1), 2^i)` (index 0
+    /// counts zeros); buckets past the end are empty.
+    pub fn buckets(&self) -> &[u64] {
+        &self.buckets
+    }
+
     /// Number of values recorded.
     pub fn count(&self) -> u64 {
         self.buckets.iter().sum()

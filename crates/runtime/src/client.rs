@@ -26,6 +26,7 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
 use crate::error::{Result, RuntimeError};
+use crate::metrics::WorkerMetrics;
 use crate::peer::Peer;
 use crate::{CALL_TIMEOUT, HEARTBEAT_EVERY};
 
@@ -39,6 +40,8 @@ pub struct ClientOptions {
     /// How long one push or pull may wait for its server (a held pull waits for the
     /// slowest worker, so this is generous).
     pub request_timeout: Duration,
+    /// Count iterations and waits here (served by a [`crate::metrics::MetricsEndpoint`]).
+    pub metrics: Option<Arc<WorkerMetrics>>,
 }
 
 impl ClientOptions {
@@ -48,6 +51,7 @@ impl ClientOptions {
             scheduler: scheduler.into(),
             codec: Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD),
             request_timeout: Duration::from_secs(300),
+            metrics: None,
         }
     }
 }
@@ -83,11 +87,15 @@ struct LoadReport {
     /// When the last push of a new clock started, and that clock.
     last_push: Option<(Instant, Clock)>,
     report: WorkerLoad,
+    metrics: Option<Arc<WorkerMetrics>>,
 }
 
 impl LoadReport {
-    fn new(rank: u32) -> Self {
-        Self { since: Instant::now(), last_push: None, report: WorkerLoad { rank, ..Default::default() } }
+    fn new(rank: u32, metrics: Option<Arc<WorkerMetrics>>) -> Self {
+        if let Some(m) = &metrics {
+            m.registered_as(rank);
+        }
+        Self { since: Instant::now(), last_push: None, report: WorkerLoad { rank, ..Default::default() }, metrics }
     }
 
     /// A round pushing `clock` starts: the time since the first push of the previous clock
@@ -97,11 +105,15 @@ impl LoadReport {
             return;
         }
         let now = Instant::now();
-        if let Some((last, _)) = self.last_push.replace((now, clock)) {
+        let last = self.last_push.replace((now, clock)).map(|(t, _)| t);
+        if let Some(last) = last {
             self.report.iterations += 1;
             self.report.iter_us += now.duration_since(last).as_micros() as u64;
         }
         self.report.clock = clock;
+        if let Some(m) = &self.metrics {
+            m.iteration(clock, last.map(|l| now.duration_since(l)));
+        }
     }
 
     fn sample(&mut self, server: u32) -> &mut ServerSample {
@@ -130,6 +142,9 @@ impl LoadReport {
         let p = self.sample(server);
         p.rounds += 1;
         p.wait_us += waited.as_micros() as u64;
+        if let Some(m) = &self.metrics {
+            m.waited(server, waited);
+        }
     }
 
     /// The report, if an interval has passed (then a fresh one starts).
@@ -172,6 +187,7 @@ impl Client {
             }
         });
         tracing::info!(rank, num_workers, "worker registered");
+        let load = LoadReport::new(rank, opts.metrics.clone());
         Ok(Client {
             rank,
             num_workers,
@@ -182,7 +198,7 @@ impl Client {
             shutdown,
             heartbeat,
             waits: Waits::default(),
-            load: LoadReport::new(rank),
+            load,
         })
     }
 

@@ -11,6 +11,7 @@
 //! - [`shaping`]: server straggler injection for experiments (a bandwidth cap on a
 //!   server's sockets, CPU interference), as in PSLD.
 //! - [`client`]: the worker library a user's training loop calls: `pull(t)`, `push(t)`.
+//! - [`metrics`]: Prometheus metrics of every role and the endpoint serving them.
 //!
 //! Every wait has a timeout whose error says what was waited for.
 
@@ -20,6 +21,7 @@ use std::time::{Duration, Instant};
 pub mod client;
 pub mod conn;
 pub mod error;
+pub mod metrics;
 pub mod peer;
 pub mod pool;
 pub mod scheduler;

@@ -12,7 +12,8 @@ use elasticps_core::sync::SyncPolicy;
 use super::elastic::{Elastic, Order};
 use super::history::BalanceLog;
 use elasticps_wire::{
-    Assignment, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr, ServerLoad, WorkerLoad,
+    Assignment, ClusterStatus, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr, ServerLoad,
+    WorkerLoad,
 };
 #[cfg(test)]
 use elasticps_wire::{MigrationReport, ScaleRequest};
@@ -221,6 +222,13 @@ impl Membership {
         self.elastic.log()
     }
 
+    /// The cluster as `elasticps status` shows it (servers, workers, epoch, migrations).
+    pub fn status(&self) -> ClusterStatus {
+        let addrs: Vec<(u32, String)> =
+            self.servers.iter().enumerate().map(|(id, (_, a))| (id as u32, a.clone())).collect();
+        self.elastic.status(self.placement.as_ref(), &addrs, self.now_us)
+    }
+
     /// What the scheduler waits for right now, in words, or `None` while training runs.
     pub fn waiting_for(&self) -> Option<String> {
         let (s, w) = (self.servers.len() as u32, self.workers.len() as u32);
@@ -397,12 +405,7 @@ impl Membership {
                 }
                 self.carry_out(orders, out);
             }
-            (Control::GetStatus, _) => {
-                let addrs: Vec<(u32, String)> =
-                    self.servers.iter().enumerate().map(|(id, (_, a))| (id as u32, a.clone())).collect();
-                let status = self.elastic.status(self.placement.as_ref(), &addrs, self.now_us);
-                reply(out, Control::Status(status).into());
-            }
+            (Control::GetStatus, _) => reply(out, Control::Status(self.status()).into()),
             (Control::Scale(req), _) => {
                 let Some(placement) = self.placement.as_ref().filter(|_| self.layout_ready) else {
                     refuse(out, ErrorCode::NotReady, "the job is not running yet: no model is placed".into());

@@ -19,6 +19,7 @@ pub use membership::{Action, BalanceMode, ConnId, Event, JobConfig, Membership};
 
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
+use crate::metrics::SchedulerMetrics;
 use crate::{HEARTBEAT_TIMEOUT, Micros};
 
 /// One connection as the actor sees it: where to send, and how to close it. The reader
@@ -42,6 +43,9 @@ pub struct SchedulerOptions {
     pub codec: Codec,
     /// Give up if the cluster is not complete and the model placed within this time.
     pub join_timeout: Duration,
+    /// Set these from the membership state on every tick (served by a
+    /// [`crate::metrics::MetricsEndpoint`]).
+    pub metrics: Option<Arc<SchedulerMetrics>>,
 }
 
 /// Starts servers for the scheduler when it scales out: a local process launcher (the
@@ -114,6 +118,7 @@ pub async fn run_with(
         if let Event::Lost { conn, .. } = &event {
             conns.remove(conn);
         }
+        let tick_event = matches!(event, Event::Tick { .. });
         let mut finished = None;
         for action in state.step(event) {
             match action {
@@ -137,6 +142,9 @@ pub async fn run_with(
                 },
                 Action::Finish { ok, reason } => finished = Some((ok, reason)),
             }
+        }
+        if let Some(m) = opts.metrics.as_ref().filter(|_| tick_event) {
+            m.update(&state.status(), state.balance_log());
         }
         if let Some((ok, reason)) = finished {
             tracing::info!(ok, %reason, "job over");

@@ -171,6 +171,7 @@ fn finish_handover(state: &State, block: BlockId, to: ServerId, epoch: u64) {
     let Some(shard) = state.current() else { return };
     shard.set_owner(block, to, epoch);
     let Some(slot) = write(&shard.blocks).remove(&block) else { return };
+    state.migrations_out.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (parked, held) = {
         let mut s = lock(&slot);
         s.gone = Some((to, epoch));
@@ -260,6 +261,7 @@ pub(super) fn take_delta(state: &State, block: BlockId, epoch: u64, pushes: &[Lo
                 }
             }
             shard.set_owner(block, shard.id, epoch);
+            state.migrations_in.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::info!(server = shard.id, block, epoch, replayed = pushes.len(), "block arrived");
             Control::Ok.into()
         }

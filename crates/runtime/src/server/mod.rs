@@ -28,6 +28,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::conn;
 use crate::error::{Result, RuntimeError};
+use crate::metrics::ServerMetrics;
 use crate::peer::Peer;
 use crate::shaping::Shaper;
 use crate::{HEARTBEAT_EVERY, Micros, STATS_INTERVAL, timeout};
@@ -48,6 +49,8 @@ pub struct ServerOptions {
     pub codec: Codec,
     /// Write one JSON line per answered pull (block, worker, clock, done, held_us) here.
     pub trace: Option<PathBuf>,
+    /// Expose this server's counters here (served by a [`crate::metrics::MetricsEndpoint`]).
+    pub metrics: Option<Arc<ServerMetrics>>,
 }
 
 /// Runs a server until the scheduler shuts the job down; returns its final counters.
@@ -73,6 +76,8 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         load: Default::default(),
         connections: AtomicU64::new(0),
         last_request_us: AtomicU64::new(0),
+        migrations_in: AtomicU64::new(0),
+        migrations_out: AtomicU64::new(0),
     });
 
     let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
@@ -86,6 +91,9 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         other => return Err(unexpected("scheduler", "Welcome", &other)),
     };
     tracing::info!(server = id, addr = %data_addr, "server registered");
+    if let Some(m) = &opts.metrics {
+        m.attach(id, state.clone());
+    }
 
     let accept = tokio::spawn(accept_loop(listener, state.clone()));
     let heartbeat = {

@@ -21,6 +21,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use crate::conn::Outbox;
+use crate::metrics::{ServerSnapshot, ServerSource, staleness_bound};
 use crate::shaping::Shaper;
 
 /// Where an answer goes: the connection's outbox and the request id.
@@ -238,6 +239,25 @@ pub(super) struct State {
     pub connections: AtomicU64,
     /// When the last data request arrived (the server's clock, µs).
     pub last_request_us: AtomicU64,
+    /// Blocks that arrived by migration.
+    pub migrations_in: AtomicU64,
+    /// Blocks handed over to another server.
+    pub migrations_out: AtomicU64,
+}
+
+/// Counters over a server's blocks (see [`State::stats`]).
+#[derive(Default)]
+struct Counters {
+    blocks: u32,
+    bytes: u64,
+    totals: BlockStats,
+    hold: Histogram,
+}
+
+impl ServerSource for State {
+    fn snapshot(&self) -> ServerSnapshot {
+        self.metrics_snapshot()
+    }
 }
 
 /// Load counters since the last report.
@@ -341,26 +361,54 @@ impl State {
 
     /// The server's counters (final report and `GetStats`).
     pub fn stats(&self, id: ServerId) -> ServerStats {
-        let mut totals = BlockStats::default();
-        let mut hist = Histogram::default();
-        let (mut blocks, mut bytes, mut sync) = (0, 0, String::new());
-        if let Some(shard) = self.current() {
-            sync = shard.policy_name();
-            for (_, slot) in shard.slots() {
-                let s = lock(&slot);
-                if s.gone.is_some() {
-                    continue;
-                }
-                totals.merge(s.block.stats());
-                hist.merge(s.block.hold_histogram());
-                blocks += 1;
-                bytes += s.block.spec().bytes() as u64;
+        let (shard, c) = self.counters();
+        let sync = shard.map_or_else(String::new, |s| s.policy_name());
+        let Counters { blocks, bytes, totals, hold } = c;
+        ServerStats { server_id: id, sync, blocks, bytes, totals, hold_p99_us: hold.quantile(0.99) }
+    }
+
+    /// The counters summed over the owned blocks and the blocks that left.
+    fn counters(&self) -> (Option<Arc<Shard>>, Counters) {
+        let mut c = Counters::default();
+        let Some(shard) = self.current() else { return (None, c) };
+        for (_, slot) in shard.slots() {
+            let s = lock(&slot);
+            if s.gone.is_some() {
+                continue;
             }
-            let departed = lock(&shard.departed);
-            totals.merge(&departed.0);
-            hist.merge(&departed.1);
+            c.totals.merge(s.block.stats());
+            c.hold.merge(s.block.hold_histogram());
+            c.blocks += 1;
+            c.bytes += s.block.spec().bytes() as u64;
         }
-        ServerStats { server_id: id, sync, blocks, bytes, totals, hold_p99_us: hist.quantile(0.99) }
+        let departed = lock(&shard.departed);
+        c.totals.merge(&departed.0);
+        c.hold.merge(&departed.1);
+        drop(departed);
+        (Some(shard), c)
+    }
+
+    /// The counters as the metrics show them.
+    pub fn metrics_snapshot(&self) -> ServerSnapshot {
+        let (shard, c) = self.counters();
+        let (server_id, sync, staleness_bound) = match &shard {
+            Some(s) => {
+                let bound = staleness_bound(s.config.sync, s.staleness.load(Ordering::Relaxed));
+                (Some(s.id), Some(s.config.sync), bound)
+            }
+            None => (None, None, 0),
+        };
+        ServerSnapshot {
+            server_id,
+            sync,
+            staleness_bound,
+            blocks: c.blocks,
+            bytes: c.bytes,
+            totals: c.totals,
+            hold: c.hold.buckets().to_vec(),
+            migrations_in: self.migrations_in.load(Ordering::Relaxed),
+            migrations_out: self.migrations_out.load(Ordering::Relaxed),
+        }
     }
 
     /// The load since the last call (counters reset), for the scheduler.
