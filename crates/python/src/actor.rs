@@ -10,6 +10,7 @@ use elasticps_core::model::TensorSpec;
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_runtime::metrics::MetricsEndpoint;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::arrays::{Dst, Keep, Src};
@@ -45,8 +46,14 @@ pub enum Cmd {
     Finish { done: Reply<RunStats> },
 }
 
-/// Connects, then serves commands until `Finish` or until every sender is gone.
-pub async fn run(opts: ClientOptions, ready: Reply<(u32, u32)>, mut rx: mpsc::UnboundedReceiver<Cmd>) {
+/// Connects, then serves commands until `Finish` or until every sender is gone. The
+/// metrics endpoint, if any, serves as long as this task runs.
+pub async fn run(
+    opts: ClientOptions,
+    _metrics: Option<MetricsEndpoint>,
+    ready: Reply<(u32, u32)>,
+    mut rx: mpsc::UnboundedReceiver<Cmd>,
+) {
     let mut client = match Client::connect(opts).await {
         Ok(c) => c,
         Err(e) => {

@@ -41,6 +41,11 @@ fn open_sink() -> Option<std::fs::File> {
     Some(unsafe { std::os::fd::FromRawFd::from_raw_fd(dup) })
 }
 
+/// Where this worker serves its Prometheus metrics.
+pub fn metrics(rank: u32, addr: &str) {
+    emit(&serde_json::json!({ "event": "metrics", "node": format!("worker {rank}"), "addr": addr }));
+}
+
 /// `elasticps.log(**metrics)`.
 pub fn log(rank: u32, step: u64, metrics: BTreeMap<String, f64>) {
     {

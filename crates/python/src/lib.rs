@@ -49,7 +49,8 @@ fn env_number<T: std::str::FromStr>(name: &str, default: T) -> PyResult<T> {
 /// Connects to the scheduler (`scheduler`, else `ELASTICPS_SCHEDULER`, else
 /// 127.0.0.1:7000) with the transport settings of the roles' environment variables
 /// (`ELASTICPS_SECRET`, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`), joins the
-/// job and returns the worker.
+/// job and returns the worker. `ELASTICPS_METRICS_LISTEN=HOST:PORT` serves its Prometheus
+/// metrics there.
 #[pyfunction]
 #[pyo3(signature = (scheduler=None))]
 fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker> {
@@ -69,7 +70,8 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     let mut opts = ClientOptions::new(scheduler);
     opts.codec = elasticps_wire::Codec::new(secret.as_bytes(), max_frame_mib.saturating_mul(1 << 20));
     opts.request_timeout = Duration::from_secs(request_timeout_s.max(1));
-    worker::Worker::connect(py, opts)
+    let metrics_listen = std::env::var("ELASTICPS_METRICS_LISTEN").ok().filter(|s| !s.is_empty());
+    worker::Worker::connect(py, opts, metrics_listen)
 }
 
 /// Writes a `log` event (`elasticps.log(**metrics)`) for the launcher.

@@ -8,6 +8,7 @@ use elasticps_core::model::{Init, TensorSpec};
 use elasticps_core::optimizer::{OptimizerKind, TensorOptimizer};
 use elasticps_core::sync::Clock;
 use elasticps_runtime::client::ClientOptions;
+use elasticps_runtime::metrics::{MetricsEndpoint, WorkerMetrics};
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -34,6 +35,8 @@ pub struct Worker {
     tensors: HashMap<String, (usize, usize)>,
     names: Vec<String>,
     finished: bool,
+    /// Where the worker's Prometheus metrics are served, if they are.
+    metrics_addr: Option<String>,
 }
 
 impl Drop for Worker {
@@ -97,14 +100,28 @@ impl Handle {
 
 impl Worker {
     /// Connects to the scheduler with `opts` and joins the job.
-    pub fn connect(py: Python<'_>, opts: ClientOptions) -> PyResult<Self> {
+    /// Connects to the scheduler with `opts` and joins the job; with `metrics_listen`,
+    /// serves the worker's Prometheus metrics there (`/metrics`) while it runs.
+    pub fn connect(py: Python<'_>, mut opts: ClientOptions, metrics_listen: Option<String>) -> PyResult<Self> {
         let rt = runtime::runtime()?;
+        let mut endpoint = None;
+        if let Some(listen) = metrics_listen {
+            let metrics = WorkerMetrics::new();
+            let bound = py.detach(|| rt.block_on(MetricsEndpoint::bind(&listen, metrics.clone())));
+            endpoint = Some(bound.map_err(|e| ElasticpsError::new_err(format!("elasticps: ELASTICPS_METRICS_LISTEN: {e}")))?);
+            opts.metrics = Some(metrics);
+        }
+        let metrics_addr = endpoint.as_ref().map(|e| e.addr().to_string());
         let (tx, rx) = mpsc::unbounded_channel();
         let (ready, joined) = oneshot::channel();
         let scheduler = opts.scheduler.clone();
-        rt.spawn(actor::run(opts, ready, rx));
+        rt.spawn(actor::run(opts, endpoint, ready, rx));
         let (rank, size) = wait(py, &format!("joining the job of the scheduler at {scheduler}"), joined)?;
+        if let Some(addr) = &metrics_addr {
+            events::metrics(rank, addr);
+        }
         Ok(Worker {
+            metrics_addr,
             rank,
             size,
             pid: std::process::id(),
@@ -176,6 +193,12 @@ impl Worker {
     #[getter]
     fn size(&self) -> u32 {
         self.size
+    }
+
+    /// `host:port` of this worker's Prometheus metrics (`ELASTICPS_METRICS_LISTEN`), or None.
+    #[getter]
+    fn metrics_addr(&self) -> Option<String> {
+        self.metrics_addr.clone()
     }
 
     /// The model's tensor names, in order (empty before `register_model`).
