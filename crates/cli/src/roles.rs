@@ -74,7 +74,8 @@ pub struct WorkerCmd {
     /// Transport settings.
     #[command(flatten)]
     pub net: NetArgs,
-    /// Print JSON events on stdout.
+    /// Print JSON events on stdout (unless ELASTICPS_EVENTS_FD names a descriptor for them,
+    /// as `elasticps launch` does).
     #[arg(long, env = "ELASTICPS_EVENTS")]
     pub events: bool,
 }
@@ -139,5 +140,7 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
     let mut opts = ClientOptions::new(&cmd.scheduler);
     opts.codec = cmd.net.codec();
     opts.request_timeout = cmd.data.request_timeout();
-    crate::job::run(&cmd.scheduler, &cmd.data, opts, Emitter::new(cmd.events)).await
+    // Started by `elasticps launch`, events go to its pipe (ELASTICPS_EVENTS_FD).
+    let emitter = Emitter::from_env(cmd.events)?;
+    crate::job::run(&cmd.scheduler, &cmd.data, opts, emitter).await
 }
