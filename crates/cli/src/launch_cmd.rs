@@ -15,6 +15,7 @@
 //! - it runs in its own process group, killed with the job.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Args;
 
@@ -42,6 +43,11 @@ pub struct LaunchCmd {
     /// Do not draw progress bars.
     #[arg(long, env = "ELASTICPS_QUIET")]
     pub quiet: bool,
+    /// Once every worker has exited, how long the scheduler and the servers may take to
+    /// end the job before they are stopped and the launch fails, in seconds (a worker that
+    /// exits without finishing leaves the scheduler waiting).
+    #[arg(long, env = "ELASTICPS_END_TIMEOUT", default_value_t = crate::runner::JOB_END_TIMEOUT.as_secs_f64())]
+    pub end_timeout_s: f64,
     /// The worker command and its arguments, after `--` (e.g. `-- python train.py --epochs 2`).
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
@@ -60,6 +66,8 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
         quiet: cmd.quiet,
         extra_server_args: &[],
         workers: Workers::Command { argv: &cmd.command, env },
+        end_timeout: Duration::try_from_secs_f64(cmd.end_timeout_s)
+            .map_err(|_| anyhow::anyhow!("--end-timeout-s must be a non-negative number of seconds"))?,
     })
     .await?;
     let report = build_report(&cmd, &outcome);

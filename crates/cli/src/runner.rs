@@ -2,8 +2,8 @@
 //! scheduler and the servers, then the workers (this binary's `worker` role, or the
 //! user's own command with the environment of the launch contract), draws one progress
 //! bar per worker, collects the event streams into a [`RunOutcome`], and stops every
-//! process when one fails, when the user presses Ctrl-C (or sends SIGTERM), or when the
-//! job does not end within [`JOB_END_TIMEOUT`] after the last worker exited.
+//! process when one fails, when the user presses Ctrl-C (or sends SIGTERM or SIGHUP), or
+//! when the job does not end within [`JobSpec::end_timeout`] after the last worker exited.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -18,8 +18,8 @@ use crate::launch::{Cluster, NodeEvent};
 use crate::report::{CurvePoint, Report, ServerReport, WorkerReport};
 use elasticps_runtime::scheduler::BalanceLog;
 
-/// How long the scheduler and the servers may take to end the job once every worker has
-/// exited (the scheduler ends it when every worker called `finish`).
+/// How long the scheduler and the servers may take, by default, to end the job once every
+/// worker has exited (the scheduler ends it when every worker called `finish`).
 pub const JOB_END_TIMEOUT: Duration = Duration::from_secs(45);
 /// How long the scheduler may take to report its address.
 const SCHEDULER_START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -58,6 +58,9 @@ pub struct JobSpec<'a> {
     pub extra_server_args: &'a [String],
     /// The workers.
     pub workers: Workers<'a>,
+    /// How long the scheduler and the servers may take to end the job once every worker
+    /// has exited.
+    pub end_timeout: Duration,
 }
 
 /// Everything a local run produced.
@@ -94,16 +97,22 @@ pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32
     .collect()
 }
 
-/// SIGINT and SIGTERM, listened to for the whole run.
+/// SIGINT, SIGTERM and SIGHUP, listened to for the whole run: each stops every node
+/// (a worker command's own children included) before the launcher exits.
 struct Signals {
     int: Signal,
     term: Signal,
+    hup: Signal,
 }
 
 impl Signals {
     fn new() -> anyhow::Result<Self> {
         let listen = |kind| signal(kind).map_err(|e| anyhow::anyhow!("cannot listen for signals: {e}"));
-        Ok(Self { int: listen(SignalKind::interrupt())?, term: listen(SignalKind::terminate())? })
+        Ok(Self {
+            int: listen(SignalKind::interrupt())?,
+            term: listen(SignalKind::terminate())?,
+            hup: listen(SignalKind::hangup())?,
+        })
     }
 
     /// Waits for either signal; returns what to call it.
@@ -111,6 +120,7 @@ impl Signals {
         tokio::select! {
             _ = self.int.recv() => "interrupted",
             _ = self.term.recv() => "terminated",
+            _ = self.hup.recv() => "hung up",
         }
     }
 }
@@ -207,9 +217,9 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
                 let left = cluster.running().join(", ");
                 cluster.kill_all();
                 anyhow::bail!(
-                    "every worker exited, but the job did not end within {} s (still running: {left}); a worker \
+                    "every worker exited, but the job did not end within {:.0} s (still running: {left}); a worker \
                      that exits without finishing leaves the scheduler waiting for it",
-                    JOB_END_TIMEOUT.as_secs()
+                    spec.end_timeout.as_secs_f64()
                 );
             }
         };
@@ -224,7 +234,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
                     return Err(err.context("the job failed; every other node was stopped"));
                 }
                 if worker_nodes.remove(&node) && worker_nodes.is_empty() {
-                    end_by = Some(tokio::time::Instant::now() + JOB_END_TIMEOUT);
+                    end_by = Some(tokio::time::Instant::now() + spec.end_timeout);
                 }
                 if cluster.all_exited() {
                     break;

@@ -42,6 +42,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::
         quiet: cmd.quiet,
         extra_server_args,
         workers: Workers::Role(&cmd.data),
+        end_timeout: crate::runner::JOB_END_TIMEOUT,
     })
     .await
 }

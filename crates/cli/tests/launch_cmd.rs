@@ -286,3 +286,46 @@ fn a_command_that_cannot_start_is_a_clear_error_before_any_process_starts() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("required") && err.contains("<CMD>"), "{err}");
 }
+
+#[test]
+fn workers_that_exit_without_joining_end_the_launch_after_the_end_timeout() {
+    let dir = common::temp_dir("launch-nojoin");
+    let worker = script(&dir, "worker.sh", "echo \"not joining\"").display().to_string();
+    let started = Instant::now();
+    let mut job = Running::start(launch(&["--end-timeout-s", "2", "--", &worker]));
+    let kids = wait_for_children(&job.child, 3);
+    assert!(kids.len() >= 3, "the scheduler and 2 servers at least: {kids:?}");
+    job.wait_line("[worker 1] not joining");
+    let (status, err) = job.wait(Duration::from_secs(30));
+    assert!(!status.success());
+    assert!(
+        err.contains(
+            "every worker exited, but the job did not end within 2 s (still running: scheduler, server 0, server 1)"
+        ),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(20), "bounded by --end-timeout-s: {:?}", started.elapsed());
+    assert_all_gone(&kids);
+}
+
+#[test]
+fn a_worker_killed_by_a_signal_is_named_with_the_signal() {
+    let dir = common::temp_dir("launch-kill9");
+    let body = format!(
+        r#"if [ "$ELASTICPS_LOCAL_RANK" = 0 ]; then
+  echo "self $$"
+  sleep 1
+  kill -9 $$
+fi
+exec {BIN} worker --iterations 1000000 --eval-every 0"#
+    );
+    let worker = script(&dir, "worker.sh", &body).display().to_string();
+    let mut job = Running::start(launch(&["--", &worker]));
+    let kids = wait_for_children(&job.child, 5);
+    let victim = child_pid(&job.wait_line("[worker 0] self "));
+    let (status, err) = job.wait(Duration::from_secs(30));
+    assert!(!status.success());
+    let named = format!("worker 0 (pid {victim}: {worker}) was killed by signal 9");
+    assert!(err.contains(&named), "{err}");
+    assert_all_gone(&kids);
+}
