@@ -75,7 +75,8 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// A cluster of this binary's roles, with each node's stderr logged under `log_dir`.
+    /// A cluster of this binary's roles and users' commands, with each node's log under
+    /// `log_dir`.
     pub fn new(log_dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(log_dir)
             .with_context(|| format!("creating the log directory {}", log_dir.display()))?;
@@ -378,6 +379,9 @@ fn role_command(exe: &Path, args: &[String], env: &[(&str, &str)], log: &Path) -
     let stderr = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
     let mut cmd = Command::new(exe);
     cmd.args(args).arg("--events").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr).kill_on_drop(true);
+    // A role prints its events on the stdout we read, even if this launcher was itself
+    // started by `elasticps launch`.
+    cmd.env_remove(elasticps_runtime::events::EVENTS_FD_VAR);
     for (k, v) in env {
         cmd.env(k, v);
     }
