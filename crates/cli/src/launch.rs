@@ -1,13 +1,24 @@
-//! A local cluster of role processes: spawns them, reads their event streams, watches
-//! them exit, and kills them all on failure or Ctrl-C. Children also die with the
-//! launcher (Linux `PR_SET_PDEATHSIG`), so nothing is left behind even if it is killed.
+//! A local cluster of processes: this binary's roles, and (for `elasticps launch`) the
+//! user's own worker commands. It spawns them, reads their event streams, watches them
+//! exit, and kills them all on failure or Ctrl-C. Children also die with the launcher
+//! (Linux `PR_SET_PDEATHSIG`), so nothing is left behind even if it is killed; a user's
+//! command runs in its own process group, which is killed with it, so a script's own
+//! children die too.
+//!
+//! A role prints its events on stdout. A user's command gets a pipe as file descriptor 3
+//! (`ELASTICPS_EVENTS_FD=3`) for its events; its stdout and stderr are free for the user:
+//! every line is forwarded ([`NodeEvent::Output`]) and written to the node's log.
 
+use std::io::Write as _;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::mpsc;
 
@@ -20,6 +31,15 @@ pub enum NodeEvent {
     Line {
         /// The event.
         event: Event,
+    },
+    /// A user's command printed a line on its stdout or stderr (already in its log).
+    Output {
+        /// Index of the node, in spawn order.
+        node: usize,
+        /// The line, without its end (invalid UTF-8 replaced).
+        line: String,
+        /// True if it came from stderr.
+        stderr: bool,
     },
     /// The node exited.
     Exited {
@@ -35,7 +55,15 @@ struct Node {
     pid: Option<u32>,
     log: PathBuf,
     running: bool,
+    /// For a user's command: its command line; it leads its own process group.
+    command: Option<String>,
 }
+
+/// The file descriptor a user's command writes its events to.
+pub const EVENTS_FD: i32 = 3;
+/// How long the output of a command that exited is still read (a child of the command
+/// may hold its pipes open).
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The processes of one local job.
 pub struct Cluster {
@@ -47,7 +75,8 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// A cluster of this binary's roles, with each node's stderr logged under `log_dir`.
+    /// A cluster of this binary's roles and users' commands, with each node's log under
+    /// `log_dir`.
     pub fn new(log_dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(log_dir)
             .with_context(|| format!("creating the log directory {}", log_dir.display()))?;
@@ -85,7 +114,86 @@ impl Cluster {
                 Err(e) => tracing::warn!(node = %label, error = %e, "cannot wait for child"),
             }
         });
-        self.nodes.push(Node { name: name.to_string(), pid, log, running: true });
+        self.nodes.push(Node { name: name.to_string(), pid, log, running: true, command: None });
+        Ok(node)
+    }
+
+    /// Starts a user's command `argv` as node `name` (e.g. "worker 1") with `env` added
+    /// to this process's environment, in its own process group, with a pipe for its
+    /// events as file descriptor [`EVENTS_FD`]. Its stdout and stderr lines come back as
+    /// [`NodeEvent::Output`] and go into `LOG_DIR/NAME.log`.
+    pub fn spawn_command(&mut self, name: &str, argv: &[String], env: &[(String, String)]) -> anyhow::Result<usize> {
+        let node = self.nodes.len();
+        let (program, args) = argv.split_first().context("an empty command")?;
+        let shown = shell_words(argv);
+        let log = self.log_dir.join(format!("{}.log", name.replace(' ', "-")));
+        let log_file = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let log_file = Arc::new(Mutex::new(log_file));
+        let (events_read, events_write) = cloexec_pipe().context("creating the events pipe")?;
+        let write_fd = events_write.as_raw_fd();
+        let mut cmd = Command::new(program);
+        cmd.args(args).envs(env.iter().map(|(k, v)| (k, v))).kill_on_drop(true);
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        // SAFETY: only async-signal-safe calls (setpgid, prctl, dup2, fcntl) on integers.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setpgid(0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                #[cfg(target_os = "linux")]
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                // The pipe was made close-on-exec; its copy as fd 3 is not.
+                let ok = if write_fd == EVENTS_FD {
+                    libc::fcntl(EVENTS_FD, libc::F_SETFD, 0)
+                } else {
+                    libc::dup2(write_fd, EVENTS_FD)
+                };
+                if ok < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let spawned = cmd.spawn();
+        // The child has its copy: without ours, the pipe ends when the child's copies do.
+        drop(events_write);
+        let mut child = spawned.map_err(|e| anyhow::anyhow!("cannot start {name} (`{shown}`): {program}: {e}"))?;
+        let pid = child.id();
+        let (stdout, stderr) =
+            (child.stdout.take().context("child stdout")?, child.stderr.take().context("child stderr")?);
+        let events = tokio::net::unix::pipe::Receiver::from_owned_fd(events_read).context("reading the events pipe")?;
+        let tx = self.tx.clone();
+        let label = name.to_string();
+        let readers = vec![
+            tokio::spawn(read_events(BufReader::new(events), tx.clone(), label.clone())),
+            tokio::spawn(forward_output(BufReader::new(stdout), node, false, log_file.clone(), tx.clone())),
+            tokio::spawn(forward_output(BufReader::new(stderr), node, true, log_file, tx.clone())),
+        ];
+        tracing::info!(node = %label, pid, command = %shown, "command started");
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            // What the command left behind in its process group dies with it (and then
+            // holds none of its pipes open).
+            if let Some(pid) = pid {
+                // SAFETY: kill(2) on the process group our child led.
+                unsafe {
+                    libc::kill(-(pid as libc::pid_t), libc::SIGKILL);
+                }
+            }
+            // Read what it wrote before it exited; a process that left the group and
+            // still holds a pipe open does not keep the job waiting.
+            let drain = futures::future::join_all(readers);
+            if tokio::time::timeout(DRAIN_TIMEOUT, drain).await.is_err() {
+                tracing::debug!(node = %label, "output still open after the command exited");
+            }
+            match status {
+                Ok(status) => {
+                    let _ = tx.send(NodeEvent::Exited { node, status });
+                }
+                Err(e) => tracing::warn!(node = %label, error = %e, "cannot wait for child"),
+            }
+        });
+        self.nodes.push(Node { name: name.to_string(), pid, log, running: true, command: Some(shown) });
         Ok(node)
     }
 
@@ -117,10 +225,23 @@ impl Cluster {
         format!("last lines of {}:\n{tail}", n.log.display())
     }
 
-    /// Kills every node still running.
+    /// The names of the nodes still running.
+    pub fn running(&self) -> Vec<&str> {
+        self.nodes.iter().filter(|n| n.running).map(|n| n.name.as_str()).collect()
+    }
+
+    /// Kills every node still running, and the process group of every user's command
+    /// (what its own children left behind, even once the command itself has exited).
     pub fn kill_all(&mut self) {
-        for n in self.nodes.iter_mut().filter(|n| n.running) {
-            if let Some(pid) = n.pid {
+        for n in self.nodes.iter_mut() {
+            let Some(pid) = n.pid else { continue };
+            if n.command.is_some() {
+                // SAFETY: kill(2) on the process group our child leads (its pid).
+                unsafe {
+                    libc::kill(-(pid as libc::pid_t), libc::SIGKILL);
+                }
+            }
+            if n.running {
                 // SAFETY: kill(2) on a pid we spawned and have not reaped.
                 unsafe {
                     libc::kill(pid as libc::pid_t, libc::SIGKILL);
@@ -130,10 +251,126 @@ impl Cluster {
         }
     }
 
-    /// The error for a node that exited with `status`, with the tail of its log.
+    /// The error for a node that exited with `status`, with the tail of its log: for a
+    /// role `server 1 exited with exit status: 1`, for a user's command `worker 1 (pid
+    /// 12345: python train.py) was killed by signal 9` or `... exited with status 3`.
     pub fn failure(&self, node: usize, status: ExitStatus) -> anyhow::Error {
-        anyhow::anyhow!("{} exited with {status}\n{}", self.name(node), self.log_tail(node, 12))
+        let n = &self.nodes[node];
+        match &n.command {
+            None => anyhow::anyhow!("{} exited with {status}\n{}", n.name, self.log_tail(node, 12)),
+            Some(command) => {
+                let how = match (status.code(), status.signal()) {
+                    (Some(code), _) => format!("exited with status {code}"),
+                    (None, Some(sig)) => format!("was killed by signal {sig}"),
+                    (None, None) => format!("exited with {status}"),
+                };
+                let pid = n.pid.map_or_else(|| "pid ?".to_string(), |p| format!("pid {p}"));
+                anyhow::anyhow!("{} ({pid}: {command}) {how}\n{}", n.name, self.log_tail(node, 12))
+            }
+        }
     }
+}
+
+/// Reads event lines from a user's command's pipe until it closes.
+async fn read_events(mut r: impl AsyncBufRead + Unpin, tx: mpsc::UnboundedSender<NodeEvent>, label: String) {
+    let mut buf = Vec::new();
+    let mut warned = false;
+    loop {
+        buf.clear();
+        match r.read_until(b'\n', &mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let line = String::from_utf8_lossy(&buf);
+        let line = line.trim_end();
+        if line.is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<Event>(line) {
+            Ok(event) => {
+                let _ = tx.send(NodeEvent::Line { event });
+            }
+            Err(e) if !warned => {
+                warned = true;
+                tracing::warn!(node = %label, %line, error = %e, "not an event line on fd 3 (further ones are ignored quietly)");
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Forwards a user's command's output lines (and writes them into its log) until the
+/// stream closes.
+async fn forward_output(
+    mut r: impl AsyncBufRead + Unpin,
+    node: usize,
+    stderr: bool,
+    log: Arc<Mutex<std::fs::File>>,
+    tx: mpsc::UnboundedSender<NodeEvent>,
+) {
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match r.read_until(b'\n', &mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if buf.last() != Some(&b'\n') {
+            buf.push(b'\n');
+        }
+        {
+            let mut f = log.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = f.write_all(&buf);
+        }
+        let line = String::from_utf8_lossy(&buf).trim_end_matches(['\n', '\r']).to_string();
+        let _ = tx.send(NodeEvent::Output { node, line, stderr });
+    }
+}
+
+/// Checks, before anything starts, that the program of `argv` can be run: a path must be
+/// an executable file, a bare name must be one on `PATH`.
+pub fn check_program(argv: &[String]) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(program) = argv.first().filter(|p| !p.is_empty()) else {
+        anyhow::bail!("no worker command: give it after `--`, e.g. `elasticps launch -- python train.py`");
+    };
+    let runnable = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+    let shown = shell_words(argv);
+    if program.contains('/') {
+        anyhow::ensure!(
+            runnable(Path::new(program)),
+            "cannot start the worker command `{shown}`: {program} is not an executable file"
+        );
+    } else {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        anyhow::ensure!(
+            std::env::split_paths(&path).any(|dir| runnable(&dir.join(program))),
+            "cannot start the worker command `{shown}`: {program}: command not found on PATH"
+        );
+    }
+    Ok(())
+}
+
+/// A pipe whose two ends are close-on-exec: (read, write).
+fn cloexec_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two new descriptors into the array it is given.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created and nothing else owns them.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// A command line for messages: words joined by spaces, quoted when they need it.
+pub fn shell_words(argv: &[String]) -> String {
+    argv.iter()
+        .map(|w| {
+            let plain = !w.is_empty() && w.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+            if plain { w.clone() } else { format!("'{}'", w.replace('\'', r"'\''")) }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// `elasticps ARGS... --events` with stdout piped (the event stream), stderr into `log`,
@@ -144,6 +381,9 @@ fn role_command(exe: &Path, args: &[String], env: &[(&str, &str)], log: &Path) -
     cmd.args(args).arg("--events").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr).kill_on_drop(true);
     // Every child would bind the same metrics address: each gets its own flag instead.
     cmd.env_remove("ELASTICPS_METRICS_LISTEN");
+    // A role prints its events on the stdout we read, even if this launcher was itself
+    // started by `elasticps launch`.
+    cmd.env_remove(elasticps_runtime::events::EVENTS_FD_VAR);
     for (k, v) in env {
         cmd.env(k, v);
     }

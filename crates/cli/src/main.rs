@@ -2,13 +2,16 @@
 //!
 //! One binary, several roles: `scheduler`, `server` and `worker` are the processes of a
 //! cluster (run them by hand on several hosts, or let a launcher do it); `train` starts a
-//! whole local cluster and trains the MNIST MLP end to end; `bench` measures.
+//! whole local cluster and trains the MNIST MLP end to end; `launch` starts the scheduler
+//! and servers and runs the user's own training command as the workers; `bench` measures.
 //!
 //! - [`args`]: flags shared by the roles (each with an `ELASTICPS_*` variable).
 //! - [`roles`]: the role commands.
 //! - [`job`]: the worker's training loop (MLP or synthetic model, straggler injection).
 //! - [`launch`]: the local process launcher (spawn, supervise, kill).
+//! - [`runner`]: the local job that `train` and `launch` share (nodes, bars, events).
 //! - [`train`]: the main job and its report.
+//! - [`launch_cmd`]: `elasticps launch -- CMD`, the user's command as the workers.
 //! - [`report`]: report.json, summary.md and curves.png.
 //! - [`bench`]: benchmarks that compare side by side in one run.
 //! - [`events`]: the JSON lines roles print for the launcher.
@@ -18,9 +21,11 @@ mod bench;
 mod events;
 mod job;
 mod launch;
+mod launch_cmd;
 mod ops;
 mod report;
 mod roles;
+mod runner;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -38,6 +43,9 @@ struct Cli {
 enum Command {
     /// Start a local cluster (scheduler, servers, workers as processes) and train the MNIST MLP.
     Train(train::TrainCmd),
+    /// Start the scheduler and servers locally and run `--workers` copies of your training
+    /// command as the workers: `elasticps launch [JOB FLAGS] -- python train.py ARGS`.
+    Launch(launch_cmd::LaunchCmd),
     /// Run the scheduler: membership, layout, heartbeats, the end of the job.
     Scheduler(roles::SchedulerCmd),
     /// Run a server: owns blocks, applies pushes, answers pulls.
@@ -56,7 +64,7 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
-        Command::Train(_) | Command::Bench(_) => "warn",
+        Command::Train(_) | Command::Launch(_) | Command::Bench(_) => "warn",
         _ => "info",
     };
     tracing_subscriber::fmt()
@@ -67,7 +75,9 @@ fn main() -> std::process::ExitCode {
     let runtime = match cli.command {
         // The launchers only move lines and wait on children: one thread is plenty, and it
         // stays alive for the whole run (children die with the thread that spawned them).
-        Command::Train(_) | Command::Bench(_) => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        Command::Train(_) | Command::Launch(_) | Command::Bench(_) => {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()
+        }
         _ => tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build(),
     };
     let runtime = match runtime {
@@ -80,6 +90,7 @@ fn main() -> std::process::ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Train(cmd) => train::train(cmd).await,
+            Command::Launch(cmd) => launch_cmd::launch(cmd).await,
             Command::Scheduler(cmd) => roles::scheduler(cmd).await,
             Command::Server(cmd) => roles::server(cmd).await,
             Command::Worker(cmd) => roles::worker(cmd).await,

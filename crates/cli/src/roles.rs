@@ -87,7 +87,8 @@ pub struct WorkerCmd {
     /// Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port).
     #[arg(long, env = "ELASTICPS_METRICS_LISTEN", value_name = "HOST:PORT")]
     pub metrics_listen: Option<String>,
-    /// Print JSON events on stdout.
+    /// Print JSON events on stdout (unless ELASTICPS_EVENTS_FD names a descriptor for them,
+    /// as `elasticps launch` does).
     #[arg(long, env = "ELASTICPS_EVENTS")]
     pub events: bool,
 }
@@ -178,7 +179,7 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
     if let (Some(listen), Some(m)) = (&cmd.metrics_listen, &metrics) {
         let e = serve_metrics(listen, m.clone()).await?;
         let m = m.clone();
-        emit_metrics_when(emitter, "server", e.addr(), async move { m.registered(METRICS_EVENT_WAIT).await });
+        emit_metrics_when(emitter.clone(), "server", e.addr(), async move { m.registered(METRICS_EVENT_WAIT).await });
         _endpoint = Some(e);
     }
     let opts = ServerOptions {
@@ -203,16 +204,19 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
 
 /// Runs the training job of one worker.
 pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
-    let emitter = Emitter::new(cmd.events);
     let mut opts = ClientOptions::new(&cmd.scheduler);
     opts.codec = cmd.net.codec();
     opts.request_timeout = cmd.data.request_timeout();
+    // Started by `elasticps launch`, events go to its pipe (ELASTICPS_EVENTS_FD).
+    let emitter = Emitter::from_env(cmd.events)?;
     let mut _endpoint = None;
     if let Some(listen) = &cmd.metrics_listen {
         let m = WorkerMetrics::new();
         let e = serve_metrics(listen, m.clone()).await?;
         let registered = m.clone();
-        emit_metrics_when(emitter, "worker", e.addr(), async move { registered.registered(METRICS_EVENT_WAIT).await });
+        emit_metrics_when(emitter.clone(), "worker", e.addr(), async move {
+            registered.registered(METRICS_EVENT_WAIT).await
+        });
         opts.metrics = Some(m);
         _endpoint = Some(e);
     }

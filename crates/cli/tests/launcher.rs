@@ -3,44 +3,14 @@
 
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::common;
+use crate::common::{self, assert_all_gone, wait_for_children};
 
 fn train(args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_elasticps"));
     cmd.arg("train").arg("--quiet").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     cmd
-}
-
-/// The pids of `pid`'s children, with their command lines.
-fn children(pid: u32) -> Vec<(u32, String)> {
-    let list = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-    list.split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .map(|p: u32| {
-            let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-            (p, String::from_utf8_lossy(&cmdline).replace('\0', " "))
-        })
-        .collect()
-}
-
-/// Waits (bounded) until the launcher has all `n` children running as roles.
-fn wait_for_children(child: &Child, n: usize) -> Vec<(u32, String)> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let kids = children(child.id());
-        if kids.len() >= n || Instant::now() > deadline {
-            return kids;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn alive(pid: u32) -> bool {
-    // A zombie is dead for our purposes; /proc/PID/stat field 3 is the state.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
 }
 
 fn wait_exit(child: &mut Child, limit: Duration) -> (std::process::ExitStatus, String) {
@@ -50,15 +20,6 @@ fn wait_exit(child: &mut Child, limit: Duration) -> (std::process::ExitStatus, S
         let _ = e.read_to_string(&mut err);
     }
     (status, err)
-}
-
-fn assert_all_gone(pids: &[(u32, String)]) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pids.iter().any(|(p, _)| alive(*p)) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let left: Vec<_> = pids.iter().filter(|(p, _)| alive(*p)).collect();
-    assert!(left.is_empty(), "orphan processes left behind: {left:?}");
 }
 
 #[test]

@@ -3,6 +3,7 @@
 mod bad_input;
 mod balance_report;
 mod common;
+mod launch_cmd;
 mod launcher;
 mod metrics;
 mod migration;

@@ -108,7 +108,8 @@ impl Worker {
         if let Some(listen) = metrics_listen {
             let metrics = WorkerMetrics::new();
             let bound = py.detach(|| rt.block_on(MetricsEndpoint::bind(&listen, metrics.clone())));
-            endpoint = Some(bound.map_err(|e| ElasticpsError::new_err(format!("elasticps: ELASTICPS_METRICS_LISTEN: {e}")))?);
+            endpoint =
+                Some(bound.map_err(|e| ElasticpsError::new_err(format!("elasticps: ELASTICPS_METRICS_LISTEN: {e}")))?);
             opts.metrics = Some(metrics);
         }
         let metrics_addr = endpoint.as_ref().map(|e| e.addr().to_string());

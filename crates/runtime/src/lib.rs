@@ -10,6 +10,8 @@
 //! - [`server`]: owns blocks and drives the core's per-block state machines.
 //! - [`shaping`]: server straggler injection for experiments (a bandwidth cap on a
 //!   server's sockets, CPU interference), as in PSLD.
+//! - [`events`]: the JSON lines nodes write for a launcher (progress, logged metrics,
+//!   final reports), to stdout or to the launcher's pipe.
 //! - [`client`]: the worker library a user's training loop calls: `pull(t)`, `push(t)`.
 //! - [`metrics`]: Prometheus metrics of every role and the endpoint serving them.
 //!
@@ -21,6 +23,7 @@ use std::time::{Duration, Instant};
 pub mod client;
 pub mod conn;
 pub mod error;
+pub mod events;
 pub mod metrics;
 pub mod peer;
 pub mod pool;

@@ -38,12 +38,15 @@ pub mod plot;
 pub mod summary;
 pub mod table;
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 
 use anyhow::Context;
+pub use elasticps_runtime::events::WorkerReport;
+use elasticps_runtime::events::f64_or_nan;
 pub use elasticps_runtime::scheduler::{BalanceLog, ServerPoint};
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 /// File name of the machine-readable report inside the report directory.
 pub const REPORT_JSON: &str = "report.json";
@@ -119,62 +122,6 @@ pub struct ServerReport {
     pub max_lead: u64,
 }
 
-/// Statistics of one worker over the run.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-pub struct WorkerReport {
-    /// Worker rank.
-    pub rank: u32,
-    /// Training iterations the worker completed.
-    pub iterations: u64,
-    /// Examples processed.
-    #[serde(default)]
-    pub samples: u64,
-    /// Total time spent waiting on parameter servers (push and pull), in milliseconds.
-    #[serde(deserialize_with = "f64_or_nan")]
-    pub wait_ms: f64,
-    /// Training loss at the worker's last iteration.
-    #[serde(deserialize_with = "f64_or_nan")]
-    pub final_loss: f64,
-    /// Seconds from the first pull to the last push.
-    #[serde(default, deserialize_with = "f64_or_nan")]
-    pub train_s: f64,
-    /// Mean iteration time (compute + communication), ms.
-    #[serde(default, deserialize_with = "f64_or_nan")]
-    pub iter_ms_mean: f64,
-    /// 99th percentile of the iteration time (upper bound of its log2 bucket), ms.
-    #[serde(default, deserialize_with = "f64_or_nan")]
-    pub iter_ms_p99: f64,
-    /// Mean communication time per iteration (the overlapped push + pull), ms.
-    #[serde(default, deserialize_with = "f64_or_nan")]
-    pub comm_ms_per_iter: f64,
-    /// Total time each server took to answer this worker's rounds, ms, by server id.
-    #[serde(default)]
-    pub wait_ms_by_server: Vec<f64>,
-    /// When the worker's first iteration started, ms since the Unix epoch (the clock of
-    /// [`BalanceLog::started_unix_ms`], so iterations line up with migrations).
-    #[serde(default, deserialize_with = "f64_or_nan")]
-    pub started_unix_ms: f64,
-    /// Every iteration's duration, ms (microsecond resolution), in order. The iterations
-    /// tile the training loop: iteration k ends `sum(iter_ms[..=k])` after
-    /// `started_unix_ms`. Written on one line of report.json.
-    #[serde(default)]
-    pub iter_ms: Vec<f32>,
-}
-
-impl WorkerReport {
-    /// When each iteration ended, ms since the Unix epoch.
-    pub fn iteration_ends_unix_ms(&self) -> Vec<f64> {
-        let mut at = self.started_unix_ms;
-        self.iter_ms
-            .iter()
-            .map(|ms| {
-                at += f64::from(*ms);
-                at
-            })
-            .collect()
-    }
-}
-
 /// One sample of the training curve.
 ///
 /// A point carries a worker's training loss, a test-accuracy measurement, or
@@ -193,6 +140,10 @@ pub struct CurvePoint {
     pub loss: Option<f64>,
     /// Test accuracy as a fraction in `0..=1`, if evaluated at this point.
     pub test_accuracy: Option<f64>,
+    /// Other values a training script logged at this point (`elasticps.log(...)`), by
+    /// name; absent from report.json when empty.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metrics: BTreeMap<String, f64>,
 }
 
 /// Writes `report.json`, `summary.md` and `curves.png` for `report` into
@@ -270,12 +221,6 @@ pub fn to_json<T: Serialize + ?Sized>(value: &T) -> serde_json::Result<String> {
     Ok(out)
 }
 
-/// Deserializes an `f64` that `serde_json` may have written as `null` (it
-/// does so for `NaN` and infinities); `null` becomes `NaN`.
-fn f64_or_nan<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -335,10 +280,24 @@ mod tests {
                 let noise = (rng.next_f64() - 0.5) * 0.35 * base;
                 let test_accuracy = (rank == 0 && it % 50 == 0)
                     .then(|| 0.1 + 0.87 * (1.0 - (-(it as f64) / 80.0).exp()) + (rng.next_f64() - 0.5) * 0.01);
-                curve.push(CurvePoint { t_s, iteration: it, rank, loss: Some(base + noise), test_accuracy });
+                curve.push(CurvePoint {
+                    t_s,
+                    iteration: it,
+                    rank,
+                    loss: Some(base + noise),
+                    test_accuracy,
+                    metrics: BTreeMap::new(),
+                });
             }
         }
-        curve.push(CurvePoint { t_s: 12.4, iteration: iters, rank: 0, loss: None, test_accuracy: Some(0.9712) });
+        curve.push(CurvePoint {
+            t_s: 12.4,
+            iteration: iters,
+            rank: 0,
+            loss: None,
+            test_accuracy: Some(0.9712),
+            metrics: BTreeMap::from([("samples".to_string(), 12800.0)]),
+        });
         Report {
             config: serde_json::json!({
                 "workers": 4,
@@ -502,6 +461,7 @@ mod tests {
             rank: 0,
             loss,
             test_accuracy: acc,
+            metrics: BTreeMap::new(),
         };
         // A single point, a diverged (NaN / inf) loss, no accuracy at all.
         report.curve =

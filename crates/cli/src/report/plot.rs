@@ -398,7 +398,14 @@ mod tests {
         assert_eq!(padded_range(std::iter::empty(), 0.05), None);
         let (lo, hi) = padded_range([2.0, 2.0].into_iter(), 0.05).unwrap();
         assert!(lo < 2.0 && hi > 2.0);
-        let p = |t_s: f64| CurvePoint { t_s, iteration: 0, rank: 0, loss: Some(1.0), test_accuracy: None };
+        let p = |t_s: f64| CurvePoint {
+            t_s,
+            iteration: 0,
+            rank: 0,
+            loss: Some(1.0),
+            test_accuracy: None,
+            metrics: Default::default(),
+        };
         assert_eq!(time_range(&[]), 0.0..1.0);
         assert_eq!(time_range(&[p(0.0)]), 0.0..1.0);
         assert_eq!(time_range(&[p(f64::NAN), p(3.0)]).start, 0.0);

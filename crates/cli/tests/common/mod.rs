@@ -469,3 +469,47 @@ pub async fn join_workers<T>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
     }
     out
 }
+
+// ---------------------------------------------------------------------------------------
+// Process trees of a launcher (`elasticps train` / `elasticps launch`).
+
+/// The pids of `pid`'s children, with their command lines.
+pub fn children(pid: u32) -> Vec<(u32, String)> {
+    let list = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    list.split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .map(|p: u32| {
+            let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            (p, String::from_utf8_lossy(&cmdline).replace('\0', " "))
+        })
+        .collect()
+}
+
+/// Waits (at most 30 s) until the launcher `child` has at least `n` children; returns them.
+pub fn wait_for_children(child: &Child, n: usize) -> Vec<(u32, String)> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let kids = children(child.id());
+        if kids.len() >= n || Instant::now() > deadline {
+            return kids;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// True if `pid` is a live process (a zombie counts as dead).
+pub fn alive(pid: u32) -> bool {
+    // A zombie is dead for our purposes; /proc/PID/stat field 3 is the state.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
+}
+
+/// Asserts that every process of `pids` is gone within 10 s.
+pub fn assert_all_gone(pids: &[(u32, String)]) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|(p, _)| alive(*p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<_> = pids.iter().filter(|(p, _)| alive(*p)).collect();
+    assert!(left.is_empty(), "orphan processes left behind: {left:?}");
+}

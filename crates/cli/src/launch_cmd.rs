@@ -1,0 +1,161 @@
+//! `elasticps launch [JOB FLAGS] -- CMD ARGS...`: like `train`, but the workers are
+//! `--workers` copies of the user's own command (e.g. `python train.py`), as `torchrun`
+//! or `bpslaunch` run them.
+//!
+//! The contract with a worker command (the Python package and `elasticps worker` keep it):
+//!
+//! - its environment adds `ELASTICPS_SCHEDULER=HOST:PORT`, `ELASTICPS_SECRET`,
+//!   `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_WORKERS=N`, `ELASTICPS_LOCAL_RANK=I` (its spawn
+//!   index; the scheduler still assigns the rank), `ELASTICPS_EVENTS_FD=3`, and
+//!   `ELASTICPS_REQUEST_TIMEOUT` when `--request-timeout-s` is given;
+//! - it writes JSON event lines ([`crate::events::Event`]: `log`, `progress`, `eval`,
+//!   `worker_done`) to file descriptor 3, a pipe to the launcher;
+//! - its stdout and stderr are the user's: every line is printed on the launcher's
+//!   stdout (stderr) as `[worker I] LINE` and written to `DIR/logs/worker-I.log`;
+//! - it runs in its own process group, killed with the job.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::args::{JobArgs, NetArgs};
+use crate::launch::shell_words;
+use crate::report::Report;
+use crate::runner::{JobSpec, RunOutcome, Workers, assemble_report, job_config_json, print_cluster_summary, run_job};
+
+/// `elasticps launch`.
+#[derive(Args, Clone, Debug)]
+pub struct LaunchCmd {
+    /// The job (servers, workers, sync, optimizer, placement, balancing, stragglers...).
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Transport settings.
+    #[command(flatten)]
+    pub net: NetArgs,
+    /// How long one push or pull of a worker may wait for its server, in seconds
+    /// (passed to the workers as ELASTICPS_REQUEST_TIMEOUT).
+    #[arg(long, env = "ELASTICPS_REQUEST_TIMEOUT")]
+    pub request_timeout_s: Option<u64>,
+    /// Write report.json, summary.md, curves.png (and every node's log) into this directory.
+    #[arg(long, env = "ELASTICPS_REPORT")]
+    pub report: Option<PathBuf>,
+    /// Do not draw progress bars.
+    #[arg(long, env = "ELASTICPS_QUIET")]
+    pub quiet: bool,
+    /// Serve Prometheus metrics on every node (a free port each) and print where to
+    /// scrape them.
+    #[arg(long, env = "ELASTICPS_METRICS")]
+    pub metrics: bool,
+    /// Once every worker has exited, how long the scheduler and the servers may take to
+    /// end the job before they are stopped and the launch fails, in seconds (a worker that
+    /// exits without finishing leaves the scheduler waiting).
+    #[arg(long, env = "ELASTICPS_END_TIMEOUT", default_value_t = crate::runner::JOB_END_TIMEOUT.as_secs_f64())]
+    pub end_timeout_s: f64,
+    /// The worker command and its arguments, after `--` (e.g. `-- python train.py --epochs 2`).
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub command: Vec<String>,
+}
+
+/// `elasticps launch`: run, print the summary, write the report.
+pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
+    let env = match cmd.request_timeout_s {
+        Some(s) => vec![("ELASTICPS_REQUEST_TIMEOUT".to_string(), s.to_string())],
+        None => Vec::new(),
+    };
+    let outcome = run_job(&JobSpec {
+        job: &cmd.job,
+        net: &cmd.net,
+        report: cmd.report.as_deref(),
+        quiet: cmd.quiet,
+        extra_server_args: &[],
+        workers: Workers::Command { argv: &cmd.command, env },
+        end_timeout: Duration::try_from_secs_f64(cmd.end_timeout_s)
+            .map_err(|_| anyhow::anyhow!("--end-timeout-s must be a non-negative number of seconds"))?,
+        metrics: cmd.metrics,
+    })
+    .await?;
+    let report = build_report(&cmd, &outcome);
+    if report.test_accuracy.is_nan() {
+        println!("{} steps per worker (no test accuracy logged)", report.iterations);
+    } else {
+        let loss = if report.test_loss.is_nan() { String::new() } else { format!(" (loss {:.4})", report.test_loss) };
+        println!(
+            "test accuracy {:.2}%{loss} after {} steps per worker",
+            report.test_accuracy * 100.0,
+            report.iterations
+        );
+    }
+    print_cluster_summary(&cmd.job, &report);
+    let missing = missing_ranks(cmd.job.workers, &outcome);
+    if !missing.is_empty() {
+        let ranks: Vec<String> = missing.iter().map(u32::to_string).collect();
+        println!(
+            "note: {} of {} workers sent no final report (worker_done): rank {}; their numbers are missing above",
+            missing.len(),
+            cmd.job.workers,
+            ranks.join(", ")
+        );
+    }
+    if let Some(dir) = &cmd.report {
+        crate::report::write(dir, &report)?;
+        println!("report written to {}", dir.display());
+    }
+    Ok(())
+}
+
+/// The ranks that sent no `worker_done`.
+fn missing_ranks(workers: u32, o: &RunOutcome) -> Vec<u32> {
+    (0..workers).filter(|r| !o.workers.contains_key(r)).collect()
+}
+
+/// Turns a run's events into the report: the job's flags plus the workers' command line.
+pub fn build_report(cmd: &LaunchCmd, o: &RunOutcome) -> Report {
+    let (test_accuracy, test_loss) = o.final_eval.map_or((f64::NAN, f64::NAN), |(a, l)| (a.into(), l.into()));
+    let mut config = job_config_json(&cmd.job);
+    config.insert("command".into(), shell_words(&cmd.command).into());
+    if let Some(s) = cmd.request_timeout_s {
+        config.insert("request_timeout_s".into(), s.into());
+    }
+    assemble_report(o, config.into(), test_accuracy, test_loss)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        launch: LaunchCmd,
+    }
+
+    fn parse(args: &[&str]) -> Result<LaunchCmd, clap::Error> {
+        Cli::try_parse_from(std::iter::once("launch").chain(args.iter().copied())).map(|c| c.launch)
+    }
+
+    #[test]
+    fn the_command_comes_after_the_job_flags() {
+        let c = parse(&["--workers", "3", "--sync", "ssp:2", "--", "python", "train.py", "--lr", "0.1"]).unwrap();
+        assert_eq!(c.job.workers, 3);
+        assert_eq!(c.command, ["python", "train.py", "--lr", "0.1"]);
+        // The command's own flags are never taken for the launcher's.
+        assert_eq!(c.job.lr, 0.001);
+        let err = parse(&["--workers", "2"]).expect_err("a missing command is refused").to_string();
+        assert!(err.contains("required") && err.contains("CMD"), "{err}");
+    }
+
+    #[test]
+    fn the_report_records_the_command_and_tolerates_missing_workers() {
+        let c = parse(&["--workers", "2", "--request-timeout-s", "9", "--", "python", "my train.py"]).unwrap();
+        let mut o = RunOutcome::default();
+        o.workers.insert(1, crate::report::WorkerReport { rank: 1, iterations: 4, ..Default::default() });
+        let r = build_report(&c, &o);
+        assert_eq!(r.config["command"], "python 'my train.py'");
+        assert_eq!(r.config["request_timeout_s"], 9);
+        assert_eq!((r.workers.len(), r.iterations), (1, 4));
+        assert!(r.test_accuracy.is_nan());
+        assert_eq!(missing_ranks(2, &o), [0]);
+    }
+}

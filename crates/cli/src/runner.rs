@@ -1,0 +1,518 @@
+//! The local job runner that `elasticps train` and `elasticps launch` share: it starts the
+//! scheduler and the servers, then the workers (this binary's `worker` role, or the
+//! user's own command with the environment of the launch contract), draws one progress
+//! bar per worker, collects the event streams into a [`RunOutcome`], and stops every
+//! process when one fails, when the user presses Ctrl-C (or sends SIGTERM or SIGHUP), or
+//! when the job does not end within [`JobSpec::end_timeout`] after the last worker exited.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tokio::signal::unix::{Signal, SignalKind, signal};
+
+use crate::args::{DataArgs, JobArgs, NetArgs};
+use crate::events::Event;
+use crate::launch::{Cluster, NodeEvent};
+use crate::report::{CurvePoint, Report, ServerReport, WorkerReport};
+use elasticps_runtime::scheduler::BalanceLog;
+
+/// How long the scheduler and the servers may take, by default, to end the job once every
+/// worker has exited (the scheduler ends it when every worker called `finish`).
+pub const JOB_END_TIMEOUT: Duration = Duration::from_secs(45);
+/// How long the scheduler may take to report its address.
+const SCHEDULER_START_TIMEOUT: Duration = Duration::from_secs(20);
+/// Keys of a `log` event that the runner reads itself; every other key is kept in the
+/// curve point's `metrics`.
+const READ_KEYS: [&str; 4] = ["loss", "accuracy", "test_accuracy", "total"];
+
+/// How the workers of a local job are started.
+#[derive(Clone, Debug)]
+pub enum Workers<'a> {
+    /// This binary's `worker` role with these data flags.
+    Role(&'a DataArgs),
+    /// The user's command (`argv`), with `env` added to the environment of the contract
+    /// (scheduler address, secret, frame limit, number of workers, local rank, events fd).
+    Command {
+        /// Program and arguments.
+        argv: &'a [String],
+        /// Further variables (e.g. `ELASTICPS_REQUEST_TIMEOUT`).
+        env: Vec<(String, String)>,
+    },
+}
+
+/// One local job.
+#[derive(Clone, Debug)]
+pub struct JobSpec<'a> {
+    /// The scheduler's job flags.
+    pub job: &'a JobArgs,
+    /// Transport settings of every node.
+    pub net: &'a NetArgs,
+    /// The report directory: the nodes' logs go into its `logs/` (a temporary directory
+    /// otherwise).
+    pub report: Option<&'a Path>,
+    /// Do not draw progress bars.
+    pub quiet: bool,
+    /// More flags for each server (`{i}` is replaced by the server's index).
+    pub extra_server_args: &'a [String],
+    /// The workers.
+    pub workers: Workers<'a>,
+    /// How long the scheduler and the servers may take to end the job once every worker
+    /// has exited.
+    pub end_timeout: Duration,
+    /// Every node serves Prometheus metrics on a free port; print where to scrape them.
+    pub metrics: bool,
+}
+
+/// Everything a local run produced.
+#[derive(Debug, Default)]
+pub struct RunOutcome {
+    /// Wall time from the first spawn to the last exit.
+    pub wall: Duration,
+    /// Final numbers of each rank.
+    pub workers: BTreeMap<u32, WorkerReport>,
+    /// Final counters of each server.
+    pub servers: BTreeMap<u32, elasticps_wire::ServerStats>,
+    /// Loss and accuracy points over time.
+    pub curve: Vec<CurvePoint>,
+    /// The last evaluation of the lowest rank that evaluated: (accuracy, loss; NaN if
+    /// not logged).
+    pub final_eval: Option<(f32, f32)>,
+    /// The scheduler's balancing history.
+    pub balance: Option<BalanceLog>,
+}
+
+/// The environment of a user's worker command, spawn index `local_rank`, in a job whose
+/// scheduler listens at `scheduler` (the contract with the Python package).
+pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32) -> Vec<(String, String)> {
+    [
+        ("ELASTICPS_SCHEDULER", scheduler.to_string()),
+        ("ELASTICPS_SECRET", net.secret.clone()),
+        ("ELASTICPS_MAX_FRAME_MIB", net.max_frame_mib.to_string()),
+        ("ELASTICPS_WORKERS", job.workers.to_string()),
+        ("ELASTICPS_LOCAL_RANK", local_rank.to_string()),
+        (elasticps_runtime::events::EVENTS_FD_VAR, crate::launch::EVENTS_FD.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// SIGINT, SIGTERM and SIGHUP, listened to for the whole run: each stops every node
+/// (a worker command's own children included) before the launcher exits.
+struct Signals {
+    int: Signal,
+    term: Signal,
+    hup: Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Self> {
+        let listen = |kind| signal(kind).map_err(|e| anyhow::anyhow!("cannot listen for signals: {e}"));
+        Ok(Self {
+            int: listen(SignalKind::interrupt())?,
+            term: listen(SignalKind::terminate())?,
+            hup: listen(SignalKind::hangup())?,
+        })
+    }
+
+    /// Waits for either signal; returns what to call it.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.int.recv() => "interrupted",
+            _ = self.term.recv() => "terminated",
+            _ = self.hup.recv() => "hung up",
+        }
+    }
+}
+
+/// Runs one job on a local cluster and collects its events.
+pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
+    // A wrong job flag is refused here, before any process starts.
+    spec.job.job_config()?;
+    if let Workers::Command { argv, .. } = &spec.workers {
+        crate::launch::check_program(argv)?;
+    }
+    let log_dir = match spec.report {
+        Some(dir) => dir.join("logs"),
+        None => std::env::temp_dir().join(format!("elasticps-{}", std::process::id())),
+    };
+    let mut signals = Signals::new()?;
+    let mut cluster = Cluster::new(&log_dir)?;
+    let env = [("ELASTICPS_SECRET", spec.net.secret.as_str())];
+    let started = Instant::now();
+
+    let metrics_flags: Vec<String> =
+        if spec.metrics { vec!["--metrics-listen".into(), "127.0.0.1:0".into()] } else { Vec::new() };
+    let mut scrape = ScrapeList::new(spec.metrics, 1 + spec.job.servers as usize + spec.job.workers as usize);
+
+    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into(), "--log-dir".into()];
+    args.push(log_dir.display().to_string());
+    args.extend(spec.job.to_flags());
+    args.extend(spec.net.to_flags());
+    args.extend(metrics_flags.iter().cloned());
+    let sched = cluster.spawn("scheduler", &args, &env)?;
+    let deadline = tokio::time::Instant::now() + SCHEDULER_START_TIMEOUT;
+    let addr = loop {
+        let next = tokio::select! {
+            ev = tokio::time::timeout_at(deadline, cluster.next()) => ev,
+            how = signals.recv() => {
+                cluster.kill_all();
+                anyhow::bail!("{how}: every node was stopped");
+            }
+        };
+        match next {
+            Ok(Some(NodeEvent::Line { event: Event::Listening { addr } })) => break addr,
+            Ok(Some(NodeEvent::Line { event: Event::Metrics { node, addr } })) => scrape.add(node, addr),
+            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => {
+                anyhow::bail!(
+                    "the scheduler did not report its address within {} s\n{}",
+                    SCHEDULER_START_TIMEOUT.as_secs(),
+                    cluster.log_tail(sched, 12)
+                )
+            }
+        }
+    };
+    for i in 0..spec.job.servers {
+        let mut args =
+            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
+        args.extend(spec.net.to_flags());
+        args.extend(metrics_flags.iter().cloned());
+        args.extend(spec.extra_server_args.iter().map(|a| a.replace("{i}", &i.to_string())));
+        cluster.spawn(&format!("server {i}"), &args, &env)?;
+    }
+    let mut worker_nodes = BTreeSet::new();
+    for i in 0..spec.job.workers {
+        let name = format!("worker {i}");
+        let node = match &spec.workers {
+            Workers::Role(data) => {
+                let mut args = vec!["worker".to_string(), "--scheduler".into(), addr.clone()];
+                args.extend(data.to_flags());
+                args.extend(spec.net.to_flags());
+                args.extend(metrics_flags.iter().cloned());
+                cluster.spawn(&name, &args, &env)
+            }
+            Workers::Command { argv, env: extra } => {
+                let mut env = worker_env(spec.job, spec.net, &addr, i);
+                if spec.metrics {
+                    env.push(("ELASTICPS_METRICS_LISTEN".into(), "127.0.0.1:0".into()));
+                }
+                env.extend(extra.iter().cloned());
+                cluster.spawn_command(&name, argv, &env)
+            }
+        };
+        match node {
+            Ok(node) => worker_nodes.insert(node),
+            Err(e) => {
+                cluster.kill_all();
+                return Err(e.context("every node started so far was stopped"));
+            }
+        };
+    }
+
+    let bars = Bars::new(spec.quiet);
+    let mut out = RunOutcome::default();
+    let mut eval_rank = None;
+    let mut end_by = None;
+    loop {
+        let next = tokio::select! {
+            ev = cluster.next() => ev,
+            how = signals.recv() => {
+                bars.clear();
+                cluster.kill_all();
+                anyhow::bail!("{how}: every node was stopped");
+            }
+            _ = sleep_until(end_by) => {
+                bars.clear();
+                let left = cluster.running().join(", ");
+                cluster.kill_all();
+                anyhow::bail!(
+                    "every worker exited, but the job did not end within {:.0} s (still running: {left}); a worker \
+                     that exits without finishing leaves the scheduler waiting for it",
+                    spec.end_timeout.as_secs_f64()
+                );
+            }
+        };
+        let t_s = started.elapsed().as_secs_f64();
+        match next {
+            None => break,
+            Some(NodeEvent::Exited { node, status }) => {
+                if !status.success() {
+                    bars.clear();
+                    let err = cluster.failure(node, status);
+                    cluster.kill_all();
+                    return Err(err.context("the job failed; every other node was stopped"));
+                }
+                if worker_nodes.remove(&node) && worker_nodes.is_empty() {
+                    end_by = Some(tokio::time::Instant::now() + spec.end_timeout);
+                }
+                if cluster.all_exited() {
+                    break;
+                }
+            }
+            Some(NodeEvent::Output { node, line, stderr }) => {
+                bars.println(stderr, &format!("[{}] {line}", cluster.name(node)));
+            }
+            Some(NodeEvent::Line { event }) => match event {
+                Event::Progress { rank, iteration, total, loss } => {
+                    bars.update(rank, iteration.into(), Some(total.into()), Some(f64::from(loss)));
+                    out.curve.push(CurvePoint {
+                        t_s,
+                        iteration: iteration.into(),
+                        rank,
+                        loss: Some(loss.into()),
+                        test_accuracy: None,
+                        metrics: BTreeMap::new(),
+                    });
+                }
+                Event::Eval { rank, iteration, accuracy, loss } => {
+                    if eval_rank.is_none_or(|r| rank <= r) {
+                        (eval_rank, out.final_eval) = (Some(rank), Some((accuracy, loss)));
+                    }
+                    out.curve.push(CurvePoint {
+                        t_s,
+                        iteration: iteration.into(),
+                        rank,
+                        loss: None,
+                        test_accuracy: Some(accuracy.into()),
+                        metrics: BTreeMap::new(),
+                    });
+                }
+                Event::Log { rank, step, metrics } => {
+                    let loss = metrics.get("loss").copied();
+                    let total = metrics.get("total").copied().filter(|t| t.is_finite() && *t >= 0.0);
+                    bars.update(rank, step, total.map(|t| t as u64), loss);
+                    let accuracy = metrics.get("accuracy").or_else(|| metrics.get("test_accuracy")).copied();
+                    if let Some(acc) = accuracy
+                        && eval_rank.is_none_or(|r| rank <= r)
+                    {
+                        let test_loss = metrics.get("test_loss").copied().unwrap_or(f64::NAN);
+                        (eval_rank, out.final_eval) = (Some(rank), Some((acc as f32, test_loss as f32)));
+                    }
+                    let metrics = metrics.into_iter().filter(|(k, _)| !READ_KEYS.contains(&k.as_str())).collect();
+                    out.curve.push(CurvePoint { t_s, iteration: step, rank, loss, test_accuracy: accuracy, metrics });
+                }
+                Event::WorkerDone(w) => {
+                    out.workers.insert(w.rank, w);
+                }
+                Event::ServerStats(s) => {
+                    out.servers.insert(s.server_id, s);
+                }
+                Event::Balance(log) => out.balance = Some(log),
+                Event::Metrics { node, addr } => scrape.add(node, addr),
+                Event::Listening { .. } => {}
+            },
+        }
+    }
+    bars.clear();
+    out.wall = started.elapsed();
+    Ok(out)
+}
+
+/// Sleeps until `at`, or forever if there is no deadline.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The flags of the job itself in report.json's `config` (train and launch add theirs).
+pub fn job_config_json(job: &JobArgs) -> serde_json::Map<String, serde_json::Value> {
+    let value = serde_json::json!({
+        "servers": job.servers,
+        "workers": job.workers,
+        "sync": job.sync.to_string(),
+        "optimizer": job.optimizer.to_string(),
+        "lr": job.lr.to_string().parse::<f64>().unwrap_or(f64::NAN),
+        "aggregate": job.aggregate,
+        "placement": job.placement.to_string(),
+        "block_bytes": job.block_bytes,
+        "seed": job.seed,
+        "server_sync": job.server_sync.iter().map(|(i, p)| format!("{i}={p}")).collect::<Vec<_>>(),
+        "server_bandwidth": job.server_bandwidth.iter().map(|(i, mbps)| format!("{i}={mbps}")).collect::<Vec<_>>(),
+        "server_interference": job.server_interference.iter().map(|(i, f)| format!("{i}={f}")).collect::<Vec<_>>(),
+        "straggler_at": job.straggler_at,
+        "balance": job.balance.to_string(),
+        "max_servers": job.max_servers.unwrap_or(job.servers),
+        "min_servers": job.min_servers.unwrap_or(job.servers),
+    });
+    match value {
+        serde_json::Value::Object(map) => map,
+        _ => serde_json::Map::new(),
+    }
+}
+
+/// The report of a run, with the caller's `config` and final test evaluation.
+pub fn assemble_report(o: &RunOutcome, config: serde_json::Value, test_accuracy: f64, test_loss: f64) -> Report {
+    let workers: Vec<WorkerReport> = o.workers.values().cloned().collect();
+    let samples: u64 = workers.iter().map(|w| w.samples).sum();
+    let train_s = workers.iter().map(|w| w.train_s).fold(0.0, f64::max);
+    // Without any worker's final report, the furthest step it logged.
+    let iterations = workers
+        .iter()
+        .map(|w| w.iterations)
+        .max()
+        .unwrap_or_else(|| o.curve.iter().map(|p| p.iteration).max().unwrap_or(0));
+    let servers = o
+        .servers
+        .values()
+        .map(|s| ServerReport {
+            id: s.server_id,
+            sync: s.sync.clone(),
+            blocks: s.blocks,
+            bytes: s.bytes,
+            pushes: s.totals.pushes,
+            pulls: s.totals.pulls,
+            pulls_held: s.totals.pulls_held,
+            hold_ms: s.totals.hold_us as f64 / 1e3,
+            hold_p99_ms: s.hold_p99_us as f64 / 1e3,
+            releases: s.totals.releases,
+            max_lead: s.totals.max_lead,
+        })
+        .collect();
+    Report {
+        config,
+        test_accuracy,
+        test_loss,
+        samples_per_sec: if train_s > 0.0 { samples as f64 / train_s } else { 0.0 },
+        wall_s: o.wall.as_secs_f64(),
+        iterations,
+        servers,
+        workers,
+        curve: o.curve.clone(),
+        balance: o.balance.clone(),
+    }
+}
+
+/// Prints the lines after the headline: throughput and holds, then the balancing.
+pub fn print_cluster_summary(job: &JobArgs, report: &Report) {
+    let held: u64 = report.servers.iter().map(|s| s.pulls_held).sum();
+    let hold_ms: f64 = report.servers.iter().map(|s| s.hold_ms).sum();
+    println!(
+        "{} servers, {} workers, {}: {:.0} samples/s, wall {:.1} s, pulls held {} ({:.1} ms in total)",
+        job.servers, job.workers, job.sync, report.samples_per_sec, report.wall_s, held, hold_ms
+    );
+    if let Some(log) = &report.balance
+        && (log.mode != "static" || !log.migrations.is_empty())
+    {
+        let done: Vec<_> = log.migrations.iter().filter(|m| m.error.is_none()).collect();
+        let mb: f64 = done.iter().map(|m| m.bytes as f64).sum::<f64>() / 1e6;
+        let freeze = done.iter().map(|m| m.freeze_ms).fold(0.0, f64::max);
+        let scaling: Vec<String> = log
+            .scaling
+            .iter()
+            .map(|e| format!("{} {}", e.action, e.server.map_or("-".into(), |s| s.to_string())))
+            .collect();
+        println!(
+            "balance {}: {} migrations ({mb:.1} MB moved, longest freeze {freeze:.1} ms), scaling: {}",
+            log.mode,
+            done.len(),
+            if scaling.is_empty() { "none".to_string() } else { scaling.join(", ") }
+        );
+    }
+}
+
+/// One progress bar per worker rank, and the lines printed above them.
+pub struct Bars {
+    multi: MultiProgress,
+    bars: std::cell::RefCell<BTreeMap<u32, ProgressBar>>,
+}
+
+impl Bars {
+    /// Bars on stderr, or none at all if `quiet`.
+    pub fn new(quiet: bool) -> Self {
+        let target = if quiet { ProgressDrawTarget::hidden() } else { ProgressDrawTarget::stderr() };
+        Self { multi: MultiProgress::with_draw_target(target), bars: Default::default() }
+    }
+
+    /// Moves rank `rank`'s bar to `position` (of `total`, if known), showing `loss`.
+    pub fn update(&self, rank: u32, position: u64, total: Option<u64>, loss: Option<f64>) {
+        let mut bars = self.bars.borrow_mut();
+        let bar = bars.entry(rank).or_insert_with(|| {
+            let b = self.multi.add(ProgressBar::new(total.unwrap_or(0)));
+            b.set_style(
+                ProgressStyle::with_template(
+                    "worker {prefix:>2} [{bar:30.cyan/blue}] {pos:>6}/{len} it  {per_sec:>10}  loss {msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            b.set_prefix(rank.to_string());
+            b
+        });
+        if let Some(total) = total {
+            bar.set_length(total);
+        }
+        bar.set_position(position);
+        if let Some(loss) = loss {
+            bar.set_message(format!("{loss:.4}"));
+        }
+    }
+
+    /// Prints `line` on stdout (or stderr) above the bars, without garbling them.
+    pub fn println(&self, stderr: bool, line: &str) {
+        self.multi.suspend(|| {
+            use std::io::Write;
+            if stderr {
+                let _ = writeln!(std::io::stderr().lock(), "{line}");
+            } else {
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "{line}");
+                let _ = out.flush();
+            }
+        });
+    }
+
+    /// Leaves every bar where it is.
+    pub fn clear(&self) {
+        for b in self.bars.borrow().values() {
+            b.finish();
+        }
+    }
+}
+
+/// Where to scrape each node (`--metrics`): printed once every node started reports its
+/// address, then one line per node that joins later (a server the scheduler launched).
+struct ScrapeList {
+    enabled: bool,
+    expected: usize,
+    nodes: Vec<(String, String)>,
+    printed: bool,
+}
+
+impl ScrapeList {
+    fn new(enabled: bool, expected: usize) -> Self {
+        Self { enabled, expected, nodes: Vec::new(), printed: false }
+    }
+
+    fn add(&mut self, node: String, addr: String) {
+        if !self.enabled {
+            return;
+        }
+        let url = format!("http://{addr}/metrics");
+        if self.printed {
+            println!("metrics: {node} {url}");
+            return;
+        }
+        self.nodes.push((node, url));
+        if self.nodes.len() >= self.expected {
+            // scheduler first, then servers and workers by id.
+            let key = |n: &str| {
+                let (role, id) = n.split_once(' ').unwrap_or((n, ""));
+                let order = match role {
+                    "scheduler" => 0,
+                    "server" => 1,
+                    _ => 2,
+                };
+                (order, id.parse::<u32>().unwrap_or(0))
+            };
+            self.nodes.sort_by_key(|(n, _)| key(n));
+            let list: Vec<String> = self.nodes.iter().map(|(n, u)| format!("{n} {u}")).collect();
+            println!("metrics: {}", list.join(", "));
+            self.printed = true;
+        }
+    }
+}

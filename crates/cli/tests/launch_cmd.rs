@@ -1,0 +1,331 @@
+//! `elasticps launch -- CMD` end to end: the user's command as the workers (here the
+//! binary's own `worker` role, or small shell scripts that misbehave), their events on
+//! fd 3, their output forwarded with a `[worker i]` prefix, the report, and that a dead
+//! worker or Ctrl-C stops every process, including what a script started itself.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::common::{self, BIN, alive, assert_all_gone, wait_for_children};
+
+/// `elasticps launch --quiet ARGS...` with stdout and stderr piped and no `ELASTICPS_*`
+/// variable of the test environment.
+fn launch(args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("launch").arg("--quiet").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("ELASTICPS_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+/// Writes an executable shell script into `dir`.
+fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("writing a script");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    path
+}
+
+/// Runs `cmd` to its end, at most `limit`.
+fn run(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd.spawn().expect("starting elasticps launch");
+    let status = common::wait_timeout(&mut child, limit);
+    let (stdout, stderr) = (read_all(child.stdout.take()), read_all(child.stderr.take()));
+    let Some(status) = status else {
+        let _ = child.kill();
+        panic!("elasticps launch did not end within {limit:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    };
+    Output { status, stdout: stdout.into_bytes(), stderr: stderr.into_bytes() }
+}
+
+fn read_all(r: Option<impl Read>) -> String {
+    let mut s = String::new();
+    if let Some(mut r) = r {
+        let _ = r.read_to_string(&mut s);
+    }
+    s
+}
+
+/// A launcher whose stdout lines are read on a thread (so the test can watch them while
+/// it runs).
+struct Running {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Running {
+    fn start(mut cmd: Command) -> Self {
+        let mut child = cmd.spawn().expect("starting elasticps launch");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, lines, seen: Vec::new() }
+    }
+
+    /// The first stdout line that starts with `prefix`, waiting at most 30 s.
+    fn wait_line(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        if let Some(l) = self.seen.iter().find(|l| l.starts_with(prefix)) {
+            return l.clone();
+        }
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if line.starts_with(prefix) {
+                        return line;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        panic!("no line starting with {prefix:?} within 30 s; stdout so far:\n{}", self.seen.join("\n"));
+    }
+
+    /// Waits at most `limit` for the launcher to exit; returns its status and stderr.
+    fn wait(&mut self, limit: Duration) -> (ExitStatus, String) {
+        let status = common::wait_timeout(&mut self.child, limit);
+        let err = read_all(self.child.stderr.take());
+        let Some(status) = status else {
+            let _ = self.child.kill();
+            panic!("elasticps launch did not exit within {limit:?}\nstderr:\n{err}");
+        };
+        (status, err)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The pid printed by a script as `[worker I] child PID`.
+fn child_pid(line: &str) -> u32 {
+    line.rsplit(' ').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no pid in {line:?}"))
+}
+
+#[test]
+fn launch_runs_the_worker_role_as_the_command_and_reports_both_workers() {
+    let dir = common::temp_dir("launch-report");
+    let dir_s = dir.display().to_string();
+    let args = ["--workers", "2", "--report", &dir_s, "--", BIN, "worker", "--iterations", "30", "--eval-every", "0"];
+    let out = run(launch(&args), Duration::from_secs(120));
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "launch failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("test accuracy") && stdout.contains("after 30 steps per worker"), "{stdout}");
+    assert!(stdout.contains("2 servers, 2 workers, bsp"), "{stdout}");
+    assert!(!stdout.contains("sent no final report"), "{stdout}");
+    // The worker role's log lines (stderr) are forwarded, prefixed with the spawn index.
+    for i in 0..2 {
+        assert!(stderr.contains(&format!("[worker {i}] ")), "{stderr}");
+    }
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json");
+    let workers = report["workers"].as_array().expect("workers");
+    let mut ranks: Vec<u64> = workers.iter().map(|w| w["rank"].as_u64().expect("rank")).collect();
+    ranks.sort();
+    assert_eq!(ranks, [0, 1], "{workers:?}");
+    assert!(workers.iter().all(|w| w["iterations"] == 30 && w["samples"] == 30 * 32), "{workers:?}");
+    assert!(report["test_accuracy"].as_f64().is_some_and(|a| a > 0.3), "{}", report["test_accuracy"]);
+    assert_eq!(report["config"]["command"], format!("{BIN} worker --iterations 30 --eval-every 0"));
+    assert_eq!(report["config"]["workers"], 2);
+    // Both workers' pushes reached both servers: 2 pushes of every block per iteration.
+    let servers = report["servers"].as_array().expect("servers");
+    assert_eq!(servers.len(), 2);
+    for s in servers {
+        assert_eq!(s["pushes"].as_u64(), Some(s["blocks"].as_u64().expect("blocks") * 2 * 30), "{s}");
+    }
+    assert!(dir.join("summary.md").exists() && dir.join("curves.png").exists());
+    let log = std::fs::read_to_string(dir.join("logs/worker-1.log")).expect("worker 1's log");
+    assert!(log.contains("training starts"), "{log}");
+}
+
+#[test]
+fn a_script_gets_the_environment_its_output_is_prefixed_and_its_logged_metrics_reach_the_report() {
+    let dir = common::temp_dir("launch-log");
+    // Each worker says hello on stdout, logs metrics on fd 3 with its spawn index as the
+    // rank, then becomes a real worker (a small synthetic model).
+    let body = format!(
+        r#"echo "hello from $ELASTICPS_LOCAL_RANK: workers=$ELASTICPS_WORKERS fd=$ELASTICPS_EVENTS_FD frame=$ELASTICPS_MAX_FRAME_MIB timeout=$ELASTICPS_REQUEST_TIMEOUT"
+echo "oops on stderr" >&2
+acc=0.25; [ "$ELASTICPS_LOCAL_RANK" = 0 ] && acc=0.75
+echo '{{"event":"log","rank":'$ELASTICPS_LOCAL_RANK',"step":3,"metrics":{{"loss":0.5,"accuracy":'$acc',"total":10,"samples":99,"lr":null}}}}' >&3
+exec {BIN} worker --model synthetic:resnet56 --compute-ms 1 --iterations 10"#
+    );
+    let worker = script(&dir, "worker.sh", &body);
+    let report_dir = dir.join("report");
+    let (w, r) = (worker.display().to_string(), report_dir.display().to_string());
+    let out = run(
+        launch(&["--workers", "2", "--request-timeout-s", "77", "--report", &r, "--", &w]),
+        Duration::from_secs(120),
+    );
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "launch failed:\n{stdout}\n{stderr}");
+    for i in 0..2 {
+        let hello = format!("[worker {i}] hello from {i}: workers=2 fd=3 frame=64 timeout=77");
+        assert!(stdout.lines().any(|l| l == hello), "missing {hello:?} in:\n{stdout}");
+        assert!(stderr.lines().any(|l| l == format!("[worker {i}] oops on stderr")), "{stderr}");
+    }
+    // The headline accuracy is rank 0's, whichever rank logged last.
+    assert!(stdout.contains("test accuracy 75.00% after 10 steps per worker"), "{stdout}");
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(report_dir.join("report.json")).expect("report.json"))
+            .expect("json");
+    assert_eq!(report["test_accuracy"].as_f64(), Some(0.75));
+    assert_eq!(report["workers"].as_array().map(Vec::len), Some(2));
+    let logged: Vec<&serde_json::Value> = report["curve"]
+        .as_array()
+        .expect("curve")
+        .iter()
+        .filter(|p| p["iteration"] == 3 && p["metrics"].is_object())
+        .collect();
+    assert_eq!(logged.len(), 2, "one logged point per worker: {logged:?}");
+    for p in logged {
+        assert_eq!(p["loss"].as_f64(), Some(0.5), "{p}");
+        // Keys the launcher reads itself are not repeated; the others are kept (a NaN as null).
+        assert_eq!(p["metrics"], serde_json::json!({"samples": 99.0, "lr": null}), "{p}");
+    }
+    let log = std::fs::read_to_string(report_dir.join("logs/worker-0.log")).expect("worker 0's log");
+    assert!(log.contains("hello from 0") && log.contains("oops on stderr"), "{log}");
+}
+
+#[test]
+fn a_worker_that_exits_3_ends_the_job_at_once_naming_it_and_leaves_no_process_behind() {
+    let dir = common::temp_dir("launch-exit3");
+    // Worker 1 starts a child of its own, then fails; worker 0 trains for ever.
+    let body = format!(
+        r#"if [ "$ELASTICPS_LOCAL_RANK" = 1 ]; then
+  sleep 300 &
+  echo "self $$"
+  echo "child $!"
+  sleep 2
+  echo "giving up" >&2
+  exit 3
+fi
+exec {BIN} worker --iterations 1000000 --eval-every 0"#
+    );
+    let worker = script(&dir, "worker.sh", &body).display().to_string();
+    let started = Instant::now();
+    let mut job = Running::start(launch(&["--", &worker]));
+    let kids = wait_for_children(&job.child, 5);
+    assert_eq!(kids.len(), 5, "scheduler, 2 servers, 2 workers: {kids:?}");
+    let grandchild = child_pid(&job.wait_line("[worker 1] child "));
+    assert!(alive(grandchild), "the script's own child runs");
+    let worker1 = child_pid(&job.wait_line("[worker 1] self "));
+    let (status, err) = job.wait(Duration::from_secs(30));
+    let took = started.elapsed();
+    assert!(!status.success());
+    assert!(kids.iter().any(|(p, _)| *p == worker1), "worker 1 is a child of the launcher: {kids:?}");
+    let named = format!("worker 1 (pid {worker1}: {worker}) exited with status 3");
+    assert!(err.contains(&named), "the error must name the worker, its pid, command and status: {err}");
+    assert!(err.contains("giving up"), "the error shows the tail of its log: {err}");
+    assert!(took < Duration::from_secs(15), "the job must end at once, took {took:?}");
+    let mut all = kids.clone();
+    all.push((grandchild, "sleep 300 (the script's child)".into()));
+    assert_all_gone(&all);
+}
+
+#[test]
+fn ctrl_c_stops_every_process_including_a_scripts_children() {
+    let dir = common::temp_dir("launch-sigint");
+    let worker = script(&dir, "worker.sh", "sleep 300 &\necho \"child $!\"\nwait").display().to_string();
+    let mut job = Running::start(launch(&["--workers", "2", "--", &worker]));
+    let kids = wait_for_children(&job.child, 5);
+    assert_eq!(kids.len(), 5, "{kids:?}");
+    let mut all = kids.clone();
+    for i in 0..2 {
+        let pid = child_pid(&job.wait_line(&format!("[worker {i}] child ")));
+        all.push((pid, format!("worker {i}'s sleep")));
+    }
+    // SAFETY: kill(2) on the launcher this test started.
+    unsafe { libc::kill(job.child.id() as libc::pid_t, libc::SIGINT) };
+    let (status, err) = job.wait(Duration::from_secs(20));
+    assert!(!status.success());
+    assert!(err.contains("interrupted: every node was stopped"), "{err}");
+    assert_all_gone(&all);
+}
+
+#[test]
+fn a_command_that_cannot_start_is_a_clear_error_before_any_process_starts() {
+    let started = Instant::now();
+    let out = run(launch(&["--", "/nonexistent/elasticps-train.py", "--lr", "1"]), Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("cannot start the worker command `/nonexistent/elasticps-train.py --lr 1`")
+            && err.contains("is not an executable file"),
+        "{err}"
+    );
+    let out = run(launch(&["--", "elasticps-no-such-program"]), Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("elasticps-no-such-program: command not found on PATH"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5), "nothing was started, so nothing to wait for");
+
+    // No command at all is a usage error.
+    let out = run(launch(&["--workers", "2"]), Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("required") && err.contains("<CMD>"), "{err}");
+}
+
+#[test]
+fn workers_that_exit_without_joining_end_the_launch_after_the_end_timeout() {
+    let dir = common::temp_dir("launch-nojoin");
+    let worker = script(&dir, "worker.sh", "echo \"not joining\"").display().to_string();
+    let started = Instant::now();
+    let mut job = Running::start(launch(&["--end-timeout-s", "2", "--", &worker]));
+    let kids = wait_for_children(&job.child, 3);
+    assert!(kids.len() >= 3, "the scheduler and 2 servers at least: {kids:?}");
+    job.wait_line("[worker 1] not joining");
+    let (status, err) = job.wait(Duration::from_secs(30));
+    assert!(!status.success());
+    assert!(
+        err.contains(
+            "every worker exited, but the job did not end within 2 s (still running: scheduler, server 0, server 1)"
+        ),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(20), "bounded by --end-timeout-s: {:?}", started.elapsed());
+    assert_all_gone(&kids);
+}
+
+#[test]
+fn a_worker_killed_by_a_signal_is_named_with_the_signal() {
+    let dir = common::temp_dir("launch-kill9");
+    let body = format!(
+        r#"if [ "$ELASTICPS_LOCAL_RANK" = 0 ]; then
+  echo "self $$"
+  sleep 1
+  kill -9 $$
+fi
+exec {BIN} worker --iterations 1000000 --eval-every 0"#
+    );
+    let worker = script(&dir, "worker.sh", &body).display().to_string();
+    let mut job = Running::start(launch(&["--", &worker]));
+    let kids = wait_for_children(&job.child, 5);
+    let victim = child_pid(&job.wait_line("[worker 0] self "));
+    let (status, err) = job.wait(Duration::from_secs(30));
+    assert!(!status.success());
+    let named = format!("worker 0 (pid {victim}: {worker}) was killed by signal 9");
+    assert!(err.contains(&named), "{err}");
+    assert_all_gone(&kids);
+}

@@ -1,0 +1,333 @@
+//! Machine-readable progress that nodes write for a launcher, one JSON object per line:
+//! the roles print them on stdout when started with `--events`; a worker started by
+//! `elasticps launch` writes them to the file descriptor named by `ELASTICPS_EVENTS_FD`
+//! (so the user's own stdout stays free). `elasticps train` and `elasticps launch` read
+//! them to draw progress bars and write the report. The Python package writes the same
+//! lines through this module, so the format has one definition.
+//!
+//! A line is an [`Event`], tagged by `"event"`:
+//!
+//! ```text
+//! {"event":"listening","addr":"127.0.0.1:7000"}
+//! {"event":"progress","rank":0,"iteration":10,"total":600,"loss":0.31}
+//! {"event":"log","rank":0,"step":10,"metrics":{"loss":0.31,"accuracy":0.97,"total":600}}
+//! {"event":"worker_done","rank":0,"iterations":600,...}
+//! ```
+//!
+//! Non-finite numbers (a diverged loss) are written as `null` by `serde_json`; they read
+//! back as `NaN`, so such a line is never dropped.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{FromRawFd, RawFd};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use elasticps_wire::ServerStats;
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::RuntimeError;
+use crate::scheduler::BalanceLog;
+
+/// The variable that names the file descriptor a launched worker writes its events to.
+pub const EVENTS_FD_VAR: &str = "ELASTICPS_EVENTS_FD";
+
+/// One line of a node's event stream.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// The scheduler is listening.
+    Listening {
+        /// Its bound address.
+        addr: String,
+    },
+    /// A node serves Prometheus metrics at `http://ADDR/metrics` (`--metrics-listen`).
+    Metrics {
+        /// `scheduler`, `server 1` (its id) or `worker 0` (its rank).
+        node: String,
+        /// The bound address.
+        addr: String,
+    },
+    /// A worker's progress.
+    Progress {
+        /// Worker rank.
+        rank: u32,
+        /// Iterations done.
+        iteration: u32,
+        /// Planned iterations.
+        total: u32,
+        /// Training loss of the last batch.
+        #[serde(deserialize_with = "f32_or_nan")]
+        loss: f32,
+    },
+    /// Worker 0 evaluated the model on the test set.
+    Eval {
+        /// Worker rank.
+        rank: u32,
+        /// Iterations done when the parameters were pulled.
+        iteration: u32,
+        /// Test accuracy in [0, 1].
+        #[serde(deserialize_with = "f32_or_nan")]
+        accuracy: f32,
+        /// Test loss.
+        #[serde(deserialize_with = "f32_or_nan")]
+        loss: f32,
+    },
+    /// Metrics a training script logged (Python's `elasticps.log(**metrics)`). The
+    /// launcher reads `total` as the progress bar's length, `loss` as its message and a
+    /// curve point, `accuracy` (or `test_accuracy`) and `test_loss` as a test evaluation;
+    /// every other key is kept in the report's curve.
+    Log {
+        /// Worker rank.
+        rank: u32,
+        /// The script's step (the progress bar's position).
+        step: u64,
+        /// Named values.
+        #[serde(deserialize_with = "metrics_or_nan")]
+        metrics: BTreeMap<String, f64>,
+    },
+    /// A worker finished.
+    WorkerDone(WorkerReport),
+    /// A server's final counters.
+    ServerStats(ServerStats),
+    /// The scheduler's balancing history (migrations, scaling, load timeline), at the end.
+    Balance(BalanceLog),
+}
+
+/// Statistics of one worker over the run (report.json's `workers`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct WorkerReport {
+    /// Worker rank.
+    pub rank: u32,
+    /// Training iterations the worker completed.
+    pub iterations: u64,
+    /// Examples processed.
+    #[serde(default)]
+    pub samples: u64,
+    /// Total time spent waiting on parameter servers (push and pull), in milliseconds.
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub wait_ms: f64,
+    /// Training loss at the worker's last iteration.
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub final_loss: f64,
+    /// Seconds from the first pull to the last push.
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub train_s: f64,
+    /// Mean iteration time (compute + communication), ms.
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub iter_ms_mean: f64,
+    /// 99th percentile of the iteration time (upper bound of its log2 bucket), ms.
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub iter_ms_p99: f64,
+    /// Mean communication time per iteration (the overlapped push + pull), ms.
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub comm_ms_per_iter: f64,
+    /// Total time each server took to answer this worker's rounds, ms, by server id.
+    #[serde(default)]
+    pub wait_ms_by_server: Vec<f64>,
+    /// When the worker's first iteration started, ms since the Unix epoch (the clock of
+    /// [`BalanceLog::started_unix_ms`], so iterations line up with migrations).
+    #[serde(default, deserialize_with = "f64_or_nan")]
+    pub started_unix_ms: f64,
+    /// Every iteration's duration, ms (microsecond resolution), in order. The iterations
+    /// tile the training loop: iteration k ends `sum(iter_ms[..=k])` after
+    /// `started_unix_ms`.
+    #[serde(default)]
+    pub iter_ms: Vec<f32>,
+}
+
+impl WorkerReport {
+    /// When each iteration ended, ms since the Unix epoch.
+    pub fn iteration_ends_unix_ms(&self) -> Vec<f64> {
+        let mut at = self.started_unix_ms;
+        self.iter_ms
+            .iter()
+            .map(|ms| {
+                at += f64::from(*ms);
+                at
+            })
+            .collect()
+    }
+}
+
+/// Deserializes an `f64` that `serde_json` may have written as `null` (it does so for
+/// `NaN` and infinities); `null` becomes `NaN`.
+pub fn f64_or_nan<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// [`f64_or_nan`] for `f32`.
+fn f32_or_nan<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+    Ok(Option::<f32>::deserialize(d)?.unwrap_or(f32::NAN))
+}
+
+/// A map of numbers whose `null`s (non-finite values) read back as `NaN`.
+fn metrics_or_nan<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, f64>, D::Error> {
+    let raw = BTreeMap::<String, Option<f64>>::deserialize(d)?;
+    Ok(raw.into_iter().map(|(k, v)| (k, v.unwrap_or(f64::NAN))).collect())
+}
+
+/// Where an [`Emitter`] writes.
+#[derive(Clone, Debug)]
+enum Sink {
+    Nowhere,
+    Stdout,
+    Fd(Arc<Mutex<File>>),
+}
+
+/// Writes events, one whole line each, flushed at once: to the launcher's pipe, to
+/// stdout, or nowhere. Cheap to clone (clones share the file).
+#[derive(Clone, Debug)]
+pub struct Emitter {
+    sink: Sink,
+}
+
+impl Emitter {
+    /// An emitter that prints on stdout if `enabled`, and writes nothing otherwise.
+    pub fn new(enabled: bool) -> Self {
+        Self { sink: if enabled { Sink::Stdout } else { Sink::Nowhere } }
+    }
+
+    /// The emitter a worker's environment asks for: the file descriptor named by
+    /// `ELASTICPS_EVENTS_FD` if it is set (a launcher's pipe), else stdout if `stdout`
+    /// (the `--events` flag), else nothing.
+    pub fn from_env(stdout: bool) -> Result<Self, RuntimeError> {
+        match std::env::var(EVENTS_FD_VAR) {
+            Ok(v) if !v.trim().is_empty() => {
+                let fd: RawFd = v.trim().parse().map_err(|_| {
+                    RuntimeError::Usage(format!("{EVENTS_FD_VAR}={v:?} is not a file descriptor number"))
+                })?;
+                Self::to_fd(fd)
+            }
+            _ => Ok(Self::new(stdout)),
+        }
+    }
+
+    /// An emitter that writes to the open file descriptor `fd`, which it takes over: the
+    /// descriptor is opened once per process (every emitter for `fd` shares it) and marked
+    /// close-on-exec, so the caller's own child processes do not inherit the pipe.
+    pub fn to_fd(fd: RawFd) -> Result<Self, RuntimeError> {
+        static OPENED: OnceLock<Mutex<BTreeMap<RawFd, Arc<Mutex<File>>>>> = OnceLock::new();
+        let mut opened = OPENED.get_or_init(Mutex::default).lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(file) = opened.get(&fd) {
+            return Ok(Self { sink: Sink::Fd(file.clone()) });
+        }
+        if fd < 0 {
+            return Err(RuntimeError::Usage(format!("{EVENTS_FD_VAR}={fd} is not a file descriptor number")));
+        }
+        // SAFETY: fcntl on an integer only queries (then sets) descriptor flags; it touches
+        // no memory.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        if flags < 0 {
+            return Err(RuntimeError::io(
+                format!(
+                    "{EVENTS_FD_VAR}={fd} names no open file descriptor (was this process started by `elasticps launch`?)"
+                ),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: as above.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) };
+        // SAFETY: `fd` is open (checked above) and was handed to this process for its
+        // events; the registry above makes this the only `File` that owns it.
+        let file = Arc::new(Mutex::new(unsafe { File::from_raw_fd(fd) }));
+        opened.insert(fd, file.clone());
+        Ok(Self { sink: Sink::Fd(file) })
+    }
+
+    /// True if events go somewhere.
+    pub fn is_enabled(&self) -> bool {
+        !matches!(self.sink, Sink::Nowhere)
+    }
+
+    /// Writes one event line and flushes it, so a reader sees it at once. A reader that
+    /// went away is not an error: the line is dropped.
+    pub fn emit(&self, event: &Event) {
+        if !self.is_enabled() {
+            return;
+        }
+        let Ok(mut line) = serde_json::to_string(event) else { return };
+        line.push('\n');
+        match &self.sink {
+            Sink::Nowhere => {}
+            Sink::Stdout => {
+                let mut out = std::io::stdout().lock();
+                let _ = out.write_all(line.as_bytes());
+                let _ = out.flush();
+            }
+            Sink::Fd(file) => {
+                let mut f = file.lock().unwrap_or_else(|e| e.into_inner());
+                if let Err(e) = f.write_all(line.as_bytes()).and_then(|()| f.flush()) {
+                    tracing::debug!(error = %e, "cannot write an event line");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader};
+    use std::os::fd::{IntoRawFd, OwnedFd};
+
+    fn pipe() -> (File, OwnedFd) {
+        let mut fds = [0; 2];
+        // SAFETY: pipe writes two descriptors into the array it is given.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe: {}", std::io::Error::last_os_error());
+        // SAFETY: both descriptors were just created and are owned by nothing else.
+        unsafe { (File::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+    }
+
+    #[test]
+    fn log_lines_round_trip_with_non_finite_values() {
+        let mut metrics = BTreeMap::new();
+        metrics.insert("loss".to_string(), f64::NAN);
+        metrics.insert("accuracy".to_string(), 0.97);
+        let line = serde_json::to_string(&Event::Log { rank: 1, step: 7, metrics }).unwrap();
+        assert_eq!(line, r#"{"event":"log","rank":1,"step":7,"metrics":{"accuracy":0.97,"loss":null}}"#);
+        let Event::Log { rank, step, metrics } = serde_json::from_str(&line).unwrap() else { panic!("{line}") };
+        assert_eq!((rank, step, metrics["accuracy"]), (1, 7, 0.97));
+        assert!(metrics["loss"].is_nan());
+        // A diverged progress line still parses too.
+        let p: Event = serde_json::from_str(r#"{"event":"progress","rank":0,"iteration":1,"total":2,"loss":null}"#)
+            .expect("a progress line with a null loss");
+        assert!(matches!(p, Event::Progress { loss, .. } if loss.is_nan()));
+    }
+
+    #[test]
+    fn worker_done_reads_an_older_line() {
+        let line = r#"{"event":"worker_done","rank":2,"iterations":5,"wait_ms":1.5,"final_loss":null}"#;
+        let Event::WorkerDone(w) = serde_json::from_str(line).unwrap() else { panic!("{line}") };
+        assert_eq!((w.rank, w.iterations, w.wait_ms), (2, 5, 1.5));
+        assert!(w.final_loss.is_nan() && w.iter_ms.is_empty());
+    }
+
+    #[test]
+    fn an_fd_emitter_writes_whole_lines_once_per_process() {
+        let (read, write) = pipe();
+        let fd = write.into_raw_fd();
+        let a = Emitter::to_fd(fd).expect("an open pipe");
+        let b = Emitter::to_fd(fd).expect("the same descriptor again");
+        // SAFETY: F_GETFD only reads descriptor flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        assert!(flags & libc::FD_CLOEXEC != 0, "the pipe must not leak into the worker's children");
+        a.emit(&Event::Listening { addr: "a".into() });
+        b.emit(&Event::Listening { addr: "b".into() });
+        let mut lines = BufReader::new(read).lines();
+        for want in ["a", "b"] {
+            let line = lines.next().expect("a line").expect("readable");
+            assert!(matches!(serde_json::from_str(&line), Ok(Event::Listening { addr }) if addr == want), "{line}");
+        }
+        assert!(a.is_enabled() && !Emitter::new(false).is_enabled());
+    }
+
+    #[test]
+    fn a_closed_fd_is_a_clear_error() {
+        // Far above any descriptor this test process opens.
+        let fd = 999_999;
+        let err = Emitter::to_fd(fd).unwrap_err().to_string();
+        assert!(err.contains("ELASTICPS_EVENTS_FD=999999 names no open file descriptor"), "{err}");
+        assert!(Emitter::to_fd(-1).is_err());
+    }
+}
