@@ -1,0 +1,161 @@
+"""`elasticps launch -- python ...` end to end: real processes, real TCP, real training."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).parent / "workers" / "numpy_worker.py"
+MNIST = ROOT / "examples" / "python" / "train_mnist_torch.py"
+
+
+def binary() -> str:
+    path = os.environ.get("ELASTICPS_BIN", str(ROOT / "target" / "debug" / "elasticps"))
+    if not Path(path).exists():
+        pytest.fail(f"no elasticps binary at {path}: cargo build -p elasticps, or set ELASTICPS_BIN")
+    return path
+
+
+def launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([binary(), "launch", "--quiet", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def accuracy(text: str, label: str) -> float:
+    m = re.search(rf"{label} ([0-9.]+)%", text)
+    assert m, f"no {label!r} in:\n{text}"
+    return float(m.group(1))
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (by /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def local_accuracy() -> float:
+    out = subprocess.run(
+        [sys.executable, str(MNIST), "--local"], capture_output=True, text=True, timeout=240, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return accuracy(out.stdout, "local test accuracy")
+
+
+def test_mnist_under_ssp_learns_as_well_as_local_torch(local_accuracy, tmp_path):
+    out = launch(["--workers", "2", "--sync", "ssp:2", "--report", str(tmp_path), "--", sys.executable, str(MNIST)])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    acc = accuracy(out.stdout, "test accuracy")
+    print(f"elasticps ssp:2, 2 workers: {acc:.2f}%; plain local torch: {local_accuracy:.2f}%")
+    assert acc >= 95.0
+    assert abs(acc - local_accuracy) <= 1.0
+    assert (tmp_path / "report.json").exists() and (tmp_path / "curves.png").exists()
+
+
+def test_mnist_with_psld_moves_blocks_off_a_slow_server(local_accuracy, tmp_path):
+    import json
+
+    out = launch([
+        "--workers", "2", "--sync", "ssp:2", "--balance", "psld", "--server-bandwidth", "1=20",
+        "--max-servers", "3", "--report", str(tmp_path), "--", sys.executable, str(MNIST),
+    ])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    acc = accuracy(out.stdout, "test accuracy")
+    report = json.loads((tmp_path / "report.json").read_text())
+    moved = [m for m in report["balance"]["migrations"] if m.get("error") is None]
+    print(f"psld: {len(moved)} migrations, accuracy {acc:.2f}% (local {local_accuracy:.2f}%)")
+    assert len(moved) >= 1, report["balance"]
+    assert acc >= 95.0 and abs(acc - local_accuracy) <= 1.0
+
+
+def test_a_killed_python_worker_ends_the_job_naming_it_with_no_orphans():
+    proc = subprocess.Popen(
+        [binary(), "launch", "--quiet", "--workers", "2", "--", sys.executable, str(WORKER), "100000", "0.01"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        started = 0
+        while started < 2:
+            assert time.monotonic() < deadline, "the workers did not start within 60 s"
+            line = proc.stdout.readline()
+            assert line, "the launcher ended before the workers started"
+            started += "started" in line
+        tree = descendants(proc.pid)
+        workers = [p for p in tree if "numpy_worker.py" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+        assert len(workers) == 2, workers
+        victim = max(workers)
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert re.search(rf"worker \d \(pid {victim}: .*numpy_worker\.py.*\) was killed by signal 9", err), err[-3000:]
+    left = [p for p in tree if alive(p)]
+    assert not left, f"processes left behind: {left}"
+
+
+def test_metrics_of_every_server_count_pushes_during_a_run():
+    proc = subprocess.Popen(
+        [binary(), "launch", "--quiet", "--metrics", "--workers", "2", "--", sys.executable, str(WORKER), "3000", "0.002"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        urls = None
+        deadline = time.monotonic() + 60
+        while urls is None:
+            assert time.monotonic() < deadline, "no metrics line within 60 s"
+            line = proc.stdout.readline()
+            assert line, "the launcher ended before it printed where to scrape"
+            if line.startswith("metrics: "):
+                urls = dict(re.findall(r"(\w+ \d+|scheduler) (http://\S+/metrics)", line))
+        servers = {k: v for k, v in urls.items() if k.startswith("server")}
+        assert len(servers) == 2 and any(k.startswith("worker") for k in urls), urls
+        pushes = {}
+        while not all(pushes.get(k, 0) > 0 for k in servers):
+            assert time.monotonic() < deadline, f"push counters stayed at {pushes}"
+            assert proc.poll() is None, "the job ended before every server counted a push"
+            for name, url in servers.items():
+                text = urllib.request.urlopen(url, timeout=5).read().decode()
+                m = re.search(r"^elasticps_server_pushes_total\S* (\d+)", text, re.M)
+                pushes[name] = int(m.group(1)) if m else 0
+            time.sleep(0.2)
+        worker_text = urllib.request.urlopen(urls["worker 0"], timeout=5).read().decode()
+        assert "elasticps_worker_iterations_total" in worker_text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
