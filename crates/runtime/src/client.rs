@@ -684,7 +684,10 @@ async fn await_reply(
             reply,
         }),
         Ok(Ok(reply)) => Ok(reply),
-        Ok(Err(_)) => Err(RuntimeError::Closed(format!("server {}", ctx.owner))),
+        Ok(Err(_)) => Err(RuntimeError::Closed(format!(
+            "server {} (before answering {verb}(clock {clock}) of block {} from worker {})",
+            ctx.owner, b.id, ctx.rank
+        ))),
         Err(_) => Err(RuntimeError::Timeout {
             what: format!(
                 "worker {} waits for server {} to answer {verb}(clock {clock}) of block {}",
