@@ -108,8 +108,8 @@ def main(argv=None) -> int:
             clock += 1
             if clock % LOG_EVERY == 0 or clock == total:
                 elasticps.log(step=clock, total=total, loss=loss, samples=clock * args.batch_size)
-        print(f"worker {rank}: epoch {epoch + 1}/{args.epochs}: loss {loss:.4f}", flush=True)
-    print(f"worker {rank}: {clock} iterations in {time.monotonic() - started:.1f} s", flush=True)
+        print(f"rank {rank}: epoch {epoch + 1}/{args.epochs}: loss {loss:.4f}", flush=True)
+    print(f"rank {rank}: {clock} iterations in {time.monotonic() - started:.1f} s", flush=True)
 
     w.barrier()  # everyone's last push is in: rank 0 pulls the final parameters
     if rank == 0:

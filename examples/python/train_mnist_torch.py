@@ -133,10 +133,10 @@ def train_distributed(args, x, y, xt, yt) -> None:
             samples += len(idx)
             if step % LOG_EVERY == 0 or step == total:
                 elasticps.log(step=step, total=total, loss=loss.item(), samples=samples)
-        print(f"worker {rank}: epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}", flush=True)
+        print(f"rank {rank}: epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}", flush=True)
         sched.step()
     train_s = time.monotonic() - started
-    print(f"worker {rank}: {step} iterations on {len(xs)} samples in {train_s:.1f} s", flush=True)
+    print(f"rank {rank}: {step} iterations on {len(xs)} samples in {train_s:.1f} s", flush=True)
     # Every worker has pushed its last gradients once all are in the barrier: the
     # parameters rank 0 pulls then are the final ones.
     w.barrier()

@@ -51,7 +51,7 @@ def test_numpy_loop(cluster):
     assert accuracy(outputs) > 85.0
     text = "".join(outputs)
     for rank in range(2):  # 5000 examples per shard, 78 batches of 64 per epoch
-        assert f"worker {rank}: 156 iterations" in text, text
+        assert f"rank {rank}: 156 iterations" in text, text
 
 
 @pytest.mark.deadline(120)
