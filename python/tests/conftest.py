@@ -13,7 +13,7 @@ Keyword names are the scheduler's flags with ``_`` for ``-``; ``True`` passes a 
 (``aggregate=True`` -> ``--aggregate``), a list repeats the flag. The binary is
 ``$ELASTICPS_BIN``, else ``<repo>/target/debug/elasticps``.
 
-Every test runs under a deadline (``@pytest.mark.deadline(seconds)``, default 60 s): a
+Every test runs under a deadline (``@pytest.mark.deadline(seconds)``, default 120 s): a
 SIGALRM raises ``TimeoutError`` in the test, which interrupts any elasticps wait (they
 check for signals every 100 ms), so teardown still kills the cluster. Every process a
 fixture starts is killed by PID at teardown, and on Linux also dies with the test process
@@ -37,12 +37,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-import elasticps
-
 REPO = Path(__file__).resolve().parents[2]
-#: Where the `elasticps` package the tests import lives (the source tree with its built
-#: module copied in, or an installed wheel): worker processes import the same one.
-PACKAGE_PARENT = Path(elasticps.__file__).resolve().parent.parent
 
 #: How long the scheduler may take to print its address.
 LISTEN_TIMEOUT_S = 20.0
@@ -51,12 +46,12 @@ REAP_TIMEOUT_S = 10.0
 #: Terminal colour codes (stripped from logs before matching).
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: Default per-test deadline.
-DEFAULT_DEADLINE_S = 60.0
+DEFAULT_DEADLINE_S = 120.0
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cluster(**flags): job flags of the `cluster` fixture's scheduler")
-    config.addinivalue_line("markers", "deadline(seconds): the test's time limit (default 60 s)")
+    config.addinivalue_line("markers", "deadline(seconds): the test's time limit (default 120 s)")
 
 
 def elasticps_bin() -> str:
@@ -71,14 +66,25 @@ def elasticps_bin() -> str:
     return str(path)
 
 
+def _load_prctl():
+    """libc's prctl, loaded here in the parent: the child between fork and exec must not
+    load libraries (another thread may hold the loader's lock at fork time)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    return prctl
+
+
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the test process dies (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _flags(options: Dict[str, object]) -> List[str]:
@@ -100,8 +106,13 @@ def _flags(options: Dict[str, object]) -> List[str]:
 def worker_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """The environment of a Python worker process: the package under test first on
     ``PYTHONPATH``."""
+    # Where the package the tests import lives (the source tree with the built module
+    # copied in, or an installed wheel): worker processes import the same one.
+    import elasticps
+
+    parent = Path(elasticps.__file__).resolve().parent.parent
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(parent)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.pop("ELASTICPS_EVENTS_FD", None)
     if extra:
         env.update(extra)
@@ -130,7 +141,9 @@ class Cluster:
         log = open(self.tmp / log_name, "wb")
         kw.setdefault("stdout", log)
         try:
-            p = subprocess.Popen(args, stderr=log, preexec_fn=_die_with_parent, **kw)
+            p = subprocess.Popen(
+                args, stderr=log, preexec_fn=_die_with_parent if _PRCTL is not None else None, **kw
+            )
         finally:
             log.close()
         self.procs.append(p)

@@ -16,6 +16,9 @@ import pytest
 import elasticps
 from conftest import read_line
 
+#: A hang fails fast: every test here takes seconds.
+pytestmark = pytest.mark.deadline(30)
+
 #: A second worker process: joins, registers a model of the shapes the test passes (filled
 #: with -7), prints its arrays after register_model as JSON, then does what the test
 #: writes on its stdin ("push CLOCK VALUE": push VALUE everywhere; "pull CLOCK": pull and

@@ -14,6 +14,9 @@ import torch
 
 import elasticps.torch as ept
 
+#: A hang fails fast: every test here takes seconds.
+pytestmark = pytest.mark.deadline(30)
+
 STEPS = 20
 TOLERANCE = 1e-5
 
