@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -321,5 +322,8 @@ def test_a_killed_server_makes_the_next_call_fail_naming_it(cluster, monkeypatch
             w.push_pull(clock, grads, params)
     elapsed = time.monotonic() - started
     message = str(err.value)
-    assert f"server {index} ({addr})" in message and "clock" in message, message
+    # The client sees the connection close, or the scheduler's shutdown saying which
+    # server is gone ("server 1 (127.0.0.1:port) is gone"), whichever comes first.
+    assert re.search(rf"server {index}\b", message) and "clock" in message, message
+    assert addr in message or "closed the connection" in message, message
     assert elapsed < 15, f"the error came after {elapsed:.1f} s"
