@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         p.error("--epochs and --batch-size must be at least 1")
     lr = DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
 
-    data_dir = mnist.Path(args.data_dir)
+    data_dir = Path(args.data_dir)
     x, y = mnist.load("train", data_dir)
     xt, yt = mnist.load("t10k", data_dir)
     x, xt = x.reshape(len(x), -1), xt.reshape(len(xt), -1)
