@@ -73,8 +73,10 @@ def server_optimizer(optimizer: torch.optim.Optimizer, group: dict) -> dict:
 class _DistributedOptimizer(torch.optim.Optimizer):
     """The methods mixed into a subclass of the user's optimizer class."""
 
-    def __init__(self, params, named_parameters, worker, push_on_backward, backward_passes_per_step):
+    def __init__(self, params, defaults, named_parameters, worker, push_on_backward, backward_passes_per_step):
         super(self.__class__, self).__init__(params)
+        # The wrapped optimizer's defaults (its constructor's arguments), not the class's.
+        self.defaults = dict(defaults)
         self._worker = worker if worker is not None else elasticps.worker()
         self._push_on_backward = push_on_backward
         self._passes = int(backward_passes_per_step)
@@ -121,6 +123,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles: Dict[str, "elasticps.Handle"] = {}
         self._keep: Dict[str, object] = {}
         self._counts: Dict[str, int] = {}
+        # Whether this step's hyperparameters were sent (before its first push; a hook
+        # counts a backward pass before it pushes, so the counts cannot tell).
+        self._step_started = False
         self._hooks = []
         for name, p in self._params:
             if p.requires_grad:
@@ -168,9 +173,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._worker.set_optimizer(name, spec)
                     self._sent[name] = spec
 
-    def _push(self, name: str, p: torch.Tensor) -> None:
-        if not self._handles and not self._counts:
+    def _start_step(self) -> None:
+        """Before the first push of a step: send changed hyperparameters."""
+        if not self._step_started:
             self._sync_hyperparams()
+            self._step_started = True
+
+    def _push(self, name: str, p: torch.Tensor) -> None:
+        self._start_step()
         array, keep = self._grad_array(name, p)
         self._keep[name] = keep
         self._handles[name] = self._worker.push_async(self._clock, name, array)
@@ -188,8 +198,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Pushes every gradient not pushed yet and waits for all pushes of this step."""
-        if not self._handles:
-            self._sync_hyperparams()
+        self._start_step()
         for name, p in self._params:
             if name not in self._handles:
                 self._push(name, p)
@@ -200,6 +209,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles.clear()
             self._keep.clear()
             self._counts.clear()
+            self._step_started = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -250,4 +260,6 @@ def DistributedOptimizer(
     for g in optimizer.param_groups:
         server_optimizer(optimizer, g)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, worker, push_on_backward, backward_passes_per_step)
+    return cls(
+        optimizer.param_groups, optimizer.defaults, named_parameters, worker, push_on_backward, backward_passes_per_step
+    )
