@@ -18,7 +18,7 @@ parameters, evaluates them on the test set, prints ``test accuracy XX.XX%`` and 
 ``accuracy=``. The learning rate decays by ``--lr-decay`` after every epoch
 (``ExponentialLR``; through ``DistributedOptimizer`` the new value reaches the servers).
 
-Defaults (Adam, lr 2e-3, 4 epochs, batch 32) reach about 97% on the subset, within a
+Defaults (Adam, lr 1e-3, 6 epochs, batch 32) reach about 97.5% on the subset, within a
 point of ``--local``, in 10 to 20 s of training with 2 workers on a 2-core machine.
 """
 
@@ -37,27 +37,30 @@ import torch.nn.functional as F
 import mnist
 
 #: The learning rate of each optimizer when --lr is not given.
-DEFAULT_LR = {"sgd": 0.1, "momentum": 0.02, "adam": 2e-3}
+DEFAULT_LR = {"sgd": 0.1, "momentum": 0.02, "adam": 1e-3}
 #: Report to the launcher every this many iterations.
 LOG_EVERY = 10
 
 
 class Net(torch.nn.Module):
-    """Two 3x3 convolutions with max pooling, then two fully connected layers (108k
-    parameters)."""
+    """Two 3x3 convolutions with max pooling, then three fully connected layers (278k
+    parameters: fc1 and fc2 are large enough that each server of a 2-server job holds a
+    real share of the bytes, so a bandwidth-capped server is a real straggler)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv1 = torch.nn.Conv2d(1, 16, 3)  # 28 -> 26, pooled to 13
         self.conv2 = torch.nn.Conv2d(16, 32, 3)  # 13 -> 11, pooled to 5
-        self.fc1 = torch.nn.Linear(32 * 5 * 5, 128)
-        self.fc2 = torch.nn.Linear(128, 10)
+        self.fc1 = torch.nn.Linear(32 * 5 * 5, 256)
+        self.fc2 = torch.nn.Linear(256, 256)
+        self.fc3 = torch.nn.Linear(256, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc2(x)
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
 
 
 def make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
@@ -155,7 +158,7 @@ def train_distributed(args, x, y, xt, yt) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=4, help="passes over the training set (default 4)")
+    p.add_argument("--epochs", type=int, default=6, help="passes over the training set (default 6)")
     p.add_argument("--batch-size", type=int, default=32, help="examples per iteration and worker (default 32)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: sgd 0.1, momentum 0.02, adam 2e-3)")
     p.add_argument("--lr-decay", type=float, default=0.5, help="lr factor after each epoch (default 0.5)")

@@ -13,16 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import elasticps_bin as binary
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "workers" / "numpy_worker.py"
 MNIST = ROOT / "examples" / "python" / "train_mnist_torch.py"
-
-
-def binary() -> str:
-    path = os.environ.get("ELASTICPS_BIN", str(ROOT / "target" / "debug" / "elasticps"))
-    if not Path(path).exists():
-        pytest.fail(f"no elasticps binary at {path}: cargo build -p elasticps, or set ELASTICPS_BIN")
-    return path
 
 
 def launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -72,6 +67,7 @@ def local_accuracy() -> float:
     return accuracy(out.stdout, "local test accuracy")
 
 
+@pytest.mark.deadline(300)
 def test_mnist_under_ssp_learns_as_well_as_local_torch(local_accuracy, tmp_path):
     out = launch(["--workers", "2", "--sync", "ssp:2", "--report", str(tmp_path), "--", sys.executable, str(MNIST)])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -82,6 +78,7 @@ def test_mnist_under_ssp_learns_as_well_as_local_torch(local_accuracy, tmp_path)
     assert (tmp_path / "report.json").exists() and (tmp_path / "curves.png").exists()
 
 
+@pytest.mark.deadline(300)
 def test_mnist_with_psld_moves_blocks_off_a_slow_server(local_accuracy, tmp_path):
     import json
 

@@ -251,6 +251,28 @@ impl Cluster {
         }
     }
 
+    /// Kills every node still running and waits (at most `within`) until each of them has
+    /// been reaped, so that none outlives the launcher's return, not even for a moment.
+    pub async fn stop(&mut self, within: std::time::Duration) {
+        let mut waiting: std::collections::BTreeSet<usize> =
+            self.nodes.iter().enumerate().filter(|(_, n)| n.running).map(|(i, _)| i).collect();
+        self.kill_all();
+        let deadline = tokio::time::Instant::now() + within;
+        while !waiting.is_empty() {
+            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some(NodeEvent::Exited { node, .. })) => {
+                    waiting.remove(&node);
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => {
+                    let left: Vec<&str> = waiting.iter().map(|i| self.nodes[*i].name.as_str()).collect();
+                    tracing::warn!(?left, "killed nodes not reaped in time");
+                    return;
+                }
+            }
+        }
+    }
+
     /// The error for a node that exited with `status`, with the tail of its log: for a
     /// role `server 1 exited with exit status: 1`, for a user's command `worker 1 (pid
     /// 12345: python train.py) was killed by signal 9` or `... exited with status 3`.

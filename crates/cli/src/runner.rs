@@ -127,6 +127,9 @@ impl Signals {
     }
 }
 
+/// How long a failed or interrupted job waits for the processes it killed to be reaped.
+const REAP_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Runs one job on a local cluster and collects its events.
 pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
     // A wrong job flag is refused here, before any process starts.
@@ -158,7 +161,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
         let next = tokio::select! {
             ev = tokio::time::timeout_at(deadline, cluster.next()) => ev,
             how = signals.recv() => {
-                cluster.kill_all();
+                cluster.stop(REAP_TIMEOUT).await;
                 anyhow::bail!("{how}: every node was stopped");
             }
         };
@@ -207,7 +210,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
         match node {
             Ok(node) => worker_nodes.insert(node),
             Err(e) => {
-                cluster.kill_all();
+                cluster.stop(REAP_TIMEOUT).await;
                 return Err(e.context("every node started so far was stopped"));
             }
         };
@@ -222,13 +225,13 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
             ev = cluster.next() => ev,
             how = signals.recv() => {
                 bars.clear();
-                cluster.kill_all();
+                cluster.stop(REAP_TIMEOUT).await;
                 anyhow::bail!("{how}: every node was stopped");
             }
             _ = sleep_until(end_by) => {
                 bars.clear();
                 let left = cluster.running().join(", ");
-                cluster.kill_all();
+                cluster.stop(REAP_TIMEOUT).await;
                 anyhow::bail!(
                     "every worker exited, but the job did not end within {:.0} s (still running: {left}); a worker \
                      that exits without finishing leaves the scheduler waiting for it",
@@ -243,7 +246,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
                 if !status.success() {
                     bars.clear();
                     let err = cluster.failure(node, status);
-                    cluster.kill_all();
+                    cluster.stop(REAP_TIMEOUT).await;
                     return Err(err.context("the job failed; every other node was stopped"));
                 }
                 if worker_nodes.remove(&node) && worker_nodes.is_empty() {
