@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::CoreError;
 use crate::model::BlockSpec;
-use crate::optimizer::{self, OptState, OptimizerConfig};
+use crate::optimizer::{OptState, OptimizerConfig};
 use crate::stats::Histogram;
 use rand::Rng;
 
@@ -353,14 +353,7 @@ impl<T> Block<T> {
             *count += 1;
             self.apply_complete_clocks(opt);
         } else {
-            optimizer::step(
-                opt.kind,
-                opt.lr,
-                opt.weight_decay,
-                Arc::make_mut(&mut self.values).as_mut_slice(),
-                &mut self.opt,
-                grad,
-            );
+            opt.step(Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, grad);
         }
         Ok(self.release(config.sync, now_us))
     }
@@ -420,14 +413,7 @@ impl<T> Block<T> {
             let (mut sum, count) = entry.remove();
             let scale = 1.0 / count as f32;
             sum.iter_mut().for_each(|s| *s *= scale);
-            optimizer::step(
-                opt.kind,
-                opt.lr,
-                opt.weight_decay,
-                Arc::make_mut(&mut self.values).as_mut_slice(),
-                &mut self.opt,
-                &sum,
-            );
+            opt.step(Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, &sum);
         }
     }
 

@@ -81,6 +81,11 @@ pub struct OptimizerConfig {
 }
 
 impl OptimizerConfig {
+    /// Applies one step of this rule to `w` with gradient `grad` ([`step`]).
+    pub fn step(&self, w: &mut [f32], state: &mut OptState, grad: &[f32]) {
+        step(self.kind, self.lr, self.weight_decay, w, state, grad);
+    }
+
     /// This configuration with a tensor's own rule, learning rate and weight decay.
     pub fn with(self, t: &TensorOptimizer) -> Self {
         Self { kind: t.kind, lr: t.lr, weight_decay: t.weight_decay, aggregate: self.aggregate }
