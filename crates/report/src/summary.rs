@@ -280,7 +280,7 @@ fn balance(md: &mut String, log: &BalanceLog) {
 }
 
 /// The median of the finite values (NaN for none).
-pub(crate) fn median(values: &[f64]) -> f64 {
+pub fn median(values: &[f64]) -> f64 {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
     if v.is_empty() {
         return f64::NAN;
@@ -291,7 +291,7 @@ pub(crate) fn median(values: &[f64]) -> f64 {
 }
 
 /// The largest finite value (NaN for none).
-pub(crate) fn max(values: &[f64]) -> f64 {
+pub fn max(values: &[f64]) -> f64 {
     values.iter().copied().filter(|x| x.is_finite()).fold(f64::NAN, f64::max)
 }
 
@@ -345,7 +345,7 @@ fn plural(n: usize) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::{ServerReport, WorkerReport};
+    use crate::{ServerReport, WorkerReport};
 
     #[test]
     fn number_formatting() {

@@ -1,6 +1,6 @@
 //! `elasticps bench straggler`: a straggling server, with and without the PSLD balancer.
 //!
-//! Every run is a real local cluster ([`crate::train::run_local`]): the scheduler, 4
+//! Every run is a real local cluster ([`elasticps_launch::train::run_local`]): the scheduler, 4
 //! servers and 4 workers as processes, `synthetic:resnet50` (ResNet-50's 161 tensors,
 //! 102 MB of parameters, random gradients, 20 ms of compute per iteration), bsp, sgd,
 //! `bestfit` placement (every server holds a quarter of the bytes).
@@ -50,7 +50,7 @@
 //!   scale-out events (from `scale-out` to the server's `joined`).
 //!
 //! It writes `bench-straggler.json` (every run), `bench-straggler.md` (the table, checks and
-//! targets), `straggler.png` ([`super::straggler_plot`]) and, per run, the full report with
+//! targets), `straggler.png` ([`crate::plots::straggler`]) and, per run, the full report with
 //! its `balance.png` under `runs/`. The check (fails the command): every run completes, and
 //! in scenario a psld's it/s is above [`QUICK_MARGIN`] x static's. The targets are
 //! reported, met or missed.
@@ -58,18 +58,18 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
+use crate::error::Context as _;
 use clap::{Args, Parser};
 use serde::Serialize;
 
-use super::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
-use super::machine::{Machine, MachineWatch};
-use super::straggler_plot;
-use crate::args::NetArgs;
-use crate::report::summary::{max, median};
-use crate::report::table::markdown_table;
-use crate::report::{BalanceLog, Report, WorkerReport};
-use crate::train::{TrainCmd, build_report, run_local};
+use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::machine::{Machine, MachineWatch};
+use crate::plots::straggler as straggler_plot;
+use elasticps_launch::args::NetArgs;
+use elasticps_launch::train::{TrainCmd, build_report, run_local};
+use elasticps_report::summary::{max, median};
+use elasticps_report::table::markdown_table;
+use elasticps_report::{BalanceLog, Report, WorkerReport};
 
 /// psld must beat static in scenario a by this factor (the check). Nine quick runs on a
 /// shared 2-core machine measured 2.15-2.69x, 2.45x with two busy loops beside it (65% of the
@@ -222,19 +222,28 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(cmd: &StragglerBenchCmd) -> anyhow::Result<Self> {
+    fn new(cmd: &StragglerBenchCmd) -> crate::Result<Self> {
         let mut scenarios = cmd
             .scenarios
             .clone()
             .unwrap_or_else(|| if cmd.quick { vec![Scenario::Bandwidth] } else { Scenario::ALL.to_vec() });
         scenarios.sort();
         scenarios.dedup();
-        anyhow::ensure!(!scenarios.is_empty(), "--scenarios: nothing to run");
-        anyhow::ensure!(cmd.rate_mbps.is_finite() && cmd.rate_mbps >= 0.01, "--rate-mbps must be at least 0.01");
-        anyhow::ensure!(cmd.interference.is_finite() && cmd.interference >= 1.0, "--interference must be >= 1");
-        anyhow::ensure!(cmd.straggler_at.is_finite() && cmd.straggler_at >= 0.0, "--straggler-at must be >= 0");
+        crate::error::ensure_flags!(!scenarios.is_empty(), "--scenarios: nothing to run");
+        crate::error::ensure_flags!(
+            cmd.rate_mbps.is_finite() && cmd.rate_mbps >= 0.01,
+            "--rate-mbps must be at least 0.01"
+        );
+        crate::error::ensure_flags!(
+            cmd.interference.is_finite() && cmd.interference >= 1.0,
+            "--interference must be >= 1"
+        );
+        crate::error::ensure_flags!(
+            cmd.straggler_at.is_finite() && cmd.straggler_at >= 0.0,
+            "--straggler-at must be >= 0"
+        );
         for n in [cmd.psld_iterations, cmd.static_iterations].into_iter().flatten() {
-            anyhow::ensure!(n >= 4, "a run needs at least 4 iterations per worker");
+            crate::error::ensure_flags!(n >= 4, "a run needs at least 4 iterations per worker");
         }
         Ok(Plan {
             quick: cmd.quick,
@@ -514,7 +523,7 @@ struct Output {
 }
 
 /// Runs the benchmark, writes its files and prints the table.
-pub async fn run(cmd: StragglerBenchCmd) -> anyhow::Result<()> {
+pub async fn run(cmd: StragglerBenchCmd) -> crate::Result<()> {
     let plan = Plan::new(&cmd)?;
     std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
     let watch = MachineWatch::start();
@@ -550,7 +559,7 @@ pub async fn run(cmd: StragglerBenchCmd) -> anyhow::Result<()> {
     };
     let md = render(&out);
     print!("{md}");
-    let json = crate::report::to_json(&out)?;
+    let json = elasticps_report::to_json(&out)?;
     std::fs::write(cmd.out.join("bench-straggler.json"), json + "\n").context("writing bench-straggler.json")?;
     std::fs::write(cmd.out.join("bench-straggler.md"), &md).context("writing bench-straggler.md")?;
     let png = cmd.out.join("straggler.png");
@@ -584,9 +593,9 @@ async fn one_run(plan: &Plan, cmd: &StragglerBenchCmd, scenario: Option<Scenario
     }
 }
 
-async fn run_and_report(cmd: &StragglerBenchCmd, flags: &[String], dir: &Path) -> anyhow::Result<Report> {
+async fn run_and_report(cmd: &StragglerBenchCmd, flags: &[String], dir: &Path) -> crate::Result<Report> {
     let parsed = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags.iter().cloned()))
-        .map_err(|e| anyhow::anyhow!("building the job: {e}"))?;
+        .map_err(|e| crate::BenchError::Flags(format!("building the job: {e}")))?;
     let mut train = parsed.cmd;
     train.net = cmd.net.clone();
     train.quiet = true;
@@ -595,7 +604,7 @@ async fn run_and_report(cmd: &StragglerBenchCmd, flags: &[String], dir: &Path) -
     train.report = Some(dir.to_path_buf());
     let outcome = run_local(&train, &[]).await?;
     let report = build_report(&train, &outcome)?;
-    crate::report::write(dir, &report)?;
+    elasticps_report::write(dir, &report)?;
     Ok(report)
 }
 

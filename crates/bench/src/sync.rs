@@ -1,7 +1,7 @@
 //! `elasticps bench sync`: the same job under every synchronization policy, side by side.
 //!
 //! Two workloads, each run once per policy on a real local cluster (scheduler, 2 servers,
-//! 8 workers as processes, [`crate::train::run_local`]), with ranks 0 and 4 delayed by
+//! 8 workers as processes, [`elasticps_launch::train::run_local`]), with ranks 0 and 4 delayed by
 //! N(50 ms, 10 ms) per iteration on top of their compute time (FluentPS's stragglers):
 //!
 //! 1. `synthetic:resnet56` (ResNet-56's tensors, random gradients, `--compute-ms` of
@@ -23,7 +23,7 @@
 //! - mean / p99 hold of a delayed pull, sync events (`releases`), the largest lead.
 //!
 //! It writes `bench-sync.json` (every run), `bench-sync.md` (the table, the checks, the
-//! targets) and `sync.png` ([`super::sync_plot`]) into `--out`, and prints the Markdown.
+//! targets) and `sync.png` ([`crate::plots::sync`]) into `--out`, and prints the Markdown.
 //! The *checks* are orderings with wide margins that must hold on a noisy 2-core machine
 //! (a failed check fails the command); the issue's *targets* are reported, met or missed,
 //! with the measured ratio.
@@ -31,18 +31,18 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
+use crate::error::Context as _;
 use clap::{Args, Parser};
 use elasticps_core::sync::SyncPolicy;
 use serde::Serialize;
 
-use super::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
-use super::machine::{Machine, MachineWatch};
-use super::sync_plot;
-use crate::args::{NetArgs, StragglerSpec};
-use crate::report::table::markdown_table;
-use crate::report::{ServerReport, WorkerReport};
-use crate::train::{TrainCmd, build_report, run_local};
+use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::machine::{Machine, MachineWatch};
+use crate::plots::sync as sync_plot;
+use elasticps_launch::args::{NetArgs, StragglerSpec};
+use elasticps_launch::train::{TrainCmd, build_report, run_local};
+use elasticps_report::table::markdown_table;
+use elasticps_report::{ServerReport, WorkerReport};
 
 /// Every policy of the default run, in table order.
 pub const DEFAULT_POLICIES: &[&str] = &["bsp", "asp", "ssp:3", "lazy:3", "pssp:3:0.5", "dpssp:3", "adaptive"];
@@ -146,7 +146,7 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(cmd: &SyncBenchCmd) -> anyhow::Result<Self> {
+    fn new(cmd: &SyncBenchCmd) -> crate::Result<Self> {
         let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let given = cmd.policies.as_ref().map(|p| p.iter().map(ToString::to_string).collect::<Vec<_>>());
         let (synthetic_policies, mnist_policies) = match (given, cmd.quick) {
@@ -156,13 +156,16 @@ impl Plan {
         };
         let synthetic_iterations = cmd.synthetic_iterations.unwrap_or(if cmd.quick { 30 } else { 60 });
         let mnist_iterations = cmd.mnist_iterations.unwrap_or(if cmd.quick { 60 } else { 210 });
-        anyhow::ensure!((1..=20).contains(&cmd.rounds), "--rounds must be from 1 to 20");
-        anyhow::ensure!(!synthetic_policies.is_empty(), "--policies: nothing to compare");
-        anyhow::ensure!(synthetic_iterations > 0, "--synthetic-iterations must be at least 1");
-        anyhow::ensure!(cmd.workers > 0 && cmd.servers > 0, "--workers and --servers must be at least 1");
-        anyhow::ensure!(cmd.compute_ms.is_finite() && cmd.compute_ms >= 0.0, "--compute-ms must be non-negative");
+        crate::error::ensure_flags!((1..=20).contains(&cmd.rounds), "--rounds must be from 1 to 20");
+        crate::error::ensure_flags!(!synthetic_policies.is_empty(), "--policies: nothing to compare");
+        crate::error::ensure_flags!(synthetic_iterations > 0, "--synthetic-iterations must be at least 1");
+        crate::error::ensure_flags!(cmd.workers > 0 && cmd.servers > 0, "--workers and --servers must be at least 1");
+        crate::error::ensure_flags!(
+            cmd.compute_ms.is_finite() && cmd.compute_ms >= 0.0,
+            "--compute-ms must be non-negative"
+        );
         if let Some(b) = cmd.budget_s {
-            anyhow::ensure!(b.is_finite() && b > 0.0, "--budget-s must be positive");
+            crate::error::ensure_flags!(b.is_finite() && b > 0.0, "--budget-s must be positive");
         }
         Ok(Plan {
             quick: cmd.quick,
@@ -341,7 +344,7 @@ struct Output {
 }
 
 /// Runs the benchmark, writes its files and prints the table.
-pub async fn run(cmd: SyncBenchCmd) -> anyhow::Result<()> {
+pub async fn run(cmd: SyncBenchCmd) -> crate::Result<()> {
     let plan = Plan::new(&cmd)?;
     std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
     let watch = MachineWatch::start();
@@ -404,10 +407,10 @@ async fn one_run(
     workload: Workload,
     policy: &str,
     round: u32,
-) -> anyhow::Result<RunResult> {
+) -> crate::Result<RunResult> {
     let flags = plan.train_flags(workload, policy);
     let parsed = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags.iter().cloned()))
-        .map_err(|e| anyhow::anyhow!("building the job: {e}"))?;
+        .map_err(|e| crate::BenchError::Flags(format!("building the job: {e}")))?;
     let mut train = parsed.cmd;
     train.net = cmd.net.clone();
     train.quiet = true;

@@ -81,7 +81,7 @@ impl Measured {
 
 /// The median (the mean of the middle two for an even count); 0 for none.
 pub fn median(values: &[f64]) -> f64 {
-    let m = crate::report::summary::median(values);
+    let m = elasticps_report::summary::median(values);
     if m.is_nan() { 0.0 } else { m }
 }
 
