@@ -17,12 +17,14 @@
 //! - [`straggler`]: a straggling server (bandwidth, CPU, skewed placement, mid-run) under
 //!   static placement and under the PSLD balancer (`elasticps bench straggler`);
 //!   [`plots::straggler`] draws its `straggler.png`.
+//! - [`job`]: the one runner of their train jobs (through `elasticps-launch`).
 //! - [`plots`]: those two figures, in the house style of `elasticps-report`.
 
 use clap::Subcommand;
 
 pub mod checks;
 mod error;
+pub mod job;
 pub mod machine;
 pub mod plots;
 pub mod sink;

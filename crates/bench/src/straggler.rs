@@ -59,15 +59,17 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::error::Context as _;
-use clap::{Args, Parser};
+use clap::Args;
+use elasticps_core::stats::ratio;
 use serde::Serialize;
 
 use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::job::run_train;
 use crate::machine::{Machine, MachineWatch};
 use crate::plots::straggler as straggler_plot;
+use elasticps_core::stats::median;
 use elasticps_launch::args::NetArgs;
-use elasticps_launch::train::{TrainCmd, build_report, run_local};
-use elasticps_report::summary::{max, median};
+use elasticps_report::summary::max;
 use elasticps_report::table::markdown_table;
 use elasticps_report::{BalanceLog, Report, WorkerReport};
 
@@ -366,15 +368,6 @@ impl Plan {
     }
 }
 
-/// `elasticps train`'s flags, parsed into its command (every flag not given keeps the
-/// default of `train`).
-#[derive(Parser, Debug)]
-#[command(name = "train")]
-struct TrainFlags {
-    #[command(flatten)]
-    cmd: TrainCmd,
-}
-
 /// The worst iteration around one event.
 #[derive(Clone, Debug, Serialize)]
 pub struct Spike {
@@ -594,16 +587,9 @@ async fn one_run(plan: &Plan, cmd: &StragglerBenchCmd, scenario: Option<Scenario
 }
 
 async fn run_and_report(cmd: &StragglerBenchCmd, flags: &[String], dir: &Path) -> crate::Result<Report> {
-    let parsed = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags.iter().cloned()))
-        .map_err(|e| crate::BenchError::Flags(format!("building the job: {e}")))?;
-    let mut train = parsed.cmd;
-    train.net = cmd.net.clone();
-    train.quiet = true;
     // A fresh directory: no stale report or log of an earlier run.
     let _ = std::fs::remove_dir_all(dir);
-    train.report = Some(dir.to_path_buf());
-    let outcome = run_local(&train, &[]).await?;
-    let report = build_report(&train, &outcome)?;
+    let report = run_train(flags, &cmd.net, dir).await?;
     elasticps_report::write(dir, &report)?;
     Ok(report)
 }
@@ -625,7 +611,7 @@ impl Iterations {
         let ends = w.iteration_ends_unix_ms();
         let starts = std::iter::once(w.started_unix_ms).chain(ends.iter().copied()).take(ends.len()).collect();
         let ms: Vec<f64> = w.iter_ms.iter().map(|v| f64::from(*v)).collect();
-        Iterations { rank: w.rank, starts, ends, median_ms: median(&ms), ms }
+        Iterations { rank: w.rank, starts, ends, median_ms: median(&ms).unwrap_or(f64::NAN), ms }
     }
 
     /// The longest iteration overlapping `[from, to]` (ms since the epoch), with the median of
@@ -642,7 +628,7 @@ impl Iterations {
             .map(|k| self.ms[k])
             .collect::<Vec<_>>();
         let before = &before[before.len().saturating_sub(3)..];
-        Some((worst, median(before)))
+        Some((worst, median(before).unwrap_or(f64::NAN)))
     }
 }
 
@@ -736,8 +722,8 @@ fn measure(
     result.bytes_moved = ok.iter().map(|m| m.bytes).sum();
     let freeze: Vec<f64> = ok.iter().map(|m| m.freeze_ms).collect();
     let total: Vec<f64> = ok.iter().map(|m| m.total_ms).collect();
-    result.freeze_ms = (median(&freeze), max(&freeze));
-    result.migration_ms = (median(&total), max(&total));
+    result.freeze_ms = (median(&freeze).unwrap_or(f64::NAN), max(&freeze));
+    result.migration_ms = (median(&total).unwrap_or(f64::NAN), max(&total));
     result.migration_marks = ok.iter().map(|m| (rel(to_unix(m.at_s)), m.from)).collect();
     result.final_bytes =
         log.timeline.last().map(|s| s.servers.iter().map(|p| (p.id, p.bytes)).collect()).unwrap_or_default();
@@ -798,11 +784,6 @@ fn find(runs: &[RunResult], scenario: Option<Scenario>, mode: Mode) -> Option<&R
 fn static_of(runs: &[RunResult], s: Scenario) -> Option<&RunResult> {
     find(runs, Some(s), Mode::Static)
         .or_else(|| (s == Scenario::ScaleOut).then(|| find(runs, Some(Scenario::Bandwidth), Mode::Static)).flatten())
-}
-
-/// `a / b` as `2.31x`.
-fn ratio(a: f64, b: f64) -> String {
-    if a.is_finite() && b.is_finite() && b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() }
 }
 
 /// `a / b` as `87%`.
@@ -1117,6 +1098,8 @@ fn plot_data(out: &Output) -> straggler_plot::PlotData {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
     use elasticps_runtime::scheduler::{MigrationEvent, ScaleEvent};
 
@@ -1129,8 +1112,8 @@ mod tests {
         Wrap::try_parse_from(std::iter::once("straggler").chain(args.iter().copied())).unwrap().cmd
     }
 
-    fn parse(flags: Vec<String>) -> TrainCmd {
-        TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags)).unwrap().cmd
+    fn parse(flags: Vec<String>) -> elasticps_launch::train::TrainCmd {
+        crate::job::train_cmd(&flags).unwrap()
     }
 
     #[test]

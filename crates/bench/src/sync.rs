@@ -32,15 +32,16 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::error::Context as _;
-use clap::{Args, Parser};
+use clap::Args;
+use elasticps_core::stats::ratio;
 use elasticps_core::sync::SyncPolicy;
 use serde::Serialize;
 
 use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::job::run_train;
 use crate::machine::{Machine, MachineWatch};
 use crate::plots::sync as sync_plot;
 use elasticps_launch::args::{NetArgs, StragglerSpec};
-use elasticps_launch::train::{TrainCmd, build_report, run_local};
 use elasticps_report::table::markdown_table;
 use elasticps_report::{ServerReport, WorkerReport};
 
@@ -248,15 +249,6 @@ impl Plan {
     }
 }
 
-/// `elasticps train`'s flags, parsed into its command (so every flag not given keeps the
-/// default of `train`).
-#[derive(Parser, Debug)]
-#[command(name = "train")]
-struct TrainFlags {
-    #[command(flatten)]
-    cmd: TrainCmd,
-}
-
 /// One test evaluation of worker 0.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct EvalPoint {
@@ -409,16 +401,8 @@ async fn one_run(
     round: u32,
 ) -> crate::Result<RunResult> {
     let flags = plan.train_flags(workload, policy);
-    let parsed = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags.iter().cloned()))
-        .map_err(|e| crate::BenchError::Flags(format!("building the job: {e}")))?;
-    let mut train = parsed.cmd;
-    train.net = cmd.net.clone();
-    train.quiet = true;
-    // Only the nodes' logs go there (run_local writes no report itself).
     let dir = run_dir(&cmd.out, workload, policy, round);
-    train.report = Some(dir.clone());
-    let outcome = run_local(&train, &[]).await?;
-    let report = build_report(&train, &outcome)?;
+    let report = run_train(&flags, &cmd.net, &dir).await?;
     std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&report)? + "\n")
         .with_context(|| format!("writing {}", dir.join("report.json").display()))?;
 
@@ -625,17 +609,6 @@ fn targets(runs: &[RunResult]) -> Vec<Target> {
     out
 }
 
-/// `a / b` as `2.31x`.
-fn ratio(a: f64, b: f64) -> String {
-    if b > 0.0 {
-        format!("{:.2}x", a / b)
-    } else if a > 0.0 {
-        "inf".into()
-    } else {
-        "-".into()
-    }
-}
-
 fn render(out: &Output) -> String {
     let headers = [
         "workload",
@@ -764,6 +737,8 @@ fn plot_data(out: &Output) -> sync_plot::PlotData {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
 
     fn run(workload: Workload, policy: &str, it_s: f64, held: u64, acc: Option<f64>) -> RunResult {
@@ -807,7 +782,7 @@ mod tests {
         assert_eq!(plan.synthetic_policies, QUICK_SYNTHETIC);
         for (w, p, _) in plan.runs() {
             let flags = plan.train_flags(w, &p);
-            let t = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags)).unwrap().cmd;
+            let t = crate::job::train_cmd(&flags).unwrap();
             assert_eq!(t.job.workers, 8);
             assert_eq!(t.job.sync.to_string(), p);
             assert_eq!(t.data.worker_delay.as_ref().map(|d| d.ranks.clone()), Some(vec![0, 4]));

@@ -74,6 +74,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use crate::load::LoadModel;
 use crate::model::BlockId;
 use crate::placement::{Placement, ServerId};
+use crate::stats::median;
 
 /// Least confidence of every block owner's estimate before anything is decided.
 pub const MIN_CONFIDENCE: f64 = 0.5;
@@ -600,8 +601,10 @@ impl Balancer {
                 let id = loads.ids[i];
                 let moves = drain(view.placement, view.sizes, id, servers, rates);
                 let mut after = view.placement.clone();
+                let epoch = after.epoch.saturating_add(1);
                 for m in &moves {
-                    after.owners[m.block as usize] = m.to;
+                    // drain() moves only blocks of the placement: none is refused.
+                    let _ = after.apply(m.block, m.to, epoch);
                 }
                 let others: Vec<ServerId> = servers.iter().copied().filter(|&s| s != id).collect();
                 let max_after = Loads::new(&after, view.sizes, &others, rates).max_time();
@@ -850,17 +853,6 @@ fn size_of(sizes: &[u64], block: BlockId) -> u64 {
     sizes.get(block as usize).copied().unwrap_or(0)
 }
 
-/// Median of `values` (mean of the two middle ones for an even count); None if empty.
-fn median(values: &[f64]) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    Some(if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 })
-}
-
 fn mean(values: &[f64]) -> Option<f64> {
     if values.is_empty() { None } else { Some(values.iter().sum::<f64>() / values.len() as f64) }
 }
@@ -880,11 +872,11 @@ mod tests {
 
     /// Applies `moves` in order, checking each one takes a block from its owner.
     fn apply(placement: &mut Placement, moves: &[Move]) {
+        let epoch = placement.epoch + 1;
         for m in moves {
-            assert_eq!(placement.owners[m.block as usize], m.from, "{m:?} from a server that does not own it");
-            placement.owners[m.block as usize] = m.to;
+            assert_eq!(placement.owner(m.block), Some(m.from), "{m:?} from a server that does not own it");
+            placement.apply(m.block, m.to, epoch).unwrap();
         }
-        placement.epoch += 1;
     }
 
     fn count(placement: &Placement, server: ServerId) -> usize {
@@ -1425,9 +1417,9 @@ mod proptests {
         let mut seen = BTreeSet::new();
         for m in moves {
             prop_assert!(seen.insert(m.block), "block {} moved twice", m.block);
-            prop_assert_eq!(after.owners[m.block as usize], m.from, "{:?} from a non-owner", m);
+            prop_assert_eq!(after.owner(m.block), Some(m.from), "{:?} from a non-owner", m);
             prop_assert!(servers.contains(&m.to) && m.to != m.from, "{:?}", m);
-            after.owners[m.block as usize] = m.to;
+            prop_assert!(after.apply(m.block, m.to, p.epoch + 1).is_ok());
         }
         prop_assert!(after.owners.iter().all(|o| servers.contains(o)));
         Ok(after)
