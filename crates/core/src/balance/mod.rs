@@ -253,6 +253,16 @@ enum Phase {
     Trial { server: ServerId, start_us: u64, baseline: Option<f64>, predicted: f64, samples: Vec<f64> },
 }
 
+/// What the rules of one steady step read: the view, the serving servers (sorted, no
+/// duplicates), their rates and their loads.
+#[derive(Clone, Copy)]
+struct Round<'a> {
+    view: &'a View<'a>,
+    servers: &'a [ServerId],
+    rates: &'a BTreeMap<ServerId, f64>,
+    loads: &'a Loads,
+}
+
 /// Probe bookkeeping of one server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Probe {
@@ -348,7 +358,7 @@ impl Balancer {
         self.track_idle(&loads, now);
 
         let decision = match self.phase.clone() {
-            Phase::Steady => self.steady(view, &servers, &rates, &loads),
+            Phase::Steady => self.steady(&Round { view, servers: &servers, rates: &rates, loads: &loads }),
             Phase::AwaitJoin { asked_us, .. } => {
                 if now.saturating_sub(asked_us) > self.params.join_timeout_us {
                     self.phase = Phase::Steady;
@@ -395,13 +405,8 @@ impl Balancer {
     }
 
     /// The steady phase: rules 3 to 9 in order, the first that decides wins.
-    fn steady(
-        &mut self,
-        view: &View,
-        servers: &[ServerId],
-        rates: &BTreeMap<ServerId, f64>,
-        loads: &Loads,
-    ) -> Option<Decision> {
+    fn steady(&mut self, round: &Round) -> Option<Decision> {
+        let Round { view, loads, .. } = *round;
         let now = view.now_us;
         // Rule 3: the cool-down.
         if !self.cooled(now) {
@@ -418,16 +423,16 @@ impl Balancer {
             }
         }
         let straggling = stragglers(&loads.times(), self.params.threshold);
-        if let Some(d) = self.exploit_stragglers(view, servers, rates, loads, &straggling) {
+        if let Some(d) = self.exploit_stragglers(round, &straggling) {
             return Some(d);
         }
-        if let Some(d) = self.scale_out(view, servers, rates, loads) {
+        if let Some(d) = self.scale_out(round) {
             return Some(d);
         }
-        if let Some(d) = self.scale_in(view, servers, rates, loads) {
+        if let Some(d) = self.scale_in(round) {
             return Some(d);
         }
-        if let Some(d) = self.exploit_imbalance(view, servers, rates, loads, &straggling) {
+        if let Some(d) = self.exploit_imbalance(round, &straggling) {
             return Some(d);
         }
         self.probe(view, loads, total)

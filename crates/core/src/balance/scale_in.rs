@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use super::loads::{EPS, Loads, moved, size_of};
-use super::{Balancer, Decision, IDLE_US, Move, SCALE_IN_MAX_RAISE, View};
+use super::{Balancer, Decision, IDLE_US, Move, Round, SCALE_IN_MAX_RAISE};
 use crate::model::BlockId;
 use crate::placement::{Placement, ServerId};
 
@@ -44,13 +44,8 @@ pub fn drain(
 impl Balancer {
     /// Rule 7: an idle server whose load the others absorb is drained and stopped.
     /// Candidates from the smallest service time, ties to the highest id (the newest).
-    pub(super) fn scale_in(
-        &self,
-        view: &View,
-        servers: &[ServerId],
-        rates: &BTreeMap<ServerId, f64>,
-        loads: &Loads,
-    ) -> Option<Decision> {
+    pub(super) fn scale_in(&self, round: &Round) -> Option<Decision> {
+        let Round { view, servers, rates, loads } = *round;
         let now = view.now_us;
         let n = loads.ids.len();
         if n <= (self.params.min_servers.max(1)) as usize {

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use super::loads::{EPS, Loads, greedy, mean, moved, size_of};
-use super::{BASELINE_STEPS, BalanceParams, Balancer, Decision, Move, Phase, TRIAL_SETTLE_US, View, rebalance};
+use super::{BASELINE_STEPS, BalanceParams, Balancer, Decision, Move, Phase, Round, TRIAL_SETTLE_US, View, rebalance};
 use crate::placement::{Placement, ServerId};
 use crate::stats::median;
 
@@ -35,13 +35,8 @@ pub fn fill(
 impl Balancer {
     /// Rule 6: rebalancing cannot reach the target `total bytes / (n * median rate)`, so
     /// ask for one more server (and remember the baseline of its trial).
-    pub(super) fn scale_out(
-        &mut self,
-        view: &View,
-        servers: &[ServerId],
-        rates: &BTreeMap<ServerId, f64>,
-        loads: &Loads,
-    ) -> Option<Decision> {
+    pub(super) fn scale_out(&mut self, round: &Round) -> Option<Decision> {
+        let Round { view, servers, rates, loads } = *round;
         let now = view.now_us;
         let n = loads.ids.len();
         if n < self.params.max_servers as usize && now >= self.scale_out_after_us {
