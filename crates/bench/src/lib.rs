@@ -59,6 +59,23 @@ pub async fn run(cmd: BenchCmd) -> Result<()> {
     }
 }
 
+/// Writes a benchmark's results into `out`: `STEM.json` (`json`), `STEM.md` (`md`) and
+/// the figure `plot` that `draw` renders.
+pub fn write_results(
+    out: &std::path::Path,
+    stem: &str,
+    json: String,
+    md: &str,
+    plot: &str,
+    draw: impl FnOnce(&std::path::Path) -> elasticps_report::Result<()>,
+) -> Result<()> {
+    use crate::error::Context as _;
+    std::fs::write(out.join(format!("{stem}.json")), json + "\n").with_context(|| format!("writing {stem}.json"))?;
+    std::fs::write(out.join(format!("{stem}.md")), md).with_context(|| format!("writing {stem}.md"))?;
+    let png = out.join(plot);
+    draw(&png).with_context(|| format!("drawing {}", png.display()))
+}
+
 /// A tokio runtime with `threads` worker threads, like the one every role process runs
 /// on (`main.rs` gives the launcher-style commands, `bench` among them, a single thread).
 pub fn multi_thread_runtime(threads: usize) -> Result<tokio::runtime::Runtime> {

@@ -553,10 +553,9 @@ pub async fn run(cmd: StragglerBenchCmd) -> crate::Result<()> {
     let md = render(&out);
     print!("{md}");
     let json = elasticps_report::to_json(&out)?;
-    std::fs::write(cmd.out.join("bench-straggler.json"), json + "\n").context("writing bench-straggler.json")?;
-    std::fs::write(cmd.out.join("bench-straggler.md"), &md).context("writing bench-straggler.md")?;
-    let png = cmd.out.join("straggler.png");
-    straggler_plot::draw(&png, &plot_data(&out)).with_context(|| format!("drawing {}", png.display()))?;
+    crate::write_results(&cmd.out, "bench-straggler", json, &md, "straggler.png", |png| {
+        straggler_plot::draw(png, &plot_data(&out))
+    })?;
     println!("\nwritten to {} (bench-straggler.json, bench-straggler.md, straggler.png, runs/)", cmd.out.display());
     ensure_no_check_failed(&out.checks)
 }

@@ -378,10 +378,7 @@ pub async fn run(cmd: SyncBenchCmd) -> crate::Result<()> {
     let md = render(&out);
     print!("{md}");
     let json = serde_json::to_string_pretty(&out)?;
-    std::fs::write(cmd.out.join("bench-sync.json"), json + "\n").context("writing bench-sync.json")?;
-    std::fs::write(cmd.out.join("bench-sync.md"), &md).context("writing bench-sync.md")?;
-    let png = cmd.out.join("sync.png");
-    sync_plot::draw(&png, &plot_data(&out)).with_context(|| format!("drawing {}", png.display()))?;
+    crate::write_results(&cmd.out, "bench-sync", json, &md, "sync.png", |png| sync_plot::draw(png, &plot_data(&out)))?;
     println!("\nwritten to {} (bench-sync.json, bench-sync.md, sync.png)", cmd.out.display());
     ensure_no_check_failed(&out.checks)
 }
