@@ -16,9 +16,9 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 
-use crate::args::{DataArgs, StragglerSpec};
 use crate::events::{Emitter, Event};
-use crate::report::WorkerReport;
+use elasticps_launch::args::{DataArgs, StragglerSpec};
+use elasticps_report::WorkerReport;
 
 /// What computes gradients.
 // One value per worker process, built once and never moved on the hot path: its size is

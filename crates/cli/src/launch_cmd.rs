@@ -19,10 +19,12 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::args::{JobArgs, NetArgs};
-use crate::launch::shell_words;
-use crate::report::Report;
-use crate::runner::{JobSpec, RunOutcome, Workers, assemble_report, job_config_json, print_cluster_summary, run_job};
+use elasticps_launch::args::{JobArgs, NetArgs};
+use elasticps_launch::process::shell_words;
+use elasticps_launch::runner::{
+    JobSpec, RunOutcome, Workers, assemble_report, job_config_json, print_cluster_summary, run_job,
+};
+use elasticps_report::Report;
 
 /// `elasticps launch`.
 #[derive(Args, Clone, Debug)]
@@ -50,7 +52,7 @@ pub struct LaunchCmd {
     /// Once every worker has exited, how long the scheduler and the servers may take to
     /// end the job before they are stopped and the launch fails, in seconds (a worker that
     /// exits without finishing leaves the scheduler waiting).
-    #[arg(long, env = "ELASTICPS_END_TIMEOUT", default_value_t = crate::runner::JOB_END_TIMEOUT.as_secs_f64())]
+    #[arg(long, env = "ELASTICPS_END_TIMEOUT", default_value_t = elasticps_launch::runner::JOB_END_TIMEOUT.as_secs_f64())]
     pub end_timeout_s: f64,
     /// The worker command and its arguments, after `--` (e.g. `-- python train.py --epochs 2`).
     #[arg(last = true, required = true, value_name = "CMD")]
@@ -98,7 +100,7 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
         );
     }
     if let Some(dir) = &cmd.report {
-        crate::report::write(dir, &report)?;
+        elasticps_report::write(dir, &report)?;
         println!("report written to {}", dir.display());
     }
     Ok(())
@@ -150,7 +152,7 @@ mod tests {
     fn the_report_records_the_command_and_tolerates_missing_workers() {
         let c = parse(&["--workers", "2", "--request-timeout-s", "9", "--", "python", "my train.py"]).unwrap();
         let mut o = RunOutcome::default();
-        o.workers.insert(1, crate::report::WorkerReport { rank: 1, iterations: 4, ..Default::default() });
+        o.workers.insert(1, elasticps_report::WorkerReport { rank: 1, iterations: 4, ..Default::default() });
         let r = build_report(&c, &o);
         assert_eq!(r.config["command"], "python 'my train.py'");
         assert_eq!(r.config["request_timeout_s"], 9);

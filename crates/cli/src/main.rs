@@ -5,27 +5,23 @@
 //! whole local cluster and trains the MNIST MLP end to end; `launch` starts the scheduler
 //! and servers and runs the user's own training command as the workers; `bench` measures.
 //!
-//! - [`args`]: flags shared by the roles (each with an `ELASTICPS_*` variable).
 //! - [`roles`]: the role commands.
 //! - [`job`]: the worker's training loop (MLP or synthetic model, straggler injection).
-//! - [`launch`]: the local process launcher (spawn, supervise, kill).
-//! - [`runner`]: the local job that `train` and `launch` share (nodes, bars, events).
-//! - [`train`]: the main job and its report.
+//! - [`train`]: the main job: run, print, write its report.
 //! - [`launch_cmd`]: `elasticps launch -- CMD`, the user's command as the workers.
-//! - [`report`]: report.json, summary.md and curves.png.
-//! - [`bench`]: benchmarks that compare side by side in one run.
+//! - [`ops`]: `status` and `scale`, against a running job's scheduler.
 //! - [`events`]: the JSON lines roles print for the launcher.
+//!
+//! The libraries beneath it: `elasticps-launch` (the job's flags, the local processes, the
+//! job runner that `train`, `launch` and the benchmarks share), `elasticps-report`
+//! (report.json, summary.md, the plots) and `elasticps-bench` (`elasticps bench ...`:
+//! this binary only parses its flags and calls it).
 
-mod args;
-mod bench;
 mod events;
 mod job;
-mod launch;
 mod launch_cmd;
 mod ops;
-mod report;
 mod roles;
-mod runner;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -54,7 +50,7 @@ enum Command {
     Worker(roles::WorkerCmd),
     /// Benchmarks.
     #[command(subcommand)]
-    Bench(bench::BenchCmd),
+    Bench(elasticps_bench::BenchCmd),
     /// Show a running job: servers, workers, balancing, migrations.
     Status(ops::StatusCmd),
     /// Ask a running job's scheduler to add a server, drain and remove one, or move a block.
@@ -94,7 +90,7 @@ fn main() -> std::process::ExitCode {
             Command::Scheduler(cmd) => roles::scheduler(cmd).await,
             Command::Server(cmd) => roles::server(cmd).await,
             Command::Worker(cmd) => roles::worker(cmd).await,
-            Command::Bench(cmd) => bench::run(cmd).await,
+            Command::Bench(cmd) => elasticps_bench::run(cmd).await.map_err(Into::into),
             Command::Status(cmd) => ops::status(cmd).await,
             Command::Scale(cmd) => ops::scale(cmd).await,
         }

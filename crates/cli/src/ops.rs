@@ -15,8 +15,8 @@ use elasticps_runtime::RuntimeError;
 use elasticps_runtime::peer::{Notifications, Peer};
 use elasticps_wire::{ClusterStatus, Codec, Control, Message, ScaleRequest};
 
-use crate::args::NetArgs;
-use crate::report::table::markdown_table;
+use elasticps_launch::args::NetArgs;
+use elasticps_report::table::markdown_table;
 
 /// How long the scheduler may take to answer one request.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);

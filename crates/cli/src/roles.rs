@@ -12,9 +12,9 @@ use elasticps_runtime::metrics::{MetricsEndpoint, SchedulerMetrics, Scrape, Serv
 use elasticps_runtime::scheduler::{self, SchedulerOptions};
 use elasticps_runtime::server::{self, ServerOptions};
 
-use crate::args::{DataArgs, JobArgs, NetArgs};
 use crate::events::{Emitter, Event};
-use crate::launch::ServerLauncher;
+use elasticps_launch::args::{DataArgs, JobArgs, NetArgs};
+use elasticps_launch::process::ServerLauncher;
 
 /// `elasticps scheduler`: membership, layout, heartbeats, the end of the job.
 #[derive(Args, Clone, Debug)]

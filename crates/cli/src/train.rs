@@ -2,55 +2,8 @@
 //! workers as separate processes on 127.0.0.1), shows progress, prints a summary and
 //! writes the report.
 
-use std::path::PathBuf;
-
-use clap::Args;
-
-use crate::args::{DataArgs, JobArgs, NetArgs};
-use crate::report::Report;
-use crate::runner::{JobSpec, Workers, assemble_report, job_config_json, print_cluster_summary, run_job};
-use elasticps_train::synthetic::ModelKind;
-
-/// `elasticps train`.
-#[derive(Args, Clone, Debug)]
-pub struct TrainCmd {
-    /// The job (servers, workers, sync, optimizer, placement...).
-    #[command(flatten)]
-    pub job: JobArgs,
-    /// Data and schedule.
-    #[command(flatten)]
-    pub data: DataArgs,
-    /// Transport settings.
-    #[command(flatten)]
-    pub net: NetArgs,
-    /// Write report.json, summary.md, curves.png (and the nodes' logs) into this directory.
-    #[arg(long, env = "ELASTICPS_REPORT")]
-    pub report: Option<PathBuf>,
-    /// Do not draw progress bars.
-    #[arg(long, env = "ELASTICPS_QUIET")]
-    pub quiet: bool,
-    /// Serve Prometheus metrics on every node (a free port each) and print where to
-    /// scrape them.
-    #[arg(long, env = "ELASTICPS_METRICS")]
-    pub metrics: bool,
-}
-
-pub use crate::runner::RunOutcome;
-
-/// Runs one job on a local cluster and collects its events.
-pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> anyhow::Result<RunOutcome> {
-    run_job(&JobSpec {
-        job: &cmd.job,
-        net: &cmd.net,
-        report: cmd.report.as_deref(),
-        quiet: cmd.quiet,
-        extra_server_args,
-        workers: Workers::Role(&cmd.data),
-        end_timeout: crate::runner::JOB_END_TIMEOUT,
-        metrics: cmd.metrics,
-    })
-    .await
-}
+use elasticps_launch::runner::print_cluster_summary;
+pub use elasticps_launch::train::{TrainCmd, build_report, run_local};
 
 /// `elasticps train`: run, print the summary, write the report.
 pub async fn train(cmd: TrainCmd) -> anyhow::Result<()> {
@@ -68,38 +21,8 @@ pub async fn train(cmd: TrainCmd) -> anyhow::Result<()> {
     }
     print_cluster_summary(&cmd.job, &report);
     if let Some(dir) = &cmd.report {
-        crate::report::write(dir, &report)?;
+        elasticps_report::write(dir, &report)?;
         println!("report written to {}", dir.display());
     }
     Ok(())
-}
-
-/// Turns a run's events into the report.
-pub fn build_report(cmd: &TrainCmd, o: &RunOutcome) -> anyhow::Result<Report> {
-    // A synthetic model has no test set: its accuracy is NaN (null in report.json).
-    let (test_accuracy, test_loss) = match (o.final_eval, cmd.data.model) {
-        (Some(e), _) => e,
-        (None, ModelKind::Synthetic(_)) => (f32::NAN, f32::NAN),
-        (None, ModelKind::Mlp) => anyhow::bail!("worker 0 reported no test evaluation"),
-    };
-    anyhow::ensure!(
-        o.workers.len() as u32 == cmd.job.workers,
-        "only {} of {} workers reported their end",
-        o.workers.len(),
-        cmd.job.workers
-    );
-    let mut config = job_config_json(&cmd.job);
-    let data = serde_json::json!({
-        "dataset": cmd.data.dataset.as_str(),
-        "batch_size": cmd.data.batch_size,
-        "epochs": cmd.data.epochs,
-        "iterations": cmd.data.iterations,
-        "model": cmd.data.model.to_string(),
-        "compute_ms": cmd.data.compute_ms,
-        "worker_delay": cmd.data.worker_delay.as_ref().map(ToString::to_string),
-    });
-    if let serde_json::Value::Object(data) = data {
-        config.extend(data);
-    }
-    Ok(assemble_report(o, config.into(), test_accuracy.into(), test_loss.into()))
 }

@@ -139,6 +139,18 @@ impl Placement {
         Ok(Self { epoch: 1, owners })
     }
 
+    /// Records that `block` is owned by `owner` as of `epoch`: the one way an owner
+    /// changes, here and in every crate. The epoch never goes back: it becomes the larger
+    /// of the two, since a server's own view may learn of an older change after a newer
+    /// one (its hand-over of one block at epoch 7 after another block arrived at epoch 8).
+    /// Refuses a block the placement does not have, and then changes nothing.
+    pub fn apply(&mut self, block: BlockId, owner: ServerId, epoch: u64) -> Result<(), CoreError> {
+        let slot = self.owners.get_mut(block as usize).ok_or(CoreError::UnknownBlock(block))?;
+        *slot = owner;
+        self.epoch = self.epoch.max(epoch);
+        Ok(())
+    }
+
     /// The owner of `block`.
     pub fn owner(&self, block: BlockId) -> Option<ServerId> {
         self.owners.get(block as usize).copied()
@@ -205,6 +217,19 @@ mod tests {
         let spread = |pl: &Placement| bytes(pl, 0).abs_diff(bytes(pl, 1));
         assert!(spread(&bf) <= spread(&Placement::initial(PlacementKind::Range, &p, 2).unwrap()));
         assert!(spread(&bf) <= 40);
+    }
+
+    #[test]
+    fn apply_changes_one_owner_and_never_moves_the_epoch_back() {
+        let mut pl = Placement { epoch: 1, owners: vec![0, 0, 1] };
+        pl.apply(1, 2, 5).unwrap();
+        assert_eq!((pl.epoch, pl.owners.clone()), (5, vec![0, 2, 1]));
+        // An older change learned late: the owner is recorded, the epoch stays.
+        pl.apply(0, 1, 3).unwrap();
+        assert_eq!((pl.epoch, pl.owners.clone()), (5, vec![1, 2, 1]));
+        let before = pl.clone();
+        assert_eq!(pl.apply(3, 0, 9), Err(CoreError::UnknownBlock(3)));
+        assert_eq!(pl, before, "a refused change changes nothing");
     }
 
     #[test]

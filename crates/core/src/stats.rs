@@ -58,9 +58,54 @@ impl Histogram {
     }
 }
 
+/// The median of the finite values of `values` (the mean of the middle two for an even
+/// count); `None` if there is none. The one median of the workspace: the balancer's
+/// straggler bound, the reports' and the benchmarks' tables.
+pub fn median(values: &[f64]) -> Option<f64> {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    Some(if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 })
+}
+
+/// `a / b` for a table, as `2.31x`; `inf` when `b` is zero and `a` positive; `-` when it
+/// has no meaning (a value not finite, `b` negative, or both zero).
+pub fn ratio(a: f64, b: f64) -> String {
+    if a.is_finite() && b.is_finite() && b > 0.0 {
+        format!("{:.2}x", a / b)
+    } else if a.is_finite() && a > 0.0 && b == 0.0 {
+        "inf".into()
+    } else {
+        "-".into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn median_of_the_finite_values() {
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[f64::NAN, f64::INFINITY]), None);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
+        assert_eq!(median(&[4.0, f64::NAN, 1.0, 2.0, 3.0]), Some(2.5));
+    }
+
+    #[test]
+    fn ratios_for_tables() {
+        assert_eq!(ratio(3.0, 2.0), "1.50x");
+        assert_eq!(ratio(0.0, 2.0), "0.00x");
+        assert_eq!(ratio(3.0, 0.0), "inf");
+        assert_eq!(ratio(0.0, 0.0), "-");
+        assert_eq!(ratio(f64::NAN, 2.0), "-");
+        assert_eq!(ratio(3.0, f64::NAN), "-");
+        assert_eq!(ratio(3.0, -1.0), "-");
+    }
 
     #[test]
     fn quantiles_bound_the_recorded_values() {

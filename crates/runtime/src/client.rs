@@ -167,7 +167,7 @@ impl Client {
             .await?
         {
             Message::Control(Control::Welcome { node_id, num_workers, .. }) => (node_id, num_workers),
-            other => return Err(unexpected("scheduler", "Welcome", &other)),
+            other => return Err(RuntimeError::unexpected("scheduler", "Welcome", &other)),
         };
         let shutdown = Arc::new(Mutex::new(None));
         let flag = shutdown.clone();
@@ -265,7 +265,7 @@ impl Client {
             .await?
         {
             Message::Control(Control::Ok) => Ok(()),
-            other => Err(unexpected("scheduler", "Ok", &other)),
+            other => Err(RuntimeError::unexpected("scheduler", "Ok", &other)),
         }
     }
 
@@ -278,14 +278,14 @@ impl Client {
         let what = |peer: &str| format!("{peer} to take the optimizer of tensor {tensor}");
         match self.sched.call(msg.clone(), CALL_TIMEOUT, || what("the scheduler")).await? {
             Message::Control(Control::Ok) => {}
-            other => return Err(unexpected("scheduler", "Ok", &other)),
+            other => return Err(RuntimeError::unexpected("scheduler", "Ok", &other)),
         }
         for s in &layout.servers {
             let name = format!("server {}", s.id);
             match self.peer(s.id)?.call(msg.clone(), CALL_TIMEOUT, || what(&name)).await? {
                 Message::Control(Control::Ok) => {}
                 Message::Error(reply) => return Err(RuntimeError::Remote { peer: name, reply }),
-                other => return Err(unexpected(&name, "Ok", &other)),
+                other => return Err(RuntimeError::unexpected(&name, "Ok", &other)),
             }
         }
         Ok(())
@@ -492,7 +492,7 @@ impl Client {
     async fn install_layout(&mut self, reply: Message) -> Result<()> {
         let layout = match reply {
             Message::Control(Control::Layout(l)) => l,
-            other => return Err(unexpected("scheduler", "Layout", &other)),
+            other => return Err(RuntimeError::unexpected("scheduler", "Layout", &other)),
         };
         for s in &layout.servers {
             if self.servers.contains_key(&s.id) {
@@ -505,7 +505,7 @@ impl Client {
                 .await?
             {
                 Message::Control(Control::Ok) => {}
-                other => return Err(unexpected(&name, "Ok", &other)),
+                other => return Err(RuntimeError::unexpected(&name, "Ok", &other)),
             }
             self.servers.insert(s.id, peer);
         }
@@ -699,12 +699,5 @@ async fn await_reply(
 }
 
 fn bad_reply(ctx: &RoundCtx, wanted: &str, got: &Message) -> RuntimeError {
-    RuntimeError::Protocol {
-        peer: format!("server {}", ctx.owner),
-        what: format!("expected {wanted}, got {:?}", got.kind()),
-    }
-}
-
-fn unexpected(peer: &str, wanted: &str, got: &Message) -> RuntimeError {
-    RuntimeError::Protocol { peer: peer.into(), what: format!("expected {wanted}, got {:?}", got.kind()) }
+    RuntimeError::unexpected(&format!("server {}", ctx.owner), wanted, got)
 }

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use elasticps_core::CoreError;
-use elasticps_wire::{ErrorReply, WireError};
+use elasticps_wire::{ErrorReply, Message, WireError};
 
 /// Everything a scheduler, server or worker client can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +68,11 @@ impl RuntimeError {
     /// An I/O error with context.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         RuntimeError::Io { context: context.into(), source }
+    }
+
+    /// `peer` answered with a message of another kind than `wanted`.
+    pub fn unexpected(peer: &str, wanted: &str, got: &Message) -> Self {
+        RuntimeError::Protocol { peer: peer.into(), what: format!("expected {wanted}, got {:?}", got.kind()) }
     }
 }
 

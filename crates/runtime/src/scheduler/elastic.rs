@@ -235,10 +235,9 @@ impl Elastic {
         let Some(epoch) = expected else { return (false, Vec::new()) };
         self.in_flight = None;
         if r.error.is_none() {
-            if let Some(o) = placement.owners.get_mut(r.block as usize) {
-                *o = r.to;
+            if let Err(e) = placement.apply(r.block, r.to, epoch) {
+                tracing::warn!(block = r.block, to = r.to, epoch, error = %e, "migration of an unknown block");
             }
-            placement.epoch = epoch;
             self.migrations += 1;
             self.log.settled_s = Some(now_us as f64 / 1e6);
         }

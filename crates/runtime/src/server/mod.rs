@@ -88,7 +88,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         .await?;
     let id = match welcome {
         Message::Control(Control::Welcome { node_id, .. }) => node_id,
-        other => return Err(unexpected("scheduler", "Welcome", &other)),
+        other => return Err(RuntimeError::unexpected("scheduler", "Welcome", &other)),
     };
     tracing::info!(server = id, addr = %data_addr, "server registered");
     if let Some(m) = &opts.metrics {
@@ -360,8 +360,4 @@ impl<F: FnMut()> Drop for OnDrop<F> {
     fn drop(&mut self) {
         (self.0)()
     }
-}
-
-fn unexpected(peer: &str, wanted: &str, got: &Message) -> RuntimeError {
-    RuntimeError::Protocol { peer: peer.into(), what: format!("expected {wanted}, got {:?}", got.kind()) }
 }

@@ -192,11 +192,9 @@ impl Shard {
 
     /// Records in this server's placement that `block` is now owned by `owner` at `epoch`.
     pub fn set_owner(&self, block: BlockId, owner: ServerId, epoch: u64) {
-        let mut p = write(&self.placement);
-        if let Some(o) = p.owners.get_mut(block as usize) {
-            *o = owner;
+        if let Err(e) = write(&self.placement).apply(block, owner, epoch) {
+            tracing::warn!(server = self.id, block, owner, epoch, error = %e, "owner change of an unknown block");
         }
-        p.epoch = p.epoch.max(epoch);
     }
 }
 

@@ -1,6 +1,6 @@
 //! `elasticps bench straggler`: a straggling server, with and without the PSLD balancer.
 //!
-//! Every run is a real local cluster ([`crate::train::run_local`]): the scheduler, 4
+//! Every run is a real local cluster ([`elasticps_launch::train::run_local`]): the scheduler, 4
 //! servers and 4 workers as processes, `synthetic:resnet50` (ResNet-50's 161 tensors,
 //! 102 MB of parameters, random gradients, 20 ms of compute per iteration), bsp, sgd,
 //! `bestfit` placement (every server holds a quarter of the bytes).
@@ -50,7 +50,7 @@
 //!   scale-out events (from `scale-out` to the server's `joined`).
 //!
 //! It writes `bench-straggler.json` (every run), `bench-straggler.md` (the table, checks and
-//! targets), `straggler.png` ([`super::straggler_plot`]) and, per run, the full report with
+//! targets), `straggler.png` ([`crate::plots::straggler`]) and, per run, the full report with
 //! its `balance.png` under `runs/`. The check (fails the command): every run completes, and
 //! in scenario a psld's it/s is above [`QUICK_MARGIN`] x static's. The targets are
 //! reported, met or missed.
@@ -58,18 +58,20 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
-use clap::{Args, Parser};
+use crate::error::Context as _;
+use clap::Args;
+use elasticps_core::stats::ratio;
 use serde::Serialize;
 
-use super::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
-use super::machine::{Machine, MachineWatch};
-use super::straggler_plot;
-use crate::args::NetArgs;
-use crate::report::summary::{max, median};
-use crate::report::table::markdown_table;
-use crate::report::{BalanceLog, Report, WorkerReport};
-use crate::train::{TrainCmd, build_report, run_local};
+use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::job::run_train;
+use crate::machine::{Machine, MachineWatch};
+use crate::plots::straggler as straggler_plot;
+use elasticps_core::stats::median;
+use elasticps_launch::args::NetArgs;
+use elasticps_report::summary::max;
+use elasticps_report::table::markdown_table;
+use elasticps_report::{BalanceLog, Report, WorkerReport};
 
 /// psld must beat static in scenario a by this factor (the check). Nine quick runs on a
 /// shared 2-core machine measured 2.15-2.69x, 2.45x with two busy loops beside it (65% of the
@@ -222,19 +224,28 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(cmd: &StragglerBenchCmd) -> anyhow::Result<Self> {
+    fn new(cmd: &StragglerBenchCmd) -> crate::Result<Self> {
         let mut scenarios = cmd
             .scenarios
             .clone()
             .unwrap_or_else(|| if cmd.quick { vec![Scenario::Bandwidth] } else { Scenario::ALL.to_vec() });
         scenarios.sort();
         scenarios.dedup();
-        anyhow::ensure!(!scenarios.is_empty(), "--scenarios: nothing to run");
-        anyhow::ensure!(cmd.rate_mbps.is_finite() && cmd.rate_mbps >= 0.01, "--rate-mbps must be at least 0.01");
-        anyhow::ensure!(cmd.interference.is_finite() && cmd.interference >= 1.0, "--interference must be >= 1");
-        anyhow::ensure!(cmd.straggler_at.is_finite() && cmd.straggler_at >= 0.0, "--straggler-at must be >= 0");
+        crate::error::ensure_flags!(!scenarios.is_empty(), "--scenarios: nothing to run");
+        crate::error::ensure_flags!(
+            cmd.rate_mbps.is_finite() && cmd.rate_mbps >= 0.01,
+            "--rate-mbps must be at least 0.01"
+        );
+        crate::error::ensure_flags!(
+            cmd.interference.is_finite() && cmd.interference >= 1.0,
+            "--interference must be >= 1"
+        );
+        crate::error::ensure_flags!(
+            cmd.straggler_at.is_finite() && cmd.straggler_at >= 0.0,
+            "--straggler-at must be >= 0"
+        );
         for n in [cmd.psld_iterations, cmd.static_iterations].into_iter().flatten() {
-            anyhow::ensure!(n >= 4, "a run needs at least 4 iterations per worker");
+            crate::error::ensure_flags!(n >= 4, "a run needs at least 4 iterations per worker");
         }
         Ok(Plan {
             quick: cmd.quick,
@@ -355,15 +366,6 @@ impl Plan {
         }
         f
     }
-}
-
-/// `elasticps train`'s flags, parsed into its command (every flag not given keeps the
-/// default of `train`).
-#[derive(Parser, Debug)]
-#[command(name = "train")]
-struct TrainFlags {
-    #[command(flatten)]
-    cmd: TrainCmd,
 }
 
 /// The worst iteration around one event.
@@ -514,7 +516,7 @@ struct Output {
 }
 
 /// Runs the benchmark, writes its files and prints the table.
-pub async fn run(cmd: StragglerBenchCmd) -> anyhow::Result<()> {
+pub async fn run(cmd: StragglerBenchCmd) -> crate::Result<()> {
     let plan = Plan::new(&cmd)?;
     std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
     let watch = MachineWatch::start();
@@ -550,11 +552,10 @@ pub async fn run(cmd: StragglerBenchCmd) -> anyhow::Result<()> {
     };
     let md = render(&out);
     print!("{md}");
-    let json = crate::report::to_json(&out)?;
-    std::fs::write(cmd.out.join("bench-straggler.json"), json + "\n").context("writing bench-straggler.json")?;
-    std::fs::write(cmd.out.join("bench-straggler.md"), &md).context("writing bench-straggler.md")?;
-    let png = cmd.out.join("straggler.png");
-    straggler_plot::draw(&png, &plot_data(&out)).with_context(|| format!("drawing {}", png.display()))?;
+    let json = elasticps_report::to_json(&out)?;
+    crate::write_results(&cmd.out, "bench-straggler", json, &md, "straggler.png", |png| {
+        straggler_plot::draw(png, &plot_data(&out))
+    })?;
     println!("\nwritten to {} (bench-straggler.json, bench-straggler.md, straggler.png, runs/)", cmd.out.display());
     ensure_no_check_failed(&out.checks)
 }
@@ -584,18 +585,11 @@ async fn one_run(plan: &Plan, cmd: &StragglerBenchCmd, scenario: Option<Scenario
     }
 }
 
-async fn run_and_report(cmd: &StragglerBenchCmd, flags: &[String], dir: &Path) -> anyhow::Result<Report> {
-    let parsed = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags.iter().cloned()))
-        .map_err(|e| anyhow::anyhow!("building the job: {e}"))?;
-    let mut train = parsed.cmd;
-    train.net = cmd.net.clone();
-    train.quiet = true;
+async fn run_and_report(cmd: &StragglerBenchCmd, flags: &[String], dir: &Path) -> crate::Result<Report> {
     // A fresh directory: no stale report or log of an earlier run.
     let _ = std::fs::remove_dir_all(dir);
-    train.report = Some(dir.to_path_buf());
-    let outcome = run_local(&train, &[]).await?;
-    let report = build_report(&train, &outcome)?;
-    crate::report::write(dir, &report)?;
+    let report = run_train(flags, &cmd.net, dir).await?;
+    elasticps_report::write(dir, &report)?;
     Ok(report)
 }
 
@@ -616,7 +610,7 @@ impl Iterations {
         let ends = w.iteration_ends_unix_ms();
         let starts = std::iter::once(w.started_unix_ms).chain(ends.iter().copied()).take(ends.len()).collect();
         let ms: Vec<f64> = w.iter_ms.iter().map(|v| f64::from(*v)).collect();
-        Iterations { rank: w.rank, starts, ends, median_ms: median(&ms), ms }
+        Iterations { rank: w.rank, starts, ends, median_ms: median(&ms).unwrap_or(f64::NAN), ms }
     }
 
     /// The longest iteration overlapping `[from, to]` (ms since the epoch), with the median of
@@ -633,7 +627,7 @@ impl Iterations {
             .map(|k| self.ms[k])
             .collect::<Vec<_>>();
         let before = &before[before.len().saturating_sub(3)..];
-        Some((worst, median(before)))
+        Some((worst, median(before).unwrap_or(f64::NAN)))
     }
 }
 
@@ -727,8 +721,8 @@ fn measure(
     result.bytes_moved = ok.iter().map(|m| m.bytes).sum();
     let freeze: Vec<f64> = ok.iter().map(|m| m.freeze_ms).collect();
     let total: Vec<f64> = ok.iter().map(|m| m.total_ms).collect();
-    result.freeze_ms = (median(&freeze), max(&freeze));
-    result.migration_ms = (median(&total), max(&total));
+    result.freeze_ms = (median(&freeze).unwrap_or(f64::NAN), max(&freeze));
+    result.migration_ms = (median(&total).unwrap_or(f64::NAN), max(&total));
     result.migration_marks = ok.iter().map(|m| (rel(to_unix(m.at_s)), m.from)).collect();
     result.final_bytes =
         log.timeline.last().map(|s| s.servers.iter().map(|p| (p.id, p.bytes)).collect()).unwrap_or_default();
@@ -789,11 +783,6 @@ fn find(runs: &[RunResult], scenario: Option<Scenario>, mode: Mode) -> Option<&R
 fn static_of(runs: &[RunResult], s: Scenario) -> Option<&RunResult> {
     find(runs, Some(s), Mode::Static)
         .or_else(|| (s == Scenario::ScaleOut).then(|| find(runs, Some(Scenario::Bandwidth), Mode::Static)).flatten())
-}
-
-/// `a / b` as `2.31x`.
-fn ratio(a: f64, b: f64) -> String {
-    if a.is_finite() && b.is_finite() && b > 0.0 { format!("{:.2}x", a / b) } else { "-".into() }
 }
 
 /// `a / b` as `87%`.
@@ -1108,6 +1097,8 @@ fn plot_data(out: &Output) -> straggler_plot::PlotData {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
     use elasticps_runtime::scheduler::{MigrationEvent, ScaleEvent};
 
@@ -1120,8 +1111,8 @@ mod tests {
         Wrap::try_parse_from(std::iter::once("straggler").chain(args.iter().copied())).unwrap().cmd
     }
 
-    fn parse(flags: Vec<String>) -> TrainCmd {
-        TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags)).unwrap().cmd
+    fn parse(flags: Vec<String>) -> elasticps_launch::train::TrainCmd {
+        crate::job::train_cmd(&flags).unwrap()
     }
 
     #[test]

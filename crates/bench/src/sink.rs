@@ -18,14 +18,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use crate::error::Context as _;
 use clap::Args;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Barrier;
 
-use super::stats::Lane;
-use crate::events::{Emitter, Event};
+use crate::stats::Lane;
+use elasticps_runtime::events::{Emitter, Event};
 
 /// Size of one write of a stream, like `iperf3 -l 1M`.
 pub const CHUNK: usize = 1 << 20;
@@ -53,8 +53,8 @@ pub struct SinkCmd {
 }
 
 /// Serves connections until killed.
-pub async fn run(cmd: SinkCmd) -> anyhow::Result<()> {
-    let rt = super::multi_thread_runtime(cmd.threads.max(1))?;
+pub async fn run(cmd: SinkCmd) -> crate::Result<()> {
+    let rt = crate::multi_thread_runtime(cmd.threads.max(1))?;
     let emitter = Emitter::new(cmd.events);
     let served = rt.spawn(async move {
         let listener = TcpListener::bind(&cmd.listen).await.with_context(|| format!("binding {}", cmd.listen))?;
@@ -69,7 +69,7 @@ pub async fn run(cmd: SinkCmd) -> anyhow::Result<()> {
             });
         }
     });
-    let result: anyhow::Result<()> = served.await.context("the sink's accept loop panicked")?;
+    let result: crate::Result<()> = served.await.context("the sink's accept loop panicked")?;
     rt.shutdown_background();
     result
 }
@@ -131,7 +131,7 @@ async fn serve(mut s: TcpStream) -> std::io::Result<()> {
     Ok(())
 }
 
-async fn open(addr: &str, mode: u8, arg: u64) -> anyhow::Result<TcpStream> {
+async fn open(addr: &str, mode: u8, arg: u64) -> crate::Result<TcpStream> {
     let mut s = TcpStream::connect(addr).await.with_context(|| format!("connecting to the tcp sink at {addr}"))?;
     s.set_nodelay(true)?;
     let mut hello = [0u8; 16];
@@ -153,7 +153,7 @@ pub struct Bounds {
 
 /// Writes up to `total` bytes in 1 MiB writes (stopping at the time bound), and counts
 /// what the sink received.
-pub async fn stream_in(addr: String, total: u64, time: Duration, start: Arc<Barrier>) -> anyhow::Result<Lane> {
+pub async fn stream_in(addr: String, total: u64, time: Duration, start: Arc<Barrier>) -> crate::Result<Lane> {
     let mut s = open(&addr, STREAM_IN, 0).await?;
     let buf = vec![1u8; CHUNK];
     start.wait().await;
@@ -169,13 +169,13 @@ pub async fn stream_in(addr: String, total: u64, time: Duration, start: Arc<Barr
     s.read_exact(&mut got).await.context("reading the sink's byte count")?;
     let end = Instant::now();
     let received = u64::from_le_bytes(got);
-    anyhow::ensure!(received == sent, "the tcp sink received {received} bytes of {sent}");
+    crate::error::ensure_measured!(received == sent, "the tcp sink received {received} bytes of {sent}");
     Ok(Lane { start: t0, end, bytes: received, ops: Vec::new() })
 }
 
 /// Reads up to `total` bytes that the sink writes in 1 MiB writes (stopping at the time
 /// bound) into a 1 MiB buffer.
-pub async fn stream_out(addr: String, total: u64, time: Duration, start: Arc<Barrier>) -> anyhow::Result<Lane> {
+pub async fn stream_out(addr: String, total: u64, time: Duration, start: Arc<Barrier>) -> crate::Result<Lane> {
     let mut s = open(&addr, STREAM_OUT, total).await?;
     let mut buf = vec![0u8; CHUNK];
     start.wait().await;
@@ -183,14 +183,14 @@ pub async fn stream_out(addr: String, total: u64, time: Duration, start: Arc<Bar
     let mut got = 0u64;
     while got < total && t0.elapsed() < time {
         let n = s.read(&mut buf).await?;
-        anyhow::ensure!(n > 0, "the tcp sink closed after {got} of {total} bytes");
+        crate::error::ensure_measured!(n > 0, "the tcp sink closed after {got} of {total} bytes");
         got += n as u64;
     }
     Ok(Lane { start: t0, end: Instant::now(), bytes: got, ops: Vec::new() })
 }
 
 /// Round trips of `size` bytes up and a 32-byte answer (the shape of a push).
-pub async fn ping(addr: String, size: usize, b: Bounds, warmup: u64, start: Arc<Barrier>) -> anyhow::Result<Lane> {
+pub async fn ping(addr: String, size: usize, b: Bounds, warmup: u64, start: Arc<Barrier>) -> crate::Result<Lane> {
     let mut s = open(&addr, PING, size as u64).await?;
     let buf = vec![1u8; size];
     let mut ack = [0u8; SMALL];
@@ -211,7 +211,7 @@ pub async fn ping(addr: String, size: usize, b: Bounds, warmup: u64, start: Arc<
 }
 
 /// Round trips of a 32-byte request up and `size` bytes back (the shape of a pull).
-pub async fn pong(addr: String, size: usize, b: Bounds, warmup: u64, start: Arc<Barrier>) -> anyhow::Result<Lane> {
+pub async fn pong(addr: String, size: usize, b: Bounds, warmup: u64, start: Arc<Barrier>) -> crate::Result<Lane> {
     let mut s = open(&addr, PONG, size as u64).await?;
     let mut buf = vec![0u8; size];
     let req = [4u8; SMALL];

@@ -22,6 +22,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::BalanceLog;
 use super::plot::{Chart, FONT, MUTED_TEXT, PALETTE, decimals_for, ensure_font, house_style, plot_err};
+use crate::Result;
 
 /// Width of `balance.png`, pixels.
 pub const WIDTH: u32 = 1200;
@@ -37,7 +38,7 @@ type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 
 /// Draws `balance.png` for `log` into `path`. A log without timeline or events still
 /// gives a valid PNG with empty, labelled panels.
-pub fn draw(path: &Path, log: &BalanceLog) -> anyhow::Result<()> {
+pub fn draw(path: &Path, log: &BalanceLog) -> Result<()> {
     ensure_font()?;
     let root = BitMapBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
@@ -72,7 +73,7 @@ pub fn draw(path: &Path, log: &BalanceLog) -> anyhow::Result<()> {
 }
 
 /// One row under the title: a line sample and the name of every server, centred.
-fn server_legend(area: &Area<'_>, ids: &[u32]) -> anyhow::Result<()> {
+fn server_legend(area: &Area<'_>, ids: &[u32]) -> Result<()> {
     const ENTRY: i32 = 110;
     let shown = &ids[..ids.len().min(10)];
     let mut x = WIDTH as i32 / 2 - ENTRY * shown.len() as i32 / 2;
@@ -116,7 +117,7 @@ fn chart<'a, 'b>(
     time: std::ops::Range<f64>,
     y_hi: f64,
     x_desc: bool,
-) -> anyhow::Result<Chart<'a, 'b>> {
+) -> Result<Chart<'a, 'b>> {
     let mut chart = ChartBuilder::on(area)
         .caption(caption, (FONT, 18))
         .margin(10)
@@ -176,7 +177,7 @@ fn server_segments(log: &BalanceLog, id: u32, value: impl Fn(&super::ServerPoint
     out
 }
 
-fn bytes_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>) -> anyhow::Result<()> {
+fn bytes_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>) -> Result<()> {
     let max = log.timeline.iter().flat_map(|s| s.servers.iter().map(|p| p.bytes as f64 / 1e6)).fold(0.0, f64::max);
     let hi = y_top(max, 1.0);
     let mut chart =
@@ -219,7 +220,7 @@ fn bytes_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>) ->
     Ok(())
 }
 
-fn service_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>) -> anyhow::Result<()> {
+fn service_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>) -> Result<()> {
     let max = log.timeline.iter().flat_map(|s| s.servers.iter().filter_map(service_ms)).fold(0.0, f64::max);
     let hi = y_top(max, 1.0);
     let mut chart = chart(
@@ -255,7 +256,7 @@ fn service_ms(p: &super::ServerPoint) -> Option<f64> {
     (p.rate_bps > 0.0 && p.service_ms.is_finite()).then_some(p.service_ms)
 }
 
-fn iteration_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>) -> anyhow::Result<()> {
+fn iteration_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>) -> Result<()> {
     let points: Vec<(f64, f64)> = log
         .timeline
         .iter()
@@ -277,7 +278,7 @@ fn iteration_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>
 
 /// Scaling events as dashed vertical lines (labelled when `labels`), and the settling time
 /// as a dotted one.
-fn scaling_lines(chart: &mut Chart<'_, '_>, log: &BalanceLog, hi: f64, labels: bool) -> anyhow::Result<()> {
+fn scaling_lines(chart: &mut Chart<'_, '_>, log: &BalanceLog, hi: f64, labels: bool) -> Result<()> {
     let style = TextStyle::from((FONT, 13).into_font()).color(&BLACK).pos(Pos::new(HPos::Left, VPos::Top));
     for (i, e) in log.scaling.iter().enumerate() {
         if !e.at_s.is_finite() {
@@ -314,7 +315,7 @@ fn scaling_lines(chart: &mut Chart<'_, '_>, log: &BalanceLog, hi: f64, labels: b
 }
 
 /// Writes `message` in the middle of an empty plotting area.
-fn no_data(chart: &Chart<'_, '_>, message: &str) -> anyhow::Result<()> {
+fn no_data(chart: &Chart<'_, '_>, message: &str) -> Result<()> {
     let area = chart.plotting_area();
     let (w, h) = area.dim_in_pixel();
     let style = TextStyle::from((FONT, 18).into_font()).color(&MUTED_TEXT).pos(Pos::new(HPos::Center, VPos::Center));
@@ -322,13 +323,13 @@ fn no_data(chart: &Chart<'_, '_>, message: &str) -> anyhow::Result<()> {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+pub mod tests {
     use super::*;
     use elasticps_runtime::scheduler::{LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
 
     /// 4 servers; server 1 straggles from 5 s, the balancer moves 6 blocks off it, scales
     /// out at 20 s (server 4 joins), and settles at 24 s.
-    pub(crate) fn sample_log() -> BalanceLog {
+    pub fn sample_log() -> BalanceLog {
         let mut timeline = Vec::new();
         let mut bytes = [25.0e6, 25.0e6, 25.0e6, 25.0e6, 0.0];
         for t in 0..40 {

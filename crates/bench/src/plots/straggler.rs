@@ -10,7 +10,7 @@
 //!   dashed line.
 //!
 //! Static is orange and psld blue everywhere. Text uses the font that
-//! [`crate::report::plot::ensure_font`] embeds.
+//! [`elasticps_report::plot::ensure_font`] embeds.
 
 use std::path::Path;
 
@@ -18,7 +18,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use crate::report::plot::{
+use elasticps_report::plot::{
     Chart, FONT, GRID_BOLD, MUTED_TEXT, PALETTE, decimals_for, ensure_font, house_style, legend, plot_err,
 };
 
@@ -86,7 +86,7 @@ pub struct PlotData {
 type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 
 /// Draws `straggler.png` into `path`.
-pub fn draw(path: &Path, data: &PlotData) -> anyhow::Result<()> {
+pub fn draw(path: &Path, data: &PlotData) -> elasticps_report::Result<()> {
     ensure_font()?;
     let n = data.scenarios.len();
     let root = BitMapBackend::new(path, (WIDTH, height(n))).into_drawing_area();
@@ -105,7 +105,7 @@ pub fn draw(path: &Path, data: &PlotData) -> anyhow::Result<()> {
     root.present().map_err(plot_err)
 }
 
-fn bars(root: &Area<'_>, area: &Area<'_>, data: &PlotData) -> anyhow::Result<()> {
+fn bars(root: &Area<'_>, area: &Area<'_>, data: &PlotData) -> elasticps_report::Result<()> {
     let area = area.margin(6, 0, 10, 10);
     let (head, body) = area.split_vertically(58);
     let center = Pos::new(HPos::Center, VPos::Top);
@@ -212,7 +212,7 @@ fn bars(root: &Area<'_>, area: &Area<'_>, data: &PlotData) -> anyhow::Result<()>
     legend(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
-fn timeline(area: &Area<'_>, s: &ScenarioData, baseline_iter_ms: Option<f64>) -> anyhow::Result<()> {
+fn timeline(area: &Area<'_>, s: &ScenarioData, baseline_iter_ms: Option<f64>) -> elasticps_report::Result<()> {
     let runs: Vec<(&RunSeries, RGBColor)> = [(s.static_run.as_ref(), STATIC), (s.psld_run.as_ref(), PSLD)]
         .into_iter()
         .filter_map(|(r, c)| Some((r?, c)))
@@ -306,13 +306,13 @@ fn timeline(area: &Area<'_>, s: &ScenarioData, baseline_iter_ms: Option<f64>) ->
     legend(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
-fn no_data(area: &Area<'_>, message: &str) -> anyhow::Result<()> {
+fn no_data(area: &Area<'_>, message: &str) -> elasticps_report::Result<()> {
     let (w, h) = area.dim_in_pixel();
     let style = TextStyle::from((FONT, 18).into_font()).color(&MUTED_TEXT).pos(Pos::new(HPos::Center, VPos::Center));
     area.draw_text(message, &style, (w as i32 / 2, h as i32 / 2)).map_err(plot_err)
 }
 
-fn no_data_chart(chart: &Chart<'_, '_>, message: &str) -> anyhow::Result<()> {
+fn no_data_chart(chart: &Chart<'_, '_>, message: &str) -> elasticps_report::Result<()> {
     no_data(&chart.plotting_area().strip_coord_spec(), message)
 }
 

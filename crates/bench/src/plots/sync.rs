@@ -6,7 +6,7 @@
 //!    "accuracy after a fixed time" as a dashed vertical line.
 //!
 //! A policy has the same colour in every panel. Text uses the font that
-//! [`crate::report::plot::ensure_font`] embeds.
+//! [`elasticps_report::plot::ensure_font`] embeds.
 
 use std::path::Path;
 
@@ -14,7 +14,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use crate::report::plot::{FONT, MUTED_TEXT, PALETTE, decimals_for, ensure_font, house_style, legend, plot_err};
+use elasticps_report::plot::{FONT, MUTED_TEXT, PALETTE, decimals_for, ensure_font, house_style, legend, plot_err};
 
 /// Width of `sync.png`, pixels.
 pub const WIDTH: u32 = 1950;
@@ -48,7 +48,7 @@ impl PlotData {
 type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 
 /// Draws `sync.png` into `path`.
-pub fn draw(path: &Path, data: &PlotData) -> anyhow::Result<()> {
+pub fn draw(path: &Path, data: &PlotData) -> elasticps_report::Result<()> {
     ensure_font()?;
     let root = BitMapBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
@@ -69,7 +69,7 @@ fn bars(
     y_desc: &str,
     values: &[(String, f64)],
     log: bool,
-) -> anyhow::Result<()> {
+) -> elasticps_report::Result<()> {
     let area = area.margin(6, 6, 6, 6);
     let (top, body) = area.split_vertically(54);
     top.draw_text(
@@ -165,7 +165,7 @@ fn bars(
     Ok(())
 }
 
-fn accuracy(area: &Area<'_>, data: &PlotData) -> anyhow::Result<()> {
+fn accuracy(area: &Area<'_>, data: &PlotData) -> elasticps_report::Result<()> {
     // The first evaluation (the initial model, about 10%) would squash the interesting part.
     let points = |pts: &[(f64, f64)]| -> Vec<(f64, f64)> {
         pts.iter().copied().skip(1).filter(|(t, a)| t.is_finite() && a.is_finite()).collect()
@@ -220,7 +220,7 @@ fn accuracy(area: &Area<'_>, data: &PlotData) -> anyhow::Result<()> {
     legend(&mut chart, SeriesLabelPosition::LowerRight)
 }
 
-fn no_data(area: &Area<'_>, message: &str) -> anyhow::Result<()> {
+fn no_data(area: &Area<'_>, message: &str) -> elasticps_report::Result<()> {
     let (w, h) = area.dim_in_pixel();
     let style = TextStyle::from((FONT, 18).into_font()).color(&MUTED_TEXT).pos(Pos::new(HPos::Center, VPos::Center));
     area.draw_text(message, &style, (w as i32 / 2, h as i32 / 2)).map_err(plot_err)

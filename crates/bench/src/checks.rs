@@ -53,9 +53,9 @@ pub fn checks_and_targets_markdown(checks: &[Check], targets: &[Target]) -> Stri
 }
 
 /// An error saying how many of the checks failed, if any did (skipped ones do not count).
-pub fn ensure_no_check_failed(checks: &[Check]) -> anyhow::Result<()> {
+pub fn ensure_no_check_failed(checks: &[Check]) -> crate::Result<()> {
     let failed = checks.iter().filter(|c| c.pass == Some(false)).count();
-    anyhow::ensure!(failed == 0, "{failed} of {} checks failed", checks.len());
+    crate::error::ensure_measured!(failed == 0, "{failed} of {} checks failed", checks.len());
     Ok(())
 }
 

@@ -34,15 +34,17 @@
 //! fields read it back as `None`.
 
 pub mod balance_plot;
+mod error;
 pub mod plot;
 pub mod summary;
 pub mod table;
+
+pub use error::{ReportError, Result};
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 
-use anyhow::Context;
 pub use elasticps_runtime::events::WorkerReport;
 use elasticps_runtime::events::f64_or_nan;
 pub use elasticps_runtime::scheduler::{BalanceLog, ServerPoint};
@@ -149,28 +151,28 @@ pub struct CurvePoint {
 /// Writes `report.json`, `summary.md` and `curves.png` for `report` into
 /// `dir`, creating the directory (and its parents) if needed. Existing files
 /// of those names are overwritten.
-pub fn write(dir: &Path, report: &Report) -> anyhow::Result<()> {
-    fs::create_dir_all(dir).with_context(|| format!("creating report directory {}", dir.display()))?;
+pub fn write(dir: &Path, report: &Report) -> Result<()> {
+    fs::create_dir_all(dir).map_err(|e| ReportError::io("creating report directory", dir, e))?;
 
     let json_path = dir.join(REPORT_JSON);
-    let json = to_json(report).context("serializing report to JSON")?;
-    fs::write(&json_path, json + "\n").with_context(|| format!("writing {}", json_path.display()))?;
+    let json = to_json(report)?;
+    fs::write(&json_path, json + "\n").map_err(|e| ReportError::io("writing", &json_path, e))?;
 
     let md_path = dir.join(SUMMARY_MD);
-    fs::write(&md_path, summary::render(report)).with_context(|| format!("writing {}", md_path.display()))?;
+    fs::write(&md_path, summary::render(report)).map_err(|e| ReportError::io("writing", &md_path, e))?;
 
     let png_path = dir.join(CURVES_PNG);
-    plot::draw_curves(&png_path, &report.curve).with_context(|| format!("drawing {}", png_path.display()))?;
+    plot::draw_curves(&png_path, &report.curve).map_err(|e| e.drawing(png_path.display().to_string()))?;
 
     let balance_path = dir.join(BALANCE_PNG);
     match &report.balance {
         Some(log) if !log.timeline.is_empty() => {
-            balance_plot::draw(&balance_path, log).with_context(|| format!("drawing {}", balance_path.display()))?
+            balance_plot::draw(&balance_path, log).map_err(|e| e.drawing(balance_path.display().to_string()))?
         }
         // No timeline: no plot, and none left over from an earlier run in the same directory.
         _ => match fs::remove_file(&balance_path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e).with_context(|| format!("removing the stale {}", balance_path.display()));
+                return Err(ReportError::io("removing the stale", &balance_path, e));
             }
             _ => {}
         },

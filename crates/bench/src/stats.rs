@@ -71,18 +71,12 @@ impl Measured {
             ops: ops.len() as u64,
             bytes: all.iter().map(|l| l.bytes).sum(),
             seconds,
-            gbps: median(&rounds_gbps),
+            gbps: elasticps_core::stats::median(&rounds_gbps).unwrap_or(0.0),
             p50_us: quantile(&ops, 0.50),
             p99_us: quantile(&ops, 0.99),
             rounds_gbps,
         }
     }
-}
-
-/// The median (the mean of the middle two for an even count); 0 for none.
-pub fn median(values: &[f64]) -> f64 {
-    let m = crate::report::summary::median(values);
-    if m.is_nan() { 0.0 } else { m }
 }
 
 /// Nearest-rank quantile of sorted durations, in microseconds.
@@ -131,12 +125,5 @@ mod tests {
         assert_eq!(r.ops, 9);
         assert_eq!(r.bytes, 6_000_000_000);
         assert!((r.seconds - 3.0).abs() < 1e-9);
-    }
-
-    #[test]
-    fn medians() {
-        assert_eq!(median(&[]), 0.0);
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
     }
 }

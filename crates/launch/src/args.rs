@@ -7,6 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+
+use crate::LaunchError;
+use crate::error::ensure_flags;
 use elasticps_core::block::ShardConfig;
 use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
 use elasticps_core::placement::PlacementKind;
@@ -121,25 +124,30 @@ pub struct JobArgs {
 
 impl JobArgs {
     /// The scheduler's job configuration.
-    pub fn job_config(&self) -> anyhow::Result<JobConfig> {
-        anyhow::ensure!(self.servers > 0, "--servers must be at least 1");
-        anyhow::ensure!(self.workers > 0, "--workers must be at least 1");
-        anyhow::ensure!(self.block_bytes >= 4, "--block-bytes must be at least 4 (one f32)");
-        anyhow::ensure!(self.lr.is_finite() && self.lr > 0.0, "--lr must be a positive number");
+    pub fn job_config(&self) -> crate::Result<JobConfig> {
+        ensure_flags!(self.servers > 0, "--servers must be at least 1");
+        ensure_flags!(self.workers > 0, "--workers must be at least 1");
+        ensure_flags!(self.block_bytes >= 4, "--block-bytes must be at least 4 (one f32)");
+        ensure_flags!(self.lr.is_finite() && self.lr > 0.0, "--lr must be a positive number");
         if let Some((idx, _)) = self.server_sync.iter().find(|(i, _)| *i >= self.servers) {
-            anyhow::bail!("--server-sync names server {idx}, but the job has servers 0..{}", self.servers);
+            return Err(LaunchError::Flags(format!(
+                "--server-sync names server {idx}, but the job has servers 0..{}",
+                self.servers
+            )));
         }
         let servers = self.servers;
         if let PlacementKind::Skewed(idx) = self.placement
             && idx >= servers
         {
-            anyhow::bail!("--placement skewed:{idx} names server {idx}, but the job starts with servers 0..{servers}");
+            return Err(LaunchError::Flags(format!(
+                "--placement skewed:{idx} names server {idx}, but the job starts with servers 0..{servers}"
+            )));
         }
         let max_servers = self.max_servers.unwrap_or(servers);
         let min_servers = self.min_servers.unwrap_or(servers);
-        anyhow::ensure!(max_servers >= servers, "--max-servers {max_servers} is below --servers {servers}");
-        anyhow::ensure!(min_servers >= 1, "--min-servers must be at least 1");
-        anyhow::ensure!(min_servers <= servers, "--min-servers {min_servers} is above --servers {servers}");
+        ensure_flags!(max_servers >= servers, "--max-servers {max_servers} is below --servers {servers}");
+        ensure_flags!(min_servers >= 1, "--min-servers must be at least 1");
+        ensure_flags!(min_servers <= servers, "--min-servers {min_servers} is above --servers {servers}");
         Ok(JobConfig {
             servers,
             workers: self.workers,
@@ -167,11 +175,11 @@ impl JobArgs {
     /// One injection per server named by --server-bandwidth or --server-interference (the
     /// last value of a server wins), in server order, all starting --straggler-at seconds
     /// after the server gets its blocks.
-    fn injections(&self, max_servers: u32) -> anyhow::Result<Vec<(u32, Injection)>> {
+    fn injections(&self, max_servers: u32) -> crate::Result<Vec<(u32, Injection)>> {
         let named = self.server_bandwidth.iter().map(|(i, _)| (*i, "--server-bandwidth"));
         let named = named.chain(self.server_interference.iter().map(|(i, _)| (*i, "--server-interference")));
         for (idx, flag) in named {
-            anyhow::ensure!(
+            ensure_flags!(
                 idx < max_servers,
                 "{flag} names server {idx}, but the job has at most {max_servers} servers (0..{max_servers}, see \
                  --max-servers)"
@@ -420,8 +428,8 @@ mod tests {
         Cli::try_parse_from(std::iter::once("elasticps").chain(flags.iter().copied())).map(|c| c.job)
     }
 
-    fn config(flags: &[&str]) -> anyhow::Result<JobConfig> {
-        parse(flags).map_err(|e| anyhow::anyhow!("{e}"))?.job_config()
+    fn config(flags: &[&str]) -> crate::Result<JobConfig> {
+        parse(flags).map_err(|e| LaunchError::Flags(e.to_string()))?.job_config()
     }
 
     #[test]

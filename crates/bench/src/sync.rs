@@ -1,7 +1,7 @@
 //! `elasticps bench sync`: the same job under every synchronization policy, side by side.
 //!
 //! Two workloads, each run once per policy on a real local cluster (scheduler, 2 servers,
-//! 8 workers as processes, [`crate::train::run_local`]), with ranks 0 and 4 delayed by
+//! 8 workers as processes, [`elasticps_launch::train::run_local`]), with ranks 0 and 4 delayed by
 //! N(50 ms, 10 ms) per iteration on top of their compute time (FluentPS's stragglers):
 //!
 //! 1. `synthetic:resnet56` (ResNet-56's tensors, random gradients, `--compute-ms` of
@@ -23,7 +23,7 @@
 //! - mean / p99 hold of a delayed pull, sync events (`releases`), the largest lead.
 //!
 //! It writes `bench-sync.json` (every run), `bench-sync.md` (the table, the checks, the
-//! targets) and `sync.png` ([`super::sync_plot`]) into `--out`, and prints the Markdown.
+//! targets) and `sync.png` ([`crate::plots::sync`]) into `--out`, and prints the Markdown.
 //! The *checks* are orderings with wide margins that must hold on a noisy 2-core machine
 //! (a failed check fails the command); the issue's *targets* are reported, met or missed,
 //! with the measured ratio.
@@ -31,18 +31,19 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
-use clap::{Args, Parser};
+use crate::error::Context as _;
+use clap::Args;
+use elasticps_core::stats::ratio;
 use elasticps_core::sync::SyncPolicy;
 use serde::Serialize;
 
-use super::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
-use super::machine::{Machine, MachineWatch};
-use super::sync_plot;
-use crate::args::{NetArgs, StragglerSpec};
-use crate::report::table::markdown_table;
-use crate::report::{ServerReport, WorkerReport};
-use crate::train::{TrainCmd, build_report, run_local};
+use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::job::run_train;
+use crate::machine::{Machine, MachineWatch};
+use crate::plots::sync as sync_plot;
+use elasticps_launch::args::{NetArgs, StragglerSpec};
+use elasticps_report::table::markdown_table;
+use elasticps_report::{ServerReport, WorkerReport};
 
 /// Every policy of the default run, in table order.
 pub const DEFAULT_POLICIES: &[&str] = &["bsp", "asp", "ssp:3", "lazy:3", "pssp:3:0.5", "dpssp:3", "adaptive"];
@@ -146,7 +147,7 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(cmd: &SyncBenchCmd) -> anyhow::Result<Self> {
+    fn new(cmd: &SyncBenchCmd) -> crate::Result<Self> {
         let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let given = cmd.policies.as_ref().map(|p| p.iter().map(ToString::to_string).collect::<Vec<_>>());
         let (synthetic_policies, mnist_policies) = match (given, cmd.quick) {
@@ -156,13 +157,16 @@ impl Plan {
         };
         let synthetic_iterations = cmd.synthetic_iterations.unwrap_or(if cmd.quick { 30 } else { 60 });
         let mnist_iterations = cmd.mnist_iterations.unwrap_or(if cmd.quick { 60 } else { 210 });
-        anyhow::ensure!((1..=20).contains(&cmd.rounds), "--rounds must be from 1 to 20");
-        anyhow::ensure!(!synthetic_policies.is_empty(), "--policies: nothing to compare");
-        anyhow::ensure!(synthetic_iterations > 0, "--synthetic-iterations must be at least 1");
-        anyhow::ensure!(cmd.workers > 0 && cmd.servers > 0, "--workers and --servers must be at least 1");
-        anyhow::ensure!(cmd.compute_ms.is_finite() && cmd.compute_ms >= 0.0, "--compute-ms must be non-negative");
+        crate::error::ensure_flags!((1..=20).contains(&cmd.rounds), "--rounds must be from 1 to 20");
+        crate::error::ensure_flags!(!synthetic_policies.is_empty(), "--policies: nothing to compare");
+        crate::error::ensure_flags!(synthetic_iterations > 0, "--synthetic-iterations must be at least 1");
+        crate::error::ensure_flags!(cmd.workers > 0 && cmd.servers > 0, "--workers and --servers must be at least 1");
+        crate::error::ensure_flags!(
+            cmd.compute_ms.is_finite() && cmd.compute_ms >= 0.0,
+            "--compute-ms must be non-negative"
+        );
         if let Some(b) = cmd.budget_s {
-            anyhow::ensure!(b.is_finite() && b > 0.0, "--budget-s must be positive");
+            crate::error::ensure_flags!(b.is_finite() && b > 0.0, "--budget-s must be positive");
         }
         Ok(Plan {
             quick: cmd.quick,
@@ -243,15 +247,6 @@ impl Plan {
         out.extend(self.mnist_policies.iter().map(|p| (Workload::Mnist, p.clone(), 0)));
         out
     }
-}
-
-/// `elasticps train`'s flags, parsed into its command (so every flag not given keeps the
-/// default of `train`).
-#[derive(Parser, Debug)]
-#[command(name = "train")]
-struct TrainFlags {
-    #[command(flatten)]
-    cmd: TrainCmd,
 }
 
 /// One test evaluation of worker 0.
@@ -341,7 +336,7 @@ struct Output {
 }
 
 /// Runs the benchmark, writes its files and prints the table.
-pub async fn run(cmd: SyncBenchCmd) -> anyhow::Result<()> {
+pub async fn run(cmd: SyncBenchCmd) -> crate::Result<()> {
     let plan = Plan::new(&cmd)?;
     std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
     let watch = MachineWatch::start();
@@ -383,10 +378,7 @@ pub async fn run(cmd: SyncBenchCmd) -> anyhow::Result<()> {
     let md = render(&out);
     print!("{md}");
     let json = serde_json::to_string_pretty(&out)?;
-    std::fs::write(cmd.out.join("bench-sync.json"), json + "\n").context("writing bench-sync.json")?;
-    std::fs::write(cmd.out.join("bench-sync.md"), &md).context("writing bench-sync.md")?;
-    let png = cmd.out.join("sync.png");
-    sync_plot::draw(&png, &plot_data(&out)).with_context(|| format!("drawing {}", png.display()))?;
+    crate::write_results(&cmd.out, "bench-sync", json, &md, "sync.png", |png| sync_plot::draw(png, &plot_data(&out)))?;
     println!("\nwritten to {} (bench-sync.json, bench-sync.md, sync.png)", cmd.out.display());
     ensure_no_check_failed(&out.checks)
 }
@@ -404,18 +396,10 @@ async fn one_run(
     workload: Workload,
     policy: &str,
     round: u32,
-) -> anyhow::Result<RunResult> {
+) -> crate::Result<RunResult> {
     let flags = plan.train_flags(workload, policy);
-    let parsed = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags.iter().cloned()))
-        .map_err(|e| anyhow::anyhow!("building the job: {e}"))?;
-    let mut train = parsed.cmd;
-    train.net = cmd.net.clone();
-    train.quiet = true;
-    // Only the nodes' logs go there (run_local writes no report itself).
     let dir = run_dir(&cmd.out, workload, policy, round);
-    train.report = Some(dir.clone());
-    let outcome = run_local(&train, &[]).await?;
-    let report = build_report(&train, &outcome)?;
+    let report = run_train(&flags, &cmd.net, &dir).await?;
     std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&report)? + "\n")
         .with_context(|| format!("writing {}", dir.join("report.json").display()))?;
 
@@ -622,17 +606,6 @@ fn targets(runs: &[RunResult]) -> Vec<Target> {
     out
 }
 
-/// `a / b` as `2.31x`.
-fn ratio(a: f64, b: f64) -> String {
-    if b > 0.0 {
-        format!("{:.2}x", a / b)
-    } else if a > 0.0 {
-        "inf".into()
-    } else {
-        "-".into()
-    }
-}
-
 fn render(out: &Output) -> String {
     let headers = [
         "workload",
@@ -761,6 +734,8 @@ fn plot_data(out: &Output) -> sync_plot::PlotData {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
 
     fn run(workload: Workload, policy: &str, it_s: f64, held: u64, acc: Option<f64>) -> RunResult {
@@ -804,7 +779,7 @@ mod tests {
         assert_eq!(plan.synthetic_policies, QUICK_SYNTHETIC);
         for (w, p, _) in plan.runs() {
             let flags = plan.train_flags(w, &p);
-            let t = TrainFlags::try_parse_from(std::iter::once("train".to_string()).chain(flags)).unwrap().cmd;
+            let t = crate::job::train_cmd(&flags).unwrap();
             assert_eq!(t.job.workers, 8);
             assert_eq!(t.job.sync.to_string(), p);
             assert_eq!(t.data.worker_delay.as_ref().map(|d| d.ranks.clone()), Some(vec![0, 4]));

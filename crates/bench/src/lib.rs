@@ -1,4 +1,7 @@
 //! `elasticps bench ...`: benchmarks that compare side by side in one run and print ratios.
+//! The `elasticps` binary parses the flags ([`BenchCmd`]) and calls [`run`]; every job a
+//! benchmark runs is a real local cluster of that binary's roles, started through
+//! `elasticps-launch` (the same runner as `elasticps train`).
 //!
 //! - [`transport`]: push/pull throughput and latency of the parameter server against the
 //!   same bytes over plain TCP socket pairs (`elasticps bench transport`).
@@ -10,22 +13,27 @@
 //! - [`checks`]: the checks (fail the command) and targets (reported) that end the reports
 //!   of `bench sync` and `bench straggler`, and their Markdown.
 //! - [`sync`]: every sync policy on the same straggler job, side by side
-//!   (`elasticps bench sync`); [`sync_plot`] draws its `sync.png`.
+//!   (`elasticps bench sync`); [`plots::sync`] draws its `sync.png`.
 //! - [`straggler`]: a straggling server (bandwidth, CPU, skewed placement, mid-run) under
 //!   static placement and under the PSLD balancer (`elasticps bench straggler`);
-//!   [`straggler_plot`] draws its `straggler.png`.
+//!   [`plots::straggler`] draws its `straggler.png`.
+//! - [`job`]: the one runner of their train jobs (through `elasticps-launch`).
+//! - [`plots`]: those two figures, in the house style of `elasticps-report`.
 
 use clap::Subcommand;
 
 pub mod checks;
+mod error;
+pub mod job;
 pub mod machine;
+pub mod plots;
 pub mod sink;
 pub mod stats;
 pub mod straggler;
-pub mod straggler_plot;
 pub mod sync;
-pub mod sync_plot;
 pub mod transport;
+
+pub use error::{BenchError, Result};
 
 /// The benchmarks.
 #[derive(Subcommand, Debug)]
@@ -42,7 +50,7 @@ pub enum BenchCmd {
 }
 
 /// Runs a benchmark.
-pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
+pub async fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Transport(cmd) => transport::run(cmd).await,
         BenchCmd::TcpSink(cmd) => sink::run(cmd).await,
@@ -51,8 +59,25 @@ pub async fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     }
 }
 
+/// Writes a benchmark's results into `out`: `STEM.json` (`json`), `STEM.md` (`md`) and
+/// the figure `plot` that `draw` renders.
+pub fn write_results(
+    out: &std::path::Path,
+    stem: &str,
+    json: String,
+    md: &str,
+    plot: &str,
+    draw: impl FnOnce(&std::path::Path) -> elasticps_report::Result<()>,
+) -> Result<()> {
+    use crate::error::Context as _;
+    std::fs::write(out.join(format!("{stem}.json")), json + "\n").with_context(|| format!("writing {stem}.json"))?;
+    std::fs::write(out.join(format!("{stem}.md")), md).with_context(|| format!("writing {stem}.md"))?;
+    let png = out.join(plot);
+    draw(&png).with_context(|| format!("drawing {}", png.display()))
+}
+
 /// A tokio runtime with `threads` worker threads, like the one every role process runs
 /// on (`main.rs` gives the launcher-style commands, `bench` among them, a single thread).
-pub fn multi_thread_runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+pub fn multi_thread_runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?)
 }

@@ -3,6 +3,8 @@
 
 use std::fmt::Write as _;
 
+use elasticps_core::stats::median;
+
 use super::table::markdown_table;
 use super::{BALANCE_PNG, BalanceLog, CURVES_PNG, REPORT_JSON, Report};
 
@@ -183,9 +185,9 @@ fn balance(md: &mut String, log: &BalanceLog) {
         let _ = writeln!(
             md,
             "- **Block frozen:** p50 {} ms, max {} ms; **request to handover:** p50 {} ms, max {} ms",
-            fixed(median(&freeze), 2),
+            fixed(median(&freeze).unwrap_or(f64::NAN), 2),
             fixed(max(&freeze), 2),
-            fixed(median(&total), 1),
+            fixed(median(&total).unwrap_or(f64::NAN), 1),
             fixed(max(&total), 1)
         );
         let mut moves: Vec<((u32, u32), (usize, u64))> = Vec::new();
@@ -279,19 +281,8 @@ fn balance(md: &mut String, log: &BalanceLog) {
     }
 }
 
-/// The median of the finite values (NaN for none).
-pub(crate) fn median(values: &[f64]) -> f64 {
-    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
-}
-
 /// The largest finite value (NaN for none).
-pub(crate) fn max(values: &[f64]) -> f64 {
+pub fn max(values: &[f64]) -> f64 {
     values.iter().copied().filter(|x| x.is_finite()).fold(f64::NAN, f64::max)
 }
 
@@ -345,7 +336,7 @@ fn plural(n: usize) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::{ServerReport, WorkerReport};
+    use crate::{ServerReport, WorkerReport};
 
     #[test]
     fn number_formatting() {

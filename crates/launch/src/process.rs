@@ -17,12 +17,13 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::mpsc;
 
-use crate::events::Event;
+use elasticps_runtime::events::Event;
+
+use crate::{LaunchError, Result};
 
 /// What happened to a node of the cluster.
 #[derive(Debug)]
@@ -77,23 +78,26 @@ pub struct Cluster {
 impl Cluster {
     /// A cluster of this binary's roles and users' commands, with each node's log under
     /// `log_dir`.
-    pub fn new(log_dir: &Path) -> anyhow::Result<Self> {
+    pub fn new(log_dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(log_dir)
-            .with_context(|| format!("creating the log directory {}", log_dir.display()))?;
-        let exe = std::env::current_exe().context("finding the elasticps binary")?;
+            .map_err(|e| LaunchError::io(format!("creating the log directory {}", log_dir.display()), e))?;
+        let exe = std::env::current_exe().map_err(|e| LaunchError::io("finding the elasticps binary", e))?;
         let (tx, rx) = mpsc::unbounded_channel();
         Ok(Self { exe, log_dir: log_dir.to_path_buf(), nodes: Vec::new(), tx, rx })
     }
 
     /// Starts `elasticps ARGS... --events` as node `name` (e.g. "server 1"); returns its index.
-    pub fn spawn(&mut self, name: &str, args: &[String], env: &[(&str, &str)]) -> anyhow::Result<usize> {
+    pub fn spawn(&mut self, name: &str, args: &[String], env: &[(&str, &str)]) -> Result<usize> {
         let node = self.nodes.len();
         let log = self.log_dir.join(format!("{}.log", name.replace(' ', "-")));
         let mut child = role_command(&self.exe, args, env, &log)?
             .spawn()
-            .with_context(|| format!("starting {name} ({})", self.exe.display()))?;
+            .map_err(|e| LaunchError::io(format!("starting {name} ({})", self.exe.display()), e))?;
         let pid = child.id();
-        let stdout = child.stdout.take().context("child stdout")?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| LaunchError::io("child stdout", std::io::ErrorKind::BrokenPipe.into()))?;
         let tx = self.tx.clone();
         let label = name.to_string();
         tokio::spawn(async move {
@@ -122,14 +126,15 @@ impl Cluster {
     /// to this process's environment, in its own process group, with a pipe for its
     /// events as file descriptor [`EVENTS_FD`]. Its stdout and stderr lines come back as
     /// [`NodeEvent::Output`] and go into `LOG_DIR/NAME.log`.
-    pub fn spawn_command(&mut self, name: &str, argv: &[String], env: &[(String, String)]) -> anyhow::Result<usize> {
+    pub fn spawn_command(&mut self, name: &str, argv: &[String], env: &[(String, String)]) -> Result<usize> {
         let node = self.nodes.len();
-        let (program, args) = argv.split_first().context("an empty command")?;
+        let (program, args) = argv.split_first().ok_or_else(|| LaunchError::Flags("an empty command".into()))?;
         let shown = shell_words(argv);
         let log = self.log_dir.join(format!("{}.log", name.replace(' ', "-")));
-        let log_file = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let log_file =
+            std::fs::File::create(&log).map_err(|e| LaunchError::io(format!("creating {}", log.display()), e))?;
         let log_file = Arc::new(Mutex::new(log_file));
-        let (events_read, events_write) = cloexec_pipe().context("creating the events pipe")?;
+        let (events_read, events_write) = cloexec_pipe().map_err(|e| LaunchError::io("creating the events pipe", e))?;
         let write_fd = events_write.as_raw_fd();
         let mut cmd = Command::new(program);
         cmd.args(args).envs(env.iter().map(|(k, v)| (k, v))).kill_on_drop(true);
@@ -157,11 +162,21 @@ impl Cluster {
         let spawned = cmd.spawn();
         // The child has its copy: without ours, the pipe ends when the child's copies do.
         drop(events_write);
-        let mut child = spawned.map_err(|e| anyhow::anyhow!("cannot start {name} (`{shown}`): {program}: {e}"))?;
+        let mut child =
+            spawned.map_err(|e| LaunchError::io(format!("cannot start {name} (`{shown}`): {program}"), e))?;
         let pid = child.id();
-        let (stdout, stderr) =
-            (child.stdout.take().context("child stdout")?, child.stderr.take().context("child stderr")?);
-        let events = tokio::net::unix::pipe::Receiver::from_owned_fd(events_read).context("reading the events pipe")?;
+        let (stdout, stderr) = (
+            child
+                .stdout
+                .take()
+                .ok_or_else(|| LaunchError::io("child stdout", std::io::ErrorKind::BrokenPipe.into()))?,
+            child
+                .stderr
+                .take()
+                .ok_or_else(|| LaunchError::io("child stderr", std::io::ErrorKind::BrokenPipe.into()))?,
+        );
+        let events = tokio::net::unix::pipe::Receiver::from_owned_fd(events_read)
+            .map_err(|e| LaunchError::io("reading the events pipe", e))?;
         let tx = self.tx.clone();
         let label = name.to_string();
         let readers = vec![
@@ -276,10 +291,10 @@ impl Cluster {
     /// The error for a node that exited with `status`, with the tail of its log: for a
     /// role `server 1 exited with exit status: 1`, for a user's command `worker 1 (pid
     /// 12345: python train.py) was killed by signal 9` or `... exited with status 3`.
-    pub fn failure(&self, node: usize, status: ExitStatus) -> anyhow::Error {
+    pub fn failure(&self, node: usize, status: ExitStatus) -> LaunchError {
         let n = &self.nodes[node];
         match &n.command {
-            None => anyhow::anyhow!("{} exited with {status}\n{}", n.name, self.log_tail(node, 12)),
+            None => LaunchError::NodeFailed(format!("{} exited with {status}\n{}", n.name, self.log_tail(node, 12))),
             Some(command) => {
                 let how = match (status.code(), status.signal()) {
                     (Some(code), _) => format!("exited with status {code}"),
@@ -287,7 +302,7 @@ impl Cluster {
                     (None, None) => format!("exited with {status}"),
                 };
                 let pid = n.pid.map_or_else(|| "pid ?".to_string(), |p| format!("pid {p}"));
-                anyhow::anyhow!("{} ({pid}: {command}) {how}\n{}", n.name, self.log_tail(node, 12))
+                LaunchError::NodeFailed(format!("{} ({pid}: {command}) {how}\n{}", n.name, self.log_tail(node, 12)))
             }
         }
     }
@@ -351,21 +366,23 @@ async fn forward_output(
 
 /// Checks, before anything starts, that the program of `argv` can be run: a path must be
 /// an executable file, a bare name must be one on `PATH`.
-pub fn check_program(argv: &[String]) -> anyhow::Result<()> {
+pub fn check_program(argv: &[String]) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let Some(program) = argv.first().filter(|p| !p.is_empty()) else {
-        anyhow::bail!("no worker command: give it after `--`, e.g. `elasticps launch -- python train.py`");
+        return Err(LaunchError::Flags(
+            "no worker command: give it after `--`, e.g. `elasticps launch -- python train.py`".into(),
+        ));
     };
     let runnable = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
     let shown = shell_words(argv);
     if program.contains('/') {
-        anyhow::ensure!(
+        crate::error::ensure_flags!(
             runnable(Path::new(program)),
             "cannot start the worker command `{shown}`: {program} is not an executable file"
         );
     } else {
         let path = std::env::var_os("PATH").unwrap_or_default();
-        anyhow::ensure!(
+        crate::error::ensure_flags!(
             std::env::split_paths(&path).any(|dir| runnable(&dir.join(program))),
             "cannot start the worker command `{shown}`: {program}: command not found on PATH"
         );
@@ -397,8 +414,8 @@ pub fn shell_words(argv: &[String]) -> String {
 
 /// `elasticps ARGS... --events` with stdout piped (the event stream), stderr into `log`,
 /// and death with the thread that spawns it (Linux `PR_SET_PDEATHSIG`).
-fn role_command(exe: &Path, args: &[String], env: &[(&str, &str)], log: &Path) -> anyhow::Result<Command> {
-    let stderr = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+fn role_command(exe: &Path, args: &[String], env: &[(&str, &str)], log: &Path) -> Result<Command> {
+    let stderr = std::fs::File::create(log).map_err(|e| LaunchError::io(format!("creating {}", log.display()), e))?;
     let mut cmd = Command::new(exe);
     cmd.args(args).arg("--events").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr).kill_on_drop(true);
     // Every child would bind the same metrics address: each gets its own flag instead.
@@ -450,10 +467,10 @@ impl LaunchedServers {
 
 impl ServerLauncher {
     /// A launcher whose servers get `args` and the cluster `secret`.
-    pub fn new(log_dir: &Path, args: Vec<String>, secret: String) -> anyhow::Result<Self> {
+    pub fn new(log_dir: &Path, args: Vec<String>, secret: String) -> Result<Self> {
         std::fs::create_dir_all(log_dir)
-            .with_context(|| format!("creating the log directory {}", log_dir.display()))?;
-        let exe = std::env::current_exe().context("finding the elasticps binary")?;
+            .map_err(|e| LaunchError::io(format!("creating the log directory {}", log_dir.display()), e))?;
+        let exe = std::env::current_exe().map_err(|e| LaunchError::io("finding the elasticps binary", e))?;
         Ok(Self { exe, log_dir: log_dir.to_path_buf(), args, secret, started: 0, running: Arc::default() })
     }
 
@@ -462,7 +479,7 @@ impl ServerLauncher {
         LaunchedServers(self.running.clone())
     }
 
-    fn start(&mut self, scheduler_addr: &str) -> anyhow::Result<()> {
+    fn start(&mut self, scheduler_addr: &str) -> Result<()> {
         self.started += 1;
         let log = self.log_dir.join(format!("server-scaled-{}.log", self.started));
         let mut args = vec!["server".into(), "--scheduler".into(), scheduler_addr.into(), "--listen".into()];
@@ -470,8 +487,11 @@ impl ServerLauncher {
         args.extend(self.args.iter().cloned());
         let mut child = role_command(&self.exe, &args, &[("ELASTICPS_SECRET", &self.secret)], &log)?
             .spawn()
-            .context("starting a server")?;
-        let stdout = child.stdout.take().context("child stdout")?;
+            .map_err(|e| LaunchError::io("starting a server", e))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| LaunchError::io("child stdout", std::io::ErrorKind::BrokenPipe.into()))?;
         tracing::info!(log = %log.display(), pid = child.id(), "server process started");
         let task = tokio::spawn(async move {
             let mut lines = BufReader::new(stdout).lines();

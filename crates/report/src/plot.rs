@@ -13,15 +13,15 @@
 //! without data shows "no data" instead of failing.
 //!
 //! Text is rendered by plotters' `ab_glyph` backend, which has no access to
-//! system fonts: DejaVu Sans (`crates/cli/assets/DejaVuSans.ttf`, licence in
-//! `crates/cli/assets/FONT-LICENSE`) is embedded in the binary and registered
+//! system fonts: DejaVu Sans (`crates/report/assets/DejaVuSans.ttf`, licence in
+//! `crates/report/assets/FONT-LICENSE`) is embedded in the binary and registered
 //! as the `"sans-serif"` family on first use.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::OnceLock;
 
-use anyhow::{Context, anyhow};
+use crate::{ReportError, Result};
 use plotters::coord::Shift;
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
@@ -35,14 +35,14 @@ pub const WIDTH: u32 = 1200;
 pub const HEIGHT: u32 = 500;
 
 /// Path of the embedded font, relative to the crate root (for messages).
-const FONT_FILE: &str = "crates/cli/assets/DejaVuSans.ttf";
+const FONT_FILE: &str = "crates/report/assets/DejaVuSans.ttf";
 /// DejaVu Sans, embedded so that rendering needs no system fonts.
-static FONT_BYTES: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
+static FONT_BYTES: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 /// Font family every text style in the plot uses.
-pub(crate) const FONT: &str = "sans-serif";
+pub const FONT: &str = "sans-serif";
 
 /// Qualitative palette (matplotlib's "tab10"); ranks cycle through it.
-pub(crate) const PALETTE: [RGBColor; 10] = [
+pub const PALETTE: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -58,21 +58,23 @@ pub(crate) const PALETTE: [RGBColor; 10] = [
 const MAX_LEGEND_ENTRIES: usize = 10;
 
 const GRID_LIGHT: RGBColor = RGBColor(238, 238, 238);
-pub(crate) const GRID_BOLD: RGBColor = RGBColor(205, 205, 205);
+/// Colour of the major grid lines.
+pub const GRID_BOLD: RGBColor = RGBColor(205, 205, 205);
 
 /// The house style of every chart's mesh (also `bench sync`'s): fonts and grid colours.
-pub(crate) fn house_style<'m, 'a, 'b, X: Ranged, Y: Ranged, DB: DrawingBackend>(
+pub fn house_style<'m, 'a, 'b, X: Ranged, Y: Ranged, DB: DrawingBackend>(
     mesh: &'m mut plotters::chart::MeshStyle<'a, 'b, X, Y, DB>,
 ) -> &'m mut plotters::chart::MeshStyle<'a, 'b, X, Y, DB> {
     mesh.label_style((FONT, 14)).axis_desc_style((FONT, 16)).light_line_style(GRID_LIGHT).bold_line_style(GRID_BOLD)
 }
-pub(crate) const MUTED_TEXT: RGBColor = RGBColor(120, 120, 120);
+/// Colour of secondary text (notes, "no data").
+pub const MUTED_TEXT: RGBColor = RGBColor(120, 120, 120);
 
 /// Registers the embedded font with plotters exactly once per process.
 ///
 /// The outcome of the single registration attempt is cached, so a failure is
 /// reported (not retried, not panicking) on every call.
-pub fn ensure_font() -> anyhow::Result<()> {
+pub fn ensure_font() -> Result<()> {
     static REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
     REGISTERED
         .get_or_init(|| {
@@ -84,28 +86,28 @@ pub fn ensure_font() -> anyhow::Result<()> {
             })
         })
         .clone()
-        .map_err(|msg| anyhow!(msg))
+        .map_err(ReportError::Font)
 }
 
 /// Draws the two-panel training-curve plot of `curve` into the PNG file
 /// `path` (see the module docs for the layout). An empty curve yields a valid
 /// PNG with two empty, labelled panels.
-pub fn draw_curves(path: &Path, curve: &[CurvePoint]) -> anyhow::Result<()> {
+pub fn draw_curves(path: &Path, curve: &[CurvePoint]) -> Result<()> {
     ensure_font()?;
     let root = BitMapBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
 
     let time = time_range(curve);
     let panels = root.split_evenly((1, 2));
-    draw_loss_panel(&panels[0], curve, time.clone()).context("drawing the loss panel")?;
-    draw_accuracy_panel(&panels[1], curve, time).context("drawing the accuracy panel")?;
+    draw_loss_panel(&panels[0], curve, time.clone()).map_err(|e| e.drawing("the loss panel"))?;
+    draw_accuracy_panel(&panels[1], curve, time).map_err(|e| e.drawing("the accuracy panel"))?;
 
-    root.present().map_err(plot_err).with_context(|| format!("saving {}", path.display()))
+    root.present().map_err(plot_err).map_err(|e| e.drawing(format!("(saving {})", path.display())))
 }
 
 type Panel<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 
-fn draw_loss_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::Range<f64>) -> anyhow::Result<()> {
+fn draw_loss_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::Range<f64>) -> Result<()> {
     let series = by_rank(curve, |p| p.loss);
     let values = series.values().flatten().map(|&(_, y)| y);
     let (lo, hi) = padded_range(values, 0.05).unwrap_or((0.0, 1.0));
@@ -157,7 +159,7 @@ fn draw_loss_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::Range
     legend(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
-fn draw_accuracy_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::Range<f64>) -> anyhow::Result<()> {
+fn draw_accuracy_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::Range<f64>) -> Result<()> {
     let series: BTreeMap<u32, Vec<(f64, f64)>> = by_rank(curve, |p| p.test_accuracy)
         .into_iter()
         .map(|(rank, pts)| (rank, pts.into_iter().map(|(t, a)| (t, a * 100.0)).collect()))
@@ -222,10 +224,10 @@ fn draw_accuracy_panel(area: &Panel<'_>, curve: &[CurvePoint], time: std::ops::R
 }
 
 /// A chart of f64 against f64 on a bitmap.
-pub(crate) type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+pub type Chart<'a, 'b> = ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
 /// Draws the series labels in the house style.
-pub(crate) fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, position: SeriesLabelPosition) -> anyhow::Result<()> {
+pub fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, position: SeriesLabelPosition) -> Result<()> {
     chart
         .configure_series_labels()
         .position(position)
@@ -238,7 +240,7 @@ pub(crate) fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, position: SeriesLabe
 }
 
 /// Writes `message` in the middle of an empty plotting area.
-fn no_data(chart: &Chart<'_, '_>, message: &str) -> anyhow::Result<()> {
+fn no_data(chart: &Chart<'_, '_>, message: &str) -> Result<()> {
     let area = chart.plotting_area();
     let (w, h) = area.dim_in_pixel();
     let style = TextStyle::from((FONT, 18).into_font()).color(&MUTED_TEXT).pos(Pos::new(HPos::Center, VPos::Center));
@@ -349,7 +351,7 @@ fn moving_average(points: &[(f64, f64)], half: usize) -> Vec<(f64, f64)> {
 }
 
 /// Number of decimals for axis labels spanning `span`.
-pub(crate) fn decimals_for(span: f64) -> usize {
+pub fn decimals_for(span: f64) -> usize {
     match span {
         s if s >= 10.0 => 0,
         s if s >= 1.0 => 1,
@@ -358,9 +360,9 @@ pub(crate) fn decimals_for(span: f64) -> usize {
     }
 }
 
-/// A plotters error as an anyhow error.
-pub(crate) fn plot_err(e: impl std::fmt::Display) -> anyhow::Error {
-    anyhow!("plotting failed: {e}")
+/// A plotters error as the crate's error.
+pub fn plot_err(e: impl std::fmt::Display) -> ReportError {
+    ReportError::Plot(e.to_string())
 }
 
 #[cfg(test)]

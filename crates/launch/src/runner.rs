@@ -12,11 +12,13 @@ use std::time::{Duration, Instant};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
-use crate::args::{DataArgs, JobArgs, NetArgs};
-use crate::events::Event;
-use crate::launch::{Cluster, NodeEvent};
-use crate::report::{CurvePoint, Report, ServerReport, WorkerReport};
+use elasticps_report::{CurvePoint, Report, ServerReport, WorkerReport};
+use elasticps_runtime::events::Event;
 use elasticps_runtime::scheduler::BalanceLog;
+
+use crate::args::{DataArgs, JobArgs, NetArgs};
+use crate::process::{Cluster, NodeEvent};
+use crate::{LaunchError, Result};
 
 /// How long the scheduler and the servers may take, by default, to end the job once every
 /// worker has exited (the scheduler ends it when every worker called `finish`).
@@ -92,7 +94,7 @@ pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32
         ("ELASTICPS_MAX_FRAME_MIB", net.max_frame_mib.to_string()),
         ("ELASTICPS_WORKERS", job.workers.to_string()),
         ("ELASTICPS_LOCAL_RANK", local_rank.to_string()),
-        (elasticps_runtime::events::EVENTS_FD_VAR, crate::launch::EVENTS_FD.to_string()),
+        (elasticps_runtime::events::EVENTS_FD_VAR, crate::process::EVENTS_FD.to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -108,8 +110,8 @@ struct Signals {
 }
 
 impl Signals {
-    fn new() -> anyhow::Result<Self> {
-        let listen = |kind| signal(kind).map_err(|e| anyhow::anyhow!("cannot listen for signals: {e}"));
+    fn new() -> Result<Self> {
+        let listen = |kind| signal(kind).map_err(|e| LaunchError::io("cannot listen for signals", e));
         Ok(Self {
             int: listen(SignalKind::interrupt())?,
             term: listen(SignalKind::terminate())?,
@@ -131,11 +133,11 @@ impl Signals {
 const REAP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs one job on a local cluster and collects its events.
-pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
+pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
     // A wrong job flag is refused here, before any process starts.
     spec.job.job_config()?;
     if let Workers::Command { argv, .. } = &spec.workers {
-        crate::launch::check_program(argv)?;
+        crate::process::check_program(argv)?;
     }
     let log_dir = match spec.report {
         Some(dir) => dir.join("logs"),
@@ -162,7 +164,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
             ev = tokio::time::timeout_at(deadline, cluster.next()) => ev,
             how = signals.recv() => {
                 cluster.stop(REAP_TIMEOUT).await;
-                anyhow::bail!("{how}: every node was stopped");
+                return Err(LaunchError::Stopped(how));
             }
         };
         match next {
@@ -171,11 +173,11 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
             Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
             Ok(Some(_)) => continue,
             Ok(None) | Err(_) => {
-                anyhow::bail!(
+                return Err(LaunchError::Timeout(format!(
                     "the scheduler did not report its address within {} s\n{}",
                     SCHEDULER_START_TIMEOUT.as_secs(),
                     cluster.log_tail(sched, 12)
-                )
+                )));
             }
         }
     };
@@ -211,7 +213,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
             Ok(node) => worker_nodes.insert(node),
             Err(e) => {
                 cluster.stop(REAP_TIMEOUT).await;
-                return Err(e.context("every node started so far was stopped"));
+                return Err(e.then("every node started so far was stopped"));
             }
         };
     }
@@ -226,17 +228,17 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
             how = signals.recv() => {
                 bars.clear();
                 cluster.stop(REAP_TIMEOUT).await;
-                anyhow::bail!("{how}: every node was stopped");
+                return Err(LaunchError::Stopped(how));
             }
             _ = sleep_until(end_by) => {
                 bars.clear();
                 let left = cluster.running().join(", ");
                 cluster.stop(REAP_TIMEOUT).await;
-                anyhow::bail!(
+                return Err(LaunchError::Timeout(format!(
                     "every worker exited, but the job did not end within {:.0} s (still running: {left}); a worker \
                      that exits without finishing leaves the scheduler waiting for it",
                     spec.end_timeout.as_secs_f64()
-                );
+                )));
             }
         };
         let t_s = started.elapsed().as_secs_f64();
@@ -247,7 +249,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> anyhow::Result<RunOutcome> {
                     bars.clear();
                     let err = cluster.failure(node, status);
                     cluster.stop(REAP_TIMEOUT).await;
-                    return Err(err.context("the job failed; every other node was stopped"));
+                    return Err(err.then("the job failed; every other node was stopped"));
                 }
                 if worker_nodes.remove(&node) && worker_nodes.is_empty() {
                     end_by = Some(tokio::time::Instant::now() + spec.end_timeout);

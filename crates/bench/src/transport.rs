@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use crate::error::Context as _;
 use clap::Args;
 use elasticps_core::model::{Init, TensorSpec};
 use elasticps_core::placement::PlacementKind;
@@ -33,13 +33,13 @@ use serde::Serialize;
 use tokio::runtime::Runtime;
 use tokio::sync::{Barrier, mpsc, oneshot};
 
-use super::machine::{self, CpuSample};
-use super::sink::{self, Bounds};
-use super::stats::{Lane, Measured};
-use crate::args::{JobArgs, NetArgs};
-use crate::events::Event;
-use crate::launch::{Cluster, NodeEvent};
-use crate::report::table::markdown_table;
+use crate::machine::{self, CpuSample};
+use crate::sink::{self, Bounds};
+use crate::stats::{Lane, Measured};
+use elasticps_launch::args::{JobArgs, NetArgs};
+use elasticps_launch::process::{Cluster, NodeEvent};
+use elasticps_report::table::markdown_table;
+use elasticps_runtime::events::Event;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -148,7 +148,7 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(cmd: &TransportCmd) -> anyhow::Result<Self> {
+    fn new(cmd: &TransportCmd) -> crate::Result<Self> {
         let sizes = cmd
             .sizes
             .clone()
@@ -159,21 +159,21 @@ impl Plan {
             .unwrap_or_else(|| vec![Topology { servers: 1, workers: 1 }, Topology { servers: 2, workers: 2 }]);
         let rounds = cmd.rounds.unwrap_or(if cmd.quick { 2 } else { 5 });
         let seconds = cmd.seconds.unwrap_or(if cmd.quick { 0.1 } else { 0.2 });
-        anyhow::ensure!((1..=1000).contains(&rounds), "--rounds must be from 1 to 1000");
-        anyhow::ensure!(seconds > 0.0 && seconds <= 600.0, "--seconds must be in (0, 600]");
-        anyhow::ensure!(!sizes.is_empty() && !topologies.is_empty(), "nothing to measure");
-        anyhow::ensure!((1..=64).contains(&cmd.driver_threads), "--driver-threads must be from 1 to 64");
+        crate::error::ensure_flags!((1..=1000).contains(&rounds), "--rounds must be from 1 to 1000");
+        crate::error::ensure_flags!(seconds > 0.0 && seconds <= 600.0, "--seconds must be in (0, 600]");
+        crate::error::ensure_flags!(!sizes.is_empty() && !topologies.is_empty(), "nothing to measure");
+        crate::error::ensure_flags!((1..=64).contains(&cmd.driver_threads), "--driver-threads must be from 1 to 64");
         let max_frame = cmd.net.max_frame_mib as usize * MIB;
         let max_block = cmd.max_block.unwrap_or(DEFAULT_BLOCK);
         for &size in &sizes {
             for t in &topologies {
-                anyhow::ensure!(
+                crate::error::ensure_flags!(
                     size.is_multiple_of(4 * t.servers as usize),
                     "{} cannot be cut into {} blocks of whole f32s",
                     size_name(size),
                     t.servers
                 );
-                anyhow::ensure!(
+                crate::error::ensure_flags!(
                     block_bytes(size, *t, max_block) <= max_frame,
                     "a {} block exceeds --max-frame-mib",
                     size_name(block_bytes(size, *t, max_block))
@@ -266,13 +266,13 @@ struct Target {
 }
 
 /// Runs the benchmark and prints the table.
-pub async fn run(cmd: TransportCmd) -> anyhow::Result<()> {
+pub async fn run(cmd: TransportCmd) -> crate::Result<()> {
     let plan = Plan::new(&cmd)?;
     let log_dir = match &cmd.out {
         Some(dir) => dir.join("logs"),
         None => std::env::temp_dir().join(format!("elasticps-bench-{}", std::process::id())),
     };
-    let driver = super::multi_thread_runtime(plan.driver_threads)?;
+    let driver = crate::multi_thread_runtime(plan.driver_threads)?;
     let started = Instant::now();
     let cpu_before = CpuSample::now();
     let result = measure_all(&driver, &plan, &cmd.net, &log_dir).await;
@@ -301,7 +301,7 @@ pub async fn run(cmd: TransportCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn measure_all(driver: &Runtime, plan: &Plan, net: &NetArgs, log_dir: &Path) -> anyhow::Result<Vec<Row>> {
+async fn measure_all(driver: &Runtime, plan: &Plan, net: &NetArgs, log_dir: &Path) -> crate::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for &topo in &plan.topologies {
         let (_sinks, sink_addrs) = start_sinks(log_dir, topo).await?;
@@ -314,19 +314,21 @@ async fn measure_all(driver: &Runtime, plan: &Plan, net: &NetArgs, log_dir: &Pat
 }
 
 /// Waits for the next `listening` event of a cluster.
-async fn listening(cluster: &mut Cluster, what: &str) -> anyhow::Result<String> {
+async fn listening(cluster: &mut Cluster, what: &str) -> crate::Result<String> {
     loop {
         match tokio::time::timeout(Duration::from_secs(20), cluster.next()).await {
             Ok(Some(NodeEvent::Line { event: Event::Listening { addr } })) => return Ok(addr),
-            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
+            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status).into()),
             Ok(Some(_)) => continue,
-            Ok(None) | Err(_) => anyhow::bail!("{what} did not report its address within 20 s"),
+            Ok(None) | Err(_) => {
+                return Err(crate::BenchError::Failed(format!("{what} did not report its address within 20 s")));
+            }
         }
     }
 }
 
 /// One `tcp-sink` process per server of the topology.
-async fn start_sinks(log_dir: &Path, topo: Topology) -> anyhow::Result<(Cluster, Vec<String>)> {
+async fn start_sinks(log_dir: &Path, topo: Topology) -> crate::Result<(Cluster, Vec<String>)> {
     let mut sinks = Cluster::new(log_dir)?;
     for i in 0..topo.servers {
         let args = ["bench", "tcp-sink", "--listen", "127.0.0.1:0"].map(String::from);
@@ -348,7 +350,7 @@ async fn measure_case(
     sinks: &[String],
     topo: Topology,
     size: usize,
-) -> anyhow::Result<Vec<Row>> {
+) -> crate::Result<Vec<Row>> {
     let tag = format!("{topo} {}", size_name(size).replace(' ', ""));
     let (mut cluster, addr) = start_cluster(plan.max_block, net, log_dir, topo, size, &tag).await?;
     let cluster = &mut cluster;
@@ -427,7 +429,7 @@ async fn start_cluster(
     topo: Topology,
     size: usize,
     tag: &str,
-) -> anyhow::Result<(Cluster, String)> {
+) -> crate::Result<(Cluster, String)> {
     let job = JobArgs {
         servers: topo.servers,
         workers: topo.workers,
@@ -465,8 +467,8 @@ async fn start_cluster(
 /// Runs `fut` unless a node of the cluster fails first.
 async fn guarded<T>(
     cluster: &mut Cluster,
-    fut: impl std::future::Future<Output = anyhow::Result<T>>,
-) -> anyhow::Result<T> {
+    fut: impl std::future::Future<Output = crate::Result<T>>,
+) -> crate::Result<T> {
     tokio::select! {
         r = fut => r,
         e = failure(cluster) => Err(e),
@@ -474,12 +476,14 @@ async fn guarded<T>(
 }
 
 /// Resolves when a node of the cluster fails.
-async fn failure(cluster: &mut Cluster) -> anyhow::Error {
+async fn failure(cluster: &mut Cluster) -> crate::BenchError {
     loop {
         match cluster.next().await {
-            Some(NodeEvent::Exited { node, status }) if !status.success() => return cluster.failure(node, status),
+            Some(NodeEvent::Exited { node, status }) if !status.success() => {
+                return cluster.failure(node, status).into();
+            }
             Some(_) => {}
-            None => return anyhow::anyhow!("the cluster's event stream ended"),
+            None => return crate::BenchError::Failed("the cluster's event stream ended".into()),
         }
     }
 }
@@ -497,14 +501,14 @@ struct Phase {
     op: Op,
     bounds: Bounds,
     start: Arc<Barrier>,
-    done: oneshot::Sender<anyhow::Result<Lane>>,
+    done: oneshot::Sender<crate::Result<Lane>>,
 }
 
 /// The workers of one cluster: tasks on the driver runtime, each with its own
 /// [`Client`], that run the phases they are sent.
 struct PsWorkers {
     phases: Vec<mpsc::UnboundedSender<Phase>>,
-    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    tasks: Vec<tokio::task::JoinHandle<crate::Result<()>>>,
     blocks: usize,
 }
 
@@ -517,7 +521,7 @@ impl PsWorkers {
         workers: u32,
         size: usize,
         warmup: u64,
-    ) -> anyhow::Result<Self> {
+    ) -> crate::Result<Self> {
         let (mut phases, mut tasks, mut ready) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..workers {
             let (tx, rx) = mpsc::unbounded_channel();
@@ -536,7 +540,7 @@ impl PsWorkers {
                         .await
                         .context("a benchmark worker panicked")?
                         .err()
-                        .unwrap_or_else(|| anyhow::anyhow!("a worker ended")));
+                        .unwrap_or_else(|| crate::BenchError::Failed("a worker ended".into())));
                 }
             };
         }
@@ -544,24 +548,24 @@ impl PsWorkers {
     }
 
     /// Runs one phase on every worker side by side.
-    async fn phase(&self, op: Op, bounds: Bounds) -> anyhow::Result<Vec<Lane>> {
+    async fn phase(&self, op: Op, bounds: Bounds) -> crate::Result<Vec<Lane>> {
         let start = Arc::new(Barrier::new(self.phases.len()));
         let mut waits = Vec::new();
         for tx in &self.phases {
             let (done, rx) = oneshot::channel();
             tx.send(Phase { op, bounds, start: start.clone(), done })
-                .map_err(|_| anyhow::anyhow!("a benchmark worker is gone"))?;
+                .map_err(|_| crate::BenchError::Failed("a benchmark worker is gone".into()))?;
             waits.push(rx);
         }
         let mut lanes = Vec::new();
         for rx in waits {
-            lanes.push(rx.await.map_err(|_| anyhow::anyhow!("a benchmark worker is gone"))??);
+            lanes.push(rx.await.map_err(|_| crate::BenchError::Failed("a benchmark worker is gone".into()))??);
         }
         Ok(lanes)
     }
 
     /// Tells the scheduler every worker is done.
-    async fn finish(self) -> anyhow::Result<()> {
+    async fn finish(self) -> crate::Result<()> {
         drop(self.phases);
         for t in self.tasks {
             t.await.context("a benchmark worker panicked")??;
@@ -577,7 +581,7 @@ async fn ps_worker(
     warmup: u64,
     ready: oneshot::Sender<usize>,
     mut phases: mpsc::UnboundedReceiver<Phase>,
-) -> anyhow::Result<()> {
+) -> crate::Result<()> {
     let mut opts = ClientOptions::new(addr);
     opts.codec = codec;
     opts.request_timeout = Duration::from_secs(60);
@@ -608,7 +612,10 @@ async fn ps_worker(
                 Op::Pull => client.pull(clock, &mut params).await,
             };
             if let Err(e) = r {
-                failed = Some(anyhow::Error::new(e).context(format!("worker {rank}: {op:?} at clock {clock}")));
+                failed = Some(crate::BenchError::During {
+                    what: format!("worker {rank}: {op:?} at clock {clock}"),
+                    cause: Box::new(e.into()),
+                });
                 break;
             }
             ops.push(t.elapsed());
@@ -619,22 +626,25 @@ async fn ps_worker(
                 let _ = done.send(Ok(lane));
             }
             Some(e) => {
-                let msg = format!("{e:#}");
+                let msg = e.to_string();
                 let _ = done.send(Err(e));
-                anyhow::bail!(msg);
+                return Err(crate::BenchError::Failed(msg));
             }
         }
     }
     // Every value was pushed `clock` times with gradient 1e-3 and lr 1e-3 from zero.
-    anyhow::ensure!(params[0].iter().all(|v| v.is_finite() && *v < 0.0), "the pulled values are not what was pushed");
+    crate::error::ensure_measured!(
+        params[0].iter().all(|v| v.is_finite() && *v < 0.0),
+        "the pulled values are not what was pushed"
+    );
     client.finish().await.context("finishing")?;
     Ok(())
 }
 
 /// Runs lanes side by side on the driver runtime.
-async fn side_by_side<F>(driver: &Runtime, lanes: impl Iterator<Item = F>) -> anyhow::Result<Vec<Lane>>
+async fn side_by_side<F>(driver: &Runtime, lanes: impl Iterator<Item = F>) -> crate::Result<Vec<Lane>>
 where
-    F: std::future::Future<Output = anyhow::Result<Lane>> + Send + 'static,
+    F: std::future::Future<Output = crate::Result<Lane>> + Send + 'static,
 {
     let tasks: Vec<_> = lanes.map(|f| driver.spawn(f)).collect();
     let mut done = Vec::new();

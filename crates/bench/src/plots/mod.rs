@@ -1,0 +1,8 @@
+//! The benchmarks' figures, drawn in the house style of `elasticps-report`
+//! ([`elasticps_report::plot`]).
+//!
+//! - [`sync`]: `sync.png` of `bench sync`.
+//! - [`straggler`]: `straggler.png` of `bench straggler`.
+
+pub mod straggler;
+pub mod sync;

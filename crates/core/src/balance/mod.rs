@@ -1,0 +1,440 @@
+//! The PSLD balancer: which blocks to move, when to probe, when to add or remove a server.
+//!
+//! # Model
+//!
+//! Each server `j` serves the pushes of a worker at a rate `r_j` (bytes/s, estimated by
+//! [`LoadModel`]). Its *service time* per iteration is `T_j = bytes of its blocks / r_j`,
+//! and a synchronous round waits for the slowest server, so the goal is to minimise
+//! `max_j T_j`. A server without an estimate is assumed to run at the median rate of the
+//! others (optimistic: it is then tried rather than shunned).
+//!
+//! The pure functions: [`service_times`], [`stragglers`] (`T_j > median * (1 + threshold)`),
+//! [`rebalance`] (greedy best-fit moves off the server with the largest `T`, within a byte
+//! budget), [`drain`] (empty one server), [`fill`] (load a new server). Each block moves at
+//! most once in a plan, so a plan is a list of independent migrations.
+//!
+//! # The control loop ([`Balancer::step`], about once a second)
+//!
+//! At most one [`Decision`] per step. In order:
+//!
+//! 1. **Busy.** While migrations are queued or in flight (`View::busy`) nothing is
+//!    decided, and the cool-down (`cooldown_us`, 3 s) restarts: it counts from the end of
+//!    the last migration round, or from the last decision if no busy step was seen.
+//! 2. **Scale-out trial.** After [`Decision::ScaleOut`] the balancer waits for
+//!    [`Balancer::joined`] and decides nothing else (it gives up after `join_timeout_us`,
+//!    30 s, which counts as a revert). The next step emits a `Migrate` with [`fill`]. Once
+//!    that has finished and `trial_us` (8 s) has passed, it compares the mean `iter_us` of
+//!    the trial (steps at least [`TRIAL_SETTLE_US`] after the fill finished) with the
+//!    baseline (mean of the last [`BASELINE_STEPS`] `iter_us` before the scale-out, since
+//!    the last busy step): improved by `keep_gain` (5%) or more -> [`Decision::Keep`],
+//!    otherwise [`Decision::ScaleIn`] of the new server (a revert). Without iteration
+//!    times it compares the predicted max service time instead. After a revert no
+//!    scale-out for [`REVERT_HOLDOFF_US`] (60 s), doubling with each consecutive revert up
+//!    to 16x; a `Keep` resets the doubling.
+//! 3. **Cool-down.** Nothing else until the cool-down has passed.
+//! 4. **Confidence gate.** Nothing until every server in `servers` that owns blocks has an
+//!    estimate with confidence >= [`MIN_CONFIDENCE`] (0.5; see [`crate::load`]).
+//! 5. **Exploit.** If some server is a straggler, [`rebalance`] within `budget_bytes`
+//!    (64 MiB) and emit `Migrate` only if the max service time drops by `min_gain` (10%)
+//!    or more AND the gain over `horizon_iters` (50) iterations,
+//!    `(max_before - max_after) * horizon_iters` seconds, exceeds the migration cost,
+//!    `Σ bytes / min(rate of source, rate of destination)` seconds.
+//! 6. **Scale out.** If `servers.len() < max_servers`, no hold-off runs, and even the best
+//!    unbudgeted [`rebalance`] leaves `max T > (1 + threshold) * target`, where the target
+//!    `total bytes / (n * median rate)` is the max service time of `n` servers all as fast
+//!    as the median one with the load spread evenly: rebalancing cannot reach the target,
+//!    so emit `ScaleOut` (the baseline is remembered) and run the trial of rule 2.
+//! 7. **Scale in.** If `servers.len() > max(min_servers, 1)`: a server that owns no block,
+//!    or whose service time has been below [`IDLE_FRACTION`] (10%) of the max for
+//!    [`IDLE_US`] (10 s), is drained and stopped (`ScaleIn`) if draining it raises the
+//!    predicted max service time by at most [`SCALE_IN_MAX_RAISE`] (5%). Candidates are
+//!    tried from the smallest service time, ties to the highest id (the newest server).
+//! 8. **Under-loaded server.** If the max service time exceeds the perfectly balanced one,
+//!    `total bytes / Σ rates`, by more than `threshold` (no server straggles but one has
+//!    too little, e.g. a straggler that recovered), the exploit of rule 5 with the same
+//!    gain and cost tests.
+//! 9. **Explore (re-probe).** A server is *uncertain* if it has no estimate, its
+//!    confidence is below [`MIN_CONFIDENCE`], it owns blocks but has had no sample for
+//!    [`STALE_US`] (5 s), or it owns less than [`FEW_BYTES`] (10%) of the mean bytes per
+//!    server (its samples, if any, say little). The first uncertain server (in id order)
+//!    whose probe time has come gets the smallest block of the server with the largest
+//!    service time, so that fresh samples come in: a recovered straggler wins its blocks
+//!    back through rule 5 or 8. Probes of one server are [`PROBE_INTERVAL_US`] (10 s)
+//!    apart, doubling with each further probe up to [`PROBE_MAX_INTERVAL_US`] (60 s) so a
+//!    server that stays slow costs little; the interval resets once the server carries at
+//!    least half the mean bytes with a certain estimate.
+//!
+//! Scale-out and scale-in are never proposed in the same step. Hysteresis comes from the
+//! straggler threshold, the gain and cost tests, the cool-down, the idle time, the probe
+//! intervals and the scale-out hold-off.
+//!
+//! # Layout: one module per rule, each with its post-condition
+//!
+//! Like quickwit's scheduling `solve`, the step runs in phases and each phase's plan is
+//! checked after it (in debug builds, so in every test): [`Balancer::step`] and the
+//! control-loop types are here; [`exploit`] holds rules 5 and 8 with [`rebalance`] and
+//! [`stragglers`] (check: no block lost, budget kept, max service time not worse);
+//! `explore` rule 9 (check: one real move onto the uncertain server); [`scale_out`] rule 6,
+//! the trial of rule 2 and [`fill`] (check: moves only onto the new server, max not
+//! worse); [`scale_in`] rule 7 and [`drain`] (check: the drained server owns nothing);
+//! `loads` the shared [`service_times`], the greedy best fit and the plan check every
+//! phase starts from.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use crate::load::LoadModel;
+use crate::model::BlockId;
+use crate::placement::{Placement, ServerId};
+
+pub mod exploit;
+mod explore;
+mod loads;
+pub mod scale_in;
+pub mod scale_out;
+#[cfg(test)]
+mod tests;
+
+pub use exploit::{rebalance, stragglers};
+use loads::Loads;
+pub use loads::service_times;
+pub use scale_in::drain;
+pub use scale_out::fill;
+
+/// Least confidence of every block owner's estimate before anything is decided.
+pub const MIN_CONFIDENCE: f64 = 0.5;
+/// A server that owns blocks and has had no sample for this long is uncertain.
+pub const STALE_US: u64 = 5_000_000;
+/// A server owning less than this fraction of the mean bytes per server is uncertain.
+pub const FEW_BYTES: f64 = 0.1;
+/// Least time between two probes of the same server.
+pub const PROBE_INTERVAL_US: u64 = 10_000_000;
+/// Cap of the doubling probe interval of a server that stays uncertain.
+pub const PROBE_MAX_INTERVAL_US: u64 = 60_000_000;
+/// A server whose service time is below this fraction of the max is idle.
+pub const IDLE_FRACTION: f64 = 0.1;
+/// How long a server must be idle before it is scaled in.
+pub const IDLE_US: u64 = 10_000_000;
+/// Draining a server to scale it in may raise the predicted max service time by this much.
+pub const SCALE_IN_MAX_RAISE: f64 = 0.05;
+/// No scale-out for this long after a reverted one (doubling per consecutive revert).
+pub const REVERT_HOLDOFF_US: u64 = 60_000_000;
+/// Most doublings of [`REVERT_HOLDOFF_US`].
+pub const MAX_HOLDOFF_DOUBLINGS: u32 = 4;
+/// Iteration times of a scale-out trial count from this long after the fill finished.
+pub const TRIAL_SETTLE_US: u64 = 2_000_000;
+/// Number of recent iteration times averaged into the baseline of a scale-out.
+pub const BASELINE_STEPS: usize = 10;
+
+/// Tuning of the balancer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BalanceParams {
+    /// Straggler: service time > median * (1 + threshold); default 0.2.
+    pub threshold: f64,
+    /// Act only if the predicted max service time drops by this fraction; default 0.1.
+    pub min_gain: f64,
+    /// Bytes moved per round at most; default 64 MiB.
+    pub budget_bytes: u64,
+    /// The predicted gain over this many iterations must beat the migration cost; default 50.
+    pub horizon_iters: f64,
+    /// After the last move or scale finished, wait this long; default 3 s.
+    pub cooldown_us: u64,
+    /// Never scale in below this many servers.
+    pub min_servers: u32,
+    /// Never scale out above this many servers.
+    pub max_servers: u32,
+    /// Scale-out evaluation window after the new server got its load; default 8 s.
+    pub trial_us: u64,
+    /// Keep a scaled-out server if the mean iteration time improved by this fraction; default 0.05.
+    pub keep_gain: f64,
+    /// Give up waiting for a requested server after this; default 30 s.
+    pub join_timeout_us: u64,
+}
+
+impl BalanceParams {
+    /// The defaults, for a job of `min_servers..=max_servers` servers.
+    pub fn new(min_servers: u32, max_servers: u32) -> Self {
+        Self {
+            threshold: 0.2,
+            min_gain: 0.1,
+            budget_bytes: 64 << 20,
+            horizon_iters: 50.0,
+            cooldown_us: 3_000_000,
+            min_servers,
+            max_servers,
+            trial_us: 8_000_000,
+            keep_gain: 0.05,
+            join_timeout_us: 30_000_000,
+        }
+    }
+}
+
+/// Move one block from its owner to another server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Move {
+    /// The block.
+    pub block: BlockId,
+    /// Its owner now.
+    pub from: ServerId,
+    /// Its owner after the move.
+    pub to: ServerId,
+}
+
+/// The outcome of [`rebalance`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The moves, in the order they were chosen; each block appears at most once.
+    pub moves: Vec<Move>,
+    /// Max service time (seconds per iteration) before the moves.
+    pub max_before: f64,
+    /// Predicted max service time after the moves.
+    pub max_after: f64,
+}
+
+/// What the cluster looks like to the balancer at one instant.
+#[derive(Clone, Copy, Debug)]
+pub struct View<'a> {
+    /// The current time, µs.
+    pub now_us: u64,
+    /// The current placement.
+    pub placement: &'a Placement,
+    /// Bytes of each block, indexed by block id.
+    pub sizes: &'a [u64],
+    /// Servers that serve and may receive blocks (not draining).
+    pub servers: &'a [ServerId],
+    /// The rate estimates.
+    pub load: &'a LoadModel,
+    /// Mean worker iteration time over the last interval, µs.
+    pub iter_us: Option<f64>,
+    /// Migrations queued or in flight: decide nothing.
+    pub busy: bool,
+}
+
+/// What the balancer wants done.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// Carry out these moves.
+    Migrate {
+        /// The moves; each block at most once.
+        moves: Vec<Move>,
+        /// Why, for the event log.
+        why: String,
+    },
+    /// Start one more server; report it with [`Balancer::joined`].
+    ScaleOut {
+        /// Why, for the event log.
+        why: String,
+    },
+    /// Drain this server, then stop it (also used to revert a scale-out).
+    ScaleIn {
+        /// The server to remove.
+        server: ServerId,
+        /// Why, for the event log.
+        why: String,
+    },
+    /// Verdict of a scale-out trial: the scaled-out server stays.
+    Keep {
+        /// The server that stays.
+        server: ServerId,
+        /// Why, for the event log.
+        why: String,
+    },
+}
+
+/// Where the balancer is in a scale-out.
+#[derive(Clone, Debug, PartialEq)]
+enum Phase {
+    /// No scale-out under way.
+    Steady,
+    /// Asked for a server at `asked_us`, waiting for [`Balancer::joined`].
+    AwaitJoin { asked_us: u64, baseline: Option<f64>, predicted: f64 },
+    /// The server joined; the next step gives it its load.
+    Filling { server: ServerId, joined_us: u64, baseline: Option<f64>, predicted: f64 },
+    /// The server has its load; measuring from `start_us`.
+    Trial { server: ServerId, start_us: u64, baseline: Option<f64>, predicted: f64, samples: Vec<f64> },
+}
+
+/// What the rules of one steady step read: the view, the serving servers (sorted, no
+/// duplicates), their rates and their loads.
+#[derive(Clone, Copy)]
+struct Round<'a> {
+    view: &'a View<'a>,
+    servers: &'a [ServerId],
+    rates: &'a BTreeMap<ServerId, f64>,
+    loads: &'a Loads,
+}
+
+/// Probe bookkeeping of one server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Probe {
+    next_us: u64,
+    interval_us: u64,
+}
+
+/// The PSLD control loop as a state machine: hysteresis, cool-down, exploit, explore, scale.
+/// See the module doc for the rules.
+#[derive(Clone, Debug)]
+pub struct Balancer {
+    params: BalanceParams,
+    phase: Phase,
+    /// The last busy step or decision: the cool-down counts from here.
+    quiet_since: Option<u64>,
+    /// Iteration times seen since the last busy step.
+    iters: VecDeque<f64>,
+    /// Since when each server has been idle (service time below IDLE_FRACTION of the max).
+    idle_since: BTreeMap<ServerId, u64>,
+    probes: BTreeMap<ServerId, Probe>,
+    /// No scale-out before this time.
+    scale_out_after_us: u64,
+    /// Consecutive reverted scale-outs.
+    reverts: u32,
+}
+
+impl Balancer {
+    /// A balancer with these parameters, in the steady phase.
+    pub fn new(params: BalanceParams) -> Self {
+        Self {
+            params,
+            phase: Phase::Steady,
+            quiet_since: None,
+            iters: VecDeque::new(),
+            idle_since: BTreeMap::new(),
+            probes: BTreeMap::new(),
+            scale_out_after_us: 0,
+            reverts: 0,
+        }
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &BalanceParams {
+        &self.params
+    }
+
+    /// The server of the scale-out under way (joined, being filled or on trial), if any.
+    pub fn trial_server(&self) -> Option<ServerId> {
+        match self.phase {
+            Phase::Filling { server, .. } | Phase::Trial { server, .. } => Some(server),
+            _ => None,
+        }
+    }
+
+    /// True while a requested server has not joined yet.
+    pub fn awaiting_join(&self) -> bool {
+        matches!(self.phase, Phase::AwaitJoin { .. })
+    }
+
+    /// A server the balancer asked for (ScaleOut) registered and owns nothing yet.
+    /// Ignored unless the balancer is waiting for one.
+    pub fn joined(&mut self, server: ServerId, now_us: u64) {
+        if let Phase::AwaitJoin { baseline, predicted, .. } = self.phase {
+            self.phase = Phase::Filling { server, joined_us: now_us, baseline, predicted };
+        }
+    }
+
+    /// Called about once a second. Returns what to do now (often nothing, at most one
+    /// decision).
+    pub fn step(&mut self, view: &View) -> Vec<Decision> {
+        let now = view.now_us;
+        if view.busy {
+            self.quiet_since = Some(now);
+            self.iters.clear();
+            self.idle_since.clear();
+            if let Phase::Trial { start_us, samples, .. } = &mut self.phase {
+                *start_us = now;
+                samples.clear();
+            }
+            return Vec::new();
+        }
+        if let Some(it) = view.iter_us.filter(|i| i.is_finite() && *i > 0.0) {
+            self.iters.push_back(it);
+            if self.iters.len() > BASELINE_STEPS {
+                self.iters.pop_front();
+            }
+        }
+        let mut servers = view.servers.to_vec();
+        servers.sort_unstable();
+        servers.dedup();
+        let rates = view.load.rates(now);
+        let loads = Loads::new(view.placement, view.sizes, &servers, &rates);
+        self.track_idle(&loads, now);
+
+        let decision = match self.phase.clone() {
+            Phase::Steady => self.steady(&Round { view, servers: &servers, rates: &rates, loads: &loads }),
+            Phase::AwaitJoin { asked_us, .. } => {
+                if now.saturating_sub(asked_us) > self.params.join_timeout_us {
+                    self.phase = Phase::Steady;
+                    self.revert_holdoff(now);
+                }
+                None
+            }
+            Phase::Filling { server, joined_us, baseline, predicted } => {
+                self.filling(view, &servers, &rates, (server, joined_us, baseline, predicted))
+            }
+            Phase::Trial { server, .. } => self.trial(view, &servers, &loads, server),
+        };
+        match decision {
+            Some(d) => {
+                self.quiet_since = Some(now);
+                vec![d]
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Updates since when each server has been idle.
+    fn track_idle(&mut self, loads: &Loads, now: u64) {
+        let max = loads.max_time();
+        for (i, &id) in loads.ids.iter().enumerate() {
+            if max > 0.0 && loads.time(i) < IDLE_FRACTION * max {
+                self.idle_since.entry(id).or_insert(now);
+            } else {
+                self.idle_since.remove(&id);
+            }
+        }
+        self.idle_since.retain(|id, _| loads.index(*id).is_some());
+    }
+
+    /// Starts the scale-out hold-off after a revert (or a server that never joined).
+    fn revert_holdoff(&mut self, now: u64) {
+        self.reverts = self.reverts.saturating_add(1);
+        let doublings = (self.reverts - 1).min(MAX_HOLDOFF_DOUBLINGS);
+        self.scale_out_after_us = now.saturating_add(REVERT_HOLDOFF_US << doublings);
+    }
+
+    fn cooled(&self, now: u64) -> bool {
+        self.quiet_since.is_none_or(|t| now >= t.saturating_add(self.params.cooldown_us))
+    }
+
+    /// The steady phase: rules 3 to 9 in order, the first that decides wins.
+    fn steady(&mut self, round: &Round) -> Option<Decision> {
+        let Round { view, loads, .. } = *round;
+        let now = view.now_us;
+        // Rule 3: the cool-down.
+        if !self.cooled(now) {
+            return None;
+        }
+        let total: u64 = loads.bytes.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        // Rule 4: the confidence gate.
+        for (i, &id) in loads.ids.iter().enumerate() {
+            if loads.bytes[i] > 0 && view.load.estimate(id, now).is_none_or(|e| e.confidence < MIN_CONFIDENCE) {
+                return None;
+            }
+        }
+        let straggling = stragglers(&loads.times(), self.params.threshold);
+        if let Some(d) = self.exploit_stragglers(round, &straggling) {
+            return Some(d);
+        }
+        if let Some(d) = self.scale_out(round) {
+            return Some(d);
+        }
+        if let Some(d) = self.scale_in(round) {
+            return Some(d);
+        }
+        if let Some(d) = self.exploit_imbalance(round, &straggling) {
+            return Some(d);
+        }
+        self.probe(view, loads, total)
+    }
+}

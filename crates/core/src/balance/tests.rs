@@ -1,0 +1,620 @@
+//! The balancer as a whole: its pure functions on small clusters, a simulated cluster
+//! driving the state machine through the scenarios of the module doc, and proptests.
+
+use std::collections::BTreeSet;
+
+use super::*;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+const S: u64 = 1_000_000;
+const MIB: u64 = 1 << 20;
+const MB: f64 = 1e6;
+
+fn rates(pairs: &[(ServerId, f64)]) -> BTreeMap<ServerId, f64> {
+    pairs.iter().copied().collect()
+}
+
+/// Applies `moves` in order, checking each one takes a block from its owner.
+fn apply(placement: &mut Placement, moves: &[Move]) {
+    let epoch = placement.epoch + 1;
+    for m in moves {
+        assert_eq!(placement.owner(m.block), Some(m.from), "{m:?} from a server that does not own it");
+        placement.apply(m.block, m.to, epoch).unwrap();
+    }
+}
+
+fn count(placement: &Placement, server: ServerId) -> usize {
+    placement.blocks_of(server).count()
+}
+
+#[test]
+fn service_times_use_the_median_rate_for_unknown_servers() {
+    let p = Placement { epoch: 1, owners: vec![0, 0, 1, 2, 3] };
+    let sizes = [100, 100, 100, 100, 100];
+    let t = service_times(&p, &sizes, &[0, 1, 2, 3], &rates(&[(0, 100.0), (1, 50.0), (2, 200.0)]));
+    assert_eq!(t[&0], 2.0);
+    assert_eq!(t[&1], 2.0);
+    assert_eq!(t[&2], 0.5);
+    assert_eq!(t[&3], 1.0); // median of 50, 100, 200
+    let relative = service_times(&p, &sizes, &[0, 1], &BTreeMap::new());
+    assert_eq!(relative, rates(&[(0, 200.0), (1, 100.0)]));
+    assert_eq!(stragglers(&t, 0.2), vec![0, 1]); // median 1.5
+    assert_eq!(stragglers(&rates(&[(0, 1.0), (1, 1.1), (2, 1.0)]), 0.2), Vec::<ServerId>::new());
+    assert!(stragglers(&BTreeMap::new(), 0.2).is_empty());
+}
+
+#[test]
+fn rebalance_moves_only_off_a_slow_server_to_near_the_optimum() {
+    let sizes = vec![MIB; 40];
+    let p = Placement { epoch: 1, owners: (0..40).map(|b| b % 4).collect() };
+    let r = rates(&[(0, 100.0 * MB), (1, 25.0 * MB), (2, 100.0 * MB), (3, 100.0 * MB)]);
+    let params = BalanceParams::new(1, 4);
+    let plan = rebalance(&p, &sizes, &[0, 1, 2, 3], &r, &params);
+    assert!(!plan.moves.is_empty());
+    assert!(plan.moves.iter().all(|m| m.from == 1 && m.to != 1), "{:?}", plan.moves);
+    let bound = (40 * MIB) as f64 / (325.0 * MB);
+    assert!(plan.max_after <= bound * 1.15, "max after {} vs bound {bound}", plan.max_after);
+    assert!(plan.max_after >= bound * (1.0 - 1e-9));
+    assert!((plan.moves.len() as u64) * MIB <= params.budget_bytes);
+    let mut after = p.clone();
+    apply(&mut after, &plan.moves);
+    let t = service_times(&after, &sizes, &[0, 1, 2, 3], &r);
+    assert!((t.values().copied().fold(0.0, f64::max) - plan.max_after).abs() < 1e-12);
+    // Deterministic.
+    assert_eq!(rebalance(&p, &sizes, &[3, 2, 1, 0], &r, &params), plan);
+
+    // Within the budget: 3 MiB allows three moves.
+    let small = BalanceParams { budget_bytes: 3 * MIB, ..params };
+    let plan = rebalance(&p, &sizes, &[0, 1, 2, 3], &r, &small);
+    assert_eq!(plan.moves.len(), 3);
+    assert!(plan.max_after < plan.max_before);
+}
+
+#[test]
+fn rebalance_leaves_a_balanced_placement_alone() {
+    let sizes = vec![MIB; 40];
+    let p = Placement { epoch: 1, owners: (0..40).map(|b| b % 4).collect() };
+    let r = rates(&[(0, 100.0 * MB), (1, 100.0 * MB), (2, 100.0 * MB), (3, 100.0 * MB)]);
+    let plan = rebalance(&p, &sizes, &[0, 1, 2, 3], &r, &BalanceParams::new(1, 4));
+    assert!(plan.moves.is_empty());
+    assert_eq!(plan.max_before, plan.max_after);
+}
+
+#[test]
+fn rebalance_spreads_a_skewed_placement() {
+    // Server 0 holds 28 of 40 equal blocks (70%).
+    let sizes = vec![MIB; 40];
+    let owners = (0..40).map(|b| if b < 28 { 0 } else { 1 + (b % 3) }).collect();
+    let p = Placement { epoch: 1, owners };
+    let r = rates(&[(0, 100.0 * MB), (1, 100.0 * MB), (2, 100.0 * MB), (3, 100.0 * MB)]);
+    let plan = rebalance(&p, &sizes, &[0, 1, 2, 3], &r, &BalanceParams::new(1, 4));
+    assert!(plan.moves.iter().all(|m| m.from == 0));
+    let mut after = p.clone();
+    apply(&mut after, &plan.moves);
+    for s in 0..4 {
+        assert_eq!(count(&after, s), 10, "server {s} in {after:?}");
+    }
+    assert!((plan.max_after - (10 * MIB) as f64 / (100.0 * MB)).abs() < 1e-12);
+}
+
+#[test]
+fn drain_and_fill_best_fit() {
+    let sizes = vec![400, 300, 200, 100, 100, 100];
+    let p = Placement { epoch: 1, owners: vec![0, 0, 1, 1, 2, 2] };
+    let r = rates(&[(0, 1.0), (1, 1.0), (2, 1.0)]);
+    // Drain 0: 400 to the least loaded (1 and 2 have 300 and 200: to 2), then 300 to 1.
+    let moves = drain(&p, &sizes, 0, &[1, 2], &r);
+    assert_eq!(moves, vec![Move { block: 0, from: 0, to: 2 }, Move { block: 1, from: 0, to: 1 }]);
+    assert_eq!(drain(&p, &sizes, 0, &[0], &r), vec![]);
+    // Fill a new server 3 owning nothing: it takes from the heaviest while the max drops.
+    let moves = fill(&p, &sizes, 3, &[0, 1, 2, 3], &r);
+    assert!(moves.iter().all(|m| m.to == 3));
+    assert_eq!(moves[0], Move { block: 1, from: 0, to: 3 });
+    let mut after = p.clone();
+    apply(&mut after, &moves);
+    let t = service_times(&after, &sizes, &[0, 1, 2, 3], &r);
+    assert!(t.values().copied().fold(0.0, f64::max) <= 400.0);
+    assert!(t[&3] >= 200.0, "{t:?}");
+}
+
+/// A cluster driven second by second: workers report samples drawn from the true
+/// rates (with seeded noise), migrations finish within the next second, a requested
+/// server joins two seconds later.
+struct Sim {
+    now: u64,
+    sizes: Vec<u64>,
+    placement: Placement,
+    servers: Vec<ServerId>,
+    /// True rate of a server (bytes/s) at a time (µs).
+    rate: Box<dyn Fn(ServerId, u64) -> f64>,
+    noise: f64,
+    rng: StdRng,
+    workers: u32,
+    load: LoadModel,
+    balancer: Balancer,
+    pending: Vec<Move>,
+    stopping: Option<ServerId>,
+    join: Option<(ServerId, u64)>,
+    next_id: ServerId,
+    /// A fixed iteration time (worker-bound job); else 20 ms + the max service time.
+    iter_fixed: Option<f64>,
+    /// Report no iteration times at all.
+    no_iter: bool,
+    log: Vec<(u64, Decision)>,
+    /// Blocks owned per server after each tick.
+    history: Vec<(u64, BTreeMap<ServerId, usize>)>,
+}
+
+impl Sim {
+    /// `n` servers owning 24 blocks of 1 MiB round-robin.
+    fn new(n: u32, min: u32, max: u32, rate: impl Fn(ServerId, u64) -> f64 + 'static) -> Self {
+        let blocks = 24;
+        Sim {
+            now: 0,
+            sizes: vec![MIB; blocks],
+            placement: Placement { epoch: 1, owners: (0..blocks as u32).map(|b| b % n).collect() },
+            servers: (0..n).collect(),
+            rate: Box::new(rate),
+            noise: 0.1,
+            rng: StdRng::seed_from_u64(7),
+            workers: 2,
+            load: LoadModel::new(3 * S),
+            balancer: Balancer::new(BalanceParams::new(min, max)),
+            pending: Vec::new(),
+            stopping: None,
+            join: None,
+            next_id: n,
+            iter_fixed: None,
+            no_iter: false,
+            log: Vec::new(),
+            history: Vec::new(),
+        }
+    }
+
+    fn owned_bytes(&self) -> BTreeMap<ServerId, u64> {
+        let mut bytes = BTreeMap::new();
+        for (b, &o) in self.placement.owners.iter().enumerate() {
+            *bytes.entry(o).or_insert(0) += self.sizes[b];
+        }
+        bytes
+    }
+
+    fn tick(&mut self) {
+        let now = self.now;
+        if let Some((id, at)) = self.join
+            && now >= at
+        {
+            self.servers.push(id);
+            self.balancer.joined(id, now);
+            self.join = None;
+        }
+        let owned = self.owned_bytes();
+        let mut max_t: f64 = 0.0;
+        for (&s, &bytes) in &owned {
+            let truth = (self.rate)(s, now);
+            max_t = max_t.max(bytes as f64 / truth);
+            for _ in 0..self.workers {
+                let r = truth * (1.0 + self.noise * (2.0 * self.rng.random::<f64>() - 1.0));
+                self.load.observe(s, bytes, (bytes as f64 / r * 1e6).round() as u64, now);
+            }
+        }
+        let iter_us = self.iter_fixed.unwrap_or(20_000.0 + max_t * 1e6);
+        let busy = !self.pending.is_empty() || self.stopping.is_some();
+        let decisions = self.balancer.step(&View {
+            now_us: now,
+            placement: &self.placement,
+            sizes: &self.sizes,
+            servers: &self.servers,
+            load: &self.load,
+            iter_us: (!self.no_iter).then_some(iter_us),
+            busy,
+        });
+        assert!(!busy || decisions.is_empty(), "decided while busy: {decisions:?}");
+        assert!(decisions.len() <= 1);
+        // Migrations queued last second finish now.
+        if busy {
+            let moves = std::mem::take(&mut self.pending);
+            apply(&mut self.placement, &moves);
+            if let Some(s) = self.stopping.take() {
+                assert_eq!(count(&self.placement, s), 0, "stopped server {s} still owns blocks");
+                self.load.remove(s);
+            }
+        }
+        for d in decisions {
+            match &d {
+                Decision::Migrate { moves, .. } => {
+                    let mut seen = BTreeSet::new();
+                    for m in moves {
+                        assert!(seen.insert(m.block), "block {} moved twice in {moves:?}", m.block);
+                        assert_eq!(self.placement.owners[m.block as usize], m.from);
+                        assert!(self.servers.contains(&m.to) && m.from != m.to, "{m:?}");
+                    }
+                    self.pending.extend(moves.iter().copied());
+                }
+                Decision::ScaleOut { .. } => {
+                    assert!(self.join.is_none());
+                    self.join = Some((self.next_id, now + 2 * S));
+                    self.next_id += 1;
+                }
+                Decision::ScaleIn { server, .. } => {
+                    self.servers.retain(|s| s != server);
+                    let r = self.load.rates(now);
+                    let moves = drain(&self.placement, &self.sizes, *server, &self.servers, &r);
+                    self.pending.extend(moves);
+                    self.stopping = Some(*server);
+                }
+                Decision::Keep { .. } => {}
+            }
+            self.log.push((now, d));
+        }
+        let counts = self.servers.iter().map(|&s| (s, count(&self.placement, s))).collect();
+        self.history.push((now, counts));
+        self.now += S;
+    }
+
+    fn run_until(&mut self, t: u64) {
+        while self.now < t {
+            self.tick();
+        }
+    }
+
+    fn decisions(&self, from: u64, to: u64) -> Vec<&Decision> {
+        self.log.iter().filter(|(t, _)| *t >= from && *t < to).map(|(_, d)| d).collect()
+    }
+
+    fn migrations(&self) -> Vec<(u64, &Vec<Move>, &String)> {
+        self.log
+            .iter()
+            .filter_map(|(t, d)| match d {
+                Decision::Migrate { moves, why } => Some((*t, moves, why)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn base(rate: f64) -> impl Fn(ServerId, u64) -> f64 {
+    move |_, _| rate * MB
+}
+
+#[test]
+fn scenario_a_bandwidth_straggler_is_relieved_then_settles() {
+    let mut sim = Sim::new(4, 1, 4, |s, _| if s == 1 { 25.0 * MB } else { 100.0 * MB });
+    sim.run_until(100 * S);
+    let migrations = sim.migrations();
+    assert!(!migrations.is_empty(), "no reaction to the straggler");
+    for (_, moves, why) in &migrations {
+        assert!(moves.iter().all(|m| m.from == 1), "{why}: {moves:?}");
+    }
+    let (last, _, _) = migrations.last().unwrap();
+    assert!(*last < 20 * S, "still moving at {last}: {:?}", sim.log);
+    assert!(sim.decisions(20 * S, 100 * S).is_empty(), "no settling: {:?}", sim.log);
+    let n1 = count(&sim.placement, 1);
+    assert!((1..=3).contains(&n1), "server 1 should keep about a quarter share: {n1}");
+}
+
+#[test]
+fn scenario_b_no_straggler_and_noise_never_flaps() {
+    let mut sim = Sim::new(4, 1, 8, base(100.0));
+    sim.noise = 0.15;
+    sim.run_until(300 * S);
+    assert!(sim.log.is_empty(), "{:?}", sim.log);
+    // With fewer samples (one worker) still nothing.
+    let mut sim = Sim::new(4, 1, 8, base(100.0));
+    sim.noise = 0.15;
+    sim.workers = 1;
+    sim.rng = StdRng::seed_from_u64(99);
+    sim.run_until(300 * S);
+    assert!(sim.log.is_empty(), "{:?}", sim.log);
+}
+
+#[test]
+fn scenario_c_reacts_after_a_straggler_appears_not_before() {
+    let mut sim = Sim::new(4, 1, 4, |s, t| if s == 2 && t >= 30 * S { 25.0 * MB } else { 100.0 * MB });
+    sim.run_until(90 * S);
+    assert!(sim.decisions(0, 30 * S).is_empty(), "{:?}", sim.log);
+    let (t, moves, _) = sim.migrations().first().copied().expect("no reaction");
+    assert!((30 * S..40 * S).contains(&t), "reacted at {t}");
+    assert!(moves.iter().all(|m| m.from == 2));
+    assert!(count(&sim.placement, 2) < 6);
+}
+
+/// Three servers, server 1 at a tenth of the others' rate: moving cannot reach the target.
+fn slow_one(max: u32) -> Sim {
+    Sim::new(3, 3, max, |s, _| if s == 1 { 10.0 * MB } else { 100.0 * MB })
+}
+
+/// The decisions of a scale-out trial: (ScaleOut time, fill, verdict).
+fn trial(sim: &Sim) -> (u64, Vec<Move>, (u64, Decision)) {
+    let i = sim.log.iter().position(|(_, d)| matches!(d, Decision::ScaleOut { .. })).expect("no scale-out");
+    let t_out = sim.log[i].0;
+    for (_, d) in &sim.log[..i] {
+        assert!(matches!(d, Decision::Migrate { .. }), "before the scale-out: {d:?}");
+    }
+    let Decision::Migrate { moves, why } = &sim.log[i + 1].1 else { panic!("no fill: {:?}", sim.log) };
+    assert!(why.starts_with("fill"), "{why}");
+    (t_out, moves.clone(), sim.log[i + 2].clone())
+}
+
+#[test]
+fn scenario_d_scale_out_is_kept_when_iterations_speed_up() {
+    let mut sim = slow_one(4);
+    sim.run_until(60 * S);
+    let (t_out, fill_moves, (t_verdict, verdict)) = trial(&sim);
+    // Exploit first, then scale out.
+    let first = sim.migrations()[0];
+    assert!(first.0 < t_out && first.1.iter().all(|m| m.from == 1));
+    assert!(!fill_moves.is_empty() && fill_moves.iter().all(|m| m.to == 3));
+    assert_eq!(verdict, Decision::Keep { server: 3, why: verdict_why(&verdict) });
+    assert!(t_verdict >= t_out + 2 * S + 8 * S, "verdict at {t_verdict}, scale-out at {t_out}");
+    assert!(sim.servers.contains(&3) && count(&sim.placement, 3) >= 6);
+    // max_servers reached: never another scale-out.
+    assert_eq!(sim.log.iter().filter(|(_, d)| matches!(d, Decision::ScaleOut { .. })).count(), 1);
+}
+
+fn verdict_why(d: &Decision) -> String {
+    match d {
+        Decision::Keep { why, .. } | Decision::ScaleIn { why, .. } => why.clone(),
+        _ => String::new(),
+    }
+}
+
+#[test]
+fn scenario_d_scale_out_is_reverted_when_iterations_do_not_improve() {
+    let mut sim = slow_one(4);
+    sim.iter_fixed = Some(200_000.0); // worker-bound: servers do not matter
+    sim.run_until(100 * S);
+    let (_, fill_moves, (t_verdict, verdict)) = trial(&sim);
+    assert!(fill_moves.iter().all(|m| m.to == 3));
+    assert!(matches!(verdict, Decision::ScaleIn { server: 3, .. }), "{verdict:?}");
+    assert!(!sim.servers.contains(&3));
+    // Held off for 60 s after the revert.
+    assert!(
+        !sim.decisions(t_verdict + 1, t_verdict + 60 * S).iter().any(|d| matches!(d, Decision::ScaleOut { .. })),
+        "{:?}",
+        sim.log
+    );
+}
+
+#[test]
+fn scenario_d_without_iteration_times_judges_by_predicted_service_time() {
+    let mut sim = slow_one(4);
+    sim.no_iter = true;
+    sim.run_until(60 * S);
+    let (_, _, (_, verdict)) = trial(&sim);
+    assert!(matches!(&verdict, Decision::Keep { server: 3, why } if why.contains("predicted")), "{verdict:?}");
+}
+
+#[test]
+fn scenario_e_never_scales_out_beyond_max_servers() {
+    let mut sim = slow_one(3);
+    sim.run_until(120 * S);
+    assert!(!sim.migrations().is_empty());
+    assert!(
+        sim.log.iter().all(|(_, d)| !matches!(d, Decision::ScaleOut { .. } | Decision::ScaleIn { .. })),
+        "{:?}",
+        sim.log
+    );
+    assert_eq!(sim.servers, vec![0, 1, 2]);
+}
+
+/// Four servers, server 3 owns nothing.
+fn with_empty_server(min: u32) -> Sim {
+    let mut sim = Sim::new(4, min, 4, base(100.0));
+    sim.placement = Placement { epoch: 1, owners: (0..24).map(|b| b % 3).collect() };
+    sim
+}
+
+#[test]
+fn scenario_f_empty_server_is_scaled_in_above_min_servers() {
+    let mut sim = with_empty_server(3);
+    sim.run_until(60 * S);
+    assert!(matches!(sim.log.first(), Some((_, Decision::ScaleIn { server: 3, .. }))), "{:?}", sim.log);
+    assert_eq!(sim.log.len(), 1, "{:?}", sim.log);
+    assert_eq!(sim.servers, vec![0, 1, 2]);
+}
+
+#[test]
+fn scenario_f_empty_server_at_min_servers_is_not_scaled_in_but_used() {
+    let mut sim = with_empty_server(4);
+    sim.run_until(60 * S);
+    assert!(sim.log.iter().all(|(_, d)| matches!(d, Decision::Migrate { .. })), "{:?}", sim.log);
+    assert_eq!(sim.servers, vec![0, 1, 2, 3]);
+    assert_eq!(count(&sim.placement, 3), 6, "{:?}", sim.placement);
+}
+
+#[test]
+fn scenario_g_recovered_straggler_is_probed_and_wins_its_blocks_back() {
+    let mut sim = Sim::new(3, 3, 3, |s, t| if s == 1 && t < 60 * S { 5.0 * MB } else { 100.0 * MB });
+    sim.run_until(150 * S);
+    // While slow it holds at most a probe block.
+    for (t, counts) in &sim.history {
+        if (8 * S..60 * S).contains(t) {
+            assert!(counts[&1] <= 1, "at {t}: {counts:?}");
+        }
+    }
+    let probes: Vec<_> = sim.migrations().into_iter().filter(|(_, _, why)| why.starts_with("probe")).collect();
+    assert!(probes.iter().all(|(_, moves, _)| moves.len() == 1 && moves[0].to == 1));
+    assert!(probes.iter().any(|(t, _, _)| *t < 60 * S), "no probe while slow");
+    let probe_times: Vec<u64> = probes.iter().map(|(t, _, _)| *t).collect();
+    for w in probe_times.windows(2) {
+        assert!(w[1] - w[0] >= PROBE_INTERVAL_US, "probes too close: {probe_times:?}");
+    }
+    let after = probes.iter().find(|(t, _, _)| *t >= 60 * S).expect("no probe after the recovery").0;
+    assert!(after <= 60 * S + PROBE_MAX_INTERVAL_US + 5 * S);
+    // Then it wins its blocks back in one exploit round.
+    assert!(
+        sim.migrations().iter().any(|(t, moves, _)| *t > after && moves.iter().filter(|m| m.to == 1).count() >= 5),
+        "{:?}",
+        sim.log
+    );
+    assert!(count(&sim.placement, 1) >= 7, "{:?}", sim.placement);
+    let last = sim.log.last().unwrap().0;
+    assert!(sim.decisions(last + 1, 150 * S).is_empty());
+}
+
+#[test]
+fn waits_for_confidence_and_cooldown() {
+    // All 8 blocks on server 0, server 1 empty and unmeasured.
+    let sizes = vec![MIB; 8];
+    let p = Placement { epoch: 1, owners: vec![0; 8] };
+    let servers = [0, 1];
+    let mut b = Balancer::new(BalanceParams::new(2, 4));
+    let step = |b: &mut Balancer, load: &LoadModel, now_us, busy| {
+        b.step(&View { now_us, placement: &p, sizes: &sizes, servers: &servers, load, iter_us: None, busy })
+    };
+    // No samples: nothing, even with a badly skewed placement.
+    let mut load = LoadModel::new(3 * S);
+    assert!(step(&mut b, &load, 0, false).is_empty());
+    // One sample: confidence too low.
+    load.observe(0, 8 * MIB, 80_000, 0);
+    assert!(step(&mut b, &load, S, false).is_empty());
+    for _ in 0..4 {
+        load.observe(0, 8 * MIB, 80_000, S);
+    }
+    // Busy: nothing, and the cool-down restarts.
+    assert!(step(&mut b, &load, S, true).is_empty());
+    assert!(step(&mut b, &load, 3 * S, false).is_empty());
+    let d = step(&mut b, &load, 4 * S, false);
+    assert!(
+        matches!(d.as_slice(), [Decision::Migrate { moves, .. }] if moves.len() == 4 && moves.iter().all(|m| m.to == 1)),
+        "{d:?}"
+    );
+    // Right after a decision: cool-down again.
+    assert!(step(&mut b, &load, 5 * S, false).is_empty());
+}
+
+#[test]
+fn gives_up_a_scale_out_whose_server_never_joins() {
+    // Servers 0 and 2 fast and loaded, server 1 twenty times slower and empty.
+    let sizes = vec![MIB; 4];
+    let p = Placement { epoch: 1, owners: vec![0, 0, 2, 2] };
+    let servers = [0, 1, 2];
+    let mut load = LoadModel::new(3 * S);
+    for _ in 0..8 {
+        load.observe(0, 2 * MIB, 20_000, 0);
+        load.observe(1, 2 * MIB, 400_000, 0);
+        load.observe(2, 2 * MIB, 20_000, 0);
+    }
+    let mut b = Balancer::new(BalanceParams::new(3, 4));
+    let step = |b: &mut Balancer, now_us| {
+        b.step(&View {
+            now_us,
+            placement: &p,
+            sizes: &sizes,
+            servers: &servers,
+            load: &load,
+            iter_us: Some(1e5),
+            busy: false,
+        })
+    };
+    let d = step(&mut b, 0);
+    assert!(matches!(d.as_slice(), [Decision::ScaleOut { .. }]), "{d:?}");
+    assert!(b.awaiting_join());
+    for now in (S..=31 * S).step_by(S as usize) {
+        assert!(step(&mut b, now).is_empty(), "decided while waiting for the server");
+    }
+    assert!(!b.awaiting_join());
+    // Held off after giving up, then asks again.
+    for now in (32 * S..91 * S).step_by(S as usize) {
+        let d = step(&mut b, now);
+        assert!(d.iter().all(|d| !matches!(d, Decision::ScaleOut { .. })), "{d:?} at {now}");
+    }
+    assert!(matches!(step(&mut b, 91 * S).as_slice(), [Decision::ScaleOut { .. }]));
+    // A late or unexpected join of another server is ignored outside a scale-out.
+    let mut idle = Balancer::new(BalanceParams::new(1, 4));
+    idle.joined(9, 0);
+    assert_eq!(idle.trial_server(), None);
+}
+
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// servers (sparse ids), placement, sizes, rates (some missing).
+    fn cluster() -> impl Strategy<Value = (Vec<ServerId>, Placement, Vec<u64>, BTreeMap<ServerId, f64>)> {
+        (
+            1usize..6,
+            proptest::collection::vec((0u64..5000, 0usize..6), 1..40),
+            proptest::collection::vec(proptest::option::of(1.0f64..1000.0), 6),
+            0u32..3,
+        )
+            .prop_map(|(n, blocks, rates, offset)| {
+                let servers: Vec<ServerId> = (0..n as u32).map(|i| i * 2 + offset).collect();
+                let owners = blocks.iter().map(|&(_, o)| servers[o % n]).collect();
+                let sizes = blocks.iter().map(|&(s, _)| s).collect();
+                let rates = servers.iter().zip(&rates).filter_map(|(&s, r)| r.map(|r| (s, r))).collect();
+                (servers, Placement { epoch: 1, owners }, sizes, rates)
+            })
+    }
+
+    fn max_time(p: &Placement, sizes: &[u64], servers: &[ServerId], rates: &BTreeMap<ServerId, f64>) -> f64 {
+        service_times(p, sizes, servers, rates).values().copied().fold(0.0, f64::max)
+    }
+
+    /// Applies the moves, checking each is from the block's owner, to one of `servers`,
+    /// and that no block moves twice.
+    fn apply_checked(p: &Placement, moves: &[Move], servers: &[ServerId]) -> Result<Placement, TestCaseError> {
+        let mut after = p.clone();
+        let mut seen = BTreeSet::new();
+        for m in moves {
+            prop_assert!(seen.insert(m.block), "block {} moved twice", m.block);
+            prop_assert_eq!(after.owner(m.block), Some(m.from), "{:?} from a non-owner", m);
+            prop_assert!(servers.contains(&m.to) && m.to != m.from, "{:?}", m);
+            prop_assert!(after.apply(m.block, m.to, p.epoch + 1).is_ok());
+        }
+        prop_assert!(after.owners.iter().all(|o| servers.contains(o)));
+        Ok(after)
+    }
+
+    proptest! {
+        #[test]
+        fn rebalance_keeps_owners_valid_and_never_raises_the_max(
+            (servers, p, sizes, rates) in cluster(),
+            budget in 0u64..40_000,
+        ) {
+            let params = BalanceParams { budget_bytes: budget, ..BalanceParams::new(1, 8) };
+            let plan = rebalance(&p, &sizes, &servers, &rates, &params);
+            let after = apply_checked(&p, &plan.moves, &servers)?;
+            let moved: u64 = plan.moves.iter().map(|m| sizes[m.block as usize]).sum();
+            prop_assert!(moved <= budget);
+            let before = max_time(&p, &sizes, &servers, &rates);
+            let now = max_time(&after, &sizes, &servers, &rates);
+            prop_assert!((plan.max_before - before).abs() <= 1e-9 * before.max(1.0));
+            prop_assert!((plan.max_after - now).abs() <= 1e-9 * now.max(1.0));
+            prop_assert!(now <= before * (1.0 + 1e-12), "max rose from {} to {}", before, now);
+            prop_assert_eq!(rebalance(&p, &sizes, &servers, &rates, &params), plan);
+        }
+
+        #[test]
+        fn drain_moves_every_block_of_the_server_to_the_others(
+            (servers, p, sizes, rates) in cluster(),
+            pick in 0usize..6,
+        ) {
+            let server = servers[pick % servers.len()];
+            let others: Vec<ServerId> = servers.iter().copied().filter(|&s| s != server).collect();
+            let moves = drain(&p, &sizes, server, &servers, &rates);
+            if others.is_empty() {
+                prop_assert!(moves.is_empty());
+            } else {
+                prop_assert!(moves.iter().all(|m| m.from == server));
+                let after = apply_checked(&p, &moves, &others)?;
+                prop_assert_eq!(after.blocks_of(server).count(), 0);
+            }
+        }
+
+        #[test]
+        fn fill_only_loads_the_new_server_and_never_raises_the_max(
+            (servers, p, sizes, rates) in cluster(),
+        ) {
+            let new = 100;
+            let mut all = servers.clone();
+            all.push(new);
+            let moves = fill(&p, &sizes, new, &all, &rates);
+            prop_assert!(moves.iter().all(|m| m.to == new));
+            let after = apply_checked(&p, &moves, &all)?;
+            let before = max_time(&p, &sizes, &all, &rates);
+            prop_assert!(max_time(&after, &sizes, &all, &rates) <= before * (1.0 + 1e-12));
+        }
+    }
+}
