@@ -284,6 +284,10 @@ def test_ctrl_c_interrupts_a_held_pull(cluster):
         time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Python raises KeyboardInterrupt on SIGINT unless it started with SIGINT ignored (a
+    # background job of a non-interactive shell, as CI may be): install the handler an
+    # interactive user has.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=interrupt)
     started = time.monotonic()
     t.start()
@@ -292,6 +296,7 @@ def test_ctrl_c_interrupts_a_held_pull(cluster):
             w.pull(1, params)
     finally:
         t.join(5)
+        signal.signal(signal.SIGINT, previous)
     elapsed = time.monotonic() - started
     assert 0.9 <= elapsed < 4.0, f"KeyboardInterrupt after {elapsed:.2f} s"
 
