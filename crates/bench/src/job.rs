@@ -33,9 +33,9 @@ pub fn train_cmd(flags: &[String]) -> Result<TrainCmd> {
 pub async fn run_train(flags: &[String], net: &NetArgs, dir: &Path) -> Result<Report> {
     let mut train = train_cmd(flags)?;
     train.net = net.clone();
-    train.quiet = true;
+    train.run.quiet = true;
     // Only the nodes' logs go there: run_local writes no report itself.
-    train.report = Some(dir.to_path_buf());
+    train.run.report = Some(dir.to_path_buf());
     let outcome = run_local(&train, &[]).await?;
     Ok(build_report(&train, &outcome)?)
 }
@@ -50,7 +50,7 @@ mod tests {
         let t = train_cmd(&flags(&["--servers", "3", "--sync", "ssp:2"])).unwrap();
         assert_eq!(t.job.servers, 3);
         assert_eq!(t.job.sync.to_string(), "ssp:2");
-        assert!(!t.quiet && t.report.is_none());
+        assert!(!t.run.quiet && t.run.report.is_none());
         let err = train_cmd(&flags(&["--no-such-flag"])).unwrap_err();
         assert!(matches!(err, BenchError::Flags(_)) && err.to_string().starts_with("building the job: "), "{err}");
     }

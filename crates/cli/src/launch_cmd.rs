@@ -14,12 +14,11 @@
 //!   stdout (stderr) as `[worker I] LINE` and written to `DIR/logs/worker-I.log`;
 //! - it runs in its own process group, killed with the job.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
 
-use elasticps_launch::args::{JobArgs, NetArgs};
+use elasticps_launch::args::{JobArgs, NetArgs, RunArgs};
 use elasticps_launch::process::shell_words;
 use elasticps_launch::runner::{
     JobSpec, RunOutcome, Workers, assemble_report, job_config_json, print_cluster_summary, run_job,
@@ -39,16 +38,9 @@ pub struct LaunchCmd {
     /// (passed to the workers as ELASTICPS_REQUEST_TIMEOUT).
     #[arg(long, env = "ELASTICPS_REQUEST_TIMEOUT")]
     pub request_timeout_s: Option<u64>,
-    /// Write report.json, summary.md, curves.png (and every node's log) into this directory.
-    #[arg(long, env = "ELASTICPS_REPORT")]
-    pub report: Option<PathBuf>,
-    /// Do not draw progress bars.
-    #[arg(long, env = "ELASTICPS_QUIET")]
-    pub quiet: bool,
-    /// Serve Prometheus metrics on every node (a free port each) and print where to
-    /// scrape them.
-    #[arg(long, env = "ELASTICPS_METRICS")]
-    pub metrics: bool,
+    /// Report, progress bars, metrics.
+    #[command(flatten)]
+    pub run: RunArgs,
     /// Once every worker has exited, how long the scheduler and the servers may take to
     /// end the job before they are stopped and the launch fails, in seconds (a worker that
     /// exits without finishing leaves the scheduler waiting).
@@ -68,13 +60,13 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
     let outcome = run_job(&JobSpec {
         job: &cmd.job,
         net: &cmd.net,
-        report: cmd.report.as_deref(),
-        quiet: cmd.quiet,
+        report: cmd.run.report.as_deref(),
+        quiet: cmd.run.quiet,
         extra_server_args: &[],
         workers: Workers::Command { argv: &cmd.command, env },
         end_timeout: Duration::try_from_secs_f64(cmd.end_timeout_s)
             .map_err(|_| anyhow::anyhow!("--end-timeout-s must be a non-negative number of seconds"))?,
-        metrics: cmd.metrics,
+        metrics: cmd.run.metrics,
     })
     .await?;
     let report = build_report(&cmd, &outcome);
@@ -99,7 +91,7 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
             ranks.join(", ")
         );
     }
-    if let Some(dir) = &cmd.report {
+    if let Some(dir) = &cmd.run.report {
         elasticps_report::write(dir, &report)?;
         println!("report written to {}", dir.display());
     }

@@ -20,7 +20,7 @@ pub async fn train(cmd: TrainCmd) -> anyhow::Result<()> {
         );
     }
     print_cluster_summary(&cmd.job, &report);
-    if let Some(dir) = &cmd.report {
+    if let Some(dir) = &cmd.run.report {
         elasticps_report::write(dir, &report)?;
         println!("report written to {}", dir.display());
     }

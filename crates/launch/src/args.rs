@@ -42,6 +42,21 @@ impl NetArgs {
     }
 }
 
+/// How a local run (`train`, `launch`) shows itself: report, progress bars, metrics.
+#[derive(Args, Clone, Debug, Default)]
+pub struct RunArgs {
+    /// Write report.json, summary.md, curves.png (and every node's log) into this directory.
+    #[arg(long, env = "ELASTICPS_REPORT")]
+    pub report: Option<PathBuf>,
+    /// Do not draw progress bars.
+    #[arg(long, env = "ELASTICPS_QUIET")]
+    pub quiet: bool,
+    /// Serve Prometheus metrics on every node (a free port each) and print where to
+    /// scrape them.
+    #[arg(long, env = "ELASTICPS_METRICS")]
+    pub metrics: bool,
+}
+
 /// What the scheduler needs to know about the job.
 #[derive(Args, Clone, Debug)]
 pub struct JobArgs {

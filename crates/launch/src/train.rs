@@ -2,13 +2,11 @@
 //! ([`run_local`]) and turning what it produced into its report ([`build_report`]). The
 //! binary's `train` command and the benchmarks (which run many train jobs) share them.
 
-use std::path::PathBuf;
-
 use clap::Args;
 use elasticps_report::Report;
 use elasticps_train::synthetic::ModelKind;
 
-use crate::args::{DataArgs, JobArgs, NetArgs};
+use crate::args::{DataArgs, JobArgs, NetArgs, RunArgs};
 use crate::runner::{JobSpec, RunOutcome, Workers, assemble_report, job_config_json, run_job};
 use crate::{LaunchError, Result};
 
@@ -24,16 +22,9 @@ pub struct TrainCmd {
     /// Transport settings.
     #[command(flatten)]
     pub net: NetArgs,
-    /// Write report.json, summary.md, curves.png (and the nodes' logs) into this directory.
-    #[arg(long, env = "ELASTICPS_REPORT")]
-    pub report: Option<PathBuf>,
-    /// Do not draw progress bars.
-    #[arg(long, env = "ELASTICPS_QUIET")]
-    pub quiet: bool,
-    /// Serve Prometheus metrics on every node (a free port each) and print where to
-    /// scrape them.
-    #[arg(long, env = "ELASTICPS_METRICS")]
-    pub metrics: bool,
+    /// Report, progress bars, metrics.
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
 /// Runs one job on a local cluster and collects its events.
@@ -41,12 +32,12 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> Result<R
     run_job(&JobSpec {
         job: &cmd.job,
         net: &cmd.net,
-        report: cmd.report.as_deref(),
-        quiet: cmd.quiet,
+        report: cmd.run.report.as_deref(),
+        quiet: cmd.run.quiet,
         extra_server_args,
         workers: Workers::Role(&cmd.data),
         end_timeout: crate::runner::JOB_END_TIMEOUT,
-        metrics: cmd.metrics,
+        metrics: cmd.run.metrics,
     })
     .await
 }
