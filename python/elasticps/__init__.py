@@ -21,6 +21,7 @@ wraps a torch optimizer.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Optional
 
@@ -48,12 +49,14 @@ def init(scheduler: Optional[str] = None) -> Worker:
 
     ``scheduler`` is ``host:port``; by default ``ELASTICPS_SCHEDULER`` (set by
     ``elasticps launch``), else ``127.0.0.1:7000``. Calling ``init`` again returns the same
-    worker.
+    worker. A script that ends without ``finish()`` finishes at interpreter exit, so the
+    job does not count it as lost.
     """
     global _default
     with _lock:
         if _default is None:
             _default = connect(scheduler)
+            atexit.register(finish)
         return _default
 
 

@@ -156,3 +156,18 @@ def test_metrics_of_every_server_count_pushes_during_a_run():
             proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_a_script_that_forgets_finish_still_ends_the_job_cleanly(tmp_path):
+    script = tmp_path / "no_finish.py"
+    script.write_text(
+        "import numpy as np, elasticps\n"
+        "w = elasticps.init()\n"
+        "p = {'w': np.zeros(8, np.float32)}\n"
+        "w.register_model(p)\n"
+        "w.push_pull(0, {'w': np.ones(8, np.float32)}, p)\n"
+        "print('trained', flush=True)\n"
+    )
+    out = launch(["--workers", "2", "--", sys.executable, str(script)], timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("trained") == 2
