@@ -8,8 +8,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use elasticps_core::stats::Histogram;
 use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_runtime::tally::Tally;
 use elasticps_train::synthetic::{GradientSource, ModelKind};
 use elasticps_train::{Batcher, Dataset, Mlp, as_slices, load};
 use rand::SeedableRng;
@@ -18,7 +18,6 @@ use rand_distr::{Distribution, Normal};
 
 use crate::events::{Emitter, Event};
 use elasticps_launch::args::{DataArgs, StragglerSpec};
-use elasticps_report::WorkerReport;
 
 /// What computes gradients.
 // One value per worker process, built once and never moved on the hot path: its size is
@@ -67,14 +66,14 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
 
     let mut params = client.zeros();
     let mut grads = client.zeros();
-    let mut stats = Tally::new(client.layout().map_or(0, |l| l.servers.len()));
+    let mut stats = Tally::default();
     let (mut samples, mut loss) = (0u64, f32::NAN);
     let mut last_progress = Instant::now();
     tracing::info!(rank, iterations, model = %d.model, "training starts");
     let training = Instant::now();
     let started = Instant::now();
     client.pull(0, &mut params).await.with_context(|| format!("worker {rank} pulling clock 0"))?;
-    stats.comm += started.elapsed();
+    stats.communicated(started.elapsed(), &[]);
     stats.start();
     for t in 0..iterations {
         match &mut work {
@@ -115,8 +114,8 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
         } else {
             client.push(t, &grads).await.with_context(|| format!("worker {rank} pushing clock {t}"))?;
         }
-        stats.comm += comm.elapsed();
-        stats.record(&client.last_waits().per_server);
+        stats.communicated(comm.elapsed(), &client.last_waits().per_server);
+        stats.iteration_ends();
         if last_progress.elapsed() >= Duration::from_millis(100) || t + 1 == iterations {
             last_progress = Instant::now();
             emitter.emit(&Event::Progress { rank, iteration: t + 1, total: iterations, loss });
@@ -129,7 +128,7 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
         tracing::info!(rank, accuracy = e.accuracy, loss = e.loss, "final test evaluation");
         emitter.emit(&Event::Eval { rank, iteration: iterations, accuracy: e.accuracy, loss: e.loss });
     }
-    emitter.emit(&Event::WorkerDone(stats.finish(rank, iterations, samples, loss, train_s)));
+    emitter.emit(&Event::WorkerDone(stats.report(rank, samples, loss.into(), train_s)));
     client.finish().await.context("telling the scheduler this worker is done")?;
     Ok(())
 }
@@ -139,80 +138,4 @@ fn straggler(spec: Option<&StragglerSpec>, rank: u32, seed: u64) -> anyhow::Resu
     let Some(spec) = spec.filter(|s| s.ranks.contains(&rank)) else { return Ok(None) };
     let dist = Normal::new(spec.mean_ms, spec.sd_ms).context("--worker-delay: invalid normal distribution")?;
     Ok(Some((dist, StdRng::seed_from_u64(seed ^ 0x5EED ^ u64::from(rank)))))
-}
-
-/// Per-iteration timings of one worker.
-///
-/// Iteration k lasts from the end of iteration k - 1 (or from [`Tally::start`]) to the end
-/// of its push/pull, so the durations tile the training loop without gaps: iteration k
-/// ends `sum(iter_ms[..=k])` after `started_unix_ms`, which lets a benchmark line them up
-/// with the scheduler's clock (migrations, scaling events).
-struct Tally {
-    iterations: Histogram,
-    iter_total: Duration,
-    comm: Duration,
-    per_server: Vec<Duration>,
-    /// Where the current iteration started.
-    mark: Instant,
-    /// Wall-clock time of the first iteration's start, ms since the Unix epoch.
-    started_unix_ms: f64,
-    /// Every iteration's duration, ms, in order.
-    iter_ms: Vec<f32>,
-}
-
-impl Tally {
-    fn new(servers: usize) -> Self {
-        Self {
-            iterations: Histogram::default(),
-            iter_total: Duration::ZERO,
-            comm: Duration::ZERO,
-            per_server: vec![Duration::ZERO; servers],
-            mark: Instant::now(),
-            started_unix_ms: unix_ms(),
-            iter_ms: Vec::new(),
-        }
-    }
-
-    /// The first iteration starts now.
-    fn start(&mut self) {
-        self.mark = Instant::now();
-        self.started_unix_ms = unix_ms();
-    }
-
-    /// The current iteration ended now; `waits` is how long each server took in its round.
-    fn record(&mut self, waits: &[Duration]) {
-        let now = Instant::now();
-        let iteration = now.saturating_duration_since(self.mark);
-        self.mark = now;
-        self.iterations.record(iteration.as_micros() as u64);
-        self.iter_total += iteration;
-        // Microsecond resolution, written as a short decimal in report.json.
-        self.iter_ms.push(iteration.as_micros() as f32 / 1e3);
-        for (total, w) in self.per_server.iter_mut().zip(waits) {
-            *total += *w;
-        }
-    }
-
-    fn finish(&self, rank: u32, iterations: u32, samples: u64, final_loss: f32, train_s: f64) -> WorkerReport {
-        let per_iter = |d: Duration| if iterations == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / f64::from(iterations) };
-        WorkerReport {
-            rank,
-            iterations: iterations.into(),
-            samples,
-            wait_ms: self.comm.as_secs_f64() * 1e3,
-            final_loss: final_loss.into(),
-            train_s,
-            iter_ms_mean: per_iter(self.iter_total),
-            iter_ms_p99: self.iterations.quantile(0.99) as f64 / 1e3,
-            comm_ms_per_iter: per_iter(self.comm),
-            wait_ms_by_server: self.per_server.iter().map(|d| d.as_secs_f64() * 1e3).collect(),
-            started_unix_ms: self.started_unix_ms,
-            iter_ms: self.iter_ms.clone(),
-        }
-    }
-}
-
-/// Milliseconds since the Unix epoch, now (0 if the clock is before 1970).
-fn unix_ms() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }

@@ -121,7 +121,7 @@ pub async fn run(
             Cmd::Finish { done } => {
                 let rank = client.rank();
                 let r = client.finish().await;
-                stats.rank = rank;
+                stats.finish(rank);
                 let _ = done.send(r.map(|()| stats).map_err(|e| format!("elasticps: finish failed: {e}")));
                 return;
             }
@@ -171,12 +171,12 @@ async fn round(
     }
     let started = Instant::now();
     if let Some(clock) = push_clock {
-        stats.clock_starts(clock, started);
+        stats.clock_starts(clock);
     }
     let push = push_clock.map(|c| (c, &grads[..]));
     let pull = pull_clock.map(|c| (c, &mut params[..]));
     let r = client.round_tensors(push, pull).await;
-    stats.communicated(started.elapsed(), &client.last_waits().per_server);
+    stats.tally.communicated(started.elapsed(), &client.last_waits().per_server);
     r.map_err(|e| {
         let what = match (push_clock, pull_clock) {
             (Some(c), None) => format!("push(clock {c})"),

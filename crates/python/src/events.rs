@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use elasticps_runtime::events::{Emitter, Event, WorkerReport};
+use elasticps_runtime::events::{Emitter, Event};
 
 use crate::stats::RunStats;
 
@@ -41,31 +41,7 @@ pub fn log(rank: u32, step: u64, metrics: BTreeMap<String, f64>) {
 /// The run's numbers, at `finish()`.
 pub fn worker_done(s: &RunStats) {
     let last = LAST.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let iterations = s.iterations();
-    let per_iter = |ms: f64| if iterations > 0 { ms / iterations as f64 } else { f64::NAN };
-    let mean = if s.iter_ms.is_empty() {
-        f64::NAN
-    } else {
-        s.iter_ms.iter().map(|x| f64::from(*x)).sum::<f64>() / s.iter_ms.len() as f64
-    };
-    let p99 = {
-        let mut v = s.iter_ms.clone();
-        v.sort_by(f32::total_cmp);
-        v.get(((v.len() as f64 * 0.99).ceil() as usize).saturating_sub(1)).map_or(f64::NAN, |x| f64::from(*x))
-    };
-    let comm_ms = s.comm.as_secs_f64() * 1e3;
-    emit(&Event::WorkerDone(WorkerReport {
-        rank: s.rank,
-        iterations,
-        samples: last.get("samples").map_or(0, |v| *v as u64),
-        wait_ms: comm_ms,
-        final_loss: last.get("loss").copied().unwrap_or(f64::NAN),
-        train_s: s.iter_ms.iter().map(|x| f64::from(*x)).sum::<f64>() / 1e3,
-        iter_ms_mean: mean,
-        iter_ms_p99: p99,
-        comm_ms_per_iter: per_iter(comm_ms),
-        wait_ms_by_server: s.wait_by_server.iter().map(|d| d.as_secs_f64() * 1e3).collect(),
-        started_unix_ms: s.started_unix_ms,
-        iter_ms: s.iter_ms.clone(),
-    }));
+    let samples = last.get("samples").map_or(0, |v| *v as u64);
+    let loss = last.get("loss").copied().unwrap_or(f64::NAN);
+    emit(&Event::WorkerDone(s.tally.report(s.rank, samples, loss, s.tally.train_s())));
 }

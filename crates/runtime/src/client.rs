@@ -249,7 +249,7 @@ impl Client {
     /// every worker starts from them: a broadcast through the servers). Only before any
     /// push; follow it with [`Client::barrier`] so that no worker pulls earlier.
     pub async fn init_values<T: AsRef<[f32]>>(&mut self, values: &[T]) -> Result<()> {
-        self.check_shapes(values.iter().map(|v| v.as_ref().len()))?;
+        self.check_shapes("init", values.iter().map(|v| Some(v.as_ref().len())))?;
         let values: Vec<Option<&[f32]>> = values.iter().map(|v| Some(v.as_ref())).collect();
         self.round(Some((PushOp::Init, &values)), None).await
     }
@@ -300,13 +300,13 @@ impl Client {
     /// The server holds the pull as its sync policy says.
     pub async fn pull<P: AsMut<[f32]>>(&mut self, clock: Clock, params: &mut [P]) -> Result<()> {
         let mut params: Vec<Option<&mut [f32]>> = params.iter_mut().map(|p| Some(p.as_mut())).collect();
-        self.check_shapes(params.iter().map(|p| p.as_ref().map_or(0, |p| p.len())))?;
+        self.check_shapes("pull", params.iter().map(|p| p.as_ref().map(|p| p.len())))?;
         self.round(None, Some((clock, &mut params))).await
     }
 
     /// Pushes the gradient of every tensor for clock `clock`.
     pub async fn push<G: AsRef<[f32]>>(&mut self, clock: Clock, grads: &[G]) -> Result<()> {
-        self.check_shapes(grads.iter().map(|g| g.as_ref().len()))?;
+        self.check_shapes("push", grads.iter().map(|g| Some(g.as_ref().len())))?;
         let grads: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(g.as_ref())).collect();
         self.round(Some((PushOp::Grad(clock), &grads)), None).await
     }
@@ -324,8 +324,8 @@ impl Client {
         let next = clock.checked_add(1).ok_or_else(|| RuntimeError::Usage("clock overflow".into()))?;
         let grads: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(g.as_ref())).collect();
         let mut params: Vec<Option<&mut [f32]>> = params.iter_mut().map(|p| Some(p.as_mut())).collect();
-        self.check_shapes(grads.iter().map(|g| g.map_or(0, <[f32]>::len)))?;
-        self.check_shapes(params.iter().map(|p| p.as_ref().map_or(0, |p| p.len())))?;
+        self.check_shapes("push", grads.iter().map(|g| g.map(<[f32]>::len)))?;
+        self.check_shapes("pull", params.iter().map(|p| p.as_ref().map(|p| p.len())))?;
         self.round(Some((PushOp::Grad(clock), &grads)), Some((next, &mut params))).await
     }
 
@@ -339,32 +339,11 @@ impl Client {
         push: Option<(Clock, &[Option<&[f32]>])>,
         pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
     ) -> Result<()> {
-        let layout = self.current_layout()?;
-        let tensors = &layout.partition.tensors;
-        let check = |what: &str, lens: Vec<Option<usize>>| -> Result<()> {
-            if lens.len() != tensors.len() {
-                return Err(RuntimeError::Usage(format!(
-                    "{what} lists {} tensors, the model has {}",
-                    lens.len(),
-                    tensors.len()
-                )));
-            }
-            for (t, len) in tensors.iter().zip(lens) {
-                if let Some(len) = len.filter(|l| *l != t.len()) {
-                    return Err(RuntimeError::Usage(format!(
-                        "{what}: tensor {:?} holds {} values, {len} were given",
-                        t.name,
-                        t.len()
-                    )));
-                }
-            }
-            Ok(())
-        };
         if let Some((_, grads)) = push {
-            check("push", grads.iter().map(|g| g.map(<[f32]>::len)).collect())?;
+            self.check_shapes("push", grads.iter().map(|g| g.map(<[f32]>::len)))?;
         }
         if let Some((_, params)) = &pull {
-            check("pull", params.iter().map(|p| p.as_ref().map(|p| p.len())).collect())?;
+            self.check_shapes("pull", params.iter().map(|p| p.as_ref().map(|p| p.len())))?;
         }
         self.round(push.map(|(c, g)| (PushOp::Grad(c), g)), pull).await
     }
@@ -520,14 +499,27 @@ impl Client {
         self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))
     }
 
-    /// Checks (without allocating: this is on every push and pull) that `lens` are the
-    /// model's tensor lengths.
-    fn check_shapes(&self, lens: impl ExactSizeIterator<Item = usize> + Clone) -> Result<()> {
+    /// Checks (without allocating: this is on every push and pull) that `lens` has one
+    /// entry per tensor of the model and that each given length (`None`: the tensor is not
+    /// in this round) is that tensor's.
+    fn check_shapes(&self, what: &str, lens: impl ExactSizeIterator<Item = Option<usize>>) -> Result<()> {
         let layout = self.current_layout()?;
-        let want = layout.partition.tensors.iter().map(TensorSpec::len);
-        if !want.clone().eq(lens.clone()) {
-            let (want, got): (Vec<_>, Vec<_>) = (want.collect(), lens.collect());
-            return Err(RuntimeError::Usage(format!("tensor lengths {got:?} do not match the model's {want:?}")));
+        let tensors = &layout.partition.tensors;
+        if lens.len() != tensors.len() {
+            return Err(RuntimeError::Usage(format!(
+                "{what} lists {} tensors, the model has {}",
+                lens.len(),
+                tensors.len()
+            )));
+        }
+        for (t, len) in tensors.iter().zip(lens) {
+            if let Some(len) = len.filter(|l| *l != t.len()) {
+                return Err(RuntimeError::Usage(format!(
+                    "{what}: tensor {:?} holds {} values, {len} were given",
+                    t.name,
+                    t.len()
+                )));
+            }
         }
         Ok(())
     }

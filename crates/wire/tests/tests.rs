@@ -133,16 +133,13 @@ mod common {
             any::<u32>().prop_map(SyncPolicy::Dpssp),
             any::<(u32, u32)>().prop_map(|(min, max)| SyncPolicy::Adaptive { min, max }),
         ];
-        let kind =
-            prop_oneof![
-                Just(OptimizerKind::Sgd),
-                finite_or_inf().prop_map(|beta| OptimizerKind::Momentum { beta }),
-                (finite_or_inf(), finite_or_inf(), finite_or_inf())
-                    .prop_map(|(beta1, beta2, eps)| OptimizerKind::Adam { beta1, beta2, eps }),
-            ];
-        (sync, kind, finite_or_inf(), any::<bool>(), any::<u32>()).prop_map(|(sync, kind, lr, aggregate, workers)| {
-            ShardConfig { sync, optimizer: OptimizerConfig { kind, lr, aggregate, weight_decay: 0.0 }, workers }
-        })
+        (sync, arb_optimizer_kind(), finite_or_inf(), any::<bool>(), finite_or_inf(), any::<u32>()).prop_map(
+            |(sync, kind, lr, aggregate, weight_decay, workers)| ShardConfig {
+                sync,
+                optimizer: OptimizerConfig { kind, lr, aggregate, weight_decay },
+                workers,
+            },
+        )
     }
 
     fn arb_injection() -> impl Strategy<Value = Injection> {
@@ -365,15 +362,20 @@ mod common {
         ]
     }
 
+    pub fn arb_optimizer_kind() -> impl Strategy<Value = OptimizerKind> {
+        prop_oneof![
+            Just(OptimizerKind::Sgd),
+            finite_or_inf().prop_map(|beta| OptimizerKind::Momentum { beta }),
+            (finite_or_inf(), finite_or_inf(), finite_or_inf()).prop_map(|(beta1, beta2, eps)| OptimizerKind::Adam {
+                beta1,
+                beta2,
+                eps
+            }),
+        ]
+    }
+
     pub fn arb_tensor_optimizer() -> impl Strategy<Value = TensorOptimizer> {
-        let kind =
-            prop_oneof![
-                Just(OptimizerKind::Sgd),
-                finite_or_inf().prop_map(|beta| OptimizerKind::Momentum { beta }),
-                (finite_or_inf(), finite_or_inf(), finite_or_inf())
-                    .prop_map(|(beta1, beta2, eps)| OptimizerKind::Adam { beta1, beta2, eps }),
-            ];
-        (kind, finite_or_inf(), finite_or_inf()).prop_map(|(kind, lr, weight_decay)| TensorOptimizer {
+        (arb_optimizer_kind(), finite_or_inf(), finite_or_inf()).prop_map(|(kind, lr, weight_decay)| TensorOptimizer {
             kind,
             lr,
             weight_decay,

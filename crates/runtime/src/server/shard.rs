@@ -288,11 +288,12 @@ impl State {
             s.parked.push(Parked { rank, to, request });
             return None;
         }
-        let config = shard.config_for(s.block.spec());
         self.load.requests.fetch_add(1, Ordering::Relaxed);
         let reply = match request {
             Request::Push { clock, values } => {
                 self.load.bytes_in.fetch_add(values.as_bytes().len() as u64, Ordering::Relaxed);
+                // Only a push needs the tensor's own optimizer.
+                let config = shard.config_for(s.block.spec());
                 match s.block.push(&config, rank, clock, &values.to_f32s(), now) {
                     Ok(answers) => {
                         drop(s);
@@ -318,7 +319,7 @@ impl State {
                 // worker `rank`'s pull(clock) draws the same value, so a probabilistic policy
                 // pauses the whole pull or none of it.
                 let mut coin = StdRng::seed_from_u64(pull_coin_seed(shard.seed, rank, clock));
-                match s.block.pull(&config, to, rank, clock, now, &mut coin) {
+                match s.block.pull(&shard.effective(), to, rank, clock, now, &mut coin) {
                     Ok(answer) => {
                         drop(s);
                         self.send_answers(answer.into_iter().collect());
