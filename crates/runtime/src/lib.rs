@@ -4,9 +4,8 @@
 //!   an aligned `Vec<f32>`; one writer task per connection).
 //! - [`pool`]: recycled buffers for large tensor payloads.
 //! - [`peer`]: request/response multiplexing for the asking side of a connection.
-//! - [`scheduler`]: membership, the model's layout (partition + placement), heartbeats,
-//!   the end of the job. Its decisions live in [`scheduler::Membership`], a plain state
-//!   machine with no I/O.
+//! - [`scheduler`]: the scheduler's connections and ticker around its state machine
+//!   ([`elasticps_node::scheduler::Scheduler`]).
 //! - [`server`]: owns blocks and drives the core's per-block state machines.
 //! - [`shaping`]: server straggler injection for experiments (a bandwidth cap on a
 //!   server's sockets, CPU interference), as in PSLD.

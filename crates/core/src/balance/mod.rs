@@ -438,3 +438,37 @@ impl Balancer {
         self.probe(view, loads, total)
     }
 }
+
+/// `--balance`: keep the initial placement, or rebalance and scale as PSLD does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BalanceMode {
+    /// The initial placement stays (ps-lite, BytePS); operators may still `scale`.
+    #[default]
+    Static,
+    /// Measure, move blocks off stragglers, scale out and in (DESIGN.md §4).
+    Psld,
+}
+
+impl std::fmt::Display for BalanceMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BalanceMode::Static => "static",
+            BalanceMode::Psld => "psld",
+        })
+    }
+}
+
+impl std::str::FromStr for BalanceMode {
+    type Err = crate::CoreError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "static" => Ok(BalanceMode::Static),
+            "psld" => Ok(BalanceMode::Psld),
+            other => Err(crate::CoreError::Parse {
+                what: "balance mode",
+                input: other.to_string(),
+                why: "expected static or psld".into(),
+            }),
+        }
+    }
+}

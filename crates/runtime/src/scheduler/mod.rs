@@ -1,9 +1,6 @@
-//! The scheduler role: one actor task owns [`Membership`]; one task per connection
-//! reads frames and forwards them as events; a ticker feeds time.
-
-mod elastic;
-mod history;
-mod membership;
+//! The scheduler role: one actor task owns the scheduler's state machine
+//! ([`elasticps_node::scheduler::Scheduler`]); one task per connection reads frames and
+//! forwards them as events; a ticker feeds time.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -14,8 +11,10 @@ use elasticps_wire::{Codec, Message};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc};
 
-pub use history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
-pub use membership::{Action, BalanceMode, ConnId, Event, JobConfig, Membership};
+pub use elasticps_node::scheduler::{
+    Action, BalanceLog, BalanceMode, ConnId, Event, JobConfig, LoadSample, MigrationEvent, ScaleEvent, Scheduler,
+    ServerPoint,
+};
 
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
@@ -89,7 +88,7 @@ pub async fn run_with(
     let clock = Micros::new();
     let origin =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
-    let mut state = Membership::new(opts.job.clone(), HEARTBEAT_TIMEOUT.as_micros() as u64)
+    let mut state = Scheduler::new(opts.job.clone(), HEARTBEAT_TIMEOUT.as_micros() as u64)
         .with_launcher(launcher.is_some())
         .with_clock_origin(origin);
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();

@@ -14,7 +14,7 @@ use elasticps_wire::{
 };
 
 use super::history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
-use super::membership::BalanceMode;
+use elasticps_core::balance::BalanceMode;
 
 /// A migration that takes longer than this is written off (the old owner reports its
 /// own failure after 30 s per step; this only guards against a lost report).

@@ -1,5 +1,12 @@
 //! The scheduler's decisions as a plain state machine: who is in the job, the model's
-//! layout, when the job ends. Events in, actions out; no I/O and no clock of its own.
+//! layout, barriers, optimizer changes, the balancer's migrations and scaling, when the
+//! job ends. Events in (a message on a connection, a lost connection, a tick with the
+//! time), actions out (send, close, start a server, finish); no I/O and no clock of its
+//! own.
+//!
+//! - [`elastic`](self): which servers are live, draining or on trial; the one migration
+//!   at a time; the balancer's orders.
+//! - [`BalanceLog`]: the history of migrations, scaling events and load, for reports.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -9,8 +16,13 @@ use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::{Placement, PlacementKind};
 use elasticps_core::sync::SyncPolicy;
 
-use super::elastic::{Elastic, Order};
-use super::history::BalanceLog;
+mod elastic;
+mod history;
+
+pub use elasticps_core::balance::BalanceMode;
+pub use history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+
+use elastic::{Elastic, Order};
 use elasticps_wire::{
     Assignment, ClusterStatus, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr, ServerLoad,
     WorkerLoad,
@@ -18,8 +30,7 @@ use elasticps_wire::{
 #[cfg(test)]
 use elasticps_wire::{MigrationReport, ScaleRequest};
 
-/// Identifies one connection to the scheduler.
-pub type ConnId = u64;
+pub use crate::ConnId;
 
 /// The job as the scheduler was told to run it.
 #[derive(Clone, Debug)]
@@ -46,36 +57,6 @@ pub struct JobConfig {
     pub max_servers: u32,
     /// The balancer may scale in down to this many servers (at most `servers`).
     pub min_servers: u32,
-}
-
-/// `--balance`: keep the initial placement, or rebalance and scale as PSLD does.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum BalanceMode {
-    /// The initial placement stays (ps-lite, BytePS); operators may still `scale`.
-    #[default]
-    Static,
-    /// Measure, move blocks off stragglers, scale out and in (DESIGN.md §4).
-    Psld,
-}
-
-impl std::fmt::Display for BalanceMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            BalanceMode::Static => "static",
-            BalanceMode::Psld => "psld",
-        })
-    }
-}
-
-impl std::str::FromStr for BalanceMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "static" => Ok(BalanceMode::Static),
-            "psld" => Ok(BalanceMode::Psld),
-            other => Err(format!("unknown balance mode {other:?}: expected static or psld")),
-        }
-    }
 }
 
 impl JobConfig {
@@ -156,7 +137,7 @@ struct Node {
 
 /// The scheduler's state.
 #[derive(Debug)]
-pub struct Membership {
+pub struct Scheduler {
     config: JobConfig,
     nodes: HashMap<ConnId, Node>,
     servers: Vec<(ConnId, String)>,
@@ -178,7 +159,7 @@ pub struct Membership {
     can_launch: bool,
 }
 
-impl Membership {
+impl Scheduler {
     /// A scheduler for `config` that declares a node dead after `heartbeat_timeout_us`
     /// without a message from it.
     pub fn new(config: JobConfig, heartbeat_timeout_us: u64) -> Self {
@@ -663,7 +644,7 @@ mod tests {
         }
     }
 
-    fn recv(m: &mut Membership, conn: ConnId, request_id: u64, c: Control) -> Vec<Action> {
+    fn recv(m: &mut Scheduler, conn: ConnId, request_id: u64, c: Control) -> Vec<Action> {
         m.step(Event::Received { conn, request_id, msg: c.into() })
     }
 
@@ -683,7 +664,7 @@ mod tests {
 
     #[test]
     fn layout_is_answered_once_every_server_holds_its_blocks() {
-        let mut m = Membership::new(config(), 10_000_000);
+        let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
         let a = recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new() });
         assert!(a.is_empty(), "no servers yet: {a:?}");
@@ -710,7 +691,7 @@ mod tests {
 
     #[test]
     fn a_barrier_opens_when_every_live_worker_waits_in_it() {
-        let mut m = Membership::new(config(), 10_000_000);
+        let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
         assert!(recv(&mut m, 1, 7, Control::Barrier).is_empty());
@@ -730,7 +711,7 @@ mod tests {
 
     #[test]
     fn tensor_optimizers_are_defined_with_the_model_and_changed_later() {
-        let mut m = Membership::new(config(), 10_000_000);
+        let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
         let sgd = TensorOptimizer { kind: OptimizerKind::Sgd, lr: 0.1, weight_decay: 0.0 };
         recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: vec![Some(sgd)] });
@@ -744,7 +725,7 @@ mod tests {
 
     #[test]
     fn refuses_extra_nodes_and_a_different_model() {
-        let mut m = Membership::new(config(), 10_000_000);
+        let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
         let a = recv(&mut m, 3, 1, Control::RegisterWorker);
@@ -758,7 +739,7 @@ mod tests {
 
     #[test]
     fn job_ends_when_every_worker_is_done_and_fails_when_a_server_dies() {
-        let mut m = Membership::new(config(), 10_000_000);
+        let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
@@ -767,7 +748,7 @@ mod tests {
         let a = recv(&mut m, 2, 5, Control::WorkerDone { rank: 1 });
         assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })));
 
-        let mut m = Membership::new(config(), 10_000_000);
+        let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
         let a = m.step(Event::Lost { conn: 10, why: "closed".into() });
         assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: false, reason } if reason.contains("server 0"))));
@@ -775,7 +756,7 @@ mod tests {
 
     #[test]
     fn a_silent_node_is_declared_dead_after_the_heartbeat_timeout() {
-        let mut m = Membership::new(config(), 1_000);
+        let mut m = Scheduler::new(config(), 1_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
         assert!(m.step(Event::Tick { now_us: 500 }).is_empty());
@@ -786,8 +767,8 @@ mod tests {
     }
 
     /// Two servers and two workers with a model of `len` values (blocks of 4) placed.
-    fn running(config: JobConfig, len: usize) -> Membership {
-        let mut m = Membership::new(config, 10_000_000).with_launcher(true);
+    fn running(config: JobConfig, len: usize) -> Scheduler {
+        let mut m = Scheduler::new(config, 10_000_000).with_launcher(true);
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
         let tensors = vec![TensorSpec { name: "w".into(), shape: vec![len], init: Init::Zeros }];

@@ -1,0 +1,21 @@
+//! elasticps-node: the three roles of a job as state machines without I/O.
+//!
+//! Each role takes events (a message that arrived on a connection, a connection that
+//! was lost, a tick carrying the time) and returns actions (send this, reply to that,
+//! start a server, the job is over), in the style of raft-rs's `RawNode` and
+//! quinn-proto beside quinn. Nothing here touches a socket, a thread or the system
+//! clock: the tokio runtime (`elasticps-runtime`) feeds real sockets and real time in,
+//! and the deterministic harness feeds simulated ones, so a race seen between real
+//! processes can be replayed here from a seed.
+//!
+//! - [`scheduler`]: membership, the model's layout, barriers, the balancer's migrations
+//!   and scaling, the end of the job.
+
+pub mod error;
+pub mod scheduler;
+
+pub use error::{NodeError, Result};
+
+/// Identifies one connection as a node sees it (one TCP connection in the runtime, one
+/// simulated link in the harness).
+pub type ConnId = u64;
