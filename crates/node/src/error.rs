@@ -1,6 +1,7 @@
 //! The one error type of the node layer.
 
 use elasticps_core::CoreError;
+use elasticps_wire::ErrorReply;
 
 /// What a role's state machine can refuse or fail with.
 #[derive(Debug, thiserror::Error)]
@@ -11,6 +12,23 @@ pub enum NodeError {
     /// A request that the state machine cannot carry out in its current state.
     #[error("{0}")]
     Refused(String),
+    /// A peer answered with an error frame.
+    #[error("{peer} answered {:?}: {}", .reply.code, .reply.message)]
+    Remote {
+        /// The peer, and what it was answering.
+        peer: String,
+        /// Its error.
+        reply: ErrorReply,
+    },
+    /// A peer broke the conversation (an unexpected message, a wrong length, blocks that
+    /// keep moving).
+    #[error("protocol error with {peer}: {what}")]
+    Protocol {
+        /// The peer.
+        peer: String,
+        /// What happened.
+        what: String,
+    },
 }
 
 /// Result alias of the node layer.

@@ -10,9 +10,12 @@
 //!
 //! - [`scheduler`]: membership, the model's layout, barriers, the balancer's migrations
 //!   and scaling, the end of the job.
+//! - [`worker`]: the worker's round as a plan (which blocks to push and pull where, what
+//!   to resend after `Moved`) and its load report.
 
 pub mod error;
 pub mod scheduler;
+pub mod worker;
 
 pub use error::{NodeError, Result};
 

@@ -1,0 +1,183 @@
+//! The worker's round as a plan that a runtime carries out: which blocks to push and
+//! pull on which server, a block's pull sent once its server acknowledged its push, what
+//! to resend after `Moved`, and what the round cost per server (the balancer's
+//! measurements). No I/O, no clock, no tensor bytes: every call carries `now_us`, and
+//! the runtime copies a block's values into a request on [`Action::Send`] and out of a
+//! `PullReply` itself.
+//!
+//! ```text
+//! let (mut round, actions) = worker.start(now_us, &layout, Some((PushOp::Grad(t), &pushed)), Some((t + 1, &pulled)))?;
+//! carry out actions            // Send { tag, server, block, op } | RefreshLayout | Wait { until_us }
+//! while !round.is_done() {
+//!     reply arrives for tag -> round.on_reply(now_us, tag, &msg)?        -> more actions
+//!     layout refreshed      -> round.on_layout(now_us, &layout)?         -> more actions
+//!     wait is over          -> round.on_wake(now_us)?                    -> more actions
+//! }
+//! let report = worker.finish(now_us, round);  // the WorkerLoad to send, when one is due
+//! ```
+//!
+//! Per server, a round is a push phase (all pushes of that server's blocks in flight at
+//! once) and then, once that server acknowledged them all, a pull phase for those blocks
+//! that are also pulled. A block whose server answered `Moved` is resent, with what was
+//! still to do for it, after a layout refresh ([`Action::RefreshLayout`]); when the
+//! refreshed layout has the same epoch (the server answered before the scheduler
+//! published the move) the plan first waits a little ([`Action::Wait`]).
+//!
+//! - [`Round`]: one round's plan.
+//! - [`LoadReport`]: iterations and per-server costs, reported every stats interval.
+
+mod load;
+mod round;
+
+use elasticps_core::model::BlockSpec;
+use elasticps_core::sync::Clock;
+use elasticps_wire::{Layout, WorkerLoad};
+
+pub use load::{Iteration, LoadReport};
+pub use round::Round;
+
+use crate::Result;
+
+/// How many times one round refreshes the layout to chase moved blocks.
+pub const MAX_LAYOUT_REFRESHES: u32 = 64;
+
+/// The back-off step after a refresh that found the same epoch: the `n`-th refresh of a
+/// round waits `n` (at most 20) times this long.
+pub const MOVED_BACKOFF_US: u64 = 5_000;
+
+/// Names one request of a round, unique per worker: the round's sequence number in the
+/// high 32 bits, the request's index in the round in the low 32. A runtime may use it as
+/// the wire request id; it feeds the reply back with it.
+pub type Tag = u64;
+
+/// What the push half of a round sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PushOp {
+    /// Gradients of this clock.
+    Grad(Clock),
+    /// Initial values (the first worker's parameters, before any push).
+    Init,
+}
+
+/// What one request asks of a server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// `Push { block, clock, values }`: the block's slice of the gradient.
+    Push(Clock),
+    /// `Init { block, values }`: the block's slice of the initial values.
+    Init,
+    /// `Pull { block, clock }`: the block's values, copied into the caller's tensor.
+    Pull(Clock),
+}
+
+impl Op {
+    /// The verb and clock that errors and timeouts name: `push(clock 3)`, `init(clock 0)`,
+    /// `pull(clock 4)`.
+    pub fn verb_clock(self) -> (&'static str, Clock) {
+        match self {
+            Op::Push(clock) => ("push", clock),
+            Op::Init => ("init", 0),
+            Op::Pull(clock) => ("pull", clock),
+        }
+    }
+
+    /// True for a push or an init (answered `PushAck`).
+    pub fn is_push(self) -> bool {
+        !matches!(self, Op::Pull(_))
+    }
+}
+
+impl From<PushOp> for Op {
+    fn from(op: PushOp) -> Self {
+        match op {
+            PushOp::Grad(clock) => Op::Push(clock),
+            PushOp::Init => Op::Init,
+        }
+    }
+}
+
+/// What the runtime must do for a round.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Send one request to a server and feed its reply to [`Round::on_reply`] with `tag`.
+    Send {
+        /// Names the request (and its reply).
+        tag: Tag,
+        /// The server (its id in the layout).
+        server: u32,
+        /// The block: `tensor[offset..offset + len]` of the push's or pull's tensor.
+        block: BlockSpec,
+        /// What to send.
+        op: Op,
+    },
+    /// Fetch the layout from the scheduler and hand it to [`Round::on_layout`].
+    RefreshLayout,
+    /// Call [`Round::on_wake`] at `until_us` (no earlier).
+    Wait {
+        /// When.
+        until_us: u64,
+    },
+}
+
+/// One worker's side of the job across rounds: its rank, its limits, the sequence of
+/// rounds (for unique tags) and its load report.
+#[derive(Debug)]
+pub struct Worker {
+    rank: u32,
+    timeout_us: u64,
+    seq: u32,
+    load: LoadReport,
+    /// The buffers of the last finished round, reused by the next.
+    spare: Option<Round>,
+}
+
+impl Worker {
+    /// Worker `rank`; a round fails when it still chases moved blocks after `timeout_us`
+    /// (the request timeout); a load report is due every `stats_interval_us`.
+    pub fn new(rank: u32, timeout_us: u64, stats_interval_us: u64, now_us: u64) -> Self {
+        Self { rank, timeout_us, seq: 0, load: LoadReport::new(rank, stats_interval_us, now_us), spare: None }
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The load report being collected.
+    pub fn load(&self) -> &LoadReport {
+        &self.load
+    }
+
+    /// Starts a round over `layout`: `push` (if any) sends `op` for every block of each
+    /// tensor `t` with `pushed[t]`, `pull` (if any) pulls at its clock every block of each
+    /// tensor with `pulled[t]` (a mask shorter than the model leaves the rest out). A round
+    /// pushing a gradient counts an iteration ([`Round::iteration`]). Returns the round and
+    /// its first requests; a round with nothing to do is done at once.
+    pub fn start(
+        &mut self,
+        now_us: u64,
+        layout: &Layout,
+        push: Option<(PushOp, &[bool])>,
+        pull: Option<(Clock, &[bool])>,
+    ) -> Result<(Round, Vec<Action>)> {
+        self.seq = self.seq.wrapping_add(1);
+        let iteration = match push {
+            Some((PushOp::Grad(clock), _)) => self.load.iteration(now_us, clock),
+            _ => None,
+        };
+        let mut round = self.spare.take().unwrap_or_default();
+        let actions = round.begin(self.seq, self.rank, self.timeout_us, now_us, layout, push, pull, iteration)?;
+        Ok((round, actions))
+    }
+
+    /// Ends a finished round: records its waits and push costs in the load report and
+    /// returns the report to send to the scheduler when one is due (a fresh one starts).
+    pub fn finish(&mut self, now_us: u64, round: Round) -> Option<WorkerLoad> {
+        self.load.record(&round);
+        self.spare = Some(round);
+        self.load.due(now_us)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,470 @@
+//! One round's plan: phases per server, the requests of each, the moved blocks waiting
+//! for a layout refresh, and what each server cost.
+
+use elasticps_core::CoreError;
+use elasticps_core::model::BlockSpec;
+use elasticps_core::sync::Clock;
+use elasticps_wire::{Control, Layout, Message};
+
+use super::{Action, Iteration, MAX_LAYOUT_REFRESHES, MOVED_BACKOFF_US, Op, PushOp, Tag};
+use crate::{NodeError, Result};
+
+/// A block still to do: push it (if the round pushes), pull it (if it pulls).
+#[derive(Clone, Copy, Debug)]
+struct Todo {
+    block: BlockSpec,
+    push: bool,
+    pull: bool,
+}
+
+/// Where one request stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Sent, no reply yet.
+    Waiting,
+    /// Not sent: a block only pulled, in a push phase; pulled once the phase ends.
+    Carried,
+    /// Push acknowledged.
+    Acked,
+    /// Pull answered.
+    Pulled,
+    /// The server no longer owns the block.
+    Moved,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Request {
+    todo: Todo,
+    phase: u32,
+    outcome: Outcome,
+}
+
+/// One server's pushes (or, if none, pulls) in flight at once: requests
+/// `first..first + len` of the round.
+#[derive(Clone, Copy, Debug)]
+struct Phase {
+    owner: u32,
+    push: bool,
+    first: u32,
+    len: u32,
+    pending: u32,
+    started_us: u64,
+}
+
+/// Where the chase of moved blocks stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Chase {
+    /// Nothing asked of the scheduler.
+    Idle,
+    /// [`Action::RefreshLayout`] given, waiting for [`Round::on_layout`].
+    Refreshing,
+    /// [`Action::Wait`] given, waiting for [`Round::on_wake`].
+    Waiting { until_us: u64 },
+}
+
+/// The plan of one round (see [the module](super)); made by
+/// [`Worker::start`](super::Worker::start).
+#[derive(Debug)]
+pub struct Round {
+    seq: u32,
+    rank: u32,
+    timeout_us: u64,
+    push: Option<PushOp>,
+    pull: Option<Clock>,
+    started_us: u64,
+    iteration: Option<Iteration>,
+    /// The current layout's owner of each block, its epoch, and how many servers it lists.
+    owners: Vec<u32>,
+    epoch: u64,
+    servers: usize,
+    requests: Vec<Request>,
+    phases: Vec<Phase>,
+    open_phases: u32,
+    chase: Chase,
+    /// Moved blocks to resend after the refresh under way.
+    moved: Vec<Todo>,
+    /// Blocks answered `Moved` while a refresh was under way: they wait for the next one
+    /// (the one under way may predate their move).
+    moved_next: Vec<Todo>,
+    refreshes: u32,
+    /// Scratch for grouping blocks by owner.
+    grouped: Vec<(u32, Todo)>,
+    scratch: Vec<Todo>,
+    /// Per server id: from the round's start to the end of its last phase.
+    waits: Vec<Option<u64>>,
+    /// Per server id: bytes pushed and acknowledged, and push phase time.
+    push_load: Vec<(u64, u64)>,
+}
+
+impl Default for Round {
+    fn default() -> Self {
+        Self {
+            seq: 0,
+            rank: 0,
+            timeout_us: 0,
+            push: None,
+            pull: None,
+            started_us: 0,
+            iteration: None,
+            owners: Vec::new(),
+            epoch: 0,
+            servers: 0,
+            requests: Vec::new(),
+            phases: Vec::new(),
+            open_phases: 0,
+            chase: Chase::Idle,
+            moved: Vec::new(),
+            moved_next: Vec::new(),
+            refreshes: 0,
+            grouped: Vec::new(),
+            scratch: Vec::new(),
+            waits: Vec::new(),
+            push_load: Vec::new(),
+        }
+    }
+}
+
+impl Round {
+    /// Resets this (possibly recycled) round for a new one and plans its first phases.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn begin(
+        &mut self,
+        seq: u32,
+        rank: u32,
+        timeout_us: u64,
+        now_us: u64,
+        layout: &Layout,
+        push: Option<(PushOp, &[bool])>,
+        pull: Option<(Clock, &[bool])>,
+        iteration: Option<Iteration>,
+    ) -> Result<Vec<Action>> {
+        self.seq = seq;
+        self.rank = rank;
+        self.timeout_us = timeout_us;
+        self.push = push.map(|(op, _)| op);
+        self.pull = pull.map(|(clock, _)| clock);
+        self.started_us = now_us;
+        self.iteration = iteration;
+        self.set_layout(layout);
+        self.requests.clear();
+        self.phases.clear();
+        self.open_phases = 0;
+        self.chase = Chase::Idle;
+        self.moved.clear();
+        self.moved_next.clear();
+        self.refreshes = 0;
+        self.waits.clear();
+        self.push_load.clear();
+        let has = |mask: Option<&[bool]>, t: u32| mask.is_some_and(|m| m.get(t as usize).copied().unwrap_or(false));
+        let (push_mask, pull_mask) = (push.map(|(_, m)| m), pull.map(|(_, m)| m));
+        let mut todo = std::mem::take(&mut self.scratch);
+        todo.clear();
+        todo.extend(
+            layout
+                .partition
+                .blocks
+                .iter()
+                .map(|b| Todo { block: *b, push: has(push_mask, b.tensor), pull: has(pull_mask, b.tensor) })
+                .filter(|t| t.push || t.pull),
+        );
+        let mut out = Vec::new();
+        let planned = self.plan(now_us, &mut todo, &mut out);
+        self.scratch = todo;
+        planned?;
+        Ok(out)
+    }
+
+    /// The iteration this round counted (a round pushing a new clock), for metrics.
+    pub fn iteration(&self) -> Option<Iteration> {
+        self.iteration
+    }
+
+    /// True once every request is answered and no moved block is left to resend.
+    pub fn is_done(&self) -> bool {
+        self.open_phases == 0 && self.chase == Chase::Idle && self.moved.is_empty() && self.moved_next.is_empty()
+    }
+
+    /// Requests sent and not answered yet.
+    pub fn in_flight(&self) -> usize {
+        self.phases.iter().map(|p| p.pending as usize).sum()
+    }
+
+    /// When the round started.
+    pub fn started_us(&self) -> u64 {
+        self.started_us
+    }
+
+    /// Layout refreshes this round asked for so far.
+    pub fn refreshes(&self) -> u32 {
+        self.refreshes
+    }
+
+    /// The servers this round waited for, in id order, with how long: from the round's
+    /// start until the end of that server's last phase (its last reply).
+    pub fn waited(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.waits.iter().enumerate().filter_map(|(s, w)| w.map(|w| (s as u32, w)))
+    }
+
+    /// The wait per server id (0 for a server not waited for), covering every server of
+    /// the current layout.
+    pub fn waits_per_server_us(&self) -> Vec<u64> {
+        let n = self.waits.len().max(self.servers);
+        (0..n).map(|s| self.waits.get(s).copied().flatten().unwrap_or(0)).collect()
+    }
+
+    /// Per server that acknowledged pushes, in id order: (server, payload bytes pushed,
+    /// summed time of its push phases from the first push sent to the last
+    /// acknowledgement), the balancer's service time measurement.
+    pub fn push_load(&self) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
+        self.push_load.iter().enumerate().filter(|(_, (b, _))| *b > 0).map(|(s, (b, us))| (s as u32, *b, *us))
+    }
+
+    /// The reply `msg` to request `tag`. A `PushAck` or `Moved` for a push or init, a
+    /// `PullReply` as long as the block or `Moved` for a pull; anything else fails the round
+    /// with the error a user sees (an `Error` frame as [`NodeError::Remote`], another
+    /// message as [`NodeError::Protocol`]). Accepted `PullReply` values are the runtime's
+    /// to copy into the pulled tensor.
+    pub fn on_reply(&mut self, now_us: u64, tag: Tag, msg: &Message) -> Result<Vec<Action>> {
+        let index = (tag & u64::from(u32::MAX)) as usize;
+        let request = match self.requests.get(index) {
+            Some(r) if tag >> 32 == u64::from(self.seq) && r.outcome == Outcome::Waiting => *r,
+            _ => return Err(NodeError::Refused(format!("reply to no request of this round (tag {tag:#x})"))),
+        };
+        let phase = self.phases[request.phase as usize];
+        let b = request.todo.block;
+        let op = self.op(phase.push);
+        let outcome = match (msg, op.is_push()) {
+            (Message::Error(reply), _) => {
+                let (verb, clock) = op.verb_clock();
+                return Err(NodeError::Remote {
+                    peer: format!(
+                        "server {} (answering {verb}(clock {clock}) of block {} from worker {})",
+                        phase.owner, b.id, self.rank
+                    ),
+                    reply: reply.clone(),
+                });
+            }
+            (Message::Control(Control::Moved { .. }), _) => Outcome::Moved,
+            (Message::PushAck { .. }, true) => Outcome::Acked,
+            (Message::PullReply { values, .. }, false) if values.len() == b.len => Outcome::Pulled,
+            (other, push) => {
+                let wanted = if push { "PushAck".to_string() } else { format!("PullReply of {} values", b.len) };
+                return Err(NodeError::Protocol {
+                    peer: format!("server {}", phase.owner),
+                    what: format!("expected {wanted}, got {:?}", other.kind()),
+                });
+            }
+        };
+        self.requests[index].outcome = outcome;
+        let p = &mut self.phases[request.phase as usize];
+        p.pending -= 1;
+        let mut out = Vec::new();
+        if p.pending == 0 {
+            self.phase_done(now_us, request.phase, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// The layout the scheduler sent after [`Action::RefreshLayout`]: resends the moved
+    /// blocks to their owners in it, or, if its epoch is the one the round had, waits
+    /// first ([`Action::Wait`]). A layout given while no refresh is under way only
+    /// replaces the owners.
+    pub fn on_layout(&mut self, now_us: u64, layout: &Layout) -> Result<Vec<Action>> {
+        let epoch = self.epoch;
+        self.set_layout(layout);
+        let mut out = Vec::new();
+        if self.chase != Chase::Refreshing {
+            return Ok(out);
+        }
+        if layout.placement.epoch == epoch {
+            // A server answered Moved before the scheduler published the move: give the
+            // scheduler a moment.
+            let until_us = now_us + MOVED_BACKOFF_US * u64::from(self.refreshes.min(20));
+            self.chase = Chase::Waiting { until_us };
+            out.push(Action::Wait { until_us });
+        } else {
+            self.resend(now_us, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Time passed after [`Action::Wait`]: resends the moved blocks (or repeats the wait
+    /// if it is not over yet).
+    pub fn on_wake(&mut self, now_us: u64) -> Result<Vec<Action>> {
+        let mut out = Vec::new();
+        if let Chase::Waiting { until_us } = self.chase {
+            if now_us < until_us {
+                out.push(Action::Wait { until_us });
+            } else {
+                self.resend(now_us, &mut out)?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn set_layout(&mut self, layout: &Layout) {
+        self.owners.clone_from(&layout.placement.owners);
+        self.epoch = layout.placement.epoch;
+        self.servers = layout.servers.len();
+    }
+
+    fn op(&self, push_phase: bool) -> Op {
+        match (push_phase, self.push, self.pull) {
+            (true, Some(op), _) => op.into(),
+            (_, _, Some(clock)) => Op::Pull(clock),
+            // A pull phase exists only in a round that pulls.
+            _ => Op::Pull(0),
+        }
+    }
+
+    /// Groups `todo` (emptied) by the current owner and opens one phase per owner, in
+    /// owner order, blocks in the order given.
+    fn plan(&mut self, now_us: u64, todo: &mut Vec<Todo>, out: &mut Vec<Action>) -> Result<()> {
+        let mut grouped = std::mem::take(&mut self.grouped);
+        grouped.clear();
+        let mut result = Ok(());
+        for t in todo.drain(..) {
+            match self.owners.get(t.block.id as usize) {
+                Some(owner) => grouped.push((*owner, t)),
+                None => {
+                    result = Err(CoreError::UnknownBlock(t.block.id).into());
+                    break;
+                }
+            }
+        }
+        if result.is_ok() {
+            grouped.sort_by_key(|(owner, _)| *owner);
+            let mut i = 0;
+            while i < grouped.len() {
+                let owner = grouped[i].0;
+                let end = i + grouped[i..].iter().take_while(|(o, _)| *o == owner).count();
+                if let Err(e) = self.open_phase(now_us, owner, &grouped[i..end], out) {
+                    result = Err(e);
+                    break;
+                }
+                i = end;
+            }
+        }
+        grouped.clear();
+        self.grouped = grouped;
+        result
+    }
+
+    /// One phase with `owner`: the pushes of `items` that have one, all in flight at once
+    /// (the others, to pull, wait for the phase's end), or, if none has, their pulls.
+    fn open_phase(&mut self, now_us: u64, owner: u32, items: &[(u32, Todo)], out: &mut Vec<Action>) -> Result<()> {
+        let push = self.push.is_some() && items.iter().any(|(_, t)| t.push);
+        let phase = self.phases.len() as u32;
+        let first = self.requests.len() as u32;
+        let op = self.op(push);
+        let mut pending = 0;
+        for (_, t) in items {
+            let send = if push { t.push } else { t.pull && self.pull.is_some() };
+            if !send && !(push && t.pull) {
+                continue;
+            }
+            let index = self.requests.len() as u64;
+            if index > u64::from(u32::MAX) {
+                return Err(NodeError::Refused("a round of more than 2^32 requests".into()));
+            }
+            let outcome = if send { Outcome::Waiting } else { Outcome::Carried };
+            self.requests.push(Request { todo: *t, phase, outcome });
+            if send {
+                pending += 1;
+                out.push(Action::Send { tag: (u64::from(self.seq) << 32) | index, server: owner, block: t.block, op });
+            }
+        }
+        let len = self.requests.len() as u32 - first;
+        self.phases.push(Phase { owner, push, first, len, pending, started_us: now_us });
+        self.open_phases += 1;
+        if pending == 0 {
+            self.phase_done(now_us, phase, out)?;
+        }
+        Ok(())
+    }
+
+    /// A phase got its last reply: record the wait and push cost, pull what was pushed
+    /// (or carried), and chase what moved.
+    fn phase_done(&mut self, now_us: u64, phase: u32, out: &mut Vec<Action>) -> Result<()> {
+        self.open_phases -= 1;
+        let p = self.phases[phase as usize];
+        let owner = p.owner as usize;
+        if self.waits.len() <= owner {
+            self.waits.resize(owner + 1, None);
+        }
+        self.waits[owner] = Some(now_us.saturating_sub(self.started_us));
+        let mut to_pull = std::mem::take(&mut self.scratch);
+        to_pull.clear();
+        let mut moved = 0;
+        let mut push_bytes = 0;
+        for r in &self.requests[p.first as usize..(p.first + p.len) as usize] {
+            let b = r.todo.block;
+            match r.outcome {
+                Outcome::Acked => {
+                    push_bytes += b.len as u64 * 4;
+                    if r.todo.pull {
+                        to_pull.push(Todo { block: b, push: false, pull: true });
+                    }
+                }
+                Outcome::Carried => to_pull.push(Todo { block: b, push: false, pull: true }),
+                Outcome::Moved => {
+                    moved += 1;
+                    let todo =
+                        if p.push { Todo { push: true, ..r.todo } } else { Todo { block: b, push: false, pull: true } };
+                    if self.chase == Chase::Idle { self.moved.push(todo) } else { self.moved_next.push(todo) }
+                }
+                Outcome::Pulled | Outcome::Waiting => {}
+            }
+        }
+        if push_bytes > 0 {
+            if self.push_load.len() <= owner {
+                self.push_load.resize(owner + 1, (0, 0));
+            }
+            let l = &mut self.push_load[owner];
+            l.0 += push_bytes;
+            l.1 += now_us.saturating_sub(p.started_us);
+        }
+        let planned = self.plan(now_us, &mut to_pull, out);
+        self.scratch = to_pull;
+        planned?;
+        if moved > 0 && self.chase == Chase::Idle {
+            self.refresh(now_us, out)?;
+        }
+        Ok(())
+    }
+
+    /// Asks for a layout refresh, unless the round already chased too long.
+    fn refresh(&mut self, now_us: u64, out: &mut Vec<Action>) -> Result<()> {
+        self.refreshes += 1;
+        let elapsed_us = now_us.saturating_sub(self.started_us);
+        if self.refreshes > MAX_LAYOUT_REFRESHES || elapsed_us > self.timeout_us {
+            return Err(NodeError::Protocol {
+                peer: "servers".into(),
+                what: format!(
+                    "blocks kept moving through {} layout refreshes in {:.1} s",
+                    self.refreshes,
+                    elapsed_us as f64 / 1e6
+                ),
+            });
+        }
+        tracing::debug!(blocks = self.moved.len(), refreshes = self.refreshes, "blocks moved; refreshing the layout");
+        self.chase = Chase::Refreshing;
+        out.push(Action::RefreshLayout);
+        Ok(())
+    }
+
+    /// Resends the moved blocks to their current owners; then chases those that moved
+    /// while this refresh was under way.
+    fn resend(&mut self, now_us: u64, out: &mut Vec<Action>) -> Result<()> {
+        self.chase = Chase::Idle;
+        let mut moved = std::mem::take(&mut self.moved);
+        let planned = self.plan(now_us, &mut moved, out);
+        self.moved = moved;
+        planned?;
+        if !self.moved_next.is_empty() {
+            std::mem::swap(&mut self.moved, &mut self.moved_next);
+            self.refresh(now_us, out)?;
+        }
+        Ok(())
+    }
+}

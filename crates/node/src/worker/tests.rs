@@ -1,0 +1,362 @@
+//! The round driven by hand: replies and layouts fed in, actions checked.
+
+use elasticps_core::model::{Init, Partition, TensorSpec};
+use elasticps_core::placement::Placement;
+use elasticps_wire::{Control, ErrorCode, ErrorReply, Layout, Message, ServerAddr, Values};
+
+use super::*;
+use crate::NodeError;
+
+const TIMEOUT_US: u64 = 300_000_000;
+const INTERVAL_US: u64 = 1_000_000;
+
+/// Tensors of `lens` values cut into blocks of `block_len` values, owned as `owners` says.
+fn layout(lens: &[usize], block_len: usize, owners: Vec<u32>, epoch: u64, servers: u32) -> Layout {
+    let tensors = lens
+        .iter()
+        .enumerate()
+        .map(|(i, n)| TensorSpec { name: format!("t{i}"), shape: vec![*n], init: Init::Zeros })
+        .collect();
+    let partition = Partition::new(tensors, block_len * 4).unwrap();
+    assert_eq!(partition.blocks.len(), owners.len(), "one owner per block");
+    Layout {
+        partition,
+        placement: Placement { epoch, owners },
+        servers: (0..servers).map(|id| ServerAddr { id, addr: format!("s{id}") }).collect(),
+        seed: 0,
+    }
+}
+
+fn worker() -> Worker {
+    Worker::new(0, TIMEOUT_US, INTERVAL_US, 0)
+}
+
+/// The sends among `actions`: (tag, server, block id, op).
+fn sends(actions: &[Action]) -> Vec<(Tag, u32, u32, Op)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Send { tag, server, block, op } => Some((*tag, *server, block.id, *op)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn ack(block: u32) -> Message {
+    Message::PushAck { block, clock: 0 }
+}
+
+fn pulled(block: u32, len: usize) -> Message {
+    Message::PullReply { block, clock: 0, values: Values::from_vec(vec![0.5; len]) }
+}
+
+fn moved(block: u32) -> Message {
+    Message::Control(Control::Moved { block, owner: 1, epoch: 2 })
+}
+
+#[test]
+fn a_pull_is_sent_only_once_its_server_acknowledged_the_pushes() {
+    // Two tensors of two blocks each; blocks 0, 1 on server 0, blocks 2, 3 on server 1.
+    let l = layout(&[4, 4], 2, vec![0, 0, 1, 1], 1, 2);
+    let mut w = worker();
+    let (mut r, first) = w.start(10, &l, Some((PushOp::Grad(3), &[true, true])), Some((4, &[true, true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(
+        first.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
+        vec![(0, 0, Op::Push(3)), (0, 1, Op::Push(3)), (1, 2, Op::Push(3)), (1, 3, Op::Push(3))],
+        "every push in flight at once, no pull yet"
+    );
+    let tags: Vec<Tag> = first.iter().map(|s| s.0).collect();
+    assert!(r.on_reply(20, tags[0], &ack(0)).unwrap().is_empty(), "server 0 has not acknowledged block 1");
+    assert!(r.on_reply(25, tags[2], &ack(2)).unwrap().is_empty());
+    let pulls0 = sends(&r.on_reply(30, tags[1], &ack(1)).unwrap());
+    assert_eq!(
+        pulls0.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
+        vec![(0, 0, Op::Pull(4)), (0, 1, Op::Pull(4))]
+    );
+    let pulls1 = sends(&r.on_reply(40, tags[3], &ack(3)).unwrap());
+    assert_eq!(pulls1.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(1, 2), (1, 3)]);
+    for (tag, _, b, _) in pulls1.iter().chain(&pulls0) {
+        assert!(!r.is_done());
+        assert!(r.on_reply(100 + u64::from(*b), *tag, &pulled(*b, 2)).unwrap().is_empty());
+    }
+    assert!(r.is_done());
+    assert_eq!(r.in_flight(), 0);
+    // Server 1's last reply (block 3) came at 103, server 0's (block 1) at 101.
+    assert_eq!(r.waited().collect::<Vec<_>>(), vec![(0, 91), (1, 93)]);
+    assert_eq!(r.waits_per_server_us(), vec![91, 93]);
+    // Push phases: server 0 from 10 to 30, server 1 from 10 to 40; 2 blocks of 8 bytes each.
+    assert_eq!(r.push_load().collect::<Vec<_>>(), vec![(0, 16, 20), (1, 16, 30)]);
+    assert_eq!(r.refreshes(), 0);
+    assert!(w.finish(200, r).is_none(), "no report before the stats interval");
+    let load = w.load().current();
+    assert_eq!(load.clock, 3);
+    assert_eq!(load.per_server.len(), 2);
+    assert_eq!((load.per_server[1].rounds, load.per_server[1].wait_us, load.per_server[1].push_us), (1, 93, 30));
+}
+
+#[test]
+fn a_moved_block_is_resent_to_its_new_owner_after_the_layout() {
+    let l = layout(&[4], 2, vec![0, 1], 1, 2);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), Some((1, &[true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(first.len(), 2);
+    // Server 1 acknowledges block 1 and pulls it; server 0 answers Moved for block 0.
+    let p1 = sends(&r.on_reply(5, first[1].0, &ack(1)).unwrap());
+    assert_eq!(p1.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 1, Op::Pull(1))]);
+    let after_moved = r.on_reply(6, first[0].0, &moved(0)).unwrap();
+    assert_eq!(after_moved, vec![Action::RefreshLayout], "nothing sent before the layout");
+    assert!(!r.is_done());
+    assert!(r.on_reply(7, p1[0].0, &pulled(1, 2)).unwrap().is_empty());
+    assert!(!r.is_done(), "block 0 is still to push and pull");
+    // The new layout gives block 0 to server 1: the push is resent there, then the pull.
+    let l2 = layout(&[4], 2, vec![1, 1], 2, 2);
+    let resent = sends(&r.on_layout(8, &l2).unwrap());
+    assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Push(0))]);
+    let p0 = sends(&r.on_reply(9, resent[0].0, &ack(0)).unwrap());
+    assert_eq!(p0.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Pull(1))]);
+    assert!(r.on_reply(12, p0[0].0, &pulled(0, 2)).unwrap().is_empty());
+    assert!(r.is_done());
+    assert_eq!(r.refreshes(), 1);
+    assert_eq!(r.waited().collect::<Vec<_>>(), vec![(0, 6), (1, 12)]);
+    // Server 0 acknowledged nothing: no push sample for it.
+    assert_eq!(r.push_load().collect::<Vec<_>>(), vec![(1, 16, 5 + 1)]);
+}
+
+#[test]
+fn a_moved_pull_is_resent_as_a_pull() {
+    let l = layout(&[2], 2, vec![0], 1, 2);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, None, Some((7, &[true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(first.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::Pull(7))]);
+    assert_eq!(r.on_reply(1, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    let resent = sends(&r.on_layout(2, &layout(&[2], 2, vec![1], 2, 2)).unwrap());
+    assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Pull(7))]);
+    r.on_reply(3, resent[0].0, &pulled(0, 2)).unwrap();
+    assert!(r.is_done());
+    assert!(r.iteration().is_none(), "a pull counts no iteration");
+}
+
+#[test]
+fn the_same_epoch_waits_before_resending() {
+    let l = layout(&[2], 2, vec![0], 1, 2);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
+    let tag = sends(&first)[0].0;
+    assert_eq!(r.on_reply(100, tag, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    // The scheduler has not published the move yet.
+    assert_eq!(r.on_layout(200, &l).unwrap(), vec![Action::Wait { until_us: 200 + MOVED_BACKOFF_US }]);
+    assert_eq!(r.on_wake(300).unwrap(), vec![Action::Wait { until_us: 200 + MOVED_BACKOFF_US }], "too early");
+    let resent = sends(&r.on_wake(200 + MOVED_BACKOFF_US).unwrap());
+    assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::Push(0))]);
+    // Moved again: the second refresh waits twice as long.
+    assert_eq!(r.on_reply(6000, resent[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    assert_eq!(r.on_layout(6100, &l).unwrap(), vec![Action::Wait { until_us: 6100 + 2 * MOVED_BACKOFF_US }]);
+    let resent = sends(&r.on_wake(6100 + 2 * MOVED_BACKOFF_US).unwrap());
+    r.on_reply(20_000, resent[0].0, &ack(0)).unwrap();
+    assert!(r.is_done());
+    assert_eq!(r.refreshes(), 2);
+}
+
+#[test]
+fn blocks_that_keep_moving_end_the_round_after_the_refresh_limit() {
+    let l = layout(&[2], 2, vec![0], 1, 1);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
+    let mut tag = sends(&first)[0].0;
+    let mut now = 0;
+    for i in 1..=MAX_LAYOUT_REFRESHES as u64 {
+        now += 10;
+        assert_eq!(r.on_reply(now, tag, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+        let next = layout(&[2], 2, vec![0], 1 + i, 1);
+        tag = sends(&r.on_layout(now, &next).unwrap())[0].0;
+    }
+    let err = r.on_reply(now + 10, tag, &moved(0)).unwrap_err();
+    assert_eq!(err.to_string(), "protocol error with servers: blocks kept moving through 65 layout refreshes in 0.0 s");
+}
+
+#[test]
+fn blocks_that_keep_moving_end_the_round_after_the_request_timeout() {
+    let l = layout(&[2], 2, vec![0], 1, 1);
+    let mut w = Worker::new(0, 1_000_000, INTERVAL_US, 0);
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
+    let err = r.on_reply(2_500_000, sends(&first)[0].0, &moved(0)).unwrap_err();
+    assert!(matches!(err, NodeError::Protocol { .. }));
+    assert_eq!(err.to_string(), "protocol error with servers: blocks kept moving through 1 layout refreshes in 2.5 s");
+}
+
+#[test]
+fn a_block_moved_while_a_refresh_is_under_way_waits_for_the_next_refresh() {
+    let l = layout(&[2, 2], 2, vec![0, 1], 1, 3);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true, true])), None).unwrap();
+    let first = sends(&first);
+    assert_eq!(r.on_reply(1, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    // Block 1 moves while the refresh is under way: no second refresh at once.
+    assert!(r.on_reply(2, first[1].0, &moved(1)).unwrap().is_empty());
+    // The layout (which may predate block 1's move) resends block 0, then refreshes again.
+    let l2 = layout(&[2, 2], 2, vec![2, 1], 2, 3);
+    let acts = r.on_layout(3, &l2).unwrap();
+    let resent0 = sends(&acts);
+    assert_eq!(resent0.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(2, 0)]);
+    assert_eq!(acts.last(), Some(&Action::RefreshLayout));
+    let l3 = layout(&[2, 2], 2, vec![2, 2], 3, 3);
+    let resent1 = sends(&r.on_layout(4, &l3).unwrap());
+    assert_eq!(resent1.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(2, 1)]);
+    r.on_reply(5, resent1[0].0, &ack(1)).unwrap();
+    assert!(!r.is_done(), "block 0's push is still in flight");
+    r.on_reply(6, resent0[0].0, &ack(0)).unwrap();
+    assert!(r.is_done());
+    assert_eq!(r.refreshes(), 2);
+}
+
+#[test]
+fn push_only_and_pull_only_rounds() {
+    let l = layout(&[4], 2, vec![0, 1], 1, 2);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(5), &[true])), None).unwrap();
+    let first = sends(&first);
+    assert!(first.iter().all(|(_, _, _, op)| *op == Op::Push(5)));
+    for (tag, _, b, _) in &first {
+        assert!(r.on_reply(3, *tag, &ack(*b)).unwrap().is_empty(), "a push-only round pulls nothing");
+    }
+    assert!(r.is_done());
+    assert_eq!(r.iteration(), Some(Iteration { clock: 5, since_last_us: None }));
+    w.finish(3, r);
+
+    let (mut r, first) = w.start(10, &l, None, Some((6, &[true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(
+        first.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
+        vec![(0, 0, Op::Pull(6)), (1, 1, Op::Pull(6))]
+    );
+    for (tag, _, b, _) in &first {
+        r.on_reply(20, *tag, &pulled(*b, 2)).unwrap();
+    }
+    assert!(r.is_done());
+    assert_eq!(r.push_load().count(), 0, "a pull measures no service time");
+    assert_eq!(r.waited().collect::<Vec<_>>(), vec![(0, 10), (1, 10)]);
+}
+
+#[test]
+fn a_partial_round_carries_a_pull_only_block_past_its_servers_pushes() {
+    // Tensor 0 (blocks 0, 1) pushed and pulled, tensor 1 (block 2) only pulled, tensor 2
+    // (block 3) in neither; all on server 0, except block 1 on server 1.
+    let l = layout(&[4, 2, 2], 2, vec![0, 1, 0, 0], 1, 2);
+    let mut w = worker();
+    let (mut r, first) =
+        w.start(0, &l, Some((PushOp::Grad(1), &[true, false])), Some((2, &[true, true, false]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(
+        first.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
+        vec![(0, 0, Op::Push(1)), (1, 1, Op::Push(1))],
+        "block 2's pull waits for server 0's pushes"
+    );
+    let p0 = sends(&r.on_reply(1, first[0].0, &ack(0)).unwrap());
+    assert_eq!(
+        p0.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
+        vec![(0, 0, Op::Pull(2)), (0, 2, Op::Pull(2))]
+    );
+    let p1 = sends(&r.on_reply(2, first[1].0, &ack(1)).unwrap());
+    assert_eq!(p1.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(1, 1)]);
+    for (tag, _, b, _) in p0.iter().chain(&p1) {
+        r.on_reply(3, *tag, &pulled(*b, 2)).unwrap();
+    }
+    assert!(r.is_done());
+    // A server that holds only pulled blocks gets a pull phase at once.
+    let (_, first) =
+        w.start(10, &l, Some((PushOp::Grad(2), &[false, false, true])), Some((3, &[false, true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(first.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 3, Op::Push(2))]);
+}
+
+#[test]
+fn an_init_round_pushes_initial_values() {
+    let l = layout(&[2], 2, vec![0], 1, 1);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Init, &[true])), None).unwrap();
+    let first = sends(&first);
+    assert_eq!(first[0].3, Op::Init);
+    assert!(r.iteration().is_none(), "init counts no iteration");
+    r.on_reply(1, first[0].0, &ack(0)).unwrap();
+    assert!(r.is_done());
+}
+
+#[test]
+fn a_round_with_nothing_to_do_is_done_at_once() {
+    let l = layout(&[2], 2, vec![0], 1, 1);
+    let mut w = worker();
+    let (r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[false])), Some((1, &[]))).unwrap();
+    assert!(first.is_empty());
+    assert!(r.is_done());
+    assert_eq!(r.waits_per_server_us(), vec![0]);
+}
+
+#[test]
+fn wrong_replies_fail_the_round_with_todays_messages() {
+    let l = layout(&[2], 2, vec![0], 1, 1);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, None, Some((4, &[true]))).unwrap();
+    let tag = sends(&first)[0].0;
+    let err = r.on_reply(1, tag, &pulled(0, 3)).unwrap_err();
+    assert_eq!(err.to_string(), "protocol error with server 0: expected PullReply of 2 values, got PullReply");
+    let err = r.on_reply(1, tag, &ack(0)).unwrap_err();
+    assert_eq!(err.to_string(), "protocol error with server 0: expected PullReply of 2 values, got PushAck");
+    let refusal = ErrorReply { code: ErrorCode::UnknownBlock, message: "no block 0".into() };
+    let err = r.on_reply(1, tag, &Message::Error(refusal)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "server 0 (answering pull(clock 4) of block 0 from worker 0) answered UnknownBlock: no block 0"
+    );
+    assert!(matches!(r.on_reply(1, tag + 1, &pulled(0, 2)), Err(NodeError::Refused(_))), "no such request");
+    let (mut r2, first2) = w.start(10, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
+    let tag2 = sends(&first2)[0].0;
+    assert_ne!(tag2, tag, "tags are unique across rounds");
+    assert!(matches!(r2.on_reply(11, tag, &ack(0)), Err(NodeError::Refused(_))), "a reply from an earlier round");
+    let err = r2.on_reply(11, tag2, &pulled(0, 2)).unwrap_err();
+    assert_eq!(err.to_string(), "protocol error with server 0: expected PushAck, got PullReply");
+    // A reply counts once.
+    r2.on_reply(12, tag2, &ack(0)).unwrap();
+    assert!(matches!(r2.on_reply(13, tag2, &ack(0)), Err(NodeError::Refused(_))));
+}
+
+#[test]
+fn a_layout_without_the_block_fails_the_resend() {
+    let l = layout(&[4], 2, vec![0, 0], 1, 1);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, None, Some((0, &[true]))).unwrap();
+    let first = sends(&first);
+    r.on_reply(1, first[0].0, &pulled(0, 2)).unwrap();
+    assert_eq!(r.on_reply(1, first[1].0, &moved(1)).unwrap(), vec![Action::RefreshLayout]);
+    let mut short = layout(&[2], 2, vec![0], 2, 1);
+    short.placement.owners.clear();
+    assert!(matches!(r.on_layout(2, &short), Err(NodeError::Core(_))));
+}
+
+#[test]
+fn the_load_report_counts_iterations_and_is_due_every_interval() {
+    let l = layout(&[2], 2, vec![0], 1, 1);
+    let mut w = worker();
+    let mut now = 0;
+    for clock in 0..3 {
+        // Two rounds per clock (tensor by tensor): one iteration.
+        for _ in 0..2 {
+            let (mut r, first) = w.start(now, &l, Some((PushOp::Grad(clock), &[true])), None).unwrap();
+            r.on_reply(now + 100, sends(&first)[0].0, &ack(0)).unwrap();
+            assert!(w.finish(now + 100, r).is_none());
+            now += 150_000;
+        }
+    }
+    let (mut r, first) = w.start(now, &l, Some((PushOp::Grad(3), &[true])), None).unwrap();
+    assert_eq!(r.iteration(), Some(Iteration { clock: 3, since_last_us: Some(300_000) }));
+    r.on_reply(now + 100, sends(&first)[0].0, &ack(0)).unwrap();
+    let report = w.finish(INTERVAL_US, r).expect("the interval passed");
+    assert_eq!((report.rank, report.clock, report.iterations, report.iter_us), (0, 3, 3, 900_000));
+    assert_eq!(report.per_server.len(), 1);
+    let s = &report.per_server[0];
+    assert_eq!((s.server, s.rounds, s.push_bytes, s.push_us, s.wait_us), (0, 7, 7 * 8, 700, 700));
+    let fresh = w.load().current();
+    assert_eq!((fresh.clock, fresh.iterations, fresh.per_server.len()), (3, 0, 0));
+}
