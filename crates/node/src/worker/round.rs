@@ -360,7 +360,8 @@ impl Round {
         let mut pending = 0;
         for (_, t) in items {
             let send = if push { t.push } else { t.pull && self.pull.is_some() };
-            if !send && !(push && t.pull) {
+            let carry = push && !t.push && t.pull;
+            if !send && !carry {
                 continue;
             }
             let index = self.requests.len() as u64;
