@@ -13,22 +13,28 @@
 //!
 //! A server that no longer owns a block answers `Moved`; the client then refreshes the
 //! layout from the scheduler and resends only the moved blocks.
+//!
+//! What a round sends where, and what it resends, is the plan of
+//! [`elasticps_node::worker`]; this file carries it out: connections, tensor bytes in and
+//! out of messages, timeouts, the layout refresh.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use elasticps_core::model::{BlockSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Codec, Control, Layout, Message, ServerSample, Values, WorkerLoad};
+use elasticps_node::NodeError;
+use elasticps_node::worker::{Action, Op, PushOp, Round, Worker};
+use elasticps_wire::{Codec, Control, Layout, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 use crate::peer::Peer;
-use crate::{CALL_TIMEOUT, HEARTBEAT_EVERY};
+use crate::{CALL_TIMEOUT, HEARTBEAT_EVERY, Micros, STATS_INTERVAL};
 
 /// How a worker connects.
 #[derive(Clone, Debug)]
@@ -76,86 +82,10 @@ pub struct Client {
     shutdown: Arc<Mutex<Option<String>>>,
     heartbeat: tokio::task::JoinHandle<()>,
     waits: Waits,
-    load: LoadReport,
-}
-
-/// What this worker reports to the scheduler every stats interval: its iterations and
-/// what each server cost it (the balancer's measurements).
-#[derive(Debug)]
-struct LoadReport {
-    since: Instant,
-    /// When the last push of a new clock started, and that clock.
-    last_push: Option<(Instant, Clock)>,
-    report: WorkerLoad,
-    metrics: Option<Arc<WorkerMetrics>>,
-}
-
-impl LoadReport {
-    fn new(rank: u32, metrics: Option<Arc<WorkerMetrics>>) -> Self {
-        if let Some(m) = &metrics {
-            m.registered_as(rank);
-        }
-        Self { since: Instant::now(), last_push: None, report: WorkerLoad { rank, ..Default::default() }, metrics }
-    }
-
-    /// A round pushing `clock` starts: the time since the first push of the previous clock
-    /// is one iteration (a client that pushes tensor by tensor pushes one clock many times).
-    fn iteration(&mut self, clock: Clock) {
-        if self.last_push.is_some_and(|(_, c)| c == clock) {
-            return;
-        }
-        let now = Instant::now();
-        let last = self.last_push.replace((now, clock)).map(|(t, _)| t);
-        if let Some(last) = last {
-            self.report.iterations += 1;
-            self.report.iter_us += now.duration_since(last).as_micros() as u64;
-        }
-        self.report.clock = clock;
-        if let Some(m) = &self.metrics {
-            m.iteration(clock, last.map(|l| now.duration_since(l)));
-        }
-    }
-
-    fn sample(&mut self, server: u32) -> &mut ServerSample {
-        let per = &mut self.report.per_server;
-        let i = match per.iter().position(|p| p.server == server) {
-            Some(i) => i,
-            None => {
-                per.push(ServerSample { server, ..Default::default() });
-                per.len() - 1
-            }
-        };
-        &mut per[i]
-    }
-
-    /// A push phase measures the server's service time.
-    fn phase(&mut self, done: &PhaseDone) {
-        if done.push_bytes > 0 {
-            let p = self.sample(done.owner);
-            p.push_bytes += done.push_bytes;
-            p.push_us += done.push_time.as_micros() as u64;
-        }
-    }
-
-    /// At the end of a round: how long it waited for this server.
-    fn waited(&mut self, server: u32, waited: Duration) {
-        let p = self.sample(server);
-        p.rounds += 1;
-        p.wait_us += waited.as_micros() as u64;
-        if let Some(m) = &self.metrics {
-            m.waited(server, waited);
-        }
-    }
-
-    /// The report, if an interval has passed (then a fresh one starts).
-    fn due(&mut self) -> Option<WorkerLoad> {
-        if self.since.elapsed() < crate::STATS_INTERVAL {
-            return None;
-        }
-        self.since = Instant::now();
-        let fresh = WorkerLoad { rank: self.report.rank, clock: self.report.clock, ..Default::default() };
-        Some(std::mem::replace(&mut self.report, fresh))
-    }
+    /// The rounds' plans and the load report (the balancer's measurements).
+    worker: Worker,
+    /// The time handed to the plan.
+    clock: Micros,
 }
 
 impl Client {
@@ -187,7 +117,11 @@ impl Client {
             }
         });
         tracing::info!(rank, num_workers, "worker registered");
-        let load = LoadReport::new(rank, opts.metrics.clone());
+        if let Some(m) = &opts.metrics {
+            m.registered_as(rank);
+        }
+        let clock = Micros::new();
+        let worker = Worker::new(rank, micros(opts.request_timeout), micros(STATS_INTERVAL), clock.now());
         Ok(Client {
             rank,
             num_workers,
@@ -198,7 +132,8 @@ impl Client {
             shutdown,
             heartbeat,
             waits: Waits::default(),
-            load,
+            worker,
+            clock,
         })
     }
 
@@ -362,99 +297,81 @@ impl Client {
 
     /// One round trip with every server at once: for each block, the push (if any),
     /// then, once the block's server acknowledged all of this round's pushes, the pull
-    /// (if any). Each server's push phase and pull phase are separate futures, so a
-    /// block whose server answered `Moved` is resent (after a layout refresh) at once, not
-    /// after pulls that the sync policy holds elsewhere: those may wait for exactly that
-    /// push from another worker.
+    /// (if any); a block whose server answered `Moved` is resent after a layout refresh.
+    /// The plan ([`Round`]) decides; this sends its requests, feeds it the replies and
+    /// copies pulled values into `pull`'s tensors.
     async fn round(
         &mut self,
         push: Option<(PushOp, &[Option<&[f32]>])>,
         mut pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
     ) -> Result<()> {
-        let mut layout = self.current_layout()?;
-        let pull_clock = pull.as_ref().map(|(c, _)| *c);
-        let started = Instant::now();
-        if let Some((PushOp::Grad(clock), _)) = push {
-            self.load.iteration(clock);
+        let layout = self.current_layout()?;
+        let push_mask: Vec<bool> = push.map_or_else(Vec::new, |(_, g)| g.iter().map(Option::is_some).collect());
+        let pull_mask: Vec<bool> =
+            pull.as_ref().map_or_else(Vec::new, |(_, p)| p.iter().map(Option::is_some).collect());
+        let (mut plan, actions) = self
+            .worker
+            .start(
+                self.clock.now(),
+                &layout,
+                push.map(|(op, _)| (op, &push_mask[..])),
+                pull.as_ref().map(|(clock, _)| (*clock, &pull_mask[..])),
+            )
+            .map_err(from_node)?;
+        if let (Some(m), Some(it)) = (&self.opts.metrics, plan.iteration()) {
+            m.iteration(it.clock, it.since_last_us.map(Duration::from_micros));
         }
-        let rank = self.rank;
-        let timeout = self.opts.request_timeout;
-        let ctx = |owner| RoundCtx { rank, owner, timeout };
-        let mut phases = FuturesUnordered::new();
-        let pushes = |t: u32| push.is_some_and(|(_, g)| g.get(t as usize).is_some_and(Option::is_some));
-        let pulls = |t: u32| pull.as_ref().is_some_and(|(_, p)| p.get(t as usize).is_some_and(Option::is_some));
-        let todo: Vec<Todo> = layout
-            .partition
-            .blocks
-            .iter()
-            .map(|b| (*b, pushes(b.tensor), pulls(b.tensor)))
-            .filter(|(_, push, pull)| *push || *pull)
-            .collect();
-        for (owner, items) in by_owner(&layout, todo)? {
-            phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
-        }
-        let mut waits: HashMap<u32, Duration> = HashMap::new();
-        let mut refreshes = 0;
-        while let Some(done) = phases.next().await {
-            let done = done.map_err(|e| self.explain(e))?;
-            waits.insert(done.owner, started.elapsed());
-            self.load.phase(&done);
-            if let Some((_, params)) = pull.as_mut() {
-                for (b, values) in done.pulled {
-                    if let Some(Some(p)) = params.get_mut(b.tensor as usize) {
-                        values.copy_into(&mut p[b.offset..b.offset + b.len]);
+        let grads = push.map_or(&[][..], |(_, g)| g);
+        let mut replies = FuturesUnordered::new();
+        let mut todo = VecDeque::from(actions);
+        loop {
+            while let Some(action) = todo.pop_front() {
+                let more = match action {
+                    Action::Send { tag, server, block, op } => {
+                        let msg = request(block, op, grads)?;
+                        let rx = self.peer(server)?.send_request(msg).map_err(|e| self.explain(e))?;
+                        let sent = Sent { rank: self.rank, server, block, op, timeout: self.opts.request_timeout };
+                        replies.push(async move { (tag, sent, tokio::time::timeout(sent.timeout, rx).await) });
+                        continue;
                     }
-                }
-            }
-            if !done.to_pull.is_empty() {
-                let items: Vec<Todo> = done.to_pull.into_iter().map(|b| (b, false, true)).collect();
-                if refreshes == 0 {
-                    phases.push(phase(ctx(done.owner), self.peer(done.owner)?, items, push, pull_clock));
-                } else {
-                    // A refresh meanwhile may have moved them, or dropped their server.
-                    for (owner, items) in by_owner(&layout, items)? {
-                        phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
+                    Action::RefreshLayout => {
+                        let reply = self
+                            .sched
+                            .call(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into())
+                            .await?;
+                        self.install_layout(reply).await?;
+                        plan.on_layout(self.clock.now(), &*self.current_layout()?)
                     }
-                }
+                    Action::Wait { until_us } => {
+                        tokio::time::sleep(Duration::from_micros(until_us.saturating_sub(self.clock.now()))).await;
+                        plan.on_wake(self.clock.now().max(until_us))
+                    }
+                };
+                todo.extend(more.map_err(from_node)?);
             }
-            if done.moved.is_empty() {
-                continue;
+            if plan.is_done() {
+                break;
             }
-            refreshes += 1;
-            if refreshes > MAX_LAYOUT_REFRESHES || started.elapsed() > self.opts.request_timeout {
-                return Err(RuntimeError::Protocol {
-                    peer: "servers".into(),
-                    what: format!(
-                        "blocks kept moving through {refreshes} layout refreshes in {:.1} s",
-                        started.elapsed().as_secs_f64()
-                    ),
-                });
-            }
-            tracing::debug!(blocks = done.moved.len(), refreshes, "blocks moved; refreshing the layout");
-            let epoch = layout.placement.epoch;
-            let reply = self
-                .sched
-                .call(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into())
-                .await?;
-            self.install_layout(reply).await?;
-            layout = self.current_layout()?;
-            if layout.placement.epoch == epoch {
-                // A server answered Moved before the scheduler published the move: give
-                // the scheduler a moment.
-                tokio::time::sleep(Duration::from_millis(5 * u64::from(refreshes.min(20)))).await;
-            }
-            for (owner, items) in by_owner(&layout, done.moved)? {
-                phases.push(phase(ctx(owner), self.peer(owner)?, items, push, pull_clock));
+            let Some((tag, sent, reply)) = replies.next().await else {
+                return Err(stalled(&plan));
+            };
+            let msg = sent.reply(reply).map_err(|e| self.explain(e))?;
+            todo.extend(plan.on_reply(self.clock.now(), tag, &msg).map_err(from_node)?);
+            // Accepted: a PullReply is as long as its block.
+            if let (Message::PullReply { values, .. }, Some((_, params))) = (&msg, pull.as_mut())
+                && let Some(Some(p)) = params.get_mut(sent.block.tensor as usize)
+            {
+                let b = sent.block;
+                values.copy_into(&mut p[b.offset..b.offset + b.len]);
             }
         }
-        let n = waits.keys().max().map_or(0, |m| *m as usize + 1).max(layout.servers.len());
-        let mut per_server = vec![Duration::ZERO; n];
-        for (s, w) in waits {
-            per_server[s as usize] = w;
-            self.load.waited(s, w);
+        self.waits = Waits { per_server: plan.waits_per_server_us().into_iter().map(Duration::from_micros).collect() };
+        if let Some(m) = &self.opts.metrics {
+            for (server, waited) in plan.waited() {
+                m.waited(server, Duration::from_micros(waited));
+            }
         }
-        self.waits = Waits { per_server };
-        if let Some(report) = self.load.due() {
+        if let Some(report) = self.worker.finish(self.clock.now(), plan) {
             let _ = self.sched.notify(Control::WorkerLoad(report).into());
         }
         Ok(())
@@ -533,163 +450,78 @@ impl Client {
     }
 }
 
-/// How many times one round refreshes the layout to chase moved blocks.
-const MAX_LAYOUT_REFRESHES: u32 = 64;
+/// A duration in the plan's microseconds.
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
 
-/// Who waits on whom, for one server's part of a round.
+/// The message of one request of the plan: the block's slice of its tensor's gradient
+/// (or initial values) for a push, or a pull.
+fn request(b: BlockSpec, op: Op, grads: &[Option<&[f32]>]) -> Result<Message> {
+    let values = || match grads.get(b.tensor as usize) {
+        Some(Some(grad)) if b.offset + b.len <= grad.len() => {
+            Ok(crate::pool::copy_values(&grad[b.offset..b.offset + b.len]))
+        }
+        _ => Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id))),
+    };
+    Ok(match op {
+        Op::Push(clock) => Message::Push { block: b.id, clock, values: values()? },
+        Op::Init => Message::Init { block: b.id, values: values()? },
+        Op::Pull(clock) => Message::Pull { block: b.id, clock },
+    })
+}
+
+/// One request in flight: who waits on whom for what.
 #[derive(Clone, Copy)]
-struct RoundCtx {
+struct Sent {
     rank: u32,
-    owner: u32,
+    server: u32,
+    block: BlockSpec,
+    op: Op,
     timeout: Duration,
 }
 
-/// A block still to do in a round: (block, still to push, still to pull).
-type Todo = (BlockSpec, bool, bool);
-
-/// What the push half of a round sends.
-#[derive(Clone, Copy, Debug)]
-enum PushOp {
-    /// Gradients of this clock.
-    Grad(Clock),
-    /// Initial values ([`Client::init_values`]).
-    Init,
-}
-
-impl PushOp {
-    /// The verb and clock that errors and timeouts name.
-    fn verb_clock(self) -> (&'static str, Clock) {
-        match self {
-            PushOp::Grad(clock) => ("push", clock),
-            PushOp::Init => ("init", 0),
+impl Sent {
+    /// The reply, or the error that names what was waited for.
+    fn reply(
+        self,
+        got: std::result::Result<
+            std::result::Result<Message, tokio::sync::oneshot::error::RecvError>,
+            tokio::time::error::Elapsed,
+        >,
+    ) -> Result<Message> {
+        let (verb, clock) = self.op.verb_clock();
+        match got {
+            Ok(Ok(msg)) => Ok(msg),
+            Ok(Err(_)) => Err(RuntimeError::Closed(format!(
+                "server {} (before answering {verb}(clock {clock}) of block {} from worker {})",
+                self.server, self.block.id, self.rank
+            ))),
+            Err(_) => Err(RuntimeError::Timeout {
+                what: format!(
+                    "worker {} waits for server {} to answer {verb}(clock {clock}) of block {}",
+                    self.rank, self.server, self.block.id
+                ),
+                after: self.timeout,
+            }),
         }
     }
 }
 
-/// What one phase (pushes, or pulls) with one server produced.
-struct PhaseDone {
-    owner: u32,
-    /// From the first push sent to the last acknowledgement (push phases).
-    push_time: Duration,
-    /// Payload bytes pushed and acknowledged.
-    push_bytes: u64,
-    /// Blocks whose pushes were acknowledged and which are to be pulled now.
-    to_pull: Vec<BlockSpec>,
-    pulled: Vec<(BlockSpec, Values)>,
-    /// Blocks this server no longer owns, with what is still to do for them.
-    moved: Vec<Todo>,
-}
-
-/// Groups blocks by their owner in `layout`.
-fn by_owner(layout: &Layout, items: Vec<Todo>) -> Result<HashMap<u32, Vec<Todo>>> {
-    let mut by: HashMap<u32, Vec<_>> = HashMap::new();
-    for item in items {
-        let owner = layout.placement.owner(item.0.id).ok_or(elasticps_core::CoreError::UnknownBlock(item.0.id))?;
-        by.entry(owner).or_default().push(item);
-    }
-    Ok(by)
-}
-
-/// One phase with one server: the pushes of `items` that have one (all in flight at
-/// once), or, if none has, their pulls. Blocks pushed and to be pulled come back in
-/// `to_pull`, for a pull phase once this one ends.
-async fn phase(
-    ctx: RoundCtx,
-    peer: Peer,
-    items: Vec<Todo>,
-    push: Option<(PushOp, &[Option<&[f32]>])>,
-    pull_clock: Option<Clock>,
-) -> Result<PhaseDone> {
-    let mut out = PhaseDone {
-        owner: ctx.owner,
-        push_time: Duration::ZERO,
-        push_bytes: 0,
-        to_pull: Vec::new(),
-        pulled: Vec::new(),
-        moved: Vec::new(),
-    };
-    match push {
-        Some((op, grads)) if items.iter().any(|(_, do_push, _)| *do_push) => {
-            let pushing = Instant::now();
-            let mut acks = Vec::new();
-            for (b, do_push, do_pull) in items {
-                let Some(Some(grad)) = grads.get(b.tensor as usize).filter(|_| do_push) else {
-                    out.to_pull.extend(do_pull.then_some(b));
-                    continue;
-                };
-                let values = crate::pool::copy_values(&grad[b.offset..b.offset + b.len]);
-                let msg = match op {
-                    PushOp::Grad(clock) => Message::Push { block: b.id, clock, values },
-                    PushOp::Init => Message::Init { block: b.id, values },
-                };
-                acks.push((b, do_pull, peer.send_request(msg)?));
-            }
-            let (verb, clock) = op.verb_clock();
-            for (b, do_pull, rx) in acks {
-                match await_reply(&ctx, verb, clock, &b, rx).await? {
-                    Message::PushAck { .. } => {
-                        out.push_bytes += b.len as u64 * 4;
-                        if do_pull {
-                            out.to_pull.push(b);
-                        }
-                    }
-                    Message::Control(Control::Moved { .. }) => out.moved.push((b, true, do_pull)),
-                    other => return Err(bad_reply(&ctx, "PushAck", &other)),
-                }
-            }
-            out.push_time = pushing.elapsed();
-        }
-        _ => {
-            let Some(clock) = pull_clock else { return Ok(out) };
-            let mut replies = Vec::new();
-            for (b, _, do_pull) in items {
-                if do_pull {
-                    replies.push((b, peer.send_request(Message::Pull { block: b.id, clock })?));
-                }
-            }
-            for (b, rx) in replies {
-                match await_reply(&ctx, "pull", clock, &b, rx).await? {
-                    Message::PullReply { values, .. } if values.len() == b.len => out.pulled.push((b, values)),
-                    Message::Control(Control::Moved { .. }) => out.moved.push((b, false, true)),
-                    other => return Err(bad_reply(&ctx, &format!("PullReply of {} values", b.len), &other)),
-                }
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Waits for the reply to one request, at most the request timeout.
-async fn await_reply(
-    ctx: &RoundCtx,
-    verb: &str,
-    clock: Clock,
-    b: &BlockSpec,
-    rx: tokio::sync::oneshot::Receiver<Message>,
-) -> Result<Message> {
-    match tokio::time::timeout(ctx.timeout, rx).await {
-        Ok(Ok(Message::Error(reply))) => Err(RuntimeError::Remote {
-            peer: format!(
-                "server {} (answering {verb}(clock {clock}) of block {} from worker {})",
-                ctx.owner, b.id, ctx.rank
-            ),
-            reply,
-        }),
-        Ok(Ok(reply)) => Ok(reply),
-        Ok(Err(_)) => Err(RuntimeError::Closed(format!(
-            "server {} (before answering {verb}(clock {clock}) of block {} from worker {})",
-            ctx.owner, b.id, ctx.rank
-        ))),
-        Err(_) => Err(RuntimeError::Timeout {
-            what: format!(
-                "worker {} waits for server {} to answer {verb}(clock {clock}) of block {}",
-                ctx.rank, ctx.owner, b.id
-            ),
-            after: ctx.timeout,
-        }),
+/// The plan's refusals and failures, as the runtime's errors (with the same messages).
+fn from_node(e: NodeError) -> RuntimeError {
+    match e {
+        NodeError::Core(e) => RuntimeError::Core(e),
+        NodeError::Remote { peer, reply } => RuntimeError::Remote { peer, reply },
+        NodeError::Protocol { peer, what } => RuntimeError::Protocol { peer, what },
+        NodeError::Refused(what) => RuntimeError::Protocol { peer: "servers".into(), what },
     }
 }
 
-fn bad_reply(ctx: &RoundCtx, wanted: &str, got: &Message) -> RuntimeError {
-    RuntimeError::unexpected(&format!("server {}", ctx.owner), wanted, got)
+/// A round that waits for replies with none in flight (a bug in the plan, not a hang).
+fn stalled(plan: &Round) -> RuntimeError {
+    RuntimeError::Protocol {
+        peer: "servers".into(),
+        what: format!("the round waits with no request in flight ({} refreshes)", plan.refreshes()),
+    }
 }
