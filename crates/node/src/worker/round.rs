@@ -80,6 +80,8 @@ pub struct Round {
     requests: Vec<Request>,
     phases: Vec<Phase>,
     open_phases: u32,
+    /// Requests sent and not answered.
+    pending: usize,
     chase: Chase,
     /// Moved blocks to resend after the refresh under way.
     moved: Vec<Todo>,
@@ -112,6 +114,7 @@ impl Default for Round {
             requests: Vec::new(),
             phases: Vec::new(),
             open_phases: 0,
+            pending: 0,
             chase: Chase::Idle,
             moved: Vec::new(),
             moved_next: Vec::new(),
@@ -149,6 +152,7 @@ impl Round {
         self.requests.clear();
         self.phases.clear();
         self.open_phases = 0;
+        self.pending = 0;
         self.chase = Chase::Idle;
         self.moved.clear();
         self.moved_next.clear();
@@ -186,7 +190,7 @@ impl Round {
 
     /// Requests sent and not answered yet.
     pub fn in_flight(&self) -> usize {
-        self.phases.iter().map(|p| p.pending as usize).sum()
+        self.pending
     }
 
     /// When the round started.
@@ -256,6 +260,7 @@ impl Round {
             }
         };
         self.requests[index].outcome = outcome;
+        self.pending -= 1;
         let p = &mut self.phases[request.phase as usize];
         p.pending -= 1;
         let mut out = Vec::new();
@@ -372,6 +377,7 @@ impl Round {
             self.requests.push(Request { todo: *t, phase, outcome });
             if send {
                 pending += 1;
+                self.pending += 1;
                 out.push(Action::Send { tag: (u64::from(self.seq) << 32) | index, server: owner, block: t.block, op });
             }
         }

@@ -360,3 +360,159 @@ fn the_load_report_counts_iterations_and_is_due_every_interval() {
     let fresh = w.load().current();
     assert_eq!((fresh.clock, fresh.iterations, fresh.per_server.len()), (3, 0, 0));
 }
+
+mod schedules {
+    //! Random rounds against a model cluster whose blocks move while the round runs (and
+    //! whose scheduler may publish a move late): every pushed block is acknowledged once,
+    //! every pulled block answered once, no pull before its block's push was acknowledged,
+    //! and the round ends.
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    struct Case {
+        servers: u32,
+        blocks_per_tensor: Vec<usize>,
+        owners: Vec<u32>,
+        push: Option<Vec<bool>>,
+        pull: Option<Vec<bool>>,
+        /// Random choices: which request is answered next, when a block moves, where.
+        choices: Vec<u32>,
+    }
+
+    fn case() -> impl Strategy<Value = Case> {
+        (1u32..5, prop::collection::vec(1usize..5, 1..5)).prop_flat_map(|(servers, blocks_per_tensor)| {
+            let blocks: usize = blocks_per_tensor.iter().sum();
+            let tensors = blocks_per_tensor.len();
+            (
+                Just(servers),
+                Just(blocks_per_tensor),
+                prop::collection::vec(0..servers, blocks),
+                prop::option::of(prop::collection::vec(any::<bool>(), tensors)),
+                prop::option::of(prop::collection::vec(any::<bool>(), tensors)),
+                prop::collection::vec(any::<u32>(), 64..256),
+            )
+                .prop_map(|(servers, blocks_per_tensor, owners, push, pull, choices)| Case {
+                    servers,
+                    blocks_per_tensor,
+                    owners,
+                    push,
+                    pull,
+                    choices,
+                })
+        })
+    }
+
+    fn run(c: &Case) -> Result<(), TestCaseError> {
+        let lens = &c.blocks_per_tensor;
+        let mut truth = layout(lens, 1, c.owners.clone(), 1, c.servers);
+        // What the scheduler publishes: the truth, or (after a late move) the one before.
+        let mut published = truth.clone();
+        let nblocks = c.owners.len();
+        let mut choice = c.choices.iter().copied().cycle();
+        let mut w = worker();
+        let push = c.push.as_deref().map(|m| (PushOp::Grad(3), m));
+        let pull = c.pull.as_deref().map(|m| (4, m));
+        let pushes = |t: u32| c.push.as_ref().is_some_and(|m| m[t as usize]);
+        let pulls = |t: u32| c.pull.as_ref().is_some_and(|m| m[t as usize]);
+        let (mut r, first) = w.start(0, &truth, push, pull).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut in_flight: Vec<(Tag, u32, BlockSpec, Op)> = Vec::new();
+        let (mut acked, mut answered) = (vec![0u32; nblocks], vec![0u32; nblocks]);
+        let (mut refresh, mut wake) = (false, None);
+        let mut moves = 0;
+        let mut now = 0u64;
+        let mut todo = first;
+        for _ in 0..10_000 {
+            for a in todo.drain(..) {
+                match a {
+                    Action::Send { tag, server, block, op } => {
+                        let t = block.tensor;
+                        match op {
+                            Op::Push(_) => prop_assert!(pushes(t), "push of a tensor not pushed"),
+                            Op::Pull(_) => {
+                                prop_assert!(pulls(t), "pull of a tensor not pulled");
+                                prop_assert!(
+                                    !pushes(t) || acked[block.id as usize] == 1,
+                                    "pull of block {} before its push was acknowledged",
+                                    block.id
+                                );
+                            }
+                            Op::Init => prop_assert!(false, "no init in this round"),
+                        }
+                        in_flight.push((tag, server, block, op));
+                    }
+                    Action::RefreshLayout => {
+                        prop_assert!(!refresh && wake.is_none());
+                        refresh = true;
+                    }
+                    Action::Wait { until_us } => {
+                        prop_assert!(until_us > now);
+                        wake = Some(until_us);
+                    }
+                }
+            }
+            if r.is_done() {
+                break;
+            }
+            now += 10;
+            let pick = choice.next().unwrap_or(0);
+            if moves < 6 && pick % 7 == 0 {
+                // A block moves; the scheduler publishes it at once or late.
+                let b = (pick / 7) as usize % nblocks;
+                let to = (truth.placement.owners[b] + 1) % c.servers;
+                truth.placement.owners[b] = to;
+                truth.placement.epoch += 1;
+                moves += 1;
+                if pick % 2 == 0 {
+                    published = truth.clone();
+                }
+                continue;
+            }
+            if refresh && (in_flight.is_empty() || pick % 3 == 0) {
+                refresh = false;
+                let l = published.clone();
+                published = truth.clone();
+                todo = r.on_layout(now, &l).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                continue;
+            }
+            if let Some(until) = wake.filter(|_| in_flight.is_empty() || pick % 3 == 1) {
+                wake = None;
+                now = now.max(until);
+                todo = r.on_wake(now).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                continue;
+            }
+            prop_assert!(!in_flight.is_empty(), "the round waits for nothing");
+            let (tag, server, block, op) = in_flight.swap_remove(pick as usize % in_flight.len());
+            let b = block.id;
+            let msg = if truth.placement.owners[b as usize] != server {
+                moved(b)
+            } else if op.is_push() {
+                acked[b as usize] += 1;
+                ack(b)
+            } else {
+                answered[b as usize] += 1;
+                pulled(b, block.len)
+            };
+            todo = r.on_reply(now, tag, &msg).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
+        prop_assert!(r.is_done(), "the round did not end");
+        prop_assert!(in_flight.is_empty());
+        for blk in &truth.partition.blocks {
+            let id = blk.id as usize;
+            prop_assert_eq!(acked[id], u32::from(pushes(blk.tensor)), "block {} acknowledged", id);
+            prop_assert_eq!(answered[id], u32::from(pulls(blk.tensor)), "block {} answered", id);
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        #[test]
+        fn every_block_is_pushed_and_pulled_once_however_blocks_move(c in case()) {
+            run(&c)?;
+        }
+    }
+}
