@@ -378,8 +378,8 @@ impl Client {
     }
 
     /// The connection to server `owner`.
-    fn peer(&self, owner: u32) -> Result<Peer> {
-        self.servers.get(&owner).cloned().ok_or_else(|| RuntimeError::Protocol {
+    fn peer(&self, owner: u32) -> Result<&Peer> {
+        self.servers.get(&owner).ok_or_else(|| RuntimeError::Protocol {
             peer: "scheduler".into(),
             what: format!("layout names server {owner}, which it does not list"),
         })
