@@ -10,8 +10,11 @@
 //!
 //! - [`scheduler`]: membership, the model's layout, barriers, the balancer's migrations
 //!   and scaling, the end of the job.
+//! - [`harness`]: a deterministic cluster on virtual time: simulated links with latency
+//!   and bandwidth, seeded faults, the real scheduler and the roles plugged in.
 
 pub mod error;
+pub mod harness;
 pub mod scheduler;
 
 pub use error::{NodeError, Result};
