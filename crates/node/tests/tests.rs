@@ -10,7 +10,7 @@ mod harness {
     use elasticps_core::placement::PlacementKind;
     use elasticps_core::sync::SyncPolicy;
     use elasticps_node::ConnId;
-    use elasticps_node::harness::{Cluster, ClusterConfig, LinkSpec, LostWhy, NodeKind, Outbox, Role, Stop};
+    use elasticps_node::harness::{Cluster, ClusterConfig, LinkSpec, LostWhy, NodeId, NodeKind, Outbox, Role, Stop};
     use elasticps_node::scheduler::JobConfig;
     use elasticps_wire::{Control, Message, ScaleRequest, Values};
 
@@ -125,7 +125,7 @@ mod harness {
     type Drivers = Cluster<TestDriver>;
 
     /// A cluster of `servers` and `workers` test drivers, run for 10 ms of virtual time.
-    fn registered(config: ClusterConfig) -> (Drivers, Vec<elasticps_node::harness::NodeId>) {
+    fn registered(config: ClusterConfig) -> (Drivers, Vec<NodeId>) {
         let (s, w) = (config.job.servers, config.job.workers);
         let mut c = Cluster::new(config);
         let mut ids = Vec::new();
@@ -246,13 +246,14 @@ mod harness {
 
     /// A worker of the throughput bench: keeps `window` pushes in flight, to servers in turn.
     enum Bench {
-        Worker { conns: Vec<ConnId>, next: usize, window: usize, values: Values },
+        Worker { servers: Vec<NodeId>, conns: Vec<ConnId>, next: usize, window: usize, values: Values },
         Server,
     }
 
     impl Role for Bench {
         fn on_start(&mut self, out: &mut Outbox<'_>) {
-            if let Bench::Worker { conns, next, window, values } = self {
+            if let Bench::Worker { servers, conns, next, window, values } = self {
+                *conns = servers.iter().map(|s| out.connect(*s)).collect();
                 for _ in 0..*window {
                     let conn = conns[*next % conns.len()];
                     *next += 1;
@@ -293,10 +294,9 @@ mod harness {
         let servers: Vec<_> = (0..100).map(|i| c.add(NodeKind::Server(i), server_link, Bench::Server)).collect();
         let values = Values::from_vec(vec![0.5]);
         for w in 0..1000u32 {
-            let id = elasticps_node::harness::NodeId(c.network().node_count() as u32);
-            let conns: Vec<_> = servers.iter().map(|s| c.network_mut().connect(id, *s)).collect();
-            let worker = Bench::Worker { conns, next: w as usize, window: 16, values: values.clone() };
-            assert_eq!(c.add(NodeKind::Worker(w), LinkSpec::default(), worker), id);
+            let servers = servers.clone();
+            let worker = Bench::Worker { servers, conns: Vec::new(), next: w as usize, window: 16, values: values.clone() };
+            c.add(NodeKind::Worker(w), LinkSpec::default(), worker);
         }
         let start = std::time::Instant::now();
         let stop = c.run(u64::MAX, DELIVERIES);

@@ -200,12 +200,21 @@ struct Conn {
     last_arrival_ns: [u64; 2],
 }
 
+/// A message on its way; the events refer to it by slot, so it is moved once in and
+/// once out whatever the route.
+#[derive(Debug)]
+struct InFlight {
+    request_id: u64,
+    bytes: u64,
+    msg: Message,
+}
+
 #[derive(Debug)]
 enum Ev {
     /// A message reaches the receiver's (limited) downlink.
-    Arrive { conn: u32, to_end: u8, request_id: u64, bytes: u64, msg: Message },
+    Arrive { conn: u32, to_end: u8, slot: u32 },
     /// A message is handed to the receiver.
-    Deliver { conn: u32, to_end: u8, request_id: u64, bytes: u64, msg: Message },
+    Deliver { conn: u32, to_end: u8, slot: u32 },
     /// A graceful close reaches end `to_end` (after what was sent before it).
     Fin { conn: u32, to_end: u8, downlink_done: bool },
     /// A node learns a connection is gone.
@@ -230,6 +239,8 @@ pub struct Network {
     nodes: Vec<NodeState>,
     conns: Vec<Conn>,
     queue: EventQueue<Ev>,
+    in_flight: Vec<Option<InFlight>>,
+    free_slots: Vec<u32>,
     now_ns: u64,
     rng: StdRng,
     jitter_ns: u64,
@@ -282,6 +293,8 @@ impl Network {
                 last_arrival_ns: [0; 2],
             }],
             queue: EventQueue::new(),
+            in_flight: Vec::new(),
+            free_slots: Vec::new(),
             now_ns: 0,
             rng: StdRng::seed_from_u64(seed),
             jitter_ns: 0,
@@ -436,7 +449,7 @@ impl Network {
     }
 
     /// The time of the next event, in nanoseconds.
-    pub fn next_time_ns(&self) -> Option<u64> {
+    pub fn next_time_ns(&mut self) -> Option<u64> {
         self.queue.peek_time()
     }
 
@@ -472,13 +485,26 @@ impl Network {
         self.stats.sent += 1;
         self.stats.bytes += bytes;
         let (conn, to_end) = (conn as u32, to_end as u8);
-        let ev = if limited_down {
-            Ev::Arrive { conn, to_end, request_id, bytes, msg }
-        } else {
-            Ev::Deliver { conn, to_end, request_id, bytes, msg }
+        let flight = InFlight { request_id, bytes, msg };
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                self.in_flight[slot as usize] = Some(flight);
+                slot
+            }
+            None => {
+                self.in_flight.push(Some(flight));
+                (self.in_flight.len() - 1) as u32
+            }
         };
+        let ev = if limited_down { Ev::Arrive { conn, to_end, slot } } else { Ev::Deliver { conn, to_end, slot } };
         self.queue.push(arrival, ev);
         true
+    }
+
+    fn take_flight(&mut self, slot: u32) -> Option<InFlight> {
+        let f = self.in_flight.get_mut(slot as usize)?.take();
+        self.free_slots.push(slot);
+        f
     }
 
     /// `node` closes `conn` gracefully: it learns at once ([`LostWhy::ClosedHere`]) and
@@ -575,15 +601,17 @@ impl Network {
 
     fn handle(&mut self, ev: Ev) -> Option<Delivery> {
         match ev {
-            Ev::Arrive { conn, to_end, request_id, bytes, msg } => {
+            Ev::Arrive { conn, to_end, slot } => {
                 let to = self.conns[conn as usize].ends[to_end as usize];
+                let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);
                 let n = &mut self.nodes[to.0 as usize];
                 let done = n.down_free_ns.max(self.now_ns) + transfer_ns(bytes, n.link.down_bps);
                 n.down_free_ns = done;
-                self.queue.push(done, Ev::Deliver { conn, to_end, request_id, bytes, msg });
+                self.queue.push(done, Ev::Deliver { conn, to_end, slot });
                 None
             }
-            Ev::Deliver { conn, to_end, request_id, bytes, msg } => {
+            Ev::Deliver { conn, to_end, slot } => {
+                let InFlight { request_id, bytes, msg } = self.take_flight(slot)?;
                 let c = &self.conns[conn as usize];
                 let to = c.ends[to_end as usize];
                 let n = &mut self.nodes[to.0 as usize];
