@@ -146,12 +146,17 @@ mod harness {
         for (i, id) in ids[..2].iter().enumerate() {
             let s = c.role(*id).unwrap();
             let got: Vec<_> = s.controls().collect();
-            assert!(matches!(got[0], Control::Welcome { node_id, num_workers: 2, .. } if *node_id == i as u32), "{got:?}");
+            assert!(
+                matches!(got[0], Control::Welcome { node_id, num_workers: 2, .. } if *node_id == i as u32),
+                "{got:?}"
+            );
             assert!(matches!(got[1], Control::Assign(a) if a.server_id == i as u32), "{got:?}");
         }
         for (rank, id) in ids[2..].iter().enumerate() {
             let w = c.role(*id).unwrap();
-            assert!(matches!(w.got[0], (_, 1, Message::Control(Control::Welcome { node_id, .. })) if node_id == rank as u32));
+            assert!(
+                matches!(w.got[0], (_, 1, Message::Control(Control::Welcome { node_id, .. })) if node_id == rank as u32)
+            );
             // The layout answers DefineModel (request id 0 as the driver sends it) and lists
             // the servers under their harness addresses.
             let layout = w.controls().find_map(|m| if let Control::Layout(l) = m { Some(l) } else { None });
@@ -190,7 +195,11 @@ mod harness {
             Stop::Finished { ok: false, reason } => assert!(reason.contains("server 1"), "{reason}"),
             other => panic!("{other:?}"),
         }
-        assert_eq!(c.run(5_000_000, 10_000), Stop::Idle, "the scheduler stops ticking; the drivers, shut down, stop heartbeating");
+        assert_eq!(
+            c.run(5_000_000, 10_000),
+            Stop::Idle,
+            "the scheduler stops ticking; the drivers, shut down, stop heartbeating"
+        );
         for id in [ids[0], ids[2]] {
             let d = c.role(id).unwrap();
             assert!(d.controls().any(|m| matches!(m, Control::Shutdown { .. })), "{:?}", d.got);
@@ -295,7 +304,8 @@ mod harness {
         let values = Values::from_vec(vec![0.5]);
         for w in 0..1000u32 {
             let servers = servers.clone();
-            let worker = Bench::Worker { servers, conns: Vec::new(), next: w as usize, window: 16, values: values.clone() };
+            let worker =
+                Bench::Worker { servers, conns: Vec::new(), next: w as usize, window: 16, values: values.clone() };
             c.add(NodeKind::Worker(w), LinkSpec::default(), worker);
         }
         let start = std::time::Instant::now();

@@ -14,7 +14,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use elasticps_wire::{HEADER_LEN, Message};
+use elasticps_wire::{HEADER_LEN, Message, Values};
 
 use super::queue::EventQueue;
 use crate::ConnId;
@@ -120,6 +120,8 @@ impl LostWhy {
 }
 
 /// What the network hands to a node.
+// Returned and consumed at once: boxing the message would cost an allocation a delivery.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Delivery {
     /// A message arrived.
@@ -206,7 +208,42 @@ struct Conn {
 struct InFlight {
     request_id: u64,
     bytes: u64,
-    msg: Message,
+    msg: Compact,
+}
+
+/// A message packed for the slab: the data-plane kinds inline (a slab entry of 64 bytes instead of
+/// [`Message`]'s 200, which the control messages need), the rest boxed.
+#[derive(Debug)]
+enum Compact {
+    Push { block: u32, clock: u32, values: Values },
+    PushAck { block: u32, clock: u32 },
+    Pull { block: u32, clock: u32 },
+    PullReply { block: u32, clock: u32, values: Values },
+    Other(Box<Message>),
+}
+
+impl From<Message> for Compact {
+    fn from(m: Message) -> Self {
+        match m {
+            Message::Push { block, clock, values } => Compact::Push { block, clock, values },
+            Message::PushAck { block, clock } => Compact::PushAck { block, clock },
+            Message::Pull { block, clock } => Compact::Pull { block, clock },
+            Message::PullReply { block, clock, values } => Compact::PullReply { block, clock, values },
+            other => Compact::Other(Box::new(other)),
+        }
+    }
+}
+
+impl From<Compact> for Message {
+    fn from(c: Compact) -> Self {
+        match c {
+            Compact::Push { block, clock, values } => Message::Push { block, clock, values },
+            Compact::PushAck { block, clock } => Message::PushAck { block, clock },
+            Compact::Pull { block, clock } => Message::Pull { block, clock },
+            Compact::PullReply { block, clock, values } => Message::PullReply { block, clock, values },
+            Compact::Other(m) => *m,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -377,13 +414,7 @@ impl Network {
     pub fn connect(&mut self, a: NodeId, b: NodeId) -> ConnId {
         let id = self.conns.len() as ConnId;
         let alive = self.is_alive(a) && self.is_alive(b);
-        self.conns.push(Conn {
-            ends: [a, b],
-            open: [alive; 2],
-            alive,
-            latency_ns: None,
-            last_arrival_ns: [0; 2],
-        });
+        self.conns.push(Conn { ends: [a, b], open: [alive; 2], alive, latency_ns: None, last_arrival_ns: [0; 2] });
         for n in [a, b] {
             if let Some(n) = self.nodes.get_mut(n.0 as usize) {
                 n.conns.push(id);
@@ -485,7 +516,7 @@ impl Network {
         self.stats.sent += 1;
         self.stats.bytes += bytes;
         let (conn, to_end) = (conn as u32, to_end as u8);
-        let flight = InFlight { request_id, bytes, msg };
+        let flight = InFlight { request_id, bytes, msg: msg.into() };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
                 self.in_flight[slot as usize] = Some(flight);
@@ -595,7 +626,7 @@ impl Network {
     }
 
     /// [`Network::next_before`] with no limit.
-    pub fn next(&mut self) -> Option<Delivery> {
+    pub fn next_event(&mut self) -> Option<Delivery> {
         self.next_before(u64::MAX)
     }
 
@@ -612,6 +643,7 @@ impl Network {
             }
             Ev::Deliver { conn, to_end, slot } => {
                 let InFlight { request_id, bytes, msg } = self.take_flight(slot)?;
+                let msg = Message::from(msg);
                 let c = &self.conns[conn as usize];
                 let to = c.ends[to_end as usize];
                 let n = &mut self.nodes[to.0 as usize];
@@ -688,7 +720,21 @@ impl Network {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use elasticps_wire::Values;
+
+    #[test]
+    fn a_packed_message_is_small_and_unpacks_to_itself() {
+        assert!(std::mem::size_of::<InFlight>() <= 64, "{}", std::mem::size_of::<InFlight>());
+        for m in [
+            push(3, 4),
+            Message::PushAck { block: 1, clock: 2 },
+            Message::Pull { block: 1, clock: 2 },
+            Message::PullReply { block: 1, clock: 2, values: Values::from_vec(vec![1.0]) },
+            Message::Init { block: 1, values: Values::from_vec(vec![1.0]) },
+            elasticps_wire::Control::Heartbeat.into(),
+        ] {
+            assert_eq!(Message::from(Compact::from(m.clone())), m);
+        }
+    }
 
     fn push(block: u32, clock: u32) -> Message {
         Message::Push { block, clock, values: Values::from_vec(vec![0.0; 1]) }
@@ -698,7 +744,7 @@ mod tests {
     fn drain(net: &mut Network) -> Vec<(u64, u32, ConnId, u32, u32)> {
         let mut out = Vec::new();
         for _ in 0..100_000 {
-            match net.next() {
+            match net.next_event() {
                 Some(Delivery::Message { node, conn, msg, .. }) => {
                     let (b, c) = msg.block_clock();
                     out.push((net.now_ns(), node.0, conn, b, c));
@@ -789,7 +835,7 @@ mod tests {
         assert!(!net.send(a, c, 0, push(3, 0)), "a dropped connection takes nothing");
         let mut lost = Vec::new();
         let mut msgs = Vec::new();
-        while let Some(d) = net.next() {
+        while let Some(d) = net.next_event() {
             match d {
                 Delivery::Lost { node, conn, why } => lost.push((node, conn, why, net.now_ns())),
                 Delivery::Message { msg, .. } => msgs.push(msg.block_clock().0),
@@ -811,7 +857,7 @@ mod tests {
         net.send(b, c, 0, push(1, 0)); // toward the closing end: lost
         net.close(a, c);
         let mut seen = Vec::new();
-        while let Some(d) = net.next() {
+        while let Some(d) = net.next_event() {
             match d {
                 Delivery::Lost { node, why, .. } => seen.push(format!("{} lost {why:?}", node.0)),
                 Delivery::Message { node, msg, .. } => seen.push(format!("{} got {}", node.0, msg.block_clock().0)),
@@ -833,7 +879,7 @@ mod tests {
         net.crash(b, true);
         assert!(!net.send(b, bs, 0, push(1, 0)));
         let mut seen = Vec::new();
-        while let Some(d) = net.next() {
+        while let Some(d) = net.next_event() {
             seen.push(format!("{d:?}"));
         }
         assert_eq!(seen.len(), 2, "{seen:?}");
@@ -846,7 +892,7 @@ mod tests {
         let ab = net.connect(a, b);
         net.crash(b, false);
         assert!(net.send(a, ab, 0, push(0, 0)));
-        assert!(net.next().is_none());
+        assert!(net.next_event().is_none());
         assert_eq!(net.stats().lost, 1);
     }
 
@@ -860,7 +906,7 @@ mod tests {
         assert!(matches!(net.next_before(200_000), Some(Delivery::Timer { token: 7, .. })));
         assert_eq!(net.now_us(), 100);
         net.set_timer(a, 10, 8); // in the past: fires now
-        assert!(matches!(net.next(), Some(Delivery::Timer { token: 8, .. })));
+        assert!(matches!(net.next_event(), Some(Delivery::Timer { token: 8, .. })));
         assert_eq!(net.now_us(), 100);
     }
 }

@@ -127,7 +127,10 @@ mod tests {
                 q.push(4, "after a peek"); // earlier than the peeked event, later than now
             }
         }
-        assert_eq!(out, [(0, "z"), (1, "a"), (1, "past"), (3, "b"), (4, "after a peek"), (5, "c"), (5, "d"), (5, "e"), (5, "f")]);
+        assert_eq!(
+            out,
+            [(0, "z"), (1, "a"), (1, "past"), (3, "b"), (4, "after a peek"), (5, "c"), (5, "d"), (5, "e"), (5, "f")]
+        );
         assert!(q.is_empty());
         assert_eq!(q.scheduled(), 9);
     }
