@@ -237,6 +237,22 @@ mod harness {
         assert!(matches!(got[..], [Control::Welcome { node_id: 1, .. }, Control::Assign(_), ..]), "{got:?}");
     }
 
+    #[test]
+    fn a_dropped_connection_is_learned_by_both_ends_and_the_scheduler_removes_the_worker() {
+        let (mut c, ids) = registered(ClusterConfig::new(job(1, 2)));
+        let conn = c.role(ids[2]).unwrap().conn;
+        c.network_mut().drop_conn(conn);
+        assert_eq!(c.run(20_000, 10_000), Stop::Until);
+        assert_eq!(c.role(ids[2]).unwrap().lost, [(10_000, LostWhy::Dropped)]);
+        let server = c.role(ids[0]).unwrap();
+        assert!(
+            server.controls().any(|m| matches!(m, Control::RemoveWorker { rank: 1 })),
+            "the scheduler learned the loss and took worker 1 out: {:?}",
+            server.got
+        );
+        assert!(!c.network().is_open(ids[2], conn));
+    }
+
     /// One registration under jitter, and its digest.
     fn digest(seed: u64) -> (u64, u64) {
         let config = ClusterConfig { seed, jitter_us: 40, ..ClusterConfig::new(job(3, 4)) };
@@ -290,12 +306,19 @@ mod harness {
     }
 
     /// Throughput of the harness: 1,000 workers x 100 servers (servers capped at
-    /// 10 Gbit/s, pushes charged 100 KB), 16 pushes in flight per worker, 10 M
-    /// deliveries. Prints deliveries per second; asserts nothing about time.
+    /// 10 Gbit/s, pushes charged 100 KB), 16 and then 160 pushes in flight per worker
+    /// (160: a ResNet-50's blocks at once), 10 M deliveries each. Prints deliveries per
+    /// second; asserts nothing about time.
     /// `cargo test --release -p elasticps-node --test tests bench -- --ignored --nocapture`
     #[test]
     #[ignore = "a benchmark: run it on purpose, in release"]
     fn bench_deliveries_per_second() {
+        for window in [16, 160] {
+            bench(window);
+        }
+    }
+
+    fn bench(window: usize) {
         const DELIVERIES: u64 = 10_000_000;
         let mut c: Cluster<Bench> = Cluster::new(ClusterConfig::new(job(100, 1000)));
         c.network_mut().set_size_hook(|m| if matches!(m, Message::Push { .. }) { 100_000 } else { 32 });
@@ -315,7 +338,7 @@ mod harness {
         assert_eq!(stop, Stop::Events);
         assert!(delivered >= DELIVERIES - 1_000, "{delivered}");
         println!(
-            "harness: {delivered} deliveries in {secs:.2} s wall = {:.2} M deliveries/s ({} ns each); {:.3} s virtual",
+            "harness, {window} in flight per worker: {delivered} deliveries in {secs:.2} s wall = {:.2} M deliveries/s ({} ns each); {:.3} s virtual",
             delivered as f64 / secs / 1e6,
             (secs * 1e9 / delivered as f64).round(),
             c.network().now_us() as f64 / 1e6

@@ -1,20 +1,29 @@
-//! Virtual time's event queue, ordered by (time, sequence number): events at the same
-//! time come out in the order they were scheduled (FIFO), so a run is a function of
-//! its inputs alone.
+//! Virtual time's event queue, ordered by time and, among equal times, by the order
+//! events were scheduled (FIFO), so a run is a function of its inputs alone.
 //!
 //! Time in a simulation only moves forward, so the queue is a radix heap (a monotone
-//! priority queue) over the 128-bit key `time << 64 | sequence`: an event sits in the
-//! bucket of the highest bit where its key differs from the last key taken out, and
-//! only moves to lower buckets. Pushes are O(1) and a pop is O(1) amortised per bit,
-//! with sequential memory access instead of a binary heap's cache misses at 100,000s
-//! of events in flight.
+//! priority queue): an event sits in the bucket of the highest bit where its time
+//! differs from `last`, the time of the front. That invariant holds for every event at
+//! every moment, so events of equal time always share a bucket, and since buckets keep
+//! their order (appends, order-preserving redistribution) equal times stay FIFO. The
+//! front bucket (time == `last`) is a queue. Pushes are O(1); a pop is O(1) amortised
+//! per bit of time, with sequential memory access instead of a binary heap's cache
+//! misses at 100,000s of events in flight.
+
+use std::collections::VecDeque;
 
 /// A time-ordered queue of `T`, FIFO among equal times. Times earlier than the last
 /// event taken out count as that time (the past is now).
 #[derive(Debug)]
 pub struct EventQueue<T> {
-    buckets: Vec<Vec<(u128, T)>>,
-    last: u128,
+    /// Events at time `last`, in the order they were scheduled.
+    front: VecDeque<T>,
+    /// Bucket i (1..=64) at index i - 1: events whose time differs from `last` first at
+    /// bit i - 1.
+    buckets: Vec<Vec<(u64, T)>>,
+    /// Bit i - 1 set: bucket i holds something.
+    nonempty: u64,
+    last: u64,
     /// The time of the last event taken out: nothing is scheduled before it.
     floor: u64,
     len: usize,
@@ -27,57 +36,84 @@ impl<T> Default for EventQueue<T> {
     }
 }
 
-fn bucket(key: u128, last: u128) -> usize {
-    if key == last { 0 } else { 128 - (key ^ last).leading_zeros() as usize }
-}
-
 impl<T> EventQueue<T> {
     /// An empty queue.
     pub fn new() -> Self {
-        Self { buckets: (0..129).map(|_| Vec::new()).collect(), last: 0, floor: 0, len: 0, seq: 0 }
+        Self {
+            front: VecDeque::new(),
+            buckets: (0..64).map(|_| Vec::new()).collect(),
+            nonempty: 0,
+            last: 0,
+            floor: 0,
+            len: 0,
+            seq: 0,
+        }
     }
 
     /// Schedules `event` at `time` (after every event already scheduled at that time).
     pub fn push(&mut self, time: u64, event: T) {
-        let key = u128::from(time.max(self.floor)) << 64 | u128::from(self.seq);
+        let time = time.max(self.floor);
         self.seq += 1;
-        if key < self.last {
+        self.len += 1;
+        if time < self.last {
             // Only after a peek past this time (a run that stopped at a limit): re-bucket
-            // around the new smallest key.
-            self.last = key;
-            let all: Vec<(u128, T)> = self.buckets.iter_mut().flat_map(|b| b.drain(..)).collect();
-            for (k, e) in all {
-                self.buckets[bucket(k, key)].push((k, e));
+            // everything around the new front time, keeping each bucket's order.
+            let old = self.last;
+            self.last = time;
+            self.nonempty = 0;
+            let front: Vec<T> = self.front.drain(..).collect();
+            let mut all: Vec<(u64, T)> = Vec::new();
+            for b in self.buckets.iter_mut() {
+                all.append(b);
+            }
+            // The old front is later than `time` and earlier than every bucketed event.
+            for e in front {
+                self.put(old, e);
+            }
+            for (t, e) in all {
+                self.put(t, e);
             }
         }
-        self.buckets[bucket(key, self.last)].push((key, event));
-        self.len += 1;
+        self.put(time, event);
     }
 
-    /// The time of the next event, if any (it moves the next event to the front).
+    fn put(&mut self, time: u64, event: T) {
+        if time == self.last {
+            self.front.push_back(event);
+        } else {
+            let b = 64 - (time ^ self.last).leading_zeros() as usize; // 1..=64
+            self.nonempty |= 1 << (b - 1);
+            self.buckets[b - 1].push((time, event));
+        }
+    }
+
+    /// The time of the next event, if any (it moves the next events to the front).
     pub fn peek_time(&mut self) -> Option<u64> {
         self.settle()?;
-        self.buckets[0].last().map(|(k, _)| (*k >> 64) as u64)
+        Some(self.last)
     }
 
     /// Takes the next event out: its time and the event.
     pub fn pop(&mut self) -> Option<(u64, T)> {
         self.settle()?;
-        // Keys are unique (the sequence number), so bucket 0 holds one event: the last key.
-        let (key, event) = self.buckets[0].pop()?;
+        let event = self.front.pop_front()?;
         self.len -= 1;
-        self.floor = (key >> 64) as u64;
-        Some((self.floor, event))
+        self.floor = self.last;
+        Some((self.last, event))
     }
 
-    /// Moves the smallest key to bucket 0 (it becomes `last`); `None` if empty.
+    /// Moves the earliest events to the front (their time becomes `last`); `None` if empty.
     fn settle(&mut self) -> Option<()> {
-        if self.buckets[0].is_empty() {
-            let i = self.buckets.iter().position(|b| !b.is_empty())?;
+        if self.front.is_empty() {
+            if self.nonempty == 0 {
+                return None;
+            }
+            let i = self.nonempty.trailing_zeros() as usize;
+            self.nonempty &= !(1 << i);
             let mut moving = std::mem::take(&mut self.buckets[i]);
-            self.last = moving.iter().map(|(k, _)| *k).min()?;
-            for (key, event) in moving.drain(..) {
-                self.buckets[bucket(key, self.last)].push((key, event));
+            self.last = moving.iter().map(|(t, _)| *t).min()?;
+            for (time, event) in moving.drain(..) {
+                self.put(time, event);
             }
             // Keep the bucket's allocation for later pushes.
             if self.buckets[i].capacity() < moving.capacity() {
@@ -97,7 +133,7 @@ impl<T> EventQueue<T> {
         self.len == 0
     }
 
-    /// Number of events scheduled since the queue was made (the next sequence number).
+    /// Number of events scheduled since the queue was made.
     pub fn scheduled(&self) -> u64 {
         self.seq
     }
