@@ -269,6 +269,26 @@ mod harness {
         assert_ne!(digest(12).0, a);
     }
 
+    /// The same check over a run that ends: the scheduler's `finish` sends `Shutdown` to
+    /// every node in the order of its `HashMap<ConnId, Node>`, which differs from one
+    /// map to the next (19 different delivery orders in 20 runs when measured), so this
+    /// fails until that map is ordered (a `BTreeMap`).
+    #[test]
+    #[ignore = "fails until the scheduler iterates its nodes in a fixed order (scheduler/mod.rs, not the harness)"]
+    fn a_seed_reproduces_a_run_that_ends() {
+        let run = || {
+            let (mut c, ids) = registered(ClusterConfig { seed: 3, jitter_us: 40, ..ClusterConfig::new(job(3, 4)) });
+            c.crash(ids[1], true);
+            assert!(matches!(c.run(5_000_000, 100_000), Stop::Finished { ok: false, .. }));
+            assert_eq!(c.run(5_000_000, 100_000), Stop::Idle);
+            c.network().digest()
+        };
+        let first = run();
+        for _ in 0..10 {
+            assert_eq!(run(), first);
+        }
+    }
+
     /// A worker of the throughput bench: keeps `window` pushes in flight, to servers in turn.
     enum Bench {
         Worker { servers: Vec<NodeId>, conns: Vec<ConnId>, next: usize, window: usize, values: Values },
