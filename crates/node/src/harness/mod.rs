@@ -56,6 +56,6 @@ pub mod queue;
 pub use cluster::{Cluster, ClusterConfig, Outbox, Role, SchedulerRole, Stop};
 pub use net::{
     Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind, NodeTraffic, SizeHook, TraceEntry, frame_bytes,
-    transfer_ns,
+    nominal_sizes, transfer_ns,
 };
 pub use queue::EventQueue;

@@ -94,6 +94,19 @@ pub fn frame_bytes(msg: &Message) -> u64 {
     (HEADER_LEN + payload) as u64
 }
 
+/// A [`SizeHook`] for a simulation that carries tensor sizes, not bytes: a Push,
+/// PullReply or Init of block b costs the header plus `block_bytes[b]` (its nominal
+/// size), whatever it holds; every other message costs [`frame_bytes`].
+pub fn nominal_sizes(block_bytes: Vec<u64>) -> SizeHook {
+    Box::new(move |msg| match msg {
+        Message::Push { block, .. } | Message::PullReply { block, .. } | Message::Init { block, .. } => {
+            let nominal = block_bytes.get(*block as usize).copied();
+            nominal.map_or_else(|| frame_bytes(msg), |b| HEADER_LEN as u64 + b)
+        }
+        _ => frame_bytes(msg),
+    })
+}
+
 /// Why a connection was lost, as its end learns it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LostWhy {
@@ -348,7 +361,8 @@ impl Network {
     }
 
     /// Replaces the nominal size of a message (default [`frame_bytes`]); the simulator
-    /// charges a block's nominal bytes for a payload of one or a few values.
+    /// charges a block's nominal bytes for a payload of one or a few values
+    /// ([`nominal_sizes`]).
     pub fn set_size_hook(&mut self, hook: impl Fn(&Message) -> u64 + 'static) {
         self.size_of = Box::new(hook);
     }
@@ -773,6 +787,19 @@ mod tests {
         assert_eq!(transfer_ns(1_000, 1_000_000), 1_000_000);
         assert_eq!(transfer_ns(32, 1_250_000_000), 26); // 25.6 ns rounded up
         assert_eq!(transfer_ns(u64::MAX / 4, 1 << 40), ((u128::from(u64::MAX / 4) * 1_000_000_000) >> 40) as u64 + 1);
+    }
+
+    #[test]
+    fn the_default_size_is_the_frame_and_nominal_sizes_charge_a_block_its_bytes() {
+        assert_eq!(frame_bytes(&push(0, 0)), 32 + 4);
+        assert_eq!(frame_bytes(&Message::Pull { block: 0, clock: 0 }), 32);
+        let hb: Message = elasticps_wire::Control::Heartbeat.into();
+        assert_eq!(frame_bytes(&hb), 32 + hb.encode_payload().unwrap().len() as u64);
+        let hook = nominal_sizes(vec![4_000_000, 512]);
+        assert_eq!(hook(&push(0, 0)), 32 + 4_000_000);
+        assert_eq!(hook(&Message::PullReply { block: 1, clock: 0, values: Values::from_vec(vec![1.0]) }), 32 + 512);
+        assert_eq!(hook(&push(7, 0)), 36, "a block the hook does not know costs its frame");
+        assert_eq!(hook(&Message::Pull { block: 0, clock: 0 }), 32);
     }
 
     #[test]
