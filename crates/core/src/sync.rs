@@ -213,16 +213,81 @@ impl FromStr for SyncPolicy {
 }
 
 /// Per-block clock state: how many clocks each worker has pushed.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// `done`, `fast` and `lead` are called on every push and pull, so they are cached:
+/// the minimum over the active workers with the number of active workers at it, the
+/// maximum over the active workers, and the maximum over everyone. A push moves the
+/// minimum only when the last worker at it pushes, and a removal rescans; so a push
+/// costs O(1) amortised, not O(workers). The serde form is the plain state (`pushed`,
+/// `active`); the caches are rebuilt when a snapshot is decoded.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(from = "ClocksForm")]
 pub struct Clocks {
     pushed: Vec<Clock>,
     active: Vec<bool>,
+    /// Smallest `pushed` over the active workers (`Clock::MAX` with none).
+    lo: Clock,
+    /// How many active workers have pushed exactly `lo` clocks.
+    at_lo: u32,
+    /// Largest `pushed` over the active workers (0 with none).
+    hi_active: Clock,
+    /// Largest `pushed` over every worker, removed ones included.
+    hi: Clock,
+}
+
+/// The serialized form of [`Clocks`]: its state without the caches.
+#[derive(Deserialize)]
+#[serde(rename = "Clocks")]
+struct ClocksForm {
+    pushed: Vec<Clock>,
+    active: Vec<bool>,
+}
+
+/// [`ClocksForm`] borrowed, to serialize without a copy.
+#[derive(Serialize)]
+#[serde(rename = "Clocks")]
+struct ClocksRef<'a> {
+    pushed: &'a [Clock],
+    active: &'a [bool],
+}
+
+impl From<ClocksForm> for Clocks {
+    fn from(f: ClocksForm) -> Self {
+        let mut c = Clocks { pushed: f.pushed, active: f.active, lo: Clock::MAX, at_lo: 0, hi_active: 0, hi: 0 };
+        c.rescan();
+        c
+    }
+}
+
+impl Serialize for Clocks {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        ClocksRef { pushed: &self.pushed, active: &self.active }.serialize(s)
+    }
 }
 
 impl Clocks {
     /// Fresh state for `workers` workers, none of whom has pushed.
     pub fn new(workers: u32) -> Self {
-        Self { pushed: vec![0; workers as usize], active: vec![true; workers as usize] }
+        ClocksForm { pushed: vec![0; workers as usize], active: vec![true; workers as usize] }.into()
+    }
+
+    /// Recomputes the caches from `pushed` and `active` (O(workers)). A malformed
+    /// snapshot (lengths differ) is cached over the workers both lists cover;
+    /// [`Clocks::is_consistent`] refuses it anyway.
+    fn rescan(&mut self) {
+        let (mut lo, mut at_lo, mut hi_active) = (Clock::MAX, 0u32, 0);
+        for (p, _) in self.pushed.iter().zip(&self.active).filter(|(_, a)| **a) {
+            match (*p).cmp(&lo) {
+                std::cmp::Ordering::Less => (lo, at_lo) = (*p, 1),
+                std::cmp::Ordering::Equal => at_lo += 1,
+                std::cmp::Ordering::Greater => {}
+            }
+            hi_active = hi_active.max(*p);
+        }
+        self.lo = lo;
+        self.at_lo = at_lo;
+        self.hi_active = hi_active;
+        self.hi = self.pushed.iter().copied().max().unwrap_or(0);
     }
 
     /// True if the state is well formed (one pushed clock and one flag per worker): a
@@ -242,17 +307,18 @@ impl Clocks {
     }
 
     /// The smallest clock not yet pushed by every active worker. With no active worker
-    /// left, nothing can hold: `Clock::MAX`.
+    /// left, nothing can hold: `Clock::MAX`. O(1).
     pub fn done(&self) -> Clock {
-        self.pushed.iter().zip(&self.active).filter(|(_, a)| **a).map(|(p, _)| *p).min().unwrap_or(Clock::MAX)
+        self.lo
     }
 
-    /// The highest clock pushed by anyone, or `None` before the first push.
+    /// The highest clock pushed by anyone, or `None` before the first push. O(1).
     pub fn fast(&self) -> Option<Clock> {
-        self.pushed.iter().max().and_then(|p| p.checked_sub(1))
+        self.hi.checked_sub(1)
     }
 
-    /// The active worker that has pushed the fewest clocks (the one `done` waits for).
+    /// The active worker that has pushed the fewest clocks (the one `done` waits for);
+    /// the lowest rank among equals. O(workers): for logs.
     pub fn slowest(&self) -> Option<u32> {
         self.pushed
             .iter()
@@ -263,17 +329,16 @@ impl Clocks {
             .map(|(w, _)| w as u32)
     }
 
-    /// The lead of the fastest active worker over the slowest, in clocks.
+    /// The lead of the fastest active worker over the slowest, in clocks. O(1).
     pub fn lead(&self) -> u32 {
-        let active = self.pushed.iter().zip(&self.active).filter(|(_, a)| **a).map(|(p, _)| *p);
-        let (lo, hi) = active.fold((Clock::MAX, 0), |(lo, hi), p| (lo.min(p), hi.max(p)));
-        hi.saturating_sub(lo)
+        self.hi_active.saturating_sub(self.lo)
     }
 
     /// Records that `worker` pushed clock `clock`. Returns `Ok(false)` for a duplicate
     /// (already pushed: drop it), `Ok(true)` for the next clock, an error for a gap.
     pub fn record(&mut self, block: u32, worker: u32, clock: Clock) -> Result<bool, CoreError> {
-        let slot = self.pushed.get_mut(worker as usize).ok_or(CoreError::UnknownWorker(worker))?;
+        let w = worker as usize;
+        let slot = self.pushed.get_mut(w).ok_or(CoreError::UnknownWorker(worker))?;
         if clock < *slot {
             return Ok(false);
         }
@@ -282,14 +347,28 @@ impl Clocks {
         if clock > *slot || next.is_none() {
             return Err(CoreError::ClockGap { block, worker, expected: *slot, got: clock });
         }
-        *slot = next.unwrap_or(u32::MAX);
+        let (before, after) = (*slot, next.unwrap_or(Clock::MAX));
+        *slot = after;
+        self.hi = self.hi.max(after);
+        if self.active.get(w).copied().unwrap_or(false) {
+            self.hi_active = self.hi_active.max(after);
+            if before == self.lo {
+                self.at_lo -= 1;
+                if self.at_lo == 0 {
+                    self.rescan();
+                }
+            }
+        }
         Ok(true)
     }
 
     /// Takes a worker out of the quorum (it died or left): `done` stops waiting for it.
     pub fn remove_worker(&mut self, worker: u32) {
-        if let Some(a) = self.active.get_mut(worker as usize) {
+        if let Some(a) = self.active.get_mut(worker as usize)
+            && *a
+        {
             *a = false;
+            self.rescan();
         }
     }
 
@@ -414,5 +493,81 @@ mod tests {
         c.remove_worker(1);
         assert_eq!(c.done(), 2);
         assert!(c.record(0, 7, 0).is_err());
+    }
+}
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// `done`, `fast` and `lead` as plain scans, as they were before the caches.
+    fn scanned(c: &Clocks) -> (Clock, Option<Clock>, u32) {
+        let active: Vec<Clock> = c.pushed.iter().zip(&c.active).filter(|(_, a)| **a).map(|(p, _)| *p).collect();
+        let done = active.iter().copied().min().unwrap_or(Clock::MAX);
+        let fast = c.pushed.iter().max().and_then(|p| p.checked_sub(1));
+        let (lo, hi) = active.iter().fold((Clock::MAX, 0), |(lo, hi), p| (lo.min(*p), hi.max(*p)));
+        (done, fast, hi.saturating_sub(lo))
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// The worker pushes its next clock (or, with `dup`, one it already pushed).
+        Push { worker: u32, dup: bool },
+        /// The worker leaves the quorum.
+        Remove(u32),
+        /// The state travels as a snapshot (postcard) and is decoded on the other side.
+        Snapshot,
+    }
+
+    fn op(workers: u32) -> impl Strategy<Value = Op> {
+        prop_oneof![
+            8 => (0..workers, any::<bool>()).prop_map(|(worker, dup)| Op::Push { worker, dup: dup && worker % 3 == 0 }),
+            1 => (0..workers + 1).prop_map(Op::Remove),
+            1 => Just(Op::Snapshot),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn cached_done_fast_and_lead_equal_a_scan(
+            (workers, ops) in (1u32..9).prop_flat_map(|w| (Just(w), proptest::collection::vec(op(w), 0..200)))
+        ) {
+            let mut c = Clocks::new(workers);
+            for op in ops {
+                match op {
+                    Op::Push { worker, dup } => {
+                        let next = c.pushed(worker).unwrap_or(0);
+                        let clock = if dup { next.saturating_sub(1) } else { next };
+                        c.record(0, worker, clock).unwrap();
+                    }
+                    Op::Remove(worker) => c.remove_worker(worker),
+                    Op::Snapshot => {
+                        let bytes = postcard::to_allocvec(&c).unwrap();
+                        let back: Clocks = postcard::from_bytes(&bytes).unwrap();
+                        prop_assert_eq!(&back, &c);
+                        c = back;
+                    }
+                }
+                prop_assert_eq!((c.done(), c.fast(), c.lead()), scanned(&c), "{:?}", c);
+            }
+        }
+    }
+
+    #[test]
+    fn the_serde_form_is_the_plain_state_and_an_inconsistent_snapshot_is_caught() {
+        let mut c = Clocks::new(2);
+        c.record(0, 1, 0).unwrap();
+        #[derive(Serialize)]
+        struct Plain {
+            pushed: Vec<Clock>,
+            active: Vec<bool>,
+        }
+        let plain = postcard::to_allocvec(&Plain { pushed: vec![0, 1], active: vec![true, true] }).unwrap();
+        assert_eq!(postcard::to_allocvec(&c).unwrap(), plain);
+        let bad = postcard::to_allocvec(&Plain { pushed: vec![3, 1, 2], active: vec![true, false] }).unwrap();
+        let back: Clocks = postcard::from_bytes(&bad).unwrap();
+        assert!(!back.is_consistent());
+        assert_eq!((back.done(), back.fast()), (3, Some(2)));
     }
 }

@@ -12,8 +12,11 @@
 //!   and scaling, the end of the job.
 //! - [`worker`]: the worker's round as a plan (which blocks to push and pull where, what
 //!   to resend after `Moved`) and its load report.
+//! - [`harness`]: a deterministic cluster on virtual time: simulated links with latency
+//!   and bandwidth, seeded faults, the real scheduler and the roles plugged in.
 
 pub mod error;
+pub mod harness;
 pub mod scheduler;
 pub mod worker;
 

@@ -8,7 +8,7 @@
 //!   at a time; the balancer's orders.
 //! - [`BalanceLog`]: the history of migrations, scaling events and load, for reports.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use elasticps_core::block::ShardConfig;
 use elasticps_core::model::{Partition, TensorSpec};
@@ -139,7 +139,7 @@ struct Node {
 #[derive(Debug)]
 pub struct Scheduler {
     config: JobConfig,
-    nodes: HashMap<ConnId, Node>,
+    nodes: BTreeMap<ConnId, Node>,
     servers: Vec<(ConnId, String)>,
     workers: Vec<ConnId>,
     partition: Option<Partition>,
@@ -164,7 +164,7 @@ impl Scheduler {
     /// without a message from it.
     pub fn new(config: JobConfig, heartbeat_timeout_us: u64) -> Self {
         Self {
-            nodes: HashMap::new(),
+            nodes: BTreeMap::new(),
             servers: Vec::new(),
             workers: Vec::new(),
             partition: None,

@@ -1,0 +1,393 @@
+//! A cluster on the simulated network: the real [`Scheduler`] and any number of roles
+//! plugged in through [`Role`], driven by one event loop on virtual time.
+
+use elasticps_wire::Message;
+
+use super::net::{Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind};
+use crate::ConnId;
+use crate::scheduler::{Action, Event, JobConfig, Scheduler};
+
+/// A role on the simulated network: a small adapter that feeds a state machine the
+/// events the network delivers and carries its actions out through the [`Outbox`].
+///
+/// Each method runs at the virtual time [`Outbox::now_us`]; nothing in it may block
+/// or read the system clock.
+pub trait Role {
+    /// The node was added to the cluster (connect to the scheduler and register here).
+    fn on_start(&mut self, out: &mut Outbox<'_>) {
+        let _ = out;
+    }
+    /// A message arrived on `conn`.
+    fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message);
+    /// `conn` is gone (closed by either end, dropped, or the peer crashed).
+    fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy);
+    /// A timer set with [`Outbox::wake_at`] fired.
+    fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
+        let _ = (out, token);
+    }
+}
+
+impl<R: Role + ?Sized> Role for Box<R> {
+    fn on_start(&mut self, out: &mut Outbox<'_>) {
+        (**self).on_start(out)
+    }
+    fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
+        (**self).on_message(out, conn, request_id, msg)
+    }
+    fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
+        (**self).on_lost(out, conn, why)
+    }
+    fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
+        (**self).on_timer(out, token)
+    }
+}
+
+/// What a role can do while it handles an event: send, close, connect, set timers, ask
+/// for a server, end the run. Sends go straight into the network (no buffer).
+pub struct Outbox<'a> {
+    net: &'a mut Network,
+    me: NodeId,
+    scheduler: NodeId,
+    signals: &'a mut Signals,
+}
+
+impl Outbox<'_> {
+    /// The virtual time, in microseconds.
+    pub fn now_us(&self) -> u64 {
+        self.net.now_us()
+    }
+
+    /// This node.
+    pub fn me(&self) -> NodeId {
+        self.me
+    }
+
+    /// The scheduler's node (connect to it to register).
+    pub fn scheduler(&self) -> NodeId {
+        self.scheduler
+    }
+
+    /// Sends `msg` on `conn`; false if the connection is closed or gone (nothing sent).
+    pub fn send(&mut self, conn: ConnId, request_id: u64, msg: Message) -> bool {
+        self.net.send(self.me, conn, request_id, msg)
+    }
+
+    /// Closes `conn` after what was sent on it ([`Network::close`]).
+    pub fn close(&mut self, conn: ConnId) {
+        self.net.close(self.me, conn)
+    }
+
+    /// Opens a connection to `to`; the peer learns of it with the first message.
+    pub fn connect(&mut self, to: NodeId) -> ConnId {
+        self.net.connect(self.me, to)
+    }
+
+    /// The other end of `conn`.
+    pub fn peer(&self, conn: ConnId) -> Option<NodeId> {
+        self.net.peer(self.me, conn)
+    }
+
+    /// What `node` is.
+    pub fn kind_of(&self, node: NodeId) -> Option<NodeKind> {
+        self.net.kind(node)
+    }
+
+    /// Wakes this node at `at_us` ([`Role::on_timer`] with `token`). A timer cannot be
+    /// cancelled: a role ignores the tokens it no longer waits for.
+    pub fn wake_at(&mut self, at_us: u64, token: u64) {
+        self.net.set_timer(self.me, at_us, token)
+    }
+
+    /// Asks the cluster's owner to start one more server ([`Stop::StartServer`]).
+    pub fn start_server(&mut self) {
+        self.signals.start_requests += 1;
+    }
+
+    /// Ends the run ([`Stop::Finished`]); the first call wins.
+    pub fn finish(&mut self, ok: bool, reason: String) {
+        self.signals.finished.get_or_insert((ok, reason));
+    }
+}
+
+#[derive(Debug, Default)]
+struct Signals {
+    start_requests: u32,
+    finished: Option<(bool, String)>,
+    finish_reported: bool,
+}
+
+/// Why [`Cluster::run`] returned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// The job ended (the scheduler's [`Action::Finish`], or a role's
+    /// [`Outbox::finish`]). Reported once; a later `run` carries on delivering (the
+    /// `Shutdown` messages, say).
+    Finished {
+        /// True if every worker finished.
+        ok: bool,
+        /// Why it ended.
+        reason: String,
+    },
+    /// The scheduler asked for a server ([`Action::StartServer`]): add one with
+    /// [`Cluster::add`] (or don't) and call `run` again. One per request.
+    StartServer,
+    /// The virtual time limit was reached.
+    Until,
+    /// The event budget was used up.
+    Events,
+    /// Nothing is scheduled any more.
+    Idle,
+}
+
+/// How the cluster is set up.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// The job, as `elasticps scheduler` takes it.
+    pub job: JobConfig,
+    /// The scheduler declares a node dead after this long without a message from it.
+    pub heartbeat_timeout_us: u64,
+    /// How often the scheduler ticks (500 ms in the runtime).
+    pub tick_us: u64,
+    /// Seed of the network's jitter.
+    pub seed: u64,
+    /// Extra delay per message, uniform in `[0, jitter_us]`.
+    pub jitter_us: u64,
+    /// Whether the owner starts servers on [`Stop::StartServer`].
+    pub can_launch: bool,
+    /// The scheduler's link.
+    pub scheduler_link: LinkSpec,
+}
+
+impl ClusterConfig {
+    /// The runtime's defaults for `job`: 10 s heartbeat timeout, a tick every 500 ms,
+    /// seed 0, no jitter, no launcher, a default link.
+    pub fn new(job: JobConfig) -> Self {
+        Self {
+            job,
+            heartbeat_timeout_us: 10_000_000,
+            tick_us: 500_000,
+            seed: 0,
+            jitter_us: 0,
+            can_launch: false,
+            scheduler_link: LinkSpec::default(),
+        }
+    }
+}
+
+/// The real scheduler as a [`Role`]: messages and losses become its events, a timer
+/// its ticks, and its actions go out through the [`Outbox`]. The reference for the
+/// other roles' adapters.
+#[derive(Debug)]
+pub struct SchedulerRole {
+    scheduler: Scheduler,
+    tick_us: u64,
+    over: bool,
+}
+
+impl SchedulerRole {
+    /// Wraps `scheduler`, ticking it every `tick_us`.
+    pub fn new(scheduler: Scheduler, tick_us: u64) -> Self {
+        Self { scheduler, tick_us: tick_us.max(1), over: false }
+    }
+
+    /// The scheduler's state.
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    fn step(&mut self, out: &mut Outbox<'_>, event: Event) {
+        for action in self.scheduler.step(event) {
+            match action {
+                Action::Send { conn, request_id, msg } => {
+                    out.send(conn, request_id, msg);
+                }
+                Action::Close(conn) => out.close(conn),
+                Action::StartServer => out.start_server(),
+                Action::Finish { ok, reason } => {
+                    self.over = true;
+                    out.finish(ok, reason);
+                }
+            }
+        }
+    }
+}
+
+impl Role for SchedulerRole {
+    fn on_start(&mut self, out: &mut Outbox<'_>) {
+        out.wake_at(out.now_us() + self.tick_us, 0);
+    }
+
+    fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
+        self.step(out, Event::Received { conn, request_id, msg });
+    }
+
+    fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
+        self.step(out, Event::Lost { conn, why: why.as_str().to_string() });
+    }
+
+    fn on_timer(&mut self, out: &mut Outbox<'_>, _token: u64) {
+        let now_us = out.now_us();
+        self.step(out, Event::Tick { now_us });
+        if !self.over {
+            out.wake_at(now_us + self.tick_us, 0);
+        }
+    }
+}
+
+/// The real scheduler and the roles `R` (servers, workers, test drivers) on one
+/// simulated network. `R` is `Box<dyn Role>` by default; a simulator that wants its
+/// roles back typed uses an enum of them.
+pub struct Cluster<R: Role = Box<dyn Role>> {
+    net: Network,
+    scheduler: SchedulerRole,
+    sched: NodeId,
+    roles: Vec<Option<R>>,
+    signals: Signals,
+    events: u64,
+}
+
+impl<R: Role> std::fmt::Debug for Cluster<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster").field("net", &self.net).field("events", &self.events).finish()
+    }
+}
+
+impl<R: Role> Cluster<R> {
+    /// A cluster with its scheduler (node 0) and nothing else, at time 0.
+    pub fn new(config: ClusterConfig) -> Self {
+        let mut net = Network::new(config.seed);
+        net.set_jitter_us(config.jitter_us);
+        let sched = net.add_node(NodeKind::Scheduler, config.scheduler_link);
+        let scheduler = Scheduler::new(config.job, config.heartbeat_timeout_us).with_launcher(config.can_launch);
+        let mut cluster = Self {
+            net,
+            scheduler: SchedulerRole::new(scheduler, config.tick_us),
+            sched,
+            roles: Vec::new(),
+            signals: Signals::default(),
+            events: 0,
+        };
+        let mut out = Outbox { net: &mut cluster.net, me: sched, scheduler: sched, signals: &mut cluster.signals };
+        cluster.scheduler.on_start(&mut out);
+        cluster
+    }
+
+    /// The network: links, faults, the size hook, the trace, the digest.
+    pub fn network(&self) -> &Network {
+        &self.net
+    }
+
+    /// The network, to change links, inject faults, or set the size hook.
+    pub fn network_mut(&mut self) -> &mut Network {
+        &mut self.net
+    }
+
+    /// The scheduler's state.
+    pub fn scheduler(&self) -> &Scheduler {
+        self.scheduler.scheduler()
+    }
+
+    /// The scheduler's node.
+    pub fn scheduler_node(&self) -> NodeId {
+        self.sched
+    }
+
+    /// Adds a node running `role` with `link`, and starts it ([`Role::on_start`]) now.
+    pub fn add(&mut self, kind: NodeKind, link: LinkSpec, role: R) -> NodeId {
+        let id = self.net.add_node(kind, link);
+        let i = id.0 as usize;
+        if self.roles.len() <= i {
+            self.roles.resize_with(i + 1, || None);
+        }
+        let role = self.roles[i].insert(role);
+        let mut out = Outbox { net: &mut self.net, me: id, scheduler: self.sched, signals: &mut self.signals };
+        role.on_start(&mut out);
+        id
+    }
+
+    /// The role of `node` (not the scheduler's: [`Cluster::scheduler`]).
+    pub fn role(&self, node: NodeId) -> Option<&R> {
+        self.roles.get(node.0 as usize)?.as_ref()
+    }
+
+    /// The role of `node`, mutably.
+    pub fn role_mut(&mut self, node: NodeId) -> Option<&mut R> {
+        self.roles.get_mut(node.0 as usize)?.as_mut()
+    }
+
+    /// Every role with its node, in the order they were added.
+    pub fn roles(&self) -> impl Iterator<Item = (NodeId, &R)> {
+        self.roles.iter().enumerate().filter_map(|(i, r)| Some((NodeId(i as u32), r.as_ref()?)))
+    }
+
+    /// A fault: `node` crashes ([`Network::crash`]).
+    pub fn crash(&mut self, node: NodeId, peers_notice: bool) {
+        self.net.crash(node, peers_notice);
+    }
+
+    /// The end of the job, once it ended: (ok, reason).
+    pub fn finished(&self) -> Option<(bool, &str)> {
+        self.signals.finished.as_ref().map(|(ok, r)| (*ok, r.as_str()))
+    }
+
+    /// Events handled so far (deliveries, losses, timers).
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+
+    /// The network's counters.
+    pub fn stats(&self) -> NetStats {
+        self.net.stats()
+    }
+
+    /// Handles events until virtual time `until_us`, `max_events` events, the end of
+    /// the job, a request for a server, or nothing left to do; says which.
+    pub fn run(&mut self, until_us: u64, max_events: u64) -> Stop {
+        let until_ns = until_us.saturating_mul(1_000);
+        for _ in 0..max_events {
+            if let Some(stop) = self.take_signal() {
+                return stop;
+            }
+            let Some(d) = self.net.next_before(until_ns) else {
+                return if self.net.queued() == 0 { Stop::Idle } else { Stop::Until };
+            };
+            self.events += 1;
+            self.dispatch(d);
+        }
+        self.take_signal().unwrap_or(Stop::Events)
+    }
+
+    fn take_signal(&mut self) -> Option<Stop> {
+        let s = &mut self.signals;
+        if let Some((ok, reason)) = s.finished.as_ref().filter(|_| !s.finish_reported) {
+            let stop = Stop::Finished { ok: *ok, reason: reason.clone() };
+            s.finish_reported = true;
+            return Some(stop);
+        }
+        if s.start_requests > 0 {
+            s.start_requests -= 1;
+            return Some(Stop::StartServer);
+        }
+        None
+    }
+
+    fn dispatch(&mut self, d: Delivery) {
+        let node = match &d {
+            Delivery::Message { node, .. } | Delivery::Lost { node, .. } | Delivery::Timer { node, .. } => *node,
+        };
+        let mut out = Outbox { net: &mut self.net, me: node, scheduler: self.sched, signals: &mut self.signals };
+        if node == self.sched {
+            deliver(&mut self.scheduler, &mut out, d);
+        } else if let Some(Some(role)) = self.roles.get_mut(node.0 as usize) {
+            deliver(role, &mut out, d);
+        }
+    }
+}
+
+fn deliver<R: Role + ?Sized>(role: &mut R, out: &mut Outbox<'_>, d: Delivery) {
+    match d {
+        Delivery::Message { conn, request_id, msg, .. } => role.on_message(out, conn, request_id, msg),
+        Delivery::Lost { conn, why, .. } => role.on_lost(out, conn, why),
+        Delivery::Timer { token, .. } => role.on_timer(out, token),
+    }
+}

@@ -1,0 +1,61 @@
+//! A deterministic in-memory cluster: virtual time, a simulated network with latency,
+//! bandwidth and seeded faults, and the real [`Scheduler`](crate::scheduler::Scheduler)
+//! with any roles plugged in, in the style of raft-rs's `harness/` network.
+//!
+//! - [`queue`]: the event queue, ordered by (time, sequence number): equal times are
+//!   FIFO, so one seed is one run.
+//! - [`net`]: [`Network`]: nodes ([`NodeId`]), connections ([`ConnId`](crate::ConnId),
+//!   one per ordered pair as the roles see them), per-node latency and upload/download
+//!   bandwidth, FIFO links, the nominal size of a message ([`SizeHook`]), connection
+//!   drops, crashes, jitter, a digest of the run.
+//! - [`cluster`]: [`Cluster`]: the scheduler ([`SchedulerRole`]) and the roles, each a
+//!   small [`Role`] adapter that handles deliveries and acts through an [`Outbox`]
+//!   (send, close, connect, timers, ask for a server, finish).
+//!
+//! A role plugs in like this (the server's and the worker's adapters look the same):
+//!
+//! ```
+//! use elasticps_node::harness::{Cluster, ClusterConfig, LinkSpec, LostWhy, NodeKind, Outbox, Role};
+//! use elasticps_node::ConnId;
+//! use elasticps_wire::{Control, Message};
+//! # use elasticps_core::{block::ShardConfig, placement::PlacementKind, sync::SyncPolicy};
+//! # use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+//! # let job = elasticps_node::scheduler::JobConfig {
+//! #     servers: 1, workers: 1, block_bytes: 16, placement: PlacementKind::Range,
+//! #     shard: ShardConfig { sync: SyncPolicy::Bsp, workers: 1,
+//! #         optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 0.1, aggregate: false, weight_decay: 0.0 } },
+//! #     server_sync: vec![], seed: 1, inject: vec![], balance: Default::default(), max_servers: 1, min_servers: 1 };
+//!
+//! /// Registers as a worker and remembers its rank.
+//! struct Joiner { rank: Option<u32> }
+//!
+//! impl Role for Joiner {
+//!     fn on_start(&mut self, out: &mut Outbox<'_>) {
+//!         let conn = out.connect(out.scheduler());
+//!         out.send(conn, 1, Control::RegisterWorker.into());
+//!     }
+//!     fn on_message(&mut self, _: &mut Outbox<'_>, _: ConnId, _: u64, msg: Message) {
+//!         if let Message::Control(Control::Welcome { node_id, .. }) = msg {
+//!             self.rank = Some(node_id);
+//!         }
+//!     }
+//!     fn on_lost(&mut self, _: &mut Outbox<'_>, _: ConnId, _: LostWhy) {}
+//! }
+//!
+//! let mut cluster: Cluster<Joiner> = Cluster::new(ClusterConfig::new(job));
+//! let w = cluster.add(NodeKind::Worker(0), LinkSpec::default(), Joiner { rank: None });
+//! cluster.run(1_000, 100);
+//! assert_eq!(cluster.role(w).unwrap().rank, Some(0));
+//! assert_eq!(cluster.network().now_us(), 1_000);
+//! ```
+
+pub mod cluster;
+pub mod net;
+pub mod queue;
+
+pub use cluster::{Cluster, ClusterConfig, Outbox, Role, SchedulerRole, Stop};
+pub use net::{
+    Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind, NodeTraffic, SizeHook, TraceEntry, frame_bytes,
+    nominal_sizes, transfer_ns,
+};
+pub use queue::EventQueue;
