@@ -107,6 +107,66 @@ struct HeldPull<T> {
     since_us: u64,
 }
 
+/// A block's held pulls, with what the hot path asks of them kept at hand: the smallest
+/// `until` (a push that does not reach it releases nothing, without a scan) and how many
+/// are held per clock (a pull asks whether one of its clock is held). At 1,000 workers a
+/// scan per push or pull would dominate.
+#[derive(Debug)]
+struct HeldPulls<T> {
+    pulls: Vec<HeldPull<T>>,
+    /// `min(until)` over `pulls`; `Clock::MAX` when empty.
+    min_until: Clock,
+    per_clock: BTreeMap<Clock, u32>,
+}
+
+impl<T> HeldPulls<T> {
+    fn new() -> Self {
+        Self { pulls: Vec::new(), min_until: Clock::MAX, per_clock: BTreeMap::new() }
+    }
+
+    fn len(&self) -> usize {
+        self.pulls.len()
+    }
+
+    fn hold(&mut self, pull: HeldPull<T>) {
+        self.min_until = self.min_until.min(pull.until);
+        *self.per_clock.entry(pull.clock).or_default() += 1;
+        self.pulls.push(pull);
+    }
+
+    fn any_at(&self, clock: Clock) -> bool {
+        self.per_clock.contains_key(&clock)
+    }
+
+    fn oldest(&self) -> Option<&HeldPull<T>> {
+        self.pulls.iter().min_by_key(|h| h.since_us)
+    }
+
+    /// Takes out the pulls for which `keep` is false.
+    fn take_unless(&mut self, keep: impl Fn(&HeldPull<T>) -> bool) -> Vec<HeldPull<T>> {
+        let (kept, taken): (Vec<_>, Vec<_>) = self.pulls.drain(..).partition(|h| keep(h));
+        self.pulls = kept;
+        self.min_until = self.pulls.iter().map(|h| h.until).min().unwrap_or(Clock::MAX);
+        for h in &taken {
+            if let std::collections::btree_map::Entry::Occupied(mut e) = self.per_clock.entry(h.clock) {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+        }
+        taken
+    }
+
+    /// The pulls `done` releases.
+    fn take_ready(&mut self, done: Clock) -> Vec<HeldPull<T>> {
+        if done < self.min_until {
+            return Vec::new();
+        }
+        self.take_unless(|h| done < h.until)
+    }
+}
+
 /// Everything a block carries to its new owner when it migrates: values, optimizer state,
 /// clock state and the aggregate buffer. Held pulls stay behind (the old owner answers
 /// them `Moved` and the workers re-issue them); counters stay with the server that
@@ -171,7 +231,7 @@ pub struct Block<T> {
     clocks: Clocks,
     /// Aggregate mode: per clock, the sum of the pushes received and how many.
     pending: BTreeMap<Clock, (Vec<f32>, u32)>,
-    held: Vec<HeldPull<T>>,
+    held: HeldPulls<T>,
     stats: BlockStats,
     hold_hist: Histogram,
     /// While a migration copies the block: the pushes applied since the snapshot.
@@ -190,7 +250,7 @@ impl<T> Block<T> {
             opt: OptState::default(),
             clocks: Clocks::new(config.workers),
             pending: BTreeMap::new(),
-            held: Vec::new(),
+            held: HeldPulls::new(),
             stats: BlockStats::default(),
             hold_hist: Histogram::default(),
             log: None,
@@ -217,7 +277,7 @@ impl<T> Block<T> {
             opt: state.opt,
             clocks: state.clocks,
             pending: state.pending.into_iter().map(|p| (p.clock, (p.sum, p.count))).collect(),
-            held: Vec::new(),
+            held: HeldPulls::new(),
             stats: BlockStats::default(),
             hold_hist: Histogram::default(),
             log: None,
@@ -311,7 +371,7 @@ impl<T> Block<T> {
     /// What the oldest held pull waits for, for logs: (worker and clock of that pull,
     /// the slowest worker and the clock it must push next), with how long it has waited.
     pub fn waiting(&self, now_us: u64) -> Option<Waiting> {
-        let h = self.held.iter().min_by_key(|h| h.since_us)?;
+        let h = self.held.oldest()?;
         Some(Waiting {
             worker: h.worker,
             clock: h.clock,
@@ -377,11 +437,11 @@ impl<T> Block<T> {
             clock,
             done: self.clocks.done(),
             fast: self.clocks.fast(),
-            same_clock_held: self.held.iter().any(|h| h.clock == clock),
+            same_clock_held: self.held.any_at(clock),
         };
         match config.sync.on_pull(&view, rng) {
             Verdict::Hold { until } => {
-                self.held.push(HeldPull { token, worker, clock, until, since_us: now_us });
+                self.held.hold(HeldPull { token, worker, clock, until, since_us: now_us });
                 Ok(None)
             }
             Verdict::Answer => Ok(Some(self.answer(config.sync, token, worker, clock, None))),
@@ -392,7 +452,7 @@ impl<T> Block<T> {
     /// longer have to wait for it.
     pub fn remove_worker(&mut self, config: &ShardConfig, worker: u32, now_us: u64) -> Vec<Answer<T>> {
         self.clocks.remove_worker(worker);
-        self.held.retain(|h| h.worker != worker);
+        self.held.take_unless(|h| h.worker != worker);
         if config.optimizer.aggregate {
             self.apply_complete_clocks(config.optimizer);
         }
@@ -401,7 +461,7 @@ impl<T> Block<T> {
 
     /// Takes every held pull out, for a block that is leaving this server.
     pub fn take_held(&mut self) -> Vec<(T, u32, Clock)> {
-        self.held.drain(..).map(|h| (h.token, h.worker, h.clock)).collect()
+        self.held.take_unless(|_| false).into_iter().map(|h| (h.token, h.worker, h.clock)).collect()
     }
 
     fn apply_complete_clocks(&mut self, opt: OptimizerConfig) {
@@ -418,12 +478,7 @@ impl<T> Block<T> {
     }
 
     fn release(&mut self, sync: SyncPolicy, now_us: u64) -> Vec<Answer<T>> {
-        if self.held.is_empty() {
-            return Vec::new();
-        }
-        let done = self.clocks.done();
-        let (ready, still): (Vec<_>, Vec<_>) = self.held.drain(..).partition(|h| done >= h.until);
-        self.held = still;
+        let ready = self.held.take_ready(self.clocks.done());
         if ready.is_empty() {
             return Vec::new();
         }
