@@ -10,9 +10,12 @@
 //!
 //! - [`scheduler`]: membership, the model's layout, barriers, the balancer's migrations
 //!   and scaling, the end of the job.
+//! - [`server`]: block slots (serving, copying, frozen, gone), pushes and pulls under
+//!   the sync policy, live migration of a block (both ends), load reports.
 
 pub mod error;
 pub mod scheduler;
+pub mod server;
 
 pub use error::{NodeError, Result};
 
