@@ -343,6 +343,12 @@ impl Server {
         self.stopping.as_ref().is_some_and(|s| s.lingering)
     }
 
+    /// True once the scheduler said `Shutdown` (the server finishes its migrations and,
+    /// if drained, lingers before it exits).
+    pub fn shutting_down(&self) -> bool {
+        self.stopping.is_some()
+    }
+
     /// True once [`Action::Exit`] was returned: every later event is ignored.
     pub fn exited(&self) -> bool {
         self.exited
