@@ -769,3 +769,6 @@ pub fn pull_coin_seed(job_seed: u64, rank: u32, clock: u32) -> u64 {
     let key = (u64::from(rank) << 32) | u64::from(clock);
     (job_seed ^ key.wrapping_mul(0x9E37_79B9_7F4A_7C15)).rotate_left(29)
 }
+
+#[cfg(test)]
+mod tests;
