@@ -13,9 +13,7 @@ use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
 use elasticps_wire::{Control, ErrorCode, Message, MigrationReport};
 
-use super::{
-    Action, Call, FrozenStep, Outgoing, Owned, Parked, Phase, Refusal, STEP_TIMEOUT_US, Server, Slot, error,
-};
+use super::{Action, Call, FrozenStep, Outgoing, Owned, Parked, Phase, Refusal, STEP_TIMEOUT_US, Server, Slot, error};
 
 impl Server {
     /// The scheduler asked to move `block` to `to`: snapshot it and send the snapshot.
@@ -68,7 +66,13 @@ impl Server {
     }
 
     /// The new owner answered a step (or the runtime says it cannot).
-    pub(super) fn step_answered(&mut self, now_us: u64, call: u64, reply: Result<Message, String>, out: &mut Vec<Action>) {
+    pub(super) fn step_answered(
+        &mut self,
+        now_us: u64,
+        call: u64,
+        reply: Result<Message, String>,
+        out: &mut Vec<Action>,
+    ) {
         let Some(Call::Migration(block)) = self.calls.remove(&call) else {
             tracing::debug!(call, "an answer to no migration step");
             return;
@@ -286,7 +290,9 @@ impl Server {
         let block = snapshot.spec.id;
         match shard.partition.block(block) {
             Ok(spec) if *spec == snapshot.spec => {}
-            _ => return error(ErrorCode::BadRequest, format!("the snapshot of block {block} does not match the model")),
+            _ => {
+                return error(ErrorCode::BadRequest, format!("the snapshot of block {block} does not match the model"));
+            }
         }
         if let Some(Slot::Owned(o)) = self.slots.get(&block)
             && o.epoch >= epoch
@@ -338,13 +344,11 @@ impl Server {
                 Phase::Frozen { parked, .. } => parked,
                 _ => Vec::new(),
             };
-            again.extend(
-                stale
-                    .block
-                    .take_held()
-                    .into_iter()
-                    .map(|(to, rank, clock)| Parked { rank, to, request: super::Request::Pull { clock } }),
-            );
+            again.extend(stale.block.take_held().into_iter().map(|(to, rank, clock)| Parked {
+                rank,
+                to,
+                request: super::Request::Pull { clock },
+            }));
             self.serve_parked(now_us, again, out);
         }
         Control::Ok.into()

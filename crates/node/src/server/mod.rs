@@ -295,7 +295,7 @@ impl Server {
             Event::Closed { conn } => {
                 self.conns.remove(&conn);
             }
-            Event::FromScheduler { request_id, msg } => self.from_scheduler(now_us, request_id, msg, &mut out),
+            Event::FromScheduler { request_id, msg } => self.scheduler_said(now_us, request_id, msg, &mut out),
             Event::FromServer { call, reply } => self.step_answered(now_us, call, reply, &mut out),
             Event::Tick => self.tick(now_us, &mut out),
         }
@@ -468,7 +468,9 @@ impl Server {
             (Message::Push { block, clock, values }, Some(r)) => {
                 self.handle(now_us, r, token(block), Request::Push { clock, values }, out)
             }
-            (Message::Pull { block, clock }, Some(r)) => self.handle(now_us, r, token(block), Request::Pull { clock }, out),
+            (Message::Pull { block, clock }, Some(r)) => {
+                self.handle(now_us, r, token(block), Request::Pull { clock }, out)
+            }
             (Message::Init { block, values }, Some(r)) => {
                 self.handle(now_us, r, token(block), Request::Init { values }, out)
             }
@@ -499,7 +501,14 @@ impl Server {
 
     /// A data request: answered now (the reply returned), later (a held pull: `None`,
     /// the answer comes from a push), or parked while its block is frozen.
-    fn handle(&mut self, now_us: u64, rank: u32, to: Token, request: Request, out: &mut Vec<Action>) -> Option<Message> {
+    fn handle(
+        &mut self,
+        now_us: u64,
+        rank: u32,
+        to: Token,
+        request: Request,
+        out: &mut Vec<Action>,
+    ) -> Option<Message> {
         let block = to.block;
         self.last_request_us = now_us;
         let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
@@ -553,16 +562,23 @@ impl Server {
     fn answer_pulls(&mut self, answers: Vec<Answer<Token>>, out: &mut Vec<Action>) {
         for a in answers {
             if self.trace {
-                let t = PullTrace { block: a.token.block, worker: a.worker, clock: a.clock, done: a.done, held_us: a.held_us };
+                let t = PullTrace {
+                    block: a.token.block,
+                    worker: a.worker,
+                    clock: a.clock,
+                    done: a.done,
+                    held_us: a.held_us,
+                };
                 out.push(Action::Trace(t));
             }
             self.counters.bytes_out += a.values.len() as u64 * 4;
-            let msg = Message::PullReply { block: a.token.block, clock: a.clock, values: Values::from_shared(a.values) };
+            let msg =
+                Message::PullReply { block: a.token.block, clock: a.clock, values: Values::from_shared(a.values) };
             out.push(Action::Reply { conn: a.token.conn, request_id: a.token.request_id, msg });
         }
     }
 
-    fn from_scheduler(&mut self, now_us: u64, request_id: u64, msg: Message, out: &mut Vec<Action>) {
+    fn scheduler_said(&mut self, now_us: u64, request_id: u64, msg: Message, out: &mut Vec<Action>) {
         if request_id != 0 {
             match self.calls.remove(&request_id) {
                 Some(Call::Register) => self.welcome(now_us, msg, out),
@@ -602,7 +618,9 @@ impl Server {
                 self.exit(Exit::Failed { reason: format!("scheduler answered {:?}: {}", e.code, e.message) }, out)
             }
             other => self.exit(
-                Exit::Failed { reason: format!("protocol error with scheduler: expected Welcome, got {:?}", other.kind()) },
+                Exit::Failed {
+                    reason: format!("protocol error with scheduler: expected Welcome, got {:?}", other.kind()),
+                },
                 out,
             ),
         }

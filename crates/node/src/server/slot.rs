@@ -56,8 +56,9 @@ pub struct Parked {
     pub request: Request,
 }
 
-/// A block slot.
+/// A block slot. (A gone slot is small and owned ones are the rule: not boxed.)
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum Slot {
     /// The block is here.
     Owned(Owned),

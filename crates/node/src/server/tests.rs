@@ -33,11 +33,16 @@ fn assignment(id: ServerId, sync: SyncPolicy) -> Assignment {
 fn server(id: ServerId, sync: SyncPolicy) -> Server {
     let mut s = Server::new(format!("addr{id}")).with_trace(true);
     let start = s.start(0);
-    assert!(matches!(&start[..], [Action::ToScheduler { request_id: 1, msg: Message::Control(Control::RegisterServer { .. }) }]));
+    assert!(matches!(
+        &start[..],
+        [Action::ToScheduler { request_id: 1, msg: Message::Control(Control::RegisterServer { .. }) }]
+    ));
     let welcome = Control::Welcome { node_id: id, num_workers: 2, num_servers: 2 }.into();
     s.step(0, Event::FromScheduler { request_id: 1, msg: welcome });
     let acts = s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(assignment(id, sync)).into() });
-    assert!(acts.iter().any(|a| matches!(a, Action::ToScheduler { msg: Message::Control(Control::AssignDone { .. }), .. })));
+    assert!(
+        acts.iter().any(|a| matches!(a, Action::ToScheduler { msg: Message::Control(Control::AssignDone { .. }), .. }))
+    );
     for (conn, rank) in [(1, 0), (2, 1)] {
         let r = s.step(0, Event::Received { conn, request_id: 0, msg: Control::Hello { rank }.into() });
         assert_eq!(replies(&r), vec![(conn, 0, Control::Ok.into())]);
@@ -192,15 +197,25 @@ fn a_failed_step_serves_the_parked_requests_here() {
 
     // A step nobody answers fails at its deadline, checked on Tick.
     let again = migrate(&mut a, 10, 3);
-    assert!(a.step(10 + STEP_TIMEOUT_US - 1, Event::Tick).iter().all(|x| !matches!(x, Action::ToScheduler { msg: Message::Control(Control::MigrateDone(_)), .. })));
+    assert!(
+        a.step(10 + STEP_TIMEOUT_US - 1, Event::Tick)
+            .iter()
+            .all(|x| !matches!(x, Action::ToScheduler { msg: Message::Control(Control::MigrateDone(_)), .. }))
+    );
     let (_, report) = migrate_done(&a.step(10 + STEP_TIMEOUT_US, Event::Tick));
     assert_eq!(report.error.as_deref(), Some("timed out after 30.0 s: server 1 to take the snapshot of block 0"));
     assert_eq!(phase(&a), "serving");
-    assert!(a.step(10 + STEP_TIMEOUT_US, Event::FromServer { call: again.0, reply: Ok(Control::Ok.into()) }).is_empty());
+    assert!(
+        a.step(10 + STEP_TIMEOUT_US, Event::FromServer { call: again.0, reply: Ok(Control::Ok.into()) }).is_empty()
+    );
     // The new owner's answer as an error names it.
     let snapshot = migrate(&mut a, 20 + STEP_TIMEOUT_US, 4);
-    let refused = Message::Error(elasticps_wire::ErrorReply { code: elasticps_wire::ErrorCode::BadRequest, message: "no".into() });
-    let (_, report) = migrate_done(&a.step(21 + STEP_TIMEOUT_US, Event::FromServer { call: snapshot.0, reply: Ok(refused) }));
+    let refused = Message::Error(elasticps_wire::ErrorReply {
+        code: elasticps_wire::ErrorCode::BadRequest,
+        message: "no".into(),
+    });
+    let (_, report) =
+        migrate_done(&a.step(21 + STEP_TIMEOUT_US, Event::FromServer { call: snapshot.0, reply: Ok(refused) }));
     assert_eq!(report.error.as_deref(), Some("server 1 answered BadRequest: no"));
 }
 
@@ -220,10 +235,16 @@ fn a_lost_acknowledgement_leaves_a_stale_copy_whose_held_pulls_are_decided_again
     assert!(replies(&pull(&mut b, t, 0, 30, 0, 2)).is_empty());
     // Training goes on at a.
     for (rank, g) in [(0, 1.0), (1, 2.0)] {
-        assert!(acked(&push(&mut a, t, rank, 40 + u64::from(rank), 0, 0, g), ConnId::from(rank) + 1, 40 + u64::from(rank)));
+        assert!(acked(
+            &push(&mut a, t, rank, 40 + u64::from(rank), 0, 0, g),
+            ConnId::from(rank) + 1,
+            40 + u64::from(rank)
+        ));
     }
     // An older epoch is refused by the copy's owner; the next migration replaces the copy.
-    assert!(matches!(deliver(&mut b, t, (99, snapshot.1.clone())), Message::Error(e) if e.message.contains("already owned")));
+    assert!(
+        matches!(deliver(&mut b, t, (99, snapshot.1.clone())), Message::Error(e) if e.message.contains("already owned"))
+    );
     let snapshot = migrate(&mut a, t + 1, 3);
     assert_eq!(deliver(&mut b, t + 2, snapshot.clone()), Control::Ok.into());
     let delta = to_server(&a.step(t + 3, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
@@ -286,7 +307,8 @@ fn the_scheduler_refusing_the_move_keeps_the_block_and_its_silence_completes_it(
         let (call, _) = migrate_done(&a.step(t, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
         assert!(replies(&push(&mut a, t + 1, 0, 10, 0, epoch as u32 - 2, 1.0)).is_empty(), "parked");
         let r = if refuse {
-            let no = elasticps_wire::ErrorReply { code: elasticps_wire::ErrorCode::BadRequest, message: "unknown".into() };
+            let no =
+                elasticps_wire::ErrorReply { code: elasticps_wire::ErrorCode::BadRequest, message: "unknown".into() };
             a.step(t + 2, Event::FromScheduler { request_id: call, msg: Message::Error(no) })
         } else {
             a.step(t + STEP_TIMEOUT_US, Event::Tick)
@@ -308,7 +330,8 @@ fn a_drained_server_lingers_until_its_connections_close() {
     let delta = to_server(&a.step(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
     let (call, _) = migrate_done(&a.step(3, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
     a.step(4, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
-    let r = a.step(5, Event::FromScheduler { request_id: 0, msg: Control::Shutdown { reason: "drained".into() }.into() });
+    let r =
+        a.step(5, Event::FromScheduler { request_id: 0, msg: Control::Shutdown { reason: "drained".into() }.into() });
     assert!(r.is_empty() && a.lingering() && a.shutting_down());
     assert_eq!(replies(&pull(&mut a, 6, 0, 1, 0, 0)), vec![(1, 1, moved(B, 2))], "still answers Moved");
     assert!(a.step(7, Event::Closed { conn: 1 }).is_empty());

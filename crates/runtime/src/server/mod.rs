@@ -222,7 +222,8 @@ impl Io {
         let peer = match cached {
             Some(p) => p,
             None => {
-                let (p, _notes) = Peer::connect_shaped(addr, self.codec.clone(), &name, Some(self.shaper.clone())).await?;
+                let (p, _notes) =
+                    Peer::connect_shaped(addr, self.codec.clone(), &name, Some(self.shaper.clone())).await?;
                 lock(&self.servers).insert(addr.to_string(), p.clone());
                 p
             }
