@@ -212,6 +212,28 @@ impl Server {
         }
     }
 
+    /// `Shutdown` arrived: the scheduler said its last word (its answer to a
+    /// `MigrateDone` would have come before it on the same connection), so a move the
+    /// new owner took over is complete. Answering `Moved` is right; waiting for the
+    /// step's deadline would only delay the exit.
+    pub(super) fn shutdown_handovers(&mut self, out: &mut Vec<Action>) {
+        let recording: Vec<(BlockId, ServerId, u64, u64)> = self
+            .slots
+            .iter()
+            .filter_map(|(b, s)| match s {
+                Slot::Owned(Owned { phase: Phase::Frozen { out: m, step: FrozenStep::Recording, .. }, .. }) => {
+                    Some((*b, m.to, m.epoch, m.call))
+                }
+                _ => None,
+            })
+            .collect();
+        for (block, to, epoch, call) in recording {
+            tracing::warn!(server = self.id, block, to, "the scheduler shut down before it confirmed a migration");
+            self.calls.remove(&call);
+            self.finish_handover(block, to, epoch, out);
+        }
+    }
+
     /// A step failed: the block stays here, the scheduler hears why.
     fn fail(&mut self, now_us: u64, block: BlockId, e: String, out: &mut Vec<Action>) {
         let Some(Slot::Owned(Owned { phase: Phase::Copying { out: m } | Phase::Frozen { out: m, .. }, .. })) =

@@ -600,6 +600,7 @@ impl Server {
             Message::Control(Control::Shutdown { reason }) => {
                 tracing::info!(server = self.id, %reason, "server shuts down");
                 self.stopping = Some(Stopping { reason, since_us: now_us, lingering: false });
+                self.shutdown_handovers(out);
             }
             other => tracing::warn!(server = self.id, kind = ?other.kind(), "unexpected message from the scheduler"),
         }

@@ -365,3 +365,19 @@ fn ticks_send_heartbeats_and_load_reports() {
     assert!(r.iter().any(|x| matches!(x, Action::ToScheduler { msg: Message::Control(Control::Heartbeat), .. })));
     assert_eq!(a.take_load(1).requests, 0, "reset");
 }
+
+#[test]
+fn shutdown_completes_a_move_the_scheduler_has_not_confirmed() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
+    let snapshot = migrate(&mut a, 1, 2);
+    deliver(&mut b, 1, snapshot.clone());
+    let delta = to_server(&a.step(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    deliver(&mut b, 2, delta.clone());
+    migrate_done(&a.step(3, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    assert!(replies(&pull(&mut a, 4, 0, 9, 0, 0)).is_empty(), "parked");
+    let msg = Control::Shutdown { reason: "every worker finished".into() }.into();
+    let r = a.step(5, Event::FromScheduler { request_id: 0, msg });
+    assert_eq!(replies(&r), vec![(1, 9, moved(B, 2))]);
+    assert_eq!(phase(&a), "gone");
+    assert!(a.lingering(), "drained: waits for its connections, not for the step's deadline");
+}
