@@ -139,6 +139,10 @@ impl Server {
             }
             Phase::Serving => {}
         }
+        if self.stopping.is_some() {
+            // The scheduler already shut the job down: it will not record this move.
+            self.shutdown_handovers(out);
+        }
     }
 
     /// The scheduler answered `MigrateDone`.

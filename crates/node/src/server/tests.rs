@@ -381,3 +381,18 @@ fn shutdown_completes_a_move_the_scheduler_has_not_confirmed() {
     assert_eq!(phase(&a), "gone");
     assert!(a.lingering(), "drained: waits for its connections, not for the step's deadline");
 }
+
+#[test]
+fn a_move_the_new_owner_takes_after_shutdown_completes_at_once() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
+    let snapshot = migrate(&mut a, 1, 2);
+    deliver(&mut b, 1, snapshot.clone());
+    let delta = to_server(&a.step(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let msg = Control::Shutdown { reason: "every worker finished".into() }.into();
+    assert!(a.step(3, Event::FromScheduler { request_id: 0, msg }).is_empty(), "waits for the running migration");
+    deliver(&mut b, 4, delta.clone());
+    let r = a.step(5, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) });
+    migrate_done(&r);
+    assert_eq!(phase(&a), "gone");
+    assert!(a.lingering());
+}
