@@ -10,6 +10,8 @@
 //!
 //! - [`scheduler`]: membership, the model's layout, barriers, the balancer's migrations
 //!   and scaling, the end of the job.
+//! - [`server`]: block slots (serving, copying, frozen, gone), pushes and pulls under
+//!   the sync policy, live migration of a block (both ends), load reports.
 //! - [`worker`]: the worker's round as a plan (which blocks to push and pull where, what
 //!   to resend after `Moved`) and its load report.
 //! - [`harness`]: a deterministic cluster on virtual time: simulated links with latency
@@ -18,6 +20,7 @@
 pub mod error;
 pub mod harness;
 pub mod scheduler;
+pub mod server;
 pub mod worker;
 
 pub use error::{NodeError, Result};

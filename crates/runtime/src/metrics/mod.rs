@@ -4,7 +4,7 @@
 //! registry), so several nodes in one process stay apart:
 //!
 //! - [`ServerMetrics`]: read at scrape time from the counters the server keeps anyway
-//!   (its blocks' [`BlockStats`] and hold-time histograms, the same numbers as
+//!   (its blocks' [`elasticps_core::block::BlockStats`] and hold-time histograms, the same numbers as
 //!   `GetStats`), so serving pushes and pulls takes no extra lock.
 //! - [`WorkerMetrics`]: updated by the worker [`crate::client::Client`] once per round.
 //! - [`SchedulerMetrics`]: set by the scheduler on its tick from its membership state.
@@ -18,9 +18,8 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use elasticps_core::block::BlockStats;
 use elasticps_core::placement::ServerId;
-use elasticps_core::sync::{Clock, SyncPolicy};
+use elasticps_core::sync::Clock;
 use elasticps_wire::ClusterStatus;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet};
@@ -53,42 +52,7 @@ async fn wait_node(node: &watch::Sender<Option<u32>>, timeout: Duration) -> Opti
 // ---------------------------------------------------------------------------------------
 // Server.
 
-/// A server's counters at one instant: what its metric families show.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ServerSnapshot {
-    /// The server's id, once registered.
-    pub server_id: Option<ServerId>,
-    /// The configured sync policy (`bsp`, `ssp:3`, `adaptive:0:8`), once assigned.
-    pub sync: Option<SyncPolicy>,
-    /// The staleness bound in force: see [`staleness_bound`].
-    pub staleness_bound: i64,
-    /// Blocks owned now.
-    pub blocks: u32,
-    /// Bytes of values owned now.
-    pub bytes: u64,
-    /// Counters over every block this server served (including blocks that left).
-    pub totals: BlockStats,
-    /// How long held pulls were held: the buckets of the server's log2 histogram of
-    /// microseconds ([`elasticps_core::stats::Histogram::buckets`]).
-    pub hold: Vec<u64>,
-    /// Blocks that arrived by migration.
-    pub migrations_in: u64,
-    /// Blocks handed over to another server.
-    pub migrations_out: u64,
-}
-
-/// The staleness bound a policy enforces now, as `elasticps_server_staleness_bound`
-/// shows it: `bsp` 0; `ssp:s`, `lazy:s`, `pssp:s:p`, `dpssp:s` s (the probabilistic
-/// policies pause only beyond s); `adaptive` the s it currently uses (`current_s`);
-/// `asp` -1 (no bound).
-pub fn staleness_bound(policy: SyncPolicy, current_s: u32) -> i64 {
-    match policy.resolve(current_s) {
-        SyncPolicy::Bsp => 0,
-        SyncPolicy::Asp => -1,
-        SyncPolicy::Ssp(s) | SyncPolicy::Lazy(s) | SyncPolicy::Dpssp(s) | SyncPolicy::Pssp { s, .. } => s.into(),
-        SyncPolicy::Adaptive { .. } => i64::from(current_s),
-    }
-}
+pub use elasticps_node::server::{ServerSnapshot, staleness_bound};
 
 /// Reads a server's counters for a scrape.
 pub trait ServerSource: Send + Sync + 'static {
@@ -520,6 +484,8 @@ mod tests {
 
     use super::*;
     use crate::scheduler::ScaleEvent;
+    use elasticps_core::block::BlockStats;
+    use elasticps_core::sync::SyncPolicy;
 
     struct Fixed(Mutex<ServerSnapshot>);
 

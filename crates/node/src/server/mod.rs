@@ -1,0 +1,793 @@
+//! The server's decisions as a plain state machine: which blocks it owns, how a push or
+//! pull reaches one, the sync policy's held pulls, live migration of one block (both
+//! ends), load reports, the adaptive policy, when a drained server may leave. Events in
+//! (a frame on a data connection, a message from the scheduler, the answer of another
+//! server, time), actions out (reply, send to the scheduler, send to a server, trace,
+//! exit). One struct, `&mut self`, no locks, no threads, no clock of its own: every
+//! event comes with `now_us`.
+//!
+//! - [`slot`]: one block's slot and its typed phase (serving, copying, frozen, gone).
+//! - [`migrate`](self): the migration's steps, old owner and new owner.
+//! - [`config`]: the shard's configuration, the adaptive policy, tensor optimizers.
+//! - [`counters`]: stats, metrics snapshot, load.
+//!
+//! Registration is part of the state machine: [`Server::start`] returns the
+//! `RegisterServer` call, so a harness drives a server from birth.
+
+use std::collections::BTreeMap;
+
+use elasticps_core::block::{Answer, Block, BlockState};
+use elasticps_core::model::BlockId;
+use elasticps_core::placement::ServerId;
+use elasticps_wire::{Assignment, Control, ErrorCode, Message, ServerLoad, ServerStats, Values};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+pub mod config;
+pub mod counters;
+mod migrate;
+pub mod slot;
+
+pub use config::{Refusal, Shard, error};
+pub use counters::{ServerSnapshot, staleness_bound};
+pub use slot::{FrozenStep, Outgoing, Owned, Parked, Phase, Request, Slot, Token};
+
+use counters::{Counters, Sum};
+
+pub use crate::ConnId;
+
+/// How often a server sends a heartbeat to the scheduler, µs.
+pub const HEARTBEAT_EVERY_US: u64 = 1_000_000;
+/// How often a server reports its load and evaluates its adaptive policy, µs.
+pub const STATS_INTERVAL_US: u64 = 1_000_000;
+/// How long each step of a migration may take, µs.
+pub const STEP_TIMEOUT_US: u64 = 30_000_000;
+/// How long the scheduler may take to accept this server, µs.
+pub const REGISTER_TIMEOUT_US: u64 = 120_000_000;
+/// How long a drained server waits for a request before it leaves anyway, µs.
+pub const LINGER_QUIET_US: u64 = 10_000_000;
+/// How often a server says what it waits for (no assignment yet, a pull held long), µs.
+pub const WAIT_LOG_EVERY_US: u64 = 10_000_000;
+/// A pull held longer than this is logged with what it waits for, µs.
+pub const LONG_HOLD_US: u64 = 5_000_000;
+/// After `Shutdown`, how long a server waits for its running migrations, µs.
+pub const SHUTDOWN_WAIT_US: u64 = 2 * STEP_TIMEOUT_US;
+
+/// Something that happened at the server.
+#[derive(Debug)]
+pub enum Event {
+    /// A data connection opened (optional: a frame from an unknown connection opens it).
+    Opened {
+        /// The connection.
+        conn: ConnId,
+    },
+    /// A frame from a data connection (a worker after Hello, or a server streaming a block).
+    Received {
+        /// The connection.
+        conn: ConnId,
+        /// The frame's request id.
+        request_id: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// A data connection closed.
+    Closed {
+        /// The connection.
+        conn: ConnId,
+    },
+    /// A message from the scheduler: a notification (request id 0) or the answer to a
+    /// call ([`Action::ToScheduler`] with that request id).
+    FromScheduler {
+        /// 0, or the request id of the call answered.
+        request_id: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// The answer of another server to a migration step this server sent, or its failure
+    /// (connection failed, timed out).
+    FromServer {
+        /// The call ([`Action::ToServer`]) answered.
+        call: u64,
+        /// The answer, or why there is none.
+        reply: Result<Message, String>,
+    },
+    /// Time passed (heartbeats, load reports, adaptive staleness, migration step
+    /// deadlines, long holds, a drained server's linger).
+    Tick,
+}
+
+/// What the runtime must do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Send `msg` on data connection `conn`, answering `request_id`.
+    Reply {
+        /// The connection.
+        conn: ConnId,
+        /// The request answered.
+        request_id: u64,
+        /// The answer.
+        msg: Message,
+    },
+    /// Send `msg` to the scheduler. Request id 0: a notification; otherwise a call whose
+    /// answer comes back as [`Event::FromScheduler`] with this request id (a call that
+    /// fails needs no event: the server's own deadline covers it).
+    ToScheduler {
+        /// 0, or the call's id.
+        request_id: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// A migration step to another server, answered by [`Event::FromServer`] with `call`.
+    ToServer {
+        /// The call's id.
+        call: u64,
+        /// The server.
+        server: ServerId,
+        /// Its data address.
+        addr: String,
+        /// The step.
+        msg: Message,
+    },
+    /// An answered pull, for the runtime's `--trace` file (only if enabled with
+    /// [`Server::with_trace`]).
+    Trace(PullTrace),
+    /// Stop.
+    Exit(Exit),
+}
+
+/// One answered pull, as the `--trace` file records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PullTrace {
+    /// The block.
+    pub block: BlockId,
+    /// The worker that pulled.
+    pub worker: u32,
+    /// The pull's clock.
+    pub clock: u32,
+    /// The block's `done` clock when it was answered.
+    pub done: u32,
+    /// How long it was held, if it was.
+    pub held_us: Option<u64>,
+}
+
+impl PullTrace {
+    /// The trace line (JSON, no newline): `{"block":..,"worker":..,"clock":..,"done":..,"held_us":..}`.
+    pub fn json(&self) -> String {
+        format!(
+            r#"{{"block":{},"worker":{},"clock":{},"done":{},"held_us":{}}}"#,
+            self.block,
+            self.worker,
+            self.clock,
+            self.done,
+            self.held_us.map_or("null".to_string(), |u| u.to_string())
+        )
+    }
+}
+
+/// Why a server stops.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Exit {
+    /// The scheduler shut the job down (a drained server lingered first).
+    Shutdown {
+        /// The scheduler's reason.
+        reason: String,
+    },
+    /// The server cannot take part: registration refused or timed out, or an assignment
+    /// that cannot be built.
+    Failed {
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// One data connection as the server sees it.
+#[derive(Clone, Copy, Debug, Default)]
+struct Conn {
+    /// The worker rank, after Hello.
+    rank: Option<u32>,
+    /// It said Hello or streams a block.
+    introduced: bool,
+}
+
+/// What a call in flight is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Call {
+    /// `RegisterServer`.
+    Register,
+    /// A step of the migration of this block (to a server, or `MigrateDone`).
+    Migration(BlockId),
+}
+
+/// After `Shutdown`: when it came, and why.
+#[derive(Clone, Debug)]
+struct Stopping {
+    reason: String,
+    since_us: u64,
+    lingering: bool,
+}
+
+/// The server's state.
+#[derive(Debug)]
+pub struct Server {
+    data_addr: String,
+    trace: bool,
+    /// The id the scheduler gave, once registered.
+    id: Option<ServerId>,
+    started_us: u64,
+    register_deadline_us: Option<u64>,
+    shard: Option<Shard>,
+    slots: BTreeMap<BlockId, Slot>,
+    /// Snapshots of blocks on their way here: block -> (epoch, state).
+    incoming: BTreeMap<BlockId, (u64, BlockState)>,
+    /// Workers removed from every quorum: a block arriving later leaves them out too.
+    removed_workers: Vec<u32>,
+    counters: Counters,
+    conns: BTreeMap<ConnId, Conn>,
+    calls: BTreeMap<u64, Call>,
+    next_call: u64,
+    last_heartbeat_us: Option<u64>,
+    next_stats_us: u64,
+    last_report_us: u64,
+    next_wait_log_us: u64,
+    /// When the last data request arrived.
+    last_request_us: u64,
+    stopping: Option<Stopping>,
+    exited: bool,
+}
+
+impl Server {
+    /// A server that will serve data on `data_addr` (the address workers dial).
+    pub fn new(data_addr: impl Into<String>) -> Self {
+        Self {
+            data_addr: data_addr.into(),
+            trace: false,
+            id: None,
+            started_us: 0,
+            register_deadline_us: None,
+            shard: None,
+            slots: BTreeMap::new(),
+            incoming: BTreeMap::new(),
+            removed_workers: Vec::new(),
+            counters: Counters::default(),
+            conns: BTreeMap::new(),
+            calls: BTreeMap::new(),
+            next_call: 1,
+            last_heartbeat_us: None,
+            next_stats_us: 0,
+            last_report_us: 0,
+            next_wait_log_us: 0,
+            last_request_us: 0,
+            stopping: None,
+            exited: false,
+        }
+    }
+
+    /// Says whether answered pulls come out as [`Action::Trace`] too.
+    pub fn with_trace(mut self, on: bool) -> Self {
+        self.trace = on;
+        self
+    }
+
+    /// Starts the server at `now_us`: the `RegisterServer` call to the scheduler.
+    pub fn start(&mut self, now_us: u64) -> Vec<Action> {
+        self.started_us = now_us;
+        self.next_stats_us = now_us;
+        self.next_wait_log_us = now_us + WAIT_LOG_EVERY_US;
+        self.register_deadline_us = Some(now_us + REGISTER_TIMEOUT_US);
+        let call = self.call(Call::Register);
+        vec![Action::ToScheduler {
+            request_id: call,
+            msg: Control::RegisterServer { data_addr: self.data_addr.clone() }.into(),
+        }]
+    }
+
+    /// Handles one event at `now_us` (the runtime's clock, µs, never going back).
+    pub fn step(&mut self, now_us: u64, ev: Event) -> Vec<Action> {
+        let mut out = Vec::new();
+        if self.exited {
+            return out;
+        }
+        match ev {
+            Event::Opened { conn } => {
+                self.conns.entry(conn).or_default();
+            }
+            Event::Received { conn, request_id, msg } => self.received(now_us, conn, request_id, msg, &mut out),
+            Event::Closed { conn } => {
+                self.conns.remove(&conn);
+            }
+            Event::FromScheduler { request_id, msg } => self.scheduler_said(now_us, request_id, msg, &mut out),
+            Event::FromServer { call, reply } => self.step_answered(now_us, call, reply, &mut out),
+            Event::Tick => self.tick(now_us, &mut out),
+        }
+        if self.stopping.is_some() {
+            self.try_exit(now_us, &mut out);
+        }
+        out
+    }
+
+    // ---- queries ----------------------------------------------------------------------
+
+    /// The id the scheduler gave this server, once registered.
+    pub fn id(&self) -> Option<ServerId> {
+        self.id
+    }
+
+    /// The shard's configuration, once assigned.
+    pub fn shard(&self) -> Option<&Shard> {
+        self.shard.as_ref()
+    }
+
+    /// The slot of `block`, if this server has one (owned or gone).
+    pub fn slot(&self, block: BlockId) -> Option<&Slot> {
+        self.slots.get(&block)
+    }
+
+    /// The blocks owned here (in any phase but gone), in id order.
+    pub fn owned(&self) -> Vec<BlockId> {
+        self.slots.iter().filter(|(_, s)| matches!(s, Slot::Owned(_))).map(|(b, _)| *b).collect()
+    }
+
+    /// Whether data connection `conn` said Hello (or streams a block): before that the
+    /// runtime bounds the wait for its first frame.
+    pub fn introduced(&self, conn: ConnId) -> bool {
+        self.conns.get(&conn).is_some_and(|c| c.introduced)
+    }
+
+    /// Open data connections.
+    pub fn open_connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// True after `Shutdown` while a drained server waits for workers to stop using it.
+    pub fn lingering(&self) -> bool {
+        self.stopping.as_ref().is_some_and(|s| s.lingering)
+    }
+
+    /// True once the scheduler said `Shutdown` (the server finishes its migrations and,
+    /// if drained, lingers before it exits).
+    pub fn shutting_down(&self) -> bool {
+        self.stopping.is_some()
+    }
+
+    /// True once [`Action::Exit`] was returned: every later event is ignored.
+    pub fn exited(&self) -> bool {
+        self.exited
+    }
+
+    /// Adds time the runtime measured: handling data requests (`busy_us`) and frames
+    /// waiting for the bandwidth cap (`shaped_us`). Both go into the next load report.
+    pub fn charge(&mut self, busy_us: u64, shaped_us: u64) {
+        self.counters.busy_us += busy_us;
+        self.counters.shaped_us += shaped_us;
+    }
+
+    /// The server's counters (final report), under its registered id.
+    pub fn stats(&self) -> ServerStats {
+        self.stats_as(self.id.unwrap_or(u32::MAX))
+    }
+
+    /// The counters as the metrics show them.
+    pub fn metrics_snapshot(&self) -> ServerSnapshot {
+        let c = self.sum();
+        let (server_id, sync, staleness_bound) = match &self.shard {
+            Some(s) => (Some(s.id), Some(s.config.sync), staleness_bound(s.config.sync, s.staleness())),
+            None => (None, None, 0),
+        };
+        ServerSnapshot {
+            server_id,
+            sync,
+            staleness_bound,
+            blocks: c.blocks,
+            bytes: c.bytes,
+            totals: c.totals,
+            hold: c.hold.buckets().to_vec(),
+            migrations_in: self.counters.migrations_in,
+            migrations_out: self.counters.migrations_out,
+        }
+    }
+
+    /// The load since the last call (counters reset), over `interval_us`.
+    pub fn take_load(&mut self, interval_us: u64) -> ServerLoad {
+        let (mut blocks, mut bytes) = (0, 0);
+        for slot in self.slots.values() {
+            if let Slot::Owned(o) = slot {
+                blocks += 1;
+                bytes += o.block.spec().bytes() as u64;
+            }
+        }
+        let c = &mut self.counters;
+        ServerLoad {
+            server_id: self.id.unwrap_or(u32::MAX),
+            interval_us,
+            bytes_in: std::mem::take(&mut c.bytes_in),
+            bytes_out: std::mem::take(&mut c.bytes_out),
+            requests: std::mem::take(&mut c.requests),
+            busy_us: std::mem::take(&mut c.busy_us),
+            shaped_us: std::mem::take(&mut c.shaped_us),
+            blocks,
+            bytes,
+        }
+    }
+
+    // ---- internals --------------------------------------------------------------------
+
+    fn call(&mut self, what: Call) -> u64 {
+        let id = self.next_call;
+        self.next_call += 1;
+        self.calls.insert(id, what);
+        id
+    }
+
+    fn stats_as(&self, id: ServerId) -> ServerStats {
+        let Sum { blocks, bytes, totals, hold } = self.sum();
+        let sync = self.shard.as_ref().map_or_else(String::new, Shard::policy_name);
+        ServerStats { server_id: id, sync, blocks, bytes, totals, hold_p99_us: hold.quantile(0.99) }
+    }
+
+    /// The counters summed over the owned blocks and the blocks that left.
+    fn sum(&self) -> Sum {
+        let mut c = Sum::default();
+        if self.shard.is_none() {
+            return c;
+        }
+        for slot in self.slots.values() {
+            if let Slot::Owned(o) = slot {
+                c.totals.merge(o.block.stats());
+                c.hold.merge(o.block.hold_histogram());
+                c.blocks += 1;
+                c.bytes += o.block.spec().bytes() as u64;
+            }
+        }
+        c.totals.merge(&self.counters.departed);
+        c.hold.merge(&self.counters.departed_hold);
+        c
+    }
+
+    fn received(&mut self, now_us: u64, conn: ConnId, request_id: u64, msg: Message, out: &mut Vec<Action>) {
+        let c = *self.conns.entry(conn).or_default();
+        let reply = |msg| Action::Reply { conn, request_id, msg };
+        let token = |block| Token { conn, request_id, block };
+        let answer = match (msg, c.rank) {
+            (Message::Control(Control::Hello { rank }), _) => {
+                self.conns.insert(conn, Conn { rank: Some(rank), introduced: true });
+                Some(Control::Ok.into())
+            }
+            (Message::Control(Control::GetStats), _) => {
+                let sid = self.shard.as_ref().map_or(u32::MAX, |s| s.id);
+                Some(Control::Stats(self.stats_as(sid)).into())
+            }
+            (Message::Control(Control::BlockSnapshot { epoch, state }), _) => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.introduced = true;
+                }
+                Some(self.take_snapshot(epoch, state))
+            }
+            (Message::Control(Control::BlockDelta { block, epoch, pushes }), _) => {
+                Some(self.take_delta(now_us, block, epoch, &pushes, out))
+            }
+            (Message::Push { block, clock, values }, Some(r)) => {
+                self.handle(now_us, r, token(block), Request::Push { clock, values }, out)
+            }
+            (Message::Pull { block, clock }, Some(r)) => {
+                self.handle(now_us, r, token(block), Request::Pull { clock }, out)
+            }
+            (Message::Init { block, values }, Some(r)) => {
+                self.handle(now_us, r, token(block), Request::Init { values }, out)
+            }
+            (Message::Control(Control::SetOptimizer { tensor, optimizer }), Some(r)) => match self.shard.as_mut() {
+                None => Some(Refusal::NotReady.reply(0)),
+                Some(shard) => match shard.set_optimizer(tensor, optimizer) {
+                    Ok(()) => {
+                        tracing::info!(server = shard.id, rank = r, tensor, ?optimizer, "tensor optimizer set");
+                        Some(Control::Ok.into())
+                    }
+                    Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
+                },
+            },
+            (other, rank) => {
+                let what = match rank {
+                    None => format!("expected Hello as the first message, got {:?}", other.kind()),
+                    Some(_) => format!("a server does not take {:?} messages", other.kind()),
+                };
+                // Well-formed but out of turn: refuse it and keep the connection (PROTOCOL.md §7).
+                tracing::warn!(conn, %what, "request refused");
+                Some(error(ErrorCode::BadRequest, what))
+            }
+        };
+        if let Some(msg) = answer {
+            out.push(reply(msg));
+        }
+    }
+
+    /// A data request: answered now (the reply returned), later (a held pull: `None`,
+    /// the answer comes from a push), or parked while its block is frozen.
+    fn handle(
+        &mut self,
+        now_us: u64,
+        rank: u32,
+        to: Token,
+        request: Request,
+        out: &mut Vec<Action>,
+    ) -> Option<Message> {
+        let block = to.block;
+        self.last_request_us = now_us;
+        let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
+        let o = match self.slots.get_mut(&block) {
+            Some(Slot::Owned(o)) => o,
+            Some(Slot::Gone { .. }) | None => return Some(shard.refusal(block).reply(block)),
+        };
+        if let Phase::Frozen { parked, .. } = &mut o.phase {
+            parked.push(Parked { rank, to, request });
+            return None;
+        }
+        self.counters.requests += 1;
+        match request {
+            Request::Push { clock, values } => {
+                self.counters.bytes_in += values.as_bytes().len() as u64;
+                // Only a push needs the tensor's own optimizer.
+                let config = shard.config_for(o.block.spec());
+                match o.block.push(&config, rank, clock, &values.to_f32s(), now_us) {
+                    Ok(answers) => {
+                        self.answer_pulls(answers, out);
+                        Some(Message::PushAck { block, clock })
+                    }
+                    Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
+                }
+            }
+            Request::Init { .. } if matches!(o.phase, Phase::Copying { .. }) => Some(error(
+                ErrorCode::NotReady,
+                format!("block {block} is migrating: initial values must be set before training starts"),
+            )),
+            Request::Init { values } => match o.block.set_initial(&values.to_f32s()) {
+                Ok(()) => Some(Message::PushAck { block, clock: 0 }),
+                Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
+            },
+            Request::Pull { clock } => {
+                // One coin per pull request, not per block: every block (on every server) of
+                // worker `rank`'s pull(clock) draws the same value, so a probabilistic policy
+                // pauses the whole pull or none of it.
+                let mut coin = StdRng::seed_from_u64(pull_coin_seed(shard.seed, rank, clock));
+                match o.block.pull(&shard.effective(), to, rank, clock, now_us, &mut coin) {
+                    Ok(answer) => {
+                        self.answer_pulls(answer.into_iter().collect(), out);
+                        None
+                    }
+                    Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
+                }
+            }
+        }
+    }
+
+    /// Replies to the pulls the core released (and traces them).
+    fn answer_pulls(&mut self, answers: Vec<Answer<Token>>, out: &mut Vec<Action>) {
+        for a in answers {
+            if self.trace {
+                let t = PullTrace {
+                    block: a.token.block,
+                    worker: a.worker,
+                    clock: a.clock,
+                    done: a.done,
+                    held_us: a.held_us,
+                };
+                out.push(Action::Trace(t));
+            }
+            self.counters.bytes_out += a.values.len() as u64 * 4;
+            let msg =
+                Message::PullReply { block: a.token.block, clock: a.clock, values: Values::from_shared(a.values) };
+            out.push(Action::Reply { conn: a.token.conn, request_id: a.token.request_id, msg });
+        }
+    }
+
+    fn scheduler_said(&mut self, now_us: u64, request_id: u64, msg: Message, out: &mut Vec<Action>) {
+        if request_id != 0 {
+            match self.calls.remove(&request_id) {
+                Some(Call::Register) => self.welcome(now_us, msg, out),
+                Some(Call::Migration(block)) => self.recorded(now_us, block, request_id, msg, out),
+                None => tracing::debug!(request_id, "an answer of the scheduler to no call"),
+            }
+            return;
+        }
+        if self.stopping.is_some() {
+            // Shutting down: the scheduler said its last word.
+            return;
+        }
+        match msg {
+            Message::Control(Control::Assign(a)) => self.assign(now_us, a, out),
+            Message::Control(Control::Migrate { block, to, to_addr, epoch }) => {
+                self.migrate_out(now_us, block, to, to_addr, epoch, out)
+            }
+            Message::Control(Control::RemoveWorker { rank }) => self.remove_worker(now_us, rank, out),
+            Message::Control(Control::Shutdown { reason }) => {
+                tracing::info!(server = self.id, %reason, "server shuts down");
+                self.stopping = Some(Stopping { reason, since_us: now_us, lingering: false });
+                self.shutdown_handovers(out);
+            }
+            other => tracing::warn!(server = self.id, kind = ?other.kind(), "unexpected message from the scheduler"),
+        }
+    }
+
+    fn welcome(&mut self, now_us: u64, msg: Message, out: &mut Vec<Action>) {
+        self.register_deadline_us = None;
+        match msg {
+            Message::Control(Control::Welcome { node_id, .. }) => {
+                self.id = Some(node_id);
+                tracing::info!(server = node_id, addr = %self.data_addr, "server registered");
+                self.last_heartbeat_us = Some(now_us);
+                out.push(Action::ToScheduler { request_id: 0, msg: Control::Heartbeat.into() });
+            }
+            Message::Error(e) => {
+                self.exit(Exit::Failed { reason: format!("scheduler answered {:?}: {}", e.code, e.message) }, out)
+            }
+            other => self.exit(
+                Exit::Failed {
+                    reason: format!("protocol error with scheduler: expected Welcome, got {:?}", other.kind()),
+                },
+                out,
+            ),
+        }
+    }
+
+    fn assign(&mut self, now_us: u64, a: Assignment, out: &mut Vec<Action>) {
+        let shard = Shard::new(&a);
+        let mut slots = BTreeMap::new();
+        let built: Result<(), elasticps_core::CoreError> = (|| {
+            for b in a.placement.blocks_of(a.server_id) {
+                let spec = *a.partition.block(b)?;
+                let values = a.partition.init_values(b, a.seed)?;
+                slots.insert(b, Slot::Owned(Owned::serving(Block::new(spec, values, &a.config)?, 0)));
+            }
+            Ok(())
+        })();
+        if let Err(e) = built {
+            return self.exit(Exit::Failed { reason: e.to_string() }, out);
+        }
+        if a.inject.bandwidth_bps > 0 || a.inject.interference > 1.0 {
+            tracing::info!(
+                server = a.server_id,
+                bandwidth_bps = a.inject.bandwidth_bps,
+                interference = a.inject.interference,
+                after_s = a.inject.at_us as f64 / 1e6,
+                "straggler injection"
+            );
+        }
+        tracing::info!(server = a.server_id, blocks = slots.len(), sync = %shard.config.sync, "blocks assigned");
+        self.shard = Some(shard);
+        self.slots = slots;
+        self.incoming.clear();
+        self.removed_workers.clear();
+        self.counters.departed = Default::default();
+        self.counters.departed_hold = Default::default();
+        self.last_report_us = now_us;
+        let server_id = self.id.unwrap_or(a.server_id);
+        out.push(Action::ToScheduler { request_id: 0, msg: Control::AssignDone { server_id }.into() });
+    }
+
+    fn remove_worker(&mut self, now_us: u64, rank: u32, out: &mut Vec<Action>) {
+        let Some(shard) = self.shard.as_ref() else { return };
+        tracing::info!(server = shard.id, rank, "worker removed from every quorum");
+        self.removed_workers.push(rank);
+        let mut answers = Vec::new();
+        for slot in self.slots.values_mut() {
+            if let Slot::Owned(o) = slot {
+                let config = shard.config_for(o.block.spec());
+                answers.extend(o.block.remove_worker(&config, rank, now_us));
+            }
+        }
+        self.answer_pulls(answers, out);
+    }
+
+    fn tick(&mut self, now_us: u64, out: &mut Vec<Action>) {
+        if let Some(deadline) = self.register_deadline_us
+            && now_us >= deadline
+        {
+            let after = REGISTER_TIMEOUT_US as f64 / 1e6;
+            let reason = format!("timed out after {after:.1} s: the scheduler to accept this server");
+            return self.exit(Exit::Failed { reason }, out);
+        }
+        if let Some(last) = self.last_heartbeat_us
+            && now_us.saturating_sub(last) >= HEARTBEAT_EVERY_US
+        {
+            self.last_heartbeat_us = Some(now_us);
+            out.push(Action::ToScheduler { request_id: 0, msg: Control::Heartbeat.into() });
+        }
+        if now_us >= self.next_stats_us {
+            self.next_stats_us = now_us + STATS_INTERVAL_US;
+            let totals = self.sum().totals;
+            if let Some(shard) = self.shard.as_mut() {
+                if let Some((from, to)) = shard.observe(&totals) {
+                    tracing::info!(server = shard.id, from, to, "adaptive staleness changed");
+                }
+                let interval = now_us.saturating_sub(self.last_report_us);
+                self.last_report_us = now_us;
+                let load = self.take_load(interval);
+                out.push(Action::ToScheduler { request_id: 0, msg: Control::ServerLoad(load).into() });
+            }
+        }
+        if now_us >= self.next_wait_log_us {
+            self.next_wait_log_us = now_us + WAIT_LOG_EVERY_US;
+            self.log_waits(now_us);
+        }
+        self.check_deadlines(now_us, out);
+    }
+
+    /// Says what the server waits for: an assignment, or (for a pull held for more than
+    /// 5 s) the push that releases it. A held pull is the one wait on a server that no
+    /// timeout ends (the worker's request timeout does).
+    fn log_waits(&self, now_us: u64) {
+        let Some(shard) = &self.shard else {
+            tracing::info!(
+                server = self.id,
+                "server waits for the scheduler to assign blocks (a worker must define the model and every server must join)"
+            );
+            return;
+        };
+        let longest = self
+            .slots
+            .iter()
+            .filter_map(|(b, s)| match s {
+                Slot::Owned(o) => o.block.waiting(now_us).map(|w| (*b, w)),
+                Slot::Gone { .. } => None,
+            })
+            .max_by_key(|(_, w)| w.held_us);
+        if let Some((block, w)) = longest.filter(|(_, w)| w.held_us > LONG_HOLD_US) {
+            tracing::warn!(
+                server = shard.id,
+                block,
+                held_s = w.held_us / 1_000_000,
+                "pull({}) of worker {} waits for worker {} to push clock {}",
+                w.clock,
+                w.worker,
+                w.slowest,
+                w.next_clock
+            );
+        }
+    }
+
+    /// After `Shutdown`: leaves once the migrations out ended (or waited too long) and,
+    /// for a drained server, once workers stopped using it: a worker whose layout is older
+    /// than the drain still sends it requests, which must get `Moved`, not a closed
+    /// socket. It lingers until every data connection is closed (workers drop a server
+    /// that left their layout) or no request came for [`LINGER_QUIET_US`].
+    fn try_exit(&mut self, now_us: u64, out: &mut Vec<Action>) {
+        let Some(stopping) = self.stopping.as_ref() else { return };
+        let migrating = self
+            .slots
+            .values()
+            .filter(|s| matches!(s, Slot::Owned(Owned { phase: Phase::Copying { .. } | Phase::Frozen { .. }, .. })))
+            .count();
+        if migrating > 0 {
+            if now_us.saturating_sub(stopping.since_us) < SHUTDOWN_WAIT_US {
+                return;
+            }
+            tracing::warn!(server = self.id, pending = migrating, "migrations still running at shutdown");
+        }
+        let drained = self.shard.is_some() && self.slots.values().all(|s| matches!(s, Slot::Gone { .. }));
+        if drained {
+            let open = self.conns.len();
+            let quiet_us = now_us.saturating_sub(self.last_request_us);
+            if open > 0 && quiet_us <= LINGER_QUIET_US {
+                if let Some(s) = self.stopping.as_mut() {
+                    s.lingering = true;
+                }
+                return;
+            }
+            tracing::info!(server = self.id, open, quiet_s = quiet_us as f64 / 1e6, "drained server leaves");
+        }
+        let reason = self.stopping.as_ref().map(|s| s.reason.clone()).unwrap_or_default();
+        self.exit(Exit::Shutdown { reason }, out);
+    }
+
+    fn exit(&mut self, exit: Exit, out: &mut Vec<Action>) {
+        self.exited = true;
+        out.push(Action::Exit(exit));
+    }
+}
+
+/// The seed of the coin of worker `rank`'s pull(clock): the same on every server.
+pub fn pull_coin_seed(job_seed: u64, rank: u32, clock: u32) -> u64 {
+    let key = (u64::from(rank) << 32) | u64::from(clock);
+    (job_seed ^ key.wrapping_mul(0x9E37_79B9_7F4A_7C15)).rotate_left(29)
+}
+
+#[cfg(test)]
+mod tests;

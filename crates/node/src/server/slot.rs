@@ -1,0 +1,144 @@
+//! One block's slot on a server, with a typed phase: a block is served, copied to a new
+//! owner (pushes logged), frozen (the last delta in flight, requests parked), or gone to
+//! its new owner. "Frozen but not migrating" or "parked while serving" cannot be written
+//! down.
+
+use elasticps_core::block::Block;
+use elasticps_core::model::BlockId;
+use elasticps_core::placement::ServerId;
+use elasticps_core::sync::Clock;
+use elasticps_wire::{MigrationReport, Values};
+
+use crate::ConnId;
+
+/// Where the answer to a data request goes: the connection and the request id (and the
+/// block, for the reply). The token a held pull keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Token {
+    /// The connection the request came on.
+    pub conn: ConnId,
+    /// Its request id.
+    pub request_id: u64,
+    /// The block asked for.
+    pub block: BlockId,
+}
+
+/// A data request for one block.
+#[derive(Clone, Debug)]
+pub enum Request {
+    /// A gradient of clock `clock`.
+    Push {
+        /// The clock.
+        clock: Clock,
+        /// The gradient.
+        values: Values,
+    },
+    /// The values at clock `clock`.
+    Pull {
+        /// The clock.
+        clock: Clock,
+    },
+    /// The block's initial values (the first worker's parameters), before any push.
+    Init {
+        /// The values.
+        values: Values,
+    },
+}
+
+/// A request that arrived while its block was frozen for a handover.
+#[derive(Clone, Debug)]
+pub struct Parked {
+    /// The worker that sent it.
+    pub rank: u32,
+    /// Where its answer goes.
+    pub to: Token,
+    /// The request.
+    pub request: Request,
+}
+
+/// A block slot. (A gone slot is small and owned ones are the rule: not boxed.)
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Slot {
+    /// The block is here.
+    Owned(Owned),
+    /// The block was handed over to `owner` at placement `epoch`.
+    Gone {
+        /// The new owner.
+        owner: ServerId,
+        /// The placement epoch of the handover.
+        epoch: u64,
+    },
+}
+
+/// A block held here and the phase of its migration, if one runs.
+#[derive(Debug)]
+pub struct Owned {
+    /// The block's state machine.
+    pub block: Block<Token>,
+    /// The placement epoch at which the block arrived here (0: initial assignment).
+    pub epoch: u64,
+    /// Serving, or which step of a migration out.
+    pub phase: Phase,
+}
+
+impl Owned {
+    /// A block served here, not migrating.
+    pub fn serving(block: Block<Token>, epoch: u64) -> Self {
+        Self { block, epoch, phase: Phase::Serving }
+    }
+}
+
+/// Where an owned block is in its life here.
+#[derive(Debug)]
+pub enum Phase {
+    /// Served; no migration.
+    Serving,
+    /// The snapshot was sent to the new owner; pushes are served and logged.
+    Copying {
+        /// The migration.
+        out: Outgoing,
+    },
+    /// The last delta (or a fresh snapshot) is in flight, or the scheduler is recording
+    /// the move: requests are parked.
+    Frozen {
+        /// The migration.
+        out: Outgoing,
+        /// What waits for the new owner to take the block over.
+        parked: Vec<Parked>,
+        /// When the block froze (the server's clock, µs).
+        since_us: u64,
+        /// The step in flight.
+        step: FrozenStep,
+    },
+}
+
+/// The step a frozen block waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrozenStep {
+    /// A fresh snapshot of the frozen state (the log outweighed it): the delta is empty.
+    Snapshot,
+    /// The logged pushes.
+    Delta,
+    /// `MigrateDone` to the scheduler, which answers once its placement says so.
+    Recording,
+}
+
+/// The old owner's side of one migration.
+#[derive(Clone, Debug)]
+pub struct Outgoing {
+    /// The new owner.
+    pub to: ServerId,
+    /// Its data address.
+    pub to_addr: String,
+    /// The placement epoch once it is done.
+    pub epoch: u64,
+    /// The call id of the step in flight (to the new owner, or to the scheduler).
+    pub call: u64,
+    /// When the step in flight fails if not answered (the server's clock, µs).
+    pub deadline_us: u64,
+    /// When the migration started.
+    pub started_us: u64,
+    /// The report for the scheduler, filled in as the steps go.
+    pub report: MigrationReport,
+}

@@ -1,0 +1,398 @@
+//! The server driven in memory, step by step: migrations (both ends), failures, races.
+
+use elasticps_core::block::ShardConfig;
+use elasticps_core::model::{Init, Partition, TensorSpec};
+use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+use elasticps_core::placement::{Placement, PlacementKind};
+use elasticps_core::sync::SyncPolicy;
+use elasticps_wire::{Assignment, Control, Injection, Message, MigrationReport, Values};
+
+use super::*;
+
+const LEN: usize = 4;
+/// A's migration target: server 1 at "b".
+const B: ServerId = 1;
+
+fn assignment(id: ServerId, sync: SyncPolicy) -> Assignment {
+    let tensors = vec![TensorSpec { name: "w".into(), shape: vec![2 * LEN], init: Init::Constant(0.0) }];
+    let partition = Partition::new(tensors, LEN * 4).unwrap();
+    let placement = Placement::initial(PlacementKind::Range, &partition, 2).unwrap();
+    let optimizer = OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 };
+    Assignment {
+        server_id: id,
+        partition,
+        placement,
+        config: ShardConfig { sync, optimizer, workers: 2 },
+        seed: 7,
+        inject: Injection::default(),
+    }
+}
+
+/// Server `id`, registered and assigned (block 0 on server 0, block 1 on server 1), with
+/// workers 0 and 1 said Hello on connections 1 and 2.
+fn server(id: ServerId, sync: SyncPolicy) -> Server {
+    let mut s = Server::new(format!("addr{id}")).with_trace(true);
+    let start = s.start(0);
+    assert!(matches!(
+        &start[..],
+        [Action::ToScheduler { request_id: 1, msg: Message::Control(Control::RegisterServer { .. }) }]
+    ));
+    let welcome = Control::Welcome { node_id: id, num_workers: 2, num_servers: 2 }.into();
+    s.step(0, Event::FromScheduler { request_id: 1, msg: welcome });
+    let acts = s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(assignment(id, sync)).into() });
+    assert!(
+        acts.iter().any(|a| matches!(a, Action::ToScheduler { msg: Message::Control(Control::AssignDone { .. }), .. }))
+    );
+    for (conn, rank) in [(1, 0), (2, 1)] {
+        let r = s.step(0, Event::Received { conn, request_id: 0, msg: Control::Hello { rank }.into() });
+        assert_eq!(replies(&r), vec![(conn, 0, Control::Ok.into())]);
+    }
+    s
+}
+
+fn replies(acts: &[Action]) -> Vec<(ConnId, u64, Message)> {
+    acts.iter()
+        .filter_map(|a| match a {
+            Action::Reply { conn, request_id, msg } => Some((*conn, *request_id, msg.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn push(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32, g: f32) -> Vec<Action> {
+    let msg = Message::Push { block, clock, values: Values::from_vec(vec![g; LEN]) };
+    s.step(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg })
+}
+
+fn pull(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32) -> Vec<Action> {
+    s.step(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg: Message::Pull { block, clock } })
+}
+
+fn pulled(acts: &[Action]) -> Vec<(ConnId, u64, Vec<f32>)> {
+    replies(acts)
+        .into_iter()
+        .filter_map(|(c, r, m)| match m {
+            Message::PullReply { values, .. } => Some((c, r, values.to_vec())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn acked(acts: &[Action], conn: ConnId, req: u64) -> bool {
+    replies(acts).iter().any(|(c, r, m)| (*c, *r) == (conn, req) && matches!(m, Message::PushAck { .. }))
+}
+
+fn moved(owner: ServerId, epoch: u64) -> Message {
+    Control::Moved { block: 0, owner, epoch }.into()
+}
+
+/// The one step to another server in `acts`.
+fn to_server(acts: &[Action]) -> (u64, Message) {
+    let steps: Vec<_> = acts
+        .iter()
+        .filter_map(|a| match a {
+            Action::ToServer { call, server: B, addr, msg } if addr == "b" => Some((*call, msg.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(steps.len(), 1, "one step to server 1 in {acts:?}");
+    steps[0].clone()
+}
+
+/// The `MigrateDone` in `acts`: (request id, report).
+fn migrate_done(acts: &[Action]) -> (u64, MigrationReport) {
+    acts.iter()
+        .find_map(|a| match a {
+            Action::ToScheduler { request_id, msg: Message::Control(Control::MigrateDone(r)) } => {
+                Some((*request_id, r.clone()))
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no MigrateDone in {acts:?}"))
+}
+
+/// Hands a step of `a` to `b` on connection 100 and returns `b`'s answer.
+fn deliver(b: &mut Server, now: u64, (call, msg): (u64, Message)) -> Message {
+    let r = b.step(now, Event::Received { conn: 100, request_id: call, msg });
+    let mut r = replies(&r);
+    assert_eq!(r.len(), 1, "one answer: {r:?}");
+    r.remove(0).2
+}
+
+fn migrate(a: &mut Server, now: u64, epoch: u64) -> (u64, Message) {
+    let msg = Control::Migrate { block: 0, to: B, to_addr: "b".into(), epoch }.into();
+    to_server(&a.step(now, Event::FromScheduler { request_id: 0, msg }))
+}
+
+fn phase(s: &Server) -> &'static str {
+    match s.slot(0) {
+        Some(Slot::Owned(Owned { phase: Phase::Serving, .. })) => "serving",
+        Some(Slot::Owned(Owned { phase: Phase::Copying { .. }, .. })) => "copying",
+        Some(Slot::Owned(Owned { phase: Phase::Frozen { .. }, .. })) => "frozen",
+        Some(Slot::Gone { .. }) => "gone",
+        None => "none",
+    }
+}
+
+#[test]
+fn a_full_migration_applies_every_push_once_and_answers_parked_requests_moved() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
+    assert!(acked(&push(&mut a, 1, 0, 10, 0, 0, 1.0), 1, 10));
+
+    let snapshot = migrate(&mut a, 2, 2);
+    assert_eq!(phase(&a), "copying");
+    // Served and logged while the snapshot travels; Init is refused meanwhile.
+    assert!(acked(&push(&mut a, 3, 1, 11, 0, 0, 2.0), 2, 11));
+    let init = Message::Init { block: 0, values: Values::from_vec(vec![0.0; LEN]) };
+    let r = a.step(3, Event::Received { conn: 1, request_id: 12, msg: init });
+    assert!(matches!(&replies(&r)[0].2, Message::Error(e) if e.message.contains("is migrating")), "{r:?}");
+
+    let ok = deliver(&mut b, 4, snapshot.clone());
+    assert_eq!(ok, Control::Ok.into());
+    let delta = to_server(&a.step(5, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
+    assert_eq!(phase(&a), "frozen");
+    assert!(matches!(&delta.1, Message::Control(Control::BlockDelta { pushes, .. }) if pushes.len() == 1));
+    // Frozen: parked, no answer yet.
+    assert!(replies(&push(&mut a, 6, 0, 13, 0, 1, 4.0)).is_empty());
+    assert!(replies(&pull(&mut a, 6, 1, 14, 0, 1)).is_empty());
+
+    let ok = deliver(&mut b, 7, delta.clone());
+    assert_eq!(ok, Control::Ok.into());
+    let (call, report) = migrate_done(&a.step(8, Event::FromServer { call: delta.0, reply: Ok(ok) }));
+    assert!(call != 0 && report.error.is_none() && report.held == 0, "{report:?}");
+    assert_eq!((report.total_us, report.freeze_us), (6, 3));
+    assert_eq!(report.bytes, (LEN as u64 + LEN as u64) * 4, "snapshot and one logged push");
+
+    let r = a.step(9, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    assert_eq!(replies(&r), vec![(1, 13, moved(B, 2)), (2, 14, moved(B, 2))]);
+    assert_eq!(phase(&a), "gone");
+    assert_eq!(replies(&pull(&mut a, 10, 0, 15, 0, 1)), vec![(1, 15, moved(B, 2))]);
+
+    // The workers resend at the new owner; a duplicate push changes nothing.
+    assert!(acked(&push(&mut b, 11, 1, 20, 0, 0, 2.0), 2, 20));
+    assert!(acked(&push(&mut b, 11, 0, 21, 0, 1, 4.0), 1, 21));
+    assert_eq!(pulled(&pull(&mut b, 12, 1, 22, 0, 1)), vec![(2, 22, vec![-7.0; LEN])]);
+    let (sa, sb) = (a.metrics_snapshot(), b.metrics_snapshot());
+    assert_eq!((sa.migrations_out, sa.blocks, sb.migrations_in, sb.blocks), (1, 0, 1, 2));
+    assert_eq!(sa.totals.pushes, 2, "the counters of the block that left stay with the old owner");
+    assert_eq!(sb.totals.pushes, 1, "the duplicate is not counted");
+}
+
+#[test]
+fn a_failed_step_serves_the_parked_requests_here() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
+    let snapshot = migrate(&mut a, 1, 2);
+    let ok = deliver(&mut b, 2, snapshot.clone());
+    let delta = to_server(&a.step(3, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
+    assert!(replies(&push(&mut a, 4, 0, 10, 0, 0, 1.0)).is_empty());
+    assert!(replies(&pull(&mut a, 4, 1, 11, 0, 0)).is_empty());
+    let r = a.step(5, Event::FromServer { call: delta.0, reply: Err("connection refused".into()) });
+    assert!(acked(&r, 1, 10));
+    assert_eq!(pulled(&r), vec![(2, 11, vec![-1.0; LEN])]);
+    let (id, report) = migrate_done(&r);
+    assert_eq!((id, report.error.as_deref()), (0, Some("connection refused")));
+    assert_eq!(phase(&a), "serving");
+    // A late answer to the abandoned step changes nothing.
+    assert!(a.step(6, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }).is_empty());
+
+    // A step nobody answers fails at its deadline, checked on Tick.
+    let again = migrate(&mut a, 10, 3);
+    assert!(
+        a.step(10 + STEP_TIMEOUT_US - 1, Event::Tick)
+            .iter()
+            .all(|x| !matches!(x, Action::ToScheduler { msg: Message::Control(Control::MigrateDone(_)), .. }))
+    );
+    let (_, report) = migrate_done(&a.step(10 + STEP_TIMEOUT_US, Event::Tick));
+    assert_eq!(report.error.as_deref(), Some("timed out after 30.0 s: server 1 to take the snapshot of block 0"));
+    assert_eq!(phase(&a), "serving");
+    assert!(
+        a.step(10 + STEP_TIMEOUT_US, Event::FromServer { call: again.0, reply: Ok(Control::Ok.into()) }).is_empty()
+    );
+    // The new owner's answer as an error names it.
+    let snapshot = migrate(&mut a, 20 + STEP_TIMEOUT_US, 4);
+    let refused = Message::Error(elasticps_wire::ErrorReply {
+        code: elasticps_wire::ErrorCode::BadRequest,
+        message: "no".into(),
+    });
+    let (_, report) =
+        migrate_done(&a.step(21 + STEP_TIMEOUT_US, Event::FromServer { call: snapshot.0, reply: Ok(refused) }));
+    assert_eq!(report.error.as_deref(), Some("server 1 answered BadRequest: no"));
+}
+
+#[test]
+fn a_lost_acknowledgement_leaves_a_stale_copy_whose_held_pulls_are_decided_again() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Ssp(1)), server(B, SyncPolicy::Ssp(1)));
+    let snapshot = migrate(&mut a, 1, 2);
+    let ok = deliver(&mut b, 2, snapshot.clone());
+    let delta = to_server(&a.step(3, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
+    assert_eq!(deliver(&mut b, 4, delta), Control::Ok.into(), "b owns a copy at epoch 2");
+    // The acknowledgement is lost: a's step times out and it keeps the block.
+    let (_, report) = migrate_done(&a.step(3 + STEP_TIMEOUT_US, Event::Tick));
+    assert!(report.error.unwrap().contains("to take the last updates of block 0"));
+    assert_eq!(phase(&a), "serving");
+    let t = 10 + STEP_TIMEOUT_US;
+    // A worker with an old layout pulls at b's stale copy: held (done 0 < 2 - 1).
+    assert!(replies(&pull(&mut b, t, 0, 30, 0, 2)).is_empty());
+    // Training goes on at a.
+    for (rank, g) in [(0, 1.0), (1, 2.0)] {
+        assert!(acked(
+            &push(&mut a, t, rank, 40 + u64::from(rank), 0, 0, g),
+            ConnId::from(rank) + 1,
+            40 + u64::from(rank)
+        ));
+    }
+    // An older epoch is refused by the copy's owner; the next migration replaces the copy.
+    assert!(
+        matches!(deliver(&mut b, t, (99, snapshot.1.clone())), Message::Error(e) if e.message.contains("already owned"))
+    );
+    let snapshot = migrate(&mut a, t + 1, 3);
+    assert_eq!(deliver(&mut b, t + 2, snapshot.clone()), Control::Ok.into());
+    let delta = to_server(&a.step(t + 3, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let r = b.step(t + 4, Event::Received { conn: 100, request_id: delta.0, msg: delta.1 });
+    assert!(replies(&r).contains(&(100, delta.0, Control::Ok.into())));
+    assert_eq!(pulled(&r), vec![(1, 30, vec![-3.0; LEN])], "the held pull is answered from the real block");
+    let (call, _) = migrate_done(&a.step(t + 5, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    a.step(t + 6, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    assert_eq!(phase(&a), "gone");
+    assert_eq!(b.metrics_snapshot().migrations_in, 2);
+}
+
+#[test]
+fn a_worker_removed_before_its_block_arrives_is_left_out_of_the_quorum() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Bsp), server(B, SyncPolicy::Bsp));
+    assert!(acked(&push(&mut a, 1, 0, 10, 0, 0, 1.0), 1, 10));
+    let snapshot = migrate(&mut a, 2, 2);
+    // RemoveWorker reaches the new owner first, between snapshot and delta.
+    assert_eq!(deliver(&mut b, 3, snapshot.clone()), Control::Ok.into());
+    b.step(3, Event::FromScheduler { request_id: 0, msg: Control::RemoveWorker { rank: 1 }.into() });
+    let delta = to_server(&a.step(4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    assert_eq!(deliver(&mut b, 5, delta), Control::Ok.into());
+    // bsp pull(1) needs every active worker's clock 0: worker 1 no longer counts.
+    assert_eq!(pulled(&pull(&mut b, 6, 0, 11, 0, 1)), vec![(1, 11, vec![-1.0; LEN])]);
+    // Without the removal the same pull waits at the old owner's copy.
+    assert!(pulled(&pull(&mut a, 6, 0, 12, 0, 1)).is_empty());
+}
+
+#[test]
+fn a_held_ssp_pull_is_answered_moved_at_the_handover_and_again_by_the_new_owner() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Ssp(1)), server(B, SyncPolicy::Ssp(1)));
+    assert!(acked(&push(&mut a, 1, 0, 10, 0, 0, 1.0), 1, 10));
+    assert!(acked(&push(&mut a, 1, 0, 11, 0, 1, 1.0), 1, 11));
+    assert!(replies(&pull(&mut a, 2, 0, 12, 0, 2)).is_empty(), "held: done 0 < 2 - 1");
+    let snapshot = migrate(&mut a, 3, 2);
+    assert_eq!(deliver(&mut b, 4, snapshot.clone()), Control::Ok.into());
+    let delta = to_server(&a.step(5, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    assert_eq!(deliver(&mut b, 6, delta.clone()), Control::Ok.into());
+    let (call, report) = migrate_done(&a.step(7, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    assert_eq!(report.held, 1);
+    let r = a.step(8, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    assert_eq!(replies(&r), vec![(1, 12, moved(B, 2))], "answered exactly once, Moved");
+    // Re-issued at the new owner: held until worker 1 pushes clock 0.
+    assert!(replies(&pull(&mut b, 9, 0, 13, 0, 2)).is_empty());
+    let r = push(&mut b, 10, 1, 14, 0, 0, 2.0);
+    assert!(acked(&r, 2, 14));
+    assert_eq!(pulled(&r), vec![(1, 13, vec![-4.0; LEN])]);
+    assert!(r.iter().any(|x| matches!(x, Action::Trace(t) if t.held_us == Some(1) && t.done == 1)));
+}
+
+#[test]
+fn the_scheduler_refusing_the_move_keeps_the_block_and_its_silence_completes_it() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
+    for (epoch, refuse) in [(2, true), (3, false)] {
+        let t = epoch * 100 * STEP_TIMEOUT_US;
+        let snapshot = migrate(&mut a, t, epoch);
+        deliver(&mut b, t, snapshot.clone());
+        let delta = to_server(&a.step(t, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+        deliver(&mut b, t, delta.clone());
+        let (call, _) = migrate_done(&a.step(t, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+        assert!(replies(&push(&mut a, t + 1, 0, 10, 0, epoch as u32 - 2, 1.0)).is_empty(), "parked");
+        let r = if refuse {
+            let no =
+                elasticps_wire::ErrorReply { code: elasticps_wire::ErrorCode::BadRequest, message: "unknown".into() };
+            a.step(t + 2, Event::FromScheduler { request_id: call, msg: Message::Error(no) })
+        } else {
+            a.step(t + STEP_TIMEOUT_US, Event::Tick)
+        };
+        if refuse {
+            assert!(acked(&r, 1, 10), "served here: {r:?}");
+            assert_eq!(phase(&a), "serving");
+        } else {
+            assert_eq!(replies(&r), vec![(1, 10, moved(B, 3))]);
+            assert_eq!(phase(&a), "gone");
+        }
+    }
+}
+
+#[test]
+fn a_drained_server_lingers_until_its_connections_close() {
+    let mut a = server(0, SyncPolicy::Asp);
+    let snapshot = migrate(&mut a, 1, 2);
+    let delta = to_server(&a.step(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let (call, _) = migrate_done(&a.step(3, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    a.step(4, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    let r =
+        a.step(5, Event::FromScheduler { request_id: 0, msg: Control::Shutdown { reason: "drained".into() }.into() });
+    assert!(r.is_empty() && a.lingering() && a.shutting_down());
+    assert_eq!(replies(&pull(&mut a, 6, 0, 1, 0, 0)), vec![(1, 1, moved(B, 2))], "still answers Moved");
+    assert!(a.step(7, Event::Closed { conn: 1 }).is_empty());
+    let r = a.step(8, Event::Closed { conn: 2 });
+    assert_eq!(r, vec![Action::Exit(Exit::Shutdown { reason: "drained".into() })]);
+    assert!(a.exited() && a.step(9, Event::Tick).is_empty());
+
+    // A server that still owns blocks leaves at once; one never welcomed fails in time.
+    let mut c = server(B, SyncPolicy::Asp);
+    let r = c.step(1, Event::FromScheduler { request_id: 0, msg: Control::Shutdown { reason: "done".into() }.into() });
+    assert_eq!(r, vec![Action::Exit(Exit::Shutdown { reason: "done".into() })]);
+    let mut d = Server::new("x");
+    d.start(0);
+    assert!(matches!(&d.step(REGISTER_TIMEOUT_US, Event::Tick)[..], [Action::Exit(Exit::Failed { .. })]));
+}
+
+#[test]
+fn ticks_send_heartbeats_and_load_reports() {
+    let mut a = server(0, SyncPolicy::Asp);
+    push(&mut a, 10, 0, 1, 0, 0, 1.0);
+    a.charge(70, 5);
+    let r = a.step(STATS_INTERVAL_US, Event::Tick);
+    let load = r
+        .iter()
+        .find_map(|x| match x {
+            Action::ToScheduler { request_id: 0, msg: Message::Control(Control::ServerLoad(l)) } => Some(l.clone()),
+            _ => None,
+        })
+        .expect("a load report");
+    assert_eq!((load.requests, load.bytes_in, load.busy_us, load.shaped_us, load.blocks), (1, 16, 70, 5, 1));
+    assert!(r.iter().any(|x| matches!(x, Action::ToScheduler { msg: Message::Control(Control::Heartbeat), .. })));
+    assert_eq!(a.take_load(1).requests, 0, "reset");
+}
+
+#[test]
+fn shutdown_completes_a_move_the_scheduler_has_not_confirmed() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
+    let snapshot = migrate(&mut a, 1, 2);
+    deliver(&mut b, 1, snapshot.clone());
+    let delta = to_server(&a.step(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    deliver(&mut b, 2, delta.clone());
+    migrate_done(&a.step(3, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    assert!(replies(&pull(&mut a, 4, 0, 9, 0, 0)).is_empty(), "parked");
+    let msg = Control::Shutdown { reason: "every worker finished".into() }.into();
+    let r = a.step(5, Event::FromScheduler { request_id: 0, msg });
+    assert_eq!(replies(&r), vec![(1, 9, moved(B, 2))]);
+    assert_eq!(phase(&a), "gone");
+    assert!(a.lingering(), "drained: waits for its connections, not for the step's deadline");
+}
+
+#[test]
+fn a_move_the_new_owner_takes_after_shutdown_completes_at_once() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
+    let snapshot = migrate(&mut a, 1, 2);
+    deliver(&mut b, 1, snapshot.clone());
+    let delta = to_server(&a.step(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let msg = Control::Shutdown { reason: "every worker finished".into() }.into();
+    assert!(a.step(3, Event::FromScheduler { request_id: 0, msg }).is_empty(), "waits for the running migration");
+    deliver(&mut b, 4, delta.clone());
+    let r = a.step(5, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) });
+    migrate_done(&r);
+    assert_eq!(phase(&a), "gone");
+    assert!(a.lingering());
+}
