@@ -363,3 +363,84 @@ mod harness {
         );
     }
 }
+
+mod job {
+    //! Whole jobs on the harness: the real scheduler, servers and workers.
+
+    use elasticps_core::block::ShardConfig;
+    use elasticps_core::model::{BlockId, Init, TensorSpec};
+    use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+    use elasticps_core::placement::PlacementKind;
+    use elasticps_core::sync::{Clock, SyncPolicy};
+    use elasticps_node::harness::{ClusterConfig, JobSetup, ServerModel, SimJob, Stage, TrainingLoop};
+    use elasticps_node::scheduler::JobConfig;
+    use elasticps_node::server::Slot;
+
+    pub(super) fn job(servers: u32, workers: u32, sync: SyncPolicy) -> JobConfig {
+        JobConfig {
+            servers,
+            workers,
+            block_bytes: 16,
+            placement: PlacementKind::RoundRobin,
+            shard: ShardConfig {
+                sync,
+                optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 },
+                workers,
+            },
+            server_sync: Vec::new(),
+            seed: 1,
+            inject: Vec::new(),
+            balance: Default::default(),
+            max_servers: servers,
+            min_servers: servers,
+        }
+    }
+
+    pub(super) fn model() -> Vec<TensorSpec> {
+        vec![
+            TensorSpec { name: "w".into(), shape: vec![40], init: Init::Zeros },
+            TensorSpec { name: "b".into(), shape: vec![3], init: Init::Zeros },
+        ]
+    }
+
+    /// Integer gradients, so that the final parameters are exact in f32.
+    pub(super) fn grad(rank: u32, clock: Clock, block: BlockId) -> f32 {
+        ((rank + 1) * 3 + clock * 7 + block) as f32 % 5.0 + 1.0
+    }
+
+    pub(super) fn training(iterations: u32) -> impl FnMut(u32) -> TrainingLoop {
+        move |i| TrainingLoop {
+            tensors: model(),
+            iterations,
+            compute_us: Box::new(move |rank, t| 1_000 + u64::from((rank * 7 + t * 13 + i) % 5) * 700),
+            grad,
+            timeout_us: 300_000_000,
+        }
+    }
+
+    #[test]
+    fn a_job_trains_to_the_exact_parameters_and_ends() {
+        let iterations = 6;
+        let mut setup = JobSetup::new(ClusterConfig::new(job(2, 3, SyncPolicy::Ssp(1))));
+        setup.server_model = ServerModel { apply_bps: 0, check_bound: true };
+        let mut sim = SimJob::new(setup, training(iterations));
+        let end = sim.run(600_000_000, 10_000_000).expect("the job ends");
+        assert!(end.ok, "{end:?}");
+        for (_, w) in sim.workers() {
+            assert_eq!(*w.stage(), Stage::Done);
+            assert_eq!(w.record().iteration_ends_us.len(), iterations as usize);
+        }
+        let mut seen = 0;
+        for (_, s) in sim.servers() {
+            assert!(s.violations().is_empty(), "{:?}", s.violations());
+            let server = s.server().unwrap();
+            for b in server.owned() {
+                let Some(Slot::Owned(o)) = server.slot(b) else { panic!("block {b} owned but not here") };
+                let want: f32 = -(0..3).flat_map(|r| (0..iterations).map(move |t| grad(r, t, b))).sum::<f32>();
+                assert!(o.block.values().iter().all(|v| *v == want), "block {b}: {:?} != {want}", o.block.values());
+                seen += 1;
+            }
+        }
+        assert!(seen >= 4, "{seen} blocks");
+    }
+}

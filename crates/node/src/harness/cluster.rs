@@ -98,6 +98,16 @@ impl Outbox<'_> {
         self.net.set_timer(self.me, at_us, token)
     }
 
+    /// This node's link.
+    pub fn my_link(&self) -> LinkSpec {
+        self.net.link(self.me).unwrap_or_default()
+    }
+
+    /// Changes this node's link (a straggler injection that starts now).
+    pub fn set_my_link(&mut self, link: LinkSpec) {
+        self.net.set_link(self.me, link)
+    }
+
     /// Asks the cluster's owner to start one more server ([`Stop::StartServer`]).
     pub fn start_server(&mut self) {
         self.signals.start_requests += 1;

@@ -11,6 +11,9 @@
 //! - [`cluster`]: [`Cluster`]: the scheduler ([`SchedulerRole`]) and the roles, each a
 //!   small [`Role`] adapter that handles deliveries and acts through an [`Outbox`]
 //!   (send, close, connect, timers, ask for a server, finish).
+//! - [`server`], [`worker`]: the adapters of the real server state machine and of a
+//!   training loop on the real round plan; [`job`]: a whole job ([`SimJob`]) from birth
+//!   to its end, what the proptests and `elasticps sim` run.
 //!
 //! A role plugs in like this (the server's and the worker's adapters look the same):
 //!
@@ -50,12 +53,18 @@
 //! ```
 
 pub mod cluster;
+pub mod job;
 pub mod net;
 pub mod queue;
+pub mod server;
+pub mod worker;
 
 pub use cluster::{Cluster, ClusterConfig, Outbox, Role, SchedulerRole, Stop};
+pub use job::{JobEnd, JobRole, JobSetup, SimJob, Weigh};
 pub use net::{
     Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind, NodeTraffic, SizeHook, TraceEntry, frame_bytes,
     nominal_sizes, transfer_ns,
 };
 pub use queue::EventQueue;
+pub use server::{BoundViolation, ServerModel, ServerRole};
+pub use worker::{Stage, TrainingLoop, WorkerRecord, WorkerRole};

@@ -1,0 +1,271 @@
+//! The server's adapter: the real [`Server`] state machine on the simulated network.
+//!
+//! It does what the runtime's server does with sockets and tokio: one connection to the
+//! scheduler, calls to other servers for migrations (a lost connection fails them), a
+//! ticker, and the straggler injection of its assignment (a bandwidth cap on its link,
+//! from `at_us` after the assignment). Optionally it models the server's CPU: data
+//! requests queue, and a push takes its nominal bytes over [`ServerModel::apply_bps`]
+//! (times the injection's interference factor).
+//!
+//! It also checks, on every answered pull, the bound of the sync policy the server runs
+//! ([`SyncPolicy::violates_bound`], the one place that rule lives).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use elasticps_core::sync::SyncPolicy;
+use elasticps_wire::{Control, Injection, Message};
+
+use super::cluster::{Outbox, Role};
+use super::net::{LinkSpec, LostWhy, NodeId};
+use crate::ConnId;
+use crate::server::{Action, Event, Exit, PullTrace, Server};
+
+/// How often the adapter ticks its server (the runtime ticks every 100 ms).
+pub const SERVER_TICK_US: u64 = 100_000;
+
+/// Timer tokens of the server adapter.
+const TICK: u64 = 0;
+const INJECT: u64 = 1;
+const WORK: u64 = 2;
+
+/// What the adapter models beyond the state machine.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServerModel {
+    /// How fast pushes are applied, nominal bytes per second (0: instantly).
+    pub apply_bps: u64,
+    /// Check every answered pull against the sync policy's bound (keeps a trace).
+    pub check_bound: bool,
+}
+
+/// A pull answered while the sync policy forbade it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BoundViolation {
+    /// When (virtual µs).
+    pub at_us: u64,
+    /// The policy the server ran.
+    pub sync: SyncPolicy,
+    /// The answer.
+    pub trace: PullTrace,
+}
+
+/// A simulated server process.
+pub struct ServerRole {
+    model: ServerModel,
+    server: Option<Server>,
+    sched: Option<ConnId>,
+    /// Connections this server opened to other servers, by address.
+    peers: BTreeMap<String, ConnId>,
+    /// Calls in flight to other servers: (connection, request id) -> call.
+    calls: BTreeMap<(ConnId, u64), u64>,
+    /// Every connection this server has (to close them when it exits).
+    conns: BTreeSet<ConnId>,
+    /// Data requests waiting for the CPU (only with an apply model).
+    queue: VecDeque<(ConnId, u64, Message)>,
+    busy_until_us: u64,
+    working: bool,
+    injection: Injection,
+    violations: Vec<BoundViolation>,
+    exit: Option<Exit>,
+    weigh: super::job::Weigh,
+}
+
+impl std::fmt::Debug for ServerRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerRole").field("id", &self.server.as_ref().and_then(Server::id)).finish()
+    }
+}
+
+impl ServerRole {
+    /// A server with `model`; `weigh` tells what a push weighs (the sim's scale).
+    pub fn new(model: ServerModel, weigh: super::job::Weigh) -> Self {
+        Self {
+            model,
+            server: None,
+            sched: None,
+            peers: BTreeMap::new(),
+            calls: BTreeMap::new(),
+            conns: BTreeSet::new(),
+            queue: VecDeque::new(),
+            busy_until_us: 0,
+            working: false,
+            injection: Injection::default(),
+            violations: Vec::new(),
+            exit: None,
+            weigh,
+        }
+    }
+
+    /// The state machine (once started).
+    pub fn server(&self) -> Option<&Server> {
+        self.server.as_ref()
+    }
+
+    /// Pulls answered against the sync policy's bound (with [`ServerModel::check_bound`]).
+    pub fn violations(&self) -> &[BoundViolation] {
+        &self.violations
+    }
+
+    /// Why the server stopped, if it did.
+    pub fn exit(&self) -> Option<&Exit> {
+        self.exit.as_ref()
+    }
+
+    fn step(&mut self, out: &mut Outbox<'_>, event: Event) {
+        let Some(server) = self.server.as_mut() else { return };
+        if self.exit.is_some() {
+            return;
+        }
+        if let Event::FromScheduler { msg: Message::Control(Control::Assign(a)), .. } = &event {
+            self.injection = a.inject;
+            if a.inject.bandwidth_bps > 0 {
+                out.wake_at(out.now_us() + a.inject.at_us, INJECT);
+            }
+        }
+        let actions = server.step(out.now_us(), event);
+        self.carry_out(out, actions);
+    }
+
+    fn carry_out(&mut self, out: &mut Outbox<'_>, actions: Vec<Action>) {
+        for action in actions {
+            match action {
+                Action::Reply { conn, request_id, msg } => {
+                    out.send(conn, request_id, msg);
+                }
+                Action::ToScheduler { request_id, msg } => {
+                    if let Some(s) = self.sched {
+                        out.send(s, request_id, msg);
+                    }
+                }
+                Action::ToServer { call, addr, msg, .. } => self.call_server(out, call, &addr, msg),
+                Action::Trace(t) => self.check(out.now_us(), t),
+                Action::Exit(exit) => {
+                    for conn in std::mem::take(&mut self.conns) {
+                        out.close(conn);
+                    }
+                    self.exit = Some(exit);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn call_server(&mut self, out: &mut Outbox<'_>, call: u64, addr: &str, msg: Message) {
+        let conn = match (self.peers.get(addr), NodeId::from_addr(addr)) {
+            (Some(conn), _) => *conn,
+            (None, Some(node)) => {
+                let conn = out.connect(node);
+                self.peers.insert(addr.to_string(), conn);
+                self.conns.insert(conn);
+                conn
+            }
+            (None, None) => {
+                let reply = Err(format!("no simulated server at {addr}"));
+                return self.step(out, Event::FromServer { call, reply });
+            }
+        };
+        self.calls.insert((conn, call), call);
+        if !out.send(conn, call, msg) {
+            self.calls.remove(&(conn, call));
+            self.step(out, Event::FromServer { call, reply: Err(format!("connection to {addr} is closed")) });
+        }
+    }
+
+    fn check(&mut self, at_us: u64, trace: PullTrace) {
+        let Some(sync) = self.server.as_ref().and_then(Server::shard).map(|s| s.effective().sync) else { return };
+        if sync.violates_bound(trace.clock, trace.done) {
+            self.violations.push(BoundViolation { at_us, sync, trace });
+        }
+    }
+
+    /// Hands the queued data requests to the server as the modelled CPU frees up.
+    fn work(&mut self, out: &mut Outbox<'_>) {
+        while let Some((conn, request_id, msg)) = self.queue.pop_front() {
+            let now = out.now_us();
+            if self.busy_until_us > now {
+                self.queue.push_front((conn, request_id, msg));
+                if !self.working {
+                    self.working = true;
+                    out.wake_at(self.busy_until_us, WORK);
+                }
+                return;
+            }
+            self.busy_until_us = now + self.cost_us(&msg);
+            self.step(out, Event::Received { conn, request_id, msg });
+        }
+    }
+
+    fn cost_us(&self, msg: &Message) -> u64 {
+        if self.model.apply_bps == 0 || !matches!(msg, Message::Push { .. } | Message::Init { .. }) {
+            return 0;
+        }
+        let factor = f64::from(self.injection.interference.max(1.0));
+        let bytes = (self.weigh)(msg) as f64;
+        (bytes * 1e6 / self.model.apply_bps as f64 * factor) as u64
+    }
+}
+
+impl Role for ServerRole {
+    fn on_start(&mut self, out: &mut Outbox<'_>) {
+        let sched = out.connect(out.scheduler());
+        self.sched = Some(sched);
+        self.conns.insert(sched);
+        let mut server = Server::new(out.me().addr()).with_trace(self.model.check_bound);
+        let actions = server.start(out.now_us());
+        self.server = Some(server);
+        self.carry_out(out, actions);
+        out.wake_at(out.now_us() + SERVER_TICK_US, TICK);
+    }
+
+    fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
+        if Some(conn) == self.sched {
+            return self.step(out, Event::FromScheduler { request_id, msg });
+        }
+        if let Some(call) = self.calls.remove(&(conn, request_id)) {
+            return self.step(out, Event::FromServer { call, reply: Ok(msg) });
+        }
+        self.conns.insert(conn);
+        let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
+        if data && self.model.apply_bps > 0 {
+            self.queue.push_back((conn, request_id, msg));
+            return self.work(out);
+        }
+        self.step(out, Event::Received { conn, request_id, msg });
+    }
+
+    fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
+        self.conns.remove(&conn);
+        if Some(conn) == self.sched {
+            // The runtime's server ends when the scheduler's connection does.
+            self.exit.get_or_insert(Exit::Failed { reason: format!("the scheduler's connection was lost ({why:?})") });
+            return;
+        }
+        self.peers.retain(|_, c| *c != conn);
+        let failed: Vec<u64> = self.calls.iter().filter(|((c, _), _)| *c == conn).map(|(_, call)| *call).collect();
+        self.calls.retain(|(c, _), _| *c != conn);
+        for call in failed {
+            self.step(out, Event::FromServer { call, reply: Err(format!("connection lost ({why:?})")) });
+        }
+        self.queue.retain(|(c, _, _)| *c != conn);
+        self.step(out, Event::Closed { conn });
+    }
+
+    fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
+        match token {
+            TICK => {
+                self.step(out, Event::Tick);
+                if self.exit.is_none() {
+                    out.wake_at(out.now_us() + SERVER_TICK_US, TICK);
+                }
+            }
+            INJECT => {
+                let bps = self.injection.bandwidth_bps;
+                out.set_my_link(LinkSpec { up_bps: bps, down_bps: bps, ..out.my_link() });
+            }
+            WORK => {
+                self.working = false;
+                self.work(out);
+            }
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! The worker's adapter: a training loop on the real round plan ([`Worker`], [`Round`]).
+//!
+//! It does what the runtime's `Client` and the `elasticps worker` loop do: register,
+//! define the model, connect to the servers of the layout (Hello), pull clock 0, then per
+//! iteration compute (a modelled time) and push the gradients of clock t while pulling
+//! clock t + 1 (the last iteration of workers other than rank 0 only pushes), tell the
+//! scheduler it is done. Heartbeats every second; `Moved` blocks are chased through
+//! layout refreshes by the plan. The gradients are a function of (rank, clock, block)
+//! chosen by the run, so a test knows the exact final parameters.
+
+use std::collections::BTreeMap;
+
+use elasticps_core::model::{BlockId, TensorSpec};
+use elasticps_core::sync::Clock;
+use elasticps_wire::{Control, Layout, Message, Values};
+
+use super::cluster::{Outbox, Role};
+use super::net::{LostWhy, NodeId};
+use crate::ConnId;
+use crate::worker::{Action, Op, PushOp, Round, Worker};
+
+/// How often the adapter sends a heartbeat (the runtime's `HEARTBEAT_EVERY`).
+pub const WORKER_HEARTBEAT_US: u64 = 1_000_000;
+/// How often a worker reports its load (the runtime's `STATS_INTERVAL`).
+pub const WORKER_STATS_US: u64 = 1_000_000;
+
+/// Timer tokens.
+const HEARTBEAT: u64 = 0;
+const COMPUTE_DONE: u64 = 1;
+const WAKE: u64 = 2;
+
+/// Request ids on the scheduler's connection (the plan's tags are >= 2^32).
+const REGISTER: u64 = 1;
+const DEFINE: u64 = 2;
+const DONE: u64 = 3;
+const FIRST_LAYOUT_CALL: u64 = 16;
+/// Request id of Hello on a server's connection.
+const HELLO: u64 = 1;
+
+/// What the simulated training loop does.
+pub struct TrainingLoop {
+    /// The model every worker defines.
+    pub tensors: Vec<TensorSpec>,
+    /// Iterations per worker.
+    pub iterations: u32,
+    /// Compute time of `(rank, iteration)`, µs (stragglers included).
+    pub compute_us: Box<dyn FnMut(u32, u32) -> u64>,
+    /// Every value of the gradient of `(rank, clock, block)`.
+    pub grad: fn(u32, Clock, BlockId) -> f32,
+    /// How long one request may wait (the runtime's `--request-timeout`).
+    pub timeout_us: u64,
+}
+
+impl std::fmt::Debug for TrainingLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainingLoop")
+            .field("tensors", &self.tensors.len())
+            .field("iterations", &self.iterations)
+            .finish()
+    }
+}
+
+/// Where the worker is in its run.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stage {
+    /// Waiting for Welcome.
+    Registering,
+    /// Waiting for the layout (every server holds its blocks).
+    Defining,
+    /// Pulling clock 0.
+    Starting,
+    /// Computing iteration t.
+    Computing(u32),
+    /// In the round of iteration t.
+    Communicating(u32),
+    /// Waiting for the scheduler to acknowledge WorkerDone.
+    Finishing,
+    /// Done.
+    Done,
+    /// Stopped by an error (the job then removes it from every quorum).
+    Failed(String),
+}
+
+/// What the worker measured of its run.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerRecord {
+    /// When training started (clock 0 pulled), µs.
+    pub started_us: u64,
+    /// When each iteration ended, µs.
+    pub iteration_ends_us: Vec<u64>,
+    /// Time spent in rounds after compute, µs per iteration.
+    pub comm_us: Vec<u64>,
+    /// Total time waited per server id, µs.
+    pub wait_us_by_server: Vec<u64>,
+    /// Pull replies accepted (each block of each pull exactly once).
+    pub pulls_answered: u64,
+    /// Pushes acknowledged.
+    pub pushes_acked: u64,
+    /// Layout refreshes over the run.
+    pub refreshes: u64,
+}
+
+/// A simulated worker process.
+pub struct WorkerRole {
+    work: TrainingLoop,
+    stage: Stage,
+    rank: Option<u32>,
+    sched: Option<ConnId>,
+    plan: Option<Worker>,
+    layout: Option<Layout>,
+    servers: BTreeMap<u32, ConnId>,
+    round: Option<Round>,
+    all: Vec<bool>,
+    next_call: u64,
+    round_started_us: u64,
+    record: WorkerRecord,
+}
+
+impl std::fmt::Debug for WorkerRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerRole").field("rank", &self.rank).field("stage", &self.stage).finish()
+    }
+}
+
+impl WorkerRole {
+    /// A worker that will run `work`.
+    pub fn new(work: TrainingLoop) -> Self {
+        let all = vec![true; work.tensors.len()];
+        Self {
+            work,
+            stage: Stage::Registering,
+            rank: None,
+            sched: None,
+            plan: None,
+            layout: None,
+            servers: BTreeMap::new(),
+            round: None,
+            all,
+            next_call: FIRST_LAYOUT_CALL,
+            round_started_us: 0,
+            record: WorkerRecord::default(),
+        }
+    }
+
+    /// Its rank, once registered.
+    pub fn rank(&self) -> Option<u32> {
+        self.rank
+    }
+
+    /// Where it is.
+    pub fn stage(&self) -> &Stage {
+        &self.stage
+    }
+
+    /// What it measured.
+    pub fn record(&self) -> &WorkerRecord {
+        &self.record
+    }
+
+    /// Stops with `why`: closes every connection, as a process that exits does.
+    fn fail(&mut self, out: &mut Outbox<'_>, why: String) {
+        if matches!(self.stage, Stage::Done | Stage::Failed(_)) {
+            return;
+        }
+        tracing::debug!(rank = ?self.rank, %why, "simulated worker fails");
+        self.stage = Stage::Failed(why);
+        for conn in self.sched.take().into_iter().chain(std::mem::take(&mut self.servers).into_values()) {
+            out.close(conn);
+        }
+    }
+
+    fn call_scheduler(&mut self, out: &mut Outbox<'_>, request_id: u64, msg: Message) {
+        if let Some(s) = self.sched {
+            out.send(s, request_id, msg);
+        }
+    }
+
+    /// Connects to the layout's new servers and drops the ones that left it.
+    fn install(&mut self, out: &mut Outbox<'_>, layout: Layout) {
+        let rank = self.rank.unwrap_or(0);
+        for s in &layout.servers {
+            if self.servers.contains_key(&s.id) {
+                continue;
+            }
+            let Some(node) = NodeId::from_addr(&s.addr) else { continue };
+            let conn = out.connect(node);
+            out.send(conn, HELLO, Control::Hello { rank }.into());
+            self.servers.insert(s.id, conn);
+        }
+        let keep: Vec<u32> = layout.servers.iter().map(|s| s.id).collect();
+        let gone: Vec<u32> = self.servers.keys().copied().filter(|id| !keep.contains(id)).collect();
+        for id in gone {
+            if let Some(conn) = self.servers.remove(&id) {
+                out.close(conn);
+            }
+        }
+        self.layout = Some(layout);
+    }
+
+    /// Starts the round of the current stage.
+    fn start_round(&mut self, out: &mut Outbox<'_>) {
+        let (Some(plan), Some(layout)) = (self.plan.as_mut(), self.layout.as_ref()) else { return };
+        let (push, pull) = match self.stage {
+            Stage::Starting => (None, Some(0)),
+            Stage::Communicating(t) => {
+                let last_pulls = t + 1 < self.work.iterations || self.rank == Some(0);
+                (Some(PushOp::Grad(t)), last_pulls.then_some(t + 1))
+            }
+            _ => return,
+        };
+        self.round_started_us = out.now_us();
+        let all = &self.all[..];
+        match plan.start(out.now_us(), layout, push.map(|p| (p, all)), pull.map(|c| (c, all))) {
+            Ok((round, actions)) => {
+                self.round = Some(round);
+                self.carry_out(out, actions);
+                self.maybe_round_done(out);
+            }
+            Err(e) => self.fail(out, e.to_string()),
+        }
+    }
+
+    fn carry_out(&mut self, out: &mut Outbox<'_>, actions: Vec<Action>) {
+        let rank = self.rank.unwrap_or(0);
+        for action in actions {
+            match action {
+                Action::Send { tag, server, block, op } => {
+                    let msg = match op {
+                        Op::Push(clock) => {
+                            let g = (self.work.grad)(rank, clock, block.id);
+                            Message::Push { block: block.id, clock, values: Values::from_vec(vec![g; block.len]) }
+                        }
+                        Op::Init => Message::Init { block: block.id, values: Values::from_vec(vec![0.0; block.len]) },
+                        Op::Pull(clock) => Message::Pull { block: block.id, clock },
+                    };
+                    let sent = self.servers.get(&server).is_some_and(|conn| out.send(*conn, tag, msg));
+                    if !sent {
+                        return self.fail(out, format!("server {server} closed the connection"));
+                    }
+                }
+                Action::RefreshLayout => {
+                    self.record.refreshes += 1;
+                    let id = self.next_call;
+                    self.next_call += 1;
+                    self.call_scheduler(out, id, Control::GetLayout.into());
+                }
+                Action::Wait { until_us } => out.wake_at(until_us, WAKE),
+            }
+        }
+    }
+
+    fn on_round_result(&mut self, out: &mut Outbox<'_>, result: crate::Result<Vec<Action>>) {
+        match result {
+            Ok(actions) => {
+                self.carry_out(out, actions);
+                self.maybe_round_done(out);
+            }
+            Err(e) => self.fail(out, e.to_string()),
+        }
+    }
+
+    fn maybe_round_done(&mut self, out: &mut Outbox<'_>) {
+        if !self.round.as_ref().is_some_and(Round::is_done) {
+            return;
+        }
+        let (Some(round), Some(plan)) = (self.round.take(), self.plan.as_mut()) else { return };
+        let now = out.now_us();
+        for (server, us) in round.waited() {
+            let w = &mut self.record.wait_us_by_server;
+            if w.len() <= server as usize {
+                w.resize(server as usize + 1, 0);
+            }
+            w[server as usize] += us;
+        }
+        let report = plan.finish(now, round);
+        if let Some(report) = report {
+            self.call_scheduler(out, 0, Control::WorkerLoad(report).into());
+        }
+        match self.stage {
+            Stage::Starting => {
+                self.record.started_us = now;
+                self.compute(out, 0);
+            }
+            Stage::Communicating(t) => {
+                self.record.comm_us.push(now - self.round_started_us);
+                self.record.iteration_ends_us.push(now);
+                if t + 1 < self.work.iterations {
+                    self.compute(out, t + 1);
+                } else {
+                    self.stage = Stage::Finishing;
+                    let rank = self.rank.unwrap_or(0);
+                    self.call_scheduler(out, DONE, Control::WorkerDone { rank }.into());
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn compute(&mut self, out: &mut Outbox<'_>, t: u32) {
+        self.stage = Stage::Computing(t);
+        let us = (self.work.compute_us)(self.rank.unwrap_or(0), t);
+        out.wake_at(out.now_us() + us, COMPUTE_DONE);
+    }
+
+    fn on_scheduler_message(&mut self, out: &mut Outbox<'_>, request_id: u64, msg: Message) {
+        match (request_id, msg) {
+            (REGISTER, Message::Control(Control::Welcome { node_id, .. })) => {
+                self.rank = Some(node_id);
+                self.plan = Some(Worker::new(node_id, self.work.timeout_us, WORKER_STATS_US, out.now_us()));
+                self.stage = Stage::Defining;
+                let tensors = self.work.tensors.clone();
+                self.call_scheduler(out, DEFINE, Control::DefineModel { tensors, optimizers: Vec::new() }.into());
+            }
+            (DEFINE, Message::Control(Control::Layout(layout))) => {
+                self.install(out, layout);
+                self.stage = Stage::Starting;
+                self.start_round(out);
+            }
+            (DONE, _) => {
+                self.stage = Stage::Done;
+                for conn in std::mem::take(&mut self.servers).into_values() {
+                    out.close(conn);
+                }
+            }
+            (0, Message::Control(Control::Shutdown { reason })) => {
+                if !matches!(self.stage, Stage::Done | Stage::Finishing) {
+                    self.fail(out, format!("shut down by the scheduler: {reason}"));
+                }
+            }
+            (id, Message::Control(Control::Layout(layout))) if id >= FIRST_LAYOUT_CALL => {
+                self.install(out, layout);
+                let (Some(round), Some(layout)) = (self.round.as_mut(), self.layout.as_ref()) else { return };
+                let result = round.on_layout(out.now_us(), layout);
+                self.on_round_result(out, result);
+            }
+            (0, _) => {}
+            (id, other) => self.fail(out, format!("the scheduler answered call {id} with {:?}", other.kind())),
+        }
+    }
+}
+
+impl Role for WorkerRole {
+    fn on_start(&mut self, out: &mut Outbox<'_>) {
+        let sched = out.connect(out.scheduler());
+        self.sched = Some(sched);
+        out.send(sched, REGISTER, Control::RegisterWorker.into());
+        out.wake_at(out.now_us() + WORKER_HEARTBEAT_US, HEARTBEAT);
+    }
+
+    fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
+        if matches!(self.stage, Stage::Done | Stage::Failed(_)) {
+            return;
+        }
+        if Some(conn) == self.sched {
+            return self.on_scheduler_message(out, request_id, msg);
+        }
+        if request_id == HELLO {
+            if !matches!(msg, Message::Control(Control::Ok)) {
+                self.fail(out, format!("a server refused Hello: {:?}", msg.kind()));
+            }
+            return;
+        }
+        match &msg {
+            Message::PushAck { .. } => self.record.pushes_acked += 1,
+            Message::PullReply { .. } => self.record.pulls_answered += 1,
+            _ => {}
+        }
+        let Some(round) = self.round.as_mut() else {
+            return self.fail(out, format!("a reply ({:?}) arrived outside a round", msg.kind()));
+        };
+        let result = round.on_reply(out.now_us(), request_id, &msg);
+        self.on_round_result(out, result);
+    }
+
+    fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
+        if matches!(self.stage, Stage::Done | Stage::Failed(_)) {
+            return;
+        }
+        let who = if Some(conn) == self.sched { "the scheduler".to_string() } else { format!("a server ({conn})") };
+        let server = self.servers.iter().find(|(_, c)| **c == conn).map(|(id, _)| *id);
+        if let Some(id) = server
+            && self.round.is_none()
+        {
+            // A server that left the layout between rounds (scaled in): nothing was asked of it.
+            self.servers.remove(&id);
+            return;
+        }
+        self.fail(out, format!("{who} closed the connection ({why:?})"));
+    }
+
+    fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
+        if matches!(self.stage, Stage::Done | Stage::Failed(_)) {
+            return;
+        }
+        match token {
+            HEARTBEAT => {
+                self.call_scheduler(out, 0, Control::Heartbeat.into());
+                out.wake_at(out.now_us() + WORKER_HEARTBEAT_US, HEARTBEAT);
+            }
+            COMPUTE_DONE => {
+                if let Stage::Computing(t) = self.stage {
+                    self.stage = Stage::Communicating(t);
+                    self.start_round(out);
+                }
+            }
+            WAKE => {
+                let Some(round) = self.round.as_mut() else { return };
+                let result = round.on_wake(out.now_us());
+                self.on_round_result(out, result);
+            }
+            _ => {}
+        }
+    }
+}
