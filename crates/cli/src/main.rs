@@ -3,7 +3,8 @@
 //! One binary, several roles: `scheduler`, `server` and `worker` are the processes of a
 //! cluster (run them by hand on several hosts, or let a launcher do it); `train` starts a
 //! whole local cluster and trains the MNIST MLP end to end; `launch` starts the scheduler
-//! and servers and runs the user's own training command as the workers; `bench` measures.
+//! and servers and runs the user's own training command as the workers; `sim` runs a job
+//! on the deterministic harness (virtual time, simulated links); `bench` measures.
 //!
 //! - [`roles`]: the role commands.
 //! - [`job`]: the worker's training loop (MLP or synthetic model, straggler injection).
@@ -48,6 +49,9 @@ enum Command {
     Server(roles::ServerCmd),
     /// Run a worker: trains the MLP on its shard of the data.
     Worker(roles::WorkerCmd),
+    /// Simulate a job (the same state machines on virtual time and simulated links), up to
+    /// thousands of workers and servers: `train`'s job flags plus the simulated machine.
+    Sim(elasticps_sim::SimCmd),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(elasticps_bench::BenchCmd),
@@ -60,7 +64,7 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
-        Command::Train(_) | Command::Launch(_) | Command::Bench(_) => "warn",
+        Command::Train(_) | Command::Launch(_) | Command::Bench(_) | Command::Sim(_) => "warn",
         _ => "info",
     };
     tracing_subscriber::fmt()
@@ -71,7 +75,7 @@ fn main() -> std::process::ExitCode {
     let runtime = match cli.command {
         // The launchers only move lines and wait on children: one thread is plenty, and it
         // stays alive for the whole run (children die with the thread that spawned them).
-        Command::Train(_) | Command::Launch(_) | Command::Bench(_) => {
+        Command::Train(_) | Command::Launch(_) | Command::Bench(_) | Command::Sim(_) => {
             tokio::runtime::Builder::new_current_thread().enable_all().build()
         }
         _ => tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build(),
@@ -91,6 +95,7 @@ fn main() -> std::process::ExitCode {
             Command::Server(cmd) => roles::server(cmd).await,
             Command::Worker(cmd) => roles::worker(cmd).await,
             Command::Bench(cmd) => elasticps_bench::run(cmd).await.map_err(Into::into),
+            Command::Sim(cmd) => elasticps_sim::run(&cmd).map(|_| ()).map_err(Into::into),
             Command::Status(cmd) => ops::status(cmd).await,
             Command::Scale(cmd) => ops::scale(cmd).await,
         }

@@ -49,11 +49,22 @@ impl Tally {
         self.started_unix_ms = unix_ms();
     }
 
+    /// The first iteration started at `unix_ms` (a clock of the caller's: the sim's
+    /// virtual time); the iterations are then given by [`Tally::iteration`].
+    pub fn started_at(&mut self, unix_ms: f64) {
+        self.started_unix_ms = unix_ms;
+    }
+
     /// The current iteration ended now (the next one starts).
     pub fn iteration_ends(&mut self) {
         let now = Instant::now();
         let iteration = now.saturating_duration_since(self.mark);
         self.mark = now;
+        self.iteration(iteration);
+    }
+
+    /// One iteration that lasted `iteration` ended.
+    pub fn iteration(&mut self, iteration: Duration) {
         self.iterations.record(iteration.as_micros() as u64);
         self.iter_total += iteration;
         // Microsecond resolution, written as a short decimal in report.json.

@@ -166,6 +166,8 @@ pub struct ClusterConfig {
     pub can_launch: bool,
     /// The scheduler's link.
     pub scheduler_link: LinkSpec,
+    /// The balancer's budget per round, bytes (its default if `None`).
+    pub balance_budget_bytes: Option<u64>,
 }
 
 impl ClusterConfig {
@@ -180,6 +182,7 @@ impl ClusterConfig {
             jitter_us: 0,
             can_launch: false,
             scheduler_link: LinkSpec::default(),
+            balance_budget_bytes: None,
         }
     }
 }
@@ -268,7 +271,10 @@ impl<R: Role> Cluster<R> {
         let mut net = Network::new(config.seed);
         net.set_jitter_us(config.jitter_us);
         let sched = net.add_node(NodeKind::Scheduler, config.scheduler_link);
-        let scheduler = Scheduler::new(config.job, config.heartbeat_timeout_us).with_launcher(config.can_launch);
+        let mut scheduler = Scheduler::new(config.job, config.heartbeat_timeout_us).with_launcher(config.can_launch);
+        if let Some(bytes) = config.balance_budget_bytes {
+            scheduler = scheduler.with_balance_budget(bytes);
+        }
         let mut cluster = Self {
             net,
             scheduler: SchedulerRole::new(scheduler, config.tick_us),

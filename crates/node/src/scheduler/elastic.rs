@@ -102,6 +102,14 @@ impl std::fmt::Debug for Elastic {
 }
 
 impl Elastic {
+    /// The balancer moves at most `bytes` per round (the sim shrinks the model, and this
+    /// budget with it).
+    pub fn set_balance_budget(&mut self, bytes: u64) {
+        if let Some(b) = &self.balancer {
+            self.balancer = Some(Balancer::new(BalanceParams { budget_bytes: bytes, ..*b.params() }));
+        }
+    }
+
     /// Elasticity for a job that may run between `min` and `max` servers.
     pub fn new(mode: BalanceMode, min_servers: u32, max_servers: u32) -> Self {
         let balancer = match mode {

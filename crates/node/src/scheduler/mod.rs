@@ -191,6 +191,13 @@ impl Scheduler {
         self
     }
 
+    /// The balancer moves at most `bytes` per round instead of its default (the sim,
+    /// whose model is shrunk, shrinks this budget by the same factor).
+    pub fn with_balance_budget(mut self, bytes: u64) -> Self {
+        self.elastic.set_balance_budget(bytes);
+        self
+    }
+
     /// Where the clock of `Tick { now_us }` starts, in milliseconds since the Unix epoch
     /// (for the report, to align with the workers' clocks).
     pub fn with_clock_origin(mut self, unix_ms: f64) -> Self {

@@ -1,0 +1,171 @@
+//! One simulated job: the harness set up from `train`'s flags, run to its end, and what
+//! it produced, in the shape of a real run's outcome (so the report is `train`'s).
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use elasticps_core::balance::BalanceParams;
+use elasticps_launch::runner::RunOutcome;
+use elasticps_node::harness::{ClusterConfig, JobSetup, LinkSpec, ServerModel, SimJob, Stage, TrainingLoop};
+use elasticps_runtime::tally::Tally;
+use elasticps_wire::ServerStats;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+
+use crate::args::SimCmd;
+use crate::model::ScaledModel;
+use crate::{Result, SimError};
+
+/// What a simulated job produced.
+#[derive(Debug)]
+pub struct SimOutcome {
+    /// The run as `train` would have collected it (virtual times; sizes at the nominal scale).
+    pub run: RunOutcome,
+    /// The model as simulated.
+    pub model: ScaledModel,
+    /// Virtual seconds from the start to the end of the job.
+    pub virtual_s: f64,
+    /// Wall seconds the simulation took.
+    pub wall_s: f64,
+    /// Deliveries (messages, losses, timers) the harness handled.
+    pub events: u64,
+    /// Training iterations per second, summed over workers (virtual time).
+    pub iterations_per_s: f64,
+}
+
+/// Runs the job `cmd` describes on the harness.
+pub fn simulate(cmd: &SimCmd) -> Result<SimOutcome> {
+    cmd.validate()?;
+    let wall = Instant::now();
+    let tensors = cmd.tensors()?;
+    let nominal_values: u64 = tensors.iter().map(|t| t.len() as u64).sum();
+    let model = ScaledModel::new(&tensors, cmd.job.block_bytes, cmd.scale(nominal_values))?;
+    let mut job = cmd.job.job_config()?;
+    job.block_bytes = model.block_bytes;
+
+    let mut cluster = ClusterConfig::new(job);
+    cluster.seed = cmd.sim.sim_seed;
+    cluster.balance_budget_bytes = Some((BalanceParams::new(1, 1).budget_bytes / model.scale).max(4));
+    let mut setup = JobSetup::new(cluster);
+    let latency_us = cmd.sim.latency_us.round() as u64;
+    let link = LinkSpec { latency_us, ..LinkSpec::default() }.capped_mbps(cmd.sim.link_mbps);
+    setup.server_link = link;
+    setup.worker_link = link;
+    setup.server_model = ServerModel { apply_bps: (cmd.sim.apply_mbps * 1e6) as u64, check_bound: false };
+    let weighing = model.clone();
+    setup.weigh = Rc::new(move |m| weighing.nominal_bytes(m));
+
+    let iterations = cmd.data.iterations.unwrap_or(200);
+    let mut sim = SimJob::new(setup, |_| training_loop(cmd, &model, iterations));
+    let limit_us = (cmd.sim.time_limit_s * 1e6) as u64;
+    let end = sim.run(limit_us, u64::MAX);
+    let events = sim.cluster().events();
+    let end = match end {
+        Some(end) if end.ok => end,
+        Some(end) => return Err(SimError::Job(format!("failed: {}", end.reason))),
+        None => return Err(SimError::Job(stall_report(&sim, cmd.sim.time_limit_s))),
+    };
+    let run = outcome(cmd, &sim, &model, end.at_us)?;
+    let virtual_s = end.at_us as f64 / 1e6;
+    let train_s = run.workers.values().map(|w| w.train_s).fold(0.0, f64::max);
+    let iterations: u64 = run.workers.values().map(|w| w.iterations).sum();
+    Ok(SimOutcome {
+        iterations_per_s: if train_s > 0.0 { iterations as f64 / train_s } else { 0.0 },
+        run,
+        model,
+        virtual_s,
+        wall_s: wall.elapsed().as_secs_f64(),
+        events,
+    })
+}
+
+/// The training loop of every simulated worker: `train`'s synthetic loop (compute time
+/// +-10% seeded jitter, `--worker-delay` stragglers), gradients of ones.
+fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> TrainingLoop {
+    let compute_us = cmd.data.compute_ms.max(0.0) * 1e3;
+    let delay = cmd.data.worker_delay.clone();
+    let data_seed = cmd.data.data_seed;
+    let mut rngs: BTreeMap<u32, StdRng> = BTreeMap::new();
+    TrainingLoop {
+        tensors: model.tensors.clone(),
+        iterations,
+        compute_us: Box::new(move |rank, _t| {
+            let rng = rngs.entry(rank).or_insert_with(|| StdRng::seed_from_u64(data_seed + u64::from(rank)));
+            let mut us = compute_us * (0.9 + 0.2 * rng.random::<f64>());
+            if let Some(d) = delay.as_ref().filter(|d| d.ranks.contains(&rank))
+                && let Ok(normal) = Normal::new(d.mean_ms, d.sd_ms)
+            {
+                us += normal.sample(rng).max(0.0) * 1e3;
+            }
+            us as u64
+        }),
+        grad: |_, _, _| 1.0,
+        timeout_us: cmd.data.request_timeout().as_micros() as u64,
+    }
+}
+
+/// The run in the shape `train` collects: the workers' reports (from what each measured,
+/// in virtual time), the servers' counters and the scheduler's balancing history, with
+/// sizes at the nominal scale.
+fn outcome(cmd: &SimCmd, sim: &SimJob, model: &ScaledModel, end_us: u64) -> Result<RunOutcome> {
+    let mut workers = BTreeMap::new();
+    for (_, w) in sim.workers() {
+        let (Some(rank), Stage::Done) = (w.rank(), w.stage()) else {
+            return Err(SimError::Job(format!("ended with a worker at {:?}", w.stage())));
+        };
+        let r = w.record();
+        let mut tally = Tally::default();
+        tally.started_at(r.started_us as f64 / 1e3);
+        let mut last = r.started_us;
+        for (end, comm) in r.iteration_ends_us.iter().zip(&r.comm_us) {
+            tally.communicated(Duration::from_micros(*comm), &[]);
+            tally.iteration(Duration::from_micros(end - last));
+            last = *end;
+        }
+        let waits: Vec<Duration> = r.wait_us_by_server.iter().map(|us| Duration::from_micros(*us)).collect();
+        tally.communicated(Duration::ZERO, &waits);
+        let train_s = (last - r.started_us) as f64 / 1e6;
+        let samples = r.iteration_ends_us.len() as u64 * cmd.data.batch_size as u64;
+        workers.insert(rank, tally.report(rank, samples, f64::NAN, train_s));
+    }
+    let mut servers = BTreeMap::new();
+    for (_, s) in sim.servers() {
+        let Some(server) = s.server() else { continue };
+        let Some(id) = server.id() else { continue };
+        let mut stats: ServerStats = server.stats();
+        stats.bytes *= model.scale;
+        stats.totals.bytes_in *= model.scale;
+        stats.totals.bytes_out *= model.scale;
+        servers.insert(id, stats);
+    }
+    let mut balance = sim.cluster().scheduler().balance_log().clone();
+    for m in &mut balance.migrations {
+        m.bytes *= model.scale;
+    }
+    Ok(RunOutcome {
+        wall: Duration::from_micros(end_us),
+        workers,
+        servers,
+        curve: Vec::new(),
+        final_eval: None,
+        balance: Some(balance),
+    })
+}
+
+/// What the job was stuck on when the time limit came.
+fn stall_report(sim: &SimJob, limit_s: f64) -> String {
+    let mut stages: BTreeMap<String, u32> = BTreeMap::new();
+    for (_, w) in sim.workers() {
+        let stage = match w.stage() {
+            Stage::Computing(_) | Stage::Communicating(_) => "training".to_string(),
+            other => format!("{other:?}"),
+        };
+        *stages.entry(stage).or_default() += 1;
+    }
+    let waiting = sim.cluster().scheduler().waiting_for().unwrap_or_else(|| "nothing".into());
+    format!(
+        "did not end within {limit_s} simulated seconds (raise --time-limit-s): workers {stages:?}; the scheduler waits for {waiting}"
+    )
+}
