@@ -34,7 +34,7 @@ pub fn run(cmd: &SimCmd) -> Result<SimOutcome> {
         cmd.job.workers,
         cmd.job.servers,
         cmd.data.model,
-        out.model.nominal_blocks,
+        out.model.blocks(),
         out.model.scale,
         out.iterations_per_s,
         out.virtual_s,

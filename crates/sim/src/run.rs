@@ -135,14 +135,14 @@ fn outcome(cmd: &SimCmd, sim: &SimJob, model: &ScaledModel, end_us: u64) -> Resu
         let Some(server) = s.server() else { continue };
         let Some(id) = server.id() else { continue };
         let mut stats: ServerStats = server.stats();
-        stats.bytes *= model.scale;
-        stats.totals.bytes_in *= model.scale;
-        stats.totals.bytes_out *= model.scale;
+        stats.bytes = model.nominal(stats.bytes);
+        stats.totals.bytes_in = model.nominal(stats.totals.bytes_in);
+        stats.totals.bytes_out = model.nominal(stats.totals.bytes_out);
         servers.insert(id, stats);
     }
     let mut balance = sim.cluster().scheduler().balance_log().clone();
     for m in &mut balance.migrations {
-        m.bytes *= model.scale;
+        m.bytes = model.nominal(m.bytes);
     }
     Ok(RunOutcome {
         wall: Duration::from_micros(end_us),

@@ -72,6 +72,11 @@ impl Outbox<'_> {
         self.net.send(self.me, conn, request_id, msg)
     }
 
+    /// [`Outbox::send`], leaving no earlier than `at_us` (the reply of a busy CPU).
+    pub fn send_at(&mut self, conn: ConnId, request_id: u64, msg: Message, at_us: u64) -> bool {
+        self.net.send_at(self.me, conn, request_id, msg, at_us.saturating_mul(1_000))
+    }
+
     /// Closes `conn` after what was sent on it ([`Network::close`]).
     pub fn close(&mut self, conn: ConnId) {
         self.net.close(self.me, conn)

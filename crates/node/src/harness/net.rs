@@ -501,6 +501,12 @@ impl Network {
     /// Sends `msg` from `from` on `conn`. Returns false (and sends nothing) if `from`
     /// is not an open end of `conn` or is dead.
     pub fn send(&mut self, from: NodeId, conn: ConnId, request_id: u64, msg: Message) -> bool {
+        self.send_at(from, conn, request_id, msg, self.now_ns)
+    }
+
+    /// [`Network::send`], the message leaving no earlier than `at_ns` (a reply that a
+    /// busy node's CPU finishes later; FIFO on the sender's uplink and on the connection).
+    pub fn send_at(&mut self, from: NodeId, conn: ConnId, request_id: u64, msg: Message, at_ns: u64) -> bool {
         let Some(end) = self.end(from, conn) else { return false };
         let c = &self.conns[conn as usize];
         if !c.alive || !c.open[end] || !self.nodes[from.0 as usize].alive {
@@ -509,7 +515,7 @@ impl Network {
         let to_end = 1 - end;
         let to = c.ends[to_end];
         let bytes = (self.size_of)(&msg);
-        let now = self.now_ns;
+        let now = self.now_ns.max(at_ns);
         let sender = &mut self.nodes[from.0 as usize];
         let left = if sender.link.up_bps == 0 {
             now

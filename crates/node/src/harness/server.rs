@@ -3,14 +3,17 @@
 //! It does what the runtime's server does with sockets and tokio: one connection to the
 //! scheduler, calls to other servers for migrations (a lost connection fails them), a
 //! ticker, and the straggler injection of its assignment (a bandwidth cap on its link,
-//! from `at_us` after the assignment). Optionally it models the server's CPU: data
-//! requests queue, and a push takes its nominal bytes over [`ServerModel::apply_bps`]
-//! (times the injection's interference factor).
+//! from `at_us` after the assignment). Optionally it models the server's CPU as one FIFO
+//! queue: a push takes its nominal bytes over [`ServerModel::apply_bps`] (times the
+//! injection's interference factor), and the replies of a data request leave when the
+//! CPU is done with it. The state machine itself takes each request as it arrives: what
+//! others can observe (the replies) comes out in FIFO completion order, as from a busy
+//! server, without an event per request.
 //!
 //! It also checks, on every answered pull, the bound of the sync policy the server runs
 //! ([`SyncPolicy::violates_bound`], the one place that rule lives).
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use elasticps_core::sync::SyncPolicy;
 use elasticps_wire::{Control, Injection, Message};
@@ -26,7 +29,6 @@ pub const SERVER_TICK_US: u64 = 100_000;
 /// Timer tokens of the server adapter.
 const TICK: u64 = 0;
 const INJECT: u64 = 1;
-const WORK: u64 = 2;
 
 /// What the adapter models beyond the state machine.
 #[derive(Clone, Copy, Debug, Default)]
@@ -59,10 +61,10 @@ pub struct ServerRole {
     calls: BTreeMap<(ConnId, u64), u64>,
     /// Every connection this server has (to close them when it exits).
     conns: BTreeSet<ConnId>,
-    /// Data requests waiting for the CPU (only with an apply model).
-    queue: VecDeque<(ConnId, u64, Message)>,
+    /// When the modelled CPU is done with what it was given.
     busy_until_us: u64,
-    working: bool,
+    /// Replies of the step under way leave no earlier than this.
+    reply_at_us: u64,
     injection: Injection,
     violations: Vec<BoundViolation>,
     exit: Option<Exit>,
@@ -85,9 +87,8 @@ impl ServerRole {
             peers: BTreeMap::new(),
             calls: BTreeMap::new(),
             conns: BTreeSet::new(),
-            queue: VecDeque::new(),
             busy_until_us: 0,
-            working: false,
+            reply_at_us: 0,
             injection: Injection::default(),
             violations: Vec::new(),
             exit: None,
@@ -129,7 +130,7 @@ impl ServerRole {
         for action in actions {
             match action {
                 Action::Reply { conn, request_id, msg } => {
-                    out.send(conn, request_id, msg);
+                    out.send_at(conn, request_id, msg, self.reply_at_us);
                 }
                 Action::ToScheduler { request_id, msg } => {
                     if let Some(s) = self.sched {
@@ -177,21 +178,14 @@ impl ServerRole {
         }
     }
 
-    /// Hands the queued data requests to the server as the modelled CPU frees up.
-    fn work(&mut self, out: &mut Outbox<'_>) {
-        while let Some((conn, request_id, msg)) = self.queue.pop_front() {
-            let now = out.now_us();
-            if self.busy_until_us > now {
-                self.queue.push_front((conn, request_id, msg));
-                if !self.working {
-                    self.working = true;
-                    out.wake_at(self.busy_until_us, WORK);
-                }
-                return;
-            }
-            self.busy_until_us = now + self.cost_us(&msg);
-            self.step(out, Event::Received { conn, request_id, msg });
-        }
+    /// A data request: the modelled CPU takes it after what it already has, and its
+    /// replies leave when it is done.
+    fn data_request(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
+        let start = self.busy_until_us.max(out.now_us());
+        self.busy_until_us = start + self.cost_us(&msg);
+        self.reply_at_us = self.busy_until_us;
+        self.step(out, Event::Received { conn, request_id, msg });
+        self.reply_at_us = 0;
     }
 
     fn cost_us(&self, msg: &Message) -> u64 {
@@ -226,8 +220,7 @@ impl Role for ServerRole {
         self.conns.insert(conn);
         let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
         if data && self.model.apply_bps > 0 {
-            self.queue.push_back((conn, request_id, msg));
-            return self.work(out);
+            return self.data_request(out, conn, request_id, msg);
         }
         self.step(out, Event::Received { conn, request_id, msg });
     }
@@ -245,7 +238,6 @@ impl Role for ServerRole {
         for call in failed {
             self.step(out, Event::FromServer { call, reply: Err(format!("connection lost ({why:?})")) });
         }
-        self.queue.retain(|(c, _, _)| *c != conn);
         self.step(out, Event::Closed { conn });
     }
 
@@ -260,10 +252,6 @@ impl Role for ServerRole {
             INJECT => {
                 let bps = self.injection.bandwidth_bps;
                 out.set_my_link(LinkSpec { up_bps: bps, down_bps: bps, ..out.my_link() });
-            }
-            WORK => {
-                self.working = false;
-                self.work(out);
             }
             _ => {}
         }

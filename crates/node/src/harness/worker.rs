@@ -114,6 +114,9 @@ pub struct WorkerRole {
     next_call: u64,
     round_started_us: u64,
     record: WorkerRecord,
+    /// The last gradient sent per block (its value and the shared buffer): a push of the
+    /// same value reuses it instead of filling a new one.
+    grads: Vec<Option<(f32, Values)>>,
 }
 
 impl std::fmt::Debug for WorkerRole {
@@ -139,6 +142,7 @@ impl WorkerRole {
             next_call: FIRST_LAYOUT_CALL,
             round_started_us: 0,
             record: WorkerRecord::default(),
+            grads: Vec::new(),
         }
     }
 
@@ -228,7 +232,7 @@ impl WorkerRole {
                     let msg = match op {
                         Op::Push(clock) => {
                             let g = (self.work.grad)(rank, clock, block.id);
-                            Message::Push { block: block.id, clock, values: Values::from_vec(vec![g; block.len]) }
+                            Message::Push { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
                         }
                         Op::Init => Message::Init { block: block.id, values: Values::from_vec(vec![0.0; block.len]) },
                         Op::Pull(clock) => Message::Pull { block: block.id, clock },
@@ -245,6 +249,22 @@ impl WorkerRole {
                     self.call_scheduler(out, id, Control::GetLayout.into());
                 }
                 Action::Wait { until_us } => out.wake_at(until_us, WAKE),
+            }
+        }
+    }
+
+    /// A gradient of `len` values `g` for `block` (shared with the last one if equal).
+    fn gradient(&mut self, block: u32, len: usize, g: f32) -> Values {
+        let i = block as usize;
+        if self.grads.len() <= i {
+            self.grads.resize(i + 1, None);
+        }
+        match &self.grads[i] {
+            Some((v, values)) if *v == g && values.len() == len => values.clone(),
+            _ => {
+                let values = Values::from_vec(vec![g; len]);
+                self.grads[i] = Some((g, values.clone()));
+                values
             }
         }
     }
