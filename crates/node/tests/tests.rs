@@ -444,3 +444,5 @@ mod job {
         assert!(seen >= 4, "{seen} blocks");
     }
 }
+
+mod exactly_once;

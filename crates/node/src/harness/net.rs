@@ -437,6 +437,17 @@ impl Network {
         id
     }
 
+    /// The connections of `node` that still carry anything, with the peer at the other
+    /// end (to pick one to drop).
+    pub fn connections(&self, node: NodeId) -> Vec<(ConnId, NodeId)> {
+        let Some(n) = self.nodes.get(node.0 as usize) else { return Vec::new() };
+        n.conns
+            .iter()
+            .filter(|c| self.conns.get(**c as usize).is_some_and(|c| c.alive))
+            .filter_map(|c| Some((*c, self.peer(node, *c)?)))
+            .collect()
+    }
+
     /// Gives one connection its own one-way latency.
     pub fn set_conn_latency(&mut self, conn: ConnId, latency_us: u64) {
         if let Some(c) = self.conns.get_mut(conn as usize) {

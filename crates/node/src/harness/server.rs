@@ -211,6 +211,11 @@ impl Role for ServerRole {
     }
 
     fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
+        if self.exit.is_some() {
+            // An exited process has no sockets: a connection opened to it since is refused
+            // (a migration that started at the job's end learns it and abandons).
+            return out.close(conn);
+        }
         if Some(conn) == self.sched {
             return self.step(out, Event::FromScheduler { request_id, msg });
         }

@@ -109,6 +109,11 @@ pub struct WorkerRole {
     plan: Option<Worker>,
     layout: Option<Layout>,
     servers: BTreeMap<u32, ConnId>,
+    /// Requests sent on a server's connection and not answered yet.
+    in_flight: BTreeMap<ConnId, u32>,
+    /// Some server left the layout while requests to it were in flight: close its
+    /// connection once they are answered (at the end of the round).
+    departed: bool,
     round: Option<Round>,
     all: Vec<bool>,
     next_call: u64,
@@ -137,6 +142,8 @@ impl WorkerRole {
             plan: None,
             layout: None,
             servers: BTreeMap::new(),
+            in_flight: BTreeMap::new(),
+            departed: false,
             round: None,
             all,
             next_call: FIRST_LAYOUT_CALL,
@@ -191,14 +198,31 @@ impl WorkerRole {
             out.send(conn, HELLO, Control::Hello { rank }.into());
             self.servers.insert(s.id, conn);
         }
-        let keep: Vec<u32> = layout.servers.iter().map(|s| s.id).collect();
-        let gone: Vec<u32> = self.servers.keys().copied().filter(|id| !keep.contains(id)).collect();
-        for id in gone {
-            if let Some(conn) = self.servers.remove(&id) {
-                out.close(conn);
-            }
-        }
         self.layout = Some(layout);
+        self.drop_departed(out);
+    }
+
+    /// Closes the connections of servers that left the layout, but not while requests
+    /// to them are in flight: as the runtime's client, whose dropped connection still
+    /// reads the answers (a drained server answers its parked requests `Moved`).
+    fn drop_departed(&mut self, out: &mut Outbox<'_>) {
+        let Some(layout) = self.layout.as_ref() else { return };
+        let gone: Vec<(u32, ConnId)> = self
+            .servers
+            .iter()
+            .filter(|(id, _)| !layout.servers.iter().any(|s| s.id == **id))
+            .map(|(id, conn)| (*id, *conn))
+            .collect();
+        self.departed = false;
+        for (id, conn) in gone {
+            if self.in_flight.get(&conn).is_some_and(|n| *n > 0) {
+                self.departed = true;
+                continue;
+            }
+            self.servers.remove(&id);
+            self.in_flight.remove(&conn);
+            out.close(conn);
+        }
     }
 
     /// Starts the round of the current stage.
@@ -237,7 +261,11 @@ impl WorkerRole {
                         Op::Init => Message::Init { block: block.id, values: Values::from_vec(vec![0.0; block.len]) },
                         Op::Pull(clock) => Message::Pull { block: block.id, clock },
                     };
-                    let sent = self.servers.get(&server).is_some_and(|conn| out.send(*conn, tag, msg));
+                    let conn = self.servers.get(&server).copied();
+                    let sent = conn.is_some_and(|conn| out.send(conn, tag, msg));
+                    if let (true, Some(conn)) = (sent, conn) {
+                        *self.in_flight.entry(conn).or_default() += 1;
+                    }
                     if !sent {
                         return self.fail(out, format!("server {server} closed the connection"));
                     }
@@ -293,6 +321,9 @@ impl WorkerRole {
             w[server as usize] += us;
         }
         let report = plan.finish(now, round);
+        if self.departed {
+            self.drop_departed(out);
+        }
         if let Some(report) = report {
             self.call_scheduler(out, 0, Control::WorkerLoad(report).into());
         }
@@ -380,6 +411,9 @@ impl Role for WorkerRole {
             }
             return;
         }
+        if let Some(n) = self.in_flight.get_mut(&conn) {
+            *n = n.saturating_sub(1);
+        }
         match &msg {
             Message::PushAck { .. } => self.record.pushes_acked += 1,
             Message::PullReply { .. } => self.record.pulls_answered += 1,
@@ -393,16 +427,20 @@ impl Role for WorkerRole {
     }
 
     fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
-        if matches!(self.stage, Stage::Done | Stage::Failed(_)) {
+        if matches!(self.stage, Stage::Done | Stage::Failed(_)) || why == LostWhy::ClosedHere {
+            // ClosedHere: a connection this worker closed itself (a server that left its
+            // layout); nothing is asked of it any more.
             return;
         }
         let who = if Some(conn) == self.sched { "the scheduler".to_string() } else { format!("a server ({conn})") };
         let server = self.servers.iter().find(|(_, c)| **c == conn).map(|(id, _)| *id);
         if let Some(id) = server
-            && self.round.is_none()
+            && self.in_flight.get(&conn).is_none_or(|n| *n == 0)
         {
-            // A server that left the layout between rounds (scaled in): nothing was asked of it.
+            // Nothing is asked of it (a drained server that left after its linger): as with
+            // the runtime's client, only a request sent to it later fails.
             self.servers.remove(&id);
+            self.in_flight.remove(&conn);
             return;
         }
         self.fail(out, format!("{who} closed the connection ({why:?})"));

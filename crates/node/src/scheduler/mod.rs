@@ -205,6 +205,12 @@ impl Scheduler {
         self
     }
 
+    /// The placement as the scheduler records it (once the model is placed): who owns
+    /// each block, and the epoch.
+    pub fn placement(&self) -> Option<&Placement> {
+        self.placement.as_ref()
+    }
+
     /// The balancing history so far (migrations, scaling, load timeline).
     pub fn balance_log(&self) -> &BalanceLog {
         self.elastic.log()

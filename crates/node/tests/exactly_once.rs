@@ -1,0 +1,898 @@
+//! The exactly-once proptests (issue 9): whole jobs on the deterministic harness (the
+//! real scheduler, servers and workers through [`SimJob`]) over random job shapes, sync
+//! policies and operator schedules (continuous migrations, removals, scale-outs, invalid
+//! requests), with server-to-server connections dropped mid-migration and, with
+//! `--balance psld`, a bandwidth-capped server the balancer moves blocks off by itself.
+//!
+//! Every run must end with the job ok, every final parameter exact on the one owner the
+//! scheduler's placement names, every pull answered exactly once, every operator request
+//! answered once, and no pull answered against the sync policy's bound.
+//!
+//! A failing case prints as `Case { seed, .. , ops }` (proptest shrinks it first); paste
+//! it into a `#[test]` with [`run`] to replay it. `PROPTEST_CASES=N` raises the counts.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::Rc;
+
+use elasticps_core::balance::BalanceMode;
+use elasticps_core::block::ShardConfig;
+use elasticps_core::model::{BlockId, Init, TensorSpec};
+use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+use elasticps_core::placement::PlacementKind;
+use elasticps_core::sync::{Clock, SyncPolicy};
+use elasticps_node::ConnId;
+use elasticps_node::harness::{
+    ClusterConfig, JobEnd, JobSetup, LostWhy, NodeId, Outbox, Role, ServerModel, SimJob, Stage, TrainingLoop, Weigh,
+    frame_bytes,
+};
+use elasticps_node::scheduler::JobConfig;
+use elasticps_node::server::{FrozenStep, Phase, Slot};
+use elasticps_wire::{Control, ErrorCode, Injection, Message, ScaleRequest};
+use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+use proptest::test_runner::TestRunner;
+
+/// Values per block (16-byte blocks of f32).
+const BLOCK_LEN: usize = 4;
+/// Virtual time a run may take at most, µs.
+const HORIZON_US: u64 = 600_000_000;
+/// Deliveries a run may take at most.
+const MAX_EVENTS: u64 = 3_000_000;
+/// How long after its time a drop waits for a migration in the step it targets, µs.
+const DROP_WINDOW_US: u64 = 30_000;
+
+/// One random job and what happens to it.
+#[derive(Clone, Debug)]
+pub struct Case {
+    /// Seed of the network's jitter and the compute times.
+    pub seed: u64,
+    /// Servers at the start.
+    pub servers: u32,
+    /// Servers the job may grow to (`--max-servers`).
+    pub max_servers: u32,
+    /// Workers.
+    pub workers: u32,
+    /// Values per tensor (blocks of [`BLOCK_LEN`]).
+    pub tensors: Vec<usize>,
+    /// Initial placement.
+    pub placement: PlacementKind,
+    /// Sync policy of every server.
+    pub sync: SyncPolicy,
+    /// Aggregate mode (bsp only): one step per clock with the mean gradient.
+    pub aggregate: bool,
+    /// Iterations per worker.
+    pub iterations: u32,
+    /// Compute time of an iteration: `base + (hash % spread)`, µs.
+    pub compute_us: (u64, u64),
+    /// Extra delay per message, uniform in `[0, jitter_us]`.
+    pub jitter_us: u64,
+    /// `--balance psld` with this server capped (a straggler).
+    pub psld: Option<Straggler>,
+    /// The operator's requests and the faults, in no particular order.
+    pub ops: Vec<Op>,
+}
+
+/// A bandwidth cap on one server, from its assignment on.
+#[derive(Clone, Copy, Debug)]
+pub struct Straggler {
+    /// The server id.
+    pub server: u32,
+    /// Its cap, bytes per second each way.
+    pub bps: u64,
+}
+
+/// Something that happens to a running job.
+#[derive(Clone, Copy, Debug)]
+pub enum Op {
+    /// The operator sends `Scale(req)` to the scheduler at `at_us`.
+    Scale {
+        /// When, virtual µs.
+        at_us: u64,
+        /// The request.
+        req: ScaleRequest,
+    },
+    /// From `at_us` on, the first migration seen in `step` loses its
+    /// server-to-server connection(s) `delay_us` later, if it is still in that step.
+    Drop {
+        /// When the fault is armed, virtual µs.
+        at_us: u64,
+        /// Which migration step it waits for.
+        step: Step,
+        /// How long after the step is seen the connection drops, µs.
+        delay_us: u64,
+    },
+}
+
+impl Op {
+    fn at_us(&self) -> u64 {
+        match self {
+            Op::Scale { at_us, .. } | Op::Drop { at_us, .. } => *at_us,
+        }
+    }
+}
+
+/// A migration step a drop waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// A snapshot (the first, or a fresh one of the frozen block) or its `Ok` is in
+    /// flight: the new owner holds at most a snapshot it does not serve.
+    Snapshot,
+    /// The delta or its `Ok` is in flight: if the `Ok` is lost, the new owner serves a
+    /// copy that the old owner, abandoning, serves too.
+    Delta,
+}
+
+impl Case {
+    fn blocks(&self) -> u32 {
+        self.tensors.iter().map(|len| len.div_ceil(BLOCK_LEN) as u32).sum()
+    }
+
+    fn model(&self) -> Vec<TensorSpec> {
+        let name = |i: usize| format!("t{i}");
+        self.tensors
+            .iter()
+            .enumerate()
+            .map(|(i, len)| TensorSpec { name: name(i), shape: vec![*len], init: Init::Zeros })
+            .collect()
+    }
+
+    fn job(&self) -> JobConfig {
+        let inject = self
+            .psld
+            .map(|s| vec![(s.server, Injection { bandwidth_bps: s.bps, interference: 1.0, at_us: 0 })])
+            .unwrap_or_default();
+        JobConfig {
+            servers: self.servers,
+            workers: self.workers,
+            block_bytes: BLOCK_LEN * 4,
+            placement: self.placement,
+            shard: ShardConfig {
+                sync: self.sync,
+                optimizer: OptimizerConfig {
+                    kind: OptimizerKind::Sgd,
+                    lr: 1.0,
+                    aggregate: self.aggregate,
+                    weight_decay: 0.0,
+                },
+                workers: self.workers,
+            },
+            server_sync: Vec::new(),
+            seed: self.seed,
+            inject,
+            balance: if self.psld.is_some() { BalanceMode::Psld } else { BalanceMode::Static },
+            max_servers: self.max_servers,
+            min_servers: if self.psld.is_some() { 1 } else { self.servers },
+        }
+    }
+
+    /// Pull replies worker `rank` must accept: clock 0, then clock t + 1 after each
+    /// iteration t but the last (rank 0 pulls after the last too), every block.
+    fn pulls_of(&self, rank: u32) -> u64 {
+        let rounds = if rank == 0 { self.iterations + 1 } else { self.iterations };
+        u64::from(rounds) * u64::from(self.blocks())
+    }
+
+    /// The exact final value of every element of `block` (SGD, lr 1, zeros, integer
+    /// gradients): minus the sum of every gradient, or with aggregate the same steps the
+    /// server takes, one per clock with the sum times 1/workers, in f32.
+    fn final_value(&self, block: BlockId) -> f32 {
+        let sum = |t: Clock| (0..self.workers).map(|r| grad(r, t, block)).sum::<f32>();
+        if self.aggregate {
+            let scale = 1.0 / self.workers as f32;
+            (0..self.iterations).fold(0.0f32, |v, t| v - sum(t) * scale)
+        } else {
+            -(0..self.iterations).map(sum).sum::<f32>()
+        }
+    }
+}
+
+/// Integer gradients (some negative), so every final value is exact in f32.
+fn grad(rank: u32, clock: Clock, block: BlockId) -> f32 {
+    ((rank * 7 + clock * 3 + block * 5 + 1) % 9) as f32 - 4.0
+}
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+// ---- the operator --------------------------------------------------------------------
+
+/// One operator request and what came back.
+#[derive(Clone, Debug)]
+pub struct Sent {
+    /// The request.
+    pub req: ScaleRequest,
+    /// When it was sent (None: the job ended first).
+    pub at_us: Option<u64>,
+    /// Every reply, when.
+    pub replies: Vec<(u64, Message)>,
+}
+
+/// A TEST DRIVER: an operator that sends its scale requests at their times, each with
+/// its own request id, and records the answers.
+struct Operator {
+    plan: Vec<(u64, ScaleRequest)>,
+    conn: Option<ConnId>,
+    log: Rc<RefCell<Vec<Sent>>>,
+}
+
+impl Role for Operator {
+    fn on_start(&mut self, out: &mut Outbox<'_>) {
+        self.conn = Some(out.connect(out.scheduler()));
+        let mut log = self.log.borrow_mut();
+        for (i, (at, req)) in self.plan.iter().enumerate() {
+            log.push(Sent { req: *req, at_us: None, replies: Vec::new() });
+            out.wake_at(*at, i as u64);
+        }
+    }
+
+    fn on_message(&mut self, out: &mut Outbox<'_>, _conn: ConnId, request_id: u64, msg: Message) {
+        let mut log = self.log.borrow_mut();
+        match request_id.checked_sub(1).and_then(|i| log.get_mut(i as usize)) {
+            Some(s) => s.replies.push((out.now_us(), msg)),
+            None => panic!("the scheduler answered request {request_id}, which the operator never sent: {msg:?}"),
+        }
+    }
+
+    fn on_lost(&mut self, _: &mut Outbox<'_>, _: ConnId, _: LostWhy) {
+        self.conn = None;
+    }
+
+    fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
+        let Some(conn) = self.conn else { return };
+        let req = self.plan[token as usize].1;
+        if out.send(conn, token + 1, Control::Scale(req).into()) {
+            self.log.borrow_mut()[token as usize].at_us = Some(out.now_us());
+        }
+    }
+}
+
+// ---- a run ---------------------------------------------------------------------------
+
+/// A connection drop that happened (read through `Debug`, in failure messages).
+#[derive(Clone, Debug)]
+#[allow(dead_code)]
+pub struct Dropped {
+    /// When.
+    pub at_us: u64,
+    /// The old owner's node and the new owner's.
+    pub between: (NodeId, NodeId),
+    /// The step the old owner's block was in when the drop was armed.
+    pub step: &'static str,
+    /// Connections dropped.
+    pub conns: usize,
+}
+
+/// What a run did, for the checks and the coverage test.
+pub struct Run {
+    /// The job, after its end.
+    pub sim: SimJob,
+    /// How it ended (None: it did not within the horizon or the event budget).
+    pub end: Option<JobEnd>,
+    /// The operator's requests.
+    pub sent: Vec<Sent>,
+    /// The drops.
+    pub dropped: Vec<Dropped>,
+}
+
+/// The old owner and the new owner of a migration in `step`, if one runs.
+fn migration_in(sim: &SimJob, step: Step) -> Option<(NodeId, NodeId, &'static str)> {
+    for (node, role) in sim.servers() {
+        let Some(server) = role.server().filter(|_| role.exit().is_none()) else { continue };
+        for b in server.owned() {
+            let Some(Slot::Owned(o)) = server.slot(b) else { continue };
+            let (out, what) = match &o.phase {
+                Phase::Copying { out } => (out, "copying"),
+                Phase::Frozen { out, step: FrozenStep::Snapshot, .. } => (out, "frozen: fresh snapshot"),
+                Phase::Frozen { out, step: FrozenStep::Delta, .. } => (out, "frozen: delta"),
+                _ => continue,
+            };
+            let wanted = match step {
+                Step::Snapshot => what != "frozen: delta",
+                Step::Delta => what == "frozen: delta",
+            };
+            if let (true, Some(to)) = (wanted, NodeId::from_addr(&out.to_addr)) {
+                return Some((node, to, what));
+            }
+        }
+    }
+    None
+}
+
+/// Runs `case` to the end of the job (or the horizon) and returns what happened.
+pub fn run(case: &Case) -> Run {
+    run_traced(case, false)
+}
+
+/// [`run`], keeping the network's trace of every delivery if `trace`.
+pub fn run_traced(case: &Case, trace: bool) -> Run {
+    let mut setup =
+        JobSetup::new(ClusterConfig { seed: case.seed, jitter_us: case.jitter_us, ..ClusterConfig::new(case.job()) });
+    setup.server_model = ServerModel { apply_bps: 0, check_bound: true };
+    if case.psld.is_some() {
+        // Tensor payloads weigh 64 KB, so that a capped server is slow.
+        let weigh: Weigh = Rc::new(|m: &Message| match m {
+            Message::Push { .. } | Message::PullReply { .. } => 64_000,
+            other => frame_bytes(other),
+        });
+        setup.weigh = weigh;
+    }
+    let tensors = case.model();
+    let (iterations, seed, (base, spread)) = (case.iterations, case.seed, case.compute_us);
+    let mut sim = SimJob::new(setup, |_| TrainingLoop {
+        tensors: tensors.clone(),
+        iterations,
+        compute_us: Box::new(move |rank, t| base + mix(seed ^ (u64::from(rank) << 32) ^ u64::from(t)) % spread.max(1)),
+        grad,
+        timeout_us: 300_000_000,
+    });
+    sim.cluster_mut().network_mut().set_trace(trace);
+    let log = Rc::new(RefCell::new(Vec::new()));
+    let plan: Vec<(u64, ScaleRequest)> = case
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Scale { at_us, req } => Some((*at_us, *req)),
+            Op::Drop { .. } => None,
+        })
+        .collect();
+    sim.add_driver(Box::new(Operator { plan, conn: None, log: log.clone() }));
+
+    let mut drops: Vec<Op> = case.ops.iter().filter(|op| matches!(op, Op::Drop { .. })).copied().collect();
+    drops.sort_by_key(Op::at_us);
+    let mut drops: VecDeque<Op> = drops.into();
+    let mut dropped = Vec::new();
+    let events = |sim: &SimJob| sim.cluster().events();
+    let left = |sim: &SimJob| MAX_EVENTS.saturating_sub(events(sim));
+    let now = |sim: &SimJob| sim.cluster().network().now_us();
+    let end = 'run: loop {
+        let Some(Op::Drop { at_us, step, delay_us }) = drops.pop_front() else {
+            break sim.run(HORIZON_US, left(&sim));
+        };
+        if let Some(end) = sim.run(at_us, left(&sim)) {
+            break Some(end);
+        }
+        if left(&sim) == 0 {
+            break None;
+        }
+        // Armed: watch every delivery for a migration in the step wanted.
+        let deadline = at_us + DROP_WINDOW_US;
+        while now(&sim) < deadline && left(&sim) > 0 {
+            if let Some((from, to, what)) = migration_in(&sim, step) {
+                if let Some(end) = sim.run(now(&sim) + delay_us, left(&sim)) {
+                    break 'run Some(end);
+                }
+                if migration_in(&sim, step).is_none_or(|(f, t, _)| (f, t) != (from, to)) {
+                    break; // it moved on: nothing of that step is in flight any more
+                }
+                let net = sim.cluster_mut().network_mut();
+                let conns: Vec<ConnId> =
+                    net.connections(from).into_iter().filter(|(_, peer)| *peer == to).map(|(c, _)| c).collect();
+                for c in &conns {
+                    net.drop_conn(*c);
+                }
+                let at_us = net.now_us();
+                dropped.push(Dropped { at_us, between: (from, to), step: what, conns: conns.len() });
+                break;
+            }
+            if let Some(end) = sim.run(deadline, 1) {
+                break 'run Some(end);
+            }
+        }
+    };
+    if let Some(end) = &end {
+        // A run stepped one delivery at a time left no budget for the `Shutdown`s to land.
+        let budget = left(&sim);
+        sim.cluster_mut().run(end.at_us + 1_000_000, budget);
+    }
+    let sent = log.borrow().clone();
+    Run { sim, end, sent, dropped }
+}
+
+// ---- the checks ----------------------------------------------------------------------
+
+/// Every property of a finished run; the first one broken, in words.
+pub fn check(case: &Case, r: &Run) -> Result<(), String> {
+    let Run { sim, end, sent, dropped } = r;
+    let Some(end) = end else {
+        let stages: Vec<_> = sim.workers().map(|(_, w)| (w.rank(), w.stage().clone())).collect();
+        return Err(format!(
+            "the job did not end within {} s virtual / {MAX_EVENTS} events (at {} us, {} events): workers {stages:?}; drops {dropped:?}",
+            HORIZON_US / 1_000_000,
+            sim.cluster().network().now_us(),
+            sim.cluster().events()
+        ));
+    };
+    let ctx = || format!("(end {end:?}; drops {dropped:?})");
+    if !end.ok {
+        let stages: Vec<_> = sim.workers().map(|(_, w)| (w.rank(), w.stage().clone())).collect();
+        return Err(format!("the job failed: {} {}; workers {stages:?}", end.reason, ctx()));
+    }
+    // Workers: done, every iteration, every pull answered exactly once, every push acked.
+    for (_, w) in sim.workers() {
+        let rank = w.rank().ok_or("a worker never registered")?;
+        if *w.stage() != Stage::Done {
+            return Err(format!("worker {rank} ended in {:?} {}", w.stage(), ctx()));
+        }
+        let rec = w.record();
+        if rec.iteration_ends_us.len() != case.iterations as usize {
+            return Err(format!("worker {rank} ran {} iterations of {}", rec.iteration_ends_us.len(), case.iterations));
+        }
+        if rec.pulls_answered != case.pulls_of(rank) {
+            return Err(format!(
+                "worker {rank} accepted {} pull replies, expected {} {}",
+                rec.pulls_answered,
+                case.pulls_of(rank),
+                ctx()
+            ));
+        }
+        let pushes = u64::from(case.iterations) * u64::from(case.blocks());
+        if rec.pushes_acked != pushes {
+            return Err(format!("worker {rank} had {} pushes acked, expected {pushes} {}", rec.pushes_acked, ctx()));
+        }
+    }
+    // Servers: no bound violation; exactly one live owner per block, the placement's.
+    let placement = sim.cluster().scheduler().placement().ok_or("the scheduler placed no model")?;
+    let log = &sim.cluster().scheduler().balance_log().migrations;
+    for (_, s) in sim.servers() {
+        if !s.violations().is_empty() {
+            return Err(format!("pulls answered against the bound: {:?} {}", s.violations(), ctx()));
+        }
+    }
+    for b in 0..case.blocks() {
+        let named = placement.owner(b).ok_or(format!("the placement has no block {b}"))?;
+        let owner = unrecorded_handover(sim, b).unwrap_or(named);
+        let want = case.final_value(b);
+        let mut found = false;
+        for (node, s) in sim.servers() {
+            let Some(server) = s.server() else { continue };
+            let Some(Slot::Owned(o)) = server.slot(b) else { continue };
+            let id = server.id().ok_or("a server with a block has no id")?;
+            if id == owner {
+                found = true;
+                if !matches!(o.phase, Phase::Serving) {
+                    return Err(format!("block {b} on its owner {id} ended migrating: {:?} {}", o.phase, ctx()));
+                }
+                if let Some(v) = o.block.values().iter().find(|v| **v != want) {
+                    return Err(format!(
+                        "block {b} on its owner {id} ({node:?}) is {v}, expected {want}: {:?} {}",
+                        o.block.values(),
+                        ctx()
+                    ));
+                }
+            } else if !(o.epoch == placement.epoch + 1
+                || log.iter().any(|m| m.block == b && m.to == id && m.error.is_some()))
+            {
+                // A copy elsewhere is only allowed as the leftover of a failed migration to
+                // that server (its acknowledgement lost): one the scheduler logged, or the
+                // one in flight at the end (its epoch the placement's next), whose report
+                // came too late.
+                return Err(format!(
+                    "block {b} is owned by server {id} ({node:?}) at epoch {} too, but the placement \
+                     (epoch {}) names {owner} and no migration of it to {id} failed {}",
+                    o.epoch,
+                    placement.epoch,
+                    ctx()
+                ));
+            }
+        }
+        if !found {
+            return Err(format!("block {b}: its owner {owner} (final placement) does not hold it {}", ctx()));
+        }
+    }
+    // The operator: each request answered at most once; those sent well before the end
+    // answered exactly once, with Ok or a clean refusal; unknown blocks and servers refused.
+    let max_id = sim.servers().count() as u32;
+    for (i, s) in sent.iter().enumerate() {
+        if s.replies.len() > 1 {
+            return Err(format!("operator request {i} ({:?}) answered {} times", s.req, s.replies.len()));
+        }
+        let Some(at) = s.at_us else { continue };
+        let Some((_, reply)) = s.replies.first() else {
+            if at + 1_000 < end.at_us {
+                return Err(format!("operator request {i} ({:?}) sent at {at} us never answered {}", s.req, ctx()));
+            }
+            continue;
+        };
+        let refused = match reply {
+            Message::Control(Control::Ok) => false,
+            Message::Error(e) if matches!(e.code, ErrorCode::BadRequest | ErrorCode::NotReady) => true,
+            other => return Err(format!("operator request {i} ({:?}) answered {other:?}", s.req)),
+        };
+        let invalid = match s.req {
+            ScaleRequest::MoveBlock { block, to } => block >= case.blocks() || to >= max_id,
+            ScaleRequest::RemoveServer(id) => id >= max_id,
+            ScaleRequest::AddServer => false,
+        };
+        if invalid && !refused {
+            return Err(format!("operator request {i} ({:?}) was accepted: {reply:?}", s.req));
+        }
+    }
+    Ok(())
+}
+
+/// Where `block` went if its owner in the scheduler's final placement handed it over at
+/// `Shutdown` in a migration the scheduler never recorded: its `MigrateDone` crossed the
+/// `Shutdown` (the job's end), so the old owner finished the handover on its own
+/// (`shutdown_handovers`). One migration runs at a time, so that one's epoch is the
+/// placement's next.
+fn unrecorded_handover(sim: &SimJob, block: BlockId) -> Option<u32> {
+    let placement = sim.cluster().scheduler().placement()?;
+    let named = placement.owner(block)?;
+    let server = sim.servers().filter_map(|(_, s)| s.server()).find(|s| s.id() == Some(named))?;
+    match server.slot(block) {
+        Some(Slot::Gone { owner, epoch }) if *epoch == placement.epoch + 1 => Some(*owner),
+        _ => None,
+    }
+}
+
+/// Runs and checks `case`.
+pub fn run_and_check(case: &Case) -> Result<Run, TestCaseError> {
+    let r = run(case);
+    check(case, &r).map_err(TestCaseError::fail)?;
+    Ok(r)
+}
+
+// ---- the strategies ------------------------------------------------------------------
+
+fn sync() -> impl Strategy<Value = SyncPolicy> {
+    prop_oneof![
+        Just(SyncPolicy::Bsp),
+        Just(SyncPolicy::Asp),
+        Just(SyncPolicy::Ssp(1)),
+        Just(SyncPolicy::Ssp(2)),
+        Just(SyncPolicy::Lazy(2)),
+        Just(SyncPolicy::Pssp { s: 2, p: 0.5 }),
+    ]
+}
+
+fn placement() -> impl Strategy<Value = PlacementKind> {
+    prop_oneof![
+        Just(PlacementKind::Range),
+        Just(PlacementKind::RoundRobin),
+        Just(PlacementKind::Hash),
+        Just(PlacementKind::BestFit),
+    ]
+}
+
+/// An operator request: mostly moves (some of unknown blocks, to unknown servers or to
+/// the block's owner), some removals and scale-outs.
+fn request(blocks: u32, max_servers: u32) -> impl Strategy<Value = ScaleRequest> {
+    prop_oneof![
+        8 => (0..blocks + 2, 0..max_servers + 1).prop_map(|(block, to)| ScaleRequest::MoveBlock { block, to }),
+        1 => (0..max_servers + 1).prop_map(ScaleRequest::RemoveServer),
+        1 => Just(ScaleRequest::AddServer),
+    ]
+}
+
+/// Drops that lose a snapshot or its `Ok` only, or (`deltas`) also a delta or its `Ok`.
+fn step(deltas: bool) -> BoxedStrategy<Step> {
+    if deltas { prop_oneof![Just(Step::Snapshot), Just(Step::Delta)].boxed() } else { Just(Step::Snapshot).boxed() }
+}
+
+/// The job's shape and policy, `(servers, extra, workers, tensors, placement, sync, aggregate)`.
+#[allow(clippy::type_complexity)]
+fn shape() -> impl Strategy<Value = (u32, u32, u32, Vec<usize>, PlacementKind, SyncPolicy, bool)> {
+    (2u32..=4, 0u32..=2, 2u32..=4, prop::collection::vec(1usize..=12, 1..=3), placement(), sync(), any::<bool>())
+        .prop_map(|(s, extra, w, t, p, sync, agg)| (s, extra, w, t, p, sync, agg && sync == SyncPolicy::Bsp))
+}
+
+/// Random jobs under a random operator and random drops (of deltas and their `Ok`s too if
+/// `deltas`), static balance.
+pub fn case(deltas: bool) -> impl Strategy<Value = Case> {
+    (shape(), 3u32..=10, 500u64..=2_000, 1u64..=4_000, 0u64..=60, any::<u64>()).prop_flat_map(
+        move |(
+            (servers, extra, workers, tensors, placement, sync, aggregate),
+            iterations,
+            base,
+            spread,
+            jitter,
+            seed,
+        )| {
+            let blocks: u32 = tensors.iter().map(|l| l.div_ceil(BLOCK_LEN) as u32).sum();
+            let max_servers = servers + extra;
+            // Requests over the job's likely life (and a little before training starts).
+            let window = u64::from(iterations) * (base + spread / 2) + 2_000;
+            let scale = (0..window, request(blocks, max_servers)).prop_map(|(at_us, req)| Op::Scale { at_us, req });
+            let drop = (0..window, step(deltas), 0u64..=150).prop_map(|(at_us, step, delay_us)| Op::Drop {
+                at_us,
+                step,
+                delay_us,
+            });
+            let ops =
+                (prop::collection::vec(scale, 0..=16), prop::collection::vec(drop, 0..=3)).prop_map(|(mut s, d)| {
+                    s.extend(d);
+                    s
+                });
+            ops.prop_map(move |ops| Case {
+                seed,
+                servers,
+                max_servers,
+                workers,
+                tensors: tensors.clone(),
+                placement,
+                sync,
+                aggregate,
+                iterations,
+                compute_us: (base, spread),
+                jitter_us: jitter,
+                psld: None,
+                ops,
+            })
+        },
+    )
+}
+
+/// `--balance psld` with one capped server, long enough for the balancer to act (a
+/// sample a second, a cooldown of 3 s), a few operator moves and drops on top.
+pub fn psld_case() -> impl Strategy<Value = Case> {
+    (
+        shape(),
+        14u32..=24,
+        200_000u64..=300_000,
+        1u64..=100_000,
+        0u64..=60,
+        any::<u64>(),
+        0u32..4,
+        300_000u64..=2_000_000,
+    )
+        .prop_flat_map(
+            |(
+                (servers, extra, workers, tensors, placement, sync, aggregate),
+                iterations,
+                base,
+                spread,
+                jitter,
+                seed,
+                capped,
+                bps,
+            )| {
+                let blocks: u32 = tensors.iter().map(|l| l.div_ceil(BLOCK_LEN) as u32).sum();
+                let max_servers = servers + extra;
+                let window = u64::from(iterations) * base;
+                let scale = (0..window, request(blocks, max_servers)).prop_map(|(at_us, req)| Op::Scale { at_us, req });
+                let drop = (0..window, step(false), 0u64..=150).prop_map(|(at_us, step, delay_us)| Op::Drop {
+                    at_us,
+                    step,
+                    delay_us,
+                });
+                let ops =
+                    (prop::collection::vec(scale, 0..=3), prop::collection::vec(drop, 0..=2)).prop_map(|(mut s, d)| {
+                        s.extend(d);
+                        s
+                    });
+                ops.prop_map(move |ops| Case {
+                    seed,
+                    servers,
+                    max_servers,
+                    workers,
+                    tensors: tensors.clone(),
+                    placement,
+                    sync,
+                    aggregate,
+                    iterations,
+                    compute_us: (base, spread),
+                    jitter_us: jitter,
+                    psld: Some(Straggler { server: capped % servers, bps }),
+                    ops,
+                })
+            },
+        )
+}
+
+/// `default` cases, or `PROPTEST_CASES` if set.
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(4_000), max_shrink_iters: 2_000, ..ProptestConfig::default() })]
+
+    /// Continuous migrations, removals, scale-outs and invalid requests from an operator,
+    /// and server-to-server connections dropped mid-migration, on random jobs.
+    #[test]
+    fn every_parameter_is_exact_and_every_pull_answered_once_under_any_schedule(c in case(false)) {
+        run_and_check(&c)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(1_000), max_shrink_iters: 2_000, ..ProptestConfig::default() })]
+
+    /// The same with a delta's `Ok` lost too: finds the stale-copy bug in seconds (see
+    /// `a_lost_delta_ok_leaves_a_second_live_copy_that_takes_the_pushes`).
+    #[test]
+    #[ignore = "known bug: a lost Ok to BlockDelta leaves the new owner serving a copy the scheduler never recorded"]
+    fn every_parameter_is_exact_when_a_delta_or_its_ok_is_lost(c in case(true)) {
+        run_and_check(&c)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(400), max_shrink_iters: 500, ..ProptestConfig::default() })]
+
+    /// The psld balancer moves blocks off a bandwidth-capped server by itself (and may
+    /// scale), with a few operator requests and drops on top.
+    #[test]
+    fn the_balancer_moving_blocks_keeps_every_parameter_exact(c in psld_case()) {
+        run_and_check(&c)?;
+    }
+}
+
+// ---- fixed tests ---------------------------------------------------------------------
+
+/// `n` cases of `strategy`, the same on every run.
+fn sample(strategy: impl Strategy<Value = Case>, n: usize) -> Vec<Case> {
+    let mut runner = TestRunner::deterministic();
+    (0..n).map(|_| strategy.new_tree(&mut runner).expect("a case").current()).collect()
+}
+
+/// One seed is one run: the digest of a run with operator moves, a drop and jitter.
+#[test]
+fn a_seed_reproduces_a_whole_job_with_migrations_and_drops() {
+    let case = sample(case(false), 40)
+        .into_iter()
+        .find(|c| {
+            c.jitter_us > 0
+                && c.ops.iter().filter(|o| matches!(o, Op::Scale { .. })).count() > 4
+                && c.ops.iter().any(|o| matches!(o, Op::Drop { .. }))
+        })
+        .expect("a case with moves and a drop among 40");
+    let digest = |c: &Case| {
+        let r = run_and_check(c).unwrap_or_else(|e| panic!("{e}: {c:?}"));
+        (r.sim.cluster().network().digest(), r.sim.cluster().stats().delivered, r.end.map(|e| e.at_us))
+    };
+    let first = digest(&case);
+    assert!(first.1 > 500, "{first:?}");
+    assert_eq!(digest(&case), first);
+    let other = Case { seed: case.seed ^ 1, ..case.clone() };
+    assert_ne!(digest(&other).0, first.0, "another seed, another run");
+}
+
+/// What a sample of runs exercised.
+#[derive(Debug, Default)]
+struct Seen {
+    runs: u32,
+    migrations: u32,
+    failed_migrations: u32,
+    moves_accepted: u32,
+    refusals: u32,
+    drops: u32,
+    scale_outs: u32,
+    drained: u32,
+    held_at_freeze: u32,
+    pulls_held: u64,
+}
+
+impl Seen {
+    fn add(&mut self, c: &Case, r: &Run) {
+        let sched = r.sim.cluster().scheduler();
+        let log = &sched.balance_log().migrations;
+        self.runs += 1;
+        self.migrations += log.iter().filter(|m| m.error.is_none()).count() as u32;
+        self.failed_migrations += log.iter().filter(|m| m.error.is_some()).count() as u32;
+        self.held_at_freeze += log.iter().filter(|m| m.held > 0).count() as u32;
+        for s in &r.sent {
+            match s.replies.first().map(|(_, m)| m) {
+                Some(Message::Control(Control::Ok)) if matches!(s.req, ScaleRequest::MoveBlock { .. }) => {
+                    self.moves_accepted += 1
+                }
+                Some(Message::Error(_)) => self.refusals += 1,
+                _ => {}
+            }
+        }
+        self.drops += r.dropped.iter().filter(|d| d.conns > 0).count() as u32;
+        for (_, s) in r.sim.servers() {
+            let Some(server) = s.server() else { continue };
+            self.pulls_held += server.stats().totals.pulls_held;
+        }
+        self.scale_outs += (r.sim.servers().count() as u32).saturating_sub(c.servers);
+        self.drained += sched.status().servers.iter().filter(|s| s.state == "gone").count() as u32;
+    }
+}
+
+/// The generators are not vacuous: a fixed sample of cases exercises every scenario
+/// the proptests claim (migrations that complete and that fail on a drop of a snapshot
+/// or its `Ok`, held pulls carried over, scale-outs, drained servers, refusals), and
+/// every run in it passes.
+#[test]
+fn the_schedules_exercise_migrations_drops_held_pulls_and_scaling() {
+    let mut seen = Seen::default();
+    for c in sample(case(false), 150) {
+        let r = run_and_check(&c).unwrap_or_else(|e| panic!("{e}: {c:?}"));
+        seen.add(&c, &r);
+    }
+    println!("{seen:?}");
+    assert!(seen.migrations > 150 && seen.failed_migrations > 50, "{seen:?}");
+    assert!(seen.moves_accepted > 100 && seen.refusals > 300, "{seen:?}");
+    assert!(seen.drops > 40, "{seen:?}");
+    assert!(seen.scale_outs > 30 && seen.drained > 30, "{seen:?}");
+    assert!(seen.held_at_freeze > 5 && seen.pulls_held > 300, "{seen:?}");
+
+    // psld: the balancer moves blocks off the capped server and scales by itself.
+    let mut psld = Seen::default();
+    for c in sample(psld_case(), 40) {
+        let r = run_and_check(&c).unwrap_or_else(|e| panic!("{e}: {c:?}"));
+        psld.add(&c, &r);
+    }
+    println!("psld: {psld:?}");
+    assert!(psld.migrations > psld.moves_accepted + 30, "{psld:?}");
+    assert!(psld.scale_outs > 5 && psld.drained > 5, "{psld:?}");
+}
+
+// ---- regressions ---------------------------------------------------------------------
+
+/// Found by `every_parameter_is_exact_when_a_delta_or_its_ok_is_lost`. Block 2 starts on
+/// server 1 and moves to server 0 (epoch 2) while the workers compute, so their layout
+/// still names server 1. The operator's next move sends it back to server 1 (epoch 3):
+/// server 1 takes the delta and serves the block, but its `Ok` is lost with the
+/// connection, so server 0 abandons the move and serves the block too, and the scheduler
+/// records nothing. The workers' pushes then all go to server 1's copy (it answers them:
+/// it owns the block at epoch 3) while the placement names server 0, whose copy stays at
+/// 0.0: every push of block 2 is lost for the owner of record (a split brain).
+#[test]
+#[ignore = "known bug: a lost Ok to BlockDelta leaves the new owner serving a copy the scheduler never recorded"]
+fn a_lost_delta_ok_leaves_a_second_live_copy_that_takes_the_pushes() {
+    let c = Case {
+        seed: 13199883598398329533,
+        servers: 2,
+        max_servers: 3,
+        workers: 2,
+        tensors: vec![2, 5, 7],
+        placement: PlacementKind::BestFit,
+        sync: SyncPolicy::Lazy(2),
+        aggregate: false,
+        iterations: 7,
+        compute_us: (1122, 931),
+        jitter_us: 15,
+        psld: None,
+        ops: vec![
+            Op::Scale { at_us: 505, req: ScaleRequest::MoveBlock { block: 2, to: 0 } },
+            Op::Scale { at_us: 666, req: ScaleRequest::MoveBlock { block: 2, to: 1 } },
+            Op::Drop { at_us: 1004, step: Step::Delta, delay_us: 59 },
+        ],
+    };
+    let r = run(&c);
+    if let Err(e) = check(&c, &r) {
+        panic!("{e}\n{c:?}");
+    }
+}
+
+/// Found by the same proptest (with a removal). Server 0 takes block 1 by the operator's
+/// move but the `Ok` to its delta is lost: server 1 keeps serving block 1 and server 0
+/// keeps a copy. The operator then removes server 0: its block 0 drains to server 1 and
+/// the scheduler stops it, but the copy makes server 0 think it still owns a block, so it
+/// exits at once instead of lingering for the workers whose layout still names it for
+/// block 0: their next push finds the connection closed and the job fails.
+#[test]
+#[ignore = "known bug: a lost Ok to BlockDelta leaves the new owner serving a copy the scheduler never recorded"]
+fn a_drained_server_holding_a_stale_copy_exits_without_lingering() {
+    let c = Case {
+        seed: 7874457290913086976,
+        servers: 2,
+        max_servers: 2,
+        workers: 2,
+        tensors: vec![5],
+        placement: PlacementKind::BestFit,
+        sync: SyncPolicy::Asp,
+        aggregate: false,
+        iterations: 3,
+        compute_us: (1015, 1562),
+        jitter_us: 25,
+        psld: None,
+        ops: vec![
+            Op::Scale { at_us: 249, req: ScaleRequest::MoveBlock { block: 1, to: 0 } },
+            Op::Scale { at_us: 2957, req: ScaleRequest::RemoveServer(0) },
+            Op::Drop { at_us: 0, step: Step::Delta, delay_us: 71 },
+        ],
+    };
+    let r = run(&c);
+    if let Err(e) = check(&c, &r) {
+        panic!("{e}\n{c:?}");
+    }
+}
