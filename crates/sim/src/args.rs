@@ -55,7 +55,8 @@ impl SimCmd {
         match self.data.model {
             ModelKind::Synthetic(p) => Ok(p.tensors()),
             ModelKind::Mlp => Err(SimError::Usage(
-                "the sim carries tensor sizes, not data: pick a synthetic model, e.g. --model synthetic:resnet50".into(),
+                "the sim carries tensor sizes, not data: pick a synthetic model, e.g. --model synthetic:resnet50"
+                    .into(),
             )),
         }
     }

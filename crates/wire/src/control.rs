@@ -158,6 +158,18 @@ pub enum Control {
         /// Its new rule and hyperparameters.
         optimizer: TensorOptimizer,
     },
+    /// Tag 28: Scheduler -> the new owner of a migration (request id 0): the migration of
+    /// `block` at `epoch` is settled, and `owner` owns the block: the new owner itself (the
+    /// move was recorded: serve the copy) or the old owner (the move failed or was written
+    /// off: drop the copy). A block that arrived by migration is not served before this.
+    Settled {
+        /// The block.
+        block: BlockId,
+        /// The migration's epoch (as in `Migrate` and `MigrateDone`).
+        epoch: u64,
+        /// Who owns the block now.
+        owner: ServerId,
+    },
 }
 
 /// Server straggler injection, as in PSLD's experiments: part of a server's assignment.

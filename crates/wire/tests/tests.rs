@@ -52,6 +52,7 @@ mod common {
             Control::Scale(_) => 25,
             Control::Barrier => 26,
             Control::SetOptimizer { .. } => 27,
+            Control::Settled { .. } => 28,
         }
     }
 
@@ -359,6 +360,7 @@ mod common {
             Just(Control::Barrier),
             (any::<u32>(), arb_tensor_optimizer())
                 .prop_map(|(tensor, optimizer)| Control::SetOptimizer { tensor, optimizer }),
+            any::<(u32, u64, u32)>().prop_map(|(block, epoch, owner)| Control::Settled { block, epoch, owner }),
         ]
     }
 

@@ -57,6 +57,9 @@ pub(super) enum Order {
     StartServer,
     /// Tell this (drained) server to stop.
     Stop { server: ServerId, reason: String },
+    /// Tell `to`, the new owner of `block`'s migration at `epoch`, who owns the block now
+    /// (itself if the move was recorded, the old owner if it failed or was written off).
+    Settle { block: u32, to: ServerId, epoch: u64, owner: ServerId },
 }
 
 /// Who asked for a server that has not registered yet.
@@ -242,6 +245,8 @@ impl Elastic {
         };
         let Some(epoch) = expected else { return (false, Vec::new()) };
         self.in_flight = None;
+        let owner = if r.error.is_none() { r.to } else { r.from };
+        let settle = Order::Settle { block: r.block, to: r.to, epoch, owner };
         if r.error.is_none() {
             if let Err(e) = placement.apply(r.block, r.to, epoch) {
                 tracing::warn!(block = r.block, to = r.to, epoch, error = %e, "migration of an unknown block");
@@ -260,7 +265,9 @@ impl Elastic {
             held: r.held,
             error: r.error.clone(),
         });
-        (true, self.next_migration(placement, now_us))
+        let mut orders = vec![settle];
+        orders.extend(self.next_migration(placement, now_us));
+        (true, orders)
     }
 
     /// An operator's scaling request. `can_launch`: the scheduler has a launcher.
@@ -333,11 +340,12 @@ impl Elastic {
     /// Time passed: sample the timeline, let the balancer decide, move on.
     pub fn tick(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
         let mut out = Vec::new();
-        if let Some((m, started, _)) = self.in_flight
+        if let Some((m, started, epoch)) = self.in_flight
             && now_us.saturating_sub(started) > MIGRATION_TIMEOUT_US
         {
             tracing::warn!(block = m.block, from = m.from, to = m.to, "migration never reported; written off");
             self.in_flight = None;
+            out.push(Order::Settle { block: m.block, to: m.to, epoch, owner: m.from });
         }
         while let Some(&(_, at)) = self.requested.front()
             && now_us.saturating_sub(at) > JOIN_TIMEOUT_US

@@ -548,6 +548,13 @@ impl Scheduler {
                         out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Shutdown { reason }.into() });
                     }
                 }
+                Order::Settle { block, to, epoch, owner } => {
+                    if let Some((conn, _)) = self.servers.get(to as usize) {
+                        tracing::debug!(block, to, epoch, owner, "migration settled");
+                        let msg = Control::Settled { block, epoch, owner }.into();
+                        out.push(Action::Send { conn: *conn, request_id: 0, msg });
+                    }
+                }
             }
         }
     }

@@ -137,7 +137,8 @@ impl Server {
                 out.push(Action::ToScheduler { request_id: next, msg: Control::MigrateDone(m.report.clone()).into() });
                 o.phase = Phase::Frozen { out: m, parked, since_us, step: FrozenStep::Recording };
             }
-            Phase::Serving => {}
+            // Not migrating out: an answer to no step of ours (the call matched above).
+            other @ (Phase::Serving | Phase::Arrived { .. }) => o.phase = other,
         }
         if self.stopping.is_some() {
             // The scheduler already shut the job down: it will not record this move.
@@ -354,12 +355,9 @@ impl Server {
             b.remove_worker(&config, *rank, now_us);
         }
         let id = shard.id;
-        let stale = self.slots.insert(block, Slot::Owned(Owned::serving(b, epoch)));
-        if let Some(shard) = self.shard.as_mut() {
-            shard.set_owner(block, id, epoch);
-        }
-        self.counters.migrations_in += 1;
-        tracing::info!(server = id, block, epoch, replayed = pushes.len(), "block arrived");
+        let arrived = Owned { block: b, epoch, phase: Phase::Arrived { parked: Vec::new(), since_us: now_us } };
+        let stale = self.slots.insert(block, Slot::Owned(arrived));
+        tracing::info!(server = id, block, epoch, replayed = pushes.len(), "block arrived; waits to be settled");
         if let Some(Slot::Owned(mut stale)) = stale {
             // A copy from a handover whose acknowledgement was lost: its held pulls (and
             // anything parked) are decided again on the block as it is now.
@@ -367,7 +365,7 @@ impl Server {
                 self.calls.remove(&m.call);
             }
             let mut again: Vec<Parked> = match std::mem::replace(&mut stale.phase, Phase::Serving) {
-                Phase::Frozen { parked, .. } => parked,
+                Phase::Frozen { parked, .. } | Phase::Arrived { parked, .. } => parked,
                 _ => Vec::new(),
             };
             again.extend(stale.block.take_held().into_iter().map(|(to, rank, clock)| Parked {
@@ -378,6 +376,46 @@ impl Server {
             self.serve_parked(now_us, again, out);
         }
         Control::Ok.into()
+    }
+
+    /// New owner, step 4: the scheduler settled the migration of `block` at `epoch`:
+    /// `owner` owns it. This server then serves the copy and what was parked, or (the move
+    /// failed) drops the copy and answers what was parked `Moved` to the owner.
+    pub(super) fn settled(&mut self, now_us: u64, block: BlockId, epoch: u64, owner: ServerId, out: &mut Vec<Action>) {
+        let Some(shard) = self.shard.as_mut() else { return };
+        let me = shard.id;
+        if owner != me && self.incoming.get(&block).is_some_and(|(e, _)| *e == epoch) {
+            // A snapshot whose delta never came.
+            self.incoming.remove(&block);
+        }
+        let parked = match self.slots.get_mut(&block) {
+            Some(Slot::Owned(o)) if o.epoch == epoch && matches!(o.phase, Phase::Arrived { .. }) => {
+                match std::mem::replace(&mut o.phase, Phase::Serving) {
+                    Phase::Arrived { parked, .. } => parked,
+                    _ => Vec::new(),
+                }
+            }
+            _ => {
+                tracing::debug!(server = me, block, epoch, owner, "settled a migration with no copy waiting here");
+                return;
+            }
+        };
+        if owner == me {
+            shard.set_owner(block, me, epoch);
+            self.counters.migrations_in += 1;
+            tracing::info!(server = me, block, epoch, parked = parked.len(), "block settled here");
+        } else {
+            self.slots.remove(&block);
+            tracing::warn!(
+                server = me,
+                block,
+                epoch,
+                owner,
+                parked = parked.len(),
+                "migration failed; the copy is dropped"
+            );
+        }
+        self.serve_parked(now_us, parked, out);
     }
 }
 

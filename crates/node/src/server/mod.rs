@@ -516,7 +516,7 @@ impl Server {
             Some(Slot::Owned(o)) => o,
             Some(Slot::Gone { .. }) | None => return Some(shard.refusal(block).reply(block)),
         };
-        if let Phase::Frozen { parked, .. } = &mut o.phase {
+        if let Phase::Frozen { parked, .. } | Phase::Arrived { parked, .. } = &mut o.phase {
             parked.push(Parked { rank, to, request });
             return None;
         }
@@ -597,6 +597,9 @@ impl Server {
                 self.migrate_out(now_us, block, to, to_addr, epoch, out)
             }
             Message::Control(Control::RemoveWorker { rank }) => self.remove_worker(now_us, rank, out),
+            Message::Control(Control::Settled { block, epoch, owner }) => {
+                self.settled(now_us, block, epoch, owner, out)
+            }
             Message::Control(Control::Shutdown { reason }) => {
                 tracing::info!(server = self.id, %reason, "server shuts down");
                 self.stopping = Some(Stopping { reason, since_us: now_us, lingering: false });
@@ -729,6 +732,22 @@ impl Server {
                 Slot::Gone { .. } => None,
             })
             .max_by_key(|(_, w)| w.held_us);
+        for (block, o) in self.slots.iter().filter_map(|(b, s)| match s {
+            Slot::Owned(o) => Some((b, o)),
+            Slot::Gone { .. } => None,
+        }) {
+            if let Phase::Arrived { since_us, parked } = &o.phase
+                && now_us.saturating_sub(*since_us) > LONG_HOLD_US
+            {
+                tracing::warn!(
+                    server = shard.id,
+                    block,
+                    epoch = o.epoch,
+                    parked = parked.len(),
+                    "block {block} arrived by migration waits for the scheduler to settle the move"
+                );
+            }
+        }
         if let Some((block, w)) = longest.filter(|(_, w)| w.held_us > LONG_HOLD_US) {
             tracing::warn!(
                 server = shard.id,

@@ -1,6 +1,7 @@
 //! One block's slot on a server, with a typed phase: a block is served, copied to a new
-//! owner (pushes logged), frozen (the last delta in flight, requests parked), or gone to
-//! its new owner. "Frozen but not migrating" or "parked while serving" cannot be written
+//! owner (pushes logged), frozen (the last delta in flight, requests parked), arrived by
+//! migration and waiting for the scheduler to settle it (requests parked), or gone to its
+//! new owner. "Frozen but not migrating" or "parked while serving" cannot be written
 //! down.
 
 use elasticps_core::block::Block;
@@ -110,6 +111,17 @@ pub enum Phase {
         since_us: u64,
         /// The step in flight.
         step: FrozenStep,
+    },
+    /// Taken over by migration (snapshot and delta applied), but not yet settled by the
+    /// scheduler: requests are parked until `Settled` says whether this server owns the
+    /// block (serve them) or the move failed (answer them `Moved` to the old owner). Two
+    /// live copies never both serve: the old owner cannot tell a lost delta from a lost
+    /// acknowledgement of it, and keeps serving when its step fails.
+    Arrived {
+        /// What waits for the scheduler's word.
+        parked: Vec<Parked>,
+        /// When the block arrived (the server's clock, µs).
+        since_us: u64,
     },
 }
 

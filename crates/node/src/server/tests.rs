@@ -111,6 +111,11 @@ fn migrate_done(acts: &[Action]) -> (u64, MigrationReport) {
         .unwrap_or_else(|| panic!("no MigrateDone in {acts:?}"))
 }
 
+/// The scheduler settles block 0's migration at `epoch`: `owner` owns it.
+fn settle(s: &mut Server, now: u64, epoch: u64, owner: ServerId) -> Vec<Action> {
+    s.step(now, Event::FromScheduler { request_id: 0, msg: Control::Settled { block: 0, epoch, owner }.into() })
+}
+
 /// Hands a step of `a` to `b` on connection 100 and returns `b`'s answer.
 fn deliver(b: &mut Server, now: u64, (call, msg): (u64, Message)) -> Message {
     let r = b.step(now, Event::Received { conn: 100, request_id: call, msg });
@@ -129,6 +134,7 @@ fn phase(s: &Server) -> &'static str {
         Some(Slot::Owned(Owned { phase: Phase::Serving, .. })) => "serving",
         Some(Slot::Owned(Owned { phase: Phase::Copying { .. }, .. })) => "copying",
         Some(Slot::Owned(Owned { phase: Phase::Frozen { .. }, .. })) => "frozen",
+        Some(Slot::Owned(Owned { phase: Phase::Arrived { .. }, .. })) => "arrived",
         Some(Slot::Gone { .. }) => "gone",
         None => "none",
     }
@@ -168,14 +174,21 @@ fn a_full_migration_applies_every_push_once_and_answers_parked_requests_moved() 
     assert_eq!(phase(&a), "gone");
     assert_eq!(replies(&pull(&mut a, 10, 0, 15, 0, 1)), vec![(1, 15, moved(B, 2))]);
 
+    // The new owner serves nothing before the scheduler settled the move.
+    assert_eq!(phase(&b), "arrived");
+    assert!(replies(&push(&mut b, 10, 1, 19, 0, 1, 8.0)).is_empty(), "parked until settled");
+    let r = settle(&mut b, 10, 2, B);
+    assert!(acked(&r, 2, 19), "served once settled: {r:?}");
+    assert_eq!(phase(&b), "serving");
+
     // The workers resend at the new owner; a duplicate push changes nothing.
     assert!(acked(&push(&mut b, 11, 1, 20, 0, 0, 2.0), 2, 20));
     assert!(acked(&push(&mut b, 11, 0, 21, 0, 1, 4.0), 1, 21));
-    assert_eq!(pulled(&pull(&mut b, 12, 1, 22, 0, 1)), vec![(2, 22, vec![-7.0; LEN])]);
+    assert_eq!(pulled(&pull(&mut b, 12, 1, 22, 0, 2)), vec![(2, 22, vec![-15.0; LEN])]);
     let (sa, sb) = (a.metrics_snapshot(), b.metrics_snapshot());
     assert_eq!((sa.migrations_out, sa.blocks, sb.migrations_in, sb.blocks), (1, 0, 1, 2));
     assert_eq!(sa.totals.pushes, 2, "the counters of the block that left stay with the old owner");
-    assert_eq!(sb.totals.pushes, 1, "the duplicate is not counted");
+    assert_eq!(sb.totals.pushes, 2, "the duplicate is not counted");
 }
 
 #[test]
@@ -220,18 +233,19 @@ fn a_failed_step_serves_the_parked_requests_here() {
 }
 
 #[test]
-fn a_lost_acknowledgement_leaves_a_stale_copy_whose_held_pulls_are_decided_again() {
+fn a_lost_acknowledgement_never_leaves_two_copies_serving() {
     let (mut a, mut b) = (server(0, SyncPolicy::Ssp(1)), server(B, SyncPolicy::Ssp(1)));
     let snapshot = migrate(&mut a, 1, 2);
     let ok = deliver(&mut b, 2, snapshot.clone());
     let delta = to_server(&a.step(3, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
-    assert_eq!(deliver(&mut b, 4, delta), Control::Ok.into(), "b owns a copy at epoch 2");
-    // The acknowledgement is lost: a's step times out and it keeps the block.
+    assert_eq!(deliver(&mut b, 4, delta), Control::Ok.into(), "b holds a copy at epoch 2");
+    // The acknowledgement is lost: a's step times out and it keeps serving the block.
     let (_, report) = migrate_done(&a.step(3 + STEP_TIMEOUT_US, Event::Tick));
     assert!(report.error.unwrap().contains("to take the last updates of block 0"));
     assert_eq!(phase(&a), "serving");
     let t = 10 + STEP_TIMEOUT_US;
-    // A worker with an old layout pulls at b's stale copy: held (done 0 < 2 - 1).
+    // A worker with an old layout pushes and pulls at b's copy: parked, not served.
+    assert!(replies(&push(&mut b, t, 0, 29, 0, 0, 5.0)).is_empty());
     assert!(replies(&pull(&mut b, t, 0, 30, 0, 2)).is_empty());
     // Training goes on at a.
     for (rank, g) in [(0, 1.0), (1, 2.0)] {
@@ -241,20 +255,27 @@ fn a_lost_acknowledgement_leaves_a_stale_copy_whose_held_pulls_are_decided_again
             40 + u64::from(rank)
         ));
     }
-    // An older epoch is refused by the copy's owner; the next migration replaces the copy.
-    assert!(
-        matches!(deliver(&mut b, t, (99, snapshot.1.clone())), Message::Error(e) if e.message.contains("already owned"))
+    // The scheduler recorded the failure: b drops its copy and sends the worker to a.
+    let r = settle(&mut b, t + 1, 2, 0);
+    assert_eq!(
+        replies(&r)
+            .iter()
+            .map(|(c, q, m)| (*c, *q, matches!(m, Message::Control(Control::Moved { owner: 0, .. }))))
+            .collect::<Vec<_>>(),
+        vec![(1, 29, true), (1, 30, true)]
     );
-    let snapshot = migrate(&mut a, t + 1, 3);
-    assert_eq!(deliver(&mut b, t + 2, snapshot.clone()), Control::Ok.into());
-    let delta = to_server(&a.step(t + 3, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
-    let r = b.step(t + 4, Event::Received { conn: 100, request_id: delta.0, msg: delta.1 });
-    assert!(replies(&r).contains(&(100, delta.0, Control::Ok.into())));
-    assert_eq!(pulled(&r), vec![(1, 30, vec![-3.0; LEN])], "the held pull is answered from the real block");
-    let (call, _) = migrate_done(&a.step(t + 5, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
-    a.step(t + 6, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    assert_eq!(phase(&b), "none");
+    // The next migration of the block to b goes through.
+    let snapshot = migrate(&mut a, t + 2, 3);
+    assert_eq!(deliver(&mut b, t + 3, snapshot.clone()), Control::Ok.into());
+    let delta = to_server(&a.step(t + 4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    assert_eq!(deliver(&mut b, t + 5, delta.clone()), Control::Ok.into());
+    let (call, _) = migrate_done(&a.step(t + 6, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    a.step(t + 7, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    settle(&mut b, t + 7, 3, B);
     assert_eq!(phase(&a), "gone");
-    assert_eq!(b.metrics_snapshot().migrations_in, 2);
+    assert_eq!(pulled(&pull(&mut b, t + 8, 0, 31, 0, 1)), vec![(1, 31, vec![-3.0; LEN])], "only a's pushes count");
+    assert_eq!(b.metrics_snapshot().migrations_in, 1);
 }
 
 #[test]
@@ -267,6 +288,7 @@ fn a_worker_removed_before_its_block_arrives_is_left_out_of_the_quorum() {
     b.step(3, Event::FromScheduler { request_id: 0, msg: Control::RemoveWorker { rank: 1 }.into() });
     let delta = to_server(&a.step(4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
     assert_eq!(deliver(&mut b, 5, delta), Control::Ok.into());
+    settle(&mut b, 5, 2, B);
     // bsp pull(1) needs every active worker's clock 0: worker 1 no longer counts.
     assert_eq!(pulled(&pull(&mut b, 6, 0, 11, 0, 1)), vec![(1, 11, vec![-1.0; LEN])]);
     // Without the removal the same pull waits at the old owner's copy.
@@ -287,6 +309,7 @@ fn a_held_ssp_pull_is_answered_moved_at_the_handover_and_again_by_the_new_owner(
     assert_eq!(report.held, 1);
     let r = a.step(8, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
     assert_eq!(replies(&r), vec![(1, 12, moved(B, 2))], "answered exactly once, Moved");
+    settle(&mut b, 8, 2, B);
     // Re-issued at the new owner: held until worker 1 pushes clock 0.
     assert!(replies(&pull(&mut b, 9, 0, 13, 0, 2)).is_empty());
     let r = push(&mut b, 10, 1, 14, 0, 0, 2.0);
