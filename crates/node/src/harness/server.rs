@@ -61,6 +61,8 @@ pub struct ServerRole {
     calls: BTreeMap<(ConnId, u64), u64>,
     /// Every connection this server has (to close them when it exits).
     conns: BTreeSet<ConnId>,
+    /// The buffer the state machine's actions go to (reused: no allocation per event).
+    actions: Vec<Action>,
     /// When the modelled CPU is done with what it was given.
     busy_until_us: u64,
     /// Replies of the step under way leave no earlier than this.
@@ -87,6 +89,7 @@ impl ServerRole {
             peers: BTreeMap::new(),
             calls: BTreeMap::new(),
             conns: BTreeSet::new(),
+            actions: Vec::new(),
             busy_until_us: 0,
             reply_at_us: 0,
             injection: Injection::default(),
@@ -122,12 +125,14 @@ impl ServerRole {
                 out.wake_at(out.now_us() + a.inject.at_us, INJECT);
             }
         }
-        let actions = server.step(out.now_us(), event);
-        self.carry_out(out, actions);
+        let mut actions = std::mem::take(&mut self.actions);
+        server.step_into(out.now_us(), event, &mut actions);
+        self.carry_out(out, &mut actions);
+        self.actions = actions;
     }
 
-    fn carry_out(&mut self, out: &mut Outbox<'_>, actions: Vec<Action>) {
-        for action in actions {
+    fn carry_out(&mut self, out: &mut Outbox<'_>, actions: &mut Vec<Action>) {
+        for action in actions.drain(..) {
             match action {
                 Action::Reply { conn, request_id, msg } => {
                     out.send_at(conn, request_id, msg, self.reply_at_us);
@@ -204,9 +209,9 @@ impl Role for ServerRole {
         self.sched = Some(sched);
         self.conns.insert(sched);
         let mut server = Server::new(out.me().addr()).with_trace(self.model.check_bound);
-        let actions = server.start(out.now_us());
+        let mut actions = server.start(out.now_us());
         self.server = Some(server);
-        self.carry_out(out, actions);
+        self.carry_out(out, &mut actions);
         out.wake_at(out.now_us() + SERVER_TICK_US, TICK);
     }
 
@@ -222,8 +227,12 @@ impl Role for ServerRole {
         if let Some(call) = self.calls.remove(&(conn, request_id)) {
             return self.step(out, Event::FromServer { call, reply: Ok(msg) });
         }
-        self.conns.insert(conn);
         let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
+        if !data {
+            // A connection opens with Hello (a worker) or BlockSnapshot (a server): data
+            // requests only come on connections already known.
+            self.conns.insert(conn);
+        }
         if data && self.model.apply_bps > 0 {
             return self.data_request(out, conn, request_id, msg);
         }

@@ -284,25 +284,31 @@ impl Server {
     /// Handles one event at `now_us` (the runtime's clock, µs, never going back).
     pub fn step(&mut self, now_us: u64, ev: Event) -> Vec<Action> {
         let mut out = Vec::new();
+        self.step_into(now_us, ev, &mut out);
+        out
+    }
+
+    /// [`Server::step`], appending the actions to `out` (a caller that reuses one buffer
+    /// allocates nothing per event).
+    pub fn step_into(&mut self, now_us: u64, ev: Event, out: &mut Vec<Action>) {
         if self.exited {
-            return out;
+            return;
         }
         match ev {
             Event::Opened { conn } => {
                 self.conns.entry(conn).or_default();
             }
-            Event::Received { conn, request_id, msg } => self.received(now_us, conn, request_id, msg, &mut out),
+            Event::Received { conn, request_id, msg } => self.received(now_us, conn, request_id, msg, out),
             Event::Closed { conn } => {
                 self.conns.remove(&conn);
             }
-            Event::FromScheduler { request_id, msg } => self.scheduler_said(now_us, request_id, msg, &mut out),
-            Event::FromServer { call, reply } => self.step_answered(now_us, call, reply, &mut out),
-            Event::Tick => self.tick(now_us, &mut out),
+            Event::FromScheduler { request_id, msg } => self.scheduler_said(now_us, request_id, msg, out),
+            Event::FromServer { call, reply } => self.step_answered(now_us, call, reply, out),
+            Event::Tick => self.tick(now_us, out),
         }
         if self.stopping.is_some() {
-            self.try_exit(now_us, &mut out);
+            self.try_exit(now_us, out);
         }
-        out
     }
 
     // ---- queries ----------------------------------------------------------------------
