@@ -837,11 +837,11 @@ fn render(out: &Output) -> String {
     if let Some(first) = out.cross.first() {
         s.push_str("### Cross-check: the sim against real processes\n\n");
         s.push_str(&format!(
-            "`elasticps train {}` (real processes) and `elasticps sim` on the same flags plus `{}`; the \
-             same with 4 workers (reported, not checked). it/s: the sum over workers of 1 / mean \
-             iteration time, on both sides.\n\n",
+            "`elasticps train {}` (real processes) and `elasticps sim` on the same flags plus `{}`{}. \
+             it/s: the sum over workers of 1 / mean iteration time, on both sides.\n\n",
             first.real.flags.join(" "),
-            sim_only().join(" ")
+            sim_only().join(" "),
+            if out.cross.len() > 1 { "; the same with 4 workers (reported, not checked)" } else { "" }
         ));
         let headers = [
             "workers",
