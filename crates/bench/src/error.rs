@@ -26,6 +26,9 @@ pub enum BenchError {
     /// A job setting is refused by the core.
     #[error(transparent)]
     Core(#[from] elasticps_core::CoreError),
+    /// A simulated job failed or was refused.
+    #[error(transparent)]
+    Sim(#[from] elasticps_sim::SimError),
     /// The parameter server's client failed.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),

@@ -17,6 +17,9 @@
 //! - [`straggler`]: a straggling server (bandwidth, CPU, skewed placement, mid-run) under
 //!   static placement and under the PSLD balancer (`elasticps bench straggler`);
 //!   [`plots::straggler`] draws its `straggler.png`.
+//! - [`sim`]: `elasticps sim` at 1,000 workers x 100 servers, the balancer's decision time,
+//!   static vs PSLD and the sync policies at scale, and a cross-check of the sim against
+//!   real processes (`elasticps bench sim`); it draws its own `sim.png`.
 //! - [`job`]: the one runner of their train jobs (through `elasticps-launch`).
 //! - [`plots`]: those two figures, in the house style of `elasticps-report`.
 
@@ -27,6 +30,7 @@ mod error;
 pub mod job;
 pub mod machine;
 pub mod plots;
+pub mod sim;
 pub mod sink;
 pub mod stats;
 pub mod straggler;
@@ -47,6 +51,8 @@ pub enum BenchCmd {
     Sync(sync::SyncBenchCmd),
     /// A straggling server under static placement and under the PSLD balancer: it/s, settling, migration spikes.
     Straggler(straggler::StragglerBenchCmd),
+    /// The simulator: 1,000 x 100 wall time, balancer decision time, psld and sync policies at scale, sim vs real processes.
+    Sim(sim::SimBenchCmd),
 }
 
 /// Runs a benchmark.
@@ -56,6 +62,7 @@ pub async fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::TcpSink(cmd) => sink::run(cmd).await,
         BenchCmd::Sync(cmd) => sync::run(cmd).await,
         BenchCmd::Straggler(cmd) => straggler::run(cmd).await,
+        BenchCmd::Sim(cmd) => sim::run(cmd).await,
     }
 }
 

@@ -1,0 +1,1131 @@
+//! `elasticps bench sim`: what `elasticps sim` can do at scale, and how far to trust it.
+//!
+//! Every simulated row is an `elasticps sim` job described by the flags a user would type
+//! ([`sim_cmd`] parses them into the sim's command, as `train`'s flags are parsed for the
+//! other benchmarks); each row prints its flags. Five parts:
+//!
+//! 1. **scale**: 1,000 workers x 100 servers, `synthetic:resnet50`, bsp, 100 iterations:
+//!    the wall seconds of the simulation, the virtual seconds simulated, the harness's
+//!    events and events/s, the simulated iterations/s. Target (reported): <= 60 s wall.
+//! 2. **balancer**: the time of one [`Balancer::step`] and one [`rebalance`] at that size
+//!    (ResNet-50's blocks of 4 MiB, best-fit over 100 servers, 5 of them 4x slower in the
+//!    load model), the median of 20 calls. Target (reported): <= 10 ms.
+//! 3. **psld**: 100 servers, 5 of them capped at a quarter of the sim's link, 100
+//!    workers, `--balance static` against `psld` (no scale-out): iterations/s, over the
+//!    whole run and over each worker's second half (after the balancer settled), and the
+//!    migrations. (At 200 workers the psld job fails in the sim: a capped server's
+//!    heartbeat waits behind its data on the FIFO link for more than 10 s and the
+//!    scheduler declares it gone.)
+//! 4. **policies**: bsp, ssp:3, lazy:3 and pssp:3:0.5 on `bench sync`'s job
+//!    (`synthetic:resnet56`, 20 ms compute, ranks 0 and 4 delayed by N(50 ms, 10 ms)) from
+//!    8 to 1,000 workers on 16 servers: iterations/s, delayed pulls, each policy's ratio
+//!    to bsp. 16 servers keep the 8-worker job compute-bound (as `bench sync`'s is) and
+//!    make the 1,000-worker one bound by the servers' links, so the table shows both.
+//! 5. **cross-check**: one job both the sim and real processes run (`bench straggler`'s
+//!    scenario a at 2 workers: 4 servers capped at 200 MB/s, server 1 at 50 MB/s), run
+//!    with [`run_train`] and with the sim on the same flags. The check (fails the command,
+//!    in `--quick` too): the sim's iterations/s within 15% of the real run's.
+//!
+//! It writes `bench-sim.json` (every row), `bench-sim.md` (the tables, the check, the
+//! targets) and `sim.png` (iterations/s against workers per policy, log x) into `--out`,
+//! and prints the Markdown.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::{Args, Parser, ValueEnum};
+use elasticps_core::balance::{BalanceParams, Balancer, Decision, View, rebalance};
+use elasticps_core::load::LoadModel;
+use elasticps_core::model::Partition;
+use elasticps_core::placement::{Placement, PlacementKind, ServerId};
+use elasticps_core::stats::{median, ratio};
+use elasticps_launch::args::NetArgs;
+use elasticps_report::Report;
+use elasticps_report::table::markdown_table;
+use elasticps_sim::SimCmd;
+use elasticps_train::synthetic::Profile;
+use serde::Serialize;
+
+use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::error::Context as _;
+use crate::job::run_train;
+use crate::machine::{Machine, MachineWatch};
+use crate::{BenchError, Result};
+
+/// The sim's iterations/s must be within this fraction of the real run's (the check).
+pub const CROSS_TOLERANCE: f64 = 0.15;
+/// The scale target: the 1,000 x 100 simulation in at most this many wall seconds.
+pub const SCALE_TARGET_S: f64 = 60.0;
+/// The balancer target: one decision in at most this many milliseconds.
+pub const BALANCER_TARGET_MS: f64 = 10.0;
+/// The sync policies of part 4, in table order.
+pub const POLICIES: &[&str] = &["bsp", "ssp:3", "lazy:3", "pssp:3:0.5"];
+
+/// The parts of the benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Part {
+    /// 1,000 workers x 100 servers: wall time, events/s.
+    Scale,
+    /// One balancer decision at 100 servers.
+    Balancer,
+    /// Static placement against PSLD at 100 servers with stragglers.
+    Psld,
+    /// Sync policies from 8 to 1,000 workers.
+    Policies,
+    /// The sim against real processes on one job.
+    Cross,
+}
+
+/// `elasticps bench sim`.
+#[derive(Args, Clone, Debug)]
+pub struct SimBenchCmd {
+    /// A short run for CI: 100 workers x 10 servers for the scale row, 20 servers for the
+    /// psld rows, 8 and 64 workers for the policies, fewer iterations everywhere.
+    #[arg(long)]
+    pub quick: bool,
+    /// The parts to run, comma-separated (default: all). Checks and targets of a part not
+    /// run are skipped.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    pub parts: Option<Vec<Part>>,
+    /// Write bench-sim.json, bench-sim.md, sim.png and the cross-check's reports here.
+    #[arg(long, default_value = "reports/bench-sim")]
+    pub out: PathBuf,
+    /// Transport settings of the cross-check's real cluster.
+    #[command(flatten)]
+    pub net: NetArgs,
+}
+
+/// What is run, resolved from the flags.
+#[derive(Clone, Debug, Serialize)]
+struct Plan {
+    quick: bool,
+    parts: Vec<Part>,
+    scale_workers: u32,
+    scale_servers: u32,
+    scale_iterations: u32,
+    balancer_servers: u32,
+    balancer_stragglers: u32,
+    balancer_calls: usize,
+    psld_servers: u32,
+    psld_stragglers: u32,
+    psld_workers: u32,
+    psld_iterations: u32,
+    policy_workers: Vec<u32>,
+    policy_servers: u32,
+    policy_iterations: u32,
+    cross_iterations: u32,
+}
+
+impl Plan {
+    fn new(cmd: &SimBenchCmd) -> Self {
+        let q = cmd.quick;
+        let parts = cmd.parts.clone().unwrap_or_else(|| Part::value_variants().to_vec());
+        Plan {
+            quick: q,
+            parts,
+            scale_workers: if q { 100 } else { 1000 },
+            scale_servers: if q { 10 } else { 100 },
+            scale_iterations: if q { 10 } else { 100 },
+            balancer_servers: 100,
+            balancer_stragglers: 5,
+            balancer_calls: 20,
+            psld_servers: if q { 20 } else { 100 },
+            psld_stragglers: if q { 2 } else { 5 },
+            psld_workers: if q { 40 } else { 100 },
+            psld_iterations: if q { 30 } else { 40 },
+            policy_workers: if q { vec![8, 64] } else { vec![8, 64, 256, 1000] },
+            policy_servers: 16,
+            policy_iterations: if q { 10 } else { 30 },
+            cross_iterations: if q { 8 } else { 20 },
+        }
+    }
+
+    fn runs(&self, part: Part) -> bool {
+        self.parts.contains(&part)
+    }
+
+    /// Part 1's flags.
+    fn scale_flags(&self) -> Vec<String> {
+        job_flags(self.scale_workers, self.scale_servers, "synthetic:resnet50", "bsp", self.scale_iterations)
+    }
+
+    /// Part 3's flags under `balance` (`static` or `psld`).
+    fn psld_flags(&self, balance: &str) -> Vec<String> {
+        let mut f = job_flags(self.psld_workers, self.psld_servers, "synthetic:resnet50", "bsp", self.psld_iterations);
+        let link = default_link_mbps();
+        let caps: Vec<String> = straggler_ids(self.psld_servers, self.psld_stragglers)
+            .iter()
+            .map(|i| format!("{i}={}", link / 4.0))
+            .collect();
+        f.extend(strings(&["--balance", balance, "--max-servers"]));
+        f.push(self.psld_servers.to_string());
+        f.push("--min-servers".into());
+        f.push(self.psld_servers.to_string());
+        f.push("--server-bandwidth".into());
+        f.push(caps.join(","));
+        f
+    }
+
+    /// Part 4's flags.
+    fn policy_flags(&self, policy: &str, workers: u32) -> Vec<String> {
+        let mut f = job_flags(workers, self.policy_servers, "synthetic:resnet56", policy, self.policy_iterations);
+        f.extend(strings(&["--worker-delay", "0,4:50:10"]));
+        f
+    }
+
+    /// Part 5's flags at `workers` workers: the same for `train` and for `sim` (the sim's
+    /// own flags are added by [`sim_only`]).
+    fn cross_flags(&self, workers: u32) -> Vec<String> {
+        let mut f = job_flags(workers, 4, "synthetic:resnet50", "bsp", self.cross_iterations);
+        f.extend(strings(&["--server-bandwidth", "0=200,1=50,2=200,3=200"]));
+        f
+    }
+
+    /// The cross-check's jobs: (workers, checked). The checked one has [`CROSS_WORKERS`];
+    /// the full form also reports `bench straggler`'s 4 workers (see [`cross_check`]).
+    fn cross_jobs(&self) -> Vec<(u32, bool)> {
+        if self.quick { vec![(CROSS_WORKERS, true)] } else { vec![(CROSS_WORKERS, true), (4, false)] }
+    }
+}
+
+/// Workers of the checked cross-check (see [`cross_check`] for why 2 and not 4).
+const CROSS_WORKERS: u32 = 2;
+
+/// The sim's default `--link-mbps` (a server's link unless `--server-bandwidth` caps it).
+fn default_link_mbps() -> f64 {
+    sim_cmd(&[]).map_or(1250.0, |c| c.sim.link_mbps)
+}
+
+/// The flags the sim adds to the cross-check's job: a finer scale than the default, so
+/// the simulated model's bytes are within 0.6% of the nominal model's (at the default
+/// scale, every small tensor rounds up to one value of 3,120 and the model weighs 1.7%
+/// more than ResNet-50).
+fn sim_only() -> Vec<String> {
+    strings(&["--scale", "256"])
+}
+
+fn strings(s: &[&str]) -> Vec<String> {
+    s.iter().map(|s| s.to_string()).collect()
+}
+
+/// The flags every job of the benchmark shares, spelled out so that ELASTICPS_* variables
+/// of the shell do not change the job.
+fn job_flags(workers: u32, servers: u32, model: &str, sync: &str, iterations: u32) -> Vec<String> {
+    let mut f = strings(&["--servers"]);
+    f.push(servers.to_string());
+    f.push("--workers".into());
+    f.push(workers.to_string());
+    f.extend(strings(&[
+        "--model",
+        model,
+        "--sync",
+        sync,
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.01",
+        "--placement",
+        "bestfit",
+        "--block-bytes",
+        "4194304",
+        "--seed",
+        "42",
+        "--batch-size",
+        "32",
+        "--data-seed",
+        "7",
+        "--compute-ms",
+        "20",
+        "--request-timeout-s",
+        "60",
+    ]));
+    f.push("--iterations".into());
+    f.push(iterations.to_string());
+    f
+}
+
+/// `k` straggler ids spread evenly over `servers` servers (0, servers/k, 2 servers/k...).
+fn straggler_ids(servers: u32, k: u32) -> Vec<ServerId> {
+    let k = k.min(servers);
+    (0..k).map(|i| i * servers / k.max(1)).collect()
+}
+
+/// `elasticps sim`'s flags, parsed into its command (every flag not given keeps the
+/// default of `sim`).
+#[derive(Parser, Debug)]
+#[command(name = "sim")]
+struct SimFlags {
+    #[command(flatten)]
+    cmd: SimCmd,
+}
+
+/// `flags` (as `elasticps sim` takes them) parsed into the sim's command.
+pub fn sim_cmd(flags: &[String]) -> Result<SimCmd> {
+    SimFlags::try_parse_from(std::iter::once("sim".to_string()).chain(flags.iter().cloned()))
+        .map(|f| f.cmd)
+        .map_err(|e| BenchError::Flags(format!("building the simulated job: {e}")))
+}
+
+/// One simulated job: its flags, what it cost, what it measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct SimRun {
+    /// The `elasticps sim` flags.
+    pub flags: Vec<String>,
+    /// Workers.
+    pub workers: u32,
+    /// Servers at the start.
+    pub servers: u32,
+    /// Iterations per worker.
+    pub iterations: u32,
+    /// Wall seconds of the simulation.
+    pub wall_s: f64,
+    /// Virtual seconds simulated.
+    pub virtual_s: f64,
+    /// Events the harness handled.
+    pub events: u64,
+    /// Every worker's iterations / the longest worker's training time (virtual).
+    pub iters_per_s: f64,
+    /// The sum over workers of 1 / mean iteration time (virtual).
+    pub worker_rate: f64,
+    /// The sum over workers of 1 / mean iteration time over each worker's second half.
+    pub second_half_rate: f64,
+    /// Pulls the servers held, summed.
+    pub pulls_held: u64,
+    /// Migrations the balancer made.
+    pub migrations: usize,
+    /// Bytes those migrations moved (nominal).
+    pub moved_bytes: u64,
+}
+
+impl SimRun {
+    /// Events per wall second.
+    pub fn events_per_s(&self) -> f64 {
+        if self.wall_s > 0.0 { self.events as f64 / self.wall_s } else { 0.0 }
+    }
+}
+
+/// Runs the simulated job of `flags` (off the async runtime: it is one long computation).
+async fn simulate(flags: Vec<String>) -> Result<SimRun> {
+    let cmd = sim_cmd(&flags)?;
+    let job = cmd.clone();
+    let out = tokio::task::spawn_blocking(move || elasticps_sim::simulate(&job)).await??;
+    let report = elasticps_sim::report(&cmd, &out);
+    let balance = report.balance.as_ref();
+    Ok(SimRun {
+        workers: cmd.job.workers,
+        servers: cmd.job.servers,
+        iterations: cmd.data.iterations.unwrap_or(0),
+        wall_s: out.wall_s,
+        virtual_s: out.virtual_s,
+        events: out.events,
+        iters_per_s: out.iterations_per_s,
+        worker_rate: worker_rate(&report),
+        second_half_rate: second_half_rate(&report),
+        pulls_held: report.servers.iter().map(|s| s.pulls_held).sum(),
+        migrations: balance.map_or(0, |b| b.migrations.len()),
+        moved_bytes: balance.map_or(0, |b| b.migrations.iter().map(|m| m.bytes).sum()),
+        flags,
+    })
+}
+
+/// The sum over workers of 1 / mean iteration time, iterations/s: the same on both sides
+/// of the cross-check (a real worker's `train_s` starts at its first pull, a simulated
+/// worker's after it, so iterations / train_s would not be).
+fn worker_rate(report: &Report) -> f64 {
+    report.workers.iter().filter(|w| w.iter_ms_mean > 0.0).map(|w| 1e3 / w.iter_ms_mean).sum()
+}
+
+/// As [`worker_rate`], over each worker's second half of iterations (once the balancer
+/// has settled), without the last one (it pushes without pulling).
+fn second_half_rate(report: &Report) -> f64 {
+    report
+        .workers
+        .iter()
+        .filter_map(|w| {
+            let it = &w.iter_ms[..w.iter_ms.len().saturating_sub(1)];
+            let half = &it[it.len() / 2..];
+            let ms: f64 = half.iter().map(|v| f64::from(*v)).sum();
+            (ms > 0.0).then(|| half.len() as f64 * 1e3 / ms)
+        })
+        .sum()
+}
+
+/// Part 2: one balancer decision at `servers` servers.
+#[derive(Clone, Debug, Serialize)]
+pub struct BalancerTiming {
+    /// Servers.
+    pub servers: u32,
+    /// The slow servers (4x slower in the load model).
+    pub stragglers: Vec<ServerId>,
+    /// ResNet-50's blocks of 4 MiB.
+    pub blocks: usize,
+    /// Calls timed.
+    pub calls: usize,
+    /// Median of one `Balancer::step`, ms.
+    pub step_ms: f64,
+    /// Slowest `Balancer::step`, ms.
+    pub step_ms_max: f64,
+    /// Median of one `rebalance`, ms.
+    pub rebalance_ms: f64,
+    /// Slowest `rebalance`, ms.
+    pub rebalance_ms_max: f64,
+    /// What the step decided.
+    pub decision: String,
+    /// Moves of the rebalance plan.
+    pub moves: usize,
+    /// Max service time before and after the plan, ms.
+    pub max_before_ms: f64,
+    /// Predicted max service time after the plan, ms.
+    pub max_after_ms: f64,
+}
+
+/// Times [`Balancer::step`] and [`rebalance`] on ResNet-50's blocks placed best-fit over
+/// `servers` servers, with the `stragglers` 4x slower in the load model (16 samples a
+/// second apart, so every estimate is confident), `calls` times each.
+fn time_balancer(servers: u32, stragglers: &[ServerId], calls: usize) -> Result<BalancerTiming> {
+    let partition = Partition::new(Profile::ResNet50.tensors(), 4 << 20)?;
+    let placement = Placement::initial(PlacementKind::BestFit, &partition, servers)?;
+    let sizes: Vec<u64> = partition.blocks.iter().map(|b| b.bytes() as u64).collect();
+    let ids: Vec<ServerId> = (0..servers).collect();
+    let fast_bps = default_link_mbps() * 1e6;
+    let mut load = LoadModel::new(3_000_000);
+    let mut now = 0;
+    for _ in 0..16 {
+        now += 1_000_000;
+        for &id in &ids {
+            let bps = if stragglers.contains(&id) { fast_bps / 4.0 } else { fast_bps };
+            let bytes: u64 = 4 << 20;
+            load.observe(id, bytes, (bytes as f64 / bps * 1e6) as u64, now);
+        }
+    }
+    let view = View {
+        now_us: now + 1,
+        placement: &placement,
+        sizes: &sizes,
+        servers: &ids,
+        load: &load,
+        iter_us: Some(1e6),
+        busy: false,
+    };
+    let params = BalanceParams::new(servers, servers);
+    let fresh = Balancer::new(params);
+    let mut step_ms = Vec::with_capacity(calls);
+    let mut decision = String::from("nothing");
+    for _ in 0..calls.max(1) {
+        let mut b = fresh.clone();
+        let t = Instant::now();
+        let d = b.step(&view);
+        step_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        decision = describe(&d);
+    }
+    let rates = load.rates(now + 1);
+    let mut rebalance_ms = Vec::with_capacity(calls);
+    let mut plan = None;
+    for _ in 0..calls.max(1) {
+        let t = Instant::now();
+        let p = rebalance(&placement, &sizes, &ids, &rates, &params);
+        rebalance_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        plan = Some(p);
+    }
+    let plan = plan.ok_or_else(|| BenchError::Failed("no rebalance was timed".into()))?;
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    Ok(BalancerTiming {
+        servers,
+        stragglers: stragglers.to_vec(),
+        blocks: sizes.len(),
+        calls: step_ms.len(),
+        step_ms: median(&step_ms).unwrap_or(f64::NAN),
+        step_ms_max: max(&step_ms),
+        rebalance_ms: median(&rebalance_ms).unwrap_or(f64::NAN),
+        rebalance_ms_max: max(&rebalance_ms),
+        decision,
+        moves: plan.moves.len(),
+        max_before_ms: plan.max_before * 1e3,
+        max_after_ms: plan.max_after * 1e3,
+    })
+}
+
+/// A short description of a step's decisions.
+fn describe(decisions: &[Decision]) -> String {
+    match decisions.first() {
+        None => "nothing".into(),
+        Some(Decision::Migrate { moves, why }) => format!("migrate {} blocks ({})", moves.len(), shorten(why)),
+        Some(Decision::ScaleOut { why }) => format!("scale out ({why})"),
+        Some(Decision::ScaleIn { server, why }) => format!("scale in server {server} ({why})"),
+        Some(Decision::Keep { server, why }) => format!("keep server {server} ({why})"),
+    }
+}
+
+/// `why` of a decision, cut to about 100 characters for the table (a list of 50
+/// stragglers is long).
+fn shorten(why: &str) -> String {
+    match why.char_indices().nth(100) {
+        Some((i, _)) => format!("{}...", &why[..i]),
+        None => why.to_string(),
+    }
+}
+
+/// One row of part 4.
+#[derive(Clone, Debug, Serialize)]
+pub struct PolicyRun {
+    /// The policy.
+    pub policy: String,
+    /// The run.
+    pub run: SimRun,
+}
+
+/// One side of the cross-check.
+#[derive(Clone, Debug, Serialize)]
+pub struct CrossSide {
+    /// `real` or `sim`.
+    pub side: String,
+    /// The flags (`elasticps train` or `elasticps sim`).
+    pub flags: Vec<String>,
+    /// The sum over workers of 1 / mean iteration time.
+    pub worker_rate: f64,
+    /// Mean over workers of the mean iteration time, ms.
+    pub iter_ms_mean: f64,
+    /// Wall seconds of the run (the sim's: of the simulation).
+    pub wall_s: f64,
+}
+
+/// Part 5: one job, both sides.
+#[derive(Clone, Debug, Serialize)]
+pub struct CrossCheck {
+    /// Workers of the job.
+    pub workers: u32,
+    /// Whether the check decides on it (else it is only reported).
+    pub checked: bool,
+    /// The real processes.
+    pub real: CrossSide,
+    /// The sim on the same flags.
+    pub sim: CrossSide,
+}
+
+impl CrossCheck {
+    /// The sim's rate / the real one's.
+    pub fn ratio(&self) -> f64 {
+        if self.real.worker_rate > 0.0 { self.sim.worker_rate / self.real.worker_rate } else { f64::NAN }
+    }
+}
+
+/// Whether `ratio` (sim / real) is within [`CROSS_TOLERANCE`] of 1.
+pub fn within_tolerance(ratio: f64) -> bool {
+    ratio.is_finite() && ((1.0 - CROSS_TOLERANCE)..=(1.0 + CROSS_TOLERANCE)).contains(&ratio)
+}
+
+fn mean_iter_ms(report: &Report) -> f64 {
+    let w = &report.workers;
+    if w.is_empty() { f64::NAN } else { w.iter().map(|w| w.iter_ms_mean).sum::<f64>() / w.len() as f64 }
+}
+
+/// Part 5 at `workers` workers. The job is `bench straggler`'s scenario a (4 servers
+/// capped at 200 MB/s, server 1 at 50 MB/s: bandwidth, not the 2 CPUs, bounds it); the
+/// check is decided at 2 workers. With `bench straggler`'s 4 workers the sim is 14-16%
+/// slower than the processes (0.84 and 0.86 in two runs): its links serve messages in the
+/// order they arrive (FIFO per node), while a real server's token bucket is shared by one
+/// reader and one writer task per connection, each reserving a frame at a time, so the
+/// frames of the 4 workers through the slow server are interleaved round-robin and the
+/// workers' rounds overlap better. With 1 or 2 workers there is little to interleave
+/// (measured 1.04 and 1.00); with every server at 50 MB/s, 4 workers measured 0.94.
+async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool) -> Result<CrossCheck> {
+    let flags = plan.cross_flags(workers);
+    let dir = cmd.out.join("runs").join(format!("cross-real-{workers}w"));
+    let t = Instant::now();
+    let real = run_train(&flags, &cmd.net, &dir).await.context("the cross-check's real run")?;
+    let real_wall = t.elapsed().as_secs_f64();
+    std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&real)? + "\n")
+        .with_context(|| format!("writing {}", dir.join("report.json").display()))?;
+    let mut sim_flags = flags.clone();
+    sim_flags.extend(sim_only());
+    let sim_cmd = sim_cmd(&sim_flags)?;
+    let job = sim_cmd.clone();
+    let out = tokio::task::spawn_blocking(move || elasticps_sim::simulate(&job)).await??;
+    let sim = elasticps_sim::report(&sim_cmd, &out);
+    Ok(CrossCheck {
+        workers,
+        checked,
+        real: CrossSide {
+            side: "real".into(),
+            flags,
+            worker_rate: worker_rate(&real),
+            iter_ms_mean: mean_iter_ms(&real),
+            wall_s: real_wall,
+        },
+        sim: CrossSide {
+            side: "sim".into(),
+            flags: sim_flags,
+            worker_rate: worker_rate(&sim),
+            iter_ms_mean: mean_iter_ms(&sim),
+            wall_s: out.wall_s,
+        },
+    })
+}
+
+/// Everything the benchmark wrote into bench-sim.json.
+#[derive(Clone, Debug, Serialize)]
+struct Output {
+    command: String,
+    machine: Machine,
+    plan: Plan,
+    took_s: f64,
+    scale: Option<SimRun>,
+    balancer: Option<BalancerTiming>,
+    psld: Vec<(String, SimRun)>,
+    policies: Vec<PolicyRun>,
+    cross: Vec<CrossCheck>,
+    checks: Vec<Check>,
+    targets: Vec<Target>,
+}
+
+/// Runs the benchmark, writes its files and prints the tables.
+pub async fn run(cmd: SimBenchCmd) -> Result<()> {
+    let plan = Plan::new(&cmd);
+    std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
+    let watch = MachineWatch::start();
+    let started = Instant::now();
+    let step = |what: &str, flags: &[String]| eprintln!("bench sim: {what}: elasticps sim {}", flags.join(" "));
+
+    let mut scale = None;
+    if plan.runs(Part::Scale) {
+        let flags = plan.scale_flags();
+        step("scale", &flags);
+        let r = simulate(flags).await.context("the scale run")?;
+        eprintln!("  {:.1} s wall, {:.1} M events/s, {:.1} it/s", r.wall_s, r.events_per_s() / 1e6, r.iters_per_s);
+        scale = Some(r);
+    }
+    let mut balancer = None;
+    if plan.runs(Part::Balancer) {
+        let slow = straggler_ids(plan.balancer_servers, plan.balancer_stragglers);
+        eprintln!("bench sim: balancer: {} servers, {slow:?} 4x slower", plan.balancer_servers);
+        let b = time_balancer(plan.balancer_servers, &slow, plan.balancer_calls)?;
+        eprintln!("  step {:.3} ms, rebalance {:.3} ms: {}", b.step_ms, b.rebalance_ms, b.decision);
+        balancer = Some(b);
+    }
+    let mut psld = Vec::new();
+    if plan.runs(Part::Psld) {
+        for mode in ["static", "psld"] {
+            let flags = plan.psld_flags(mode);
+            step(mode, &flags);
+            let r = simulate(flags).await.with_context(|| format!("the {mode} run"))?;
+            eprintln!("  {:.1} s wall: {:.1} it/s, {} migrations", r.wall_s, r.iters_per_s, r.migrations);
+            psld.push((mode.to_string(), r));
+        }
+    }
+    let mut policies = Vec::new();
+    if plan.runs(Part::Policies) {
+        for &workers in &plan.policy_workers {
+            for policy in POLICIES {
+                let flags = plan.policy_flags(policy, workers);
+                step(policy, &flags);
+                let r = simulate(flags).await.with_context(|| format!("{policy} at {workers} workers"))?;
+                eprintln!("  {:.1} s wall: {:.1} it/s, {} delayed pulls", r.wall_s, r.iters_per_s, r.pulls_held);
+                policies.push(PolicyRun { policy: policy.to_string(), run: r });
+            }
+        }
+    }
+    let mut cross = Vec::new();
+    if plan.runs(Part::Cross) {
+        for (workers, checked) in plan.cross_jobs() {
+            eprintln!("bench sim: cross-check: elasticps train {}", plan.cross_flags(workers).join(" "));
+            let c = cross_check(&plan, &cmd, workers, checked).await?;
+            eprintln!(
+                "  real {:.3} it/s, sim {:.3} it/s: sim / real = {:.3}",
+                c.real.worker_rate,
+                c.sim.worker_rate,
+                c.ratio()
+            );
+            cross.push(c);
+        }
+    }
+    let mut out = Output {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine: watch.finish(),
+        took_s: started.elapsed().as_secs_f64(),
+        plan,
+        scale,
+        balancer,
+        psld,
+        policies,
+        cross,
+        checks: Vec::new(),
+        targets: Vec::new(),
+    };
+    out.checks = checks(&out);
+    out.targets = targets(&out);
+    let md = render(&out);
+    print!("{md}");
+    let json = serde_json::to_string_pretty(&out)?;
+    crate::write_results(&cmd.out, "bench-sim", json, &md, "sim.png", |png| draw(png, &plot_data(&out)))?;
+    println!("\nwritten to {} (bench-sim.json, bench-sim.md, sim.png)", cmd.out.display());
+    ensure_no_check_failed(&out.checks)
+}
+
+fn checks(out: &Output) -> Vec<Check> {
+    let c = out.cross.iter().find(|c| c.checked);
+    vec![Check {
+        what: format!(
+            "cross-check at {CROSS_WORKERS} workers: the sim's iterations/s within {:.0}% of the real processes' \
+             (sim / real in [{:.2}, {:.2}])",
+            CROSS_TOLERANCE * 100.0,
+            1.0 - CROSS_TOLERANCE,
+            1.0 + CROSS_TOLERANCE
+        ),
+        measured: c.map_or("not run".into(), |c| {
+            format!("{:.3} ({:.3} vs {:.3} it/s)", c.ratio(), c.sim.worker_rate, c.real.worker_rate)
+        }),
+        pass: c.map(|c| within_tolerance(c.ratio())),
+    }]
+}
+
+fn targets(out: &Output) -> Vec<Target> {
+    let scale = out.scale.as_ref();
+    let b = out.balancer.as_ref();
+    vec![
+        Target {
+            what: format!(
+                "{} workers x {} servers, {} iterations simulated in <= {SCALE_TARGET_S:.0} s wall",
+                out.plan.scale_workers, out.plan.scale_servers, out.plan.scale_iterations
+            ),
+            measured: scale.map_or("not run".into(), |s| format!("{:.1} s", s.wall_s)),
+            met: scale.map(|s| s.wall_s <= SCALE_TARGET_S),
+        },
+        Target {
+            what: format!(
+                "one balancer decision at {} servers in <= {BALANCER_TARGET_MS:.0} ms",
+                out.plan.balancer_servers
+            ),
+            measured: b.map_or("not run".into(), |b| {
+                format!("step {:.3} ms, rebalance {:.3} ms (medians)", b.step_ms, b.rebalance_ms)
+            }),
+            met: b.map(|b| b.step_ms.max(b.rebalance_ms) <= BALANCER_TARGET_MS),
+        },
+    ]
+}
+
+fn mb(bytes: u64) -> String {
+    format!("{:.0}", bytes as f64 / 1e6)
+}
+
+fn render(out: &Output) -> String {
+    let p = &out.plan;
+    let mut s = String::new();
+    s.push_str("## bench sim\n\n");
+    s.push_str(&format!("`{}`\n\n", out.command));
+    s.push_str(&out.machine.markdown(out.took_s));
+    s.push_str(
+        "Every simulated row is an `elasticps sim` job (virtual time on the deterministic harness, \
+         the real scheduler, server and worker state machines); its flags are in bench-sim.json. \
+         it/s: every worker's iterations / the longest worker's training time, in virtual time.\n\n",
+    );
+    if let Some(r) = &out.scale {
+        s.push_str("### Scale\n\n");
+        s.push_str(&format!("`elasticps sim {}`\n\n", r.flags.join(" ")));
+        let headers = ["workers", "servers", "iterations", "wall s", "virtual s", "events", "events/s", "it/s"];
+        let row = vec![
+            r.workers.to_string(),
+            r.servers.to_string(),
+            r.iterations.to_string(),
+            format!("{:.1}", r.wall_s),
+            format!("{:.1}", r.virtual_s),
+            format!("{:.2} M", r.events as f64 / 1e6),
+            format!("{:.2} M", r.events_per_s() / 1e6),
+            format!("{:.1}", r.iters_per_s),
+        ];
+        s.push_str(&markdown_table(&headers, &[row]));
+        s.push('\n');
+    }
+    if let Some(b) = &out.balancer {
+        s.push_str("### Balancer decision time\n\n");
+        s.push_str(&format!(
+            "ResNet-50's {} blocks of 4 MiB placed best-fit over {} servers; servers {:?} 4x slower in the \
+             load model (16 confident samples each); {} calls each, on a fresh balancer for every step.\n\n",
+            b.blocks, b.servers, b.stragglers, b.calls
+        ));
+        let headers = ["call", "median ms", "max ms", "outcome"];
+        let rows = vec![
+            vec![
+                "Balancer::step".into(),
+                format!("{:.3}", b.step_ms),
+                format!("{:.3}", b.step_ms_max),
+                b.decision.clone(),
+            ],
+            vec![
+                "rebalance".into(),
+                format!("{:.3}", b.rebalance_ms),
+                format!("{:.3}", b.rebalance_ms_max),
+                format!("{} moves, max service time {:.1} -> {:.1} ms", b.moves, b.max_before_ms, b.max_after_ms),
+            ],
+        ];
+        s.push_str(&markdown_table(&headers, &rows));
+        s.push('\n');
+    }
+    if !out.psld.is_empty() {
+        s.push_str("### Static placement vs PSLD at scale\n\n");
+        s.push_str(&format!(
+            "{} workers, {} servers, servers {:?} capped at a quarter of the sim's link, synthetic:resnet50, \
+             bsp, {} iterations, no scale-out (`--max-servers {}`).\n\n",
+            p.psld_workers,
+            p.psld_servers,
+            straggler_ids(p.psld_servers, p.psld_stragglers),
+            p.psld_iterations,
+            p.psld_servers
+        ));
+        let headers = [
+            "balance",
+            "it/s",
+            "vs static",
+            "it/s, 2nd half",
+            "vs static",
+            "migrations",
+            "MB moved",
+            "virtual s",
+            "wall s",
+        ];
+        let stat = out.psld.iter().find(|(m, _)| m == "static").map(|(_, r)| r);
+        let rows: Vec<Vec<String>> = out
+            .psld
+            .iter()
+            .map(|(mode, r)| {
+                vec![
+                    mode.clone(),
+                    format!("{:.1}", r.iters_per_s),
+                    stat.map_or("-".into(), |b| ratio(r.iters_per_s, b.iters_per_s)),
+                    format!("{:.1}", r.second_half_rate),
+                    stat.map_or("-".into(), |b| ratio(r.second_half_rate, b.second_half_rate)),
+                    r.migrations.to_string(),
+                    mb(r.moved_bytes),
+                    format!("{:.1}", r.virtual_s),
+                    format!("{:.1}", r.wall_s),
+                ]
+            })
+            .collect();
+        s.push_str(&markdown_table(&headers, &rows));
+        s.push_str(
+            "\nit/s, 2nd half: the sum over workers of 1 / mean iteration time over each worker's second \
+             half of iterations (after the balancer settled), without the last one.\n\n",
+        );
+    }
+    if !out.policies.is_empty() {
+        s.push_str("### Sync policies from 8 to 1,000 workers\n\n");
+        s.push_str(&format!(
+            "synthetic:resnet56 (as `bench sync`), {} servers, 20 ms compute, ranks 0 and 4 delayed by \
+             N(50 ms, 10 ms) per iteration, {} iterations per worker.\n\n",
+            p.policy_servers, p.policy_iterations
+        ));
+        let headers = ["workers", "policy", "it/s", "vs bsp", "delayed pulls", "vs bsp", "virtual s", "wall s"];
+        let rows: Vec<Vec<String>> = out
+            .policies
+            .iter()
+            .map(|pr| {
+                let r = &pr.run;
+                let bsp = out.policies.iter().find(|b| b.policy == "bsp" && b.run.workers == r.workers).map(|b| &b.run);
+                vec![
+                    r.workers.to_string(),
+                    pr.policy.clone(),
+                    format!("{:.1}", r.iters_per_s),
+                    bsp.map_or("-".into(), |b| ratio(r.iters_per_s, b.iters_per_s)),
+                    r.pulls_held.to_string(),
+                    bsp.map_or("-".into(), |b| ratio(r.pulls_held as f64, b.pulls_held as f64)),
+                    format!("{:.1}", r.virtual_s),
+                    format!("{:.1}", r.wall_s),
+                ]
+            })
+            .collect();
+        s.push_str(&markdown_table(&headers, &rows));
+        s.push('\n');
+    }
+    if let Some(first) = out.cross.first() {
+        s.push_str("### Cross-check: the sim against real processes\n\n");
+        s.push_str(&format!(
+            "`elasticps train {}` (real processes) and `elasticps sim` on the same flags plus `{}`{}. \
+             it/s: the sum over workers of 1 / mean iteration time, on both sides.\n\n",
+            first.real.flags.join(" "),
+            sim_only().join(" "),
+            if out.cross.len() > 1 { "; the same with 4 workers (reported, not checked)" } else { "" }
+        ));
+        let headers = [
+            "workers",
+            "checked",
+            "real it/s",
+            "sim it/s",
+            "sim / real",
+            "real iter ms",
+            "sim iter ms",
+            "real wall s",
+            "sim wall s",
+        ];
+        let rows: Vec<Vec<String>> = out
+            .cross
+            .iter()
+            .map(|c| {
+                vec![
+                    c.workers.to_string(),
+                    if c.checked { "yes".into() } else { "no".into() },
+                    format!("{:.3}", c.real.worker_rate),
+                    format!("{:.3}", c.sim.worker_rate),
+                    format!("{:.3}", c.ratio()),
+                    format!("{:.0}", c.real.iter_ms_mean),
+                    format!("{:.0}", c.sim.iter_ms_mean),
+                    format!("{:.1}", c.real.wall_s),
+                    format!("{:.2}", c.sim.wall_s),
+                ]
+            })
+            .collect();
+        s.push_str(&markdown_table(&headers, &rows));
+    }
+    s.push_str(&checks_and_targets_markdown(&out.checks, &out.targets));
+    s
+}
+
+/// What `sim.png` shows: iterations/s against workers, one line per policy.
+#[derive(Clone, Debug, Default)]
+pub struct PlotData {
+    /// (policy, [(workers, iterations/s)]), in legend order.
+    pub series: Vec<(String, Vec<(u32, f64)>)>,
+    /// A line under the title.
+    pub subtitle: String,
+}
+
+fn plot_data(out: &Output) -> PlotData {
+    let series = POLICIES
+        .iter()
+        .map(|p| {
+            let pts =
+                out.policies.iter().filter(|r| r.policy == *p).map(|r| (r.run.workers, r.run.iters_per_s)).collect();
+            (p.to_string(), pts)
+        })
+        .filter(|(_, pts): &(String, Vec<(u32, f64)>)| !pts.is_empty())
+        .collect();
+    PlotData {
+        series,
+        subtitle: format!(
+            "elasticps sim, synthetic:resnet56, {} servers, ranks 0 and 4 delayed",
+            out.plan.policy_servers
+        ),
+    }
+}
+
+/// Draws `sim.png`: iterations/s (virtual) against workers, both axes log scale, a line
+/// per policy.
+pub fn draw(path: &Path, data: &PlotData) -> elasticps_report::Result<()> {
+    use elasticps_report::plot::{FONT, GRID_BOLD, MUTED_TEXT, PALETTE, ensure_font, house_style, plot_err};
+    use plotters::prelude::*;
+
+    ensure_font()?;
+    let root = BitMapBackend::new(path, (1000, 620)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_err)?;
+    let pts =
+        || data.series.iter().flat_map(|(_, v)| v.iter().copied()).filter(|(w, r)| *w > 0 && r.is_finite() && *r > 0.0);
+    let (x_lo, x_hi) =
+        pts().fold((f64::INFINITY, 0.0f64), |(lo, hi), (w, _)| (lo.min(f64::from(w)), hi.max(f64::from(w))));
+    let (x_lo, x_hi) = if x_lo.is_finite() { (x_lo / 1.5, x_hi * 1.5) } else { (1.0, 1000.0) };
+    let (y_lo, y_hi) = pts().fold((f64::INFINITY, 0.0f64), |(lo, hi), (_, r)| (lo.min(r), hi.max(r)));
+    let (y_lo, y_hi) = if y_lo.is_finite() { (y_lo / 2.0, y_hi * 2.0) } else { (1.0, 1000.0) };
+    let (top, body) = root.split_vertically(30);
+    top.draw_text(&data.subtitle, &TextStyle::from((FONT, 14).into_font()).color(&MUTED_TEXT), (80, 10))
+        .map_err(plot_err)?;
+    let mut chart = ChartBuilder::on(&body)
+        .caption("iterations/s vs workers, per sync policy", (FONT, 22))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(70)
+        .build_cartesian_2d((x_lo..x_hi).log_scale(), (y_lo..y_hi).log_scale())
+        .map_err(plot_err)?;
+    house_style(&mut chart.configure_mesh())
+        .x_desc("workers (log scale)")
+        .y_desc("iterations/s, all workers (virtual time, log scale)")
+        .x_label_formatter(&|v: &f64| format!("{v:.0}"))
+        .y_label_formatter(&|v: &f64| if *v >= 10.0 { format!("{v:.0}") } else { format!("{v:.1}") })
+        .max_light_lines(1)
+        .draw()
+        .map_err(plot_err)?;
+    for (i, (policy, series)) in data.series.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let line: Vec<(f64, f64)> = series
+            .iter()
+            .filter(|(w, r)| *w > 0 && r.is_finite() && *r > 0.0)
+            .map(|(w, r)| (f64::from(*w), *r))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(line, color.stroke_width(2)).point_size(4))
+            .map_err(plot_err)?
+            .label(policy.clone())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 22, y)], color.stroke_width(3)));
+    }
+    if data.series.is_empty() {
+        let area = chart.plotting_area().strip_coord_spec();
+        let (w, h) = area.dim_in_pixel();
+        let style = TextStyle::from((FONT, 18).into_font()).color(&MUTED_TEXT);
+        area.draw_text("no policy run", &style, (w as i32 / 2 - 50, h as i32 / 2)).map_err(plot_err)?;
+    } else {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .margin(12)
+            .label_font((FONT, 14))
+            .background_style(WHITE.mix(0.85))
+            .border_style(GRID_BOLD)
+            .draw()
+            .map_err(plot_err)?;
+    }
+    root.present().map_err(plot_err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cmd(args: &[&str]) -> SimBenchCmd {
+        #[derive(Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            cmd: SimBenchCmd,
+        }
+        Wrap::try_parse_from(std::iter::once("sim").chain(args.iter().copied())).unwrap().cmd
+    }
+
+    #[test]
+    fn every_row_parses_into_the_sims_command() {
+        for quick in [true, false] {
+            let plan = Plan::new(&cmd(if quick { &["--quick"] } else { &[] }));
+            assert_eq!(plan.parts.len(), 5);
+            let s = sim_cmd(&plan.scale_flags()).unwrap();
+            assert_eq!((s.job.workers, s.job.servers), if quick { (100, 10) } else { (1000, 100) });
+            assert_eq!(s.data.iterations, Some(plan.scale_iterations));
+            s.validate().unwrap();
+            for mode in ["static", "psld"] {
+                let s = sim_cmd(&plan.psld_flags(mode)).unwrap();
+                assert_eq!(s.job.balance.to_string(), mode);
+                assert_eq!(s.job.max_servers, Some(plan.psld_servers));
+                let capped: Vec<u32> = s.job.server_bandwidth.iter().map(|(i, _)| *i).collect();
+                assert_eq!(capped, straggler_ids(plan.psld_servers, plan.psld_stragglers));
+                assert!(s.job.server_bandwidth.iter().all(|(_, m)| *m == 312.5), "{:?}", s.job.server_bandwidth);
+                s.validate().unwrap();
+            }
+            for w in &plan.policy_workers {
+                for p in POLICIES {
+                    let s = sim_cmd(&plan.policy_flags(p, *w)).unwrap();
+                    assert_eq!(s.job.sync.to_string(), *p);
+                    assert_eq!(s.job.workers, *w);
+                    assert_eq!(s.data.worker_delay.as_ref().map(|d| d.ranks.clone()), Some(vec![0, 4]));
+                }
+            }
+            // The cross-check's flags mean the same job to train and to the sim.
+            let flags = plan.cross_flags(CROSS_WORKERS);
+            let t = crate::job::train_cmd(&flags).unwrap();
+            let mut sf = flags.clone();
+            sf.extend(sim_only());
+            let s = sim_cmd(&sf).unwrap();
+            assert_eq!(t.job.server_bandwidth, s.job.server_bandwidth);
+            assert_eq!((t.job.workers, t.job.servers), (s.job.workers, s.job.servers));
+            assert_eq!(t.data.iterations, s.data.iterations);
+            assert_eq!(s.sim.scale, 256);
+        }
+        let only = Plan::new(&cmd(&["--parts", "balancer,cross"]));
+        assert!(only.runs(Part::Cross) && only.runs(Part::Balancer) && !only.runs(Part::Scale));
+        assert!(matches!(sim_cmd(&strings(&["--no-such-flag"])), Err(BenchError::Flags(_))));
+    }
+
+    #[test]
+    fn stragglers_spread_over_the_servers() {
+        assert_eq!(straggler_ids(100, 5), vec![0, 20, 40, 60, 80]);
+        assert_eq!(straggler_ids(20, 2), vec![0, 10]);
+        assert_eq!(straggler_ids(3, 5), vec![0, 1, 2]);
+        assert!(straggler_ids(4, 0).is_empty());
+    }
+
+    #[test]
+    fn the_cross_check_passes_within_15_percent_only() {
+        assert!(within_tolerance(1.0) && within_tolerance(0.85) && within_tolerance(1.15));
+        assert!(!within_tolerance(0.84) && !within_tolerance(1.16) && !within_tolerance(f64::NAN));
+        let side =
+            |rate| CrossSide { side: "x".into(), flags: Vec::new(), worker_rate: rate, iter_ms_mean: 1.0, wall_s: 1.0 };
+        let c = CrossCheck { workers: 2, checked: true, real: side(2.0), sim: side(1.6) };
+        assert!((c.ratio() - 0.8).abs() < 1e-12);
+        assert!(CrossCheck { workers: 2, checked: true, real: side(0.0), sim: side(1.0) }.ratio().is_nan());
+    }
+
+    #[test]
+    fn the_balancer_decides_to_relieve_the_stragglers() {
+        let b = time_balancer(20, &[0, 10], 2).unwrap();
+        assert!(b.decision.starts_with("migrate") && b.decision.contains("straggler"), "{}", b.decision);
+        assert!(b.moves > 0 && b.max_after_ms < b.max_before_ms, "{b:?}");
+        assert_eq!(b.calls, 2);
+    }
+
+    #[test]
+    fn renders_fails_the_check_and_draws() {
+        let run = |workers, it_s, held| SimRun {
+            flags: strings(&["--workers"]),
+            workers,
+            servers: 16,
+            iterations: 10,
+            wall_s: 2.0,
+            virtual_s: 5.0,
+            events: 1_000_000,
+            iters_per_s: it_s,
+            worker_rate: it_s,
+            second_half_rate: it_s,
+            pulls_held: held,
+            migrations: 3,
+            moved_bytes: 12_000_000,
+        };
+        let side = |rate| CrossSide {
+            side: "real".into(),
+            flags: Vec::new(),
+            worker_rate: rate,
+            iter_ms_mean: 1.0,
+            wall_s: 1.0,
+        };
+        let mut out = Output {
+            command: "elasticps bench sim".into(),
+            machine: Machine {
+                nproc: 2,
+                cpu: "cpu".into(),
+                kernel: "6".into(),
+                loadavg_before: "0.1 0 0".into(),
+                loadavg_after: "1 0 0".into(),
+                other_cpu_share: Some(0.1),
+            },
+            plan: Plan::new(&cmd(&["--quick"])),
+            took_s: 1.0,
+            scale: Some(run(100, 50.0, 10)),
+            balancer: None,
+            psld: vec![("static".into(), run(40, 10.0, 0)), ("psld".into(), run(40, 25.0, 0))],
+            policies: vec![
+                PolicyRun { policy: "bsp".into(), run: run(8, 10.0, 100) },
+                PolicyRun { policy: "lazy:3".into(), run: run(8, 20.0, 10) },
+                PolicyRun { policy: "bsp".into(), run: run(64, 40.0, 1000) },
+            ],
+            cross: vec![
+                CrossCheck { workers: 2, checked: true, real: side(2.0), sim: side(1.5) },
+                CrossCheck { workers: 4, checked: false, real: side(2.0), sim: side(2.0) },
+            ],
+            checks: Vec::new(),
+            targets: Vec::new(),
+        };
+        out.checks = checks(&out);
+        out.targets = targets(&out);
+        assert_eq!(out.checks[0].pass, Some(false));
+        assert!(ensure_no_check_failed(&out.checks).is_err());
+        assert_eq!(out.targets[0].met, Some(true));
+        assert_eq!(out.targets[1].met, None);
+        let md = render(&out);
+        assert!(md.contains("| psld    | 25.0 | 2.50x"), "{md}");
+        assert!(
+            md.lines().any(|l| l.contains("| lazy:3 ") && l.contains("| 2.00x ") && l.contains("| 0.10x ")),
+            "{md}"
+        );
+        assert!(md.lines().any(|l| l.split('|').nth(1).map(str::trim) == Some("4") && l.contains("| no ")), "{md}");
+        assert!(md.contains("FAIL cross-check") && md.contains("[-] one balancer"), "{md}");
+        let dir = std::env::temp_dir().join(format!("elasticps-bench-sim-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let png = dir.join("sim.png");
+        draw(&png, &plot_data(&out)).unwrap();
+        assert_eq!(&std::fs::read(&png).unwrap()[..8], b"\x89PNG\r\n\x1a\n");
+        draw(&png, &PlotData::default()).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
