@@ -36,7 +36,8 @@ impl NodeId {
     }
 }
 
-/// What a node is, for traces and for the cluster's owner (the network does not care).
+/// What a node is, for traces and for the cluster's owner; the network only treats the
+/// scheduler's connections apart (unshaped control frames).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum NodeKind {
     /// The scheduler.
@@ -527,8 +528,13 @@ impl Network {
         let to = c.ends[to_end];
         let bytes = (self.size_of)(&msg);
         let now = self.now_ns.max(at_ns);
+        // The scheduler's connections carry small control frames and are not shaped (the
+        // runtime's shaper caps a server's data sockets, not its scheduler connection): they
+        // take the latency only, and never wait behind a node's data.
+        let control = self.nodes[from.0 as usize].kind == NodeKind::Scheduler
+            || self.nodes[to.0 as usize].kind == NodeKind::Scheduler;
         let sender = &mut self.nodes[from.0 as usize];
-        let left = if sender.link.up_bps == 0 {
+        let left = if sender.link.up_bps == 0 || control {
             now
         } else {
             let done = sender.up_free_ns.max(now) + transfer_ns(bytes, sender.link.up_bps);
@@ -538,7 +544,7 @@ impl Network {
         sender.traffic.bytes_up += bytes;
         let from_lat = sender.link.latency_us;
         let receiver = &self.nodes[to.0 as usize];
-        let limited_down = receiver.link.down_bps != 0;
+        let limited_down = receiver.link.down_bps != 0 && !control;
         let c = &mut self.conns[conn as usize];
         let latency = c.latency_ns.unwrap_or_else(|| from_lat.max(receiver.link.latency_us) * 1_000);
         let jitter = if self.jitter_ns == 0 { 0 } else { self.rng.random_range(0..=self.jitter_ns) };
