@@ -599,18 +599,7 @@ pub fn case(deltas: bool) -> impl Strategy<Value = Case> {
             let max_servers = servers + extra;
             // Requests over the job's likely life (and a little before training starts).
             let window = u64::from(iterations) * (base + spread / 2) + 2_000;
-            let scale = (0..window, request(blocks, max_servers)).prop_map(|(at_us, req)| Op::Scale { at_us, req });
-            let drop = (0..window, step(deltas), 0u64..=150).prop_map(|(at_us, step, delay_us)| Op::Drop {
-                at_us,
-                step,
-                delay_us,
-            });
-            let ops =
-                (prop::collection::vec(scale, 0..=16), prop::collection::vec(drop, 0..=3)).prop_map(|(mut s, d)| {
-                    s.extend(d);
-                    s
-                });
-            ops.prop_map(move |ops| Case {
+            ops(window, blocks, max_servers, deltas, 16, 3).prop_map(move |ops| Case {
                 seed,
                 servers,
                 max_servers,
@@ -627,6 +616,25 @@ pub fn case(deltas: bool) -> impl Strategy<Value = Case> {
             })
         },
     )
+}
+
+/// Up to `scales` operator requests and `drops` connection drops (of a migration step, lost
+/// deltas too if `deltas`) at random times before `window` µs.
+fn ops(
+    window: u64,
+    blocks: u32,
+    max_servers: u32,
+    deltas: bool,
+    scales: usize,
+    drops: usize,
+) -> impl Strategy<Value = Vec<Op>> {
+    let scale = (0..window, request(blocks, max_servers)).prop_map(|(at_us, req)| Op::Scale { at_us, req });
+    let drop =
+        (0..window, step(deltas), 0u64..=150).prop_map(|(at_us, step, delay_us)| Op::Drop { at_us, step, delay_us });
+    (prop::collection::vec(scale, 0..=scales), prop::collection::vec(drop, 0..=drops)).prop_map(|(mut s, d)| {
+        s.extend(d);
+        s
+    })
 }
 
 /// `--balance psld` with one capped server, long enough for the balancer to act (a
@@ -656,18 +664,7 @@ pub fn psld_case() -> impl Strategy<Value = Case> {
                 let blocks: u32 = tensors.iter().map(|l| l.div_ceil(BLOCK_LEN) as u32).sum();
                 let max_servers = servers + extra;
                 let window = u64::from(iterations) * base;
-                let scale = (0..window, request(blocks, max_servers)).prop_map(|(at_us, req)| Op::Scale { at_us, req });
-                let drop = (0..window, step(false), 0u64..=150).prop_map(|(at_us, step, delay_us)| Op::Drop {
-                    at_us,
-                    step,
-                    delay_us,
-                });
-                let ops =
-                    (prop::collection::vec(scale, 0..=3), prop::collection::vec(drop, 0..=2)).prop_map(|(mut s, d)| {
-                        s.extend(d);
-                        s
-                    });
-                ops.prop_map(move |ops| Case {
+                ops(window, blocks, max_servers, false, 3, 2).prop_map(move |ops| Case {
                     seed,
                     servers,
                     max_servers,

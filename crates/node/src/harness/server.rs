@@ -57,8 +57,8 @@ pub struct ServerRole {
     sched: Option<ConnId>,
     /// Connections this server opened to other servers, by address.
     peers: BTreeMap<String, ConnId>,
-    /// Calls in flight to other servers: (connection, request id) -> call.
-    calls: BTreeMap<(ConnId, u64), u64>,
+    /// Calls in flight to other servers: (connection, call id; the call id is the request id).
+    calls: BTreeSet<(ConnId, u64)>,
     /// Every connection this server has (to close them when it exits).
     conns: BTreeSet<ConnId>,
     /// The buffer the state machine's actions go to (reused: no allocation per event).
@@ -87,7 +87,7 @@ impl ServerRole {
             server: None,
             sched: None,
             peers: BTreeMap::new(),
-            calls: BTreeMap::new(),
+            calls: BTreeSet::new(),
             conns: BTreeSet::new(),
             actions: Vec::new(),
             busy_until_us: 0,
@@ -169,7 +169,7 @@ impl ServerRole {
                 return self.step(out, Event::FromServer { call, reply });
             }
         };
-        self.calls.insert((conn, call), call);
+        self.calls.insert((conn, call));
         if !out.send(conn, call, msg) {
             self.calls.remove(&(conn, call));
             self.step(out, Event::FromServer { call, reply: Err(format!("connection to {addr} is closed")) });
@@ -224,8 +224,8 @@ impl Role for ServerRole {
         if Some(conn) == self.sched {
             return self.step(out, Event::FromScheduler { request_id, msg });
         }
-        if let Some(call) = self.calls.remove(&(conn, request_id)) {
-            return self.step(out, Event::FromServer { call, reply: Ok(msg) });
+        if self.calls.remove(&(conn, request_id)) {
+            return self.step(out, Event::FromServer { call: request_id, reply: Ok(msg) });
         }
         let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
         if !data {
@@ -247,8 +247,8 @@ impl Role for ServerRole {
             return;
         }
         self.peers.retain(|_, c| *c != conn);
-        let failed: Vec<u64> = self.calls.iter().filter(|((c, _), _)| *c == conn).map(|(_, call)| *call).collect();
-        self.calls.retain(|(c, _), _| *c != conn);
+        let failed: Vec<u64> = self.calls.iter().filter(|(c, _)| *c == conn).map(|(_, call)| *call).collect();
+        self.calls.retain(|(c, _)| *c != conn);
         for call in failed {
             self.step(out, Event::FromServer { call, reply: Err(format!("connection lost ({why:?})")) });
         }
