@@ -895,3 +895,39 @@ fn a_drained_server_that_held_a_failed_copy_lingers_for_its_workers() {
         panic!("{e}\n{c:?}");
     }
 }
+
+/// Found by the delta proptest in a fresh-clone CI run. The operator removes server 2,
+/// which hands its only block back to server 0; the first try's delta is lost, the second
+/// succeeds. A worker that met `Moved` at server 0 just before fetched a layout that still
+/// named server 2 (the scheduler had not recorded the move back yet), and connected to it
+/// after it had drained and left with no connection to linger for: the worker failed on
+/// the closed connection. Fixed in the worker's plan: requests a closed connection did not
+/// answer are resent, after a layout refresh, to the owner named then (`Round::on_lost`).
+#[test]
+fn a_removal_after_a_lost_delta_keeps_every_worker() {
+    let c = Case {
+        seed: 17457458389475866336,
+        servers: 2,
+        max_servers: 3,
+        workers: 3,
+        tensors: vec![11],
+        placement: PlacementKind::RoundRobin,
+        sync: SyncPolicy::Ssp(2),
+        aggregate: false,
+        iterations: 3,
+        compute_us: (1435, 2195),
+        jitter_us: 1,
+        psld: None,
+        ops: vec![
+            Op::Scale { at_us: 6256, req: ScaleRequest::AddServer },
+            Op::Scale { at_us: 2488, req: ScaleRequest::RemoveServer(0) },
+            Op::Scale { at_us: 8206, req: ScaleRequest::RemoveServer(2) },
+            Op::Drop { at_us: 3011, step: Step::Snapshot, delay_us: 0 },
+            Op::Drop { at_us: 6712, step: Step::Delta, delay_us: 53 },
+        ],
+    };
+    let r = run(&c);
+    if let Err(e) = check(&c, &r) {
+        panic!("{e}\n{c:?}");
+    }
+}

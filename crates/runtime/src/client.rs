@@ -26,8 +26,8 @@ use elasticps_core::model::{BlockSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_node::NodeError;
-use elasticps_node::worker::{Action, Op, PushOp, Round, Worker};
-use elasticps_wire::{Codec, Control, Layout, Message};
+use elasticps_node::worker::{Action, Op, PushOp, Round, Tag, Worker};
+use elasticps_wire::{Codec, Control, Layout, Message, ServerAddr};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
@@ -176,7 +176,7 @@ impl Client {
                 "the scheduler to place the model (every server must join and load its blocks)".into()
             })
             .await?;
-        self.install_layout(reply).await?;
+        self.install_layout(reply, false).await?;
         Ok(self.layout.as_ref().map(|l| &l.partition.tensors[..]).unwrap_or_default())
     }
 
@@ -217,7 +217,8 @@ impl Client {
         }
         for s in &layout.servers {
             let name = format!("server {}", s.id);
-            match self.peer(s.id)?.call(msg.clone(), CALL_TIMEOUT, || what(&name)).await? {
+            let peer = self.peer(s.id)?.ok_or_else(|| RuntimeError::Closed(name.clone()))?;
+            match peer.call(msg.clone(), CALL_TIMEOUT, || what(&name)).await? {
                 Message::Control(Control::Ok) => {}
                 Message::Error(reply) => return Err(RuntimeError::Remote { peer: name, reply }),
                 other => return Err(RuntimeError::unexpected(&name, "Ok", &other)),
@@ -329,17 +330,24 @@ impl Client {
                 let more = match action {
                     Action::Send { tag, server, block, op } => {
                         let msg = request(block, op, grads)?;
-                        let rx = self.peer(server)?.send_request(msg).map_err(|e| self.explain(e))?;
-                        let sent = Sent { rank: self.rank, server, block, op, timeout: self.opts.request_timeout };
-                        replies.push(async move { (tag, sent, tokio::time::timeout(sent.timeout, rx).await) });
-                        continue;
+                        match self.peer(server)?.map(|p| p.send_request(msg)) {
+                            Some(Ok(rx)) => {
+                                let sent =
+                                    Sent { rank: self.rank, server, block, op, timeout: self.opts.request_timeout };
+                                replies.push(async move { (tag, sent, tokio::time::timeout(sent.timeout, rx).await) });
+                                continue;
+                            }
+                            Some(Err(e)) if self.shutting_down() => return Err(self.explain(e)),
+                            // Closed or unreachable: resent after a layout refresh.
+                            _ => self.lost(server, tag, &mut plan),
+                        }
                     }
                     Action::RefreshLayout => {
                         let reply = self
                             .sched
                             .call(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into())
                             .await?;
-                        self.install_layout(reply).await?;
+                        self.install_layout(reply, true).await?;
                         plan.on_layout(self.clock.now(), &*self.current_layout()?)
                     }
                     Action::Wait { until_us } => {
@@ -355,7 +363,14 @@ impl Client {
             let Some((tag, sent, reply)) = replies.next().await else {
                 return Err(stalled(&plan));
             };
-            let msg = sent.reply(reply).map_err(|e| self.explain(e))?;
+            let msg = match sent.reply(reply) {
+                Ok(msg) => msg,
+                Err(RuntimeError::Closed(_)) if !self.shutting_down() => {
+                    todo.extend(self.lost(sent.server, tag, &mut plan).map_err(from_node)?);
+                    continue;
+                }
+                Err(e) => return Err(self.explain(e)),
+            };
             todo.extend(plan.on_reply(self.clock.now(), tag, &msg).map_err(from_node)?);
             // Accepted: a PullReply is as long as its block.
             if let (Message::PullReply { values, .. }, Some((_, params))) = (&msg, pull.as_mut())
@@ -377,15 +392,35 @@ impl Client {
         Ok(())
     }
 
-    /// The connection to server `owner`.
-    fn peer(&self, owner: u32) -> Result<&Peer> {
-        self.servers.get(&owner).ok_or_else(|| RuntimeError::Protocol {
-            peer: "scheduler".into(),
-            what: format!("layout names server {owner}, which it does not list"),
-        })
+    /// The connection to server `owner`, if open (`None`: lost, or unreachable at the last
+    /// layout), or the error for a layout that does not list it.
+    fn peer(&self, owner: u32) -> Result<Option<&Peer>> {
+        let listed = self.layout.as_ref().is_some_and(|l| l.servers.iter().any(|s| s.id == owner));
+        match self.servers.get(&owner) {
+            Some(p) => Ok(Some(p)),
+            None if listed => Ok(None),
+            None => Err(RuntimeError::Protocol {
+                peer: "scheduler".into(),
+                what: format!("layout names server {owner}, which it does not list"),
+            }),
+        }
     }
 
-    async fn install_layout(&mut self, reply: Message) -> Result<()> {
+    /// Request `tag` to `server` went unanswered on a closed (or never opened) connection:
+    /// forgets the connection (the next layout naming the server connects again) and lets
+    /// the plan resend it to the owner a refreshed layout names.
+    fn lost(&mut self, server: u32, tag: Tag, plan: &mut Round) -> std::result::Result<Vec<Action>, NodeError> {
+        if self.servers.get(&server).is_some_and(Peer::is_closed) {
+            tracing::warn!(rank = self.rank, server, "server connection lost; resending after a layout refresh");
+            self.servers.remove(&server);
+        }
+        plan.on_lost(self.clock.now(), tag)
+    }
+
+    /// Connects to the layout's new servers (Hello) and drops those that left it. During a
+    /// round (`in_round`) a server that cannot be reached is left out: the requests the plan
+    /// sends it come back lost, and the plan refreshes the layout again.
+    async fn install_layout(&mut self, reply: Message, in_round: bool) -> Result<()> {
         let layout = match reply {
             Message::Control(Control::Layout(l)) => l,
             other => return Err(RuntimeError::unexpected("scheduler", "Layout", &other)),
@@ -394,21 +429,38 @@ impl Client {
             if self.servers.contains_key(&s.id) {
                 continue;
             }
-            let name = format!("server {}", s.id);
-            let (peer, _notes) = Peer::connect(&s.addr, self.opts.codec.clone(), &name).await?;
-            match peer
-                .call(Control::Hello { rank: self.rank }.into(), CALL_TIMEOUT, || format!("{name} to accept Hello"))
-                .await?
-            {
-                Message::Control(Control::Ok) => {}
-                other => return Err(RuntimeError::unexpected(&name, "Ok", &other)),
+            match self.hello(s).await {
+                Ok(peer) => {
+                    self.servers.insert(s.id, peer);
+                }
+                Err(e @ (RuntimeError::Closed(_) | RuntimeError::Io { .. })) if in_round => {
+                    tracing::warn!(rank = self.rank, server = s.id, addr = %s.addr, error = %e, "server unreachable");
+                }
+                Err(e) => return Err(e),
             }
-            self.servers.insert(s.id, peer);
         }
         // Servers that left the job (scaled in): drop their connections.
         self.servers.retain(|id, _| layout.servers.iter().any(|s| s.id == *id));
         self.layout = Some(Arc::new(layout));
         Ok(())
+    }
+
+    /// A connection to server `s`, which accepted this worker's `Hello`.
+    async fn hello(&self, s: &ServerAddr) -> Result<Peer> {
+        let name = format!("server {}", s.id);
+        let (peer, _notes) = Peer::connect(&s.addr, self.opts.codec.clone(), &name).await?;
+        match peer
+            .call(Control::Hello { rank: self.rank }.into(), CALL_TIMEOUT, || format!("{name} to accept Hello"))
+            .await?
+        {
+            Message::Control(Control::Ok) => Ok(peer),
+            other => Err(RuntimeError::unexpected(&name, "Ok", &other)),
+        }
+    }
+
+    /// Whether the scheduler said the job ends (closed server connections are expected).
+    fn shutting_down(&self) -> bool {
+        self.shutdown.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 
     /// The layout, or the error for a client that has not registered the model.

@@ -70,6 +70,11 @@ impl Peer {
         &self.name
     }
 
+    /// Whether the connection is closed (its reader ended: every call in flight failed).
+    pub fn is_closed(&self) -> bool {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+
     /// Sends a notification (request id 0); nothing answers it.
     pub fn notify(&self, msg: Message) -> Result<()> {
         self.out.send((0, msg)).map_err(|_| RuntimeError::Closed(self.name.to_string()))

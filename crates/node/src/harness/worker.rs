@@ -250,6 +250,7 @@ impl WorkerRole {
 
     fn carry_out(&mut self, out: &mut Outbox<'_>, actions: Vec<Action>) {
         let rank = self.rank.unwrap_or(0);
+        let mut lost = Vec::new();
         for action in actions {
             match action {
                 Action::Send { tag, server, block, op } => {
@@ -267,7 +268,8 @@ impl WorkerRole {
                         *self.in_flight.entry(conn).or_default() += 1;
                     }
                     if !sent {
-                        return self.fail(out, format!("server {server} closed the connection"));
+                        // Closed (or never connected): the plan resends after a refresh.
+                        lost.push(tag);
                     }
                 }
                 Action::RefreshLayout => {
@@ -277,6 +279,19 @@ impl WorkerRole {
                     self.call_scheduler(out, id, Control::GetLayout.into());
                 }
                 Action::Wait { until_us } => out.wake_at(until_us, WAKE),
+            }
+        }
+        self.lost(out, lost);
+    }
+
+    /// Feeds the plan requests whose server connection closed before they were answered.
+    fn lost(&mut self, out: &mut Outbox<'_>, tags: Vec<u64>) {
+        for tag in tags {
+            let Some(round) = self.round.as_mut() else { return };
+            let result = round.on_lost(out.now_us(), tag);
+            self.on_round_result(out, result);
+            if matches!(self.stage, Stage::Failed(_)) {
+                return;
             }
         }
     }
@@ -432,18 +447,17 @@ impl Role for WorkerRole {
             // layout); nothing is asked of it any more.
             return;
         }
-        let who = if Some(conn) == self.sched { "the scheduler".to_string() } else { format!("a server ({conn})") };
-        let server = self.servers.iter().find(|(_, c)| **c == conn).map(|(id, _)| *id);
-        if let Some(id) = server
-            && self.in_flight.get(&conn).is_none_or(|n| *n == 0)
-        {
-            // Nothing is asked of it (a drained server that left after its linger): as with
-            // the runtime's client, only a request sent to it later fails.
-            self.servers.remove(&id);
-            self.in_flight.remove(&conn);
-            return;
+        if Some(conn) == self.sched {
+            return self.fail(out, format!("the scheduler closed the connection ({why:?})"));
         }
-        self.fail(out, format!("{who} closed the connection ({why:?})"));
+        let Some(id) = self.servers.iter().find(|(_, c)| **c == conn).map(|(id, _)| *id) else { return };
+        // A server that left (a drained server after its linger, or one this worker's
+        // stale layout still named): what it did not answer goes, after a layout refresh,
+        // to the owner named then; a later layout naming it connects again.
+        self.servers.remove(&id);
+        self.in_flight.remove(&conn);
+        let tags: Vec<u64> = self.round.as_ref().map(|r| r.waiting_on(id).collect()).unwrap_or_default();
+        self.lost(out, tags);
     }
 
     fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {

@@ -30,6 +30,10 @@ enum Outcome {
     Pulled,
     /// The server no longer owns the block.
     Moved,
+    /// The server's connection closed before it answered: resent, like a moved block,
+    /// to the owner a refreshed layout names (a resent push is a duplicate if it was
+    /// applied, and the clock state drops it).
+    Lost,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -89,6 +93,8 @@ pub struct Round {
     /// (the one under way may predate their move).
     moved_next: Vec<Todo>,
     refreshes: u32,
+    /// Servers whose connection closed with requests of this round in flight.
+    lost: Vec<u32>,
     /// Scratch for grouping blocks by owner.
     grouped: Vec<(u32, Todo)>,
     scratch: Vec<Todo>,
@@ -119,6 +125,7 @@ impl Default for Round {
             moved: Vec::new(),
             moved_next: Vec::new(),
             refreshes: 0,
+            lost: Vec::new(),
             grouped: Vec::new(),
             scratch: Vec::new(),
             waits: Vec::new(),
@@ -157,6 +164,7 @@ impl Round {
         self.moved.clear();
         self.moved_next.clear();
         self.refreshes = 0;
+        self.lost.clear();
         self.waits.clear();
         self.push_load.clear();
         let has = |mask: Option<&[bool]>, t: u32| mask.is_some_and(|m| m.get(t as usize).copied().unwrap_or(false));
@@ -259,13 +267,50 @@ impl Round {
                 });
             }
         };
+        self.settle(now_us, index, outcome)
+    }
+
+    /// The connection to the server of request `tag` closed before it answered (a
+    /// drained server that left, a crash, a refused connect): the request is resent to
+    /// the owner a refreshed layout names. A tag no longer waiting (answered, or of an
+    /// older round) changes nothing. If the layout keeps naming that server, the round
+    /// fails once the refreshes run out, naming the server.
+    pub fn on_lost(&mut self, now_us: u64, tag: Tag) -> Result<Vec<Action>> {
+        let index = (tag & u64::from(u32::MAX)) as usize;
+        match self.requests.get(index) {
+            Some(r) if tag >> 32 == u64::from(self.seq) && r.outcome == Outcome::Waiting => {
+                let server = self.phases[r.phase as usize].owner;
+                if !self.lost.contains(&server) {
+                    self.lost.push(server);
+                }
+                tracing::debug!(server, block = r.todo.block.id, "server connection lost; resending after a refresh");
+                self.settle(now_us, index, Outcome::Lost)
+            }
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// The tags of this round's requests that `server` has not answered yet (for a
+    /// runtime that learns of a lost connection, not of a lost request).
+    pub fn waiting_on(&self, server: u32) -> impl Iterator<Item = Tag> + '_ {
+        let seq = u64::from(self.seq) << 32;
+        self.requests
+            .iter()
+            .enumerate()
+            .filter(move |(_, r)| r.outcome == Outcome::Waiting && self.phases[r.phase as usize].owner == server)
+            .map(move |(i, _)| seq | i as u64)
+    }
+
+    /// Request `index` (waiting) came out as `outcome`; ends its phase if it was the last.
+    fn settle(&mut self, now_us: u64, index: usize, outcome: Outcome) -> Result<Vec<Action>> {
+        let phase = self.requests[index].phase;
         self.requests[index].outcome = outcome;
         self.pending -= 1;
-        let p = &mut self.phases[request.phase as usize];
+        let p = &mut self.phases[phase as usize];
         p.pending -= 1;
         let mut out = Vec::new();
         if p.pending == 0 {
-            self.phase_done(now_us, request.phase, &mut out)?;
+            self.phase_done(now_us, phase, &mut out)?;
         }
         Ok(out)
     }
@@ -414,7 +459,7 @@ impl Round {
                     }
                 }
                 Outcome::Carried => to_pull.push(Todo { block: b, push: false, pull: true }),
-                Outcome::Moved => {
+                Outcome::Moved | Outcome::Lost => {
                     moved += 1;
                     let todo =
                         if p.push { Todo { push: true, ..r.todo } } else { Todo { block: b, push: false, pull: true } };
@@ -445,16 +490,23 @@ impl Round {
         self.refreshes += 1;
         let elapsed_us = now_us.saturating_sub(self.started_us);
         if self.refreshes > MAX_LAYOUT_REFRESHES || elapsed_us > self.timeout_us {
-            return Err(NodeError::Protocol {
-                peer: "servers".into(),
-                what: format!(
-                    "blocks kept moving through {} layout refreshes in {:.1} s",
-                    self.refreshes,
-                    elapsed_us as f64 / 1e6
-                ),
-            });
+            let (refreshes, secs) = (self.refreshes, elapsed_us as f64 / 1e6);
+            let what = if self.lost.is_empty() {
+                format!("blocks kept moving through {refreshes} layout refreshes in {secs:.1} s")
+            } else {
+                format!(
+                    "the connection to server(s) {:?} closed with requests in flight, and the layout still \
+                     named them after {refreshes} refreshes in {secs:.1} s",
+                    self.lost
+                )
+            };
+            return Err(NodeError::Protocol { peer: "servers".into(), what });
         }
-        tracing::debug!(blocks = self.moved.len(), refreshes = self.refreshes, "blocks moved; refreshing the layout");
+        tracing::debug!(
+            blocks = self.moved.len(),
+            refreshes = self.refreshes,
+            "blocks moved or lost; refreshing the layout"
+        );
         self.chase = Chase::Refreshing;
         out.push(Action::RefreshLayout);
         Ok(())

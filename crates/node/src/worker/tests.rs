@@ -125,6 +125,59 @@ fn a_moved_block_is_resent_to_its_new_owner_after_the_layout() {
 }
 
 #[test]
+fn requests_a_lost_server_did_not_answer_go_to_the_owner_of_the_refreshed_layout() {
+    // Blocks 0, 1 on server 0, block 2 on server 1.
+    let l = layout(&[6], 2, vec![0, 0, 1], 1, 2);
+    let mut w = worker();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(3), &[true])), Some((4, &[true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(r.waiting_on(0).collect::<Vec<_>>(), vec![first[0].0, first[1].0]);
+    // Server 0 acknowledges block 0, then its connection closes with block 1 unanswered.
+    let p0 = sends(&r.on_reply(5, first[0].0, &ack(0)).unwrap());
+    assert!(p0.is_empty(), "the pulls wait for the whole push phase");
+    let lost: Vec<Tag> = r.waiting_on(0).collect();
+    assert_eq!(lost, vec![first[1].0]);
+    let after = r.on_lost(6, lost[0]).unwrap();
+    // Block 0 was acknowledged: its pull goes to server 0's connection as planned (the
+    // runtime finds it closed and reports that pull lost too); block 1 is chased.
+    assert_eq!(sends(&after).iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::Pull(4))]);
+    assert!(after.contains(&Action::RefreshLayout));
+    let pull0 = sends(&after)[0].0;
+    assert!(r.on_lost(7, pull0).unwrap().is_empty(), "a refresh is under way: it waits for the next one");
+    assert!(r.on_lost(7, pull0).unwrap().is_empty(), "a tag no longer waiting changes nothing");
+    // Server 1 answers its block as usual.
+    let p2 = sends(&r.on_reply(8, first[2].0, &ack(2)).unwrap());
+    r.on_reply(9, p2[0].0, &pulled(2, 2)).unwrap();
+    // The refreshed layout names server 1 for every block: block 1's push is resent there
+    // (a duplicate if server 0 had applied it), then, after the next refresh, block 0's pull.
+    let l2 = layout(&[6], 2, vec![1, 1, 1], 2, 2);
+    let resent = r.on_layout(10, &l2).unwrap();
+    assert_eq!(sends(&resent).iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 1, Op::Push(3))]);
+    assert!(resent.contains(&Action::RefreshLayout));
+    let pushed = sends(&resent)[0].0;
+    let pull1 = sends(&r.on_reply(11, pushed, &ack(1)).unwrap());
+    assert_eq!(pull1.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 1, Op::Pull(4))]);
+    let again = sends(&r.on_layout(12, &layout(&[6], 2, vec![1, 1, 1], 3, 2)).unwrap());
+    assert_eq!(again.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Pull(4))]);
+    r.on_reply(13, pull1[0].0, &pulled(1, 2)).unwrap();
+    r.on_reply(14, again[0].0, &pulled(0, 2)).unwrap();
+    assert!(r.is_done());
+}
+
+#[test]
+fn a_lost_server_the_layout_keeps_naming_ends_the_round_naming_it() {
+    let l = layout(&[2], 2, vec![0], 1, 1);
+    let mut w = Worker::new(0, 1_000_000, INTERVAL_US, 0);
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
+    let err = r.on_lost(2_500_000, sends(&first)[0].0).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "protocol error with servers: the connection to server(s) [0] closed with requests in flight, and the \
+         layout still named them after 1 refreshes in 2.5 s"
+    );
+}
+
+#[test]
 fn a_moved_pull_is_resent_as_a_pull() {
     let l = layout(&[2], 2, vec![0], 1, 2);
     let mut w = worker();
