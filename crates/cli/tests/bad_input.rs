@@ -7,7 +7,7 @@
 //! the connection, and that well-behaved clients (in process, or worker processes training
 //! the MLP) carry on unharmed.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -200,7 +200,7 @@ fn bad_frames() -> Vec<Bad> {
 /// Sends `bad` on a new connection to `addr`; checks the refusal and that the node then
 /// closes the connection (EOF).
 fn check_refused(addr: &str, bad: &Bad) {
-    let mut s = connect_raw(addr);
+    let mut s = connect_raw(addr, SECRET.as_bytes());
     s.write_all(&bad.bytes).unwrap_or_else(|e| panic!("{}: sending to {addr}: {e}", bad.name));
     if bad.half_close {
         s.shutdown(Shutdown::Write).expect("half close");
@@ -238,6 +238,8 @@ struct Tiny {
     rt: tokio::runtime::Runtime,
     client: Option<Client>,
     sched: Proc,
+    /// The scheduler's address.
+    sched_addr: String,
     servers: Vec<Proc>,
     /// `addrs[s]`: data address of server `s`.
     addrs: Vec<String>,
@@ -301,6 +303,7 @@ impl Tiny {
             rt,
             client: Some(client),
             sched,
+            sched_addr: addr,
             servers,
             addrs,
             owners,
@@ -375,7 +378,7 @@ fn a_server_refuses_each_bad_frame_closes_only_that_connection_and_keeps_serving
     let mut c = Tiny::start();
     c.round("start");
     // An idle, well-behaved raw connection opened before the garbage must survive it too.
-    let mut idle = connect_raw(&c.addrs[0]);
+    let mut idle = connect_raw(&c.addrs[0], SECRET.as_bytes());
     let (h, m) = call_raw(&mut idle, &codec(), 1, &Control::Hello { rank: 0 }.into());
     assert!(matches!(m, Message::Control(Control::Ok)) && h.request_id == 1, "Hello: {m:?}");
 
@@ -399,13 +402,70 @@ fn a_server_refuses_each_bad_frame_closes_only_that_connection_and_keeps_serving
     c.finish();
 }
 
+/// Connections that do not prove they hold the cluster secret: a wrong secret (a worker
+/// process and a raw peer), a peer that sends a frame before the handshake, and one that
+/// stops half way through it. Each is refused or dropped with a clear error and a log
+/// line, and the well-behaved worker's training goes on, value for value.
+#[test]
+fn a_wrong_secret_a_skipped_handshake_and_a_stalled_one_are_refused_while_the_job_goes_on() {
+    let mut c = Tiny::start();
+    c.round("start");
+    let mut stalled = Vec::new();
+    for addr in [c.sched_addr.clone(), c.addrs[0].clone(), c.addrs[1].clone()] {
+        let mut s = connect_unauthenticated(&addr);
+        let e = handshake_raw(&mut s, b"not the secret").expect_err("a wrong secret must be refused");
+        assert!(e.contains("cluster secret differs"), "{addr}: {e}");
+
+        let mut s = connect_unauthenticated(&addr);
+        write_frame(&mut s, &codec(), 9, &Control::Hello { rank: 0 }.into()).expect("a frame");
+        match read_reply(&mut s, &codec(), REPLY_TIMEOUT) {
+            Reply::Frame(_, Message::Error(e)) => {
+                assert_eq!(e.code, ErrorCode::Unauthenticated, "{addr}: {e}");
+                assert!(e.message.contains("sent a frame before the handshake"), "{addr}: {e}");
+            }
+            other => panic!("{addr}: a frame before the handshake got {other:?}"),
+        }
+        assert!(matches!(read_reply(&mut s, &codec(), REPLY_TIMEOUT), Reply::Eof | Reply::Reset), "{addr} closes");
+
+        let mut s = connect_unauthenticated(&addr);
+        s.write_all(b"EPSH").expect("half a hello");
+        stalled.push((addr, s));
+    }
+    c.round("three refusals on every node");
+
+    // A worker process with the wrong secret stops with an error that says so.
+    let mut w = start_worker(&c.sched_addr, &["--iterations", "1", "--secret", "not the secret"]);
+    let status = w.finish(Duration::from_secs(30));
+    assert!(matches!(status, Some(s) if !s.success()), "a worker with the wrong secret ended with {status:?}");
+    assert!(w.log().contains("cluster secret differs"), "{}", w.log_tail(10));
+
+    // The stalled handshakes are dropped once the handshake deadline passes.
+    let deadline = Instant::now() + elasticps_runtime::handshake::HANDSHAKE_TIMEOUT + REPLY_TIMEOUT;
+    for (addr, mut s) in stalled {
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+        s.set_read_timeout(Some(left)).expect("read timeout");
+        let mut buf = [0u8; 64];
+        match s.read(&mut buf) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("{addr}: a stalled handshake was not dropped: {other:?}"),
+        }
+    }
+    c.round("the stalled handshakes were dropped");
+    for (name, log) in [("scheduler", c.sched.log()), ("server 0", c.servers[0].log())] {
+        assert!(log.contains("connection refused"), "{name} logs each refusal\n{log}");
+        assert!(log.contains("cluster secret"), "{name} logs why\n{log}");
+    }
+    c.finish();
+}
+
 #[test]
 fn a_request_for_a_missing_block_gets_unknown_block_and_the_connection_stays_usable() {
     let mut c = Tiny::start();
     let k = codec();
     for s in 0..c.addrs.len() as u32 {
         let (owned, foreign) = c.owned_and_foreign(s);
-        let mut conn = connect_raw(&c.addrs[s as usize]);
+        let mut conn = connect_raw(&c.addrs[s as usize], SECRET.as_bytes());
 
         // Before Hello a server does not know whose requests these are.
         let (_, m) = call_raw(&mut conn, &k, 1, &Control::Hello { rank: 0 }.into());
@@ -481,7 +541,7 @@ fn the_scheduler_survives_garbage_and_a_job_still_completes() {
             check_refused(&addr, &bad);
         }
         // A well-formed frame that is not a control message: refused and closed.
-        let mut s = connect_raw(&addr);
+        let mut s = connect_raw(&addr, SECRET.as_bytes());
         write_frame(&mut s, &codec(), 9, &Message::Pull { block: 0, clock: 0 }).expect("send");
         match read_reply(&mut s, &codec(), REPLY_TIMEOUT) {
             Reply::Frame(h, Message::Error(e)) => {
@@ -541,6 +601,8 @@ fn spam_once(addr: &str, cases: &[Bad], i: usize) -> Result<(), String> {
     let mut s =
         std::net::TcpStream::connect_timeout(&sock, REPLY_TIMEOUT).map_err(|e| format!("connecting to {addr}: {e}"))?;
     s.set_write_timeout(Some(REPLY_TIMEOUT)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(REPLY_TIMEOUT)).map_err(|e| e.to_string())?;
+    handshake_raw(&mut s, SECRET.as_bytes()).map_err(|e| format!("handshake with {addr}: {e}"))?;
     if i.is_multiple_of(7) {
         // An oversized header followed by a flood of payload bytes: the node must close the
         // connection instead of reading (or allocating) the announced 4 GiB.
@@ -589,9 +651,9 @@ fn garbage_sent_to_a_servers_port_mid_training_does_not_stop_that_training_run()
     // and an oversized header whose refusal is only read at the end.
     let mut stalled = Vec::new();
     for a in [&a0, &a1] {
-        let mut partial = connect_raw(a);
+        let mut partial = connect_raw(a, SECRET.as_bytes());
         partial.write_all(&MAGIC).expect("partial header");
-        let mut unread = connect_raw(a);
+        let mut unread = connect_raw(a, SECRET.as_bytes());
         unread
             .write_all(&codec().encode_header(&FrameHeader {
                 kind: Kind::Pull,

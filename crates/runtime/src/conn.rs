@@ -132,11 +132,19 @@ pub fn split_shaped(
 
 /// Connects to `addr` and splits the stream, with a timeout naming what is connected.
 pub async fn connect(addr: &str, codec: Codec, peer: String) -> Result<(FrameReader, Outbox)> {
-    let stream = crate::timeout(crate::CONNECT_TIMEOUT, format!("connecting to {peer} at {addr}"), async {
-        TcpStream::connect(addr).await.map_err(|e| RuntimeError::io(format!("connecting to {peer} at {addr}"), e))
+    let stream = dial(addr, &codec, &peer).await?;
+    Ok(split(stream, codec, peer))
+}
+
+/// A TCP connection to `addr` that passed the handshake ([`crate::handshake::dial`]).
+pub async fn dial(addr: &str, codec: &Codec, peer: &str) -> Result<TcpStream> {
+    let what = format!("connecting to {peer} at {addr}");
+    let mut stream = crate::timeout(crate::CONNECT_TIMEOUT, what.clone(), async {
+        TcpStream::connect(addr).await.map_err(|e| RuntimeError::io(what.clone(), e))
     })
     .await?;
-    Ok(split(stream, codec, peer))
+    crate::handshake::dial(&mut stream, codec.secret(), &format!("{peer} at {addr}")).await?;
+    Ok(stream)
 }
 
 async fn write_loop(

@@ -1,5 +1,6 @@
 //! elasticps-runtime: the tokio drivers that move bytes and time in and out of the core.
 //!
+//! - [`handshake`]: the HMAC-SHA256 challenge-response that opens every connection.
 //! - [`conn`]: framed I/O on a TCP connection (read header, then payload straight into
 //!   an aligned `Vec<f32>`; one writer task per connection).
 //! - [`pool`]: recycled buffers for large tensor payloads.
@@ -24,6 +25,7 @@ pub mod client;
 pub mod conn;
 pub mod error;
 pub mod events;
+pub mod handshake;
 pub mod metrics;
 pub mod peer;
 pub mod pool;

@@ -47,11 +47,7 @@ impl Peer {
         name: &str,
         shaper: Option<Arc<crate::shaping::Shaper>>,
     ) -> Result<(Peer, Notifications)> {
-        let what = format!("connecting to {name} at {addr}");
-        let stream = crate::timeout(crate::CONNECT_TIMEOUT, what.clone(), async {
-            tokio::net::TcpStream::connect(addr).await.map_err(|e| RuntimeError::io(what.clone(), e))
-        })
-        .await?;
+        let stream = conn::dial(addr, &codec, name).await?;
         let (reader, out) = conn::split_shaped(stream, codec, name.to_string(), shaper);
         Ok(Self::start(reader, out, name))
     }

@@ -66,6 +66,25 @@ pub enum WireError {
     /// A Control or Error payload that postcard could not decode (or encode).
     #[error("postcard: {0}")]
     Postcard(String),
+    /// A new connection did not start with the handshake (`frame`: it sent a frame, as a
+    /// node of an older version or a client that skips it would).
+    #[error("{}", if *frame { "the peer sent a frame before the handshake".to_string() } else { format!("the peer did not start with the handshake (first bytes {got:02x?}): not an elasticps node") })]
+    NoHandshake {
+        /// The four bytes that arrived.
+        got: [u8; 4],
+        /// Whether they were a frame's magic.
+        frame: bool,
+    },
+    /// The handshake's proof does not hold: the two ends hold different cluster secrets
+    /// (`refused_by_peer`: the peer refused this node's proof).
+    #[error("{}", if *refused_by_peer { "the peer refused the handshake: its cluster secret differs from this node's (--secret)" } else { "the peer failed the handshake: it does not hold this node's cluster secret (--secret)" })]
+    Unauthenticated {
+        /// Whether the peer refused this side (else this side refused the peer).
+        refused_by_peer: bool,
+    },
+    /// A handshake message that makes no sense.
+    #[error("bad handshake: {0}")]
+    BadHandshake(String),
 }
 
 impl WireError {
@@ -79,6 +98,8 @@ impl WireError {
             WireError::TooLarge { .. } => ErrorCode::TooLarge,
             WireError::BadChecksum => ErrorCode::BadChecksum,
             WireError::BadPayload { .. } | WireError::NotF32 { .. } | WireError::Postcard(_) => ErrorCode::Malformed,
+            WireError::NoHandshake { .. } | WireError::BadHandshake(_) => ErrorCode::Malformed,
+            WireError::Unauthenticated { .. } => ErrorCode::Unauthenticated,
         }
     }
 
@@ -121,6 +142,8 @@ pub enum ErrorCode {
     ShuttingDown,
     /// 9: a bug or resource failure on the receiver's side.
     Internal,
+    /// 10: the peer did not prove it holds the cluster secret.
+    Unauthenticated,
 }
 
 impl fmt::Display for ErrorCode {
@@ -136,6 +159,7 @@ impl fmt::Display for ErrorCode {
             ErrorCode::NotReady => "not ready",
             ErrorCode::ShuttingDown => "shutting down",
             ErrorCode::Internal => "internal",
+            ErrorCode::Unauthenticated => "unauthenticated",
         })
     }
 }

@@ -16,10 +16,9 @@ use crate::message::{Message, check_payload_len};
 /// Encodes and validates frames for one cluster: holds the cluster secret (mixed into
 /// every header checksum) and the payload limit. Cheap to clone (the secret is shared).
 ///
-/// The checksum keeps out corrupt headers and peers of other clusters (a different
-/// secret); it is **not** cryptographic authentication: CRC-32 is linear and anyone who
-/// sees one frame can brute-force or forge around it. Use TLS where the network is not
-/// trusted.
+/// The checksum keeps out corrupt headers and frames of other clusters (a different
+/// secret); it is not what authenticates a peer (CRC-32 is linear): the connection
+/// handshake ([`crate::handshake`], HMAC-SHA256 keyed with the same secret) does that.
 #[derive(Clone)]
 pub struct Codec {
     secret: Arc<[u8]>,
@@ -44,6 +43,11 @@ impl Codec {
     /// A codec with this cluster secret (may be empty) and payload limit in bytes.
     pub fn new(secret: &[u8], max_payload: u32) -> Self {
         Codec { secret: Arc::from(secret), max_payload }
+    }
+
+    /// The cluster secret (the key of the connection handshake).
+    pub fn secret(&self) -> &[u8] {
+        &self.secret
     }
 
     /// The payload limit in bytes.

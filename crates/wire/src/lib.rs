@@ -54,6 +54,7 @@
 pub mod control;
 pub mod error;
 pub mod frame;
+pub mod handshake;
 pub mod header;
 pub mod message;
 pub mod values;

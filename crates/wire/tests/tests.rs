@@ -396,6 +396,7 @@ mod common {
             ErrorCode::NotReady,
             ErrorCode::ShuttingDown,
             ErrorCode::Internal,
+            ErrorCode::Unauthenticated,
         ])
     }
 
@@ -748,7 +749,7 @@ mod invalid {
         }
         // An Error frame with an unknown code.
         let fh = FrameHeader { kind: Kind::Error, payload_len: 2, ..control_header(0) };
-        assert!(matches!(Message::decode(&fh, Bytes::from_static(&[10, 0])), Err(WireError::Postcard(_))));
+        assert!(matches!(Message::decode(&fh, Bytes::from_static(&[11, 0])), Err(WireError::Postcard(_))));
         // Invalid UTF-8 in a string.
         let bad_utf8 = [11u8, 2, 0xc3, 0x28];
         let err = Message::decode(&control_header(4), Bytes::copy_from_slice(&bad_utf8)).unwrap_err();

@@ -348,8 +348,31 @@ pub fn poll_until<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Opt
 // ---------------------------------------------------------------------------------------
 // Raw frames over std TcpStream.
 
-/// A blocking connection with no delay and 10 s read/write timeouts.
-pub fn connect_raw(addr: &str) -> TcpStream {
+/// A blocking connection with no delay and 10 s read/write timeouts that passed the
+/// handshake with `secret`; ready for raw frames.
+pub fn connect_raw(addr: &str, secret: &[u8]) -> TcpStream {
+    let mut s = connect_unauthenticated(addr);
+    handshake_raw(&mut s, secret).unwrap_or_else(|e| panic!("handshake with {addr}: {e}"));
+    s
+}
+
+/// The dialer's side of the handshake on a blocking stream (what the runtime does).
+pub fn handshake_raw(s: &mut TcpStream, secret: &[u8]) -> Result<(), String> {
+    use elasticps_wire::handshake::{ClientHandshake, HELLO_LEN, NONCE_LEN, VERDICT_LEN};
+    let nonce: [u8; NONCE_LEN] = std::array::from_fn(|i| (i as u8).wrapping_mul(37) ^ std::process::id() as u8);
+    let (client, hello) = ClientHandshake::start(secret, nonce);
+    s.write_all(&hello).map_err(|e| e.to_string())?;
+    let mut reply = [0u8; HELLO_LEN];
+    s.read_exact(&mut reply).map_err(|e| e.to_string())?;
+    let (client, proof) = client.on_hello(&reply).map_err(|e| e.to_string())?;
+    s.write_all(&proof).map_err(|e| e.to_string())?;
+    let mut verdict = [0u8; VERDICT_LEN];
+    s.read_exact(&mut verdict).map_err(|e| e.to_string())?;
+    client.on_verdict(&verdict).map_err(|e| e.to_string())
+}
+
+/// A blocking connection with no delay and 10 s read/write timeouts, before any handshake.
+pub fn connect_unauthenticated(addr: &str) -> TcpStream {
     let sock: SocketAddr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
     let s = TcpStream::connect_timeout(&sock, Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));

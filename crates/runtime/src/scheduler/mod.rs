@@ -18,6 +18,7 @@ pub use elasticps_node::scheduler::{
 
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
+use crate::handshake;
 use crate::metrics::SchedulerMetrics;
 use crate::{HEARTBEAT_TIMEOUT, Micros};
 
@@ -174,10 +175,15 @@ async fn accept_loop(listener: TcpListener, codec: Codec, events: mpsc::Unbounde
         };
         let conn = next;
         next += 1;
-        let (mut reader, out) = conn::split(stream, codec.clone(), addr.to_string());
-        let events = events.clone();
-        let close = Arc::new(Notify::new());
+        let (codec, events) = (codec.clone(), events.clone());
         tokio::spawn(async move {
+            let mut stream = stream;
+            let peer = addr.to_string();
+            if let Err(e) = handshake::accept(&mut stream, codec.secret(), &peer).await {
+                return handshake::refused(&mut stream, &codec, &peer, &e).await;
+            }
+            let (mut reader, out) = conn::split(stream, codec, peer);
+            let close = Arc::new(Notify::new());
             let why = loop {
                 let next = tokio::select! {
                     biased;

@@ -22,6 +22,7 @@ use tokio::sync::Notify;
 
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
+use crate::handshake;
 use crate::metrics::{ServerMetrics, ServerSnapshot, ServerSource};
 use crate::peer::Peer;
 use crate::shaping::Shaper;
@@ -264,7 +265,10 @@ async fn accept_loop(listener: TcpListener, io: Arc<Io>) {
 /// Reads one connection's frames into the state machine until it closes or sends
 /// something invalid; never takes the server down. Until the peer says Hello (or streams
 /// a block) each frame must come within [`CALL_TIMEOUT`].
-async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
+async fn serve_connection(mut stream: TcpStream, peer: String, io: Arc<Io>) {
+    if let Err(e) = handshake::accept(&mut stream, io.codec.secret(), &peer).await {
+        return handshake::refused(&mut stream, &io.codec, &peer, &e).await;
+    }
     let conn = io.next_conn.fetch_add(1, Ordering::Relaxed);
     let (mut reader, out) = conn::split_shaped(stream, io.codec.clone(), peer.clone(), Some(io.shaper.clone()));
     lock(&io.conns).insert(conn, out.clone());
