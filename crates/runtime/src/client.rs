@@ -27,7 +27,7 @@ use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_node::NodeError;
 use elasticps_node::worker::{Action, Op, PushOp, Round, Worker};
-use elasticps_wire::{Codec, Control, Layout, Message};
+use elasticps_wire::{Codec, Control, Kind, Layout, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
@@ -35,6 +35,9 @@ use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 use crate::peer::Peer;
 use crate::{CALL_TIMEOUT, HEARTBEAT_EVERY, Micros, STATS_INTERVAL};
+
+/// Requests of a round in flight to one server, by default ([`ClientOptions::window`]).
+pub const DEFAULT_WINDOW: usize = 32;
 
 /// How a worker connects.
 #[derive(Clone, Debug)]
@@ -48,6 +51,9 @@ pub struct ClientOptions {
     pub request_timeout: Duration,
     /// Count iterations and waits here (served by a [`crate::metrics::MetricsEndpoint`]).
     pub metrics: Option<Arc<WorkerMetrics>>,
+    /// The window: at most this many requests of a round in flight to one server (at
+    /// least 1); the others are sent as replies come back.
+    pub window: usize,
 }
 
 impl ClientOptions {
@@ -58,6 +64,7 @@ impl ClientOptions {
             codec: Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD),
             request_timeout: Duration::from_secs(300),
             metrics: None,
+            window: DEFAULT_WINDOW,
         }
     }
 }
@@ -324,13 +331,21 @@ impl Client {
         let grads = push.map_or(&[][..], |(_, g)| g);
         let mut replies = FuturesUnordered::new();
         let mut todo = VecDeque::from(actions);
+        // The window: requests in flight per server, and the sends waiting for room.
+        let mut in_flight: HashMap<u32, usize> = HashMap::new();
+        let mut deferred: HashMap<u32, VecDeque<Action>> = HashMap::new();
         loop {
             while let Some(action) = todo.pop_front() {
                 let more = match action {
                     Action::Send { tag, server, block, op } => {
-                        let msg = request(block, op, grads)?;
-                        let rx = self.peer(server)?.send_request(msg).map_err(|e| self.explain(e))?;
                         let sent = Sent { rank: self.rank, server, block, op, timeout: self.opts.request_timeout };
+                        let window = in_flight.entry(server).or_insert(0);
+                        if *window >= self.opts.window.max(1) {
+                            deferred.entry(server).or_default().push_back(Action::Send { tag, server, block, op });
+                            continue;
+                        }
+                        *window += 1;
+                        let rx = self.send(sent, grads).await.map_err(|e| self.explain(e))?;
                         replies.push(async move { (tag, sent, tokio::time::timeout(sent.timeout, rx).await) });
                         continue;
                     }
@@ -356,6 +371,12 @@ impl Client {
                 return Err(stalled(&plan));
             };
             let msg = sent.reply(reply).map_err(|e| self.explain(e))?;
+            if let Some(window) = in_flight.get_mut(&sent.server) {
+                *window = window.saturating_sub(1);
+            }
+            if let Some(next) = deferred.get_mut(&sent.server).and_then(VecDeque::pop_front) {
+                todo.push_front(next);
+            }
             todo.extend(plan.on_reply(self.clock.now(), tag, &msg).map_err(from_node)?);
             // Accepted: a PullReply is as long as its block.
             if let (Message::PullReply { values, .. }, Some((_, params))) = (&msg, pull.as_mut())
@@ -375,6 +396,44 @@ impl Client {
             let _ = self.sched.notify(Control::WorkerLoad(report).into());
         }
         Ok(())
+    }
+
+    /// Sends one request of a round from this task, at most `request_timeout` for the
+    /// write: a push or init straight from the caller's gradient slice (one vectored
+    /// write, no copy of the values), any other request as its message.
+    async fn send(&self, sent: Sent, grads: &[Option<&[f32]>]) -> Result<tokio::sync::oneshot::Receiver<Message>> {
+        let peer = self.peer(sent.server)?;
+        let b = sent.block;
+        let tensor = |clock| match grads.get(b.tensor as usize) {
+            Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok((clock, &grad[b.offset..b.offset + b.len])),
+            _ => Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id))),
+        };
+        let write = async {
+            match sent.op {
+                Op::Push(clock) => {
+                    let (clock, values) = tensor(clock)?;
+                    peer.send_values_now(Kind::Push, b.id, clock, values).await
+                }
+                Op::Init => {
+                    let (clock, values) = tensor(0)?;
+                    peer.send_values_now(Kind::Init, b.id, clock, values).await
+                }
+                op => peer.send_request_now(request(b, op, grads)?).await,
+            }
+        };
+        match tokio::time::timeout(sent.timeout, write).await {
+            Ok(sent) => sent,
+            Err(_) => {
+                let (verb, clock) = sent.op.verb_clock();
+                Err(RuntimeError::Timeout {
+                    what: format!(
+                        "worker {} writes {verb}(clock {clock}) of block {} to server {}",
+                        self.rank, b.id, sent.server
+                    ),
+                    after: sent.timeout,
+                })
+            }
+        }
     }
 
     /// The connection to server `owner`.

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use elasticps_wire::{Codec, Message};
+use elasticps_wire::{Codec, Kind, Message};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::conn::{self, FrameReader, Outbox};
@@ -91,21 +91,69 @@ impl Peer {
         }
     }
 
-    /// Sends `msg` as a request and returns the receiver of its reply.
+    /// Sends `msg` as a request (through the writer task) and returns the receiver of
+    /// its reply.
     pub fn send_request(&self, msg: Message) -> Result<oneshot::Receiver<Message>> {
+        let (id, rx) = self.expect_reply()?;
+        if self.out.send((id, msg)).is_err() {
+            self.forget(id);
+            return Err(RuntimeError::Closed(self.name.to_string()));
+        }
+        Ok(rx)
+    }
+
+    /// Writes `msg` as a request from this task (no hop to the writer task) and returns
+    /// the receiver of its reply.
+    pub async fn send_request_now(&self, msg: Message) -> Result<oneshot::Receiver<Message>> {
+        let (id, rx) = self.expect_reply()?;
+        if let Err(e) = self.out.send_now(id, msg).await {
+            self.forget(id);
+            return Err(e);
+        }
+        Ok(rx)
+    }
+
+    /// Writes a tensor request (`kind` Push or Init) of `block` at `clock` whose payload
+    /// is `values`, from this task and straight from `values` (one vectored write, no
+    /// copy), and returns the receiver of its reply. Dropping this future half-way
+    /// breaks the connection (see [`crate::conn`]).
+    pub async fn send_values_now(
+        &self,
+        kind: Kind,
+        block: u32,
+        clock: u32,
+        values: &[f32],
+    ) -> Result<oneshot::Receiver<Message>> {
+        let writer = self.out.writer();
+        let bytes: &[u8] = bytemuck::cast_slice(values);
+        let (id, rx) = self.expect_reply()?;
+        let written = match writer.tensor_header(kind, id, block, clock, bytes.len()) {
+            Ok(head) => writer.write_frame(&head, bytes).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            self.forget(id);
+            return Err(e);
+        }
+        Ok(rx)
+    }
+
+    /// A fresh request id and the receiver of its reply.
+    fn expect_reply(&self) -> Result<(u64, oneshot::Receiver<Message>)> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         match self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
             Some(waiting) => waiting.insert(id, tx),
             None => return Err(RuntimeError::Closed(self.name.to_string())),
         };
-        if self.out.send((id, msg)).is_err() {
-            if let Some(waiting) = self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-                waiting.remove(&id);
-            }
-            return Err(RuntimeError::Closed(self.name.to_string()));
+        Ok((id, rx))
+    }
+
+    /// Stops waiting for the reply to `id` (its request was not sent).
+    fn forget(&self, id: u64) {
+        if let Some(waiting) = self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            waiting.remove(&id);
         }
-        Ok(rx)
     }
 }
 
