@@ -13,6 +13,12 @@
 //!    request/reply round trips of the same shape as a push (payload up, 32 bytes back)
 //!    and a pull (32 bytes up, payload back).
 //!
+//! With `--in-flight N` (default `1,8`) each server's share of the payload is cut into N
+//! blocks, all requested at once on the worker's one connection to that server: the
+//! pipelined data path. Those cases measure push, pull and the two streams (the raw
+//! round trips do not change with the cut). `--quick` fails the command unless the 1 MiB
+//! push reaches a floor ratio to the stream (a CI guard against a broken data path).
+//!
 //! The six phases (push, pull, the two streams, the two round trips) run in turn, in
 //! several rounds, so that a disturbance from another process hits both sides of a ratio
 //! alike. Every phase is bounded by a count and a time. Throughput is the payload bytes
@@ -52,7 +58,8 @@ const MIN_STREAM_BYTES: u64 = 256 << 20;
 /// `elasticps bench transport`.
 #[derive(Args, Clone, Debug)]
 pub struct TransportCmd {
-    /// A short run for CI: 4 KiB and 1 MiB only, 2 rounds of 0.1 s per phase.
+    /// A short run for CI: 4 KiB and 1 MiB only, 2 rounds of 0.1 s per phase; fails
+    /// unless the 1 MiB push reaches a floor ratio to the raw stream.
     #[arg(long)]
     pub quick: bool,
     /// Payload sizes, comma-separated (e.g. 4K,64K,1M,16M; K and M are powers of 2).
@@ -703,24 +710,28 @@ where
     Ok(done)
 }
 
-/// The lowest 1 MiB push ratio to the raw stream that `--quick` accepts (with 8 requests
-/// in flight where measured, else 1): a floor that holds on a noisy 2-core machine
-/// (docs/BENCHMARKS.md), far below the target, so that only a broken data path fails it.
-const QUICK_MIN_RATIO: f64 = 0.5;
+/// The lowest 1 MiB push ratio to the raw stream that `--quick` accepts (one request in
+/// flight): a floor that held in every run on a busy 2-core machine, where the stream
+/// itself moved 0.6-4 GB/s between phases and the ratio 0.44-3.97 (docs/BENCHMARKS.md),
+/// far below the target, so that only a broken or badly regressed data path fails it.
+const QUICK_MIN_RATIO: f64 = 0.3;
 
-/// The quick form's checks (fail the command): the 1 MiB push of every topology, at the
-/// most requests in flight measured, reaches [`QUICK_MIN_RATIO`] of the raw stream.
+/// The quick form's checks (fail the command): the 1 MiB push of every topology, one
+/// request in flight, reaches [`QUICK_MIN_RATIO`] of the raw stream.
 fn checks(rows: &[Row]) -> Vec<Check> {
     let mut out = Vec::new();
-    let most = rows.iter().filter(|r| r.op == "push").map(|r| r.in_flight).max().unwrap_or(1);
-    for r in rows.iter().filter(|r| r.size == MIB && r.op == "push" && r.in_flight == most) {
+    for r in rows.iter().filter(|r| r.size == MIB && r.op == "push" && r.in_flight == 1) {
         out.push(Check {
-            what: format!(
-                "{} push at 1 MiB, {} in flight: at least {QUICK_MIN_RATIO}x the raw TCP stream",
-                r.topology, r.in_flight
-            ),
+            what: format!("{} push at 1 MiB, 1 in flight: at least {QUICK_MIN_RATIO}x the raw TCP stream", r.topology),
             measured: format!("{:.2}x", r.ratio),
             pass: Some(r.ratio >= QUICK_MIN_RATIO),
+        });
+    }
+    if out.is_empty() {
+        out.push(Check {
+            what: "a 1 MiB push with 1 in flight was measured".into(),
+            measured: "not in this run's sizes or --in-flight".into(),
+            pass: None,
         });
     }
     out

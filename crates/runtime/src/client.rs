@@ -338,15 +338,26 @@ impl Client {
             while let Some(action) = todo.pop_front() {
                 let more = match action {
                     Action::Send { tag, server, block, op } => {
-                        let sent = Sent { rank: self.rank, server, block, op, timeout: self.opts.request_timeout };
-                        let window = in_flight.entry(server).or_insert(0);
-                        if *window >= self.opts.window.max(1) {
-                            deferred.entry(server).or_default().push_back(Action::Send { tag, server, block, op });
-                            continue;
+                        // This send and every send right behind it: one write per server.
+                        let mut batch: Vec<(u64, Sent)> = Vec::new();
+                        let mut next = Some(Action::Send { tag, server, block, op });
+                        while let Some(Action::Send { tag, server, block, op }) = next {
+                            let sent = Sent { rank: self.rank, server, block, op, timeout: self.opts.request_timeout };
+                            let window = in_flight.entry(server).or_insert(0);
+                            if *window >= self.opts.window.max(1) {
+                                deferred.entry(server).or_default().push_back(Action::Send { tag, server, block, op });
+                            } else {
+                                *window += 1;
+                                batch.push((tag, sent));
+                            }
+                            next = match todo.front() {
+                                Some(Action::Send { .. }) => todo.pop_front(),
+                                _ => None,
+                            };
                         }
-                        *window += 1;
-                        let rx = self.send(sent, grads).await.map_err(|e| self.explain(e))?;
-                        replies.push(async move { (tag, sent, tokio::time::timeout(sent.timeout, rx).await) });
+                        for (tag, sent, rx) in self.send_batch(batch, grads).await.map_err(|e| self.explain(e))? {
+                            replies.push(async move { (tag, sent, tokio::time::timeout(sent.timeout, rx).await) });
+                        }
                         continue;
                     }
                     Action::RefreshLayout => {
@@ -398,42 +409,66 @@ impl Client {
         Ok(())
     }
 
-    /// Sends one request of a round from this task, at most `request_timeout` for the
-    /// write: a push or init straight from the caller's gradient slice (one vectored
-    /// write, no copy of the values), any other request as its message.
-    async fn send(&self, sent: Sent, grads: &[Option<&[f32]>]) -> Result<tokio::sync::oneshot::Receiver<Message>> {
-        let peer = self.peer(sent.server)?;
-        let b = sent.block;
-        let tensor = |clock| match grads.get(b.tensor as usize) {
-            Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok((clock, &grad[b.offset..b.offset + b.len])),
-            _ => Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id))),
-        };
-        let write = async {
-            match sent.op {
-                Op::Push(clock) => {
-                    let (clock, values) = tensor(clock)?;
-                    peer.send_values_now(Kind::Push, b.id, clock, values).await
+    /// Sends requests of a round from this task, one vectored write per server (at most
+    /// `request_timeout` for it): a push or init straight from the caller's gradient slice
+    /// (no copy of the values), a pull as its header; any other request as its message.
+    async fn send_batch(
+        &self,
+        batch: Vec<(u64, Sent)>,
+        grads: &[Option<&[f32]>],
+    ) -> Result<Vec<(u64, Sent, tokio::sync::oneshot::Receiver<Message>)>> {
+        let mut out = Vec::with_capacity(batch.len());
+        let mut servers: Vec<u32> = batch.iter().map(|(_, s)| s.server).collect();
+        servers.sort_unstable();
+        servers.dedup();
+        for server in servers {
+            let peer = self.peer(server)?;
+            let mine: Vec<&(u64, Sent)> = batch.iter().filter(|(_, s)| s.server == server).collect();
+            let mut data = Vec::with_capacity(mine.len());
+            let mut other = Vec::new();
+            for &&(tag, sent) in &mine {
+                let b = sent.block;
+                let values = || match grads.get(b.tensor as usize) {
+                    Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok(&grad[b.offset..b.offset + b.len]),
+                    _ => {
+                        Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id)))
+                    }
+                };
+                match sent.op {
+                    Op::Push(clock) => data.push(((tag, sent), (Kind::Push, b.id, clock, values()?))),
+                    Op::Init => data.push(((tag, sent), (Kind::Init, b.id, 0, values()?))),
+                    Op::Pull(clock) => data.push(((tag, sent), (Kind::Pull, b.id, clock, &[][..]))),
+                    #[allow(unreachable_patterns)]
+                    _ => other.push((tag, sent)),
                 }
-                Op::Init => {
-                    let (clock, values) = tensor(0)?;
-                    peer.send_values_now(Kind::Init, b.id, clock, values).await
+            }
+            let first = mine.first().map(|(_, s)| *s);
+            let requests: Vec<(Kind, u32, u32, &[f32])> = data.iter().map(|(_, r)| *r).collect();
+            let write = async {
+                let mut rxs = peer.send_data_now(&requests).await?;
+                for &(_, sent) in &other {
+                    rxs.push(peer.send_request_now(request(sent.block, sent.op, grads)?).await?);
                 }
-                op => peer.send_request_now(request(b, op, grads)?).await,
-            }
-        };
-        match tokio::time::timeout(sent.timeout, write).await {
-            Ok(sent) => sent,
-            Err(_) => {
-                let (verb, clock) = sent.op.verb_clock();
-                Err(RuntimeError::Timeout {
-                    what: format!(
-                        "worker {} writes {verb}(clock {clock}) of block {} to server {}",
-                        self.rank, b.id, sent.server
-                    ),
-                    after: sent.timeout,
-                })
-            }
+                Ok::<_, RuntimeError>(rxs)
+            };
+            let timeout = self.opts.request_timeout;
+            let rxs = match tokio::time::timeout(timeout, write).await {
+                Ok(rxs) => rxs?,
+                Err(_) => {
+                    let what = first.map_or_else(String::new, |s| {
+                        let (verb, clock) = s.op.verb_clock();
+                        format!(" ({verb}(clock {clock}) of block {} first)", s.block.id)
+                    });
+                    return Err(RuntimeError::Timeout {
+                        what: format!("worker {} writes {} requests to server {server}{what}", self.rank, mine.len()),
+                        after: timeout,
+                    });
+                }
+            };
+            let sents = data.iter().map(|(s, _)| *s).chain(other.iter().copied());
+            out.extend(sents.zip(rxs).map(|((tag, sent), rx)| (tag, sent, rx)));
         }
+        Ok(out)
     }
 
     /// The connection to server `owner`.

@@ -72,6 +72,12 @@ impl FrameReader {
         self.request_id
     }
 
+    /// True if bytes of a next frame are already read from the socket: [`FrameReader::next`]
+    /// will not wait for the peer to send its start.
+    pub fn has_buffered(&self) -> bool {
+        !self.inner.buffer().is_empty()
+    }
+
     /// The next frame, or `None` when the peer closed the connection between frames.
     pub async fn next(&mut self) -> Result<Option<(FrameHeader, Message)>> {
         self.request_id = 0;
@@ -123,7 +129,6 @@ impl FrameReader {
     }
 }
 
-
 /// Sender side of a connection's writer task (cheap to clone); every clone shares the
 /// connection's [`Writer`]. The writer task ends when every clone is dropped (or the
 /// socket fails), and then shuts the socket down.
@@ -146,11 +151,24 @@ impl Outbox {
     /// unless frames queued earlier are not written yet: then it is queued behind them,
     /// so frames leave in the order they were sent.
     pub async fn send_now(&self, request_id: u64, msg: Message) -> Result<()> {
+        self.send_all_now(vec![(request_id, msg)]).await
+    }
+
+    /// [`Outbox::send_now`] for several frames, written back to back with one vectored
+    /// write (the replies to a burst of requests).
+    pub async fn send_all_now(&self, frames: Vec<Outgoing>) -> Result<()> {
         if self.writer.queued.load(Ordering::Acquire) > 0 {
-            return self.send((request_id, msg)).map_err(|_| RuntimeError::Closed(self.writer.peer.clone()));
+            for frame in frames {
+                self.send(frame).map_err(|_| RuntimeError::Closed(self.writer.peer.clone()))?;
+            }
+            return Ok(());
         }
-        let (head, payload) = self.writer.encode(request_id, &msg)?;
-        self.writer.write_frame(&head, &payload).await
+        let mut encoded = Vec::with_capacity(frames.len());
+        for (id, msg) in &frames {
+            encoded.push(self.writer.encode(*id, msg)?);
+        }
+        let borrowed: Vec<([u8; HEADER_LEN], &[u8])> = encoded.iter().map(|(h, p)| (*h, &p[..])).collect();
+        self.writer.write_frames(&borrowed).await
     }
 
     /// The connection's writer, for direct writes of borrowed payloads.
@@ -211,16 +229,31 @@ impl Writer {
     /// or another direct writer to finish its frame). If this future is dropped before it
     /// finished, the connection is broken for good (see the module doc).
     pub async fn write_frame(&self, head: &[u8; HEADER_LEN], payload: &[u8]) -> Result<()> {
+        self.write_frames(&[(*head, payload)]).await
+    }
+
+    /// Writes frames (header, payload) back to back, as [`Writer::write_frame`] does one:
+    /// one vectored write for all of them as far as the socket takes it.
+    pub async fn write_frames(&self, frames: &[([u8; HEADER_LEN], &[u8])]) -> Result<()> {
         let mut sock = self.sock.lock().await;
         if self.broken.load(Ordering::Acquire) {
             let _ = sock.shutdown().await;
             return Err(RuntimeError::Closed(format!("{} (a cancelled write broke the connection)", self.peer)));
         }
         if let Some(shaper) = &self.shaper {
-            shaper.take_out(HEADER_LEN + payload.len()).await;
+            let bytes: usize = frames.iter().map(|(_, p)| HEADER_LEN + p.len()).sum();
+            shaper.take_out(bytes).await;
         }
+        let mut parts: Vec<IoSlice<'_>> = frames.iter().flat_map(|(h, p)| [IoSlice::new(h), IoSlice::new(p)]).collect();
         let guard = BreakOnDrop(&self.broken);
-        let result = write_all_vectored(&mut sock, &mut [IoSlice::new(head), IoSlice::new(payload)]).await;
+        let mut result = Ok(());
+        // At most IOV_MAX (1024) slices per call.
+        for chunk in parts.chunks_mut(1024) {
+            result = write_all_vectored(&mut sock, chunk).await;
+            if result.is_err() {
+                break;
+            }
+        }
         std::mem::forget(guard);
         result.map_err(|e| RuntimeError::io(format!("writing to {}", self.peer), e))
     }
@@ -408,6 +441,57 @@ mod tests {
         let took = t.elapsed();
         assert!(took >= expected && took < bound, "writing took {took:?}");
         assert!(shaper.take_shaped_us() >= 2 * expected.as_micros() as u64 - 10_000);
+    }
+
+    #[tokio::test]
+    async fn direct_writes_from_borrowed_slices_and_queued_frames_arrive_whole() {
+        let ((mut a_in, _a_out), (_b_in, b_out)) = pair(None).await;
+        let big: Vec<f32> = (0..300_000).map(|i| i as f32).collect();
+        let small = [1.5f32; 3];
+        let w = b_out.writer();
+        let frames = [
+            (w.tensor_header(Kind::Push, 7, 1, 2, big.len() * 4).unwrap(), bytemuck::cast_slice::<f32, u8>(&big)),
+            (w.tensor_header(Kind::Pull, 8, 3, 4, 0).unwrap(), &[][..]),
+            (w.tensor_header(Kind::Init, 9, 5, 0, 12).unwrap(), bytemuck::cast_slice::<f32, u8>(&small)),
+        ];
+        w.write_frames(&frames).await.unwrap();
+        b_out.send((10, push(4))).unwrap();
+        b_out.send_now(11, Message::Pull { block: 6, clock: 1 }).await.unwrap();
+        let mut got = Vec::new();
+        for _ in 0..5 {
+            let (h, msg) = tokio::time::timeout(Duration::from_secs(10), a_in.next())
+                .await
+                .expect("waiting for 5 frames")
+                .unwrap()
+                .unwrap();
+            got.push((h.request_id, msg));
+        }
+        assert!(matches!(&got[0], (7, Message::Push { block: 1, clock: 2, values }) if values.to_vec() == big));
+        assert_eq!(got[1], (8, Message::Pull { block: 3, clock: 4 }));
+        assert!(matches!(&got[2], (9, Message::Init { block: 5, values }) if values.to_vec() == small));
+        // The queued frame leaves before the direct one written after it.
+        assert_eq!(got[3].0, 10);
+        assert_eq!(got[4], (11, Message::Pull { block: 6, clock: 1 }));
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_direct_write_breaks_the_connection() {
+        let ((_a_in, _a_out), (_b_in, b_out)) = pair(None).await;
+        // Far more than the socket buffers hold, and nobody reads: the write cannot finish.
+        let huge = vec![0u8; 64 << 20];
+        let w = b_out.writer();
+        let head = w.tensor_header(Kind::Push, 1, 0, 0, huge.len()).unwrap();
+        let cut = tokio::time::timeout(Duration::from_millis(200), w.write_frame(&head, &huge)).await;
+        assert!(cut.is_err(), "the write should still be blocked");
+        let again = w.write_frame(&w.tensor_header(Kind::Pull, 2, 0, 0, 0).unwrap(), &[]).await;
+        assert!(matches!(again, Err(RuntimeError::Closed(_))), "{again:?}");
+    }
+
+    #[tokio::test]
+    async fn a_frame_over_the_limit_is_refused_before_writing() {
+        let ((_a_in, _a_out), (_b_in, b_out)) = pair(None).await;
+        let err = b_out.writer().tensor_header(Kind::Push, 1, 0, 0, (64 << 20) + 4).unwrap_err();
+        assert!(matches!(err, RuntimeError::Wire { source: WireError::TooLarge { .. }, .. }), "{err:?}");
     }
 
     #[tokio::test]

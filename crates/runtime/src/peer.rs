@@ -113,29 +113,49 @@ impl Peer {
         Ok(rx)
     }
 
-    /// Writes a tensor request (`kind` Push or Init) of `block` at `clock` whose payload
-    /// is `values`, from this task and straight from `values` (one vectored write, no
-    /// copy), and returns the receiver of its reply. Dropping this future half-way
-    /// breaks the connection (see [`crate::conn`]).
-    pub async fn send_values_now(
+    /// Writes data requests (`kind` Push, Init or Pull, block, clock, payload: empty for
+    /// a Pull) back to back with one vectored write from this task, straight from the
+    /// payload slices, and returns the receivers of their replies, in order. Dropping
+    /// this future half-way breaks the connection (see [`crate::conn`]).
+    pub async fn send_data_now(
         &self,
-        kind: Kind,
-        block: u32,
-        clock: u32,
-        values: &[f32],
-    ) -> Result<oneshot::Receiver<Message>> {
+        requests: &[(Kind, u32, u32, &[f32])],
+    ) -> Result<Vec<oneshot::Receiver<Message>>> {
         let writer = self.out.writer();
-        let bytes: &[u8] = bytemuck::cast_slice(values);
-        let (id, rx) = self.expect_reply()?;
-        let written = match writer.tensor_header(kind, id, block, clock, bytes.len()) {
-            Ok(head) => writer.write_frame(&head, bytes).await,
-            Err(e) => Err(e),
+        let mut ids = Vec::with_capacity(requests.len());
+        let mut rxs = Vec::with_capacity(requests.len());
+        let mut frames = Vec::with_capacity(requests.len());
+        let mut failed = None;
+        for &(kind, block, clock, values) in requests {
+            let bytes: &[u8] = bytemuck::cast_slice(values);
+            let (id, rx) = match self.expect_reply() {
+                Ok(r) => r,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            };
+            ids.push(id);
+            rxs.push(rx);
+            match writer.tensor_header(kind, id, block, clock, bytes.len()) {
+                Ok(head) => frames.push((head, bytes)),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let result = match failed {
+            Some(e) => Err(e),
+            None => writer.write_frames(&frames).await,
         };
-        if let Err(e) = written {
-            self.forget(id);
+        if let Err(e) = result {
+            for id in ids {
+                self.forget(id);
+            }
             return Err(e);
         }
-        Ok(rx)
+        Ok(rxs)
     }
 
     /// A fresh request id and the receiver of its reply.

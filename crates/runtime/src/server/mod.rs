@@ -306,6 +306,9 @@ async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
             Ok(Some(f)) => f,
             Ok(None) => break,
             Err(e) => {
+                if !own.is_empty() {
+                    let _ = out.send_all_now(std::mem::take(&mut own)).await;
+                }
                 tracing::warn!(peer = %peer, error = %e, "closing connection");
                 if let RuntimeError::Wire { source, .. } = &e {
                     let reply = elasticps_wire::ErrorReply { code: source.code(), message: source.to_string() };
@@ -319,9 +322,11 @@ async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
         }
         let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
         io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data, &mut own);
-        for (request_id, reply) in own.drain(..) {
-            if let Err(e) = out.send_now(request_id, reply).await {
-                tracing::debug!(peer = %peer, error = %e, "reply not written");
+        // Replies wait while more requests are already read (a burst of a round's
+        // blocks): one write answers them all.
+        if !own.is_empty() && !reader.has_buffered() {
+            if let Err(e) = out.send_all_now(std::mem::take(&mut own)).await {
+                tracing::debug!(peer = %peer, error = %e, "replies not written");
             }
         }
         introduced = introduced || lock(&io.server).introduced(conn);
