@@ -139,11 +139,12 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    /// Queues a frame for the writer task; fails (handing it back) once the task ended.
-    pub fn send(&self, item: Outgoing) -> std::result::Result<(), mpsc::error::SendError<Outgoing>> {
+    /// Queues a frame for the writer task; fails once the task ended.
+    pub fn send(&self, item: Outgoing) -> std::result::Result<(), WriterGone> {
         self.writer.queued.fetch_add(1, Ordering::AcqRel);
-        self.tx.send(item).inspect_err(|_| {
+        self.tx.send(item).map_err(|_| {
             self.writer.queued.fetch_sub(1, Ordering::AcqRel);
+            WriterGone
         })
     }
 
@@ -176,6 +177,10 @@ impl Outbox {
         &self.writer
     }
 }
+
+/// [`Outbox::send`] failed: the connection's writer task ended (the socket failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterGone;
 
 /// The write half of one connection, shared by its writer task and direct writers: one
 /// frame at a time goes into the socket (an async mutex), each with one vectored write.

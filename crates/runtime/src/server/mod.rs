@@ -324,10 +324,11 @@ async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
         io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data, &mut own);
         // Replies wait while more requests are already read (a burst of a round's
         // blocks): one write answers them all.
-        if !own.is_empty() && !reader.has_buffered() {
-            if let Err(e) = out.send_all_now(std::mem::take(&mut own)).await {
-                tracing::debug!(peer = %peer, error = %e, "replies not written");
-            }
+        if !own.is_empty()
+            && !reader.has_buffered()
+            && let Err(e) = out.send_all_now(std::mem::take(&mut own)).await
+        {
+            tracing::debug!(peer = %peer, error = %e, "replies not written");
         }
         introduced = introduced || lock(&io.server).introduced(conn);
     }
