@@ -711,10 +711,11 @@ where
 }
 
 /// The lowest 1 MiB push ratio to the raw stream that `--quick` accepts (one request in
-/// flight): a floor that held in every run on a busy 2-core machine, where the stream
-/// itself moved 0.6-4 GB/s between phases and the ratio 0.44-3.97 (docs/BENCHMARKS.md),
-/// far below the target, so that only a broken or badly regressed data path fails it.
-const QUICK_MIN_RATIO: f64 = 0.3;
+/// flight): a floor under every run on a busy 2-core machine (60% of its CPU taken by
+/// others; the stream itself moved 0.6-4 GB/s between phases): release 0.44-3.97, debug
+/// build (as CI runs it) 0.34-0.76 (docs/BENCHMARKS.md). Far below the target, so that
+/// only a broken or badly regressed data path fails it.
+const QUICK_MIN_RATIO: f64 = 0.2;
 
 /// The quick form's checks (fail the command): the 1 MiB push of every topology, one
 /// request in flight, reaches [`QUICK_MIN_RATIO`] of the raw stream.
