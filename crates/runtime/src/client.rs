@@ -27,7 +27,7 @@ use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_node::NodeError;
 use elasticps_node::worker::{Action, Op, PushOp, Round, Tag, Worker};
-use elasticps_wire::{Codec, Control, Layout, Message, ServerAddr};
+use elasticps_wire::{Codec, Control, Kind, Layout, Message, ServerAddr};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
@@ -35,6 +35,9 @@ use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 use crate::peer::Peer;
 use crate::{CALL_TIMEOUT, HEARTBEAT_EVERY, Micros, STATS_INTERVAL};
+
+/// Requests of a round in flight to one server, by default ([`ClientOptions::window`]).
+pub const DEFAULT_WINDOW: usize = 32;
 
 /// How a worker connects.
 #[derive(Clone, Debug)]
@@ -48,6 +51,9 @@ pub struct ClientOptions {
     pub request_timeout: Duration,
     /// Count iterations and waits here (served by a [`crate::metrics::MetricsEndpoint`]).
     pub metrics: Option<Arc<WorkerMetrics>>,
+    /// The window: at most this many requests of a round in flight to one server (at
+    /// least 1); the others are sent as replies come back.
+    pub window: usize,
 }
 
 impl ClientOptions {
@@ -58,6 +64,7 @@ impl ClientOptions {
             codec: Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD),
             request_timeout: Duration::from_secs(300),
             metrics: None,
+            window: DEFAULT_WINDOW,
         }
     }
 }
@@ -325,22 +332,39 @@ impl Client {
         let grads = push.map_or(&[][..], |(_, g)| g);
         let mut replies = FuturesUnordered::new();
         let mut todo = VecDeque::from(actions);
+        // The window: requests in flight per server, and the sends waiting for room.
+        let mut in_flight: HashMap<u32, usize> = HashMap::new();
+        let mut deferred: HashMap<u32, VecDeque<Action>> = HashMap::new();
         loop {
             while let Some(action) = todo.pop_front() {
                 let more = match action {
                     Action::Send { tag, server, block, op } => {
-                        let msg = request(block, op, grads)?;
-                        match self.peer(server)?.map(|p| p.send_request(msg)) {
-                            Some(Ok(rx)) => {
-                                let sent =
-                                    Sent { rank: self.rank, server, block, op, timeout: self.opts.request_timeout };
-                                replies.push(async move { (tag, sent, tokio::time::timeout(sent.timeout, rx).await) });
-                                continue;
+                        // This send and every send right behind it: one write per server.
+                        let mut batch: Vec<(u64, Sent)> = Vec::new();
+                        let mut next = Some(Action::Send { tag, server, block, op });
+                        while let Some(Action::Send { tag, server, block, op }) = next {
+                            let sent = Sent { rank: self.rank, server, block, op, timeout: self.opts.request_timeout };
+                            let window = in_flight.entry(server).or_insert(0);
+                            if *window >= self.opts.window.max(1) {
+                                deferred.entry(server).or_default().push_back(Action::Send { tag, server, block, op });
+                            } else {
+                                *window += 1;
+                                batch.push((tag, sent));
                             }
-                            Some(Err(e)) if self.shutting_down() => return Err(self.explain(e)),
-                            // Closed or unreachable: resent after a layout refresh.
-                            _ => self.lost(server, tag, &mut plan),
+                            next = match todo.front() {
+                                Some(Action::Send { .. }) => todo.pop_front(),
+                                _ => None,
+                            };
                         }
+                        let (sent, lost) = self.send_batch(batch, grads).await.map_err(|e| self.explain(e))?;
+                        for (tag, sent, rx) in sent {
+                            replies.push(async move { (tag, sent, tokio::time::timeout(sent.timeout, rx).await) });
+                        }
+                        let mut more = Vec::new();
+                        for (server, tag) in lost {
+                            more.extend(self.lost(server, tag, &mut plan, &mut in_flight, &mut deferred)?);
+                        }
+                        Ok(more)
                     }
                     Action::RefreshLayout => {
                         let reply = self
@@ -366,11 +390,17 @@ impl Client {
             let msg = match sent.reply(reply) {
                 Ok(msg) => msg,
                 Err(RuntimeError::Closed(_)) if !self.shutting_down() => {
-                    todo.extend(self.lost(sent.server, tag, &mut plan).map_err(from_node)?);
+                    todo.extend(self.lost(sent.server, tag, &mut plan, &mut in_flight, &mut deferred)?);
                     continue;
                 }
                 Err(e) => return Err(self.explain(e)),
             };
+            if let Some(window) = in_flight.get_mut(&sent.server) {
+                *window = window.saturating_sub(1);
+            }
+            if let Some(next) = deferred.get_mut(&sent.server).and_then(VecDeque::pop_front) {
+                todo.push_front(next);
+            }
             todo.extend(plan.on_reply(self.clock.now(), tag, &msg).map_err(from_node)?);
             // Accepted: a PullReply is as long as its block.
             if let (Message::PullReply { values, .. }, Some((_, params))) = (&msg, pull.as_mut())
@@ -392,6 +422,74 @@ impl Client {
         Ok(())
     }
 
+    /// Sends requests of a round from this task, one vectored write per server (at most
+    /// `request_timeout` for it): a push or init straight from the caller's gradient slice
+    /// (no copy of the values), a pull as its header; any other request as its message.
+    /// Returns the requests sent, with their reply receivers, and (server, tag) of those
+    /// whose server connection is closed or was never opened (for [`Client::lost`]).
+    async fn send_batch(&self, batch: Vec<(u64, Sent)>, grads: &[Option<&[f32]>]) -> Result<SentBatch> {
+        let mut out = Vec::with_capacity(batch.len());
+        let mut lost = Vec::new();
+        let mut servers: Vec<u32> = batch.iter().map(|(_, s)| s.server).collect();
+        servers.sort_unstable();
+        servers.dedup();
+        for server in servers {
+            let mine: Vec<&(u64, Sent)> = batch.iter().filter(|(_, s)| s.server == server).collect();
+            let Some(peer) = self.peer(server)? else {
+                lost.extend(mine.iter().map(|(tag, _)| (server, *tag)));
+                continue;
+            };
+            let mut data = Vec::with_capacity(mine.len());
+            let mut other = Vec::new();
+            for &&(tag, sent) in &mine {
+                let b = sent.block;
+                let values = || match grads.get(b.tensor as usize) {
+                    Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok(&grad[b.offset..b.offset + b.len]),
+                    _ => {
+                        Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id)))
+                    }
+                };
+                match sent.op {
+                    Op::Push(clock) => data.push(((tag, sent), (Kind::Push, b.id, clock, values()?))),
+                    Op::Init => data.push(((tag, sent), (Kind::Init, b.id, 0, values()?))),
+                    Op::Pull(clock) => data.push(((tag, sent), (Kind::Pull, b.id, clock, &[][..]))),
+                    #[allow(unreachable_patterns)]
+                    _ => other.push((tag, sent)),
+                }
+            }
+            let first = mine.first().map(|(_, s)| *s);
+            let requests: Vec<(Kind, u32, u32, &[f32])> = data.iter().map(|(_, r)| *r).collect();
+            let write = async {
+                let mut rxs = peer.send_data_now(&requests).await?;
+                for &(_, sent) in &other {
+                    rxs.push(peer.send_request_now(request(sent.block, sent.op, grads)?).await?);
+                }
+                Ok::<_, RuntimeError>(rxs)
+            };
+            let timeout = self.opts.request_timeout;
+            let rxs = match tokio::time::timeout(timeout, write).await {
+                Ok(Err(RuntimeError::Closed(_))) if !self.shutting_down() => {
+                    lost.extend(mine.iter().map(|(tag, _)| (server, *tag)));
+                    continue;
+                }
+                Ok(rxs) => rxs?,
+                Err(_) => {
+                    let what = first.map_or_else(String::new, |s| {
+                        let (verb, clock) = s.op.verb_clock();
+                        format!(" ({verb}(clock {clock}) of block {} first)", s.block.id)
+                    });
+                    return Err(RuntimeError::Timeout {
+                        what: format!("worker {} writes {} requests to server {server}{what}", self.rank, mine.len()),
+                        after: timeout,
+                    });
+                }
+            };
+            let sents = data.iter().map(|(s, _)| *s).chain(other.iter().copied());
+            out.extend(sents.zip(rxs).map(|((tag, sent), rx)| (tag, sent, rx)));
+        }
+        Ok((out, lost))
+    }
+
     /// The connection to server `owner`, if open (`None`: lost, or unreachable at the last
     /// layout), or the error for a layout that does not list it.
     fn peer(&self, owner: u32) -> Result<Option<&Peer>> {
@@ -407,14 +505,31 @@ impl Client {
     }
 
     /// Request `tag` to `server` went unanswered on a closed (or never opened) connection:
-    /// forgets the connection (the next layout naming the server connects again) and lets
-    /// the plan resend it to the owner a refreshed layout names.
-    fn lost(&mut self, server: u32, tag: Tag, plan: &mut Round) -> std::result::Result<Vec<Action>, NodeError> {
+    /// forgets the connection (the next layout naming the server connects again), frees
+    /// its window (the sends waiting for room there are lost too), and lets the plan
+    /// resend them to the owner a refreshed layout names.
+    fn lost(
+        &mut self,
+        server: u32,
+        tag: Tag,
+        plan: &mut Round,
+        in_flight: &mut HashMap<u32, usize>,
+        deferred: &mut HashMap<u32, VecDeque<Action>>,
+    ) -> Result<Vec<Action>> {
         if self.servers.get(&server).is_some_and(Peer::is_closed) {
             tracing::warn!(rank = self.rank, server, "server connection lost; resending after a layout refresh");
             self.servers.remove(&server);
         }
-        plan.on_lost(self.clock.now(), tag)
+        if let Some(window) = in_flight.get_mut(&server) {
+            *window = window.saturating_sub(1);
+        }
+        let mut more = plan.on_lost(self.clock.now(), tag).map_err(from_node)?;
+        for waiting in deferred.remove(&server).unwrap_or_default() {
+            if let Action::Send { tag, .. } = waiting {
+                more.extend(plan.on_lost(self.clock.now(), tag).map_err(from_node)?);
+            }
+        }
+        Ok(more)
     }
 
     /// Connects to the layout's new servers (Hello) and drops those that left it. During a
@@ -522,6 +637,10 @@ fn request(b: BlockSpec, op: Op, grads: &[Option<&[f32]>]) -> Result<Message> {
         Op::Pull(clock) => Message::Pull { block: b.id, clock },
     })
 }
+
+/// What [`Client::send_batch`] did: the requests sent, each with its reply's receiver,
+/// and the (server, tag) of those lost on a closed or missing connection.
+type SentBatch = (Vec<(Tag, Sent, tokio::sync::oneshot::Receiver<Message>)>, Vec<(u32, Tag)>);
 
 /// One request in flight: who waits on whom for what.
 #[derive(Clone, Copy)]

@@ -3,18 +3,31 @@
 //! Reading takes the 32-byte header first, validates it (so an oversized length is
 //! refused before a byte of payload is read), then reads a tensor payload straight into
 //! an aligned `Vec<f32>`: no intermediate buffer, no per-element decoding. Large payload
-//! buffers are recycled through a small process-wide pool ([`crate::pool`]). Writing goes
-//! through one task per connection that encodes, batches small frames in a buffer and
-//! writes large payloads directly from their shared `Bytes`.
+//! buffers are recycled through a small process-wide pool ([`crate::pool`]).
+//!
+//! Writing has two paths into one socket, serialised by the connection's [`Writer`]:
+//!
+//! - the [`Outbox`]: a channel to one writer task per connection, for callers that cannot
+//!   wait (a reply produced for another connection, a heartbeat). The task batches small
+//!   frames into one write and writes header and large payload with one vectored write;
+//! - direct writes ([`Writer::write_frame`], [`Outbox::send_now`]): the caller's own task
+//!   writes header and payload with one vectored write (`writev`), from a borrowed payload
+//!   (a worker's gradient slice: no copy of tensor bytes, no hop to another task).
+//!
+//! A direct write that is cancelled half-way (its future dropped) leaves a partial frame on
+//! the wire: the connection is then marked broken, every later write fails, and it is shut
+//! down, so the peer sees a closed connection rather than a desynchronised stream.
 //!
 //! A connection split with a [`Shaper`] ([`split_shaped`]) passes every frame through
 //! the server's bandwidth buckets: after reading it, and before writing it.
 
+use std::io::IoSlice;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use bytes::{Bytes, BytesMut};
 use elasticps_wire::{Codec, FrameHeader, HEADER_LEN, Kind, Message, WireError};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
@@ -26,10 +39,11 @@ use crate::shaping::Shaper;
 /// A frame to send: request id and message.
 pub type Outgoing = (u64, Message);
 
-/// Sender side of a connection's writer task.
-pub type Outbox = mpsc::UnboundedSender<Outgoing>;
-
+/// Read buffer of a connection, and the most the writer task batches into one write.
 const BUF: usize = 256 * 1024;
+/// Payloads up to this size are copied into the writer task's batch; larger ones are
+/// written from their own memory (vectored write).
+const COPY_MAX: usize = 16 * 1024;
 
 /// Reads frames from one connection.
 pub struct FrameReader {
@@ -56,6 +70,12 @@ impl FrameReader {
     /// held), else 0 (docs/PROTOCOL.md §7).
     pub fn refused_request_id(&self) -> u64 {
         self.request_id
+    }
+
+    /// True if bytes of a next frame are already read from the socket: [`FrameReader::next`]
+    /// will not wait for the peer to send its start.
+    pub fn has_buffered(&self) -> bool {
+        !self.inner.buffer().is_empty()
     }
 
     /// The next frame, or `None` when the peer closed the connection between frames.
@@ -109,6 +129,164 @@ impl FrameReader {
     }
 }
 
+/// Sender side of a connection's writer task (cheap to clone); every clone shares the
+/// connection's [`Writer`]. The writer task ends when every clone is dropped (or the
+/// socket fails), and then shuts the socket down.
+#[derive(Clone)]
+pub struct Outbox {
+    tx: mpsc::UnboundedSender<Outgoing>,
+    writer: Arc<Writer>,
+}
+
+impl Outbox {
+    /// Queues a frame for the writer task; fails once the task ended.
+    pub fn send(&self, item: Outgoing) -> std::result::Result<(), WriterGone> {
+        self.writer.queued.fetch_add(1, Ordering::AcqRel);
+        self.tx.send(item).map_err(|_| {
+            self.writer.queued.fetch_sub(1, Ordering::AcqRel);
+            WriterGone
+        })
+    }
+
+    /// Writes a frame from this task, now (one vectored write, no hop to the writer task),
+    /// unless frames queued earlier are not written yet: then it is queued behind them,
+    /// so frames leave in the order they were sent.
+    pub async fn send_now(&self, request_id: u64, msg: Message) -> Result<()> {
+        self.send_all_now(vec![(request_id, msg)]).await
+    }
+
+    /// [`Outbox::send_now`] for several frames, written back to back with one vectored
+    /// write (the replies to a burst of requests).
+    pub async fn send_all_now(&self, frames: Vec<Outgoing>) -> Result<()> {
+        if self.writer.queued.load(Ordering::Acquire) > 0 {
+            for frame in frames {
+                self.send(frame).map_err(|_| RuntimeError::Closed(self.writer.peer.clone()))?;
+            }
+            return Ok(());
+        }
+        let mut encoded = Vec::with_capacity(frames.len());
+        for (id, msg) in &frames {
+            encoded.push(self.writer.encode(*id, msg)?);
+        }
+        let borrowed: Vec<([u8; HEADER_LEN], &[u8])> = encoded.iter().map(|(h, p)| (*h, &p[..])).collect();
+        self.writer.write_frames(&borrowed).await
+    }
+
+    /// The connection's writer, for direct writes of borrowed payloads.
+    pub fn writer(&self) -> &Arc<Writer> {
+        &self.writer
+    }
+}
+
+/// [`Outbox::send`] failed: the connection's writer task ended (the socket failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterGone;
+
+/// The write half of one connection, shared by its writer task and direct writers: one
+/// frame at a time goes into the socket (an async mutex), each with one vectored write.
+pub struct Writer {
+    sock: tokio::sync::Mutex<OwnedWriteHalf>,
+    codec: Codec,
+    peer: String,
+    shaper: Option<Arc<Shaper>>,
+    /// Frames in the outbox channel that the writer task has not written yet.
+    queued: AtomicUsize,
+    /// A direct write was cancelled half-way: the stream holds a partial frame.
+    broken: AtomicBool,
+}
+
+impl Writer {
+    /// The codec of the connection (to encode headers for [`Writer::write_frame`]).
+    pub fn codec(&self) -> &Codec {
+        &self.codec
+    }
+
+    /// Name of the peer, for errors and logs.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// The frame of `msg`, checked against the payload limit.
+    fn encode(&self, request_id: u64, msg: &Message) -> Result<([u8; HEADER_LEN], Bytes)> {
+        self.codec.encode(request_id, msg).map_err(|source| RuntimeError::Wire { peer: self.peer.clone(), source })
+    }
+
+    /// The header of a tensor frame (`kind` Push, Init or PullReply) of `payload_len`
+    /// bytes, checked against the payload limit.
+    pub fn tensor_header(
+        &self,
+        kind: Kind,
+        request_id: u64,
+        block: u32,
+        clock: u32,
+        payload_len: usize,
+    ) -> Result<[u8; HEADER_LEN]> {
+        let max = self.codec.max_payload();
+        let len = u32::try_from(payload_len).ok().filter(|l| *l <= max).ok_or_else(|| RuntimeError::Wire {
+            peer: self.peer.clone(),
+            source: WireError::TooLarge { len: payload_len as u64, max },
+        })?;
+        Ok(self.codec.encode_header(&FrameHeader { kind, request_id, block, clock, payload_len: len }))
+    }
+
+    /// Writes one frame, header then payload, with vectored writes from this task and
+    /// from the caller's memory (no copy). Waits for the socket (and for the writer task
+    /// or another direct writer to finish its frame). If this future is dropped before it
+    /// finished, the connection is broken for good (see the module doc).
+    pub async fn write_frame(&self, head: &[u8; HEADER_LEN], payload: &[u8]) -> Result<()> {
+        self.write_frames(&[(*head, payload)]).await
+    }
+
+    /// Writes frames (header, payload) back to back, as [`Writer::write_frame`] does one:
+    /// one vectored write for all of them as far as the socket takes it.
+    pub async fn write_frames(&self, frames: &[([u8; HEADER_LEN], &[u8])]) -> Result<()> {
+        let mut sock = self.sock.lock().await;
+        if self.broken.load(Ordering::Acquire) {
+            let _ = sock.shutdown().await;
+            return Err(RuntimeError::Closed(format!("{} (a cancelled write broke the connection)", self.peer)));
+        }
+        if let Some(shaper) = &self.shaper {
+            let bytes: usize = frames.iter().map(|(_, p)| HEADER_LEN + p.len()).sum();
+            shaper.take_out(bytes).await;
+        }
+        let mut parts: Vec<IoSlice<'_>> = frames.iter().flat_map(|(h, p)| [IoSlice::new(h), IoSlice::new(p)]).collect();
+        let guard = BreakOnDrop(&self.broken);
+        let mut result = Ok(());
+        // At most IOV_MAX (1024) slices per call.
+        for chunk in parts.chunks_mut(1024) {
+            result = write_all_vectored(&mut sock, chunk).await;
+            if result.is_err() {
+                break;
+            }
+        }
+        std::mem::forget(guard);
+        result.map_err(|e| RuntimeError::io(format!("writing to {}", self.peer), e))
+    }
+}
+
+/// Marks a connection broken when a write is dropped half-way.
+struct BreakOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for BreakOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// Writes every byte of `parts` (vectored writes; `write_vectored` may take part of them).
+async fn write_all_vectored(w: &mut OwnedWriteHalf, parts: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    let mut parts = parts;
+    IoSlice::advance_slices(&mut parts, 0);
+    while !parts.is_empty() {
+        let n = w.write_vectored(parts).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut parts, n);
+    }
+    Ok(())
+}
+
 /// Splits a connected stream into a frame reader and the outbox of a new writer task.
 /// The writer task ends when every outbox clone is dropped or the socket fails.
 pub fn split(stream: TcpStream, codec: Codec, peer: String) -> (FrameReader, Outbox) {
@@ -126,8 +304,17 @@ pub fn split_shaped(
     let _ = stream.set_nodelay(true);
     let (r, w) = stream.into_split();
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(write_loop(BufWriter::with_capacity(BUF, w), codec.clone(), rx, peer.clone(), shaper.clone()));
-    (FrameReader { inner: BufReader::with_capacity(BUF, r), codec, peer, request_id: 0, shaper }, tx)
+    let writer = Arc::new(Writer {
+        sock: tokio::sync::Mutex::new(w),
+        codec: codec.clone(),
+        peer: peer.clone(),
+        shaper: shaper.clone(),
+        queued: AtomicUsize::new(0),
+        broken: AtomicBool::new(false),
+    });
+    tokio::spawn(write_loop(writer.clone(), rx));
+    let reader = FrameReader { inner: BufReader::with_capacity(BUF, r), codec, peer, request_id: 0, shaper };
+    (reader, Outbox { tx, writer })
 }
 
 /// Connects to `addr` and splits the stream, with a timeout naming what is connected.
@@ -147,49 +334,72 @@ pub async fn dial(addr: &str, codec: &Codec, peer: &str) -> Result<TcpStream> {
     Ok(stream)
 }
 
-async fn write_loop(
-    mut w: BufWriter<OwnedWriteHalf>,
-    codec: Codec,
-    mut rx: mpsc::UnboundedReceiver<Outgoing>,
-    peer: String,
-    shaper: Option<Arc<Shaper>>,
-) {
+/// The writer task: takes the socket for each burst of queued frames, batches small
+/// frames into one write and writes a large payload from its own memory.
+async fn write_loop(writer: Arc<Writer>, mut rx: mpsc::UnboundedReceiver<Outgoing>) {
+    let mut batch: Vec<u8> = Vec::with_capacity(BUF);
     while let Some(first) = rx.recv().await {
+        let mut sock = writer.sock.lock().await;
+        if writer.broken.load(Ordering::Acquire) {
+            break;
+        }
         let mut next = Some(first);
+        let mut taken = 0;
+        let mut result = Ok(());
         while let Some((id, msg)) = next {
-            if let Err(e) = write_one(&mut w, &codec, id, &msg, shaper.as_deref()).await {
-                tracing::debug!(peer = %peer, error = %e, "writer stops");
-                return;
+            taken += 1;
+            result = write_queued(&writer, &mut sock, &mut batch, id, &msg).await;
+            if result.is_err() {
+                break;
             }
             next = rx.try_recv().ok();
         }
-        if let Err(e) = w.flush().await {
-            tracing::debug!(peer = %peer, error = %e, "writer stops");
+        if result.is_ok() && !batch.is_empty() {
+            result = sock.write_all(&batch).await;
+        }
+        batch.clear();
+        writer.queued.fetch_sub(taken, Ordering::AcqRel);
+        if let Err(e) = result {
+            tracing::debug!(peer = %writer.peer, error = %e, "writer stops");
             return;
         }
     }
-    let _ = w.shutdown().await;
+    let _ = writer.sock.lock().await.shutdown().await;
 }
 
-async fn write_one(
-    w: &mut BufWriter<OwnedWriteHalf>,
-    codec: &Codec,
+/// One queued frame into the batch, or (with the batch) into the socket.
+async fn write_queued(
+    writer: &Writer,
+    sock: &mut OwnedWriteHalf,
+    batch: &mut Vec<u8>,
     id: u64,
     msg: &Message,
-    shaper: Option<&Shaper>,
 ) -> std::io::Result<()> {
-    let (head, payload): ([u8; HEADER_LEN], Bytes) =
-        codec.encode(id, msg).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    if let Some(shaper) = shaper {
+    let (head, payload) = match writer.codec.encode(id, msg) {
+        Ok(frame) => frame,
+        Err(e) => {
+            // A frame this side cannot encode (too large) is dropped; the request times out.
+            tracing::warn!(peer = %writer.peer, error = %e, "frame not sent");
+            return Ok(());
+        }
+    };
+    if let Some(shaper) = &writer.shaper {
         let wait = shaper.reserve_out(HEADER_LEN + payload.len());
         if !wait.is_zero() {
             // The frames batched so far were already paid for: send them before waiting.
-            w.flush().await?;
+            sock.write_all(batch).await?;
+            batch.clear();
             shaper.wait(wait).await;
         }
     }
-    w.write_all(&head).await?;
-    w.write_all(&payload).await
+    if payload.len() <= COPY_MAX && batch.len() + HEADER_LEN + payload.len() <= BUF {
+        batch.extend_from_slice(&head);
+        batch.extend_from_slice(&payload);
+        return Ok(());
+    }
+    write_all_vectored(sock, &mut [IoSlice::new(batch), IoSlice::new(&head), IoSlice::new(&payload)]).await?;
+    batch.clear();
+    Ok(())
 }
 
 #[cfg(test)]
@@ -244,6 +454,57 @@ mod tests {
         let took = t.elapsed();
         assert!(took >= expected && took < bound, "writing took {took:?}");
         assert!(shaper.take_shaped_us() >= 2 * expected.as_micros() as u64 - 10_000);
+    }
+
+    #[tokio::test]
+    async fn direct_writes_from_borrowed_slices_and_queued_frames_arrive_whole() {
+        let ((mut a_in, _a_out), (_b_in, b_out)) = pair(None).await;
+        let big: Vec<f32> = (0..300_000).map(|i| i as f32).collect();
+        let small = [1.5f32; 3];
+        let w = b_out.writer();
+        let frames = [
+            (w.tensor_header(Kind::Push, 7, 1, 2, big.len() * 4).unwrap(), bytemuck::cast_slice::<f32, u8>(&big)),
+            (w.tensor_header(Kind::Pull, 8, 3, 4, 0).unwrap(), &[][..]),
+            (w.tensor_header(Kind::Init, 9, 5, 0, 12).unwrap(), bytemuck::cast_slice::<f32, u8>(&small)),
+        ];
+        w.write_frames(&frames).await.unwrap();
+        b_out.send((10, push(4))).unwrap();
+        b_out.send_now(11, Message::Pull { block: 6, clock: 1 }).await.unwrap();
+        let mut got = Vec::new();
+        for _ in 0..5 {
+            let (h, msg) = tokio::time::timeout(Duration::from_secs(10), a_in.next())
+                .await
+                .expect("waiting for 5 frames")
+                .unwrap()
+                .unwrap();
+            got.push((h.request_id, msg));
+        }
+        assert!(matches!(&got[0], (7, Message::Push { block: 1, clock: 2, values }) if values.to_vec() == big));
+        assert_eq!(got[1], (8, Message::Pull { block: 3, clock: 4 }));
+        assert!(matches!(&got[2], (9, Message::Init { block: 5, values }) if values.to_vec() == small));
+        // The queued frame leaves before the direct one written after it.
+        assert_eq!(got[3].0, 10);
+        assert_eq!(got[4], (11, Message::Pull { block: 6, clock: 1 }));
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_direct_write_breaks_the_connection() {
+        let ((_a_in, _a_out), (_b_in, b_out)) = pair(None).await;
+        // Far more than the socket buffers hold, and nobody reads: the write cannot finish.
+        let huge = vec![0u8; 64 << 20];
+        let w = b_out.writer();
+        let head = w.tensor_header(Kind::Push, 1, 0, 0, huge.len()).unwrap();
+        let cut = tokio::time::timeout(Duration::from_millis(200), w.write_frame(&head, &huge)).await;
+        assert!(cut.is_err(), "the write should still be blocked");
+        let again = w.write_frame(&w.tensor_header(Kind::Pull, 2, 0, 0, 0).unwrap(), &[]).await;
+        assert!(matches!(again, Err(RuntimeError::Closed(_))), "{again:?}");
+    }
+
+    #[tokio::test]
+    async fn a_frame_over_the_limit_is_refused_before_writing() {
+        let ((_a_in, _a_out), (_b_in, b_out)) = pair(None).await;
+        let err = b_out.writer().tensor_header(Kind::Push, 1, 0, 0, (64 << 20) + 4).unwrap_err();
+        assert!(matches!(err, RuntimeError::Wire { source: WireError::TooLarge { .. }, .. }), "{err:?}");
     }
 
     #[tokio::test]

@@ -172,6 +172,31 @@ impl Io {
         self.apply(actions);
     }
 
+    /// [`Io::step`] for a frame that arrived on connection `conn`: the replies to `conn`
+    /// are handed back (in order) for its reader task to write itself, with no hop to
+    /// the writer task; every other action is carried out as usual.
+    fn step_on(self: &Arc<Self>, conn: u64, ev: Event, data: bool, own: &mut Vec<(u64, Message)>) {
+        let mut server = lock(&self.server);
+        let started = Instant::now();
+        let mut actions = server.step(self.clock.now(), ev);
+        if data {
+            let spent = started.elapsed();
+            server.charge(spent.as_micros() as u64, 0);
+            drop(server);
+            self.shaper.interfere(spent);
+        } else {
+            drop(server);
+        }
+        actions.retain_mut(|a| match a {
+            Action::Reply { conn: c, request_id, msg } if *c == conn => {
+                own.push((*request_id, std::mem::replace(msg, Message::Control(Control::Ok))));
+                false
+            }
+            _ => true,
+        });
+        self.apply(actions);
+    }
+
     fn apply(self: &Arc<Self>, actions: Vec<Action>) {
         for action in actions {
             match action {
@@ -274,6 +299,7 @@ async fn serve_connection(mut stream: TcpStream, peer: String, io: Arc<Io>) {
     lock(&io.conns).insert(conn, out.clone());
     io.step(Event::Opened { conn }, false);
     let mut introduced = false;
+    let mut own = Vec::new();
     loop {
         let frame = if introduced {
             reader.next().await
@@ -284,6 +310,9 @@ async fn serve_connection(mut stream: TcpStream, peer: String, io: Arc<Io>) {
             Ok(Some(f)) => f,
             Ok(None) => break,
             Err(e) => {
+                if !own.is_empty() {
+                    let _ = out.send_all_now(std::mem::take(&mut own)).await;
+                }
                 tracing::warn!(peer = %peer, error = %e, "closing connection");
                 if let RuntimeError::Wire { source, .. } = &e {
                     let reply = elasticps_wire::ErrorReply { code: source.code(), message: source.to_string() };
@@ -296,7 +325,15 @@ async fn serve_connection(mut stream: TcpStream, peer: String, io: Arc<Io>) {
             reader.set_peer(format!("worker {rank} ({peer})"));
         }
         let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
-        io.step(Event::Received { conn, request_id: header.request_id, msg }, data);
+        io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data, &mut own);
+        // Replies wait while more requests are already read (a burst of a round's
+        // blocks): one write answers them all.
+        if !own.is_empty()
+            && !reader.has_buffered()
+            && let Err(e) = out.send_all_now(std::mem::take(&mut own)).await
+        {
+            tracing::debug!(peer = %peer, error = %e, "replies not written");
+        }
         introduced = introduced || lock(&io.server).introduced(conn);
     }
     lock(&io.conns).remove(&conn);
