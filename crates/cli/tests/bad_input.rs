@@ -402,12 +402,13 @@ fn a_server_refuses_each_bad_frame_closes_only_that_connection_and_keeps_serving
     c.finish();
 }
 
-/// Connections that do not prove they hold the cluster secret: a wrong secret (a worker
-/// process and a raw peer), a peer that sends a frame before the handshake, and one that
-/// stops half way through it. Each is refused or dropped with a clear error and a log
-/// line, and the well-behaved worker's training goes on, value for value.
+/// Hostile or broken peers: a wrong secret (a worker process and a raw peer), a peer that
+/// sends a frame before the handshake, one that stops half way through the handshake, and
+/// one that stops half way through a frame header after it. Each is refused or dropped
+/// with a clear error and a log line, and the well-behaved worker's training goes on,
+/// value for value.
 #[test]
-fn a_wrong_secret_a_skipped_handshake_and_a_stalled_one_are_refused_while_the_job_goes_on() {
+fn a_wrong_secret_a_skipped_handshake_and_stalled_peers_are_refused_while_the_job_goes_on() {
     let mut c = Tiny::start();
     c.round("start");
     let mut stalled = Vec::new();
@@ -429,6 +430,10 @@ fn a_wrong_secret_a_skipped_handshake_and_a_stalled_one_are_refused_while_the_jo
 
         let mut s = connect_unauthenticated(&addr);
         s.write_all(b"EPSH").expect("half a hello");
+        stalled.push((addr.clone(), s));
+
+        let mut s = connect_raw(&addr, SECRET.as_bytes());
+        s.write_all(&MAGIC).expect("half a header");
         stalled.push((addr, s));
     }
     c.round("three refusals on every node");
@@ -439,8 +444,9 @@ fn a_wrong_secret_a_skipped_handshake_and_a_stalled_one_are_refused_while_the_jo
     assert!(matches!(status, Some(s) if !s.success()), "a worker with the wrong secret ended with {status:?}");
     assert!(w.log().contains("cluster secret differs"), "{}", w.log_tail(10));
 
-    // The stalled handshakes are dropped once the handshake deadline passes.
-    let deadline = Instant::now() + elasticps_runtime::handshake::HANDSHAKE_TIMEOUT + REPLY_TIMEOUT;
+    // The stalled peers are dropped once their deadline passes.
+    let longest = elasticps_runtime::handshake::HANDSHAKE_TIMEOUT.max(elasticps_runtime::conn::FRAME_STALL_TIMEOUT);
+    let deadline = Instant::now() + longest + REPLY_TIMEOUT;
     for (addr, mut s) in stalled {
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
         s.set_read_timeout(Some(left)).expect("read timeout");
@@ -448,10 +454,10 @@ fn a_wrong_secret_a_skipped_handshake_and_a_stalled_one_are_refused_while_the_jo
         match s.read(&mut buf) {
             Ok(0) => {}
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
-            other => panic!("{addr}: a stalled handshake was not dropped: {other:?}"),
+            other => panic!("{addr}: a stalled peer was not dropped: {other:?}"),
         }
     }
-    c.round("the stalled handshakes were dropped");
+    c.round("the stalled peers were dropped");
     for (name, log) in [("scheduler", c.sched.log()), ("server 0", c.servers[0].log())] {
         assert!(log.contains("connection refused"), "{name} logs each refusal\n{log}");
         assert!(log.contains("cluster secret"), "{name} logs why\n{log}");

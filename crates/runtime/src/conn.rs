@@ -45,6 +45,9 @@ const BUF: usize = 256 * 1024;
 /// written from their own memory (vectored write).
 const COPY_MAX: usize = 16 * 1024;
 
+/// How long a frame that began may go without a byte before its peer is dropped.
+pub const FRAME_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Reads frames from one connection.
 pub struct FrameReader {
     inner: BufReader<OwnedReadHalf>,
@@ -87,7 +90,7 @@ impl FrameReader {
         if first == 0 {
             return Ok(None);
         }
-        self.inner.read_exact(&mut head[1..]).await.map_err(|e| self.io_err(e))?;
+        self.read_rest(&mut head[1..]).await?;
         let header = match self.codec.decode_header(&head) {
             Ok(h) => h,
             Err(source) => {
@@ -102,11 +105,11 @@ impl FrameReader {
         let len = header.payload_len as usize;
         let payload = if matches!(header.kind, Kind::Push | Kind::PullReply) && len.is_multiple_of(4) {
             let mut v = pool::payload_buffer(len / 4);
-            self.inner.read_exact(bytemuck::cast_slice_mut(&mut v)).await.map_err(|e| self.io_err(e))?;
+            self.read_rest(bytemuck::cast_slice_mut(&mut v)).await?;
             pool::pooled_values(v).into_bytes()
         } else {
             let mut b = BytesMut::zeroed(len);
-            self.inner.read_exact(&mut b).await.map_err(|e| self.io_err(e))?;
+            self.read_rest(&mut b).await?;
             b.freeze()
         };
         if let Some(shaper) = &self.shaper {
@@ -114,6 +117,32 @@ impl FrameReader {
         }
         let msg = Message::decode(&header, payload).map_err(|source| self.wire_err(source))?;
         Ok(Some((header, msg)))
+    }
+
+    /// Fills `buf` with the rest of a frame that began: a peer that sends no byte of it for
+    /// [`FRAME_STALL_TIMEOUT`] is dropped (a stalled frame must not hold a connection, its
+    /// task and its buffer forever).
+    async fn read_rest(&mut self, buf: &mut [u8]) -> Result<()> {
+        let mut filled = 0;
+        while filled < buf.len() {
+            let n = match tokio::time::timeout(FRAME_STALL_TIMEOUT, self.inner.read(&mut buf[filled..])).await {
+                Ok(Ok(0)) => return Err(self.io_err(std::io::ErrorKind::UnexpectedEof.into())),
+                Ok(Ok(n)) => n,
+                Ok(Err(e)) => return Err(self.io_err(e)),
+                Err(_) => {
+                    return Err(RuntimeError::Timeout {
+                        what: format!(
+                            "{} to send the rest of a frame ({filled} of {} more bytes came)",
+                            self.peer,
+                            buf.len()
+                        ),
+                        after: FRAME_STALL_TIMEOUT,
+                    });
+                }
+            };
+            filled += n;
+        }
+        Ok(())
     }
 
     fn io_err(&self, e: std::io::Error) -> RuntimeError {
