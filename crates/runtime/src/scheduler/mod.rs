@@ -16,9 +16,9 @@ pub use elasticps_node::scheduler::{
     ServerPoint,
 };
 
+use crate::accept::{self, Accepted, Acceptor, MAX_CONNECTIONS};
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
-use crate::handshake;
 use crate::metrics::SchedulerMetrics;
 use crate::{HEARTBEAT_TIMEOUT, Micros};
 
@@ -163,25 +163,17 @@ pub async fn run_with(
 }
 
 async fn accept_loop(listener: TcpListener, codec: Codec, events: mpsc::UnboundedSender<(Event, Option<Handle>)>) {
+    let acceptor = Acceptor::new(listener, MAX_CONNECTIONS);
     let mut next: ConnId = 1;
     loop {
-        let (stream, addr) = match listener.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+        let Accepted { stream, addr, permit } = acceptor.next().await;
         let conn = next;
         next += 1;
         let (codec, events) = (codec.clone(), events.clone());
         tokio::spawn(async move {
-            let mut stream = stream;
+            let _permit = permit;
             let peer = addr.to_string();
-            if let Err(e) = handshake::accept(&mut stream, codec.secret(), &peer).await {
-                return handshake::refused(&mut stream, &codec, &peer, &e).await;
-            }
+            let Some(stream) = accept::authenticate(stream, &codec, &peer).await else { return };
             let (mut reader, out) = conn::split(stream, codec, peer);
             let close = Arc::new(Notify::new());
             let why = loop {

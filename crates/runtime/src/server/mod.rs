@@ -20,9 +20,9 @@ use elasticps_wire::{Codec, Control, Message, ServerStats};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
+use crate::accept::{self, Acceptor, MAX_CONNECTIONS};
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
-use crate::handshake;
 use crate::metrics::{ServerMetrics, ServerSnapshot, ServerSource};
 use crate::peer::Peer;
 use crate::shaping::Shaper;
@@ -274,26 +274,24 @@ impl Io {
 }
 
 async fn accept_loop(listener: TcpListener, io: Arc<Io>) {
+    let acceptor = Acceptor::new(listener, MAX_CONNECTIONS);
     loop {
-        match listener.accept().await {
-            Ok((stream, addr)) => {
-                tokio::spawn(serve_connection(stream, addr.to_string(), io.clone()));
+        let a = acceptor.next().await;
+        let io = io.clone();
+        tokio::spawn(async move {
+            let peer = a.addr.to_string();
+            if let Some(stream) = accept::authenticate(a.stream, &io.codec, &peer).await {
+                serve_connection(stream, peer, io).await;
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
+            drop(a.permit);
+        });
     }
 }
 
 /// Reads one connection's frames into the state machine until it closes or sends
 /// something invalid; never takes the server down. Until the peer says Hello (or streams
 /// a block) each frame must come within [`CALL_TIMEOUT`].
-async fn serve_connection(mut stream: TcpStream, peer: String, io: Arc<Io>) {
-    if let Err(e) = handshake::accept(&mut stream, io.codec.secret(), &peer).await {
-        return handshake::refused(&mut stream, &io.codec, &peer, &e).await;
-    }
+async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
     let conn = io.next_conn.fetch_add(1, Ordering::Relaxed);
     let (mut reader, out) = conn::split_shaped(stream, io.codec.clone(), peer.clone(), Some(io.shaper.clone()));
     lock(&io.conns).insert(conn, out.clone());

@@ -1,0 +1,115 @@
+//! Accepting connections on a node's port: a bound on the connections open at once, and
+//! the handshake ([`crate::handshake`]) before a connection is handed to its role. A
+//! connection above the bound is closed at once and logged, so a flood of peers cannot
+//! exhaust a node's tasks, buffers or file descriptors while its workers are served.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use elasticps_wire::Codec;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::handshake;
+
+/// How many connections a scheduler or server keeps open at once (workers, servers,
+/// operator tools); one more is refused.
+pub const MAX_CONNECTIONS: usize = 4096;
+
+/// A listener with its bound on open connections.
+pub struct Acceptor {
+    listener: TcpListener,
+    slots: Arc<Semaphore>,
+    max: usize,
+}
+
+/// One accepted connection; it counts against the bound until `permit` is dropped.
+pub struct Accepted {
+    /// The connection (no byte read yet).
+    pub stream: TcpStream,
+    /// The peer's address.
+    pub addr: SocketAddr,
+    /// Its place under the bound: keep it as long as the connection lives.
+    pub permit: OwnedSemaphorePermit,
+}
+
+impl Acceptor {
+    /// Accepts on `listener`, at most `max` connections open at once.
+    pub fn new(listener: TcpListener, max: usize) -> Self {
+        Self { listener, slots: Arc::new(Semaphore::new(max)), max }
+    }
+
+    /// The next connection under the bound. Failed accepts (out of descriptors, a reset
+    /// before accept) are logged and retried after a short pause; connections above the
+    /// bound are closed and logged.
+    pub async fn next(&self) -> Accepted {
+        loop {
+            let (stream, addr) = match self.listener.accept().await {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            match self.slots.clone().try_acquire_owned() {
+                Ok(permit) => return Accepted { stream, addr, permit },
+                Err(_) => {
+                    tracing::warn!(peer = %addr, max = self.max, "connection refused: too many connections open");
+                    drop(stream);
+                }
+            }
+        }
+    }
+}
+
+/// Runs the acceptor's side of the handshake on `stream`; a refused peer is logged (and
+/// told why, if it sent a frame) and its connection closed: `None`.
+pub async fn authenticate(mut stream: TcpStream, codec: &Codec, peer: &str) -> Option<TcpStream> {
+    match handshake::accept(&mut stream, codec.secret(), peer).await {
+        Ok(()) => Some(stream),
+        Err(e) => {
+            handshake::refused(&mut stream, codec, peer, &e).await;
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncReadExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connection_above_the_bound_is_closed_and_a_freed_place_is_taken_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let acceptor = Acceptor::new(listener, 2);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let node = tokio::spawn(async move {
+            loop {
+                if tx.send(acceptor.next().await).is_err() {
+                    return;
+                }
+            }
+        });
+        let within = Duration::from_secs(5);
+        let _a = TcpStream::connect(addr).await.unwrap();
+        let first = tokio::time::timeout(within, rx.recv()).await.unwrap().unwrap();
+        let _b = TcpStream::connect(addr).await.unwrap();
+        let _second = tokio::time::timeout(within, rx.recv()).await.unwrap().unwrap();
+        // A third peer: accepted by the kernel, closed by the node.
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        let mut buf = [0u8; 1];
+        let closed = tokio::time::timeout(within, c.read(&mut buf)).await.expect("closed in time");
+        assert!(matches!(closed, Ok(0) | Err(_)), "the third peer must be closed: {closed:?}");
+        // A place frees up: the next peer gets it.
+        drop(first);
+        let d = TcpStream::connect(addr).await.unwrap();
+        let fourth = tokio::time::timeout(within, rx.recv()).await.unwrap().unwrap();
+        assert_eq!(fourth.addr, d.local_addr().unwrap());
+        node.abort();
+    }
+}
