@@ -42,6 +42,7 @@ use serde::Serialize;
 
 use crate::checks::{Check, Target};
 use crate::error::Context as _;
+use crate::machine::CpuSample;
 use crate::sync::{RunResult, Workload, measure};
 
 /// A bandwidth and a server speed, MB/s, at which the simulated transfers and pushes cost
@@ -55,7 +56,7 @@ pub const QUICK_POLICIES: &[&str] = &["bsp", "ssp:3", "pssp:3:0.5"];
 const CALIBRATION_US: f64 = 10_000.0;
 /// ssp:3 and pssp:3:0.5 must beat bsp by this factor in the quick form (see
 /// docs/BENCHMARKS.md, "Sync under transient stragglers", for the runs it was chosen from).
-pub const QUICK_MARGIN: f64 = 1.1;
+pub const QUICK_MARGIN: f64 = 1.15;
 
 /// What the scenario runs, resolved from `bench sync`'s flags.
 #[derive(Clone, Debug, Serialize)]
@@ -199,6 +200,39 @@ pub struct TransientRun {
     pub comm_ms: Option<f64>,
     /// The replay; `None` if the run's communication time could not be measured.
     pub ceiling: Option<Ceiling>,
+    /// Where the CPU went during the job, if /proc could tell.
+    pub cpu: Option<CpuUse>,
+}
+
+/// The CPU time of one job, from /proc/stat and /proc/self/stat (in USER_HZ = 100 ticks
+/// per second): how many of the machine's cores its processes kept busy, and others'.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct CpuUse {
+    /// CPU time of the job's processes (the scheduler, the servers, the workers), per
+    /// iteration of one worker, ms.
+    pub job_ms_per_iteration: f64,
+    /// The job's processes' CPU time / the job's wall time: cores kept busy.
+    pub job_cores: f64,
+    /// Cores that other processes kept busy meanwhile.
+    pub others_cores: f64,
+    /// Cores left idle meanwhile.
+    pub idle_cores: f64,
+}
+
+impl CpuUse {
+    fn between(a: CpuSample, b: CpuSample, wall_s: f64, iterations: u64) -> Option<Self> {
+        const USER_HZ: f64 = 100.0;
+        let total = b.total.checked_sub(a.total).filter(|t| *t > 0)? as f64;
+        let own = b.own.saturating_sub(a.own) as f64;
+        let busy = b.busy.saturating_sub(a.busy) as f64;
+        let cores = std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64);
+        Some(CpuUse {
+            job_ms_per_iteration: own / USER_HZ * 1e3 / iterations.max(1) as f64,
+            job_cores: own / USER_HZ / wall_s.max(1e-9),
+            others_cores: a.others(b)? * cores,
+            idle_cores: (1.0 - busy / total).max(0.0) * cores,
+        })
+    }
 }
 
 impl TransientRun {
@@ -242,23 +276,30 @@ pub async fn run(plan: &TransientPlan, net: &NetArgs, out: &Path) -> crate::Resu
         let t = Instant::now();
         let flags = plan.train_flags(*workers, policy, plan.iterations);
         let dir = out.join("runs").join(format!("transient-w{workers}-{}-r{round}", policy.replace(':', "_")));
+        let before = CpuSample::now();
+        let wall = Instant::now();
         let run = measure(flags.clone(), net, &dir, Workload::Resnet56, policy, *round, &[])
             .await
             .with_context(|| format!("transient, {workers} workers under {policy}"))?;
+        let iterations = run.workers.iter().map(|w| w.iterations).sum();
+        let cpu = before
+            .zip(CpuSample::now())
+            .and_then(|(a, b)| CpuUse::between(a, b, wall.elapsed().as_secs_f64(), iterations));
         let data = crate::job::train_cmd(&flags)?.data;
         let comm_ms = unheld_comm_ms(&run.workers, &data);
         let ceiling = match comm_ms {
             Some(c) => Some(ceiling(plan, *workers, policy, c)?),
             None => None,
         };
-        let r = TransientRun { workers: *workers, requests_held: requests_held_real(&run), comm_ms, ceiling, run };
+        let r = TransientRun { workers: *workers, requests_held: requests_held_real(&run), comm_ms, ceiling, cpu, run };
         eprintln!(
-            "{:.1} s: {:.1} it/s, ceiling {}, comm {} ms, {:.0} delayed pull requests",
+            "{:.1} s: {:.1} it/s, ceiling {}, comm {} ms, {:.0} delayed pull requests, job cores {}",
             t.elapsed().as_secs_f64(),
             r.run.iters_per_s,
             r.ceiling.as_ref().map_or("-".into(), |c| format!("{:.1}", c.iters_per_s)),
             r.comm_ms.map_or("-".into(), |c| format!("{c:.1}")),
             r.requests_held,
+            r.cpu.map_or("-".into(), |c| format!("{:.2} (others {:.2})", c.job_cores, c.others_cores)),
         );
         runs.push(r);
     }
@@ -500,6 +541,8 @@ pub fn render(out: &TransientOutput) -> String {
         "ceiling's share delayed",
         "mean hold ms",
         "max lead",
+        "job CPU ms / it",
+        "cores: job / others / idle",
     ];
     let mut rows = Vec::new();
     for &w in &p.workers {
@@ -529,6 +572,10 @@ pub fn render(out: &TransientOutput) -> String {
                 c.map_or("-".into(), |c| format!("{:.1}%", 100.0 * c.pulls_held as f64 / c.pulls.max(1) as f64)),
                 format!("{:.1}", r.run.hold_ms_mean),
                 r.run.max_lead.to_string(),
+                r.cpu.map_or("-".into(), |c| format!("{:.1}", c.job_ms_per_iteration)),
+                r.cpu.map_or("-".into(), |c| {
+                    format!("{:.2} / {:.2} / {:.2}", c.job_cores, c.others_cores, c.idle_cores)
+                }),
             ]);
         }
     }
@@ -537,7 +584,9 @@ pub fn render(out: &TransientOutput) -> String {
         "\ncomm ms: per iteration, the round of the worker that pushed last (never held), median over \
          iterations. delayed pull requests: per server, held block pulls / its blocks (one request = one \
          worker's pull of one clock from one server, as FluentPS and the SSP papers count them). share of \
-         pulls delayed: held / answered block pulls.\n",
+         pulls delayed: held / answered block pulls. job CPU ms / it: the CPU time of the job's processes \
+         (scheduler, servers, workers) per iteration of one worker; cores: the job's CPU time / its wall \
+         time, and the cores other processes used and left idle meanwhile.\n",
     );
     if !out.reference.is_empty() {
         let bsp = out.reference.iter().find(|r| r.policy == "bsp").map(|r| r.iters_per_s);
