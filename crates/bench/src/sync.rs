@@ -218,8 +218,11 @@ impl Plan {
         };
         let workers = cmd.transient_workers.clone().unwrap_or(if cmd.quick { vec![8] } else { vec![8, 16] });
         let iterations = cmd.transient_iterations.unwrap_or(if cmd.quick { 30 } else { 60 });
-        let (jitter, compute_ms) =
-            if cmd.quick { (Jitter { p: 0.2, ms: 150.0 }, 20.0) } else { (Jitter { p: 0.1, ms: 80.0 }, 10.0) };
+        let (jitter, compute_ms, margin) = if cmd.quick {
+            (Jitter { p: 0.2, ms: 150.0 }, 20.0, transient::QUICK_MARGIN)
+        } else {
+            (Jitter { p: 0.1, ms: 80.0 }, 10.0, transient::FULL_MARGIN)
+        };
         TransientPlan::new(
             workers,
             cmd.servers,
@@ -228,6 +231,7 @@ impl Plan {
             cmd.rounds,
             cmd.transient_compute_ms.unwrap_or(compute_ms),
             cmd.transient_jitter.unwrap_or(jitter),
+            margin,
         )
     }
 

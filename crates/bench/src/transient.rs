@@ -54,9 +54,13 @@ pub const POLICIES: &[&str] = &["bsp", "asp", "ssp:3", "ssp:6", "lazy:3", "pssp:
 pub const QUICK_POLICIES: &[&str] = &["bsp", "ssp:3", "pssp:3:0.5"];
 /// The calibration latency, µs (large next to what a round costs without latency).
 const CALIBRATION_US: f64 = 10_000.0;
-/// ssp:3 and pssp:3:0.5 must beat bsp by this factor in the quick form (see
-/// docs/BENCHMARKS.md, "Sync under transient stragglers", for the runs it was chosen from).
+/// ssp:3 and pssp:3:0.5 must beat bsp by this factor in the quick form (p 0.2, D 150 ms;
+/// docs/BENCHMARKS.md, "Sync under transient stragglers", has the runs it was chosen from:
+/// 1.25x to 1.58x).
 pub const QUICK_MARGIN: f64 = 1.15;
+/// ... and in the full form (p 0.1, D 80 ms), where the 2-core CPU leaves the hold rule
+/// only 1.2x to 1.3x (the ceilings): they must not be slower than bsp.
+pub const FULL_MARGIN: f64 = 1.0;
 
 /// What the scenario runs, resolved from `bench sync`'s flags.
 #[derive(Clone, Debug, Serialize)]
@@ -80,10 +84,13 @@ pub struct TransientPlan {
     pub p: f64,
     /// D of the jitter, ms.
     pub delay_ms: f64,
+    /// ssp:3 and pssp:3:0.5 must beat bsp by this factor ([`QUICK_MARGIN`], [`FULL_MARGIN`]).
+    pub margin: f64,
 }
 
 impl TransientPlan {
     /// The plan; `None` when `iterations` is 0 or no worker count is given (no scenario).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         workers: Vec<u32>,
         servers: u32,
@@ -92,6 +99,7 @@ impl TransientPlan {
         rounds: u32,
         compute_ms: f64,
         jitter: Jitter,
+        margin: f64,
     ) -> crate::Result<Option<Self>> {
         if iterations == 0 || workers.is_empty() {
             return Ok(None);
@@ -112,6 +120,7 @@ impl TransientPlan {
             jitter: jitter.to_string(),
             p: jitter.p,
             delay_ms: jitter.ms,
+            margin,
         }))
     }
 
@@ -421,6 +430,7 @@ fn reference_plan(policies: &[String]) -> TransientPlan {
         jitter: "0.1:80".into(),
         p: 0.1,
         delay_ms: 80.0,
+        margin: FULL_MARGIN,
     }
 }
 
@@ -442,20 +452,21 @@ fn find<'a>(out: &'a TransientOutput, workers: u32, policy: &str) -> Option<&'a 
 }
 
 /// The checks of the scenario (they fail the command): at the smallest worker count,
-/// ssp:3 and pssp:3:0.5 beat bsp by [`QUICK_MARGIN`], and asp delays no pull.
+/// ssp:3 and pssp:3:0.5 beat bsp by the plan's margin, and asp delays no pull.
 pub fn checks(out: &TransientOutput) -> Vec<Check> {
     let Some(&w) = out.plan.workers.iter().min() else { return Vec::new() };
     let mut checks = Vec::new();
     let it_s = |p: &str| find(out, w, p).map(|r| r.run.iters_per_s);
+    let margin = out.plan.margin;
     for p in ["ssp:3", "pssp:3:0.5"] {
         let (a, b) = (it_s(p), it_s("bsp"));
         checks.push(Check {
-            what: format!("transient, {w} workers: iterations/s of {p} > {QUICK_MARGIN} x bsp"),
+            what: format!("transient, {w} workers: iterations/s of {p} > {margin} x bsp"),
             measured: match (a, b) {
                 (Some(a), Some(b)) => format!("{a:.1} vs {b:.1} ({})", ratio(a, b)),
                 _ => "not run".into(),
             },
-            pass: a.zip(b).map(|(a, b)| a > QUICK_MARGIN * b),
+            pass: a.zip(b).map(|(a, b)| a > margin * b),
         });
     }
     let asp = find(out, w, "asp").map(|r| r.run.pulls_held);
@@ -616,9 +627,18 @@ mod tests {
     use super::*;
 
     fn plan() -> TransientPlan {
-        TransientPlan::new(vec![3], 1, vec!["bsp".into(), "asp".into()], 12, 2, 5.0, Jitter { p: 0.2, ms: 30.0 })
-            .unwrap()
-            .unwrap()
+        TransientPlan::new(
+            vec![3],
+            1,
+            vec!["bsp".into(), "asp".into()],
+            12,
+            2,
+            5.0,
+            Jitter { p: 0.2, ms: 30.0 },
+            FULL_MARGIN,
+        )
+        .unwrap()
+        .unwrap()
     }
 
     #[test]
@@ -631,7 +651,7 @@ mod tests {
         assert_eq!((t.job.workers, t.job.sync.to_string()), (3, "ssp:3".to_string()));
         let s = crate::sim::sim_cmd(&sim_flags(&p, 3, "bsp", 12, 250.0)).unwrap();
         assert_eq!((s.sim.latency_us, s.sim.link_mbps), (250.0, ZERO_COST_MBPS));
-        assert!(TransientPlan::new(vec![8], 2, vec![], 0, 1, 1.0, Jitter { p: 0.1, ms: 1.0 }).unwrap().is_none());
+        assert!(TransientPlan::new(vec![8], 2, vec![], 0, 1, 1.0, Jitter { p: 0.1, ms: 1.0 }, 1.0).unwrap().is_none());
     }
 
     #[test]
