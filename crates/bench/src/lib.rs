@@ -13,7 +13,8 @@
 //! - [`checks`]: the checks (fail the command) and targets (reported) that end the reports
 //!   of `bench sync` and `bench straggler`, and their Markdown.
 //! - [`sync`]: every sync policy on the same straggler job, side by side
-//!   (`elasticps bench sync`); [`plots::sync`] draws its `sync.png`.
+//!   (`elasticps bench sync`); [`plots::sync`] draws its `sync.png`; [`transient`] is its
+//!   transient-straggler scenario, each policy against the replay of its own hold rule.
 //! - [`straggler`]: a straggling server (bandwidth, CPU, skewed placement, mid-run) under
 //!   static placement and under the PSLD balancer (`elasticps bench straggler`);
 //!   [`plots::straggler`] draws its `straggler.png`.
@@ -35,6 +36,7 @@ pub mod sink;
 pub mod stats;
 pub mod straggler;
 pub mod sync;
+pub mod transient;
 pub mod transport;
 
 pub use error::{BenchError, Result};

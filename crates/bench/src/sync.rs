@@ -44,6 +44,9 @@ use crate::plots::sync as sync_plot;
 use elasticps_launch::args::{NetArgs, StragglerSpec};
 use elasticps_report::table::markdown_table;
 use elasticps_report::{ServerReport, WorkerReport};
+use elasticps_train::Jitter;
+
+use crate::transient::{self, TransientOutput, TransientPlan};
 
 /// Every policy of the default run, in table order.
 pub const DEFAULT_POLICIES: &[&str] = &["bsp", "asp", "ssp:3", "lazy:3", "pssp:3:0.5", "dpssp:3", "adaptive"];
@@ -55,16 +58,17 @@ const QUICK_MNIST: &[&str] = &["bsp", "pssp:3:0.5"];
 /// `elasticps bench sync`.
 #[derive(Args, Clone, Debug)]
 pub struct SyncBenchCmd {
-    /// A short run for CI (under a minute on 2 cores): fewer iterations, the synthetic half
-    /// with bsp, asp, ssp:3, lazy:3 and pssp:3:0.5 only, the MNIST half with bsp and
-    /// pssp:3:0.5.
+    /// A short run for CI (about 1.5 minutes on 2 cores): fewer iterations, the synthetic
+    /// half with bsp, asp, ssp:3, lazy:3 and pssp:3:0.5 only, the MNIST half with bsp and
+    /// pssp:3:0.5, the transient scenario at 8 workers with bsp, ssp:3 and pssp:3:0.5.
     #[arg(long)]
     pub quick: bool,
     /// Policies to compare, comma-separated (default: bsp, asp, ssp:3, lazy:3, pssp:3:0.5,
     /// dpssp:3, adaptive). Checks that need a missing policy are skipped.
     #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
     pub policies: Option<Vec<SyncPolicy>>,
-    /// Iterations per worker of the synthetic ResNet-56 runs (default 60, quick 30).
+    /// Iterations per worker of the synthetic ResNet-56 runs (default 60, quick 30; 0 skips
+    /// them).
     #[arg(long)]
     pub synthetic_iterations: Option<u32>,
     /// Rounds of the synthetic half: every policy runs once per round, in turn (forward,
@@ -101,9 +105,31 @@ pub struct SyncBenchCmd {
     /// nodes' logs here.
     #[arg(long, default_value = "reports/bench-sync")]
     pub out: PathBuf,
+    /// Worker counts of the transient scenario, comma-separated (default 8,16; quick 8).
+    #[arg(long, value_delimiter = ',')]
+    pub transient_workers: Option<Vec<u32>>,
+    /// Policies of the transient scenario (default: bsp, asp, ssp:3, ssp:6, lazy:3,
+    /// pssp:3:0.5, dpssp:3; quick: bsp, ssp:3, pssp:3:0.5).
+    #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
+    pub transient_policies: Option<Vec<SyncPolicy>>,
+    /// Iterations per worker of the transient scenario (default 60, quick 40; 0 skips it).
+    #[arg(long)]
+    pub transient_iterations: Option<u32>,
+    /// The transient stragglers: every worker slow by MS ms with probability P at every
+    /// iteration (default 0.1:80, the issue's; quick 0.2:150, strong enough that the hold
+    /// rule and not the CPU of a debug build on 2 cores decides the ordering).
+    #[arg(long, value_name = "P:MS", value_parser = parse_jitter)]
+    pub transient_jitter: Option<Jitter>,
+    /// Compute time per iteration of the transient scenario, ms (default 10, quick 20).
+    #[arg(long)]
+    pub transient_compute_ms: Option<f64>,
     /// Transport settings of the clusters.
     #[command(flatten)]
     pub net: NetArgs,
+}
+
+fn parse_jitter(s: &str) -> Result<Jitter, String> {
+    s.parse().map_err(|e: elasticps_train::TrainError| e.to_string())
 }
 
 fn parse_policy(s: &str) -> Result<SyncPolicy, String> {
@@ -159,7 +185,6 @@ impl Plan {
         let mnist_iterations = cmd.mnist_iterations.unwrap_or(if cmd.quick { 60 } else { 210 });
         crate::error::ensure_flags!((1..=20).contains(&cmd.rounds), "--rounds must be from 1 to 20");
         crate::error::ensure_flags!(!synthetic_policies.is_empty(), "--policies: nothing to compare");
-        crate::error::ensure_flags!(synthetic_iterations > 0, "--synthetic-iterations must be at least 1");
         crate::error::ensure_flags!(cmd.workers > 0 && cmd.servers > 0, "--workers and --servers must be at least 1");
         crate::error::ensure_flags!(
             cmd.compute_ms.is_finite() && cmd.compute_ms >= 0.0,
@@ -174,13 +199,40 @@ impl Plan {
             servers: cmd.servers,
             worker_delay: cmd.worker_delay.to_string(),
             compute_ms: cmd.compute_ms,
-            synthetic_policies,
+            synthetic_policies: if synthetic_iterations == 0 { Vec::new() } else { synthetic_policies },
             synthetic_iterations,
             rounds: cmd.rounds,
             mnist_policies: if mnist_iterations == 0 { Vec::new() } else { mnist_policies },
             mnist_iterations,
             eval_every: cmd.eval_every,
         })
+    }
+
+    /// The transient scenario's plan, `None` to skip it.
+    fn transient(cmd: &SyncBenchCmd) -> crate::Result<Option<TransientPlan>> {
+        let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let policies = match (&cmd.transient_policies, cmd.quick) {
+            (Some(p), _) => p.iter().map(ToString::to_string).collect(),
+            (None, true) => names(transient::QUICK_POLICIES),
+            (None, false) => names(transient::POLICIES),
+        };
+        let workers = cmd.transient_workers.clone().unwrap_or(if cmd.quick { vec![8] } else { vec![8, 16] });
+        let iterations = cmd.transient_iterations.unwrap_or(if cmd.quick { 30 } else { 60 });
+        let (jitter, compute_ms, margin) = if cmd.quick {
+            (Jitter { p: 0.2, ms: 150.0 }, 20.0, transient::QUICK_MARGIN)
+        } else {
+            (Jitter { p: 0.1, ms: 80.0 }, 10.0, transient::FULL_MARGIN)
+        };
+        TransientPlan::new(
+            workers,
+            cmd.servers,
+            policies,
+            iterations,
+            cmd.rounds,
+            cmd.transient_compute_ms.unwrap_or(compute_ms),
+            cmd.transient_jitter.unwrap_or(jitter),
+            margin,
+        )
     }
 
     /// The `elasticps train` flags of one run.
@@ -331,6 +383,7 @@ struct Output {
     took_s: f64,
     budget_s: Option<f64>,
     runs: Vec<RunResult>,
+    transient: Option<TransientOutput>,
     checks: Vec<Check>,
     targets: Vec<Target>,
 }
@@ -338,6 +391,7 @@ struct Output {
 /// Runs the benchmark, writes its files and prints the table.
 pub async fn run(cmd: SyncBenchCmd) -> crate::Result<()> {
     let plan = Plan::new(&cmd)?;
+    let transient_plan = Plan::transient(&cmd)?;
     std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
     let watch = MachineWatch::start();
     let started = Instant::now();
@@ -358,6 +412,10 @@ pub async fn run(cmd: SyncBenchCmd) -> crate::Result<()> {
         );
         runs.push(r);
     }
+    let transient = match &transient_plan {
+        Some(t) => Some(transient::run(t, &cmd.net, &cmd.out).await?),
+        None => None,
+    };
     choose(&mut runs);
     let budget_s = cmd.budget_s.or_else(|| default_budget(&runs));
     if let Some(b) = budget_s {
@@ -365,11 +423,17 @@ pub async fn run(cmd: SyncBenchCmd) -> crate::Result<()> {
             r.accuracy_at_budget = r.accuracy_at(b);
         }
     }
+    let (mut all_checks, mut all_targets) = (checks(&runs), targets(&runs));
+    if let Some(t) = &transient {
+        all_checks.extend(transient::checks(t));
+        all_targets.extend(transient::targets(t));
+    }
     let out = Output {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine: watch.finish(),
-        checks: checks(&runs),
-        targets: targets(&runs),
+        checks: all_checks,
+        targets: all_targets,
+        transient,
         took_s: started.elapsed().as_secs_f64(),
         budget_s,
         plan,
@@ -399,7 +463,21 @@ async fn one_run(
 ) -> crate::Result<RunResult> {
     let flags = plan.train_flags(workload, policy);
     let dir = run_dir(&cmd.out, workload, policy, round);
-    let report = run_train(&flags, &cmd.net, &dir).await?;
+    measure(flags, &cmd.net, &dir, workload, policy, round, &cmd.worker_delay.ranks).await
+}
+
+/// Runs the train job of `flags` in `dir` (its report.json and nodes' logs there) and
+/// collects its numbers; `delayed` are the ranks `--worker-delay` names.
+pub(crate) async fn measure(
+    flags: Vec<String>,
+    net: &NetArgs,
+    dir: &Path,
+    workload: Workload,
+    policy: &str,
+    round: u32,
+    delayed: &[u32],
+) -> crate::Result<RunResult> {
+    let report = run_train(&flags, net, dir).await?;
     std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&report)? + "\n")
         .with_context(|| format!("writing {}", dir.join("report.json").display()))?;
 
@@ -410,7 +488,7 @@ async fn one_run(
         let (n, s) = it.fold((0usize, 0.0), |(n, s), v| (n + 1, s + v));
         if n == 0 { f64::NAN } else { s / n as f64 }
     };
-    let delayed = |r: &WorkerReport| cmd.worker_delay.ranks.contains(&r.rank);
+    let delayed = |r: &WorkerReport| delayed.contains(&r.rank);
     let s = &report.servers;
     let held: u64 = s.iter().map(|s| s.pulls_held).sum();
     let hold_ms: f64 = s.iter().map(|s| s.hold_ms).sum();
@@ -688,6 +766,9 @@ fn render(out: &Output) -> String {
          those of ssp:3. sync events: releases of held pulls. acc @ budget: worker 0's last test \
          accuracy at or before the budget; acc @ iters: after the last iteration.\n",
     );
+    if let Some(t) = &out.transient {
+        s.push_str(&transient::render(t));
+    }
     s.push_str(&checks_and_targets_markdown(&out.checks, &out.targets));
     s
 }
@@ -791,6 +872,14 @@ mod tests {
         assert_eq!(full.runs()[DEFAULT_POLICIES.len()].1, "adaptive");
         let none = Plan::new(&SyncBenchCmd::try_parse_from_args(&["--mnist-iterations", "0"])).unwrap();
         assert!(none.runs().iter().all(|(w, _, _)| *w == Workload::Resnet56));
+        let only = SyncBenchCmd::try_parse_from_args(&["--synthetic-iterations", "0", "--mnist-iterations", "0"]);
+        assert!(Plan::new(&only).unwrap().runs().is_empty());
+        let t = Plan::transient(&only).unwrap().unwrap();
+        assert_eq!((t.workers.clone(), t.policies.len(), t.jitter.as_str()), (vec![8, 16], 7, "0.1:80"));
+        let quick = Plan::transient(&SyncBenchCmd::try_parse_from_args(&["--quick"])).unwrap().unwrap();
+        assert_eq!((quick.workers.clone(), quick.policies.len(), quick.jitter.as_str()), (vec![8], 3, "0.2:150"));
+        let skip = SyncBenchCmd::try_parse_from_args(&["--transient-iterations", "0"]);
+        assert!(Plan::transient(&skip).unwrap().is_none());
     }
 
     #[test]
@@ -854,10 +943,14 @@ mod tests {
             budget_s: Some(4.5),
             checks: checks(&runs),
             targets: targets(&runs),
+            transient: Some(transient_output()),
             runs,
         };
         let md = render(&out);
         assert!(md.contains("| resnet56 | asp"), "{md}");
+        assert!(md.contains("### Transient stragglers"), "{md}");
+        // 150 measured against a ceiling of 160: 94%.
+        assert!(md.lines().any(|l| l.contains("| ssp:3 ") && l.contains(" 94% |")), "{md}");
         assert!(md.contains("SKIP") && md.contains("PASS"), "{md}");
         let dir = std::env::temp_dir().join(format!("elasticps-bench-sync-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -866,6 +959,50 @@ mod tests {
         let bytes = std::fs::read(&png).unwrap();
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A transient scenario of bsp, ssp:3 and pssp:3:0.5 at 8 workers, ssp:3 at 1.5x bsp
+    /// and pssp:3:0.5 at 1.05x.
+    fn transient_output() -> TransientOutput {
+        let cmd = SyncBenchCmd::try_parse_from_args(&["--quick"]);
+        let plan = Plan::transient(&cmd).unwrap().unwrap();
+        let row = |policy: &str, it_s: f64, ceiling_it_s: f64| transient::TransientRun {
+            workers: 8,
+            run: run(Workload::Resnet56, policy, it_s, 100, None),
+            requests_held: 10.0,
+            comm_ms: Some(20.0),
+            ceiling: Some(transient::Ceiling {
+                flags: Vec::new(),
+                latency_us: 5000.0,
+                comm_ms: 20.0,
+                iters_per_s: ceiling_it_s,
+                pulls_held: 100,
+                requests_held: 10.0,
+                pulls: 1000,
+            }),
+            cpu: None,
+        };
+        TransientOutput {
+            plan,
+            runs: vec![row("bsp", 100.0, 110.0), row("ssp:3", 150.0, 160.0), row("pssp:3:0.5", 105.0, 160.0)],
+            reference: vec![transient::ReferenceRow { policy: "bsp".into(), iters_per_s: 50.0, held_share: 0.5 }],
+            took_s: 1.0,
+        }
+    }
+
+    #[test]
+    fn transient_checks_and_targets_decide_on_the_numbers() {
+        let t = transient_output();
+        let c = transient::checks(&t);
+        let pass = |needle: &str| c.iter().find(|c| c.what.contains(needle)).and_then(|c| c.pass);
+        assert_eq!(pass("of ssp:3 >"), Some(true));
+        assert_eq!(pass("of pssp:3:0.5 >"), Some(false));
+        assert_eq!(pass("asp delays"), None);
+        let targets = transient::targets(&t);
+        let first = &targets[0];
+        assert_eq!(first.met, Some(false), "{first:?}");
+        assert!(first.measured.contains("pssp:3:0.5 at 8 workers 66%"), "{first:?}");
+        assert_eq!(targets[1].met, Some(false)); // ssp:3 at 1.5x, not 1.7x
     }
 
     impl SyncBenchCmd {

@@ -1,5 +1,6 @@
 //! The worker's training loop: the MLP on real data, or a synthetic profile with random
-//! gradients and a fixed compute time, with optional straggler injection.
+//! gradients and a fixed compute time, with optional straggler injection (`--worker-delay`,
+//! `--worker-jitter`, drawn by [`elasticps_train::Delays`] as the sim draws them).
 //!
 //! Iteration t: compute the gradient on the parameters of clock t, (straggler delay),
 //! then one overlapped round trip that pushes clock t and pulls clock t + 1 from each
@@ -12,12 +13,9 @@ use elasticps_runtime::client::{Client, ClientOptions};
 use elasticps_runtime::tally::Tally;
 use elasticps_train::synthetic::{GradientSource, ModelKind};
 use elasticps_train::{Batcher, Dataset, Mlp, as_slices, load};
-use rand::SeedableRng;
-use rand::rngs::StdRng;
-use rand_distr::{Distribution, Normal};
 
 use crate::events::{Emitter, Event};
-use elasticps_launch::args::{DataArgs, StragglerSpec};
+use elasticps_launch::args::DataArgs;
 
 /// What computes gradients.
 // One value per worker process, built once and never moved on the hot path: its size is
@@ -25,7 +23,7 @@ use elasticps_launch::args::{DataArgs, StragglerSpec};
 #[allow(clippy::large_enum_variant)]
 enum Workload {
     Mlp { mlp: Mlp, batches: Batcher, test: Dataset },
-    Synthetic { grads: GradientSource, compute: Duration, jitter: StdRng },
+    Synthetic { grads: GradientSource },
 }
 
 /// Runs one worker's whole job against the scheduler at `scheduler`.
@@ -56,13 +54,12 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
             (Workload::Mlp { mlp: Mlp::default(), batches, test }, iterations)
         }
         None => {
-            let seed = d.data_seed + u64::from(rank);
-            let grads = GradientSource::new(&tensors, seed);
-            let compute = Duration::from_secs_f64(d.compute_ms.max(0.0) / 1e3);
-            (Workload::Synthetic { grads, compute, jitter: StdRng::seed_from_u64(seed) }, d.iterations.unwrap_or(200))
+            let grads = GradientSource::new(&tensors, d.data_seed + u64::from(rank));
+            (Workload::Synthetic { grads }, d.iterations.unwrap_or(200))
         }
     };
-    let mut straggle = straggler(d.worker_delay.as_ref(), rank, d.data_seed)?;
+    // The compute time and the straggler delays of every iteration, as the sim draws them.
+    let mut delays = d.delays(rank)?;
 
     let mut params = client.zeros();
     let mut grads = client.zeros();
@@ -76,6 +73,7 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
     stats.communicated(started.elapsed(), &[]);
     stats.start();
     for t in 0..iterations {
+        let draw = delays.next(t);
         match &mut work {
             Workload::Mlp { mlp, batches, test } => {
                 let batches_per_epoch = batches.batches_per_epoch();
@@ -93,19 +91,17 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
                 samples += batch.y.len() as u64;
                 loss = mlp.loss_and_grad_into(&as_slices(&params), batch.x, batch.y, &mut grads);
             }
-            Workload::Synthetic { grads: source, compute, jitter } => {
+            Workload::Synthetic { grads: source } => {
                 source.next(&mut grads);
                 samples += d.batch_size as u64;
                 loss = 0.0;
                 // Compute time as a sleep (like a GPU step: it does not load the CPU),
-                // with +-10% seeded jitter.
-                let factor = 0.9 + 0.2 * rand::Rng::random::<f64>(jitter);
-                tokio::time::sleep(compute.mul_f64(factor)).await;
+                // with +-10% seeded jitter, and the straggler delays in the same sleep.
+                tokio::time::sleep(Duration::from_secs_f64((draw.compute_ms + draw.delay_ms) / 1e3)).await;
             }
         }
-        if let Some((dist, rng)) = straggle.as_mut() {
-            let ms = dist.sample(rng).max(0.0);
-            tokio::time::sleep(Duration::from_secs_f64(ms / 1e3)).await;
+        if matches!(work, Workload::Mlp { .. }) && draw.delay_ms > 0.0 {
+            tokio::time::sleep(Duration::from_secs_f64(draw.delay_ms / 1e3)).await;
         }
         let comm = Instant::now();
         // The last iteration of worker 0 also pulls the final model (clock `iterations`).
@@ -131,11 +127,4 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
     emitter.emit(&Event::WorkerDone(stats.report(rank, samples, loss.into(), train_s)));
     client.finish().await.context("telling the scheduler this worker is done")?;
     Ok(())
-}
-
-/// The delay distribution of this rank, if `--worker-delay` names it.
-fn straggler(spec: Option<&StragglerSpec>, rank: u32, seed: u64) -> anyhow::Result<Option<(Normal<f64>, StdRng)>> {
-    let Some(spec) = spec.filter(|s| s.ranks.contains(&rank)) else { return Ok(None) };
-    let dist = Normal::new(spec.mean_ms, spec.sd_ms).context("--worker-delay: invalid normal distribution")?;
-    Ok(Some((dist, StdRng::seed_from_u64(seed ^ 0x5EED ^ u64::from(rank)))))
 }

@@ -7,7 +7,9 @@
 //! - its environment adds `ELASTICPS_SCHEDULER=HOST:PORT`, `ELASTICPS_SECRET`,
 //!   `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_WORKERS=N`, `ELASTICPS_LOCAL_RANK=I` (its spawn
 //!   index; the scheduler still assigns the rank), `ELASTICPS_EVENTS_FD=3`, and
-//!   `ELASTICPS_REQUEST_TIMEOUT` when `--request-timeout-s` is given;
+//!   `ELASTICPS_REQUEST_TIMEOUT` when `--request-timeout-s` is given, and
+//!   `ELASTICPS_WORKER_JITTER=P:MS` when `--worker-jitter` is (`elasticps worker` reads it;
+//!   a script of the user's may);
 //! - it writes JSON event lines ([`crate::events::Event`]: `log`, `progress`, `eval`,
 //!   `worker_done`) to file descriptor 3, a pipe to the launcher;
 //! - its stdout and stderr are the user's: every line is printed on the launcher's
@@ -38,6 +40,10 @@ pub struct LaunchCmd {
     /// (passed to the workers as ELASTICPS_REQUEST_TIMEOUT).
     #[arg(long, env = "ELASTICPS_REQUEST_TIMEOUT")]
     pub request_timeout_s: Option<u64>,
+    /// Transient stragglers: P:MS, passed to the workers as ELASTICPS_WORKER_JITTER (an
+    /// `elasticps worker` then sleeps MS ms with probability P after each iteration).
+    #[arg(long, value_name = "P:MS", value_parser = parse_jitter)]
+    pub worker_jitter: Option<elasticps_train::Jitter>,
     /// Report, progress bars, metrics.
     #[command(flatten)]
     pub run: RunArgs,
@@ -53,10 +59,13 @@ pub struct LaunchCmd {
 
 /// `elasticps launch`: run, print the summary, write the report.
 pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
-    let env = match cmd.request_timeout_s {
-        Some(s) => vec![("ELASTICPS_REQUEST_TIMEOUT".to_string(), s.to_string())],
-        None => Vec::new(),
-    };
+    let mut env = Vec::new();
+    if let Some(s) = cmd.request_timeout_s {
+        env.push(("ELASTICPS_REQUEST_TIMEOUT".to_string(), s.to_string()));
+    }
+    if let Some(j) = cmd.worker_jitter {
+        env.push(("ELASTICPS_WORKER_JITTER".to_string(), j.to_string()));
+    }
     let outcome = run_job(&JobSpec {
         job: &cmd.job,
         net: &cmd.net,
@@ -111,7 +120,14 @@ pub fn build_report(cmd: &LaunchCmd, o: &RunOutcome) -> Report {
     if let Some(s) = cmd.request_timeout_s {
         config.insert("request_timeout_s".into(), s.into());
     }
+    if let Some(j) = cmd.worker_jitter {
+        config.insert("worker_jitter".into(), j.to_string().into());
+    }
     assemble_report(o, config.into(), test_accuracy, test_loss)
+}
+
+fn parse_jitter(s: &str) -> Result<elasticps_train::Jitter, String> {
+    s.parse().map_err(|e: elasticps_train::TrainError| e.to_string())
 }
 
 #[cfg(test)]

@@ -163,7 +163,7 @@ fn a_script_gets_the_environment_its_output_is_prefixed_and_its_logged_metrics_r
     // Each worker says hello on stdout, logs metrics on fd 3 with its spawn index as the
     // rank, then becomes a real worker (a small synthetic model).
     let body = format!(
-        r#"echo "hello from $ELASTICPS_LOCAL_RANK: workers=$ELASTICPS_WORKERS fd=$ELASTICPS_EVENTS_FD frame=$ELASTICPS_MAX_FRAME_MIB timeout=$ELASTICPS_REQUEST_TIMEOUT"
+        r#"echo "hello from $ELASTICPS_LOCAL_RANK: workers=$ELASTICPS_WORKERS fd=$ELASTICPS_EVENTS_FD frame=$ELASTICPS_MAX_FRAME_MIB timeout=$ELASTICPS_REQUEST_TIMEOUT jitter=$ELASTICPS_WORKER_JITTER"
 echo "oops on stderr" >&2
 acc=0.25; [ "$ELASTICPS_LOCAL_RANK" = 0 ] && acc=0.75
 echo '{{"event":"log","rank":'$ELASTICPS_LOCAL_RANK',"step":3,"metrics":{{"loss":0.5,"accuracy":'$acc',"total":10,"samples":99,"lr":null}}}}' >&3
@@ -173,13 +173,13 @@ exec {BIN} worker --model synthetic:resnet56 --compute-ms 1 --iterations 10"#
     let report_dir = dir.join("report");
     let (w, r) = (worker.display().to_string(), report_dir.display().to_string());
     let out = run(
-        launch(&["--workers", "2", "--request-timeout-s", "77", "--report", &r, "--", &w]),
+        launch(&["--workers", "2", "--request-timeout-s", "77", "--worker-jitter", "1:20", "--report", &r, "--", &w]),
         Duration::from_secs(120),
     );
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "launch failed:\n{stdout}\n{stderr}");
     for i in 0..2 {
-        let hello = format!("[worker {i}] hello from {i}: workers=2 fd=3 frame=64 timeout=77");
+        let hello = format!("[worker {i}] hello from {i}: workers=2 fd=3 frame=64 timeout=77 jitter=1:20");
         assert!(stdout.lines().any(|l| l == hello), "missing {hello:?} in:\n{stdout}");
         assert!(stderr.lines().any(|l| l == format!("[worker {i}] oops on stderr")), "{stderr}");
     }
@@ -191,6 +191,14 @@ exec {BIN} worker --model synthetic:resnet56 --compute-ms 1 --iterations 10"#
             .expect("json");
     assert_eq!(report["test_accuracy"].as_f64(), Some(0.75));
     assert_eq!(report["workers"].as_array().map(Vec::len), Some(2));
+    assert_eq!(report["config"]["worker_jitter"], "1:20");
+    // --worker-jitter 1:20 reached the worker role: every iteration slept its 20 ms (a
+    // sleep never ends early) on top of the 1 ms of compute.
+    for w in report["workers"].as_array().expect("workers") {
+        let iter_ms: Vec<f64> = w["iter_ms"].as_array().expect("iter_ms").iter().filter_map(|v| v.as_f64()).collect();
+        assert_eq!(iter_ms.len(), 10, "{w}");
+        assert!(iter_ms.iter().all(|ms| *ms >= 20.0), "an iteration shorter than its 20 ms delay: {iter_ms:?}");
+    }
     let logged: Vec<&serde_json::Value> = report["curve"]
         .as_array()
         .expect("curve")

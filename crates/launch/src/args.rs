@@ -16,6 +16,7 @@ use elasticps_core::placement::PlacementKind;
 use elasticps_core::sync::SyncPolicy;
 use elasticps_runtime::scheduler::{BalanceMode, JobConfig};
 use elasticps_train::DatasetKind;
+use elasticps_train::delays::Jitter;
 use elasticps_train::synthetic::ModelKind;
 use elasticps_wire::{Codec, Injection};
 
@@ -312,6 +313,11 @@ pub struct DataArgs {
     /// Straggler injection: RANKS:MEAN_MS:SD_MS, e.g. 0,4:50:10.
     #[arg(long, env = "ELASTICPS_WORKER_DELAY")]
     pub worker_delay: Option<StragglerSpec>,
+    /// Transient stragglers: P:MS, e.g. 0.1:80: at every iteration every worker is slow by
+    /// MS ms with probability P, independently (seeded by --data-seed; adds to
+    /// --worker-delay).
+    #[arg(long, env = "ELASTICPS_WORKER_JITTER", value_name = "P:MS", value_parser = parse_jitter)]
+    pub worker_jitter: Option<Jitter>,
     /// Dataset: mnist-subset (bundled), mnist, fashion-mnist.
     #[arg(long, env = "ELASTICPS_DATASET", default_value = "mnist-subset", value_parser = parse_dataset)]
     pub dataset: DatasetKind,
@@ -374,7 +380,18 @@ impl DataArgs {
         if let Some(d) = &self.worker_delay {
             f.extend(["--worker-delay".into(), d.to_string()]);
         }
+        if let Some(j) = &self.worker_jitter {
+            f.extend(["--worker-jitter".into(), j.to_string()]);
+        }
         f
+    }
+
+    /// The draws of worker `rank` (compute time, `--worker-delay`, `--worker-jitter`),
+    /// as every worker, real or simulated, draws them.
+    pub fn delays(&self, rank: u32) -> crate::Result<elasticps_train::Delays> {
+        let persistent = self.worker_delay.as_ref().filter(|d| d.ranks.contains(&rank)).map(|d| (d.mean_ms, d.sd_ms));
+        elasticps_train::Delays::new(self.data_seed, rank, self.compute_ms, persistent, self.worker_jitter)
+            .map_err(|e| LaunchError::Flags(e.to_string()))
     }
 }
 
@@ -420,6 +437,10 @@ fn parse_straggler_at(s: &str) -> Result<f64, String> {
 }
 
 fn parse_model(s: &str) -> Result<ModelKind, String> {
+    s.parse().map_err(|e: elasticps_train::TrainError| e.to_string())
+}
+
+fn parse_jitter(s: &str) -> Result<Jitter, String> {
     s.parse().map_err(|e: elasticps_train::TrainError| e.to_string())
 }
 
@@ -549,5 +570,43 @@ mod tests {
         let again = parse(&defaults.to_flags().iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
         assert_eq!(again.to_flags(), defaults.to_flags());
         assert_eq!((again.max_servers, again.min_servers), (None, None));
+    }
+
+    #[derive(Parser, Debug)]
+    struct DataCli {
+        #[command(flatten)]
+        data: DataArgs,
+    }
+
+    fn data(flags: &[&str]) -> Result<DataArgs, clap::Error> {
+        DataCli::try_parse_from(std::iter::once("elasticps").chain(flags.iter().copied())).map(|c| c.data)
+    }
+
+    #[test]
+    fn worker_jitter_parses_round_trips_and_refuses_bad_values() {
+        let d = data(&["--worker-jitter", "0.1:80", "--worker-delay", "0,4:50:10", "--data-seed", "3"]).unwrap();
+        assert_eq!(d.worker_jitter, Some(Jitter { p: 0.1, ms: 80.0 }));
+        let flags = d.to_flags();
+        let again = data(&flags.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!((again.worker_jitter, again.worker_delay.clone()), (d.worker_jitter, d.worker_delay.clone()));
+        assert_eq!(again.to_flags(), flags);
+        assert_eq!(data(&[]).unwrap().worker_jitter, None);
+        for bad in ["0.1", "1.5:80", "-0.1:80", "0.1:-1", "p:80", "0.1:inf"] {
+            let e = data(&[&format!("--worker-jitter={bad}")]).unwrap_err().to_string();
+            assert!(e.contains("expected P:MS"), "{bad}: {e}");
+        }
+        // A worker's draws: --worker-delay only on its ranks, the jitter on every rank,
+        // the same for the same rank and seed.
+        let j = Jitter { p: 0.1, ms: 80.0 };
+        let (mut r0, mut r1) = (d.delays(0).unwrap(), d.delays(1).unwrap());
+        let mut r1_again = d.delays(1).unwrap();
+        let mut delayed = 0.0;
+        for t in 0..100 {
+            let (a, b) = (r0.next(t), r1.next(t));
+            assert_eq!(b, r1_again.next(t));
+            assert_eq!(b.delay_ms, j.delay_ms(3, 1, t));
+            delayed += a.delay_ms - j.delay_ms(3, 0, t);
+        }
+        assert!((3000.0..7000.0).contains(&delayed), "rank 0's --worker-delay: {delayed} ms over 100 iterations");
     }
 }

@@ -12,7 +12,8 @@ pub struct SimCmd {
     /// The job (servers, workers, sync, optimizer, placement, balance, stragglers...).
     #[command(flatten)]
     pub job: JobArgs,
-    /// The model and schedule (a synthetic model; --compute-ms, --worker-delay, --iterations).
+    /// The model and schedule (a synthetic model; --compute-ms, --worker-delay, --worker-jitter,
+    /// --iterations).
     #[command(flatten)]
     pub data: DataArgs,
     /// Report and progress.
@@ -78,6 +79,10 @@ impl SimCmd {
             return Err(SimError::Usage("--metrics: a simulated job has no endpoints to scrape".into()));
         }
         self.job.job_config()?;
+        // Every rank's draws can be made (a worker's compute time and straggler delays).
+        for rank in self.data.worker_delay.iter().flat_map(|d| d.ranks.iter()).chain([&0]) {
+            self.data.delays(*rank)?;
+        }
         self.tensors().map(|_| ())
     }
 

@@ -5,7 +5,8 @@
 //! with latency and bandwidth, so a job of 1,000 workers and 100 servers fits on one
 //! machine. The sim carries tensor sizes instead of tensor bytes ([`model`]): each value
 //! stands for `--scale` values of the real model, and the links charge the nominal bytes.
-//! Compute time is modelled as `train` sleeps it (`--compute-ms`, `--worker-delay`), a
+//! Compute time is modelled as `train` sleeps it (`--compute-ms`, `--worker-delay`,
+//! `--worker-jitter`, drawn as a real worker draws them), a
 //! server's CPU as a queue applying pushes at `--apply-mbps`.
 //!
 //! - [`args`]: the flags (`train`'s job flags plus the simulated machine).
@@ -59,6 +60,7 @@ pub fn report(cmd: &SimCmd, out: &SimOutcome) -> Report {
         "iterations": cmd.data.iterations,
         "compute_ms": cmd.data.compute_ms,
         "worker_delay": cmd.data.worker_delay.as_ref().map(ToString::to_string),
+        "worker_jitter": cmd.data.worker_jitter.as_ref().map(ToString::to_string),
         "batch_size": cmd.data.batch_size,
         "latency_us": cmd.sim.latency_us,
         "link_mbps": cmd.sim.link_mbps,

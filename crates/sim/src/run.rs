@@ -9,10 +9,8 @@ use elasticps_core::balance::BalanceParams;
 use elasticps_launch::runner::RunOutcome;
 use elasticps_node::harness::{ClusterConfig, JobSetup, LinkSpec, ServerModel, SimJob, Stage, TrainingLoop};
 use elasticps_runtime::tally::Tally;
+use elasticps_train::Delays;
 use elasticps_wire::ServerStats;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use rand_distr::{Distribution, Normal};
 
 use crate::args::SimCmd;
 use crate::model::ScaledModel;
@@ -82,24 +80,22 @@ pub fn simulate(cmd: &SimCmd) -> Result<SimOutcome> {
 }
 
 /// The training loop of every simulated worker: `train`'s synthetic loop (compute time
-/// +-10% seeded jitter, `--worker-delay` stragglers), gradients of ones.
+/// +-10% seeded jitter, `--worker-delay` and `--worker-jitter` stragglers, drawn by the
+/// same [`Delays`] as a real worker's), gradients of ones.
 fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> TrainingLoop {
-    let compute_us = cmd.data.compute_ms.max(0.0) * 1e3;
-    let delay = cmd.data.worker_delay.clone();
-    let data_seed = cmd.data.data_seed;
-    let mut rngs: BTreeMap<u32, StdRng> = BTreeMap::new();
+    let data = cmd.data.clone();
+    // `SimCmd::validate` checked that every rank's draws can be made.
+    let mut delays: BTreeMap<u32, Option<Delays>> = BTreeMap::new();
     TrainingLoop {
         tensors: model.tensors.clone(),
         iterations,
-        compute_us: Box::new(move |rank, _t| {
-            let rng = rngs.entry(rank).or_insert_with(|| StdRng::seed_from_u64(data_seed + u64::from(rank)));
-            let mut us = compute_us * (0.9 + 0.2 * rng.random::<f64>());
-            if let Some(d) = delay.as_ref().filter(|d| d.ranks.contains(&rank))
-                && let Ok(normal) = Normal::new(d.mean_ms, d.sd_ms)
-            {
-                us += normal.sample(rng).max(0.0) * 1e3;
-            }
-            us as u64
+        compute_us: Box::new(move |rank, t| {
+            let draws = delays.entry(rank).or_insert_with(|| data.delays(rank).ok());
+            let ms = draws.as_mut().map_or(data.compute_ms, |d| {
+                let d = d.next(t);
+                d.compute_ms + d.delay_ms
+            });
+            (ms * 1e3) as u64
         }),
         grad: |_, _, _| 1.0,
         timeout_us: cmd.data.request_timeout().as_micros() as u64,
@@ -168,4 +164,65 @@ fn stall_report(sim: &SimJob, limit_s: f64) -> String {
     format!(
         "did not end within {limit_s} simulated seconds (raise --time-limit-s): workers {stages:?}; the scheduler waits for {waiting}"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        cmd: SimCmd,
+    }
+
+    fn cmd(flags: &[&str]) -> SimCmd {
+        let base = ["sim", "--model", "synthetic:resnet56", "--servers", "1", "--workers", "3", "--iterations", "20"];
+        Cli::try_parse_from(base.iter().chain(flags)).unwrap().cmd
+    }
+
+    #[test]
+    fn the_simulated_workers_sleep_the_draws_of_the_real_ones() {
+        // No network effects: the links and the servers' CPU cost next to nothing.
+        let flags = [
+            "--sync",
+            "asp",
+            "--compute-ms",
+            "10",
+            "--worker-jitter",
+            "0.3:40",
+            "--latency-us",
+            "0",
+            "--link-mbps",
+            "1e9",
+            "--apply-mbps",
+            "1e9",
+        ];
+        let c = cmd(&flags);
+        let out = simulate(&c).unwrap();
+        for (rank, w) in &out.run.workers {
+            // Under asp nobody waits: each iteration lasts its compute and its delay (the
+            // draws `train`'s worker makes) plus a round trip that costs next to nothing.
+            let mut draws = c.data.delays(*rank).unwrap();
+            for (t, ms) in w.iter_ms.iter().enumerate() {
+                let d = draws.next(t as u32);
+                let drawn = d.compute_ms + d.delay_ms;
+                assert!((f64::from(*ms) - drawn).abs() < 1.0, "rank {rank}, iteration {t}: {ms} ms vs {drawn} drawn");
+            }
+        }
+        // The jitter slows some iterations of some workers, not all.
+        let slow = out.run.workers.values().flat_map(|w| &w.iter_ms).filter(|ms| **ms > 40.0).count();
+        assert!((5..40).contains(&slow), "{slow} of 60 iterations slow at p = 0.3");
+        // bsp waits for each iteration's slowest worker, so it is slower than asp.
+        let bsp = simulate(&cmd(&[&flags[2..], &["--sync", "bsp"]].concat())).unwrap();
+        assert!(bsp.iterations_per_s < 0.9 * out.iterations_per_s, "bsp {bsp:?} vs asp {out:?}");
+    }
+
+    #[test]
+    fn refuses_a_bad_jitter() {
+        let e = Cli::try_parse_from(["sim", "--worker-jitter", "2:10"]).err().unwrap().to_string();
+        assert!(e.contains("probability"), "{e}");
+    }
 }

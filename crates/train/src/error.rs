@@ -79,4 +79,19 @@ pub enum TrainError {
     /// A batcher that cannot produce batches (empty dataset, zero batch size, bad shard).
     #[error("invalid batching: {0}")]
     InvalidBatching(String),
+
+    /// A bad `--worker-jitter` value.
+    #[error("--worker-jitter {0}; expected P:MS (slow by MS milliseconds with probability P), e.g. 0.1:80")]
+    InvalidJitter(String),
+
+    /// A `--worker-delay` whose normal distribution cannot be drawn from.
+    #[error("--worker-delay N({mean_ms} ms, {sd_ms} ms): {reason}; give a mean and a standard deviation >= 0")]
+    InvalidDelay {
+        /// The mean, ms.
+        mean_ms: f64,
+        /// The standard deviation, ms.
+        sd_ms: f64,
+        /// Why it cannot be drawn from.
+        reason: String,
+    },
 }

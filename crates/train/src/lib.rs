@@ -18,6 +18,9 @@
 //! - [`synthetic`]: [`Profile`]s with the exact parameter tensors of ResNet-56, ResNet-50,
 //!   VGG-16 and BERT-base, [`ModelKind`] (the `--model` value: `mlp` or `synthetic:NAME`),
 //!   and [`GradientSource`], cheap seeded random gradients for throughput experiments.
+//! - [`delays`]: [`Delays`], what an iteration costs besides its gradient (the synthetic
+//!   compute time, `--worker-delay`, `--worker-jitter`'s [`Jitter`]), drawn the same way by
+//!   the real worker and by the simulator.
 //!
 //! A worker's loop, without the parameter server (the runtime replaces `sgd_step` by a
 //! push and a pull):
@@ -46,12 +49,14 @@
 #![warn(missing_docs)]
 
 pub mod dataset;
+pub mod delays;
 pub mod error;
 pub mod idx;
 pub mod mlp;
 pub mod synthetic;
 
 pub use dataset::{Batch, Batcher, Dataset, DatasetKind, NUM_CLASSES, load};
+pub use delays::{Delays, Draw, Jitter};
 pub use error::TrainError;
 pub use mlp::{Evaluation, Mlp, as_slices, sgd_step};
 pub use synthetic::{GradientSource, ModelKind, Profile};
