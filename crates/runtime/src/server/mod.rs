@@ -158,6 +158,12 @@ impl Io {
     /// One event through the state machine; a data request's time is charged (and
     /// multiplied by the injected interference) before its answers go out.
     fn step(self: &Arc<Self>, ev: Event, data: bool) {
+        let actions = self.decide(ev, data);
+        self.apply(actions);
+    }
+
+    /// The state machine's actions for one event (the lock held only for the step).
+    fn decide(&self, ev: Event, data: bool) -> Vec<Action> {
         let mut server = lock(&self.server);
         let started = Instant::now();
         let actions = server.step(self.clock.now(), ev);
@@ -166,27 +172,15 @@ impl Io {
             server.charge(spent.as_micros() as u64, 0);
             drop(server);
             self.shaper.interfere(spent);
-        } else {
-            drop(server);
         }
-        self.apply(actions);
+        actions
     }
 
     /// [`Io::step`] for a frame that arrived on connection `conn`: the replies to `conn`
     /// are handed back (in order) for its reader task to write itself, with no hop to
     /// the writer task; every other action is carried out as usual.
     fn step_on(self: &Arc<Self>, conn: u64, ev: Event, data: bool, own: &mut Vec<(u64, Message)>) {
-        let mut server = lock(&self.server);
-        let started = Instant::now();
-        let mut actions = server.step(self.clock.now(), ev);
-        if data {
-            let spent = started.elapsed();
-            server.charge(spent.as_micros() as u64, 0);
-            drop(server);
-            self.shaper.interfere(spent);
-        } else {
-            drop(server);
-        }
+        let mut actions = self.decide(ev, data);
         actions.retain_mut(|a| match a {
             Action::Reply { conn: c, request_id, msg } if *c == conn => {
                 own.push((*request_id, std::mem::replace(msg, Message::Control(Control::Ok))));
