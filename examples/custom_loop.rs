@@ -48,6 +48,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         listen: "127.0.0.1:0".into(),
         job,
         codec: codec.clone(),
+        frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
         join_timeout: Duration::from_secs(30),
         metrics: None,
     };
@@ -61,6 +62,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             listen: "127.0.0.1:0".into(),
             advertise: None,
             codec: codec.clone(),
+            frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
             trace: None,
             metrics: None,
         };

@@ -136,6 +136,7 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
         listen: cmd.listen.clone(),
         job,
         codec: cmd.net.codec(),
+        frame_timeout: cmd.net.frame_timeout(),
         join_timeout: Duration::from_secs(cmd.join_timeout_s),
         metrics,
     };
@@ -187,6 +188,7 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
         listen: cmd.listen,
         advertise: cmd.advertise,
         codec: cmd.net.codec(),
+        frame_timeout: cmd.net.frame_timeout(),
         trace: cmd.trace,
         metrics,
     };

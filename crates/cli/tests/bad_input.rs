@@ -25,6 +25,8 @@ use crate::common::*;
 const SECRET: &str = "s3cret";
 /// How long a refusal may take to arrive.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+/// The tiny cluster's `--frame-timeout-s`: a stalled frame or handshake is dropped after it.
+const STALL_S: &str = "3";
 
 fn codec() -> Codec {
     Codec::new(SECRET.as_bytes(), DEFAULT_MAX_PAYLOAD)
@@ -269,10 +271,13 @@ impl Tiny {
             "16",
             "--secret",
             SECRET,
+            "--frame-timeout-s",
+            STALL_S,
             "--join-timeout-s",
             "60",
         ]);
-        let servers = vec![start_server(&addr, &["--secret", SECRET]), start_server(&addr, &["--secret", SECRET])];
+        let args = ["--secret", SECRET, "--frame-timeout-s", STALL_S];
+        let servers = vec![start_server(&addr, &args), start_server(&addr, &args)];
         let rt = tokio_rt();
         let mut opts = ClientOptions::new(&addr);
         opts.codec = codec();
@@ -444,9 +449,8 @@ fn a_wrong_secret_a_skipped_handshake_and_stalled_peers_are_refused_while_the_jo
     assert!(matches!(status, Some(s) if !s.success()), "a worker with the wrong secret ended with {status:?}");
     assert!(w.log().contains("cluster secret differs"), "{}", w.log_tail(10));
 
-    // The stalled peers are dropped once their deadline passes.
-    let longest = elasticps_runtime::handshake::HANDSHAKE_TIMEOUT.max(elasticps_runtime::conn::FRAME_STALL_TIMEOUT);
-    let deadline = Instant::now() + longest + REPLY_TIMEOUT;
+    // The stalled peers are dropped once their deadline (--frame-timeout-s) passes.
+    let deadline = Instant::now() + Duration::from_secs(STALL_S.parse().expect("seconds")) + REPLY_TIMEOUT;
     for (addr, mut s) in stalled {
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
         s.set_read_timeout(Some(left)).expect("read timeout");

@@ -23,12 +23,25 @@ use elasticps_wire::{Codec, Injection};
 /// Cluster-wide transport settings; every node of a job must agree on them.
 #[derive(Args, Clone, Debug)]
 pub struct NetArgs {
-    /// Shared cluster secret, mixed into every frame's header checksum (not encryption).
+    /// Shared cluster secret: every connection opens with an HMAC-SHA256 challenge-response
+    /// over it (authentication, not encryption).
     #[arg(long, env = "ELASTICPS_SECRET", default_value = "", hide_env_values = true)]
     pub secret: String,
     /// Largest frame payload accepted, in MiB.
     #[arg(long, env = "ELASTICPS_MAX_FRAME_MIB", default_value_t = 64)]
     pub max_frame_mib: u32,
+    /// Drop a peer that stalls this long in the middle of a frame or of the handshake
+    /// (seconds; the handshake's own limit is 10 s).
+    #[arg(long, env = "ELASTICPS_FRAME_TIMEOUT_S", default_value_t = 30.0, value_parser = positive_seconds)]
+    pub frame_timeout_s: f64,
+}
+
+/// A duration in seconds: finite and above 0.
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
 }
 
 impl NetArgs {
@@ -37,9 +50,19 @@ impl NetArgs {
         Codec::new(self.secret.as_bytes(), self.max_frame_mib.saturating_mul(1 << 20))
     }
 
+    /// How long a started frame (or handshake) may stall before its peer is dropped.
+    pub fn frame_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.frame_timeout_s)
+    }
+
     /// The flags that reproduce these settings on a child process.
     pub fn to_flags(&self) -> Vec<String> {
-        vec!["--max-frame-mib".into(), self.max_frame_mib.to_string()]
+        vec![
+            "--max-frame-mib".into(),
+            self.max_frame_mib.to_string(),
+            "--frame-timeout-s".into(),
+            self.frame_timeout_s.to_string(),
+        ]
     }
 }
 
@@ -466,6 +489,24 @@ mod tests {
 
     fn config(flags: &[&str]) -> crate::Result<JobConfig> {
         parse(flags).map_err(|e| LaunchError::Flags(e.to_string()))?.job_config()
+    }
+
+    #[test]
+    fn the_frame_timeout_is_a_positive_number_of_seconds_and_reaches_child_processes() {
+        #[derive(Parser, Debug)]
+        struct Net {
+            #[command(flatten)]
+            net: NetArgs,
+        }
+        let parse = |f: &[&str]| Net::try_parse_from(std::iter::once("x").chain(f.iter().copied())).map(|n| n.net);
+        assert_eq!(parse(&[]).unwrap().frame_timeout(), std::time::Duration::from_secs(30));
+        let n = parse(&["--frame-timeout-s", "2.5"]).unwrap();
+        assert_eq!(n.frame_timeout(), std::time::Duration::from_millis(2500));
+        assert!(n.to_flags().windows(2).any(|w| w == ["--frame-timeout-s", "2.5"]));
+        for bad in ["0", "-1", "inf", "soon"] {
+            let e = parse(&[&format!("--frame-timeout-s={bad}")]).unwrap_err().to_string();
+            assert!(e.contains("not a positive number of seconds"), "{bad}: {e}");
+        }
     }
 
     #[test]

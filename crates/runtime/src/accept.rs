@@ -64,10 +64,12 @@ impl Acceptor {
     }
 }
 
-/// Runs the acceptor's side of the handshake on `stream`; a refused peer is logged (and
-/// told why, if it sent a frame) and its connection closed: `None`.
-pub async fn authenticate(mut stream: TcpStream, codec: &Codec, peer: &str) -> Option<TcpStream> {
-    match handshake::accept(&mut stream, codec.secret(), peer).await {
+/// Runs the acceptor's side of the handshake on `stream`, within `stall` (and at most
+/// [`handshake::HANDSHAKE_TIMEOUT`]); a refused peer is logged (and told why, if it sent a
+/// frame) and its connection closed: `None`.
+pub async fn authenticate(mut stream: TcpStream, codec: &Codec, peer: &str, stall: Duration) -> Option<TcpStream> {
+    let deadline = stall.min(handshake::HANDSHAKE_TIMEOUT);
+    match handshake::accept(&mut stream, codec.secret(), peer, deadline).await {
         Ok(()) => Some(stream),
         Err(e) => {
             handshake::refused(&mut stream, codec, peer, &e).await;

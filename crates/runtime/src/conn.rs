@@ -55,12 +55,18 @@ pub struct FrameReader {
     peer: String,
     request_id: u64,
     shaper: Option<Arc<Shaper>>,
+    stall_timeout: std::time::Duration,
 }
 
 impl FrameReader {
     /// Name of the peer, for errors and logs.
     pub fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// How long a started frame may go without a byte ([`FRAME_STALL_TIMEOUT`] unless set).
+    pub fn set_stall_timeout(&mut self, after: std::time::Duration) {
+        self.stall_timeout = after;
     }
 
     /// Renames the peer once it said who it is.
@@ -120,12 +126,12 @@ impl FrameReader {
     }
 
     /// Fills `buf` with the rest of a frame that began: a peer that sends no byte of it for
-    /// [`FRAME_STALL_TIMEOUT`] is dropped (a stalled frame must not hold a connection, its
+    /// the stall timeout ([`FrameReader::set_stall_timeout`]) is dropped (a stalled frame must not hold a connection, its
     /// task and its buffer forever).
     async fn read_rest(&mut self, buf: &mut [u8]) -> Result<()> {
         let mut filled = 0;
         while filled < buf.len() {
-            let n = match tokio::time::timeout(FRAME_STALL_TIMEOUT, self.inner.read(&mut buf[filled..])).await {
+            let n = match tokio::time::timeout(self.stall_timeout, self.inner.read(&mut buf[filled..])).await {
                 Ok(Ok(0)) => return Err(self.io_err(std::io::ErrorKind::UnexpectedEof.into())),
                 Ok(Ok(n)) => n,
                 Ok(Err(e)) => return Err(self.io_err(e)),
@@ -136,7 +142,7 @@ impl FrameReader {
                             self.peer,
                             buf.len()
                         ),
-                        after: FRAME_STALL_TIMEOUT,
+                        after: self.stall_timeout,
                     });
                 }
             };
@@ -342,7 +348,14 @@ pub fn split_shaped(
         broken: AtomicBool::new(false),
     });
     tokio::spawn(write_loop(writer.clone(), rx));
-    let reader = FrameReader { inner: BufReader::with_capacity(BUF, r), codec, peer, request_id: 0, shaper };
+    let reader = FrameReader {
+        inner: BufReader::with_capacity(BUF, r),
+        codec,
+        peer,
+        request_id: 0,
+        shaper,
+        stall_timeout: FRAME_STALL_TIMEOUT,
+    };
     (reader, Outbox { tx, writer })
 }
 

@@ -44,9 +44,15 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, secret: &[u
 }
 
 /// Checks that the dialer at the other end of `stream` holds `secret`, and proves that
-/// this node does. A refused dialer is told so (and the caller should log the refusal).
-pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, secret: &[u8], peer: &str) -> Result<()> {
-    crate::timeout(HANDSHAKE_TIMEOUT, format!("{peer} to complete the handshake"), async {
+/// this node does, within `deadline` ([`HANDSHAKE_TIMEOUT`] at most makes sense). A refused
+/// dialer is told so (and the caller should log the refusal).
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    secret: &[u8],
+    peer: &str,
+    deadline: Duration,
+) -> Result<()> {
+    crate::timeout(deadline, format!("{peer} to complete the handshake"), async {
         let io = |e| RuntimeError::io(format!("handshake with {peer}"), e);
         let wire = |source| RuntimeError::Wire { peer: peer.to_string(), source };
         let mut hello = [0u8; HELLO_LEN];
@@ -100,7 +106,7 @@ mod tests {
 
     async fn both(dialer: &'static [u8], acceptor: &'static [u8]) -> (Result<()>, Result<()>) {
         let (mut a, mut b) = duplex(1024);
-        tokio::join!(dial(&mut a, dialer, "acceptor"), accept(&mut b, acceptor, "dialer"))
+        tokio::join!(dial(&mut a, dialer, "acceptor"), accept(&mut b, acceptor, "dialer", HANDSHAKE_TIMEOUT))
     }
 
     #[tokio::test]
@@ -127,7 +133,7 @@ mod tests {
         let codec = elasticps_wire::Codec::new(b"", 1 << 20);
         let (head, _) = codec.encode(1, &elasticps_wire::Control::Heartbeat.into()).unwrap();
         a.write_all(&head).await.unwrap(); // shorter than a hello: refused on its magic
-        let e = accept(&mut b, b"", "peer").await.unwrap_err();
+        let e = accept(&mut b, b"", "peer", HANDSHAKE_TIMEOUT).await.unwrap_err();
         assert!(e.to_string().contains("sent a frame before the handshake"), "{e}");
     }
 
@@ -135,7 +141,7 @@ mod tests {
     async fn a_peer_that_stalls_mid_handshake_times_out_naming_it() {
         let (mut a, mut b) = duplex(1024);
         a.write_all(b"EP").await.unwrap(); // half a hello, then nothing
-        let e = accept(&mut b, b"", "worker at 10.0.0.7:5000").await.unwrap_err();
+        let e = accept(&mut b, b"", "worker at 10.0.0.7:5000", HANDSHAKE_TIMEOUT).await.unwrap_err();
         assert!(matches!(e, RuntimeError::Timeout { .. }), "{e}");
         assert!(e.to_string().contains("worker at 10.0.0.7:5000 to complete the handshake"), "{e}");
         drop(a);

@@ -41,6 +41,9 @@ pub struct SchedulerOptions {
     pub job: JobConfig,
     /// Frame codec (cluster secret, maximum payload).
     pub codec: Codec,
+    /// How long a started frame or handshake may stall before its peer is dropped
+    /// ([`crate::conn::FRAME_STALL_TIMEOUT`] by default).
+    pub frame_timeout: Duration,
     /// Give up if the cluster is not complete and the model placed within this time.
     pub join_timeout: Duration,
     /// Set these from the membership state on every tick (served by a
@@ -84,7 +87,7 @@ pub async fn run_with(
     let bound = listener.local_addr().map_err(|e| RuntimeError::io("reading the bound address", e))?;
     on_bound(bound);
     let (events_tx, mut events) = mpsc::unbounded_channel::<(Event, Option<Handle>)>();
-    let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), events_tx));
+    let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), opts.frame_timeout, events_tx));
 
     let clock = Micros::new();
     let origin =
@@ -162,7 +165,12 @@ pub async fn run_with(
     outcome
 }
 
-async fn accept_loop(listener: TcpListener, codec: Codec, events: mpsc::UnboundedSender<(Event, Option<Handle>)>) {
+async fn accept_loop(
+    listener: TcpListener,
+    codec: Codec,
+    stall: Duration,
+    events: mpsc::UnboundedSender<(Event, Option<Handle>)>,
+) {
     let acceptor = Acceptor::new(listener, MAX_CONNECTIONS);
     let mut next: ConnId = 1;
     loop {
@@ -173,8 +181,9 @@ async fn accept_loop(listener: TcpListener, codec: Codec, events: mpsc::Unbounde
         tokio::spawn(async move {
             let _permit = permit;
             let peer = addr.to_string();
-            let Some(stream) = accept::authenticate(stream, &codec, &peer).await else { return };
+            let Some(stream) = accept::authenticate(stream, &codec, &peer, stall).await else { return };
             let (mut reader, out) = conn::split(stream, codec, peer);
+            reader.set_stall_timeout(stall);
             let close = Arc::new(Notify::new());
             let why = loop {
                 let next = tokio::select! {

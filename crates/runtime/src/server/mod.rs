@@ -45,6 +45,9 @@ pub struct ServerOptions {
     pub advertise: Option<String>,
     /// Frame codec (cluster secret, maximum payload).
     pub codec: Codec,
+    /// How long a started frame or handshake may stall before its peer is dropped
+    /// ([`crate::conn::FRAME_STALL_TIMEOUT`] by default).
+    pub frame_timeout: Duration,
     /// Write one JSON line per answered pull (block, worker, clock, done, held_us) here.
     pub trace: Option<PathBuf>,
     /// Expose this server's counters here (served by a [`crate::metrics::MetricsEndpoint`]).
@@ -56,6 +59,7 @@ struct Io {
     server: Mutex<Server>,
     clock: Micros,
     codec: Codec,
+    frame_timeout: Duration,
     shaper: Arc<Shaper>,
     sched: Peer,
     /// Outboxes of the open data connections.
@@ -96,6 +100,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         server: Mutex::new(Server::new(data_addr).with_trace(trace.is_some())),
         clock: Micros::new(),
         codec: opts.codec.clone(),
+        frame_timeout: opts.frame_timeout,
         shaper: Shaper::new(),
         sched,
         conns: Mutex::new(HashMap::new()),
@@ -274,7 +279,7 @@ async fn accept_loop(listener: TcpListener, io: Arc<Io>) {
         let io = io.clone();
         tokio::spawn(async move {
             let peer = a.addr.to_string();
-            if let Some(stream) = accept::authenticate(a.stream, &io.codec, &peer).await {
+            if let Some(stream) = accept::authenticate(a.stream, &io.codec, &peer, io.frame_timeout).await {
                 serve_connection(stream, peer, io).await;
             }
             drop(a.permit);
@@ -288,6 +293,7 @@ async fn accept_loop(listener: TcpListener, io: Arc<Io>) {
 async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
     let conn = io.next_conn.fetch_add(1, Ordering::Relaxed);
     let (mut reader, out) = conn::split_shaped(stream, io.codec.clone(), peer.clone(), Some(io.shaper.clone()));
+    reader.set_stall_timeout(io.frame_timeout);
     lock(&io.conns).insert(conn, out.clone());
     io.step(Event::Opened { conn }, false);
     let mut introduced = false;
