@@ -7,7 +7,9 @@
 //!    no pull is ever held) and one in-process [`Client`] per worker, each on its own
 //!    task of a 2-thread runtime (the runtime of a worker process). Each worker registers
 //!    a model of one tensor of the payload size (zeros), pushes it as often as the bounds
-//!    allow (each push waits for its ack), then pulls it as often.
+//!    allow (each push waits for its ack), then pulls it as often, then runs push_pull
+//!    rounds (the gradients of clock t and the parameters of t + 1: one `PushPull` frame
+//!    per block) as often; a push_pull's throughput counts the bytes of one direction.
 //! 2. The raw ceiling: the same directions over plain TCP to `tcp-sink` processes (one per
 //!    server, one connection per worker): a stream in 1 MiB writes (`iperf3 -l 1M`), and
 //!    request/reply round trips of the same shape as a push (payload up, 32 bytes back)
@@ -19,7 +21,7 @@
 //! round trips do not change with the cut). `--quick` fails the command unless the 1 MiB
 //! push reaches a floor ratio to the stream (a CI guard against a broken data path).
 //!
-//! The six phases (push, pull, the two streams, the two round trips) run in turn, in
+//! The seven phases (push, pull, push_pull, the two streams, the two round trips) run in turn, in
 //! several rounds, so that a disturbance from another process hits both sides of a ratio
 //! alike. Every phase is bounded by a count and a time. Throughput is the payload bytes
 //! moved by every worker over the wall time of a round, in GB/s (10^9 B/s), the median
@@ -406,28 +408,30 @@ async fn measure_case(
     let total = (b.count * size as u64).max(MIN_STREAM_BYTES);
     let lanes = topo.workers as usize;
     let sink = |i: usize| sinks[i % sinks.len()].clone();
-    // push, pull, stream up, stream down, rr up, rr down.
-    let mut rounds: [Vec<Vec<Lane>>; 6] = Default::default();
+    // push, pull, push_pull, stream up, stream down, rr up, rr down.
+    let mut rounds: [Vec<Vec<Lane>>; 7] = Default::default();
     for _ in 0..plan.rounds {
         rounds[0].push(guarded(cluster, workers.phase(Op::Push, b)).await.with_context(|| format!("{tag}: push"))?);
         rounds[1].push(guarded(cluster, workers.phase(Op::Pull, b)).await.with_context(|| format!("{tag}: pull"))?);
+        rounds[2]
+            .push(guarded(cluster, workers.phase(Op::PushPull, b)).await.with_context(|| format!("{tag}: push_pull"))?);
         let barrier = || Arc::new(Barrier::new(lanes));
         let start = barrier();
-        rounds[2].push(
+        rounds[3].push(
             side_by_side(driver, (0..lanes).map(|i| sink::stream_in(sink(i), total, b.time, start.clone()))).await?,
         );
         let start = barrier();
-        rounds[3].push(
+        rounds[4].push(
             side_by_side(driver, (0..lanes).map(|i| sink::stream_out(sink(i), total, b.time, start.clone()))).await?,
         );
         if cut.in_flight > 1 {
             continue;
         }
         let start = barrier();
-        rounds[4]
+        rounds[5]
             .push(side_by_side(driver, (0..lanes).map(|i| sink::ping(sink(i), size, b, warmup, start.clone()))).await?);
         let start = barrier();
-        rounds[5]
+        rounds[6]
             .push(side_by_side(driver, (0..lanes).map(|i| sink::pong(sink(i), size, b, warmup, start.clone()))).await?);
     }
     let blocks = workers.blocks;
@@ -446,7 +450,7 @@ async fn measure_case(
     })
     .await;
 
-    let [push, pull, stream_up, stream_down, rr_up, rr_down] = rounds.map(|r| Measured::of_rounds(&r));
+    let [push, pull, push_pull, stream_up, stream_down, rr_up, rr_down] = rounds.map(|r| Measured::of_rounds(&r));
     let bb = cut.block_bytes(size);
     let row = |op, m: &Measured, base: &Measured, ps: bool| Row {
         size,
@@ -459,11 +463,16 @@ async fn measure_case(
         ratio: if base.gbps > 0.0 { m.gbps / base.gbps } else { 0.0 },
     };
     if cut.in_flight > 1 {
-        return Ok(vec![row("push", &push, &stream_up, true), row("pull", &pull, &stream_down, true)]);
+        return Ok(vec![
+            row("push", &push, &stream_up, true),
+            row("pull", &pull, &stream_down, true),
+            row("push_pull", &push_pull, &stream_up, true),
+        ]);
     }
     Ok(vec![
         row("push", &push, &stream_up, true),
         row("pull", &pull, &stream_down, true),
+        row("push_pull", &push_pull, &stream_up, true),
         row("tcp rr up", &rr_up, &stream_up, false),
         row("tcp rr down", &rr_down, &stream_down, false),
         row("tcp stream up", &stream_up, &stream_up, false),
@@ -544,6 +553,9 @@ async fn failure(cluster: &mut Cluster) -> crate::BenchError {
 enum Op {
     Push,
     Pull,
+    /// The gradients of `clock` and the parameters of `clock + 1` in one round (one
+    /// `PushPull` per block when the client fuses them): its bytes are one direction's.
+    PushPull,
 }
 
 /// One phase for one worker: the operation, its bounds, the barrier every worker passes
@@ -661,6 +673,7 @@ async fn ps_worker(
             let r = match op {
                 Op::Push => client.push(clock, &grads).await.map(|()| clock += 1),
                 Op::Pull => client.pull(clock, &mut params).await,
+                Op::PushPull => client.push_pull(clock, &grads, &mut params).await.map(|()| clock += 1),
             };
             if let Err(e) = r {
                 failed = Some(crate::BenchError::During {
@@ -738,12 +751,13 @@ fn checks(rows: &[Row]) -> Vec<Check> {
     out
 }
 
-/// The targets, checked: at 1 MiB and 16 MiB, push and pull at least 0.9x the raw
-/// stream of their direction (every in-flight setting is reported); a 4 KiB push or pull
-/// (one request) at most 1.5x the raw round trip of its shape at p50.
+/// The targets, checked: at 1 MiB and 16 MiB, push, pull and push_pull at least
+/// 0.9x the raw stream of their direction (push_pull: the upward one; every in-flight
+/// setting is reported); a 4 KiB push or pull (one request) at most 1.5x the raw round
+/// trip of its shape at p50.
 fn targets(rows: &[Row]) -> Vec<Target> {
     let mut out = Vec::new();
-    for r in rows.iter().filter(|r| r.size >= MIB && (r.op == "push" || r.op == "pull")) {
+    for r in rows.iter().filter(|r| r.size >= MIB && matches!(r.op, "push" | "pull" | "push_pull")) {
         out.push(Target {
             what: format!(
                 "{} {} at {}, {} in flight: at least 0.9x the raw TCP stream",
