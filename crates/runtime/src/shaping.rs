@@ -61,6 +61,12 @@ impl Shaper {
         self.armed.store(armed, Ordering::Release);
     }
 
+    /// Whether a bandwidth cap is configured (active now or later): writes then wait in
+    /// the outgoing bucket, and a task that must keep reading should not make them.
+    pub fn caps_bandwidth(&self) -> bool {
+        self.armed.load(Ordering::Acquire) && self.lock().rate > 0
+    }
+
     /// A frame of `bytes` arrived (call after reading it): waits as the incoming bucket says,
     /// once the injection is active.
     pub async fn take_in(&self, bytes: usize) {

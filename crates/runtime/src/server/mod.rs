@@ -325,8 +325,14 @@ async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
         let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
         io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data, &mut own);
         // Replies wait while more requests are already read (a burst of a round's
-        // blocks): one write answers them all.
-        if !own.is_empty()
+        // blocks): one write answers them all. A capped server hands them to the writer
+        // task instead, so that waiting in the outgoing bucket never stops this task from
+        // reading (the two directions of a NIC are shaped, and overlap, independently).
+        if !own.is_empty() && io.shaper.caps_bandwidth() {
+            for reply in own.drain(..) {
+                let _ = out.send(reply);
+            }
+        } else if !own.is_empty()
             && !reader.has_buffered()
             && let Err(e) = out.send_all_now(std::mem::take(&mut own)).await
         {
