@@ -291,7 +291,7 @@ async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
         if let Message::Control(Control::Hello { rank }) = &msg {
             reader.set_peer(format!("worker {rank} ({peer})"));
         }
-        let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
+        let data = msg.is_data_request();
         io.step(Event::Received { conn, request_id: header.request_id, msg }, data);
         introduced = introduced || lock(&io.server).introduced(conn);
     }
