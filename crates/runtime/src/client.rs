@@ -48,16 +48,22 @@ pub struct ClientOptions {
     pub request_timeout: Duration,
     /// Count iterations and waits here (served by a [`crate::metrics::MetricsEndpoint`]).
     pub metrics: Option<Arc<WorkerMetrics>>,
+    /// Send a block pushed at clock t and pulled at t + 1 in the same round (a
+    /// [`Client::push_pull`]) as one `PushPull` request, answered by the pull's reply:
+    /// one round trip instead of two. On by default; off, the push and then, once its
+    /// server acknowledged the round's pushes, the pull (to compare).
+    pub fuse: bool,
 }
 
 impl ClientOptions {
-    /// Defaults: no secret, 64 MiB frames, 5-minute request timeout.
+    /// Defaults: no secret, 64 MiB frames, 5-minute request timeout, fused push_pull.
     pub fn new(scheduler: impl Into<String>) -> Self {
         Self {
             scheduler: scheduler.into(),
             codec: Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD),
             request_timeout: Duration::from_secs(300),
             metrics: None,
+            fuse: true,
         }
     }
 }
@@ -121,7 +127,8 @@ impl Client {
             m.registered_as(rank);
         }
         let clock = Micros::new();
-        let worker = Worker::new(rank, micros(opts.request_timeout), micros(STATS_INTERVAL), clock.now());
+        let worker =
+            Worker::new(rank, micros(opts.request_timeout), micros(STATS_INTERVAL), clock.now()).with_fusion(opts.fuse);
         Ok(Client {
             rank,
             num_workers,
@@ -248,9 +255,11 @@ impl Client {
     }
 
     /// Pushes the gradients of clock `clock` and pulls the parameters of clock
-    /// `clock + 1`, overlapping the two: the pull of a server's blocks is sent as soon as
-    /// that server acknowledged their pushes, without waiting for the other servers.
-    /// [`Client::last_waits`] then tells how long each server took.
+    /// `clock + 1`: each block as one `PushPull` request, whose reply (the pull's, which
+    /// the sync policy may hold) acknowledges the push too ([`ClientOptions::fuse`]; without
+    /// it, the pull of a server's blocks is sent as soon as that server acknowledged their
+    /// pushes, without waiting for the other servers). [`Client::last_waits`] then tells
+    /// how long each server took.
     pub async fn push_pull<G: AsRef<[f32]>, P: AsMut<[f32]>>(
         &mut self,
         clock: Clock,
@@ -267,7 +276,8 @@ impl Client {
 
     /// A round over some of the tensors: `grads[t]` (if `Some`) is pushed at `push_clock`,
     /// `params[t]` (if `Some`) pulled at `pull_clock`, each as long as tensor `t`; a tensor
-    /// in both is pulled once its push was acknowledged. Both lists are empty or have one
+    /// in both is pulled once its push was acknowledged, or, if `pull_clock` is
+    /// `push_clock + 1` and [`ClientOptions::fuse`] is on, with its push in one request. Both lists are empty or have one
     /// entry per tensor. This is what a client that pushes each gradient as soon as it
     /// is ready (PyTorch's backward hooks) calls, one tensor or a few at a time.
     pub async fn round_tensors(
@@ -508,7 +518,7 @@ fn micros(d: Duration) -> u64 {
 }
 
 /// The message of one request of the plan: the block's slice of its tensor's gradient
-/// (or initial values) for a push, or a pull.
+/// (or initial values) for a push or a push_pull, or a pull.
 fn request(b: BlockSpec, op: Op, grads: &[Option<&[f32]>]) -> Result<Message> {
     let values = || match grads.get(b.tensor as usize) {
         Some(Some(grad)) if b.offset + b.len <= grad.len() => {
@@ -520,6 +530,7 @@ fn request(b: BlockSpec, op: Op, grads: &[Option<&[f32]>]) -> Result<Message> {
         Op::Push(clock) => Message::Push { block: b.id, clock, values: values()? },
         Op::Init => Message::Init { block: b.id, values: values()? },
         Op::Pull(clock) => Message::Pull { block: b.id, clock },
+        Op::PushPull(clock) => Message::PushPull { block: b.id, clock, values: values()? },
     })
 }
 

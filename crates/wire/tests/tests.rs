@@ -972,6 +972,18 @@ mod golden {
     }
 
     #[test]
+    fn push_pull_frame() {
+        let msg = Message::PushPull { block: 3, clock: 5, values: Values::from_vec(vec![1.0, -2.0]) };
+        let (head, payload) = Codec::default().encode(8, &msg).unwrap();
+        pinned(
+            "PushPull header",
+            &head,
+            "45 50 53 31 01 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 57 15 5a 21",
+        );
+        pinned("PushPull payload", &payload, "00 00 80 3f 00 00 00 c0");
+    }
+
+    #[test]
     fn hello_frame() {
         let (head, payload) = Codec::default().encode(1, &Control::Hello { rank: 2 }.into()).unwrap();
         pinned(
