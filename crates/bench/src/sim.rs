@@ -183,16 +183,26 @@ impl Plan {
 
     /// Part 5's flags at `workers` workers: the same for `train` and for `sim` (the sim's
     /// own flags are added by [`sim_only`]).
-    fn cross_flags(&self, workers: u32) -> Vec<String> {
+    fn cross_flags(&self, workers: u32, fuse: bool) -> Vec<String> {
         let mut f = job_flags(workers, 4, "synthetic:resnet50", "bsp", self.cross_iterations);
         f.extend(strings(&["--server-bandwidth", "0=200,1=50,2=200,3=200"]));
+        if !fuse {
+            f.push("--no-fuse".into());
+        }
         f
     }
 
-    /// The cross-check's jobs: (workers, checked). The checked one has [`CROSS_WORKERS`];
-    /// the full form also reports `bench straggler`'s 4 workers (see [`cross_check`]).
-    fn cross_jobs(&self) -> Vec<(u32, bool)> {
-        if self.quick { vec![(CROSS_WORKERS, true)] } else { vec![(CROSS_WORKERS, true), (4, false)] }
+    /// The cross-check's jobs: (workers, checked, fused). The checked one has
+    /// [`CROSS_WORKERS`] and the round without push_pull; the same with push_pull is
+    /// reported, not checked (the real transport does not yet overlap a capped server's
+    /// two directions as the sim's links do: docs/BENCHMARKS.md); the full form also
+    /// reports `bench straggler`'s 4 workers (see [`cross_check`]).
+    fn cross_jobs(&self) -> Vec<(u32, bool, bool)> {
+        let mut jobs = vec![(CROSS_WORKERS, true, false), (CROSS_WORKERS, false, true)];
+        if !self.quick {
+            jobs.push((4, false, false));
+        }
+        jobs
     }
 }
 
@@ -516,6 +526,8 @@ pub struct CrossCheck {
     pub workers: u32,
     /// Whether the check decides on it (else it is only reported).
     pub checked: bool,
+    /// The workers fused push and pull (both sides).
+    pub fuse: bool,
     /// The real processes.
     pub real: CrossSide,
     /// The sim on the same flags.
@@ -548,9 +560,9 @@ fn mean_iter_ms(report: &Report) -> f64 {
 /// frames of the 4 workers through the slow server are interleaved round-robin and the
 /// workers' rounds overlap better. With 1 or 2 workers there is little to interleave
 /// (measured 1.04 and 1.00); with every server at 50 MB/s, 4 workers measured 0.94.
-async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool) -> Result<CrossCheck> {
-    let flags = plan.cross_flags(workers);
-    let dir = cmd.out.join("runs").join(format!("cross-real-{workers}w"));
+async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool, fuse: bool) -> Result<CrossCheck> {
+    let flags = plan.cross_flags(workers, fuse);
+    let dir = cmd.out.join("runs").join(format!("cross-real-{workers}w{}", if fuse { "-fused" } else { "" }));
     let t = Instant::now();
     let real = run_train(&flags, &cmd.net, &dir).await.context("the cross-check's real run")?;
     let real_wall = t.elapsed().as_secs_f64();
@@ -565,6 +577,7 @@ async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool
     Ok(CrossCheck {
         workers,
         checked,
+        fuse,
         real: CrossSide {
             side: "real".into(),
             flags,
@@ -657,9 +670,9 @@ pub async fn run(cmd: SimBenchCmd) -> Result<()> {
     }
     let mut cross = Vec::new();
     if plan.runs(Part::Cross) {
-        for (workers, checked) in plan.cross_jobs() {
-            eprintln!("bench sim: cross-check: elasticps train {}", plan.cross_flags(workers).join(" "));
-            let c = cross_check(&plan, &cmd, workers, checked).await?;
+        for (workers, checked, fuse) in plan.cross_jobs() {
+            eprintln!("bench sim: cross-check: elasticps train {}", plan.cross_flags(workers, fuse).join(" "));
+            let c = cross_check(&plan, &cmd, workers, checked, fuse).await?;
             eprintln!(
                 "  real {:.3} it/s, sim {:.3} it/s: sim / real = {:.3}",
                 c.real.worker_rate,
@@ -887,11 +900,12 @@ fn render(out: &Output) -> String {
     if let Some(first) = out.cross.first() {
         s.push_str("### Cross-check: the sim against real processes\n\n");
         s.push_str(&format!(
-            "`elasticps train {}` (real processes) and `elasticps sim` on the same flags plus `{}`{}. \
+            "`elasticps train {}` (real processes) and `elasticps sim` on the same flags plus `{}`; the \
+             same with push_pull (without `--no-fuse`, reported, not checked){}. \
              it/s: the sum over workers of 1 / mean iteration time, on both sides.\n\n",
             first.real.flags.join(" "),
             sim_only().join(" "),
-            if out.cross.len() > 1 { "; the same with 4 workers (reported, not checked)" } else { "" }
+            if out.cross.len() > 2 { "; and with 4 workers (reported, not checked)" } else { "" }
         ));
         let headers = [
             "workers",
@@ -903,6 +917,7 @@ fn render(out: &Output) -> String {
             "sim iter ms",
             "real wall s",
             "sim wall s",
+            "round",
         ];
         let rows: Vec<Vec<String>> = out
             .cross
@@ -918,6 +933,7 @@ fn render(out: &Output) -> String {
                     format!("{:.0}", c.sim.iter_ms_mean),
                     format!("{:.1}", c.real.wall_s),
                     format!("{:.2}", c.sim.wall_s),
+                    if c.fuse { "push_pull".into() } else { "push, then pull".into() },
                 ]
             })
             .collect();
@@ -1063,15 +1079,19 @@ mod tests {
                 }
             }
             // The cross-check's flags mean the same job to train and to the sim.
-            let flags = plan.cross_flags(CROSS_WORKERS);
-            let t = crate::job::train_cmd(&flags).unwrap();
-            let mut sf = flags.clone();
-            sf.extend(sim_only());
-            let s = sim_cmd(&sf).unwrap();
-            assert_eq!(t.job.server_bandwidth, s.job.server_bandwidth);
-            assert_eq!((t.job.workers, t.job.servers), (s.job.workers, s.job.servers));
-            assert_eq!(t.data.iterations, s.data.iterations);
-            assert_eq!(s.sim.scale, 256);
+            for fuse in [false, true] {
+                let flags = plan.cross_flags(CROSS_WORKERS, fuse);
+                let t = crate::job::train_cmd(&flags).unwrap();
+                let mut sf = flags.clone();
+                sf.extend(sim_only());
+                let s = sim_cmd(&sf).unwrap();
+                assert_eq!(t.job.server_bandwidth, s.job.server_bandwidth);
+                assert_eq!((t.job.workers, t.job.servers), (s.job.workers, s.job.servers));
+                assert_eq!(t.data.iterations, s.data.iterations);
+                assert_eq!((t.data.no_fuse, s.data.no_fuse), (!fuse, !fuse));
+                assert_eq!(s.sim.scale, 256);
+            }
+            assert_eq!(plan.cross_jobs().iter().filter(|(_, checked, _)| *checked).count(), 1);
         }
         let only = Plan::new(&cmd(&["--parts", "balancer,cross"]));
         assert!(only.runs(Part::Cross) && only.runs(Part::Balancer) && !only.runs(Part::Scale));
@@ -1092,9 +1112,11 @@ mod tests {
         assert!(!within_tolerance(0.84) && !within_tolerance(1.16) && !within_tolerance(f64::NAN));
         let side =
             |rate| CrossSide { side: "x".into(), flags: Vec::new(), worker_rate: rate, iter_ms_mean: 1.0, wall_s: 1.0 };
-        let c = CrossCheck { workers: 2, checked: true, real: side(2.0), sim: side(1.6) };
+        let c = CrossCheck { workers: 2, checked: true, fuse: false, real: side(2.0), sim: side(1.6) };
         assert!((c.ratio() - 0.8).abs() < 1e-12);
-        assert!(CrossCheck { workers: 2, checked: true, real: side(0.0), sim: side(1.0) }.ratio().is_nan());
+        assert!(
+            CrossCheck { workers: 2, checked: true, fuse: false, real: side(0.0), sim: side(1.0) }.ratio().is_nan()
+        );
     }
 
     #[test]
@@ -1159,8 +1181,9 @@ mod tests {
                 PolicyRun { policy: "bsp".into(), run: run(64, 40.0, 1000) },
             ],
             cross: vec![
-                CrossCheck { workers: 2, checked: true, real: side(2.0), sim: side(1.5) },
-                CrossCheck { workers: 4, checked: false, real: side(2.0), sim: side(2.0) },
+                CrossCheck { workers: 2, checked: true, fuse: false, real: side(2.0), sim: side(1.5) },
+                CrossCheck { workers: 2, checked: false, fuse: true, real: side(2.0), sim: side(3.0) },
+                CrossCheck { workers: 4, checked: false, fuse: false, real: side(2.0), sim: side(2.0) },
             ],
             checks: Vec::new(),
             targets: Vec::new(),

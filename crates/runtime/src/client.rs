@@ -308,7 +308,8 @@ impl Client {
 
     /// One round trip with every server at once: for each block, the push (if any),
     /// then, once the block's server acknowledged all of this round's pushes, the pull
-    /// (if any); a block whose server answered `Moved` is resent after a layout refresh.
+    /// (if any), or both in one push_pull ([`ClientOptions::fuse`]); a block whose server
+    /// answered `Moved` is resent after a layout refresh.
     /// The plan ([`Round`]) decides; this sends its requests, feeds it the replies and
     /// copies pulled values into `pull`'s tensors.
     async fn round(

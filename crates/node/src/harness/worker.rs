@@ -98,7 +98,7 @@ pub struct WorkerRecord {
     pub wait_us_by_server: Vec<u64>,
     /// Pull replies accepted (each block of each pull exactly once).
     pub pulls_answered: u64,
-    /// Pushes acknowledged.
+    /// Pushes acknowledged (by a `PushAck`, or by the `PullReply` of a push_pull).
     pub pushes_acked: u64,
     /// Layout refreshes over the run.
     pub refreshes: u64,
