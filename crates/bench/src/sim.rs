@@ -5,8 +5,10 @@
 //! other benchmarks); each row prints its flags. Five parts:
 //!
 //! 1. **scale**: 1,000 workers x 100 servers, `synthetic:resnet50`, bsp, 100 iterations:
-//!    the wall seconds of the simulation, the virtual seconds simulated, the harness's
-//!    events and events/s, the simulated iterations/s. Target (reported): <= 60 s wall.
+//!    the wall and CPU seconds of the simulation, the virtual seconds simulated, the
+//!    harness's events and events/s, the simulated iterations/s; with the workers' fused
+//!    push_pull (the default) and again with `--no-fuse`, side by side (the ratio is what
+//!    a shared machine measures fairly). Target (reported): <= 60 s wall, fused.
 //! 2. **balancer**: the time of one [`Balancer::step`] and one [`rebalance`] at that size
 //!    (ResNet-50's blocks of 4 MiB, best-fit over 100 servers, 5 of them 4x slower in the
 //!    load model), the median of 20 calls. Target (reported): <= 10 ms.
@@ -49,7 +51,7 @@ use serde::Serialize;
 use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
 use crate::error::Context as _;
 use crate::job::run_train;
-use crate::machine::{Machine, MachineWatch};
+use crate::machine::{CpuSample, Machine, MachineWatch};
 use crate::{BenchError, Result};
 
 /// The sim's iterations/s must be within this fraction of the real run's (the check).
@@ -145,9 +147,14 @@ impl Plan {
         self.parts.contains(&part)
     }
 
-    /// Part 1's flags.
-    fn scale_flags(&self) -> Vec<String> {
-        job_flags(self.scale_workers, self.scale_servers, "synthetic:resnet50", "bsp", self.scale_iterations)
+    /// Part 1's flags, with the fused push_pull or without (`--no-fuse`).
+    fn scale_flags(&self, fuse: bool) -> Vec<String> {
+        let mut f =
+            job_flags(self.scale_workers, self.scale_servers, "synthetic:resnet50", "bsp", self.scale_iterations);
+        if !fuse {
+            f.push("--no-fuse".into());
+        }
+        f
     }
 
     /// Part 3's flags under `balance` (`static` or `psld`).
@@ -176,16 +183,26 @@ impl Plan {
 
     /// Part 5's flags at `workers` workers: the same for `train` and for `sim` (the sim's
     /// own flags are added by [`sim_only`]).
-    fn cross_flags(&self, workers: u32) -> Vec<String> {
+    fn cross_flags(&self, workers: u32, fuse: bool) -> Vec<String> {
         let mut f = job_flags(workers, 4, "synthetic:resnet50", "bsp", self.cross_iterations);
         f.extend(strings(&["--server-bandwidth", "0=200,1=50,2=200,3=200"]));
+        if !fuse {
+            f.push("--no-fuse".into());
+        }
         f
     }
 
-    /// The cross-check's jobs: (workers, checked). The checked one has [`CROSS_WORKERS`];
-    /// the full form also reports `bench straggler`'s 4 workers (see [`cross_check`]).
-    fn cross_jobs(&self) -> Vec<(u32, bool)> {
-        if self.quick { vec![(CROSS_WORKERS, true)] } else { vec![(CROSS_WORKERS, true), (4, false)] }
+    /// The cross-check's jobs: (workers, checked, fused). The checked one has
+    /// [`CROSS_WORKERS`] and the round without push_pull; the same with push_pull is
+    /// reported, not checked (the real transport does not yet overlap a capped server's
+    /// two directions as the sim's links do: docs/BENCHMARKS.md); the full form also
+    /// reports `bench straggler`'s 4 workers (see [`cross_check`]).
+    fn cross_jobs(&self) -> Vec<(u32, bool, bool)> {
+        let mut jobs = vec![(CROSS_WORKERS, true, false), (CROSS_WORKERS, false, true)];
+        if !self.quick {
+            jobs.push((4, false, false));
+        }
+        jobs
     }
 }
 
@@ -280,6 +297,10 @@ pub struct SimRun {
     pub iterations: u32,
     /// Wall seconds of the simulation.
     pub wall_s: f64,
+    /// CPU seconds this process used meanwhile (user and system, every thread).
+    pub cpu_s: f64,
+    /// The workers fused each block's push and next pull.
+    pub fuse: bool,
     /// Virtual seconds simulated.
     pub virtual_s: f64,
     /// Events the harness handled.
@@ -309,7 +330,13 @@ impl SimRun {
 async fn simulate(flags: Vec<String>) -> Result<SimRun> {
     let cmd = sim_cmd(&flags)?;
     let job = cmd.clone();
+    let before = CpuSample::now();
     let out = tokio::task::spawn_blocking(move || elasticps_sim::simulate(&job)).await??;
+    let cpu_s = match (before, CpuSample::now()) {
+        // /proc/self/stat counts in USER_HZ ticks, 100 a second on Linux.
+        (Some(a), Some(b)) => b.own.saturating_sub(a.own) as f64 / 100.0,
+        _ => 0.0,
+    };
     let report = elasticps_sim::report(&cmd, &out);
     let balance = report.balance.as_ref();
     Ok(SimRun {
@@ -317,6 +344,8 @@ async fn simulate(flags: Vec<String>) -> Result<SimRun> {
         servers: cmd.job.servers,
         iterations: cmd.data.iterations.unwrap_or(0),
         wall_s: out.wall_s,
+        cpu_s,
+        fuse: !cmd.data.no_fuse,
         virtual_s: out.virtual_s,
         events: out.events,
         iters_per_s: out.iterations_per_s,
@@ -497,6 +526,8 @@ pub struct CrossCheck {
     pub workers: u32,
     /// Whether the check decides on it (else it is only reported).
     pub checked: bool,
+    /// The workers fused push and pull (both sides).
+    pub fuse: bool,
     /// The real processes.
     pub real: CrossSide,
     /// The sim on the same flags.
@@ -529,9 +560,9 @@ fn mean_iter_ms(report: &Report) -> f64 {
 /// frames of the 4 workers through the slow server are interleaved round-robin and the
 /// workers' rounds overlap better. With 1 or 2 workers there is little to interleave
 /// (measured 1.04 and 1.00); with every server at 50 MB/s, 4 workers measured 0.94.
-async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool) -> Result<CrossCheck> {
-    let flags = plan.cross_flags(workers);
-    let dir = cmd.out.join("runs").join(format!("cross-real-{workers}w"));
+async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool, fuse: bool) -> Result<CrossCheck> {
+    let flags = plan.cross_flags(workers, fuse);
+    let dir = cmd.out.join("runs").join(format!("cross-real-{workers}w{}", if fuse { "-fused" } else { "" }));
     let t = Instant::now();
     let real = run_train(&flags, &cmd.net, &dir).await.context("the cross-check's real run")?;
     let real_wall = t.elapsed().as_secs_f64();
@@ -546,6 +577,7 @@ async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool
     Ok(CrossCheck {
         workers,
         checked,
+        fuse,
         real: CrossSide {
             side: "real".into(),
             flags,
@@ -570,7 +602,10 @@ struct Output {
     machine: Machine,
     plan: Plan,
     took_s: f64,
+    /// The scale run with the fused push_pull (the target's).
     scale: Option<SimRun>,
+    /// The same without (`--no-fuse`), to compare.
+    scale_unfused: Option<SimRun>,
     balancer: Option<BalancerTiming>,
     psld: Vec<(String, SimRun)>,
     policies: Vec<PolicyRun>,
@@ -587,13 +622,21 @@ pub async fn run(cmd: SimBenchCmd) -> Result<()> {
     let started = Instant::now();
     let step = |what: &str, flags: &[String]| eprintln!("bench sim: {what}: elasticps sim {}", flags.join(" "));
 
-    let mut scale = None;
+    let (mut scale, mut scale_unfused) = (None, None);
     if plan.runs(Part::Scale) {
-        let flags = plan.scale_flags();
-        step("scale", &flags);
-        let r = simulate(flags).await.context("the scale run")?;
-        eprintln!("  {:.1} s wall, {:.1} M events/s, {:.1} it/s", r.wall_s, r.events_per_s() / 1e6, r.iters_per_s);
-        scale = Some(r);
+        for fuse in [true, false] {
+            let flags = plan.scale_flags(fuse);
+            step("scale", &flags);
+            let r = simulate(flags).await.context("the scale run")?;
+            eprintln!(
+                "  {:.1} s wall, {:.1} s CPU, {:.1} M events/s, {:.1} it/s",
+                r.wall_s,
+                r.cpu_s,
+                r.events_per_s() / 1e6,
+                r.iters_per_s
+            );
+            if fuse { scale = Some(r) } else { scale_unfused = Some(r) }
+        }
     }
     let mut balancer = None;
     if plan.runs(Part::Balancer) {
@@ -627,9 +670,9 @@ pub async fn run(cmd: SimBenchCmd) -> Result<()> {
     }
     let mut cross = Vec::new();
     if plan.runs(Part::Cross) {
-        for (workers, checked) in plan.cross_jobs() {
-            eprintln!("bench sim: cross-check: elasticps train {}", plan.cross_flags(workers).join(" "));
-            let c = cross_check(&plan, &cmd, workers, checked).await?;
+        for (workers, checked, fuse) in plan.cross_jobs() {
+            eprintln!("bench sim: cross-check: elasticps train {}", plan.cross_flags(workers, fuse).join(" "));
+            let c = cross_check(&plan, &cmd, workers, checked, fuse).await?;
             eprintln!(
                 "  real {:.3} it/s, sim {:.3} it/s: sim / real = {:.3}",
                 c.real.worker_rate,
@@ -645,6 +688,7 @@ pub async fn run(cmd: SimBenchCmd) -> Result<()> {
         took_s: started.elapsed().as_secs_f64(),
         plan,
         scale,
+        scale_unfused,
         balancer,
         psld,
         policies,
@@ -721,19 +765,36 @@ fn render(out: &Output) -> String {
     );
     if let Some(r) = &out.scale {
         s.push_str("### Scale\n\n");
-        s.push_str(&format!("`elasticps sim {}`\n\n", r.flags.join(" ")));
-        let headers = ["workers", "servers", "iterations", "wall s", "virtual s", "events", "events/s", "it/s"];
-        let row = vec![
-            r.workers.to_string(),
-            r.servers.to_string(),
-            r.iterations.to_string(),
-            format!("{:.1}", r.wall_s),
-            format!("{:.1}", r.virtual_s),
-            format!("{:.2} M", r.events as f64 / 1e6),
-            format!("{:.2} M", r.events_per_s() / 1e6),
-            format!("{:.1}", r.iters_per_s),
-        ];
-        s.push_str(&markdown_table(&headers, &[row]));
+        s.push_str(&format!("`elasticps sim {}` (and the same with `--no-fuse`)\n\n", r.flags.join(" ")));
+        let headers =
+            ["round", "workers", "servers", "iterations", "wall s", "CPU s", "virtual s", "events", "events/s", "it/s"];
+        let rows: Vec<Vec<String>> = [Some(r), out.scale_unfused.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                vec![
+                    if r.fuse { "push_pull".into() } else { "push, then pull".into() },
+                    r.workers.to_string(),
+                    r.servers.to_string(),
+                    r.iterations.to_string(),
+                    format!("{:.1}", r.wall_s),
+                    format!("{:.1}", r.cpu_s),
+                    format!("{:.1}", r.virtual_s),
+                    format!("{:.2} M", r.events as f64 / 1e6),
+                    format!("{:.2} M", r.events_per_s() / 1e6),
+                    format!("{:.1}", r.iters_per_s),
+                ]
+            })
+            .collect();
+        s.push_str(&markdown_table(&headers, &rows));
+        if let Some(u) = &out.scale_unfused {
+            s.push_str(&format!(
+                "\nFused / unfused, same run: wall {}, CPU {}, events {}.\n",
+                ratio(r.wall_s, u.wall_s),
+                ratio(r.cpu_s, u.cpu_s),
+                ratio(r.events as f64, u.events as f64)
+            ));
+        }
         s.push('\n');
     }
     if let Some(b) = &out.balancer {
@@ -839,11 +900,12 @@ fn render(out: &Output) -> String {
     if let Some(first) = out.cross.first() {
         s.push_str("### Cross-check: the sim against real processes\n\n");
         s.push_str(&format!(
-            "`elasticps train {}` (real processes) and `elasticps sim` on the same flags plus `{}`{}. \
+            "`elasticps train {}` (real processes) and `elasticps sim` on the same flags plus `{}`; the \
+             same with push_pull (without `--no-fuse`, reported, not checked){}. \
              it/s: the sum over workers of 1 / mean iteration time, on both sides.\n\n",
             first.real.flags.join(" "),
             sim_only().join(" "),
-            if out.cross.len() > 1 { "; the same with 4 workers (reported, not checked)" } else { "" }
+            if out.cross.len() > 2 { "; and with 4 workers (reported, not checked)" } else { "" }
         ));
         let headers = [
             "workers",
@@ -855,6 +917,7 @@ fn render(out: &Output) -> String {
             "sim iter ms",
             "real wall s",
             "sim wall s",
+            "round",
         ];
         let rows: Vec<Vec<String>> = out
             .cross
@@ -870,6 +933,7 @@ fn render(out: &Output) -> String {
                     format!("{:.0}", c.sim.iter_ms_mean),
                     format!("{:.1}", c.real.wall_s),
                     format!("{:.2}", c.sim.wall_s),
+                    if c.fuse { "push_pull".into() } else { "push, then pull".into() },
                 ]
             })
             .collect();
@@ -991,7 +1055,9 @@ mod tests {
         for quick in [true, false] {
             let plan = Plan::new(&cmd(if quick { &["--quick"] } else { &[] }));
             assert_eq!(plan.parts.len(), 5);
-            let s = sim_cmd(&plan.scale_flags()).unwrap();
+            assert!(sim_cmd(&plan.scale_flags(false)).unwrap().data.no_fuse);
+            let s = sim_cmd(&plan.scale_flags(true)).unwrap();
+            assert!(!s.data.no_fuse);
             assert_eq!((s.job.workers, s.job.servers), if quick { (100, 10) } else { (1000, 100) });
             assert_eq!(s.data.iterations, Some(plan.scale_iterations));
             s.validate().unwrap();
@@ -1013,15 +1079,19 @@ mod tests {
                 }
             }
             // The cross-check's flags mean the same job to train and to the sim.
-            let flags = plan.cross_flags(CROSS_WORKERS);
-            let t = crate::job::train_cmd(&flags).unwrap();
-            let mut sf = flags.clone();
-            sf.extend(sim_only());
-            let s = sim_cmd(&sf).unwrap();
-            assert_eq!(t.job.server_bandwidth, s.job.server_bandwidth);
-            assert_eq!((t.job.workers, t.job.servers), (s.job.workers, s.job.servers));
-            assert_eq!(t.data.iterations, s.data.iterations);
-            assert_eq!(s.sim.scale, 256);
+            for fuse in [false, true] {
+                let flags = plan.cross_flags(CROSS_WORKERS, fuse);
+                let t = crate::job::train_cmd(&flags).unwrap();
+                let mut sf = flags.clone();
+                sf.extend(sim_only());
+                let s = sim_cmd(&sf).unwrap();
+                assert_eq!(t.job.server_bandwidth, s.job.server_bandwidth);
+                assert_eq!((t.job.workers, t.job.servers), (s.job.workers, s.job.servers));
+                assert_eq!(t.data.iterations, s.data.iterations);
+                assert_eq!((t.data.no_fuse, s.data.no_fuse), (!fuse, !fuse));
+                assert_eq!(s.sim.scale, 256);
+            }
+            assert_eq!(plan.cross_jobs().iter().filter(|(_, checked, _)| *checked).count(), 1);
         }
         let only = Plan::new(&cmd(&["--parts", "balancer,cross"]));
         assert!(only.runs(Part::Cross) && only.runs(Part::Balancer) && !only.runs(Part::Scale));
@@ -1042,9 +1112,11 @@ mod tests {
         assert!(!within_tolerance(0.84) && !within_tolerance(1.16) && !within_tolerance(f64::NAN));
         let side =
             |rate| CrossSide { side: "x".into(), flags: Vec::new(), worker_rate: rate, iter_ms_mean: 1.0, wall_s: 1.0 };
-        let c = CrossCheck { workers: 2, checked: true, real: side(2.0), sim: side(1.6) };
+        let c = CrossCheck { workers: 2, checked: true, fuse: false, real: side(2.0), sim: side(1.6) };
         assert!((c.ratio() - 0.8).abs() < 1e-12);
-        assert!(CrossCheck { workers: 2, checked: true, real: side(0.0), sim: side(1.0) }.ratio().is_nan());
+        assert!(
+            CrossCheck { workers: 2, checked: true, fuse: false, real: side(0.0), sim: side(1.0) }.ratio().is_nan()
+        );
     }
 
     #[test]
@@ -1063,6 +1135,8 @@ mod tests {
             servers: 16,
             iterations: 10,
             wall_s: 2.0,
+            cpu_s: 2.0,
+            fuse: true,
             virtual_s: 5.0,
             events: 1_000_000,
             iters_per_s: it_s,
@@ -1092,6 +1166,13 @@ mod tests {
             plan: Plan::new(&cmd(&["--quick"])),
             took_s: 1.0,
             scale: Some(run(100, 50.0, 10)),
+            scale_unfused: Some(SimRun {
+                fuse: false,
+                wall_s: 4.0,
+                cpu_s: 4.0,
+                events: 2_000_000,
+                ..run(100, 50.0, 10)
+            }),
             balancer: None,
             psld: vec![("static".into(), run(40, 10.0, 0)), ("psld".into(), run(40, 25.0, 0))],
             policies: vec![
@@ -1100,8 +1181,9 @@ mod tests {
                 PolicyRun { policy: "bsp".into(), run: run(64, 40.0, 1000) },
             ],
             cross: vec![
-                CrossCheck { workers: 2, checked: true, real: side(2.0), sim: side(1.5) },
-                CrossCheck { workers: 4, checked: false, real: side(2.0), sim: side(2.0) },
+                CrossCheck { workers: 2, checked: true, fuse: false, real: side(2.0), sim: side(1.5) },
+                CrossCheck { workers: 2, checked: false, fuse: true, real: side(2.0), sim: side(3.0) },
+                CrossCheck { workers: 4, checked: false, fuse: false, real: side(2.0), sim: side(2.0) },
             ],
             checks: Vec::new(),
             targets: Vec::new(),
@@ -1114,6 +1196,8 @@ mod tests {
         assert_eq!(out.targets[1].met, None);
         let md = render(&out);
         assert!(md.contains("| psld    | 25.0 | 2.50x"), "{md}");
+        assert!(md.contains("| push_pull       |") && md.contains("| push, then pull |"), "{md}");
+        assert!(md.contains("Fused / unfused, same run: wall 0.50x, CPU 0.50x, events 0.50x."), "{md}");
         assert!(
             md.lines().any(|l| l.contains("| lazy:3 ") && l.contains("| 2.00x ") && l.contains("| 0.10x ")),
             "{md}"

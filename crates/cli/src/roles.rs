@@ -209,6 +209,7 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
     let mut opts = ClientOptions::new(&cmd.scheduler);
     opts.codec = cmd.net.codec();
     opts.request_timeout = cmd.data.request_timeout();
+    opts.fuse = !cmd.data.no_fuse;
     // Started by `elasticps launch`, events go to its pipe (ELASTICPS_EVENTS_FD).
     let emitter = Emitter::from_env(cmd.events)?;
     let mut _endpoint = None;

@@ -366,6 +366,10 @@ pub struct DataArgs {
     /// How long one push or pull may wait for its server, in seconds.
     #[arg(long, env = "ELASTICPS_REQUEST_TIMEOUT", default_value_t = 300)]
     pub request_timeout_s: u64,
+    /// Send each block's push and the next iteration's pull as two requests (the pull once
+    /// the server acknowledged the pushes) instead of one push_pull: to compare.
+    #[arg(long = "no-fuse")]
+    pub no_fuse: bool,
 }
 
 impl DataArgs {
@@ -405,6 +409,9 @@ impl DataArgs {
         }
         if let Some(j) = &self.worker_jitter {
             f.extend(["--worker-jitter".into(), j.to_string()]);
+        }
+        if self.no_fuse {
+            f.push("--no-fuse".into());
         }
         f
     }

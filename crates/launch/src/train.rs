@@ -67,6 +67,7 @@ pub fn build_report(cmd: &TrainCmd, o: &RunOutcome) -> Result<Report> {
         "compute_ms": cmd.data.compute_ms,
         "worker_delay": cmd.data.worker_delay.as_ref().map(ToString::to_string),
         "worker_jitter": cmd.data.worker_jitter.as_ref().map(ToString::to_string),
+        "fuse": !cmd.data.no_fuse,
     });
     if let serde_json::Value::Object(data) = data {
         config.extend(data);

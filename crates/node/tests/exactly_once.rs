@@ -69,6 +69,8 @@ pub struct Case {
     pub jitter_us: u64,
     /// `--balance psld` with this server capped (a straggler).
     pub psld: Option<Straggler>,
+    /// The workers send each block's push and next pull as one push_pull.
+    pub fuse: bool,
     /// The operator's requests and the faults, in no particular order.
     pub ops: Vec<Op>,
 }
@@ -317,19 +319,20 @@ pub fn run_traced(case: &Case, trace: bool) -> Run {
     if case.psld.is_some() {
         // Tensor payloads weigh 64 KB, so that a capped server is slow.
         let weigh: Weigh = Rc::new(|m: &Message| match m {
-            Message::Push { .. } | Message::PullReply { .. } => 64_000,
+            Message::Push { .. } | Message::PullReply { .. } | Message::PushPull { .. } => 64_000,
             other => frame_bytes(other),
         });
         setup.weigh = weigh;
     }
     let tensors = case.model();
-    let (iterations, seed, (base, spread)) = (case.iterations, case.seed, case.compute_us);
+    let (iterations, seed, (base, spread), fuse) = (case.iterations, case.seed, case.compute_us, case.fuse);
     let mut sim = SimJob::new(setup, |_| TrainingLoop {
         tensors: tensors.clone(),
         iterations,
         compute_us: Box::new(move |rank, t| base + mix(seed ^ (u64::from(rank) << 32) ^ u64::from(t)) % spread.max(1)),
         grad,
         timeout_us: 300_000_000,
+        fuse,
     });
     sim.cluster_mut().network_mut().set_trace(trace);
     let log = Rc::new(RefCell::new(Vec::new()));
@@ -586,7 +589,7 @@ fn shape() -> impl Strategy<Value = (u32, u32, u32, Vec<usize>, PlacementKind, S
 /// Random jobs under a random operator and random drops (of deltas and their `Ok`s too if
 /// `deltas`), static balance.
 pub fn case(deltas: bool) -> impl Strategy<Value = Case> {
-    (shape(), 3u32..=10, 500u64..=2_000, 1u64..=4_000, 0u64..=60, any::<u64>()).prop_flat_map(
+    (shape(), 3u32..=10, 500u64..=2_000, 1u64..=4_000, 0u64..=60, any::<u64>(), any::<bool>()).prop_flat_map(
         move |(
             (servers, extra, workers, tensors, placement, sync, aggregate),
             iterations,
@@ -594,6 +597,7 @@ pub fn case(deltas: bool) -> impl Strategy<Value = Case> {
             spread,
             jitter,
             seed,
+            fuse,
         )| {
             let blocks: u32 = tensors.iter().map(|l| l.div_ceil(BLOCK_LEN) as u32).sum();
             let max_servers = servers + extra;
@@ -612,6 +616,7 @@ pub fn case(deltas: bool) -> impl Strategy<Value = Case> {
                 compute_us: (base, spread),
                 jitter_us: jitter,
                 psld: None,
+                fuse,
                 ops,
             })
         },
@@ -649,6 +654,7 @@ pub fn psld_case() -> impl Strategy<Value = Case> {
         any::<u64>(),
         0u32..4,
         300_000u64..=2_000_000,
+        any::<bool>(),
     )
         .prop_flat_map(
             |(
@@ -660,6 +666,7 @@ pub fn psld_case() -> impl Strategy<Value = Case> {
                 seed,
                 capped,
                 bps,
+                fuse,
             )| {
                 let blocks: u32 = tensors.iter().map(|l| l.div_ceil(BLOCK_LEN) as u32).sum();
                 let max_servers = servers + extra;
@@ -677,6 +684,7 @@ pub fn psld_case() -> impl Strategy<Value = Case> {
                     compute_us: (base, spread),
                     jitter_us: jitter,
                     psld: Some(Straggler { server: capped % servers, bps }),
+                    fuse,
                     ops,
                 })
             },
@@ -730,10 +738,11 @@ fn sample(strategy: impl Strategy<Value = Case>, n: usize) -> Vec<Case> {
     (0..n).map(|_| strategy.new_tree(&mut runner).expect("a case").current()).collect()
 }
 
-/// One seed is one run: the digest of a run with operator moves, a drop and jitter.
+/// One seed is one run: the digest of a run with operator moves, a drop and jitter, with
+/// the round fused and not (the fused job delivers fewer messages).
 #[test]
 fn a_seed_reproduces_a_whole_job_with_migrations_and_drops() {
-    let case = sample(case(false), 40)
+    let base = sample(case(false), 40)
         .into_iter()
         .find(|c| {
             c.jitter_us > 0
@@ -745,11 +754,17 @@ fn a_seed_reproduces_a_whole_job_with_migrations_and_drops() {
         let r = run_and_check(c).unwrap_or_else(|e| panic!("{e}: {c:?}"));
         (r.sim.cluster().network().digest(), r.sim.cluster().stats().delivered, r.end.map(|e| e.at_us))
     };
-    let first = digest(&case);
-    assert!(first.1 > 500, "{first:?}");
-    assert_eq!(digest(&case), first);
-    let other = Case { seed: case.seed ^ 1, ..case.clone() };
-    assert_ne!(digest(&other).0, first.0, "another seed, another run");
+    let mut delivered = Vec::new();
+    for fuse in [false, true] {
+        let case = Case { fuse, ..base.clone() };
+        let first = digest(&case);
+        assert!(first.1 > 250, "{first:?}");
+        assert_eq!(digest(&case), first);
+        let other = Case { seed: case.seed ^ 1, ..case.clone() };
+        assert_ne!(digest(&other).0, first.0, "another seed, another run");
+        delivered.push(first.1);
+    }
+    assert!(delivered[1] < delivered[0], "fused {} vs unfused {} deliveries", delivered[1], delivered[0]);
 }
 
 /// What a sample of runs exercised.
@@ -765,6 +780,7 @@ struct Seen {
     drained: u32,
     held_at_freeze: u32,
     pulls_held: u64,
+    fused: u32,
 }
 
 impl Seen {
@@ -772,6 +788,7 @@ impl Seen {
         let sched = r.sim.cluster().scheduler();
         let log = &sched.balance_log().migrations;
         self.runs += 1;
+        self.fused += u32::from(c.fuse);
         self.migrations += log.iter().filter(|m| m.error.is_none()).count() as u32;
         self.failed_migrations += log.iter().filter(|m| m.error.is_some()).count() as u32;
         self.held_at_freeze += log.iter().filter(|m| m.held > 0).count() as u32;
@@ -811,6 +828,7 @@ fn the_schedules_exercise_migrations_drops_held_pulls_and_scaling() {
     assert!(seen.drops > 40, "{seen:?}");
     assert!(seen.scale_outs > 30 && seen.drained > 30, "{seen:?}");
     assert!(seen.held_at_freeze > 5 && seen.pulls_held > 300, "{seen:?}");
+    assert!(seen.fused > 50 && seen.runs - seen.fused > 50, "both the fused and the unfused round: {seen:?}");
 
     // psld: the balancer moves blocks off the capped server and scales by itself.
     let mut psld = Seen::default();
@@ -824,6 +842,17 @@ fn the_schedules_exercise_migrations_drops_held_pulls_and_scaling() {
 }
 
 // ---- regressions ---------------------------------------------------------------------
+
+/// A regression case as found (unfused: it predates push_pull), and again fused.
+fn check_both(c: Case) {
+    for fuse in [false, true] {
+        let c = Case { fuse, ..c.clone() };
+        let r = run(&c);
+        if let Err(e) = check(&c, &r) {
+            panic!("{e}\n{c:?}");
+        }
+    }
+}
 
 /// Found by `every_parameter_is_exact_when_a_delta_or_its_ok_is_lost`. Block 2 starts on
 /// server 1 and moves to server 0 (epoch 2) while the workers compute, so their layout
@@ -850,16 +879,14 @@ fn a_lost_delta_ok_leaves_no_second_copy_serving() {
         compute_us: (1122, 931),
         jitter_us: 15,
         psld: None,
+        fuse: false,
         ops: vec![
             Op::Scale { at_us: 505, req: ScaleRequest::MoveBlock { block: 2, to: 0 } },
             Op::Scale { at_us: 666, req: ScaleRequest::MoveBlock { block: 2, to: 1 } },
             Op::Drop { at_us: 1004, step: Step::Delta, delay_us: 59 },
         ],
     };
-    let r = run(&c);
-    if let Err(e) = check(&c, &r) {
-        panic!("{e}\n{c:?}");
-    }
+    check_both(c);
 }
 
 /// Found by the same proptest (with a removal). Server 0 takes block 1 by the operator's
@@ -884,16 +911,14 @@ fn a_drained_server_that_held_a_failed_copy_lingers_for_its_workers() {
         compute_us: (1015, 1562),
         jitter_us: 25,
         psld: None,
+        fuse: false,
         ops: vec![
             Op::Scale { at_us: 249, req: ScaleRequest::MoveBlock { block: 1, to: 0 } },
             Op::Scale { at_us: 2957, req: ScaleRequest::RemoveServer(0) },
             Op::Drop { at_us: 0, step: Step::Delta, delay_us: 71 },
         ],
     };
-    let r = run(&c);
-    if let Err(e) = check(&c, &r) {
-        panic!("{e}\n{c:?}");
-    }
+    check_both(c);
 }
 
 /// Found by the delta proptest in a fresh-clone CI run. The operator removes server 2,
@@ -918,6 +943,7 @@ fn a_removal_after_a_lost_delta_keeps_every_worker() {
         compute_us: (1435, 2195),
         jitter_us: 1,
         psld: None,
+        fuse: false,
         ops: vec![
             Op::Scale { at_us: 6256, req: ScaleRequest::AddServer },
             Op::Scale { at_us: 2488, req: ScaleRequest::RemoveServer(0) },
@@ -926,8 +952,5 @@ fn a_removal_after_a_lost_delta_keeps_every_worker() {
             Op::Drop { at_us: 6712, step: Step::Delta, delay_us: 53 },
         ],
     };
-    let r = run(&c);
-    if let Err(e) = check(&c, &r) {
-        panic!("{e}\n{c:?}");
-    }
+    check_both(c);
 }

@@ -415,6 +415,8 @@ mod job {
             compute_us: Box::new(move |rank, t| 1_000 + u64::from((rank * 7 + t * 13 + i) % 5) * 700),
             grad,
             timeout_us: 300_000_000,
+            // Workers of one job differ: half fuse push and pull, half do not.
+            fuse: i % 2 == 0,
         }
     }
 

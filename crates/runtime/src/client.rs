@@ -54,10 +54,15 @@ pub struct ClientOptions {
     /// The window: at most this many requests of a round in flight to one server (at
     /// least 1); the others are sent as replies come back.
     pub window: usize,
+    /// Send a block pushed at clock t and pulled at t + 1 in the same round (a
+    /// [`Client::push_pull`]) as one `PushPull` request, answered by the pull's reply:
+    /// one round trip instead of two. On by default; off, the push and then, once its
+    /// server acknowledged the round's pushes, the pull (to compare).
+    pub fuse: bool,
 }
 
 impl ClientOptions {
-    /// Defaults: no secret, 64 MiB frames, 5-minute request timeout.
+    /// Defaults: no secret, 64 MiB frames, 5-minute request timeout, fused push_pull.
     pub fn new(scheduler: impl Into<String>) -> Self {
         Self {
             scheduler: scheduler.into(),
@@ -65,6 +70,7 @@ impl ClientOptions {
             request_timeout: Duration::from_secs(300),
             metrics: None,
             window: DEFAULT_WINDOW,
+            fuse: true,
         }
     }
 }
@@ -128,7 +134,8 @@ impl Client {
             m.registered_as(rank);
         }
         let clock = Micros::new();
-        let worker = Worker::new(rank, micros(opts.request_timeout), micros(STATS_INTERVAL), clock.now());
+        let worker =
+            Worker::new(rank, micros(opts.request_timeout), micros(STATS_INTERVAL), clock.now()).with_fusion(opts.fuse);
         Ok(Client {
             rank,
             num_workers,
@@ -255,9 +262,11 @@ impl Client {
     }
 
     /// Pushes the gradients of clock `clock` and pulls the parameters of clock
-    /// `clock + 1`, overlapping the two: the pull of a server's blocks is sent as soon as
-    /// that server acknowledged their pushes, without waiting for the other servers.
-    /// [`Client::last_waits`] then tells how long each server took.
+    /// `clock + 1`: each block as one `PushPull` request, whose reply (the pull's, which
+    /// the sync policy may hold) acknowledges the push too ([`ClientOptions::fuse`]; without
+    /// it, the pull of a server's blocks is sent as soon as that server acknowledged their
+    /// pushes, without waiting for the other servers). [`Client::last_waits`] then tells
+    /// how long each server took.
     pub async fn push_pull<G: AsRef<[f32]>, P: AsMut<[f32]>>(
         &mut self,
         clock: Clock,
@@ -274,7 +283,8 @@ impl Client {
 
     /// A round over some of the tensors: `grads[t]` (if `Some`) is pushed at `push_clock`,
     /// `params[t]` (if `Some`) pulled at `pull_clock`, each as long as tensor `t`; a tensor
-    /// in both is pulled once its push was acknowledged. Both lists are empty or have one
+    /// in both is pulled once its push was acknowledged, or, if `pull_clock` is
+    /// `push_clock + 1` and [`ClientOptions::fuse`] is on, with its push in one request. Both lists are empty or have one
     /// entry per tensor. This is what a client that pushes each gradient as soon as it
     /// is ready (PyTorch's backward hooks) calls, one tensor or a few at a time.
     pub async fn round_tensors(
@@ -305,7 +315,8 @@ impl Client {
 
     /// One round trip with every server at once: for each block, the push (if any),
     /// then, once the block's server acknowledged all of this round's pushes, the pull
-    /// (if any); a block whose server answered `Moved` is resent after a layout refresh.
+    /// (if any), or both in one push_pull ([`ClientOptions::fuse`]); a block whose server
+    /// answered `Moved` is resent after a layout refresh.
     /// The plan ([`Round`]) decides; this sends its requests, feeds it the replies and
     /// copies pulled values into `pull`'s tensors.
     async fn round(
@@ -423,8 +434,8 @@ impl Client {
     }
 
     /// Sends requests of a round from this task, one vectored write per server (at most
-    /// `request_timeout` for it): a push or init straight from the caller's gradient slice
-    /// (no copy of the values), a pull as its header; any other request as its message.
+    /// `request_timeout` for it): a push, push_pull or init straight from the caller's
+    /// gradient slice (no copy of the values), a pull as its header.
     /// Returns the requests sent, with their reply receivers, and (server, tag) of those
     /// whose server connection is closed or was never opened (for [`Client::lost`]).
     async fn send_batch(&self, batch: Vec<(u64, Sent)>, grads: &[Option<&[f32]>]) -> Result<SentBatch> {
@@ -440,7 +451,6 @@ impl Client {
                 continue;
             };
             let mut data = Vec::with_capacity(mine.len());
-            let mut other = Vec::new();
             for &&(tag, sent) in &mine {
                 let b = sent.block;
                 let values = || match grads.get(b.tensor as usize) {
@@ -453,19 +463,12 @@ impl Client {
                     Op::Push(clock) => data.push(((tag, sent), (Kind::Push, b.id, clock, values()?))),
                     Op::Init => data.push(((tag, sent), (Kind::Init, b.id, 0, values()?))),
                     Op::Pull(clock) => data.push(((tag, sent), (Kind::Pull, b.id, clock, &[][..]))),
-                    #[allow(unreachable_patterns)]
-                    _ => other.push((tag, sent)),
+                    Op::PushPull(clock) => data.push(((tag, sent), (Kind::PushPull, b.id, clock, values()?))),
                 }
             }
             let first = mine.first().map(|(_, s)| *s);
             let requests: Vec<(Kind, u32, u32, &[f32])> = data.iter().map(|(_, r)| *r).collect();
-            let write = async {
-                let mut rxs = peer.send_data_now(&requests).await?;
-                for &(_, sent) in &other {
-                    rxs.push(peer.send_request_now(request(sent.block, sent.op, grads)?).await?);
-                }
-                Ok::<_, RuntimeError>(rxs)
-            };
+            let write = peer.send_data_now(&requests);
             let timeout = self.opts.request_timeout;
             let rxs = match tokio::time::timeout(timeout, write).await {
                 Ok(Err(RuntimeError::Closed(_))) if !self.shutting_down() => {
@@ -484,8 +487,7 @@ impl Client {
                     });
                 }
             };
-            let sents = data.iter().map(|(s, _)| *s).chain(other.iter().copied());
-            out.extend(sents.zip(rxs).map(|((tag, sent), rx)| (tag, sent, rx)));
+            out.extend(data.iter().map(|(s, _)| *s).zip(rxs).map(|((tag, sent), rx)| (tag, sent, rx)));
         }
         Ok((out, lost))
     }
@@ -620,22 +622,6 @@ impl Client {
 /// A duration in the plan's microseconds.
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
-
-/// The message of one request of the plan: the block's slice of its tensor's gradient
-/// (or initial values) for a push, or a pull.
-fn request(b: BlockSpec, op: Op, grads: &[Option<&[f32]>]) -> Result<Message> {
-    let values = || match grads.get(b.tensor as usize) {
-        Some(Some(grad)) if b.offset + b.len <= grad.len() => {
-            Ok(crate::pool::copy_values(&grad[b.offset..b.offset + b.len]))
-        }
-        _ => Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id))),
-    };
-    Ok(match op {
-        Op::Push(clock) => Message::Push { block: b.id, clock, values: values()? },
-        Op::Init => Message::Init { block: b.id, values: values()? },
-        Op::Pull(clock) => Message::Pull { block: b.id, clock },
-    })
 }
 
 /// What [`Client::send_batch`] did: the requests sent, each with its reply's receiver,

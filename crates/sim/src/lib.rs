@@ -61,6 +61,7 @@ pub fn report(cmd: &SimCmd, out: &SimOutcome) -> Report {
         "compute_ms": cmd.data.compute_ms,
         "worker_delay": cmd.data.worker_delay.as_ref().map(ToString::to_string),
         "worker_jitter": cmd.data.worker_jitter.as_ref().map(ToString::to_string),
+        "fuse": !cmd.data.no_fuse,
         "batch_size": cmd.data.batch_size,
         "latency_us": cmd.sim.latency_us,
         "link_mbps": cmd.sim.link_mbps,

@@ -82,7 +82,7 @@ impl Codec {
     /// only, so an oversized or malformed frame is refused before its payload is read.
     ///
     /// After `Ok(h)` a reader may allocate `h.payload_len` bytes (at most the limit), or
-    /// `h.f32_len()` f32 values for Push and PullReply, and read the payload into them.
+    /// `h.f32_len()` f32 values for the f32 kinds, and read the payload into them.
     pub fn decode_header(&self, bytes: &[u8; HEADER_LEN]) -> Result<FrameHeader, WireError> {
         // Infallible: checked at compile time (same size, every bit pattern valid).
         let raw: RawHeader = zerocopy::transmute!(*bytes);

@@ -50,12 +50,23 @@ pub enum Kind {
     /// Worker -> server: the initial values of `block` (the first worker's parameters),
     /// f32 little-endian payload; answered `PushAck`.
     Init = 7,
+    /// Worker -> server: the gradient of `block` at `clock` and the pull of `clock + 1`
+    /// in one request, f32 little-endian payload; answered `PullReply` of `clock + 1`.
+    PushPull = 8,
 }
 
 impl Kind {
     /// Every kind, in wire order.
-    pub const ALL: [Kind; 7] =
-        [Kind::Control, Kind::Push, Kind::PushAck, Kind::Pull, Kind::PullReply, Kind::Error, Kind::Init];
+    pub const ALL: [Kind; 8] = [
+        Kind::Control,
+        Kind::Push,
+        Kind::PushAck,
+        Kind::Pull,
+        Kind::PullReply,
+        Kind::Error,
+        Kind::Init,
+        Kind::PushPull,
+    ];
 
     /// The kind with this wire value, if any.
     pub fn from_u8(v: u8) -> Option<Kind> {
@@ -67,13 +78,15 @@ impl Kind {
             5 => Some(Kind::PullReply),
             6 => Some(Kind::Error),
             7 => Some(Kind::Init),
+            8 => Some(Kind::PushPull),
             _ => None,
         }
     }
 
-    /// True for the kinds whose payload is a run of little-endian f32 (Push, PullReply).
+    /// True for the kinds whose payload is a run of little-endian f32 (Push, PullReply,
+    /// Init, PushPull).
     pub fn carries_f32(self) -> bool {
-        matches!(self, Kind::Push | Kind::PullReply | Kind::Init)
+        matches!(self, Kind::Push | Kind::PullReply | Kind::Init | Kind::PushPull)
     }
 
     /// True for the kinds whose payload must be empty (PushAck, Pull).
@@ -111,6 +124,7 @@ impl fmt::Display for Kind {
             Kind::PullReply => "PullReply",
             Kind::Error => "Error",
             Kind::Init => "Init",
+            Kind::PushPull => "PushPull",
         })
     }
 }
@@ -134,7 +148,7 @@ pub struct FrameHeader {
 }
 
 impl FrameHeader {
-    /// Number of f32 values the payload holds (meaningful for Push and PullReply, whose
+    /// Number of f32 values the payload holds (meaningful for the f32 kinds, whose
     /// `payload_len` [`Codec::decode_header`](crate::Codec::decode_header) has checked to
     /// be a multiple of 4), so a reader can allocate a `Vec<f32>` of that length and read
     /// the payload straight into it.

@@ -18,6 +18,7 @@ use crate::values::Values;
 /// | PullReply | set          | f32 little-endian, `len % 4 == 0` |
 /// | Error     | 0, 0         | postcard [`ErrorReply`] |
 /// | Init      | block, 0     | f32 little-endian, `len % 4 == 0` |
+/// | PushPull  | set          | f32 little-endian, `len % 4 == 0` |
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
     /// A control-plane message.
@@ -65,6 +66,18 @@ pub enum Message {
         /// The values.
         values: Values,
     },
+    /// Worker -> server: the gradient of `block` computed at iteration `clock` and the
+    /// pull of `clock + 1`, in one round trip. Answered by the `PullReply` of `clock + 1`
+    /// (which also acknowledges the push; the sync policy may hold it, as a `Pull`'s),
+    /// `Moved`, or an `Error` (docs/PROTOCOL.md §6.4).
+    PushPull {
+        /// Block id.
+        block: u32,
+        /// The clock of the gradient (the pull is of `clock + 1`).
+        clock: u32,
+        /// The gradient.
+        values: Values,
+    },
 }
 
 impl Message {
@@ -78,7 +91,14 @@ impl Message {
             Message::PullReply { .. } => Kind::PullReply,
             Message::Error(_) => Kind::Error,
             Message::Init { .. } => Kind::Init,
+            Message::PushPull { .. } => Kind::PushPull,
         }
+    }
+
+    /// True for the requests a worker sends about one block's data (Push, Pull, Init,
+    /// PushPull): what a server counts as data-plane work.
+    pub fn is_data_request(&self) -> bool {
+        matches!(self, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. } | Message::PushPull { .. })
     }
 
     /// The `(block, clock)` header fields of this message: `(0, 0)` for Control and Error.
@@ -88,22 +108,24 @@ impl Message {
             Message::Push { block, clock, .. }
             | Message::PushAck { block, clock }
             | Message::Pull { block, clock }
-            | Message::PullReply { block, clock, .. } => (*block, *clock),
+            | Message::PullReply { block, clock, .. }
+            | Message::PushPull { block, clock, .. } => (*block, *clock),
             Message::Init { block, .. } => (*block, 0),
         }
     }
 
-    /// The payload bytes of this message: the shared f32 bytes for Push and PullReply
-    /// (no copy), empty for PushAck and Pull, postcard for Control and Error.
+    /// The payload bytes of this message: the shared f32 bytes for Push, PullReply, Init
+    /// and PushPull (no copy), empty for PushAck and Pull, postcard for Control and Error.
     ///
     /// Does not check any size limit; [`Codec::encode`](crate::Codec::encode) does.
     pub fn encode_payload(&self) -> Result<Bytes, WireError> {
         Ok(match self {
             Message::Control(c) => Bytes::from(postcard::to_allocvec(c)?),
             Message::Error(e) => Bytes::from(postcard::to_allocvec(e)?),
-            Message::Push { values, .. } | Message::PullReply { values, .. } | Message::Init { values, .. } => {
-                values.as_bytes().clone()
-            }
+            Message::Push { values, .. }
+            | Message::PullReply { values, .. }
+            | Message::Init { values, .. }
+            | Message::PushPull { values, .. } => values.as_bytes().clone(),
             Message::PushAck { .. } | Message::Pull { .. } => Bytes::new(),
         })
     }
@@ -136,6 +158,7 @@ impl Message {
             Kind::Pull => Message::Pull { block, clock },
             Kind::Init if clock != 0 => return Err(bad(format!("an Init frame carries clock 0, not {clock}"))),
             Kind::Init => Message::Init { block, values: Values::from_le_bytes(payload)? },
+            Kind::PushPull => Message::PushPull { block, clock, values: Values::from_le_bytes(payload)? },
         })
     }
 }

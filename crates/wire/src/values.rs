@@ -15,7 +15,7 @@ compile_error!(
      big-endian targets are not supported"
 );
 
-/// An f32 tensor payload (Push and PullReply frames): little-endian bytes in a [`Bytes`],
+/// An f32 tensor payload (Push, PullReply, Init and PushPull frames): little-endian bytes in a [`Bytes`],
 /// so cloning it, sending it and slicing it never copy the values.
 ///
 /// Equality compares bytes, so NaN payloads compare equal to themselves bit for bit.

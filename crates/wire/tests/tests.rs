@@ -411,6 +411,8 @@ mod common {
                 .prop_map(|(block, clock, values)| { Message::PullReply { block, clock, values } }),
             (arb_error_code(), ".{0,40}").prop_map(|(code, message)| Message::Error(ErrorReply { code, message })),
             (any::<u32>(), arb_values()).prop_map(|(block, values)| Message::Init { block, values }),
+            (any::<u32>(), any::<u32>(), arb_values())
+                .prop_map(|(block, clock, values)| { Message::PushPull { block, clock, values } }),
         ]
     }
 }
@@ -522,7 +524,7 @@ mod roundtrip {
         /// fields and payload reach the payload decoders (postcard on garbage) without panic.
         #[test]
         fn random_sealed_frames_never_panic(
-            kind in 0..9u8,
+            kind in 0..10u8,
             flags in prop::sample::select(vec![0u16, 0, 0, 1, 0x8000]),
             fields in any::<(u64, u32, u32)>(),
             payload in prop::collection::vec(any::<u8>(), 0..128),
@@ -626,7 +628,7 @@ mod invalid {
 
     #[test]
     fn unknown_kinds() {
-        for k in [0u8, 8, 99, 255] {
+        for k in [0u8, 9, 99, 255] {
             let err = refuse(edited(5..6, &[k]));
             assert_eq!(err, WireError::UnknownKind { got: k });
             assert_eq!(err.code(), ErrorCode::UnknownKind);
@@ -646,6 +648,26 @@ mod invalid {
         assert_eq!(Message::decode(&h, payload.clone()).unwrap(), Message::Init { block: 4, values });
         let wrong = FrameHeader { clock: 5, ..h };
         assert!(matches!(Message::decode(&wrong, payload), Err(WireError::BadPayload { kind: Kind::Init, .. })));
+    }
+
+    #[test]
+    fn a_push_pull_frame_carries_the_gradient_and_the_push_clock() {
+        let values = Values::from_vec(vec![1.0, -2.0]);
+        let msg = Message::PushPull { block: 3, clock: 5, values: values.clone() };
+        let (head, payload) = Codec::default().encode(8, &msg).unwrap();
+        // Kind 8, block 3, clock 5 (the push's), 8 payload bytes: the gradient as in a Push.
+        assert_eq!((head[5], &head[16..28]), (8, &[3, 0, 0, 0, 5, 0, 0, 0, 8, 0, 0, 0][..]));
+        assert_eq!(&payload[..], &[0, 0, 0x80, 0x3f, 0, 0, 0, 0xc0]);
+        let h = Codec::default().decode_header(&head).unwrap();
+        assert_eq!((h.kind, h.request_id, h.block, h.clock, h.f32_len()), (Kind::PushPull, 8, 3, 5, 2));
+        assert!(h.kind.carries_f32() && !h.kind.is_empty_payload() && !h.kind.is_postcard());
+        assert_eq!(Message::decode(&h, payload).unwrap(), msg);
+        assert_eq!(Kind::PushPull.to_string(), "PushPull");
+        // A payload that is not whole f32 values is refused from the header.
+        let mut bad = edited(5..6, &[Kind::PushPull as u8]);
+        bad[24..28].copy_from_slice(&7u32.to_le_bytes());
+        reseal(&mut bad, SECRET);
+        assert!(matches!(refuse(bad), WireError::BadPayload { kind: Kind::PushPull, .. }));
     }
 
     #[test]
@@ -948,6 +970,18 @@ mod golden {
             "45 50 53 31 01 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 98 85 75 cc",
         );
         pinned("Push payload", &payload, "00 00 80 3f 00 00 00 c0");
+    }
+
+    #[test]
+    fn push_pull_frame() {
+        let msg = Message::PushPull { block: 3, clock: 5, values: Values::from_vec(vec![1.0, -2.0]) };
+        let (head, payload) = Codec::default().encode(8, &msg).unwrap();
+        pinned(
+            "PushPull header",
+            &head,
+            "45 50 53 31 01 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 57 15 5a 21",
+        );
+        pinned("PushPull payload", &payload, "00 00 80 3f 00 00 00 c0");
     }
 
     #[test]

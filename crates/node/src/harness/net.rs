@@ -86,9 +86,10 @@ pub type SizeHook = Box<dyn Fn(&Message) -> u64>;
 /// nothing to measure; a control message is encoded to learn its length.
 pub fn frame_bytes(msg: &Message) -> u64 {
     let payload = match msg {
-        Message::Push { values, .. } | Message::PullReply { values, .. } | Message::Init { values, .. } => {
-            values.as_bytes().len()
-        }
+        Message::Push { values, .. }
+        | Message::PullReply { values, .. }
+        | Message::Init { values, .. }
+        | Message::PushPull { values, .. } => values.as_bytes().len(),
         Message::PushAck { .. } | Message::Pull { .. } => 0,
         Message::Control(_) | Message::Error(_) => msg.encode_payload().map_or(0, |b| b.len()),
     };
@@ -96,11 +97,14 @@ pub fn frame_bytes(msg: &Message) -> u64 {
 }
 
 /// A [`SizeHook`] for a simulation that carries tensor sizes, not bytes: a Push,
-/// PullReply or Init of block b costs the header plus `block_bytes[b]` (its nominal
+/// PullReply, Init or PushPull of block b costs the header plus `block_bytes[b]` (its nominal
 /// size), whatever it holds; every other message costs [`frame_bytes`].
 pub fn nominal_sizes(block_bytes: Vec<u64>) -> SizeHook {
     Box::new(move |msg| match msg {
-        Message::Push { block, .. } | Message::PullReply { block, .. } | Message::Init { block, .. } => {
+        Message::Push { block, .. }
+        | Message::PullReply { block, .. }
+        | Message::Init { block, .. }
+        | Message::PushPull { block, .. } => {
             let nominal = block_bytes.get(*block as usize).copied();
             nominal.map_or_else(|| frame_bytes(msg), |b| HEADER_LEN as u64 + b)
         }
@@ -233,6 +237,7 @@ enum Compact {
     PushAck { block: u32, clock: u32 },
     Pull { block: u32, clock: u32 },
     PullReply { block: u32, clock: u32, values: Values },
+    PushPull { block: u32, clock: u32, values: Values },
     Other(Box<Message>),
 }
 
@@ -243,6 +248,7 @@ impl From<Message> for Compact {
             Message::PushAck { block, clock } => Compact::PushAck { block, clock },
             Message::Pull { block, clock } => Compact::Pull { block, clock },
             Message::PullReply { block, clock, values } => Compact::PullReply { block, clock, values },
+            Message::PushPull { block, clock, values } => Compact::PushPull { block, clock, values },
             other => Compact::Other(Box::new(other)),
         }
     }
@@ -255,6 +261,7 @@ impl From<Compact> for Message {
             Compact::PushAck { block, clock } => Message::PushAck { block, clock },
             Compact::Pull { block, clock } => Message::Pull { block, clock },
             Compact::PullReply { block, clock, values } => Message::PullReply { block, clock, values },
+            Compact::PushPull { block, clock, values } => Message::PushPull { block, clock, values },
             Compact::Other(m) => *m,
         }
     }
@@ -767,6 +774,7 @@ mod tests {
             Message::Pull { block: 1, clock: 2 },
             Message::PullReply { block: 1, clock: 2, values: Values::from_vec(vec![1.0]) },
             Message::Init { block: 1, values: Values::from_vec(vec![1.0]) },
+            Message::PushPull { block: 1, clock: 2, values: Values::from_vec(vec![1.0]) },
             elasticps_wire::Control::Heartbeat.into(),
         ] {
             assert_eq!(Message::from(Compact::from(m.clone())), m);
@@ -823,6 +831,8 @@ mod tests {
         assert_eq!(hook(&Message::PullReply { block: 1, clock: 0, values: Values::from_vec(vec![1.0]) }), 32 + 512);
         assert_eq!(hook(&push(7, 0)), 36, "a block the hook does not know costs its frame");
         assert_eq!(hook(&Message::Pull { block: 0, clock: 0 }), 32);
+        let fused = Message::PushPull { block: 0, clock: 0, values: Values::from_vec(vec![1.0]) };
+        assert_eq!((frame_bytes(&fused), hook(&fused)), (36, 32 + 4_000_000), "a push_pull carries the gradient");
     }
 
     #[test]

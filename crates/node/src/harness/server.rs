@@ -194,7 +194,9 @@ impl ServerRole {
     }
 
     fn cost_us(&self, msg: &Message) -> u64 {
-        if self.model.apply_bps == 0 || !matches!(msg, Message::Push { .. } | Message::Init { .. }) {
+        if self.model.apply_bps == 0
+            || !matches!(msg, Message::Push { .. } | Message::Init { .. } | Message::PushPull { .. })
+        {
             return 0;
         }
         let factor = f64::from(self.injection.interference.max(1.0));
@@ -227,7 +229,7 @@ impl Role for ServerRole {
         if self.calls.remove(&(conn, request_id)) {
             return self.step(out, Event::FromServer { call: request_id, reply: Ok(msg) });
         }
-        let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
+        let data = msg.is_data_request();
         if !data {
             // A connection opens with Hello (a worker) or BlockSnapshot (a server): data
             // requests only come on connections already known.

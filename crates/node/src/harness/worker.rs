@@ -3,7 +3,8 @@
 //! It does what the runtime's `Client` and the `elasticps worker` loop do: register,
 //! define the model, connect to the servers of the layout (Hello), pull clock 0, then per
 //! iteration compute (a modelled time) and push the gradients of clock t while pulling
-//! clock t + 1 (the last iteration of workers other than rank 0 only pushes), tell the
+//! clock t + 1, fused into one push_pull per block if [`TrainingLoop::fuse`] (the last
+//! iteration of workers other than rank 0 only pushes), tell the
 //! scheduler it is done. Heartbeats every second; `Moved` blocks are chased through
 //! layout refreshes by the plan. The gradients are a function of (rank, clock, block)
 //! chosen by the run, so a test knows the exact final parameters.
@@ -49,6 +50,8 @@ pub struct TrainingLoop {
     pub grad: fn(u32, Clock, BlockId) -> f32,
     /// How long one request may wait (the runtime's `--request-timeout`).
     pub timeout_us: u64,
+    /// Send each block's push and next pull as one push_pull (the client's default).
+    pub fuse: bool,
 }
 
 impl std::fmt::Debug for TrainingLoop {
@@ -56,6 +59,7 @@ impl std::fmt::Debug for TrainingLoop {
         f.debug_struct("TrainingLoop")
             .field("tensors", &self.tensors.len())
             .field("iterations", &self.iterations)
+            .field("fuse", &self.fuse)
             .finish()
     }
 }
@@ -94,7 +98,7 @@ pub struct WorkerRecord {
     pub wait_us_by_server: Vec<u64>,
     /// Pull replies accepted (each block of each pull exactly once).
     pub pulls_answered: u64,
-    /// Pushes acknowledged.
+    /// Pushes acknowledged (by a `PushAck`, or by the `PullReply` of a push_pull).
     pub pushes_acked: u64,
     /// Layout refreshes over the run.
     pub refreshes: u64,
@@ -261,6 +265,10 @@ impl WorkerRole {
                         }
                         Op::Init => Message::Init { block: block.id, values: Values::from_vec(vec![0.0; block.len]) },
                         Op::Pull(clock) => Message::Pull { block: block.id, clock },
+                        Op::PushPull(clock) => {
+                            let g = (self.work.grad)(rank, clock, block.id);
+                            Message::PushPull { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
+                        }
                     };
                     let conn = self.servers.get(&server).copied();
                     let sent = conn.is_some_and(|conn| out.send(conn, tag, msg));
@@ -372,7 +380,8 @@ impl WorkerRole {
         match (request_id, msg) {
             (REGISTER, Message::Control(Control::Welcome { node_id, .. })) => {
                 self.rank = Some(node_id);
-                self.plan = Some(Worker::new(node_id, self.work.timeout_us, WORKER_STATS_US, out.now_us()));
+                let plan = Worker::new(node_id, self.work.timeout_us, WORKER_STATS_US, out.now_us());
+                self.plan = Some(plan.with_fusion(self.work.fuse));
                 self.stage = Stage::Defining;
                 let tensors = self.work.tensors.clone();
                 self.call_scheduler(out, DEFINE, Control::DefineModel { tensors, optimizers: Vec::new() }.into());
@@ -429,14 +438,20 @@ impl Role for WorkerRole {
         if let Some(n) = self.in_flight.get_mut(&conn) {
             *n = n.saturating_sub(1);
         }
-        match &msg {
-            Message::PushAck { .. } => self.record.pushes_acked += 1,
-            Message::PullReply { .. } => self.record.pulls_answered += 1,
-            _ => {}
-        }
         let Some(round) = self.round.as_mut() else {
             return self.fail(out, format!("a reply ({:?}) arrived outside a round", msg.kind()));
         };
+        match &msg {
+            Message::PushAck { .. } => self.record.pushes_acked += 1,
+            Message::PullReply { .. } => {
+                // A push_pull's reply acknowledges its push too.
+                if matches!(round.op_of(request_id), Some(Op::PushPull(_))) {
+                    self.record.pushes_acked += 1;
+                }
+                self.record.pulls_answered += 1;
+            }
+            _ => {}
+        }
         let result = round.on_reply(out.now_us(), request_id, &msg);
         self.on_round_result(out, result);
     }

@@ -477,6 +477,9 @@ impl Server {
             (Message::Pull { block, clock }, Some(r)) => {
                 self.handle(now_us, r, token(block), Request::Pull { clock }, out)
             }
+            (Message::PushPull { block, clock, values }, Some(r)) => {
+                self.handle(now_us, r, token(block), Request::PushPull { clock, values }, out)
+            }
             (Message::Init { block, values }, Some(r)) => {
                 self.handle(now_us, r, token(block), Request::Init { values }, out)
             }
@@ -560,6 +563,31 @@ impl Server {
                     }
                     Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
                 }
+            }
+            Request::PushPull { clock, values } => {
+                // The push exactly as a Push (a duplicate is dropped by the clock state), then
+                // the pull of the next clock exactly as a Pull: answered now or held, with the
+                // same coin. Its reply (under the request's id) acknowledges the push.
+                let Some(next) = clock.checked_add(1) else {
+                    return Some(error(ErrorCode::BadRequest, format!("push_pull of block {block} at the last clock")));
+                };
+                self.counters.bytes_in += values.as_bytes().len() as u64;
+                let config = shard.config_for(o.block.spec());
+                let mut answers = match o.block.push(&config, rank, clock, &values.to_f32s(), now_us) {
+                    Ok(answers) => answers,
+                    Err(e) => return Some(error(ErrorCode::BadRequest, e.to_string())),
+                };
+                let mut coin = StdRng::seed_from_u64(pull_coin_seed(shard.seed, rank, next));
+                let pulled = o.block.pull(&shard.effective(), to, rank, next, now_us, &mut coin);
+                let refused = match pulled {
+                    Ok(answer) => {
+                        answers.extend(answer);
+                        None
+                    }
+                    Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
+                };
+                self.answer_pulls(answers, out);
+                refused
             }
         }
     }

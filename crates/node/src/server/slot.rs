@@ -39,6 +39,17 @@ pub enum Request {
         /// The clock.
         clock: Clock,
     },
+    /// A gradient of clock `clock` and the pull of `clock + 1`, answered by that pull's
+    /// reply. Parked whole while the block is frozen (nothing applied: a `Moved` for it
+    /// means the push was not applied here). Once the push is applied, the pull may be held
+    /// like any other; a handover answers it `Moved`, and the push travels with the block,
+    /// so the resent request's push is a duplicate the new owner drops.
+    PushPull {
+        /// The gradient's clock.
+        clock: Clock,
+        /// The gradient.
+        values: Values,
+    },
     /// The block's initial values (the first worker's parameters), before any push.
     Init {
         /// The values.

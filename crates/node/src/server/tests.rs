@@ -419,3 +419,65 @@ fn a_move_the_new_owner_takes_after_shutdown_completes_at_once() {
     assert_eq!(phase(&a), "gone");
     assert!(a.lingering());
 }
+
+fn push_pull(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32, g: f32) -> Vec<Action> {
+    let msg = Message::PushPull { block, clock, values: Values::from_vec(vec![g; LEN]) };
+    s.step(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg })
+}
+
+#[test]
+fn a_push_pull_applies_the_push_then_pulls_the_next_clock_under_the_policy() {
+    let mut a = server(0, SyncPolicy::Bsp);
+    // bsp: pull(1) waits for every worker's clock 0; the push itself is applied at once.
+    let r = push_pull(&mut a, 1, 0, 10, 0, 0, 1.0);
+    assert!(replies(&r).is_empty(), "held: {r:?}");
+    let r = push_pull(&mut a, 2, 1, 11, 0, 0, 2.0);
+    assert_eq!(pulled(&r), vec![(1, 10, vec![-3.0; LEN]), (2, 11, vec![-3.0; LEN])]);
+    assert!(replies(&r).iter().all(|(_, _, m)| matches!(m, Message::PullReply { clock: 1, .. })), "{r:?}");
+    assert!(r.iter().any(|x| matches!(x, Action::Trace(t) if (t.worker, t.clock, t.held_us) == (0, 1, Some(1)))));
+    // A resent push_pull: the push is a duplicate (dropped), the pull answered again.
+    assert_eq!(pulled(&push_pull(&mut a, 3, 1, 12, 0, 0, 2.0)), vec![(2, 12, vec![-3.0; LEN])]);
+    // A plain push releases a held fused pull like any other.
+    assert!(replies(&push_pull(&mut a, 4, 0, 13, 0, 1, 1.0)).is_empty());
+    let r = push(&mut a, 5, 1, 14, 0, 1, 1.0);
+    assert!(acked(&r, 2, 14));
+    assert_eq!(pulled(&r), vec![(1, 13, vec![-5.0; LEN])]);
+    let totals = a.metrics_snapshot().totals;
+    assert_eq!((totals.pushes, totals.pulls, totals.pulls_held), (4, 4, 2));
+    // Refusals: a clock gap applies nothing, the last clock has no next one, no Hello.
+    let gap = push_pull(&mut a, 6, 0, 15, 0, 5, 1.0);
+    assert!(matches!(&replies(&gap)[..], [(1, 15, Message::Error(e))] if e.message.contains("clock")), "{gap:?}");
+    let last = push_pull(&mut a, 6, 0, 16, 0, u32::MAX, 1.0);
+    assert!(matches!(&replies(&last)[..], [(1, 16, Message::Error(e))] if e.message.contains("last clock")));
+    let msg = Message::PushPull { block: 0, clock: 2, values: Values::from_vec(vec![1.0; LEN]) };
+    let stranger = a.step(7, Event::Received { conn: 9, request_id: 17, msg });
+    assert!(matches!(&replies(&stranger)[..], [(9, 17, Message::Error(_))]));
+    assert_eq!(a.metrics_snapshot().totals.pushes, 4, "nothing refused was applied");
+    // asp answers at once, with the push applied.
+    let mut b = server(0, SyncPolicy::Asp);
+    assert_eq!(pulled(&push_pull(&mut b, 1, 0, 1, 0, 0, 1.0)), vec![(1, 1, vec![-1.0; LEN])]);
+}
+
+#[test]
+fn push_pulls_across_a_handover_apply_every_push_once() {
+    let (mut a, mut b) = (server(0, SyncPolicy::Bsp), server(B, SyncPolicy::Bsp));
+    // Worker 0's fused request of clock 0 is held (push applied, pull(1) waits for worker 1).
+    assert!(replies(&push_pull(&mut a, 1, 0, 10, 0, 0, 1.0)).is_empty());
+    let snapshot = migrate(&mut a, 2, 2);
+    assert_eq!(deliver(&mut b, 3, snapshot.clone()), Control::Ok.into());
+    let delta = to_server(&a.step(4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    // Worker 1's arrives frozen: parked whole, nothing applied.
+    assert!(replies(&push_pull(&mut a, 5, 1, 11, 0, 0, 2.0)).is_empty());
+    assert_eq!(deliver(&mut b, 6, delta.clone()), Control::Ok.into());
+    let (call, report) = migrate_done(&a.step(7, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    assert_eq!(report.held, 1);
+    let r = a.step(8, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    assert_eq!(replies(&r), vec![(2, 11, moved(B, 2)), (1, 10, moved(B, 2))], "both answered once, Moved");
+    settle(&mut b, 9, 2, B);
+    // Both resend whole at the new owner: worker 0's push is a duplicate (it came in the
+    // snapshot), worker 1's is applied; both pulls of clock 1 see exactly both pushes.
+    assert!(replies(&push_pull(&mut b, 10, 0, 20, 0, 0, 1.0)).is_empty(), "held for worker 1");
+    let r = push_pull(&mut b, 11, 1, 21, 0, 0, 2.0);
+    assert_eq!(pulled(&r), vec![(1, 20, vec![-3.0; LEN]), (2, 21, vec![-3.0; LEN])]);
+    assert_eq!(b.metrics_snapshot().totals.pushes, 1, "only worker 1's push is new here");
+}

@@ -18,7 +18,10 @@
 //!
 //! Per server, a round is a push phase (all pushes of that server's blocks in flight at
 //! once) and then, once that server acknowledged them all, a pull phase for those blocks
-//! that are also pulled. A block whose server answered `Moved` is resent, with what was
+//! that are also pulled. With fusion on (the default, [`Worker::with_fusion`]), a block
+//! that a round pushes at clock t and pulls at t + 1 goes in the push phase as one
+//! [`Op::PushPull`], whose `PullReply` settles both: no pull phase for it. A block whose
+//! server answered `Moved` is resent, with what was
 //! still to do for it, after a layout refresh ([`Action::RefreshLayout`]); when the
 //! refreshed layout has the same epoch (the server answered before the scheduler
 //! published the move) the plan first waits a little ([`Action::Wait`]).
@@ -68,22 +71,36 @@ pub enum Op {
     Init,
     /// `Pull { block, clock }`: the block's values, copied into the caller's tensor.
     Pull(Clock),
+    /// `PushPull { block, clock, values }`: the block's slice of the gradient of `clock`
+    /// and the pull of `clock + 1`, whose `PullReply` values go into the pulled tensor.
+    PushPull(Clock),
 }
 
 impl Op {
     /// The verb and clock that errors and timeouts name: `push(clock 3)`, `init(clock 0)`,
-    /// `pull(clock 4)`.
+    /// `pull(clock 4)`, `push_pull(clock 3)` (the push's clock).
     pub fn verb_clock(self) -> (&'static str, Clock) {
         match self {
             Op::Push(clock) => ("push", clock),
             Op::Init => ("init", 0),
             Op::Pull(clock) => ("pull", clock),
+            Op::PushPull(clock) => ("push_pull", clock),
         }
     }
 
     /// True for a push or an init (answered `PushAck`).
     pub fn is_push(self) -> bool {
+        matches!(self, Op::Push(_) | Op::Init)
+    }
+
+    /// True for the requests that carry tensor values (a push, an init, a push_pull).
+    pub fn carries_values(self) -> bool {
         !matches!(self, Op::Pull(_))
+    }
+
+    /// True for the requests answered by a `PullReply` (a pull, a push_pull).
+    pub fn is_pull(self) -> bool {
+        matches!(self, Op::Pull(_) | Op::PushPull(_))
     }
 }
 
@@ -127,15 +144,31 @@ pub struct Worker {
     timeout_us: u64,
     seq: u32,
     load: LoadReport,
+    /// Send a block pushed at t and pulled at t + 1 as one push_pull.
+    fuse: bool,
     /// The buffers of the last finished round, reused by the next.
     spare: Option<Round>,
 }
 
 impl Worker {
     /// Worker `rank`; a round fails when it still chases moved blocks after `timeout_us`
-    /// (the request timeout); a load report is due every `stats_interval_us`.
+    /// (the request timeout); a load report is due every `stats_interval_us`. Fusion is
+    /// on.
     pub fn new(rank: u32, timeout_us: u64, stats_interval_us: u64, now_us: u64) -> Self {
-        Self { rank, timeout_us, seq: 0, load: LoadReport::new(rank, stats_interval_us, now_us), spare: None }
+        let load = LoadReport::new(rank, stats_interval_us, now_us);
+        Self { rank, timeout_us, seq: 0, load, fuse: true, spare: None }
+    }
+
+    /// Says whether a block that a round pushes at clock t and pulls at t + 1 goes as one
+    /// [`Op::PushPull`] (on, the default) or as a push and, once acknowledged, a pull.
+    pub fn with_fusion(mut self, on: bool) -> Self {
+        self.fuse = on;
+        self
+    }
+
+    /// Whether rounds fuse push and pull ([`Worker::with_fusion`]).
+    pub fn fuses(&self) -> bool {
+        self.fuse
     }
 
     /// This worker's rank.
@@ -166,7 +199,8 @@ impl Worker {
             _ => None,
         };
         let mut round = self.spare.take().unwrap_or_default();
-        let actions = round.begin(self.seq, self.rank, self.timeout_us, now_us, layout, push, pull, iteration)?;
+        let actions =
+            round.begin(self.seq, self.rank, self.timeout_us, self.fuse, now_us, layout, push, pull, iteration)?;
         Ok((round, actions))
     }
 

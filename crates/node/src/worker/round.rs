@@ -28,6 +28,8 @@ enum Outcome {
     Acked,
     /// Pull answered.
     Pulled,
+    /// A push_pull answered: the push applied, the pull answered.
+    Fused,
     /// The server no longer owns the block.
     Moved,
     /// The server's connection closed before it answered: resent, like a moved block,
@@ -73,6 +75,9 @@ pub struct Round {
     seq: u32,
     rank: u32,
     timeout_us: u64,
+    /// A block pushed and pulled goes as one push_pull (fusion on, and the pull is of the
+    /// clock after the push's).
+    fuse: bool,
     push: Option<PushOp>,
     pull: Option<Clock>,
     started_us: u64,
@@ -100,7 +105,8 @@ pub struct Round {
     scratch: Vec<Todo>,
     /// Per server id: from the round's start to the end of its last phase.
     waits: Vec<Option<u64>>,
-    /// Per server id: bytes pushed and acknowledged, and push phase time.
+    /// Per server id: bytes pushed and acknowledged, and push phase time (for a phase
+    /// with push_pulls, until their pulls were answered).
     push_load: Vec<(u64, u64)>,
 }
 
@@ -110,6 +116,7 @@ impl Default for Round {
             seq: 0,
             rank: 0,
             timeout_us: 0,
+            fuse: false,
             push: None,
             pull: None,
             started_us: 0,
@@ -142,6 +149,7 @@ impl Round {
         seq: u32,
         rank: u32,
         timeout_us: u64,
+        fuse: bool,
         now_us: u64,
         layout: &Layout,
         push: Option<(PushOp, &[bool])>,
@@ -153,6 +161,8 @@ impl Round {
         self.timeout_us = timeout_us;
         self.push = push.map(|(op, _)| op);
         self.pull = pull.map(|(clock, _)| clock);
+        self.fuse = fuse
+            && matches!((self.push, self.pull), (Some(PushOp::Grad(t)), Some(next)) if t.checked_add(1) == Some(next));
         self.started_us = now_us;
         self.iteration = iteration;
         self.set_layout(layout);
@@ -227,12 +237,19 @@ impl Round {
     /// Per server that acknowledged pushes, in id order: (server, payload bytes pushed,
     /// summed time of its push phases from the first push sent to the last
     /// acknowledgement), the balancer's service time measurement.
+    ///
+    /// A push phase with push_pulls ends with their `PullReply`s, so its time also holds
+    /// the replies' transfer and any time the sync policy held the pulls: with fusion the
+    /// measured rate (bytes pushed over that time) is a lower bound of the server's push
+    /// rate, equal to it when no pull was held and the replies are small against the
+    /// pushes' queue. The bytes are the pushes' only, as without fusion.
     pub fn push_load(&self) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
         self.push_load.iter().enumerate().filter(|(_, (b, _))| *b > 0).map(|(s, (b, us))| (s as u32, *b, *us))
     }
 
     /// The reply `msg` to request `tag`. A `PushAck` or `Moved` for a push or init, a
-    /// `PullReply` as long as the block or `Moved` for a pull; anything else fails the round
+    /// `PullReply` as long as the block or `Moved` for a pull or a push_pull (its
+    /// `PullReply` acknowledges the push too); anything else fails the round
     /// with the error a user sees (an `Error` frame as [`NodeError::Remote`], another
     /// message as [`NodeError::Protocol`]). Accepted `PullReply` values are the runtime's
     /// to copy into the pulled tensor.
@@ -244,8 +261,8 @@ impl Round {
         };
         let phase = self.phases[request.phase as usize];
         let b = request.todo.block;
-        let op = self.op(phase.push);
-        let outcome = match (msg, op.is_push()) {
+        let op = self.op(phase.push, &request.todo);
+        let outcome = match (msg, op.is_pull()) {
             (Message::Error(reply), _) => {
                 let (verb, clock) = op.verb_clock();
                 return Err(NodeError::Remote {
@@ -257,10 +274,16 @@ impl Round {
                 });
             }
             (Message::Control(Control::Moved { .. }), _) => Outcome::Moved,
-            (Message::PushAck { .. }, true) => Outcome::Acked,
-            (Message::PullReply { values, .. }, false) if values.len() == b.len => Outcome::Pulled,
-            (other, push) => {
-                let wanted = if push { "PushAck".to_string() } else { format!("PullReply of {} values", b.len) };
+            (Message::PushAck { .. }, false) => Outcome::Acked,
+            (Message::PullReply { values, .. }, true) if values.len() == b.len => {
+                if matches!(op, Op::PushPull(_)) {
+                    Outcome::Fused
+                } else {
+                    Outcome::Pulled
+                }
+            }
+            (other, pull) => {
+                let wanted = if pull { format!("PullReply of {} values", b.len) } else { "PushAck".to_string() };
                 return Err(NodeError::Protocol {
                     peer: format!("server {}", phase.owner),
                     what: format!("expected {wanted}, got {:?}", other.kind()),
@@ -268,6 +291,17 @@ impl Round {
             }
         };
         self.settle(now_us, index, outcome)
+    }
+
+    /// What request `tag` of this round asks, while it waits for its reply.
+    pub fn op_of(&self, tag: Tag) -> Option<Op> {
+        let index = (tag & u64::from(u32::MAX)) as usize;
+        match self.requests.get(index) {
+            Some(r) if tag >> 32 == u64::from(self.seq) && r.outcome == Outcome::Waiting => {
+                Some(self.op(self.phases[r.phase as usize].push, &r.todo))
+            }
+            _ => None,
+        }
     }
 
     /// The connection to the server of request `tag` closed before it answered (a
@@ -358,8 +392,10 @@ impl Round {
         self.servers = layout.servers.len();
     }
 
-    fn op(&self, push_phase: bool) -> Op {
+    /// What request `t` sends in a push phase (`push_phase`) or a pull phase.
+    fn op(&self, push_phase: bool, t: &Todo) -> Op {
         match (push_phase, self.push, self.pull) {
+            (true, Some(PushOp::Grad(clock)), _) if self.fuse && t.push && t.pull => Op::PushPull(clock),
             (true, Some(op), _) => op.into(),
             (_, _, Some(clock)) => Op::Pull(clock),
             // A pull phase exists only in a round that pulls.
@@ -400,13 +436,13 @@ impl Round {
         result
     }
 
-    /// One phase with `owner`: the pushes of `items` that have one, all in flight at once
-    /// (the others, to pull, wait for the phase's end), or, if none has, their pulls.
+    /// One phase with `owner`: the pushes of `items` that have one (fused with their pulls
+    /// if the round fuses), all in flight at once (the others, to pull, wait for the
+    /// phase's end), or, if none has, their pulls.
     fn open_phase(&mut self, now_us: u64, owner: u32, items: &[(u32, Todo)], out: &mut Vec<Action>) -> Result<()> {
         let push = self.push.is_some() && items.iter().any(|(_, t)| t.push);
         let phase = self.phases.len() as u32;
         let first = self.requests.len() as u32;
-        let op = self.op(push);
         let mut pending = 0;
         for (_, t) in items {
             let send = if push { t.push } else { t.pull && self.pull.is_some() };
@@ -423,6 +459,7 @@ impl Round {
             if send {
                 pending += 1;
                 self.pending += 1;
+                let op = self.op(push, t);
                 out.push(Action::Send { tag: (u64::from(self.seq) << 32) | index, server: owner, block: t.block, op });
             }
         }
@@ -458,6 +495,7 @@ impl Round {
                         to_pull.push(Todo { block: b, push: false, pull: true });
                     }
                 }
+                Outcome::Fused => push_bytes += b.len as u64 * 4,
                 Outcome::Carried => to_pull.push(Todo { block: b, push: false, pull: true }),
                 Outcome::Moved | Outcome::Lost => {
                     moved += 1;

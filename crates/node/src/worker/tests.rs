@@ -27,8 +27,16 @@ fn layout(lens: &[usize], block_len: usize, owners: Vec<u32>, epoch: u64, server
     }
 }
 
+/// A worker with fusion off: the push, then the pull (the tests of the fused round say
+/// [`fused`]).
 fn worker() -> Worker {
-    Worker::new(0, TIMEOUT_US, INTERVAL_US, 0)
+    Worker::new(0, TIMEOUT_US, INTERVAL_US, 0).with_fusion(false)
+}
+
+fn fused() -> Worker {
+    let w = Worker::new(0, TIMEOUT_US, INTERVAL_US, 0);
+    assert!(w.fuses(), "fusion is the default");
+    w
 }
 
 /// The sends among `actions`: (tag, server, block id, op).
@@ -167,7 +175,7 @@ fn requests_a_lost_server_did_not_answer_go_to_the_owner_of_the_refreshed_layout
 #[test]
 fn a_lost_server_the_layout_keeps_naming_ends_the_round_naming_it() {
     let l = layout(&[2], 2, vec![0], 1, 1);
-    let mut w = Worker::new(0, 1_000_000, INTERVAL_US, 0);
+    let mut w = Worker::new(0, 1_000_000, INTERVAL_US, 0).with_fusion(false);
     let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
     let err = r.on_lost(2_500_000, sends(&first)[0].0).unwrap_err();
     assert_eq!(
@@ -233,7 +241,7 @@ fn blocks_that_keep_moving_end_the_round_after_the_refresh_limit() {
 #[test]
 fn blocks_that_keep_moving_end_the_round_after_the_request_timeout() {
     let l = layout(&[2], 2, vec![0], 1, 1);
-    let mut w = Worker::new(0, 1_000_000, INTERVAL_US, 0);
+    let mut w = Worker::new(0, 1_000_000, INTERVAL_US, 0).with_fusion(false);
     let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
     let err = r.on_reply(2_500_000, sends(&first)[0].0, &moved(0)).unwrap_err();
     assert!(matches!(err, NodeError::Protocol { .. }));
@@ -433,6 +441,8 @@ mod schedules {
         pull: Option<Vec<bool>>,
         /// Random choices: which request is answered next, when a block moves, where.
         choices: Vec<u32>,
+        /// The worker fuses push and pull.
+        fuse: bool,
     }
 
     fn case() -> impl Strategy<Value = Case> {
@@ -446,14 +456,16 @@ mod schedules {
                 prop::option::of(prop::collection::vec(any::<bool>(), tensors)),
                 prop::option::of(prop::collection::vec(any::<bool>(), tensors)),
                 prop::collection::vec(any::<u32>(), 64..256),
+                any::<bool>(),
             )
-                .prop_map(|(servers, blocks_per_tensor, owners, push, pull, choices)| Case {
+                .prop_map(|(servers, blocks_per_tensor, owners, push, pull, choices, fuse)| Case {
                     servers,
                     blocks_per_tensor,
                     owners,
                     push,
                     pull,
                     choices,
+                    fuse,
                 })
         })
     }
@@ -465,7 +477,7 @@ mod schedules {
         let mut published = truth.clone();
         let nblocks = c.owners.len();
         let mut choice = c.choices.iter().copied().cycle();
-        let mut w = worker();
+        let mut w = worker().with_fusion(c.fuse);
         let push = c.push.as_deref().map(|m| (PushOp::Grad(3), m));
         let pull = c.pull.as_deref().map(|m| (4, m));
         let pushes = |t: u32| c.push.as_ref().is_some_and(|m| m[t as usize]);
@@ -492,7 +504,14 @@ mod schedules {
                                     block.id
                                 );
                             }
+                            Op::PushPull(_) => {
+                                prop_assert!(c.fuse && pushes(t) && pulls(t), "push_pull of block {}", block.id);
+                                prop_assert_eq!(acked[block.id as usize], 0, "push_pull after the push was acked");
+                            }
                             Op::Init => prop_assert!(false, "no init in this round"),
+                        }
+                        if !c.fuse {
+                            prop_assert!(!matches!(op, Op::PushPull(_)), "push_pull without fusion");
                         }
                         in_flight.push((tag, server, block, op));
                     }
@@ -544,6 +563,10 @@ mod schedules {
             } else if op.is_push() {
                 acked[b as usize] += 1;
                 ack(b)
+            } else if let Op::PushPull(_) = op {
+                acked[b as usize] += 1;
+                answered[b as usize] += 1;
+                pulled(b, block.len)
             } else {
                 answered[b as usize] += 1;
                 pulled(b, block.len)
@@ -568,4 +591,67 @@ mod schedules {
             run(&c)?;
         }
     }
+}
+
+#[test]
+fn a_fused_round_sends_one_push_pull_per_block_pushed_and_pulled() {
+    // Tensor 0 (blocks 0, 1) pushed and pulled, tensor 1 (block 2) only pushed, tensor 2
+    // (block 3) only pulled; blocks 0 and 2 on server 0, 1 and 3 on server 1.
+    let l = layout(&[4, 2, 2], 2, vec![0, 1, 0, 1], 1, 2);
+    let mut w = fused();
+    let (mut r, first) =
+        w.start(10, &l, Some((PushOp::Grad(3), &[true, true, false])), Some((4, &[true, false, true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(
+        first.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
+        vec![(0, 0, Op::PushPull(3)), (0, 2, Op::Push(3)), (1, 1, Op::PushPull(3))],
+        "fused where pushed and pulled, a plain push where only pushed, the pull-only block waits"
+    );
+    // A PushAck does not answer a push_pull; its PullReply does, and settles it.
+    let (mut other, sent) =
+        fused().start(10, &l, Some((PushOp::Grad(3), &[true, true, false])), Some((4, &[true, false, true]))).unwrap();
+    let err = other.on_reply(15, sends(&sent)[0].0, &ack(0)).unwrap_err();
+    assert_eq!(err.to_string(), "protocol error with server 0: expected PullReply of 2 values, got PushAck");
+    assert_eq!(r.op_of(first[0].0), Some(Op::PushPull(3)));
+    assert!(r.on_reply(20, first[0].0, &pulled(0, 2)).unwrap().is_empty(), "server 0 still has block 2's push");
+    assert_eq!(r.op_of(first[0].0), None, "answered");
+    assert!(r.on_reply(25, first[1].0, &ack(2)).unwrap().is_empty(), "server 0's phase ends: nothing left to pull");
+    // Server 1's phase ends with block 1's reply: then block 3 (carried) is pulled.
+    let pulls = sends(&r.on_reply(40, first[2].0, &pulled(1, 2)).unwrap());
+    assert_eq!(pulls.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 3, Op::Pull(4))]);
+    assert!(r.on_reply(50, pulls[0].0, &pulled(3, 2)).unwrap().is_empty());
+    assert!(r.is_done());
+    // Push load: both pushes to server 0 (phase 10..25), block 1's to server 1 (10..40).
+    assert_eq!(r.push_load().collect::<Vec<_>>(), vec![(0, 16, 15), (1, 8, 30)]);
+    assert_eq!(r.waited().collect::<Vec<_>>(), vec![(0, 15), (1, 40)]);
+    w.finish(60, r);
+
+    // A pull of another clock than the push's next one is not fused; neither is an init.
+    let (_, first) = w.start(100, &l, Some((PushOp::Grad(3), &[true; 3])), Some((3, &[true; 3]))).unwrap();
+    assert!(sends(&first).iter().all(|(_, _, _, op)| *op == Op::Push(3)));
+    let (_, first) = w.start(100, &l, Some((PushOp::Init, &[true; 3])), Some((0, &[true; 3]))).unwrap();
+    assert!(sends(&first).iter().all(|(_, _, _, op)| *op == Op::Init));
+}
+
+#[test]
+fn a_moved_push_pull_is_resent_whole_and_its_error_names_it() {
+    let l = layout(&[4], 2, vec![0, 1], 1, 2);
+    let mut w = fused();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), Some((1, &[true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(first.iter().map(|(_, _, _, op)| *op).collect::<Vec<_>>(), vec![Op::PushPull(0); 2]);
+    assert_eq!(r.on_reply(5, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    assert!(r.on_reply(6, first[1].0, &pulled(1, 2)).unwrap().is_empty());
+    let resent = sends(&r.on_layout(8, &layout(&[4], 2, vec![1, 1], 2, 2)).unwrap());
+    assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::PushPull(0))]);
+    // A lost connection resends it whole too.
+    assert_eq!(r.on_lost(9, resent[0].0).unwrap(), vec![Action::RefreshLayout]);
+    let again = sends(&r.on_layout(10, &layout(&[4], 2, vec![0, 1], 3, 2)).unwrap());
+    assert_eq!(again.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::PushPull(0))]);
+    let refusal = ErrorReply { code: ErrorCode::BadRequest, message: "clock gap".into() };
+    let err = r.on_reply(11, again[0].0, &Message::Error(refusal)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "server 0 (answering push_pull(clock 0) of block 0 from worker 0) answered BadRequest: clock gap"
+    );
 }

@@ -322,7 +322,7 @@ async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
         if let Message::Control(Control::Hello { rank }) = &msg {
             reader.set_peer(format!("worker {rank} ({peer})"));
         }
-        let data = matches!(msg, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. });
+        let data = msg.is_data_request();
         io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data, &mut own);
         // Replies wait while more requests are already read (a burst of a round's
         // blocks): one write answers them all. A capped server hands them to the writer
