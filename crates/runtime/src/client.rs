@@ -444,14 +444,15 @@ impl Client {
         let mut servers: Vec<u32> = batch.iter().map(|(_, s)| s.server).collect();
         servers.sort_unstable();
         servers.dedup();
+        let mut writes: Vec<ServerWrite<'_>> = Vec::with_capacity(servers.len());
         for server in servers {
-            let mine: Vec<&(u64, Sent)> = batch.iter().filter(|(_, s)| s.server == server).collect();
+            let mine: Vec<(u64, Sent)> = batch.iter().filter(|(_, s)| s.server == server).copied().collect();
             let Some(peer) = self.peer(server)? else {
                 lost.extend(mine.iter().map(|(tag, _)| (server, *tag)));
                 continue;
             };
-            let mut data = Vec::with_capacity(mine.len());
-            for &&(tag, sent) in &mine {
+            let mut frames = Vec::with_capacity(mine.len());
+            for &(_, sent) in &mine {
                 let b = sent.block;
                 let values = || match grads.get(b.tensor as usize) {
                     Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok(&grad[b.offset..b.offset + b.len]),
@@ -459,25 +460,30 @@ impl Client {
                         Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id)))
                     }
                 };
-                match sent.op {
-                    Op::Push(clock) => data.push(((tag, sent), (Kind::Push, b.id, clock, values()?))),
-                    Op::Init => data.push(((tag, sent), (Kind::Init, b.id, 0, values()?))),
-                    Op::Pull(clock) => data.push(((tag, sent), (Kind::Pull, b.id, clock, &[][..]))),
-                    Op::PushPull(clock) => data.push(((tag, sent), (Kind::PushPull, b.id, clock, values()?))),
-                }
+                frames.push(match sent.op {
+                    Op::Push(clock) => (Kind::Push, b.id, clock, values()?),
+                    Op::Init => (Kind::Init, b.id, 0, values()?),
+                    Op::Pull(clock) => (Kind::Pull, b.id, clock, &[][..]),
+                    Op::PushPull(clock) => (Kind::PushPull, b.id, clock, values()?),
+                });
             }
-            let first = mine.first().map(|(_, s)| *s);
-            let requests: Vec<(Kind, u32, u32, &[f32])> = data.iter().map(|(_, r)| *r).collect();
-            let write = peer.send_data_now(&requests);
-            let timeout = self.opts.request_timeout;
-            let rxs = match tokio::time::timeout(timeout, write).await {
+            writes.push((server, peer, mine, frames));
+        }
+        // Every server's write at once: a slow (capped) server does not hold up the others.
+        let timeout = self.opts.request_timeout;
+        let results = futures::future::join_all(
+            writes.iter().map(|(_, peer, _, frames)| tokio::time::timeout(timeout, peer.send_data_now(frames))),
+        )
+        .await;
+        for ((server, _, mine, _), result) in writes.iter().zip(results) {
+            let rxs = match result {
                 Ok(Err(RuntimeError::Closed(_))) if !self.shutting_down() => {
-                    lost.extend(mine.iter().map(|(tag, _)| (server, *tag)));
+                    lost.extend(mine.iter().map(|(tag, _)| (*server, *tag)));
                     continue;
                 }
                 Ok(rxs) => rxs?,
                 Err(_) => {
-                    let what = first.map_or_else(String::new, |s| {
+                    let what = mine.first().map_or_else(String::new, |(_, s)| {
                         let (verb, clock) = s.op.verb_clock();
                         format!(" ({verb}(clock {clock}) of block {} first)", s.block.id)
                     });
@@ -487,7 +493,7 @@ impl Client {
                     });
                 }
             };
-            out.extend(data.iter().map(|(s, _)| *s).zip(rxs).map(|((tag, sent), rx)| (tag, sent, rx)));
+            out.extend(mine.iter().zip(rxs).map(|(&(tag, sent), rx)| (tag, sent, rx)));
         }
         Ok((out, lost))
     }
@@ -627,6 +633,10 @@ fn micros(d: Duration) -> u64 {
 /// What [`Client::send_batch`] did: the requests sent, each with its reply's receiver,
 /// and the (server, tag) of those lost on a closed or missing connection.
 type SentBatch = (Vec<(Tag, Sent, tokio::sync::oneshot::Receiver<Message>)>, Vec<(u32, Tag)>);
+
+/// One server's share of a batch: its id, its connection, its requests (tag and what was
+/// sent) and their frames (kind, block, clock, values).
+type ServerWrite<'a> = (u32, &'a Peer, Vec<(Tag, Sent)>, Vec<(Kind, u32, u32, &'a [f32])>);
 
 /// One request in flight: who waits on whom for what.
 #[derive(Clone, Copy)]
