@@ -284,9 +284,10 @@ impl Client {
     /// A round over some of the tensors: `grads[t]` (if `Some`) is pushed at `push_clock`,
     /// `params[t]` (if `Some`) pulled at `pull_clock`, each as long as tensor `t`; a tensor
     /// in both is pulled once its push was acknowledged, or, if `pull_clock` is
-    /// `push_clock + 1` and [`ClientOptions::fuse`] is on, with its push in one request. Both lists are empty or have one
-    /// entry per tensor. This is what a client that pushes each gradient as soon as it
-    /// is ready (PyTorch's backward hooks) calls, one tensor or a few at a time.
+    /// `push_clock + 1` and [`ClientOptions::fuse`] is on, with its push in one request.
+    /// Both lists are empty or have one entry per tensor. This is what a client that
+    /// pushes each gradient as soon as it is ready (PyTorch's backward hooks) calls, one
+    /// tensor or a few at a time.
     pub async fn round_tensors(
         &mut self,
         push: Option<(Clock, &[Option<&[f32]>])>,
