@@ -425,7 +425,10 @@ workers (2)
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         tokio::spawn(async move {
-            let (stream, _) = listener.accept().await.unwrap();
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let secret = Codec::default().secret().to_vec();
+            let deadline = elasticps_runtime::handshake::HANDSHAKE_TIMEOUT;
+            elasticps_runtime::handshake::accept(&mut stream, &secret, "operator", deadline).await.unwrap();
             let (mut reader, out) = conn::split(stream, Codec::default(), "operator".into());
             while let Ok(Some((h, msg))) = reader.next().await {
                 let reply = match msg {
