@@ -10,7 +10,7 @@
 //! - the [`Outbox`]: a channel to one writer task per connection, for callers that cannot
 //!   wait (a reply produced for another connection, a heartbeat). The task batches small
 //!   frames into one write and writes header and large payload with one vectored write;
-//! - direct writes ([`Writer::write_frame`], [`Outbox::send_now`]): the caller's own task
+//! - direct writes ([`Writer::write_frame`], [`Outbox::send_all_now`]): the caller's own task
 //!   writes header and payload with one vectored write (`writev`), from a borrowed payload
 //!   (a worker's gradient slice: no copy of tensor bytes, no hop to another task).
 //!
@@ -109,7 +109,7 @@ impl FrameReader {
         };
         self.request_id = header.request_id;
         let len = header.payload_len as usize;
-        let payload = if matches!(header.kind, Kind::Push | Kind::PullReply) && len.is_multiple_of(4) {
+        let payload = if header.kind.carries_f32() && len.is_multiple_of(4) {
             let mut v = pool::payload_buffer(len / 4);
             self.read_rest(bytemuck::cast_slice_mut(&mut v)).await?;
             pool::pooled_values(v).into_bytes()
@@ -126,8 +126,8 @@ impl FrameReader {
     }
 
     /// Fills `buf` with the rest of a frame that began: a peer that sends no byte of it for
-    /// the stall timeout ([`FrameReader::set_stall_timeout`]) is dropped (a stalled frame must not hold a connection, its
-    /// task and its buffer forever).
+    /// the stall timeout ([`FrameReader::set_stall_timeout`]) is dropped (a stalled frame
+    /// must not hold a connection, its task and its buffer forever).
     async fn read_rest(&mut self, buf: &mut [u8]) -> Result<()> {
         let mut filled = 0;
         while filled < buf.len() {
@@ -183,15 +183,10 @@ impl Outbox {
         })
     }
 
-    /// Writes a frame from this task, now (one vectored write, no hop to the writer task),
-    /// unless frames queued earlier are not written yet: then it is queued behind them,
-    /// so frames leave in the order they were sent.
-    pub async fn send_now(&self, request_id: u64, msg: Message) -> Result<()> {
-        self.send_all_now(vec![(request_id, msg)]).await
-    }
-
-    /// [`Outbox::send_now`] for several frames, written back to back with one vectored
-    /// write (the replies to a burst of requests).
+    /// Writes frames from this task, now, back to back with one vectored write (no hop to
+    /// the writer task: the replies to a burst of requests), unless frames queued earlier
+    /// are not written yet: then they are queued behind them, so frames leave in the order
+    /// they were sent.
     pub async fn send_all_now(&self, frames: Vec<Outgoing>) -> Result<()> {
         if self.writer.queued.load(Ordering::Acquire) > 0 {
             for frame in frames {
@@ -246,7 +241,7 @@ impl Writer {
         self.codec.encode(request_id, msg).map_err(|source| RuntimeError::Wire { peer: self.peer.clone(), source })
     }
 
-    /// The header of a tensor frame (`kind` Push, Init or PullReply) of `payload_len`
+    /// The header of a tensor frame (`kind` Push, PushPull, Init or PullReply) of `payload_len`
     /// bytes, checked against the payload limit.
     pub fn tensor_header(
         &self,
@@ -311,7 +306,6 @@ impl Drop for BreakOnDrop<'_> {
 /// Writes every byte of `parts` (vectored writes; `write_vectored` may take part of them).
 async fn write_all_vectored(w: &mut OwnedWriteHalf, parts: &mut [IoSlice<'_>]) -> std::io::Result<()> {
     let mut parts = parts;
-    IoSlice::advance_slices(&mut parts, 0);
     while !parts.is_empty() {
         let n = w.write_vectored(parts).await?;
         if n == 0 {
@@ -511,7 +505,7 @@ mod tests {
         ];
         w.write_frames(&frames).await.unwrap();
         b_out.send((10, push(4))).unwrap();
-        b_out.send_now(11, Message::Pull { block: 6, clock: 1 }).await.unwrap();
+        b_out.send_all_now(vec![(11, Message::Pull { block: 6, clock: 1 })]).await.unwrap();
         let mut got = Vec::new();
         for _ in 0..5 {
             let (h, msg) = tokio::time::timeout(Duration::from_secs(10), a_in.next())

@@ -103,19 +103,8 @@ impl Peer {
         Ok(rx)
     }
 
-    /// Writes `msg` as a request from this task (no hop to the writer task) and returns
-    /// the receiver of its reply.
-    pub async fn send_request_now(&self, msg: Message) -> Result<oneshot::Receiver<Message>> {
-        let (id, rx) = self.expect_reply()?;
-        if let Err(e) = self.out.send_now(id, msg).await {
-            self.forget(id);
-            return Err(e);
-        }
-        Ok(rx)
-    }
-
-    /// Writes data requests (`kind` Push, Init or Pull, block, clock, payload: empty for
-    /// a Pull) back to back with one vectored write from this task, straight from the
+    /// Writes data requests (`kind` Push, PushPull, Init or Pull, block, clock, payload:
+    /// empty for a Pull) back to back with one vectored write from this task, straight from the
     /// payload slices, and returns the receivers of their replies, in order. Dropping
     /// this future half-way breaks the connection (see [`crate::conn`]).
     pub async fn send_data_now(

@@ -254,11 +254,10 @@ impl Round {
     /// message as [`NodeError::Protocol`]). Accepted `PullReply` values are the runtime's
     /// to copy into the pulled tensor.
     pub fn on_reply(&mut self, now_us: u64, tag: Tag, msg: &Message) -> Result<Vec<Action>> {
-        let index = (tag & u64::from(u32::MAX)) as usize;
-        let request = match self.requests.get(index) {
-            Some(r) if tag >> 32 == u64::from(self.seq) && r.outcome == Outcome::Waiting => *r,
-            _ => return Err(NodeError::Refused(format!("reply to no request of this round (tag {tag:#x})"))),
+        let Some(index) = self.waiting(tag) else {
+            return Err(NodeError::Refused(format!("reply to no request of this round (tag {tag:#x})")));
         };
+        let request = self.requests[index];
         let phase = self.phases[request.phase as usize];
         let b = request.todo.block;
         let op = self.op(phase.push, &request.todo);
@@ -295,13 +294,8 @@ impl Round {
 
     /// What request `tag` of this round asks, while it waits for its reply.
     pub fn op_of(&self, tag: Tag) -> Option<Op> {
-        let index = (tag & u64::from(u32::MAX)) as usize;
-        match self.requests.get(index) {
-            Some(r) if tag >> 32 == u64::from(self.seq) && r.outcome == Outcome::Waiting => {
-                Some(self.op(self.phases[r.phase as usize].push, &r.todo))
-            }
-            _ => None,
-        }
+        let r = &self.requests[self.waiting(tag)?];
+        Some(self.op(self.phases[r.phase as usize].push, &r.todo))
     }
 
     /// The connection to the server of request `tag` closed before it answered (a
@@ -310,18 +304,14 @@ impl Round {
     /// older round) changes nothing. If the layout keeps naming that server, the round
     /// fails once the refreshes run out, naming the server.
     pub fn on_lost(&mut self, now_us: u64, tag: Tag) -> Result<Vec<Action>> {
-        let index = (tag & u64::from(u32::MAX)) as usize;
-        match self.requests.get(index) {
-            Some(r) if tag >> 32 == u64::from(self.seq) && r.outcome == Outcome::Waiting => {
-                let server = self.phases[r.phase as usize].owner;
-                if !self.lost.contains(&server) {
-                    self.lost.push(server);
-                }
-                tracing::debug!(server, block = r.todo.block.id, "server connection lost; resending after a refresh");
-                self.settle(now_us, index, Outcome::Lost)
-            }
-            _ => Ok(Vec::new()),
+        let Some(index) = self.waiting(tag) else { return Ok(Vec::new()) };
+        let r = self.requests[index];
+        let server = self.phases[r.phase as usize].owner;
+        if !self.lost.contains(&server) {
+            self.lost.push(server);
         }
+        tracing::debug!(server, block = r.todo.block.id, "server connection lost; resending after a refresh");
+        self.settle(now_us, index, Outcome::Lost)
     }
 
     /// The tags of this round's requests that `server` has not answered yet (for a
@@ -333,6 +323,13 @@ impl Round {
             .enumerate()
             .filter(move |(_, r)| r.outcome == Outcome::Waiting && self.phases[r.phase as usize].owner == server)
             .map(move |(i, _)| seq | i as u64)
+    }
+
+    /// The index of request `tag` if it is of this round and still waiting for its reply.
+    fn waiting(&self, tag: Tag) -> Option<usize> {
+        let index = (tag & u64::from(u32::MAX)) as usize;
+        let r = self.requests.get(index)?;
+        (tag >> 32 == u64::from(self.seq) && r.outcome == Outcome::Waiting).then_some(index)
     }
 
     /// Request `index` (waiting) came out as `outcome`; ends its phase if it was the last.
