@@ -333,14 +333,28 @@ impl Round {
     }
 
     /// Request `index` (waiting) came out as `outcome`; ends its phase if it was the last.
+    ///
+    /// A moved or lost request is chased at once, not when its phase ends: a fused phase's
+    /// other requests may be pulls the sync policy holds until other workers push, and
+    /// those workers may wait for this very resend (a deadlock across workers).
     fn settle(&mut self, now_us: u64, index: usize, outcome: Outcome) -> Result<Vec<Action>> {
-        let phase = self.requests[index].phase;
+        let Request { todo, phase, .. } = self.requests[index];
         self.requests[index].outcome = outcome;
         self.pending -= 1;
         let p = &mut self.phases[phase as usize];
         p.pending -= 1;
+        let (push_phase, phase_over) = (p.push, p.pending == 0);
         let mut out = Vec::new();
-        if p.pending == 0 {
+        if matches!(outcome, Outcome::Moved | Outcome::Lost) {
+            let todo = if push_phase { todo } else { Todo { push: false, ..todo } };
+            if self.chase == Chase::Idle {
+                self.moved.push(todo);
+                self.refresh(now_us, &mut out)?;
+            } else {
+                self.moved_next.push(todo);
+            }
+        }
+        if phase_over {
             self.phase_done(now_us, phase, &mut out)?;
         }
         Ok(out)
@@ -469,8 +483,8 @@ impl Round {
         Ok(())
     }
 
-    /// A phase got its last reply: record the wait and push cost, pull what was pushed
-    /// (or carried), and chase what moved.
+    /// A phase got its last reply: record the wait and push cost, and pull what was
+    /// pushed (or carried).
     fn phase_done(&mut self, now_us: u64, phase: u32, out: &mut Vec<Action>) -> Result<()> {
         self.open_phases -= 1;
         let p = self.phases[phase as usize];
@@ -481,7 +495,6 @@ impl Round {
         self.waits[owner] = Some(now_us.saturating_sub(self.started_us));
         let mut to_pull = std::mem::take(&mut self.scratch);
         to_pull.clear();
-        let mut moved = 0;
         let mut push_bytes = 0;
         for r in &self.requests[p.first as usize..(p.first + p.len) as usize] {
             let b = r.todo.block;
@@ -494,13 +507,8 @@ impl Round {
                 }
                 Outcome::Fused => push_bytes += b.len as u64 * 4,
                 Outcome::Carried => to_pull.push(Todo { block: b, push: false, pull: true }),
-                Outcome::Moved | Outcome::Lost => {
-                    moved += 1;
-                    let todo =
-                        if p.push { Todo { push: true, ..r.todo } } else { Todo { block: b, push: false, pull: true } };
-                    if self.chase == Chase::Idle { self.moved.push(todo) } else { self.moved_next.push(todo) }
-                }
-                Outcome::Pulled | Outcome::Waiting => {}
+                // Chased when they were answered (`settle`).
+                Outcome::Moved | Outcome::Lost | Outcome::Pulled | Outcome::Waiting => {}
             }
         }
         if push_bytes > 0 {
@@ -513,11 +521,7 @@ impl Round {
         }
         let planned = self.plan(now_us, &mut to_pull, out);
         self.scratch = to_pull;
-        planned?;
-        if moved > 0 && self.chase == Chase::Idle {
-            self.refresh(now_us, out)?;
-        }
-        Ok(())
+        planned
     }
 
     /// Asks for a layout refresh, unless the round already chased too long.

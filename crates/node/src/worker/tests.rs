@@ -655,3 +655,22 @@ fn a_moved_push_pull_is_resent_whole_and_its_error_names_it() {
         "server 0 (answering push_pull(clock 0) of block 0 from worker 0) answered BadRequest: clock gap"
     );
 }
+
+#[test]
+fn a_moved_push_pull_is_chased_while_its_servers_other_pulls_are_held() {
+    // Blocks 0 and 1 on server 0. The sync policy holds block 1's pull until the other
+    // workers push it, and they may wait for this worker's resend of block 0: the chase
+    // cannot wait for the phase to end.
+    let l = layout(&[4], 2, vec![0, 0], 1, 2);
+    let mut w = fused();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), Some((1, &[true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(r.on_reply(5, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout], "block 1 still held");
+    let resent = sends(&r.on_layout(8, &layout(&[4], 2, vec![1, 0], 2, 2)).unwrap());
+    assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::PushPull(0))]);
+    assert!(r.on_reply(9, resent[0].0, &pulled(0, 2)).unwrap().is_empty());
+    assert!(!r.is_done(), "block 1 is still held");
+    assert!(r.on_reply(12, first[1].0, &pulled(1, 2)).unwrap().is_empty());
+    assert!(r.is_done());
+    assert_eq!(r.refreshes(), 1);
+}
