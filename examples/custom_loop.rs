@@ -42,6 +42,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         balance: Default::default(),
         max_servers: 2,
         min_servers: 2,
+        checkpoint: None, // no checkpoints (--checkpoint-dir)
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let sched_opts = SchedulerOptions {

@@ -507,6 +507,9 @@ async fn start_cluster(
         balance: Default::default(),
         max_servers: None,
         min_servers: None,
+        checkpoint_dir: None,
+        checkpoint_every: 0,
+        resume: None,
     };
     let mut cluster = Cluster::new(log_dir)?;
     let env = [("ELASTICPS_SECRET", net.secret.as_str())];

@@ -41,6 +41,8 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
         ModelKind::Synthetic(p) => p.tensors(),
     };
     client.register_model(tensors.clone()).await.context("registering the model")?;
+    // 0, or the clock of the checkpoint the job resumed from.
+    let start = client.start_clock().await.context("asking the scheduler for the first clock")?;
 
     let (mut work, iterations) = match data {
         Some((train, test)) => {
@@ -66,28 +68,29 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
     let mut stats = Tally::default();
     let (mut samples, mut loss) = (0u64, f32::NAN);
     let mut last_progress = Instant::now();
-    tracing::info!(rank, iterations, model = %d.model, "training starts");
+    if let Workload::Mlp { batches, .. } = &mut work {
+        // The batches of the iterations before the checkpoint were used: a resumed job
+        // goes on with the very batches the uninterrupted one would have.
+        for _ in 0..start {
+            next_full_batch(batches);
+        }
+    }
+    tracing::info!(rank, iterations, start, model = %d.model, "training starts");
     let training = Instant::now();
     let started = Instant::now();
-    client.pull(0, &mut params).await.with_context(|| format!("worker {rank} pulling clock 0"))?;
+    client.pull(start, &mut params).await.with_context(|| format!("worker {rank} pulling clock {start}"))?;
     stats.communicated(started.elapsed(), &[]);
     stats.start();
-    for t in 0..iterations {
+    for t in start..iterations {
         let draw = delays.next(t);
         match &mut work {
             Workload::Mlp { mlp, batches, test } => {
-                let batches_per_epoch = batches.batches_per_epoch();
                 if rank == 0 && d.eval_every > 0 && t % d.eval_every == 0 {
                     let e = mlp.evaluate(&as_slices(&params), test);
                     tracing::info!(rank, iteration = t, accuracy = e.accuracy, loss = e.loss, "test evaluation");
                     emitter.emit(&Event::Eval { rank, iteration: t, accuracy: e.accuracy, loss: e.loss });
                 }
-                // Full batches only (drop the last partial batch of an epoch, like
-                // PyTorch's drop_last): a 2-image batch would take a full, noisy step.
-                let mut batch = batches.next_batch();
-                if batch.y.len() < d.batch_size && batches_per_epoch > 1 {
-                    batch = batches.next_batch();
-                }
+                let batch = next_full_batch(batches);
                 samples += batch.y.len() as u64;
                 loss = mlp.loss_and_grad_into(&as_slices(&params), batch.x, batch.y, &mut grads);
             }
@@ -127,4 +130,13 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
     emitter.emit(&Event::WorkerDone(stats.report(rank, samples, loss.into(), train_s)));
     client.finish().await.context("telling the scheduler this worker is done")?;
     Ok(())
+}
+
+/// The next batch, full ones only (the last partial batch of an epoch is dropped, like
+/// PyTorch's `drop_last`): a 2-image batch would take a full, noisy step.
+fn next_full_batch(batches: &mut Batcher) -> elasticps_train::Batch<'_> {
+    if batches.next_is_short() && batches.batches_per_epoch() > 1 {
+        batches.next_batch();
+    }
+    batches.next_batch()
 }

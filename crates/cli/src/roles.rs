@@ -126,7 +126,13 @@ fn any_port(listen: &str) -> String {
 /// Runs the scheduler until the job ends.
 pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
     let emitter = Emitter::new(cmd.events);
-    let job = cmd.job.job_config()?;
+    let mut job = cmd.job.job_config()?;
+    if let (Some(dir), Some(plan)) = (&cmd.job.resume, job.checkpoint.as_mut()) {
+        let restore = elasticps_runtime::checkpoint::latest(dir)
+            .with_context(|| format!("--resume {}: no checkpoint to resume from", dir.display()))?;
+        tracing::info!(clock = restore.clock, blocks = restore.blocks.len(), dir = %dir.display(), "resuming from a checkpoint");
+        plan.resume = Some(restore);
+    }
     let metrics = cmd.metrics_listen.as_ref().map(|_| SchedulerMetrics::new());
     let endpoint = match (&cmd.metrics_listen, &metrics) {
         (Some(listen), Some(m)) => Some(serve_metrics(listen, m.clone()).await?),

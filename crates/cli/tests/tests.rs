@@ -2,6 +2,7 @@
 
 mod bad_input;
 mod balance_report;
+mod checkpoint;
 mod common;
 mod launch_cmd;
 mod launcher;

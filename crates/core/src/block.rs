@@ -306,6 +306,12 @@ impl<T> Block<T> {
     /// after it ([`Block::take_log`]).
     pub fn snapshot(&mut self) -> BlockState {
         self.log = Some(Vec::new());
+        self.state()
+    }
+
+    /// The block's state as it is (values, optimizer, clock state, aggregate sums): what
+    /// a checkpoint keeps of it. Unlike [`Block::snapshot`], no log starts.
+    pub fn state(&self) -> BlockState {
         BlockState {
             spec: self.spec,
             values: self.values.as_ref().clone(),

@@ -18,7 +18,7 @@ use elasticps_runtime::scheduler::{BalanceMode, JobConfig};
 use elasticps_train::DatasetKind;
 use elasticps_train::delays::Jitter;
 use elasticps_train::synthetic::ModelKind;
-use elasticps_wire::{Codec, Injection};
+use elasticps_wire::{CheckpointPlan, Codec, Injection};
 
 /// Cluster-wide transport settings; every node of a job must agree on them.
 #[derive(Args, Clone, Debug)]
@@ -159,6 +159,19 @@ pub struct JobArgs {
     /// Fewest servers the balancer may scale in to [default: --servers].
     #[arg(long, env = "ELASTICPS_MIN_SERVERS")]
     pub min_servers: Option<u32>,
+    /// Write a checkpoint of every block here (a directory every server and the
+    /// scheduler can reach) every --checkpoint-every clocks.
+    #[arg(long, env = "ELASTICPS_CHECKPOINT_DIR", value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Clocks between checkpoints (with --checkpoint-dir): each is taken at a multiple of
+    /// this clock, and stops a worker for at most the time the slowest needs to get there.
+    #[arg(long, env = "ELASTICPS_CHECKPOINT_EVERY", value_name = "N", default_value_t = 0)]
+    pub checkpoint_every: u32,
+    /// Start from the latest complete checkpoint in DIR: the same model, workers and
+    /// --block-bytes, going on from its clock (new checkpoints go to --checkpoint-dir,
+    /// DIR by default).
+    #[arg(long, env = "ELASTICPS_RESUME", value_name = "DIR")]
+    pub resume: Option<PathBuf>,
 }
 
 impl JobArgs {
@@ -187,6 +200,20 @@ impl JobArgs {
         ensure_flags!(max_servers >= servers, "--max-servers {max_servers} is below --servers {servers}");
         ensure_flags!(min_servers >= 1, "--min-servers must be at least 1");
         ensure_flags!(min_servers <= servers, "--min-servers {min_servers} is above --servers {servers}");
+        ensure_flags!(
+            self.checkpoint_dir.is_none() || self.checkpoint_every > 0,
+            "--checkpoint-dir needs --checkpoint-every N (clocks between checkpoints)"
+        );
+        ensure_flags!(
+            self.checkpoint_every == 0 || self.checkpoint_dir.is_some() || self.resume.is_some(),
+            "--checkpoint-every needs --checkpoint-dir DIR"
+        );
+        let checkpoint = self.checkpoint_dir.as_ref().or(self.resume.as_ref()).map(|dir| CheckpointPlan {
+            dir: dir.display().to_string(),
+            every: self.checkpoint_every,
+            // Read by the scheduler ([`JobArgs::resume`]): the only role that needs it.
+            resume: None,
+        });
         Ok(JobConfig {
             servers,
             workers: self.workers,
@@ -208,6 +235,7 @@ impl JobArgs {
             balance: self.balance,
             max_servers,
             min_servers,
+            checkpoint,
         })
     }
 
@@ -278,6 +306,15 @@ impl JobArgs {
         }
         if let Some(n) = self.min_servers {
             f.extend(["--min-servers".into(), n.to_string()]);
+        }
+        if let Some(d) = &self.checkpoint_dir {
+            f.extend(["--checkpoint-dir".into(), d.display().to_string()]);
+        }
+        if self.checkpoint_every > 0 {
+            f.extend(["--checkpoint-every".into(), self.checkpoint_every.to_string()]);
+        }
+        if let Some(d) = &self.resume {
+            f.extend(["--resume".into(), d.display().to_string()]);
         }
         f
     }

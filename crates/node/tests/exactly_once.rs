@@ -28,7 +28,7 @@ use elasticps_node::harness::{
 };
 use elasticps_node::scheduler::JobConfig;
 use elasticps_node::server::{FrozenStep, Phase, Slot};
-use elasticps_wire::{Control, ErrorCode, Injection, Message, ScaleRequest};
+use elasticps_wire::{CheckpointPlan, Control, ErrorCode, Injection, Message, ScaleRequest};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
@@ -71,6 +71,8 @@ pub struct Case {
     pub psld: Option<Straggler>,
     /// The workers send each block's push and next pull as one push_pull.
     pub fuse: bool,
+    /// A checkpoint at every multiple of this clock (0: none).
+    pub checkpoint_every: u32,
     /// The operator's requests and the faults, in no particular order.
     pub ops: Vec<Op>,
 }
@@ -165,6 +167,11 @@ impl Case {
             balance: if self.psld.is_some() { BalanceMode::Psld } else { BalanceMode::Static },
             max_servers: self.max_servers,
             min_servers: if self.psld.is_some() { 1 } else { self.servers },
+            checkpoint: (self.checkpoint_every > 0).then(|| CheckpointPlan {
+                dir: "memory".into(),
+                every: self.checkpoint_every,
+                resume: None,
+            }),
         }
     }
 
@@ -179,12 +186,18 @@ impl Case {
     /// gradients): minus the sum of every gradient, or with aggregate the same steps the
     /// server takes, one per clock with the sum times 1/workers, in f32.
     fn final_value(&self, block: BlockId) -> f32 {
+        self.value_at(block, self.iterations)
+    }
+
+    /// The exact value of every element of `block` once the pushes of clocks
+    /// `0..clocks` are applied (and no other), as [`Case::final_value`] computes it.
+    fn value_at(&self, block: BlockId, clocks: Clock) -> f32 {
         let sum = |t: Clock| (0..self.workers).map(|r| grad(r, t, block)).sum::<f32>();
         if self.aggregate {
             let scale = 1.0 / self.workers as f32;
-            (0..self.iterations).fold(0.0f32, |v, t| v - sum(t) * scale)
+            (0..clocks).fold(0.0f32, |v, t| v - sum(t) * scale)
         } else {
-            -(0..self.iterations).map(sum).sum::<f32>()
+            -(0..clocks).map(sum).sum::<f32>()
         }
     }
 }
@@ -446,6 +459,7 @@ pub fn check(case: &Case, r: &Run) -> Result<(), String> {
             return Err(format!("pulls answered against the bound: {:?} {}", s.violations(), ctx()));
         }
     }
+    check_checkpoints(case, sim).map_err(|e| format!("{e} {}", ctx()))?;
     for b in 0..case.blocks() {
         let named = placement.owner(b).ok_or(format!("the placement has no block {b}"))?;
         let unrecorded = unrecorded_handover(sim, b);
@@ -525,6 +539,42 @@ pub fn check(case: &Case, r: &Run) -> Result<(), String> {
 /// `Shutdown` (the job's end), so the old owner finished the handover on its own
 /// (`shutdown_handovers`). One migration runs at a time, so that one's epoch is the
 /// placement's next.
+/// Checkpoints: every block state taken for clock c holds exactly the pushes of the
+/// clocks before c (whatever moved meanwhile), and the scheduler completed the checkpoints
+/// in clock order, up to the last multiple of the interval the job reached, each with
+/// every block once.
+fn check_checkpoints(case: &Case, sim: &SimJob) -> Result<(), String> {
+    let every = case.checkpoint_every;
+    let taken: Vec<_> = sim.servers().flat_map(|(_, s)| s.checkpoints().iter()).collect();
+    if every == 0 {
+        return if taken.is_empty() { Ok(()) } else { Err("checkpoints taken in a job without".into()) };
+    }
+    for (clock, state) in &taken {
+        let b = state.spec.id;
+        let want = case.value_at(b, *clock);
+        if state.clocks.done() != *clock || state.values.iter().any(|v| *v != want) {
+            return Err(format!(
+                "the checkpoint of clock {clock} holds block {b} at clock {} with {:?}, expected {want}",
+                state.clocks.done(),
+                state.values
+            ));
+        }
+    }
+    let manifests = sim.cluster().scheduler_role().manifests();
+    let clocks: Vec<u32> = manifests.iter().map(|(c, _)| *c).collect();
+    let last = case.iterations / every * every;
+    if clocks.windows(2).any(|w| w[0] >= w[1]) || (last > 0 && clocks.last() != Some(&last)) {
+        return Err(format!("checkpoints completed at clocks {clocks:?}, expected every {every} up to {last}"));
+    }
+    for (clock, blocks) in manifests {
+        let ids: Vec<u32> = blocks.iter().map(|e| e.block).collect();
+        if ids != (0..case.blocks()).collect::<Vec<_>>() {
+            return Err(format!("the manifest of clock {clock} lists blocks {ids:?}"));
+        }
+    }
+    Ok(())
+}
+
 fn unrecorded_handover(sim: &SimJob, block: BlockId) -> Option<u32> {
     let placement = sim.cluster().scheduler().placement()?;
     let named = placement.owner(block)?;
@@ -617,6 +667,8 @@ pub fn case(deltas: bool) -> impl Strategy<Value = Case> {
                 jitter_us: jitter,
                 psld: None,
                 fuse,
+                // One job in four checkpoints none, the others every 1, 2 or 3 clocks.
+                checkpoint_every: (seed % 4) as u32,
                 ops,
             })
         },
@@ -685,6 +737,7 @@ pub fn psld_case() -> impl Strategy<Value = Case> {
                     jitter_us: jitter,
                     psld: Some(Straggler { server: capped % servers, bps }),
                     fuse,
+                    checkpoint_every: 0,
                     ops,
                 })
             },
@@ -880,6 +933,7 @@ fn a_lost_delta_ok_leaves_no_second_copy_serving() {
         jitter_us: 15,
         psld: None,
         fuse: false,
+        checkpoint_every: 0,
         ops: vec![
             Op::Scale { at_us: 505, req: ScaleRequest::MoveBlock { block: 2, to: 0 } },
             Op::Scale { at_us: 666, req: ScaleRequest::MoveBlock { block: 2, to: 1 } },
@@ -912,6 +966,7 @@ fn a_drained_server_that_held_a_failed_copy_lingers_for_its_workers() {
         jitter_us: 25,
         psld: None,
         fuse: false,
+        checkpoint_every: 0,
         ops: vec![
             Op::Scale { at_us: 249, req: ScaleRequest::MoveBlock { block: 1, to: 0 } },
             Op::Scale { at_us: 2957, req: ScaleRequest::RemoveServer(0) },
@@ -944,6 +999,7 @@ fn a_removal_after_a_lost_delta_keeps_every_worker() {
         jitter_us: 1,
         psld: None,
         fuse: false,
+        checkpoint_every: 0,
         ops: vec![
             Op::Scale { at_us: 6256, req: ScaleRequest::AddServer },
             Op::Scale { at_us: 2488, req: ScaleRequest::RemoveServer(0) },
@@ -995,6 +1051,7 @@ fn a_fused_aggregate_job_through_moves_and_scaling_finishes() {
         jitter_us: 56,
         psld: None,
         fuse: true,
+        checkpoint_every: 0,
         ops: ops.into_iter().map(|(at_us, req)| Op::Scale { at_us, req }).collect(),
     };
     check_both(c);

@@ -31,6 +31,7 @@ mod harness {
             balance: Default::default(),
             max_servers: servers,
             min_servers: servers,
+            checkpoint: None,
         }
     }
 
@@ -393,6 +394,7 @@ mod job {
             balance: Default::default(),
             max_servers: servers,
             min_servers: servers,
+            checkpoint: None,
         }
     }
 

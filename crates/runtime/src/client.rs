@@ -194,6 +194,20 @@ impl Client {
         Ok(self.layout.as_ref().map(|l| &l.partition.tensors[..]).unwrap_or_default())
     }
 
+    /// The clock this job starts at: 0, or the clock of the checkpoint it resumed from
+    /// (`--resume`). A worker then pulls that clock first, goes on from it, and sets no
+    /// initial values (the blocks hold the checkpoint's).
+    pub async fn start_clock(&mut self) -> Result<Clock> {
+        match self
+            .sched
+            .call(Control::GetStartClock.into(), CALL_TIMEOUT, || "the scheduler to say the job's first clock".into())
+            .await?
+        {
+            Message::Control(Control::StartClock { clock }) => Ok(clock),
+            other => Err(RuntimeError::unexpected("scheduler", "StartClock", &other)),
+        }
+    }
+
     /// Sets the initial values of every tensor (the first worker's parameters, so that
     /// every worker starts from them: a broadcast through the servers). Only before any
     /// push; follow it with [`Client::barrier`] so that no worker pulls earlier.

@@ -59,6 +59,14 @@ pub enum RuntimeError {
     /// The job was shut down by the scheduler.
     #[error("shut down by the scheduler: {0}")]
     Shutdown(String),
+    /// A checkpoint file that cannot be used (missing, corrupt, of another job).
+    #[error("checkpoint {path}: {what}")]
+    Checkpoint {
+        /// The file or directory.
+        path: String,
+        /// What is wrong with it.
+        what: String,
+    },
     /// Invalid use of the API or options.
     #[error("{0}")]
     Usage(String),

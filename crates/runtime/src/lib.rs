@@ -1,6 +1,7 @@
 //! elasticps-runtime: the tokio drivers that move bytes and time in and out of the core.
 //!
 //! - [`accept`]: a node's listener, with a bound on open connections.
+//! - [`checkpoint`]: checkpoint files (every block at one clock) and their manifest.
 //! - [`handshake`]: the HMAC-SHA256 challenge-response that opens every connection.
 //! - [`conn`]: framed I/O on a TCP connection (read header, then payload straight into
 //!   an aligned `Vec<f32>`; one writer task per connection).
@@ -23,6 +24,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 pub mod accept;
+pub mod checkpoint;
 pub mod client;
 pub mod conn;
 pub mod error;

@@ -319,6 +319,12 @@ impl<D: Borrow<Dataset>> Batcher<D> {
         self.epoch
     }
 
+    /// True if the next batch holds fewer than the batch size (the last of an epoch whose
+    /// size the batch size does not divide).
+    pub fn next_is_short(&self) -> bool {
+        self.order.len() - self.pos < self.batch_size
+    }
+
     /// The next batch; starts a new, reshuffled epoch after the last batch of an epoch.
     pub fn next_batch(&mut self) -> Batch<'_> {
         let ds: &Dataset = self.data.borrow();

@@ -170,6 +170,61 @@ pub enum Control {
         /// Who owns the block now.
         owner: ServerId,
     },
+    /// Tag 29: Scheduler -> server (request id 0), right before every [`Control::Assign`]
+    /// of a job that checkpoints or resumes: where checkpoints go, how often, and the
+    /// checkpoint the job starts from.
+    Checkpointing(CheckpointPlan),
+    /// Tag 30: Server -> scheduler (notification): blocks of checkpoint `clock` are on
+    /// disk (written, fsynced). The scheduler writes the manifest once every block is.
+    CheckpointWritten {
+        /// The checkpoint's clock.
+        clock: u32,
+        /// The blocks written.
+        blocks: Vec<CheckpointEntry>,
+    },
+    /// Tag 31: Worker -> scheduler: the clock the job starts at. Reply:
+    /// [`Control::StartClock`].
+    GetStartClock,
+    /// Tag 32: Scheduler -> worker: the job starts at `clock` (0, or the clock of the
+    /// checkpoint it resumed from: the worker pulls that clock first and pushes no
+    /// initial values).
+    StartClock {
+        /// The first clock.
+        clock: u32,
+    },
+}
+
+/// A job's checkpoints: part of [`Control::Checkpointing`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointPlan {
+    /// The checkpoint directory (shared by every server and the scheduler).
+    pub dir: String,
+    /// A checkpoint at every multiple of this clock (0: none, only a resume).
+    pub every: u32,
+    /// The checkpoint the job resumes from, if it does.
+    pub resume: Option<Restore>,
+}
+
+/// The checkpoint a job resumes from: its clock and every block's file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Restore {
+    /// The checkpoint's clock: every block holds exactly the pushes of the clocks before it.
+    pub clock: u32,
+    /// Every block's file.
+    pub blocks: Vec<CheckpointEntry>,
+}
+
+/// One block's file in a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointEntry {
+    /// The block.
+    pub block: BlockId,
+    /// The file, relative to the checkpoint directory.
+    pub file: String,
+    /// Its length in bytes.
+    pub len: u64,
+    /// CRC-32 (IEEE) of its bytes.
+    pub crc32: u32,
 }
 
 /// Server straggler injection, as in PSLD's experiments: part of a server's assignment.

@@ -53,6 +53,10 @@ mod common {
             Control::Barrier => 26,
             Control::SetOptimizer { .. } => 27,
             Control::Settled { .. } => 28,
+            Control::Checkpointing(_) => 29,
+            Control::CheckpointWritten { .. } => 30,
+            Control::GetStartClock => 31,
+            Control::StartClock { .. } => 32,
         }
     }
 
@@ -361,7 +365,26 @@ mod common {
             (any::<u32>(), arb_tensor_optimizer())
                 .prop_map(|(tensor, optimizer)| Control::SetOptimizer { tensor, optimizer }),
             any::<(u32, u64, u32)>().prop_map(|(block, epoch, owner)| Control::Settled { block, epoch, owner }),
+            ("[a-z0-9/]{0,20}", any::<u32>(), prop::option::of((any::<u32>(), arb_checkpoint_entries()))).prop_map(
+                |(dir, every, resume)| Control::Checkpointing(CheckpointPlan {
+                    dir,
+                    every,
+                    resume: resume.map(|(clock, blocks)| Restore { clock, blocks }),
+                })
+            ),
+            (any::<u32>(), arb_checkpoint_entries())
+                .prop_map(|(clock, blocks)| Control::CheckpointWritten { clock, blocks }),
+            Just(Control::GetStartClock),
+            any::<u32>().prop_map(|clock| Control::StartClock { clock }),
         ]
+    }
+
+    pub fn arb_checkpoint_entries() -> impl Strategy<Value = Vec<CheckpointEntry>> {
+        prop::collection::vec(
+            (any::<u32>(), "[a-z0-9/.-]{0,20}", any::<(u64, u32)>())
+                .prop_map(|(block, file, (len, crc32))| CheckpointEntry { block, file, len, crc32 }),
+            0..4,
+        )
     }
 
     pub fn arb_optimizer_kind() -> impl Strategy<Value = OptimizerKind> {

@@ -1,7 +1,7 @@
 //! A cluster on the simulated network: the real [`Scheduler`] and any number of roles
 //! plugged in through [`Role`], driven by one event loop on virtual time.
 
-use elasticps_wire::Message;
+use elasticps_wire::{CheckpointEntry, Message};
 
 use super::net::{Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind};
 use crate::ConnId;
@@ -200,17 +200,23 @@ pub struct SchedulerRole {
     scheduler: Scheduler,
     tick_us: u64,
     over: bool,
+    manifests: Vec<(u32, Vec<CheckpointEntry>)>,
 }
 
 impl SchedulerRole {
     /// Wraps `scheduler`, ticking it every `tick_us`.
     pub fn new(scheduler: Scheduler, tick_us: u64) -> Self {
-        Self { scheduler, tick_us: tick_us.max(1), over: false }
+        Self { scheduler, tick_us: tick_us.max(1), over: false, manifests: Vec::new() }
     }
 
     /// The scheduler's state.
     pub fn scheduler(&self) -> &Scheduler {
         &self.scheduler
+    }
+
+    /// The checkpoints the scheduler completed (the manifests it wrote), in order.
+    pub fn manifests(&self) -> &[(u32, Vec<CheckpointEntry>)] {
+        &self.manifests
     }
 
     fn step(&mut self, out: &mut Outbox<'_>, event: Event) {
@@ -221,6 +227,7 @@ impl SchedulerRole {
                 }
                 Action::Close(conn) => out.close(conn),
                 Action::StartServer => out.start_server(),
+                Action::WriteManifest { clock, blocks, .. } => self.manifests.push((clock, blocks)),
                 Action::Finish { ok, reason } => {
                     self.over = true;
                     out.finish(ok, reason);
@@ -306,6 +313,11 @@ impl<R: Role> Cluster<R> {
     /// The scheduler's state.
     pub fn scheduler(&self) -> &Scheduler {
         self.scheduler.scheduler()
+    }
+
+    /// The scheduler's adapter (what it did beyond its state: the manifests it wrote).
+    pub fn scheduler_role(&self) -> &SchedulerRole {
+        &self.scheduler
     }
 
     /// The scheduler's node.

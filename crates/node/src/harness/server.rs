@@ -15,8 +15,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use elasticps_core::sync::SyncPolicy;
-use elasticps_wire::{Control, Injection, Message};
+use elasticps_core::block::BlockState;
+use elasticps_core::sync::{Clock, SyncPolicy};
+use elasticps_wire::{CheckpointEntry, Control, Injection, Message};
 
 use super::cluster::{Outbox, Role};
 use super::net::{LinkSpec, LostWhy, NodeId};
@@ -71,6 +72,11 @@ pub struct ServerRole {
     violations: Vec<BoundViolation>,
     exit: Option<Exit>,
     weigh: super::job::Weigh,
+    /// The checkpoint states this server took, in order: (clock, state).
+    checkpoints: Vec<(Clock, BlockState)>,
+    /// Events the runtime would feed back after I/O (a checkpoint written), fed after
+    /// the step that asked for them.
+    later: Vec<Event>,
 }
 
 impl std::fmt::Debug for ServerRole {
@@ -96,6 +102,8 @@ impl ServerRole {
             violations: Vec::new(),
             exit: None,
             weigh,
+            checkpoints: Vec::new(),
+            later: Vec::new(),
         }
     }
 
@@ -107,6 +115,12 @@ impl ServerRole {
     /// Pulls answered against the sync policy's bound (with [`ServerModel::check_bound`]).
     pub fn violations(&self) -> &[BoundViolation] {
         &self.violations
+    }
+
+    /// The block states this server took for checkpoints, in order: (clock, state). The
+    /// harness keeps them in memory (no directory is written).
+    pub fn checkpoints(&self) -> &[(Clock, BlockState)] {
+        &self.checkpoints
     }
 
     /// Why the server stopped, if it did.
@@ -129,6 +143,9 @@ impl ServerRole {
         server.step_into(out.now_us(), event, &mut actions);
         self.carry_out(out, &mut actions);
         self.actions = actions;
+        for event in std::mem::take(&mut self.later) {
+            self.step(out, event);
+        }
     }
 
     fn carry_out(&mut self, out: &mut Outbox<'_>, actions: &mut Vec<Action>) {
@@ -144,6 +161,15 @@ impl ServerRole {
                 }
                 Action::ToServer { call, addr, msg, .. } => self.call_server(out, call, &addr, msg),
                 Action::Trace(t) => self.check(out.now_us(), t),
+                Action::Checkpoint { clock, state, .. } => {
+                    let block = state.spec.id;
+                    let entry = CheckpointEntry { block, file: format!("memory/{clock}/{block}"), len: 0, crc32: 0 };
+                    self.checkpoints.push((clock, state));
+                    self.later.push(Event::CheckpointWritten { clock, block, result: Ok(entry) });
+                }
+                Action::Restore { .. } => {
+                    self.later.push(Event::Restored(Err("the harness keeps no checkpoint to resume from".into())))
+                }
                 Action::Exit(exit) => {
                     for conn in std::mem::take(&mut self.conns) {
                         out.close(conn);

@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use elasticps_core::block::ShardConfig;
-use elasticps_core::model::{Partition, TensorSpec};
+use elasticps_core::model::{BlockId, Partition, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::{Placement, PlacementKind};
 use elasticps_core::sync::SyncPolicy;
@@ -24,8 +24,8 @@ pub use history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoin
 
 use elastic::{Elastic, Order};
 use elasticps_wire::{
-    Assignment, ClusterStatus, Control, ErrorCode, ErrorReply, Injection, Layout, Message, ServerAddr, ServerLoad,
-    WorkerLoad,
+    Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, ErrorCode, ErrorReply, Injection, Layout,
+    Message, ServerAddr, ServerLoad, WorkerLoad,
 };
 #[cfg(test)]
 use elasticps_wire::{MigrationReport, ScaleRequest};
@@ -57,6 +57,9 @@ pub struct JobConfig {
     pub max_servers: u32,
     /// The balancer may scale in down to this many servers (at most `servers`).
     pub min_servers: u32,
+    /// Checkpoints (`--checkpoint-dir`, `--checkpoint-every`) and the checkpoint the job
+    /// resumes from (`--resume`), if any.
+    pub checkpoint: Option<CheckpointPlan>,
 }
 
 impl JobConfig {
@@ -114,6 +117,16 @@ pub enum Action {
     Close(ConnId),
     /// Start one more server (through the launcher, if the scheduler has one).
     StartServer,
+    /// Every block of checkpoint `clock` is on disk: write its manifest (atomically), which
+    /// makes the checkpoint complete.
+    WriteManifest {
+        /// The checkpoint directory.
+        dir: String,
+        /// The checkpoint's clock.
+        clock: u32,
+        /// Every block's file, in block order.
+        blocks: Vec<CheckpointEntry>,
+    },
     /// The job is over: shut down and exit, successfully or not.
     Finish {
         /// True if every worker finished its run.
@@ -157,6 +170,10 @@ pub struct Scheduler {
     over: bool,
     elastic: Elastic,
     can_launch: bool,
+    /// Checkpoints under way: clock -> the blocks written so far.
+    checkpoints: BTreeMap<u32, BTreeMap<BlockId, CheckpointEntry>>,
+    /// The latest checkpoint whose manifest was written (or the one resumed from).
+    last_checkpoint: Option<u32>,
 }
 
 impl Scheduler {
@@ -181,6 +198,8 @@ impl Scheduler {
             over: false,
             elastic: Elastic::new(config.balance, config.min_servers, config.max_servers),
             can_launch: false,
+            checkpoints: BTreeMap::new(),
+            last_checkpoint: config.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map(|r| r.clock),
             config,
         }
     }
@@ -325,7 +344,7 @@ impl Scheduler {
                 if initial {
                     self.try_assign(out);
                 } else if let Some(a) = self.assignment(id) {
-                    out.push(Action::Send { conn, request_id: 0, msg: Control::Assign(a).into() });
+                    self.send_assignment(conn, a, out);
                 }
             }
             (Control::RegisterWorker, None) => {
@@ -352,6 +371,10 @@ impl Scheduler {
                 self.waiting_for_layout.push((conn, request_id));
                 self.try_assign(out);
                 self.answer_layout_waiters(out);
+            }
+            (Control::GetStartClock, Some(_)) => reply(out, Control::StartClock { clock: self.start_clock() }.into()),
+            (Control::CheckpointWritten { clock, blocks }, Some(Role::Server(_))) => {
+                self.checkpoint_written(clock, blocks, out)
             }
             (Control::GetLayout, Some(_)) => {
                 if self.partition.is_none() {
@@ -499,6 +522,20 @@ impl Scheduler {
         if self.placement.is_some() || (self.servers.len() as u32) < self.config.servers {
             return;
         }
+        if let Some(r) = self.config.checkpoint.as_ref().and_then(|p| p.resume.as_ref())
+            && r.blocks.len() != partition.blocks.len()
+        {
+            let reason = format!(
+                "the checkpoint of clock {} holds {} blocks, this model in blocks of {} bytes has {}: resume with the \
+                 same model and --block-bytes",
+                r.clock,
+                r.blocks.len(),
+                self.config.block_bytes,
+                partition.blocks.len()
+            );
+            self.finish(false, reason, out);
+            return;
+        }
         let placement = match Placement::initial(self.config.placement, partition, self.config.servers) {
             Ok(p) => p,
             Err(e) => {
@@ -508,11 +545,45 @@ impl Scheduler {
         };
         self.elastic.model_placed(partition.blocks.iter().map(|b| b.bytes() as u64).collect());
         self.placement = Some(placement);
-        for (id, (conn, _)) in self.servers.iter().enumerate() {
+        for id in 0..self.servers.len() {
             if let Some(a) = self.assignment(id as u32) {
-                out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Assign(a).into() });
+                self.send_assignment(self.servers[id].0, a, out);
             }
         }
+    }
+
+    /// `Assign` to a server, after the checkpoint plan if the job has one.
+    fn send_assignment(&self, conn: ConnId, a: Assignment, out: &mut Vec<Action>) {
+        if let Some(plan) = &self.config.checkpoint {
+            out.push(Action::Send { conn, request_id: 0, msg: Control::Checkpointing(plan.clone()).into() });
+        }
+        out.push(Action::Send { conn, request_id: 0, msg: Control::Assign(a).into() });
+    }
+
+    /// A server wrote blocks of checkpoint `clock`: once every block is written, the
+    /// manifest makes it complete (and older checkpoints still under way are dropped).
+    fn checkpoint_written(&mut self, clock: u32, blocks: Vec<CheckpointEntry>, out: &mut Vec<Action>) {
+        let (Some(plan), Some(partition)) = (&self.config.checkpoint, &self.partition) else { return };
+        if self.last_checkpoint.is_some_and(|last| clock <= last) {
+            return;
+        }
+        let written = self.checkpoints.entry(clock).or_default();
+        for e in blocks {
+            written.entry(e.block).or_insert(e);
+        }
+        if written.len() < partition.blocks.len() {
+            return;
+        }
+        let blocks: Vec<CheckpointEntry> = self.checkpoints.remove(&clock).unwrap_or_default().into_values().collect();
+        self.checkpoints.retain(|c, _| *c > clock);
+        self.last_checkpoint = Some(clock);
+        tracing::info!(clock, blocks = blocks.len(), dir = %plan.dir, "checkpoint complete");
+        out.push(Action::WriteManifest { dir: plan.dir.clone(), clock, blocks });
+    }
+
+    /// The first clock of the job: the resumed checkpoint's, or 0.
+    pub fn start_clock(&self) -> u32 {
+        self.config.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map_or(0, |r| r.clock)
     }
 
     /// What server `id` is to hold now (for a late server: nothing, until blocks move to it).
@@ -613,7 +684,14 @@ impl Scheduler {
             }
             Role::Server(id) => {
                 let addr = self.servers.get(id as usize).map_or("", |(_, a)| a.as_str());
-                self.finish(false, format!("server {id} ({addr}) is gone: {why}"), out);
+                let resume = match (&self.config.checkpoint, self.last_checkpoint) {
+                    (Some(plan), Some(clock)) => {
+                        format!("; resume from its latest checkpoint (clock {clock}) with --resume {}", plan.dir)
+                    }
+                    (Some(plan), None) => format!("; no checkpoint in {} is complete yet", plan.dir),
+                    (None, _) => "; with --checkpoint-dir DIR --checkpoint-every N a job can be resumed".into(),
+                };
+                self.finish(false, format!("server {id} ({addr}) is gone: {why}{resume}"), out);
             }
             Role::Worker(rank) if !self.finished_workers.contains(&rank) => {
                 tracing::error!(rank, %why, "worker lost before it finished; removing it from every quorum");
@@ -625,6 +703,11 @@ impl Scheduler {
     }
 
     fn finish(&mut self, ok: bool, reason: String, out: &mut Vec<Action>) {
+        // Workers still waiting for the layout learn why there will be none.
+        for (conn, request_id) in std::mem::take(&mut self.waiting_for_layout) {
+            let reply = ErrorReply { code: ErrorCode::ShuttingDown, message: reason.clone() };
+            out.push(Action::Send { conn, request_id, msg: Message::Error(reply) });
+        }
         for (conn, node) in &self.nodes {
             let _ = node;
             out.push(Action::Send {
@@ -661,6 +744,7 @@ mod tests {
             balance: Default::default(),
             max_servers: 2,
             min_servers: 2,
+            checkpoint: None,
         }
     }
 

@@ -118,7 +118,8 @@ impl Server {
                 m.call = next;
                 m.deadline_us = deadline_us;
                 let to_send = Action::ToServer { call: next, server: m.to, addr: m.to_addr.clone(), msg: msg.into() };
-                o.phase = Phase::Frozen { out: m, parked: Vec::new(), since_us: now_us, step };
+                let parked = std::mem::take(&mut o.checkpoint_parked);
+                o.phase = Phase::Frozen { out: m, parked, since_us: now_us, step };
                 out.push(to_send);
             }
             Phase::Frozen { out: mut m, parked, since_us, step: FrozenStep::Snapshot } => {
@@ -277,10 +278,11 @@ impl Server {
             );
         }
         let moved = Control::Moved { block, owner: to, epoch };
-        let parked = match std::mem::replace(&mut o.phase, Phase::Serving) {
+        let mut parked = match std::mem::replace(&mut o.phase, Phase::Serving) {
             Phase::Frozen { parked, .. } => parked,
             _ => Vec::new(),
         };
+        parked.append(&mut o.checkpoint_parked);
         for p in parked {
             out.push(Action::Reply { conn: p.to.conn, request_id: p.to.request_id, msg: moved.clone().into() });
         }
@@ -303,7 +305,7 @@ impl Server {
         self.serve_parked(now_us, parked, out);
     }
 
-    fn serve_parked(&mut self, now_us: u64, parked: Vec<Parked>, out: &mut Vec<Action>) {
+    pub(super) fn serve_parked(&mut self, now_us: u64, parked: Vec<Parked>, out: &mut Vec<Action>) {
         for Parked { rank, to, request } in parked {
             if let Some(msg) = self.handle(now_us, rank, to, request, out) {
                 out.push(Action::Reply { conn: to.conn, request_id: to.request_id, msg });
@@ -355,7 +357,7 @@ impl Server {
             b.remove_worker(&config, *rank, now_us);
         }
         let id = shard.id;
-        let arrived = Owned { block: b, epoch, phase: Phase::Arrived { parked: Vec::new(), since_us: now_us } };
+        let arrived = Owned::new(b, epoch, Phase::Arrived { parked: Vec::new(), since_us: now_us });
         let stale = self.slots.insert(block, Slot::Owned(arrived));
         tracing::info!(server = id, block, epoch, replayed = pushes.len(), "block arrived; waits to be settled");
         if let Some(Slot::Owned(mut stale)) = stale {
@@ -368,6 +370,7 @@ impl Server {
                 Phase::Frozen { parked, .. } | Phase::Arrived { parked, .. } => parked,
                 _ => Vec::new(),
             };
+            again.append(&mut stale.checkpoint_parked);
             again.extend(stale.block.take_held().into_iter().map(|(to, rank, clock)| Parked {
                 rank,
                 to,

@@ -19,7 +19,10 @@ use std::collections::BTreeMap;
 use elasticps_core::block::{Answer, Block, BlockState};
 use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
-use elasticps_wire::{Assignment, Control, ErrorCode, Message, ServerLoad, ServerStats, Values};
+use elasticps_core::sync::Clock;
+use elasticps_wire::{
+    Assignment, CheckpointEntry, CheckpointPlan, Control, ErrorCode, Message, ServerLoad, ServerStats, Values,
+};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -94,6 +97,19 @@ pub enum Event {
     /// Time passed (heartbeats, load reports, adaptive staleness, migration step
     /// deadlines, long holds, a drained server's linger).
     Tick,
+    /// The runtime wrote a block of a checkpoint ([`Action::Checkpoint`]): its entry for
+    /// the manifest, or why it could not.
+    CheckpointWritten {
+        /// The checkpoint's clock.
+        clock: Clock,
+        /// The block.
+        block: BlockId,
+        /// The file written, or the error.
+        result: Result<CheckpointEntry, String>,
+    },
+    /// The runtime read the blocks of the checkpoint the job resumes from
+    /// ([`Action::Restore`]), or why it could not.
+    Restored(Result<Vec<BlockState>, String>),
 }
 
 /// What the runtime must do.
@@ -131,6 +147,25 @@ pub enum Action {
     /// An answered pull, for the runtime's `--trace` file (only if enabled with
     /// [`Server::with_trace`]).
     Trace(PullTrace),
+    /// Write `state`, block `state.spec.id` at checkpoint `clock`, into the checkpoint
+    /// directory (durably: fsync before the answer), then answer with
+    /// [`Event::CheckpointWritten`].
+    Checkpoint {
+        /// The directory.
+        dir: String,
+        /// The checkpoint's clock.
+        clock: Clock,
+        /// The block's state: exactly the pushes of the clocks before `clock`.
+        state: BlockState,
+    },
+    /// Read (and check against their checksums) these blocks of the checkpoint in `dir`,
+    /// then answer with [`Event::Restored`].
+    Restore {
+        /// The directory.
+        dir: String,
+        /// The blocks assigned here.
+        blocks: Vec<CheckpointEntry>,
+    },
     /// Stop.
     Exit(Exit),
 }
@@ -233,6 +268,10 @@ pub struct Server {
     last_request_us: u64,
     stopping: Option<Stopping>,
     exited: bool,
+    /// The job's checkpoints (from `Checkpointing`), if it has any.
+    checkpoint: Option<CheckpointPlan>,
+    /// An assignment waiting for its blocks to be read from the checkpoint.
+    restoring: Option<Assignment>,
 }
 
 impl Server {
@@ -259,6 +298,8 @@ impl Server {
             last_request_us: 0,
             stopping: None,
             exited: false,
+            checkpoint: None,
+            restoring: None,
         }
     }
 
@@ -305,6 +346,8 @@ impl Server {
             Event::FromScheduler { request_id, msg } => self.scheduler_said(now_us, request_id, msg, out),
             Event::FromServer { call, reply } => self.step_answered(now_us, call, reply, out),
             Event::Tick => self.tick(now_us, out),
+            Event::CheckpointWritten { clock, block, result } => self.checkpoint_written(clock, block, result, out),
+            Event::Restored(states) => self.restored(now_us, states, out),
         }
         if self.stopping.is_some() {
             self.try_exit(now_us, out);
@@ -529,7 +572,24 @@ impl Server {
             parked.push(Parked { rank, to, request });
             return None;
         }
+        let done = o.block.done();
+        if let Request::Push { clock, .. } | Request::PushPull { clock, .. } = &request
+            && next_checkpoint(self.checkpoint.as_ref(), done).is_some_and(|c| *clock >= c)
+        {
+            o.checkpoint_parked.push(Parked { rank, to, request });
+            return None;
+        }
         self.counters.requests += 1;
+        let reply = self.apply(now_us, rank, to, request, out);
+        self.checkpoint_if_due(now_us, block, done, out);
+        reply
+    }
+
+    /// A data request on a block owned here and served (not parked).
+    fn apply(&mut self, now_us: u64, rank: u32, to: Token, request: Request, out: &mut Vec<Action>) -> Option<Message> {
+        let block = to.block;
+        let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
+        let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return Some(shard.refusal(block).reply(block)) };
         match request {
             Request::Push { clock, values } => {
                 self.counters.bytes_in += values.as_bytes().len() as u64;
@@ -631,6 +691,10 @@ impl Server {
                 self.migrate_out(now_us, block, to, to_addr, epoch, out)
             }
             Message::Control(Control::RemoveWorker { rank }) => self.remove_worker(now_us, rank, out),
+            Message::Control(Control::Checkpointing(plan)) => {
+                tracing::info!(server = self.id, dir = %plan.dir, every = plan.every, resume = ?plan.resume.as_ref().map(|r| r.clock), "checkpoint plan");
+                self.checkpoint = Some(plan);
+            }
             Message::Control(Control::Settled { block, epoch, owner }) => {
                 self.settled(now_us, block, epoch, owner, out)
             }
@@ -665,7 +729,22 @@ impl Server {
     }
 
     fn assign(&mut self, now_us: u64, a: Assignment, out: &mut Vec<Action>) {
-        let shard = Shard::new(&a);
+        if let Some(CheckpointPlan { dir, resume: Some(r), .. }) = &self.checkpoint {
+            // The blocks come from the checkpoint: read them first.
+            let mine: Vec<BlockId> = a.placement.blocks_of(a.server_id).collect();
+            let blocks: Vec<CheckpointEntry> = r.blocks.iter().filter(|e| mine.contains(&e.block)).cloned().collect();
+            if let Some(b) = mine.iter().find(|b| !blocks.iter().any(|e| e.block == **b)) {
+                let reason = format!(
+                    "the checkpoint of clock {} in {dir} has no block {b}: resume with the same model and \
+                     --block-bytes",
+                    r.clock
+                );
+                return self.exit(Exit::Failed { reason }, out);
+            }
+            out.push(Action::Restore { dir: dir.clone(), blocks });
+            self.restoring = Some(a);
+            return;
+        }
         let mut slots = BTreeMap::new();
         let built: Result<(), elasticps_core::CoreError> = (|| {
             for b in a.placement.blocks_of(a.server_id) {
@@ -675,9 +754,59 @@ impl Server {
             }
             Ok(())
         })();
-        if let Err(e) = built {
-            return self.exit(Exit::Failed { reason: e.to_string() }, out);
+        match built {
+            Ok(()) => self.take_assignment(now_us, a, slots, out),
+            Err(e) => self.exit(Exit::Failed { reason: e.to_string() }, out),
         }
+    }
+
+    /// The blocks of the checkpoint the job resumes from, read for the assignment waiting.
+    fn restored(&mut self, now_us: u64, states: Result<Vec<BlockState>, String>, out: &mut Vec<Action>) {
+        let Some(a) = self.restoring.take() else { return };
+        let clock = self.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map_or(0, |r| r.clock);
+        let built: Result<BTreeMap<BlockId, Slot>, String> = states.and_then(|states| {
+            let mut slots = BTreeMap::new();
+            for state in states {
+                let id = state.spec.id;
+                let spec = a.partition.block(id).map_err(|e| e.to_string())?;
+                if *spec != state.spec {
+                    return Err(format!(
+                        "block {id} of the checkpoint is {:?}, the model's is {:?}: resume with the same model and \
+                         --block-bytes",
+                        state.spec, spec
+                    ));
+                }
+                if state.clocks.done() != clock {
+                    return Err(format!(
+                        "block {id} of the checkpoint is at clock {}, not {clock}",
+                        state.clocks.done()
+                    ));
+                }
+                let config = Shard::new(&a).config_for(spec);
+                let block = Block::from_state(state, &[], &config).map_err(|e| {
+                    format!("block {id} of the checkpoint does not fit this job ({e}): resume with the same workers")
+                })?;
+                slots.insert(id, Slot::Owned(Owned::serving(block, 0)));
+            }
+            Ok(slots)
+        });
+        match built {
+            Ok(slots) => {
+                tracing::info!(
+                    server = a.server_id,
+                    clock,
+                    blocks = slots.len(),
+                    "blocks restored from the checkpoint"
+                );
+                self.take_assignment(now_us, a, slots, out)
+            }
+            Err(e) => self.exit(Exit::Failed { reason: format!("cannot resume from the checkpoint: {e}") }, out),
+        }
+    }
+
+    /// Serves `slots`, the blocks of assignment `a`.
+    fn take_assignment(&mut self, now_us: u64, a: Assignment, slots: BTreeMap<BlockId, Slot>, out: &mut Vec<Action>) {
+        let shard = Shard::new(&a);
         if a.inject.bandwidth_bps > 0 || a.inject.interference > 1.0 {
             tracing::info!(
                 server = a.server_id,
@@ -704,13 +833,52 @@ impl Server {
         tracing::info!(server = shard.id, rank, "worker removed from every quorum");
         self.removed_workers.push(rank);
         let mut answers = Vec::new();
-        for slot in self.slots.values_mut() {
+        let mut before = Vec::new();
+        for (id, slot) in self.slots.iter_mut() {
             if let Slot::Owned(o) = slot {
                 let config = shard.config_for(o.block.spec());
+                before.push((*id, o.block.done()));
                 answers.extend(o.block.remove_worker(&config, rank, now_us));
             }
         }
         self.answer_pulls(answers, out);
+        for (block, done) in before {
+            self.checkpoint_if_due(now_us, block, done, out);
+        }
+    }
+
+    /// After a push or a removal took `block` from clock `before` on: if it just reached a
+    /// checkpoint clock, its state goes to disk and the pushes parked for it are served.
+    fn checkpoint_if_due(&mut self, now_us: u64, block: BlockId, before: Clock, out: &mut Vec<Action>) {
+        let Some(plan) = &self.checkpoint else { return };
+        let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return };
+        let done = o.block.done();
+        if done == before || next_checkpoint(Some(plan), before) != Some(done) {
+            return;
+        }
+        debug_assert!(done > before, "a block's done clock never goes back");
+        out.push(Action::Checkpoint { dir: plan.dir.clone(), clock: done, state: o.block.state() });
+        let parked = std::mem::take(&mut o.checkpoint_parked);
+        self.serve_parked(now_us, parked, out);
+    }
+
+    /// A block of checkpoint `clock` is on disk (or not): tell the scheduler.
+    fn checkpoint_written(
+        &mut self,
+        clock: Clock,
+        block: BlockId,
+        result: Result<CheckpointEntry, String>,
+        out: &mut Vec<Action>,
+    ) {
+        match result {
+            Ok(entry) => out.push(Action::ToScheduler {
+                request_id: 0,
+                msg: Control::CheckpointWritten { clock, blocks: vec![entry] }.into(),
+            }),
+            Err(error) => {
+                tracing::warn!(server = self.id, clock, block, %error, "checkpoint block not written; that checkpoint stays incomplete")
+            }
+        }
     }
 
     fn tick(&mut self, now_us: u64, out: &mut Vec<Action>) {
@@ -834,6 +1002,16 @@ impl Server {
         self.exited = true;
         out.push(Action::Exit(exit));
     }
+}
+
+/// The first checkpoint clock after `done` (a push of that clock or later waits for the
+/// block to reach it), if the job checkpoints.
+fn next_checkpoint(plan: Option<&CheckpointPlan>, done: Clock) -> Option<Clock> {
+    let every = plan?.every;
+    if every == 0 {
+        return None;
+    }
+    (done / every).checked_add(1)?.checked_mul(every)
 }
 
 /// The seed of the coin of worker `rank`'s pull(clock): the same on every server.

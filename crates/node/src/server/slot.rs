@@ -57,7 +57,8 @@ pub enum Request {
     },
 }
 
-/// A request that arrived while its block was frozen for a handover.
+/// A request that waits: its block is frozen for a handover, arrived and not settled, or
+/// not yet at the checkpoint the request's clock is past.
 #[derive(Clone, Debug)]
 pub struct Parked {
     /// The worker that sent it.
@@ -92,12 +93,22 @@ pub struct Owned {
     pub epoch: u64,
     /// Serving, or which step of a migration out.
     pub phase: Phase,
+    /// Pushes of a clock at or past the block's next checkpoint, which wait until the
+    /// block reaches that clock and its state is taken (so that the checkpoint holds
+    /// exactly the pushes of the clocks before it). Frozen for a handover, they join the
+    /// parked requests.
+    pub checkpoint_parked: Vec<Parked>,
 }
 
 impl Owned {
     /// A block served here, not migrating.
     pub fn serving(block: Block<Token>, epoch: u64) -> Self {
-        Self { block, epoch, phase: Phase::Serving }
+        Self::new(block, epoch, Phase::Serving)
+    }
+
+    /// A block here in `phase`.
+    pub fn new(block: Block<Token>, epoch: u64, phase: Phase) -> Self {
+        Self { block, epoch, phase, checkpoint_parked: Vec::new() }
     }
 }
 

@@ -143,6 +143,15 @@ pub async fn run_with(
                     }
                     None => tracing::warn!("a server was to be started, but this scheduler has no launcher"),
                 },
+                Action::WriteManifest { dir, clock, blocks } => {
+                    // Small, but a disk write: off the actor's task.
+                    tokio::task::spawn_blocking(move || {
+                        match crate::checkpoint::write_manifest(std::path::Path::new(&dir), clock, &blocks) {
+                            Ok(path) => tracing::info!(clock, manifest = %path.display(), "checkpoint written"),
+                            Err(e) => tracing::error!(clock, error = %e, "checkpoint manifest not written"),
+                        }
+                    });
+                }
                 Action::Finish { ok, reason } => finished = Some((ok, reason)),
             }
         }

@@ -231,6 +231,23 @@ impl Io {
                         let _ = writeln!(lock(trace), "{}", t.json());
                     }
                 }
+                Action::Checkpoint { dir, clock, state } => {
+                    let io = self.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let block = state.spec.id;
+                        let result = crate::checkpoint::write_block(std::path::Path::new(&dir), clock, &state)
+                            .map_err(|e| e.to_string());
+                        io.step(Event::CheckpointWritten { clock, block, result }, false);
+                    });
+                }
+                Action::Restore { dir, blocks } => {
+                    let io = self.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let states = crate::checkpoint::read_blocks(std::path::Path::new(&dir), &blocks)
+                            .map_err(|e| e.to_string());
+                        io.step(Event::Restored(states), false);
+                    });
+                }
                 Action::Exit(exit) => {
                     *lock(&self.exit) = Some(exit);
                     self.exited.notify_one();

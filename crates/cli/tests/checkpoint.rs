@@ -1,0 +1,190 @@
+//! Checkpoints against real processes: a job that checkpoints, resumed from its latest
+//! checkpoint by a new cluster, ends with exactly the parameters of the uninterrupted job;
+//! a server lost without replicas ends the job saying how to resume.
+
+use std::path::Path;
+use std::time::Duration;
+
+use elasticps_core::model::{Init, TensorSpec};
+use elasticps_runtime::client::{Client, ClientOptions};
+
+use crate::common::{self, Proc};
+
+const WORKERS: u32 = 2;
+const CLOCKS: u32 = 12;
+const EVERY: u32 = 5;
+const LEN: usize = 40;
+
+fn model() -> Vec<TensorSpec> {
+    vec![
+        TensorSpec { name: "a".into(), shape: vec![LEN], init: Init::Zeros },
+        TensorSpec { name: "b".into(), shape: vec![3], init: Init::Zeros },
+    ]
+}
+
+/// Worker `rank`'s gradient at clock `t`: small integers, different per rank, clock and
+/// element. Averaged (`--aggregate`) and run through momentum 0.5, every value stays a
+/// dyadic fraction: the arithmetic is exact in f32, so equal runs give equal bits, and a
+/// lost or doubled update (or a lost momentum) shows.
+fn gradient(rank: u32, t: u32, len: usize) -> Vec<f32> {
+    (0..len).map(|i| -(((rank + 1) * (t % 3 + 1)) as f32) * ((i % 5) + 1) as f32).collect()
+}
+
+/// A bsp --aggregate job with momentum on two servers (blocks of 4 values).
+fn cluster(extra: &[&str]) -> (Proc, String, Vec<Proc>) {
+    let mut args = vec![
+        "--servers",
+        "2",
+        "--workers",
+        "2",
+        "--sync",
+        "bsp",
+        "--aggregate",
+        "--optimizer",
+        "momentum:0.5",
+        "--lr",
+        "1",
+        "--block-bytes",
+        "16",
+    ];
+    args.extend_from_slice(extra);
+    let (sched, addr) = common::start_scheduler(&args);
+    let servers = (0..2).map(|_| common::start_server(&addr, &[])).collect();
+    (sched, addr, servers)
+}
+
+/// Runs both workers from the job's start clock to `CLOCKS` (`pace` per clock), then
+/// pulls clock `CLOCKS`; returns (start clock, final parameters) of each.
+fn train(addr: &str, pace: Duration) -> Vec<(u32, Vec<Vec<f32>>)> {
+    let rt = common::tokio_rt();
+    rt.block_on(async {
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|_| {
+                let addr = addr.to_string();
+                tokio::spawn(async move {
+                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
+                    c.register_model(model()).await.expect("register");
+                    let start = c.start_clock().await.expect("start clock");
+                    let mut params = c.zeros();
+                    let rank = c.rank();
+                    c.pull(start, &mut params).await.expect("first pull");
+                    for t in start..CLOCKS {
+                        tokio::time::sleep(pace).await;
+                        let grads = vec![gradient(rank, t, LEN), gradient(rank, t, 3)];
+                        c.push_pull(t, &grads, &mut params).await.unwrap_or_else(|e| panic!("clock {t}: {e}"));
+                    }
+                    c.finish().await.expect("finish");
+                    (start, params)
+                })
+            })
+            .collect();
+        common::join_workers(workers).await
+    })
+}
+
+fn finish(mut sched: Proc, servers: Vec<Proc>) {
+    sched.assert_success(common::EXIT_TIMEOUT);
+    for mut s in servers {
+        s.assert_success(common::EXIT_TIMEOUT);
+    }
+}
+
+fn complete_checkpoints(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok()).filter(|e| e.path().join("MANIFEST.json").exists()))
+        .into_iter()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_job_resumed_from_its_checkpoint_ends_with_the_parameters_of_the_uninterrupted_job() {
+    let dir = common::scratch_dir("checkpoint");
+    let d = dir.to_str().unwrap();
+    let every = EVERY.to_string();
+
+    // The uninterrupted job, checkpointing every 5 clocks (at 5 and 10). A worker's clock
+    // takes 60 ms, so the checkpoint of clock 10 is complete well before the job ends.
+    let (sched, addr, servers) = cluster(&["--checkpoint-dir", d, "--checkpoint-every", &every]);
+    let whole = train(&addr, Duration::from_millis(60));
+    finish(sched, servers);
+    assert!(whole.iter().all(|(start, _)| *start == 0));
+    assert_eq!(whole[0].1, whole[1].1, "both workers pulled the same final model");
+    assert_ne!(whole[0].1[0], vec![0.0; LEN], "the job trained");
+    assert_eq!(complete_checkpoints(&dir), ["ckpt-0000000005", "ckpt-0000000010"]);
+
+    // A new cluster resumes from the latest checkpoint (clock 10) and runs clocks 10, 11.
+    let (sched, addr, servers) = cluster(&["--resume", d]);
+    let resumed = train(&addr, Duration::ZERO);
+    finish(sched, servers);
+    for (start, params) in &resumed {
+        assert_eq!(*start, 10, "the job went on from the checkpoint's clock");
+        assert_eq!(params, &whole[0].1, "the resumed job ends exactly where the uninterrupted one did");
+    }
+
+    // A job of another shape refuses the checkpoint, saying why.
+    let (mut sched, addr) =
+        common::start_scheduler(&["--servers", "1", "--workers", "2", "--block-bytes", "8", "--resume", d]);
+    let mut server = common::start_server(&addr, &[]);
+    let rt = common::tokio_rt();
+    let refused = rt.block_on(async {
+        let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
+        c.register_model(model()).await.map(|_| ()).expect_err("the model cannot be placed from that checkpoint")
+    });
+    assert!(!sched.wait_success(common::EXIT_TIMEOUT), "the job failed");
+    let says = "holds 11 blocks, this model in blocks of 8 bytes has 22: resume with the same model and --block-bytes";
+    assert!(refused.to_string().contains(says), "{refused}");
+    let _ = server.wait_exit(common::EXIT_TIMEOUT);
+    server.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_lost_server_without_replicas_ends_the_job_saying_how_to_resume() {
+    let dir = common::scratch_dir("checkpoint-lost");
+    let d = dir.to_str().unwrap();
+    let (mut sched, addr, mut servers) = cluster(&["--checkpoint-dir", d, "--checkpoint-every", "2"]);
+    let rt = common::tokio_rt();
+    let mut victim = servers.remove(1);
+    rt.block_on(async {
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|_| {
+                let addr = addr.clone();
+                tokio::spawn(async move {
+                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
+                    c.register_model(model()).await.expect("register");
+                    let mut params = c.zeros();
+                    let rank = c.rank();
+                    c.pull(0, &mut params).await.expect("first pull");
+                    for t in 0..1000 {
+                        let grads = vec![gradient(rank, t, LEN), gradient(rank, t, 3)];
+                        if c.push_pull(t, &grads, &mut params).await.is_err() {
+                            return t;
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    panic!("the job went on without a server");
+                })
+            })
+            .collect();
+        // Once a checkpoint is complete, kill -9 a server.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while complete_checkpoints(&dir).is_empty() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!complete_checkpoints(&dir).is_empty(), "no checkpoint completed in 60 s");
+        victim.kill();
+        common::join_workers(workers).await
+    });
+    assert!(!sched.wait_success(common::EXIT_TIMEOUT), "the job failed");
+    let log = sched.log();
+    assert!(log.contains(&format!("with --resume {d}")), "{}", sched.log_tail(20));
+    for s in &mut servers {
+        let _ = s.wait_exit(common::EXIT_TIMEOUT);
+        s.kill();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
