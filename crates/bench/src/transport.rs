@@ -360,7 +360,7 @@ async fn measure_all(driver: &Runtime, plan: &Plan, net: &NetArgs, log_dir: &Pat
 async fn listening(cluster: &mut Cluster, what: &str) -> crate::Result<String> {
     loop {
         match tokio::time::timeout(Duration::from_secs(20), cluster.next()).await {
-            Ok(Some(NodeEvent::Line { event: Event::Listening { addr } })) => return Ok(addr),
+            Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => return Ok(addr),
             Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status).into()),
             Ok(Some(_)) => continue,
             Ok(None) | Err(_) => {

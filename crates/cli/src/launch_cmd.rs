@@ -76,6 +76,7 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
         end_timeout: Duration::try_from_secs_f64(cmd.end_timeout_s)
             .map_err(|_| anyhow::anyhow!("--end-timeout-s must be a non-negative number of seconds"))?,
         metrics: cmd.run.metrics,
+        restart_workers: cmd.run.restart_workers,
     })
     .await?;
     let report = build_report(&cmd, &outcome);

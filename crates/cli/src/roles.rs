@@ -91,6 +91,10 @@ pub struct WorkerCmd {
     /// as `elasticps launch` does).
     #[arg(long, env = "ELASTICPS_EVENTS")]
     pub events: bool,
+    /// Rejoin as this rank: a worker restarted after it was lost (the launcher's
+    /// --restart-workers sets it). It goes on from the clock the job is at.
+    #[arg(long, env = "ELASTICPS_RANK")]
+    pub rank: Option<u32>,
 }
 
 /// How long a role's metrics event waits for the node to register (then it is not printed).
@@ -216,6 +220,7 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
     opts.codec = cmd.net.codec();
     opts.request_timeout = cmd.data.request_timeout();
     opts.fuse = !cmd.data.no_fuse;
+    opts.rank = cmd.rank;
     // Started by `elasticps launch`, events go to its pipe (ELASTICPS_EVENTS_FD).
     let emitter = Emitter::from_env(cmd.events)?;
     let mut _endpoint = None;

@@ -83,6 +83,38 @@ fn a_dead_worker_stops_the_job_with_an_error_naming_it_and_leaves_no_orphans() {
 }
 
 #[test]
+fn a_dead_worker_restarted_with_its_rank_rejoins_and_the_job_completes() {
+    for sync in ["bsp", "ssp:2"] {
+        let dir = common::temp_dir("restart");
+        let dir_s = dir.display().to_string();
+        let args =
+            ["--iterations", "600", "--eval-every", "0", "--sync", sync, "--restart-workers", "1", "--report", &dir_s];
+        let mut child = train(&args).spawn().expect("spawn train");
+        let kids = wait_for_children(&child, 5);
+        assert_eq!(kids.len(), 5, "scheduler, 2 servers, 2 workers: {kids:?}");
+        std::thread::sleep(Duration::from_millis(1500));
+        let (victim, _) = kids.iter().rev().find(|(_, c)| c.contains(" worker ")).expect("a worker").clone();
+        // SAFETY: kill(2) on a live child of the launcher we started.
+        unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+        let (status, err) = wait_exit(&mut child, Duration::from_secs(120));
+        assert!(status.success(), "{sync}: the job must complete after the restart: {err}");
+        assert!(err.contains("exited with signal: 9 (SIGKILL); restarting it as rank"), "{sync}: {err}");
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json"))
+                .expect("json");
+        let workers = report["workers"].as_array().expect("workers");
+        assert_eq!(workers.len(), 2, "{sync}: both ranks reported their end: {workers:?}");
+        let iterations: Vec<u64> = workers.iter().map(|w| w["iterations"].as_u64().unwrap_or(0)).collect();
+        assert!(
+            iterations.iter().any(|i| *i == 400) && iterations.iter().any(|i| *i > 0 && *i < 400),
+            "{sync}: one rank ran all 400 iterations, the restarted one the rest from where the job was: {iterations:?}"
+        );
+        assert!(report["test_accuracy"].as_f64().unwrap_or(0.0) > 0.6, "{sync}: the model learned: {report}");
+        assert_all_gone(&kids);
+    }
+}
+
+#[test]
 fn ctrl_c_stops_every_node() {
     let mut child = train(&["--iterations", "1000000", "--eval-every", "0"]).spawn().expect("spawn train");
     let kids = wait_for_children(&child, 5);

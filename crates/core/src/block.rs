@@ -465,6 +465,12 @@ impl<T> Block<T> {
         self.release(config.sync, now_us)
     }
 
+    /// Takes a removed worker back into the quorum ([`Clocks::add_worker`]); returns the
+    /// next clock it is to push here.
+    pub fn add_worker(&mut self, worker: u32) -> Option<Clock> {
+        self.clocks.add_worker(worker)
+    }
+
     /// Takes every held pull out, for a block that is leaving this server.
     pub fn take_held(&mut self) -> Vec<(T, u32, Clock)> {
         self.held.take_unless(|_| false).into_iter().map(|h| (h.token, h.worker, h.clock)).collect()

@@ -372,6 +372,22 @@ impl Clocks {
         }
     }
 
+    /// Takes a removed worker back into the quorum (it was restarted with its rank): from
+    /// now on `done` waits for it again, from where the quorum is. Its next clock becomes
+    /// `done` if it was behind (the clocks the quorum went on without it are not pushed
+    /// again: a push of one of them is a duplicate), so `done` never goes back. Returns
+    /// the next clock the worker is to push. An active worker is left as it is.
+    pub fn add_worker(&mut self, worker: u32) -> Option<Clock> {
+        let w = worker as usize;
+        if !*self.active.get(w)? {
+            let from = if self.lo == Clock::MAX { self.hi } else { self.lo };
+            self.pushed[w] = self.pushed[w].max(from);
+            self.active[w] = true;
+            self.rescan();
+        }
+        self.pushed(worker)
+    }
+
     /// Number of workers still in the quorum.
     pub fn active_workers(&self) -> u32 {
         self.active.iter().filter(|a| **a).count() as u32
@@ -381,6 +397,28 @@ impl Clocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_worker_taken_back_goes_on_from_the_quorum_and_done_never_goes_back() {
+        let mut c = Clocks::new(3);
+        for t in 0..2 {
+            c.record(0, 1, t).unwrap();
+        }
+        c.remove_worker(1);
+        for w in [0, 2] {
+            for t in 0..5 {
+                c.record(0, w, t).unwrap();
+            }
+        }
+        assert_eq!(c.done(), 5);
+        assert_eq!(c.add_worker(1), Some(5), "it goes on at the quorum's clock");
+        assert_eq!(c.done(), 5);
+        assert_eq!(c.record(0, 1, 3), Ok(false), "a clock the quorum went on without is a duplicate");
+        assert!(c.record(0, 1, 5).unwrap());
+        assert_eq!(c.done(), 5, "workers 0 and 2 have not pushed clock 5");
+        assert_eq!(c.add_worker(1), Some(6), "an active worker is left as it is");
+        assert_eq!(c.add_worker(9), None);
+    }
 
     #[test]
     fn parses_and_prints_policies() {

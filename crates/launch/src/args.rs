@@ -79,6 +79,10 @@ pub struct RunArgs {
     /// scrape them.
     #[arg(long, env = "ELASTICPS_METRICS")]
     pub metrics: bool,
+    /// Restart a worker that dies (exits unsuccessfully) with its rank, at most N times in
+    /// all: it rejoins the job at the clock the job is at. 0: a dead worker ends the job.
+    #[arg(long, env = "ELASTICPS_RESTART_WORKERS", value_name = "N", default_value_t = 0)]
+    pub restart_workers: u32,
 }
 
 /// What the scheduler needs to know about the job.

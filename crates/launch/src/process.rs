@@ -30,6 +30,8 @@ use crate::{LaunchError, Result};
 pub enum NodeEvent {
     /// The node printed an event.
     Line {
+        /// Index of the node, in spawn order.
+        node: usize,
         /// The event.
         event: Event,
     },
@@ -105,7 +107,7 @@ impl Cluster {
             while let Ok(Some(line)) = lines.next_line().await {
                 match serde_json::from_str::<Event>(&line) {
                     Ok(event) => {
-                        let _ = tx.send(NodeEvent::Line { event });
+                        let _ = tx.send(NodeEvent::Line { node, event });
                     }
                     Err(_) => tracing::debug!(node = %label, %line, "not an event"),
                 }
@@ -180,7 +182,7 @@ impl Cluster {
         let tx = self.tx.clone();
         let label = name.to_string();
         let readers = vec![
-            tokio::spawn(read_events(BufReader::new(events), tx.clone(), label.clone())),
+            tokio::spawn(read_events(BufReader::new(events), tx.clone(), node, label.clone())),
             tokio::spawn(forward_output(BufReader::new(stdout), node, false, log_file.clone(), tx.clone())),
             tokio::spawn(forward_output(BufReader::new(stderr), node, true, log_file, tx.clone())),
         ];
@@ -309,7 +311,12 @@ impl Cluster {
 }
 
 /// Reads event lines from a user's command's pipe until it closes.
-async fn read_events(mut r: impl AsyncBufRead + Unpin, tx: mpsc::UnboundedSender<NodeEvent>, label: String) {
+async fn read_events(
+    mut r: impl AsyncBufRead + Unpin,
+    tx: mpsc::UnboundedSender<NodeEvent>,
+    node: usize,
+    label: String,
+) {
     let mut buf = Vec::new();
     let mut warned = false;
     loop {
@@ -325,7 +332,7 @@ async fn read_events(mut r: impl AsyncBufRead + Unpin, tx: mpsc::UnboundedSender
         }
         match serde_json::from_str::<Event>(line) {
             Ok(event) => {
-                let _ = tx.send(NodeEvent::Line { event });
+                let _ = tx.send(NodeEvent::Line { node, event });
             }
             Err(e) if !warned => {
                 warned = true;

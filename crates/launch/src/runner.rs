@@ -5,7 +5,7 @@
 //! process when one fails, when the user presses Ctrl-C (or sends SIGTERM or SIGHUP), or
 //! when the job does not end within [`JobSpec::end_timeout`] after the last worker exited.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -65,6 +65,8 @@ pub struct JobSpec<'a> {
     pub end_timeout: Duration,
     /// Every node serves Prometheus metrics on a free port; print where to scrape them.
     pub metrics: bool,
+    /// Restart a worker that dies with its rank, at most this many times in all.
+    pub restart_workers: u32,
 }
 
 /// Everything a local run produced.
@@ -83,6 +85,19 @@ pub struct RunOutcome {
     pub final_eval: Option<(f32, f32)>,
     /// The scheduler's balancing history.
     pub balance: Option<BalanceLog>,
+    /// Workers the launcher restarted (`--restart-workers`).
+    pub restarts: Vec<Restart>,
+}
+
+/// A worker that died and was restarted with its rank.
+#[derive(Clone, Debug)]
+pub struct Restart {
+    /// Its rank.
+    pub rank: u32,
+    /// When it died, seconds since the launch.
+    pub t_s: f64,
+    /// How it exited.
+    pub status: String,
 }
 
 /// The environment of a user's worker command, spawn index `local_rank`, in a job whose
@@ -168,8 +183,8 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
             }
         };
         match next {
-            Ok(Some(NodeEvent::Line { event: Event::Listening { addr } })) => break addr,
-            Ok(Some(NodeEvent::Line { event: Event::Metrics { node, addr } })) => scrape.add(node, addr),
+            Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => break addr,
+            Ok(Some(NodeEvent::Line { event: Event::Metrics { node, addr }, .. })) => scrape.add(node, addr),
             Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
             Ok(Some(_)) => continue,
             Ok(None) | Err(_) => {
@@ -189,15 +204,20 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
         args.extend(spec.extra_server_args.iter().map(|a| a.replace("{i}", &i.to_string())));
         cluster.spawn(&format!("server {i}"), &args, &env)?;
     }
-    let mut worker_nodes = BTreeSet::new();
-    for i in 0..spec.job.workers {
-        let name = format!("worker {i}");
-        let node = match &spec.workers {
+    let spawn_worker = |cluster: &mut Cluster, i: u32, rank: Option<u32>| -> Result<usize> {
+        let name = match rank {
+            None => format!("worker {i}"),
+            Some(r) => format!("worker {i} (restarted as rank {r})"),
+        };
+        match &spec.workers {
             Workers::Role(data) => {
                 let mut args = vec!["worker".to_string(), "--scheduler".into(), addr.clone()];
                 args.extend(data.to_flags());
                 args.extend(spec.net.to_flags());
                 args.extend(metrics_flags.iter().cloned());
+                if let Some(r) = rank {
+                    args.extend(["--rank".into(), r.to_string()]);
+                }
                 cluster.spawn(&name, &args, &env)
             }
             Workers::Command { argv, env: extra } => {
@@ -205,18 +225,26 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
                 if spec.metrics {
                     env.push(("ELASTICPS_METRICS_LISTEN".into(), "127.0.0.1:0".into()));
                 }
+                if let Some(r) = rank {
+                    env.push(("ELASTICPS_RANK".into(), r.to_string()));
+                }
                 env.extend(extra.iter().cloned());
                 cluster.spawn_command(&name, argv, &env)
             }
-        };
-        match node {
-            Ok(node) => worker_nodes.insert(node),
+        }
+    };
+    // Worker node -> (spawn index, rank once an event named it).
+    let mut worker_nodes: BTreeMap<usize, (u32, Option<u32>)> = BTreeMap::new();
+    for i in 0..spec.job.workers {
+        match spawn_worker(&mut cluster, i, None) {
+            Ok(node) => worker_nodes.insert(node, (i, None)),
             Err(e) => {
                 cluster.stop(REAP_TIMEOUT).await;
                 return Err(e.then("every node started so far was stopped"));
             }
         };
     }
+    let mut restarts_left = spec.restart_workers;
 
     let bars = Bars::new(spec.quiet);
     let mut out = RunOutcome::default();
@@ -245,13 +273,35 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
         match next {
             None => break,
             Some(NodeEvent::Exited { node, status }) => {
+                let rank = worker_nodes.get(&node).and_then(|(_, r)| *r);
+                if !status.success()
+                    && restarts_left > 0
+                    && let (Some(rank), Some((i, _))) = (rank, worker_nodes.remove(&node))
+                {
+                    restarts_left -= 1;
+                    let line = format!(
+                        "[{}] exited with {status}; restarting it as rank {rank} ({restarts_left} restarts left)",
+                        cluster.name(node)
+                    );
+                    bars.println(true, &line);
+                    out.restarts.push(Restart { rank, t_s, status: status.to_string() });
+                    match spawn_worker(&mut cluster, i, Some(rank)) {
+                        Ok(again) => worker_nodes.insert(again, (i, Some(rank))),
+                        Err(e) => {
+                            bars.clear();
+                            cluster.stop(REAP_TIMEOUT).await;
+                            return Err(e.then("the worker could not be restarted; every other node was stopped"));
+                        }
+                    };
+                    continue;
+                }
                 if !status.success() {
                     bars.clear();
                     let err = cluster.failure(node, status);
                     cluster.stop(REAP_TIMEOUT).await;
                     return Err(err.then("the job failed; every other node was stopped"));
                 }
-                if worker_nodes.remove(&node) && worker_nodes.is_empty() {
+                if worker_nodes.remove(&node).is_some() && worker_nodes.is_empty() {
                     end_by = Some(tokio::time::Instant::now() + spec.end_timeout);
                 }
                 if cluster.all_exited() {
@@ -261,8 +311,11 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
             Some(NodeEvent::Output { node, line, stderr }) => {
                 bars.println(stderr, &format!("[{}] {line}", cluster.name(node)));
             }
-            Some(NodeEvent::Line { event }) => match event {
+            Some(NodeEvent::Line { node, event }) => match event {
                 Event::Progress { rank, iteration, total, loss } => {
+                    if let Some((_, r)) = worker_nodes.get_mut(&node) {
+                        *r = Some(rank);
+                    }
                     bars.update(rank, iteration.into(), Some(total.into()), Some(f64::from(loss)));
                     out.curve.push(CurvePoint {
                         t_s,
@@ -287,6 +340,9 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
                     });
                 }
                 Event::Log { rank, step, metrics } => {
+                    if let Some((_, r)) = worker_nodes.get_mut(&node) {
+                        *r = Some(rank);
+                    }
                     let loss = metrics.get("loss").copied();
                     let total = metrics.get("total").copied().filter(|t| t.is_finite() && *t >= 0.0);
                     bars.update(rank, step, total.map(|t| t as u64), loss);

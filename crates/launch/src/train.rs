@@ -38,6 +38,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> Result<R
         workers: Workers::Role(&cmd.data),
         end_timeout: crate::runner::JOB_END_TIMEOUT,
         metrics: cmd.run.metrics,
+        restart_workers: cmd.run.restart_workers,
     })
     .await
 }

@@ -59,6 +59,10 @@ pub struct ClientOptions {
     /// one round trip instead of two. On by default; off, the push and then, once its
     /// server acknowledged the round's pushes, the pull (to compare).
     pub fuse: bool,
+    /// Rejoin as this rank (a worker restarted after it was lost) instead of registering
+    /// as a new one: the scheduler welcomes it once every server took it back, and
+    /// [`Client::start_clock`] says the clock it goes on from.
+    pub rank: Option<u32>,
 }
 
 impl ClientOptions {
@@ -71,6 +75,7 @@ impl ClientOptions {
             metrics: None,
             window: DEFAULT_WINDOW,
             fuse: true,
+            rank: None,
         }
     }
 }
@@ -105,10 +110,13 @@ impl Client {
     /// Registers with the scheduler and learns this worker's rank.
     pub async fn connect(opts: ClientOptions) -> Result<Client> {
         let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
-        let (rank, num_workers) = match sched
-            .call(Control::RegisterWorker.into(), CALL_TIMEOUT, || "the scheduler to accept this worker".into())
-            .await?
-        {
+        let (hello, what) = match opts.rank {
+            None => (Control::RegisterWorker, "the scheduler to accept this worker".to_string()),
+            Some(rank) => {
+                (Control::RejoinWorker { rank }, format!("the scheduler to take worker {rank} back (every server)"))
+            }
+        };
+        let (rank, num_workers) = match sched.call(hello.into(), CALL_TIMEOUT, || what).await? {
             Message::Control(Control::Welcome { node_id, num_workers, .. }) => (node_id, num_workers),
             other => return Err(RuntimeError::unexpected("scheduler", "Welcome", &other)),
         };

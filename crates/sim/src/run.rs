@@ -148,6 +148,7 @@ fn outcome(cmd: &SimCmd, sim: &SimJob, model: &ScaledModel, end_us: u64) -> Resu
         curve: Vec::new(),
         final_eval: None,
         balance: Some(balance),
+        restarts: Vec::new(),
     })
 }
 

@@ -192,6 +192,28 @@ pub enum Control {
         /// The first clock.
         clock: u32,
     },
+    /// Tag 33: Worker -> scheduler, first message on its control connection instead of
+    /// `RegisterWorker`: worker `rank`, lost earlier, restarted. Reply: [`Control::Welcome`]
+    /// once every server took the rank back into its quorums (its first clock is then
+    /// [`Control::GetStartClock`]'s answer), or an `Error`.
+    RejoinWorker {
+        /// The rank it had.
+        rank: u32,
+    },
+    /// Tag 34: Scheduler -> server (notification): take worker `rank` back into the quorum
+    /// of every block. The server then sends [`Control::WorkerAdded`].
+    AddWorker {
+        /// The worker's rank.
+        rank: u32,
+    },
+    /// Tag 35: Server -> scheduler (notification), after `AddWorker`: the smallest clock
+    /// the worker is to push next on this server's blocks (`u32::MAX` with none).
+    WorkerAdded {
+        /// The worker's rank.
+        rank: u32,
+        /// Its next clock here.
+        clock: u32,
+    },
 }
 
 /// A job's checkpoints: part of [`Control::Checkpointing`].

@@ -57,6 +57,9 @@ mod common {
             Control::CheckpointWritten { .. } => 30,
             Control::GetStartClock => 31,
             Control::StartClock { .. } => 32,
+            Control::RejoinWorker { .. } => 33,
+            Control::AddWorker { .. } => 34,
+            Control::WorkerAdded { .. } => 35,
         }
     }
 
@@ -376,6 +379,9 @@ mod common {
                 .prop_map(|(clock, blocks)| Control::CheckpointWritten { clock, blocks }),
             Just(Control::GetStartClock),
             any::<u32>().prop_map(|clock| Control::StartClock { clock }),
+            any::<u32>().prop_map(|rank| Control::RejoinWorker { rank }),
+            any::<u32>().prop_map(|rank| Control::AddWorker { rank }),
+            any::<(u32, u32)>().prop_map(|(rank, clock)| Control::WorkerAdded { rank, clock }),
         ]
     }
 

@@ -234,6 +234,13 @@ impl Elastic {
         self.workers.entry(rank).or_insert(WorkerStatus { rank, clock: 0, iter_ms: f64::NAN, done: true }).done = true;
     }
 
+    /// A lost worker was restarted and is back in the job.
+    pub fn worker_rejoined(&mut self, rank: u32) {
+        if let Some(w) = self.workers.get_mut(&rank) {
+            w.done = false;
+        }
+    }
+
     /// The old owner reports the end of a migration; on success the placement changes.
     /// Returns false if the report does not match the migration in flight.
     pub fn migrated(&mut self, r: &MigrationReport, placement: &mut Placement, now_us: u64) -> (bool, Vec<Order>) {

@@ -142,6 +142,17 @@ enum Role {
     Worker(u32),
 }
 
+/// A restarted worker waiting for the servers to take its rank back.
+#[derive(Debug)]
+struct Rejoin {
+    conn: ConnId,
+    request_id: u64,
+    /// Servers (by id) that have not answered `AddWorker` yet.
+    waiting: BTreeSet<u32>,
+    /// The smallest next clock they answered.
+    clock: u32,
+}
+
 #[derive(Debug)]
 struct Node {
     role: Role,
@@ -163,7 +174,12 @@ pub struct Scheduler {
     /// Workers waiting in a `Barrier`: (connection, request id, rank).
     barrier: Vec<(ConnId, u64, u32)>,
     finished_workers: BTreeSet<u32>,
-    failed_workers: Vec<String>,
+    /// Workers lost before they finished: rank -> why (a rank that rejoins leaves it).
+    failed_workers: BTreeMap<u32, String>,
+    /// Restarted workers waiting for every server to take them back: rank -> the wait.
+    rejoining: BTreeMap<u32, Rejoin>,
+    /// The first clock of each worker that rejoined.
+    rejoin_clocks: BTreeMap<u32, u32>,
     now_us: u64,
     last_wait_log_us: u64,
     heartbeat_timeout_us: u64,
@@ -191,7 +207,9 @@ impl Scheduler {
             waiting_for_layout: Vec::new(),
             barrier: Vec::new(),
             finished_workers: BTreeSet::new(),
-            failed_workers: Vec::new(),
+            failed_workers: BTreeMap::new(),
+            rejoining: BTreeMap::new(),
+            rejoin_clocks: BTreeMap::new(),
             now_us: 0,
             last_wait_log_us: 0,
             heartbeat_timeout_us,
@@ -372,7 +390,20 @@ impl Scheduler {
                 self.try_assign(out);
                 self.answer_layout_waiters(out);
             }
-            (Control::GetStartClock, Some(_)) => reply(out, Control::StartClock { clock: self.start_clock() }.into()),
+            (Control::GetStartClock, Some(role)) => {
+                let rejoined = match role {
+                    Role::Worker(rank) => self.rejoin_clocks.get(&rank).copied(),
+                    Role::Server(_) => None,
+                };
+                reply(out, Control::StartClock { clock: rejoined.unwrap_or(self.start_clock()) }.into())
+            }
+            (Control::RejoinWorker { rank }, None) => {
+                if let Err(message) = self.rejoin(conn, request_id, rank, out) {
+                    refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
+            (Control::WorkerAdded { rank, clock }, Some(Role::Server(id))) => self.worker_added(rank, id, clock, out),
             (Control::CheckpointWritten { clock, blocks }, Some(Role::Server(_))) => {
                 self.checkpoint_written(clock, blocks, out)
             }
@@ -656,6 +687,61 @@ impl Scheduler {
         }
     }
 
+    /// A restarted worker asks to come back as `rank`: every live server is asked to take
+    /// it back ([`Control::AddWorker`]); it is welcomed once they all answered.
+    fn rejoin(&mut self, conn: ConnId, request_id: u64, rank: u32, out: &mut Vec<Action>) -> Result<(), String> {
+        if rank >= self.config.workers {
+            return Err(format!("worker {rank} cannot rejoin: the job has workers 0..{}", self.config.workers));
+        }
+        if !self.failed_workers.contains_key(&rank) {
+            let what = if self.finished_workers.contains(&rank) { "finished" } else { "still in the job" };
+            return Err(format!("worker {rank} cannot rejoin: it is {what}"));
+        }
+        if self.rejoining.contains_key(&rank) {
+            return Err(format!("worker {rank} is already rejoining"));
+        }
+        let live: Vec<(u32, ConnId)> = self
+            .nodes
+            .iter()
+            .filter_map(|(c, n)| match n.role {
+                Role::Server(id) => Some((id, *c)),
+                Role::Worker(_) => None,
+            })
+            .collect();
+        tracing::info!(rank, servers = live.len(), "a restarted worker rejoins");
+        let mut waiting = BTreeSet::new();
+        for (id, server) in live {
+            waiting.insert(id);
+            out.push(Action::Send { conn: server, request_id: 0, msg: Control::AddWorker { rank }.into() });
+        }
+        self.rejoining.insert(rank, Rejoin { conn, request_id, waiting, clock: u32::MAX });
+        self.worker_added(rank, u32::MAX, u32::MAX, out);
+        Ok(())
+    }
+
+    /// Server `server` took `rank` back (its next clock there is `clock`); the last one
+    /// to answer welcomes the worker.
+    fn worker_added(&mut self, rank: u32, server: u32, clock: u32, out: &mut Vec<Action>) {
+        let Some(r) = self.rejoining.get_mut(&rank) else { return };
+        r.waiting.remove(&server);
+        r.clock = r.clock.min(clock);
+        if !r.waiting.is_empty() {
+            return;
+        }
+        let Some(r) = self.rejoining.remove(&rank) else { return };
+        let clock = if r.clock == u32::MAX { self.start_clock() } else { r.clock };
+        tracing::info!(rank, clock, "worker rejoined");
+        self.failed_workers.remove(&rank);
+        self.finished_workers.remove(&rank);
+        self.elastic.worker_rejoined(rank);
+        self.rejoin_clocks.insert(rank, clock);
+        if let Some(c) = self.workers.get_mut(rank as usize) {
+            *c = r.conn;
+        }
+        self.nodes.insert(r.conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
+        out.push(Action::Send { conn: r.conn, request_id: r.request_id, msg: self.welcome(rank) });
+    }
+
     fn worker_left(&mut self, rank: u32, out: &mut Vec<Action>) {
         if !self.finished_workers.insert(rank) {
             return;
@@ -670,7 +756,9 @@ impl Scheduler {
             if self.failed_workers.is_empty() {
                 self.finish(true, "every worker finished".into(), out);
             } else {
-                let reason = format!("the job ended without {}", self.failed_workers.join(", "));
+                let failed: Vec<String> =
+                    self.failed_workers.iter().map(|(r, why)| format!("worker {r} ({why})")).collect();
+                let reason = format!("the job ended without {}", failed.join(", "));
                 self.finish(false, reason, out);
             }
         }
@@ -695,7 +783,7 @@ impl Scheduler {
             }
             Role::Worker(rank) if !self.finished_workers.contains(&rank) => {
                 tracing::error!(rank, %why, "worker lost before it finished; removing it from every quorum");
-                self.failed_workers.push(format!("worker {rank} ({why})"));
+                self.failed_workers.insert(rank, why.to_string());
                 self.worker_left(rank, out);
             }
             Role::Worker(_) => {}
@@ -871,6 +959,31 @@ mod tests {
     }
 
     /// Two servers and two workers with a model of `len` values (blocks of 4) placed.
+    #[test]
+    fn a_lost_worker_rejoins_once_every_server_took_it_back_and_the_job_then_ends_well() {
+        let mut m = running(config(), 24);
+        let refused = |a: &[Action], conn| sent_to(a, conn).iter().any(|m| matches!(m, Message::Error(_)));
+        assert!(refused(&recv(&mut m, 3, 1, Control::RejoinWorker { rank: 1 }), 3), "rank 1 is still in the job");
+        assert!(refused(&recv(&mut m, 4, 1, Control::RejoinWorker { rank: 7 }), 4), "no rank 7");
+        let a = m.step(Event::Lost { conn: 2, why: "closed".into() });
+        assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::RemoveWorker { rank: 1 }))));
+        // Restarted: every server is asked to take rank 1 back; the worker waits for both.
+        let a = recv(&mut m, 5, 1, Control::RejoinWorker { rank: 1 });
+        for server in [10, 11] {
+            assert!(sent_to(&a, server).iter().any(|m| matches!(m, Message::Control(Control::AddWorker { rank: 1 }))));
+        }
+        assert!(sent_to(&a, 5).is_empty(), "no welcome before the servers answered");
+        assert!(recv(&mut m, 10, 0, Control::WorkerAdded { rank: 1, clock: 9 }).is_empty());
+        let a = recv(&mut m, 11, 0, Control::WorkerAdded { rank: 1, clock: 7 });
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
+        let a = recv(&mut m, 5, 2, Control::GetStartClock);
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::StartClock { clock: 7 })]), "{a:?}");
+        assert!(refused(&recv(&mut m, 6, 1, Control::RejoinWorker { rank: 1 }), 6), "rank 1 is back");
+        recv(&mut m, 1, 5, Control::WorkerDone { rank: 0 });
+        let a = recv(&mut m, 5, 5, Control::WorkerDone { rank: 1 });
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })), "{a:?}");
+    }
+
     fn running(config: JobConfig, len: usize) -> Scheduler {
         let mut m = Scheduler::new(config, 10_000_000).with_launcher(true);
         recv(&mut m, 1, 1, Control::RegisterWorker);

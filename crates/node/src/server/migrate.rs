@@ -356,6 +356,9 @@ impl Server {
         for rank in &self.removed_workers {
             b.remove_worker(&config, *rank, now_us);
         }
+        for rank in &self.added_workers {
+            b.add_worker(*rank);
+        }
         let id = shard.id;
         let arrived = Owned::new(b, epoch, Phase::Arrived { parked: Vec::new(), since_us: now_us });
         let stale = self.slots.insert(block, Slot::Owned(arrived));

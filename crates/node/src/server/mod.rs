@@ -256,6 +256,8 @@ pub struct Server {
     incoming: BTreeMap<BlockId, (u64, BlockState)>,
     /// Workers removed from every quorum: a block arriving later leaves them out too.
     removed_workers: Vec<u32>,
+    /// Removed workers taken back (restarted): a block arriving later takes them back too.
+    added_workers: Vec<u32>,
     counters: Counters,
     conns: BTreeMap<ConnId, Conn>,
     calls: BTreeMap<u64, Call>,
@@ -287,6 +289,7 @@ impl Server {
             slots: BTreeMap::new(),
             incoming: BTreeMap::new(),
             removed_workers: Vec::new(),
+            added_workers: Vec::new(),
             counters: Counters::default(),
             conns: BTreeMap::new(),
             calls: BTreeMap::new(),
@@ -691,6 +694,7 @@ impl Server {
                 self.migrate_out(now_us, block, to, to_addr, epoch, out)
             }
             Message::Control(Control::RemoveWorker { rank }) => self.remove_worker(now_us, rank, out),
+            Message::Control(Control::AddWorker { rank }) => self.add_worker(rank, out),
             Message::Control(Control::Checkpointing(plan)) => {
                 tracing::info!(server = self.id, dir = %plan.dir, every = plan.every, resume = ?plan.resume.as_ref().map(|r| r.clock), "checkpoint plan");
                 self.checkpoint = Some(plan);
@@ -821,6 +825,7 @@ impl Server {
         self.slots = slots;
         self.incoming.clear();
         self.removed_workers.clear();
+        self.added_workers.clear();
         self.counters.departed = Default::default();
         self.counters.departed_hold = Default::default();
         self.last_report_us = now_us;
@@ -832,6 +837,7 @@ impl Server {
         let Some(shard) = self.shard.as_ref() else { return };
         tracing::info!(server = shard.id, rank, "worker removed from every quorum");
         self.removed_workers.push(rank);
+        self.added_workers.retain(|r| *r != rank);
         let mut answers = Vec::new();
         let mut before = Vec::new();
         for (id, slot) in self.slots.iter_mut() {
@@ -845,6 +851,25 @@ impl Server {
         for (block, done) in before {
             self.checkpoint_if_due(now_us, block, done, out);
         }
+    }
+
+    /// A removed worker restarted: every block here takes it back into its quorum (and a
+    /// block arriving later too); the scheduler learns the smallest clock it goes on from.
+    fn add_worker(&mut self, rank: u32, out: &mut Vec<Action>) {
+        self.removed_workers.retain(|r| *r != rank);
+        if !self.added_workers.contains(&rank) {
+            self.added_workers.push(rank);
+        }
+        let mut clock = u32::MAX;
+        for slot in self.slots.values_mut() {
+            if let Slot::Owned(o) = slot
+                && let Some(next) = o.block.add_worker(rank)
+            {
+                clock = clock.min(next);
+            }
+        }
+        tracing::info!(server = self.id, rank, clock, "worker taken back into every quorum");
+        out.push(Action::ToScheduler { request_id: 0, msg: Control::WorkerAdded { rank, clock }.into() });
     }
 
     /// After a push or a removal took `block` from clock `before` on: if it just reached a

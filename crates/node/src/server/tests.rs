@@ -481,3 +481,51 @@ fn push_pulls_across_a_handover_apply_every_push_once() {
     assert_eq!(pulled(&r), vec![(1, 20, vec![-3.0; LEN]), (2, 21, vec![-3.0; LEN])]);
     assert_eq!(b.metrics_snapshot().totals.pushes, 1, "only worker 1's push is new here");
 }
+
+#[test]
+fn a_worker_taken_back_holds_the_quorum_again_from_the_quorums_clock() {
+    let mut s = server(0, SyncPolicy::Bsp);
+    let sched = |s: &mut Server, msg: Control| s.step(1, Event::FromScheduler { request_id: 0, msg: msg.into() });
+    sched(&mut s, Control::RemoveWorker { rank: 1 });
+    for t in 0..3 {
+        assert!(acked(&push(&mut s, 2, 0, 10 + u64::from(t), 0, t, 1.0), 1, 10 + u64::from(t)));
+    }
+    // Restarted: its next clock is the quorum's, 3; the scheduler learns it.
+    let a = sched(&mut s, Control::AddWorker { rank: 1 });
+    assert!(
+        a.iter().any(|x| matches!(
+            x,
+            Action::ToScheduler { msg: Message::Control(Control::WorkerAdded { rank: 1, clock: 3 }), .. }
+        )),
+        "{a:?}"
+    );
+    // bsp pull(4) waits for it again; a clock the quorum went without is a duplicate.
+    assert!(pulled(&pull(&mut s, 3, 0, 20, 0, 4)).is_empty());
+    assert!(acked(&push(&mut s, 3, 0, 21, 0, 3, 1.0), 1, 21));
+    assert!(acked(&push(&mut s, 3, 1, 22, 0, 2, 5.0), 2, 22), "a duplicate is acknowledged, not applied");
+    let a = push(&mut s, 4, 1, 23, 0, 3, 1.0);
+    assert_eq!(pulled(&a), vec![(1, 20, vec![-5.0; LEN])], "released by the rejoined worker's clock 3");
+}
+
+#[test]
+fn a_push_past_the_next_checkpoint_waits_until_its_block_is_written() {
+    let mut s = server(0, SyncPolicy::Ssp(3));
+    let plan = elasticps_wire::CheckpointPlan { dir: "d".into(), every: 2, resume: None };
+    s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Checkpointing(plan).into() });
+    for t in 0..2 {
+        assert!(acked(&push(&mut s, 1, 0, 10 + u64::from(t), 0, t, 1.0), 1, 10 + u64::from(t)));
+    }
+    // Worker 0 is at clock 2, the checkpoint's: its push waits for worker 1 to get there.
+    assert!(replies(&push(&mut s, 2, 0, 12, 0, 2, 1.0)).is_empty());
+    assert!(acked(&push(&mut s, 3, 1, 20, 0, 0, 2.0), 2, 20));
+    let a = push(&mut s, 4, 1, 21, 0, 1, 2.0);
+    let states: Vec<_> = a
+        .iter()
+        .filter_map(|x| match x {
+            Action::Checkpoint { clock, state, .. } => Some((*clock, state.values.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(states, vec![(2, vec![-6.0; LEN])], "exactly the pushes of clocks 0 and 1");
+    assert!(acked(&a, 2, 21) && acked(&a, 1, 12), "the waiting push is served once the state is taken");
+}
