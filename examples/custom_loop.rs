@@ -42,7 +42,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         balance: Default::default(),
         max_servers: 2,
         min_servers: 2,
-        checkpoint: None, // no checkpoints (--checkpoint-dir)
+        checkpoint: None,  // no checkpoints (--checkpoint-dir)
+        rejoin_wait_us: 0, // a lost worker is not waited for
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let sched_opts = SchedulerOptions {

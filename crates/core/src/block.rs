@@ -282,11 +282,39 @@ impl<T> Block<T> {
             hold_hist: Histogram::default(),
             log: None,
         };
-        for p in delta {
-            block.push(config, p.worker, p.clock, &p.grad, 0)?;
-        }
-        block.stats = BlockStats::default();
+        block.replay(config, delta, &[])?;
         Ok(block)
+    }
+
+    /// Replays the pushes `delta` of a migration in order (duplicates dropped). A push of
+    /// a worker in `rejoined` past its next clock skips it there ([`Block::push_rejoined`]).
+    /// The counters stay as they were: the pushes were counted by the old owner.
+    pub fn replay(&mut self, config: &ShardConfig, delta: &[LoggedPush], rejoined: &[u32]) -> Result<(), CoreError> {
+        let stats = self.stats;
+        for p in delta {
+            if rejoined.contains(&p.worker) {
+                self.push_rejoined(config, p.worker, p.clock, &p.grad, 0)?;
+            } else {
+                self.push(config, p.worker, p.clock, &p.grad, 0)?;
+            }
+        }
+        self.stats = stats;
+        Ok(())
+    }
+
+    /// [`Block::push`] from a worker that rejoined (restarted with its rank): a clock past
+    /// its next one skips the clocks between instead of being refused as a gap (each copy
+    /// of a block may have taken it back at another clock).
+    pub fn push_rejoined(
+        &mut self,
+        config: &ShardConfig,
+        worker: u32,
+        clock: Clock,
+        grad: &[f32],
+        now_us: u64,
+    ) -> Result<Vec<Answer<T>>, CoreError> {
+        self.clocks.skip_to(worker, clock);
+        self.push(config, worker, clock, grad, now_us)
     }
 
     /// Replaces the initial values (the first worker's parameters, broadcast), allowed
@@ -469,6 +497,21 @@ impl<T> Block<T> {
     /// next clock it is to push here.
     pub fn add_worker(&mut self, worker: u32) -> Option<Clock> {
         self.clocks.add_worker(worker)
+    }
+
+    /// A worker that rejoined goes on from `clock` here (its pull of `clock`: it pushes no
+    /// clock before it): the clocks between are skipped ([`Clocks::skip_to`]). Returns the
+    /// held pulls this releases.
+    pub fn skip_to(&mut self, config: &ShardConfig, worker: u32, clock: Clock, now_us: u64) -> Vec<Answer<T>> {
+        let before = self.clocks.done();
+        self.clocks.skip_to(worker, clock);
+        if self.clocks.done() == before {
+            return Vec::new();
+        }
+        if config.optimizer.aggregate {
+            self.apply_complete_clocks(config.optimizer);
+        }
+        self.release(config.sync, now_us)
     }
 
     /// Takes every held pull out, for a block that is leaving this server.

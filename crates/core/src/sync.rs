@@ -388,6 +388,18 @@ impl Clocks {
         self.pushed(worker)
     }
 
+    /// A worker that rejoined goes on at `clock`, past its next one: the clocks between
+    /// are skipped (the quorum went on without them). Nothing changes if it is already
+    /// there; `done` never goes back.
+    pub fn skip_to(&mut self, worker: u32, clock: Clock) {
+        if let Some(p) = self.pushed.get_mut(worker as usize)
+            && clock > *p
+        {
+            *p = clock;
+            self.rescan();
+        }
+    }
+
     /// Number of workers still in the quorum.
     pub fn active_workers(&self) -> u32 {
         self.active.iter().filter(|a| **a).count() as u32

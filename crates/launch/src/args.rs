@@ -176,6 +176,11 @@ pub struct JobArgs {
     /// DIR by default).
     #[arg(long, env = "ELASTICPS_RESUME", value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Once every other worker is done, wait this long for lost workers to rejoin
+    /// (restarted with their rank) before the job ends without them
+    /// [default: 0; 60 with train/launch --restart-workers].
+    #[arg(long, env = "ELASTICPS_REJOIN_WAIT_S", value_name = "SECONDS", default_value_t = 0.0)]
+    pub rejoin_wait_s: f64,
 }
 
 impl JobArgs {
@@ -204,6 +209,10 @@ impl JobArgs {
         ensure_flags!(max_servers >= servers, "--max-servers {max_servers} is below --servers {servers}");
         ensure_flags!(min_servers >= 1, "--min-servers must be at least 1");
         ensure_flags!(min_servers <= servers, "--min-servers {min_servers} is above --servers {servers}");
+        ensure_flags!(
+            self.rejoin_wait_s.is_finite() && self.rejoin_wait_s >= 0.0,
+            "--rejoin-wait-s must be a non-negative number of seconds"
+        );
         ensure_flags!(
             self.checkpoint_dir.is_none() || self.checkpoint_every > 0,
             "--checkpoint-dir needs --checkpoint-every N (clocks between checkpoints)"
@@ -240,6 +249,7 @@ impl JobArgs {
             max_servers,
             min_servers,
             checkpoint,
+            rejoin_wait_us: (self.rejoin_wait_s * 1e6) as u64,
         })
     }
 
@@ -319,6 +329,9 @@ impl JobArgs {
         }
         if let Some(d) = &self.resume {
             f.extend(["--resume".into(), d.display().to_string()]);
+        }
+        if self.rejoin_wait_s > 0.0 {
+            f.extend(["--rejoin-wait-s".into(), self.rejoin_wait_s.to_string()]);
         }
         f
     }

@@ -23,6 +23,9 @@ use crate::{LaunchError, Result};
 /// How long the scheduler and the servers may take, by default, to end the job once every
 /// worker has exited (the scheduler ends it when every worker called `finish`).
 pub const JOB_END_TIMEOUT: Duration = Duration::from_secs(45);
+/// With `--restart-workers`, how long the scheduler waits for a restarted worker to
+/// rejoin once every other worker is done, seconds.
+pub const RESTART_REJOIN_WAIT_S: u32 = 60;
 /// How long the scheduler may take to report its address.
 const SCHEDULER_START_TIMEOUT: Duration = Duration::from_secs(20);
 /// Keys of a `log` event that the runner reads itself; every other key is kept in the
@@ -170,6 +173,10 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
     let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into(), "--log-dir".into()];
     args.push(log_dir.display().to_string());
     args.extend(spec.job.to_flags());
+    if spec.restart_workers > 0 && spec.job.rejoin_wait_s == 0.0 {
+        // A worker being restarted may come back after the others finished.
+        args.extend(["--rejoin-wait-s".into(), RESTART_REJOIN_WAIT_S.to_string()]);
+    }
     args.extend(spec.net.to_flags());
     args.extend(metrics_flags.iter().cloned());
     let sched = cluster.spawn("scheduler", &args, &env)?;

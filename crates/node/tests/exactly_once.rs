@@ -172,6 +172,7 @@ impl Case {
                 every: self.checkpoint_every,
                 resume: None,
             }),
+            rejoin_wait_us: 0,
         }
     }
 
@@ -324,10 +325,25 @@ pub fn run(case: &Case) -> Run {
     run_traced(case, false)
 }
 
-/// [`run`], keeping the network's trace of every delivery if `trace`.
-pub fn run_traced(case: &Case, trace: bool) -> Run {
+/// The training loop of worker `rank` of `case` (the same for a restarted one).
+fn training(case: &Case) -> impl FnMut(u32) -> TrainingLoop + 'static {
+    let tensors = case.model();
+    let (iterations, seed, (base, spread), fuse) = (case.iterations, case.seed, case.compute_us, case.fuse);
+    move |_| TrainingLoop {
+        tensors: tensors.clone(),
+        iterations,
+        compute_us: Box::new(move |rank, t| base + mix(seed ^ (u64::from(rank) << 32) ^ u64::from(t)) % spread.max(1)),
+        grad,
+        timeout_us: 300_000_000,
+        fuse,
+    }
+}
+
+/// The job of `case` (run as `job` says) on the harness, its operator added (its
+/// requests logged in the returned list), not started.
+fn job_of(case: &Case, job: JobConfig, trace: bool) -> (SimJob, Rc<RefCell<Vec<Sent>>>) {
     let mut setup =
-        JobSetup::new(ClusterConfig { seed: case.seed, jitter_us: case.jitter_us, ..ClusterConfig::new(case.job()) });
+        JobSetup::new(ClusterConfig { seed: case.seed, jitter_us: case.jitter_us, ..ClusterConfig::new(job) });
     setup.server_model = ServerModel { apply_bps: 0, check_bound: true };
     if case.psld.is_some() {
         // Tensor payloads weigh 64 KB, so that a capped server is slow.
@@ -337,16 +353,7 @@ pub fn run_traced(case: &Case, trace: bool) -> Run {
         });
         setup.weigh = weigh;
     }
-    let tensors = case.model();
-    let (iterations, seed, (base, spread), fuse) = (case.iterations, case.seed, case.compute_us, case.fuse);
-    let mut sim = SimJob::new(setup, |_| TrainingLoop {
-        tensors: tensors.clone(),
-        iterations,
-        compute_us: Box::new(move |rank, t| base + mix(seed ^ (u64::from(rank) << 32) ^ u64::from(t)) % spread.max(1)),
-        grad,
-        timeout_us: 300_000_000,
-        fuse,
-    });
+    let mut sim = SimJob::new(setup, training(case));
     sim.cluster_mut().network_mut().set_trace(trace);
     let log = Rc::new(RefCell::new(Vec::new()));
     let plan: Vec<(u64, ScaleRequest)> = case
@@ -358,6 +365,12 @@ pub fn run_traced(case: &Case, trace: bool) -> Run {
         })
         .collect();
     sim.add_driver(Box::new(Operator { plan, conn: None, log: log.clone() }));
+    (sim, log)
+}
+
+/// [`run`], keeping the network's trace of every delivery if `trace`.
+pub fn run_traced(case: &Case, trace: bool) -> Run {
+    let (mut sim, log) = job_of(case, case.job(), trace);
 
     let mut drops: Vec<Op> = case.ops.iter().filter(|op| matches!(op, Op::Drop { .. })).copied().collect();
     drops.sort_by_key(Op::at_us);
@@ -786,6 +799,86 @@ proptest! {
 // ---- fixed tests ---------------------------------------------------------------------
 
 /// `n` cases of `strategy`, the same on every run.
+/// Runs `case` (its operator's requests, no drops) and, at `crash_us`, kills worker
+/// `victim` (by spawn order) as a kill -9 would and starts it again with its rank; then
+/// checks the job as a user would: it ends well, every other worker ran every iteration,
+/// the restarted one ran from the clock it rejoined at to the end, and no pull was
+/// answered against the sync policy's bound. `Ok(false)` if the victim was not running
+/// then (not registered yet, or done).
+fn crash_and_rejoin(case: &Case, crash_us: u64, victim: usize) -> Result<bool, String> {
+    // The scheduler waits for the restarted worker even if the others finish first.
+    let (mut sim, _) = job_of(case, JobConfig { rejoin_wait_us: 60_000_000, ..case.job() }, false);
+    if sim.run(crash_us, MAX_EVENTS).is_some() {
+        return Ok(false);
+    }
+    let Some((node, w)) = sim.workers().nth(victim) else { return Ok(false) };
+    let (Some(rank), Stage::Computing(_) | Stage::Communicating(_)) = (w.rank(), w.stage()) else { return Ok(false) };
+    sim.cluster_mut().crash(node, true);
+    let again = sim.restart_worker(rank, training(case)(rank));
+    let left = MAX_EVENTS.saturating_sub(sim.cluster().events());
+    let Some(end) = sim.run(HORIZON_US, left) else {
+        let stages: Vec<_> = sim.workers().map(|(_, w)| (w.rank(), w.stage().clone())).collect();
+        return Err(format!("the job did not end: workers {stages:?}"));
+    };
+    if !end.ok {
+        return Err(format!("the job failed: {}", end.reason));
+    }
+    for (n, w) in sim.workers().filter(|(n, _)| *n != node) {
+        let ran = w.record().iteration_ends_us.len() as u32;
+        let want = if n == again { case.iterations - w.start_clock().min(case.iterations) } else { case.iterations };
+        if *w.stage() != Stage::Done || ran != want {
+            return Err(format!(
+                "worker {:?} (restarted: {}) ended {:?} after {ran} of {want} iterations",
+                w.rank(),
+                n == again,
+                w.stage()
+            ));
+        }
+    }
+    for (_, s) in sim.servers() {
+        if !s.violations().is_empty() {
+            return Err(format!("pulls answered against the bound: {:?}", s.violations()));
+        }
+    }
+    Ok(true)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(200), ..ProptestConfig::default() })]
+
+    /// Issue 10, item 3: a worker killed at any moment and restarted with its rank rejoins
+    /// and the job completes, under every policy, while blocks move.
+    #[test]
+    fn a_worker_killed_and_restarted_with_its_rank_rejoins_and_the_job_completes(
+        c in case(false),
+        at in 0.05f64..0.9,
+        victim in 0usize..4,
+    ) {
+        let c = Case { ops: c.ops.iter().filter(|op| matches!(op, Op::Scale { .. })).copied().collect(), ..c };
+        let window = u64::from(c.iterations) * (c.compute_us.0 + c.compute_us.1 / 2);
+        let crash_us = 1_000 + (window as f64 * at) as u64;
+        if let Err(e) = crash_and_rejoin(&c, crash_us, victim % c.workers as usize) {
+            return Err(TestCaseError::fail(format!("{e} (crash at {crash_us} us)")));
+        }
+    }
+}
+
+/// The rejoin proptest's schedules do kill running workers: most cases crash one.
+#[test]
+fn the_rejoin_schedules_kill_running_workers() {
+    let cases = sample(case(false), 100);
+    let crashed = cases
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| {
+            let window = u64::from(c.iterations) * (c.compute_us.0 + c.compute_us.1 / 2);
+            let crash_us = 1_000 + window * (1 + *i as u64 % 8) / 10;
+            crash_and_rejoin(c, crash_us, i % c.workers as usize).expect("the rejoin property holds")
+        })
+        .count();
+    assert!(crashed >= 60, "only {crashed} of 100 schedules killed a running worker");
+}
+
 fn sample(strategy: impl Strategy<Value = Case>, n: usize) -> Vec<Case> {
     let mut runner = TestRunner::deterministic();
     (0..n).map(|_| strategy.new_tree(&mut runner).expect("a case").current()).collect()

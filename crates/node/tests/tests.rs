@@ -32,6 +32,7 @@ mod harness {
             max_servers: servers,
             min_servers: servers,
             checkpoint: None,
+            rejoin_wait_us: 0,
         }
     }
 
@@ -395,6 +396,7 @@ mod job {
             max_servers: servers,
             min_servers: servers,
             checkpoint: None,
+            rejoin_wait_us: 0,
         }
     }
 

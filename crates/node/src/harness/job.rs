@@ -155,6 +155,15 @@ impl SimJob {
         node
     }
 
+    /// Adds a worker restarted after it was lost: it rejoins as `rank` and runs `training`
+    /// from the clock the job is at.
+    pub fn restart_worker(&mut self, rank: u32, training: TrainingLoop) -> NodeId {
+        let role = JobRole::Worker(WorkerRole::rejoining(training, rank));
+        let node = self.cluster.add(NodeKind::Worker(rank), self.setup.worker_link, role);
+        self.workers.push(node);
+        node
+    }
+
     /// Adds a test driver.
     pub fn add_driver(&mut self, role: Box<dyn Role>) -> NodeId {
         let i = self.cluster.network().node_count() as u32;

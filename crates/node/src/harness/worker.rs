@@ -34,6 +34,7 @@ const WAKE: u64 = 2;
 const REGISTER: u64 = 1;
 const DEFINE: u64 = 2;
 const DONE: u64 = 3;
+const START: u64 = 4;
 const FIRST_LAYOUT_CALL: u64 = 16;
 /// Request id of Hello on a server's connection.
 const HELLO: u64 = 1;
@@ -109,6 +110,10 @@ pub struct WorkerRole {
     work: TrainingLoop,
     stage: Stage,
     rank: Option<u32>,
+    /// Restarted: rejoin as this rank instead of registering.
+    rejoin: Option<u32>,
+    /// The first clock (0; a rejoined worker's is the scheduler's answer).
+    start: Clock,
     sched: Option<ConnId>,
     plan: Option<Worker>,
     layout: Option<Layout>,
@@ -142,6 +147,8 @@ impl WorkerRole {
             work,
             stage: Stage::Registering,
             rank: None,
+            rejoin: None,
+            start: 0,
             sched: None,
             plan: None,
             layout: None,
@@ -155,6 +162,17 @@ impl WorkerRole {
             record: WorkerRecord::default(),
             grads: Vec::new(),
         }
+    }
+
+    /// A worker restarted after it was lost: it rejoins as `rank` and goes on from the
+    /// clock the scheduler gives it.
+    pub fn rejoining(work: TrainingLoop, rank: u32) -> Self {
+        Self { rejoin: Some(rank), ..Self::new(work) }
+    }
+
+    /// The clock it started at (0, or where it rejoined).
+    pub fn start_clock(&self) -> Clock {
+        self.start
     }
 
     /// Its rank, once registered.
@@ -233,7 +251,7 @@ impl WorkerRole {
     fn start_round(&mut self, out: &mut Outbox<'_>) {
         let (Some(plan), Some(layout)) = (self.plan.as_mut(), self.layout.as_ref()) else { return };
         let (push, pull) = match self.stage {
-            Stage::Starting => (None, Some(0)),
+            Stage::Starting => (None, Some(self.start)),
             Stage::Communicating(t) => {
                 let last_pulls = t + 1 < self.work.iterations || self.rank == Some(0);
                 (Some(PushOp::Grad(t)), last_pulls.then_some(t + 1))
@@ -353,7 +371,13 @@ impl WorkerRole {
         match self.stage {
             Stage::Starting => {
                 self.record.started_us = now;
-                self.compute(out, 0);
+                if self.start < self.work.iterations {
+                    self.compute(out, self.start);
+                } else {
+                    self.stage = Stage::Finishing;
+                    let rank = self.rank.unwrap_or(0);
+                    self.call_scheduler(out, DONE, Control::WorkerDone { rank }.into());
+                }
             }
             Stage::Communicating(t) => {
                 self.record.comm_us.push(now - self.round_started_us);
@@ -388,6 +412,16 @@ impl WorkerRole {
             }
             (DEFINE, Message::Control(Control::Layout(layout))) => {
                 self.install(out, layout);
+                if self.rejoin.is_some() {
+                    // Where the job is: the clock to go on from.
+                    self.call_scheduler(out, START, Control::GetStartClock.into());
+                } else {
+                    self.stage = Stage::Starting;
+                    self.start_round(out);
+                }
+            }
+            (START, Message::Control(Control::StartClock { clock })) => {
+                self.start = clock;
                 self.stage = Stage::Starting;
                 self.start_round(out);
             }
@@ -418,7 +452,11 @@ impl Role for WorkerRole {
     fn on_start(&mut self, out: &mut Outbox<'_>) {
         let sched = out.connect(out.scheduler());
         self.sched = Some(sched);
-        out.send(sched, REGISTER, Control::RegisterWorker.into());
+        let hello = match self.rejoin {
+            None => Control::RegisterWorker,
+            Some(rank) => Control::RejoinWorker { rank },
+        };
+        out.send(sched, REGISTER, hello.into());
         out.wake_at(out.now_us() + WORKER_HEARTBEAT_US, HEARTBEAT);
     }
 

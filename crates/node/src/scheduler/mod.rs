@@ -60,6 +60,10 @@ pub struct JobConfig {
     /// Checkpoints (`--checkpoint-dir`, `--checkpoint-every`) and the checkpoint the job
     /// resumes from (`--resume`), if any.
     pub checkpoint: Option<CheckpointPlan>,
+    /// Once every worker still in the job is done, how long to wait for lost ones to
+    /// rejoin (restarted by a launcher's `--restart-workers`) before the job ends without
+    /// them, µs (0: it ends at once).
+    pub rejoin_wait_us: u64,
 }
 
 impl JobConfig {
@@ -180,6 +184,8 @@ pub struct Scheduler {
     rejoining: BTreeMap<u32, Rejoin>,
     /// The first clock of each worker that rejoined.
     rejoin_clocks: BTreeMap<u32, u32>,
+    /// Every worker left but some were lost: since when the job waits for them to rejoin.
+    awaiting_rejoin_since: Option<u64>,
     now_us: u64,
     last_wait_log_us: u64,
     heartbeat_timeout_us: u64,
@@ -210,6 +216,7 @@ impl Scheduler {
             failed_workers: BTreeMap::new(),
             rejoining: BTreeMap::new(),
             rejoin_clocks: BTreeMap::new(),
+            awaiting_rejoin_since: None,
             now_us: 0,
             last_wait_log_us: 0,
             heartbeat_timeout_us,
@@ -305,6 +312,9 @@ impl Scheduler {
                     let secs = self.heartbeat_timeout_us as f64 / 1e6;
                     self.on_lost(conn, &format!("no heartbeat for {secs:.0} s"), &mut out);
                     out.push(Action::Close(conn));
+                }
+                if self.awaiting_rejoin_since.is_some() {
+                    self.maybe_end(&mut out);
                 }
                 if self.layout_ready
                     && let Some(placement) = self.placement.as_ref()
@@ -693,9 +703,17 @@ impl Scheduler {
         if rank >= self.config.workers {
             return Err(format!("worker {rank} cannot rejoin: the job has workers 0..{}", self.config.workers));
         }
+        if self.finished_workers.contains(&rank) && !self.failed_workers.contains_key(&rank) {
+            return Err(format!("worker {rank} cannot rejoin: it finished"));
+        }
         if !self.failed_workers.contains_key(&rank) {
-            let what = if self.finished_workers.contains(&rank) { "finished" } else { "still in the job" };
-            return Err(format!("worker {rank} cannot rejoin: it is {what}"));
+            // Its old process is gone (it was restarted) but its connection has not been
+            // seen closing yet: the new one takes the rank over.
+            let old = self.nodes.iter().find(|(_, n)| n.role == Role::Worker(rank)).map(|(c, _)| *c);
+            if let Some(old) = old {
+                self.on_lost(old, "replaced by a restarted worker with its rank", out);
+                out.push(Action::Close(old));
+            }
         }
         if self.rejoining.contains_key(&rank) {
             return Err(format!("worker {rank} is already rejoining"));
@@ -752,9 +770,26 @@ impl Scheduler {
         for (conn, _) in &self.servers {
             out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::RemoveWorker { rank }.into() });
         }
-        if self.finished_workers.len() as u32 == self.config.workers {
+        self.maybe_end(out);
+    }
+
+    /// Ends the job once every worker left: well if none was lost, else (after waiting
+    /// `rejoin_wait_us` for lost ones to rejoin) without them.
+    fn maybe_end(&mut self, out: &mut Vec<Action>) {
+        if self.finished_workers.len() as u32 == self.config.workers && self.rejoining.is_empty() {
+            let waited = self.awaiting_rejoin_since.map(|since| self.now_us.saturating_sub(since));
             if self.failed_workers.is_empty() {
                 self.finish(true, "every worker finished".into(), out);
+            } else if self.config.rejoin_wait_us > 0 && waited.is_none_or(|w| w < self.config.rejoin_wait_us) {
+                if waited.is_none() {
+                    let lost: Vec<&u32> = self.failed_workers.keys().collect();
+                    tracing::info!(
+                        ?lost,
+                        wait_s = self.config.rejoin_wait_us as f64 / 1e6,
+                        "every other worker is done; the job waits for lost workers to rejoin"
+                    );
+                    self.awaiting_rejoin_since = Some(self.now_us);
+                }
             } else {
                 let failed: Vec<String> =
                     self.failed_workers.iter().map(|(r, why)| format!("worker {r} ({why})")).collect();
@@ -766,6 +801,13 @@ impl Scheduler {
 
     fn on_lost(&mut self, conn: ConnId, why: &str, out: &mut Vec<Action>) {
         let Some(node) = self.nodes.remove(&conn) else { return };
+        if let Role::Server(id) = node.role {
+            // A restarted worker waits for no server that left.
+            let ranks: Vec<u32> = self.rejoining.keys().copied().collect();
+            for rank in ranks {
+                self.worker_added(rank, id, u32::MAX, out);
+            }
+        }
         match node.role {
             Role::Server(id) if self.elastic.lost(id, self.now_us) => {
                 tracing::info!(server = id, %why, "a removed server left");
@@ -833,6 +875,7 @@ mod tests {
             max_servers: 2,
             min_servers: 2,
             checkpoint: None,
+            rejoin_wait_us: 0,
         }
     }
 
@@ -963,7 +1006,6 @@ mod tests {
     fn a_lost_worker_rejoins_once_every_server_took_it_back_and_the_job_then_ends_well() {
         let mut m = running(config(), 24);
         let refused = |a: &[Action], conn| sent_to(a, conn).iter().any(|m| matches!(m, Message::Error(_)));
-        assert!(refused(&recv(&mut m, 3, 1, Control::RejoinWorker { rank: 1 }), 3), "rank 1 is still in the job");
         assert!(refused(&recv(&mut m, 4, 1, Control::RejoinWorker { rank: 7 }), 4), "no rank 7");
         let a = m.step(Event::Lost { conn: 2, why: "closed".into() });
         assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::RemoveWorker { rank: 1 }))));
@@ -978,10 +1020,22 @@ mod tests {
         assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
         let a = recv(&mut m, 5, 2, Control::GetStartClock);
         assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::StartClock { clock: 7 })]), "{a:?}");
-        assert!(refused(&recv(&mut m, 6, 1, Control::RejoinWorker { rank: 1 }), 6), "rank 1 is back");
         recv(&mut m, 1, 5, Control::WorkerDone { rank: 0 });
+        assert!(refused(&recv(&mut m, 6, 1, Control::RejoinWorker { rank: 0 }), 6), "rank 0 finished");
         let a = recv(&mut m, 5, 5, Control::WorkerDone { rank: 1 });
         assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })), "{a:?}");
+    }
+
+    #[test]
+    fn a_restarted_worker_takes_its_rank_over_from_a_connection_not_seen_closing_yet() {
+        let mut m = running(config(), 24);
+        let a = recv(&mut m, 5, 1, Control::RejoinWorker { rank: 1 });
+        assert!(a.contains(&Action::Close(2)), "the old connection of rank 1 is dropped: {a:?}");
+        assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::RemoveWorker { rank: 1 }))));
+        assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::AddWorker { rank: 1 }))));
+        recv(&mut m, 10, 0, Control::WorkerAdded { rank: 1, clock: 4 });
+        let a = recv(&mut m, 11, 0, Control::WorkerAdded { rank: 1, clock: 4 });
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
     }
 
     fn running(config: JobConfig, len: usize) -> Scheduler {

@@ -347,18 +347,23 @@ impl Server {
             _ => return error(ErrorCode::BadRequest, format!("no snapshot of block {block} at epoch {epoch} arrived")),
         };
         let config = shard.config_for(&snapshot.spec);
-        let mut b = match Block::from_state(snapshot, pushes, &config) {
+        // Workers this server removed (RemoveWorker reaches every server, maybe not the
+        // old owner first): the block must not wait for them here either. Workers it took
+        // back (restarted) count again, and may have gone on past the snapshot's clock.
+        let rebuilt = Block::from_state(snapshot, &[], &config).and_then(|mut b| {
+            for rank in &self.removed_workers {
+                b.remove_worker(&config, *rank, now_us);
+            }
+            for rank in &self.added_workers {
+                b.add_worker(*rank);
+            }
+            b.replay(&config, pushes, &self.added_workers)?;
+            Ok(b)
+        });
+        let b = match rebuilt {
             Ok(b) => b,
             Err(e) => return error(ErrorCode::BadRequest, format!("block {block} cannot be rebuilt: {e}")),
         };
-        // Workers this server removed (RemoveWorker reaches every server, maybe not the
-        // old owner first): the block must not wait for them here either.
-        for rank in &self.removed_workers {
-            b.remove_worker(&config, *rank, now_us);
-        }
-        for rank in &self.added_workers {
-            b.add_worker(*rank);
-        }
         let id = shard.id;
         let arrived = Owned::new(b, epoch, Phase::Arrived { parked: Vec::new(), since_us: now_us });
         let stale = self.slots.insert(block, Slot::Owned(arrived));

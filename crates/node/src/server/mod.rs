@@ -591,14 +591,17 @@ impl Server {
     /// A data request on a block owned here and served (not parked).
     fn apply(&mut self, now_us: u64, rank: u32, to: Token, request: Request, out: &mut Vec<Action>) -> Option<Message> {
         let block = to.block;
+        let rejoined = self.added_workers.contains(&rank);
         let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return Some(shard.refusal(block).reply(block)) };
+        // A worker that rejoined may go on past its next clock on this block.
+        let push = if rejoined { Block::push_rejoined } else { Block::push };
         match request {
             Request::Push { clock, values } => {
                 self.counters.bytes_in += values.as_bytes().len() as u64;
                 // Only a push needs the tensor's own optimizer.
                 let config = shard.config_for(o.block.spec());
-                match o.block.push(&config, rank, clock, &values.to_f32s(), now_us) {
+                match push(&mut o.block, &config, rank, clock, &values.to_f32s(), now_us) {
                     Ok(answers) => {
                         self.answer_pulls(answers, out);
                         Some(Message::PushAck { block, clock })
@@ -618,14 +621,23 @@ impl Server {
                 // One coin per pull request, not per block: every block (on every server) of
                 // worker `rank`'s pull(clock) draws the same value, so a probabilistic policy
                 // pauses the whole pull or none of it.
+                // A rejoined worker's pull says where it goes on from on this block: it
+                // pushes no clock before it.
+                let mut answers = Vec::new();
+                if rejoined {
+                    answers = o.block.skip_to(&shard.config_for(o.block.spec()), rank, clock, now_us);
+                }
                 let mut coin = StdRng::seed_from_u64(pull_coin_seed(shard.seed, rank, clock));
-                match o.block.pull(&shard.effective(), to, rank, clock, now_us, &mut coin) {
+                let pulled = o.block.pull(&shard.effective(), to, rank, clock, now_us, &mut coin);
+                let refused = match pulled {
                     Ok(answer) => {
-                        self.answer_pulls(answer.into_iter().collect(), out);
+                        answers.extend(answer);
                         None
                     }
                     Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
-                }
+                };
+                self.answer_pulls(answers, out);
+                refused
             }
             Request::PushPull { clock, values } => {
                 // The push exactly as a Push (a duplicate is dropped by the clock state), then
@@ -636,7 +648,7 @@ impl Server {
                 };
                 self.counters.bytes_in += values.as_bytes().len() as u64;
                 let config = shard.config_for(o.block.spec());
-                let mut answers = match o.block.push(&config, rank, clock, &values.to_f32s(), now_us) {
+                let mut answers = match push(&mut o.block, &config, rank, clock, &values.to_f32s(), now_us) {
                     Ok(answers) => answers,
                     Err(e) => return Some(error(ErrorCode::BadRequest, e.to_string())),
                 };
@@ -684,6 +696,10 @@ impl Server {
             }
             return;
         }
+        if let Message::Control(Control::AddWorker { rank }) = msg {
+            // Answered even while shutting down: a restarted worker waits for every server.
+            return self.add_worker(rank, out);
+        }
         if self.stopping.is_some() {
             // Shutting down: the scheduler said its last word.
             return;
@@ -694,7 +710,6 @@ impl Server {
                 self.migrate_out(now_us, block, to, to_addr, epoch, out)
             }
             Message::Control(Control::RemoveWorker { rank }) => self.remove_worker(now_us, rank, out),
-            Message::Control(Control::AddWorker { rank }) => self.add_worker(rank, out),
             Message::Control(Control::Checkpointing(plan)) => {
                 tracing::info!(server = self.id, dir = %plan.dir, every = plan.every, resume = ?plan.resume.as_ref().map(|r| r.clock), "checkpoint plan");
                 self.checkpoint = Some(plan);
