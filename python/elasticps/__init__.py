@@ -6,12 +6,16 @@ The numpy level mirrors the Rust client::
     w = elasticps.init()                      # ELASTICPS_SCHEDULER etc. from the environment
     params = {"w": np.zeros(10, np.float32)}
     w.register_model(params)                  # rank 0's values become everyone's
-    for t in range(100):
+    for t in range(w.start_clock, 100):       # 0, or the checkpoint's clock (--resume)
         w.pull(t, params)                     # in place, no copy
         grads = {"w": compute(params)}
         w.push(t, grads)
         elasticps.log(step=t, loss=...)
     elasticps.finish()
+
+A job resumed from a checkpoint (``--resume DIR``) starts at ``w.start_clock``, the
+checkpoint's clock: ``register_model`` then fills the arrays with the checkpoint's
+parameters (no values are broadcast), so the same loop goes on where the job stopped.
 
 Arrays must be float32 and C-contiguous (anything else raises ``TypeError``). Every wait
 releases the GIL and can be interrupted with Ctrl-C. A forked child (a DataLoader worker)
@@ -35,6 +39,7 @@ __all__ = [
     "worker",
     "rank",
     "size",
+    "start_clock",
     "finish",
     "log",
 ]
@@ -52,10 +57,12 @@ def init(scheduler: Optional[str] = None) -> Worker:
     worker. A script that ends without ``finish()`` finishes at interpreter exit, so the
     job does not count it as lost.
     """
-    global _default
+    global _default, _steps
     with _lock:
         if _default is None:
             _default = connect(scheduler)
+            # A resumed job's log steps go on from its checkpoint's clock.
+            _steps = int(_default.start_clock)
             atexit.register(finish)
         return _default
 
@@ -75,6 +82,12 @@ def rank() -> int:
 def size() -> int:
     """Number of workers in the job."""
     return worker().size
+
+
+def start_clock() -> int:
+    """The job's first clock: 0, or the clock of the checkpoint it resumed from
+    (``--resume DIR``)."""
+    return worker().start_clock
 
 
 def finish() -> None:

@@ -18,6 +18,19 @@ pulls the new parameters into ``p.data`` in place::
         sched.step()
     elasticps.finish()
 
+Resuming from a checkpoint (``elasticps launch ... --resume DIR``, the job's servers
+holding the checkpoint's blocks) needs no change to such a loop: registering the model
+fills the parameters with the checkpoint's (instead of broadcasting rank 0's), and the
+optimizer's clock starts at ``worker.start_clock`` (the checkpoint's clock; 0 in a fresh
+job). A loop that must not see again the batches it trained on before the checkpoint
+skips them by that clock, as PyTorch users resume from ``checkpoint["step"]``::
+
+    w = elasticps.init()
+    opt = elasticps.torch.DistributedOptimizer(torch.optim.SGD(...), model.named_parameters())
+    for step in range(w.start_clock, steps):                          # opt.clock == step
+        x, y = batch(step)
+        ...
+
 To change gradients before they are pushed (clipping), pass ``push_on_backward=False``:
 the pushes then start in ``step()``, after your code ran::
 
@@ -119,7 +132,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sent = dict(specs)
         for name, p in self._params:
             self._param_from_buffer(name, p)
-        self._clock = 0
+        # A resumed job goes on from its checkpoint's clock (register_model pulled it).
+        self._clock = int(self._worker.start_clock)
         self._handles: Dict[str, "elasticps.Handle"] = {}
         self._keep: Dict[str, object] = {}
         self._counts: Dict[str, int] = {}
@@ -231,7 +245,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def clock(self) -> int:
-        """The clock of the parameters the model holds (steps taken)."""
+        """The clock of the parameters the model holds (steps taken, counting those before
+        the checkpoint a resumed job started from)."""
         return self._clock
 
 
@@ -247,7 +262,8 @@ def DistributedOptimizer(
 
     ``named_parameters``: ``model.named_parameters()`` (names are the tensors' names on the
     servers; default ``param.0``, ``param.1``, ...). Registers the model: rank 0's values
-    become every worker's. ``worker``: default ``elasticps.init()``'s. ``push_on_backward``:
+    become every worker's (in a resumed job, the checkpoint's; ``clock`` then starts at
+    ``worker.start_clock``). ``worker``: default ``elasticps.init()``'s. ``push_on_backward``:
     push each gradient during backward (default), or only in ``step()`` (to clip or
     otherwise change gradients first). ``backward_passes_per_step``: gradients accumulate
     over this many backward passes before they are pushed.

@@ -21,12 +21,14 @@ pub type Reply<T> = oneshot::Sender<Result<T, String>>;
 
 /// What Python asks of the client.
 pub enum Cmd {
-    /// Define the model; rank 0 also sends its values (`init`); everyone then meets in a
-    /// barrier and pulls clock 0 into `pull`.
+    /// Define the model; rank 0 of a fresh job also sends its values (`init`; empty on a
+    /// resumed job, whose blocks hold the checkpoint's); everyone then meets in a barrier
+    /// and pulls clock `start` (the job's first clock) into `pull`.
     Register {
         tensors: Vec<TensorSpec>,
         optimizers: Vec<Option<TensorOptimizer>>,
         init: Vec<Src>,
+        start: Clock,
         pull: Vec<Dst>,
         keep: Keep,
         done: Reply<()>,
@@ -46,12 +48,24 @@ pub enum Cmd {
     Finish { done: Reply<RunStats> },
 }
 
-/// Connects, then serves commands until `Finish` or until every sender is gone. The
-/// metrics endpoint, if any, serves as long as this task runs.
+/// What joining the job tells Python: the worker's rank, the number of workers and the
+/// job's first clock (0, or the clock of the checkpoint it resumed from).
+#[derive(Clone, Copy, Debug)]
+pub struct Joined {
+    /// This worker's rank.
+    pub rank: u32,
+    /// Number of workers in the job.
+    pub size: u32,
+    /// The job's first clock ([`Client::start_clock`]).
+    pub start_clock: Clock,
+}
+
+/// Connects, asks the job's first clock, then serves commands until `Finish` or until
+/// every sender is gone. The metrics endpoint, if any, serves as long as this task runs.
 pub async fn run(
     opts: ClientOptions,
     _metrics: Option<MetricsEndpoint>,
-    ready: Reply<(u32, u32)>,
+    ready: Reply<Joined>,
     mut rx: mpsc::UnboundedReceiver<Cmd>,
 ) {
     let mut client = match Client::connect(opts).await {
@@ -61,7 +75,15 @@ pub async fn run(
             return;
         }
     };
-    let _ = ready.send(Ok((client.rank(), client.num_workers())));
+    let start_clock = match client.start_clock().await {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = ready.send(Err(format!("elasticps: cannot ask the scheduler for the job's first clock: {e}")));
+            let _ = client.finish().await;
+            return;
+        }
+    };
+    let _ = ready.send(Ok(Joined { rank: client.rank(), size: client.num_workers(), start_clock }));
     let mut stats = RunStats::default();
     let mut next: Option<Cmd> = None;
     loop {
@@ -73,8 +95,8 @@ pub async fn run(
             },
         };
         match cmd {
-            Cmd::Register { tensors, optimizers, init, pull, keep, done } => {
-                let r = register(&mut client, tensors, optimizers, &init, &pull).await;
+            Cmd::Register { tensors, optimizers, init, start, pull, keep, done } => {
+                let r = register(&mut client, tensors, optimizers, &init, start, &pull).await;
                 drop(keep);
                 let _ = done.send(r.map_err(|e| format!("elasticps: register_model failed: {e}")));
             }
@@ -136,6 +158,7 @@ async fn register(
     tensors: Vec<TensorSpec>,
     optimizers: Vec<Option<TensorOptimizer>>,
     init: &[Src],
+    start: Clock,
     pull: &[Dst],
 ) -> elasticps_runtime::Result<()> {
     client.register_model_with(tensors, optimizers).await?;
@@ -147,7 +170,7 @@ async fn register(
     client.barrier().await?;
     // SAFETY: as above; Python waits for this command before touching the arrays.
     let mut params: Vec<&mut [f32]> = pull.iter().map(|d| unsafe { d.as_mut_slice() }).collect();
-    client.pull(0, &mut params).await
+    client.pull(start, &mut params).await
 }
 
 async fn round(

@@ -26,6 +26,8 @@ use crate::{ElasticpsError, events};
 pub struct Worker {
     rank: u32,
     size: u32,
+    /// The job's first clock: 0, or the clock of the checkpoint it resumed from.
+    start_clock: Clock,
     /// The process that connected (a forked child must not use the client).
     pid: u32,
     /// Forgotten, not dropped, in a forked child (dropping it could wake a runtime
@@ -99,9 +101,9 @@ impl Handle {
 }
 
 impl Worker {
-    /// Connects to the scheduler with `opts` and joins the job.
-    /// Connects to the scheduler with `opts` and joins the job; with `metrics_listen`,
-    /// serves the worker's Prometheus metrics there (`/metrics`) while it runs.
+    /// Connects to the scheduler with `opts`, joins the job and asks its first clock; with
+    /// `metrics_listen`, serves the worker's Prometheus metrics there (`/metrics`) while
+    /// it runs.
     pub fn connect(py: Python<'_>, mut opts: ClientOptions, metrics_listen: Option<String>) -> PyResult<Self> {
         let rt = runtime::runtime()?;
         let mut endpoint = None;
@@ -117,7 +119,8 @@ impl Worker {
         let (ready, joined) = oneshot::channel();
         let scheduler = opts.scheduler.clone();
         rt.spawn(actor::run(opts, endpoint, ready, rx));
-        let (rank, size) = wait(py, &format!("joining the job of the scheduler at {scheduler}"), joined)?;
+        let actor::Joined { rank, size, start_clock } =
+            wait(py, &format!("joining the job of the scheduler at {scheduler}"), joined)?;
         if let Some(addr) = &metrics_addr {
             events::metrics(rank, addr);
         }
@@ -125,6 +128,7 @@ impl Worker {
             metrics_addr,
             rank,
             size,
+            start_clock,
             pid: std::process::id(),
             tx: ManuallyDrop::new(tx),
             tensors: HashMap::new(),
@@ -196,6 +200,15 @@ impl Worker {
         self.size
     }
 
+    /// The job's first clock: 0, or the clock of the checkpoint the job resumed from
+    /// (`--resume DIR`). A resumed worker goes on from it: `register_model` fills the
+    /// arrays with the parameters of this clock, and the first push is of this clock
+    /// (`for t in range(w.start_clock, steps)`).
+    #[getter]
+    fn start_clock(&self) -> Clock {
+        self.start_clock
+    }
+
     /// `host:port` of this worker's Prometheus metrics (`ELASTICPS_METRICS_LISTEN`), or None.
     #[getter]
     fn metrics_addr(&self) -> Option<String> {
@@ -208,8 +221,10 @@ impl Worker {
     }
 
     /// Defines the model from `tensors` (a dict name -> float32 ndarray, in order) and
-    /// waits until every server holds its blocks. Rank 0's values become every worker's
-    /// initial parameters: they are written in place into each worker's arrays.
+    /// waits until every server holds its blocks. In a fresh job rank 0's values become
+    /// every worker's initial parameters; in a resumed job (`start_clock > 0`) the
+    /// checkpoint's are, and no values are sent. Either way they are written in place into
+    /// each worker's arrays (the parameters of clock `start_clock`).
     /// `optimizers` maps tensor names to server-side optimizers (dicts with `kind`
     /// "sgd", "momentum" or "adam", `lr`, and `momentum`, `betas`, `eps`,
     /// `weight_decay`); tensors not named use the job's `--optimizer` and `--lr`.
@@ -233,7 +248,7 @@ impl Worker {
             let name: String = k.extract().map_err(|_| PyTypeError::new_err("elasticps: tensor names must be str"))?;
             let shape = arrays::shape(&v, &name)?;
             let len = shape.iter().product();
-            if self.rank == 0 {
+            if self.rank == 0 && self.start_clock == 0 {
                 init.push(arrays::source(&v, &name, len, &mut keep)?);
             }
             pull.push(arrays::destination(&v, &name, len, &mut keep)?);
@@ -254,7 +269,8 @@ impl Worker {
         }
         let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
         let lens: Vec<usize> = specs.iter().map(TensorSpec::len).collect();
-        let rx = self.send(|done| Cmd::Register { tensors: specs, optimizers: opts, init, pull, keep, done })?;
+        let start = self.start_clock;
+        let rx = self.send(|done| Cmd::Register { tensors: specs, optimizers: opts, init, start, pull, keep, done })?;
         wait(py, "registering the model", rx)?;
         self.tensors = names.iter().cloned().zip(lens).enumerate().map(|(i, (n, l))| (n, (i, l))).collect();
         self.names = names;
@@ -346,7 +362,9 @@ impl Worker {
     }
 
     fn __repr__(&self) -> String {
-        format!("<elasticps.Worker rank {} of {}, {} tensors>", self.rank, self.size, self.names.len())
+        let resumed =
+            if self.start_clock > 0 { format!(", resumed at clock {}", self.start_clock) } else { String::new() };
+        format!("<elasticps.Worker rank {} of {}, {} tensors{resumed}>", self.rank, self.size, self.names.len())
     }
 }
 
