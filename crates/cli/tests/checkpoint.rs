@@ -106,10 +106,10 @@ fn a_job_resumed_from_its_checkpoint_ends_with_the_parameters_of_the_uninterrupt
     let d = dir.to_str().unwrap();
     let every = EVERY.to_string();
 
-    // The uninterrupted job, checkpointing every 5 clocks (at 5 and 10). A worker's clock
-    // takes 60 ms, so the checkpoint of clock 10 is complete well before the job ends.
+    // The uninterrupted job, checkpointing every 5 clocks (at 5 and 10), at full speed:
+    // the scheduler waits for the servers' last writes before it ends the job.
     let (sched, addr, servers) = cluster(&["--checkpoint-dir", d, "--checkpoint-every", &every]);
-    let whole = train(&addr, Duration::from_millis(60));
+    let whole = train(&addr, Duration::ZERO);
     finish(sched, servers);
     assert!(whole.iter().all(|(start, _)| *start == 0));
     assert_eq!(whole[0].1, whole[1].1, "both workers pulled the same final model");

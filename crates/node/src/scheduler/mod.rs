@@ -146,6 +146,19 @@ enum Role {
     Worker(u32),
 }
 
+/// How long a job with checkpoints waits after `Shutdown` for its servers to finish their
+/// checkpoint writes and leave, µs.
+pub const CLOSING_WAIT_US: u64 = 30_000_000;
+
+/// The end of a job with checkpoints: how it ended, and the servers not gone yet.
+#[derive(Debug)]
+struct Closing {
+    ok: bool,
+    reason: String,
+    until_us: u64,
+    servers: BTreeSet<ConnId>,
+}
+
 /// A restarted worker waiting for the servers to take its rank back.
 #[derive(Debug)]
 struct Rejoin {
@@ -186,6 +199,8 @@ pub struct Scheduler {
     rejoin_clocks: BTreeMap<u32, u32>,
     /// Every worker left but some were lost: since when the job waits for them to rejoin.
     awaiting_rejoin_since: Option<u64>,
+    /// The job is over, and its servers are finishing their checkpoint writes.
+    closing: Option<Closing>,
     now_us: u64,
     last_wait_log_us: u64,
     heartbeat_timeout_us: u64,
@@ -217,6 +232,7 @@ impl Scheduler {
             rejoining: BTreeMap::new(),
             rejoin_clocks: BTreeMap::new(),
             awaiting_rejoin_since: None,
+            closing: None,
             now_us: 0,
             last_wait_log_us: 0,
             heartbeat_timeout_us,
@@ -290,6 +306,10 @@ impl Scheduler {
     pub fn step(&mut self, event: Event) -> Vec<Action> {
         let mut out = Vec::new();
         if self.over {
+            return out;
+        }
+        if self.closing.is_some() {
+            self.step_closing(event, &mut out);
             return out;
         }
         match event {
@@ -838,16 +858,54 @@ impl Scheduler {
             let reply = ErrorReply { code: ErrorCode::ShuttingDown, message: reason.clone() };
             out.push(Action::Send { conn, request_id, msg: Message::Error(reply) });
         }
-        for (conn, node) in &self.nodes {
-            let _ = node;
+        if self.closing.is_some() {
+            return;
+        }
+        for conn in self.nodes.keys() {
             out.push(Action::Send {
                 conn: *conn,
                 request_id: 0,
                 msg: Control::Shutdown { reason: reason.clone() }.into(),
             });
         }
+        let servers: BTreeSet<ConnId> =
+            self.nodes.iter().filter(|(_, n)| matches!(n.role, Role::Server(_))).map(|(c, _)| *c).collect();
+        if self.config.checkpoint.is_some() && !servers.is_empty() {
+            // A checkpoint of the last clocks may still be on its way to disk: its manifest
+            // is written once the servers report it, so wait for them to leave.
+            tracing::info!(servers = servers.len(), "the job is over; waiting for the servers' last checkpoint writes");
+            self.closing = Some(Closing { ok, reason, until_us: self.now_us + CLOSING_WAIT_US, servers });
+            return;
+        }
         out.push(Action::Finish { ok, reason });
         self.over = true;
+    }
+
+    /// After `Shutdown` in a job with checkpoints: only checkpoint reports and servers
+    /// leaving count, until every server left or the wait is over.
+    fn step_closing(&mut self, event: Event, out: &mut Vec<Action>) {
+        match event {
+            Event::Received { conn, msg: Message::Control(Control::CheckpointWritten { clock, blocks }), .. }
+                if self.nodes.contains_key(&conn) =>
+            {
+                self.checkpoint_written(clock, blocks, out)
+            }
+            Event::Received { .. } => {}
+            Event::Lost { conn, .. } => {
+                self.nodes.remove(&conn);
+                if let Some(c) = self.closing.as_mut() {
+                    c.servers.remove(&conn);
+                }
+            }
+            Event::Tick { now_us } => self.now_us = now_us,
+        }
+        if let Some(c) = self.closing.take_if(|c| c.servers.is_empty() || self.now_us >= c.until_us) {
+            if !c.servers.is_empty() {
+                tracing::warn!(servers = c.servers.len(), "servers still running after the checkpoint wait");
+            }
+            out.push(Action::Finish { ok: c.ok, reason: c.reason });
+            self.over = true;
+        }
     }
 }
 

@@ -274,6 +274,9 @@ pub struct Server {
     checkpoint: Option<CheckpointPlan>,
     /// An assignment waiting for its blocks to be read from the checkpoint.
     restoring: Option<Assignment>,
+    /// Checkpoint blocks handed to the runtime and not reported written yet (a server
+    /// shutting down waits for them).
+    checkpoint_writes: u32,
 }
 
 impl Server {
@@ -303,6 +306,7 @@ impl Server {
             exited: false,
             checkpoint: None,
             restoring: None,
+            checkpoint_writes: 0,
         }
     }
 
@@ -898,6 +902,7 @@ impl Server {
         }
         debug_assert!(done > before, "a block's done clock never goes back");
         out.push(Action::Checkpoint { dir: plan.dir.clone(), clock: done, state: o.block.state() });
+        self.checkpoint_writes += 1;
         let parked = std::mem::take(&mut o.checkpoint_parked);
         self.serve_parked(now_us, parked, out);
     }
@@ -910,6 +915,7 @@ impl Server {
         result: Result<CheckpointEntry, String>,
         out: &mut Vec<Action>,
     ) {
+        self.checkpoint_writes = self.checkpoint_writes.saturating_sub(1);
         match result {
             Ok(entry) => out.push(Action::ToScheduler {
                 request_id: 0,
@@ -1021,6 +1027,10 @@ impl Server {
                 return;
             }
             tracing::warn!(server = self.id, pending = migrating, "migrations still running at shutdown");
+        }
+        if self.checkpoint_writes > 0 && now_us.saturating_sub(stopping.since_us) < SHUTDOWN_WAIT_US {
+            // The last checkpoint's blocks are on their way to disk.
+            return;
         }
         let drained = self.shard.is_some() && self.slots.values().all(|s| matches!(s, Slot::Gone { .. }));
         if drained {

@@ -97,6 +97,8 @@ pub async fn run_with(
         .with_clock_origin(origin);
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
+    // Manifest writes under way (awaited before the scheduler returns).
+    let mut manifests = Vec::new();
     let outcome = loop {
         let event = tokio::select! {
             e = events.recv() => match e {
@@ -145,12 +147,12 @@ pub async fn run_with(
                 },
                 Action::WriteManifest { dir, clock, blocks } => {
                     // Small, but a disk write: off the actor's task.
-                    tokio::task::spawn_blocking(move || {
+                    manifests.push(tokio::task::spawn_blocking(move || {
                         match crate::checkpoint::write_manifest(std::path::Path::new(&dir), clock, &blocks) {
                             Ok(path) => tracing::info!(clock, manifest = %path.display(), "checkpoint written"),
                             Err(e) => tracing::error!(clock, error = %e, "checkpoint manifest not written"),
                         }
-                    });
+                    }));
                 }
                 Action::Finish { ok, reason } => finished = Some((ok, reason)),
             }
@@ -168,6 +170,11 @@ pub async fn run_with(
         }
     };
     accept.abort();
+    for write in manifests {
+        if tokio::time::timeout(Duration::from_secs(30), write).await.is_err() {
+            tracing::error!("a checkpoint manifest was still being written after 30 s");
+        }
+    }
     // Let the writer tasks deliver the Shutdown messages before the process exits.
     drop(conns);
     tokio::time::sleep(Duration::from_millis(100)).await;
