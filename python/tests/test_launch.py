@@ -171,3 +171,28 @@ def test_a_script_that_forgets_finish_still_ends_the_job_cleanly(tmp_path):
     out = launch(["--workers", "2", "--", sys.executable, str(script)], timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("trained") == 2
+
+
+def test_a_python_worker_that_dies_is_restarted_with_its_rank_and_the_job_completes(tmp_path):
+    # Rank 1 dies at step 30 of its first life (kill -9 would do the same); the launcher
+    # restarts it with ELASTICPS_RANK=1, and it goes on from where the job is.
+    script = tmp_path / "dies_once.py"
+    script.write_text(
+        "import os, numpy as np, elasticps\n"
+        "w = elasticps.init()\n"
+        "p = {'w': np.zeros(64, np.float32)}\n"
+        "w.register_model(p)\n"
+        "restarted = 'ELASTICPS_RANK' in os.environ\n"
+        "print(f'rank {w.rank} starts at {w.start_clock} restarted {restarted}', flush=True)\n"
+        "for t in range(w.start_clock, 200):\n"
+        "    if w.rank == 1 and not restarted and t == 30:\n"
+        "        os._exit(9)\n"
+        "    w.push_pull(t, {'w': np.full(64, 0.01, np.float32)}, p)\n"
+        "    elasticps.log(step=t + 1, total=200, loss=float(p['w'][0]))\n"
+        "elasticps.finish()\n"
+    )
+    out = launch(["--workers", "2", "--sync", "ssp:2", "--restart-workers", "1", "--", sys.executable, str(script)], timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "restarting it as rank 1" in out.stderr, out.stderr[-3000:]
+    m = re.search(r"rank 1 starts at (\d+) restarted True", out.stdout)
+    assert m and int(m.group(1)) >= 30, out.stdout[-2000:]

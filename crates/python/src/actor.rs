@@ -162,6 +162,12 @@ async fn register(
     pull: &[Dst],
 ) -> elasticps_runtime::Result<()> {
     client.register_model_with(tensors, optimizers).await?;
+    if client.rejoined() {
+        // Restarted with its rank: the others trained on; pull where the job is.
+        // SAFETY: as below; Python waits for this command before touching the arrays.
+        let mut params: Vec<&mut [f32]> = pull.iter().map(|d| unsafe { d.as_mut_slice() }).collect();
+        return client.pull(start, &mut params).await;
+    }
     if !init.is_empty() {
         // SAFETY: the arrays are kept alive by the command's `keep` until it ends.
         let values: Vec<&[f32]> = init.iter().map(|s| unsafe { s.as_slice() }).collect();

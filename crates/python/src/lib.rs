@@ -50,7 +50,9 @@ fn env_number<T: std::str::FromStr>(name: &str, default: T) -> PyResult<T> {
 /// 127.0.0.1:7000) with the transport settings of the roles' environment variables
 /// (`ELASTICPS_SECRET`, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`), joins the
 /// job and returns the worker. `ELASTICPS_METRICS_LISTEN=HOST:PORT` serves its Prometheus
-/// metrics there.
+/// metrics there. `ELASTICPS_RANK=R` (the launcher's `--restart-workers` sets it) rejoins
+/// the job as rank R, a worker restarted after it was lost: its `start_clock` is where the
+/// job is.
 #[pyfunction]
 #[pyo3(signature = (scheduler=None))]
 fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker> {
@@ -70,6 +72,15 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     let mut opts = ClientOptions::new(scheduler);
     opts.codec = elasticps_wire::Codec::new(secret.as_bytes(), max_frame_mib.saturating_mul(1 << 20));
     opts.request_timeout = Duration::from_secs(request_timeout_s.max(1));
+    // Set by the launcher's --restart-workers: rejoin as this rank.
+    opts.rank = match std::env::var("ELASTICPS_RANK") {
+        Ok(v) => Some(
+            v.trim()
+                .parse()
+                .map_err(|_| PyValueError::new_err(format!("elasticps: ELASTICPS_RANK={v:?} is not a rank")))?,
+        ),
+        Err(_) => None,
+    };
     let metrics_listen = std::env::var("ELASTICPS_METRICS_LISTEN").ok().filter(|s| !s.is_empty());
     worker::Worker::connect(py, opts, metrics_listen)
 }

@@ -164,6 +164,13 @@ impl Client {
         self.rank
     }
 
+    /// True if this worker rejoined the job with its rank ([`ClientOptions::rank`]): the
+    /// others are past their start, so it sets no initial values and waits in no barrier
+    /// of theirs.
+    pub fn rejoined(&self) -> bool {
+        self.opts.rank.is_some()
+    }
+
     /// Number of workers in the job.
     pub fn num_workers(&self) -> u32 {
         self.num_workers
