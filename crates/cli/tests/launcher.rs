@@ -88,7 +88,7 @@ fn a_dead_worker_restarted_with_its_rank_rejoins_and_the_job_completes() {
         let dir = common::temp_dir("restart");
         let dir_s = dir.display().to_string();
         let args =
-            ["--iterations", "600", "--eval-every", "0", "--sync", sync, "--restart-workers", "1", "--report", &dir_s];
+            ["--iterations", "400", "--eval-every", "0", "--sync", sync, "--restart-workers", "1", "--report", &dir_s];
         let mut child = train(&args).spawn().expect("spawn train");
         let kids = wait_for_children(&child, 5);
         assert_eq!(kids.len(), 5, "scheduler, 2 servers, 2 workers: {kids:?}");

@@ -787,6 +787,7 @@ impl Server {
     fn restored(&mut self, now_us: u64, states: Result<Vec<BlockState>, String>, out: &mut Vec<Action>) {
         let Some(a) = self.restoring.take() else { return };
         let clock = self.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map_or(0, |r| r.clock);
+        let shard = Shard::new(&a);
         let built: Result<BTreeMap<BlockId, Slot>, String> = states.and_then(|states| {
             let mut slots = BTreeMap::new();
             for state in states {
@@ -805,7 +806,7 @@ impl Server {
                         state.clocks.done()
                     ));
                 }
-                let config = Shard::new(&a).config_for(spec);
+                let config = shard.config_for(spec);
                 let block = Block::from_state(state, &[], &config).map_err(|e| {
                     format!("block {id} of the checkpoint does not fit this job ({e}): resume with the same workers")
                 })?;
