@@ -890,6 +890,12 @@ impl Scheduler {
             {
                 self.checkpoint_written(clock, blocks, out)
             }
+            Event::Received { conn, request_id, .. } if request_id != 0 => {
+                // A call after the end (an operator's request, say) learns that it is over.
+                let reason = self.closing.as_ref().map_or_else(String::new, |c| c.reason.clone());
+                let reply = ErrorReply { code: ErrorCode::ShuttingDown, message: format!("the job is over: {reason}") };
+                out.push(Action::Send { conn, request_id, msg: Message::Error(reply) });
+            }
             Event::Received { .. } => {}
             Event::Lost { conn, .. } => {
                 self.nodes.remove(&conn);
