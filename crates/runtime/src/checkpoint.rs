@@ -30,19 +30,12 @@ pub const KEEP: usize = 2;
 const VERSION: u32 = 1;
 const MANIFEST: &str = "MANIFEST.json";
 
+/// `MANIFEST.json`; its entries are the wire's, field for field.
 #[derive(Serialize, Deserialize)]
 struct Manifest {
     version: u32,
     clock: Clock,
-    blocks: Vec<Entry>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Entry {
-    block: u32,
-    file: String,
-    len: u64,
-    crc32: u32,
+    blocks: Vec<CheckpointEntry>,
 }
 
 fn err(path: &Path, what: impl Into<String>) -> RuntimeError {
@@ -85,14 +78,7 @@ pub fn write_block(dir: &Path, clock: Clock, state: &BlockState) -> Result<Check
 
 /// Writes the manifest of checkpoint `clock` (which makes it complete), then prunes.
 pub fn write_manifest(dir: &Path, clock: Clock, blocks: &[CheckpointEntry]) -> Result<PathBuf> {
-    let manifest = Manifest {
-        version: VERSION,
-        clock,
-        blocks: blocks
-            .iter()
-            .map(|e| Entry { block: e.block, file: e.file.clone(), len: e.len, crc32: e.crc32 })
-            .collect(),
-    };
+    let manifest = Manifest { version: VERSION, clock, blocks: blocks.to_vec() };
     let path = dir.join(clock_dir(clock)).join(MANIFEST);
     let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| err(&path, e.to_string()))?;
     write_atomic(&path, &bytes)?;
@@ -135,15 +121,10 @@ fn manifest(dir: &Path, clock: Clock) -> Result<Restore> {
             format!("version {} clock {}, expected version {VERSION} clock {clock}", m.version, m.clock),
         ));
     }
-    let blocks: Vec<CheckpointEntry> = m
-        .blocks
-        .into_iter()
-        .map(|e| CheckpointEntry { block: e.block, file: e.file, len: e.len, crc32: e.crc32 })
-        .collect();
-    for e in &blocks {
+    for e in &m.blocks {
         read_checked(dir, e)?;
     }
-    Ok(Restore { clock, blocks })
+    Ok(Restore { clock, blocks: m.blocks })
 }
 
 /// The newest complete checkpoint under `dir` whose files all check out (a damaged one

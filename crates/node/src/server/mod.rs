@@ -587,20 +587,10 @@ impl Server {
             return None;
         }
         self.counters.requests += 1;
-        let reply = self.apply(now_us, rank, to, request, out);
-        self.checkpoint_if_due(now_us, block, done, out);
-        reply
-    }
-
-    /// A data request on a block owned here and served (not parked).
-    fn apply(&mut self, now_us: u64, rank: u32, to: Token, request: Request, out: &mut Vec<Action>) -> Option<Message> {
-        let block = to.block;
-        let rejoined = self.added_workers.contains(&rank);
-        let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
-        let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return Some(shard.refusal(block).reply(block)) };
         // A worker that rejoined may go on past its next clock on this block.
+        let rejoined = self.added_workers.contains(&rank);
         let push = if rejoined { Block::push_rejoined } else { Block::push };
-        match request {
+        let reply = match request {
             Request::Push { clock, values } => {
                 self.counters.bytes_in += values.as_bytes().len() as u64;
                 // Only a push needs the tensor's own optimizer.
@@ -668,7 +658,9 @@ impl Server {
                 self.answer_pulls(answers, out);
                 refused
             }
-        }
+        };
+        self.checkpoint_if_due(now_us, block, done, out);
+        reply
     }
 
     /// Replies to the pulls the core released (and traces them).
