@@ -19,7 +19,7 @@
 //! out of messages, timeouts, the layout refresh.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use elasticps_core::model::{BlockSpec, TensorSpec};
@@ -97,7 +97,8 @@ pub struct Client {
     /// Shared so that a round can hold it while it mutates the client (cheap clone).
     layout: Option<Arc<Layout>>,
     servers: HashMap<u32, Peer>,
-    shutdown: Arc<Mutex<Option<String>>>,
+    /// What the scheduler's connection said about the end of the job (see [`Ending`]).
+    ending: tokio::sync::watch::Receiver<Ending>,
     heartbeat: tokio::task::JoinHandle<()>,
     waits: Waits,
     /// The rounds' plans and the load report (the balancer's measurements).
@@ -120,15 +121,16 @@ impl Client {
             Message::Control(Control::Welcome { node_id, num_workers, .. }) => (node_id, num_workers),
             other => return Err(RuntimeError::unexpected("scheduler", "Welcome", &other)),
         };
-        let shutdown = Arc::new(Mutex::new(None));
-        let flag = shutdown.clone();
+        let (tell, ending) = tokio::sync::watch::channel(Ending::default());
         tokio::spawn(async move {
             while let Some(msg) = notes.recv().await {
                 if let Message::Control(Control::Shutdown { reason }) = msg {
                     tracing::info!(%reason, "scheduler ends the job");
-                    *flag.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+                    tell.send_modify(|e| e.reason = Some(reason));
                 }
             }
+            // Every notification the scheduler sent before it closed has been read.
+            tell.send_modify(|e| e.closed = true);
         });
         let hb = sched.clone();
         let heartbeat = tokio::spawn(async move {
@@ -151,7 +153,7 @@ impl Client {
             sched,
             layout: None,
             servers: HashMap::new(),
-            shutdown,
+            ending,
             heartbeat,
             waits: Waits::default(),
             worker,
@@ -200,8 +202,7 @@ impl Client {
         optimizers: Vec<Option<TensorOptimizer>>,
     ) -> Result<&[TensorSpec]> {
         let reply = self
-            .sched
-            .call(Control::DefineModel { tensors, optimizers }.into(), CALL_TIMEOUT, || {
+            .call_scheduler(Control::DefineModel { tensors, optimizers }.into(), CALL_TIMEOUT, || {
                 "the scheduler to place the model (every server must join and load its blocks)".into()
             })
             .await?;
@@ -214,8 +215,9 @@ impl Client {
     /// initial values (the blocks hold the checkpoint's).
     pub async fn start_clock(&mut self) -> Result<Clock> {
         match self
-            .sched
-            .call(Control::GetStartClock.into(), CALL_TIMEOUT, || "the scheduler to say the job's first clock".into())
+            .call_scheduler(Control::GetStartClock.into(), CALL_TIMEOUT, || {
+                "the scheduler to say the job's first clock".into()
+            })
             .await?
         {
             Message::Control(Control::StartClock { clock }) => Ok(clock),
@@ -236,8 +238,7 @@ impl Client {
     /// `Barrier`, `torch.distributed.barrier`).
     pub async fn barrier(&mut self) -> Result<()> {
         match self
-            .sched
-            .call(Control::Barrier.into(), self.opts.request_timeout, || {
+            .call_scheduler(Control::Barrier.into(), self.opts.request_timeout, || {
                 format!("worker {} waits in a barrier for every other worker", self.rank)
             })
             .await?
@@ -254,7 +255,7 @@ impl Client {
         let layout = self.current_layout()?;
         let msg = Message::from(Control::SetOptimizer { tensor, optimizer });
         let what = |peer: &str| format!("{peer} to take the optimizer of tensor {tensor}");
-        match self.sched.call(msg.clone(), CALL_TIMEOUT, || what("the scheduler")).await? {
+        match self.call_scheduler(msg.clone(), CALL_TIMEOUT, || what("the scheduler")).await? {
             Message::Control(Control::Ok) => {}
             other => return Err(RuntimeError::unexpected("scheduler", "Ok", &other)),
         }
@@ -334,8 +335,7 @@ impl Client {
     /// Tells the scheduler this worker is done. Servers stop waiting for it.
     pub async fn finish(self) -> Result<()> {
         let reply = self
-            .sched
-            .call(Control::WorkerDone { rank: self.rank }.into(), CALL_TIMEOUT, || {
+            .call_scheduler(Control::WorkerDone { rank: self.rank }.into(), CALL_TIMEOUT, || {
                 "the scheduler to acknowledge WorkerDone".into()
             })
             .await;
@@ -409,8 +409,9 @@ impl Client {
                     }
                     Action::RefreshLayout => {
                         let reply = self
-                            .sched
-                            .call(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into())
+                            .call_scheduler(Control::GetLayout.into(), CALL_TIMEOUT, || {
+                                "the scheduler to send the layout".into()
+                            })
                             .await?;
                         self.install_layout(reply, true).await?;
                         plan.on_layout(self.clock.now(), &*self.current_layout()?)
@@ -613,7 +614,21 @@ impl Client {
 
     /// Whether the scheduler said the job ends (closed server connections are expected).
     fn shutting_down(&self) -> bool {
-        self.shutdown.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.ending.borrow().reason.is_some()
+    }
+
+    /// A call to the scheduler. When its connection closed, the error is the job's end as
+    /// the scheduler explained it: its `Shutdown` may still be on its way to the task that
+    /// reads notifications, so this waits (briefly) until that task read everything.
+    async fn call_scheduler(&self, msg: Message, timeout: Duration, what: impl FnOnce() -> String) -> Result<Message> {
+        match self.sched.call(msg, timeout, what).await {
+            Err(e @ RuntimeError::Closed(_)) => {
+                let mut ending = self.ending.clone();
+                let _ = tokio::time::timeout(NOTES_DRAIN, ending.wait_for(|e| e.closed)).await;
+                Err(self.explain(e))
+            }
+            other => other,
+        }
     }
 
     /// The layout, or the error for a client that has not registered the model.
@@ -648,12 +663,24 @@ impl Client {
 
     /// A lost server connection is explained by the scheduler's shutdown, if there was one.
     fn explain(&self, e: RuntimeError) -> RuntimeError {
-        match (&e, self.shutdown.lock().unwrap_or_else(|e| e.into_inner()).clone()) {
+        match (&e, self.ending.borrow().reason.clone()) {
             (RuntimeError::Closed(_), Some(reason)) => RuntimeError::Shutdown(reason),
             _ => e,
         }
     }
 }
+
+/// What the scheduler's connection said about the end of the job.
+#[derive(Debug, Clone, Default)]
+struct Ending {
+    /// The reason of the scheduler's `Shutdown`, once it came.
+    reason: Option<String>,
+    /// The connection closed and every notification before it was read.
+    closed: bool,
+}
+
+/// How long a failed scheduler call waits for the notifications read before the close.
+const NOTES_DRAIN: Duration = Duration::from_secs(1);
 
 /// A duration in the plan's microseconds.
 fn micros(d: Duration) -> u64 {
