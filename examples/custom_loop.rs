@@ -44,6 +44,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         min_servers: 2,
         checkpoint: None,  // no checkpoints (--checkpoint-dir)
         rejoin_wait_us: 0, // a lost worker is not waited for
+        replicas: 1,       // no backup copies
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let sched_opts = SchedulerOptions {

@@ -77,6 +77,7 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
             .map_err(|_| anyhow::anyhow!("--end-timeout-s must be a non-negative number of seconds"))?,
         metrics: cmd.run.metrics,
         restart_workers: cmd.run.restart_workers,
+        restart_servers: cmd.run.restart_servers,
     })
     .await?;
     let report = build_report(&cmd, &outcome);

@@ -4,6 +4,7 @@ mod bad_input;
 mod balance_report;
 mod checkpoint;
 mod common;
+mod failover;
 mod launch_cmd;
 mod launcher;
 mod metrics;

@@ -72,16 +72,122 @@ impl FromStr for PlacementKind {
     }
 }
 
-/// Block -> owner map with an epoch.
+/// Block -> owner map with an epoch, and each block's backup copies (`--replicas`).
+///
+/// The owner of a block is its primary: workers send it their requests, and it forwards
+/// every push to the block's backups before it acknowledges the push. When the primary is
+/// lost, the first backup becomes the owner ([`Placement::fail_server`]). The invariant
+/// ([`Placement::check_copies`]): no two copies of a block on one server.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Placement {
     /// Increases with every change of an owner.
     pub epoch: u64,
-    /// `owners[block]` is the server that owns the block.
+    /// `owners[block]` is the server that owns the block (its primary).
     pub owners: Vec<ServerId>,
+    /// `backups[block]`: the servers holding a backup copy of the block, oldest first (the
+    /// next to be promoted). Empty (no entry per block) for a job without replicas.
+    pub backups: Vec<Vec<ServerId>>,
 }
 
 impl Placement {
+    /// The placement `owners` at `epoch`, with no backups.
+    pub fn new(epoch: u64, owners: Vec<ServerId>) -> Self {
+        Self { epoch, owners, backups: Vec::new() }
+    }
+
+    /// Gives every block `replicas - 1` backups: the servers after its owner in id order,
+    /// modulo `servers` (the next servers on the ring, as the OSDI'14 parameter server
+    /// replicates a key range). Refuses more copies than servers.
+    pub fn with_replicas(mut self, replicas: u32, servers: u32) -> Result<Self, CoreError> {
+        if replicas == 0 || replicas > servers {
+            return Err(CoreError::InvalidModel(format!(
+                "--replicas {replicas} needs at least {replicas} servers (and 1 copy at least); the job has {servers}"
+            )));
+        }
+        self.backups = if replicas == 1 {
+            Vec::new()
+        } else {
+            self.owners.iter().map(|o| (1..replicas).map(|k| (o + k) % servers).collect()).collect()
+        };
+        debug_assert_eq!(self.check_copies(), Ok(()));
+        Ok(self)
+    }
+
+    /// The backups of `block` (none without replicas).
+    pub fn backups_of(&self, block: BlockId) -> &[ServerId] {
+        self.backups.get(block as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// True if `server` holds a copy of `block`: its primary or a backup.
+    pub fn holds_copy(&self, block: BlockId, server: ServerId) -> bool {
+        self.owner(block) == Some(server) || self.backups_of(block).contains(&server)
+    }
+
+    /// The blocks `server` holds a backup of, in id order.
+    pub fn backups_on(&self, server: ServerId) -> impl Iterator<Item = BlockId> + '_ {
+        self.backups.iter().enumerate().filter(move |(_, b)| b.contains(&server)).map(|(b, _)| b as BlockId)
+    }
+
+    /// Server `server` is lost: every block it owned is taken over by its first backup,
+    /// and it is no longer a backup of any block; the epoch goes up by one. Returns the
+    /// blocks promoted (block, new owner), or the first block it owned with no backup
+    /// left (that block is lost: nothing is changed then).
+    pub fn fail_server(&mut self, server: ServerId) -> Result<Vec<(BlockId, ServerId)>, BlockId> {
+        if let Some(b) = self.blocks_of(server).find(|b| self.backups_of(*b).is_empty()) {
+            return Err(b);
+        }
+        let mut promoted = Vec::new();
+        for (b, owner) in self.owners.iter_mut().enumerate() {
+            let backups = self.backups.get_mut(b);
+            if *owner == server
+                && let Some(backups) = backups
+            {
+                *owner = backups.remove(0);
+                promoted.push((b as BlockId, *owner));
+            } else if let Some(backups) = backups {
+                backups.retain(|s| *s != server);
+            }
+        }
+        self.epoch += 1;
+        debug_assert_eq!(self.check_copies(), Ok(()));
+        Ok(promoted)
+    }
+
+    /// Adds `server` as the last backup of `block` (a copy rebuilt after a loss). Refuses
+    /// a server that holds a copy already. The epoch stays: workers only follow owners.
+    pub fn add_backup(&mut self, block: BlockId, server: ServerId) -> Result<(), CoreError> {
+        if self.owner(block).is_none() {
+            return Err(CoreError::UnknownBlock(block));
+        }
+        if self.holds_copy(block, server) {
+            return Err(CoreError::InvalidModel(format!("server {server} holds a copy of block {block} already")));
+        }
+        if self.backups.len() < self.owners.len() {
+            self.backups.resize(self.owners.len(), Vec::new());
+        }
+        self.backups[block as usize].push(server);
+        Ok(())
+    }
+
+    /// The invariant of copies: every block has one owner and no server holds two copies
+    /// of one block. The first block that breaks it, as an error.
+    pub fn check_copies(&self) -> Result<(), String> {
+        if !self.backups.is_empty() && self.backups.len() != self.owners.len() {
+            return Err(format!("{} blocks have owners, {} have backup lists", self.owners.len(), self.backups.len()));
+        }
+        for (b, backups) in self.backups.iter().enumerate() {
+            let mut copies = backups.clone();
+            copies.push(self.owners[b]);
+            copies.sort_unstable();
+            if copies.windows(2).any(|w| w[0] == w[1]) {
+                return Err(format!(
+                    "block {b} has two copies on one server: owner {}, backups {backups:?}",
+                    self.owners[b]
+                ));
+            }
+        }
+        Ok(())
+    }
     /// The initial placement of `partition` on `servers` servers (ids `0..servers`), epoch 1.
     /// Refuses no server, and `skewed:IDX` with IDX not below `servers`.
     pub fn initial(kind: PlacementKind, partition: &Partition, servers: u32) -> Result<Self, CoreError> {
@@ -136,7 +242,7 @@ impl Placement {
                 owners
             }
         };
-        Ok(Self { epoch: 1, owners })
+        Ok(Self::new(1, owners))
     }
 
     /// Records that `block` is owned by `owner` as of `epoch`: the one way an owner
@@ -221,7 +327,7 @@ mod tests {
 
     #[test]
     fn apply_changes_one_owner_and_never_moves_the_epoch_back() {
-        let mut pl = Placement { epoch: 1, owners: vec![0, 0, 1] };
+        let mut pl = Placement::new(1, vec![0, 0, 1]);
         pl.apply(1, 2, 5).unwrap();
         assert_eq!((pl.epoch, pl.owners.clone()), (5, vec![0, 2, 1]));
         // An older change learned late: the owner is recorded, the epoch stays.
@@ -230,6 +336,29 @@ mod tests {
         let before = pl.clone();
         assert_eq!(pl.apply(3, 0, 9), Err(CoreError::UnknownBlock(3)));
         assert_eq!(pl, before, "a refused change changes nothing");
+    }
+
+    #[test]
+    fn replicas_go_on_the_next_servers_and_a_lost_server_promotes_its_first_backup() {
+        let pl = Placement::new(1, vec![0, 1, 2, 2]).with_replicas(2, 3).unwrap();
+        assert_eq!(pl.backups, vec![vec![1], vec![2], vec![0], vec![0]]);
+        assert!(Placement::new(1, vec![0]).with_replicas(3, 2).is_err(), "more copies than servers");
+        let mut lost = pl.clone();
+        let promoted = lost.fail_server(2).unwrap();
+        assert_eq!(promoted, vec![(2, 0), (3, 0)]);
+        assert_eq!((lost.epoch, lost.owners.clone()), (2, vec![0, 1, 0, 0]));
+        assert_eq!(lost.backups, vec![vec![1], vec![], vec![], vec![]]);
+        assert_eq!(lost.check_copies(), Ok(()));
+        // Block 1 has no backup left: losing its owner loses it, and changes nothing.
+        let before = lost.clone();
+        assert_eq!(lost.fail_server(1), Err(1));
+        assert_eq!(lost, before);
+        lost.add_backup(1, 0).unwrap();
+        assert_eq!((lost.backups_of(1), lost.epoch), (&[0][..], 2));
+        assert!(lost.add_backup(1, 1).is_err(), "the owner holds a copy");
+        assert!(lost.add_backup(9, 2).is_err());
+        let two = Placement { backups: vec![vec![0], vec![], vec![], vec![]], ..lost.clone() };
+        assert!(two.check_copies().unwrap_err().contains("block 0"));
     }
 
     #[test]

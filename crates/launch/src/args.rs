@@ -83,6 +83,11 @@ pub struct RunArgs {
     /// all: it rejoins the job at the clock the job is at. 0: a dead worker ends the job.
     #[arg(long, env = "ELASTICPS_RESTART_WORKERS", value_name = "N", default_value_t = 0)]
     pub restart_workers: u32,
+    /// With --replicas 2 or more: start a new server when one dies, at most N times in
+    /// all; it joins the job and takes blocks and backup copies. 0: the job goes on with
+    /// one server fewer.
+    #[arg(long, env = "ELASTICPS_RESTART_SERVERS", value_name = "N", default_value_t = 0)]
+    pub restart_servers: u32,
 }
 
 /// What the scheduler needs to know about the job.
@@ -181,6 +186,11 @@ pub struct JobArgs {
     /// [default: 0; 60 with train/launch --restart-workers].
     #[arg(long, env = "ELASTICPS_REJOIN_WAIT_S", value_name = "SECONDS", default_value_t = 0.0)]
     pub rejoin_wait_s: f64,
+    /// Copies of every block: a primary and R-1 backups on distinct servers. A push is
+    /// acknowledged once every copy applied it; a lost server's blocks fail over to their
+    /// backups (detected within 2 s) and training goes on. 1: a lost server ends the job.
+    #[arg(long, env = "ELASTICPS_REPLICAS", value_name = "R", default_value_t = 1)]
+    pub replicas: u32,
 }
 
 impl JobArgs {
@@ -209,6 +219,13 @@ impl JobArgs {
         ensure_flags!(max_servers >= servers, "--max-servers {max_servers} is below --servers {servers}");
         ensure_flags!(min_servers >= 1, "--min-servers must be at least 1");
         ensure_flags!(min_servers <= servers, "--min-servers {min_servers} is above --servers {servers}");
+        ensure_flags!(self.replicas >= 1, "--replicas must be at least 1 (the primary copy)");
+        ensure_flags!(
+            self.replicas <= servers,
+            "--replicas {} needs at least {} servers (each copy of a block on its own server); the job has {servers}",
+            self.replicas,
+            self.replicas
+        );
         ensure_flags!(
             self.rejoin_wait_s.is_finite() && self.rejoin_wait_s >= 0.0,
             "--rejoin-wait-s must be a non-negative number of seconds"
@@ -250,6 +267,7 @@ impl JobArgs {
             min_servers,
             checkpoint,
             rejoin_wait_us: (self.rejoin_wait_s * 1e6) as u64,
+            replicas: self.replicas,
         })
     }
 
@@ -332,6 +350,9 @@ impl JobArgs {
         }
         if self.rejoin_wait_s > 0.0 {
             f.extend(["--rejoin-wait-s".into(), self.rejoin_wait_s.to_string()]);
+        }
+        if self.replicas != 1 {
+            f.extend(["--replicas".into(), self.replicas.to_string()]);
         }
         f
     }

@@ -70,6 +70,8 @@ pub struct JobSpec<'a> {
     pub metrics: bool,
     /// Restart a worker that dies with its rank, at most this many times in all.
     pub restart_workers: u32,
+    /// With replicas: start a new server when one dies, at most this many times in all.
+    pub restart_servers: u32,
 }
 
 /// Everything a local run produced.
@@ -90,6 +92,22 @@ pub struct RunOutcome {
     pub balance: Option<BalanceLog>,
     /// Workers the launcher restarted (`--restart-workers`).
     pub restarts: Vec<Restart>,
+    /// Servers that died while the job went on (`--replicas`), and whether a new one was
+    /// started for each (`--restart-servers`).
+    pub server_exits: Vec<ServerExit>,
+}
+
+/// A server that died in a job with replicas (its blocks failed over to their backups).
+#[derive(Clone, Debug)]
+pub struct ServerExit {
+    /// Its spawn index (`server I`).
+    pub index: u32,
+    /// When it exited, seconds since the launch.
+    pub t_s: f64,
+    /// How it exited.
+    pub status: String,
+    /// A new server was started in its place.
+    pub replaced: bool,
 }
 
 /// A worker that died and was restarted with its rank.
@@ -161,6 +179,11 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
         Some(dir) => dir.join("logs"),
         None => std::env::temp_dir().join(format!("elasticps-{}", std::process::id())),
     };
+    if spec.restart_servers > 0 && spec.job.replicas < 2 {
+        return Err(LaunchError::Flags(
+            "--restart-servers needs --replicas 2 or more (without a backup, a lost server's blocks are gone)".into(),
+        ));
+    }
     let mut signals = Signals::new()?;
     let mut cluster = Cluster::new(&log_dir)?;
     let env = [("ELASTICPS_SECRET", spec.net.secret.as_str())];
@@ -203,14 +226,21 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
             }
         }
     };
-    for i in 0..spec.job.servers {
+    let spawn_server = |cluster: &mut Cluster, i: u32| -> Result<usize> {
         let mut args =
             vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
         args.extend(spec.net.to_flags());
         args.extend(metrics_flags.iter().cloned());
         args.extend(spec.extra_server_args.iter().map(|a| a.replace("{i}", &i.to_string())));
-        cluster.spawn(&format!("server {i}"), &args, &env)?;
+        cluster.spawn(&format!("server {i}"), &args, &env)
+    };
+    // Server node -> spawn index.
+    let mut server_nodes: BTreeMap<usize, u32> = BTreeMap::new();
+    for i in 0..spec.job.servers {
+        server_nodes.insert(spawn_server(&mut cluster, i)?, i);
     }
+    let mut next_server = spec.job.servers;
+    let mut server_restarts_left = spec.restart_servers;
     let spawn_worker = |cluster: &mut Cluster, i: u32, rank: Option<u32>| -> Result<usize> {
         let name = match rank {
             None => format!("worker {i}"),
@@ -300,6 +330,40 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
                             return Err(e.then("the worker could not be restarted; every other node was stopped"));
                         }
                     };
+                    continue;
+                }
+                if !status.success()
+                    && spec.job.replicas > 1
+                    && let Some(index) = server_nodes.remove(&node)
+                {
+                    // Its blocks fail over to their backups: the job goes on.
+                    let replaced = server_restarts_left > 0;
+                    let line = if replaced {
+                        server_restarts_left -= 1;
+                        format!(
+                            "[{}] exited with {status}; its blocks fail over to their backups; starting server \
+                             {next_server} in its place ({server_restarts_left} restarts left)",
+                            cluster.name(node)
+                        )
+                    } else {
+                        format!("[{}] exited with {status}; its blocks fail over to their backups", cluster.name(node))
+                    };
+                    bars.println(true, &line);
+                    out.server_exits.push(ServerExit { index, t_s, status: status.to_string(), replaced });
+                    if replaced {
+                        match spawn_server(&mut cluster, next_server) {
+                            Ok(again) => server_nodes.insert(again, next_server),
+                            Err(e) => {
+                                bars.clear();
+                                cluster.stop(REAP_TIMEOUT).await;
+                                return Err(e.then("no server could be started in its place; every node was stopped"));
+                            }
+                        };
+                        next_server += 1;
+                    }
+                    if cluster.all_exited() {
+                        break;
+                    }
                     continue;
                 }
                 if !status.success() {

@@ -39,6 +39,7 @@ pub async fn run_local(cmd: &TrainCmd, extra_server_args: &[String]) -> Result<R
         end_timeout: crate::runner::JOB_END_TIMEOUT,
         metrics: cmd.run.metrics,
         restart_workers: cmd.run.restart_workers,
+        restart_servers: cmd.run.restart_servers,
     })
     .await
 }

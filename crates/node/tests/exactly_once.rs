@@ -27,7 +27,7 @@ use elasticps_node::harness::{
     frame_bytes,
 };
 use elasticps_node::scheduler::JobConfig;
-use elasticps_node::server::{FrozenStep, Phase, Slot};
+use elasticps_node::server::{Exit, FrozenStep, Phase, Slot};
 use elasticps_wire::{CheckpointPlan, Control, ErrorCode, Injection, Message, ScaleRequest};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -73,6 +73,8 @@ pub struct Case {
     pub fuse: bool,
     /// A checkpoint at every multiple of this clock (0: none).
     pub checkpoint_every: u32,
+    /// Copies of every block (`--replicas`).
+    pub replicas: u32,
     /// The operator's requests and the faults, in no particular order.
     pub ops: Vec<Op>,
 }
@@ -173,6 +175,7 @@ impl Case {
                 resume: None,
             }),
             rejoin_wait_us: 0,
+            replicas: self.replicas,
         }
     }
 
@@ -467,7 +470,12 @@ pub fn check(case: &Case, r: &Run) -> Result<(), String> {
     }
     // Servers: no bound violation; exactly one live owner per block, the placement's.
     let placement = sim.cluster().scheduler().placement().ok_or("the scheduler placed no model")?;
-    for (_, s) in sim.servers() {
+    // A crashed (or failed) server's state is gone with it.
+    let alive = |node: &NodeId| {
+        sim.cluster().network().is_alive(*node)
+            && sim.servers().any(|(n, r)| n == *node && !matches!(r.exit(), Some(Exit::Failed { .. })))
+    };
+    for (_, s) in sim.servers().filter(|(n, _)| alive(n)) {
         if !s.violations().is_empty() {
             return Err(format!("pulls answered against the bound: {:?} {}", s.violations(), ctx()));
         }
@@ -479,8 +487,22 @@ pub fn check(case: &Case, r: &Run) -> Result<(), String> {
         let owner = unrecorded.unwrap_or(named);
         let want = case.final_value(b);
         let mut found = false;
-        for (node, s) in sim.servers() {
+        for (node, s) in sim.servers().filter(|(n, _)| alive(n)) {
             let Some(server) = s.server() else { continue };
+            if let Some(id) = server.id().filter(|id| placement.backups_of(b).contains(id)) {
+                // A backup: exact too (every acknowledged push is on every live copy). One
+                // placed late (after a loss, or a move onto the old backup) may still wait
+                // for its primary's state when the job ends.
+                if let Some(copy) = server.backup_copy(b)
+                    && let Some(v) = copy.values().iter().find(|v| **v != want)
+                {
+                    return Err(format!(
+                        "block {b} on its backup {id} ({node:?}) is {v}, expected {want}: {:?} {}",
+                        copy.values(),
+                        ctx()
+                    ));
+                }
+            }
             let Some(Slot::Owned(o)) = server.slot(b) else { continue };
             let id = server.id().ok_or("a server with a block has no id")?;
             if id == owner {
@@ -684,6 +706,7 @@ pub fn case(deltas: bool) -> impl Strategy<Value = Case> {
                 fuse,
                 // One job in four checkpoints none, the others every 1, 2 or 3 clocks.
                 checkpoint_every: (seed % 4) as u32,
+                replicas: 1,
                 ops,
             })
         },
@@ -753,6 +776,7 @@ pub fn psld_case() -> impl Strategy<Value = Case> {
                     psld: Some(Straggler { server: capped % servers, bps }),
                     fuse,
                     checkpoint_every: 0,
+                    replicas: 1,
                     ops,
                 })
             },
@@ -865,6 +889,78 @@ proptest! {
     }
 }
 
+/// Runs `case` with `--replicas 2` and, at `crash_us`, kills server `victim` (by spawn
+/// order) as a kill -9 would; then checks the whole job as [`check`] does: it ends well,
+/// every worker ran every iteration with every push acknowledged and every pull answered
+/// once, and every block is exact on its owner and on its backups. `Ok(false)` if the
+/// victim did not serve then.
+fn crash_a_server(case: &Case, crash_us: u64, victim: usize) -> Result<bool, String> {
+    let case = Case { replicas: 2, ..case.clone() };
+    let (mut sim, log) = job_of(&case, case.job(), false);
+    if sim.run(crash_us, MAX_EVENTS).is_some() {
+        return Ok(false);
+    }
+    let Some((node, role)) = sim.servers().nth(victim) else { return Ok(false) };
+    if role.exit().is_some() || role.server().and_then(|s| s.shard()).is_none() {
+        return Ok(false);
+    }
+    // The operator may have scaled in until a block of the victim has no backup left:
+    // losing it must then end the job, saying so.
+    let id = role.server().and_then(|s| s.id());
+    let sole = sim.cluster().scheduler().placement().zip(id).and_then(|(p, id)| {
+        p.blocks_of(id).find(|b| {
+            // No backup listed holds a copy yet (none is, or a new one's state is on its way).
+            !sim.servers().any(|(n, r)| {
+                n != node
+                    && r.server().is_some_and(|s| {
+                        s.id().is_some_and(|sid| p.backups_of(*b).contains(&sid)) && s.backup_copy(*b).is_some()
+                    })
+            })
+        })
+    });
+    sim.cluster_mut().crash(node, true);
+    let left = MAX_EVENTS.saturating_sub(sim.cluster().events());
+    let end = sim.run(HORIZON_US, left);
+    if let Some(block) = sole {
+        // (A backup's state still on its way may arrive after the crash: then the job
+        // goes on, and is checked like any other.)
+        match &end {
+            Some(e) if !e.ok && e.reason.contains("had no other copy") => return Ok(false),
+            Some(e) if e.ok => {}
+            other => return Err(format!("server {id:?} held the only copy of block {block}; the job ended {other:?}")),
+        }
+    }
+    if let Some(end) = &end {
+        let budget = MAX_EVENTS.saturating_sub(sim.cluster().events());
+        sim.cluster_mut().run(end.at_us + 1_000_000, budget);
+    }
+    let sent = log.borrow().clone();
+    check(&case, &Run { sim, end, sent, dropped: Vec::new() })?;
+    Ok(true)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(200), ..ProptestConfig::default() })]
+
+    /// Issue 10, item 1: with `--replicas 2`, any one server killed at any moment (the
+    /// primary of some blocks, the backup of others): training goes on and every
+    /// acknowledged update is on every copy, under every policy, fused or not.
+    #[test]
+    fn a_server_killed_with_two_replicas_loses_no_acknowledged_push(
+        c in case(false),
+        at in 0.05f64..0.9,
+        victim in 0usize..4,
+    ) {
+        // The operator's moves and scaling go on around the crash.
+        let c = Case { ops: c.ops.iter().filter(|op| matches!(op, Op::Scale { .. })).copied().collect(), ..c };
+        let window = u64::from(c.iterations) * (c.compute_us.0 + c.compute_us.1 / 2);
+        let crash_us = 1_000 + (window as f64 * at) as u64;
+        if let Err(e) = crash_a_server(&c, crash_us, victim % c.servers as usize) {
+            return Err(TestCaseError::fail(format!("{e} (server {} crashed at {crash_us} us)", victim % c.servers as usize)));
+        }
+    }
+}
+
 /// The rejoin proptest's schedules do kill running workers: most cases crash one.
 #[test]
 fn the_rejoin_schedules_kill_running_workers() {
@@ -879,6 +975,23 @@ fn the_rejoin_schedules_kill_running_workers() {
         })
         .count();
     assert!(crashed >= 60, "only {crashed} of 100 schedules killed a running worker");
+}
+
+/// The server-crash proptest's schedules do kill serving servers: most cases crash one.
+#[test]
+fn the_server_crash_schedules_kill_serving_servers() {
+    let cases = sample(case(false), 100);
+    let crashed = cases
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| {
+            let c = Case { ops: Vec::new(), checkpoint_every: 0, ..(*c).clone() };
+            let window = u64::from(c.iterations) * (c.compute_us.0 + c.compute_us.1 / 2);
+            let crash_us = 1_000 + window * (1 + *i as u64 % 8) / 10;
+            crash_a_server(&c, crash_us, i % c.servers as usize).expect("the failover property holds")
+        })
+        .count();
+    assert!(crashed >= 60, "only {crashed} of 100 schedules killed a serving server");
 }
 
 fn sample(strategy: impl Strategy<Value = Case>, n: usize) -> Vec<Case> {
@@ -1029,6 +1142,7 @@ fn a_lost_delta_ok_leaves_no_second_copy_serving() {
         psld: None,
         fuse: false,
         checkpoint_every: 0,
+        replicas: 1,
         ops: vec![
             Op::Scale { at_us: 505, req: ScaleRequest::MoveBlock { block: 2, to: 0 } },
             Op::Scale { at_us: 666, req: ScaleRequest::MoveBlock { block: 2, to: 1 } },
@@ -1062,6 +1176,7 @@ fn a_drained_server_that_held_a_failed_copy_lingers_for_its_workers() {
         psld: None,
         fuse: false,
         checkpoint_every: 0,
+        replicas: 1,
         ops: vec![
             Op::Scale { at_us: 249, req: ScaleRequest::MoveBlock { block: 1, to: 0 } },
             Op::Scale { at_us: 2957, req: ScaleRequest::RemoveServer(0) },
@@ -1095,6 +1210,7 @@ fn a_removal_after_a_lost_delta_keeps_every_worker() {
         psld: None,
         fuse: false,
         checkpoint_every: 0,
+        replicas: 1,
         ops: vec![
             Op::Scale { at_us: 6256, req: ScaleRequest::AddServer },
             Op::Scale { at_us: 2488, req: ScaleRequest::RemoveServer(0) },
@@ -1147,6 +1263,7 @@ fn a_fused_aggregate_job_through_moves_and_scaling_finishes() {
         psld: None,
         fuse: true,
         checkpoint_every: 0,
+        replicas: 1,
         ops: ops.into_iter().map(|(at_us, req)| Op::Scale { at_us, req }).collect(),
     };
     check_both(c);

@@ -33,6 +33,7 @@ mod harness {
             min_servers: servers,
             checkpoint: None,
             rejoin_wait_us: 0,
+            replicas: 1,
         }
     }
 
@@ -397,6 +398,7 @@ mod job {
             min_servers: servers,
             checkpoint: None,
             rejoin_wait_us: 0,
+            replicas: 1,
         }
     }
 

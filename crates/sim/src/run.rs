@@ -149,6 +149,7 @@ fn outcome(cmd: &SimCmd, sim: &SimJob, model: &ScaledModel, end_us: u64) -> Resu
         final_eval: None,
         balance: Some(balance),
         restarts: Vec::new(),
+        server_exits: Vec::new(),
     })
 }
 

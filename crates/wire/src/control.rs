@@ -214,6 +214,33 @@ pub enum Control {
         /// Its next clock here.
         clock: u32,
     },
+    /// Tag 36: Primary -> backup server, on a data connection (`--replicas`): apply this
+    /// push (or, with `init`, these initial values) to your copy of `block`. Reply:
+    /// [`Control::Ok`] once applied (a duplicate is dropped by the copy's clock state and
+    /// answered `Ok` too); the primary acknowledges the worker's push only after every
+    /// backup did.
+    Replicate {
+        /// The block.
+        block: BlockId,
+        /// True for a worker's initial values (`grad` holds them), false for a push.
+        init: bool,
+        /// The push: worker, clock and gradient.
+        push: LoggedPush,
+    },
+    /// Tag 37: Scheduler -> every server (request id 0): who holds which copy now, after a
+    /// failover (a lost server's primaries promoted to their first backup) or a rebuilt
+    /// copy. A server serves the blocks it was promoted for, and a primary sends its state
+    /// ([`Control::ReplicaSnapshot`]) to each new backup.
+    Replicas {
+        /// The placement with its backups.
+        placement: Placement,
+        /// Data addresses of the servers (primaries dial their backups there).
+        servers: Vec<ServerAddr>,
+    },
+    /// Tag 38: Primary -> backup server, on a data connection: the whole state of a block
+    /// (a new backup's first copy, or a resync after a failed [`Control::Replicate`]); the
+    /// pushes replicated before it are dropped as duplicates. Reply: [`Control::Ok`].
+    ReplicaSnapshot(BlockState),
 }
 
 /// A job's checkpoints: part of [`Control::Checkpointing`].

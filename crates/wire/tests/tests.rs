@@ -60,6 +60,9 @@ mod common {
             Control::RejoinWorker { .. } => 33,
             Control::AddWorker { .. } => 34,
             Control::WorkerAdded { .. } => 35,
+            Control::Replicate { .. } => 36,
+            Control::Replicas { .. } => 37,
+            Control::ReplicaSnapshot(_) => 38,
         }
     }
 
@@ -645,14 +648,17 @@ mod invalid {
     }
 
     #[test]
-    fn version_2() {
-        let err = refuse(edited(4..5, &[2]));
-        assert_eq!(err, WireError::BadVersion { got: 2 });
-        assert_eq!(err.code(), ErrorCode::BadVersion);
-        // Version is checked before the checksum: a newer peer learns that it is the version.
-        let mut h = pull_header();
-        h[4] = 2;
-        assert_eq!(refuse(h), WireError::BadVersion { got: 2 });
+    fn version_1_and_3() {
+        // Version 1 had no backup lists in its placements (PROTOCOL.md, "Versions").
+        for v in [1, 3] {
+            let err = refuse(edited(4..5, &[v]));
+            assert_eq!(err, WireError::BadVersion { got: v });
+            assert_eq!(err.code(), ErrorCode::BadVersion);
+            // Version is checked before the checksum: another version learns it is the version.
+            let mut h = pull_header();
+            h[4] = v;
+            assert_eq!(refuse(h), WireError::BadVersion { got: v });
+        }
     }
 
     #[test]
@@ -971,10 +977,10 @@ mod golden {
         pinned(
             "Pull header (empty secret)",
             &head,
-            "45 50 53 31 01 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 2c af 94 98",
+            "45 50 53 31 02 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 04 06 8a c0",
         );
-        assert_eq!(checksum(&head, b""), 0x9894_af2c);
-        assert!(doc().contains("0x9894af2c"));
+        assert_eq!(checksum(&head, b""), 0xc08a_0604);
+        assert!(doc().contains("0xc08a0604"));
     }
 
     #[test]
@@ -984,9 +990,9 @@ mod golden {
         pinned(
             "Pull header (secret s3cret)",
             &head,
-            "45 50 53 31 01 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 3f 80 ca a8",
+            "45 50 53 31 02 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 27 a5 6b ec",
         );
-        assert!(doc().contains("0xa8ca803f"));
+        assert!(doc().contains("0xec6ba527"));
     }
 
     #[test]
@@ -996,7 +1002,7 @@ mod golden {
         pinned(
             "Push header",
             &head,
-            "45 50 53 31 01 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 98 85 75 cc",
+            "45 50 53 31 02 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 b0 2c 6b 94",
         );
         pinned("Push payload", &payload, "00 00 80 3f 00 00 00 c0");
     }
@@ -1008,7 +1014,7 @@ mod golden {
         pinned(
             "PushPull header",
             &head,
-            "45 50 53 31 01 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 57 15 5a 21",
+            "45 50 53 31 02 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 7f bc 44 79",
         );
         pinned("PushPull payload", &payload, "00 00 80 3f 00 00 00 c0");
     }
@@ -1019,7 +1025,7 @@ mod golden {
         pinned(
             "Hello header",
             &head,
-            "45 50 53 31 01 01 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 02 00 00 00 a1 6d ef 12",
+            "45 50 53 31 02 01 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 02 00 00 00 89 c4 f1 4a",
         );
         pinned("Hello payload", &payload, "0c 02");
     }
@@ -1031,7 +1037,7 @@ mod golden {
         pinned(
             "Error header",
             &head,
-            "45 50 53 31 01 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 c8 6f 35 7c",
+            "45 50 53 31 02 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 e0 c6 2b 24",
         );
         pinned("Error payload", &payload, "05 0a 6e 6f 20 62 6c 6f 63 6b 20 39");
     }
@@ -1084,7 +1090,7 @@ mod golden {
         pinned(
             "Layout example",
             &postcard::to_allocvec(&layout).unwrap(),
-            "05 02 01 77 02 02 03 01 00 00 80 bf 00 00 80 3f 01 62 01 03 00 03 00 00 00 04 01 00 04 02 02 01 00 03 00 01 03 00 00 01 02 00 03 68 3a 31 01 03 68 3a 32 2a",
+            "05 02 01 77 02 02 03 01 00 00 80 bf 00 00 80 3f 01 62 01 03 00 03 00 00 00 04 01 00 04 02 02 01 00 03 00 01 03 00 00 01 00 02 00 03 68 3a 31 01 03 68 3a 32 2a",
         );
     }
 

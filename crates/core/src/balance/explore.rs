@@ -91,7 +91,7 @@ mod tests {
 
     #[test]
     fn the_post_condition_wants_one_real_move_onto_the_probed_server() {
-        let p = Placement { epoch: 1, owners: vec![0, 0, 1] };
+        let p = Placement::new(1, vec![0, 0, 1]);
         let sizes = [10, 0, 10];
         let one = |block, from, to| vec![Move { block, from, to }];
         assert_eq!(probed(&p, &sizes, &one(0, 0, 2), 2), Ok(()));

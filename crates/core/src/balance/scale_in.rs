@@ -105,7 +105,7 @@ mod tests {
 
     #[test]
     fn the_post_condition_wants_the_drained_server_empty() {
-        let p = Placement { epoch: 1, owners: vec![0, 1, 1, 2] };
+        let p = Placement::new(1, vec![0, 1, 1, 2]);
         let rates: BTreeMap<ServerId, f64> = [(0, 100.0), (1, 100.0), (2, 100.0)].into_iter().collect();
         let moves = drain(&p, &[10, 10, 10, 10], 1, &[0, 1, 2], &rates);
         assert_eq!(moves.len(), 2);

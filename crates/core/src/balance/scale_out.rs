@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn the_post_condition_wants_moves_onto_the_new_server_that_do_not_raise_the_max() {
-        let p = Placement { epoch: 1, owners: vec![0, 0, 0, 1] };
+        let p = Placement::new(1, vec![0, 0, 0, 1]);
         let sizes = [100, 100, 100, 100];
         let rates: BTreeMap<ServerId, f64> = [(0, 100.0), (1, 100.0), (2, 100.0)].into_iter().collect();
         let moves = fill(&p, &sizes, 2, &[0, 1], &rates);

@@ -29,7 +29,7 @@ fn count(placement: &Placement, server: ServerId) -> usize {
 
 #[test]
 fn service_times_use_the_median_rate_for_unknown_servers() {
-    let p = Placement { epoch: 1, owners: vec![0, 0, 1, 2, 3] };
+    let p = Placement::new(1, vec![0, 0, 1, 2, 3]);
     let sizes = [100, 100, 100, 100, 100];
     let t = service_times(&p, &sizes, &[0, 1, 2, 3], &rates(&[(0, 100.0), (1, 50.0), (2, 200.0)]));
     assert_eq!(t[&0], 2.0);
@@ -46,7 +46,7 @@ fn service_times_use_the_median_rate_for_unknown_servers() {
 #[test]
 fn rebalance_moves_only_off_a_slow_server_to_near_the_optimum() {
     let sizes = vec![MIB; 40];
-    let p = Placement { epoch: 1, owners: (0..40).map(|b| b % 4).collect() };
+    let p = Placement::new(1, (0..40).map(|b| b % 4).collect());
     let r = rates(&[(0, 100.0 * MB), (1, 25.0 * MB), (2, 100.0 * MB), (3, 100.0 * MB)]);
     let params = BalanceParams::new(1, 4);
     let plan = rebalance(&p, &sizes, &[0, 1, 2, 3], &r, &params);
@@ -73,7 +73,7 @@ fn rebalance_moves_only_off_a_slow_server_to_near_the_optimum() {
 #[test]
 fn rebalance_leaves_a_balanced_placement_alone() {
     let sizes = vec![MIB; 40];
-    let p = Placement { epoch: 1, owners: (0..40).map(|b| b % 4).collect() };
+    let p = Placement::new(1, (0..40).map(|b| b % 4).collect());
     let r = rates(&[(0, 100.0 * MB), (1, 100.0 * MB), (2, 100.0 * MB), (3, 100.0 * MB)]);
     let plan = rebalance(&p, &sizes, &[0, 1, 2, 3], &r, &BalanceParams::new(1, 4));
     assert!(plan.moves.is_empty());
@@ -85,7 +85,7 @@ fn rebalance_spreads_a_skewed_placement() {
     // Server 0 holds 28 of 40 equal blocks (70%).
     let sizes = vec![MIB; 40];
     let owners = (0..40).map(|b| if b < 28 { 0 } else { 1 + (b % 3) }).collect();
-    let p = Placement { epoch: 1, owners };
+    let p = Placement::new(1, owners);
     let r = rates(&[(0, 100.0 * MB), (1, 100.0 * MB), (2, 100.0 * MB), (3, 100.0 * MB)]);
     let plan = rebalance(&p, &sizes, &[0, 1, 2, 3], &r, &BalanceParams::new(1, 4));
     assert!(plan.moves.iter().all(|m| m.from == 0));
@@ -100,7 +100,7 @@ fn rebalance_spreads_a_skewed_placement() {
 #[test]
 fn drain_and_fill_best_fit() {
     let sizes = vec![400, 300, 200, 100, 100, 100];
-    let p = Placement { epoch: 1, owners: vec![0, 0, 1, 1, 2, 2] };
+    let p = Placement::new(1, vec![0, 0, 1, 1, 2, 2]);
     let r = rates(&[(0, 1.0), (1, 1.0), (2, 1.0)]);
     // Drain 0: 400 to the least loaded (1 and 2 have 300 and 200: to 2), then 300 to 1.
     let moves = drain(&p, &sizes, 0, &[1, 2], &r);
@@ -152,7 +152,7 @@ impl Sim {
         Sim {
             now: 0,
             sizes: vec![MIB; blocks],
-            placement: Placement { epoch: 1, owners: (0..blocks as u32).map(|b| b % n).collect() },
+            placement: Placement::new(1, (0..blocks as u32).map(|b| b % n).collect()),
             servers: (0..n).collect(),
             rate: Box::new(rate),
             noise: 0.1,
@@ -401,7 +401,7 @@ fn scenario_e_never_scales_out_beyond_max_servers() {
 /// Four servers, server 3 owns nothing.
 fn with_empty_server(min: u32) -> Sim {
     let mut sim = Sim::new(4, min, 4, base(100.0));
-    sim.placement = Placement { epoch: 1, owners: (0..24).map(|b| b % 3).collect() };
+    sim.placement = Placement::new(1, (0..24).map(|b| b % 3).collect());
     sim
 }
 
@@ -457,7 +457,7 @@ fn scenario_g_recovered_straggler_is_probed_and_wins_its_blocks_back() {
 fn waits_for_confidence_and_cooldown() {
     // All 8 blocks on server 0, server 1 empty and unmeasured.
     let sizes = vec![MIB; 8];
-    let p = Placement { epoch: 1, owners: vec![0; 8] };
+    let p = Placement::new(1, vec![0; 8]);
     let servers = [0, 1];
     let mut b = Balancer::new(BalanceParams::new(2, 4));
     let step = |b: &mut Balancer, load: &LoadModel, now_us, busy| {
@@ -488,7 +488,7 @@ fn waits_for_confidence_and_cooldown() {
 fn gives_up_a_scale_out_whose_server_never_joins() {
     // Servers 0 and 2 fast and loaded, server 1 twenty times slower and empty.
     let sizes = vec![MIB; 4];
-    let p = Placement { epoch: 1, owners: vec![0, 0, 2, 2] };
+    let p = Placement::new(1, vec![0, 0, 2, 2]);
     let servers = [0, 1, 2];
     let mut load = LoadModel::new(3 * S);
     for _ in 0..8 {
@@ -544,7 +544,7 @@ mod proptests {
                 let owners = blocks.iter().map(|&(_, o)| servers[o % n]).collect();
                 let sizes = blocks.iter().map(|&(s, _)| s).collect();
                 let rates = servers.iter().zip(&rates).filter_map(|(&s, r)| r.map(|r| (s, r))).collect();
-                (servers, Placement { epoch: 1, owners }, sizes, rates)
+                (servers, Placement::new(1, owners), sizes, rates)
             })
     }
 

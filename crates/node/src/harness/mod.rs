@@ -28,7 +28,7 @@
 //! #     shard: ShardConfig { sync: SyncPolicy::Bsp, workers: 1,
 //! #         optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 0.1, aggregate: false, weight_decay: 0.0 } },
 //! #     server_sync: vec![], seed: 1, inject: vec![], balance: Default::default(), max_servers: 1, min_servers: 1,
-//! #     checkpoint: None, rejoin_wait_us: 0 };
+//! #     checkpoint: None, rejoin_wait_us: 0, replicas: 1 };
 //!
 //! /// Registers as a worker and remembers its rank.
 //! struct Joiner { rank: Option<u32> }

@@ -209,6 +209,67 @@ impl Elastic {
         }
     }
 
+    /// Server `id` was lost with its blocks failed over (`promoted` of them) in
+    /// `placement`: it is gone, no move involves it any more, and a migration from it
+    /// under way is settled with the promoted owner (its new owner drops the copy).
+    pub fn failed(
+        &mut self,
+        id: ServerId,
+        detection: &str,
+        promoted: usize,
+        placement: &Placement,
+        now_us: u64,
+    ) -> Vec<Order> {
+        self.load.remove(id);
+        self.states.insert(id, ServerState::Removed);
+        self.joining_by.remove(&id);
+        self.queue.retain(|m| m.from != id && m.to != id);
+        self.event(now_us, "server-lost", Some(id), detection.to_string());
+        let mut orders = Vec::new();
+        if let Some((m, _, epoch)) = self.in_flight
+            && m.from == id
+            && let Some(owner) = placement.owner(m.block)
+        {
+            self.in_flight = None;
+            self.log_migration_error(now_us, m, "the old owner was lost");
+            orders.push(Order::Settle { block: m.block, to: m.to, epoch, owner });
+        }
+        let why = format!("{promoted} blocks promoted to their first backup; placement epoch {}", placement.epoch);
+        self.event(now_us, "failover", Some(id), why);
+        orders.extend(self.next_migration(placement, now_us));
+        orders
+    }
+
+    /// A migration that ended without a report from its old owner, in the history.
+    fn log_migration_error(&mut self, now_us: u64, m: Move, why: &str) {
+        self.log.migrations.push(MigrationEvent {
+            at_s: now_us as f64 / 1e6,
+            block: m.block,
+            from: m.from,
+            to: m.to,
+            bytes: 0,
+            freeze_ms: 0.0,
+            total_ms: 0.0,
+            held: 0,
+            error: Some(why.into()),
+        });
+    }
+
+    /// Records an event of the job's servers (for the report): `action` and why.
+    pub fn record(&mut self, now_us: u64, action: &str, server: Option<ServerId>, reason: String) {
+        self.event(now_us, action, server, reason);
+    }
+
+    /// The server `block` is migrating to, if its migration is under way.
+    pub fn migrating_to(&self, block: u32) -> Option<ServerId> {
+        self.in_flight.filter(|(m, _, _)| m.block == block).map(|(m, _, _)| m.to)
+    }
+
+    /// Servers that serve and may hold blocks or copies, in id order.
+    pub fn serving_ids(&self) -> Vec<ServerId> {
+        self.serving()
+    }
+
     /// A server's load report.
     pub fn server_load(&mut self, load: ServerLoad) {
         self.server_loads.insert(load.server_id, load);
@@ -252,9 +313,21 @@ impl Elastic {
         };
         let Some(epoch) = expected else { return (false, Vec::new()) };
         self.in_flight = None;
+        if r.error.is_none() && self.states.get(&r.to) == Some(&ServerState::Removed) {
+            // The new owner was lost after it took the block: the old owner keeps it.
+            let m = Move { block: r.block, from: r.from, to: r.to };
+            self.log_migration_error(now_us, m, "the new owner was lost");
+            return (false, self.next_migration(placement, now_us));
+        }
         let owner = if r.error.is_none() { r.to } else { r.from };
         let settle = Order::Settle { block: r.block, to: r.to, epoch, owner };
         if r.error.is_none() {
+            // A move onto one of the block's backups (it stayed one while the block moved,
+            // so that a copy survives the old owner's loss): it is the owner now, and
+            // another server backs the block up instead.
+            if let Some(backups) = placement.backups.get_mut(r.block as usize) {
+                backups.retain(|s| *s != r.to);
+            }
             if let Err(e) = placement.apply(r.block, r.to, epoch) {
                 tracing::warn!(block = r.block, to = r.to, epoch, error = %e, "migration of an unknown block");
             }
@@ -557,7 +630,7 @@ mod tests {
     use super::*;
 
     fn placement(owners: Vec<u32>) -> Placement {
-        Placement { epoch: 1, owners }
+        Placement::new(1, owners)
     }
 
     #[test]

@@ -64,6 +64,9 @@ pub struct JobConfig {
     /// rejoin (restarted by a launcher's `--restart-workers`) before the job ends without
     /// them, µs (0: it ends at once).
     pub rejoin_wait_us: u64,
+    /// Copies of every block (`--replicas`): a primary and `replicas - 1` backups on
+    /// distinct servers; 1 (no backup) by default.
+    pub replicas: u32,
 }
 
 impl JobConfig {
@@ -468,7 +471,12 @@ impl Scheduler {
             }
             (Control::MigrateDone(report), Some(Role::Server(id))) if report.from == id => {
                 let Some(placement) = self.placement.as_mut() else { return };
+                let backups = placement.backups.clone();
                 let (expected, orders) = self.elastic.migrated(&report, placement, self.now_us);
+                if placement.backups != backups {
+                    // The new owner was a backup of the block: it is not any more.
+                    self.broadcast_replicas(out);
+                }
                 if request_id != 0 {
                     if expected {
                         reply(out, Control::Ok.into());
@@ -597,7 +605,9 @@ impl Scheduler {
             self.finish(false, reason, out);
             return;
         }
-        let placement = match Placement::initial(self.config.placement, partition, self.config.servers) {
+        let placement = match Placement::initial(self.config.placement, partition, self.config.servers)
+            .and_then(|p| p.with_replicas(self.config.replicas, self.config.servers))
+        {
             Ok(p) => p,
             Err(e) => {
                 self.finish(false, format!("cannot place the model: {e}"), out);
@@ -619,6 +629,112 @@ impl Scheduler {
             out.push(Action::Send { conn, request_id: 0, msg: Control::Checkpointing(plan.clone()).into() });
         }
         out.push(Action::Send { conn, request_id: 0, msg: Control::Assign(a).into() });
+        if let Some(msg) = self.replicas_message() {
+            out.push(Action::Send { conn, request_id: 0, msg });
+        }
+    }
+
+    /// `Replicas` (who holds which copy, and where the servers are) for a job with
+    /// replicas.
+    fn replicas_message(&self) -> Option<Message> {
+        if self.config.replicas <= 1 {
+            return None;
+        }
+        let layout = self.layout()?;
+        Some(Control::Replicas { placement: layout.placement, servers: layout.servers }.into())
+    }
+
+    /// Sends `Replicas` to every server still in the job.
+    fn broadcast_replicas(&self, out: &mut Vec<Action>) {
+        let Some(msg) = self.replicas_message() else { return };
+        for (conn, n) in &self.nodes {
+            if matches!(n.role, Role::Server(_)) {
+                out.push(Action::Send { conn: *conn, request_id: 0, msg: msg.clone() });
+            }
+        }
+    }
+
+    /// Keeps every block at `replicas - 1` backups on serving servers: a backup on a
+    /// server that drains (or left) is dropped, and a block short of backups gets new
+    /// ones on the serving servers with the fewest copies that hold none of it (and are
+    /// not where it migrates to). A block stays short while too few servers serve (one
+    /// more joining fixes it). Returns whether a copy changed (then tell the servers).
+    fn rebuild_copies(&mut self) -> bool {
+        let want = self.config.replicas.saturating_sub(1) as usize;
+        if want == 0 {
+            return false;
+        }
+        let serving = self.elastic.serving_ids();
+        let moving: Vec<Option<u32>> = match &self.placement {
+            Some(p) => (0..p.owners.len() as BlockId).map(|b| self.elastic.migrating_to(b)).collect(),
+            None => return false,
+        };
+        let Some(placement) = self.placement.as_mut() else { return false };
+        let (mut dropped, mut added, mut short) = (0, 0, 0);
+        for backups in placement.backups.iter_mut() {
+            let before = backups.len();
+            backups.retain(|s| serving.contains(s));
+            dropped += before - backups.len();
+        }
+        let mut copies: BTreeMap<u32, usize> = serving.iter().map(|s| (*s, 0)).collect();
+        for b in 0..placement.owners.len() as BlockId {
+            for s in placement.backups_of(b).iter().chain(placement.owner(b).as_slice()) {
+                if let Some(c) = copies.get_mut(s) {
+                    *c += 1;
+                }
+            }
+        }
+        for b in 0..placement.owners.len() as BlockId {
+            while placement.backups_of(b).len() < want {
+                let target = copies
+                    .iter()
+                    .filter(|(s, _)| !placement.holds_copy(b, **s) && moving[b as usize] != Some(**s))
+                    .min_by_key(|(s, c)| (**c, **s));
+                let Some((&s, _)) = target else {
+                    short += 1;
+                    break;
+                };
+                if placement.add_backup(b, s).is_err() {
+                    break;
+                }
+                *copies.entry(s).or_default() += 1;
+                added += 1;
+            }
+        }
+        debug_assert_eq!(placement.check_copies(), Ok(()));
+        if dropped + added == 0 {
+            return false;
+        }
+        let why = format!(
+            "{dropped} backup copies dropped from servers that left or drain, {added} placed; {short} blocks short of \
+             {want} backups (too few servers)"
+        );
+        self.elastic.record(self.now_us, "copies-rebuilt", None, why);
+        true
+    }
+
+    /// Server `id` is lost in a job with replicas: its primaries are promoted to their
+    /// first backups (the epoch goes up), its copies are rebuilt elsewhere, and training
+    /// goes on. A block with no other copy ends the job.
+    fn failover(&mut self, id: u32, why: &str, silent_us: u64, out: &mut Vec<Action>) {
+        let addr = self.servers.get(id as usize).map_or(String::new(), |(_, a)| a.clone());
+        let Some(placement) = self.placement.as_mut().filter(|_| self.layout_ready) else {
+            return self.finish(false, format!("server {id} ({addr}) is gone before training started: {why}"), out);
+        };
+        let detection = format!("{why}; last heard from {:.2} s before", silent_us as f64 / 1e6);
+        match placement.fail_server(id) {
+            Err(block) => {
+                let reason = format!("server {id} ({addr}) is gone: {detection}; block {block} had no other copy");
+                self.finish(false, reason, out);
+            }
+            Ok(promoted) => {
+                tracing::warn!(server = id, %addr, %detection, promoted = promoted.len(), epoch = placement.epoch, "server lost: its blocks fail over to their backups");
+                let orders = self.elastic.failed(id, &detection, promoted.len(), placement, self.now_us);
+                self.rebuild_copies();
+                self.broadcast_replicas(out);
+                self.carry_out(orders, out);
+            }
+        }
     }
 
     /// A server wrote blocks of checkpoint `clock`: once every block is written, the
@@ -659,8 +775,19 @@ impl Scheduler {
         })
     }
 
-    /// Turns elasticity orders into actions.
+    /// Turns elasticity orders into actions; then keeps the copies on serving servers
+    /// (a server that starts draining hands its backups on, one that joined takes those a
+    /// lost server left short).
     fn carry_out(&mut self, orders: Vec<Order>, out: &mut Vec<Action>) {
+        let before = self.placement.as_ref().map(|p| p.backups.clone());
+        self.carry_out_orders(orders, out);
+        let rebuilt = self.rebuild_copies();
+        if rebuilt || self.placement.as_ref().map(|p| &p.backups) != before.as_ref() {
+            self.broadcast_replicas(out);
+        }
+    }
+
+    fn carry_out_orders(&mut self, orders: Vec<Order>, out: &mut Vec<Action>) {
         for order in orders {
             match order {
                 Order::Migrate { block, from, to, epoch } => {
@@ -821,6 +948,7 @@ impl Scheduler {
 
     fn on_lost(&mut self, conn: ConnId, why: &str, out: &mut Vec<Action>) {
         let Some(node) = self.nodes.remove(&conn) else { return };
+        let silent_us = self.now_us.saturating_sub(node.last_seen_us);
         if let Role::Server(id) = node.role {
             // A restarted worker waits for no server that left.
             let ranks: Vec<u32> = self.rejoining.keys().copied().collect();
@@ -831,7 +959,16 @@ impl Scheduler {
         match node.role {
             Role::Server(id) if self.elastic.lost(id, self.now_us) => {
                 tracing::info!(server = id, %why, "a removed server left");
+                // Its backup copies (a drained server backs up blocks it does not own).
+                if let Some(p) = self.placement.as_mut()
+                    && p.backups_on(id).next().is_some()
+                    && p.fail_server(id).is_ok()
+                {
+                    self.rebuild_copies();
+                    self.broadcast_replicas(out);
+                }
             }
+            Role::Server(id) if self.config.replicas > 1 => self.failover(id, why, silent_us, out),
             Role::Server(id) => {
                 let addr = self.servers.get(id as usize).map_or("", |(_, a)| a.as_str());
                 let resume = match (&self.config.checkpoint, self.last_checkpoint) {
@@ -940,6 +1077,7 @@ mod tests {
             min_servers: 2,
             checkpoint: None,
             rejoin_wait_us: 0,
+            replicas: 1,
         }
     }
 

@@ -73,9 +73,15 @@ impl Server {
         reply: Result<Message, String>,
         out: &mut Vec<Action>,
     ) {
-        let Some(Call::Migration(block)) = self.calls.remove(&call) else {
-            tracing::debug!(call, "an answer to no migration step");
-            return;
+        let block = match self.calls.remove(&call) {
+            Some(Call::Migration(block)) => block,
+            Some(what @ (Call::Replicate { .. } | Call::ReplicaSync { .. })) => {
+                return self.replica_answered(now_us, call, what, reply, out);
+            }
+            _ => {
+                tracing::debug!(call, "an answer to no migration step");
+                return;
+            }
         };
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return };
         let (to, step) = match &o.phase {
@@ -261,6 +267,7 @@ impl Server {
         let Some(shard) = self.shard.as_mut() else { return };
         shard.set_owner(block, to, epoch);
         let Some(Slot::Owned(mut o)) = self.slots.insert(block, Slot::Gone { owner: to, epoch }) else { return };
+        self.handed_over(block, to, epoch, out);
         self.counters.migrations_out += 1;
         self.counters.departed.merge(o.block.stats());
         self.counters.departed_hold.merge(o.block.hold_histogram());
@@ -415,6 +422,7 @@ impl Server {
             shard.set_owner(block, me, epoch);
             self.counters.migrations_in += 1;
             tracing::info!(server = me, block, epoch, parked = parked.len(), "block settled here");
+            self.take_over_backups(now_us, block, out);
         } else {
             self.slots.remove(&block);
             tracing::warn!(

@@ -10,6 +10,7 @@
 //! - [`migrate`](self): the migration's steps, old owner and new owner.
 //! - [`config`]: the shard's configuration, the adaptive policy, tensor optimizers.
 //! - [`counters`]: stats, metrics snapshot, load.
+//! - [`replica`](self): `--replicas`, the primary's forwarding and the backups' copies.
 //!
 //! Registration is part of the state machine: [`Server::start`] returns the
 //! `RegisterServer` call, so a harness drives a server from birth.
@@ -29,6 +30,7 @@ use rand::rngs::StdRng;
 pub mod config;
 pub mod counters;
 mod migrate;
+mod replica;
 pub mod slot;
 
 pub use config::{Refusal, Shard, error};
@@ -39,8 +41,9 @@ use counters::{Counters, Sum};
 
 pub use crate::ConnId;
 
-/// How often a server sends a heartbeat to the scheduler, µs.
-pub const HEARTBEAT_EVERY_US: u64 = 1_000_000;
+/// How often a server sends a heartbeat to the scheduler, µs (as the runtime's
+/// `HEARTBEAT_EVERY`).
+pub const HEARTBEAT_EVERY_US: u64 = 500_000;
 /// How often a server reports its load and evaluates its adaptive policy, µs.
 pub const STATS_INTERVAL_US: u64 = 1_000_000;
 /// How long each step of a migration may take, µs.
@@ -231,6 +234,10 @@ enum Call {
     Register,
     /// A step of the migration of this block (to a server, or `MigrateDone`).
     Migration(BlockId),
+    /// A push of `block` forwarded to its backup `backup`.
+    Replicate { block: BlockId, backup: ServerId },
+    /// The whole state of `block` sent to its backup `backup`.
+    ReplicaSync { block: BlockId, backup: ServerId },
 }
 
 /// After `Shutdown`: when it came, and why.
@@ -277,6 +284,8 @@ pub struct Server {
     /// Checkpoint blocks handed to the runtime and not reported written yet (a server
     /// shutting down waits for them).
     checkpoint_writes: u32,
+    /// `--replicas`: backup copies held here, and the pushes waiting for backups.
+    replication: replica::Replication,
 }
 
 impl Server {
@@ -307,6 +316,7 @@ impl Server {
             checkpoint: None,
             restoring: None,
             checkpoint_writes: 0,
+            replication: replica::Replication::default(),
         }
     }
 
@@ -342,6 +352,7 @@ impl Server {
         if self.exited {
             return;
         }
+        let from = out.len();
         match ev {
             Event::Opened { conn } => {
                 self.conns.entry(conn).or_default();
@@ -359,6 +370,7 @@ impl Server {
         if self.stopping.is_some() {
             self.try_exit(now_us, out);
         }
+        self.gate_replies(from, out);
     }
 
     // ---- queries ----------------------------------------------------------------------
@@ -376,6 +388,11 @@ impl Server {
     /// The slot of `block`, if this server has one (owned or gone).
     pub fn slot(&self, block: BlockId) -> Option<&Slot> {
         self.slots.get(&block)
+    }
+
+    /// The backup copy of `block` held here (`--replicas`), once its primary's state came.
+    pub fn backup_copy(&self, block: BlockId) -> Option<&Block<Token>> {
+        self.replication.copy(block)
     }
 
     /// The blocks owned here (in any phase but gone), in id order.
@@ -521,6 +538,18 @@ impl Server {
             (Message::Control(Control::BlockDelta { block, epoch, pushes }), _) => {
                 Some(self.take_delta(now_us, block, epoch, &pushes, out))
             }
+            (Message::Control(Control::Replicate { block, init, push }), _) => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.introduced = true;
+                }
+                self.take_replicated(now_us, (conn, request_id), block, init, push, out)
+            }
+            (Message::Control(Control::ReplicaSnapshot(state)), _) => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.introduced = true;
+                }
+                Some(self.take_replica_snapshot(now_us, state, out))
+            }
             (Message::Push { block, clock, values }, Some(r)) => {
                 self.handle(now_us, r, token(block), Request::Push { clock, values }, out)
             }
@@ -587,6 +616,8 @@ impl Server {
             return None;
         }
         self.counters.requests += 1;
+        let forward =
+            if shard.placement.backups_of(block).is_empty() { None } else { replica::carried(rank, &request) };
         // A worker that rejoined may go on past its next clock on this block.
         let rejoined = self.added_workers.contains(&rank);
         let push = if rejoined { Block::push_rejoined } else { Block::push };
@@ -659,6 +690,11 @@ impl Server {
                 refused
             }
         };
+        if let Some((init, push)) = forward
+            && !matches!(reply, Some(Message::Error(_)))
+        {
+            self.forward(now_us, to, init, push, out);
+        }
         self.checkpoint_if_due(now_us, block, done, out);
         reply
     }
@@ -688,7 +724,9 @@ impl Server {
             match self.calls.remove(&request_id) {
                 Some(Call::Register) => self.welcome(now_us, msg, out),
                 Some(Call::Migration(block)) => self.recorded(now_us, block, request_id, msg, out),
-                None => tracing::debug!(request_id, "an answer of the scheduler to no call"),
+                Some(Call::Replicate { .. } | Call::ReplicaSync { .. }) | None => {
+                    tracing::debug!(request_id, "an answer of the scheduler to no call")
+                }
             }
             return;
         }
@@ -712,6 +750,9 @@ impl Server {
             }
             Message::Control(Control::Settled { block, epoch, owner }) => {
                 self.settled(now_us, block, epoch, owner, out)
+            }
+            Message::Control(Control::Replicas { placement, servers }) => {
+                self.replicas_changed(now_us, placement, servers, out)
             }
             Message::Control(Control::Shutdown { reason }) => {
                 tracing::info!(server = self.id, %reason, "server shuts down");
@@ -832,7 +873,9 @@ impl Server {
                 "straggler injection"
             );
         }
-        tracing::info!(server = a.server_id, blocks = slots.len(), sync = %shard.config.sync, "blocks assigned");
+        let copies = a.placement.backups_on(a.server_id).count();
+        tracing::info!(server = a.server_id, blocks = slots.len(), copies, sync = %shard.config.sync, "blocks assigned");
+        self.assign_copies(&a.placement, a.server_id);
         self.shard = Some(shard);
         self.slots = slots;
         self.incoming.clear();
@@ -859,6 +902,10 @@ impl Server {
                 answers.extend(o.block.remove_worker(&config, rank, now_us));
             }
         }
+        for copy in self.replication.copies_mut() {
+            let config = shard.config_for(copy.spec());
+            copy.remove_worker(&config, rank, now_us);
+        }
         self.answer_pulls(answers, out);
         for (block, done) in before {
             self.checkpoint_if_due(now_us, block, done, out);
@@ -879,6 +926,9 @@ impl Server {
             {
                 clock = clock.min(next);
             }
+        }
+        for copy in self.replication.copies_mut() {
+            copy.add_worker(rank);
         }
         tracing::info!(server = self.id, rank, clock, "worker taken back into every quorum");
         out.push(Action::ToScheduler { request_id: 0, msg: Control::WorkerAdded { rank, clock }.into() });
@@ -952,6 +1002,7 @@ impl Server {
             self.log_waits(now_us);
         }
         self.check_deadlines(now_us, out);
+        self.resync_due(now_us, out);
     }
 
     /// Says what the server waits for: an assignment, or (for a pull held for more than
@@ -1049,7 +1100,7 @@ impl Server {
 
 /// The first checkpoint clock after `done` (a push of that clock or later waits for the
 /// block to reach it), if the job checkpoints.
-fn next_checkpoint(plan: Option<&CheckpointPlan>, done: Clock) -> Option<Clock> {
+pub(super) fn next_checkpoint(plan: Option<&CheckpointPlan>, done: Clock) -> Option<Clock> {
     let every = plan?.every;
     if every == 0 {
         return None;

@@ -21,7 +21,7 @@ fn layout(lens: &[usize], block_len: usize, owners: Vec<u32>, epoch: u64, server
     assert_eq!(partition.blocks.len(), owners.len(), "one owner per block");
     Layout {
         partition,
-        placement: Placement { epoch, owners },
+        placement: Placement::new(epoch, owners),
         servers: (0..servers).map(|id| ServerAddr { id, addr: format!("s{id}") }).collect(),
         seed: 0,
     }

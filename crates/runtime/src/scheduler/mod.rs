@@ -20,7 +20,7 @@ use crate::accept::{self, Accepted, Acceptor, MAX_CONNECTIONS};
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
 use crate::metrics::SchedulerMetrics;
-use crate::{HEARTBEAT_TIMEOUT, Micros};
+use crate::{FAILOVER_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT, Micros};
 
 /// One connection as the actor sees it: where to send, and how to close it. The reader
 /// task holds a clone of the outbox too, so dropping ours alone does not close anything:
@@ -92,7 +92,8 @@ pub async fn run_with(
     let clock = Micros::new();
     let origin =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
-    let mut state = Scheduler::new(opts.job.clone(), HEARTBEAT_TIMEOUT.as_micros() as u64)
+    let heartbeat_timeout = if opts.job.replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT } else { HEARTBEAT_TIMEOUT };
+    let mut state = Scheduler::new(opts.job.clone(), heartbeat_timeout.as_micros() as u64)
         .with_launcher(launcher.is_some())
         .with_clock_origin(origin);
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();

@@ -1,7 +1,7 @@
 //! The server role's I/O around its state machine ([`elasticps_node::server::Server`]):
 //! the data listener and one reader task per connection turning frames into events, the
-//! scheduler's connection, a ticker, a cache of connections to other servers for
-//! migration steps, the straggler shaper, the `--trace` writer and the metrics source.
+//! scheduler's connection, a ticker, one ordered link to each other server for
+//! migration steps and replication ([`links`]), the straggler shaper, the `--trace` writer and the metrics source.
 //!
 //! The state machine sits behind one mutex; each event is one short `step` under it,
 //! and the actions it returns are carried out after the lock is released. An injected
@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use elasticps_node::server::{Action, Event, Exit, STEP_TIMEOUT_US, Server};
+use elasticps_node::server::{Action, Event, Exit, Server};
 use elasticps_wire::{Codec, Control, Message, ServerStats};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -28,10 +28,12 @@ use crate::peer::Peer;
 use crate::shaping::Shaper;
 use crate::{CALL_TIMEOUT, Micros, timeout};
 
+mod links;
+
+use links::Links;
+
 /// How often the state machine gets a `Tick`.
 const TICK: Duration = Duration::from_millis(100);
-/// How long a migration step to another server may take.
-const STEP_TIMEOUT: Duration = Duration::from_micros(STEP_TIMEOUT_US);
 
 /// How to start a server.
 #[derive(Clone, Debug)]
@@ -66,7 +68,7 @@ struct Io {
     conns: Mutex<HashMap<u64, Outbox>>,
     next_conn: AtomicU64,
     /// Connections to other servers, by data address.
-    servers: Mutex<HashMap<String, Peer>>,
+    links: Links,
     trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
     exit: Mutex<Option<Exit>>,
     exited: Notify,
@@ -105,7 +107,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         sched,
         conns: Mutex::new(HashMap::new()),
         next_conn: AtomicU64::new(1),
-        servers: Mutex::new(HashMap::new()),
+        links: Links::default(),
         trace,
         exit: Mutex::new(None),
         exited: Notify::new(),
@@ -168,10 +170,21 @@ impl Io {
     }
 
     /// The state machine's actions for one event (the lock held only for the step).
-    fn decide(&self, ev: Event, data: bool) -> Vec<Action> {
+    /// Messages to other servers are handed to their links before the lock is released,
+    /// so each link carries them in the order they were decided (a backup's snapshot
+    /// before the pushes forwarded after it).
+    fn decide(self: &Arc<Self>, ev: Event, data: bool) -> Vec<Action> {
         let mut server = lock(&self.server);
         let started = Instant::now();
-        let actions = server.step(self.clock.now(), ev);
+        let mut actions = server.step(self.clock.now(), ev);
+        actions.retain_mut(|a| match a {
+            Action::ToServer { call, server, addr, msg } => {
+                let msg = std::mem::replace(msg, Message::Control(Control::Ok));
+                self.links.send(self, *call, *server, addr, msg);
+                false
+            }
+            _ => true,
+        });
         if data {
             let spent = started.elapsed();
             server.charge(spent.as_micros() as u64, 0);
@@ -219,13 +232,8 @@ impl Io {
                         });
                     }
                 },
-                Action::ToServer { call, server, addr, msg } => {
-                    let io = self.clone();
-                    tokio::spawn(async move {
-                        let reply = io.call_server(server, &addr, msg).await.map_err(|e| e.to_string());
-                        io.step(Event::FromServer { call, reply }, false);
-                    });
-                }
+                // Sent in `decide`, in the order the state machine emitted them.
+                Action::ToServer { .. } => {}
                 Action::Trace(t) => {
                     if let Some(trace) = &self.trace {
                         let _ = writeln!(lock(trace), "{}", t.json());
@@ -254,38 +262,6 @@ impl Io {
                 }
             }
         }
-    }
-
-    /// One migration step to another server, on a cached connection (shaped: a server
-    /// streaming a block is as slow as its NIC). A failed connection is dropped.
-    async fn call_server(&self, server: u32, addr: &str, msg: Message) -> Result<Message> {
-        let name = format!("server {server}");
-        let cached = lock(&self.servers).get(addr).cloned();
-        let peer = match cached {
-            Some(p) => p,
-            None => {
-                let (p, _notes) =
-                    Peer::connect_shaped(addr, self.codec.clone(), &name, Some(self.shaper.clone())).await?;
-                lock(&self.servers).insert(addr.to_string(), p.clone());
-                p
-            }
-        };
-        let kind = match &msg {
-            Message::Control(Control::BlockSnapshot { .. }) => "BlockSnapshot",
-            _ => "BlockDelta",
-        };
-        let result = match peer.send_request(msg) {
-            Err(e) => Err(e),
-            Ok(rx) => match tokio::time::timeout(STEP_TIMEOUT, rx).await {
-                Ok(Ok(reply)) => Ok(reply),
-                Ok(Err(_)) => Err(RuntimeError::Closed(name.clone())),
-                Err(_) => Err(RuntimeError::Timeout { what: format!("{name} to answer {kind}"), after: STEP_TIMEOUT }),
-            },
-        };
-        if result.is_err() {
-            lock(&self.servers).remove(addr);
-        }
-        result
     }
 }
 
