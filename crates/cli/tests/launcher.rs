@@ -114,6 +114,54 @@ fn a_dead_worker_restarted_with_its_rank_rejoins_and_the_job_completes() {
     }
 }
 
+/// Issue 10, item 1: `train --servers 3 --replicas 2`, one server killed by hand mid-run:
+/// the job finishes, the model learns as well as without the loss, a new server takes the
+/// dead one's place, and report.json lists the loss, its detection and the failover.
+#[test]
+fn a_server_killed_in_train_with_two_replicas_fails_over_and_the_job_finishes() {
+    let dir = common::temp_dir("failover");
+    let dir_s = dir.display().to_string();
+    let args = [
+        "--servers",
+        "3",
+        "--replicas",
+        "2",
+        "--restart-servers",
+        "1",
+        "--iterations",
+        "400",
+        "--eval-every",
+        "0",
+        "--report",
+        &dir_s,
+    ];
+    let mut child = train(&args).spawn().expect("spawn train");
+    let kids = wait_for_children(&child, 6);
+    assert_eq!(kids.len(), 6, "scheduler, 3 servers, 2 workers: {kids:?}");
+    std::thread::sleep(Duration::from_millis(1500));
+    let (victim, _) = kids.iter().find(|(_, c)| c.contains(" server ")).expect("a server").clone();
+    // SAFETY: kill(2) on a live child of the launcher we started.
+    unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+    let (status, err) = wait_exit(&mut child, Duration::from_secs(120));
+    assert!(status.success(), "the job must finish after the failover: {err}");
+    assert!(err.contains("its blocks fail over to their backups; starting server 3 in its place"), "{err}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json");
+    let workers = report["workers"].as_array().expect("workers");
+    assert!(workers.iter().all(|w| w["iterations"].as_u64() == Some(400)), "every worker ran on: {workers:?}");
+    assert!(report["test_accuracy"].as_f64().unwrap_or(0.0) > 0.6, "the model learned: {report}");
+    let events: Vec<&str> = report["balance"]["scaling"]
+        .as_array()
+        .expect("scaling events")
+        .iter()
+        .filter_map(|e| e["action"].as_str())
+        .collect();
+    for want in ["server-lost", "failover", "copies-rebuilt", "joined"] {
+        assert!(events.contains(&want), "report.json lists {want}: {events:?}");
+    }
+    assert_all_gone(&kids);
+}
+
 #[test]
 fn ctrl_c_stops_every_node() {
     let mut child = train(&["--iterations", "1000000", "--eval-every", "0"]).spawn().expect("spawn train");

@@ -904,6 +904,10 @@ fn crash_a_server(case: &Case, crash_us: u64, victim: usize) -> Result<bool, Str
     if role.exit().is_some() || role.server().and_then(|s| s.shard()).is_none() {
         return Ok(false);
     }
+    if sim.workers().all(|(_, w)| *w.stage() == Stage::Done) {
+        // Training is over (the scheduler waits for the last checkpoint writes).
+        return Ok(false);
+    }
     // The operator may have scaled in until a block of the victim has no backup left:
     // losing it must then end the job, saying so.
     let id = role.server().and_then(|s| s.id());

@@ -243,10 +243,12 @@ impl Role for SchedulerRole {
     }
 
     fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
+        self.scheduler.advance(out.now_us());
         self.step(out, Event::Received { conn, request_id, msg });
     }
 
     fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
+        self.scheduler.advance(out.now_us());
         self.step(out, Event::Lost { conn, why: why.as_str().to_string() });
     }
 

@@ -305,6 +305,13 @@ impl Scheduler {
         None
     }
 
+    /// Moves the scheduler's clock to `now_us` (never back) without the work of a
+    /// [`Event::Tick`]: a runtime calls it before each event, so that what the event
+    /// records (a node last heard from, a server lost and when) has the event's time.
+    pub fn advance(&mut self, now_us: u64) {
+        self.now_us = self.now_us.max(now_us);
+    }
+
     /// Feeds one event; returns what to do.
     pub fn step(&mut self, event: Event) -> Vec<Action> {
         let mut out = Vec::new();

@@ -125,6 +125,7 @@ pub async fn run_with(
             conns.remove(conn);
         }
         let tick_event = matches!(event, Event::Tick { .. });
+        state.advance(clock.now());
         let mut finished = None;
         for action in state.step(event) {
             match action {
