@@ -21,11 +21,15 @@
 //! - [`sim`]: `elasticps sim` at 1,000 workers x 100 servers, the balancer's decision time,
 //!   static vs PSLD and the sync policies at scale, and a cross-check of the sim against
 //!   real processes (`elasticps bench sim`); it draws its own `sim.png`.
+//! - [`chaos`]: servers killed and a worker restarted under load with `--replicas 2`:
+//!   detection, recovery, iteration spikes, exact final parameters, the cost of replicas
+//!   (`elasticps bench chaos`).
 //! - [`job`]: the one runner of their train jobs (through `elasticps-launch`).
 //! - [`plots`]: those two figures, in the house style of `elasticps-report`.
 
 use clap::Subcommand;
 
+pub mod chaos;
 pub mod checks;
 mod error;
 pub mod job;
@@ -55,6 +59,8 @@ pub enum BenchCmd {
     Straggler(straggler::StragglerBenchCmd),
     /// The simulator: 1,000 x 100 wall time, balancer decision time, psld and sync policies at scale, sim vs real processes.
     Sim(sim::SimBenchCmd),
+    /// Failures under load with --replicas 2: servers killed with kill -9, a worker restarted; detection, recovery, spikes, the cost of replicas.
+    Chaos(chaos::ChaosCmd),
 }
 
 /// Runs a benchmark.
@@ -65,6 +71,7 @@ pub async fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Sync(cmd) => sync::run(cmd).await,
         BenchCmd::Straggler(cmd) => straggler::run(cmd).await,
         BenchCmd::Sim(cmd) => sim::run(cmd).await,
+        BenchCmd::Chaos(cmd) => chaos::run(cmd).await,
     }
 }
 

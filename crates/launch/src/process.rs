@@ -223,6 +223,21 @@ impl Cluster {
         ev
     }
 
+    /// The next event if one is waiting (`Some(None)`: every sender is gone), without
+    /// waiting for one.
+    pub fn try_next(&mut self) -> Option<Option<NodeEvent>> {
+        match self.rx.try_recv() {
+            Ok(ev) => {
+                if let NodeEvent::Exited { node, .. } = &ev {
+                    self.nodes[*node].running = false;
+                }
+                Some(Some(ev))
+            }
+            Err(mpsc::error::TryRecvError::Empty) => None,
+            Err(mpsc::error::TryRecvError::Disconnected) => Some(None),
+        }
+    }
+
     /// Name of node `node`.
     pub fn name(&self, node: usize) -> &str {
         &self.nodes[node].name
@@ -245,6 +260,17 @@ impl Cluster {
     /// The names of the nodes still running.
     pub fn running(&self) -> Vec<&str> {
         self.nodes.iter().filter(|n| n.running).map(|n| n.name.as_str()).collect()
+    }
+
+    /// Kills node `node` with SIGKILL, as `kill -9` would (its exit comes as a
+    /// [`NodeEvent::Exited`]); a node that is not running is left alone.
+    pub fn kill(&mut self, node: usize) {
+        if let Some(Node { pid: Some(pid), running: true, .. }) = self.nodes.get(node) {
+            // SAFETY: kill(2) on a pid we spawned and have not reaped.
+            unsafe {
+                libc::kill(*pid as libc::pid_t, libc::SIGKILL);
+            }
+        }
     }
 
     /// Kills every node still running, and the process group of every user's command
