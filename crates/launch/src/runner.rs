@@ -154,6 +154,7 @@ const REAP_TIMEOUT: Duration = Duration::from_secs(5);
 pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
     // A wrong job flag is refused here, before any process starts.
     spec.job.job_config()?;
+    spec.net.tls()?;
     if let Workers::Command { argv, .. } = &spec.workers {
         crate::process::check_program(argv)?;
     }
