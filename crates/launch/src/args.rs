@@ -92,10 +92,11 @@ impl NetArgs {
             (None, None, None) => return Ok(None),
             (Some(c), Some(k), Some(a)) => (c, k, a),
             _ => {
-                let given: Vec<&str> = [("--tls-cert", &self.tls_cert), ("--tls-key", &self.tls_key), ("--tls-ca", &self.tls_ca)]
-                    .into_iter()
-                    .filter_map(|(flag, v)| v.as_ref().map(|_| flag))
-                    .collect();
+                let given: Vec<&str> =
+                    [("--tls-cert", &self.tls_cert), ("--tls-key", &self.tls_key), ("--tls-ca", &self.tls_ca)]
+                        .into_iter()
+                        .filter_map(|(flag, v)| v.as_ref().map(|_| flag))
+                        .collect();
                 return Err(LaunchError::Flags(format!(
                     "TLS needs --tls-cert, --tls-key and --tls-ca together; only {} given",
                     given.join(" and ")
@@ -119,7 +120,9 @@ impl NetArgs {
     /// ([`NetArgs::tls`]) on every connection or none, and --max-connections on its
     /// acceptors.
     pub fn install(&self) -> crate::Result<()> {
-        elasticps_runtime::tls::install(self.tls()?);
+        let tls = self.tls()?;
+        tracing::info!(tls = tls.is_some(), max_connections = self.max_connections, "transport");
+        elasticps_runtime::tls::install(tls);
         elasticps_runtime::accept::set_max_connections(self.max_connections);
         Ok(())
     }

@@ -28,7 +28,7 @@ fn nonce() -> [u8; NONCE_LEN] {
 /// checks that it does too. `peer` names it in errors.
 pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, secret: &[u8], peer: &str) -> Result<()> {
     crate::timeout(HANDSHAKE_TIMEOUT, format!("{peer} to complete the handshake"), async {
-        let io = |e| RuntimeError::io(format!("handshake with {peer}"), e);
+        let io = |e| io_err(peer, e);
         let wire = |source| RuntimeError::Wire { peer: peer.to_string(), source };
         let (client, hello) = ClientHandshake::start(secret, nonce());
         stream.write_all(&hello).await.map_err(io)?;
@@ -55,7 +55,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     deadline: Duration,
 ) -> Result<()> {
     crate::timeout(deadline, format!("{peer} to complete the handshake"), async {
-        let io = |e| RuntimeError::io(format!("handshake with {peer}"), e);
+        let io = |e| io_err(peer, e);
         let wire = |source| RuntimeError::Wire { peer: peer.to_string(), source };
         let mut hello = [0u8; HELLO_LEN];
         read(stream, &mut hello[..4], peer).await?;
@@ -101,15 +101,30 @@ pub async fn refused<S: AsyncWrite + Unpin>(stream: &mut S, codec: &Codec, peer:
     let _ = stream.shutdown().await;
 }
 
+/// An I/O error of the handshake with `peer`; inside TLS, a peer's alert (it refused this
+/// node's certificate after the TLS handshake ended on this side) says so.
+fn io_err(peer: &str, e: std::io::Error) -> RuntimeError {
+    if let Some(rustls::Error::AlertReceived(alert)) = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+        return RuntimeError::Tls {
+            peer: peer.to_string(),
+            what: format!(
+                "it refused this node's certificate (alert {alert:?}): is it signed by the CA the peer trusts \
+                 (its --tls-ca)?"
+            ),
+        };
+    }
+    RuntimeError::io(format!("handshake with {peer}"), e)
+}
+
 async fn read<S: AsyncRead + Unpin>(stream: &mut S, buf: &mut [u8], peer: &str) -> Result<()> {
     match stream.read_exact(buf).await {
         Ok(_) => Ok(()),
         Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset) => {
             Err(RuntimeError::Closed(format!(
-                "{peer} (during the handshake: a wrong secret, or a node with TLS closing a plain connection)"
+                "{peer} (during the handshake; a node with TLS closes a plain-TCP connection at once)"
             )))
         }
-        Err(e) => Err(RuntimeError::io(format!("handshake with {peer}"), e)),
+        Err(e) => Err(io_err(peer, e)),
     }
 }
 
