@@ -127,6 +127,23 @@ impl NetArgs {
         Ok(())
     }
 
+    /// `ELASTICPS_TLS_CERT`, `ELASTICPS_TLS_KEY` and `ELASTICPS_TLS_CA` (absolute paths) for
+    /// a user's worker command, when TLS is on.
+    pub fn tls_env(&self) -> Vec<(String, String)> {
+        let vars = [
+            ("ELASTICPS_TLS_CERT", &self.tls_cert),
+            ("ELASTICPS_TLS_KEY", &self.tls_key),
+            ("ELASTICPS_TLS_CA", &self.tls_ca),
+        ];
+        vars.into_iter()
+            .filter_map(|(k, p)| {
+                p.as_ref().map(|p| {
+                    (k.to_string(), std::path::absolute(p).unwrap_or_else(|_| p.clone()).display().to_string())
+                })
+            })
+            .collect()
+    }
+
     /// The flags that reproduce these settings on a child process (TLS files as absolute
     /// paths, so a child in another directory finds them).
     pub fn to_flags(&self) -> Vec<String> {

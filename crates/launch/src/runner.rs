@@ -106,7 +106,7 @@ pub struct Restart {
 /// The environment of a user's worker command, spawn index `local_rank`, in a job whose
 /// scheduler listens at `scheduler` (the contract with the Python package).
 pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32) -> Vec<(String, String)> {
-    [
+    let mut env: Vec<(String, String)> = [
         ("ELASTICPS_SCHEDULER", scheduler.to_string()),
         ("ELASTICPS_SECRET", net.secret.clone()),
         ("ELASTICPS_MAX_FRAME_MIB", net.max_frame_mib.to_string()),
@@ -116,7 +116,9 @@ pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
-    .collect()
+    .collect();
+    env.extend(net.tls_env());
+    env
 }
 
 /// SIGINT, SIGTERM and SIGHUP, listened to for the whole run: each stops every node
