@@ -907,3 +907,43 @@ fn train_over_tls_completes_and_bad_tls_flags_are_refused_up_front() {
     let (st, _, err) = run_bin(&[&args[..], &broken[..]].concat(), Duration::from_secs(30));
     assert!(!st.success() && err.contains(&format!("--tls-ca {missing}: cannot read it")), "{err}");
 }
+
+/// `--max-connections N` bounds a node's open connections: one over it is closed at once
+/// and logged, and a connection under it is still served.
+#[test]
+fn max_connections_closes_a_connection_over_the_bound_and_logs_it() {
+    let (mut sched, addr) = start_scheduler(&[
+        "--servers",
+        "1",
+        "--workers",
+        "1",
+        "--secret",
+        SECRET,
+        "--join-timeout-s",
+        "60",
+        "--max-connections",
+        "2",
+    ]);
+    let mut held = vec![connect_raw(&addr, SECRET.as_bytes()), connect_raw(&addr, SECRET.as_bytes())];
+    let mut over = connect_unauthenticated(&addr);
+    over.set_read_timeout(Some(REPLY_TIMEOUT)).expect("read timeout");
+    let mut buf = [0u8; 8];
+    match over.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the third connection must be closed at once, got {other:?}"),
+    }
+    // The held connections still work; freeing one makes room again.
+    let (_, m) = call_raw(&mut held[0], &codec(), 1, &Control::GetStatus.into());
+    assert!(matches!(m, Message::Control(Control::Status(_))), "a connection under the bound is served: {m:?}");
+    held.pop();
+    let again = poll_until(REPLY_TIMEOUT, || {
+        let mut s = connect_unauthenticated(&addr);
+        handshake_raw(&mut s, SECRET.as_bytes()).ok().map(|()| s)
+    });
+    assert!(again.is_some(), "a freed place is taken again");
+    let log = poll_until(REPLY_TIMEOUT, || Some(sched.log()).filter(|l| l.contains("too many connections open")));
+    let log = log.unwrap_or_else(|| panic!("the refusal is logged\n{}", sched.log()));
+    assert!(log.contains("max=2"), "{log}");
+    sched.kill();
+}
