@@ -306,6 +306,8 @@ impl Machine {
 
 /// Runs the benchmark and prints the table.
 pub async fn run(cmd: TransportCmd) -> crate::Result<()> {
+    // The in-process workers dial as the cluster's nodes do (TLS with --tls-*).
+    cmd.net.install()?;
     let plan = Plan::new(&cmd)?;
     let log_dir = match &cmd.out {
         Some(dir) => dir.join("logs"),

@@ -90,6 +90,7 @@ fn parse_secs(s: &str) -> Result<Duration, String> {
 
 /// Runs `elasticps status`.
 pub async fn status(cmd: StatusCmd) -> anyhow::Result<()> {
+    cmd.net.install()?;
     let (peer, notes) = connect(&cmd.scheduler, cmd.net.codec()).await?;
     let Some(every) = cmd.watch else {
         let status = get_status(&peer, &cmd.scheduler).await?;
@@ -150,6 +151,7 @@ async fn watch(cmd: &StatusCmd, peer: &Peer, mut notes: Notifications, every: Du
 
 /// Runs `elasticps scale`.
 pub async fn scale(cmd: ScaleCmd) -> anyhow::Result<()> {
+    cmd.net.install()?;
     let (peer, _notes) = connect(&cmd.scheduler, cmd.net.codec()).await?;
     let done = request_scale(&peer, &cmd.scheduler, cmd.action.request()).await?;
     println!("{done}");

@@ -129,6 +129,7 @@ fn any_port(listen: &str) -> String {
 
 /// Runs the scheduler until the job ends.
 pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
+    cmd.net.install()?;
     let emitter = Emitter::new(cmd.events);
     let mut job = cmd.job.job_config()?;
     if let (Some(dir), Some(plan)) = (&cmd.job.resume, job.checkpoint.as_mut()) {
@@ -184,6 +185,7 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
 
 /// Runs a server until the scheduler ends the job.
 pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
+    cmd.net.install()?;
     let emitter = Emitter::new(cmd.events);
     let metrics = cmd.metrics_listen.as_ref().map(|_| ServerMetrics::new());
     let mut _endpoint = None;
@@ -216,6 +218,7 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
 
 /// Runs the training job of one worker.
 pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
+    cmd.net.install()?;
     let mut opts = ClientOptions::new(&cmd.scheduler);
     opts.codec = cmd.net.codec();
     opts.request_timeout = cmd.data.request_timeout();

@@ -755,3 +755,195 @@ fn garbage_sent_to_a_servers_port_mid_training_does_not_stop_that_training_run()
         drop(partial);
     }
 }
+
+/// The test certificates (crates/cli/tests/data/tls, see its README).
+fn tls_file(name: &str) -> String {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tls").join(name).display().to_string()
+}
+
+/// `--tls-cert CERT.pem --tls-key CERT.key --tls-ca CA`: `node`/`ca.pem` is this cluster's.
+fn tls_flags(cert: &str, ca: &str) -> Vec<String> {
+    let f = |n: &str| tls_file(n);
+    [
+        "--tls-cert".into(),
+        f(&format!("{cert}.pem")),
+        "--tls-key".into(),
+        f(&format!("{cert}.key")),
+        "--tls-ca".into(),
+        f(ca),
+    ]
+    .to_vec()
+}
+
+/// The flags as `&str`s.
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// Runs `elasticps ARGS` to its end (at most `limit`): its status, stdout and stderr.
+fn run_bin(args: &[&str], limit: Duration) -> (std::process::ExitStatus, String, String) {
+    let mut child = std::process::Command::new(BIN)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting elasticps");
+    let status = wait_timeout(&mut child, limit);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let (mut out, mut err) = (String::new(), String::new());
+    let _ = child.stdout.take().map(|mut s| s.read_to_string(&mut out));
+    let _ = child.stderr.take().map(|mut s| s.read_to_string(&mut err));
+    let status = status.unwrap_or_else(|| panic!("elasticps {args:?} did not end within {limit:?}\n{out}\n{err}"));
+    (status, out, err)
+}
+
+/// A job whose every connection is mutual TLS (scheduler, servers, workers as processes,
+/// an operator tool) completes, while peers that do not belong are refused at every node
+/// and the refusals are logged: a peer whose certificate another CA signed (in process,
+/// and a worker process), and a plain-TCP peer (a raw handshake, and `status` without TLS).
+#[test]
+fn a_job_over_tls_completes_while_a_peer_of_another_ca_and_a_plain_peer_are_refused() {
+    let tls = tls_flags("node", "ca.pem");
+    let with = |base: &[&str]| base.iter().map(|s| s.to_string()).chain(tls.iter().cloned()).collect::<Vec<_>>();
+    let sched_args = with(&["--servers", "2", "--workers", "2", "--secret", SECRET, "--join-timeout-s", "60"]);
+    let (mut sched, addr) = start_scheduler(&refs(&sched_args));
+    let node_args = with(&["--secret", SECRET]);
+    let (s0, a0) = start_server_on(&addr, &refs(&node_args));
+    let (s1, a1) = start_server_on(&addr, &refs(&node_args));
+    let mut servers = [s0, s1];
+    let worker_args =
+        with(&["--iterations", "100", "--eval-every", "0", "--secret", SECRET, "--request-timeout-s", "60"]);
+    let mut workers = [start_worker(&addr, &refs(&worker_args)), start_worker(&addr, &refs(&worker_args))];
+    let first = workers[0].wait_event("progress", Duration::from_secs(60));
+    assert!(first.is_some(), "worker 0 reported no progress over TLS\n{}", workers[0].log_tail(30));
+
+    // An operator tool over TLS sees the job; without TLS it is refused.
+    let status_args = with(&["status", "--json", "--scheduler", &addr, "--secret", SECRET]);
+    let (st, out, err) = run_bin(&refs(&status_args), Duration::from_secs(30));
+    assert!(st.success(), "status over TLS failed: {err}");
+    assert!(out.contains("servers"), "status over TLS: {out}");
+    let (st, _, err) = run_bin(&["status", "--scheduler", &addr, "--secret", SECRET], Duration::from_secs(30));
+    assert!(!st.success(), "status without TLS must fail");
+    assert!(err.contains("cannot reach the scheduler") && err.contains("TLS"), "{err}");
+
+    let rt = tokio_rt();
+    // Trusts our CA (so it would accept our nodes), but another CA signed its certificate.
+    let intruder = elasticps_runtime::tls::TlsConfig::from_files(
+        std::path::Path::new(&tls_file("other.pem")),
+        std::path::Path::new(&tls_file("other.key")),
+        std::path::Path::new(&tls_file("ca.pem")),
+    )
+    .expect("the other CA's certificate loads");
+    for node in [&addr, &a0, &a1] {
+        let k = codec();
+        let dial = elasticps_runtime::conn::dial_with(node, &k, "node", Some(&intruder));
+        let e = rt.block_on(async { tokio::time::timeout(REPLY_TIMEOUT * 2, dial).await });
+        let e = e.expect("the refusal comes in time").err().unwrap_or_else(|| panic!("{node} took another CA's peer"));
+        assert!(e.to_string().contains("refused this node's certificate"), "{node}: {e}");
+
+        let mut plain = connect_unauthenticated(node);
+        let e = handshake_raw(&mut plain, SECRET.as_bytes()).expect_err("a plain-TCP peer must be refused");
+        assert!(!e.is_empty(), "{node}");
+    }
+    let mut other_args = vec!["--iterations".to_string(), "1".into(), "--secret".into(), SECRET.into()];
+    other_args.extend(tls_flags("other", "ca.pem"));
+    let mut w = start_worker(&addr, &refs(&other_args));
+    let status = w.finish(Duration::from_secs(30));
+    assert!(matches!(status, Some(s) if !s.success()), "a worker of another CA ended with {status:?}");
+    assert!(w.log().contains("refused this node's certificate"), "{}", w.log_tail(10));
+
+    for w in &mut workers {
+        let status = w.finish(Duration::from_secs(120));
+        assert!(matches!(status, Some(s) if s.success()), "{} ended with {status:?}\n{}", w.name, w.log_tail(30));
+        assert_eq!(w.events_named("worker_done").len(), 1, "{}: {:?}", w.name, w.events());
+    }
+    let evals: Vec<_> = workers.iter().flat_map(|w| w.events_named("eval")).collect();
+    assert!(evals.iter().any(|e| e["iteration"] == 100), "the final evaluation over TLS: {evals:?}");
+    sched.assert_success(EXIT_TIMEOUT);
+    for s in &mut servers {
+        s.assert_success(EXIT_TIMEOUT);
+    }
+    for (name, log) in [("scheduler", sched.log()), ("server 0", servers[0].log()), ("server 1", servers[1].log())] {
+        assert!(log.contains("connection refused"), "{name} logs each refusal\n{log}");
+        assert!(log.contains("tls handshake with"), "{name} logs the TLS refusal\n{log}");
+        assert!(log.contains("opened with the plain-TCP handshake, but this node requires TLS"), "{name}\n{log}");
+    }
+}
+
+/// `elasticps train` passes the TLS flags to every node it starts and the job completes;
+/// an incomplete or broken set of TLS flags is refused before any process starts, naming
+/// the flag and the file.
+#[test]
+fn train_over_tls_completes_and_bad_tls_flags_are_refused_up_front() {
+    let tls = tls_flags("node", "ca.pem");
+    let mut args = vec!["train", "--quiet", "--model", "synthetic:resnet56", "--compute-ms", "1", "--iterations", "10"];
+    args.extend(["--secret", SECRET]);
+    let report = temp_dir("tls-train");
+    let report_s = report.display().to_string();
+    let all: Vec<&str> =
+        args.iter().copied().chain(tls.iter().map(String::as_str)).chain(["--report", &report_s]).collect();
+    let (st, out, err) = run_bin(&all, Duration::from_secs(180));
+    assert!(st.success(), "train over TLS failed:\n{out}\n{err}");
+    // Every node it started ran with TLS (each logs its transport at start).
+    let logs: Vec<_> = std::fs::read_dir(report.join("logs")).expect("the nodes' logs").flatten().collect();
+    assert!(logs.len() >= 5, "scheduler, 2 servers, 2 workers: {logs:?}");
+    for log in logs {
+        let text = std::fs::read_to_string(log.path()).expect("a node's log");
+        assert!(text.contains("transport") && text.contains("tls=true"), "{:?}:\n{text}", log.path());
+    }
+
+    let (st, _, err) = run_bin(
+        &[&args[..], &tls[..2].iter().map(String::as_str).collect::<Vec<_>>()].concat(),
+        Duration::from_secs(30),
+    );
+    assert!(!st.success() && err.contains("--tls-cert, --tls-key and --tls-ca together"), "{err}");
+    let missing = tls_file("missing.pem");
+    let broken: Vec<&str> =
+        ["--tls-cert", tls[1].as_str(), "--tls-key", tls[3].as_str(), "--tls-ca", missing.as_str()].to_vec();
+    let (st, _, err) = run_bin(&[&args[..], &broken[..]].concat(), Duration::from_secs(30));
+    assert!(!st.success() && err.contains(&format!("--tls-ca {missing}: cannot read it")), "{err}");
+}
+
+/// `--max-connections N` bounds a node's open connections: one over it is closed at once
+/// and logged, and a connection under it is still served.
+#[test]
+fn max_connections_closes_a_connection_over_the_bound_and_logs_it() {
+    let (mut sched, addr) = start_scheduler(&[
+        "--servers",
+        "1",
+        "--workers",
+        "1",
+        "--secret",
+        SECRET,
+        "--join-timeout-s",
+        "60",
+        "--max-connections",
+        "2",
+    ]);
+    let mut held = vec![connect_raw(&addr, SECRET.as_bytes()), connect_raw(&addr, SECRET.as_bytes())];
+    let mut over = connect_unauthenticated(&addr);
+    over.set_read_timeout(Some(REPLY_TIMEOUT)).expect("read timeout");
+    let mut buf = [0u8; 8];
+    match over.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the third connection must be closed at once, got {other:?}"),
+    }
+    // The held connections still work; freeing one makes room again.
+    let (_, m) = call_raw(&mut held[0], &codec(), 1, &Control::GetStatus.into());
+    assert!(matches!(m, Message::Control(Control::Status(_))), "a connection under the bound is served: {m:?}");
+    held.pop();
+    let again = poll_until(REPLY_TIMEOUT, || {
+        let mut s = connect_unauthenticated(&addr);
+        handshake_raw(&mut s, SECRET.as_bytes()).ok().map(|()| s)
+    });
+    assert!(again.is_some(), "a freed place is taken again");
+    let log = poll_until(REPLY_TIMEOUT, || Some(sched.log()).filter(|l| l.contains("too many connections open")));
+    let log = log.unwrap_or_else(|| panic!("the refusal is logged\n{}", sched.log()));
+    assert!(log.contains("max=2"), "{log}");
+    sched.kill();
+}

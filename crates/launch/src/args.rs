@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
@@ -14,7 +15,9 @@ use elasticps_core::block::ShardConfig;
 use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
 use elasticps_core::placement::PlacementKind;
 use elasticps_core::sync::SyncPolicy;
+use elasticps_runtime::RuntimeError;
 use elasticps_runtime::scheduler::{BalanceMode, JobConfig};
+use elasticps_runtime::tls::{TlsConfig, TlsPart};
 use elasticps_train::DatasetKind;
 use elasticps_train::delays::Jitter;
 use elasticps_train::synthetic::ModelKind;
@@ -34,6 +37,32 @@ pub struct NetArgs {
     /// (seconds; the handshake's own limit is 10 s).
     #[arg(long, env = "ELASTICPS_FRAME_TIMEOUT_S", default_value_t = 30.0, value_parser = positive_seconds)]
     pub frame_timeout_s: f64,
+    /// Most connections a scheduler or server keeps open at once (workers, servers,
+    /// operator tools); one more is closed at once and logged.
+    #[arg(long, env = "ELASTICPS_MAX_CONNECTIONS", value_name = "N", default_value_t = 4096, value_parser = at_least_one)]
+    pub max_connections: usize,
+    /// TLS: this node's certificate chain (PEM, leaf first). With --tls-key and --tls-ca
+    /// every connection is mutual TLS 1.3 (the HMAC handshake runs inside it); all three
+    /// or none. One certificate serves both ends: its extended key usage, if any, must
+    /// allow serverAuth and clientAuth. Peers' chains are checked against --tls-ca, not
+    /// their names (README, "TLS").
+    #[arg(long, env = "ELASTICPS_TLS_CERT", value_name = "PEM")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS: the private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "ELASTICPS_TLS_KEY", value_name = "PEM")]
+    pub tls_key: Option<PathBuf>,
+    /// TLS: the cluster's CA certificates (PEM). A peer must present a certificate they
+    /// signed, on either end of a connection.
+    #[arg(long, env = "ELASTICPS_TLS_CA", value_name = "PEM")]
+    pub tls_ca: Option<PathBuf>,
+}
+
+/// A count of at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(v) if v >= 1 => Ok(v),
+        _ => Err(format!("{s:?} is not a whole number of at least 1")),
+    }
 }
 
 /// A duration in seconds: finite and above 0.
@@ -55,14 +84,84 @@ impl NetArgs {
         std::time::Duration::from_secs_f64(self.frame_timeout_s)
     }
 
-    /// The flags that reproduce these settings on a child process.
+    /// The TLS settings of --tls-cert, --tls-key and --tls-ca, read from their files
+    /// (`None` without them). All three or none; an unusable file is an error naming it and
+    /// its flag.
+    pub fn tls(&self) -> crate::Result<Option<Arc<TlsConfig>>> {
+        let (cert, key, ca) = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
+            (None, None, None) => return Ok(None),
+            (Some(c), Some(k), Some(a)) => (c, k, a),
+            _ => {
+                let given: Vec<&str> =
+                    [("--tls-cert", &self.tls_cert), ("--tls-key", &self.tls_key), ("--tls-ca", &self.tls_ca)]
+                        .into_iter()
+                        .filter_map(|(flag, v)| v.as_ref().map(|_| flag))
+                        .collect();
+                return Err(LaunchError::Flags(format!(
+                    "TLS needs --tls-cert, --tls-key and --tls-ca together; only {} given",
+                    given.join(" and ")
+                )));
+            }
+        };
+        TlsConfig::from_files(cert, key, ca).map(|c| Some(Arc::new(c))).map_err(|e| match e {
+            RuntimeError::TlsSetup { part, path, what } => {
+                let flag = match part {
+                    TlsPart::Cert => "--tls-cert",
+                    TlsPart::Key => "--tls-key",
+                    TlsPart::Ca => "--tls-ca",
+                };
+                LaunchError::Flags(format!("{flag} {path}: {what}"))
+            }
+            other => LaunchError::Flags(other.to_string()),
+        })
+    }
+
+    /// Makes these settings the process's transport (before it dials or accepts): TLS
+    /// ([`NetArgs::tls`]) on every connection or none, and --max-connections on its
+    /// acceptors.
+    pub fn install(&self) -> crate::Result<()> {
+        let tls = self.tls()?;
+        tracing::info!(tls = tls.is_some(), max_connections = self.max_connections, "transport");
+        elasticps_runtime::tls::install(tls);
+        elasticps_runtime::accept::set_max_connections(self.max_connections);
+        Ok(())
+    }
+
+    /// `ELASTICPS_TLS_CERT`, `ELASTICPS_TLS_KEY` and `ELASTICPS_TLS_CA` (absolute paths) for
+    /// a user's worker command, when TLS is on.
+    pub fn tls_env(&self) -> Vec<(String, String)> {
+        let vars = [
+            ("ELASTICPS_TLS_CERT", &self.tls_cert),
+            ("ELASTICPS_TLS_KEY", &self.tls_key),
+            ("ELASTICPS_TLS_CA", &self.tls_ca),
+        ];
+        vars.into_iter()
+            .filter_map(|(k, p)| {
+                p.as_ref().map(|p| {
+                    (k.to_string(), std::path::absolute(p).unwrap_or_else(|_| p.clone()).display().to_string())
+                })
+            })
+            .collect()
+    }
+
+    /// The flags that reproduce these settings on a child process (TLS files as absolute
+    /// paths, so a child in another directory finds them).
     pub fn to_flags(&self) -> Vec<String> {
-        vec![
+        let mut f = vec![
             "--max-frame-mib".into(),
             self.max_frame_mib.to_string(),
             "--frame-timeout-s".into(),
             self.frame_timeout_s.to_string(),
-        ]
+            "--max-connections".into(),
+            self.max_connections.to_string(),
+        ];
+        for (flag, path) in [("--tls-cert", &self.tls_cert), ("--tls-key", &self.tls_key), ("--tls-ca", &self.tls_ca)] {
+            if let Some(p) = path {
+                let p = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+                f.extend([flag.to_string(), p.display().to_string()]);
+            }
+        }
+        f
     }
 }
 
@@ -589,6 +688,41 @@ mod tests {
             let e = parse(&[&format!("--frame-timeout-s={bad}")]).unwrap_err().to_string();
             assert!(e.contains("not a positive number of seconds"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn tls_takes_all_three_files_or_none_names_the_flag_of_a_bad_file_and_reaches_child_processes() {
+        #[derive(Parser, Debug)]
+        struct Net {
+            #[command(flatten)]
+            net: NetArgs,
+        }
+        let parse = |f: &[&str]| Net::try_parse_from(std::iter::once("x").chain(f.iter().copied())).map(|n| n.net);
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../cli/tests/data/tls");
+        let file = |name: &str| dir.join(name).display().to_string();
+        let (cert, key, ca) = (file("node.pem"), file("node.key"), file("ca.pem"));
+
+        let none = parse(&[]).unwrap();
+        assert!(none.tls().unwrap().is_none());
+        assert_eq!(none.max_connections, 4096);
+        assert!(!none.to_flags().iter().any(|f| f.starts_with("--tls")));
+
+        let all = parse(&["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca, "--max-connections", "9"]).unwrap();
+        assert!(all.tls().unwrap().is_some());
+        let again = parse(&all.to_flags().iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(again.to_flags(), all.to_flags());
+        assert_eq!(again.max_connections, 9);
+        assert!(again.tls().unwrap().is_some(), "a child gets working --tls-* flags");
+
+        let e = parse(&["--tls-cert", &cert, "--tls-ca", &ca]).unwrap().tls().unwrap_err().to_string();
+        assert!(e.contains("--tls-cert, --tls-key and --tls-ca together; only --tls-cert and --tls-ca given"), "{e}");
+        let missing = file("missing.key");
+        let e = parse(&["--tls-cert", &cert, "--tls-key", &missing, "--tls-ca", &ca]).unwrap().tls().unwrap_err();
+        assert!(e.to_string().starts_with(&format!("--tls-key {missing}: cannot read it")), "{e}");
+        let e = parse(&["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &key]).unwrap().tls().unwrap_err();
+        assert!(e.to_string().starts_with(&format!("--tls-ca {key}: no PEM CERTIFICATE block")), "{e}");
+        let e = parse(&["--max-connections", "0"]).unwrap_err().to_string();
+        assert!(e.contains("not a whole number of at least 1"), "{e}");
     }
 
     #[test]

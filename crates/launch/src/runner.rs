@@ -124,7 +124,7 @@ pub struct Restart {
 /// The environment of a user's worker command, spawn index `local_rank`, in a job whose
 /// scheduler listens at `scheduler` (the contract with the Python package).
 pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32) -> Vec<(String, String)> {
-    [
+    let mut env: Vec<(String, String)> = [
         ("ELASTICPS_SCHEDULER", scheduler.to_string()),
         ("ELASTICPS_SECRET", net.secret.clone()),
         ("ELASTICPS_MAX_FRAME_MIB", net.max_frame_mib.to_string()),
@@ -134,7 +134,9 @@ pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
-    .collect()
+    .collect();
+    env.extend(net.tls_env());
+    env
 }
 
 /// SIGINT, SIGTERM and SIGHUP, listened to for the whole run: each stops every node
@@ -172,6 +174,7 @@ const REAP_TIMEOUT: Duration = Duration::from_secs(5);
 pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
     // A wrong job flag is refused here, before any process starts.
     spec.job.job_config()?;
+    spec.net.tls()?;
     if let Workers::Command { argv, .. } = &spec.workers {
         crate::process::check_program(argv)?;
     }

@@ -48,7 +48,8 @@ fn env_number<T: std::str::FromStr>(name: &str, default: T) -> PyResult<T> {
 
 /// Connects to the scheduler (`scheduler`, else `ELASTICPS_SCHEDULER`, else
 /// 127.0.0.1:7000) with the transport settings of the roles' environment variables
-/// (`ELASTICPS_SECRET`, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`), joins the
+/// (`ELASTICPS_SECRET`, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`, and TLS from
+/// `ELASTICPS_TLS_CERT`, `ELASTICPS_TLS_KEY`, `ELASTICPS_TLS_CA`), joins the
 /// job and returns the worker. `ELASTICPS_METRICS_LISTEN=HOST:PORT` serves its Prometheus
 /// metrics there. `ELASTICPS_RANK=R` (the launcher's `--restart-workers` sets it) rejoins
 /// the job as rank R, a worker restarted after it was lost: its `start_clock` is where the
@@ -69,6 +70,7 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     let secret = std::env::var("ELASTICPS_SECRET").unwrap_or_default();
     let max_frame_mib: u32 = env_number("ELASTICPS_MAX_FRAME_MIB", 64)?;
     let request_timeout_s: u64 = env_number("ELASTICPS_REQUEST_TIMEOUT", 300)?;
+    install_tls()?;
     let mut opts = ClientOptions::new(scheduler);
     opts.codec = elasticps_wire::Codec::new(secret.as_bytes(), max_frame_mib.saturating_mul(1 << 20));
     opts.request_timeout = Duration::from_secs(request_timeout_s.max(1));
@@ -83,6 +85,26 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     };
     let metrics_listen = std::env::var("ELASTICPS_METRICS_LISTEN").ok().filter(|s| !s.is_empty());
     worker::Worker::connect(py, opts, metrics_listen)
+}
+
+/// TLS from `ELASTICPS_TLS_CERT`, `ELASTICPS_TLS_KEY` and `ELASTICPS_TLS_CA` (set by
+/// `elasticps launch --tls-*`): all three or none.
+fn install_tls() -> PyResult<()> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+    let tls = match (var("ELASTICPS_TLS_CERT"), var("ELASTICPS_TLS_KEY"), var("ELASTICPS_TLS_CA")) {
+        (None, None, None) => None,
+        (Some(c), Some(k), Some(a)) => Some(std::sync::Arc::new(
+            elasticps_runtime::tls::TlsConfig::from_files(&c, &k, &a)
+                .map_err(|e| PyValueError::new_err(format!("elasticps: {e}")))?,
+        )),
+        _ => {
+            return Err(PyValueError::new_err(
+                "elasticps: TLS needs ELASTICPS_TLS_CERT, ELASTICPS_TLS_KEY and ELASTICPS_TLS_CA together",
+            ));
+        }
+    };
+    elasticps_runtime::tls::install(tls);
+    Ok(())
 }
 
 /// Writes a `log` event (`elasticps.log(**metrics)`) for the launcher.

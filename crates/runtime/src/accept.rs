@@ -1,21 +1,40 @@
 //! Accepting connections on a node's port: a bound on the connections open at once, and
-//! the handshake ([`crate::handshake`]) before a connection is handed to its role. A
+//! TLS if installed ([`crate::tls`]) then the handshake ([`crate::handshake`]) before a
+//! connection is handed to its role. A
 //! connection above the bound is closed at once and logged, so a flood of peers cannot
 //! exhaust a node's tasks, buffers or file descriptors while its workers are served.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use elasticps_wire::Codec;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::handshake;
+use crate::tls::{Stream, TlsConfig};
 
-/// How many connections a scheduler or server keeps open at once (workers, servers,
-/// operator tools); one more is refused.
+/// How many connections a scheduler or server keeps open at once by default (workers,
+/// servers, operator tools); one more is refused. `--max-connections` sets it
+/// ([`set_max_connections`]).
 pub const MAX_CONNECTIONS: usize = 4096;
+
+/// The bound of this process's acceptors ([`max_connections`]).
+static BOUND: AtomicUsize = AtomicUsize::new(MAX_CONNECTIONS);
+
+/// Sets the bound on open connections of the acceptors this process builds from now on
+/// (at least 1). Call it once at the start of a node.
+pub fn set_max_connections(n: usize) {
+    BOUND.store(n.max(1), Ordering::Relaxed);
+}
+
+/// The bound on open connections of an acceptor: [`MAX_CONNECTIONS`] unless
+/// [`set_max_connections`] changed it.
+pub fn max_connections() -> usize {
+    BOUND.load(Ordering::Relaxed)
+}
 
 /// A listener with its bound on open connections.
 pub struct Acceptor {
@@ -64,12 +83,36 @@ impl Acceptor {
     }
 }
 
-/// Runs the acceptor's side of the handshake on `stream`, within `stall` (and at most
+/// Runs the acceptor's side of TLS (if this process [`crate::tls::install`]ed it) and of
+/// the handshake on `stream`, within `stall` in all (and at most
 /// [`handshake::HANDSHAKE_TIMEOUT`]); a refused peer is logged (and told why, if it sent a
 /// frame) and its connection closed: `None`.
-pub async fn authenticate(mut stream: TcpStream, codec: &Codec, peer: &str, stall: Duration) -> Option<TcpStream> {
+pub async fn authenticate(stream: TcpStream, codec: &Codec, peer: &str, stall: Duration) -> Option<Stream> {
+    authenticate_with(stream, codec, peer, stall, crate::tls::installed().as_deref()).await
+}
+
+/// [`authenticate`] with these TLS settings (`None`: plain TCP) instead of the installed ones.
+pub async fn authenticate_with(
+    stream: TcpStream,
+    codec: &Codec,
+    peer: &str,
+    stall: Duration,
+    tls: Option<&TlsConfig>,
+) -> Option<Stream> {
     let deadline = stall.min(handshake::HANDSHAKE_TIMEOUT);
-    match handshake::accept(&mut stream, codec.secret(), peer, deadline).await {
+    let start = Instant::now();
+    let mut stream = match tls {
+        None => Stream::Plain(stream),
+        Some(tls) => match tls.accept(stream, peer, deadline).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(peer = %peer, error = %e, "connection refused");
+                return None;
+            }
+        },
+    };
+    let left = deadline.saturating_sub(start.elapsed()).max(Duration::from_millis(1));
+    match handshake::accept(&mut stream, codec.secret(), peer, left).await {
         Ok(()) => Some(stream),
         Err(e) => {
             handshake::refused(&mut stream, codec, peer, &e).await;

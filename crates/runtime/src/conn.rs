@@ -1,4 +1,5 @@
-//! Framed I/O over a TCP connection: the only place that reads and writes frames.
+//! Framed I/O over a connection (plain TCP or TLS, [`crate::tls::Stream`]): the only place
+//! that reads and writes frames.
 //!
 //! Reading takes the 32-byte header first, validates it (so an oversized length is
 //! refused before a byte of payload is read), then reads a tensor payload straight into
@@ -27,14 +28,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use bytes::{Bytes, BytesMut};
 use elasticps_wire::{Codec, FrameHeader, HEADER_LEN, Kind, Message, WireError};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
 
 use crate::error::{Result, RuntimeError};
 use crate::pool;
 use crate::shaping::Shaper;
+use crate::tls::{ReadHalf, Stream, WriteHalf};
 
 /// A frame to send: request id and message.
 pub type Outgoing = (u64, Message);
@@ -50,7 +51,7 @@ pub const FRAME_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 
 /// Reads frames from one connection.
 pub struct FrameReader {
-    inner: BufReader<OwnedReadHalf>,
+    inner: BufReader<ReadHalf>,
     codec: Codec,
     peer: String,
     request_id: u64,
@@ -215,7 +216,7 @@ pub struct WriterGone;
 /// The write half of one connection, shared by its writer task and direct writers: one
 /// frame at a time goes into the socket (an async mutex), each with one vectored write.
 pub struct Writer {
-    sock: tokio::sync::Mutex<OwnedWriteHalf>,
+    sock: tokio::sync::Mutex<WriteHalf>,
     codec: Codec,
     peer: String,
     shaper: Option<Arc<Shaper>>,
@@ -223,6 +224,8 @@ pub struct Writer {
     queued: AtomicUsize,
     /// A direct write was cancelled half-way: the stream holds a partial frame.
     broken: AtomicBool,
+    /// The socket takes vectored writes.
+    vectored: bool,
 }
 
 impl Writer {
@@ -234,6 +237,12 @@ impl Writer {
     /// Name of the peer, for errors and logs.
     pub fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// Whether the stream takes vectored writes (plain TCP and TLS both do): a header and
+    /// its payload leave in one call, from their own memory.
+    pub fn is_vectored(&self) -> bool {
+        self.vectored
     }
 
     /// The frame of `msg`, checked against the payload limit.
@@ -289,6 +298,10 @@ impl Writer {
                 break;
             }
         }
+        if result.is_ok() {
+            // TLS may hold the last record when the socket was full (plain TCP: no-op).
+            result = sock.flush().await;
+        }
         std::mem::forget(guard);
         result.map_err(|e| RuntimeError::io(format!("writing to {}", self.peer), e))
     }
@@ -304,7 +317,7 @@ impl Drop for BreakOnDrop<'_> {
 }
 
 /// Writes every byte of `parts` (vectored writes; `write_vectored` may take part of them).
-async fn write_all_vectored(w: &mut OwnedWriteHalf, parts: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+async fn write_all_vectored(w: &mut WriteHalf, parts: &mut [IoSlice<'_>]) -> std::io::Result<()> {
     let mut parts = parts;
     while !parts.is_empty() {
         let n = w.write_vectored(parts).await?;
@@ -316,24 +329,28 @@ async fn write_all_vectored(w: &mut OwnedWriteHalf, parts: &mut [IoSlice<'_>]) -
     Ok(())
 }
 
-/// Splits a connected stream into a frame reader and the outbox of a new writer task.
-/// The writer task ends when every outbox clone is dropped or the socket fails.
-pub fn split(stream: TcpStream, codec: Codec, peer: String) -> (FrameReader, Outbox) {
+/// Splits a connected stream (a [`TcpStream`] or a [`Stream`]) into a frame reader and the
+/// outbox of a new writer task. The writer task ends when every outbox clone is dropped or
+/// the socket fails.
+pub fn split(stream: impl Into<Stream>, codec: Codec, peer: String) -> (FrameReader, Outbox) {
     split_shaped(stream, codec, peer, None)
 }
 
 /// [`split`], with every frame read or written passing through `shaper`'s bandwidth
 /// buckets (a server's injected bandwidth cap). `None` costs nothing.
 pub fn split_shaped(
-    stream: TcpStream,
+    stream: impl Into<Stream>,
     codec: Codec,
     peer: String,
     shaper: Option<Arc<Shaper>>,
 ) -> (FrameReader, Outbox) {
-    let _ = stream.set_nodelay(true);
+    let stream = stream.into();
+    let _ = stream.tcp().set_nodelay(true);
     let (r, w) = stream.into_split();
     let (tx, rx) = mpsc::unbounded_channel();
+    let vectored = w.is_write_vectored();
     let writer = Arc::new(Writer {
+        vectored,
         sock: tokio::sync::Mutex::new(w),
         codec: codec.clone(),
         peer: peer.clone(),
@@ -359,14 +376,25 @@ pub async fn connect(addr: &str, codec: Codec, peer: String) -> Result<(FrameRea
     Ok(split(stream, codec, peer))
 }
 
-/// A TCP connection to `addr` that passed the handshake ([`crate::handshake::dial`]).
-pub async fn dial(addr: &str, codec: &Codec, peer: &str) -> Result<TcpStream> {
+/// A connection to `addr` that passed the handshake ([`crate::handshake::dial`]): TLS if
+/// this process [`crate::tls::install`]ed TLS settings, with the handshake inside it.
+pub async fn dial(addr: &str, codec: &Codec, peer: &str) -> Result<Stream> {
+    dial_with(addr, codec, peer, crate::tls::installed().as_deref()).await
+}
+
+/// [`dial`] with these TLS settings (`None`: plain TCP) instead of the installed ones.
+pub async fn dial_with(addr: &str, codec: &Codec, peer: &str, tls: Option<&crate::tls::TlsConfig>) -> Result<Stream> {
     let what = format!("connecting to {peer} at {addr}");
-    let mut stream = crate::timeout(crate::CONNECT_TIMEOUT, what.clone(), async {
+    let tcp = crate::timeout(crate::CONNECT_TIMEOUT, what.clone(), async {
         TcpStream::connect(addr).await.map_err(|e| RuntimeError::io(what.clone(), e))
     })
     .await?;
-    crate::handshake::dial(&mut stream, codec.secret(), &format!("{peer} at {addr}")).await?;
+    let named = format!("{peer} at {addr}");
+    let mut stream = match tls {
+        Some(tls) => tls.connect(tcp, addr, &named, crate::handshake::HANDSHAKE_TIMEOUT).await?,
+        None => Stream::Plain(tcp),
+    };
+    crate::handshake::dial(&mut stream, codec.secret(), &named).await?;
     Ok(stream)
 }
 
@@ -393,6 +421,10 @@ async fn write_loop(writer: Arc<Writer>, mut rx: mpsc::UnboundedReceiver<Outgoin
         if result.is_ok() && !batch.is_empty() {
             result = sock.write_all(&batch).await;
         }
+        if result.is_ok() {
+            // TLS may hold the last record when the socket was full (plain TCP: no-op).
+            result = sock.flush().await;
+        }
         batch.clear();
         writer.queued.fetch_sub(taken, Ordering::AcqRel);
         if let Err(e) = result {
@@ -406,7 +438,7 @@ async fn write_loop(writer: Arc<Writer>, mut rx: mpsc::UnboundedReceiver<Outgoin
 /// One queued frame into the batch, or (with the batch) into the socket.
 async fn write_queued(
     writer: &Writer,
-    sock: &mut OwnedWriteHalf,
+    sock: &mut WriteHalf,
     batch: &mut Vec<u8>,
     id: u64,
     msg: &Message,

@@ -67,6 +67,24 @@ pub enum RuntimeError {
         /// What is wrong with it.
         what: String,
     },
+    /// A TLS file that cannot be used (missing, unreadable, not PEM, a key that does not fit).
+    #[error("tls {part} file {path}: {what}")]
+    TlsSetup {
+        /// Which file.
+        part: crate::tls::TlsPart,
+        /// Its path.
+        path: String,
+        /// What is wrong with it.
+        what: String,
+    },
+    /// A TLS handshake failed (a certificate from another CA, a peer without TLS).
+    #[error("tls handshake with {peer} failed: {what}")]
+    Tls {
+        /// The peer.
+        peer: String,
+        /// Why.
+        what: String,
+    },
     /// Invalid use of the API or options.
     #[error("{0}")]
     Usage(String),

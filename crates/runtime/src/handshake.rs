@@ -28,14 +28,16 @@ fn nonce() -> [u8; NONCE_LEN] {
 /// checks that it does too. `peer` names it in errors.
 pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, secret: &[u8], peer: &str) -> Result<()> {
     crate::timeout(HANDSHAKE_TIMEOUT, format!("{peer} to complete the handshake"), async {
-        let io = |e| RuntimeError::io(format!("handshake with {peer}"), e);
+        let io = |e| io_err(peer, e);
         let wire = |source| RuntimeError::Wire { peer: peer.to_string(), source };
         let (client, hello) = ClientHandshake::start(secret, nonce());
         stream.write_all(&hello).await.map_err(io)?;
+        stream.flush().await.map_err(io)?;
         let mut reply = [0u8; HELLO_LEN];
         read(stream, &mut reply, peer).await?;
         let (client, proof) = client.on_hello(&reply).map_err(wire)?;
         stream.write_all(&proof).await.map_err(io)?;
+        stream.flush().await.map_err(io)?;
         let mut verdict = [0u8; VERDICT_LEN];
         read(stream, &mut verdict, peer).await?;
         client.on_verdict(&verdict).map_err(wire)
@@ -53,18 +55,28 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     deadline: Duration,
 ) -> Result<()> {
     crate::timeout(deadline, format!("{peer} to complete the handshake"), async {
-        let io = |e| RuntimeError::io(format!("handshake with {peer}"), e);
+        let io = |e| io_err(peer, e);
         let wire = |source| RuntimeError::Wire { peer: peer.to_string(), source };
         let mut hello = [0u8; HELLO_LEN];
         read(stream, &mut hello[..4], peer).await?;
+        if hello[0] == crate::tls::TLS_HANDSHAKE_RECORD && hello[1] == 3 {
+            return Err(RuntimeError::Tls {
+                peer: peer.to_string(),
+                what: "it opened with a TLS ClientHello, but this node runs without TLS: start every node with \
+                       the same --tls-cert, --tls-key and --tls-ca"
+                    .into(),
+            });
+        }
         check_magic(hello[..4].try_into().unwrap_or_default()).map_err(wire)?;
         read(stream, &mut hello[4..], peer).await?;
         let (server, reply) = ServerHandshake::new(secret, nonce()).on_hello(&hello).map_err(wire)?;
         stream.write_all(&reply).await.map_err(io)?;
+        stream.flush().await.map_err(io)?;
         let mut proof = [0u8; PROOF_LEN];
         read(stream, &mut proof, peer).await?;
         let (verdict, accepted) = server.on_proof(&proof);
         stream.write_all(&verdict).await.map_err(io)?;
+        stream.flush().await.map_err(io)?;
         accepted.map_err(wire)
     })
     .await
@@ -83,18 +95,36 @@ pub async fn refused<S: AsyncWrite + Unpin>(stream: &mut S, codec: &Codec, peer:
         if let Ok((head, payload)) = codec.encode(0, &Message::Error(reply)) {
             let _ = stream.write_all(&head).await;
             let _ = stream.write_all(&payload).await;
+            let _ = stream.flush().await;
         }
     }
     let _ = stream.shutdown().await;
 }
 
+/// An I/O error of the handshake with `peer`; inside TLS, a peer's alert (it refused this
+/// node's certificate after the TLS handshake ended on this side) says so.
+fn io_err(peer: &str, e: std::io::Error) -> RuntimeError {
+    if let Some(rustls::Error::AlertReceived(alert)) = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+        return RuntimeError::Tls {
+            peer: peer.to_string(),
+            what: format!(
+                "it refused this node's certificate (alert {alert:?}): is it signed by the CA the peer trusts \
+                 (its --tls-ca)?"
+            ),
+        };
+    }
+    RuntimeError::io(format!("handshake with {peer}"), e)
+}
+
 async fn read<S: AsyncRead + Unpin>(stream: &mut S, buf: &mut [u8], peer: &str) -> Result<()> {
     match stream.read_exact(buf).await {
         Ok(_) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            Err(RuntimeError::Closed(format!("{peer} (during the handshake)")))
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset) => {
+            Err(RuntimeError::Closed(format!(
+                "{peer} (during the handshake; a node with TLS closes a plain-TCP connection at once)"
+            )))
         }
-        Err(e) => Err(RuntimeError::io(format!("handshake with {peer}"), e)),
+        Err(e) => Err(io_err(peer, e)),
     }
 }
 

@@ -3,7 +3,9 @@
 //! - [`accept`]: a node's listener, with a bound on open connections.
 //! - [`checkpoint`]: checkpoint files (every block at one clock) and their manifest.
 //! - [`handshake`]: the HMAC-SHA256 challenge-response that opens every connection.
-//! - [`conn`]: framed I/O on a TCP connection (read header, then payload straight into
+//! - [`tls`]: optional mutual TLS 1.3 (rustls) under the handshake, and the stream that
+//!   is either plain TCP or TLS.
+//! - [`conn`]: framed I/O on a connection (read header, then payload straight into
 //!   an aligned `Vec<f32>`; one writer task per connection).
 //! - [`pool`]: recycled buffers for large tensor payloads.
 //! - [`peer`]: request/response multiplexing for the asking side of a connection.
@@ -37,6 +39,7 @@ pub mod scheduler;
 pub mod server;
 pub mod shaping;
 pub mod tally;
+pub mod tls;
 
 pub use error::{Result, RuntimeError};
 

@@ -16,7 +16,7 @@ pub use elasticps_node::scheduler::{
     ServerPoint,
 };
 
-use crate::accept::{self, Accepted, Acceptor, MAX_CONNECTIONS};
+use crate::accept::{self, Accepted, Acceptor};
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
 use crate::metrics::SchedulerMetrics;
@@ -189,7 +189,7 @@ async fn accept_loop(
     stall: Duration,
     events: mpsc::UnboundedSender<(Event, Option<Handle>)>,
 ) {
-    let acceptor = Acceptor::new(listener, MAX_CONNECTIONS);
+    let acceptor = Acceptor::new(listener, accept::max_connections());
     let mut next: ConnId = 1;
     loop {
         let Accepted { stream, addr, permit } = acceptor.next().await;

@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 
 use elasticps_node::server::{Action, Event, Exit, Server};
 use elasticps_wire::{Codec, Control, Message, ServerStats};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
-use crate::accept::{self, Acceptor, MAX_CONNECTIONS};
+use crate::accept::{self, Acceptor};
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
 use crate::metrics::{ServerMetrics, ServerSnapshot, ServerSource};
@@ -266,7 +266,7 @@ impl Io {
 }
 
 async fn accept_loop(listener: TcpListener, io: Arc<Io>) {
-    let acceptor = Acceptor::new(listener, MAX_CONNECTIONS);
+    let acceptor = Acceptor::new(listener, accept::max_connections());
     loop {
         let a = acceptor.next().await;
         let io = io.clone();
@@ -283,7 +283,7 @@ async fn accept_loop(listener: TcpListener, io: Arc<Io>) {
 /// Reads one connection's frames into the state machine until it closes or sends
 /// something invalid; never takes the server down. Until the peer says Hello (or streams
 /// a block) each frame must come within [`CALL_TIMEOUT`].
-async fn serve_connection(stream: TcpStream, peer: String, io: Arc<Io>) {
+async fn serve_connection(stream: crate::tls::Stream, peer: String, io: Arc<Io>) {
     let conn = io.next_conn.fetch_add(1, Ordering::Relaxed);
     let (mut reader, out) = conn::split_shaped(stream, io.codec.clone(), peer.clone(), Some(io.shaper.clone()));
     reader.set_stall_timeout(io.frame_timeout);
