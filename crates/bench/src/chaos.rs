@@ -51,6 +51,9 @@ pub struct ChaosCmd {
     /// Write chaos.json and chaos.md here.
     #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
+    /// Cluster settings of the jobs.
+    #[command(flatten)]
+    pub net: NetArgs,
 }
 
 const SERVERS: u32 = 4;
@@ -109,15 +112,16 @@ pub async fn run(cmd: ChaosCmd) -> crate::Result<()> {
     }
     std::fs::create_dir_all(&cmd.out)?;
     let log_dir = cmd.out.join("chaos-logs");
-    let net = NetArgs { secret: String::new(), max_frame_mib: 64, frame_timeout_s: 30.0 };
+    cmd.net.install()?;
+    let net = &cmd.net;
 
     println!(
         "chaos: {SERVERS} servers (--replicas 2), {WORKERS} workers; a server killed every {every:?} for {duration:?}"
     );
-    let mut report = chaos(&net, &log_dir, every, duration, cmd.seed).await?;
+    let mut report = chaos(net, &log_dir, every, duration, cmd.seed).await?;
     let pushes = if cmd.quick { 5 } else { 20 };
-    let r1 = push_16mib(&net, &log_dir, 1, pushes).await?;
-    let r2 = push_16mib(&net, &log_dir, 2, pushes).await?;
+    let r1 = push_16mib(net, &log_dir, 1, pushes).await?;
+    let r2 = push_16mib(net, &log_dir, 2, pushes).await?;
     (report.push_16mib_r1_ms, report.push_16mib_r2_ms, report.replicas_cost) = (r1, r2, r2 / r1);
 
     let md = markdown(&report);
