@@ -214,6 +214,49 @@ pub enum Control {
         /// Its next clock here.
         clock: u32,
     },
+    /// Tag 36: reserved (replication messages of the `--replicas` work).
+    Reserved36,
+    /// Tag 37: reserved (replication messages of the `--replicas` work).
+    Reserved37,
+    /// Tag 38: reserved (replication messages of the `--replicas` work).
+    Reserved38,
+    /// Tag 39: reserved (replication messages of the `--replicas` work).
+    Reserved39,
+    /// Tag 40: Server -> scheduler, first message on a new control connection after the
+    /// scheduler restarted (`--state-dir`): server `server_id`, serving on `data_addr`,
+    /// holds `blocks`. Reply: [`Control::Welcome`] (or an `Error`: the scheduler does not
+    /// know this server, or is not recovering). The servers' view of block ownership wins
+    /// over the scheduler's saved placement.
+    ReattachServer {
+        /// The id the scheduler gave it before the restart.
+        server_id: ServerId,
+        /// Address of its data listener.
+        data_addr: String,
+        /// Every block it holds.
+        blocks: Vec<HeldBlock>,
+    },
+    /// Tag 41: Worker -> scheduler, first message on a new control connection after the
+    /// scheduler restarted: worker `rank`, never lost from the servers' view, goes on
+    /// where it is (no quorum change, unlike [`Control::RejoinWorker`]). Reply:
+    /// [`Control::Welcome`], or an `Error` (an unknown rank, or one removed from the
+    /// quorums before the restart).
+    ReattachWorker {
+        /// Its rank.
+        rank: u32,
+    },
+}
+
+/// One block a reattaching server holds: part of [`Control::ReattachServer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldBlock {
+    /// The block.
+    pub block: BlockId,
+    /// The placement epoch at which it came to this server (0: the initial assignment;
+    /// for an arrived block, the epoch of its migration).
+    pub epoch: u64,
+    /// True if it came by a migration that the scheduler has not settled yet (the server
+    /// does not serve it until `Settled`); false if the server serves it.
+    pub arrived: bool,
 }
 
 /// A job's checkpoints: part of [`Control::Checkpointing`].

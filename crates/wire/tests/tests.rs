@@ -60,6 +60,12 @@ mod common {
             Control::RejoinWorker { .. } => 33,
             Control::AddWorker { .. } => 34,
             Control::WorkerAdded { .. } => 35,
+            Control::Reserved36 => 36,
+            Control::Reserved37 => 37,
+            Control::Reserved38 => 38,
+            Control::Reserved39 => 39,
+            Control::ReattachServer { .. } => 40,
+            Control::ReattachWorker { .. } => 41,
         }
     }
 
@@ -382,6 +388,17 @@ mod common {
             any::<u32>().prop_map(|rank| Control::RejoinWorker { rank }),
             any::<u32>().prop_map(|rank| Control::AddWorker { rank }),
             any::<(u32, u32)>().prop_map(|(rank, clock)| Control::WorkerAdded { rank, clock }),
+            (any::<u32>(), "[a-z0-9:.]{0,20}", prop::collection::vec(any::<(u32, u64, bool)>(), 0..4)).prop_map(
+                |(server_id, data_addr, blocks)| Control::ReattachServer {
+                    server_id,
+                    data_addr,
+                    blocks: blocks
+                        .into_iter()
+                        .map(|(block, epoch, arrived)| elasticps_wire::HeldBlock { block, epoch, arrived })
+                        .collect(),
+                }
+            ),
+            any::<u32>().prop_map(|rank| Control::ReattachWorker { rank }),
         ]
     }
 

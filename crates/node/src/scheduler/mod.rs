@@ -18,9 +18,11 @@ use elasticps_core::sync::SyncPolicy;
 
 mod elastic;
 mod history;
+mod recovery;
 
 pub use elasticps_core::balance::BalanceMode;
 pub use history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+pub use recovery::{RECOVER_WAIT_US, STATE_VERSION, SavedState, reattach_message};
 
 use elastic::{Elastic, Order};
 use elasticps_wire::{
@@ -211,6 +213,8 @@ pub struct Scheduler {
     checkpoints: BTreeMap<u32, BTreeMap<BlockId, CheckpointEntry>>,
     /// The latest checkpoint whose manifest was written (or the one resumed from).
     last_checkpoint: Option<u32>,
+    /// A restarted scheduler waiting for its nodes to reattach ([`Scheduler::recover`]).
+    recovering: Option<recovery::Recovering>,
 }
 
 impl Scheduler {
@@ -241,6 +245,7 @@ impl Scheduler {
             can_launch: false,
             checkpoints: BTreeMap::new(),
             last_checkpoint: config.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map(|r| r.clock),
+            recovering: None,
             config,
         }
     }
@@ -285,6 +290,9 @@ impl Scheduler {
 
     /// What the scheduler waits for right now, in words, or `None` while training runs.
     pub fn waiting_for(&self) -> Option<String> {
+        if let Some(what) = self.recovery_wait() {
+            return Some(what);
+        }
         let (s, w) = (self.servers.len() as u32, self.workers.len() as u32);
         if s < self.config.servers || w < self.config.workers {
             return Some(format!(
@@ -336,6 +344,7 @@ impl Scheduler {
                 if self.awaiting_rejoin_since.is_some() {
                     self.maybe_end(&mut out);
                 }
+                self.recovery_tick(&mut out);
                 if self.layout_ready
                     && let Some(placement) = self.placement.as_ref()
                 {
@@ -429,6 +438,18 @@ impl Scheduler {
             }
             (Control::RejoinWorker { rank }, None) => {
                 if let Err(message) = self.rejoin(conn, request_id, rank, out) {
+                    refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
+            (Control::ReattachServer { server_id, data_addr, blocks }, None) => {
+                if let Err(message) = self.reattach_server(conn, request_id, server_id, data_addr, blocks, out) {
+                    refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
+            (Control::ReattachWorker { rank }, None) => {
+                if let Err(message) = self.reattach_worker(conn, request_id, rank, out) {
                     refuse(out, ErrorCode::BadRequest, message);
                     out.push(Action::Close(conn));
                 }

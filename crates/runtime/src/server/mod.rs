@@ -52,6 +52,9 @@ pub struct ServerOptions {
     pub trace: Option<PathBuf>,
     /// Expose this server's counters here (served by a [`crate::metrics::MetricsEndpoint`]).
     pub metrics: Option<Arc<ServerMetrics>>,
+    /// How long to retry a lost scheduler connection (a scheduler restarted with
+    /// `--state-dir`: the server reattaches with its id and blocks); zero: never.
+    pub scheduler_retry: Duration,
 }
 
 /// Everything the tasks of one server share.
@@ -61,7 +64,8 @@ struct Io {
     codec: Codec,
     frame_timeout: Duration,
     shaper: Arc<Shaper>,
-    sched: Peer,
+    /// The scheduler's connection (replaced when the server reattaches to a restarted one).
+    sched: Mutex<Peer>,
     /// Outboxes of the open data connections.
     conns: Mutex<HashMap<u64, Outbox>>,
     next_conn: AtomicU64,
@@ -97,12 +101,12 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     };
     let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
     let io = Arc::new(Io {
-        server: Mutex::new(Server::new(data_addr).with_trace(trace.is_some())),
+        server: Mutex::new(Server::new(data_addr.clone()).with_trace(trace.is_some())),
         clock: Micros::new(),
         codec: opts.codec.clone(),
         frame_timeout: opts.frame_timeout,
         shaper: Shaper::new(),
-        sched,
+        sched: Mutex::new(sched),
         conns: Mutex::new(HashMap::new()),
         next_conn: AtomicU64::new(1),
         servers: Mutex::new(HashMap::new()),
@@ -117,6 +121,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     let mut ticker = tokio::time::interval(TICK);
     let mut attached = false;
     let mut scheduler_open = true;
+    let mut redial: Option<std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Peer, crate::peer::Notifications)>> + Send>>> = None;
     let result = loop {
         if let Some(exit) = lock(&io.exit).take() {
             break match exit {
@@ -125,7 +130,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
             };
         }
         tokio::select! {
-            note = notes.recv(), if scheduler_open => match note {
+            note = notes.recv(), if scheduler_open && redial.is_none() => match note {
                 Some(msg) => {
                     if let Message::Control(Control::Assign(a)) = &msg {
                         io.shaper.configure(&a.inject);
@@ -134,8 +139,30 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
                 }
                 // After Shutdown the scheduler may close first; the server still finishes.
                 None if lock(&io.server).shutting_down() => scheduler_open = false,
+                None if !opts.scheduler_retry.is_zero() && lock(&io.server).id().is_some() => {
+                    tracing::warn!(server = lock(&io.server).id(), window_s = opts.scheduler_retry.as_secs_f64(), "scheduler connection lost; reattaching");
+                    let (io2, addr, codec, window, data_addr) =
+                        (io.clone(), opts.scheduler.clone(), opts.codec.clone(), opts.scheduler_retry, data_addr.clone());
+                    redial = Some(Box::pin(async move {
+                        let hello = || {
+                            elasticps_node::scheduler::reattach_message(&lock(&io2.server), &data_addr).map(Message::from)
+                        };
+                        crate::reattach::redial(&addr, &codec, hello, window).await
+                    }));
+                }
                 None => break Err(RuntimeError::Closed("scheduler".into())),
             },
+            back = async { match redial.as_mut() { Some(r) => r.await, None => std::future::pending().await } }, if redial.is_some() => {
+                redial = None;
+                match back {
+                    Ok((peer, n)) => {
+                        tracing::info!(server = lock(&io.server).id(), "server reattached to the restarted scheduler");
+                        *lock(&io.sched) = peer;
+                        notes = n;
+                    }
+                    Err(e) => break Err(e),
+                }
+            }
             _ = ticker.tick() => {
                 let shaped = io.shaper.take_shaped_us();
                 lock(&io.server).charge(0, shaped);
@@ -205,9 +232,9 @@ impl Io {
                     }
                 }
                 Action::ToScheduler { request_id: 0, msg } => {
-                    let _ = self.sched.notify(msg);
+                    let _ = lock(&self.sched).notify(msg);
                 }
-                Action::ToScheduler { request_id, msg } => match self.sched.send_request(msg) {
+                Action::ToScheduler { request_id, msg } => match lock(&self.sched).send_request(msg) {
                     // A call that fails needs no event: the state machine's deadline covers it.
                     Err(e) => tracing::warn!(error = %e, "cannot call the scheduler"),
                     Ok(rx) => {

@@ -1,0 +1,393 @@
+//! The scheduler's recoverable state and its recovery after a restart (`--state-dir`).
+//!
+//! [`Scheduler::saved_state`] is what the runtime writes (atomically) whenever
+//! [`Scheduler::state_version`] changes; [`Scheduler::recover`] rebuilds a scheduler from
+//! it. No I/O here.
+//!
+//! A recovered scheduler knows the job (membership, model, placement and epoch, the
+//! history, the last checkpoint) but no connection: it waits for the known servers
+//! ([`Control::ReattachServer`]) and workers ([`Control::ReattachWorker`]) to come back,
+//! for at most [`RECOVER_WAIT_US`]. Once every server is back, the placement is checked
+//! against what the servers hold (the servers win), the layout is answered again and
+//! training goes on. A server that does not come back ends the job; a worker that does not
+//! is removed from every quorum, as a lost worker is.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::hash::{Hash, Hasher};
+
+use elasticps_core::model::{BlockId, Partition};
+use elasticps_core::placement::{Placement, ServerId};
+use elasticps_wire::{CheckpointEntry, Control, HeldBlock};
+use serde::{Deserialize, Serialize};
+
+use super::elastic::Order;
+use super::{Action, BalanceLog, ConnId, JobConfig, Node, Role, Scheduler};
+
+/// The saved state's format version.
+pub const STATE_VERSION: u32 = 1;
+
+/// How long a recovered scheduler waits for the known servers and workers to reattach, µs.
+pub const RECOVER_WAIT_US: u64 = 60_000_000;
+
+/// The scheduler's recoverable state (serialized as JSON by the runtime).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SavedState {
+    /// [`STATE_VERSION`].
+    pub version: u32,
+    /// Servers and workers the job was started with (checked against the restarted
+    /// scheduler's flags).
+    pub job_servers: u32,
+    /// See `job_servers`.
+    pub job_workers: u32,
+    /// Every server that registered, by id: its data address.
+    pub servers: Vec<String>,
+    /// Each server's state in the balancer (`serving`, `joining`, `draining`, `gone`).
+    pub server_states: Vec<(ServerId, String)>,
+    /// Workers that registered (ranks `0..workers`).
+    pub workers: u32,
+    /// Ranks that finished (or were removed).
+    pub finished_workers: BTreeSet<u32>,
+    /// Ranks lost before they finished, with why.
+    pub failed_workers: BTreeMap<u32, String>,
+    /// The first clock of each worker that rejoined.
+    pub rejoin_clocks: BTreeMap<u32, u32>,
+    /// The model, once defined (tensors, blocks, tensor optimizers).
+    pub partition: Option<Partition>,
+    /// The placement and its epoch, once placed.
+    pub placement: Option<Placement>,
+    /// Every server held its blocks once (training had started).
+    pub layout_ready: bool,
+    /// The migration in flight: (block, from, to, epoch).
+    pub migration: Option<(u32, ServerId, ServerId, u64)>,
+    /// Migrations done.
+    pub migrations: u32,
+    /// Migrations and scaling events (the load timeline is not kept).
+    pub balance: BalanceLog,
+    /// The latest complete checkpoint.
+    pub last_checkpoint: Option<u32>,
+    /// Checkpoints under way: clock -> blocks written so far.
+    pub checkpoints: BTreeMap<u32, Vec<CheckpointEntry>>,
+}
+
+/// A recovered scheduler waiting for its nodes.
+#[derive(Debug)]
+pub(super) struct Recovering {
+    /// Servers not back yet.
+    servers: BTreeSet<ServerId>,
+    /// Workers not back yet (neither finished nor failed before the restart).
+    workers: BTreeSet<u32>,
+    /// What the servers that came back hold.
+    held: BTreeMap<ServerId, Vec<HeldBlock>>,
+    /// Until when it waits, µs.
+    until_us: u64,
+}
+
+impl Scheduler {
+    /// The state to save. Cheap enough to call when [`Scheduler::state_version`] changed.
+    pub fn saved_state(&self) -> SavedState {
+        let (server_states, migration, migrations, balance) = self.elastic.saved();
+        SavedState {
+            version: STATE_VERSION,
+            job_servers: self.config.servers,
+            job_workers: self.config.workers,
+            servers: self.servers.iter().map(|(_, a)| a.clone()).collect(),
+            server_states,
+            workers: self.workers.len() as u32,
+            finished_workers: self.finished_workers.clone(),
+            failed_workers: self.failed_workers.clone(),
+            rejoin_clocks: self.rejoin_clocks.clone(),
+            partition: self.partition.clone(),
+            placement: self.placement.clone(),
+            layout_ready: self.layout_ready || self.recovering.is_some(),
+            migration,
+            migrations,
+            balance,
+            last_checkpoint: self.last_checkpoint,
+            checkpoints: self.checkpoints.iter().map(|(c, b)| (*c, b.values().cloned().collect())).collect(),
+        }
+    }
+
+    /// A digest of the saved state that changes whenever it does: the runtime writes the
+    /// state only when this changed since its last write.
+    pub fn state_version(&self) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.servers.iter().for_each(|(_, a)| a.hash(&mut h));
+        self.workers.len().hash(&mut h);
+        self.finished_workers.hash(&mut h);
+        self.failed_workers.hash(&mut h);
+        self.rejoin_clocks.hash(&mut h);
+        self.placement.as_ref().map(|p| (p.epoch, &p.owners)).hash(&mut h);
+        self.layout_ready.hash(&mut h);
+        self.recovering.is_some().hash(&mut h);
+        self.last_checkpoint.hash(&mut h);
+        for (c, b) in &self.checkpoints {
+            (c, b.len()).hash(&mut h);
+        }
+        if let Some(p) = &self.partition {
+            (p.tensors.len(), p.blocks.len()).hash(&mut h);
+            format!("{:?}", p.optimizers).hash(&mut h);
+        }
+        let (states, migration, migrations, log) = self.elastic.saved();
+        (states, migration, migrations, log.migrations.len(), log.scaling.len()).hash(&mut h);
+        h.finish()
+    }
+
+    /// A scheduler rebuilt from `saved` for `config` (the restarted scheduler's flags),
+    /// waiting for the known servers and workers to reattach. Fails if the state is of
+    /// another format or another job.
+    pub fn recover(config: JobConfig, saved: SavedState, heartbeat_timeout_us: u64) -> Result<Self, String> {
+        if !saved.layout_ready {
+            return Err("the scheduler stopped before training started (not every server held its blocks): start \
+                        the job again"
+                .into());
+        }
+        if saved.version != STATE_VERSION {
+            return Err(format!("saved state of version {}, this scheduler reads {STATE_VERSION}", saved.version));
+        }
+        if saved.job_servers != config.servers || saved.job_workers != config.workers {
+            return Err(format!(
+                "the saved state is of a job of {} servers and {} workers, this scheduler was started for {} and {}",
+                saved.job_servers, saved.job_workers, config.servers, config.workers
+            ));
+        }
+        let mut s = Scheduler::new(config, heartbeat_timeout_us);
+        s.servers = saved.servers.into_iter().map(|a| (0, a)).collect();
+        s.workers = vec![0; saved.workers as usize];
+        s.finished_workers = saved.finished_workers;
+        s.failed_workers = saved.failed_workers;
+        s.rejoin_clocks = saved.rejoin_clocks;
+        if let Some(p) = &saved.partition {
+            s.elastic.model_placed(p.blocks.iter().map(|b| b.bytes() as u64).collect());
+        }
+        s.partition = saved.partition;
+        s.placement = saved.placement;
+        s.last_checkpoint = saved.last_checkpoint.or(s.last_checkpoint);
+        s.checkpoints = saved
+            .checkpoints
+            .into_iter()
+            .map(|(c, b)| (c, b.into_iter().map(|e| (e.block, e)).collect()))
+            .collect();
+        s.elastic.restore(&saved.server_states, saved.migration, saved.migrations, saved.balance, 0);
+        s.assigned = (0..s.servers.len() as u32).collect();
+        let removed = s.elastic.removed();
+        let servers: BTreeSet<ServerId> = (0..s.servers.len() as u32).filter(|id| !removed.contains(id)).collect();
+        let workers: BTreeSet<u32> = (0..saved.workers)
+            .filter(|r| !s.finished_workers.contains(r) && !s.failed_workers.contains_key(r))
+            .collect();
+        tracing::info!(?servers, ?workers, epoch = s.placement.as_ref().map(|p| p.epoch), "scheduler recovers its state");
+        s.layout_ready = false;
+        s.recovering = Some(Recovering { servers, workers, held: BTreeMap::new(), until_us: RECOVER_WAIT_US });
+        Ok(s)
+    }
+
+    /// True while a recovered scheduler waits for its servers.
+    pub fn recovering(&self) -> bool {
+        self.recovering.as_ref().is_some_and(|r| !r.servers.is_empty())
+    }
+
+    /// What a recovered scheduler waits for, in words.
+    pub(super) fn recovery_wait(&self) -> Option<String> {
+        let r = self.recovering.as_ref()?;
+        if r.servers.is_empty() && r.workers.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "restarted scheduler waits for servers {:?} and workers {:?} to reattach",
+            r.servers, r.workers
+        ))
+    }
+
+    /// `ReattachServer` on connection `conn`.
+    pub(super) fn reattach_server(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        server_id: ServerId,
+        data_addr: String,
+        blocks: Vec<HeldBlock>,
+        out: &mut Vec<Action>,
+    ) -> Result<(), String> {
+        let known = self.servers.get(server_id as usize).is_some() && !self.elastic.removed().contains(&server_id);
+        if !known {
+            return Err(format!("server {server_id} is not a server of this job (it has {})", self.servers.len()));
+        }
+        let waited = self.recovering.as_mut().is_some_and(|r| r.servers.remove(&server_id));
+        if !waited {
+            return Err(format!("server {server_id} is not expected to reattach now"));
+        }
+        tracing::info!(server = server_id, addr = %data_addr, blocks = blocks.len(), "server reattached");
+        if let Some(r) = self.recovering.as_mut() {
+            r.held.insert(server_id, blocks);
+        }
+        self.servers[server_id as usize] = (conn, data_addr);
+        self.nodes.insert(conn, Node { role: Role::Server(server_id), last_seen_us: self.now_us });
+        out.push(Action::Send { conn, request_id, msg: self.welcome(server_id) });
+        if self.recovering.as_ref().is_some_and(|r| r.servers.is_empty()) {
+            self.reconcile(out);
+        }
+        Ok(())
+    }
+
+    /// `ReattachWorker` on connection `conn`.
+    pub(super) fn reattach_worker(&mut self, conn: ConnId, request_id: u64, rank: u32, out: &mut Vec<Action>) -> Result<(), String> {
+        if rank as usize >= self.workers.len() {
+            return Err(format!("worker {rank} is not a worker of this job (it has {})", self.workers.len()));
+        }
+        if let Some(why) = self.failed_workers.get(&rank) {
+            return Err(format!(
+                "worker {rank} was removed from every quorum before the scheduler restarted ({why}): restart it with \
+                 its rank to rejoin"
+            ));
+        }
+        if self.nodes.values().any(|n| n.role == Role::Worker(rank)) {
+            return Err(format!("worker {rank} is already attached"));
+        }
+        if let Some(r) = self.recovering.as_mut() {
+            r.workers.remove(&rank);
+        }
+        tracing::info!(rank, "worker reattached");
+        self.workers[rank as usize] = conn;
+        self.nodes.insert(conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
+        out.push(Action::Send { conn, request_id, msg: self.welcome(rank) });
+        self.end_recovery_if_complete();
+        Ok(())
+    }
+
+    /// Time passed while recovering: past [`RECOVER_WAIT_US`], a missing server ends the
+    /// job and a missing worker is removed from every quorum.
+    pub(super) fn recovery_tick(&mut self, out: &mut Vec<Action>) {
+        let Some(r) = self.recovering.as_ref() else { return };
+        if self.now_us < r.until_us {
+            return;
+        }
+        let secs = RECOVER_WAIT_US as f64 / 1e6;
+        if !r.servers.is_empty() {
+            let missing = r.servers.clone();
+            let reason = format!(
+                "servers {missing:?} did not reattach within {secs:.0} s of the scheduler's restart: the job cannot go on"
+            );
+            self.recovering = None;
+            self.finish(false, reason, out);
+            return;
+        }
+        let missing: Vec<u32> = r.workers.iter().copied().collect();
+        self.recovering = None;
+        for rank in missing {
+            let why = format!("did not reattach within {secs:.0} s of the scheduler's restart");
+            tracing::error!(rank, %why, "worker lost before it finished; removing it from every quorum");
+            self.failed_workers.insert(rank, why);
+            self.worker_left(rank, out);
+        }
+    }
+
+    fn end_recovery_if_complete(&mut self) {
+        if self.recovering.as_ref().is_some_and(|r| r.servers.is_empty() && r.workers.is_empty()) {
+            tracing::info!("every server and worker reattached: recovery complete");
+            self.recovering = None;
+        }
+    }
+
+    /// Every server is back: check the placement against what they hold (they win), finish
+    /// or keep the migration that was in flight, then serve the layout again.
+    fn reconcile(&mut self, out: &mut Vec<Action>) {
+        let held = self.recovering.as_mut().map(|r| std::mem::take(&mut r.held)).unwrap_or_default();
+        let Some(mut placement) = self.placement.take() else {
+            self.recovering = None;
+            self.finish(false, "the saved state has no placement".into(), out);
+            return;
+        };
+        // The migration in flight: the new owner holding the block as arrived means the
+        // old owner handed it over (its record of the move was lost): record it.
+        let mut orders: Vec<Order> = Vec::new();
+        let mut settled = None;
+        if let Some((block, from, to, epoch)) = self.elastic.in_flight() {
+            let arrived = held.get(&to).is_some_and(|h| h.iter().any(|b| b.block == block && b.arrived && b.epoch == epoch));
+            let served_by_from = held.get(&from).is_some_and(|h| h.iter().any(|b| b.block == block && !b.arrived));
+            if arrived {
+                tracing::info!(block, from, to, epoch, "the migration in flight at the restart had reached its new owner: recorded");
+                orders.extend(self.elastic.recovered_migration(&mut placement, self.now_us));
+                settled = Some(block);
+            } else if !served_by_from {
+                tracing::warn!(block, from, to, epoch, "the migration in flight at the restart is on neither server");
+            }
+        }
+        // Who serves each block, as the servers say.
+        let mut serving: BTreeMap<BlockId, Vec<(ServerId, u64)>> = BTreeMap::new();
+        for (server, blocks) in &held {
+            for b in blocks.iter().filter(|b| !b.arrived) {
+                serving.entry(b.block).or_default().push((*server, b.epoch));
+            }
+        }
+        let mut changed = false;
+        for block in 0..placement.owners.len() as u32 {
+            let recorded = placement.owners[block as usize];
+            let Some(holders) = serving.get(&block) else {
+                let arrived_at = held.iter().find(|(_, h)| h.iter().any(|b| b.block == block)).map(|(s, _)| *s);
+                if arrived_at == Some(recorded) {
+                    continue; // arrived at its recorded owner, settled below
+                }
+                let reason = format!(
+                    "after the scheduler's restart no server serves block {block} (the placement says server {recorded})"
+                );
+                self.placement = Some(placement);
+                self.recovering = None;
+                self.finish(false, reason, out);
+                return;
+            };
+            if holders.iter().any(|(s, _)| *s == recorded) {
+                continue;
+            }
+            let (owner, epoch) = holders.iter().max_by_key(|(_, e)| *e).copied().unwrap_or((recorded, 0));
+            tracing::warn!(
+                block,
+                placement = recorded,
+                server = owner,
+                epoch,
+                "the saved placement disagrees with the servers: the server's view wins"
+            );
+            placement.owners[block as usize] = owner;
+            changed = true;
+        }
+        if changed {
+            placement.epoch = placement.epoch.saturating_add(1);
+        }
+        // Blocks that arrived by migration and wait for the scheduler's word.
+        for (server, blocks) in &held {
+            for b in blocks.iter().filter(|b| b.arrived) {
+                let under_way =
+                    self.elastic.in_flight().is_some_and(|(blk, _, to, e)| blk == b.block && to == *server && e == b.epoch);
+                if under_way || settled == Some(b.block) {
+                    continue; // its MigrateDone will settle it, or the recorded move just did
+                }
+                let owner = placement.owner(b.block).unwrap_or(*server);
+                let msg = Control::Settled { block: b.block, epoch: b.epoch, owner }.into();
+                out.push(Action::Send { conn: self.servers[*server as usize].0, request_id: 0, msg });
+            }
+        }
+        self.placement = Some(placement);
+        self.carry_out(orders, out);
+        tracing::info!(epoch = self.placement.as_ref().map(|p| p.epoch), "every server reattached: the layout is served again");
+        self.layout_ready = true;
+        self.answer_layout_waiters(out);
+        self.end_recovery_if_complete();
+    }
+}
+
+/// The [`Control::ReattachServer`] a server sends to a restarted scheduler: its id, its
+/// data address, and every block it holds (served, or arrived by a migration not settled
+/// yet), each with its epoch. `None` before the server registered.
+pub fn reattach_message(server: &crate::server::Server, data_addr: &str) -> Option<Control> {
+    use crate::server::{Phase, Slot};
+    let server_id = server.id()?;
+    let blocks = server
+        .owned()
+        .into_iter()
+        .filter_map(|block| match server.slot(block) {
+            Some(Slot::Owned(o)) => {
+                Some(HeldBlock { block, epoch: o.epoch, arrived: matches!(o.phase, Phase::Arrived { .. }) })
+            }
+            _ => None,
+        })
+        .collect();
+    Some(Control::ReattachServer { server_id, data_addr: data_addr.to_string(), blocks })
+}
