@@ -511,6 +511,7 @@ async fn start_cluster(
         checkpoint_every: 0,
         resume: None,
         rejoin_wait_s: 0.0,
+        state_dir: None,
     };
     let mut cluster = Cluster::new(log_dir)?;
     let env = [("ELASTICPS_SECRET", net.secret.as_str())];

@@ -34,6 +34,11 @@ pub struct NetArgs {
     /// (seconds; the handshake's own limit is 10 s).
     #[arg(long, env = "ELASTICPS_FRAME_TIMEOUT_S", default_value_t = 30.0, value_parser = positive_seconds)]
     pub frame_timeout_s: f64,
+    /// A server or worker that loses the scheduler retries it (backoff 100 ms doubling to
+    /// 2 s) for this long before it gives up: a scheduler restarted with --state-dir is
+    /// reattached (0: never retry).
+    #[arg(long, env = "ELASTICPS_SCHEDULER_RETRY_S", default_value_t = 60.0)]
+    pub scheduler_retry_s: f64,
 }
 
 /// A duration in seconds: finite and above 0.
@@ -55,6 +60,11 @@ impl NetArgs {
         std::time::Duration::from_secs_f64(self.frame_timeout_s)
     }
 
+    /// How long a node retries a lost scheduler.
+    pub fn scheduler_retry(&self) -> std::time::Duration {
+        std::time::Duration::try_from_secs_f64(self.scheduler_retry_s).unwrap_or_default()
+    }
+
     /// The flags that reproduce these settings on a child process.
     pub fn to_flags(&self) -> Vec<String> {
         vec![
@@ -62,6 +72,8 @@ impl NetArgs {
             self.max_frame_mib.to_string(),
             "--frame-timeout-s".into(),
             self.frame_timeout_s.to_string(),
+            "--scheduler-retry-s".into(),
+            self.scheduler_retry_s.to_string(),
         ]
     }
 }
@@ -181,6 +193,12 @@ pub struct JobArgs {
     /// [default: 0; 60 with train/launch --restart-workers].
     #[arg(long, env = "ELASTICPS_REJOIN_WAIT_S", value_name = "SECONDS", default_value_t = 0.0)]
     pub rejoin_wait_s: f64,
+    /// Keep the scheduler's recoverable state (membership, model, placement, history) in
+    /// DIR, rewritten atomically when it changes; a scheduler restarted on the same address
+    /// with the same DIR recovers the job and its nodes reattach (README, "Scheduler
+    /// restart").
+    #[arg(long, env = "ELASTICPS_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
 }
 
 impl JobArgs {
@@ -332,6 +350,9 @@ impl JobArgs {
         }
         if self.rejoin_wait_s > 0.0 {
             f.extend(["--rejoin-wait-s".into(), self.rejoin_wait_s.to_string()]);
+        }
+        if let Some(d) = &self.state_dir {
+            f.extend(["--state-dir".into(), d.display().to_string()]);
         }
         f
     }
