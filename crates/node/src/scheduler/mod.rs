@@ -874,6 +874,9 @@ impl Scheduler {
     }
 
     fn finish(&mut self, ok: bool, reason: String, out: &mut Vec<Action>) {
+        if self.defer_finish(ok, &reason) {
+            return;
+        }
         // Workers still waiting for the layout learn why there will be none.
         for (conn, request_id) in std::mem::take(&mut self.waiting_for_layout) {
             let reply = ErrorReply { code: ErrorCode::ShuttingDown, message: reason.clone() };

@@ -80,6 +80,9 @@ pub(super) struct Recovering {
     held: BTreeMap<ServerId, Vec<HeldBlock>>,
     /// Until when it waits, µs.
     until_us: u64,
+    /// The job ended (every worker done) before every server was back: how, told to the
+    /// servers once they are.
+    finish: Option<(bool, String)>,
 }
 
 impl Scheduler {
@@ -176,7 +179,7 @@ impl Scheduler {
             .collect();
         tracing::info!(?servers, ?workers, epoch = s.placement.as_ref().map(|p| p.epoch), "scheduler recovers its state");
         s.layout_ready = false;
-        s.recovering = Some(Recovering { servers, workers, held: BTreeMap::new(), until_us: RECOVER_WAIT_US });
+        s.recovering = Some(Recovering { servers, workers, held: BTreeMap::new(), until_us: RECOVER_WAIT_US, finish: None });
         Ok(s)
     }
 
@@ -280,6 +283,15 @@ impl Scheduler {
         }
     }
 
+    /// The job ends while servers are still to reattach: the end waits for them (so that
+    /// they hear `Shutdown`), or for the recovery's deadline. Returns true if deferred.
+    pub(super) fn defer_finish(&mut self, ok: bool, reason: &str) -> bool {
+        let Some(r) = self.recovering.as_mut().filter(|r| !r.servers.is_empty()) else { return false };
+        tracing::info!(servers = ?r.servers, %reason, "the job is over; it ends once the servers reattached");
+        r.finish.get_or_insert((ok, reason.to_string()));
+        true
+    }
+
     fn end_recovery_if_complete(&mut self) {
         if self.recovering.as_ref().is_some_and(|r| r.servers.is_empty() && r.workers.is_empty()) {
             tracing::info!("every server and worker reattached: recovery complete");
@@ -291,6 +303,7 @@ impl Scheduler {
     /// or keep the migration that was in flight, then serve the layout again.
     fn reconcile(&mut self, out: &mut Vec<Action>) {
         let held = self.recovering.as_mut().map(|r| std::mem::take(&mut r.held)).unwrap_or_default();
+        let deferred = self.recovering.as_mut().and_then(|r| r.finish.take());
         let Some(mut placement) = self.placement.take() else {
             self.recovering = None;
             self.finish(false, "the saved state has no placement".into(), out);
@@ -370,6 +383,10 @@ impl Scheduler {
         self.layout_ready = true;
         self.answer_layout_waiters(out);
         self.end_recovery_if_complete();
+        if let Some((ok, reason)) = deferred {
+            self.recovering = None;
+            self.finish(ok, reason, out);
+        }
     }
 }
 
