@@ -1,7 +1,8 @@
 //! Scheduler recovery against real processes: a scheduler killed with SIGKILL mid-run and
 //! started again on the same address with the same `--state-dir` recovers the job; the
 //! servers and workers reattach, the workers keep iterating while it is down (data traffic
-//! does not go through it), and the job ends with exactly the expected parameters.
+//! does not go through it), a barrier called while it is down is answered by the restarted
+//! one, and the job ends with exactly the expected parameters.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -17,6 +18,9 @@ const CLOCKS: u32 = 80;
 const LEN: usize = 24;
 /// The clock at which the scheduler is killed.
 const KILL_AT: u32 = 15;
+/// The workers wait in a barrier before this clock: a scheduler call made while it is
+/// down, retried on the restarted one.
+const BARRIER_AT: u32 = 30;
 
 fn model() -> Vec<TensorSpec> {
     vec![TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Zeros }]
@@ -91,6 +95,9 @@ fn a_scheduler_killed_and_restarted_with_its_state_dir_lets_the_job_complete_exa
                 let mut params = c.zeros();
                 c.pull(0, &mut params).await.expect("first pull");
                 for t in 0..CLOCKS {
+                    if t == BARRIER_AT {
+                        c.barrier().await.expect("a barrier across the scheduler's restart");
+                    }
                     tokio::time::sleep(Duration::from_millis(40)).await;
                     c.push_pull(t, &[gradient(rank, t)], &mut params).await.unwrap_or_else(|e| panic!("clock {t}: {e}"));
                     clocks[rank as usize].store(t + 1, Ordering::SeqCst);
@@ -115,6 +122,7 @@ fn a_scheduler_killed_and_restarted_with_its_state_dir_lets_the_job_complete_exa
         while_down > at_kill + 5,
         "the workers kept iterating while the scheduler was down (clock {at_kill} at the kill, {while_down} 1.5 s later)"
     );
+    assert!(while_down <= BARRIER_AT, "the barrier waits for the scheduler");
 
     let started = Instant::now();
     let mut restarted = start_scheduler("restarted scheduler", &addr, s);
