@@ -99,7 +99,9 @@ fn a_scheduler_killed_and_restarted_with_its_state_dir_lets_the_job_complete_exa
                         c.barrier().await.expect("a barrier across the scheduler's restart");
                     }
                     tokio::time::sleep(Duration::from_millis(40)).await;
-                    c.push_pull(t, &[gradient(rank, t)], &mut params).await.unwrap_or_else(|e| panic!("clock {t}: {e}"));
+                    c.push_pull(t, &[gradient(rank, t)], &mut params)
+                        .await
+                        .unwrap_or_else(|e| panic!("clock {t}: {e}"));
                     clocks[rank as usize].store(t + 1, Ordering::SeqCst);
                 }
                 c.finish().await.expect("finish");

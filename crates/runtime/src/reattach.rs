@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use elasticps_wire::{Codec, Control, Message};
 use tokio::sync::watch;
 
+use crate::CALL_TIMEOUT;
 use crate::error::{Result, RuntimeError};
 use crate::peer::{Notifications, Peer};
-use crate::CALL_TIMEOUT;
 
 /// How long a node retries a lost scheduler by default (`--scheduler-retry-s`).
 pub const DEFAULT_SCHEDULER_RETRY: Duration = Duration::from_secs(60);

@@ -61,8 +61,7 @@ pub mod values;
 
 pub use control::{
     Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, HeldBlock, Injection, Layout, MigrationReport,
-    Restore,
-    ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats, ServerStatus, WorkerLoad, WorkerStatus,
+    Restore, ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats, ServerStatus, WorkerLoad, WorkerStatus,
 };
 pub use error::{ErrorCode, ErrorReply, WireError};
 pub use frame::Codec;

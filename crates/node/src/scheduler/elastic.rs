@@ -586,7 +586,10 @@ impl Elastic {
         self.in_flight = in_flight.map(|(block, from, to, epoch)| (Move { block, from, to }, now_us, epoch));
         self.migrations = migrations;
         let started = self.log.started_unix_ms;
-        self.log = BalanceLog { started_unix_ms: if log.started_unix_ms > 0.0 { log.started_unix_ms } else { started }, ..log };
+        self.log = BalanceLog {
+            started_unix_ms: if log.started_unix_ms > 0.0 { log.started_unix_ms } else { started },
+            ..log
+        };
     }
 
     /// The migration in flight, if any: (block, from, to, epoch).

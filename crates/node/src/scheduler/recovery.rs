@@ -165,11 +165,8 @@ impl Scheduler {
         s.partition = saved.partition;
         s.placement = saved.placement;
         s.last_checkpoint = saved.last_checkpoint.or(s.last_checkpoint);
-        s.checkpoints = saved
-            .checkpoints
-            .into_iter()
-            .map(|(c, b)| (c, b.into_iter().map(|e| (e.block, e)).collect()))
-            .collect();
+        s.checkpoints =
+            saved.checkpoints.into_iter().map(|(c, b)| (c, b.into_iter().map(|e| (e.block, e)).collect())).collect();
         s.elastic.restore(&saved.server_states, saved.migration, saved.migrations, saved.balance, 0);
         s.assigned = (0..s.servers.len() as u32).collect();
         let removed = s.elastic.removed();
@@ -177,9 +174,15 @@ impl Scheduler {
         let workers: BTreeSet<u32> = (0..saved.workers)
             .filter(|r| !s.finished_workers.contains(r) && !s.failed_workers.contains_key(r))
             .collect();
-        tracing::info!(?servers, ?workers, epoch = s.placement.as_ref().map(|p| p.epoch), "scheduler recovers its state");
+        tracing::info!(
+            ?servers,
+            ?workers,
+            epoch = s.placement.as_ref().map(|p| p.epoch),
+            "scheduler recovers its state"
+        );
         s.layout_ready = false;
-        s.recovering = Some(Recovering { servers, workers, held: BTreeMap::new(), until_us: RECOVER_WAIT_US, finish: None });
+        s.recovering =
+            Some(Recovering { servers, workers, held: BTreeMap::new(), until_us: RECOVER_WAIT_US, finish: None });
         Ok(s)
     }
 
@@ -194,10 +197,7 @@ impl Scheduler {
         if r.servers.is_empty() && r.workers.is_empty() {
             return None;
         }
-        Some(format!(
-            "restarted scheduler waits for servers {:?} and workers {:?} to reattach",
-            r.servers, r.workers
-        ))
+        Some(format!("restarted scheduler waits for servers {:?} and workers {:?} to reattach", r.servers, r.workers))
     }
 
     /// `ReattachServer` on connection `conn`.
@@ -232,7 +232,13 @@ impl Scheduler {
     }
 
     /// `ReattachWorker` on connection `conn`.
-    pub(super) fn reattach_worker(&mut self, conn: ConnId, request_id: u64, rank: u32, out: &mut Vec<Action>) -> Result<(), String> {
+    pub(super) fn reattach_worker(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        rank: u32,
+        out: &mut Vec<Action>,
+    ) -> Result<(), String> {
         if rank as usize >= self.workers.len() {
             return Err(format!("worker {rank} is not a worker of this job (it has {})", self.workers.len()));
         }
@@ -314,10 +320,17 @@ impl Scheduler {
         let mut orders: Vec<Order> = Vec::new();
         let mut settled = None;
         if let Some((block, from, to, epoch)) = self.elastic.in_flight() {
-            let arrived = held.get(&to).is_some_and(|h| h.iter().any(|b| b.block == block && b.arrived && b.epoch == epoch));
+            let arrived =
+                held.get(&to).is_some_and(|h| h.iter().any(|b| b.block == block && b.arrived && b.epoch == epoch));
             let served_by_from = held.get(&from).is_some_and(|h| h.iter().any(|b| b.block == block && !b.arrived));
             if arrived {
-                tracing::info!(block, from, to, epoch, "the migration in flight at the restart had reached its new owner: recorded");
+                tracing::info!(
+                    block,
+                    from,
+                    to,
+                    epoch,
+                    "the migration in flight at the restart had reached its new owner: recorded"
+                );
                 orders.extend(self.elastic.recovered_migration(&mut placement, self.now_us));
                 settled = Some(block);
             } else if !served_by_from {
@@ -367,8 +380,10 @@ impl Scheduler {
         // Blocks that arrived by migration and wait for the scheduler's word.
         for (server, blocks) in &held {
             for b in blocks.iter().filter(|b| b.arrived) {
-                let under_way =
-                    self.elastic.in_flight().is_some_and(|(blk, _, to, e)| blk == b.block && to == *server && e == b.epoch);
+                let under_way = self
+                    .elastic
+                    .in_flight()
+                    .is_some_and(|(blk, _, to, e)| blk == b.block && to == *server && e == b.epoch);
                 if under_way || settled == Some(b.block) {
                     continue; // its MigrateDone will settle it, or the recorded move just did
                 }
@@ -379,7 +394,10 @@ impl Scheduler {
         }
         self.placement = Some(placement);
         self.carry_out(orders, out);
-        tracing::info!(epoch = self.placement.as_ref().map(|p| p.epoch), "every server reattached: the layout is served again");
+        tracing::info!(
+            epoch = self.placement.as_ref().map(|p| p.epoch),
+            "every server reattached: the layout is served again"
+        );
         self.layout_ready = true;
         self.answer_layout_waiters(out);
         self.end_recovery_if_complete();
@@ -407,4 +425,273 @@ pub fn reattach_message(server: &crate::server::Server, data_addr: &str) -> Opti
         })
         .collect();
     Some(Control::ReattachServer { server_id, data_addr: data_addr.to_string(), blocks })
+}
+
+#[cfg(test)]
+mod tests {
+    use elasticps_core::block::ShardConfig;
+    use elasticps_core::model::{Init, TensorSpec};
+    use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+    use elasticps_core::placement::PlacementKind;
+    use elasticps_core::sync::SyncPolicy;
+    use elasticps_wire::{Message, MigrationReport, ScaleRequest};
+
+    use super::*;
+    use crate::scheduler::Event;
+
+    fn config() -> JobConfig {
+        JobConfig {
+            servers: 2,
+            workers: 2,
+            block_bytes: 16,
+            placement: PlacementKind::Range,
+            shard: ShardConfig {
+                sync: SyncPolicy::Bsp,
+                optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 },
+                workers: 2,
+            },
+            server_sync: Vec::new(),
+            seed: 1,
+            inject: Vec::new(),
+            balance: Default::default(),
+            max_servers: 2,
+            min_servers: 2,
+            checkpoint: None,
+            rejoin_wait_us: 0,
+        }
+    }
+
+    fn recv(m: &mut Scheduler, conn: ConnId, request_id: u64, c: Control) -> Vec<Action> {
+        m.step(Event::Received { conn, request_id, msg: c.into() })
+    }
+
+    fn sent_to(actions: &[Action], conn: ConnId) -> Vec<&Message> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send { conn: c, msg, .. } if *c == conn => Some(msg),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Workers on connections 1, 2; servers on 10, 11; 4 blocks of 4 values (range: 0, 1
+    /// on server 0; 2, 3 on server 1).
+    fn running() -> Scheduler {
+        let mut m = Scheduler::new(config(), 10_000_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        let tensors = vec![TensorSpec { name: "w".into(), shape: vec![16], init: Init::Zeros }];
+        recv(&mut m, 1, 2, Control::DefineModel { tensors, optimizers: Vec::new() });
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
+        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+        recv(&mut m, 11, 0, Control::AssignDone { server_id: 1 });
+        assert_eq!(m.waiting_for(), None);
+        m
+    }
+
+    fn held(blocks: &[(u32, u64, bool)]) -> Vec<HeldBlock> {
+        blocks.iter().map(|&(block, epoch, arrived)| HeldBlock { block, epoch, arrived }).collect()
+    }
+
+    /// The state through JSON, as the runtime writes and reads it.
+    fn through_disk(m: &Scheduler) -> SavedState {
+        let json = serde_json::to_string(&m.saved_state()).unwrap();
+        serde_json::from_str(&json).unwrap()
+    }
+
+    #[test]
+    fn the_state_version_changes_with_the_state_and_not_with_heartbeats() {
+        let mut m = running();
+        let v = m.state_version();
+        recv(&mut m, 1, 0, Control::Heartbeat);
+        m.step(Event::Tick { now_us: 100 });
+        assert_eq!(m.state_version(), v, "heartbeats and ticks change nothing to save");
+        recv(&mut m, 1, 3, Control::WorkerDone { rank: 0 });
+        assert_ne!(m.state_version(), v, "a finished worker is saved");
+        let saved = through_disk(&m);
+        assert_eq!(saved, m.saved_state());
+        assert_eq!(saved.finished_workers, BTreeSet::from([0]));
+        assert_eq!(saved.servers, ["s0", "s1"]);
+    }
+
+    #[test]
+    fn a_recovered_scheduler_serves_the_layout_once_every_server_reattached_and_workers_go_on() {
+        let m = running();
+        let mut r = Scheduler::recover(config(), through_disk(&m), 10_000_000).unwrap();
+        assert!(r.recovering());
+        let waits = r.waiting_for().unwrap();
+        assert!(waits.contains("servers {0, 1} and workers {0, 1}"), "{waits}");
+        // A worker comes back first and asks for the layout: it waits for the servers.
+        let a = recv(&mut r, 21, 1, Control::ReattachWorker { rank: 1 });
+        assert!(matches!(sent_to(&a, 21)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
+        assert!(recv(&mut r, 21, 2, Control::GetLayout).is_empty(), "no layout before the servers are back");
+        let a = recv(
+            &mut r,
+            30,
+            1,
+            Control::ReattachServer {
+                server_id: 0,
+                data_addr: "s0".into(),
+                blocks: held(&[(0, 0, false), (1, 0, false)]),
+            },
+        );
+        assert!(matches!(sent_to(&a, 30)[..], [Message::Control(Control::Welcome { node_id: 0, .. })]), "{a:?}");
+        let a = recv(
+            &mut r,
+            31,
+            1,
+            Control::ReattachServer {
+                server_id: 1,
+                data_addr: "s1b".into(),
+                blocks: held(&[(2, 0, false), (3, 0, false)]),
+            },
+        );
+        match &sent_to(&a, 21)[..] {
+            [Message::Control(Control::Layout(l))] => {
+                assert_eq!(l.placement, *m.placement().unwrap(), "the servers agree with the saved placement");
+                assert_eq!(l.servers[1].addr, "s1b", "the address the server gave now");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(!r.recovering());
+        // A server that is not of this job, and a rank twice, are refused.
+        let a =
+            recv(&mut r, 40, 1, Control::ReattachServer { server_id: 7, data_addr: "x".into(), blocks: Vec::new() });
+        assert!(a.contains(&Action::Close(40)), "{a:?}");
+        let a = recv(&mut r, 41, 1, Control::ReattachWorker { rank: 1 });
+        assert!(matches!(sent_to(&a, 41)[0], Message::Error(e) if e.message.contains("already attached")), "{a:?}");
+        // The other worker comes back; the job ends well once both are done.
+        recv(&mut r, 22, 1, Control::ReattachWorker { rank: 0 });
+        recv(&mut r, 21, 5, Control::WorkerDone { rank: 1 });
+        let a = recv(&mut r, 22, 5, Control::WorkerDone { rank: 0 });
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })), "{a:?}");
+        assert!(sent_to(&a, 30).iter().any(|x| matches!(x, Message::Control(Control::Shutdown { .. }))));
+    }
+
+    #[test]
+    fn the_servers_view_wins_and_a_migration_that_reached_its_new_owner_is_recorded() {
+        let mut m = running();
+        // Block 1 moves from server 0 to server 1 (epoch 2); the scheduler dies before
+        // MigrateDone reached it.
+        let a = recv(&mut m, 50, 1, Control::Scale(ScaleRequest::MoveBlock { block: 1, to: 1 }));
+        assert!(
+            a.iter().any(|x| matches!(
+                x,
+                Action::Send { conn: 10, msg: Message::Control(Control::Migrate { block: 1, epoch: 2, .. }), .. }
+            )),
+            "{a:?}"
+        );
+        let mut r = Scheduler::recover(config(), through_disk(&m), 10_000_000).unwrap();
+        // Server 1 holds block 1 as arrived at epoch 2; server 0 handed it over. And the
+        // servers say block 3 is on server 0 (the saved placement says server 1).
+        recv(
+            &mut r,
+            30,
+            1,
+            Control::ReattachServer {
+                server_id: 0,
+                data_addr: "s0".into(),
+                blocks: held(&[(0, 0, false), (3, 1, false)]),
+            },
+        );
+        let a = recv(
+            &mut r,
+            31,
+            1,
+            Control::ReattachServer {
+                server_id: 1,
+                data_addr: "s1".into(),
+                blocks: held(&[(1, 2, true), (2, 0, false)]),
+            },
+        );
+        assert!(
+            sent_to(&a, 31)
+                .iter()
+                .any(|x| matches!(x, Message::Control(Control::Settled { block: 1, epoch: 2, owner: 1 }))),
+            "the new owner serves the block: {a:?}"
+        );
+        let p = r.placement().unwrap();
+        assert_eq!(p.owners, [0, 1, 1, 0]);
+        assert_eq!(p.epoch, 3, "the recorded move (2) and the servers' correction (3)");
+        assert_eq!(r.balance_log().migrations.len(), 1);
+        // A MigrateDone that comes late is not expected any more.
+        let report = MigrationReport {
+            block: 1,
+            from: 0,
+            to: 1,
+            epoch: 2,
+            bytes: 16,
+            freeze_us: 1,
+            total_us: 2,
+            held: 0,
+            error: None,
+        };
+        let a = recv(&mut r, 30, 9, Control::MigrateDone(report));
+        assert!(matches!(sent_to(&a, 30)[0], Message::Error(_)), "{a:?}");
+    }
+
+    #[test]
+    fn past_the_wait_a_missing_worker_is_removed_and_a_missing_server_ends_the_job() {
+        let m = running();
+        let mut r = Scheduler::recover(config(), through_disk(&m), 2 * RECOVER_WAIT_US).unwrap();
+        recv(
+            &mut r,
+            30,
+            1,
+            Control::ReattachServer {
+                server_id: 0,
+                data_addr: "s0".into(),
+                blocks: held(&[(0, 0, false), (1, 0, false)]),
+            },
+        );
+        recv(
+            &mut r,
+            31,
+            1,
+            Control::ReattachServer {
+                server_id: 1,
+                data_addr: "s1".into(),
+                blocks: held(&[(2, 0, false), (3, 0, false)]),
+            },
+        );
+        recv(&mut r, 21, 1, Control::ReattachWorker { rank: 0 });
+        assert!(r.step(Event::Tick { now_us: RECOVER_WAIT_US - 1 }).is_empty());
+        let a = r.step(Event::Tick { now_us: RECOVER_WAIT_US });
+        assert!(
+            sent_to(&a, 30).iter().any(|x| matches!(x, Message::Control(Control::RemoveWorker { rank: 1 }))),
+            "{a:?}"
+        );
+        assert_eq!(r.waiting_for(), None);
+
+        let mut r = Scheduler::recover(config(), through_disk(&m), 2 * RECOVER_WAIT_US).unwrap();
+        recv(
+            &mut r,
+            30,
+            1,
+            Control::ReattachServer {
+                server_id: 0,
+                data_addr: "s0".into(),
+                blocks: held(&[(0, 0, false), (1, 0, false)]),
+            },
+        );
+        let a = r.step(Event::Tick { now_us: RECOVER_WAIT_US });
+        let ended = a.iter().find_map(|x| match x {
+            Action::Finish { ok: false, reason } => Some(reason.clone()),
+            _ => None,
+        });
+        assert!(ended.is_some_and(|r| r.contains("servers {1} did not reattach within 60 s")), "{a:?}");
+    }
+
+    #[test]
+    fn a_state_of_another_job_or_from_before_training_is_refused() {
+        let m = running();
+        let other = JobConfig { workers: 3, ..config() };
+        let e = Scheduler::recover(other, through_disk(&m), 1).unwrap_err();
+        assert!(e.contains("2 servers and 2 workers"), "{e}");
+        let fresh = Scheduler::new(config(), 1);
+        let e = Scheduler::recover(config(), fresh.saved_state(), 1).unwrap_err();
+        assert!(e.contains("before training started"), "{e}");
+    }
 }

@@ -121,7 +121,9 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     let mut ticker = tokio::time::interval(TICK);
     let mut attached = false;
     let mut scheduler_open = true;
-    let mut redial: Option<std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Peer, crate::peer::Notifications)>> + Send>>> = None;
+    let mut redial: Option<
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Peer, crate::peer::Notifications)>> + Send>>,
+    > = None;
     let result = loop {
         if let Some(exit) = lock(&io.exit).take() {
             break match exit {
