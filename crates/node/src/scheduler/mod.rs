@@ -491,7 +491,7 @@ impl Scheduler {
                 let Some(placement) = self.placement.as_mut() else { return };
                 let (expected, orders) = self.elastic.migrated(&report, placement, self.now_us);
                 if request_id != 0 {
-                    if expected {
+                    if expected || self.move_recorded(&report) {
                         reply(out, Control::Ok.into());
                     } else {
                         let block = report.block;
@@ -540,6 +540,7 @@ impl Scheduler {
                 tracing::info!(rank, "worker finished");
                 reply(out, Control::Ok.into());
                 self.worker_left(rank, out);
+                self.done_again(rank, out);
             }
             (other, role) => {
                 let who = role.map_or("an unregistered peer".to_string(), |r| format!("{r:?}").to_lowercase());

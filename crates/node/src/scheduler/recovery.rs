@@ -29,6 +29,12 @@ pub const STATE_VERSION: u32 = 1;
 /// How long a recovered scheduler waits for the known servers and workers to reattach, µs.
 pub const RECOVER_WAIT_US: u64 = 60_000_000;
 
+/// A job that ends right after a restart still waits this long (from the restart) for
+/// workers that had finished before it: one whose `WorkerDone` was acknowledged by nobody
+/// (the `Ok` died with the old scheduler) reattaches within its redial backoff (at most
+/// 2 s) to hear it, µs.
+pub const FINISHED_GRACE_US: u64 = 5_000_000;
+
 /// The scheduler's recoverable state (serialized as JSON by the runtime).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SavedState {
@@ -78,8 +84,12 @@ pub(super) struct Recovering {
     workers: BTreeSet<u32>,
     /// What the servers that came back hold.
     held: BTreeMap<ServerId, Vec<HeldBlock>>,
-    /// Until when it waits, µs.
-    until_us: u64,
+    /// Workers that had finished before the restart and have not said `WorkerDone` again
+    /// (it may not have been acknowledged: such a worker reattaches and makes it again).
+    finished: BTreeSet<u32>,
+    /// Its first tick, µs (the clock of a restarted scheduler may start anywhere): the
+    /// waits count from there.
+    since_us: Option<u64>,
     /// The job ended (every worker done) before every server was back: how, told to the
     /// servers once they are.
     finish: Option<(bool, String)>,
@@ -181,8 +191,9 @@ impl Scheduler {
             "scheduler recovers its state"
         );
         s.layout_ready = false;
+        let finished = s.finished_workers.iter().copied().filter(|r| !s.failed_workers.contains_key(r)).collect();
         s.recovering =
-            Some(Recovering { servers, workers, held: BTreeMap::new(), until_us: RECOVER_WAIT_US, finish: None });
+            Some(Recovering { servers, workers, finished, held: BTreeMap::new(), since_us: None, finish: None });
         Ok(s)
     }
 
@@ -210,9 +221,20 @@ impl Scheduler {
         blocks: Vec<HeldBlock>,
         out: &mut Vec<Action>,
     ) -> Result<(), String> {
-        let known = self.servers.get(server_id as usize).is_some() && !self.elastic.removed().contains(&server_id);
-        if !known {
+        if self.servers.get(server_id as usize).is_none() {
             return Err(format!("server {server_id} is not a server of this job (it has {})", self.servers.len()));
+        }
+        if self.elastic.removed().contains(&server_id) {
+            // Drained and stopped before the restart, but its `Shutdown` (and maybe the
+            // `Ok` of its last handover) died with the old scheduler: welcome it, so that
+            // its handover completes, and stop it again.
+            tracing::info!(server = server_id, "a drained server reattached; it is told to stop");
+            self.servers[server_id as usize] = (conn, data_addr);
+            self.nodes.insert(conn, Node { role: Role::Server(server_id), last_seen_us: self.now_us });
+            out.push(Action::Send { conn, request_id, msg: self.welcome(server_id) });
+            let msg = Control::Shutdown { reason: "drained: scaled in".into() }.into();
+            out.push(Action::Send { conn, request_id: 0, msg });
+            return Ok(());
         }
         let waited = self.recovering.as_mut().is_some_and(|r| r.servers.remove(&server_id));
         if !waited {
@@ -259,14 +281,20 @@ impl Scheduler {
         self.nodes.insert(conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
         out.push(Action::Send { conn, request_id, msg: self.welcome(rank) });
         self.end_recovery_if_complete();
+        self.end_deferred(out);
         Ok(())
     }
 
     /// Time passed while recovering: past [`RECOVER_WAIT_US`], a missing server ends the
     /// job and a missing worker is removed from every quorum.
     pub(super) fn recovery_tick(&mut self, out: &mut Vec<Action>) {
-        let Some(r) = self.recovering.as_ref() else { return };
-        if self.now_us < r.until_us {
+        let now_us = self.now_us;
+        let Some(r) = self.recovering.as_mut() else { return };
+        let since_us = *r.since_us.get_or_insert(now_us);
+        self.end_deferred(out);
+        self.end_recovery_if_complete();
+        let Some(r) = self.recovering.as_mut() else { return };
+        if now_us < since_us.saturating_add(RECOVER_WAIT_US) {
             return;
         }
         let secs = RECOVER_WAIT_US as f64 / 1e6;
@@ -289,17 +317,60 @@ impl Scheduler {
         }
     }
 
-    /// The job ends while servers are still to reattach: the end waits for them (so that
-    /// they hear `Shutdown`), or for the recovery's deadline. Returns true if deferred.
+    /// The job ends while servers are still to reattach, or soon after the restart while
+    /// workers that finished before it may still come for their `WorkerDone`'s answer: the
+    /// end waits for them (so that they hear it), at most [`FINISHED_GRACE_US`] for the
+    /// workers and [`RECOVER_WAIT_US`] for the servers. Returns true if deferred.
     pub(super) fn defer_finish(&mut self, ok: bool, reason: &str) -> bool {
-        let Some(r) = self.recovering.as_mut().filter(|r| !r.servers.is_empty()) else { return false };
-        tracing::info!(servers = ?r.servers, %reason, "the job is over; it ends once the servers reattached");
+        if !self.recovering.as_ref().is_some_and(|r| self.end_must_wait(r)) {
+            return false;
+        }
+        let Some(r) = self.recovering.as_mut() else { return false };
+        tracing::info!(servers = ?r.servers, finished = ?r.finished, %reason, "the job is over; it ends once the nodes reattached");
         r.finish.get_or_insert((ok, reason.to_string()));
         true
     }
 
+    /// A worker that had finished before the restart said `WorkerDone` again (answered): the
+    /// job's end need not wait for it.
+    pub(super) fn done_again(&mut self, rank: u32, out: &mut Vec<Action>) {
+        if self.recovering.as_mut().is_some_and(|r| r.finished.remove(&rank)) {
+            self.end_deferred(out);
+        }
+    }
+
+    fn end_must_wait(&self, r: &Recovering) -> bool {
+        let in_grace = r.since_us.is_none_or(|since| self.now_us < since.saturating_add(FINISHED_GRACE_US));
+        !r.servers.is_empty() || (!r.finished.is_empty() && in_grace)
+    }
+
+    /// Ends the job whose end was deferred ([`Scheduler::defer_finish`]) once it need not
+    /// wait any more.
+    fn end_deferred(&mut self, out: &mut Vec<Action>) {
+        let Some(r) = self.recovering.as_ref() else { return };
+        if r.finish.is_none() || self.end_must_wait(r) {
+            return;
+        }
+        if let Some((ok, reason)) = self.recovering.take().and_then(|r| r.finish) {
+            self.finish(ok, reason, out);
+        }
+    }
+
+    /// True if `report` is a successful move the placement already records (its
+    /// `MigrateDone` was made again after a restart, the first one's `Ok` lost with the old
+    /// scheduler): answered `Ok` again, so that the old owner hands the block over.
+    pub(super) fn move_recorded(&self, report: &elasticps_wire::MigrationReport) -> bool {
+        report.error.is_none()
+            && self.placement.as_ref().is_some_and(|p| p.owner(report.block) == Some(report.to) && p.epoch >= report.epoch)
+    }
+
     fn end_recovery_if_complete(&mut self) {
-        if self.recovering.as_ref().is_some_and(|r| r.servers.is_empty() && r.workers.is_empty()) {
+        let now_us = self.now_us;
+        let complete = |r: &Recovering| {
+            let graced = r.since_us.is_some_and(|since| now_us >= since.saturating_add(FINISHED_GRACE_US));
+            r.servers.is_empty() && r.workers.is_empty() && r.finish.is_none() && (r.finished.is_empty() || graced)
+        };
+        if self.recovering.as_ref().is_some_and(complete) {
             tracing::info!("every server and worker reattached: recovery complete");
             self.recovering = None;
         }
@@ -309,7 +380,6 @@ impl Scheduler {
     /// or keep the migration that was in flight, then serve the layout again.
     fn reconcile(&mut self, out: &mut Vec<Action>) {
         let held = self.recovering.as_mut().map(|r| std::mem::take(&mut r.held)).unwrap_or_default();
-        let deferred = self.recovering.as_mut().and_then(|r| r.finish.take());
         let Some(mut placement) = self.placement.take() else {
             self.recovering = None;
             self.finish(false, "the saved state has no placement".into(), out);
@@ -337,21 +407,24 @@ impl Scheduler {
                 tracing::warn!(block, from, to, epoch, "the migration in flight at the restart is on neither server");
             }
         }
-        // Who serves each block, as the servers say.
-        let mut serving: BTreeMap<BlockId, Vec<(ServerId, u64)>> = BTreeMap::new();
+        // Who holds each block, as the servers say: served (or being handed over), or
+        // arrived by a migration and waiting for the scheduler's word.
+        let mut holders: BTreeMap<BlockId, Vec<(ServerId, u64, bool)>> = BTreeMap::new();
         for (server, blocks) in &held {
-            for b in blocks.iter().filter(|b| !b.arrived) {
-                serving.entry(b.block).or_default().push((*server, b.epoch));
+            for b in blocks {
+                holders.entry(b.block).or_default().push((*server, b.epoch, b.arrived));
             }
         }
         let mut changed = false;
         for block in 0..placement.owners.len() as u32 {
             let recorded = placement.owners[block as usize];
-            let Some(holders) = serving.get(&block) else {
-                let arrived_at = held.iter().find(|(_, h)| h.iter().any(|b| b.block == block)).map(|(s, _)| *s);
-                if arrived_at == Some(recorded) {
-                    continue; // arrived at its recorded owner, settled below
-                }
+            let here = holders.get(&block).map_or(&[][..], Vec::as_slice);
+            if here.iter().any(|(s, _, _)| *s == recorded) {
+                continue; // the placement's owner holds it (an arrived copy is settled below)
+            }
+            // The servers win: the placement names a server that does not hold the block.
+            let Some((owner, epoch, _)) = here.iter().filter(|(_, _, arrived)| !arrived).max_by_key(|(_, e, _)| *e).copied()
+            else {
                 let reason = format!(
                     "after the scheduler's restart no server serves block {block} (the placement says server {recorded})"
                 );
@@ -360,10 +433,6 @@ impl Scheduler {
                 self.finish(false, reason, out);
                 return;
             };
-            if holders.iter().any(|(s, _)| *s == recorded) {
-                continue;
-            }
-            let (owner, epoch) = holders.iter().max_by_key(|(_, e)| *e).copied().unwrap_or((recorded, 0));
             tracing::warn!(
                 block,
                 placement = recorded,
@@ -401,10 +470,7 @@ impl Scheduler {
         self.layout_ready = true;
         self.answer_layout_waiters(out);
         self.end_recovery_if_complete();
-        if let Some((ok, reason)) = deferred {
-            self.recovering = None;
-            self.finish(ok, reason, out);
-        }
+        self.end_deferred(out);
     }
 }
 
@@ -616,7 +682,8 @@ mod tests {
         assert_eq!(p.owners, [0, 1, 1, 0]);
         assert_eq!(p.epoch, 3, "the recorded move (2) and the servers' correction (3)");
         assert_eq!(r.balance_log().migrations.len(), 1);
-        // A MigrateDone that comes late is not expected any more.
+        // The old owner makes its MigrateDone again on its new connection: the move is
+        // recorded, so it is answered Ok (and the old owner hands the block over).
         let report = MigrationReport {
             block: 1,
             from: 0,
@@ -628,8 +695,11 @@ mod tests {
             held: 0,
             error: None,
         };
-        let a = recv(&mut r, 30, 9, Control::MigrateDone(report));
-        assert!(matches!(sent_to(&a, 30)[0], Message::Error(_)), "{a:?}");
+        let a = recv(&mut r, 30, 9, Control::MigrateDone(report.clone()));
+        assert!(matches!(sent_to(&a, 30)[0], Message::Control(Control::Ok)), "{a:?}");
+        let back = MigrationReport { to: 0, block: 2, ..report };
+        let a = recv(&mut r, 31, 9, Control::MigrateDone(back));
+        assert!(matches!(sent_to(&a, 31)[0], Message::Error(_)), "a move it never ordered: {a:?}");
     }
 
     #[test]
@@ -657,8 +727,9 @@ mod tests {
             },
         );
         recv(&mut r, 21, 1, Control::ReattachWorker { rank: 0 });
-        assert!(r.step(Event::Tick { now_us: RECOVER_WAIT_US - 1 }).is_empty());
-        let a = r.step(Event::Tick { now_us: RECOVER_WAIT_US });
+        assert!(r.step(Event::Tick { now_us: 1_000 }).is_empty(), "the wait counts from the first tick");
+        assert!(r.step(Event::Tick { now_us: RECOVER_WAIT_US }).is_empty());
+        let a = r.step(Event::Tick { now_us: RECOVER_WAIT_US + 1_000 });
         assert!(
             sent_to(&a, 30).iter().any(|x| matches!(x, Message::Control(Control::RemoveWorker { rank: 1 }))),
             "{a:?}"
@@ -676,6 +747,7 @@ mod tests {
                 blocks: held(&[(0, 0, false), (1, 0, false)]),
             },
         );
+        r.step(Event::Tick { now_us: 0 });
         let a = r.step(Event::Tick { now_us: RECOVER_WAIT_US });
         let ended = a.iter().find_map(|x| match x {
             Action::Finish { ok: false, reason } => Some(reason.clone()),
