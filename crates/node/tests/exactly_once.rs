@@ -1267,4 +1267,3 @@ fn the_restart_schedules_kill_running_schedulers_and_workers_iterate_meanwhile()
     assert!(crashed >= 40, "only {crashed} of 60 schedules killed the scheduler of a running job");
     assert!(iterated * 10 >= crashed * 9, "workers iterated while the scheduler was down in {iterated} of {crashed}");
 }
-

@@ -394,8 +394,8 @@ impl<R: Role> Cluster<R> {
     pub fn restart_scheduler(&mut self) -> Result<(), String> {
         let saved = self.scheduler.saved.clone().ok_or("no scheduler state was kept (keep_scheduler_state)")?;
         let c = &self.config;
-        let mut scheduler = Scheduler::recover(c.job.clone(), saved.1.clone(), c.heartbeat_timeout_us)?
-            .with_launcher(c.can_launch);
+        let mut scheduler =
+            Scheduler::recover(c.job.clone(), saved.1.clone(), c.heartbeat_timeout_us)?.with_launcher(c.can_launch);
         if let Some(bytes) = c.balance_budget_bytes {
             scheduler = scheduler.with_balance_budget(bytes);
         }

@@ -361,7 +361,10 @@ impl Scheduler {
     /// scheduler): answered `Ok` again, so that the old owner hands the block over.
     pub(super) fn move_recorded(&self, report: &elasticps_wire::MigrationReport) -> bool {
         report.error.is_none()
-            && self.placement.as_ref().is_some_and(|p| p.owner(report.block) == Some(report.to) && p.epoch >= report.epoch)
+            && self
+                .placement
+                .as_ref()
+                .is_some_and(|p| p.owner(report.block) == Some(report.to) && p.epoch >= report.epoch)
     }
 
     fn end_recovery_if_complete(&mut self) {
@@ -423,7 +426,8 @@ impl Scheduler {
                 continue; // the placement's owner holds it (an arrived copy is settled below)
             }
             // The servers win: the placement names a server that does not hold the block.
-            let Some((owner, epoch, _)) = here.iter().filter(|(_, _, arrived)| !arrived).max_by_key(|(_, e, _)| *e).copied()
+            let Some((owner, epoch, _)) =
+                here.iter().filter(|(_, _, arrived)| !arrived).max_by_key(|(_, e, _)| *e).copied()
             else {
                 let reason = format!(
                     "after the scheduler's restart no server serves block {block} (the placement says server {recorded})"

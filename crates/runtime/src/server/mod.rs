@@ -66,6 +66,9 @@ struct Io {
     shaper: Arc<Shaper>,
     /// The scheduler's connection (replaced when the server reattaches to a restarted one).
     sched: Mutex<Peer>,
+    /// Calls to the scheduler not answered yet, made again after a reattach (a
+    /// `MigrateDone` whose answer died with the old scheduler).
+    unanswered: Mutex<HashMap<u64, Message>>,
     /// Outboxes of the open data connections.
     conns: Mutex<HashMap<u64, Outbox>>,
     next_conn: AtomicU64,
@@ -107,6 +110,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         frame_timeout: opts.frame_timeout,
         shaper: Shaper::new(),
         sched: Mutex::new(sched),
+        unanswered: Mutex::new(HashMap::new()),
         conns: Mutex::new(HashMap::new()),
         next_conn: AtomicU64::new(1),
         servers: Mutex::new(HashMap::new()),
@@ -161,6 +165,11 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
                         tracing::info!(server = lock(&io.server).id(), "server reattached to the restarted scheduler");
                         *lock(&io.sched) = peer;
                         notes = n;
+                        let calls: Vec<(u64, Message)> = lock(&io.unanswered).iter().map(|(k, v)| (*k, v.clone())).collect();
+                        for (request_id, msg) in calls {
+                            tracing::info!(request_id, "a scheduler call made again after the reattach");
+                            io.call_scheduler(request_id, msg);
+                        }
                     }
                     Err(e) => break Err(e),
                 }
@@ -236,18 +245,10 @@ impl Io {
                 Action::ToScheduler { request_id: 0, msg } => {
                     let _ = lock(&self.sched).notify(msg);
                 }
-                Action::ToScheduler { request_id, msg } => match lock(&self.sched).send_request(msg) {
-                    // A call that fails needs no event: the state machine's deadline covers it.
-                    Err(e) => tracing::warn!(error = %e, "cannot call the scheduler"),
-                    Ok(rx) => {
-                        let io = self.clone();
-                        tokio::spawn(async move {
-                            if let Ok(Ok(msg)) = tokio::time::timeout(CALL_TIMEOUT, rx).await {
-                                io.step(Event::FromScheduler { request_id, msg }, false);
-                            }
-                        });
-                    }
-                },
+                Action::ToScheduler { request_id, msg } => {
+                    lock(&self.unanswered).insert(request_id, msg.clone());
+                    self.call_scheduler(request_id, msg);
+                }
                 Action::ToServer { call, server, addr, msg } => {
                     let io = self.clone();
                     tokio::spawn(async move {
@@ -281,6 +282,32 @@ impl Io {
                     *lock(&self.exit) = Some(exit);
                     self.exited.notify_one();
                 }
+            }
+        }
+    }
+
+    /// A call to the scheduler (kept in `unanswered` until answered, to be made again on a
+    /// reattached connection). A call that fails needs no event: the state machine's
+    /// deadline covers it.
+    fn call_scheduler(self: &Arc<Self>, request_id: u64, msg: Message) {
+        let sent = lock(&self.sched).send_request(msg);
+        match sent {
+            Err(e) => tracing::warn!(error = %e, "cannot call the scheduler"),
+            Ok(rx) => {
+                let io = self.clone();
+                tokio::spawn(async move {
+                    match tokio::time::timeout(CALL_TIMEOUT, rx).await {
+                        Ok(Ok(msg)) => {
+                            lock(&io.unanswered).remove(&request_id);
+                            io.step(Event::FromScheduler { request_id, msg }, false);
+                        }
+                        // The connection closed: made again if the server reattaches.
+                        Ok(Err(_)) => {}
+                        Err(_) => {
+                            lock(&io.unanswered).remove(&request_id);
+                        }
+                    }
+                });
             }
         }
     }
