@@ -552,13 +552,20 @@ impl Elastic {
     }
 }
 
+/// A migration as saved: (block, from, to, epoch).
+pub(super) type SavedMove = (u32, ServerId, ServerId, u64);
+
+/// What of the elastic state survives a scheduler restart: server states, the migration in
+/// flight, the migration count, the history.
+pub(super) type SavedElastic = (Vec<(ServerId, String)>, Option<SavedMove>, u32, BalanceLog);
+
 /// What of the elastic state survives a scheduler restart ([`super::recovery`]): server
 /// states, the history, the migration under way. The load model, the balancer's window
 /// and pending scale-outs start afresh.
 impl Elastic {
     /// The saved part: (server id, state name), the migration in flight (block, from, to,
     /// epoch), the migration count, the history (its load timeline left out).
-    pub(super) fn saved(&self) -> (Vec<(ServerId, String)>, Option<(u32, ServerId, ServerId, u64)>, u32, BalanceLog) {
+    pub(super) fn saved(&self) -> SavedElastic {
         let states = self.states.iter().map(|(id, s)| (*id, s.name().to_string())).collect();
         let in_flight = self.in_flight.map(|(m, _, epoch)| (m.block, m.from, m.to, epoch));
         let log = BalanceLog { timeline: Vec::new(), ..self.log.clone() };
@@ -569,7 +576,7 @@ impl Elastic {
     pub(super) fn restore(
         &mut self,
         states: &[(ServerId, String)],
-        in_flight: Option<(u32, ServerId, ServerId, u64)>,
+        in_flight: Option<SavedMove>,
         migrations: u32,
         log: BalanceLog,
         now_us: u64,
@@ -593,7 +600,7 @@ impl Elastic {
     }
 
     /// The migration in flight, if any: (block, from, to, epoch).
-    pub(super) fn in_flight(&self) -> Option<(u32, ServerId, ServerId, u64)> {
+    pub(super) fn in_flight(&self) -> Option<SavedMove> {
         self.in_flight.map(|(m, _, epoch)| (m.block, m.from, m.to, epoch))
     }
 

@@ -57,6 +57,10 @@ pub struct ServerOptions {
     pub scheduler_retry: Duration,
 }
 
+/// A redial of the scheduler under way ([`crate::reattach::redial`]).
+type Redialling =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Peer, crate::peer::Notifications)>> + Send>>;
+
 /// Everything the tasks of one server share.
 struct Io {
     server: Mutex<Server>,
@@ -125,9 +129,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     let mut ticker = tokio::time::interval(TICK);
     let mut attached = false;
     let mut scheduler_open = true;
-    let mut redial: Option<
-        std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Peer, crate::peer::Notifications)>> + Send>>,
-    > = None;
+    let mut redial: Option<Redialling> = None;
     let result = loop {
         if let Some(exit) = lock(&io.exit).take() {
             break match exit {
