@@ -361,6 +361,7 @@ impl Client {
             })
             .await;
         self.heartbeat.abort();
+        self.sched.close();
         reply.map(|_| ())
     }
 

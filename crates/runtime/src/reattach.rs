@@ -90,6 +90,8 @@ pub struct SchedLink {
     current: Arc<Mutex<Peer>>,
     /// Bumped at every new connection; `None`: the supervisor gave up.
     generation: watch::Receiver<Option<u64>>,
+    /// The supervisor task (stopped by [`SchedLink::close`]).
+    supervisor: tokio::task::AbortHandle,
 }
 
 impl SchedLink {
@@ -105,8 +107,9 @@ impl SchedLink {
     ) -> SchedLink {
         let current = Arc::new(Mutex::new(peer));
         let (tx, generation) = watch::channel(Some(0));
-        let link = SchedLink { current: current.clone(), generation };
-        tokio::spawn(async move {
+        let cur = current.clone();
+        let task = tokio::spawn(async move {
+            let current = cur;
             let mut seq = 0;
             let mut shutdown = false;
             loop {
@@ -136,7 +139,13 @@ impl SchedLink {
                 }
             }
         });
-        link
+        SchedLink { current, generation, supervisor: task.abort_handle() }
+    }
+
+    /// Stops redialling (the worker is done): the connection closes once every clone of
+    /// this link is dropped.
+    pub fn close(&self) {
+        self.supervisor.abort();
     }
 
     /// The current connection and its generation (`None`: the link is over).
@@ -180,5 +189,31 @@ impl SchedLink {
                 other => return other,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_scheduler_that_does_not_come_back_within_the_window_is_given_up_saying_so() {
+        // A port that was free a moment ago: nothing listens there.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+        let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+        let attempts = std::sync::atomic::AtomicU32::new(0);
+        let hello = || {
+            attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(Control::ReattachWorker { rank: 0 }.into())
+        };
+        let started = Instant::now();
+        let Err(e) = redial(&addr, &codec, hello, Duration::from_millis(700)).await else {
+            panic!("nothing listens at {addr}");
+        };
+        assert!(e.to_string().contains(&format!("the scheduler at {addr} to come back")), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(5), "bounded by the window");
+        // 100, 200, 400 ms: the backoff doubles.
+        let n = attempts.load(std::sync::atomic::Ordering::Relaxed);
+        assert!((2..=4).contains(&n), "{n} attempts in 700 ms");
     }
 }
