@@ -54,6 +54,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
         join_timeout: Duration::from_secs(30),
         metrics: None,
+        state_dir: None, // no recoverable state (--state-dir)
     };
     let scheduler = tokio::spawn(scheduler::run(sched_opts, move |addr| {
         let _ = tx.send(addr);
@@ -68,6 +69,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
             trace: None,
             metrics: None,
+            scheduler_retry: Duration::ZERO, // the scheduler is in this process: no redial
         };
         tokio::spawn(server::run(opts));
     }

@@ -448,6 +448,7 @@ fn job_args(servers: u32, replicas: u32, block_bytes: usize) -> JobArgs {
         resume: None,
         rejoin_wait_s: 0.0,
         replicas,
+        state_dir: None,
     }
 }
 

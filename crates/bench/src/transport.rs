@@ -514,6 +514,7 @@ async fn start_cluster(
         resume: None,
         rejoin_wait_s: 0.0,
         replicas: 1,
+        state_dir: None,
     };
     let mut cluster = Cluster::new(log_dir)?;
     let env = [("ELASTICPS_SECRET", net.secret.as_str())];

@@ -150,6 +150,7 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
         frame_timeout: cmd.net.frame_timeout(),
         join_timeout: Duration::from_secs(cmd.join_timeout_s),
         metrics,
+        state_dir: cmd.job.state_dir.clone(),
     };
     let mut launched = None;
     let launcher: Option<Box<dyn scheduler::Launcher>> = match cmd.launcher.as_str() {
@@ -203,6 +204,7 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
         frame_timeout: cmd.net.frame_timeout(),
         trace: cmd.trace,
         metrics,
+        scheduler_retry: cmd.net.scheduler_retry(),
     };
     let stats = server::run(opts).await?;
     tracing::info!(
@@ -224,6 +226,7 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
     opts.request_timeout = cmd.data.request_timeout();
     opts.fuse = !cmd.data.no_fuse;
     opts.rank = cmd.rank;
+    opts.scheduler_retry = cmd.net.scheduler_retry();
     // Started by `elasticps launch`, events go to its pipe (ELASTICPS_EVENTS_FD).
     let emitter = Emitter::from_env(cmd.events)?;
     let mut _endpoint = None;

@@ -9,4 +9,5 @@ mod launch_cmd;
 mod launcher;
 mod metrics;
 mod migration;
+mod scheduler_restart;
 mod semantics;

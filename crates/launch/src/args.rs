@@ -55,6 +55,11 @@ pub struct NetArgs {
     /// signed, on either end of a connection.
     #[arg(long, env = "ELASTICPS_TLS_CA", value_name = "PEM")]
     pub tls_ca: Option<PathBuf>,
+    /// A server or worker that loses the scheduler retries it (backoff 100 ms doubling to
+    /// 2 s) for this long before it gives up: a scheduler restarted with --state-dir is
+    /// reattached (0: never retry).
+    #[arg(long, env = "ELASTICPS_SCHEDULER_RETRY_S", default_value_t = 60.0)]
+    pub scheduler_retry_s: f64,
 }
 
 /// A count of at least 1.
@@ -82,6 +87,11 @@ impl NetArgs {
     /// How long a started frame (or handshake) may stall before its peer is dropped.
     pub fn frame_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs_f64(self.frame_timeout_s)
+    }
+
+    /// How long a node retries a lost scheduler.
+    pub fn scheduler_retry(&self) -> std::time::Duration {
+        std::time::Duration::try_from_secs_f64(self.scheduler_retry_s).unwrap_or_default()
     }
 
     /// The TLS settings of --tls-cert, --tls-key and --tls-ca, read from their files
@@ -154,6 +164,8 @@ impl NetArgs {
             self.frame_timeout_s.to_string(),
             "--max-connections".into(),
             self.max_connections.to_string(),
+            "--scheduler-retry-s".into(),
+            self.scheduler_retry_s.to_string(),
         ];
         for (flag, path) in [("--tls-cert", &self.tls_cert), ("--tls-key", &self.tls_key), ("--tls-ca", &self.tls_ca)] {
             if let Some(p) = path {
@@ -290,6 +302,12 @@ pub struct JobArgs {
     /// backups (detected within 2 s) and training goes on. 1: a lost server ends the job.
     #[arg(long, env = "ELASTICPS_REPLICAS", value_name = "R", default_value_t = 1)]
     pub replicas: u32,
+    /// Keep the scheduler's recoverable state (membership, model, placement, history) in
+    /// DIR, rewritten atomically when it changes; a scheduler restarted on the same address
+    /// with the same DIR recovers the job and its nodes reattach (README, "Scheduler
+    /// restart").
+    #[arg(long, env = "ELASTICPS_STATE_DIR", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
 }
 
 impl JobArgs {
@@ -452,6 +470,9 @@ impl JobArgs {
         }
         if self.replicas != 1 {
             f.extend(["--replicas".into(), self.replicas.to_string()]);
+        }
+        if let Some(d) = &self.state_dir {
+            f.extend(["--state-dir".into(), d.display().to_string()]);
         }
         f
     }

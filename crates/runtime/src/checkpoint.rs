@@ -14,7 +14,6 @@
 //! [`KEEP`] complete checkpoints (and anything newer still being written).
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use elasticps_core::block::BlockState;
@@ -22,6 +21,7 @@ use elasticps_core::sync::Clock;
 use elasticps_wire::{CheckpointEntry, Restore};
 use serde::{Deserialize, Serialize};
 
+use crate::durable::write_atomic;
 use crate::error::{Result, RuntimeError};
 
 /// Complete checkpoints kept in a directory.
@@ -50,21 +50,6 @@ fn io(path: &Path, doing: &str) -> impl FnOnce(std::io::Error) -> RuntimeError {
 /// The directory of checkpoint `clock`, relative to the checkpoint directory.
 fn clock_dir(clock: Clock) -> String {
     format!("ckpt-{clock:010}")
-}
-
-/// Writes `bytes` to `path` durably: a temporary file, fsync, rename, fsync of the
-/// directory.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().ok_or_else(|| err(path, "has no parent directory"))?;
-    fs::create_dir_all(dir).map_err(io(dir, "creating"))?;
-    let tmp = path.with_extension("tmp");
-    let mut f = fs::File::create(&tmp).map_err(io(&tmp, "creating"))?;
-    f.write_all(bytes).map_err(io(&tmp, "writing"))?;
-    f.sync_all().map_err(io(&tmp, "syncing"))?;
-    drop(f);
-    fs::rename(&tmp, path).map_err(io(path, "renaming into"))?;
-    fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir, "syncing"))?;
-    Ok(())
 }
 
 /// Writes one block's state at checkpoint `clock` under `dir`; returns its manifest entry.

@@ -34,6 +34,7 @@ use futures::stream::FuturesUnordered;
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 use crate::peer::Peer;
+use crate::reattach::{DEFAULT_SCHEDULER_RETRY, Redial, SchedLink};
 use crate::{CALL_TIMEOUT, HEARTBEAT_EVERY, Micros, STATS_INTERVAL};
 
 /// Requests of a round in flight to one server, by default ([`ClientOptions::window`]).
@@ -63,6 +64,9 @@ pub struct ClientOptions {
     /// as a new one: the scheduler welcomes it once every server took it back, and
     /// [`Client::start_clock`] says the clock it goes on from.
     pub rank: Option<u32>,
+    /// How long to retry a lost scheduler connection (a scheduler restarted with
+    /// `--state-dir`) before the job is given up; zero: never.
+    pub scheduler_retry: Duration,
 }
 
 impl ClientOptions {
@@ -76,6 +80,7 @@ impl ClientOptions {
             window: DEFAULT_WINDOW,
             fuse: true,
             rank: None,
+            scheduler_retry: DEFAULT_SCHEDULER_RETRY,
         }
     }
 }
@@ -93,7 +98,7 @@ pub struct Client {
     rank: u32,
     num_workers: u32,
     opts: ClientOptions,
-    sched: Peer,
+    sched: SchedLink,
     /// Shared so that a round can hold it while it mutates the client (cheap clone).
     layout: Option<Arc<Layout>>,
     servers: HashMap<u32, Peer>,
@@ -110,7 +115,7 @@ pub struct Client {
 impl Client {
     /// Registers with the scheduler and learns this worker's rank.
     pub async fn connect(opts: ClientOptions) -> Result<Client> {
-        let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
+        let (sched, notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
         let (hello, what) = match opts.rank {
             None => (Control::RegisterWorker, "the scheduler to accept this worker".to_string()),
             Some(rank) => {
@@ -122,20 +127,36 @@ impl Client {
             other => return Err(RuntimeError::unexpected("scheduler", "Welcome", &other)),
         };
         let (tell, ending) = tokio::sync::watch::channel(Ending::default());
-        tokio::spawn(async move {
-            while let Some(msg) = notes.recv().await {
-                if let Message::Control(Control::Shutdown { reason }) = msg {
+        let tell = Arc::new(tell);
+        let (on_note, on_end) = (tell.clone(), tell);
+        let redial =
+            Redial { addr: opts.scheduler.clone(), codec: opts.codec.clone(), rank, window: opts.scheduler_retry };
+        let sched = SchedLink::start(
+            (sched, notes),
+            redial,
+            move |msg| match msg {
+                Message::Control(Control::Shutdown { reason }) => {
                     tracing::info!(%reason, "scheduler ends the job");
-                    tell.send_modify(|e| e.reason = Some(reason));
+                    on_note.send_modify(|e| e.reason = Some(reason));
+                    true
                 }
-            }
-            // Every notification the scheduler sent before it closed has been read.
-            tell.send_modify(|e| e.closed = true);
-        });
+                _ => false,
+            },
+            move |why| {
+                // Every notification the scheduler sent before it closed has been read.
+                on_end.send_modify(|e| {
+                    if e.reason.is_none() {
+                        e.reason = why;
+                    }
+                    e.closed = true;
+                })
+            },
+        );
         let hb = sched.clone();
         let heartbeat = tokio::spawn(async move {
             let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
-            while hb.notify(Control::Heartbeat.into()).is_ok() {
+            while !hb.is_over() {
+                let _ = hb.notify(Control::Heartbeat.into());
                 tick.tick().await;
             }
         });
@@ -340,6 +361,7 @@ impl Client {
             })
             .await;
         self.heartbeat.abort();
+        self.sched.close();
         reply.map(|_| ())
     }
 

@@ -88,6 +88,14 @@ pub enum RuntimeError {
     /// Invalid use of the API or options.
     #[error("{0}")]
     Usage(String),
+    /// The scheduler's saved state (`--state-dir`) cannot be used.
+    #[error("scheduler state {path}: {what}")]
+    State {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        what: String,
+    },
 }
 
 impl RuntimeError {

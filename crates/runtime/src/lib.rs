@@ -2,6 +2,7 @@
 //!
 //! - [`accept`]: a node's listener, with a bound on open connections.
 //! - [`checkpoint`]: checkpoint files (every block at one clock) and their manifest.
+//! - [`durable`]: atomic file writes (temporary file, fsync, rename, directory fsync).
 //! - [`handshake`]: the HMAC-SHA256 challenge-response that opens every connection.
 //! - [`tls`]: optional mutual TLS 1.3 (rustls) under the handshake, and the stream that
 //!   is either plain TCP or TLS.
@@ -9,6 +10,7 @@
 //!   an aligned `Vec<f32>`; one writer task per connection).
 //! - [`pool`]: recycled buffers for large tensor payloads.
 //! - [`peer`]: request/response multiplexing for the asking side of a connection.
+//! - [`reattach`]: reconnecting to a restarted scheduler (backoff, reattach, retried calls).
 //! - [`scheduler`]: the scheduler's connections and ticker around its state machine
 //!   ([`elasticps_node::scheduler::Scheduler`]).
 //! - [`server`]: owns blocks and drives the core's per-block state machines.
@@ -29,12 +31,14 @@ pub mod accept;
 pub mod checkpoint;
 pub mod client;
 pub mod conn;
+pub mod durable;
 pub mod error;
 pub mod events;
 pub mod handshake;
 pub mod metrics;
 pub mod peer;
 pub mod pool;
+pub mod reattach;
 pub mod scheduler;
 pub mod server;
 pub mod shaping;

@@ -241,6 +241,41 @@ pub enum Control {
     /// (a new backup's first copy, or a resync after a failed [`Control::Replicate`]); the
     /// pushes replicated before it are dropped as duplicates. Reply: [`Control::Ok`].
     ReplicaSnapshot(BlockState),
+    /// Tag 39: Server -> scheduler, first message on a new control connection after the
+    /// scheduler restarted (`--state-dir`): server `server_id`, serving on `data_addr`,
+    /// holds `blocks`. Reply: [`Control::Welcome`] (or an `Error`: the scheduler does not
+    /// know this server, or is not recovering). The servers' view of block ownership wins
+    /// over the scheduler's saved placement.
+    ReattachServer {
+        /// The id the scheduler gave it before the restart.
+        server_id: ServerId,
+        /// Address of its data listener.
+        data_addr: String,
+        /// Every block it holds.
+        blocks: Vec<HeldBlock>,
+    },
+    /// Tag 40: Worker -> scheduler, first message on a new control connection after the
+    /// scheduler restarted: worker `rank`, never lost from the servers' view, goes on
+    /// where it is (no quorum change, unlike [`Control::RejoinWorker`]). Reply:
+    /// [`Control::Welcome`], or an `Error` (an unknown rank, or one removed from the
+    /// quorums before the restart).
+    ReattachWorker {
+        /// Its rank.
+        rank: u32,
+    },
+}
+
+/// One block a reattaching server holds: part of [`Control::ReattachServer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldBlock {
+    /// The block.
+    pub block: BlockId,
+    /// The placement epoch at which it came to this server (0: the initial assignment;
+    /// for an arrived block, the epoch of its migration).
+    pub epoch: u64,
+    /// True if it came by a migration that the scheduler has not settled yet (the server
+    /// does not serve it until `Settled`); false if the server serves it.
+    pub arrived: bool,
 }
 
 /// A job's checkpoints: part of [`Control::Checkpointing`].

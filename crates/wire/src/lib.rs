@@ -60,8 +60,8 @@ pub mod message;
 pub mod values;
 
 pub use control::{
-    Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, Injection, Layout, MigrationReport, Restore,
-    ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats, ServerStatus, WorkerLoad, WorkerStatus,
+    Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, HeldBlock, Injection, Layout, MigrationReport,
+    Restore, ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats, ServerStatus, WorkerLoad, WorkerStatus,
 };
 pub use error::{ErrorCode, ErrorReply, WireError};
 pub use frame::Codec;

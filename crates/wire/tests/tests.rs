@@ -63,6 +63,8 @@ mod common {
             Control::Replicate { .. } => 36,
             Control::Replicas { .. } => 37,
             Control::ReplicaSnapshot(_) => 38,
+            Control::ReattachServer { .. } => 39,
+            Control::ReattachWorker { .. } => 40,
         }
     }
 
@@ -385,6 +387,17 @@ mod common {
             any::<u32>().prop_map(|rank| Control::RejoinWorker { rank }),
             any::<u32>().prop_map(|rank| Control::AddWorker { rank }),
             any::<(u32, u32)>().prop_map(|(rank, clock)| Control::WorkerAdded { rank, clock }),
+            (any::<u32>(), "[a-z0-9:.]{0,20}", prop::collection::vec(any::<(u32, u64, bool)>(), 0..4)).prop_map(
+                |(server_id, data_addr, blocks)| Control::ReattachServer {
+                    server_id,
+                    data_addr,
+                    blocks: blocks
+                        .into_iter()
+                        .map(|(block, epoch, arrived)| elasticps_wire::HeldBlock { block, epoch, arrived })
+                        .collect(),
+                }
+            ),
+            any::<u32>().prop_map(|rank| Control::ReattachWorker { rank }),
         ]
     }
 

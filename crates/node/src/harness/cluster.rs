@@ -5,7 +5,7 @@ use elasticps_wire::{CheckpointEntry, Message};
 
 use super::net::{Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind};
 use crate::ConnId;
-use crate::scheduler::{Action, Event, JobConfig, Scheduler};
+use crate::scheduler::{Action, Event, JobConfig, SavedState, Scheduler};
 
 /// A role on the simulated network: a small adapter that feeds a state machine the
 /// events the network delivers and carries its actions out through the [`Outbox`].
@@ -201,12 +201,30 @@ pub struct SchedulerRole {
     tick_us: u64,
     over: bool,
     manifests: Vec<(u32, Vec<CheckpointEntry>)>,
+    /// The state as the runtime's `--state-dir` would hold it (with its version), kept
+    /// once [`Cluster::keep_scheduler_state`] asked for it.
+    saved: Option<(u64, SavedState)>,
 }
 
 impl SchedulerRole {
     /// Wraps `scheduler`, ticking it every `tick_us`.
     pub fn new(scheduler: Scheduler, tick_us: u64) -> Self {
-        Self { scheduler, tick_us: tick_us.max(1), over: false, manifests: Vec::new() }
+        Self { scheduler, tick_us: tick_us.max(1), over: false, manifests: Vec::new(), saved: None }
+    }
+
+    /// The state last saved ([`Cluster::keep_scheduler_state`]).
+    pub fn saved_state(&self) -> Option<&SavedState> {
+        self.saved.as_ref().map(|(_, s)| s)
+    }
+
+    /// Saves the state if it changed, as the runtime does before it carries out a step's
+    /// actions.
+    fn save(&mut self) {
+        let Some((version, _)) = &self.saved else { return };
+        let now = self.scheduler.state_version();
+        if *version != now {
+            self.saved = Some((now, self.scheduler.saved_state()));
+        }
     }
 
     /// The scheduler's state.
@@ -220,7 +238,9 @@ impl SchedulerRole {
     }
 
     fn step(&mut self, out: &mut Outbox<'_>, event: Event) {
-        for action in self.scheduler.step(event) {
+        let actions = self.scheduler.step(event);
+        self.save();
+        for action in actions {
             match action {
                 Action::Send { conn, request_id, msg } => {
                     out.send(conn, request_id, msg);
@@ -266,6 +286,8 @@ impl Role for SchedulerRole {
 /// roles back typed uses an enum of them.
 pub struct Cluster<R: Role = Box<dyn Role>> {
     net: Network,
+    /// What a restarted scheduler is started with.
+    config: ClusterConfig,
     scheduler: SchedulerRole,
     sched: NodeId,
     roles: Vec<Option<R>>,
@@ -285,13 +307,15 @@ impl<R: Role> Cluster<R> {
         let mut net = Network::new(config.seed);
         net.set_jitter_us(config.jitter_us);
         let sched = net.add_node(NodeKind::Scheduler, config.scheduler_link);
-        let mut scheduler = Scheduler::new(config.job, config.heartbeat_timeout_us).with_launcher(config.can_launch);
+        let mut scheduler =
+            Scheduler::new(config.job.clone(), config.heartbeat_timeout_us).with_launcher(config.can_launch);
         if let Some(bytes) = config.balance_budget_bytes {
             scheduler = scheduler.with_balance_budget(bytes);
         }
         let mut cluster = Self {
             net,
             scheduler: SchedulerRole::new(scheduler, config.tick_us),
+            config,
             sched,
             roles: Vec::new(),
             signals: Signals::default(),
@@ -358,6 +382,36 @@ impl<R: Role> Cluster<R> {
     /// A fault: `node` crashes ([`Network::crash`]).
     pub fn crash(&mut self, node: NodeId, peers_notice: bool) {
         self.net.crash(node, peers_notice);
+    }
+
+    /// From now on the scheduler's state is saved whenever it changes (the runtime's
+    /// `--state-dir`), for [`Cluster::restart_scheduler`].
+    pub fn keep_scheduler_state(&mut self) {
+        let s = &mut self.scheduler;
+        s.saved = Some((s.scheduler.state_version(), s.scheduler.saved_state()));
+    }
+
+    /// Starts the scheduler again (crashed before, [`Cluster::crash`]) from its saved
+    /// state, on the same node (the same address): the roles that reattach find it there.
+    pub fn restart_scheduler(&mut self) -> Result<(), String> {
+        let saved = self.scheduler.saved.clone().ok_or("no scheduler state was kept (keep_scheduler_state)")?;
+        let c = &self.config;
+        let mut scheduler =
+            Scheduler::recover(c.job.clone(), saved.1.clone(), c.heartbeat_timeout_us)?.with_launcher(c.can_launch);
+        if let Some(bytes) = c.balance_budget_bytes {
+            scheduler = scheduler.with_balance_budget(bytes);
+        }
+        self.net.revive(self.sched);
+        let mut role = SchedulerRole::new(scheduler, c.tick_us);
+        role.manifests = std::mem::take(&mut self.scheduler.manifests);
+        role.saved = Some((role.scheduler.state_version(), saved.1));
+        self.scheduler = role;
+        let mut out = Outbox { net: &mut self.net, me: self.sched, scheduler: self.sched, signals: &mut self.signals };
+        // Its clock starts where the network's is (the runtime's starts at 0 with it).
+        let now_us = out.now_us();
+        self.scheduler.step(&mut out, Event::Tick { now_us });
+        self.scheduler.on_start(&mut out);
+        Ok(())
     }
 
     /// The end of the job, once it ended: (ok, reason).

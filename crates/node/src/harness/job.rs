@@ -86,6 +86,9 @@ pub struct JobSetup {
     pub server_model: ServerModel,
     /// What a message weighs.
     pub weigh: Weigh,
+    /// How long servers and workers redial a lost scheduler and reattach (µs; 0: they
+    /// stop, as they did before the scheduler could restart).
+    pub scheduler_retry_us: u64,
 }
 
 impl std::fmt::Debug for JobSetup {
@@ -103,6 +106,7 @@ impl JobSetup {
             worker_link: LinkSpec::default(),
             server_model: ServerModel::default(),
             weigh: Rc::new(super::net::frame_bytes),
+            scheduler_retry_us: 0,
         }
     }
 }
@@ -139,7 +143,7 @@ impl SimJob {
             job.add_server();
         }
         for i in 0..job.setup.cluster.job.workers {
-            let role = JobRole::Worker(WorkerRole::new(training(i)));
+            let role = JobRole::Worker(WorkerRole::new(training(i)).with_scheduler_retry(job.setup.scheduler_retry_us));
             let node = job.cluster.add(NodeKind::Worker(i), job.setup.worker_link, role);
             job.workers.push(node);
         }
@@ -149,7 +153,10 @@ impl SimJob {
     /// Adds a server (a scale-out, or a replacement).
     pub fn add_server(&mut self) -> NodeId {
         let i = self.servers.len() as u32;
-        let role = JobRole::Server(ServerRole::new(self.setup.server_model, self.setup.weigh.clone()));
+        let role = JobRole::Server(
+            ServerRole::new(self.setup.server_model, self.setup.weigh.clone())
+                .with_scheduler_retry(self.setup.scheduler_retry_us),
+        );
         let node = self.cluster.add(NodeKind::Server(i), self.setup.server_link, role);
         self.servers.push(node);
         node
@@ -158,7 +165,8 @@ impl SimJob {
     /// Adds a worker restarted after it was lost: it rejoins as `rank` and runs `training`
     /// from the clock the job is at.
     pub fn restart_worker(&mut self, rank: u32, training: TrainingLoop) -> NodeId {
-        let role = JobRole::Worker(WorkerRole::rejoining(training, rank));
+        let role =
+            JobRole::Worker(WorkerRole::rejoining(training, rank).with_scheduler_retry(self.setup.scheduler_retry_us));
         let node = self.cluster.add(NodeKind::Worker(rank), self.setup.worker_link, role);
         self.workers.push(node);
         node

@@ -643,6 +643,20 @@ impl Network {
         }
     }
 
+    /// `node`, crashed, is started again (a process restarted on the same address): it
+    /// receives and sends again, on new connections only; every connection it had is
+    /// gone (its peers that had not noticed learn it now, [`LostWhy::PeerCrashed`]).
+    pub fn revive(&mut self, node: NodeId) {
+        let Some(n) = self.nodes.get_mut(node.0 as usize) else { return };
+        let conns = std::mem::take(&mut n.conns);
+        for conn in conns {
+            self.kill_conn(conn, Some(node));
+        }
+        if let Some(n) = self.nodes.get_mut(node.0 as usize) {
+            n.alive = true;
+        }
+    }
+
     /// Wakes `node` at `at_us` (now, if that is past) with `token`.
     pub fn set_timer(&mut self, node: NodeId, at_us: u64, token: u64) {
         let at = at_us.saturating_mul(1_000).max(self.now_ns);

@@ -30,6 +30,14 @@ pub const SERVER_TICK_US: u64 = 100_000;
 /// Timer tokens of the server adapter.
 const TICK: u64 = 0;
 const INJECT: u64 = 1;
+const REDIAL: u64 = 2;
+
+/// Request id of `ReattachServer` on a new scheduler connection (the state machine's call
+/// ids count from 1).
+const REATTACH: u64 = u64::MAX;
+/// The first redial's delay, and the longest (the runtime's backoff).
+const FIRST_BACKOFF_US: u64 = 100_000;
+const MAX_BACKOFF_US: u64 = 2_000_000;
 
 /// What the adapter models beyond the state machine.
 #[derive(Clone, Copy, Debug, Default)]
@@ -77,6 +85,14 @@ pub struct ServerRole {
     /// Events the runtime would feed back after I/O (a checkpoint written), fed after
     /// the step that asked for them.
     later: Vec<Event>,
+    /// How long a lost scheduler is redialled (0: the server exits, as it did before
+    /// `--scheduler-retry-s`).
+    retry_us: u64,
+    /// Redialling since (µs), with the next delay.
+    redial: Option<(u64, u64)>,
+    /// Calls to the scheduler not answered yet (with a retry window): made again on the
+    /// connection of a reattach (a `MigrateDone` whose `Ok` was lost with the scheduler).
+    unanswered: BTreeMap<u64, Message>,
 }
 
 impl std::fmt::Debug for ServerRole {
@@ -104,6 +120,44 @@ impl ServerRole {
             weigh,
             checkpoints: Vec::new(),
             later: Vec::new(),
+            retry_us: 0,
+            redial: None,
+            unanswered: BTreeMap::new(),
+        }
+    }
+
+    /// A lost scheduler is redialled for `us` (backoff 100 ms doubling to 2 s) and the
+    /// server reattaches to it (`ReattachServer`), as the runtime's server does.
+    pub fn with_scheduler_retry(mut self, us: u64) -> Self {
+        self.retry_us = us;
+        self
+    }
+
+    /// One redial attempt: a new connection to the scheduler's node and `ReattachServer`
+    /// on it, or (the node is down) the next attempt after the backoff.
+    fn redial(&mut self, out: &mut Outbox<'_>) {
+        let Some((since, delay)) = self.redial else { return };
+        if self.exit.is_some() {
+            return;
+        }
+        if out.now_us().saturating_sub(since) > self.retry_us {
+            let secs = self.retry_us as f64 / 1e6;
+            let reason = format!("the scheduler did not come back within {secs:.0} s");
+            for conn in std::mem::take(&mut self.conns) {
+                out.close(conn);
+            }
+            self.exit = Some(Exit::Failed { reason });
+            return;
+        }
+        let addr = out.me().addr();
+        let Some(msg) = self.server.as_ref().and_then(|s| crate::scheduler::reattach_message(s, &addr)) else { return };
+        let conn = out.connect(out.scheduler());
+        if out.send(conn, REATTACH, msg.into()) {
+            self.sched = Some(conn);
+            self.conns.insert(conn);
+        } else {
+            self.redial = Some((since, (delay * 2).min(MAX_BACKOFF_US)));
+            out.wake_at(out.now_us() + delay, REDIAL);
         }
     }
 
@@ -155,7 +209,10 @@ impl ServerRole {
                     out.send_at(conn, request_id, msg, self.reply_at_us);
                 }
                 Action::ToScheduler { request_id, msg } => {
-                    if let Some(s) = self.sched {
+                    if request_id != 0 && self.retry_us > 0 {
+                        self.unanswered.insert(request_id, msg.clone());
+                    }
+                    if let Some(s) = self.sched.filter(|_| self.redial.is_none()) {
                         out.send(s, request_id, msg);
                     }
                 }
@@ -249,7 +306,26 @@ impl Role for ServerRole {
             // (a migration that started at the job's end learns it and abandons).
             return out.close(conn);
         }
+        if Some(conn) == self.sched && request_id == REATTACH {
+            match msg {
+                Message::Control(Control::Welcome { .. }) => {
+                    self.redial = None;
+                    for (id, msg) in self.unanswered.clone() {
+                        out.send(conn, id, msg);
+                    }
+                }
+                other => {
+                    let reason = format!("the restarted scheduler refused this server: {other:?}");
+                    for conn in std::mem::take(&mut self.conns) {
+                        out.close(conn);
+                    }
+                    self.exit = Some(Exit::Failed { reason });
+                }
+            }
+            return;
+        }
         if Some(conn) == self.sched {
+            self.unanswered.remove(&request_id);
             return self.step(out, Event::FromScheduler { request_id, msg });
         }
         if self.calls.remove(&(conn, request_id)) {
@@ -270,6 +346,16 @@ impl Role for ServerRole {
     fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
         self.conns.remove(&conn);
         if Some(conn) == self.sched {
+            let registered = self.server.as_ref().is_some_and(|s| s.id().is_some() && !s.shutting_down());
+            if self.retry_us > 0 && registered && self.exit.is_none() {
+                // Redial (the scheduler may be restarted with its saved state).
+                self.sched = None;
+                let since = self.redial.map_or(out.now_us(), |(since, _)| since);
+                let delay = self.redial.map_or(FIRST_BACKOFF_US, |(_, d)| d);
+                self.redial = Some((since, (delay * 2).min(MAX_BACKOFF_US)));
+                out.wake_at(out.now_us() + delay, REDIAL);
+                return;
+            }
             // The runtime's server ends when the scheduler's connection does.
             self.exit.get_or_insert(Exit::Failed { reason: format!("the scheduler's connection was lost ({why:?})") });
             return;
@@ -285,6 +371,7 @@ impl Role for ServerRole {
 
     fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
         match token {
+            REDIAL => self.redial(out),
             TICK => {
                 self.step(out, Event::Tick);
                 if self.exit.is_none() {

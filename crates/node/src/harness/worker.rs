@@ -29,12 +29,18 @@ pub const WORKER_STATS_US: u64 = 1_000_000;
 const HEARTBEAT: u64 = 0;
 const COMPUTE_DONE: u64 = 1;
 const WAKE: u64 = 2;
+const REDIAL: u64 = 3;
 
 /// Request ids on the scheduler's connection (the plan's tags are >= 2^32).
 const REGISTER: u64 = 1;
 const DEFINE: u64 = 2;
 const DONE: u64 = 3;
 const START: u64 = 4;
+/// `ReattachWorker` on a new connection to a restarted scheduler.
+const REATTACH: u64 = 5;
+/// The first redial's delay, and the longest (the runtime's backoff).
+const FIRST_BACKOFF_US: u64 = 100_000;
+const MAX_BACKOFF_US: u64 = 2_000_000;
 const FIRST_LAYOUT_CALL: u64 = 16;
 /// Request id of Hello on a server's connection.
 const HELLO: u64 = 1;
@@ -131,6 +137,13 @@ pub struct WorkerRole {
     /// The last gradient sent per block (its value and the shared buffer): a push of the
     /// same value reuses it instead of filling a new one.
     grads: Vec<Option<(f32, Values)>>,
+    /// How long a lost scheduler is redialled (0: the worker fails, as it did before
+    /// `--scheduler-retry-s`).
+    retry_us: u64,
+    /// Redialling since (µs), with the next delay.
+    redial: Option<(u64, u64)>,
+    /// Calls to the scheduler not answered yet, to make again on a reattached connection.
+    unanswered: BTreeMap<u64, Message>,
 }
 
 impl std::fmt::Debug for WorkerRole {
@@ -161,6 +174,33 @@ impl WorkerRole {
             round_started_us: 0,
             record: WorkerRecord::default(),
             grads: Vec::new(),
+            retry_us: 0,
+            redial: None,
+            unanswered: BTreeMap::new(),
+        }
+    }
+
+    /// A lost scheduler is redialled for `us` (backoff 100 ms doubling to 2 s): the worker
+    /// reattaches (`ReattachWorker`) and makes its unanswered calls again, as the runtime's
+    /// client does. Its data traffic goes on meanwhile.
+    pub fn with_scheduler_retry(mut self, us: u64) -> Self {
+        self.retry_us = us;
+        self
+    }
+
+    /// One redial attempt, or the next one after the backoff (the node is down).
+    fn redial(&mut self, out: &mut Outbox<'_>) {
+        let (Some((since, delay)), Some(rank)) = (self.redial, self.rank) else { return };
+        if out.now_us().saturating_sub(since) > self.retry_us {
+            let secs = self.retry_us as f64 / 1e6;
+            return self.fail(out, format!("the scheduler did not come back within {secs:.0} s"));
+        }
+        let conn = out.connect(out.scheduler());
+        if out.send(conn, REATTACH, Control::ReattachWorker { rank }.into()) {
+            self.sched = Some(conn);
+        } else {
+            self.redial = Some((since, (delay * 2).min(MAX_BACKOFF_US)));
+            out.wake_at(out.now_us() + delay, REDIAL);
         }
     }
 
@@ -203,7 +243,10 @@ impl WorkerRole {
     }
 
     fn call_scheduler(&mut self, out: &mut Outbox<'_>, request_id: u64, msg: Message) {
-        if let Some(s) = self.sched {
+        if request_id != 0 && self.retry_us > 0 {
+            self.unanswered.insert(request_id, msg.clone());
+        }
+        if let Some(s) = self.sched.filter(|_| self.redial.is_none()) {
             out.send(s, request_id, msg);
         }
     }
@@ -401,6 +444,19 @@ impl WorkerRole {
     }
 
     fn on_scheduler_message(&mut self, out: &mut Outbox<'_>, request_id: u64, msg: Message) {
+        self.unanswered.remove(&request_id);
+        if request_id == REATTACH && self.redial.is_some() {
+            if !matches!(msg, Message::Control(Control::Welcome { .. })) {
+                return self.fail(out, format!("the restarted scheduler refused this worker: {msg:?}"));
+            }
+            self.redial = None;
+            // Calls in flight when the scheduler died are made again.
+            let calls: Vec<(u64, Message)> = std::mem::take(&mut self.unanswered).into_iter().collect();
+            for (id, msg) in calls {
+                self.call_scheduler(out, id, msg);
+            }
+            return;
+        }
         match (request_id, msg) {
             (REGISTER, Message::Control(Control::Welcome { node_id, .. })) => {
                 self.rank = Some(node_id);
@@ -501,6 +557,14 @@ impl Role for WorkerRole {
             return;
         }
         if Some(conn) == self.sched {
+            let attached = self.rank.is_some() && !matches!(self.stage, Stage::Registering);
+            if self.retry_us > 0 && attached {
+                let since = self.redial.map_or(out.now_us(), |(since, _)| since);
+                let delay = self.redial.map_or(FIRST_BACKOFF_US, |(_, d)| d);
+                self.redial = Some((since, (delay * 2).min(MAX_BACKOFF_US)));
+                out.wake_at(out.now_us() + delay, REDIAL);
+                return;
+            }
             return self.fail(out, format!("the scheduler closed the connection ({why:?})"));
         }
         let Some(id) = self.servers.iter().find(|(_, c)| **c == conn).map(|(id, _)| *id) else { return };
@@ -528,6 +592,7 @@ impl Role for WorkerRole {
                     self.start_round(out);
                 }
             }
+            REDIAL => self.redial(out),
             WAKE => {
                 let Some(round) = self.round.as_mut() else { return };
                 let result = round.on_wake(out.now_us());

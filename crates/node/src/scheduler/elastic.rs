@@ -625,6 +625,77 @@ impl Elastic {
     }
 }
 
+/// A migration as saved: (block, from, to, epoch).
+pub(super) type SavedMove = (u32, ServerId, ServerId, u64);
+
+/// What of the elastic state survives a scheduler restart: server states, the migration in
+/// flight, the migration count, the history.
+pub(super) type SavedElastic = (Vec<(ServerId, String)>, Option<SavedMove>, u32, BalanceLog);
+
+/// What of the elastic state survives a scheduler restart ([`super::recovery`]): server
+/// states, the history, the migration under way. The load model, the balancer's window
+/// and pending scale-outs start afresh.
+impl Elastic {
+    /// The saved part: (server id, state name), the migration in flight (block, from, to,
+    /// epoch), the migration count, the history (its load timeline left out).
+    pub(super) fn saved(&self) -> SavedElastic {
+        let states = self.states.iter().map(|(id, s)| (*id, s.name().to_string())).collect();
+        let in_flight = self.in_flight.map(|(m, _, epoch)| (m.block, m.from, m.to, epoch));
+        let log = BalanceLog { timeline: Vec::new(), ..self.log.clone() };
+        (states, in_flight, self.migrations, log)
+    }
+
+    /// Restores [`Elastic::saved`] at `now_us` (the migration in flight restarts its timeout).
+    pub(super) fn restore(
+        &mut self,
+        states: &[(ServerId, String)],
+        in_flight: Option<SavedMove>,
+        migrations: u32,
+        log: BalanceLog,
+        now_us: u64,
+    ) {
+        for (id, name) in states {
+            let state = match name.as_str() {
+                "joining" => ServerState::Joining,
+                "draining" => ServerState::Draining,
+                "gone" => ServerState::Removed,
+                _ => ServerState::Serving,
+            };
+            self.states.insert(*id, state);
+        }
+        self.in_flight = in_flight.map(|(block, from, to, epoch)| (Move { block, from, to }, now_us, epoch));
+        self.migrations = migrations;
+        let started = self.log.started_unix_ms;
+        self.log = BalanceLog {
+            started_unix_ms: if log.started_unix_ms > 0.0 { log.started_unix_ms } else { started },
+            ..log
+        };
+    }
+
+    /// The migration in flight, if any: (block, from, to, epoch).
+    pub(super) fn in_flight(&self) -> Option<SavedMove> {
+        self.in_flight.map(|(m, _, epoch)| (m.block, m.from, m.to, epoch))
+    }
+
+    /// Records a migration the servers finished while the scheduler was down (the new
+    /// owner holds the block): the same as its `MigrateDone`.
+    pub(super) fn recovered_migration(&mut self, placement: &mut Placement, now_us: u64) -> Vec<Order> {
+        let Some((m, _, epoch)) = self.in_flight else { return Vec::new() };
+        let report = MigrationReport {
+            block: m.block,
+            from: m.from,
+            to: m.to,
+            epoch,
+            bytes: 0,
+            freeze_us: 0,
+            total_us: 0,
+            held: 0,
+            error: None,
+        };
+        self.migrated(&report, placement, now_us).1
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,9 +18,11 @@ use elasticps_core::sync::SyncPolicy;
 
 mod elastic;
 mod history;
+mod recovery;
 
 pub use elasticps_core::balance::BalanceMode;
 pub use history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+pub use recovery::{RECOVER_WAIT_US, STATE_VERSION, SavedState, reattach_message};
 
 use elastic::{Elastic, Order};
 use elasticps_wire::{
@@ -214,6 +216,8 @@ pub struct Scheduler {
     checkpoints: BTreeMap<u32, BTreeMap<BlockId, CheckpointEntry>>,
     /// The latest checkpoint whose manifest was written (or the one resumed from).
     last_checkpoint: Option<u32>,
+    /// A restarted scheduler waiting for its nodes to reattach ([`Scheduler::recover`]).
+    recovering: Option<recovery::Recovering>,
 }
 
 impl Scheduler {
@@ -244,6 +248,7 @@ impl Scheduler {
             can_launch: false,
             checkpoints: BTreeMap::new(),
             last_checkpoint: config.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map(|r| r.clock),
+            recovering: None,
             config,
         }
     }
@@ -288,6 +293,9 @@ impl Scheduler {
 
     /// What the scheduler waits for right now, in words, or `None` while training runs.
     pub fn waiting_for(&self) -> Option<String> {
+        if let Some(what) = self.recovery_wait() {
+            return Some(what);
+        }
         let (s, w) = (self.servers.len() as u32, self.workers.len() as u32);
         if s < self.config.servers || w < self.config.workers {
             return Some(format!(
@@ -346,6 +354,7 @@ impl Scheduler {
                 if self.awaiting_rejoin_since.is_some() {
                     self.maybe_end(&mut out);
                 }
+                self.recovery_tick(&mut out);
                 if self.layout_ready
                     && let Some(placement) = self.placement.as_ref()
                 {
@@ -443,6 +452,18 @@ impl Scheduler {
                     out.push(Action::Close(conn));
                 }
             }
+            (Control::ReattachServer { server_id, data_addr, blocks }, None) => {
+                if let Err(message) = self.reattach_server(conn, request_id, server_id, data_addr, blocks, out) {
+                    refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
+            (Control::ReattachWorker { rank }, None) => {
+                if let Err(message) = self.reattach_worker(conn, request_id, rank, out) {
+                    refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
             (Control::WorkerAdded { rank, clock }, Some(Role::Server(id))) => self.worker_added(rank, id, clock, out),
             (Control::CheckpointWritten { clock, blocks }, Some(Role::Server(_))) => {
                 self.checkpoint_written(clock, blocks, out)
@@ -485,7 +506,7 @@ impl Scheduler {
                     self.broadcast_replicas(out);
                 }
                 if request_id != 0 {
-                    if expected {
+                    if expected || self.move_recorded(&report) {
                         reply(out, Control::Ok.into());
                     } else {
                         let block = report.block;
@@ -534,6 +555,7 @@ impl Scheduler {
                 tracing::info!(rank, "worker finished");
                 reply(out, Control::Ok.into());
                 self.worker_left(rank, out);
+                self.done_again(rank, out);
             }
             (other, role) => {
                 let who = role.map_or("an unregistered peer".to_string(), |r| format!("{r:?}").to_lowercase());
@@ -997,6 +1019,9 @@ impl Scheduler {
     }
 
     fn finish(&mut self, ok: bool, reason: String, out: &mut Vec<Action>) {
+        if self.defer_finish(ok, &reason) {
+            return;
+        }
         // Workers still waiting for the layout learn why there will be none.
         for (conn, request_id) in std::mem::take(&mut self.waiting_for_layout) {
             let reply = ErrorReply { code: ErrorCode::ShuttingDown, message: reason.clone() };

@@ -22,6 +22,8 @@ use crate::error::{Result, RuntimeError};
 use crate::metrics::SchedulerMetrics;
 use crate::{FAILOVER_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT, Micros};
 
+pub mod state;
+
 /// One connection as the actor sees it: where to send, and how to close it. The reader
 /// task holds a clone of the outbox too, so dropping ours alone does not close anything:
 /// `close` makes the reader task stop, which drops the last outbox, and the writer task
@@ -49,6 +51,9 @@ pub struct SchedulerOptions {
     /// Set these from the membership state on every tick (served by a
     /// [`crate::metrics::MetricsEndpoint`]).
     pub metrics: Option<Arc<SchedulerMetrics>>,
+    /// Keep the recoverable state here (`--state-dir`); a scheduler started with a
+    /// directory that holds one recovers it ([`state`]).
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 /// Starts servers for the scheduler when it scales out: a local process launcher (the
@@ -92,10 +97,23 @@ pub async fn run_with(
     let clock = Micros::new();
     let origin =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
+    let mut saved = opts.state_dir.as_deref().map(state::StateDir::new);
     let heartbeat_timeout = if opts.job.replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT } else { HEARTBEAT_TIMEOUT };
-    let mut state = Scheduler::new(opts.job.clone(), heartbeat_timeout.as_micros() as u64)
-        .with_launcher(launcher.is_some())
-        .with_clock_origin(origin);
+    let heartbeat_us = heartbeat_timeout.as_micros() as u64;
+    let base = match saved.as_ref().map(state::StateDir::load).transpose()?.flatten() {
+        Some(s) => {
+            let path = saved.as_ref().map_or_else(String::new, |d| d.path().display().to_string());
+            let recovered = Scheduler::recover(opts.job.clone(), s, heartbeat_us)
+                .map_err(|what| RuntimeError::State { path: path.clone(), what })?;
+            tracing::info!(state = %path, "scheduler restarted from its saved state");
+            recovered
+        }
+        None => Scheduler::new(opts.job.clone(), heartbeat_us),
+    };
+    let mut state = base.with_launcher(launcher.is_some()).with_clock_origin(origin);
+    if let Some(d) = saved.as_mut() {
+        d.loaded(state.state_version());
+    }
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     // Manifest writes under way (awaited before the scheduler returns).
@@ -127,7 +145,16 @@ pub async fn run_with(
         let tick_event = matches!(event, Event::Tick { .. });
         state.advance(clock.now());
         let mut finished = None;
-        for action in state.step(event) {
+        let actions = state.step(event);
+        if let Some(d) = saved.as_mut() {
+            // On disk before any node hears of the change.
+            match d.save_if_changed(state.state_version(), || state.saved_state()) {
+                Ok(true) => tracing::debug!(state = %d.path().display(), "scheduler state saved"),
+                Ok(false) => {}
+                Err(e) => tracing::error!(error = %e, "scheduler state not saved"),
+            }
+        }
+        for action in actions {
             match action {
                 Action::Send { conn, request_id, msg } => {
                     if let Some(h) = conns.get(&conn) {
@@ -164,6 +191,9 @@ pub async fn run_with(
         }
         if let Some((ok, reason)) = finished {
             tracing::info!(ok, %reason, "job over");
+            if let Some(d) = &saved {
+                d.remove();
+            }
             break if ok {
                 Ok(JobEnd { reason, balance: state.balance_log().clone() })
             } else {

@@ -54,7 +54,14 @@ pub struct ServerOptions {
     pub trace: Option<PathBuf>,
     /// Expose this server's counters here (served by a [`crate::metrics::MetricsEndpoint`]).
     pub metrics: Option<Arc<ServerMetrics>>,
+    /// How long to retry a lost scheduler connection (a scheduler restarted with
+    /// `--state-dir`: the server reattaches with its id and blocks); zero: never.
+    pub scheduler_retry: Duration,
 }
+
+/// A redial of the scheduler under way ([`crate::reattach::redial`]).
+type Redialling =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Peer, crate::peer::Notifications)>> + Send>>;
 
 /// Everything the tasks of one server share.
 struct Io {
@@ -63,7 +70,11 @@ struct Io {
     codec: Codec,
     frame_timeout: Duration,
     shaper: Arc<Shaper>,
-    sched: Peer,
+    /// The scheduler's connection (replaced when the server reattaches to a restarted one).
+    sched: Mutex<Peer>,
+    /// Calls to the scheduler not answered yet, made again after a reattach (a
+    /// `MigrateDone` whose answer died with the old scheduler).
+    unanswered: Mutex<HashMap<u64, Message>>,
     /// Outboxes of the open data connections.
     conns: Mutex<HashMap<u64, Outbox>>,
     next_conn: AtomicU64,
@@ -99,12 +110,13 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     };
     let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
     let io = Arc::new(Io {
-        server: Mutex::new(Server::new(data_addr).with_trace(trace.is_some())),
+        server: Mutex::new(Server::new(data_addr.clone()).with_trace(trace.is_some())),
         clock: Micros::new(),
         codec: opts.codec.clone(),
         frame_timeout: opts.frame_timeout,
         shaper: Shaper::new(),
-        sched,
+        sched: Mutex::new(sched),
+        unanswered: Mutex::new(HashMap::new()),
         conns: Mutex::new(HashMap::new()),
         next_conn: AtomicU64::new(1),
         links: Links::default(),
@@ -119,6 +131,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     let mut ticker = tokio::time::interval(TICK);
     let mut attached = false;
     let mut scheduler_open = true;
+    let mut redial: Option<Redialling> = None;
     let result = loop {
         if let Some(exit) = lock(&io.exit).take() {
             break match exit {
@@ -127,7 +140,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
             };
         }
         tokio::select! {
-            note = notes.recv(), if scheduler_open => match note {
+            note = notes.recv(), if scheduler_open && redial.is_none() => match note {
                 Some(msg) => {
                     if let Message::Control(Control::Assign(a)) = &msg {
                         io.shaper.configure(&a.inject);
@@ -136,8 +149,35 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
                 }
                 // After Shutdown the scheduler may close first; the server still finishes.
                 None if lock(&io.server).shutting_down() => scheduler_open = false,
+                None if !opts.scheduler_retry.is_zero() && lock(&io.server).id().is_some() => {
+                    tracing::warn!(server = lock(&io.server).id(), window_s = opts.scheduler_retry.as_secs_f64(), "scheduler connection lost; reattaching");
+                    let (io2, addr, codec, window, data_addr) =
+                        (io.clone(), opts.scheduler.clone(), opts.codec.clone(), opts.scheduler_retry, data_addr.clone());
+                    redial = Some(Box::pin(async move {
+                        let hello = || {
+                            elasticps_node::scheduler::reattach_message(&lock(&io2.server), &data_addr).map(Message::from)
+                        };
+                        crate::reattach::redial(&addr, &codec, hello, window).await
+                    }));
+                }
                 None => break Err(RuntimeError::Closed("scheduler".into())),
             },
+            back = async { match redial.as_mut() { Some(r) => r.await, None => std::future::pending().await } }, if redial.is_some() => {
+                redial = None;
+                match back {
+                    Ok((peer, n)) => {
+                        tracing::info!(server = lock(&io.server).id(), "server reattached to the restarted scheduler");
+                        *lock(&io.sched) = peer;
+                        notes = n;
+                        let calls: Vec<(u64, Message)> = lock(&io.unanswered).iter().map(|(k, v)| (*k, v.clone())).collect();
+                        for (request_id, msg) in calls {
+                            tracing::info!(request_id, "a scheduler call made again after the reattach");
+                            io.call_scheduler(request_id, msg);
+                        }
+                    }
+                    Err(e) => break Err(e),
+                }
+            }
             _ = ticker.tick() => {
                 let shaped = io.shaper.take_shaped_us();
                 lock(&io.server).charge(0, shaped);
@@ -218,20 +258,12 @@ impl Io {
                     }
                 }
                 Action::ToScheduler { request_id: 0, msg } => {
-                    let _ = self.sched.notify(msg);
+                    let _ = lock(&self.sched).notify(msg);
                 }
-                Action::ToScheduler { request_id, msg } => match self.sched.send_request(msg) {
-                    // A call that fails needs no event: the state machine's deadline covers it.
-                    Err(e) => tracing::warn!(error = %e, "cannot call the scheduler"),
-                    Ok(rx) => {
-                        let io = self.clone();
-                        tokio::spawn(async move {
-                            if let Ok(Ok(msg)) = tokio::time::timeout(CALL_TIMEOUT, rx).await {
-                                io.step(Event::FromScheduler { request_id, msg }, false);
-                            }
-                        });
-                    }
-                },
+                Action::ToScheduler { request_id, msg } => {
+                    lock(&self.unanswered).insert(request_id, msg.clone());
+                    self.call_scheduler(request_id, msg);
+                }
                 // Sent in `decide`, in the order the state machine emitted them.
                 Action::ToServer { .. } => {}
                 Action::Trace(t) => {
@@ -260,6 +292,32 @@ impl Io {
                     *lock(&self.exit) = Some(exit);
                     self.exited.notify_one();
                 }
+            }
+        }
+    }
+
+    /// A call to the scheduler (kept in `unanswered` until answered, to be made again on a
+    /// reattached connection). A call that fails needs no event: the state machine's
+    /// deadline covers it.
+    fn call_scheduler(self: &Arc<Self>, request_id: u64, msg: Message) {
+        let sent = lock(&self.sched).send_request(msg);
+        match sent {
+            Err(e) => tracing::warn!(error = %e, "cannot call the scheduler"),
+            Ok(rx) => {
+                let io = self.clone();
+                tokio::spawn(async move {
+                    match tokio::time::timeout(CALL_TIMEOUT, rx).await {
+                        Ok(Ok(msg)) => {
+                            lock(&io.unanswered).remove(&request_id);
+                            io.step(Event::FromScheduler { request_id, msg }, false);
+                        }
+                        // The connection closed: made again if the server reattaches.
+                        Ok(Err(_)) => {}
+                        Err(_) => {
+                            lock(&io.unanswered).remove(&request_id);
+                        }
+                    }
+                });
             }
         }
     }
