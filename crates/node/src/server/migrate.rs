@@ -357,14 +357,17 @@ impl Server {
         // Workers this server removed (RemoveWorker reaches every server, maybe not the
         // old owner first): the block must not wait for them here either. Workers it took
         // back (restarted) count again, and may have gone on past the snapshot's clock.
+        // The delta first, then the removals: a finished worker's last push may be in the
+        // delta while its RemoveWorker reached this server first (under --aggregate a
+        // block that left the worker out first would drop that push).
         let rebuilt = Block::from_state(snapshot, &[], &config).and_then(|mut b| {
-            for rank in &self.removed_workers {
-                b.remove_worker(&config, *rank, now_us);
-            }
             for rank in &self.added_workers {
                 b.add_worker(*rank);
             }
             b.replay(&config, pushes, &self.added_workers)?;
+            for rank in &self.removed_workers {
+                b.remove_worker(&config, *rank, now_us);
+            }
             Ok(b)
         });
         let b = match rebuilt {
