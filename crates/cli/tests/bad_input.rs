@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use elasticps_core::model::{Init, TensorSpec};
 use elasticps_runtime::client::{Client, ClientOptions};
 use elasticps_wire::{
-    Codec, Control, DEFAULT_MAX_PAYLOAD, ErrorCode, FrameHeader, HEADER_LEN, Kind, MAGIC, Message, Values, checksum,
+    Codec, Control, DEFAULT_MAX_PAYLOAD, ErrorCode, FrameHeader, HEADER_LEN, Kind, MAGIC, Message, VERSION, Values,
+    checksum,
 };
 
 use crate::common::*;
@@ -92,7 +93,7 @@ fn bad_frames() -> Vec<Bad> {
     trailing.push(0);
     // The same Hello, announcing one more payload byte (so the header is valid).
     trailing[..HEADER_LEN].copy_from_slice(&raw_header(
-        1,
+        VERSION,
         Kind::Control as u8,
         0,
         48,
@@ -125,16 +126,16 @@ fn bad_frames() -> Vec<Bad> {
             request_id: 41,
         },
         Bad {
-            name: "protocol version 2",
-            bytes: raw_header(2, Kind::Control as u8, 0, 42, 0, secret).to_vec(),
+            name: "protocol version 3 (a newer node)",
+            bytes: raw_header(VERSION + 1, Kind::Control as u8, 0, 42, 0, secret).to_vec(),
             half_close: false,
             expect: Some(ErrorCode::BadVersion),
-            mentions: "version 2",
+            mentions: "version 3",
             request_id: 0,
         },
         Bad {
             name: "unknown kind 99",
-            bytes: raw_header(1, 99, 0, 43, 0, secret).to_vec(),
+            bytes: raw_header(VERSION, 99, 0, 43, 0, secret).to_vec(),
             half_close: false,
             expect: Some(ErrorCode::UnknownKind),
             mentions: "99",
@@ -150,7 +151,7 @@ fn bad_frames() -> Vec<Bad> {
         },
         Bad {
             name: "reserved flags set",
-            bytes: raw_header(1, Kind::Control as u8, 1, 45, 0, secret).to_vec(),
+            bytes: raw_header(VERSION, Kind::Control as u8, 1, 45, 0, secret).to_vec(),
             half_close: false,
             expect: Some(ErrorCode::Malformed),
             mentions: "flags",
@@ -158,7 +159,7 @@ fn bad_frames() -> Vec<Bad> {
         },
         Bad {
             name: "a Pull with a payload",
-            bytes: [&raw_header(1, Kind::Pull as u8, 0, 46, 4, secret)[..], &[0u8; 4][..]].concat(),
+            bytes: [&raw_header(VERSION, Kind::Pull as u8, 0, 46, 4, secret)[..], &[0u8; 4][..]].concat(),
             half_close: false,
             expect: Some(ErrorCode::Malformed),
             mentions: "empty",
@@ -166,7 +167,7 @@ fn bad_frames() -> Vec<Bad> {
         },
         Bad {
             name: "an undecodable control payload",
-            bytes: [&raw_header(1, Kind::Control as u8, 0, 47, 3, secret)[..], &[0xff; 3][..]].concat(),
+            bytes: [&raw_header(VERSION, Kind::Control as u8, 0, 47, 3, secret)[..], &[0xff; 3][..]].concat(),
             half_close: false,
             expect: Some(ErrorCode::Malformed),
             mentions: "postcard",
