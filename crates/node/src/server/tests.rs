@@ -529,3 +529,75 @@ fn a_push_past_the_next_checkpoint_waits_until_its_block_is_written() {
     assert_eq!(states, vec![(2, vec![-6.0; LEN])], "exactly the pushes of clocks 0 and 1");
     assert!(acked(&a, 2, 21) && acked(&a, 1, 12), "the waiting push is served once the state is taken");
 }
+
+/// Server `id` of a `--replicas 2` job (block 0: primary 0, backup 1; block 1: primary 1,
+/// backup 0), registered, assigned and told where the other server is, with workers 0
+/// and 1 said Hello on connections 1 and 2; the actions of the `Replicas` step.
+fn replicated(id: ServerId) -> (Server, Vec<Action>) {
+    let mut s = Server::new(format!("addr{id}"));
+    s.start(0);
+    let welcome = Control::Welcome { node_id: id, num_workers: 2, num_servers: 2 }.into();
+    s.step(0, Event::FromScheduler { request_id: 1, msg: welcome });
+    let base = assignment(id, SyncPolicy::Asp);
+    let placement = base.placement.clone().with_replicas(2, 2).unwrap();
+    let a = Assignment { placement: placement.clone(), ..base };
+    s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(a).into() });
+    for (conn, rank) in [(1, 0), (2, 1)] {
+        s.step(0, Event::Received { conn, request_id: 0, msg: Control::Hello { rank }.into() });
+    }
+    let servers = (0..2).map(|i| elasticps_wire::ServerAddr { id: i, addr: format!("addr{i}") }).collect();
+    let acts = s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Replicas { placement, servers }.into() });
+    (s, acts)
+}
+
+/// The calls to other servers among `acts`: (call, address, message).
+fn to_servers(acts: &[Action]) -> Vec<(u64, String, Message)> {
+    acts.iter()
+        .filter_map(|a| match a {
+            Action::ToServer { call, addr, msg, .. } => Some((*call, addr.clone(), msg.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_push_is_acknowledged_only_once_its_backup_applied_it() {
+    let (mut primary, acts) = replicated(0);
+    let (mut backup, _) = replicated(1);
+    // The backup's first copy: the primary's state, sent once it knows the address.
+    let sent = to_servers(&acts);
+    let [(sync, addr, snapshot)] = &sent[..] else { panic!("one snapshot to the backup: {sent:?}") };
+    assert_eq!(addr, "addr1");
+    assert!(matches!(snapshot, Message::Control(Control::ReplicaSnapshot(s)) if s.spec.id == 0));
+    let r = backup.step(1, Event::Received { conn: 9, request_id: 1, msg: snapshot.clone() });
+    assert_eq!(replies(&r), vec![(9, 1, Control::Ok.into())]);
+    primary.step(1, Event::FromServer { call: *sync, reply: Ok(Control::Ok.into()) });
+
+    // A push: applied, forwarded, and not acknowledged until the backup answers.
+    let acts = push(&mut primary, 2, 0, 5, 0, 0, 3.0);
+    assert!(replies(&acts).is_empty(), "the PushAck waits for the backup: {acts:?}");
+    let sent = to_servers(&acts);
+    let [(call, _, forward)] = &sent[..] else { panic!("one forward: {sent:?}") };
+    let r = backup.step(3, Event::Received { conn: 9, request_id: 2, msg: forward.clone() });
+    assert_eq!(replies(&r), vec![(9, 2, Control::Ok.into())]);
+    assert_eq!(backup.backup_copy(0).map(|b| b.values().to_vec()), Some(vec![-3.0; LEN]), "the copy has the push");
+    let acts = primary.step(4, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
+    assert_eq!(replies(&acts), vec![(1, 5, Message::PushAck { block: 0, clock: 0 })]);
+
+    // A forward that fails: the backup is stale, the reply waits for its next snapshot
+    // (which holds the push), not for a backup that never answers.
+    let acts = push(&mut primary, 5, 1, 6, 0, 0, 1.0);
+    let sent = to_servers(&acts);
+    let [(call, _, _)] = &sent[..] else { panic!("one forward: {sent:?}") };
+    let acts = primary.step(6, Event::FromServer { call: *call, reply: Err("connection reset".into()) });
+    assert!(replies(&acts).is_empty(), "still not acknowledged: {acts:?}");
+    let acts = primary.step(6 + replica::RESYNC_EVERY_US, Event::Tick);
+    let sent = to_servers(&acts);
+    let Some((sync, _, Message::Control(Control::ReplicaSnapshot(state)))) = sent.first().cloned() else {
+        panic!("a fresh snapshot: {sent:?}")
+    };
+    assert_eq!(state.values, vec![-4.0; LEN], "the snapshot holds both pushes");
+    let acts =
+        primary.step(7 + replica::RESYNC_EVERY_US, Event::FromServer { call: sync, reply: Ok(Control::Ok.into()) });
+    assert_eq!(replies(&acts), vec![(2, 6, Message::PushAck { block: 0, clock: 0 })]);
+}
