@@ -24,14 +24,14 @@ use std::time::{Duration, Instant};
 use elasticps_core::model::{Init, TensorSpec};
 use elasticps_core::placement::PlacementKind;
 use elasticps_launch::args::{JobArgs, NetArgs};
-use elasticps_launch::process::{Cluster, NodeEvent};
+use elasticps_launch::process::Cluster;
 use elasticps_runtime::client::{Client, ClientOptions};
-use elasticps_runtime::events::Event;
 use elasticps_runtime::peer::Peer;
 use elasticps_wire::{ClusterStatus, Control, Message};
 use serde::Serialize;
 
 use crate::BenchError;
+use crate::transport::listening;
 
 /// Flags of `elasticps bench chaos`.
 #[derive(clap::Args, Debug)]
@@ -211,7 +211,7 @@ async fn chaos(
     args.extend(["--rejoin-wait-s".into(), "60".into()]);
     args.extend(net.to_flags());
     cluster.spawn("chaos scheduler", &args, &[])?;
-    let addr = listening(&mut cluster).await?;
+    let addr = listening(&mut cluster, "the scheduler").await?;
     // Server node -> its data address (chosen here, so that status rows map to processes).
     let mut servers: BTreeMap<usize, String> = BTreeMap::new();
     let mut spawned = 0;
@@ -395,7 +395,7 @@ async fn push_16mib(net: &NetArgs, log_dir: &std::path::Path, replicas: u32, pus
     args.extend(job.to_flags());
     args.extend(net.to_flags());
     cluster.spawn(&format!("replicas {replicas} scheduler"), &args, &[])?;
-    let addr = listening(&mut cluster).await?;
+    let addr = listening(&mut cluster, "the scheduler").await?;
     for i in 0..2 {
         let mut args =
             vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
@@ -456,18 +456,6 @@ async fn get_status(peer: &Peer) -> crate::Result<ClusterStatus> {
     match peer.call(Control::GetStatus.into(), Duration::from_secs(10), || "the scheduler's status".into()).await? {
         Message::Control(Control::Status(s)) => Ok(s),
         other => Err(BenchError::Failed(format!("the scheduler answered GetStatus with {:?}", other.kind()))),
-    }
-}
-
-/// The scheduler's address, from its `listening` event.
-async fn listening(cluster: &mut Cluster) -> crate::Result<String> {
-    loop {
-        match tokio::time::timeout(Duration::from_secs(20), cluster.next()).await {
-            Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => return Ok(addr),
-            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status).into()),
-            Ok(Some(_)) => continue,
-            Ok(None) | Err(_) => return Err(BenchError::Failed("the scheduler did not report its address".into())),
-        }
     }
 }
 

@@ -359,7 +359,7 @@ async fn measure_all(driver: &Runtime, plan: &Plan, net: &NetArgs, log_dir: &Pat
 }
 
 /// Waits for the next `listening` event of a cluster.
-async fn listening(cluster: &mut Cluster, what: &str) -> crate::Result<String> {
+pub(crate) async fn listening(cluster: &mut Cluster, what: &str) -> crate::Result<String> {
     loop {
         match tokio::time::timeout(Duration::from_secs(20), cluster.next()).await {
             Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => return Ok(addr),

@@ -150,8 +150,8 @@ impl Elastic {
         self.sizes = sizes;
     }
 
-    /// Servers that may hold blocks (serving).
-    fn serving(&self) -> Vec<ServerId> {
+    /// Servers that may hold blocks or backup copies (serving), in id order.
+    pub(super) fn serving(&self) -> Vec<ServerId> {
         self.states.iter().filter(|(_, s)| **s == ServerState::Serving).map(|(id, _)| *id).collect()
     }
 
@@ -255,19 +255,9 @@ impl Elastic {
         });
     }
 
-    /// Records an event of the job's servers (for the report): `action` and why.
-    pub fn record(&mut self, now_us: u64, action: &str, server: Option<ServerId>, reason: String) {
-        self.event(now_us, action, server, reason);
-    }
-
     /// The server `block` is migrating to, if its migration is under way.
     pub fn migrating_to(&self, block: u32) -> Option<ServerId> {
         self.in_flight.filter(|(m, _, _)| m.block == block).map(|(m, _, _)| m.to)
-    }
-
-    /// Servers that serve and may hold blocks or copies, in id order.
-    pub fn serving_ids(&self) -> Vec<ServerId> {
-        self.serving()
     }
 
     /// A server's load report.
@@ -578,7 +568,7 @@ impl Elastic {
             .fold((0, 0), |(n, b), blk| (n + 1, b + self.sizes.get(blk as usize).copied().unwrap_or(0)))
     }
 
-    fn event(&mut self, now_us: u64, action: &str, server: Option<ServerId>, reason: String) {
+    pub(super) fn event(&mut self, now_us: u64, action: &str, server: Option<ServerId>, reason: String) {
         tracing::info!(action, server, %reason, "scaling event");
         self.log.scaling.push(ScaleEvent { at_s: now_us as f64 / 1e6, action: action.into(), server, reason });
         self.log.settled_s = Some(now_us as f64 / 1e6);

@@ -687,18 +687,18 @@ impl Scheduler {
     /// server that drains (or left) is dropped, and a block short of backups gets new
     /// ones on the serving servers with the fewest copies that hold none of it (and are
     /// not where it migrates to). A block stays short while too few servers serve (one
-    /// more joining fixes it). Returns whether a copy changed (then tell the servers).
-    fn rebuild_copies(&mut self) -> bool {
+    /// more joining fixes it). The caller tells the servers if a copy changed.
+    fn rebuild_copies(&mut self) {
         let want = self.config.replicas.saturating_sub(1) as usize;
         if want == 0 {
-            return false;
+            return;
         }
-        let serving = self.elastic.serving_ids();
+        let serving = self.elastic.serving();
         let moving: Vec<Option<u32>> = match &self.placement {
             Some(p) => (0..p.owners.len() as BlockId).map(|b| self.elastic.migrating_to(b)).collect(),
-            None => return false,
+            None => return,
         };
-        let Some(placement) = self.placement.as_mut() else { return false };
+        let Some(placement) = self.placement.as_mut() else { return };
         let (mut dropped, mut added, mut short) = (0, 0, 0);
         for backups in placement.backups.iter_mut() {
             let before = backups.len();
@@ -732,14 +732,13 @@ impl Scheduler {
         }
         debug_assert_eq!(placement.check_copies(), Ok(()));
         if dropped + added == 0 {
-            return false;
+            return;
         }
         let why = format!(
             "{dropped} backup copies dropped from servers that left or drain, {added} placed; {short} blocks short of \
              {want} backups (too few servers)"
         );
-        self.elastic.record(self.now_us, "copies-rebuilt", None, why);
-        true
+        self.elastic.event(self.now_us, "copies-rebuilt", None, why);
     }
 
     /// Server `id` is lost in a job with replicas: its primaries are promoted to their
@@ -810,8 +809,8 @@ impl Scheduler {
     fn carry_out(&mut self, orders: Vec<Order>, out: &mut Vec<Action>) {
         let before = self.placement.as_ref().map(|p| p.backups.clone());
         self.carry_out_orders(orders, out);
-        let rebuilt = self.rebuild_copies();
-        if rebuilt || self.placement.as_ref().map(|p| &p.backups) != before.as_ref() {
+        self.rebuild_copies();
+        if self.placement.as_ref().map(|p| &p.backups) != before.as_ref() {
             self.broadcast_replicas(out);
         }
     }

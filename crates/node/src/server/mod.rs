@@ -530,24 +530,18 @@ impl Server {
                 Some(Control::Stats(self.stats_as(sid)).into())
             }
             (Message::Control(Control::BlockSnapshot { epoch, state }), _) => {
-                if let Some(c) = self.conns.get_mut(&conn) {
-                    c.introduced = true;
-                }
+                self.introduce(conn);
                 Some(self.take_snapshot(epoch, state))
             }
             (Message::Control(Control::BlockDelta { block, epoch, pushes }), _) => {
                 Some(self.take_delta(now_us, block, epoch, &pushes, out))
             }
             (Message::Control(Control::Replicate { block, init, push }), _) => {
-                if let Some(c) = self.conns.get_mut(&conn) {
-                    c.introduced = true;
-                }
+                self.introduce(conn);
                 self.take_replicated(now_us, (conn, request_id), block, init, push, out)
             }
             (Message::Control(Control::ReplicaSnapshot(state)), _) => {
-                if let Some(c) = self.conns.get_mut(&conn) {
-                    c.introduced = true;
-                }
+                self.introduce(conn);
                 Some(self.take_replica_snapshot(now_us, state, out))
             }
             (Message::Push { block, clock, values }, Some(r)) => {
@@ -584,6 +578,14 @@ impl Server {
         };
         if let Some(msg) = answer {
             out.push(reply(msg));
+        }
+    }
+
+    /// Connection `conn` is another server's (streaming a block or its updates): the
+    /// runtime stops bounding the wait for its first frame.
+    fn introduce(&mut self, conn: ConnId) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.introduced = true;
         }
     }
 

@@ -20,7 +20,7 @@ use elasticps_core::block::{Block, BlockState, LoggedPush};
 use elasticps_core::model::BlockId;
 use elasticps_core::placement::{Placement, ServerId};
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Control, ErrorCode, Message, ServerAddr, Values};
+use elasticps_wire::{CheckpointPlan, Control, ErrorCode, Message, ServerAddr, Values};
 
 use super::{Action, Call, ConnId, Exit, Owned, Phase, Refusal, Server, Slot, Token, error};
 
@@ -55,9 +55,46 @@ enum Copy {
     /// The copy, up to date with the pushes forwarded so far, and its state when it last
     /// reached a checkpoint clock (written if it is promoted: its old primary may have
     /// died before it wrote that checkpoint).
-    Held(Block<Token>, Option<(Clock, BlockState)>),
+    Held(HeldCopy),
     /// No snapshot yet: the forwarded pushes wait, with where their `Ok` goes.
     Awaiting(Vec<(ConnId, u64, bool, LoggedPush)>),
+}
+
+/// A backup's copy of a block, and its state when it last reached a checkpoint clock.
+#[derive(Debug)]
+struct HeldCopy {
+    block: Block<Token>,
+    checkpoint: Option<(Clock, BlockState)>,
+}
+
+impl HeldCopy {
+    /// Applies a forwarded push (or init) as the primary did, and keeps the copy's state
+    /// if it just reached a checkpoint clock of `plan`; the answer for the primary.
+    fn apply(
+        &mut self,
+        shard: &super::Shard,
+        rejoined: &[u32],
+        plan: Option<&CheckpointPlan>,
+        (init, push): (bool, &LoggedPush),
+        now_us: u64,
+    ) -> Message {
+        let copy = &mut self.block;
+        if init {
+            // A second init (a duplicate) finds the block trained or equal: nothing to do.
+            let _ = copy.set_initial(&push.grad);
+            return Control::Ok.into();
+        }
+        let before = copy.done();
+        let config = shard.config_for(copy.spec());
+        let push_fn = if rejoined.contains(&push.worker) { Block::push_rejoined } else { Block::push };
+        if let Err(e) = push_fn(copy, &config, push.worker, push.clock, &push.grad, now_us) {
+            return error(ErrorCode::BadRequest, e.to_string());
+        }
+        if let Some(c) = super::next_checkpoint(plan, before).filter(|c| *c == copy.done()) {
+            self.checkpoint = Some((c, copy.state()));
+        }
+        Control::Ok.into()
+    }
 }
 
 /// Both ends of replication on one server.
@@ -103,7 +140,7 @@ impl Replication {
     /// primary's).
     pub(super) fn copies_mut(&mut self) -> impl Iterator<Item = &mut Block<Token>> {
         self.copies.values_mut().filter_map(|c| match c {
-            Copy::Held(b, _) => Some(b),
+            Copy::Held(h) => Some(&mut h.block),
             Copy::Awaiting(_) => None,
         })
     }
@@ -111,7 +148,7 @@ impl Replication {
     /// The backup copy of `block` held here, if it arrived.
     pub(super) fn copy(&self, block: BlockId) -> Option<&Block<Token>> {
         match self.copies.get(&block) {
-            Some(Copy::Held(b, _)) => Some(b),
+            Some(Copy::Held(h)) => Some(&h.block),
             _ => None,
         }
     }
@@ -349,20 +386,7 @@ impl Server {
                 waiting.push((conn, request_id, init, push));
                 None
             }
-            Copy::Held(b, taken) => {
-                let before = b.done();
-                Some(match apply_to_copy(shard, &self.added_workers, b, init, &push, now_us) {
-                    Ok(()) => {
-                        if let Some(c) =
-                            super::next_checkpoint(self.checkpoint.as_ref(), before).filter(|c| *c == b.done())
-                        {
-                            *taken = Some((c, b.state()));
-                        }
-                        Control::Ok.into()
-                    }
-                    Err(e) => error(ErrorCode::BadRequest, e),
-                })
-            }
+            Copy::Held(h) => Some(h.apply(shard, &self.added_workers, self.checkpoint.as_ref(), (init, &push), now_us)),
         }
     }
 
@@ -379,32 +403,24 @@ impl Server {
         }
         let config = shard.config_for(&state.spec);
         let mut copy = match Block::from_state(state, &[], &config) {
-            Ok(b) => b,
+            Ok(block) => HeldCopy { block, checkpoint: None },
             Err(e) => return error(ErrorCode::BadRequest, format!("block {block} cannot be rebuilt: {e}")),
         };
         for rank in &self.removed_workers {
-            copy.remove_worker(&config, *rank, now_us);
+            copy.block.remove_worker(&config, *rank, now_us);
         }
         for rank in &self.added_workers {
-            copy.add_worker(*rank);
+            copy.block.add_worker(*rank);
         }
         let waiting = match self.replication.copies.insert(block, Copy::Awaiting(Vec::new())) {
             Some(Copy::Awaiting(w)) => w,
             _ => Vec::new(),
         };
-        let mut taken = None;
         for (conn, request_id, init, push) in waiting {
-            let before = copy.done();
-            let msg = match apply_to_copy(shard, &self.added_workers, &mut copy, init, &push, now_us) {
-                Ok(()) => Control::Ok.into(),
-                Err(e) => error(ErrorCode::BadRequest, e),
-            };
-            if let Some(c) = super::next_checkpoint(self.checkpoint.as_ref(), before).filter(|c| *c == copy.done()) {
-                taken = Some((c, copy.state()));
-            }
+            let msg = copy.apply(shard, &self.added_workers, self.checkpoint.as_ref(), (init, &push), now_us);
             out.push(Action::Reply { conn, request_id, msg });
         }
-        self.replication.copies.insert(block, Copy::Held(copy, taken));
+        self.replication.copies.insert(block, Copy::Held(copy));
         Control::Ok.into()
     }
 
@@ -428,14 +444,14 @@ impl Server {
             let owned_here = matches!(self.slots.get(&b), Some(Slot::Owned(_)));
             if *owner == me && !owned_here {
                 match self.replication.copies.remove(&b) {
-                    Some(Copy::Held(block, taken)) => {
+                    Some(Copy::Held(HeldCopy { block, checkpoint })) => {
                         tracing::info!(
                             server = me,
                             block = b,
                             epoch = placement.epoch,
                             "backup promoted: this server serves the block"
                         );
-                        if let (Some((clock, state)), Some(plan)) = (taken, &self.checkpoint) {
+                        if let (Some((clock, state)), Some(plan)) = (checkpoint, &self.checkpoint) {
                             // The checkpoint its old primary may not have written.
                             out.push(Action::Checkpoint { dir: plan.dir.clone(), clock, state });
                             self.checkpoint_writes += 1;
@@ -517,25 +533,6 @@ impl Server {
 /// come before the scheduler's word that the move is recorded).
 fn serves(slot: &Slot) -> bool {
     matches!(slot, Slot::Owned(o) if !matches!(o.phase, Phase::Frozen { .. }))
-}
-
-/// Applies a forwarded push (or init) to a backup copy, as the primary did.
-fn apply_to_copy(
-    shard: &super::Shard,
-    rejoined: &[u32],
-    copy: &mut Block<Token>,
-    init: bool,
-    push: &LoggedPush,
-    now_us: u64,
-) -> Result<(), String> {
-    if init {
-        // A second init (a duplicate) finds the block trained or equal: nothing to do.
-        let _ = copy.set_initial(&push.grad);
-        return Ok(());
-    }
-    let config = shard.config_for(copy.spec());
-    let push_fn = if rejoined.contains(&push.worker) { Block::push_rejoined } else { Block::push };
-    push_fn(copy, &config, push.worker, push.clock, &push.grad, now_us).map(|_| ()).map_err(|e| e.to_string())
 }
 
 /// The push a request carries, as a backup replays it (`None` for a pull).
