@@ -25,10 +25,11 @@
 use std::io::IoSlice;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll, ready};
 
 use bytes::{Bytes, BytesMut};
 use elasticps_wire::{Codec, FrameHeader, HEADER_LEN, Kind, Message, WireError};
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
@@ -57,6 +58,10 @@ pub struct FrameReader {
     request_id: u64,
     shaper: Option<Arc<Shaper>>,
     stall_timeout: std::time::Duration,
+    /// The next frame's header, as far as it was read ([`FrameReader::poll_header`] is
+    /// cancel-safe).
+    head: [u8; HEADER_LEN],
+    head_filled: usize,
 }
 
 impl FrameReader {
@@ -85,30 +90,61 @@ impl FrameReader {
     /// True if bytes of a next frame are already read from the socket: [`FrameReader::next`]
     /// will not wait for the peer to send its start.
     pub fn has_buffered(&self) -> bool {
-        !self.inner.buffer().is_empty()
+        self.head_filled > 0 || !self.inner.buffer().is_empty()
     }
 
     /// The next frame, or `None` when the peer closed the connection between frames.
+    /// Waits without limit for a frame to begin; once one began, a peer that stalls is
+    /// dropped ([`FrameReader::set_stall_timeout`]).
     pub async fn next(&mut self) -> Result<Option<(FrameHeader, Message)>> {
+        let Some(header) = self.header().await? else {
+            return Ok(None);
+        };
+        let msg = self.payload(&header).await?;
+        Ok(Some((header, msg)))
+    }
+
+    /// The next frame's header, or `None` when the peer closed the connection between
+    /// frames; its payload is to be read next, with [`FrameReader::payload`] or
+    /// [`FrameReader::payload_into`]. Stall rules as [`FrameReader::next`].
+    pub async fn header(&mut self) -> Result<Option<FrameHeader>> {
         self.request_id = 0;
-        let mut head = [0u8; HEADER_LEN];
         // A clean end of stream is only allowed before the first header byte.
-        let first = self.inner.read(&mut head[..1]).await.map_err(|e| self.io_err(e))?;
-        if first == 0 {
+        if !std::future::poll_fn(|cx| self.poll_head(cx, 1)).await.map_err(|e| self.io_err(e))? {
             return Ok(None);
         }
-        self.read_rest(&mut head[1..]).await?;
-        let header = match self.codec.decode_header(&head) {
-            Ok(h) => h,
-            Err(source) => {
-                if !matches!(source, WireError::BadMagic { .. } | WireError::BadVersion { .. } | WireError::BadChecksum)
-                {
-                    self.request_id = u64::from_le_bytes(head[8..16].try_into().unwrap_or_default());
-                }
-                return Err(self.wire_err(source));
-            }
-        };
-        self.request_id = header.request_id;
+        let stall = self.stall_timeout;
+        match tokio::time::timeout(stall, std::future::poll_fn(|cx| self.poll_head(cx, HEADER_LEN))).await {
+            Ok(Ok(true)) => self.take_header().map(Some),
+            Ok(Ok(false)) => Err(self.io_err(std::io::ErrorKind::UnexpectedEof.into())),
+            Ok(Err(e)) => Err(self.io_err(e)),
+            Err(_) => Err(RuntimeError::Timeout {
+                what: format!(
+                    "{} to send the rest of a frame header ({} of {HEADER_LEN} bytes came)",
+                    self.peer, self.head_filled
+                ),
+                after: stall,
+            }),
+        }
+    }
+
+    /// Polls for the next frame's header, without a stall limit (the caller bounds the
+    /// wait): `Ready(Ok(None))` when the peer closed the connection between frames.
+    /// Cancel-safe: the bytes of a header read so far stay in the reader, so this can be
+    /// polled among other events and dropped between polls.
+    pub fn poll_header(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<FrameHeader>>> {
+        self.request_id = 0;
+        match ready!(self.poll_head(cx, HEADER_LEN)) {
+            Ok(true) => Poll::Ready(self.take_header().map(Some)),
+            Ok(false) if self.head_filled == 0 => Poll::Ready(Ok(None)),
+            Ok(false) => Poll::Ready(Err(self.io_err(std::io::ErrorKind::UnexpectedEof.into()))),
+            Err(e) => Poll::Ready(Err(self.io_err(e))),
+        }
+    }
+
+    /// The payload of the frame whose header [`FrameReader::header`] returned, decoded: a
+    /// tensor payload is read straight into a pooled aligned buffer.
+    pub async fn payload(&mut self, header: &FrameHeader) -> Result<Message> {
         let len = header.payload_len as usize;
         let payload = if header.kind.carries_f32() && len.is_multiple_of(4) {
             let mut v = pool::payload_buffer(len / 4);
@@ -119,11 +155,65 @@ impl FrameReader {
             self.read_rest(&mut b).await?;
             b.freeze()
         };
-        if let Some(shaper) = &self.shaper {
-            shaper.take_in(HEADER_LEN + len).await;
+        self.shaped_in(len).await;
+        Message::decode(header, payload).map_err(|source| self.wire_err(source))
+    }
+
+    /// The payload of the frame whose header [`FrameReader::header`] returned, read
+    /// straight into `dest` (a worker's tensor: no buffer, no copy), which must be exactly
+    /// as long as the payload.
+    pub async fn payload_into(&mut self, header: &FrameHeader, dest: &mut [u8]) -> Result<()> {
+        if dest.len() != header.payload_len as usize {
+            return Err(RuntimeError::Protocol {
+                peer: self.peer.clone(),
+                what: format!("a {:?} of {} bytes where {} were expected", header.kind, header.payload_len, dest.len()),
+            });
         }
-        let msg = Message::decode(&header, payload).map_err(|source| self.wire_err(source))?;
-        Ok(Some((header, msg)))
+        self.read_rest(dest).await?;
+        self.shaped_in(dest.len()).await;
+        Ok(())
+    }
+
+    /// Pays a frame read into the inbound bucket of a shaped connection.
+    async fn shaped_in(&self, payload_len: usize) {
+        if let Some(shaper) = &self.shaper {
+            shaper.take_in(HEADER_LEN + payload_len).await;
+        }
+    }
+
+    /// Reads header bytes until at least `want` of them are in (`Ok(true)`), or the
+    /// stream ended (`Ok(false)`).
+    fn poll_head(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<std::io::Result<bool>> {
+        while self.head_filled < want {
+            let mut buf = ReadBuf::new(&mut self.head[self.head_filled..]);
+            ready!(std::pin::Pin::new(&mut self.inner).poll_read(cx, &mut buf))?;
+            let n = buf.filled().len();
+            if n == 0 {
+                return Poll::Ready(Ok(false));
+            }
+            self.head_filled += n;
+        }
+        Poll::Ready(Ok(true))
+    }
+
+    /// Decodes the header read in full, and makes room for the next one.
+    fn take_header(&mut self) -> Result<FrameHeader> {
+        self.head_filled = 0;
+        self.request_id = 0;
+        let head = self.head;
+        match self.codec.decode_header(&head) {
+            Ok(h) => {
+                self.request_id = h.request_id;
+                Ok(h)
+            }
+            Err(source) => {
+                if !matches!(source, WireError::BadMagic { .. } | WireError::BadVersion { .. } | WireError::BadChecksum)
+                {
+                    self.request_id = u64::from_le_bytes(head[8..16].try_into().unwrap_or_default());
+                }
+                Err(self.wire_err(source))
+            }
+        }
     }
 
     /// Fills `buf` with the rest of a frame that began: a peer that sends no byte of it for
@@ -366,6 +456,8 @@ pub fn split_shaped(
         request_id: 0,
         shaper,
         stall_timeout: FRAME_STALL_TIMEOUT,
+        head: [0; HEADER_LEN],
+        head_filled: 0,
     };
     (reader, Outbox { tx, writer })
 }

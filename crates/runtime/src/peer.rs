@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use elasticps_wire::{Codec, Kind, Message};
+use elasticps_wire::{Codec, Message};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::conn::{self, FrameReader, Outbox};
@@ -101,51 +101,6 @@ impl Peer {
             return Err(RuntimeError::Closed(self.name.to_string()));
         }
         Ok(rx)
-    }
-
-    /// Writes data requests (`kind` Push, PushPull, Init or Pull, block, clock, payload:
-    /// empty for a Pull) back to back with one vectored write from this task, straight from the
-    /// payload slices, and returns the receivers of their replies, in order. Dropping
-    /// this future half-way breaks the connection (see [`crate::conn`]).
-    pub async fn send_data_now(
-        &self,
-        requests: &[(Kind, u32, u32, &[f32])],
-    ) -> Result<Vec<oneshot::Receiver<Message>>> {
-        let writer = self.out.writer();
-        let mut ids = Vec::with_capacity(requests.len());
-        let mut rxs = Vec::with_capacity(requests.len());
-        let mut frames = Vec::with_capacity(requests.len());
-        let mut failed = None;
-        for &(kind, block, clock, values) in requests {
-            let bytes: &[u8] = bytemuck::cast_slice(values);
-            let (id, rx) = match self.expect_reply() {
-                Ok(r) => r,
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            };
-            ids.push(id);
-            rxs.push(rx);
-            match writer.tensor_header(kind, id, block, clock, bytes.len()) {
-                Ok(head) => frames.push((head, bytes)),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        let result = match failed {
-            Some(e) => Err(e),
-            None => writer.write_frames(&frames).await,
-        };
-        if let Err(e) = result {
-            for id in ids {
-                self.forget(id);
-            }
-            return Err(e);
-        }
-        Ok(rxs)
     }
 
     /// A fresh request id and the receiver of its reply.

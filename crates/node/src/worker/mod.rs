@@ -37,7 +37,7 @@ use elasticps_core::sync::Clock;
 use elasticps_wire::{Layout, WorkerLoad};
 
 pub use load::{Iteration, LoadReport};
-pub use round::Round;
+pub use round::{Answer, Round};
 
 use crate::Result;
 

@@ -4,10 +4,51 @@
 use elasticps_core::CoreError;
 use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Control, Layout, Message};
+use elasticps_wire::{Control, ErrorReply, Kind, Layout, Message};
 
 use super::{Action, Iteration, MAX_LAYOUT_REFRESHES, MOVED_BACKOFF_US, Op, PushOp, Tag};
 use crate::{NodeError, Result};
+
+/// What a server answered a request of the round, as the plan needs it.
+#[derive(Clone, Copy, Debug)]
+pub enum Answer<'a> {
+    /// The server refused the request.
+    Error(&'a ErrorReply),
+    /// The server no longer owns the block.
+    Moved,
+    /// A push acknowledged.
+    Acked,
+    /// A pull (or push_pull) answered with this many values.
+    Pulled {
+        /// Values in the reply.
+        len: usize,
+    },
+    /// Anything else: a protocol error.
+    Other(Kind),
+}
+
+impl<'a> Answer<'a> {
+    /// The answer a decoded reply gives.
+    pub fn of(msg: &'a Message) -> Self {
+        match msg {
+            Message::Error(reply) => Answer::Error(reply),
+            Message::Control(Control::Moved { .. }) => Answer::Moved,
+            Message::PushAck { .. } => Answer::Acked,
+            Message::PullReply { values, .. } => Answer::Pulled { len: values.len() },
+            other => Answer::Other(other.kind()),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Answer::Error(_) => "Error".into(),
+            Answer::Moved => "Moved".into(),
+            Answer::Acked => "PushAck".into(),
+            Answer::Pulled { len } => format!("PullReply of {len} values"),
+            Answer::Other(kind) => format!("{kind:?}"),
+        }
+    }
+}
 
 /// A block still to do: push it (if the round pushes), pull it (if it pulls).
 #[derive(Clone, Copy, Debug)]
@@ -254,6 +295,12 @@ impl Round {
     /// message as [`NodeError::Protocol`]). Accepted `PullReply` values are the runtime's
     /// to copy into the pulled tensor.
     pub fn on_reply(&mut self, now_us: u64, tag: Tag, msg: &Message) -> Result<Vec<Action>> {
+        self.on_answer(now_us, tag, Answer::of(msg))
+    }
+
+    /// [`Round::on_reply`] for a reply the runtime read without decoding it into a
+    /// [`Message`]: a pull reply whose values went straight into the caller's tensor.
+    pub fn on_answer(&mut self, now_us: u64, tag: Tag, answer: Answer<'_>) -> Result<Vec<Action>> {
         let Some(index) = self.waiting(tag) else {
             return Err(NodeError::Refused(format!("reply to no request of this round (tag {tag:#x})")));
         };
@@ -261,8 +308,8 @@ impl Round {
         let phase = self.phases[request.phase as usize];
         let b = request.todo.block;
         let op = self.op(phase.push, &request.todo);
-        let outcome = match (msg, op.is_pull()) {
-            (Message::Error(reply), _) => {
+        let outcome = match (answer, op.is_pull()) {
+            (Answer::Error(reply), _) => {
                 let (verb, clock) = op.verb_clock();
                 return Err(NodeError::Remote {
                     peer: format!(
@@ -272,9 +319,9 @@ impl Round {
                     reply: reply.clone(),
                 });
             }
-            (Message::Control(Control::Moved { .. }), _) => Outcome::Moved,
-            (Message::PushAck { .. }, false) => Outcome::Acked,
-            (Message::PullReply { values, .. }, true) if values.len() == b.len => {
+            (Answer::Moved, _) => Outcome::Moved,
+            (Answer::Acked, false) => Outcome::Acked,
+            (Answer::Pulled { len }, true) if len == b.len => {
                 if matches!(op, Op::PushPull(_)) {
                     Outcome::Fused
                 } else {
@@ -285,7 +332,7 @@ impl Round {
                 let wanted = if pull { format!("PullReply of {} values", b.len) } else { "PushAck".to_string() };
                 return Err(NodeError::Protocol {
                     peer: format!("server {}", phase.owner),
-                    what: format!("expected {wanted}, got {:?}", other.kind()),
+                    what: format!("expected {wanted}, got {}", other.describe()),
                 });
             }
         };

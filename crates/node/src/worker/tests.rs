@@ -362,7 +362,10 @@ fn wrong_replies_fail_the_round_with_todays_messages() {
     let (mut r, first) = w.start(0, &l, None, Some((4, &[true]))).unwrap();
     let tag = sends(&first)[0].0;
     let err = r.on_reply(1, tag, &pulled(0, 3)).unwrap_err();
-    assert_eq!(err.to_string(), "protocol error with server 0: expected PullReply of 2 values, got PullReply");
+    assert_eq!(
+        err.to_string(),
+        "protocol error with server 0: expected PullReply of 2 values, got PullReply of 3 values"
+    );
     let err = r.on_reply(1, tag, &ack(0)).unwrap_err();
     assert_eq!(err.to_string(), "protocol error with server 0: expected PullReply of 2 values, got PushAck");
     let refusal = ErrorReply { code: ErrorCode::UnknownBlock, message: "no block 0".into() };
@@ -377,7 +380,7 @@ fn wrong_replies_fail_the_round_with_todays_messages() {
     assert_ne!(tag2, tag, "tags are unique across rounds");
     assert!(matches!(r2.on_reply(11, tag, &ack(0)), Err(NodeError::Refused(_))), "a reply from an earlier round");
     let err = r2.on_reply(11, tag2, &pulled(0, 2)).unwrap_err();
-    assert_eq!(err.to_string(), "protocol error with server 0: expected PushAck, got PullReply");
+    assert_eq!(err.to_string(), "protocol error with server 0: expected PushAck, got PullReply of 2 values");
     // A reply counts once.
     r2.on_reply(12, tag2, &ack(0)).unwrap();
     assert!(matches!(r2.on_reply(13, tag2, &ack(0)), Err(NodeError::Refused(_))));

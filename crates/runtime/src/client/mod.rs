@@ -26,16 +26,19 @@ use elasticps_core::model::{BlockSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_node::NodeError;
-use elasticps_node::worker::{Action, Op, PushOp, Round, Tag, Worker};
-use elasticps_wire::{Codec, Control, Kind, Layout, Message, ServerAddr};
+use elasticps_node::worker::{Action, Answer, Op, PushOp, Round, Tag, Worker};
+use elasticps_wire::{Codec, Control, FrameHeader, Kind, Layout, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 use crate::peer::Peer;
+
+mod server_conn;
 use crate::reattach::{DEFAULT_SCHEDULER_RETRY, Redial, SchedLink};
 use crate::{CALL_TIMEOUT, HEARTBEAT_EVERY, Micros, STATS_INTERVAL};
+use server_conn::{ServerConn, WriteJob, Written};
 
 /// Requests of a round in flight to one server, by default ([`ClientOptions::window`]).
 pub const DEFAULT_WINDOW: usize = 32;
@@ -101,7 +104,10 @@ pub struct Client {
     sched: SchedLink,
     /// Shared so that a round can hold it while it mutates the client (cheap clone).
     layout: Option<Arc<Layout>>,
-    servers: HashMap<u32, Peer>,
+    /// The connections to the servers, read and written by the rounds themselves.
+    servers: HashMap<u32, ServerConn>,
+    /// The next request id (unique over every server connection; also their serials).
+    next_request: u64,
     /// What the scheduler's connection said about the end of the job (see [`Ending`]).
     ending: tokio::sync::watch::Receiver<Ending>,
     heartbeat: tokio::task::JoinHandle<()>,
@@ -174,6 +180,7 @@ impl Client {
             sched,
             layout: None,
             servers: HashMap::new(),
+            next_request: 1,
             ending,
             heartbeat,
             waits: Waits::default(),
@@ -282,8 +289,10 @@ impl Client {
         }
         for s in &layout.servers {
             let name = format!("server {}", s.id);
-            let peer = self.peer(s.id)?.ok_or_else(|| RuntimeError::Closed(name.clone()))?;
-            match peer.call(msg.clone(), CALL_TIMEOUT, || what(&name)).await? {
+            let id = self.next_request;
+            self.next_request += 1;
+            let conn = self.conn(s.id)?.ok_or_else(|| RuntimeError::Closed(name.clone()))?;
+            match conn.call(id, msg.clone(), CALL_TIMEOUT, || what(&name)).await? {
                 Message::Control(Control::Ok) => {}
                 Message::Error(reply) => return Err(RuntimeError::Remote { peer: name, reply }),
                 other => return Err(RuntimeError::unexpected(&name, "Ok", &other)),
@@ -369,14 +378,17 @@ impl Client {
     /// then, once the block's server acknowledged all of this round's pushes, the pull
     /// (if any), or both in one push_pull ([`ClientOptions::fuse`]); a block whose server
     /// answered `Moved` is resent after a layout refresh.
-    /// The plan ([`Round`]) decides; this sends its requests, feeds it the replies and
-    /// copies pulled values into `pull`'s tensors.
+    /// The plan ([`Round`]) decides; this task writes its requests and reads the replies
+    /// itself, all servers at once (a pull reply straight into `pull`'s tensor).
     async fn round(
         &mut self,
         push: Option<(PushOp, &[Option<&[f32]>])>,
         mut pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
     ) -> Result<()> {
         let layout = self.current_layout()?;
+        // A round that failed half-way left requests on some connections: their late
+        // replies must not be taken for this round's, so those connections start afresh.
+        self.servers.retain(|_, c| c.is_idle());
         let push_mask: Vec<bool> = push.map_or_else(Vec::new, |(_, g)| g.iter().map(Option::is_some).collect());
         let pull_mask: Vec<bool> =
             pull.as_ref().map_or_else(Vec::new, |(_, p)| p.iter().map(Option::is_some).collect());
@@ -393,11 +405,12 @@ impl Client {
             m.iteration(it.clock, it.since_last_us.map(Duration::from_micros));
         }
         let grads = push.map_or(&[][..], |(_, g)| g);
-        let mut replies = FuturesUnordered::new();
+        let mut writes = FuturesUnordered::new();
         let mut todo = VecDeque::from(actions);
-        // The window: requests in flight per server, and the sends waiting for room.
-        let mut in_flight: HashMap<u32, usize> = HashMap::new();
-        let mut deferred: HashMap<u32, VecDeque<Action>> = HashMap::new();
+        let mut state = InRound::default();
+        // One timer for the whole round, moved to the next deadline or wake-up as needed.
+        let sleep = tokio::time::sleep(self.opts.request_timeout);
+        tokio::pin!(sleep);
         loop {
             while let Some(action) = todo.pop_front() {
                 let more = match action {
@@ -406,10 +419,15 @@ impl Client {
                         let mut batch: Vec<(u64, Sent)> = Vec::new();
                         let mut next = Some(Action::Send { tag, server, block, op });
                         while let Some(Action::Send { tag, server, block, op }) = next {
-                            let sent = Sent { rank: self.rank, server, block, op, timeout: self.opts.request_timeout };
-                            let window = in_flight.entry(server).or_insert(0);
+                            let sent = Sent { server, block, op };
+                            let window = state.in_flight.entry(server).or_insert(0);
                             if *window >= self.opts.window.max(1) {
-                                deferred.entry(server).or_default().push_back(Action::Send { tag, server, block, op });
+                                state.deferred.entry(server).or_default().push_back(Action::Send {
+                                    tag,
+                                    server,
+                                    block,
+                                    op,
+                                });
                             } else {
                                 *window += 1;
                                 batch.push((tag, sent));
@@ -419,13 +437,11 @@ impl Client {
                                 _ => None,
                             };
                         }
-                        let (sent, lost) = self.send_batch(batch, grads).await.map_err(|e| self.explain(e))?;
-                        for (tag, sent, rx) in sent {
-                            replies.push(async move { (tag, sent, tokio::time::timeout(sent.timeout, rx).await) });
-                        }
+                        let (jobs, lost) = self.start_writes(batch, grads, &mut state.deadlines)?;
+                        writes.extend(jobs.into_iter().map(server_conn::run_write));
                         let mut more = Vec::new();
                         for (server, tag) in lost {
-                            more.extend(self.lost(server, tag, &mut plan, &mut in_flight, &mut deferred)?);
+                            more.extend(self.lost(server, &[tag], &mut plan, &mut state)?);
                         }
                         Ok(more)
                     }
@@ -439,40 +455,79 @@ impl Client {
                         plan.on_layout(self.clock.now(), &*self.current_layout()?)
                     }
                     Action::Wait { until_us } => {
-                        tokio::time::sleep(Duration::from_micros(until_us.saturating_sub(self.clock.now()))).await;
-                        plan.on_wake(self.clock.now().max(until_us))
+                        state.wake = Some(state.wake.map_or(until_us, |w| w.min(until_us)));
+                        Ok(Vec::new())
                     }
                 };
                 todo.extend(more.map_err(from_node)?);
             }
-            if plan.is_done() {
+            if plan.is_done() && writes.is_empty() {
                 break;
             }
-            let Some((tag, sent, reply)) = replies.next().await else {
-                return Err(stalled(&plan));
-            };
-            let msg = match sent.reply(reply) {
-                Ok(msg) => msg,
-                Err(RuntimeError::Closed(_)) if !self.shutting_down() => {
-                    todo.extend(self.lost(sent.server, tag, &mut plan, &mut in_flight, &mut deferred)?);
-                    continue;
+            // The oldest request still unanswered sets the timeout.
+            while let Some(&(_, server, id)) = state.deadlines.front() {
+                if self.servers.get(&server).is_some_and(|c| c.pending.contains_key(&id)) {
+                    break;
                 }
-                Err(e) => return Err(self.explain(e)),
+                state.deadlines.pop_front();
+            }
+            if state.deadlines.is_empty() && writes.is_empty() && state.wake.is_none() && !plan.is_done() {
+                return Err(stalled(&plan));
+            }
+            let now = self.clock.now();
+            let wake_at =
+                state.wake.map(|us| tokio::time::Instant::now() + Duration::from_micros(us.saturating_sub(now)));
+            let timer = match (wake_at, state.deadlines.front()) {
+                (Some(w), Some(&(d, ..))) => w.min(d),
+                (Some(w), None) => w,
+                (None, Some(&(d, ..))) => d,
+                (None, None) => tokio::time::Instant::now() + self.opts.request_timeout,
             };
-            if let Some(window) = in_flight.get_mut(&sent.server) {
-                *window = window.saturating_sub(1);
+            if sleep.deadline() != timer {
+                sleep.as_mut().reset(timer);
             }
-            if let Some(next) = deferred.get_mut(&sent.server).and_then(VecDeque::pop_front) {
-                todo.push_front(next);
-            }
-            todo.extend(plan.on_reply(self.clock.now(), tag, &msg).map_err(from_node)?);
-            // Accepted: a PullReply is as long as its block.
-            if let (Message::PullReply { values, .. }, Some((_, params))) = (&msg, pull.as_mut())
-                && let Some(Some(p)) = params.get_mut(sent.block.tensor as usize)
-            {
-                let b = sent.block;
-                values.copy_into(&mut p[b.offset..b.offset + b.len]);
-            }
+            state.turn = state.turn.wrapping_add(1);
+            let turn = state.turn;
+            let event = tokio::select! {
+                Some(written) = writes.next(), if !writes.is_empty() => Event::Wrote(written),
+                (server, got) = std::future::poll_fn(|cx| server_conn::poll_any_header(&mut self.servers, turn, cx)) => {
+                    Event::Header(server, got)
+                }
+                () = &mut sleep => Event::Timer,
+            };
+            let more = match event {
+                Event::Wrote((_, _, None | Some(Ok(())))) => Vec::new(),
+                Event::Wrote((server, serial, Some(Err(e)))) => {
+                    if self.servers.get(&server).is_none_or(|c| c.serial != serial) {
+                        continue;
+                    }
+                    self.drop_server(server, e, &mut plan, &mut state)?
+                }
+                Event::Header(server, Ok(Some(header))) => {
+                    self.on_header(server, header, &mut plan, &mut pull, &mut state).await?
+                }
+                Event::Header(server, Ok(None)) => {
+                    let closed = RuntimeError::Closed(format!("server {server}"));
+                    self.drop_server(server, closed, &mut plan, &mut state)?
+                }
+                Event::Header(server, Err(e)) => self.drop_server(server, e, &mut plan, &mut state)?,
+                Event::Timer => {
+                    let now = self.clock.now();
+                    if let Some(&(at, server, id)) = state.deadlines.front()
+                        && tokio::time::Instant::now() >= at
+                    {
+                        return Err(self.timed_out(server, id));
+                    }
+                    match state.wake {
+                        Some(until) if now >= until => {
+                            state.wake = None;
+                            plan.on_wake(now).map_err(from_node)?
+                        }
+                        _ => Vec::new(),
+                    }
+                }
+            };
+            todo.extend(more);
         }
         self.waits = Waits { per_server: plan.waits_per_server_us().into_iter().map(Duration::from_micros).collect() };
         if let Some(m) = &self.opts.metrics {
@@ -486,26 +541,99 @@ impl Client {
         Ok(())
     }
 
-    /// Sends requests of a round from this task, one vectored write per server (at most
-    /// `request_timeout` for it): a push, push_pull or init straight from the caller's
-    /// gradient slice (no copy of the values), a pull as its header.
-    /// Returns the requests sent, with their reply receivers, and (server, tag) of those
-    /// whose server connection is closed or was never opened (for [`Client::lost`]).
-    async fn send_batch(&self, batch: Vec<(u64, Sent)>, grads: &[Option<&[f32]>]) -> Result<SentBatch> {
-        let mut out = Vec::with_capacity(batch.len());
+    /// A reply's header came from `server`: reads its payload (a pull's values straight
+    /// into the caller's tensor) and hands the answer to the plan.
+    async fn on_header(
+        &mut self,
+        server: u32,
+        header: FrameHeader,
+        plan: &mut Round,
+        pull: &mut Option<(Clock, &mut [Option<&mut [f32]>])>,
+        state: &mut InRound,
+    ) -> Result<Vec<Action>> {
+        let Some(conn) = self.servers.get_mut(&server) else {
+            return Ok(Vec::new());
+        };
+        let Some((tag, sent)) = conn.pending.remove(&header.request_id) else {
+            // A notification, or the reply to a request no round waits for: read, dropped.
+            return match conn.reader.payload(&header).await {
+                Ok(msg) => {
+                    tracing::warn!(peer = %conn.name, id = header.request_id, kind = ?msg.kind(), "reply to no request");
+                    Ok(Vec::new())
+                }
+                Err(e) => self.drop_server(server, e, plan, state),
+            };
+        };
+        // Where a pull reply of the expected length goes: the block's range of its tensor.
+        let b = sent.block;
+        let dest = match (header.kind, pull.as_mut()) {
+            (Kind::PullReply, Some((_, params))) if sent.op.is_pull() && header.payload_len as usize == b.len * 4 => {
+                params
+                    .get_mut(b.tensor as usize)
+                    .and_then(Option::as_mut)
+                    .and_then(|p| p.get_mut(b.offset..b.offset + b.len))
+            }
+            _ => None,
+        };
+        let read = match dest {
+            Some(dest) => conn.reader.payload_into(&header, bytemuck::cast_slice_mut(dest)).await.map(|()| {
+                #[cfg(target_endian = "big")]
+                for v in dest.iter_mut() {
+                    *v = f32::from_bits(u32::from_le(v.to_bits()));
+                }
+                None
+            }),
+            None => conn.reader.payload(&header).await.map(Some),
+        };
+        let msg = match read {
+            Ok(msg) => msg,
+            Err(e) => {
+                // Unanswered after all: the connection is lost, with this request on it.
+                conn.pending.insert(header.request_id, (tag, sent));
+                return self.drop_server(server, e, plan, state);
+            }
+        };
+        let mut more = Vec::new();
+        if let Some(window) = state.in_flight.get_mut(&server) {
+            *window = window.saturating_sub(1);
+        }
+        if let Some(next) = state.deferred.get_mut(&server).and_then(VecDeque::pop_front) {
+            more.push(next);
+        }
+        let answer = match &msg {
+            Some(msg) => Answer::of(msg),
+            None => Answer::Pulled { len: b.len },
+        };
+        more.extend(plan.on_answer(self.clock.now(), tag, answer).map_err(from_node)?);
+        Ok(more)
+    }
+
+    /// Starts the writes of a round's requests, one vectored write per server: a push,
+    /// push_pull or init straight from the caller's gradient slice (no copy of the values),
+    /// a pull as its header. Each request waits for its reply from now on, at most
+    /// `request_timeout` (its deadline joins `deadlines`).
+    /// Returns the writes, and (server, tag) of the requests whose server has no
+    /// connection (lost, or unreachable at the last layout: for [`Client::lost`]).
+    fn start_writes<'g>(
+        &mut self,
+        batch: Vec<(u64, Sent)>,
+        grads: &[Option<&'g [f32]>],
+        deadlines: &mut VecDeque<(tokio::time::Instant, u32, u64)>,
+    ) -> Result<Started<'g>> {
+        let mut jobs = Vec::new();
         let mut lost = Vec::new();
         let mut servers: Vec<u32> = batch.iter().map(|(_, s)| s.server).collect();
         servers.sort_unstable();
         servers.dedup();
-        let mut writes: Vec<ServerWrite<'_>> = Vec::with_capacity(servers.len());
+        let deadline = tokio::time::Instant::now() + self.opts.request_timeout;
         for server in servers {
-            let mine: Vec<(u64, Sent)> = batch.iter().filter(|(_, s)| s.server == server).copied().collect();
-            let Some(peer) = self.peer(server)? else {
-                lost.extend(mine.iter().map(|(tag, _)| (server, *tag)));
+            let mine = batch.iter().filter(|(_, s)| s.server == server);
+            if self.conn(server)?.is_none() {
+                lost.extend(mine.map(|(tag, _)| (server, *tag)));
                 continue;
-            };
-            let mut frames = Vec::with_capacity(mine.len());
-            for &(_, sent) in &mine {
+            }
+            let mut frames = Vec::new();
+            for &(tag, sent) in mine {
                 let b = sent.block;
                 let values = || match grads.get(b.tensor as usize) {
                     Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok(&grad[b.offset..b.offset + b.len]),
@@ -513,50 +641,33 @@ impl Client {
                         Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id)))
                     }
                 };
-                frames.push(match sent.op {
-                    Op::Push(clock) => (Kind::Push, b.id, clock, values()?),
-                    Op::Init => (Kind::Init, b.id, 0, values()?),
-                    Op::Pull(clock) => (Kind::Pull, b.id, clock, &[][..]),
-                    Op::PushPull(clock) => (Kind::PushPull, b.id, clock, values()?),
-                });
+                let (kind, clock, values) = match sent.op {
+                    Op::Push(clock) => (Kind::Push, clock, values()?),
+                    Op::Init => (Kind::Init, 0, values()?),
+                    Op::Pull(clock) => (Kind::Pull, clock, &[][..]),
+                    Op::PushPull(clock) => (Kind::PushPull, clock, values()?),
+                };
+                let id = self.next_request;
+                self.next_request += 1;
+                let Some(conn) = self.servers.get_mut(&server) else { break };
+                let bytes: &'g [u8] = bytemuck::cast_slice(values);
+                frames.push((conn.writer().tensor_header(kind, id, b.id, clock, bytes.len())?, bytes));
+                conn.pending.insert(id, (tag, sent));
+                deadlines.push_back((deadline, server, id));
             }
-            writes.push((server, peer, mine, frames));
+            if let Some(conn) = self.servers.get_mut(&server) {
+                jobs.push(conn.write(server, frames));
+            }
         }
-        // Every server's write at once: a slow (capped) server does not hold up the others.
-        let timeout = self.opts.request_timeout;
-        let results = futures::future::join_all(
-            writes.iter().map(|(_, peer, _, frames)| tokio::time::timeout(timeout, peer.send_data_now(frames))),
-        )
-        .await;
-        for ((server, _, mine, _), result) in writes.iter().zip(results) {
-            let rxs = match result {
-                Ok(Err(RuntimeError::Closed(_))) if !self.shutting_down() => {
-                    lost.extend(mine.iter().map(|(tag, _)| (*server, *tag)));
-                    continue;
-                }
-                Ok(rxs) => rxs?,
-                Err(_) => {
-                    let what = mine.first().map_or_else(String::new, |(_, s)| {
-                        let (verb, clock) = s.op.verb_clock();
-                        format!(" ({verb}(clock {clock}) of block {} first)", s.block.id)
-                    });
-                    return Err(RuntimeError::Timeout {
-                        what: format!("worker {} writes {} requests to server {server}{what}", self.rank, mine.len()),
-                        after: timeout,
-                    });
-                }
-            };
-            out.extend(mine.iter().zip(rxs).map(|(&(tag, sent), rx)| (tag, sent, rx)));
-        }
-        Ok((out, lost))
+        Ok((jobs, lost))
     }
 
     /// The connection to server `owner`, if open (`None`: lost, or unreachable at the last
     /// layout), or the error for a layout that does not list it.
-    fn peer(&self, owner: u32) -> Result<Option<&Peer>> {
+    fn conn(&mut self, owner: u32) -> Result<Option<&mut ServerConn>> {
         let listed = self.layout.as_ref().is_some_and(|l| l.servers.iter().any(|s| s.id == owner));
-        match self.servers.get(&owner) {
-            Some(p) => Ok(Some(p)),
+        match self.servers.get_mut(&owner) {
+            Some(c) => Ok(Some(c)),
             None if listed => Ok(None),
             None => Err(RuntimeError::Protocol {
                 peer: "scheduler".into(),
@@ -565,32 +676,65 @@ impl Client {
         }
     }
 
-    /// Request `tag` to `server` went unanswered on a closed (or never opened) connection:
-    /// forgets the connection (the next layout naming the server connects again), frees
-    /// its window (the sends waiting for room there are lost too), and lets the plan
-    /// resend them to the owner a refreshed layout names.
-    fn lost(
+    /// The connection to `server` failed (`why`): it is dropped (the next layout naming
+    /// the server connects again), and the requests it left unanswered, with the sends
+    /// waiting for room in its window, are resent to the owner a refreshed layout names.
+    /// After the scheduler's `Shutdown` a lost request is the job's end instead.
+    fn drop_server(
         &mut self,
         server: u32,
-        tag: Tag,
+        why: RuntimeError,
         plan: &mut Round,
-        in_flight: &mut HashMap<u32, usize>,
-        deferred: &mut HashMap<u32, VecDeque<Action>>,
+        state: &mut InRound,
     ) -> Result<Vec<Action>> {
-        if self.servers.get(&server).is_some_and(Peer::is_closed) {
-            tracing::warn!(rank = self.rank, server, "server connection lost; resending after a layout refresh");
-            self.servers.remove(&server);
+        let Some(conn) = self.servers.remove(&server) else {
+            return Ok(Vec::new());
+        };
+        if conn.pending.is_empty() {
+            // Nothing was lost (a server that left the job closes its connections).
+            tracing::debug!(rank = self.rank, server, error = %why, "idle server connection closed");
+            return Ok(Vec::new());
         }
-        if let Some(window) = in_flight.get_mut(&server) {
-            *window = window.saturating_sub(1);
+        if self.shutting_down() {
+            return Err(self.explain(RuntimeError::Closed(format!("server {server}"))));
         }
-        let mut more = plan.on_lost(self.clock.now(), tag).map_err(from_node)?;
-        for waiting in deferred.remove(&server).unwrap_or_default() {
+        tracing::warn!(rank = self.rank, server, error = %why, "server connection lost; resending after a layout refresh");
+        let tags: Vec<Tag> = conn.pending.values().map(|(tag, _)| *tag).collect();
+        self.lost(server, &tags, plan, state)
+    }
+
+    /// Requests `tags` to `server` went unanswered (its connection closed, or was never
+    /// opened): frees their window (the sends waiting for room there are lost too) and lets
+    /// the plan resend them to the owner a refreshed layout names.
+    fn lost(&mut self, server: u32, tags: &[Tag], plan: &mut Round, state: &mut InRound) -> Result<Vec<Action>> {
+        if let Some(window) = state.in_flight.get_mut(&server) {
+            *window = window.saturating_sub(tags.len());
+        }
+        let mut more = Vec::new();
+        for &tag in tags {
+            more.extend(plan.on_lost(self.clock.now(), tag).map_err(from_node)?);
+        }
+        for waiting in state.deferred.remove(&server).unwrap_or_default() {
             if let Action::Send { tag, .. } = waiting {
                 more.extend(plan.on_lost(self.clock.now(), tag).map_err(from_node)?);
             }
         }
         Ok(more)
+    }
+
+    /// The error of request `id` to `server`, unanswered for `request_timeout`.
+    fn timed_out(&self, server: u32, id: u64) -> RuntimeError {
+        let what = match self.servers.get(&server).and_then(|c| c.pending.get(&id)) {
+            Some((_, sent)) => {
+                let (verb, clock) = sent.op.verb_clock();
+                format!(
+                    "worker {} waits for server {server} to answer {verb}(clock {clock}) of block {}",
+                    self.rank, sent.block.id
+                )
+            }
+            None => format!("worker {} waits for server {server} to answer a request", self.rank),
+        };
+        RuntimeError::Timeout { what, after: self.opts.request_timeout }
     }
 
     /// Connects to the layout's new servers (Hello) and drops those that left it. During a
@@ -605,9 +749,11 @@ impl Client {
             if self.servers.contains_key(&s.id) {
                 continue;
             }
-            match self.hello(s).await {
-                Ok(peer) => {
-                    self.servers.insert(s.id, peer);
+            let (serial, hello_id) = (self.next_request, self.next_request + 1);
+            self.next_request += 2;
+            match ServerConn::connect(s, self.opts.codec.clone(), self.rank, serial, hello_id).await {
+                Ok(conn) => {
+                    self.servers.insert(s.id, conn);
                 }
                 Err(e @ (RuntimeError::Closed(_) | RuntimeError::Io { .. })) if in_round => {
                     tracing::warn!(rank = self.rank, server = s.id, addr = %s.addr, error = %e, "server unreachable");
@@ -615,23 +761,11 @@ impl Client {
                 Err(e) => return Err(e),
             }
         }
-        // Servers that left the job (scaled in): drop their connections.
-        self.servers.retain(|id, _| layout.servers.iter().any(|s| s.id == *id));
+        // Servers that left the job (scaled in): drop their connections, once no request
+        // waits there (its reply, or the connection's close, is still to be read).
+        self.servers.retain(|id, c| !c.is_idle() || layout.servers.iter().any(|s| s.id == *id));
         self.layout = Some(Arc::new(layout));
         Ok(())
-    }
-
-    /// A connection to server `s`, which accepted this worker's `Hello`.
-    async fn hello(&self, s: &ServerAddr) -> Result<Peer> {
-        let name = format!("server {}", s.id);
-        let (peer, _notes) = Peer::connect(&s.addr, self.opts.codec.clone(), &name).await?;
-        match peer
-            .call(Control::Hello { rank: self.rank }.into(), CALL_TIMEOUT, || format!("{name} to accept Hello"))
-            .await?
-        {
-            Message::Control(Control::Ok) => Ok(peer),
-            other => Err(RuntimeError::unexpected(&name, "Ok", &other)),
-        }
     }
 
     /// Whether the scheduler said the job ends (closed server connections are expected).
@@ -709,49 +843,38 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
-/// What [`Client::send_batch`] did: the requests sent, each with its reply's receiver,
-/// and the (server, tag) of those lost on a closed or missing connection.
-type SentBatch = (Vec<(Tag, Sent, tokio::sync::oneshot::Receiver<Message>)>, Vec<(u32, Tag)>);
+/// What a round waits on besides its plan: the window per server, the sends waiting for
+/// room in it, the requests' deadlines in the order they were sent (one `request_timeout`
+/// each), when the plan wants to be woken, and whose turn it is to be read first.
+#[derive(Default)]
+struct InRound {
+    in_flight: HashMap<u32, usize>,
+    deferred: HashMap<u32, VecDeque<Action>>,
+    deadlines: VecDeque<(tokio::time::Instant, u32, u64)>,
+    wake: Option<u64>,
+    turn: usize,
+}
 
-/// One server's share of a batch: its id, its connection, its requests (tag and what was
-/// sent) and their frames (kind, block, clock, values).
-type ServerWrite<'a> = (u32, &'a Peer, Vec<(Tag, Sent)>, Vec<(Kind, u32, u32, &'a [f32])>);
+/// What [`Client::start_writes`] started: the writes, and (server, tag) of the requests
+/// that found no connection.
+type Started<'g> = (Vec<WriteJob<'g>>, Vec<(u32, Tag)>);
+
+/// What a round's wait ended with.
+enum Event {
+    /// A write finished (or failed).
+    Wrote(Written),
+    /// A server's next frame header came (or its connection failed or closed: `None`).
+    Header(u32, Result<Option<FrameHeader>>),
+    /// A deadline or the plan's wake-up time.
+    Timer,
+}
 
 /// One request in flight: who waits on whom for what.
 #[derive(Clone, Copy)]
 struct Sent {
-    rank: u32,
     server: u32,
     block: BlockSpec,
     op: Op,
-    timeout: Duration,
-}
-
-impl Sent {
-    /// The reply, or the error that names what was waited for.
-    fn reply(
-        self,
-        got: std::result::Result<
-            std::result::Result<Message, tokio::sync::oneshot::error::RecvError>,
-            tokio::time::error::Elapsed,
-        >,
-    ) -> Result<Message> {
-        let (verb, clock) = self.op.verb_clock();
-        match got {
-            Ok(Ok(msg)) => Ok(msg),
-            Ok(Err(_)) => Err(RuntimeError::Closed(format!(
-                "server {} (before answering {verb}(clock {clock}) of block {} from worker {})",
-                self.server, self.block.id, self.rank
-            ))),
-            Err(_) => Err(RuntimeError::Timeout {
-                what: format!(
-                    "worker {} waits for server {} to answer {verb}(clock {clock}) of block {}",
-                    self.rank, self.server, self.block.id
-                ),
-                after: self.timeout,
-            }),
-        }
-    }
 }
 
 /// The plan's refusals and failures, as the runtime's errors (with the same messages).
