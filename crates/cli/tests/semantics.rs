@@ -1,6 +1,8 @@
 //! The sync semantics, proven against real server processes: bsp + aggregate equals
 //! sequential large-batch SGD; ssp:S never answers pull(t) while done < t - S, with a
-//! straggler present; asp never holds a pull.
+//! straggler present; asp never holds a pull. And the data path: a round's fused
+//! push_pulls, more bytes than the sockets buffer, come back exact into the caller's
+//! tensors.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -137,6 +139,52 @@ fn bsp_with_aggregate_equals_sequential_large_batch_sgd() {
     }
     assert!((got[1][0] - b).abs() <= 1e-5, "b: {} vs {b}", got[1][0]);
     assert!(loss(&w, b, &xs, &ys) < loss0 * 0.9, "the model must actually learn");
+}
+
+/// The worker's round writes its requests while it reads the replies (the server answers
+/// a push_pull as it reads it): with 16 MiB per worker and round in flight at once, in
+/// 16 blocks over 2 servers, a round that wrote everything before reading would wait for
+/// a server that waits for it. Every pulled value is exact (small integers, sgd lr 1,
+/// bsp: the pull of clock t + 1 holds every push up to t), read straight into the
+/// caller's tensor.
+#[test]
+fn push_pulls_larger_than_the_socket_buffers_come_back_exact() {
+    const LEN: usize = 4 << 20; // 16 MiB of f32
+    const T: u32 = 4;
+    let args = ["--servers", "2", "--workers", "2", "--sync", "bsp", "--optimizer", "sgd", "--lr", "1"];
+    let args = [&args[..], &["--block-bytes", "1048576", "--placement", "roundrobin"]].concat();
+    let (_sched, addr, _servers) = cluster(&args, 2, None);
+    let grad = |rank: u32, t: u32, i: usize| ((i + rank as usize + t as usize) % 5) as f32 - 2.0;
+    let rt = common::tokio_rt();
+    let pulled: Vec<Vec<f32>> = rt.block_on(async {
+        let tasks: Vec<_> = (0..2)
+            .map(|_| {
+                let addr = addr.clone();
+                tokio::spawn(async move {
+                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
+                    let w = TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Zeros };
+                    c.register_model(vec![w]).await.expect("register");
+                    let mut params = c.zeros();
+                    c.pull(0, &mut params).await.expect("pull");
+                    assert!(params[0].iter().all(|v| *v == 0.0), "the first pull holds the zeros");
+                    let rank = c.rank();
+                    for t in 0..T {
+                        let g: Vec<f32> = (0..LEN).map(|i| grad(rank, t, i)).collect();
+                        c.push_pull(t, &[g], &mut params).await.expect("push_pull");
+                    }
+                    c.finish().await.expect("finish");
+                    params.swap_remove(0)
+                })
+            })
+            .collect();
+        common::join_workers(tasks).await
+    });
+    for (worker, values) in pulled.iter().enumerate() {
+        for (i, v) in values.iter().enumerate() {
+            let expected: f32 = -(0..T).flat_map(|t| (0..2).map(move |r| grad(r, t, i))).sum::<f32>();
+            assert_eq!(*v, expected, "worker {worker}, value {i}");
+        }
+    }
 }
 
 fn loss(w: &[f32], b: f32, xs: &[[f32; FEATURES]], ys: &[f32]) -> f32 {

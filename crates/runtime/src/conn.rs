@@ -648,6 +648,50 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_header_survives_cancelled_polls_and_its_payload_lands_in_the_callers_buffer() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (raw, accepted) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let mut raw = raw.unwrap();
+        let codec = Codec::new(b"", 64 << 20);
+        let (mut reader, _out) = split(accepted.unwrap().0, codec.clone(), "a".into());
+        let values = [1.5f32, -2.0, 3.25];
+        let payload: &[u8] = bytemuck::cast_slice(&values);
+        let head = codec.encode_header(&FrameHeader {
+            kind: Kind::PullReply,
+            request_id: 7,
+            block: 2,
+            clock: 5,
+            payload_len: payload.len() as u32,
+        });
+        // Half a header, then a poll that another event cancels: nothing read is lost.
+        raw.write_all(&head[..HEADER_LEN / 2]).await.unwrap();
+        let cut =
+            tokio::time::timeout(Duration::from_millis(50), std::future::poll_fn(|cx| reader.poll_header(cx))).await;
+        assert!(cut.is_err(), "half a header is no header");
+        raw.write_all(&head[HEADER_LEN / 2..]).await.unwrap();
+        raw.write_all(payload).await.unwrap();
+        let header = tokio::time::timeout(Duration::from_secs(10), std::future::poll_fn(|cx| reader.poll_header(cx)))
+            .await
+            .expect("the whole header was written")
+            .unwrap()
+            .expect("the connection is open");
+        assert_eq!((header.kind, header.request_id, header.block, header.clock), (Kind::PullReply, 7, 2, 5));
+        // A buffer of the wrong length is refused before a byte is read into it.
+        let err = reader.payload_into(&header, &mut [0u8; 8]).await.unwrap_err();
+        assert!(matches!(err, RuntimeError::Protocol { .. }), "{err:?}");
+        let mut into = [0f32; 3];
+        reader.payload_into(&header, bytemuck::cast_slice_mut(&mut into)).await.unwrap();
+        assert_eq!(into, values);
+        // The peer closes between frames: a clean end.
+        drop(raw);
+        let end = tokio::time::timeout(Duration::from_secs(10), std::future::poll_fn(|cx| reader.poll_header(cx)))
+            .await
+            .expect("the close is seen");
+        assert!(matches!(end, Ok(None)), "{end:?}");
+    }
+
+    #[tokio::test]
     async fn a_cancelled_direct_write_breaks_the_connection() {
         let ((_a_in, _a_out), (_b_in, b_out)) = pair(None).await;
         // Far more than the socket buffers hold, and nobody reads: the write cannot finish.
