@@ -55,6 +55,12 @@ impl ServerConn {
         self.pending.is_empty()
     }
 
+    /// Forgets the writes of earlier rounds (a round ends once its writes did, or drops
+    /// them when it fails): only the new round's are aborted with the connection.
+    pub(super) fn start_round(&mut self) {
+        self.writes.clear();
+    }
+
     /// Sends `msg` as request `id` and reads this connection until its reply, at most
     /// `timeout` (`what` names the wait); outside a round only. An `Error` frame comes
     /// back as [`RuntimeError::Remote`].
@@ -89,7 +95,6 @@ impl ServerConn {
     /// events; it is aborted if the connection is dropped first.
     pub(super) fn write<'g>(&mut self, server: u32, frames: Vec<([u8; HEADER_LEN], &'g [u8])>) -> WriteJob<'g> {
         let (handle, abort) = AbortHandle::new_pair();
-        self.writes.retain(|w| !w.is_aborted());
         self.writes.push(handle);
         WriteJob { server, serial: self.serial, writer: self.out.writer().clone(), frames, abort }
     }
