@@ -167,11 +167,12 @@ mod tests {
         assert!(e.to_string().contains("sent a frame before the handshake"), "{e}");
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_peer_that_stalls_mid_handshake_times_out_naming_it() {
         let (mut a, mut b) = duplex(1024);
         a.write_all(b"EP").await.unwrap(); // half a hello, then nothing
-        let e = accept(&mut b, b"", "worker at 10.0.0.7:5000", HANDSHAKE_TIMEOUT).await.unwrap_err();
+        let limit = std::time::Duration::from_millis(200);
+        let e = accept(&mut b, b"", "worker at 10.0.0.7:5000", limit).await.unwrap_err();
         assert!(matches!(e, RuntimeError::Timeout { .. }), "{e}");
         assert!(e.to_string().contains("worker at 10.0.0.7:5000 to complete the handshake"), "{e}");
         drop(a);
