@@ -7,6 +7,10 @@ use serde::{Deserializer, Serializer};
 
 /// Serializes `v` as a byte string of little-endian f32s.
 pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+    if cfg!(target_endian = "little") {
+        // The values' own bytes: no temporary, no per-element loop.
+        return s.serialize_bytes(bytemuck::cast_slice(v));
+    }
     let mut bytes = Vec::with_capacity(v.len() * 4);
     for x in v {
         bytes.extend_from_slice(&x.to_le_bytes());
@@ -32,6 +36,12 @@ impl<'de> Visitor<'de> for F32s {
         if !b.len().is_multiple_of(4) {
             return Err(E::invalid_length(b.len(), &"a multiple of 4 bytes"));
         }
+        if cfg!(target_endian = "little") {
+            // One copy of the bytes into an aligned buffer.
+            let mut out = vec![0f32; b.len() / 4];
+            bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(b);
+            return Ok(out);
+        }
         Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 
@@ -41,5 +51,30 @@ impl<'de> Visitor<'de> for F32s {
             out.push(x);
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+    struct Holder(#[serde(with = "super")] Vec<f32>);
+
+    #[test]
+    fn postcard_carries_the_values_as_one_little_endian_byte_string() {
+        let v = Holder(vec![1.5, -0.0, f32::MAX, 3.25e-20, f32::NAN.copysign(1.0)]);
+        let bytes = postcard::to_allocvec(&v).unwrap();
+        // A length (20 as a varint), then each value's little-endian bytes.
+        let mut expected = vec![20u8];
+        for x in &v.0 {
+            expected.extend_from_slice(&x.to_le_bytes());
+        }
+        assert_eq!(bytes, expected);
+        let back: Holder = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(
+            back.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            v.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        // A byte string that is not whole f32s is refused.
+        assert!(postcard::from_bytes::<Holder>(&[3, 0, 0, 0]).is_err());
     }
 }
