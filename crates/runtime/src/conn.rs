@@ -4,7 +4,10 @@
 //! Reading takes the 32-byte header first, validates it (so an oversized length is
 //! refused before a byte of payload is read), then reads a tensor payload straight into
 //! an aligned `Vec<f32>`: no intermediate buffer, no per-element decoding. Large payload
-//! buffers are recycled through a small process-wide pool ([`crate::pool`]).
+//! buffers are recycled through a small process-wide pool ([`crate::pool`]). A reader that
+//! knows where a payload goes (a worker's pull reply: its tensor) reads the header alone,
+//! cancel-safely among other events ([`FrameReader::poll_header`]), then the payload into
+//! its own buffer ([`FrameReader::payload_into`]).
 //!
 //! Writing has two paths into one socket, serialised by the connection's [`Writer`]:
 //!
