@@ -432,23 +432,11 @@ fn job_args(servers: u32, replicas: u32, block_bytes: usize) -> JobArgs {
         sync: elasticps_core::sync::SyncPolicy::Bsp,
         optimizer: elasticps_core::optimizer::OptimizerKind::Sgd,
         lr: 1.0,
-        aggregate: false,
         placement: PlacementKind::Range,
         block_bytes,
         seed: 1,
-        server_sync: Vec::new(),
-        server_bandwidth: Vec::new(),
-        server_interference: Vec::new(),
-        straggler_at: 0.0,
-        balance: Default::default(),
-        max_servers: None,
-        min_servers: None,
-        checkpoint_dir: None,
-        checkpoint_every: 0,
-        resume: None,
-        rejoin_wait_s: 0.0,
         replicas,
-        state_dir: None,
+        ..JobArgs::default()
     }
 }
 

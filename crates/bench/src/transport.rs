@@ -497,24 +497,9 @@ async fn start_cluster(
         workers: topo.workers,
         sync: "asp".parse()?,
         optimizer: "sgd".parse()?,
-        lr: 0.001,
-        aggregate: false,
         placement: PlacementKind::Range,
         block_bytes: cut.block_bytes(size),
-        seed: 42,
-        server_sync: Vec::new(),
-        server_bandwidth: Vec::new(),
-        server_interference: Vec::new(),
-        straggler_at: 0.0,
-        balance: Default::default(),
-        max_servers: None,
-        min_servers: None,
-        checkpoint_dir: None,
-        checkpoint_every: 0,
-        resume: None,
-        rejoin_wait_s: 0.0,
-        replicas: 1,
-        state_dir: None,
+        ..JobArgs::default()
     };
     let mut cluster = Cluster::new(log_dir)?;
     let env = [("ELASTICPS_SECRET", net.secret.as_str())];

@@ -310,6 +310,38 @@ pub struct JobArgs {
     pub state_dir: Option<PathBuf>,
 }
 
+/// The job a command line with none of these flags describes (clap's defaults; a test
+/// keeps the two equal): for code that builds a job, naming only what it sets.
+impl Default for JobArgs {
+    fn default() -> Self {
+        JobArgs {
+            servers: 2,
+            workers: 2,
+            sync: SyncPolicy::Bsp,
+            server_sync: Vec::new(),
+            // As clap's default_value: the parser holds Adam's betas and eps.
+            optimizer: "adam".parse().unwrap_or(OptimizerKind::Sgd),
+            lr: 0.001,
+            aggregate: false,
+            placement: PlacementKind::BestFit,
+            block_bytes: 4 << 20,
+            seed: 42,
+            server_bandwidth: Vec::new(),
+            server_interference: Vec::new(),
+            straggler_at: 0.0,
+            balance: BalanceMode::default(),
+            max_servers: None,
+            min_servers: None,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            resume: None,
+            rejoin_wait_s: 0.0,
+            replicas: 1,
+            state_dir: None,
+        }
+    }
+}
+
 impl JobArgs {
     /// The scheduler's job configuration.
     pub fn job_config(&self) -> crate::Result<JobConfig> {
@@ -691,6 +723,11 @@ mod tests {
 
     fn config(flags: &[&str]) -> crate::Result<JobConfig> {
         parse(flags).map_err(|e| LaunchError::Flags(e.to_string()))?.job_config()
+    }
+
+    #[test]
+    fn the_default_job_is_the_command_lines_without_flags() {
+        assert_eq!(JobArgs::default().to_flags(), parse(&[]).unwrap().to_flags());
     }
 
     #[test]

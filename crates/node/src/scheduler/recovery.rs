@@ -566,6 +566,18 @@ mod tests {
         blocks.iter().map(|&(block, epoch, arrived)| HeldBlock { block, epoch, arrived }).collect()
     }
 
+    /// Server `server_id` reattaches on connection `conn` (request 1) at `addr`, holding
+    /// `blocks` (block, epoch, arrived).
+    fn reattach_server(
+        m: &mut Scheduler,
+        conn: ConnId,
+        server_id: u32,
+        addr: &str,
+        blocks: &[(u32, u64, bool)],
+    ) -> Vec<Action> {
+        recv(m, conn, 1, Control::ReattachServer { server_id, data_addr: addr.into(), blocks: held(blocks) })
+    }
+
     /// The state through JSON, as the runtime writes and reads it.
     fn through_disk(m: &Scheduler) -> SavedState {
         let json = serde_json::to_string(&m.saved_state()).unwrap();
@@ -598,27 +610,9 @@ mod tests {
         let a = recv(&mut r, 21, 1, Control::ReattachWorker { rank: 1 });
         assert!(matches!(sent_to(&a, 21)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
         assert!(recv(&mut r, 21, 2, Control::GetLayout).is_empty(), "no layout before the servers are back");
-        let a = recv(
-            &mut r,
-            30,
-            1,
-            Control::ReattachServer {
-                server_id: 0,
-                data_addr: "s0".into(),
-                blocks: held(&[(0, 0, false), (1, 0, false)]),
-            },
-        );
+        let a = reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (1, 0, false)]);
         assert!(matches!(sent_to(&a, 30)[..], [Message::Control(Control::Welcome { node_id: 0, .. })]), "{a:?}");
-        let a = recv(
-            &mut r,
-            31,
-            1,
-            Control::ReattachServer {
-                server_id: 1,
-                data_addr: "s1b".into(),
-                blocks: held(&[(2, 0, false), (3, 0, false)]),
-            },
-        );
+        let a = reattach_server(&mut r, 31, 1, "s1b", &[(2, 0, false), (3, 0, false)]);
         match &sent_to(&a, 21)[..] {
             [Message::Control(Control::Layout(l))] => {
                 assert_eq!(l.placement, *m.placement().unwrap(), "the servers agree with the saved placement");
@@ -657,26 +651,8 @@ mod tests {
         let mut r = Scheduler::recover(config(), through_disk(&m), 10_000_000).unwrap();
         // Server 1 holds block 1 as arrived at epoch 2; server 0 handed it over. And the
         // servers say block 3 is on server 0 (the saved placement says server 1).
-        recv(
-            &mut r,
-            30,
-            1,
-            Control::ReattachServer {
-                server_id: 0,
-                data_addr: "s0".into(),
-                blocks: held(&[(0, 0, false), (3, 1, false)]),
-            },
-        );
-        let a = recv(
-            &mut r,
-            31,
-            1,
-            Control::ReattachServer {
-                server_id: 1,
-                data_addr: "s1".into(),
-                blocks: held(&[(1, 2, true), (2, 0, false)]),
-            },
-        );
+        reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (3, 1, false)]);
+        let a = reattach_server(&mut r, 31, 1, "s1", &[(1, 2, true), (2, 0, false)]);
         assert!(
             sent_to(&a, 31)
                 .iter()
@@ -711,26 +687,8 @@ mod tests {
     fn past_the_wait_a_missing_worker_is_removed_and_a_missing_server_ends_the_job() {
         let m = running();
         let mut r = Scheduler::recover(config(), through_disk(&m), 2 * RECOVER_WAIT_US).unwrap();
-        recv(
-            &mut r,
-            30,
-            1,
-            Control::ReattachServer {
-                server_id: 0,
-                data_addr: "s0".into(),
-                blocks: held(&[(0, 0, false), (1, 0, false)]),
-            },
-        );
-        recv(
-            &mut r,
-            31,
-            1,
-            Control::ReattachServer {
-                server_id: 1,
-                data_addr: "s1".into(),
-                blocks: held(&[(2, 0, false), (3, 0, false)]),
-            },
-        );
+        reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (1, 0, false)]);
+        reattach_server(&mut r, 31, 1, "s1", &[(2, 0, false), (3, 0, false)]);
         recv(&mut r, 21, 1, Control::ReattachWorker { rank: 0 });
         assert!(r.step(Event::Tick { now_us: 1_000 }).is_empty(), "the wait counts from the first tick");
         assert!(r.step(Event::Tick { now_us: RECOVER_WAIT_US }).is_empty());
@@ -742,16 +700,7 @@ mod tests {
         assert_eq!(r.waiting_for(), None);
 
         let mut r = Scheduler::recover(config(), through_disk(&m), 2 * RECOVER_WAIT_US).unwrap();
-        recv(
-            &mut r,
-            30,
-            1,
-            Control::ReattachServer {
-                server_id: 0,
-                data_addr: "s0".into(),
-                blocks: held(&[(0, 0, false), (1, 0, false)]),
-            },
-        );
+        reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (1, 0, false)]);
         r.step(Event::Tick { now_us: 0 });
         let a = r.step(Event::Tick { now_us: RECOVER_WAIT_US });
         let ended = a.iter().find_map(|x| match x {

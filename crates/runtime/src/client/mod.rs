@@ -388,8 +388,10 @@ impl Client {
         let layout = self.current_layout()?;
         // A round that failed half-way left requests on some connections: their late
         // replies must not be taken for this round's, so those connections start afresh.
-        self.servers.retain(|_, c| c.is_idle());
-        self.servers.values_mut().for_each(ServerConn::start_round);
+        self.servers.retain(|_, c| {
+            c.start_round();
+            c.is_idle()
+        });
         let push_mask: Vec<bool> = push.map_or_else(Vec::new, |(_, g)| g.iter().map(Option::is_some).collect());
         let pull_mask: Vec<bool> =
             pull.as_ref().map_or_else(Vec::new, |(_, p)| p.iter().map(Option::is_some).collect());
