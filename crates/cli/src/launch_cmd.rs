@@ -21,6 +21,7 @@ use std::time::Duration;
 use clap::Args;
 
 use elasticps_launch::args::{JobArgs, NetArgs, RunArgs};
+use elasticps_launch::hosts::{HostArgs, HostOutcome, HostSpec, run_host};
 use elasticps_launch::process::shell_words;
 use elasticps_launch::runner::{
     JobSpec, RunOutcome, Workers, assemble_report, job_config_json, print_cluster_summary, run_job,
@@ -47,6 +48,9 @@ pub struct LaunchCmd {
     /// Report, progress bars, metrics.
     #[command(flatten)]
     pub run: RunArgs,
+    /// A job across hosts: run this same command on every host (`--nnodes`, `--rdzv`).
+    #[command(flatten)]
+    pub hosts: HostArgs,
     /// Once every worker has exited, how long the scheduler and the servers may take to
     /// end the job before they are stopped and the launch fails, in seconds (a worker that
     /// exits without finishing leaves the scheduler waiting).
@@ -66,6 +70,29 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
     if let Some(j) = cmd.worker_jitter {
         env.push(("ELASTICPS_WORKER_JITTER".to_string(), j.to_string()));
     }
+    let end_timeout = Duration::try_from_secs_f64(cmd.end_timeout_s)
+        .map_err(|_| anyhow::anyhow!("--end-timeout-s must be a non-negative number of seconds"))?;
+    if cmd.hosts.spans_hosts() {
+        let spec = HostSpec {
+            hosts: &cmd.hosts,
+            job: &cmd.job,
+            net: &cmd.net,
+            report: cmd.run.report.as_deref(),
+            quiet: cmd.run.quiet,
+            command: &cmd.command,
+            env,
+            end_timeout,
+            restart_workers: cmd.run.restart_workers,
+            restart_servers: cmd.run.restart_servers,
+        };
+        match run_host(&spec).await? {
+            HostOutcome::Left(reason) => {
+                println!("this host is done: {reason}");
+                return Ok(());
+            }
+            HostOutcome::Job(outcome) => return finish(&cmd, &outcome),
+        }
+    }
     let outcome = run_job(&JobSpec {
         job: &cmd.job,
         net: &cmd.net,
@@ -73,14 +100,18 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
         quiet: cmd.run.quiet,
         extra_server_args: &[],
         workers: Workers::Command { argv: &cmd.command, env },
-        end_timeout: Duration::try_from_secs_f64(cmd.end_timeout_s)
-            .map_err(|_| anyhow::anyhow!("--end-timeout-s must be a non-negative number of seconds"))?,
+        end_timeout,
         metrics: cmd.run.metrics,
         restart_workers: cmd.run.restart_workers,
         restart_servers: cmd.run.restart_servers,
     })
     .await?;
-    let report = build_report(&cmd, &outcome);
+    finish(&cmd, &outcome)
+}
+
+/// Prints the job's summary and writes its report.
+fn finish(cmd: &LaunchCmd, outcome: &RunOutcome) -> anyhow::Result<()> {
+    let report = build_report(cmd, outcome);
     if report.test_accuracy.is_nan() {
         println!("{} steps per worker (no test accuracy logged)", report.iterations);
     } else {
@@ -92,13 +123,17 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
         );
     }
     print_cluster_summary(&cmd.job, &report);
-    let missing = missing_ranks(cmd.job.workers, &outcome);
+    let workers = match cmd.hosts.nnodes {
+        Some((min, _)) if cmd.hosts.spans_hosts() => min * cmd.hosts.workers_per_node,
+        _ => cmd.job.workers,
+    };
+    let missing = missing_ranks(workers, outcome);
     if !missing.is_empty() {
         let ranks: Vec<String> = missing.iter().map(u32::to_string).collect();
         println!(
             "note: {} of {} workers sent no final report (worker_done): rank {}; their numbers are missing above",
             missing.len(),
-            cmd.job.workers,
+            workers,
             ranks.join(", ")
         );
     }

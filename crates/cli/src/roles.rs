@@ -44,6 +44,18 @@ pub struct SchedulerCmd {
     /// Print JSON events on stdout.
     #[arg(long, env = "ELASTICPS_EVENTS")]
     pub events: bool,
+    /// A job that spans hosts: wait for MIN host agents (`elasticps launch --rdzv`), take
+    /// up to MAX, and start the servers and workers on them.
+    #[arg(long, value_name = "MIN[:MAX]", value_parser = elasticps_launch::hosts::parse_nnodes)]
+    pub nnodes: Option<(u32, u32)>,
+    /// With --nnodes: restart a lost worker with its rank on a host with room, at most
+    /// this many times in all.
+    #[arg(long, default_value_t = 0)]
+    pub restart_workers: u32,
+    /// With --nnodes and --replicas: start a server in place of a lost one on a host with
+    /// room, at most this many times in all.
+    #[arg(long, default_value_t = 0)]
+    pub restart_servers: u32,
 }
 
 /// `elasticps server`: owns blocks, applies pushes, answers pulls.
@@ -151,10 +163,17 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
         join_timeout: Duration::from_secs(cmd.join_timeout_s),
         metrics,
         state_dir: cmd.job.state_dir.clone(),
+        hosts: cmd.nnodes.map(|(min_hosts, max_hosts)| scheduler::HostsConfig {
+            min_hosts,
+            max_hosts,
+            restart_workers: cmd.restart_workers,
+            restart_servers: cmd.restart_servers,
+        }),
+        relay: cmd.nnodes.map(|_| emitter.clone()),
     };
     let mut launched = None;
     let launcher: Option<Box<dyn scheduler::Launcher>> = match cmd.launcher.as_str() {
-        "local" => {
+        "local" if cmd.nnodes.is_none() => {
             let dir = cmd.log_dir.clone().unwrap_or_else(|| std::env::temp_dir().join("elasticps-scaled"));
             let mut flags = cmd.net.to_flags();
             if let Some(listen) = &cmd.metrics_listen {
@@ -184,6 +203,26 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What a server advertises: `--advertise`, else, listening on an unspecified address,
+/// the address of the interface that routes to the scheduler. Refused: a loopback or
+/// unspecified address to a scheduler on another host.
+fn advertised(scheduler: &str, listen: &str, advertise: Option<String>) -> anyhow::Result<Option<String>> {
+    use elasticps_launch::addr;
+    let sched = addr::resolve(scheduler, 7000, "--scheduler")?;
+    let listen_ip =
+        listen.rsplit_once(':').and_then(|(h, _)| h.trim_matches(['[', ']']).parse::<std::net::IpAddr>().ok());
+    let advertise = match (advertise, listen_ip) {
+        (Some(a), _) => Some(a),
+        (None, Some(ip)) if ip.is_unspecified() => Some(addr::route_to(sched)?.to_string()),
+        (None, _) => None,
+    };
+    let shown = advertise.as_deref().unwrap_or(listen);
+    let host = shown.rsplit_once(':').map_or(shown, |(h, p)| if p.parse::<u16>().is_ok() { h } else { shown });
+    addr::check_advertised(addr::resolve(host, 0, "--advertise")?.ip(), sched)
+        .with_context(|| format!("server listening on {listen}"))?;
+    Ok(advertise)
+}
+
 /// Runs a server until the scheduler ends the job.
 pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
     cmd.net.install()?;
@@ -196,10 +235,11 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
         emit_metrics_when(emitter.clone(), "server", e.addr(), async move { m.registered(METRICS_EVENT_WAIT).await });
         _endpoint = Some(e);
     }
+    let advertise = advertised(&cmd.scheduler, &cmd.listen, cmd.advertise)?;
     let opts = ServerOptions {
         scheduler: cmd.scheduler,
         listen: cmd.listen,
-        advertise: cmd.advertise,
+        advertise,
         codec: cmd.net.codec(),
         frame_timeout: cmd.net.frame_timeout(),
         trace: cmd.trace,

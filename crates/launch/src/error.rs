@@ -40,6 +40,14 @@ pub enum LaunchError {
     /// Writing the report failed.
     #[error(transparent)]
     Report(#[from] ReportError),
+    /// The host agent's connection to the scheduler failed.
+    #[error("{what}: {cause}")]
+    Scheduler {
+        /// What the agent was doing.
+        what: String,
+        /// The runtime's error.
+        cause: elasticps_runtime::RuntimeError,
+    },
 }
 
 impl LaunchError {

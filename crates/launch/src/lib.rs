@@ -12,8 +12,10 @@
 //! `elasticps server`, `elasticps worker`): the crate is meant to be linked into the
 //! `elasticps` binary.
 
+pub mod addr;
 pub mod args;
 mod error;
+pub mod hosts;
 pub mod process;
 pub mod runner;
 pub mod train;

@@ -141,14 +141,14 @@ pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32
 
 /// SIGINT, SIGTERM and SIGHUP, listened to for the whole run: each stops every node
 /// (a worker command's own children included) before the launcher exits.
-struct Signals {
+pub(crate) struct Signals {
     int: Signal,
     term: Signal,
     hup: Signal,
 }
 
 impl Signals {
-    fn new() -> Result<Self> {
+    pub(crate) fn new() -> Result<Self> {
         let listen = |kind| signal(kind).map_err(|e| LaunchError::io("cannot listen for signals", e));
         Ok(Self {
             int: listen(SignalKind::interrupt())?,
@@ -158,7 +158,7 @@ impl Signals {
     }
 
     /// Waits for either signal; returns what to call it.
-    async fn recv(&mut self) -> &'static str {
+    pub(crate) async fn recv(&mut self) -> &'static str {
         tokio::select! {
             _ = self.int.recv() => "interrupted",
             _ = self.term.recv() => "terminated",
@@ -168,7 +168,7 @@ impl Signals {
 }
 
 /// How long a failed or interrupted job waits for the processes it killed to be reaped.
-const REAP_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const REAP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs one job on a local cluster and collects its events.
 pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
@@ -205,28 +205,11 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
     }
     args.extend(spec.net.to_flags());
     args.extend(metrics_flags.iter().cloned());
-    let sched = cluster.spawn("scheduler", &args, &env)?;
-    let deadline = tokio::time::Instant::now() + SCHEDULER_START_TIMEOUT;
-    let addr = loop {
-        let next = tokio::select! {
-            ev = tokio::time::timeout_at(deadline, cluster.next()) => ev,
-            how = signals.recv() => {
-                cluster.stop(REAP_TIMEOUT).await;
-                return Err(LaunchError::Stopped(how));
-            }
-        };
-        match next {
-            Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => break addr,
-            Ok(Some(NodeEvent::Line { event: Event::Metrics { node, addr }, .. })) => scrape.add(node, addr),
-            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
-            Ok(Some(_)) => continue,
-            Ok(None) | Err(_) => {
-                return Err(LaunchError::Timeout(format!(
-                    "the scheduler did not report its address within {} s\n{}",
-                    SCHEDULER_START_TIMEOUT.as_secs(),
-                    cluster.log_tail(sched, 12)
-                )));
-            }
+    let addr = match start_scheduler(&mut cluster, &args, &env, &mut signals, &mut scrape).await {
+        Ok(addr) => addr,
+        Err(e) => {
+            cluster.stop(REAP_TIMEOUT).await;
+            return Err(e);
         }
     };
     let spawn_server = |cluster: &mut Cluster, i: u32| -> Result<usize> {
@@ -287,8 +270,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
     let mut restarts_left = spec.restart_workers;
 
     let bars = Bars::new(spec.quiet);
-    let mut out = RunOutcome::default();
-    let mut eval_rank = None;
+    let mut rec = Recorder::new(&bars);
     let mut end_by = None;
     loop {
         let next = tokio::select! {
@@ -324,7 +306,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
                         cluster.name(node)
                     );
                     bars.println(true, &line);
-                    out.restarts.push(Restart { rank, t_s, status: status.to_string() });
+                    rec.out.restarts.push(Restart { rank, t_s, status: status.to_string() });
                     match spawn_worker(&mut cluster, i, Some(rank)) {
                         Ok(again) => worker_nodes.insert(again, (i, Some(rank))),
                         Err(e) => {
@@ -352,7 +334,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
                         format!("[{}] exited with {status}; its blocks fail over to their backups", cluster.name(node))
                     };
                     bars.println(true, &line);
-                    out.server_exits.push(ServerExit { index, t_s, status: status.to_string(), replaced });
+                    rec.out.server_exits.push(ServerExit { index, t_s, status: status.to_string(), replaced });
                     if replaced {
                         match spawn_server(&mut cluster, next_server) {
                             Ok(again) => server_nodes.insert(again, next_server),
@@ -385,66 +367,127 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
             Some(NodeEvent::Output { node, line, stderr }) => {
                 bars.println(stderr, &format!("[{}] {line}", cluster.name(node)));
             }
-            Some(NodeEvent::Line { node, event }) => match event {
-                Event::Progress { rank, iteration, total, loss } => {
-                    if let Some((_, r)) = worker_nodes.get_mut(&node) {
-                        *r = Some(rank);
-                    }
-                    bars.update(rank, iteration.into(), Some(total.into()), Some(f64::from(loss)));
-                    out.curve.push(CurvePoint {
-                        t_s,
-                        iteration: iteration.into(),
-                        rank,
-                        loss: Some(loss.into()),
-                        test_accuracy: None,
-                        metrics: BTreeMap::new(),
-                    });
+            Some(NodeEvent::Line { event: Event::Metrics { node, addr }, .. }) => scrape.add(node, addr),
+            Some(NodeEvent::Line { node, event }) => {
+                if let Some(rank) = rec.event(t_s, event)
+                    && let Some((_, r)) = worker_nodes.get_mut(&node)
+                {
+                    *r = Some(rank);
                 }
-                Event::Eval { rank, iteration, accuracy, loss } => {
-                    if eval_rank.is_none_or(|r| rank <= r) {
-                        (eval_rank, out.final_eval) = (Some(rank), Some((accuracy, loss)));
-                    }
-                    out.curve.push(CurvePoint {
-                        t_s,
-                        iteration: iteration.into(),
-                        rank,
-                        loss: None,
-                        test_accuracy: Some(accuracy.into()),
-                        metrics: BTreeMap::new(),
-                    });
-                }
-                Event::Log { rank, step, metrics } => {
-                    if let Some((_, r)) = worker_nodes.get_mut(&node) {
-                        *r = Some(rank);
-                    }
-                    let loss = metrics.get("loss").copied();
-                    let total = metrics.get("total").copied().filter(|t| t.is_finite() && *t >= 0.0);
-                    bars.update(rank, step, total.map(|t| t as u64), loss);
-                    let accuracy = metrics.get("accuracy").or_else(|| metrics.get("test_accuracy")).copied();
-                    if let Some(acc) = accuracy
-                        && eval_rank.is_none_or(|r| rank <= r)
-                    {
-                        let test_loss = metrics.get("test_loss").copied().unwrap_or(f64::NAN);
-                        (eval_rank, out.final_eval) = (Some(rank), Some((acc as f32, test_loss as f32)));
-                    }
-                    let metrics = metrics.into_iter().filter(|(k, _)| !READ_KEYS.contains(&k.as_str())).collect();
-                    out.curve.push(CurvePoint { t_s, iteration: step, rank, loss, test_accuracy: accuracy, metrics });
-                }
-                Event::WorkerDone(w) => {
-                    out.workers.insert(w.rank, w);
-                }
-                Event::ServerStats(s) => {
-                    out.servers.insert(s.server_id, s);
-                }
-                Event::Balance(log) => out.balance = Some(log),
-                Event::Metrics { node, addr } => scrape.add(node, addr),
-                Event::Listening { .. } => {}
-            },
+            }
         }
     }
     bars.clear();
+    let mut out = rec.out;
     out.wall = started.elapsed();
     Ok(out)
+}
+
+/// Turns the event lines of a job's nodes into its [`RunOutcome`], and moves the progress
+/// bars.
+pub struct Recorder<'b> {
+    /// What the events so far recorded.
+    pub out: RunOutcome,
+    bars: &'b Bars,
+    eval_rank: Option<u32>,
+}
+
+impl<'b> Recorder<'b> {
+    /// A recorder that draws on `bars`.
+    pub fn new(bars: &'b Bars) -> Self {
+        Self { out: RunOutcome::default(), bars, eval_rank: None }
+    }
+
+    /// Records one event, `t_s` seconds into the run; returns the rank of the worker that
+    /// sent it, if it is a worker's progress.
+    pub fn event(&mut self, t_s: f64, event: Event) -> Option<u32> {
+        let mut named = None;
+        match event {
+            Event::Progress { rank, iteration, total, loss } => {
+                named = Some(rank);
+                self.bars.update(rank, iteration.into(), Some(total.into()), Some(f64::from(loss)));
+                self.out.curve.push(CurvePoint {
+                    t_s,
+                    iteration: iteration.into(),
+                    rank,
+                    loss: Some(loss.into()),
+                    test_accuracy: None,
+                    metrics: BTreeMap::new(),
+                });
+            }
+            Event::Eval { rank, iteration, accuracy, loss } => {
+                if self.eval_rank.is_none_or(|r| rank <= r) {
+                    (self.eval_rank, self.out.final_eval) = (Some(rank), Some((accuracy, loss)));
+                }
+                self.out.curve.push(CurvePoint {
+                    t_s,
+                    iteration: iteration.into(),
+                    rank,
+                    loss: None,
+                    test_accuracy: Some(accuracy.into()),
+                    metrics: BTreeMap::new(),
+                });
+            }
+            Event::Log { rank, step, metrics } => {
+                named = Some(rank);
+                let loss = metrics.get("loss").copied();
+                let total = metrics.get("total").copied().filter(|t| t.is_finite() && *t >= 0.0);
+                self.bars.update(rank, step, total.map(|t| t as u64), loss);
+                let accuracy = metrics.get("accuracy").or_else(|| metrics.get("test_accuracy")).copied();
+                if let Some(acc) = accuracy
+                    && self.eval_rank.is_none_or(|r| rank <= r)
+                {
+                    let test_loss = metrics.get("test_loss").copied().unwrap_or(f64::NAN);
+                    (self.eval_rank, self.out.final_eval) = (Some(rank), Some((acc as f32, test_loss as f32)));
+                }
+                let metrics = metrics.into_iter().filter(|(k, _)| !READ_KEYS.contains(&k.as_str())).collect();
+                self.out.curve.push(CurvePoint { t_s, iteration: step, rank, loss, test_accuracy: accuracy, metrics });
+            }
+            Event::WorkerDone(w) => {
+                self.out.workers.insert(w.rank, w);
+            }
+            Event::ServerStats(s) => {
+                self.out.servers.insert(s.server_id, s);
+            }
+            Event::Balance(log) => self.out.balance = Some(log),
+            Event::Listening { .. } => {}
+            Event::Waiting { what } => self.bars.println(false, &what),
+            Event::Metrics { .. } => {}
+        }
+        named
+    }
+}
+
+/// Starts `elasticps ARGS` (a scheduler) as node "scheduler" and waits for the address it
+/// listens on.
+pub(crate) async fn start_scheduler(
+    cluster: &mut Cluster,
+    args: &[String],
+    env: &[(&str, &str)],
+    signals: &mut Signals,
+    scrape: &mut ScrapeList,
+) -> Result<String> {
+    let sched = cluster.spawn("scheduler", &args, &env)?;
+    let deadline = tokio::time::Instant::now() + SCHEDULER_START_TIMEOUT;
+    loop {
+        let next = tokio::select! {
+            ev = tokio::time::timeout_at(deadline, cluster.next()) => ev,
+            how = signals.recv() => return Err(LaunchError::Stopped(how)),
+        };
+        match next {
+            Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => return Ok(addr),
+            Ok(Some(NodeEvent::Line { event: Event::Metrics { node, addr }, .. })) => scrape.add(node, addr),
+            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status)),
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => {
+                return Err(LaunchError::Timeout(format!(
+                    "the scheduler did not report its address within {} s\n{}",
+                    SCHEDULER_START_TIMEOUT.as_secs(),
+                    cluster.log_tail(sched, 12)
+                )));
+            }
+        }
+    }
 }
 
 /// Sleeps until `at`, or forever if there is no deadline.
@@ -611,7 +654,7 @@ impl Bars {
 
 /// Where to scrape each node (`--metrics`): printed once every node started reports its
 /// address, then one line per node that joins later (a server the scheduler launched).
-struct ScrapeList {
+pub(crate) struct ScrapeList {
     enabled: bool,
     expected: usize,
     nodes: Vec<(String, String)>,
@@ -619,7 +662,7 @@ struct ScrapeList {
 }
 
 impl ScrapeList {
-    fn new(enabled: bool, expected: usize) -> Self {
+    pub(crate) fn new(enabled: bool, expected: usize) -> Self {
         Self { enabled, expected, nodes: Vec::new(), printed: false }
     }
 

@@ -41,6 +41,12 @@ pub enum Event {
         /// Its bound address.
         addr: String,
     },
+    /// The scheduler of a job across hosts still waits for the job to assemble (every
+    /// 5 s): hosts, servers and workers, counted and named.
+    Waiting {
+        /// What it waits for.
+        what: String,
+    },
     /// A node serves Prometheus metrics at `http://ADDR/metrics` (`--metrics-listen`).
     Metrics {
         /// `scheduler`, `server 1` (its id) or `worker 0` (its rank).
@@ -246,8 +252,14 @@ impl Emitter {
         if !self.is_enabled() {
             return;
         }
-        let Ok(mut line) = serde_json::to_string(event) else { return };
-        line.push('\n');
+        let Ok(line) = serde_json::to_string(event) else { return };
+        self.emit_line(&line);
+    }
+
+    /// Writes one event line already in JSON (a node's, relayed by its host agent), as
+    /// [`Emitter::emit`] does.
+    pub fn emit_line(&self, line: &str) {
+        let line = format!("{}\n", line.trim_end());
         match &self.sink {
             Sink::Nowhere => {}
             Sink::Stdout => {

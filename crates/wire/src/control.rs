@@ -263,6 +263,75 @@ pub enum Control {
         /// Its rank.
         rank: u32,
     },
+    /// Tag 41: Host agent (`elasticps launch` on a host) -> scheduler, first message on
+    /// its control connection: this host and its slots. Reply: [`Control::HostWelcome`],
+    /// or an `Error` (the job has its `--nnodes` MAX hosts, a host of that name or address
+    /// is already in, a loopback address to a scheduler on another host). The agent then
+    /// sends [`Control::Heartbeat`] every 500 ms; after 2 s without one (or when its
+    /// connection closes) the host is lost.
+    JoinHost(HostOffer),
+    /// Tag 42: Scheduler -> agent: the host joined as `host` of a job of `workers` workers.
+    HostWelcome {
+        /// The host's id (join order, from 0).
+        host: u32,
+        /// Workers in the job (a worker command's `ELASTICPS_WORKERS`).
+        workers: u32,
+    },
+    /// Tag 43: Scheduler -> agent (notification): start one node in slot `slot` (an id
+    /// unique in the job); the agent reports its exit with [`Control::NodeExited`].
+    StartNode {
+        /// The slot.
+        slot: u32,
+        /// What to start.
+        role: NodeRole,
+    },
+    /// Tag 44: Agent -> scheduler (notification): the node of `slot` exited.
+    NodeExited {
+        /// The slot of its [`Control::StartNode`].
+        slot: u32,
+        /// True if it exited with status 0.
+        ok: bool,
+        /// How it exited, for messages (`exit status: 1`, `signal: 9`).
+        status: String,
+        /// The worker's rank, if its events named one.
+        rank: Option<u32>,
+    },
+    /// Tag 45: Agent -> scheduler (notification): one JSON event line of a node on its
+    /// host (a worker's progress and final report, a server's counters), which the
+    /// scheduler prints on its event stream for the launch that runs it (the job's report).
+    HostEvent {
+        /// The event line, as the node printed it.
+        line: String,
+    },
+}
+
+/// A host's offer to a job: part of [`Control::JoinHost`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostOffer {
+    /// The host's name (its hostname, or `--node-name`).
+    pub name: String,
+    /// The IP address its nodes advertise and dial from.
+    pub addr: String,
+    /// Servers it starts when the job starts (`--servers-per-node`).
+    pub servers: u32,
+    /// Workers it starts when the job starts (`--workers-per-node`).
+    pub workers: u32,
+    /// Servers it may run at most (its initial ones, scale-outs and restarts).
+    pub server_slots: u32,
+    /// Workers it may run at most (its initial ones and restarted ones).
+    pub worker_slots: u32,
+}
+
+/// What a host agent starts: part of [`Control::StartNode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeRole {
+    /// `elasticps server`, registering with the scheduler.
+    Server,
+    /// A worker (the launch's command): a new one, or rank `rank` restarted (it rejoins).
+    Worker {
+        /// The rank it rejoins as, for a restarted worker.
+        rank: Option<u32>,
+    },
 }
 
 /// One block a reattaching server holds: part of [`Control::ReattachServer`].

@@ -60,8 +60,9 @@ pub mod message;
 pub mod values;
 
 pub use control::{
-    Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, HeldBlock, Injection, Layout, MigrationReport,
-    Restore, ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats, ServerStatus, WorkerLoad, WorkerStatus,
+    Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, HeldBlock, HostOffer, Injection, Layout,
+    MigrationReport, NodeRole, Restore, ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats, ServerStatus,
+    WorkerLoad, WorkerStatus,
 };
 pub use error::{ErrorCode, ErrorReply, WireError};
 pub use frame::Codec;

@@ -65,6 +65,11 @@ mod common {
             Control::ReplicaSnapshot(_) => 38,
             Control::ReattachServer { .. } => 39,
             Control::ReattachWorker { .. } => 40,
+            Control::JoinHost(_) => 41,
+            Control::HostWelcome { .. } => 42,
+            Control::StartNode { .. } => 43,
+            Control::NodeExited { .. } => 44,
+            Control::HostEvent { .. } => 45,
         }
     }
 
@@ -398,6 +403,29 @@ mod common {
                 }
             ),
             any::<u32>().prop_map(|rank| Control::ReattachWorker { rank }),
+            ("[a-z0-9-]{0,12}", "[0-9.]{0,15}", any::<(u32, u32, u32, u32)>()).prop_map(
+                |(name, addr, (servers, workers, server_slots, worker_slots))| {
+                    Control::JoinHost(elasticps_wire::HostOffer {
+                        name,
+                        addr,
+                        servers,
+                        workers,
+                        server_slots,
+                        worker_slots,
+                    })
+                }
+            ),
+            any::<(u32, u32)>().prop_map(|(host, workers)| Control::HostWelcome { host, workers }),
+            (any::<u32>(), prop::option::of(prop::option::of(any::<u32>()))).prop_map(|(slot, role)| {
+                let role = match role {
+                    None => elasticps_wire::NodeRole::Server,
+                    Some(rank) => elasticps_wire::NodeRole::Worker { rank },
+                };
+                Control::StartNode { slot, role }
+            }),
+            (any::<(u32, bool)>(), ".{0,20}", prop::option::of(any::<u32>()))
+                .prop_map(|((slot, ok), status, rank)| Control::NodeExited { slot, ok, status, rank }),
+            ".{0,40}".prop_map(|line| Control::HostEvent { line }),
         ]
     }
 

@@ -568,6 +568,18 @@ impl Elastic {
             .fold((0, 0), |(n, b), blk| (n + 1, b + self.sizes.get(blk as usize).copied().unwrap_or(0)))
     }
 
+    /// The serving server with the lowest estimated rate (the straggler a scale-out
+    /// relieves), if any is measured.
+    pub fn slowest(&self, now_us: u64) -> Option<ServerId> {
+        let serving = self.serving();
+        self.load
+            .rates(now_us)
+            .into_iter()
+            .filter(|(s, _)| serving.contains(s))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(s, _)| s)
+    }
+
     pub(super) fn event(&mut self, now_us: u64, action: &str, server: Option<ServerId>, reason: String) {
         tracing::info!(action, server, %reason, "scaling event");
         self.log.scaling.push(ScaleEvent { at_s: now_us as f64 / 1e6, action: action.into(), server, reason });

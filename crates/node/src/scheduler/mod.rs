@@ -6,6 +6,8 @@
 //!
 //! - [`elastic`](self): which servers are live, draining or on trial; the one migration
 //!   at a time; the balancer's orders.
+//! - [`hosts`]: the hosts of a job that spans them, their slots, where a node starts,
+//!   and a lost host.
 //! - [`BalanceLog`]: the history of migrations, scaling events and load, for reports.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -18,6 +20,7 @@ use elasticps_core::sync::SyncPolicy;
 
 mod elastic;
 mod history;
+pub mod hosts;
 mod recovery;
 
 pub use elasticps_core::balance::BalanceMode;
@@ -96,6 +99,14 @@ pub enum Event {
         /// The message.
         msg: Message,
     },
+    /// A connection was opened (authenticated) from `peer`, the IP address it came from
+    /// (a host's nodes are known by their address).
+    Connected {
+        /// The connection.
+        conn: ConnId,
+        /// The peer's IP address.
+        peer: String,
+    },
     /// A connection closed or failed.
     Lost {
         /// The connection.
@@ -126,6 +137,9 @@ pub enum Action {
     Close(ConnId),
     /// Start one more server (through the launcher, if the scheduler has one).
     StartServer,
+    /// Print this event line (a node's, relayed by its host agent) on the scheduler's
+    /// event stream, where the launch that runs the scheduler builds the job's report.
+    Relay(String),
     /// Every block of checkpoint `clock` is on disk: write its manifest (atomically), which
     /// makes the checkpoint complete.
     WriteManifest {
@@ -218,6 +232,10 @@ pub struct Scheduler {
     last_checkpoint: Option<u32>,
     /// A restarted scheduler waiting for its nodes to reattach ([`Scheduler::recover`]).
     recovering: Option<recovery::Recovering>,
+    /// The job's hosts, when it spans hosts (`--nnodes`).
+    hosts: Option<hosts::Hosts>,
+    /// The IP address each connection came from.
+    peers: BTreeMap<ConnId, String>,
 }
 
 impl Scheduler {
@@ -249,13 +267,23 @@ impl Scheduler {
             checkpoints: BTreeMap::new(),
             last_checkpoint: config.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map(|r| r.clock),
             recovering: None,
+            hosts: None,
+            peers: BTreeMap::new(),
             config,
         }
     }
 
+    /// A job that spans hosts: host agents join ([`Control::JoinHost`]) and the
+    /// scheduler tells them what to start ([`hosts`]); scale-out starts servers on them.
+    pub fn with_hosts(mut self, config: hosts::HostsConfig) -> Self {
+        self.hosts = Some(hosts::Hosts::new(config, self.config.servers, self.config.workers));
+        self.can_launch = true;
+        self
+    }
+
     /// Says whether the runtime can start servers ([`Action::StartServer`]).
     pub fn with_launcher(mut self, can_launch: bool) -> Self {
-        self.can_launch = can_launch;
+        self.can_launch = can_launch || self.hosts.is_some();
         self
     }
 
@@ -296,6 +324,9 @@ impl Scheduler {
         if let Some(what) = self.recovery_wait() {
             return Some(what);
         }
+        if let Some(what) = self.hosts.as_ref().and_then(hosts::Hosts::waiting_for) {
+            return Some(what);
+        }
         let (s, w) = (self.servers.len() as u32, self.workers.len() as u32);
         if s < self.config.servers || w < self.config.workers {
             return Some(format!(
@@ -331,15 +362,33 @@ impl Scheduler {
             return out;
         }
         match event {
+            Event::Connected { conn, peer } => {
+                self.peers.insert(conn, peer);
+            }
             Event::Received { conn, request_id, msg } => {
                 if let Some(node) = self.nodes.get_mut(&conn) {
                     node.last_seen_us = self.now_us;
                 }
-                self.on_message(conn, request_id, msg, &mut out);
+                if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
+                    self.on_agent_message(conn, request_id, msg, &mut out);
+                } else {
+                    self.on_message(conn, request_id, msg, &mut out);
+                }
             }
-            Event::Lost { conn, why } => self.on_lost(conn, &why, &mut out),
+            Event::Lost { conn, why } => {
+                self.peers.remove(&conn);
+                match self.hosts.as_mut().and_then(|h| h.connection_lost(conn, &why)) {
+                    Some(lost) => self.host_lost(lost, &mut out),
+                    None => self.on_lost(conn, &why, &mut out),
+                }
+            }
             Event::Tick { now_us } => {
                 self.now_us = now_us;
+                for lost in self.hosts.as_mut().map(|h| h.tick(now_us)).unwrap_or_default() {
+                    let conn = self.hosts_agent_conn(lost.host);
+                    self.host_lost(lost, &mut out);
+                    out.extend(conn.map(Action::Close));
+                }
                 let dead: Vec<ConnId> = self
                     .nodes
                     .iter()
@@ -389,6 +438,7 @@ impl Scheduler {
             return;
         };
         match (control, role) {
+            (Control::JoinHost(offer), None) => self.join_host(conn, request_id, offer, out),
             (Control::RegisterServer { data_addr }, None) => {
                 let id = self.servers.len() as u32;
                 let initial = id < self.config.servers;
@@ -404,6 +454,9 @@ impl Scheduler {
                     return;
                 }
                 tracing::info!(server = id, addr = %data_addr, initial, "server joined");
+                if let Some(h) = self.hosts.as_mut() {
+                    h.server_registered(id, &data_addr, self.peers.get(&conn).map(String::as_str));
+                }
                 self.servers.push((conn, data_addr));
                 self.nodes.insert(conn, Node { role: Role::Server(id), last_seen_us: self.now_us });
                 self.elastic.registered(id, initial, self.now_us);
@@ -426,6 +479,9 @@ impl Scheduler {
                     return;
                 }
                 tracing::info!(rank, "worker joined");
+                if let Some(h) = self.hosts.as_mut() {
+                    h.worker_registered(rank, self.peers.get(&conn).map(String::as_str));
+                }
                 self.workers.push(conn);
                 self.nodes.insert(conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
                 reply(out, self.welcome(rank));
@@ -565,6 +621,96 @@ impl Scheduler {
                     format!("{who} sent {other:?}, which the scheduler does not take now"),
                 );
             }
+        }
+    }
+
+    /// A message from a host agent, or one that asks to become one.
+    fn on_agent_message(&mut self, conn: ConnId, request_id: u64, msg: Message, out: &mut Vec<Action>) {
+        let Some(hosts) = self.hosts.as_mut() else { return };
+        hosts.heard(conn, self.now_us);
+        match msg {
+            Message::Control(Control::Heartbeat) => {}
+            Message::Control(Control::HostEvent { line }) => out.push(Action::Relay(line)),
+            Message::Control(Control::NodeExited { slot, ok, status, rank }) => {
+                tracing::info!(slot, ok, %status, ?rank, "a host's node exited");
+                if let Some(start) = hosts.exited(conn, slot, ok, rank) {
+                    out.push(start_node(start));
+                }
+            }
+            other => {
+                let message =
+                    format!("a host agent sent {:?}, which the scheduler does not take from it", other.kind());
+                tracing::warn!(conn, %message, "refused");
+                out.push(Action::Send {
+                    conn,
+                    request_id,
+                    msg: Message::Error(ErrorReply { code: ErrorCode::BadRequest, message }),
+                });
+            }
+        }
+    }
+
+    /// A host agent asks to join the job.
+    fn join_host(&mut self, conn: ConnId, request_id: u64, offer: elasticps_wire::HostOffer, out: &mut Vec<Action>) {
+        let refuse = |out: &mut Vec<Action>, message: String| {
+            tracing::warn!(conn, %message, "host refused");
+            out.push(Action::Send {
+                conn,
+                request_id,
+                msg: Message::Error(ErrorReply { code: ErrorCode::BadRequest, message }),
+            });
+            out.push(Action::Close(conn));
+        };
+        let workers = self.config.workers;
+        let Some(hosts) = self.hosts.as_mut() else {
+            return refuse(out, "this scheduler runs a job on its own host: start it with `elasticps launch --nnodes MIN:MAX --rdzv HOST:PORT` for hosts to join".into());
+        };
+        match hosts.join(conn, offer, self.now_us) {
+            Ok(host) => {
+                out.push(Action::Send { conn, request_id, msg: Control::HostWelcome { host, workers }.into() });
+                out.extend(hosts.initial().into_iter().map(start_node));
+            }
+            Err(message) => refuse(out, message),
+        }
+    }
+
+    /// The agent connection of `host`.
+    fn hosts_agent_conn(&self, host: hosts::HostId) -> Option<ConnId> {
+        self.hosts.as_ref().and_then(|h| h.agent_of(host))
+    }
+
+    /// A host left the job: its servers and workers are lost with it (servers fail over
+    /// with replicas), and what can be started again elsewhere is.
+    fn host_lost(&mut self, lost: hosts::LostHost, out: &mut Vec<Action>) {
+        let why = format!("host {} lost: {}", lost.label, lost.why);
+        self.elastic.event(
+            self.now_us,
+            "host-lost",
+            None,
+            format!("{}; servers {:?}, workers {:?}", why, lost.servers, lost.ranks),
+        );
+        let mut conns: Vec<ConnId> = Vec::new();
+        for id in &lost.servers {
+            conns.extend(self.servers.get(*id as usize).map(|(c, _)| *c).filter(|c| self.nodes.contains_key(c)));
+        }
+        for rank in &lost.ranks {
+            conns.extend(self.workers.get(*rank as usize).copied().filter(|c| self.nodes.contains_key(c)));
+        }
+        for conn in conns {
+            self.on_lost(conn, &why, out);
+            out.push(Action::Close(conn));
+        }
+        if self.over {
+            return;
+        }
+        let Some(hosts) = self.hosts.as_mut() else { return };
+        let (starts, missed) = hosts.replace(&lost);
+        out.extend(starts.into_iter().map(start_node));
+        for m in missed {
+            tracing::warn!(host = %lost.label, "not started again: {m}");
+        }
+        if hosts.agents().is_empty() {
+            self.finish(false, format!("{why}; no host is left in the job"), out);
         }
     }
 
@@ -828,7 +974,19 @@ impl Scheduler {
                     let msg = Control::Migrate { block, to, to_addr: to_addr.clone(), epoch }.into();
                     out.push(Action::Send { conn: *conn, request_id: 0, msg });
                 }
-                Order::StartServer => out.push(Action::StartServer),
+                Order::StartServer => match self.hosts.as_mut() {
+                    None => out.push(Action::StartServer),
+                    Some(h) => {
+                        let slowest = self.placement.as_ref().and_then(|_| self.elastic.slowest(self.now_us));
+                        match h.start_server(slowest) {
+                            Ok(start) => out.push(start_node(start)),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "the balancer's new server cannot be started");
+                                self.elastic.event(self.now_us, "scale-out-failed", None, e);
+                            }
+                        }
+                    }
+                },
                 Order::Stop { server, reason } => {
                     if let Some((conn, _)) = self.servers.get(server as usize) {
                         tracing::info!(server, %reason, "server stops");
@@ -928,6 +1086,9 @@ impl Scheduler {
         self.finished_workers.remove(&rank);
         self.elastic.worker_rejoined(rank);
         self.rejoin_clocks.insert(rank, clock);
+        if let Some(h) = self.hosts.as_mut() {
+            h.worker_registered(rank, self.peers.get(&r.conn).map(String::as_str));
+        }
         if let Some(c) = self.workers.get_mut(rank as usize) {
             *c = r.conn;
         }
@@ -1029,7 +1190,8 @@ impl Scheduler {
         if self.closing.is_some() {
             return;
         }
-        for conn in self.nodes.keys() {
+        let agents = self.hosts.as_ref().map(hosts::Hosts::agents).unwrap_or_default();
+        for conn in self.nodes.keys().chain(&agents) {
             out.push(Action::Send {
                 conn: *conn,
                 request_id: 0,
@@ -1064,7 +1226,7 @@ impl Scheduler {
                 let reply = ErrorReply { code: ErrorCode::ShuttingDown, message: format!("the job is over: {reason}") };
                 out.push(Action::Send { conn, request_id, msg: Message::Error(reply) });
             }
-            Event::Received { .. } => {}
+            Event::Received { .. } | Event::Connected { .. } => {}
             Event::Lost { conn, .. } => {
                 self.nodes.remove(&conn);
                 if let Some(c) = self.closing.as_mut() {
@@ -1080,6 +1242,15 @@ impl Scheduler {
             out.push(Action::Finish { ok: c.ok, reason: c.reason });
             self.over = true;
         }
+    }
+}
+
+/// The message that tells a host's agent to start a node.
+fn start_node(start: hosts::Start) -> Action {
+    Action::Send {
+        conn: start.conn,
+        request_id: 0,
+        msg: Control::StartNode { slot: start.slot, role: start.role }.into(),
     }
 }
 

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use elasticps_wire::{Codec, Message};
+use elasticps_wire::{Codec, Control, Message};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc};
 
@@ -23,6 +23,12 @@ use crate::metrics::SchedulerMetrics;
 use crate::{FAILOVER_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT, Micros};
 
 pub mod state;
+
+/// How long a scheduler of a job across hosts waits, once the job is over, for the
+/// agents to relay their nodes' last events and leave.
+const AGENT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a scheduler of a job across hosts says what the job still waits for, µs.
+const WAIT_REPORT_EVERY_US: u64 = 5_000_000;
 
 /// One connection as the actor sees it: where to send, and how to close it. The reader
 /// task holds a clone of the outbox too, so dropping ours alone does not close anything:
@@ -54,7 +60,13 @@ pub struct SchedulerOptions {
     /// Keep the recoverable state here (`--state-dir`); a scheduler started with a
     /// directory that holds one recovers it ([`state`]).
     pub state_dir: Option<std::path::PathBuf>,
+    /// A job that spans hosts (`--nnodes`): host agents join and start its nodes.
+    pub hosts: Option<HostsConfig>,
+    /// Where the event lines that host agents relay go (the scheduler's event stream).
+    pub relay: Option<crate::events::Emitter>,
 }
+
+pub use elasticps_node::scheduler::hosts::HostsConfig;
 
 /// Starts servers for the scheduler when it scales out: a local process launcher (the
 /// one `elasticps train` uses), later Kubernetes. Stopping needs no launcher: the
@@ -110,12 +122,17 @@ pub async fn run_with(
         }
         None => Scheduler::new(opts.job.clone(), heartbeat_us),
     };
+    let base = match opts.hosts.clone() {
+        Some(h) => base.with_hosts(h),
+        None => base,
+    };
     let mut state = base.with_launcher(launcher.is_some()).with_clock_origin(origin);
     if let Some(d) = saved.as_mut() {
         d.loaded(state.state_version());
     }
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut last_wait_said_us = 0;
     // Manifest writes under way (awaited before the scheduler returns).
     let mut manifests = Vec::new();
     let outcome = loop {
@@ -134,7 +151,19 @@ pub async fn run_with(
                 if now_us > opts.join_timeout.as_micros() as u64
                     && let Some(what) = state.waiting_for()
                 {
+                    // Every node that came (a host agent among them) learns why the job ends.
+                    let reason = format!("the job did not assemble within {} s: {what}", opts.join_timeout.as_secs());
+                    for h in conns.values() {
+                        let _ = h.out.send((0, Control::Shutdown { reason: reason.clone() }.into()));
+                    }
                     break Err(RuntimeError::Timeout { what, after: opts.join_timeout });
+                }
+                if let Some(relay) = &opts.relay
+                    && now_us.saturating_sub(last_wait_said_us) >= WAIT_REPORT_EVERY_US
+                    && let Some(what) = state.waiting_for()
+                {
+                    last_wait_said_us = now_us;
+                    relay.emit(&crate::events::Event::Waiting { what });
                 }
                 Event::Tick { now_us }
             }
@@ -174,6 +203,10 @@ pub async fn run_with(
                     }
                     None => tracing::warn!("a server was to be started, but this scheduler has no launcher"),
                 },
+                Action::Relay(line) => match &opts.relay {
+                    Some(relay) => relay.emit_line(&line),
+                    None => tracing::debug!(%line, "a relayed event with nowhere to go"),
+                },
                 Action::WriteManifest { dir, clock, blocks } => {
                     // Small, but a disk write: off the actor's task.
                     manifests.push(tokio::task::spawn_blocking(move || {
@@ -201,6 +234,22 @@ pub async fn run_with(
             };
         }
     };
+    if let (Ok(_), Some(relay)) = (&outcome, &opts.relay) {
+        // Host agents relay their nodes' last events (a server's counters) as those exit.
+        let deadline = tokio::time::Instant::now() + AGENT_DRAIN_TIMEOUT;
+        while !conns.is_empty() {
+            match tokio::time::timeout_at(deadline, events.recv()).await {
+                Ok(Some((Event::Received { msg: Message::Control(Control::HostEvent { line }), .. }, _))) => {
+                    relay.emit_line(&line)
+                }
+                Ok(Some((Event::Lost { conn, .. }, _))) => {
+                    conns.remove(&conn);
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => break,
+            }
+        }
+    }
     accept.abort();
     for write in manifests {
         if tokio::time::timeout(Duration::from_secs(30), write).await.is_err() {
@@ -230,6 +279,9 @@ async fn accept_loop(
             let _permit = permit;
             let peer = addr.to_string();
             let Some(stream) = accept::authenticate(stream, &codec, &peer, stall).await else { return };
+            if events.send((Event::Connected { conn, peer: addr.ip().to_canonical().to_string() }, None)).is_err() {
+                return;
+            }
             let (mut reader, out) = conn::split(stream, codec, peer);
             reader.set_stall_timeout(stall);
             let close = Arc::new(Notify::new());

@@ -94,13 +94,26 @@ impl ServerSource for Source {
     }
 }
 
+/// `--advertise` with the bound port where it names none (`10.0.0.2` or `10.0.0.2:0`
+/// advertise `10.0.0.2:PORT`).
+fn with_port(advertise: &str, port: u16) -> String {
+    if let Ok(ip) = advertise.trim_matches(['[', ']']).parse::<std::net::IpAddr>() {
+        return std::net::SocketAddr::new(ip, port).to_string();
+    }
+    match advertise.rsplit_once(':') {
+        Some((host, "0")) => format!("{host}:{port}"),
+        Some((_, p)) if p.parse::<u16>().is_ok() => advertise.to_string(),
+        _ => format!("{advertise}:{port}"),
+    }
+}
+
 /// Runs a server until the scheduler shuts the job down; returns its final counters.
 pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     let listener = TcpListener::bind(&opts.listen)
         .await
         .map_err(|e| RuntimeError::io(format!("binding the server's listen address {}", opts.listen), e))?;
     let bound = listener.local_addr().map_err(|e| RuntimeError::io("reading the bound address", e))?;
-    let data_addr = opts.advertise.clone().unwrap_or_else(|| bound.to_string());
+    let data_addr = opts.advertise.as_deref().map_or_else(|| bound.to_string(), |a| with_port(a, bound.port()));
     let trace = match &opts.trace {
         Some(path) => Some(Mutex::new(std::io::BufWriter::new(
             std::fs::File::create(path)

@@ -1,0 +1,568 @@
+//! Hosts and their slots, for a job that spans hosts (`elasticps launch --nnodes MIN:MAX
+//! --rdzv HOST:PORT` on every host): which hosts are in the job, which server and worker
+//! runs where, where a new one starts, and when a host is lost. No I/O: the scheduler feeds
+//! it what its host agents sent and the time, and carries out the [`Start`]s it returns.
+//!
+//! The rules, in one place:
+//!
+//! - **Rendezvous.** The job starts once `min_hosts` hosts joined and their offers
+//!   (`--servers-per-node`, `--workers-per-node`) cover the job's servers and workers.
+//!   Hosts fill in join order; a host may join later, up to `max_hosts`, and brings slots
+//!   for scale-out and restarts (it starts nothing of its own).
+//! - **Where a node runs.** A server registers with the address it advertises and a worker
+//!   dials from its host's address: a node belongs to the host of that address.
+//! - **Placement** ([`pick_host`]): a host with a free slot of the kind, never the avoided
+//!   host (the straggler's, for a scale-out) while another has room; then the most free
+//!   slots; then the earliest joined.
+//! - **A lost host.** Its agent's connection closed, or no message from it for
+//!   [`HOST_HEARTBEAT_TIMEOUT_US`]. Its nodes are lost with it; its workers restart with
+//!   their ranks on hosts with room (`--restart-workers`), its servers are replaced
+//!   (`--restart-servers`), each within the job's budget.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use elasticps_wire::{HostOffer, NodeRole};
+
+use crate::ConnId;
+
+/// A host is lost after this long without a message from its agent, µs (the agent sends a
+/// heartbeat every 500 ms).
+pub const HOST_HEARTBEAT_TIMEOUT_US: u64 = 2_000_000;
+
+/// A host's id: its place in the join order, from 0.
+pub type HostId = u32;
+/// A slot's id, unique in the job: one node started on one host.
+pub type SlotId = u32;
+
+/// The job's hosts as `--nnodes MIN:MAX` and the restart budgets set them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostsConfig {
+    /// Hosts the job waits for before it starts.
+    pub min_hosts: u32,
+    /// Hosts the job takes at most.
+    pub max_hosts: u32,
+    /// Workers restarted with their rank, at most, in all (`--restart-workers`).
+    pub restart_workers: u32,
+    /// Servers started in place of lost ones, at most, in all (`--restart-servers`).
+    pub restart_servers: u32,
+}
+
+/// Start one node: send [`elasticps_wire::Control::StartNode`] to the host's agent.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Start {
+    /// The agent's connection.
+    pub conn: ConnId,
+    /// The host.
+    pub host: HostId,
+    /// The slot.
+    pub slot: SlotId,
+    /// What to start.
+    pub role: NodeRole,
+}
+
+/// A host that left the job, and what ran on it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LostHost {
+    /// The host.
+    pub host: HostId,
+    /// Its name and address, for messages: `eps3 (10.90.0.13)`.
+    pub label: String,
+    /// Why: its agent's connection closed, or its heartbeats stopped.
+    pub why: String,
+    /// Servers (ids) that ran on it.
+    pub servers: Vec<u32>,
+    /// Workers (ranks) that ran on it.
+    pub ranks: Vec<u32>,
+}
+
+#[derive(Debug)]
+struct Host {
+    conn: ConnId,
+    offer: HostOffer,
+    last_seen_us: u64,
+    lost: bool,
+}
+
+impl Host {
+    fn label(&self) -> String {
+        format!("{} ({})", self.offer.name, self.offer.addr)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Server,
+    Worker,
+}
+
+#[derive(Debug)]
+struct Slot {
+    host: HostId,
+    kind: Kind,
+    running: bool,
+    /// The server id or the rank, once the node registered (or the rank it restarts as).
+    node: Option<u32>,
+}
+
+/// How much room a host has, for [`pick_host`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Room {
+    /// The host.
+    pub host: HostId,
+    /// Slots of the kind still free.
+    pub free: u32,
+}
+
+/// Where to start a node: among hosts with a free slot, not `avoid` while another has
+/// room, then the most free slots, then the lowest id. `None` if no host has room.
+pub fn pick_host(rooms: &[Room], avoid: Option<HostId>) -> Option<HostId> {
+    rooms
+        .iter()
+        .filter(|r| r.free > 0)
+        .min_by_key(|r| (Some(r.host) == avoid, std::cmp::Reverse(r.free), r.host))
+        .map(|r| r.host)
+}
+
+/// The hosts of a job and their slots.
+#[derive(Debug)]
+pub struct Hosts {
+    config: HostsConfig,
+    servers: u32,
+    workers: u32,
+    hosts: Vec<Host>,
+    slots: BTreeMap<SlotId, Slot>,
+    started: bool,
+    worker_restarts_left: u32,
+    server_restarts_left: u32,
+}
+
+impl Hosts {
+    /// The hosts of a job of `servers` servers and `workers` workers.
+    pub fn new(config: HostsConfig, servers: u32, workers: u32) -> Self {
+        Self {
+            worker_restarts_left: config.restart_workers,
+            server_restarts_left: config.restart_servers,
+            config,
+            servers,
+            workers,
+            hosts: Vec::new(),
+            slots: BTreeMap::new(),
+            started: false,
+        }
+    }
+
+    /// True if `conn` is a host agent's connection (lost or not).
+    pub fn is_agent(&self, conn: ConnId) -> bool {
+        self.hosts.iter().any(|h| h.conn == conn)
+    }
+
+    /// The connections of the agents still in the job.
+    pub fn agents(&self) -> Vec<ConnId> {
+        self.live().map(|(_, h)| h.conn).collect()
+    }
+
+    /// The agent connection of `host`, while it is in the job.
+    pub fn agent_of(&self, host: HostId) -> Option<ConnId> {
+        self.hosts.get(host as usize).filter(|h| !h.lost).map(|h| h.conn)
+    }
+
+    /// True once the job's nodes were started.
+    pub fn started(&self) -> bool {
+        self.started
+    }
+
+    fn live(&self) -> impl Iterator<Item = (HostId, &Host)> {
+        self.hosts.iter().enumerate().filter(|(_, h)| !h.lost).map(|(i, h)| (i as HostId, h))
+    }
+
+    /// A host's agent asks to join: its id, or why it may not.
+    pub fn join(&mut self, conn: ConnId, offer: HostOffer, now_us: u64) -> Result<HostId, String> {
+        let ip: IpAddr = offer
+            .addr
+            .parse()
+            .map_err(|_| format!("host {} offered {:?}, which is not an IP address", offer.name, offer.addr))?;
+        if ip.is_unspecified() {
+            return Err(format!(
+                "host {} offered the unspecified address {ip}: pass --advertise with an address the other hosts can \
+                 reach, or --interface NAME",
+                offer.name
+            ));
+        }
+        let live = self.live().count() as u32;
+        if live >= self.config.max_hosts {
+            return Err(format!("the job already has its {} hosts (--nnodes ..:{})", live, self.config.max_hosts));
+        }
+        if let Some((_, h)) = self.live().find(|(_, h)| h.offer.name == offer.name || h.offer.addr == offer.addr) {
+            return Err(format!("host {} ({}) is already in the job as {}", offer.name, offer.addr, h.label()));
+        }
+        if let Some((_, h)) =
+            self.live().find(|(_, h)| h.offer.addr.parse::<IpAddr>().is_ok_and(|a| a.is_loopback()) != ip.is_loopback())
+        {
+            return Err(format!(
+                "host {} offered {ip} but host {} is in the job: loopback and other addresses cannot mix; pass \
+                 --advertise with an address every host can reach, or --interface NAME",
+                offer.name,
+                h.label()
+            ));
+        }
+        let id = self.hosts.len() as HostId;
+        tracing::info!(host = id, name = %offer.name, addr = %offer.addr, servers = offer.servers, workers = offer.workers, "host joined");
+        self.hosts.push(Host { conn, offer, last_seen_us: now_us, lost: false });
+        Ok(id)
+    }
+
+    /// A message from `conn`'s agent arrived at `now_us`.
+    pub fn heard(&mut self, conn: ConnId, now_us: u64) {
+        if let Some(h) = self.hosts.iter_mut().find(|h| h.conn == conn && !h.lost) {
+            h.last_seen_us = h.last_seen_us.max(now_us);
+        }
+    }
+
+    /// The job's first nodes, once enough hosts joined (and only once).
+    pub fn initial(&mut self) -> Vec<Start> {
+        let live: Vec<HostId> = self.live().map(|(i, _)| i).collect();
+        let (s, w) = self.offered();
+        if self.started || (live.len() as u32) < self.config.min_hosts || s < self.servers || w < self.workers {
+            return Vec::new();
+        }
+        self.started = true;
+        let (mut servers, mut workers) = (self.servers, self.workers);
+        let mut out = Vec::new();
+        for host in live {
+            let offer = &self.hosts[host as usize].offer;
+            let (ns, nw) = (offer.servers.min(servers), offer.workers.min(workers));
+            servers -= ns;
+            workers -= nw;
+            for _ in 0..ns {
+                out.push(self.open(host, Kind::Server, None));
+            }
+            for _ in 0..nw {
+                out.push(self.open(host, Kind::Worker, None));
+            }
+        }
+        self.check();
+        out
+    }
+
+    /// What the live hosts offer to start: (servers, workers).
+    fn offered(&self) -> (u32, u32) {
+        self.live().fold((0, 0), |(s, w), (_, h)| (s + h.offer.servers, w + h.offer.workers))
+    }
+
+    fn open(&mut self, host: HostId, kind: Kind, node: Option<u32>) -> Start {
+        let slot = self.slots.keys().next_back().map_or(0, |s| s + 1);
+        self.slots.insert(slot, Slot { host, kind, running: true, node });
+        let role = match kind {
+            Kind::Server => NodeRole::Server,
+            Kind::Worker => NodeRole::Worker { rank: node },
+        };
+        Start { conn: self.hosts[host as usize].conn, host, slot, role }
+    }
+
+    fn rooms(&self, kind: Kind) -> Vec<Room> {
+        self.live()
+            .map(|(id, h)| {
+                let cap = match kind {
+                    Kind::Server => h.offer.server_slots,
+                    Kind::Worker => h.offer.worker_slots,
+                };
+                let used = self.slots.values().filter(|s| s.host == id && s.kind == kind && s.running).count() as u32;
+                Room { host: id, free: cap.saturating_sub(used) }
+            })
+            .collect()
+    }
+
+    /// The host server `id` runs on, if known.
+    pub fn host_of_server(&self, id: u32) -> Option<HostId> {
+        self.slots.values().find(|s| s.kind == Kind::Server && s.node == Some(id)).map(|s| s.host)
+    }
+
+    /// A host's name and address, for messages.
+    pub fn label(&self, host: HostId) -> String {
+        self.hosts.get(host as usize).map_or_else(|| format!("host {host}"), Host::label)
+    }
+
+    /// Starts one more server (a scale-out), not on `avoid`'s host while another has room.
+    pub fn start_server(&mut self, avoid: Option<u32>) -> Result<Start, String> {
+        let avoid = avoid.and_then(|id| self.host_of_server(id));
+        let host = pick_host(&self.rooms(Kind::Server), avoid).ok_or_else(|| self.no_room(Kind::Server))?;
+        let start = self.open(host, Kind::Server, None);
+        self.check();
+        Ok(start)
+    }
+
+    fn start_worker(&mut self, rank: u32) -> Result<Start, String> {
+        let host = pick_host(&self.rooms(Kind::Worker), None).ok_or_else(|| self.no_room(Kind::Worker))?;
+        let start = self.open(host, Kind::Worker, Some(rank));
+        self.check();
+        Ok(start)
+    }
+
+    fn no_room(&self, kind: Kind) -> String {
+        let live: Vec<String> = self.live().map(|(_, h)| h.label()).collect();
+        let what = if kind == Kind::Server { "server" } else { "worker" };
+        format!("no host has a free {what} slot (hosts: {}; a host that joins brings slots)", live.join(", "))
+    }
+
+    /// Server `id` registered, serving on `addr` (`IP:PORT`), from `peer` (the IP its
+    /// connection came from): the host of that address runs it. Returns the host.
+    pub fn server_registered(&mut self, id: u32, addr: &str, peer: Option<&str>) -> Option<HostId> {
+        let ip = addr.rsplit_once(':').map(|(h, _)| h.trim_matches(['[', ']']));
+        self.registered(Kind::Server, id, ip).or_else(|| self.registered(Kind::Server, id, peer))
+    }
+
+    /// Worker `rank` registered (or rejoined) from `peer`. Returns the host.
+    pub fn worker_registered(&mut self, rank: u32, peer: Option<&str>) -> Option<HostId> {
+        self.registered(Kind::Worker, rank, peer)
+    }
+
+    fn registered(&mut self, kind: Kind, node: u32, ip: Option<&str>) -> Option<HostId> {
+        let ip = ip?;
+        let host = self.live().find(|(_, h)| h.offer.addr == ip).map(|(i, _)| i)?;
+        // The slot started for this rank (a restart), else the oldest one not yet named.
+        let fits = |s: &Slot| s.host == host && s.kind == kind && s.running;
+        let key = self
+            .slots
+            .iter()
+            .find(|(_, s)| fits(s) && s.node == Some(node))
+            .or_else(|| self.slots.iter().find(|(_, s)| fits(s) && s.node.is_none()))
+            .map(|(k, _)| *k);
+        if let Some(s) = key.and_then(|k| self.slots.get_mut(&k)) {
+            s.node = Some(node);
+        }
+        Some(host)
+    }
+
+    /// The agent on `conn` reports that the node of `slot` exited (`ok`: status 0); its
+    /// rank, if the agent knows it. Returns the node to start in its place, if any: a
+    /// failed worker restarts with its rank, a failed server is replaced, within the
+    /// budgets.
+    pub fn exited(&mut self, conn: ConnId, slot: SlotId, ok: bool, rank: Option<u32>) -> Option<Start> {
+        let host = self.hosts.iter().position(|h| h.conn == conn)? as HostId;
+        let s = self.slots.get_mut(&slot).filter(|s| s.host == host && s.running)?;
+        s.running = false;
+        let (kind, node) = (s.kind, s.node.or(rank));
+        if ok {
+            return None;
+        }
+        let start = match kind {
+            Kind::Worker => self.restart_worker(node?),
+            Kind::Server => self.replace_server(),
+        };
+        start.map_err(|e| tracing::warn!(error = %e, "a node exited and cannot be started again")).ok().flatten()
+    }
+
+    fn restart_worker(&mut self, rank: u32) -> Result<Option<Start>, String> {
+        if self.worker_restarts_left == 0 {
+            return Ok(None);
+        }
+        let start = self.start_worker(rank)?;
+        self.worker_restarts_left -= 1;
+        tracing::info!(rank, host = %self.label(start.host), left = self.worker_restarts_left, "worker restarts");
+        Ok(Some(start))
+    }
+
+    fn replace_server(&mut self) -> Result<Option<Start>, String> {
+        if self.server_restarts_left == 0 {
+            return Ok(None);
+        }
+        let start = self.start_server(None)?;
+        self.server_restarts_left -= 1;
+        tracing::info!(host = %self.label(start.host), left = self.server_restarts_left, "a server starts in place of a lost one");
+        Ok(Some(start))
+    }
+
+    /// The agent's connection `conn` closed: its host is lost (if it was one).
+    pub fn connection_lost(&mut self, conn: ConnId, why: &str) -> Option<LostHost> {
+        let host = self.live().find(|(_, h)| h.conn == conn).map(|(i, _)| i)?;
+        Some(self.lose(host, format!("its agent's connection closed ({why})")))
+    }
+
+    /// Hosts silent for longer than [`HOST_HEARTBEAT_TIMEOUT_US`] at `now_us` are lost.
+    pub fn tick(&mut self, now_us: u64) -> Vec<LostHost> {
+        let silent: Vec<HostId> = self
+            .live()
+            .filter(|(_, h)| now_us.saturating_sub(h.last_seen_us) > HOST_HEARTBEAT_TIMEOUT_US)
+            .map(|(i, _)| i)
+            .collect();
+        let secs = HOST_HEARTBEAT_TIMEOUT_US as f64 / 1e6;
+        silent.into_iter().map(|h| self.lose(h, format!("no heartbeat from its agent for {secs:.0} s"))).collect()
+    }
+
+    /// When the next host would be lost if its agent stays silent, µs.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.live().map(|(_, h)| h.last_seen_us + HOST_HEARTBEAT_TIMEOUT_US + 1).min()
+    }
+
+    fn lose(&mut self, host: HostId, why: String) -> LostHost {
+        self.hosts[host as usize].lost = true;
+        let (mut servers, mut ranks) = (Vec::new(), Vec::new());
+        for s in self.slots.values_mut().filter(|s| s.host == host && s.running) {
+            s.running = false;
+            match (s.kind, s.node) {
+                (Kind::Server, Some(id)) => servers.push(id),
+                (Kind::Worker, Some(rank)) => ranks.push(rank),
+                _ => {}
+            }
+        }
+        let label = self.label(host);
+        tracing::warn!(host = %label, %why, ?servers, ?ranks, "host lost");
+        LostHost { host, label, why, servers, ranks }
+    }
+
+    /// What to start in place of a lost host's nodes: its workers with their ranks, and
+    /// servers in place of its servers, on hosts with room and within the budgets. The
+    /// nodes that cannot be started again are named in the returned messages.
+    pub fn replace(&mut self, lost: &LostHost) -> (Vec<Start>, Vec<String>) {
+        let (mut starts, mut missed) = (Vec::new(), Vec::new());
+        for &rank in &lost.ranks {
+            match self.restart_worker(rank) {
+                Ok(Some(s)) => starts.push(s),
+                Ok(None) => missed.push(format!("worker {rank}: no restarts left (--restart-workers)")),
+                Err(e) => missed.push(format!("worker {rank}: {e}")),
+            }
+        }
+        for &id in &lost.servers {
+            match self.replace_server() {
+                Ok(Some(s)) => starts.push(s),
+                Ok(None) => {}
+                Err(e) => missed.push(format!("a server in place of server {id}: {e}")),
+            }
+        }
+        (starts, missed)
+    }
+
+    /// What the rendezvous waits for, in words, or `None` once the job's nodes started.
+    pub fn waiting_for(&self) -> Option<String> {
+        if self.started {
+            return None;
+        }
+        let live: Vec<String> = self.live().map(|(_, h)| h.label()).collect();
+        let (s, w) = self.offered();
+        let names = if live.is_empty() { "none yet".to_string() } else { live.join(", ") };
+        Some(format!(
+            "scheduler waits for hosts: {} of at least {} joined ({names}); they offer {s} of {} servers and {w} of {} \
+             workers (--servers-per-node, --workers-per-node)",
+            live.len(),
+            self.config.min_hosts,
+            self.servers,
+            self.workers
+        ))
+    }
+
+    /// No host runs more nodes of a kind than it has slots for.
+    fn check(&self) {
+        for kind in [Kind::Server, Kind::Worker] {
+            for (id, h) in self.live() {
+                let used = self.slots.values().filter(|s| s.host == id && s.kind == kind && s.running).count() as u32;
+                let cap = match kind {
+                    Kind::Server => h.offer.server_slots.max(h.offer.servers),
+                    Kind::Worker => h.offer.worker_slots.max(h.offer.workers),
+                };
+                debug_assert!(used <= cap, "host {id} runs {used} {kind:?} nodes in {cap} slots");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offer(name: &str, addr: &str, servers: u32, workers: u32) -> HostOffer {
+        HostOffer {
+            name: name.into(),
+            addr: addr.into(),
+            servers,
+            workers,
+            server_slots: servers + 1,
+            worker_slots: workers + 1,
+        }
+    }
+
+    fn config(min: u32, max: u32) -> HostsConfig {
+        HostsConfig { min_hosts: min, max_hosts: max, restart_workers: 1, restart_servers: 1 }
+    }
+
+    #[test]
+    fn the_job_starts_once_enough_hosts_offer_enough_nodes() {
+        let mut h = Hosts::new(config(2, 3), 2, 4);
+        h.join(1, offer("a", "10.0.0.1", 1, 2), 0).unwrap();
+        assert!(h.initial().is_empty());
+        let wait = h.waiting_for().unwrap();
+        assert!(wait.contains("1 of at least 2 joined (a (10.0.0.1))") && wait.contains("1 of 2 servers"), "{wait}");
+        h.join(2, offer("b", "10.0.0.2", 1, 2), 0).unwrap();
+        let starts = h.initial();
+        let on = |conn, role| starts.iter().filter(|s| s.conn == conn && s.role == role).count();
+        let worker = NodeRole::Worker { rank: None };
+        assert_eq!((on(1, NodeRole::Server), on(1, worker), on(2, NodeRole::Server), on(2, worker)), (1, 2, 1, 2));
+        assert!(h.initial().is_empty(), "started once");
+        assert_eq!(h.waiting_for(), None);
+    }
+
+    #[test]
+    fn a_host_is_refused_with_what_to_pass() {
+        let mut h = Hosts::new(config(1, 2), 1, 1);
+        let e = h.join(1, offer("a", "0.0.0.0", 1, 1), 0).unwrap_err();
+        assert!(e.contains("--advertise"), "{e}");
+        h.join(1, offer("a", "10.0.0.1", 1, 1), 0).unwrap();
+        assert!(h.join(2, offer("a", "10.0.0.2", 1, 1), 0).unwrap_err().contains("already in the job"));
+        let e = h.join(2, offer("b", "127.0.0.1", 1, 1), 0).unwrap_err();
+        assert!(e.contains("loopback") && e.contains("--interface"), "{e}");
+        h.join(2, offer("b", "10.0.0.2", 1, 1), 0).unwrap();
+        assert!(h.join(3, offer("c", "10.0.0.3", 1, 1), 0).unwrap_err().contains("its 2 hosts"));
+    }
+
+    #[test]
+    fn pick_host_avoids_the_straggler_while_another_has_room() {
+        let rooms = [Room { host: 0, free: 3 }, Room { host: 1, free: 1 }, Room { host: 2, free: 0 }];
+        assert_eq!(pick_host(&rooms, None), Some(0));
+        assert_eq!(pick_host(&rooms, Some(0)), Some(1));
+        assert_eq!(pick_host(&rooms[..1], Some(0)), Some(0), "the straggler's host when no other has room");
+        assert_eq!(pick_host(&rooms[2..], None), None);
+    }
+
+    #[test]
+    fn a_scale_out_goes_to_a_spare_host_not_the_stragglers() {
+        let mut h = Hosts::new(config(2, 3), 2, 2);
+        h.join(1, offer("a", "10.0.0.1", 1, 1), 0).unwrap();
+        h.join(2, offer("b", "10.0.0.2", 1, 1), 0).unwrap();
+        h.join(3, HostOffer { server_slots: 2, worker_slots: 0, ..offer("spare", "10.0.0.3", 0, 0) }, 0).unwrap();
+        h.initial();
+        assert_eq!(h.server_registered(0, "10.0.0.1:7100", None), Some(0));
+        assert_eq!(h.server_registered(1, "10.0.0.2:7100", None), Some(1));
+        let s = h.start_server(Some(0)).unwrap();
+        assert_eq!((s.host, s.role), (2, NodeRole::Server));
+        h.server_registered(2, "10.0.0.3:7100", None);
+        h.start_server(Some(2)).unwrap();
+        let s = h.start_server(Some(2)).unwrap();
+        assert_ne!(s.host, 2, "spare is full after two");
+    }
+
+    #[test]
+    fn a_lost_host_restarts_its_workers_elsewhere_with_their_ranks_within_the_budget() {
+        let mut h = Hosts::new(config(2, 2), 2, 2);
+        h.join(1, offer("a", "10.0.0.1", 1, 1), 0).unwrap();
+        h.join(2, offer("b", "10.0.0.2", 1, 1), 0).unwrap();
+        h.initial();
+        h.server_registered(0, "10.0.0.1:1", None);
+        h.server_registered(1, "10.0.0.2:1", None);
+        h.worker_registered(0, Some("10.0.0.1"));
+        h.worker_registered(1, Some("10.0.0.2"));
+        h.heard(1, 1_500_000);
+        let lost = h.tick(2_100_000);
+        assert_eq!(lost.len(), 1);
+        assert_eq!((lost[0].host, &lost[0].servers, &lost[0].ranks), (1, &vec![1], &vec![1]));
+        assert!(lost[0].why.contains("no heartbeat"), "{}", lost[0].why);
+        let (starts, missed) = h.replace(&lost[0]);
+        assert_eq!(starts.len(), 2, "{starts:?} {missed:?}");
+        assert!(starts.iter().all(|s| s.host == 0));
+        assert!(starts.iter().any(|s| s.role == NodeRole::Worker { rank: Some(1) }));
+        assert_eq!(h.poll_timeout(), Some(1_500_000 + HOST_HEARTBEAT_TIMEOUT_US + 1));
+        // The budgets are spent: a second failure is not restarted.
+        assert_eq!(h.exited(1, 0, false, Some(0)), None);
+        assert!(h.connection_lost(1, "eof").is_some());
+        assert!(h.agents().is_empty());
+    }
+}
