@@ -24,6 +24,9 @@
 //! - [`chaos`]: servers killed and a worker restarted under load with `--replicas 2`:
 //!   detection, recovery, iteration spikes, exact final parameters, the cost of replicas
 //!   (`elasticps bench chaos`).
+//! - [`hosts`]: static vs PSLD on a job across 3 namespace hosts (`scripts/testnet`), one
+//!   host's link capped with tbf, a spare host for scale-out, against the raw TCP rate of
+//!   that link (`elasticps bench hosts`; `bench tcp-rate`, hidden, is its raw client).
 //! - [`job`]: the one runner of their train jobs (through `elasticps-launch`).
 //! - [`plots`]: those two figures, in the house style of `elasticps-report`.
 
@@ -32,6 +35,7 @@ use clap::Subcommand;
 pub mod chaos;
 pub mod checks;
 mod error;
+pub mod hosts;
 pub mod job;
 pub mod machine;
 pub mod plots;
@@ -61,6 +65,11 @@ pub enum BenchCmd {
     Sim(sim::SimBenchCmd),
     /// Failures under load with --replicas 2: servers killed with kill -9, a worker restarted; detection, recovery, spikes, the cost of replicas.
     Chaos(chaos::ChaosCmd),
+    /// Static vs PSLD across 3 namespace hosts (needs root): a capped host, a spare for scale-out, the raw TCP rate of the capped link.
+    Hosts(hosts::HostsBenchCmd),
+    /// The raw TCP client of `bench hosts`, run inside a bed host (started by it; not for direct use).
+    #[command(hide = true)]
+    TcpRate(hosts::TcpRateCmd),
 }
 
 /// Runs a benchmark.
@@ -72,6 +81,8 @@ pub async fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Straggler(cmd) => straggler::run(cmd).await,
         BenchCmd::Sim(cmd) => sim::run(cmd).await,
         BenchCmd::Chaos(cmd) => chaos::run(cmd).await,
+        BenchCmd::Hosts(cmd) => hosts::run(cmd).await,
+        BenchCmd::TcpRate(cmd) => hosts::tcp_rate(cmd).await,
     }
 }
 

@@ -660,8 +660,9 @@ fn window_rate(iters: &[Iterations], from: f64) -> (f64, u64) {
     (rate, counted)
 }
 
-/// The numbers of one completed run (see the module docs).
-fn measure(
+/// The numbers of one completed run (see the module docs); `bench hosts` measures its
+/// runs with it too.
+pub(crate) fn measure(
     report: &Report,
     scenario: Option<Scenario>,
     mode: Mode,
