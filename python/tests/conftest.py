@@ -290,3 +290,27 @@ def deadline(request):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+# The MNIST example, for the tests that train it under elasticps and compare with plain
+# local torch. Epochs of those runs, the same for local torch and elasticps (the example's
+# default is 6; 3 reach about 97% on the bundled subset and halve these tests' time).
+MNIST = REPO / "examples" / "python" / "train_mnist_torch.py"
+EPOCHS = "3"
+
+
+def accuracy(text: str, label: str) -> float:
+    """The percentage printed after ``label`` (``test accuracy 97.12%``)."""
+    m = re.search(rf"{label} ([0-9.]+)%", text)
+    assert m, f"no {label!r} in:\n{text}"
+    return float(m.group(1))
+
+
+@pytest.fixture(scope="session")
+def local_accuracy() -> float:
+    """The example's accuracy with plain local torch (once per session)."""
+    out = subprocess.run(
+        [sys.executable, str(MNIST), "--local", "--epochs", EPOCHS], capture_output=True, text=True, timeout=240, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return accuracy(out.stdout, "local test accuracy")

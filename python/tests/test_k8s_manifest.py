@@ -149,15 +149,16 @@ def test_manifest_pods():
         assert p.dns_name == f"elasticps-{i}.elasticps.default.svc.cluster.local"
         assert p.argv == [
             "elasticps", "launch", "--nnodes", "4", "--rdzv", rdzv,
-            "--servers-per-node", "1", "--workers-per-node", "1", "--sync", "ssp:2", "--quiet",
-            "--", "python3", "examples/python/train_mnist_torch.py",
+            "--servers-per-node", "1", "--workers-per-node", "1", "--sync", "ssp:2",
+            "--node-name", p.name, "--quiet",
+            "--", "python3", "examples/python/train_mnist_torch.py", "--epochs", "3",
         ]  # fmt: skip
         assert p.env["POD_NAME"] == p.name
         assert p.env["POD_NAMESPACE"] == "default"
         assert p.env["ELASTICPS_SECRET"] == kind(manifest_docs(), "Secret")["stringData"]["secret"]
         assert p.workdir == "/opt/elasticps"
     # The script the pods run is the repository's (workingDir is the repo in the image).
-    assert (REPO / pods[0].argv[-1]).is_file()
+    assert (REPO / pods[0].argv[pods[0].argv.index("python3") + 1]).is_file()
 
 
 def test_namespace_replicas_and_secret_override():

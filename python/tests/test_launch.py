@@ -17,20 +17,11 @@ from conftest import elasticps_bin as binary
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "workers" / "numpy_worker.py"
-MNIST = ROOT / "examples" / "python" / "train_mnist_torch.py"
-# Epochs of the MNIST runs, the same for local torch and elasticps (the example's default is
-# 6; 3 reach about 97% on the bundled subset and halve these tests' time).
-EPOCHS = "3"
+from conftest import EPOCHS, MNIST, accuracy  # noqa: E402
 
 
 def launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([binary(), "launch", "--quiet", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def accuracy(text: str, label: str) -> float:
-    m = re.search(rf"{label} ([0-9.]+)%", text)
-    assert m, f"no {label!r} in:\n{text}"
-    return float(m.group(1))
 
 
 def descendants(pid: int) -> set[int]:
@@ -59,15 +50,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-@pytest.fixture(scope="module")
-def local_accuracy() -> float:
-    out = subprocess.run(
-        [sys.executable, str(MNIST), "--local", "--epochs", EPOCHS], capture_output=True, text=True, timeout=240, cwd=ROOT
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return accuracy(out.stdout, "local test accuracy")
 
 
 @pytest.mark.deadline(300)

@@ -193,7 +193,7 @@ impl Hosts {
         if live >= self.config.max_hosts {
             return Err(format!("the job already has its {} hosts (--nnodes ..:{})", live, self.config.max_hosts));
         }
-        if let Some((_, h)) = self.live().find(|(_, h)| h.offer.name == offer.name || h.offer.addr == offer.addr) {
+        if let Some((_, h)) = self.live().find(|(_, h)| h.offer.addr == offer.addr) {
             return Err(format!("host {} ({}) is already in the job as {}", offer.name, offer.addr, h.label()));
         }
         if let Some((_, h)) =
@@ -507,7 +507,7 @@ mod tests {
         let e = h.join(1, offer("a", "0.0.0.0", 1, 1), 0).unwrap_err();
         assert!(e.contains("--advertise"), "{e}");
         h.join(1, offer("a", "10.0.0.1", 1, 1), 0).unwrap();
-        assert!(h.join(2, offer("a", "10.0.0.2", 1, 1), 0).unwrap_err().contains("already in the job"));
+        assert!(h.join(2, offer("a2", "10.0.0.1", 1, 1), 0).unwrap_err().contains("already in the job"));
         let e = h.join(2, offer("b", "127.0.0.1", 1, 1), 0).unwrap_err();
         assert!(e.contains("loopback") && e.contains("--interface"), "{e}");
         h.join(2, offer("b", "10.0.0.2", 1, 1), 0).unwrap();
