@@ -66,6 +66,8 @@ pub struct Start {
 pub struct LostHost {
     /// The host.
     pub host: HostId,
+    /// Its agent's connection (to close).
+    pub conn: ConnId,
     /// Its name and address, for messages: `eps3 (10.90.0.13)`.
     pub label: String,
     /// Why: its agent's connection closed, or its heartbeats stopped.
@@ -160,11 +162,6 @@ impl Hosts {
     /// The connections of the agents still in the job.
     pub fn agents(&self) -> Vec<ConnId> {
         self.live().map(|(_, h)| h.conn).collect()
-    }
-
-    /// The agent connection of `host`, while it is in the job.
-    pub fn agent_of(&self, host: HostId) -> Option<ConnId> {
-        self.hosts.get(host as usize).filter(|h| !h.lost).map(|h| h.conn)
     }
 
     /// True once the job's nodes were started.
@@ -408,7 +405,7 @@ impl Hosts {
         }
         let label = self.label(host);
         tracing::warn!(host = %label, %why, ?servers, ?ranks, "host lost");
-        LostHost { host, label, why, servers, ranks }
+        LostHost { host, conn: self.hosts[host as usize].conn, label, why, servers, ranks }
     }
 
     /// What to start in place of a lost host's nodes: its workers with their ranks, and

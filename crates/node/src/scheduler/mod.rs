@@ -385,9 +385,9 @@ impl Scheduler {
             Event::Tick { now_us } => {
                 self.now_us = now_us;
                 for lost in self.hosts.as_mut().map(|h| h.tick(now_us)).unwrap_or_default() {
-                    let conn = self.hosts_agent_conn(lost.host);
+                    let conn = lost.conn;
                     self.host_lost(lost, &mut out);
-                    out.extend(conn.map(Action::Close));
+                    out.push(Action::Close(conn));
                 }
                 let dead: Vec<ConnId> = self
                     .nodes
@@ -672,11 +672,6 @@ impl Scheduler {
             }
             Err(message) => refuse(out, message),
         }
-    }
-
-    /// The agent connection of `host`.
-    fn hosts_agent_conn(&self, host: hosts::HostId) -> Option<ConnId> {
-        self.hosts.as_ref().and_then(|h| h.agent_of(host))
     }
 
     /// A host left the job: its servers and workers are lost with it (servers fail over
@@ -1326,6 +1321,75 @@ mod tests {
             m.waiting_for(),
             Some("scheduler waits for 2 servers and 2 workers to register (has 2 servers, 1 workers)".into())
         );
+    }
+
+    fn join(m: &mut Scheduler, conn: ConnId, name: &str, ip: &str, servers: u32, workers: u32) -> Vec<Action> {
+        m.step(Event::Connected { conn, peer: ip.into() });
+        let offer = elasticps_wire::HostOffer {
+            name: name.into(),
+            addr: ip.into(),
+            servers,
+            workers,
+            server_slots: servers + 1,
+            worker_slots: workers + 1,
+        };
+        recv(m, conn, 1, Control::JoinHost(offer))
+    }
+
+    fn starts(actions: &[Action], conn: ConnId) -> Vec<elasticps_wire::NodeRole> {
+        sent_to(actions, conn)
+            .into_iter()
+            .filter_map(|m| match m {
+                Message::Control(Control::StartNode { role, .. }) => Some(*role),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_job_across_hosts_starts_its_nodes_there_and_a_lost_host_fails_over_and_restarts_its_worker() {
+        let hosts = hosts::HostsConfig { min_hosts: 2, max_hosts: 3, restart_workers: 1, restart_servers: 0 };
+        let mut m = Scheduler::new(JobConfig { replicas: 2, ..config() }, 2_000_000).with_hosts(hosts);
+        let a = join(&mut m, 100, "a", "10.0.0.1", 1, 1);
+        assert!(matches!(sent_to(&a, 100)[..], [Message::Control(Control::HostWelcome { host: 0, workers: 2 })]));
+        assert!(starts(&a, 100).is_empty(), "one host of two: {a:?}");
+        assert!(m.waiting_for().unwrap().contains("1 of at least 2 joined (a (10.0.0.1))"));
+        let a = join(&mut m, 200, "b", "10.0.0.2", 1, 1);
+        let worker = elasticps_wire::NodeRole::Worker { rank: None };
+        assert_eq!(starts(&a, 100), [elasticps_wire::NodeRole::Server, worker]);
+        assert_eq!(starts(&a, 200), [elasticps_wire::NodeRole::Server, worker]);
+        // The nodes register from their hosts; the job runs.
+        for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.2"), (1, "10.0.0.1"), (2, "10.0.0.2")] {
+            m.step(Event::Connected { conn, peer: ip.into() });
+        }
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
+        recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.2:7100".into() });
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new() });
+        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+        recv(&mut m, 20, 0, Control::AssignDone { server_id: 1 });
+        assert_eq!(m.waiting_for(), None);
+        // Host b goes silent: after 2 s it is lost, its server fails over, its worker
+        // restarts with its rank on host a.
+        for t in 1..=4 {
+            m.step(Event::Tick { now_us: t * 500_000 });
+            for conn in [100, 10, 1] {
+                recv(&mut m, conn, 0, Control::Heartbeat);
+            }
+        }
+        let epoch = m.placement().unwrap().epoch;
+        let a = m.step(Event::Tick { now_us: 2_600_000 });
+        assert_eq!(starts(&a, 100), [elasticps_wire::NodeRole::Worker { rank: Some(1) }], "{a:?}");
+        assert!(a.contains(&Action::Close(200)));
+        assert!(m.placement().unwrap().epoch > epoch, "server 1's blocks failed over");
+        assert!(m.placement().unwrap().owners.iter().all(|o| *o == 0));
+        let log = m.balance_log();
+        let lost = log.scaling.iter().find(|e| e.action == "host-lost").expect("a host-lost event");
+        assert!(lost.reason.contains("b (10.0.0.2)") && lost.reason.contains("no heartbeat"), "{}", lost.reason);
+        // The job goes on; at the end every agent is told.
+        let a = recv(&mut m, 1, 3, Control::WorkerDone { rank: 0 });
+        assert!(starts(&a, 100).is_empty());
     }
 
     #[test]
