@@ -123,10 +123,8 @@ fn finish(cmd: &LaunchCmd, outcome: &RunOutcome) -> anyhow::Result<()> {
         );
     }
     print_cluster_summary(&cmd.job, &report);
-    let workers = match cmd.hosts.nnodes {
-        Some((min, _)) if cmd.hosts.spans_hosts() => min * cmd.hosts.workers_per_node,
-        _ => cmd.job.workers,
-    };
+    // Across hosts, the job's size is the hosts' offers: the ranks that reported.
+    let workers = if cmd.hosts.spans_hosts() { outcome.workers.len() as u32 } else { cmd.job.workers };
     let missing = missing_ranks(workers, outcome);
     if !missing.is_empty() {
         let ranks: Vec<String> = missing.iter().map(u32::to_string).collect();

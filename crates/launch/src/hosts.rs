@@ -44,7 +44,8 @@ pub struct HostArgs {
     /// host runs it), or `slurm` (the first host of SLURM_JOB_NODELIST, port 29400).
     #[arg(long, env = "ELASTICPS_RDZV", value_name = "HOST:PORT|slurm")]
     pub rdzv: Option<String>,
-    /// Servers this host starts when the job starts.
+    /// Servers this host starts when the job starts (hosts may differ: the job's size is
+    /// the sum over its first MIN hosts; 0 and 0 make a spare host).
     #[arg(long, default_value_t = 1)]
     pub servers_per_node: u32,
     /// Workers (copies of the command) this host starts when the job starts.
@@ -99,7 +100,7 @@ pub fn parse_nnodes(s: &str) -> std::result::Result<(u32, u32), String> {
 pub struct HostSpec<'a> {
     /// The host flags.
     pub hosts: &'a HostArgs,
-    /// The job flags (its servers and workers are MIN x the per-node counts).
+    /// The job flags (its servers and workers are what the first MIN hosts offer).
     pub job: &'a JobArgs,
     /// Transport settings.
     pub net: &'a NetArgs,
@@ -187,16 +188,11 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
     // they advertise the rendezvous address itself.
     let leads = rdzv.addr.ip() == ip || (!rdzv.addr.ip().is_loopback() && addr::is_local(rdzv.addr.ip()));
     let name = host_name(h, ip);
+    // The scheduler learns the job's size from the hosts' offers once MIN joined; its
+    // flags carry a size that passes their checks until then.
     let mut job = spec.job.clone();
-    job.servers = rdzv.min * h.servers_per_node;
-    job.workers = rdzv.min * h.workers_per_node;
-    if job.servers == 0 || job.workers == 0 {
-        return Err(LaunchError::Flags(format!(
-            "the job would have {} servers and {} workers (--nnodes MIN x --servers-per-node, --workers-per-node): \
-             it needs at least one of each",
-            job.servers, job.workers
-        )));
-    }
+    job.servers = (rdzv.min * h.servers_per_node).max(1);
+    job.workers = (rdzv.min * h.workers_per_node).max(1);
     job.job_config()?;
     spec.net.tls()?;
     crate::process::check_program(spec.command)?;
@@ -261,7 +257,7 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
         })
         .await;
     let host_id = match joined {
-        Ok(Message::Control(Control::HostWelcome { host, .. })) => host,
+        Ok(Message::Control(Control::HostWelcome { host })) => host,
         Ok(other) => {
             cluster.stop(REAP_TIMEOUT).await;
             return Err(LaunchError::Flags(format!(
@@ -296,7 +292,7 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
     loop {
         tokio::select! {
             note = notes.recv(), if notes_open => match note {
-                Some(Message::Control(Control::StartNode { slot, role })) => {
+                Some(Message::Control(Control::StartNode { slot, role, workers })) => {
                     let spawned = match role {
                         NodeRole::Server => {
                             let mut args = vec!["server".to_string(), "--scheduler".into(), rdzv_s.clone()];
@@ -305,7 +301,8 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
                             cluster.spawn(&format!("server slot {slot}"), &args, &secret)
                         }
                         NodeRole::Worker { rank } => {
-                            let mut env = worker_env(&job, spec.net, &rdzv_s, workers_started);
+                            let sized = JobArgs { workers, ..job.clone() };
+                            let mut env = worker_env(&sized, spec.net, &rdzv_s, workers_started);
                             workers_started += 1;
                             if let Some(r) = rank {
                                 env.push(("ELASTICPS_RANK".into(), r.to_string()));

@@ -270,12 +270,10 @@ pub enum Control {
     /// sends [`Control::Heartbeat`] every 500 ms; after 2 s without one (or when its
     /// connection closes) the host is lost.
     JoinHost(HostOffer),
-    /// Tag 42: Scheduler -> agent: the host joined as `host` of a job of `workers` workers.
+    /// Tag 42: Scheduler -> agent: the host joined as `host`.
     HostWelcome {
         /// The host's id (join order, from 0).
         host: u32,
-        /// Workers in the job (a worker command's `ELASTICPS_WORKERS`).
-        workers: u32,
     },
     /// Tag 43: Scheduler -> agent (notification): start one node in slot `slot` (an id
     /// unique in the job); the agent reports its exit with [`Control::NodeExited`].
@@ -284,6 +282,8 @@ pub enum Control {
         slot: u32,
         /// What to start.
         role: NodeRole,
+        /// Workers in the job (a worker command's `ELASTICPS_WORKERS`).
+        workers: u32,
     },
     /// Tag 44: Agent -> scheduler (notification): the node of `slot` exited.
     NodeExited {

@@ -415,14 +415,16 @@ mod common {
                     })
                 }
             ),
-            any::<(u32, u32)>().prop_map(|(host, workers)| Control::HostWelcome { host, workers }),
-            (any::<u32>(), prop::option::of(prop::option::of(any::<u32>()))).prop_map(|(slot, role)| {
-                let role = match role {
-                    None => elasticps_wire::NodeRole::Server,
-                    Some(rank) => elasticps_wire::NodeRole::Worker { rank },
-                };
-                Control::StartNode { slot, role }
-            }),
+            any::<u32>().prop_map(|host| Control::HostWelcome { host }),
+            (any::<(u32, u32)>(), prop::option::of(prop::option::of(any::<u32>()))).prop_map(
+                |((slot, workers), role)| {
+                    let role = match role {
+                        None => elasticps_wire::NodeRole::Server,
+                        Some(rank) => elasticps_wire::NodeRole::Worker { rank },
+                    };
+                    Control::StartNode { slot, role, workers }
+                }
+            ),
             (any::<(u32, bool)>(), ".{0,20}", prop::option::of(any::<u32>()))
                 .prop_map(|((slot, ok), status, rank)| Control::NodeExited { slot, ok, status, rank }),
             ".{0,40}".prop_map(|line| Control::HostEvent { line }),

@@ -113,6 +113,15 @@ impl Elastic {
         }
     }
 
+    /// The job may run between `min` and `max` servers (a job across hosts learns its size
+    /// when its hosts joined, before any server registered).
+    pub fn set_bounds(&mut self, min_servers: u32, max_servers: u32) {
+        self.max_servers = max_servers;
+        if let Some(b) = &self.balancer {
+            self.balancer = Some(Balancer::new(BalanceParams { min_servers, max_servers, ..*b.params() }));
+        }
+    }
+
     /// Elasticity for a job that may run between `min` and `max` servers.
     pub fn new(mode: BalanceMode, min_servers: u32, max_servers: u32) -> Self {
         let balancer = match mode {

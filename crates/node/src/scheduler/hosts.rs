@@ -5,10 +5,11 @@
 //!
 //! The rules, in one place:
 //!
-//! - **Rendezvous.** The job starts once `min_hosts` hosts joined and their offers
-//!   (`--servers-per-node`, `--workers-per-node`) cover the job's servers and workers.
-//!   Hosts fill in join order; a host may join later, up to `max_hosts`, and brings slots
-//!   for scale-out and restarts (it starts nothing of its own).
+//! - **Rendezvous.** The job starts once `min_hosts` hosts joined. Its size is what they
+//!   offer to start (`--servers-per-node`, `--workers-per-node`, which may differ from host
+//!   to host: a host of servers only, a spare with none): it needs at least one server and
+//!   one worker. A host may join later, up to `max_hosts`, and brings slots for scale-out
+//!   and restarts (it starts nothing of its own).
 //! - **Where a node runs.** A server registers with the address it advertises and a worker
 //!   dials from its host's address: a node belongs to the host of that address.
 //! - **Placement** ([`pick_host`]): a host with a free slot of the kind, never the avoided
@@ -126,12 +127,23 @@ pub fn pick_host(rooms: &[Room], avoid: Option<HostId>) -> Option<HostId> {
         .map(|r| r.host)
 }
 
+/// The job's first nodes, once its hosts joined: where they start, and the job's size.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rendezvous {
+    /// The nodes to start.
+    pub starts: Vec<Start>,
+    /// Servers in the job.
+    pub servers: u32,
+    /// Workers in the job.
+    pub workers: u32,
+}
+
 /// The hosts of a job and their slots.
 #[derive(Debug)]
 pub struct Hosts {
     config: HostsConfig,
-    servers: u32,
-    workers: u32,
+    /// The job's size, once known: (servers, workers).
+    size: Option<(u32, u32)>,
     hosts: Vec<Host>,
     slots: BTreeMap<SlotId, Slot>,
     started: bool,
@@ -140,14 +152,13 @@ pub struct Hosts {
 }
 
 impl Hosts {
-    /// The hosts of a job of `servers` servers and `workers` workers.
-    pub fn new(config: HostsConfig, servers: u32, workers: u32) -> Self {
+    /// The hosts of a job: its size is known once `config.min_hosts` joined.
+    pub fn new(config: HostsConfig) -> Self {
         Self {
             worker_restarts_left: config.restart_workers,
             server_restarts_left: config.restart_servers,
             config,
-            servers,
-            workers,
+            size: None,
             hosts: Vec::new(),
             slots: BTreeMap::new(),
             started: false,
@@ -164,9 +175,9 @@ impl Hosts {
         self.live().map(|(_, h)| h.conn).collect()
     }
 
-    /// True once the job's nodes were started.
-    pub fn started(&self) -> bool {
-        self.started
+    /// The job's size once its hosts joined: (servers, workers).
+    pub fn size(&self) -> Option<(u32, u32)> {
+        self.size
     }
 
     fn live(&self) -> impl Iterator<Item = (HostId, &Host)> {
@@ -216,30 +227,30 @@ impl Hosts {
         }
     }
 
-    /// The job's first nodes, once enough hosts joined (and only once).
-    pub fn initial(&mut self) -> Vec<Start> {
+    /// The job's first nodes and its size, once enough hosts joined that offer a server
+    /// and a worker (and only once).
+    pub fn initial(&mut self) -> Option<Rendezvous> {
         let live: Vec<HostId> = self.live().map(|(i, _)| i).collect();
-        let (s, w) = self.offered();
-        if self.started || (live.len() as u32) < self.config.min_hosts || s < self.servers || w < self.workers {
-            return Vec::new();
+        let (servers, workers) = self.offered();
+        if self.started || (live.len() as u32) < self.config.min_hosts || servers == 0 || workers == 0 {
+            return None;
         }
         self.started = true;
-        let (mut servers, mut workers) = (self.servers, self.workers);
-        let mut out = Vec::new();
+        self.size = Some((servers, workers));
+        let mut starts = Vec::new();
         for host in live {
             let offer = &self.hosts[host as usize].offer;
-            let (ns, nw) = (offer.servers.min(servers), offer.workers.min(workers));
-            servers -= ns;
-            workers -= nw;
+            let (ns, nw) = (offer.servers, offer.workers);
             for _ in 0..ns {
-                out.push(self.open(host, Kind::Server, None));
+                starts.push(self.open(host, Kind::Server, None));
             }
             for _ in 0..nw {
-                out.push(self.open(host, Kind::Worker, None));
+                starts.push(self.open(host, Kind::Worker, None));
             }
         }
+        tracing::info!(hosts = self.hosts.len(), servers, workers, "the job's hosts joined: its nodes start");
         self.check();
-        out
+        Some(Rendezvous { starts, servers, workers })
     }
 
     /// What the live hosts offer to start: (servers, workers).
@@ -438,13 +449,11 @@ impl Hosts {
         let live: Vec<String> = self.live().map(|(_, h)| h.label()).collect();
         let (s, w) = self.offered();
         let names = if live.is_empty() { "none yet".to_string() } else { live.join(", ") };
+        let short = if s == 0 || w == 0 { " (a job needs at least one server and one worker)" } else { "" };
         Some(format!(
-            "scheduler waits for hosts: {} of at least {} joined ({names}); they offer {s} of {} servers and {w} of {} \
-             workers (--servers-per-node, --workers-per-node)",
+            "scheduler waits for hosts: {} of at least {} joined ({names}); they offer {s} servers and {w} workers{short}",
             live.len(),
             self.config.min_hosts,
-            self.servers,
-            self.workers
         ))
     }
 
@@ -484,23 +493,27 @@ mod tests {
 
     #[test]
     fn the_job_starts_once_enough_hosts_offer_enough_nodes() {
-        let mut h = Hosts::new(config(2, 3), 2, 4);
-        h.join(1, offer("a", "10.0.0.1", 1, 2), 0).unwrap();
-        assert!(h.initial().is_empty());
+        let mut h = Hosts::new(config(2, 3));
+        h.join(1, offer("a", "10.0.0.1", 0, 2), 0).unwrap();
+        assert!(h.initial().is_none());
         let wait = h.waiting_for().unwrap();
-        assert!(wait.contains("1 of at least 2 joined (a (10.0.0.1))") && wait.contains("1 of 2 servers"), "{wait}");
-        h.join(2, offer("b", "10.0.0.2", 1, 2), 0).unwrap();
-        let starts = h.initial();
-        let on = |conn, role| starts.iter().filter(|s| s.conn == conn && s.role == role).count();
+        assert!(
+            wait.contains("1 of at least 2 joined (a (10.0.0.1))") && wait.contains("0 servers and 2 workers"),
+            "{wait}"
+        );
+        h.join(2, offer("b", "10.0.0.2", 1, 0), 0).unwrap();
+        let r = h.initial().unwrap();
+        assert_eq!((r.servers, r.workers), (1, 2), "a host of workers and a host of servers");
+        let on = |conn, role| r.starts.iter().filter(|s| s.conn == conn && s.role == role).count();
         let worker = NodeRole::Worker { rank: None };
-        assert_eq!((on(1, NodeRole::Server), on(1, worker), on(2, NodeRole::Server), on(2, worker)), (1, 2, 1, 2));
-        assert!(h.initial().is_empty(), "started once");
+        assert_eq!((on(1, NodeRole::Server), on(1, worker), on(2, NodeRole::Server), on(2, worker)), (0, 2, 1, 0));
+        assert!(h.initial().is_none(), "started once");
         assert_eq!(h.waiting_for(), None);
     }
 
     #[test]
     fn a_host_is_refused_with_what_to_pass() {
-        let mut h = Hosts::new(config(1, 2), 1, 1);
+        let mut h = Hosts::new(config(1, 2));
         let e = h.join(1, offer("a", "0.0.0.0", 1, 1), 0).unwrap_err();
         assert!(e.contains("--advertise"), "{e}");
         h.join(1, offer("a", "10.0.0.1", 1, 1), 0).unwrap();
@@ -522,7 +535,7 @@ mod tests {
 
     #[test]
     fn a_scale_out_goes_to_a_spare_host_not_the_stragglers() {
-        let mut h = Hosts::new(config(2, 3), 2, 2);
+        let mut h = Hosts::new(config(2, 3));
         h.join(1, offer("a", "10.0.0.1", 1, 1), 0).unwrap();
         h.join(2, offer("b", "10.0.0.2", 1, 1), 0).unwrap();
         h.join(3, HostOffer { server_slots: 2, worker_slots: 0, ..offer("spare", "10.0.0.3", 0, 0) }, 0).unwrap();
@@ -539,7 +552,7 @@ mod tests {
 
     #[test]
     fn a_lost_host_restarts_its_workers_elsewhere_with_their_ranks_within_the_budget() {
-        let mut h = Hosts::new(config(2, 2), 2, 2);
+        let mut h = Hosts::new(config(2, 2));
         h.join(1, offer("a", "10.0.0.1", 1, 1), 0).unwrap();
         h.join(2, offer("b", "10.0.0.2", 1, 1), 0).unwrap();
         h.initial();

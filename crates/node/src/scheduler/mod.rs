@@ -276,7 +276,7 @@ impl Scheduler {
     /// A job that spans hosts: host agents join ([`Control::JoinHost`]) and the
     /// scheduler tells them what to start ([`hosts`]); scale-out starts servers on them.
     pub fn with_hosts(mut self, config: hosts::HostsConfig) -> Self {
-        self.hosts = Some(hosts::Hosts::new(config, self.config.servers, self.config.workers));
+        self.hosts = Some(hosts::Hosts::new(config));
         self.can_launch = true;
         self
     }
@@ -634,7 +634,7 @@ impl Scheduler {
             Message::Control(Control::NodeExited { slot, ok, status, rank }) => {
                 tracing::info!(slot, ok, %status, ?rank, "a host's node exited");
                 if let Some(start) = hosts.exited(conn, slot, ok, rank) {
-                    out.push(start_node(start));
+                    out.push(start_node(start, self.config.workers));
                 }
             }
             other => {
@@ -661,17 +661,29 @@ impl Scheduler {
             });
             out.push(Action::Close(conn));
         };
-        let workers = self.config.workers;
         let Some(hosts) = self.hosts.as_mut() else {
             return refuse(out, "this scheduler runs a job on its own host: start it with `elasticps launch --nnodes MIN:MAX --rdzv HOST:PORT` for hosts to join".into());
         };
         match hosts.join(conn, offer, self.now_us) {
             Ok(host) => {
-                out.push(Action::Send { conn, request_id, msg: Control::HostWelcome { host, workers }.into() });
-                out.extend(hosts.initial().into_iter().map(start_node));
+                out.push(Action::Send { conn, request_id, msg: Control::HostWelcome { host }.into() });
+                if let Some(r) = hosts.initial() {
+                    self.resize(r.servers, r.workers);
+                    out.extend(r.starts.into_iter().map(|s| start_node(s, r.workers)));
+                }
             }
             Err(message) => refuse(out, message),
         }
+    }
+
+    /// The job's size, once its hosts joined (before any node registered): the flags'
+    /// bounds on scaling widen to include it.
+    fn resize(&mut self, servers: u32, workers: u32) {
+        let c = &mut self.config;
+        (c.servers, c.workers, c.shard.workers) = (servers, workers, workers);
+        c.max_servers = c.max_servers.max(servers);
+        c.min_servers = c.min_servers.min(servers);
+        self.elastic.set_bounds(c.min_servers, c.max_servers);
     }
 
     /// A host left the job: its servers and workers are lost with it (servers fail over
@@ -700,7 +712,7 @@ impl Scheduler {
         }
         let Some(hosts) = self.hosts.as_mut() else { return };
         let (starts, missed) = hosts.replace(&lost);
-        out.extend(starts.into_iter().map(start_node));
+        out.extend(starts.into_iter().map(|s| start_node(s, self.config.workers)));
         for m in missed {
             tracing::warn!(host = %lost.label, "not started again: {m}");
         }
@@ -974,7 +986,7 @@ impl Scheduler {
                     Some(h) => {
                         let slowest = self.placement.as_ref().and_then(|_| self.elastic.slowest(self.now_us));
                         match h.start_server(slowest) {
-                            Ok(start) => out.push(start_node(start)),
+                            Ok(start) => out.push(start_node(start, self.config.workers)),
                             Err(e) => {
                                 tracing::warn!(error = %e, "the balancer's new server cannot be started");
                                 self.elastic.event(self.now_us, "scale-out-failed", None, e);
@@ -1240,13 +1252,10 @@ impl Scheduler {
     }
 }
 
-/// The message that tells a host's agent to start a node.
-fn start_node(start: hosts::Start) -> Action {
-    Action::Send {
-        conn: start.conn,
-        request_id: 0,
-        msg: Control::StartNode { slot: start.slot, role: start.role }.into(),
-    }
+/// The message that tells a host's agent to start a node of a job of `workers` workers.
+fn start_node(start: hosts::Start, workers: u32) -> Action {
+    let msg = Control::StartNode { slot: start.slot, role: start.role, workers }.into();
+    Action::Send { conn: start.conn, request_id: 0, msg }
 }
 
 #[cfg(test)]
@@ -1340,7 +1349,7 @@ mod tests {
         sent_to(actions, conn)
             .into_iter()
             .filter_map(|m| match m {
-                Message::Control(Control::StartNode { role, .. }) => Some(*role),
+                Message::Control(Control::StartNode { role, workers: 2, .. }) => Some(*role),
                 _ => None,
             })
             .collect()
@@ -1351,7 +1360,7 @@ mod tests {
         let hosts = hosts::HostsConfig { min_hosts: 2, max_hosts: 3, restart_workers: 1, restart_servers: 0 };
         let mut m = Scheduler::new(JobConfig { replicas: 2, ..config() }, 2_000_000).with_hosts(hosts);
         let a = join(&mut m, 100, "a", "10.0.0.1", 1, 1);
-        assert!(matches!(sent_to(&a, 100)[..], [Message::Control(Control::HostWelcome { host: 0, workers: 2 })]));
+        assert!(matches!(sent_to(&a, 100)[..], [Message::Control(Control::HostWelcome { host: 0 })]));
         assert!(starts(&a, 100).is_empty(), "one host of two: {a:?}");
         assert!(m.waiting_for().unwrap().contains("1 of at least 2 joined (a (10.0.0.1))"));
         let a = join(&mut m, 200, "b", "10.0.0.2", 1, 1);
