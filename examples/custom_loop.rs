@@ -55,6 +55,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         join_timeout: Duration::from_secs(30),
         metrics: None,
         state_dir: None, // no recoverable state (--state-dir)
+        hosts: None,     // one host: no agents (elasticps launch --nnodes)
+        relay: None,
     };
     let scheduler = tokio::spawn(scheduler::run(sched_opts, move |addr| {
         let _ = tx.send(addr);

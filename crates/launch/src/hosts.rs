@@ -124,7 +124,7 @@ pub struct HostSpec<'a> {
 #[derive(Debug)]
 pub enum HostOutcome {
     /// The rendezvous host: the job's outcome, for its report.
-    Job(RunOutcome),
+    Job(Box<RunOutcome>),
     /// Another host: the scheduler ended the job for this reason.
     Left(String),
 }
@@ -386,7 +386,7 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
                         cluster.stop(REAP_TIMEOUT).await;
                         let mut out = rec.out;
                         out.wall = started.elapsed();
-                        return Ok(HostOutcome::Job(out));
+                        return Ok(HostOutcome::Job(Box::new(out)));
                     }
                     Some(NodeEvent::Exited { node, status }) => {
                         let Some(l) = locals.remove(&node) else { continue };

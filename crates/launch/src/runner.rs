@@ -467,7 +467,7 @@ pub(crate) async fn start_scheduler(
     signals: &mut Signals,
     scrape: &mut ScrapeList,
 ) -> Result<String> {
-    let sched = cluster.spawn("scheduler", &args, &env)?;
+    let sched = cluster.spawn("scheduler", args, env)?;
     let deadline = tokio::time::Instant::now() + SCHEDULER_START_TIMEOUT;
     loop {
         let next = tokio::select! {
