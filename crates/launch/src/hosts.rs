@@ -22,7 +22,9 @@ use elasticps_wire::{Control, HostOffer, Message, NodeRole};
 use crate::addr;
 use crate::args::{JobArgs, NetArgs};
 use crate::process::{Cluster, NodeEvent};
-use crate::runner::{Bars, REAP_TIMEOUT, RESTART_REJOIN_WAIT_S, Recorder, RunOutcome, ScrapeList, Signals, worker_env};
+use crate::runner::{
+    Bars, REAP_TIMEOUT, RESTART_REJOIN_WAIT_S, Recorder, RunOutcome, ScrapeList, Signals, sleep_until, worker_env,
+};
 use crate::{LaunchError, Result};
 
 /// How often an agent tells the scheduler it is alive (the scheduler loses a host after
@@ -446,14 +448,6 @@ fn rank_of(event: &Event) -> Option<u32> {
         Event::Progress { rank, .. } | Event::Eval { rank, .. } | Event::Log { rank, .. } => Some(*rank),
         Event::WorkerDone(w) => Some(w.rank),
         _ => None,
-    }
-}
-
-/// Sleeps until `at`, or forever if there is no deadline.
-async fn sleep_until(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 

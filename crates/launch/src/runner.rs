@@ -491,7 +491,7 @@ pub(crate) async fn start_scheduler(
 }
 
 /// Sleeps until `at`, or forever if there is no deadline.
-async fn sleep_until(at: Option<tokio::time::Instant>) {
+pub(crate) async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
