@@ -238,3 +238,33 @@ def test_a_wrong_or_unreachable_address_is_refused_with_what_to_pass(tmp_path):
         r = b.run([binary(), "launch", "--nnodes", "2", "--rdzv", f"{a.ip}:{PORT}", "--interface", "nope0", "--",
                    sys.executable, "-c", "pass"], capture_output=True, text=True, env=env(), timeout=30)
         assert r.returncode != 0 and "--interface nope0" in r.stderr and "eth0" in r.stderr, r.stderr
+
+
+@pytest.mark.deadline(300)
+def test_sbatch_of_the_slurm_example_runs_to_completion_on_a_two_node_slurm(tmp_path):
+    """A real Slurm: slurmctld, munge and two slurmd (n1, n2), each in its own namespace
+    host (scripts/slurm-testbed; .ci/run installs the packages)."""
+    require_root()
+    testbed = REPO / "scripts" / "slurm-testbed"
+    if subprocess.run(["sh", "-c", "command -v slurmctld || test -x /usr/sbin/slurmctld"], capture_output=True).returncode:
+        if os.environ.get("CI") == "true":
+            pytest.fail("slurm is not installed: scripts/slurm-testbed install")
+        pytest.skip("slurm is not installed: scripts/slurm-testbed install")
+    up = subprocess.run([str(testbed), "up", "--prefix", "ephs"], capture_output=True, text=True, timeout=120)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        e = env()
+        e["ELASTICPS"] = binary()
+        run = subprocess.run(
+            [str(testbed), "run", "--prefix", "ephs", "--timeout", "200", str(REPO / "examples" / "slurm" / "train.sbatch")],
+            capture_output=True, text=True, timeout=260, env=e, cwd=tmp_path,
+        )
+        out = run.stdout + run.stderr
+        assert run.returncode == 0, out[-4000:]
+        assert "host n1 (" in out and "runs the scheduler" in out, out[-4000:]
+        assert "host n2 (" in out and "this host is done: every worker finished" in out, out[-4000:]
+        assert accuracy(out, "test accuracy") >= 85.0, out[-4000:]
+        report = json.loads(next(tmp_path.glob("elasticps-report-*/report.json")).read_text())
+        assert len(report["workers"]) == 2 and len(report["servers"]) == 2, report
+    finally:
+        subprocess.run([str(testbed), "down", "--prefix", "ephs"], capture_output=True, timeout=120)
