@@ -1,11 +1,11 @@
 //! `elasticps bench hosts`: static placement vs PSLD on a job that spans hosts for real.
 //!
-//! A test bed of 3 "hosts" (network namespaces on a bridge, `scripts/testnet`, needs root):
+//! A test bed of 5 "hosts" (network namespaces on a bridge, `scripts/testnet`, needs root):
 //!
-//! - host 1 (`P1`) is the rendezvous: its launch runs the scheduler, 1 server and 1 worker;
-//! - host 2 (`P2`) runs 1 server and 1 worker, and its link is capped with `tc tbf` in both
+//! - host 1 (`P1`) is the rendezvous: its launch runs the scheduler and the 2 workers;
+//! - hosts 2, 3 and 4 run one server each; host 2's link is capped with `tc tbf` in both
 //!   directions (`--cap-mbit`);
-//! - host 3 (`P3`) is a spare: it joins after the job started, so it starts nothing, and
+//! - host 5 (`P5`) is a spare: it joins after the job started, so it starts nothing, and
 //!   brings 2 server slots for a scale-out.
 //!
 //! One invocation measures, side by side: (1) the raw TCP rate over the capped link, each
@@ -15,8 +15,8 @@
 //! (`synthetic:resnet56` by default), bsp, sgd, bestfit placement, 4 MiB blocks; the psld run
 //! has more iterations (it needs time to detect and settle; the numbers are rates).
 //!
-//! Every job's three launches start through `testnet exec` (host 2 once host 1 listens,
-//! host 3 once host 2 joined, so the spare never takes a first node); every wait has a
+//! Every job's five launches start through `testnet exec`, each once the one before joined
+//! (so the spare joins after the job started and takes no first node); every wait has a
 //! timeout that names what it waits for. The bed is torn down at the end, on error and on
 //! Ctrl-C or SIGTERM ([`Bed`]'s `Drop`: every process it started, and every process left in
 //! its namespaces, is stopped by PID, then `testnet down`).
@@ -26,11 +26,8 @@
 //! worker's first iteration (static), as `bench straggler` measures it
 //! ([`crate::straggler::measure`]); psld's migrations and scaling events; which host each
 //! server ran on (the scheduler's `server joined ... addr=` lines), so a scale-out server on
-//! the spare shows. The link bound: the capped host runs a worker and a server, so each job
-//! iteration moves about one model across its link each way wherever the blocks are (its
-//! worker's pushes and pulls to the other hosts' servers plus its server's traffic with the
-//! other hosts' workers: `(1 - f) M + f M`); `workers x raw rate / model bytes` is the most
-//! it/s any placement can get.
+//! the spare shows. The link bound: static placement leaves about a third of the model on
+//! the capped server, which both workers push and pull across its link every iteration.
 //!
 //! Checks (fail the command): every run completes; the cap is in effect (raw TCP at most
 //! 1.2 x the cap); full form: psld >= 2.0 x static samples/s (after settling); `--quick`:
@@ -62,7 +59,7 @@ pub const FULL_RATIO: f64 = 2.0;
 /// The rendezvous port on host 1.
 const RDZV_PORT: u16 = 29400;
 /// Hosts of the bed.
-const HOSTS: usize = 3;
+const HOSTS: usize = 5;
 
 /// `elasticps bench hosts`.
 #[derive(Args, Clone, Debug)]
@@ -172,7 +169,7 @@ struct Plan {
 
 impl Plan {
     fn new(cmd: &HostsBenchCmd) -> Result<Self> {
-        let (cap, st, ps) = if cmd.quick { (100, 16, 40) } else { (50, 40, 120) };
+        let (cap, st, ps) = if cmd.quick { (100, 16, 40) } else { (50, 40, 900) };
         let plan = Plan {
             quick: cmd.quick,
             cap_mbit: cmd.cap_mbit.unwrap_or(cap),
@@ -638,7 +635,7 @@ async fn raw_tcp(bed: &Bed, plan: &Plan, dir: &Path, exe: &str, secret: &str) ->
 /// One job on the bed: three launches, the report of the rendezvous one.
 async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &str, mode: Mode) -> HostsRun {
     let extra: Vec<String> = match mode {
-        Mode::Psld => ["--balance", "psld", "--max-servers", "3"].map(String::from).to_vec(),
+        Mode::Psld => ["--balance", "psld", "--max-servers", "4"].map(String::from).to_vec(),
         _ => ["--balance", "static"].map(String::from).to_vec(),
     };
     let dir = runs_dir.join(mode.name());
@@ -681,7 +678,7 @@ async fn job(
     let rdzv = format!("{}:{RDZV_PORT}", bed.hosts[0].ip);
     let launch = |host: usize, layout: &[&str]| -> Vec<String> {
         let name = format!("h{}", host + 1);
-        let mut a: Vec<String> = [exe, "launch", "--quiet", "--nnodes", "2:3", "--rdzv", &rdzv, "--node-name", &name]
+        let mut a: Vec<String> = [exe, "launch", "--quiet", "--nnodes", "4:5", "--rdzv", &rdzv, "--node-name", &name]
             .map(String::from)
             .to_vec();
         a.extend(layout.iter().map(|s| s.to_string()));
@@ -695,28 +692,42 @@ async fn job(
         a.extend(["--batch-size".into(), plan.batch_size.to_string()]);
         a
     };
-    let one_each = ["--servers-per-node", "1", "--workers-per-node", "1"];
-    // The spare: `--servers-per-node 0 --workers-per-node 0` is refused by the launch (it
-    // computes the job's size from every host's own flags: "the job would have 0 servers
-    // and 0 workers"), so it offers 1 and 1 but joins only after the job started (a host
-    // that joins later starts nothing of its own) and has no worker slot.
-    let spare = ["--servers-per-node", "1", "--workers-per-node", "1", "--server-slots", "2", "--worker-slots", "0"];
+    // Which host runs what (module docs): the workers' host, three hosts of one server
+    // each (the first one's link is capped), and the spare, which joins once the job runs.
+    let layouts: [(&str, [&str; 8]); HOSTS] = [
+        (
+            "host 1 (rendezvous, the workers)",
+            ["--servers-per-node", "0", "--workers-per-node", "2", "--server-slots", "0", "--worker-slots", "2"],
+        ),
+        (
+            "host 2 (capped)",
+            ["--servers-per-node", "1", "--workers-per-node", "0", "--server-slots", "1", "--worker-slots", "0"],
+        ),
+        (
+            "host 3",
+            ["--servers-per-node", "1", "--workers-per-node", "0", "--server-slots", "1", "--worker-slots", "0"],
+        ),
+        (
+            "host 4",
+            ["--servers-per-node", "1", "--workers-per-node", "0", "--server-slots", "1", "--worker-slots", "0"],
+        ),
+        (
+            "host 5 (spare)",
+            ["--servers-per-node", "0", "--workers-per-node", "0", "--server-slots", "2", "--worker-slots", "0"],
+        ),
+    ];
     let logs: Vec<PathBuf> = (1..=HOSTS).map(|i| dir.join(format!("h{i}.out"))).collect();
     let join = Duration::from_secs(60);
     let mut children: Vec<(Child, String)> = Vec::new();
     let started = async {
-        let mut h1 = bed.spawn(0, &launch(0, &one_each), &logs[0], secret)?;
-        let w = wait_line(&mut h1, &logs[0], "joined the job", join, "the launch on host 1 (rendezvous) joining").await;
-        children.push((h1, "the launch on host 1 (rendezvous)".into()));
-        w?;
-        let mut h2 = bed.spawn(1, &launch(1, &one_each), &logs[1], secret)?;
-        let w = wait_line(&mut h2, &logs[1], "joined the job", join, "the launch on host 2 (capped) joining").await;
-        children.push((h2, "the launch on host 2 (capped)".into()));
-        w?;
-        let mut h3 = bed.spawn(2, &launch(2, &spare), &logs[2], secret)?;
-        let w = wait_line(&mut h3, &logs[2], "joined the job", join, "the launch on host 3 (spare) joining").await;
-        children.push((h3, "the launch on host 3 (spare)".into()));
-        w
+        for (i, (what, layout)) in layouts.iter().enumerate() {
+            let mut child = bed.spawn(i, &launch(i, layout), &logs[i], secret)?;
+            let w =
+                wait_line(&mut child, &logs[i], "joined the job", join, &format!("the launch on {what} joining")).await;
+            children.push((child, format!("the launch on {what}")));
+            w?;
+        }
+        Ok::<_, BenchError>(String::new())
     }
     .await;
     // A failed start stops what was started (the bed's teardown would too, at the end).
@@ -793,11 +804,13 @@ fn raw_mbit(tcp: &[TcpRate]) -> Option<f64> {
     tcp.iter().map(|t| t.mbit_per_s).reduce(f64::min)
 }
 
-/// The most samples/s any placement gets: the capped link moves about one model each way
-/// per job iteration (module docs); every worker does one iteration of `batch` samples.
+/// The most samples/s static placement can get: the capped server holds about a third of
+/// the model (bestfit over three servers), which both workers push and pull across its
+/// link every iteration: `raw / (2 x M / 3)` iterations per second, of `2 x batch` samples.
 fn link_bound(plan: &Plan, tcp: &[TcpRate], model_bytes: u64) -> Option<f64> {
     let raw = raw_mbit(tcp)?;
-    (model_bytes > 0).then(|| raw * 1e6 / 8.0 / model_bytes as f64 * 2.0 * f64::from(plan.batch_size))
+    let per_iter = 2.0 * model_bytes as f64 / 3.0;
+    (model_bytes > 0).then(|| raw * 1e6 / 8.0 / per_iter * 2.0 * f64::from(plan.batch_size))
 }
 
 fn checks(plan: &Plan, tcp: &[TcpRate], runs: &[HostsRun]) -> Vec<Check> {
@@ -854,13 +867,13 @@ fn checks(plan: &Plan, tcp: &[TcpRate], runs: &[HostsRun]) -> Vec<Check> {
 
 fn targets(runs: &[HostsRun]) -> Vec<Target> {
     let p = find(runs, Mode::Psld);
-    let spare_out = p.map(|p| p.servers.iter().filter(|s| !s.initial && s.host.ends_with('3')).count());
+    let spare_out = p.map(|p| p.servers.iter().filter(|s| !s.initial && s.host.ends_with('5')).count());
     let scale_outs =
         p.and_then(|p| p.run.as_ref()).map(|r| r.scaling.iter().filter(|e| e.action == "scale-out").count());
     vec![Target {
-        what: "psld scales out onto the spare host (host 3)".into(),
+        what: "psld scales out onto the spare host (host 5)".into(),
         measured: match (spare_out, scale_outs) {
-            (Some(n), Some(k)) => format!("{k} scale-out events; {n} servers started on host 3"),
+            (Some(n), Some(k)) => format!("{k} scale-out events; {n} servers started on host 5"),
             _ => "the psld run failed".into(),
         },
         met: spare_out.map(|n| n > 0),
@@ -875,9 +888,9 @@ fn render(out: &Output) -> String {
     let mut s = String::new();
     let p = &out.plan;
     s.push_str(&format!(
-        "\n`bench hosts`{}: 3 namespace hosts (host 1 rendezvous: 1 server + 1 worker; host 2: 1 server + 1 worker, \
-         link capped at {} mbit each way; host 3: spare, 2 server slots), {}, {} ms compute, bsp, sgd, bestfit, 4 MiB \
-         blocks; static {} and psld (--max-servers 3) {} iterations per worker.\n\n",
+        "\n`bench hosts`{}: 5 namespace hosts (host 1 rendezvous: the 2 workers; hosts 2-4: a server each, host 2's \
+         link capped at {} mbit each way; host 5: spare, 2 server slots), {}, {} ms compute, bsp, sgd, bestfit, 4 MiB \
+         blocks; static {} and psld (--max-servers 4) {} iterations per worker.\n\n",
         if p.quick { " --quick" } else { "" },
         p.cap_mbit,
         p.model,
@@ -969,9 +982,9 @@ fn render(out: &Output) -> String {
     s.push_str(&markdown_table(&headers, &rows));
     if let Some(raw) = raw {
         s.push_str(&format!(
-            "\nRaw TCP over the capped link: {raw:.1} Mbit/s (the slower direction); the link bound is 2 workers x that \
-             rate / the model's bytes x {} samples: host 2 runs a worker and a server, so every job iteration moves \
-             about one model across its link each way wherever the blocks are.\n",
+            "\nRaw TCP over the capped link: {raw:.1} Mbit/s (the slower direction); the link bound is static's: that \
+             rate / (2 workers x a third of the model's bytes) iterations per second, of 2 x {} samples (bestfit \
+             leaves about a third of the model on the capped server).\n",
             p.batch_size
         ));
     }
@@ -1008,7 +1021,7 @@ mod tests {
     }
 
     #[test]
-    fn the_link_bound_is_two_models_per_job_iteration() {
+    fn the_link_bound_is_a_third_of_the_model_per_worker_and_iteration() {
         let plan = Plan::new(&HostsBenchCmd {
             quick: true,
             out: "x".into(),
@@ -1027,7 +1040,8 @@ mod tests {
             TcpRate { direction: Direction::Up, bytes: 0, secs: 1.0, mbit_per_s: 80.0 },
             TcpRate { direction: Direction::Down, bytes: 0, secs: 1.0, mbit_per_s: 100.0 },
         ];
-        // 80 Mbit/s = 10 MB/s; a 5 MB model: 2 job iterations/s, 2 workers x 32 samples.
-        assert_eq!(link_bound(&plan, &tcp, 5_000_000), Some(128.0));
+        // 80 Mbit/s = 10 MB/s; a 6 MB model, 2 MB of it on the capped server: 2 workers move
+        // 4 MB across the link per iteration, 2.5 iterations/s of 2 workers x 32 samples.
+        assert_eq!(link_bound(&plan, &tcp, 6_000_000), Some(160.0));
     }
 }

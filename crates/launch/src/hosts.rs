@@ -193,7 +193,10 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
     // The scheduler learns the job's size from the hosts' offers once MIN joined; its
     // flags carry a size that passes their checks until then.
     let mut job = spec.job.clone();
-    job.servers = (rdzv.min * h.servers_per_node).max(1);
+    job.servers = (rdzv.min * h.servers_per_node)
+        .min(job.max_servers.unwrap_or(u32::MAX))
+        .max(job.min_servers.unwrap_or(1))
+        .max(1);
     job.workers = (rdzv.min * h.workers_per_node).max(1);
     job.job_config()?;
     spec.net.tls()?;
