@@ -87,8 +87,10 @@ fn a_dead_worker_restarted_with_its_rank_rejoins_and_the_job_completes() {
     for sync in ["bsp", "ssp:2"] {
         let dir = common::temp_dir("restart");
         let dir_s = dir.display().to_string();
+        // Long enough that the kill below lands while the job runs (400 iterations took
+        // 1.3 s on a quiet machine: the worker had finished before it was killed).
         let args =
-            ["--iterations", "400", "--eval-every", "0", "--sync", sync, "--restart-workers", "1", "--report", &dir_s];
+            ["--iterations", "3000", "--eval-every", "0", "--sync", sync, "--restart-workers", "1", "--report", &dir_s];
         let mut child = train(&args).spawn().expect("spawn train");
         let kids = wait_for_children(&child, 5);
         assert_eq!(kids.len(), 5, "scheduler, 2 servers, 2 workers: {kids:?}");
@@ -106,8 +108,8 @@ fn a_dead_worker_restarted_with_its_rank_rejoins_and_the_job_completes() {
         assert_eq!(workers.len(), 2, "{sync}: both ranks reported their end: {workers:?}");
         let iterations: Vec<u64> = workers.iter().map(|w| w["iterations"].as_u64().unwrap_or(0)).collect();
         assert!(
-            iterations.contains(&400) && iterations.iter().any(|i| *i > 0 && *i < 400),
-            "{sync}: one rank ran all 400 iterations, the restarted one the rest from where the job was: {iterations:?}"
+            iterations.contains(&3000) && iterations.iter().any(|i| *i > 0 && *i < 3000),
+            "{sync}: one rank ran all 3000 iterations, the restarted one the rest from where the job was: {iterations:?}"
         );
         assert!(report["test_accuracy"].as_f64().unwrap_or(0.0) > 0.6, "{sync}: the model learned: {report}");
         assert_all_gone(&kids);
