@@ -234,6 +234,10 @@ def test_a_wrong_or_unreachable_address_is_refused_with_what_to_pass(tmp_path):
         r = b.run([binary(), "server", "--scheduler", f"{a.ip}:{PORT}", "--listen", "127.0.0.1:0"],
                   capture_output=True, text=True, env=env(), timeout=30)
         assert r.returncode != 0 and "loopback" in r.stderr and "--interface" in r.stderr, r.stderr
+        # An address that is not this host's.
+        r = b.run([binary(), "launch", "--nnodes", "2", "--rdzv", f"{a.ip}:{PORT}", "--advertise", a.ip, "--",
+                   sys.executable, "-c", "pass"], capture_output=True, text=True, env=env(), timeout=30)
+        assert r.returncode != 0 and "is not an address of this host" in r.stderr, r.stderr
         # An interface that does not exist.
         r = b.run([binary(), "launch", "--nnodes", "2", "--rdzv", f"{a.ip}:{PORT}", "--interface", "nope0", "--",
                    sys.executable, "-c", "pass"], capture_output=True, text=True, env=env(), timeout=30)

@@ -102,7 +102,14 @@ pub fn advertise_ip(scheduler: SocketAddr, advertise: Option<&str>, interface: O
         (Some(a), _) => {
             let host =
                 a.rsplit_once(':').filter(|(h, p)| !h.contains(':') && p.parse::<u16>().is_ok()).map_or(a, |(h, _)| h);
-            resolve(host, 0, "--advertise")?.ip()
+            let ip = resolve(host, 0, "--advertise")?.ip();
+            if !is_local(ip) {
+                return Err(LaunchError::Flags(format!(
+                    "--advertise {a}: {ip} is not an address of this host (its servers listen on it): pass one of \
+                     this host's addresses, or --interface NAME"
+                )));
+            }
+            ip
         }
         (None, Some(name)) => interface_ip(name)?,
         (None, None) => route_to(scheduler)?,
