@@ -314,3 +314,23 @@ def local_accuracy() -> float:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return accuracy(out.stdout, "local test accuracy")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (by /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out

@@ -17,31 +17,11 @@ from conftest import elasticps_bin as binary
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "workers" / "numpy_worker.py"
-from conftest import EPOCHS, MNIST, accuracy  # noqa: E402
+from conftest import EPOCHS, MNIST, accuracy, descendants  # noqa: E402
 
 
 def launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([binary(), "launch", "--quiet", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid` (by /proc's parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
 
 
 def alive(pid: int) -> bool:

@@ -209,16 +209,14 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
 fn advertised(scheduler: &str, listen: &str, advertise: Option<String>) -> anyhow::Result<Option<String>> {
     use elasticps_launch::addr;
     let sched = addr::resolve(scheduler, 7000, "--scheduler")?;
-    let listen_ip =
-        listen.rsplit_once(':').and_then(|(h, _)| h.trim_matches(['[', ']']).parse::<std::net::IpAddr>().ok());
+    let listen_ip = addr::split_port(listen).0.parse::<std::net::IpAddr>().ok();
     let advertise = match (advertise, listen_ip) {
         (Some(a), _) => Some(a),
         (None, Some(ip)) if ip.is_unspecified() => Some(addr::route_to(sched)?.to_string()),
         (None, _) => None,
     };
     let shown = advertise.as_deref().unwrap_or(listen);
-    let host = shown.rsplit_once(':').map_or(shown, |(h, p)| if p.parse::<u16>().is_ok() { h } else { shown });
-    addr::check_advertised(addr::resolve(host, 0, "--advertise")?.ip(), sched)
+    addr::check_advertised(addr::resolve(shown, 0, "--advertise")?.ip(), sched)
         .with_context(|| format!("server listening on {listen}"))?;
     Ok(advertise)
 }

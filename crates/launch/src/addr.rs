@@ -10,17 +10,25 @@ use crate::{LaunchError, Result};
 /// The rendezvous port when `--rdzv` names none (torchrun's).
 pub const DEFAULT_RDZV_PORT: u16 = 29400;
 
+/// `addr` split into its host (without brackets) and its port, if it names one:
+/// `10.0.0.1:80`, `[::1]:80`, `node-3:80`; `10.0.0.1`, `::1` and `node-3` name none.
+pub fn split_port(addr: &str) -> (&str, Option<u16>) {
+    if addr.parse::<IpAddr>().is_ok() {
+        return (addr, None);
+    }
+    match addr.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>())) {
+        Some((host, Ok(port))) if !host.trim_matches(['[', ']']).is_empty() => {
+            (host.trim_matches(['[', ']']), Some(port))
+        }
+        _ => (addr, None),
+    }
+}
+
 /// Resolves `addr` (`HOST:PORT`, or `HOST` with `default_port`) to one socket address,
 /// IPv4 first.
 pub fn resolve(addr: &str, default_port: u16, what: &str) -> Result<SocketAddr> {
-    let with_port = if addr.parse::<SocketAddr>().is_ok()
-        || addr.rsplit_once(':').is_some_and(|(h, p)| !h.contains(':') && p.parse::<u16>().is_ok())
-    {
-        addr.to_string()
-    } else {
-        format!("{addr}:{default_port}")
-    };
-    let all: Vec<SocketAddr> = with_port
+    let (host, port) = split_port(addr);
+    let all: Vec<SocketAddr> = (host, port.unwrap_or(default_port))
         .to_socket_addrs()
         .map_err(|e| LaunchError::Flags(format!("{what} {addr}: cannot resolve it ({e})")))?
         .collect();
@@ -100,9 +108,7 @@ pub fn interface_ip(name: &str) -> Result<IpAddr> {
 pub fn advertise_ip(scheduler: SocketAddr, advertise: Option<&str>, interface: Option<&str>) -> Result<IpAddr> {
     let ip = match (advertise, interface) {
         (Some(a), _) => {
-            let host =
-                a.rsplit_once(':').filter(|(h, p)| !h.contains(':') && p.parse::<u16>().is_ok()).map_or(a, |(h, _)| h);
-            let ip = resolve(host, 0, "--advertise")?.ip();
+            let ip = resolve(a, 0, "--advertise")?.ip();
             if !is_local(ip) {
                 return Err(LaunchError::Flags(format!(
                     "--advertise {a}: {ip} is not an address of this host (its servers listen on it): pass one of \
@@ -208,6 +214,12 @@ mod tests {
         check_advertised("127.0.0.1".parse().unwrap(), "127.0.0.1:29400".parse().unwrap()).unwrap();
         assert_eq!(resolve("127.0.0.1", 29400, "--rdzv").unwrap().port(), 29400);
         assert_eq!(resolve("127.0.0.1:7", 29400, "--rdzv").unwrap().port(), 7);
+        assert_eq!(resolve("[::1]:7", 29400, "--rdzv").unwrap().port(), 7);
+        assert_eq!(split_port("10.0.0.1"), ("10.0.0.1", None));
+        assert_eq!(split_port("::1"), ("::1", None));
+        assert_eq!(split_port("[::1]:80"), ("::1", Some(80)));
+        assert_eq!(split_port("node-3:80"), ("node-3", Some(80)));
+        assert_eq!(split_port("node-3"), ("node-3", None));
         assert!(interface_ip("lo").unwrap().is_loopback());
         assert!(interface_ip("no-such-if0").unwrap_err().to_string().contains("lo"));
     }

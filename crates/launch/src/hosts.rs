@@ -369,14 +369,13 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
                         if matches!(event, Event::Metrics { .. } | Event::Listening { .. }) {
                             continue;
                         }
-                        if scheduler.is_none() {
-                            // The rendezvous host draws the job's bars; here, this host's.
-                            if let Ok(line) = serde_json::to_string(&event) {
-                                relay(&peer, line);
-                            }
-                            rec.event(t_s, event);
-                        } else if let Ok(line) = serde_json::to_string(&event) {
+                        if let Ok(line) = serde_json::to_string(&event) {
                             relay(&peer, line);
+                        }
+                        if scheduler.is_none() {
+                            // The rendezvous host records the job's events as they come
+                            // back from the scheduler; here, this host's bars.
+                            rec.event(t_s, event);
                         }
                     }
                     Some(NodeEvent::Output { node, line, stderr }) => {

@@ -247,7 +247,7 @@ impl SchedulerRole {
                 }
                 Action::Close(conn) => out.close(conn),
                 Action::StartServer => out.start_server(),
-                Action::Relay(_) => {}
+                Action::Relay(_) | Action::Waiting(_) => {}
                 Action::WriteManifest { clock, blocks, .. } => self.manifests.push((clock, blocks)),
                 Action::Finish { ok, reason } => {
                     self.over = true;

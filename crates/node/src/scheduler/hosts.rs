@@ -142,8 +142,6 @@ pub struct Rendezvous {
 #[derive(Debug)]
 pub struct Hosts {
     config: HostsConfig,
-    /// The job's size, once known: (servers, workers).
-    size: Option<(u32, u32)>,
     hosts: Vec<Host>,
     slots: BTreeMap<SlotId, Slot>,
     started: bool,
@@ -158,7 +156,6 @@ impl Hosts {
             worker_restarts_left: config.restart_workers,
             server_restarts_left: config.restart_servers,
             config,
-            size: None,
             hosts: Vec::new(),
             slots: BTreeMap::new(),
             started: false,
@@ -173,11 +170,6 @@ impl Hosts {
     /// The connections of the agents still in the job.
     pub fn agents(&self) -> Vec<ConnId> {
         self.live().map(|(_, h)| h.conn).collect()
-    }
-
-    /// The job's size once its hosts joined: (servers, workers).
-    pub fn size(&self) -> Option<(u32, u32)> {
-        self.size
     }
 
     fn live(&self) -> impl Iterator<Item = (HostId, &Host)> {
@@ -236,7 +228,6 @@ impl Hosts {
             return None;
         }
         self.started = true;
-        self.size = Some((servers, workers));
         let mut starts = Vec::new();
         for host in live {
             let offer = &self.hosts[host as usize].offer;
@@ -396,11 +387,6 @@ impl Hosts {
             .collect();
         let secs = HOST_HEARTBEAT_TIMEOUT_US as f64 / 1e6;
         silent.into_iter().map(|h| self.lose(h, format!("no heartbeat from its agent for {secs:.0} s"))).collect()
-    }
-
-    /// When the next host would be lost if its agent stays silent, µs.
-    pub fn poll_timeout(&self) -> Option<u64> {
-        self.live().map(|(_, h)| h.last_seen_us + HOST_HEARTBEAT_TIMEOUT_US + 1).min()
     }
 
     fn lose(&mut self, host: HostId, why: String) -> LostHost {
@@ -569,7 +555,6 @@ mod tests {
         assert_eq!(starts.len(), 2, "{starts:?} {missed:?}");
         assert!(starts.iter().all(|s| s.host == 0));
         assert!(starts.iter().any(|s| s.role == NodeRole::Worker { rank: Some(1) }));
-        assert_eq!(h.poll_timeout(), Some(1_500_000 + HOST_HEARTBEAT_TIMEOUT_US + 1));
         // The budgets are spent: a second failure is not restarted.
         assert_eq!(h.exited(1, 0, false, Some(0)), None);
         assert!(h.connection_lost(1, "eof").is_some());

@@ -140,6 +140,9 @@ pub enum Action {
     /// Print this event line (a node's, relayed by its host agent) on the scheduler's
     /// event stream, where the launch that runs the scheduler builds the job's report.
     Relay(String),
+    /// A job across hosts still waits for this (said every [`WAIT_REPORT_EVERY_US`]
+    /// while it assembles): the launch that runs the scheduler prints it.
+    Waiting(String),
     /// Every block of checkpoint `clock` is on disk: write its manifest (atomically), which
     /// makes the checkpoint complete.
     WriteManifest {
@@ -164,6 +167,9 @@ enum Role {
     Server(u32),
     Worker(u32),
 }
+
+/// How often the scheduler says what the job still waits for, µs.
+pub const WAIT_REPORT_EVERY_US: u64 = 5_000_000;
 
 /// How long a job with checkpoints waits after `Shutdown` for its servers to finish their
 /// checkpoint writes and leave, µs.
@@ -410,10 +416,14 @@ impl Scheduler {
                     let orders = self.elastic.tick(placement, now_us);
                     self.carry_out(orders, &mut out);
                 }
-                if now_us.saturating_sub(self.last_wait_log_us) >= 5_000_000 {
+                if now_us.saturating_sub(self.last_wait_log_us) >= WAIT_REPORT_EVERY_US {
                     self.last_wait_log_us = now_us;
                     if let Some(what) = self.waiting_for() {
                         tracing::info!("{what}");
+                        if self.hosts.is_some() {
+                            // The launch on the rendezvous host prints it.
+                            out.push(Action::Waiting(what));
+                        }
                     }
                 }
             }
@@ -1353,6 +1363,20 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[test]
+    fn a_job_across_hosts_says_every_5_s_which_hosts_it_waits_for() {
+        let hosts = hosts::HostsConfig { min_hosts: 2, max_hosts: 2, restart_workers: 0, restart_servers: 0 };
+        let mut m = Scheduler::new(config(), 2_000_000).with_hosts(hosts);
+        join(&mut m, 100, "a", "10.0.0.1", 1, 1);
+        m.advance(WAIT_REPORT_EVERY_US - 100_000);
+        recv(&mut m, 100, 0, Control::Heartbeat);
+        let a = m.step(Event::Tick { now_us: WAIT_REPORT_EVERY_US });
+        let what =
+            "scheduler waits for hosts: 1 of at least 2 joined (a (10.0.0.1)); they offer 1 servers and 1 workers";
+        assert_eq!(a, [Action::Waiting(what.into())]);
+        assert!(m.step(Event::Tick { now_us: WAIT_REPORT_EVERY_US + 500_000 }).is_empty(), "once per 5 s");
     }
 
     #[test]

@@ -27,8 +27,6 @@ pub mod state;
 /// How long a scheduler of a job across hosts waits, once the job is over, for the
 /// agents to relay their nodes' last events and leave.
 const AGENT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often a scheduler of a job across hosts says what the job still waits for, µs.
-const WAIT_REPORT_EVERY_US: u64 = 5_000_000;
 
 /// One connection as the actor sees it: where to send, and how to close it. The reader
 /// task holds a clone of the outbox too, so dropping ours alone does not close anything:
@@ -132,7 +130,6 @@ pub async fn run_with(
     }
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
-    let mut last_wait_said_us = 0;
     // Manifest writes under way (awaited before the scheduler returns).
     let mut manifests = Vec::new();
     let outcome = loop {
@@ -157,13 +154,6 @@ pub async fn run_with(
                         let _ = h.out.send((0, Control::Shutdown { reason: reason.clone() }.into()));
                     }
                     break Err(RuntimeError::Timeout { what, after: opts.join_timeout });
-                }
-                if let Some(relay) = &opts.relay
-                    && now_us.saturating_sub(last_wait_said_us) >= WAIT_REPORT_EVERY_US
-                    && let Some(what) = state.waiting_for()
-                {
-                    last_wait_said_us = now_us;
-                    relay.emit(&crate::events::Event::Waiting { what });
                 }
                 Event::Tick { now_us }
             }
@@ -207,6 +197,11 @@ pub async fn run_with(
                     Some(relay) => relay.emit_line(&line),
                     None => tracing::debug!(%line, "a relayed event with nowhere to go"),
                 },
+                Action::Waiting(what) => {
+                    if let Some(relay) = &opts.relay {
+                        relay.emit(&crate::events::Event::Waiting { what });
+                    }
+                }
                 Action::WriteManifest { dir, clock, blocks } => {
                     // Small, but a disk write: off the actor's task.
                     manifests.push(tokio::task::spawn_blocking(move || {
