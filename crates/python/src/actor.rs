@@ -14,6 +14,7 @@ use elasticps_runtime::metrics::MetricsEndpoint;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::arrays::{Dst, Keep, Src};
+use crate::cancel::{self, Ticket};
 use crate::stats::RunStats;
 
 /// A reply to Python: the value, or the error's message.
@@ -31,6 +32,7 @@ pub enum Cmd {
         start: Clock,
         pull: Vec<Dst>,
         keep: Keep,
+        ticket: Ticket,
         done: Reply<()>,
     },
     /// Push (some tensors' gradients at a clock) and/or pull (some tensors at a clock).
@@ -38,6 +40,7 @@ pub enum Cmd {
         push: Option<(Clock, Vec<(usize, Src)>)>,
         pull: Option<(Clock, Vec<(usize, Dst)>)>,
         keep: Keep,
+        ticket: Ticket,
         done: Reply<()>,
     },
     /// A tensor's new optimizer.
@@ -95,25 +98,45 @@ pub async fn run(
             },
         };
         match cmd {
-            Cmd::Register { tensors, optimizers, init, start, pull, keep, done } => {
-                let r = register(&mut client, tensors, optimizers, &init, start, &pull).await;
+            // A command Python cancelled while it was queued (Ctrl-C) never runs; one that
+            // runs is dropped, with every borrow of its arrays, when Python asks it to
+            // stop, and only then replies. The guard claims the command (`start`): the arms
+            // below run only commands it claimed.
+            Cmd::Register { keep, ticket, done, .. } | Cmd::Round { keep, ticket, done, .. } if !ticket.start() => {
                 drop(keep);
-                let _ = done.send(r.map_err(|e| format!("elasticps: register_model failed: {e}")));
+                let _ = done.send(Err(cancel::interrupted("the call")));
             }
-            Cmd::Round { push: Some((clock, grads)), pull: None, keep, done } => {
+            Cmd::Register { tensors, optimizers, init, start, pull, keep, ticket, done } => {
+                let r = tokio::select! {
+                    r = register(&mut client, tensors, optimizers, &init, start, &pull) => {
+                        r.map_err(|e| format!("elasticps: register_model failed: {e}"))
+                    }
+                    () = ticket.stopped() => Err(cancel::interrupted("register_model")),
+                };
+                drop(keep);
+                let _ = done.send(r);
+            }
+            Cmd::Round { push: Some((clock, grads)), pull: None, keep, ticket, done } => {
                 // Gather the pushes queued right behind this one (same clock, other tensors).
                 let mut grads = grads;
                 let mut keeps = vec![keep];
+                let mut tickets = vec![ticket];
                 let mut dones = vec![done];
                 let mut tensors: BTreeSet<usize> = grads.iter().map(|(t, _)| *t).collect();
                 while let Ok(more) = rx.try_recv() {
                     match more {
-                        Cmd::Round { push: Some((c, g)), pull: None, keep, done }
+                        Cmd::Round { push: Some((c, g)), pull: None, keep, ticket, done }
                             if c == clock && g.iter().all(|(t, _)| !tensors.contains(t)) =>
                         {
+                            if !ticket.start() {
+                                drop(keep);
+                                let _ = done.send(Err(cancel::interrupted(&format!("push(clock {c})"))));
+                                continue;
+                            }
                             tensors.extend(g.iter().map(|(t, _)| *t));
                             grads.extend(g);
                             keeps.push(keep);
+                            tickets.push(ticket);
                             dones.push(done);
                         }
                         other => {
@@ -122,14 +145,22 @@ pub async fn run(
                         }
                     }
                 }
-                let r = round(&mut client, &mut stats, Some((clock, grads)), None).await;
+                // Ctrl-C in any wait of the batch stops all of it (they share one round).
+                let r = tokio::select! {
+                    r = round(&mut client, &mut stats, Some((clock, grads)), None) => r,
+                    () = cancel::any_stopped(&tickets) => Err(cancel::interrupted(&format!("push(clock {clock})"))),
+                };
                 drop(keeps);
                 for done in dones {
                     let _ = done.send(r.clone());
                 }
             }
-            Cmd::Round { push, pull, keep, done } => {
-                let r = round(&mut client, &mut stats, push, pull).await;
+            Cmd::Round { push, pull, keep, ticket, done } => {
+                let what = what(push.as_ref().map(|(c, _)| *c), pull.as_ref().map(|(c, _)| *c));
+                let r = tokio::select! {
+                    r = round(&mut client, &mut stats, push, pull) => r,
+                    () = ticket.stopped() => Err(cancel::interrupted(&what)),
+                };
                 drop(keep);
                 let _ = done.send(r);
             }
@@ -206,13 +237,15 @@ async fn round(
     let pull = pull_clock.map(|c| (c, &mut params[..]));
     let r = client.round_tensors(push, pull).await;
     stats.tally.communicated(started.elapsed(), &client.last_waits().per_server);
-    r.map_err(|e| {
-        let what = match (push_clock, pull_clock) {
-            (Some(c), None) => format!("push(clock {c})"),
-            (None, Some(c)) => format!("pull(clock {c})"),
-            (Some(c), Some(p)) => format!("push(clock {c}) + pull(clock {p})"),
-            (None, None) => "round".to_string(),
-        };
-        format!("elasticps: worker {} {what} failed: {e}", client.rank())
-    })
+    r.map_err(|e| format!("elasticps: worker {} {} failed: {e}", client.rank(), what(push_clock, pull_clock)))
+}
+
+/// A round's name in errors: `push(clock 3) + pull(clock 4)`.
+fn what(push_clock: Option<Clock>, pull_clock: Option<Clock>) -> String {
+    match (push_clock, pull_clock) {
+        (Some(c), None) => format!("push(clock {c})"),
+        (None, Some(c)) => format!("pull(clock {c})"),
+        (Some(c), Some(p)) => format!("push(clock {c}) + pull(clock {p})"),
+        (None, None) => "round".to_string(),
+    }
 }

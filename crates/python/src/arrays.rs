@@ -1,5 +1,10 @@
 //! Borrowing numpy buffers without copying them: float32, C-contiguous, the right size;
 //! anything else a `TypeError` or `ValueError` that says what is wrong.
+//!
+//! A call checks all its arrays first ([`Checked`]), then refuses any two whose memory
+//! overlaps while the call writes one of them ([`refuse_aliasing`]): the client would
+//! otherwise hold a `&mut [f32]` and another reference over the same bytes. Only then
+//! are they borrowed ([`Checked::source`], [`Checked::destination`]).
 
 use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -100,20 +105,95 @@ fn checked<'py>(
     Ok(array.clone())
 }
 
-/// Borrows `obj` for reading: a float32 C-contiguous array of `len` values.
-pub fn source(obj: &Bound<'_, PyAny>, name: &str, len: usize, keep: &mut Keep) -> PyResult<Src> {
-    let array = checked(obj, name, len, false)?;
-    let ptr = array.data() as *const f32;
-    keep.push(array.into_any().unbind());
-    Ok(Src { ptr, len })
+/// An array checked for one use in a call (read, or written), not borrowed yet.
+pub struct Checked<'py> {
+    array: Bound<'py, PyArrayDyn<f32>>,
+    /// How the call's arguments name it, for errors: `out["w"]`, `grad`.
+    label: String,
+    /// The call writes into it.
+    writes: bool,
 }
 
-/// Borrows `obj` for writing: a writeable float32 C-contiguous array of `len` values.
+impl<'py> Checked<'py> {
+    /// Checks `obj` (tensor `name`, `label` in the call's arguments) for reading: a
+    /// float32 C-contiguous array of `len` values.
+    pub fn read(obj: &Bound<'py, PyAny>, name: &str, label: String, len: usize) -> PyResult<Self> {
+        Ok(Self { array: checked(obj, name, len, false)?, label, writes: false })
+    }
+
+    /// Checks `obj` for writing (and maybe reading too): a writeable float32 C-contiguous
+    /// array of `len` values.
+    pub fn write(obj: &Bound<'py, PyAny>, name: &str, label: String, len: usize) -> PyResult<Self> {
+        Ok(Self { array: checked(obj, name, len, true)?, label, writes: true })
+    }
+
+    /// The bytes the array's buffer covers (C-contiguous: `nbytes` from its first value).
+    fn bytes(&self) -> std::ops::Range<usize> {
+        let start = self.array.data() as usize;
+        start..start + self.array.len() * std::mem::size_of::<f32>()
+    }
+
+    /// Borrows the array for reading, kept alive by `keep`.
+    pub fn source(&self, keep: &mut Keep) -> Src {
+        keep.push(self.array.clone().into_any().unbind());
+        Src { ptr: self.array.data() as *const f32, len: self.array.len() }
+    }
+
+    /// Borrows the array for writing, kept alive by `keep` (checked with [`Checked::write`]).
+    pub fn destination(&self, keep: &mut Keep) -> Dst {
+        debug_assert!(self.writes, "a destination is checked writeable");
+        keep.push(self.array.clone().into_any().unbind());
+        Dst { ptr: self.array.data(), len: self.array.len() }
+    }
+}
+
+/// Refuses, with a `ValueError` naming both, two arrays of `call`'s arguments whose
+/// memory overlaps (the same array twice, or two views of one) when the call writes at
+/// least one of them. Two arrays that are only read may share memory.
+pub fn refuse_aliasing(call: &str, uses: &[&Checked<'_>]) -> PyResult<()> {
+    let mut spans: Vec<(std::ops::Range<usize>, usize)> =
+        uses.iter().enumerate().map(|(i, u)| (u.bytes(), i)).filter(|(r, _)| !r.is_empty()).collect();
+    spans.sort_by_key(|(r, i)| (r.start, *i));
+    // Sweep by start: of the spans seen so far, the one reaching furthest, and the
+    // written one reaching furthest. A span overlaps an earlier one if and only if the
+    // furthest reaches past its start; one that is only read conflicts only with a
+    // written one.
+    let mut furthest: Option<(usize, usize)> = None;
+    let mut furthest_written: Option<(usize, usize)> = None;
+    for (r, i) in spans {
+        let against = if uses[i].writes { furthest } else { furthest_written };
+        if let Some((end, j)) = against
+            && end > r.start
+        {
+            // In the order of the call's arguments.
+            let (a, b) = (uses[i.min(j)], uses[i.max(j)]);
+            let written: Vec<&str> = [a, b].iter().filter(|u| u.writes).map(|u| u.label.as_str()).collect();
+            let what = if a.array.is(&b.array) { "are the same array" } else { "share memory (views of one array)" };
+            return Err(PyValueError::new_err(format!(
+                "elasticps: {call}: {} and {} {what}, and {call} writes into {}: pass separate arrays (np.copy(a))",
+                a.label,
+                b.label,
+                written.join(" and ")
+            )));
+        }
+        if furthest.is_none_or(|(end, _)| r.end > end) {
+            furthest = Some((r.end, i));
+        }
+        if uses[i].writes && furthest_written.is_none_or(|(end, _)| r.end > end) {
+            furthest_written = Some((r.end, i));
+        }
+    }
+    Ok(())
+}
+
+/// Checks and borrows `obj` for reading, alone in its call (`push_async`).
+pub fn source(obj: &Bound<'_, PyAny>, name: &str, len: usize, keep: &mut Keep) -> PyResult<Src> {
+    Ok(Checked::read(obj, name, String::new(), len)?.source(keep))
+}
+
+/// Checks and borrows `obj` for writing, alone in its call (`pull_async`).
 pub fn destination(obj: &Bound<'_, PyAny>, name: &str, len: usize, keep: &mut Keep) -> PyResult<Dst> {
-    let array = checked(obj, name, len, true)?;
-    let ptr = array.data();
-    keep.push(array.into_any().unbind());
-    Ok(Dst { ptr, len })
+    Ok(Checked::write(obj, name, String::new(), len)?.destination(keep))
 }
 
 /// The shape of a float32 C-contiguous array (for defining the model).

@@ -8,6 +8,8 @@
 //! - [`arrays`]: borrowing numpy buffers without a copy (float32, C-contiguous only).
 //! - [`runtime`]: one process-wide tokio runtime, the fork guard, waiting with the GIL
 //!   released and Ctrl-C let through.
+//! - [`cancel`]: a command that borrows arrays is cancelled on Ctrl-C and waited out, so
+//!   that Python never gets an array back while the client still uses it.
 //! - [`events`], [`stats`]: what a worker reports to `elasticps launch`.
 //!
 //! The Python side (`python/elasticps/`) adds the process's default worker and
@@ -15,6 +17,7 @@
 
 mod actor;
 mod arrays;
+mod cancel;
 mod events;
 mod runtime;
 mod stats;

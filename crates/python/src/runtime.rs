@@ -1,6 +1,7 @@
 //! The process-wide tokio runtime (started once, never dropped), the fork guard, and the
-//! one way Python waits for it: with the GIL released, waking every 100 ms to let Ctrl-C
-//! through.
+//! ways Python waits for it: with the GIL released, waking every 100 ms to let Ctrl-C
+//! through; a command that borrows arrays is cancelled and waited out before the
+//! interrupt reaches Python.
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -9,6 +10,7 @@ use pyo3::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::ElasticpsError;
+use crate::cancel::{Cancelled, Ticket};
 
 /// The runtime and the pid of the process that started it.
 static RUNTIME: OnceLock<(tokio::runtime::Runtime, u32)> = OnceLock::new();
@@ -54,20 +56,88 @@ pub fn check_not_forked(owner: u32) -> PyResult<()> {
 }
 
 /// Waits for `rx` with the GIL released; `KeyboardInterrupt` (or any pending signal's
-/// exception) interrupts the wait, leaving the operation to finish in the background.
+/// exception) interrupts the wait, leaving the operation to finish in the background. For
+/// commands that borrow no arrays (joining, barrier, set_optimizer, finish); those that
+/// do wait with [`wait_borrowing`].
 pub fn wait<T: Send>(py: Python<'_>, what: &str, rx: oneshot::Receiver<Result<T, String>>) -> PyResult<T> {
     let rt = runtime()?;
     let mut rx = rx;
     loop {
-        let got = py.detach(|| rt.block_on(async { tokio::time::timeout(SIGNAL_CHECK, &mut rx).await }));
-        match got {
-            Ok(Ok(result)) => return result.map_err(ElasticpsError::new_err),
-            Ok(Err(_)) => {
-                return Err(ElasticpsError::new_err(format!(
-                    "elasticps: the client stopped while {what} (it was finished, or failed before)"
-                )));
-            }
-            Err(_) => py.check_signals()?,
+        if let Some(got) = wake(py, rt, &mut rx) {
+            return replied(what, got);
         }
+        py.check_signals()?;
+    }
+}
+
+/// How a [`wait_borrowing`] was interrupted: the signal's exception, and the command's
+/// reply (`None`: it was cancelled before it started, or the client stopped).
+pub struct Interrupted<T> {
+    /// What the signal handler raised (`KeyboardInterrupt`).
+    pub error: PyErr,
+    /// The reply the command sent once it stopped.
+    pub reply: Option<Result<T, String>>,
+}
+
+/// Waits for `rx`, the reply to a command that reads or writes the caller's arrays, as
+/// [`wait`] does; but a signal's exception does not return at once: the command is
+/// cancelled ([`Ticket::cancel`]) and, if it had started, waited for until it ended, so
+/// that nothing touches the arrays once Python has them back. `Ok(None)`: the client
+/// stopped without replying.
+pub fn wait_borrowing<T: Send>(
+    py: Python<'_>,
+    rx: oneshot::Receiver<Result<T, String>>,
+    ticket: &Ticket,
+) -> PyResult<Result<Option<Result<T, String>>, Interrupted<T>>> {
+    let rt = runtime()?;
+    let mut rx = rx;
+    loop {
+        if let Some(got) = wake(py, rt, &mut rx) {
+            return Ok(Ok(got));
+        }
+        if let Err(error) = py.check_signals() {
+            let reply = match ticket.cancel() {
+                Cancelled::BeforeStart => None,
+                // The actor replies once the round's future is dropped: no timeout here,
+                // since returning earlier would hand Python arrays the client still uses.
+                // Stopping takes one poll of the actor's task.
+                Cancelled::Running => py.detach(|| rt.block_on(&mut rx)).ok(),
+            };
+            return Ok(Err(Interrupted { error, reply }));
+        }
+    }
+}
+
+/// [`wait_borrowing`] for a blocking call: its reply, or the signal's exception.
+pub fn wait_call<T: Send>(
+    py: Python<'_>,
+    what: &str,
+    rx: oneshot::Receiver<Result<T, String>>,
+    ticket: &Ticket,
+) -> PyResult<T> {
+    match wait_borrowing(py, rx, ticket)? {
+        Ok(got) => replied(what, got),
+        Err(Interrupted { error, .. }) => Err(error),
+    }
+}
+
+/// Waits at most [`SIGNAL_CHECK`] for `rx` with the GIL released: `Some` once it
+/// resolved (`None` inside: the sender is gone).
+fn wake<T: Send>(
+    py: Python<'_>,
+    rt: &tokio::runtime::Runtime,
+    rx: &mut oneshot::Receiver<Result<T, String>>,
+) -> Option<Option<Result<T, String>>> {
+    let got = py.detach(|| rt.block_on(async { tokio::time::timeout(SIGNAL_CHECK, &mut *rx).await }));
+    got.ok().map(Result::ok)
+}
+
+/// A command's reply as Python sees it (`None`: the client stopped without replying).
+pub fn replied<T>(what: &str, got: Option<Result<T, String>>) -> PyResult<T> {
+    match got {
+        Some(result) => result.map_err(ElasticpsError::new_err),
+        None => Err(ElasticpsError::new_err(format!(
+            "elasticps: the client stopped while {what} (it was finished, or failed before)"
+        ))),
     }
 }

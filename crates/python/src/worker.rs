@@ -15,8 +15,9 @@ use pyo3::types::{PyDict, PyTuple};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::actor::{self, Cmd};
-use crate::arrays::{self, Dst, Keep, Src};
-use crate::runtime::{self, wait};
+use crate::arrays::{self, Checked, Dst, Keep, Src};
+use crate::cancel::{self, Ticket};
+use crate::runtime::{self, Interrupted, wait, wait_call};
 use crate::stats::RunStats;
 use crate::{ElasticpsError, events};
 
@@ -54,30 +55,47 @@ impl Drop for Worker {
 #[pyclass(module = "elasticps._native")]
 pub struct Handle {
     rx: Option<oneshot::Receiver<Result<(), String>>>,
-    /// The outcome, once `done()` saw it.
+    /// The outcome, once `done()` or an interrupted `wait()` saw it.
     outcome: Option<Result<(), String>>,
+    /// Cancels the operation when a `wait()` is interrupted.
+    ticket: Ticket,
     what: String,
     pid: u32,
 }
 
 impl Handle {
-    fn new(rx: oneshot::Receiver<Result<(), String>>, what: String, pid: u32) -> Self {
-        Self { rx: Some(rx), outcome: None, what, pid }
+    fn new(rx: oneshot::Receiver<Result<(), String>>, ticket: Ticket, what: String, pid: u32) -> Self {
+        Self { rx: Some(rx), outcome: None, ticket, what, pid }
     }
 }
 
 #[pymethods]
 impl Handle {
     /// Waits until the operation is done; raises its error if it failed. A second call
-    /// returns at once.
+    /// returns at once. Interrupted (Ctrl-C), it cancels the operation and waits until
+    /// the client has let go of the array before `KeyboardInterrupt` is raised; a later
+    /// `wait()` then raises `ElasticpsError` unless the operation had completed.
     fn wait(&mut self, py: Python<'_>) -> PyResult<()> {
         runtime::check_not_forked(self.pid)?;
-        if let Some(outcome) = self.outcome.take() {
-            return outcome.map_err(ElasticpsError::new_err);
+        if let Some(outcome) = &self.outcome {
+            return outcome.clone().map_err(ElasticpsError::new_err);
         }
-        match self.rx.take() {
-            Some(rx) => wait(py, &self.what, rx),
-            None => Ok(()),
+        let Some(rx) = self.rx.take() else { return Ok(()) };
+        match runtime::wait_borrowing(py, rx, &self.ticket)? {
+            Ok(got) => {
+                let r = runtime::replied(&self.what, got);
+                if let Err(e) = &r {
+                    self.outcome = Some(Err(e.value(py).to_string()));
+                }
+                r
+            }
+            Err(Interrupted { error, reply }) => {
+                self.outcome = Some(match reply {
+                    Some(Ok(())) => Ok(()),
+                    _ => Err(cancel::interrupted(&self.what)),
+                });
+                Err(error)
+            }
         }
     }
 
@@ -160,29 +178,36 @@ impl Worker {
         })
     }
 
-    /// Borrows every array of `arrays` (a dict name -> ndarray) for reading or writing.
-    fn borrow_dict<T>(
+    /// Checks every array of `arrays` (the call's argument `arg`: a dict name -> ndarray)
+    /// for reading or (`writes`) writing, without borrowing it yet.
+    fn check_dict<'py>(
         &self,
-        arrays: &Bound<'_, PyDict>,
-        keep: &mut Keep,
-        borrow: impl Fn(&Bound<'_, PyAny>, &str, usize, &mut Keep) -> PyResult<T>,
-    ) -> PyResult<Vec<(usize, T)>> {
+        arrays: &Bound<'py, PyDict>,
+        arg: &str,
+        writes: bool,
+    ) -> PyResult<Vec<(usize, Checked<'py>)>> {
         let mut out = Vec::with_capacity(arrays.len());
         for (k, v) in arrays.iter() {
             let name: String = k.extract().map_err(|_| PyTypeError::new_err("elasticps: tensor names must be str"))?;
             let (t, len) = self.tensor(&name)?;
-            out.push((t, borrow(&v, &name, len, keep)?));
+            let label = format!("{arg}[{name:?}]");
+            let checked =
+                if writes { Checked::write(&v, &name, label, len)? } else { Checked::read(&v, &name, label, len)? };
+            out.push((t, checked));
         }
         Ok(out)
     }
 
+    /// Queues a round; its reply comes on the receiver, and the ticket cancels it.
     fn round(
         &self,
         push: Option<(Clock, Vec<(usize, Src)>)>,
         pull: Option<(Clock, Vec<(usize, Dst)>)>,
         keep: Keep,
-    ) -> PyResult<oneshot::Receiver<Result<(), String>>> {
-        self.send(|done| Cmd::Round { push, pull, keep, done })
+    ) -> PyResult<(oneshot::Receiver<Result<(), String>>, Ticket)> {
+        let ticket = Ticket::new();
+        let rx = self.send(|done| Cmd::Round { push, pull, keep, ticket: ticket.clone(), done })?;
+        Ok((rx, ticket))
     }
 }
 
@@ -242,18 +267,24 @@ impl Worker {
             return Err(PyValueError::new_err("elasticps: register_model needs at least one tensor"));
         }
         let mut specs = Vec::with_capacity(tensors.len());
-        let mut keep = Keep::new();
-        let (mut init, mut pull) = (Vec::new(), Vec::new());
+        let mut checked = Vec::with_capacity(tensors.len());
         for (k, v) in tensors.iter() {
             let name: String = k.extract().map_err(|_| PyTypeError::new_err("elasticps: tensor names must be str"))?;
             let shape = arrays::shape(&v, &name)?;
             let len = shape.iter().product();
-            if self.rank == 0 && self.start_clock == 0 {
-                init.push(arrays::source(&v, &name, len, &mut keep)?);
-            }
-            pull.push(arrays::destination(&v, &name, len, &mut keep)?);
+            // Every array is written (the parameters of the first clock come back in it).
+            checked.push(Checked::write(&v, &name, format!("tensors[{name:?}]"), len)?);
             specs.push(TensorSpec { name, shape, init: Init::Zeros });
         }
+        arrays::refuse_aliasing("register_model", &checked.iter().collect::<Vec<_>>())?;
+        let mut keep = Keep::new();
+        // Rank 0's values are read (and sent) before the pull writes the arrays.
+        let init: Vec<Src> = if self.rank == 0 && self.start_clock == 0 {
+            checked.iter().map(|c| c.source(&mut keep)).collect()
+        } else {
+            Vec::new()
+        };
+        let pull: Vec<Dst> = checked.iter().map(|c| c.destination(&mut keep)).collect();
         let mut opts = Vec::new();
         if let Some(optimizers) = optimizers {
             opts = vec![None; specs.len()];
@@ -270,8 +301,18 @@ impl Worker {
         let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
         let lens: Vec<usize> = specs.iter().map(TensorSpec::len).collect();
         let start = self.start_clock;
-        let rx = self.send(|done| Cmd::Register { tensors: specs, optimizers: opts, init, start, pull, keep, done })?;
-        wait(py, "registering the model", rx)?;
+        let ticket = Ticket::new();
+        let rx = self.send(|done| Cmd::Register {
+            tensors: specs,
+            optimizers: opts,
+            init,
+            start,
+            pull,
+            keep,
+            ticket: ticket.clone(),
+            done,
+        })?;
+        wait_call(py, "registering the model", rx, &ticket)?;
         self.tensors = names.iter().cloned().zip(lens).enumerate().map(|(i, (n, l))| (n, (i, l))).collect();
         self.names = names;
         Ok(())
@@ -279,24 +320,30 @@ impl Worker {
 
     /// Pulls the parameters of clock `clock` into the arrays of `out` (a dict name ->
     /// float32 ndarray; every tensor or some), in place. The server may hold the pull as
-    /// its sync policy says.
+    /// its sync policy says. Two arrays of `out` that share memory are refused
+    /// (`ValueError`).
     fn pull(&self, py: Python<'_>, clock: Clock, out: &Bound<'_, PyDict>) -> PyResult<()> {
+        let dst = self.check_dict(out, "out", true)?;
+        arrays::refuse_aliasing("pull", &dst.iter().map(|(_, c)| c).collect::<Vec<_>>())?;
         let mut keep = Keep::new();
-        let dst = self.borrow_dict(out, &mut keep, arrays::destination)?;
-        let rx = self.round(None, Some((clock, dst)), keep)?;
-        wait(py, &format!("worker {} pulls clock {clock}", self.rank), rx)
+        let dst = dst.iter().map(|(t, c)| (*t, c.destination(&mut keep))).collect();
+        let (rx, ticket) = self.round(None, Some((clock, dst)), keep)?;
+        wait_call(py, &format!("worker {} pulls clock {clock}", self.rank), rx, &ticket)
     }
 
     /// Pushes the gradients of clock `clock` (a dict name -> float32 ndarray).
     fn push(&self, py: Python<'_>, clock: Clock, grads: &Bound<'_, PyDict>) -> PyResult<()> {
+        // Only read: arrays that share memory are fine.
+        let src = self.check_dict(grads, "grads", false)?;
         let mut keep = Keep::new();
-        let src = self.borrow_dict(grads, &mut keep, arrays::source)?;
-        let rx = self.round(Some((clock, src)), None, keep)?;
-        wait(py, &format!("worker {} pushes clock {clock}", self.rank), rx)
+        let src = src.iter().map(|(t, c)| (*t, c.source(&mut keep))).collect();
+        let (rx, ticket) = self.round(Some((clock, src)), None, keep)?;
+        wait_call(py, &format!("worker {} pushes clock {clock}", self.rank), rx, &ticket)
     }
 
     /// Pushes the gradients of clock `clock` and pulls the parameters of clock `clock + 1`
-    /// into `out`, overlapping the two per server.
+    /// into `out`, overlapping the two per server. An array of `out` that shares memory
+    /// with another array of `out` or `grads` is refused (`ValueError`).
     fn push_pull(
         &self,
         py: Python<'_>,
@@ -305,11 +352,15 @@ impl Worker {
         out: &Bound<'_, PyDict>,
     ) -> PyResult<()> {
         let next = clock.checked_add(1).ok_or_else(|| PyValueError::new_err("elasticps: clock overflow"))?;
+        let src = self.check_dict(grads, "grads", false)?;
+        let dst = self.check_dict(out, "out", true)?;
+        arrays::refuse_aliasing("push_pull", &src.iter().chain(&dst).map(|(_, c)| c).collect::<Vec<_>>())?;
         let mut keep = Keep::new();
-        let src = self.borrow_dict(grads, &mut keep, arrays::source)?;
-        let dst = self.borrow_dict(out, &mut keep, arrays::destination)?;
-        let rx = self.round(Some((clock, src)), Some((next, dst)), keep)?;
-        wait(py, &format!("worker {} pushes clock {clock} and pulls clock {next}", self.rank), rx)
+        let src = src.iter().map(|(t, c)| (*t, c.source(&mut keep))).collect();
+        let dst = dst.iter().map(|(t, c)| (*t, c.destination(&mut keep))).collect();
+        let (rx, ticket) = self.round(Some((clock, src)), Some((next, dst)), keep)?;
+        let what = format!("worker {} pushes clock {clock} and pulls clock {next}", self.rank);
+        wait_call(py, &what, rx, &ticket)
     }
 
     /// Starts pushing the gradient of tensor `name` at clock `clock` and returns at once.
@@ -318,8 +369,8 @@ impl Worker {
         let (t, len) = self.tensor(name)?;
         let mut keep = Keep::new();
         let src = arrays::source(grad, name, len, &mut keep)?;
-        let rx = self.round(Some((clock, vec![(t, src)])), None, keep)?;
-        Ok(Handle::new(rx, format!("push(clock {clock}) of {name:?}"), self.pid))
+        let (rx, ticket) = self.round(Some((clock, vec![(t, src)])), None, keep)?;
+        Ok(Handle::new(rx, ticket, format!("push(clock {clock}) of {name:?}"), self.pid))
     }
 
     /// Starts pulling tensor `name` at clock `clock` into `out` and returns at once. Do
@@ -328,8 +379,8 @@ impl Worker {
         let (t, len) = self.tensor(name)?;
         let mut keep = Keep::new();
         let dst = arrays::destination(out, name, len, &mut keep)?;
-        let rx = self.round(None, Some((clock, vec![(t, dst)])), keep)?;
-        Ok(Handle::new(rx, format!("pull(clock {clock}) of {name:?}"), self.pid))
+        let (rx, ticket) = self.round(None, Some((clock, vec![(t, dst)])), keep)?;
+        Ok(Handle::new(rx, ticket, format!("pull(clock {clock}) of {name:?}"), self.pid))
     }
 
     /// Gives tensor `name` a new server-side optimizer (a dict as in `register_model`),

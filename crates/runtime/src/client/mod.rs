@@ -557,7 +557,10 @@ impl Client {
         let Some(conn) = self.servers.get_mut(&server) else {
             return Ok(Vec::new());
         };
-        let Some((tag, sent)) = conn.pending.remove(&header.request_id) else {
+        // The request stays pending until its payload is read: a round dropped half-way
+        // through the read (a cancelled call) leaves the connection mid-frame, and a
+        // pending request is what makes the next round drop it (`is_idle`).
+        let Some(&(tag, sent)) = conn.pending.get(&header.request_id) else {
             // A notification, or the reply to a request no round waits for: read, dropped.
             return match conn.reader.payload(&header).await {
                 Ok(msg) => {
@@ -589,12 +592,12 @@ impl Client {
             None => conn.reader.payload(&header).await.map(Some),
         };
         let msg = match read {
-            Ok(msg) => msg,
-            Err(e) => {
-                // Unanswered after all: the connection is lost, with this request on it.
-                conn.pending.insert(header.request_id, (tag, sent));
-                return self.drop_server(server, e, plan, state);
+            Ok(msg) => {
+                conn.pending.remove(&header.request_id);
+                msg
             }
+            // Unanswered after all: the connection is lost, with this request on it.
+            Err(e) => return self.drop_server(server, e, plan, state),
         };
         let mut more = Vec::new();
         if let Some(window) = state.in_flight.get_mut(&server) {
