@@ -17,8 +17,11 @@ A job resumed from a checkpoint (``--resume DIR``) starts at ``w.start_clock``, 
 checkpoint's clock: ``register_model`` then fills the arrays with the checkpoint's
 parameters (no values are broadcast), so the same loop goes on where the job stopped.
 
-Arrays must be float32 and C-contiguous (anything else raises ``TypeError``). Every wait
-releases the GIL and can be interrupted with Ctrl-C. A forked child (a DataLoader worker)
+Arrays must be float32 and C-contiguous (anything else raises ``TypeError``); two arrays of
+one call that share memory raise ``ValueError`` when the call writes one of them. Every
+wait releases the GIL and can be interrupted with Ctrl-C; a call that reads or writes
+arrays is then cancelled, and the client has let go of them before ``KeyboardInterrupt``
+reaches the caller. A forked child (a DataLoader worker)
 that touches the client gets ``ElasticpsError``. ``elasticps.torch.DistributedOptimizer``
 wraps a torch optimizer.
 """

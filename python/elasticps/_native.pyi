@@ -1,0 +1,112 @@
+"""Type stubs of ``elasticps._native``, the Rust half of the package (crates/python).
+
+Arrays are float32, C-contiguous numpy arrays of the tensor's size (anything else raises
+``TypeError`` or ``ValueError``); a pulled array must be writeable. Two arrays of one call
+that share memory are refused with ``ValueError`` when the call writes one of them. Every
+blocking call releases the GIL; Ctrl-C cancels a call that reads or writes arrays and
+waits until the client has let go of them before ``KeyboardInterrupt`` is raised.
+python/tests/test_stubs.py checks that these stubs name every public attribute.
+"""
+
+from typing import Mapping, Optional, Tuple, TypedDict, Union
+
+import numpy as np
+import numpy.typing as npt
+
+_F32 = npt.NDArray[np.float32]
+
+class _Optimizer(TypedDict, total=False):
+    """A server-side optimizer: ``kind`` ("sgd", "momentum", "adam") and ``lr`` are
+    required; ``momentum``, ``betas``, ``eps`` and ``weight_decay`` are optional."""
+
+    kind: str
+    lr: float
+    momentum: float
+    betas: Tuple[float, float]
+    eps: float
+    weight_decay: float
+
+class ElasticpsError(RuntimeError):
+    """An elasticps operation failed; the message names the server, block and clock involved."""
+
+class Handle:
+    """What an asynchronous push or pull returns: ``wait()`` blocks until it is done."""
+
+    def wait(self) -> None:
+        """Waits until the operation is done; raises its error if it failed. A second call
+        returns at once. Interrupted (Ctrl-C), it cancels the operation and waits until the
+        client has let go of the array before ``KeyboardInterrupt`` is raised; a later
+        ``wait()`` then raises ``ElasticpsError`` unless the operation had completed."""
+
+    def done(self) -> bool:
+        """True once the operation has finished (successfully or not); never blocks."""
+
+class Worker:
+    """A worker of a running job: connects to the scheduler, then pushes gradients and
+    pulls parameters of the model it registered."""
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank, ``0..size``."""
+
+    @property
+    def size(self) -> int:
+        """Number of workers in the job."""
+
+    @property
+    def start_clock(self) -> int:
+        """The job's first clock: 0, or the clock of the checkpoint the job resumed from
+        (``--resume DIR``)."""
+
+    @property
+    def metrics_addr(self) -> Optional[str]:
+        """``host:port`` of this worker's Prometheus metrics (``ELASTICPS_METRICS_LISTEN``),
+        or None."""
+
+    def tensor_names(self) -> list[str]:
+        """The model's tensor names, in order (empty before ``register_model``)."""
+
+    def register_model(
+        self, tensors: Mapping[str, _F32], optimizers: Optional[Mapping[str, _Optimizer]] = None
+    ) -> None:
+        """Defines the model from ``tensors`` (name -> array, in order) and waits until every
+        server holds its blocks; the parameters of clock ``start_clock`` are written into
+        the arrays in place. ``optimizers`` maps tensor names to server-side optimizers;
+        tensors not named use the job's ``--optimizer`` and ``--lr``."""
+
+    def pull(self, clock: int, out: Mapping[str, _F32]) -> None:
+        """Pulls the parameters of clock ``clock`` into the arrays of ``out`` (every tensor
+        or some), in place; the server may hold the pull as its sync policy says."""
+
+    def push(self, clock: int, grads: Mapping[str, _F32]) -> None:
+        """Pushes the gradients of clock ``clock``."""
+
+    def push_pull(self, clock: int, grads: Mapping[str, _F32], out: Mapping[str, _F32]) -> None:
+        """Pushes the gradients of clock ``clock`` and pulls the parameters of clock
+        ``clock + 1`` into ``out``, overlapping the two per server."""
+
+    def push_async(self, clock: int, name: str, grad: _F32) -> Handle:
+        """Starts pushing the gradient of tensor ``name`` at clock ``clock`` and returns at
+        once. Do not change ``grad`` before the handle's ``wait()`` returned."""
+
+    def pull_async(self, clock: int, name: str, out: _F32) -> Handle:
+        """Starts pulling tensor ``name`` at clock ``clock`` into ``out`` and returns at
+        once. Do not read ``out`` before the handle's ``wait()`` returned."""
+
+    def set_optimizer(self, name: str, optimizer: _Optimizer) -> None:
+        """Gives tensor ``name`` a new server-side optimizer; every push sent after this
+        returns uses it."""
+
+    def barrier(self) -> None:
+        """Waits until every worker still in the job called ``barrier``."""
+
+    def finish(self) -> None:
+        """Tells the scheduler this worker is done and reports the run to the launcher.
+        Later calls do nothing."""
+
+def connect(scheduler: Optional[str] = None) -> Worker:
+    """Joins the job of the scheduler at ``scheduler`` (``host:port``; default
+    ``ELASTICPS_SCHEDULER``, else 127.0.0.1:7000) and returns the worker."""
+
+def log_event(rank: int, step: int, metrics: Mapping[str, Union[int, float]]) -> None:
+    """Writes a ``log`` event (``elasticps.log(**metrics)``) for the launcher."""
