@@ -34,7 +34,7 @@ class Handle:
 
     def wait(self) -> None:
         """Waits until the operation is done; raises its error if it failed. A second call
-        returns at once. Interrupted (Ctrl-C), it cancels the operation and waits until the
+        returns (or raises the same error) at once. Interrupted (Ctrl-C), it cancels the operation and waits until the
         client has let go of the array before ``KeyboardInterrupt`` is raised; a later
         ``wait()`` then raises ``ElasticpsError`` unless the operation had completed."""
 

@@ -67,7 +67,7 @@ def interrupt_after(seconds: float) -> threading.Timer:
 
 @pytest.mark.deadline(90)
 @pytest.mark.cluster(workers=1, servers=1, sync="bsp", server_bandwidth=f"0={CAP_MBPS}")
-def test_an_interrupted_pull_never_writes_the_array_afterwards(cluster):
+def test_an_interrupted_call_never_writes_the_array_afterwards(cluster):
     w = cluster.connect()
     params = {"w": np.full(BIG, 1.0, np.float32)}
     w.register_model(params)
@@ -85,7 +85,9 @@ def test_an_interrupted_pull_never_writes_the_array_afterwards(cluster):
     # interactive user has.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        for how in ["pull", "pull_async"]:
+        # Zero gradients: a push that got through (in part) leaves the parameters at 1.
+        zeros = np.zeros(BIG, np.float32)
+        for how in ["pull", "pull_async", "push_pull"]:
             out[:] = 0.0
             timer = interrupt_after(full / 4)
             started = time.monotonic()
@@ -93,9 +95,11 @@ def test_an_interrupted_pull_never_writes_the_array_afterwards(cluster):
                 with pytest.raises(KeyboardInterrupt):
                     if how == "pull":
                         w.pull(0, {"w": out})
-                    else:
+                    elif how == "pull_async":
                         handle = w.pull_async(0, "w", out)
                         handle.wait()
+                    else:  # interrupted while the push is being written
+                        w.push_pull(0, {"w": zeros}, {"w": out})
             finally:
                 timer.cancel()
                 timer.join(5)
@@ -116,7 +120,7 @@ def test_an_interrupted_pull_never_writes_the_array_afterwards(cluster):
     finally:
         signal.signal(signal.SIGINT, previous)
 
-    # The worker goes on working after the cancelled pulls.
+    # The worker goes on working after the cancelled calls.
     w.pull(0, {"w": out})
     assert np.all(out == 1.0)
     w.finish()

@@ -72,7 +72,7 @@ impl Handle {
 #[pymethods]
 impl Handle {
     /// Waits until the operation is done; raises its error if it failed. A second call
-    /// returns at once. Interrupted (Ctrl-C), it cancels the operation and waits until
+    /// returns (or raises the same error) at once. Interrupted (Ctrl-C), it cancels the operation and waits until
     /// the client has let go of the array before `KeyboardInterrupt` is raised; a later
     /// `wait()` then raises `ElasticpsError` unless the operation had completed.
     fn wait(&mut self, py: Python<'_>) -> PyResult<()> {
