@@ -72,6 +72,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             trace: None,
             metrics: None,
             scheduler_retry: Duration::ZERO, // the scheduler is in this process: no redial
+            max_clock_lead: server::MAX_CLOCK_LEAD,
         };
         tokio::spawn(server::run(opts));
     }

@@ -73,6 +73,10 @@ pub struct ServerCmd {
     /// Write one JSON line per answered pull to this file (for checking sync semantics).
     #[arg(long, env = "ELASTICPS_TRACE")]
     pub trace: Option<PathBuf>,
+    /// Refuse a pull whose clock is more than this many clocks past its block's done
+    /// clock (BadRequest naming the limit): no policy answers it soon.
+    #[arg(long, env = "ELASTICPS_MAX_CLOCK_LEAD", value_name = "CLOCKS", default_value_t = elasticps_runtime::server::MAX_CLOCK_LEAD)]
+    pub max_clock_lead: u32,
     /// Transport settings.
     #[command(flatten)]
     pub net: NetArgs,
@@ -243,6 +247,7 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
         trace: cmd.trace,
         metrics,
         scheduler_retry: cmd.net.scheduler_retry(),
+        max_clock_lead: cmd.max_clock_lead,
     };
     let stats = server::run(opts).await?;
     tracing::info!(
@@ -260,7 +265,7 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
 pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
     cmd.net.install()?;
     let mut opts = ClientOptions::new(&cmd.scheduler);
-    opts.codec = cmd.net.codec();
+    opts.codec = cmd.net.worker_codec();
     opts.request_timeout = cmd.data.request_timeout();
     opts.fuse = !cmd.data.no_fuse;
     opts.rank = cmd.rank;

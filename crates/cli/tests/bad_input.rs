@@ -79,7 +79,9 @@ struct Bad {
 fn bad_frames() -> Vec<Bad> {
     let secret = SECRET.as_bytes();
     let c = codec();
-    let hello = Message::Control(Control::Hello { rank: 0 });
+    // Any well-formed Hello: these frames are refused before their payload counts.
+    let credential = elasticps_wire::Credential::issue(secret, 0, elasticps_wire::PeerRole::Worker, 0);
+    let hello = Message::Control(Control::Hello { credential });
     let (hello_head, hello_payload) = c.encode(48, &hello).expect("hello");
 
     let mut garbage = noise(64, 0x5eed);
@@ -256,6 +258,12 @@ struct Tiny {
 }
 
 impl Tiny {
+    /// The `Hello` of the job's worker (rank 0), with the credential its scheduler issued.
+    fn hello(&self) -> Message {
+        let credential = self.client.as_ref().expect("the worker is connected").credential().clone();
+        Control::Hello { credential }.into()
+    }
+
     fn start() -> Tiny {
         let (sched, addr) = start_scheduler(&[
             "--servers",
@@ -385,7 +393,7 @@ fn a_server_refuses_each_bad_frame_closes_only_that_connection_and_keeps_serving
     c.round("start");
     // An idle, well-behaved raw connection opened before the garbage must survive it too.
     let mut idle = connect_raw(&c.addrs[0], SECRET.as_bytes());
-    let (h, m) = call_raw(&mut idle, &codec(), 1, &Control::Hello { rank: 0 }.into());
+    let (h, m) = call_raw(&mut idle, &codec(), 1, &c.hello());
     assert!(matches!(m, Message::Control(Control::Ok)) && h.request_id == 1, "Hello: {m:?}");
 
     for s in 0..c.addrs.len() {
@@ -424,7 +432,7 @@ fn a_wrong_secret_a_skipped_handshake_and_stalled_peers_are_refused_while_the_jo
         assert!(e.contains("cluster secret differs"), "{addr}: {e}");
 
         let mut s = connect_unauthenticated(&addr);
-        write_frame(&mut s, &codec(), 9, &Control::Hello { rank: 0 }.into()).expect("a frame");
+        write_frame(&mut s, &codec(), 9, &c.hello()).expect("a frame");
         match read_reply(&mut s, &codec(), REPLY_TIMEOUT) {
             Reply::Frame(_, Message::Error(e)) => {
                 assert_eq!(e.code, ErrorCode::Unauthenticated, "{addr}: {e}");
@@ -479,7 +487,7 @@ fn a_request_for_a_missing_block_gets_unknown_block_and_the_connection_stays_usa
         let mut conn = connect_raw(&c.addrs[s as usize], SECRET.as_bytes());
 
         // Before Hello a server does not know whose requests these are.
-        let (_, m) = call_raw(&mut conn, &k, 1, &Control::Hello { rank: 0 }.into());
+        let (_, m) = call_raw(&mut conn, &k, 1, &c.hello());
         assert!(matches!(m, Message::Control(Control::Ok)), "Hello: {m:?}");
 
         for (id, block) in [(2, 9_999u32), (3, u32::MAX)] {

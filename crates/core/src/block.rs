@@ -402,6 +402,11 @@ impl<T> Block<T> {
         self.held.len()
     }
 
+    /// Number of pulls currently held whose token matches `pred`.
+    pub fn held_matching(&self, pred: &dyn Fn(&T) -> bool) -> usize {
+        self.held.pulls.iter().filter(|h| pred(&h.token)).count()
+    }
+
     /// What the oldest held pull waits for, for logs: (worker and clock of that pull,
     /// the slowest worker and the clock it must push next), with how long it has waited.
     pub fn waiting(&self, now_us: u64) -> Option<Waiting> {

@@ -41,6 +41,17 @@ pub struct NetArgs {
     /// operator tools); one more is closed at once and logged.
     #[arg(long, env = "ELASTICPS_MAX_CONNECTIONS", value_name = "N", default_value_t = 4096, value_parser = at_least_one)]
     pub max_connections: usize,
+    /// Most connections a scheduler or server keeps in the handshake at once (each for
+    /// 10 s at most); they do not count against --max-connections, so peers without the
+    /// secret cannot take the places of authenticated ones.
+    #[arg(long, env = "ELASTICPS_MAX_HANDSHAKES", value_name = "N", default_value_t = 1024, value_parser = at_least_one)]
+    pub max_handshakes: usize,
+    /// A second secret for workers only: schedulers and servers given it also accept
+    /// workers that prove it, and a worker given it (and no --secret) dials with it. A
+    /// worker-secret connection can register only as a worker and prove only a worker's
+    /// credential, so a compromised training script cannot become a server.
+    #[arg(long, env = "ELASTICPS_WORKER_SECRET", hide_env_values = true)]
+    pub worker_secret: Option<String>,
     /// TLS: this node's certificate chain (PEM, leaf first). With --tls-key and --tls-ca
     /// every connection is mutual TLS 1.3 (the HMAC handshake runs inside it); all three
     /// or none. One certificate serves both ends: its extended key usage, if any, must
@@ -79,9 +90,22 @@ fn positive_seconds(s: &str) -> Result<f64, String> {
 }
 
 impl NetArgs {
-    /// The frame codec these settings describe.
+    /// The frame codec these settings describe: the cluster secret's, also accepting
+    /// dialers of the worker secret (schedulers and servers).
     pub fn codec(&self) -> Codec {
         Codec::new(self.secret.as_bytes(), self.max_frame_mib.saturating_mul(1 << 20))
+            .with_worker_secret(self.worker_secret.as_deref().map(str::as_bytes))
+    }
+
+    /// The codec a worker dials with: the worker secret's when it has one and no cluster
+    /// secret, else [`NetArgs::codec`].
+    pub fn worker_codec(&self) -> Codec {
+        match &self.worker_secret {
+            Some(ws) if self.secret.is_empty() => {
+                Codec::for_worker_secret(ws.as_bytes(), self.max_frame_mib.saturating_mul(1 << 20))
+            }
+            _ => self.codec(),
+        }
     }
 
     /// How long a started frame (or handshake) may stall before its peer is dropped.
@@ -134,6 +158,7 @@ impl NetArgs {
         tracing::info!(tls = tls.is_some(), max_connections = self.max_connections, "transport");
         elasticps_runtime::tls::install(tls);
         elasticps_runtime::accept::set_max_connections(self.max_connections);
+        elasticps_runtime::accept::set_max_handshakes(self.max_handshakes);
         Ok(())
     }
 

@@ -14,9 +14,12 @@
 //!   the sync policy, live migration of a block (both ends), load reports.
 //! - [`worker`]: the worker's round as a plan (which blocks to push and pull where, what
 //!   to resend after `Moved`) and its load report.
+//! - [`authz`]: who may send what to whom (docs/PROTOCOL.md §7.1), checked by the
+//!   scheduler and the servers before a message changes anything.
 //! - [`harness`]: a deterministic cluster on virtual time: simulated links with latency
 //!   and bandwidth, seeded faults, the real scheduler and the roles plugged in.
 
+pub mod authz;
 pub mod error;
 pub mod harness;
 pub mod scheduler;

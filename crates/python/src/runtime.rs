@@ -70,13 +70,16 @@ pub fn wait<T: Send>(py: Python<'_>, what: &str, rx: oneshot::Receiver<Result<T,
     }
 }
 
+/// A command's reply as a wait gets it: `None` when the client stopped without replying.
+pub type Reply<T> = Option<Result<T, String>>;
+
 /// How a [`wait_borrowing`] was interrupted: the signal's exception, and the command's
 /// reply (`None`: it was cancelled before it started, or the client stopped).
 pub struct Interrupted<T> {
     /// What the signal handler raised (`KeyboardInterrupt`).
     pub error: PyErr,
     /// The reply the command sent once it stopped.
-    pub reply: Option<Result<T, String>>,
+    pub reply: Reply<T>,
 }
 
 /// Waits for `rx`, the reply to a command that reads or writes the caller's arrays, as
@@ -88,7 +91,7 @@ pub fn wait_borrowing<T: Send>(
     py: Python<'_>,
     rx: oneshot::Receiver<Result<T, String>>,
     ticket: &Ticket,
-) -> PyResult<Result<Option<Result<T, String>>, Interrupted<T>>> {
+) -> PyResult<Result<Reply<T>, Interrupted<T>>> {
     let rt = runtime()?;
     let mut rx = rx;
     loop {

@@ -489,7 +489,7 @@ pub async fn dial_with(addr: &str, codec: &Codec, peer: &str, tls: Option<&crate
         Some(tls) => tls.connect(tcp, addr, &named, crate::handshake::HANDSHAKE_TIMEOUT).await?,
         None => Stream::Plain(tcp),
     };
-    crate::handshake::dial(&mut stream, codec.secret(), &named).await?;
+    crate::handshake::dial_with(&mut stream, codec.key(), codec.secret(), &named).await?;
     Ok(stream)
 }
 

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use elasticps_wire::handshake::{
-    ClientHandshake, HELLO_LEN, NONCE_LEN, PROOF_LEN, ServerHandshake, VERDICT_LEN, check_magic,
+    ClientHandshake, HELLO_LEN, KeyId, NONCE_LEN, PROOF_LEN, ServerHandshake, VERDICT_LEN, check_magic,
 };
 use elasticps_wire::{Codec, ErrorCode, ErrorReply, Message, WireError};
 use rand::{RngCore, SeedableRng};
@@ -27,10 +27,20 @@ fn nonce() -> [u8; NONCE_LEN] {
 /// Proves to the acceptor at the other end of `stream` that this node holds `secret`, and
 /// checks that it does too. `peer` names it in errors.
 pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, secret: &[u8], peer: &str) -> Result<()> {
+    dial_with(stream, KeyId::Cluster, secret, peer).await
+}
+
+/// [`dial`] with the secret of `key` (a worker that holds the worker secret).
+pub async fn dial_with<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    key: KeyId,
+    secret: &[u8],
+    peer: &str,
+) -> Result<()> {
     crate::timeout(HANDSHAKE_TIMEOUT, format!("{peer} to complete the handshake"), async {
         let io = |e| io_err(peer, e);
         let wire = |source| RuntimeError::Wire { peer: peer.to_string(), source };
-        let (client, hello) = ClientHandshake::start(secret, nonce());
+        let (client, hello) = ClientHandshake::start_with(key, secret, nonce());
         stream.write_all(&hello).await.map_err(io)?;
         stream.flush().await.map_err(io)?;
         let mut reply = [0u8; HELLO_LEN];
@@ -54,6 +64,18 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     peer: &str,
     deadline: Duration,
 ) -> Result<()> {
+    accept_with(stream, secret, None, peer, deadline).await.map(|_| ())
+}
+
+/// [`accept`] that also takes dialers of the `worker_secret` (`--worker-secret`): the key
+/// the dialer proved.
+pub async fn accept_with<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    secret: &[u8],
+    worker_secret: Option<&[u8]>,
+    peer: &str,
+    deadline: Duration,
+) -> Result<KeyId> {
     crate::timeout(deadline, format!("{peer} to complete the handshake"), async {
         let io = |e| io_err(peer, e);
         let wire = |source| RuntimeError::Wire { peer: peer.to_string(), source };
@@ -69,7 +91,8 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         }
         check_magic(hello[..4].try_into().unwrap_or_default()).map_err(wire)?;
         read(stream, &mut hello[4..], peer).await?;
-        let (server, reply) = ServerHandshake::new(secret, nonce()).on_hello(&hello).map_err(wire)?;
+        let acceptor = ServerHandshake::new(secret, nonce()).with_worker_secret(worker_secret);
+        let (server, reply) = acceptor.on_hello(&hello).map_err(wire)?;
         stream.write_all(&reply).await.map_err(io)?;
         stream.flush().await.map_err(io)?;
         let mut proof = [0u8; PROOF_LEN];

@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use elasticps_wire::{Codec, Control, Message};
+use elasticps_wire::{Codec, Control, Credential, Message};
 use tokio::sync::watch;
 
 use crate::CALL_TIMEOUT;
@@ -78,6 +78,8 @@ pub struct Redial {
     pub codec: Codec,
     /// The worker's rank (its `ReattachWorker`).
     pub rank: u32,
+    /// Its credential (the restarted scheduler checks it).
+    pub credential: Credential,
     /// How long to retry ([`redial`]); zero: no reconnect.
     pub window: Duration,
 }
@@ -101,7 +103,7 @@ impl SchedLink {
     /// reconnect.
     pub fn start(
         (peer, mut notes): (Peer, Notifications),
-        Redial { addr, codec, rank, window }: Redial,
+        Redial { addr, codec, rank, credential, window }: Redial,
         mut on_note: impl FnMut(Message) -> bool + Send + 'static,
         on_end: impl FnOnce(Option<String>) + Send + 'static,
     ) -> SchedLink {
@@ -122,7 +124,7 @@ impl SchedLink {
                     return;
                 }
                 tracing::warn!(rank, addr = %addr, window_s = window.as_secs_f64(), "scheduler connection lost; reattaching");
-                let hello = || Some(Control::ReattachWorker { rank }.into());
+                let hello = || Some(Control::ReattachWorker { rank, credential: credential.clone() }.into());
                 match redial(&addr, &codec, hello, window).await {
                     Ok((peer, n)) => {
                         tracing::info!(rank, "worker reattached to the restarted scheduler");
@@ -204,7 +206,13 @@ mod tests {
         let attempts = std::sync::atomic::AtomicU32::new(0);
         let hello = || {
             attempts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            Some(Control::ReattachWorker { rank: 0 }.into())
+            Some(
+                Control::ReattachWorker {
+                    rank: 0,
+                    credential: Credential::issue(b"", 0, elasticps_wire::PeerRole::Worker, 0),
+                }
+                .into(),
+            )
         };
         let started = Instant::now();
         let Err(e) = redial(&addr, &codec, hello, Duration::from_millis(700)).await else {

@@ -431,7 +431,7 @@ mod tests {
         });
         let dialed = conn::dial_with(&addr, &codec, "acceptor", Some(&tls)).await.expect("dialing over tls");
         let accepted = tokio::time::timeout(WITHIN, acceptor).await.expect("accepting in time").unwrap();
-        let accepted = accepted.expect("the acceptor takes a certificate of its CA");
+        let (accepted, _key) = accepted.expect("the acceptor takes a certificate of its CA");
         assert!(dialed.is_tls() && accepted.is_tls());
         let (l, addr) = listen().await;
         let (_, w) = Stream::Plain(TcpStream::connect(&addr).await.unwrap()).into_split();

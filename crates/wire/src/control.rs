@@ -11,6 +11,8 @@ use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::{Placement, ServerId};
 use serde::{Deserialize, Serialize};
 
+use crate::credential::Credential;
+
 /// A control-plane message (scheduler <-> nodes, and the first message of a data
 /// connection). Each variant's doc starts with its postcard tag (variant index).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -32,6 +34,9 @@ pub enum Control {
         num_workers: u32,
         /// Servers in the job (at registration time).
         num_servers: u32,
+        /// The node's credential for its role and id: presented in the `Hello` of every
+        /// data connection it opens, and when it reattaches.
+        credential: Credential,
     },
     /// Tag 3: Worker -> scheduler: the model. The first definition wins; later ones must be
     /// equal (else an `Error` with `BadRequest`). Reply: [`Control::Layout`] once every
@@ -75,10 +80,13 @@ pub enum Control {
         /// Why, for the log.
         reason: String,
     },
-    /// Tag 12: Worker -> server, first message on a data connection. Reply: [`Control::Ok`].
+    /// Tag 12: Worker or server -> server, first message on a data connection: "I am the
+    /// node of this credential". Reply: [`Control::Ok`], or an `Error` with
+    /// `Unauthenticated` (a credential that does not hold) after which the server closes
+    /// the connection.
     Hello {
-        /// The worker's rank.
-        rank: u32,
+        /// The dialer's credential (its `Welcome`'s).
+        credential: Credential,
     },
     /// Tag 13: Generic acknowledgement.
     Ok,
@@ -249,6 +257,8 @@ pub enum Control {
     ReattachServer {
         /// The id the scheduler gave it before the restart.
         server_id: ServerId,
+        /// Its credential for that id (the restarted scheduler checks it).
+        credential: Credential,
         /// Address of its data listener.
         data_addr: String,
         /// Every block it holds.
@@ -262,6 +272,8 @@ pub enum Control {
     ReattachWorker {
         /// Its rank.
         rank: u32,
+        /// Its credential for that rank (the restarted scheduler checks it).
+        credential: Credential,
     },
     /// Tag 41: Host agent (`elasticps launch` on a host) -> scheduler, first message on
     /// its control connection: this host and its slots. Reply: [`Control::HostWelcome`],
@@ -303,6 +315,110 @@ pub enum Control {
         /// The event line, as the node printed it.
         line: String,
     },
+}
+
+impl Control {
+    /// The variant's name, as docs/PROTOCOL.md names it (`"Hello"`, `"Replicate"`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Control::RegisterServer { .. } => "RegisterServer",
+            Control::RegisterWorker => "RegisterWorker",
+            Control::Welcome { .. } => "Welcome",
+            Control::DefineModel { .. } => "DefineModel",
+            Control::GetLayout => "GetLayout",
+            Control::Layout(_) => "Layout",
+            Control::Assign(_) => "Assign",
+            Control::AssignDone { .. } => "AssignDone",
+            Control::Heartbeat => "Heartbeat",
+            Control::WorkerDone { .. } => "WorkerDone",
+            Control::RemoveWorker { .. } => "RemoveWorker",
+            Control::Shutdown { .. } => "Shutdown",
+            Control::Hello { .. } => "Hello",
+            Control::Ok => "Ok",
+            Control::Moved { .. } => "Moved",
+            Control::GetStats => "GetStats",
+            Control::Stats(_) => "Stats",
+            Control::Migrate { .. } => "Migrate",
+            Control::BlockSnapshot { .. } => "BlockSnapshot",
+            Control::BlockDelta { .. } => "BlockDelta",
+            Control::MigrateDone(_) => "MigrateDone",
+            Control::ServerLoad(_) => "ServerLoad",
+            Control::WorkerLoad(_) => "WorkerLoad",
+            Control::GetStatus => "GetStatus",
+            Control::Status(_) => "Status",
+            Control::Scale(_) => "Scale",
+            Control::Barrier => "Barrier",
+            Control::SetOptimizer { .. } => "SetOptimizer",
+            Control::Settled { .. } => "Settled",
+            Control::Checkpointing(_) => "Checkpointing",
+            Control::CheckpointWritten { .. } => "CheckpointWritten",
+            Control::GetStartClock => "GetStartClock",
+            Control::StartClock { .. } => "StartClock",
+            Control::RejoinWorker { .. } => "RejoinWorker",
+            Control::AddWorker { .. } => "AddWorker",
+            Control::WorkerAdded { .. } => "WorkerAdded",
+            Control::Replicate { .. } => "Replicate",
+            Control::Replicas { .. } => "Replicas",
+            Control::ReplicaSnapshot(_) => "ReplicaSnapshot",
+            Control::ReattachServer { .. } => "ReattachServer",
+            Control::ReattachWorker { .. } => "ReattachWorker",
+            Control::JoinHost(_) => "JoinHost",
+            Control::HostWelcome { .. } => "HostWelcome",
+            Control::StartNode { .. } => "StartNode",
+            Control::NodeExited { .. } => "NodeExited",
+            Control::HostEvent { .. } => "HostEvent",
+        }
+    }
+
+    /// Every variant's name, in tag order ([`Control::name`] of tag `i` is `NAMES[i]`).
+    pub const NAMES: [&'static str; 46] = [
+        "RegisterServer",
+        "RegisterWorker",
+        "Welcome",
+        "DefineModel",
+        "GetLayout",
+        "Layout",
+        "Assign",
+        "AssignDone",
+        "Heartbeat",
+        "WorkerDone",
+        "RemoveWorker",
+        "Shutdown",
+        "Hello",
+        "Ok",
+        "Moved",
+        "GetStats",
+        "Stats",
+        "Migrate",
+        "BlockSnapshot",
+        "BlockDelta",
+        "MigrateDone",
+        "ServerLoad",
+        "WorkerLoad",
+        "GetStatus",
+        "Status",
+        "Scale",
+        "Barrier",
+        "SetOptimizer",
+        "Settled",
+        "Checkpointing",
+        "CheckpointWritten",
+        "GetStartClock",
+        "StartClock",
+        "RejoinWorker",
+        "AddWorker",
+        "WorkerAdded",
+        "Replicate",
+        "Replicas",
+        "ReplicaSnapshot",
+        "ReattachServer",
+        "ReattachWorker",
+        "JoinHost",
+        "HostWelcome",
+        "StartNode",
+        "NodeExited",
+        "HostEvent",
+    ];
 }
 
 /// A host's offer to a job: part of [`Control::JoinHost`].

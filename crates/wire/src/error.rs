@@ -85,6 +85,10 @@ pub enum WireError {
     /// A handshake message that makes no sense.
     #[error("bad handshake: {0}")]
     BadHandshake(String),
+    /// A credential that does not hold: not made with this cluster's secret, or of
+    /// another job ([`crate::credential`]).
+    #[error("bad credential: {0}")]
+    BadCredential(String),
 }
 
 impl WireError {
@@ -99,7 +103,7 @@ impl WireError {
             WireError::BadChecksum => ErrorCode::BadChecksum,
             WireError::BadPayload { .. } | WireError::NotF32 { .. } | WireError::Postcard(_) => ErrorCode::Malformed,
             WireError::NoHandshake { .. } | WireError::BadHandshake(_) => ErrorCode::Malformed,
-            WireError::Unauthenticated { .. } => ErrorCode::Unauthenticated,
+            WireError::Unauthenticated { .. } | WireError::BadCredential(_) => ErrorCode::Unauthenticated,
         }
     }
 
@@ -142,8 +146,12 @@ pub enum ErrorCode {
     ShuttingDown,
     /// 9: a bug or resource failure on the receiver's side.
     Internal,
-    /// 10: the peer did not prove it holds the cluster secret.
+    /// 10: the peer did not prove it holds the cluster secret, or presented a credential
+    /// that does not hold.
     Unauthenticated,
+    /// 11: the connection's proven identity may not send this message (docs/PROTOCOL.md
+    /// §7.1, who may send what); nothing changed.
+    Forbidden,
 }
 
 impl fmt::Display for ErrorCode {
@@ -160,6 +168,7 @@ impl fmt::Display for ErrorCode {
             ErrorCode::ShuttingDown => "shutting down",
             ErrorCode::Internal => "internal",
             ErrorCode::Unauthenticated => "unauthenticated",
+            ErrorCode::Forbidden => "forbidden",
         })
     }
 }

@@ -8,6 +8,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use zerocopy::little_endian::{U16, U32, U64};
 
 use crate::error::WireError;
+use crate::handshake::KeyId;
 use crate::header::{
     CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION, checksum,
 };
@@ -22,6 +23,10 @@ use crate::message::{Message, check_payload_len};
 #[derive(Clone)]
 pub struct Codec {
     secret: Arc<[u8]>,
+    /// The key `secret` is (a dialer says it in the handshake).
+    key: KeyId,
+    /// An acceptor's worker secret (`--worker-secret`), if it takes workers that hold it.
+    worker_secret: Option<Arc<[u8]>>,
     max_payload: u32,
 }
 
@@ -35,19 +40,57 @@ impl Default for Codec {
 impl fmt::Debug for Codec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never print the secret.
-        f.debug_struct("Codec").field("secret_len", &self.secret.len()).field("max_payload", &self.max_payload).finish()
+        f.debug_struct("Codec")
+            .field("secret_len", &self.secret.len())
+            .field("key", &self.key)
+            .field("worker_secret", &self.worker_secret.is_some())
+            .field("max_payload", &self.max_payload)
+            .finish()
     }
 }
 
 impl Codec {
     /// A codec with this cluster secret (may be empty) and payload limit in bytes.
     pub fn new(secret: &[u8], max_payload: u32) -> Self {
-        Codec { secret: Arc::from(secret), max_payload }
+        Codec { secret: Arc::from(secret), key: KeyId::Cluster, worker_secret: None, max_payload }
     }
 
-    /// The cluster secret (the key of the connection handshake).
+    /// A worker's codec that holds the worker secret (`--worker-secret`) instead of the
+    /// cluster secret: it dials with [`KeyId::Worker`].
+    pub fn for_worker_secret(worker_secret: &[u8], max_payload: u32) -> Self {
+        Codec { key: KeyId::Worker, ..Codec::new(worker_secret, max_payload) }
+    }
+
+    /// An acceptor's codec that also takes dialers of the worker secret.
+    pub fn with_worker_secret(mut self, worker_secret: Option<&[u8]>) -> Self {
+        self.worker_secret = worker_secret.map(Arc::from);
+        self
+    }
+
+    /// The secret this codec dials with and checks frames with (the key of the handshake).
     pub fn secret(&self) -> &[u8] {
         &self.secret
+    }
+
+    /// Which key [`Codec::secret`] is.
+    pub fn key(&self) -> KeyId {
+        self.key
+    }
+
+    /// An acceptor's worker secret, if it has one.
+    pub fn worker_secret(&self) -> Option<&[u8]> {
+        self.worker_secret.as_deref()
+    }
+
+    /// The codec of one accepted connection whose dialer proved `key`: its frames are
+    /// checked with that key's secret.
+    pub fn for_key(&self, key: KeyId) -> Self {
+        match (key, &self.worker_secret) {
+            (KeyId::Worker, Some(ws)) => {
+                Codec { secret: ws.clone(), key, worker_secret: None, max_payload: self.max_payload }
+            }
+            _ => Codec { worker_secret: None, ..self.clone() },
+        }
     }
 
     /// The payload limit in bytes.

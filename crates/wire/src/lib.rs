@@ -52,6 +52,7 @@
 #![warn(missing_docs)]
 
 pub mod control;
+pub mod credential;
 pub mod error;
 pub mod frame;
 pub mod handshake;
@@ -64,8 +65,10 @@ pub use control::{
     MigrationReport, NodeRole, Restore, ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats, ServerStatus,
     WorkerLoad, WorkerStatus,
 };
+pub use credential::{Credential, PeerRole};
 pub use error::{ErrorCode, ErrorReply, WireError};
 pub use frame::Codec;
+pub use handshake::KeyId;
 pub use header::{
     CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION, checksum,
 };

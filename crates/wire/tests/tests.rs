@@ -336,9 +336,11 @@ mod common {
         prop_oneof![
             ".{0,30}".prop_map(|data_addr| Control::RegisterServer { data_addr }),
             Just(Control::RegisterWorker),
-            any::<(u32, u32, u32)>().prop_map(|(node_id, num_workers, num_servers)| {
-                Control::Welcome { node_id, num_workers, num_servers }
-            }),
+            (any::<(u32, u32, u32)>(), arb_credential()).prop_map(
+                |((node_id, num_workers, num_servers), credential)| {
+                    Control::Welcome { node_id, num_workers, num_servers, credential }
+                }
+            ),
             (arb_tensors(), prop::collection::vec(prop::option::of(arb_tensor_optimizer()), 0..3))
                 .prop_map(|(tensors, optimizers)| Control::DefineModel { tensors, optimizers }),
             Just(Control::GetLayout),
@@ -349,7 +351,7 @@ mod common {
             any::<u32>().prop_map(|rank| Control::WorkerDone { rank }),
             any::<u32>().prop_map(|rank| Control::RemoveWorker { rank }),
             ".{0,30}".prop_map(|reason| Control::Shutdown { reason }),
-            any::<u32>().prop_map(|rank| Control::Hello { rank }),
+            arb_credential().prop_map(|credential| Control::Hello { credential }),
             Just(Control::Ok),
             any::<(u32, u32, u64)>().prop_map(|(block, owner, epoch)| Control::Moved { block, owner, epoch }),
             Just(Control::GetStats),
@@ -392,17 +394,23 @@ mod common {
             any::<u32>().prop_map(|rank| Control::RejoinWorker { rank }),
             any::<u32>().prop_map(|rank| Control::AddWorker { rank }),
             any::<(u32, u32)>().prop_map(|(rank, clock)| Control::WorkerAdded { rank, clock }),
-            (any::<u32>(), "[a-z0-9:.]{0,20}", prop::collection::vec(any::<(u32, u64, bool)>(), 0..4)).prop_map(
-                |(server_id, data_addr, blocks)| Control::ReattachServer {
+            (
+                any::<u32>(),
+                arb_credential(),
+                "[a-z0-9:.]{0,20}",
+                prop::collection::vec(any::<(u32, u64, bool)>(), 0..4)
+            )
+                .prop_map(|(server_id, credential, data_addr, blocks)| Control::ReattachServer {
                     server_id,
+                    credential,
                     data_addr,
                     blocks: blocks
                         .into_iter()
                         .map(|(block, epoch, arrived)| elasticps_wire::HeldBlock { block, epoch, arrived })
                         .collect(),
-                }
-            ),
-            any::<u32>().prop_map(|rank| Control::ReattachWorker { rank }),
+                }),
+            (any::<u32>(), arb_credential())
+                .prop_map(|(rank, credential)| Control::ReattachWorker { rank, credential }),
             ("[a-z0-9-]{0,12}", "[0-9.]{0,15}", any::<(u32, u32, u32, u32)>()).prop_map(
                 |(name, addr, (servers, workers, server_slots, worker_slots))| {
                     Control::JoinHost(elasticps_wire::HostOffer {
@@ -429,6 +437,16 @@ mod common {
                 .prop_map(|((slot, ok), status, rank)| Control::NodeExited { slot, ok, status, rank }),
             ".{0,40}".prop_map(|line| Control::HostEvent { line }),
         ]
+    }
+
+    /// Any credential (the MAC need not hold: encoding does not check it).
+    pub fn arb_credential() -> impl Strategy<Value = Credential> {
+        (any::<u64>(), any::<bool>(), any::<u32>(), any::<[u8; 32]>()).prop_map(|(job, server, id, mac)| Credential {
+            job,
+            role: if server { PeerRole::Server } else { PeerRole::Worker },
+            id,
+            mac,
+        })
     }
 
     pub fn arb_checkpoint_entries() -> impl Strategy<Value = Vec<CheckpointEntry>> {
@@ -472,6 +490,7 @@ mod common {
             ErrorCode::ShuttingDown,
             ErrorCode::Internal,
             ErrorCode::Unauthenticated,
+            ErrorCode::Forbidden,
         ])
     }
 
@@ -521,6 +540,7 @@ mod roundtrip {
             if let Message::Control(c) = &msg {
                 let bytes = postcard::to_allocvec(c).unwrap();
                 prop_assert_eq!(bytes[0], control_tag(c), "postcard tag of {:?}", c);
+                prop_assert_eq!(Control::NAMES[usize::from(control_tag(c))], c.name(), "the name of tag {}", bytes[0]);
             }
         }
 
@@ -691,9 +711,10 @@ mod invalid {
     }
 
     #[test]
-    fn version_1_and_3() {
-        // Version 1 had no backup lists in its placements (PROTOCOL.md, "Versions").
-        for v in [1, 3] {
+    fn versions_1_2_and_4() {
+        // Version 1 had no backup lists in its placements, version 2 no credentials
+        // (PROTOCOL.md §2).
+        for v in [1, 2, 4] {
             let err = refuse(edited(4..5, &[v]));
             assert_eq!(err, WireError::BadVersion { got: v });
             assert_eq!(err.code(), ErrorCode::BadVersion);
@@ -847,9 +868,9 @@ mod invalid {
             assert!(matches!(err, WireError::Postcard(_)), "{garbage:?}: {err}");
             assert_eq!(err.code(), ErrorCode::Malformed);
         }
-        // An Error frame with an unknown code.
+        // An Error frame with an unknown code (11 is Forbidden, the last one).
         let fh = FrameHeader { kind: Kind::Error, payload_len: 2, ..control_header(0) };
-        assert!(matches!(Message::decode(&fh, Bytes::from_static(&[11, 0])), Err(WireError::Postcard(_))));
+        assert!(matches!(Message::decode(&fh, Bytes::from_static(&[12, 0])), Err(WireError::Postcard(_))));
         // Invalid UTF-8 in a string.
         let bad_utf8 = [11u8, 2, 0xc3, 0x28];
         let err = Message::decode(&control_header(4), Bytes::copy_from_slice(&bad_utf8)).unwrap_err();
@@ -867,13 +888,13 @@ mod invalid {
     #[test]
     fn postcard_accepts_long_varints() {
         // Documented in PROTOCOL.md §5: encoders write shortest varints, decoders accept longer ones.
-        let hello2 = Message::Control(Control::Hello { rank: 2 });
-        for p in [&[0x0c, 0x02][..], &[0x0c, 0x82, 0x00], &[0x8c, 0x00, 0x82, 0x80, 0x00]] {
+        let done2 = Message::Control(Control::WorkerDone { rank: 2 });
+        for p in [&[0x09, 0x02][..], &[0x09, 0x82, 0x00], &[0x89, 0x00, 0x82, 0x80, 0x00]] {
             let got = Message::decode(&control_header(p.len()), Bytes::copy_from_slice(p)).unwrap();
-            assert_eq!(got, hello2, "{p:02x?}");
+            assert_eq!(got, done2, "{p:02x?}");
         }
         // But not longer than the type allows (u32: 5 bytes).
-        let p = [0x0c, 0x82, 0x80, 0x80, 0x80, 0x80, 0x00];
+        let p = [0x09, 0x82, 0x80, 0x80, 0x80, 0x80, 0x00];
         assert!(Message::decode(&control_header(p.len()), Bytes::copy_from_slice(&p)).is_err());
     }
 
@@ -1020,10 +1041,10 @@ mod golden {
         pinned(
             "Pull header (empty secret)",
             &head,
-            "45 50 53 31 02 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 04 06 8a c0",
+            "45 50 53 31 03 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 23 63 af 41",
         );
-        assert_eq!(checksum(&head, b""), 0xc08a_0604);
-        assert!(doc().contains("0xc08a0604"));
+        assert_eq!(checksum(&head, b""), 0x41af_6323);
+        assert!(doc().contains("0x41af6323"));
     }
 
     #[test]
@@ -1033,9 +1054,10 @@ mod golden {
         pinned(
             "Pull header (secret s3cret)",
             &head,
-            "45 50 53 31 02 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 27 a5 6b ec",
+            "45 50 53 31 03 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 2f 46 0b d0",
         );
-        assert!(doc().contains("0xec6ba527"));
+        assert_eq!(checksum(&head, b"s3cret"), 0xd00b_462f);
+        assert!(doc().contains("0xd00b462f"));
     }
 
     #[test]
@@ -1045,7 +1067,7 @@ mod golden {
         pinned(
             "Push header",
             &head,
-            "45 50 53 31 02 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 b0 2c 6b 94",
+            "45 50 53 31 03 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 97 49 4e 15",
         );
         pinned("Push payload", &payload, "00 00 80 3f 00 00 00 c0");
     }
@@ -1057,20 +1079,26 @@ mod golden {
         pinned(
             "PushPull header",
             &head,
-            "45 50 53 31 02 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 7f bc 44 79",
+            "45 50 53 31 03 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 58 d9 61 f8",
         );
         pinned("PushPull payload", &payload, "00 00 80 3f 00 00 00 c0");
     }
 
     #[test]
     fn hello_frame() {
-        let (head, payload) = Codec::default().encode(1, &Control::Hello { rank: 2 }.into()).unwrap();
+        let codec = Codec::new(b"s3cret", DEFAULT_MAX_PAYLOAD);
+        let credential = Credential::issue(b"s3cret", 42, PeerRole::Worker, 1);
+        let (head, payload) = codec.encode(1, &Control::Hello { credential }.into()).unwrap();
         pinned(
             "Hello header",
             &head,
-            "45 50 53 31 02 01 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 02 00 00 00 89 c4 f1 4a",
+            "45 50 53 31 03 01 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 24 00 00 00 ce 30 2f f3",
         );
-        pinned("Hello payload", &payload, "0c 02");
+        pinned(
+            "Hello payload",
+            &payload,
+            "0c 2a 00 01 e8 c6 c5 1d dd 91 b1 db 94 24 d2 2c 49 2c 38 fb 1a 54 59 6d e3 c3 fb 0d 58 d1 04 02 3c 83 42 47",
+        );
     }
 
     #[test]
@@ -1080,7 +1108,7 @@ mod golden {
         pinned(
             "Error header",
             &head,
-            "45 50 53 31 02 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 e0 c6 2b 24",
+            "45 50 53 31 03 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 c7 a3 0e a5",
         );
         pinned("Error payload", &payload, "05 0a 6e 6f 20 62 6c 6f 63 6b 20 39");
     }
@@ -1088,7 +1116,15 @@ mod golden {
     #[test]
     fn control_payloads() {
         let cases = [
-            (Control::Welcome { node_id: 1, num_workers: 2, num_servers: 3 }, "02 01 02 03"),
+            (
+                Control::Welcome {
+                    node_id: 1,
+                    num_workers: 2,
+                    num_servers: 3,
+                    credential: Credential::issue(b"s3cret", 42, PeerRole::Worker, 1),
+                },
+                "02 01 02 03 2a 00 01 e8 c6 c5 1d dd 91 b1 db 94 24 d2 2c 49 2c 38 fb 1a 54 59 6d e3 c3 fb 0d 58 d1 04 02 3c 83 42 47",
+            ),
             (Control::Moved { block: 300, owner: 1, epoch: 2 }, "0e ac 02 01 02"),
             (
                 Control::RegisterServer { data_addr: "10.0.0.5:7001".into() },
@@ -1140,34 +1176,8 @@ mod golden {
     #[test]
     fn doc_lists_every_control_tag() {
         let doc = doc();
-        let names = [
-            "RegisterServer",
-            "RegisterWorker",
-            "Welcome",
-            "DefineModel",
-            "GetLayout",
-            "Layout",
-            "Assign",
-            "AssignDone",
-            "Heartbeat",
-            "WorkerDone",
-            "RemoveWorker",
-            "Shutdown",
-            "Hello",
-            "Ok",
-            "Moved",
-            "GetStats",
-            "Stats",
-            "Migrate",
-            "BlockSnapshot",
-            "BlockDelta",
-            "MigrateDone",
-            "ServerLoad",
-            "WorkerLoad",
-            "GetStatus",
-            "Status",
-            "Scale",
-        ];
+        // Every variant, in tag order.
+        let names = Control::NAMES;
         for (i, name) in names.iter().enumerate() {
             let row = format!("| {i} | `{name}");
             assert!(doc.contains(&row), "docs/PROTOCOL.md lacks the Control tag row `{row}`");
@@ -1183,10 +1193,207 @@ mod golden {
             "NotReady",
             "ShuttingDown",
             "Internal",
+            "Unauthenticated",
+            "Forbidden",
         ];
         for (i, name) in codes.iter().enumerate() {
             let row = format!("| {i} | `{name}`");
             assert!(doc.contains(&row), "docs/PROTOCOL.md lacks the ErrorCode row `{row}`");
         }
+    }
+}
+
+/// The handshake and credential test vectors of docs/PROTOCOL.md §1.4, checked against the
+/// real code and against the formulas the document gives: a changed byte in the document,
+/// or a changed encoding in the code, fails here.
+mod handshake_vector {
+    use std::collections::BTreeMap;
+
+    use elasticps_wire::handshake::{ClientHandshake, HELLO_LEN, NONCE_LEN, PROOF_LEN, ServerHandshake, VERDICT_LEN};
+    use elasticps_wire::{Credential, KeyId, PeerRole, WireError};
+    use hmac::{Hmac, Mac};
+    use sha2::Sha256;
+
+    use crate::common::hex;
+
+    /// Every name of the section's vectors.
+    const NAMES: [&str; 18] = [
+        "secret",
+        "nonce_c",
+        "nonce_s",
+        "ClientHello",
+        "ServerHello",
+        "ClientProof",
+        "Verdict",
+        "worker_secret",
+        "key1.ClientHello",
+        "key1.ServerHello",
+        "key1.ClientProof",
+        "key1.Verdict",
+        "wrong_secret",
+        "wrong.ClientProof",
+        "wrong.Verdict",
+        "credential.input",
+        "credential.mac",
+        "credential",
+    ];
+
+    /// The vectors of §1.4: every line `NAME  hex hex ...` inside a fenced block of the
+    /// section, by name. A name given twice, or a line that is not all hex bytes, fails.
+    fn vectors() -> BTreeMap<String, Vec<u8>> {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/PROTOCOL.md");
+        let doc = std::fs::read_to_string(path).expect("docs/PROTOCOL.md");
+        let start =
+            doc.find("\n### 1.4 Test vectors\n").expect("docs/PROTOCOL.md has a section `### 1.4 Test vectors`");
+        let rest = &doc[start + 1..];
+        let end = rest[4..].find("\n#").map_or(rest.len(), |e| e + 4);
+        let mut out = BTreeMap::new();
+        let mut fenced = false;
+        for line in rest[..end].lines() {
+            if line.starts_with("```") {
+                fenced = !fenced;
+                continue;
+            }
+            if !fenced {
+                continue;
+            }
+            let mut words = line.split_whitespace();
+            let Some(name) = words.next() else { continue };
+            let bytes: Vec<u8> = words
+                .map(|w| {
+                    assert_eq!(w.len(), 2, "§1.4, `{name}`: `{w}` is not one hex byte");
+                    u8::from_str_radix(w, 16).unwrap_or_else(|_| panic!("§1.4, `{name}`: `{w}` is not hex"))
+                })
+                .collect();
+            assert!(out.insert(name.to_string(), bytes).is_none(), "§1.4 gives `{name}` twice");
+        }
+        for name in out.keys() {
+            assert!(NAMES.contains(&name.as_str()), "§1.4 gives `{name}`, which this test does not check");
+        }
+        for name in NAMES {
+            assert!(out.contains_key(name), "§1.4 lacks the vector `{name}`");
+        }
+        out
+    }
+
+    fn array<const N: usize>(v: &BTreeMap<String, Vec<u8>>, name: &str) -> [u8; N] {
+        v[name].as_slice().try_into().unwrap_or_else(|_| panic!("§1.4 `{name}` has {} bytes, not {N}", v[name].len()))
+    }
+
+    /// `HMAC-SHA256(key, parts...)`, as the document defines the proofs.
+    fn hmac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+        let mut m = Hmac::<Sha256>::new_from_slice(key).unwrap();
+        for p in parts {
+            m.update(p);
+        }
+        m.finalize().into_bytes().into()
+    }
+
+    #[track_caller]
+    fn same(v: &BTreeMap<String, Vec<u8>>, name: &str, got: &[u8]) {
+        assert_eq!(hex(&v[name]), hex(got), "§1.4 `{name}` differs from what the code makes");
+    }
+
+    /// One whole handshake from the document's inputs: (ClientHello, ServerHello,
+    /// ClientProof, Verdict, what the acceptor decided, what the dialer decided).
+    #[allow(clippy::type_complexity)]
+    fn run(
+        key: KeyId,
+        dialer_secret: &[u8],
+        acceptor: ServerHandshake,
+        nonce_c: [u8; NONCE_LEN],
+    ) -> (
+        [u8; HELLO_LEN],
+        [u8; HELLO_LEN],
+        [u8; PROOF_LEN],
+        [u8; VERDICT_LEN],
+        Result<KeyId, WireError>,
+        Result<(), WireError>,
+    ) {
+        let (client, client_hello) = ClientHandshake::start_with(key, dialer_secret, nonce_c);
+        let (server, server_hello) = acceptor.on_hello(&client_hello).unwrap();
+        let (client, proof) = client.on_hello(&server_hello).unwrap();
+        let (verdict, accepted) = server.on_proof(&proof);
+        let dialer = client.on_verdict(&verdict);
+        (client_hello, server_hello, proof, verdict, accepted, dialer)
+    }
+
+    #[test]
+    fn the_cluster_key_vector_is_the_codes() {
+        let v = vectors();
+        let (secret, nonce_c, nonce_s) = (&v["secret"], array(&v, "nonce_c"), array(&v, "nonce_s"));
+        assert_eq!(secret.as_slice(), b"s3cret", "§1.4 says the secret is `s3cret`");
+        assert_eq!((nonce_c, nonce_s), ([7; NONCE_LEN], [9; NONCE_LEN]), "§1.4 says the nonces are 07s and 09s");
+        let acceptor = ServerHandshake::new(secret, nonce_s);
+        let (ch, sh, proof, verdict, accepted, dialer) = run(KeyId::Cluster, secret, acceptor, nonce_c);
+        same(&v, "ClientHello", &ch);
+        same(&v, "ServerHello", &sh);
+        same(&v, "ClientProof", &proof);
+        same(&v, "Verdict", &verdict);
+        assert_eq!((accepted, dialer), (Ok(KeyId::Cluster), Ok(())));
+        // The formulas of §1.1.
+        assert_eq!(proof, hmac(secret, &[b"elasticps client", &nonce_c, &nonce_s]));
+        assert_eq!(verdict[..4], [0, 0, 0, 0]);
+        assert_eq!(verdict[4..], hmac(secret, &[b"elasticps server", &nonce_c, &nonce_s]));
+    }
+
+    #[test]
+    fn the_worker_key_vector_is_the_codes() {
+        let v = vectors();
+        let (secret, worker_secret) = (&v["secret"], &v["worker_secret"]);
+        let (nonce_c, nonce_s) = (array(&v, "nonce_c"), array(&v, "nonce_s"));
+        assert_eq!(worker_secret.as_slice(), b"w0rker", "§1.4 says the worker secret is `w0rker`");
+        let acceptor = ServerHandshake::new(secret, nonce_s).with_worker_secret(Some(worker_secret));
+        let (ch, sh, proof, verdict, accepted, dialer) = run(KeyId::Worker, worker_secret, acceptor, nonce_c);
+        same(&v, "key1.ClientHello", &ch);
+        same(&v, "key1.ServerHello", &sh);
+        same(&v, "key1.ClientProof", &proof);
+        same(&v, "key1.Verdict", &verdict);
+        assert_eq!((accepted, dialer), (Ok(KeyId::Worker), Ok(())));
+        assert_eq!((ch[5], sh[5]), (1, 1), "key id 01 in both hellos");
+        assert_eq!(proof, hmac(worker_secret, &[b"elasticps client", &nonce_c, &nonce_s]));
+        assert_eq!(verdict[4..], hmac(worker_secret, &[b"elasticps server", &nonce_c, &nonce_s]));
+        // The same worker at an acceptor without a worker secret: status 01.
+        let without = ServerHandshake::new(secret, nonce_s);
+        let (_, _, _, verdict, accepted, dialer) = run(KeyId::Worker, worker_secret, without, nonce_c);
+        assert_eq!(verdict, [&[1u8][..], &[0; VERDICT_LEN - 1]].concat().as_slice());
+        assert!(accepted.is_err());
+        assert_eq!(dialer, Err(WireError::Unauthenticated { refused_by_peer: true }));
+    }
+
+    #[test]
+    fn the_refused_vector_is_the_codes() {
+        let v = vectors();
+        let (secret, wrong) = (&v["secret"], &v["wrong_secret"]);
+        let (nonce_c, nonce_s) = (array(&v, "nonce_c"), array(&v, "nonce_s"));
+        assert_eq!(wrong.as_slice(), b"wrong", "§1.4 says the dialer holds `wrong`");
+        let acceptor = ServerHandshake::new(secret, nonce_s);
+        let (ch, sh, proof, verdict, accepted, dialer) = run(KeyId::Cluster, wrong, acceptor, nonce_c);
+        same(&v, "ClientHello", &ch);
+        same(&v, "ServerHello", &sh);
+        same(&v, "wrong.ClientProof", &proof);
+        same(&v, "wrong.Verdict", &verdict);
+        assert_eq!(proof, hmac(wrong, &[b"elasticps client", &nonce_c, &nonce_s]));
+        assert_eq!(accepted, Err(WireError::Unauthenticated { refused_by_peer: false }));
+        assert_eq!(dialer, Err(WireError::Unauthenticated { refused_by_peer: true }));
+    }
+
+    #[test]
+    fn the_credential_vector_is_the_codes() {
+        let v = vectors();
+        let secret = &v["secret"];
+        let issued = Credential::issue(secret, 42, PeerRole::Worker, 1);
+        // The MAC's message, as §1.3 defines it.
+        let input = [&b"elasticps credential"[..], &42u64.to_le_bytes(), &[0], &1u32.to_le_bytes()].concat();
+        same(&v, "credential.input", &input);
+        same(&v, "credential.mac", &issued.mac);
+        assert_eq!(issued.mac, hmac(secret, &[&input]));
+        let encoded = postcard::to_allocvec(&issued).unwrap();
+        same(&v, "credential", &encoded);
+        // The document's bytes decode to the credential, which holds.
+        let decoded: Credential = postcard::from_bytes(&v["credential"]).unwrap();
+        assert_eq!(decoded, issued);
+        assert!(decoded.verify_for(secret, 42).is_ok());
+        assert!(decoded.verify(&v["worker_secret"]).is_err(), "a credential is made with the cluster secret only");
     }
 }

@@ -35,6 +35,8 @@ const REDIAL: u64 = 2;
 /// Request id of `ReattachServer` on a new scheduler connection (the state machine's call
 /// ids count from 1).
 const REATTACH: u64 = u64::MAX;
+/// Request id of the `Hello` that opens a connection to another server.
+const HELLO: u64 = u64::MAX - 1;
 /// The first redial's delay, and the longest (the runtime's backoff).
 const FIRST_BACKOFF_US: u64 = 100_000;
 const MAX_BACKOFF_US: u64 = 2_000_000;
@@ -227,6 +229,10 @@ impl ServerRole {
                 Action::Restore { .. } => {
                     self.later.push(Event::Restored(Err("the harness keeps no checkpoint to resume from".into())))
                 }
+                Action::Close { conn } => {
+                    self.conns.remove(&conn);
+                    out.close(conn);
+                }
                 Action::Exit(exit) => {
                     for conn in std::mem::take(&mut self.conns) {
                         out.close(conn);
@@ -245,6 +251,11 @@ impl ServerRole {
                 let conn = out.connect(node);
                 self.peers.insert(addr.to_string(), conn);
                 self.conns.insert(conn);
+                // Who this server is, before any step (the receiver takes them from a
+                // proven server only).
+                if let Some(credential) = self.server.as_ref().and_then(Server::credential).cloned() {
+                    out.send(conn, HELLO, Control::Hello { credential }.into());
+                }
                 conn
             }
             (None, None) => {
@@ -330,6 +341,10 @@ impl Role for ServerRole {
         }
         if self.calls.remove(&(conn, request_id)) {
             return self.step(out, Event::FromServer { call: request_id, reply: Ok(msg) });
+        }
+        if request_id == HELLO && self.peers.values().any(|c| *c == conn) {
+            // The answer to this server's own Hello: a refusal shows in the steps' answers.
+            return;
         }
         let data = msg.is_data_request();
         if !data {

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use elasticps_core::model::{BlockId, TensorSpec};
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Control, Layout, Message, Values};
+use elasticps_wire::{Control, Credential, Layout, Message, Values};
 
 use super::cluster::{Outbox, Role};
 use super::net::{LostWhy, NodeId};
@@ -116,6 +116,8 @@ pub struct WorkerRole {
     work: TrainingLoop,
     stage: Stage,
     rank: Option<u32>,
+    /// The credential of its `Welcome`: said in `Hello` and when it reattaches.
+    credential: Option<Credential>,
     /// Restarted: rejoin as this rank instead of registering.
     rejoin: Option<u32>,
     /// The first clock (0; a rejoined worker's is the scheduler's answer).
@@ -160,6 +162,7 @@ impl WorkerRole {
             work,
             stage: Stage::Registering,
             rank: None,
+            credential: None,
             rejoin: None,
             start: 0,
             sched: None,
@@ -190,13 +193,16 @@ impl WorkerRole {
 
     /// One redial attempt, or the next one after the backoff (the node is down).
     fn redial(&mut self, out: &mut Outbox<'_>) {
-        let (Some((since, delay)), Some(rank)) = (self.redial, self.rank) else { return };
+        let (Some((since, delay)), Some(rank), Some(credential)) = (self.redial, self.rank, self.credential.clone())
+        else {
+            return;
+        };
         if out.now_us().saturating_sub(since) > self.retry_us {
             let secs = self.retry_us as f64 / 1e6;
             return self.fail(out, format!("the scheduler did not come back within {secs:.0} s"));
         }
         let conn = out.connect(out.scheduler());
-        if out.send(conn, REATTACH, Control::ReattachWorker { rank }.into()) {
+        if out.send(conn, REATTACH, Control::ReattachWorker { rank, credential }.into()) {
             self.sched = Some(conn);
         } else {
             self.redial = Some((since, (delay * 2).min(MAX_BACKOFF_US)));
@@ -253,14 +259,14 @@ impl WorkerRole {
 
     /// Connects to the layout's new servers and drops the ones that left it.
     fn install(&mut self, out: &mut Outbox<'_>, layout: Layout) {
-        let rank = self.rank.unwrap_or(0);
+        let Some(credential) = self.credential.clone() else { return };
         for s in &layout.servers {
             if self.servers.contains_key(&s.id) {
                 continue;
             }
             let Some(node) = NodeId::from_addr(&s.addr) else { continue };
             let conn = out.connect(node);
-            out.send(conn, HELLO, Control::Hello { rank }.into());
+            out.send(conn, HELLO, Control::Hello { credential: credential.clone() }.into());
             self.servers.insert(s.id, conn);
         }
         self.layout = Some(layout);
@@ -445,6 +451,9 @@ impl WorkerRole {
 
     fn on_scheduler_message(&mut self, out: &mut Outbox<'_>, request_id: u64, msg: Message) {
         self.unanswered.remove(&request_id);
+        if let Message::Control(Control::Welcome { credential, .. }) = &msg {
+            self.credential = Some(credential.clone());
+        }
         if request_id == REATTACH && self.redial.is_some() {
             if !matches!(msg, Message::Control(Control::Welcome { .. })) {
                 return self.fail(out, format!("the restarted scheduler refused this worker: {msg:?}"));

@@ -29,13 +29,19 @@ pub use recovery::{RECOVER_WAIT_US, STATE_VERSION, SavedState, reattach_message}
 
 use elastic::{Elastic, Order};
 use elasticps_wire::{
-    Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, ErrorCode, ErrorReply, Injection, Layout,
-    Message, ServerAddr, ServerLoad, WorkerLoad,
+    Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, Credential, ErrorCode, ErrorReply, Injection,
+    KeyId, Layout, Message, PeerRole, ServerAddr, ServerLoad, WorkerLoad,
 };
 #[cfg(test)]
 use elasticps_wire::{MigrationReport, ScaleRequest};
 
 pub use crate::ConnId;
+use crate::authz::{self, Class, Receiver, Verdict};
+
+/// A connection that has not registered (as a server, a worker or a host agent) within
+/// this long is closed, µs. An operator tool's `GetStatus` or `Scale` is answered
+/// meanwhile.
+pub const REGISTER_WITHIN_US: u64 = 10_000_000;
 
 /// The job as the scheduler was told to run it.
 #[derive(Clone, Debug)]
@@ -106,6 +112,8 @@ pub enum Event {
         conn: ConnId,
         /// The peer's IP address.
         peer: String,
+        /// The key its handshake proved (a worker-key connection can only be a worker).
+        key: KeyId,
     },
     /// A connection closed or failed.
     Lost {
@@ -166,6 +174,23 @@ pub enum Action {
 enum Role {
     Server(u32),
     Worker(u32),
+}
+
+impl Role {
+    /// The role a credential names.
+    fn peer_role(self) -> PeerRole {
+        match self {
+            Role::Server(_) => PeerRole::Server,
+            Role::Worker(_) => PeerRole::Worker,
+        }
+    }
+
+    /// The server id or the worker rank.
+    fn id(self) -> u32 {
+        match self {
+            Role::Server(id) | Role::Worker(id) => id,
+        }
+    }
 }
 
 /// How often the scheduler says what the job still waits for, µs.
@@ -242,6 +267,13 @@ pub struct Scheduler {
     hosts: Option<hosts::Hosts>,
     /// The IP address each connection came from.
     peers: BTreeMap<ConnId, String>,
+    /// Each open connection's handshake key, and when it opened (µs): one that has not
+    /// registered within [`REGISTER_WITHIN_US`] is closed.
+    opened: BTreeMap<ConnId, (KeyId, u64)>,
+    /// The cluster secret the credentials are made with.
+    secret: Vec<u8>,
+    /// This job's id in its credentials.
+    job: u64,
 }
 
 impl Scheduler {
@@ -275,8 +307,27 @@ impl Scheduler {
             recovering: None,
             hosts: None,
             peers: BTreeMap::new(),
+            opened: BTreeMap::new(),
+            secret: Vec::new(),
+            job: 0,
             config,
         }
+    }
+
+    /// Issues the nodes' credentials with the cluster `secret` for job `job` (a random
+    /// number the runtime draws; a recovered scheduler keeps its saved one). Without it,
+    /// the secret is empty and the job 0, as in a harness.
+    pub fn with_credentials(mut self, secret: &[u8], job: u64) -> Self {
+        self.secret = secret.to_vec();
+        if self.recovering.is_none() {
+            self.job = job;
+        }
+        self
+    }
+
+    /// The job's id in its credentials.
+    pub fn job(&self) -> u64 {
+        self.job
     }
 
     /// A job that spans hosts: host agents join ([`Control::JoinHost`]) and the
@@ -368,14 +419,17 @@ impl Scheduler {
             return out;
         }
         match event {
-            Event::Connected { conn, peer } => {
+            Event::Connected { conn, peer, key } => {
                 self.peers.insert(conn, peer);
+                self.opened.insert(conn, (key, self.now_us));
             }
             Event::Received { conn, request_id, msg } => {
                 if let Some(node) = self.nodes.get_mut(&conn) {
                     node.last_seen_us = self.now_us;
                 }
-                if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
+                if let Some(refused) = self.forbidden(conn, &msg) {
+                    out.push(Action::Send { conn, request_id, msg: refused });
+                } else if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
                     self.on_agent_message(conn, request_id, msg, &mut out);
                 } else {
                     self.on_message(conn, request_id, msg, &mut out);
@@ -383,6 +437,7 @@ impl Scheduler {
             }
             Event::Lost { conn, why } => {
                 self.peers.remove(&conn);
+                self.opened.remove(&conn);
                 match self.hosts.as_mut().and_then(|h| h.connection_lost(conn, &why)) {
                     Some(lost) => self.host_lost(lost, &mut out),
                     None => self.on_lost(conn, &why, &mut out),
@@ -406,6 +461,7 @@ impl Scheduler {
                     self.on_lost(conn, &format!("no heartbeat for {secs:.0} s"), &mut out);
                     out.push(Action::Close(conn));
                 }
+                self.close_unregistered(&mut out);
                 if self.awaiting_rejoin_since.is_some() {
                     self.maybe_end(&mut out);
                 }
@@ -429,6 +485,67 @@ impl Scheduler {
             }
         }
         out
+    }
+
+    /// The class of connection `conn` in the authorization table.
+    fn class(&self, conn: ConnId) -> Class {
+        if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
+            return Class::Agent;
+        }
+        let key = self.opened.get(&conn).map_or(KeyId::Cluster, |(k, _)| *k);
+        Class::of(key, self.nodes.get(&conn).map(|n| n.role.peer_role()))
+    }
+
+    /// The `Error` that refuses `msg` on connection `conn` before it changes anything:
+    /// the authorization table says its class may not send it (PROTOCOL.md §7.1), or it
+    /// names a rank other than the connection's own. `None`: it goes on to its handler
+    /// (which refuses what the scheduler does not take at all).
+    fn forbidden(&self, conn: ConnId, msg: &Message) -> Option<Message> {
+        let name = authz::name_of(msg);
+        let class = self.class(conn);
+        let role = self.nodes.get(&conn).map(|n| n.role);
+        let key = self.opened.get(&conn).map_or(KeyId::Cluster, |(k, _)| *k);
+        let proven = match class {
+            Class::Agent => "a host agent".to_string(),
+            _ => authz::proven_name(role.map(|r| (r.peer_role(), r.id())), key),
+        };
+        let why = match (authz::check(Receiver::Scheduler, class, name), msg, role) {
+            (Verdict::Forbidden, _, _) => {
+                format!("{proven} may not send {name} to the scheduler (docs/PROTOCOL.md §7.1)")
+            }
+            (_, Message::Control(Control::WorkerDone { rank }), Some(Role::Worker(own))) if *rank != own => {
+                format!("{proven} may not say that worker {rank} is done")
+            }
+            _ => return None,
+        };
+        tracing::warn!(conn, message = name, %proven, %why, "forbidden message refused");
+        Some(Message::Error(ErrorReply { code: ErrorCode::Forbidden, message: format!("{why}; nothing changed") }))
+    }
+
+    /// Closes every connection that has not registered within [`REGISTER_WITHIN_US`].
+    fn close_unregistered(&mut self, out: &mut Vec<Action>) {
+        let now_us = self.now_us;
+        let late: Vec<ConnId> = self
+            .opened
+            .iter()
+            .filter(|(c, (_, since))| {
+                now_us.saturating_sub(*since) > REGISTER_WITHIN_US
+                    && !self.nodes.contains_key(c)
+                    && !self.hosts.as_ref().is_some_and(|h| h.is_agent(**c))
+            })
+            .map(|(c, _)| *c)
+            .collect();
+        for conn in late {
+            tracing::warn!(conn, within_s = REGISTER_WITHIN_US / 1_000_000, "connection closed: it did not register");
+            let message = format!(
+                "closed: this connection did not register within {} s (RegisterServer, RegisterWorker, JoinHost, ...)",
+                REGISTER_WITHIN_US / 1_000_000
+            );
+            let msg = Message::Error(ErrorReply { code: ErrorCode::BadRequest, message });
+            out.push(Action::Send { conn, request_id: 0, msg });
+            out.push(Action::Close(conn));
+            self.opened.remove(&conn);
+        }
     }
 
     fn on_message(&mut self, conn: ConnId, request_id: u64, msg: Message, out: &mut Vec<Action>) {
@@ -470,7 +587,7 @@ impl Scheduler {
                 self.servers.push((conn, data_addr));
                 self.nodes.insert(conn, Node { role: Role::Server(id), last_seen_us: self.now_us });
                 self.elastic.registered(id, initial, self.now_us);
-                reply(out, self.welcome(id));
+                reply(out, self.welcome(PeerRole::Server, id));
                 if initial {
                     self.try_assign(out);
                 } else if let Some(a) = self.assignment(id) {
@@ -494,7 +611,7 @@ impl Scheduler {
                 }
                 self.workers.push(conn);
                 self.nodes.insert(conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
-                reply(out, self.welcome(rank));
+                reply(out, self.welcome(PeerRole::Worker, rank));
             }
             (Control::DefineModel { tensors, optimizers }, Some(Role::Worker(rank))) => {
                 if let Err(message) = self.define(tensors, optimizers, rank) {
@@ -518,14 +635,20 @@ impl Scheduler {
                     out.push(Action::Close(conn));
                 }
             }
-            (Control::ReattachServer { server_id, data_addr, blocks }, None) => {
-                if let Err(message) = self.reattach_server(conn, request_id, server_id, data_addr, blocks, out) {
+            (Control::ReattachServer { server_id, credential, data_addr, blocks }, None) => {
+                if let Err((code, message)) = self.check_credential(&credential, PeerRole::Server, server_id) {
+                    refuse(out, code, message);
+                    out.push(Action::Close(conn));
+                } else if let Err(message) = self.reattach_server(conn, request_id, server_id, data_addr, blocks, out) {
                     refuse(out, ErrorCode::BadRequest, message);
                     out.push(Action::Close(conn));
                 }
             }
-            (Control::ReattachWorker { rank }, None) => {
-                if let Err(message) = self.reattach_worker(conn, request_id, rank, out) {
+            (Control::ReattachWorker { rank, credential }, None) => {
+                if let Err((code, message)) = self.check_credential(&credential, PeerRole::Worker, rank) {
+                    refuse(out, code, message);
+                    out.push(Action::Close(conn));
+                } else if let Err(message) = self.reattach_worker(conn, request_id, rank, out) {
                     refuse(out, ErrorCode::BadRequest, message);
                     out.push(Action::Close(conn));
                 }
@@ -567,8 +690,9 @@ impl Scheduler {
                 let Some(placement) = self.placement.as_mut() else { return };
                 let backups = placement.backups.clone();
                 let (expected, orders) = self.elastic.migrated(&report, placement, self.now_us);
-                if placement.backups != backups {
-                    // The new owner was a backup of the block: it is not any more.
+                if placement.backups != backups || self.config.replicas > 1 {
+                    // The block's backups learn its new primary (they take its copies
+                    // from the primary only), and a new owner that was a backup is not any more.
                     self.broadcast_replicas(out);
                 }
                 if request_id != 0 {
@@ -731,8 +855,21 @@ impl Scheduler {
         }
     }
 
-    fn welcome(&self, node_id: u32) -> Message {
-        Control::Welcome { node_id, num_workers: self.config.workers, num_servers: self.config.servers }.into()
+    /// The `Welcome` of a node registered as `role` `node_id`, with its credential.
+    fn welcome(&self, role: PeerRole, node_id: u32) -> Message {
+        let credential = Credential::issue(&self.secret, self.job, role, node_id);
+        Control::Welcome { node_id, num_workers: self.config.workers, num_servers: self.config.servers, credential }
+            .into()
+    }
+
+    /// Whether a reattaching node's credential is this job's for `role` `id`.
+    fn check_credential(&self, credential: &Credential, role: PeerRole, id: u32) -> Result<(), (ErrorCode, String)> {
+        credential.verify_for(&self.secret, self.job).map_err(|e| (ErrorCode::Unauthenticated, e.to_string()))?;
+        if (credential.role, credential.id) != (role, id) {
+            let message = format!("the credential of {credential} cannot reattach as {role:?} {id}");
+            return Err((ErrorCode::Unauthenticated, message.to_lowercase()));
+        }
+        Ok(())
     }
 
     fn define(
@@ -1110,7 +1247,7 @@ impl Scheduler {
             *c = r.conn;
         }
         self.nodes.insert(r.conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
-        out.push(Action::Send { conn: r.conn, request_id: r.request_id, msg: self.welcome(rank) });
+        out.push(Action::Send { conn: r.conn, request_id: r.request_id, msg: self.welcome(PeerRole::Worker, rank) });
     }
 
     fn worker_left(&mut self, rank: u32, out: &mut Vec<Action>) {
@@ -1343,7 +1480,7 @@ mod tests {
     }
 
     fn join(m: &mut Scheduler, conn: ConnId, name: &str, ip: &str, servers: u32, workers: u32) -> Vec<Action> {
-        m.step(Event::Connected { conn, peer: ip.into() });
+        m.step(Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
         let offer = elasticps_wire::HostOffer {
             name: name.into(),
             addr: ip.into(),
@@ -1393,7 +1530,7 @@ mod tests {
         assert_eq!(starts(&a, 200), [elasticps_wire::NodeRole::Server, worker]);
         // The nodes register from their hosts; the job runs.
         for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.2"), (1, "10.0.0.1"), (2, "10.0.0.2")] {
-            m.step(Event::Connected { conn, peer: ip.into() });
+            m.step(Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
         }
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
         recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.2:7100".into() });

@@ -17,7 +17,7 @@ use std::hash::{Hash, Hasher};
 
 use elasticps_core::model::{BlockId, Partition};
 use elasticps_core::placement::{Placement, ServerId};
-use elasticps_wire::{CheckpointEntry, Control, HeldBlock};
+use elasticps_wire::{CheckpointEntry, Control, HeldBlock, PeerRole};
 use serde::{Deserialize, Serialize};
 
 use super::elastic::Order;
@@ -73,6 +73,10 @@ pub struct SavedState {
     pub last_checkpoint: Option<u32>,
     /// Checkpoints under way: clock -> blocks written so far.
     pub checkpoints: BTreeMap<u32, Vec<CheckpointEntry>>,
+    /// The job's id in its nodes' credentials: a restarted scheduler checks the
+    /// credentials of the nodes that reattach with it.
+    #[serde(default)]
+    pub job: u64,
 }
 
 /// A recovered scheduler waiting for its nodes.
@@ -117,6 +121,7 @@ impl Scheduler {
             balance,
             last_checkpoint: self.last_checkpoint,
             checkpoints: self.checkpoints.iter().map(|(c, b)| (*c, b.values().cloned().collect())).collect(),
+            job: self.job,
         }
     }
 
@@ -169,6 +174,7 @@ impl Scheduler {
         s.finished_workers = saved.finished_workers;
         s.failed_workers = saved.failed_workers;
         s.rejoin_clocks = saved.rejoin_clocks;
+        s.job = saved.job;
         if let Some(p) = &saved.partition {
             s.elastic.model_placed(p.blocks.iter().map(|b| b.bytes() as u64).collect());
         }
@@ -231,7 +237,7 @@ impl Scheduler {
             tracing::info!(server = server_id, "a drained server reattached; it is told to stop");
             self.servers[server_id as usize] = (conn, data_addr);
             self.nodes.insert(conn, Node { role: Role::Server(server_id), last_seen_us: self.now_us });
-            out.push(Action::Send { conn, request_id, msg: self.welcome(server_id) });
+            out.push(Action::Send { conn, request_id, msg: self.welcome(PeerRole::Server, server_id) });
             let msg = Control::Shutdown { reason: "drained: scaled in".into() }.into();
             out.push(Action::Send { conn, request_id: 0, msg });
             return Ok(());
@@ -246,7 +252,7 @@ impl Scheduler {
         }
         self.servers[server_id as usize] = (conn, data_addr);
         self.nodes.insert(conn, Node { role: Role::Server(server_id), last_seen_us: self.now_us });
-        out.push(Action::Send { conn, request_id, msg: self.welcome(server_id) });
+        out.push(Action::Send { conn, request_id, msg: self.welcome(PeerRole::Server, server_id) });
         if self.recovering.as_ref().is_some_and(|r| r.servers.is_empty()) {
             self.reconcile(out);
         }
@@ -279,7 +285,7 @@ impl Scheduler {
         tracing::info!(rank, "worker reattached");
         self.workers[rank as usize] = conn;
         self.nodes.insert(conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
-        out.push(Action::Send { conn, request_id, msg: self.welcome(rank) });
+        out.push(Action::Send { conn, request_id, msg: self.welcome(PeerRole::Worker, rank) });
         self.end_recovery_if_complete();
         self.end_deferred(out);
         Ok(())
@@ -484,6 +490,7 @@ impl Scheduler {
 pub fn reattach_message(server: &crate::server::Server, data_addr: &str) -> Option<Control> {
     use crate::server::{Phase, Slot};
     let server_id = server.id()?;
+    let credential = server.credential()?.clone();
     let blocks = server
         .owned()
         .into_iter()
@@ -494,7 +501,7 @@ pub fn reattach_message(server: &crate::server::Server, data_addr: &str) -> Opti
             _ => None,
         })
         .collect();
-    Some(Control::ReattachServer { server_id, data_addr: data_addr.to_string(), blocks })
+    Some(Control::ReattachServer { server_id, credential, data_addr: data_addr.to_string(), blocks })
 }
 
 #[cfg(test)]
@@ -507,6 +514,11 @@ mod tests {
     use elasticps_wire::{Message, MigrationReport, ScaleRequest};
 
     use super::*;
+
+    /// The credential a scheduler with the empty secret issues in job 0.
+    fn cred(role: PeerRole, id: u32) -> elasticps_wire::Credential {
+        elasticps_wire::Credential::issue(b"", 0, role, id)
+    }
     use crate::scheduler::Event;
 
     fn config() -> JobConfig {
@@ -575,7 +587,17 @@ mod tests {
         addr: &str,
         blocks: &[(u32, u64, bool)],
     ) -> Vec<Action> {
-        recv(m, conn, 1, Control::ReattachServer { server_id, data_addr: addr.into(), blocks: held(blocks) })
+        recv(
+            m,
+            conn,
+            1,
+            Control::ReattachServer {
+                server_id,
+                credential: cred(PeerRole::Server, server_id),
+                data_addr: addr.into(),
+                blocks: held(blocks),
+            },
+        )
     }
 
     /// The state through JSON, as the runtime writes and reads it.
@@ -607,7 +629,7 @@ mod tests {
         let waits = r.waiting_for().unwrap();
         assert!(waits.contains("servers {0, 1} and workers {0, 1}"), "{waits}");
         // A worker comes back first and asks for the layout: it waits for the servers.
-        let a = recv(&mut r, 21, 1, Control::ReattachWorker { rank: 1 });
+        let a = recv(&mut r, 21, 1, Control::ReattachWorker { rank: 1, credential: cred(PeerRole::Worker, 1) });
         assert!(matches!(sent_to(&a, 21)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
         assert!(recv(&mut r, 21, 2, Control::GetLayout).is_empty(), "no layout before the servers are back");
         let a = reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (1, 0, false)]);
@@ -622,13 +644,22 @@ mod tests {
         }
         assert!(!r.recovering());
         // A server that is not of this job, and a rank twice, are refused.
-        let a =
-            recv(&mut r, 40, 1, Control::ReattachServer { server_id: 7, data_addr: "x".into(), blocks: Vec::new() });
+        let a = recv(
+            &mut r,
+            40,
+            1,
+            Control::ReattachServer {
+                server_id: 7,
+                credential: cred(PeerRole::Server, 7),
+                data_addr: "x".into(),
+                blocks: Vec::new(),
+            },
+        );
         assert!(a.contains(&Action::Close(40)), "{a:?}");
-        let a = recv(&mut r, 41, 1, Control::ReattachWorker { rank: 1 });
+        let a = recv(&mut r, 41, 1, Control::ReattachWorker { rank: 1, credential: cred(PeerRole::Worker, 1) });
         assert!(matches!(sent_to(&a, 41)[0], Message::Error(e) if e.message.contains("already attached")), "{a:?}");
         // The other worker comes back; the job ends well once both are done.
-        recv(&mut r, 22, 1, Control::ReattachWorker { rank: 0 });
+        recv(&mut r, 22, 1, Control::ReattachWorker { rank: 0, credential: cred(PeerRole::Worker, 0) });
         recv(&mut r, 21, 5, Control::WorkerDone { rank: 1 });
         let a = recv(&mut r, 22, 5, Control::WorkerDone { rank: 0 });
         assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })), "{a:?}");
@@ -689,7 +720,7 @@ mod tests {
         let mut r = Scheduler::recover(config(), through_disk(&m), 2 * RECOVER_WAIT_US).unwrap();
         reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (1, 0, false)]);
         reattach_server(&mut r, 31, 1, "s1", &[(2, 0, false), (3, 0, false)]);
-        recv(&mut r, 21, 1, Control::ReattachWorker { rank: 0 });
+        recv(&mut r, 21, 1, Control::ReattachWorker { rank: 0, credential: cred(PeerRole::Worker, 0) });
         assert!(r.step(Event::Tick { now_us: 1_000 }).is_empty(), "the wait counts from the first tick");
         assert!(r.step(Event::Tick { now_us: RECOVER_WAIT_US }).is_empty());
         let a = r.step(Event::Tick { now_us: RECOVER_WAIT_US + 1_000 });

@@ -13,7 +13,9 @@ use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
 use elasticps_wire::{Control, ErrorCode, Message, MigrationReport};
 
-use super::{Action, Call, FrozenStep, Outgoing, Owned, Parked, Phase, Refusal, STEP_TIMEOUT_US, Server, Slot, error};
+use super::{
+    Action, Call, FrozenStep, Incoming, Outgoing, Owned, Parked, Phase, Refusal, STEP_TIMEOUT_US, Server, Slot, error,
+};
 
 impl Server {
     /// The scheduler asked to move `block` to `to`: snapshot it and send the snapshot.
@@ -321,7 +323,7 @@ impl Server {
     }
 
     /// New owner, step 2: keep the snapshot until the delta arrives.
-    pub(super) fn take_snapshot(&mut self, epoch: u64, snapshot: BlockState) -> Message {
+    pub(super) fn take_snapshot(&mut self, from: ServerId, epoch: u64, snapshot: BlockState) -> Message {
         let Some(shard) = &self.shard else { return Refusal::NotReady.reply(snapshot.spec.id) };
         let block = snapshot.spec.id;
         match shard.partition.block(block) {
@@ -335,7 +337,10 @@ impl Server {
         {
             return error(ErrorCode::BadRequest, format!("block {block} is already owned by this server"));
         }
-        self.incoming.insert(block, (epoch, snapshot));
+        if from == shard.id {
+            return error(ErrorCode::BadRequest, format!("server {from} cannot move block {block} to itself"));
+        }
+        self.incoming.insert(block, Incoming { from, epoch, state: snapshot });
         Control::Ok.into()
     }
 
@@ -343,14 +348,23 @@ impl Server {
     pub(super) fn take_delta(
         &mut self,
         now_us: u64,
+        from: ServerId,
         block: BlockId,
         epoch: u64,
         pushes: &[LoggedPush],
         out: &mut Vec<Action>,
     ) -> Message {
         let Some(shard) = &self.shard else { return Refusal::NotReady.reply(block) };
-        let snapshot = match self.incoming.remove(&block) {
-            Some((e, s)) if e == epoch => s,
+        let snapshot = match self.incoming.get(&block) {
+            Some(i) if i.epoch == epoch && i.from == from => match self.incoming.remove(&block) {
+                Some(i) => i.state,
+                None => return error(ErrorCode::Internal, format!("the snapshot of block {block} vanished")),
+            },
+            Some(i) if i.epoch == epoch => {
+                let message =
+                    format!("the snapshot of block {block} came from server {}, not from server {from}", i.from);
+                return error(ErrorCode::Forbidden, message);
+            }
             _ => return error(ErrorCode::BadRequest, format!("no snapshot of block {block} at epoch {epoch} arrived")),
         };
         let config = shard.config_for(&snapshot.spec);
@@ -405,7 +419,7 @@ impl Server {
     pub(super) fn settled(&mut self, now_us: u64, block: BlockId, epoch: u64, owner: ServerId, out: &mut Vec<Action>) {
         let Some(shard) = self.shard.as_mut() else { return };
         let me = shard.id;
-        if owner != me && self.incoming.get(&block).is_some_and(|(e, _)| *e == epoch) {
+        if owner != me && self.incoming.get(&block).is_some_and(|i| i.epoch == epoch) {
             // A snapshot whose delta never came.
             self.incoming.remove(&block);
         }

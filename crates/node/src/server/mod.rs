@@ -22,7 +22,8 @@ use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
 use elasticps_core::sync::Clock;
 use elasticps_wire::{
-    Assignment, CheckpointEntry, CheckpointPlan, Control, ErrorCode, Message, ServerLoad, ServerStats, Values,
+    Assignment, CheckpointEntry, CheckpointPlan, Control, Credential, ErrorCode, KeyId, Message, PeerRole, ServerLoad,
+    ServerStats, Values,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -40,6 +41,7 @@ pub use slot::{FrozenStep, Outgoing, Owned, Parked, Phase, Request, Slot, Token}
 use counters::{Counters, Sum};
 
 pub use crate::ConnId;
+use crate::authz::{self, Class, Receiver, Verdict};
 
 /// How often a server sends a heartbeat to the scheduler, µs (as the runtime's
 /// `HEARTBEAT_EVERY`).
@@ -58,14 +60,24 @@ pub const WAIT_LOG_EVERY_US: u64 = 10_000_000;
 pub const LONG_HOLD_US: u64 = 5_000_000;
 /// After `Shutdown`, how long a server waits for its running migrations, µs.
 pub const SHUTDOWN_WAIT_US: u64 = 2 * STEP_TIMEOUT_US;
+/// A pull whose clock is more than this many clocks past its block's `done` is refused
+/// (`--max-clock-lead`): no policy answers it soon, and holding it would hold memory.
+pub const MAX_CLOCK_LEAD: u32 = 1_000;
+/// At most this many pulls held for one connection; one more is refused.
+pub const MAX_HELD_PER_CONN: usize = 4_096;
+/// At most this many pulls held on one server; one more is refused.
+pub const MAX_HELD_PER_SERVER: usize = 65_536;
 
 /// Something that happened at the server.
 #[derive(Debug)]
 pub enum Event {
-    /// A data connection opened (optional: a frame from an unknown connection opens it).
+    /// A data connection opened (optional: a frame from an unknown connection opens it,
+    /// as one of the cluster key).
     Opened {
         /// The connection.
         conn: ConnId,
+        /// The key its handshake proved (a worker-key connection can only be a worker).
+        key: KeyId,
     },
     /// A frame from a data connection (a worker after Hello, or a server streaming a block).
     Received {
@@ -169,8 +181,25 @@ pub enum Action {
         /// The blocks assigned here.
         blocks: Vec<CheckpointEntry>,
     },
+    /// Close data connection `conn` once the replies already handed out are written (a
+    /// `Hello` whose credential does not hold).
+    Close {
+        /// The connection.
+        conn: ConnId,
+    },
     /// Stop.
     Exit(Exit),
+}
+
+/// The identity a message claims for itself, for the log of a refusal: the worker rank
+/// a forwarded push names, or the credential of a `Hello`.
+fn claimed(msg: &Message) -> String {
+    match msg {
+        Message::Control(Control::Hello { credential }) => credential.to_string(),
+        Message::Control(Control::Replicate { push, .. }) => format!("a push of worker {}", push.worker),
+        Message::Control(Control::BlockDelta { pushes, .. }) => format!("{} pushes", pushes.len()),
+        _ => "nothing".into(),
+    }
 }
 
 /// One answered pull, as the `--trace` file records it.
@@ -221,10 +250,44 @@ pub enum Exit {
 /// One data connection as the server sees it.
 #[derive(Clone, Copy, Debug, Default)]
 struct Conn {
-    /// The worker rank, after Hello.
-    rank: Option<u32>,
-    /// It said Hello or streams a block.
-    introduced: bool,
+    /// The key its handshake proved.
+    key: KeyId,
+    /// The identity its `Hello` proved (a worker's rank, a server's id).
+    proven: Option<(PeerRole, u32)>,
+}
+
+impl Conn {
+    /// The worker rank it proved, if it is a worker's.
+    fn rank(&self) -> Option<u32> {
+        match self.proven {
+            Some((PeerRole::Worker, r)) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The server id it proved, if it is a server's.
+    fn server(&self) -> Option<ServerId> {
+        match self.proven {
+            Some((PeerRole::Server, id)) => Some(id),
+            _ => None,
+        }
+    }
+
+    /// Its class in the authorization table.
+    fn class(&self) -> Class {
+        Class::of(self.key, self.proven.map(|(role, _)| role))
+    }
+}
+
+/// The snapshot of a block on its way here (a migration's step 2), until its delta.
+#[derive(Debug)]
+struct Incoming {
+    /// The server that sent it: the delta must come from it too.
+    from: ServerId,
+    /// The placement epoch the block is to have here.
+    epoch: u64,
+    /// The block's state.
+    state: BlockState,
 }
 
 /// What a call in flight is for.
@@ -253,14 +316,21 @@ struct Stopping {
 pub struct Server {
     data_addr: String,
     trace: bool,
+    /// The cluster secret: credentials presented in `Hello` are checked with it.
+    secret: Vec<u8>,
+    /// This server's credential (from its `Welcome`): its job, and what it presents in
+    /// the `Hello` of its connections to other servers.
+    credential: Option<Credential>,
+    /// `--max-clock-lead`.
+    max_clock_lead: u32,
     /// The id the scheduler gave, once registered.
     id: Option<ServerId>,
     started_us: u64,
     register_deadline_us: Option<u64>,
     shard: Option<Shard>,
     slots: BTreeMap<BlockId, Slot>,
-    /// Snapshots of blocks on their way here: block -> (epoch, state).
-    incoming: BTreeMap<BlockId, (u64, BlockState)>,
+    /// Snapshots of blocks on their way here.
+    incoming: BTreeMap<BlockId, Incoming>,
     /// Workers removed from every quorum: a block arriving later leaves them out too.
     removed_workers: Vec<u32>,
     /// Removed workers taken back (restarted): a block arriving later takes them back too.
@@ -294,6 +364,9 @@ impl Server {
         Self {
             data_addr: data_addr.into(),
             trace: false,
+            secret: Vec::new(),
+            credential: None,
+            max_clock_lead: MAX_CLOCK_LEAD,
             id: None,
             started_us: 0,
             register_deadline_us: None,
@@ -326,6 +399,25 @@ impl Server {
         self
     }
 
+    /// Checks the credentials of `Hello` with this cluster secret (empty by default, as
+    /// the runtime's codec).
+    pub fn with_secret(mut self, secret: &[u8]) -> Self {
+        self.secret = secret.to_vec();
+        self
+    }
+
+    /// Refuses pulls more than `lead` clocks past their block's `done` (`--max-clock-lead`).
+    pub fn with_max_clock_lead(mut self, lead: u32) -> Self {
+        self.max_clock_lead = lead;
+        self
+    }
+
+    /// This server's credential, once registered: what it presents in the `Hello` of a
+    /// connection to another server.
+    pub fn credential(&self) -> Option<&Credential> {
+        self.credential.as_ref()
+    }
+
     /// Starts the server at `now_us`: the `RegisterServer` call to the scheduler.
     pub fn start(&mut self, now_us: u64) -> Vec<Action> {
         self.started_us = now_us;
@@ -354,8 +446,8 @@ impl Server {
         }
         let from = out.len();
         match ev {
-            Event::Opened { conn } => {
-                self.conns.entry(conn).or_default();
+            Event::Opened { conn, key } => {
+                self.conns.insert(conn, Conn { key, proven: None });
             }
             Event::Received { conn, request_id, msg } => self.received(now_us, conn, request_id, msg, out),
             Event::Closed { conn } => {
@@ -400,10 +492,10 @@ impl Server {
         self.slots.iter().filter(|(_, s)| matches!(s, Slot::Owned(_))).map(|(b, _)| *b).collect()
     }
 
-    /// Whether data connection `conn` said Hello (or streams a block): before that the
-    /// runtime bounds the wait for its first frame.
+    /// Whether data connection `conn` proved who it is (its `Hello` was taken): before
+    /// that the runtime bounds the wait for its first frame.
     pub fn introduced(&self, conn: ConnId) -> bool {
-        self.conns.get(&conn).is_some_and(|c| c.introduced)
+        self.conns.get(&conn).is_some_and(|c| c.proven.is_some())
     }
 
     /// Open data connections.
@@ -520,60 +612,86 @@ impl Server {
         let c = *self.conns.entry(conn).or_default();
         let reply = |msg| Action::Reply { conn, request_id, msg };
         let token = |block| Token { conn, request_id, block };
-        let answer = match (msg, c.rank) {
-            (Message::Control(Control::Hello { rank }), _) => {
-                self.conns.insert(conn, Conn { rank: Some(rank), introduced: true });
-                Some(Control::Ok.into())
+        let name = authz::name_of(&msg);
+        let proven = authz::proven_name(c.proven, c.key);
+        match authz::check(Receiver::Server, c.class(), name) {
+            Verdict::Allowed => {}
+            Verdict::Forbidden => {
+                let message =
+                    format!("{proven} may not send {name} to a server (docs/PROTOCOL.md §7.1); nothing changed");
+                tracing::warn!(server = self.id, conn, message = name, claimed = %claimed(&msg), %proven, "forbidden message refused");
+                return out.push(reply(error(ErrorCode::Forbidden, message)));
             }
-            (Message::Control(Control::GetStats), _) => {
+            Verdict::NotTaken => {
+                let what = match c.proven {
+                    None if name != "Hello" => format!("expected Hello as the first message, got {name}"),
+                    _ => format!("a server does not take {name} messages"),
+                };
+                // Well-formed but out of turn: refuse it and keep the connection (PROTOCOL.md §7).
+                tracing::warn!(server = self.id, conn, %what, "request refused");
+                return out.push(reply(error(ErrorCode::BadRequest, what)));
+            }
+        }
+        if let Some(refused) = self.sender_may_not(&c, &msg) {
+            tracing::warn!(server = self.id, conn, message = name, claimed = %claimed(&msg), %proven, %refused, "forbidden message refused");
+            return out.push(reply(error(ErrorCode::Forbidden, refused)));
+        }
+        let rank = c.rank().unwrap_or(u32::MAX);
+        let answer = match msg {
+            Message::Control(Control::Hello { credential }) => match self.check_credential(&c, &credential) {
+                Ok(()) => {
+                    tracing::debug!(server = self.id, conn, peer = %credential, "connection introduced");
+                    self.conns.insert(conn, Conn { proven: Some((credential.role, credential.id)), ..c });
+                    Some(Control::Ok.into())
+                }
+                Err((code, message)) => {
+                    tracing::warn!(server = self.id, conn, claimed = %credential, %proven, %message, "hello refused");
+                    out.push(reply(error(code, message)));
+                    if code == ErrorCode::Unauthenticated {
+                        self.conns.remove(&conn);
+                        out.push(Action::Close { conn });
+                    }
+                    return;
+                }
+            },
+            Message::Control(Control::GetStats) => {
                 let sid = self.shard.as_ref().map_or(u32::MAX, |s| s.id);
                 Some(Control::Stats(self.stats_as(sid)).into())
             }
-            (Message::Control(Control::BlockSnapshot { epoch, state }), _) => {
-                self.introduce(conn);
-                Some(self.take_snapshot(epoch, state))
+            Message::Control(Control::BlockSnapshot { epoch, state }) => {
+                Some(self.take_snapshot(c.server().unwrap_or(u32::MAX), epoch, state))
             }
-            (Message::Control(Control::BlockDelta { block, epoch, pushes }), _) => {
-                Some(self.take_delta(now_us, block, epoch, &pushes, out))
+            Message::Control(Control::BlockDelta { block, epoch, pushes }) => {
+                Some(self.take_delta(now_us, c.server().unwrap_or(u32::MAX), block, epoch, &pushes, out))
             }
-            (Message::Control(Control::Replicate { block, init, push }), _) => {
-                self.introduce(conn);
+            Message::Control(Control::Replicate { block, init, push }) => {
                 self.take_replicated(now_us, (conn, request_id), block, init, push, out)
             }
-            (Message::Control(Control::ReplicaSnapshot(state)), _) => {
-                self.introduce(conn);
-                Some(self.take_replica_snapshot(now_us, state, out))
+            Message::Control(Control::ReplicaSnapshot(state)) => Some(self.take_replica_snapshot(now_us, state, out)),
+            Message::Push { block, clock, values } => {
+                self.handle(now_us, rank, token(block), Request::Push { clock, values }, out)
             }
-            (Message::Push { block, clock, values }, Some(r)) => {
-                self.handle(now_us, r, token(block), Request::Push { clock, values }, out)
+            Message::Pull { block, clock } => self.handle(now_us, rank, token(block), Request::Pull { clock }, out),
+            Message::PushPull { block, clock, values } => {
+                self.handle(now_us, rank, token(block), Request::PushPull { clock, values }, out)
             }
-            (Message::Pull { block, clock }, Some(r)) => {
-                self.handle(now_us, r, token(block), Request::Pull { clock }, out)
-            }
-            (Message::PushPull { block, clock, values }, Some(r)) => {
-                self.handle(now_us, r, token(block), Request::PushPull { clock, values }, out)
-            }
-            (Message::Init { block, values }, Some(r)) => {
-                self.handle(now_us, r, token(block), Request::Init { values }, out)
-            }
-            (Message::Control(Control::SetOptimizer { tensor, optimizer }), Some(r)) => match self.shard.as_mut() {
+            Message::Init { block, values } => self.handle(now_us, rank, token(block), Request::Init { values }, out),
+            Message::Control(Control::SetOptimizer { tensor, optimizer }) => match self.shard.as_mut() {
                 None => Some(Refusal::NotReady.reply(0)),
                 Some(shard) => match shard.set_optimizer(tensor, optimizer) {
                     Ok(()) => {
-                        tracing::info!(server = shard.id, rank = r, tensor, ?optimizer, "tensor optimizer set");
+                        tracing::info!(server = shard.id, rank, tensor, ?optimizer, "tensor optimizer set");
                         Some(Control::Ok.into())
                     }
                     Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
                 },
             },
-            (other, rank) => {
-                let what = match rank {
-                    None => format!("expected Hello as the first message, got {:?}", other.kind()),
-                    Some(_) => format!("a server does not take {:?} messages", other.kind()),
-                };
-                // Well-formed but out of turn: refuse it and keep the connection (PROTOCOL.md §7).
-                tracing::warn!(conn, %what, "request refused");
-                Some(error(ErrorCode::BadRequest, what))
+            other => {
+                // The table allows what this match does not take: refused, nothing changed.
+                Some(error(
+                    ErrorCode::BadRequest,
+                    format!("a server does not take {} messages", authz::name_of(&other)),
+                ))
             }
         };
         if let Some(msg) = answer {
@@ -581,11 +699,44 @@ impl Server {
         }
     }
 
-    /// Connection `conn` is another server's (streaming a block or its updates): the
-    /// runtime stops bounding the wait for its first frame.
-    fn introduce(&mut self, conn: ConnId) {
-        if let Some(c) = self.conns.get_mut(&conn) {
-            c.introduced = true;
+    /// Whether the credential of a `Hello` on connection `c` holds: made with this
+    /// cluster's secret, for this job, of a role the connection's key may be, and naming
+    /// a worker of the job. `Unauthenticated` closes the connection.
+    fn check_credential(&self, c: &Conn, credential: &Credential) -> Result<(), (ErrorCode, String)> {
+        let Some(own) = &self.credential else {
+            return Err((ErrorCode::NotReady, "this server is not registered yet: say Hello again later".into()));
+        };
+        let refuse = |message: String| Err((ErrorCode::Unauthenticated, message));
+        if let Err(e) = credential.verify_for(&self.secret, own.job) {
+            return refuse(e.to_string());
+        }
+        if c.key == KeyId::Worker && credential.role != PeerRole::Worker {
+            return refuse(format!("a connection of the worker secret cannot be {credential}"));
+        }
+        if credential.role == PeerRole::Worker
+            && let Some(shard) = &self.shard
+            && credential.id >= shard.config.workers
+        {
+            return refuse(format!("{credential} is not in this job of {} workers", shard.config.workers));
+        }
+        Ok(())
+    }
+
+    /// Why connection `c`'s proven identity may not send `msg`, a check beyond the table:
+    /// a backup's copy of a block comes only from the block's primary by this server's
+    /// placement.
+    fn sender_may_not(&self, c: &Conn, msg: &Message) -> Option<String> {
+        let sender = c.server()?;
+        let block = match msg {
+            Message::Control(Control::Replicate { block, .. }) => *block,
+            Message::Control(Control::ReplicaSnapshot(state)) => state.spec.id,
+            _ => return None,
+        };
+        match self.shard.as_ref().and_then(|s| s.placement.owner(block)) {
+            Some(p) if p != sender => Some(format!(
+                "server {sender} sent a copy of block {block}, whose primary is server {p} by this server's placement"
+            )),
+            _ => None,
         }
     }
 
@@ -611,6 +762,19 @@ impl Server {
             return None;
         }
         let done = o.block.done();
+        let pulled = match &request {
+            Request::Pull { clock } => Some(*clock),
+            // The pull of the next clock (the last clock has none: refused below).
+            Request::PushPull { clock, .. } => clock.checked_add(1),
+            _ => None,
+        };
+        if let Some(clock) = pulled
+            && let Some(refused) = self.pull_bound(to.conn, block, clock, done)
+        {
+            tracing::warn!(server = shard.id, rank, block, %refused, "pull refused");
+            return Some(error(ErrorCode::BadRequest, refused));
+        }
+        let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return None };
         if let Request::Push { clock, .. } | Request::PushPull { clock, .. } = &request
             && next_checkpoint(self.checkpoint.as_ref(), done).is_some_and(|c| *clock >= c)
         {
@@ -701,6 +865,39 @@ impl Server {
         reply
     }
 
+    /// Why a pull (or a push_pull's pull) of `block` at `clock` on connection `conn` is
+    /// refused before the policy sees it: a clock no policy answers soon
+    /// (`--max-clock-lead` past `done`), or one pull more than a bound on held pulls.
+    fn pull_bound(&self, conn: ConnId, block: BlockId, clock: Clock, done: Clock) -> Option<String> {
+        let lead = self.max_clock_lead;
+        if clock.saturating_sub(done) > lead {
+            return Some(format!(
+                "a pull of block {block} at clock {clock} is more than {lead} clocks past its done clock {done} \
+                 (--max-clock-lead {lead})"
+            ));
+        }
+        let held = |pred: &dyn Fn(&Token) -> bool| -> usize {
+            self.slots.values().map(|s| if let Slot::Owned(o) = s { o.block.held_matching(pred) } else { 0 }).sum()
+        };
+        let total: usize = self.slots.values().map(|s| if let Slot::Owned(o) = s { o.block.held() } else { 0 }).sum();
+        if total >= MAX_HELD_PER_SERVER {
+            return Some(format!(
+                "this server holds {total} pulls already, its bound (MAX_HELD_PER_SERVER {MAX_HELD_PER_SERVER})"
+            ));
+        }
+        // Counted only when it could matter: the common case costs one sum.
+        if total >= MAX_HELD_PER_CONN {
+            let mine = held(&|t: &Token| t.conn == conn);
+            if mine >= MAX_HELD_PER_CONN {
+                return Some(format!(
+                    "this server holds {mine} pulls of this connection already, its bound per connection \
+                     (MAX_HELD_PER_CONN {MAX_HELD_PER_CONN})"
+                ));
+            }
+        }
+        None
+    }
+
     /// Replies to the pulls the core released (and traces them).
     fn answer_pulls(&mut self, answers: Vec<Answer<Token>>, out: &mut Vec<Action>) {
         for a in answers {
@@ -768,8 +965,9 @@ impl Server {
     fn welcome(&mut self, now_us: u64, msg: Message, out: &mut Vec<Action>) {
         self.register_deadline_us = None;
         match msg {
-            Message::Control(Control::Welcome { node_id, .. }) => {
+            Message::Control(Control::Welcome { node_id, credential, .. }) => {
                 self.id = Some(node_id);
+                self.credential = Some(credential);
                 tracing::info!(server = node_id, addr = %self.data_addr, "server registered");
                 self.last_heartbeat_us = Some(now_us);
                 out.push(Action::ToScheduler { request_id: 0, msg: Control::Heartbeat.into() });

@@ -368,6 +368,18 @@ impl Server {
         out: &mut Vec<Action>,
     ) -> Option<Message> {
         let Some(shard) = &self.shard else { return Some(Refusal::NotReady.reply(block)) };
+        if push.worker >= shard.config.workers {
+            let message = format!(
+                "a forwarded push of block {block} names worker {}, and the job has {} workers",
+                push.worker, shard.config.workers
+            );
+            return Some(error(ErrorCode::BadRequest, message));
+        }
+        let held = self.slots.get(&block).is_some_and(serves) || self.replication.copies.contains_key(&block);
+        if !held && !shard.placement.holds_copy(block, shard.id) {
+            let message = format!("server {} holds no copy of block {block} to replicate into", shard.id);
+            return Some(error(ErrorCode::UnknownBlock, message));
+        }
         if let Some(Slot::Owned(o)) = self.slots.get_mut(&block).filter(|s| serves(s)) {
             // Promoted here while the old primary's forward was on its way: apply it to the
             // block served (a duplicate of the worker's resend is dropped either way).

@@ -5,11 +5,31 @@ use elasticps_core::model::{Init, Partition, TensorSpec};
 use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
 use elasticps_core::placement::{Placement, PlacementKind};
 use elasticps_core::sync::SyncPolicy;
-use elasticps_wire::{Assignment, Control, Injection, Message, MigrationReport, Values};
+use elasticps_wire::{Assignment, Control, Credential, Injection, Message, MigrationReport, PeerRole, Values};
 
 use super::*;
 
 const LEN: usize = 4;
+
+/// The credential a scheduler with the empty secret issues `role` `id` in job 0.
+fn cred(role: PeerRole, id: u32) -> Credential {
+    Credential::issue(b"", 0, role, id)
+}
+
+/// The `Welcome` of server `id`.
+fn welcome_of(id: ServerId) -> Message {
+    Control::Welcome { node_id: id, num_workers: 2, num_servers: 2, credential: cred(PeerRole::Server, id) }.into()
+}
+
+/// Connection `conn` proves it is `role` `id` (once; a second Hello is forbidden).
+fn introduce(s: &mut Server, conn: ConnId, role: PeerRole, id: u32) {
+    if s.introduced(conn) {
+        return;
+    }
+    let r =
+        s.step(0, Event::Received { conn, request_id: 0, msg: Control::Hello { credential: cred(role, id) }.into() });
+    assert_eq!(replies(&r), vec![(conn, 0, Control::Ok.into())], "Hello of {role:?} {id} on {conn}");
+}
 /// A's migration target: server 1 at "b".
 const B: ServerId = 1;
 
@@ -37,15 +57,13 @@ fn server(id: ServerId, sync: SyncPolicy) -> Server {
         &start[..],
         [Action::ToScheduler { request_id: 1, msg: Message::Control(Control::RegisterServer { .. }) }]
     ));
-    let welcome = Control::Welcome { node_id: id, num_workers: 2, num_servers: 2 }.into();
-    s.step(0, Event::FromScheduler { request_id: 1, msg: welcome });
+    s.step(0, Event::FromScheduler { request_id: 1, msg: welcome_of(id) });
     let acts = s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(assignment(id, sync)).into() });
     assert!(
         acts.iter().any(|a| matches!(a, Action::ToScheduler { msg: Message::Control(Control::AssignDone { .. }), .. }))
     );
     for (conn, rank) in [(1, 0), (2, 1)] {
-        let r = s.step(0, Event::Received { conn, request_id: 0, msg: Control::Hello { rank }.into() });
-        assert_eq!(replies(&r), vec![(conn, 0, Control::Ok.into())]);
+        introduce(&mut s, conn, PeerRole::Worker, rank);
     }
     s
 }
@@ -118,6 +136,7 @@ fn settle(s: &mut Server, now: u64, epoch: u64, owner: ServerId) -> Vec<Action> 
 
 /// Hands a step of `a` to `b` on connection 100 and returns `b`'s answer.
 fn deliver(b: &mut Server, now: u64, (call, msg): (u64, Message)) -> Message {
+    introduce(b, 100, PeerRole::Server, 0);
     let r = b.step(now, Event::Received { conn: 100, request_id: call, msg });
     let mut r = replies(&r);
     assert_eq!(r.len(), 1, "one answer: {r:?}");
@@ -536,14 +555,13 @@ fn a_push_past_the_next_checkpoint_waits_until_its_block_is_written() {
 fn replicated(id: ServerId) -> (Server, Vec<Action>) {
     let mut s = Server::new(format!("addr{id}"));
     s.start(0);
-    let welcome = Control::Welcome { node_id: id, num_workers: 2, num_servers: 2 }.into();
-    s.step(0, Event::FromScheduler { request_id: 1, msg: welcome });
+    s.step(0, Event::FromScheduler { request_id: 1, msg: welcome_of(id) });
     let base = assignment(id, SyncPolicy::Asp);
     let placement = base.placement.clone().with_replicas(2, 2).unwrap();
     let a = Assignment { placement: placement.clone(), ..base };
     s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(a).into() });
     for (conn, rank) in [(1, 0), (2, 1)] {
-        s.step(0, Event::Received { conn, request_id: 0, msg: Control::Hello { rank }.into() });
+        introduce(&mut s, conn, PeerRole::Worker, rank);
     }
     let servers = (0..2).map(|i| elasticps_wire::ServerAddr { id: i, addr: format!("addr{i}") }).collect();
     let acts = s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Replicas { placement, servers }.into() });
@@ -569,6 +587,7 @@ fn a_push_is_acknowledged_only_once_its_backup_applied_it() {
     let [(sync, addr, snapshot)] = &sent[..] else { panic!("one snapshot to the backup: {sent:?}") };
     assert_eq!(addr, "addr1");
     assert!(matches!(snapshot, Message::Control(Control::ReplicaSnapshot(s)) if s.spec.id == 0));
+    introduce(&mut backup, 9, PeerRole::Server, 0);
     let r = backup.step(1, Event::Received { conn: 9, request_id: 1, msg: snapshot.clone() });
     assert_eq!(replies(&r), vec![(9, 1, Control::Ok.into())]);
     primary.step(1, Event::FromServer { call: *sync, reply: Ok(Control::Ok.into()) });

@@ -27,7 +27,7 @@ use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_node::NodeError;
 use elasticps_node::worker::{Action, Answer, Op, PushOp, Round, Tag, Worker};
-use elasticps_wire::{Codec, Control, FrameHeader, Kind, Layout, Message};
+use elasticps_wire::{Codec, Control, Credential, FrameHeader, Kind, Layout, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
@@ -99,6 +99,9 @@ pub struct Waits {
 /// A connected worker.
 pub struct Client {
     rank: u32,
+    /// The credential of this worker's `Welcome`: said in the `Hello` of every server
+    /// connection.
+    credential: Credential,
     num_workers: u32,
     opts: ClientOptions,
     sched: SchedLink,
@@ -128,15 +131,22 @@ impl Client {
                 (Control::RejoinWorker { rank }, format!("the scheduler to take worker {rank} back (every server)"))
             }
         };
-        let (rank, num_workers) = match sched.call(hello.into(), CALL_TIMEOUT, || what).await? {
-            Message::Control(Control::Welcome { node_id, num_workers, .. }) => (node_id, num_workers),
+        let (rank, num_workers, credential) = match sched.call(hello.into(), CALL_TIMEOUT, || what).await? {
+            Message::Control(Control::Welcome { node_id, num_workers, credential, .. }) => {
+                (node_id, num_workers, credential)
+            }
             other => return Err(RuntimeError::unexpected("scheduler", "Welcome", &other)),
         };
         let (tell, ending) = tokio::sync::watch::channel(Ending::default());
         let tell = Arc::new(tell);
         let (on_note, on_end) = (tell.clone(), tell);
-        let redial =
-            Redial { addr: opts.scheduler.clone(), codec: opts.codec.clone(), rank, window: opts.scheduler_retry };
+        let redial = Redial {
+            addr: opts.scheduler.clone(),
+            codec: opts.codec.clone(),
+            rank,
+            credential: credential.clone(),
+            window: opts.scheduler_retry,
+        };
         let sched = SchedLink::start(
             (sched, notes),
             redial,
@@ -175,6 +185,7 @@ impl Client {
             Worker::new(rank, micros(opts.request_timeout), micros(STATS_INTERVAL), clock.now()).with_fusion(opts.fuse);
         Ok(Client {
             rank,
+            credential,
             num_workers,
             opts,
             sched,
@@ -192,6 +203,12 @@ impl Client {
     /// This worker's rank, `0..num_workers`.
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// The credential the scheduler issued this worker (what it says in the `Hello` of
+    /// its server connections).
+    pub fn credential(&self) -> &Credential {
+        &self.credential
     }
 
     /// True if this worker rejoined the job with its rank ([`ClientOptions::rank`]): the
@@ -757,7 +774,7 @@ impl Client {
             }
             let (serial, hello_id) = (self.next_request, self.next_request + 1);
             self.next_request += 2;
-            match ServerConn::connect(s, self.opts.codec.clone(), self.rank, serial, hello_id).await {
+            match ServerConn::connect(s, self.opts.codec.clone(), &self.credential, serial, hello_id).await {
                 Ok(conn) => {
                     self.servers.insert(s.id, conn);
                 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use elasticps_wire::{Codec, Control, FrameHeader, HEADER_LEN, Message, ServerAddr};
+use elasticps_wire::{Codec, Control, Credential, FrameHeader, HEADER_LEN, Message, ServerAddr};
 use futures::future::{AbortHandle, AbortRegistration, Abortable};
 
 use super::Sent;
@@ -38,12 +38,21 @@ pub(super) struct ServerConn {
 impl ServerConn {
     /// Connects to server `s`, which must accept this worker's `Hello` (request id
     /// `hello_id`).
-    pub(super) async fn connect(s: &ServerAddr, codec: Codec, rank: u32, serial: u64, hello_id: u64) -> Result<Self> {
+    pub(super) async fn connect(
+        s: &ServerAddr,
+        codec: Codec,
+        credential: &Credential,
+        serial: u64,
+        hello_id: u64,
+    ) -> Result<Self> {
         let name = format!("server {}", s.id);
         let (reader, out) = conn::connect(&s.addr, codec, name.clone()).await?;
         let what = format!("{name} to accept Hello");
         let mut conn = ServerConn { name, serial, reader, out, pending: HashMap::new(), writes: Vec::new() };
-        match conn.call(hello_id, Control::Hello { rank }.into(), crate::CALL_TIMEOUT, || what).await? {
+        match conn
+            .call(hello_id, Control::Hello { credential: credential.clone() }.into(), crate::CALL_TIMEOUT, || what)
+            .await?
+        {
             Message::Control(Control::Ok) => Ok(conn),
             other => Err(RuntimeError::unexpected(&conn.name, "Ok", &other)),
         }

@@ -124,7 +124,12 @@ pub async fn run_with(
         Some(h) => base.with_hosts(h),
         None => base,
     };
-    let mut state = base.with_launcher(launcher.is_some()).with_clock_origin(origin);
+    let job = {
+        use rand::{RngCore, SeedableRng};
+        rand::rngs::StdRng::from_os_rng().next_u64()
+    };
+    let mut state =
+        base.with_launcher(launcher.is_some()).with_clock_origin(origin).with_credentials(opts.codec.secret(), job);
     if let Some(d) = saved.as_mut() {
         d.loaded(state.state_version());
     }
@@ -266,18 +271,22 @@ async fn accept_loop(
     let acceptor = Acceptor::new(listener, accept::max_connections());
     let mut next: ConnId = 1;
     loop {
-        let Accepted { stream, addr, permit } = acceptor.next().await;
+        let accepted: Accepted = acceptor.next().await;
+        let addr = accepted.addr;
         let conn = next;
         next += 1;
         let (codec, events) = (codec.clone(), events.clone());
         tokio::spawn(async move {
-            let _permit = permit;
             let peer = addr.to_string();
-            let Some(stream) = accept::authenticate(stream, &codec, &peer, stall).await else { return };
-            if events.send((Event::Connected { conn, peer: addr.ip().to_canonical().to_string() }, None)).is_err() {
+            let Some(accept::Admitted { stream, key, permit: _permit }) = accepted.authenticate(&codec, stall).await
+            else {
+                return;
+            };
+            let connected = Event::Connected { conn, peer: addr.ip().to_canonical().to_string(), key };
+            if events.send((connected, None)).is_err() {
                 return;
             }
-            let (mut reader, out) = conn::split(stream, codec, peer);
+            let (mut reader, out) = conn::split(stream, codec.for_key(key), peer);
             reader.set_stall_timeout(stall);
             let close = Arc::new(Notify::new());
             let why = loop {

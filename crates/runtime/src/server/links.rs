@@ -67,7 +67,13 @@ async fn run(io: Arc<Io>, addr: String, mut rx: mpsc::UnboundedReceiver<Outgoing
             )
             .await
             {
-                Ok(Ok((p, _notes))) => peer = Some(p),
+                Ok(Ok((p, _notes))) => match introduce(&io, &p, &name).await {
+                    Ok(()) => peer = Some(p),
+                    Err(e) => {
+                        io.step(Event::FromServer { call, reply: Err(e) }, false);
+                        continue;
+                    }
+                },
                 Ok(Err(e)) => {
                     io.step(Event::FromServer { call, reply: Err(e.to_string()) }, false);
                     continue;
@@ -102,6 +108,22 @@ async fn run(io: Arc<Io>, addr: String, mut rx: mpsc::UnboundedReceiver<Outgoing
                     io.step(Event::FromServer { call, reply }, false);
                 });
             }
+        }
+    }
+}
+
+/// Says who this server is on a new connection to another server (`Hello` with its
+/// credential): the receiver takes migration steps and copies from a proven server only.
+async fn introduce(io: &Arc<Io>, p: &Peer, name: &str) -> Result<(), String> {
+    let credential = lock(&io.server).credential().cloned();
+    let Some(credential) = credential else { return Err("this server is not registered yet".into()) };
+    let answer = p.send_request(Control::Hello { credential }.into()).map_err(|e| e.to_string())?;
+    match tokio::time::timeout(STEP_TIMEOUT, answer).await {
+        Ok(Ok(Message::Control(Control::Ok))) => Ok(()),
+        Ok(Ok(other)) => Err(format!("{name} refused this server's Hello: {other:?}")),
+        Ok(Err(_)) => Err(RuntimeError::Closed(format!("{name} (before answering Hello)")).to_string()),
+        Err(_) => {
+            Err(RuntimeError::Timeout { what: format!("{name} to answer Hello"), after: STEP_TIMEOUT }.to_string())
         }
     }
 }

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use elasticps_node::server::{Action, Event, Exit, Server};
-use elasticps_wire::{Codec, Control, Message, ServerStats};
+use elasticps_wire::{Codec, Control, KeyId, Message, ServerStats};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
@@ -29,6 +29,8 @@ use crate::shaping::Shaper;
 use crate::{CALL_TIMEOUT, Micros, timeout};
 
 mod links;
+
+pub use elasticps_node::server::MAX_CLOCK_LEAD;
 
 use links::Links;
 
@@ -57,6 +59,9 @@ pub struct ServerOptions {
     /// How long to retry a lost scheduler connection (a scheduler restarted with
     /// `--state-dir`: the server reattaches with its id and blocks); zero: never.
     pub scheduler_retry: Duration,
+    /// Refuse pulls more than this many clocks past their block's `done`
+    /// (`--max-clock-lead`, [`elasticps_node::server::MAX_CLOCK_LEAD`] by default).
+    pub max_clock_lead: u32,
 }
 
 /// A redial of the scheduler under way ([`crate::reattach::redial`]).
@@ -123,7 +128,12 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     };
     let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
     let io = Arc::new(Io {
-        server: Mutex::new(Server::new(data_addr.clone()).with_trace(trace.is_some())),
+        server: Mutex::new(
+            Server::new(data_addr.clone())
+                .with_trace(trace.is_some())
+                .with_secret(opts.codec.secret())
+                .with_max_clock_lead(opts.max_clock_lead),
+        ),
         clock: Micros::new(),
         codec: opts.codec.clone(),
         frame_timeout: opts.frame_timeout,
@@ -249,17 +259,24 @@ impl Io {
 
     /// [`Io::step`] for a frame that arrived on connection `conn`: the replies to `conn`
     /// are handed back (in order) for its reader task to write itself, with no hop to
-    /// the writer task; every other action is carried out as usual.
-    fn step_on(self: &Arc<Self>, conn: u64, ev: Event, data: bool, own: &mut Vec<(u64, Message)>) {
+    /// the writer task; every other action is carried out as usual. True if the state
+    /// machine closes `conn` (its reader task writes the replies, then stops).
+    fn step_on(self: &Arc<Self>, conn: u64, ev: Event, data: bool, own: &mut Vec<(u64, Message)>) -> bool {
         let mut actions = self.decide(ev, data);
+        let mut close = false;
         actions.retain_mut(|a| match a {
             Action::Reply { conn: c, request_id, msg } if *c == conn => {
                 own.push((*request_id, std::mem::replace(msg, Message::Control(Control::Ok))));
                 false
             }
+            Action::Close { conn: c } if *c == conn => {
+                close = true;
+                false
+            }
             _ => true,
         });
         self.apply(actions);
+        close
     }
 
     fn apply(self: &Arc<Self>, actions: Vec<Action>) {
@@ -300,6 +317,12 @@ impl Io {
                             .map_err(|e| e.to_string());
                         io.step(Event::Restored(states), false);
                     });
+                }
+                // Closed by its reader task, which takes it from `step_on`.
+                Action::Close { conn } => {
+                    if let Some(out) = lock(&self.conns).remove(&conn) {
+                        drop(out);
+                    }
                 }
                 Action::Exit(exit) => {
                     *lock(&self.exit) = Some(exit);
@@ -343,10 +366,10 @@ async fn accept_loop(listener: TcpListener, io: Arc<Io>) {
         let io = io.clone();
         tokio::spawn(async move {
             let peer = a.addr.to_string();
-            if let Some(stream) = accept::authenticate(a.stream, &io.codec, &peer, io.frame_timeout).await {
-                serve_connection(stream, peer, io).await;
+            if let Some(admitted) = a.authenticate(&io.codec, io.frame_timeout).await {
+                serve_connection(admitted.stream, admitted.key, peer, io).await;
+                drop(admitted.permit);
             }
-            drop(a.permit);
         });
     }
 }
@@ -354,12 +377,12 @@ async fn accept_loop(listener: TcpListener, io: Arc<Io>) {
 /// Reads one connection's frames into the state machine until it closes or sends
 /// something invalid; never takes the server down. Until the peer says Hello (or streams
 /// a block) each frame must come within [`CALL_TIMEOUT`].
-async fn serve_connection(stream: crate::tls::Stream, peer: String, io: Arc<Io>) {
+async fn serve_connection(stream: crate::tls::Stream, key: KeyId, peer: String, io: Arc<Io>) {
     let conn = io.next_conn.fetch_add(1, Ordering::Relaxed);
-    let (mut reader, out) = conn::split_shaped(stream, io.codec.clone(), peer.clone(), Some(io.shaper.clone()));
+    let (mut reader, out) = conn::split_shaped(stream, io.codec.for_key(key), peer.clone(), Some(io.shaper.clone()));
     reader.set_stall_timeout(io.frame_timeout);
     lock(&io.conns).insert(conn, out.clone());
-    io.step(Event::Opened { conn }, false);
+    io.step(Event::Opened { conn, key }, false);
     let mut introduced = false;
     let mut own = Vec::new();
     loop {
@@ -383,11 +406,23 @@ async fn serve_connection(stream: crate::tls::Stream, peer: String, io: Arc<Io>)
                 break;
             }
         };
-        if let Message::Control(Control::Hello { rank }) = &msg {
-            reader.set_peer(format!("worker {rank} ({peer})"));
-        }
+        let hello = match &msg {
+            Message::Control(Control::Hello { credential }) => Some(format!("{credential} ({peer})")),
+            _ => None,
+        };
         let data = msg.is_data_request();
-        io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data, &mut own);
+        let close = io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data, &mut own);
+        if close {
+            // A credential that does not hold: the refusal goes out, then the connection closes.
+            let _ = out.send_all_now(std::mem::take(&mut own)).await;
+            tracing::warn!(peer = %peer, "connection closed: its Hello was refused");
+            break;
+        }
+        if let Some(name) = hello
+            && lock(&io.server).introduced(conn)
+        {
+            reader.set_peer(name);
+        }
         // Replies wait while more requests are already read (a burst of a round's
         // blocks): one write answers them all. A capped server hands them to the writer
         // task instead, so that waiting in the outgoing bucket never stops this task from
