@@ -115,7 +115,7 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("ReattachServer", Receiver::Scheduler, &[Anon]),
     ("JoinHost", Receiver::Scheduler, &[Anon]),
     ("Scale", Receiver::Scheduler, &[Anon]),
-    ("GetStatus", Receiver::Scheduler, &[Anon, AnonW, Wrk, Srv, Agent]),
+    ("GetStatus", Receiver::Scheduler, &[Anon, AnonW, Wrk, Srv]),
     ("DefineModel", Receiver::Scheduler, &[Wrk]),
     ("Barrier", Receiver::Scheduler, &[Wrk]),
     ("SetOptimizer", Receiver::Scheduler, &[Wrk]),

@@ -516,6 +516,9 @@ impl Scheduler {
             (_, Message::Control(Control::WorkerDone { rank }), Some(Role::Worker(own))) if *rank != own => {
                 format!("{proven} may not say that worker {rank} is done")
             }
+            (_, Message::Control(Control::WorkerLoad(load)), Some(Role::Worker(own))) if load.rank != own => {
+                format!("{proven} may not report the load of worker {}", load.rank)
+            }
             _ => return None,
         };
         tracing::warn!(conn, message = name, %proven, %why, "forbidden message refused");
@@ -531,6 +534,7 @@ impl Scheduler {
             .filter(|(c, (_, since))| {
                 now_us.saturating_sub(*since) > REGISTER_WITHIN_US
                     && !self.nodes.contains_key(c)
+                    && !self.rejoining.values().any(|r| r.conn == **c)
                     && !self.hosts.as_ref().is_some_and(|h| h.is_agent(**c))
             })
             .map(|(c, _)| *c)
@@ -1148,10 +1152,17 @@ impl Scheduler {
                     }
                 }
                 Order::Settle { block, to, epoch, owner } => {
-                    if let Some((conn, _)) = self.servers.get(to as usize) {
-                        tracing::debug!(block, to, epoch, owner, "migration settled");
+                    // The new owner first; then every other server, whose placement then
+                    // names the block's owner (a server takes a block's snapshot from the
+                    // owner it knows only).
+                    tracing::debug!(block, to, epoch, owner, "migration settled");
+                    let first = self.servers.get(to as usize).map(|(c, _)| *c);
+                    let others = self.servers.iter().map(|(c, _)| *c).filter(|c| Some(*c) != first);
+                    let conns: Vec<ConnId> =
+                        first.into_iter().chain(others).filter(|c| self.nodes.contains_key(c)).collect();
+                    for conn in conns {
                         let msg = Control::Settled { block, epoch, owner }.into();
-                        out.push(Action::Send { conn: *conn, request_id: 0, msg });
+                        out.push(Action::Send { conn, request_id: 0, msg });
                     }
                 }
             }

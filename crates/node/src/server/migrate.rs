@@ -337,8 +337,15 @@ impl Server {
         {
             return error(ErrorCode::BadRequest, format!("block {block} is already owned by this server"));
         }
-        if from == shard.id {
-            return error(ErrorCode::BadRequest, format!("server {from} cannot move block {block} to itself"));
+        match shard.placement.owner(block) {
+            Some(owner) if owner == from && from != shard.id => {}
+            owner => {
+                let owner = owner.map_or("no server".to_string(), |o| format!("server {o}"));
+                let message = format!(
+                    "server {from} sent the snapshot of block {block}, whose owner is {owner} by this server's placement"
+                );
+                return error(ErrorCode::Forbidden, message);
+            }
         }
         self.incoming.insert(block, Incoming { from, epoch, state: snapshot });
         Control::Ok.into()
@@ -430,8 +437,11 @@ impl Server {
                     _ => Vec::new(),
                 }
             }
+            Some(Slot::Owned(_)) => return,
             _ => {
-                tracing::debug!(server = me, block, epoch, owner, "settled a migration with no copy waiting here");
+                // A migration between other servers: this server's placement names the
+                // new owner (it takes the block's snapshot from that owner only).
+                shard.set_owner(block, owner, epoch);
                 return;
             }
         };

@@ -64,9 +64,9 @@ pub const SHUTDOWN_WAIT_US: u64 = 2 * STEP_TIMEOUT_US;
 /// (`--max-clock-lead`): no policy answers it soon, and holding it would hold memory.
 pub const MAX_CLOCK_LEAD: u32 = 1_000;
 /// At most this many pulls held for one connection; one more is refused.
-pub const MAX_HELD_PER_CONN: usize = 4_096;
+pub const MAX_HELD_PER_CONN: usize = 65_536;
 /// At most this many pulls held on one server; one more is refused.
-pub const MAX_HELD_PER_SERVER: usize = 65_536;
+pub const MAX_HELD_PER_SERVER: usize = 1_048_576;
 
 /// Something that happened at the server.
 #[derive(Debug)]
@@ -617,16 +617,14 @@ impl Server {
         match authz::check(Receiver::Server, c.class(), name) {
             Verdict::Allowed => {}
             Verdict::Forbidden => {
+                let hint = if c.proven.is_none() { " (say Hello with a credential first)" } else { "" };
                 let message =
-                    format!("{proven} may not send {name} to a server (docs/PROTOCOL.md §7.1); nothing changed");
+                    format!("{proven} may not send {name} to a server{hint} (docs/PROTOCOL.md §7.1); nothing changed");
                 tracing::warn!(server = self.id, conn, message = name, claimed = %claimed(&msg), %proven, "forbidden message refused");
                 return out.push(reply(error(ErrorCode::Forbidden, message)));
             }
             Verdict::NotTaken => {
-                let what = match c.proven {
-                    None if name != "Hello" => format!("expected Hello as the first message, got {name}"),
-                    _ => format!("a server does not take {name} messages"),
-                };
+                let what = format!("a server does not take {name} messages (docs/PROTOCOL.md §7.1)");
                 // Well-formed but out of turn: refuse it and keep the connection (PROTOCOL.md §7).
                 tracing::warn!(server = self.id, conn, %what, "request refused");
                 return out.push(reply(error(ErrorCode::BadRequest, what)));
