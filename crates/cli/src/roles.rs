@@ -184,7 +184,8 @@ pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
                 // Launched servers serve metrics too, on a free port of the same host.
                 flags.extend(["--metrics-listen".into(), any_port(listen)]);
             }
-            let l = ServerLauncher::new(&dir, flags, cmd.net.secret.clone())?;
+            let env = cmd.net.role_env().into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            let l = ServerLauncher::new(&dir, flags, env)?;
             launched = Some(l.launched());
             Some(Box::new(l))
         }

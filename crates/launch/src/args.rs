@@ -108,6 +108,17 @@ impl NetArgs {
         }
     }
 
+    /// The secrets a role process started by a launcher gets, as environment variables
+    /// (never on its command line): `ELASTICPS_SECRET`, and `ELASTICPS_WORKER_SECRET` if
+    /// there is one.
+    pub fn role_env(&self) -> Vec<(&'static str, &str)> {
+        let mut env = vec![("ELASTICPS_SECRET", self.secret.as_str())];
+        if let Some(ws) = &self.worker_secret {
+            env.push(("ELASTICPS_WORKER_SECRET", ws.as_str()));
+        }
+        env
+    }
+
     /// How long a started frame (or handshake) may stall before its peer is dropped.
     pub fn frame_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs_f64(self.frame_timeout_s)
@@ -189,6 +200,8 @@ impl NetArgs {
             self.frame_timeout_s.to_string(),
             "--max-connections".into(),
             self.max_connections.to_string(),
+            "--max-handshakes".into(),
+            self.max_handshakes.to_string(),
             "--scheduler-retry-s".into(),
             self.scheduler_retry_s.to_string(),
         ];

@@ -212,7 +212,7 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
     };
     let mut signals = Signals::new()?;
     let mut cluster = Cluster::new(&log_dir)?;
-    let secret = [("ELASTICPS_SECRET", spec.net.secret.as_str())];
+    let secret = spec.net.role_env();
     let started = Instant::now();
     let join_timeout = Duration::from_secs(h.join_timeout_s);
 

@@ -478,7 +478,8 @@ pub struct ServerLauncher {
     log_dir: PathBuf,
     /// Transport flags for the servers.
     args: Vec<String>,
-    secret: String,
+    /// Their secrets, as environment variables ([`crate::args::NetArgs::role_env`]).
+    env: Vec<(String, String)>,
     started: u32,
     running: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
 }
@@ -499,12 +500,12 @@ impl LaunchedServers {
 }
 
 impl ServerLauncher {
-    /// A launcher whose servers get `args` and the cluster `secret`.
-    pub fn new(log_dir: &Path, args: Vec<String>, secret: String) -> Result<Self> {
+    /// A launcher whose servers get `args` and the secrets of `env`.
+    pub fn new(log_dir: &Path, args: Vec<String>, env: Vec<(String, String)>) -> Result<Self> {
         std::fs::create_dir_all(log_dir)
             .map_err(|e| LaunchError::io(format!("creating the log directory {}", log_dir.display()), e))?;
         let exe = std::env::current_exe().map_err(|e| LaunchError::io("finding the elasticps binary", e))?;
-        Ok(Self { exe, log_dir: log_dir.to_path_buf(), args, secret, started: 0, running: Arc::default() })
+        Ok(Self { exe, log_dir: log_dir.to_path_buf(), args, env, started: 0, running: Arc::default() })
     }
 
     /// A handle to wait for the launched servers once the job is over.
@@ -518,7 +519,8 @@ impl ServerLauncher {
         let mut args = vec!["server".into(), "--scheduler".into(), scheduler_addr.into(), "--listen".into()];
         args.push("127.0.0.1:0".into());
         args.extend(self.args.iter().cloned());
-        let mut child = role_command(&self.exe, &args, &[("ELASTICPS_SECRET", &self.secret)], &log)?
+        let env: Vec<(&str, &str)> = self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let mut child = role_command(&self.exe, &args, &env, &log)?
             .spawn()
             .map_err(|e| LaunchError::io("starting a server", e))?;
         let stdout = child

@@ -124,9 +124,15 @@ pub struct Restart {
 /// The environment of a user's worker command, spawn index `local_rank`, in a job whose
 /// scheduler listens at `scheduler` (the contract with the Python package).
 pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32) -> Vec<(String, String)> {
+    // A user's script holds the worker secret alone when there is one: it can be a worker
+    // and nothing else (a compromised script cannot become a server).
+    let secret = match &net.worker_secret {
+        Some(ws) => ("ELASTICPS_WORKER_SECRET", ws.clone()),
+        None => ("ELASTICPS_SECRET", net.secret.clone()),
+    };
     let mut env: Vec<(String, String)> = [
         ("ELASTICPS_SCHEDULER", scheduler.to_string()),
-        ("ELASTICPS_SECRET", net.secret.clone()),
+        secret,
         ("ELASTICPS_MAX_FRAME_MIB", net.max_frame_mib.to_string()),
         ("ELASTICPS_WORKERS", job.workers.to_string()),
         ("ELASTICPS_LOCAL_RANK", local_rank.to_string()),
@@ -189,7 +195,7 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
     }
     let mut signals = Signals::new()?;
     let mut cluster = Cluster::new(&log_dir)?;
-    let env = [("ELASTICPS_SECRET", spec.net.secret.as_str())];
+    let env = spec.net.role_env();
     let started = Instant::now();
 
     let metrics_flags: Vec<String> =

@@ -51,7 +51,8 @@ fn env_number<T: std::str::FromStr>(name: &str, default: T) -> PyResult<T> {
 
 /// Connects to the scheduler (`scheduler`, else `ELASTICPS_SCHEDULER`, else
 /// 127.0.0.1:7000) with the transport settings of the roles' environment variables
-/// (`ELASTICPS_SECRET`, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`, and TLS from
+/// (`ELASTICPS_SECRET`, or `ELASTICPS_WORKER_SECRET` alone for a worker that holds only the
+/// worker secret, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`, and TLS from
 /// `ELASTICPS_TLS_CERT`, `ELASTICPS_TLS_KEY`, `ELASTICPS_TLS_CA`), joins the
 /// job and returns the worker. `ELASTICPS_METRICS_LISTEN=HOST:PORT` serves its Prometheus
 /// metrics there. `ELASTICPS_RANK=R` (the launcher's `--restart-workers` sets it) rejoins
@@ -75,7 +76,11 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     let request_timeout_s: u64 = env_number("ELASTICPS_REQUEST_TIMEOUT", 300)?;
     install_tls()?;
     let mut opts = ClientOptions::new(scheduler);
-    opts.codec = elasticps_wire::Codec::new(secret.as_bytes(), max_frame_mib.saturating_mul(1 << 20));
+    let max_payload = max_frame_mib.saturating_mul(1 << 20);
+    opts.codec = match std::env::var("ELASTICPS_WORKER_SECRET") {
+        Ok(ws) if secret.is_empty() => elasticps_wire::Codec::for_worker_secret(ws.as_bytes(), max_payload),
+        _ => elasticps_wire::Codec::new(secret.as_bytes(), max_payload),
+    };
     opts.request_timeout = Duration::from_secs(request_timeout_s.max(1));
     // Set by the launcher's --restart-workers: rejoin as this rank.
     opts.rank = match std::env::var("ELASTICPS_RANK") {
