@@ -520,9 +520,8 @@ impl ServerLauncher {
         args.push("127.0.0.1:0".into());
         args.extend(self.args.iter().cloned());
         let env: Vec<(&str, &str)> = self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        let mut child = role_command(&self.exe, &args, &env, &log)?
-            .spawn()
-            .map_err(|e| LaunchError::io("starting a server", e))?;
+        let mut child =
+            role_command(&self.exe, &args, &env, &log)?.spawn().map_err(|e| LaunchError::io("starting a server", e))?;
         let stdout = child
             .stdout
             .take()
