@@ -11,3 +11,4 @@ mod metrics;
 mod migration;
 mod scheduler_restart;
 mod semantics;
+mod trust;

@@ -161,6 +161,35 @@ pub fn check(to: Receiver, from: Class, name: &str) -> Verdict {
     }
 }
 
+/// The identity a message claims for itself, for the log of a refusal beside the one the
+/// connection proved: a rank or server id it names, a `Hello`'s credential, the sender a
+/// copy or a block's state implies; "nothing" for a message that claims none.
+pub fn claimed(msg: &Message) -> String {
+    match msg {
+        Message::Control(c) => match c {
+            Control::Hello { credential } => credential.to_string(),
+            Control::WorkerDone { rank } | Control::RejoinWorker { rank } => format!("worker {rank}"),
+            Control::ReattachWorker { rank, credential } => format!("worker {rank} ({credential})"),
+            Control::WorkerLoad(l) => format!("worker {}", l.rank),
+            Control::ServerLoad(l) => format!("server {}", l.server_id),
+            Control::AssignDone { server_id } => format!("server {server_id}"),
+            Control::MigrateDone(r) => format!("server {} (the source of block {})", r.from, r.block),
+            Control::ReattachServer { server_id, credential, .. } => format!("server {server_id} ({credential})"),
+            Control::RegisterServer { .. } => "a new server".into(),
+            Control::RegisterWorker => "a new worker".into(),
+            Control::JoinHost(offer) => format!("host {}", offer.name),
+            Control::Replicate { block, push, .. } => {
+                format!("the primary of block {block}, forwarding a push of worker {}", push.worker)
+            }
+            Control::ReplicaSnapshot(state) => format!("the primary of block {}", state.spec.id),
+            Control::BlockSnapshot { state, .. } => format!("the owner of block {}", state.spec.id),
+            Control::BlockDelta { block, .. } => format!("the owner of block {block}"),
+            _ => "nothing".into(),
+        },
+        _ => "nothing".into(),
+    }
+}
+
 /// A proven identity, as logs and errors name it ("worker 3", "server 1", "no identity").
 pub fn proven_name(proven: Option<(PeerRole, u32)>, key: KeyId) -> String {
     match (proven, key) {

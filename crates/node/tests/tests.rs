@@ -453,6 +453,7 @@ mod job {
     }
 }
 
+mod authz;
 mod exactly_once;
 
 /// The authorization table of docs/PROTOCOL.md §7.1 is the one the nodes enforce,

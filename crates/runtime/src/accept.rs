@@ -1,19 +1,23 @@
 //! Accepting connections on a node's port: a bound on the connections still in the
 //! handshake, a bound on the authenticated connections open at once, and TLS if installed
 //! ([`crate::tls`]) then the handshake ([`crate::handshake`]) before a connection is handed
-//! to its role. A connection above either bound is closed at once and logged, so a flood
-//! of peers cannot exhaust a node's tasks, buffers or file descriptors while its workers
-//! are served; and since peers in the handshake have places of their own, peers without
-//! the secret cannot take the places of authenticated ones.
+//! to its role. A connection above the bound on authenticated connections is closed at once
+//! and logged, so a flood of peers cannot exhaust a node's tasks, buffers or file
+//! descriptors while its workers are served; and since peers in the handshake have places
+//! of their own, peers without the secret cannot take the places of authenticated ones.
+//! When every handshake place is taken, the oldest handshake is dropped for the newcomer:
+//! an honest peer's handshake takes one round trip, so a flood of silent connections
+//! evicts itself and never locks a worker out.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use elasticps_wire::{Codec, KeyId};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::handshake;
 use crate::tls::{Stream, TlsConfig};
@@ -59,21 +63,63 @@ pub fn max_handshakes() -> usize {
 /// A listener with its bounds.
 pub struct Acceptor {
     listener: TcpListener,
-    handshakes: Arc<Semaphore>,
-    max_handshakes: usize,
+    handshakes: Arc<Handshakes>,
     slots: Arc<Semaphore>,
     max: usize,
 }
 
-/// One accepted connection, before its handshake; it counts against the handshake bound
-/// until it is [`Accepted::authenticate`]d or dropped.
+/// The connections in the handshake, oldest first: each with its number and what tells it
+/// to give up its place.
+struct Handshakes {
+    max: usize,
+    next: std::sync::atomic::AtomicU64,
+    open: Mutex<VecDeque<(u64, Arc<Notify>)>>,
+}
+
+impl Handshakes {
+    /// A place for a new handshake; the oldest one is told to give up its place when
+    /// every place is taken (it is logged as evicted).
+    fn enter(self: &Arc<Self>) -> Place {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let evict = Arc::new(Notify::new());
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        while open.len() >= self.max {
+            match open.pop_front() {
+                // `notify_one` keeps a permit: the handshake sees it even before it waits.
+                Some((_, oldest)) => oldest.notify_one(),
+                None => break,
+            }
+        }
+        open.push_back((id, evict.clone()));
+        Place { id, evict, handshakes: self.clone() }
+    }
+}
+
+/// A connection's place among the handshakes, given up when dropped.
+struct Place {
+    id: u64,
+    evict: Arc<Notify>,
+    handshakes: Arc<Handshakes>,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut open = self.handshakes.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = open.iter().position(|(id, _)| *id == self.id) {
+            open.remove(i);
+        }
+    }
+}
+
+/// One accepted connection, before its handshake; it holds a handshake place until it is
+/// [`Accepted::authenticate`]d, dropped, or evicted by a newer one.
 pub struct Accepted {
     /// The connection (no byte read yet).
     pub stream: TcpStream,
     /// The peer's address.
     pub addr: SocketAddr,
-    /// Its place under the handshake bound.
-    handshake: OwnedSemaphorePermit,
+    /// Its place among the handshakes.
+    place: Place,
     /// The places of authenticated connections.
     slots: Arc<Semaphore>,
     max: usize,
@@ -97,37 +143,29 @@ impl Acceptor {
         Self::with_bounds(listener, max, max_handshakes())
     }
 
-    /// [`Acceptor::new`] with its handshake bound.
+    /// [`Acceptor::new`] with its handshake bound (at least 1).
     pub fn with_bounds(listener: TcpListener, max: usize, max_handshakes: usize) -> Self {
-        Self {
-            listener,
-            handshakes: Arc::new(Semaphore::new(max_handshakes)),
-            max_handshakes,
-            slots: Arc::new(Semaphore::new(max)),
-            max,
-        }
+        let handshakes = Handshakes {
+            max: max_handshakes.max(1),
+            next: std::sync::atomic::AtomicU64::new(0),
+            open: Mutex::new(VecDeque::new()),
+        };
+        Self { listener, handshakes: Arc::new(handshakes), slots: Arc::new(Semaphore::new(max)), max }
     }
 
-    /// The next connection under the handshake bound. Failed accepts (out of descriptors,
-    /// a reset before accept) are logged and retried after a short pause; connections
-    /// above the bound are closed and logged.
+    /// The next connection, with a place among the handshakes (the oldest handshake gives
+    /// its place up when all are taken). Failed accepts (out of descriptors, a reset
+    /// before accept) are logged and retried after a short pause.
     pub async fn next(&self) -> Accepted {
         loop {
-            let (stream, addr) = match self.listener.accept().await {
-                Ok(x) => x,
+            match self.listener.accept().await {
+                Ok((stream, addr)) => {
+                    let place = self.handshakes.enter();
+                    return Accepted { stream, addr, place, slots: self.slots.clone(), max: self.max };
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            match self.handshakes.clone().try_acquire_owned() {
-                Ok(handshake) => {
-                    return Accepted { stream, addr, handshake, slots: self.slots.clone(), max: self.max };
-                }
-                Err(_) => {
-                    tracing::warn!(peer = %addr, max_handshakes = self.max_handshakes, "connection refused: too many connections in the handshake");
-                    drop(stream);
                 }
             }
         }
@@ -139,10 +177,17 @@ impl Accepted {
     /// place under the bound on open connections: `None` if the peer was refused (logged,
     /// and its connection closed) or no place is free.
     pub async fn authenticate(self, codec: &Codec, stall: Duration) -> Option<Admitted> {
-        let Accepted { stream, addr, handshake, slots, max } = self;
+        let Accepted { stream, addr, place, slots, max } = self;
         let peer = addr.to_string();
-        let (stream, key) = authenticate(stream, codec, &peer, stall).await?;
-        drop(handshake);
+        let evicted = place.evict.clone();
+        let (stream, key) = tokio::select! {
+            done = authenticate(stream, codec, &peer, stall) => done?,
+            () = evicted.notified() => {
+                tracing::warn!(peer = %addr, max_handshakes = place.handshakes.max, "connection dropped: the oldest of the connections in the handshake when every place was taken");
+                return None;
+            }
+        };
+        drop(place);
         match slots.try_acquire_owned() {
             Ok(permit) => Some(Admitted { stream, key, permit }),
             Err(_) => {
@@ -199,33 +244,46 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn a_connection_above_the_handshake_bound_is_closed_and_a_freed_place_is_taken_again() {
+    async fn a_full_handshake_bound_drops_the_oldest_silent_peer_and_an_honest_one_gets_in() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let acceptor = Acceptor::with_bounds(listener, MAX_CONNECTIONS, 2);
+        let codec = Codec::new(b"s3cret", 1 << 20);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let node = tokio::spawn(async move {
             loop {
-                if tx.send(acceptor.next().await).is_err() {
-                    return;
-                }
+                let a = acceptor.next().await;
+                let (tx, codec) = (tx.clone(), codec.clone());
+                tokio::spawn(async move {
+                    let peer = a.addr;
+                    let admitted = a.authenticate(&codec, Duration::from_secs(10)).await;
+                    let _ = tx.send((peer, admitted.map(|x| x.key)));
+                });
             }
         });
         let within = Duration::from_secs(5);
-        let _a = TcpStream::connect(addr).await.unwrap();
-        let first = tokio::time::timeout(within, rx.recv()).await.unwrap().unwrap();
-        let _b = TcpStream::connect(addr).await.unwrap();
-        let _second = tokio::time::timeout(within, rx.recv()).await.unwrap().unwrap();
-        // A third peer: accepted by the kernel, closed by the node.
-        let mut c = TcpStream::connect(addr).await.unwrap();
+        // Two silent peers take both places; a third evicts the first.
+        let mut first = TcpStream::connect(addr).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let _second = TcpStream::connect(addr).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let _third = TcpStream::connect(addr).await.unwrap();
+        let (evicted, got) = tokio::time::timeout(within, rx.recv()).await.expect("an eviction in time").unwrap();
+        assert_eq!((evicted, got), (first.local_addr().unwrap(), None), "the oldest is dropped");
         let mut buf = [0u8; 1];
-        let closed = tokio::time::timeout(within, c.read(&mut buf)).await.expect("closed in time");
-        assert!(matches!(closed, Ok(0) | Err(_)), "the third peer must be closed: {closed:?}");
-        // A place frees up: the next peer gets it.
-        drop(first);
-        let d = TcpStream::connect(addr).await.unwrap();
-        let fourth = tokio::time::timeout(within, rx.recv()).await.unwrap().unwrap();
-        assert_eq!(fourth.addr, d.local_addr().unwrap());
+        let closed = tokio::time::timeout(within, first.read(&mut buf)).await.expect("closed in time");
+        assert!(matches!(closed, Ok(0) | Err(_)), "the evicted peer's connection is closed: {closed:?}");
+        // An honest peer gets in at once, although both places were taken.
+        let mut honest = TcpStream::connect(addr).await.unwrap();
+        let me = honest.local_addr().unwrap();
+        crate::handshake::dial(&mut honest, b"s3cret", "node").await.expect("the handshake");
+        loop {
+            let (peer, got) = tokio::time::timeout(within, rx.recv()).await.expect("admitted in time").unwrap();
+            if peer == me {
+                assert_eq!(got, Some(KeyId::Cluster));
+                break;
+            }
+        }
         node.abort();
     }
 }

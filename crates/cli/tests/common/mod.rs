@@ -358,9 +358,21 @@ pub fn connect_raw(addr: &str, secret: &[u8]) -> TcpStream {
 
 /// The dialer's side of the handshake on a blocking stream (what the runtime does).
 pub fn handshake_raw(s: &mut TcpStream, secret: &[u8]) -> Result<(), String> {
+    handshake_raw_with(s, elasticps_wire::KeyId::Cluster, secret)
+}
+
+/// [`connect_raw`] with the handshake of `key` (`KeyId::Worker`: the `--worker-secret`).
+pub fn connect_raw_with(addr: &str, key: elasticps_wire::KeyId, secret: &[u8]) -> TcpStream {
+    let mut s = connect_unauthenticated(addr);
+    handshake_raw_with(&mut s, key, secret).unwrap_or_else(|e| panic!("handshake with {addr}: {e}"));
+    s
+}
+
+/// [`handshake_raw`] with the key `key` names and its `secret`.
+pub fn handshake_raw_with(s: &mut TcpStream, key: elasticps_wire::KeyId, secret: &[u8]) -> Result<(), String> {
     use elasticps_wire::handshake::{ClientHandshake, HELLO_LEN, NONCE_LEN, VERDICT_LEN};
     let nonce: [u8; NONCE_LEN] = std::array::from_fn(|i| (i as u8).wrapping_mul(37) ^ std::process::id() as u8);
-    let (client, hello) = ClientHandshake::start(secret, nonce);
+    let (client, hello) = ClientHandshake::start_with(key, secret, nonce);
     s.write_all(&hello).map_err(|e| e.to_string())?;
     let mut reply = [0u8; HELLO_LEN];
     s.read_exact(&mut reply).map_err(|e| e.to_string())?;

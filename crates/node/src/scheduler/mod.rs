@@ -414,6 +414,12 @@ impl Scheduler {
         if self.over {
             return out;
         }
+        if let Event::Received { conn, request_id, msg } = &event
+            && let Some(refused) = self.forbidden(*conn, msg)
+        {
+            out.push(Action::Send { conn: *conn, request_id: *request_id, msg: refused });
+            return out;
+        }
         if self.closing.is_some() {
             self.step_closing(event, &mut out);
             return out;
@@ -427,9 +433,7 @@ impl Scheduler {
                 if let Some(node) = self.nodes.get_mut(&conn) {
                     node.last_seen_us = self.now_us;
                 }
-                if let Some(refused) = self.forbidden(conn, &msg) {
-                    out.push(Action::Send { conn, request_id, msg: refused });
-                } else if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
+                if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
                     self.on_agent_message(conn, request_id, msg, &mut out);
                 } else {
                     self.on_message(conn, request_id, msg, &mut out);
@@ -519,9 +523,18 @@ impl Scheduler {
             (_, Message::Control(Control::WorkerLoad(load)), Some(Role::Worker(own))) if load.rank != own => {
                 format!("{proven} may not report the load of worker {}", load.rank)
             }
+            (_, Message::Control(Control::ServerLoad(load)), Some(Role::Server(own))) if load.server_id != own => {
+                format!("{proven} may not report the load of server {}", load.server_id)
+            }
+            (_, Message::Control(Control::AssignDone { server_id }), Some(Role::Server(own))) if *server_id != own => {
+                format!("{proven} may not say that server {server_id} holds its blocks")
+            }
+            (_, Message::Control(Control::MigrateDone(r)), Some(Role::Server(own))) if r.from != own => {
+                format!("{proven} may not report a migration from server {}", r.from)
+            }
             _ => return None,
         };
-        tracing::warn!(conn, message = name, %proven, %why, "forbidden message refused");
+        tracing::warn!(conn, message = name, claimed = %authz::claimed(msg), %proven, %why, "forbidden message refused");
         Some(Message::Error(ErrorReply { code: ErrorCode::Forbidden, message: format!("{why}; nothing changed") }))
     }
 
@@ -1206,8 +1219,15 @@ impl Scheduler {
         }
         if !self.failed_workers.contains_key(&rank) {
             // Its old process is gone (it was restarted) but its connection has not been
-            // seen closing yet: the new one takes the rank over.
+            // seen closing yet: the new one takes the rank over. Only with the cluster
+            // secret: a worker-secret connection proves no rank, and could take a live one.
             let old = self.nodes.iter().find(|(_, n)| n.role == Role::Worker(rank)).map(|(c, _)| *c);
+            if old.is_some() && self.opened.get(&conn).is_some_and(|(k, _)| *k == KeyId::Worker) {
+                return Err(format!(
+                    "worker {rank} is connected: a connection of the worker secret rejoins only a rank the scheduler \
+                     lost"
+                ));
+            }
             if let Some(old) = old {
                 self.on_lost(old, "replaced by a restarted worker with its rank", out);
                 out.push(Action::Close(old));

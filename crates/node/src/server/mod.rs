@@ -191,17 +191,6 @@ pub enum Action {
     Exit(Exit),
 }
 
-/// The identity a message claims for itself, for the log of a refusal: the worker rank
-/// a forwarded push names, or the credential of a `Hello`.
-fn claimed(msg: &Message) -> String {
-    match msg {
-        Message::Control(Control::Hello { credential }) => credential.to_string(),
-        Message::Control(Control::Replicate { push, .. }) => format!("a push of worker {}", push.worker),
-        Message::Control(Control::BlockDelta { pushes, .. }) => format!("{} pushes", pushes.len()),
-        _ => "nothing".into(),
-    }
-}
-
 /// One answered pull, as the `--trace` file records it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PullTrace {
@@ -620,7 +609,7 @@ impl Server {
                 let hint = if c.proven.is_none() { " (say Hello with a credential first)" } else { "" };
                 let message =
                     format!("{proven} may not send {name} to a server{hint} (docs/PROTOCOL.md §7.1); nothing changed");
-                tracing::warn!(server = self.id, conn, message = name, claimed = %claimed(&msg), %proven, "forbidden message refused");
+                tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(&msg), %proven, "forbidden message refused");
                 return out.push(reply(error(ErrorCode::Forbidden, message)));
             }
             Verdict::NotTaken => {
@@ -631,7 +620,7 @@ impl Server {
             }
         }
         if let Some(refused) = self.sender_may_not(&c, &msg) {
-            tracing::warn!(server = self.id, conn, message = name, claimed = %claimed(&msg), %proven, %refused, "forbidden message refused");
+            tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(&msg), %proven, %refused, "forbidden message refused");
             return out.push(reply(error(ErrorCode::Forbidden, refused)));
         }
         let rank = c.rank().unwrap_or(u32::MAX);

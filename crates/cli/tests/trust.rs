@@ -1,0 +1,720 @@
+//! The attacks of issue 19 against real processes (DESIGN.md §10, docs/PROTOCOL.md §1.3,
+//! §7.1): a scheduler and servers of the `elasticps` binary over TCP with a cluster
+//! secret, a well-behaved worker in process, and an attacker that holds a worker's
+//! secret and credential (a compromised training script) and speaks raw frames.
+//!
+//! Each test forges one kind of message and checks that it is refused (`Forbidden`,
+//! `Unauthenticated` and a closed connection, `BadRequest` naming the bound), that the
+//! refusal is logged with the identity the message claimed and the one its connection
+//! proved, that the well-behaved worker is served between the attacks (every pull checked
+//! value for value), and that the job ends with exact values.
+
+use std::io::Read;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use elasticps_core::block::{BlockState, LoggedPush};
+use elasticps_core::model::{Init, TensorSpec};
+use elasticps_core::optimizer::OptState;
+use elasticps_core::sync::Clocks;
+use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_wire::{
+    ClusterStatus, Codec, Control, Credential, DEFAULT_MAX_PAYLOAD, ErrorCode, KeyId, Layout, Message, PeerRole,
+    ScaleRequest, Values,
+};
+
+use crate::common::*;
+
+/// The cluster secret of these jobs.
+const SECRET: &str = "trust-s3cret";
+/// The worker secret (`--worker-secret`) of the job that has one.
+const WORKER_SECRET: &str = "workers-only";
+/// How long a refusal (or any reply) may take.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn codec() -> Codec {
+    Codec::new(SECRET.as_bytes(), DEFAULT_MAX_PAYLOAD)
+}
+
+fn worker_codec() -> Codec {
+    Codec::for_worker_secret(WORKER_SECRET.as_bytes(), DEFAULT_MAX_PAYLOAD)
+}
+
+/// A job's shape: how many servers and workers, the sync policy, extra flags.
+struct Shape {
+    servers: usize,
+    workers: u32,
+    sync: &'static str,
+    /// Flags for the scheduler and every server.
+    flags: Vec<&'static str>,
+    /// Flags for the scheduler only.
+    sched_flags: Vec<&'static str>,
+    /// The in-process worker dials with the worker secret.
+    worker_key: bool,
+}
+
+impl Default for Shape {
+    fn default() -> Self {
+        Shape { servers: 2, workers: 1, sync: "bsp", flags: vec![], sched_flags: vec![], worker_key: false }
+    }
+}
+
+/// A scheduler and servers (processes), and one well-behaved worker in process (rank 0)
+/// with exact arithmetic: SGD with lr 1 from constant values, every gradient 0.5.
+struct Job {
+    rt: tokio::runtime::Runtime,
+    client: Option<Client>,
+    sched: Proc,
+    sched_addr: String,
+    /// `servers[s]`: server `s` (by the id the scheduler gave it), `None` once killed.
+    servers: Vec<Option<Proc>>,
+    /// `addrs[s]`: data address of server `s`.
+    addrs: Vec<String>,
+    layout: Layout,
+    /// `blocks[b]`: (tensor, offset, len).
+    blocks: Vec<(usize, usize, usize)>,
+    /// The next clock the worker pushes.
+    clock: u32,
+    /// Workers that joined later ([`Job::join`]), with their next clocks.
+    others: Vec<(Option<Client>, u32)>,
+    /// Pushes of every well-behaved worker so far.
+    pushes: u64,
+    /// The values a pull at `clock` returns.
+    expected: Vec<Vec<f32>>,
+}
+
+fn model() -> Vec<TensorSpec> {
+    vec![
+        TensorSpec { name: "w".into(), shape: vec![2, 3], init: Init::Constant(1.0) },
+        TensorSpec { name: "b".into(), shape: vec![2], init: Init::Constant(-1.0) },
+    ]
+}
+
+/// The well-behaved worker's options: the cluster secret, or the worker secret.
+fn options(sched_addr: &str, worker_key: bool) -> ClientOptions {
+    let mut opts = ClientOptions::new(sched_addr);
+    opts.codec = if worker_key { worker_codec() } else { codec() };
+    opts.request_timeout = REPLY_TIMEOUT;
+    opts
+}
+
+/// The processes of a job, before any worker.
+struct Nodes {
+    sched: Proc,
+    sched_addr: String,
+    /// (process, data address), in start order.
+    servers: Vec<(Proc, String)>,
+    shape: Shape,
+}
+
+impl Nodes {
+    fn start(shape: Shape) -> Nodes {
+        let (servers, workers) = (shape.servers.to_string(), shape.workers.to_string());
+        let mut args = vec![
+            "--servers",
+            &servers,
+            "--workers",
+            &workers,
+            "--sync",
+            shape.sync,
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "1",
+            "--block-bytes",
+            "16",
+            "--secret",
+            SECRET,
+            "--join-timeout-s",
+            "60",
+        ];
+        args.extend(&shape.flags);
+        args.extend(&shape.sched_flags);
+        let (sched, sched_addr) = start_scheduler(&args);
+        let mut server_args = vec!["--secret", SECRET];
+        server_args.extend(&shape.flags);
+        let servers = (0..shape.servers).map(|_| start_server_on(&sched_addr, &server_args)).collect();
+        Nodes { sched, sched_addr, servers, shape }
+    }
+
+    /// The well-behaved worker joins and defines the model; the job runs.
+    fn worker(self) -> Job {
+        let rt = tokio_rt();
+        let opts = options(&self.sched_addr, self.shape.worker_key);
+        let client = rt.block_on(async {
+            tokio::time::timeout(START_TIMEOUT, async {
+                let mut client = Client::connect(opts).await.expect("the worker joins");
+                client.register_model(model()).await.expect("the model is placed");
+                client
+            })
+            .await
+            .expect("the job starts within the start timeout")
+        });
+        assert_eq!(client.rank(), 0, "the well-behaved worker registers first");
+        let layout = client.layout().expect("a layout").clone();
+        let mut addrs = vec![String::new(); layout.servers.len()];
+        for s in &layout.servers {
+            addrs[s.id as usize] = s.addr.clone();
+        }
+        let mut servers: Vec<Option<Proc>> = (0..addrs.len()).map(|_| None).collect();
+        for (p, addr) in self.servers {
+            let id = addrs.iter().position(|a| *a == addr).unwrap_or_else(|| panic!("{addr} is not in {addrs:?}"));
+            servers[id] = Some(p);
+        }
+        assert_eq!(layout.placement.owners.len(), 3, "6 + 2 values in blocks of at most 4");
+        let blocks = layout.partition.blocks.iter().map(|b| (b.tensor as usize, b.offset, b.len)).collect();
+        Job {
+            rt,
+            client: Some(client),
+            sched: self.sched,
+            sched_addr: self.sched_addr,
+            servers,
+            addrs,
+            layout,
+            blocks,
+            clock: 0,
+            others: Vec::new(),
+            pushes: 0,
+            expected: vec![vec![1.0; 6], vec![-1.0; 2]],
+        }
+    }
+}
+
+impl Job {
+    fn start(shape: Shape) -> Job {
+        Nodes::start(shape).worker()
+    }
+
+    /// The worker's credential (what a compromised script on its host holds).
+    fn credential(&self) -> Credential {
+        self.client.as_ref().expect("the worker is connected").credential().clone()
+    }
+
+    fn hello(&self) -> Message {
+        Control::Hello { credential: self.credential() }.into()
+    }
+
+    /// The owner of block `b` by the job's first layout.
+    fn owner(&self, b: u32) -> u32 {
+        self.layout.placement.owners[b as usize]
+    }
+
+    /// The values of block `b` a pull at the current clock returns.
+    fn block_values(&self, b: u32) -> Vec<f32> {
+        let (t, off, len) = self.blocks[b as usize];
+        self.expected[t][off..off + len].to_vec()
+    }
+
+    /// A state of block `b` with every value `v`: a forged copy.
+    fn forged_state(&self, b: u32, v: f32) -> BlockState {
+        let spec = self.layout.partition.blocks[b as usize];
+        BlockState {
+            spec,
+            values: vec![v; spec.len],
+            opt: OptState::default(),
+            clocks: Clocks::new(1),
+            pending: vec![],
+        }
+    }
+
+    /// One iteration of the well-behaved worker: pull (checked exactly), push 0.5 everywhere.
+    fn round(&mut self, after: &str) {
+        let client = self.client.take().expect("the client is connected");
+        self.client = Some(self.round_of(client, self.clock, after));
+        self.clock += 1;
+    }
+
+    /// One iteration of `client` at clock `t`: its pull must see every push so far (the
+    /// job's other workers' too: under asp the test runs the workers' rounds in turn).
+    fn round_of(&mut self, mut client: Client, t: u32, after: &str) -> Client {
+        let rank = client.rank();
+        let (client, params) = self.rt.block_on(async move {
+            let mut params = client.zeros();
+            match tokio::time::timeout(REPLY_TIMEOUT * 2, client.pull(t, &mut params)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("worker {rank}: pull({t}) after {after} failed: {e}"),
+                Err(_) => panic!("worker {rank}: pull({t}) after {after} timed out"),
+            }
+            let grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.5; p.len()]).collect();
+            match tokio::time::timeout(REPLY_TIMEOUT * 2, client.push(t, &grads)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("worker {rank}: push({t}) after {after} failed: {e}"),
+                Err(_) => panic!("worker {rank}: push({t}) after {after} timed out"),
+            }
+            (client, params)
+        });
+        assert_eq!(params, self.expected, "values pulled by worker {rank} at clock {t} after {after}");
+        for v in self.expected.iter_mut().flatten() {
+            *v -= 0.5; // sgd, lr 1: exact in f32
+        }
+        self.pushes += 1;
+        client
+    }
+
+    /// Another well-behaved worker joins the running job (an asp job of more workers).
+    fn join(&mut self, opts: ClientOptions) {
+        let client = self.rt.block_on(async {
+            tokio::time::timeout(START_TIMEOUT, async {
+                let mut client = Client::connect(opts).await.expect("another worker joins");
+                client.register_model(model()).await.expect("it has the layout");
+                client
+            })
+            .await
+            .expect("another worker joins within the start timeout")
+        });
+        self.others.push((Some(client), 0));
+    }
+
+    /// One iteration of the `i`-th worker that joined with [`Job::join`].
+    fn round_other(&mut self, i: usize, after: &str) {
+        let (client, t) = (self.others[i].0.take().expect("the worker is connected"), self.others[i].1);
+        let client = self.round_of(client, t, after);
+        self.others[i] = (Some(client), t + 1);
+    }
+
+    /// Ends the job: a last pull (exact), `WorkerDone` of every worker, every live process
+    /// exits 0. With `count`, the servers' counters must show exactly the workers' pushes.
+    fn finish(mut self, count: bool) {
+        let t = self.clock;
+        let mut client = self.client.take().expect("the client is connected");
+        let others: Vec<Client> = self.others.iter_mut().filter_map(|(c, _)| c.take()).collect();
+        let expected = self.expected.clone();
+        self.rt.block_on(async {
+            let mut params = client.zeros();
+            tokio::time::timeout(REPLY_TIMEOUT * 2, client.pull(t, &mut params))
+                .await
+                .expect("the last pull in time")
+                .expect("the last pull");
+            assert_eq!(params, expected, "the job's final values");
+            for c in others.into_iter().chain([client]) {
+                tokio::time::timeout(REPLY_TIMEOUT, c.finish())
+                    .await
+                    .expect("WorkerDone is acknowledged in time")
+                    .expect("WorkerDone is acknowledged");
+            }
+        });
+        self.sched.assert_success(EXIT_TIMEOUT);
+        let mut pushes = 0;
+        for s in self.servers.iter_mut().flatten() {
+            s.assert_success(EXIT_TIMEOUT);
+            let stats = s.events_named("server_stats");
+            let stats = stats.last().unwrap_or_else(|| panic!("{} printed no server_stats", s.name));
+            pushes += stats["totals"]["pushes"].as_u64().expect("pushes");
+        }
+        if count {
+            assert_eq!(pushes, 3 * self.pushes, "only the well-behaved workers' pushes were applied");
+        }
+    }
+
+    /// A raw connection to server `s` that said Hello with the worker's credential.
+    fn as_worker(&self, s: u32) -> TcpStream {
+        let mut conn = connect_raw(&self.addrs[s as usize], SECRET.as_bytes());
+        let m = call(&mut conn, &codec(), 1, &self.hello());
+        assert_eq!(m, Message::Control(Control::Ok), "the worker's Hello to server {s}");
+        conn
+    }
+
+    fn server_log(&self, s: u32) -> String {
+        self.servers[s as usize].as_ref().map(Proc::log).unwrap_or_default()
+    }
+}
+
+/// Sends `msg` with request id `id` and returns the reply to it (notifications skipped),
+/// waiting at most [`REPLY_TIMEOUT`].
+fn call(s: &mut TcpStream, codec: &Codec, id: u64, msg: &Message) -> Message {
+    write_frame(s, codec, id, msg).unwrap_or_else(|e| panic!("sending {}: {e}", name(msg)));
+    let deadline = Instant::now() + REPLY_TIMEOUT;
+    for _ in 0..100 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match read_reply(s, codec, left) {
+            Reply::Frame(h, m) if h.request_id == id => return m,
+            Reply::Frame(_, _) => continue,
+            other => panic!("expected a reply to {} (request {id}), got {other:?}", name(msg)),
+        }
+    }
+    panic!("no reply to {} among 100 frames", name(msg))
+}
+
+fn name(msg: &Message) -> String {
+    match msg {
+        Message::Control(c) => c.name().to_string(),
+        other => format!("{:?}", other.kind()),
+    }
+}
+
+/// Asserts `m` is an `Error` of `code` whose message mentions every word of `words`.
+fn assert_refused(m: &Message, code: ErrorCode, words: &[&str], what: &str) {
+    match m {
+        Message::Error(e) => {
+            assert_eq!(e.code, code, "{what}: {e}");
+            for w in words {
+                assert!(e.message.contains(w), "{what}: the error {:?} should mention {w:?}", e.message);
+            }
+        }
+        other => panic!("{what}: expected an Error {code:?}, got {other:?}"),
+    }
+}
+
+/// Asserts the peer closes `s` within [`REPLY_TIMEOUT`] (nothing more to read).
+fn assert_closed(s: &mut TcpStream, what: &str) {
+    match read_reply(s, &codec(), REPLY_TIMEOUT) {
+        Reply::Eof | Reply::Reset => {}
+        other => panic!("{what}: expected the connection to close, got {other:?}"),
+    }
+}
+
+/// Waits (at most 10 s) for a line of `log()` with every one of `parts`; returns it.
+fn logged(log: impl Fn() -> String, parts: &[&str], what: &str) -> String {
+    let found = poll_until(Duration::from_secs(10), || {
+        log().lines().find(|l| parts.iter().all(|p| l.contains(p))).map(str::to_string)
+    });
+    found.unwrap_or_else(|| panic!("{what}: no log line with {parts:?}:\n{}", log()))
+}
+
+fn status(s: &mut TcpStream, id: u64) -> ClusterStatus {
+    match call(s, &codec(), id, &Control::GetStatus.into()) {
+        Message::Control(Control::Status(st)) => st,
+        other => panic!("GetStatus: {other:?}"),
+    }
+}
+
+/// (a) `Replicate` on a worker's data connection, after a valid worker Hello: refused,
+/// and the real push of that clock is then applied, not dropped as a duplicate.
+#[test]
+fn a_replicate_on_a_worker_connection_is_forbidden_and_the_real_push_is_applied() {
+    let mut job = Job::start(Shape::default());
+    job.round("start");
+    let b = 0;
+    let s = job.owner(b);
+    let mut conn = job.as_worker(s);
+    let len = job.blocks[b as usize].2;
+    let t = job.clock;
+    for (id, worker, init) in [(2, 0, false), (3, 7, false), (4, 0, true)] {
+        let push = LoggedPush { worker, clock: t, grad: vec![100.0; len] };
+        let m = call(&mut conn, &codec(), id, &Control::Replicate { block: b, init, push }.into());
+        assert_refused(&m, ErrorCode::Forbidden, &["worker 0", "Replicate"], &format!("Replicate of worker {worker}"));
+    }
+    let line = logged(|| job.server_log(s), &["forbidden message refused", "Replicate"], "server");
+    assert!(line.contains("forwarding a push of worker 0") && line.contains("proven=worker 0"), "{line}");
+    logged(|| job.server_log(s), &["forbidden message refused", "forwarding a push of worker 7"], "server");
+    // The connection is still the worker's: its stats, unchanged by the forgeries.
+    match call(&mut conn, &codec(), 5, &Control::GetStats.into()) {
+        Message::Control(Control::Stats(st)) => {
+            let owned = (0..3).filter(|b| job.owner(*b) == s).count() as u64;
+            assert_eq!(st.totals.pushes, owned * u64::from(t), "only the worker's pushes: {st:?}");
+        }
+        other => panic!("GetStats after the forgeries: {other:?}"),
+    }
+    // Clock t: the values the forgeries did not change, then the real push, applied.
+    job.round("three forged Replicates of clock t");
+    job.round("the real push of clock t");
+    job.finish(true);
+}
+
+/// (b) With `--replicas 2`, a backup refuses `ReplicaSnapshot` and `Replicate` from a
+/// worker connection; once the primary is killed, the promoted backup serves the exact
+/// values.
+#[test]
+fn a_backup_refuses_copies_from_a_worker_and_serves_exact_values_once_promoted() {
+    let mut job = Job::start(Shape { servers: 3, sched_flags: vec!["--replicas", "2"], ..Shape::default() });
+    job.round("start");
+    let b = 0;
+    let primary = job.owner(b);
+    let backup = job.layout.placement.backups_of(b)[0];
+    assert_ne!(primary, backup);
+    let mut conn = job.as_worker(backup);
+    let m = call(&mut conn, &codec(), 2, &Control::ReplicaSnapshot(job.forged_state(b, 1000.0)).into());
+    assert_refused(&m, ErrorCode::Forbidden, &["worker 0", "ReplicaSnapshot"], "ReplicaSnapshot from a worker");
+    let len = job.blocks[b as usize].2;
+    let push = LoggedPush { worker: 0, clock: job.clock, grad: vec![100.0; len] };
+    let m = call(&mut conn, &codec(), 3, &Control::Replicate { block: b, init: false, push }.into());
+    assert_refused(&m, ErrorCode::Forbidden, &["worker 0", "Replicate"], "Replicate from a worker");
+    for what in ["ReplicaSnapshot", "Replicate"] {
+        let line = logged(|| job.server_log(backup), &["forbidden message refused", what], "the backup");
+        assert!(line.contains("claimed=") && line.contains("proven=worker 0"), "{line}");
+    }
+    job.round("forged copies sent to the backup");
+    job.round("forged copies sent to the backup");
+
+    // The primary dies; its backup is promoted and serves the block.
+    let mut victim = job.servers[primary as usize].take().expect("the primary runs");
+    victim.kill();
+    job.round("the primary was killed");
+    job.round("the backup was promoted");
+    let m = call(&mut conn, &codec(), 4, &Message::Pull { block: b, clock: job.clock });
+    match m {
+        Message::PullReply { block, values, .. } => {
+            assert_eq!((block, values.to_vec()), (b, job.block_values(b)), "the promoted backup's values")
+        }
+        other => panic!("a pull of block {b} from its promoted backup: {other:?}"),
+    }
+    logged(|| job.sched.log(), &["server lost"], "the scheduler");
+    job.finish(false);
+}
+
+/// (c) `BlockSnapshot` and `BlockDelta` on a connection that said no Hello are refused
+/// and park nothing: pulls are answered, and a real move of that block onto that server
+/// then works.
+#[test]
+fn a_snapshot_or_delta_without_hello_is_forbidden_and_parks_nothing() {
+    let mut job = Job::start(Shape::default());
+    job.round("start");
+    let b = 0;
+    let owner = job.owner(b);
+    let target = 1 - owner;
+    let mut anon = connect_raw(&job.addrs[target as usize], SECRET.as_bytes());
+    let epoch = job.layout.placement.epoch + 99;
+    let snapshot = Control::BlockSnapshot { epoch, state: job.forged_state(b, 1000.0) };
+    let m = call(&mut anon, &codec(), 1, &snapshot.into());
+    assert_refused(&m, ErrorCode::Forbidden, &["BlockSnapshot", "Hello"], "BlockSnapshot without Hello");
+    let len = job.blocks[b as usize].2;
+    let pushes = vec![LoggedPush { worker: 0, clock: job.clock, grad: vec![100.0; len] }];
+    let m = call(&mut anon, &codec(), 2, &Control::BlockDelta { block: b, epoch, pushes }.into());
+    assert_refused(&m, ErrorCode::Forbidden, &["BlockDelta", "Hello"], "BlockDelta without Hello");
+    for what in ["BlockSnapshot", "BlockDelta"] {
+        let line = logged(|| job.server_log(target), &["forbidden message refused", what], "the server");
+        assert!(line.contains("claimed=") && line.contains("proven=no identity (cluster key)"), "{line}");
+    }
+    // With a worker's Hello too.
+    let mut conn = job.as_worker(target);
+    let snapshot = Control::BlockSnapshot { epoch, state: job.forged_state(b, 1000.0) };
+    let m = call(&mut conn, &codec(), 2, &snapshot.into());
+    assert_refused(&m, ErrorCode::Forbidden, &["worker 0", "BlockSnapshot"], "BlockSnapshot from a worker");
+    // Nothing parked: the block is the other server's, said at once.
+    let m = call(&mut conn, &codec(), 3, &Message::Pull { block: b, clock: job.clock });
+    assert_eq!(m, Message::Control(Control::Moved { block: b, owner, epoch: job.layout.placement.epoch }));
+    job.round("a forged snapshot and delta");
+
+    // A real move of that block onto that server.
+    let mut op = connect_raw(&job.sched_addr, SECRET.as_bytes());
+    let m = call(&mut op, &codec(), 1, &Control::Scale(ScaleRequest::MoveBlock { block: b, to: target }).into());
+    assert_eq!(m, Message::Control(Control::Ok), "MoveBlock {b} to server {target}");
+    let moved = poll_until(Duration::from_secs(30), || {
+        let st = status(&mut op, 2);
+        (st.migrations >= 1).then_some(st)
+    });
+    assert!(moved.is_some(), "the move of block {b} to server {target} did not complete\n{}", job.sched.log_tail(20));
+    job.round("block moved to the server that refused the forged snapshot");
+    let m = call(&mut conn, &codec(), 4, &Message::Pull { block: b, clock: job.clock });
+    match m {
+        Message::PullReply { block, values, .. } => {
+            assert_eq!((block, values.to_vec()), (b, job.block_values(b)), "block {b} on its new owner")
+        }
+        other => panic!("a pull of block {b} from its new owner: {other:?}"),
+    }
+    job.round("block moved");
+    job.finish(true);
+}
+
+/// (d) `Hello` with a credential that does not hold: a rank the job does not have, a MAC
+/// made with another secret, another job's. Each is `Unauthenticated` and the
+/// connection closes.
+#[test]
+fn a_hello_with_a_forged_credential_is_unauthenticated_and_closed() {
+    let mut job = Job::start(Shape::default());
+    job.round("start");
+    let own = job.credential();
+    let secret = SECRET.as_bytes();
+    let forged = [
+        ("rank 99", Credential::issue(secret, own.job, PeerRole::Worker, 99), "not in this job", "worker 99"),
+        ("another secret", Credential::issue(b"guessed", own.job, PeerRole::Worker, 1), "secret", "worker 1"),
+        ("another job", Credential::issue(secret, own.job ^ 1, PeerRole::Worker, 0), "not of this job", "worker 0"),
+        (
+            "a server's, another secret",
+            Credential::issue(b"guessed", own.job, PeerRole::Server, 1),
+            "secret",
+            "server 1",
+        ),
+    ];
+    for s in 0..job.addrs.len() as u32 {
+        for (what, credential, why, claimed) in &forged {
+            let mut conn = connect_raw(&job.addrs[s as usize], secret);
+            let m = call(&mut conn, &codec(), 1, &Control::Hello { credential: credential.clone() }.into());
+            assert_refused(&m, ErrorCode::Unauthenticated, &[why], &format!("Hello with {what} to server {s}"));
+            assert_closed(&mut conn, &format!("Hello with {what} to server {s}"));
+            let claimed = format!("claimed={claimed}");
+            let line = logged(|| job.server_log(s), &["hello refused", &claimed], &format!("server {s}"));
+            assert!(line.contains("proven=no identity (cluster key)"), "{line}");
+            job.round(&format!("Hello with {what} to server {s}"));
+        }
+    }
+    job.finish(true);
+}
+
+/// (e) `WorkerDone` naming another rank, from a worker's scheduler connection: refused,
+/// and that worker is not finished.
+#[test]
+fn worker_done_of_another_rank_is_forbidden_and_finishes_no_one() {
+    let mut job = Job::start(Shape { workers: 2, sync: "asp", ..Shape::default() });
+    // The attacker: a second worker of the job, on its own scheduler connection.
+    let mut evil = connect_raw(&job.sched_addr, SECRET.as_bytes());
+    let rank = match call(&mut evil, &codec(), 1, &Control::RegisterWorker.into()) {
+        Message::Control(Control::Welcome { node_id, .. }) => node_id,
+        other => panic!("RegisterWorker: {other:?}"),
+    };
+    assert_eq!(rank, 1);
+    job.round("start");
+    let m = call(&mut evil, &codec(), 2, &Control::WorkerDone { rank: 0 }.into());
+    assert_refused(&m, ErrorCode::Forbidden, &["worker 1", "worker 0"], "WorkerDone of rank 0 from rank 1");
+    let line = logged(|| job.sched.log(), &["forbidden message refused", "WorkerDone"], "the scheduler");
+    assert!(line.contains("proven=worker 1"), "{line}");
+    assert!(line.contains("claimed=worker 0"), "the refusal names the identity the message claimed: {line}");
+    let st = status(&mut evil, 3);
+    assert!(st.workers.iter().all(|w| !w.done), "no worker is done: {:?}", st.workers);
+    job.round("WorkerDone of rank 0 sent by rank 1");
+    write_frame(&mut evil, &codec(), 0, &Control::Heartbeat.into()).expect("a heartbeat");
+    job.round("WorkerDone of rank 0 sent by rank 1");
+    // The attacker's own WorkerDone is taken; then the real worker's.
+    let m = call(&mut evil, &codec(), 4, &Control::WorkerDone { rank: 1 }.into());
+    assert_eq!(m, Message::Control(Control::Ok), "WorkerDone of its own rank");
+    let st = status(&mut connect_raw(&job.sched_addr, SECRET.as_bytes()), 1);
+    let done: Vec<u32> = st.workers.iter().filter(|w| w.done).map(|w| w.rank).collect();
+    assert_eq!(done, [1], "only the attacker is done");
+    job.round("the attacker finished; the job goes on");
+    job.finish(true);
+}
+
+/// (f) A pull for a clock far in the future: `BadRequest` naming `--max-clock-lead`, and
+/// the connection stays usable.
+#[test]
+fn a_far_future_pull_is_a_bad_request_naming_the_bound_and_the_connection_stays_usable() {
+    let mut job = Job::start(Shape::default());
+    job.round("start");
+    let b = 0;
+    let s = job.owner(b);
+    let mut conn = job.as_worker(s);
+    let m = call(&mut conn, &codec(), 2, &Message::Pull { block: b, clock: u32::MAX });
+    assert_refused(&m, ErrorCode::BadRequest, &["--max-clock-lead", "1000"], "pull(2^32-1)");
+    let len = job.blocks[b as usize].2;
+    let push_pull = Message::PushPull { block: b, clock: u32::MAX - 1, values: Values::from_vec(vec![100.0; len]) };
+    let m = call(&mut conn, &codec(), 3, &push_pull);
+    assert_refused(&m, ErrorCode::BadRequest, &["--max-clock-lead"], "push_pull(2^32-2)");
+    let m = call(&mut conn, &codec(), 4, &Message::Pull { block: b, clock: job.clock + 1001 });
+    assert_refused(&m, ErrorCode::BadRequest, &["--max-clock-lead"], "pull(done + 1001)");
+    // Usable: a pull of the current clock is answered with the exact values.
+    match call(&mut conn, &codec(), 5, &Message::Pull { block: b, clock: job.clock }) {
+        Message::PullReply { values, .. } => assert_eq!(values.to_vec(), job.block_values(b)),
+        other => panic!("a pull of the current clock after the refusals: {other:?}"),
+    }
+    job.round("far-future pulls");
+    job.round("far-future pulls");
+    job.finish(true);
+}
+
+/// (g) With `--worker-secret`, a connection of the worker secret cannot register as a
+/// server, nor present a server's credential, nor send a server's messages; workers of
+/// that secret train.
+#[test]
+fn a_worker_secret_connection_cannot_become_a_server() {
+    let flags = vec!["--worker-secret", WORKER_SECRET];
+    let mut job = Job::start(Shape { flags, worker_key: true, ..Shape::default() });
+    job.round("start");
+    let ws = WORKER_SECRET.as_bytes();
+    let k = worker_codec();
+    // The scheduler.
+    let mut evil = connect_raw_with(&job.sched_addr, KeyId::Worker, ws);
+    let m = call(&mut evil, &k, 1, &Control::RegisterServer { data_addr: "127.0.0.1:1".into() }.into());
+    assert_refused(&m, ErrorCode::Forbidden, &["worker key", "RegisterServer"], "RegisterServer with the worker key");
+    let line = logged(|| job.sched.log(), &["forbidden message refused", "RegisterServer"], "the scheduler");
+    assert!(line.contains("proven=no identity (worker key)"), "{line}");
+    assert!(line.contains("claimed="), "the refusal names the identity the message claimed: {line}");
+    job.round("RegisterServer with the worker key");
+
+    // A server: a server's credential (a stolen one, and one MACed with the worker secret).
+    let own = job.credential();
+    let stolen = Credential::issue(SECRET.as_bytes(), own.job, PeerRole::Server, 0);
+    let minted = Credential::issue(ws, own.job, PeerRole::Server, 0);
+    for (what, credential, why) in
+        [("a stolen server credential", stolen, "worker secret"), ("a minted one", minted, "secret")]
+    {
+        let mut conn = connect_raw_with(&job.addrs[0], KeyId::Worker, ws);
+        let m = call(&mut conn, &k, 1, &Control::Hello { credential }.into());
+        assert_refused(&m, ErrorCode::Unauthenticated, &[why], &format!("Hello with {what}"));
+        assert_closed(&mut conn, what);
+        let line = logged(|| job.server_log(0), &["hello refused", "claimed=server 0"], "server 0");
+        assert!(line.contains("proven=no identity (worker key)"), "{line}");
+        job.round(&format!("Hello with {what} on the worker key"));
+    }
+    // As a worker (its own credential), it sends what only servers send.
+    let mut conn = connect_raw_with(&job.addrs[0], KeyId::Worker, ws);
+    assert_eq!(call(&mut conn, &k, 1, &job.hello()), Message::Control(Control::Ok));
+    let b = (0..3).find(|b| job.owner(*b) == 0).expect("server 0 owns a block");
+    let snapshot = Control::BlockSnapshot { epoch: 99, state: job.forged_state(b, 1000.0) };
+    let m = call(&mut conn, &k, 2, &snapshot.into());
+    assert_refused(&m, ErrorCode::Forbidden, &["worker 0"], "BlockSnapshot from a worker-key worker");
+    job.round("a worker-key worker sent a BlockSnapshot");
+    job.finish(true);
+}
+
+/// (h) 5,000 connections that never start the handshake, opened at once to a server and
+/// to the scheduler and kept open, do not stop an authenticated worker from connecting
+/// and training; a worker authenticated before them is served meanwhile.
+#[test]
+fn five_thousand_handshake_less_connections_do_not_lock_out_an_authenticated_worker() {
+    const FLOOD: usize = 5_000;
+    let mut job = Job::start(Shape { workers: 2, sync: "asp", ..Shape::default() });
+    job.round("start");
+    let targets = [job.sched_addr.clone(), job.addrs[0].clone()];
+
+    // One thread per target, so that the flood is open within a few seconds.
+    let started = Instant::now();
+    let openers: Vec<_> = targets
+        .iter()
+        .cloned()
+        .map(|addr| {
+            std::thread::spawn(move || {
+                let sock = addr.parse().expect("an address");
+                let (mut open, mut failed) = (Vec::with_capacity(FLOOD), 0);
+                for _ in 0..FLOOD {
+                    match TcpStream::connect_timeout(&sock, Duration::from_secs(2)) {
+                        Ok(s) => open.push(s),
+                        Err(_) => failed += 1,
+                    }
+                    if started.elapsed() > Duration::from_secs(60) {
+                        break;
+                    }
+                }
+                (open, failed)
+            })
+        })
+        .collect();
+    let mut flood: Vec<Vec<TcpStream>> = Vec::new();
+    for (t, addr) in openers.into_iter().zip(&targets) {
+        let (open, failed) = t.join().expect("an opener thread");
+        eprintln!("{} handshake-less connections to {addr} opened ({failed} failed)", open.len());
+        assert!(open.len() >= FLOOD * 9 / 10, "only {} of {FLOOD} connections to {addr} opened", open.len());
+        flood.push(open);
+    }
+    eprintln!("the flood was open after {:?}", started.elapsed());
+
+    // The worker authenticated before the flood is served meanwhile.
+    job.round("the flood opened");
+    job.round("the flood opened");
+    // Another worker connects now, while the flood is held, and trains.
+    job.join(options(&job.sched_addr, false));
+    eprintln!("the second worker joined {:?} after the flood started", started.elapsed());
+    job.round_other(0, "joining during the flood");
+    job.round("the second worker joined");
+    job.round_other(0, "joining during the flood");
+    // The flood still holds places in the handshake (some of its connections are open),
+    // so the worker did not merely wait for them to time out.
+    for (addr, conns) in targets.iter().zip(&mut flood) {
+        let held = conns
+            .iter_mut()
+            .map(|s| {
+                s.set_nonblocking(true).expect("non-blocking");
+                let mut buf = [0u8; 1];
+                matches!(s.read(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            })
+            .filter(|open| *open)
+            .count();
+        eprintln!("{held} flood connections to {addr} still open after the workers' rounds");
+        assert!(held > 0, "the flood's connections to {addr} were all closed before the worker joined: a slow run");
+    }
+    logged(|| job.sched.log(), &["connection dropped: the oldest of the connections in the handshake"], "the scheduler");
+    logged(|| job.server_log(0), &["connection dropped: the oldest of the connections in the handshake"], "server 0");
+    drop(flood);
+    job.round("the flood closed");
+    job.round_other(0, "the flood closed");
+    job.finish(true);
+}
