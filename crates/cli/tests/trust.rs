@@ -711,7 +711,11 @@ fn five_thousand_handshake_less_connections_do_not_lock_out_an_authenticated_wor
         eprintln!("{held} flood connections to {addr} still open after the workers' rounds");
         assert!(held > 0, "the flood's connections to {addr} were all closed before the worker joined: a slow run");
     }
-    logged(|| job.sched.log(), &["connection dropped: the oldest of the connections in the handshake"], "the scheduler");
+    logged(
+        || job.sched.log(),
+        &["connection dropped: the oldest of the connections in the handshake"],
+        "the scheduler",
+    );
     logged(|| job.server_log(0), &["connection dropped: the oldest of the connections in the handshake"], "server 0");
     drop(flood);
     job.round("the flood closed");

@@ -602,14 +602,17 @@ impl Server {
         let reply = |msg| Action::Reply { conn, request_id, msg };
         let token = |block| Token { conn, request_id, block };
         let name = authz::name_of(&msg);
-        let proven = authz::proven_name(c.proven, c.key);
+        // Named only in a refusal (no allocation on the data path).
+        let proven = || authz::proven_name(c.proven, c.key);
         match authz::check(Receiver::Server, c.class(), name) {
             Verdict::Allowed => {}
             Verdict::Forbidden => {
                 let hint = if c.proven.is_none() { " (say Hello with a credential first)" } else { "" };
-                let message =
-                    format!("{proven} may not send {name} to a server{hint} (docs/PROTOCOL.md §7.1); nothing changed");
-                tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(&msg), %proven, "forbidden message refused");
+                let message = format!(
+                    "{} may not send {name} to a server{hint} (docs/PROTOCOL.md §7.1); nothing changed",
+                    proven()
+                );
+                tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(&msg), proven = %proven(), "forbidden message refused");
                 return out.push(reply(error(ErrorCode::Forbidden, message)));
             }
             Verdict::NotTaken => {
@@ -620,7 +623,7 @@ impl Server {
             }
         }
         if let Some(refused) = self.sender_may_not(&c, &msg) {
-            tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(&msg), %proven, %refused, "forbidden message refused");
+            tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(&msg), proven = %proven(), %refused, "forbidden message refused");
             return out.push(reply(error(ErrorCode::Forbidden, refused)));
         }
         let rank = c.rank().unwrap_or(u32::MAX);
@@ -632,7 +635,7 @@ impl Server {
                     Some(Control::Ok.into())
                 }
                 Err((code, message)) => {
-                    tracing::warn!(server = self.id, conn, claimed = %credential, %proven, %message, "hello refused");
+                    tracing::warn!(server = self.id, conn, claimed = %credential, proven = %proven(), %message, "hello refused");
                     out.push(reply(error(code, message)));
                     if code == ErrorCode::Unauthenticated {
                         self.conns.remove(&conn);
