@@ -145,6 +145,7 @@ fn any_port(listen: &str) -> String {
 
 /// Runs the scheduler until the job ends.
 pub async fn scheduler(cmd: SchedulerCmd) -> anyhow::Result<()> {
+    cmd.net.check_worker_secret()?;
     cmd.net.install()?;
     let emitter = Emitter::new(cmd.events);
     let mut job = cmd.job.job_config()?;
@@ -228,6 +229,7 @@ fn advertised(scheduler: &str, listen: &str, advertise: Option<String>) -> anyho
 
 /// Runs a server until the scheduler ends the job.
 pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
+    cmd.net.check_worker_secret()?;
     cmd.net.install()?;
     let emitter = Emitter::new(cmd.events);
     let metrics = cmd.metrics_listen.as_ref().map(|_| ServerMetrics::new());

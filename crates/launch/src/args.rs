@@ -97,6 +97,21 @@ impl NetArgs {
             .with_worker_secret(self.worker_secret.as_deref().map(str::as_bytes))
     }
 
+    /// Refuses a worker secret that would protect nothing: without a cluster secret (the
+    /// empty key would let anyone be a server) or equal to it. Schedulers and servers
+    /// call it; a worker may hold the worker secret alone.
+    pub fn check_worker_secret(&self) -> crate::Result<()> {
+        match &self.worker_secret {
+            Some(_) if self.secret.is_empty() => Err(crate::LaunchError::Flags(
+                "--worker-secret needs a --secret too: without a cluster secret anyone could be a server".into(),
+            )),
+            Some(ws) if *ws == self.secret => {
+                Err(crate::LaunchError::Flags("--worker-secret must differ from --secret".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The codec a worker dials with: the worker secret's when it has one and no cluster
     /// secret, else [`NetArgs::codec`].
     pub fn worker_codec(&self) -> Codec {

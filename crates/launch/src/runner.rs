@@ -126,13 +126,15 @@ pub struct Restart {
 pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32) -> Vec<(String, String)> {
     // A user's script holds the worker secret alone when there is one: it can be a worker
     // and nothing else (a compromised script cannot become a server).
-    let secret = match &net.worker_secret {
-        Some(ws) => ("ELASTICPS_WORKER_SECRET", ws.clone()),
-        None => ("ELASTICPS_SECRET", net.secret.clone()),
+    // (The launcher's own environment may hold ELASTICPS_SECRET: it is emptied then.)
+    let (secret, worker_secret) = match &net.worker_secret {
+        Some(ws) => (String::new(), ws.clone()),
+        None => (net.secret.clone(), String::new()),
     };
     let mut env: Vec<(String, String)> = [
         ("ELASTICPS_SCHEDULER", scheduler.to_string()),
-        secret,
+        ("ELASTICPS_SECRET", secret),
+        ("ELASTICPS_WORKER_SECRET", worker_secret),
         ("ELASTICPS_MAX_FRAME_MIB", net.max_frame_mib.to_string()),
         ("ELASTICPS_WORKERS", job.workers.to_string()),
         ("ELASTICPS_LOCAL_RANK", local_rank.to_string()),

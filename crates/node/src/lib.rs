@@ -16,6 +16,8 @@
 //!   to resend after `Moved`) and its load report.
 //! - [`authz`]: who may send what to whom (docs/PROTOCOL.md §7.1), checked by the
 //!   scheduler and the servers before a message changes anything.
+//! - [`timing`]: every timing constant of the roles' links (heartbeats, timeouts, ticks,
+//!   backoff), defined once for the runtime and the harness alike.
 //! - [`harness`]: a deterministic cluster on virtual time: simulated links with latency
 //!   and bandwidth, seeded faults, the real scheduler and the roles plugged in.
 
@@ -24,6 +26,7 @@ pub mod error;
 pub mod harness;
 pub mod scheduler;
 pub mod server;
+pub mod timing;
 pub mod worker;
 
 pub use error::{NodeError, Result};

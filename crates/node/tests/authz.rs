@@ -269,12 +269,8 @@ fn classes_of(to: Receiver) -> &'static [Class] {
 /// a credential's MAC.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Forgery {
-    /// `Replicate` of block 2 from server 1 (its primary is server 2).
-    ReplicateFromNonPrimary,
     /// `Replicate` of block 0 (this server's own) from server 2.
     ReplicateOfOwnBlock,
-    /// `ReplicaSnapshot` of block 2, forged values, from server 1.
-    ReplicaSnapshotFromNonPrimary,
     /// `ReplicaSnapshot` of block 0 (this server's own), forged values, from server 2.
     ReplicaSnapshotOfOwnBlock,
     /// `BlockSnapshot` of block 2 from server 1 (its owner is server 2).
@@ -303,10 +299,8 @@ enum Forgery {
     MigrateDoneOfAnother,
 }
 
-const FORGERIES: [Forgery; 16] = [
-    Forgery::ReplicateFromNonPrimary,
+const FORGERIES: [Forgery; 14] = [
     Forgery::ReplicateOfOwnBlock,
-    Forgery::ReplicaSnapshotFromNonPrimary,
     Forgery::ReplicaSnapshotOfOwnBlock,
     Forgery::SnapshotFromNonOwner,
     Forgery::SnapshotOfOwnBlock,
@@ -777,14 +771,7 @@ impl World {
         let forbidden = ErrorCode::Forbidden;
         let unauth = ErrorCode::Unauthenticated;
         match forgery {
-            Forgery::ReplicateFromNonPrimary => {
-                self.forged_to_server(S1, push(2, 100.0).into(), forbidden, false, &what)
-            }
             Forgery::ReplicateOfOwnBlock => self.forged_to_server(S2, push(0, 100.0).into(), forbidden, false, &what),
-            Forgery::ReplicaSnapshotFromNonPrimary => {
-                let msg = Control::ReplicaSnapshot(self.model.forged_state(2, 100.0)).into();
-                self.forged_to_server(S1, msg, forbidden, false, &what)
-            }
             Forgery::ReplicaSnapshotOfOwnBlock => {
                 let msg = Control::ReplicaSnapshot(self.model.forged_state(0, 100.0)).into();
                 self.forged_to_server(S2, msg, forbidden, false, &what)

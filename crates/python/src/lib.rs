@@ -78,7 +78,9 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     let mut opts = ClientOptions::new(scheduler);
     let max_payload = max_frame_mib.saturating_mul(1 << 20);
     opts.codec = match std::env::var("ELASTICPS_WORKER_SECRET") {
-        Ok(ws) if secret.is_empty() => elasticps_wire::Codec::for_worker_secret(ws.as_bytes(), max_payload),
+        Ok(ws) if secret.is_empty() && !ws.is_empty() => {
+            elasticps_wire::Codec::for_worker_secret(ws.as_bytes(), max_payload)
+        }
         _ => elasticps_wire::Codec::new(secret.as_bytes(), max_payload),
     };
     opts.request_timeout = Duration::from_secs(request_timeout_s.max(1));

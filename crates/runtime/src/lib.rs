@@ -47,17 +47,23 @@ pub mod tls;
 
 pub use error::{Result, RuntimeError};
 
-/// How often nodes send a heartbeat to the scheduler.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_millis(500);
-/// How long the scheduler waits without hearing from a node before declaring it dead.
-pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
-/// [`HEARTBEAT_TIMEOUT`] in a job with replicas (`--replicas 2` or more), where a silent
-/// server's blocks fail over to their backups: a server that stops answering (hung, or
-/// cut off) is detected within 2 s. (A killed one is detected at once: its connection
-/// closes.) Without replicas a false alarm would end the job, so the wait is longer.
-pub const FAILOVER_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
-/// How often servers evaluate their load and adaptive policies.
-pub const STATS_INTERVAL: Duration = Duration::from_secs(1);
+/// How often nodes send a heartbeat to the scheduler
+/// ([`elasticps_node::timing::HEARTBEAT_EVERY_US`]).
+pub const HEARTBEAT_EVERY: Duration = Duration::from_micros(timing::HEARTBEAT_EVERY_US);
+/// How long the scheduler waits without hearing from a node before declaring it dead
+/// ([`elasticps_node::timing::HEARTBEAT_TIMEOUT_US`]).
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_micros(timing::HEARTBEAT_TIMEOUT_US);
+/// [`HEARTBEAT_TIMEOUT`] in a job with replicas
+/// ([`elasticps_node::timing::FAILOVER_HEARTBEAT_TIMEOUT_US`]).
+pub const FAILOVER_HEARTBEAT_TIMEOUT: Duration = Duration::from_micros(timing::FAILOVER_HEARTBEAT_TIMEOUT_US);
+/// How often workers report their load ([`elasticps_node::timing::WORKER_STATS_US`]).
+pub const STATS_INTERVAL: Duration = Duration::from_micros(timing::WORKER_STATS_US);
+/// How often the scheduler ticks ([`elasticps_node::timing::SCHEDULER_TICK_US`]).
+pub const SCHEDULER_TICK: Duration = Duration::from_micros(timing::SCHEDULER_TICK_US);
+/// How often a server ticks ([`elasticps_node::timing::SERVER_TICK_US`]).
+pub const SERVER_TICK: Duration = Duration::from_micros(timing::SERVER_TICK_US);
+
+use elasticps_node::timing;
 /// How long a TCP connect may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a control request (register, layout) may take to be answered.
@@ -90,5 +96,58 @@ pub async fn timeout<T>(after: Duration, what: impl Into<String>, fut: impl Futu
     match tokio::time::timeout(after, fut).await {
         Ok(r) => r,
         Err(_) => Err(RuntimeError::Timeout { what: what.into(), after }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use elasticps_node::harness::ClusterConfig;
+
+    use super::*;
+
+    fn job(replicas: u32) -> elasticps_node::scheduler::JobConfig {
+        use elasticps_core::block::ShardConfig;
+        use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+        let optimizer = OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 };
+        elasticps_node::scheduler::JobConfig {
+            servers: 3,
+            workers: 2,
+            block_bytes: 16,
+            placement: elasticps_core::placement::PlacementKind::Range,
+            shard: ShardConfig { sync: elasticps_core::sync::SyncPolicy::Bsp, optimizer, workers: 2 },
+            server_sync: Vec::new(),
+            seed: 1,
+            inject: Vec::new(),
+            balance: Default::default(),
+            max_servers: 3,
+            min_servers: 3,
+            checkpoint: None,
+            rejoin_wait_us: 0,
+            replicas,
+        }
+    }
+
+    /// The runtime and the harness time their links with the same constants
+    /// ([`elasticps_node::timing`]): a literal typed again on either side fails here.
+    #[test]
+    fn the_runtime_and_the_harness_use_the_same_timing_constants() {
+        let us = |d: Duration| d.as_micros() as u64;
+        assert_eq!(us(HEARTBEAT_EVERY), timing::HEARTBEAT_EVERY_US);
+        assert_eq!(us(HEARTBEAT_TIMEOUT), timing::HEARTBEAT_TIMEOUT_US);
+        assert_eq!(us(FAILOVER_HEARTBEAT_TIMEOUT), timing::FAILOVER_HEARTBEAT_TIMEOUT_US);
+        assert_eq!(us(STATS_INTERVAL), timing::WORKER_STATS_US);
+        assert_eq!(us(SCHEDULER_TICK), timing::SCHEDULER_TICK_US);
+        assert_eq!(us(SERVER_TICK), timing::SERVER_TICK_US);
+        assert_eq!(us(reattach::FIRST_BACKOFF), timing::FIRST_BACKOFF_US);
+        assert_eq!(us(reattach::MAX_BACKOFF), timing::MAX_BACKOFF_US);
+        assert_eq!(elasticps_node::harness::server::SERVER_TICK_US, us(SERVER_TICK));
+        assert_eq!(elasticps_node::harness::worker::WORKER_STATS_US, us(STATS_INTERVAL));
+        assert_eq!(elasticps_node::server::HEARTBEAT_EVERY_US, us(HEARTBEAT_EVERY));
+        for replicas in [1, 2, 3] {
+            let c = ClusterConfig::new(job(replicas));
+            let runtime = if replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT } else { HEARTBEAT_TIMEOUT };
+            assert_eq!(c.heartbeat_timeout_us, us(runtime), "replicas {replicas}");
+            assert_eq!(c.tick_us, us(SCHEDULER_TICK));
+        }
     }
 }

@@ -16,10 +16,11 @@ use crate::peer::{Notifications, Peer};
 
 /// How long a node retries a lost scheduler by default (`--scheduler-retry-s`).
 pub const DEFAULT_SCHEDULER_RETRY: Duration = Duration::from_secs(60);
-/// The first retry's delay; each next one doubles, up to [`MAX_BACKOFF`].
-pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+/// The first retry's delay; each next one doubles, up to [`MAX_BACKOFF`]
+/// ([`elasticps_node::timing::next_backoff_us`]).
+pub const FIRST_BACKOFF: Duration = Duration::from_micros(elasticps_node::timing::FIRST_BACKOFF_US);
 /// The longest delay between two retries.
-pub const MAX_BACKOFF: Duration = Duration::from_secs(2);
+pub const MAX_BACKOFF: Duration = Duration::from_micros(elasticps_node::timing::MAX_BACKOFF_US);
 
 /// Dials the scheduler at `addr` again until it answers `hello()` (built afresh for each
 /// attempt) with `Welcome`, for at most `window`. A refusal (an `Error` reply) is final.
@@ -61,11 +62,11 @@ pub async fn redial(
             attempt,
             addr,
             error = %tried,
-            next_in_ms = (delay * 2).min(MAX_BACKOFF).as_millis() as u64,
+            next_in_ms = Duration::from_micros(elasticps_node::timing::next_backoff_us(delay.as_micros() as u64)).as_millis() as u64,
             left_s = window.saturating_sub(started.elapsed()).as_secs_f64(),
             "scheduler unreachable; retrying"
         );
-        delay = (delay * 2).min(MAX_BACKOFF);
+        delay = Duration::from_micros(elasticps_node::timing::next_backoff_us(delay.as_micros() as u64));
     }
 }
 

@@ -176,13 +176,14 @@ pub struct ClusterConfig {
 }
 
 impl ClusterConfig {
-    /// The runtime's defaults for `job`: 10 s heartbeat timeout, a tick every 500 ms,
-    /// seed 0, no jitter, no launcher, a default link.
+    /// The runtime's defaults for `job` ([`crate::timing`]): its heartbeat timeout (2 s
+    /// with replicas, else 10 s), a tick every 500 ms, seed 0, no jitter, no launcher, a
+    /// default link.
     pub fn new(job: JobConfig) -> Self {
         Self {
+            heartbeat_timeout_us: crate::timing::heartbeat_timeout_us(job.replicas),
             job,
-            heartbeat_timeout_us: 10_000_000,
-            tick_us: 500_000,
+            tick_us: crate::timing::SCHEDULER_TICK_US,
             seed: 0,
             jitter_us: 0,
             can_launch: false,

@@ -24,8 +24,8 @@ use super::net::{LinkSpec, LostWhy, NodeId};
 use crate::ConnId;
 use crate::server::{Action, Event, Exit, PullTrace, Server};
 
-/// How often the adapter ticks its server (the runtime ticks every 100 ms).
-pub const SERVER_TICK_US: u64 = 100_000;
+pub use crate::timing::SERVER_TICK_US;
+use crate::timing::{FIRST_BACKOFF_US, next_backoff_us};
 
 /// Timer tokens of the server adapter.
 const TICK: u64 = 0;
@@ -37,9 +37,6 @@ const REDIAL: u64 = 2;
 const REATTACH: u64 = u64::MAX;
 /// Request id of the `Hello` that opens a connection to another server.
 const HELLO: u64 = u64::MAX - 1;
-/// The first redial's delay, and the longest (the runtime's backoff).
-const FIRST_BACKOFF_US: u64 = 100_000;
-const MAX_BACKOFF_US: u64 = 2_000_000;
 
 /// What the adapter models beyond the state machine.
 #[derive(Clone, Copy, Debug, Default)]
@@ -158,7 +155,7 @@ impl ServerRole {
             self.sched = Some(conn);
             self.conns.insert(conn);
         } else {
-            self.redial = Some((since, (delay * 2).min(MAX_BACKOFF_US)));
+            self.redial = Some((since, next_backoff_us(delay)));
             out.wake_at(out.now_us() + delay, REDIAL);
         }
     }
@@ -367,7 +364,7 @@ impl Role for ServerRole {
                 self.sched = None;
                 let since = self.redial.map_or(out.now_us(), |(since, _)| since);
                 let delay = self.redial.map_or(FIRST_BACKOFF_US, |(_, d)| d);
-                self.redial = Some((since, (delay * 2).min(MAX_BACKOFF_US)));
+                self.redial = Some((since, next_backoff_us(delay)));
                 out.wake_at(out.now_us() + delay, REDIAL);
                 return;
             }

@@ -20,10 +20,8 @@ use super::net::{LostWhy, NodeId};
 use crate::ConnId;
 use crate::worker::{Action, Op, PushOp, Round, Worker};
 
-/// How often the adapter sends a heartbeat (the runtime's `HEARTBEAT_EVERY`).
-pub const WORKER_HEARTBEAT_US: u64 = 1_000_000;
-/// How often a worker reports its load (the runtime's `STATS_INTERVAL`).
-pub const WORKER_STATS_US: u64 = 1_000_000;
+pub use crate::timing::WORKER_STATS_US;
+use crate::timing::{FIRST_BACKOFF_US, HEARTBEAT_EVERY_US, next_backoff_us};
 
 /// Timer tokens.
 const HEARTBEAT: u64 = 0;
@@ -38,9 +36,6 @@ const DONE: u64 = 3;
 const START: u64 = 4;
 /// `ReattachWorker` on a new connection to a restarted scheduler.
 const REATTACH: u64 = 5;
-/// The first redial's delay, and the longest (the runtime's backoff).
-const FIRST_BACKOFF_US: u64 = 100_000;
-const MAX_BACKOFF_US: u64 = 2_000_000;
 const FIRST_LAYOUT_CALL: u64 = 16;
 /// Request id of Hello on a server's connection.
 const HELLO: u64 = 1;
@@ -205,7 +200,7 @@ impl WorkerRole {
         if out.send(conn, REATTACH, Control::ReattachWorker { rank, credential }.into()) {
             self.sched = Some(conn);
         } else {
-            self.redial = Some((since, (delay * 2).min(MAX_BACKOFF_US)));
+            self.redial = Some((since, next_backoff_us(delay)));
             out.wake_at(out.now_us() + delay, REDIAL);
         }
     }
@@ -522,7 +517,7 @@ impl Role for WorkerRole {
             Some(rank) => Control::RejoinWorker { rank },
         };
         out.send(sched, REGISTER, hello.into());
-        out.wake_at(out.now_us() + WORKER_HEARTBEAT_US, HEARTBEAT);
+        out.wake_at(out.now_us() + HEARTBEAT_EVERY_US, HEARTBEAT);
     }
 
     fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
@@ -570,7 +565,7 @@ impl Role for WorkerRole {
             if self.retry_us > 0 && attached {
                 let since = self.redial.map_or(out.now_us(), |(since, _)| since);
                 let delay = self.redial.map_or(FIRST_BACKOFF_US, |(_, d)| d);
-                self.redial = Some((since, (delay * 2).min(MAX_BACKOFF_US)));
+                self.redial = Some((since, next_backoff_us(delay)));
                 out.wake_at(out.now_us() + delay, REDIAL);
                 return;
             }
@@ -593,7 +588,7 @@ impl Role for WorkerRole {
         match token {
             HEARTBEAT => {
                 self.call_scheduler(out, 0, Control::Heartbeat.into());
-                out.wake_at(out.now_us() + WORKER_HEARTBEAT_US, HEARTBEAT);
+                out.wake_at(out.now_us() + HEARTBEAT_EVERY_US, HEARTBEAT);
             }
             COMPUTE_DONE => {
                 if let Stage::Computing(t) = self.stage {

@@ -270,6 +270,9 @@ pub struct Scheduler {
     /// Each open connection's handshake key, and when it opened (µs): one that has not
     /// registered within [`REGISTER_WITHIN_US`] is closed.
     opened: BTreeMap<ConnId, (KeyId, u64)>,
+    /// Connections closed for not registering: what they sent before the close reached
+    /// the runtime is dropped (it must not be taken as from a fresh connection).
+    shut: BTreeSet<ConnId>,
     /// The cluster secret the credentials are made with.
     secret: Vec<u8>,
     /// This job's id in its credentials.
@@ -308,6 +311,7 @@ impl Scheduler {
             hosts: None,
             peers: BTreeMap::new(),
             opened: BTreeMap::new(),
+            shut: BTreeSet::new(),
             secret: Vec::new(),
             job: 0,
             config,
@@ -414,6 +418,17 @@ impl Scheduler {
         if self.over {
             return out;
         }
+        if let Event::Received { conn, .. } = &event
+            && self.shut.contains(conn)
+        {
+            return out;
+        }
+        if let Event::Received { conn, msg: Message::Control(Control::GetStatus | Control::Scale(_)), .. } = &event
+            && let Some((_, since)) = self.opened.get_mut(conn)
+        {
+            // An operator tool (`elasticps status --watch`) stays while it keeps asking.
+            *since = self.now_us;
+        }
         if let Event::Received { conn, request_id, msg } = &event
             && let Some(refused) = self.forbidden(*conn, msg)
         {
@@ -442,6 +457,7 @@ impl Scheduler {
             Event::Lost { conn, why } => {
                 self.peers.remove(&conn);
                 self.opened.remove(&conn);
+                self.shut.remove(&conn);
                 match self.hosts.as_mut().and_then(|h| h.connection_lost(conn, &why)) {
                     Some(lost) => self.host_lost(lost, &mut out),
                     None => self.on_lost(conn, &why, &mut out),
@@ -562,6 +578,7 @@ impl Scheduler {
             out.push(Action::Send { conn, request_id: 0, msg });
             out.push(Action::Close(conn));
             self.opened.remove(&conn);
+            self.shut.insert(conn);
         }
     }
 
@@ -1213,6 +1230,9 @@ impl Scheduler {
     fn rejoin(&mut self, conn: ConnId, request_id: u64, rank: u32, out: &mut Vec<Action>) -> Result<(), String> {
         if rank >= self.config.workers {
             return Err(format!("worker {rank} cannot rejoin: the job has workers 0..{}", self.config.workers));
+        }
+        if rank as usize >= self.workers.len() {
+            return Err(format!("worker {rank} cannot rejoin: it never joined (RegisterWorker)"));
         }
         if self.finished_workers.contains(&rank) && !self.failed_workers.contains_key(&rank) {
             return Err(format!("worker {rank} cannot rejoin: it finished"));

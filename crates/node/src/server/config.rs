@@ -30,6 +30,10 @@ pub struct Shard {
     /// Each tensor's own optimizer, if it has one (set with the model, changed by
     /// `SetOptimizer`); the job's otherwise.
     pub tensor_optimizers: Vec<Option<TensorOptimizer>>,
+    /// The servers that owned each block before its owner by [`Shard::placement`], as
+    /// this server learned of the changes (a promoted backup's old primary may still
+    /// forward the pushes it applied).
+    pub former_owners: std::collections::BTreeMap<BlockId, std::collections::BTreeSet<ServerId>>,
 }
 
 impl Shard {
@@ -47,7 +51,13 @@ impl Shard {
             placement: a.placement.clone(),
             seed: a.seed,
             tensor_optimizers: a.partition.optimizers.clone(),
+            former_owners: Default::default(),
         }
+    }
+
+    /// Whether `server` owned `block` before its owner by this server's placement.
+    pub fn owned_before(&self, block: BlockId, server: ServerId) -> bool {
+        self.former_owners.get(&block).is_some_and(|f| f.contains(&server))
     }
 
     /// The staleness an `Adaptive` policy currently uses (0 for other policies).
@@ -111,6 +121,9 @@ impl Shard {
 
     /// Records in this server's placement that `block` is now owned by `owner` at `epoch`.
     pub fn set_owner(&mut self, block: BlockId, owner: ServerId, epoch: u64) {
+        if let Some(before) = self.placement.owner(block).filter(|b| *b != owner) {
+            self.former_owners.entry(block).or_default().insert(before);
+        }
         if let Err(e) = self.placement.apply(block, owner, epoch) {
             tracing::warn!(server = self.id, block, owner, epoch, error = %e, "owner change of an unknown block");
         }

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use elasticps_core::block::{Answer, Block, BlockState};
 use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
-use elasticps_core::sync::Clock;
+use elasticps_core::sync::{Clock, SyncPolicy};
 use elasticps_wire::{
     Assignment, CheckpointEntry, CheckpointPlan, Control, Credential, ErrorCode, KeyId, Message, PeerRole, ServerLoad,
     ServerStats, Values,
@@ -43,9 +43,7 @@ use counters::{Counters, Sum};
 pub use crate::ConnId;
 use crate::authz::{self, Class, Receiver, Verdict};
 
-/// How often a server sends a heartbeat to the scheduler, µs (as the runtime's
-/// `HEARTBEAT_EVERY`).
-pub const HEARTBEAT_EVERY_US: u64 = 500_000;
+pub use crate::timing::HEARTBEAT_EVERY_US;
 /// How often a server reports its load and evaluates its adaptive policy, µs.
 pub const STATS_INTERVAL_US: u64 = 1_000_000;
 /// How long each step of a migration may take, µs.
@@ -712,9 +710,12 @@ impl Server {
         Ok(())
     }
 
-    /// Why connection `c`'s proven identity may not send `msg`, a check beyond the table:
-    /// a backup's copy of a block comes only from the block's primary by this server's
-    /// placement.
+    /// Why connection `c`'s proven server may not send `msg`, a check beyond the table: a
+    /// copy of a block this server serves comes only from a server that owned the block
+    /// before (a promoted backup's old primary, forwarding what it applied). A copy of a
+    /// block served elsewhere is taken from any proven server: this server's placement
+    /// may lag the scheduler's (it learns a promotion or a settled move by a broadcast),
+    /// and refusing the block's new primary there would leave its pushes unacknowledged.
     fn sender_may_not(&self, c: &Conn, msg: &Message) -> Option<String> {
         let sender = c.server()?;
         let block = match msg {
@@ -722,12 +723,15 @@ impl Server {
             Message::Control(Control::ReplicaSnapshot(state)) => state.spec.id,
             _ => return None,
         };
-        match self.shard.as_ref().and_then(|s| s.placement.owner(block)) {
-            Some(p) if p != sender => Some(format!(
-                "server {sender} sent a copy of block {block}, whose primary is server {p} by this server's placement"
-            )),
-            _ => None,
+        let shard = self.shard.as_ref()?;
+        let serving =
+            self.slots.get(&block).is_some_and(|s| matches!(s, Slot::Owned(o) if matches!(o.phase, Phase::Serving)));
+        if serving && !shard.owned_before(block, sender) {
+            return Some(format!(
+                "server {sender} sent a copy of block {block}, which this server serves (server {sender} never owned it)"
+            ));
         }
+        None
     }
 
     /// A data request: answered now (the reply returned), later (a held pull: `None`,
@@ -860,7 +864,9 @@ impl Server {
     /// (`--max-clock-lead` past `done`), or one pull more than a bound on held pulls.
     fn pull_bound(&self, conn: ConnId, block: BlockId, clock: Clock, done: Clock) -> Option<String> {
         let lead = self.max_clock_lead;
-        if clock.saturating_sub(done) > lead {
+        // asp answers every pull at once, however far ahead: nothing would be held.
+        let holds = self.shard.as_ref().is_some_and(|s| !matches!(s.effective().sync, SyncPolicy::Asp));
+        if holds && clock.saturating_sub(done) > lead {
             return Some(format!(
                 "a pull of block {block} at clock {clock} is more than {lead} clocks past its done clock {done} \
                  (--max-clock-lead {lead})"

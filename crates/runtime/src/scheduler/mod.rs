@@ -16,11 +16,11 @@ pub use elasticps_node::scheduler::{
     ServerPoint,
 };
 
+use crate::Micros;
 use crate::accept::{self, Accepted, Acceptor};
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
 use crate::metrics::SchedulerMetrics;
-use crate::{FAILOVER_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT, Micros};
 
 pub mod state;
 
@@ -108,8 +108,7 @@ pub async fn run_with(
     let origin =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
     let mut saved = opts.state_dir.as_deref().map(state::StateDir::new);
-    let heartbeat_timeout = if opts.job.replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT } else { HEARTBEAT_TIMEOUT };
-    let heartbeat_us = heartbeat_timeout.as_micros() as u64;
+    let heartbeat_us = elasticps_node::timing::heartbeat_timeout_us(opts.job.replicas);
     let base = match saved.as_ref().map(state::StateDir::load).transpose()?.flatten() {
         Some(s) => {
             let path = saved.as_ref().map_or_else(String::new, |d| d.path().display().to_string());
@@ -134,7 +133,7 @@ pub async fn run_with(
         d.loaded(state.state_version());
     }
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut tick = tokio::time::interval(crate::SCHEDULER_TICK);
     // Manifest writes under way (awaited before the scheduler returns).
     let mut manifests = Vec::new();
     let outcome = loop {

@@ -34,9 +34,6 @@ pub use elasticps_node::server::MAX_CLOCK_LEAD;
 
 use links::Links;
 
-/// How often the state machine gets a `Tick`.
-const TICK: Duration = Duration::from_millis(100);
-
 /// How to start a server.
 #[derive(Clone, Debug)]
 pub struct ServerOptions {
@@ -151,7 +148,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     io.apply(start);
 
     let accept = tokio::spawn(accept_loop(listener, io.clone()));
-    let mut ticker = tokio::time::interval(TICK);
+    let mut ticker = tokio::time::interval(crate::SERVER_TICK);
     let mut attached = false;
     let mut scheduler_open = true;
     let mut redial: Option<Redialling> = None;

@@ -1,0 +1,59 @@
+//! Every timing constant of the roles' links, defined once: the runtime
+//! (`elasticps-runtime`) and the deterministic harness ([`crate::harness`]) both use these,
+//! so the proptests run with the heartbeats, timeouts, ticks and backoff that production
+//! runs. The roles' own deadlines (a migration step, a drained server's linger, a
+//! registration) sit beside their state machines: [`crate::server`]'s `*_US` constants.
+//!
+//! A test of each side checks that it uses these (`runtime`'s constants are made from
+//! them; the harness's defaults are asserted equal in `harness::cluster`).
+
+/// How often a node (worker, server, host agent) sends the scheduler a heartbeat, µs.
+pub const HEARTBEAT_EVERY_US: u64 = 500_000;
+/// How long the scheduler waits without a frame from a node before it declares the node
+/// lost, µs, in a job without replicas (a false alarm would end the job).
+pub const HEARTBEAT_TIMEOUT_US: u64 = 10_000_000;
+/// [`HEARTBEAT_TIMEOUT_US`] in a job with replicas (`--replicas 2` or more), where a
+/// silent server's blocks fail over to their backups: a server that stops answering
+/// (hung, or cut off) is detected within 2 s. A killed one is detected at once: its
+/// connection closes.
+pub const FAILOVER_HEARTBEAT_TIMEOUT_US: u64 = 2_000_000;
+/// How often the scheduler ticks (heartbeat checks, the balancer, wait reports), µs.
+pub const SCHEDULER_TICK_US: u64 = 500_000;
+/// How often a server ticks (heartbeats, load reports, step deadlines), µs.
+pub const SERVER_TICK_US: u64 = 100_000;
+/// How often a worker reports its load to the scheduler, µs.
+pub const WORKER_STATS_US: u64 = 1_000_000;
+/// A node that lost the scheduler dials it again after this long, µs; each next attempt
+/// waits twice as long as the one before, up to [`MAX_BACKOFF_US`].
+pub const FIRST_BACKOFF_US: u64 = 100_000;
+/// The longest wait between two redials of the scheduler, µs.
+pub const MAX_BACKOFF_US: u64 = 2_000_000;
+
+/// The scheduler's heartbeat timeout for a job of `replicas` copies per block.
+pub fn heartbeat_timeout_us(replicas: u32) -> u64 {
+    if replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT_US } else { HEARTBEAT_TIMEOUT_US }
+}
+
+/// The wait before the redial after one that waited `delay_us`.
+pub fn next_backoff_us(delay_us: u64) -> u64 {
+    delay_us.saturating_mul(2).min(MAX_BACKOFF_US)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backoff_doubles_up_to_its_cap_and_replicas_shorten_the_timeout() {
+        let mut d = FIRST_BACKOFF_US;
+        let mut seen = vec![d];
+        for _ in 0..6 {
+            d = next_backoff_us(d);
+            seen.push(d);
+        }
+        assert_eq!(seen, [100_000, 200_000, 400_000, 800_000, 1_600_000, 2_000_000, 2_000_000]);
+        assert_eq!((heartbeat_timeout_us(1), heartbeat_timeout_us(2)), (10_000_000, 2_000_000));
+        // A node misses a few heartbeats before it counts as lost, even with replicas.
+        const { assert!(FAILOVER_HEARTBEAT_TIMEOUT_US >= 4 * HEARTBEAT_EVERY_US) };
+    }
+}
