@@ -94,18 +94,23 @@ impl NetArgs {
     /// dialers of the worker secret (schedulers and servers).
     pub fn codec(&self) -> Codec {
         Codec::new(self.secret.as_bytes(), self.max_frame_mib.saturating_mul(1 << 20))
-            .with_worker_secret(self.worker_secret.as_deref().map(str::as_bytes))
+            .with_worker_secret(self.worker_secret().map(str::as_bytes))
+    }
+
+    /// The worker secret, if one is set (an empty one is none).
+    pub fn worker_secret(&self) -> Option<&str> {
+        self.worker_secret.as_deref().filter(|ws| !ws.is_empty())
     }
 
     /// Refuses a worker secret that would protect nothing: without a cluster secret (the
     /// empty key would let anyone be a server) or equal to it. Schedulers and servers
     /// call it; a worker may hold the worker secret alone.
     pub fn check_worker_secret(&self) -> crate::Result<()> {
-        match &self.worker_secret {
+        match self.worker_secret() {
             Some(_) if self.secret.is_empty() => Err(crate::LaunchError::Flags(
                 "--worker-secret needs a --secret too: without a cluster secret anyone could be a server".into(),
             )),
-            Some(ws) if *ws == self.secret => {
+            Some(ws) if ws == self.secret => {
                 Err(crate::LaunchError::Flags("--worker-secret must differ from --secret".into()))
             }
             _ => Ok(()),
@@ -115,7 +120,7 @@ impl NetArgs {
     /// The codec a worker dials with: the worker secret's when it has one and no cluster
     /// secret, else [`NetArgs::codec`].
     pub fn worker_codec(&self) -> Codec {
-        match &self.worker_secret {
+        match self.worker_secret() {
             Some(ws) if self.secret.is_empty() => {
                 Codec::for_worker_secret(ws.as_bytes(), self.max_frame_mib.saturating_mul(1 << 20))
             }
@@ -128,8 +133,8 @@ impl NetArgs {
     /// there is one.
     pub fn role_env(&self) -> Vec<(&'static str, &str)> {
         let mut env = vec![("ELASTICPS_SECRET", self.secret.as_str())];
-        if let Some(ws) = &self.worker_secret {
-            env.push(("ELASTICPS_WORKER_SECRET", ws.as_str()));
+        if let Some(ws) = self.worker_secret() {
+            env.push(("ELASTICPS_WORKER_SECRET", ws));
         }
         env
     }
@@ -781,6 +786,33 @@ mod tests {
     #[test]
     fn the_default_job_is_the_command_lines_without_flags() {
         assert_eq!(JobArgs::default().to_flags(), parse(&[]).unwrap().to_flags());
+    }
+
+    #[test]
+    fn a_worker_secret_goes_to_the_script_alone_and_needs_a_cluster_secret_of_its_own() {
+        #[derive(Parser, Debug)]
+        struct Net {
+            #[command(flatten)]
+            net: NetArgs,
+        }
+        let parse = |f: &[&str]| Net::try_parse_from(std::iter::once("x").chain(f.iter().copied())).unwrap().net;
+        let get = |env: &[(String, String)], k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let job = JobArgs::default();
+        let both = parse(&["--secret", "cluster", "--worker-secret", "workers"]);
+        assert!(both.check_worker_secret().is_ok());
+        let env = crate::runner::worker_env(&job, &both, "h:1", 0);
+        assert_eq!(get(&env, "ELASTICPS_SECRET").as_deref(), Some(""), "the script never sees the cluster secret");
+        assert_eq!(get(&env, "ELASTICPS_WORKER_SECRET").as_deref(), Some("workers"));
+        assert_eq!(both.role_env(), [("ELASTICPS_SECRET", "cluster"), ("ELASTICPS_WORKER_SECRET", "workers")]);
+        let plain = parse(&["--secret", "cluster"]);
+        let env = crate::runner::worker_env(&job, &plain, "h:1", 0);
+        assert_eq!(get(&env, "ELASTICPS_SECRET").as_deref(), Some("cluster"));
+        assert_eq!(get(&env, "ELASTICPS_WORKER_SECRET"), None);
+        let alone = parse(&["--worker-secret", "workers"]);
+        assert!(alone.check_worker_secret().unwrap_err().to_string().contains("needs a --secret"));
+        assert_eq!(alone.worker_codec().key(), elasticps_wire::KeyId::Worker, "a worker dials with it alone");
+        let same = parse(&["--secret", "s", "--worker-secret", "s"]);
+        assert!(same.check_worker_secret().unwrap_err().to_string().contains("must differ"));
     }
 
     #[test]

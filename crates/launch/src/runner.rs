@@ -127,14 +127,10 @@ pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32
     // A user's script holds the worker secret alone when there is one: it can be a worker
     // and nothing else (a compromised script cannot become a server).
     // (The launcher's own environment may hold ELASTICPS_SECRET: it is emptied then.)
-    let (secret, worker_secret) = match &net.worker_secret {
-        Some(ws) => (String::new(), ws.clone()),
-        None => (net.secret.clone(), String::new()),
-    };
+    let secret = if net.worker_secret().is_some() { String::new() } else { net.secret.clone() };
     let mut env: Vec<(String, String)> = [
         ("ELASTICPS_SCHEDULER", scheduler.to_string()),
         ("ELASTICPS_SECRET", secret),
-        ("ELASTICPS_WORKER_SECRET", worker_secret),
         ("ELASTICPS_MAX_FRAME_MIB", net.max_frame_mib.to_string()),
         ("ELASTICPS_WORKERS", job.workers.to_string()),
         ("ELASTICPS_LOCAL_RANK", local_rank.to_string()),
@@ -143,6 +139,9 @@ pub fn worker_env(job: &JobArgs, net: &NetArgs, scheduler: &str, local_rank: u32
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if let Some(ws) = net.worker_secret() {
+        env.push(("ELASTICPS_WORKER_SECRET".into(), ws.to_string()));
+    }
     env.extend(net.tls_env());
     env
 }
