@@ -118,14 +118,10 @@ impl NetArgs {
     }
 
     /// The codec a worker dials with: the worker secret's when it has one and no cluster
-    /// secret, else [`NetArgs::codec`].
+    /// secret, else the cluster secret's ([`Codec::for_worker`]).
     pub fn worker_codec(&self) -> Codec {
-        match self.worker_secret() {
-            Some(ws) if self.secret.is_empty() => {
-                Codec::for_worker_secret(ws.as_bytes(), self.max_frame_mib.saturating_mul(1 << 20))
-            }
-            _ => self.codec(),
-        }
+        let max_payload = self.max_frame_mib.saturating_mul(1 << 20);
+        Codec::for_worker(self.secret.as_bytes(), self.worker_secret().map(str::as_bytes), max_payload)
     }
 
     /// The secrets a role process started by a launcher gets, as environment variables

@@ -6,8 +6,8 @@
 //! with a credential on a server's data port; a registration on the scheduler). The
 //! receivers look a message up in [`TABLE`] with [`check`] before anything else, so a
 //! forged message changes nothing. The checks that need the receiver's state (a rank
-//! field that must be the connection's own, the block's primary by the placement) are
-//! the roles' own, beside their handlers; this table is the part that is the same for
+//! field that must be the connection's own, a block's owner by the placement) are the
+//! roles' own, beside their handlers; this table is the part that is the same for
 //! every message of a kind.
 //!
 //! The table here and the one in PROTOCOL.md are the same: a test parses the document.

@@ -675,6 +675,8 @@ impl World {
     fn send_to_scheduler(&mut self, conn: ConnId, msg: Message, verdict: Verdict, what: &str) {
         let rid = self.request();
         let (state, whole) = (SchedState::of(&self.sched), format!("{:?}", self.sched));
+        // The scheduler takes control frames only: a refused data frame also closes.
+        let data_frame = !matches!(msg, Message::Control(_));
         let acts = self.sched.step(scheduler::Event::Received { conn, request_id: rid, msg });
         let replies = sched_replies(&acts, conn, rid);
         let refused = match verdict {
@@ -688,15 +690,13 @@ impl World {
             Verdict::Forbidden => ErrorCode::Forbidden,
             Verdict::NotTaken => ErrorCode::BadRequest,
         };
-        // A refusal is one error; a refused data frame also closes the connection.
-        let closes = acts.len() == 2 && acts[1] == scheduler::Action::Close(conn);
+        // A refusal is one error; a refused data frame (never Forbidden) also closes.
+        let closes = verdict == Verdict::NotTaken && data_frame;
+        let close = [scheduler::Action::Close(conn)];
         match &acts[..] {
-            [scheduler::Action::Send { conn: c, request_id: r, msg: Message::Error(e) }, ..]
-                if (*c, *r) == (conn, rid) && e.code == refused && (acts.len() == 1 || closes) => {}
-            other => panic!("{what}: expected one {refused:?} error and nothing else, got {other:?}"),
-        }
-        if verdict == Verdict::Forbidden {
-            assert!(!closes, "{what}: a Forbidden message closes nothing");
+            [scheduler::Action::Send { conn: c, request_id: r, msg: Message::Error(e) }, rest @ ..]
+                if (*c, *r) == (conn, rid) && e.code == refused && rest == if closes { &close[..] } else { &[] } => {}
+            other => panic!("{what}: expected one {refused:?} error (and a close: {closes}), got {other:?}"),
         }
         self.sched_unchanged(&state, &whole, what);
     }
@@ -740,12 +740,13 @@ impl World {
         let rid = self.request();
         let (state, whole) = (SchedState::of(&self.sched), format!("{:?}", self.sched));
         let acts = self.sched.step(scheduler::Event::Received { conn, request_id: rid, msg });
+        // A forbidden message closes nothing; a refused credential closes the connection.
+        let close = [scheduler::Action::Close(conn)];
+        let after: &[scheduler::Action] = if code == ErrorCode::Forbidden { &[] } else { &close };
         match &acts[..] {
             [scheduler::Action::Send { conn: c, request_id: r, msg: Message::Error(e) }, rest @ ..]
-                if (*c, *r) == (conn, rid)
-                    && e.code == code
-                    && rest.iter().all(|a| *a == scheduler::Action::Close(conn)) => {}
-            other => panic!("{what}: expected a {code:?} error, got {other:?}"),
+                if (*c, *r) == (conn, rid) && e.code == code && rest == after => {}
+            other => panic!("{what}: expected a {code:?} error (then {after:?}), got {other:?}"),
         }
         if code == ErrorCode::Forbidden {
             self.sched_unchanged(&state, &whole, what);

@@ -76,13 +76,10 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     let request_timeout_s: u64 = env_number("ELASTICPS_REQUEST_TIMEOUT", 300)?;
     install_tls()?;
     let mut opts = ClientOptions::new(scheduler);
+    let worker_secret = std::env::var("ELASTICPS_WORKER_SECRET").ok();
     let max_payload = max_frame_mib.saturating_mul(1 << 20);
-    opts.codec = match std::env::var("ELASTICPS_WORKER_SECRET") {
-        Ok(ws) if secret.is_empty() && !ws.is_empty() => {
-            elasticps_wire::Codec::for_worker_secret(ws.as_bytes(), max_payload)
-        }
-        _ => elasticps_wire::Codec::new(secret.as_bytes(), max_payload),
-    };
+    opts.codec =
+        elasticps_wire::Codec::for_worker(secret.as_bytes(), worker_secret.as_deref().map(str::as_bytes), max_payload);
     opts.request_timeout = Duration::from_secs(request_timeout_s.max(1));
     // Set by the launcher's --restart-workers: rejoin as this rank.
     opts.rank = match std::env::var("ELASTICPS_RANK") {

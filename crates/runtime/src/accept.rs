@@ -28,8 +28,8 @@ use crate::tls::{Stream, TlsConfig};
 pub const MAX_CONNECTIONS: usize = 4096;
 
 /// How many connections a scheduler or server keeps in the handshake at once by default
-/// (each for [`handshake::HANDSHAKE_TIMEOUT`] at most); one more is refused.
-/// `--max-handshakes` sets it ([`set_max_handshakes`]).
+/// (each for [`handshake::HANDSHAKE_TIMEOUT`] at most); one more takes the place of the
+/// oldest. `--max-handshakes` sets it ([`set_max_handshakes`]).
 pub const MAX_HANDSHAKES: usize = 1024;
 
 /// The bounds of this process's acceptors ([`max_connections`], [`max_handshakes`]).

@@ -58,15 +58,15 @@ pub async fn redial(
             }
             Err(e) => e,
         };
+        delay = Duration::from_micros(elasticps_node::timing::next_backoff_us(delay.as_micros() as u64));
         tracing::warn!(
             attempt,
             addr,
             error = %tried,
-            next_in_ms = Duration::from_micros(elasticps_node::timing::next_backoff_us(delay.as_micros() as u64)).as_millis() as u64,
+            next_in_ms = delay.as_millis() as u64,
             left_s = window.saturating_sub(started.elapsed()).as_secs_f64(),
             "scheduler unreachable; retrying"
         );
-        delay = Duration::from_micros(elasticps_node::timing::next_backoff_us(delay.as_micros() as u64));
     }
 }
 

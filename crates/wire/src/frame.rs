@@ -61,6 +61,15 @@ impl Codec {
         Codec { key: KeyId::Worker, ..Codec::new(worker_secret, max_payload) }
     }
 
+    /// The codec a worker dials with: the worker secret's when it holds one (not empty)
+    /// and no cluster secret, else the cluster secret's.
+    pub fn for_worker(secret: &[u8], worker_secret: Option<&[u8]>, max_payload: u32) -> Self {
+        match worker_secret {
+            Some(ws) if secret.is_empty() && !ws.is_empty() => Codec::for_worker_secret(ws, max_payload),
+            _ => Codec::new(secret, max_payload),
+        }
+    }
+
     /// An acceptor's codec that also takes dialers of the worker secret.
     pub fn with_worker_secret(mut self, worker_secret: Option<&[u8]>) -> Self {
         self.worker_secret = worker_secret.map(Arc::from);

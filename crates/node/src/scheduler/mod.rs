@@ -418,22 +418,20 @@ impl Scheduler {
         if self.over {
             return out;
         }
-        if let Event::Received { conn, .. } = &event
-            && self.shut.contains(conn)
-        {
-            return out;
-        }
-        if let Event::Received { conn, msg: Message::Control(Control::GetStatus | Control::Scale(_)), .. } = &event
-            && let Some((_, since)) = self.opened.get_mut(conn)
-        {
-            // An operator tool (`elasticps status --watch`) stays while it keeps asking.
-            *since = self.now_us;
-        }
-        if let Event::Received { conn, request_id, msg } = &event
-            && let Some(refused) = self.forbidden(*conn, msg)
-        {
-            out.push(Action::Send { conn: *conn, request_id: *request_id, msg: refused });
-            return out;
+        if let Event::Received { conn, request_id, msg } = &event {
+            if self.shut.contains(conn) {
+                return out;
+            }
+            if let (Message::Control(Control::GetStatus | Control::Scale(_)), Some((_, since))) =
+                (msg, self.opened.get_mut(conn))
+            {
+                // An operator tool (`elasticps status --watch`) stays while it keeps asking.
+                *since = self.now_us;
+            }
+            if let Some(refused) = self.forbidden(*conn, msg) {
+                out.push(Action::Send { conn: *conn, request_id: *request_id, msg: refused });
+                return out;
+            }
         }
         if self.closing.is_some() {
             self.step_closing(event, &mut out);
@@ -448,10 +446,20 @@ impl Scheduler {
                 if let Some(node) = self.nodes.get_mut(&conn) {
                     node.last_seen_us = self.now_us;
                 }
+                let Message::Control(control) = msg else {
+                    // Data frames are for servers: refused, and the connection closed
+                    // (a host agent's too), PROTOCOL.md §7.
+                    let message = format!("the scheduler takes control messages only, got {:?}", msg.kind());
+                    tracing::warn!(conn, %message, "refused");
+                    let msg = Message::Error(ErrorReply { code: ErrorCode::BadRequest, message });
+                    out.push(Action::Send { conn, request_id, msg });
+                    out.push(Action::Close(conn));
+                    return out;
+                };
                 if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
-                    self.on_agent_message(conn, request_id, msg, &mut out);
+                    self.on_agent_message(conn, request_id, control, &mut out);
                 } else {
-                    self.on_message(conn, request_id, msg, &mut out);
+                    self.on_message(conn, request_id, control, &mut out);
                 }
             }
             Event::Lost { conn, why } => {
@@ -507,27 +515,19 @@ impl Scheduler {
         out
     }
 
-    /// The class of connection `conn` in the authorization table.
-    fn class(&self, conn: ConnId) -> Class {
-        if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
-            return Class::Agent;
-        }
-        let key = self.opened.get(&conn).map_or(KeyId::Cluster, |(k, _)| *k);
-        Class::of(key, self.nodes.get(&conn).map(|n| n.role.peer_role()))
-    }
-
     /// The `Error` that refuses `msg` on connection `conn` before it changes anything:
     /// the authorization table says its class may not send it (PROTOCOL.md §7.1), or it
     /// names a rank other than the connection's own. `None`: it goes on to its handler
     /// (which refuses what the scheduler does not take at all).
     fn forbidden(&self, conn: ConnId, msg: &Message) -> Option<Message> {
         let name = authz::name_of(msg);
-        let class = self.class(conn);
         let role = self.nodes.get(&conn).map(|n| n.role);
         let key = self.opened.get(&conn).map_or(KeyId::Cluster, |(k, _)| *k);
-        let proven = match class {
-            Class::Agent => "a host agent".to_string(),
-            _ => authz::proven_name(role.map(|r| (r.peer_role(), r.id())), key),
+        let (class, proven) = if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
+            (Class::Agent, "a host agent".to_string())
+        } else {
+            let proven = role.map(|r| (r.peer_role(), r.id()));
+            (Class::of(key, proven.map(|(r, _)| r)), authz::proven_name(proven, key))
         };
         let why = match (authz::check(Receiver::Scheduler, class, name), msg, role) {
             (Verdict::Forbidden, _, _) => {
@@ -582,22 +582,13 @@ impl Scheduler {
         }
     }
 
-    fn on_message(&mut self, conn: ConnId, request_id: u64, msg: Message, out: &mut Vec<Action>) {
+    fn on_message(&mut self, conn: ConnId, request_id: u64, control: Control, out: &mut Vec<Action>) {
         let reply = |out: &mut Vec<Action>, msg: Message| out.push(Action::Send { conn, request_id, msg });
         let refuse = |out: &mut Vec<Action>, code: ErrorCode, message: String| {
             tracing::warn!(conn, %message, "refused");
             out.push(Action::Send { conn, request_id, msg: Message::Error(ErrorReply { code, message }) });
         };
         let role = self.nodes.get(&conn).map(|n| n.role);
-        let Message::Control(control) = msg else {
-            refuse(
-                out,
-                ErrorCode::BadRequest,
-                format!("the scheduler takes control messages only, got {:?}", msg.kind()),
-            );
-            out.push(Action::Close(conn));
-            return;
-        };
         match (control, role) {
             (Control::JoinHost(offer), None) => self.join_host(conn, request_id, offer, out),
             (Control::RegisterServer { data_addr }, None) => {
@@ -724,9 +715,8 @@ impl Scheduler {
                 let Some(placement) = self.placement.as_mut() else { return };
                 let backups = placement.backups.clone();
                 let (expected, orders) = self.elastic.migrated(&report, placement, self.now_us);
-                if placement.backups != backups || self.config.replicas > 1 {
-                    // The block's backups learn its new primary (they take its copies
-                    // from the primary only), and a new owner that was a backup is not any more.
+                if placement.backups != backups {
+                    // The new owner was a backup of the block: it is not any more.
                     self.broadcast_replicas(out);
                 }
                 if request_id != 0 {
@@ -793,21 +783,20 @@ impl Scheduler {
     }
 
     /// A message from a host agent, or one that asks to become one.
-    fn on_agent_message(&mut self, conn: ConnId, request_id: u64, msg: Message, out: &mut Vec<Action>) {
+    fn on_agent_message(&mut self, conn: ConnId, request_id: u64, control: Control, out: &mut Vec<Action>) {
         let Some(hosts) = self.hosts.as_mut() else { return };
         hosts.heard(conn, self.now_us);
-        match msg {
-            Message::Control(Control::Heartbeat) => {}
-            Message::Control(Control::HostEvent { line }) => out.push(Action::Relay(line)),
-            Message::Control(Control::NodeExited { slot, ok, status, rank }) => {
+        match control {
+            Control::Heartbeat => {}
+            Control::HostEvent { line } => out.push(Action::Relay(line)),
+            Control::NodeExited { slot, ok, status, rank } => {
                 tracing::info!(slot, ok, %status, ?rank, "a host's node exited");
                 if let Some(start) = hosts.exited(conn, slot, ok, rank) {
                     out.push(start_node(start, self.config.workers));
                 }
             }
             other => {
-                let message =
-                    format!("a host agent sent {:?}, which the scheduler does not take from it", other.kind());
+                let message = format!("a host agent sent {}, which the scheduler does not take from it", other.name());
                 tracing::warn!(conn, %message, "refused");
                 out.push(Action::Send {
                     conn,

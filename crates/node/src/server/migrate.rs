@@ -362,16 +362,13 @@ impl Server {
         out: &mut Vec<Action>,
     ) -> Message {
         let Some(shard) = &self.shard else { return Refusal::NotReady.reply(block) };
-        let snapshot = match self.incoming.get(&block) {
-            Some(i) if i.epoch == epoch && i.from == from => match self.incoming.remove(&block) {
-                Some(i) => i.state,
-                None => return error(ErrorCode::Internal, format!("the snapshot of block {block} vanished")),
-            },
-            Some(i) if i.epoch == epoch => {
-                let message =
-                    format!("the snapshot of block {block} came from server {}, not from server {from}", i.from);
-                return error(ErrorCode::Forbidden, message);
-            }
+        // A delta from another server than the snapshot's leaves the snapshot waiting.
+        if let Some(i) = self.incoming.get(&block).filter(|i| i.epoch == epoch && i.from != from) {
+            let message = format!("the snapshot of block {block} came from server {}, not from server {from}", i.from);
+            return error(ErrorCode::Forbidden, message);
+        }
+        let snapshot = match self.incoming.remove(&block) {
+            Some(i) if i.epoch == epoch => i.state,
             _ => return error(ErrorCode::BadRequest, format!("no snapshot of block {block} at epoch {epoch} arrived")),
         };
         let config = shard.config_for(&snapshot.spec);

@@ -65,6 +65,7 @@ pub const MAX_CLOCK_LEAD: u32 = 1_000;
 pub const MAX_HELD_PER_CONN: usize = 65_536;
 /// At most this many pulls held on one server; one more is refused.
 pub const MAX_HELD_PER_SERVER: usize = 1_048_576;
+const _: () = assert!(MAX_HELD_PER_CONN <= MAX_HELD_PER_SERVER, "the per-connection bound is checked first");
 
 /// Something that happened at the server.
 #[derive(Debug)]
@@ -343,6 +344,11 @@ pub struct Server {
     checkpoint_writes: u32,
     /// `--replicas`: backup copies held here, and the pushes waiting for backups.
     replication: replica::Replication,
+    /// At least the number of pulls held here: the exact count when last counted, plus
+    /// every pull that reached a policy since (held pulls come from those alone). The
+    /// bounds on held pulls are counted exactly only once it reaches them, so a pull
+    /// costs no scan of the blocks.
+    held_at_most: std::cell::Cell<usize>,
 }
 
 impl Server {
@@ -377,6 +383,7 @@ impl Server {
             restoring: None,
             checkpoint_writes: 0,
             replication: replica::Replication::default(),
+            held_at_most: std::cell::Cell::new(0),
         }
     }
 
@@ -602,16 +609,14 @@ impl Server {
         let name = authz::name_of(&msg);
         // Named only in a refusal (no allocation on the data path).
         let proven = || authz::proven_name(c.proven, c.key);
-        match authz::check(Receiver::Server, c.class(), name) {
-            Verdict::Allowed => {}
+        let forbidden = match authz::check(Receiver::Server, c.class(), name) {
+            Verdict::Allowed => self.sender_may_not(&c, &msg),
             Verdict::Forbidden => {
                 let hint = if c.proven.is_none() { " (say Hello with a credential first)" } else { "" };
-                let message = format!(
+                Some(format!(
                     "{} may not send {name} to a server{hint} (docs/PROTOCOL.md §7.1); nothing changed",
                     proven()
-                );
-                tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(&msg), proven = %proven(), "forbidden message refused");
-                return out.push(reply(error(ErrorCode::Forbidden, message)));
+                ))
             }
             Verdict::NotTaken => {
                 let what = format!("a server does not take {name} messages (docs/PROTOCOL.md §7.1)");
@@ -619,8 +624,8 @@ impl Server {
                 tracing::warn!(server = self.id, conn, %what, "request refused");
                 return out.push(reply(error(ErrorCode::BadRequest, what)));
             }
-        }
-        if let Some(refused) = self.sender_may_not(&c, &msg) {
+        };
+        if let Some(refused) = forbidden {
             tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(&msg), proven = %proven(), %refused, "forbidden message refused");
             return out.push(reply(error(ErrorCode::Forbidden, refused)));
         }
@@ -872,19 +877,27 @@ impl Server {
                  (--max-clock-lead {lead})"
             ));
         }
+        let at_most = self.held_at_most.get();
+        if at_most < MAX_HELD_PER_CONN {
+            // Neither bound can be reached (MAX_HELD_PER_CONN <= MAX_HELD_PER_SERVER).
+            self.held_at_most.set(at_most + 1);
+            return None;
+        }
         let held = |pred: &dyn Fn(&Token) -> bool| -> usize {
             self.slots.values().map(|s| if let Slot::Owned(o) = s { o.block.held_matching(pred) } else { 0 }).sum()
         };
         let total: usize = self.slots.values().map(|s| if let Slot::Owned(o) = s { o.block.held() } else { 0 }).sum();
+        self.held_at_most.set(total + 1);
         if total >= MAX_HELD_PER_SERVER {
+            self.held_at_most.set(total);
             return Some(format!(
                 "this server holds {total} pulls already, its bound (MAX_HELD_PER_SERVER {MAX_HELD_PER_SERVER})"
             ));
         }
-        // Counted only when it could matter: the common case costs one sum.
         if total >= MAX_HELD_PER_CONN {
             let mine = held(&|t: &Token| t.conn == conn);
             if mine >= MAX_HELD_PER_CONN {
+                self.held_at_most.set(total);
                 return Some(format!(
                     "this server holds {mine} pulls of this connection already, its bound per connection \
                      (MAX_HELD_PER_CONN {MAX_HELD_PER_CONN})"

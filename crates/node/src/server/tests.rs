@@ -620,3 +620,28 @@ fn a_push_is_acknowledged_only_once_its_backup_applied_it() {
         primary.step(7 + replica::RESYNC_EVERY_US, Event::FromServer { call: sync, reply: Ok(Control::Ok.into()) });
     assert_eq!(replies(&acts), vec![(2, 6, Message::PushAck { block: 0, clock: 0 })]);
 }
+
+#[test]
+fn held_pulls_past_the_bound_per_connection_are_refused_and_a_release_makes_room() {
+    let mut s = server(0, SyncPolicy::Bsp);
+    // Worker 0 asks for clock 1 again and again: under bsp each waits for clock 0.
+    for req in 0..MAX_HELD_PER_CONN as u64 {
+        assert!(replies(&pull(&mut s, 1, 0, req, 0, 1)).is_empty(), "pull {req} is held");
+    }
+    let over = pull(&mut s, 1, 0, u64::MAX, 0, 1);
+    match &replies(&over)[..] {
+        [(1, u64::MAX, Message::Error(e))] => {
+            assert_eq!(e.code, ErrorCode::BadRequest);
+            assert!(e.message.contains(&format!("{MAX_HELD_PER_CONN} pulls of this connection")), "{e:?}");
+        }
+        other => panic!("one more than the bound is refused: {other:?}"),
+    }
+    // The bound is per connection: worker 1's pull is held as usual.
+    assert!(replies(&pull(&mut s, 1, 1, 1, 0, 1)).is_empty());
+    // Clock 0 complete: every held pull is answered, and worker 0 pulls again.
+    push(&mut s, 2, 0, 7, 0, 0, 1.0);
+    let released = push(&mut s, 2, 1, 8, 0, 0, 1.0);
+    assert_eq!(pulled(&released).len(), MAX_HELD_PER_CONN + 1);
+    assert_eq!(pulled(&pull(&mut s, 3, 0, 9, 0, 1)).len(), 1, "clock 1 is answered at once now");
+    assert!(replies(&pull(&mut s, 3, 0, 10, 0, 2)).is_empty(), "and clock 2 is held again, under the bound");
+}

@@ -317,9 +317,7 @@ impl Io {
                 }
                 // Closed by its reader task, which takes it from `step_on`.
                 Action::Close { conn } => {
-                    if let Some(out) = lock(&self.conns).remove(&conn) {
-                        drop(out);
-                    }
+                    lock(&self.conns).remove(&conn);
                 }
                 Action::Exit(exit) => {
                     *lock(&self.exit) = Some(exit);
