@@ -26,10 +26,11 @@ use crate::runner::{
     Bars, REAP_TIMEOUT, RESTART_REJOIN_WAIT_S, Recorder, RunOutcome, ScrapeList, Signals, sleep_until, worker_env,
 };
 use crate::{LaunchError, Result};
+use elasticps_node::timing;
 
 /// How often an agent tells the scheduler it is alive (the scheduler loses a host after
-/// 2 s of silence).
-const AGENT_HEARTBEAT: Duration = Duration::from_millis(500);
+/// 2 s of silence): every node's heartbeat period.
+const AGENT_HEARTBEAT: Duration = Duration::from_micros(timing::HEARTBEAT_EVERY_US);
 /// How often a launch that waits for the scheduler says so.
 const WAIT_REPORT_EVERY: Duration = Duration::from_secs(5);
 /// How long the scheduler may take to answer `JoinHost`.
@@ -463,7 +464,7 @@ async fn dial(
     signals: &mut Signals,
 ) -> Result<(Peer, elasticps_runtime::peer::Notifications)> {
     let start = Instant::now();
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = timing::FIRST_BACKOFF_US;
     let mut said = Instant::now();
     loop {
         let err = match Peer::connect(rdzv, spec.net.codec(), "scheduler").await {
@@ -482,10 +483,10 @@ async fn dial(
             println!("host {name} waits for the scheduler at {rdzv} ({err})");
         }
         tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(Duration::from_micros(backoff)) => {}
             how = signals.recv() => return Err(LaunchError::Stopped(how)),
         }
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        backoff = timing::next_backoff_us(backoff);
     }
 }
 

@@ -26,6 +26,7 @@ pub mod error;
 pub mod harness;
 pub mod scheduler;
 pub mod server;
+pub mod session;
 pub mod timing;
 pub mod worker;
 

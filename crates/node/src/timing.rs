@@ -19,8 +19,6 @@ pub const HEARTBEAT_TIMEOUT_US: u64 = 10_000_000;
 pub const FAILOVER_HEARTBEAT_TIMEOUT_US: u64 = 2_000_000;
 /// How often the scheduler ticks (heartbeat checks, the balancer, wait reports), µs.
 pub const SCHEDULER_TICK_US: u64 = 500_000;
-/// How often a server ticks (heartbeats, load reports, step deadlines), µs.
-pub const SERVER_TICK_US: u64 = 100_000;
 /// How often a worker reports its load to the scheduler, µs.
 pub const WORKER_STATS_US: u64 = 1_000_000;
 /// A node that lost the scheduler dials it again after this long, µs; each next attempt

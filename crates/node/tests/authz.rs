@@ -469,23 +469,23 @@ impl World {
             num_servers: 3,
             credential: cred(PeerRole::Server, ME),
         };
-        s.step(0, server::Event::FromScheduler { request_id: call, msg: welcome.into() });
-        s.step(0, server::Event::FromScheduler { request_id: 0, msg: Control::Assign(m.assignment(ME)).into() });
+        s.handle(0, server::Event::FromScheduler { request_id: call, msg: welcome.into() });
+        s.handle(0, server::Event::FromScheduler { request_id: 0, msg: Control::Assign(m.assignment(ME)).into() });
         let replicas = Control::Replicas { placement: m.placement.clone(), servers: m.servers() };
-        s.step(0, server::Event::FromScheduler { request_id: 0, msg: replicas.into() });
+        s.handle(0, server::Event::FromScheduler { request_id: 0, msg: replicas.into() });
         for (conn, key, role, id) in [
             (W0, KeyId::Cluster, PeerRole::Worker, 0),
             (W1, KeyId::Worker, PeerRole::Worker, 1),
             (S1, KeyId::Cluster, PeerRole::Server, 1),
             (S2, KeyId::Cluster, PeerRole::Server, 2),
         ] {
-            s.step(0, server::Event::Opened { conn, key });
+            s.handle(0, server::Event::Opened { conn, key });
             let hello = Control::Hello { credential: cred(role, id) }.into();
-            let r = s.step(0, server::Event::Received { conn, request_id: 1, msg: hello });
+            let r = s.handle(0, server::Event::Received { conn, request_id: 1, msg: hello });
             assert_eq!(server_replies(&r, conn, 1), [&Message::Control(Control::Ok)], "Hello of {role:?} {id}");
         }
         let copy = Control::ReplicaSnapshot(m.states[2].clone()).into();
-        let r = s.step(0, server::Event::Received { conn: S2, request_id: 2, msg: copy });
+        let r = s.handle(0, server::Event::Received { conn: S2, request_id: 2, msg: copy });
         assert_eq!(server_replies(&r, S2, 2), [&Message::Control(Control::Ok)], "the copy of block 2");
         assert!(s.backup_copy(2).is_some(), "server 0 holds a copy of block 2");
         assert_eq!(s.owned(), [0]);
@@ -574,7 +574,7 @@ impl World {
             Class::Anon | Class::AnonWorker => {
                 let conn = self.fresh_conn();
                 let key = if class == Class::Anon { KeyId::Cluster } else { KeyId::Worker };
-                self.server.step(self.now_us, server::Event::Opened { conn, key });
+                self.server.handle(self.now_us, server::Event::Opened { conn, key });
                 (conn, own(0, 1))
             }
             Class::Worker => {
@@ -644,7 +644,7 @@ impl World {
     fn send_to_server(&mut self, conn: ConnId, msg: Message, verdict: Verdict, what: &str) {
         let rid = self.request();
         let (state, whole) = (ServerState::of(&self.server), format!("{:?}", self.server));
-        let acts = self.server.step(self.now_us, server::Event::Received { conn, request_id: rid, msg });
+        let acts = self.server.handle(self.now_us, server::Event::Received { conn, request_id: rid, msg });
         let replies = server_replies(&acts, conn, rid);
         let refused = match verdict {
             Verdict::Allowed => {
@@ -711,7 +711,7 @@ impl World {
     fn forged_to_server(&mut self, conn: ConnId, msg: Message, code: ErrorCode, closes: bool, what: &str) {
         let rid = self.request();
         let (state, whole) = (ServerState::of(&self.server), format!("{:?}", self.server));
-        let acts = self.server.step(self.now_us, server::Event::Received { conn, request_id: rid, msg });
+        let acts = self.server.handle(self.now_us, server::Event::Received { conn, request_id: rid, msg });
         let ok = match &acts[..] {
             [server::Action::Reply { conn: c, request_id: r, msg: Message::Error(e) }] => {
                 (*c, *r) == (conn, rid) && e.code == code && !closes
@@ -766,7 +766,7 @@ impl World {
         let hello = |credential| Message::from(Control::Hello { credential });
         let anon = |w: &mut World, key| {
             let conn = w.fresh_conn();
-            w.server.step(w.now_us, server::Event::Opened { conn, key });
+            w.server.handle(w.now_us, server::Event::Opened { conn, key });
             conn
         };
         let forbidden = ErrorCode::Forbidden;
@@ -787,8 +787,9 @@ impl World {
                 let epoch = self.now_us;
                 let rid = self.request();
                 let snapshot = Control::BlockSnapshot { epoch, state: self.model.states[1].clone() }.into();
-                let r =
-                    self.server.step(self.now_us, server::Event::Received { conn: S1, request_id: rid, msg: snapshot });
+                let r = self
+                    .server
+                    .handle(self.now_us, server::Event::Received { conn: S1, request_id: rid, msg: snapshot });
                 assert_eq!(server_replies(&r, S1, rid), [&Message::Control(Control::Ok)], "{what}: the real snapshot");
                 let pushes = vec![LoggedPush { worker: 0, clock: 0, grad: vec![100.0; LEN] }];
                 let msg = Control::BlockDelta { block: 1, epoch, pushes }.into();

@@ -57,6 +57,10 @@ pub enum RuntimeError {
     #[error(transparent)]
     Core(#[from] CoreError),
     /// The job was shut down by the scheduler.
+    /// The node's link to the scheduler ended without a `Shutdown` (lost, not back within
+    /// `--scheduler-retry-s`, or its reattach refused).
+    #[error("lost the scheduler: {0}")]
+    SchedulerLost(String),
     #[error("shut down by the scheduler: {0}")]
     Shutdown(String),
     /// A checkpoint file that cannot be used (missing, corrupt, of another job).

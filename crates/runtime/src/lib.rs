@@ -10,7 +10,8 @@
 //!   an aligned `Vec<f32>`; one writer task per connection).
 //! - [`pool`]: recycled buffers for large tensor payloads.
 //! - [`peer`]: request/response multiplexing for the asking side of a connection.
-//! - [`reattach`]: reconnecting to a restarted scheduler (backoff, reattach, retried calls).
+//! - [`session`]: a node's connection to the scheduler, carried out as
+//!   [`elasticps_node::session::Session`] decides (heartbeats, redial, reattach, calls made again).
 //! - [`scheduler`]: the scheduler's connections and ticker around its state machine
 //!   ([`elasticps_node::scheduler::Scheduler`]).
 //! - [`server`]: owns blocks and drives the core's per-block state machines.
@@ -38,18 +39,15 @@ pub mod handshake;
 pub mod metrics;
 pub mod peer;
 pub mod pool;
-pub mod reattach;
 pub mod scheduler;
 pub mod server;
+pub mod session;
 pub mod shaping;
 pub mod tally;
 pub mod tls;
 
 pub use error::{Result, RuntimeError};
 
-/// How often nodes send a heartbeat to the scheduler
-/// ([`elasticps_node::timing::HEARTBEAT_EVERY_US`]).
-pub const HEARTBEAT_EVERY: Duration = Duration::from_micros(timing::HEARTBEAT_EVERY_US);
 /// How long the scheduler waits without hearing from a node before declaring it dead
 /// ([`elasticps_node::timing::HEARTBEAT_TIMEOUT_US`]).
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_micros(timing::HEARTBEAT_TIMEOUT_US);
@@ -60,8 +58,6 @@ pub const FAILOVER_HEARTBEAT_TIMEOUT: Duration = Duration::from_micros(timing::F
 pub const STATS_INTERVAL: Duration = Duration::from_micros(timing::WORKER_STATS_US);
 /// How often the scheduler ticks ([`elasticps_node::timing::SCHEDULER_TICK_US`]).
 pub const SCHEDULER_TICK: Duration = Duration::from_micros(timing::SCHEDULER_TICK_US);
-/// How often a server ticks ([`elasticps_node::timing::SERVER_TICK_US`]).
-pub const SERVER_TICK: Duration = Duration::from_micros(timing::SERVER_TICK_US);
 
 use elasticps_node::timing;
 /// How long a TCP connect may take.
@@ -132,17 +128,11 @@ mod tests {
     #[test]
     fn the_runtime_and_the_harness_use_the_same_timing_constants() {
         let us = |d: Duration| d.as_micros() as u64;
-        assert_eq!(us(HEARTBEAT_EVERY), timing::HEARTBEAT_EVERY_US);
         assert_eq!(us(HEARTBEAT_TIMEOUT), timing::HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(FAILOVER_HEARTBEAT_TIMEOUT), timing::FAILOVER_HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(STATS_INTERVAL), timing::WORKER_STATS_US);
         assert_eq!(us(SCHEDULER_TICK), timing::SCHEDULER_TICK_US);
-        assert_eq!(us(SERVER_TICK), timing::SERVER_TICK_US);
-        assert_eq!(us(reattach::FIRST_BACKOFF), timing::FIRST_BACKOFF_US);
-        assert_eq!(us(reattach::MAX_BACKOFF), timing::MAX_BACKOFF_US);
-        assert_eq!(elasticps_node::harness::server::SERVER_TICK_US, us(SERVER_TICK));
         assert_eq!(elasticps_node::harness::worker::WORKER_STATS_US, us(STATS_INTERVAL));
-        assert_eq!(elasticps_node::server::HEARTBEAT_EVERY_US, us(HEARTBEAT_EVERY));
         for replicas in [1, 2, 3] {
             let c = ClusterConfig::new(job(replicas));
             let runtime = if replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT } else { HEARTBEAT_TIMEOUT };

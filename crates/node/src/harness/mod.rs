@@ -58,6 +58,7 @@ pub mod job;
 pub mod net;
 pub mod queue;
 pub mod server;
+pub mod wake;
 pub mod worker;
 
 pub use cluster::{Cluster, ClusterConfig, Outbox, Role, SchedulerRole, Stop};

@@ -21,20 +21,16 @@ use elasticps_wire::{CheckpointEntry, Control, Injection, Message};
 
 use super::cluster::{Outbox, Role};
 use super::net::{LinkSpec, LostWhy, NodeId};
+use super::wake::Wake;
 use crate::ConnId;
 use crate::server::{Action, Event, Exit, PullTrace, Server};
-
-pub use crate::timing::SERVER_TICK_US;
-use crate::timing::{FIRST_BACKOFF_US, next_backoff_us};
+use crate::session::{self, REATTACH_ID, Session, SessionConfig};
 
 /// Timer tokens of the server adapter.
-const TICK: u64 = 0;
+const TIMEOUT: u64 = 0;
 const INJECT: u64 = 1;
-const REDIAL: u64 = 2;
+const SESSION: u64 = 2;
 
-/// Request id of `ReattachServer` on a new scheduler connection (the state machine's call
-/// ids count from 1).
-const REATTACH: u64 = u64::MAX;
 /// Request id of the `Hello` that opens a connection to another server.
 const HELLO: u64 = u64::MAX - 1;
 
@@ -84,14 +80,11 @@ pub struct ServerRole {
     /// Events the runtime would feed back after I/O (a checkpoint written), fed after
     /// the step that asked for them.
     later: Vec<Event>,
-    /// How long a lost scheduler is redialled (0: the server exits, as it did before
-    /// `--scheduler-retry-s`).
-    retry_us: u64,
-    /// Redialling since (µs), with the next delay.
-    redial: Option<(u64, u64)>,
-    /// Calls to the scheduler not answered yet (with a retry window): made again on the
-    /// connection of a reattach (a `MigrateDone` whose `Ok` was lost with the scheduler).
-    unanswered: BTreeMap<u64, Message>,
+    /// The link to the scheduler (heartbeats, redial, reattach, calls made again).
+    session: Session,
+    /// The timers armed for the server's and the session's deadlines.
+    wake: Wake,
+    session_wake: Wake,
 }
 
 impl std::fmt::Debug for ServerRole {
@@ -119,45 +112,51 @@ impl ServerRole {
             weigh,
             checkpoints: Vec::new(),
             later: Vec::new(),
-            retry_us: 0,
-            redial: None,
-            unanswered: BTreeMap::new(),
+            session: Session::new(SessionConfig { retry_us: 0, heartbeats: true }),
+            wake: Wake::default(),
+            session_wake: Wake::default(),
         }
     }
 
-    /// A lost scheduler is redialled for `us` (backoff 100 ms doubling to 2 s) and the
-    /// server reattaches to it (`ReattachServer`), as the runtime's server does.
+    /// A lost scheduler is redialled for `us` and the server reattaches to it
+    /// (`ReattachServer`), as the runtime's server does ([`Session`]).
     pub fn with_scheduler_retry(mut self, us: u64) -> Self {
-        self.retry_us = us;
+        self.session = Session::new(SessionConfig { retry_us: us, heartbeats: true });
         self
     }
 
-    /// One redial attempt: a new connection to the scheduler's node and `ReattachServer`
-    /// on it, or (the node is down) the next attempt after the backoff.
-    fn redial(&mut self, out: &mut Outbox<'_>) {
-        let Some((since, delay)) = self.redial else { return };
-        if self.exit.is_some() {
-            return;
-        }
-        if out.now_us().saturating_sub(since) > self.retry_us {
-            let secs = self.retry_us as f64 / 1e6;
-            let reason = format!("the scheduler did not come back within {secs:.0} s");
-            for conn in std::mem::take(&mut self.conns) {
-                out.close(conn);
+    /// An event of the scheduler's link; carries out what the session says.
+    fn session(&mut self, out: &mut Outbox<'_>, event: session::Event<'_>) {
+        let mut actions = std::collections::VecDeque::from(self.session.handle(out.now_us(), event));
+        while let Some(action) = actions.pop_front() {
+            match action {
+                session::Action::Send { request_id, msg } => {
+                    if let Some(s) = self.sched {
+                        out.send(s, request_id, msg);
+                    }
+                }
+                session::Action::Dial { .. } => {
+                    let addr = out.me().addr();
+                    let hello = self.server.as_ref().and_then(|s| crate::scheduler::reattach_message(s, &addr));
+                    let conn = out.connect(out.scheduler());
+                    self.conns.insert(conn);
+                    self.sched = Some(conn);
+                    if !hello.is_some_and(|msg| out.send(conn, REATTACH_ID, msg.into())) {
+                        self.sched = None;
+                        actions.extend(self.session.handle(out.now_us(), session::Event::Lost));
+                    }
+                }
+                session::Action::Over { reason: None } => self.sched = None,
+                session::Action::Over { reason: Some(reason) } => {
+                    self.sched = None;
+                    for conn in std::mem::take(&mut self.conns) {
+                        out.close(conn);
+                    }
+                    self.exit.get_or_insert(Exit::Failed { reason });
+                }
             }
-            self.exit = Some(Exit::Failed { reason });
-            return;
         }
-        let addr = out.me().addr();
-        let Some(msg) = self.server.as_ref().and_then(|s| crate::scheduler::reattach_message(s, &addr)) else { return };
-        let conn = out.connect(out.scheduler());
-        if out.send(conn, REATTACH, msg.into()) {
-            self.sched = Some(conn);
-            self.conns.insert(conn);
-        } else {
-            self.redial = Some((since, next_backoff_us(delay)));
-            out.wake_at(out.now_us() + delay, REDIAL);
-        }
+        self.session_wake.arm(out, self.session.poll_timeout(), SESSION);
     }
 
     /// The state machine (once started).
@@ -193,9 +192,11 @@ impl ServerRole {
             }
         }
         let mut actions = std::mem::take(&mut self.actions);
-        server.step_into(out.now_us(), event, &mut actions);
+        server.handle_into(out.now_us(), event, &mut actions);
+        let next = server.poll_timeout();
         self.carry_out(out, &mut actions);
         self.actions = actions;
+        self.wake.arm(out, next, TIMEOUT);
         for event in std::mem::take(&mut self.later) {
             self.step(out, event);
         }
@@ -207,14 +208,7 @@ impl ServerRole {
                 Action::Reply { conn, request_id, msg } => {
                     out.send_at(conn, request_id, msg, self.reply_at_us);
                 }
-                Action::ToScheduler { request_id, msg } => {
-                    if request_id != 0 && self.retry_us > 0 {
-                        self.unanswered.insert(request_id, msg.clone());
-                    }
-                    if let Some(s) = self.sched.filter(|_| self.redial.is_none()) {
-                        out.send(s, request_id, msg);
-                    }
-                }
+                Action::ToScheduler { request_id, msg } => self.session(out, session::Event::Send { request_id, msg }),
                 Action::ToServer { call, addr, msg, .. } => self.call_server(out, call, &addr, msg),
                 Action::Trace(t) => self.check(out.now_us(), t),
                 Action::Checkpoint { clock, state, .. } => {
@@ -303,9 +297,10 @@ impl Role for ServerRole {
         self.conns.insert(sched);
         let mut server = Server::new(out.me().addr()).with_trace(self.model.check_bound);
         let mut actions = server.start(out.now_us());
+        let next = server.poll_timeout();
         self.server = Some(server);
         self.carry_out(out, &mut actions);
-        out.wake_at(out.now_us() + SERVER_TICK_US, TICK);
+        self.wake.arm(out, next, TIMEOUT);
     }
 
     fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
@@ -314,26 +309,11 @@ impl Role for ServerRole {
             // (a migration that started at the job's end learns it and abandons).
             return out.close(conn);
         }
-        if Some(conn) == self.sched && request_id == REATTACH {
-            match msg {
-                Message::Control(Control::Welcome { .. }) => {
-                    self.redial = None;
-                    for (id, msg) in self.unanswered.clone() {
-                        out.send(conn, id, msg);
-                    }
-                }
-                other => {
-                    let reason = format!("the restarted scheduler refused this server: {other:?}");
-                    for conn in std::mem::take(&mut self.conns) {
-                        out.close(conn);
-                    }
-                    self.exit = Some(Exit::Failed { reason });
-                }
-            }
-            return;
-        }
         if Some(conn) == self.sched {
-            self.unanswered.remove(&request_id);
+            self.session(out, session::Event::Received { request_id, msg: &msg });
+            if request_id == REATTACH_ID {
+                return;
+            }
             return self.step(out, Event::FromScheduler { request_id, msg });
         }
         if self.calls.remove(&(conn, request_id)) {
@@ -358,19 +338,11 @@ impl Role for ServerRole {
     fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
         self.conns.remove(&conn);
         if Some(conn) == self.sched {
-            let registered = self.server.as_ref().is_some_and(|s| s.id().is_some() && !s.shutting_down());
-            if self.retry_us > 0 && registered && self.exit.is_none() {
-                // Redial (the scheduler may be restarted with its saved state).
-                self.sched = None;
-                let since = self.redial.map_or(out.now_us(), |(since, _)| since);
-                let delay = self.redial.map_or(FIRST_BACKOFF_US, |(_, d)| d);
-                self.redial = Some((since, next_backoff_us(delay)));
-                out.wake_at(out.now_us() + delay, REDIAL);
-                return;
-            }
-            // The runtime's server ends when the scheduler's connection does.
-            self.exit.get_or_insert(Exit::Failed { reason: format!("the scheduler's connection was lost ({why:?})") });
-            return;
+            // Redialled if the session says so (the scheduler may be restarted with its
+            // saved state); after `Shutdown` the server finishes without it.
+            self.sched = None;
+            tracing::debug!(?why, "simulated server lost the scheduler");
+            return self.session(out, session::Event::Lost);
         }
         self.peers.retain(|_, c| *c != conn);
         let failed: Vec<u64> = self.calls.iter().filter(|(c, _)| *c == conn).map(|(_, call)| *call).collect();
@@ -383,12 +355,13 @@ impl Role for ServerRole {
 
     fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
         match token {
-            REDIAL => self.redial(out),
-            TICK => {
-                self.step(out, Event::Tick);
-                if self.exit.is_none() {
-                    out.wake_at(out.now_us() + SERVER_TICK_US, TICK);
-                }
+            SESSION if self.exit.is_none() => {
+                self.session_wake.fired(out);
+                self.session(out, session::Event::Timeout);
+            }
+            TIMEOUT => {
+                self.wake.fired(out);
+                self.step(out, Event::Timeout);
             }
             INJECT => {
                 let bps = self.injection.bandwidth_bps;

@@ -5,7 +5,8 @@
 //! iteration compute (a modelled time) and push the gradients of clock t while pulling
 //! clock t + 1, fused into one push_pull per block if [`TrainingLoop::fuse`] (the last
 //! iteration of workers other than rank 0 only pushes), tell the
-//! scheduler it is done. Heartbeats every second; `Moved` blocks are chased through
+//! scheduler it is done. Its link to the scheduler is a [`Session`] (heartbeats, redial,
+//! reattach, calls made again), as the runtime's client's; `Moved` blocks are chased through
 //! layout refreshes by the plan. The gradients are a function of (rank, clock, block)
 //! chosen by the run, so a test knows the exact final parameters.
 
@@ -17,25 +18,23 @@ use elasticps_wire::{Control, Credential, Layout, Message, Values};
 
 use super::cluster::{Outbox, Role};
 use super::net::{LostWhy, NodeId};
+use super::wake::Wake;
 use crate::ConnId;
+use crate::session::{self, REATTACH_ID, Session, SessionConfig};
 use crate::worker::{Action, Op, PushOp, Round, Worker};
 
 pub use crate::timing::WORKER_STATS_US;
-use crate::timing::{FIRST_BACKOFF_US, HEARTBEAT_EVERY_US, next_backoff_us};
 
 /// Timer tokens.
-const HEARTBEAT: u64 = 0;
+const SESSION: u64 = 0;
 const COMPUTE_DONE: u64 = 1;
 const WAKE: u64 = 2;
-const REDIAL: u64 = 3;
 
 /// Request ids on the scheduler's connection (the plan's tags are >= 2^32).
 const REGISTER: u64 = 1;
 const DEFINE: u64 = 2;
 const DONE: u64 = 3;
 const START: u64 = 4;
-/// `ReattachWorker` on a new connection to a restarted scheduler.
-const REATTACH: u64 = 5;
 const FIRST_LAYOUT_CALL: u64 = 16;
 /// Request id of Hello on a server's connection.
 const HELLO: u64 = 1;
@@ -134,13 +133,10 @@ pub struct WorkerRole {
     /// The last gradient sent per block (its value and the shared buffer): a push of the
     /// same value reuses it instead of filling a new one.
     grads: Vec<Option<(f32, Values)>>,
-    /// How long a lost scheduler is redialled (0: the worker fails, as it did before
-    /// `--scheduler-retry-s`).
-    retry_us: u64,
-    /// Redialling since (µs), with the next delay.
-    redial: Option<(u64, u64)>,
-    /// Calls to the scheduler not answered yet, to make again on a reattached connection.
-    unanswered: BTreeMap<u64, Message>,
+    /// The link to the scheduler (heartbeats, redial, reattach, calls made again).
+    session: Session,
+    /// The timer armed for the session's deadline.
+    session_wake: Wake,
 }
 
 impl std::fmt::Debug for WorkerRole {
@@ -172,37 +168,46 @@ impl WorkerRole {
             round_started_us: 0,
             record: WorkerRecord::default(),
             grads: Vec::new(),
-            retry_us: 0,
-            redial: None,
-            unanswered: BTreeMap::new(),
+            session: Session::new(SessionConfig { retry_us: 0, heartbeats: true }),
+            session_wake: Wake::default(),
         }
     }
 
-    /// A lost scheduler is redialled for `us` (backoff 100 ms doubling to 2 s): the worker
-    /// reattaches (`ReattachWorker`) and makes its unanswered calls again, as the runtime's
-    /// client does. Its data traffic goes on meanwhile.
+    /// A lost scheduler is redialled for `us`: the worker reattaches (`ReattachWorker`)
+    /// and makes its unanswered calls again, as the runtime's client does ([`Session`]).
+    /// Its data traffic goes on meanwhile.
     pub fn with_scheduler_retry(mut self, us: u64) -> Self {
-        self.retry_us = us;
+        self.session = Session::new(SessionConfig { retry_us: us, heartbeats: true });
         self
     }
 
-    /// One redial attempt, or the next one after the backoff (the node is down).
-    fn redial(&mut self, out: &mut Outbox<'_>) {
-        let (Some((since, delay)), Some(rank), Some(credential)) = (self.redial, self.rank, self.credential.clone())
-        else {
-            return;
-        };
-        if out.now_us().saturating_sub(since) > self.retry_us {
-            let secs = self.retry_us as f64 / 1e6;
-            return self.fail(out, format!("the scheduler did not come back within {secs:.0} s"));
+    /// An event of the scheduler's link; carries out what the session says.
+    fn session(&mut self, out: &mut Outbox<'_>, event: session::Event<'_>) {
+        let mut actions = std::collections::VecDeque::from(self.session.handle(out.now_us(), event));
+        while let Some(action) = actions.pop_front() {
+            match action {
+                session::Action::Send { request_id, msg } => {
+                    if let Some(s) = self.sched {
+                        out.send(s, request_id, msg);
+                    }
+                }
+                session::Action::Dial { .. } => {
+                    let conn = out.connect(out.scheduler());
+                    self.sched = Some(conn);
+                    let hello = self.rank.zip(self.credential.clone());
+                    let said = hello.is_some_and(|(rank, credential)| {
+                        out.send(conn, REATTACH_ID, Control::ReattachWorker { rank, credential }.into())
+                    });
+                    if !said {
+                        self.sched = None;
+                        actions.extend(self.session.handle(out.now_us(), session::Event::Lost));
+                    }
+                }
+                session::Action::Over { reason: None } => {}
+                session::Action::Over { reason: Some(why) } => return self.fail(out, why),
+            }
         }
-        let conn = out.connect(out.scheduler());
-        if out.send(conn, REATTACH, Control::ReattachWorker { rank, credential }.into()) {
-            self.sched = Some(conn);
-        } else {
-            self.redial = Some((since, next_backoff_us(delay)));
-            out.wake_at(out.now_us() + delay, REDIAL);
-        }
+        self.session_wake.arm(out, self.session.poll_timeout(), SESSION);
     }
 
     /// A worker restarted after it was lost: it rejoins as `rank` and goes on from the
@@ -244,12 +249,7 @@ impl WorkerRole {
     }
 
     fn call_scheduler(&mut self, out: &mut Outbox<'_>, request_id: u64, msg: Message) {
-        if request_id != 0 && self.retry_us > 0 {
-            self.unanswered.insert(request_id, msg.clone());
-        }
-        if let Some(s) = self.sched.filter(|_| self.redial.is_none()) {
-            out.send(s, request_id, msg);
-        }
+        self.session(out, session::Event::Send { request_id, msg });
     }
 
     /// Connects to the layout's new servers and drops the ones that left it.
@@ -445,20 +445,11 @@ impl WorkerRole {
     }
 
     fn on_scheduler_message(&mut self, out: &mut Outbox<'_>, request_id: u64, msg: Message) {
-        self.unanswered.remove(&request_id);
         if let Message::Control(Control::Welcome { credential, .. }) = &msg {
             self.credential = Some(credential.clone());
         }
-        if request_id == REATTACH && self.redial.is_some() {
-            if !matches!(msg, Message::Control(Control::Welcome { .. })) {
-                return self.fail(out, format!("the restarted scheduler refused this worker: {msg:?}"));
-            }
-            self.redial = None;
-            // Calls in flight when the scheduler died are made again.
-            let calls: Vec<(u64, Message)> = std::mem::take(&mut self.unanswered).into_iter().collect();
-            for (id, msg) in calls {
-                self.call_scheduler(out, id, msg);
-            }
+        self.session(out, session::Event::Received { request_id, msg: &msg });
+        if request_id == REATTACH_ID {
             return;
         }
         match (request_id, msg) {
@@ -516,8 +507,7 @@ impl Role for WorkerRole {
             None => Control::RegisterWorker,
             Some(rank) => Control::RejoinWorker { rank },
         };
-        out.send(sched, REGISTER, hello.into());
-        out.wake_at(out.now_us() + HEARTBEAT_EVERY_US, HEARTBEAT);
+        self.call_scheduler(out, REGISTER, hello.into());
     }
 
     fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
@@ -561,15 +551,10 @@ impl Role for WorkerRole {
             return;
         }
         if Some(conn) == self.sched {
-            let attached = self.rank.is_some() && !matches!(self.stage, Stage::Registering);
-            if self.retry_us > 0 && attached {
-                let since = self.redial.map_or(out.now_us(), |(since, _)| since);
-                let delay = self.redial.map_or(FIRST_BACKOFF_US, |(_, d)| d);
-                self.redial = Some((since, next_backoff_us(delay)));
-                out.wake_at(out.now_us() + delay, REDIAL);
-                return;
-            }
-            return self.fail(out, format!("the scheduler closed the connection ({why:?})"));
+            // Redialled if the session says so (a restarted scheduler), else the end.
+            self.sched = None;
+            tracing::debug!(rank = ?self.rank, ?why, "simulated worker lost the scheduler");
+            return self.session(out, session::Event::Lost);
         }
         let Some(id) = self.servers.iter().find(|(_, c)| **c == conn).map(|(id, _)| *id) else { return };
         // A server that left (a drained server after its linger, or one this worker's
@@ -586,9 +571,9 @@ impl Role for WorkerRole {
             return;
         }
         match token {
-            HEARTBEAT => {
-                self.call_scheduler(out, 0, Control::Heartbeat.into());
-                out.wake_at(out.now_us() + HEARTBEAT_EVERY_US, HEARTBEAT);
+            SESSION => {
+                self.session_wake.fired(out);
+                self.session(out, session::Event::Timeout);
             }
             COMPUTE_DONE => {
                 if let Stage::Computing(t) = self.stage {
@@ -596,7 +581,6 @@ impl Role for WorkerRole {
                     self.start_round(out);
                 }
             }
-            REDIAL => self.redial(out),
             WAKE => {
                 let Some(round) = self.round.as_mut() else { return };
                 let result = round.on_wake(out.now_us());

@@ -175,6 +175,16 @@ impl Server {
         self.finish_handover(block, to, epoch, out);
     }
 
+    /// The deadlines of the migrations out under way (copying or frozen).
+    pub(super) fn step_deadlines(&self) -> impl Iterator<Item = u64> + '_ {
+        self.slots.values().filter_map(|s| match s {
+            Slot::Owned(Owned { phase: Phase::Copying { out: m } | Phase::Frozen { out: m, .. }, .. }) => {
+                Some(m.deadline_us)
+            }
+            _ => None,
+        })
+    }
+
     /// Steps past their deadline: a step to the new owner fails the migration; the
     /// scheduler's silence after the new owner took the block is not a failure (the job
     /// ends with a stuck scheduler), and the handover completes.
@@ -316,7 +326,7 @@ impl Server {
 
     pub(super) fn serve_parked(&mut self, now_us: u64, parked: Vec<Parked>, out: &mut Vec<Action>) {
         for Parked { rank, to, request } in parked {
-            if let Some(msg) = self.handle(now_us, rank, to, request, out) {
+            if let Some(msg) = self.serve(now_us, rank, to, request, out) {
                 out.push(Action::Reply { conn: to.conn, request_id: to.request_id, msg });
             }
         }

@@ -43,7 +43,6 @@ use counters::{Counters, Sum};
 pub use crate::ConnId;
 use crate::authz::{self, Class, Receiver, Verdict};
 
-pub use crate::timing::HEARTBEAT_EVERY_US;
 /// How often a server reports its load and evaluates its adaptive policy, µs.
 pub const STATS_INTERVAL_US: u64 = 1_000_000;
 /// How long each step of a migration may take, µs.
@@ -108,9 +107,9 @@ pub enum Event {
         /// The answer, or why there is none.
         reply: Result<Message, String>,
     },
-    /// Time passed (heartbeats, load reports, adaptive staleness, migration step
-    /// deadlines, long holds, a drained server's linger).
-    Tick,
+    /// The deadline of [`Server::poll_timeout`] came (load reports, adaptive staleness,
+    /// migration step deadlines, replica resyncs, long holds, a drained server's linger).
+    Timeout,
     /// The runtime wrote a block of a checkpoint ([`Action::Checkpoint`]): its entry for
     /// the manifest, or why it could not.
     CheckpointWritten {
@@ -297,6 +296,9 @@ struct Stopping {
     reason: String,
     since_us: u64,
     lingering: bool,
+    /// When try_exit looks again (the end of the wait for migrations or checkpoint
+    /// writes, or of a drained server's linger).
+    recheck_us: Option<u64>,
 }
 
 /// The server's state.
@@ -327,7 +329,6 @@ pub struct Server {
     conns: BTreeMap<ConnId, Conn>,
     calls: BTreeMap<u64, Call>,
     next_call: u64,
-    last_heartbeat_us: Option<u64>,
     next_stats_us: u64,
     last_report_us: u64,
     next_wait_log_us: u64,
@@ -372,7 +373,6 @@ impl Server {
             conns: BTreeMap::new(),
             calls: BTreeMap::new(),
             next_call: 1,
-            last_heartbeat_us: None,
             next_stats_us: 0,
             last_report_us: 0,
             next_wait_log_us: 0,
@@ -426,18 +426,36 @@ impl Server {
     }
 
     /// Handles one event at `now_us` (the runtime's clock, µs, never going back).
-    pub fn step(&mut self, now_us: u64, ev: Event) -> Vec<Action> {
+    pub fn handle(&mut self, now_us: u64, ev: Event) -> Vec<Action> {
         let mut out = Vec::new();
-        self.step_into(now_us, ev, &mut out);
+        self.handle_into(now_us, ev, &mut out);
         out
     }
 
-    /// [`Server::step`], appending the actions to `out` (a caller that reuses one buffer
+    /// When the server next wants [`Event::Timeout`] (absolute µs): the earliest of the
+    /// registration's deadline, the next load report and wait log, a migration step's
+    /// deadline, a replica's resync, and (after `Shutdown`) the end of the wait for
+    /// migrations or of a drained server's linger. `None` once exited.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        if self.exited {
+            return None;
+        }
+        let stopping = self.stopping.as_ref().and_then(|s| s.recheck_us);
+        [self.register_deadline_us, Some(self.next_stats_us), Some(self.next_wait_log_us), stopping]
+            .into_iter()
+            .flatten()
+            .chain(self.step_deadlines())
+            .chain(self.replication.next_resync_us())
+            .min()
+    }
+
+    /// [`Server::handle`], appending the actions to `out` (a caller that reuses one buffer
     /// allocates nothing per event).
-    pub fn step_into(&mut self, now_us: u64, ev: Event, out: &mut Vec<Action>) {
+    pub fn handle_into(&mut self, now_us: u64, ev: Event, out: &mut Vec<Action>) {
         if self.exited {
             return;
         }
+
         let from = out.len();
         match ev {
             Event::Opened { conn, key } => {
@@ -449,7 +467,7 @@ impl Server {
             }
             Event::FromScheduler { request_id, msg } => self.scheduler_said(now_us, request_id, msg, out),
             Event::FromServer { call, reply } => self.step_answered(now_us, call, reply, out),
-            Event::Tick => self.tick(now_us, out),
+            Event::Timeout => self.on_timeout(now_us, out),
             Event::CheckpointWritten { clock, block, result } => self.checkpoint_written(clock, block, result, out),
             Event::Restored(states) => self.restored(now_us, states, out),
         }
@@ -662,13 +680,13 @@ impl Server {
             }
             Message::Control(Control::ReplicaSnapshot(state)) => Some(self.take_replica_snapshot(now_us, state, out)),
             Message::Push { block, clock, values } => {
-                self.handle(now_us, rank, token(block), Request::Push { clock, values }, out)
+                self.serve(now_us, rank, token(block), Request::Push { clock, values }, out)
             }
-            Message::Pull { block, clock } => self.handle(now_us, rank, token(block), Request::Pull { clock }, out),
+            Message::Pull { block, clock } => self.serve(now_us, rank, token(block), Request::Pull { clock }, out),
             Message::PushPull { block, clock, values } => {
-                self.handle(now_us, rank, token(block), Request::PushPull { clock, values }, out)
+                self.serve(now_us, rank, token(block), Request::PushPull { clock, values }, out)
             }
-            Message::Init { block, values } => self.handle(now_us, rank, token(block), Request::Init { values }, out),
+            Message::Init { block, values } => self.serve(now_us, rank, token(block), Request::Init { values }, out),
             Message::Control(Control::SetOptimizer { tensor, optimizer }) => match self.shard.as_mut() {
                 None => Some(Refusal::NotReady.reply(0)),
                 Some(shard) => match shard.set_optimizer(tensor, optimizer) {
@@ -741,14 +759,7 @@ impl Server {
 
     /// A data request: answered now (the reply returned), later (a held pull: `None`,
     /// the answer comes from a push), or parked while its block is frozen.
-    fn handle(
-        &mut self,
-        now_us: u64,
-        rank: u32,
-        to: Token,
-        request: Request,
-        out: &mut Vec<Action>,
-    ) -> Option<Message> {
+    fn serve(&mut self, now_us: u64, rank: u32, to: Token, request: Request, out: &mut Vec<Action>) -> Option<Message> {
         let block = to.block;
         self.last_request_us = now_us;
         let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
@@ -930,7 +941,7 @@ impl Server {
     fn scheduler_said(&mut self, now_us: u64, request_id: u64, msg: Message, out: &mut Vec<Action>) {
         if request_id != 0 {
             match self.calls.remove(&request_id) {
-                Some(Call::Register) => self.welcome(now_us, msg, out),
+                Some(Call::Register) => self.welcome(msg, out),
                 Some(Call::Migration(block)) => self.recorded(now_us, block, request_id, msg, out),
                 Some(Call::Replicate { .. } | Call::ReplicaSync { .. }) | None => {
                     tracing::debug!(request_id, "an answer of the scheduler to no call")
@@ -964,22 +975,20 @@ impl Server {
             }
             Message::Control(Control::Shutdown { reason }) => {
                 tracing::info!(server = self.id, %reason, "server shuts down");
-                self.stopping = Some(Stopping { reason, since_us: now_us, lingering: false });
+                self.stopping = Some(Stopping { reason, since_us: now_us, lingering: false, recheck_us: None });
                 self.shutdown_handovers(out);
             }
             other => tracing::warn!(server = self.id, kind = ?other.kind(), "unexpected message from the scheduler"),
         }
     }
 
-    fn welcome(&mut self, now_us: u64, msg: Message, out: &mut Vec<Action>) {
+    fn welcome(&mut self, msg: Message, out: &mut Vec<Action>) {
         self.register_deadline_us = None;
         match msg {
             Message::Control(Control::Welcome { node_id, credential, .. }) => {
                 self.id = Some(node_id);
                 self.credential = Some(credential);
                 tracing::info!(server = node_id, addr = %self.data_addr, "server registered");
-                self.last_heartbeat_us = Some(now_us);
-                out.push(Action::ToScheduler { request_id: 0, msg: Control::Heartbeat.into() });
             }
             Message::Error(e) => {
                 self.exit(Exit::Failed { reason: format!("scheduler answered {:?}: {}", e.code, e.message) }, out)
@@ -1179,19 +1188,13 @@ impl Server {
         }
     }
 
-    fn tick(&mut self, now_us: u64, out: &mut Vec<Action>) {
+    fn on_timeout(&mut self, now_us: u64, out: &mut Vec<Action>) {
         if let Some(deadline) = self.register_deadline_us
             && now_us >= deadline
         {
             let after = REGISTER_TIMEOUT_US as f64 / 1e6;
             let reason = format!("timed out after {after:.1} s: the scheduler to accept this server");
             return self.exit(Exit::Failed { reason }, out);
-        }
-        if let Some(last) = self.last_heartbeat_us
-            && now_us.saturating_sub(last) >= HEARTBEAT_EVERY_US
-        {
-            self.last_heartbeat_us = Some(now_us);
-            out.push(Action::ToScheduler { request_id: 0, msg: Control::Heartbeat.into() });
         }
         if now_us >= self.next_stats_us {
             self.next_stats_us = now_us + STATS_INTERVAL_US;
@@ -1212,6 +1215,14 @@ impl Server {
         }
         self.check_deadlines(now_us, out);
         self.resync_due(now_us, out);
+    }
+
+    /// After `Shutdown`: [`Server::try_exit`] looks again at `at_us`
+    /// ([`Server::poll_timeout`]).
+    fn recheck_at(&mut self, at_us: u64) {
+        if let Some(s) = self.stopping.as_mut() {
+            s.recheck_us = Some(at_us);
+        }
     }
 
     /// Says what the server waits for: an assignment, or (for a pull held for more than
@@ -1269,21 +1280,25 @@ impl Server {
     /// socket. It lingers until every data connection is closed (workers drop a server
     /// that left their layout) or no request came for [`LINGER_QUIET_US`].
     fn try_exit(&mut self, now_us: u64, out: &mut Vec<Action>) {
+        if let Some(s) = self.stopping.as_mut() {
+            s.recheck_us = None;
+        }
         let Some(stopping) = self.stopping.as_ref() else { return };
         let migrating = self
             .slots
             .values()
             .filter(|s| matches!(s, Slot::Owned(Owned { phase: Phase::Copying { .. } | Phase::Frozen { .. }, .. })))
             .count();
+        let wait_end = stopping.since_us + SHUTDOWN_WAIT_US;
         if migrating > 0 {
-            if now_us.saturating_sub(stopping.since_us) < SHUTDOWN_WAIT_US {
-                return;
+            if now_us < wait_end {
+                return self.recheck_at(wait_end);
             }
             tracing::warn!(server = self.id, pending = migrating, "migrations still running at shutdown");
         }
-        if self.checkpoint_writes > 0 && now_us.saturating_sub(stopping.since_us) < SHUTDOWN_WAIT_US {
+        if self.checkpoint_writes > 0 && now_us < wait_end {
             // The last checkpoint's blocks are on their way to disk.
-            return;
+            return self.recheck_at(wait_end);
         }
         let drained = self.shard.is_some() && self.slots.values().all(|s| matches!(s, Slot::Gone { .. }));
         if drained {
@@ -1293,7 +1308,7 @@ impl Server {
                 if let Some(s) = self.stopping.as_mut() {
                     s.lingering = true;
                 }
-                return;
+                return self.recheck_at(self.last_request_us + LINGER_QUIET_US + 1);
             }
             tracing::info!(server = self.id, open, quiet_s = quiet_us as f64 / 1e6, "drained server leaves");
         }

@@ -111,6 +111,11 @@ pub(super) struct Replication {
 }
 
 impl Replication {
+    /// When the next resync of a stale backup is due (none in flight), if any.
+    pub(super) fn next_resync_us(&self) -> Option<u64> {
+        self.stale.values().filter(|s| s.in_flight.is_none()).map(|s| s.retry_at_us).min()
+    }
+
     /// Whether `(conn, request_id)`'s reply waits for backups.
     fn gated(&self, key: (ConnId, u64)) -> bool {
         self.gates.get(&key).is_some_and(|g| !g.waiting.is_empty())

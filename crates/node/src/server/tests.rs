@@ -27,7 +27,7 @@ fn introduce(s: &mut Server, conn: ConnId, role: PeerRole, id: u32) {
         return;
     }
     let r =
-        s.step(0, Event::Received { conn, request_id: 0, msg: Control::Hello { credential: cred(role, id) }.into() });
+        s.handle(0, Event::Received { conn, request_id: 0, msg: Control::Hello { credential: cred(role, id) }.into() });
     assert_eq!(replies(&r), vec![(conn, 0, Control::Ok.into())], "Hello of {role:?} {id} on {conn}");
 }
 /// A's migration target: server 1 at "b".
@@ -57,8 +57,8 @@ fn server(id: ServerId, sync: SyncPolicy) -> Server {
         &start[..],
         [Action::ToScheduler { request_id: 1, msg: Message::Control(Control::RegisterServer { .. }) }]
     ));
-    s.step(0, Event::FromScheduler { request_id: 1, msg: welcome_of(id) });
-    let acts = s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(assignment(id, sync)).into() });
+    s.handle(0, Event::FromScheduler { request_id: 1, msg: welcome_of(id) });
+    let acts = s.handle(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(assignment(id, sync)).into() });
     assert!(
         acts.iter().any(|a| matches!(a, Action::ToScheduler { msg: Message::Control(Control::AssignDone { .. }), .. }))
     );
@@ -79,11 +79,14 @@ fn replies(acts: &[Action]) -> Vec<(ConnId, u64, Message)> {
 
 fn push(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32, g: f32) -> Vec<Action> {
     let msg = Message::Push { block, clock, values: Values::from_vec(vec![g; LEN]) };
-    s.step(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg })
+    s.handle(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg })
 }
 
 fn pull(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32) -> Vec<Action> {
-    s.step(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg: Message::Pull { block, clock } })
+    s.handle(
+        now,
+        Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg: Message::Pull { block, clock } },
+    )
 }
 
 fn pulled(acts: &[Action]) -> Vec<(ConnId, u64, Vec<f32>)> {
@@ -131,13 +134,13 @@ fn migrate_done(acts: &[Action]) -> (u64, MigrationReport) {
 
 /// The scheduler settles block 0's migration at `epoch`: `owner` owns it.
 fn settle(s: &mut Server, now: u64, epoch: u64, owner: ServerId) -> Vec<Action> {
-    s.step(now, Event::FromScheduler { request_id: 0, msg: Control::Settled { block: 0, epoch, owner }.into() })
+    s.handle(now, Event::FromScheduler { request_id: 0, msg: Control::Settled { block: 0, epoch, owner }.into() })
 }
 
 /// Hands a step of `a` to `b` on connection 100 and returns `b`'s answer.
 fn deliver(b: &mut Server, now: u64, (call, msg): (u64, Message)) -> Message {
     introduce(b, 100, PeerRole::Server, 0);
-    let r = b.step(now, Event::Received { conn: 100, request_id: call, msg });
+    let r = b.handle(now, Event::Received { conn: 100, request_id: call, msg });
     let mut r = replies(&r);
     assert_eq!(r.len(), 1, "one answer: {r:?}");
     r.remove(0).2
@@ -145,7 +148,7 @@ fn deliver(b: &mut Server, now: u64, (call, msg): (u64, Message)) -> Message {
 
 fn migrate(a: &mut Server, now: u64, epoch: u64) -> (u64, Message) {
     let msg = Control::Migrate { block: 0, to: B, to_addr: "b".into(), epoch }.into();
-    to_server(&a.step(now, Event::FromScheduler { request_id: 0, msg }))
+    to_server(&a.handle(now, Event::FromScheduler { request_id: 0, msg }))
 }
 
 fn phase(s: &Server) -> &'static str {
@@ -169,12 +172,12 @@ fn a_full_migration_applies_every_push_once_and_answers_parked_requests_moved() 
     // Served and logged while the snapshot travels; Init is refused meanwhile.
     assert!(acked(&push(&mut a, 3, 1, 11, 0, 0, 2.0), 2, 11));
     let init = Message::Init { block: 0, values: Values::from_vec(vec![0.0; LEN]) };
-    let r = a.step(3, Event::Received { conn: 1, request_id: 12, msg: init });
+    let r = a.handle(3, Event::Received { conn: 1, request_id: 12, msg: init });
     assert!(matches!(&replies(&r)[0].2, Message::Error(e) if e.message.contains("is migrating")), "{r:?}");
 
     let ok = deliver(&mut b, 4, snapshot.clone());
     assert_eq!(ok, Control::Ok.into());
-    let delta = to_server(&a.step(5, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
+    let delta = to_server(&a.handle(5, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
     assert_eq!(phase(&a), "frozen");
     assert!(matches!(&delta.1, Message::Control(Control::BlockDelta { pushes, .. }) if pushes.len() == 1));
     // Frozen: parked, no answer yet.
@@ -183,12 +186,12 @@ fn a_full_migration_applies_every_push_once_and_answers_parked_requests_moved() 
 
     let ok = deliver(&mut b, 7, delta.clone());
     assert_eq!(ok, Control::Ok.into());
-    let (call, report) = migrate_done(&a.step(8, Event::FromServer { call: delta.0, reply: Ok(ok) }));
+    let (call, report) = migrate_done(&a.handle(8, Event::FromServer { call: delta.0, reply: Ok(ok) }));
     assert!(call != 0 && report.error.is_none() && report.held == 0, "{report:?}");
     assert_eq!((report.total_us, report.freeze_us), (6, 3));
     assert_eq!(report.bytes, (LEN as u64 + LEN as u64) * 4, "snapshot and one logged push");
 
-    let r = a.step(9, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    let r = a.handle(9, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
     assert_eq!(replies(&r), vec![(1, 13, moved(B, 2)), (2, 14, moved(B, 2))]);
     assert_eq!(phase(&a), "gone");
     assert_eq!(replies(&pull(&mut a, 10, 0, 15, 0, 1)), vec![(1, 15, moved(B, 2))]);
@@ -215,30 +218,30 @@ fn a_failed_step_serves_the_parked_requests_here() {
     let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
     let snapshot = migrate(&mut a, 1, 2);
     let ok = deliver(&mut b, 2, snapshot.clone());
-    let delta = to_server(&a.step(3, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
+    let delta = to_server(&a.handle(3, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
     assert!(replies(&push(&mut a, 4, 0, 10, 0, 0, 1.0)).is_empty());
     assert!(replies(&pull(&mut a, 4, 1, 11, 0, 0)).is_empty());
-    let r = a.step(5, Event::FromServer { call: delta.0, reply: Err("connection refused".into()) });
+    let r = a.handle(5, Event::FromServer { call: delta.0, reply: Err("connection refused".into()) });
     assert!(acked(&r, 1, 10));
     assert_eq!(pulled(&r), vec![(2, 11, vec![-1.0; LEN])]);
     let (id, report) = migrate_done(&r);
     assert_eq!((id, report.error.as_deref()), (0, Some("connection refused")));
     assert_eq!(phase(&a), "serving");
     // A late answer to the abandoned step changes nothing.
-    assert!(a.step(6, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }).is_empty());
+    assert!(a.handle(6, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }).is_empty());
 
     // A step nobody answers fails at its deadline, checked on Tick.
     let again = migrate(&mut a, 10, 3);
     assert!(
-        a.step(10 + STEP_TIMEOUT_US - 1, Event::Tick)
+        a.handle(10 + STEP_TIMEOUT_US - 1, Event::Timeout)
             .iter()
             .all(|x| !matches!(x, Action::ToScheduler { msg: Message::Control(Control::MigrateDone(_)), .. }))
     );
-    let (_, report) = migrate_done(&a.step(10 + STEP_TIMEOUT_US, Event::Tick));
+    let (_, report) = migrate_done(&a.handle(10 + STEP_TIMEOUT_US, Event::Timeout));
     assert_eq!(report.error.as_deref(), Some("timed out after 30.0 s: server 1 to take the snapshot of block 0"));
     assert_eq!(phase(&a), "serving");
     assert!(
-        a.step(10 + STEP_TIMEOUT_US, Event::FromServer { call: again.0, reply: Ok(Control::Ok.into()) }).is_empty()
+        a.handle(10 + STEP_TIMEOUT_US, Event::FromServer { call: again.0, reply: Ok(Control::Ok.into()) }).is_empty()
     );
     // The new owner's answer as an error names it.
     let snapshot = migrate(&mut a, 20 + STEP_TIMEOUT_US, 4);
@@ -247,7 +250,7 @@ fn a_failed_step_serves_the_parked_requests_here() {
         message: "no".into(),
     });
     let (_, report) =
-        migrate_done(&a.step(21 + STEP_TIMEOUT_US, Event::FromServer { call: snapshot.0, reply: Ok(refused) }));
+        migrate_done(&a.handle(21 + STEP_TIMEOUT_US, Event::FromServer { call: snapshot.0, reply: Ok(refused) }));
     assert_eq!(report.error.as_deref(), Some("server 1 answered BadRequest: no"));
 }
 
@@ -256,10 +259,10 @@ fn a_lost_acknowledgement_never_leaves_two_copies_serving() {
     let (mut a, mut b) = (server(0, SyncPolicy::Ssp(1)), server(B, SyncPolicy::Ssp(1)));
     let snapshot = migrate(&mut a, 1, 2);
     let ok = deliver(&mut b, 2, snapshot.clone());
-    let delta = to_server(&a.step(3, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
+    let delta = to_server(&a.handle(3, Event::FromServer { call: snapshot.0, reply: Ok(ok) }));
     assert_eq!(deliver(&mut b, 4, delta), Control::Ok.into(), "b holds a copy at epoch 2");
     // The acknowledgement is lost: a's step times out and it keeps serving the block.
-    let (_, report) = migrate_done(&a.step(3 + STEP_TIMEOUT_US, Event::Tick));
+    let (_, report) = migrate_done(&a.handle(3 + STEP_TIMEOUT_US, Event::Timeout));
     assert!(report.error.unwrap().contains("to take the last updates of block 0"));
     assert_eq!(phase(&a), "serving");
     let t = 10 + STEP_TIMEOUT_US;
@@ -287,10 +290,10 @@ fn a_lost_acknowledgement_never_leaves_two_copies_serving() {
     // The next migration of the block to b goes through.
     let snapshot = migrate(&mut a, t + 2, 3);
     assert_eq!(deliver(&mut b, t + 3, snapshot.clone()), Control::Ok.into());
-    let delta = to_server(&a.step(t + 4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let delta = to_server(&a.handle(t + 4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
     assert_eq!(deliver(&mut b, t + 5, delta.clone()), Control::Ok.into());
-    let (call, _) = migrate_done(&a.step(t + 6, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
-    a.step(t + 7, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    let (call, _) = migrate_done(&a.handle(t + 6, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    a.handle(t + 7, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
     settle(&mut b, t + 7, 3, B);
     assert_eq!(phase(&a), "gone");
     assert_eq!(pulled(&pull(&mut b, t + 8, 0, 31, 0, 1)), vec![(1, 31, vec![-3.0; LEN])], "only a's pushes count");
@@ -304,8 +307,8 @@ fn a_worker_removed_before_its_block_arrives_is_left_out_of_the_quorum() {
     let snapshot = migrate(&mut a, 2, 2);
     // RemoveWorker reaches the new owner first, between snapshot and delta.
     assert_eq!(deliver(&mut b, 3, snapshot.clone()), Control::Ok.into());
-    b.step(3, Event::FromScheduler { request_id: 0, msg: Control::RemoveWorker { rank: 1 }.into() });
-    let delta = to_server(&a.step(4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    b.handle(3, Event::FromScheduler { request_id: 0, msg: Control::RemoveWorker { rank: 1 }.into() });
+    let delta = to_server(&a.handle(4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
     assert_eq!(deliver(&mut b, 5, delta), Control::Ok.into());
     settle(&mut b, 5, 2, B);
     // bsp pull(1) needs every active worker's clock 0: worker 1 no longer counts.
@@ -322,11 +325,11 @@ fn a_held_ssp_pull_is_answered_moved_at_the_handover_and_again_by_the_new_owner(
     assert!(replies(&pull(&mut a, 2, 0, 12, 0, 2)).is_empty(), "held: done 0 < 2 - 1");
     let snapshot = migrate(&mut a, 3, 2);
     assert_eq!(deliver(&mut b, 4, snapshot.clone()), Control::Ok.into());
-    let delta = to_server(&a.step(5, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let delta = to_server(&a.handle(5, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
     assert_eq!(deliver(&mut b, 6, delta.clone()), Control::Ok.into());
-    let (call, report) = migrate_done(&a.step(7, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    let (call, report) = migrate_done(&a.handle(7, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
     assert_eq!(report.held, 1);
-    let r = a.step(8, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    let r = a.handle(8, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
     assert_eq!(replies(&r), vec![(1, 12, moved(B, 2))], "answered exactly once, Moved");
     settle(&mut b, 8, 2, B);
     // Re-issued at the new owner: held until worker 1 pushes clock 0.
@@ -344,16 +347,16 @@ fn the_scheduler_refusing_the_move_keeps_the_block_and_its_silence_completes_it(
         let t = epoch * 100 * STEP_TIMEOUT_US;
         let snapshot = migrate(&mut a, t, epoch);
         deliver(&mut b, t, snapshot.clone());
-        let delta = to_server(&a.step(t, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+        let delta = to_server(&a.handle(t, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
         deliver(&mut b, t, delta.clone());
-        let (call, _) = migrate_done(&a.step(t, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+        let (call, _) = migrate_done(&a.handle(t, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
         assert!(replies(&push(&mut a, t + 1, 0, 10, 0, epoch as u32 - 2, 1.0)).is_empty(), "parked");
         let r = if refuse {
             let no =
                 elasticps_wire::ErrorReply { code: elasticps_wire::ErrorCode::BadRequest, message: "unknown".into() };
-            a.step(t + 2, Event::FromScheduler { request_id: call, msg: Message::Error(no) })
+            a.handle(t + 2, Event::FromScheduler { request_id: call, msg: Message::Error(no) })
         } else {
-            a.step(t + STEP_TIMEOUT_US, Event::Tick)
+            a.handle(t + STEP_TIMEOUT_US, Event::Timeout)
         };
         if refuse {
             assert!(acked(&r, 1, 10), "served here: {r:?}");
@@ -369,33 +372,34 @@ fn the_scheduler_refusing_the_move_keeps_the_block_and_its_silence_completes_it(
 fn a_drained_server_lingers_until_its_connections_close() {
     let mut a = server(0, SyncPolicy::Asp);
     let snapshot = migrate(&mut a, 1, 2);
-    let delta = to_server(&a.step(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
-    let (call, _) = migrate_done(&a.step(3, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
-    a.step(4, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    let delta = to_server(&a.handle(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let (call, _) = migrate_done(&a.handle(3, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    a.handle(4, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
     let r =
-        a.step(5, Event::FromScheduler { request_id: 0, msg: Control::Shutdown { reason: "drained".into() }.into() });
+        a.handle(5, Event::FromScheduler { request_id: 0, msg: Control::Shutdown { reason: "drained".into() }.into() });
     assert!(r.is_empty() && a.lingering() && a.shutting_down());
     assert_eq!(replies(&pull(&mut a, 6, 0, 1, 0, 0)), vec![(1, 1, moved(B, 2))], "still answers Moved");
-    assert!(a.step(7, Event::Closed { conn: 1 }).is_empty());
-    let r = a.step(8, Event::Closed { conn: 2 });
+    assert!(a.handle(7, Event::Closed { conn: 1 }).is_empty());
+    let r = a.handle(8, Event::Closed { conn: 2 });
     assert_eq!(r, vec![Action::Exit(Exit::Shutdown { reason: "drained".into() })]);
-    assert!(a.exited() && a.step(9, Event::Tick).is_empty());
+    assert!(a.exited() && a.handle(9, Event::Timeout).is_empty());
 
     // A server that still owns blocks leaves at once; one never welcomed fails in time.
     let mut c = server(B, SyncPolicy::Asp);
-    let r = c.step(1, Event::FromScheduler { request_id: 0, msg: Control::Shutdown { reason: "done".into() }.into() });
+    let r =
+        c.handle(1, Event::FromScheduler { request_id: 0, msg: Control::Shutdown { reason: "done".into() }.into() });
     assert_eq!(r, vec![Action::Exit(Exit::Shutdown { reason: "done".into() })]);
     let mut d = Server::new("x");
     d.start(0);
-    assert!(matches!(&d.step(REGISTER_TIMEOUT_US, Event::Tick)[..], [Action::Exit(Exit::Failed { .. })]));
+    assert!(matches!(&d.handle(REGISTER_TIMEOUT_US, Event::Timeout)[..], [Action::Exit(Exit::Failed { .. })]));
 }
 
 #[test]
-fn ticks_send_heartbeats_and_load_reports() {
+fn the_timeout_sends_load_reports_and_poll_timeout_names_the_next_one() {
     let mut a = server(0, SyncPolicy::Asp);
     push(&mut a, 10, 0, 1, 0, 0, 1.0);
     a.charge(70, 5);
-    let r = a.step(STATS_INTERVAL_US, Event::Tick);
+    let r = a.handle(STATS_INTERVAL_US, Event::Timeout);
     let load = r
         .iter()
         .find_map(|x| match x {
@@ -404,7 +408,9 @@ fn ticks_send_heartbeats_and_load_reports() {
         })
         .expect("a load report");
     assert_eq!((load.requests, load.bytes_in, load.busy_us, load.shaped_us, load.blocks), (1, 16, 70, 5, 1));
-    assert!(r.iter().any(|x| matches!(x, Action::ToScheduler { msg: Message::Control(Control::Heartbeat), .. })));
+    // Heartbeats are the session's (crate::session), not the server's.
+    assert!(!r.iter().any(|x| matches!(x, Action::ToScheduler { msg: Message::Control(Control::Heartbeat), .. })));
+    assert_eq!(a.poll_timeout(), Some(2 * STATS_INTERVAL_US), "the next load report");
     assert_eq!(a.take_load(1).requests, 0, "reset");
 }
 
@@ -413,12 +419,12 @@ fn shutdown_completes_a_move_the_scheduler_has_not_confirmed() {
     let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
     let snapshot = migrate(&mut a, 1, 2);
     deliver(&mut b, 1, snapshot.clone());
-    let delta = to_server(&a.step(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let delta = to_server(&a.handle(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
     deliver(&mut b, 2, delta.clone());
-    migrate_done(&a.step(3, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    migrate_done(&a.handle(3, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
     assert!(replies(&pull(&mut a, 4, 0, 9, 0, 0)).is_empty(), "parked");
     let msg = Control::Shutdown { reason: "every worker finished".into() }.into();
-    let r = a.step(5, Event::FromScheduler { request_id: 0, msg });
+    let r = a.handle(5, Event::FromScheduler { request_id: 0, msg });
     assert_eq!(replies(&r), vec![(1, 9, moved(B, 2))]);
     assert_eq!(phase(&a), "gone");
     assert!(a.lingering(), "drained: waits for its connections, not for the step's deadline");
@@ -429,11 +435,11 @@ fn a_move_the_new_owner_takes_after_shutdown_completes_at_once() {
     let (mut a, mut b) = (server(0, SyncPolicy::Asp), server(B, SyncPolicy::Asp));
     let snapshot = migrate(&mut a, 1, 2);
     deliver(&mut b, 1, snapshot.clone());
-    let delta = to_server(&a.step(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let delta = to_server(&a.handle(2, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
     let msg = Control::Shutdown { reason: "every worker finished".into() }.into();
-    assert!(a.step(3, Event::FromScheduler { request_id: 0, msg }).is_empty(), "waits for the running migration");
+    assert!(a.handle(3, Event::FromScheduler { request_id: 0, msg }).is_empty(), "waits for the running migration");
     deliver(&mut b, 4, delta.clone());
-    let r = a.step(5, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) });
+    let r = a.handle(5, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) });
     migrate_done(&r);
     assert_eq!(phase(&a), "gone");
     assert!(a.lingering());
@@ -441,7 +447,7 @@ fn a_move_the_new_owner_takes_after_shutdown_completes_at_once() {
 
 fn push_pull(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32, g: f32) -> Vec<Action> {
     let msg = Message::PushPull { block, clock, values: Values::from_vec(vec![g; LEN]) };
-    s.step(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg })
+    s.handle(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg })
 }
 
 #[test]
@@ -469,7 +475,7 @@ fn a_push_pull_applies_the_push_then_pulls_the_next_clock_under_the_policy() {
     let last = push_pull(&mut a, 6, 0, 16, 0, u32::MAX, 1.0);
     assert!(matches!(&replies(&last)[..], [(1, 16, Message::Error(e))] if e.message.contains("last clock")));
     let msg = Message::PushPull { block: 0, clock: 2, values: Values::from_vec(vec![1.0; LEN]) };
-    let stranger = a.step(7, Event::Received { conn: 9, request_id: 17, msg });
+    let stranger = a.handle(7, Event::Received { conn: 9, request_id: 17, msg });
     assert!(matches!(&replies(&stranger)[..], [(9, 17, Message::Error(_))]));
     assert_eq!(a.metrics_snapshot().totals.pushes, 4, "nothing refused was applied");
     // asp answers at once, with the push applied.
@@ -484,13 +490,13 @@ fn push_pulls_across_a_handover_apply_every_push_once() {
     assert!(replies(&push_pull(&mut a, 1, 0, 10, 0, 0, 1.0)).is_empty());
     let snapshot = migrate(&mut a, 2, 2);
     assert_eq!(deliver(&mut b, 3, snapshot.clone()), Control::Ok.into());
-    let delta = to_server(&a.step(4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
+    let delta = to_server(&a.handle(4, Event::FromServer { call: snapshot.0, reply: Ok(Control::Ok.into()) }));
     // Worker 1's arrives frozen: parked whole, nothing applied.
     assert!(replies(&push_pull(&mut a, 5, 1, 11, 0, 0, 2.0)).is_empty());
     assert_eq!(deliver(&mut b, 6, delta.clone()), Control::Ok.into());
-    let (call, report) = migrate_done(&a.step(7, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
+    let (call, report) = migrate_done(&a.handle(7, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }));
     assert_eq!(report.held, 1);
-    let r = a.step(8, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
+    let r = a.handle(8, Event::FromScheduler { request_id: call, msg: Control::Ok.into() });
     assert_eq!(replies(&r), vec![(2, 11, moved(B, 2)), (1, 10, moved(B, 2))], "both answered once, Moved");
     settle(&mut b, 9, 2, B);
     // Both resend whole at the new owner: worker 0's push is a duplicate (it came in the
@@ -504,7 +510,7 @@ fn push_pulls_across_a_handover_apply_every_push_once() {
 #[test]
 fn a_worker_taken_back_holds_the_quorum_again_from_the_quorums_clock() {
     let mut s = server(0, SyncPolicy::Bsp);
-    let sched = |s: &mut Server, msg: Control| s.step(1, Event::FromScheduler { request_id: 0, msg: msg.into() });
+    let sched = |s: &mut Server, msg: Control| s.handle(1, Event::FromScheduler { request_id: 0, msg: msg.into() });
     sched(&mut s, Control::RemoveWorker { rank: 1 });
     for t in 0..3 {
         assert!(acked(&push(&mut s, 2, 0, 10 + u64::from(t), 0, t, 1.0), 1, 10 + u64::from(t)));
@@ -530,7 +536,7 @@ fn a_worker_taken_back_holds_the_quorum_again_from_the_quorums_clock() {
 fn a_push_past_the_next_checkpoint_waits_until_its_block_is_written() {
     let mut s = server(0, SyncPolicy::Ssp(3));
     let plan = elasticps_wire::CheckpointPlan { dir: "d".into(), every: 2, resume: None };
-    s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Checkpointing(plan).into() });
+    s.handle(0, Event::FromScheduler { request_id: 0, msg: Control::Checkpointing(plan).into() });
     for t in 0..2 {
         assert!(acked(&push(&mut s, 1, 0, 10 + u64::from(t), 0, t, 1.0), 1, 10 + u64::from(t)));
     }
@@ -555,16 +561,17 @@ fn a_push_past_the_next_checkpoint_waits_until_its_block_is_written() {
 fn replicated(id: ServerId) -> (Server, Vec<Action>) {
     let mut s = Server::new(format!("addr{id}"));
     s.start(0);
-    s.step(0, Event::FromScheduler { request_id: 1, msg: welcome_of(id) });
+    s.handle(0, Event::FromScheduler { request_id: 1, msg: welcome_of(id) });
     let base = assignment(id, SyncPolicy::Asp);
     let placement = base.placement.clone().with_replicas(2, 2).unwrap();
     let a = Assignment { placement: placement.clone(), ..base };
-    s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(a).into() });
+    s.handle(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(a).into() });
     for (conn, rank) in [(1, 0), (2, 1)] {
         introduce(&mut s, conn, PeerRole::Worker, rank);
     }
     let servers = (0..2).map(|i| elasticps_wire::ServerAddr { id: i, addr: format!("addr{i}") }).collect();
-    let acts = s.step(0, Event::FromScheduler { request_id: 0, msg: Control::Replicas { placement, servers }.into() });
+    let acts =
+        s.handle(0, Event::FromScheduler { request_id: 0, msg: Control::Replicas { placement, servers }.into() });
     (s, acts)
 }
 
@@ -588,19 +595,19 @@ fn a_push_is_acknowledged_only_once_its_backup_applied_it() {
     assert_eq!(addr, "addr1");
     assert!(matches!(snapshot, Message::Control(Control::ReplicaSnapshot(s)) if s.spec.id == 0));
     introduce(&mut backup, 9, PeerRole::Server, 0);
-    let r = backup.step(1, Event::Received { conn: 9, request_id: 1, msg: snapshot.clone() });
+    let r = backup.handle(1, Event::Received { conn: 9, request_id: 1, msg: snapshot.clone() });
     assert_eq!(replies(&r), vec![(9, 1, Control::Ok.into())]);
-    primary.step(1, Event::FromServer { call: *sync, reply: Ok(Control::Ok.into()) });
+    primary.handle(1, Event::FromServer { call: *sync, reply: Ok(Control::Ok.into()) });
 
     // A push: applied, forwarded, and not acknowledged until the backup answers.
     let acts = push(&mut primary, 2, 0, 5, 0, 0, 3.0);
     assert!(replies(&acts).is_empty(), "the PushAck waits for the backup: {acts:?}");
     let sent = to_servers(&acts);
     let [(call, _, forward)] = &sent[..] else { panic!("one forward: {sent:?}") };
-    let r = backup.step(3, Event::Received { conn: 9, request_id: 2, msg: forward.clone() });
+    let r = backup.handle(3, Event::Received { conn: 9, request_id: 2, msg: forward.clone() });
     assert_eq!(replies(&r), vec![(9, 2, Control::Ok.into())]);
     assert_eq!(backup.backup_copy(0).map(|b| b.values().to_vec()), Some(vec![-3.0; LEN]), "the copy has the push");
-    let acts = primary.step(4, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
+    let acts = primary.handle(4, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
     assert_eq!(replies(&acts), vec![(1, 5, Message::PushAck { block: 0, clock: 0 })]);
 
     // A forward that fails: the backup is stale, the reply waits for its next snapshot
@@ -608,16 +615,16 @@ fn a_push_is_acknowledged_only_once_its_backup_applied_it() {
     let acts = push(&mut primary, 5, 1, 6, 0, 0, 1.0);
     let sent = to_servers(&acts);
     let [(call, _, _)] = &sent[..] else { panic!("one forward: {sent:?}") };
-    let acts = primary.step(6, Event::FromServer { call: *call, reply: Err("connection reset".into()) });
+    let acts = primary.handle(6, Event::FromServer { call: *call, reply: Err("connection reset".into()) });
     assert!(replies(&acts).is_empty(), "still not acknowledged: {acts:?}");
-    let acts = primary.step(6 + replica::RESYNC_EVERY_US, Event::Tick);
+    let acts = primary.handle(6 + replica::RESYNC_EVERY_US, Event::Timeout);
     let sent = to_servers(&acts);
     let Some((sync, _, Message::Control(Control::ReplicaSnapshot(state)))) = sent.first().cloned() else {
         panic!("a fresh snapshot: {sent:?}")
     };
     assert_eq!(state.values, vec![-4.0; LEN], "the snapshot holds both pushes");
     let acts =
-        primary.step(7 + replica::RESYNC_EVERY_US, Event::FromServer { call: sync, reply: Ok(Control::Ok.into()) });
+        primary.handle(7 + replica::RESYNC_EVERY_US, Event::FromServer { call: sync, reply: Ok(Control::Ok.into()) });
     assert_eq!(replies(&acts), vec![(2, 6, Message::PushAck { block: 0, clock: 0 })]);
 }
 

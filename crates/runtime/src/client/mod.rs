@@ -33,11 +33,11 @@ use futures::stream::FuturesUnordered;
 
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
-use crate::peer::Peer;
 
 mod server_conn;
-use crate::reattach::{DEFAULT_SCHEDULER_RETRY, Redial, SchedLink};
-use crate::{CALL_TIMEOUT, HEARTBEAT_EVERY, Micros, STATS_INTERVAL};
+use crate::session::{DEFAULT_SCHEDULER_RETRY, EndWatch, Notifications, SchedLink};
+use crate::{CALL_TIMEOUT, Micros, STATS_INTERVAL};
+use elasticps_node::session::SessionConfig;
 use server_conn::{ServerConn, WriteJob, Written};
 
 /// Requests of a round in flight to one server, by default ([`ClientOptions::window`]).
@@ -113,7 +113,6 @@ pub struct Client {
     next_request: u64,
     /// What the scheduler's connection said about the end of the job (see [`Ending`]).
     ending: tokio::sync::watch::Receiver<Ending>,
-    heartbeat: tokio::task::JoinHandle<()>,
     waits: Waits,
     /// The rounds' plans and the load report (the balancer's measurements).
     worker: Worker,
@@ -124,7 +123,17 @@ pub struct Client {
 impl Client {
     /// Registers with the scheduler and learns this worker's rank.
     pub async fn connect(opts: ClientOptions) -> Result<Client> {
-        let (sched, notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
+        // The reattach names the rank and credential of the Welcome, known once it came.
+        let me: Arc<std::sync::OnceLock<(u32, Credential)>> = Arc::default();
+        let reattach = {
+            let me = me.clone();
+            Box::new(move || {
+                let (rank, credential) = me.get()?.clone();
+                Some(Control::ReattachWorker { rank, credential }.into())
+            })
+        };
+        let config = SessionConfig { retry_us: micros(opts.scheduler_retry), heartbeats: true };
+        let (sched, notes) = SchedLink::connect(&opts.scheduler, opts.codec.clone(), config, reattach).await?;
         let (hello, what) = match opts.rank {
             None => (Control::RegisterWorker, "the scheduler to accept this worker".to_string()),
             Some(rank) => {
@@ -137,45 +146,9 @@ impl Client {
             }
             other => return Err(RuntimeError::unexpected("scheduler", "Welcome", &other)),
         };
+        let _ = me.set((rank, credential.clone()));
         let (tell, ending) = tokio::sync::watch::channel(Ending::default());
-        let tell = Arc::new(tell);
-        let (on_note, on_end) = (tell.clone(), tell);
-        let redial = Redial {
-            addr: opts.scheduler.clone(),
-            codec: opts.codec.clone(),
-            rank,
-            credential: credential.clone(),
-            window: opts.scheduler_retry,
-        };
-        let sched = SchedLink::start(
-            (sched, notes),
-            redial,
-            move |msg| match msg {
-                Message::Control(Control::Shutdown { reason }) => {
-                    tracing::info!(%reason, "scheduler ends the job");
-                    on_note.send_modify(|e| e.reason = Some(reason));
-                    true
-                }
-                _ => false,
-            },
-            move |why| {
-                // Every notification the scheduler sent before it closed has been read.
-                on_end.send_modify(|e| {
-                    if e.reason.is_none() {
-                        e.reason = why;
-                    }
-                    e.closed = true;
-                })
-            },
-        );
-        let hb = sched.clone();
-        let heartbeat = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
-            while !hb.is_over() {
-                let _ = hb.notify(Control::Heartbeat.into());
-                tick.tick().await;
-            }
-        });
+        tokio::spawn(watch_ending(notes, sched.end_watch(), tell));
         tracing::info!(rank, num_workers, "worker registered");
         if let Some(m) = &opts.metrics {
             m.registered_as(rank);
@@ -193,7 +166,6 @@ impl Client {
             servers: HashMap::new(),
             next_request: 1,
             ending,
-            heartbeat,
             waits: Waits::default(),
             worker,
             clock,
@@ -386,7 +358,6 @@ impl Client {
                 "the scheduler to acknowledge WorkerDone".into()
             })
             .await;
-        self.heartbeat.abort();
         self.sched.close();
         reply.map(|_| ())
     }
@@ -856,6 +827,24 @@ struct Ending {
     reason: Option<String>,
     /// The connection closed and every notification before it was read.
     closed: bool,
+}
+
+/// Reads the scheduler's notifications into `tell`: its `Shutdown`, then the link's end.
+async fn watch_ending(mut notes: Notifications, end: EndWatch, tell: tokio::sync::watch::Sender<Ending>) {
+    while let Some(msg) = notes.recv().await {
+        if let Message::Control(Control::Shutdown { reason }) = msg {
+            tracing::info!(%reason, "scheduler ends the job");
+            tell.send_modify(|e| e.reason = Some(reason));
+        }
+    }
+    // Every notification the scheduler sent before the link ended has been read.
+    let why = end.borrow().clone().flatten();
+    tell.send_modify(|e| {
+        if e.reason.is_none() {
+            e.reason = why;
+        }
+        e.closed = true;
+    });
 }
 
 /// How long a failed scheduler call waits for the notifications read before the close.

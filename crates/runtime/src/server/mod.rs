@@ -12,10 +12,11 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use elasticps_node::server::{Action, Event, Exit, Server};
+use elasticps_node::session::SessionConfig;
 use elasticps_wire::{Codec, Control, KeyId, Message, ServerStats};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
@@ -24,7 +25,7 @@ use crate::accept::{self, Acceptor};
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
 use crate::metrics::{ServerMetrics, ServerSnapshot, ServerSource};
-use crate::peer::Peer;
+use crate::session::{Reattach, SchedLink};
 use crate::shaping::Shaper;
 use crate::{CALL_TIMEOUT, Micros, timeout};
 
@@ -61,10 +62,6 @@ pub struct ServerOptions {
     pub max_clock_lead: u32,
 }
 
-/// A redial of the scheduler under way ([`crate::reattach::redial`]).
-type Redialling =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(Peer, crate::peer::Notifications)>> + Send>>;
-
 /// Everything the tasks of one server share.
 struct Io {
     server: Mutex<Server>,
@@ -72,11 +69,13 @@ struct Io {
     codec: Codec,
     frame_timeout: Duration,
     shaper: Arc<Shaper>,
-    /// The scheduler's connection (replaced when the server reattaches to a restarted one).
-    sched: Mutex<Peer>,
-    /// Calls to the scheduler not answered yet, made again after a reattach (a
-    /// `MigrateDone` whose answer died with the old scheduler).
-    unanswered: Mutex<HashMap<u64, Message>>,
+    /// The link to the scheduler ([`crate::session`]: heartbeats, reattach, calls made
+    /// again are the node layer's session).
+    sched: SchedLink,
+    /// When the main loop wakes the state machine ([`Server::poll_timeout`], µs);
+    /// a step on another task that moves it earlier says so through `rearm`.
+    wake_us: AtomicU64,
+    rearm: Notify,
     /// Outboxes of the open data connections.
     conns: Mutex<HashMap<u64, Outbox>>,
     next_conn: AtomicU64,
@@ -123,7 +122,18 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         ))),
         None => None,
     };
-    let (sched, mut notes) = Peer::connect(&opts.scheduler, opts.codec.clone(), "scheduler").await?;
+    // The reattach introduces the server with its blocks at the time (its state).
+    let me: Arc<OnceLock<Weak<Io>>> = Arc::default();
+    let reattach: Reattach = {
+        let (me, data_addr) = (me.clone(), data_addr.clone());
+        Box::new(move || {
+            let io = me.get()?.upgrade()?;
+            elasticps_node::scheduler::reattach_message(&lock(&io.server), &data_addr).map(Message::from)
+        })
+    };
+    let retry_us = u64::try_from(opts.scheduler_retry.as_micros()).unwrap_or(u64::MAX);
+    let config = SessionConfig { retry_us, heartbeats: true };
+    let (sched, mut notes) = SchedLink::connect(&opts.scheduler, opts.codec.clone(), config, reattach).await?;
     let io = Arc::new(Io {
         server: Mutex::new(
             Server::new(data_addr.clone())
@@ -135,8 +145,9 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         codec: opts.codec.clone(),
         frame_timeout: opts.frame_timeout,
         shaper: Shaper::new(),
-        sched: Mutex::new(sched),
-        unanswered: Mutex::new(HashMap::new()),
+        sched,
+        wake_us: AtomicU64::new(u64::MAX),
+        rearm: Notify::new(),
         conns: Mutex::new(HashMap::new()),
         next_conn: AtomicU64::new(1),
         links: Links::default(),
@@ -144,14 +155,15 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         exit: Mutex::new(None),
         exited: Notify::new(),
     });
+    let _ = me.set(Arc::downgrade(&io));
     let start = lock(&io.server).start(io.clock.now());
     io.apply(start);
 
     let accept = tokio::spawn(accept_loop(listener, io.clone()));
-    let mut ticker = tokio::time::interval(crate::SERVER_TICK);
+    let sleep = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(sleep);
     let mut attached = false;
     let mut scheduler_open = true;
-    let mut redial: Option<Redialling> = None;
     let result = loop {
         if let Some(exit) = lock(&io.exit).take() {
             break match exit {
@@ -159,50 +171,34 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
                 Exit::Failed { reason } => Err(RuntimeError::Protocol { peer: "scheduler".into(), what: reason }),
             };
         }
+        // Sleep until the state machine's next deadline.
+        let deadline = lock(&io.server).poll_timeout();
+        io.wake_us.store(deadline.unwrap_or(u64::MAX), Ordering::Relaxed);
+        if let Some(at) = deadline {
+            let now = io.clock.now();
+            sleep.as_mut().reset(tokio::time::Instant::now() + Duration::from_micros(at.saturating_sub(now)));
+        }
         tokio::select! {
-            note = notes.recv(), if scheduler_open && redial.is_none() => match note {
+            note = notes.recv(), if scheduler_open => match note {
                 Some(msg) => {
                     if let Message::Control(Control::Assign(a)) = &msg {
                         io.shaper.configure(&a.inject);
                     }
                     io.step(Event::FromScheduler { request_id: 0, msg }, false);
                 }
-                // After Shutdown the scheduler may close first; the server still finishes.
-                None if lock(&io.server).shutting_down() => scheduler_open = false,
-                None if !opts.scheduler_retry.is_zero() && lock(&io.server).id().is_some() => {
-                    tracing::warn!(server = lock(&io.server).id(), window_s = opts.scheduler_retry.as_secs_f64(), "scheduler connection lost; reattaching");
-                    let (io2, addr, codec, window, data_addr) =
-                        (io.clone(), opts.scheduler.clone(), opts.codec.clone(), opts.scheduler_retry, data_addr.clone());
-                    redial = Some(Box::pin(async move {
-                        let hello = || {
-                            elasticps_node::scheduler::reattach_message(&lock(&io2.server), &data_addr).map(Message::from)
-                        };
-                        crate::reattach::redial(&addr, &codec, hello, window).await
-                    }));
-                }
-                None => break Err(RuntimeError::Closed("scheduler".into())),
+                // The link is over. After `Shutdown` the scheduler may close first; the
+                // server still finishes.
+                None => match io.sched.end().flatten() {
+                    None => scheduler_open = false,
+                    Some(why) => break Err(RuntimeError::SchedulerLost(why)),
+                },
             },
-            back = async { match redial.as_mut() { Some(r) => r.await, None => std::future::pending().await } }, if redial.is_some() => {
-                redial = None;
-                match back {
-                    Ok((peer, n)) => {
-                        tracing::info!(server = lock(&io.server).id(), "server reattached to the restarted scheduler");
-                        *lock(&io.sched) = peer;
-                        notes = n;
-                        let calls: Vec<(u64, Message)> = lock(&io.unanswered).iter().map(|(k, v)| (*k, v.clone())).collect();
-                        for (request_id, msg) in calls {
-                            tracing::info!(request_id, "a scheduler call made again after the reattach");
-                            io.call_scheduler(request_id, msg);
-                        }
-                    }
-                    Err(e) => break Err(e),
-                }
-            }
-            _ = ticker.tick() => {
+            () = &mut sleep, if deadline.is_some() => {
                 let shaped = io.shaper.take_shaped_us();
                 lock(&io.server).charge(0, shaped);
-                io.step(Event::Tick, false);
+                io.step(Event::Timeout, false);
             }
+            _ = io.rearm.notified() => {}
             _ = io.exited.notified() => {}
         }
         if !attached && let (Some(m), Some(id)) = (&opts.metrics, lock(&io.server).id()) {
@@ -236,7 +232,15 @@ impl Io {
     fn decide(self: &Arc<Self>, ev: Event, data: bool) -> Vec<Action> {
         let mut server = lock(&self.server);
         let started = Instant::now();
-        let mut actions = server.step(self.clock.now(), ev);
+        let mut actions = server.handle(self.clock.now(), ev);
+        // A deadline earlier than the main loop sleeps until (a migration step's, a
+        // resync's) wakes it.
+        if let Some(at) = server.poll_timeout()
+            && at < self.wake_us.load(Ordering::Relaxed)
+        {
+            self.wake_us.store(at, Ordering::Relaxed);
+            self.rearm.notify_one();
+        }
         actions.retain_mut(|a| match a {
             Action::ToServer { call, server, addr, msg } => {
                 let msg = std::mem::replace(msg, Message::Control(Control::Ok));
@@ -285,12 +289,9 @@ impl Io {
                     }
                 }
                 Action::ToScheduler { request_id: 0, msg } => {
-                    let _ = lock(&self.sched).notify(msg);
+                    let _ = self.sched.notify(msg);
                 }
-                Action::ToScheduler { request_id, msg } => {
-                    lock(&self.unanswered).insert(request_id, msg.clone());
-                    self.call_scheduler(request_id, msg);
-                }
+                Action::ToScheduler { request_id, msg } => self.call_scheduler(request_id, msg),
                 // Sent in `decide`, in the order the state machine emitted them.
                 Action::ToServer { .. } => {}
                 Action::Trace(t) => {
@@ -327,30 +328,17 @@ impl Io {
         }
     }
 
-    /// A call to the scheduler (kept in `unanswered` until answered, to be made again on a
-    /// reattached connection). A call that fails needs no event: the state machine's
-    /// deadline covers it.
+    /// A call to the scheduler, its answer handed to the state machine. The session
+    /// makes it again after a reattach; one that fails needs no event: the state
+    /// machine's deadline covers it.
     fn call_scheduler(self: &Arc<Self>, request_id: u64, msg: Message) {
-        let sent = lock(&self.sched).send_request(msg);
-        match sent {
-            Err(e) => tracing::warn!(error = %e, "cannot call the scheduler"),
-            Ok(rx) => {
-                let io = self.clone();
-                tokio::spawn(async move {
-                    match tokio::time::timeout(CALL_TIMEOUT, rx).await {
-                        Ok(Ok(msg)) => {
-                            lock(&io.unanswered).remove(&request_id);
-                            io.step(Event::FromScheduler { request_id, msg }, false);
-                        }
-                        // The connection closed: made again if the server reattaches.
-                        Ok(Err(_)) => {}
-                        Err(_) => {
-                            lock(&io.unanswered).remove(&request_id);
-                        }
-                    }
-                });
+        let io = self.clone();
+        tokio::spawn(async move {
+            match io.sched.request(msg, CALL_TIMEOUT, || format!("the scheduler to answer call {request_id}")).await {
+                Ok(msg) => io.step(Event::FromScheduler { request_id, msg }, false),
+                Err(e) => tracing::warn!(request_id, error = %e, "a scheduler call failed"),
             }
-        }
+        });
     }
 }
 

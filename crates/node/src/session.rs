@@ -1,0 +1,439 @@
+//! A node's link to the scheduler, as a state machine without I/O: the one place that
+//! decides when to heartbeat, when a lost scheduler is dialled again (backoff 100 ms
+//! doubling to 2 s, [`crate::timing`]), for how long, how the node introduces itself again
+//! (a reattach), and which calls are made again on the new connection, in which order.
+//!
+//! Every role drives one: the runtime's server, worker client and host agent over TCP
+//! (`elasticps_runtime::session`), the harness's roles over simulated links. It follows
+//! the time contract of every node machine ([`crate`] docs): [`Session::handle`] takes an
+//! event with the time and returns actions; [`Session::poll_timeout`] says when it next
+//! wants [`Event::Timeout`].
+//!
+//! ```text
+//!             Welcome seen                 Lost (welcomed, retry > 0)
+//!   Open ───────────────────► Open ──────────────────────────────► Backoff
+//!     │   (heartbeats start)   ▲                                  │  ▲
+//!     │ Lost (not welcomed,    │ Welcome to the reattach          │  │ Lost (the dial
+//!     │ or no retry)           │ (calls made again, in order)     │  │  failed)
+//!     ▼                        │                         Timeout  ▼  │
+//!   Over ◄──── window over ─── Dialling ◄─────────────────────── (Dial)
+//! ```
+//!
+//! A call (request id > 0) is kept until it is answered, and made again, in the order it
+//! was first made (by request id), on the connection of a reattach: a `MigrateDone`
+//! whose `Ok` died with the old scheduler is answered by the new one. A notification
+//! (request id 0: a heartbeat, a load report) is dropped while the link is down: a later
+//! one says more. After the scheduler's `Shutdown`, a closed connection is the end of
+//! the link, not a loss.
+
+use std::collections::BTreeMap;
+
+use elasticps_wire::{Control, Message};
+
+use crate::timing::{FIRST_BACKOFF_US, HEARTBEAT_EVERY_US, next_backoff_us};
+
+/// The request id of the reattach message on a new connection (`ReattachServer`,
+/// `ReattachWorker`); the roles' own calls never use it.
+pub const REATTACH_ID: u64 = u64::MAX;
+
+/// How a session behaves.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SessionConfig {
+    /// How long a lost scheduler is dialled again, µs (`--scheduler-retry-s`); zero: a
+    /// lost scheduler ends the link.
+    pub retry_us: u64,
+    /// Send a heartbeat every [`HEARTBEAT_EVERY_US`] once the scheduler welcomed the node.
+    pub heartbeats: bool,
+}
+
+/// What happened on the link.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one event at a time, never stored
+pub enum Event<'a> {
+    /// The node sends `msg` to the scheduler: a call (`request_id` > 0, kept until it is
+    /// answered) or a notification (0).
+    Send {
+        /// The call's id, or 0.
+        request_id: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// A frame from the scheduler: the answer to `request_id`, or a notification (0).
+    /// The driver hands the message on to the role itself.
+    Received {
+        /// The request it answers (0: a notification; [`REATTACH_ID`]: the reattach).
+        request_id: u64,
+        /// The message.
+        msg: &'a Message,
+    },
+    /// The node gave up waiting for the answer to `request_id` (its own timeout): it is
+    /// not made again after a reattach.
+    Forget {
+        /// The call.
+        request_id: u64,
+    },
+    /// The scheduler's connection closed, or a dial asked for by [`Action::Dial`] did not
+    /// connect.
+    Lost,
+    /// The deadline of [`Session::poll_timeout`] came.
+    Timeout,
+}
+
+/// What the driver does.
+#[derive(Debug, PartialEq)]
+pub enum Action {
+    /// Write `msg` with `request_id` on the scheduler's connection.
+    Send {
+        /// The call's id, or 0.
+        request_id: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// Open a new connection to the scheduler and introduce the node on it (its
+    /// `ReattachServer` or `ReattachWorker`, which the driver makes from the role's
+    /// state) with request id [`REATTACH_ID`]. A connection that cannot be made is
+    /// [`Event::Lost`].
+    Dial {
+        /// 1 for the first attempt after a loss.
+        attempt: u32,
+    },
+    /// The link is over: `None` after the scheduler's `Shutdown`, else why. The node
+    /// sends nothing more; calls still unanswered fail.
+    Over {
+        /// Why, unless the scheduler ended the job.
+        reason: Option<String>,
+    },
+}
+
+/// Where the link is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// A connection is up.
+    Open,
+    /// Lost since `since_us`: the next dial at `at_us`; `delay_us` is the wait after it,
+    /// if it fails.
+    Backoff { since_us: u64, at_us: u64, delay_us: u64, attempt: u32 },
+    /// A dial is under way; it waits for the `Welcome` to its reattach.
+    Dialling { since_us: u64, delay_us: u64, attempt: u32 },
+    /// Nothing more.
+    Over,
+}
+
+/// A node's link to the scheduler (see the module docs).
+#[derive(Debug)]
+pub struct Session {
+    config: SessionConfig,
+    state: State,
+    /// Calls not answered yet, by request id (the order they were made in).
+    unanswered: BTreeMap<u64, Message>,
+    /// The scheduler accepted this node (a `Welcome` came): a loss is redialled from now.
+    welcomed: bool,
+    /// The scheduler said `Shutdown`.
+    shutdown: bool,
+    /// The next heartbeat, once welcomed (with heartbeats on).
+    next_heartbeat_us: Option<u64>,
+}
+
+impl Session {
+    /// A session whose first connection is up (the driver dialled it, and sends the
+    /// registration through [`Event::Send`]).
+    pub fn new(config: SessionConfig) -> Self {
+        Self {
+            config,
+            state: State::Open,
+            unanswered: BTreeMap::new(),
+            welcomed: false,
+            shutdown: false,
+            next_heartbeat_us: None,
+        }
+    }
+
+    /// True once the link is over.
+    pub fn is_over(&self) -> bool {
+        self.state == State::Over
+    }
+
+    /// True while a connection is up (not lost, not redialling).
+    pub fn is_open(&self) -> bool {
+        self.state == State::Open
+    }
+
+    /// The calls not answered yet, in the order they were made.
+    pub fn unanswered(&self) -> impl Iterator<Item = (u64, &Message)> + '_ {
+        self.unanswered.iter().map(|(id, msg)| (*id, msg))
+    }
+
+    /// When the session next wants [`Event::Timeout`] (absolute µs): the next heartbeat,
+    /// the next dial, or the end of the retry window.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        match self.state {
+            State::Open => self.next_heartbeat_us,
+            State::Backoff { since_us, at_us, .. } => Some(at_us.min(self.window_end(since_us))),
+            State::Dialling { since_us, .. } => Some(self.window_end(since_us)),
+            State::Over => None,
+        }
+    }
+
+    /// One event at `now_us`; the actions are appended to `out`.
+    pub fn handle_into(&mut self, now_us: u64, event: Event<'_>, out: &mut Vec<Action>) {
+        if self.state == State::Over {
+            return;
+        }
+        match event {
+            Event::Send { request_id, msg } => {
+                if request_id != 0 {
+                    self.unanswered.insert(request_id, msg.clone());
+                }
+                if self.state == State::Open {
+                    out.push(Action::Send { request_id, msg });
+                }
+            }
+            Event::Received { request_id: REATTACH_ID, msg } => self.on_reattach(now_us, msg, out),
+            Event::Received { request_id, msg } => {
+                self.unanswered.remove(&request_id);
+                match msg {
+                    Message::Control(Control::Welcome { .. }) if !self.welcomed => {
+                        self.welcomed = true;
+                        if self.config.heartbeats {
+                            self.next_heartbeat_us = Some(now_us);
+                            self.heartbeat(now_us, out);
+                        }
+                    }
+                    Message::Control(Control::Shutdown { .. }) if request_id == 0 => self.shutdown = true,
+                    _ => {}
+                }
+            }
+            Event::Forget { request_id } => {
+                self.unanswered.remove(&request_id);
+            }
+            Event::Lost => self.on_lost(now_us, out),
+            Event::Timeout => self.on_timeout(now_us, out),
+        }
+    }
+
+    /// [`Session::handle_into`] into a new vector.
+    pub fn handle(&mut self, now_us: u64, event: Event<'_>) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.handle_into(now_us, event, &mut out);
+        out
+    }
+
+    /// The end of the retry window of a loss at `since_us`.
+    fn window_end(&self, since_us: u64) -> u64 {
+        since_us.saturating_add(self.config.retry_us)
+    }
+
+    fn over(&mut self, reason: Option<String>, out: &mut Vec<Action>) {
+        self.state = State::Over;
+        self.next_heartbeat_us = None;
+        out.push(Action::Over { reason });
+    }
+
+    fn heartbeat(&mut self, now_us: u64, out: &mut Vec<Action>) {
+        if let Some(at) = self.next_heartbeat_us
+            && now_us >= at
+        {
+            self.next_heartbeat_us = Some(now_us + HEARTBEAT_EVERY_US);
+            out.push(Action::Send { request_id: 0, msg: Control::Heartbeat.into() });
+        }
+    }
+
+    fn on_reattach(&mut self, now_us: u64, msg: &Message, out: &mut Vec<Action>) {
+        let State::Dialling { attempt, .. } = self.state else {
+            // The answer to a reattach given up on (the connection is gone since).
+            return;
+        };
+        if !matches!(msg, Message::Control(Control::Welcome { .. })) {
+            let why = match msg {
+                Message::Error(e) => e.message.clone(),
+                other => format!("{:?}", other.kind()),
+            };
+            return self.over(Some(format!("the restarted scheduler refused this node: {why}")), out);
+        }
+        tracing::info!(attempt, calls = self.unanswered.len(), "reattached to the restarted scheduler");
+        self.state = State::Open;
+        // Calls in flight when the scheduler was lost are made again, in the order made.
+        for (request_id, msg) in &self.unanswered {
+            tracing::info!(request_id, "a scheduler call made again after the reattach");
+            out.push(Action::Send { request_id: *request_id, msg: msg.clone() });
+        }
+        if self.config.heartbeats {
+            self.next_heartbeat_us = Some(now_us);
+            self.heartbeat(now_us, out);
+        }
+    }
+
+    fn on_lost(&mut self, now_us: u64, out: &mut Vec<Action>) {
+        match self.state {
+            State::Open if self.shutdown => self.over(None, out),
+            State::Open if !self.welcomed => {
+                self.over(Some("the scheduler closed the connection before it accepted this node".into()), out)
+            }
+            State::Open if self.config.retry_us == 0 => {
+                self.over(Some("the scheduler's connection was lost".into()), out)
+            }
+            State::Open => {
+                tracing::warn!(window_s = self.config.retry_us as f64 / 1e6, "scheduler connection lost; reattaching");
+                self.next_heartbeat_us = None;
+                self.state = State::Backoff {
+                    since_us: now_us,
+                    at_us: now_us + FIRST_BACKOFF_US,
+                    delay_us: next_backoff_us(FIRST_BACKOFF_US),
+                    attempt: 1,
+                };
+            }
+            State::Dialling { since_us, delay_us, attempt } => {
+                let left_s = self.window_end(since_us).saturating_sub(now_us) as f64 / 1e6;
+                tracing::warn!(attempt, next_in_ms = delay_us / 1000, left_s, "scheduler unreachable; retrying");
+                self.state = State::Backoff {
+                    since_us,
+                    at_us: now_us + delay_us,
+                    delay_us: next_backoff_us(delay_us),
+                    attempt: attempt + 1,
+                };
+            }
+            State::Backoff { .. } | State::Over => {}
+        }
+    }
+
+    fn on_timeout(&mut self, now_us: u64, out: &mut Vec<Action>) {
+        match self.state {
+            State::Open => self.heartbeat(now_us, out),
+            State::Backoff { since_us, .. } | State::Dialling { since_us, .. }
+                if now_us >= self.window_end(since_us) =>
+            {
+                let secs = self.config.retry_us as f64 / 1e6;
+                self.over(Some(format!("the scheduler did not come back within {secs:.0} s")), out);
+            }
+            State::Backoff { since_us, at_us, delay_us, attempt } if now_us >= at_us => {
+                self.state = State::Dialling { since_us, delay_us, attempt };
+                out.push(Action::Dial { attempt });
+            }
+            State::Backoff { .. } | State::Dialling { .. } | State::Over => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use elasticps_wire::{Credential, ErrorCode, ErrorReply, PeerRole};
+
+    use super::*;
+
+    const RETRY: u64 = 10_000_000;
+
+    fn welcome() -> Message {
+        let credential = Credential::issue(b"", 0, PeerRole::Worker, 0);
+        Control::Welcome { node_id: 0, num_workers: 1, num_servers: 1, credential }.into()
+    }
+
+    fn call(id: u64) -> Message {
+        Control::WorkerDone { rank: id as u32 }.into()
+    }
+
+    /// A session that registered (call 1 answered by `Welcome`) at time 0.
+    fn welcomed(config: SessionConfig) -> Session {
+        let mut s = Session::new(config);
+        assert_eq!(s.handle(0, Event::Send { request_id: 1, msg: Control::RegisterWorker.into() }).len(), 1);
+        s.handle(0, Event::Received { request_id: 1, msg: &welcome() });
+        s
+    }
+
+    fn sends(actions: &[Action]) -> Vec<u64> {
+        actions
+            .iter()
+            .filter_map(|a| if let Action::Send { request_id, .. } = a { Some(*request_id) } else { None })
+            .collect()
+    }
+
+    #[test]
+    fn heartbeats_start_at_the_welcome_and_come_every_period() {
+        let mut s = welcomed(SessionConfig { retry_us: 0, heartbeats: true });
+        assert_eq!(s.poll_timeout(), Some(HEARTBEAT_EVERY_US), "one went out at the welcome");
+        assert!(s.handle(HEARTBEAT_EVERY_US - 1, Event::Timeout).is_empty());
+        let a = s.handle(HEARTBEAT_EVERY_US, Event::Timeout);
+        assert_eq!(a, [Action::Send { request_id: 0, msg: Control::Heartbeat.into() }]);
+        assert_eq!(s.poll_timeout(), Some(2 * HEARTBEAT_EVERY_US));
+        // Without heartbeats an open link has nothing to wake for.
+        assert_eq!(welcomed(SessionConfig { retry_us: 0, heartbeats: false }).poll_timeout(), None);
+    }
+
+    #[test]
+    fn a_loss_is_redialled_with_a_doubling_backoff_until_the_window_ends() {
+        let mut s = welcomed(SessionConfig { retry_us: 1_000_000, heartbeats: false });
+        assert!(s.handle(0, Event::Lost).is_empty());
+        let mut dials = Vec::new();
+        // Every dial fails at once; bounded: the window ends the loop.
+        for _ in 0..20 {
+            let Some(at) = s.poll_timeout() else { break };
+            for a in s.handle(at, Event::Timeout) {
+                match a {
+                    Action::Dial { attempt } => {
+                        dials.push((at, attempt));
+                        assert!(s.handle(at, Event::Lost).is_empty());
+                    }
+                    Action::Over { reason } => {
+                        assert_eq!(reason.as_deref(), Some("the scheduler did not come back within 1 s"));
+                        assert_eq!(at, 1_000_000, "the window ends it, on time");
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert!(s.is_over());
+        // 100, 200, 400 ms after each failure: at 0.1, 0.3, 0.7 s.
+        assert_eq!(dials, [(100_000, 1), (300_000, 2), (700_000, 3)]);
+    }
+
+    #[test]
+    fn the_reattach_makes_the_unanswered_calls_again_in_the_order_made() {
+        let mut s = welcomed(SessionConfig { retry_us: RETRY, heartbeats: true });
+        for id in [7, 3, 5] {
+            assert_eq!(sends(&s.handle(1, Event::Send { request_id: id, msg: call(id) })), [id]);
+        }
+        s.handle(2, Event::Received { request_id: 5, msg: &Control::Ok.into() });
+        s.handle(3, Event::Lost);
+        // While the link is down: a call is kept, a notification dropped, nothing sent.
+        assert!(s.handle(4, Event::Send { request_id: 9, msg: call(9) }).is_empty());
+        assert!(s.handle(4, Event::Send { request_id: 0, msg: Control::Heartbeat.into() }).is_empty());
+        assert_eq!(s.handle(3 + FIRST_BACKOFF_US, Event::Timeout), [Action::Dial { attempt: 1 }]);
+        let a = s.handle(3 + FIRST_BACKOFF_US + 10, Event::Received { request_id: REATTACH_ID, msg: &welcome() });
+        assert_eq!(sends(&a), [3, 7, 9, 0], "made again by id, then a heartbeat");
+        assert!(s.is_open());
+    }
+
+    #[test]
+    fn a_refused_reattach_ends_the_link_saying_why() {
+        let mut s = welcomed(SessionConfig { retry_us: RETRY, heartbeats: false });
+        s.handle(0, Event::Lost);
+        assert_eq!(s.handle(FIRST_BACKOFF_US, Event::Timeout), [Action::Dial { attempt: 1 }]);
+        let refusal = Message::Error(ErrorReply { code: ErrorCode::Unauthenticated, message: "other job".into() });
+        let a = s.handle(FIRST_BACKOFF_US, Event::Received { request_id: REATTACH_ID, msg: &refusal });
+        assert_eq!(a, [Action::Over { reason: Some("the restarted scheduler refused this node: other job".into()) }]);
+        assert!(s.handle(FIRST_BACKOFF_US, Event::Send { request_id: 4, msg: call(4) }).is_empty(), "over");
+    }
+
+    #[test]
+    fn a_loss_before_the_welcome_without_retry_or_after_shutdown_ends_the_link() {
+        let mut s = Session::new(SessionConfig { retry_us: RETRY, heartbeats: true });
+        let a = s.handle(0, Event::Lost);
+        assert!(matches!(&a[..], [Action::Over { reason: Some(r) }] if r.contains("before it accepted")));
+
+        let mut s = welcomed(SessionConfig { retry_us: 0, heartbeats: true });
+        let a = s.handle(0, Event::Lost);
+        assert_eq!(a, [Action::Over { reason: Some("the scheduler's connection was lost".into()) }]);
+
+        let mut s = welcomed(SessionConfig { retry_us: RETRY, heartbeats: true });
+        s.handle(1, Event::Received { request_id: 0, msg: &Control::Shutdown { reason: "done".into() }.into() });
+        assert_eq!(s.handle(2, Event::Lost), [Action::Over { reason: None }]);
+    }
+
+    #[test]
+    fn a_forgotten_call_is_not_made_again() {
+        let mut s = welcomed(SessionConfig { retry_us: RETRY, heartbeats: false });
+        s.handle(0, Event::Send { request_id: 2, msg: call(2) });
+        s.handle(0, Event::Send { request_id: 3, msg: call(3) });
+        s.handle(1, Event::Forget { request_id: 2 });
+        assert_eq!(s.unanswered().map(|(id, _)| id).collect::<Vec<_>>(), [3]);
+    }
+}

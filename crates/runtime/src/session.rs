@@ -1,0 +1,326 @@
+//! A node's connection to the scheduler, carried out over TCP: the tokio driver of
+//! [`elasticps_node::session::Session`], which decides everything (heartbeats, when to
+//! dial a lost scheduler again and for how long, the reattach, the calls made again and
+//! their order). This task only connects, writes what the session says, reads frames
+//! and keeps time.
+//!
+//! One driver task per node owns the connection. The node's code holds a [`SchedLink`]
+//! (calls and notifications, from any task) and reads the scheduler's notifications
+//! from the [`Notifications`] channel, which closes when the link is over;
+//! [`SchedLink::end`] then says why.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use elasticps_node::session::{Action, Event, REATTACH_ID, Session, SessionConfig};
+use elasticps_wire::{Codec, Message};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::Micros;
+use crate::conn::{self, Outbox};
+use crate::error::{Result, RuntimeError};
+
+/// How long a node retries a lost scheduler by default (`--scheduler-retry-s`).
+pub const DEFAULT_SCHEDULER_RETRY: Duration = Duration::from_secs(60);
+
+/// The scheduler's notifications (request id 0), over every connection of the link; the
+/// channel closes when the link is over.
+pub type Notifications = mpsc::UnboundedReceiver<Message>;
+
+/// Makes the message that introduces the node to a restarted scheduler
+/// (`ReattachServer`, `ReattachWorker`) from its state at the time; `None`: the node has
+/// nothing to reattach as (the link ends).
+pub type Reattach = Box<dyn Fn() -> Option<Message> + Send + Sync>;
+
+/// What the node asks of its driver task.
+enum Command {
+    Call { request_id: u64, msg: Message, reply: oneshot::Sender<Message> },
+    Notify(Message),
+    Forget(u64),
+}
+
+/// How the link ended: `None` while it lives, `Some(None)` after the scheduler's
+/// `Shutdown`, `Some(Some(why))` otherwise.
+pub type Ended = Option<Option<String>>;
+
+/// Watches how the link ends ([`SchedLink::end_watch`]), without keeping it alive.
+pub type EndWatch = watch::Receiver<Ended>;
+
+/// The node's handle on its link to the scheduler (cheap to clone).
+#[derive(Clone)]
+pub struct SchedLink {
+    cmds: mpsc::UnboundedSender<Command>,
+    ended: watch::Receiver<Ended>,
+    next_id: Arc<AtomicU64>,
+    driver: tokio::task::AbortHandle,
+}
+
+impl SchedLink {
+    /// Connects to the scheduler at `addr` (one attempt: a first connection that fails
+    /// is the caller's error) and starts the driver task. `reattach` makes the message
+    /// that introduces the node again after a loss.
+    pub async fn connect(
+        addr: &str,
+        codec: Codec,
+        config: SessionConfig,
+        reattach: Reattach,
+    ) -> Result<(SchedLink, Notifications)> {
+        let first = open(addr, codec.clone()).await?;
+        let (cmds, cmd_rx) = mpsc::unbounded_channel();
+        let (notes_tx, notes) = mpsc::unbounded_channel();
+        let (ended_tx, ended) = watch::channel(None);
+        let driver = Driver {
+            session: Session::new(config),
+            addr: addr.to_string(),
+            codec,
+            reattach,
+            conn: Some(first),
+            dialling: None,
+            waiters: HashMap::new(),
+            notes: notes_tx,
+            clock: Micros::new(),
+        };
+        let task = tokio::spawn(driver.run(cmd_rx, ended_tx));
+        let link = SchedLink { cmds, ended, next_id: Arc::new(AtomicU64::new(1)), driver: task.abort_handle() };
+        Ok((link, notes))
+    }
+
+    /// Sends a notification (dropped while the scheduler is being dialled again: a later
+    /// one says more). Fails once the link is over.
+    pub fn notify(&self, msg: Message) -> Result<()> {
+        if self.is_over() {
+            return Err(RuntimeError::Closed("scheduler".into()));
+        }
+        self.cmds.send(Command::Notify(msg)).map_err(|_| RuntimeError::Closed("scheduler".into()))
+    }
+
+    /// A call, answered by the scheduler's reply as it is (an `Error` reply included),
+    /// within `timeout`. A call unanswered when the scheduler is lost is made again
+    /// after the reattach; it fails (`Closed`) only when the link is over.
+    pub async fn request(&self, msg: Message, timeout: Duration, what: impl FnOnce() -> String) -> Result<Message> {
+        let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (reply, rx) = oneshot::channel();
+        self.cmds
+            .send(Command::Call { request_id, msg, reply })
+            .map_err(|_| RuntimeError::Closed("scheduler".into()))?;
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(msg)) => Ok(msg),
+            Ok(Err(_)) => Err(RuntimeError::Closed("scheduler".into())),
+            Err(_) => {
+                let _ = self.cmds.send(Command::Forget(request_id));
+                Err(RuntimeError::Timeout { what: what(), after: timeout })
+            }
+        }
+    }
+
+    /// [`SchedLink::request`], with an `Error` reply as [`RuntimeError::Remote`].
+    pub async fn call(&self, msg: Message, timeout: Duration, what: impl FnOnce() -> String) -> Result<Message> {
+        match self.request(msg, timeout, what).await? {
+            Message::Error(reply) => Err(RuntimeError::Remote { peer: "scheduler".into(), reply }),
+            other => Ok(other),
+        }
+    }
+
+    /// True once the link is over.
+    pub fn is_over(&self) -> bool {
+        self.ended.borrow().is_some()
+    }
+
+    /// Why the link ended: `None` while it lives, `Some(None)` after the scheduler's
+    /// `Shutdown`, `Some(Some(why))` otherwise.
+    pub fn end(&self) -> Ended {
+        self.ended.borrow().clone()
+    }
+
+    /// Watches how the link ends; unlike a clone of the link, it does not keep the link
+    /// alive (the link ends when every [`SchedLink`] is dropped).
+    pub fn end_watch(&self) -> EndWatch {
+        self.ended.clone()
+    }
+
+    /// Stops the link (the node is done): its connection closes.
+    pub fn close(&self) {
+        self.driver.abort();
+    }
+}
+
+/// A connection to the scheduler: its writer, and its frames as a reader task reads them
+/// (the channel closes with the connection).
+type Conn = (Outbox, mpsc::UnboundedReceiver<(u64, Message)>);
+
+/// Connects and starts the task that reads the connection's frames.
+async fn open(addr: &str, codec: Codec) -> Result<Conn> {
+    let (mut reader, out) = conn::connect(addr, codec, "scheduler".into()).await?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            match reader.next().await {
+                Ok(Some((header, msg))) => {
+                    if tx.send((header.request_id, msg)).is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(peer = reader.peer(), error = %e, "scheduler connection failed");
+                    return;
+                }
+            }
+        }
+    });
+    Ok((out, rx))
+}
+
+/// The driver task's state.
+struct Driver {
+    session: Session,
+    addr: String,
+    codec: Codec,
+    reattach: Reattach,
+    conn: Option<Conn>,
+    /// A dial under way ([`Action::Dial`]).
+    dialling: Option<std::pin::Pin<Box<dyn std::future::Future<Output = Result<Conn>> + Send>>>,
+    /// The node's calls waiting for their answers, by request id.
+    waiters: HashMap<u64, oneshot::Sender<Message>>,
+    notes: mpsc::UnboundedSender<Message>,
+    clock: Micros,
+}
+
+impl Driver {
+    async fn run(mut self, mut cmds: mpsc::UnboundedReceiver<Command>, ended: watch::Sender<Ended>) {
+        let sleep = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(sleep);
+        let mut actions = Vec::new();
+        loop {
+            let wake = self.session.poll_timeout();
+            if let Some(at) = wake {
+                let now = self.clock.now();
+                sleep.as_mut().reset(tokio::time::Instant::now() + Duration::from_micros(at.saturating_sub(now)));
+            }
+            tokio::select! {
+                cmd = cmds.recv() => match cmd {
+                    // Every handle on the link is gone: the node is done with it.
+                    None => return,
+                    Some(Command::Call { request_id, msg, reply }) => {
+                        self.waiters.insert(request_id, reply);
+                        self.step(Event::Send { request_id, msg }, &mut actions);
+                    }
+                    Some(Command::Notify(msg)) => self.step(Event::Send { request_id: 0, msg }, &mut actions),
+                    Some(Command::Forget(request_id)) => {
+                        self.waiters.remove(&request_id);
+                        self.step(Event::Forget { request_id }, &mut actions);
+                    }
+                },
+                frame = async { self.conn.as_mut().expect("guarded").1.recv().await }, if self.conn.is_some() => {
+                    match frame {
+                        Some((request_id, msg)) => {
+                            self.step(Event::Received { request_id, msg: &msg }, &mut actions);
+                            match request_id {
+                                0 => { let _ = self.notes.send(msg); }
+                                REATTACH_ID => {}
+                                id => if let Some(w) = self.waiters.remove(&id) { let _ = w.send(msg); },
+                            }
+                        }
+                        None => {
+                            self.conn = None;
+                            self.step(Event::Lost, &mut actions);
+                        }
+                    }
+                }
+                dialled = async { self.dialling.as_mut().expect("guarded").await }, if self.dialling.is_some() => {
+                    self.dialling = None;
+                    match dialled.map(|conn| ((self.reattach)(), conn)) {
+                        Ok((Some(hello), conn)) => {
+                            let _ = conn.0.send((REATTACH_ID, hello));
+                            self.conn = Some(conn);
+                        }
+                        Ok((None, _)) => self.step(Event::Lost, &mut actions),
+                        Err(e) => {
+                            tracing::debug!(addr = %self.addr, error = %e, "dialling the scheduler failed");
+                            self.step(Event::Lost, &mut actions);
+                        }
+                    }
+                }
+                () = &mut sleep, if wake.is_some() => self.step(Event::Timeout, &mut actions),
+            }
+            for action in actions.drain(..) {
+                match action {
+                    Action::Send { request_id, msg } => {
+                        if let Some((out, _)) = &self.conn {
+                            let _ = out.send((request_id, msg));
+                        }
+                    }
+                    Action::Dial { attempt } => {
+                        tracing::info!(attempt, addr = %self.addr, "dialling the scheduler again");
+                        self.conn = None;
+                        let (addr, codec) = (self.addr.clone(), self.codec.clone());
+                        self.dialling = Some(Box::pin(async move { open(&addr, codec).await }));
+                    }
+                    Action::Over { reason } => {
+                        // The waiting calls fail (`Closed`), the notifications channel closes.
+                        let _ = ended.send(Some(reason));
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn step(&mut self, event: Event<'_>, actions: &mut Vec<Action>) {
+        let now = self.clock.now();
+        self.session.handle_into(now, event, actions);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use elasticps_wire::{Control, Credential, PeerRole};
+
+    use super::*;
+
+    /// A scheduler that accepts one connection, answers its first call with `Welcome`,
+    /// then closes it and never comes back: the link redials until its window ends.
+    #[tokio::test]
+    async fn a_scheduler_that_does_not_come_back_within_the_window_is_given_up_saying_so() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+        let c2 = codec.clone();
+        let scheduler = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            crate::handshake::accept(&mut stream, b"", "worker", Duration::from_secs(5)).await.unwrap();
+            let (mut reader, out) = conn::split(stream, c2, "worker".into());
+            let (header, _) = reader.next().await.unwrap().unwrap();
+            let credential = Credential::issue(b"", 0, PeerRole::Worker, 0);
+            let welcome = Control::Welcome { node_id: 0, num_workers: 1, num_servers: 1, credential };
+            out.send_all_now(vec![(header.request_id, welcome.into())]).await.unwrap();
+            // Closing the listener too: every redial is refused.
+        });
+        let config = SessionConfig { retry_us: 700_000, heartbeats: true };
+        let attempts = Arc::new(AtomicU64::new(0));
+        let a2 = attempts.clone();
+        let reattach: Reattach = Box::new(move || {
+            a2.fetch_add(1, Ordering::Relaxed);
+            Some(Control::ReattachWorker { rank: 0, credential: Credential::issue(b"", 0, PeerRole::Worker, 0) }.into())
+        });
+        let (link, mut notes) = SchedLink::connect(&addr, codec, config, reattach).await.unwrap();
+        let reply = link.call(Control::RegisterWorker.into(), Duration::from_secs(5), || "welcome".into()).await;
+        assert!(matches!(reply, Ok(Message::Control(Control::Welcome { .. }))), "{reply:?}");
+        scheduler.await.unwrap();
+        let started = Instant::now();
+        assert!(
+            tokio::time::timeout(Duration::from_secs(5), notes.recv()).await.unwrap().is_none(),
+            "closed at the end"
+        );
+        assert_eq!(link.end(), Some(Some("the scheduler did not come back within 1 s".into())));
+        assert!(started.elapsed() < Duration::from_secs(5), "bounded by the window");
+        // The dials that connected nowhere made no reattach message.
+        assert_eq!(attempts.load(Ordering::Relaxed), 0);
+        let late = link.call(Control::Barrier.into(), Duration::from_secs(1), || "barrier".into()).await;
+        assert!(matches!(late, Err(RuntimeError::Closed(_))), "{late:?}");
+    }
+}
