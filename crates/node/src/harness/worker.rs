@@ -8,8 +8,9 @@
 //! scheduler it is done. Heartbeats every second; `Moved` blocks are chased through
 //! layout refreshes by the plan, which also keeps the window ([`TrainingLoop::window`])
 //! and the requests' deadlines: this adapter writes every send it is given and wakes the
-//! round at its `poll_timeout`, as the runtime's round loop does. The gradients are a function of (rank, clock, block)
-//! chosen by the run, so a test knows the exact final parameters.
+//! round at its `poll_timeout`, as the runtime's round loop does. The gradients are a
+//! function of (rank, clock, block) chosen by the run, so a test knows the exact final
+//! parameters.
 
 use std::collections::BTreeMap;
 
