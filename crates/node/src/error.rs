@@ -29,6 +29,15 @@ pub enum NodeError {
         /// What happened.
         what: String,
     },
+    /// A wait ran out of time: a request unanswered past its deadline.
+    #[error("timed out after {:.1} s: {what}", *.after_us as f64 / 1e6)]
+    Timeout {
+        /// What waited for what, e.g. "worker 0 waits for server 1 to answer pull(clock
+        /// 17) of block 3".
+        what: String,
+        /// How long, µs.
+        after_us: u64,
+    },
 }
 
 /// Result alias of the node layer.

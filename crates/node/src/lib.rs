@@ -13,7 +13,8 @@
 //! - [`server`]: block slots (serving, copying, frozen, gone), pushes and pulls under
 //!   the sync policy, live migration of a block (both ends), load reports.
 //! - [`worker`]: the worker's round as a plan (which blocks to push and pull where, what
-//!   to resend after `Moved`) and its load report.
+//!   to resend after `Moved`), its window per server and its requests' deadlines
+//!   (`handle(now, event)` and `poll_timeout()`), and its load report.
 //! - [`authz`]: who may send what to whom (docs/PROTOCOL.md §7.1), checked by the
 //!   scheduler and the servers before a message changes anything.
 //! - [`timing`]: every timing constant of the roles' links (heartbeats, timeouts, ticks,

@@ -27,6 +27,13 @@ pub const FIRST_BACKOFF_US: u64 = 100_000;
 /// The longest wait between two redials of the scheduler, µs.
 pub const MAX_BACKOFF_US: u64 = 2_000_000;
 
+/// How long one request of a worker's round (a push, a pull: a held pull waits for the
+/// slowest worker, so this is generous) may wait for its server by default, µs.
+pub const REQUEST_TIMEOUT_US: u64 = 300_000_000;
+/// Requests of a worker's round in flight to one server at most, by default; the round
+/// sends the others as answers come back.
+pub const DEFAULT_WINDOW: usize = 32;
+
 /// The scheduler's heartbeat timeout for a job of `replicas` copies per block.
 pub fn heartbeat_timeout_us(replicas: u32) -> u64 {
     if replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT_US } else { HEARTBEAT_TIMEOUT_US }

@@ -339,6 +339,7 @@ fn training(case: &Case) -> impl FnMut(u32) -> TrainingLoop + 'static {
         grad,
         timeout_us: 300_000_000,
         fuse,
+        window: elasticps_node::timing::DEFAULT_WINDOW,
     }
 }
 

@@ -414,7 +414,9 @@ mod job {
         ((rank + 1) * 3 + clock * 7 + block) as f32 % 5.0 + 1.0
     }
 
-    pub(super) fn training(iterations: u32) -> impl FnMut(u32) -> TrainingLoop {
+    /// Every worker's training loop, with at most `window` requests of a round in flight
+    /// to one server.
+    pub(super) fn training_with_window(iterations: u32, window: usize) -> impl FnMut(u32) -> TrainingLoop {
         move |i| TrainingLoop {
             tensors: model(),
             iterations,
@@ -423,15 +425,27 @@ mod job {
             timeout_us: 300_000_000,
             // Workers of one job differ: half fuse push and pull, half do not.
             fuse: i % 2 == 0,
+            window,
         }
     }
 
     #[test]
     fn a_job_trains_to_the_exact_parameters_and_ends() {
+        trains_to_the_exact_parameters(elasticps_node::timing::DEFAULT_WINDOW);
+    }
+
+    /// A window of one request in flight per server: the rounds hold their other sends
+    /// back and the job still ends with the exact values.
+    #[test]
+    fn a_job_with_a_window_of_one_trains_to_the_exact_parameters() {
+        trains_to_the_exact_parameters(1);
+    }
+
+    fn trains_to_the_exact_parameters(window: usize) {
         let iterations = 6;
         let mut setup = JobSetup::new(ClusterConfig::new(job(2, 3, SyncPolicy::Ssp(1))));
         setup.server_model = ServerModel { apply_bps: 0, check_bound: true };
-        let mut sim = SimJob::new(setup, training(iterations));
+        let mut sim = SimJob::new(setup, training_with_window(iterations, window));
         let end = sim.run(600_000_000, 10_000_000).expect("the job ends");
         assert!(end.ok, "{end:?}");
         for (_, w) in sim.workers() {

@@ -100,6 +100,7 @@ fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> Training
         grad: |_, _, _| 1.0,
         timeout_us: cmd.data.request_timeout().as_micros() as u64,
         fuse: !cmd.data.no_fuse,
+        window: elasticps_node::timing::DEFAULT_WINDOW,
     }
 }
 

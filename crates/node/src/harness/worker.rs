@@ -6,9 +6,12 @@
 //! clock t + 1, fused into one push_pull per block if [`TrainingLoop::fuse`] (the last
 //! iteration of workers other than rank 0 only pushes), tell the
 //! scheduler it is done. Its link to the scheduler is a [`Session`] (heartbeats, redial,
-//! reattach, calls made again), as the runtime's client's; `Moved` blocks are chased through
-//! layout refreshes by the plan. The gradients are a function of (rank, clock, block)
-//! chosen by the run, so a test knows the exact final parameters.
+//! reattach, calls made again), as the runtime's client's. `Moved` blocks are chased through
+//! layout refreshes by the plan, which also keeps the window ([`TrainingLoop::window`])
+//! and the requests' deadlines: this adapter writes every send it is given and wakes the
+//! round at its `poll_timeout`, as the runtime's round loop does. The gradients are a
+//! function of (rank, clock, block) chosen by the run, so a test knows the exact final
+//! parameters.
 
 use std::collections::BTreeMap;
 
@@ -21,7 +24,7 @@ use super::net::{LostWhy, NodeId};
 use super::wake::Wake;
 use crate::ConnId;
 use crate::session::{self, REATTACH_ID, Session, SessionConfig};
-use crate::worker::{Action, Op, PushOp, Round, Worker};
+use crate::worker::{Action, Op, PushOp, Round, RoundEvent, Worker};
 
 pub use crate::timing::WORKER_STATS_US;
 
@@ -53,6 +56,9 @@ pub struct TrainingLoop {
     pub timeout_us: u64,
     /// Send each block's push and next pull as one push_pull (the client's default).
     pub fuse: bool,
+    /// Requests of a round in flight to one server at most (the client's `window`,
+    /// [`crate::timing::DEFAULT_WINDOW`] by default).
+    pub window: usize,
 }
 
 impl std::fmt::Debug for TrainingLoop {
@@ -61,6 +67,7 @@ impl std::fmt::Debug for TrainingLoop {
             .field("tensors", &self.tensors.len())
             .field("iterations", &self.iterations)
             .field("fuse", &self.fuse)
+            .field("window", &self.window)
             .finish()
     }
 }
@@ -120,8 +127,9 @@ pub struct WorkerRole {
     plan: Option<Worker>,
     layout: Option<Layout>,
     servers: BTreeMap<u32, ConnId>,
-    /// Requests sent on a server's connection and not answered yet.
-    in_flight: BTreeMap<ConnId, u32>,
+    /// The round's wake-up timer is set for this time (a later `poll_timeout` is set when
+    /// it fires).
+    armed: Option<u64>,
     /// Some server left the layout while requests to it were in flight: close its
     /// connection once they are answered (at the end of the round).
     departed: bool,
@@ -160,7 +168,7 @@ impl WorkerRole {
             plan: None,
             layout: None,
             servers: BTreeMap::new(),
-            in_flight: BTreeMap::new(),
+            armed: None,
             departed: false,
             round: None,
             all,
@@ -273,6 +281,7 @@ impl WorkerRole {
     /// reads the answers (a drained server answers its parked requests `Moved`).
     fn drop_departed(&mut self, out: &mut Outbox<'_>) {
         let Some(layout) = self.layout.as_ref() else { return };
+        let round = self.round.as_ref();
         let gone: Vec<(u32, ConnId)> = self
             .servers
             .iter()
@@ -281,12 +290,11 @@ impl WorkerRole {
             .collect();
         self.departed = false;
         for (id, conn) in gone {
-            if self.in_flight.get(&conn).is_some_and(|n| *n > 0) {
+            if round.is_some_and(|r| r.in_flight_to(id) > 0) {
                 self.departed = true;
                 continue;
             }
             self.servers.remove(&id);
-            self.in_flight.remove(&conn);
             out.close(conn);
         }
     }
@@ -307,17 +315,18 @@ impl WorkerRole {
         match plan.start(out.now_us(), layout, push.map(|p| (p, all)), pull.map(|c| (c, all))) {
             Ok((round, actions)) => {
                 self.round = Some(round);
-                self.carry_out(out, actions);
-                self.maybe_round_done(out);
+                self.on_round_result(out, Ok(actions));
             }
             Err(e) => self.fail(out, e.to_string()),
         }
     }
 
+    /// Writes the round's sends (a send to a server without a connection, or whose
+    /// connection is closed, is handed back as that server lost) and asks for layouts.
     fn carry_out(&mut self, out: &mut Outbox<'_>, actions: Vec<Action>) {
         let rank = self.rank.unwrap_or(0);
-        let mut lost = Vec::new();
-        for action in actions {
+        let mut todo = std::collections::VecDeque::from(actions);
+        while let Some(action) = todo.pop_front() {
             match action {
                 Action::Send { tag, server, block, op } => {
                     let msg = match op {
@@ -333,13 +342,13 @@ impl WorkerRole {
                         }
                     };
                     let conn = self.servers.get(&server).copied();
-                    let sent = conn.is_some_and(|conn| out.send(conn, tag, msg));
-                    if let (true, Some(conn)) = (sent, conn) {
-                        *self.in_flight.entry(conn).or_default() += 1;
-                    }
-                    if !sent {
+                    if !conn.is_some_and(|conn| out.send(conn, tag, msg)) {
                         // Closed (or never connected): the plan resends after a refresh.
-                        lost.push(tag);
+                        let Some(round) = self.round.as_mut() else { return };
+                        match round.handle(out.now_us(), RoundEvent::ServerLost { server }) {
+                            Ok(more) => todo.extend(more),
+                            Err(e) => return self.fail(out, e.to_string()),
+                        }
                     }
                 }
                 Action::RefreshLayout => {
@@ -348,22 +357,25 @@ impl WorkerRole {
                     self.next_call += 1;
                     self.call_scheduler(out, id, Control::GetLayout.into());
                 }
-                Action::Wait { until_us } => out.wake_at(until_us, WAKE),
             }
         }
-        self.lost(out, lost);
     }
 
-    /// Feeds the plan requests whose server connection closed before they were answered.
-    fn lost(&mut self, out: &mut Outbox<'_>, tags: Vec<u64>) {
-        for tag in tags {
-            let Some(round) = self.round.as_mut() else { return };
-            let result = round.on_lost(out.now_us(), tag);
-            self.on_round_result(out, result);
-            if matches!(self.stage, Stage::Failed(_)) {
-                return;
-            }
+    /// Sets the timer for the round's `poll_timeout`, unless one is set for earlier (that
+    /// one sets the next when it fires).
+    fn arm(&mut self, out: &mut Outbox<'_>) {
+        let Some(at) = self.round.as_ref().and_then(Round::poll_timeout) else { return };
+        if self.armed.is_none_or(|armed| at < armed) {
+            self.armed = Some(at);
+            out.wake_at(at, WAKE);
         }
+    }
+
+    /// Hands the round `event` now and carries out what it returns.
+    fn hand(&mut self, out: &mut Outbox<'_>, event: RoundEvent<'_>) {
+        let Some(round) = self.round.as_mut() else { return };
+        let result = round.handle(out.now_us(), event);
+        self.on_round_result(out, result);
     }
 
     /// A gradient of `len` values `g` for `block` (shared with the last one if equal).
@@ -386,6 +398,10 @@ impl WorkerRole {
         match result {
             Ok(actions) => {
                 self.carry_out(out, actions);
+                if matches!(self.stage, Stage::Failed(_)) {
+                    return;
+                }
+                self.arm(out);
                 self.maybe_round_done(out);
             }
             Err(e) => self.fail(out, e.to_string()),
@@ -456,7 +472,7 @@ impl WorkerRole {
             (REGISTER, Message::Control(Control::Welcome { node_id, .. })) => {
                 self.rank = Some(node_id);
                 let plan = Worker::new(node_id, self.work.timeout_us, WORKER_STATS_US, out.now_us());
-                self.plan = Some(plan.with_fusion(self.work.fuse));
+                self.plan = Some(plan.with_fusion(self.work.fuse).with_window(self.work.window));
                 self.stage = Stage::Defining;
                 let tensors = self.work.tensors.clone();
                 self.call_scheduler(out, DEFINE, Control::DefineModel { tensors, optimizers: Vec::new() }.into());
@@ -490,7 +506,7 @@ impl WorkerRole {
             (id, Message::Control(Control::Layout(layout))) if id >= FIRST_LAYOUT_CALL => {
                 self.install(out, layout);
                 let (Some(round), Some(layout)) = (self.round.as_mut(), self.layout.as_ref()) else { return };
-                let result = round.on_layout(out.now_us(), layout);
+                let result = round.handle(out.now_us(), RoundEvent::Layout(layout));
                 self.on_round_result(out, result);
             }
             (0, _) => {}
@@ -523,9 +539,6 @@ impl Role for WorkerRole {
             }
             return;
         }
-        if let Some(n) = self.in_flight.get_mut(&conn) {
-            *n = n.saturating_sub(1);
-        }
         let Some(round) = self.round.as_mut() else {
             return self.fail(out, format!("a reply ({:?}) arrived outside a round", msg.kind()));
         };
@@ -540,8 +553,7 @@ impl Role for WorkerRole {
             }
             _ => {}
         }
-        let result = round.on_reply(out.now_us(), request_id, &msg);
-        self.on_round_result(out, result);
+        self.hand(out, RoundEvent::Reply { tag: request_id, msg: &msg });
     }
 
     fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
@@ -561,9 +573,7 @@ impl Role for WorkerRole {
         // stale layout still named): what it did not answer goes, after a layout refresh,
         // to the owner named then; a later layout naming it connects again.
         self.servers.remove(&id);
-        self.in_flight.remove(&conn);
-        let tags: Vec<u64> = self.round.as_ref().map(|r| r.waiting_on(id).collect()).unwrap_or_default();
-        self.lost(out, tags);
+        self.hand(out, RoundEvent::ServerLost { server: id });
     }
 
     fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
@@ -582,9 +592,13 @@ impl Role for WorkerRole {
                 }
             }
             WAKE => {
-                let Some(round) = self.round.as_mut() else { return };
-                let result = round.on_wake(out.now_us());
-                self.on_round_result(out, result);
+                if self.armed.is_some_and(|at| at <= out.now_us()) {
+                    self.armed = None;
+                }
+                match self.round.as_ref().and_then(Round::poll_timeout) {
+                    Some(at) if at <= out.now_us() => self.hand(out, RoundEvent::Timeout),
+                    _ => self.arm(out),
+                }
             }
             _ => {}
         }

@@ -1,20 +1,32 @@
 //! The worker's round as a plan that a runtime carries out: which blocks to push and
 //! pull on which server, a block's pull sent once its server acknowledged its push, what
-//! to resend after `Moved`, and what the round cost per server (the balancer's
-//! measurements). No I/O, no clock, no tensor bytes: every call carries `now_us`, and
-//! the runtime copies a block's values into a request on [`Action::Send`] and out of a
-//! `PullReply` itself.
+//! to resend after `Moved`, how many requests may be in flight to one server (the
+//! window) and how long each may wait (the request timeout), and what the round cost per
+//! server (the balancer's measurements). No I/O, no clock, no tensor bytes: every call
+//! carries `now_us`, and the runtime copies a block's values into a request on
+//! [`Action::Send`] and out of a `PullReply` itself.
+//!
+//! The time contract of every role: [`Round::handle`] takes the time and an event and
+//! returns actions; [`Round::poll_timeout`] says when to hand it [`RoundEvent::Timeout`].
 //!
 //! ```text
 //! let (mut round, actions) = worker.start(now_us, &layout, Some((PushOp::Grad(t), &pushed)), Some((t + 1, &pulled)))?;
-//! carry out actions            // Send { tag, server, block, op } | RefreshLayout | Wait { until_us }
+//! carry out actions            // Send { tag, server, block, op } (write it, no question asked) | RefreshLayout
 //! while !round.is_done() {
-//!     reply arrives for tag -> round.on_reply(now_us, tag, &msg)?        -> more actions
-//!     layout refreshed      -> round.on_layout(now_us, &layout)?         -> more actions
-//!     wait is over          -> round.on_wake(now_us)?                    -> more actions
+//!     sleep until round.poll_timeout(), or until:
+//!     reply arrives for tag    -> round.handle(now_us, RoundEvent::Reply { tag, msg: &msg })?  -> more actions
+//!     a connection closes      -> round.handle(now_us, RoundEvent::ServerLost { server })?     -> more actions
+//!     layout refreshed         -> round.handle(now_us, RoundEvent::Layout(&layout))?          -> more actions
+//!     poll_timeout reached     -> round.handle(now_us, RoundEvent::Timeout)?                  -> more actions, or the timeout's error
 //! }
 //! let report = worker.finish(now_us, round);  // the WorkerLoad to send, when one is due
 //! ```
+//!
+//! The window: a round emits a [`Action::Send`] only while fewer than
+//! [`Worker::with_window`] requests of it are in flight to that server; the others wait in
+//! the round, in the order planned, and go out as answers come back (a runtime writes
+//! every send it is given). Each request sent must be answered within the request
+//! timeout; [`Round::poll_timeout`] is the oldest one's deadline.
 //!
 //! Per server, a round is a push phase (all pushes of that server's blocks in flight at
 //! once) and then, once that server acknowledged them all, a pull phase for those blocks
@@ -24,22 +36,24 @@
 //! server answered `Moved` is resent, with what was
 //! still to do for it, after a layout refresh ([`Action::RefreshLayout`]); when the
 //! refreshed layout has the same epoch (the server answered before the scheduler
-//! published the move) the plan first waits a little ([`Action::Wait`]).
+//! published the move) the plan first waits a little (its [`Round::poll_timeout`]).
 //!
-//! - [`Round`]: one round's plan.
+//! - [`Round`]: one round's plan (`round.rs`), with its window and deadlines (`window.rs`).
 //! - [`LoadReport`]: iterations and per-server costs, reported every stats interval.
 
 mod load;
 mod round;
+mod window;
 
 use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Layout, WorkerLoad};
+use elasticps_wire::{Layout, Message, WorkerLoad};
 
 pub use load::{Iteration, LoadReport};
 pub use round::{Answer, Round};
 
 use crate::Result;
+pub use crate::timing::DEFAULT_WINDOW;
 
 /// How many times one round refreshes the layout to chase moved blocks.
 pub const MAX_LAYOUT_REFRESHES: u32 = 64;
@@ -113,10 +127,50 @@ impl From<PushOp> for Op {
     }
 }
 
+/// What a runtime hands a round ([`Round::handle`]).
+#[derive(Clone, Copy, Debug)]
+pub enum RoundEvent<'a> {
+    /// The reply to request `tag`, decoded.
+    Reply {
+        /// The request's tag ([`Action::Send`]).
+        tag: Tag,
+        /// The reply.
+        msg: &'a Message,
+    },
+    /// The reply to request `tag` as a runtime read it without decoding it into a
+    /// [`Message`] (a pull reply's values went straight into the caller's tensor).
+    Answer {
+        /// The request's tag.
+        tag: Tag,
+        /// What the reply said.
+        answer: Answer<'a>,
+    },
+    /// Request `tag` went unanswered: its connection closed before the reply. It frees
+    /// room in its server's window (the next request queued there goes out: a runtime
+    /// that knows the whole connection is gone says [`RoundEvent::ServerLost`] instead).
+    Lost {
+        /// The request's tag.
+        tag: Tag,
+    },
+    /// The connection to `server` closed, or could not be opened (a send to a server the
+    /// runtime has no connection to): every request in flight there and every one
+    /// waiting for room in its window is lost, once each, and resent after a layout
+    /// refresh.
+    ServerLost {
+        /// The server's id.
+        server: u32,
+    },
+    /// The layout the scheduler sent after [`Action::RefreshLayout`].
+    Layout(&'a Layout),
+    /// The time [`Round::poll_timeout`] named was reached.
+    Timeout,
+}
+
 /// What the runtime must do for a round.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
-    /// Send one request to a server and feed its reply to [`Round::on_reply`] with `tag`.
+    /// Send one request to a server (its window has room: write it) and hand its reply
+    /// back with `tag` ([`RoundEvent::Reply`]).
     Send {
         /// Names the request (and its reply).
         tag: Tag,
@@ -127,13 +181,8 @@ pub enum Action {
         /// What to send.
         op: Op,
     },
-    /// Fetch the layout from the scheduler and hand it to [`Round::on_layout`].
+    /// Fetch the layout from the scheduler and hand it back ([`RoundEvent::Layout`]).
     RefreshLayout,
-    /// Call [`Round::on_wake`] at `until_us` (no earlier).
-    Wait {
-        /// When.
-        until_us: u64,
-    },
 }
 
 /// One worker's side of the job across rounds: its rank, its limits, the sequence of
@@ -142,6 +191,8 @@ pub enum Action {
 pub struct Worker {
     rank: u32,
     timeout_us: u64,
+    /// Requests of a round in flight to one server at most.
+    window: usize,
     seq: u32,
     load: LoadReport,
     /// Send a block pushed at t and pulled at t + 1 as one push_pull.
@@ -151,12 +202,24 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Worker `rank`; a round fails when it still chases moved blocks after `timeout_us`
-    /// (the request timeout); a load report is due every `stats_interval_us`. Fusion is
-    /// on.
+    /// Worker `rank`; a round fails when a request is unanswered for `timeout_us` (the
+    /// request timeout), or when it still chases moved blocks after it; a load report is
+    /// due every `stats_interval_us`. Fusion is on, the window [`DEFAULT_WINDOW`].
     pub fn new(rank: u32, timeout_us: u64, stats_interval_us: u64, now_us: u64) -> Self {
         let load = LoadReport::new(rank, stats_interval_us, now_us);
-        Self { rank, timeout_us, seq: 0, load, fuse: true, spare: None }
+        Self { rank, timeout_us, window: DEFAULT_WINDOW, seq: 0, load, fuse: true, spare: None }
+    }
+
+    /// At most `window` (at least 1) requests of a round in flight to one server; the
+    /// round holds the others back and sends them as answers come back.
+    pub fn with_window(mut self, window: usize) -> Self {
+        self.window = window.max(1);
+        self
+    }
+
+    /// The window ([`Worker::with_window`]).
+    pub fn window(&self) -> usize {
+        self.window
     }
 
     /// Says whether a block that a round pushes at clock t and pulls at t + 1 goes as one
@@ -199,8 +262,18 @@ impl Worker {
             _ => None,
         };
         let mut round = self.spare.take().unwrap_or_default();
-        let actions =
-            round.begin(self.seq, self.rank, self.timeout_us, self.fuse, now_us, layout, push, pull, iteration)?;
+        let actions = round.begin(
+            self.seq,
+            self.rank,
+            self.timeout_us,
+            self.window,
+            self.fuse,
+            now_us,
+            layout,
+            push,
+            pull,
+            iteration,
+        )?;
         Ok((round, actions))
     }
 

@@ -1,12 +1,14 @@
 //! One round's plan: phases per server, the requests of each, the moved blocks waiting
-//! for a layout refresh, and what each server cost.
+//! for a layout refresh, the window and deadlines of its requests ([`Window`]), and what
+//! each server cost.
 
 use elasticps_core::CoreError;
 use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
 use elasticps_wire::{Control, ErrorReply, Kind, Layout, Message};
 
-use super::{Action, Iteration, MAX_LAYOUT_REFRESHES, MOVED_BACKOFF_US, Op, PushOp, Tag};
+use super::window::Window;
+use super::{Action, Iteration, MAX_LAYOUT_REFRESHES, MOVED_BACKOFF_US, Op, PushOp, RoundEvent, Tag};
 use crate::{NodeError, Result};
 
 /// What a server answered a request of the round, as the plan needs it.
@@ -61,6 +63,8 @@ struct Todo {
 /// Where one request stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Outcome {
+    /// Planned, waiting for room in its server's window: not sent yet.
+    Queued,
     /// Sent, no reply yet.
     Waiting,
     /// Not sent: a block only pulled, in a push phase; pulled once the phase ends.
@@ -103,9 +107,10 @@ struct Phase {
 enum Chase {
     /// Nothing asked of the scheduler.
     Idle,
-    /// [`Action::RefreshLayout`] given, waiting for [`Round::on_layout`].
+    /// [`Action::RefreshLayout`] given, waiting for [`RoundEvent::Layout`].
     Refreshing,
-    /// [`Action::Wait`] given, waiting for [`Round::on_wake`].
+    /// The layout had the epoch the round had: the resend waits until `until_us`
+    /// ([`Round::poll_timeout`], then [`RoundEvent::Timeout`]).
     Waiting { until_us: u64 },
 }
 
@@ -130,14 +135,19 @@ pub struct Round {
     requests: Vec<Request>,
     phases: Vec<Phase>,
     open_phases: u32,
-    /// Requests sent and not answered.
+    /// Requests planned and not answered (sent, or queued in the window).
     pending: usize,
+    /// The requests in flight per server, those waiting for room, and their deadlines.
+    window: Window,
     chase: Chase,
     /// Moved blocks to resend after the refresh under way.
     moved: Vec<Todo>,
     /// Blocks answered `Moved` while a refresh was under way: they wait for the next one
     /// (the one under way may predate their move).
     moved_next: Vec<Todo>,
+    /// The requests of one lost connection are being settled, and the refresh of the
+    /// first is for them all: they join `moved`.
+    joining: bool,
     refreshes: u32,
     /// Servers whose connection closed with requests of this round in flight.
     lost: Vec<u32>,
@@ -169,9 +179,11 @@ impl Default for Round {
             phases: Vec::new(),
             open_phases: 0,
             pending: 0,
+            window: Window::default(),
             chase: Chase::Idle,
             moved: Vec::new(),
             moved_next: Vec::new(),
+            joining: false,
             refreshes: 0,
             lost: Vec::new(),
             grouped: Vec::new(),
@@ -190,6 +202,7 @@ impl Round {
         seq: u32,
         rank: u32,
         timeout_us: u64,
+        window: usize,
         fuse: bool,
         now_us: u64,
         layout: &Layout,
@@ -211,9 +224,11 @@ impl Round {
         self.phases.clear();
         self.open_phases = 0;
         self.pending = 0;
+        self.window.reset(window, timeout_us);
         self.chase = Chase::Idle;
         self.moved.clear();
         self.moved_next.clear();
+        self.joining = false;
         self.refreshes = 0;
         self.lost.clear();
         self.waits.clear();
@@ -234,7 +249,47 @@ impl Round {
         let planned = self.plan(now_us, &mut todo, &mut out);
         self.scratch = todo;
         planned?;
+        self.prune();
         Ok(out)
+    }
+
+    /// Hands the round what happened at `now_us` (see [`RoundEvent`]) and returns what the
+    /// runtime must do next. An error fails the round with what a user sees: a refusal,
+    /// a protocol error, blocks that keep moving, a request unanswered past its deadline.
+    pub fn handle(&mut self, now_us: u64, event: RoundEvent<'_>) -> Result<Vec<Action>> {
+        let out = match event {
+            RoundEvent::Reply { tag, msg } => self.on_answer(now_us, tag, Answer::of(msg)),
+            RoundEvent::Answer { tag, answer } => self.on_answer(now_us, tag, answer),
+            RoundEvent::Lost { tag } => self.on_lost(now_us, tag),
+            RoundEvent::ServerLost { server } => self.on_server_lost(now_us, server),
+            RoundEvent::Layout(layout) => self.on_layout(now_us, layout),
+            RoundEvent::Timeout => self.on_timeout(now_us),
+        };
+        self.prune();
+        out
+    }
+
+    /// When the round must be woken with [`RoundEvent::Timeout`] (absolute µs, the clock
+    /// of `now_us`): the earlier of the oldest unanswered request's deadline (its send
+    /// time plus the request timeout) and the end of a wait before resending moved
+    /// blocks. `None`: nothing to wake for (every request answered, or the round waits
+    /// for a layout).
+    pub fn poll_timeout(&self) -> Option<u64> {
+        let deadline = self.window.oldest().map(|(at, _)| at);
+        let wake = match self.chase {
+            Chase::Waiting { until_us } => Some(until_us),
+            _ => None,
+        };
+        match (deadline, wake) {
+            (Some(d), Some(w)) => Some(d.min(w)),
+            (d, w) => d.or(w),
+        }
+    }
+
+    /// Keeps the window's oldest deadline one of a request still waiting for its answer.
+    fn prune(&mut self) {
+        let requests = &self.requests;
+        self.window.prune(|i| requests.get(i as usize).is_some_and(|r| r.outcome == Outcome::Waiting));
     }
 
     /// The iteration this round counted (a round pushing a new clock), for metrics.
@@ -249,7 +304,17 @@ impl Round {
 
     /// Requests sent and not answered yet.
     pub fn in_flight(&self) -> usize {
-        self.pending
+        self.window.in_flight()
+    }
+
+    /// Requests sent to `server` and not answered yet (at most the window).
+    pub fn in_flight_to(&self, server: u32) -> usize {
+        self.window.in_flight_to(server)
+    }
+
+    /// Requests planned but held back until their server's window has room.
+    pub fn queued(&self) -> usize {
+        self.window.queued()
     }
 
     /// When the round started.
@@ -288,19 +353,13 @@ impl Round {
         self.push_load.iter().enumerate().filter(|(_, (b, _))| *b > 0).map(|(s, (b, us))| (s as u32, *b, *us))
     }
 
-    /// The reply `msg` to request `tag`. A `PushAck` or `Moved` for a push or init, a
+    /// The answer to request `tag`. A `PushAck` or `Moved` for a push or init, a
     /// `PullReply` as long as the block or `Moved` for a pull or a push_pull (its
     /// `PullReply` acknowledges the push too); anything else fails the round
     /// with the error a user sees (an `Error` frame as [`NodeError::Remote`], another
     /// message as [`NodeError::Protocol`]). Accepted `PullReply` values are the runtime's
-    /// to copy into the pulled tensor.
-    pub fn on_reply(&mut self, now_us: u64, tag: Tag, msg: &Message) -> Result<Vec<Action>> {
-        self.on_answer(now_us, tag, Answer::of(msg))
-    }
-
-    /// [`Round::on_reply`] for a reply the runtime read without decoding it into a
-    /// [`Message`]: a pull reply whose values went straight into the caller's tensor.
-    pub fn on_answer(&mut self, now_us: u64, tag: Tag, answer: Answer<'_>) -> Result<Vec<Action>> {
+    /// to copy into the pulled tensor. The answer frees room in its server's window.
+    fn on_answer(&mut self, now_us: u64, tag: Tag, answer: Answer<'_>) -> Result<Vec<Action>> {
         let Some(index) = self.waiting(tag) else {
             return Err(NodeError::Refused(format!("reply to no request of this round (tag {tag:#x})")));
         };
@@ -350,8 +409,13 @@ impl Round {
     /// the owner a refreshed layout names. A tag no longer waiting (answered, or of an
     /// older round) changes nothing. If the layout keeps naming that server, the round
     /// fails once the refreshes run out, naming the server.
-    pub fn on_lost(&mut self, now_us: u64, tag: Tag) -> Result<Vec<Action>> {
+    fn on_lost(&mut self, now_us: u64, tag: Tag) -> Result<Vec<Action>> {
         let Some(index) = self.waiting(tag) else { return Ok(Vec::new()) };
+        self.lose(now_us, index)
+    }
+
+    /// Request `index` (sent or queued) is lost with its server's connection.
+    fn lose(&mut self, now_us: u64, index: usize) -> Result<Vec<Action>> {
         let r = self.requests[index];
         let server = self.phases[r.phase as usize].owner;
         if !self.lost.contains(&server) {
@@ -359,6 +423,72 @@ impl Round {
         }
         tracing::debug!(server, block = r.todo.block.id, "server connection lost; resending after a refresh");
         self.settle(now_us, index, Outcome::Lost)
+    }
+
+    /// The connection to `server` closed (or could not be opened): every request in
+    /// flight there and every one queued for room in its window is lost, once each, and
+    /// resent to the owner a refreshed layout names.
+    fn on_server_lost(&mut self, now_us: u64, server: u32) -> Result<Vec<Action>> {
+        let queued = self.window.drop_server(server);
+        let mut lost: Vec<usize> = self
+            .requests
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.outcome == Outcome::Waiting && self.phases[r.phase as usize].owner == server)
+            .map(|(i, _)| i)
+            .collect();
+        // The window forgot them: settling them frees no room (a request planned while
+        // they settle, to this server again, counts in flight).
+        for &index in &lost {
+            self.requests[index].outcome = Outcome::Queued;
+        }
+        lost.extend(queued.iter().map(|i| *i as usize));
+        let mut out = Vec::new();
+        // One refresh for all of them, unless one is already under way (it may predate
+        // the loss: they wait for the next, as moved blocks do).
+        self.joining = self.chase == Chase::Idle;
+        let mut result = Ok(());
+        for index in lost {
+            // Each settles once: a request answered meanwhile is no longer queued or waiting.
+            if matches!(self.requests[index].outcome, Outcome::Waiting | Outcome::Queued) {
+                match self.lose(now_us, index) {
+                    Ok(more) => out.extend(more),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+        }
+        self.joining = false;
+        result.map(|()| out)
+    }
+
+    /// [`RoundEvent::Timeout`]: a request unanswered at its deadline fails the round,
+    /// naming what waited for what; the end of a wait resends the moved blocks. Early,
+    /// it changes nothing.
+    fn on_timeout(&mut self, now_us: u64) -> Result<Vec<Action>> {
+        if let Some((at, index)) = self.window.oldest()
+            && now_us >= at
+        {
+            let r = self.requests[index as usize];
+            let server = self.phases[r.phase as usize].owner;
+            let (verb, clock) = self.op(self.phases[r.phase as usize].push, &r.todo).verb_clock();
+            return Err(NodeError::Timeout {
+                what: format!(
+                    "worker {} waits for server {server} to answer {verb}(clock {clock}) of block {}",
+                    self.rank, r.todo.block.id
+                ),
+                after_us: self.window.timeout_us(),
+            });
+        }
+        let mut out = Vec::new();
+        if let Chase::Waiting { until_us } = self.chase
+            && now_us >= until_us
+        {
+            self.resend(now_us, &mut out)?;
+        }
+        Ok(out)
     }
 
     /// The tags of this round's requests that `server` has not answered yet (for a
@@ -379,24 +509,39 @@ impl Round {
         (tag >> 32 == u64::from(self.seq) && r.outcome == Outcome::Waiting).then_some(index)
     }
 
-    /// Request `index` (waiting) came out as `outcome`; ends its phase if it was the last.
+    /// Request `index` (sent or queued) came out as `outcome`; ends its phase if it was
+    /// the last. A sent one frees room in its server's window: the next request queued
+    /// there goes out first.
     ///
     /// A moved or lost request is chased at once, not when its phase ends: a fused phase's
     /// other requests may be pulls the sync policy holds until other workers push, and
     /// those workers may wait for this very resend (a deadlock across workers).
     fn settle(&mut self, now_us: u64, index: usize, outcome: Outcome) -> Result<Vec<Action>> {
-        let Request { todo, phase, .. } = self.requests[index];
+        let Request { todo, phase, outcome: was } = self.requests[index];
         self.requests[index].outcome = outcome;
         self.pending -= 1;
         let p = &mut self.phases[phase as usize];
         p.pending -= 1;
-        let (push_phase, phase_over) = (p.push, p.pending == 0);
+        let (owner, push_phase, phase_over) = (p.owner, p.push, p.pending == 0);
         let mut out = Vec::new();
+        match was {
+            Outcome::Waiting => {
+                if let Some(next) = self.window.release(now_us, owner) {
+                    out.push(self.send(next as usize));
+                }
+            }
+            Outcome::Queued => {
+                self.window.unqueue(owner, index as u32);
+            }
+            _ => {}
+        }
         if matches!(outcome, Outcome::Moved | Outcome::Lost) {
             let todo = if push_phase { todo } else { Todo { push: false, ..todo } };
             if self.chase == Chase::Idle {
                 self.moved.push(todo);
                 self.refresh(now_us, &mut out)?;
+            } else if self.joining && self.chase == Chase::Refreshing {
+                self.moved.push(todo);
             } else {
                 self.moved_next.push(todo);
             }
@@ -409,9 +554,9 @@ impl Round {
 
     /// The layout the scheduler sent after [`Action::RefreshLayout`]: resends the moved
     /// blocks to their owners in it, or, if its epoch is the one the round had, waits
-    /// first ([`Action::Wait`]). A layout given while no refresh is under way only
-    /// replaces the owners.
-    pub fn on_layout(&mut self, now_us: u64, layout: &Layout) -> Result<Vec<Action>> {
+    /// first (until [`Round::poll_timeout`]). A layout given while no refresh is under way
+    /// only replaces the owners.
+    fn on_layout(&mut self, now_us: u64, layout: &Layout) -> Result<Vec<Action>> {
         let epoch = self.epoch;
         self.set_layout(layout);
         let mut out = Vec::new();
@@ -423,25 +568,19 @@ impl Round {
             // scheduler a moment.
             let until_us = now_us + MOVED_BACKOFF_US * u64::from(self.refreshes.min(20));
             self.chase = Chase::Waiting { until_us };
-            out.push(Action::Wait { until_us });
         } else {
             self.resend(now_us, &mut out)?;
         }
         Ok(out)
     }
 
-    /// Time passed after [`Action::Wait`]: resends the moved blocks (or repeats the wait
-    /// if it is not over yet).
-    pub fn on_wake(&mut self, now_us: u64) -> Result<Vec<Action>> {
-        let mut out = Vec::new();
-        if let Chase::Waiting { until_us } = self.chase {
-            if now_us < until_us {
-                out.push(Action::Wait { until_us });
-            } else {
-                self.resend(now_us, &mut out)?;
-            }
-        }
-        Ok(out)
+    /// Request `index` goes out (its window admitted it): its [`Action::Send`].
+    fn send(&mut self, index: usize) -> Action {
+        let r = &mut self.requests[index];
+        r.outcome = Outcome::Waiting;
+        let (todo, phase) = (r.todo, self.phases[r.phase as usize]);
+        let op = self.op(phase.push, &todo);
+        Action::Send { tag: (u64::from(self.seq) << 32) | index as u64, server: phase.owner, block: todo.block, op }
     }
 
     fn set_layout(&mut self, layout: &Layout) {
@@ -512,17 +651,21 @@ impl Round {
             if index > u64::from(u32::MAX) {
                 return Err(NodeError::Refused("a round of more than 2^32 requests".into()));
             }
-            let outcome = if send { Outcome::Waiting } else { Outcome::Carried };
+            let outcome = if send { Outcome::Queued } else { Outcome::Carried };
             self.requests.push(Request { todo: *t, phase, outcome });
             if send {
                 pending += 1;
                 self.pending += 1;
-                let op = self.op(push, t);
-                out.push(Action::Send { tag: (u64::from(self.seq) << 32) | index, server: owner, block: t.block, op });
             }
         }
         let len = self.requests.len() as u32 - first;
         self.phases.push(Phase { owner, push, first, len, pending, started_us: now_us });
+        // Each request goes out now if its server's window has room, or waits in its queue.
+        for index in first..first + len {
+            if self.requests[index as usize].outcome == Outcome::Queued && self.window.admit(now_us, owner, index) {
+                out.push(self.send(index as usize));
+            }
+        }
         self.open_phases += 1;
         if pending == 0 {
             self.phase_done(now_us, phase, out)?;
@@ -555,7 +698,7 @@ impl Round {
                 Outcome::Fused => push_bytes += b.len as u64 * 4,
                 Outcome::Carried => to_pull.push(Todo { block: b, push: false, pull: true }),
                 // Chased when they were answered (`settle`).
-                Outcome::Moved | Outcome::Lost | Outcome::Pulled | Outcome::Waiting => {}
+                Outcome::Moved | Outcome::Lost | Outcome::Pulled | Outcome::Waiting | Outcome::Queued => {}
             }
         }
         if push_bytes > 0 {

@@ -50,6 +50,26 @@ fn sends(actions: &[Action]) -> Vec<(Tag, u32, u32, Op)> {
         .collect()
 }
 
+/// The reply `msg` to request `tag`, handed to `r` at `now`.
+fn reply(r: &mut Round, now: u64, tag: Tag, msg: &Message) -> crate::Result<Vec<Action>> {
+    r.handle(now, RoundEvent::Reply { tag, msg })
+}
+
+/// The layout `l` handed to `r` at `now` (after [`Action::RefreshLayout`]).
+fn relayout(r: &mut Round, now: u64, l: &Layout) -> crate::Result<Vec<Action>> {
+    r.handle(now, RoundEvent::Layout(l))
+}
+
+/// Request `tag` lost (its connection closed) at `now`.
+fn lose(r: &mut Round, now: u64, tag: Tag) -> crate::Result<Vec<Action>> {
+    r.handle(now, RoundEvent::Lost { tag })
+}
+
+/// The timeout event at `now`.
+fn timeout(r: &mut Round, now: u64) -> crate::Result<Vec<Action>> {
+    r.handle(now, RoundEvent::Timeout)
+}
+
 fn ack(block: u32) -> Message {
     Message::PushAck { block, clock: 0 }
 }
@@ -75,18 +95,18 @@ fn a_pull_is_sent_only_once_its_server_acknowledged_the_pushes() {
         "every push in flight at once, no pull yet"
     );
     let tags: Vec<Tag> = first.iter().map(|s| s.0).collect();
-    assert!(r.on_reply(20, tags[0], &ack(0)).unwrap().is_empty(), "server 0 has not acknowledged block 1");
-    assert!(r.on_reply(25, tags[2], &ack(2)).unwrap().is_empty());
-    let pulls0 = sends(&r.on_reply(30, tags[1], &ack(1)).unwrap());
+    assert!(reply(&mut r, 20, tags[0], &ack(0)).unwrap().is_empty(), "server 0 has not acknowledged block 1");
+    assert!(reply(&mut r, 25, tags[2], &ack(2)).unwrap().is_empty());
+    let pulls0 = sends(&reply(&mut r, 30, tags[1], &ack(1)).unwrap());
     assert_eq!(
         pulls0.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
         vec![(0, 0, Op::Pull(4)), (0, 1, Op::Pull(4))]
     );
-    let pulls1 = sends(&r.on_reply(40, tags[3], &ack(3)).unwrap());
+    let pulls1 = sends(&reply(&mut r, 40, tags[3], &ack(3)).unwrap());
     assert_eq!(pulls1.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(1, 2), (1, 3)]);
     for (tag, _, b, _) in pulls1.iter().chain(&pulls0) {
         assert!(!r.is_done());
-        assert!(r.on_reply(100 + u64::from(*b), *tag, &pulled(*b, 2)).unwrap().is_empty());
+        assert!(reply(&mut r, 100 + u64::from(*b), *tag, &pulled(*b, 2)).unwrap().is_empty());
     }
     assert!(r.is_done());
     assert_eq!(r.in_flight(), 0);
@@ -111,20 +131,20 @@ fn a_moved_block_is_resent_to_its_new_owner_after_the_layout() {
     let first = sends(&first);
     assert_eq!(first.len(), 2);
     // Server 1 acknowledges block 1 and pulls it; server 0 answers Moved for block 0.
-    let p1 = sends(&r.on_reply(5, first[1].0, &ack(1)).unwrap());
+    let p1 = sends(&reply(&mut r, 5, first[1].0, &ack(1)).unwrap());
     assert_eq!(p1.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 1, Op::Pull(1))]);
-    let after_moved = r.on_reply(6, first[0].0, &moved(0)).unwrap();
+    let after_moved = reply(&mut r, 6, first[0].0, &moved(0)).unwrap();
     assert_eq!(after_moved, vec![Action::RefreshLayout], "nothing sent before the layout");
     assert!(!r.is_done());
-    assert!(r.on_reply(7, p1[0].0, &pulled(1, 2)).unwrap().is_empty());
+    assert!(reply(&mut r, 7, p1[0].0, &pulled(1, 2)).unwrap().is_empty());
     assert!(!r.is_done(), "block 0 is still to push and pull");
     // The new layout gives block 0 to server 1: the push is resent there, then the pull.
     let l2 = layout(&[4], 2, vec![1, 1], 2, 2);
-    let resent = sends(&r.on_layout(8, &l2).unwrap());
+    let resent = sends(&relayout(&mut r, 8, &l2).unwrap());
     assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Push(0))]);
-    let p0 = sends(&r.on_reply(9, resent[0].0, &ack(0)).unwrap());
+    let p0 = sends(&reply(&mut r, 9, resent[0].0, &ack(0)).unwrap());
     assert_eq!(p0.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Pull(1))]);
-    assert!(r.on_reply(12, p0[0].0, &pulled(0, 2)).unwrap().is_empty());
+    assert!(reply(&mut r, 12, p0[0].0, &pulled(0, 2)).unwrap().is_empty());
     assert!(r.is_done());
     assert_eq!(r.refreshes(), 1);
     assert_eq!(r.waited().collect::<Vec<_>>(), vec![(0, 6), (1, 12)]);
@@ -141,34 +161,34 @@ fn requests_a_lost_server_did_not_answer_go_to_the_owner_of_the_refreshed_layout
     let first = sends(&first);
     assert_eq!(r.waiting_on(0).collect::<Vec<_>>(), vec![first[0].0, first[1].0]);
     // Server 0 acknowledges block 0, then its connection closes with block 1 unanswered.
-    let p0 = sends(&r.on_reply(5, first[0].0, &ack(0)).unwrap());
+    let p0 = sends(&reply(&mut r, 5, first[0].0, &ack(0)).unwrap());
     assert!(p0.is_empty(), "the pulls wait for the whole push phase");
     let lost: Vec<Tag> = r.waiting_on(0).collect();
     assert_eq!(lost, vec![first[1].0]);
-    let after = r.on_lost(6, lost[0]).unwrap();
+    let after = lose(&mut r, 6, lost[0]).unwrap();
     // Block 0 was acknowledged: its pull goes to server 0's connection as planned (the
     // runtime finds it closed and reports that pull lost too); block 1 is chased.
     assert_eq!(sends(&after).iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::Pull(4))]);
     assert!(after.contains(&Action::RefreshLayout));
     let pull0 = sends(&after)[0].0;
-    assert!(r.on_lost(7, pull0).unwrap().is_empty(), "a refresh is under way: it waits for the next one");
-    assert!(r.on_lost(7, pull0).unwrap().is_empty(), "a tag no longer waiting changes nothing");
+    assert!(lose(&mut r, 7, pull0).unwrap().is_empty(), "a refresh is under way: it waits for the next one");
+    assert!(lose(&mut r, 7, pull0).unwrap().is_empty(), "a tag no longer waiting changes nothing");
     // Server 1 answers its block as usual.
-    let p2 = sends(&r.on_reply(8, first[2].0, &ack(2)).unwrap());
-    r.on_reply(9, p2[0].0, &pulled(2, 2)).unwrap();
+    let p2 = sends(&reply(&mut r, 8, first[2].0, &ack(2)).unwrap());
+    reply(&mut r, 9, p2[0].0, &pulled(2, 2)).unwrap();
     // The refreshed layout names server 1 for every block: block 1's push is resent there
     // (a duplicate if server 0 had applied it), then, after the next refresh, block 0's pull.
     let l2 = layout(&[6], 2, vec![1, 1, 1], 2, 2);
-    let resent = r.on_layout(10, &l2).unwrap();
+    let resent = relayout(&mut r, 10, &l2).unwrap();
     assert_eq!(sends(&resent).iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 1, Op::Push(3))]);
     assert!(resent.contains(&Action::RefreshLayout));
     let pushed = sends(&resent)[0].0;
-    let pull1 = sends(&r.on_reply(11, pushed, &ack(1)).unwrap());
+    let pull1 = sends(&reply(&mut r, 11, pushed, &ack(1)).unwrap());
     assert_eq!(pull1.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 1, Op::Pull(4))]);
-    let again = sends(&r.on_layout(12, &layout(&[6], 2, vec![1, 1, 1], 3, 2)).unwrap());
+    let again = sends(&relayout(&mut r, 12, &layout(&[6], 2, vec![1, 1, 1], 3, 2)).unwrap());
     assert_eq!(again.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Pull(4))]);
-    r.on_reply(13, pull1[0].0, &pulled(1, 2)).unwrap();
-    r.on_reply(14, again[0].0, &pulled(0, 2)).unwrap();
+    reply(&mut r, 13, pull1[0].0, &pulled(1, 2)).unwrap();
+    reply(&mut r, 14, again[0].0, &pulled(0, 2)).unwrap();
     assert!(r.is_done());
 }
 
@@ -177,7 +197,7 @@ fn a_lost_server_the_layout_keeps_naming_ends_the_round_naming_it() {
     let l = layout(&[2], 2, vec![0], 1, 1);
     let mut w = Worker::new(0, 1_000_000, INTERVAL_US, 0).with_fusion(false);
     let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
-    let err = r.on_lost(2_500_000, sends(&first)[0].0).unwrap_err();
+    let err = lose(&mut r, 2_500_000, sends(&first)[0].0).unwrap_err();
     assert_eq!(
         err.to_string(),
         "protocol error with servers: the connection to server(s) [0] closed with requests in flight, and the \
@@ -192,10 +212,10 @@ fn a_moved_pull_is_resent_as_a_pull() {
     let (mut r, first) = w.start(0, &l, None, Some((7, &[true]))).unwrap();
     let first = sends(&first);
     assert_eq!(first.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::Pull(7))]);
-    assert_eq!(r.on_reply(1, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
-    let resent = sends(&r.on_layout(2, &layout(&[2], 2, vec![1], 2, 2)).unwrap());
+    assert_eq!(reply(&mut r, 1, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    let resent = sends(&relayout(&mut r, 2, &layout(&[2], 2, vec![1], 2, 2)).unwrap());
     assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Pull(7))]);
-    r.on_reply(3, resent[0].0, &pulled(0, 2)).unwrap();
+    reply(&mut r, 3, resent[0].0, &pulled(0, 2)).unwrap();
     assert!(r.is_done());
     assert!(r.iteration().is_none(), "a pull counts no iteration");
 }
@@ -206,17 +226,20 @@ fn the_same_epoch_waits_before_resending() {
     let mut w = worker();
     let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
     let tag = sends(&first)[0].0;
-    assert_eq!(r.on_reply(100, tag, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    assert_eq!(reply(&mut r, 100, tag, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
     // The scheduler has not published the move yet.
-    assert_eq!(r.on_layout(200, &l).unwrap(), vec![Action::Wait { until_us: 200 + MOVED_BACKOFF_US }]);
-    assert_eq!(r.on_wake(300).unwrap(), vec![Action::Wait { until_us: 200 + MOVED_BACKOFF_US }], "too early");
-    let resent = sends(&r.on_wake(200 + MOVED_BACKOFF_US).unwrap());
+    assert!(relayout(&mut r, 200, &l).unwrap().is_empty());
+    assert_eq!(r.poll_timeout(), Some(200 + MOVED_BACKOFF_US), "nothing in flight: the wait's end");
+    assert!(timeout(&mut r, 300).unwrap().is_empty(), "too early");
+    assert_eq!(r.poll_timeout(), Some(200 + MOVED_BACKOFF_US));
+    let resent = sends(&timeout(&mut r, 200 + MOVED_BACKOFF_US).unwrap());
     assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::Push(0))]);
     // Moved again: the second refresh waits twice as long.
-    assert_eq!(r.on_reply(6000, resent[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
-    assert_eq!(r.on_layout(6100, &l).unwrap(), vec![Action::Wait { until_us: 6100 + 2 * MOVED_BACKOFF_US }]);
-    let resent = sends(&r.on_wake(6100 + 2 * MOVED_BACKOFF_US).unwrap());
-    r.on_reply(20_000, resent[0].0, &ack(0)).unwrap();
+    assert_eq!(reply(&mut r, 6000, resent[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    assert!(relayout(&mut r, 6100, &l).unwrap().is_empty());
+    assert_eq!(r.poll_timeout(), Some(6100 + 2 * MOVED_BACKOFF_US));
+    let resent = sends(&timeout(&mut r, 6100 + 2 * MOVED_BACKOFF_US).unwrap());
+    reply(&mut r, 20_000, resent[0].0, &ack(0)).unwrap();
     assert!(r.is_done());
     assert_eq!(r.refreshes(), 2);
 }
@@ -230,11 +253,11 @@ fn blocks_that_keep_moving_end_the_round_after_the_refresh_limit() {
     let mut now = 0;
     for i in 1..=MAX_LAYOUT_REFRESHES as u64 {
         now += 10;
-        assert_eq!(r.on_reply(now, tag, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+        assert_eq!(reply(&mut r, now, tag, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
         let next = layout(&[2], 2, vec![0], 1 + i, 1);
-        tag = sends(&r.on_layout(now, &next).unwrap())[0].0;
+        tag = sends(&relayout(&mut r, now, &next).unwrap())[0].0;
     }
-    let err = r.on_reply(now + 10, tag, &moved(0)).unwrap_err();
+    let err = reply(&mut r, now + 10, tag, &moved(0)).unwrap_err();
     assert_eq!(err.to_string(), "protocol error with servers: blocks kept moving through 65 layout refreshes in 0.0 s");
 }
 
@@ -243,7 +266,7 @@ fn blocks_that_keep_moving_end_the_round_after_the_request_timeout() {
     let l = layout(&[2], 2, vec![0], 1, 1);
     let mut w = Worker::new(0, 1_000_000, INTERVAL_US, 0).with_fusion(false);
     let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
-    let err = r.on_reply(2_500_000, sends(&first)[0].0, &moved(0)).unwrap_err();
+    let err = reply(&mut r, 2_500_000, sends(&first)[0].0, &moved(0)).unwrap_err();
     assert!(matches!(err, NodeError::Protocol { .. }));
     assert_eq!(err.to_string(), "protocol error with servers: blocks kept moving through 1 layout refreshes in 2.5 s");
 }
@@ -254,21 +277,21 @@ fn a_block_moved_while_a_refresh_is_under_way_waits_for_the_next_refresh() {
     let mut w = worker();
     let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true, true])), None).unwrap();
     let first = sends(&first);
-    assert_eq!(r.on_reply(1, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    assert_eq!(reply(&mut r, 1, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
     // Block 1 moves while the refresh is under way: no second refresh at once.
-    assert!(r.on_reply(2, first[1].0, &moved(1)).unwrap().is_empty());
+    assert!(reply(&mut r, 2, first[1].0, &moved(1)).unwrap().is_empty());
     // The layout (which may predate block 1's move) resends block 0, then refreshes again.
     let l2 = layout(&[2, 2], 2, vec![2, 1], 2, 3);
-    let acts = r.on_layout(3, &l2).unwrap();
+    let acts = relayout(&mut r, 3, &l2).unwrap();
     let resent0 = sends(&acts);
     assert_eq!(resent0.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(2, 0)]);
     assert_eq!(acts.last(), Some(&Action::RefreshLayout));
     let l3 = layout(&[2, 2], 2, vec![2, 2], 3, 3);
-    let resent1 = sends(&r.on_layout(4, &l3).unwrap());
+    let resent1 = sends(&relayout(&mut r, 4, &l3).unwrap());
     assert_eq!(resent1.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(2, 1)]);
-    r.on_reply(5, resent1[0].0, &ack(1)).unwrap();
+    reply(&mut r, 5, resent1[0].0, &ack(1)).unwrap();
     assert!(!r.is_done(), "block 0's push is still in flight");
-    r.on_reply(6, resent0[0].0, &ack(0)).unwrap();
+    reply(&mut r, 6, resent0[0].0, &ack(0)).unwrap();
     assert!(r.is_done());
     assert_eq!(r.refreshes(), 2);
 }
@@ -281,7 +304,7 @@ fn push_only_and_pull_only_rounds() {
     let first = sends(&first);
     assert!(first.iter().all(|(_, _, _, op)| *op == Op::Push(5)));
     for (tag, _, b, _) in &first {
-        assert!(r.on_reply(3, *tag, &ack(*b)).unwrap().is_empty(), "a push-only round pulls nothing");
+        assert!(reply(&mut r, 3, *tag, &ack(*b)).unwrap().is_empty(), "a push-only round pulls nothing");
     }
     assert!(r.is_done());
     assert_eq!(r.iteration(), Some(Iteration { clock: 5, since_last_us: None }));
@@ -294,7 +317,7 @@ fn push_only_and_pull_only_rounds() {
         vec![(0, 0, Op::Pull(6)), (1, 1, Op::Pull(6))]
     );
     for (tag, _, b, _) in &first {
-        r.on_reply(20, *tag, &pulled(*b, 2)).unwrap();
+        reply(&mut r, 20, *tag, &pulled(*b, 2)).unwrap();
     }
     assert!(r.is_done());
     assert_eq!(r.push_load().count(), 0, "a pull measures no service time");
@@ -315,15 +338,15 @@ fn a_partial_round_carries_a_pull_only_block_past_its_servers_pushes() {
         vec![(0, 0, Op::Push(1)), (1, 1, Op::Push(1))],
         "block 2's pull waits for server 0's pushes"
     );
-    let p0 = sends(&r.on_reply(1, first[0].0, &ack(0)).unwrap());
+    let p0 = sends(&reply(&mut r, 1, first[0].0, &ack(0)).unwrap());
     assert_eq!(
         p0.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
         vec![(0, 0, Op::Pull(2)), (0, 2, Op::Pull(2))]
     );
-    let p1 = sends(&r.on_reply(2, first[1].0, &ack(1)).unwrap());
+    let p1 = sends(&reply(&mut r, 2, first[1].0, &ack(1)).unwrap());
     assert_eq!(p1.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(1, 1)]);
     for (tag, _, b, _) in p0.iter().chain(&p1) {
-        r.on_reply(3, *tag, &pulled(*b, 2)).unwrap();
+        reply(&mut r, 3, *tag, &pulled(*b, 2)).unwrap();
     }
     assert!(r.is_done());
     // A server that holds only pulled blocks gets a pull phase at once.
@@ -341,7 +364,7 @@ fn an_init_round_pushes_initial_values() {
     let first = sends(&first);
     assert_eq!(first[0].3, Op::Init);
     assert!(r.iteration().is_none(), "init counts no iteration");
-    r.on_reply(1, first[0].0, &ack(0)).unwrap();
+    reply(&mut r, 1, first[0].0, &ack(0)).unwrap();
     assert!(r.is_done());
 }
 
@@ -361,29 +384,29 @@ fn wrong_replies_fail_the_round_with_todays_messages() {
     let mut w = worker();
     let (mut r, first) = w.start(0, &l, None, Some((4, &[true]))).unwrap();
     let tag = sends(&first)[0].0;
-    let err = r.on_reply(1, tag, &pulled(0, 3)).unwrap_err();
+    let err = reply(&mut r, 1, tag, &pulled(0, 3)).unwrap_err();
     assert_eq!(
         err.to_string(),
         "protocol error with server 0: expected PullReply of 2 values, got PullReply of 3 values"
     );
-    let err = r.on_reply(1, tag, &ack(0)).unwrap_err();
+    let err = reply(&mut r, 1, tag, &ack(0)).unwrap_err();
     assert_eq!(err.to_string(), "protocol error with server 0: expected PullReply of 2 values, got PushAck");
     let refusal = ErrorReply { code: ErrorCode::UnknownBlock, message: "no block 0".into() };
-    let err = r.on_reply(1, tag, &Message::Error(refusal)).unwrap_err();
+    let err = reply(&mut r, 1, tag, &Message::Error(refusal)).unwrap_err();
     assert_eq!(
         err.to_string(),
         "server 0 (answering pull(clock 4) of block 0 from worker 0) answered UnknownBlock: no block 0"
     );
-    assert!(matches!(r.on_reply(1, tag + 1, &pulled(0, 2)), Err(NodeError::Refused(_))), "no such request");
+    assert!(matches!(reply(&mut r, 1, tag + 1, &pulled(0, 2)), Err(NodeError::Refused(_))), "no such request");
     let (mut r2, first2) = w.start(10, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
     let tag2 = sends(&first2)[0].0;
     assert_ne!(tag2, tag, "tags are unique across rounds");
-    assert!(matches!(r2.on_reply(11, tag, &ack(0)), Err(NodeError::Refused(_))), "a reply from an earlier round");
-    let err = r2.on_reply(11, tag2, &pulled(0, 2)).unwrap_err();
+    assert!(matches!(reply(&mut r2, 11, tag, &ack(0)), Err(NodeError::Refused(_))), "a reply from an earlier round");
+    let err = reply(&mut r2, 11, tag2, &pulled(0, 2)).unwrap_err();
     assert_eq!(err.to_string(), "protocol error with server 0: expected PushAck, got PullReply of 2 values");
     // A reply counts once.
-    r2.on_reply(12, tag2, &ack(0)).unwrap();
-    assert!(matches!(r2.on_reply(13, tag2, &ack(0)), Err(NodeError::Refused(_))));
+    reply(&mut r2, 12, tag2, &ack(0)).unwrap();
+    assert!(matches!(reply(&mut r2, 13, tag2, &ack(0)), Err(NodeError::Refused(_))));
 }
 
 #[test]
@@ -392,11 +415,11 @@ fn a_layout_without_the_block_fails_the_resend() {
     let mut w = worker();
     let (mut r, first) = w.start(0, &l, None, Some((0, &[true]))).unwrap();
     let first = sends(&first);
-    r.on_reply(1, first[0].0, &pulled(0, 2)).unwrap();
-    assert_eq!(r.on_reply(1, first[1].0, &moved(1)).unwrap(), vec![Action::RefreshLayout]);
+    reply(&mut r, 1, first[0].0, &pulled(0, 2)).unwrap();
+    assert_eq!(reply(&mut r, 1, first[1].0, &moved(1)).unwrap(), vec![Action::RefreshLayout]);
     let mut short = layout(&[2], 2, vec![0], 2, 1);
     short.placement.owners.clear();
-    assert!(matches!(r.on_layout(2, &short), Err(NodeError::Core(_))));
+    assert!(matches!(relayout(&mut r, 2, &short), Err(NodeError::Core(_))));
 }
 
 #[test]
@@ -408,14 +431,14 @@ fn the_load_report_counts_iterations_and_is_due_every_interval() {
         // Two rounds per clock (tensor by tensor): one iteration.
         for _ in 0..2 {
             let (mut r, first) = w.start(now, &l, Some((PushOp::Grad(clock), &[true])), None).unwrap();
-            r.on_reply(now + 100, sends(&first)[0].0, &ack(0)).unwrap();
+            reply(&mut r, now + 100, sends(&first)[0].0, &ack(0)).unwrap();
             assert!(w.finish(now + 100, r).is_none());
             now += 150_000;
         }
     }
     let (mut r, first) = w.start(now, &l, Some((PushOp::Grad(3), &[true])), None).unwrap();
     assert_eq!(r.iteration(), Some(Iteration { clock: 3, since_last_us: Some(300_000) }));
-    r.on_reply(now + 100, sends(&first)[0].0, &ack(0)).unwrap();
+    reply(&mut r, now + 100, sends(&first)[0].0, &ack(0)).unwrap();
     let report = w.finish(INTERVAL_US, r).expect("the interval passed");
     assert_eq!((report.rank, report.clock, report.iterations, report.iter_us), (0, 3, 3, 900_000));
     assert_eq!(report.per_server.len(), 1);
@@ -427,9 +450,11 @@ fn the_load_report_counts_iterations_and_is_due_every_interval() {
 
 mod schedules {
     //! Random rounds against a model cluster whose blocks move while the round runs (and
-    //! whose scheduler may publish a move late): every pushed block is acknowledged once,
-    //! every pulled block answered once, no pull before its block's push was acknowledged,
-    //! and the round ends.
+    //! whose scheduler may publish a move late), whose connections close at random, with
+    //! random windows, answered in random order: every pushed block is acknowledged
+    //! once, every pulled block answered once, no pull before its block's push was
+    //! acknowledged, never more requests in flight to a server than the window, and the
+    //! round ends.
 
     use proptest::prelude::*;
 
@@ -446,6 +471,8 @@ mod schedules {
         choices: Vec<u32>,
         /// The worker fuses push and pull.
         fuse: bool,
+        /// Requests in flight to one server at most.
+        window: usize,
     }
 
     fn case() -> impl Strategy<Value = Case> {
@@ -460,8 +487,9 @@ mod schedules {
                 prop::option::of(prop::collection::vec(any::<bool>(), tensors)),
                 prop::collection::vec(any::<u32>(), 64..256),
                 any::<bool>(),
+                1usize..6,
             )
-                .prop_map(|(servers, blocks_per_tensor, owners, push, pull, choices, fuse)| Case {
+                .prop_map(|(servers, blocks_per_tensor, owners, push, pull, choices, fuse, window)| Case {
                     servers,
                     blocks_per_tensor,
                     owners,
@@ -469,6 +497,7 @@ mod schedules {
                     pull,
                     choices,
                     fuse,
+                    window,
                 })
         })
     }
@@ -480,7 +509,7 @@ mod schedules {
         let mut published = truth.clone();
         let nblocks = c.owners.len();
         let mut choice = c.choices.iter().copied().cycle();
-        let mut w = worker().with_fusion(c.fuse);
+        let mut w = worker().with_fusion(c.fuse).with_window(c.window);
         let push = c.push.as_deref().map(|m| (PushOp::Grad(3), m));
         let pull = c.pull.as_deref().map(|m| (4, m));
         let pushes = |t: u32| c.push.as_ref().is_some_and(|m| m[t as usize]);
@@ -488,8 +517,8 @@ mod schedules {
         let (mut r, first) = w.start(0, &truth, push, pull).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let mut in_flight: Vec<(Tag, u32, BlockSpec, Op)> = Vec::new();
         let (mut acked, mut answered) = (vec![0u32; nblocks], vec![0u32; nblocks]);
-        let (mut refresh, mut wake) = (false, None);
-        let mut moves = 0;
+        let mut refresh = false;
+        let (mut moves, mut losses) = (0, 0);
         let mut now = 0u64;
         let mut todo = first;
         for _ in 0..10_000 {
@@ -519,18 +548,25 @@ mod schedules {
                         in_flight.push((tag, server, block, op));
                     }
                     Action::RefreshLayout => {
-                        prop_assert!(!refresh && wake.is_none());
+                        prop_assert!(!refresh);
                         refresh = true;
                     }
-                    Action::Wait { until_us } => {
-                        prop_assert!(until_us > now);
-                        wake = Some(until_us);
-                    }
                 }
+            }
+            for s in 0..c.servers {
+                let n = in_flight.iter().filter(|f| f.1 == s).count();
+                prop_assert!(n <= c.window, "{} requests in flight to server {}, window {}", n, s, c.window);
+                prop_assert_eq!(n, r.in_flight_to(s), "the round counts what is in flight");
+            }
+            if in_flight.is_empty() {
+                prop_assert_eq!(r.queued(), 0, "requests held back with room in every window");
             }
             if r.is_done() {
                 break;
             }
+            // The wait before resending moved blocks (a request's deadline is far later).
+            let wake = r.poll_timeout().filter(|t| *t < now + TIMEOUT_US / 2);
+            prop_assert!(wake.is_none() || !refresh, "a wait while a refresh is under way");
             now += 10;
             let pick = choice.next().unwrap_or(0);
             if moves < 6 && pick % 7 == 0 {
@@ -545,17 +581,27 @@ mod schedules {
                 }
                 continue;
             }
+            if losses < 3 && pick % 11 == 5 && !in_flight.is_empty() {
+                // A server's connection closes: what it did not answer is lost (its
+                // pushes may or may not have been applied: counted as not).
+                let s = in_flight[pick as usize % in_flight.len()].1;
+                in_flight.retain(|f| f.1 != s);
+                losses += 1;
+                todo = r
+                    .handle(now, RoundEvent::ServerLost { server: s })
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                continue;
+            }
             if refresh && (in_flight.is_empty() || pick % 3 == 0) {
                 refresh = false;
                 let l = published.clone();
                 published = truth.clone();
-                todo = r.on_layout(now, &l).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                todo = relayout(&mut r, now, &l).map_err(|e| TestCaseError::fail(e.to_string()))?;
                 continue;
             }
             if let Some(until) = wake.filter(|_| in_flight.is_empty() || pick % 3 == 1) {
-                wake = None;
                 now = now.max(until);
-                todo = r.on_wake(now).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                todo = timeout(&mut r, now).map_err(|e| TestCaseError::fail(e.to_string()))?;
                 continue;
             }
             prop_assert!(!in_flight.is_empty(), "the round waits for nothing");
@@ -574,7 +620,7 @@ mod schedules {
                 answered[b as usize] += 1;
                 pulled(b, block.len)
             };
-            todo = r.on_reply(now, tag, &msg).map_err(|e| TestCaseError::fail(e.to_string()))?;
+            todo = reply(&mut r, now, tag, &msg).map_err(|e| TestCaseError::fail(e.to_string()))?;
         }
         prop_assert!(r.is_done(), "the round did not end");
         prop_assert!(in_flight.is_empty());
@@ -613,16 +659,16 @@ fn a_fused_round_sends_one_push_pull_per_block_pushed_and_pulled() {
     // A PushAck does not answer a push_pull; its PullReply does, and settles it.
     let (mut other, sent) =
         fused().start(10, &l, Some((PushOp::Grad(3), &[true, true, false])), Some((4, &[true, false, true]))).unwrap();
-    let err = other.on_reply(15, sends(&sent)[0].0, &ack(0)).unwrap_err();
+    let err = reply(&mut other, 15, sends(&sent)[0].0, &ack(0)).unwrap_err();
     assert_eq!(err.to_string(), "protocol error with server 0: expected PullReply of 2 values, got PushAck");
     assert_eq!(r.op_of(first[0].0), Some(Op::PushPull(3)));
-    assert!(r.on_reply(20, first[0].0, &pulled(0, 2)).unwrap().is_empty(), "server 0 still has block 2's push");
+    assert!(reply(&mut r, 20, first[0].0, &pulled(0, 2)).unwrap().is_empty(), "server 0 still has block 2's push");
     assert_eq!(r.op_of(first[0].0), None, "answered");
-    assert!(r.on_reply(25, first[1].0, &ack(2)).unwrap().is_empty(), "server 0's phase ends: nothing left to pull");
+    assert!(reply(&mut r, 25, first[1].0, &ack(2)).unwrap().is_empty(), "server 0's phase ends: nothing left to pull");
     // Server 1's phase ends with block 1's reply: then block 3 (carried) is pulled.
-    let pulls = sends(&r.on_reply(40, first[2].0, &pulled(1, 2)).unwrap());
+    let pulls = sends(&reply(&mut r, 40, first[2].0, &pulled(1, 2)).unwrap());
     assert_eq!(pulls.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 3, Op::Pull(4))]);
-    assert!(r.on_reply(50, pulls[0].0, &pulled(3, 2)).unwrap().is_empty());
+    assert!(reply(&mut r, 50, pulls[0].0, &pulled(3, 2)).unwrap().is_empty());
     assert!(r.is_done());
     // Push load: both pushes to server 0 (phase 10..25), block 1's to server 1 (10..40).
     assert_eq!(r.push_load().collect::<Vec<_>>(), vec![(0, 16, 15), (1, 8, 30)]);
@@ -643,16 +689,16 @@ fn a_moved_push_pull_is_resent_whole_and_its_error_names_it() {
     let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), Some((1, &[true]))).unwrap();
     let first = sends(&first);
     assert_eq!(first.iter().map(|(_, _, _, op)| *op).collect::<Vec<_>>(), vec![Op::PushPull(0); 2]);
-    assert_eq!(r.on_reply(5, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
-    assert!(r.on_reply(6, first[1].0, &pulled(1, 2)).unwrap().is_empty());
-    let resent = sends(&r.on_layout(8, &layout(&[4], 2, vec![1, 1], 2, 2)).unwrap());
+    assert_eq!(reply(&mut r, 5, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout]);
+    assert!(reply(&mut r, 6, first[1].0, &pulled(1, 2)).unwrap().is_empty());
+    let resent = sends(&relayout(&mut r, 8, &layout(&[4], 2, vec![1, 1], 2, 2)).unwrap());
     assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::PushPull(0))]);
     // A lost connection resends it whole too.
-    assert_eq!(r.on_lost(9, resent[0].0).unwrap(), vec![Action::RefreshLayout]);
-    let again = sends(&r.on_layout(10, &layout(&[4], 2, vec![0, 1], 3, 2)).unwrap());
+    assert_eq!(lose(&mut r, 9, resent[0].0).unwrap(), vec![Action::RefreshLayout]);
+    let again = sends(&relayout(&mut r, 10, &layout(&[4], 2, vec![0, 1], 3, 2)).unwrap());
     assert_eq!(again.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::PushPull(0))]);
     let refusal = ErrorReply { code: ErrorCode::BadRequest, message: "clock gap".into() };
-    let err = r.on_reply(11, again[0].0, &Message::Error(refusal)).unwrap_err();
+    let err = reply(&mut r, 11, again[0].0, &Message::Error(refusal)).unwrap_err();
     assert_eq!(
         err.to_string(),
         "server 0 (answering push_pull(clock 0) of block 0 from worker 0) answered BadRequest: clock gap"
@@ -668,12 +714,102 @@ fn a_moved_push_pull_is_chased_while_its_servers_other_pulls_are_held() {
     let mut w = fused();
     let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), Some((1, &[true]))).unwrap();
     let first = sends(&first);
-    assert_eq!(r.on_reply(5, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout], "block 1 still held");
-    let resent = sends(&r.on_layout(8, &layout(&[4], 2, vec![1, 0], 2, 2)).unwrap());
+    assert_eq!(reply(&mut r, 5, first[0].0, &moved(0)).unwrap(), vec![Action::RefreshLayout], "block 1 still held");
+    let resent = sends(&relayout(&mut r, 8, &layout(&[4], 2, vec![1, 0], 2, 2)).unwrap());
     assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::PushPull(0))]);
-    assert!(r.on_reply(9, resent[0].0, &pulled(0, 2)).unwrap().is_empty());
+    assert!(reply(&mut r, 9, resent[0].0, &pulled(0, 2)).unwrap().is_empty());
     assert!(!r.is_done(), "block 1 is still held");
-    assert!(r.on_reply(12, first[1].0, &pulled(1, 2)).unwrap().is_empty());
+    assert!(reply(&mut r, 12, first[1].0, &pulled(1, 2)).unwrap().is_empty());
     assert!(r.is_done());
     assert_eq!(r.refreshes(), 1);
+}
+
+#[test]
+fn the_window_holds_sends_back_and_an_answer_frees_room_for_the_next() {
+    // Five blocks on server 0, one on server 1; a window of 2.
+    let l = layout(&[12], 2, vec![0, 0, 0, 0, 0, 1], 1, 2);
+    let mut w = worker().with_window(2);
+    assert_eq!(w.window(), 2);
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
+    let first = sends(&first);
+    assert_eq!(
+        first.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(),
+        vec![(0, 0), (0, 1), (1, 5)],
+        "two in flight to server 0, the rest held back; server 1 has its own window"
+    );
+    assert_eq!((r.in_flight(), r.in_flight_to(0), r.queued()), (3, 2, 3));
+    // Each answer lets the next held send out, in the order planned.
+    let next = sends(&reply(&mut r, 10, first[1].0, &ack(1)).unwrap());
+    assert_eq!(next.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(0, 2)]);
+    assert!(reply(&mut r, 11, first[2].0, &ack(5)).unwrap().is_empty(), "server 1 has nothing held");
+    let next2 = sends(&reply(&mut r, 12, first[0].0, &ack(0)).unwrap());
+    assert_eq!(next2.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(0, 3)]);
+    let next3 = sends(&reply(&mut r, 13, next[0].0, &ack(2)).unwrap());
+    assert_eq!(next3.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), vec![(0, 4)]);
+    assert_eq!((r.in_flight_to(0), r.queued()), (2, 0));
+    reply(&mut r, 14, next2[0].0, &ack(3)).unwrap();
+    reply(&mut r, 15, next3[0].0, &ack(4)).unwrap();
+    assert!(r.is_done());
+    // The push phase of server 0 ran from the round's start to its last answer.
+    assert_eq!(r.push_load().collect::<Vec<_>>(), vec![(0, 5 * 8, 15), (1, 8, 11)]);
+}
+
+#[test]
+fn a_lost_servers_held_sends_come_back_lost_once_each() {
+    let l = layout(&[8], 2, vec![0, 0, 0, 0], 1, 2);
+    let mut w = worker().with_window(1);
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
+    let first = sends(&first);
+    assert_eq!(first.len(), 1);
+    assert_eq!(r.queued(), 3);
+    // The connection closes: the request in flight and the three held back are lost, the
+    // round refreshes the layout once and sends nothing to the lost server meanwhile.
+    let after = r.handle(5, RoundEvent::ServerLost { server: 0 }).unwrap();
+    assert_eq!(after, vec![Action::RefreshLayout]);
+    assert_eq!((r.in_flight(), r.queued()), (0, 0));
+    assert!(r.handle(6, RoundEvent::ServerLost { server: 0 }).unwrap().is_empty(), "nothing left to lose");
+    assert!(lose(&mut r, 6, first[0].0).unwrap().is_empty(), "lost already");
+    // Every block is resent once to the new owner, through its window.
+    let resent = sends(&relayout(&mut r, 7, &layout(&[8], 2, vec![1, 1, 1, 1], 2, 2)).unwrap());
+    assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Push(0))]);
+    let mut tag = resent[0].0;
+    let mut pushed = vec![0];
+    for b in 0..4 {
+        let next = sends(&reply(&mut r, 8 + u64::from(b), tag, &ack(b)).unwrap());
+        if let Some((t, _, blk, _)) = next.first() {
+            tag = *t;
+            pushed.push(*blk);
+        }
+    }
+    assert_eq!(pushed, vec![0, 1, 2, 3], "each held block lost and resent exactly once");
+    assert!(r.is_done());
+    assert_eq!(r.refreshes(), 1);
+}
+
+#[test]
+fn poll_timeout_is_the_oldest_requests_deadline_and_its_timeout_names_the_wait() {
+    let l = layout(&[4], 2, vec![0, 1], 1, 2);
+    let mut w = Worker::new(3, 1_000_000, INTERVAL_US, 0).with_fusion(false).with_window(1);
+    let (mut r, first) = w.start(100, &l, Some((PushOp::Grad(7), &[true])), Some((8, &[true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(r.poll_timeout(), Some(1_000_100), "both sent at 100");
+    // Server 0 acknowledges at 500: its pull goes out then, with a later deadline; the
+    // oldest request waiting is server 1's push.
+    let pull = sends(&reply(&mut r, 500, first[0].0, &ack(0)).unwrap());
+    assert_eq!(pull.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::Pull(8))]);
+    assert_eq!(r.poll_timeout(), Some(1_000_100));
+    assert!(timeout(&mut r, 999_999).unwrap().is_empty(), "early: nothing happens");
+    let pull1 = sends(&reply(&mut r, 600, first[1].0, &ack(1)).unwrap());
+    assert_eq!(r.poll_timeout(), Some(1_000_500), "now the pull sent at 500");
+    let err = timeout(&mut r, 1_000_500).unwrap_err();
+    assert!(matches!(err, NodeError::Timeout { after_us: 1_000_000, .. }));
+    assert_eq!(
+        err.to_string(),
+        "timed out after 1.0 s: worker 3 waits for server 0 to answer pull(clock 8) of block 0"
+    );
+    let _ = pull1;
+    // A round with nothing in flight wakes for nothing.
+    let (r, first) = worker().start(0, &l, None, None).unwrap();
+    assert!(first.is_empty() && r.is_done());
+    assert_eq!(r.poll_timeout(), None);
 }

@@ -14,34 +14,35 @@
 //! A server that no longer owns a block answers `Moved`; the client then refreshes the
 //! layout from the scheduler and resends only the moved blocks.
 //!
-//! What a round sends where, and what it resends, is the plan of
-//! [`elasticps_node::worker`]; this file carries it out: connections, tensor bytes in and
-//! out of messages, timeouts, the layout refresh.
+//! What a round sends where, when (its window per server, its deadlines), and what it
+//! resends, is the plan of [`elasticps_node::worker`]. This module holds the user's API;
+//! `round.rs` carries a round out (connections, tensor bytes in and out of messages, the
+//! layout refresh), `server_conn.rs` holds one server's connection.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use elasticps_core::model::{BlockSpec, TensorSpec};
+use elasticps_core::model::TensorSpec;
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
-use elasticps_node::NodeError;
-use elasticps_node::worker::{Action, Answer, Op, PushOp, Round, Tag, Worker};
-use elasticps_wire::{Codec, Control, Credential, FrameHeader, Kind, Layout, Message};
-use futures::StreamExt;
-use futures::stream::FuturesUnordered;
+use elasticps_node::timing::REQUEST_TIMEOUT_US;
+use elasticps_node::worker::{PushOp, Worker};
+use elasticps_wire::{Codec, Control, Credential, Layout, Message};
 
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 
+mod round;
 mod server_conn;
 use crate::session::{DEFAULT_SCHEDULER_RETRY, EndWatch, Notifications, SchedLink};
 use crate::{CALL_TIMEOUT, Micros, STATS_INTERVAL};
 use elasticps_node::session::SessionConfig;
-use server_conn::{ServerConn, WriteJob, Written};
+use server_conn::ServerConn;
 
-/// Requests of a round in flight to one server, by default ([`ClientOptions::window`]).
-pub const DEFAULT_WINDOW: usize = 32;
+/// Requests of a round in flight to one server, by default ([`ClientOptions::window`]):
+/// [`elasticps_node::timing::DEFAULT_WINDOW`].
+pub use elasticps_node::timing::DEFAULT_WINDOW;
 
 /// How a worker connects.
 #[derive(Clone, Debug)]
@@ -56,7 +57,7 @@ pub struct ClientOptions {
     /// Count iterations and waits here (served by a [`crate::metrics::MetricsEndpoint`]).
     pub metrics: Option<Arc<WorkerMetrics>>,
     /// The window: at most this many requests of a round in flight to one server (at
-    /// least 1); the others are sent as replies come back.
+    /// least 1); the round holds the others back and sends them as replies come back.
     pub window: usize,
     /// Send a block pushed at clock t and pulled at t + 1 in the same round (a
     /// [`Client::push_pull`]) as one `PushPull` request, answered by the pull's reply:
@@ -78,7 +79,7 @@ impl ClientOptions {
         Self {
             scheduler: scheduler.into(),
             codec: Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD),
-            request_timeout: Duration::from_secs(300),
+            request_timeout: Duration::from_micros(REQUEST_TIMEOUT_US),
             metrics: None,
             window: DEFAULT_WINDOW,
             fuse: true,
@@ -154,8 +155,9 @@ impl Client {
             m.registered_as(rank);
         }
         let clock = Micros::new();
-        let worker =
-            Worker::new(rank, micros(opts.request_timeout), micros(STATS_INTERVAL), clock.now()).with_fusion(opts.fuse);
+        let worker = Worker::new(rank, micros(opts.request_timeout), micros(STATS_INTERVAL), clock.now())
+            .with_fusion(opts.fuse)
+            .with_window(opts.window);
         Ok(Client {
             rank,
             credential,
@@ -362,406 +364,6 @@ impl Client {
         reply.map(|_| ())
     }
 
-    /// One round trip with every server at once: for each block, the push (if any),
-    /// then, once the block's server acknowledged all of this round's pushes, the pull
-    /// (if any), or both in one push_pull ([`ClientOptions::fuse`]); a block whose server
-    /// answered `Moved` is resent after a layout refresh.
-    /// The plan ([`Round`]) decides; this task writes its requests and reads the replies
-    /// itself, all servers at once (a pull reply straight into `pull`'s tensor).
-    async fn round(
-        &mut self,
-        push: Option<(PushOp, &[Option<&[f32]>])>,
-        mut pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
-    ) -> Result<()> {
-        let layout = self.current_layout()?;
-        // A round that failed half-way left requests on some connections: their late
-        // replies must not be taken for this round's, so those connections start afresh.
-        self.servers.retain(|_, c| {
-            c.start_round();
-            c.is_idle()
-        });
-        let push_mask: Vec<bool> = push.map_or_else(Vec::new, |(_, g)| g.iter().map(Option::is_some).collect());
-        let pull_mask: Vec<bool> =
-            pull.as_ref().map_or_else(Vec::new, |(_, p)| p.iter().map(Option::is_some).collect());
-        let (mut plan, actions) = self
-            .worker
-            .start(
-                self.clock.now(),
-                &layout,
-                push.map(|(op, _)| (op, &push_mask[..])),
-                pull.as_ref().map(|(clock, _)| (*clock, &pull_mask[..])),
-            )
-            .map_err(from_node)?;
-        if let (Some(m), Some(it)) = (&self.opts.metrics, plan.iteration()) {
-            m.iteration(it.clock, it.since_last_us.map(Duration::from_micros));
-        }
-        let grads = push.map_or(&[][..], |(_, g)| g);
-        let mut writes = FuturesUnordered::new();
-        let mut todo = VecDeque::from(actions);
-        let mut state = InRound::default();
-        // One timer for the whole round, moved to the next deadline or wake-up as needed.
-        let sleep = tokio::time::sleep(self.opts.request_timeout);
-        tokio::pin!(sleep);
-        loop {
-            while let Some(action) = todo.pop_front() {
-                let more = match action {
-                    Action::Send { tag, server, block, op } => {
-                        // This send and every send right behind it: one write per server.
-                        let mut batch: Vec<(u64, Sent)> = Vec::new();
-                        let mut next = Some(Action::Send { tag, server, block, op });
-                        while let Some(Action::Send { tag, server, block, op }) = next {
-                            let sent = Sent { server, block, op };
-                            let window = state.in_flight.entry(server).or_insert(0);
-                            if *window >= self.opts.window.max(1) {
-                                state.deferred.entry(server).or_default().push_back(Action::Send {
-                                    tag,
-                                    server,
-                                    block,
-                                    op,
-                                });
-                            } else {
-                                *window += 1;
-                                batch.push((tag, sent));
-                            }
-                            next = match todo.front() {
-                                Some(Action::Send { .. }) => todo.pop_front(),
-                                _ => None,
-                            };
-                        }
-                        let (jobs, lost) = self.start_writes(batch, grads, &mut state.deadlines)?;
-                        writes.extend(jobs.into_iter().map(server_conn::run_write));
-                        let mut more = Vec::new();
-                        for (server, tag) in lost {
-                            more.extend(self.lost(server, &[tag], &mut plan, &mut state)?);
-                        }
-                        Ok(more)
-                    }
-                    Action::RefreshLayout => {
-                        let reply = self
-                            .call_scheduler(Control::GetLayout.into(), CALL_TIMEOUT, || {
-                                "the scheduler to send the layout".into()
-                            })
-                            .await?;
-                        self.install_layout(reply, true).await?;
-                        plan.on_layout(self.clock.now(), &*self.current_layout()?)
-                    }
-                    Action::Wait { until_us } => {
-                        state.wake = Some(state.wake.map_or(until_us, |w| w.min(until_us)));
-                        Ok(Vec::new())
-                    }
-                };
-                todo.extend(more.map_err(from_node)?);
-            }
-            if plan.is_done() && writes.is_empty() {
-                break;
-            }
-            // The oldest request still unanswered sets the timeout.
-            while let Some(&(_, server, id)) = state.deadlines.front() {
-                if self.servers.get(&server).is_some_and(|c| c.pending.contains_key(&id)) {
-                    break;
-                }
-                state.deadlines.pop_front();
-            }
-            if state.deadlines.is_empty() && writes.is_empty() && state.wake.is_none() && !plan.is_done() {
-                return Err(stalled(&plan));
-            }
-            let now = self.clock.now();
-            let wake_at =
-                state.wake.map(|us| tokio::time::Instant::now() + Duration::from_micros(us.saturating_sub(now)));
-            let timer = match (wake_at, state.deadlines.front()) {
-                (Some(w), Some(&(d, ..))) => w.min(d),
-                (Some(w), None) => w,
-                (None, Some(&(d, ..))) => d,
-                (None, None) => tokio::time::Instant::now() + self.opts.request_timeout,
-            };
-            if sleep.deadline() != timer {
-                sleep.as_mut().reset(timer);
-            }
-            state.turn = state.turn.wrapping_add(1);
-            let turn = state.turn;
-            let event = tokio::select! {
-                Some(written) = writes.next(), if !writes.is_empty() => Event::Wrote(written),
-                (server, got) = std::future::poll_fn(|cx| server_conn::poll_any_header(&mut self.servers, turn, cx)) => {
-                    Event::Header(server, got)
-                }
-                () = &mut sleep => Event::Timer,
-            };
-            let more = match event {
-                Event::Wrote((_, _, None | Some(Ok(())))) => Vec::new(),
-                Event::Wrote((server, serial, Some(Err(e)))) => {
-                    if self.servers.get(&server).is_none_or(|c| c.serial != serial) {
-                        continue;
-                    }
-                    self.drop_server(server, e, &mut plan, &mut state)?
-                }
-                Event::Header(server, Ok(Some(header))) => {
-                    self.on_header(server, header, &mut plan, &mut pull, &mut state).await?
-                }
-                Event::Header(server, Ok(None)) => {
-                    let closed = RuntimeError::Closed(format!("server {server}"));
-                    self.drop_server(server, closed, &mut plan, &mut state)?
-                }
-                Event::Header(server, Err(e)) => self.drop_server(server, e, &mut plan, &mut state)?,
-                Event::Timer => {
-                    let now = self.clock.now();
-                    if let Some(&(at, server, id)) = state.deadlines.front()
-                        && tokio::time::Instant::now() >= at
-                    {
-                        return Err(self.timed_out(server, id));
-                    }
-                    match state.wake {
-                        Some(until) if now >= until => {
-                            state.wake = None;
-                            plan.on_wake(now).map_err(from_node)?
-                        }
-                        _ => Vec::new(),
-                    }
-                }
-            };
-            todo.extend(more);
-        }
-        self.waits = Waits { per_server: plan.waits_per_server_us().into_iter().map(Duration::from_micros).collect() };
-        if let Some(m) = &self.opts.metrics {
-            for (server, waited) in plan.waited() {
-                m.waited(server, Duration::from_micros(waited));
-            }
-        }
-        if let Some(report) = self.worker.finish(self.clock.now(), plan) {
-            let _ = self.sched.notify(Control::WorkerLoad(report).into());
-        }
-        Ok(())
-    }
-
-    /// A reply's header came from `server`: reads its payload (a pull's values straight
-    /// into the caller's tensor) and hands the answer to the plan.
-    async fn on_header(
-        &mut self,
-        server: u32,
-        header: FrameHeader,
-        plan: &mut Round,
-        pull: &mut Option<(Clock, &mut [Option<&mut [f32]>])>,
-        state: &mut InRound,
-    ) -> Result<Vec<Action>> {
-        let Some(conn) = self.servers.get_mut(&server) else {
-            return Ok(Vec::new());
-        };
-        // The request stays pending until its payload is read: a round dropped half-way
-        // through the read (a cancelled call) leaves the connection mid-frame, and a
-        // pending request is what makes the next round drop it (`is_idle`).
-        let Some(&(tag, sent)) = conn.pending.get(&header.request_id) else {
-            // A notification, or the reply to a request no round waits for: read, dropped.
-            return match conn.reader.payload(&header).await {
-                Ok(msg) => {
-                    tracing::warn!(peer = %conn.name, id = header.request_id, kind = ?msg.kind(), "reply to no request");
-                    Ok(Vec::new())
-                }
-                Err(e) => self.drop_server(server, e, plan, state),
-            };
-        };
-        // Where a pull reply of the expected length goes: the block's range of its tensor.
-        let b = sent.block;
-        let dest = match (header.kind, pull.as_mut()) {
-            (Kind::PullReply, Some((_, params))) if sent.op.is_pull() && header.payload_len as usize == b.len * 4 => {
-                params
-                    .get_mut(b.tensor as usize)
-                    .and_then(Option::as_mut)
-                    .and_then(|p| p.get_mut(b.offset..b.offset + b.len))
-            }
-            _ => None,
-        };
-        let read = match dest {
-            Some(dest) => conn.reader.payload_into(&header, bytemuck::cast_slice_mut(dest)).await.map(|()| {
-                #[cfg(target_endian = "big")]
-                for v in dest.iter_mut() {
-                    *v = f32::from_bits(u32::from_le(v.to_bits()));
-                }
-                None
-            }),
-            None => conn.reader.payload(&header).await.map(Some),
-        };
-        let msg = match read {
-            Ok(msg) => {
-                conn.pending.remove(&header.request_id);
-                msg
-            }
-            // Unanswered after all: the connection is lost, with this request on it.
-            Err(e) => return self.drop_server(server, e, plan, state),
-        };
-        let mut more = Vec::new();
-        if let Some(window) = state.in_flight.get_mut(&server) {
-            *window = window.saturating_sub(1);
-        }
-        if let Some(next) = state.deferred.get_mut(&server).and_then(VecDeque::pop_front) {
-            more.push(next);
-        }
-        let answer = match &msg {
-            Some(msg) => Answer::of(msg),
-            None => Answer::Pulled { len: b.len },
-        };
-        more.extend(plan.on_answer(self.clock.now(), tag, answer).map_err(from_node)?);
-        Ok(more)
-    }
-
-    /// Starts the writes of a round's requests, one vectored write per server: a push,
-    /// push_pull or init straight from the caller's gradient slice (no copy of the values),
-    /// a pull as its header. Each request waits for its reply from now on, at most
-    /// `request_timeout` (its deadline joins `deadlines`).
-    /// Returns the writes, and (server, tag) of the requests whose server has no
-    /// connection (lost, or unreachable at the last layout: for [`Client::lost`]).
-    fn start_writes<'g>(
-        &mut self,
-        batch: Vec<(u64, Sent)>,
-        grads: &[Option<&'g [f32]>],
-        deadlines: &mut VecDeque<(tokio::time::Instant, u32, u64)>,
-    ) -> Result<Started<'g>> {
-        let mut jobs = Vec::new();
-        let mut lost = Vec::new();
-        let mut servers: Vec<u32> = batch.iter().map(|(_, s)| s.server).collect();
-        servers.sort_unstable();
-        servers.dedup();
-        let deadline = tokio::time::Instant::now() + self.opts.request_timeout;
-        for server in servers {
-            let mine = batch.iter().filter(|(_, s)| s.server == server);
-            if self.conn(server)?.is_none() {
-                lost.extend(mine.map(|(tag, _)| (server, *tag)));
-                continue;
-            }
-            let mut frames = Vec::new();
-            for &(tag, sent) in mine {
-                let b = sent.block;
-                let values = || match grads.get(b.tensor as usize) {
-                    Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok(&grad[b.offset..b.offset + b.len]),
-                    _ => {
-                        Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id)))
-                    }
-                };
-                let (kind, clock, values) = match sent.op {
-                    Op::Push(clock) => (Kind::Push, clock, values()?),
-                    Op::Init => (Kind::Init, 0, values()?),
-                    Op::Pull(clock) => (Kind::Pull, clock, &[][..]),
-                    Op::PushPull(clock) => (Kind::PushPull, clock, values()?),
-                };
-                let id = self.next_request;
-                self.next_request += 1;
-                let Some(conn) = self.servers.get_mut(&server) else { break };
-                let bytes: &'g [u8] = bytemuck::cast_slice(values);
-                frames.push((conn.writer().tensor_header(kind, id, b.id, clock, bytes.len())?, bytes));
-                conn.pending.insert(id, (tag, sent));
-                deadlines.push_back((deadline, server, id));
-            }
-            if let Some(conn) = self.servers.get_mut(&server) {
-                jobs.push(conn.write(server, frames));
-            }
-        }
-        Ok((jobs, lost))
-    }
-
-    /// The connection to server `owner`, if open (`None`: lost, or unreachable at the last
-    /// layout), or the error for a layout that does not list it.
-    fn conn(&mut self, owner: u32) -> Result<Option<&mut ServerConn>> {
-        let listed = self.layout.as_ref().is_some_and(|l| l.servers.iter().any(|s| s.id == owner));
-        match self.servers.get_mut(&owner) {
-            Some(c) => Ok(Some(c)),
-            None if listed => Ok(None),
-            None => Err(RuntimeError::Protocol {
-                peer: "scheduler".into(),
-                what: format!("layout names server {owner}, which it does not list"),
-            }),
-        }
-    }
-
-    /// The connection to `server` failed (`why`): it is dropped (the next layout naming
-    /// the server connects again), and the requests it left unanswered, with the sends
-    /// waiting for room in its window, are resent to the owner a refreshed layout names.
-    /// After the scheduler's `Shutdown` a lost request is the job's end instead.
-    fn drop_server(
-        &mut self,
-        server: u32,
-        why: RuntimeError,
-        plan: &mut Round,
-        state: &mut InRound,
-    ) -> Result<Vec<Action>> {
-        let Some(conn) = self.servers.remove(&server) else {
-            return Ok(Vec::new());
-        };
-        if conn.pending.is_empty() {
-            // Nothing was lost (a server that left the job closes its connections).
-            tracing::debug!(rank = self.rank, server, error = %why, "idle server connection closed");
-            return Ok(Vec::new());
-        }
-        if self.shutting_down() {
-            return Err(self.explain(RuntimeError::Closed(format!("server {server}"))));
-        }
-        tracing::warn!(rank = self.rank, server, error = %why, "server connection lost; resending after a layout refresh");
-        let tags: Vec<Tag> = conn.pending.values().map(|(tag, _)| *tag).collect();
-        self.lost(server, &tags, plan, state)
-    }
-
-    /// Requests `tags` to `server` went unanswered (its connection closed, or was never
-    /// opened): frees their window (the sends waiting for room there are lost too) and lets
-    /// the plan resend them to the owner a refreshed layout names.
-    fn lost(&mut self, server: u32, tags: &[Tag], plan: &mut Round, state: &mut InRound) -> Result<Vec<Action>> {
-        if let Some(window) = state.in_flight.get_mut(&server) {
-            *window = window.saturating_sub(tags.len());
-        }
-        let mut more = Vec::new();
-        for &tag in tags {
-            more.extend(plan.on_lost(self.clock.now(), tag).map_err(from_node)?);
-        }
-        for waiting in state.deferred.remove(&server).unwrap_or_default() {
-            if let Action::Send { tag, .. } = waiting {
-                more.extend(plan.on_lost(self.clock.now(), tag).map_err(from_node)?);
-            }
-        }
-        Ok(more)
-    }
-
-    /// The error of request `id` to `server`, unanswered for `request_timeout`.
-    fn timed_out(&self, server: u32, id: u64) -> RuntimeError {
-        let what = match self.servers.get(&server).and_then(|c| c.pending.get(&id)) {
-            Some((_, sent)) => {
-                let (verb, clock) = sent.op.verb_clock();
-                format!(
-                    "worker {} waits for server {server} to answer {verb}(clock {clock}) of block {}",
-                    self.rank, sent.block.id
-                )
-            }
-            None => format!("worker {} waits for server {server} to answer a request", self.rank),
-        };
-        RuntimeError::Timeout { what, after: self.opts.request_timeout }
-    }
-
-    /// Connects to the layout's new servers (Hello) and drops those that left it. During a
-    /// round (`in_round`) a server that cannot be reached is left out: the requests the plan
-    /// sends it come back lost, and the plan refreshes the layout again.
-    async fn install_layout(&mut self, reply: Message, in_round: bool) -> Result<()> {
-        let layout = match reply {
-            Message::Control(Control::Layout(l)) => l,
-            other => return Err(RuntimeError::unexpected("scheduler", "Layout", &other)),
-        };
-        for s in &layout.servers {
-            if self.servers.contains_key(&s.id) {
-                continue;
-            }
-            let (serial, hello_id) = (self.next_request, self.next_request + 1);
-            self.next_request += 2;
-            match ServerConn::connect(s, self.opts.codec.clone(), &self.credential, serial, hello_id).await {
-                Ok(conn) => {
-                    self.servers.insert(s.id, conn);
-                }
-                Err(e @ (RuntimeError::Closed(_) | RuntimeError::Io { .. })) if in_round => {
-                    tracing::warn!(rank = self.rank, server = s.id, addr = %s.addr, error = %e, "server unreachable");
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        // Servers that left the job (scaled in): drop their connections, once no request
-        // waits there (its reply, or the connection's close, is still to be read).
-        self.servers.retain(|id, c| !c.is_idle() || layout.servers.iter().any(|s| s.id == *id));
-        self.layout = Some(Arc::new(layout));
-        Ok(())
-    }
-
     /// Whether the scheduler said the job ends (closed server connections are expected).
     fn shutting_down(&self) -> bool {
         self.ending.borrow().reason.is_some()
@@ -855,54 +457,19 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
-/// What a round waits on besides its plan: the window per server, the sends waiting for
-/// room in it, the requests' deadlines in the order they were sent (one `request_timeout`
-/// each), when the plan wants to be woken, and whose turn it is to be read first.
-#[derive(Default)]
-struct InRound {
-    in_flight: HashMap<u32, usize>,
-    deferred: HashMap<u32, VecDeque<Action>>,
-    deadlines: VecDeque<(tokio::time::Instant, u32, u64)>,
-    wake: Option<u64>,
-    turn: usize,
-}
+#[cfg(test)]
+mod tests {
+    use elasticps_node::timing;
 
-/// What [`Client::start_writes`] started: the writes, and (server, tag) of the requests
-/// that found no connection.
-type Started<'g> = (Vec<WriteJob<'g>>, Vec<(u32, Tag)>);
+    use super::*;
 
-/// What a round's wait ended with.
-enum Event {
-    /// A write finished (or failed).
-    Wrote(Written),
-    /// A server's next frame header came (or its connection failed or closed: `None`).
-    Header(u32, Result<Option<FrameHeader>>),
-    /// A deadline or the plan's wake-up time.
-    Timer,
-}
-
-/// One request in flight: who waits on whom for what.
-#[derive(Clone, Copy)]
-struct Sent {
-    server: u32,
-    block: BlockSpec,
-    op: Op,
-}
-
-/// The plan's refusals and failures, as the runtime's errors (with the same messages).
-fn from_node(e: NodeError) -> RuntimeError {
-    match e {
-        NodeError::Core(e) => RuntimeError::Core(e),
-        NodeError::Remote { peer, reply } => RuntimeError::Remote { peer, reply },
-        NodeError::Protocol { peer, what } => RuntimeError::Protocol { peer, what },
-        NodeError::Refused(what) => RuntimeError::Protocol { peer: "servers".into(), what },
-    }
-}
-
-/// A round that waits for replies with none in flight (a bug in the plan, not a hang).
-fn stalled(plan: &Round) -> RuntimeError {
-    RuntimeError::Protocol {
-        peer: "servers".into(),
-        what: format!("the round waits with no request in flight ({} refreshes)", plan.refreshes()),
+    /// A client's defaults are the node layer's: the harness's workers run the same
+    /// window and request timeout.
+    #[test]
+    fn the_client_defaults_are_the_node_layers_constants() {
+        let opts = ClientOptions::new("127.0.0.1:1");
+        assert_eq!(opts.window, timing::DEFAULT_WINDOW);
+        assert_eq!(micros(opts.request_timeout), timing::REQUEST_TIMEOUT_US);
+        assert_eq!(Worker::new(0, 1, 1, 0).window(), timing::DEFAULT_WINDOW);
     }
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use elasticps_wire::{Codec, Control, Credential, FrameHeader, HEADER_LEN, Message, ServerAddr};
 use futures::future::{AbortHandle, AbortRegistration, Abortable};
 
-use super::Sent;
+use super::round::Sent;
 use crate::conn::{self, FrameReader, Outbox, Writer};
 use crate::error::{Result, RuntimeError};
 use elasticps_node::worker::Tag;
