@@ -17,11 +17,11 @@ use std::hash::{Hash, Hasher};
 
 use elasticps_core::model::{BlockId, Partition};
 use elasticps_core::placement::{Placement, ServerId};
-use elasticps_wire::{CheckpointEntry, Control, HeldBlock, PeerRole};
+use elasticps_wire::{CheckpointEntry, Control, ErrorCode, HeldBlock, PeerRole};
 use serde::{Deserialize, Serialize};
 
 use super::elastic::Order;
-use super::{Action, BalanceLog, ConnId, JobConfig, Node, Role, Scheduler};
+use super::{Action, BalanceLog, Caller, ConnId, JobConfig, Node, Role, Scheduler};
 
 /// The saved state's format version.
 pub const STATE_VERSION: u32 = 1;
@@ -100,6 +100,33 @@ pub(super) struct Recovering {
 }
 
 impl Scheduler {
+    /// `ReattachServer`, `ReattachWorker`: a node of the job before the scheduler's
+    /// restart comes back with its credential.
+    pub(super) fn on_reattach(&mut self, call: Caller, control: Control, out: &mut Vec<Action>) {
+        let (conn, request_id) = (call.conn, call.request_id);
+        match (control, call.role) {
+            (Control::ReattachServer { server_id, credential, data_addr, blocks }, None) => {
+                if let Err((code, message)) = self.check_credential(&credential, PeerRole::Server, server_id) {
+                    call.refuse(out, code, message);
+                    out.push(Action::Close(conn));
+                } else if let Err(message) = self.reattach_server(conn, request_id, server_id, data_addr, blocks, out) {
+                    call.refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
+            (Control::ReattachWorker { rank, credential }, None) => {
+                if let Err((code, message)) = self.check_credential(&credential, PeerRole::Worker, rank) {
+                    call.refuse(out, code, message);
+                    out.push(Action::Close(conn));
+                } else if let Err(message) = self.reattach_worker(conn, request_id, rank, out) {
+                    call.refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
+            (other, _) => call.refuse_now(out, other),
+        }
+    }
+
     /// The state to save. Cheap enough to call when [`Scheduler::state_version`] changed.
     pub fn saved_state(&self) -> SavedState {
         let (server_states, migration, migrations, balance) = self.elastic.saved();
