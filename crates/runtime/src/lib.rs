@@ -58,8 +58,6 @@ pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_micros(timing::HEARTBEAT_
 pub const FAILOVER_HEARTBEAT_TIMEOUT: Duration = Duration::from_micros(timing::FAILOVER_HEARTBEAT_TIMEOUT_US);
 /// How often workers report their load ([`elasticps_node::timing::WORKER_STATS_US`]).
 pub const STATS_INTERVAL: Duration = Duration::from_micros(timing::WORKER_STATS_US);
-/// How often the scheduler ticks ([`elasticps_node::timing::SCHEDULER_TICK_US`]).
-pub const SCHEDULER_TICK: Duration = Duration::from_micros(timing::SCHEDULER_TICK_US);
 /// How often a server ticks ([`elasticps_node::timing::SERVER_TICK_US`]).
 pub const SERVER_TICK: Duration = Duration::from_micros(timing::SERVER_TICK_US);
 
@@ -136,7 +134,6 @@ mod tests {
         assert_eq!(us(HEARTBEAT_TIMEOUT), timing::HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(FAILOVER_HEARTBEAT_TIMEOUT), timing::FAILOVER_HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(STATS_INTERVAL), timing::WORKER_STATS_US);
-        assert_eq!(us(SCHEDULER_TICK), timing::SCHEDULER_TICK_US);
         assert_eq!(us(SERVER_TICK), timing::SERVER_TICK_US);
         assert_eq!(us(reattach::FIRST_BACKOFF), timing::FIRST_BACKOFF_US);
         assert_eq!(us(reattach::MAX_BACKOFF), timing::MAX_BACKOFF_US);
@@ -147,7 +144,6 @@ mod tests {
             let c = ClusterConfig::new(job(replicas));
             let runtime = if replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT } else { HEARTBEAT_TIMEOUT };
             assert_eq!(c.heartbeat_timeout_us, us(runtime), "replicas {replicas}");
-            assert_eq!(c.tick_us, us(SCHEDULER_TICK));
         }
     }
 }

@@ -54,7 +54,7 @@ mod tests {
         );
         // A worker that dies while the other waits lets it through.
         assert!(recv(&mut m, 1, 8, Control::Barrier).is_empty());
-        let a = m.step(Event::Lost { conn: 2, why: "killed".into() });
+        let a = step(&mut m, Event::Lost { conn: 2, why: "killed".into() });
         assert!(a.contains(&Action::Send { conn: 1, request_id: 8, msg: Control::Ok.into() }), "{a:?}");
     }
 }

@@ -24,6 +24,8 @@ use elasticps_core::balance::BalanceMode;
 const MIGRATION_TIMEOUT_US: u64 = 300_000_000;
 /// A requested server that has not registered after this long is not coming.
 const JOIN_TIMEOUT_US: u64 = 60_000_000;
+/// How often the scheduler samples the load timeline and the balancer decides, µs.
+pub const BALANCE_EVERY_US: u64 = 1_000_000;
 /// Rate estimates: old samples weigh half after this long.
 const HALF_LIFE_US: u64 = 3_000_000;
 
@@ -419,8 +421,19 @@ impl Elastic {
         self.next_migration(placement, now_us)
     }
 
-    /// Time passed: sample the timeline, let the balancer decide, move on.
-    pub fn tick(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
+    /// The next time [`Elastic::on_timeout`] has something to do, µs: the balancer's next
+    /// round, or the timeout of the migration in flight or of a requested server.
+    pub fn next_deadline_us(&self) -> u64 {
+        let round = self.last_sample_us.saturating_add(BALANCE_EVERY_US);
+        let migration = self.in_flight.map(|(_, started, _)| started.saturating_add(MIGRATION_TIMEOUT_US) + 1);
+        let join = self.requested.front().map(|(_, at)| at.saturating_add(JOIN_TIMEOUT_US) + 1);
+        [migration, join].into_iter().flatten().fold(round, u64::min)
+    }
+
+    /// Time passed (a deadline of [`Elastic::next_deadline_us`], or later): write off a
+    /// lost migration or server; every [`BALANCE_EVERY_US`] sample the timeline and let
+    /// the balancer decide; move on.
+    pub fn on_timeout(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
         let mut out = Vec::new();
         if let Some((m, started, epoch)) = self.in_flight
             && now_us.saturating_sub(started) > MIGRATION_TIMEOUT_US
@@ -437,7 +450,7 @@ impl Elastic {
             self.requested.pop_front();
             self.event(now_us, "scale-out-failed", None, "no server registered within 60 s".into());
         }
-        if now_us.saturating_sub(self.last_sample_us) >= 1_000_000 {
+        if now_us.saturating_sub(self.last_sample_us) >= BALANCE_EVERY_US {
             self.last_sample_us = now_us;
             if self.window.0 > 0 {
                 self.iter_us = Some(self.window.1 as f64 / self.window.0 as f64);
@@ -941,7 +954,7 @@ mod scheduler_tests {
             sent_to(&a, 11).iter().any(|x| matches!(x, Message::Control(Control::Shutdown { .. }))),
             "drained, so stopped: {a:?}"
         );
-        let a = m.step(Event::Lost { conn: 11, why: "closed".into() });
+        let a = step(&mut m, Event::Lost { conn: 11, why: "closed".into() });
         assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "{a:?}");
         let a = recv(&mut m, 50, 2, Control::GetStatus);
         match &sent_to(&a, 50)[..] {

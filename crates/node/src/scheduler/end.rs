@@ -17,7 +17,7 @@ pub const CLOSING_WAIT_US: u64 = 30_000_000;
 pub(super) struct Closing {
     ok: bool,
     reason: String,
-    until_us: u64,
+    pub(super) until_us: u64,
     servers: BTreeSet<ConnId>,
 }
 
@@ -103,7 +103,7 @@ impl Scheduler {
                     c.servers.remove(&conn);
                 }
             }
-            Event::Tick { now_us } => self.now_us = now_us,
+            Event::Timeout => {}
         }
         if let Some(c) = self.closing.take_if(|c| c.servers.is_empty() || self.now_us >= c.until_us) {
             if !c.servers.is_empty() {

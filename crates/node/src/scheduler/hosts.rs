@@ -379,8 +379,18 @@ impl Hosts {
         Some(self.lose(host, format!("its agent's connection closed ({why})")))
     }
 
+    /// When the live host heard from least recently is lost if it stays silent, µs.
+    pub fn next_expiry_us(&self) -> Option<u64> {
+        self.live().map(|(_, h)| h.last_seen_us.saturating_add(HOST_HEARTBEAT_TIMEOUT_US).saturating_add(1)).min()
+    }
+
+    /// Whether the rendezvous still waits ([`Hosts::waiting_for`] says what for).
+    pub fn waiting(&self) -> bool {
+        !self.started
+    }
+
     /// Hosts silent for longer than [`HOST_HEARTBEAT_TIMEOUT_US`] at `now_us` are lost.
-    pub fn tick(&mut self, now_us: u64) -> Vec<LostHost> {
+    pub fn lose_silent(&mut self, now_us: u64) -> Vec<LostHost> {
         let silent: Vec<HostId> = self
             .live()
             .filter(|(_, h)| now_us.saturating_sub(h.last_seen_us) > HOST_HEARTBEAT_TIMEOUT_US)
@@ -658,7 +668,7 @@ mod tests {
         h.worker_registered(0, Some("10.0.0.1"));
         h.worker_registered(1, Some("10.0.0.2"));
         h.heard(1, 1_500_000);
-        let lost = h.tick(2_100_000);
+        let lost = h.lose_silent(2_100_000);
         assert_eq!(lost.len(), 1);
         assert_eq!((lost[0].host, &lost[0].servers, &lost[0].ranks), (1, &vec![1], &vec![1]));
         assert!(lost[0].why.contains("no heartbeat"), "{}", lost[0].why);
@@ -685,13 +695,13 @@ mod scheduler_tests {
         let hosts = HostsConfig { min_hosts: 2, max_hosts: 2, restart_workers: 0, restart_servers: 0 };
         let mut m = Scheduler::new(config(), 2_000_000).with_hosts(hosts);
         join(&mut m, 100, "a", "10.0.0.1", 1, 1);
-        m.advance(WAIT_REPORT_EVERY_US - 100_000);
-        recv(&mut m, 100, 0, Control::Heartbeat);
-        let a = m.step(Event::Tick { now_us: WAIT_REPORT_EVERY_US });
+        let heartbeat = Event::Received { conn: 100, request_id: 0, msg: Control::Heartbeat.into() };
+        m.handle(WAIT_REPORT_EVERY_US - 100_000, heartbeat);
+        let a = m.handle(WAIT_REPORT_EVERY_US, Event::Timeout);
         let what =
             "scheduler waits for hosts: 1 of at least 2 joined (a (10.0.0.1)); they offer 1 servers and 1 workers";
         assert_eq!(a, [Action::Waiting(what.into())]);
-        assert!(m.step(Event::Tick { now_us: WAIT_REPORT_EVERY_US + 500_000 }).is_empty(), "once per 5 s");
+        assert!(m.handle(WAIT_REPORT_EVERY_US + 500_000, Event::Timeout).is_empty(), "once per 5 s");
     }
 
     #[test]
@@ -708,7 +718,7 @@ mod scheduler_tests {
         assert_eq!(starts(&a, 200), [elasticps_wire::NodeRole::Server, worker]);
         // The nodes register from their hosts; the job runs.
         for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.2"), (1, "10.0.0.1"), (2, "10.0.0.2")] {
-            m.step(Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
+            step(&mut m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
         }
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
         recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.2:7100".into() });
@@ -721,13 +731,13 @@ mod scheduler_tests {
         // Host b goes silent: after 2 s it is lost, its server fails over, its worker
         // restarts with its rank on host a.
         for t in 1..=4 {
-            m.step(Event::Tick { now_us: t * 500_000 });
+            m.handle(t * 500_000, Event::Timeout);
             for conn in [100, 10, 1] {
                 recv(&mut m, conn, 0, Control::Heartbeat);
             }
         }
         let epoch = m.placement().unwrap().epoch;
-        let a = m.step(Event::Tick { now_us: 2_600_000 });
+        let a = m.handle(2_600_000, Event::Timeout);
         assert_eq!(starts(&a, 100), [elasticps_wire::NodeRole::Worker { rank: Some(1) }], "{a:?}");
         assert!(a.contains(&Action::Close(200)));
         assert!(m.placement().unwrap().epoch > epoch, "server 1's blocks failed over");

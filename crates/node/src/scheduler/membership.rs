@@ -4,7 +4,7 @@
 //! connection closed, or silent past the heartbeat timeout) and what follows from it; a
 //! connection that never registers is closed.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, btree_map};
 
 use elasticps_wire::{Control, Credential, ErrorCode, ErrorReply, KeyId, Message, PeerRole};
 
@@ -24,6 +24,65 @@ pub(super) struct Rejoin {
     waiting: BTreeSet<u32>,
     /// The smallest next clock they answered.
     clock: u32,
+}
+
+/// The registered servers and workers by connection, with when each was last heard from
+/// in order: the first is the next to miss its heartbeat deadline.
+#[derive(Debug, Default)]
+pub(super) struct Nodes {
+    by_conn: BTreeMap<ConnId, Node>,
+    by_seen: BTreeSet<(u64, ConnId)>,
+}
+
+impl Nodes {
+    /// `node` registered (or reattached) on `conn`.
+    pub(super) fn insert(&mut self, conn: ConnId, node: Node) {
+        self.remove(&conn);
+        self.by_seen.insert((node.last_seen_us, conn));
+        self.by_conn.insert(conn, node);
+    }
+
+    /// The node on `conn` leaves.
+    pub(super) fn remove(&mut self, conn: &ConnId) -> Option<Node> {
+        let node = self.by_conn.remove(conn)?;
+        self.by_seen.remove(&(node.last_seen_us, *conn));
+        Some(node)
+    }
+
+    /// A message from `conn` (if it is a node's) arrived at `now_us`.
+    pub(super) fn heard(&mut self, conn: ConnId, now_us: u64) {
+        if let Some(node) = self.by_conn.get_mut(&conn) {
+            self.by_seen.remove(&(node.last_seen_us, conn));
+            node.last_seen_us = now_us;
+            self.by_seen.insert((now_us, conn));
+        }
+    }
+
+    /// When the node heard from least recently was last heard from.
+    pub(super) fn oldest_seen_us(&self) -> Option<u64> {
+        self.by_seen.first().map(|(seen, _)| *seen)
+    }
+
+    pub(super) fn get(&self, conn: &ConnId) -> Option<&Node> {
+        self.by_conn.get(conn)
+    }
+
+    pub(super) fn contains_key(&self, conn: &ConnId) -> bool {
+        self.by_conn.contains_key(conn)
+    }
+
+    /// The nodes in connection order.
+    pub(super) fn iter(&self) -> btree_map::Iter<'_, ConnId, Node> {
+        self.by_conn.iter()
+    }
+
+    pub(super) fn keys(&self) -> btree_map::Keys<'_, ConnId, Node> {
+        self.by_conn.keys()
+    }
+
+    pub(super) fn values(&self) -> btree_map::Values<'_, ConnId, Node> {
+        self.by_conn.values()
+    }
 }
 
 impl Scheduler {
@@ -95,6 +154,55 @@ impl Scheduler {
         call.reply(out, self.welcome(PeerRole::Worker, rank));
     }
 
+    /// Connection `conn` opened with handshake `key`: it has [`REGISTER_WITHIN_US`] to
+    /// register.
+    pub(super) fn connection_opened(&mut self, conn: ConnId, key: KeyId) {
+        if let Some((_, since)) = self.opened.insert(conn, (key, self.now_us)) {
+            self.registering.remove(&(since, conn));
+        }
+        self.registering.insert((self.now_us, conn));
+    }
+
+    /// Connection `conn` closed.
+    pub(super) fn connection_closed(&mut self, conn: ConnId) {
+        if let Some((_, since)) = self.opened.remove(&conn) {
+            self.registering.remove(&(since, conn));
+        }
+    }
+
+    /// An operator tool on `conn` asked again: its wait to register starts again.
+    pub(super) fn still_asking(&mut self, conn: ConnId) {
+        if let Some((_, since)) = self.opened.get_mut(&conn) {
+            self.registering.remove(&(*since, conn));
+            *since = self.now_us;
+            self.registering.insert((self.now_us, conn));
+        }
+    }
+
+    /// Whether `conn` registered (as a node, a rejoining worker or a host agent).
+    fn registered(&self, conn: ConnId) -> bool {
+        self.nodes.contains_key(&conn)
+            || self.rejoining.values().any(|r| r.conn == conn)
+            || self.hosts.as_ref().is_some_and(|h| h.is_agent(conn))
+    }
+
+    /// Drops the connections that registered from the front of those that may not have:
+    /// the first left is the next to be closed for not registering.
+    pub(super) fn forget_registered(&mut self) {
+        while let Some(&(since, conn)) = self.registering.first() {
+            let current = self.opened.get(&conn).is_some_and(|(_, s)| *s == since);
+            if current && !self.registered(conn) {
+                break;
+            }
+            self.registering.pop_first();
+        }
+    }
+
+    /// When the first connection that has not registered is to be closed, µs.
+    pub(super) fn register_deadline_us(&self) -> Option<u64> {
+        self.registering.first().map(|(since, _)| since.saturating_add(REGISTER_WITHIN_US).saturating_add(1))
+    }
+
     /// Every node not heard from for longer than the heartbeat timeout is lost, and its
     /// connection closed.
     pub(super) fn lose_silent_nodes(&mut self, out: &mut Vec<Action>) {
@@ -118,12 +226,7 @@ impl Scheduler {
         let late: Vec<ConnId> = self
             .opened
             .iter()
-            .filter(|(c, (_, since))| {
-                now_us.saturating_sub(*since) > REGISTER_WITHIN_US
-                    && !self.nodes.contains_key(c)
-                    && !self.rejoining.values().any(|r| r.conn == **c)
-                    && !self.hosts.as_ref().is_some_and(|h| h.is_agent(**c))
-            })
+            .filter(|(c, (_, since))| now_us.saturating_sub(*since) > REGISTER_WITHIN_US && !self.registered(**c))
             .map(|(c, _)| *c)
             .collect();
         for conn in late {
@@ -135,7 +238,7 @@ impl Scheduler {
             let msg = Message::Error(ErrorReply { code: ErrorCode::BadRequest, message });
             out.push(Action::Send { conn, request_id: 0, msg });
             out.push(Action::Close(conn));
-            self.opened.remove(&conn);
+            self.connection_closed(conn);
             self.shut.insert(conn);
         }
     }
@@ -334,8 +437,22 @@ mod tests {
 
         let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
-        let a = m.step(Event::Lost { conn: 10, why: "closed".into() });
+        let a = step(&mut m, Event::Lost { conn: 10, why: "closed".into() });
         assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: false, reason } if reason.contains("server 0"))));
+    }
+
+    #[test]
+    fn poll_timeout_names_the_heartbeat_expiry_of_a_silent_node_and_a_timeout_then_loses_it() {
+        let mut m = Scheduler::new(config(), 1_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        m.handle(600, Event::Received { conn: 2, request_id: 0, msg: Control::Heartbeat.into() });
+        assert_eq!(m.poll_timeout(), Some(1_001), "worker 0, silent since 0, expires past 1 ms");
+        assert!(m.handle(1_000, Event::Timeout).is_empty(), "not before its expiry");
+        let a = m.handle(1_001, Event::Timeout);
+        assert!(a.contains(&Action::Close(1)), "{a:?}");
+        assert!(!a.contains(&Action::Close(2)), "{a:?}");
+        assert_eq!(m.poll_timeout(), Some(1_601), "now worker 1's expiry");
     }
 
     #[test]
@@ -343,9 +460,9 @@ mod tests {
         let mut m = Scheduler::new(config(), 1_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
-        assert!(m.step(Event::Tick { now_us: 500 }).is_empty());
+        assert!(m.handle(500, Event::Timeout).is_empty());
         recv(&mut m, 2, 0, Control::Heartbeat);
-        let a = m.step(Event::Tick { now_us: 1_400 });
+        let a = m.handle(1_400, Event::Timeout);
         assert!(a.contains(&Action::Close(1)));
         assert!(!a.contains(&Action::Close(2)));
     }
@@ -355,7 +472,7 @@ mod tests {
         let mut m = running(config(), 24);
         let refused = |a: &[Action], conn| sent_to(a, conn).iter().any(|m| matches!(m, Message::Error(_)));
         assert!(refused(&recv(&mut m, 4, 1, Control::RejoinWorker { rank: 7 }), 4), "no rank 7");
-        let a = m.step(Event::Lost { conn: 2, why: "closed".into() });
+        let a = step(&mut m, Event::Lost { conn: 2, why: "closed".into() });
         assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::RemoveWorker { rank: 1 }))));
         // Restarted: every server is asked to take rank 1 back; the worker waits for both.
         let a = recv(&mut m, 5, 1, Control::RejoinWorker { rank: 1 });

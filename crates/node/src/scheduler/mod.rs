@@ -1,8 +1,8 @@
 //! The scheduler's decisions as a plain state machine: who is in the job, the model's
 //! layout, barriers, optimizer changes, the balancer's migrations and scaling, when the
-//! job ends. Events in (a message on a connection, a lost connection, a tick with the
-//! time), actions out (send, close, start a server, finish); no I/O and no clock of its
-//! own.
+//! job ends. Events in with the time (a message on a connection, a lost connection, a
+//! deadline reached), actions out (send, close, start a server, finish), and the next
+//! deadline ([`Scheduler::poll_timeout`]); no I/O and no clock of its own.
 //!
 //! This module holds the state, the public API and the dispatch: each message goes to the
 //! handler of its family, in a module of its own.
@@ -137,11 +137,9 @@ pub enum Event {
         /// Why, for the log.
         why: String,
     },
-    /// Time passed; `now_us` is the scheduler's clock.
-    Tick {
-        /// Microseconds since the scheduler started.
-        now_us: u64,
-    },
+    /// The deadline [`Scheduler::poll_timeout`] named was reached: the driver hands this
+    /// in at that time (or later), with no fixed period of its own.
+    Timeout,
 }
 
 /// What the runtime must do.
@@ -254,7 +252,7 @@ impl Caller {
 #[derive(Debug)]
 pub struct Scheduler {
     config: JobConfig,
-    nodes: BTreeMap<ConnId, Node>,
+    nodes: membership::Nodes,
     servers: Vec<(ConnId, String)>,
     workers: Vec<ConnId>,
     partition: Option<Partition>,
@@ -294,6 +292,11 @@ pub struct Scheduler {
     /// Each open connection's handshake key, and when it opened (µs): one that has not
     /// registered within [`REGISTER_WITHIN_US`] is closed.
     opened: BTreeMap<ConnId, (KeyId, u64)>,
+    /// The open connections that may not have registered yet, by when they opened (or
+    /// last asked an operator's question); registered ones leave from the front.
+    registering: BTreeSet<(u64, ConnId)>,
+    /// When the scheduler last handled [`Event::Timeout`] (µs).
+    checked_us: Option<u64>,
     /// Connections closed for not registering: what they sent before the close reached
     /// the runtime is dropped (it must not be taken as from a fresh connection).
     shut: BTreeSet<ConnId>,
@@ -308,7 +311,7 @@ impl Scheduler {
     /// without a message from it.
     pub fn new(config: JobConfig, heartbeat_timeout_us: u64) -> Self {
         Self {
-            nodes: BTreeMap::new(),
+            nodes: membership::Nodes::default(),
             servers: Vec::new(),
             workers: Vec::new(),
             partition: None,
@@ -335,6 +338,8 @@ impl Scheduler {
             hosts: None,
             peers: BTreeMap::new(),
             opened: BTreeMap::new(),
+            registering: BTreeSet::new(),
+            checked_us: None,
             shut: BTreeSet::new(),
             secret: Vec::new(),
             job: 0,
@@ -379,7 +384,7 @@ impl Scheduler {
         self
     }
 
-    /// Where the clock of `Tick { now_us }` starts, in milliseconds since the Unix epoch
+    /// Where the scheduler's clock (the `now_us` of [`Scheduler::handle`]) starts, in milliseconds since the Unix epoch
     /// (for the report, to align with the workers' clocks).
     pub fn with_clock_origin(mut self, unix_ms: f64) -> Self {
         self.elastic.set_clock_origin(unix_ms);
@@ -429,47 +434,109 @@ impl Scheduler {
         None
     }
 
-    /// Moves the scheduler's clock to `now_us` (never back) without the work of a
-    /// [`Event::Tick`]: a runtime calls it before each event, so that what the event
-    /// records (a node last heard from, a server lost and when) has the event's time.
-    pub fn advance(&mut self, now_us: u64) {
-        self.now_us = self.now_us.max(now_us);
+    /// Hands the scheduler one event at `now_us` (its clock, µs; it never goes back: an
+    /// earlier time counts as the latest one seen); returns what to do. What the event
+    /// records (a node last heard from, a server lost and when) has this time.
+    pub fn handle(&mut self, now_us: u64, event: Event) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.handle_into(now_us, event, &mut out);
+        out
     }
 
-    /// Feeds one event; returns what to do.
-    pub fn step(&mut self, event: Event) -> Vec<Action> {
-        let mut out = Vec::new();
+    /// [`Scheduler::handle`], adding the actions to `out`.
+    pub fn handle_into(&mut self, now_us: u64, event: Event, out: &mut Vec<Action>) {
+        self.now_us = self.now_us.max(now_us);
         if self.over {
-            return out;
+            return;
         }
+        self.dispatch(event, out);
+        self.forget_registered();
+    }
+
+    /// When the scheduler next has something to do without a message (µs, its clock):
+    /// hand it [`Event::Timeout`] then. `None`: nothing, until an event (the job is over).
+    ///
+    /// The soonest of: a node's or a host's heartbeat expiry, a connection's deadline to
+    /// register ([`REGISTER_WITHIN_US`]), the end of the wait for lost workers to rejoin,
+    /// a recovered scheduler's waits, the balancer's next round (and the timeouts of a
+    /// migration or a requested server), the next report of what the job waits for
+    /// ([`WAIT_REPORT_EVERY_US`]), the end of the closing wait. A deadline that passed at
+    /// the last timeout and still stands (its rule could not act yet) is checked again
+    /// [`SCHEDULER_TICK_US`](crate::timing::SCHEDULER_TICK_US) after it.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        if self.over {
+            return None;
+        }
+        if let Some(c) = &self.closing {
+            return Some(c.until_us);
+        }
+        let mut soonest: Option<u64> = None;
+        let mut at = |deadline: u64| {
+            let deadline = match self.checked_us {
+                Some(checked) if deadline <= checked => checked.saturating_add(crate::timing::SCHEDULER_TICK_US),
+                _ => deadline,
+            };
+            soonest = Some(soonest.map_or(deadline, |s| s.min(deadline)));
+        };
+        if let Some(seen) = self.nodes.oldest_seen_us() {
+            at(seen.saturating_add(self.heartbeat_timeout_us).saturating_add(1));
+        }
+        if let Some(expiry) = self.hosts.as_ref().and_then(hosts::Hosts::next_expiry_us) {
+            at(expiry);
+        }
+        if let Some(deadline) = self.register_deadline_us() {
+            at(deadline);
+        }
+        if let Some(since) = self.awaiting_rejoin_since {
+            at(since.saturating_add(self.config.rejoin_wait_us));
+        }
+        if let Some(deadline) = self.recovery_deadline_us() {
+            at(deadline);
+        }
+        if self.layout_ready && self.placement.is_some() {
+            at(self.elastic.next_deadline_us());
+        }
+        if self.waits() {
+            at(self.last_wait_log_us.saturating_add(WAIT_REPORT_EVERY_US));
+        }
+        soonest
+    }
+
+    /// Whether [`Scheduler::waiting_for`] says something, without saying it.
+    fn waits(&self) -> bool {
+        self.recovery_waits()
+            || self.hosts.as_ref().is_some_and(hosts::Hosts::waiting)
+            || (self.servers.len() as u32) < self.config.servers
+            || (self.workers.len() as u32) < self.config.workers
+            || self.partition.is_none()
+            || !self.layout_ready
+    }
+
+    fn dispatch(&mut self, event: Event, out: &mut Vec<Action>) {
         if let Event::Received { conn, request_id, msg } = &event {
             if self.shut.contains(conn) {
-                return out;
+                return;
             }
-            if let (Message::Control(Control::GetStatus | Control::Scale(_)), Some((_, since))) =
-                (msg, self.opened.get_mut(conn))
-            {
+            if matches!(msg, Message::Control(Control::GetStatus | Control::Scale(_))) {
                 // An operator tool (`elasticps status --watch`) stays while it keeps asking.
-                *since = self.now_us;
+                self.still_asking(*conn);
             }
             if let Some(refused) = self.forbidden(*conn, msg) {
                 out.push(Action::Send { conn: *conn, request_id: *request_id, msg: refused });
-                return out;
+                return;
             }
         }
         if self.closing.is_some() {
-            self.step_closing(event, &mut out);
-            return out;
+            self.step_closing(event, out);
+            return;
         }
         match event {
             Event::Connected { conn, peer, key } => {
                 self.peers.insert(conn, peer);
-                self.opened.insert(conn, (key, self.now_us));
+                self.connection_opened(conn, key);
             }
             Event::Received { conn, request_id, msg } => {
-                if let Some(node) = self.nodes.get_mut(&conn) {
-                    node.last_seen_us = self.now_us;
-                }
+                self.nodes.heard(conn, self.now_us);
                 let Message::Control(control) = msg else {
                     // Data frames are for servers: refused, and the connection closed
                     // (a host agent's too), PROTOCOL.md §7.
@@ -478,55 +545,60 @@ impl Scheduler {
                     let msg = Message::Error(ErrorReply { code: ErrorCode::BadRequest, message });
                     out.push(Action::Send { conn, request_id, msg });
                     out.push(Action::Close(conn));
-                    return out;
+                    return;
                 };
                 if self.hosts.as_ref().is_some_and(|h| h.is_agent(conn)) {
-                    self.on_agent_message(conn, request_id, control, &mut out);
+                    self.on_agent_message(conn, request_id, control, out);
                 } else {
-                    self.on_message(conn, request_id, control, &mut out);
+                    self.on_message(conn, request_id, control, out);
                 }
             }
             Event::Lost { conn, why } => {
                 self.peers.remove(&conn);
-                self.opened.remove(&conn);
+                self.connection_closed(conn);
                 self.shut.remove(&conn);
                 match self.hosts.as_mut().and_then(|h| h.connection_lost(conn, &why)) {
-                    Some(lost) => self.host_lost(lost, &mut out),
-                    None => self.on_lost(conn, &why, &mut out),
+                    Some(lost) => self.host_lost(lost, out),
+                    None => self.on_lost(conn, &why, out),
                 }
             }
-            Event::Tick { now_us } => {
-                self.now_us = now_us;
-                for lost in self.hosts.as_mut().map(|h| h.tick(now_us)).unwrap_or_default() {
-                    let conn = lost.conn;
-                    self.host_lost(lost, &mut out);
-                    out.push(Action::Close(conn));
-                }
-                self.lose_silent_nodes(&mut out);
-                self.close_unregistered(&mut out);
-                if self.awaiting_rejoin_since.is_some() {
-                    self.maybe_end(&mut out);
-                }
-                self.recovery_tick(&mut out);
-                if self.layout_ready
-                    && let Some(placement) = self.placement.as_ref()
-                {
-                    let orders = self.elastic.tick(placement, now_us);
-                    self.carry_out(orders, &mut out);
-                }
-                if now_us.saturating_sub(self.last_wait_log_us) >= WAIT_REPORT_EVERY_US {
-                    self.last_wait_log_us = now_us;
-                    if let Some(what) = self.waiting_for() {
-                        tracing::info!("{what}");
-                        if self.hosts.is_some() {
-                            // The launch on the rendezvous host prints it.
-                            out.push(Action::Waiting(what));
-                        }
-                    }
+            Event::Timeout => self.on_timeout(out),
+        }
+    }
+
+    /// The time-driven rules, at [`Scheduler::poll_timeout`]'s deadline (or later): lost
+    /// hosts and silent nodes, connections that never registered, the end of the wait for
+    /// lost workers, a recovered scheduler's waits, the balancer, the wait report.
+    fn on_timeout(&mut self, out: &mut Vec<Action>) {
+        let now_us = self.now_us;
+        self.checked_us = Some(now_us);
+        for lost in self.hosts.as_mut().map(|h| h.lose_silent(now_us)).unwrap_or_default() {
+            let conn = lost.conn;
+            self.host_lost(lost, out);
+            out.push(Action::Close(conn));
+        }
+        self.lose_silent_nodes(out);
+        self.close_unregistered(out);
+        if self.awaiting_rejoin_since.is_some() {
+            self.maybe_end(out);
+        }
+        self.recovery_timeout(out);
+        if self.layout_ready
+            && let Some(placement) = self.placement.as_ref()
+        {
+            let orders = self.elastic.on_timeout(placement, now_us);
+            self.carry_out(orders, out);
+        }
+        if now_us.saturating_sub(self.last_wait_log_us) >= WAIT_REPORT_EVERY_US {
+            self.last_wait_log_us = now_us;
+            if let Some(what) = self.waiting_for() {
+                tracing::info!("{what}");
+                if self.hosts.is_some() {
+                    // The launch on the rendezvous host prints it.
+                    out.push(Action::Waiting(what));
                 }
             }
         }
-        out
     }
 
     /// The `Error` that refuses `msg` on connection `conn` before it changes anything:
@@ -594,5 +666,53 @@ impl Scheduler {
             Control::GetStatus => call.reply(out, Control::Status(self.status()).into()),
             other => call.refuse_now(out, other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use elasticps_wire::Control;
+
+    use super::elastic::BALANCE_EVERY_US;
+    use super::testkit::*;
+    use super::*;
+
+    #[test]
+    fn an_idle_scheduler_has_a_deadline_only_for_its_periodic_work() {
+        // Nobody came yet: it says every 5 s what it waits for.
+        let m = Scheduler::new(config(), 10_000_000);
+        assert!(m.waits() && m.waiting_for().is_some());
+        assert_eq!(m.poll_timeout(), Some(WAIT_REPORT_EVERY_US));
+        // Running, every node heard just now: the balancer's next round comes first.
+        let mut m = running(config(), 24);
+        assert!(!m.waits() && m.waiting_for().is_none());
+        assert_eq!(m.poll_timeout(), Some(BALANCE_EVERY_US));
+        m.handle(BALANCE_EVERY_US, Event::Timeout);
+        assert_eq!(m.poll_timeout(), Some(2 * BALANCE_EVERY_US));
+        // Over: nothing to wake for.
+        recv(&mut m, 1, 5, Control::WorkerDone { rank: 0 });
+        let a = recv(&mut m, 2, 5, Control::WorkerDone { rank: 1 });
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })), "{a:?}");
+        assert_eq!(m.poll_timeout(), None);
+    }
+
+    #[test]
+    fn a_connection_that_does_not_register_is_closed_at_its_deadline() {
+        let mut m = Scheduler::new(config(), 10_000_000);
+        m.handle(7, Event::Connected { conn: 5, peer: "10.0.0.1".into(), key: KeyId::Cluster });
+        m.handle(8, Event::Connected { conn: 6, peer: "10.0.0.1".into(), key: KeyId::Cluster });
+        recv(&mut m, 6, 1, Control::RegisterWorker);
+        // The wait reports (every 5 s), then connection 5's deadline (not the registered
+        // one's), then worker 0's heartbeat expiry.
+        let mut woken = Vec::new();
+        for _ in 0..3 {
+            let at = m.poll_timeout().unwrap();
+            woken.push(at);
+            let a = m.handle(at, Event::Timeout);
+            assert_eq!(a.contains(&Action::Close(5)), at == 7 + REGISTER_WITHIN_US + 1, "at {at}: {a:?}");
+            assert!(!a.contains(&Action::Close(6)), "{a:?}");
+        }
+        assert_eq!(woken, [WAIT_REPORT_EVERY_US, 2 * WAIT_REPORT_EVERY_US, 7 + REGISTER_WITHIN_US + 1]);
+        assert_eq!(m.poll_timeout(), Some(8 + 10_000_000 + 1));
     }
 }

@@ -24,7 +24,7 @@ impl Scheduler {
     /// Sends `Replicas` to every server still in the job.
     pub(super) fn broadcast_replicas(&self, out: &mut Vec<Action>) {
         let Some(msg) = self.replicas_message() else { return };
-        for (conn, n) in &self.nodes {
+        for (conn, n) in self.nodes.iter() {
             if matches!(n.role, Role::Server(_)) {
                 out.push(Action::Send { conn: *conn, request_id: 0, msg: msg.clone() });
             }

@@ -34,9 +34,15 @@ pub fn config() -> JobConfig {
     }
 }
 
+/// `event` at the scheduler's current time.
+pub fn step(m: &mut Scheduler, event: Event) -> Vec<Action> {
+    let now_us = m.now_us;
+    m.handle(now_us, event)
+}
+
 /// `c` arrives on `conn` with `request_id`.
 pub fn recv(m: &mut Scheduler, conn: ConnId, request_id: u64, c: Control) -> Vec<Action> {
-    m.step(Event::Received { conn, request_id, msg: c.into() })
+    step(m, Event::Received { conn, request_id, msg: c.into() })
 }
 
 /// A model of 8 values (2 blocks).
@@ -57,7 +63,7 @@ pub fn sent_to(actions: &[Action], conn: ConnId) -> Vec<&Message> {
 
 /// A host agent `name` at `ip` joins on `conn`, offering `servers` and `workers`.
 pub fn join(m: &mut Scheduler, conn: ConnId, name: &str, ip: &str, servers: u32, workers: u32) -> Vec<Action> {
-    m.step(Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
+    step(m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
     let offer = elasticps_wire::HostOffer {
         name: name.into(),
         addr: ip.into(),
