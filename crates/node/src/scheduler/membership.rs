@@ -407,7 +407,7 @@ impl Scheduler {
 #[cfg(test)]
 mod tests {
     use super::super::testkit::*;
-    use super::super::{Action, Event, Scheduler};
+    use super::super::{Action, Event, JobConfig, Scheduler};
     use elasticps_wire::{Control, Message};
 
     #[test]
@@ -453,6 +453,24 @@ mod tests {
         assert!(a.contains(&Action::Close(1)), "{a:?}");
         assert!(!a.contains(&Action::Close(2)), "{a:?}");
         assert_eq!(m.poll_timeout(), Some(1_601), "now worker 1's expiry");
+    }
+
+    #[test]
+    fn a_deadline_that_passed_and_still_stands_is_checked_again_a_tick_later() {
+        let mut m = running(JobConfig { rejoin_wait_us: 200_000, ..config() }, 24);
+        step(&mut m, Event::Lost { conn: 2, why: "killed".into() });
+        recv(&mut m, 1, 5, Control::WorkerDone { rank: 0 });
+        // Every worker left, one lost: the job waits 200 ms for it. It comes back, but the
+        // servers have not taken it back yet when the wait is over: the job cannot end.
+        recv(&mut m, 5, 1, Control::RejoinWorker { rank: 1 });
+        assert_eq!(m.poll_timeout(), Some(200_000));
+        let a = m.handle(200_000, Event::Timeout);
+        assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "{a:?}");
+        assert_eq!(m.poll_timeout(), Some(200_000 + crate::timing::SCHEDULER_TICK_US), "not at once again");
+        // The servers take it back: it is welcomed, and the job goes on.
+        recv(&mut m, 10, 0, Control::WorkerAdded { rank: 1, clock: 3 });
+        let a = recv(&mut m, 11, 0, Control::WorkerAdded { rank: 1, clock: 3 });
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
     }
 
     #[test]
