@@ -160,8 +160,9 @@ fn every_node_serves_its_families_while_the_job_runs() {
         assert!(worker_text.contains(family), "worker 0 lacks {family:?}:\n{worker_text}");
     }
 
-    // The scheduler sets its families on its 500 ms tick: both servers serving, the
-    // placement's first epoch, both workers running.
+    // The scheduler sets its families on its timeouts (every second while training
+    // runs, the balancer's round): both servers serving, the placement's first epoch,
+    // both workers running.
     let deadline = Instant::now() + Duration::from_secs(10);
     let sched_text = loop {
         let t = scrape(&sched_metrics);

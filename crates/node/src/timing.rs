@@ -17,7 +17,9 @@ pub const HEARTBEAT_TIMEOUT_US: u64 = 10_000_000;
 /// (hung, or cut off) is detected within 2 s. A killed one is detected at once: its
 /// connection closes.
 pub const FAILOVER_HEARTBEAT_TIMEOUT_US: u64 = 2_000_000;
-/// How often the scheduler ticks (heartbeat checks, the balancer, wait reports), µs.
+/// The scheduler has no fixed tick (its driver sleeps until `Scheduler::poll_timeout`):
+/// a deadline that passed at its last timeout and still stands (its rule could not act
+/// yet) is checked again this long after, µs.
 pub const SCHEDULER_TICK_US: u64 = 500_000;
 /// How often a worker reports its load to the scheduler, µs.
 pub const WORKER_STATS_US: u64 = 1_000_000;

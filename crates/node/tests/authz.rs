@@ -514,10 +514,10 @@ impl World {
         let hosts = HostsConfig { min_hosts: 1, max_hosts: 2, restart_workers: 0, restart_servers: 0 };
         let mut m = Scheduler::new(config, 10_000_000).with_credentials(SECRET, JOB).with_hosts(hosts);
         let connect = |m: &mut Scheduler, conn, key| {
-            m.step(scheduler::Event::Connected { conn, peer: "10.0.0.1".into(), key });
+            m.handle(0, scheduler::Event::Connected { conn, peer: "10.0.0.1".into(), key });
         };
         let recv = |m: &mut Scheduler, conn, msg: Control| {
-            m.step(scheduler::Event::Received { conn, request_id: 1, msg: msg.into() })
+            m.handle(0, scheduler::Event::Received { conn, request_id: 1, msg: msg.into() })
         };
         connect(&mut m, AGENT, KeyId::Cluster);
         let offer = HostOffer {
@@ -599,7 +599,7 @@ impl World {
         let own = |rank, server| Own { rank, server, clock: 0 };
         let anon = |w: &mut World, key| {
             let conn = w.fresh_conn();
-            w.sched.step(scheduler::Event::Connected { conn, peer: "10.0.0.9".into(), key });
+            w.sched.handle(0, scheduler::Event::Connected { conn, peer: "10.0.0.9".into(), key });
             (conn, own(0, 0))
         };
         match class {
@@ -677,7 +677,7 @@ impl World {
         let (state, whole) = (SchedState::of(&self.sched), format!("{:?}", self.sched));
         // The scheduler takes control frames only: a refused data frame also closes.
         let data_frame = !matches!(msg, Message::Control(_));
-        let acts = self.sched.step(scheduler::Event::Received { conn, request_id: rid, msg });
+        let acts = self.sched.handle(0, scheduler::Event::Received { conn, request_id: rid, msg });
         let replies = sched_replies(&acts, conn, rid);
         let refused = match verdict {
             Verdict::Allowed => {
@@ -739,7 +739,7 @@ impl World {
     fn forged_to_scheduler(&mut self, conn: ConnId, msg: Message, code: ErrorCode, what: &str) {
         let rid = self.request();
         let (state, whole) = (SchedState::of(&self.sched), format!("{:?}", self.sched));
-        let acts = self.sched.step(scheduler::Event::Received { conn, request_id: rid, msg });
+        let acts = self.sched.handle(0, scheduler::Event::Received { conn, request_id: rid, msg });
         // A forbidden message closes nothing; a refused credential closes the connection.
         let close = [scheduler::Action::Close(conn)];
         let after: &[scheduler::Action] = if code == ErrorCode::Forbidden { &[] } else { &close };
@@ -845,7 +845,7 @@ impl World {
                 let rid = self.request();
                 let state = SchedState::of(&self.sched);
                 let conn = SCHED_S[me];
-                let acts = self.sched.step(scheduler::Event::Received { conn, request_id: rid, msg });
+                let acts = self.sched.handle(0, scheduler::Event::Received { conn, request_id: rid, msg });
                 assert!(
                     matches!(&acts[..], [scheduler::Action::Send { conn: c, msg: Message::Error(_), .. }] if *c == conn),
                     "{what}: server {me} reported a migration of server {other}: {acts:?}"

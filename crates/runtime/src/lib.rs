@@ -56,8 +56,6 @@ pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_micros(timing::HEARTBEAT_
 pub const FAILOVER_HEARTBEAT_TIMEOUT: Duration = Duration::from_micros(timing::FAILOVER_HEARTBEAT_TIMEOUT_US);
 /// How often workers report their load ([`elasticps_node::timing::WORKER_STATS_US`]).
 pub const STATS_INTERVAL: Duration = Duration::from_micros(timing::WORKER_STATS_US);
-/// How often the scheduler ticks ([`elasticps_node::timing::SCHEDULER_TICK_US`]).
-pub const SCHEDULER_TICK: Duration = Duration::from_micros(timing::SCHEDULER_TICK_US);
 
 use elasticps_node::timing;
 /// How long a TCP connect may take.
@@ -131,13 +129,11 @@ mod tests {
         assert_eq!(us(HEARTBEAT_TIMEOUT), timing::HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(FAILOVER_HEARTBEAT_TIMEOUT), timing::FAILOVER_HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(STATS_INTERVAL), timing::WORKER_STATS_US);
-        assert_eq!(us(SCHEDULER_TICK), timing::SCHEDULER_TICK_US);
         assert_eq!(elasticps_node::harness::worker::WORKER_STATS_US, us(STATS_INTERVAL));
         for replicas in [1, 2, 3] {
             let c = ClusterConfig::new(job(replicas));
             let runtime = if replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT } else { HEARTBEAT_TIMEOUT };
             assert_eq!(c.heartbeat_timeout_us, us(runtime), "replicas {replicas}");
-            assert_eq!(c.tick_us, us(SCHEDULER_TICK));
         }
     }
 }

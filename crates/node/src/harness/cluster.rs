@@ -161,8 +161,6 @@ pub struct ClusterConfig {
     pub job: JobConfig,
     /// The scheduler declares a node dead after this long without a message from it.
     pub heartbeat_timeout_us: u64,
-    /// How often the scheduler ticks (500 ms in the runtime).
-    pub tick_us: u64,
     /// Seed of the network's jitter.
     pub seed: u64,
     /// Extra delay per message, uniform in `[0, jitter_us]`.
@@ -177,13 +175,11 @@ pub struct ClusterConfig {
 
 impl ClusterConfig {
     /// The runtime's defaults for `job` ([`crate::timing`]): its heartbeat timeout (2 s
-    /// with replicas, else 10 s), a tick every 500 ms, seed 0, no jitter, no launcher, a
-    /// default link.
+    /// with replicas, else 10 s), seed 0, no jitter, no launcher, a default link.
     pub fn new(job: JobConfig) -> Self {
         Self {
             heartbeat_timeout_us: crate::timing::heartbeat_timeout_us(job.replicas),
             job,
-            tick_us: crate::timing::SCHEDULER_TICK_US,
             seed: 0,
             jitter_us: 0,
             can_launch: false,
@@ -193,14 +189,17 @@ impl ClusterConfig {
     }
 }
 
-/// The real scheduler as a [`Role`]: messages and losses become its events, a timer
-/// its ticks, and its actions go out through the [`Outbox`]. The reference for the
-/// other roles' adapters.
+/// The real scheduler as a [`Role`]: messages and losses become its events, one timer at
+/// its [`Scheduler::poll_timeout`] hands it [`Event::Timeout`], and its actions go out
+/// through the [`Outbox`]. The reference for the other roles' adapters.
 #[derive(Debug)]
 pub struct SchedulerRole {
     scheduler: Scheduler,
-    tick_us: u64,
-    over: bool,
+    /// The timer set for the scheduler's deadline: (at, token). A timer cannot be
+    /// cancelled: one replaced by an earlier deadline fires with a stale token, ignored.
+    timer: Option<(u64, u64)>,
+    /// The token of the last timer set.
+    tokens: u64,
     manifests: Vec<(u32, Vec<CheckpointEntry>)>,
     /// The state as the runtime's `--state-dir` would hold it (with its version), kept
     /// once [`Cluster::keep_scheduler_state`] asked for it.
@@ -208,9 +207,9 @@ pub struct SchedulerRole {
 }
 
 impl SchedulerRole {
-    /// Wraps `scheduler`, ticking it every `tick_us`.
-    pub fn new(scheduler: Scheduler, tick_us: u64) -> Self {
-        Self { scheduler, tick_us: tick_us.max(1), over: false, manifests: Vec::new(), saved: None }
+    /// Wraps `scheduler`.
+    pub fn new(scheduler: Scheduler) -> Self {
+        Self { scheduler, timer: None, tokens: 0, manifests: Vec::new(), saved: None }
     }
 
     /// The state last saved ([`Cluster::keep_scheduler_state`]).
@@ -239,7 +238,7 @@ impl SchedulerRole {
     }
 
     fn step(&mut self, out: &mut Outbox<'_>, event: Event) {
-        let actions = self.scheduler.step(event);
+        let actions = self.scheduler.handle(out.now_us(), event);
         self.save();
         for action in actions {
             match action {
@@ -250,35 +249,47 @@ impl SchedulerRole {
                 Action::StartServer => out.start_server(),
                 Action::Relay(_) | Action::Waiting(_) => {}
                 Action::WriteManifest { clock, blocks, .. } => self.manifests.push((clock, blocks)),
-                Action::Finish { ok, reason } => {
-                    self.over = true;
-                    out.finish(ok, reason);
-                }
+                Action::Finish { ok, reason } => out.finish(ok, reason),
             }
         }
+        self.arm(out);
+    }
+
+    /// Sets the timer for the scheduler's next deadline, unless one as early is set.
+    fn arm(&mut self, out: &mut Outbox<'_>) {
+        let Some(at_us) = self.scheduler.poll_timeout() else { return };
+        let at_us = at_us.max(out.now_us());
+        if self.timer.is_some_and(|(set, _)| set <= at_us) {
+            return;
+        }
+        self.tokens += 1;
+        self.timer = Some((at_us, self.tokens));
+        out.wake_at(at_us, self.tokens);
     }
 }
 
 impl Role for SchedulerRole {
     fn on_start(&mut self, out: &mut Outbox<'_>) {
-        out.wake_at(out.now_us() + self.tick_us, 0);
+        self.arm(out);
     }
 
     fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
-        self.scheduler.advance(out.now_us());
         self.step(out, Event::Received { conn, request_id, msg });
     }
 
     fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
-        self.scheduler.advance(out.now_us());
         self.step(out, Event::Lost { conn, why: why.as_str().to_string() });
     }
 
-    fn on_timer(&mut self, out: &mut Outbox<'_>, _token: u64) {
-        let now_us = out.now_us();
-        self.step(out, Event::Tick { now_us });
-        if !self.over {
-            out.wake_at(now_us + self.tick_us, 0);
+    fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
+        if self.timer.is_none_or(|(_, set)| set != token) {
+            return; // replaced by an earlier one
+        }
+        self.timer = None;
+        if self.scheduler.poll_timeout().is_some_and(|at_us| at_us <= out.now_us()) {
+            self.step(out, Event::Timeout);
+        } else {
+            self.arm(out);
         }
     }
 }
@@ -316,7 +327,7 @@ impl<R: Role> Cluster<R> {
         }
         let mut cluster = Self {
             net,
-            scheduler: SchedulerRole::new(scheduler, config.tick_us),
+            scheduler: SchedulerRole::new(scheduler),
             config,
             sched,
             roles: Vec::new(),
@@ -404,15 +415,13 @@ impl<R: Role> Cluster<R> {
             scheduler = scheduler.with_balance_budget(bytes);
         }
         self.net.revive(self.sched);
-        let mut role = SchedulerRole::new(scheduler, c.tick_us);
+        let mut role = SchedulerRole::new(scheduler);
         role.manifests = std::mem::take(&mut self.scheduler.manifests);
         role.saved = Some((role.scheduler.state_version(), saved.1));
         self.scheduler = role;
         let mut out = Outbox { net: &mut self.net, me: self.sched, scheduler: self.sched, signals: &mut self.signals };
         // Its clock starts where the network's is (the runtime's starts at 0 with it).
-        let now_us = out.now_us();
-        self.scheduler.step(&mut out, Event::Tick { now_us });
-        self.scheduler.on_start(&mut out);
+        self.scheduler.step(&mut out, Event::Timeout);
         Ok(())
     }
 

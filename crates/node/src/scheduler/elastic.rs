@@ -10,10 +10,13 @@ use elasticps_core::balance::{self, BalanceParams, Balancer, Decision, Move, Vie
 use elasticps_core::load::LoadModel;
 use elasticps_core::placement::{Placement, ServerId};
 use elasticps_wire::{
-    ClusterStatus, MigrationReport, ScaleRequest, ServerLoad, ServerStatus, WorkerLoad, WorkerStatus,
+    ClusterStatus, Control, ErrorCode, MigrationReport, ScaleRequest, ServerLoad, ServerStatus, WorkerLoad,
+    WorkerStatus,
 };
 
 use super::history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+use super::hosts::start_node;
+use super::{Action, Caller, ConnId, Role, Scheduler};
 use elasticps_core::balance::BalanceMode;
 
 /// A migration that takes longer than this is written off (the old owner reports its
@@ -21,6 +24,8 @@ use elasticps_core::balance::BalanceMode;
 const MIGRATION_TIMEOUT_US: u64 = 300_000_000;
 /// A requested server that has not registered after this long is not coming.
 const JOIN_TIMEOUT_US: u64 = 60_000_000;
+/// How often the scheduler samples the load timeline and the balancer decides, µs.
+pub const BALANCE_EVERY_US: u64 = 1_000_000;
 /// Rate estimates: old samples weigh half after this long.
 const HALF_LIFE_US: u64 = 3_000_000;
 
@@ -416,8 +421,19 @@ impl Elastic {
         self.next_migration(placement, now_us)
     }
 
-    /// Time passed: sample the timeline, let the balancer decide, move on.
-    pub fn tick(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
+    /// The next time [`Elastic::on_timeout`] has something to do, µs: the balancer's next
+    /// round, or the timeout of the migration in flight or of a requested server.
+    pub fn next_deadline_us(&self) -> u64 {
+        let round = self.last_sample_us.saturating_add(BALANCE_EVERY_US);
+        let migration = self.in_flight.map(|(_, started, _)| started.saturating_add(MIGRATION_TIMEOUT_US) + 1);
+        let join = self.requested.front().map(|(_, at)| at.saturating_add(JOIN_TIMEOUT_US) + 1);
+        [migration, join].into_iter().flatten().fold(round, u64::min)
+    }
+
+    /// Time passed (a deadline of [`Elastic::next_deadline_us`], or later): write off a
+    /// lost migration or server; every [`BALANCE_EVERY_US`] sample the timeline and let
+    /// the balancer decide; move on.
+    pub fn on_timeout(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
         let mut out = Vec::new();
         if let Some((m, started, epoch)) = self.in_flight
             && now_us.saturating_sub(started) > MIGRATION_TIMEOUT_US
@@ -434,7 +450,7 @@ impl Elastic {
             self.requested.pop_front();
             self.event(now_us, "scale-out-failed", None, "no server registered within 60 s".into());
         }
-        if now_us.saturating_sub(self.last_sample_us) >= 1_000_000 {
+        if now_us.saturating_sub(self.last_sample_us) >= BALANCE_EVERY_US {
             self.last_sample_us = now_us;
             if self.window.0 > 0 {
                 self.iter_us = Some(self.window.1 as f64 / self.window.0 as f64);
@@ -707,6 +723,119 @@ impl Elastic {
     }
 }
 
+impl Scheduler {
+    /// `ServerLoad`, `WorkerLoad`, `MigrateDone`, and an operator's `Scale`.
+    pub(super) fn on_elastic(&mut self, call: Caller, control: Control, out: &mut Vec<Action>) {
+        let request_id = call.request_id;
+        match (control, call.role) {
+            (Control::ServerLoad(load), Some(Role::Server(id))) => {
+                self.elastic.server_load(ServerLoad { server_id: id, ..load });
+            }
+            (Control::WorkerLoad(load), Some(Role::Worker(rank))) => {
+                self.elastic.worker_load(WorkerLoad { rank, ..load }, self.now_us);
+            }
+            (Control::MigrateDone(report), Some(Role::Server(id))) if report.from == id => {
+                let Some(placement) = self.placement.as_mut() else { return };
+                let backups = placement.backups.clone();
+                let (expected, orders) = self.elastic.migrated(&report, placement, self.now_us);
+                if placement.backups != backups {
+                    // The new owner was a backup of the block: it is not any more.
+                    self.broadcast_replicas(out);
+                }
+                if request_id != 0 {
+                    if expected || self.move_recorded(&report) {
+                        call.reply(out, Control::Ok.into());
+                    } else {
+                        let block = report.block;
+                        call.refuse(
+                            out,
+                            ErrorCode::BadRequest,
+                            format!("no migration of block {block} from server {id} is under way"),
+                        );
+                    }
+                }
+                self.carry_out(orders, out);
+            }
+            (Control::Scale(req), _) => {
+                let Some(placement) = self.placement.as_ref().filter(|_| self.layout_ready) else {
+                    call.refuse(out, ErrorCode::NotReady, "the job is not running yet: no model is placed".into());
+                    return;
+                };
+                match self.elastic.scale(req, placement, self.can_launch, self.now_us) {
+                    Ok(orders) => {
+                        call.reply(out, Control::Ok.into());
+                        self.carry_out(orders, out);
+                    }
+                    Err(message) => call.refuse(out, ErrorCode::BadRequest, message),
+                }
+            }
+            (other, _) => call.refuse_now(out, other),
+        }
+    }
+
+    /// Turns elasticity orders into actions; then keeps the copies on serving servers
+    /// (a server that starts draining hands its backups on, one that joined takes those a
+    /// lost server left short).
+    pub(super) fn carry_out(&mut self, orders: Vec<Order>, out: &mut Vec<Action>) {
+        let before = self.placement.as_ref().map(|p| p.backups.clone());
+        self.carry_out_orders(orders, out);
+        self.rebuild_copies();
+        if self.placement.as_ref().map(|p| &p.backups) != before.as_ref() {
+            self.broadcast_replicas(out);
+        }
+    }
+
+    pub(super) fn carry_out_orders(&mut self, orders: Vec<Order>, out: &mut Vec<Action>) {
+        for order in orders {
+            match order {
+                Order::Migrate { block, from, to, epoch } => {
+                    let (Some((conn, _)), Some((_, to_addr))) =
+                        (self.servers.get(from as usize), self.servers.get(to as usize))
+                    else {
+                        continue;
+                    };
+                    tracing::info!(block, from, to, epoch, "migration starts");
+                    let msg = Control::Migrate { block, to, to_addr: to_addr.clone(), epoch }.into();
+                    out.push(Action::Send { conn: *conn, request_id: 0, msg });
+                }
+                Order::StartServer => match self.hosts.as_mut() {
+                    None => out.push(Action::StartServer),
+                    Some(h) => {
+                        let slowest = self.placement.as_ref().and_then(|_| self.elastic.slowest(self.now_us));
+                        match h.start_server(slowest) {
+                            Ok(start) => out.push(start_node(start, self.config.workers)),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "the balancer's new server cannot be started");
+                                self.elastic.event(self.now_us, "scale-out-failed", None, e);
+                            }
+                        }
+                    }
+                },
+                Order::Stop { server, reason } => {
+                    if let Some((conn, _)) = self.servers.get(server as usize) {
+                        tracing::info!(server, %reason, "server stops");
+                        out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Shutdown { reason }.into() });
+                    }
+                }
+                Order::Settle { block, to, epoch, owner } => {
+                    // The new owner first; then every other server, whose placement then
+                    // names the block's owner (a server takes a block's snapshot from the
+                    // owner it knows only).
+                    tracing::debug!(block, to, epoch, owner, "migration settled");
+                    let first = self.servers.get(to as usize).map(|(c, _)| *c);
+                    let others = self.servers.iter().map(|(c, _)| *c).filter(|c| Some(*c) != first);
+                    let conns: Vec<ConnId> =
+                        first.into_iter().chain(others).filter(|c| self.nodes.contains_key(c)).collect();
+                    for conn in conns {
+                        let msg = Control::Settled { block, epoch, owner }.into();
+                        out.push(Action::Send { conn, request_id: 0, msg });
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -754,5 +883,89 @@ mod tests {
         assert!(p.owners.iter().all(|o| *o != 1));
         assert!(e.removed().contains(&1));
         assert!(e.lost(1, 200), "its connection closing is expected");
+    }
+}
+
+#[cfg(test)]
+mod scheduler_tests {
+    use super::super::testkit::*;
+    use super::super::{Action, Event, JobConfig};
+    use elasticps_wire::{Control, Message, MigrationReport, ScaleRequest};
+
+    #[test]
+    fn an_operator_adds_a_server_which_joins_empty_and_receives_blocks() {
+        let mut m = running(JobConfig { max_servers: 3, ..config() }, 24);
+        let a = recv(&mut m, 50, 1, Control::Scale(ScaleRequest::AddServer));
+        assert!(a.contains(&Action::StartServer), "{a:?}");
+        assert!(matches!(sent_to(&a, 50)[0], Message::Control(Control::Ok)));
+        // A fourth would exceed --max-servers.
+        let a = recv(&mut m, 50, 2, Control::Scale(ScaleRequest::AddServer));
+        assert!(matches!(sent_to(&a, 50)[0], Message::Error(e) if e.message.contains("--max-servers")), "{a:?}");
+        // The launched server registers late: an assignment that owns nothing.
+        let a = recv(&mut m, 12, 1, Control::RegisterServer { data_addr: "s2".into() });
+        match &sent_to(&a, 12)[..] {
+            [Message::Control(Control::Welcome { node_id: 2, .. }), Message::Control(Control::Assign(x))] => {
+                assert_eq!(x.placement.blocks_of(2).count(), 0);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Once it serves, blocks start moving to it (6 blocks: 2 of them), one at a time.
+        let a = recv(&mut m, 12, 0, Control::AssignDone { server_id: 2 });
+        let migrations: Vec<_> = a
+            .iter()
+            .filter_map(|x| match x {
+                Action::Send { msg: Message::Control(Control::Migrate { to, to_addr, epoch, .. }), .. } => {
+                    Some((*to, to_addr.clone(), *epoch))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(migrations, [(2, "s2".to_string(), 2)], "{a:?}");
+        // The layout lists the new server for the workers.
+        let a = recv(&mut m, 1, 3, Control::GetLayout);
+        assert!(matches!(sent_to(&a, 1)[0], Message::Control(Control::Layout(l)) if l.servers.len() == 3));
+    }
+
+    #[test]
+    fn a_removed_server_leaving_does_not_end_the_job_and_status_shows_it_gone() {
+        let mut m = running(config(), 8);
+        // Server 1 owns block 1 (range over 2 blocks): removing it moves that block first.
+        let a = recv(&mut m, 50, 1, Control::Scale(ScaleRequest::RemoveServer(1)));
+        let report = a.iter().find_map(|x| match x {
+            Action::Send { conn: 11, msg: Message::Control(Control::Migrate { block, to, epoch, .. }), .. } => {
+                Some(MigrationReport {
+                    block: *block,
+                    from: 1,
+                    to: *to,
+                    epoch: *epoch,
+                    bytes: 16,
+                    freeze_us: 5,
+                    total_us: 9,
+                    held: 0,
+                    error: None,
+                })
+            }
+            _ => None,
+        });
+        let report = report.unwrap_or_else(|| panic!("a migration off server 1: {a:?}"));
+        let a = recv(&mut m, 11, 7, Control::MigrateDone(report));
+        assert!(matches!(sent_to(&a, 11)[0], Message::Control(Control::Ok)), "{a:?}");
+        assert!(
+            sent_to(&a, 11).iter().any(|x| matches!(x, Message::Control(Control::Shutdown { .. }))),
+            "drained, so stopped: {a:?}"
+        );
+        let a = step(&mut m, Event::Lost { conn: 11, why: "closed".into() });
+        assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "{a:?}");
+        let a = recv(&mut m, 50, 2, Control::GetStatus);
+        match &sent_to(&a, 50)[..] {
+            [Message::Control(Control::Status(s))] => {
+                assert_eq!(s.migrations, 1);
+                assert_eq!(s.epoch, 2);
+                assert_eq!(s.servers[1].state, "gone");
+                assert_eq!(s.servers[0].blocks, 2);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(m.balance_log().migrations.len(), 1);
     }
 }

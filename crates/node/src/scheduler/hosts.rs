@@ -23,8 +23,9 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use elasticps_wire::{HostOffer, NodeRole};
+use elasticps_wire::{Control, ErrorCode, ErrorReply, HostOffer, Message, NodeRole};
 
+use super::{Action, Scheduler};
 use crate::ConnId;
 
 /// A host is lost after this long without a message from its agent, µs (the agent sends a
@@ -378,8 +379,18 @@ impl Hosts {
         Some(self.lose(host, format!("its agent's connection closed ({why})")))
     }
 
+    /// When the live host heard from least recently is lost if it stays silent, µs.
+    pub fn next_expiry_us(&self) -> Option<u64> {
+        self.live().map(|(_, h)| h.last_seen_us.saturating_add(HOST_HEARTBEAT_TIMEOUT_US).saturating_add(1)).min()
+    }
+
+    /// Whether the rendezvous still waits ([`Hosts::waiting_for`] says what for).
+    pub fn waiting(&self) -> bool {
+        !self.started
+    }
+
     /// Hosts silent for longer than [`HOST_HEARTBEAT_TIMEOUT_US`] at `now_us` are lost.
-    pub fn tick(&mut self, now_us: u64) -> Vec<LostHost> {
+    pub fn lose_silent(&mut self, now_us: u64) -> Vec<LostHost> {
         let silent: Vec<HostId> = self
             .live()
             .filter(|(_, h)| now_us.saturating_sub(h.last_seen_us) > HOST_HEARTBEAT_TIMEOUT_US)
@@ -456,6 +467,116 @@ impl Hosts {
             }
         }
     }
+}
+
+impl Scheduler {
+    /// A message from a host agent, or one that asks to become one.
+    pub(super) fn on_agent_message(&mut self, conn: ConnId, request_id: u64, control: Control, out: &mut Vec<Action>) {
+        let Some(hosts) = self.hosts.as_mut() else { return };
+        hosts.heard(conn, self.now_us);
+        match control {
+            Control::Heartbeat => {}
+            Control::HostEvent { line } => out.push(Action::Relay(line)),
+            Control::NodeExited { slot, ok, status, rank } => {
+                tracing::info!(slot, ok, %status, ?rank, "a host's node exited");
+                if let Some(start) = hosts.exited(conn, slot, ok, rank) {
+                    out.push(start_node(start, self.config.workers));
+                }
+            }
+            other => {
+                let message = format!("a host agent sent {}, which the scheduler does not take from it", other.name());
+                tracing::warn!(conn, %message, "refused");
+                out.push(Action::Send {
+                    conn,
+                    request_id,
+                    msg: Message::Error(ErrorReply { code: ErrorCode::BadRequest, message }),
+                });
+            }
+        }
+    }
+
+    /// A host agent asks to join the job.
+    pub(super) fn join_host(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        offer: elasticps_wire::HostOffer,
+        out: &mut Vec<Action>,
+    ) {
+        let refuse = |out: &mut Vec<Action>, message: String| {
+            tracing::warn!(conn, %message, "host refused");
+            out.push(Action::Send {
+                conn,
+                request_id,
+                msg: Message::Error(ErrorReply { code: ErrorCode::BadRequest, message }),
+            });
+            out.push(Action::Close(conn));
+        };
+        let Some(hosts) = self.hosts.as_mut() else {
+            return refuse(out, "this scheduler runs a job on its own host: start it with `elasticps launch --nnodes MIN:MAX --rdzv HOST:PORT` for hosts to join".into());
+        };
+        match hosts.join(conn, offer, self.now_us) {
+            Ok(host) => {
+                out.push(Action::Send { conn, request_id, msg: Control::HostWelcome { host }.into() });
+                if let Some(r) = hosts.initial() {
+                    self.resize(r.servers, r.workers);
+                    out.extend(r.starts.into_iter().map(|s| start_node(s, r.workers)));
+                }
+            }
+            Err(message) => refuse(out, message),
+        }
+    }
+
+    /// The job's size, once its hosts joined (before any node registered): the flags'
+    /// bounds on scaling widen to include it.
+    pub(super) fn resize(&mut self, servers: u32, workers: u32) {
+        let c = &mut self.config;
+        (c.servers, c.workers, c.shard.workers) = (servers, workers, workers);
+        c.max_servers = c.max_servers.max(servers);
+        c.min_servers = c.min_servers.min(servers);
+        self.elastic.set_bounds(c.min_servers, c.max_servers);
+    }
+
+    /// A host left the job: its servers and workers are lost with it (servers fail over
+    /// with replicas), and what can be started again elsewhere is.
+    pub(super) fn host_lost(&mut self, lost: LostHost, out: &mut Vec<Action>) {
+        let why = format!("host {} lost: {}", lost.label, lost.why);
+        self.elastic.event(
+            self.now_us,
+            "host-lost",
+            None,
+            format!("{}; servers {:?}, workers {:?}", why, lost.servers, lost.ranks),
+        );
+        let mut conns: Vec<ConnId> = Vec::new();
+        for id in &lost.servers {
+            conns.extend(self.servers.get(*id as usize).map(|(c, _)| *c).filter(|c| self.nodes.contains_key(c)));
+        }
+        for rank in &lost.ranks {
+            conns.extend(self.workers.get(*rank as usize).copied().filter(|c| self.nodes.contains_key(c)));
+        }
+        for conn in conns {
+            self.on_lost(conn, &why, out);
+            out.push(Action::Close(conn));
+        }
+        if self.over {
+            return;
+        }
+        let Some(hosts) = self.hosts.as_mut() else { return };
+        let (starts, missed) = hosts.replace(&lost);
+        out.extend(starts.into_iter().map(|s| start_node(s, self.config.workers)));
+        for m in missed {
+            tracing::warn!(host = %lost.label, "not started again: {m}");
+        }
+        if hosts.agents().is_empty() {
+            self.finish(false, format!("{why}; no host is left in the job"), out);
+        }
+    }
+}
+
+/// The message that tells a host's agent to start a node of a job of `workers` workers.
+pub(super) fn start_node(start: Start, workers: u32) -> Action {
+    let msg = Control::StartNode { slot: start.slot, role: start.role, workers }.into();
+    Action::Send { conn: start.conn, request_id: 0, msg }
 }
 
 #[cfg(test)]
@@ -547,7 +668,7 @@ mod tests {
         h.worker_registered(0, Some("10.0.0.1"));
         h.worker_registered(1, Some("10.0.0.2"));
         h.heard(1, 1_500_000);
-        let lost = h.tick(2_100_000);
+        let lost = h.lose_silent(2_100_000);
         assert_eq!(lost.len(), 1);
         assert_eq!((lost[0].host, &lost[0].servers, &lost[0].ranks), (1, &vec![1], &vec![1]));
         assert!(lost[0].why.contains("no heartbeat"), "{}", lost[0].why);
@@ -559,5 +680,73 @@ mod tests {
         assert_eq!(h.exited(1, 0, false, Some(0)), None);
         assert!(h.connection_lost(1, "eof").is_some());
         assert!(h.agents().is_empty());
+    }
+}
+
+#[cfg(test)]
+mod scheduler_tests {
+    use super::super::testkit::*;
+    use super::super::{Action, Event, JobConfig, Scheduler, WAIT_REPORT_EVERY_US};
+    use super::HostsConfig;
+    use elasticps_wire::{Control, KeyId, Message};
+
+    #[test]
+    fn a_job_across_hosts_says_every_5_s_which_hosts_it_waits_for() {
+        let hosts = HostsConfig { min_hosts: 2, max_hosts: 2, restart_workers: 0, restart_servers: 0 };
+        let mut m = Scheduler::new(config(), 2_000_000).with_hosts(hosts);
+        join(&mut m, 100, "a", "10.0.0.1", 1, 1);
+        let heartbeat = Event::Received { conn: 100, request_id: 0, msg: Control::Heartbeat.into() };
+        m.handle(WAIT_REPORT_EVERY_US - 100_000, heartbeat);
+        let a = m.handle(WAIT_REPORT_EVERY_US, Event::Timeout);
+        let what =
+            "scheduler waits for hosts: 1 of at least 2 joined (a (10.0.0.1)); they offer 1 servers and 1 workers";
+        assert_eq!(a, [Action::Waiting(what.into())]);
+        assert!(m.handle(WAIT_REPORT_EVERY_US + 500_000, Event::Timeout).is_empty(), "once per 5 s");
+    }
+
+    #[test]
+    fn a_job_across_hosts_starts_its_nodes_there_and_a_lost_host_fails_over_and_restarts_its_worker() {
+        let hosts = HostsConfig { min_hosts: 2, max_hosts: 3, restart_workers: 1, restart_servers: 0 };
+        let mut m = Scheduler::new(JobConfig { replicas: 2, ..config() }, 2_000_000).with_hosts(hosts);
+        let a = join(&mut m, 100, "a", "10.0.0.1", 1, 1);
+        assert!(matches!(sent_to(&a, 100)[..], [Message::Control(Control::HostWelcome { host: 0 })]));
+        assert!(starts(&a, 100).is_empty(), "one host of two: {a:?}");
+        assert!(m.waiting_for().unwrap().contains("1 of at least 2 joined (a (10.0.0.1))"));
+        let a = join(&mut m, 200, "b", "10.0.0.2", 1, 1);
+        let worker = elasticps_wire::NodeRole::Worker { rank: None };
+        assert_eq!(starts(&a, 100), [elasticps_wire::NodeRole::Server, worker]);
+        assert_eq!(starts(&a, 200), [elasticps_wire::NodeRole::Server, worker]);
+        // The nodes register from their hosts; the job runs.
+        for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.2"), (1, "10.0.0.1"), (2, "10.0.0.2")] {
+            step(&mut m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
+        }
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
+        recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.2:7100".into() });
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new() });
+        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+        recv(&mut m, 20, 0, Control::AssignDone { server_id: 1 });
+        assert_eq!(m.waiting_for(), None);
+        // Host b goes silent: after 2 s it is lost, its server fails over, its worker
+        // restarts with its rank on host a.
+        for t in 1..=4 {
+            m.handle(t * 500_000, Event::Timeout);
+            for conn in [100, 10, 1] {
+                recv(&mut m, conn, 0, Control::Heartbeat);
+            }
+        }
+        let epoch = m.placement().unwrap().epoch;
+        let a = m.handle(2_600_000, Event::Timeout);
+        assert_eq!(starts(&a, 100), [elasticps_wire::NodeRole::Worker { rank: Some(1) }], "{a:?}");
+        assert!(a.contains(&Action::Close(200)));
+        assert!(m.placement().unwrap().epoch > epoch, "server 1's blocks failed over");
+        assert!(m.placement().unwrap().owners.iter().all(|o| *o == 0));
+        let log = m.balance_log();
+        let lost = log.scaling.iter().find(|e| e.action == "host-lost").expect("a host-lost event");
+        assert!(lost.reason.contains("b (10.0.0.2)") && lost.reason.contains("no heartbeat"), "{}", lost.reason);
+        // The job goes on; at the end every agent is told.
+        let a = recv(&mut m, 1, 3, Control::WorkerDone { rank: 0 });
+        assert!(starts(&a, 100).is_empty());
     }
 }

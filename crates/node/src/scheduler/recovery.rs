@@ -17,11 +17,11 @@ use std::hash::{Hash, Hasher};
 
 use elasticps_core::model::{BlockId, Partition};
 use elasticps_core::placement::{Placement, ServerId};
-use elasticps_wire::{CheckpointEntry, Control, HeldBlock, PeerRole};
+use elasticps_wire::{CheckpointEntry, Control, ErrorCode, HeldBlock, PeerRole};
 use serde::{Deserialize, Serialize};
 
 use super::elastic::Order;
-use super::{Action, BalanceLog, ConnId, JobConfig, Node, Role, Scheduler};
+use super::{Action, BalanceLog, Caller, ConnId, JobConfig, Node, Role, Scheduler};
 
 /// The saved state's format version.
 pub const STATE_VERSION: u32 = 1;
@@ -91,7 +91,7 @@ pub(super) struct Recovering {
     /// Workers that had finished before the restart and have not said `WorkerDone` again
     /// (it may not have been acknowledged: such a worker reattaches and makes it again).
     finished: BTreeSet<u32>,
-    /// Its first tick, µs (the clock of a restarted scheduler may start anywhere): the
+    /// Its first timeout, µs (the clock of a restarted scheduler may start anywhere): the
     /// waits count from there.
     since_us: Option<u64>,
     /// The job ended (every worker done) before every server was back: how, told to the
@@ -100,6 +100,33 @@ pub(super) struct Recovering {
 }
 
 impl Scheduler {
+    /// `ReattachServer`, `ReattachWorker`: a node of the job before the scheduler's
+    /// restart comes back with its credential.
+    pub(super) fn on_reattach(&mut self, call: Caller, control: Control, out: &mut Vec<Action>) {
+        let (conn, request_id) = (call.conn, call.request_id);
+        match (control, call.role) {
+            (Control::ReattachServer { server_id, credential, data_addr, blocks }, None) => {
+                if let Err((code, message)) = self.check_credential(&credential, PeerRole::Server, server_id) {
+                    call.refuse(out, code, message);
+                    out.push(Action::Close(conn));
+                } else if let Err(message) = self.reattach_server(conn, request_id, server_id, data_addr, blocks, out) {
+                    call.refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
+            (Control::ReattachWorker { rank, credential }, None) => {
+                if let Err((code, message)) = self.check_credential(&credential, PeerRole::Worker, rank) {
+                    call.refuse(out, code, message);
+                    out.push(Action::Close(conn));
+                } else if let Err(message) = self.reattach_worker(conn, request_id, rank, out) {
+                    call.refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
+            (other, _) => call.refuse_now(out, other),
+        }
+    }
+
     /// The state to save. Cheap enough to call when [`Scheduler::state_version`] changed.
     pub fn saved_state(&self) -> SavedState {
         let (server_states, migration, migrations, balance) = self.elastic.saved();
@@ -291,9 +318,24 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Whether a recovered scheduler still waits for servers or workers to reattach.
+    pub(super) fn recovery_waits(&self) -> bool {
+        self.recovering.as_ref().is_some_and(|r| !r.servers.is_empty() || !r.workers.is_empty())
+    }
+
+    /// The next deadline of a recovered scheduler, µs: its first timeout (the waits count
+    /// from there) at once, then the end of [`FINISHED_GRACE_US`], then of
+    /// [`RECOVER_WAIT_US`].
+    pub(super) fn recovery_deadline_us(&self) -> Option<u64> {
+        let r = self.recovering.as_ref()?;
+        let Some(since) = r.since_us else { return Some(self.now_us) };
+        let grace = since.saturating_add(FINISHED_GRACE_US);
+        Some(if self.now_us < grace { grace } else { since.saturating_add(RECOVER_WAIT_US) })
+    }
+
     /// Time passed while recovering: past [`RECOVER_WAIT_US`], a missing server ends the
     /// job and a missing worker is removed from every quorum.
-    pub(super) fn recovery_tick(&mut self, out: &mut Vec<Action>) {
+    pub(super) fn recovery_timeout(&mut self, out: &mut Vec<Action>) {
         let now_us = self.now_us;
         let Some(r) = self.recovering.as_mut() else { return };
         let since_us = *r.since_us.get_or_insert(now_us);
@@ -545,7 +587,8 @@ mod tests {
     }
 
     fn recv(m: &mut Scheduler, conn: ConnId, request_id: u64, c: Control) -> Vec<Action> {
-        m.step(Event::Received { conn, request_id, msg: c.into() })
+        let now_us = m.now_us;
+        m.handle(now_us, Event::Received { conn, request_id, msg: c.into() })
     }
 
     fn sent_to(actions: &[Action], conn: ConnId) -> Vec<&Message> {
@@ -611,8 +654,8 @@ mod tests {
         let mut m = running();
         let v = m.state_version();
         recv(&mut m, 1, 0, Control::Heartbeat);
-        m.step(Event::Tick { now_us: 100 });
-        assert_eq!(m.state_version(), v, "heartbeats and ticks change nothing to save");
+        m.handle(100, Event::Timeout);
+        assert_eq!(m.state_version(), v, "heartbeats and timeouts change nothing to save");
         recv(&mut m, 1, 3, Control::WorkerDone { rank: 0 });
         assert_ne!(m.state_version(), v, "a finished worker is saved");
         let saved = through_disk(&m);
@@ -721,9 +764,9 @@ mod tests {
         reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (1, 0, false)]);
         reattach_server(&mut r, 31, 1, "s1", &[(2, 0, false), (3, 0, false)]);
         recv(&mut r, 21, 1, Control::ReattachWorker { rank: 0, credential: cred(PeerRole::Worker, 0) });
-        assert!(r.step(Event::Tick { now_us: 1_000 }).is_empty(), "the wait counts from the first tick");
-        assert!(r.step(Event::Tick { now_us: RECOVER_WAIT_US }).is_empty());
-        let a = r.step(Event::Tick { now_us: RECOVER_WAIT_US + 1_000 });
+        assert!(r.handle(1_000, Event::Timeout).is_empty(), "the wait counts from the first timeout");
+        assert!(r.handle(RECOVER_WAIT_US, Event::Timeout).is_empty());
+        let a = r.handle(RECOVER_WAIT_US + 1_000, Event::Timeout);
         assert!(
             sent_to(&a, 30).iter().any(|x| matches!(x, Message::Control(Control::RemoveWorker { rank: 1 }))),
             "{a:?}"
@@ -732,8 +775,8 @@ mod tests {
 
         let mut r = Scheduler::recover(config(), through_disk(&m), 2 * RECOVER_WAIT_US).unwrap();
         reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (1, 0, false)]);
-        r.step(Event::Tick { now_us: 0 });
-        let a = r.step(Event::Tick { now_us: RECOVER_WAIT_US });
+        r.handle(0, Event::Timeout);
+        let a = r.handle(RECOVER_WAIT_US, Event::Timeout);
         let ended = a.iter().find_map(|x| match x {
             Action::Finish { ok: false, reason } => Some(reason.clone()),
             _ => None,

@@ -7,7 +7,7 @@
 //!   (its blocks' [`elasticps_core::block::BlockStats`] and hold-time histograms, the same numbers as
 //!   `GetStats`), so serving pushes and pulls takes no extra lock.
 //! - [`WorkerMetrics`]: updated by the worker [`crate::client::Client`] once per round.
-//! - [`SchedulerMetrics`]: set by the scheduler on its tick from its membership state.
+//! - [`SchedulerMetrics`]: set by the scheduler on its timeouts from its membership state.
 //!
 //! Names start with `elasticps_` and carry their unit (`_seconds`, `_bytes`, `_total`);
 //! README.md ("Metrics") lists them.
@@ -372,7 +372,7 @@ const SERVER_STATES: [&str; 5] = ["registered", "joining", "serving", "draining"
 /// The scaling actions the scheduler records: exported from the start, at 0.
 const SCALING_ACTIONS: [&str; 6] = ["scale-out", "joined", "kept", "scale-out-failed", "scale-in", "removed"];
 
-/// The metric families of the scheduler, set on its tick ([`SchedulerMetrics::update`]).
+/// The metric families of the scheduler, set on its timeouts ([`SchedulerMetrics::update`]).
 pub struct SchedulerMetrics {
     registry: Registry,
     servers: Family<StateLabel, Gauge>,

@@ -1,6 +1,7 @@
 //! The scheduler role: one actor task owns the scheduler's state machine
 //! ([`elasticps_node::scheduler::Scheduler`]); one task per connection reads frames and
-//! forwards them as events; a ticker feeds time.
+//! forwards them as events; one timer, reset to the machine's `poll_timeout` after every
+//! event, hands it `Event::Timeout`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -16,7 +17,6 @@ pub use elasticps_node::scheduler::{
     ServerPoint,
 };
 
-use crate::Micros;
 use crate::accept::{self, Accepted, Acceptor};
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
@@ -52,7 +52,7 @@ pub struct SchedulerOptions {
     pub frame_timeout: Duration,
     /// Give up if the cluster is not complete and the model placed within this time.
     pub join_timeout: Duration,
-    /// Set these from the membership state on every tick (served by a
+    /// Set these from the membership state on every timeout (served by a
     /// [`crate::metrics::MetricsEndpoint`]).
     pub metrics: Option<Arc<SchedulerMetrics>>,
     /// Keep the recoverable state here (`--state-dir`); a scheduler started with a
@@ -104,7 +104,9 @@ pub async fn run_with(
     let (events_tx, mut events) = mpsc::unbounded_channel::<(Event, Option<Handle>)>();
     let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), opts.frame_timeout, events_tx));
 
-    let clock = Micros::new();
+    // The scheduler's clock: µs since `started`, on tokio's clock (its deadlines too).
+    let started = tokio::time::Instant::now();
+    let now_us = || started.elapsed().as_micros() as u64;
     let origin =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
     let mut saved = opts.state_dir.as_deref().map(state::StateDir::new);
@@ -133,7 +135,19 @@ pub async fn run_with(
         d.loaded(state.state_version());
     }
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
-    let mut tick = tokio::time::interval(crate::SCHEDULER_TICK);
+    // One timer: the scheduler's next deadline, and once the join timeout.
+    let join_deadline_us = u64::try_from(opts.join_timeout.as_micros()).unwrap_or(u64::MAX).saturating_add(1);
+    let mut join_checked = false;
+    let wake_at = |state: &Scheduler, join_checked: bool| {
+        let join = (!join_checked).then_some(join_deadline_us);
+        let at_us = state.poll_timeout().into_iter().chain(join).min()?;
+        // A deadline past what the clock can name is a year away, as good as never.
+        let far = || tokio::time::Instant::now() + Duration::from_secs(365 * 86_400);
+        Some(started.checked_add(Duration::from_micros(at_us)).unwrap_or_else(far))
+    };
+    let mut deadline = wake_at(&state, join_checked);
+    let timer = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now));
+    tokio::pin!(timer);
     // Manifest writes under way (awaited before the scheduler returns).
     let mut manifests = Vec::new();
     let outcome = loop {
@@ -147,8 +161,9 @@ pub async fn run_with(
                 }
                 None => break Err(RuntimeError::Protocol { peer: "scheduler".into(), what: "accept loop ended".into() }),
             },
-            _ = tick.tick() => {
-                let now_us = clock.now();
+            _ = &mut timer, if deadline.is_some() => {
+                let now_us = now_us();
+                join_checked |= now_us >= join_deadline_us;
                 if now_us > opts.join_timeout.as_micros() as u64
                     && let Some(what) = state.waiting_for()
                 {
@@ -159,16 +174,15 @@ pub async fn run_with(
                     }
                     break Err(RuntimeError::Timeout { what, after: opts.join_timeout });
                 }
-                Event::Tick { now_us }
+                Event::Timeout
             }
         };
         if let Event::Lost { conn, .. } = &event {
             conns.remove(conn);
         }
-        let tick_event = matches!(event, Event::Tick { .. });
-        state.advance(clock.now());
+        let timeout = matches!(event, Event::Timeout);
         let mut finished = None;
-        let actions = state.step(event);
+        let actions = state.handle(now_us(), event);
         if let Some(d) = saved.as_mut() {
             // On disk before any node hears of the change.
             match d.save_if_changed(state.state_version(), || state.saved_state()) {
@@ -218,8 +232,15 @@ pub async fn run_with(
                 Action::Finish { ok, reason } => finished = Some((ok, reason)),
             }
         }
-        if let Some(m) = opts.metrics.as_ref().filter(|_| tick_event) {
+        if let Some(m) = opts.metrics.as_ref().filter(|_| timeout) {
             m.update(&state.status(), state.balance_log());
+        }
+        let next = wake_at(&state, join_checked);
+        if timeout || next != deadline {
+            deadline = next;
+            if let Some(at) = deadline {
+                timer.as_mut().reset(at);
+            }
         }
         if let Some((ok, reason)) = finished {
             tracing::info!(ok, %reason, "job over");

@@ -1,0 +1,523 @@
+//! Membership: who is in the job. Servers and workers register and are welcomed with
+//! their credential; a restarted worker rejoins with its rank once every server took it
+//! back; heartbeats keep a node in; a worker says it is done; a node is lost (its
+//! connection closed, or silent past the heartbeat timeout) and what follows from it; a
+//! connection that never registers is closed.
+
+use std::collections::{BTreeMap, BTreeSet, btree_map};
+
+use elasticps_wire::{Control, Credential, ErrorCode, ErrorReply, KeyId, Message, PeerRole};
+
+use super::{Action, Caller, ConnId, Node, Role, Scheduler};
+
+/// A connection that has not registered (as a server, a worker or a host agent) within
+/// this long is closed, µs. An operator tool's `GetStatus` or `Scale` is answered
+/// meanwhile.
+pub const REGISTER_WITHIN_US: u64 = 10_000_000;
+
+/// A restarted worker waiting for the servers to take its rank back.
+#[derive(Debug)]
+pub(super) struct Rejoin {
+    pub(super) conn: ConnId,
+    request_id: u64,
+    /// Servers (by id) that have not answered `AddWorker` yet.
+    waiting: BTreeSet<u32>,
+    /// The smallest next clock they answered.
+    clock: u32,
+}
+
+/// The registered servers and workers by connection, with when each was last heard from
+/// in order: the first is the next to miss its heartbeat deadline.
+#[derive(Debug, Default)]
+pub(super) struct Nodes {
+    by_conn: BTreeMap<ConnId, Node>,
+    by_seen: BTreeSet<(u64, ConnId)>,
+}
+
+impl Nodes {
+    /// `node` registered (or reattached) on `conn`.
+    pub(super) fn insert(&mut self, conn: ConnId, node: Node) {
+        self.remove(&conn);
+        self.by_seen.insert((node.last_seen_us, conn));
+        self.by_conn.insert(conn, node);
+    }
+
+    /// The node on `conn` leaves.
+    pub(super) fn remove(&mut self, conn: &ConnId) -> Option<Node> {
+        let node = self.by_conn.remove(conn)?;
+        self.by_seen.remove(&(node.last_seen_us, *conn));
+        Some(node)
+    }
+
+    /// A message from `conn` (if it is a node's) arrived at `now_us`.
+    pub(super) fn heard(&mut self, conn: ConnId, now_us: u64) {
+        if let Some(node) = self.by_conn.get_mut(&conn) {
+            self.by_seen.remove(&(node.last_seen_us, conn));
+            node.last_seen_us = now_us;
+            self.by_seen.insert((now_us, conn));
+        }
+    }
+
+    /// When the node heard from least recently was last heard from.
+    pub(super) fn oldest_seen_us(&self) -> Option<u64> {
+        self.by_seen.first().map(|(seen, _)| *seen)
+    }
+
+    pub(super) fn get(&self, conn: &ConnId) -> Option<&Node> {
+        self.by_conn.get(conn)
+    }
+
+    pub(super) fn contains_key(&self, conn: &ConnId) -> bool {
+        self.by_conn.contains_key(conn)
+    }
+
+    /// The nodes in connection order.
+    pub(super) fn iter(&self) -> btree_map::Iter<'_, ConnId, Node> {
+        self.by_conn.iter()
+    }
+
+    pub(super) fn keys(&self) -> btree_map::Keys<'_, ConnId, Node> {
+        self.by_conn.keys()
+    }
+
+    pub(super) fn values(&self) -> btree_map::Values<'_, ConnId, Node> {
+        self.by_conn.values()
+    }
+}
+
+impl Scheduler {
+    /// `RegisterServer`, `RegisterWorker`, `RejoinWorker`, `WorkerAdded`, `Heartbeat`,
+    /// `WorkerDone`.
+    pub(super) fn on_membership(&mut self, call: Caller, control: Control, out: &mut Vec<Action>) {
+        let (conn, request_id) = (call.conn, call.request_id);
+        match (control, call.role) {
+            (Control::RegisterServer { data_addr }, None) => self.register_server(call, data_addr, out),
+            (Control::RegisterWorker, None) => self.register_worker(call, out),
+            (Control::RejoinWorker { rank }, None) => {
+                if let Err(message) = self.rejoin(conn, request_id, rank, out) {
+                    call.refuse(out, ErrorCode::BadRequest, message);
+                    out.push(Action::Close(conn));
+                }
+            }
+            (Control::WorkerAdded { rank, clock }, Some(Role::Server(id))) => self.worker_added(rank, id, clock, out),
+            (Control::Heartbeat, Some(_)) => {}
+            (Control::WorkerDone { .. }, Some(Role::Worker(rank))) => {
+                tracing::info!(rank, "worker finished");
+                call.reply(out, Control::Ok.into());
+                self.worker_left(rank, out);
+                self.done_again(rank, out);
+            }
+            (other, _) => call.refuse_now(out, other),
+        }
+    }
+
+    fn register_server(&mut self, call: Caller, data_addr: String, out: &mut Vec<Action>) {
+        let conn = call.conn;
+        let id = self.servers.len() as u32;
+        let initial = id < self.config.servers;
+        let late_ok = self.layout_ready && self.elastic.registered_count() < self.config.max_servers;
+        if !initial && !late_ok {
+            let max = self.config.max_servers.max(self.config.servers);
+            call.refuse(out, ErrorCode::BadRequest, format!("the job already has its {max} servers (--max-servers)"));
+            out.push(Action::Close(conn));
+            return;
+        }
+        tracing::info!(server = id, addr = %data_addr, initial, "server joined");
+        if let Some(h) = self.hosts.as_mut() {
+            h.server_registered(id, &data_addr, self.peers.get(&conn).map(String::as_str));
+        }
+        self.servers.push((conn, data_addr));
+        self.nodes.insert(conn, Node { role: Role::Server(id), last_seen_us: self.now_us });
+        self.elastic.registered(id, initial, self.now_us);
+        call.reply(out, self.welcome(PeerRole::Server, id));
+        if initial {
+            self.try_assign(out);
+        } else if let Some(a) = self.assignment(id) {
+            self.send_assignment(conn, a, out);
+        }
+    }
+
+    fn register_worker(&mut self, call: Caller, out: &mut Vec<Action>) {
+        let conn = call.conn;
+        let rank = self.workers.len() as u32;
+        if rank >= self.config.workers {
+            call.refuse(out, ErrorCode::BadRequest, format!("the job already has its {} workers", self.config.workers));
+            out.push(Action::Close(conn));
+            return;
+        }
+        tracing::info!(rank, "worker joined");
+        if let Some(h) = self.hosts.as_mut() {
+            h.worker_registered(rank, self.peers.get(&conn).map(String::as_str));
+        }
+        self.workers.push(conn);
+        self.nodes.insert(conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
+        call.reply(out, self.welcome(PeerRole::Worker, rank));
+    }
+
+    /// Connection `conn` opened with handshake `key`: it has [`REGISTER_WITHIN_US`] to
+    /// register.
+    pub(super) fn connection_opened(&mut self, conn: ConnId, key: KeyId) {
+        if let Some((_, since)) = self.opened.insert(conn, (key, self.now_us)) {
+            self.registering.remove(&(since, conn));
+        }
+        self.registering.insert((self.now_us, conn));
+    }
+
+    /// Connection `conn` closed.
+    pub(super) fn connection_closed(&mut self, conn: ConnId) {
+        if let Some((_, since)) = self.opened.remove(&conn) {
+            self.registering.remove(&(since, conn));
+        }
+    }
+
+    /// An operator tool on `conn` asked again: its wait to register starts again.
+    pub(super) fn still_asking(&mut self, conn: ConnId) {
+        if let Some((_, since)) = self.opened.get_mut(&conn) {
+            self.registering.remove(&(*since, conn));
+            *since = self.now_us;
+            self.registering.insert((self.now_us, conn));
+        }
+    }
+
+    /// Whether `conn` registered (as a node, a rejoining worker or a host agent).
+    fn registered(&self, conn: ConnId) -> bool {
+        self.nodes.contains_key(&conn)
+            || self.rejoining.values().any(|r| r.conn == conn)
+            || self.hosts.as_ref().is_some_and(|h| h.is_agent(conn))
+    }
+
+    /// Drops the connections that registered from the front of those that may not have:
+    /// the first left is the next to be closed for not registering.
+    pub(super) fn forget_registered(&mut self) {
+        while let Some(&(since, conn)) = self.registering.first() {
+            let current = self.opened.get(&conn).is_some_and(|(_, s)| *s == since);
+            if current && !self.registered(conn) {
+                break;
+            }
+            self.registering.pop_first();
+        }
+    }
+
+    /// When the first connection that has not registered is to be closed, µs.
+    pub(super) fn register_deadline_us(&self) -> Option<u64> {
+        self.registering.first().map(|(since, _)| since.saturating_add(REGISTER_WITHIN_US).saturating_add(1))
+    }
+
+    /// Every node not heard from for longer than the heartbeat timeout is lost, and its
+    /// connection closed.
+    pub(super) fn lose_silent_nodes(&mut self, out: &mut Vec<Action>) {
+        let now_us = self.now_us;
+        let dead: Vec<ConnId> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| now_us.saturating_sub(n.last_seen_us) > self.heartbeat_timeout_us)
+            .map(|(c, _)| *c)
+            .collect();
+        for conn in dead {
+            let secs = self.heartbeat_timeout_us as f64 / 1e6;
+            self.on_lost(conn, &format!("no heartbeat for {secs:.0} s"), out);
+            out.push(Action::Close(conn));
+        }
+    }
+
+    /// Closes every connection that has not registered within [`REGISTER_WITHIN_US`].
+    pub(super) fn close_unregistered(&mut self, out: &mut Vec<Action>) {
+        let now_us = self.now_us;
+        let late: Vec<ConnId> = self
+            .opened
+            .iter()
+            .filter(|(c, (_, since))| now_us.saturating_sub(*since) > REGISTER_WITHIN_US && !self.registered(**c))
+            .map(|(c, _)| *c)
+            .collect();
+        for conn in late {
+            tracing::warn!(conn, within_s = REGISTER_WITHIN_US / 1_000_000, "connection closed: it did not register");
+            let message = format!(
+                "closed: this connection did not register within {} s (RegisterServer, RegisterWorker, JoinHost, ...)",
+                REGISTER_WITHIN_US / 1_000_000
+            );
+            let msg = Message::Error(ErrorReply { code: ErrorCode::BadRequest, message });
+            out.push(Action::Send { conn, request_id: 0, msg });
+            out.push(Action::Close(conn));
+            self.connection_closed(conn);
+            self.shut.insert(conn);
+        }
+    }
+
+    /// The `Welcome` of a node registered as `role` `node_id`, with its credential.
+    pub(super) fn welcome(&self, role: PeerRole, node_id: u32) -> Message {
+        let credential = Credential::issue(&self.secret, self.job, role, node_id);
+        Control::Welcome { node_id, num_workers: self.config.workers, num_servers: self.config.servers, credential }
+            .into()
+    }
+
+    /// Whether a reattaching node's credential is this job's for `role` `id`.
+    pub(super) fn check_credential(
+        &self,
+        credential: &Credential,
+        role: PeerRole,
+        id: u32,
+    ) -> Result<(), (ErrorCode, String)> {
+        credential.verify_for(&self.secret, self.job).map_err(|e| (ErrorCode::Unauthenticated, e.to_string()))?;
+        if (credential.role, credential.id) != (role, id) {
+            let message = format!("the credential of {credential} cannot reattach as {role:?} {id}");
+            return Err((ErrorCode::Unauthenticated, message.to_lowercase()));
+        }
+        Ok(())
+    }
+
+    /// A restarted worker asks to come back as `rank`: every live server is asked to take
+    /// it back ([`Control::AddWorker`]); it is welcomed once they all answered.
+    pub(super) fn rejoin(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        rank: u32,
+        out: &mut Vec<Action>,
+    ) -> Result<(), String> {
+        if rank >= self.config.workers {
+            return Err(format!("worker {rank} cannot rejoin: the job has workers 0..{}", self.config.workers));
+        }
+        if rank as usize >= self.workers.len() {
+            return Err(format!("worker {rank} cannot rejoin: it never joined (RegisterWorker)"));
+        }
+        if self.finished_workers.contains(&rank) && !self.failed_workers.contains_key(&rank) {
+            return Err(format!("worker {rank} cannot rejoin: it finished"));
+        }
+        if !self.failed_workers.contains_key(&rank) {
+            // Its old process is gone (it was restarted) but its connection has not been
+            // seen closing yet: the new one takes the rank over. Only with the cluster
+            // secret: a worker-secret connection proves no rank, and could take a live one.
+            let old = self.nodes.iter().find(|(_, n)| n.role == Role::Worker(rank)).map(|(c, _)| *c);
+            if old.is_some() && self.opened.get(&conn).is_some_and(|(k, _)| *k == KeyId::Worker) {
+                return Err(format!(
+                    "worker {rank} is connected: a connection of the worker secret rejoins only a rank the scheduler \
+                     lost"
+                ));
+            }
+            if let Some(old) = old {
+                self.on_lost(old, "replaced by a restarted worker with its rank", out);
+                out.push(Action::Close(old));
+            }
+        }
+        if self.rejoining.contains_key(&rank) {
+            return Err(format!("worker {rank} is already rejoining"));
+        }
+        let live: Vec<(u32, ConnId)> = self
+            .nodes
+            .iter()
+            .filter_map(|(c, n)| match n.role {
+                Role::Server(id) => Some((id, *c)),
+                Role::Worker(_) => None,
+            })
+            .collect();
+        tracing::info!(rank, servers = live.len(), "a restarted worker rejoins");
+        let mut waiting = BTreeSet::new();
+        for (id, server) in live {
+            waiting.insert(id);
+            out.push(Action::Send { conn: server, request_id: 0, msg: Control::AddWorker { rank }.into() });
+        }
+        self.rejoining.insert(rank, Rejoin { conn, request_id, waiting, clock: u32::MAX });
+        self.worker_added(rank, u32::MAX, u32::MAX, out);
+        Ok(())
+    }
+
+    /// Server `server` took `rank` back (its next clock there is `clock`); the last one
+    /// to answer welcomes the worker.
+    pub(super) fn worker_added(&mut self, rank: u32, server: u32, clock: u32, out: &mut Vec<Action>) {
+        let Some(r) = self.rejoining.get_mut(&rank) else { return };
+        r.waiting.remove(&server);
+        r.clock = r.clock.min(clock);
+        if !r.waiting.is_empty() {
+            return;
+        }
+        let Some(r) = self.rejoining.remove(&rank) else { return };
+        let clock = if r.clock == u32::MAX { self.start_clock() } else { r.clock };
+        tracing::info!(rank, clock, "worker rejoined");
+        self.failed_workers.remove(&rank);
+        self.finished_workers.remove(&rank);
+        self.elastic.worker_rejoined(rank);
+        self.rejoin_clocks.insert(rank, clock);
+        if let Some(h) = self.hosts.as_mut() {
+            h.worker_registered(rank, self.peers.get(&r.conn).map(String::as_str));
+        }
+        if let Some(c) = self.workers.get_mut(rank as usize) {
+            *c = r.conn;
+        }
+        self.nodes.insert(r.conn, Node { role: Role::Worker(rank), last_seen_us: self.now_us });
+        out.push(Action::Send { conn: r.conn, request_id: r.request_id, msg: self.welcome(PeerRole::Worker, rank) });
+    }
+
+    pub(super) fn worker_left(&mut self, rank: u32, out: &mut Vec<Action>) {
+        if !self.finished_workers.insert(rank) {
+            return;
+        }
+        self.elastic.worker_left(rank);
+        self.barrier.retain(|(_, _, r)| *r != rank);
+        self.release_barrier(out);
+        for (conn, _) in &self.servers {
+            out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::RemoveWorker { rank }.into() });
+        }
+        self.maybe_end(out);
+    }
+
+    pub(super) fn on_lost(&mut self, conn: ConnId, why: &str, out: &mut Vec<Action>) {
+        let Some(node) = self.nodes.remove(&conn) else { return };
+        let silent_us = self.now_us.saturating_sub(node.last_seen_us);
+        if let Role::Server(id) = node.role {
+            // A restarted worker waits for no server that left.
+            let ranks: Vec<u32> = self.rejoining.keys().copied().collect();
+            for rank in ranks {
+                self.worker_added(rank, id, u32::MAX, out);
+            }
+        }
+        match node.role {
+            Role::Server(id) if self.elastic.lost(id, self.now_us) => {
+                tracing::info!(server = id, %why, "a removed server left");
+                // Its backup copies (a drained server backs up blocks it does not own).
+                if let Some(p) = self.placement.as_mut()
+                    && p.backups_on(id).next().is_some()
+                    && p.fail_server(id).is_ok()
+                {
+                    self.rebuild_copies();
+                    self.broadcast_replicas(out);
+                }
+            }
+            Role::Server(id) if self.config.replicas > 1 => self.failover(id, why, silent_us, out),
+            Role::Server(id) => {
+                let addr = self.servers.get(id as usize).map_or("", |(_, a)| a.as_str());
+                let resume = match (&self.config.checkpoint, self.last_checkpoint) {
+                    (Some(plan), Some(clock)) => {
+                        format!("; resume from its latest checkpoint (clock {clock}) with --resume {}", plan.dir)
+                    }
+                    (Some(plan), None) => format!("; no checkpoint in {} is complete yet", plan.dir),
+                    (None, _) => "; with --checkpoint-dir DIR --checkpoint-every N a job can be resumed".into(),
+                };
+                self.finish(false, format!("server {id} ({addr}) is gone: {why}{resume}"), out);
+            }
+            Role::Worker(rank) if !self.finished_workers.contains(&rank) => {
+                tracing::error!(rank, %why, "worker lost before it finished; removing it from every quorum");
+                self.failed_workers.insert(rank, why.to_string());
+                self.worker_left(rank, out);
+            }
+            Role::Worker(_) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::super::{Action, Event, JobConfig, Scheduler};
+    use elasticps_wire::{Control, Message};
+
+    #[test]
+    fn refuses_extra_nodes_and_a_different_model() {
+        let mut m = Scheduler::new(config(), 10_000_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        let a = recv(&mut m, 3, 1, Control::RegisterWorker);
+        assert!(a.contains(&Action::Close(3)));
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new() });
+        let mut other = model();
+        other[0].shape = vec![9];
+        let a = recv(&mut m, 2, 2, Control::DefineModel { tensors: other, optimizers: Vec::new() });
+        assert!(matches!(sent_to(&a, 2)[0], Message::Error(e) if e.message.contains("differs")));
+    }
+
+    #[test]
+    fn job_ends_when_every_worker_is_done_and_fails_when_a_server_dies() {
+        let mut m = Scheduler::new(config(), 10_000_000);
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        let a = recv(&mut m, 1, 5, Control::WorkerDone { rank: 0 });
+        assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::RemoveWorker { rank: 0 }))));
+        let a = recv(&mut m, 2, 5, Control::WorkerDone { rank: 1 });
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })));
+
+        let mut m = Scheduler::new(config(), 10_000_000);
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        let a = step(&mut m, Event::Lost { conn: 10, why: "closed".into() });
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: false, reason } if reason.contains("server 0"))));
+    }
+
+    #[test]
+    fn poll_timeout_names_the_heartbeat_expiry_of_a_silent_node_and_a_timeout_then_loses_it() {
+        let mut m = Scheduler::new(config(), 1_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        m.handle(600, Event::Received { conn: 2, request_id: 0, msg: Control::Heartbeat.into() });
+        assert_eq!(m.poll_timeout(), Some(1_001), "worker 0, silent since 0, expires past 1 ms");
+        assert!(m.handle(1_000, Event::Timeout).is_empty(), "not before its expiry");
+        let a = m.handle(1_001, Event::Timeout);
+        assert!(a.contains(&Action::Close(1)), "{a:?}");
+        assert!(!a.contains(&Action::Close(2)), "{a:?}");
+        assert_eq!(m.poll_timeout(), Some(1_601), "now worker 1's expiry");
+    }
+
+    #[test]
+    fn a_deadline_that_passed_and_still_stands_is_checked_again_a_tick_later() {
+        let mut m = running(JobConfig { rejoin_wait_us: 200_000, ..config() }, 24);
+        step(&mut m, Event::Lost { conn: 2, why: "killed".into() });
+        recv(&mut m, 1, 5, Control::WorkerDone { rank: 0 });
+        // Every worker left, one lost: the job waits 200 ms for it. It comes back, but the
+        // servers have not taken it back yet when the wait is over: the job cannot end.
+        recv(&mut m, 5, 1, Control::RejoinWorker { rank: 1 });
+        assert_eq!(m.poll_timeout(), Some(200_000));
+        let a = m.handle(200_000, Event::Timeout);
+        assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "{a:?}");
+        assert_eq!(m.poll_timeout(), Some(200_000 + crate::timing::SCHEDULER_TICK_US), "not at once again");
+        // The servers take it back: it is welcomed, and the job goes on.
+        recv(&mut m, 10, 0, Control::WorkerAdded { rank: 1, clock: 3 });
+        let a = recv(&mut m, 11, 0, Control::WorkerAdded { rank: 1, clock: 3 });
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
+    }
+
+    #[test]
+    fn a_silent_node_is_declared_dead_after_the_heartbeat_timeout() {
+        let mut m = Scheduler::new(config(), 1_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        assert!(m.handle(500, Event::Timeout).is_empty());
+        recv(&mut m, 2, 0, Control::Heartbeat);
+        let a = m.handle(1_400, Event::Timeout);
+        assert!(a.contains(&Action::Close(1)));
+        assert!(!a.contains(&Action::Close(2)));
+    }
+
+    #[test]
+    fn a_lost_worker_rejoins_once_every_server_took_it_back_and_the_job_then_ends_well() {
+        let mut m = running(config(), 24);
+        let refused = |a: &[Action], conn| sent_to(a, conn).iter().any(|m| matches!(m, Message::Error(_)));
+        assert!(refused(&recv(&mut m, 4, 1, Control::RejoinWorker { rank: 7 }), 4), "no rank 7");
+        let a = step(&mut m, Event::Lost { conn: 2, why: "closed".into() });
+        assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::RemoveWorker { rank: 1 }))));
+        // Restarted: every server is asked to take rank 1 back; the worker waits for both.
+        let a = recv(&mut m, 5, 1, Control::RejoinWorker { rank: 1 });
+        for server in [10, 11] {
+            assert!(sent_to(&a, server).iter().any(|m| matches!(m, Message::Control(Control::AddWorker { rank: 1 }))));
+        }
+        assert!(sent_to(&a, 5).is_empty(), "no welcome before the servers answered");
+        assert!(recv(&mut m, 10, 0, Control::WorkerAdded { rank: 1, clock: 9 }).is_empty());
+        let a = recv(&mut m, 11, 0, Control::WorkerAdded { rank: 1, clock: 7 });
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
+        let a = recv(&mut m, 5, 2, Control::GetStartClock);
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::StartClock { clock: 7 })]), "{a:?}");
+        recv(&mut m, 1, 5, Control::WorkerDone { rank: 0 });
+        assert!(refused(&recv(&mut m, 6, 1, Control::RejoinWorker { rank: 0 }), 6), "rank 0 finished");
+        let a = recv(&mut m, 5, 5, Control::WorkerDone { rank: 1 });
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })), "{a:?}");
+    }
+
+    #[test]
+    fn a_restarted_worker_takes_its_rank_over_from_a_connection_not_seen_closing_yet() {
+        let mut m = running(config(), 24);
+        let a = recv(&mut m, 5, 1, Control::RejoinWorker { rank: 1 });
+        assert!(a.contains(&Action::Close(2)), "the old connection of rank 1 is dropped: {a:?}");
+        assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::RemoveWorker { rank: 1 }))));
+        assert!(sent_to(&a, 10).iter().any(|m| matches!(m, Message::Control(Control::AddWorker { rank: 1 }))));
+        recv(&mut m, 10, 0, Control::WorkerAdded { rank: 1, clock: 4 });
+        let a = recv(&mut m, 11, 0, Control::WorkerAdded { rank: 1, clock: 4 });
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
+    }
+}
