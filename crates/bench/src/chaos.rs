@@ -31,6 +31,8 @@ use elasticps_wire::{ClusterStatus, Control, Message};
 use serde::Serialize;
 
 use crate::BenchError;
+use crate::checks::{Check, Target, checks_and_targets_markdown};
+use crate::pipeline::{Bench, Written};
 use crate::transport::listening;
 
 /// Flags of `elasticps bench chaos`.
@@ -103,35 +105,66 @@ pub struct ChaosReport {
     pub replicas_cost: f64,
 }
 
-/// Runs the benchmark and writes `chaos.json` and `chaos.md` into `--out`.
-pub async fn run(cmd: ChaosCmd) -> crate::Result<()> {
-    let every = Duration::from_secs_f64(cmd.every_s.unwrap_or(if cmd.quick { 4.0 } else { 20.0 }));
-    let duration = Duration::from_secs_f64(cmd.duration_s.unwrap_or(if cmd.quick { 12.0 } else { 120.0 }));
-    if every.is_zero() || duration < every {
-        return Err(BenchError::Flags("--every-s must be above 0 and at most --duration-s".into()));
-    }
-    std::fs::create_dir_all(&cmd.out)?;
-    let log_dir = cmd.out.join("chaos-logs");
-    cmd.net.install()?;
-    let net = &cmd.net;
+/// `elasticps bench chaos`, its flags checked.
+pub struct ChaosBench {
+    cmd: ChaosCmd,
+    every: Duration,
+    duration: Duration,
+}
 
-    println!(
-        "chaos: {SERVERS} servers (--replicas 2), {WORKERS} workers; a server killed every {every:?} for {duration:?}"
-    );
-    let mut report = chaos(net, &log_dir, every, duration, cmd.seed).await?;
-    let pushes = if cmd.quick { 5 } else { 20 };
-    let r1 = push_16mib(net, &log_dir, 1, pushes).await?;
-    let r2 = push_16mib(net, &log_dir, 2, pushes).await?;
-    (report.push_16mib_r1_ms, report.push_16mib_r2_ms, report.replicas_cost) = (r1, r2, r2 / r1);
-
-    let md = markdown(&report);
-    print!("{md}");
-    std::fs::write(cmd.out.join("chaos.json"), serde_json::to_string_pretty(&report)? + "\n")?;
-    std::fs::write(cmd.out.join("chaos.md"), &md)?;
-    if !report.exact {
-        return Err(BenchError::Failed("a worker's final parameters are not those of its acknowledged pushes".into()));
+impl ChaosBench {
+    /// The benchmark of `cmd`.
+    pub fn new(cmd: ChaosCmd) -> crate::Result<Self> {
+        let every = Duration::from_secs_f64(cmd.every_s.unwrap_or(if cmd.quick { 4.0 } else { 20.0 }));
+        let duration = Duration::from_secs_f64(cmd.duration_s.unwrap_or(if cmd.quick { 12.0 } else { 120.0 }));
+        if every.is_zero() || duration < every {
+            return Err(BenchError::Flags("--every-s must be above 0 and at most --duration-s".into()));
+        }
+        Ok(ChaosBench { cmd, every, duration })
     }
-    Ok(())
+}
+
+impl Bench for ChaosBench {
+    const STEM: &'static str = "chaos";
+    type Body = ChaosReport;
+
+    fn out(&self) -> Option<&std::path::Path> {
+        Some(&self.cmd.out)
+    }
+
+    async fn run(&self) -> crate::Result<ChaosReport> {
+        let (cmd, every, duration) = (&self.cmd, self.every, self.duration);
+        let log_dir = cmd.out.join("chaos-logs");
+        cmd.net.install()?;
+        let net = &cmd.net;
+        println!(
+            "chaos: {SERVERS} servers (--replicas 2), {WORKERS} workers; a server killed every {every:?} for {duration:?}"
+        );
+        let mut report = chaos(net, &log_dir, every, duration, cmd.seed).await?;
+        let pushes = if cmd.quick { 5 } else { 20 };
+        let r1 = push_16mib(net, &log_dir, 1, pushes).await?;
+        let r2 = push_16mib(net, &log_dir, 2, pushes).await?;
+        (report.push_16mib_r1_ms, report.push_16mib_r2_ms, report.replicas_cost) = (r1, r2, r2 / r1);
+        Ok(report)
+    }
+
+    fn verdicts(&self, report: &ChaosReport) -> (Vec<Check>, Vec<Target>) {
+        let check = Check {
+            what: "every worker ends with exactly the parameters of its acknowledged pushes".into(),
+            measured: if report.exact { "exact".into() } else { "a worker's final parameters differ".into() },
+            pass: Some(report.exact),
+        };
+        let target = Target {
+            what: "a 16 MiB push with --replicas 2 costs at most 1.25x one with a single copy".into(),
+            measured: format!("{:.2}x", report.replicas_cost),
+            met: report.replicas_cost.is_finite().then_some(report.replicas_cost <= 1.25),
+        };
+        (vec![check], vec![target])
+    }
+
+    fn markdown(&self, written: &Written<ChaosReport>) -> String {
+        markdown(&written.body) + &checks_and_targets_markdown(&written.checks, &written.targets)
+    }
 }
 
 /// Worker `rank`'s gradient of clock `t` for tensor `k`: small integers, exact in f32.

@@ -45,10 +45,11 @@ use elasticps_report::table::markdown_table;
 use serde::Serialize;
 use tokio::process::{Child, Command};
 
-use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::checks::{Check, Target, checks_and_targets_markdown};
 use crate::error::Context as _;
-use crate::machine::{Machine, MachineWatch};
-use crate::straggler::{Mode, RunResult, measure};
+use crate::job::RunResult;
+use crate::pipeline::{Bench, Written};
+use crate::straggler::{Mode, measure};
 use crate::{BenchError, Result};
 
 /// `--quick`: psld must reach this share of static's samples/s (a run-to-run swing of the
@@ -424,19 +425,14 @@ pub struct HostsRun {
     pub run: Option<RunResult>,
 }
 
-/// Everything the benchmark wrote into bench-hosts.json.
+/// What the bed measured (the body of bench-hosts.json).
 #[derive(Clone, Debug, Serialize)]
-struct Output {
-    command: String,
-    machine: Machine,
+pub struct Body {
     plan: Plan,
     bed: Vec<BedHost>,
-    took_s: f64,
     tcp: Vec<TcpRate>,
     tcp_error: Option<String>,
     runs: Vec<HostsRun>,
-    checks: Vec<Check>,
-    targets: Vec<Target>,
 }
 
 /// Finds the testnet script: the flag, `scripts/testnet` here, or in the repository the
@@ -454,49 +450,59 @@ fn testnet_script(cmd: &HostsBenchCmd) -> Result<PathBuf> {
     })
 }
 
-/// Runs the benchmark, writes its files and prints the table.
-pub async fn run(cmd: HostsBenchCmd) -> Result<()> {
-    let plan = Plan::new(&cmd)?;
-    crate::error::ensure_flags!(
-        std::fs::read_to_string("/proc/self/status")
-            .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")))
-            .unwrap_or(false),
-        "bench hosts needs root (network namespaces and tc)"
-    );
-    let testnet = testnet_script(&cmd)?;
-    std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
-    let exe = std::env::current_exe()?.display().to_string();
-    let watch = MachineWatch::start();
-    let started = Instant::now();
-    eprintln!("bench hosts: test bed {}1..{}{HOSTS} via {}", plan.prefix, plan.prefix, testnet.display());
-    let bed = Bed::up(&testnet, &plan.prefix)?;
-    // Ctrl-C or SIGTERM: the body stops where it is, and the bed is torn down below.
-    let body = measure_all(&bed, &plan, &cmd.out, &exe);
-    let result = tokio::select! {
-        r = body => r,
-        how = stop_signal() => Err(BenchError::Failed(format!("stopped by {how}: the test bed is torn down"))),
-    };
-    drop(bed);
-    let (tcp, tcp_error, runs, hosts) = result?;
-    let out = Output {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        machine: watch.finish(),
-        checks: checks(&plan, &tcp, &runs),
-        targets: targets(&runs),
-        took_s: started.elapsed().as_secs_f64(),
-        bed: hosts,
-        plan,
-        tcp,
-        tcp_error,
-        runs,
-    };
-    let md = render(&out);
-    print!("{md}");
-    let json = elasticps_report::to_json(&out)?;
-    std::fs::write(cmd.out.join("bench-hosts.json"), json + "\n").context("writing bench-hosts.json")?;
-    std::fs::write(cmd.out.join("bench-hosts.md"), &md).context("writing bench-hosts.md")?;
-    println!("\nwritten to {} (bench-hosts.json, bench-hosts.md, runs/)", cmd.out.display());
-    ensure_no_check_failed(&out.checks)
+/// `elasticps bench hosts`, its plan resolved and the test bed found.
+pub struct HostsBench {
+    cmd: HostsBenchCmd,
+    plan: Plan,
+    testnet: PathBuf,
+}
+
+impl HostsBench {
+    /// The plan of `cmd`; fails without root or without the test bed script.
+    pub fn new(cmd: HostsBenchCmd) -> Result<Self> {
+        let plan = Plan::new(&cmd)?;
+        crate::error::ensure_flags!(
+            std::fs::read_to_string("/proc/self/status")
+                .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")))
+                .unwrap_or(false),
+            "bench hosts needs root (network namespaces and tc)"
+        );
+        Ok(HostsBench { testnet: testnet_script(&cmd)?, plan, cmd })
+    }
+}
+
+impl Bench for HostsBench {
+    const STEM: &'static str = "bench-hosts";
+    const RUNS_DIR: bool = true;
+    type Body = Body;
+
+    fn out(&self) -> Option<&Path> {
+        Some(&self.cmd.out)
+    }
+
+    async fn run(&self) -> Result<Body> {
+        let plan = &self.plan;
+        let exe = std::env::current_exe()?.display().to_string();
+        eprintln!("bench hosts: test bed {}1..{}{HOSTS} via {}", plan.prefix, plan.prefix, self.testnet.display());
+        let bed = Bed::up(&self.testnet, &plan.prefix)?;
+        // Ctrl-C or SIGTERM: the body stops where it is, and the bed is torn down below.
+        let body = measure_all(&bed, plan, &self.cmd.out, &exe);
+        let result = tokio::select! {
+            r = body => r,
+            how = stop_signal() => Err(BenchError::Failed(format!("stopped by {how}: the test bed is torn down"))),
+        };
+        drop(bed);
+        let (tcp, tcp_error, runs, bed) = result?;
+        Ok(Body { plan: plan.clone(), bed, tcp, tcp_error, runs })
+    }
+
+    fn verdicts(&self, body: &Body) -> (Vec<Check>, Vec<Target>) {
+        (checks(&body.plan, &body.tcp, &body.runs), targets(&body.runs))
+    }
+
+    fn markdown(&self, written: &Written<Body>) -> String {
+        render(written)
+    }
 }
 
 /// SIGINT or SIGTERM.
@@ -545,8 +551,8 @@ async fn measure_all(bed: &Bed, plan: &Plan, out: &Path, exe: &str) -> Result<Me
                 t.elapsed().as_secs_f64(),
                 r.samples_per_sec,
                 r.settled_samples_per_sec,
-                r.run.as_ref().map_or(0, |x| x.migrations),
-                r.run.as_ref().map_or(0, |x| x.scaling.len())
+                r.run.as_ref().map_or(0, |x| x.balance().migrations),
+                r.run.as_ref().map_or(0, |x| x.balance().scaling.len())
             ),
             Some(e) => eprintln!("FAILED after {:.1} s: {e}", t.elapsed().as_secs_f64()),
         }
@@ -656,8 +662,8 @@ async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &st
             run.servers = server_hosts(&dir.join("h1/logs/scheduler.log"), &bed.hosts);
             let mut flags = plan.job_flags.clone();
             flags.extend(extra);
-            let r = measure(&report, None, mode, 0.0, flags);
-            run.settled_samples_per_sec = r.iters_per_s * f64::from(plan.batch_size);
+            let r = measure(&report, flags, mode, 0.0);
+            run.settled_samples_per_sec = r.balance().iters_per_s * f64::from(plan.batch_size);
             run.run = Some(r);
         }
         Err(e) => run.error = Some(format!("{e} (logs under {})", dir.display())),
@@ -869,7 +875,7 @@ fn targets(runs: &[HostsRun]) -> Vec<Target> {
     let p = find(runs, Mode::Psld);
     let spare_out = p.map(|p| p.servers.iter().filter(|s| !s.initial && s.host.ends_with('5')).count());
     let scale_outs =
-        p.and_then(|p| p.run.as_ref()).map(|r| r.scaling.iter().filter(|e| e.action == "scale-out").count());
+        p.and_then(|p| p.run.as_ref()).map(|r| r.balance().scaling.iter().filter(|e| e.action == "scale-out").count());
     vec![Target {
         what: "psld scales out onto the spare host (host 5)".into(),
         measured: match (spare_out, scale_outs) {
@@ -884,9 +890,9 @@ fn fixed(x: f64, d: usize) -> String {
     if x.is_finite() { format!("{x:.d$}") } else { "-".into() }
 }
 
-fn render(out: &Output) -> String {
+fn render(out: &Written<Body>) -> String {
     let mut s = String::new();
-    let p = &out.plan;
+    let p = &out.body.plan;
     s.push_str(&format!(
         "\n`bench hosts`{}: 5 namespace hosts (host 1 rendezvous: the 2 workers; hosts 2-4: a server each, host 2's \
          link capped at {} mbit each way; host 5: spare, 2 server slots), {}, {} ms compute, bsp, sgd, bestfit, 4 MiB \
@@ -900,13 +906,13 @@ fn render(out: &Output) -> String {
     ));
     s.push_str(&out.machine.markdown(out.took_s).replacen(", loopback;", ", namespace hosts on a bridge;", 1));
     s.push('\n');
-    let raw = raw_mbit(&out.tcp);
-    let tcp_cell = if out.tcp.is_empty() {
-        format!("failed: {}", out.tcp_error.as_deref().unwrap_or("?"))
+    let raw = raw_mbit(&out.body.tcp);
+    let tcp_cell = if out.body.tcp.is_empty() {
+        format!("failed: {}", out.body.tcp_error.as_deref().unwrap_or("?"))
     } else {
-        out.tcp.iter().map(|t| format!("{:?} {:.1}", t.direction, t.mbit_per_s)).collect::<Vec<_>>().join(" / ")
+        out.body.tcp.iter().map(|t| format!("{:?} {:.1}", t.direction, t.mbit_per_s)).collect::<Vec<_>>().join(" / ")
     };
-    let st = find(&out.runs, Mode::Static);
+    let st = find(&out.body.runs, Mode::Static);
     let headers = [
         "mode",
         "samples/s",
@@ -921,64 +927,70 @@ fn render(out: &Output) -> String {
         "servers (host)",
         "wall s",
     ];
-    let rows: Vec<Vec<String>> =
-        out.runs
-            .iter()
-            .map(|r| {
-                if r.error.is_some() {
-                    return vec![r.mode.name().into(), "failed (below)".into()];
+    let rows: Vec<Vec<String>> = out
+        .body
+        .runs
+        .iter()
+        .map(|r| {
+            if r.error.is_some() {
+                return vec![r.mode.name().into(), "failed (below)".into()];
+            }
+            let x = r.run.as_ref();
+            let vs = match (r.mode, st) {
+                (Mode::Psld, Some(st)) => format!(
+                    "{} ({} whole run)",
+                    ratio(r.settled_samples_per_sec, st.settled_samples_per_sec),
+                    ratio(r.samples_per_sec, st.samples_per_sec)
+                ),
+                _ => "-".into(),
+            };
+            let scaling = x.map_or("-".into(), |x| {
+                if x.balance().scaling.is_empty() {
+                    "none".into()
+                } else {
+                    x.balance()
+                        .scaling
+                        .iter()
+                        .map(|e| {
+                            format!(
+                                "{} {} at {:.1} s",
+                                e.action,
+                                e.server.map_or("-".into(), |v| v.to_string()),
+                                e.at_s
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; ")
                 }
-                let x = r.run.as_ref();
-                let vs = match (r.mode, st) {
-                    (Mode::Psld, Some(st)) => format!(
-                        "{} ({} whole run)",
-                        ratio(r.settled_samples_per_sec, st.settled_samples_per_sec),
-                        ratio(r.samples_per_sec, st.samples_per_sec)
-                    ),
-                    _ => "-".into(),
-                };
-                let scaling = x.map_or("-".into(), |x| {
-                    if x.scaling.is_empty() {
-                        "none".into()
+            });
+            let servers = r
+                .servers
+                .iter()
+                .map(|h| format!("{} {}{}", h.server, h.host, if h.initial { "" } else { " (new)" }))
+                .collect::<Vec<_>>()
+                .join(", ");
+            vec![
+                r.mode.name().into(),
+                fixed(r.samples_per_sec, 1),
+                fixed(r.settled_samples_per_sec, 1),
+                vs,
+                link_bound(p, &out.body.tcp, r.model_bytes).map_or("-".into(), |b| fixed(b, 1)),
+                tcp_cell.clone(),
+                x.map_or("-".into(), |x| fixed(x.balance().window_from_s, 1)),
+                x.map_or("-".into(), |x| x.balance().migrations.to_string()),
+                x.map_or("-".into(), |x| {
+                    if x.balance().migrations == 0 {
+                        "-".into()
                     } else {
-                        x.scaling
-                            .iter()
-                            .map(|e| {
-                                format!(
-                                    "{} {} at {:.1} s",
-                                    e.action,
-                                    e.server.map_or("-".into(), |v| v.to_string()),
-                                    e.at_s
-                                )
-                            })
-                            .collect::<Vec<_>>()
-                            .join("; ")
+                        fixed(x.balance().bytes_moved as f64 / 1e6, 1)
                     }
-                });
-                let servers = r
-                    .servers
-                    .iter()
-                    .map(|h| format!("{} {}{}", h.server, h.host, if h.initial { "" } else { " (new)" }))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                vec![
-                    r.mode.name().into(),
-                    fixed(r.samples_per_sec, 1),
-                    fixed(r.settled_samples_per_sec, 1),
-                    vs,
-                    link_bound(p, &out.tcp, r.model_bytes).map_or("-".into(), |b| fixed(b, 1)),
-                    tcp_cell.clone(),
-                    x.map_or("-".into(), |x| fixed(x.window_from_s, 1)),
-                    x.map_or("-".into(), |x| x.migrations.to_string()),
-                    x.map_or("-".into(), |x| {
-                        if x.migrations == 0 { "-".into() } else { fixed(x.bytes_moved as f64 / 1e6, 1) }
-                    }),
-                    scaling,
-                    servers,
-                    x.map_or("-".into(), |x| fixed(x.wall_s, 1)),
-                ]
-            })
-            .collect();
+                }),
+                scaling,
+                servers,
+                x.map_or("-".into(), |x| fixed(x.wall_s, 1)),
+            ]
+        })
+        .collect();
     s.push_str(&markdown_table(&headers, &rows));
     if let Some(raw) = raw {
         s.push_str(&format!(
@@ -988,7 +1000,7 @@ fn render(out: &Output) -> String {
             p.batch_size
         ));
     }
-    for r in out.runs.iter().filter(|r| r.error.is_some()) {
+    for r in out.body.runs.iter().filter(|r| r.error.is_some()) {
         s.push_str(&format!("\n{} failed: {}\n", r.mode.name(), r.error.as_deref().unwrap_or("")));
     }
     s.push_str(&checks_and_targets_markdown(&out.checks, &out.targets));
