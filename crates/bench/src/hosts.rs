@@ -41,16 +41,21 @@ use std::time::{Duration, Instant};
 use clap::{Args, ValueEnum};
 use elasticps_core::stats::ratio;
 use elasticps_report::Report;
-use elasticps_report::table::markdown_table;
+use elasticps_report::table::{fixed, markdown_table};
 use serde::Serialize;
 use tokio::process::{Child, Command};
 
 use crate::checks::{Check, Target, checks_and_targets_markdown};
 use crate::error::Context as _;
-use crate::job::RunResult;
+use crate::job::{RunResult, TrainSpec};
 use crate::pipeline::{Bench, Written};
 use crate::straggler::{Mode, measure};
 use crate::{BenchError, Result};
+use elasticps_core::balance::BalanceMode;
+use elasticps_core::optimizer::OptimizerKind;
+use elasticps_core::placement::PlacementKind;
+use elasticps_launch::args::{DataArgs, JobArgs};
+use elasticps_train::ModelKind;
 
 /// `--quick`: psld must reach this share of static's samples/s (a run-to-run swing of the
 /// capped link; psld cannot beat the link bound here, see the module docs).
@@ -164,8 +169,9 @@ struct Plan {
     psld_iterations: u32,
     tcp_secs: f64,
     prefix: String,
-    /// The launch flags every host gets (the job's; the scheduler takes the rendezvous host's).
-    job_flags: Vec<String>,
+    /// The workers' model, typed.
+    #[serde(skip)]
+    model_kind: ModelKind,
 }
 
 impl Plan {
@@ -181,28 +187,7 @@ impl Plan {
             psld_iterations: cmd.psld_iterations.unwrap_or(ps),
             tcp_secs: cmd.tcp_secs,
             prefix: cmd.prefix.clone(),
-            job_flags: [
-                "--sync",
-                "bsp",
-                "--optimizer",
-                "sgd",
-                "--lr",
-                "0.01",
-                "--placement",
-                "bestfit",
-                "--block-bytes",
-                "4194304",
-                "--seed",
-                "42",
-                "--request-timeout-s",
-                "60",
-                "--end-timeout-s",
-                "30",
-                "--join-timeout-s",
-                "60",
-            ]
-            .map(String::from)
-            .to_vec(),
+            model_kind: cmd.model.parse().map_err(|e: elasticps_train::TrainError| BenchError::Flags(e.to_string()))?,
         };
         crate::error::ensure_flags!(plan.cap_mbit >= 1, "--cap-mbit must be at least 1");
         crate::error::ensure_flags!(
@@ -217,6 +202,28 @@ impl Plan {
             "--prefix must be 1-6 lowercase letters/digits starting with a letter"
         );
         Ok(plan)
+    }
+
+    /// The job of `mode`: the same on every host (the launch sets the servers and workers
+    /// from each host's slots; the scheduler takes the rendezvous host's).
+    fn spec(&self, mode: Mode) -> TrainSpec {
+        let job = JobArgs {
+            optimizer: OptimizerKind::Sgd,
+            lr: 0.01,
+            placement: PlacementKind::BestFit,
+            balance: if mode == Mode::Psld { BalanceMode::Psld } else { BalanceMode::Static },
+            max_servers: (mode == Mode::Psld).then_some(4),
+            ..JobArgs::default()
+        };
+        let data = DataArgs {
+            model: self.model_kind,
+            compute_ms: self.compute_ms,
+            iterations: Some(self.iterations(mode)),
+            batch_size: self.batch_size as usize,
+            request_timeout_s: 60,
+            ..DataArgs::default()
+        };
+        TrainSpec { job, data }
     }
 
     fn iterations(&self, mode: Mode) -> u32 {
@@ -409,7 +416,7 @@ pub struct ServerHost {
 pub struct HostsRun {
     /// How it balanced.
     pub mode: Mode,
-    /// The job flags beyond the plan's.
+    /// The job's flags (the launch takes its job's, the workers its data's).
     pub flags: Vec<String>,
     /// Why it failed (`None`: it completed).
     pub error: Option<String>,
@@ -640,14 +647,11 @@ async fn raw_tcp(bed: &Bed, plan: &Plan, dir: &Path, exe: &str, secret: &str) ->
 
 /// One job on the bed: three launches, the report of the rendezvous one.
 async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &str, mode: Mode) -> HostsRun {
-    let extra: Vec<String> = match mode {
-        Mode::Psld => ["--balance", "psld", "--max-servers", "4"].map(String::from).to_vec(),
-        _ => ["--balance", "static"].map(String::from).to_vec(),
-    };
+    let spec = plan.spec(mode);
     let dir = runs_dir.join(mode.name());
     let mut run = HostsRun {
         mode,
-        flags: extra.clone(),
+        flags: spec.flags(),
         error: None,
         samples_per_sec: f64::NAN,
         settled_samples_per_sec: f64::NAN,
@@ -655,14 +659,12 @@ async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &st
         servers: Vec::new(),
         run: None,
     };
-    match job(bed, plan, &dir, exe, secret, mode, &extra).await {
+    match job(bed, &spec, &dir, exe, secret, plan.job_timeout(mode, 4.0)).await {
         Ok(report) => {
             run.samples_per_sec = report.samples_per_sec;
             run.model_bytes = report.servers.iter().map(|s| s.bytes).sum();
             run.servers = server_hosts(&dir.join("h1/logs/scheduler.log"), &bed.hosts);
-            let mut flags = plan.job_flags.clone();
-            flags.extend(extra);
-            let r = measure(&report, flags, mode, 0.0);
+            let r = measure(&report, spec.flags(), mode, 0.0);
             run.settled_samples_per_sec = r.balance().iters_per_s * f64::from(plan.batch_size);
             run.run = Some(r);
         }
@@ -671,15 +673,10 @@ async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &st
     run
 }
 
-async fn job(
-    bed: &Bed,
-    plan: &Plan,
-    dir: &Path,
-    exe: &str,
-    secret: &str,
-    mode: Mode,
-    extra: &[String],
-) -> Result<Report> {
+/// Runs `spec` on the bed: a launch per host, each given `spec`'s flags (its job's to the
+/// launch, its data's to the workers); the whole job within `within` (a model of up to 4 MB:
+/// the bound is generous).
+async fn job(bed: &Bed, spec: &TrainSpec, dir: &Path, exe: &str, secret: &str, within: Duration) -> Result<Report> {
     std::fs::create_dir_all(dir)?;
     let rdzv = format!("{}:{RDZV_PORT}", bed.hosts[0].ip);
     let launch = |host: usize, layout: &[&str]| -> Vec<String> {
@@ -689,13 +686,12 @@ async fn job(
             .to_vec();
         a.extend(layout.iter().map(|s| s.to_string()));
         a.extend(["--report".to_string(), dir.join(&name).display().to_string()]);
-        a.extend(plan.job_flags.iter().cloned());
-        a.extend(extra.iter().cloned());
-        a.push("--".into());
-        a.extend([exe, "worker", "--model", &plan.model].map(String::from));
-        a.extend(["--compute-ms".into(), plan.compute_ms.to_string(), "--iterations".into()]);
-        a.push(plan.iterations(mode).to_string());
-        a.extend(["--batch-size".into(), plan.batch_size.to_string()]);
+        a.extend(spec.job.to_flags());
+        a.extend(
+            ["--request-timeout-s", "60", "--end-timeout-s", "30", "--join-timeout-s", "60", "--"].map(String::from),
+        );
+        a.extend([exe, "worker"].map(String::from));
+        a.extend(spec.data.to_flags());
         a
     };
     // Which host runs what (module docs): the workers' host, three hosts of one server
@@ -751,8 +747,6 @@ async fn job(
         }
         return Err(e);
     }
-    // A model of up to 4 MB: the bound is generous.
-    let within = plan.job_timeout(mode, 4.0);
     let deadline = Instant::now() + within;
     let mut failures = Vec::new();
     for (i, (c, what)) in children.iter_mut().enumerate() {
@@ -884,10 +878,6 @@ fn targets(runs: &[HostsRun]) -> Vec<Target> {
         },
         met: spare_out.map(|n| n > 0),
     }]
-}
-
-fn fixed(x: f64, d: usize) -> String {
-    if x.is_finite() { format!("{x:.d$}") } else { "-".into() }
 }
 
 fn render(out: &Written<Body>) -> String {
@@ -1040,7 +1030,7 @@ mod tests {
             cap_mbit: None,
             static_iterations: None,
             psld_iterations: None,
-            model: "m".into(),
+            model: "synthetic:resnet56".into(),
             compute_ms: 20.0,
             tcp_secs: 3.0,
             prefix: "ebh".into(),

@@ -145,6 +145,31 @@ pub async fn measure(spec: &TrainSpec, net: &NetArgs, dir: &Path, delayed: &[u32
     })
 }
 
+/// Every one of `keys` once per round, with its round: odd rounds go backwards, so no key
+/// always runs first or last.
+pub fn in_rounds<K: Clone>(keys: &[K], rounds: u32) -> Vec<(K, u32)> {
+    let round = |r: u32| keys.iter().map(move |k| (k.clone(), r));
+    (0..rounds)
+        .flat_map(|r| -> Vec<(K, u32)> {
+            if r % 2 == 1 { round(r).rev().collect() } else { round(r).collect() }
+        })
+        .collect()
+}
+
+/// Per group of runs (same `group`), whether each is the fastest of its group by `rate`
+/// (the earlier one on a tie): the run a table shows.
+pub fn fastest<T, G: PartialEq>(runs: &[T], group: impl Fn(&T) -> G, rate: impl Fn(&T) -> f64) -> Vec<bool> {
+    (0..runs.len())
+        .map(|i| {
+            let g = group(&runs[i]);
+            let best = (0..runs.len())
+                .filter(|&j| group(&runs[j]) == g)
+                .max_by(|&a, &b| rate(&runs[a]).total_cmp(&rate(&runs[b])).then(b.cmp(&a)));
+            best == Some(i)
+        })
+        .collect()
+}
+
 /// A sync policy's name parsed (the plans keep them as names).
 pub fn policy(name: &str) -> Result<SyncPolicy> {
     name.parse().map_err(|e: elasticps_core::CoreError| crate::BenchError::Flags(format!("{name}: {e}")))
@@ -169,5 +194,12 @@ mod tests {
         assert_eq!(TrainSpec { job: t.job, data: t.data }, spec);
         let sim = spec.sim_cmd(SimArgs { latency_us: 250.0, ..sim_defaults() });
         assert_eq!((sim.job.servers, sim.sim.latency_us, sim.sim.link_mbps), (3, 250.0, 1250.0));
+    }
+
+    #[test]
+    fn rounds_alternate_and_the_fastest_of_each_group_is_shown() {
+        assert_eq!(in_rounds(&["a", "b"], 3), [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]);
+        let runs = [("a", 1.0), ("b", 2.0), ("a", 3.0), ("b", 2.0)];
+        assert_eq!(fastest(&runs, |r| r.0, |r| r.1), [false, true, true, false]);
     }
 }

@@ -72,7 +72,7 @@ use crate::plots::straggler as straggler_plot;
 use elasticps_launch::args::{DataArgs, JobArgs, NetArgs};
 use elasticps_report::Report;
 use elasticps_report::analytics::{BalanceNumbers, Window};
-use elasticps_report::table::markdown_table;
+use elasticps_report::table::{fixed, markdown_table, percent};
 use elasticps_train::{ModelKind, Profile};
 
 /// psld must beat static in scenario a by this factor (the check). Nine quick runs on a
@@ -489,11 +489,6 @@ fn static_of(runs: &[StragglerRun], s: Scenario) -> Option<&StragglerRun> {
         .or_else(|| (s == Scenario::ScaleOut).then(|| find(runs, Some(Scenario::Bandwidth), Mode::Static)).flatten())
 }
 
-/// `a / b` as `87%`.
-fn percent(a: f64, b: f64) -> String {
-    if a.is_finite() && b.is_finite() && b > 0.0 { format!("{:.0}%", a / b * 100.0) } else { "-".into() }
-}
-
 /// The checks that fail the command.
 fn checks(runs: &[StragglerRun]) -> Vec<Check> {
     let mut out = Vec::new();
@@ -648,10 +643,6 @@ fn table_order(out: &Body) -> Vec<&StragglerRun> {
     let mut rows: Vec<&StragglerRun> = out.runs.iter().collect();
     rows.sort_by_key(|r| (r.scenario.is_some(), r.scenario, mode_key(r.mode)));
     rows
-}
-
-fn fixed(x: f64, decimals: usize) -> String {
-    if x.is_finite() { format!("{x:.decimals$}") } else { "-".into() }
 }
 
 fn render(out: &Written<Body>) -> String {

@@ -39,7 +39,7 @@ use elasticps_core::sync::SyncPolicy;
 use serde::Serialize;
 
 use crate::checks::{Check, Target, checks_and_targets_markdown};
-use crate::job::{RunResult, TrainSpec, measure, policy};
+use crate::job::{RunResult, TrainSpec, fastest, in_rounds, measure, policy};
 use crate::pipeline::{Bench, Written};
 use crate::plots::sync as sync_plot;
 use elasticps_launch::args::{DataArgs, JobArgs, NetArgs, StragglerSpec};
@@ -265,14 +265,8 @@ impl Plan {
     /// Every run, in order: (workload, policy, round). Odd rounds go backwards, so no
     /// policy always runs first or last.
     fn runs(&self) -> Vec<(Workload, String, u32)> {
-        let mut out = Vec::new();
-        for round in 0..self.rounds {
-            let mut policies = self.synthetic_policies.clone();
-            if round % 2 == 1 {
-                policies.reverse();
-            }
-            out.extend(policies.into_iter().map(|p| (Workload::Resnet56, p, round)));
-        }
+        let synthetic = in_rounds(&self.synthetic_policies, self.rounds).into_iter();
+        let mut out: Vec<_> = synthetic.map(|(p, round)| (Workload::Resnet56, p, round)).collect();
         out.extend(self.mnist_policies.iter().map(|p| (Workload::Mnist, p.clone(), 0)));
         out
     }
@@ -392,16 +386,8 @@ fn run_dir(out: &Path, workload: Workload, policy: &str, round: u32) -> PathBuf 
 
 /// Marks, for each workload and policy, its fastest round as the one the table shows.
 fn choose(runs: &mut [SyncRun]) {
-    for i in 0..runs.len() {
-        let (w, p) = (runs[i].workload, runs[i].policy.clone());
-        let best = runs
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.workload == w && r.policy == p)
-            .max_by(|a, b| a.1.run.iters_per_s.total_cmp(&b.1.run.iters_per_s).then(b.0.cmp(&a.0)))
-            .map(|(j, _)| j);
-        runs[i].chosen = best == Some(i);
-    }
+    let chosen = fastest(runs, |r| (r.workload, r.policy.clone()), |r| r.run.iters_per_s);
+    runs.iter_mut().zip(chosen).for_each(|(r, c)| r.chosen = c);
 }
 
 /// The run the table shows for `workload` and `policy`.
@@ -426,26 +412,22 @@ fn checks(runs: &[SyncRun]) -> Vec<Check> {
     let syn = |p: &str| find(runs, Workload::Resnet56, p);
     let mut out = Vec::new();
     let held = |p: &str| syn(p).map(|r| r.run.pulls_held as f64);
-    let pair = |a: Option<f64>, b: Option<f64>, show: &dyn Fn(f64, f64) -> String| match (a, b) {
-        (Some(a), Some(b)) => show(a, b),
-        _ => "not run".to_string(),
-    };
     // Held pulls (counts of the servers, barely touched by timing noise): lazy and pssp
     // hold clearly fewer than raw SSP, SSP fewer than BSP, ASP none.
     for (p, factor) in [("lazy:3", 2.0), ("pssp:3:0.5", 1.3)] {
-        let (a, b) = (held(p), held("ssp:3"));
-        out.push(Check {
-            what: format!("resnet56: delayed pulls of {p} x {factor} < those of ssp:3"),
-            measured: pair(a, b, &|a, b| format!("{a:.0} vs {b:.0} (ssp:3 / {p} = {})", ratio(b, a))),
-            pass: a.zip(b).map(|(a, b)| a * factor < b),
-        });
+        out.push(Check::compare(
+            format!("resnet56: delayed pulls of {p} x {factor} < those of ssp:3"),
+            (held(p), held("ssp:3")),
+            |a, b| format!("{a:.0} vs {b:.0} (ssp:3 / {p} = {})", ratio(b, a)),
+            |a, b| a * factor < b,
+        ));
     }
-    let (a, b) = (held("ssp:3"), held("bsp"));
-    out.push(Check {
-        what: "resnet56: delayed pulls of ssp:3 < those of bsp".into(),
-        measured: pair(a, b, &|a, b| format!("{a:.0} vs {b:.0}")),
-        pass: a.zip(b).map(|(a, b)| a < b),
-    });
+    out.push(Check::compare(
+        "resnet56: delayed pulls of ssp:3 < those of bsp",
+        (held("ssp:3"), held("bsp")),
+        |a, b| format!("{a:.0} vs {b:.0}"),
+        |a, b| a < b,
+    ));
     out.push(Check {
         what: "resnet56: asp delays no pull".into(),
         measured: held("asp").map_or("not run".into(), |h| format!("{h:.0}")),
@@ -457,20 +439,20 @@ fn checks(runs: &[SyncRun]) -> Vec<Check> {
     // quick form measured asp at 1.43x to 1.88x bsp over repeated runs on the 2-core CI
     // machine: 1.25x keeps the check meaningful and lets it hold on a noisy machine.
     let rate = |p: &str| syn(p).map(|r| r.run.worker_rate);
-    let (a, b) = (rate("asp"), rate("bsp"));
-    out.push(Check {
-        what: "resnet56: worker rate of asp > 1.25 x bsp".into(),
-        measured: pair(a, b, &|a, b| format!("{a:.1} vs {b:.1} it/s ({})", ratio(a, b))),
-        pass: a.zip(b).map(|(a, b)| a > 1.25 * b),
-    });
+    out.push(Check::compare(
+        "resnet56: worker rate of asp > 1.25 x bsp",
+        (rate("asp"), rate("bsp")),
+        |a, b| format!("{a:.1} vs {b:.1} it/s ({})", ratio(a, b)),
+        |a, b| a > 1.25 * b,
+    ));
     let it_s = |p: &str| syn(p).map(|r| r.run.iters_per_s);
     for p in ["ssp:3", "lazy:3", "pssp:3:0.5"] {
-        let (a, b) = (it_s(p), it_s("bsp"));
-        out.push(Check {
-            what: format!("resnet56: iterations/s of {p} > {THROUGHPUT_FLOOR} x bsp"),
-            measured: pair(a, b, &|a, b| format!("{a:.1} vs {b:.1} ({})", ratio(a, b))),
-            pass: a.zip(b).map(|(a, b)| a > THROUGHPUT_FLOOR * b),
-        });
+        out.push(Check::compare(
+            format!("resnet56: iterations/s of {p} > {THROUGHPUT_FLOOR} x bsp"),
+            (it_s(p), it_s("bsp")),
+            |a, b| format!("{a:.1} vs {b:.1} ({})", ratio(a, b)),
+            |a, b| a > THROUGHPUT_FLOOR * b,
+        ));
     }
     // Every policy still trains the model (a sync bug that serves wrong values would not).
     let mnist: Vec<&SyncRun> = runs.iter().filter(|r| r.chosen && r.workload == Workload::Mnist).collect();
@@ -498,43 +480,36 @@ const THROUGHPUT_FLOOR: f64 = 0.9;
 fn targets(runs: &[SyncRun]) -> Vec<Target> {
     let syn = |p: &str| find(runs, Workload::Resnet56, p);
     let mut out = Vec::new();
+    let held = |p: &str| syn(p).map(|r| r.run.pulls_held as f64);
+    let it_s = |p: &str| syn(p).map(|r| r.run.iters_per_s);
     for p in ["lazy:3", "pssp:3:0.5"] {
-        let (a, b) = (syn(p).map(|r| r.run.pulls_held as f64), syn("ssp:3").map(|r| r.run.pulls_held as f64));
-        out.push(Target {
-            what: format!("{p} delays at least 10x fewer pulls than ssp:3"),
-            measured: match (a, b) {
-                (Some(a), Some(b)) => format!("{} fewer ({a:.0} vs {b:.0})", ratio(b, a)),
-                _ => "not run".into(),
-            },
-            met: a.zip(b).map(|(a, b)| a * 10.0 <= b),
-        });
+        out.push(Target::compare(
+            format!("{p} delays at least 10x fewer pulls than ssp:3"),
+            (held(p), held("ssp:3")),
+            |a, b| format!("{} fewer ({a:.0} vs {b:.0})", ratio(b, a)),
+            |a, b| a * 10.0 <= b,
+        ));
     }
     for p in ["lazy:3", "pssp:3:0.5"] {
-        let (a, b) = (syn(p).map(|r| r.run.iters_per_s), syn("bsp").map(|r| r.run.iters_per_s));
-        out.push(Target {
-            what: format!("with the two stragglers, {p} runs at least 2x the iterations/s of bsp"),
-            measured: match (a, b) {
-                (Some(a), Some(b)) => format!("{} ({a:.1} vs {b:.1} it/s)", ratio(a, b)),
-                _ => "not run".into(),
-            },
-            met: a.zip(b).map(|(a, b)| a >= 2.0 * b),
-        });
+        out.push(Target::compare(
+            format!("with the two stragglers, {p} runs at least 2x the iterations/s of bsp"),
+            (it_s(p), it_s("bsp")),
+            |a, b| format!("{} ({a:.1} vs {b:.1} it/s)", ratio(a, b)),
+            |a, b| a >= 2.0 * b,
+        ));
     }
     let bsp = find(runs, Workload::Mnist, "bsp").and_then(|r| r.run.accuracy);
     for r in runs.iter().filter(|r| r.chosen && r.workload == Workload::Mnist && r.policy != "bsp" && r.policy != "asp")
     {
-        let measured = match (r.run.accuracy, bsp) {
-            (Some(a), Some(b)) => format!("{:.2}% vs {:.2}% ({:+.2} points)", a * 100.0, b * 100.0, (a - b) * 100.0),
-            _ => "not run".into(),
-        };
-        out.push(Target {
-            what: format!(
+        out.push(Target::compare(
+            format!(
                 "mnist after {} iterations: {} within 1 point of bsp's accuracy (not more than 1 point below)",
                 r.run.iterations, r.policy
             ),
-            measured,
-            met: r.run.accuracy.zip(bsp).map(|(a, b)| a >= b - 0.01),
-        });
+            (r.run.accuracy, bsp),
+            |a, b| format!("{:.2}% vs {:.2}% ({:+.2} points)", a * 100.0, b * 100.0, (a - b) * 100.0),
+            |a, b| a >= b - 0.01,
+        ));
     }
     out
 }

@@ -44,7 +44,7 @@ use serde::Serialize;
 
 use crate::checks::{Check, Target};
 use crate::error::Context as _;
-use crate::job::{RunResult, TrainSpec, measure, policy, sim_defaults};
+use crate::job::{RunResult, TrainSpec, fastest, in_rounds, measure, policy, sim_defaults};
 use crate::machine::CpuSample;
 
 /// A bandwidth and a server speed, MB/s, at which the simulated transfers and pushes cost
@@ -151,17 +151,8 @@ impl TransientPlan {
 
     /// Every job, in order: (workers, policy, round); odd rounds go backwards.
     pub fn runs(&self) -> Vec<(u32, String, u32)> {
-        let mut out = Vec::new();
-        for &w in &self.workers {
-            for round in 0..self.rounds {
-                let mut policies = self.policies.clone();
-                if round % 2 == 1 {
-                    policies.reverse();
-                }
-                out.extend(policies.into_iter().map(|p| (w, p, round)));
-            }
-        }
-        out
+        let rounds = in_rounds(&self.policies, self.rounds);
+        self.workers.iter().flat_map(|&w| rounds.iter().map(move |(p, r)| (w, p.clone(), *r))).collect()
     }
 }
 
@@ -323,16 +314,8 @@ pub async fn run(plan: &TransientPlan, net: &NetArgs, out: &Path) -> crate::Resu
 
 /// Marks, per worker count and policy, its fastest round as the one the table shows.
 fn choose(runs: &mut [TransientRun]) {
-    for i in 0..runs.len() {
-        let (w, p) = (runs[i].workers, runs[i].policy.clone());
-        let best = runs
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.workers == w && r.policy == p)
-            .max_by(|a, b| a.1.run.iters_per_s.total_cmp(&b.1.run.iters_per_s).then(b.0.cmp(&a.0)))
-            .map(|(j, _)| j);
-        runs[i].chosen = best == Some(i);
-    }
+    let chosen = fastest(runs, |r| (r.workers, r.policy.clone()), |r| r.run.iters_per_s);
+    runs.iter_mut().zip(chosen).for_each(|(r, c)| r.chosen = c);
 }
 
 /// The communication time of a round nobody holds, ms: per iteration (but the last, where
@@ -466,15 +449,12 @@ pub fn checks(out: &TransientOutput) -> Vec<Check> {
     let it_s = |p: &str| find(out, w, p).map(|r| r.run.iters_per_s);
     let margin = out.plan.margin;
     for p in ["ssp:3", "pssp:3:0.5"] {
-        let (a, b) = (it_s(p), it_s("bsp"));
-        checks.push(Check {
-            what: format!("transient, {w} workers: iterations/s of {p} > {margin} x bsp"),
-            measured: match (a, b) {
-                (Some(a), Some(b)) => format!("{a:.1} vs {b:.1} ({})", ratio(a, b)),
-                _ => "not run".into(),
-            },
-            pass: a.zip(b).map(|(a, b)| a > margin * b),
-        });
+        checks.push(Check::compare(
+            format!("transient, {w} workers: iterations/s of {p} > {margin} x bsp"),
+            (it_s(p), it_s("bsp")),
+            |a, b| format!("{a:.1} vs {b:.1} ({})", ratio(a, b)),
+            |a, b| a > margin * b,
+        ));
     }
     let asp = find(out, w, "asp").map(|r| r.run.pulls_held);
     checks.push(Check {
