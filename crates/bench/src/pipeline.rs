@@ -60,6 +60,13 @@ pub struct Written<B> {
     pub targets: Vec<Target>,
 }
 
+impl<B> Written<B> {
+    /// The Markdown's heading: the title, the command line and the machine paragraph.
+    pub fn heading(&self, title: &str) -> String {
+        format!("## {title}\n\n`{}`\n\n{}", self.command, self.machine.markdown(self.took_s))
+    }
+}
+
 /// Runs `bench` through the pipeline (module docs).
 pub async fn execute<B: Bench>(bench: B) -> crate::Result<()> {
     if let Some(out) = bench.out() {

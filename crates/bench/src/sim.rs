@@ -693,10 +693,7 @@ fn mb(bytes: u64) -> String {
 
 fn render(out: &Written<Body>) -> String {
     let p = &out.body.plan;
-    let mut s = String::new();
-    s.push_str("## bench sim\n\n");
-    s.push_str(&format!("`{}`\n\n", out.command));
-    s.push_str(&out.machine.markdown(out.took_s));
+    let mut s = out.heading("bench sim");
     s.push_str(
         "Every simulated row is an `elasticps sim` job (virtual time on the deterministic harness, \
          the real scheduler, server and worker state machines); its flags are in bench-sim.json. \

@@ -713,10 +713,7 @@ fn render(out: &Written<Body>) -> String {
         })
         .collect();
     let p = &out.body.plan;
-    let mut s = String::new();
-    s.push_str("## bench straggler\n\n");
-    s.push_str(&format!("`{}`\n\n", out.command));
-    s.push_str(&out.machine.markdown(out.took_s));
+    let mut s = out.heading("bench straggler");
     s.push_str(&format!(
         "{} workers, {} servers, {} ({} ms compute), bsp, sgd, bestfit placement. Every server's sockets \
          capped at {} MB/s each way (uncapped: none). Straggler: server 1 — a: capped at {} MB/s; b: CPU \

@@ -564,10 +564,7 @@ fn render(out: &Written<Body>) -> String {
         })
         .collect();
     let p = &out.body.plan;
-    let mut s = String::new();
-    s.push_str("## bench sync\n\n");
-    s.push_str(&format!("`{}`\n\n", out.command));
-    s.push_str(&out.machine.markdown(out.took_s));
+    let mut s = out.heading("bench sync");
     s.push_str(&format!(
         "{} workers, {} servers, ranks {} delayed by N({} ms, {} ms) per iteration. resnet56: \
          synthetic:resnet56, {} ms compute, {} iterations per worker, {} rounds (the table shows each \
