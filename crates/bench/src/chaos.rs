@@ -33,7 +33,7 @@ use serde::Serialize;
 use crate::BenchError;
 use crate::checks::{Check, Target, checks_and_targets_markdown};
 use crate::pipeline::{Bench, Written};
-use crate::transport::listening;
+use crate::roles;
 
 /// Flags of `elasticps bench chaos`.
 #[derive(clap::Args, Debug)]
@@ -237,24 +237,16 @@ async fn chaos(
     duration: Duration,
     seed: u64,
 ) -> crate::Result<ChaosReport> {
-    let job = job_args(SERVERS, 2, 256);
+    let job = JobArgs { rejoin_wait_s: 60.0, ..job_args(SERVERS, 2, 256) };
     let mut cluster = Cluster::new(log_dir)?;
-    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into()];
-    args.extend(job.to_flags());
-    args.extend(["--rejoin-wait-s".into(), "60".into()]);
-    args.extend(net.to_flags());
-    cluster.spawn("chaos scheduler", &args, &[])?;
-    let addr = listening(&mut cluster, "the scheduler").await?;
+    let addr = roles::scheduler(&mut cluster, &job, net, "chaos scheduler", &[]).await?;
     // Server node -> its data address (chosen here, so that status rows map to processes).
     let mut servers: BTreeMap<usize, String> = BTreeMap::new();
     let mut spawned = 0;
     let mut spawn_server = |cluster: &mut Cluster| -> crate::Result<(usize, String)> {
         let listen = free_addr()?;
-        let mut args =
-            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), listen.clone()];
-        args.extend(net.to_flags());
         spawned += 1;
-        Ok((cluster.spawn(&format!("chaos server {}", spawned - 1), &args, &[])?, listen))
+        Ok((roles::server(cluster, &addr, &listen, net, &format!("chaos server {}", spawned - 1), &[])?, listen))
     };
     for _ in 0..SERVERS {
         let (node, listen) = spawn_server(&mut cluster)?;
@@ -424,16 +416,9 @@ async fn push_16mib(net: &NetArgs, log_dir: &std::path::Path, replicas: u32, pus
     job.workers = 1;
     job.sync = "asp".parse()?;
     let mut cluster = Cluster::new(log_dir)?;
-    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into()];
-    args.extend(job.to_flags());
-    args.extend(net.to_flags());
-    cluster.spawn(&format!("replicas {replicas} scheduler"), &args, &[])?;
-    let addr = listening(&mut cluster, "the scheduler").await?;
+    let addr = roles::scheduler(&mut cluster, &job, net, &format!("replicas {replicas} scheduler"), &[]).await?;
     for i in 0..2 {
-        let mut args =
-            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
-        args.extend(net.to_flags());
-        cluster.spawn(&format!("replicas {replicas} server {i}"), &args, &[])?;
+        roles::server(&mut cluster, &addr, "127.0.0.1:0", net, &format!("replicas {replicas} server {i}"), &[])?;
     }
     let measured = async {
         let mut c = Client::connect(ClientOptions::new(addr)).await?;

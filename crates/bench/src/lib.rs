@@ -34,6 +34,8 @@
 //! - [`hosts`]: static vs PSLD on a job across 3 namespace hosts (`scripts/testnet`), one
 //!   host's link capped with tbf, a spare host for scale-out, against the raw TCP rate of
 //!   that link (`elasticps bench hosts`; `bench tcp-rate`, hidden, is its raw client).
+//! - [`roles`]: a job's scheduler and servers as processes, for the benchmarks that drive
+//!   their own workers in process (`transport`, `chaos`).
 //! - [`job`]: their train jobs, typed, the one runner of them (through
 //!   `elasticps-launch`), and the one [`job::RunResult`] of a job measured.
 //! - [`plots`]: those two figures, in the house style of `elasticps-report`.
@@ -50,6 +52,7 @@ pub mod job;
 pub mod machine;
 pub mod pipeline;
 pub mod plots;
+pub mod roles;
 pub mod sim;
 pub mod sink;
 pub mod straggler;

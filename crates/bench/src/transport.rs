@@ -44,12 +44,12 @@ use tokio::sync::{Barrier, mpsc, oneshot};
 use crate::checks::{Check, Target, checks_and_targets_markdown};
 use crate::machine::percent as pct;
 use crate::pipeline::{Bench, Written};
+use crate::roles;
 use crate::sink::{self, Bounds};
 use elasticps_launch::args::{JobArgs, NetArgs};
 use elasticps_launch::process::{Cluster, NodeEvent};
 use elasticps_report::stats::{Lane, Measured};
 use elasticps_report::table::markdown_table;
-use elasticps_runtime::events::Event;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -338,20 +338,6 @@ async fn measure_all(driver: &Runtime, plan: &Plan, net: &NetArgs, log_dir: &Pat
     Ok(rows)
 }
 
-/// Waits for the next `listening` event of a cluster.
-pub(crate) async fn listening(cluster: &mut Cluster, what: &str) -> crate::Result<String> {
-    loop {
-        match tokio::time::timeout(Duration::from_secs(20), cluster.next()).await {
-            Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => return Ok(addr),
-            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status).into()),
-            Ok(Some(_)) => continue,
-            Ok(None) | Err(_) => {
-                return Err(crate::BenchError::Failed(format!("{what} did not report its address within 20 s")));
-            }
-        }
-    }
-}
-
 /// One `tcp-sink` process per server of the topology.
 async fn start_sinks(log_dir: &Path, topo: Topology) -> crate::Result<(Cluster, Vec<String>)> {
     let mut sinks = Cluster::new(log_dir)?;
@@ -361,7 +347,7 @@ async fn start_sinks(log_dir: &Path, topo: Topology) -> crate::Result<(Cluster, 
     }
     let mut addrs = Vec::new();
     for _ in 0..topo.servers {
-        addrs.push(listening(&mut sinks, "a tcp sink").await?);
+        addrs.push(roles::listening(&mut sinks, "a tcp sink").await?);
     }
     Ok((sinks, addrs))
 }
@@ -483,16 +469,9 @@ async fn start_cluster(
     };
     let mut cluster = Cluster::new(log_dir)?;
     let env = [("ELASTICPS_SECRET", net.secret.as_str())];
-    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into()];
-    args.extend(job.to_flags());
-    args.extend(net.to_flags());
-    cluster.spawn(&format!("scheduler {tag}"), &args, &env)?;
-    let addr = listening(&mut cluster, "the scheduler").await?;
+    let addr = roles::scheduler(&mut cluster, &job, net, &format!("scheduler {tag}"), &env).await?;
     for i in 0..topo.servers {
-        let mut args =
-            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
-        args.extend(net.to_flags());
-        cluster.spawn(&format!("server {i} {tag}"), &args, &env)?;
+        roles::server(&mut cluster, &addr, "127.0.0.1:0", net, &format!("server {i} {tag}"), &env)?;
     }
     Ok((cluster, addr))
 }
