@@ -27,7 +27,7 @@
 //!   [`plots::straggler`] draws its `straggler.png`.
 //! - [`sim`]: `elasticps sim` at 1,000 workers x 100 servers, the balancer's decision time,
 //!   static vs PSLD and the sync policies at scale, and a cross-check of the sim against
-//!   real processes (`elasticps bench sim`); it draws its own `sim.png`.
+//!   real processes (`elasticps bench sim`); [`plots::sim`] draws its `sim.png`.
 //! - [`chaos`]: servers killed and a worker restarted under load with `--replicas 2`:
 //!   detection, recovery, iteration spikes, exact final parameters, the cost of replicas
 //!   (`elasticps bench chaos`).
@@ -38,7 +38,7 @@
 //!   their own workers in process (`transport`, `chaos`).
 //! - [`job`]: their train jobs, typed, the one runner of them (through
 //!   `elasticps-launch`), and the one [`job::RunResult`] of a job measured.
-//! - [`plots`]: those two figures, in the house style of `elasticps-report`.
+//! - [`plots`]: those figures, in the house style of `elasticps-report`.
 
 use clap::Subcommand;
 
