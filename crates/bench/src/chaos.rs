@@ -31,7 +31,9 @@ use elasticps_wire::{ClusterStatus, Control, Message};
 use serde::Serialize;
 
 use crate::BenchError;
-use crate::transport::listening;
+use crate::checks::{Check, Target, checks_and_targets_markdown};
+use crate::pipeline::{Bench, Written};
+use crate::roles;
 
 /// Flags of `elasticps bench chaos`.
 #[derive(clap::Args, Debug)]
@@ -103,35 +105,66 @@ pub struct ChaosReport {
     pub replicas_cost: f64,
 }
 
-/// Runs the benchmark and writes `chaos.json` and `chaos.md` into `--out`.
-pub async fn run(cmd: ChaosCmd) -> crate::Result<()> {
-    let every = Duration::from_secs_f64(cmd.every_s.unwrap_or(if cmd.quick { 4.0 } else { 20.0 }));
-    let duration = Duration::from_secs_f64(cmd.duration_s.unwrap_or(if cmd.quick { 12.0 } else { 120.0 }));
-    if every.is_zero() || duration < every {
-        return Err(BenchError::Flags("--every-s must be above 0 and at most --duration-s".into()));
-    }
-    std::fs::create_dir_all(&cmd.out)?;
-    let log_dir = cmd.out.join("chaos-logs");
-    cmd.net.install()?;
-    let net = &cmd.net;
+/// `elasticps bench chaos`, its flags checked.
+pub struct ChaosBench {
+    cmd: ChaosCmd,
+    every: Duration,
+    duration: Duration,
+}
 
-    println!(
-        "chaos: {SERVERS} servers (--replicas 2), {WORKERS} workers; a server killed every {every:?} for {duration:?}"
-    );
-    let mut report = chaos(net, &log_dir, every, duration, cmd.seed).await?;
-    let pushes = if cmd.quick { 5 } else { 20 };
-    let r1 = push_16mib(net, &log_dir, 1, pushes).await?;
-    let r2 = push_16mib(net, &log_dir, 2, pushes).await?;
-    (report.push_16mib_r1_ms, report.push_16mib_r2_ms, report.replicas_cost) = (r1, r2, r2 / r1);
-
-    let md = markdown(&report);
-    print!("{md}");
-    std::fs::write(cmd.out.join("chaos.json"), serde_json::to_string_pretty(&report)? + "\n")?;
-    std::fs::write(cmd.out.join("chaos.md"), &md)?;
-    if !report.exact {
-        return Err(BenchError::Failed("a worker's final parameters are not those of its acknowledged pushes".into()));
+impl ChaosBench {
+    /// The benchmark of `cmd`.
+    pub fn new(cmd: ChaosCmd) -> crate::Result<Self> {
+        let every = Duration::from_secs_f64(cmd.every_s.unwrap_or(if cmd.quick { 4.0 } else { 20.0 }));
+        let duration = Duration::from_secs_f64(cmd.duration_s.unwrap_or(if cmd.quick { 12.0 } else { 120.0 }));
+        if every.is_zero() || duration < every {
+            return Err(BenchError::Flags("--every-s must be above 0 and at most --duration-s".into()));
+        }
+        Ok(ChaosBench { cmd, every, duration })
     }
-    Ok(())
+}
+
+impl Bench for ChaosBench {
+    const STEM: &'static str = "chaos";
+    type Body = ChaosReport;
+
+    fn out(&self) -> Option<&std::path::Path> {
+        Some(&self.cmd.out)
+    }
+
+    async fn run(&self) -> crate::Result<ChaosReport> {
+        let (cmd, every, duration) = (&self.cmd, self.every, self.duration);
+        let log_dir = cmd.out.join("chaos-logs");
+        cmd.net.install()?;
+        let net = &cmd.net;
+        println!(
+            "chaos: {SERVERS} servers (--replicas 2), {WORKERS} workers; a server killed every {every:?} for {duration:?}"
+        );
+        let mut report = chaos(net, &log_dir, every, duration, cmd.seed).await?;
+        let pushes = if cmd.quick { 5 } else { 20 };
+        let r1 = push_16mib(net, &log_dir, 1, pushes).await?;
+        let r2 = push_16mib(net, &log_dir, 2, pushes).await?;
+        (report.push_16mib_r1_ms, report.push_16mib_r2_ms, report.replicas_cost) = (r1, r2, r2 / r1);
+        Ok(report)
+    }
+
+    fn verdicts(&self, report: &ChaosReport) -> (Vec<Check>, Vec<Target>) {
+        let check = Check {
+            what: "every worker ends with exactly the parameters of its acknowledged pushes".into(),
+            measured: if report.exact { "exact".into() } else { "a worker's final parameters differ".into() },
+            pass: Some(report.exact),
+        };
+        let target = Target {
+            what: "a 16 MiB push with --replicas 2 costs at most 1.25x one with a single copy".into(),
+            measured: format!("{:.2}x", report.replicas_cost),
+            met: report.replicas_cost.is_finite().then_some(report.replicas_cost <= 1.25),
+        };
+        (vec![check], vec![target])
+    }
+
+    fn markdown(&self, written: &Written<ChaosReport>) -> String {
+        markdown(&written.body) + &checks_and_targets_markdown(&written.checks, &written.targets)
+    }
 }
 
 /// Worker `rank`'s gradient of clock `t` for tensor `k`: small integers, exact in f32.
@@ -204,24 +237,16 @@ async fn chaos(
     duration: Duration,
     seed: u64,
 ) -> crate::Result<ChaosReport> {
-    let job = job_args(SERVERS, 2, 256);
+    let job = JobArgs { rejoin_wait_s: 60.0, ..job_args(SERVERS, 2, 256) };
     let mut cluster = Cluster::new(log_dir)?;
-    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into()];
-    args.extend(job.to_flags());
-    args.extend(["--rejoin-wait-s".into(), "60".into()]);
-    args.extend(net.to_flags());
-    cluster.spawn("chaos scheduler", &args, &[])?;
-    let addr = listening(&mut cluster, "the scheduler").await?;
+    let addr = roles::scheduler(&mut cluster, &job, net, "chaos scheduler", &[]).await?;
     // Server node -> its data address (chosen here, so that status rows map to processes).
     let mut servers: BTreeMap<usize, String> = BTreeMap::new();
     let mut spawned = 0;
     let mut spawn_server = |cluster: &mut Cluster| -> crate::Result<(usize, String)> {
         let listen = free_addr()?;
-        let mut args =
-            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), listen.clone()];
-        args.extend(net.to_flags());
         spawned += 1;
-        Ok((cluster.spawn(&format!("chaos server {}", spawned - 1), &args, &[])?, listen))
+        Ok((roles::server(cluster, &addr, &listen, net, &format!("chaos server {}", spawned - 1), &[])?, listen))
     };
     for _ in 0..SERVERS {
         let (node, listen) = spawn_server(&mut cluster)?;
@@ -391,16 +416,9 @@ async fn push_16mib(net: &NetArgs, log_dir: &std::path::Path, replicas: u32, pus
     job.workers = 1;
     job.sync = "asp".parse()?;
     let mut cluster = Cluster::new(log_dir)?;
-    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into()];
-    args.extend(job.to_flags());
-    args.extend(net.to_flags());
-    cluster.spawn(&format!("replicas {replicas} scheduler"), &args, &[])?;
-    let addr = listening(&mut cluster, "the scheduler").await?;
+    let addr = roles::scheduler(&mut cluster, &job, net, &format!("replicas {replicas} scheduler"), &[]).await?;
     for i in 0..2 {
-        let mut args =
-            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
-        args.extend(net.to_flags());
-        cluster.spawn(&format!("replicas {replicas} server {i}"), &args, &[])?;
+        roles::server(&mut cluster, &addr, "127.0.0.1:0", net, &format!("replicas {replicas} server {i}"), &[])?;
     }
     let measured = async {
         let mut c = Client::connect(ClientOptions::new(addr)).await?;

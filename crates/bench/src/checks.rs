@@ -27,6 +27,46 @@ pub struct Target {
     pub met: Option<bool>,
 }
 
+/// `a` against `b`, each `None` when the run it comes from was not made: what they show
+/// and whether they hold, or "not run" and undecided.
+fn compare(
+    a: Option<f64>,
+    b: Option<f64>,
+    show: impl FnOnce(f64, f64) -> String,
+    holds: impl FnOnce(f64, f64) -> bool,
+) -> (String, Option<bool>) {
+    match a.zip(b) {
+        Some((a, b)) => (show(a, b), Some(holds(a, b))),
+        None => ("not run".into(), None),
+    }
+}
+
+impl Check {
+    /// A check of `a` against `b` (skipped when either run was not made).
+    pub fn compare(
+        what: impl Into<String>,
+        (a, b): (Option<f64>, Option<f64>),
+        show: impl FnOnce(f64, f64) -> String,
+        holds: impl FnOnce(f64, f64) -> bool,
+    ) -> Self {
+        let (measured, pass) = compare(a, b, show, holds);
+        Check { what: what.into(), measured, pass }
+    }
+}
+
+impl Target {
+    /// A target of `a` against `b` (undecided when either run was not made).
+    pub fn compare(
+        what: impl Into<String>,
+        (a, b): (Option<f64>, Option<f64>),
+        show: impl FnOnce(f64, f64) -> String,
+        holds: impl FnOnce(f64, f64) -> bool,
+    ) -> Self {
+        let (measured, met) = compare(a, b, show, holds);
+        Target { what: what.into(), measured, met }
+    }
+}
+
 /// The "Checks" and "Targets" lists that end a benchmark's Markdown, each with a blank line
 /// before its heading: `- PASS|FAIL|SKIP what: measured` and `- [x]|[ ]|[-] what: measured`.
 pub fn checks_and_targets_markdown(checks: &[Check], targets: &[Target]) -> String {
@@ -76,5 +116,9 @@ mod tests {
         );
         assert_eq!(ensure_no_check_failed(&checks).unwrap_err().to_string(), "1 of 3 checks failed");
         assert!(ensure_no_check_failed(&[check(Some(true)), check(None)]).is_ok());
+        let c = Check::compare("a > b", (Some(2.0), Some(1.0)), |a, b| format!("{a} vs {b}"), |a, b| a > b);
+        assert_eq!((c.measured.as_str(), c.pass), ("2 vs 1", Some(true)));
+        let t = Target::compare("a > b", (Some(2.0), None), |a, b| format!("{a} vs {b}"), |a, b| a > b);
+        assert_eq!((t.measured.as_str(), t.met), ("not run", None));
     }
 }

@@ -41,15 +41,21 @@ use std::time::{Duration, Instant};
 use clap::{Args, ValueEnum};
 use elasticps_core::stats::ratio;
 use elasticps_report::Report;
-use elasticps_report::table::markdown_table;
+use elasticps_report::table::{fixed, markdown_table};
 use serde::Serialize;
 use tokio::process::{Child, Command};
 
-use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::checks::{Check, Target, checks_and_targets_markdown};
 use crate::error::Context as _;
-use crate::machine::{Machine, MachineWatch};
-use crate::straggler::{Mode, RunResult, measure};
+use crate::job::{RunResult, TrainSpec};
+use crate::pipeline::{Bench, Written};
+use crate::straggler::{Mode, measure};
 use crate::{BenchError, Result};
+use elasticps_core::balance::BalanceMode;
+use elasticps_core::optimizer::OptimizerKind;
+use elasticps_core::placement::PlacementKind;
+use elasticps_launch::args::{DataArgs, JobArgs};
+use elasticps_train::ModelKind;
 
 /// `--quick`: psld must reach this share of static's samples/s (a run-to-run swing of the
 /// capped link; psld cannot beat the link bound here, see the module docs).
@@ -163,8 +169,9 @@ struct Plan {
     psld_iterations: u32,
     tcp_secs: f64,
     prefix: String,
-    /// The launch flags every host gets (the job's; the scheduler takes the rendezvous host's).
-    job_flags: Vec<String>,
+    /// The workers' model, typed.
+    #[serde(skip)]
+    model_kind: ModelKind,
 }
 
 impl Plan {
@@ -180,28 +187,7 @@ impl Plan {
             psld_iterations: cmd.psld_iterations.unwrap_or(ps),
             tcp_secs: cmd.tcp_secs,
             prefix: cmd.prefix.clone(),
-            job_flags: [
-                "--sync",
-                "bsp",
-                "--optimizer",
-                "sgd",
-                "--lr",
-                "0.01",
-                "--placement",
-                "bestfit",
-                "--block-bytes",
-                "4194304",
-                "--seed",
-                "42",
-                "--request-timeout-s",
-                "60",
-                "--end-timeout-s",
-                "30",
-                "--join-timeout-s",
-                "60",
-            ]
-            .map(String::from)
-            .to_vec(),
+            model_kind: cmd.model.parse().map_err(|e: elasticps_train::TrainError| BenchError::Flags(e.to_string()))?,
         };
         crate::error::ensure_flags!(plan.cap_mbit >= 1, "--cap-mbit must be at least 1");
         crate::error::ensure_flags!(
@@ -216,6 +202,28 @@ impl Plan {
             "--prefix must be 1-6 lowercase letters/digits starting with a letter"
         );
         Ok(plan)
+    }
+
+    /// The job of `mode`: the same on every host (the launch sets the servers and workers
+    /// from each host's slots; the scheduler takes the rendezvous host's).
+    fn spec(&self, mode: Mode) -> TrainSpec {
+        let job = JobArgs {
+            optimizer: OptimizerKind::Sgd,
+            lr: 0.01,
+            placement: PlacementKind::BestFit,
+            balance: if mode == Mode::Psld { BalanceMode::Psld } else { BalanceMode::Static },
+            max_servers: (mode == Mode::Psld).then_some(4),
+            ..JobArgs::default()
+        };
+        let data = DataArgs {
+            model: self.model_kind,
+            compute_ms: self.compute_ms,
+            iterations: Some(self.iterations(mode)),
+            batch_size: self.batch_size as usize,
+            request_timeout_s: 60,
+            ..DataArgs::default()
+        };
+        TrainSpec { job, data }
     }
 
     fn iterations(&self, mode: Mode) -> u32 {
@@ -408,7 +416,7 @@ pub struct ServerHost {
 pub struct HostsRun {
     /// How it balanced.
     pub mode: Mode,
-    /// The job flags beyond the plan's.
+    /// The job's flags (the launch takes its job's, the workers its data's).
     pub flags: Vec<String>,
     /// Why it failed (`None`: it completed).
     pub error: Option<String>,
@@ -424,19 +432,14 @@ pub struct HostsRun {
     pub run: Option<RunResult>,
 }
 
-/// Everything the benchmark wrote into bench-hosts.json.
+/// What the bed measured (the body of bench-hosts.json).
 #[derive(Clone, Debug, Serialize)]
-struct Output {
-    command: String,
-    machine: Machine,
+pub struct Body {
     plan: Plan,
     bed: Vec<BedHost>,
-    took_s: f64,
     tcp: Vec<TcpRate>,
     tcp_error: Option<String>,
     runs: Vec<HostsRun>,
-    checks: Vec<Check>,
-    targets: Vec<Target>,
 }
 
 /// Finds the testnet script: the flag, `scripts/testnet` here, or in the repository the
@@ -454,49 +457,59 @@ fn testnet_script(cmd: &HostsBenchCmd) -> Result<PathBuf> {
     })
 }
 
-/// Runs the benchmark, writes its files and prints the table.
-pub async fn run(cmd: HostsBenchCmd) -> Result<()> {
-    let plan = Plan::new(&cmd)?;
-    crate::error::ensure_flags!(
-        std::fs::read_to_string("/proc/self/status")
-            .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")))
-            .unwrap_or(false),
-        "bench hosts needs root (network namespaces and tc)"
-    );
-    let testnet = testnet_script(&cmd)?;
-    std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
-    let exe = std::env::current_exe()?.display().to_string();
-    let watch = MachineWatch::start();
-    let started = Instant::now();
-    eprintln!("bench hosts: test bed {}1..{}{HOSTS} via {}", plan.prefix, plan.prefix, testnet.display());
-    let bed = Bed::up(&testnet, &plan.prefix)?;
-    // Ctrl-C or SIGTERM: the body stops where it is, and the bed is torn down below.
-    let body = measure_all(&bed, &plan, &cmd.out, &exe);
-    let result = tokio::select! {
-        r = body => r,
-        how = stop_signal() => Err(BenchError::Failed(format!("stopped by {how}: the test bed is torn down"))),
-    };
-    drop(bed);
-    let (tcp, tcp_error, runs, hosts) = result?;
-    let out = Output {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        machine: watch.finish(),
-        checks: checks(&plan, &tcp, &runs),
-        targets: targets(&runs),
-        took_s: started.elapsed().as_secs_f64(),
-        bed: hosts,
-        plan,
-        tcp,
-        tcp_error,
-        runs,
-    };
-    let md = render(&out);
-    print!("{md}");
-    let json = elasticps_report::to_json(&out)?;
-    std::fs::write(cmd.out.join("bench-hosts.json"), json + "\n").context("writing bench-hosts.json")?;
-    std::fs::write(cmd.out.join("bench-hosts.md"), &md).context("writing bench-hosts.md")?;
-    println!("\nwritten to {} (bench-hosts.json, bench-hosts.md, runs/)", cmd.out.display());
-    ensure_no_check_failed(&out.checks)
+/// `elasticps bench hosts`, its plan resolved and the test bed found.
+pub struct HostsBench {
+    cmd: HostsBenchCmd,
+    plan: Plan,
+    testnet: PathBuf,
+}
+
+impl HostsBench {
+    /// The plan of `cmd`; fails without root or without the test bed script.
+    pub fn new(cmd: HostsBenchCmd) -> Result<Self> {
+        let plan = Plan::new(&cmd)?;
+        crate::error::ensure_flags!(
+            std::fs::read_to_string("/proc/self/status")
+                .map(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")))
+                .unwrap_or(false),
+            "bench hosts needs root (network namespaces and tc)"
+        );
+        Ok(HostsBench { testnet: testnet_script(&cmd)?, plan, cmd })
+    }
+}
+
+impl Bench for HostsBench {
+    const STEM: &'static str = "bench-hosts";
+    const RUNS_DIR: bool = true;
+    type Body = Body;
+
+    fn out(&self) -> Option<&Path> {
+        Some(&self.cmd.out)
+    }
+
+    async fn run(&self) -> Result<Body> {
+        let plan = &self.plan;
+        let exe = std::env::current_exe()?.display().to_string();
+        eprintln!("bench hosts: test bed {}1..{}{HOSTS} via {}", plan.prefix, plan.prefix, self.testnet.display());
+        let bed = Bed::up(&self.testnet, &plan.prefix)?;
+        // Ctrl-C or SIGTERM: the body stops where it is, and the bed is torn down below.
+        let body = measure_all(&bed, plan, &self.cmd.out, &exe);
+        let result = tokio::select! {
+            r = body => r,
+            how = stop_signal() => Err(BenchError::Failed(format!("stopped by {how}: the test bed is torn down"))),
+        };
+        drop(bed);
+        let (tcp, tcp_error, runs, bed) = result?;
+        Ok(Body { plan: plan.clone(), bed, tcp, tcp_error, runs })
+    }
+
+    fn verdicts(&self, body: &Body) -> (Vec<Check>, Vec<Target>) {
+        (checks(&body.plan, &body.tcp, &body.runs), targets(&body.runs))
+    }
+
+    fn markdown(&self, written: &Written<Body>) -> String {
+        render(written)
+    }
 }
 
 /// SIGINT or SIGTERM.
@@ -545,8 +558,8 @@ async fn measure_all(bed: &Bed, plan: &Plan, out: &Path, exe: &str) -> Result<Me
                 t.elapsed().as_secs_f64(),
                 r.samples_per_sec,
                 r.settled_samples_per_sec,
-                r.run.as_ref().map_or(0, |x| x.migrations),
-                r.run.as_ref().map_or(0, |x| x.scaling.len())
+                r.run.as_ref().map_or(0, |x| x.balance().migrations),
+                r.run.as_ref().map_or(0, |x| x.balance().scaling.len())
             ),
             Some(e) => eprintln!("FAILED after {:.1} s: {e}", t.elapsed().as_secs_f64()),
         }
@@ -634,14 +647,11 @@ async fn raw_tcp(bed: &Bed, plan: &Plan, dir: &Path, exe: &str, secret: &str) ->
 
 /// One job on the bed: three launches, the report of the rendezvous one.
 async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &str, mode: Mode) -> HostsRun {
-    let extra: Vec<String> = match mode {
-        Mode::Psld => ["--balance", "psld", "--max-servers", "4"].map(String::from).to_vec(),
-        _ => ["--balance", "static"].map(String::from).to_vec(),
-    };
+    let spec = plan.spec(mode);
     let dir = runs_dir.join(mode.name());
     let mut run = HostsRun {
         mode,
-        flags: extra.clone(),
+        flags: spec.flags(),
         error: None,
         samples_per_sec: f64::NAN,
         settled_samples_per_sec: f64::NAN,
@@ -649,15 +659,13 @@ async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &st
         servers: Vec::new(),
         run: None,
     };
-    match job(bed, plan, &dir, exe, secret, mode, &extra).await {
+    match job(bed, &spec, &dir, exe, secret, plan.job_timeout(mode, 4.0)).await {
         Ok(report) => {
             run.samples_per_sec = report.samples_per_sec;
             run.model_bytes = report.servers.iter().map(|s| s.bytes).sum();
             run.servers = server_hosts(&dir.join("h1/logs/scheduler.log"), &bed.hosts);
-            let mut flags = plan.job_flags.clone();
-            flags.extend(extra);
-            let r = measure(&report, None, mode, 0.0, flags);
-            run.settled_samples_per_sec = r.iters_per_s * f64::from(plan.batch_size);
+            let r = measure(&report, spec.flags(), mode, 0.0);
+            run.settled_samples_per_sec = r.balance().iters_per_s * f64::from(plan.batch_size);
             run.run = Some(r);
         }
         Err(e) => run.error = Some(format!("{e} (logs under {})", dir.display())),
@@ -665,15 +673,10 @@ async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &st
     run
 }
 
-async fn job(
-    bed: &Bed,
-    plan: &Plan,
-    dir: &Path,
-    exe: &str,
-    secret: &str,
-    mode: Mode,
-    extra: &[String],
-) -> Result<Report> {
+/// Runs `spec` on the bed: a launch per host, each given `spec`'s flags (its job's to the
+/// launch, its data's to the workers); the whole job within `within` (a model of up to 4 MB:
+/// the bound is generous).
+async fn job(bed: &Bed, spec: &TrainSpec, dir: &Path, exe: &str, secret: &str, within: Duration) -> Result<Report> {
     std::fs::create_dir_all(dir)?;
     let rdzv = format!("{}:{RDZV_PORT}", bed.hosts[0].ip);
     let launch = |host: usize, layout: &[&str]| -> Vec<String> {
@@ -683,13 +686,12 @@ async fn job(
             .to_vec();
         a.extend(layout.iter().map(|s| s.to_string()));
         a.extend(["--report".to_string(), dir.join(&name).display().to_string()]);
-        a.extend(plan.job_flags.iter().cloned());
-        a.extend(extra.iter().cloned());
-        a.push("--".into());
-        a.extend([exe, "worker", "--model", &plan.model].map(String::from));
-        a.extend(["--compute-ms".into(), plan.compute_ms.to_string(), "--iterations".into()]);
-        a.push(plan.iterations(mode).to_string());
-        a.extend(["--batch-size".into(), plan.batch_size.to_string()]);
+        a.extend(spec.job.to_flags());
+        a.extend(
+            ["--request-timeout-s", "60", "--end-timeout-s", "30", "--join-timeout-s", "60", "--"].map(String::from),
+        );
+        a.extend([exe, "worker"].map(String::from));
+        a.extend(spec.data.to_flags());
         a
     };
     // Which host runs what (module docs): the workers' host, three hosts of one server
@@ -745,8 +747,6 @@ async fn job(
         }
         return Err(e);
     }
-    // A model of up to 4 MB: the bound is generous.
-    let within = plan.job_timeout(mode, 4.0);
     let deadline = Instant::now() + within;
     let mut failures = Vec::new();
     for (i, (c, what)) in children.iter_mut().enumerate() {
@@ -869,7 +869,7 @@ fn targets(runs: &[HostsRun]) -> Vec<Target> {
     let p = find(runs, Mode::Psld);
     let spare_out = p.map(|p| p.servers.iter().filter(|s| !s.initial && s.host.ends_with('5')).count());
     let scale_outs =
-        p.and_then(|p| p.run.as_ref()).map(|r| r.scaling.iter().filter(|e| e.action == "scale-out").count());
+        p.and_then(|p| p.run.as_ref()).map(|r| r.balance().scaling.iter().filter(|e| e.action == "scale-out").count());
     vec![Target {
         what: "psld scales out onto the spare host (host 5)".into(),
         measured: match (spare_out, scale_outs) {
@@ -880,13 +880,9 @@ fn targets(runs: &[HostsRun]) -> Vec<Target> {
     }]
 }
 
-fn fixed(x: f64, d: usize) -> String {
-    if x.is_finite() { format!("{x:.d$}") } else { "-".into() }
-}
-
-fn render(out: &Output) -> String {
+fn render(out: &Written<Body>) -> String {
     let mut s = String::new();
-    let p = &out.plan;
+    let p = &out.body.plan;
     s.push_str(&format!(
         "\n`bench hosts`{}: 5 namespace hosts (host 1 rendezvous: the 2 workers; hosts 2-4: a server each, host 2's \
          link capped at {} mbit each way; host 5: spare, 2 server slots), {}, {} ms compute, bsp, sgd, bestfit, 4 MiB \
@@ -900,13 +896,13 @@ fn render(out: &Output) -> String {
     ));
     s.push_str(&out.machine.markdown(out.took_s).replacen(", loopback;", ", namespace hosts on a bridge;", 1));
     s.push('\n');
-    let raw = raw_mbit(&out.tcp);
-    let tcp_cell = if out.tcp.is_empty() {
-        format!("failed: {}", out.tcp_error.as_deref().unwrap_or("?"))
+    let raw = raw_mbit(&out.body.tcp);
+    let tcp_cell = if out.body.tcp.is_empty() {
+        format!("failed: {}", out.body.tcp_error.as_deref().unwrap_or("?"))
     } else {
-        out.tcp.iter().map(|t| format!("{:?} {:.1}", t.direction, t.mbit_per_s)).collect::<Vec<_>>().join(" / ")
+        out.body.tcp.iter().map(|t| format!("{:?} {:.1}", t.direction, t.mbit_per_s)).collect::<Vec<_>>().join(" / ")
     };
-    let st = find(&out.runs, Mode::Static);
+    let st = find(&out.body.runs, Mode::Static);
     let headers = [
         "mode",
         "samples/s",
@@ -921,64 +917,70 @@ fn render(out: &Output) -> String {
         "servers (host)",
         "wall s",
     ];
-    let rows: Vec<Vec<String>> =
-        out.runs
-            .iter()
-            .map(|r| {
-                if r.error.is_some() {
-                    return vec![r.mode.name().into(), "failed (below)".into()];
+    let rows: Vec<Vec<String>> = out
+        .body
+        .runs
+        .iter()
+        .map(|r| {
+            if r.error.is_some() {
+                return vec![r.mode.name().into(), "failed (below)".into()];
+            }
+            let x = r.run.as_ref();
+            let vs = match (r.mode, st) {
+                (Mode::Psld, Some(st)) => format!(
+                    "{} ({} whole run)",
+                    ratio(r.settled_samples_per_sec, st.settled_samples_per_sec),
+                    ratio(r.samples_per_sec, st.samples_per_sec)
+                ),
+                _ => "-".into(),
+            };
+            let scaling = x.map_or("-".into(), |x| {
+                if x.balance().scaling.is_empty() {
+                    "none".into()
+                } else {
+                    x.balance()
+                        .scaling
+                        .iter()
+                        .map(|e| {
+                            format!(
+                                "{} {} at {:.1} s",
+                                e.action,
+                                e.server.map_or("-".into(), |v| v.to_string()),
+                                e.at_s
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; ")
                 }
-                let x = r.run.as_ref();
-                let vs = match (r.mode, st) {
-                    (Mode::Psld, Some(st)) => format!(
-                        "{} ({} whole run)",
-                        ratio(r.settled_samples_per_sec, st.settled_samples_per_sec),
-                        ratio(r.samples_per_sec, st.samples_per_sec)
-                    ),
-                    _ => "-".into(),
-                };
-                let scaling = x.map_or("-".into(), |x| {
-                    if x.scaling.is_empty() {
-                        "none".into()
+            });
+            let servers = r
+                .servers
+                .iter()
+                .map(|h| format!("{} {}{}", h.server, h.host, if h.initial { "" } else { " (new)" }))
+                .collect::<Vec<_>>()
+                .join(", ");
+            vec![
+                r.mode.name().into(),
+                fixed(r.samples_per_sec, 1),
+                fixed(r.settled_samples_per_sec, 1),
+                vs,
+                link_bound(p, &out.body.tcp, r.model_bytes).map_or("-".into(), |b| fixed(b, 1)),
+                tcp_cell.clone(),
+                x.map_or("-".into(), |x| fixed(x.balance().window_from_s, 1)),
+                x.map_or("-".into(), |x| x.balance().migrations.to_string()),
+                x.map_or("-".into(), |x| {
+                    if x.balance().migrations == 0 {
+                        "-".into()
                     } else {
-                        x.scaling
-                            .iter()
-                            .map(|e| {
-                                format!(
-                                    "{} {} at {:.1} s",
-                                    e.action,
-                                    e.server.map_or("-".into(), |v| v.to_string()),
-                                    e.at_s
-                                )
-                            })
-                            .collect::<Vec<_>>()
-                            .join("; ")
+                        fixed(x.balance().bytes_moved as f64 / 1e6, 1)
                     }
-                });
-                let servers = r
-                    .servers
-                    .iter()
-                    .map(|h| format!("{} {}{}", h.server, h.host, if h.initial { "" } else { " (new)" }))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                vec![
-                    r.mode.name().into(),
-                    fixed(r.samples_per_sec, 1),
-                    fixed(r.settled_samples_per_sec, 1),
-                    vs,
-                    link_bound(p, &out.tcp, r.model_bytes).map_or("-".into(), |b| fixed(b, 1)),
-                    tcp_cell.clone(),
-                    x.map_or("-".into(), |x| fixed(x.window_from_s, 1)),
-                    x.map_or("-".into(), |x| x.migrations.to_string()),
-                    x.map_or("-".into(), |x| {
-                        if x.migrations == 0 { "-".into() } else { fixed(x.bytes_moved as f64 / 1e6, 1) }
-                    }),
-                    scaling,
-                    servers,
-                    x.map_or("-".into(), |x| fixed(x.wall_s, 1)),
-                ]
-            })
-            .collect();
+                }),
+                scaling,
+                servers,
+                x.map_or("-".into(), |x| fixed(x.wall_s, 1)),
+            ]
+        })
+        .collect();
     s.push_str(&markdown_table(&headers, &rows));
     if let Some(raw) = raw {
         s.push_str(&format!(
@@ -988,7 +990,7 @@ fn render(out: &Output) -> String {
             p.batch_size
         ));
     }
-    for r in out.runs.iter().filter(|r| r.error.is_some()) {
+    for r in out.body.runs.iter().filter(|r| r.error.is_some()) {
         s.push_str(&format!("\n{} failed: {}\n", r.mode.name(), r.error.as_deref().unwrap_or("")));
     }
     s.push_str(&checks_and_targets_markdown(&out.checks, &out.targets));
@@ -1028,7 +1030,7 @@ mod tests {
             cap_mbit: None,
             static_iterations: None,
             psld_iterations: None,
-            model: "m".into(),
+            model: "synthetic:resnet56".into(),
             compute_ms: 20.0,
             tcp_secs: 3.0,
             prefix: "ebh".into(),

@@ -3,15 +3,22 @@
 //! benchmark runs is a real local cluster of that binary's roles, started through
 //! `elasticps-launch` (the same runner as `elasticps train`).
 //!
+//! Every benchmark goes through one pipeline ([`pipeline`]): a [`pipeline::Bench`] runs its
+//! plan, decides its checks and targets, and renders its Markdown and plots; the pipeline
+//! adds the machine and the command line, prints, writes and fails the command on a failed
+//! check. Jobs are typed ([`job::TrainSpec`]: `elasticps-launch`'s `JobArgs` and
+//! `DataArgs`), and what a run measured is one [`job::RunResult`], from the analytics of
+//! `elasticps-report`.
+//!
 //! - [`transport`]: push/pull throughput and latency of the parameter server against the
 //!   same bytes over plain TCP socket pairs (`elasticps bench transport`).
 //! - [`sink`]: the raw TCP peer of that comparison, a separate process
 //!   (`elasticps bench tcp-sink`, hidden) so both sides pay the same process costs.
-//! - [`stats`]: latency percentiles and rates.
+//! - [`pipeline`]: the one pipeline of every benchmark.
 //! - [`machine`]: CPU model, kernel, and the CPU share other processes took during a run;
-//!   [`machine::Machine`], the machine line of `bench sync` and `bench straggler`.
-//! - [`checks`]: the checks (fail the command) and targets (reported) that end the reports
-//!   of `bench sync` and `bench straggler`, and their Markdown.
+//!   [`machine::Machine`], the machine line of every benchmark.
+//! - [`checks`]: the checks (fail the command) and targets (reported) that end every
+//!   benchmark's report, and their Markdown.
 //! - [`sync`]: every sync policy on the same straggler job, side by side
 //!   (`elasticps bench sync`); [`plots::sync`] draws its `sync.png`; [`transient`] is its
 //!   transient-straggler scenario, each policy against the replay of its own hold rule.
@@ -20,17 +27,22 @@
 //!   [`plots::straggler`] draws its `straggler.png`.
 //! - [`sim`]: `elasticps sim` at 1,000 workers x 100 servers, the balancer's decision time,
 //!   static vs PSLD and the sync policies at scale, and a cross-check of the sim against
-//!   real processes (`elasticps bench sim`); it draws its own `sim.png`.
+//!   real processes (`elasticps bench sim`); [`plots::sim`] draws its `sim.png`.
 //! - [`chaos`]: servers killed and a worker restarted under load with `--replicas 2`:
 //!   detection, recovery, iteration spikes, exact final parameters, the cost of replicas
 //!   (`elasticps bench chaos`).
 //! - [`hosts`]: static vs PSLD on a job across 3 namespace hosts (`scripts/testnet`), one
 //!   host's link capped with tbf, a spare host for scale-out, against the raw TCP rate of
 //!   that link (`elasticps bench hosts`; `bench tcp-rate`, hidden, is its raw client).
-//! - [`job`]: the one runner of their train jobs (through `elasticps-launch`).
-//! - [`plots`]: those two figures, in the house style of `elasticps-report`.
+//! - [`roles`]: a job's scheduler and servers as processes, for the benchmarks that drive
+//!   their own workers in process (`transport`, `chaos`).
+//! - [`job`]: their train jobs, typed, the one runner of them (through
+//!   `elasticps-launch`), and the one [`job::RunResult`] of a job measured.
+//! - [`plots`]: those figures, in the house style of `elasticps-report`.
 
 use clap::Subcommand;
+
+use crate::pipeline::execute;
 
 pub mod chaos;
 pub mod checks;
@@ -38,10 +50,11 @@ mod error;
 pub mod hosts;
 pub mod job;
 pub mod machine;
+pub mod pipeline;
 pub mod plots;
+pub mod roles;
 pub mod sim;
 pub mod sink;
-pub mod stats;
 pub mod straggler;
 pub mod sync;
 pub mod transient;
@@ -75,32 +88,15 @@ pub enum BenchCmd {
 /// Runs a benchmark.
 pub async fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
-        BenchCmd::Transport(cmd) => transport::run(cmd).await,
+        BenchCmd::Transport(cmd) => execute(transport::TransportBench::new(cmd)?).await,
         BenchCmd::TcpSink(cmd) => sink::run(cmd).await,
-        BenchCmd::Sync(cmd) => sync::run(cmd).await,
-        BenchCmd::Straggler(cmd) => straggler::run(cmd).await,
-        BenchCmd::Sim(cmd) => sim::run(cmd).await,
-        BenchCmd::Chaos(cmd) => chaos::run(cmd).await,
-        BenchCmd::Hosts(cmd) => hosts::run(cmd).await,
+        BenchCmd::Sync(cmd) => execute(sync::SyncBench::new(cmd)?).await,
+        BenchCmd::Straggler(cmd) => execute(straggler::StragglerBench::new(cmd)?).await,
+        BenchCmd::Sim(cmd) => execute(sim::SimBench::new(cmd)).await,
+        BenchCmd::Chaos(cmd) => execute(chaos::ChaosBench::new(cmd)?).await,
+        BenchCmd::Hosts(cmd) => execute(hosts::HostsBench::new(cmd)?).await,
         BenchCmd::TcpRate(cmd) => hosts::tcp_rate(cmd).await,
     }
-}
-
-/// Writes a benchmark's results into `out`: `STEM.json` (`json`), `STEM.md` (`md`) and
-/// the figure `plot` that `draw` renders.
-pub fn write_results(
-    out: &std::path::Path,
-    stem: &str,
-    json: String,
-    md: &str,
-    plot: &str,
-    draw: impl FnOnce(&std::path::Path) -> elasticps_report::Result<()>,
-) -> Result<()> {
-    use crate::error::Context as _;
-    std::fs::write(out.join(format!("{stem}.json")), json + "\n").with_context(|| format!("writing {stem}.json"))?;
-    std::fs::write(out.join(format!("{stem}.md")), md).with_context(|| format!("writing {stem}.md"))?;
-    let png = out.join(plot);
-    draw(&png).with_context(|| format!("drawing {}", png.display()))
 }
 
 /// A tokio runtime with `threads` worker threads, like the one every role process runs

@@ -1,9 +1,9 @@
 //! What the benchmarks report about the machine: CPU model, kernel, and how much of the
 //! CPU other processes took while a benchmark ran (other work skews every number).
 //!
-//! [`Machine`] is the `machine` object of `bench-sync.json` and `bench-straggler.json` and
-//! the machine line of their Markdown ([`Machine::markdown`]); a [`MachineWatch`] started
-//! before the runs builds it after them. [`CpuSample`] is the CPU probe underneath.
+//! [`Machine`] is the `machine` object of every benchmark's JSON and the machine line of
+//! its Markdown ([`Machine::markdown`]); a [`MachineWatch`] started before the runs builds
+//! it after them ([`crate::pipeline`]). [`CpuSample`] is the CPU probe underneath.
 
 use serde::Serialize;
 
@@ -70,9 +70,7 @@ pub fn cpu_model() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-/// The machine a benchmark ran on, as `bench sync` and `bench straggler` report it (the
-/// `machine` object of their JSON). `bench transport` keeps its own, with the hypervisor's
-/// steal share and without load averages.
+/// The machine a benchmark ran on (the `machine` object of its JSON).
 #[derive(Clone, Debug, Serialize)]
 pub struct Machine {
     /// CPUs available to this process.
@@ -88,9 +86,25 @@ pub struct Machine {
     /// Share of the machine's CPU time that processes outside this benchmark used during
     /// the run (from /proc/stat; other work slows every run, and not every run alike).
     pub other_cpu_share: Option<f64>,
+    /// Share of the machine's CPU time the hypervisor took (steal) during the run.
+    pub steal_share: Option<f64>,
 }
 
 impl Machine {
+    /// A machine of 2 CPUs, for tests.
+    #[cfg(test)]
+    pub fn example() -> Self {
+        Machine {
+            nproc: 2,
+            cpu: "cpu".into(),
+            kernel: "6".into(),
+            loadavg_before: "0.1 0 0".into(),
+            loadavg_after: "1 0 0".into(),
+            other_cpu_share: Some(0.1),
+            steal_share: None,
+        }
+    }
+
     /// The Markdown paragraph on the machine (with the blank line after it), `took_s` being
     /// the benchmark's whole time.
     pub fn markdown(&self, took_s: f64) -> String {
@@ -101,7 +115,7 @@ impl Machine {
             self.cpu,
             self.kernel,
             took_s,
-            self.other_cpu_share.map_or("an unknown share".into(), |s| format!("{:.0}%", s * 100.0)),
+            percent(self.other_cpu_share),
             first_field(&self.loadavg_before),
             first_field(&self.loadavg_after),
         )
@@ -125,15 +139,22 @@ impl MachineWatch {
 
     /// Describes the machine, with what other processes took since [`MachineWatch::start`].
     pub fn finish(self) -> Machine {
+        let after = CpuSample::now();
         Machine {
             nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
             cpu: cpu_model(),
             kernel: read_trim("/proc/sys/kernel/osrelease"),
             loadavg_before: self.loadavg_before,
             loadavg_after: read_trim("/proc/loadavg"),
-            other_cpu_share: self.cpu_before.zip(CpuSample::now()).and_then(|(a, b)| a.others(b)),
+            other_cpu_share: self.cpu_before.zip(after).and_then(|(a, b)| a.others(b)),
+            steal_share: self.cpu_before.zip(after).and_then(|(a, b)| a.steal(b)),
         }
     }
+}
+
+/// A share as `12%`, or "an unknown share".
+pub fn percent(share: Option<f64>) -> String {
+    share.map_or_else(|| "an unknown share".into(), |s| format!("{:.0}%", s * 100.0))
 }
 
 /// The first whitespace-separated field (the 1-minute load average of a /proc/loadavg line).

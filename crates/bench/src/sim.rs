@@ -35,23 +35,27 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use clap::{Args, Parser, ValueEnum};
-use elasticps_core::balance::{BalanceParams, Balancer, Decision, View, rebalance};
+use clap::{Args, ValueEnum};
+use elasticps_core::balance::{BalanceMode, BalanceParams, Balancer, Decision, View, rebalance};
 use elasticps_core::load::LoadModel;
 use elasticps_core::model::Partition;
+use elasticps_core::optimizer::OptimizerKind;
 use elasticps_core::placement::{Placement, PlacementKind, ServerId};
 use elasticps_core::stats::{median, ratio};
-use elasticps_launch::args::NetArgs;
-use elasticps_report::Report;
+use elasticps_launch::args::{DataArgs, JobArgs, NetArgs, StragglerSpec};
+use elasticps_report::analytics::{mean_iter_ms, mean_rate as worker_rate, second_half_rate};
 use elasticps_report::table::markdown_table;
-use elasticps_sim::SimCmd;
+use elasticps_sim::SimArgs;
+use elasticps_train::ModelKind;
 use elasticps_train::synthetic::Profile;
 use serde::Serialize;
 
-use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
+use crate::checks::{Check, Target, checks_and_targets_markdown};
 use crate::error::Context as _;
-use crate::job::run_train;
-use crate::machine::{CpuSample, Machine, MachineWatch};
+use crate::job::{TrainSpec, policy, run_and_write, sim_defaults};
+use crate::machine::CpuSample;
+use crate::pipeline::{Bench, Written};
+use crate::plots::sim::{PlotData, draw};
 use crate::{BenchError, Result};
 
 /// The sim's iterations/s must be within this fraction of the real run's (the check).
@@ -147,49 +151,43 @@ impl Plan {
         self.parts.contains(&part)
     }
 
-    /// Part 1's flags, with the fused push_pull or without (`--no-fuse`).
-    fn scale_flags(&self, fuse: bool) -> Vec<String> {
-        let mut f =
-            job_flags(self.scale_workers, self.scale_servers, "synthetic:resnet50", "bsp", self.scale_iterations);
-        if !fuse {
-            f.push("--no-fuse".into());
-        }
-        f
+    /// Part 1's job, with the fused push_pull or without (`--no-fuse`).
+    fn scale_spec(&self, fuse: bool) -> TrainSpec {
+        let mut spec = job_spec(self.scale_workers, self.scale_servers, Profile::ResNet50, self.scale_iterations);
+        spec.data.no_fuse = !fuse;
+        spec
     }
 
-    /// Part 3's flags under `balance` (`static` or `psld`).
-    fn psld_flags(&self, balance: &str) -> Vec<String> {
-        let mut f = job_flags(self.psld_workers, self.psld_servers, "synthetic:resnet50", "bsp", self.psld_iterations);
-        let link = default_link_mbps();
-        let caps: Vec<String> = straggler_ids(self.psld_servers, self.psld_stragglers)
-            .iter()
-            .map(|i| format!("{i}={}", link / 4.0))
-            .collect();
-        f.extend(strings(&["--balance", balance, "--max-servers"]));
-        f.push(self.psld_servers.to_string());
-        f.push("--min-servers".into());
-        f.push(self.psld_servers.to_string());
-        f.push("--server-bandwidth".into());
-        f.push(caps.join(","));
-        f
+    /// Part 3's job under `balance` (`static` or `psld`).
+    fn psld_spec(&self, balance: BalanceMode) -> TrainSpec {
+        let mut spec = job_spec(self.psld_workers, self.psld_servers, Profile::ResNet50, self.psld_iterations);
+        let link = sim_defaults().link_mbps;
+        let caps = straggler_ids(self.psld_servers, self.psld_stragglers).iter().map(|i| (*i, link / 4.0)).collect();
+        spec.job = JobArgs {
+            balance,
+            max_servers: Some(self.psld_servers),
+            min_servers: Some(self.psld_servers),
+            server_bandwidth: caps,
+            ..spec.job
+        };
+        spec
     }
 
-    /// Part 4's flags.
-    fn policy_flags(&self, policy: &str, workers: u32) -> Vec<String> {
-        let mut f = job_flags(workers, self.policy_servers, "synthetic:resnet56", policy, self.policy_iterations);
-        f.extend(strings(&["--worker-delay", "0,4:50:10"]));
-        f
+    /// Part 4's job.
+    fn policy_spec(&self, sync: &str, workers: u32) -> Result<TrainSpec> {
+        let mut spec = job_spec(workers, self.policy_servers, Profile::ResNet56, self.policy_iterations);
+        spec.job.sync = policy(sync)?;
+        spec.data.worker_delay = Some(StragglerSpec { ranks: vec![0, 4], mean_ms: 50.0, sd_ms: 10.0 });
+        Ok(spec)
     }
 
-    /// Part 5's flags at `workers` workers: the same for `train` and for `sim` (the sim's
-    /// own flags are added by [`sim_only`]).
-    fn cross_flags(&self, workers: u32, fuse: bool) -> Vec<String> {
-        let mut f = job_flags(workers, 4, "synthetic:resnet50", "bsp", self.cross_iterations);
-        f.extend(strings(&["--server-bandwidth", "0=200,1=50,2=200,3=200"]));
-        if !fuse {
-            f.push("--no-fuse".into());
-        }
-        f
+    /// Part 5's job at `workers` workers: the same for `train` and for `sim` (which runs
+    /// it on [`sim_machine`]).
+    fn cross_spec(&self, workers: u32, fuse: bool) -> TrainSpec {
+        let mut spec = job_spec(workers, 4, Profile::ResNet50, self.cross_iterations);
+        spec.job.server_bandwidth = vec![(0, 200.0), (1, 50.0), (2, 200.0), (3, 200.0)];
+        spec.data.no_fuse = !fuse;
+        spec
     }
 
     /// The cross-check's jobs: (workers, checked, fused). The checked one has
@@ -209,79 +207,42 @@ impl Plan {
 /// Workers of the checked cross-check (see [`cross_check`] for why 2 and not 4).
 const CROSS_WORKERS: u32 = 2;
 
-/// The sim's default `--link-mbps` (a server's link unless `--server-bandwidth` caps it).
-fn default_link_mbps() -> f64 {
-    sim_cmd(&[]).map_or(1250.0, |c| c.sim.link_mbps)
+/// The scale at which the cross-check's job is simulated: finer than the default, so the
+/// simulated model's bytes are within 0.6% of the nominal model's (at the default scale,
+/// every small tensor rounds up to one value of 3,120 and the model weighs 1.7% more than
+/// ResNet-50).
+const CROSS_SCALE: u64 = 256;
+
+/// The machine the cross-check's job is simulated on ([`CROSS_SCALE`]).
+fn sim_machine() -> SimArgs {
+    SimArgs { scale: CROSS_SCALE, ..sim_defaults() }
 }
 
-/// The flags the sim adds to the cross-check's job: a finer scale than the default, so
-/// the simulated model's bytes are within 0.6% of the nominal model's (at the default
-/// scale, every small tensor rounds up to one value of 3,120 and the model weighs 1.7%
-/// more than ResNet-50).
-fn sim_only() -> Vec<String> {
-    strings(&["--scale", "256"])
-}
-
-fn strings(s: &[&str]) -> Vec<String> {
-    s.iter().map(|s| s.to_string()).collect()
-}
-
-/// The flags every job of the benchmark shares, spelled out so that ELASTICPS_* variables
-/// of the shell do not change the job.
-fn job_flags(workers: u32, servers: u32, model: &str, sync: &str, iterations: u32) -> Vec<String> {
-    let mut f = strings(&["--servers"]);
-    f.push(servers.to_string());
-    f.push("--workers".into());
-    f.push(workers.to_string());
-    f.extend(strings(&[
-        "--model",
-        model,
-        "--sync",
-        sync,
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.01",
-        "--placement",
-        "bestfit",
-        "--block-bytes",
-        "4194304",
-        "--seed",
-        "42",
-        "--batch-size",
-        "32",
-        "--data-seed",
-        "7",
-        "--compute-ms",
-        "20",
-        "--request-timeout-s",
-        "60",
-    ]));
-    f.push("--iterations".into());
-    f.push(iterations.to_string());
-    f
+/// The job every row of the benchmark varies: bsp, sgd 0.01, bestfit placement, 20 ms of
+/// compute, requests that give up after 60 s.
+fn job_spec(workers: u32, servers: u32, profile: Profile, iterations: u32) -> TrainSpec {
+    TrainSpec {
+        job: JobArgs {
+            servers,
+            workers,
+            optimizer: OptimizerKind::Sgd,
+            lr: 0.01,
+            placement: PlacementKind::BestFit,
+            ..JobArgs::default()
+        },
+        data: DataArgs {
+            model: ModelKind::Synthetic(profile),
+            iterations: Some(iterations),
+            request_timeout_s: 60,
+            ..DataArgs::default()
+        },
+    }
 }
 
 /// `k` straggler ids spread evenly over `servers` servers (0, servers/k, 2 servers/k...).
 fn straggler_ids(servers: u32, k: u32) -> Vec<ServerId> {
     let k = k.min(servers);
     (0..k).map(|i| i * servers / k.max(1)).collect()
-}
-
-/// `elasticps sim`'s flags, parsed into its command (every flag not given keeps the
-/// default of `sim`).
-#[derive(Parser, Debug)]
-#[command(name = "sim")]
-struct SimFlags {
-    #[command(flatten)]
-    cmd: SimCmd,
-}
-
-/// `flags` (as `elasticps sim` takes them) parsed into the sim's command.
-pub fn sim_cmd(flags: &[String]) -> Result<SimCmd> {
-    SimFlags::try_parse_from(std::iter::once("sim".to_string()).chain(flags.iter().cloned()))
-        .map(|f| f.cmd)
-        .map_err(|e| BenchError::Flags(format!("building the simulated job: {e}")))
 }
 
 /// One simulated job: its flags, what it cost, what it measured.
@@ -326,9 +287,9 @@ impl SimRun {
     }
 }
 
-/// Runs the simulated job of `flags` (off the async runtime: it is one long computation).
-async fn simulate(flags: Vec<String>) -> Result<SimRun> {
-    let cmd = sim_cmd(&flags)?;
+/// Runs the simulated job of `spec` (off the async runtime: it is one long computation).
+async fn simulate(spec: &TrainSpec) -> Result<SimRun> {
+    let cmd = spec.sim_cmd(sim_defaults());
     let job = cmd.clone();
     let before = CpuSample::now();
     let out = tokio::task::spawn_blocking(move || elasticps_sim::simulate(&job)).await??;
@@ -354,30 +315,8 @@ async fn simulate(flags: Vec<String>) -> Result<SimRun> {
         pulls_held: report.servers.iter().map(|s| s.pulls_held).sum(),
         migrations: balance.map_or(0, |b| b.migrations.len()),
         moved_bytes: balance.map_or(0, |b| b.migrations.iter().map(|m| m.bytes).sum()),
-        flags,
+        flags: spec.flags(),
     })
-}
-
-/// The sum over workers of 1 / mean iteration time, iterations/s: the same on both sides
-/// of the cross-check (a real worker's `train_s` starts at its first pull, a simulated
-/// worker's after it, so iterations / train_s would not be).
-fn worker_rate(report: &Report) -> f64 {
-    report.workers.iter().filter(|w| w.iter_ms_mean > 0.0).map(|w| 1e3 / w.iter_ms_mean).sum()
-}
-
-/// As [`worker_rate`], over each worker's second half of iterations (once the balancer
-/// has settled), without the last one (it pushes without pulling).
-fn second_half_rate(report: &Report) -> f64 {
-    report
-        .workers
-        .iter()
-        .filter_map(|w| {
-            let it = &w.iter_ms[..w.iter_ms.len().saturating_sub(1)];
-            let half = &it[it.len() / 2..];
-            let ms: f64 = half.iter().map(|v| f64::from(*v)).sum();
-            (ms > 0.0).then(|| half.len() as f64 * 1e3 / ms)
-        })
-        .sum()
 }
 
 /// Part 2: one balancer decision at `servers` servers.
@@ -417,7 +356,7 @@ fn time_balancer(servers: u32, stragglers: &[ServerId], calls: usize) -> Result<
     let placement = Placement::initial(PlacementKind::BestFit, &partition, servers)?;
     let sizes: Vec<u64> = partition.blocks.iter().map(|b| b.bytes() as u64).collect();
     let ids: Vec<ServerId> = (0..servers).collect();
-    let fast_bps = default_link_mbps() * 1e6;
+    let fast_bps = sim_defaults().link_mbps * 1e6;
     let mut load = LoadModel::new(3_000_000);
     let mut now = 0;
     for _ in 0..16 {
@@ -546,11 +485,6 @@ pub fn within_tolerance(ratio: f64) -> bool {
     ratio.is_finite() && ((1.0 - CROSS_TOLERANCE)..=(1.0 + CROSS_TOLERANCE)).contains(&ratio)
 }
 
-fn mean_iter_ms(report: &Report) -> f64 {
-    let w = &report.workers;
-    if w.is_empty() { f64::NAN } else { w.iter().map(|w| w.iter_ms_mean).sum::<f64>() / w.len() as f64 }
-}
-
 /// Part 5 at `workers` workers. The job is `bench straggler`'s scenario a (4 servers
 /// capped at 200 MB/s, server 1 at 50 MB/s: bandwidth, not the 2 CPUs, bounds it); the
 /// check is decided at 2 workers. With `bench straggler`'s 4 workers the sim is 14-16%
@@ -561,16 +495,15 @@ fn mean_iter_ms(report: &Report) -> f64 {
 /// workers' rounds overlap better. With 1 or 2 workers there is little to interleave
 /// (measured 1.04 and 1.00); with every server at 50 MB/s, 4 workers measured 0.94.
 async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool, fuse: bool) -> Result<CrossCheck> {
-    let flags = plan.cross_flags(workers, fuse);
+    let spec = plan.cross_spec(workers, fuse);
     let dir = cmd.out.join("runs").join(format!("cross-real-{workers}w{}", if fuse { "-fused" } else { "" }));
     let t = Instant::now();
-    let real = run_train(&flags, &cmd.net, &dir).await.context("the cross-check's real run")?;
+    let real = run_and_write(&spec, &cmd.net, &dir, false).await.context("the cross-check's real run")?;
     let real_wall = t.elapsed().as_secs_f64();
-    std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&real)? + "\n")
-        .with_context(|| format!("writing {}", dir.join("report.json").display()))?;
+    let flags = spec.flags();
     let mut sim_flags = flags.clone();
-    sim_flags.extend(sim_only());
-    let sim_cmd = sim_cmd(&sim_flags)?;
+    sim_flags.extend(["--scale".to_string(), CROSS_SCALE.to_string()]);
+    let sim_cmd = spec.sim_cmd(sim_machine());
     let job = sim_cmd.clone();
     let out = tokio::task::spawn_blocking(move || elasticps_sim::simulate(&job)).await??;
     let sim = elasticps_sim::report(&sim_cmd, &out);
@@ -595,13 +528,10 @@ async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool
     })
 }
 
-/// Everything the benchmark wrote into bench-sim.json.
+/// What the parts measured (the body of bench-sim.json).
 #[derive(Clone, Debug, Serialize)]
-struct Output {
-    command: String,
-    machine: Machine,
+pub struct Body {
     plan: Plan,
-    took_s: f64,
     /// The scale run with the fused push_pull (the target's).
     scale: Option<SimRun>,
     /// The same without (`--no-fuse`), to compare.
@@ -610,103 +540,113 @@ struct Output {
     psld: Vec<(String, SimRun)>,
     policies: Vec<PolicyRun>,
     cross: Vec<CrossCheck>,
-    checks: Vec<Check>,
-    targets: Vec<Target>,
 }
 
-/// Runs the benchmark, writes its files and prints the tables.
-pub async fn run(cmd: SimBenchCmd) -> Result<()> {
-    let plan = Plan::new(&cmd);
-    std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
-    let watch = MachineWatch::start();
-    let started = Instant::now();
-    let step = |what: &str, flags: &[String]| eprintln!("bench sim: {what}: elasticps sim {}", flags.join(" "));
+/// `elasticps bench sim`, its plan resolved.
+pub struct SimBench {
+    cmd: SimBenchCmd,
+    plan: Plan,
+}
 
-    let (mut scale, mut scale_unfused) = (None, None);
-    if plan.runs(Part::Scale) {
-        for fuse in [true, false] {
-            let flags = plan.scale_flags(fuse);
-            step("scale", &flags);
-            let r = simulate(flags).await.context("the scale run")?;
-            eprintln!(
-                "  {:.1} s wall, {:.1} s CPU, {:.1} M events/s, {:.1} it/s",
-                r.wall_s,
-                r.cpu_s,
-                r.events_per_s() / 1e6,
-                r.iters_per_s
-            );
-            if fuse { scale = Some(r) } else { scale_unfused = Some(r) }
-        }
+impl SimBench {
+    /// The plan of `cmd`.
+    pub fn new(cmd: SimBenchCmd) -> Self {
+        SimBench { plan: Plan::new(&cmd), cmd }
     }
-    let mut balancer = None;
-    if plan.runs(Part::Balancer) {
-        let slow = straggler_ids(plan.balancer_servers, plan.balancer_stragglers);
-        eprintln!("bench sim: balancer: {} servers, {slow:?} 4x slower", plan.balancer_servers);
-        let b = time_balancer(plan.balancer_servers, &slow, plan.balancer_calls)?;
-        eprintln!("  step {:.3} ms, rebalance {:.3} ms: {}", b.step_ms, b.rebalance_ms, b.decision);
-        balancer = Some(b);
+}
+
+impl Bench for SimBench {
+    const STEM: &'static str = "bench-sim";
+    type Body = Body;
+
+    fn out(&self) -> Option<&Path> {
+        Some(&self.cmd.out)
     }
-    let mut psld = Vec::new();
-    if plan.runs(Part::Psld) {
-        for mode in ["static", "psld"] {
-            let flags = plan.psld_flags(mode);
-            step(mode, &flags);
-            let r = simulate(flags).await.with_context(|| format!("the {mode} run"))?;
-            eprintln!("  {:.1} s wall: {:.1} it/s, {} migrations", r.wall_s, r.iters_per_s, r.migrations);
-            psld.push((mode.to_string(), r));
-        }
-    }
-    let mut policies = Vec::new();
-    if plan.runs(Part::Policies) {
-        for &workers in &plan.policy_workers {
-            for policy in POLICIES {
-                let flags = plan.policy_flags(policy, workers);
-                step(policy, &flags);
-                let r = simulate(flags).await.with_context(|| format!("{policy} at {workers} workers"))?;
-                eprintln!("  {:.1} s wall: {:.1} it/s, {} delayed pulls", r.wall_s, r.iters_per_s, r.pulls_held);
-                policies.push(PolicyRun { policy: policy.to_string(), run: r });
+
+    async fn run(&self) -> Result<Body> {
+        let (plan, cmd) = (&self.plan, &self.cmd);
+        let step =
+            |what: &str, spec: &TrainSpec| eprintln!("bench sim: {what}: elasticps sim {}", spec.flags().join(" "));
+        let (mut scale, mut scale_unfused) = (None, None);
+        if plan.runs(Part::Scale) {
+            for fuse in [true, false] {
+                let spec = plan.scale_spec(fuse);
+                step("scale", &spec);
+                let r = simulate(&spec).await.context("the scale run")?;
+                eprintln!(
+                    "  {:.1} s wall, {:.1} s CPU, {:.1} M events/s, {:.1} it/s",
+                    r.wall_s,
+                    r.cpu_s,
+                    r.events_per_s() / 1e6,
+                    r.iters_per_s
+                );
+                if fuse { scale = Some(r) } else { scale_unfused = Some(r) }
             }
         }
-    }
-    let mut cross = Vec::new();
-    if plan.runs(Part::Cross) {
-        for (workers, checked, fuse) in plan.cross_jobs() {
-            eprintln!("bench sim: cross-check: elasticps train {}", plan.cross_flags(workers, fuse).join(" "));
-            let c = cross_check(&plan, &cmd, workers, checked, fuse).await?;
-            eprintln!(
-                "  real {:.3} it/s, sim {:.3} it/s: sim / real = {:.3}",
-                c.real.worker_rate,
-                c.sim.worker_rate,
-                c.ratio()
-            );
-            cross.push(c);
+        let mut balancer = None;
+        if plan.runs(Part::Balancer) {
+            let slow = straggler_ids(plan.balancer_servers, plan.balancer_stragglers);
+            eprintln!("bench sim: balancer: {} servers, {slow:?} 4x slower", plan.balancer_servers);
+            let b = time_balancer(plan.balancer_servers, &slow, plan.balancer_calls)?;
+            eprintln!("  step {:.3} ms, rebalance {:.3} ms: {}", b.step_ms, b.rebalance_ms, b.decision);
+            balancer = Some(b);
         }
+        let mut psld = Vec::new();
+        if plan.runs(Part::Psld) {
+            for mode in [BalanceMode::Static, BalanceMode::Psld] {
+                let spec = plan.psld_spec(mode);
+                step(&mode.to_string(), &spec);
+                let r = simulate(&spec).await.with_context(|| format!("the {mode} run"))?;
+                eprintln!("  {:.1} s wall: {:.1} it/s, {} migrations", r.wall_s, r.iters_per_s, r.migrations);
+                psld.push((mode.to_string(), r));
+            }
+        }
+        let mut policies = Vec::new();
+        if plan.runs(Part::Policies) {
+            for &workers in &plan.policy_workers {
+                for policy in POLICIES {
+                    let spec = plan.policy_spec(policy, workers)?;
+                    step(policy, &spec);
+                    let r = simulate(&spec).await.with_context(|| format!("{policy} at {workers} workers"))?;
+                    eprintln!("  {:.1} s wall: {:.1} it/s, {} delayed pulls", r.wall_s, r.iters_per_s, r.pulls_held);
+                    policies.push(PolicyRun { policy: policy.to_string(), run: r });
+                }
+            }
+        }
+        let mut cross = Vec::new();
+        if plan.runs(Part::Cross) {
+            for (workers, checked, fuse) in plan.cross_jobs() {
+                eprintln!(
+                    "bench sim: cross-check: elasticps train {}",
+                    plan.cross_spec(workers, fuse).flags().join(" ")
+                );
+                let c = cross_check(plan, cmd, workers, checked, fuse).await?;
+                eprintln!(
+                    "  real {:.3} it/s, sim {:.3} it/s: sim / real = {:.3}",
+                    c.real.worker_rate,
+                    c.sim.worker_rate,
+                    c.ratio()
+                );
+                cross.push(c);
+            }
+        }
+        Ok(Body { plan: plan.clone(), scale, scale_unfused, balancer, psld, policies, cross })
     }
-    let mut out = Output {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        machine: watch.finish(),
-        took_s: started.elapsed().as_secs_f64(),
-        plan,
-        scale,
-        scale_unfused,
-        balancer,
-        psld,
-        policies,
-        cross,
-        checks: Vec::new(),
-        targets: Vec::new(),
-    };
-    out.checks = checks(&out);
-    out.targets = targets(&out);
-    let md = render(&out);
-    print!("{md}");
-    let json = serde_json::to_string_pretty(&out)?;
-    crate::write_results(&cmd.out, "bench-sim", json, &md, "sim.png", |png| draw(png, &plot_data(&out)))?;
-    println!("\nwritten to {} (bench-sim.json, bench-sim.md, sim.png)", cmd.out.display());
-    ensure_no_check_failed(&out.checks)
+
+    fn verdicts(&self, body: &Body) -> (Vec<Check>, Vec<Target>) {
+        (checks(body), targets(body))
+    }
+
+    fn markdown(&self, written: &Written<Body>) -> String {
+        render(written)
+    }
+
+    fn plots(&self, written: &Written<Body>, dir: &Path) -> Result<Vec<String>> {
+        crate::pipeline::draw(dir, "sim.png", |png| draw(png, &plot_data(&written.body)))
+    }
 }
 
-fn checks(out: &Output) -> Vec<Check> {
+fn checks(out: &Body) -> Vec<Check> {
     let c = out.cross.iter().find(|c| c.checked);
     vec![Check {
         what: format!(
@@ -723,7 +663,7 @@ fn checks(out: &Output) -> Vec<Check> {
     }]
 }
 
-fn targets(out: &Output) -> Vec<Target> {
+fn targets(out: &Body) -> Vec<Target> {
     let scale = out.scale.as_ref();
     let b = out.balancer.as_ref();
     vec![
@@ -752,23 +692,20 @@ fn mb(bytes: u64) -> String {
     format!("{:.0}", bytes as f64 / 1e6)
 }
 
-fn render(out: &Output) -> String {
-    let p = &out.plan;
-    let mut s = String::new();
-    s.push_str("## bench sim\n\n");
-    s.push_str(&format!("`{}`\n\n", out.command));
-    s.push_str(&out.machine.markdown(out.took_s));
+fn render(out: &Written<Body>) -> String {
+    let p = &out.body.plan;
+    let mut s = out.heading("bench sim");
     s.push_str(
         "Every simulated row is an `elasticps sim` job (virtual time on the deterministic harness, \
          the real scheduler, server and worker state machines); its flags are in bench-sim.json. \
          it/s: every worker's iterations / the longest worker's training time, in virtual time.\n\n",
     );
-    if let Some(r) = &out.scale {
+    if let Some(r) = &out.body.scale {
         s.push_str("### Scale\n\n");
         s.push_str(&format!("`elasticps sim {}` (and the same with `--no-fuse`)\n\n", r.flags.join(" ")));
         let headers =
             ["round", "workers", "servers", "iterations", "wall s", "CPU s", "virtual s", "events", "events/s", "it/s"];
-        let rows: Vec<Vec<String>> = [Some(r), out.scale_unfused.as_ref()]
+        let rows: Vec<Vec<String>> = [Some(r), out.body.scale_unfused.as_ref()]
             .into_iter()
             .flatten()
             .map(|r| {
@@ -787,7 +724,7 @@ fn render(out: &Output) -> String {
             })
             .collect();
         s.push_str(&markdown_table(&headers, &rows));
-        if let Some(u) = &out.scale_unfused {
+        if let Some(u) = &out.body.scale_unfused {
             s.push_str(&format!(
                 "\nFused / unfused, same run: wall {}, CPU {}, events {}.\n",
                 ratio(r.wall_s, u.wall_s),
@@ -797,7 +734,7 @@ fn render(out: &Output) -> String {
         }
         s.push('\n');
     }
-    if let Some(b) = &out.balancer {
+    if let Some(b) = &out.body.balancer {
         s.push_str("### Balancer decision time\n\n");
         s.push_str(&format!(
             "ResNet-50's {} blocks of 4 MiB placed best-fit over {} servers; servers {:?} 4x slower in the \
@@ -822,7 +759,7 @@ fn render(out: &Output) -> String {
         s.push_str(&markdown_table(&headers, &rows));
         s.push('\n');
     }
-    if !out.psld.is_empty() {
+    if !out.body.psld.is_empty() {
         s.push_str("### Static placement vs PSLD at scale\n\n");
         s.push_str(&format!(
             "{} workers, {} servers, servers {:?} capped at a quarter of the sim's link, synthetic:resnet50, \
@@ -844,8 +781,9 @@ fn render(out: &Output) -> String {
             "virtual s",
             "wall s",
         ];
-        let stat = out.psld.iter().find(|(m, _)| m == "static").map(|(_, r)| r);
+        let stat = out.body.psld.iter().find(|(m, _)| m == "static").map(|(_, r)| r);
         let rows: Vec<Vec<String>> = out
+            .body
             .psld
             .iter()
             .map(|(mode, r)| {
@@ -868,7 +806,7 @@ fn render(out: &Output) -> String {
              half of iterations (after the balancer settled), without the last one.\n\n",
         );
     }
-    if !out.policies.is_empty() {
+    if !out.body.policies.is_empty() {
         s.push_str("### Sync policies from 8 to 1,000 workers\n\n");
         s.push_str(&format!(
             "synthetic:resnet56 (as `bench sync`), {} servers, 20 ms compute, ranks 0 and 4 delayed by \
@@ -877,11 +815,13 @@ fn render(out: &Output) -> String {
         ));
         let headers = ["workers", "policy", "it/s", "vs bsp", "delayed pulls", "vs bsp", "virtual s", "wall s"];
         let rows: Vec<Vec<String>> = out
+            .body
             .policies
             .iter()
             .map(|pr| {
                 let r = &pr.run;
-                let bsp = out.policies.iter().find(|b| b.policy == "bsp" && b.run.workers == r.workers).map(|b| &b.run);
+                let bsp =
+                    out.body.policies.iter().find(|b| b.policy == "bsp" && b.run.workers == r.workers).map(|b| &b.run);
                 vec![
                     r.workers.to_string(),
                     pr.policy.clone(),
@@ -897,15 +837,14 @@ fn render(out: &Output) -> String {
         s.push_str(&markdown_table(&headers, &rows));
         s.push('\n');
     }
-    if let Some(first) = out.cross.first() {
+    if let Some(first) = out.body.cross.first() {
         s.push_str("### Cross-check: the sim against real processes\n\n");
         s.push_str(&format!(
-            "`elasticps train {}` (real processes) and `elasticps sim` on the same flags plus `{}`; the \
+            "`elasticps train {}` (real processes) and `elasticps sim` on the same flags plus `--scale {CROSS_SCALE}`; the \
              same with push_pull (without `--no-fuse`, reported, not checked){}. \
              it/s: the sum over workers of 1 / mean iteration time, on both sides.\n\n",
             first.real.flags.join(" "),
-            sim_only().join(" "),
-            if out.cross.len() > 2 { "; and with 4 workers (reported, not checked)" } else { "" }
+            if out.body.cross.len() > 2 { "; and with 4 workers (reported, not checked)" } else { "" }
         ));
         let headers = [
             "workers",
@@ -920,6 +859,7 @@ fn render(out: &Output) -> String {
             "round",
         ];
         let rows: Vec<Vec<String>> = out
+            .body
             .cross
             .iter()
             .map(|c| {
@@ -943,16 +883,7 @@ fn render(out: &Output) -> String {
     s
 }
 
-/// What `sim.png` shows: iterations/s against workers, one line per policy.
-#[derive(Clone, Debug, Default)]
-pub struct PlotData {
-    /// (policy, [(workers, iterations/s)]), in legend order.
-    pub series: Vec<(String, Vec<(u32, f64)>)>,
-    /// A line under the title.
-    pub subtitle: String,
-}
-
-fn plot_data(out: &Output) -> PlotData {
+fn plot_data(out: &Body) -> PlotData {
     let series = POLICIES
         .iter()
         .map(|p| {
@@ -971,74 +902,10 @@ fn plot_data(out: &Output) -> PlotData {
     }
 }
 
-/// Draws `sim.png`: iterations/s (virtual) against workers, both axes log scale, a line
-/// per policy.
-pub fn draw(path: &Path, data: &PlotData) -> elasticps_report::Result<()> {
-    use elasticps_report::plot::{FONT, GRID_BOLD, MUTED_TEXT, PALETTE, ensure_font, house_style, plot_err};
-    use plotters::prelude::*;
-
-    ensure_font()?;
-    let root = BitMapBackend::new(path, (1000, 620)).into_drawing_area();
-    root.fill(&WHITE).map_err(plot_err)?;
-    let pts =
-        || data.series.iter().flat_map(|(_, v)| v.iter().copied()).filter(|(w, r)| *w > 0 && r.is_finite() && *r > 0.0);
-    let (x_lo, x_hi) =
-        pts().fold((f64::INFINITY, 0.0f64), |(lo, hi), (w, _)| (lo.min(f64::from(w)), hi.max(f64::from(w))));
-    let (x_lo, x_hi) = if x_lo.is_finite() { (x_lo / 1.5, x_hi * 1.5) } else { (1.0, 1000.0) };
-    let (y_lo, y_hi) = pts().fold((f64::INFINITY, 0.0f64), |(lo, hi), (_, r)| (lo.min(r), hi.max(r)));
-    let (y_lo, y_hi) = if y_lo.is_finite() { (y_lo / 2.0, y_hi * 2.0) } else { (1.0, 1000.0) };
-    let (top, body) = root.split_vertically(30);
-    top.draw_text(&data.subtitle, &TextStyle::from((FONT, 14).into_font()).color(&MUTED_TEXT), (80, 10))
-        .map_err(plot_err)?;
-    let mut chart = ChartBuilder::on(&body)
-        .caption("iterations/s vs workers, per sync policy", (FONT, 22))
-        .margin(16)
-        .x_label_area_size(48)
-        .y_label_area_size(70)
-        .build_cartesian_2d((x_lo..x_hi).log_scale(), (y_lo..y_hi).log_scale())
-        .map_err(plot_err)?;
-    house_style(&mut chart.configure_mesh())
-        .x_desc("workers (log scale)")
-        .y_desc("iterations/s, all workers (virtual time, log scale)")
-        .x_label_formatter(&|v: &f64| format!("{v:.0}"))
-        .y_label_formatter(&|v: &f64| if *v >= 10.0 { format!("{v:.0}") } else { format!("{v:.1}") })
-        .max_light_lines(1)
-        .draw()
-        .map_err(plot_err)?;
-    for (i, (policy, series)) in data.series.iter().enumerate() {
-        let color = PALETTE[i % PALETTE.len()];
-        let line: Vec<(f64, f64)> = series
-            .iter()
-            .filter(|(w, r)| *w > 0 && r.is_finite() && *r > 0.0)
-            .map(|(w, r)| (f64::from(*w), *r))
-            .collect();
-        chart
-            .draw_series(LineSeries::new(line, color.stroke_width(2)).point_size(4))
-            .map_err(plot_err)?
-            .label(policy.clone())
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 22, y)], color.stroke_width(3)));
-    }
-    if data.series.is_empty() {
-        let area = chart.plotting_area().strip_coord_spec();
-        let (w, h) = area.dim_in_pixel();
-        let style = TextStyle::from((FONT, 18).into_font()).color(&MUTED_TEXT);
-        area.draw_text("no policy run", &style, (w as i32 / 2 - 50, h as i32 / 2)).map_err(plot_err)?;
-    } else {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .margin(12)
-            .label_font((FONT, 14))
-            .background_style(WHITE.mix(0.85))
-            .border_style(GRID_BOLD)
-            .draw()
-            .map_err(plot_err)?;
-    }
-    root.present().map_err(plot_err)
-}
-
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
 
     fn cmd(args: &[&str]) -> SimBenchCmd {
@@ -1051,19 +918,19 @@ mod tests {
     }
 
     #[test]
-    fn every_row_parses_into_the_sims_command() {
+    fn every_row_is_a_valid_simulated_job() {
         for quick in [true, false] {
             let plan = Plan::new(&cmd(if quick { &["--quick"] } else { &[] }));
             assert_eq!(plan.parts.len(), 5);
-            assert!(sim_cmd(&plan.scale_flags(false)).unwrap().data.no_fuse);
-            let s = sim_cmd(&plan.scale_flags(true)).unwrap();
+            assert!(plan.scale_spec(false).data.no_fuse);
+            let s = plan.scale_spec(true).sim_cmd(sim_defaults());
             assert!(!s.data.no_fuse);
             assert_eq!((s.job.workers, s.job.servers), if quick { (100, 10) } else { (1000, 100) });
             assert_eq!(s.data.iterations, Some(plan.scale_iterations));
             s.validate().unwrap();
-            for mode in ["static", "psld"] {
-                let s = sim_cmd(&plan.psld_flags(mode)).unwrap();
-                assert_eq!(s.job.balance.to_string(), mode);
+            for mode in [BalanceMode::Static, BalanceMode::Psld] {
+                let s = plan.psld_spec(mode).sim_cmd(sim_defaults());
+                assert_eq!(s.job.balance, mode);
                 assert_eq!(s.job.max_servers, Some(plan.psld_servers));
                 let capped: Vec<u32> = s.job.server_bandwidth.iter().map(|(i, _)| *i).collect();
                 assert_eq!(capped, straggler_ids(plan.psld_servers, plan.psld_stragglers));
@@ -1072,30 +939,24 @@ mod tests {
             }
             for w in &plan.policy_workers {
                 for p in POLICIES {
-                    let s = sim_cmd(&plan.policy_flags(p, *w)).unwrap();
+                    let s = plan.policy_spec(p, *w).unwrap();
                     assert_eq!(s.job.sync.to_string(), *p);
                     assert_eq!(s.job.workers, *w);
                     assert_eq!(s.data.worker_delay.as_ref().map(|d| d.ranks.clone()), Some(vec![0, 4]));
                 }
             }
-            // The cross-check's flags mean the same job to train and to the sim.
+            // The cross-check's job is the same to train and to the sim.
             for fuse in [false, true] {
-                let flags = plan.cross_flags(CROSS_WORKERS, fuse);
-                let t = crate::job::train_cmd(&flags).unwrap();
-                let mut sf = flags.clone();
-                sf.extend(sim_only());
-                let s = sim_cmd(&sf).unwrap();
-                assert_eq!(t.job.server_bandwidth, s.job.server_bandwidth);
-                assert_eq!((t.job.workers, t.job.servers), (s.job.workers, s.job.servers));
-                assert_eq!(t.data.iterations, s.data.iterations);
-                assert_eq!((t.data.no_fuse, s.data.no_fuse), (!fuse, !fuse));
+                let t = plan.cross_spec(CROSS_WORKERS, fuse);
+                let s = t.sim_cmd(sim_machine());
+                assert_eq!((&s.job, &s.data), (&t.job, &t.data));
+                assert_eq!((t.data.no_fuse, t.job.server_bandwidth.len()), (!fuse, 4));
                 assert_eq!(s.sim.scale, 256);
             }
             assert_eq!(plan.cross_jobs().iter().filter(|(_, checked, _)| *checked).count(), 1);
         }
         let only = Plan::new(&cmd(&["--parts", "balancer,cross"]));
         assert!(only.runs(Part::Cross) && only.runs(Part::Balancer) && !only.runs(Part::Scale));
-        assert!(matches!(sim_cmd(&strings(&["--no-such-flag"])), Err(BenchError::Flags(_))));
     }
 
     #[test]
@@ -1130,7 +991,7 @@ mod tests {
     #[test]
     fn renders_fails_the_check_and_draws() {
         let run = |workers, it_s, held| SimRun {
-            flags: strings(&["--workers"]),
+            flags: vec!["--workers".into()],
             workers,
             servers: 16,
             iterations: 10,
@@ -1153,18 +1014,8 @@ mod tests {
             iter_ms_mean: 1.0,
             wall_s: 1.0,
         };
-        let mut out = Output {
-            command: "elasticps bench sim".into(),
-            machine: Machine {
-                nproc: 2,
-                cpu: "cpu".into(),
-                kernel: "6".into(),
-                loadavg_before: "0.1 0 0".into(),
-                loadavg_after: "1 0 0".into(),
-                other_cpu_share: Some(0.1),
-            },
+        let body = Body {
             plan: Plan::new(&cmd(&["--quick"])),
-            took_s: 1.0,
             scale: Some(run(100, 50.0, 10)),
             scale_unfused: Some(SimRun {
                 fuse: false,
@@ -1185,13 +1036,17 @@ mod tests {
                 CrossCheck { workers: 2, checked: false, fuse: true, real: side(2.0), sim: side(3.0) },
                 CrossCheck { workers: 4, checked: false, fuse: false, real: side(2.0), sim: side(2.0) },
             ],
-            checks: Vec::new(),
-            targets: Vec::new(),
         };
-        out.checks = checks(&out);
-        out.targets = targets(&out);
+        let out = Written {
+            command: "elasticps bench sim".into(),
+            machine: crate::machine::Machine::example(),
+            took_s: 1.0,
+            checks: checks(&body),
+            targets: targets(&body),
+            body,
+        };
         assert_eq!(out.checks[0].pass, Some(false));
-        assert!(ensure_no_check_failed(&out.checks).is_err());
+        assert!(crate::checks::ensure_no_check_failed(&out.checks).is_err());
         assert_eq!(out.targets[0].met, Some(true));
         assert_eq!(out.targets[1].met, None);
         let md = render(&out);
@@ -1207,7 +1062,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("elasticps-bench-sim-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let png = dir.join("sim.png");
-        draw(&png, &plot_data(&out)).unwrap();
+        draw(&png, &plot_data(&out.body)).unwrap();
         assert_eq!(&std::fs::read(&png).unwrap()[..8], b"\x89PNG\r\n\x1a\n");
         draw(&png, &PlotData::default()).unwrap();
         let _ = std::fs::remove_dir_all(&dir);

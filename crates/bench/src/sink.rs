@@ -24,7 +24,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Barrier;
 
-use crate::stats::Lane;
+use elasticps_report::stats::Lane;
 use elasticps_runtime::events::{Emitter, Event};
 
 /// Size of one write of a stream, like `iperf3 -l 1M`.

@@ -33,18 +33,18 @@ use std::time::Instant;
 
 use crate::error::Context as _;
 use clap::Args;
+use elasticps_core::placement::PlacementKind;
 use elasticps_core::stats::ratio;
 use elasticps_core::sync::SyncPolicy;
 use serde::Serialize;
 
-use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
-use crate::job::run_train;
-use crate::machine::{Machine, MachineWatch};
+use crate::checks::{Check, Target, checks_and_targets_markdown};
+use crate::job::{RunResult, TrainSpec, fastest, in_rounds, measure, policy};
+use crate::pipeline::{Bench, Written};
 use crate::plots::sync as sync_plot;
-use elasticps_launch::args::{NetArgs, StragglerSpec};
+use elasticps_launch::args::{DataArgs, JobArgs, NetArgs, StragglerSpec};
 use elasticps_report::table::markdown_table;
-use elasticps_report::{ServerReport, WorkerReport};
-use elasticps_train::Jitter;
+use elasticps_train::{Jitter, ModelKind, Profile};
 
 use crate::transient::{self, TransientOutput, TransientPlan};
 
@@ -163,6 +163,8 @@ struct Plan {
     workers: u32,
     servers: u32,
     worker_delay: String,
+    #[serde(skip)]
+    delay: StragglerSpec,
     compute_ms: f64,
     synthetic_policies: Vec<String>,
     synthetic_iterations: u32,
@@ -198,6 +200,7 @@ impl Plan {
             workers: cmd.workers,
             servers: cmd.servers,
             worker_delay: cmd.worker_delay.to_string(),
+            delay: cmd.worker_delay.clone(),
             compute_ms: cmd.compute_ms,
             synthetic_policies: if synthetic_iterations == 0 { Vec::new() } else { synthetic_policies },
             synthetic_iterations,
@@ -235,86 +238,43 @@ impl Plan {
         )
     }
 
-    /// The `elasticps train` flags of one run.
-    fn train_flags(&self, workload: Workload, policy: &str) -> Vec<String> {
-        let mut f: Vec<String> = vec![
-            "--servers".into(),
-            self.servers.to_string(),
-            "--workers".into(),
-            self.workers.to_string(),
-            "--sync".into(),
-            policy.into(),
-            "--worker-delay".into(),
-            self.worker_delay.clone(),
-            // Spelled out, so that ELASTICPS_* variables of the shell do not change the job.
-            "--optimizer".into(),
-            "adam".into(),
-            "--lr".into(),
-            "0.001".into(),
-            "--placement".into(),
-            "range".into(),
-            "--block-bytes".into(),
-            (4 << 20).to_string(),
-            "--seed".into(),
-            "42".into(),
-            "--batch-size".into(),
-            "32".into(),
-            "--data-seed".into(),
-            "7".into(),
-        ];
-        match workload {
-            Workload::Resnet56 => f.extend([
-                "--model".into(),
-                "synthetic:resnet56".into(),
-                "--compute-ms".into(),
-                self.compute_ms.to_string(),
-                "--iterations".into(),
-                self.synthetic_iterations.to_string(),
-            ]),
-            Workload::Mnist => f.extend([
-                "--model".into(),
-                "mlp".into(),
-                "--dataset".into(),
-                "mnist-subset".into(),
-                "--iterations".into(),
-                self.mnist_iterations.to_string(),
-                "--eval-every".into(),
-                self.eval_every.to_string(),
-            ]),
-        }
-        f
+    /// The train job of one run.
+    fn spec(&self, workload: Workload, sync: &str) -> crate::Result<TrainSpec> {
+        let job = JobArgs {
+            servers: self.servers,
+            workers: self.workers,
+            sync: policy(sync)?,
+            placement: PlacementKind::Range,
+            ..JobArgs::default()
+        };
+        let data = DataArgs { worker_delay: Some(self.delay.clone()), ..DataArgs::default() };
+        let data = match workload {
+            Workload::Resnet56 => DataArgs {
+                model: ModelKind::Synthetic(Profile::ResNet56),
+                compute_ms: self.compute_ms,
+                iterations: Some(self.synthetic_iterations),
+                ..data
+            },
+            Workload::Mnist => {
+                DataArgs { iterations: Some(self.mnist_iterations), eval_every: self.eval_every, ..data }
+            }
+        };
+        Ok(TrainSpec { job, data })
     }
 
     /// Every run, in order: (workload, policy, round). Odd rounds go backwards, so no
     /// policy always runs first or last.
     fn runs(&self) -> Vec<(Workload, String, u32)> {
-        let mut out = Vec::new();
-        for round in 0..self.rounds {
-            let mut policies = self.synthetic_policies.clone();
-            if round % 2 == 1 {
-                policies.reverse();
-            }
-            out.extend(policies.into_iter().map(|p| (Workload::Resnet56, p, round)));
-        }
+        let synthetic = in_rounds(&self.synthetic_policies, self.rounds).into_iter();
+        let mut out: Vec<_> = synthetic.map(|(p, round)| (Workload::Resnet56, p, round)).collect();
         out.extend(self.mnist_policies.iter().map(|p| (Workload::Mnist, p.clone(), 0)));
         out
     }
 }
 
-/// One test evaluation of worker 0.
-#[derive(Clone, Copy, Debug, Serialize)]
-pub struct EvalPoint {
-    /// Seconds since the launch of the run.
-    pub t_s: f64,
-    /// Iteration of worker 0.
-    pub iteration: u64,
-    /// Test accuracy in [0, 1].
-    pub accuracy: f64,
-}
-
-/// Everything one run produced.
+/// One run of the benchmark.
 #[derive(Clone, Debug, Serialize)]
-pub struct RunResult {
+pub struct SyncRun {
     /// Which half.
     pub workload: Workload,
     /// The policy asked for.
@@ -323,213 +283,100 @@ pub struct RunResult {
     pub round: u32,
     /// True for the run the table shows: the fastest round of its workload and policy.
     pub chosen: bool,
-    /// The `elasticps train` flags of the run.
-    pub flags: Vec<String>,
-    /// Iterations per worker.
-    pub iterations: u64,
-    /// From the first spawn to the last exit, s.
-    pub wall_s: f64,
-    /// The longest worker's training time, s.
-    pub train_s: f64,
-    /// Every worker's iterations / the longest training time.
-    pub iters_per_s: f64,
-    /// Sum over workers of iterations / own training time.
-    pub worker_rate: f64,
-    /// Mean over workers of the mean iteration time, ms.
-    pub iter_ms_mean: f64,
-    /// Mean iteration time of the delayed ranks, ms.
-    pub straggler_iter_ms: f64,
-    /// Mean iteration time of the other ranks, ms.
-    pub other_iter_ms: f64,
-    /// Pulls answered by every server (per block).
-    pub pulls: u64,
-    /// Pulls the sync policy held (per block), summed over servers.
-    pub pulls_held: u64,
-    /// Mean hold of a held pull, ms.
-    pub hold_ms_mean: f64,
-    /// Largest per-server p99 hold, ms.
-    pub hold_p99_ms: f64,
-    /// Sync events (releases of held pulls), summed over servers.
-    pub releases: u64,
-    /// Largest lead between the fastest and the slowest worker, clocks.
-    pub max_lead: u64,
-    /// Final test accuracy (MNIST).
-    pub accuracy: Option<f64>,
-    /// Mean of the last three evaluations (MNIST): less noisy than the last one alone.
-    pub accuracy_last3: Option<f64>,
-    /// Accuracy at the budget (MNIST), filled in once the budget is known.
-    pub accuracy_at_budget: Option<f64>,
-    /// Worker 0's evaluations.
-    pub evals: Vec<EvalPoint>,
-    /// Every server's counters.
-    pub servers: Vec<ServerReport>,
-    /// Every worker's numbers.
-    pub workers: Vec<WorkerReport>,
+    /// What it measured.
+    #[serde(flatten)]
+    pub run: RunResult,
 }
 
-impl RunResult {
-    /// The last accuracy measured at or before `budget_s`.
-    fn accuracy_at(&self, budget_s: f64) -> Option<f64> {
-        self.evals.iter().filter(|e| e.t_s <= budget_s).max_by(|a, b| a.t_s.total_cmp(&b.t_s)).map(|e| e.accuracy)
-    }
-}
-
-/// Everything the benchmark wrote into bench-sync.json.
+/// What the runs measured (the body of bench-sync.json).
 #[derive(Clone, Debug, Serialize)]
-struct Output {
-    command: String,
-    machine: Machine,
+pub struct Body {
     plan: Plan,
-    took_s: f64,
     budget_s: Option<f64>,
-    runs: Vec<RunResult>,
+    runs: Vec<SyncRun>,
     transient: Option<TransientOutput>,
-    checks: Vec<Check>,
-    targets: Vec<Target>,
 }
 
-/// Runs the benchmark, writes its files and prints the table.
-pub async fn run(cmd: SyncBenchCmd) -> crate::Result<()> {
-    let plan = Plan::new(&cmd)?;
-    let transient_plan = Plan::transient(&cmd)?;
-    std::fs::create_dir_all(&cmd.out).with_context(|| format!("creating {}", cmd.out.display()))?;
-    let watch = MachineWatch::start();
-    let started = Instant::now();
-    let all = plan.runs();
-    let mut runs = Vec::new();
-    for (i, (workload, policy, round)) in all.iter().enumerate() {
-        eprint!("bench sync: [{}/{}] {} {policy} ... ", i + 1, all.len(), workload.name());
-        let t = Instant::now();
-        let r = one_run(&plan, &cmd, *workload, policy, *round)
-            .await
-            .with_context(|| format!("{} under {policy}", workload.name()))?;
-        eprintln!(
-            "{:.1} s: {:.1} it/s, {} delayed pulls{}",
-            t.elapsed().as_secs_f64(),
-            r.iters_per_s,
-            r.pulls_held,
-            r.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
-        );
-        runs.push(r);
+/// `elasticps bench sync`, its plans resolved.
+pub struct SyncBench {
+    cmd: SyncBenchCmd,
+    plan: Plan,
+    transient: Option<TransientPlan>,
+}
+
+impl SyncBench {
+    /// The plans of `cmd`.
+    pub fn new(cmd: SyncBenchCmd) -> crate::Result<Self> {
+        Ok(SyncBench { plan: Plan::new(&cmd)?, transient: Plan::transient(&cmd)?, cmd })
     }
-    let transient = match &transient_plan {
-        Some(t) => Some(transient::run(t, &cmd.net, &cmd.out).await?),
-        None => None,
-    };
-    choose(&mut runs);
-    let budget_s = cmd.budget_s.or_else(|| default_budget(&runs));
-    if let Some(b) = budget_s {
-        for r in runs.iter_mut().filter(|r| r.workload == Workload::Mnist) {
-            r.accuracy_at_budget = r.accuracy_at(b);
+}
+
+impl Bench for SyncBench {
+    const STEM: &'static str = "bench-sync";
+    type Body = Body;
+
+    fn out(&self) -> Option<&Path> {
+        Some(&self.cmd.out)
+    }
+
+    async fn run(&self) -> crate::Result<Body> {
+        let (plan, cmd) = (&self.plan, &self.cmd);
+        let all = plan.runs();
+        let mut runs = Vec::new();
+        for (i, (workload, policy, round)) in all.iter().enumerate() {
+            eprint!("bench sync: [{}/{}] {} {policy} ... ", i + 1, all.len(), workload.name());
+            let t = Instant::now();
+            let dir = run_dir(&cmd.out, *workload, policy, *round);
+            let run = measure(&plan.spec(*workload, policy)?, &cmd.net, &dir, &plan.delay.ranks)
+                .await
+                .with_context(|| format!("{} under {policy}", workload.name()))?;
+            let n = &run.numbers;
+            eprintln!(
+                "{:.1} s: {:.1} it/s, {} delayed pulls{}",
+                t.elapsed().as_secs_f64(),
+                n.iters_per_s,
+                n.pulls_held,
+                n.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
+            );
+            runs.push(SyncRun { workload: *workload, policy: policy.clone(), round: *round, chosen: false, run });
         }
+        let transient = match &self.transient {
+            Some(t) => Some(transient::run(t, &cmd.net, &cmd.out).await?),
+            None => None,
+        };
+        choose(&mut runs);
+        let budget_s = cmd.budget_s.or_else(|| default_budget(&runs));
+        if let Some(b) = budget_s {
+            for r in runs.iter_mut().filter(|r| r.workload == Workload::Mnist) {
+                r.run.numbers.accuracy_at_budget = r.run.accuracy_at(b);
+            }
+        }
+        Ok(Body { plan: plan.clone(), budget_s, runs, transient })
     }
-    let (mut all_checks, mut all_targets) = (checks(&runs), targets(&runs));
-    if let Some(t) = &transient {
-        all_checks.extend(transient::checks(t));
-        all_targets.extend(transient::targets(t));
+
+    fn verdicts(&self, body: &Body) -> (Vec<Check>, Vec<Target>) {
+        let (mut all_checks, mut all_targets) = (checks(&body.runs), targets(&body.runs));
+        if let Some(t) = &body.transient {
+            all_checks.extend(transient::checks(t));
+            all_targets.extend(transient::targets(t));
+        }
+        (all_checks, all_targets)
     }
-    let out = Output {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        machine: watch.finish(),
-        checks: all_checks,
-        targets: all_targets,
-        transient,
-        took_s: started.elapsed().as_secs_f64(),
-        budget_s,
-        plan,
-        runs,
-    };
-    let md = render(&out);
-    print!("{md}");
-    let json = serde_json::to_string_pretty(&out)?;
-    crate::write_results(&cmd.out, "bench-sync", json, &md, "sync.png", |png| sync_plot::draw(png, &plot_data(&out)))?;
-    println!("\nwritten to {} (bench-sync.json, bench-sync.md, sync.png)", cmd.out.display());
-    ensure_no_check_failed(&out.checks)
+
+    fn markdown(&self, written: &Written<Body>) -> String {
+        render(written)
+    }
+
+    fn plots(&self, written: &Written<Body>, dir: &Path) -> crate::Result<Vec<String>> {
+        crate::pipeline::draw(dir, "sync.png", |png| sync_plot::draw(png, &plot_data(&written.body)))
+    }
 }
 
 /// Half of the first MNIST run's last evaluation time (that run reaches it by definition).
-fn default_budget(runs: &[RunResult]) -> Option<f64> {
+fn default_budget(runs: &[SyncRun]) -> Option<f64> {
     let first = runs.iter().find(|r| r.workload == Workload::Mnist)?;
-    let last = first.evals.iter().map(|e| e.t_s).fold(f64::NAN, f64::max);
+    let last = first.run.evals.iter().map(|e| e.t_s).fold(f64::NAN, f64::max);
     last.is_finite().then(|| (last * 0.5 * 10.0).round() / 10.0)
-}
-
-async fn one_run(
-    plan: &Plan,
-    cmd: &SyncBenchCmd,
-    workload: Workload,
-    policy: &str,
-    round: u32,
-) -> crate::Result<RunResult> {
-    let flags = plan.train_flags(workload, policy);
-    let dir = run_dir(&cmd.out, workload, policy, round);
-    measure(flags, &cmd.net, &dir, workload, policy, round, &cmd.worker_delay.ranks).await
-}
-
-/// Runs the train job of `flags` in `dir` (its report.json and nodes' logs there) and
-/// collects its numbers; `delayed` are the ranks `--worker-delay` names.
-pub(crate) async fn measure(
-    flags: Vec<String>,
-    net: &NetArgs,
-    dir: &Path,
-    workload: Workload,
-    policy: &str,
-    round: u32,
-    delayed: &[u32],
-) -> crate::Result<RunResult> {
-    let report = run_train(&flags, net, dir).await?;
-    std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&report)? + "\n")
-        .with_context(|| format!("writing {}", dir.join("report.json").display()))?;
-
-    let w = &report.workers;
-    let iterations: u64 = w.iter().map(|w| w.iterations).sum();
-    let train_s = w.iter().map(|w| w.train_s).fold(0.0, f64::max);
-    let mean = |it: &mut dyn Iterator<Item = f64>| {
-        let (n, s) = it.fold((0usize, 0.0), |(n, s), v| (n + 1, s + v));
-        if n == 0 { f64::NAN } else { s / n as f64 }
-    };
-    let delayed = |r: &WorkerReport| delayed.contains(&r.rank);
-    let s = &report.servers;
-    let held: u64 = s.iter().map(|s| s.pulls_held).sum();
-    let hold_ms: f64 = s.iter().map(|s| s.hold_ms).sum();
-    let evals: Vec<EvalPoint> = report
-        .curve
-        .iter()
-        .filter_map(|p| Some(EvalPoint { t_s: p.t_s, iteration: p.iteration, accuracy: p.test_accuracy? }))
-        .collect();
-    Ok(RunResult {
-        workload,
-        policy: policy.to_string(),
-        round,
-        chosen: false,
-        flags,
-        iterations: report.iterations,
-        wall_s: report.wall_s,
-        train_s,
-        iters_per_s: if train_s > 0.0 { iterations as f64 / train_s } else { 0.0 },
-        worker_rate: w.iter().filter(|w| w.train_s > 0.0).map(|w| w.iterations as f64 / w.train_s).sum(),
-        iter_ms_mean: mean(&mut w.iter().map(|w| w.iter_ms_mean)),
-        straggler_iter_ms: mean(&mut w.iter().filter(|w| delayed(w)).map(|w| w.iter_ms_mean)),
-        other_iter_ms: mean(&mut w.iter().filter(|w| !delayed(w)).map(|w| w.iter_ms_mean)),
-        pulls: s.iter().map(|s| s.pulls).sum(),
-        pulls_held: held,
-        hold_ms_mean: if held > 0 { hold_ms / held as f64 } else { 0.0 },
-        hold_p99_ms: s.iter().map(|s| s.hold_p99_ms).fold(0.0, f64::max),
-        releases: s.iter().map(|s| s.releases).sum(),
-        max_lead: s.iter().map(|s| s.max_lead).max().unwrap_or(0),
-        accuracy: report.test_accuracy.is_finite().then_some(report.test_accuracy),
-        accuracy_at_budget: None,
-        accuracy_last3: last3(&evals),
-        evals,
-        servers: report.servers.clone(),
-        workers: report.workers.clone(),
-    })
-}
-
-/// The mean accuracy of the last three evaluations.
-fn last3(evals: &[EvalPoint]) -> Option<f64> {
-    let tail = &evals[evals.len().saturating_sub(3)..];
-    (!tail.is_empty()).then(|| tail.iter().map(|e| e.accuracy).sum::<f64>() / tail.len() as f64)
 }
 
 /// `OUT/runs/resnet56-pssp_3_0.5-r1`.
@@ -538,30 +385,22 @@ fn run_dir(out: &Path, workload: Workload, policy: &str, round: u32) -> PathBuf 
 }
 
 /// Marks, for each workload and policy, its fastest round as the one the table shows.
-fn choose(runs: &mut [RunResult]) {
-    for i in 0..runs.len() {
-        let (w, p) = (runs[i].workload, runs[i].policy.clone());
-        let best = runs
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.workload == w && r.policy == p)
-            .max_by(|a, b| a.1.iters_per_s.total_cmp(&b.1.iters_per_s).then(b.0.cmp(&a.0)))
-            .map(|(j, _)| j);
-        runs[i].chosen = best == Some(i);
-    }
+fn choose(runs: &mut [SyncRun]) {
+    let chosen = fastest(runs, |r| (r.workload, r.policy.clone()), |r| r.run.iters_per_s);
+    runs.iter_mut().zip(chosen).for_each(|(r, c)| r.chosen = c);
 }
 
 /// The run the table shows for `workload` and `policy`.
-fn find<'a>(runs: &'a [RunResult], workload: Workload, policy: &str) -> Option<&'a RunResult> {
+fn find<'a>(runs: &'a [SyncRun], workload: Workload, policy: &str) -> Option<&'a SyncRun> {
     runs.iter().find(|r| r.workload == workload && r.policy == policy && r.chosen)
 }
 
 /// it/s of every round of `workload` and `policy`, in round order.
-fn rounds_of(runs: &[RunResult], workload: Workload, policy: &str) -> Vec<f64> {
+fn rounds_of(runs: &[SyncRun], workload: Workload, policy: &str) -> Vec<f64> {
     let mut v: Vec<(u32, f64)> = runs
         .iter()
         .filter(|r| r.workload == workload && r.policy == policy)
-        .map(|r| (r.round, r.iters_per_s))
+        .map(|r| (r.round, r.run.iters_per_s))
         .collect();
     v.sort_by_key(|x| x.0);
     v.into_iter().map(|x| x.1).collect()
@@ -569,30 +408,26 @@ fn rounds_of(runs: &[RunResult], workload: Workload, policy: &str) -> Vec<f64> {
 
 /// The orderings that fail the command. Their margins leave room for a noisy machine:
 /// see docs/BENCHMARKS.md ("Sync") for the spread they were chosen from.
-fn checks(runs: &[RunResult]) -> Vec<Check> {
+fn checks(runs: &[SyncRun]) -> Vec<Check> {
     let syn = |p: &str| find(runs, Workload::Resnet56, p);
     let mut out = Vec::new();
-    let held = |p: &str| syn(p).map(|r| r.pulls_held as f64);
-    let pair = |a: Option<f64>, b: Option<f64>, show: &dyn Fn(f64, f64) -> String| match (a, b) {
-        (Some(a), Some(b)) => show(a, b),
-        _ => "not run".to_string(),
-    };
+    let held = |p: &str| syn(p).map(|r| r.run.pulls_held as f64);
     // Held pulls (counts of the servers, barely touched by timing noise): lazy and pssp
     // hold clearly fewer than raw SSP, SSP fewer than BSP, ASP none.
     for (p, factor) in [("lazy:3", 2.0), ("pssp:3:0.5", 1.3)] {
-        let (a, b) = (held(p), held("ssp:3"));
-        out.push(Check {
-            what: format!("resnet56: delayed pulls of {p} x {factor} < those of ssp:3"),
-            measured: pair(a, b, &|a, b| format!("{a:.0} vs {b:.0} (ssp:3 / {p} = {})", ratio(b, a))),
-            pass: a.zip(b).map(|(a, b)| a * factor < b),
-        });
+        out.push(Check::compare(
+            format!("resnet56: delayed pulls of {p} x {factor} < those of ssp:3"),
+            (held(p), held("ssp:3")),
+            |a, b| format!("{a:.0} vs {b:.0} (ssp:3 / {p} = {})", ratio(b, a)),
+            |a, b| a * factor < b,
+        ));
     }
-    let (a, b) = (held("ssp:3"), held("bsp"));
-    out.push(Check {
-        what: "resnet56: delayed pulls of ssp:3 < those of bsp".into(),
-        measured: pair(a, b, &|a, b| format!("{a:.0} vs {b:.0}")),
-        pass: a.zip(b).map(|(a, b)| a < b),
-    });
+    out.push(Check::compare(
+        "resnet56: delayed pulls of ssp:3 < those of bsp",
+        (held("ssp:3"), held("bsp")),
+        |a, b| format!("{a:.0} vs {b:.0}"),
+        |a, b| a < b,
+    ));
     out.push(Check {
         what: "resnet56: asp delays no pull".into(),
         measured: held("asp").map_or("not run".into(), |h| format!("{h:.0}")),
@@ -603,33 +438,33 @@ fn checks(runs: &[RunResult]) -> Vec<Check> {
     // the worker rate); the relaxed policies must at least not be slower than bsp. The
     // quick form measured asp at 1.43x to 1.88x bsp over repeated runs on the 2-core CI
     // machine: 1.25x keeps the check meaningful and lets it hold on a noisy machine.
-    let rate = |p: &str| syn(p).map(|r| r.worker_rate);
-    let (a, b) = (rate("asp"), rate("bsp"));
-    out.push(Check {
-        what: "resnet56: worker rate of asp > 1.25 x bsp".into(),
-        measured: pair(a, b, &|a, b| format!("{a:.1} vs {b:.1} it/s ({})", ratio(a, b))),
-        pass: a.zip(b).map(|(a, b)| a > 1.25 * b),
-    });
-    let it_s = |p: &str| syn(p).map(|r| r.iters_per_s);
+    let rate = |p: &str| syn(p).map(|r| r.run.worker_rate);
+    out.push(Check::compare(
+        "resnet56: worker rate of asp > 1.25 x bsp",
+        (rate("asp"), rate("bsp")),
+        |a, b| format!("{a:.1} vs {b:.1} it/s ({})", ratio(a, b)),
+        |a, b| a > 1.25 * b,
+    ));
+    let it_s = |p: &str| syn(p).map(|r| r.run.iters_per_s);
     for p in ["ssp:3", "lazy:3", "pssp:3:0.5"] {
-        let (a, b) = (it_s(p), it_s("bsp"));
-        out.push(Check {
-            what: format!("resnet56: iterations/s of {p} > {THROUGHPUT_FLOOR} x bsp"),
-            measured: pair(a, b, &|a, b| format!("{a:.1} vs {b:.1} ({})", ratio(a, b))),
-            pass: a.zip(b).map(|(a, b)| a > THROUGHPUT_FLOOR * b),
-        });
+        out.push(Check::compare(
+            format!("resnet56: iterations/s of {p} > {THROUGHPUT_FLOOR} x bsp"),
+            (it_s(p), it_s("bsp")),
+            |a, b| format!("{a:.1} vs {b:.1} ({})", ratio(a, b)),
+            |a, b| a > THROUGHPUT_FLOOR * b,
+        ));
     }
     // Every policy still trains the model (a sync bug that serves wrong values would not).
-    let mnist: Vec<&RunResult> = runs.iter().filter(|r| r.chosen && r.workload == Workload::Mnist).collect();
+    let mnist: Vec<&SyncRun> = runs.iter().filter(|r| r.chosen && r.workload == Workload::Mnist).collect();
     let lowest =
-        mnist.iter().filter_map(|r| r.accuracy.map(|a| (a, r.policy.as_str()))).min_by(|a, b| a.0.total_cmp(&b.0));
+        mnist.iter().filter_map(|r| r.run.accuracy.map(|a| (a, r.policy.as_str()))).min_by(|a, b| a.0.total_cmp(&b.0));
     out.push(Check {
         what: format!("mnist: every policy ends above {:.0}% test accuracy", MIN_ACCURACY * 100.0),
         measured: lowest.map_or("not run".into(), |(a, p)| format!("lowest {:.2}% ({p})", a * 100.0)),
         pass: if mnist.is_empty() {
             None
         } else {
-            Some(mnist.iter().all(|r| r.accuracy.is_some_and(|a| a > MIN_ACCURACY)))
+            Some(mnist.iter().all(|r| r.run.accuracy.is_some_and(|a| a > MIN_ACCURACY)))
         },
     });
     out
@@ -642,51 +477,44 @@ const MIN_ACCURACY: f64 = 0.7;
 const THROUGHPUT_FLOOR: f64 = 0.9;
 
 /// The issue's targets, reported.
-fn targets(runs: &[RunResult]) -> Vec<Target> {
+fn targets(runs: &[SyncRun]) -> Vec<Target> {
     let syn = |p: &str| find(runs, Workload::Resnet56, p);
     let mut out = Vec::new();
+    let held = |p: &str| syn(p).map(|r| r.run.pulls_held as f64);
+    let it_s = |p: &str| syn(p).map(|r| r.run.iters_per_s);
     for p in ["lazy:3", "pssp:3:0.5"] {
-        let (a, b) = (syn(p).map(|r| r.pulls_held as f64), syn("ssp:3").map(|r| r.pulls_held as f64));
-        out.push(Target {
-            what: format!("{p} delays at least 10x fewer pulls than ssp:3"),
-            measured: match (a, b) {
-                (Some(a), Some(b)) => format!("{} fewer ({a:.0} vs {b:.0})", ratio(b, a)),
-                _ => "not run".into(),
-            },
-            met: a.zip(b).map(|(a, b)| a * 10.0 <= b),
-        });
+        out.push(Target::compare(
+            format!("{p} delays at least 10x fewer pulls than ssp:3"),
+            (held(p), held("ssp:3")),
+            |a, b| format!("{} fewer ({a:.0} vs {b:.0})", ratio(b, a)),
+            |a, b| a * 10.0 <= b,
+        ));
     }
     for p in ["lazy:3", "pssp:3:0.5"] {
-        let (a, b) = (syn(p).map(|r| r.iters_per_s), syn("bsp").map(|r| r.iters_per_s));
-        out.push(Target {
-            what: format!("with the two stragglers, {p} runs at least 2x the iterations/s of bsp"),
-            measured: match (a, b) {
-                (Some(a), Some(b)) => format!("{} ({a:.1} vs {b:.1} it/s)", ratio(a, b)),
-                _ => "not run".into(),
-            },
-            met: a.zip(b).map(|(a, b)| a >= 2.0 * b),
-        });
+        out.push(Target::compare(
+            format!("with the two stragglers, {p} runs at least 2x the iterations/s of bsp"),
+            (it_s(p), it_s("bsp")),
+            |a, b| format!("{} ({a:.1} vs {b:.1} it/s)", ratio(a, b)),
+            |a, b| a >= 2.0 * b,
+        ));
     }
-    let bsp = find(runs, Workload::Mnist, "bsp").and_then(|r| r.accuracy);
+    let bsp = find(runs, Workload::Mnist, "bsp").and_then(|r| r.run.accuracy);
     for r in runs.iter().filter(|r| r.chosen && r.workload == Workload::Mnist && r.policy != "bsp" && r.policy != "asp")
     {
-        let measured = match (r.accuracy, bsp) {
-            (Some(a), Some(b)) => format!("{:.2}% vs {:.2}% ({:+.2} points)", a * 100.0, b * 100.0, (a - b) * 100.0),
-            _ => "not run".into(),
-        };
-        out.push(Target {
-            what: format!(
+        out.push(Target::compare(
+            format!(
                 "mnist after {} iterations: {} within 1 point of bsp's accuracy (not more than 1 point below)",
-                r.iterations, r.policy
+                r.run.iterations, r.policy
             ),
-            measured,
-            met: r.accuracy.zip(bsp).map(|(a, b)| a >= b - 0.01),
-        });
+            (r.run.accuracy, bsp),
+            |a, b| format!("{:.2}% vs {:.2}% ({:+.2} points)", a * 100.0, b * 100.0, (a - b) * 100.0),
+            |a, b| a >= b - 0.01,
+        ));
     }
     out
 }
 
-fn render(out: &Output) -> String {
+fn render(out: &Written<Body>) -> String {
     let headers = [
         "workload",
         "policy",
@@ -706,40 +534,37 @@ fn render(out: &Output) -> String {
         "acc, last 3 evals",
     ];
     let pct = |v: Option<f64>| v.map_or("-".to_string(), |a| format!("{:.2}%", a * 100.0));
-    let rows: Vec<Vec<String>> = table_order(out)
+    let rows: Vec<Vec<String>> = table_order(&out.body)
         .into_iter()
         .map(|r| {
-            let bsp = find(&out.runs, r.workload, "bsp");
-            let ssp = find(&out.runs, r.workload, "ssp:3");
+            let bsp = find(&out.body.runs, r.workload, "bsp");
+            let ssp = find(&out.body.runs, r.workload, "ssp:3");
             vec![
                 r.workload.name().to_string(),
                 r.policy.clone(),
-                format!("{:.1}", r.iters_per_s),
-                rounds_of(&out.runs, r.workload, &r.policy)
+                format!("{:.1}", r.run.iters_per_s),
+                rounds_of(&out.body.runs, r.workload, &r.policy)
                     .iter()
                     .map(|v| format!("{v:.1}"))
                     .collect::<Vec<_>>()
                     .join(" / "),
-                bsp.map_or("-".into(), |b| ratio(r.iters_per_s, b.iters_per_s)),
-                format!("{:.1}", r.worker_rate),
-                format!("{:.1} / {:.1}", r.straggler_iter_ms, r.other_iter_ms),
-                r.pulls_held.to_string(),
-                ssp.map_or("-".into(), |s| format!("{:.3}", r.pulls_held as f64 / s.pulls_held.max(1) as f64)),
-                format!("{:.1}", r.hold_ms_mean),
-                format!("{:.1}", r.hold_p99_ms),
-                r.releases.to_string(),
-                r.max_lead.to_string(),
-                pct(r.accuracy_at_budget),
-                pct(r.accuracy),
-                pct(r.accuracy_last3),
+                bsp.map_or("-".into(), |b| ratio(r.run.iters_per_s, b.run.iters_per_s)),
+                format!("{:.1}", r.run.worker_rate),
+                format!("{:.1} / {:.1}", r.run.straggler_iter_ms, r.run.other_iter_ms),
+                r.run.pulls_held.to_string(),
+                ssp.map_or("-".into(), |s| format!("{:.3}", r.run.pulls_held as f64 / s.run.pulls_held.max(1) as f64)),
+                format!("{:.1}", r.run.hold_ms_mean),
+                format!("{:.1}", r.run.hold_p99_ms),
+                r.run.releases.to_string(),
+                r.run.max_lead.to_string(),
+                pct(r.run.accuracy_at_budget),
+                pct(r.run.accuracy),
+                pct(r.run.accuracy_last3),
             ]
         })
         .collect();
-    let p = &out.plan;
-    let mut s = String::new();
-    s.push_str("## bench sync\n\n");
-    s.push_str(&format!("`{}`\n\n", out.command));
-    s.push_str(&out.machine.markdown(out.took_s));
+    let p = &out.body.plan;
+    let mut s = out.heading("bench sync");
     s.push_str(&format!(
         "{} workers, {} servers, ranks {} delayed by N({} ms, {} ms) per iteration. resnet56: \
          synthetic:resnet56, {} ms compute, {} iterations per worker, {} rounds (the table shows each \
@@ -756,7 +581,7 @@ fn render(out: &Output) -> String {
         p.rounds,
         p.mnist_iterations,
         p.eval_every,
-        out.budget_s.map_or("none".into(), |b| format!("{b:.1} s after the launch")),
+        out.body.budget_s.map_or("none".into(), |b| format!("{b:.1} s after the launch")),
     ));
     s.push_str(&markdown_table(&headers, &rows));
     s.push_str(
@@ -766,7 +591,7 @@ fn render(out: &Output) -> String {
          those of ssp:3. sync events: releases of held pulls. acc @ budget: worker 0's last test \
          accuracy at or before the budget; acc @ iters: after the last iteration.\n",
     );
-    if let Some(t) = &out.transient {
+    if let Some(t) = &out.body.transient {
         s.push_str(&transient::render(t));
     }
     s.push_str(&checks_and_targets_markdown(&out.checks, &out.targets));
@@ -774,22 +599,22 @@ fn render(out: &Output) -> String {
 }
 
 /// The runs the table shows: the synthetic half, then MNIST, each in the plan's order.
-fn table_order(out: &Output) -> Vec<&RunResult> {
-    let key = |r: &RunResult| {
+fn table_order(out: &Body) -> Vec<&SyncRun> {
+    let key = |r: &SyncRun| {
         let list = match r.workload {
             Workload::Resnet56 => &out.plan.synthetic_policies,
             Workload::Mnist => &out.plan.mnist_policies,
         };
         (r.workload == Workload::Mnist, list.iter().position(|p| *p == r.policy).unwrap_or(usize::MAX))
     };
-    let mut rows: Vec<&RunResult> = out.runs.iter().filter(|r| r.chosen).collect();
+    let mut rows: Vec<&SyncRun> = out.runs.iter().filter(|r| r.chosen).collect();
     rows.sort_by_key(|r| key(r));
     rows
 }
 
-fn plot_data(out: &Output) -> sync_plot::PlotData {
+fn plot_data(out: &Body) -> sync_plot::PlotData {
     let rows = table_order(out);
-    let syn: Vec<&RunResult> = rows.iter().copied().filter(|r| r.workload == Workload::Resnet56).collect();
+    let syn: Vec<&SyncRun> = rows.iter().copied().filter(|r| r.workload == Workload::Resnet56).collect();
     let mut policies: Vec<String> = Vec::new();
     for r in &rows {
         if !policies.contains(&r.policy) {
@@ -798,12 +623,12 @@ fn plot_data(out: &Output) -> sync_plot::PlotData {
     }
     sync_plot::PlotData {
         policies,
-        rates: syn.iter().map(|r| (r.policy.clone(), r.iters_per_s)).collect(),
-        held: syn.iter().map(|r| (r.policy.clone(), r.pulls_held)).collect(),
+        rates: syn.iter().map(|r| (r.policy.clone(), r.run.iters_per_s)).collect(),
+        held: syn.iter().map(|r| (r.policy.clone(), r.run.pulls_held)).collect(),
         accuracy: rows
             .iter()
             .filter(|r| r.workload == Workload::Mnist)
-            .map(|r| (r.policy.clone(), r.evals.iter().map(|e| (e.t_s, e.accuracy * 100.0)).collect()))
+            .map(|r| (r.policy.clone(), r.run.evals.iter().map(|e| (e.t_s, e.accuracy * 100.0)).collect()))
             .collect(),
         budget_s: out.budget_s,
         subtitle: format!(
@@ -820,14 +645,10 @@ mod tests {
     use clap::Parser;
 
     use super::*;
+    use elasticps_report::analytics::{EvalPoint, RunNumbers};
 
-    fn run(workload: Workload, policy: &str, it_s: f64, held: u64, acc: Option<f64>) -> RunResult {
-        RunResult {
-            workload,
-            policy: policy.into(),
-            round: 0,
-            chosen: true,
-            flags: Vec::new(),
+    fn numbers(it_s: f64, held: u64, acc: Option<f64>) -> RunNumbers {
+        RunNumbers {
             iterations: 100,
             wall_s: 10.0,
             train_s: 9.0,
@@ -850,19 +671,21 @@ mod tests {
                 EvalPoint { t_s: 5.0, iteration: 50, accuracy: 0.8 },
                 EvalPoint { t_s: 9.0, iteration: 100, accuracy: acc.unwrap_or(0.9) },
             ],
-            servers: Vec::new(),
-            workers: Vec::new(),
         }
     }
 
+    fn run(workload: Workload, policy: &str, it_s: f64, held: u64, acc: Option<f64>) -> SyncRun {
+        let run = RunResult { numbers: numbers(it_s, held, acc), ..RunResult::default() };
+        SyncRun { workload, policy: policy.into(), round: 0, chosen: true, run }
+    }
+
     #[test]
-    fn plans_parse_into_train_commands() {
+    fn plans_build_train_jobs() {
         let cmd = SyncBenchCmd::try_parse_from_args(&["--quick"]);
         let plan = Plan::new(&cmd).unwrap();
         assert_eq!(plan.synthetic_policies, QUICK_SYNTHETIC);
         for (w, p, _) in plan.runs() {
-            let flags = plan.train_flags(w, &p);
-            let t = crate::job::train_cmd(&flags).unwrap();
+            let t = plan.spec(w, &p).unwrap();
             assert_eq!(t.job.workers, 8);
             assert_eq!(t.job.sync.to_string(), p);
             assert_eq!(t.data.worker_delay.as_ref().map(|d| d.ranks.clone()), Some(vec![0, 4]));
@@ -912,11 +735,8 @@ mod tests {
     }
 
     #[test]
-    fn accuracy_at_a_budget_is_the_last_eval_before_it() {
+    fn the_default_budget_is_half_the_first_mnist_run() {
         let r = run(Workload::Mnist, "bsp", 1.0, 0, Some(0.9));
-        assert_eq!(r.accuracy_at(0.5), None);
-        assert_eq!(r.accuracy_at(5.0), Some(0.8));
-        assert_eq!(r.accuracy_at(100.0), Some(0.9));
         assert_eq!(default_budget(&[r]), Some(4.5));
     }
 
@@ -928,23 +748,18 @@ mod tests {
             run(Workload::Mnist, "bsp", 50.0, 10, Some(0.92)),
             run(Workload::Mnist, "asp", 50.0, 0, Some(0.93)),
         ];
-        let out = Output {
+        let out = Written {
             command: "elasticps bench sync".into(),
-            machine: Machine {
-                nproc: 2,
-                cpu: "cpu".into(),
-                kernel: "6".into(),
-                loadavg_before: "0.1 0 0".into(),
-                loadavg_after: "1 0 0".into(),
-                other_cpu_share: Some(0.1),
-            },
-            plan: Plan::new(&SyncBenchCmd::try_parse_from_args(&["--quick"])).unwrap(),
+            machine: crate::machine::Machine::example(),
             took_s: 1.0,
-            budget_s: Some(4.5),
             checks: checks(&runs),
             targets: targets(&runs),
-            transient: Some(transient_output()),
-            runs,
+            body: Body {
+                plan: Plan::new(&SyncBenchCmd::try_parse_from_args(&["--quick"])).unwrap(),
+                budget_s: Some(4.5),
+                transient: Some(transient_output()),
+                runs,
+            },
         };
         let md = render(&out);
         assert!(md.contains("| resnet56 | asp"), "{md}");
@@ -955,7 +770,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("elasticps-bench-sync-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let png = dir.join("sync.png");
-        sync_plot::draw(&png, &plot_data(&out)).unwrap();
+        sync_plot::draw(&png, &plot_data(&out.body)).unwrap();
         let bytes = std::fs::read(&png).unwrap();
         assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
         let _ = std::fs::remove_dir_all(&dir);
@@ -968,7 +783,10 @@ mod tests {
         let plan = Plan::transient(&cmd).unwrap().unwrap();
         let row = |policy: &str, it_s: f64, ceiling_it_s: f64| transient::TransientRun {
             workers: 8,
-            run: run(Workload::Resnet56, policy, it_s, 100, None),
+            policy: policy.into(),
+            round: 0,
+            chosen: true,
+            run: run(Workload::Resnet56, policy, it_s, 100, None).run,
             requests_held: 10.0,
             comm_ms: Some(20.0),
             ceiling: Some(transient::Ceiling {

@@ -33,17 +33,19 @@
 use std::path::Path;
 use std::time::Instant;
 
+use elasticps_core::placement::PlacementKind;
 use elasticps_core::stats::{median, ratio};
-use elasticps_launch::args::{DataArgs, NetArgs};
+use elasticps_launch::args::{DataArgs, JobArgs, NetArgs};
 use elasticps_report::WorkerReport;
 use elasticps_report::table::markdown_table;
-use elasticps_train::Jitter;
+use elasticps_sim::{SimArgs, SimCmd};
+use elasticps_train::{Jitter, ModelKind, Profile};
 use serde::Serialize;
 
 use crate::checks::{Check, Target};
 use crate::error::Context as _;
+use crate::job::{RunResult, TrainSpec, fastest, in_rounds, measure, policy, sim_defaults};
 use crate::machine::CpuSample;
-use crate::sync::{RunResult, Workload, measure};
 
 /// A bandwidth and a server speed, MB/s, at which the simulated transfers and pushes cost
 /// nothing measurable (a 3.4 MB push takes 3.4 ns).
@@ -80,6 +82,9 @@ pub struct TransientPlan {
     pub compute_ms: f64,
     /// The transient delay, `P:MS`.
     pub jitter: String,
+    /// The same, typed.
+    #[serde(skip)]
+    pub jitter_spec: Jitter,
     /// p of the jitter.
     pub p: f64,
     /// D of the jitter, ms.
@@ -118,69 +123,44 @@ impl TransientPlan {
             rounds,
             compute_ms,
             jitter: jitter.to_string(),
+            jitter_spec: jitter,
             p: jitter.p,
             delay_ms: jitter.ms,
             margin,
         }))
     }
 
-    /// The `elasticps train` flags of one job (the replay's are these plus the simulated
-    /// machine).
-    pub fn train_flags(&self, workers: u32, policy: &str, iterations: u32) -> Vec<String> {
-        let s = |v: &str| v.to_string();
-        vec![
-            s("--servers"),
-            self.servers.to_string(),
-            s("--workers"),
-            workers.to_string(),
-            s("--sync"),
-            policy.into(),
-            s("--worker-jitter"),
-            self.jitter.clone(),
-            // Spelled out, so that ELASTICPS_* variables of the shell do not change the job.
-            s("--optimizer"),
-            s("adam"),
-            s("--lr"),
-            s("0.001"),
-            s("--placement"),
-            s("range"),
-            s("--block-bytes"),
-            (4 << 20).to_string(),
-            s("--seed"),
-            s("42"),
-            s("--batch-size"),
-            s("32"),
-            s("--data-seed"),
-            s("7"),
-            s("--model"),
-            s("synthetic:resnet56"),
-            s("--compute-ms"),
-            self.compute_ms.to_string(),
-            s("--iterations"),
-            iterations.to_string(),
-        ]
+    /// The train job of one run (the replay's is this job on a simulated machine).
+    pub fn spec(&self, workers: u32, sync: &str, iterations: u32) -> crate::Result<TrainSpec> {
+        let job = JobArgs {
+            servers: self.servers,
+            workers,
+            sync: policy(sync)?,
+            placement: PlacementKind::Range,
+            ..JobArgs::default()
+        };
+        let data = DataArgs {
+            model: ModelKind::Synthetic(Profile::ResNet56),
+            worker_jitter: Some(self.jitter_spec),
+            compute_ms: self.compute_ms,
+            iterations: Some(iterations),
+            ..DataArgs::default()
+        };
+        Ok(TrainSpec { job, data })
     }
 
     /// Every job, in order: (workers, policy, round); odd rounds go backwards.
     pub fn runs(&self) -> Vec<(u32, String, u32)> {
-        let mut out = Vec::new();
-        for &w in &self.workers {
-            for round in 0..self.rounds {
-                let mut policies = self.policies.clone();
-                if round % 2 == 1 {
-                    policies.reverse();
-                }
-                out.extend(policies.into_iter().map(|p| (w, p, round)));
-            }
-        }
-        out
+        let rounds = in_rounds(&self.policies, self.rounds);
+        self.workers.iter().flat_map(|&w| rounds.iter().map(move |(p, r)| (w, p.clone(), *r))).collect()
     }
 }
 
 /// A policy's ceiling: the replay of its hold rule.
 #[derive(Clone, Debug, Serialize)]
 pub struct Ceiling {
-    /// The replay's `elasticps sim` flags.
+    /// The replayed job's flags (on a machine of [`ZERO_COST_MBPS`] links and servers and
+    /// a link latency of `latency_us`).
     pub flags: Vec<String>,
     /// The link latency that makes a round cost the measured communication time, µs.
     pub latency_us: f64,
@@ -201,6 +181,12 @@ pub struct Ceiling {
 pub struct TransientRun {
     /// Workers of the job.
     pub workers: u32,
+    /// The policy.
+    pub policy: String,
+    /// The round (every policy runs once per round).
+    pub round: u32,
+    /// True for the run the table shows: the fastest round of its worker count and policy.
+    pub chosen: bool,
     /// What the real processes measured.
     pub run: RunResult,
     /// Pull requests held, estimated per server as held block pulls / blocks.
@@ -283,24 +269,33 @@ pub async fn run(plan: &TransientPlan, net: &NetArgs, out: &Path) -> crate::Resu
     for (i, (workers, policy, round)) in all.iter().enumerate() {
         eprint!("bench sync: transient [{}/{}] {workers} workers {policy} ... ", i + 1, all.len());
         let t = Instant::now();
-        let flags = plan.train_flags(*workers, policy, plan.iterations);
+        let spec = plan.spec(*workers, policy, plan.iterations)?;
         let dir = out.join("runs").join(format!("transient-w{workers}-{}-r{round}", policy.replace(':', "_")));
         let before = CpuSample::now();
         let wall = Instant::now();
-        let run = measure(flags.clone(), net, &dir, Workload::Resnet56, policy, *round, &[])
+        let run = measure(&spec, net, &dir, &[])
             .await
             .with_context(|| format!("transient, {workers} workers under {policy}"))?;
         let iterations = run.workers.iter().map(|w| w.iterations).sum();
         let cpu = before
             .zip(CpuSample::now())
             .and_then(|(a, b)| CpuUse::between(a, b, wall.elapsed().as_secs_f64(), iterations));
-        let data = crate::job::train_cmd(&flags)?.data;
-        let comm_ms = unheld_comm_ms(&run.workers, &data);
+        let comm_ms = unheld_comm_ms(&run.workers, &spec.data);
         let ceiling = match comm_ms {
             Some(c) => Some(ceiling(plan, *workers, policy, c)?),
             None => None,
         };
-        let r = TransientRun { workers: *workers, requests_held: requests_held_real(&run), comm_ms, ceiling, cpu, run };
+        let r = TransientRun {
+            workers: *workers,
+            policy: policy.clone(),
+            round: *round,
+            chosen: false,
+            requests_held: requests_held_real(&run),
+            comm_ms,
+            ceiling,
+            cpu,
+            run,
+        };
         eprintln!(
             "{:.1} s: {:.1} it/s, ceiling {}, comm {} ms, {:.0} delayed pull requests, job cores {}",
             t.elapsed().as_secs_f64(),
@@ -319,16 +314,8 @@ pub async fn run(plan: &TransientPlan, net: &NetArgs, out: &Path) -> crate::Resu
 
 /// Marks, per worker count and policy, its fastest round as the one the table shows.
 fn choose(runs: &mut [TransientRun]) {
-    for i in 0..runs.len() {
-        let (w, p) = (runs[i].workers, runs[i].run.policy.clone());
-        let best = runs
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.workers == w && r.run.policy == p)
-            .max_by(|a, b| a.1.run.iters_per_s.total_cmp(&b.1.run.iters_per_s).then(b.0.cmp(&a.0)))
-            .map(|(j, _)| j);
-        runs[i].run.chosen = best == Some(i);
-    }
+    let chosen = fastest(runs, |r| (r.workers, r.policy.clone()), |r| r.run.iters_per_s);
+    runs.iter_mut().zip(chosen).for_each(|(r, c)| r.chosen = c);
 }
 
 /// The communication time of a round nobody holds, ms: per iteration (but the last, where
@@ -359,27 +346,28 @@ pub fn unheld_comm_ms(workers: &[WorkerReport], data: &DataArgs) -> Option<f64> 
     median(&last)
 }
 
-/// The replay's flags: the job's, with links and servers that cost nothing and a link
-/// latency of `latency_us`.
-fn sim_flags(plan: &TransientPlan, workers: u32, policy: &str, iterations: u32, latency_us: f64) -> Vec<String> {
-    let mut f = plan.train_flags(workers, policy, iterations);
-    f.extend([
-        "--latency-us".into(),
-        format!("{latency_us:.1}"),
-        "--link-mbps".into(),
-        ZERO_COST_MBPS.to_string(),
-        "--apply-mbps".into(),
-        ZERO_COST_MBPS.to_string(),
-        "--sim-seed".into(),
-        "1".into(),
-    ]);
-    f
+/// The replay of a job: on links and servers that cost nothing, with a link latency of
+/// `latency_us` (to 0.1 µs).
+fn sim_cmd(
+    plan: &TransientPlan,
+    workers: u32,
+    policy: &str,
+    iterations: u32,
+    latency_us: f64,
+) -> crate::Result<SimCmd> {
+    let sim = SimArgs {
+        latency_us: (latency_us * 10.0).round() / 10.0,
+        link_mbps: ZERO_COST_MBPS,
+        apply_mbps: ZERO_COST_MBPS,
+        sim_seed: 1,
+        ..sim_defaults()
+    };
+    Ok(plan.spec(workers, policy, iterations)?.sim_cmd(sim))
 }
 
 /// One replay: iterations/s, what a round nobody holds cost, the pull counters.
-fn replay(flags: &[String]) -> crate::Result<(f64, f64, u64, f64, u64)> {
-    let cmd = crate::sim::sim_cmd(flags)?;
-    let out = elasticps_sim::simulate(&cmd)?;
+fn replay(cmd: &SimCmd) -> crate::Result<(f64, f64, u64, f64, u64)> {
+    let out = elasticps_sim::simulate(cmd)?;
     let workers: Vec<WorkerReport> = out.run.workers.values().cloned().collect();
     let comm = unheld_comm_ms(&workers, &cmd.data).unwrap_or(f64::NAN);
     let held: u64 = out.run.servers.values().map(|s| s.totals.pulls_held).sum();
@@ -394,8 +382,8 @@ fn replay(flags: &[String]) -> crate::Result<(f64, f64, u64, f64, u64)> {
 /// costs anything.
 fn latency_for(plan: &TransientPlan, workers: u32, comm_ms: f64) -> crate::Result<f64> {
     let iterations = plan.iterations.min(10);
-    let (_, at_zero, ..) = replay(&sim_flags(plan, workers, "asp", iterations, 0.0))?;
-    let (_, at_cal, ..) = replay(&sim_flags(plan, workers, "asp", iterations, CALIBRATION_US))?;
+    let (_, at_zero, ..) = replay(&sim_cmd(plan, workers, "asp", iterations, 0.0)?)?;
+    let (_, at_cal, ..) = replay(&sim_cmd(plan, workers, "asp", iterations, CALIBRATION_US)?)?;
     let per_us = (at_cal - at_zero) / CALIBRATION_US;
     crate::error::ensure_measured!(
         per_us.is_finite() && per_us > 0.0,
@@ -407,8 +395,9 @@ fn latency_for(plan: &TransientPlan, workers: u32, comm_ms: f64) -> crate::Resul
 /// The ceiling of `policy` with `workers` workers, a round costing `comm_ms`.
 fn ceiling(plan: &TransientPlan, workers: u32, policy: &str, comm_ms: f64) -> crate::Result<Ceiling> {
     let latency_us = latency_for(plan, workers, comm_ms)?;
-    let flags = sim_flags(plan, workers, policy, plan.iterations, latency_us);
-    let (iters_per_s, comm, pulls_held, requests_held, pulls) = replay(&flags)?;
+    let cmd = sim_cmd(plan, workers, policy, plan.iterations, latency_us)?;
+    let (iters_per_s, comm, pulls_held, requests_held, pulls) = replay(&cmd)?;
+    let flags = TrainSpec { job: cmd.job, data: cmd.data }.flags();
     Ok(Ceiling { flags, latency_us, comm_ms: comm, iters_per_s, pulls_held, requests_held, pulls })
 }
 
@@ -428,6 +417,7 @@ fn reference_plan(policies: &[String]) -> TransientPlan {
         rounds: 1,
         compute_ms: 10.0,
         jitter: "0.1:80".into(),
+        jitter_spec: Jitter { p: 0.1, ms: 80.0 },
         p: 0.1,
         delay_ms: 80.0,
         margin: FULL_MARGIN,
@@ -440,7 +430,7 @@ fn reference(policies: &[String]) -> crate::Result<Vec<ReferenceRow>> {
     let latency_us = latency_for(&plan, 6, 3.0)?;
     let mut rows = Vec::new();
     for p in policies {
-        let (iters_per_s, _, held, _, pulls) = replay(&sim_flags(&plan, 6, p, plan.iterations, latency_us))?;
+        let (iters_per_s, _, held, _, pulls) = replay(&sim_cmd(&plan, 6, p, plan.iterations, latency_us)?)?;
         rows.push(ReferenceRow { policy: p.clone(), iters_per_s, held_share: held as f64 / pulls.max(1) as f64 });
     }
     Ok(rows)
@@ -448,7 +438,7 @@ fn reference(policies: &[String]) -> crate::Result<Vec<ReferenceRow>> {
 
 /// The run the table shows for `workers` and `policy`.
 fn find<'a>(out: &'a TransientOutput, workers: u32, policy: &str) -> Option<&'a TransientRun> {
-    out.runs.iter().find(|r| r.workers == workers && r.run.policy == policy && r.run.chosen)
+    out.runs.iter().find(|r| r.workers == workers && r.policy == policy && r.chosen)
 }
 
 /// The checks of the scenario (they fail the command): at the smallest worker count,
@@ -459,15 +449,12 @@ pub fn checks(out: &TransientOutput) -> Vec<Check> {
     let it_s = |p: &str| find(out, w, p).map(|r| r.run.iters_per_s);
     let margin = out.plan.margin;
     for p in ["ssp:3", "pssp:3:0.5"] {
-        let (a, b) = (it_s(p), it_s("bsp"));
-        checks.push(Check {
-            what: format!("transient, {w} workers: iterations/s of {p} > {margin} x bsp"),
-            measured: match (a, b) {
-                (Some(a), Some(b)) => format!("{a:.1} vs {b:.1} ({})", ratio(a, b)),
-                _ => "not run".into(),
-            },
-            pass: a.zip(b).map(|(a, b)| a > margin * b),
-        });
+        checks.push(Check::compare(
+            format!("transient, {w} workers: iterations/s of {p} > {margin} x bsp"),
+            (it_s(p), it_s("bsp")),
+            |a, b| format!("{a:.1} vs {b:.1} ({})", ratio(a, b)),
+            |a, b| a > margin * b,
+        ));
     }
     let asp = find(out, w, "asp").map(|r| r.run.pulls_held);
     checks.push(Check {
@@ -481,18 +468,18 @@ pub fn checks(out: &TransientOutput) -> Vec<Check> {
 /// The targets for the scenario (reported).
 pub fn targets(out: &TransientOutput) -> Vec<Target> {
     let mut targets = Vec::new();
-    let shown: Vec<&TransientRun> = out.runs.iter().filter(|r| r.run.chosen).collect();
+    let shown: Vec<&TransientRun> = out.runs.iter().filter(|r| r.chosen).collect();
     let short: Vec<String> = shown
         .iter()
         .filter(|r| r.of_ceiling().is_some_and(|f| f < 0.85))
-        .map(|r| format!("{} at {} workers {:.0}%", r.run.policy, r.workers, r.of_ceiling().unwrap_or(0.0) * 100.0))
+        .map(|r| format!("{} at {} workers {:.0}%", r.policy, r.workers, r.of_ceiling().unwrap_or(0.0) * 100.0))
         .collect();
     let lowest = shown.iter().filter_map(|r| r.of_ceiling().map(|f| (f, r))).min_by(|a, b| a.0.total_cmp(&b.0));
     targets.push(Target {
         what: "transient: every policy reaches at least 85% of its own ceiling".into(),
         measured: match lowest {
             Some((f, r)) if short.is_empty() => {
-                format!("lowest {:.0}% ({} at {} workers)", f * 100.0, r.run.policy, r.workers)
+                format!("lowest {:.0}% ({} at {} workers)", f * 100.0, r.policy, r.workers)
             }
             Some(_) => format!("below: {}", short.join(", ")),
             None => "not run".into(),
@@ -563,7 +550,7 @@ pub fn render(out: &TransientOutput) -> String {
             let by_round: Vec<String> = out
                 .runs
                 .iter()
-                .filter(|x| x.workers == w && x.run.policy == *policy)
+                .filter(|x| x.workers == w && x.policy == *policy)
                 .map(|x| format!("{:.1}", x.run.iters_per_s))
                 .collect();
             let c = r.ceiling.as_ref();
@@ -646,10 +633,10 @@ mod tests {
         let p = plan();
         assert_eq!(p.runs().len(), 4);
         assert_eq!(p.runs()[2].1, "asp");
-        let t = crate::job::train_cmd(&p.train_flags(3, "ssp:3", 12)).unwrap();
+        let t = p.spec(3, "ssp:3", 12).unwrap();
         assert_eq!(t.data.worker_jitter, Some(Jitter { p: 0.2, ms: 30.0 }));
         assert_eq!((t.job.workers, t.job.sync.to_string()), (3, "ssp:3".to_string()));
-        let s = crate::sim::sim_cmd(&sim_flags(&p, 3, "bsp", 12, 250.0)).unwrap();
+        let s = sim_cmd(&p, 3, "bsp", 12, 250.04).unwrap();
         assert_eq!((s.sim.latency_us, s.sim.link_mbps), (250.0, ZERO_COST_MBPS));
         assert!(TransientPlan::new(vec![8], 2, vec![], 0, 1, 1.0, Jitter { p: 0.1, ms: 1.0 }, 1.0).unwrap().is_none());
     }
@@ -670,7 +657,7 @@ mod tests {
 
     #[test]
     fn the_unheld_round_is_the_last_pushers() {
-        let data = crate::job::train_cmd(&plan().train_flags(2, "bsp", 4)).unwrap().data;
+        let data = plan().spec(2, "bsp", 4).unwrap().data;
         let mut draws: Vec<_> = (0..2).map(|r| data.delays(r).unwrap()).collect();
         // Two workers that never wait for each other: worker 0 communicates 7 ms per
         // iteration, worker 1 3 ms; worker 1 started a second later, so it always pushes

@@ -41,14 +41,15 @@ use serde::Serialize;
 use tokio::runtime::Runtime;
 use tokio::sync::{Barrier, mpsc, oneshot};
 
-use crate::checks::{Check, Target, checks_and_targets_markdown, ensure_no_check_failed};
-use crate::machine::{self, CpuSample};
+use crate::checks::{Check, Target, checks_and_targets_markdown};
+use crate::machine::percent as pct;
+use crate::pipeline::{Bench, Written};
+use crate::roles;
 use crate::sink::{self, Bounds};
-use crate::stats::{Lane, Measured};
 use elasticps_launch::args::{JobArgs, NetArgs};
 use elasticps_launch::process::{Cluster, NodeEvent};
+use elasticps_report::stats::{Lane, Measured};
 use elasticps_report::table::markdown_table;
-use elasticps_runtime::events::Event;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -268,79 +269,58 @@ struct Row {
     ratio: f64,
 }
 
-/// Everything a run produced.
+/// What the phases measured (the body of bench-transport.json).
 #[derive(Clone, Debug, Serialize)]
-struct Output {
-    command: String,
-    machine: Machine,
+pub struct Body {
     plan: Plan,
     rows: Vec<Row>,
-    checks: Vec<Check>,
-    targets: Vec<Target>,
 }
 
-#[derive(Clone, Debug, Serialize)]
-struct Machine {
-    nproc: usize,
-    cpu: String,
-    kernel: String,
-    /// Share of the machine's CPU time that processes outside this benchmark used during
-    /// the run (other work skews every number; the ratios less so).
-    other_cpu_share: Option<f64>,
-    /// Share of the machine's CPU time the hypervisor took (steal).
-    steal_share: Option<f64>,
+/// `elasticps bench transport`, its plan resolved.
+pub struct TransportBench {
+    cmd: TransportCmd,
+    plan: Plan,
 }
 
-impl Machine {
-    fn probe(before: Option<CpuSample>, after: Option<CpuSample>) -> Self {
-        let cpu = machine::cpu_model();
-        let kernel = machine::read_trim("/proc/sys/kernel/osrelease");
-        let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let (other_cpu_share, steal_share) = match (before, after) {
-            (Some(a), Some(b)) => (a.others(b), a.steal(b)),
-            _ => (None, None),
+impl TransportBench {
+    /// The plan of `cmd`.
+    pub fn new(cmd: TransportCmd) -> crate::Result<Self> {
+        Ok(TransportBench { plan: Plan::new(&cmd)?, cmd })
+    }
+}
+
+impl Bench for TransportBench {
+    const STEM: &'static str = "bench-transport";
+    type Body = Body;
+
+    fn out(&self) -> Option<&Path> {
+        self.cmd.out.as_deref()
+    }
+
+    async fn run(&self) -> crate::Result<Body> {
+        let (cmd, plan) = (&self.cmd, &self.plan);
+        // The in-process workers dial as the cluster's nodes do (TLS with --tls-*).
+        cmd.net.install()?;
+        let log_dir = match &cmd.out {
+            Some(dir) => dir.join("logs"),
+            None => std::env::temp_dir().join(format!("elasticps-bench-{}", std::process::id())),
         };
-        Machine { nproc, cpu, kernel, other_cpu_share, steal_share }
+        let driver = crate::multi_thread_runtime(plan.driver_threads)?;
+        let result = measure_all(&driver, plan, &cmd.net, &log_dir).await;
+        // Dropping a runtime blocks; this is an async context.
+        driver.shutdown_background();
+        // Let the launcher reap the last nodes, so their CPU time counts as this run's.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Ok(Body { plan: plan.clone(), rows: result? })
     }
-}
 
-/// Runs the benchmark and prints the table.
-pub async fn run(cmd: TransportCmd) -> crate::Result<()> {
-    // The in-process workers dial as the cluster's nodes do (TLS with --tls-*).
-    cmd.net.install()?;
-    let plan = Plan::new(&cmd)?;
-    let log_dir = match &cmd.out {
-        Some(dir) => dir.join("logs"),
-        None => std::env::temp_dir().join(format!("elasticps-bench-{}", std::process::id())),
-    };
-    let driver = crate::multi_thread_runtime(plan.driver_threads)?;
-    let started = Instant::now();
-    let cpu_before = CpuSample::now();
-    let result = measure_all(&driver, &plan, &cmd.net, &log_dir).await;
-    // Dropping a runtime blocks; this is an async context.
-    driver.shutdown_background();
-    // Let the launcher reap the last nodes, so their CPU time counts as this run's.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let cpu_after = CpuSample::now();
-    let rows = result?;
-    let out = Output {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        machine: Machine::probe(cpu_before, cpu_after),
-        checks: if plan.quick { checks(&rows) } else { Vec::new() },
-        targets: targets(&rows),
-        plan,
-        rows,
-    };
-    let md = render(&out, started.elapsed());
-    print!("{md}");
-    if let Some(dir) = &cmd.out {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let json = serde_json::to_string_pretty(&out)?;
-        std::fs::write(dir.join("bench-transport.json"), json + "\n").context("writing bench-transport.json")?;
-        std::fs::write(dir.join("bench-transport.md"), &md).context("writing bench-transport.md")?;
-        println!("\nwritten to {}", dir.display());
+    fn verdicts(&self, body: &Body) -> (Vec<Check>, Vec<Target>) {
+        (if self.plan.quick { checks(&body.rows) } else { Vec::new() }, targets(&body.rows))
     }
-    ensure_no_check_failed(&out.checks)
+
+    fn markdown(&self, written: &Written<Body>) -> String {
+        render(written)
+    }
 }
 
 async fn measure_all(driver: &Runtime, plan: &Plan, net: &NetArgs, log_dir: &Path) -> crate::Result<Vec<Row>> {
@@ -358,20 +338,6 @@ async fn measure_all(driver: &Runtime, plan: &Plan, net: &NetArgs, log_dir: &Pat
     Ok(rows)
 }
 
-/// Waits for the next `listening` event of a cluster.
-pub(crate) async fn listening(cluster: &mut Cluster, what: &str) -> crate::Result<String> {
-    loop {
-        match tokio::time::timeout(Duration::from_secs(20), cluster.next()).await {
-            Ok(Some(NodeEvent::Line { event: Event::Listening { addr }, .. })) => return Ok(addr),
-            Ok(Some(NodeEvent::Exited { node, status })) => return Err(cluster.failure(node, status).into()),
-            Ok(Some(_)) => continue,
-            Ok(None) | Err(_) => {
-                return Err(crate::BenchError::Failed(format!("{what} did not report its address within 20 s")));
-            }
-        }
-    }
-}
-
 /// One `tcp-sink` process per server of the topology.
 async fn start_sinks(log_dir: &Path, topo: Topology) -> crate::Result<(Cluster, Vec<String>)> {
     let mut sinks = Cluster::new(log_dir)?;
@@ -381,7 +347,7 @@ async fn start_sinks(log_dir: &Path, topo: Topology) -> crate::Result<(Cluster, 
     }
     let mut addrs = Vec::new();
     for _ in 0..topo.servers {
-        addrs.push(listening(&mut sinks, "a tcp sink").await?);
+        addrs.push(roles::listening(&mut sinks, "a tcp sink").await?);
     }
     Ok((sinks, addrs))
 }
@@ -503,16 +469,9 @@ async fn start_cluster(
     };
     let mut cluster = Cluster::new(log_dir)?;
     let env = [("ELASTICPS_SECRET", net.secret.as_str())];
-    let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into()];
-    args.extend(job.to_flags());
-    args.extend(net.to_flags());
-    cluster.spawn(&format!("scheduler {tag}"), &args, &env)?;
-    let addr = listening(&mut cluster, "the scheduler").await?;
+    let addr = roles::scheduler(&mut cluster, &job, net, &format!("scheduler {tag}"), &env).await?;
     for i in 0..topo.servers {
-        let mut args =
-            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
-        args.extend(net.to_flags());
-        cluster.spawn(&format!("server {i} {tag}"), &args, &env)?;
+        roles::server(&mut cluster, &addr, "127.0.0.1:0", net, &format!("server {i} {tag}"), &env)?;
     }
     Ok((cluster, addr))
 }
@@ -779,14 +738,11 @@ fn targets(rows: &[Row]) -> Vec<Target> {
     out
 }
 
-fn pct(share: Option<f64>) -> String {
-    share.map_or_else(|| "an unknown share".into(), |s| format!("{:.0}%", s * 100.0))
-}
-
-fn render(out: &Output, took: Duration) -> String {
+fn render(out: &Written<Body>) -> String {
     let headers = ["size", "topology", "op", "in flight", "GB/s", "ratio to raw TCP", "p50 µs", "p99 µs"];
     let us = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.1}"));
     let rows: Vec<Vec<String>> = out
+        .body
         .rows
         .iter()
         .map(|r| {
@@ -812,9 +768,9 @@ fn render(out: &Output, took: Duration) -> String {
         m.nproc,
         m.cpu,
         m.kernel,
-        out.plan.rounds,
-        out.plan.seconds,
-        took.as_secs_f64(),
+        out.body.plan.rounds,
+        out.body.plan.seconds,
+        out.took_s,
         pct(m.other_cpu_share),
         pct(m.steal_share),
     ));
@@ -826,6 +782,7 @@ fn render(out: &Output, took: Duration) -> String {
          ceiling; the ratio column divides by the stream of the same direction).\n",
     );
     let blocks: Vec<String> = out
+        .body
         .rows
         .iter()
         .filter(|r| r.op == "push")

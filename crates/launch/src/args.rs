@@ -256,7 +256,7 @@ pub struct RunArgs {
 }
 
 /// What the scheduler needs to know about the job.
-#[derive(Args, Clone, Debug)]
+#[derive(Args, Clone, Debug, PartialEq)]
 pub struct JobArgs {
     /// Number of servers.
     #[arg(long, env = "ELASTICPS_SERVERS", default_value_t = 2)]
@@ -605,7 +605,7 @@ impl std::fmt::Display for StragglerSpec {
 }
 
 /// What a worker trains on and for how long.
-#[derive(Args, Clone, Debug)]
+#[derive(Args, Clone, Debug, PartialEq)]
 pub struct DataArgs {
     /// Model: mlp (784-256-128-10 on the dataset) or synthetic:resnet56|resnet50|vgg16|bert-base
     /// (those networks' tensor sizes, random gradients, --compute-ms per iteration).
@@ -651,6 +651,28 @@ pub struct DataArgs {
     /// the server acknowledged the pushes) instead of one push_pull: to compare.
     #[arg(long = "no-fuse")]
     pub no_fuse: bool,
+}
+
+/// The data a command line with none of these flags describes (clap's defaults; a test
+/// keeps the two equal): for code that builds a job, naming only what it sets.
+impl Default for DataArgs {
+    fn default() -> Self {
+        DataArgs {
+            model: ModelKind::Mlp,
+            compute_ms: 20.0,
+            worker_delay: None,
+            worker_jitter: None,
+            dataset: DatasetKind::default(),
+            data_dir: None,
+            batch_size: 32,
+            epochs: 6,
+            iterations: None,
+            eval_every: 50,
+            data_seed: 7,
+            request_timeout_s: 300,
+            no_fuse: false,
+        }
+    }
 }
 
 impl DataArgs {
@@ -1004,5 +1026,61 @@ mod tests {
             delayed += a.delay_ms - j.delay_ms(3, 0, t);
         }
         assert!((3000.0..7000.0).contains(&delayed), "rank 0's --worker-delay: {delayed} ms over 100 iterations");
+    }
+
+    #[test]
+    fn the_default_data_is_the_command_lines_without_flags() {
+        assert_eq!(DataArgs::default(), data(&[]).unwrap());
+        assert_eq!(JobArgs::default(), parse(&[]).unwrap());
+    }
+
+    /// A spec built from struct fields (as the benchmarks build their jobs) comes back
+    /// equal from the flags it renders.
+    #[test]
+    fn typed_specs_round_trip_through_their_flags() {
+        let job = JobArgs {
+            servers: 4,
+            workers: 8,
+            sync: "pssp:3:0.5".parse().unwrap(),
+            server_sync: vec![(1, SyncPolicy::Bsp)],
+            optimizer: "sgd".parse().unwrap(),
+            lr: 0.01,
+            aggregate: true,
+            placement: PlacementKind::Skewed(1),
+            block_bytes: 1 << 20,
+            seed: 3,
+            server_bandwidth: vec![(0, 200.0), (1, 50.0)],
+            server_interference: vec![(1, 32.0)],
+            straggler_at: 8.5,
+            balance: BalanceMode::Psld,
+            max_servers: Some(5),
+            min_servers: Some(4),
+            checkpoint_dir: Some("ckpt".into()),
+            checkpoint_every: 10,
+            resume: Some("old".into()),
+            rejoin_wait_s: 1.5,
+            replicas: 2,
+            state_dir: Some("state".into()),
+        };
+        let again = parse(&job.to_flags().iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        assert_eq!(again, job);
+        let d = DataArgs {
+            model: "synthetic:resnet56".parse().unwrap(),
+            compute_ms: 12.5,
+            worker_delay: Some("0,4:50:10".parse().unwrap()),
+            worker_jitter: Some(Jitter { p: 0.2, ms: 150.0 }),
+            dataset: "fashion-mnist".parse().unwrap(),
+            data_dir: Some("data".into()),
+            batch_size: 16,
+            epochs: 2,
+            iterations: Some(30),
+            eval_every: 20,
+            data_seed: 9,
+            request_timeout_s: 60,
+            no_fuse: true,
+        };
+        assert_eq!(data(&d.to_flags().iter().map(String::as_str).collect::<Vec<_>>()).unwrap(), d);
+        let defaults = DataArgs::default();
+        assert_eq!(data(&defaults.to_flags().iter().map(String::as_str).collect::<Vec<_>>()).unwrap(), defaults);
     }
 }

@@ -28,14 +28,21 @@
 //! duration with the wall-clock start ([`WorkerReport::iter_ms`]), so that iteration times
 //! can be lined up with migrations. [`to_json`] keeps arrays of numbers on one line.
 //!
+//! The benchmarks' analytics live here too: [`analytics`] draws a run's throughput, sync
+//! counters, accuracy over time and, against its balance log, the settle time, the window
+//! after it and its rate, and the spikes around migrations; [`stats`] sums the lanes of a
+//! measured phase (latency percentiles, GB/s).
+//!
 //! Non-finite floating-point values (a diverged run's `NaN` loss, say) are
 //! written by `serde_json` as `null`; the plain `f64` fields read `null` back
 //! as `NaN` so such a `report.json` still loads, while `CurvePoint`'s optional
 //! fields read it back as `None`.
 
+pub mod analytics;
 pub mod balance_plot;
 mod error;
 pub mod plot;
+pub mod stats;
 pub mod summary;
 pub mod table;
 

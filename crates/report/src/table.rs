@@ -75,6 +75,17 @@ pub fn markdown_table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+/// `x` with `decimals` decimals, or `-` when it is not a number (a cell of a run that
+/// measured nothing).
+pub fn fixed(x: f64, decimals: usize) -> String {
+    if x.is_finite() { format!("{x:.decimals$}") } else { "-".into() }
+}
+
+/// `a / b` as a percentage (`87%`), or `-`.
+pub fn percent(a: f64, b: f64) -> String {
+    if a.is_finite() && b.is_finite() && b > 0.0 { format!("{:.0}%", a / b * 100.0) } else { "-".into() }
+}
+
 /// Whether a cell reads as a number, possibly with thousands separators, a
 /// sign, a trailing `%` or a short unit suffix (`"12,345.6"`, `"-0.5"`,
 /// `"97.3%"`, `"1.50 MiB"`, `"12 ms"`). Used to right-align numeric columns.
@@ -132,6 +143,12 @@ fn width(s: &str) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cells_of_numbers_that_may_be_missing() {
+        assert_eq!((fixed(1.256, 2), fixed(f64::NAN, 1)), ("1.26".to_string(), "-".to_string()));
+        assert_eq!((percent(3.0, 4.0), percent(1.0, 0.0)), ("75%".to_string(), "-".to_string()));
+    }
 
     fn row(cells: &[&str]) -> Vec<String> {
         cells.iter().map(|s| s.to_string()).collect()

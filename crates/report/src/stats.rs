@@ -1,4 +1,5 @@
-//! Latency percentiles and throughput of one measured phase.
+//! Latency percentiles and throughput of one measured phase (the lanes of `bench transport`
+//! and `bench hosts`: connections or workers side by side).
 
 use std::time::{Duration, Instant};
 
