@@ -1,30 +1,33 @@
-//! elasticps-node: the three roles of a job as state machines without I/O.
+//! elasticps-node: the roles of a job as state machines without I/O. Every rule of the
+//! system (who may send what, sync, migration and failover steps, the worker's round, its
+//! window and deadlines, heartbeats, retries and backoff, every timeout) lives here.
 //!
-//! Each role takes events (a message that arrived on a connection, a connection that
-//! was lost, a tick carrying the time) and returns actions (send this, reply to that,
-//! start a server, the job is over), in the style of raft-rs's `RawNode` and
-//! quinn-proto beside quinn. Nothing here touches a socket, a thread or the system
-//! clock: the tokio runtime (`elasticps-runtime`) feeds real sockets and real time in,
-//! and the deterministic harness feeds simulated ones, so a race seen between real
-//! processes can be replayed here from a seed.
+//! **One time contract for every machine**, quinn-proto's: `handle(now_us, event)`
+//! returns actions (send this, reply to that, start a server, the job is over) and
+//! `poll_timeout()` says when the machine next wants `Event::Timeout`. There is no fixed
+//! tick and no clock of its own: the tokio runtime (`elasticps-runtime`) feeds real
+//! sockets and real time in and sleeps until `poll_timeout()`; the deterministic harness
+//! (`elasticps-harness`) feeds simulated ones, so a race seen between real processes is
+//! replayed on the same machines from a seed.
 //!
-//! - [`scheduler`]: membership, the model's layout, barriers, the balancer's migrations
-//!   and scaling, the end of the job.
+//! - [`scheduler`]: membership, the model's layout, barriers, replicas, checkpoints, the
+//!   balancer's migrations and scaling, hosts, recovery after a restart, the end of the
+//!   job; one module per family of messages behind a thin dispatch.
 //! - [`server`]: block slots (serving, copying, frozen, gone), pushes and pulls under
-//!   the sync policy, live migration of a block (both ends), load reports.
+//!   the sync policy, live migration of a block (both ends), replication, load reports.
 //! - [`worker`]: the worker's round as a plan (which blocks to push and pull where, what
-//!   to resend after `Moved`), its window per server and its requests' deadlines
-//!   (`handle(now, event)` and `poll_timeout()`), and its load report.
+//!   to resend after `Moved`), its window per server and its requests' deadlines, and
+//!   its load report.
+//! - [`session`]: every node's link to the scheduler: heartbeats, the redial of a lost
+//!   scheduler with backoff, the reattach, the calls made again (in the order made).
 //! - [`authz`]: who may send what to whom (docs/PROTOCOL.md §7.1), checked by the
 //!   scheduler and the servers before a message changes anything.
-//! - [`timing`]: every timing constant of the roles' links (heartbeats, timeouts, ticks,
-//!   backoff), defined once for the runtime and the harness alike.
-//! - [`harness`]: a deterministic cluster on virtual time: simulated links with latency
-//!   and bandwidth, seeded faults, the real scheduler and the roles plugged in.
+//! - [`timing`]: every timing constant (heartbeats, failure timeouts, backoff, the
+//!   window, request and periodic deadlines), defined once for the runtime and the
+//!   harness alike.
 
 pub mod authz;
 pub mod error;
-pub mod harness;
 pub mod scheduler;
 pub mod server;
 pub mod session;

@@ -95,7 +95,7 @@ pub async fn timeout<T>(after: Duration, what: impl Into<String>, fut: impl Futu
 
 #[cfg(test)]
 mod tests {
-    use elasticps_node::harness::ClusterConfig;
+    use elasticps_harness::ClusterConfig;
 
     use super::*;
 
@@ -129,7 +129,7 @@ mod tests {
         assert_eq!(us(HEARTBEAT_TIMEOUT), timing::HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(FAILOVER_HEARTBEAT_TIMEOUT), timing::FAILOVER_HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(STATS_INTERVAL), timing::WORKER_STATS_US);
-        assert_eq!(elasticps_node::harness::worker::WORKER_STATS_US, us(STATS_INTERVAL));
+        assert_eq!(elasticps_harness::worker::WORKER_STATS_US, us(STATS_INTERVAL));
         for replicas in [1, 2, 3] {
             let c = ClusterConfig::new(job(replicas));
             let runtime = if replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT } else { HEARTBEAT_TIMEOUT };

@@ -6,8 +6,8 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use elasticps_core::balance::BalanceParams;
+use elasticps_harness::{ClusterConfig, JobSetup, LinkSpec, ServerModel, SimJob, Stage, TrainingLoop};
 use elasticps_launch::runner::RunOutcome;
-use elasticps_node::harness::{ClusterConfig, JobSetup, LinkSpec, ServerModel, SimJob, Stage, TrainingLoop};
 use elasticps_runtime::tally::Tally;
 use elasticps_train::Delays;
 use elasticps_wire::ServerStats;

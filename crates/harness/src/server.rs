@@ -19,12 +19,12 @@ use elasticps_core::block::BlockState;
 use elasticps_core::sync::{Clock, SyncPolicy};
 use elasticps_wire::{CheckpointEntry, Control, Injection, Message};
 
-use super::cluster::{Outbox, Role};
-use super::net::{LinkSpec, LostWhy, NodeId};
-use super::wake::Wake;
-use crate::ConnId;
-use crate::server::{Action, Event, Exit, PullTrace, Server};
-use crate::session::{self, REATTACH_ID, Session, SessionConfig};
+use crate::cluster::{Outbox, Role};
+use crate::net::{LinkSpec, LostWhy, NodeId};
+use crate::wake::Wake;
+use elasticps_node::ConnId;
+use elasticps_node::server::{Action, Event, Exit, PullTrace, Server};
+use elasticps_node::session::{self, REATTACH_ID, Session, SessionConfig};
 
 /// Timer tokens of the server adapter.
 const TIMEOUT: u64 = 0;
@@ -74,7 +74,7 @@ pub struct ServerRole {
     injection: Injection,
     violations: Vec<BoundViolation>,
     exit: Option<Exit>,
-    weigh: super::job::Weigh,
+    weigh: crate::job::Weigh,
     /// The checkpoint states this server took, in order: (clock, state).
     checkpoints: Vec<(Clock, BlockState)>,
     /// Events the runtime would feed back after I/O (a checkpoint written), fed after
@@ -95,7 +95,7 @@ impl std::fmt::Debug for ServerRole {
 
 impl ServerRole {
     /// A server with `model`; `weigh` tells what a push weighs (the sim's scale).
-    pub fn new(model: ServerModel, weigh: super::job::Weigh) -> Self {
+    pub fn new(model: ServerModel, weigh: crate::job::Weigh) -> Self {
         Self {
             model,
             server: None,
@@ -137,7 +137,8 @@ impl ServerRole {
                 }
                 session::Action::Dial { .. } => {
                     let addr = out.me().addr();
-                    let hello = self.server.as_ref().and_then(|s| crate::scheduler::reattach_message(s, &addr));
+                    let hello =
+                        self.server.as_ref().and_then(|s| elasticps_node::scheduler::reattach_message(s, &addr));
                     let conn = out.connect(out.scheduler());
                     self.conns.insert(conn);
                     self.sched = Some(conn);

@@ -11,11 +11,11 @@ use std::rc::Rc;
 
 use elasticps_wire::Message;
 
-use super::cluster::{Cluster, ClusterConfig, Outbox, Role, Stop};
-use super::net::{LinkSpec, LostWhy, NodeId, NodeKind};
-use super::server::{ServerModel, ServerRole};
-use super::worker::{TrainingLoop, WorkerRole};
-use crate::ConnId;
+use crate::cluster::{Cluster, ClusterConfig, Outbox, Role, Stop};
+use crate::net::{LinkSpec, LostWhy, NodeId, NodeKind};
+use crate::server::{ServerModel, ServerRole};
+use crate::worker::{TrainingLoop, WorkerRole};
+use elasticps_node::ConnId;
 
 /// What a message weighs on the wire, bytes (the sim's scale; the frame's size by default).
 pub type Weigh = Rc<dyn Fn(&Message) -> u64>;
@@ -105,7 +105,7 @@ impl JobSetup {
             server_link: LinkSpec::default(),
             worker_link: LinkSpec::default(),
             server_model: ServerModel::default(),
-            weigh: Rc::new(super::net::frame_bytes),
+            weigh: Rc::new(crate::net::frame_bytes),
             scheduler_retry_us: 0,
         }
     }

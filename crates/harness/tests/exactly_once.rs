@@ -21,11 +21,11 @@ use elasticps_core::model::{BlockId, Init, TensorSpec};
 use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
 use elasticps_core::placement::PlacementKind;
 use elasticps_core::sync::{Clock, SyncPolicy};
-use elasticps_node::ConnId;
-use elasticps_node::harness::{
+use elasticps_harness::{
     ClusterConfig, JobEnd, JobSetup, LostWhy, NodeId, Outbox, Role, ServerModel, SimJob, Stage, TrainingLoop, Weigh,
     frame_bytes,
 };
+use elasticps_node::ConnId;
 use elasticps_node::scheduler::JobConfig;
 use elasticps_node::server::{Exit, FrozenStep, Phase, Slot};
 use elasticps_wire::{CheckpointPlan, Control, ErrorCode, Injection, Message, ScaleRequest};

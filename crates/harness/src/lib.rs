@@ -1,10 +1,19 @@
-//! A deterministic in-memory cluster: virtual time, a simulated network with latency,
-//! bandwidth and seeded faults, and the real [`Scheduler`](crate::scheduler::Scheduler)
-//! with any roles plugged in, in the style of raft-rs's `harness/` network.
+//! elasticps-harness: a deterministic in-memory cluster: virtual time, a simulated network
+//! with latency, bandwidth and seeded faults, and the real
+//! [`Scheduler`](elasticps_node::scheduler::Scheduler) with any roles plugged in, in the
+//! style of raft-rs's `harness/` crate beside its `RawNode`.
+//!
+//! It sits beside the tokio runtime (`elasticps-runtime`) and drives the same node machines
+//! with the same constants ([`elasticps_node::timing`]): the scheduler, the server, the
+//! worker's round and every node's [`Session`](elasticps_node::session::Session) with the
+//! scheduler. Each role adapter only carries out what its machine returns, wakes it at its
+//! `poll_timeout()` ([`wake`]) and models what production does with sockets and processes,
+//! so a race seen between real processes is replayed here from a seed. `elasticps sim` runs
+//! whole jobs on it at thousands of nodes.
 //!
 //! - [`queue`]: the event queue, ordered by (time, sequence number): equal times are
 //!   FIFO, so one seed is one run.
-//! - [`net`]: [`Network`]: nodes ([`NodeId`]), connections ([`ConnId`](crate::ConnId),
+//! - [`net`]: [`Network`]: nodes ([`NodeId`]), connections ([`ConnId`](elasticps_node::ConnId),
 //!   one per ordered pair as the roles see them), per-node latency and upload/download
 //!   bandwidth, FIFO links, the nominal size of a message ([`SizeHook`]), connection
 //!   drops, crashes, jitter, a digest of the run.
@@ -12,13 +21,14 @@
 //!   small [`Role`] adapter that handles deliveries and acts through an [`Outbox`]
 //!   (send, close, connect, timers, ask for a server, finish).
 //! - [`server`], [`worker`]: the adapters of the real server state machine and of a
-//!   training loop on the real round plan; [`job`]: a whole job ([`SimJob`]) from birth
+//!   training loop on the real round plan; [`wake`]: one timer per machine's
+//!   `poll_timeout()`; [`job`]: a whole job ([`SimJob`]) from birth
 //!   to its end, what the proptests and `elasticps sim` run.
 //!
 //! A role plugs in like this (the server's and the worker's adapters look the same):
 //!
 //! ```
-//! use elasticps_node::harness::{Cluster, ClusterConfig, LinkSpec, LostWhy, NodeKind, Outbox, Role};
+//! use elasticps_harness::{Cluster, ClusterConfig, LinkSpec, LostWhy, NodeKind, Outbox, Role};
 //! use elasticps_node::ConnId;
 //! use elasticps_wire::{Control, Message};
 //! # use elasticps_core::{block::ShardConfig, placement::PlacementKind, sync::SyncPolicy};

@@ -19,14 +19,14 @@ use elasticps_core::model::{BlockId, TensorSpec};
 use elasticps_core::sync::Clock;
 use elasticps_wire::{Control, Credential, Layout, Message, Values};
 
-use super::cluster::{Outbox, Role};
-use super::net::{LostWhy, NodeId};
-use super::wake::Wake;
-use crate::ConnId;
-use crate::session::{self, REATTACH_ID, Session, SessionConfig};
-use crate::worker::{Action, Op, PushOp, Round, RoundEvent, Worker};
+use crate::cluster::{Outbox, Role};
+use crate::net::{LostWhy, NodeId};
+use crate::wake::Wake;
+use elasticps_node::ConnId;
+use elasticps_node::session::{self, REATTACH_ID, Session, SessionConfig};
+use elasticps_node::worker::{Action, Op, PushOp, Round, RoundEvent, Worker};
 
-pub use crate::timing::WORKER_STATS_US;
+pub use elasticps_node::timing::WORKER_STATS_US;
 
 /// Timer tokens.
 const SESSION: u64 = 0;
@@ -57,7 +57,7 @@ pub struct TrainingLoop {
     /// Send each block's push and next pull as one push_pull (the client's default).
     pub fuse: bool,
     /// Requests of a round in flight to one server at most (the client's `window`,
-    /// [`crate::timing::DEFAULT_WINDOW`] by default).
+    /// [`elasticps_node::timing::DEFAULT_WINDOW`] by default).
     pub window: usize,
 }
 
@@ -394,7 +394,7 @@ impl WorkerRole {
         }
     }
 
-    fn on_round_result(&mut self, out: &mut Outbox<'_>, result: crate::Result<Vec<Action>>) {
+    fn on_round_result(&mut self, out: &mut Outbox<'_>, result: elasticps_node::Result<Vec<Action>>) {
         match result {
             Ok(actions) => {
                 self.carry_out(out, actions);

@@ -3,9 +3,9 @@
 
 use elasticps_wire::{CheckpointEntry, Message};
 
-use super::net::{Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind};
-use crate::ConnId;
-use crate::scheduler::{Action, Event, JobConfig, SavedState, Scheduler};
+use crate::net::{Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind};
+use elasticps_node::ConnId;
+use elasticps_node::scheduler::{Action, Event, JobConfig, SavedState, Scheduler};
 
 /// A role on the simulated network: a small adapter that feeds a state machine the
 /// events the network delivers and carries its actions out through the [`Outbox`].
@@ -174,11 +174,11 @@ pub struct ClusterConfig {
 }
 
 impl ClusterConfig {
-    /// The runtime's defaults for `job` ([`crate::timing`]): its heartbeat timeout (2 s
+    /// The runtime's defaults for `job` ([`elasticps_node::timing`]): its heartbeat timeout (2 s
     /// with replicas, else 10 s), seed 0, no jitter, no launcher, a default link.
     pub fn new(job: JobConfig) -> Self {
         Self {
-            heartbeat_timeout_us: crate::timing::heartbeat_timeout_us(job.replicas),
+            heartbeat_timeout_us: elasticps_node::timing::heartbeat_timeout_us(job.replicas),
             job,
             seed: 0,
             jitter_us: 0,

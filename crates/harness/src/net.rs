@@ -16,8 +16,8 @@ use rand::{Rng, SeedableRng};
 
 use elasticps_wire::{HEADER_LEN, Message, Values};
 
-use super::queue::EventQueue;
-use crate::ConnId;
+use crate::queue::EventQueue;
+use elasticps_node::ConnId;
 
 /// A node of the simulated cluster: an index into the network's node table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

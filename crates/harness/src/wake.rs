@@ -2,7 +2,7 @@
 //! the machine names, again only when it names an earlier one. A timer that fires after
 //! its deadline moved later is a harmless `Timeout` (the machines check the time).
 
-use super::cluster::Outbox;
+use crate::cluster::Outbox;
 
 /// The timer of one deadline source.
 #[derive(Debug, Default)]
