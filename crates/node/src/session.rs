@@ -80,7 +80,7 @@ pub enum Event<'a> {
 }
 
 /// What the driver does.
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Action {
     /// Write `msg` with `request_id` on the scheduler's connection.
     Send {
@@ -435,5 +435,190 @@ mod tests {
         s.handle(0, Event::Send { request_id: 3, msg: call(3) });
         s.handle(1, Event::Forget { request_id: 2 });
         assert_eq!(s.unanswered().map(|(id, _)| id).collect::<Vec<_>>(), [3]);
+    }
+
+    /// What a driver does to the link, in any order (the proptest's alphabet).
+    #[derive(Clone, Debug)]
+    enum Step {
+        /// The node makes a call.
+        Call,
+        /// The scheduler answers the `k`-th call it received on this connection, if any.
+        Answer(usize),
+        /// The node sends a notification.
+        Note,
+        /// The connection is lost (or a dial under way fails to connect).
+        Lost,
+        /// Time passes (ms); every deadline on the way is handed in at its time.
+        Advance(u64),
+        /// The scheduler (restarted or not) welcomes the reattach under way.
+        Welcome,
+        /// The scheduler refuses the reattach under way.
+        Refuse,
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            3 => Just(Step::Call),
+            3 => (0usize..4).prop_map(Step::Answer),
+            1 => Just(Step::Note),
+            1 => Just(Step::Lost),
+            3 => (0u64..2_500).prop_map(Step::Advance),
+            2 => Just(Step::Welcome),
+            1 => Just(Step::Refuse),
+        ]
+    }
+
+    /// Runs `steps` against a session and checks, at every action, the rules a
+    /// restarted scheduler and a lost connection at any point must not break.
+    fn check_link(retry_us: u64, steps: &[Step]) -> Result<(), String> {
+        let mut s = welcomed(SessionConfig { retry_us, heartbeats: true });
+        let mut now = 0u64;
+        let mut next_id = 2u64;
+        // The calls made and not answered, and the ones the current connection carried.
+        let mut open_calls = std::collections::BTreeSet::new();
+        let mut on_conn: Vec<u64> = Vec::new();
+        let mut connected = true;
+        let mut dialling = false;
+        // The loss (or failed dial) the next dial follows, and the delay expected then.
+        let mut lost_at: Option<u64> = None;
+        let mut delay = FIRST_BACKOFF_US;
+        let mut last_heartbeat = Some(0u64);
+        let mut over = false;
+        let at = |now: u64, a: Vec<Action>| a.into_iter().map(|a| (now, a)).collect::<Vec<_>>();
+        for step in steps {
+            let mut acts = Vec::new();
+            match step {
+                Step::Call => {
+                    open_calls.insert(next_id);
+                    acts = at(now, s.handle(now, Event::Send { request_id: next_id, msg: call(next_id) }));
+                    next_id += 1;
+                }
+                Step::Answer(k) if connected && !dialling => {
+                    let Some(&id) = on_conn.iter().filter(|id| open_calls.contains(id)).nth(*k) else { continue };
+                    open_calls.remove(&id);
+                    acts = at(now, s.handle(now, Event::Received { request_id: id, msg: &Control::Ok.into() }));
+                }
+                Step::Note => {
+                    acts = at(now, s.handle(now, Event::Send { request_id: 0, msg: Control::Heartbeat.into() }))
+                }
+                Step::Lost if connected || dialling => {
+                    (connected, dialling) = (false, false);
+                    on_conn.clear();
+                    if lost_at.is_none() {
+                        delay = FIRST_BACKOFF_US;
+                    }
+                    lost_at = Some(now);
+                    last_heartbeat = None;
+                    acts = at(now, s.handle(now, Event::Lost));
+                }
+                Step::Advance(ms) => {
+                    let until = now + ms * 1000;
+                    for _ in 0..1_000 {
+                        match s.poll_timeout() {
+                            Some(due) if due <= until => {
+                                if due < now {
+                                    return Err(format!("a deadline in the past: {due} at {now}"));
+                                }
+                                now = due;
+                                let a = s.handle(now, Event::Timeout);
+                                if s.poll_timeout().is_some_and(|next| next <= now) {
+                                    return Err(format!("poll_timeout spins at {now}"));
+                                }
+                                acts.extend(at(now, a));
+                            }
+                            _ => break,
+                        }
+                    }
+                    now = until.max(now);
+                }
+                Step::Welcome if dialling => {
+                    dialling = false;
+                    connected = true;
+                    lost_at = None;
+                    acts = at(now, s.handle(now, Event::Received { request_id: REATTACH_ID, msg: &welcome() }));
+                    let replayed: Vec<u64> = sends(&acts.iter().map(|(_, a)| a.clone()).collect::<Vec<_>>())
+                        .into_iter()
+                        .filter(|id| *id != 0)
+                        .collect();
+                    let want: Vec<u64> = open_calls.iter().copied().collect();
+                    if replayed != want {
+                        return Err(format!("the reattach made {replayed:?} again, the unanswered calls are {want:?}"));
+                    }
+                }
+                Step::Refuse if dialling => {
+                    let no = Message::Error(ErrorReply { code: ErrorCode::Unauthenticated, message: "no".into() });
+                    acts = at(now, s.handle(now, Event::Received { request_id: REATTACH_ID, msg: &no }));
+                    if !matches!(&acts[..], [(_, Action::Over { reason: Some(_) })]) {
+                        return Err(format!("a refused reattach gave {acts:?}"));
+                    }
+                }
+                _ => continue,
+            }
+            for (now, a) in &acts {
+                let now = *now;
+                if over {
+                    return Err(format!("{a:?} after the link was over"));
+                }
+                match a {
+                    Action::Send { request_id: 0, msg } => {
+                        if !(connected && !dialling) {
+                            return Err(format!("a notification sent with no connection at {now}"));
+                        }
+                        if matches!(msg, Message::Control(Control::Heartbeat)) && !matches!(step, Step::Note) {
+                            if let Some(last) = last_heartbeat
+                                && now != last + HEARTBEAT_EVERY_US
+                            {
+                                return Err(format!("a heartbeat at {now}, the last at {last}"));
+                            }
+                            last_heartbeat = Some(now);
+                        }
+                    }
+                    Action::Send { request_id, .. } => {
+                        if !(connected && !dialling) {
+                            return Err(format!("call {request_id} sent with no connection at {now}"));
+                        }
+                        if on_conn.contains(request_id) {
+                            return Err(format!("call {request_id} sent twice on one connection"));
+                        }
+                        on_conn.push(*request_id);
+                    }
+                    Action::Dial { .. } => {
+                        let since = lost_at.ok_or("a dial with nothing lost")?;
+                        if now != since + delay {
+                            return Err(format!(
+                                "a dial at {now}, {} us after the loss; the backoff says {delay}",
+                                now - since
+                            ));
+                        }
+                        delay = next_backoff_us(delay);
+                        dialling = true;
+                    }
+                    Action::Over { .. } => over = true,
+                }
+            }
+            if over {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config { cases: 2_000, ..Default::default() })]
+
+        /// A scheduler lost (or restarted) and a connection dropped at any point, calls made
+        /// and answered in any order: no call is sent without a connection or twice on one,
+        /// every unanswered call is made again after the reattach in the order made, dials
+        /// follow the backoff exactly, heartbeats come every period, nothing spins.
+        #[test]
+        fn the_link_keeps_its_rules_under_any_schedule(
+            retry_s in 0u64..8,
+            steps in proptest::collection::vec(step(), 1..80),
+        ) {
+            if let Err(e) = check_link(retry_s * 1_000_000, &steps) {
+                return Err(proptest::test_runner::TestCaseError::fail(e));
+            }
+        }
     }
 }

@@ -100,7 +100,12 @@ fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> Training
         grad: |_, _, _| 1.0,
         timeout_us: cmd.data.request_timeout().as_micros() as u64,
         fuse: !cmd.data.no_fuse,
-        window: elasticps_node::timing::DEFAULT_WINDOW,
+        // Not the client's window: the simulated links have no socket buffers, so a
+        // window of 32 makes a round with more blocks per server 1.4x slower in the sim
+        // than in real processes (`bench sim`'s cross-check fell from 1.00 to 0.72 with
+        // it); the sim keeps the unbounded round it had before the window moved into the
+        // node layer (issue 22). The harness's tests do run with the window.
+        window: usize::MAX,
     }
 }
 
