@@ -562,7 +562,7 @@ mod tests {
                 }
                 match a {
                     Action::Send { request_id: 0, msg } => {
-                        if !(connected && !dialling) {
+                        if !connected || dialling {
                             return Err(format!("a notification sent with no connection at {now}"));
                         }
                         if matches!(msg, Message::Control(Control::Heartbeat)) && !matches!(step, Step::Note) {
@@ -575,7 +575,7 @@ mod tests {
                         }
                     }
                     Action::Send { request_id, .. } => {
-                        if !(connected && !dialling) {
+                        if !connected || dialling {
                             return Err(format!("call {request_id} sent with no connection at {now}"));
                         }
                         if on_conn.contains(request_id) {

@@ -297,6 +297,9 @@ pub struct Scheduler {
     registering: BTreeSet<(u64, ConnId)>,
     /// When the scheduler last handled [`Event::Timeout`] (µs).
     checked_us: Option<u64>,
+    /// `--join-timeout-s` (µs since the start), until it was checked once: a job that has
+    /// not assembled by then ends, saying what it waits for.
+    join_timeout_us: Option<u64>,
     /// Connections closed for not registering: what they sent before the close reached
     /// the runtime is dropped (it must not be taken as from a fresh connection).
     shut: BTreeSet<ConnId>,
@@ -340,6 +343,7 @@ impl Scheduler {
             opened: BTreeMap::new(),
             registering: BTreeSet::new(),
             checked_us: None,
+            join_timeout_us: None,
             shut: BTreeSet::new(),
             secret: Vec::new(),
             job: 0,
@@ -368,6 +372,13 @@ impl Scheduler {
     pub fn with_hosts(mut self, config: hosts::HostsConfig) -> Self {
         self.hosts = Some(hosts::Hosts::new(config));
         self.can_launch = true;
+        self
+    }
+
+    /// Ends a job that has not assembled (every server and worker, or every host, joined)
+    /// within `us` of the start (`--join-timeout-s`), telling everyone that came why.
+    pub fn with_join_timeout(mut self, us: u64) -> Self {
+        self.join_timeout_us = Some(us);
         self
     }
 
@@ -487,6 +498,9 @@ impl Scheduler {
         if let Some(deadline) = self.register_deadline_us() {
             at(deadline);
         }
+        if let Some(join) = self.join_timeout_us {
+            at(join.saturating_add(1));
+        }
         if let Some(since) = self.awaiting_rejoin_since {
             at(since.saturating_add(self.config.rejoin_wait_us));
         }
@@ -572,6 +586,14 @@ impl Scheduler {
     fn on_timeout(&mut self, out: &mut Vec<Action>) {
         let now_us = self.now_us;
         self.checked_us = Some(now_us);
+        if let Some(join) = self.join_timeout_us.filter(|j| now_us > *j) {
+            self.join_timeout_us = None;
+            if let Some(what) = self.waiting_for() {
+                let reason = format!("the job did not assemble within {} s: {what}", join / 1_000_000);
+                tracing::error!(%reason, "the job ends");
+                return self.finish(false, reason, out);
+            }
+        }
         for lost in self.hosts.as_mut().map(|h| h.lose_silent(now_us)).unwrap_or_default() {
             let conn = lost.conn;
             self.host_lost(lost, out);
@@ -714,5 +736,27 @@ mod tests {
         }
         assert_eq!(woken, [WAIT_REPORT_EVERY_US, 2 * WAIT_REPORT_EVERY_US, 7 + REGISTER_WITHIN_US + 1]);
         assert_eq!(m.poll_timeout(), Some(8 + 10_000_000 + 1));
+    }
+
+    #[test]
+    fn a_job_that_does_not_assemble_within_the_join_timeout_ends_saying_what_it_waits_for() {
+        let mut m = Scheduler::new(config(), 10_000_000).with_join_timeout(8_000_000);
+        m.handle(7, Event::Connected { conn: 5, peer: "10.0.0.1".into(), key: KeyId::Cluster });
+        recv(&mut m, 5, 1, Control::RegisterWorker);
+        // The wait report at 5 s, then the join timeout, just past it.
+        assert_eq!(m.poll_timeout(), Some(WAIT_REPORT_EVERY_US));
+        assert!(!m.handle(WAIT_REPORT_EVERY_US, Event::Timeout).iter().any(|a| matches!(a, Action::Finish { .. })));
+        assert_eq!(m.poll_timeout(), Some(8_000_001));
+        let a = m.handle(8_000_001, Event::Timeout);
+        let told = a.iter().any(|x| {
+            matches!(x, Action::Send { conn: 5, msg: Message::Control(Control::Shutdown { reason }), .. }
+                if reason.starts_with("the job did not assemble within 8 s: "))
+        });
+        assert!(told, "the worker that came hears why: {a:?}");
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: false, .. })), "{a:?}");
+        // One that assembled in time is not ended by it.
+        let mut m = running(config(), 24).with_join_timeout(1);
+        let a = m.handle(BALANCE_EVERY_US, Event::Timeout);
+        assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "{a:?}");
     }
 }

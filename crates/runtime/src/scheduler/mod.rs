@@ -129,23 +129,21 @@ pub async fn run_with(
         use rand::{RngCore, SeedableRng};
         rand::rngs::StdRng::from_os_rng().next_u64()
     };
-    let mut state =
+    let state =
         base.with_launcher(launcher.is_some()).with_clock_origin(origin).with_credentials(opts.codec.secret(), job);
     if let Some(d) = saved.as_mut() {
         d.loaded(state.state_version());
     }
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
-    // One timer: the scheduler's next deadline, and once the join timeout.
-    let join_deadline_us = u64::try_from(opts.join_timeout.as_micros()).unwrap_or(u64::MAX).saturating_add(1);
-    let mut join_checked = false;
-    let wake_at = |state: &Scheduler, join_checked: bool| {
-        let join = (!join_checked).then_some(join_deadline_us);
-        let at_us = state.poll_timeout().into_iter().chain(join).min()?;
+    let mut state = state.with_join_timeout(u64::try_from(opts.join_timeout.as_micros()).unwrap_or(u64::MAX));
+    // One timer: the scheduler's next deadline.
+    let wake_at = |state: &Scheduler| {
+        let at_us = state.poll_timeout()?;
         // A deadline past what the clock can name is a year away, as good as never.
         let far = || tokio::time::Instant::now() + Duration::from_secs(365 * 86_400);
         Some(started.checked_add(Duration::from_micros(at_us)).unwrap_or_else(far))
     };
-    let mut deadline = wake_at(&state, join_checked);
+    let mut deadline = wake_at(&state);
     let timer = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now));
     tokio::pin!(timer);
     // Manifest writes under way (awaited before the scheduler returns).
@@ -161,21 +159,7 @@ pub async fn run_with(
                 }
                 None => break Err(RuntimeError::Protocol { peer: "scheduler".into(), what: "accept loop ended".into() }),
             },
-            _ = &mut timer, if deadline.is_some() => {
-                let now_us = now_us();
-                join_checked |= now_us >= join_deadline_us;
-                if now_us > opts.join_timeout.as_micros() as u64
-                    && let Some(what) = state.waiting_for()
-                {
-                    // Every node that came (a host agent among them) learns why the job ends.
-                    let reason = format!("the job did not assemble within {} s: {what}", opts.join_timeout.as_secs());
-                    for h in conns.values() {
-                        let _ = h.out.send((0, Control::Shutdown { reason: reason.clone() }.into()));
-                    }
-                    break Err(RuntimeError::Timeout { what, after: opts.join_timeout });
-                }
-                Event::Timeout
-            }
+            _ = &mut timer, if deadline.is_some() => Event::Timeout,
         };
         if let Event::Lost { conn, .. } = &event {
             conns.remove(conn);
@@ -235,7 +219,7 @@ pub async fn run_with(
         if let Some(m) = opts.metrics.as_ref().filter(|_| timeout) {
             m.update(&state.status(), state.balance_log());
         }
-        let next = wake_at(&state, join_checked);
+        let next = wake_at(&state);
         if timeout || next != deadline {
             deadline = next;
             if let Some(at) = deadline {
