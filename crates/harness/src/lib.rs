@@ -21,7 +21,8 @@
 //!   small [`Role`] adapter that handles deliveries and acts through an [`Outbox`]
 //!   (send, close, connect, timers, ask for a server, finish).
 //! - [`server`], [`worker`]: the adapters of the real server state machine and of a
-//!   training loop on the real round plan; [`wake`]: one timer per machine's
+//!   training loop on the real round plan; [`link`]: a node's session with the
+//!   scheduler on the simulated network (both adapters'); [`wake`]: one timer per machine's
 //!   `poll_timeout()`; [`job`]: a whole job ([`SimJob`]) from birth
 //!   to its end, what the proptests and `elasticps sim` run.
 //!
@@ -65,6 +66,7 @@
 
 pub mod cluster;
 pub mod job;
+pub mod link;
 pub mod net;
 pub mod queue;
 pub mod server;

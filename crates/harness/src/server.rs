@@ -20,11 +20,12 @@ use elasticps_core::sync::{Clock, SyncPolicy};
 use elasticps_wire::{CheckpointEntry, Control, Injection, Message};
 
 use crate::cluster::{Outbox, Role};
+use crate::link::SchedLink;
 use crate::net::{LinkSpec, LostWhy, NodeId};
 use crate::wake::Wake;
 use elasticps_node::ConnId;
 use elasticps_node::server::{Action, Event, Exit, PullTrace, Server};
-use elasticps_node::session::{self, REATTACH_ID, Session, SessionConfig};
+use elasticps_node::session::{self, REATTACH_ID};
 
 /// Timer tokens of the server adapter.
 const TIMEOUT: u64 = 0;
@@ -58,7 +59,6 @@ pub struct BoundViolation {
 pub struct ServerRole {
     model: ServerModel,
     server: Option<Server>,
-    sched: Option<ConnId>,
     /// Connections this server opened to other servers, by address.
     peers: BTreeMap<String, ConnId>,
     /// Calls in flight to other servers: (connection, call id; the call id is the request id).
@@ -81,10 +81,9 @@ pub struct ServerRole {
     /// the step that asked for them.
     later: Vec<Event>,
     /// The link to the scheduler (heartbeats, redial, reattach, calls made again).
-    session: Session,
-    /// The timers armed for the server's and the session's deadlines.
+    link: SchedLink,
+    /// The timer armed for the server's deadline.
     wake: Wake,
-    session_wake: Wake,
 }
 
 impl std::fmt::Debug for ServerRole {
@@ -99,7 +98,6 @@ impl ServerRole {
         Self {
             model,
             server: None,
-            sched: None,
             peers: BTreeMap::new(),
             calls: BTreeSet::new(),
             conns: BTreeSet::new(),
@@ -112,52 +110,34 @@ impl ServerRole {
             weigh,
             checkpoints: Vec::new(),
             later: Vec::new(),
-            session: Session::new(SessionConfig { retry_us: 0, heartbeats: true }),
+            link: SchedLink::new(0, SESSION),
             wake: Wake::default(),
-            session_wake: Wake::default(),
         }
     }
 
     /// A lost scheduler is redialled for `us` and the server reattaches to it
     /// (`ReattachServer`), as the runtime's server does ([`Session`]).
     pub fn with_scheduler_retry(mut self, us: u64) -> Self {
-        self.session = Session::new(SessionConfig { retry_us: us, heartbeats: true });
+        self.link = SchedLink::new(us, SESSION);
         self
     }
 
-    /// An event of the scheduler's link; carries out what the session says.
+    /// An event of the scheduler's link ([`SchedLink`]); a link that ends without a
+    /// `Shutdown` ends the server, as a runtime's server exits.
     fn session(&mut self, out: &mut Outbox<'_>, event: session::Event<'_>) {
-        let mut actions = std::collections::VecDeque::from(self.session.handle(out.now_us(), event));
-        while let Some(action) = actions.pop_front() {
-            match action {
-                session::Action::Send { request_id, msg } => {
-                    if let Some(s) = self.sched {
-                        out.send(s, request_id, msg);
-                    }
-                }
-                session::Action::Dial { .. } => {
-                    let addr = out.me().addr();
-                    let hello =
-                        self.server.as_ref().and_then(|s| elasticps_node::scheduler::reattach_message(s, &addr));
-                    let conn = out.connect(out.scheduler());
-                    self.conns.insert(conn);
-                    self.sched = Some(conn);
-                    if !hello.is_some_and(|msg| out.send(conn, REATTACH_ID, msg.into())) {
-                        self.sched = None;
-                        actions.extend(self.session.handle(out.now_us(), session::Event::Lost));
-                    }
-                }
-                session::Action::Over { reason: None } => self.sched = None,
-                session::Action::Over { reason: Some(reason) } => {
-                    self.sched = None;
-                    for conn in std::mem::take(&mut self.conns) {
-                        out.close(conn);
-                    }
-                    self.exit.get_or_insert(Exit::Failed { reason });
-                }
-            }
+        let addr = out.me().addr();
+        let server = self.server.as_ref();
+        let hello = || server.and_then(|s| elasticps_node::scheduler::reattach_message(s, &addr)).map(Message::from);
+        let ended = self.link.handle(out, event, hello);
+        if let Some(conn) = self.link.conn() {
+            self.conns.insert(conn);
         }
-        self.session_wake.arm(out, self.session.poll_timeout(), SESSION);
+        if let Some(Some(reason)) = ended {
+            for conn in std::mem::take(&mut self.conns) {
+                out.close(conn);
+            }
+            self.exit.get_or_insert(Exit::Failed { reason });
+        }
     }
 
     /// The state machine (once started).
@@ -293,8 +273,7 @@ impl ServerRole {
 
 impl Role for ServerRole {
     fn on_start(&mut self, out: &mut Outbox<'_>) {
-        let sched = out.connect(out.scheduler());
-        self.sched = Some(sched);
+        let sched = self.link.connect(out);
         self.conns.insert(sched);
         let mut server = Server::new(out.me().addr()).with_trace(self.model.check_bound);
         let mut actions = server.start(out.now_us());
@@ -310,7 +289,7 @@ impl Role for ServerRole {
             // (a migration that started at the job's end learns it and abandons).
             return out.close(conn);
         }
-        if Some(conn) == self.sched {
+        if self.link.is(conn) {
             self.session(out, session::Event::Received { request_id, msg: &msg });
             if request_id == REATTACH_ID {
                 return;
@@ -338,10 +317,9 @@ impl Role for ServerRole {
 
     fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
         self.conns.remove(&conn);
-        if Some(conn) == self.sched {
+        if self.link.is(conn) {
             // Redialled if the session says so (the scheduler may be restarted with its
             // saved state); after `Shutdown` the server finishes without it.
-            self.sched = None;
             tracing::debug!(?why, "simulated server lost the scheduler");
             return self.session(out, session::Event::Lost);
         }
@@ -356,10 +334,7 @@ impl Role for ServerRole {
 
     fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
         match token {
-            SESSION if self.exit.is_none() => {
-                self.session_wake.fired(out);
-                self.session(out, session::Event::Timeout);
-            }
+            SESSION if self.exit.is_none() => self.session(out, session::Event::Timeout),
             TIMEOUT => {
                 self.wake.fired(out);
                 self.step(out, Event::Timeout);

@@ -20,10 +20,10 @@ use elasticps_core::sync::Clock;
 use elasticps_wire::{Control, Credential, Layout, Message, Values};
 
 use crate::cluster::{Outbox, Role};
+use crate::link::SchedLink;
 use crate::net::{LostWhy, NodeId};
-use crate::wake::Wake;
 use elasticps_node::ConnId;
-use elasticps_node::session::{self, REATTACH_ID, Session, SessionConfig};
+use elasticps_node::session::{self, REATTACH_ID};
 use elasticps_node::worker::{Action, Op, PushOp, Round, RoundEvent, Worker};
 
 pub use elasticps_node::timing::WORKER_STATS_US;
@@ -123,7 +123,6 @@ pub struct WorkerRole {
     rejoin: Option<u32>,
     /// The first clock (0; a rejoined worker's is the scheduler's answer).
     start: Clock,
-    sched: Option<ConnId>,
     plan: Option<Worker>,
     layout: Option<Layout>,
     servers: BTreeMap<u32, ConnId>,
@@ -142,9 +141,7 @@ pub struct WorkerRole {
     /// same value reuses it instead of filling a new one.
     grads: Vec<Option<(f32, Values)>>,
     /// The link to the scheduler (heartbeats, redial, reattach, calls made again).
-    session: Session,
-    /// The timer armed for the session's deadline.
-    session_wake: Wake,
+    link: SchedLink,
 }
 
 impl std::fmt::Debug for WorkerRole {
@@ -164,7 +161,6 @@ impl WorkerRole {
             credential: None,
             rejoin: None,
             start: 0,
-            sched: None,
             plan: None,
             layout: None,
             servers: BTreeMap::new(),
@@ -176,8 +172,7 @@ impl WorkerRole {
             round_started_us: 0,
             record: WorkerRecord::default(),
             grads: Vec::new(),
-            session: Session::new(SessionConfig { retry_us: 0, heartbeats: true }),
-            session_wake: Wake::default(),
+            link: SchedLink::new(0, SESSION),
         }
     }
 
@@ -185,37 +180,18 @@ impl WorkerRole {
     /// and makes its unanswered calls again, as the runtime's client does ([`Session`]).
     /// Its data traffic goes on meanwhile.
     pub fn with_scheduler_retry(mut self, us: u64) -> Self {
-        self.session = Session::new(SessionConfig { retry_us: us, heartbeats: true });
+        self.link = SchedLink::new(us, SESSION);
         self
     }
 
-    /// An event of the scheduler's link; carries out what the session says.
+    /// An event of the scheduler's link ([`SchedLink`]); a link that ends without a
+    /// `Shutdown` fails the worker.
     fn session(&mut self, out: &mut Outbox<'_>, event: session::Event<'_>) {
-        let mut actions = std::collections::VecDeque::from(self.session.handle(out.now_us(), event));
-        while let Some(action) = actions.pop_front() {
-            match action {
-                session::Action::Send { request_id, msg } => {
-                    if let Some(s) = self.sched {
-                        out.send(s, request_id, msg);
-                    }
-                }
-                session::Action::Dial { .. } => {
-                    let conn = out.connect(out.scheduler());
-                    self.sched = Some(conn);
-                    let hello = self.rank.zip(self.credential.clone());
-                    let said = hello.is_some_and(|(rank, credential)| {
-                        out.send(conn, REATTACH_ID, Control::ReattachWorker { rank, credential }.into())
-                    });
-                    if !said {
-                        self.sched = None;
-                        actions.extend(self.session.handle(out.now_us(), session::Event::Lost));
-                    }
-                }
-                session::Action::Over { reason: None } => {}
-                session::Action::Over { reason: Some(why) } => return self.fail(out, why),
-            }
+        let me = self.rank.zip(self.credential.clone());
+        let hello = || me.clone().map(|(rank, credential)| Control::ReattachWorker { rank, credential }.into());
+        if let Some(Some(why)) = self.link.handle(out, event, hello) {
+            self.fail(out, why);
         }
-        self.session_wake.arm(out, self.session.poll_timeout(), SESSION);
     }
 
     /// A worker restarted after it was lost: it rejoins as `rank` and goes on from the
@@ -251,7 +227,7 @@ impl WorkerRole {
         }
         tracing::debug!(rank = ?self.rank, %why, "simulated worker fails");
         self.stage = Stage::Failed(why);
-        for conn in self.sched.take().into_iter().chain(std::mem::take(&mut self.servers).into_values()) {
+        for conn in self.link.conn().into_iter().chain(std::mem::take(&mut self.servers).into_values()) {
             out.close(conn);
         }
     }
@@ -517,8 +493,7 @@ impl WorkerRole {
 
 impl Role for WorkerRole {
     fn on_start(&mut self, out: &mut Outbox<'_>) {
-        let sched = out.connect(out.scheduler());
-        self.sched = Some(sched);
+        self.link.connect(out);
         let hello = match self.rejoin {
             None => Control::RegisterWorker,
             Some(rank) => Control::RejoinWorker { rank },
@@ -530,7 +505,7 @@ impl Role for WorkerRole {
         if matches!(self.stage, Stage::Done | Stage::Failed(_)) {
             return;
         }
-        if Some(conn) == self.sched {
+        if self.link.is(conn) {
             return self.on_scheduler_message(out, request_id, msg);
         }
         if request_id == HELLO {
@@ -562,9 +537,8 @@ impl Role for WorkerRole {
             // layout); nothing is asked of it any more.
             return;
         }
-        if Some(conn) == self.sched {
+        if self.link.is(conn) {
             // Redialled if the session says so (a restarted scheduler), else the end.
-            self.sched = None;
             tracing::debug!(rank = ?self.rank, ?why, "simulated worker lost the scheduler");
             return self.session(out, session::Event::Lost);
         }
@@ -581,10 +555,7 @@ impl Role for WorkerRole {
             return;
         }
         match token {
-            SESSION => {
-                self.session_wake.fired(out);
-                self.session(out, session::Event::Timeout);
-            }
+            SESSION => self.session(out, session::Event::Timeout),
             COMPUTE_DONE => {
                 if let Stage::Computing(t) = self.stage {
                     self.stage = Stage::Communicating(t);
