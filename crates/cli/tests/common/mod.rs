@@ -4,8 +4,11 @@
 //!   events that roles print with `--events`) is read on a background thread into a
 //!   channel, so every read has a timeout; its stderr goes to a log file in a scratch
 //!   directory, kept (and its path printed) only if the test panics.
-//! - [`start_scheduler`], [`start_server`], [`start_server_on`], [`start_worker`]: the roles,
-//!   each started with `--events`.
+//! - [`start_scheduler`], [`start_scheduler_at`], [`start_server`], [`start_server_on`],
+//!   [`start_worker`]: the roles, each started with `--events`.
+//! - [`cluster`]: a job's flags, typed ([`cluster::JobSpec`]), a scheduler with its servers,
+//!   and workers in process that joined it.
+//! - [`models`]: the tests' small models and integer gradients, and the values SGD gives.
 //! - [`tokio_rt`]: a runtime for tests that drive `elasticps_runtime::client::Client` in
 //!   process.
 //! - Raw frames over `std::net::TcpStream` ([`connect_raw`], [`write_frame`],
@@ -17,6 +20,9 @@
 //! thread that ends early).
 
 #![allow(dead_code)]
+
+pub mod cluster;
+pub mod models;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -258,14 +264,25 @@ pub fn event_name(v: &Value) -> Option<&str> {
 /// Starts `elasticps scheduler --listen 127.0.0.1:0 --events ARGS...` and waits (at most
 /// [`START_TIMEOUT`]) for its `listening` event; returns it with its address.
 pub fn start_scheduler(args: &[&str]) -> (Proc, String) {
-    let mut all = vec!["scheduler", "--listen", "127.0.0.1:0", "--events"];
+    start_scheduler_at("scheduler", "127.0.0.1:0", args)
+}
+
+/// Starts `elasticps scheduler --listen LISTEN --events ARGS...` as `name` and waits (at
+/// most [`START_TIMEOUT`]) for its `listening` event; returns it with its address.
+pub fn start_scheduler_at(name: &str, listen: &str, args: &[&str]) -> (Proc, String) {
+    let mut all = vec!["scheduler", "--listen", listen, "--events"];
     all.extend_from_slice(args);
-    let mut p = Proc::spawn("scheduler", &all);
+    let mut p = Proc::spawn(name, &all);
     let Some(ev) = p.wait_event("listening", START_TIMEOUT) else {
-        panic!("the scheduler did not print its address within {START_TIMEOUT:?}\n{}", p.log_tail(30));
+        panic!("{name} did not listen on {listen} within {START_TIMEOUT:?}\n{}", p.log_tail(30));
     };
     let addr = ev["addr"].as_str().unwrap_or_else(|| panic!("listening event without addr: {ev}")).to_string();
     (p, addr)
+}
+
+/// The flags as `&str`s.
+pub fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
 }
 
 /// Starts `elasticps server --scheduler SCHED --listen 127.0.0.1:0 --events EXTRA...`.
