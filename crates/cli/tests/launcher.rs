@@ -1,32 +1,32 @@
 //! `elasticps train` end to end: the report it writes, and that it stops every node and
 //! names the culprit when a node dies or the user presses Ctrl-C.
 
-use std::io::Read;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
-use crate::common::{self, assert_all_gone, wait_for_children};
+use crate::common::{self, assert_all_gone, run_to_end, wait_for_children};
 
+/// How long a `train` run to its end may take.
+const TRAIN_LIMIT: Duration = Duration::from_secs(180);
+
+/// `elasticps train --quiet ARGS...` (see [`common::bin_command`]).
 fn train(args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_elasticps"));
-    cmd.arg("train").arg("--quiet").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut cmd = common::bin_command(&["train", "--quiet"]);
+    cmd.args(args);
     cmd
 }
 
+/// Waits at most `limit` for the launcher `child` to exit; its status and stderr.
 fn wait_exit(child: &mut Child, limit: Duration) -> (std::process::ExitStatus, String) {
     let status = common::wait_timeout(child, limit).expect("train did not exit in time");
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        let _ = e.read_to_string(&mut err);
-    }
-    (status, err)
+    (status, common::read_all(child.stderr.take()))
 }
 
 #[test]
 fn train_writes_a_complete_report() {
     let dir = common::temp_dir("report");
     let dir_s = dir.display().to_string();
-    let out = train(&["--iterations", "80", "--eval-every", "40", "--report", &dir_s]).output().expect("run train");
+    let out = run_to_end(train(&["--iterations", "80", "--eval-every", "40", "--report", &dir_s]), TRAIN_LIMIT);
     assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("test accuracy"), "{stdout}");
@@ -180,7 +180,7 @@ fn ctrl_c_stops_every_node() {
 
 #[test]
 fn missing_data_gets_an_error_that_says_how_to_get_it() {
-    let out = train(&["--dataset", "mnist", "--data-dir", "/nonexistent/elasticps-data"]).output().expect("run train");
+    let out = run_to_end(train(&["--dataset", "mnist", "--data-dir", "/nonexistent/elasticps-data"]), TRAIN_LIMIT);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("MNIST not found at /nonexistent/elasticps-data"), "{err}");
@@ -189,12 +189,12 @@ fn missing_data_gets_an_error_that_says_how_to_get_it() {
 
 #[test]
 fn a_wrong_flag_is_refused_before_anything_starts() {
-    let out = train(&["--sync", "ssp:x"]).output().expect("run train");
+    let out = run_to_end(train(&["--sync", "ssp:x"]), TRAIN_LIMIT);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("invalid sync policy") && err.contains("ssp:S"), "{err}");
     // Flags that only make sense together are checked before any process starts too.
-    let out = train(&["--server-bandwidth", "5=20"]).output().expect("run train");
+    let out = run_to_end(train(&["--server-bandwidth", "5=20"]), TRAIN_LIMIT);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--server-bandwidth names server 5") && !err.contains("scheduler exited"), "{err}");

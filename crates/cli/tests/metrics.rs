@@ -235,25 +235,9 @@ fn every_node_serves_its_families_while_the_job_runs() {
 
 #[test]
 fn train_with_metrics_prints_where_to_scrape_every_node() {
-    let mut child = Command::new(common::BIN)
-        .args(["train", "--quiet", "--metrics", "--model", "synthetic:resnet56", "--compute-ms", "1"])
-        .args(["--iterations", "20"])
-        .env_remove("ELASTICPS_METRICS_LISTEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting elasticps train");
-    let status = common::wait_timeout(&mut child, Duration::from_secs(120));
-    let mut out = String::new();
-    let mut err = String::new();
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let _ = child.stdout.take().map(|mut s| s.read_to_string(&mut out));
-    let _ = child.stderr.take().map(|mut s| s.read_to_string(&mut err));
-    assert!(status.is_some_and(|s| s.success()), "train failed ({status:?}):\n{out}\n{err}");
+    let args = ["train", "--quiet", "--metrics", "--model", "synthetic:resnet56", "--compute-ms", "1"];
+    let (status, out, err) = common::run_bin(&[&args[..], &["--iterations", "20"]].concat(), Duration::from_secs(120));
+    assert!(status.success(), "train failed ({status:?}):\n{out}\n{err}");
     let line = out.lines().find(|l| l.starts_with("metrics: ")).unwrap_or_else(|| panic!("no metrics line:\n{out}"));
     let nodes: Vec<&str> = line["metrics: ".len()..].split(", ").collect();
     let names: Vec<String> =

@@ -9,6 +9,8 @@
 //! - [`cluster`]: a job's flags, typed ([`cluster::JobSpec`]), a scheduler with its servers,
 //!   and workers in process that joined it.
 //! - [`models`]: the tests' small models and integer gradients, and the values SGD gives.
+//! - [`tiny`]: a tiny job with a cluster secret and a well-behaved worker whose every pull
+//!   is checked, for the tests that attack or garble its nodes.
 //! - [`tokio_rt`]: a runtime for tests that drive `elasticps_runtime::client::Client` in
 //!   process.
 //! - Raw frames over `std::net::TcpStream` ([`connect_raw`], [`write_frame`],
@@ -23,11 +25,12 @@
 
 pub mod cluster;
 pub mod models;
+pub mod tiny;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -73,6 +76,52 @@ pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> 
     }
 }
 
+/// `elasticps ARGS...` with stdin closed, stdout and stderr piped, and no `ELASTICPS_*`
+/// variable of the test environment, so that the command line alone configures it.
+pub fn bin_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("ELASTICPS_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+/// Runs `cmd` (with stdout and stderr piped) to its end, at most `limit`: its status,
+/// stdout and stderr. Past `limit` it is killed, and the test fails with what it printed.
+pub fn run_to_end(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
+    let status = wait_timeout(&mut child, limit);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let (stdout, stderr) = (read_all(child.stdout.take()), read_all(child.stderr.take()));
+    let Some(status) = status else {
+        panic!("{cmd:?} did not end within {limit:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    };
+    Output { status, stdout: stdout.into_bytes(), stderr: stderr.into_bytes() }
+}
+
+/// Runs `elasticps ARGS` (see [`bin_command`]) to its end, at most `limit` (see
+/// [`run_to_end`]): its status, stdout and stderr.
+pub fn run_bin(args: &[&str], limit: Duration) -> (ExitStatus, String, String) {
+    let out = run_to_end(bin_command(args), limit);
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status, text(&out.stdout), text(&out.stderr))
+}
+
+/// Everything `r` gives until its end, as text (empty for `None`).
+pub fn read_all(r: Option<impl Read>) -> String {
+    let mut s = String::new();
+    if let Some(mut r) = r {
+        let _ = r.read_to_string(&mut s);
+    }
+    s
+}
+
 /// A running `elasticps` process; killed (and reaped) when dropped.
 pub struct Proc {
     /// A name for messages ("server 1").
@@ -93,13 +142,8 @@ impl Proc {
         let dir = scratch_dir(name);
         let log = dir.join("stderr.log");
         let stderr = std::fs::File::create(&log).unwrap_or_else(|e| panic!("creating {}: {e}", log.display()));
-        let mut cmd = Command::new(BIN);
-        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("ELASTICPS_") {
-                cmd.env_remove(k);
-            }
-        }
+        let mut cmd = bin_command(args);
+        cmd.stderr(stderr);
         #[cfg(target_os = "linux")]
         {
             use std::os::unix::process::CommandExt;
