@@ -617,8 +617,7 @@ fn garbage_sent_to_a_servers_port_mid_training_does_not_stop_that_training_run()
     let (mut pushes, mut pulls, mut blocks) = (0, 0, 0);
     for s in &mut servers {
         s.assert_success(EXIT_TIMEOUT);
-        let stats = s.events_named("server_stats");
-        let st = stats.last().unwrap_or_else(|| panic!("{} printed no server_stats", s.name));
+        let st = s.server_stats();
         pushes += st["totals"]["pushes"].as_u64().expect("pushes");
         pulls += st["totals"]["pulls"].as_u64().expect("pulls");
         blocks += st["blocks"].as_u64().expect("blocks");

@@ -18,7 +18,7 @@ fn train(dir: &std::path::Path, args: &[&str]) -> Value {
     let all = [&["train", "--quiet"][..], args, &["--report", &report]].concat();
     let (status, _, err) = common::run_bin(&all, Duration::from_secs(120));
     assert!(status.success(), "train failed: {err}");
-    serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json")
+    common::read_report(dir)
 }
 
 /// Checks every worker's `iter_ms` and `started_unix_ms` against the run: one duration per

@@ -111,8 +111,7 @@ fn launch_runs_the_worker_role_as_the_command_and_reports_both_workers() {
         assert!(stderr.contains(&format!("[worker {i}] ")), "{stderr}");
     }
 
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json");
+    let report = common::read_report(&dir);
     let workers = report["workers"].as_array().expect("workers");
     let mut ranks: Vec<u64> = workers.iter().map(|w| w["rank"].as_u64().expect("rank")).collect();
     ranks.sort();
@@ -161,9 +160,7 @@ exec {BIN} worker --model synthetic:resnet56 --compute-ms 1 --iterations 10"#
     // The headline accuracy is rank 0's, whichever rank logged last.
     assert!(stdout.contains("test accuracy 75.00% after 10 steps per worker"), "{stdout}");
 
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(report_dir.join("report.json")).expect("report.json"))
-            .expect("json");
+    let report = common::read_report(&report_dir);
     assert_eq!(report["test_accuracy"].as_f64(), Some(0.75));
     assert_eq!(report["workers"].as_array().map(Vec::len), Some(2));
     assert_eq!(report["config"]["worker_jitter"], "1:20");
@@ -238,8 +235,7 @@ fn ctrl_c_stops_every_process_including_a_scripts_children() {
         let pid = child_pid(&job.wait_line(&format!("[worker {i}] child ")));
         all.push((pid, format!("worker {i}'s sleep")));
     }
-    // SAFETY: kill(2) on the launcher this test started.
-    unsafe { libc::kill(job.child.id() as libc::pid_t, libc::SIGINT) };
+    common::send_signal(job.child.id(), libc::SIGINT);
     let (status, err) = job.wait(Duration::from_secs(20));
     assert!(!status.success());
     assert!(err.contains("interrupted: every node was stopped"), "{err}");

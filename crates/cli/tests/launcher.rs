@@ -31,8 +31,7 @@ fn train_writes_a_complete_report() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("test accuracy"), "{stdout}");
 
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json");
+    let report = common::read_report(&dir);
     let acc = report["test_accuracy"].as_f64().expect("test_accuracy");
     assert!(acc > 0.6, "80 iterations of adam must learn something: {acc}");
     assert!(report["samples_per_sec"].as_f64().expect("samples_per_sec") > 0.0);
@@ -74,8 +73,7 @@ fn a_dead_worker_stops_the_job_with_an_error_naming_it_and_leaves_no_orphans() {
     // Let training start, then kill worker 1 as hard as possible.
     std::thread::sleep(Duration::from_millis(1500));
     let (victim, _) = kids.iter().rev().find(|(_, c)| c.contains(" worker ")).expect("a worker").clone();
-    // SAFETY: kill(2) on a live child of the launcher we started.
-    unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+    common::send_signal(victim, libc::SIGKILL);
     let (status, err) = wait_exit(&mut child, Duration::from_secs(30));
     assert!(!status.success());
     assert!(err.contains("worker 1 exited with signal: 9"), "the error must name the dead node: {err}");
@@ -96,14 +94,11 @@ fn a_dead_worker_restarted_with_its_rank_rejoins_and_the_job_completes() {
         assert_eq!(kids.len(), 5, "scheduler, 2 servers, 2 workers: {kids:?}");
         std::thread::sleep(Duration::from_millis(1500));
         let (victim, _) = kids.iter().rev().find(|(_, c)| c.contains(" worker ")).expect("a worker").clone();
-        // SAFETY: kill(2) on a live child of the launcher we started.
-        unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+        common::send_signal(victim, libc::SIGKILL);
         let (status, err) = wait_exit(&mut child, Duration::from_secs(120));
         assert!(status.success(), "{sync}: the job must complete after the restart: {err}");
         assert!(err.contains("exited with signal: 9 (SIGKILL); restarting it as rank"), "{sync}: {err}");
-        let report: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json"))
-                .expect("json");
+        let report = common::read_report(&dir);
         let workers = report["workers"].as_array().expect("workers");
         assert_eq!(workers.len(), 2, "{sync}: both ranks reported their end: {workers:?}");
         let iterations: Vec<u64> = workers.iter().map(|w| w["iterations"].as_u64().unwrap_or(0)).collect();
@@ -142,13 +137,11 @@ fn a_server_killed_in_train_with_two_replicas_fails_over_and_the_job_finishes() 
     assert_eq!(kids.len(), 6, "scheduler, 3 servers, 2 workers: {kids:?}");
     std::thread::sleep(Duration::from_millis(1500));
     let (victim, _) = kids.iter().find(|(_, c)| c.contains(" server ")).expect("a server").clone();
-    // SAFETY: kill(2) on a live child of the launcher we started.
-    unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+    common::send_signal(victim, libc::SIGKILL);
     let (status, err) = wait_exit(&mut child, Duration::from_secs(120));
     assert!(status.success(), "the job must finish after the failover: {err}");
     assert!(err.contains("its blocks fail over to their backups; starting server 3 in its place"), "{err}");
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json");
+    let report = common::read_report(&dir);
     let workers = report["workers"].as_array().expect("workers");
     assert!(workers.iter().all(|w| w["iterations"].as_u64() == Some(400)), "every worker ran on: {workers:?}");
     assert!(report["test_accuracy"].as_f64().unwrap_or(0.0) > 0.6, "the model learned: {report}");
@@ -170,8 +163,7 @@ fn ctrl_c_stops_every_node() {
     let kids = wait_for_children(&child, 5);
     assert_eq!(kids.len(), 5, "{kids:?}");
     std::thread::sleep(Duration::from_millis(500));
-    // SAFETY: kill(2) on the launcher we started.
-    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    common::send_signal(child.id(), libc::SIGINT);
     let (status, err) = wait_exit(&mut child, Duration::from_secs(20));
     assert!(!status.success());
     assert!(err.contains("interrupted"), "{err}");

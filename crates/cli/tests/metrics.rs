@@ -218,10 +218,9 @@ fn every_node_serves_its_families_while_the_job_runs() {
         w.assert_success(Duration::from_secs(120));
     }
     sched.assert_success(common::EXIT_TIMEOUT);
-    for (i, s) in servers.iter_mut().enumerate() {
+    for s in &mut servers {
         s.assert_success(common::EXIT_TIMEOUT);
-        let stats = s.events_named("server_stats");
-        let stats = stats.first().unwrap_or_else(|| panic!("server {i} printed no server_stats"));
+        let stats = s.server_stats();
         let id = stats["server_id"].as_u64().expect("server_id") as usize;
         let final_pushes = stats["totals"]["pushes"].as_f64().expect("pushes");
         let scraped = server_metrics

@@ -140,8 +140,7 @@ fn collect(mut job: Cluster) -> (serde_json::Value, u64) {
         job.sched.events_named("balance").first().map(|v| (*v).clone()).expect("the scheduler printed its balance log");
     let mut pushes = 0;
     for s in &job.servers {
-        let stats = s.events_named("server_stats");
-        let stats = stats.first().unwrap_or_else(|| panic!("{} printed no stats", s.name));
+        let stats = s.server_stats();
         pushes += stats["totals"]["pushes"].as_u64().expect("pushes");
     }
     (balance, pushes)

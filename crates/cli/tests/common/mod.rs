@@ -113,6 +113,13 @@ pub fn run_bin(args: &[&str], limit: Duration) -> (ExitStatus, String, String) {
     (out.status, text(&out.stdout), text(&out.stderr))
 }
 
+/// The `report.json` a launcher (`train` or `launch` with `--report DIR`) wrote into `dir`.
+pub fn read_report(dir: &std::path::Path) -> Value {
+    let path = dir.join("report.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
 /// Everything `r` gives until its end, as text (empty for `None`).
 pub fn read_all(r: Option<impl Read>) -> String {
     let mut s = String::new();
@@ -208,6 +215,12 @@ impl Proc {
     /// The events named `name` read so far.
     pub fn events_named(&self, name: &str) -> Vec<&Value> {
         self.history.iter().filter(|v| event_name(v) == Some(name)).collect()
+    }
+
+    /// The `server_stats` event a server prints once, as it ends: its final counters.
+    pub fn server_stats(&self) -> &Value {
+        let stats = self.history.iter().find(|v| event_name(v) == Some("server_stats"));
+        stats.unwrap_or_else(|| panic!("{} printed no server_stats", self.name))
     }
 
     /// Reads every remaining event until stdout closes, then waits for the exit status;
@@ -592,6 +605,13 @@ pub fn wait_for_children(child: &Child, n: usize) -> Vec<(u32, String)> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Sends `signal` (`libc::SIGKILL`, `libc::SIGINT`) to `pid`, a process the test started
+/// (a launcher, or one of its children).
+pub fn send_signal(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill(2) touches no memory; the pid is of a process this test started.
+    unsafe { libc::kill(pid as libc::pid_t, signal) };
 }
 
 /// True if `pid` is a live process (a zombie counts as dead).

@@ -24,6 +24,20 @@ pub fn model() -> Vec<TensorSpec> {
     ]
 }
 
+/// A well-behaved worker that joined with `opts` and has the model's layout, within
+/// [`START_TIMEOUT`].
+fn connect(rt: &tokio::runtime::Runtime, opts: ClientOptions) -> Client {
+    rt.block_on(async {
+        tokio::time::timeout(START_TIMEOUT, async {
+            let mut client = Client::connect(opts).await.expect("a worker joins");
+            client.register_model(model()).await.expect("the model is placed");
+            client
+        })
+        .await
+        .expect("a worker joins within the start timeout")
+    })
+}
+
 /// A job's shape: how many servers and workers, the sync policy, secrets and extra flags.
 pub struct Shape {
     /// `--servers`.
@@ -132,15 +146,7 @@ impl Job {
 
         let rt = super::tokio_rt();
         let opts = shape.options(&sched_addr, true);
-        let client = rt.block_on(async {
-            tokio::time::timeout(START_TIMEOUT, async {
-                let mut client = Client::connect(opts).await.expect("the worker joins");
-                client.register_model(model()).await.expect("the model is placed");
-                client
-            })
-            .await
-            .expect("the job starts within the start timeout")
-        });
+        let client = connect(&rt, opts);
         assert_eq!(client.rank(), 0, "the well-behaved worker registers first");
         let layout = client.layout().expect("a layout").clone();
         let mut addrs = vec![String::new(); layout.servers.len()];
@@ -239,15 +245,7 @@ impl Job {
 
     /// Another well-behaved worker joins the running job (an asp job of more workers).
     pub fn join(&mut self, opts: ClientOptions) {
-        let client = self.rt.block_on(async {
-            tokio::time::timeout(START_TIMEOUT, async {
-                let mut client = Client::connect(opts).await.expect("another worker joins");
-                client.register_model(model()).await.expect("it has the layout");
-                client
-            })
-            .await
-            .expect("another worker joins within the start timeout")
-        });
+        let client = connect(&self.rt, opts);
         self.others.push((Some(client), 0));
     }
 
@@ -286,8 +284,7 @@ impl Job {
         let (mut pushes, mut blocks) = (0, 0);
         for s in self.servers.iter_mut().flatten() {
             s.assert_success(EXIT_TIMEOUT);
-            let stats = s.events_named("server_stats");
-            let stats = stats.last().unwrap_or_else(|| panic!("{} printed no server_stats", s.name));
+            let stats = s.server_stats();
             pushes += stats["totals"]["pushes"].as_u64().expect("pushes");
             blocks += stats["blocks"].as_u64().expect("blocks");
         }
