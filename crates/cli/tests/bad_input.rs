@@ -13,13 +13,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use elasticps_core::model::{Init, TensorSpec};
-use elasticps_runtime::client::{Client, ClientOptions};
 use elasticps_wire::{
     Codec, Control, DEFAULT_MAX_PAYLOAD, ErrorCode, FrameHeader, HEADER_LEN, Kind, MAGIC, Message, VERSION, Values,
     checksum,
 };
 
+use crate::common::tiny::{Job, Shape};
 use crate::common::*;
 
 /// Every node of these tests runs with this cluster secret.
@@ -236,160 +235,35 @@ fn check_refused(addr: &str, bad: &Bad) {
     }
 }
 
-/// Scheduler + 2 server processes, and one in-process worker client (rank 0) that
-/// defined a tiny model with exact arithmetic: plain SGD with lr 1 and constant initial
-/// values, so every pull can be checked value for value.
-struct Tiny {
-    rt: tokio::runtime::Runtime,
-    client: Option<Client>,
-    sched: Proc,
-    /// The scheduler's address.
-    sched_addr: String,
-    servers: Vec<Proc>,
-    /// `addrs[s]`: data address of server `s`.
-    addrs: Vec<String>,
-    /// `owners[b]`: the server of block `b`.
-    owners: Vec<u32>,
-    epoch: u64,
-    /// `blocks[b]`: (tensor, offset, len).
-    blocks: Vec<(usize, usize, usize)>,
-    clock: u32,
-    expected: Vec<Vec<f32>>,
+/// The tiny job of these tests (see [`crate::common::tiny`]): scheduler + 2 server
+/// processes that each own a block and drop a stalled frame after [`STALL_S`], and one
+/// in-process worker client (rank 0) whose every pull is checked value for value.
+fn tiny() -> Job {
+    let job = Job::start(Shape { flags: vec!["--frame-timeout-s", STALL_S], ..Shape::new(SECRET) });
+    let owners = &job.layout.placement.owners;
+    assert!(owners.contains(&0) && owners.contains(&1), "both servers must own a block: {owners:?}");
+    job
 }
 
-impl Tiny {
-    /// The `Hello` of the job's worker (rank 0), with the credential its scheduler issued.
-    fn hello(&self) -> Message {
-        let credential = self.client.as_ref().expect("the worker is connected").credential().clone();
-        Control::Hello { credential }.into()
-    }
+/// Ends the job: the worker says it is done; every process must exit 0, and the servers'
+/// counters must show exactly the well-behaved worker's requests.
+fn finish(job: Job) {
+    let served = job.finish(false);
+    assert_eq!(served.blocks, 3);
+    assert_eq!(served.pushes, 3 * served.worker_pushes, "only the well-behaved worker's pushes were applied");
+}
 
-    fn start() -> Tiny {
-        let (sched, addr) = start_scheduler(&[
-            "--servers",
-            "2",
-            "--workers",
-            "1",
-            "--sync",
-            "bsp",
-            "--optimizer",
-            "sgd",
-            "--lr",
-            "1",
-            "--block-bytes",
-            "16",
-            "--secret",
-            SECRET,
-            "--frame-timeout-s",
-            STALL_S,
-            "--join-timeout-s",
-            "60",
-        ]);
-        let args = ["--secret", SECRET, "--frame-timeout-s", STALL_S];
-        let servers = vec![start_server(&addr, &args), start_server(&addr, &args)];
-        let rt = tokio_rt();
-        let mut opts = ClientOptions::new(&addr);
-        opts.codec = codec();
-        opts.request_timeout = Duration::from_secs(10);
-        let tensors = vec![
-            TensorSpec { name: "w".into(), shape: vec![2, 3], init: Init::Constant(1.0) },
-            TensorSpec { name: "b".into(), shape: vec![2], init: Init::Constant(-1.0) },
-        ];
-        let client = rt.block_on(async {
-            tokio::time::timeout(START_TIMEOUT, async {
-                let mut client = Client::connect(opts).await.expect("the worker client joins");
-                client.register_model(tensors).await.expect("the model is placed");
-                client
-            })
-            .await
-            .expect("the tiny cluster starts within the start timeout")
-        });
-        let layout = client.layout().expect("a layout").clone();
-        let mut addrs = vec![String::new(); layout.servers.len()];
-        for s in &layout.servers {
-            addrs[s.id as usize] = s.addr.clone();
-        }
-        let owners = layout.placement.owners.clone();
-        assert_eq!(owners.len(), 3, "6 + 2 values in blocks of at most 4: {owners:?}");
-        assert!(owners.contains(&0) && owners.contains(&1), "both servers must own a block: {owners:?}");
-        let blocks = layout.partition.blocks.iter().map(|b| (b.tensor as usize, b.offset, b.len)).collect();
-        Tiny {
-            rt,
-            client: Some(client),
-            sched,
-            sched_addr: addr,
-            servers,
-            addrs,
-            owners,
-            epoch: layout.placement.epoch,
-            blocks,
-            clock: 0,
-            expected: vec![vec![1.0; 6], vec![-1.0; 2]],
-        }
-    }
-
-    /// One iteration of the well-behaved worker: pull (checked exactly), push 0.5 everywhere.
-    fn round(&mut self, after: &str) {
-        let t = self.clock;
-        let mut client = self.client.take().expect("the client is connected");
-        let (client, params) = self.rt.block_on(async move {
-            let mut params = client.zeros();
-            let r = tokio::time::timeout(Duration::from_secs(10), client.pull(t, &mut params)).await;
-            match r {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => panic!("pull({t}) after {after} failed: {e}"),
-                Err(_) => panic!("pull({t}) after {after} timed out"),
-            }
-            let grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.5; p.len()]).collect();
-            match tokio::time::timeout(Duration::from_secs(10), client.push(t, &grads)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => panic!("push({t}) after {after} failed: {e}"),
-                Err(_) => panic!("push({t}) after {after} timed out"),
-            }
-            (client, params)
-        });
-        self.client = Some(client);
-        assert_eq!(params, self.expected, "values pulled at clock {t} after {after}");
-        for v in self.expected.iter_mut().flatten() {
-            *v -= 0.5; // sgd, lr 1: exact in f32
-        }
-        self.clock += 1;
-    }
-
-    /// Ends the job: the worker says it is done; every process must exit 0, and the
-    /// servers' counters must show exactly the well-behaved worker's requests.
-    fn finish(mut self) {
-        let client = self.client.take().expect("the client is connected");
-        self.rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(10), client.finish())
-                .await
-                .expect("WorkerDone is acknowledged in time")
-                .expect("WorkerDone is acknowledged");
-        });
-        self.sched.assert_success(EXIT_TIMEOUT);
-        let (mut pushes, mut blocks) = (0, 0);
-        for s in &mut self.servers {
-            s.assert_success(EXIT_TIMEOUT);
-            let stats = s.events_named("server_stats");
-            let stats = stats.last().unwrap_or_else(|| panic!("{} printed no server_stats", s.name));
-            pushes += stats["totals"]["pushes"].as_u64().expect("pushes");
-            blocks += stats["blocks"].as_u64().expect("blocks");
-        }
-        assert_eq!(blocks, 3);
-        assert_eq!(pushes, 3 * u64::from(self.clock), "only the well-behaved worker's pushes were applied");
-    }
-
-    /// The blocks of server `s`, and one block of the other server.
-    fn owned_and_foreign(&self, s: u32) -> (Vec<u32>, u32) {
-        let owned: Vec<u32> = (0..self.owners.len() as u32).filter(|b| self.owners[*b as usize] == s).collect();
-        let foreign = (0..self.owners.len() as u32).find(|b| self.owners[*b as usize] != s).expect("a block elsewhere");
-        (owned, foreign)
-    }
+/// The blocks of server `s`, and one block of the other server.
+fn owned_and_foreign(job: &Job, s: u32) -> (Vec<u32>, u32) {
+    let owners = &job.layout.placement.owners;
+    let owned: Vec<u32> = (0..owners.len() as u32).filter(|b| owners[*b as usize] == s).collect();
+    let foreign = (0..owners.len() as u32).find(|b| owners[*b as usize] != s).expect("a block elsewhere");
+    (owned, foreign)
 }
 
 #[test]
 fn a_server_refuses_each_bad_frame_closes_only_that_connection_and_keeps_serving() {
-    let mut c = Tiny::start();
+    let mut c = tiny();
     c.round("start");
     // An idle, well-behaved raw connection opened before the garbage must survive it too.
     let mut idle = connect_raw(&c.addrs[0], SECRET.as_bytes());
@@ -407,13 +281,13 @@ fn a_server_refuses_each_bad_frame_closes_only_that_connection_and_keeps_serving
     match m {
         Message::Control(Control::Stats(st)) => {
             assert_eq!((h.request_id, st.server_id), (2, 0));
-            let owned = c.owned_and_foreign(0).0.len() as u64;
+            let owned = owned_and_foreign(&c, 0).0.len() as u64;
             assert_eq!(st.totals.pushes, owned * u64::from(c.clock), "server 0 applied exactly the worker's pushes");
         }
         other => panic!("GetStats on the idle connection: {other:?}"),
     }
     drop(idle);
-    c.finish();
+    finish(c);
 }
 
 /// Hostile or broken peers: a wrong secret (a worker process and a raw peer), a peer that
@@ -423,7 +297,7 @@ fn a_server_refuses_each_bad_frame_closes_only_that_connection_and_keeps_serving
 /// value for value.
 #[test]
 fn a_wrong_secret_a_skipped_handshake_and_stalled_peers_are_refused_while_the_job_goes_on() {
-    let mut c = Tiny::start();
+    let mut c = tiny();
     c.round("start");
     let mut stalled = Vec::new();
     for addr in [c.sched_addr.clone(), c.addrs[0].clone(), c.addrs[1].clone()] {
@@ -471,19 +345,19 @@ fn a_wrong_secret_a_skipped_handshake_and_stalled_peers_are_refused_while_the_jo
         }
     }
     c.round("the stalled peers were dropped");
-    for (name, log) in [("scheduler", c.sched.log()), ("server 0", c.servers[0].log())] {
+    for (name, log) in [("scheduler", c.sched.log()), ("server 0", c.server_log(0))] {
         assert!(log.contains("connection refused"), "{name} logs each refusal\n{log}");
         assert!(log.contains("cluster secret"), "{name} logs why\n{log}");
     }
-    c.finish();
+    finish(c);
 }
 
 #[test]
 fn a_request_for_a_missing_block_gets_unknown_block_and_the_connection_stays_usable() {
-    let mut c = Tiny::start();
+    let mut c = tiny();
     let k = codec();
     for s in 0..c.addrs.len() as u32 {
-        let (owned, foreign) = c.owned_and_foreign(s);
+        let (owned, foreign) = owned_and_foreign(&c, s);
         let mut conn = connect_raw(&c.addrs[s as usize], SECRET.as_bytes());
 
         // Before Hello a server does not know whose requests these are.
@@ -524,7 +398,7 @@ fn a_request_for_a_missing_block_gets_unknown_block_and_the_connection_stays_usa
         assert_eq!(h.request_id, 6);
         assert_eq!(
             m,
-            Message::Control(Control::Moved { block: foreign, owner: 1 - s, epoch: c.epoch }),
+            Message::Control(Control::Moved { block: foreign, owner: 1 - s, epoch: c.layout.placement.epoch }),
             "pull of a foreign block"
         );
         // ...a push of the wrong length is a BadRequest that keeps the connection...
@@ -548,7 +422,7 @@ fn a_request_for_a_missing_block_gets_unknown_block_and_the_connection_stays_usa
     // The well-behaved worker is unaffected.
     c.round("requests for missing blocks");
     c.round("requests for missing blocks");
-    c.finish();
+    finish(c);
 }
 
 #[test]
@@ -743,8 +617,7 @@ fn garbage_sent_to_a_servers_port_mid_training_does_not_stop_that_training_run()
     let (mut pushes, mut pulls, mut blocks) = (0, 0, 0);
     for s in &mut servers {
         s.assert_success(EXIT_TIMEOUT);
-        let stats = s.events_named("server_stats");
-        let st = stats.last().unwrap_or_else(|| panic!("{} printed no server_stats", s.name));
+        let st = s.server_stats();
         pushes += st["totals"]["pushes"].as_u64().expect("pushes");
         pulls += st["totals"]["pulls"].as_u64().expect("pulls");
         blocks += st["blocks"].as_u64().expect("blocks");
@@ -782,32 +655,6 @@ fn tls_flags(cert: &str, ca: &str) -> Vec<String> {
         f(ca),
     ]
     .to_vec()
-}
-
-/// The flags as `&str`s.
-fn refs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
-}
-
-/// Runs `elasticps ARGS` to its end (at most `limit`): its status, stdout and stderr.
-fn run_bin(args: &[&str], limit: Duration) -> (std::process::ExitStatus, String, String) {
-    let mut child = std::process::Command::new(BIN)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting elasticps");
-    let status = wait_timeout(&mut child, limit);
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let (mut out, mut err) = (String::new(), String::new());
-    let _ = child.stdout.take().map(|mut s| s.read_to_string(&mut out));
-    let _ = child.stderr.take().map(|mut s| s.read_to_string(&mut err));
-    let status = status.unwrap_or_else(|| panic!("elasticps {args:?} did not end within {limit:?}\n{out}\n{err}"));
-    (status, out, err)
 }
 
 /// A job whose every connection is mutual TLS (scheduler, servers, workers as processes,

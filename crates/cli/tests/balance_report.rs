@@ -2,7 +2,6 @@
 //! report.json (migrations, timeline), every worker's per-iteration times on the wall clock,
 //! the "Balance" section of summary.md and balance.png.
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
@@ -15,27 +14,11 @@ fn unix_ms() -> f64 {
 
 /// Runs `elasticps train --quiet ARGS --report DIR` (bounded in time) and returns report.json.
 fn train(dir: &std::path::Path, args: &[&str]) -> Value {
-    let mut child = Command::new(common::BIN)
-        .arg("train")
-        .arg("--quiet")
-        .args(args)
-        .arg("--report")
-        .arg(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start train");
-    let status = common::wait_timeout(&mut child, Duration::from_secs(120)).unwrap_or_else(|| {
-        let _ = child.kill();
-        panic!("train did not finish in 120 s; logs in {}", dir.join("logs").display())
-    });
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        let _ = std::io::Read::read_to_string(&mut e, &mut err);
-    }
+    let report = dir.display().to_string();
+    let all = [&["train", "--quiet"][..], args, &["--report", &report]].concat();
+    let (status, _, err) = common::run_bin(&all, Duration::from_secs(120));
     assert!(status.success(), "train failed: {err}");
-    serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json")
+    common::read_report(dir)
 }
 
 /// Checks every worker's `iter_ms` and `started_unix_ms` against the run: one duration per

@@ -5,10 +5,11 @@
 use std::path::Path;
 use std::time::Duration;
 
-use elasticps_core::model::{Init, TensorSpec};
+use elasticps_core::model::TensorSpec;
 use elasticps_runtime::client::{Client, ClientOptions};
 
-use crate::common::{self, Proc};
+use crate::common::cluster::{self, Cluster, JobSpec};
+use crate::common::{self, models};
 
 const WORKERS: u32 = 2;
 const CLOCKS: u32 = 12;
@@ -16,41 +17,20 @@ const EVERY: u32 = 5;
 const LEN: usize = 40;
 
 fn model() -> Vec<TensorSpec> {
-    vec![
-        TensorSpec { name: "a".into(), shape: vec![LEN], init: Init::Zeros },
-        TensorSpec { name: "b".into(), shape: vec![3], init: Init::Zeros },
-    ]
+    models::a_and_b(LEN)
 }
 
 /// Worker `rank`'s gradient at clock `t`: small integers, different per rank, clock and
 /// element. Averaged (`--aggregate`) and run through momentum 0.5, every value stays a
 /// dyadic fraction: the arithmetic is exact in f32, so equal runs give equal bits, and a
 /// lost or doubled update (or a lost momentum) shows.
-fn gradient(rank: u32, t: u32, len: usize) -> Vec<f32> {
-    (0..len).map(|i| -(((rank + 1) * (t % 3 + 1)) as f32) * ((i % 5) + 1) as f32).collect()
+fn gradient(rank: u32, t: u32, i: usize) -> f32 {
+    -(((rank + 1) * (t % 3 + 1)) as f32) * ((i % 5) + 1) as f32
 }
 
 /// A bsp --aggregate job with momentum on two servers (blocks of 4 values).
-fn cluster(extra: &[&str]) -> (Proc, String, Vec<Proc>) {
-    let mut args = vec![
-        "--servers",
-        "2",
-        "--workers",
-        "2",
-        "--sync",
-        "bsp",
-        "--aggregate",
-        "--optimizer",
-        "momentum:0.5",
-        "--lr",
-        "1",
-        "--block-bytes",
-        "16",
-    ];
-    args.extend_from_slice(extra);
-    let (sched, addr) = common::start_scheduler(&args);
-    let servers = (0..2).map(|_| common::start_server(&addr, &[])).collect();
-    (sched, addr, servers)
+fn cluster(extra: &[&str]) -> Cluster {
+    JobSpec::exact(2, WORKERS, "bsp").optimizer("momentum:0.5").with(&["--aggregate"]).with(extra).start()
 }
 
 /// Runs both workers from the job's start clock to `CLOCKS` (`pace` per clock), then
@@ -58,35 +38,20 @@ fn cluster(extra: &[&str]) -> (Proc, String, Vec<Proc>) {
 fn train(addr: &str, pace: Duration) -> Vec<(u32, Vec<Vec<f32>>)> {
     let rt = common::tokio_rt();
     rt.block_on(async {
-        let workers: Vec<_> = (0..WORKERS)
-            .map(|_| {
-                let addr = addr.to_string();
-                tokio::spawn(async move {
-                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
-                    c.register_model(model()).await.expect("register");
-                    let start = c.start_clock().await.expect("start clock");
-                    let mut params = c.zeros();
-                    let rank = c.rank();
-                    c.pull(start, &mut params).await.expect("first pull");
-                    for t in start..CLOCKS {
-                        tokio::time::sleep(pace).await;
-                        let grads = vec![gradient(rank, t, LEN), gradient(rank, t, 3)];
-                        c.push_pull(t, &grads, &mut params).await.unwrap_or_else(|e| panic!("clock {t}: {e}"));
-                    }
-                    c.finish().await.expect("finish");
-                    (start, params)
-                })
-            })
-            .collect();
+        let workers = cluster::spawn_workers(WORKERS, addr, &model(), move |mut c| async move {
+            let start = c.start_clock().await.expect("start clock");
+            let rank = c.rank();
+            let mut params = cluster::pulled(&mut c, start).await;
+            for t in start..CLOCKS {
+                tokio::time::sleep(pace).await;
+                let grads = models::gradients(&model(), gradient, rank, t);
+                c.push_pull(t, &grads, &mut params).await.unwrap_or_else(|e| panic!("clock {t}: {e}"));
+            }
+            c.finish().await.expect("finish");
+            (start, params)
+        });
         common::join_workers(workers).await
     })
-}
-
-fn finish(mut sched: Proc, servers: Vec<Proc>) {
-    sched.assert_success(common::EXIT_TIMEOUT);
-    for mut s in servers {
-        s.assert_success(common::EXIT_TIMEOUT);
-    }
 }
 
 fn complete_checkpoints(dir: &Path) -> Vec<String> {
@@ -108,18 +73,18 @@ fn a_job_resumed_from_its_checkpoint_ends_with_the_parameters_of_the_uninterrupt
 
     // The uninterrupted job, checkpointing every 5 clocks (at 5 and 10), at full speed:
     // the scheduler waits for the servers' last writes before it ends the job.
-    let (sched, addr, servers) = cluster(&["--checkpoint-dir", d, "--checkpoint-every", &every]);
-    let whole = train(&addr, Duration::ZERO);
-    finish(sched, servers);
+    let mut job = cluster(&["--checkpoint-dir", d, "--checkpoint-every", &every]);
+    let whole = train(&job.addr, Duration::ZERO);
+    job.assert_success();
     assert!(whole.iter().all(|(start, _)| *start == 0));
     assert_eq!(whole[0].1, whole[1].1, "both workers pulled the same final model");
     assert_ne!(whole[0].1[0], vec![0.0; LEN], "the job trained");
     assert_eq!(complete_checkpoints(&dir), ["ckpt-0000000005", "ckpt-0000000010"]);
 
     // A new cluster resumes from the latest checkpoint (clock 10) and runs clocks 10, 11.
-    let (sched, addr, servers) = cluster(&["--resume", d]);
-    let resumed = train(&addr, Duration::ZERO);
-    finish(sched, servers);
+    let mut job = cluster(&["--resume", d]);
+    let resumed = train(&job.addr, Duration::ZERO);
+    job.assert_success();
     for (start, params) in &resumed {
         assert_eq!(*start, 10, "the job went on from the checkpoint's clock");
         assert_eq!(params, &whole[0].1, "the resumed job ends exactly where the uninterrupted one did");
@@ -146,30 +111,22 @@ fn a_job_resumed_from_its_checkpoint_ends_with_the_parameters_of_the_uninterrupt
 fn a_lost_server_without_replicas_ends_the_job_saying_how_to_resume() {
     let dir = common::scratch_dir("checkpoint-lost");
     let d = dir.to_str().unwrap();
-    let (mut sched, addr, mut servers) = cluster(&["--checkpoint-dir", d, "--checkpoint-every", "2"]);
+    let Cluster { mut sched, addr, mut servers } = cluster(&["--checkpoint-dir", d, "--checkpoint-every", "2"]);
     let rt = common::tokio_rt();
     let mut victim = servers.remove(1);
     rt.block_on(async {
-        let workers: Vec<_> = (0..WORKERS)
-            .map(|_| {
-                let addr = addr.clone();
-                tokio::spawn(async move {
-                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
-                    c.register_model(model()).await.expect("register");
-                    let mut params = c.zeros();
-                    let rank = c.rank();
-                    c.pull(0, &mut params).await.expect("first pull");
-                    for t in 0..1000 {
-                        let grads = vec![gradient(rank, t, LEN), gradient(rank, t, 3)];
-                        if c.push_pull(t, &grads, &mut params).await.is_err() {
-                            return t;
-                        }
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                    panic!("the job went on without a server");
-                })
-            })
-            .collect();
+        let workers = cluster::spawn_workers(WORKERS, &addr, &model(), |mut c| async move {
+            let rank = c.rank();
+            let mut params = cluster::pulled(&mut c, 0).await;
+            for t in 0..1000 {
+                let grads = models::gradients(&model(), gradient, rank, t);
+                if c.push_pull(t, &grads, &mut params).await.is_err() {
+                    return t;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            panic!("the job went on without a server");
+        });
         // Once a checkpoint is complete, kill -9 a server.
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         while complete_checkpoints(&dir).is_empty() && std::time::Instant::now() < deadline {

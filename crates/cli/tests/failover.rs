@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use elasticps_core::model::{Init, TensorSpec};
-use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_core::model::TensorSpec;
 
-use crate::common;
+use crate::common::cluster::{self, Cluster, JobSpec};
+use crate::common::{self, models};
 
 const WORKERS: u32 = 2;
 const CLOCKS: u32 = 60;
@@ -18,83 +18,46 @@ const KILL_AT: u32 = 15;
 const LEN: usize = 40;
 
 fn model() -> Vec<TensorSpec> {
-    vec![
-        TensorSpec { name: "a".into(), shape: vec![LEN], init: Init::Zeros },
-        TensorSpec { name: "b".into(), shape: vec![3], init: Init::Zeros },
-    ]
+    models::a_and_b(LEN)
 }
 
 /// Worker `rank`'s gradient at clock `t`: small integers, so every sum is exact in f32
 /// and a lost or doubled push shows in the final values.
-fn gradient(rank: u32, t: u32, len: usize) -> Vec<f32> {
-    (0..len).map(|i| ((rank * 7 + t * 3 + i as u32) % 9) as f32 - 4.0).collect()
+fn gradient(rank: u32, t: u32, i: usize) -> f32 {
+    ((rank * 7 + t * 3 + i as u32) % 9) as f32 - 4.0
 }
 
 /// SGD with lr 1 from zeros: minus the sum of every gradient of every worker.
 fn expected(len: usize) -> Vec<f32> {
-    let mut v = vec![0.0f32; len];
-    for rank in 0..WORKERS {
-        for t in 0..CLOCKS {
-            for (x, g) in v.iter_mut().zip(gradient(rank, t, len)) {
-                *x -= g;
-            }
-        }
-    }
-    v
+    models::sgd_from_zeros(gradient, WORKERS, CLOCKS, len)
 }
 
 /// Three servers with `--replicas 2` under `sync`; kill -9 server `victim` once both
 /// workers passed clock [`KILL_AT`]; every worker must run every clock and end with the
 /// exact parameters.
 fn a_killed_server_loses_nothing(sync: &str, victim: usize) {
-    let args = [
-        "--servers",
-        "3",
-        "--workers",
-        "2",
-        "--sync",
-        sync,
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "1",
-        "--block-bytes",
-        "16",
-        "--replicas",
-        "2",
-    ];
-    let (mut sched, addr) = common::start_scheduler(&args);
-    let mut servers: Vec<common::Proc> = (0..3).map(|_| common::start_server(&addr, &[])).collect();
+    let Cluster { mut sched, addr, mut servers } = JobSpec::exact(3, WORKERS, sync).with(&["--replicas", "2"]).start();
     let rt = common::tokio_rt();
     let passed = Arc::new(AtomicU32::new(0));
     let finals = rt.block_on(async {
-        let workers: Vec<_> = (0..WORKERS)
-            .map(|_| {
-                let (addr, passed) = (addr.clone(), passed.clone());
-                tokio::spawn(async move {
-                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
-                    c.register_model(model()).await.expect("register");
-                    let mut params = c.zeros();
-                    let rank = c.rank();
-                    c.pull(0, &mut params).await.expect("first pull");
-                    for t in 0..CLOCKS {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                        let grads = vec![gradient(rank, t, LEN), gradient(rank, t, 3)];
-                        c.push_pull(t, &grads, &mut params)
-                            .await
-                            .unwrap_or_else(|e| panic!("worker {rank}, clock {t}: {e}"));
-                        if t == KILL_AT {
-                            passed.fetch_add(1, Ordering::SeqCst);
-                        }
-                    }
-                    // Every push of every worker is in: the values at the last clock.
-                    c.barrier().await.expect("barrier");
-                    c.pull(CLOCKS, &mut params).await.expect("last pull");
-                    c.finish().await.expect("finish");
-                    params
-                })
-            })
-            .collect();
+        let on_kill_clock = passed.clone();
+        let workers = cluster::spawn_workers(WORKERS, &addr, &model(), move |mut c| async move {
+            let rank = c.rank();
+            let mut params = cluster::pulled(&mut c, 0).await;
+            for t in 0..CLOCKS {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                let grads = models::gradients(&model(), gradient, rank, t);
+                c.push_pull(t, &grads, &mut params).await.unwrap_or_else(|e| panic!("worker {rank}, clock {t}: {e}"));
+                if t == KILL_AT {
+                    on_kill_clock.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            // Every push of every worker is in: the values at the last clock.
+            c.barrier().await.expect("barrier");
+            c.pull(CLOCKS, &mut params).await.expect("last pull");
+            c.finish().await.expect("finish");
+            params
+        });
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         while passed.load(Ordering::SeqCst) < WORKERS && std::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;

@@ -3,24 +3,19 @@
 //! fd 3, their output forwarded with a `[worker i]` prefix, the report, and that a dead
 //! worker or Ctrl-C stops every process, including what a script started itself.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, Command, ExitStatus};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::common::{self, BIN, alive, assert_all_gone, wait_for_children};
+use crate::common::{self, BIN, alive, assert_all_gone, run_to_end, wait_for_children};
 
 /// `elasticps launch --quiet ARGS...` with stdout and stderr piped and no `ELASTICPS_*`
 /// variable of the test environment.
 fn launch(args: &[&str]) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.arg("launch").arg("--quiet").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("ELASTICPS_") {
-            cmd.env_remove(k);
-        }
-    }
+    let mut cmd = common::bin_command(&["launch", "--quiet"]);
+    cmd.args(args);
     cmd
 }
 
@@ -31,26 +26,6 @@ fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
     std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("writing a script");
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     path
-}
-
-/// Runs `cmd` to its end, at most `limit`.
-fn run(mut cmd: Command, limit: Duration) -> Output {
-    let mut child = cmd.spawn().expect("starting elasticps launch");
-    let status = common::wait_timeout(&mut child, limit);
-    let (stdout, stderr) = (read_all(child.stdout.take()), read_all(child.stderr.take()));
-    let Some(status) = status else {
-        let _ = child.kill();
-        panic!("elasticps launch did not end within {limit:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
-    };
-    Output { status, stdout: stdout.into_bytes(), stderr: stderr.into_bytes() }
-}
-
-fn read_all(r: Option<impl Read>) -> String {
-    let mut s = String::new();
-    if let Some(mut r) = r {
-        let _ = r.read_to_string(&mut s);
-    }
-    s
 }
 
 /// A launcher whose stdout lines are read on a thread (so the test can watch them while
@@ -99,7 +74,7 @@ impl Running {
     /// Waits at most `limit` for the launcher to exit; returns its status and stderr.
     fn wait(&mut self, limit: Duration) -> (ExitStatus, String) {
         let status = common::wait_timeout(&mut self.child, limit);
-        let err = read_all(self.child.stderr.take());
+        let err = common::read_all(self.child.stderr.take());
         let Some(status) = status else {
             let _ = self.child.kill();
             panic!("elasticps launch did not exit within {limit:?}\nstderr:\n{err}");
@@ -125,7 +100,7 @@ fn launch_runs_the_worker_role_as_the_command_and_reports_both_workers() {
     let dir = common::temp_dir("launch-report");
     let dir_s = dir.display().to_string();
     let args = ["--workers", "2", "--report", &dir_s, "--", BIN, "worker", "--iterations", "30", "--eval-every", "0"];
-    let out = run(launch(&args), Duration::from_secs(120));
+    let out = run_to_end(launch(&args), Duration::from_secs(120));
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "launch failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("test accuracy") && stdout.contains("after 30 steps per worker"), "{stdout}");
@@ -136,8 +111,7 @@ fn launch_runs_the_worker_role_as_the_command_and_reports_both_workers() {
         assert!(stderr.contains(&format!("[worker {i}] ")), "{stderr}");
     }
 
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json");
+    let report = common::read_report(&dir);
     let workers = report["workers"].as_array().expect("workers");
     let mut ranks: Vec<u64> = workers.iter().map(|w| w["rank"].as_u64().expect("rank")).collect();
     ranks.sort();
@@ -172,7 +146,7 @@ exec {BIN} worker --model synthetic:resnet56 --compute-ms 1 --iterations 10"#
     let worker = script(&dir, "worker.sh", &body);
     let report_dir = dir.join("report");
     let (w, r) = (worker.display().to_string(), report_dir.display().to_string());
-    let out = run(
+    let out = run_to_end(
         launch(&["--workers", "2", "--request-timeout-s", "77", "--worker-jitter", "1:20", "--report", &r, "--", &w]),
         Duration::from_secs(120),
     );
@@ -186,9 +160,7 @@ exec {BIN} worker --model synthetic:resnet56 --compute-ms 1 --iterations 10"#
     // The headline accuracy is rank 0's, whichever rank logged last.
     assert!(stdout.contains("test accuracy 75.00% after 10 steps per worker"), "{stdout}");
 
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(report_dir.join("report.json")).expect("report.json"))
-            .expect("json");
+    let report = common::read_report(&report_dir);
     assert_eq!(report["test_accuracy"].as_f64(), Some(0.75));
     assert_eq!(report["workers"].as_array().map(Vec::len), Some(2));
     assert_eq!(report["config"]["worker_jitter"], "1:20");
@@ -263,8 +235,7 @@ fn ctrl_c_stops_every_process_including_a_scripts_children() {
         let pid = child_pid(&job.wait_line(&format!("[worker {i}] child ")));
         all.push((pid, format!("worker {i}'s sleep")));
     }
-    // SAFETY: kill(2) on the launcher this test started.
-    unsafe { libc::kill(job.child.id() as libc::pid_t, libc::SIGINT) };
+    common::send_signal(job.child.id(), libc::SIGINT);
     let (status, err) = job.wait(Duration::from_secs(20));
     assert!(!status.success());
     assert!(err.contains("interrupted: every node was stopped"), "{err}");
@@ -274,7 +245,7 @@ fn ctrl_c_stops_every_process_including_a_scripts_children() {
 #[test]
 fn a_command_that_cannot_start_is_a_clear_error_before_any_process_starts() {
     let started = Instant::now();
-    let out = run(launch(&["--", "/nonexistent/elasticps-train.py", "--lr", "1"]), Duration::from_secs(20));
+    let out = run_to_end(launch(&["--", "/nonexistent/elasticps-train.py", "--lr", "1"]), Duration::from_secs(20));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
@@ -282,14 +253,14 @@ fn a_command_that_cannot_start_is_a_clear_error_before_any_process_starts() {
             && err.contains("is not an executable file"),
         "{err}"
     );
-    let out = run(launch(&["--", "elasticps-no-such-program"]), Duration::from_secs(20));
+    let out = run_to_end(launch(&["--", "elasticps-no-such-program"]), Duration::from_secs(20));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("elasticps-no-such-program: command not found on PATH"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(5), "nothing was started, so nothing to wait for");
 
     // No command at all is a usage error.
-    let out = run(launch(&["--workers", "2"]), Duration::from_secs(20));
+    let out = run_to_end(launch(&["--workers", "2"]), Duration::from_secs(20));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("required") && err.contains("<CMD>"), "{err}");

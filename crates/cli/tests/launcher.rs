@@ -1,38 +1,37 @@
 //! `elasticps train` end to end: the report it writes, and that it stops every node and
 //! names the culprit when a node dies or the user presses Ctrl-C.
 
-use std::io::Read;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
-use crate::common::{self, assert_all_gone, wait_for_children};
+use crate::common::{self, assert_all_gone, run_to_end, wait_for_children};
 
+/// How long a `train` run to its end may take.
+const TRAIN_LIMIT: Duration = Duration::from_secs(180);
+
+/// `elasticps train --quiet ARGS...` (see [`common::bin_command`]).
 fn train(args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_elasticps"));
-    cmd.arg("train").arg("--quiet").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut cmd = common::bin_command(&["train", "--quiet"]);
+    cmd.args(args);
     cmd
 }
 
+/// Waits at most `limit` for the launcher `child` to exit; its status and stderr.
 fn wait_exit(child: &mut Child, limit: Duration) -> (std::process::ExitStatus, String) {
     let status = common::wait_timeout(child, limit).expect("train did not exit in time");
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        let _ = e.read_to_string(&mut err);
-    }
-    (status, err)
+    (status, common::read_all(child.stderr.take()))
 }
 
 #[test]
 fn train_writes_a_complete_report() {
     let dir = common::temp_dir("report");
     let dir_s = dir.display().to_string();
-    let out = train(&["--iterations", "80", "--eval-every", "40", "--report", &dir_s]).output().expect("run train");
+    let out = run_to_end(train(&["--iterations", "80", "--eval-every", "40", "--report", &dir_s]), TRAIN_LIMIT);
     assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("test accuracy"), "{stdout}");
 
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json");
+    let report = common::read_report(&dir);
     let acc = report["test_accuracy"].as_f64().expect("test_accuracy");
     assert!(acc > 0.6, "80 iterations of adam must learn something: {acc}");
     assert!(report["samples_per_sec"].as_f64().expect("samples_per_sec") > 0.0);
@@ -74,8 +73,7 @@ fn a_dead_worker_stops_the_job_with_an_error_naming_it_and_leaves_no_orphans() {
     // Let training start, then kill worker 1 as hard as possible.
     std::thread::sleep(Duration::from_millis(1500));
     let (victim, _) = kids.iter().rev().find(|(_, c)| c.contains(" worker ")).expect("a worker").clone();
-    // SAFETY: kill(2) on a live child of the launcher we started.
-    unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+    common::send_signal(victim, libc::SIGKILL);
     let (status, err) = wait_exit(&mut child, Duration::from_secs(30));
     assert!(!status.success());
     assert!(err.contains("worker 1 exited with signal: 9"), "the error must name the dead node: {err}");
@@ -96,14 +94,11 @@ fn a_dead_worker_restarted_with_its_rank_rejoins_and_the_job_completes() {
         assert_eq!(kids.len(), 5, "scheduler, 2 servers, 2 workers: {kids:?}");
         std::thread::sleep(Duration::from_millis(1500));
         let (victim, _) = kids.iter().rev().find(|(_, c)| c.contains(" worker ")).expect("a worker").clone();
-        // SAFETY: kill(2) on a live child of the launcher we started.
-        unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+        common::send_signal(victim, libc::SIGKILL);
         let (status, err) = wait_exit(&mut child, Duration::from_secs(120));
         assert!(status.success(), "{sync}: the job must complete after the restart: {err}");
         assert!(err.contains("exited with signal: 9 (SIGKILL); restarting it as rank"), "{sync}: {err}");
-        let report: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json"))
-                .expect("json");
+        let report = common::read_report(&dir);
         let workers = report["workers"].as_array().expect("workers");
         assert_eq!(workers.len(), 2, "{sync}: both ranks reported their end: {workers:?}");
         let iterations: Vec<u64> = workers.iter().map(|w| w["iterations"].as_u64().unwrap_or(0)).collect();
@@ -142,13 +137,11 @@ fn a_server_killed_in_train_with_two_replicas_fails_over_and_the_job_finishes() 
     assert_eq!(kids.len(), 6, "scheduler, 3 servers, 2 workers: {kids:?}");
     std::thread::sleep(Duration::from_millis(1500));
     let (victim, _) = kids.iter().find(|(_, c)| c.contains(" server ")).expect("a server").clone();
-    // SAFETY: kill(2) on a live child of the launcher we started.
-    unsafe { libc::kill(victim as libc::pid_t, libc::SIGKILL) };
+    common::send_signal(victim, libc::SIGKILL);
     let (status, err) = wait_exit(&mut child, Duration::from_secs(120));
     assert!(status.success(), "the job must finish after the failover: {err}");
     assert!(err.contains("its blocks fail over to their backups; starting server 3 in its place"), "{err}");
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).expect("report.json")).expect("json");
+    let report = common::read_report(&dir);
     let workers = report["workers"].as_array().expect("workers");
     assert!(workers.iter().all(|w| w["iterations"].as_u64() == Some(400)), "every worker ran on: {workers:?}");
     assert!(report["test_accuracy"].as_f64().unwrap_or(0.0) > 0.6, "the model learned: {report}");
@@ -170,8 +163,7 @@ fn ctrl_c_stops_every_node() {
     let kids = wait_for_children(&child, 5);
     assert_eq!(kids.len(), 5, "{kids:?}");
     std::thread::sleep(Duration::from_millis(500));
-    // SAFETY: kill(2) on the launcher we started.
-    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    common::send_signal(child.id(), libc::SIGINT);
     let (status, err) = wait_exit(&mut child, Duration::from_secs(20));
     assert!(!status.success());
     assert!(err.contains("interrupted"), "{err}");
@@ -180,7 +172,7 @@ fn ctrl_c_stops_every_node() {
 
 #[test]
 fn missing_data_gets_an_error_that_says_how_to_get_it() {
-    let out = train(&["--dataset", "mnist", "--data-dir", "/nonexistent/elasticps-data"]).output().expect("run train");
+    let out = run_to_end(train(&["--dataset", "mnist", "--data-dir", "/nonexistent/elasticps-data"]), TRAIN_LIMIT);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("MNIST not found at /nonexistent/elasticps-data"), "{err}");
@@ -189,12 +181,12 @@ fn missing_data_gets_an_error_that_says_how_to_get_it() {
 
 #[test]
 fn a_wrong_flag_is_refused_before_anything_starts() {
-    let out = train(&["--sync", "ssp:x"]).output().expect("run train");
+    let out = run_to_end(train(&["--sync", "ssp:x"]), TRAIN_LIMIT);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("invalid sync policy") && err.contains("ssp:S"), "{err}");
     // Flags that only make sense together are checked before any process starts too.
-    let out = train(&["--server-bandwidth", "5=20"]).output().expect("run train");
+    let out = run_to_end(train(&["--server-bandwidth", "5=20"]), TRAIN_LIMIT);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--server-bandwidth names server 5") && !err.contains("scheduler exited"), "{err}");

@@ -218,10 +218,9 @@ fn every_node_serves_its_families_while_the_job_runs() {
         w.assert_success(Duration::from_secs(120));
     }
     sched.assert_success(common::EXIT_TIMEOUT);
-    for (i, s) in servers.iter_mut().enumerate() {
+    for s in &mut servers {
         s.assert_success(common::EXIT_TIMEOUT);
-        let stats = s.events_named("server_stats");
-        let stats = stats.first().unwrap_or_else(|| panic!("server {i} printed no server_stats"));
+        let stats = s.server_stats();
         let id = stats["server_id"].as_u64().expect("server_id") as usize;
         let final_pushes = stats["totals"]["pushes"].as_f64().expect("pushes");
         let scraped = server_metrics
@@ -235,25 +234,9 @@ fn every_node_serves_its_families_while_the_job_runs() {
 
 #[test]
 fn train_with_metrics_prints_where_to_scrape_every_node() {
-    let mut child = Command::new(common::BIN)
-        .args(["train", "--quiet", "--metrics", "--model", "synthetic:resnet56", "--compute-ms", "1"])
-        .args(["--iterations", "20"])
-        .env_remove("ELASTICPS_METRICS_LISTEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting elasticps train");
-    let status = common::wait_timeout(&mut child, Duration::from_secs(120));
-    let mut out = String::new();
-    let mut err = String::new();
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let _ = child.stdout.take().map(|mut s| s.read_to_string(&mut out));
-    let _ = child.stderr.take().map(|mut s| s.read_to_string(&mut err));
-    assert!(status.is_some_and(|s| s.success()), "train failed ({status:?}):\n{out}\n{err}");
+    let args = ["train", "--quiet", "--metrics", "--model", "synthetic:resnet56", "--compute-ms", "1"];
+    let (status, out, err) = common::run_bin(&[&args[..], &["--iterations", "20"]].concat(), Duration::from_secs(120));
+    assert!(status.success(), "train failed ({status:?}):\n{out}\n{err}");
     let line = out.lines().find(|l| l.starts_with("metrics: ")).unwrap_or_else(|| panic!("no metrics line:\n{out}"));
     let nodes: Vec<&str> = line["metrics: ".len()..].split(", ").collect();
     let names: Vec<String> =

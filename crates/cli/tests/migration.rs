@@ -7,29 +7,26 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use elasticps_core::model::{Init, TensorSpec};
-use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_core::model::TensorSpec;
 use elasticps_runtime::peer::Peer;
 use elasticps_wire::{Codec, Control, Message, ScaleRequest};
 
-use crate::common::{self, Proc};
+use crate::common::cluster::{self, Cluster, JobSpec};
+use crate::common::{self, models};
 
 const WORKERS: u32 = 2;
 const NO_LAUNCHER: &[&str] = &["--launcher", "none"];
 const LEN: usize = 40;
 
 fn model() -> Vec<TensorSpec> {
-    vec![
-        TensorSpec { name: "a".into(), shape: vec![LEN], init: Init::Zeros },
-        TensorSpec { name: "b".into(), shape: vec![3], init: Init::Zeros },
-    ]
+    models::a_and_b(LEN)
 }
 
 /// Worker `rank`'s gradient at any clock: element i of every tensor gets -(rank + 1) * (i % 5 + 1).
 /// With sgd and lr 1, after `t` clocks of every worker element i is t * 3 * (i % 5 + 1)
 /// (sum over ranks 0 and 1 of rank + 1), an exact integer in f32.
-fn gradient(rank: u32, len: usize) -> Vec<f32> {
-    (0..len).map(|i| -((rank + 1) as f32) * ((i % 5) + 1) as f32).collect()
+fn gradient(rank: u32, _t: u32, i: usize) -> f32 {
+    -((rank + 1) as f32) * ((i % 5) + 1) as f32
 }
 
 fn expected(t: u32, len: usize) -> Vec<f32> {
@@ -38,29 +35,8 @@ fn expected(t: u32, len: usize) -> Vec<f32> {
 
 /// Starts a scheduler and `servers` servers; blocks of 16 bytes (4 values), placed by
 /// range (every server holds several blocks).
-fn cluster(sync: &str, servers: u32, extra: &[&str]) -> (Proc, String, Vec<Proc>) {
-    let servers_s = servers.to_string();
-    let workers_s = WORKERS.to_string();
-    let mut args = vec![
-        "--servers",
-        servers_s.as_str(),
-        "--workers",
-        workers_s.as_str(),
-        "--sync",
-        sync,
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "1",
-        "--block-bytes",
-        "16",
-        "--placement",
-        "range",
-    ];
-    args.extend_from_slice(extra);
-    let (sched, addr) = common::start_scheduler(&args);
-    let procs = (0..servers).map(|_| common::start_server(&addr, &[])).collect();
-    (sched, addr, procs)
+fn cluster(sync: &str, servers: u32, extra: &[&str]) -> Cluster {
+    JobSpec::exact(servers, WORKERS, sync).with(&["--placement", "range"]).with(extra).start()
 }
 
 /// Asks the scheduler to move blocks round and round between `servers` servers until
@@ -113,41 +89,34 @@ fn moving(addr: String, stop: Arc<AtomicBool>) -> futures::future::BoxFuture<'st
 
 /// Runs `clocks` clocks on each worker (worker 1 sleeping `straggle` per clock, worker 0
 /// `pace`) on `servers` servers while `op` acts; checks every value exactly; returns
-/// (requests accepted, the scheduler, the servers).
+/// (requests accepted, the scheduler and the servers).
 fn run_while(
     sync: &str,
     (servers, extra): (u32, &[&str]),
     clocks: u32,
     (pace, straggle): (Duration, Duration),
     op: Operator,
-) -> (u32, Proc, Vec<Proc>) {
+) -> (u32, Cluster) {
     // A pull at clocks + s sees every push of clocks < clocks under ssp:s (s = 0: bsp).
     let staleness: u32 = sync.strip_prefix("ssp:").map_or(0, |s| s.parse().expect("ssp:S"));
-    let (sched, addr, servers) = cluster(sync, servers, extra);
+    let job = cluster(sync, servers, extra);
+    let addr = job.addr.clone();
     let rt = common::tokio_rt();
     let moves = rt.block_on(async {
         let stop = Arc::new(AtomicBool::new(false));
-        let workers: Vec<_> = (0..WORKERS)
-            .map(|_| {
-                let addr = addr.clone();
-                tokio::spawn(async move {
-                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
-                    c.register_model(model()).await.expect("register");
-                    let mut params = c.zeros();
-                    let rank = c.rank();
-                    let grads = vec![gradient(rank, LEN), gradient(rank, 3)];
-                    c.pull(0, &mut params).await.expect("pull 0");
-                    for t in 0..clocks {
-                        tokio::time::sleep(if rank == 1 { straggle } else { pace }).await;
-                        c.push_pull(t, &grads, &mut params).await.unwrap_or_else(|e| panic!("clock {t}: {e}"));
-                    }
-                    // Sees every push of every worker, once the other worker is done too.
-                    c.pull(clocks + staleness, &mut params).await.expect("final pull");
-                    c.finish().await.expect("finish");
-                    params
-                })
-            })
-            .collect();
+        let workers = cluster::spawn_workers(WORKERS, &addr, &model(), move |mut c| async move {
+            let rank = c.rank();
+            let grads = models::gradients(&model(), gradient, rank, 0);
+            let mut params = cluster::pulled(&mut c, 0).await;
+            for t in 0..clocks {
+                tokio::time::sleep(if rank == 1 { straggle } else { pace }).await;
+                c.push_pull(t, &grads, &mut params).await.unwrap_or_else(|e| panic!("clock {t}: {e}"));
+            }
+            // Sees every push of every worker, once the other worker is done too.
+            c.pull(clocks + staleness, &mut params).await.expect("final pull");
+            c.finish().await.expect("finish");
+            params
+        });
         // Moves start once the model is placed (the first worker's register_model).
         tokio::time::sleep(Duration::from_millis(300)).await;
         let mover = tokio::spawn(op(addr.clone(), stop.clone()));
@@ -161,19 +130,17 @@ fn run_while(
         }
         moves
     });
-    (moves, sched, servers)
+    (moves, job)
 }
 
 /// The scheduler's balance log and the servers' final counters, once the job ended.
-fn collect(mut sched: Proc, mut servers: Vec<Proc>) -> (serde_json::Value, u64) {
-    sched.assert_success(common::EXIT_TIMEOUT);
+fn collect(mut job: Cluster) -> (serde_json::Value, u64) {
+    job.assert_success();
     let balance =
-        sched.events_named("balance").first().map(|v| (*v).clone()).expect("the scheduler printed its balance log");
+        job.sched.events_named("balance").first().map(|v| (*v).clone()).expect("the scheduler printed its balance log");
     let mut pushes = 0;
-    for s in &mut servers {
-        s.assert_success(common::EXIT_TIMEOUT);
-        let stats = s.events_named("server_stats");
-        let stats = stats.first().unwrap_or_else(|| panic!("{} printed no stats", s.name));
+    for s in &job.servers {
+        let stats = s.server_stats();
         pushes += stats["totals"]["pushes"].as_u64().expect("pushes");
     }
     (balance, pushes)
@@ -183,8 +150,8 @@ fn collect(mut sched: Proc, mut servers: Vec<Proc>) -> (serde_json::Value, u64) 
 fn every_update_is_applied_exactly_once_while_blocks_migrate_back_and_forth() {
     const CLOCKS: u32 = 300;
     let pace = Duration::from_millis(5);
-    let (moves, sched, servers) = run_while("ssp:2", (3, NO_LAUNCHER), CLOCKS, (pace, pace), moving);
-    let (balance, pushes) = collect(sched, servers);
+    let (moves, job) = run_while("ssp:2", (3, NO_LAUNCHER), CLOCKS, (pace, pace), moving);
+    let (balance, pushes) = collect(job);
     let migrations = balance["migrations"].as_array().expect("migrations");
     let done = migrations.iter().filter(|m| m["error"].is_null()).count();
     assert!(moves >= 20, "the operator's moves were accepted ({moves})");
@@ -199,8 +166,8 @@ fn pulls_held_by_ssp_at_the_old_owner_are_answered_by_the_new_owner() {
     const CLOCKS: u32 = 40;
     // bsp with a straggler: worker 0's pulls wait at the servers most of the time.
     let straggle = (Duration::ZERO, Duration::from_millis(40));
-    let (_moves, sched, servers) = run_while("bsp", (3, NO_LAUNCHER), CLOCKS, straggle, moving);
-    let (balance, pushes) = collect(sched, servers);
+    let (_moves, job) = run_while("bsp", (3, NO_LAUNCHER), CLOCKS, straggle, moving);
+    let (balance, pushes) = collect(job);
     let migrations = balance["migrations"].as_array().expect("migrations");
     let held: u64 = migrations.iter().filter_map(|m| m["held"].as_u64()).sum();
     assert!(migrations.len() >= 10, "blocks migrated: {}", migrations.len());
@@ -220,9 +187,9 @@ fn a_removed_server_drains_first_and_loses_nothing() {
         })
     }
     let pace = Duration::from_millis(5);
-    let (_, sched, mut servers) = run_while("ssp:1", (3, NO_LAUNCHER), CLOCKS, (pace, pace), remove);
+    let (_, job) = run_while("ssp:1", (3, NO_LAUNCHER), CLOCKS, (pace, pace), remove);
     // Server 1 (the second to register) stopped by itself, cleanly, before the others.
-    let (balance, pushes) = collect(sched, std::mem::take(&mut servers));
+    let (balance, pushes) = collect(job);
     let actions: Vec<&str> =
         balance["scaling"].as_array().expect("scaling").iter().filter_map(|e| e["action"].as_str()).collect();
     assert_eq!(actions, ["scale-in", "removed"], "{balance}");
@@ -254,8 +221,8 @@ fn workers_that_compute_long_between_rounds_find_the_blocks_of_a_removed_server(
     }
     let pace = Duration::from_millis(150);
     let started = Instant::now();
-    let (_, sched, servers) = run_while("bsp", (3, NO_LAUNCHER), CLOCKS, (pace, pace), remove);
-    let (balance, pushes) = collect(sched, servers);
+    let (_, job) = run_while("bsp", (3, NO_LAUNCHER), CLOCKS, (pace, pace), remove);
+    let (balance, pushes) = collect(job);
     assert!(started.elapsed() < Duration::from_secs(30), "no worker waited for a timeout");
     let actions: Vec<&str> =
         balance["scaling"].as_array().expect("scaling").iter().filter_map(|e| e["action"].as_str()).collect();
@@ -278,7 +245,8 @@ fn an_added_server_is_started_by_the_launcher_and_receives_blocks() {
     let logs = dir.display().to_string();
     let extra = ["--max-servers", "3", "--launcher", "local", "--log-dir", logs.as_str()];
     let pace = Duration::from_millis(5);
-    let (_, mut sched, servers) = run_while("ssp:1", (2, &extra), CLOCKS, (pace, pace), add);
+    let (_, job) = run_while("ssp:1", (2, &extra), CLOCKS, (pace, pace), add);
+    let Cluster { mut sched, servers, .. } = job;
     sched.assert_success(common::EXIT_TIMEOUT);
     let balance = sched.events_named("balance").first().map(|v| (*v).clone()).expect("balance log");
     let actions: Vec<&str> =

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use elasticps_core::model::{Init, TensorSpec};
-use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_core::model::TensorSpec;
 
-use crate::common::{self, Proc};
+use crate::common::cluster::{self, JobSpec};
+use crate::common::{self, Proc, models};
 
 const WORKERS: u32 = 2;
 const CLOCKS: u32 = 80;
@@ -23,55 +23,24 @@ const KILL_AT: u32 = 15;
 const BARRIER_AT: u32 = 30;
 
 fn model() -> Vec<TensorSpec> {
-    vec![TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Zeros }]
+    models::zeros(&[("w", LEN)])
 }
 
 /// Worker `rank`'s gradient at clock `t`: small integers (exact in f32, summed in any
 /// order), different per rank, clock and element, so a lost or doubled push shows.
-fn gradient(rank: u32, t: u32) -> Vec<f32> {
-    (0..LEN).map(|i| ((rank + 1) * (t % 4 + 1)) as f32 * ((i % 3) + 1) as f32).collect()
+fn gradient(rank: u32, t: u32, i: usize) -> f32 {
+    ((rank + 1) * (t % 4 + 1)) as f32 * ((i % 3) + 1) as f32
 }
 
 /// The parameters after `CLOCKS` clocks of bsp, sgd with lr 1, no aggregation: every
 /// push applied once, `w -= g`.
 fn expected() -> Vec<f32> {
-    let mut w = vec![0.0f32; LEN];
-    for t in 0..CLOCKS {
-        for rank in 0..WORKERS {
-            for (x, g) in w.iter_mut().zip(gradient(rank, t)) {
-                *x -= g;
-            }
-        }
-    }
-    w
+    models::sgd_from_zeros(gradient, WORKERS, CLOCKS, LEN)
 }
 
 fn start_scheduler(name: &str, addr: &str, state: &str) -> Proc {
-    let args = [
-        "scheduler",
-        "--listen",
-        addr,
-        "--events",
-        "--servers",
-        "2",
-        "--workers",
-        "2",
-        "--sync",
-        "bsp",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "1",
-        "--block-bytes",
-        "16",
-        "--state-dir",
-        state,
-    ];
-    let mut p = Proc::spawn(name, &args);
-    if p.wait_event("listening", common::START_TIMEOUT).is_none() {
-        panic!("{name} did not listen on {addr} within {:?}\n{}", common::START_TIMEOUT, p.log_tail(30));
-    }
-    p
+    let args = JobSpec::exact(2, WORKERS, "bsp").with(&["--state-dir", state]).args();
+    common::start_scheduler_at(name, addr, &common::refs(&args)).0
 }
 
 #[test]
@@ -85,30 +54,24 @@ fn a_scheduler_killed_and_restarted_with_its_state_dir_lets_the_job_complete_exa
     let clocks: Arc<Vec<AtomicU32>> = Arc::new((0..WORKERS).map(|_| AtomicU32::new(0)).collect());
 
     let rt = common::tokio_rt();
-    let workers: Vec<_> = (0..WORKERS)
-        .map(|_| {
-            let (addr, clocks) = (addr.clone(), clocks.clone());
-            rt.spawn(async move {
-                let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
-                c.register_model(model()).await.expect("register");
-                let rank = c.rank();
-                let mut params = c.zeros();
-                c.pull(0, &mut params).await.expect("first pull");
-                for t in 0..CLOCKS {
-                    if t == BARRIER_AT {
-                        c.barrier().await.expect("a barrier across the scheduler's restart");
-                    }
-                    tokio::time::sleep(Duration::from_millis(40)).await;
-                    c.push_pull(t, &[gradient(rank, t)], &mut params)
-                        .await
-                        .unwrap_or_else(|e| panic!("clock {t}: {e}"));
-                    clocks[rank as usize].store(t + 1, Ordering::SeqCst);
+    let progress = clocks.clone();
+    let workers = rt.block_on(async {
+        cluster::spawn_workers(WORKERS, &addr, &model(), move |mut c| async move {
+            let rank = c.rank();
+            let mut params = cluster::pulled(&mut c, 0).await;
+            for t in 0..CLOCKS {
+                if t == BARRIER_AT {
+                    c.barrier().await.expect("a barrier across the scheduler's restart");
                 }
-                c.finish().await.expect("finish");
-                params
-            })
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                let grads = models::gradients(&model(), gradient, rank, t);
+                c.push_pull(t, &grads, &mut params).await.unwrap_or_else(|e| panic!("clock {t}: {e}"));
+                progress[rank as usize].store(t + 1, Ordering::SeqCst);
+            }
+            c.finish().await.expect("finish");
+            params
         })
-        .collect();
+    });
 
     let slowest = || clocks.iter().map(|c| c.load(Ordering::SeqCst)).min().unwrap_or(0);
     let reached = common::poll_until(Duration::from_secs(60), || (slowest() >= KILL_AT).then_some(()));

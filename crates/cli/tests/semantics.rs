@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use elasticps_core::model::{Init, TensorSpec};
-use elasticps_runtime::client::{Client, ClientOptions};
 
-use crate::common::{self, Proc};
+use crate::common::cluster::{self, JobSpec};
+use crate::common::{self, Proc, models};
 
 const FEATURES: usize = 20;
 const PER_WORKER: usize = 8;
@@ -53,9 +53,10 @@ fn model() -> Vec<TensorSpec> {
     ]
 }
 
-fn cluster(sched_args: &[&str], servers: usize, trace_dir: Option<&PathBuf>) -> (Proc, String, Vec<Proc>) {
-    let (sched, addr) = common::start_scheduler(sched_args);
-    let procs = (0..servers)
+/// The scheduler of `job` and its servers, each tracing to `trace-I.jsonl` in `trace_dir`.
+fn cluster(job: &JobSpec, trace_dir: Option<&PathBuf>) -> (Proc, String, Vec<Proc>) {
+    let (sched, addr) = job.start_scheduler();
+    let procs = (0..job.servers)
         .map(|i| {
             let trace = trace_dir.map(|d| d.join(format!("trace-{i}.jsonl")).display().to_string());
             let mut extra = Vec::new();
@@ -73,49 +74,26 @@ fn bsp_with_aggregate_equals_sequential_large_batch_sgd() {
     const T: u32 = 12;
     const LR: f32 = 0.1;
     // 16-byte blocks: w is cut into 5 blocks spread over both servers.
-    let args = [
-        "--servers",
-        "2",
-        "--workers",
-        "2",
-        "--sync",
-        "bsp",
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.1",
-        "--aggregate",
-        "--block-bytes",
-        "16",
-        "--placement",
-        "roundrobin",
-    ];
-    let (_sched, addr, _servers) = cluster(&args, 2, None);
+    let job = JobSpec::exact(2, 2, "bsp").lr("0.1").with(&["--aggregate", "--placement", "roundrobin"]);
+    let (_sched, addr, _servers) = cluster(&job, None);
     let rt = common::tokio_rt();
     // Per worker: (parameters at clock 0, parameters after T clocks).
     type Run = (Vec<Vec<f32>>, Vec<Vec<f32>>);
     let results: Vec<Run> = rt.block_on(async {
-        let tasks: Vec<_> = (0..2)
-            .map(|_| {
-                let addr = addr.clone();
-                tokio::spawn(async move {
-                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
-                    c.register_model(model()).await.expect("register");
-                    let (xs, ys) = data(c.rank() as usize);
-                    let mut params = c.zeros();
-                    let mut initial = None;
-                    for t in 0..T {
-                        c.pull(t, &mut params).await.expect("pull");
-                        initial.get_or_insert_with(|| params.clone());
-                        let (gw, gb) = gradient(&params[0], params[1][0], &xs, &ys);
-                        c.push(t, &[gw, vec![gb]]).await.expect("push");
-                    }
-                    c.pull(T, &mut params).await.expect("final pull");
-                    c.finish().await.expect("finish");
-                    (initial.unwrap_or_default(), params)
-                })
-            })
-            .collect();
+        let tasks = cluster::spawn_workers(2, &addr, &model(), |mut c| async move {
+            let (xs, ys) = data(c.rank() as usize);
+            let mut params = c.zeros();
+            let mut initial = None;
+            for t in 0..T {
+                c.pull(t, &mut params).await.expect("pull");
+                initial.get_or_insert_with(|| params.clone());
+                let (gw, gb) = gradient(&params[0], params[1][0], &xs, &ys);
+                c.push(t, &[gw, vec![gb]]).await.expect("push");
+            }
+            c.pull(T, &mut params).await.expect("final pull");
+            c.finish().await.expect("finish");
+            (initial.unwrap_or_default(), params)
+        });
         common::join_workers(tasks).await
     });
     // Both workers started from the same initial values and ended with the same model.
@@ -151,32 +129,22 @@ fn bsp_with_aggregate_equals_sequential_large_batch_sgd() {
 fn push_pulls_larger_than_the_socket_buffers_come_back_exact() {
     const LEN: usize = 4 << 20; // 16 MiB of f32
     const T: u32 = 4;
-    let args = ["--servers", "2", "--workers", "2", "--sync", "bsp", "--optimizer", "sgd", "--lr", "1"];
-    let args = [&args[..], &["--block-bytes", "1048576", "--placement", "roundrobin"]].concat();
-    let (_sched, addr, _servers) = cluster(&args, 2, None);
+    let job = JobSpec::exact(2, 2, "bsp").block_bytes(1048576).with(&["--placement", "roundrobin"]);
+    let (_sched, addr, _servers) = cluster(&job, None);
     let grad = |rank: u32, t: u32, i: usize| ((i + rank as usize + t as usize) % 5) as f32 - 2.0;
     let rt = common::tokio_rt();
     let pulled: Vec<Vec<f32>> = rt.block_on(async {
-        let tasks: Vec<_> = (0..2)
-            .map(|_| {
-                let addr = addr.clone();
-                tokio::spawn(async move {
-                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
-                    let w = TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Zeros };
-                    c.register_model(vec![w]).await.expect("register");
-                    let mut params = c.zeros();
-                    c.pull(0, &mut params).await.expect("pull");
-                    assert!(params[0].iter().all(|v| *v == 0.0), "the first pull holds the zeros");
-                    let rank = c.rank();
-                    for t in 0..T {
-                        let g: Vec<f32> = (0..LEN).map(|i| grad(rank, t, i)).collect();
-                        c.push_pull(t, &[g], &mut params).await.expect("push_pull");
-                    }
-                    c.finish().await.expect("finish");
-                    params.swap_remove(0)
-                })
-            })
-            .collect();
+        let tasks = cluster::spawn_workers(2, &addr, &models::zeros(&[("w", LEN)]), move |mut c| async move {
+            let mut params = cluster::pulled(&mut c, 0).await;
+            assert!(params[0].iter().all(|v| *v == 0.0), "the first pull holds the zeros");
+            let rank = c.rank();
+            for t in 0..T {
+                let g: Vec<f32> = (0..LEN).map(|i| grad(rank, t, i)).collect();
+                c.push_pull(t, &[g], &mut params).await.expect("push_pull");
+            }
+            c.finish().await.expect("finish");
+            params.swap_remove(0)
+        });
         common::join_workers(tasks).await
     });
     for (worker, values) in pulled.iter().enumerate() {
@@ -219,54 +187,32 @@ impl Traced {
 /// push(t) + pull(t + 1) round, and returns what the servers traced.
 fn traced_run(sync: &str, extra: &[&str], iterations: u32, straggle: Duration) -> Traced {
     let dir = common::temp_dir("trace");
-    let mut args = vec![
-        "--servers",
-        "2",
-        "--workers",
-        "3",
-        "--sync",
-        sync,
-        "--optimizer",
-        "sgd",
-        "--lr",
-        "0.01",
-        "--block-bytes",
-        "40",
-    ];
-    args.extend_from_slice(extra);
-    let (_sched, addr, mut servers) = cluster(&args, 2, Some(&dir));
+    let job = JobSpec::exact(2, 3, sync).lr("0.01").block_bytes(40).with(extra);
+    let (_sched, addr, mut servers) = cluster(&job, Some(&dir));
     let rt = common::tokio_rt();
     let mut waits = rt.block_on(async {
-        let tasks: Vec<_> = (0..3)
-            .map(|_| {
-                let addr = addr.clone();
-                tokio::spawn(async move {
-                    let mut c = Client::connect(ClientOptions::new(addr)).await.expect("connect");
-                    c.register_model(model()).await.expect("register");
-                    let mut params = c.zeros();
-                    let (xs, ys) = data(c.rank() as usize);
-                    let mut waits = vec![Duration::ZERO; 2];
-                    c.pull(0, &mut params).await.expect("pull");
-                    for t in 0..iterations {
-                        if c.rank() == 2 {
-                            tokio::time::sleep(straggle).await;
-                        }
-                        let (gw, gb) = gradient(&params[0], params[1][0], &xs, &ys);
-                        if t + 1 < iterations {
-                            c.push_pull(t, &[gw, vec![gb]], &mut params).await.expect("push_pull");
-                        } else {
-                            c.push(t, &[gw, vec![gb]]).await.expect("push");
-                        }
-                        for (w, d) in waits.iter_mut().zip(&c.last_waits().per_server) {
-                            *w += *d;
-                        }
-                    }
-                    let rank = c.rank();
-                    c.finish().await.expect("finish");
-                    (rank, waits)
-                })
-            })
-            .collect();
+        let tasks = cluster::spawn_workers(3, &addr, &model(), move |mut c| async move {
+            let (xs, ys) = data(c.rank() as usize);
+            let mut waits = vec![Duration::ZERO; 2];
+            let mut params = cluster::pulled(&mut c, 0).await;
+            for t in 0..iterations {
+                if c.rank() == 2 {
+                    tokio::time::sleep(straggle).await;
+                }
+                let (gw, gb) = gradient(&params[0], params[1][0], &xs, &ys);
+                if t + 1 < iterations {
+                    c.push_pull(t, &[gw, vec![gb]], &mut params).await.expect("push_pull");
+                } else {
+                    c.push(t, &[gw, vec![gb]]).await.expect("push");
+                }
+                for (w, d) in waits.iter_mut().zip(&c.last_waits().per_server) {
+                    *w += *d;
+                }
+            }
+            let rank = c.rank();
+            c.finish().await.expect("finish");
+            (rank, waits)
+        });
         common::join_workers(tasks).await
     });
     waits.sort_by_key(|(rank, _)| *rank);

@@ -13,15 +13,14 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use elasticps_core::block::{BlockState, LoggedPush};
-use elasticps_core::model::{Init, TensorSpec};
 use elasticps_core::optimizer::OptState;
 use elasticps_core::sync::Clocks;
-use elasticps_runtime::client::{Client, ClientOptions};
 use elasticps_wire::{
-    ClusterStatus, Codec, Control, Credential, DEFAULT_MAX_PAYLOAD, ErrorCode, KeyId, Layout, Message, PeerRole,
-    ScaleRequest, Values,
+    ClusterStatus, Codec, Control, Credential, DEFAULT_MAX_PAYLOAD, ErrorCode, KeyId, Message, PeerRole, ScaleRequest,
+    Values,
 };
 
+use crate::common::tiny::{Job, Shape};
 use crate::common::*;
 
 /// The cluster secret of these jobs.
@@ -39,171 +38,21 @@ fn worker_codec() -> Codec {
     Codec::for_worker_secret(WORKER_SECRET.as_bytes(), DEFAULT_MAX_PAYLOAD)
 }
 
-/// A job's shape: how many servers and workers, the sync policy, extra flags.
-struct Shape {
-    servers: usize,
-    workers: u32,
-    sync: &'static str,
-    /// Flags for the scheduler and every server.
-    flags: Vec<&'static str>,
-    /// Flags for the scheduler only.
-    sched_flags: Vec<&'static str>,
-    /// The in-process worker dials with the worker secret.
-    worker_key: bool,
+/// 2 servers, 1 worker, bsp, with this file's cluster secret.
+fn shape() -> Shape {
+    Shape::new(SECRET)
 }
 
-impl Default for Shape {
-    fn default() -> Self {
-        Shape { servers: 2, workers: 1, sync: "bsp", flags: vec![], sched_flags: vec![], worker_key: false }
-    }
-}
-
-/// A scheduler and servers (processes), and one well-behaved worker in process (rank 0)
-/// with exact arithmetic: SGD with lr 1 from constant values, every gradient 0.5.
-struct Job {
-    rt: tokio::runtime::Runtime,
-    client: Option<Client>,
-    sched: Proc,
-    sched_addr: String,
-    /// `servers[s]`: server `s` (by the id the scheduler gave it), `None` once killed.
-    servers: Vec<Option<Proc>>,
-    /// `addrs[s]`: data address of server `s`.
-    addrs: Vec<String>,
-    layout: Layout,
-    /// `blocks[b]`: (tensor, offset, len).
-    blocks: Vec<(usize, usize, usize)>,
-    /// The next clock the worker pushes.
-    clock: u32,
-    /// Workers that joined later ([`Job::join`]), with their next clocks.
-    others: Vec<(Option<Client>, u32)>,
-    /// Pushes of every well-behaved worker so far.
-    pushes: u64,
-    /// The values a pull at `clock` returns.
-    expected: Vec<Vec<f32>>,
-}
-
-fn model() -> Vec<TensorSpec> {
-    vec![
-        TensorSpec { name: "w".into(), shape: vec![2, 3], init: Init::Constant(1.0) },
-        TensorSpec { name: "b".into(), shape: vec![2], init: Init::Constant(-1.0) },
-    ]
-}
-
-/// The well-behaved worker's options: the cluster secret, or the worker secret.
-fn options(sched_addr: &str, worker_key: bool) -> ClientOptions {
-    let mut opts = ClientOptions::new(sched_addr);
-    opts.codec = if worker_key { worker_codec() } else { codec() };
-    opts.request_timeout = REPLY_TIMEOUT;
-    opts
-}
-
-/// The processes of a job, before any worker.
-struct Nodes {
-    sched: Proc,
-    sched_addr: String,
-    /// (process, data address), in start order.
-    servers: Vec<(Proc, String)>,
-    shape: Shape,
-}
-
-impl Nodes {
-    fn start(shape: Shape) -> Nodes {
-        let (servers, workers) = (shape.servers.to_string(), shape.workers.to_string());
-        let mut args = vec![
-            "--servers",
-            &servers,
-            "--workers",
-            &workers,
-            "--sync",
-            shape.sync,
-            "--optimizer",
-            "sgd",
-            "--lr",
-            "1",
-            "--block-bytes",
-            "16",
-            "--secret",
-            SECRET,
-            "--join-timeout-s",
-            "60",
-        ];
-        args.extend(&shape.flags);
-        args.extend(&shape.sched_flags);
-        let (sched, sched_addr) = start_scheduler(&args);
-        let mut server_args = vec!["--secret", SECRET];
-        server_args.extend(&shape.flags);
-        let servers = (0..shape.servers).map(|_| start_server_on(&sched_addr, &server_args)).collect();
-        Nodes { sched, sched_addr, servers, shape }
-    }
-
-    /// The well-behaved worker joins and defines the model; the job runs.
-    fn worker(self) -> Job {
-        let rt = tokio_rt();
-        let opts = options(&self.sched_addr, self.shape.worker_key);
-        let client = rt.block_on(async {
-            tokio::time::timeout(START_TIMEOUT, async {
-                let mut client = Client::connect(opts).await.expect("the worker joins");
-                client.register_model(model()).await.expect("the model is placed");
-                client
-            })
-            .await
-            .expect("the job starts within the start timeout")
-        });
-        assert_eq!(client.rank(), 0, "the well-behaved worker registers first");
-        let layout = client.layout().expect("a layout").clone();
-        let mut addrs = vec![String::new(); layout.servers.len()];
-        for s in &layout.servers {
-            addrs[s.id as usize] = s.addr.clone();
-        }
-        let mut servers: Vec<Option<Proc>> = (0..addrs.len()).map(|_| None).collect();
-        for (p, addr) in self.servers {
-            let id = addrs.iter().position(|a| *a == addr).unwrap_or_else(|| panic!("{addr} is not in {addrs:?}"));
-            servers[id] = Some(p);
-        }
-        assert_eq!(layout.placement.owners.len(), 3, "6 + 2 values in blocks of at most 4");
-        let blocks = layout.partition.blocks.iter().map(|b| (b.tensor as usize, b.offset, b.len)).collect();
-        Job {
-            rt,
-            client: Some(client),
-            sched: self.sched,
-            sched_addr: self.sched_addr,
-            servers,
-            addrs,
-            layout,
-            blocks,
-            clock: 0,
-            others: Vec::new(),
-            pushes: 0,
-            expected: vec![vec![1.0; 6], vec![-1.0; 2]],
-        }
+/// Ends the job (a last pull, exact; every live process exits 0). With `count`, the
+/// servers' counters must show exactly the workers' pushes.
+fn finish(job: Job, count: bool) {
+    let served = job.finish(true);
+    if count {
+        assert_eq!(served.pushes, 3 * served.worker_pushes, "only the well-behaved workers' pushes were applied");
     }
 }
 
 impl Job {
-    fn start(shape: Shape) -> Job {
-        Nodes::start(shape).worker()
-    }
-
-    /// The worker's credential (what a compromised script on its host holds).
-    fn credential(&self) -> Credential {
-        self.client.as_ref().expect("the worker is connected").credential().clone()
-    }
-
-    fn hello(&self) -> Message {
-        Control::Hello { credential: self.credential() }.into()
-    }
-
-    /// The owner of block `b` by the job's first layout.
-    fn owner(&self, b: u32) -> u32 {
-        self.layout.placement.owners[b as usize]
-    }
-
-    /// The values of block `b` a pull at the current clock returns.
-    fn block_values(&self, b: u32) -> Vec<f32> {
-        let (t, off, len) = self.blocks[b as usize];
-        self.expected[t][off..off + len].to_vec()
-    }
-
     /// A state of block `b` with every value `v`: a forged copy.
     fn forged_state(&self, b: u32, v: f32) -> BlockState {
         let spec = self.layout.partition.blocks[b as usize];
@@ -216,105 +65,12 @@ impl Job {
         }
     }
 
-    /// One iteration of the well-behaved worker: pull (checked exactly), push 0.5 everywhere.
-    fn round(&mut self, after: &str) {
-        let client = self.client.take().expect("the client is connected");
-        self.client = Some(self.round_of(client, self.clock, after));
-        self.clock += 1;
-    }
-
-    /// One iteration of `client` at clock `t`: its pull must see every push so far (the
-    /// job's other workers' too: under asp the test runs the workers' rounds in turn).
-    fn round_of(&mut self, mut client: Client, t: u32, after: &str) -> Client {
-        let rank = client.rank();
-        let (client, params) = self.rt.block_on(async move {
-            let mut params = client.zeros();
-            match tokio::time::timeout(REPLY_TIMEOUT * 2, client.pull(t, &mut params)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => panic!("worker {rank}: pull({t}) after {after} failed: {e}"),
-                Err(_) => panic!("worker {rank}: pull({t}) after {after} timed out"),
-            }
-            let grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.5; p.len()]).collect();
-            match tokio::time::timeout(REPLY_TIMEOUT * 2, client.push(t, &grads)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => panic!("worker {rank}: push({t}) after {after} failed: {e}"),
-                Err(_) => panic!("worker {rank}: push({t}) after {after} timed out"),
-            }
-            (client, params)
-        });
-        assert_eq!(params, self.expected, "values pulled by worker {rank} at clock {t} after {after}");
-        for v in self.expected.iter_mut().flatten() {
-            *v -= 0.5; // sgd, lr 1: exact in f32
-        }
-        self.pushes += 1;
-        client
-    }
-
-    /// Another well-behaved worker joins the running job (an asp job of more workers).
-    fn join(&mut self, opts: ClientOptions) {
-        let client = self.rt.block_on(async {
-            tokio::time::timeout(START_TIMEOUT, async {
-                let mut client = Client::connect(opts).await.expect("another worker joins");
-                client.register_model(model()).await.expect("it has the layout");
-                client
-            })
-            .await
-            .expect("another worker joins within the start timeout")
-        });
-        self.others.push((Some(client), 0));
-    }
-
-    /// One iteration of the `i`-th worker that joined with [`Job::join`].
-    fn round_other(&mut self, i: usize, after: &str) {
-        let (client, t) = (self.others[i].0.take().expect("the worker is connected"), self.others[i].1);
-        let client = self.round_of(client, t, after);
-        self.others[i] = (Some(client), t + 1);
-    }
-
-    /// Ends the job: a last pull (exact), `WorkerDone` of every worker, every live process
-    /// exits 0. With `count`, the servers' counters must show exactly the workers' pushes.
-    fn finish(mut self, count: bool) {
-        let t = self.clock;
-        let mut client = self.client.take().expect("the client is connected");
-        let others: Vec<Client> = self.others.iter_mut().filter_map(|(c, _)| c.take()).collect();
-        let expected = self.expected.clone();
-        self.rt.block_on(async {
-            let mut params = client.zeros();
-            tokio::time::timeout(REPLY_TIMEOUT * 2, client.pull(t, &mut params))
-                .await
-                .expect("the last pull in time")
-                .expect("the last pull");
-            assert_eq!(params, expected, "the job's final values");
-            for c in others.into_iter().chain([client]) {
-                tokio::time::timeout(REPLY_TIMEOUT, c.finish())
-                    .await
-                    .expect("WorkerDone is acknowledged in time")
-                    .expect("WorkerDone is acknowledged");
-            }
-        });
-        self.sched.assert_success(EXIT_TIMEOUT);
-        let mut pushes = 0;
-        for s in self.servers.iter_mut().flatten() {
-            s.assert_success(EXIT_TIMEOUT);
-            let stats = s.events_named("server_stats");
-            let stats = stats.last().unwrap_or_else(|| panic!("{} printed no server_stats", s.name));
-            pushes += stats["totals"]["pushes"].as_u64().expect("pushes");
-        }
-        if count {
-            assert_eq!(pushes, 3 * self.pushes, "only the well-behaved workers' pushes were applied");
-        }
-    }
-
     /// A raw connection to server `s` that said Hello with the worker's credential.
     fn as_worker(&self, s: u32) -> TcpStream {
         let mut conn = connect_raw(&self.addrs[s as usize], SECRET.as_bytes());
         let m = call(&mut conn, &codec(), 1, &self.hello());
         assert_eq!(m, Message::Control(Control::Ok), "the worker's Hello to server {s}");
         conn
-    }
-
-    fn server_log(&self, s: u32) -> String {
-        self.servers[s as usize].as_ref().map(Proc::log).unwrap_or_default()
     }
 }
 
@@ -381,7 +137,7 @@ fn status(s: &mut TcpStream, id: u64) -> ClusterStatus {
 /// and the real push of that clock is then applied, not dropped as a duplicate.
 #[test]
 fn a_replicate_on_a_worker_connection_is_forbidden_and_the_real_push_is_applied() {
-    let mut job = Job::start(Shape::default());
+    let mut job = Job::start(shape());
     job.round("start");
     let b = 0;
     let s = job.owner(b);
@@ -407,7 +163,7 @@ fn a_replicate_on_a_worker_connection_is_forbidden_and_the_real_push_is_applied(
     // Clock t: the values the forgeries did not change, then the real push, applied.
     job.round("three forged Replicates of clock t");
     job.round("the real push of clock t");
-    job.finish(true);
+    finish(job, true);
 }
 
 /// (b) With `--replicas 2`, a backup refuses `ReplicaSnapshot` and `Replicate` from a
@@ -415,7 +171,7 @@ fn a_replicate_on_a_worker_connection_is_forbidden_and_the_real_push_is_applied(
 /// values.
 #[test]
 fn a_backup_refuses_copies_from_a_worker_and_serves_exact_values_once_promoted() {
-    let mut job = Job::start(Shape { servers: 3, sched_flags: vec!["--replicas", "2"], ..Shape::default() });
+    let mut job = Job::start(Shape { servers: 3, sched_flags: vec!["--replicas", "2"], ..shape() });
     job.round("start");
     let b = 0;
     let primary = job.owner(b);
@@ -448,7 +204,7 @@ fn a_backup_refuses_copies_from_a_worker_and_serves_exact_values_once_promoted()
         other => panic!("a pull of block {b} from its promoted backup: {other:?}"),
     }
     logged(|| job.sched.log(), &["server lost"], "the scheduler");
-    job.finish(false);
+    finish(job, false);
 }
 
 /// (c) `BlockSnapshot` and `BlockDelta` on a connection that said no Hello are refused
@@ -456,7 +212,7 @@ fn a_backup_refuses_copies_from_a_worker_and_serves_exact_values_once_promoted()
 /// then works.
 #[test]
 fn a_snapshot_or_delta_without_hello_is_forbidden_and_parks_nothing() {
-    let mut job = Job::start(Shape::default());
+    let mut job = Job::start(shape());
     job.round("start");
     let b = 0;
     let owner = job.owner(b);
@@ -502,7 +258,7 @@ fn a_snapshot_or_delta_without_hello_is_forbidden_and_parks_nothing() {
         other => panic!("a pull of block {b} from its new owner: {other:?}"),
     }
     job.round("block moved");
-    job.finish(true);
+    finish(job, true);
 }
 
 /// (d) `Hello` with a credential that does not hold: a rank the job does not have, a MAC
@@ -510,7 +266,7 @@ fn a_snapshot_or_delta_without_hello_is_forbidden_and_parks_nothing() {
 /// connection closes.
 #[test]
 fn a_hello_with_a_forged_credential_is_unauthenticated_and_closed() {
-    let mut job = Job::start(Shape::default());
+    let mut job = Job::start(shape());
     job.round("start");
     let own = job.credential();
     let secret = SECRET.as_bytes();
@@ -537,14 +293,14 @@ fn a_hello_with_a_forged_credential_is_unauthenticated_and_closed() {
             job.round(&format!("Hello with {what} to server {s}"));
         }
     }
-    job.finish(true);
+    finish(job, true);
 }
 
 /// (e) `WorkerDone` naming another rank, from a worker's scheduler connection: refused,
 /// and that worker is not finished.
 #[test]
 fn worker_done_of_another_rank_is_forbidden_and_finishes_no_one() {
-    let mut job = Job::start(Shape { workers: 2, sync: "asp", ..Shape::default() });
+    let mut job = Job::start(Shape { workers: 2, sync: "asp", ..shape() });
     // The attacker: a second worker of the job, on its own scheduler connection.
     let mut evil = connect_raw(&job.sched_addr, SECRET.as_bytes());
     let rank = match call(&mut evil, &codec(), 1, &Control::RegisterWorker.into()) {
@@ -570,14 +326,14 @@ fn worker_done_of_another_rank_is_forbidden_and_finishes_no_one() {
     let done: Vec<u32> = st.workers.iter().filter(|w| w.done).map(|w| w.rank).collect();
     assert_eq!(done, [1], "only the attacker is done");
     job.round("the attacker finished; the job goes on");
-    job.finish(true);
+    finish(job, true);
 }
 
 /// (f) A pull for a clock far in the future: `BadRequest` naming `--max-clock-lead`, and
 /// the connection stays usable.
 #[test]
 fn a_far_future_pull_is_a_bad_request_naming_the_bound_and_the_connection_stays_usable() {
-    let mut job = Job::start(Shape::default());
+    let mut job = Job::start(shape());
     job.round("start");
     let b = 0;
     let s = job.owner(b);
@@ -597,7 +353,7 @@ fn a_far_future_pull_is_a_bad_request_naming_the_bound_and_the_connection_stays_
     }
     job.round("far-future pulls");
     job.round("far-future pulls");
-    job.finish(true);
+    finish(job, true);
 }
 
 /// (g) With `--worker-secret`, a connection of the worker secret cannot register as a
@@ -605,8 +361,7 @@ fn a_far_future_pull_is_a_bad_request_naming_the_bound_and_the_connection_stays_
 /// that secret train.
 #[test]
 fn a_worker_secret_connection_cannot_become_a_server() {
-    let flags = vec!["--worker-secret", WORKER_SECRET];
-    let mut job = Job::start(Shape { flags, worker_key: true, ..Shape::default() });
+    let mut job = Job::start(Shape { worker_secret: Some(WORKER_SECRET), ..shape() });
     job.round("start");
     let ws = WORKER_SECRET.as_bytes();
     let k = worker_codec();
@@ -642,7 +397,7 @@ fn a_worker_secret_connection_cannot_become_a_server() {
     let m = call(&mut conn, &k, 2, &snapshot.into());
     assert_refused(&m, ErrorCode::Forbidden, &["worker 0"], "BlockSnapshot from a worker-key worker");
     job.round("a worker-key worker sent a BlockSnapshot");
-    job.finish(true);
+    finish(job, true);
 }
 
 /// (h) 5,000 connections that never start the handshake, opened at once to a server and
@@ -656,7 +411,7 @@ fn five_thousand_handshake_less_connections_do_not_lock_out_an_authenticated_wor
     /// Bounds of the flood, in connections per target and in time.
     const MOST: usize = 20_000;
     const LONGEST: Duration = Duration::from_secs(60);
-    let mut job = Job::start(Shape { workers: 2, sync: "asp", ..Shape::default() });
+    let mut job = Job::start(Shape { workers: 2, sync: "asp", ..shape() });
     job.round("start");
     let targets = [job.sched_addr.clone(), job.addrs[0].clone()];
 
@@ -693,7 +448,7 @@ fn five_thousand_handshake_less_connections_do_not_lock_out_an_authenticated_wor
     job.round("the flood opened");
     // Another worker connects now, while the flood goes on, and trains.
     let before_join: Vec<usize> = opened.iter().map(|c| c.load(Ordering::Relaxed)).collect();
-    job.join(options(&job.sched_addr, false));
+    job.join(job.shape.options(&job.sched_addr, false));
     eprintln!("the second worker joined {:?} after the flood started", started.elapsed());
     job.round_other(0, "joining during the flood");
     job.round("the second worker joined");
@@ -716,5 +471,5 @@ fn five_thousand_handshake_less_connections_do_not_lock_out_an_authenticated_wor
     drop(flood);
     job.round("the flood closed");
     job.round_other(0, "the flood closed");
-    job.finish(true);
+    finish(job, true);
 }

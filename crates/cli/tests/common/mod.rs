@@ -4,8 +4,13 @@
 //!   events that roles print with `--events`) is read on a background thread into a
 //!   channel, so every read has a timeout; its stderr goes to a log file in a scratch
 //!   directory, kept (and its path printed) only if the test panics.
-//! - [`start_scheduler`], [`start_server`], [`start_server_on`], [`start_worker`]: the roles,
-//!   each started with `--events`.
+//! - [`start_scheduler`], [`start_scheduler_at`], [`start_server`], [`start_server_on`],
+//!   [`start_worker`]: the roles, each started with `--events`.
+//! - [`cluster`]: a job's flags, typed ([`cluster::JobSpec`]), a scheduler with its servers,
+//!   and workers in process that joined it.
+//! - [`models`]: the tests' small models and integer gradients, and the values SGD gives.
+//! - [`tiny`]: a tiny job with a cluster secret and a well-behaved worker whose every pull
+//!   is checked, for the tests that attack or garble its nodes.
 //! - [`tokio_rt`]: a runtime for tests that drive `elasticps_runtime::client::Client` in
 //!   process.
 //! - Raw frames over `std::net::TcpStream` ([`connect_raw`], [`write_frame`],
@@ -18,10 +23,14 @@
 
 #![allow(dead_code)]
 
+pub mod cluster;
+pub mod models;
+pub mod tiny;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -67,6 +76,59 @@ pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> 
     }
 }
 
+/// `elasticps ARGS...` with stdin closed, stdout and stderr piped, and no `ELASTICPS_*`
+/// variable of the test environment, so that the command line alone configures it.
+pub fn bin_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("ELASTICPS_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+/// Runs `cmd` (with stdout and stderr piped) to its end, at most `limit`: its status,
+/// stdout and stderr. Past `limit` it is killed, and the test fails with what it printed.
+pub fn run_to_end(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
+    let status = wait_timeout(&mut child, limit);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let (stdout, stderr) = (read_all(child.stdout.take()), read_all(child.stderr.take()));
+    let Some(status) = status else {
+        panic!("{cmd:?} did not end within {limit:?}\nstdout:\n{stdout}\nstderr:\n{stderr}");
+    };
+    Output { status, stdout: stdout.into_bytes(), stderr: stderr.into_bytes() }
+}
+
+/// Runs `elasticps ARGS` (see [`bin_command`]) to its end, at most `limit` (see
+/// [`run_to_end`]): its status, stdout and stderr.
+pub fn run_bin(args: &[&str], limit: Duration) -> (ExitStatus, String, String) {
+    let out = run_to_end(bin_command(args), limit);
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status, text(&out.stdout), text(&out.stderr))
+}
+
+/// The `report.json` a launcher (`train` or `launch` with `--report DIR`) wrote into `dir`.
+pub fn read_report(dir: &std::path::Path) -> Value {
+    let path = dir.join("report.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+/// Everything `r` gives until its end, as text (empty for `None`).
+pub fn read_all(r: Option<impl Read>) -> String {
+    let mut s = String::new();
+    if let Some(mut r) = r {
+        let _ = r.read_to_string(&mut s);
+    }
+    s
+}
+
 /// A running `elasticps` process; killed (and reaped) when dropped.
 pub struct Proc {
     /// A name for messages ("server 1").
@@ -87,13 +149,8 @@ impl Proc {
         let dir = scratch_dir(name);
         let log = dir.join("stderr.log");
         let stderr = std::fs::File::create(&log).unwrap_or_else(|e| panic!("creating {}: {e}", log.display()));
-        let mut cmd = Command::new(BIN);
-        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr);
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("ELASTICPS_") {
-                cmd.env_remove(k);
-            }
-        }
+        let mut cmd = bin_command(args);
+        cmd.stderr(stderr);
         #[cfg(target_os = "linux")]
         {
             use std::os::unix::process::CommandExt;
@@ -158,6 +215,12 @@ impl Proc {
     /// The events named `name` read so far.
     pub fn events_named(&self, name: &str) -> Vec<&Value> {
         self.history.iter().filter(|v| event_name(v) == Some(name)).collect()
+    }
+
+    /// The `server_stats` event a server prints once, as it ends: its final counters.
+    pub fn server_stats(&self) -> &Value {
+        let stats = self.history.iter().find(|v| event_name(v) == Some("server_stats"));
+        stats.unwrap_or_else(|| panic!("{} printed no server_stats", self.name))
     }
 
     /// Reads every remaining event until stdout closes, then waits for the exit status;
@@ -258,14 +321,25 @@ pub fn event_name(v: &Value) -> Option<&str> {
 /// Starts `elasticps scheduler --listen 127.0.0.1:0 --events ARGS...` and waits (at most
 /// [`START_TIMEOUT`]) for its `listening` event; returns it with its address.
 pub fn start_scheduler(args: &[&str]) -> (Proc, String) {
-    let mut all = vec!["scheduler", "--listen", "127.0.0.1:0", "--events"];
+    start_scheduler_at("scheduler", "127.0.0.1:0", args)
+}
+
+/// Starts `elasticps scheduler --listen LISTEN --events ARGS...` as `name` and waits (at
+/// most [`START_TIMEOUT`]) for its `listening` event; returns it with its address.
+pub fn start_scheduler_at(name: &str, listen: &str, args: &[&str]) -> (Proc, String) {
+    let mut all = vec!["scheduler", "--listen", listen, "--events"];
     all.extend_from_slice(args);
-    let mut p = Proc::spawn("scheduler", &all);
+    let mut p = Proc::spawn(name, &all);
     let Some(ev) = p.wait_event("listening", START_TIMEOUT) else {
-        panic!("the scheduler did not print its address within {START_TIMEOUT:?}\n{}", p.log_tail(30));
+        panic!("{name} did not listen on {listen} within {START_TIMEOUT:?}\n{}", p.log_tail(30));
     };
     let addr = ev["addr"].as_str().unwrap_or_else(|| panic!("listening event without addr: {ev}")).to_string();
     (p, addr)
+}
+
+/// The flags as `&str`s.
+pub fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
 }
 
 /// Starts `elasticps server --scheduler SCHED --listen 127.0.0.1:0 --events EXTRA...`.
@@ -531,6 +605,13 @@ pub fn wait_for_children(child: &Child, n: usize) -> Vec<(u32, String)> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Sends `signal` (`libc::SIGKILL`, `libc::SIGINT`) to `pid`, a process the test started
+/// (a launcher, or one of its children).
+pub fn send_signal(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill(2) touches no memory; the pid is of a process this test started.
+    unsafe { libc::kill(pid as libc::pid_t, signal) };
 }
 
 /// True if `pid` is a live process (a zombie counts as dead).
