@@ -36,6 +36,15 @@ pub const REQUEST_TIMEOUT_US: u64 = 300_000_000;
 /// sends the others as answers come back.
 pub const DEFAULT_WINDOW: usize = 32;
 
+/// How long a node waits for the scheduler to answer a call (register, layout, barrier
+/// aside: those wait for the job), µs.
+pub const CALL_TIMEOUT_US: u64 = 120_000_000;
+/// How long a TCP connect (with its handshake) may take, µs.
+pub const CONNECT_TIMEOUT_US: u64 = 10_000_000;
+/// How long a started frame may go without a byte before its peer is dropped, µs
+/// (`--frame-timeout-s`).
+pub const FRAME_STALL_TIMEOUT_US: u64 = 30_000_000;
+
 /// The scheduler's heartbeat timeout for a job of `replicas` copies per block.
 pub fn heartbeat_timeout_us(replicas: u32) -> u64 {
     if replicas > 1 { FAILOVER_HEARTBEAT_TIMEOUT_US } else { HEARTBEAT_TIMEOUT_US }

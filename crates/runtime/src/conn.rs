@@ -51,7 +51,8 @@ const BUF: usize = 256 * 1024;
 const COPY_MAX: usize = 16 * 1024;
 
 /// How long a frame that began may go without a byte before its peer is dropped.
-pub const FRAME_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+pub const FRAME_STALL_TIMEOUT: std::time::Duration =
+    std::time::Duration::from_micros(elasticps_node::timing::FRAME_STALL_TIMEOUT_US);
 
 /// Reads frames from one connection.
 pub struct FrameReader {

@@ -59,9 +59,9 @@ pub const STATS_INTERVAL: Duration = Duration::from_micros(timing::WORKER_STATS_
 
 use elasticps_node::timing;
 /// How long a TCP connect may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_micros(timing::CONNECT_TIMEOUT_US);
 /// How long a control request (register, layout) may take to be answered.
-pub const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+pub const CALL_TIMEOUT: Duration = Duration::from_micros(timing::CALL_TIMEOUT_US);
 
 /// Microseconds since this value was made: the time the runtime hands to the core.
 #[derive(Clone, Copy, Debug)]
@@ -129,6 +129,9 @@ mod tests {
         assert_eq!(us(HEARTBEAT_TIMEOUT), timing::HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(FAILOVER_HEARTBEAT_TIMEOUT), timing::FAILOVER_HEARTBEAT_TIMEOUT_US);
         assert_eq!(us(STATS_INTERVAL), timing::WORKER_STATS_US);
+        assert_eq!(us(CALL_TIMEOUT), timing::CALL_TIMEOUT_US);
+        assert_eq!(us(CONNECT_TIMEOUT), timing::CONNECT_TIMEOUT_US);
+        assert_eq!(us(conn::FRAME_STALL_TIMEOUT), timing::FRAME_STALL_TIMEOUT_US);
         assert_eq!(elasticps_harness::worker::WORKER_STATS_US, us(STATS_INTERVAL));
         for replicas in [1, 2, 3] {
             let c = ClusterConfig::new(job(replicas));
