@@ -548,14 +548,11 @@ pub fn reattach_message(server: &crate::server::Server, data_addr: &str) -> Opti
 
 #[cfg(test)]
 mod tests {
-    use elasticps_core::block::ShardConfig;
     use elasticps_core::model::{Init, TensorSpec};
-    use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
-    use elasticps_core::placement::PlacementKind;
-    use elasticps_core::sync::SyncPolicy;
     use elasticps_wire::{Message, MigrationReport, ScaleRequest};
 
     use super::*;
+    use crate::scheduler::testkit::{self, recv, sent_to};
 
     /// The credential a scheduler with the empty secret issues in job 0.
     fn cred(role: PeerRole, id: u32) -> elasticps_wire::Credential {
@@ -563,42 +560,12 @@ mod tests {
     }
     use crate::scheduler::Event;
 
+    /// The shared job with plain bsp on both servers and a learning rate of 1.
     fn config() -> JobConfig {
-        JobConfig {
-            servers: 2,
-            workers: 2,
-            block_bytes: 16,
-            placement: PlacementKind::Range,
-            shard: ShardConfig {
-                sync: SyncPolicy::Bsp,
-                optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 },
-                workers: 2,
-            },
-            server_sync: Vec::new(),
-            seed: 1,
-            inject: Vec::new(),
-            balance: Default::default(),
-            max_servers: 2,
-            min_servers: 2,
-            checkpoint: None,
-            rejoin_wait_us: 0,
-            replicas: 1,
-        }
-    }
-
-    fn recv(m: &mut Scheduler, conn: ConnId, request_id: u64, c: Control) -> Vec<Action> {
-        let now_us = m.now_us;
-        m.handle(now_us, Event::Received { conn, request_id, msg: c.into() })
-    }
-
-    fn sent_to(actions: &[Action], conn: ConnId) -> Vec<&Message> {
-        actions
-            .iter()
-            .filter_map(|a| match a {
-                Action::Send { conn: c, msg, .. } if *c == conn => Some(msg),
-                _ => None,
-            })
-            .collect()
+        let mut c = testkit::config();
+        c.server_sync.clear();
+        c.shard.optimizer.lr = 1.0;
+        c
     }
 
     /// Workers on connections 1, 2; servers on 10, 11; 4 blocks of 4 values (range: 0, 1
