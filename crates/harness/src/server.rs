@@ -172,9 +172,11 @@ impl ServerRole {
                 out.wake_at(out.now_us() + a.inject.at_us, INJECT);
             }
         }
+        // As the runtime's server: a data request never moves a deadline earlier.
+        let data = matches!(&event, Event::Received { msg, .. } if msg.is_data_request());
         let mut actions = std::mem::take(&mut self.actions);
         server.handle_into(out.now_us(), event, &mut actions);
-        let next = server.poll_timeout();
+        let next = if data { None } else { server.poll_timeout() };
         self.carry_out(out, &mut actions);
         self.actions = actions;
         self.wake.arm(out, next, TIMEOUT);

@@ -457,6 +457,12 @@ impl Server {
         }
 
         let from = out.len();
+        // The drivers skip poll_timeout after a data request: it never moves a deadline
+        // earlier (checked here in debug builds).
+        let data_before = match &ev {
+            Event::Received { msg, .. } if cfg!(debug_assertions) && msg.is_data_request() => Some(self.poll_timeout()),
+            _ => None,
+        };
         match ev {
             Event::Opened { conn, key } => {
                 self.conns.insert(conn, Conn { key, proven: None });
@@ -475,6 +481,12 @@ impl Server {
             self.try_exit(now_us, out);
         }
         self.gate_replies(from, out);
+        if let (Some(before), Some(after)) = (data_before, self.poll_timeout()) {
+            debug_assert!(
+                before.is_some_and(|b| after >= b),
+                "a data request moved the server's deadline earlier: {before:?} -> {after}"
+            );
+        }
     }
 
     // ---- queries ----------------------------------------------------------------------

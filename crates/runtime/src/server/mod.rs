@@ -234,8 +234,10 @@ impl Io {
         let started = Instant::now();
         let mut actions = server.handle(self.clock.now(), ev);
         // A deadline earlier than the main loop sleeps until (a migration step's, a
-        // resync's) wakes it.
-        if let Some(at) = server.poll_timeout()
+        // resync's) wakes it. Only control events set those: a data request (the push and
+        // pull path) never moves a deadline earlier, so it skips poll_timeout's scan.
+        if !data
+            && let Some(at) = server.poll_timeout()
             && at < self.wake_us.load(Ordering::Relaxed)
         {
             self.wake_us.store(at, Ordering::Relaxed);
