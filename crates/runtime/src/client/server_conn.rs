@@ -47,14 +47,26 @@ impl ServerConn {
     ) -> Result<Self> {
         let name = format!("server {}", s.id);
         let (reader, out) = conn::connect(&s.addr, codec, name.clone()).await?;
-        let what = format!("{name} to accept Hello");
         let mut conn = ServerConn { name, serial, reader, out, pending: HashMap::new(), writes: Vec::new() };
-        match conn
-            .call(hello_id, Control::Hello { credential: credential.clone() }.into(), crate::CALL_TIMEOUT, || what)
-            .await?
-        {
-            Message::Control(Control::Ok) => Ok(conn),
-            other => Err(RuntimeError::unexpected(&conn.name, "Ok", &other)),
+        // A server the layout names may not have taken its own Welcome yet (it comes on
+        // its scheduler connection, this Hello on another): it answers `NotReady`, "say
+        // Hello again later", and the Hello is said again after the first backoff.
+        let started = std::time::Instant::now();
+        loop {
+            let hello = Control::Hello { credential: credential.clone() }.into();
+            let what = format!("{} to accept Hello", conn.name);
+            match conn.call(hello_id, hello, crate::CALL_TIMEOUT, || what).await {
+                Ok(Message::Control(Control::Ok)) => return Ok(conn),
+                Ok(other) => return Err(RuntimeError::unexpected(&conn.name, "Ok", &other)),
+                Err(RuntimeError::Remote { reply, .. })
+                    if reply.code == elasticps_wire::ErrorCode::NotReady && started.elapsed() < crate::CALL_TIMEOUT =>
+                {
+                    let backoff = Duration::from_micros(elasticps_node::timing::FIRST_BACKOFF_US);
+                    tracing::debug!(server = %conn.name, "server not registered yet; saying Hello again");
+                    tokio::time::sleep(backoff).await;
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
 
