@@ -63,6 +63,10 @@ pub struct RateEstimate {
     pub bps: f64,
     /// How much to trust `bps`, from 0 (nothing) to 1 (see the module doc).
     pub confidence: f64,
+    /// Relative standard error of `bps`, the weighted mean: `cv / sqrt(n_eff)`, from the
+    /// samples' own spread only (no prior, unlike `confidence`; 0 for one sample or
+    /// samples that agree). The balancer's rank rule takes a rate as `bps * (1 -+ rse)`.
+    pub rse: f64,
     /// Number of samples ever observed for this server.
     pub samples: u64,
     /// Microseconds since the latest sample.
@@ -132,7 +136,15 @@ impl LoadModel {
         } else {
             0.0
         };
-        Some(RateEstimate { bps: s.mean, confidence, samples: s.samples, age_us: now_us.saturating_sub(s.last_us) })
+        let rse = if n_eff > 0.0 { (cv2 / n_eff).sqrt() } else { f64::INFINITY };
+        let rse = if rse.is_finite() { rse } else { 1.0 };
+        Some(RateEstimate {
+            bps: s.mean,
+            confidence,
+            rse,
+            samples: s.samples,
+            age_us: now_us.saturating_sub(s.last_us),
+        })
     }
 
     /// bytes/s of every server that has an estimate.

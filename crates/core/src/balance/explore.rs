@@ -1,8 +1,10 @@
 //! Rule 9, **explore**: a server whose estimate is uncertain (none, low confidence, stale,
 //! or too few bytes to say much) gets the smallest block of the server with the largest
-//! service time, so that fresh samples come in; probes of one server back off. Post-
-//! condition ([`probed`]): one move of a non-empty block, from its owner, onto the
-//! uncertain server.
+//! service time, so that fresh samples come in, if the source stays measurable (keeps
+//! [`FEW_BYTES`] of the mean); probes of one server back off. A probe is
+//! the one move exempt from the rank rule ([`Loads::ranks_above`]): it goes where the
+//! model has no trustworthy rank, to get one. Post-condition ([`probed`]): one move of a
+//! non-empty block, from its owner, onto the uncertain server.
 
 use super::loads::{Loads, moved, size_of};
 use super::{
@@ -47,6 +49,12 @@ impl Balancer {
             else {
                 continue;
             };
+            // The source must stay measurable: a probe that leaves it with too few bytes
+            // makes it the next uncertain server, and two servers would probe each other
+            // with one block for ever (found by the no-straggler proptest).
+            if ((loads.bytes[src] - size_of(view.sizes, block)) as f64) < FEW_BYTES * mean_bytes {
+                continue;
+            }
             let interval = probe.map_or(PROBE_INTERVAL_US, |p| p.interval_us);
             self.probes.insert(
                 id,

@@ -1,6 +1,7 @@
 //! What every rule reads: the bytes and rates of the servers under consideration
-//! ([`Loads`]), the greedy best fit that [`super::rebalance`] and [`super::fill`] share,
-//! and the post-condition every plan of moves must meet ([`moved`]).
+//! ([`Loads`]), the rank rule every move obeys ([`Loads::ranks_above`]), the greedy best
+//! fit that [`super::rebalance`] and [`super::fill`] share, and the post-conditions every
+//! plan of moves must meet ([`moved`], [`each_ranks_above`]).
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet};
@@ -12,6 +13,14 @@ use crate::stats::median;
 
 /// Relative tolerance of "strictly lower" comparisons of service times.
 pub(super) const EPS: f64 = 1e-9;
+
+/// Standard errors between a rate's pessimistic and optimistic ends in the rank rule
+/// ([`Loads::with_spread`]): two rates closer than this are not told apart.
+pub const RANK_Z: f64 = 3.0;
+
+/// Largest relative spread [`Loads::with_spread`] gives a rate: a server known this
+/// badly is taken at a tenth of its rate when it would receive.
+pub(super) const MAX_SPREAD: f64 = 0.9;
 
 /// Estimated seconds per iteration of each server in `servers`: sum of the bytes of its
 /// blocks / its rate. A server without an estimate gets the median rate of the others
@@ -33,6 +42,11 @@ pub(super) struct Loads {
     pub(super) ids: Vec<ServerId>,
     /// Rate of each (bytes/s; a server without an estimate gets the median of the others).
     pub(super) rate: Vec<f64>,
+    /// The rate, pessimistic: lowered by the estimate's relative standard error
+    /// ([`Loads::with_spread`]); `rate` itself without one.
+    pub(super) lo: Vec<f64>,
+    /// The rate, optimistic: raised by the relative standard error.
+    pub(super) hi: Vec<f64>,
     /// Bytes each owns.
     pub(super) bytes: Vec<u64>,
 }
@@ -51,14 +65,41 @@ impl Loads {
         let valid = |s: &ServerId| rates.get(s).copied().filter(|r| r.is_finite() && *r > 0.0);
         let known: Vec<f64> = ids.iter().filter_map(valid).collect();
         let fallback = median(&known).unwrap_or(1.0);
-        let rate = ids.iter().map(|s| valid(s).unwrap_or(fallback)).collect();
+        let rate: Vec<f64> = ids.iter().map(|s| valid(s).unwrap_or(fallback)).collect();
         let mut bytes = vec![0u64; ids.len()];
         for (block, owner) in placement.owners.iter().enumerate() {
             if let Ok(i) = ids.binary_search(owner) {
                 bytes[i] = bytes[i].saturating_add(sizes.get(block).copied().unwrap_or(0));
             }
         }
-        Self { ids, rate, bytes }
+        Self { ids, lo: rate.clone(), hi: rate.clone(), rate, bytes }
+    }
+
+    /// The same loads with each rate's uncertainty: `rse[server]`, the relative standard
+    /// error of its estimate, widens the rate to `rate * (1 -+ RANK_Z * rse)` (the spread
+    /// clamped to `[0, MAX_SPREAD]`) for [`Loads::ranks_above`]. A server without an entry (no
+    /// estimate: it runs at the median, see [`service_times`]) keeps its point rate.
+    pub(super) fn with_spread(mut self, rse: &BTreeMap<ServerId, f64>) -> Self {
+        for (i, id) in self.ids.iter().enumerate() {
+            if let Some(&e) = rse.get(id).filter(|e| e.is_finite()) {
+                let e = (RANK_Z * e).clamp(0.0, MAX_SPREAD);
+                self.lo[i] = self.rate[i] * (1.0 - e);
+                self.hi[i] = self.rate[i] * (1.0 + e);
+            }
+        }
+        self
+    }
+
+    /// **The rank rule** (no thrash): the model ranks server `dst` above server `src` for a
+    /// block of `size` bytes when `dst`, holding that block too, would finish its
+    /// iteration before `src` does now, even with `dst`'s rate at the pessimistic end of
+    /// its estimate and `src`'s at the optimistic end. No rule moves a block onto a server
+    /// ranked at or below its source (only a drain, which must empty a leaving server,
+    /// does); a move that noise alone could justify is not made.
+    pub(super) fn ranks_above(&self, src: usize, dst: usize, size: u64) -> bool {
+        let to = self.bytes[dst].saturating_add(size) as f64 / self.lo[dst];
+        let from = self.bytes[src] as f64 / self.hi[src];
+        to < from * (1.0 - EPS)
     }
 
     /// Index of `server`, if it is under consideration.
@@ -105,8 +146,10 @@ impl Loads {
     }
 }
 
-/// The greedy of [`rebalance`] and [`fill`]: moves off the max server while a move lowers
-/// `max(T_from, T_to)` below the current `T_from`; `only_to` restricts the destination.
+/// The greedy of [`rebalance`] and [`fill`]: moves off the max server, onto servers the
+/// model ranks above it ([`Loads::ranks_above`]; with point rates that is a move that
+/// lowers `max(T_from, T_to)` below the current `T_from`), the move with the smallest
+/// pair max first; `only_to` restricts the destination.
 pub(super) fn greedy(
     loads: &mut Loads,
     owned: &mut [BTreeMap<u64, BTreeSet<BlockId>>],
@@ -135,11 +178,11 @@ pub(super) fn greedy(
             let Some(&block) = set.first() else { continue };
             let t_from = (loads.bytes[src] - size) as f64 / loads.rate[src];
             for dst in (0..n).filter(|&d| d != src && only_to.is_none_or(|o| o == d)) {
-                let t_to = loads.time_with(dst, size);
-                let pair = t_from.max(t_to);
-                if pair >= t_src * (1.0 - EPS) {
+                if !loads.ranks_above(src, dst, size) {
                     continue;
                 }
+                let t_to = loads.time_with(dst, size);
+                let pair = t_from.max(t_to);
                 let candidate = (pair, t_to, block, dst, size);
                 if best.is_none_or(|b| better(&candidate, &b)) {
                     best = Some(candidate);
@@ -159,6 +202,32 @@ pub(super) fn greedy(
         moves.push(Move { block, from: loads.ids[src], to: loads.ids[dst] });
     }
     moves
+}
+
+/// The post-condition of the rank rule: replayed in order from `loads` (the loads before
+/// the plan), each move goes onto a server the model ranks above its source at that
+/// point ([`Loads::ranks_above`]).
+pub(super) fn each_ranks_above(loads: &Loads, sizes: &[u64], moves: &[Move]) -> Result<(), String> {
+    let mut now = loads.clone();
+    for m in moves {
+        let (Some(src), Some(dst)) = (now.index(m.from), now.index(m.to)) else {
+            return Err(format!("{m:?}: a server outside the loads"));
+        };
+        let size = size_of(sizes, m.block);
+        if !now.ranks_above(src, dst, size) {
+            return Err(format!(
+                "{m:?}: server {} with the block ({:.6} s at its pessimistic rate) does not finish before \
+                 server {} ({:.6} s at its optimistic rate)",
+                m.to,
+                now.bytes[dst].saturating_add(size) as f64 / now.lo[dst],
+                m.from,
+                now.bytes[src] as f64 / now.hi[src]
+            ));
+        }
+        now.bytes[src] = now.bytes[src].saturating_sub(size);
+        now.bytes[dst] = now.bytes[dst].saturating_add(size);
+    }
+    Ok(())
 }
 
 /// Bytes of `block` (0 if `sizes` does not have it).

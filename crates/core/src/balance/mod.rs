@@ -96,7 +96,7 @@ mod tests;
 
 pub use exploit::{rebalance, stragglers};
 use loads::Loads;
-pub use loads::service_times;
+pub use loads::{RANK_Z, service_times};
 pub use scale_in::drain;
 pub use scale_out::fill;
 
@@ -122,6 +122,8 @@ pub const REVERT_HOLDOFF_US: u64 = 60_000_000;
 pub const MAX_HOLDOFF_DOUBLINGS: u32 = 4;
 /// Iteration times of a scale-out trial count from this long after the fill finished.
 pub const TRIAL_SETTLE_US: u64 = 2_000_000;
+/// The budget of one round grows by `budget_bytes` per this many servers ([`BalanceParams::budget`]).
+pub const BUDGET_SERVERS: usize = 16;
 /// Number of recent iteration times averaged into the baseline of a scale-out.
 pub const BASELINE_STEPS: usize = 10;
 
@@ -132,7 +134,8 @@ pub struct BalanceParams {
     pub threshold: f64,
     /// Act only if the predicted max service time drops by this fraction; default 0.1.
     pub min_gain: f64,
-    /// Bytes moved per round at most; default 64 MiB.
+    /// Bytes moved per round at most, per [`BUDGET_SERVERS`] servers (a cluster of 100
+    /// servers moves 7 times as much per round as one of 16); default 64 MiB.
     pub budget_bytes: u64,
     /// The predicted gain over this many iterations must beat the migration cost; default 50.
     pub horizon_iters: f64,
@@ -151,6 +154,14 @@ pub struct BalanceParams {
 }
 
 impl BalanceParams {
+    /// Bytes one round may move in a cluster of `servers` servers: `budget_bytes` per
+    /// started [`BUDGET_SERVERS`] servers, so the stragglers of a large cluster are
+    /// relieved in as many rounds as those of a small one.
+    pub fn budget(&self, servers: usize) -> u64 {
+        let shares = servers.div_ceil(BUDGET_SERVERS).max(1) as u64;
+        self.budget_bytes.saturating_mul(shares)
+    }
+
     /// The defaults, for a job of `min_servers..=max_servers` servers.
     pub fn new(min_servers: u32, max_servers: u32) -> Self {
         Self {
@@ -354,7 +365,9 @@ impl Balancer {
         servers.sort_unstable();
         servers.dedup();
         let rates = view.load.rates(now);
-        let loads = Loads::new(view.placement, view.sizes, &servers, &rates);
+        let spread: BTreeMap<ServerId, f64> =
+            servers.iter().filter_map(|&id| view.load.estimate(id, now).map(|e| (id, e.rse))).collect();
+        let loads = Loads::new(view.placement, view.sizes, &servers, &rates).with_spread(&spread);
         self.track_idle(&loads, now);
 
         let decision = match self.phase.clone() {

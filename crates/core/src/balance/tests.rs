@@ -143,16 +143,30 @@ struct Sim {
     log: Vec<(u64, Decision)>,
     /// Blocks owned per server after each tick.
     history: Vec<(u64, BTreeMap<ServerId, usize>)>,
+    /// Every broken no-thrash rule seen in a decision ([`no_thrash_violation`]).
+    violations: Vec<String>,
 }
 
 impl Sim {
     /// `n` servers owning 24 blocks of 1 MiB round-robin.
     fn new(n: u32, min: u32, max: u32, rate: impl Fn(ServerId, u64) -> f64 + 'static) -> Self {
         let blocks = 24;
+        Self::with_blocks(n, min, max, vec![MIB; blocks], (0..blocks as u32).map(|b| b % n).collect(), rate)
+    }
+
+    /// `n` servers owning blocks of `sizes`, block `b` on server `owners[b]`.
+    fn with_blocks(
+        n: u32,
+        min: u32,
+        max: u32,
+        sizes: Vec<u64>,
+        owners: Vec<ServerId>,
+        rate: impl Fn(ServerId, u64) -> f64 + 'static,
+    ) -> Self {
         Sim {
             now: 0,
-            sizes: vec![MIB; blocks],
-            placement: Placement::new(1, (0..blocks as u32).map(|b| b % n).collect()),
+            sizes,
+            placement: Placement::new(1, owners),
             servers: (0..n).collect(),
             rate: Box::new(rate),
             noise: 0.1,
@@ -168,6 +182,7 @@ impl Sim {
             no_iter: false,
             log: Vec::new(),
             history: Vec::new(),
+            violations: Vec::new(),
         }
     }
 
@@ -222,7 +237,20 @@ impl Sim {
         }
         for d in decisions {
             match &d {
-                Decision::Migrate { moves, .. } => {
+                Decision::Migrate { moves, why } => {
+                    let params = *self.balancer.params();
+                    if let Some(v) = no_thrash_violation(
+                        &self.load,
+                        now,
+                        &self.placement,
+                        &self.sizes,
+                        &self.servers,
+                        &params,
+                        moves,
+                        why,
+                    ) {
+                        self.violations.push(format!("at {now} us: {v}"));
+                    }
                     let mut seen = BTreeSet::new();
                     for m in moves {
                         assert!(seen.insert(m.block), "block {} moved twice in {moves:?}", m.block);
@@ -271,6 +299,66 @@ impl Sim {
             })
             .collect()
     }
+}
+
+/// The no-thrash rules (item 4 of issue 20), checked from the load model itself, not
+/// through the balancer's own code: `None` if `moves`, decided at `now`, keep them.
+///
+/// - **Never onto a server ranked at or below the source** (probes aside: they go where
+///   the model has no rank yet). Replayed in order, each move's destination, holding the
+///   block, finishes its iteration before the source does without giving it, with the
+///   destination's rate at the pessimistic end of its estimate and the source's at the
+///   optimistic end (rate x (1 -+ RANK_Z rse), at most 0.9 off; a server without an
+///   estimate runs at the median rate).
+/// - **Only when it pays.** A move that is not a probe lowers the max service time by
+///   `min_gain` or more, and that gain over `horizon_iters` iterations beats the cost,
+///   the bytes over the slower of the two rates.
+#[allow(clippy::too_many_arguments)]
+fn no_thrash_violation(
+    load: &LoadModel,
+    now: u64,
+    placement: &Placement,
+    sizes: &[u64],
+    servers: &[ServerId],
+    params: &BalanceParams,
+    moves: &[Move],
+    why: &str,
+) -> Option<String> {
+    let known: Vec<f64> = servers.iter().filter_map(|&s| load.estimate(s, now)).map(|e| e.bps).collect();
+    let median_rate = crate::stats::median(&known).unwrap_or(1.0);
+    let rate = |s: ServerId| load.estimate(s, now).map_or(median_rate, |e| e.bps);
+    let spread = |s: ServerId| load.estimate(s, now).map_or(0.0, |e| (RANK_Z * e.rse).clamp(0.0, 0.9));
+    let mut bytes: BTreeMap<ServerId, u64> = servers.iter().map(|&s| (s, 0)).collect();
+    for (b, o) in placement.owners.iter().enumerate() {
+        if let Some(v) = bytes.get_mut(o) {
+            *v += sizes[b];
+        }
+    }
+    let max_time =
+        |bytes: &BTreeMap<ServerId, u64>| bytes.iter().map(|(&s, &b)| b as f64 / rate(s)).fold(0.0, f64::max);
+    let before = max_time(&bytes);
+    let mut cost = 0.0;
+    for m in moves {
+        let size = sizes[m.block as usize];
+        let to = (bytes[&m.to] + size) as f64 / (rate(m.to) * (1.0 - spread(m.to)));
+        let from = bytes[&m.from] as f64 / (rate(m.from) * (1.0 + spread(m.from)));
+        if to >= from && !why.starts_with("probe") {
+            return Some(format!(
+                "{m:?} ({why}) goes onto a server ranked at or below its source: {to:.6} s >= {from:.6} s"
+            ));
+        }
+        cost += size as f64 / rate(m.from).min(rate(m.to));
+        *bytes.get_mut(&m.from)? -= size;
+        *bytes.get_mut(&m.to)? += size;
+    }
+    let after = max_time(&bytes);
+    let gain = before - after;
+    if !why.starts_with("probe")
+        && (gain < params.min_gain * before * (1.0 - 1e-9) || gain * params.horizon_iters <= cost)
+    {
+        return Some(format!("{moves:?} ({why}) does not pay: max {before:.6} s -> {after:.6} s, cost {cost:.6} s"));
+    }
+    None
 }
 
 fn base(rate: f64) -> impl Fn(ServerId, u64) -> f64 {
@@ -567,7 +655,73 @@ mod proptests {
         Ok(after)
     }
 
+    /// A job for the control loop: `n` servers, blocks (size, owner index), each server's
+    /// true rate, sample noise, workers reporting, the noise's seed.
+    type Job = (u32, Vec<(u64, usize)>, Vec<f64>, f64, u32, u64);
+
+    fn job(rates: impl Strategy<Value = Vec<f64>>) -> impl Strategy<Value = Job> {
+        (
+            2u32..9,
+            proptest::collection::vec((1u64..4 * MIB, 0usize..8), 1..40),
+            rates,
+            0.0f64..0.3,
+            1u32..5,
+            any::<u64>(),
+        )
+    }
+
+    /// The blocks' owners best fit (largest block first onto the server with the fewest
+    /// bytes), as `--placement bestfit` places them.
+    fn best_fit(n: u32, sizes: &[u64]) -> Vec<ServerId> {
+        let mut order: Vec<usize> = (0..sizes.len()).collect();
+        order.sort_by_key(|&b| std::cmp::Reverse(sizes[b]));
+        let mut bytes = vec![0u64; n as usize];
+        let mut owners = vec![0; sizes.len()];
+        for b in order {
+            let s = (0..n as usize).min_by_key(|&s| (bytes[s], s)).unwrap_or(0);
+            bytes[s] += sizes[b];
+            owners[b] = s as ServerId;
+        }
+        owners
+    }
+
+    fn run(job: &Job, owners: Option<Vec<ServerId>>, seconds: u64) -> Sim {
+        let (n, blocks, rates, noise, workers, seed) = job.clone();
+        let sizes: Vec<u64> = blocks.iter().map(|&(size, _)| size).collect();
+        let owners = owners.unwrap_or_else(|| blocks.iter().map(|&(_, o)| (o as u32) % n).collect());
+        let truth = move |s: ServerId, _| rates[s as usize % rates.len()] * MB;
+        let mut sim = Sim::with_blocks(n, n, n, sizes, owners, truth);
+        (sim.noise, sim.workers, sim.rng) = (noise, workers, StdRng::seed_from_u64(seed));
+        sim.run_until(seconds * S);
+        sim
+    }
+
     proptest! {
+        /// Item 4 of issue 20 on any cluster, any placement, any rates and noise: every
+        /// move goes onto a server the model ranks above its source, and every move that
+        /// is not a probe pays for itself ([`no_thrash_violation`]).
+        #[test]
+        fn the_balancer_moves_only_onto_better_ranked_servers_and_only_when_it_pays(
+            job in job(proptest::collection::vec(10.0f64..200.0, 8)),
+        ) {
+            let sim = run(&job, None, 90);
+            prop_assert!(sim.violations.is_empty(), "{:?}\nlog: {:?}", sim.violations, sim.log);
+        }
+
+        /// A job with no straggler (every server as fast, noisy samples, the blocks
+        /// placed best fit) gets at most 2 moves in 5 minutes.
+        #[test]
+        fn a_job_without_a_straggler_gets_at_most_two_moves(
+            job in job(Just(vec![100.0])),
+        ) {
+            let (n, blocks) = (job.0, &job.1);
+            let sizes: Vec<u64> = blocks.iter().map(|&(size, _)| size).collect();
+            let sim = run(&job, Some(best_fit(n, &sizes)), 300);
+            let moves: usize = sim.migrations().iter().map(|(_, m, _)| m.len()).sum();
+            prop_assert!(moves <= 2, "{} moves: {:?}", moves, sim.log);
+            prop_assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+        }
+
         #[test]
         fn rebalance_keeps_owners_valid_and_never_raises_the_max(
             (servers, p, sizes, rates) in cluster(),
