@@ -12,12 +12,14 @@
 //! 2. **balancer**: the time of one [`Balancer::step`] and one [`rebalance`] at that size
 //!    (ResNet-50's blocks of 4 MiB, best-fit over 100 servers, 5 of them 4x slower in the
 //!    load model), the median of 20 calls. Target (reported): <= 10 ms.
-//! 3. **psld**: 100 servers, 5 of them capped at a quarter of the sim's link, 100
-//!    workers, `--balance static` against `psld` (no scale-out): iterations/s, over the
-//!    whole run and over each worker's second half (after the balancer settled), and the
-//!    migrations. (At 200 workers the psld job fails in the sim: a capped server's
-//!    heartbeat waits behind its data on the FIFO link for more than 10 s and the
-//!    scheduler declares it gone.)
+//! 3. **psld**: 100 workers x 100 servers, 5 of them capped at a quarter of the sim's
+//!    link (and, full form, 1,000 workers x 200 servers with 10 capped), four runs each:
+//!    `--balance static`, `psld` (no scale-out), the same job with no server capped
+//!    (the ceiling), and psld with no server capped (does it leave a healthy job
+//!    alone?). Iterations/s over the whole run, over each worker's second half (after the
+//!    balancer settled), and in each tenth of the run (how long psld takes to converge);
+//!    the migrations. The check (fails the command, in `--quick` too): psld >= 2x static
+//!    over the whole run at 100 servers.
 //! 4. **policies**: bsp, ssp:3, lazy:3 and pssp:3:0.5 on `bench sync`'s job
 //!    (`synthetic:resnet56`, 20 ms compute, ranks 0 and 4 delayed by N(50 ms, 10 ms)) from
 //!    8 to 1,000 workers on 16 servers: iterations/s, delayed pulls, each policy's ratio
@@ -43,7 +45,7 @@ use elasticps_core::optimizer::OptimizerKind;
 use elasticps_core::placement::{Placement, PlacementKind, ServerId};
 use elasticps_core::stats::{median, ratio};
 use elasticps_launch::args::{DataArgs, JobArgs, NetArgs, StragglerSpec};
-use elasticps_report::analytics::{mean_iter_ms, mean_rate as worker_rate, second_half_rate};
+use elasticps_report::analytics::{mean_iter_ms, mean_rate as worker_rate, rate_by_window, second_half_rate};
 use elasticps_report::table::markdown_table;
 use elasticps_sim::SimArgs;
 use elasticps_train::ModelKind;
@@ -86,8 +88,8 @@ pub enum Part {
 /// `elasticps bench sim`.
 #[derive(Args, Clone, Debug)]
 pub struct SimBenchCmd {
-    /// A short run for CI: 100 workers x 10 servers for the scale row, 20 servers for the
-    /// psld rows, 8 and 64 workers for the policies, fewer iterations everywhere.
+    /// A short run for CI: 100 workers x 10 servers for the scale row, only the 100-server
+    /// psld job, 8 and 64 workers for the policies, fewer iterations everywhere.
     #[arg(long)]
     pub quick: bool,
     /// The parts to run, comma-separated (default: all). Checks and targets of a part not
@@ -113,10 +115,7 @@ struct Plan {
     balancer_servers: u32,
     balancer_stragglers: u32,
     balancer_calls: usize,
-    psld_servers: u32,
-    psld_stragglers: u32,
-    psld_workers: u32,
-    psld_iterations: u32,
+    psld_jobs: Vec<PsldJob>,
     policy_workers: Vec<u32>,
     policy_servers: u32,
     policy_iterations: u32,
@@ -136,10 +135,7 @@ impl Plan {
             balancer_servers: 100,
             balancer_stragglers: 5,
             balancer_calls: 20,
-            psld_servers: if q { 20 } else { 100 },
-            psld_stragglers: if q { 2 } else { 5 },
-            psld_workers: if q { 40 } else { 100 },
-            psld_iterations: if q { 30 } else { 40 },
+            psld_jobs: if q { vec![PSLD_CHECKED] } else { vec![PSLD_CHECKED, PSLD_LARGE] },
             policy_workers: if q { vec![8, 64] } else { vec![8, 64, 256, 1000] },
             policy_servers: 16,
             policy_iterations: if q { 10 } else { 30 },
@@ -158,15 +154,24 @@ impl Plan {
         spec
     }
 
-    /// Part 3's job under `balance` (`static` or `psld`).
-    fn psld_spec(&self, balance: BalanceMode) -> TrainSpec {
-        let mut spec = job_spec(self.psld_workers, self.psld_servers, Profile::ResNet50, self.psld_iterations);
+    /// Part 3's `job` as `run` runs it.
+    fn psld_spec(&self, job: PsldJob, run: PsldRun) -> TrainSpec {
+        let mut spec = job_spec(job.workers, job.servers, Profile::ResNet50, job.iterations);
         let link = sim_defaults().link_mbps;
-        let caps = straggler_ids(self.psld_servers, self.psld_stragglers).iter().map(|i| (*i, link / 4.0)).collect();
+        let capped = matches!(run, PsldRun::Static | PsldRun::Psld);
+        let caps = if capped {
+            straggler_ids(job.servers, job.stragglers).iter().map(|i| (*i, link / 4.0)).collect()
+        } else {
+            Vec::new()
+        };
+        let balance = match run {
+            PsldRun::Static | PsldRun::Ceiling => BalanceMode::Static,
+            PsldRun::Psld | PsldRun::Healthy => BalanceMode::Psld,
+        };
         spec.job = JobArgs {
             balance,
-            max_servers: Some(self.psld_servers),
-            min_servers: Some(self.psld_servers),
+            max_servers: Some(job.servers),
+            min_servers: Some(job.servers),
             server_bandwidth: caps,
             ..spec.job
         };
@@ -202,6 +207,81 @@ impl Plan {
         }
         jobs
     }
+}
+
+/// One job of part 3: workers x servers, `stragglers` of them capped at a quarter of the
+/// sim's link ([`straggler_ids`]), iterations per worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PsldJob {
+    /// Workers.
+    pub workers: u32,
+    /// Servers (no scale-out or in: `--min-servers` and `--max-servers` are this).
+    pub servers: u32,
+    /// Capped servers.
+    pub stragglers: u32,
+    /// Iterations per worker.
+    pub iterations: u32,
+}
+
+/// The job of part 3 that `--quick` runs and the check reads.
+pub const PSLD_CHECKED: PsldJob = PsldJob { workers: 100, servers: 100, stragglers: 5, iterations: 40 };
+/// The full form's second job of part 3 (issue 20's 1,000 x 200).
+pub const PSLD_LARGE: PsldJob = PsldJob { workers: 1000, servers: 200, stragglers: 10, iterations: 30 };
+/// The check of part 3: psld's iterations/s over the whole run >= this x static's.
+pub const PSLD_CHECK: f64 = 2.0;
+/// Targets of part 3 (reported): psld >= this x static over the whole run...
+pub const PSLD_TARGET: f64 = 3.0;
+/// ... psld's second half >= this share of the ceiling's ...
+pub const PSLD_CEILING_SHARE: f64 = 0.85;
+/// ... and with no straggler psld within this fraction of static, with at most
+/// [`HEALTHY_MOVES`] migrations.
+pub const HEALTHY_TOLERANCE: f64 = 0.02;
+/// See [`HEALTHY_TOLERANCE`].
+pub const HEALTHY_MOVES: usize = 2;
+
+/// The four runs of a part-3 job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PsldRun {
+    /// Capped servers, `--balance static`.
+    Static,
+    /// Capped servers, `--balance psld`.
+    Psld,
+    /// No server capped, static: what psld could reach at best.
+    Ceiling,
+    /// No server capped, psld: it should change nothing.
+    Healthy,
+}
+
+impl PsldRun {
+    /// Every run, in table order.
+    pub const ALL: [PsldRun; 4] = [PsldRun::Static, PsldRun::Psld, PsldRun::Ceiling, PsldRun::Healthy];
+
+    /// The row's label.
+    pub fn label(self) -> &'static str {
+        match self {
+            PsldRun::Static => "static",
+            PsldRun::Psld => "psld",
+            PsldRun::Ceiling => "no straggler (ceiling)",
+            PsldRun::Healthy => "psld, no straggler",
+        }
+    }
+}
+
+/// One run of part 3.
+#[derive(Clone, Debug, Serialize)]
+pub struct PsldRow {
+    /// The job.
+    pub job: PsldJob,
+    /// Which of its runs.
+    pub run: PsldRun,
+    /// What it measured.
+    pub sim: SimRun,
+}
+
+/// The row of `job`'s `run` in `rows`.
+fn psld_row(rows: &[PsldRow], job: PsldJob, run: PsldRun) -> Option<&SimRun> {
+    rows.iter().find(|r| r.job == job && r.run == run).map(|r| &r.sim)
 }
 
 /// Workers of the checked cross-check (see [`cross_check`] for why 2 and not 4).
@@ -278,6 +358,8 @@ pub struct SimRun {
     pub migrations: usize,
     /// Bytes those migrations moved (nominal).
     pub moved_bytes: u64,
+    /// Iterations/s in each tenth of the run (virtual time).
+    pub by_tenth: Vec<f64>,
 }
 
 impl SimRun {
@@ -315,6 +397,7 @@ async fn simulate(spec: &TrainSpec) -> Result<SimRun> {
         pulls_held: report.servers.iter().map(|s| s.pulls_held).sum(),
         migrations: balance.map_or(0, |b| b.migrations.len()),
         moved_bytes: balance.map_or(0, |b| b.migrations.iter().map(|m| m.bytes).sum()),
+        by_tenth: rate_by_window(&report, 10),
         flags: spec.flags(),
     })
 }
@@ -537,7 +620,7 @@ pub struct Body {
     /// The same without (`--no-fuse`), to compare.
     scale_unfused: Option<SimRun>,
     balancer: Option<BalancerTiming>,
-    psld: Vec<(String, SimRun)>,
+    psld: Vec<PsldRow>,
     policies: Vec<PolicyRun>,
     cross: Vec<CrossCheck>,
 }
@@ -593,12 +676,17 @@ impl Bench for SimBench {
         }
         let mut psld = Vec::new();
         if plan.runs(Part::Psld) {
-            for mode in [BalanceMode::Static, BalanceMode::Psld] {
-                let spec = plan.psld_spec(mode);
-                step(&mode.to_string(), &spec);
-                let r = simulate(&spec).await.with_context(|| format!("the {mode} run"))?;
-                eprintln!("  {:.1} s wall: {:.1} it/s, {} migrations", r.wall_s, r.iters_per_s, r.migrations);
-                psld.push((mode.to_string(), r));
+            for &job in &plan.psld_jobs {
+                for run in PsldRun::ALL {
+                    let spec = plan.psld_spec(job, run);
+                    step(run.label(), &spec);
+                    let r = simulate(&spec).await.with_context(|| format!("the {} run", run.label()))?;
+                    eprintln!(
+                        "  {:.1} s wall: {:.1} it/s, 2nd half {:.1}, {} migrations",
+                        r.wall_s, r.iters_per_s, r.second_half_rate, r.migrations
+                    );
+                    psld.push(PsldRow { job, run, sim: r });
+                }
             }
         }
         let mut policies = Vec::new();
@@ -648,7 +736,23 @@ impl Bench for SimBench {
 
 fn checks(out: &Body) -> Vec<Check> {
     let c = out.cross.iter().find(|c| c.checked);
-    vec![Check {
+    let job = PSLD_CHECKED;
+    let stat = psld_row(&out.psld, job, PsldRun::Static);
+    let psld = psld_row(&out.psld, job, PsldRun::Psld);
+    let psld_check = Check {
+        what: format!(
+            "psld at {} workers x {} servers ({} capped): iterations/s over the whole run >= {PSLD_CHECK:.1}x static",
+            job.workers, job.servers, job.stragglers
+        ),
+        measured: match (stat, psld) {
+            (Some(s), Some(p)) => {
+                format!("{} ({:.1} vs {:.1} it/s)", ratio(p.iters_per_s, s.iters_per_s), p.iters_per_s, s.iters_per_s)
+            }
+            _ => "not run".into(),
+        },
+        pass: stat.zip(psld).map(|(s, p)| p.iters_per_s >= PSLD_CHECK * s.iters_per_s),
+    };
+    let cross = Check {
         what: format!(
             "cross-check at {CROSS_WORKERS} workers: the sim's iterations/s within {:.0}% of the real processes' \
              (sim / real in [{:.2}, {:.2}])",
@@ -660,13 +764,49 @@ fn checks(out: &Body) -> Vec<Check> {
             format!("{:.3} ({:.3} vs {:.3} it/s)", c.ratio(), c.sim.worker_rate, c.real.worker_rate)
         }),
         pass: c.map(|c| within_tolerance(c.ratio())),
-    }]
+    };
+    vec![cross, psld_check]
+}
+
+/// The targets of part 3, per job run.
+fn psld_targets(out: &Body) -> Vec<Target> {
+    let mut targets = Vec::new();
+    for &job in &out.plan.psld_jobs {
+        let row = |run| psld_row(&out.psld, job, run);
+        let (Some(stat), Some(psld), Some(ceiling), Some(healthy)) =
+            (row(PsldRun::Static), row(PsldRun::Psld), row(PsldRun::Ceiling), row(PsldRun::Healthy))
+        else {
+            continue;
+        };
+        let size = format!("{} x {} ({} capped)", job.workers, job.servers, job.stragglers);
+        targets.push(Target {
+            what: format!("{size}: psld >= {PSLD_TARGET:.0}x static over the whole run"),
+            measured: ratio(psld.iters_per_s, stat.iters_per_s),
+            met: Some(psld.iters_per_s >= PSLD_TARGET * stat.iters_per_s),
+        });
+        let share = psld.second_half_rate / ceiling.second_half_rate;
+        targets.push(Target {
+            what: format!("{size}: psld's second half >= {:.0}% of the no-straggler run's", PSLD_CEILING_SHARE * 100.0),
+            measured: format!("{:.0}%", share * 100.0),
+            met: Some(share >= PSLD_CEILING_SHARE),
+        });
+        let off = (healthy.iters_per_s / ceiling.iters_per_s - 1.0).abs();
+        targets.push(Target {
+            what: format!(
+                "{size} with no straggler: psld within {:.0}% of static, at most {HEALTHY_MOVES} migrations",
+                HEALTHY_TOLERANCE * 100.0
+            ),
+            measured: format!("{}, {} migrations", ratio(healthy.iters_per_s, ceiling.iters_per_s), healthy.migrations),
+            met: Some(off <= HEALTHY_TOLERANCE && healthy.migrations <= HEALTHY_MOVES),
+        });
+    }
+    targets
 }
 
 fn targets(out: &Body) -> Vec<Target> {
     let scale = out.scale.as_ref();
     let b = out.balancer.as_ref();
-    vec![
+    let mut targets = vec![
         Target {
             what: format!(
                 "{} workers x {} servers, {} iterations simulated in <= {SCALE_TARGET_S:.0} s wall",
@@ -685,7 +825,69 @@ fn targets(out: &Body) -> Vec<Target> {
             }),
             met: b.map(|b| b.step_ms.max(b.rebalance_ms) <= BALANCER_TARGET_MS),
         },
-    ]
+    ];
+    targets.extend(psld_targets(out));
+    targets
+}
+
+/// The table of one part-3 job: its four runs, and psld's iterations/s over time.
+fn render_psld(rows: &[PsldRow], job: PsldJob) -> String {
+    let mut s = format!(
+        "{} workers, {} servers, servers {:?} capped at a quarter of the sim's link (except in the no-straggler \
+         runs), synthetic:resnet50, bsp, {} iterations, no scale-out (`--max-servers {}`).\n\n",
+        job.workers,
+        job.servers,
+        straggler_ids(job.servers, job.stragglers),
+        job.iterations,
+        job.servers
+    );
+    let headers = [
+        "run",
+        "it/s",
+        "vs static",
+        "it/s, 2nd half",
+        "vs static",
+        "of ceiling",
+        "migrations",
+        "MB moved",
+        "virtual s",
+        "wall s",
+    ];
+    let stat = psld_row(rows, job, PsldRun::Static);
+    let ceiling = psld_row(rows, job, PsldRun::Ceiling);
+    let table: Vec<Vec<String>> = rows
+        .iter()
+        .filter(|r| r.job == job)
+        .map(|row| {
+            let r = &row.sim;
+            vec![
+                row.run.label().to_string(),
+                format!("{:.1}", r.iters_per_s),
+                stat.map_or("-".into(), |b| ratio(r.iters_per_s, b.iters_per_s)),
+                format!("{:.1}", r.second_half_rate),
+                stat.map_or("-".into(), |b| ratio(r.second_half_rate, b.second_half_rate)),
+                ceiling.map_or("-".into(), |c| format!("{:.0}%", 100.0 * r.second_half_rate / c.second_half_rate)),
+                r.migrations.to_string(),
+                mb(r.moved_bytes),
+                format!("{:.1}", r.virtual_s),
+                format!("{:.1}", r.wall_s),
+            ]
+        })
+        .collect();
+    s.push_str(&markdown_table(&headers, &table));
+    s.push_str(
+        "\nit/s: every worker's iterations / the longest worker's training time. it/s, 2nd half: the sum over \
+         workers of 1 / mean iteration time over each worker's second half of iterations (after the balancer \
+         settled), without the last one; of ceiling: that against the no-straggler run's.\n\n",
+    );
+    for run in [PsldRun::Static, PsldRun::Psld, PsldRun::Ceiling] {
+        if let Some(r) = psld_row(rows, job, run) {
+            let tenths: Vec<String> = r.by_tenth.iter().map(|v| format!("{v:.0}")).collect();
+            s.push_str(&format!("- {} it/s by tenth of the run: {}\n", run.label(), tenths.join(", ")));
+        }
+    }
+    s.push('\n');
+    s
 }
 
 fn mb(bytes: u64) -> String {
@@ -761,50 +963,9 @@ fn render(out: &Written<Body>) -> String {
     }
     if !out.body.psld.is_empty() {
         s.push_str("### Static placement vs PSLD at scale\n\n");
-        s.push_str(&format!(
-            "{} workers, {} servers, servers {:?} capped at a quarter of the sim's link, synthetic:resnet50, \
-             bsp, {} iterations, no scale-out (`--max-servers {}`).\n\n",
-            p.psld_workers,
-            p.psld_servers,
-            straggler_ids(p.psld_servers, p.psld_stragglers),
-            p.psld_iterations,
-            p.psld_servers
-        ));
-        let headers = [
-            "balance",
-            "it/s",
-            "vs static",
-            "it/s, 2nd half",
-            "vs static",
-            "migrations",
-            "MB moved",
-            "virtual s",
-            "wall s",
-        ];
-        let stat = out.body.psld.iter().find(|(m, _)| m == "static").map(|(_, r)| r);
-        let rows: Vec<Vec<String>> = out
-            .body
-            .psld
-            .iter()
-            .map(|(mode, r)| {
-                vec![
-                    mode.clone(),
-                    format!("{:.1}", r.iters_per_s),
-                    stat.map_or("-".into(), |b| ratio(r.iters_per_s, b.iters_per_s)),
-                    format!("{:.1}", r.second_half_rate),
-                    stat.map_or("-".into(), |b| ratio(r.second_half_rate, b.second_half_rate)),
-                    r.migrations.to_string(),
-                    mb(r.moved_bytes),
-                    format!("{:.1}", r.virtual_s),
-                    format!("{:.1}", r.wall_s),
-                ]
-            })
-            .collect();
-        s.push_str(&markdown_table(&headers, &rows));
-        s.push_str(
-            "\nit/s, 2nd half: the sum over workers of 1 / mean iteration time over each worker's second \
-             half of iterations (after the balancer settled), without the last one.\n\n",
-        );
+        for &job in &p.psld_jobs {
+            s.push_str(&render_psld(&out.body.psld, job));
+        }
     }
     if !out.body.policies.is_empty() {
         s.push_str("### Sync policies from 8 to 1,000 workers\n\n");
@@ -928,14 +1089,23 @@ mod tests {
             assert_eq!((s.job.workers, s.job.servers), if quick { (100, 10) } else { (1000, 100) });
             assert_eq!(s.data.iterations, Some(plan.scale_iterations));
             s.validate().unwrap();
-            for mode in [BalanceMode::Static, BalanceMode::Psld] {
-                let s = plan.psld_spec(mode).sim_cmd(sim_defaults());
-                assert_eq!(s.job.balance, mode);
-                assert_eq!(s.job.max_servers, Some(plan.psld_servers));
-                let capped: Vec<u32> = s.job.server_bandwidth.iter().map(|(i, _)| *i).collect();
-                assert_eq!(capped, straggler_ids(plan.psld_servers, plan.psld_stragglers));
-                assert!(s.job.server_bandwidth.iter().all(|(_, m)| *m == 312.5), "{:?}", s.job.server_bandwidth);
-                s.validate().unwrap();
+            assert_eq!(plan.psld_jobs[0], PSLD_CHECKED);
+            assert_eq!(plan.psld_jobs.len(), if quick { 1 } else { 2 });
+            for &job in &plan.psld_jobs {
+                for run in PsldRun::ALL {
+                    let s = plan.psld_spec(job, run).sim_cmd(sim_defaults());
+                    let psld = matches!(run, PsldRun::Psld | PsldRun::Healthy);
+                    assert_eq!(s.job.balance == BalanceMode::Psld, psld);
+                    assert_eq!(s.job.max_servers, Some(job.servers));
+                    let capped: Vec<u32> = s.job.server_bandwidth.iter().map(|(i, _)| *i).collect();
+                    if matches!(run, PsldRun::Static | PsldRun::Psld) {
+                        assert_eq!(capped, straggler_ids(job.servers, job.stragglers));
+                    } else {
+                        assert!(capped.is_empty());
+                    }
+                    assert!(s.job.server_bandwidth.iter().all(|(_, m)| *m == 312.5), "{:?}", s.job.server_bandwidth);
+                    s.validate().unwrap();
+                }
             }
             for w in &plan.policy_workers {
                 for p in POLICIES {
@@ -1006,7 +1176,9 @@ mod tests {
             pulls_held: held,
             migrations: 3,
             moved_bytes: 12_000_000,
+            by_tenth: vec![it_s / 2.0, it_s],
         };
+        let run_at = |workers, it_s| SimRun { migrations: 0, ..run(workers, it_s, 0) };
         let side = |rate| CrossSide {
             side: "real".into(),
             flags: Vec::new(),
@@ -1025,7 +1197,10 @@ mod tests {
                 ..run(100, 50.0, 10)
             }),
             balancer: None,
-            psld: vec![("static".into(), run(40, 10.0, 0)), ("psld".into(), run(40, 25.0, 0))],
+            psld: [(PsldRun::Static, 10.0), (PsldRun::Psld, 25.0), (PsldRun::Ceiling, 30.0), (PsldRun::Healthy, 30.0)]
+                .into_iter()
+                .map(|(run, it_s)| PsldRow { job: PSLD_CHECKED, run, sim: run_at(100, it_s) })
+                .collect(),
             policies: vec![
                 PolicyRun { policy: "bsp".into(), run: run(8, 10.0, 100) },
                 PolicyRun { policy: "lazy:3".into(), run: run(8, 20.0, 10) },
@@ -1046,11 +1221,14 @@ mod tests {
             body,
         };
         assert_eq!(out.checks[0].pass, Some(false));
+        assert_eq!(out.checks[1].pass, Some(true), "psld 2.5x static: {:?}", out.checks[1]);
         assert!(crate::checks::ensure_no_check_failed(&out.checks).is_err());
         assert_eq!(out.targets[0].met, Some(true));
         assert_eq!(out.targets[1].met, None);
         let md = render(&out);
-        assert!(md.contains("| psld    | 25.0 | 2.50x"), "{md}");
+        assert!(md.lines().any(|l| l.starts_with("| psld ") && l.contains("| 25.0 | 2.50x")), "{md}");
+        assert!(md.contains("[ ] 100 x 100 (5 capped): psld >= 3x static over the whole run: 2.50x"), "{md}");
+        assert!(md.contains("[x] 100 x 100 (5 capped) with no straggler"), "{md}");
         assert!(md.contains("| push_pull       |") && md.contains("| push, then pull |"), "{md}");
         assert!(md.contains("Fused / unfused, same run: wall 0.50x, CPU 0.50x, events 0.50x."), "{md}");
         assert!(

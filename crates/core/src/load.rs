@@ -95,7 +95,15 @@ impl LoadModel {
         if push_us == 0 || push_bytes == 0 {
             return;
         }
-        let rate = push_bytes as f64 * 1e6 / push_us as f64;
+        self.observe_rate(server, push_bytes as f64 * 1e6 / push_us as f64, now_us);
+    }
+
+    /// One sample of `server`'s rate, bytes/s, measured some other way (a server's own
+    /// arrivals; see `ServerLoad::rx_bps`). Non-finite or non-positive rates are ignored.
+    pub fn observe_rate(&mut self, server: ServerId, rate: f64, now_us: u64) {
+        if !(rate.is_finite() && rate > 0.0) {
+            return;
+        }
         let half_life = self.half_life_us as f64;
         let s = self.servers.entry(server).or_insert(Stats {
             weight: 0.0,

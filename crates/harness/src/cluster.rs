@@ -52,6 +52,12 @@ pub struct Outbox<'a> {
 }
 
 impl Outbox<'_> {
+    /// How long the message being handled took to come in over this node's downlink,
+    /// first byte to last, ns ([`Network::last_transfer_ns`]).
+    pub fn last_transfer_ns(&self) -> u64 {
+        self.net.last_transfer_ns()
+    }
+
     /// The virtual time, in microseconds.
     pub fn now_us(&self) -> u64 {
         self.net.now_us()

@@ -306,6 +306,8 @@ pub struct Network {
     digest: u64,
     stats: NetStats,
     trace: Option<Vec<TraceEntry>>,
+    /// How long the last delivered message occupied its receiver's downlink.
+    last_transfer_ns: u64,
 }
 
 impl std::fmt::Debug for Network {
@@ -360,6 +362,7 @@ impl Network {
             digest: 0xcbf2_9ce4_8422_2325,
             stats: NetStats::default(),
             trace: None,
+            last_transfer_ns: 0,
         }
     }
 
@@ -484,6 +487,12 @@ impl Network {
     fn end(&self, node: NodeId, conn: ConnId) -> Option<usize> {
         let c = self.conns.get(conn as usize).filter(|_| conn != 0)?;
         c.ends.iter().position(|e| *e == node)
+    }
+
+    /// How long the message just delivered took to come in over its receiver's downlink,
+    /// first byte to last, in nanoseconds (what a real server reads as a frame's time).
+    pub fn last_transfer_ns(&self) -> u64 {
+        self.last_transfer_ns
     }
 
     /// The virtual time, in microseconds.
@@ -711,6 +720,7 @@ impl Network {
                 }
                 n.traffic.bytes_down += bytes;
                 n.traffic.messages_in += 1;
+                self.last_transfer_ns = transfer_ns(bytes, n.link.down_bps);
                 self.stats.delivered += 1;
                 let (block, clock) = msg.block_clock();
                 let mut h = mix(self.digest, self.now_ns);

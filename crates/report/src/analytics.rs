@@ -148,6 +148,33 @@ pub fn second_half_rate(report: &Report) -> f64 {
         .sum()
 }
 
+/// Iterations/s of all workers in each of `windows` equal spans of the run (from the
+/// earliest worker's start to the last iteration's end), by the iterations that end in
+/// the span; each worker's last iteration stays out (it pushes without pulling). How fast
+/// a job ran over time: a balancer's time to converge is the slow spans at the start.
+pub fn rate_by_window(report: &Report, windows: usize) -> Vec<f64> {
+    let ends: Vec<Vec<f64>> = report
+        .workers
+        .iter()
+        .map(|w| {
+            let e = w.iteration_ends_unix_ms();
+            e[..e.len().saturating_sub(1)].to_vec()
+        })
+        .collect();
+    let start = report.workers.iter().map(|w| w.started_unix_ms).fold(f64::INFINITY, f64::min);
+    let end = ends.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
+    if windows == 0 || end.partial_cmp(&start) != Some(std::cmp::Ordering::Greater) {
+        return Vec::new();
+    }
+    let span = (end - start) / windows as f64;
+    let mut counts = vec![0u64; windows];
+    for e in ends.iter().flatten() {
+        let k = (((e - start) / span) as usize).min(windows - 1);
+        counts[k] += 1;
+    }
+    counts.iter().map(|&c| c as f64 / (span / 1e3)).collect()
+}
+
 /// The mean over workers of their mean iteration time, ms (NaN without workers).
 pub fn mean_iter_ms(report: &Report) -> f64 {
     mean(report.workers.iter().map(|w| w.iter_ms_mean))
@@ -567,5 +594,16 @@ mod tests {
         assert!((mean_rate(&r) - 15.0).abs() < 1e-9);
         assert!((second_half_rate(&r) - 15.0).abs() < 1e-9);
         assert_eq!(mean_iter_ms(&r), 150.0);
+    }
+
+    #[test]
+    fn rate_by_window_shows_a_job_that_speeds_up() {
+        // Two workers: 4 iterations of 500 ms, then 4 of 250 ms (3 s), plus a last one.
+        let ms = [500.0, 500.0, 500.0, 500.0, 250.0, 250.0, 250.0, 250.0, 10.0];
+        let r = rate_by_window(&report(vec![worker(0, 0.0, &ms), worker(1, 0.0, &ms)], None), 2);
+        // Ends at 0.5, 1.0 | 1.5, 2.0, 2.25, 2.5, 2.75, 3.0 s (the last one, at 3.01 s, out;
+        // a span holds its start): two spans of 1.5 s, two workers.
+        assert_eq!(r, vec![2.0 * 2.0 / 1.5, 2.0 * 6.0 / 1.5]);
+        assert!(rate_by_window(&report(Vec::new(), None), 4).is_empty());
     }
 }

@@ -66,9 +66,18 @@ pub struct FrameReader {
     /// cancel-safe).
     head: [u8; HEADER_LEN],
     head_filled: usize,
+    /// How long the last payload [`FrameReader::payload`] read took, ns.
+    last_payload_ns: u64,
 }
 
 impl FrameReader {
+    /// How long the last frame's payload took to come in (from the end of its header to
+    /// its last byte, with the bandwidth cap's wait), ns: a server's measure of its link
+    /// (`elasticps_node::server::Server::arrived`).
+    pub fn last_payload_ns(&self) -> u64 {
+        self.last_payload_ns
+    }
+
     /// Name of the peer, for errors and logs.
     pub fn peer(&self) -> &str {
         &self.peer
@@ -149,6 +158,7 @@ impl FrameReader {
     /// The payload of the frame whose header [`FrameReader::header`] returned, decoded: a
     /// tensor payload is read straight into a pooled aligned buffer.
     pub async fn payload(&mut self, header: &FrameHeader) -> Result<Message> {
+        let started = std::time::Instant::now();
         let len = header.payload_len as usize;
         let payload = if header.kind.carries_f32() && len.is_multiple_of(4) {
             let mut v = pool::payload_buffer(len / 4);
@@ -160,6 +170,7 @@ impl FrameReader {
             b.freeze()
         };
         self.shaped_in(len).await;
+        self.last_payload_ns = started.elapsed().as_nanos() as u64;
         Message::decode(header, payload).map_err(|source| self.wire_err(source))
     }
 
@@ -462,6 +473,7 @@ pub fn split_shaped(
         stall_timeout: FRAME_STALL_TIMEOUT,
         head: [0; HEADER_LEN],
         head_filled: 0,
+        last_payload_ns: 0,
     };
     (reader, Outbox { tx, writer })
 }

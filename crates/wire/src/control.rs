@@ -553,6 +553,11 @@ pub struct ServerLoad {
     pub blocks: u32,
     /// Bytes of values it holds now.
     pub bytes: u64,
+    /// How fast its link delivered data: the payload bytes of the interval's pushes over
+    /// the time each took to arrive, first byte to last, bytes/s; 0 if none.
+    pub rx_bps: f64,
+    /// The data frames `rx_bps` was measured from.
+    pub rx_frames: u32,
 }
 
 /// What one server cost one worker over a stats interval.

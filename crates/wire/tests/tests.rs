@@ -251,9 +251,25 @@ mod common {
     }
 
     fn arb_server_load() -> impl Strategy<Value = ServerLoad> {
-        (any::<(u32, u64, u64, u64)>(), any::<(u64, u64, u64, u32, u64)>()).prop_map(
-            |((server_id, interval_us, bytes_in, bytes_out), (requests, busy_us, shaped_us, blocks, bytes))| {
-                ServerLoad { server_id, interval_us, bytes_in, bytes_out, requests, busy_us, shaped_us, blocks, bytes }
+        (any::<(u32, u64, u64, u64)>(), any::<(u64, u64, u64, u32, u64)>(), (0.0f64..1e12, any::<u32>())).prop_map(
+            |(
+                (server_id, interval_us, bytes_in, bytes_out),
+                (requests, busy_us, shaped_us, blocks, bytes),
+                (rx_bps, rx_frames),
+            )| {
+                ServerLoad {
+                    server_id,
+                    interval_us,
+                    bytes_in,
+                    bytes_out,
+                    requests,
+                    busy_us,
+                    shaped_us,
+                    blocks,
+                    bytes,
+                    rx_bps,
+                    rx_frames,
+                }
             },
         )
     }

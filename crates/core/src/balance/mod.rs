@@ -364,9 +364,23 @@ impl Balancer {
         let mut servers = view.servers.to_vec();
         servers.sort_unstable();
         servers.dedup();
-        let rates = view.load.rates(now);
+        // A server holding less than FEW_BYTES of the mean is measured on small frames,
+        // whose time says little: it is taken as no faster than the median of the others
+        // (a slow estimate stands: a straggler that gave its blocks away stays one).
+        let mut rates = view.load.rates(now);
+        let held = Loads::new(view.placement, view.sizes, &servers, &rates);
+        let few = FEW_BYTES * held.bytes.iter().sum::<u64>() as f64 / held.ids.len().max(1) as f64;
+        let is_few = |id: &ServerId| held.index(*id).is_none_or(|i| (held.bytes[i] as f64) < few);
+        let measured: Vec<f64> = rates.iter().filter(|(id, _)| !is_few(id)).map(|(_, r)| *r).collect();
+        if let Some(cap) = crate::stats::median(&measured) {
+            for (id, r) in rates.iter_mut() {
+                if is_few(id) && *r > cap {
+                    *r = cap;
+                }
+            }
+        }
         let spread: BTreeMap<ServerId, f64> =
-            servers.iter().filter_map(|&id| view.load.estimate(id, now).map(|e| (id, e.rse))).collect();
+            rates.keys().filter_map(|&id| view.load.estimate(id, now).map(|e| (id, e.rse))).collect();
         let loads = Loads::new(view.placement, view.sizes, &servers, &rates).with_spread(&spread);
         self.track_idle(&loads, now);
 

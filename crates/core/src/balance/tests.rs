@@ -324,16 +324,25 @@ fn no_thrash_violation(
     moves: &[Move],
     why: &str,
 ) -> Option<String> {
-    let known: Vec<f64> = servers.iter().filter_map(|&s| load.estimate(s, now)).map(|e| e.bps).collect();
-    let median_rate = crate::stats::median(&known).unwrap_or(1.0);
-    let rate = |s: ServerId| load.estimate(s, now).map_or(median_rate, |e| e.bps);
-    let spread = |s: ServerId| load.estimate(s, now).map_or(0.0, |e| (RANK_Z * e.rse).clamp(0.0, 0.9));
+    let median = |v: Vec<f64>| crate::stats::median(&v);
     let mut bytes: BTreeMap<ServerId, u64> = servers.iter().map(|&s| (s, 0)).collect();
     for (b, o) in placement.owners.iter().enumerate() {
         if let Some(v) = bytes.get_mut(o) {
             *v += sizes[b];
         }
     }
+    // A server holding less than FEW_BYTES of the mean runs no faster than the median of
+    // the others; one without an estimate at the median of all.
+    let few = FEW_BYTES * bytes.values().sum::<u64>() as f64 / bytes.len() as f64;
+    let held = bytes.clone();
+    let is_few = |s: ServerId| (held[&s] as f64) < few;
+    let estimate = |s: ServerId| load.estimate(s, now).map(|e| e.bps);
+    let cap = median(servers.iter().filter(|&&s| !is_few(s)).filter_map(|&s| estimate(s)).collect());
+    let capped = |s: ServerId| estimate(s).map(|r| if is_few(s) { cap.map_or(r, |c| r.min(c)) } else { r });
+    let median_rate = median(servers.iter().filter_map(|&s| capped(s)).collect()).unwrap_or(1.0);
+    let rates: BTreeMap<ServerId, f64> = servers.iter().map(|&s| (s, capped(s).unwrap_or(median_rate))).collect();
+    let rate = |s: ServerId| rates[&s];
+    let spread = |s: ServerId| load.estimate(s, now).map_or(0.0, |e| (RANK_Z * e.rse).clamp(0.0, 0.9));
     let max_time =
         |bytes: &BTreeMap<ServerId, u64>| bytes.iter().map(|(&s, &b)| b as f64 / rate(s)).fold(0.0, f64::max);
     let before = max_time(&bytes);

@@ -74,6 +74,9 @@ enum Requester {
     Operator,
 }
 
+/// Most samples one server report gives the load model (one per data frame).
+pub const RX_SAMPLES: u32 = 8;
+
 /// The elastic part of the scheduler's state.
 pub(super) struct Elastic {
     mode: BalanceMode,
@@ -88,6 +91,8 @@ pub(super) struct Elastic {
     requested: VecDeque<(Requester, u64)>,
     joining_by: BTreeMap<ServerId, Requester>,
     server_loads: BTreeMap<ServerId, ServerLoad>,
+    /// The load model is fed by the servers' own rates ([`Elastic::server_load`]).
+    rates_from_servers: bool,
     workers: BTreeMap<u32, WorkerStatus>,
     /// Iterations and their summed time reported since the last timeline sample.
     window: (u64, u64),
@@ -145,6 +150,7 @@ impl Elastic {
             joining_by: BTreeMap::new(),
             server_loads: BTreeMap::new(),
             workers: BTreeMap::new(),
+            rates_from_servers: false,
             window: (0, 0),
             iter_us: None,
             last_sample_us: 0,
@@ -274,14 +280,31 @@ impl Elastic {
         self.in_flight.filter(|(m, _, _)| m.block == block).map(|(m, _, _)| m.to)
     }
 
-    /// A server's load report.
-    pub fn server_load(&mut self, load: ServerLoad) {
+    /// A server's load report. A server that measured its link's rate (`rx_bps`, from the
+    /// time its data frames took to arrive) gives the load model its samples: the rate
+    /// each worker gets from it, `rx_bps` over the live workers, counted as one sample per
+    /// frame up to [`RX_SAMPLES`]. From the first such report on, the model is fed by
+    /// the servers alone (it starts afresh then): a worker's own view of a server includes
+    /// its queue behind its other pushes and, in the fused round, the barrier's hold, which
+    /// make a server with a small block look slow and a capped one with a large block fast.
+    pub fn server_load(&mut self, load: ServerLoad, now_us: u64) {
+        if load.rx_frames > 0 && load.rx_bps > 0.0 && self.states.contains_key(&load.server_id) {
+            if !self.rates_from_servers {
+                self.rates_from_servers = true;
+                self.load = LoadModel::new(self.load.half_life_us());
+            }
+            let workers = self.workers.values().filter(|w| !w.done).count().max(1);
+            for _ in 0..load.rx_frames.min(RX_SAMPLES) {
+                self.load.observe_rate(load.server_id, load.rx_bps / workers as f64, now_us);
+            }
+        }
         self.server_loads.insert(load.server_id, load);
     }
 
     /// A worker's load report.
     pub fn worker_load(&mut self, w: WorkerLoad, now_us: u64) {
-        for s in w.per_server.iter().filter(|s| self.states.contains_key(&s.server)) {
+        let samples = if self.rates_from_servers { &[][..] } else { &w.per_server[..] };
+        for s in samples.iter().filter(|s| self.states.contains_key(&s.server)) {
             self.load.observe(s.server, s.push_bytes, s.push_us, now_us);
         }
         self.window.0 = self.window.0.saturating_add(u64::from(w.iterations));
@@ -729,7 +752,7 @@ impl Scheduler {
         let request_id = call.request_id;
         match (control, call.role) {
             (Control::ServerLoad(load), Some(Role::Server(id))) => {
-                self.elastic.server_load(ServerLoad { server_id: id, ..load });
+                self.elastic.server_load(ServerLoad { server_id: id, ..load }, self.now_us);
             }
             (Control::WorkerLoad(load), Some(Role::Worker(rank))) => {
                 self.elastic.worker_load(WorkerLoad { rank, ..load }, self.now_us);

@@ -63,6 +63,8 @@ pub(super) struct Counters {
     pub migrations_in: u64,
     /// Blocks handed over to another server.
     pub migrations_out: u64,
+    /// The link's rate, from data frames that arrived back to back.
+    pub capacity: super::capacity::Capacity,
 }
 
 /// Counters summed over a server's blocks.

@@ -10,6 +10,7 @@
 //! - [`migrate`](self): the migration's steps, old owner and new owner.
 //! - [`config`]: the shard's configuration, the adaptive policy, tensor optimizers.
 //! - [`counters`]: stats, metrics snapshot, load.
+//! - [`capacity`]: the link's rate, from the time data frames take to arrive.
 //! - [`replica`](self): `--replicas`, the primary's forwarding and the backups' copies.
 //!
 //! Registration is part of the state machine: [`Server::start`] returns the
@@ -28,6 +29,7 @@ use elasticps_wire::{
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
+pub mod capacity;
 pub mod config;
 pub mod counters;
 mod migrate;
@@ -550,6 +552,13 @@ impl Server {
         self.counters.shaped_us += shaped_us;
     }
 
+    /// A data frame's payload of `bytes` took `transfer_ns` to arrive, from its first byte
+    /// to its last, as the runtime measured it: the link's rate goes into the next load
+    /// report ([`capacity`]).
+    pub fn arrived(&mut self, bytes: u64, transfer_ns: u64) {
+        self.counters.capacity.received(bytes, transfer_ns);
+    }
+
     /// The server's counters (final report), under its registered id.
     pub fn stats(&self) -> ServerStats {
         self.stats_as(self.id.unwrap_or(u32::MAX))
@@ -585,6 +594,7 @@ impl Server {
             }
         }
         let c = &mut self.counters;
+        let rx = c.capacity.take();
         ServerLoad {
             server_id: self.id.unwrap_or(u32::MAX),
             interval_us,
@@ -595,6 +605,8 @@ impl Server {
             shaped_us: std::mem::take(&mut c.shaped_us),
             blocks,
             bytes,
+            rx_bps: rx.map_or(0.0, |m| m.bps),
+            rx_frames: rx.map_or(0, |m| m.frames),
         }
     }
 

@@ -396,6 +396,9 @@ async fn serve_connection(stream: crate::tls::Stream, key: KeyId, peer: String, 
             _ => None,
         };
         let data = msg.is_data_request();
+        if data && header.payload_len > 0 {
+            lock(&io.server).arrived(u64::from(header.payload_len), reader.last_payload_ns());
+        }
         let close = io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data, &mut own);
         if close {
             // A credential that does not hold: the refusal goes out, then the connection closes.
