@@ -72,7 +72,8 @@ impl ScaledModel {
     }
 
     /// The bytes a message stands for on the wire: its header, plus the values it carries at
-    /// their block's nominal size (a push, a pull reply, a migrating block's state and log).
+    /// their block's nominal size (a push or a fused push_pull, a pull reply, a migrating block's
+    /// state and log).
     pub fn nominal_bytes(&self, msg: &Message) -> u64 {
         let nominal = |block: u32, values: u64| match self.blocks.get(block as usize) {
             Some((n, s)) if *s > 0 => values * n / s,
@@ -81,6 +82,7 @@ impl ScaledModel {
         HEADER_LEN as u64
             + 4 * match msg {
                 Message::Push { block, values, .. }
+                | Message::PushPull { block, values, .. }
                 | Message::PullReply { block, values, .. }
                 | Message::Init { block, values } => nominal(*block, values.len() as u64),
                 Message::Control(Control::BlockSnapshot { state, .. }) => {
@@ -126,8 +128,13 @@ mod tests {
         let scaled = Partition::new(m.tensors.clone(), m.block_bytes).unwrap();
         for b in [0, 1, nominal.blocks.len() - 1] {
             let values = elasticps_wire::Values::from_vec(vec![0.0; scaled.blocks[b].len]);
-            let push = Message::Push { block: b as u32, clock: 0, values };
+            let push = Message::Push { block: b as u32, clock: 0, values: values.clone() };
             assert_eq!(m.nominal_bytes(&push), HEADER_LEN as u64 + nominal.blocks[b].bytes() as u64, "block {b}");
+            // A fused push_pull carries the same gradient: the links are charged for it too.
+            let push_pull = Message::PushPull { block: b as u32, clock: 0, values: values.clone() };
+            assert_eq!(m.nominal_bytes(&push_pull), m.nominal_bytes(&push), "push_pull of block {b}");
+            let reply = Message::PullReply { block: b as u32, clock: 1, values };
+            assert_eq!(m.nominal_bytes(&reply), m.nominal_bytes(&push), "pull reply of block {b}");
         }
         assert_eq!(m.nominal_bytes(&Control::Heartbeat.into()), HEADER_LEN as u64);
     }
