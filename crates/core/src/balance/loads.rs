@@ -15,7 +15,7 @@ use crate::stats::median;
 pub(super) const EPS: f64 = 1e-9;
 
 /// Standard errors between a rate's pessimistic and optimistic ends in the rank rule
-/// ([`Loads::with_spread`]): two rates closer than this are not told apart.
+/// (the loads' `with_spread`): two rates closer than this are not told apart.
 pub const RANK_Z: f64 = 3.0;
 
 /// Largest relative spread [`Loads::with_spread`] gives a rate: a server known this

@@ -6,7 +6,14 @@
 //! [`LoadModel`]). Its *service time* per iteration is `T_j = bytes of its blocks / r_j`,
 //! and a synchronous round waits for the slowest server, so the goal is to minimise
 //! `max_j T_j`. A server without an estimate is assumed to run at the median rate of the
-//! others (optimistic: it is then tried rather than shunned).
+//! others (optimistic: it is then tried rather than shunned); one that holds less than
+//! [`FEW_BYTES`] of the mean is measured on small frames and taken as no faster than the
+//! median of the others.
+//!
+//! **The rank rule** (no thrash): no move goes onto a server the model ranks at or below its
+//! source, that is one that, holding the block, would not finish before the source does now
+//! with its rate [`RANK_Z`] standard errors pessimistic and the source's as many optimistic.
+//! Every rule but a probe obeys it (`loads::Loads::ranks_above`, checked after each plan).
 //!
 //! The pure functions: [`service_times`], [`stragglers`] (`T_j > median * (1 + threshold)`),
 //! [`rebalance`] (greedy best-fit moves off the server with the largest `T`, within a byte
@@ -32,10 +39,12 @@
 //!    scale-out for [`REVERT_HOLDOFF_US`] (60 s), doubling with each consecutive revert up
 //!    to 16x; a `Keep` resets the doubling.
 //! 3. **Cool-down.** Nothing else until the cool-down has passed.
-//! 4. **Confidence gate.** Nothing until every server in `servers` that owns blocks has an
-//!    estimate with confidence >= [`MIN_CONFIDENCE`] (0.5; see [`crate::load`]).
-//! 5. **Exploit.** If some server is a straggler, [`rebalance`] within `budget_bytes`
-//!    (64 MiB) and emit `Migrate` only if the max service time drops by `min_gain` (10%)
+//! 4. **Confidence gate.** Nothing until every server in `servers` that owns at least
+//!    [`FEW_BYTES`] of the mean has an estimate with confidence >= [`MIN_CONFIDENCE`] (0.5;
+//!    see [`crate::load`]).
+//! 5. **Exploit.** If some server is a straggler, [`rebalance`] within
+//!    [`BalanceParams::budget`] (64 MiB per started [`BUDGET_SERVERS`] servers), by the rank
+//!    rule, and emit `Migrate` only if the max service time drops by `min_gain` (10%)
 //!    or more AND the gain over `horizon_iters` (50) iterations,
 //!    `(max_before - max_after) * horizon_iters` seconds, exceeds the migration cost,
 //!    `Σ bytes / min(rate of source, rate of destination)` seconds.
@@ -58,8 +67,9 @@
 //!    [`STALE_US`] (5 s), or it owns less than [`FEW_BYTES`] (10%) of the mean bytes per
 //!    server (its samples, if any, say little). The first uncertain server (in id order)
 //!    whose probe time has come gets the smallest block of the server with the largest
-//!    service time, so that fresh samples come in: a recovered straggler wins its blocks
-//!    back through rule 5 or 8. Probes of one server are [`PROBE_INTERVAL_US`] (10 s)
+//!    service time, so that fresh samples come in (unless that would leave the source with
+//!    less than [`FEW_BYTES`] of the mean): a recovered straggler wins its blocks back
+//!    through rule 5 or 8. Probes of one server are [`PROBE_INTERVAL_US`] (10 s)
 //!    apart, doubling with each further probe up to [`PROBE_MAX_INTERVAL_US`] (60 s) so a
 //!    server that stays slow costs little; the interval resets once the server carries at
 //!    least half the mean bytes with a certain estimate.
