@@ -418,6 +418,8 @@ pub struct MigrationSpike {
     pub total_ms: f64,
     /// How long the block was frozen, ms.
     pub freeze_ms: f64,
+    /// Pulls held at the old owner when the block froze (answered `Moved`, resent).
+    pub held: u32,
     /// Iterations (all workers) overlapping the window around.
     pub around: usize,
     /// Their p99 (nearest rank), ms.
@@ -479,6 +481,7 @@ pub fn migration_spikes(report: &Report, straggler_at: f64) -> Vec<MigrationSpik
                 at_s: (end - t0) / 1e3,
                 total_ms: m.total_ms,
                 freeze_ms: m.freeze_ms,
+                held: m.held,
                 around: around.len(),
                 p99_ms,
                 before: before.len(),
