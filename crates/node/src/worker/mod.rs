@@ -33,10 +33,14 @@
 //! that are also pulled. With fusion on (the default, [`Worker::with_fusion`]), a block
 //! that a round pushes at clock t and pulls at t + 1 goes in the push phase as one
 //! [`Op::PushPull`], whose `PullReply` settles both: no pull phase for it. A block whose
-//! server answered `Moved` is resent, with what was
-//! still to do for it, after a layout refresh ([`Action::RefreshLayout`]); when the
-//! refreshed layout has the same epoch (the server answered before the scheduler
-//! published the move) the plan first waits a little (its [`Round::poll_timeout`]).
+//! server answered `Moved` is resent, with what was still to do for it, at once to the
+//! owner the `Moved` names when that answer is newer than what the worker knows of the
+//! block (its epoch above the layout's and the block's last hint) and the layout lists
+//! that server: the owner is kept as a hint for the next rounds, until a layout of that
+//! epoch comes. Otherwise (a server the worker cannot reach yet, an answer not newer) it
+//! is resent after a layout refresh ([`Action::RefreshLayout`]); when the refreshed layout
+//! has the same epoch (the server answered before the scheduler published the move) the
+//! plan first waits a little (its [`Round::poll_timeout`]).
 //!
 //! - [`Round`]: one round's plan (`round.rs`), with its window and deadlines (`window.rs`).
 //! - [`LoadReport`]: iterations and per-server costs, reported every stats interval.
@@ -44,6 +48,8 @@
 mod load;
 mod round;
 mod window;
+
+use std::collections::BTreeMap;
 
 use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
@@ -199,6 +205,10 @@ pub struct Worker {
     fuse: bool,
     /// The buffers of the last finished round, reused by the next.
     spare: Option<Round>,
+    /// Owners that `Moved` answers named, newer than the layout's (block -> (owner,
+    /// epoch)): each round starts with them applied, so that a block moved once is not
+    /// answered `Moved` again every round until the next layout refresh.
+    hints: BTreeMap<u32, (u32, u64)>,
 }
 
 impl Worker {
@@ -207,7 +217,7 @@ impl Worker {
     /// due every `stats_interval_us`. Fusion is on, the window [`DEFAULT_WINDOW`].
     pub fn new(rank: u32, timeout_us: u64, stats_interval_us: u64, now_us: u64) -> Self {
         let load = LoadReport::new(rank, stats_interval_us, now_us);
-        Self { rank, timeout_us, window: DEFAULT_WINDOW, seq: 0, load, fuse: true, spare: None }
+        Self { rank, timeout_us, window: DEFAULT_WINDOW, seq: 0, load, fuse: true, spare: None, hints: BTreeMap::new() }
     }
 
     /// At most `window` (at least 1) requests of a round in flight to one server; the
@@ -262,6 +272,7 @@ impl Worker {
             _ => None,
         };
         let mut round = self.spare.take().unwrap_or_default();
+        round.hints = std::mem::take(&mut self.hints);
         let actions = round.begin(
             self.seq,
             self.rank,
@@ -279,8 +290,9 @@ impl Worker {
 
     /// Ends a finished round: records its waits and push costs in the load report and
     /// returns the report to send to the scheduler when one is due (a fresh one starts).
-    pub fn finish(&mut self, now_us: u64, round: Round) -> Option<WorkerLoad> {
+    pub fn finish(&mut self, now_us: u64, mut round: Round) -> Option<WorkerLoad> {
         self.load.record(&round);
+        self.hints = std::mem::take(&mut round.hints);
         self.spare = Some(round);
         self.load.due(now_us)
     }

@@ -2,6 +2,8 @@
 //! for a layout refresh, the window and deadlines of its requests ([`Window`]), and what
 //! each server cost.
 
+use std::collections::BTreeMap;
+
 use elasticps_core::CoreError;
 use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
@@ -16,8 +18,13 @@ use crate::{NodeError, Result};
 pub enum Answer<'a> {
     /// The server refused the request.
     Error(&'a ErrorReply),
-    /// The server no longer owns the block.
-    Moved,
+    /// The server no longer owns the block: `owner` does, as of placement `epoch`.
+    Moved {
+        /// The owner as far as the answering server knows.
+        owner: u32,
+        /// The placement epoch of that knowledge.
+        epoch: u64,
+    },
     /// A push acknowledged.
     Acked,
     /// A pull (or push_pull) answered with this many values.
@@ -34,7 +41,7 @@ impl<'a> Answer<'a> {
     pub fn of(msg: &'a Message) -> Self {
         match msg {
             Message::Error(reply) => Answer::Error(reply),
-            Message::Control(Control::Moved { .. }) => Answer::Moved,
+            Message::Control(Control::Moved { owner, epoch, .. }) => Answer::Moved { owner: *owner, epoch: *epoch },
             Message::PushAck { .. } => Answer::Acked,
             Message::PullReply { values, .. } => Answer::Pulled { len: values.len() },
             other => Answer::Other(other.kind()),
@@ -44,7 +51,7 @@ impl<'a> Answer<'a> {
     fn describe(&self) -> String {
         match self {
             Answer::Error(_) => "Error".into(),
-            Answer::Moved => "Moved".into(),
+            Answer::Moved { .. } => "Moved".into(),
             Answer::Acked => "PushAck".into(),
             Answer::Pulled { len } => format!("PullReply of {len} values"),
             Answer::Other(kind) => format!("{kind:?}"),
@@ -75,8 +82,11 @@ enum Outcome {
     Pulled,
     /// A push_pull answered: the push applied, the pull answered.
     Fused,
-    /// The server no longer owns the block.
+    /// The server no longer owns the block (resent after a layout refresh).
     Moved,
+    /// The server no longer owns the block and named its owner, a server of the layout,
+    /// at a newer epoch than the round knew the block's: resent there at once.
+    Redirected,
     /// The server's connection closed before it answered: resent, like a moved block,
     /// to the owner a refreshed layout names (a resent push is a duplicate if it was
     /// applied, and the clock state drops it).
@@ -128,10 +138,18 @@ pub struct Round {
     pull: Option<Clock>,
     started_us: u64,
     iteration: Option<Iteration>,
-    /// The current layout's owner of each block, its epoch, and how many servers it lists.
+    /// The current layout's owner of each block (with the hints applied), its epoch, and
+    /// the servers it lists (ids).
     owners: Vec<u32>,
     epoch: u64,
     servers: usize,
+    server_ids: Vec<u32>,
+    /// Owners that `Moved` answers named at a newer epoch than the layout's: block ->
+    /// (owner, epoch). They outlive the round ([`super::Worker`] keeps them) until a layout
+    /// of that epoch or later comes.
+    pub(super) hints: BTreeMap<u32, (u32, u64)>,
+    /// Requests resent at once to the owner a `Moved` named, this round.
+    redirects: u32,
     requests: Vec<Request>,
     phases: Vec<Phase>,
     open_phases: u32,
@@ -175,6 +193,9 @@ impl Default for Round {
             owners: Vec::new(),
             epoch: 0,
             servers: 0,
+            server_ids: Vec::new(),
+            hints: BTreeMap::new(),
+            redirects: 0,
             requests: Vec::new(),
             phases: Vec::new(),
             open_phases: 0,
@@ -230,6 +251,7 @@ impl Round {
         self.moved_next.clear();
         self.joining = false;
         self.refreshes = 0;
+        self.redirects = 0;
         self.lost.clear();
         self.waits.clear();
         self.push_load.clear();
@@ -327,6 +349,11 @@ impl Round {
         self.refreshes
     }
 
+    /// Requests this round resent at once to the owner a `Moved` named (no refresh).
+    pub fn redirects(&self) -> u32 {
+        self.redirects
+    }
+
     /// The servers this round waited for, in id order, with how long: from the round's
     /// start until the end of that server's last phase (its last reply).
     pub fn waited(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
@@ -378,7 +405,13 @@ impl Round {
                     reply: reply.clone(),
                 });
             }
-            (Answer::Moved, _) => Outcome::Moved,
+            (Answer::Moved { owner, epoch }, _) => {
+                if self.follow(b.id, phase.owner, owner, epoch) {
+                    Outcome::Redirected
+                } else {
+                    Outcome::Moved
+                }
+            }
             (Answer::Acked, false) => Outcome::Acked,
             (Answer::Pulled { len }, true) if len == b.len => {
                 if matches!(op, Op::PushPull(_)) {
@@ -535,6 +568,16 @@ impl Round {
             }
             _ => {}
         }
+        if outcome == Outcome::Redirected {
+            // The new owner is known: no layout refresh, no wait.
+            let todo = if push_phase { todo } else { Todo { push: false, ..todo } };
+            tracing::debug!(
+                block = todo.block.id,
+                owner = self.owners[todo.block.id as usize],
+                "block moved; resent to its new owner"
+            );
+            self.plan(now_us, &mut vec![todo], &mut out)?;
+        }
         if matches!(outcome, Outcome::Moved | Outcome::Lost) {
             let todo = if push_phase { todo } else { Todo { push: false, ..todo } };
             if self.chase == Chase::Idle {
@@ -587,6 +630,37 @@ impl Round {
         self.owners.clone_from(&layout.placement.owners);
         self.epoch = layout.placement.epoch;
         self.servers = layout.servers.len();
+        self.server_ids.clear();
+        self.server_ids.extend(layout.servers.iter().map(|s| s.id));
+        // The layout knows the moves of its epoch and before: those hints are done.
+        let epoch = self.epoch;
+        self.hints.retain(|_, (_, e)| *e > epoch);
+        for (block, (owner, _)) in &self.hints {
+            if let Some(o) = self.owners.get_mut(*block as usize) {
+                *o = *owner;
+            }
+        }
+    }
+
+    /// A `Moved` from `from` for `block` named `owner` at placement `epoch`: if that is
+    /// newer than what the round knows of the block (the layout's epoch, or a hint's) and
+    /// the layout lists `owner`, the block's owner becomes `owner` (a hint) and the request
+    /// goes there at once, without a layout refresh. Each follow needs a strictly newer
+    /// epoch, and a round follows at most [`MAX_LAYOUT_REFRESHES`] times: what servers
+    /// answer cannot make it chase forever.
+    fn follow(&mut self, block: u32, from: u32, owner: u32, epoch: u64) -> bool {
+        let known = self.hints.get(&block).map_or(self.epoch, |(_, e)| (*e).max(self.epoch));
+        let ok = epoch > known
+            && owner != from
+            && self.server_ids.contains(&owner)
+            && (block as usize) < self.owners.len()
+            && self.redirects < MAX_LAYOUT_REFRESHES;
+        if ok {
+            self.redirects += 1;
+            self.hints.insert(block, (owner, epoch));
+            self.owners[block as usize] = owner;
+        }
+        ok
     }
 
     /// What request `t` sends in a push phase (`push_phase`) or a pull phase.
@@ -698,7 +772,12 @@ impl Round {
                 Outcome::Fused => push_bytes += b.len as u64 * 4,
                 Outcome::Carried => to_pull.push(Todo { block: b, push: false, pull: true }),
                 // Chased when they were answered (`settle`).
-                Outcome::Moved | Outcome::Lost | Outcome::Pulled | Outcome::Waiting | Outcome::Queued => {}
+                Outcome::Moved
+                | Outcome::Redirected
+                | Outcome::Lost
+                | Outcome::Pulled
+                | Outcome::Waiting
+                | Outcome::Queued => {}
             }
         }
         if push_bytes > 0 {

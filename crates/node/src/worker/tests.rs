@@ -78,8 +78,19 @@ fn pulled(block: u32, len: usize) -> Message {
     Message::PullReply { block, clock: 0, values: Values::from_vec(vec![0.5; len]) }
 }
 
+/// `Moved` naming server 9, which no layout of these tests lists: the worker must
+/// refresh its layout to reach it.
 fn moved(block: u32) -> Message {
-    Message::Control(Control::Moved { block, owner: 1, epoch: 2 })
+    moved_to(block, 9, 2)
+}
+
+fn moved_to(block: u32, owner: u32, epoch: u64) -> Message {
+    Message::Control(Control::Moved { block, owner, epoch })
+}
+
+/// (server, block) of each send.
+fn where_to(actions: &[Action]) -> Vec<(u32, u32)> {
+    sends(actions).iter().map(|(_, s, b, _)| (*s, *b)).collect()
 }
 
 #[test]
@@ -150,6 +161,60 @@ fn a_moved_block_is_resent_to_its_new_owner_after_the_layout() {
     assert_eq!(r.waited().collect::<Vec<_>>(), vec![(0, 6), (1, 12)]);
     // Server 0 acknowledged nothing: no push sample for it.
     assert_eq!(r.push_load().collect::<Vec<_>>(), vec![(1, 16, 5 + 1)]);
+}
+
+#[test]
+fn a_moved_naming_a_known_owner_at_a_newer_epoch_resends_there_at_once() {
+    let l = layout(&[6], 2, vec![0, 0, 1], 4, 3);
+    let mut w = fused();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(3), &[true])), Some((4, &[true]))).unwrap();
+    let first = sends(&first);
+    // Block 0 moved to server 2 at epoch 5: resent there at once, as the same push_pull.
+    let resent = sends(&reply(&mut r, 5, first[0].0, &moved_to(0, 2, 5)).unwrap());
+    assert_eq!(
+        resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
+        vec![(2, 0, Op::PushPull(3))],
+        "no refresh, no wait"
+    );
+    for (tag, _, b, _) in resent.iter().chain(&first[1..]) {
+        reply(&mut r, 10, *tag, &pulled(*b, 2)).unwrap();
+    }
+    assert!(r.is_done());
+    assert_eq!((r.redirects(), r.refreshes()), (1, 0));
+    w.finish(10, r);
+
+    // The next round starts from the same layout (epoch 4), the hint applied: block 0
+    // goes to server 2 directly.
+    let (mut r, first) = w.start(20, &l, Some((PushOp::Grad(4), &[true])), Some((5, &[true]))).unwrap();
+    assert_eq!(where_to(&first), vec![(0, 1), (1, 2), (2, 0)]);
+    let first = sends(&first);
+    // A Moved at the epoch the round knows of the block (the hint's) or older is chased
+    // through the layout...
+    assert_eq!(reply(&mut r, 21, first[2].0, &moved_to(0, 1, 5)).unwrap(), vec![Action::RefreshLayout]);
+    // ...as is one naming the server that answered, or a server the layout does not list
+    // (a refresh is under way: they wait for the next one).
+    assert!(reply(&mut r, 22, first[0].0, &moved_to(1, 0, 9)).unwrap().is_empty());
+    assert!(reply(&mut r, 23, first[1].0, &moved_to(2, 7, 9)).unwrap().is_empty());
+    // A layout of the hint's epoch or later replaces it.
+    let acts = relayout(&mut r, 24, &layout(&[6], 2, vec![1, 1, 2], 6, 3)).unwrap();
+    assert_eq!(where_to(&acts), vec![(1, 0)]);
+    assert_eq!(acts.last(), Some(&Action::RefreshLayout));
+    assert!(r.hints.is_empty());
+    let again = relayout(&mut r, 25, &layout(&[6], 2, vec![1, 1, 2], 7, 3)).unwrap();
+    assert_eq!(where_to(&again), vec![(1, 1), (2, 2)]);
+    for (tag, _, b, _) in sends(&acts).iter().chain(&sends(&again)) {
+        reply(&mut r, 30, *tag, &pulled(*b, 2)).unwrap();
+    }
+    assert!(r.is_done());
+    assert_eq!((r.redirects(), r.refreshes()), (0, 2));
+
+    // Followed moves need ever newer epochs: a server naming the old owner back at the
+    // epoch it was sent on is chased through the layout.
+    let mut w = fused();
+    let (mut r, first) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), Some((1, &[true]))).unwrap();
+    let to1 = reply(&mut r, 1, sends(&first)[0].0, &moved_to(0, 1, 6)).unwrap();
+    assert_eq!(where_to(&to1), vec![(1, 0)]);
+    assert_eq!(reply(&mut r, 2, sends(&to1)[0].0, &moved_to(0, 0, 6)).unwrap(), vec![Action::RefreshLayout]);
 }
 
 #[test]

@@ -11,8 +11,9 @@
 //! client.finish().await?;
 //! ```
 //!
-//! A server that no longer owns a block answers `Moved`; the client then refreshes the
-//! layout from the scheduler and resends only the moved blocks.
+//! A server that no longer owns a block answers `Moved`, naming the new owner; the client
+//! resends only the moved blocks, there at once when it knows that server, else after
+//! refreshing the layout from the scheduler (the plan decides which).
 //!
 //! What a round sends where, when (its window per server, its deadlines), and what it
 //! resends, is the plan of [`elasticps_node::worker`]. This module holds the user's API;
