@@ -101,6 +101,9 @@ pub(super) struct Elastic {
     migrations: u32,
     log: BalanceLog,
     max_servers: u32,
+    /// Workers the job runs (its configuration): the divisor of a server's link rate
+    /// until some finish.
+    job_workers: u32,
 }
 
 impl std::fmt::Debug for Elastic {
@@ -132,8 +135,9 @@ impl Elastic {
         }
     }
 
-    /// Elasticity for a job that may run between `min` and `max` servers.
-    pub fn new(mode: BalanceMode, min_servers: u32, max_servers: u32) -> Self {
+    /// Elasticity for a job of `job_workers` workers that may run between `min` and `max`
+    /// servers.
+    pub fn new(mode: BalanceMode, min_servers: u32, max_servers: u32, job_workers: u32) -> Self {
         let balancer = match mode {
             BalanceMode::Psld => Some(Balancer::new(BalanceParams::new(min_servers, max_servers))),
             BalanceMode::Static => None,
@@ -157,6 +161,7 @@ impl Elastic {
             migrations: 0,
             log: BalanceLog { mode: mode.to_string(), ..Default::default() },
             max_servers,
+            job_workers,
         }
     }
 
@@ -287,13 +292,25 @@ impl Elastic {
     /// the servers alone (it starts afresh then): a worker's own view of a server includes
     /// its queue behind its other pushes and, in the fused round, the barrier's hold, which
     /// make a server with a small block look slow and a capped one with a large block fast.
+    /// The live workers are the job's workers less those that finished, not those that have
+    /// reported so far (the first reports, from one worker, would make every rate W times
+    /// too high and the model's spread grow until it trusted nothing).
     pub fn server_load(&mut self, load: ServerLoad, now_us: u64) {
         if load.rx_frames > 0 && load.rx_bps > 0.0 && self.states.contains_key(&load.server_id) {
             if !self.rates_from_servers {
                 self.rates_from_servers = true;
                 self.load = LoadModel::new(self.load.half_life_us());
             }
-            let workers = self.workers.values().filter(|w| !w.done).count().max(1);
+            let done = self.workers.values().filter(|w| w.done).count() as u32;
+            let live = self.workers.len().max(self.job_workers as usize) as u32;
+            let workers = live.saturating_sub(done).max(1);
+            tracing::debug!(
+                server = load.server_id,
+                rx_bps = load.rx_bps,
+                frames = load.rx_frames,
+                workers,
+                "link rate"
+            );
             for _ in 0..load.rx_frames.min(RX_SAMPLES) {
                 self.load.observe_rate(load.server_id, load.rx_bps / workers as f64, now_us);
             }
@@ -869,7 +886,7 @@ mod tests {
 
     #[test]
     fn remove_server_drains_one_block_at_a_time_then_stops_it() {
-        let mut e = Elastic::new(BalanceMode::Static, 1, 3);
+        let mut e = Elastic::new(BalanceMode::Static, 1, 3, 2);
         let mut p = placement(vec![0, 1, 2, 0, 1, 2, 0, 1]);
         e.model_placed(vec![16; 8]);
         for id in 0..3 {
@@ -906,6 +923,35 @@ mod tests {
         assert!(p.owners.iter().all(|o| *o != 1));
         assert!(e.removed().contains(&1));
         assert!(e.lost(1, 200), "its connection closing is expected");
+    }
+
+    #[test]
+    fn a_link_rate_is_shared_by_the_jobs_workers_from_the_first_report_on() {
+        // 4 workers, of which only one has reported when the servers' first reports come:
+        // every sample is the link's rate over the 4, so the estimate holds still and its
+        // spread stays 0 (dividing by the workers heard from so far gave 4x, then 1x).
+        let mut e = Elastic::new(BalanceMode::Psld, 2, 2, 4);
+        e.registered(0, true, 0);
+        let server =
+            |t: u64| ServerLoad { server_id: 0, rx_bps: 400e6, rx_frames: 8, interval_us: t, ..Default::default() };
+        e.worker_load(WorkerLoad { rank: 0, ..Default::default() }, 0);
+        for t in 1..=4 {
+            if t == 3 {
+                for rank in 1..4 {
+                    e.worker_load(WorkerLoad { rank, ..Default::default() }, t * 1_000_000);
+                }
+            }
+            e.server_load(server(1_000_000), t * 1_000_000);
+            let est = e.load.estimate(0, t * 1_000_000).expect("an estimate");
+            assert!((est.bps - 100e6).abs() < 1.0, "at {t} s: {est:?}");
+            assert!(est.rse < 1e-9, "at {t} s: {est:?}");
+        }
+        // Two workers finished: the link is shared by the other two.
+        e.worker_left(1);
+        e.worker_left(2);
+        e.server_load(server(1_000_000), 30_000_000);
+        let est = e.load.estimate(0, 30_000_000).expect("an estimate");
+        assert!(est.bps > 150e6, "{est:?}");
     }
 }
 

@@ -333,7 +333,7 @@ impl Scheduler {
             last_wait_log_us: 0,
             heartbeat_timeout_us,
             over: false,
-            elastic: Elastic::new(config.balance, config.min_servers, config.max_servers),
+            elastic: Elastic::new(config.balance, config.min_servers, config.max_servers, config.workers),
             can_launch: false,
             checkpoints: BTreeMap::new(),
             last_checkpoint: config.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map(|r| r.clock),
