@@ -80,16 +80,17 @@ impl Shaper {
     }
 
     /// Work that took `spent` was just done for a request: if interference is active,
-    /// busy-spins (real CPU, on the calling thread) for `(factor - 1) * spent`.
-    pub fn interfere(&self, spent: Duration) {
+    /// busy-spins (real CPU, on the calling thread) for `(factor - 1) * spent`, and returns
+    /// that time (zero when inactive), which the request's handling took too.
+    pub fn interfere(&self, spent: Duration) -> Duration {
         if !self.armed.load(Ordering::Acquire) {
-            return;
+            return Duration::ZERO;
         }
         let extra = {
             let s = self.lock();
             match s.start {
                 Some(start) if s.factor > 1.0 && Instant::now() >= start => spent.mul_f64(s.factor - 1.0),
-                _ => return,
+                _ => return Duration::ZERO,
             }
         };
         let until = Instant::now() + extra;
@@ -100,6 +101,7 @@ impl Shaper {
             }
         }
         std::hint::black_box(x);
+        extra
     }
 
     /// Microseconds frames waited in the buckets since the last call (the counter is reset),

@@ -594,7 +594,7 @@ impl Server {
             }
         }
         let c = &mut self.counters;
-        let rx = c.capacity.take();
+        let rx = c.capacity.take(c.busy_us);
         ServerLoad {
             server_id: self.id.unwrap_or(u32::MAX),
             interval_us,

@@ -255,7 +255,12 @@ impl Io {
             let spent = started.elapsed();
             server.charge(spent.as_micros() as u64, 0);
             drop(server);
-            self.shaper.interfere(spent);
+            let spun = self.shaper.interfere(spent);
+            if !spun.is_zero() {
+                // The injected interference is the request's handling too: the server's
+                // capacity (its busy time against its link's) shows it.
+                lock(&self.server).charge(spun.as_micros() as u64, 0);
+            }
         }
         actions
     }
