@@ -486,14 +486,18 @@ impl StatusPoller {
                 Some(p) => p,
                 None => Peer::connect(&self.addr, self.codec.clone(), "scheduler").await?.0,
             };
-            let call = peer.call(Control::GetStatus.into(), Duration::from_secs(10), || "the scheduler's status".into());
+            let call =
+                peer.call(Control::GetStatus.into(), Duration::from_secs(10), || "the scheduler's status".into());
             match call.await {
                 Ok(Message::Control(Control::Status(s))) => {
                     self.peer = Some(peer);
                     return Ok(s);
                 }
                 Ok(other) => {
-                    return Err(BenchError::Failed(format!("the scheduler answered GetStatus with {:?}", other.kind())));
+                    return Err(BenchError::Failed(format!(
+                        "the scheduler answered GetStatus with {:?}",
+                        other.kind()
+                    )));
                 }
                 // Closed (or timed out): dial again.
                 Err(e) => last = Some(e),

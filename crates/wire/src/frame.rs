@@ -10,7 +10,8 @@ use zerocopy::little_endian::{U16, U32, U64};
 use crate::error::WireError;
 use crate::handshake::KeyId;
 use crate::header::{
-    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION, checksum,
+    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
+    checksum,
 };
 use crate::message::{Message, check_payload_len};
 

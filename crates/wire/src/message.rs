@@ -162,16 +162,19 @@ impl Message {
             prefix[4..].copy_from_slice(&u32::from(*init).to_le_bytes());
             return Ok((Some(prefix), values.as_bytes().clone()));
         }
-        Ok((None, match self {
-            Message::Control(c) => Bytes::from(postcard::to_allocvec(c)?),
-            Message::Error(e) => Bytes::from(postcard::to_allocvec(e)?),
-            Message::Push { values, .. }
-            | Message::PullReply { values, .. }
-            | Message::Init { values, .. }
-            | Message::PushPull { values, .. } => values.as_bytes().clone(),
-            Message::PushAck { .. } | Message::Pull { .. } => Bytes::new(),
-            Message::Forward { .. } => unreachable!("handled above"),
-        }))
+        Ok((
+            None,
+            match self {
+                Message::Control(c) => Bytes::from(postcard::to_allocvec(c)?),
+                Message::Error(e) => Bytes::from(postcard::to_allocvec(e)?),
+                Message::Push { values, .. }
+                | Message::PullReply { values, .. }
+                | Message::Init { values, .. }
+                | Message::PushPull { values, .. } => values.as_bytes().clone(),
+                Message::PushAck { .. } | Message::Pull { .. } => Bytes::new(),
+                Message::Forward { .. } => unreachable!("handled above"),
+            },
+        ))
     }
 
     /// Decodes the payload of a frame whose header `h` was validated by

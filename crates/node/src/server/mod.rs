@@ -726,12 +726,8 @@ impl Server {
                 Some(self.take_delta(now_us, c.server().unwrap_or(u32::MAX), block, epoch, &pushes, out))
             }
             Message::Control(Control::Replicate { block, init, push }) => {
-                let fwd = replica::Fwd {
-                    worker: push.worker,
-                    clock: push.clock,
-                    init,
-                    values: Values::from_vec(push.grad),
-                };
+                let fwd =
+                    replica::Fwd { worker: push.worker, clock: push.clock, init, values: Values::from_vec(push.grad) };
                 self.take_replicated(now_us, (conn, request_id), block, fwd, out)
             }
             Message::Forward { block, clock, worker, init, values } => {
