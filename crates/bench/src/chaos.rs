@@ -47,6 +47,13 @@ pub struct ChaosCmd {
     /// How long the failures go on, seconds [default: 120; 12 with --quick].
     #[arg(long)]
     pub duration_s: Option<f64>,
+    /// Measure only the cost of replicas (a 16 MiB push with `--replicas 2` against 1),
+    /// without the failures.
+    #[arg(long)]
+    pub replicas_only: bool,
+    /// Pushes per replica setting in that measure [default: 20; 5 with --quick].
+    #[arg(long)]
+    pub pushes: Option<u32>,
     /// Seed of the choice of the server to kill.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
@@ -87,7 +94,7 @@ pub struct Failure {
 }
 
 /// What `bench chaos` measured.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct ChaosReport {
     /// Each failure in order.
     pub failures: Vec<Failure>,
@@ -140,8 +147,12 @@ impl Bench for ChaosBench {
         println!(
             "chaos: {SERVERS} servers (--replicas 2), {WORKERS} workers; a server killed every {every:?} for {duration:?}"
         );
-        let mut report = chaos(net, &log_dir, every, duration, cmd.seed).await?;
-        let pushes = if cmd.quick { 5 } else { 20 };
+        let mut report = if cmd.replicas_only {
+            ChaosReport { exact: true, ..ChaosReport::default() }
+        } else {
+            chaos(net, &log_dir, every, duration, cmd.seed).await?
+        };
+        let pushes = cmd.pushes.unwrap_or(if cmd.quick { 5 } else { 20 }).max(1);
         let r1 = push_16mib(net, &log_dir, 1, pushes).await?;
         let r2 = push_16mib(net, &log_dir, 2, pushes).await?;
         (report.push_16mib_r1_ms, report.push_16mib_r2_ms, report.replicas_cost) = (r1, r2, r2 / r1);
@@ -252,7 +263,7 @@ async fn chaos(
         let (node, listen) = spawn_server(&mut cluster)?;
         servers.insert(node, listen);
     }
-    let (status, _) = Peer::connect(&addr, net.codec(), "scheduler").await?;
+    let mut status = StatusPoller { addr: addr.clone(), codec: net.codec(), peer: None };
 
     let shared =
         Arc::new(Shared { stop_at: AtomicU32::new(u32::MAX), die: AtomicU32::new(u32::MAX), ..Default::default() });
@@ -288,7 +299,7 @@ async fn chaos(
             failures.push(measure(&shared, "worker", None, at, None).await);
         }
         // A random live server, by its status row.
-        let st = get_status(&status).await?;
+        let st = status.get().await?;
         let live: Vec<(u32, String)> =
             st.servers.iter().filter(|s| s.state == "serving").map(|s| (s.id, s.addr.clone())).collect();
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -305,7 +316,7 @@ async fn chaos(
         servers.insert(again, listen);
         let mut detected = None;
         while detected.is_none() && at.elapsed() < Duration::from_secs(30) {
-            let st = get_status(&status).await?;
+            let st = status.get().await?;
             if st.servers.iter().any(|s| s.id == id && s.state == "gone") {
                 detected = Some(at.elapsed());
             }
@@ -458,10 +469,41 @@ fn job_args(servers: u32, replicas: u32, block_bytes: usize) -> JobArgs {
     }
 }
 
-async fn get_status(peer: &Peer) -> crate::Result<ClusterStatus> {
-    match peer.call(Control::GetStatus.into(), Duration::from_secs(10), || "the scheduler's status".into()).await? {
-        Message::Control(Control::Status(s)) => Ok(s),
-        other => Err(BenchError::Failed(format!("the scheduler answered GetStatus with {:?}", other.kind()))),
+/// Asks the scheduler for its status on a connection that did not register: the
+/// scheduler closes such a connection after a while (docs/DESIGN.md §11, bounds), and a
+/// poll can meet it closed, so a failed call dials again once.
+struct StatusPoller {
+    addr: String,
+    codec: elasticps_wire::Codec,
+    peer: Option<Peer>,
+}
+
+impl StatusPoller {
+    async fn get(&mut self) -> crate::Result<ClusterStatus> {
+        let mut last = None;
+        for _ in 0..2 {
+            let peer = match self.peer.take() {
+                Some(p) => p,
+                None => Peer::connect(&self.addr, self.codec.clone(), "scheduler").await?.0,
+            };
+            let call =
+                peer.call(Control::GetStatus.into(), Duration::from_secs(10), || "the scheduler's status".into());
+            match call.await {
+                Ok(Message::Control(Control::Status(s))) => {
+                    self.peer = Some(peer);
+                    return Ok(s);
+                }
+                Ok(other) => {
+                    return Err(BenchError::Failed(format!(
+                        "the scheduler answered GetStatus with {:?}",
+                        other.kind()
+                    )));
+                }
+                // Closed (or timed out): dial again.
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.map_or_else(|| BenchError::Failed("no status".into()), Into::into))
     }
 }
 

@@ -420,6 +420,17 @@ impl<T> Block<T> {
         })
     }
 
+    /// What [`Block::push`] (`rejoined`: [`Block::push_rejoined`]) would say about a push
+    /// of `len` values from `worker` at `clock`, without changing anything: `Ok(false)`
+    /// for a duplicate (dropped), `Ok(true)` for one it applies, else its error. A
+    /// primary checks a push with it before it forwards the push to its backups.
+    pub fn check_push(&self, worker: u32, clock: Clock, len: usize, rejoined: bool) -> Result<bool, CoreError> {
+        if len != self.spec.len {
+            return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: len });
+        }
+        self.clocks.check(self.spec.id, worker, clock, rejoined)
+    }
+
     /// A worker pushed the gradient `grad` of clock `clock`. Applies it (or buffers it
     /// in aggregate mode) exactly once, and returns the held pulls it releases. A
     /// duplicate push (a clock the worker already pushed) changes nothing.

@@ -334,6 +334,22 @@ impl Clocks {
         self.hi_active.saturating_sub(self.lo)
     }
 
+    /// What [`Clocks::record`] would say about `worker` pushing `clock`, without
+    /// recording it: `Ok(false)` for a duplicate, `Ok(true)` for the next clock, the
+    /// error for a gap or an unknown worker. `rejoined`: as after
+    /// [`Clocks::skip_to`]`(worker, clock)` (a rejoined worker may skip clocks).
+    pub fn check(&self, block: u32, worker: u32, clock: Clock, rejoined: bool) -> Result<bool, CoreError> {
+        let slot = *self.pushed.get(worker as usize).ok_or(CoreError::UnknownWorker(worker))?;
+        let slot = if rejoined { slot.max(clock) } else { slot };
+        if clock < slot {
+            return Ok(false);
+        }
+        if clock > slot || clock == Clock::MAX {
+            return Err(CoreError::ClockGap { block, worker, expected: slot, got: clock });
+        }
+        Ok(true)
+    }
+
     /// Records that `worker` pushed clock `clock`. Returns `Ok(false)` for a duplicate
     /// (already pushed: drop it), `Ok(true)` for the next clock, an error for a gap.
     pub fn record(&mut self, block: u32, worker: u32, clock: Clock) -> Result<bool, CoreError> {

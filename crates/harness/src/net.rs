@@ -90,6 +90,7 @@ pub fn frame_bytes(msg: &Message) -> u64 {
         | Message::PullReply { values, .. }
         | Message::Init { values, .. }
         | Message::PushPull { values, .. } => values.as_bytes().len(),
+        Message::Forward { values, .. } => elasticps_wire::FORWARD_PREFIX + values.as_bytes().len(),
         Message::PushAck { .. } | Message::Pull { .. } => 0,
         Message::Control(_) | Message::Error(_) => msg.encode_payload().map_or(0, |b| b.len()),
     };
@@ -107,6 +108,11 @@ pub fn nominal_sizes(block_bytes: Vec<u64>) -> SizeHook {
         | Message::PushPull { block, .. } => {
             let nominal = block_bytes.get(*block as usize).copied();
             nominal.map_or_else(|| frame_bytes(msg), |b| HEADER_LEN as u64 + b)
+        }
+        Message::Forward { block, .. } => {
+            let nominal = block_bytes.get(*block as usize).copied();
+            let prefix = elasticps_wire::FORWARD_PREFIX as u64;
+            nominal.map_or_else(|| frame_bytes(msg), |b| HEADER_LEN as u64 + prefix + b)
         }
         _ => frame_bytes(msg),
     })

@@ -106,6 +106,7 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("BlockSnapshot", Receiver::Server, &[Srv]),
     ("BlockDelta", Receiver::Server, &[Srv]),
     ("Replicate", Receiver::Server, &[Srv]),
+    ("Forward", Receiver::Server, &[Srv]),
     ("ReplicaSnapshot", Receiver::Server, &[Srv]),
     // The scheduler.
     ("RegisterServer", Receiver::Scheduler, &[Anon]),
@@ -135,7 +136,7 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
 
 /// Every message name: the control variants, then the data kinds.
 pub fn all_names() -> impl Iterator<Item = &'static str> {
-    Control::NAMES.into_iter().chain(["Push", "PushAck", "Pull", "PullReply", "Error", "Init", "PushPull"])
+    Control::NAMES.into_iter().chain(["Push", "PushAck", "Pull", "PullReply", "Error", "Init", "PushPull", "Forward"])
 }
 
 /// A message's name in the table: its control variant's, or its data kind's.
@@ -149,6 +150,7 @@ pub fn name_of(msg: &Message) -> &'static str {
         Message::Error(_) => "Error",
         Message::Init { .. } => "Init",
         Message::PushPull { .. } => "PushPull",
+        Message::Forward { .. } => "Forward",
     }
 }
 
@@ -186,6 +188,9 @@ pub fn claimed(msg: &Message) -> String {
             Control::BlockDelta { block, .. } => format!("the owner of block {block}"),
             _ => "nothing".into(),
         },
+        Message::Forward { block, worker, .. } => {
+            format!("the primary of block {block}, forwarding a push of worker {worker}")
+        }
         _ => "nothing".into(),
     }
 }
@@ -222,6 +227,8 @@ mod tests {
             }
         }
         assert_eq!(check(Receiver::Server, Class::Worker, "Replicate"), Verdict::Forbidden);
+        assert_eq!(check(Receiver::Server, Class::Worker, "Forward"), Verdict::Forbidden);
+        assert_eq!(check(Receiver::Server, Class::Server, "Forward"), Verdict::Allowed);
         assert_eq!(check(Receiver::Server, Class::AnonWorker, "BlockSnapshot"), Verdict::Forbidden);
         assert_eq!(check(Receiver::Scheduler, Class::AnonWorker, "RegisterServer"), Verdict::Forbidden);
         assert_eq!(check(Receiver::Scheduler, Class::Server, "WorkerDone"), Verdict::Forbidden);

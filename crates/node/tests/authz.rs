@@ -242,6 +242,10 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
         "Error" => return Message::Error(ErrorReply { code: ErrorCode::NotReady, message: "a sample".into() }),
         "Init" => return Message::Init { block: 0, values: values(1.0) },
         "PushPull" => return Message::PushPull { block: 0, clock, values: values(0.5) },
+        "Forward" => {
+            let worker = rank.min(WORKERS - 1);
+            return Message::Forward { block: 2, clock, worker, init: false, values: values(0.5) };
+        }
         other => panic!("no sample of message {other}: add one (every kind of authz::all_names has one)"),
     };
     control.into()
@@ -585,7 +589,7 @@ impl World {
                 }
             }
             Class::Server => match name {
-                "Replicate" | "ReplicaSnapshot" => (S2, own(0, 2)),
+                "Replicate" | "ReplicaSnapshot" | "Forward" => (S2, own(0, 2)),
                 "BlockSnapshot" | "BlockDelta" => (S1, own(0, 1)),
                 _ if alt => (S2, own(0, 2)),
                 _ => (S1, own(0, 1)),
@@ -644,7 +648,11 @@ impl World {
     fn send_to_server(&mut self, conn: ConnId, msg: Message, verdict: Verdict, what: &str) {
         let rid = self.request();
         let (state, whole) = (ServerState::of(&self.server), format!("{:?}", self.server));
-        let acts = self.server.handle(self.now_us, server::Event::Received { conn, request_id: rid, msg });
+        let mut acts = self.server.handle(self.now_us, server::Event::Received { conn, request_id: rid, msg });
+        // As a runtime does: a push forwarded to the backups is applied at once after.
+        if acts.contains(&server::Action::Continue) {
+            acts.extend(self.server.handle(self.now_us, server::Event::Continue));
+        }
         let replies = server_replies(&acts, conn, rid);
         let refused = match verdict {
             Verdict::Allowed => {
@@ -883,7 +891,7 @@ fn every_message_from_every_class_to_every_receiver_is_refused_exactly_where_the
     }
     // Coverage: every kind, from every class, to both receivers; every row of the table.
     let names: Vec<&str> = authz::all_names().collect();
-    assert_eq!(names.len(), Control::NAMES.len() + 7, "all_names: every control variant and the 7 data kinds");
+    assert_eq!(names.len(), Control::NAMES.len() + 8, "all_names: every control variant and the 8 data kinds");
     for to in [Receiver::Server, Receiver::Scheduler] {
         for &class in classes_of(to) {
             for name in &names {

@@ -160,7 +160,7 @@ impl FrameReader {
     pub async fn payload(&mut self, header: &FrameHeader) -> Result<Message> {
         let started = std::time::Instant::now();
         let len = header.payload_len as usize;
-        let payload = if header.kind.carries_f32() && len.is_multiple_of(4) {
+        let payload = if header.kind.carries_words() && len.is_multiple_of(4) {
             let mut v = pool::payload_buffer(len / 4);
             self.read_rest(bytemuck::cast_slice_mut(&mut v)).await?;
             pool::pooled_values(v).into_bytes()
@@ -295,6 +295,13 @@ impl Outbox {
     /// they were sent.
     pub async fn send_all_now(&self, frames: Vec<Outgoing>) -> Result<()> {
         if self.writer.queued.load(Ordering::Acquire) > 0 {
+            for frame in frames {
+                self.send(frame).map_err(|_| RuntimeError::Closed(self.writer.peer.clone()))?;
+            }
+            return Ok(());
+        }
+        if frames.iter().any(|(_, m)| matches!(m, Message::Forward { .. })) {
+            // Three parts each (header, prefix, values): the writer task writes them.
             for frame in frames {
                 self.send(frame).map_err(|_| RuntimeError::Closed(self.writer.peer.clone()))?;
             }
@@ -551,7 +558,9 @@ async fn write_queued(
     id: u64,
     msg: &Message,
 ) -> std::io::Result<()> {
-    let (head, payload) = match writer.codec.encode(id, msg) {
+    // A Forward's prefix is written apart from its values: the bytes it forwards are not
+    // copied (nor is any other tensor payload).
+    let (head, prefix, payload) = match writer.codec.encode_parts(id, msg) {
         Ok(frame) => frame,
         Err(e) => {
             // A frame this side cannot encode (too large) is dropped; the request times out.
@@ -559,8 +568,9 @@ async fn write_queued(
             return Ok(());
         }
     };
+    let prefix: &[u8] = prefix.as_ref().map_or(&[], |p| &p[..]);
     if let Some(shaper) = &writer.shaper {
-        let wait = shaper.reserve_out(HEADER_LEN + payload.len());
+        let wait = shaper.reserve_out(HEADER_LEN + prefix.len() + payload.len());
         if !wait.is_zero() {
             // The frames batched so far were already paid for: send them before waiting.
             sock.write_all(batch).await?;
@@ -568,12 +578,14 @@ async fn write_queued(
             shaper.wait(wait).await;
         }
     }
-    if payload.len() <= COPY_MAX && batch.len() + HEADER_LEN + payload.len() <= BUF {
+    if payload.len() <= COPY_MAX && batch.len() + HEADER_LEN + prefix.len() + payload.len() <= BUF {
         batch.extend_from_slice(&head);
+        batch.extend_from_slice(prefix);
         batch.extend_from_slice(&payload);
         return Ok(());
     }
-    write_all_vectored(sock, &mut [IoSlice::new(batch), IoSlice::new(&head), IoSlice::new(&payload)]).await?;
+    let mut parts = [IoSlice::new(batch), IoSlice::new(&head), IoSlice::new(prefix), IoSlice::new(&payload)];
+    write_all_vectored(sock, &mut parts).await?;
     batch.clear();
     Ok(())
 }

@@ -10,7 +10,8 @@ use zerocopy::little_endian::{U16, U32, U64};
 use crate::error::WireError;
 use crate::handshake::KeyId;
 use crate::header::{
-    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION, checksum,
+    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
+    checksum,
 };
 use crate::message::{Message, check_payload_len};
 
@@ -201,15 +202,35 @@ impl Codec {
     /// the other (vectored write; no concatenation). f32 payloads are the message's own
     /// shared bytes, not a copy. [`WireError::TooLarge`] if the payload exceeds this
     /// codec's limit.
+    ///
+    /// A Forward's prefix and values are copied into one payload here; the data path uses
+    /// [`Codec::encode_parts`] to write them apart.
     pub fn encode(&self, request_id: u64, msg: &Message) -> Result<([u8; HEADER_LEN], Bytes), WireError> {
-        let payload = msg.encode_payload()?;
-        let len = payload.len() as u64;
+        let (head, prefix, payload) = self.encode_parts(request_id, msg)?;
+        Ok(match prefix {
+            None => (head, payload),
+            Some(prefix) => (head, [&prefix[..], &payload[..]].concat().into()),
+        })
+    }
+
+    /// The frame of `msg` as its 32 header bytes, the bytes before its values (a
+    /// Forward's 8-byte prefix, else `None`) and its values' own bytes (no copy), to be
+    /// written one after the other. [`WireError::TooLarge`] if the payload exceeds this
+    /// codec's limit.
+    #[allow(clippy::type_complexity)]
+    pub fn encode_parts(
+        &self,
+        request_id: u64,
+        msg: &Message,
+    ) -> Result<([u8; HEADER_LEN], Option<[u8; FORWARD_PREFIX]>, Bytes), WireError> {
+        let (prefix, payload) = msg.payload_parts()?;
+        let len = (payload.len() + prefix.map_or(0, |p| p.len())) as u64;
         if len > u64::from(self.max_payload) {
             return Err(WireError::TooLarge { len, max: self.max_payload });
         }
         let (block, clock) = msg.block_clock();
         let h = FrameHeader { kind: msg.kind(), request_id, block, clock, payload_len: len as u32 };
-        Ok((self.encode_header(&h), payload))
+        Ok((self.encode_header(&h), prefix, payload))
     }
 
     /// [`Codec::encode`] appended to `buf` (copies the payload; for tests and small

@@ -28,6 +28,9 @@ pub const VERSION: u8 = 3;
 pub const MAGIC: [u8; 4] = *b"EPS1";
 /// Default limit on `payload_len`: 64 MiB.
 pub const DEFAULT_MAX_PAYLOAD: u32 = 64 << 20;
+/// Bytes before the gradient in a Forward payload: the worker's rank (u32) and the init
+/// flag (u32, 0 or 1), little-endian.
+pub const FORWARD_PREFIX: usize = 8;
 /// Byte offset of the checksum field; the checksum covers the bytes before it.
 pub const CHECKSUM_OFFSET: usize = 28;
 
@@ -53,11 +56,15 @@ pub enum Kind {
     /// Worker -> server: the gradient of `block` at `clock` and the pull of `clock + 1`
     /// in one request, f32 little-endian payload; answered `PullReply` of `clock + 1`.
     PushPull = 8,
+    /// Primary -> backup server: a push (or init) of `block` at `clock` forwarded as it
+    /// was received: an 8-byte prefix (the worker's rank, the init flag) then the f32
+    /// little-endian gradient; answered `Ok` (docs/PROTOCOL.md §12).
+    Forward = 9,
 }
 
 impl Kind {
     /// Every kind, in wire order.
-    pub const ALL: [Kind; 8] = [
+    pub const ALL: [Kind; 9] = [
         Kind::Control,
         Kind::Push,
         Kind::PushAck,
@@ -66,6 +73,7 @@ impl Kind {
         Kind::Error,
         Kind::Init,
         Kind::PushPull,
+        Kind::Forward,
     ];
 
     /// The kind with this wire value, if any.
@@ -79,6 +87,7 @@ impl Kind {
             6 => Some(Kind::Error),
             7 => Some(Kind::Init),
             8 => Some(Kind::PushPull),
+            9 => Some(Kind::Forward),
             _ => None,
         }
     }
@@ -87,6 +96,13 @@ impl Kind {
     /// Init, PushPull).
     pub fn carries_f32(self) -> bool {
         matches!(self, Kind::Push | Kind::PullReply | Kind::Init | Kind::PushPull)
+    }
+
+    /// True for the kinds whose payload is whole 4-byte words (the f32 kinds, and
+    /// Forward: its 8-byte prefix, then f32 values), so a reader may read it into an
+    /// aligned `Vec<f32>` and keep the values aligned.
+    pub fn carries_words(self) -> bool {
+        self.carries_f32() || self == Kind::Forward
     }
 
     /// True for the kinds whose payload must be empty (PushAck, Pull).
@@ -125,6 +141,7 @@ impl fmt::Display for Kind {
             Kind::Error => "Error",
             Kind::Init => "Init",
             Kind::PushPull => "PushPull",
+            Kind::Forward => "Forward",
         })
     }
 }

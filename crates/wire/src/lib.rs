@@ -70,7 +70,8 @@ pub use error::{ErrorCode, ErrorReply, WireError};
 pub use frame::Codec;
 pub use handshake::KeyId;
 pub use header::{
-    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION, checksum,
+    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
+    checksum,
 };
 pub use message::Message;
 pub use values::Values;

@@ -4,7 +4,7 @@ use bytes::Bytes;
 
 use crate::control::Control;
 use crate::error::{ErrorReply, WireError};
-use crate::header::{FrameHeader, Kind};
+use crate::header::{FORWARD_PREFIX, FrameHeader, Kind};
 use crate::values::Values;
 
 /// One typed message: what a frame (header + payload) means.
@@ -19,6 +19,7 @@ use crate::values::Values;
 /// | Error     | 0, 0         | postcard [`ErrorReply`] |
 /// | Init      | block, 0     | f32 little-endian, `len % 4 == 0` |
 /// | PushPull  | set          | f32 little-endian, `len % 4 == 0` |
+/// | Forward   | set          | worker u32, init u32 (0/1), then f32 little-endian |
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
     /// A control-plane message.
@@ -78,6 +79,22 @@ pub enum Message {
         /// The gradient.
         values: Values,
     },
+    /// Primary -> backup server: a push (`init` false) or an init (`init` true, `clock`
+    /// 0) of `block` that worker `worker` sent the primary, forwarded as it came: the
+    /// gradient is the bytes the primary received, not a copy. Answered `Ok` once the
+    /// backup's copy applied it (a duplicate too) (docs/PROTOCOL.md §12).
+    Forward {
+        /// Block id.
+        block: u32,
+        /// The push's clock (0 for an init).
+        clock: u32,
+        /// The worker that sent the push to the primary.
+        worker: u32,
+        /// An init (the block's initial values) rather than a gradient.
+        init: bool,
+        /// The gradient (or initial values).
+        values: Values,
+    },
 }
 
 impl Message {
@@ -92,6 +109,7 @@ impl Message {
             Message::Error(_) => Kind::Error,
             Message::Init { .. } => Kind::Init,
             Message::PushPull { .. } => Kind::PushPull,
+            Message::Forward { .. } => Kind::Forward,
         }
     }
 
@@ -109,7 +127,8 @@ impl Message {
             | Message::PushAck { block, clock }
             | Message::Pull { block, clock }
             | Message::PullReply { block, clock, .. }
-            | Message::PushPull { block, clock, .. } => (*block, *clock),
+            | Message::PushPull { block, clock, .. }
+            | Message::Forward { block, clock, .. } => (*block, *clock),
             Message::Init { block, .. } => (*block, 0),
         }
     }
@@ -117,17 +136,45 @@ impl Message {
     /// The payload bytes of this message: the shared f32 bytes for Push, PullReply, Init
     /// and PushPull (no copy), empty for PushAck and Pull, postcard for Control and Error.
     ///
-    /// Does not check any size limit; [`Codec::encode`](crate::Codec::encode) does.
+    /// Does not check any size limit; [`Codec::encode`](crate::Codec::encode) does. A
+    /// Forward's payload is its prefix and its values in one buffer (a copy); the data
+    /// path writes them apart ([`Message::payload_parts`]).
     pub fn encode_payload(&self) -> Result<Bytes, WireError> {
-        Ok(match self {
-            Message::Control(c) => Bytes::from(postcard::to_allocvec(c)?),
-            Message::Error(e) => Bytes::from(postcard::to_allocvec(e)?),
-            Message::Push { values, .. }
-            | Message::PullReply { values, .. }
-            | Message::Init { values, .. }
-            | Message::PushPull { values, .. } => values.as_bytes().clone(),
-            Message::PushAck { .. } | Message::Pull { .. } => Bytes::new(),
+        let (prefix, payload) = self.payload_parts()?;
+        Ok(match prefix {
+            None => payload,
+            Some(prefix) => {
+                let mut b = Vec::with_capacity(prefix.len() + payload.len());
+                b.extend_from_slice(&prefix);
+                b.extend_from_slice(&payload);
+                Bytes::from(b)
+            }
         })
+    }
+
+    /// The payload as written: the bytes before the values (a Forward's 8-byte prefix;
+    /// `None` for every other kind), then the payload bytes proper (the values' own
+    /// shared bytes for the f32 kinds and Forward: no copy).
+    pub fn payload_parts(&self) -> Result<(Option<[u8; FORWARD_PREFIX]>, Bytes), WireError> {
+        if let Message::Forward { worker, init, values, .. } = self {
+            let mut prefix = [0u8; FORWARD_PREFIX];
+            prefix[..4].copy_from_slice(&worker.to_le_bytes());
+            prefix[4..].copy_from_slice(&u32::from(*init).to_le_bytes());
+            return Ok((Some(prefix), values.as_bytes().clone()));
+        }
+        Ok((
+            None,
+            match self {
+                Message::Control(c) => Bytes::from(postcard::to_allocvec(c)?),
+                Message::Error(e) => Bytes::from(postcard::to_allocvec(e)?),
+                Message::Push { values, .. }
+                | Message::PullReply { values, .. }
+                | Message::Init { values, .. }
+                | Message::PushPull { values, .. } => values.as_bytes().clone(),
+                Message::PushAck { .. } | Message::Pull { .. } => Bytes::new(),
+                Message::Forward { .. } => unreachable!("handled above"),
+            },
+        ))
     }
 
     /// Decodes the payload of a frame whose header `h` was validated by
@@ -159,6 +206,20 @@ impl Message {
             Kind::Init if clock != 0 => return Err(bad(format!("an Init frame carries clock 0, not {clock}"))),
             Kind::Init => Message::Init { block, values: Values::from_le_bytes(payload)? },
             Kind::PushPull => Message::PushPull { block, clock, values: Values::from_le_bytes(payload)? },
+            Kind::Forward => {
+                let word = |i: usize| u32::from_le_bytes([payload[i], payload[i + 1], payload[i + 2], payload[i + 3]]);
+                let (worker, flag) = (word(0), word(4));
+                let init = match flag {
+                    0 => false,
+                    1 => true,
+                    other => return Err(bad(format!("a Forward's init flag is 0 or 1, not {other}"))),
+                };
+                if init && clock != 0 {
+                    return Err(bad(format!("a forwarded Init carries clock 0, not {clock}")));
+                }
+                let values = Values::from_le_bytes(payload.slice(FORWARD_PREFIX..))?;
+                Message::Forward { block, clock, worker, init, values }
+            }
         })
     }
 }
@@ -176,8 +237,15 @@ impl From<ErrorReply> for Message {
 }
 
 /// The payload-length rules that can be checked from the header alone: f32 kinds carry
-/// a multiple of 4 bytes, PushAck and Pull carry nothing.
+/// a multiple of 4 bytes, Forward its 8-byte prefix and a multiple of 4, PushAck and
+/// Pull nothing.
 pub(crate) fn check_payload_len(kind: Kind, len: u32) -> Result<(), WireError> {
+    if kind == Kind::Forward && (len < FORWARD_PREFIX as u32 || !len.is_multiple_of(4)) {
+        return Err(WireError::BadPayload {
+            kind,
+            why: format!("{len} bytes are not the {FORWARD_PREFIX}-byte prefix and whole f32 values"),
+        });
+    }
     if kind.carries_f32() && !len.is_multiple_of(4) {
         return Err(WireError::BadPayload { kind, why: format!("{len} bytes are not a whole number of f32 values") });
     }

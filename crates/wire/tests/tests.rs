@@ -523,6 +523,12 @@ mod common {
             (any::<u32>(), arb_values()).prop_map(|(block, values)| Message::Init { block, values }),
             (any::<u32>(), any::<u32>(), arb_values())
                 .prop_map(|(block, clock, values)| { Message::PushPull { block, clock, values } }),
+            (any::<u32>(), any::<u32>(), any::<u32>(), any::<bool>(), arb_values()).prop_map(
+                |(block, clock, worker, init, values)| {
+                    let clock = if init { 0 } else { clock };
+                    Message::Forward { block, clock, worker, init, values }
+                }
+            ),
         ]
     }
 }
@@ -743,7 +749,7 @@ mod invalid {
 
     #[test]
     fn unknown_kinds() {
-        for k in [0u8, 9, 99, 255] {
+        for k in [0u8, 10, 99, 255] {
             let err = refuse(edited(5..6, &[k]));
             assert_eq!(err, WireError::UnknownKind { got: k });
             assert_eq!(err.code(), ErrorCode::UnknownKind);
@@ -783,6 +789,50 @@ mod invalid {
         bad[24..28].copy_from_slice(&7u32.to_le_bytes());
         reseal(&mut bad, SECRET);
         assert!(matches!(refuse(bad), WireError::BadPayload { kind: Kind::PushPull, .. }));
+    }
+
+    #[test]
+    fn a_forward_frame_carries_the_worker_the_init_flag_and_the_received_bytes() {
+        let values = Values::from_vec(vec![1.0, -2.0]);
+        let msg = Message::Forward { block: 3, clock: 5, worker: 2, init: false, values: values.clone() };
+        // Written apart: header, 8-byte prefix, then the values' own bytes (no copy).
+        let (head, prefix, body) = Codec::default().encode_parts(8, &msg).unwrap();
+        assert_eq!(body.as_ptr(), values.as_bytes().as_ptr(), "the payload is the values' bytes, not a copy");
+        assert_eq!(prefix, Some([2, 0, 0, 0, 0, 0, 0, 0]));
+        assert_eq!((head[5], &head[16..28]), (9, &[3, 0, 0, 0, 5, 0, 0, 0, 16, 0, 0, 0][..]));
+        let (head2, payload) = Codec::default().encode(8, &msg).unwrap();
+        assert_eq!(head2, head);
+        assert_eq!(hex(&payload), "02 00 00 00 00 00 00 00 00 00 80 3f 00 00 00 c0");
+        assert_eq!(
+            hex(&head),
+            "45 50 53 31 03 09 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 10 00 00 00 fc 4c bf f6"
+        );
+        let h = Codec::default().decode_header(&head).unwrap();
+        assert_eq!((h.kind, h.request_id, h.block, h.clock, h.payload_len), (Kind::Forward, 8, 3, 5, 16));
+        assert!(h.kind.carries_words() && !h.kind.carries_f32() && !h.kind.is_postcard());
+        assert_eq!(Message::decode(&h, payload.clone()).unwrap(), msg);
+        assert_eq!(Kind::Forward.to_string(), "Forward");
+        // An init: flag 1 and clock 0; clock 5 with the flag is refused, so is a flag of 2.
+        let init = Message::Forward { block: 3, clock: 0, worker: 2, init: true, values };
+        let (ih, ip) = Codec::default().encode(8, &init).unwrap();
+        let ih = Codec::default().decode_header(&ih).unwrap();
+        assert_eq!(Message::decode(&ih, ip.clone()).unwrap(), init);
+        let wrong = FrameHeader { clock: 5, ..ih };
+        assert!(matches!(Message::decode(&wrong, ip.clone()), Err(WireError::BadPayload { kind: Kind::Forward, .. })));
+        let mut two = ip.to_vec();
+        two[4] = 2;
+        assert!(matches!(Message::decode(&ih, two.into()), Err(WireError::BadPayload { kind: Kind::Forward, .. })));
+        // Shorter than the prefix, or not whole words: refused from the header.
+        for len in [0u32, 4, 10] {
+            let mut bad = edited(5..6, &[Kind::Forward as u8]);
+            bad[24..28].copy_from_slice(&len.to_le_bytes());
+            reseal(&mut bad, SECRET);
+            assert!(matches!(refuse(bad), WireError::BadPayload { kind: Kind::Forward, .. }), "{len}");
+        }
+        // The prefix alone (an empty block) is a valid frame.
+        let empty = Message::Forward { block: 1, clock: 1, worker: 0, init: false, values: Values::default() };
+        let (eh, ep) = Codec::default().encode(1, &empty).unwrap();
+        assert_eq!(Message::decode(&Codec::default().decode_header(&eh).unwrap(), ep).unwrap(), empty);
     }
 
     #[test]

@@ -326,7 +326,7 @@ impl Server {
 
     pub(super) fn serve_parked(&mut self, now_us: u64, parked: Vec<Parked>, out: &mut Vec<Action>) {
         for Parked { rank, to, request } in parked {
-            if let Some(msg) = self.serve(now_us, rank, to, request, out) {
+            if let Some(msg) = self.serve(now_us, rank, to, request, false, out) {
                 out.push(Action::Reply { conn: to.conn, request_id: to.request_id, msg });
             }
         }

@@ -125,6 +125,10 @@ pub enum Event {
     /// The runtime read the blocks of the checkpoint the job resumes from
     /// ([`Action::Restore`]), or why it could not.
     Restored(Result<Vec<BlockState>, String>),
+    /// The runtime carried out the actions before an [`Action::Continue`] (the pushes
+    /// forwarded to the backups are on their links): the server applies what it
+    /// deferred. Any other event does that first too, so nothing waits for this one.
+    Continue,
 }
 
 /// What the runtime must do.
@@ -189,6 +193,11 @@ pub enum Action {
     },
     /// Stop.
     Exit(Exit),
+    /// Hand the messages to other servers decided so far to their links, then give the
+    /// server [`Event::Continue`] at once: a primary forwards a push to its backups
+    /// before it applies it, so that the backups apply it while it does (docs/PROTOCOL.md
+    /// §12). Emitted at most once per event, after the forwards.
+    Continue,
 }
 
 /// One answered pull, as the `--trace` file records it.
@@ -292,6 +301,16 @@ enum Call {
     ReplicaSync { block: BlockId, backup: ServerId },
 }
 
+/// A data request forwarded to the backups, to be applied here at [`Event::Continue`].
+#[derive(Debug)]
+struct Deferred {
+    rank: u32,
+    to: Token,
+    request: Request,
+    /// The block's `done` when it came (its checkpoint is due from it).
+    done: Clock,
+}
+
 /// After `Shutdown`: when it came, and why.
 #[derive(Clone, Debug)]
 struct Stopping {
@@ -347,6 +366,9 @@ pub struct Server {
     checkpoint_writes: u32,
     /// `--replicas`: backup copies held here, and the pushes waiting for backups.
     replication: replica::Replication,
+    /// Data requests whose push was forwarded to the backups and is applied at
+    /// [`Event::Continue`] (or before any other event), in arrival order.
+    deferred: std::collections::VecDeque<Deferred>,
     /// At least the number of pulls held here: the exact count when last counted, plus
     /// every pull that reached a policy since (held pulls come from those alone). The
     /// bounds on held pulls are counted exactly only once it reaches them, so a pull
@@ -385,6 +407,7 @@ impl Server {
             restoring: None,
             checkpoint_writes: 0,
             replication: replica::Replication::default(),
+            deferred: std::collections::VecDeque::new(),
             held_at_most: std::cell::Cell::new(0),
         }
     }
@@ -459,6 +482,8 @@ impl Server {
         }
 
         let from = out.len();
+        // What an earlier event forwarded and deferred is applied before anything else.
+        self.apply_deferred(now_us, out);
         // The drivers skip poll_timeout after a data request: it never moves a deadline
         // earlier (checked here in debug builds).
         let data_before = match &ev {
@@ -478,6 +503,7 @@ impl Server {
             Event::Timeout => self.on_timeout(now_us, out),
             Event::CheckpointWritten { clock, block, result } => self.checkpoint_written(clock, block, result, out),
             Event::Restored(states) => self.restored(now_us, states, out),
+            Event::Continue => {}
         }
         if self.stopping.is_some() {
             self.try_exit(now_us, out);
@@ -700,17 +726,27 @@ impl Server {
                 Some(self.take_delta(now_us, c.server().unwrap_or(u32::MAX), block, epoch, &pushes, out))
             }
             Message::Control(Control::Replicate { block, init, push }) => {
-                self.take_replicated(now_us, (conn, request_id), block, init, push, out)
+                let fwd =
+                    replica::Fwd { worker: push.worker, clock: push.clock, init, values: Values::from_vec(push.grad) };
+                self.take_replicated(now_us, (conn, request_id), block, fwd, out)
+            }
+            Message::Forward { block, clock, worker, init, values } => {
+                let fwd = replica::Fwd { worker, clock, init, values };
+                self.take_replicated(now_us, (conn, request_id), block, fwd, out)
             }
             Message::Control(Control::ReplicaSnapshot(state)) => Some(self.take_replica_snapshot(now_us, state, out)),
             Message::Push { block, clock, values } => {
-                self.serve(now_us, rank, token(block), Request::Push { clock, values }, out)
+                self.serve(now_us, rank, token(block), Request::Push { clock, values }, true, out)
             }
-            Message::Pull { block, clock } => self.serve(now_us, rank, token(block), Request::Pull { clock }, out),
+            Message::Pull { block, clock } => {
+                self.serve(now_us, rank, token(block), Request::Pull { clock }, true, out)
+            }
             Message::PushPull { block, clock, values } => {
-                self.serve(now_us, rank, token(block), Request::PushPull { clock, values }, out)
+                self.serve(now_us, rank, token(block), Request::PushPull { clock, values }, true, out)
             }
-            Message::Init { block, values } => self.serve(now_us, rank, token(block), Request::Init { values }, out),
+            Message::Init { block, values } => {
+                self.serve(now_us, rank, token(block), Request::Init { values }, true, out)
+            }
             Message::Control(Control::SetOptimizer { tensor, optimizer }) => match self.shard.as_mut() {
                 None => Some(Refusal::NotReady.reply(0)),
                 Some(shard) => match shard.set_optimizer(tensor, optimizer) {
@@ -766,7 +802,7 @@ impl Server {
     fn sender_may_not(&self, c: &Conn, msg: &Message) -> Option<String> {
         let sender = c.server()?;
         let block = match msg {
-            Message::Control(Control::Replicate { block, .. }) => *block,
+            Message::Control(Control::Replicate { block, .. }) | Message::Forward { block, .. } => *block,
             Message::Control(Control::ReplicaSnapshot(state)) => state.spec.id,
             _ => return None,
         };
@@ -783,7 +819,21 @@ impl Server {
 
     /// A data request: answered now (the reply returned), later (a held pull: `None`,
     /// the answer comes from a push), or parked while its block is frozen.
-    fn serve(&mut self, now_us: u64, rank: u32, to: Token, request: Request, out: &mut Vec<Action>) -> Option<Message> {
+    ///
+    /// A push to a block with backups is forwarded to them first, then applied here:
+    /// with `defer`, at [`Event::Continue`] (the request is deferred and
+    /// [`Action::Continue`] emitted, so the runtime sends the forwards before this server
+    /// spends the time to apply the push, and the backups apply it while it does); its
+    /// reply waits for both. Requests replayed from a parked list are applied at once.
+    fn serve(
+        &mut self,
+        now_us: u64,
+        rank: u32,
+        to: Token,
+        request: Request,
+        defer: bool,
+        out: &mut Vec<Action>,
+    ) -> Option<Message> {
         let block = to.block;
         self.last_request_us = now_us;
         let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
@@ -816,9 +866,58 @@ impl Server {
             return None;
         }
         self.counters.requests += 1;
-        let forward =
-            if shard.placement.backups_of(block).is_empty() { None } else { replica::carried(rank, &request) };
         // A worker that rejoined may go on past its next clock on this block.
+        let rejoined = self.added_workers.contains(&rank);
+        // Forwarded only if this server takes it too (a duplicate too: a backup that
+        // missed it gets it): a refused push is refused here alone.
+        let forward = match replica::carried(rank, &request) {
+            Some(f) if !shard.placement.backups_of(block).is_empty() => {
+                let takes = if f.init {
+                    !matches!(o.phase, Phase::Copying { .. }) && f.values.len() == o.block.spec().len
+                } else {
+                    o.block.check_push(rank, f.clock, f.values.len(), rejoined).is_ok()
+                };
+                takes.then_some(f)
+            }
+            _ => None,
+        };
+        if let Some(f) = forward {
+            self.forward(now_us, to, f, out);
+            if defer {
+                if self.deferred.is_empty() {
+                    out.push(Action::Continue);
+                }
+                self.deferred.push_back(Deferred { rank, to, request, done });
+                return None;
+            }
+        }
+        self.apply_request(now_us, rank, to, request, done, out)
+    }
+
+    /// Applies the requests deferred by [`Server::serve`], in order, and sends their
+    /// replies (held back by their gates until the backups answered).
+    fn apply_deferred(&mut self, now_us: u64, out: &mut Vec<Action>) {
+        while let Some(Deferred { rank, to, request, done }) = self.deferred.pop_front() {
+            if let Some(msg) = self.apply_request(now_us, rank, to, request, done, out) {
+                out.push(Action::Reply { conn: to.conn, request_id: to.request_id, msg });
+            }
+        }
+    }
+
+    /// The data request's effect on its block (owned and not frozen: [`Server::serve`]
+    /// checked), and its reply if it has one now. `done` is the block's before.
+    fn apply_request(
+        &mut self,
+        now_us: u64,
+        rank: u32,
+        to: Token,
+        request: Request,
+        done: Clock,
+        out: &mut Vec<Action>,
+    ) -> Option<Message> {
+        let block = to.block;
+        let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
+        let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return Some(shard.refusal(block).reply(block)) };
         let rejoined = self.added_workers.contains(&rank);
         let push = if rejoined { Block::push_rejoined } else { Block::push };
         let reply = match request {
@@ -890,11 +989,6 @@ impl Server {
                 refused
             }
         };
-        if let Some((init, push)) = forward
-            && !matches!(reply, Some(Message::Error(_)))
-        {
-            self.forward(now_us, to, init, push, out);
-        }
         self.checkpoint_if_due(now_us, block, done, out);
         reply
     }

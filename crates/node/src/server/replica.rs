@@ -1,9 +1,10 @@
 //! Replicas (`--replicas R`, docs/PROTOCOL.md "Replication and failover"), both ends.
 //!
 //! Primary-forwarding: workers send every request to a block's primary (its owner), which
-//! applies a push and forwards it ([`Control::Replicate`]) to each backup; the reply that
-//! acknowledges the push (its `PushAck`, or a push_pull's pull reply) waits at a
-//! [`Gate`] until every backup answered. So an acknowledged push is on every live copy,
+//! forwards a push to each backup as a data frame of the bytes it received
+//! ([`Message::Forward`]: no copy of the gradient) *before* it applies it, so the backups
+//! apply it while the primary does; the reply that acknowledges the push (its `PushAck`,
+//! or a push_pull's pull reply) waits at a [`Gate`] until every backup answered. So an acknowledged push is on every live copy,
 //! and a worker that resends an unacknowledged one after a failover finds it dropped as a
 //! duplicate by the promoted copy's clock state, or applied there for the first time.
 //!
@@ -11,12 +12,13 @@
 //! whole state ([`Control::ReplicaSnapshot`]) instead, at once or after
 //! [`RESYNC_EVERY_US`]; the gates of the pushes it missed wait for that snapshot. A
 //! backup that leaves the placement (the scheduler's [`Control::Replicas`]) releases the
-//! gates that wait for it. Backups start stale: their first copy is the primary's
+//! gates that wait for it. A snapshot is the block's state *before* the push being
+//! forwarded (the primary forwards first), so that push follows its snapshot on the link. Backups start stale: their first copy is the primary's
 //! snapshot, so a job resumed from a checkpoint needs nothing more.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use elasticps_core::block::{Block, BlockState, LoggedPush};
+use elasticps_core::block::{Block, BlockState};
 use elasticps_core::model::BlockId;
 use elasticps_core::placement::{Placement, ServerId};
 use elasticps_core::sync::Clock;
@@ -57,7 +59,21 @@ enum Copy {
     /// died before it wrote that checkpoint).
     Held(HeldCopy),
     /// No snapshot yet: the forwarded pushes wait, with where their `Ok` goes.
-    Awaiting(Vec<(ConnId, u64, bool, LoggedPush)>),
+    Awaiting(Vec<(ConnId, u64, Fwd)>),
+}
+
+/// A forwarded push (or init), as a backup applies it: the worker's gradient as the
+/// primary received it (shared bytes, no copy).
+#[derive(Debug, Clone)]
+pub(super) struct Fwd {
+    /// The worker that pushed it.
+    pub worker: u32,
+    /// Its clock (0 for an init).
+    pub clock: Clock,
+    /// An init (initial values) rather than a gradient.
+    pub init: bool,
+    /// The gradient or the initial values.
+    pub values: Values,
 }
 
 /// A backup's copy of a block, and its state when it last reached a checkpoint clock.
@@ -75,19 +91,19 @@ impl HeldCopy {
         shard: &super::Shard,
         rejoined: &[u32],
         plan: Option<&CheckpointPlan>,
-        (init, push): (bool, &LoggedPush),
+        push: &Fwd,
         now_us: u64,
     ) -> Message {
         let copy = &mut self.block;
-        if init {
+        if push.init {
             // A second init (a duplicate) finds the block trained or equal: nothing to do.
-            let _ = copy.set_initial(&push.grad);
+            let _ = copy.set_initial(&push.values.to_f32s());
             return Control::Ok.into();
         }
         let before = copy.done();
         let config = shard.config_for(copy.spec());
         let push_fn = if rejoined.contains(&push.worker) { Block::push_rejoined } else { Block::push };
-        if let Err(e) = push_fn(copy, &config, push.worker, push.clock, &push.grad, now_us) {
+        if let Err(e) = push_fn(copy, &config, push.worker, push.clock, &push.values.to_f32s(), now_us) {
             return error(ErrorCode::BadRequest, e.to_string());
         }
         if let Some(c) = super::next_checkpoint(plan, before).filter(|c| *c == copy.done()) {
@@ -176,11 +192,15 @@ impl Server {
         }
     }
 
-    /// Primary: a push (or init) of `block` was applied here for the request `to`: forward
-    /// it to every backup; the request's reply waits for them. A stale backup gets the
-    /// block's state instead (which holds this push), or, with a snapshot in flight, the
-    /// push behind it (the link to a server is FIFO, so it is applied to the new copy).
-    pub(super) fn forward(&mut self, now_us: u64, to: Token, init: bool, push: LoggedPush, out: &mut Vec<Action>) {
+    /// Primary: a push (or init) of `block` for the request `to`, about to be applied
+    /// here (not yet): forward it to every backup as the bytes received; the request's
+    /// reply waits for them. A stale backup gets the block's state first (which does not
+    /// hold this push yet) and the push behind it: the link to a server is FIFO, so the
+    /// push is applied to the new copy. (A snapshot taken before the push and sent alone
+    /// would acknowledge a push the backup never got: the race a forward before the
+    /// apply opens.) A backup whose address is unknown waits for its next snapshot,
+    /// taken after this push was applied.
+    pub(super) fn forward(&mut self, now_us: u64, to: Token, push: Fwd, out: &mut Vec<Action>) {
         let Some(shard) = &self.shard else { return };
         let block = to.block;
         let me = shard.id;
@@ -190,14 +210,14 @@ impl Server {
             let addr = self.replication.peers.get(&backup).cloned();
             let idle_stale = matches!(self.replication.stale.get(&(block, backup)), Some(s) if s.in_flight.is_none());
             let call = match addr {
-                Some(addr) if !idle_stale => {
+                Some(addr) if !idle_stale || self.resync(now_us, block, backup, out).is_some() => {
                     let call = self.call(Call::Replicate { block, backup });
-                    let msg = Control::Replicate { block, init, push: push.clone() }.into();
+                    let Fwd { worker, clock, init, values } = push.clone();
+                    let msg = Message::Forward { block, clock, worker, init, values };
                     out.push(Action::ToServer { call, server: backup, addr, msg });
                     Some(call)
                 }
-                Some(_) => self.resync(now_us, block, backup, out),
-                None => None,
+                _ => None,
             };
             let r = &mut self.replication;
             let gate = r.gates.entry(key).or_insert_with(|| Gate { block, ..Gate::default() });
@@ -368,8 +388,7 @@ impl Server {
         now_us: u64,
         (conn, request_id): (ConnId, u64),
         block: BlockId,
-        init: bool,
-        push: LoggedPush,
+        push: Fwd,
         out: &mut Vec<Action>,
     ) -> Option<Message> {
         let Some(shard) = &self.shard else { return Some(Refusal::NotReady.reply(block)) };
@@ -389,21 +408,21 @@ impl Server {
             // Promoted here while the old primary's forward was on its way: apply it to the
             // block served (a duplicate of the worker's resend is dropped either way).
             let config = shard.config_for(o.block.spec());
-            let answers = if init {
-                let _ = o.block.set_initial(&push.grad);
+            let answers = if push.init {
+                let _ = o.block.set_initial(&push.values.to_f32s());
                 Vec::new()
             } else {
-                o.block.push(&config, push.worker, push.clock, &push.grad, now_us).unwrap_or_default()
+                o.block.push(&config, push.worker, push.clock, &push.values.to_f32s(), now_us).unwrap_or_default()
             };
             self.answer_pulls(answers, out);
             return Some(Control::Ok.into());
         }
         match self.replication.copies.entry(block).or_insert_with(|| Copy::Awaiting(Vec::new())) {
             Copy::Awaiting(waiting) => {
-                waiting.push((conn, request_id, init, push));
+                waiting.push((conn, request_id, push));
                 None
             }
-            Copy::Held(h) => Some(h.apply(shard, &self.added_workers, self.checkpoint.as_ref(), (init, &push), now_us)),
+            Copy::Held(h) => Some(h.apply(shard, &self.added_workers, self.checkpoint.as_ref(), &push, now_us)),
         }
     }
 
@@ -433,8 +452,8 @@ impl Server {
             Some(Copy::Awaiting(w)) => w,
             _ => Vec::new(),
         };
-        for (conn, request_id, init, push) in waiting {
-            let msg = copy.apply(shard, &self.added_workers, self.checkpoint.as_ref(), (init, &push), now_us);
+        for (conn, request_id, push) in waiting {
+            let msg = copy.apply(shard, &self.added_workers, self.checkpoint.as_ref(), &push, now_us);
             out.push(Action::Reply { conn, request_id, msg });
         }
         self.replication.copies.insert(block, Copy::Held(copy));
@@ -552,12 +571,13 @@ fn serves(slot: &Slot) -> bool {
     matches!(slot, Slot::Owned(o) if !matches!(o.phase, Phase::Frozen { .. }))
 }
 
-/// The push a request carries, as a backup replays it (`None` for a pull).
-pub(super) fn carried(rank: u32, request: &super::Request) -> Option<(bool, LoggedPush)> {
+/// The push a request carries, as a backup replays it (`None` for a pull): the bytes
+/// received, shared (no copy).
+pub(super) fn carried(rank: u32, request: &super::Request) -> Option<Fwd> {
     let (init, clock, values): (bool, u32, &Values) = match request {
         super::Request::Push { clock, values } | super::Request::PushPull { clock, values } => (false, *clock, values),
         super::Request::Init { values } => (true, 0, values),
         super::Request::Pull { .. } => return None,
     };
-    Some((init, LoggedPush { worker: rank, clock, grad: values.to_vec() }))
+    Some(Fwd { worker: rank, clock, init, values: values.clone() })
 }

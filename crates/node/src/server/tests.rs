@@ -652,3 +652,108 @@ fn held_pulls_past_the_bound_per_connection_are_refused_and_a_release_makes_room
     assert_eq!(pulled(&pull(&mut s, 3, 0, 9, 0, 1)).len(), 1, "clock 1 is answered at once now");
     assert!(replies(&pull(&mut s, 3, 0, 10, 0, 2)).is_empty(), "and clock 2 is held again, under the bound");
 }
+
+/// The primary and its backup of block 0 after the backup's first snapshot, both ways
+/// introduced (the backup hears the primary on connection 9).
+fn replicated_pair() -> (Server, Server) {
+    let (mut primary, acts) = replicated(0);
+    let (mut backup, _) = replicated(1);
+    let [(sync, _, snapshot)] = &to_servers(&acts)[..] else { panic!("one snapshot to the backup") };
+    introduce(&mut backup, 9, PeerRole::Server, 0);
+    let r = backup.handle(1, Event::Received { conn: 9, request_id: 1, msg: snapshot.clone() });
+    assert_eq!(replies(&r), vec![(9, 1, Control::Ok.into())]);
+    primary.handle(1, Event::FromServer { call: *sync, reply: Ok(Control::Ok.into()) });
+    (primary, backup)
+}
+
+fn values_of(s: &Server, block: BlockId) -> Vec<f32> {
+    match s.slot(block) {
+        Some(Slot::Owned(o)) => o.block.values().to_vec(),
+        other => panic!("block {block} is not owned: {other:?}"),
+    }
+}
+
+#[test]
+fn a_push_is_forwarded_as_the_received_bytes_before_it_is_applied_and_acknowledged_after_both() {
+    let (mut primary, mut backup) = replicated_pair();
+    let values = Values::from_vec(vec![3.0; LEN]);
+    let msg = Message::Push { block: 0, clock: 0, values: values.clone() };
+    let acts = primary.handle(2, Event::Received { conn: 1, request_id: 5, msg });
+    // First the forward (a data frame of the very bytes received), then Continue; the
+    // push is not applied yet and nothing is answered.
+    let [Action::ToServer { call, msg: forward, .. }, Action::Continue] = &acts[..] else {
+        panic!("the forward, then Continue: {acts:?}")
+    };
+    let Message::Forward { block: 0, clock: 0, worker: 0, init: false, values: sent } = forward else {
+        panic!("a Forward frame: {forward:?}")
+    };
+    assert_eq!(sent.as_bytes().as_ptr(), values.as_bytes().as_ptr(), "the received bytes, not a copy");
+    assert_eq!(values_of(&primary, 0), vec![0.0; LEN], "not applied before the forward went out");
+    // The backup applies it while the primary does.
+    let r = backup.handle(3, Event::Received { conn: 9, request_id: 2, msg: forward.clone() });
+    assert_eq!(replies(&r), vec![(9, 2, Control::Ok.into())]);
+    assert_eq!(backup.backup_copy(0).map(|b| b.values().to_vec()), Some(vec![-3.0; LEN]));
+    let acts = primary.handle(3, Event::Continue);
+    assert_eq!(values_of(&primary, 0), vec![-3.0; LEN], "applied at Continue");
+    assert!(replies(&acts).is_empty(), "applied, but the backup has not answered: {acts:?}");
+    let acts = primary.handle(4, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
+    assert_eq!(replies(&acts), vec![(1, 5, Message::PushAck { block: 0, clock: 0 })]);
+
+    // The backup's answer before Continue (a driver that did not give it): the push is
+    // applied first, then acknowledged, once.
+    let acts = push(&mut primary, 5, 1, 6, 0, 0, 1.0);
+    let [(call, _, forward)] = &to_servers(&acts)[..] else { panic!("one forward: {acts:?}") };
+    backup.handle(5, Event::Received { conn: 9, request_id: 3, msg: forward.clone() });
+    let acts = primary.handle(6, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
+    assert_eq!(values_of(&primary, 0), vec![-4.0; LEN]);
+    assert_eq!(replies(&acts), vec![(2, 6, Message::PushAck { block: 0, clock: 0 })]);
+    assert!(replies(&primary.handle(7, Event::Continue)).is_empty(), "nothing left to apply or answer");
+
+    // A retried push (the worker lost the ack): forwarded again, dropped as a duplicate on
+    // both copies, acknowledged again.
+    let acts = push(&mut primary, 8, 0, 7, 0, 0, 3.0);
+    let [(call, _, forward)] = &to_servers(&acts)[..] else { panic!("one forward: {acts:?}") };
+    let r = backup.handle(8, Event::Received { conn: 9, request_id: 4, msg: forward.clone() });
+    assert_eq!(replies(&r), vec![(9, 4, Control::Ok.into())]);
+    primary.handle(8, Event::Continue);
+    let acts = primary.handle(9, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
+    assert_eq!(replies(&acts), vec![(1, 7, Message::PushAck { block: 0, clock: 0 })]);
+    assert_eq!(values_of(&primary, 0), vec![-4.0; LEN], "applied once");
+    assert_eq!(backup.backup_copy(0).map(|b| b.values().to_vec()), Some(vec![-4.0; LEN]), "applied once");
+
+    // A push the primary refuses (a clock gap) is not forwarded: refused at once.
+    let acts = push(&mut primary, 10, 0, 8, 0, 5, 1.0);
+    assert!(to_servers(&acts).is_empty() && !acts.contains(&Action::Continue), "{acts:?}");
+    assert!(matches!(&replies(&acts)[..], [(1, 8, Message::Error(e))] if e.code == ErrorCode::BadRequest));
+}
+
+#[test]
+fn a_stale_backups_snapshot_is_followed_by_the_push_it_does_not_hold() {
+    let (mut primary, mut backup) = replicated_pair();
+    // A forward fails: the backup is stale, with no snapshot in flight until the retry.
+    let acts = push(&mut primary, 2, 0, 5, 0, 0, 1.0);
+    let [(call, _, _)] = &to_servers(&acts)[..] else { panic!("one forward: {acts:?}") };
+    primary.handle(2, Event::Continue);
+    primary.handle(3, Event::FromServer { call: *call, reply: Err("connection reset".into()) });
+    // The next push: the snapshot goes first (the state before this push: the forward
+    // goes out before the apply), and the push behind it.
+    let acts = push(&mut primary, 4, 1, 6, 0, 0, 2.0);
+    let sent = to_servers(&acts);
+    let [(sync, _, snapshot), (fwd, _, forward)] = &sent[..] else { panic!("a snapshot and a forward: {sent:?}") };
+    let Message::Control(Control::ReplicaSnapshot(state)) = snapshot else { panic!("{snapshot:?}") };
+    assert_eq!(state.values, vec![-1.0; LEN], "the state before the push");
+    assert!(matches!(forward, Message::Forward { worker: 1, clock: 0, .. }), "{forward:?}");
+    primary.handle(4, Event::Continue);
+    assert_eq!(values_of(&primary, 0), vec![-3.0; LEN]);
+    // The backup takes both, in order: its copy ends as the primary's.
+    backup.handle(5, Event::Received { conn: 9, request_id: 2, msg: snapshot.clone() });
+    let r = backup.handle(5, Event::Received { conn: 9, request_id: 3, msg: forward.clone() });
+    assert_eq!(replies(&r), vec![(9, 3, Control::Ok.into())]);
+    assert_eq!(backup.backup_copy(0).map(|b| b.values().to_vec()), Some(vec![-3.0; LEN]));
+    // The snapshot's answer releases the push that waited for it (worker 0's), not the
+    // one behind it: worker 1's waits for its forward.
+    let acts = primary.handle(6, Event::FromServer { call: *sync, reply: Ok(Control::Ok.into()) });
+    assert_eq!(replies(&acts), vec![(1, 5, Message::PushAck { block: 0, clock: 0 })]);
+    let acts = primary.handle(7, Event::FromServer { call: *fwd, reply: Ok(Control::Ok.into()) });
+    assert_eq!(replies(&acts), vec![(2, 6, Message::PushAck { block: 0, clock: 0 })]);
+}

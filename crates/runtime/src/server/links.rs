@@ -134,6 +134,7 @@ fn kind_of(msg: &Message) -> &'static str {
         Message::Control(Control::BlockSnapshot { .. }) => "BlockSnapshot",
         Message::Control(Control::BlockDelta { .. }) => "BlockDelta",
         Message::Control(Control::Replicate { .. }) => "Replicate",
+        Message::Forward { .. } => "Forward",
         Message::Control(Control::ReplicaSnapshot(_)) => "ReplicaSnapshot",
         _ => "a server's request",
     }

@@ -233,6 +233,13 @@ impl Io {
         let mut server = lock(&self.server);
         let started = Instant::now();
         let mut actions = server.handle(self.clock.now(), ev);
+        // A push forwarded to its backups: the forwards go to their links now (their
+        // tasks write them while this one applies the push), then the push is applied.
+        while let Some(at) = actions.iter().position(|a| matches!(a, Action::Continue)) {
+            actions.remove(at);
+            self.send_to_servers(&mut actions);
+            server.handle_into(self.clock.now(), Event::Continue, &mut actions);
+        }
         // A deadline earlier than the main loop sleeps until (a migration step's, a
         // resync's) wakes it. Only control events set those: a data request (the push and
         // pull path) never moves a deadline earlier, so it skips poll_timeout's scan.
@@ -243,14 +250,7 @@ impl Io {
             self.wake_us.store(at, Ordering::Relaxed);
             self.rearm.notify_one();
         }
-        actions.retain_mut(|a| match a {
-            Action::ToServer { call, server, addr, msg } => {
-                let msg = std::mem::replace(msg, Message::Control(Control::Ok));
-                self.links.send(self, *call, *server, addr, msg);
-                false
-            }
-            _ => true,
-        });
+        self.send_to_servers(&mut actions);
         if data {
             let spent = started.elapsed();
             server.charge(spent.as_micros() as u64, 0);
@@ -263,6 +263,19 @@ impl Io {
             }
         }
         actions
+    }
+
+    /// Hands the messages to other servers in `actions` to their links, in order, and
+    /// takes them out.
+    fn send_to_servers(self: &Arc<Self>, actions: &mut Vec<Action>) {
+        actions.retain_mut(|a| match a {
+            Action::ToServer { call, server, addr, msg } => {
+                let msg = std::mem::replace(msg, Message::Control(Control::Ok));
+                self.links.send(self, *call, *server, addr, msg);
+                false
+            }
+            _ => true,
+        });
     }
 
     /// [`Io::step`] for a frame that arrived on connection `conn`: the replies to `conn`
@@ -299,8 +312,9 @@ impl Io {
                     let _ = self.sched.notify(msg);
                 }
                 Action::ToScheduler { request_id, msg } => self.call_scheduler(request_id, msg),
-                // Sent in `decide`, in the order the state machine emitted them.
-                Action::ToServer { .. } => {}
+                // Sent in `decide`, in the order the state machine emitted them; `decide`
+                // also answers every Continue.
+                Action::ToServer { .. } | Action::Continue => {}
                 Action::Trace(t) => {
                     if let Some(trace) = &self.trace {
                         let _ = writeln!(lock(trace), "{}", t.json());
