@@ -998,7 +998,7 @@ mod tests {
         let c = full.spec(Some(Scenario::Skewed), Mode::Static);
         assert_eq!(c.job.placement.to_string(), "skewed:1");
         let d = full.spec(Some(Scenario::MidRun), Mode::Static);
-        assert_eq!((d.job.straggler_at, d.data.iterations), (8.0, Some(20)));
+        assert_eq!((d.job.straggler_at, d.data.iterations), (8.0, Some(30)));
         let e = full.spec(Some(Scenario::ScaleOut), Mode::Psld);
         assert_eq!((e.job.max_servers, e.job.server_bandwidth.len()), (Some(5), 5));
         assert!(Plan::new(&cmd(&["--scenarios", "a", "--psld-iterations", "2"])).is_err());
