@@ -13,6 +13,11 @@
 //!   counts half, and after a change of the true rate the estimate closes
 //!   `1 - 2^(-t/half_life)` of the gap in time `t` (about 94% after four half-lives).
 //!   Without new samples the estimate stays where it is and only its age grows.
+//! - **Change of regime.** A sample [`JUMP`] (3) times above or below the estimate of a
+//!   server with at least [`JUMP_SAMPLES`] samples starts its estimate afresh: a link
+//!   capped mid-run (4x slower) would otherwise take several half-lives to show, while the
+//!   old samples' spread kept every decision on it waiting. Noise rarely moves a rate 3x
+//!   between two intervals; a cap or a new neighbour does.
 //! - **Spread.** The weighted variance of the sample rates (West's incremental algorithm,
 //!   numerically stable), giving the coefficient of variation `cv = sd / mean`.
 //! - **Confidence.** `1 - rse`, clamped to `[0, 1]`, where the relative standard error of
@@ -31,6 +36,13 @@ use crate::placement::ServerId;
 
 /// Relative spread assumed a priori for a single sample (see the module doc).
 pub const PRIOR_CV: f64 = 1.0;
+
+/// A sample this many times above or below a server's estimate is a change of regime:
+/// the estimate starts afresh from it (see the module doc).
+pub const JUMP: f64 = 3.0;
+
+/// Samples a server's estimate needs before a jump restarts it.
+pub const JUMP_SAMPLES: u64 = 4;
 
 /// Service-rate estimates of every server that has samples.
 #[derive(Clone, Debug, PartialEq)]
@@ -105,14 +117,11 @@ impl LoadModel {
             return;
         }
         let half_life = self.half_life_us as f64;
-        let s = self.servers.entry(server).or_insert(Stats {
-            weight: 0.0,
-            weight_sq: 0.0,
-            mean: 0.0,
-            m2: 0.0,
-            samples: 0,
-            last_us: now_us,
-        });
+        let fresh = Stats { weight: 0.0, weight_sq: 0.0, mean: 0.0, m2: 0.0, samples: 0, last_us: now_us };
+        let s = self.servers.entry(server).or_insert(fresh);
+        if s.samples >= JUMP_SAMPLES && (rate > s.mean * JUMP || rate * JUMP < s.mean) {
+            *s = Stats { last_us: s.last_us.max(now_us), ..fresh };
+        }
         let dt = now_us.saturating_sub(s.last_us) as f64;
         let decay = (-dt / half_life).exp2();
         s.weight *= decay;
@@ -176,6 +185,30 @@ mod tests {
     /// `bytes` at `bps` as a push duration in µs.
     fn us(bytes: u64, bps: f64) -> u64 {
         (bytes as f64 / bps * 1e6).round() as u64
+    }
+
+    #[test]
+    fn a_rate_three_times_off_starts_the_estimate_afresh_and_noise_does_not() {
+        let mut m = LoadModel::new(3 * S);
+        for t in 0..8 {
+            m.observe(0, 4 * MB, us(4 * MB, 200e6), t * S);
+        }
+        // 2x slower: within the noise the model averages away, the estimate only moves.
+        m.observe(0, 4 * MB, us(4 * MB, 100e6), 8 * S);
+        let e = m.estimate(0, 8 * S).unwrap();
+        assert!(e.bps > 150e6 && e.samples == 9, "{e:?}");
+        // Capped at a quarter: the next sample is 4x below, and the estimate is that rate.
+        for i in 0..4 {
+            m.observe(0, 4 * MB, us(4 * MB, 50e6), 9 * S);
+            let e = m.estimate(0, 9 * S).unwrap();
+            assert!((e.bps - 50e6).abs() < 1e3 && e.samples == i + 1, "{e:?}");
+        }
+        assert!(m.estimate(0, 9 * S).unwrap().confidence >= 0.5);
+        // A server with fewer samples than JUMP_SAMPLES keeps averaging.
+        let mut m = LoadModel::new(3 * S);
+        m.observe(1, 4 * MB, us(4 * MB, 200e6), 0);
+        m.observe(1, 4 * MB, us(4 * MB, 20e6), S);
+        assert_eq!(m.estimate(1, S).unwrap().samples, 2);
     }
 
     #[test]
