@@ -13,11 +13,14 @@
 //!   counts half, and after a change of the true rate the estimate closes
 //!   `1 - 2^(-t/half_life)` of the gap in time `t` (about 94% after four half-lives).
 //!   Without new samples the estimate stays where it is and only its age grows.
-//! - **Change of regime.** A sample [`JUMP`] (3) times above or below the estimate of a
-//!   server with at least [`JUMP_SAMPLES`] samples starts its estimate afresh: a link
-//!   capped mid-run (4x slower) would otherwise take several half-lives to show, while the
-//!   old samples' spread kept every decision on it waiting. Noise rarely moves a rate 3x
-//!   between two intervals; a cap or a new neighbour does.
+//! - **Change of regime.** Samples [`JUMP`] (3) times above or below the estimate of a
+//!   server with samples from at least [`JUMP_REPORTS`] distinct instants are held out; if
+//!   the next instant's samples are off the same way, the estimate starts afresh from them,
+//!   and otherwise the held-out ones are dropped. A link capped mid-run (4x slower) would
+//!   otherwise take several half-lives to show, while the old samples' spread kept every
+//!   decision on it waiting; one stray interval (a sender stalled mid-frame) changes
+//!   nothing. (A server's report gives several samples at one instant, hence instants.)
+//!   History that has decayed below one fresh sample's weight is not held against a jump.
 //! - **Spread.** The weighted variance of the sample rates (West's incremental algorithm,
 //!   numerically stable), giving the coefficient of variation `cv = sd / mean`.
 //! - **Confidence.** `1 - rse`, clamped to `[0, 1]`, where the relative standard error of
@@ -41,8 +44,8 @@ pub const PRIOR_CV: f64 = 1.0;
 /// the estimate starts afresh from it (see the module doc).
 pub const JUMP: f64 = 3.0;
 
-/// Samples a server's estimate needs before a jump restarts it.
-pub const JUMP_SAMPLES: u64 = 4;
+/// Distinct instants a server's samples must come from before a jump can restart it.
+pub const JUMP_REPORTS: u64 = 4;
 
 /// Service-rate estimates of every server that has samples.
 #[derive(Clone, Debug, PartialEq)]
@@ -64,8 +67,12 @@ struct Stats {
     m2: f64,
     /// Samples ever observed.
     samples: u64,
+    /// Distinct instants they came at.
+    reports: u64,
     /// Time of the latest sample.
     last_us: u64,
+    /// A jump held out: its instant and whether it was upwards.
+    jump: Option<(u64, bool)>,
 }
 
 /// The rate estimate of one server.
@@ -117,10 +124,38 @@ impl LoadModel {
             return;
         }
         let half_life = self.half_life_us as f64;
-        let fresh = Stats { weight: 0.0, weight_sq: 0.0, mean: 0.0, m2: 0.0, samples: 0, last_us: now_us };
+        let fresh = Stats {
+            weight: 0.0,
+            weight_sq: 0.0,
+            mean: 0.0,
+            m2: 0.0,
+            samples: 0,
+            reports: 0,
+            last_us: now_us,
+            jump: None,
+        };
         let s = self.servers.entry(server).or_insert(fresh);
-        if s.samples >= JUMP_SAMPLES && (rate > s.mean * JUMP || rate * JUMP < s.mean) {
-            *s = Stats { last_us: s.last_us.max(now_us), ..fresh };
+        let up = rate > s.mean * JUMP;
+        // History that has decayed below one fresh sample's weight is outweighed anyway.
+        let weighs = s.weight * (-(now_us.saturating_sub(s.last_us) as f64) / half_life).exp2() >= 1.0;
+        if weighs && s.reports >= JUMP_REPORTS && (up || rate * JUMP < s.mean) {
+            match s.jump {
+                // The next instant is off the same way: a change of regime.
+                Some((at, was_up)) if now_us > at && was_up == up => {
+                    *s = Stats { last_us: s.last_us.max(now_us), ..fresh };
+                }
+                // Another sample of the instant held out.
+                Some((at, was_up)) if now_us == at && was_up == up => return,
+                _ => {
+                    s.jump = Some((now_us, up));
+                    return;
+                }
+            }
+        } else {
+            s.jump = None;
+        }
+        if s.samples == 0 || now_us > s.last_us {
+            s.reports += 1;
         }
         let dt = now_us.saturating_sub(s.last_us) as f64;
         let decay = (-dt / half_life).exp2();
@@ -188,27 +223,42 @@ mod tests {
     }
 
     #[test]
-    fn a_rate_three_times_off_starts_the_estimate_afresh_and_noise_does_not() {
+    fn a_rate_three_times_off_twice_running_starts_the_estimate_afresh_and_once_does_not() {
         let mut m = LoadModel::new(3 * S);
+        // Reports of 8 samples each, as the scheduler feeds a server's report.
+        let report = |m: &mut LoadModel, bps: f64, t: u64| {
+            for _ in 0..8 {
+                m.observe(0, 4 * MB, us(4 * MB, bps), t);
+            }
+        };
         for t in 0..8 {
-            m.observe(0, 4 * MB, us(4 * MB, 200e6), t * S);
+            report(&mut m, 200e6, t * S);
         }
         // 2x slower: within the noise the model averages away, the estimate only moves.
-        m.observe(0, 4 * MB, us(4 * MB, 100e6), 8 * S);
+        report(&mut m, 100e6, 8 * S);
         let e = m.estimate(0, 8 * S).unwrap();
-        assert!(e.bps > 150e6 && e.samples == 9, "{e:?}");
-        // Capped at a quarter: the next sample is 4x below, and the estimate is that rate.
-        for i in 0..4 {
-            m.observe(0, 4 * MB, us(4 * MB, 50e6), 9 * S);
-            let e = m.estimate(0, 9 * S).unwrap();
-            assert!((e.bps - 50e6).abs() < 1e3 && e.samples == i + 1, "{e:?}");
-        }
-        assert!(m.estimate(0, 9 * S).unwrap().confidence >= 0.5);
-        // A server with fewer samples than JUMP_SAMPLES keeps averaging.
+        assert!(e.bps > 150e6 && e.samples == 72, "{e:?}");
+        // One stray report 4x below is held out, and dropped when the next is normal.
+        let before = m.estimate(0, 9 * S).unwrap().bps;
+        report(&mut m, 50e6, 9 * S);
+        assert_eq!(m.estimate(0, 9 * S).unwrap().bps, before, "held out");
+        report(&mut m, 200e6, 10 * S);
+        let e = m.estimate(0, 10 * S).unwrap();
+        assert!(e.bps > before && e.samples == 80, "the stray report dropped: {e:?}");
+        // Capped at a quarter: two reports 4x below in a row, and the estimate is that rate.
+        report(&mut m, 50e6, 11 * S);
+        report(&mut m, 50e6, 12 * S);
+        let e = m.estimate(0, 12 * S).unwrap();
+        assert!((e.bps - 50e6).abs() < 1e3 && e.samples == 8, "{e:?}");
+        assert!(e.confidence >= 0.5, "{e:?}");
+        // A server with samples from fewer than JUMP_REPORTS instants keeps averaging,
+        // however many samples one report gave.
         let mut m = LoadModel::new(3 * S);
-        m.observe(1, 4 * MB, us(4 * MB, 200e6), 0);
+        for _ in 0..8 {
+            m.observe(1, 4 * MB, us(4 * MB, 200e6), 0);
+        }
         m.observe(1, 4 * MB, us(4 * MB, 20e6), S);
-        assert_eq!(m.estimate(1, S).unwrap().samples, 2);
+        assert_eq!(m.estimate(1, S).unwrap().samples, 9);
     }
 
     #[test]

@@ -211,6 +211,10 @@ impl Scheduler {
         s.checkpoints =
             saved.checkpoints.into_iter().map(|(c, b)| (c, b.into_iter().map(|e| (e.block, e)).collect())).collect();
         s.elastic.restore(&saved.server_states, saved.migration, saved.migrations, saved.balance, 0);
+        // The balancer shares a server's link among the workers still running.
+        for rank in &s.finished_workers {
+            s.elastic.worker_left(*rank);
+        }
         s.assigned = (0..s.servers.len() as u32).collect();
         let removed = s.elastic.removed();
         let servers: BTreeSet<ServerId> = (0..s.servers.len() as u32).filter(|id| !removed.contains(id)).collect();

@@ -620,7 +620,9 @@ impl Server {
             }
         }
         let c = &mut self.counters;
-        let rx = c.capacity.take(c.busy_us);
+        // Spins of the injected interference on several threads overlap: the busy time an
+        // interval can hold back is at most the interval.
+        let rx = c.capacity.take(c.busy_us.min(interval_us));
         ServerLoad {
             server_id: self.id.unwrap_or(u32::MAX),
             interval_us,
