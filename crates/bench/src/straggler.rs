@@ -126,7 +126,7 @@ pub struct StragglerBenchCmd {
     /// When the straggler starts in scenario d, seconds after the servers get their blocks.
     #[arg(long, default_value_t = 8.0)]
     pub straggler_at: f64,
-    /// Iterations per worker of every psld run (default: 24, d 30, e 30; quick 20).
+    /// Iterations per worker of every psld run (default: 24, d 45, e 30; quick 20).
     #[arg(long)]
     pub psld_iterations: Option<u32>,
     /// Iterations per worker of every static run (default: 10, d 30, as the straggler starts
@@ -309,7 +309,8 @@ impl Plan {
             }),
             (Mode::Psld, s) => self.psld_iterations.unwrap_or(match s {
                 _ if self.quick => 20,
-                Some(Scenario::MidRun | Scenario::ScaleOut) => 30,
+                Some(Scenario::MidRun) => 45,
+                Some(Scenario::ScaleOut) => 30,
                 _ => 24,
             }),
         }
@@ -882,7 +883,7 @@ fn render(out: &Written<Body>) -> String {
         p.static_iterations
             .map_or_else(|| if p.quick { "6".to_string() } else { "10 (d 30)".to_string() }, |n| n.to_string()),
         p.psld_iterations
-            .map_or_else(|| if p.quick { "20".to_string() } else { "24 (d, e 30)".to_string() }, |n| n.to_string()),
+            .map_or_else(|| if p.quick { "20".to_string() } else { "24 (d 45, e 30)".to_string() }, |n| n.to_string()),
         if p.baseline { ", baseline and uncapped 16" } else { "" },
     ));
     s.push_str(&markdown_table(&headers, &rows));
