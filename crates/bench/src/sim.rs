@@ -159,18 +159,13 @@ impl Plan {
     fn psld_spec(&self, job: PsldJob, run: PsldRun) -> TrainSpec {
         let mut spec = job_spec(job.workers, job.servers, Profile::ResNet50, job.iterations);
         let link = sim_defaults().link_mbps;
-        let capped = matches!(run, PsldRun::Static | PsldRun::Psld);
-        let caps = if capped {
+        let caps = if run.capped() {
             straggler_ids(job.servers, job.stragglers).iter().map(|i| (*i, link / 4.0)).collect()
         } else {
             Vec::new()
         };
-        let balance = match run {
-            PsldRun::Static | PsldRun::Ceiling => BalanceMode::Static,
-            PsldRun::Psld | PsldRun::Healthy => BalanceMode::Psld,
-        };
         spec.job = JobArgs {
-            balance,
+            balance: run.balance(),
             max_servers: Some(job.servers),
             min_servers: Some(job.servers),
             server_bandwidth: caps,
@@ -255,6 +250,19 @@ pub enum PsldRun {
 impl PsldRun {
     /// Every run, in table order.
     pub const ALL: [PsldRun; 4] = [PsldRun::Static, PsldRun::Psld, PsldRun::Ceiling, PsldRun::Healthy];
+
+    /// Whether the job's stragglers are capped in this run.
+    pub fn capped(self) -> bool {
+        matches!(self, PsldRun::Static | PsldRun::Psld)
+    }
+
+    /// The run's `--balance`.
+    pub fn balance(self) -> BalanceMode {
+        match self {
+            PsldRun::Static | PsldRun::Ceiling => BalanceMode::Static,
+            PsldRun::Psld | PsldRun::Healthy => BalanceMode::Psld,
+        }
+    }
 
     /// The row's label.
     pub fn label(self) -> &'static str {

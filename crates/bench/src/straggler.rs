@@ -43,9 +43,8 @@
 //! - **migrations**, bytes moved, freeze and request-to-handover times (p50 / max).
 //! - **spike**: for every migration, the iterations of every worker that overlap its window
 //!   `[at_s - total_ms, at_s]`; the largest one divided by that worker's median iteration
-//!   time over the run (the issue's measure), and divided by the median of the worker's 3
-//!   iterations just before the window that started after the straggler did. The same
-//!   around scale-out events (from `scale-out` to the server's `joined`).
+//!   time over the run (an earlier issue's measure). The same around scale-out events (from
+//!   `scale-out` to the server's `joined`).
 //! - **p99 around / median before** (the issue's migration spike, [`MigrationSpike`]), per
 //!   migration `m` whose span is `[s, e]` on the workers' clock (`e` = the scheduler's
 //!   `at_s`, `s` = `e - total_ms`: from `Migrate` to the handover):
@@ -496,10 +495,16 @@ pub fn migration_spikes(report: &Report, straggler_at: f64) -> Vec<MigrationSpik
 
 /// The worst of `spikes` by ratio, and how many exceed [`SPIKE_TARGET`] of those with one.
 fn worst_spike(spikes: &[MigrationSpike]) -> Option<(&MigrationSpike, usize, usize)> {
-    let measured: Vec<&MigrationSpike> = spikes.iter().filter(|s| s.ratio.is_finite()).collect();
-    let over = measured.iter().filter(|s| s.ratio > SPIKE_TARGET).count();
+    worst_by(spikes, |s| s.ratio)
+}
+
+/// The item of `items` with the largest finite `ratio`, how many exceed [`SPIKE_TARGET`],
+/// and how many have a finite one.
+fn worst_by<T>(items: &[T], ratio: impl Fn(&T) -> f64) -> Option<(&T, usize, usize)> {
+    let measured: Vec<&T> = items.iter().filter(|s| ratio(s).is_finite()).collect();
+    let over = measured.iter().filter(|s| ratio(s) > SPIKE_TARGET).count();
     let n = measured.len();
-    measured.into_iter().max_by(|a, b| a.ratio.total_cmp(&b.ratio)).map(|w| (w, over, n))
+    measured.into_iter().max_by(|a, b| ratio(a).total_cmp(&ratio(b))).map(|w| (w, over, n))
 }
 
 impl StragglerRun {
@@ -732,16 +737,15 @@ fn targets(runs: &[StragglerRun]) -> Vec<Target> {
     });
     let all: Vec<(&StragglerRun, &MigrationSpike)> =
         psld.iter().flat_map(|r| r.spikes.iter().map(move |s| (*r, s))).collect();
-    let worst = all.iter().filter(|(_, s)| s.ratio.is_finite()).max_by(|a, b| a.1.ratio.total_cmp(&b.1.ratio));
-    let measured = all.iter().filter(|(_, s)| s.ratio.is_finite()).count();
-    let over = all.iter().filter(|(_, s)| s.ratio > SPIKE_TARGET).count();
+    let worst = worst_by(&all, |(_, s)| s.ratio);
+    let (over, measured) = worst.map_or((0, 0), |(_, over, n)| (over, n));
     out.push(Target {
         what: format!(
             "the p99 iteration around a migration <= {SPIKE_TARGET}x the median before it (every migration, \
              windows: +-{AROUND_PAD_MS:.0} ms around, {BEFORE_MS:.0} ms before)"
         ),
         measured: match worst {
-            Some((r, s)) => format!(
+            Some(((r, s), _, _)) => format!(
                 "worst {:.2}x ({}, block {} from server {} to {}, {:.1} MB, at {:.1} s: p99 {:.0} ms of {} \
                  iterations vs median {:.0} ms of {}); {over} of {measured} migrations over {SPIKE_TARGET}x",
                 s.ratio,

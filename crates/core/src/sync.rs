@@ -353,17 +353,14 @@ impl Clocks {
     /// Records that `worker` pushed clock `clock`. Returns `Ok(false)` for a duplicate
     /// (already pushed: drop it), `Ok(true)` for the next clock, an error for a gap.
     pub fn record(&mut self, block: u32, worker: u32, clock: Clock) -> Result<bool, CoreError> {
-        let w = worker as usize;
-        let slot = self.pushed.get_mut(w).ok_or(CoreError::UnknownWorker(worker))?;
-        if clock < *slot {
+        if !self.check(block, worker, clock, false)? {
             return Ok(false);
         }
-        // The last clock (u32::MAX) cannot be pushed: nothing could follow it.
-        let next = slot.checked_add(1);
-        if clock > *slot || next.is_none() {
-            return Err(CoreError::ClockGap { block, worker, expected: *slot, got: clock });
-        }
-        let (before, after) = (*slot, next.unwrap_or(Clock::MAX));
+        let w = worker as usize;
+        let slot = self.pushed.get_mut(w).ok_or(CoreError::UnknownWorker(worker))?;
+        // `check` passed: the clock is the slot's, below the last one (u32::MAX cannot be
+        // pushed: nothing could follow it).
+        let (before, after) = (*slot, slot.saturating_add(1));
         *slot = after;
         self.hi = self.hi.max(after);
         if self.active.get(w).copied().unwrap_or(false) {

@@ -208,9 +208,6 @@ pub struct Spike {
     pub median_ms: f64,
     /// `iter_ms / median_ms`.
     pub ratio: f64,
-    /// `iter_ms` / the median of the worker's 3 iterations before the window, of those that
-    /// started after the straggler did (NaN when there is none).
-    pub local_ratio: f64,
 }
 
 /// A scaling event, on the workers' clock.
@@ -260,8 +257,6 @@ pub struct BalanceNumbers {
     pub median_iter_ms: f64,
     /// The largest migration spike (by `ratio`).
     pub migration_spike: Option<Spike>,
-    /// The largest migration spike by `local_ratio`.
-    pub migration_spike_local: Option<Spike>,
     /// The largest scale-out spike.
     pub scale_out_spike: Option<Spike>,
     /// Scaling events.
@@ -293,7 +288,6 @@ impl BalanceNumbers {
         migration_ms: (f64::NAN, f64::NAN),
         median_iter_ms: f64::NAN,
         migration_spike: None,
-        migration_spike_local: None,
         scale_out_spike: None,
         scaling: Vec::new(),
         final_bytes: Vec::new(),
@@ -370,7 +364,7 @@ impl BalanceNumbers {
             iters
                 .iter()
                 .filter_map(|w| {
-                    let (ms, before) = w.worst_in(from, to, straggler_from)?;
+                    let ms = w.worst_in(from, to)?;
                     Some(Spike {
                         kind,
                         at_s: rel(to),
@@ -379,7 +373,6 @@ impl BalanceNumbers {
                         iter_ms: ms,
                         median_ms: w.median_ms,
                         ratio: ms / w.median_ms,
-                        local_ratio: ms / before,
                     })
                 })
                 .max_by(|a, b| a.ratio.total_cmp(&b.ratio))
@@ -389,11 +382,6 @@ impl BalanceNumbers {
             .filter_map(|m| worst("migration", Some(m.block), to_unix(m.at_s - m.total_ms / 1e3), to_unix(m.at_s)))
             .collect();
         result.migration_spike = spikes.iter().max_by(|a, b| a.ratio.total_cmp(&b.ratio)).cloned();
-        result.migration_spike_local = spikes
-            .iter()
-            .filter(|s| s.local_ratio.is_finite())
-            .max_by(|a, b| a.local_ratio.total_cmp(&b.local_ratio))
-            .cloned();
         // A scale-out lasts from the request to the new server's registration (or 2 s).
         let scale_outs =
             log.scaling.iter().enumerate().filter(|(_, e)| e.action == "scale-out").filter_map(|(i, e)| {
@@ -429,21 +417,11 @@ impl Iterations {
         Iterations { rank: w.rank, starts, ends, median_ms: median(&ms).unwrap_or(f64::NAN), ms }
     }
 
-    /// The longest iteration overlapping `[from, to]` (ms since the epoch), with the median of
-    /// the (up to) 3 iterations that ended before `from` and started at or after `since`
-    /// (the straggler's start: iterations before it say nothing about a migration's cost).
-    pub fn worst_in(&self, from: f64, to: f64, since: f64) -> Option<(f64, f64)> {
+    /// The longest iteration overlapping `[from, to]` (ms since the epoch).
+    pub fn worst_in(&self, from: f64, to: f64) -> Option<f64> {
         let overlapping = (0..self.ms.len()).filter(|&k| self.starts[k] < to && self.ends[k] > from);
         let worst = overlapping.map(|k| self.ms[k]).fold(f64::NAN, f64::max);
-        if !worst.is_finite() {
-            return None;
-        }
-        let before: Vec<f64> = (0..self.ms.len())
-            .filter(|&k| self.ends[k] <= from && self.starts[k] >= since)
-            .map(|k| self.ms[k])
-            .collect();
-        let before = &before[before.len().saturating_sub(3)..];
-        Some((worst, median(before).unwrap_or(f64::NAN)))
+        worst.is_finite().then_some(worst)
     }
 }
 
@@ -547,11 +525,9 @@ mod tests {
         assert!((r.iters_per_s - 2.0).abs() < 1e-9, "{}", r.iters_per_s);
         assert_eq!((r.migrations, r.bytes_moved), (2, (4 << 20) + 2048));
         // Migration 1 spans +7.6..+8.0 s: worker 0's 4th iteration (6..8 s, 2 s) against a
-        // median of 1 s: 2x; against the 3 before it (2 s each): 1x.
+        // median of 1 s: 2x.
         let spike = r.migration_spike.unwrap();
         assert_eq!((spike.iter_ms, spike.median_ms, spike.ratio), (2000.0, 1000.0, 2.0));
-        let local = r.migration_spike_local.unwrap();
-        assert!((local.local_ratio - 1.0).abs() < 1e-9, "{}", local.local_ratio);
         // The scale-out (+10 .. +12 s, no `joined`) overlaps the 1.5 s iteration.
         let s = r.scale_out_spike.unwrap();
         assert_eq!(s.iter_ms, 1500.0);

@@ -292,16 +292,13 @@ impl Outbox {
     /// Writes frames from this task, now, back to back with one vectored write (no hop to
     /// the writer task: the replies to a burst of requests), unless frames queued earlier
     /// are not written yet: then they are queued behind them, so frames leave in the order
-    /// they were sent.
+    /// they were sent (and so is a burst with a Forward in it).
     pub async fn send_all_now(&self, frames: Vec<Outgoing>) -> Result<()> {
-        if self.writer.queued.load(Ordering::Acquire) > 0 {
-            for frame in frames {
-                self.send(frame).map_err(|_| RuntimeError::Closed(self.writer.peer.clone()))?;
-            }
-            return Ok(());
-        }
-        if frames.iter().any(|(_, m)| matches!(m, Message::Forward { .. })) {
-            // Three parts each (header, prefix, values): the writer task writes them.
+        // A Forward is three parts (header, prefix, values), which the writer task writes
+        // without joining them.
+        if self.writer.queued.load(Ordering::Acquire) > 0
+            || frames.iter().any(|(_, m)| matches!(m, Message::Forward { .. }))
+        {
             for frame in frames {
                 self.send(frame).map_err(|_| RuntimeError::Closed(self.writer.peer.clone()))?;
             }

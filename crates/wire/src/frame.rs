@@ -207,10 +207,7 @@ impl Codec {
     /// [`Codec::encode_parts`] to write them apart.
     pub fn encode(&self, request_id: u64, msg: &Message) -> Result<([u8; HEADER_LEN], Bytes), WireError> {
         let (head, prefix, payload) = self.encode_parts(request_id, msg)?;
-        Ok(match prefix {
-            None => (head, payload),
-            Some(prefix) => (head, [&prefix[..], &payload[..]].concat().into()),
-        })
+        Ok((head, crate::message::joined(prefix, payload)))
     }
 
     /// The frame of `msg` as its 32 header bytes, the bytes before its values (a

@@ -141,40 +141,28 @@ impl Message {
     /// path writes them apart ([`Message::payload_parts`]).
     pub fn encode_payload(&self) -> Result<Bytes, WireError> {
         let (prefix, payload) = self.payload_parts()?;
-        Ok(match prefix {
-            None => payload,
-            Some(prefix) => {
-                let mut b = Vec::with_capacity(prefix.len() + payload.len());
-                b.extend_from_slice(&prefix);
-                b.extend_from_slice(&payload);
-                Bytes::from(b)
-            }
-        })
+        Ok(joined(prefix, payload))
     }
 
     /// The payload as written: the bytes before the values (a Forward's 8-byte prefix;
     /// `None` for every other kind), then the payload bytes proper (the values' own
     /// shared bytes for the f32 kinds and Forward: no copy).
     pub fn payload_parts(&self) -> Result<(Option<[u8; FORWARD_PREFIX]>, Bytes), WireError> {
-        if let Message::Forward { worker, init, values, .. } = self {
-            let mut prefix = [0u8; FORWARD_PREFIX];
-            prefix[..4].copy_from_slice(&worker.to_le_bytes());
-            prefix[4..].copy_from_slice(&u32::from(*init).to_le_bytes());
-            return Ok((Some(prefix), values.as_bytes().clone()));
-        }
-        Ok((
-            None,
-            match self {
-                Message::Control(c) => Bytes::from(postcard::to_allocvec(c)?),
-                Message::Error(e) => Bytes::from(postcard::to_allocvec(e)?),
-                Message::Push { values, .. }
-                | Message::PullReply { values, .. }
-                | Message::Init { values, .. }
-                | Message::PushPull { values, .. } => values.as_bytes().clone(),
-                Message::PushAck { .. } | Message::Pull { .. } => Bytes::new(),
-                Message::Forward { .. } => unreachable!("handled above"),
-            },
-        ))
+        Ok(match self {
+            Message::Forward { worker, init, values, .. } => {
+                let mut prefix = [0u8; FORWARD_PREFIX];
+                prefix[..4].copy_from_slice(&worker.to_le_bytes());
+                prefix[4..].copy_from_slice(&u32::from(*init).to_le_bytes());
+                (Some(prefix), values.as_bytes().clone())
+            }
+            Message::Control(c) => (None, Bytes::from(postcard::to_allocvec(c)?)),
+            Message::Error(e) => (None, Bytes::from(postcard::to_allocvec(e)?)),
+            Message::Push { values, .. }
+            | Message::PullReply { values, .. }
+            | Message::Init { values, .. }
+            | Message::PushPull { values, .. } => (None, values.as_bytes().clone()),
+            Message::PushAck { .. } | Message::Pull { .. } => (None, Bytes::new()),
+        })
     }
 
     /// Decodes the payload of a frame whose header `h` was validated by
@@ -262,4 +250,13 @@ fn decode_postcard<T: serde::de::DeserializeOwned>(kind: Kind, payload: &[u8]) -
         return Err(WireError::BadPayload { kind, why: format!("{} trailing bytes after the message", rest.len()) });
     }
     Ok(value)
+}
+
+/// A payload's parts ([`Message::payload_parts`]) in one buffer: the payload itself
+/// without a prefix, else a copy of the prefix and the payload.
+pub(crate) fn joined(prefix: Option<[u8; FORWARD_PREFIX]>, payload: Bytes) -> Bytes {
+    match prefix {
+        None => payload,
+        Some(prefix) => [&prefix[..], &payload[..]].concat().into(),
+    }
 }

@@ -872,16 +872,16 @@ impl Server {
         let rejoined = self.added_workers.contains(&rank);
         // Forwarded only if this server takes it too (a duplicate too: a backup that
         // missed it gets it): a refused push is refused here alone.
-        let forward = match replica::carried(rank, &request) {
-            Some(f) if !shard.placement.backups_of(block).is_empty() => {
-                let takes = if f.init {
+        let forward = if shard.placement.backups_of(block).is_empty() {
+            None
+        } else {
+            replica::carried(rank, &request).filter(|f| {
+                if f.init {
                     !matches!(o.phase, Phase::Copying { .. }) && f.values.len() == o.block.spec().len
                 } else {
                     o.block.check_push(rank, f.clock, f.values.len(), rejoined).is_ok()
-                };
-                takes.then_some(f)
-            }
-            _ => None,
+                }
+            })
         };
         if let Some(f) = forward {
             self.forward(now_us, to, f, out);
