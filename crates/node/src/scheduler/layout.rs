@@ -3,6 +3,8 @@
 //! server its `Assign`; workers wait for the layout until every server holds its blocks.
 //! Also the start clock and tensor optimizers changed while training runs.
 
+use std::collections::BTreeSet;
+
 use elasticps_core::model::{Partition, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::Placement;
@@ -137,7 +139,9 @@ impl Scheduler {
         }
     }
 
-    /// `Assign` to a server, after the checkpoint plan if the job has one.
+    /// `Assign` to a server, after the checkpoint plan if the job has one. A server that
+    /// joins after a worker rejoined learns the rank too (`AddWorker`): a block that moves
+    /// to it later may get that worker's pushes past the clock it held for it.
     pub(super) fn send_assignment(&self, conn: ConnId, a: Assignment, out: &mut Vec<Action>) {
         if let Some(plan) = &self.config.checkpoint {
             out.push(Action::Send { conn, request_id: 0, msg: Control::Checkpointing(plan.clone()).into() });
@@ -145,6 +149,15 @@ impl Scheduler {
         out.push(Action::Send { conn, request_id: 0, msg: Control::Assign(a).into() });
         if let Some(msg) = self.replicas_message() {
             out.push(Action::Send { conn, request_id: 0, msg });
+        }
+        // Not one that left since (that would take it back into the quorums).
+        let rejoined: BTreeSet<u32> = (self.rejoin_clocks.keys())
+            .filter(|r| !self.finished_workers.contains(r))
+            .chain(self.rejoining.keys())
+            .copied()
+            .collect();
+        for rank in rejoined {
+            out.push(Action::Send { conn, request_id: 0, msg: Control::AddWorker { rank }.into() });
         }
     }
 

@@ -22,8 +22,8 @@ pub(super) struct Rejoin {
     request_id: u64,
     /// Servers (by id) that have not answered `AddWorker` yet.
     waiting: BTreeSet<u32>,
-    /// The smallest next clock they answered.
-    clock: u32,
+    /// The largest next clock they answered (`None` before one with a block answered).
+    clock: Option<u32>,
 }
 
 /// The registered servers and workers by connection, with when each was last heard from
@@ -316,7 +316,7 @@ impl Scheduler {
             waiting.insert(id);
             out.push(Action::Send { conn: server, request_id: 0, msg: Control::AddWorker { rank }.into() });
         }
-        self.rejoining.insert(rank, Rejoin { conn, request_id, waiting, clock: u32::MAX });
+        self.rejoining.insert(rank, Rejoin { conn, request_id, waiting, clock: None });
         self.worker_added(rank, u32::MAX, u32::MAX, out);
         Ok(())
     }
@@ -326,12 +326,15 @@ impl Scheduler {
     pub(super) fn worker_added(&mut self, rank: u32, server: u32, clock: u32, out: &mut Vec<Action>) {
         let Some(r) = self.rejoining.get_mut(&rank) else { return };
         r.waiting.remove(&server);
-        r.clock = r.clock.min(clock);
+        // A server with none of the blocks answers u32::MAX.
+        if clock != u32::MAX {
+            r.clock = r.clock.max(Some(clock));
+        }
         if !r.waiting.is_empty() {
             return;
         }
         let Some(r) = self.rejoining.remove(&rank) else { return };
-        let clock = if r.clock == u32::MAX { self.start_clock() } else { r.clock };
+        let clock = r.clock.unwrap_or_else(|| self.start_clock());
         tracing::info!(rank, clock, "worker rejoined");
         self.failed_workers.remove(&rank);
         self.finished_workers.remove(&rank);
@@ -502,7 +505,9 @@ mod tests {
         let a = recv(&mut m, 11, 0, Control::WorkerAdded { rank: 1, clock: 7 });
         assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
         let a = recv(&mut m, 5, 2, Control::GetStartClock);
-        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::StartClock { clock: 7 })]), "{a:?}");
+        // It goes on from the largest next clock: each clock of its new life reaches
+        // every block or none (a clock one block's quorum went on without is lost on all).
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::StartClock { clock: 9 })]), "{a:?}");
         recv(&mut m, 1, 5, Control::WorkerDone { rank: 0 });
         assert!(refused(&recv(&mut m, 6, 1, Control::RejoinWorker { rank: 0 }), 6), "rank 0 finished");
         let a = recv(&mut m, 5, 5, Control::WorkerDone { rank: 1 });

@@ -847,6 +847,20 @@ impl Server {
             parked.push(Parked { rank, to, request });
             return None;
         }
+        // A worker that rejoined may go on past its next clock on this block: the clocks
+        // between are skipped before anything waits on them (its push must not park for a
+        // checkpoint of a clock only the skip completes).
+        let rejoined = self.added_workers.contains(&rank);
+        if rejoined && let Request::Push { clock, .. } | Request::PushPull { clock, .. } = &request {
+            let before = o.block.done();
+            let answers = o.block.skip_to(&shard.config_for(o.block.spec()), rank, *clock, now_us);
+            if o.block.done() != before {
+                self.answer_pulls(answers, out);
+                self.checkpoint_if_due(now_us, block, before, out);
+            }
+        }
+        let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
+        let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return None };
         let done = o.block.done();
         let pulled = match &request {
             Request::Pull { clock } => Some(*clock),
@@ -868,8 +882,6 @@ impl Server {
             return None;
         }
         self.counters.requests += 1;
-        // A worker that rejoined may go on past its next clock on this block.
-        let rejoined = self.added_workers.contains(&rank);
         // Forwarded only if this server takes it too (a duplicate too: a backup that
         // missed it gets it): a refused push is refused here alone.
         let forward = if shard.placement.backups_of(block).is_empty() {
@@ -1251,20 +1263,23 @@ impl Server {
     }
 
     /// A removed worker restarted: every block here takes it back into its quorum (and a
-    /// block arriving later too); the scheduler learns the smallest clock it goes on from.
+    /// block arriving later too); the scheduler learns the largest of the blocks' next
+    /// clocks for it (the worker goes on from the largest over every server, so each
+    /// clock of its new life reaches every block or none).
     fn add_worker(&mut self, rank: u32, out: &mut Vec<Action>) {
         self.removed_workers.retain(|r| *r != rank);
         if !self.added_workers.contains(&rank) {
             self.added_workers.push(rank);
         }
-        let mut clock = u32::MAX;
+        let mut clock: Option<Clock> = None;
         for slot in self.slots.values_mut() {
             if let Slot::Owned(o) = slot
                 && let Some(next) = o.block.add_worker(rank)
             {
-                clock = clock.min(next);
+                clock = clock.max(Some(next));
             }
         }
+        let clock = clock.unwrap_or(u32::MAX);
         for copy in self.replication.copies_mut() {
             copy.add_worker(rank);
         }

@@ -555,6 +555,30 @@ fn a_push_past_the_next_checkpoint_waits_until_its_block_is_written() {
     assert!(acked(&a, 2, 21) && acked(&a, 1, 12), "the waiting push is served once the state is taken");
 }
 
+#[test]
+fn a_rejoined_worker_going_on_past_a_checkpoint_clock_skips_to_it_instead_of_waiting_for_itself() {
+    let mut s = server(0, SyncPolicy::Ssp(3));
+    let sched = |s: &mut Server, msg: Control| s.handle(1, Event::FromScheduler { request_id: 0, msg: msg.into() });
+    let plan = elasticps_wire::CheckpointPlan { dir: "d".into(), every: 2, resume: None };
+    sched(&mut s, Control::Checkpointing(plan));
+    sched(&mut s, Control::RemoveWorker { rank: 1 });
+    for t in 0..2 {
+        push(&mut s, 1, 0, 10 + u64::from(t), 0, t, 1.0);
+    }
+    // Back at clock 2 here; another block had gone on to 5, so it goes on from 5.
+    sched(&mut s, Control::AddWorker { rank: 1 });
+    for t in 2..4 {
+        assert!(acked(&push(&mut s, 2, 0, 10 + u64::from(t), 0, t, 1.0), 1, 10 + u64::from(t)));
+    }
+    assert!(replies(&push(&mut s, 3, 0, 14, 0, 4, 1.0)).is_empty(), "clock 4 waits for the checkpoint of 4");
+    // Its push of 5 skips 2..5 first: that completes clock 4's checkpoint, which neither
+    // push may wait for.
+    let a = push(&mut s, 4, 1, 20, 0, 5, 2.0);
+    let clocks: Vec<_> = a.iter().filter_map(|x| matches!(x, Action::Checkpoint { .. }).then_some(())).collect();
+    assert_eq!(clocks.len(), 1, "{a:?}");
+    assert!(acked(&a, 2, 20) && acked(&a, 1, 14), "{a:?}");
+}
+
 /// Server `id` of a `--replicas 2` job (block 0: primary 0, backup 1; block 1: primary 1,
 /// backup 0), registered, assigned and told where the other server is, with workers 0
 /// and 1 said Hello on connections 1 and 2; the actions of the `Replicas` step.
