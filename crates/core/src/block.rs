@@ -727,7 +727,11 @@ mod tests {
         assert_eq!(b.state().pending, [PendingSum { clock: 1, sum: Vec::new(), count: 1 }]);
         b.push(&cfg, 1, 1, NO_GRAD, 0).unwrap();
         assert_eq!((b.done(), b.state().pending.len()), (2, 0));
-        assert_eq!((bits(b.values()), b.state().opt), (bits(&expected), st.clone()), "a clock without gradients stepped");
+        assert_eq!(
+            (bits(b.values()), b.state().opt),
+            (bits(&expected), st.clone()),
+            "a clock without gradients stepped"
+        );
 
         // The next clock's step is Adam's second (bias corrections of t = 2).
         b.push(&cfg, 0, 2, &[1.0, 1.0], 0).unwrap();

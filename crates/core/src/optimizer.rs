@@ -140,7 +140,9 @@ impl TensorOptimizer {
             {
                 Ok(())
             }
-            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => bad("betas must be in [0, 1) and eps a finite number >= 0"),
+            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => {
+                bad("betas must be in [0, 1) and eps a finite number >= 0")
+            }
         }
     }
 }
@@ -232,7 +234,10 @@ mod tests {
         assert_eq!("momentum:0.5".parse::<OptimizerKind>().unwrap(), OptimizerKind::Momentum { beta: 0.5 });
         assert!("momentum:1.5".parse::<OptimizerKind>().is_err());
         assert!("rmsprop".parse::<OptimizerKind>().is_err());
-        assert_eq!("AdamW".parse::<OptimizerKind>().unwrap(), OptimizerKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 });
+        assert_eq!(
+            "AdamW".parse::<OptimizerKind>().unwrap(),
+            OptimizerKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 }
+        );
         for s in ["sgd", "momentum", "adam", "adamw"] {
             assert_eq!(s.parse::<OptimizerKind>().unwrap().to_string(), s);
         }
@@ -280,7 +285,10 @@ mod tests {
             step(ADAM, 0.01, 0.0, &mut a, &mut sa, &g);
             step(ADAMW, 0.01, 0.0, &mut b, &mut sb, &g);
         }
-        assert_eq!((a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &sa), (b.iter().map(|x| x.to_bits()).collect(), &sb));
+        assert_eq!(
+            (a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &sa),
+            (b.iter().map(|x| x.to_bits()).collect(), &sb)
+        );
     }
 
     #[test]
