@@ -118,6 +118,10 @@ impl Handle {
     }
 }
 
+/// A push's gradients as the actor takes them (tensor, borrowed values; an empty one for
+/// no gradient), with the arrays checked (to refuse aliasing with what the call writes).
+type Grads<'py> = (Vec<(usize, Src)>, Vec<Checked<'py>>);
+
 impl Worker {
     /// Connects to the scheduler with `opts`, joins the job and asks its first clock; with
     /// `metrics_listen`, serves the worker's Prometheus metrics there (`/metrics`) while
@@ -200,11 +204,7 @@ impl Worker {
 
     /// Checks the arrays of a push's dict (name -> array, or `None` for no gradient) and
     /// borrows them for reading, kept alive by `keep`; also returns the arrays checked.
-    fn check_grads<'py>(
-        &self,
-        grads: &Bound<'py, PyDict>,
-        keep: &mut Keep,
-    ) -> PyResult<(Vec<(usize, Src)>, Vec<Checked<'py>>)> {
+    fn check_grads<'py>(&self, grads: &Bound<'py, PyDict>, keep: &mut Keep) -> PyResult<Grads<'py>> {
         let mut src = Vec::with_capacity(grads.len());
         let mut read = Vec::with_capacity(grads.len());
         for (k, v) in grads.iter() {
