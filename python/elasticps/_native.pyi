@@ -16,8 +16,9 @@ import numpy.typing as npt
 _F32 = npt.NDArray[np.float32]
 
 class _Optimizer(TypedDict, total=False):
-    """A server-side optimizer: ``kind`` ("sgd", "momentum", "adam") and ``lr`` are
-    required; ``momentum``, ``betas``, ``eps`` and ``weight_decay`` are optional."""
+    """A server-side optimizer: ``kind`` ("sgd", "momentum", "adam", "adamw") and ``lr``
+    are required; ``momentum``, ``betas``, ``eps`` and ``weight_decay`` (decoupled for
+    "adamw") are optional."""
 
     kind: str
     lr: float
@@ -78,16 +79,18 @@ class Worker:
         """Pulls the parameters of clock ``clock`` into the arrays of ``out`` (every tensor
         or some), in place; the server may hold the pull as its sync policy says."""
 
-    def push(self, clock: int, grads: Mapping[str, _F32]) -> None:
-        """Pushes the gradients of clock ``clock``."""
+    def push(self, clock: int, grads: Mapping[str, Optional[_F32]]) -> None:
+        """Pushes the gradients of clock ``clock``; ``None`` for a tensor that got no
+        gradient this step (the servers count the push and apply nothing)."""
 
-    def push_pull(self, clock: int, grads: Mapping[str, _F32], out: Mapping[str, _F32]) -> None:
+    def push_pull(self, clock: int, grads: Mapping[str, Optional[_F32]], out: Mapping[str, _F32]) -> None:
         """Pushes the gradients of clock ``clock`` and pulls the parameters of clock
         ``clock + 1`` into ``out``, overlapping the two per server."""
 
-    def push_async(self, clock: int, name: str, grad: _F32) -> Handle:
+    def push_async(self, clock: int, name: str, grad: Optional[_F32]) -> Handle:
         """Starts pushing the gradient of tensor ``name`` at clock ``clock`` and returns at
-        once. Do not change ``grad`` before the handle's ``wait()`` returned."""
+        once. Do not change ``grad`` before the handle's ``wait()`` returned. ``None``: the
+        tensor got no gradient this step (the servers count the push and apply nothing)."""
 
     def pull_async(self, clock: int, name: str, out: _F32) -> Handle:
         """Starts pulling tensor ``name`` at clock ``clock`` into ``out`` and returns at

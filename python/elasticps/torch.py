@@ -36,8 +36,15 @@ the pushes then start in ``step()``, after your code ran::
 
     loss.backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step()
 
+A parameter that gets no gradient in a step (unused in the forward pass: ``p.grad is
+None`` after backward) is pushed as "no gradient": the servers count the push for the
+clock and apply nothing, so its momentum or Adam state does not move, as torch skips it.
+(``zero_grad(set_to_none=False)`` leaves zeros instead, which are pushed and stepped on,
+as torch steps on them.)
+
 Supported: ``torch.optim.SGD`` (with or without momentum; ``dampening=0``,
-``nesterov=False``) and ``torch.optim.Adam`` (``amsgrad=False``), with
+``nesterov=False``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (decoupled weight
+decay; also ``Adam(decoupled_weight_decay=True)``), with ``amsgrad=False``, and
 ``weight_decay``, ``maximize=False``. Anything else raises ``TypeError``. Parameters must
 be float32; CUDA parameters go through pinned host buffers.
 """
@@ -68,19 +75,32 @@ def server_optimizer(optimizer: torch.optim.Optimizer, group: dict) -> dict:
         if float(group.get("dampening", 0.0)) != 0.0 or group.get("nesterov", False):
             raise TypeError("elasticps.torch: SGD with dampening or nesterov is not supported (servers: heavy-ball momentum)")
         return {"kind": "momentum", "lr": lr, "momentum": momentum, "weight_decay": wd}
-    if type(optimizer) is torch.optim.Adam or (
-        isinstance(optimizer, torch.optim.Adam) and not isinstance(optimizer, getattr(torch.optim, "AdamW", ()))
-    ):
-        if group.get("amsgrad", False):
-            raise TypeError("elasticps.torch: Adam(amsgrad=True) is not supported")
-        if group.get("decoupled_weight_decay", False):
-            raise TypeError("elasticps.torch: Adam(decoupled_weight_decay=True) is not supported")
-        b1, b2 = group["betas"]
-        return {"kind": "adam", "lr": lr, "betas": (float(b1), float(b2)), "eps": float(group["eps"]), "weight_decay": wd}
+    if isinstance(optimizer, torch.optim.Adam):
+        # torch.optim.AdamW is Adam with decoupled_weight_decay=True in its groups (torch
+        # >= 2.6); an older AdamW is not a subclass of Adam and is taken below.
+        decoupled = bool(group.get("decoupled_weight_decay", False))
+        return _adam(name, group, lr, wd, decoupled)
+    adamw = getattr(torch.optim, "AdamW", None)
+    if adamw is not None and isinstance(optimizer, adamw):
+        return _adam(name, group, lr, wd, True)
     raise TypeError(
-        f"elasticps.torch: {name} is not supported: the servers run SGD, SGD with momentum and Adam "
-        "(torch.optim.SGD, torch.optim.Adam)"
+        f"elasticps.torch: {name} is not supported: the servers run SGD, SGD with momentum, Adam and AdamW "
+        "(torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)"
     )
+
+
+def _adam(name: str, group: dict, lr: float, wd: float, decoupled: bool) -> dict:
+    """The server-side optimizer of an Adam or AdamW parameter group."""
+    if group.get("amsgrad", False):
+        raise TypeError(f"elasticps.torch: {name}(amsgrad=True) is not supported")
+    b1, b2 = group["betas"]
+    return {
+        "kind": "adamw" if decoupled else "adam",
+        "lr": lr,
+        "betas": (float(b1), float(b2)),
+        "eps": float(group["eps"]),
+        "weight_decay": wd,
+    }
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -161,9 +181,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.data.copy_(self._host_param[name], non_blocking=True)
 
     def _grad_array(self, name: str, p: torch.Tensor):
+        """The gradient to push (a float32 numpy array) and what keeps it alive; ``None``
+        and ``None`` for a parameter without a gradient this step."""
         g = p.grad
         if g is None:
-            g = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            return None, None
         if g.is_cuda:
             host = self._host_grad[name]
             host.copy_(g.detach(), non_blocking=True)

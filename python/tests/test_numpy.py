@@ -22,8 +22,8 @@ pytestmark = pytest.mark.deadline(30)
 
 #: A second worker process: joins, registers a model of the shapes the test passes (filled
 #: with -7), prints its arrays after register_model as JSON, then does what the test
-#: writes on its stdin ("push CLOCK VALUE": push VALUE everywhere; "pull CLOCK": pull and
-#: print; "finish").
+#: writes on its stdin ("push CLOCK VALUE": push VALUE everywhere; "none CLOCK": push no
+#: gradient anywhere; "pull CLOCK": pull and print; "finish").
 CHILD = r"""
 import json, sys
 import numpy as np
@@ -39,6 +39,9 @@ for line in sys.stdin:
     cmd = line.split()
     if cmd[0] == "push":
         w.push(int(cmd[1]), {n: np.full(a.shape, float(cmd[2]), np.float32) for n, a in params.items()})
+        print("pushed", flush=True)
+    elif cmd[0] == "none":
+        w.push(int(cmd[1]), {n: None for n in params})
         print("pushed", flush=True)
     elif cmd[0] == "pull":
         w.pull(int(cmd[1]), params)
@@ -148,6 +151,38 @@ def test_two_workers_aggregate_takes_the_mean(cluster):
     theirs = json.loads(read_line(child, 20, "the second worker's pull of clock 2"))
     for n in ref:
         assert np.array_equal(np.array(theirs[n], np.float32), ref[n]), n
+    finish_child(cluster, child)
+    w.finish()
+
+
+@pytest.mark.cluster(workers=2, servers=2, sync="bsp", optimizer="momentum", lr=0.5, aggregate=True, block_bytes=64)
+def test_pushes_without_a_gradient_count_as_zeros_and_a_clock_without_any_takes_no_step(cluster):
+    w = cluster.connect()
+    params = model()
+    child = cluster.spawn_worker(CHILD, shapes(params))
+    w.register_model(params)
+    read_line(child, 20, "the second worker's arrays after register_model")
+    ref = {n: a.copy() for n, a in params.items()}
+    momentum = {n: np.zeros_like(a) for n, a in params.items()}
+    beta, lr = np.float32(0.9), np.float32(0.5)
+    # Clock 0: no gradient for layer1.bias from this worker (the mean is the other's over
+    # 2); clock 1: none from anyone (no step, the momentum does not decay); clock 2: both.
+    for clock, (mine, theirs) in enumerate([(2.0, 4.0), (None, None), (1.0, 1.0)]):
+        child.stdin.write(f"push {clock} {theirs}\n" if theirs is not None else f"none {clock}\n")
+        child.stdin.flush()
+        grads = {n: None if mine is None else np.full(a.shape, mine, np.float32) for n, a in params.items()}
+        if clock == 0:
+            grads["layer1.bias"] = None
+        w.push(clock, grads)
+        assert read_line(child, 20, f"the second worker's push of clock {clock}").strip() == "pushed"
+        if mine is not None:
+            for n in ref:
+                g = np.float32(theirs if grads[n] is None else mine + theirs) * np.float32(0.5)
+                momentum[n] = beta * momentum[n] + g
+                ref[n] -= lr * momentum[n]
+        w.pull(clock + 1, params)
+        for n in ref:
+            np.testing.assert_allclose(params[n], ref[n], rtol=0, atol=1e-5, err_msg=f"clock {clock}, {n}")
     finish_child(cluster, child)
     w.finish()
 

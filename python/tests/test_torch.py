@@ -1,8 +1,8 @@
 """elasticps.torch.DistributedOptimizer against real clusters: with one worker under bsp,
 training through the servers ends with the parameters plain local torch reaches on the
-same batches (SGD, SGD with momentum and weight decay, Adam, an lr scheduler, clipping
-between backward and step, accumulation over backward passes); what the servers cannot
-run is a TypeError."""
+same batches (SGD, SGD with momentum and weight decay, Adam, AdamW, an lr scheduler,
+clipping between backward and step, accumulation over backward passes, a parameter that
+gets no gradient on some steps); what the servers cannot run is a TypeError."""
 
 from __future__ import annotations
 
@@ -86,6 +86,9 @@ OPTIMIZERS = {
     "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
     "adam_wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-3),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamw_betas": lambda ps: torch.optim.AdamW(ps, lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05),
+    "adam_decoupled": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
 }
 
 
@@ -105,6 +108,86 @@ def test_param_groups_have_their_own_hyperparameters(cluster):
 
     local, remote, _ = run_both(cluster, make)
     assert max_diff(local, remote) < TOLERANCE
+
+
+@pytest.mark.cluster(**JOB)
+def test_adamw_decay_is_decoupled_and_per_group(cluster):
+    # A group without decay (as transformers leave biases and norms undecayed; groups in
+    # the model's order, which names the tensors). The decoupled decay is not Adam's L2.
+    def make(ps):
+        ps = list(ps)
+        return torch.optim.AdamW([{"params": ps[:4]}, {"params": ps[4:], "weight_decay": 0.0}], lr=1e-2, weight_decay=0.2)
+
+    local, remote, _ = run_both(cluster, make)
+    assert max_diff(local, remote) < TOLERANCE
+    coupled = copy.deepcopy(mlp())
+    train(coupled, torch.optim.Adam(coupled.parameters(), lr=1e-2, weight_decay=0.2), batches())
+    assert max_diff(coupled, local) > 1e-3
+
+
+class Branches(torch.nn.Module):
+    """A trunk and two heads: odd steps use one head, even steps the other, so each head
+    gets no gradient (``p.grad is None``) every other step; a third head is never used."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trunk = torch.nn.Linear(20, 16)
+        self.odd = torch.nn.Linear(16, 4)
+        self.even = torch.nn.Linear(16, 4)
+        self.never = torch.nn.Linear(16, 4)
+
+    def forward(self, x, step):
+        h = torch.tanh(self.trunk(x))
+        return (self.odd if step % 2 else self.even)(h)
+
+
+def train_branches(model, opt, data, *, set_to_none=True):
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad(set_to_none=set_to_none)
+        loss_fn(model(x, step), y).backward()
+        opt.step()
+
+
+UNUSED = {
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+}
+
+
+def check_unused_parameters(cluster, make):
+    data = batches()
+    initial = Branches()
+    local, remote, zeros = copy.deepcopy(initial), copy.deepcopy(initial), copy.deepcopy(initial)
+    train_branches(local, make(local.parameters()), data)
+
+    w = cluster.connect()
+    dopt = ept.DistributedOptimizer(make(remote.parameters()), remote.named_parameters(), worker=w)
+    train_branches(remote, dopt, data)
+    assert dopt.clock == STEPS
+    w.finish()
+    assert max_diff(local, initial) > 1e-3, "training did not move the parameters"
+    assert max_diff(local, remote) < TOLERANCE
+    # The skipped steps mattered: torch stepping on zero gradients ends elsewhere (what
+    # pushing zeros for a missing gradient would give), and the head never used is where
+    # it started.
+    train_branches(zeros, make(zeros.parameters()), data, set_to_none=False)
+    assert max_diff(zeros, local) > 1e-3
+    for p, q in zip(remote.never.parameters(), initial.never.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kind", list(UNUSED))
+@pytest.mark.cluster(**JOB)
+def test_a_parameter_without_a_gradient_is_not_stepped(cluster, kind):
+    check_unused_parameters(cluster, UNUSED[kind])
+
+
+@pytest.mark.cluster(**dict(JOB, aggregate=True))
+def test_a_parameter_without_a_gradient_is_not_stepped_in_aggregate_mode(cluster):
+    check_unused_parameters(cluster, UNUSED["adam"])
 
 
 @pytest.mark.cluster(**JOB)
@@ -140,7 +223,8 @@ def test_gradients_accumulate_over_backward_passes(cluster):
     "make, what",
     [
         (lambda ps: torch.optim.RMSprop(ps, lr=0.01), "RMSprop"),
-        (lambda ps: torch.optim.AdamW(ps, lr=0.01), "AdamW"),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True), r"AdamW\(amsgrad=True\)"),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.01, maximize=True), "maximize"),
         (lambda ps: torch.optim.Adagrad(ps, lr=0.01), "Adagrad"),
         (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), "nesterov"),
         (lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True), "amsgrad"),

@@ -167,6 +167,36 @@ impl<T> HeldPulls<T> {
     }
 }
 
+/// What one push carries for its block. On the wire (a `Push`, `PushPull` or `Forward`
+/// payload, a [`LoggedPush`]) a gradient is its values, and no gradient is an empty
+/// payload ([`Gradient::from_payload`]): blocks are never empty, so the two cannot be
+/// confused.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Gradient<'a> {
+    /// One value per element of the block.
+    Dense(&'a [f32]),
+    /// No gradient this clock (a parameter unused in the forward pass, PyTorch's
+    /// `p.grad is None`; a table block a worker touched no row of): the push counts for
+    /// the clock (sync policies, the exactly-once clock state, logs, replicas) and applies
+    /// nothing, so optimizer state (momentum, Adam's moments and step count) does not move.
+    None,
+}
+
+impl<'a> Gradient<'a> {
+    /// A push's payload as a gradient: empty is [`Gradient::None`].
+    pub fn from_payload(values: &'a [f32]) -> Self {
+        if values.is_empty() { Gradient::None } else { Gradient::Dense(values) }
+    }
+
+    /// The payload that carries it (empty for [`Gradient::None`]).
+    pub const fn payload(self) -> &'a [f32] {
+        match self {
+            Gradient::Dense(g) => g,
+            Gradient::None => &[],
+        }
+    }
+}
+
 /// Everything a block carries to its new owner when it migrates: values, optimizer state,
 /// clock state and the aggregate buffer. Held pulls stay behind (the old owner answers
 /// them `Moved` and the workers re-issue them); counters stay with the server that
@@ -202,10 +232,11 @@ impl BlockState {
 pub struct PendingSum {
     /// The clock.
     pub clock: Clock,
-    /// Sum of the gradients pushed for it.
+    /// Sum of the gradients pushed for it; empty while every push of the clock carried
+    /// no gradient ([`Gradient::None`]).
     #[serde(with = "crate::f32s")]
     pub sum: Vec<f32>,
-    /// Number of pushes summed.
+    /// Number of pushes received for it, those without a gradient included.
     pub count: u32,
 }
 
@@ -217,7 +248,7 @@ pub struct LoggedPush {
     pub worker: u32,
     /// The clock it pushed.
     pub clock: Clock,
-    /// The gradient.
+    /// The gradient; empty for a push without one ([`Gradient::None`]).
     #[serde(with = "crate::f32s")]
     pub grad: Vec<f32>,
 }
@@ -229,7 +260,8 @@ pub struct Block<T> {
     values: Arc<Vec<f32>>,
     opt: OptState,
     clocks: Clocks,
-    /// Aggregate mode: per clock, the sum of the pushes received and how many.
+    /// Aggregate mode: per clock, the sum of the gradients received (empty while none
+    /// came) and how many pushes.
     pending: BTreeMap<Clock, (Vec<f32>, u32)>,
     held: HeldPulls<T>,
     stats: BlockStats,
@@ -264,7 +296,7 @@ impl<T> Block<T> {
         let spec = state.spec;
         let lens_ok = state.values.len() == spec.len
             && [&state.opt.m, &state.opt.v].iter().all(|v| v.is_empty() || v.len() == spec.len)
-            && state.pending.iter().all(|p| p.sum.len() == spec.len && p.count > 0);
+            && state.pending.iter().all(|p| (p.sum.is_empty() || p.sum.len() == spec.len) && p.count > 0);
         if !lens_ok {
             return Err(CoreError::WrongLength { block: spec.id, expected: spec.len, got: state.values.len() });
         }
@@ -423,17 +455,23 @@ impl<T> Block<T> {
     /// What [`Block::push`] (`rejoined`: [`Block::push_rejoined`]) would say about a push
     /// of `len` values from `worker` at `clock`, without changing anything: `Ok(false)`
     /// for a duplicate (dropped), `Ok(true)` for one it applies, else its error. A
-    /// primary checks a push with it before it forwards the push to its backups.
+    /// primary checks a push with it before it forwards the push to its backups. `len` 0
+    /// is a push without a gradient ([`Gradient::None`]).
     pub fn check_push(&self, worker: u32, clock: Clock, len: usize, rejoined: bool) -> Result<bool, CoreError> {
-        if len != self.spec.len {
+        if len != self.spec.len && len != 0 {
             return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: len });
         }
         self.clocks.check(self.spec.id, worker, clock, rejoined)
     }
 
-    /// A worker pushed the gradient `grad` of clock `clock`. Applies it (or buffers it
-    /// in aggregate mode) exactly once, and returns the held pulls it releases. A
-    /// duplicate push (a clock the worker already pushed) changes nothing.
+    /// A worker pushed clock `clock`, with `grad` its payload: the gradient, or empty for
+    /// none ([`Gradient::from_payload`]). Applies it (or buffers it in aggregate mode)
+    /// exactly once, and returns the held pulls it releases. A duplicate push (a clock the
+    /// worker already pushed) changes nothing. A push without a gradient counts for the
+    /// clock and applies nothing; in aggregate mode a clock none of whose pushes carried a
+    /// gradient takes no step at all, and otherwise the step's gradient is the sum of
+    /// those that came over the number of pushes (PyTorch DDP with
+    /// `find_unused_parameters`).
     pub fn push(
         &mut self,
         config: &ShardConfig,
@@ -442,28 +480,36 @@ impl<T> Block<T> {
         grad: &[f32],
         now_us: u64,
     ) -> Result<Vec<Answer<T>>, CoreError> {
-        if grad.len() != self.spec.len {
-            return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: grad.len() });
+        let gradient = Gradient::from_payload(grad);
+        if let Gradient::Dense(g) = gradient
+            && g.len() != self.spec.len
+        {
+            return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: g.len() });
         }
         if !self.clocks.record(self.spec.id, worker, clock)? {
             return Ok(Vec::new());
         }
         self.stats.pushes += 1;
-        self.stats.bytes_in += self.spec.bytes() as u64;
+        self.stats.bytes_in += std::mem::size_of_val(grad) as u64;
         if let Some(log) = &mut self.log {
             log.push(LoggedPush { worker, clock, grad: grad.to_vec() });
         }
         self.stats.max_lead = self.stats.max_lead.max(self.clocks.lead().into());
         let opt = config.optimizer;
         if opt.aggregate {
-            let (sum, count) = self.pending.entry(clock).or_insert_with(|| (vec![0.0; grad.len()], 0));
-            for (s, g) in sum.iter_mut().zip(grad) {
-                *s += g;
+            let (sum, count) = self.pending.entry(clock).or_insert_with(|| (Vec::new(), 0));
+            if let Gradient::Dense(g) = gradient {
+                if sum.is_empty() {
+                    sum.resize(g.len(), 0.0);
+                }
+                for (s, g) in sum.iter_mut().zip(g) {
+                    *s += g;
+                }
             }
             *count += 1;
             self.apply_complete_clocks(opt);
-        } else {
-            opt.step(Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, grad);
+        } else if let Gradient::Dense(g) = gradient {
+            opt.step(Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, g);
         }
         Ok(self.release(config.sync, now_us))
     }
@@ -542,6 +588,11 @@ impl<T> Block<T> {
                 break;
             }
             let (mut sum, count) = entry.remove();
+            if sum.is_empty() {
+                // No push of this clock carried a gradient: no step (PyTorch skips a
+                // parameter whose `grad` is None).
+                continue;
+            }
             let scale = 1.0 / count as f32;
             sum.iter_mut().for_each(|s| *s *= scale);
             opt.step(Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, &sum);
@@ -625,6 +676,92 @@ mod tests {
         assert_eq!(**b.values(), vec![0.0, 0.0]);
         b.push(&cfg, 1, 0, &[3.0, 6.0], 0).unwrap();
         assert_eq!(**b.values(), vec![-2.0, -4.0]);
+    }
+
+    /// A push without a gradient ([`Gradient::None`]): its payload is empty.
+    const NO_GRAD: &[f32] = Gradient::None.payload();
+
+    #[test]
+    fn a_push_without_a_gradient_counts_for_the_clock_and_applies_nothing() {
+        let momentum = OptimizerKind::Momentum { beta: 0.5 };
+        let cfg = ShardConfig { sync: SyncPolicy::Bsp, ..opt_config(momentum, false, 2) };
+        let mut b: Block<u32> = Block::new(spec(2), vec![1.0, 2.0], &cfg).unwrap();
+        b.push(&cfg, 0, 0, &[1.0, 1.0], 0).unwrap();
+        let after_one = (b.values().to_vec(), b.state().opt);
+        // Worker 0's pull(1) waits for worker 1's clock 0, which carries no gradient.
+        assert!(b.check_push(1, 0, 0, false).unwrap());
+        assert!(b.pull(&cfg, 9, 0, 1, 0, &mut rng()).unwrap().is_none());
+        let released = b.push(&cfg, 1, 0, NO_GRAD, 5).unwrap();
+        assert_eq!(released.len(), 1, "the push without a gradient released the pull");
+        assert_eq!((b.values().to_vec(), b.state().opt), after_one, "nothing applied, no momentum step");
+        assert_eq!((b.done(), b.stats().pushes, b.stats().bytes_in), (1, 2, 8));
+        // A duplicate is dropped as any other, and one of the next clock is a gap.
+        assert!(b.push(&cfg, 1, 0, NO_GRAD, 6).unwrap().is_empty());
+        assert!(matches!(b.push(&cfg, 1, 2, NO_GRAD, 6), Err(CoreError::ClockGap { .. })));
+        // The next gradient steps momentum from where it was: m = 0.5 * 1 + 1.
+        b.push(&cfg, 0, 1, &[1.0, 1.0], 7).unwrap();
+        assert_eq!(**b.values(), vec![1.0 - 0.01 - 0.01 * 1.5, 2.0 - 0.01 - 0.01 * 1.5]);
+        // A payload of another length is still refused.
+        assert!(matches!(b.push(&cfg, 1, 1, &[1.0], 8), Err(CoreError::WrongLength { .. })));
+        assert!(b.check_push(1, 1, 1, false).is_err());
+    }
+
+    #[test]
+    fn aggregate_steps_with_the_gradients_that_came_over_every_push() {
+        // 2 workers, one sends no gradient: the step's gradient is the other's over 2 (the
+        // absent one counts as zeros), as DDP with find_unused_parameters averages.
+        let adam = OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+        let cfg = opt_config(adam, true, 2);
+        let mut b: Block<u32> = Block::new(spec(2), vec![0.5, -0.5], &cfg).unwrap();
+        b.push(&cfg, 0, 0, NO_GRAD, 0).unwrap();
+        b.push(&cfg, 1, 0, &[3.0, -1.0], 0).unwrap();
+        let mut expected = vec![0.5, -0.5];
+        let mut st = OptState::default();
+        cfg.optimizer.step(&mut expected, &mut st, &[1.5, -0.5]);
+        assert_eq!((bits(b.values()), b.state().opt), (bits(&expected), st.clone()));
+
+        // Both send none: no step at all (no Adam step count, no moment decay), and the
+        // clock is still complete.
+        assert!(b.pull(&cfg, 1, 0, 1, 0, &mut rng()).unwrap().is_some());
+        b.push(&cfg, 0, 1, NO_GRAD, 0).unwrap();
+        assert_eq!(b.state().pending, [PendingSum { clock: 1, sum: Vec::new(), count: 1 }]);
+        b.push(&cfg, 1, 1, NO_GRAD, 0).unwrap();
+        assert_eq!((b.done(), b.state().pending.len()), (2, 0));
+        assert_eq!(
+            (bits(b.values()), b.state().opt),
+            (bits(&expected), st.clone()),
+            "a clock without gradients stepped"
+        );
+
+        // The next clock's step is Adam's second (bias corrections of t = 2).
+        b.push(&cfg, 0, 2, &[1.0, 1.0], 0).unwrap();
+        b.push(&cfg, 1, 2, &[1.0, 3.0], 0).unwrap();
+        cfg.optimizer.step(&mut expected, &mut st, &[1.0, 2.0]);
+        assert_eq!(st.steps, 2);
+        assert_eq!((bits(b.values()), b.state().opt), (bits(&expected), st));
+    }
+
+    #[test]
+    fn pushes_without_a_gradient_migrate_and_replay_exactly() {
+        // A clock half done with no gradient yet (an empty pending sum) in the snapshot,
+        // and pushes without gradients in the delta.
+        for aggregate in [false, true] {
+            let cfg = opt_config(OptimizerKind::Momentum { beta: 0.9 }, aggregate, 2);
+            let mut old: Block<u32> = Block::new(spec(3), vec![1.0; 3], &cfg).unwrap();
+            old.push(&cfg, 0, 0, &grad(0, 0, 3), 0).unwrap();
+            old.push(&cfg, 1, 0, &grad(1, 0, 3), 0).unwrap();
+            old.push(&cfg, 0, 1, NO_GRAD, 0).unwrap();
+            let snapshot = old.snapshot();
+            let back: BlockState = postcard::from_bytes(&postcard::to_allocvec(&snapshot).unwrap()).unwrap();
+            assert_eq!(back, snapshot);
+            old.push(&cfg, 1, 1, NO_GRAD, 0).unwrap();
+            old.push(&cfg, 0, 2, NO_GRAD, 0).unwrap();
+            old.push(&cfg, 1, 2, &grad(1, 2, 3), 0).unwrap();
+            let log = old.take_log();
+            assert_eq!(log.iter().map(|p| p.grad.len()).collect::<Vec<_>>(), [0, 0, 3]);
+            let mut new: Block<u32> = Block::from_state(back, &log, &cfg).unwrap();
+            assert_eq!(fingerprint(&mut new), fingerprint(&mut old), "aggregate={aggregate}");
+        }
     }
 
     #[test]

@@ -27,6 +27,18 @@ pub enum OptimizerKind {
         /// Denominator guard, typically 1e-8.
         eps: f32,
     },
+    /// AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, computed as
+    /// PyTorch's `torch.optim.AdamW`: the weights shrink by `1 - lr * weight_decay` before
+    /// the Adam step, and the decay never enters the moments. (Appended last: the variant
+    /// index is part of the wire format.)
+    AdamW {
+        /// First-moment decay, typically 0.9.
+        beta1: f32,
+        /// Second-moment decay, typically 0.999.
+        beta2: f32,
+        /// Denominator guard, typically 1e-8.
+        eps: f32,
+    },
 }
 
 impl fmt::Display for OptimizerKind {
@@ -36,6 +48,7 @@ impl fmt::Display for OptimizerKind {
             OptimizerKind::Momentum { beta } if *beta == 0.9 => f.write_str("momentum"),
             OptimizerKind::Momentum { beta } => write!(f, "momentum:{beta}"),
             OptimizerKind::Adam { .. } => f.write_str("adam"),
+            OptimizerKind::AdamW { .. } => f.write_str("adamw"),
         }
     }
 }
@@ -47,12 +60,13 @@ impl FromStr for OptimizerKind {
         let err = |why: &str| CoreError::Parse {
             what: "optimizer",
             input: input.to_string(),
-            why: format!("{why}; expected sgd, momentum, momentum:BETA or adam"),
+            why: format!("{why}; expected sgd, momentum, momentum:BETA, adam or adamw"),
         };
         match input.trim().to_ascii_lowercase().as_str() {
             "sgd" => Ok(OptimizerKind::Sgd),
             "momentum" => Ok(OptimizerKind::Momentum { beta: 0.9 }),
             "adam" => Ok(OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }),
+            "adamw" => Ok(OptimizerKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 }),
             other => match other.split_once(':') {
                 Some(("momentum", b)) => match b.parse::<f32>() {
                     Ok(beta) if (0.0..1.0).contains(&beta) => Ok(OptimizerKind::Momentum { beta }),
@@ -75,8 +89,9 @@ pub struct OptimizerConfig {
     /// one clock from every worker, then take one step with their mean (exact BSP, like
     /// BytePS summation followed by one update).
     pub aggregate: bool,
-    /// L2 penalty added to the gradient before the step (`g + weight_decay * w`, as
-    /// PyTorch's `weight_decay`); 0 for none.
+    /// Weight decay; 0 for none. For every rule but AdamW an L2 penalty added to the
+    /// gradient before the step (`g + weight_decay * w`, as PyTorch's `weight_decay`);
+    /// for AdamW decoupled (`w * (1 - lr * weight_decay)` before the step).
     pub weight_decay: f32,
 }
 
@@ -101,7 +116,8 @@ pub struct TensorOptimizer {
     pub kind: OptimizerKind,
     /// Learning rate.
     pub lr: f32,
-    /// L2 penalty (`g + weight_decay * w`).
+    /// Weight decay: an L2 penalty (`g + weight_decay * w`), decoupled for AdamW
+    /// ([`OptimizerConfig::weight_decay`]).
     pub weight_decay: f32,
 }
 
@@ -119,12 +135,14 @@ impl TensorOptimizer {
             OptimizerKind::Sgd => Ok(()),
             OptimizerKind::Momentum { beta } if (0.0..1.0).contains(&beta) => Ok(()),
             OptimizerKind::Momentum { .. } => bad("momentum must be in [0, 1)"),
-            OptimizerKind::Adam { beta1, beta2, eps }
+            OptimizerKind::Adam { beta1, beta2, eps } | OptimizerKind::AdamW { beta1, beta2, eps }
                 if (0.0..1.0).contains(&beta1) && (0.0..1.0).contains(&beta2) && eps.is_finite() && eps >= 0.0 =>
             {
                 Ok(())
             }
-            OptimizerKind::Adam { .. } => bad("betas must be in [0, 1) and eps a finite number >= 0"),
+            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => {
+                bad("betas must be in [0, 1) and eps a finite number >= 0")
+            }
         }
     }
 }
@@ -143,9 +161,10 @@ pub struct OptState {
 }
 
 /// Applies one optimizer step with gradient `grad` (already scaled) to `w`, with
-/// PyTorch's arithmetic (`torch.optim.SGD`, and `Adam` with `foreach=False`): with weight
-/// decay `wd`, `g = grad + wd * w` first; momentum `m = beta * m + g`, `w -= lr * m`; Adam
-/// `m += (1 - beta1) * (g - m)`, `v = beta2 * v + (1 - beta2) * g * g`,
+/// PyTorch's arithmetic (`torch.optim.SGD`, and `Adam`/`AdamW` with `foreach=False`): with
+/// weight decay `wd`, `g = grad + wd * w` first (AdamW instead: `w *= f32(1 - lr * wd)`,
+/// the product and difference in f64, and `g = grad`); momentum `m = beta * m + g`,
+/// `w -= lr * m`; Adam `m += (1 - beta1) * (g - m)`, `v = beta2 * v + (1 - beta2) * g * g`,
 /// `w -= (lr / c1) * m / (sqrt(v) / sqrt(c2) + eps)` with the bias corrections
 /// `c1 = 1 - beta1^t`, `c2 = 1 - beta2^t` computed in f64 and rounded to f32.
 pub fn step(kind: OptimizerKind, lr: f32, wd: f32, w: &mut [f32], state: &mut OptState, grad: &[f32]) {
@@ -165,21 +184,42 @@ pub fn step(kind: OptimizerKind, lr: f32, wd: f32, w: &mut [f32], state: &mut Op
                 *w -= lr * *m;
             }
         }
-        OptimizerKind::Adam { beta1, beta2, eps } => {
-            state.m.resize(w.len(), 0.0);
-            state.v.resize(w.len(), 0.0);
-            let t = state.steps.min(i32::MAX as u64) as i32;
-            let c1 = 1.0 - f64::from(beta1).powi(t);
-            let c2 = 1.0 - f64::from(beta2).powi(t);
-            let step = (f64::from(lr) / c1) as f32;
-            let c2_sqrt = c2.sqrt() as f32;
-            for (((w, g), m), v) in w.iter_mut().zip(grad).zip(state.m.iter_mut()).zip(state.v.iter_mut()) {
-                let g = decayed(*w, *g);
-                *m += (1.0 - beta1) * (g - *m);
-                *v = beta2 * *v + (1.0 - beta2) * g * g;
-                *w -= step * *m / (v.sqrt() / c2_sqrt + eps);
+        OptimizerKind::Adam { beta1, beta2, eps } => adam(beta1, beta2, eps, lr, w, state, grad, decayed),
+        OptimizerKind::AdamW { beta1, beta2, eps } => {
+            if wd != 0.0 {
+                // torch: `param.mul_(1 - lr * weight_decay)`, the factor a Python float.
+                let shrink = (1.0 - f64::from(lr) * f64::from(wd)) as f32;
+                w.iter_mut().for_each(|w| *w *= shrink);
             }
+            adam(beta1, beta2, eps, lr, w, state, grad, |_, g| g);
         }
+    }
+}
+
+/// Adam's moments and update, on the gradient `decayed(w, g)` of each element.
+#[allow(clippy::too_many_arguments)]
+fn adam(
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    lr: f32,
+    w: &mut [f32],
+    state: &mut OptState,
+    grad: &[f32],
+    decayed: impl Fn(f32, f32) -> f32,
+) {
+    state.m.resize(w.len(), 0.0);
+    state.v.resize(w.len(), 0.0);
+    let t = state.steps.min(i32::MAX as u64) as i32;
+    let c1 = 1.0 - f64::from(beta1).powi(t);
+    let c2 = 1.0 - f64::from(beta2).powi(t);
+    let step = (f64::from(lr) / c1) as f32;
+    let c2_sqrt = c2.sqrt() as f32;
+    for (((w, g), m), v) in w.iter_mut().zip(grad).zip(state.m.iter_mut()).zip(state.v.iter_mut()) {
+        let g = decayed(*w, *g);
+        *m += (1.0 - beta1) * (g - *m);
+        *v = beta2 * *v + (1.0 - beta2) * g * g;
+        *w -= step * *m / (v.sqrt() / c2_sqrt + eps);
     }
 }
 
@@ -194,7 +234,11 @@ mod tests {
         assert_eq!("momentum:0.5".parse::<OptimizerKind>().unwrap(), OptimizerKind::Momentum { beta: 0.5 });
         assert!("momentum:1.5".parse::<OptimizerKind>().is_err());
         assert!("rmsprop".parse::<OptimizerKind>().is_err());
-        for s in ["sgd", "momentum", "adam"] {
+        assert_eq!(
+            "AdamW".parse::<OptimizerKind>().unwrap(),
+            OptimizerKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 }
+        );
+        for s in ["sgd", "momentum", "adam", "adamw"] {
             assert_eq!(s.parse::<OptimizerKind>().unwrap().to_string(), s);
         }
     }
@@ -229,6 +273,49 @@ mod tests {
         assert_eq!(w, vec![2.0 - 0.5 * (1.0 + 0.25 * 2.0)]);
     }
 
+    const ADAM: OptimizerKind = OptimizerKind::Adam { beta1: 0.8, beta2: 0.99, eps: 1e-6 };
+    const ADAMW: OptimizerKind = OptimizerKind::AdamW { beta1: 0.8, beta2: 0.99, eps: 1e-6 };
+
+    #[test]
+    fn adamw_without_weight_decay_is_adam_bit_for_bit() {
+        let (mut a, mut b) = (vec![0.5, -1.25, 3.0], vec![0.5, -1.25, 3.0]);
+        let (mut sa, mut sb) = (OptState::default(), OptState::default());
+        for t in 0..5 {
+            let g: Vec<f32> = (0..3).map(|i| ((t * 3 + i) as f32 * 0.7).sin()).collect();
+            step(ADAM, 0.01, 0.0, &mut a, &mut sa, &g);
+            step(ADAMW, 0.01, 0.0, &mut b, &mut sb, &g);
+        }
+        assert_eq!(
+            (a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), &sa),
+            (b.iter().map(|x| x.to_bits()).collect(), &sb)
+        );
+    }
+
+    #[test]
+    fn adamw_decay_is_decoupled_from_the_moments() {
+        // A zero gradient: the moments stay zero and the weights only shrink, by
+        // f32(1 - lr * wd) per step.
+        let mut w = vec![2.0, -4.0];
+        let mut st = OptState::default();
+        step(ADAMW, 0.1, 0.5, &mut w, &mut st, &[0.0, 0.0]);
+        step(ADAMW, 0.1, 0.5, &mut w, &mut st, &[0.0, 0.0]);
+        let shrink = (1.0 - 0.1f64 * 0.5) as f32;
+        assert_eq!(w, vec![2.0 * shrink * shrink, -4.0 * shrink * shrink]);
+        assert_eq!((st.steps, &st.m, &st.v), (2, &vec![0.0; 2], &vec![0.0; 2]));
+
+        // With a gradient: the moments are Adam's of the gradient alone (Adam with the same
+        // weight decay puts `wd * w` in them), and the step is Adam's on the shrunk weights.
+        let (mut w, mut st) = (vec![2.0], OptState::default());
+        step(ADAMW, 0.1, 0.5, &mut w, &mut st, &[3.0]);
+        assert_eq!(st.m, vec![(1.0 - 0.8f32) * 3.0]);
+        let (mut plain, mut ps) = (vec![2.0 * shrink], OptState::default());
+        step(ADAM, 0.1, 0.0, &mut plain, &mut ps, &[3.0]);
+        assert_eq!((w, st), (plain, ps));
+        let (mut l2, mut ls) = (vec![2.0], OptState::default());
+        step(ADAM, 0.1, 0.5, &mut l2, &mut ls, &[3.0]);
+        assert_eq!(ls.m, vec![(1.0 - 0.8f32) * (3.0 + 0.5 * 2.0)]);
+    }
+
     #[test]
     fn tensor_optimizers_are_validated() {
         let ok = TensorOptimizer { kind: OptimizerKind::Momentum { beta: 0.9 }, lr: 0.1, weight_decay: 0.0 };
@@ -236,5 +323,8 @@ mod tests {
         assert!(TensorOptimizer { lr: f32::NAN, ..ok }.validate().is_err());
         assert!(TensorOptimizer { kind: OptimizerKind::Momentum { beta: 1.0 }, ..ok }.validate().is_err());
         assert!(TensorOptimizer { weight_decay: -1.0, ..ok }.validate().is_err());
+        assert!(TensorOptimizer { kind: ADAMW, weight_decay: 0.01, ..ok }.validate().is_ok());
+        let bad_beta = OptimizerKind::AdamW { beta1: 1.0, beta2: 0.999, eps: 1e-8 };
+        assert!(TensorOptimizer { kind: bad_beta, ..ok }.validate().is_err());
     }
 }

@@ -59,6 +59,11 @@ pub struct TrainingLoop {
     /// Requests of a round in flight to one server at most (the client's `window`,
     /// [`elasticps_node::timing::DEFAULT_WINDOW`] by default).
     pub window: usize,
+    /// Push a gradient of exactly 0 as no gradient (an empty payload,
+    /// `elasticps_core::block::Gradient::None`): SGD ends with the same values, and the
+    /// run exercises pushes without a gradient through migrations, replicas and
+    /// checkpoints.
+    pub zero_as_no_gradient: bool,
 }
 
 impl std::fmt::Debug for TrainingLoop {
@@ -356,6 +361,9 @@ impl WorkerRole {
 
     /// A gradient of `len` values `g` for `block` (shared with the last one if equal).
     fn gradient(&mut self, block: u32, len: usize, g: f32) -> Values {
+        if self.work.zero_as_no_gradient && g == 0.0 {
+            return Values::from_vec(Vec::new());
+        }
         let i = block as usize;
         if self.grads.len() <= i {
             self.grads.resize(i + 1, None);

@@ -340,6 +340,7 @@ fn training(case: &Case) -> impl FnMut(u32) -> TrainingLoop + 'static {
         timeout_us: 300_000_000,
         fuse,
         window: elasticps_node::timing::DEFAULT_WINDOW,
+        zero_as_no_gradient: true,
     }
 }
 

@@ -430,6 +430,7 @@ mod job {
             // Workers of one job differ: half fuse push and pull, half do not.
             fuse: i % 2 == 0,
             window,
+            zero_as_no_gradient: false,
         }
     }
 

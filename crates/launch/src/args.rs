@@ -272,7 +272,8 @@ pub struct JobArgs {
     /// `--server-sync 1=bsp`), so servers of one job can run different policies.
     #[arg(long = "server-sync", env = "ELASTICPS_SERVER_SYNC", value_delimiter = ',', value_parser = parse_server_sync)]
     pub server_sync: Vec<(u32, SyncPolicy)>,
-    /// Server-side optimizer: sgd, momentum[:BETA] or adam.
+    /// Server-side optimizer: sgd, momentum[:BETA], adam or adamw (the job's weight decay is
+    /// 0: AdamW's decay comes with a per-tensor optimizer, e.g. from PyTorch).
     #[arg(long, env = "ELASTICPS_OPTIMIZER", default_value = "adam", value_parser = parse_core::<OptimizerKind>)]
     pub optimizer: OptimizerKind,
     /// Learning rate of the server-side optimizer.

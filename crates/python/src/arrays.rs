@@ -38,6 +38,12 @@ unsafe impl Sync for Src {}
 unsafe impl Sync for Dst {}
 
 impl Src {
+    /// No gradient (a parameter unused in this step): an empty push, which the servers
+    /// count for the clock and apply nothing of (PROTOCOL.md §4).
+    pub fn none() -> Self {
+        Src { ptr: std::ptr::NonNull::dangling().as_ptr(), len: 0 }
+    }
+
     /// The values.
     ///
     /// # Safety

@@ -118,6 +118,10 @@ impl Handle {
     }
 }
 
+/// A push's gradients as the actor takes them (tensor, borrowed values; an empty one for
+/// no gradient), with the arrays checked (to refuse aliasing with what the call writes).
+type Grads<'py> = (Vec<(usize, Src)>, Vec<Checked<'py>>);
+
 impl Worker {
     /// Connects to the scheduler with `opts`, joins the job and asks its first clock; with
     /// `metrics_listen`, serves the worker's Prometheus metrics there (`/metrics`) while
@@ -198,6 +202,25 @@ impl Worker {
         Ok(out)
     }
 
+    /// Checks the arrays of a push's dict (name -> array, or `None` for no gradient) and
+    /// borrows them for reading, kept alive by `keep`; also returns the arrays checked.
+    fn check_grads<'py>(&self, grads: &Bound<'py, PyDict>, keep: &mut Keep) -> PyResult<Grads<'py>> {
+        let mut src = Vec::with_capacity(grads.len());
+        let mut read = Vec::with_capacity(grads.len());
+        for (k, v) in grads.iter() {
+            let name: String = k.extract().map_err(|_| PyTypeError::new_err("elasticps: tensor names must be str"))?;
+            let (t, len) = self.tensor(&name)?;
+            if v.is_none() {
+                src.push((t, Src::none()));
+                continue;
+            }
+            let checked = Checked::read(&v, &name, format!("grads[{name:?}]"), len)?;
+            src.push((t, checked.source(keep)));
+            read.push(checked);
+        }
+        Ok((src, read))
+    }
+
     /// Queues a round; its reply comes on the receiver, and the ticket cancels it.
     fn round(
         &self,
@@ -251,7 +274,7 @@ impl Worker {
     /// checkpoint's are, and no values are sent. Either way they are written in place into
     /// each worker's arrays (the parameters of clock `start_clock`).
     /// `optimizers` maps tensor names to server-side optimizers (dicts with `kind`
-    /// "sgd", "momentum" or "adam", `lr`, and `momentum`, `betas`, `eps`,
+    /// "sgd", "momentum", "adam" or "adamw", `lr`, and `momentum`, `betas`, `eps`,
     /// `weight_decay`); tensors not named use the job's `--optimizer` and `--lr`.
     #[pyo3(signature = (tensors, optimizers=None))]
     fn register_model(
@@ -331,19 +354,21 @@ impl Worker {
         wait_call(py, &format!("worker {} pulls clock {clock}", self.rank), rx, &ticket)
     }
 
-    /// Pushes the gradients of clock `clock` (a dict name -> float32 ndarray).
+    /// Pushes the gradients of clock `clock` (a dict name -> float32 ndarray, or `None`
+    /// for a tensor that got no gradient this step: the servers count the push and apply
+    /// nothing).
     fn push(&self, py: Python<'_>, clock: Clock, grads: &Bound<'_, PyDict>) -> PyResult<()> {
         // Only read: arrays that share memory are fine.
-        let src = self.check_dict(grads, "grads", false)?;
         let mut keep = Keep::new();
-        let src = src.iter().map(|(t, c)| (*t, c.source(&mut keep))).collect();
+        let (src, _) = self.check_grads(grads, &mut keep)?;
         let (rx, ticket) = self.round(Some((clock, src)), None, keep)?;
         wait_call(py, &format!("worker {} pushes clock {clock}", self.rank), rx, &ticket)
     }
 
     /// Pushes the gradients of clock `clock` and pulls the parameters of clock `clock + 1`
-    /// into `out`, overlapping the two per server. An array of `out` that shares memory
-    /// with another array of `out` or `grads` is refused (`ValueError`).
+    /// into `out`, overlapping the two per server (`grads` as in `push`). An array of
+    /// `out` that shares memory with another array of `out` or `grads` is refused
+    /// (`ValueError`).
     fn push_pull(
         &self,
         py: Python<'_>,
@@ -352,11 +377,10 @@ impl Worker {
         out: &Bound<'_, PyDict>,
     ) -> PyResult<()> {
         let next = clock.checked_add(1).ok_or_else(|| PyValueError::new_err("elasticps: clock overflow"))?;
-        let src = self.check_dict(grads, "grads", false)?;
-        let dst = self.check_dict(out, "out", true)?;
-        arrays::refuse_aliasing("push_pull", &src.iter().chain(&dst).map(|(_, c)| c).collect::<Vec<_>>())?;
         let mut keep = Keep::new();
-        let src = src.iter().map(|(t, c)| (*t, c.source(&mut keep))).collect();
+        let (src, read) = self.check_grads(grads, &mut keep)?;
+        let dst = self.check_dict(out, "out", true)?;
+        arrays::refuse_aliasing("push_pull", &read.iter().chain(dst.iter().map(|(_, c)| c)).collect::<Vec<_>>())?;
         let dst = dst.iter().map(|(t, c)| (*t, c.destination(&mut keep))).collect();
         let (rx, ticket) = self.round(Some((clock, src)), Some((next, dst)), keep)?;
         let what = format!("worker {} pushes clock {clock} and pulls clock {next}", self.rank);
@@ -364,11 +388,13 @@ impl Worker {
     }
 
     /// Starts pushing the gradient of tensor `name` at clock `clock` and returns at once.
-    /// Do not change `grad` before the handle's `wait()` returned.
+    /// Do not change `grad` before the handle's `wait()` returned. `grad` `None`: the
+    /// tensor got no gradient this step (a parameter unused in the forward pass); the
+    /// servers count the push for the clock and apply nothing.
     fn push_async(&self, clock: Clock, name: &str, grad: &Bound<'_, PyAny>) -> PyResult<Handle> {
         let (t, len) = self.tensor(name)?;
         let mut keep = Keep::new();
-        let src = arrays::source(grad, name, len, &mut keep)?;
+        let src = if grad.is_none() { Src::none() } else { arrays::source(grad, name, len, &mut keep)? };
         let (rx, ticket) = self.round(Some((clock, vec![(t, src)])), None, keep)?;
         Ok(Handle::new(rx, ticket, format!("push(clock {clock}) of {name:?}"), self.pid))
     }
@@ -419,8 +445,8 @@ impl Worker {
     }
 }
 
-/// A server-side optimizer from a dict: `kind` ("sgd", "momentum", "adam"), `lr`, and
-/// `momentum`, `betas`, `eps`, `weight_decay`.
+/// A server-side optimizer from a dict: `kind` ("sgd", "momentum", "adam", "adamw"),
+/// `lr`, and `momentum`, `betas`, `eps`, `weight_decay` (decoupled for "adamw").
 fn parse_optimizer(spec: &Bound<'_, PyAny>, name: &str) -> PyResult<TensorOptimizer> {
     let d = spec
         .cast::<PyDict>()
@@ -444,7 +470,7 @@ fn parse_optimizer(spec: &Bound<'_, PyAny>, name: &str) -> PyResult<TensorOptimi
     let kind = match kind.as_str() {
         "sgd" => OptimizerKind::Sgd,
         "momentum" => OptimizerKind::Momentum { beta: get_f32("momentum", Some(0.9))? },
-        "adam" => {
+        "adam" | "adamw" => {
             let (beta1, beta2) = match d.get_item("betas")? {
                 Some(b) => {
                     let t = b.cast::<PyTuple>().map_err(|_| {
@@ -455,11 +481,16 @@ fn parse_optimizer(spec: &Bound<'_, PyAny>, name: &str) -> PyResult<TensorOptimi
                 }
                 None => (0.9, 0.999),
             };
-            OptimizerKind::Adam { beta1, beta2, eps: get_f32("eps", Some(1e-8))? }
+            let eps = get_f32("eps", Some(1e-8))?;
+            if kind == "adamw" {
+                OptimizerKind::AdamW { beta1, beta2, eps }
+            } else {
+                OptimizerKind::Adam { beta1, beta2, eps }
+            }
         }
         other => {
             return Err(PyValueError::new_err(format!(
-                "elasticps: optimizer of {name:?}: unknown kind {other:?} (server optimizers: sgd, momentum, adam)"
+                "elasticps: optimizer of {name:?}: unknown kind {other:?} (server optimizers: sgd, momentum, adam, adamw)"
             )));
         }
     };

@@ -106,6 +106,7 @@ fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> Training
         // it); the sim keeps the unbounded round it had before the window moved into the
         // node layer (issue 22). The harness's tests do run with the window.
         window: usize::MAX,
+        zero_as_no_gradient: false,
     }
 }
 

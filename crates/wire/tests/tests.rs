@@ -482,6 +482,11 @@ mod common {
                 beta2,
                 eps
             }),
+            (finite_or_inf(), finite_or_inf(), finite_or_inf()).prop_map(|(beta1, beta2, eps)| OptimizerKind::AdamW {
+                beta1,
+                beta2,
+                eps
+            }),
         ]
     }
 
@@ -1136,6 +1141,48 @@ mod golden {
             "45 50 53 31 03 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 97 49 4e 15",
         );
         pinned("Push payload", &payload, "00 00 80 3f 00 00 00 c0");
+    }
+
+    #[test]
+    fn push_without_a_gradient() {
+        // An empty payload: no gradient (a parameter unused in the step). The frame checks
+        // take it, and the block's push counts it for the clock and applies nothing.
+        let msg = Message::Push { block: 3, clock: 5, values: Values::from_vec(Vec::new()) };
+        let (head, payload) = Codec::default().encode(9, &msg).unwrap();
+        assert!(payload.is_empty());
+        pinned(
+            "Push without a gradient",
+            &head,
+            "45 50 53 31 03 02 00 00 09 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 3e 5a 9d b5",
+        );
+        let h = Codec::default().decode_header(&head).unwrap();
+        let back = Message::decode(&h, payload.clone()).unwrap();
+        assert_eq!(back, msg);
+        let Message::Push { values, .. } = back else { unreachable!() };
+        assert_eq!(
+            elasticps_core::block::Gradient::from_payload(&values.to_f32s()),
+            elasticps_core::block::Gradient::None
+        );
+        // Forwarded to a backup: the 8 prefix bytes alone.
+        let fwd = Message::Forward { block: 3, clock: 5, worker: 2, init: false, values: Values::from_vec(Vec::new()) };
+        let (head, payload) = Codec::default().encode(9, &fwd).unwrap();
+        assert_eq!((hex(&payload), &head[24..28]), ("02 00 00 00 00 00 00 00".to_string(), &[8, 0, 0, 0][..]));
+        assert_eq!(Message::decode(&Codec::default().decode_header(&head).unwrap(), payload).unwrap(), fwd);
+        // In a migration's delta: an empty f32 byte string.
+        let delta =
+            Control::BlockDelta { block: 3, epoch: 2, pushes: vec![LoggedPush { worker: 1, clock: 5, grad: vec![] }] };
+        pinned("BlockDelta without a gradient", &postcard::to_allocvec(&delta).unwrap(), "13 03 02 01 01 05 00");
+    }
+
+    #[test]
+    fn adamw_set_optimizer() {
+        let kind = elasticps_core::optimizer::OptimizerKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+        let optimizer = elasticps_core::optimizer::TensorOptimizer { kind, lr: 0.001, weight_decay: 0.01 };
+        pinned(
+            "SetOptimizer AdamW",
+            &postcard::to_allocvec(&Control::SetOptimizer { tensor: 1, optimizer }).unwrap(),
+            "1b 01 03 66 66 66 3f 77 be 7f 3f 77 cc 2b 32 6f 12 83 3a 0a d7 23 3c",
+        );
     }
 
     #[test]

@@ -781,3 +781,20 @@ fn a_stale_backups_snapshot_is_followed_by_the_push_it_does_not_hold() {
     let acts = primary.handle(7, Event::FromServer { call: *fwd, reply: Ok(Control::Ok.into()) });
     assert_eq!(replies(&acts), vec![(2, 6, Message::PushAck { block: 0, clock: 0 })]);
 }
+
+#[test]
+fn a_push_without_a_gradient_is_acknowledged_counts_for_the_clock_and_applies_nothing() {
+    let mut s = server(0, SyncPolicy::Bsp);
+    assert!(acked(&push(&mut s, 1, 0, 10, 0, 0, 1.0), 1, 10));
+    // Worker 0's pull(1) waits for worker 1's clock 0.
+    assert!(pulled(&pull(&mut s, 2, 0, 11, 0, 1)).is_empty());
+    let none = Message::Push { block: 0, clock: 0, values: Values::from_vec(Vec::new()) };
+    let acts = s.handle(3, Event::Received { conn: 2, request_id: 12, msg: none });
+    assert!(acked(&acts, 2, 12), "{acts:?}");
+    assert_eq!(pulled(&acts), vec![(1, 11, vec![-1.0; LEN])], "released, with worker 0's gradient alone applied");
+    // A payload of another length than the block's is still refused, and the connection serves on.
+    let short = Message::Push { block: 0, clock: 1, values: Values::from_vec(vec![1.0; LEN - 1]) };
+    let acts = s.handle(4, Event::Received { conn: 2, request_id: 13, msg: short });
+    assert!(matches!(&replies(&acts)[..], [(2, 13, Message::Error(e))] if e.code == ErrorCode::BadRequest), "{acts:?}");
+    assert!(acked(&push(&mut s, 5, 1, 14, 0, 1, 2.0), 2, 14));
+}

@@ -306,9 +306,11 @@ impl Client {
         self.round(None, Some((clock, &mut params))).await
     }
 
-    /// Pushes the gradient of every tensor for clock `clock`.
+    /// Pushes the gradient of every tensor for clock `clock`; an empty gradient pushes
+    /// none for its tensor (a parameter unused in this step: every block of it gets a push
+    /// without a gradient, PROTOCOL.md §4).
     pub async fn push<G: AsRef<[f32]>>(&mut self, clock: Clock, grads: &[G]) -> Result<()> {
-        self.check_shapes("push", grads.iter().map(|g| Some(g.as_ref().len())))?;
+        self.check_shapes("push", grads.iter().map(|g| pushed_len(Some(g.as_ref()))))?;
         let grads: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(g.as_ref())).collect();
         self.round(Some((PushOp::Grad(clock), &grads)), None).await
     }
@@ -328,7 +330,7 @@ impl Client {
         let next = clock.checked_add(1).ok_or_else(|| RuntimeError::Usage("clock overflow".into()))?;
         let grads: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(g.as_ref())).collect();
         let mut params: Vec<Option<&mut [f32]>> = params.iter_mut().map(|p| Some(p.as_mut())).collect();
-        self.check_shapes("push", grads.iter().map(|g| g.map(<[f32]>::len)))?;
+        self.check_shapes("push", grads.iter().map(|g| pushed_len(*g)))?;
         self.check_shapes("pull", params.iter().map(|p| p.as_ref().map(|p| p.len())))?;
         self.round(Some((PushOp::Grad(clock), &grads)), Some((next, &mut params))).await
     }
@@ -337,16 +339,17 @@ impl Client {
     /// `params[t]` (if `Some`) pulled at `pull_clock`, each as long as tensor `t`; a tensor
     /// in both is pulled once its push was acknowledged, or, if `pull_clock` is
     /// `push_clock + 1` and [`ClientOptions::fuse`] is on, with its push in one request.
-    /// Both lists are empty or have one entry per tensor. This is what a client that
-    /// pushes each gradient as soon as it is ready (PyTorch's backward hooks) calls, one
-    /// tensor or a few at a time.
+    /// Both lists are empty or have one entry per tensor; an empty gradient pushes none
+    /// for its tensor ([`Client::push`]). This is what a client that pushes each gradient
+    /// as soon as it is ready (PyTorch's backward hooks) calls, one tensor or a few at a
+    /// time.
     pub async fn round_tensors(
         &mut self,
         push: Option<(Clock, &[Option<&[f32]>])>,
         pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
     ) -> Result<()> {
         if let Some((_, grads)) = push {
-            self.check_shapes("push", grads.iter().map(|g| g.map(<[f32]>::len)))?;
+            self.check_shapes("push", grads.iter().map(|g| pushed_len(*g)))?;
         }
         if let Some((_, params)) = &pull {
             self.check_shapes("pull", params.iter().map(|p| p.as_ref().map(|p| p.len())))?;
@@ -454,6 +457,12 @@ async fn watch_ending(mut notes: Notifications, end: EndWatch, tell: tokio::sync
 const NOTES_DRAIN: Duration = Duration::from_secs(1);
 
 /// A duration in the plan's microseconds.
+/// The length a push's shape check compares with its tensor's: `None` (not checked) for a
+/// tensor not in the round and for an empty gradient, which pushes none.
+fn pushed_len(grad: Option<&[f32]>) -> Option<usize> {
+    grad.map(<[f32]>::len).filter(|len| *len != 0)
+}
+
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }

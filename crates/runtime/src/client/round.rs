@@ -240,6 +240,8 @@ impl Client {
                 let b = sent.block;
                 let values = || match grads.get(b.tensor as usize) {
                     Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok(&grad[b.offset..b.offset + b.len]),
+                    // No gradient for the tensor: an empty push to each of its blocks.
+                    Some(Some([])) => Ok(&[][..]),
                     _ => {
                         Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id)))
                     }
