@@ -6,7 +6,7 @@
 //! their fields without a protocol version bump. docs/PROTOCOL.md lists the indices.
 
 use elasticps_core::block::{BlockState, BlockStats, LoggedPush, ShardConfig};
-use elasticps_core::model::{BlockId, Partition, TensorSpec};
+use elasticps_core::model::{BlockId, Partition, TableSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::{Placement, ServerId};
 use serde::{Deserialize, Serialize};
@@ -47,6 +47,9 @@ pub enum Control {
         /// Each tensor's own optimizer (a PyTorch parameter group's hyperparameters), or
         /// none (the job's `--optimizer`, `--lr`); empty when no tensor has one.
         optimizers: Vec<Option<TensorOptimizer>>,
+        /// The embedding tables, in order (their blocks follow the tensors'); empty for a
+        /// dense model.
+        tables: Vec<TableSpec>,
     },
     /// Tag 4: Node -> scheduler: send me the current layout. Reply: [`Control::Layout`]
     /// (or an `Error` with `NotReady` before the model is defined and assigned).
@@ -55,7 +58,7 @@ pub enum Control {
     Layout(Layout),
     /// Tag 6: Scheduler -> server: the blocks to hold and how to treat them.
     /// Reply: [`Control::AssignDone`].
-    Assign(Assignment),
+    Assign(Box<Assignment>),
     /// Tag 7: Server -> scheduler: the assignment is in place, the server serves its blocks.
     AssignDone {
         /// The server that took the assignment.

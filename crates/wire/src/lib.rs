@@ -73,5 +73,5 @@ pub use header::{
     CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
     checksum,
 };
-pub use message::Message;
-pub use values::Values;
+pub use message::{Message, PUSH_ROWS_PREFIX};
+pub use values::{RowIds, Values};

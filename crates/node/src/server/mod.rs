@@ -1078,7 +1078,7 @@ impl Server {
             return;
         }
         match msg {
-            Message::Control(Control::Assign(a)) => self.assign(now_us, a, out),
+            Message::Control(Control::Assign(a)) => self.assign(now_us, *a, out),
             Message::Control(Control::Migrate { block, to, to_addr, epoch }) => {
                 self.migrate_out(now_us, block, to, to_addr, epoch, out)
             }

@@ -58,7 +58,8 @@ fn server(id: ServerId, sync: SyncPolicy) -> Server {
         [Action::ToScheduler { request_id: 1, msg: Message::Control(Control::RegisterServer { .. }) }]
     ));
     s.handle(0, Event::FromScheduler { request_id: 1, msg: welcome_of(id) });
-    let acts = s.handle(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(assignment(id, sync)).into() });
+    let acts = s
+        .handle(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(Box::new(assignment(id, sync))).into() });
     assert!(
         acts.iter().any(|a| matches!(a, Action::ToScheduler { msg: Message::Control(Control::AssignDone { .. }), .. }))
     );
@@ -565,7 +566,7 @@ fn replicated(id: ServerId) -> (Server, Vec<Action>) {
     let base = assignment(id, SyncPolicy::Asp);
     let placement = base.placement.clone().with_replicas(2, 2).unwrap();
     let a = Assignment { placement: placement.clone(), ..base };
-    s.handle(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(a).into() });
+    s.handle(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(Box::new(a)).into() });
     for (conn, rank) in [(1, 0), (2, 1)] {
         introduce(&mut s, conn, PeerRole::Worker, rank);
     }
