@@ -668,6 +668,22 @@ impl<T> Block<T> {
         Ok(self.release(config.sync, now_us))
     }
 
+    /// [`Block::push_rows`] from a worker that rejoined (as [`Block::push_rejoined`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_rows_rejoined(
+        &mut self,
+        config: &ShardConfig,
+        worker: u32,
+        clock: Clock,
+        ids: &[u64],
+        grads: &[f32],
+        now_us: u64,
+    ) -> Result<Vec<Answer<T>>, CoreError> {
+        self.check_rows(ids, Some(grads.len()))?;
+        self.clocks.skip_to(worker, clock);
+        self.push_rows(config, worker, clock, ids, grads, now_us)
+    }
+
     /// A worker asks for rows `ids` of this row block at clock `clock`: answered now (the
     /// rows in the order asked), or held by the sync policy as [`Block::pull`] is.
     #[allow(clippy::too_many_arguments)]
@@ -1146,6 +1162,132 @@ mod tests {
             };
             assert!(ok, "{what}: {err:?}");
         }
+    }
+
+    // Row blocks.
+
+    fn row_block(cfg: &ShardConfig, optimizer: crate::rows::SparseOptimizer) -> Block<u32> {
+        let rule = RowRule { dim: 2, init: crate::rows::RowInit::Constant(1.0), key: 3, optimizer };
+        Block::new_rows(BlockSpec::rows(4, 0, 10, 20, 2), rule, cfg).unwrap()
+    }
+
+    fn sgd(lr: f64) -> crate::rows::SparseOptimizer {
+        crate::rows::SparseOptimizer::Sgd { lr }
+    }
+
+    #[test]
+    fn a_row_pull_waits_under_bsp_and_answers_the_rows_in_the_order_asked() {
+        let cfg = config(SyncPolicy::Bsp, false, 2);
+        let mut b = row_block(&cfg, sgd(1.0));
+        let ids: Arc<[u64]> = Arc::from(vec![12, 11, 12]);
+        let a = b.pull_rows(&cfg, 1, 0, 0, ids.clone(), 0, &mut rng()).unwrap().unwrap();
+        assert_eq!(*a.values, vec![1.0; 6]);
+        assert_eq!(a.rows.as_deref(), Some(&[12, 11, 12][..]));
+        // Worker 0 pushes clock 0 (row 12 twice: summed) and pulls clock 1: held for worker 1.
+        b.push_rows(&cfg, 0, 0, &[12, 12], &[0.5, 0.0, 0.25, 1.0], 1).unwrap();
+        assert!(b.pull_rows(&cfg, 2, 0, 1, ids, 2, &mut rng()).unwrap().is_none());
+        // Worker 1's empty push completes clock 0 and releases the pull.
+        let released = b.push_rows(&cfg, 1, 0, &[], &[], 5).unwrap();
+        assert_eq!(released.len(), 1);
+        assert_eq!((released[0].token, released[0].held_us), (2, Some(3)));
+        assert_eq!(*released[0].values, vec![0.25, 0.0, 1.0, 1.0, 0.25, 0.0]);
+        assert_eq!(b.rows().unwrap().rows(), 1, "only the pushed row exists");
+        assert_eq!(b.stats().pushes, 2);
+    }
+
+    #[test]
+    fn aggregate_row_steps_take_the_mean_over_the_clocks_pushes() {
+        let cfg = config(SyncPolicy::Bsp, true, 2);
+        let mut b = row_block(&cfg, sgd(1.0));
+        b.push_rows(&cfg, 0, 0, &[10, 11], &[2.0, 2.0, 4.0, 4.0], 0).unwrap();
+        assert_eq!(b.rows().unwrap().rows(), 0, "buffered until the clock completes");
+        b.push_rows(&cfg, 1, 0, &[11], &[2.0, 0.0], 0).unwrap();
+        // Row 10: (2 + nothing) / 2 = 1; row 11: (4 + 2) / 2 = 3 and (4 + 0) / 2 = 2.
+        let a = b.pull_rows(&cfg, 0, 0, 1, Arc::from(vec![10, 11]), 0, &mut rng()).unwrap().unwrap();
+        assert_eq!(*a.values, vec![0.0, 0.0, -2.0, -1.0]);
+        assert_eq!(b.rows().unwrap().steps(), 1);
+    }
+
+    #[test]
+    fn row_and_dense_operations_are_refused_on_the_other_kind() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let mut rows = row_block(&cfg, sgd(1.0));
+        assert_eq!(rows.push(&cfg, 0, 0, &[1.0; 20], 0).unwrap_err(), CoreError::NotDense(4));
+        assert_eq!(rows.pull(&cfg, 0, 0, 0, 0, &mut rng()).unwrap_err(), CoreError::NotDense(4));
+        assert_eq!(rows.set_initial(&[0.0; 20]).unwrap_err(), CoreError::NotDense(4));
+        assert_eq!(rows.check_push(0, 0, 20, false).unwrap_err(), CoreError::NotDense(4));
+        let out = rows.push_rows(&cfg, 0, 0, &[9], &[1.0, 1.0], 0).unwrap_err();
+        assert_eq!(out, CoreError::RowOutOfRange { block: 4, row: 9, start: 10, end: 20 });
+        assert!(rows.pull_rows(&cfg, 0, 0, 0, Arc::from(vec![20]), 0, &mut rng()).is_err());
+        let short = rows.push_rows(&cfg, 0, 0, &[10], &[1.0], 0).unwrap_err();
+        assert!(matches!(short, CoreError::WrongLength { block: 4, expected: 2, got: 1 }), "{short:?}");
+        assert_eq!(rows.clocks().pushed(0), Some(0), "nothing refused counted");
+        let mut dense = block(2, &cfg);
+        assert_eq!(dense.push_rows(&cfg, 0, 0, &[0], &[1.0], 0).unwrap_err(), CoreError::NotRows(0));
+        assert!(matches!(
+            dense.pull_rows(&cfg, 0, 0, 0, Arc::from(vec![0]), 0, &mut rng()),
+            Err(CoreError::NotRows(0))
+        ));
+    }
+
+    #[test]
+    fn a_row_block_rebuilt_from_snapshot_and_log_is_identical() {
+        use crate::rows::SparseOptimizer;
+        for opt in [
+            sgd(0.1),
+            SparseOptimizer::adagrad(0.1),
+            SparseOptimizer::sparse_adam(0.1),
+            SparseOptimizer::lazy_adam(0.1),
+        ] {
+            for aggregate in [false, true] {
+                let cfg = ShardConfig { sync: SyncPolicy::Ssp(2), ..config(SyncPolicy::Ssp(2), aggregate, 3) };
+                let mut old = row_block(&cfg, opt);
+                let g = |w: u32, t: u32| grad(w, t, 4);
+                for (w, t) in [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1)] {
+                    old.push_rows(&cfg, w, t, &[10 + w as u64, 15], &g(w, t), 0).unwrap();
+                }
+                let snapshot = old.snapshot();
+                assert!(snapshot.values.is_empty() && snapshot.rows.is_some());
+                for (w, t) in [(2, 1), (0, 2), (0, 2), (1, 2)] {
+                    old.push_rows(&cfg, w, t, &[19, 15], &g(w, t), 0).unwrap();
+                }
+                old.push_rows(&cfg, 2, 2, &[], &[], 0).unwrap();
+                let log = old.take_log();
+                assert_eq!(log.len(), 4, "the duplicate is not logged");
+                assert_eq!(log[3].rows, Vec::<u64>::new());
+                let bytes = postcard::to_allocvec(&snapshot).unwrap();
+                let snapshot: BlockState = postcard::from_bytes(&bytes).unwrap();
+                let mut new: Block<u32> = Block::from_state(snapshot, &log, &cfg).unwrap();
+                assert_eq!(new.state(), old.state(), "{opt:?} aggregate={aggregate}");
+                for (w, t) in [(0, 3), (1, 3), (2, 3)] {
+                    old.push_rows(&cfg, w, t, &[11], &g(w, t)[..2], 0).unwrap();
+                    new.push_rows(&cfg, w, t, &[11], &g(w, t)[..2], 0).unwrap();
+                }
+                assert_eq!(new.state(), old.state(), "{opt:?} aggregate={aggregate}, later");
+                assert_eq!(new.state_len(), old.state().state_len());
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_state_that_does_not_fit_its_block_is_refused() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let mut b = row_block(&cfg, sgd(1.0));
+        b.push_rows(&cfg, 0, 0, &[10], &[1.0, 1.0], 0).unwrap();
+        let good = b.state();
+        assert!(Block::<u32>::from_state(good.clone(), &[], &cfg).is_ok());
+        let mut outside = good.clone();
+        outside.rows.as_mut().unwrap().ids[0] = 25;
+        assert!(matches!(Block::<u32>::from_state(outside, &[], &cfg), Err(CoreError::RowOutOfRange { row: 25, .. })));
+        let mut short = good.clone();
+        short.rows.as_mut().unwrap().values.pop();
+        assert!(Block::<u32>::from_state(short, &[], &cfg).is_err());
+        let mut dense_spec = good.clone();
+        dense_spec.spec = BlockSpec::dense(4, 0, 0, 20);
+        assert!(Block::<u32>::from_state(dense_spec, &[], &cfg).is_err());
+        let mut no_rows = good;
+        no_rows.rows = None;
+        assert_eq!(Block::<u32>::from_state(no_rows, &[], &cfg).unwrap_err(), CoreError::NotDense(4));
     }
 
     #[test]
