@@ -49,6 +49,8 @@ pub struct BlockStats {
     pub bytes_out: u64,
     /// Largest lead seen between the fastest and the slowest worker, in clocks.
     pub max_lead: u64,
+    /// Rows pushed and pulled (row blocks; a row named twice counts twice).
+    pub rows: u64,
 }
 
 impl BlockStats {
@@ -62,6 +64,7 @@ impl BlockStats {
         self.bytes_in += other.bytes_in;
         self.bytes_out += other.bytes_out;
         self.max_lead = self.max_lead.max(other.max_lead);
+        self.rows += other.rows;
     }
 }
 
@@ -646,6 +649,7 @@ impl<T> Block<T> {
         }
         self.stats.pushes += 1;
         self.stats.bytes_in += (grads.len() * 4 + ids.len() * 8) as u64;
+        self.stats.rows += ids.len() as u64;
         if let Some(log) = &mut self.log {
             log.push(LoggedPush { worker, clock, grad: grads.to_vec(), rows: ids.to_vec() });
         }
@@ -817,7 +821,10 @@ impl<T> Block<T> {
         debug_assert!(!sync.violates_bound(clock, done), "pull({clock}) answered while done = {done} under {sync}");
         self.stats.pulls += 1;
         let values = match (&rows, &self.rows) {
-            (Some(ids), Some(part)) => Arc::new(part.store.gather(ids)),
+            (Some(ids), Some(part)) => {
+                self.stats.rows += ids.len() as u64;
+                Arc::new(part.store.gather(ids))
+            }
             _ => Arc::clone(&self.values),
         };
         self.stats.bytes_out += values.len() as u64 * 4;

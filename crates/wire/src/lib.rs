@@ -62,8 +62,8 @@ pub mod values;
 
 pub use control::{
     Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, HeldBlock, HostOffer, Injection, Layout,
-    MigrationReport, NodeRole, Restore, ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats, ServerStatus,
-    WorkerLoad, WorkerStatus,
+    MigrationReport, NodeRole, Restore, RowBlockLoad, ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats,
+    ServerStatus, WorkerLoad, WorkerStatus,
 };
 pub use credential::{Credential, PeerRole};
 pub use error::{ErrorCode, ErrorReply, WireError};

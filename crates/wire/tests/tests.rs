@@ -276,6 +276,7 @@ mod common {
                     bytes,
                     rx_bps,
                     rx_frames,
+                    row_blocks: vec![RowBlockLoad { block: blocks, pushes: 3, pulls: 2, rows: 9, bytes_in, bytes_out }],
                 }
             },
         )

@@ -24,8 +24,8 @@ use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
 use elasticps_core::sync::{Clock, SyncPolicy};
 use elasticps_wire::{
-    Assignment, CheckpointEntry, CheckpointPlan, Control, Credential, ErrorCode, KeyId, Message, PeerRole, RowIds,
-    ServerLoad, ServerStats, Values,
+    Assignment, CheckpointEntry, CheckpointPlan, Control, Credential, ErrorCode, KeyId, Message, PeerRole,
+    RowBlockLoad, RowIds, ServerLoad, ServerStats, Values,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -614,13 +614,34 @@ impl Server {
     /// The load since the last call (counters reset), over `interval_us`.
     pub fn take_load(&mut self, interval_us: u64) -> ServerLoad {
         let (mut blocks, mut bytes) = (0, 0);
-        for slot in self.slots.values() {
+        let mut row_blocks = Vec::new();
+        let mut rows_seen = BTreeMap::new();
+        for (id, slot) in &self.slots {
             if let Slot::Owned(o) = slot {
                 blocks += 1;
                 bytes += o.block.spec().bytes() as u64;
+                if o.block.spec().is_rows() {
+                    let now = *o.block.stats();
+                    // A block that arrived again since counts from zero.
+                    let before = self.counters.rows_seen.get(id).filter(|b| b.pushes <= now.pushes).copied();
+                    let before = before.unwrap_or_default();
+                    let load = RowBlockLoad {
+                        block: *id,
+                        pushes: now.pushes - before.pushes,
+                        pulls: now.pulls.saturating_sub(before.pulls),
+                        rows: now.rows.saturating_sub(before.rows),
+                        bytes_in: now.bytes_in.saturating_sub(before.bytes_in),
+                        bytes_out: now.bytes_out.saturating_sub(before.bytes_out),
+                    };
+                    if load.pushes + load.pulls > 0 {
+                        row_blocks.push(load);
+                    }
+                    rows_seen.insert(*id, now);
+                }
             }
         }
         let c = &mut self.counters;
+        c.rows_seen = rows_seen;
         // Spins of the injected interference on several threads overlap: the busy time an
         // interval can hold back is at most the interval.
         let rx = c.capacity.take(c.busy_us.min(interval_us));
@@ -636,6 +657,7 @@ impl Server {
             bytes,
             rx_bps: rx.map_or(0.0, |m| m.bps),
             rx_frames: rx.map_or(0, |m| m.frames),
+            row_blocks,
         }
     }
 

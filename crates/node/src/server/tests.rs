@@ -764,7 +764,7 @@ fn a_stale_backups_snapshot_is_followed_by_the_push_it_does_not_hold() {
 mod rows {
     use elasticps_core::model::TableSpec;
     use elasticps_core::rows::{RowInit, SparseOptimizer};
-    use elasticps_wire::RowIds;
+    use elasticps_wire::{RowBlockLoad, RowIds};
 
     use super::*;
 
@@ -858,6 +858,24 @@ mod rows {
         // Not owned here: Moved, as for a dense block.
         let acts = pull_rows(&mut s, 7, 0, 7, 3, 0, &[6]);
         assert_eq!(replies(&acts), vec![(1, 7, Control::Moved { block: 3, owner: 1, epoch: 1 }.into())]);
+    }
+
+    #[test]
+    fn the_load_report_counts_each_row_blocks_requests_and_rows() {
+        let mut s = table_server(0, SyncPolicy::Asp);
+        push_rows(&mut s, 1, 0, 1, 1, 0, &[0, 1, 1], &[1.0; 6]);
+        push_rows(&mut s, 1, 0, 2, 2, 0, &[], &[]);
+        pull_rows(&mut s, 1, 0, 3, 1, 1, &[0]);
+        let load = s.take_load(1_000_000);
+        let b1 = RowBlockLoad { block: 1, pushes: 1, pulls: 1, rows: 4, bytes_in: 3 * 8 + 6 * 4, bytes_out: 8 };
+        let b2 = RowBlockLoad { block: 2, pushes: 1, ..Default::default() };
+        assert_eq!(load.row_blocks, vec![b1, b2]);
+        assert_eq!(b1.push_bytes(), 48);
+        // Counted since the last report only; a block with no traffic is left out.
+        push_rows(&mut s, 2, 0, 4, 1, 1, &[1], &[1.0; 2]);
+        let load = s.take_load(1_000_000);
+        let b1 = RowBlockLoad { block: 1, pushes: 1, pulls: 0, rows: 1, bytes_in: 16, bytes_out: 0 };
+        assert_eq!(load.row_blocks, vec![b1]);
     }
 
     #[test]
