@@ -11,7 +11,8 @@
 //! The arithmetic is PyTorch's, operation for operation, in f32 with the hyperparameters
 //! held as f64 (Python floats) and rounded where PyTorch rounds them:
 //!
-//! - `sgd`: duplicates summed, `p += (-lr) * g`.
+//! - `sgd`: `p += (-lr) * g` for every (row, gradient) in the order given (torch's `add_` of
+//!   an uncoalesced sparse gradient: a repeated row takes each of its gradients in turn).
 //! - `adagrad` (`_single_tensor_adagrad`, sparse branch): `clr = lr / (1 + (step - 1) *
 //!   lr_decay)`; `sum += g * g`; `p += (-clr) * (g / (sqrt(sum) + eps))`, `sum` starting at
 //!   `initial_accumulator_value`.
@@ -371,14 +372,26 @@ impl RowStore {
         slot
     }
 
-    /// One step of the table: the gradient `grads` (`ids.len() * dim`, duplicates summed
-    /// in the order given), scaled by `scale` (1, or the mean's `1 / pushes` of aggregate
+    /// One step of the table: the gradient `grads` (`ids.len() * dim`; duplicates summed
+    /// in the order given, except for SGD, which takes them in turn as torch does), scaled
+    /// by `scale` (1, or the mean's `1 / pushes` of aggregate
     /// mode), applied to the rows `ids`. An empty gradient still counts as a step of the
     /// table. The caller checked the lengths.
     pub fn step(&mut self, ids: &[u64], grads: &[f32], scale: f32) {
         let dim = self.dim();
         debug_assert_eq!(ids.len() * dim, grads.len());
         self.steps = self.steps.saturating_add(1);
+        if let SparseOptimizer::Sgd { lr } = self.rule.optimizer {
+            // torch's `p.add_(g, alpha=-lr)` of an uncoalesced sparse gradient: every
+            // (row, gradient) in the order given, a repeated row once per occurrence.
+            let alpha = -lr as f32;
+            for (row, g) in ids.iter().zip(grads.chunks_exact(dim.max(1))) {
+                let at = self.slot(*row) * dim;
+                let p = &mut self.values[at..at + dim];
+                p.iter_mut().zip(g).for_each(|(p, g)| *p += alpha * (g * scale));
+            }
+            return;
+        }
         let (rows, summed) = coalesce(ids, grads, dim);
         let mut g = vec![0.0f32; dim];
         for (k, row) in rows.iter().enumerate() {
@@ -396,10 +409,7 @@ impl RowStore {
         let at = slot * dim;
         let p = &mut self.values[at..at + dim];
         match self.rule.optimizer {
-            SparseOptimizer::Sgd { lr } => {
-                let alpha = -lr as f32;
-                p.iter_mut().zip(g).for_each(|(p, g)| *p += alpha * g);
-            }
+            SparseOptimizer::Sgd { .. } => unreachable!("sgd steps row by row in RowStore::step"),
             SparseOptimizer::Adagrad { lr, lr_decay, eps, .. } => {
                 let clr = lr / (1.0 + (self.steps as f64 - 1.0) * lr_decay);
                 let alpha = -clr as f32;
@@ -563,7 +573,7 @@ mod tests {
     }
 
     #[test]
-    fn sgd_sums_duplicates_before_the_step() {
+    fn sgd_takes_a_repeated_rows_gradients_in_turn() {
         let mut s = RowStore::new(rule(2, SparseOptimizer::Sgd { lr: 0.5 }));
         s.step(&[4, 9, 4], &[1.0, 2.0, 10.0, 10.0, 3.0, 4.0], 1.0);
         assert_eq!(s.gather(&[4, 9]), vec![0.5 - 0.5 * 4.0, 0.5 - 0.5 * 6.0, 0.5 - 5.0, 0.5 - 5.0]);
@@ -643,6 +653,63 @@ mod tests {
         assert_ne!(p1, q1);
         // The first step moves a row by about lr against the gradient's sign.
         assert!((q2 - 0.5 - 0.01).abs() < 1e-4, "{q2}");
+    }
+
+    /// The same steps as `torch.optim.{SGD, Adagrad, SparseAdam}` on a 4 x 3
+    /// `nn.Parameter` of 0.5 with sparse gradients, and torch 2.15's results (f32 bits,
+    /// printed by the script in the comment): rows 1, 3, 1 (row 1 twice); an empty step;
+    /// rows 2, 1; row 1.
+    ///
+    /// ```python
+    /// w = torch.nn.Parameter(torch.full((4, 3), 0.5)); opt = make([w])
+    /// for ids, rows in steps:
+    ///     w.grad = torch.sparse_coo_tensor(torch.tensor([ids]), torch.tensor(rows), (4, 3))
+    ///     opt.step()   # an empty step: indices (1, 0), values (0, 3)
+    /// ```
+    #[test]
+    fn sgd_adagrad_and_sparse_adam_match_torch() {
+        let steps: [(&[u64], &[f32]); 4] = [
+            (&[1, 3, 1], &[0.3, -0.7, 1.1, 0.05, 0.2, -0.4, -0.9, 0.6, 0.25]),
+            (&[], &[]),
+            (&[2, 1], &[1.5, -0.1, 0.33, -0.2, 0.8, -1.7]),
+            (&[1], &[0.01, -0.02, 0.03]),
+        ];
+        let torch: [(SparseOptimizer, [u32; 12]); 3] = [
+            (
+                SparseOptimizer::Sgd { lr: 0.1 },
+                [
+                    0x3f000000, 0x3f000000, 0x3f000000, 0x3f143958, 0x3edd2f1a, 0x3f083126, 0x3eb33333, 0x3f028f5c,
+                    0x3eef1aa0, 0x3efd70a4, 0x3ef5c28f, 0x3f0a3d71,
+                ],
+            ),
+            (
+                SparseOptimizer::Adagrad { lr: 0.1, lr_decay: 0.01, eps: 1e-10, initial_accumulator_value: 0.1 },
+                [
+                    0x3f000000, 0x3f000000, 0x3f000000, 0x3f1d64f9, 0x3ee23745, 0x3ef45e43, 0x3ecee22f, 0x3f07913d,
+                    0x3edbc1ff, 0x3ef80100, 0x3ee4a1e8, 0x3f141511,
+                ],
+            ),
+            (
+                SparseOptimizer::SparseAdam { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
+                [
+                    0x3f000000, 0x3f000000, 0x3f000000, 0x3f0604c6, 0x3efff46a, 0x3efc2b1b, 0x3efcbab2, 0x3f01a2a7,
+                    0x3efcbab2, 0x3efae14a, 0x3efae148, 0x3f028f5c,
+                ],
+            ),
+        ];
+        for (opt, want) in torch {
+            let mut s = RowStore::new(rule(3, opt));
+            for (ids, g) in steps {
+                s.step(ids, g, 1.0);
+            }
+            let got = s.gather(&[0, 1, 2, 3]);
+            let want: Vec<f32> = want.iter().map(|b| f32::from_bits(*b)).collect();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{opt:?} value {i}: {g} vs torch {w}");
+            }
+            let exact = got.iter().zip(&want).filter(|(g, w)| g.to_bits() == w.to_bits()).count();
+            assert!(exact >= 12, "{opt:?}: {exact} of 12 values bit for bit: {got:?} vs {want:?}");
+        }
     }
 
     #[test]
