@@ -765,6 +765,7 @@ mod rows {
     use elasticps_core::model::TableSpec;
     use elasticps_core::rows::{RowInit, SparseOptimizer};
     use elasticps_wire::{RowBlockLoad, RowIds};
+    use proptest::prelude::{TestCaseError, prop_assert, prop_assert_eq};
 
     use super::*;
 
@@ -978,5 +979,138 @@ mod rows {
         primary.handle(3, Event::Continue);
         let acts = primary.handle(4, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
         assert_eq!(replies(&acts), vec![(1, 5, Message::PushAck { block: 1, clock: 0 })]);
+    }
+
+    /// A worker of the exactly-once run: its next clock, and the push it waits for (sent
+    /// to a server, answered Moved, or acknowledged).
+    struct RowWorker {
+        clock: u32,
+        /// (request id, the server it was last sent to, the rows, the gradients).
+        waiting: Option<(u64, ServerId, Vec<u64>, Vec<f32>)>,
+        /// The server its last `Moved` named, where it sends from then on.
+        owner: ServerId,
+    }
+
+    /// Drives block 1 of the table from server 0 to server 1 while two workers push rows:
+    /// each `op` is a push of worker 0 or 1 (or its resend after `Moved`), or the next step
+    /// of the migration. At the end every push is acknowledged and every row holds the
+    /// exact sum of the gradients pushed to it, once, on the new owner.
+    fn exactly_once(ops: &[u8], rows_of_push: &[Vec<u64>]) -> Result<(), TestCaseError> {
+        let mut servers = [table_server(0, SyncPolicy::Asp), table_server(B, SyncPolicy::Asp)];
+        let mut workers: Vec<RowWorker> = (0..2).map(|_| RowWorker { clock: 0, waiting: None, owner: 0 }).collect();
+        let mut expected = [0.5f32; 4];
+        let mut step = 0;
+        let mut in_flight: Option<(u64, Message)> = None;
+        let mut record_call = 0;
+        let mut next_req = 100u64;
+        let mut pushes = 0usize;
+        // The replies to the workers among `acts` of server `from`.
+        let take = |acts: &[Action], workers: &mut Vec<RowWorker>| {
+            for (conn, req, msg) in replies(acts) {
+                let w = &mut workers[(conn - 1) as usize];
+                let Some((id, _, _, _)) = &w.waiting else { continue };
+                if *id != req {
+                    continue;
+                }
+                match msg {
+                    Message::PushAck { .. } => {
+                        w.waiting = None;
+                        w.clock += 1;
+                    }
+                    Message::Control(Control::Moved { owner, .. }) => w.owner = owner,
+                    other => panic!("worker {}: unexpected {other:?}", conn - 1),
+                }
+            }
+        };
+        let total = ops.len() + 60;
+        for i in 0..total {
+            let op = ops.get(i).copied().unwrap_or((i % 3) as u8) % 3;
+            if op < 2 {
+                let w = op as usize;
+                let worker = &mut workers[w];
+                let (req, ids, grads) = match &worker.waiting {
+                    // Unanswered where it was sent (parked): wait.
+                    Some((_, to, _, _)) if *to == worker.owner => continue,
+                    Some((_, _, ids, grads)) => (next_req, ids.clone(), grads.clone()),
+                    None if worker.clock >= 6 => continue,
+                    None => {
+                        let ids = rows_of_push[pushes % rows_of_push.len()].clone();
+                        let grads: Vec<f32> = ids.iter().flat_map(|r| [0.25 * (*r as f32 + 1.0), -0.5]).collect();
+                        for (r, g) in ids.iter().zip(grads.chunks(2)) {
+                            expected[(*r as usize) * 2] -= g[0];
+                            expected[(*r as usize) * 2 + 1] -= g[1];
+                        }
+                        pushes += 1;
+                        (next_req, ids, grads)
+                    }
+                };
+                next_req += 1;
+                let to = worker.owner;
+                worker.waiting = Some((req, to, ids.clone(), grads.clone()));
+                let clock = worker.clock;
+                let acts = push_rows(&mut servers[to as usize], i as u64, w as u32, req, 1, clock, &ids, &grads);
+                take(&acts, &mut workers);
+                continue;
+            }
+            let now = i as u64;
+            let (a, b) = servers.split_at_mut(1);
+            let (a, b) = (&mut a[0], &mut b[0]);
+            match step {
+                0 => {
+                    let msg = Control::Migrate { block: 1, to: B, to_addr: "b".into(), epoch: 2 }.into();
+                    in_flight = Some(to_server(&a.handle(now, Event::FromScheduler { request_id: 0, msg })));
+                }
+                1 => {
+                    // Snapshot, then deltas (as many as the old owner sends), then MigrateDone.
+                    let sent = in_flight.take().expect("a step in flight");
+                    let ok = deliver(b, now, sent.clone());
+                    prop_assert_eq!(&ok, &Message::from(Control::Ok));
+                    let acts = a.handle(now, Event::FromServer { call: sent.0, reply: Ok(ok) });
+                    take(&acts, &mut workers);
+                    let done = acts.iter().any(|a| {
+                        matches!(a, Action::ToScheduler { msg: Message::Control(Control::MigrateDone(_)), .. })
+                    });
+                    if done {
+                        record_call = migrate_done(&acts).0;
+                        step = 3;
+                    } else {
+                        in_flight = Some(to_server(&acts));
+                    }
+                    continue;
+                }
+                3 => {
+                    let acts = a.handle(now, Event::FromScheduler { request_id: record_call, msg: Control::Ok.into() });
+                    take(&acts, &mut workers);
+                }
+                4 => {
+                    let settled = Control::Settled { block: 1, epoch: 2, owner: B }.into();
+                    let acts = b.handle(now, Event::FromScheduler { request_id: 0, msg: settled });
+                    take(&acts, &mut workers);
+                }
+                _ => {}
+            }
+            step += 1;
+        }
+        prop_assert!(step >= 5, "the migration completed");
+        for (w, worker) in workers.iter().enumerate() {
+            prop_assert!(worker.waiting.is_none(), "worker {} has an unacknowledged push", w);
+        }
+        let got = rows_of(&pull_rows(&mut servers[1], total as u64, 0, 1, 1, 0, &[0, 1]));
+        prop_assert_eq!(got, vec![(1, 1, expected.to_vec())]);
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, ..Default::default() })]
+
+        /// Any interleaving of two workers' row pushes (repeated rows, empty pushes, resends
+        /// after Moved) with the steps of a migration: every push applied exactly once.
+        #[test]
+        fn a_migrating_row_block_applies_every_row_push_exactly_once(
+            ops in proptest::collection::vec(0u8..3, 0..40),
+            rows_of_push in proptest::collection::vec(proptest::collection::vec(0u64..2, 0..3), 1..6),
+        ) {
+            exactly_once(&ops, &rows_of_push)?;
+        }
     }
 }
