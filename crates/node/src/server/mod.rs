@@ -335,6 +335,9 @@ pub struct Server {
     credential: Option<Credential>,
     /// `--max-clock-lead`.
     max_clock_lead: u32,
+    /// The largest payload a reply may have (the codec's limit, `--max-frame-mib`): a
+    /// row pull whose reply would be larger is refused before its rows are gathered.
+    max_payload: u64,
     /// The id the scheduler gave, once registered.
     id: Option<ServerId>,
     started_us: u64,
@@ -386,6 +389,7 @@ impl Server {
             secret: Vec::new(),
             credential: None,
             max_clock_lead: MAX_CLOCK_LEAD,
+            max_payload: u64::from(elasticps_wire::DEFAULT_MAX_PAYLOAD),
             id: None,
             started_us: 0,
             register_deadline_us: None,
@@ -429,6 +433,12 @@ impl Server {
     /// Refuses pulls more than `lead` clocks past their block's `done` (`--max-clock-lead`).
     pub fn with_max_clock_lead(mut self, lead: u32) -> Self {
         self.max_clock_lead = lead;
+        self
+    }
+
+    /// Refuses row pulls whose reply would exceed `bytes` (the codec's payload limit).
+    pub fn with_max_payload(mut self, bytes: u32) -> Self {
+        self.max_payload = u64::from(bytes);
         self
     }
 
@@ -878,6 +888,19 @@ impl Server {
             Some(Slot::Owned(o)) => o,
             Some(Slot::Gone { .. }) | None => return Some(shard.refusal(block).reply(block)),
         };
+        if let Request::PullRows { ids, .. } = &request
+            && let Some((_, _, dim)) = o.block.spec().row_range()
+            && ids.len() as u64 * u64::from(dim) * 4 > self.max_payload
+        {
+            let (rows, limit) = (ids.len(), self.max_payload);
+            let refused = format!(
+                "a pull of {rows} rows of {dim} values from block {block} would be answered with {} bytes, above \
+                 the frame limit of {limit} bytes: pull fewer rows per request",
+                rows as u64 * u64::from(dim) * 4
+            );
+            tracing::warn!(server = shard.id, rank, block, %refused, "row pull refused");
+            return Some(error(ErrorCode::BadRequest, refused));
+        }
         if let Phase::Frozen { parked, .. } | Phase::Arrived { parked, .. } = &mut o.phase {
             parked.push(Parked { rank, to, request });
             return None;

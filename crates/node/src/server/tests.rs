@@ -905,6 +905,11 @@ mod rows {
         let msg = Message::Init { block: 2, values: Values::from_vec(vec![1.0; 4]) };
         let e = refused(&s.handle(1, Event::Received { conn: 1, request_id: 7, msg }));
         assert!(e.contains("range of a table's rows"), "{e}");
+        // A pull whose reply would pass the frame limit: refused before any row is read.
+        let mut small = table_server(0, SyncPolicy::Asp).with_max_payload(15);
+        let e = refused(&pull_rows(&mut small, 1, 0, 1, 1, 0, &[0, 1]));
+        assert!(e.contains("2 rows of 2 values from block 1 would be answered with 16 bytes"), "{e}");
+        assert_eq!(rows_of(&pull_rows(&mut small, 1, 0, 2, 1, 0, &[1])).len(), 1);
         // Nothing was applied or counted; the connection serves the next request.
         assert!(acked(&push_rows(&mut s, 2, 0, 8, 1, 0, &[0], &[1.0, 2.0]), 1, 8));
         assert_eq!(rows_of(&pull_rows(&mut s, 3, 0, 9, 1, 1, &[0])), vec![(1, 9, vec![-0.5, -1.5])]);
