@@ -81,6 +81,16 @@ pub enum CoreError {
         /// What arrived.
         got: u32,
     },
+    /// A row id past the end of its table.
+    #[error("table {table:?} has rows 0..{rows}, not row {row}")]
+    NoSuchRow {
+        /// The table's name.
+        table: String,
+        /// The row asked for.
+        row: u64,
+        /// The table's rows.
+        rows: u64,
+    },
     /// A row operation (PullRows, PushRows) on a block of a dense tensor.
     #[error("block {0} is a slice of a dense tensor: pull and push it whole (Pull, Push), not by rows")]
     NotRows(BlockId),

@@ -261,6 +261,27 @@ impl Partition {
         self.blocks.get(first + ((row - start) / (end - start)) as usize)
     }
 
+    /// Row ids of table `table` grouped by the block that holds them: every block of the
+    /// table in row order, each with the positions in `ids` of its rows (empty where no
+    /// id falls in it: a worker pushes to every block of a table on every clock). Refused
+    /// for a table the model does not have or a row past its end.
+    pub fn rows_by_block(&self, table: u32, ids: &[u64]) -> Result<Vec<(BlockId, Vec<usize>)>, CoreError> {
+        let spec = self.tables.get(table as usize).ok_or_else(|| {
+            CoreError::InvalidModel(format!("table {table} does not exist: the model has {} tables", self.tables.len()))
+        })?;
+        let blocks: Vec<&BlockSpec> = self.table_blocks(table).collect();
+        let (start, end, _) = blocks.first().and_then(|b| b.row_range()).unwrap_or((0, 1, 1));
+        let per = (end - start).max(1);
+        let mut out: Vec<(BlockId, Vec<usize>)> = blocks.iter().map(|b| (b.id, Vec::new())).collect();
+        for (i, row) in ids.iter().enumerate() {
+            if *row >= spec.rows {
+                return Err(CoreError::NoSuchRow { table: spec.name.clone(), row: *row, rows: spec.rows });
+            }
+            out[(row / per) as usize].1.push(i);
+        }
+        Ok(out)
+    }
+
     /// How row block `id` makes and updates its rows (its table's dim, initializer and
     /// optimizer, keyed by the job's `seed`); `None` for a dense block.
     pub fn row_rule(&self, id: BlockId, seed: u64) -> Result<Option<RowRule>, CoreError> {
@@ -415,6 +436,13 @@ mod tests {
         assert!(p.row_rule(0, 1).unwrap().is_none());
         assert_eq!(p.row_rule(7, 1).unwrap().unwrap().dim, 100);
         assert!(p.init_values(3, 1).unwrap().is_empty());
+        // A batch's ids by block: every block of the table, with the positions of its rows.
+        let by = p.rows_by_block(0, &[9, 0, 1, 9]).unwrap();
+        assert_eq!(by, vec![(2, vec![1, 2]), (3, vec![]), (4, vec![]), (5, vec![]), (6, vec![0, 3])]);
+        assert_eq!(p.rows_by_block(1, &[]).unwrap(), vec![(7, vec![])]);
+        let past = p.rows_by_block(0, &[10]).unwrap_err();
+        assert_eq!(past.to_string(), "table \"emb\" has rows 0..10, not row 10");
+        assert!(p.rows_by_block(2, &[0]).is_err());
     }
 
     #[test]
