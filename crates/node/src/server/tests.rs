@@ -880,6 +880,33 @@ mod rows {
     }
 
     #[test]
+    fn a_row_push_past_the_next_checkpoint_waits_and_the_checkpoint_holds_the_rows() {
+        let mut s = table_server(0, SyncPolicy::Ssp(3));
+        let plan = elasticps_wire::CheckpointPlan { dir: "d".into(), every: 1, resume: None };
+        s.handle(0, Event::FromScheduler { request_id: 0, msg: Control::Checkpointing(plan).into() });
+        assert!(acked(&push_rows(&mut s, 1, 0, 10, 1, 0, &[1], &[1.0, 1.0]), 1, 10));
+        // Worker 0 at clock 1, the checkpoint's: its push waits for worker 1's clock 0.
+        assert!(replies(&push_rows(&mut s, 2, 0, 11, 1, 1, &[1], &[1.0, 1.0])).is_empty());
+        let a = push_rows(&mut s, 3, 1, 20, 1, 0, &[], &[]);
+        let states: Vec<_> = a
+            .iter()
+            .filter_map(|x| match x {
+                Action::Checkpoint { clock, state, .. } if state.spec.id == 1 => Some((*clock, state.clone())),
+                _ => None,
+            })
+            .collect();
+        let [(1, state)] = &states[..] else { panic!("one checkpoint of block 1 at clock 1: {a:?}") };
+        let rows = state.rows.as_ref().expect("the rows travel in the checkpoint");
+        assert_eq!((rows.ids.clone(), rows.values.clone()), (vec![1], vec![-0.5, -0.5]), "exactly clock 0's push");
+        assert!(acked(&a, 2, 20) && acked(&a, 1, 11), "the waiting push is served once the state is taken");
+        // The state rebuilds a block with the same rows (a resumed job's).
+        let config = s.shard().expect("assigned").config;
+        let back: elasticps_core::block::Block<Token> =
+            elasticps_core::block::Block::from_state(state.clone(), &[], &config).unwrap();
+        assert_eq!(back.rows().map(|r| r.gather(&[1, 0])), Some(vec![-0.5, -0.5, 0.5, 0.5]));
+    }
+
+    #[test]
     fn bad_row_requests_are_refused_naming_what_and_the_connection_goes_on() {
         let mut s = table_server(0, SyncPolicy::Asp);
         let e = refused(&pull_rows(&mut s, 1, 0, 1, 1, 0, &[0, 5]));
