@@ -139,7 +139,8 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
             Server::new(data_addr.clone())
                 .with_trace(trace.is_some())
                 .with_secret(opts.codec.secret())
-                .with_max_clock_lead(opts.max_clock_lead),
+                .with_max_clock_lead(opts.max_clock_lead)
+                .with_max_payload(opts.codec.max_payload()),
         ),
         clock: Micros::new(),
         codec: opts.codec.clone(),
