@@ -1222,7 +1222,7 @@ mod golden {
         pinned(
             "Push without a gradient",
             &head,
-            "45 50 53 31 03 02 00 00 09 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 3e 5a 9d b5",
+            "45 50 53 31 04 02 00 00 09 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 49 6d 85 84",
         );
         let h = Codec::default().decode_header(&head).unwrap();
         let back = Message::decode(&h, payload.clone()).unwrap();
