@@ -127,11 +127,11 @@ fn bad_frames() -> Vec<Bad> {
             request_id: 41,
         },
         Bad {
-            name: "protocol version 3 (a newer node)",
+            name: "protocol version 5 (a newer node)",
             bytes: raw_header(VERSION + 1, Kind::Control as u8, 0, 42, 0, secret).to_vec(),
             half_close: false,
             expect: Some(ErrorCode::BadVersion),
-            mentions: "version 3",
+            mentions: "version 4",
             request_id: 0,
         },
         Bad {
@@ -804,4 +804,91 @@ fn max_connections_closes_a_connection_over_the_bound_and_logs_it() {
     let log = log.unwrap_or_else(|| panic!("the refusal is logged\n{}", sched.log()));
     assert!(log.contains("max=2"), "{log}");
     sched.kill();
+}
+
+/// Row frames against live servers (docs/PROTOCOL.md §6.12): a model with a table, defined
+/// over a raw control connection; rows pulled in the order asked; every kind of bad row
+/// request refused naming what was wrong, on a connection that then goes on serving.
+#[test]
+fn row_requests_are_served_and_bad_ones_refused_on_a_connection_that_stays_usable() {
+    use elasticps_core::model::{Init, TableSpec, TensorSpec};
+    use elasticps_core::rows::{RowInit, SparseOptimizer};
+    use elasticps_wire::RowIds;
+
+    let (mut sched, addr) = start_scheduler(&[
+        "--servers",
+        "2",
+        "--workers",
+        "1",
+        "--secret",
+        SECRET,
+        "--block-bytes",
+        "16",
+        "--join-timeout-s",
+        "60",
+    ]);
+    let mut servers = vec![start_server(&addr, &["--secret", SECRET]), start_server(&addr, &["--secret", SECRET])];
+    let c = codec();
+    let mut control = connect_raw(&addr, SECRET.as_bytes());
+    let credential = match call_raw(&mut control, &c, 1, &Control::RegisterWorker.into()).1 {
+        Message::Control(Control::Welcome { credential, .. }) => credential,
+        other => panic!("expected Welcome, got {other:?}"),
+    };
+    let table =
+        TableSpec::new("emb", 8, 2).with_init(RowInit::Constant(0.5)).with_optimizer(SparseOptimizer::Sgd { lr: 1.0 });
+    let define = Control::DefineModel {
+        tensors: vec![TensorSpec { name: "w".into(), shape: vec![4], init: Init::Constant(0.0) }],
+        optimizers: vec![],
+        tables: vec![table],
+    };
+    let layout = match call_raw(&mut control, &c, 2, &define.into()).1 {
+        Message::Control(Control::Layout(l)) => l,
+        other => panic!("expected the layout, got {other:?}"),
+    };
+    assert_eq!(layout.partition.blocks.len(), 5, "1 dense block, 4 blocks of 2 rows");
+    let owner = layout.placement.owner(1).expect("block 1 has an owner");
+    let server_addr = &layout.servers.iter().find(|s| s.id == owner).expect("its address").addr;
+    let mut data = connect_raw(server_addr, SECRET.as_bytes());
+    let hello = Control::Hello { credential }.into();
+    assert_eq!(call_raw(&mut data, &c, 1, &hello).1, Control::Ok.into());
+
+    let pull_rows = |clock, ids: &[u64]| Message::PullRows { block: 1, clock, ids: RowIds::from_slice(ids) };
+    let push_rows = |dim, ids: &[u64], grads: &[f32]| Message::PushRows {
+        block: 1,
+        clock: 0,
+        dim,
+        ids: RowIds::from_slice(ids),
+        grads: Values::from_slice(grads),
+    };
+    let refused =
+        |data: &mut std::net::TcpStream, id: u64, msg: Message, mentions: &str| match call_raw(data, &c, id, &msg) {
+            (h, Message::Error(e)) => {
+                assert_eq!((e.code, h.request_id), (ErrorCode::BadRequest, id), "{e}");
+                assert!(e.message.contains(mentions), "{e} should say {mentions:?}");
+            }
+            other => panic!("expected a refusal naming {mentions:?}, got {other:?}"),
+        };
+    match call_raw(&mut data, &c, 2, &pull_rows(0, &[1, 0, 1])).1 {
+        Message::PullRowsReply { block: 1, clock: 0, values } => assert_eq!(values.to_vec(), vec![0.5; 6]),
+        other => panic!("expected the rows, got {other:?}"),
+    }
+    refused(&mut data, 3, pull_rows(0, &[0, 5]), "row 5 is not in block 1, which holds rows 0..2");
+    refused(&mut data, 4, push_rows(1, &[0, 1], &[1.0, 1.0]), "the push carries rows of 1");
+    refused(&mut data, 5, Message::Pull { block: 1, clock: 0 }, "is a range of a table's rows");
+    let dense = Message::PullRows { block: 0, clock: 0, ids: RowIds::from_slice(&[0]) };
+    if layout.placement.owner(0) == Some(owner) {
+        refused(&mut data, 6, dense, "is a slice of a dense tensor");
+    }
+    // Nothing was applied; the connection serves the next requests.
+    assert_eq!(call_raw(&mut data, &c, 7, &push_rows(2, &[1], &[1.0, 2.0])).1, Message::PushAck { block: 1, clock: 0 });
+    match call_raw(&mut data, &c, 8, &pull_rows(1, &[1, 0])).1 {
+        Message::PullRowsReply { values, .. } => assert_eq!(values.to_vec(), vec![-0.5, -1.5, 0.5, 0.5]),
+        other => panic!("expected the rows, got {other:?}"),
+    }
+    // The job ends when its one worker says so.
+    assert_eq!(call_raw(&mut control, &c, 3, &Control::WorkerDone { rank: 0 }.into()).1, Control::Ok.into());
+    sched.assert_success(EXIT_TIMEOUT);
+    for s in &mut servers {
+        s.assert_success(EXIT_TIMEOUT);
+    }
 }

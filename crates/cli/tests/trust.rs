@@ -62,6 +62,7 @@ impl Job {
             opt: OptState::default(),
             clocks: Clocks::new(1),
             pending: vec![],
+            rows: None,
         }
     }
 
@@ -145,7 +146,7 @@ fn a_replicate_on_a_worker_connection_is_forbidden_and_the_real_push_is_applied(
     let len = job.blocks[b as usize].2;
     let t = job.clock;
     for (id, worker, init) in [(2, 0, false), (3, 7, false), (4, 0, true)] {
-        let push = LoggedPush { worker, clock: t, grad: vec![100.0; len] };
+        let push = LoggedPush::dense(worker, t, vec![100.0; len]);
         let m = call(&mut conn, &codec(), id, &Control::Replicate { block: b, init, push }.into());
         assert_refused(&m, ErrorCode::Forbidden, &["worker 0", "Replicate"], &format!("Replicate of worker {worker}"));
     }
@@ -181,7 +182,7 @@ fn a_backup_refuses_copies_from_a_worker_and_serves_exact_values_once_promoted()
     let m = call(&mut conn, &codec(), 2, &Control::ReplicaSnapshot(job.forged_state(b, 1000.0)).into());
     assert_refused(&m, ErrorCode::Forbidden, &["worker 0", "ReplicaSnapshot"], "ReplicaSnapshot from a worker");
     let len = job.blocks[b as usize].2;
-    let push = LoggedPush { worker: 0, clock: job.clock, grad: vec![100.0; len] };
+    let push = LoggedPush::dense(0, job.clock, vec![100.0; len]);
     let m = call(&mut conn, &codec(), 3, &Control::Replicate { block: b, init: false, push }.into());
     assert_refused(&m, ErrorCode::Forbidden, &["worker 0", "Replicate"], "Replicate from a worker");
     for what in ["ReplicaSnapshot", "Replicate"] {
@@ -223,7 +224,7 @@ fn a_snapshot_or_delta_without_hello_is_forbidden_and_parks_nothing() {
     let m = call(&mut anon, &codec(), 1, &snapshot.into());
     assert_refused(&m, ErrorCode::Forbidden, &["BlockSnapshot", "Hello"], "BlockSnapshot without Hello");
     let len = job.blocks[b as usize].2;
-    let pushes = vec![LoggedPush { worker: 0, clock: job.clock, grad: vec![100.0; len] }];
+    let pushes = vec![LoggedPush::dense(0, job.clock, vec![100.0; len])];
     let m = call(&mut anon, &codec(), 2, &Control::BlockDelta { block: b, epoch, pushes }.into());
     assert_refused(&m, ErrorCode::Forbidden, &["BlockDelta", "Hello"], "BlockDelta without Hello");
     for what in ["BlockSnapshot", "BlockDelta"] {

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::CoreError;
 use crate::model::BlockSpec;
 use crate::optimizer::{OptState, OptimizerConfig};
+use crate::rows::{PendingRows, RowRule, RowState, RowStore};
 use crate::stats::Histogram;
 use rand::Rng;
 
@@ -48,6 +49,8 @@ pub struct BlockStats {
     pub bytes_out: u64,
     /// Largest lead seen between the fastest and the slowest worker, in clocks.
     pub max_lead: u64,
+    /// Rows pushed and pulled (row blocks; a row named twice counts twice).
+    pub rows: u64,
 }
 
 impl BlockStats {
@@ -61,6 +64,7 @@ impl BlockStats {
         self.bytes_in += other.bytes_in;
         self.bytes_out += other.bytes_out;
         self.max_lead = self.max_lead.max(other.max_lead);
+        self.rows += other.rows;
     }
 }
 
@@ -94,7 +98,11 @@ pub struct Answer<T> {
     /// How long the pull was held, if it was.
     pub held_us: Option<u64>,
     /// The values to send (shared; the next push copies on write if this is still alive).
+    /// For a row pull, the rows asked for, in the order asked.
     pub values: Arc<Vec<f32>>,
+    /// For a row pull ([`Block::pull_rows`]), the row ids it asked for; `None` for a
+    /// dense pull.
+    pub rows: Option<Arc<[u64]>>,
 }
 
 #[derive(Clone, Debug)]
@@ -102,6 +110,8 @@ struct HeldPull<T> {
     token: T,
     worker: u32,
     clock: Clock,
+    /// A row pull's ids.
+    rows: Option<Arc<[u64]>>,
     /// The `done` clock that releases it.
     until: Clock,
     since_us: u64,
@@ -184,6 +194,9 @@ pub struct BlockState {
     pub clocks: Clocks,
     /// Aggregate mode: the sums of clocks not yet complete.
     pub pending: Vec<PendingSum>,
+    /// A row block's rows, their optimizer state and its aggregate sums (then `values`,
+    /// `opt` and `pending` are empty); `None` for a dense block.
+    pub rows: Option<Box<RowState>>,
 }
 
 impl BlockState {
@@ -194,6 +207,9 @@ impl BlockState {
             + self.opt.m.len()
             + self.opt.v.len()
             + self.pending.iter().map(|p| p.sum.len()).sum::<usize>()
+            + self.rows.as_ref().map_or(0, |r| {
+                r.values.len() + r.m.len() + r.v.len() + r.pending.iter().map(|p| p.grads.len()).sum::<usize>()
+            })
     }
 }
 
@@ -217,9 +233,26 @@ pub struct LoggedPush {
     pub worker: u32,
     /// The clock it pushed.
     pub clock: Clock,
-    /// The gradient.
+    /// The gradient (for a row push, `rows.len() x dim`).
     #[serde(with = "crate::f32s")]
     pub grad: Vec<f32>,
+    /// A row push's row ids (empty for a dense push, and for an empty row push).
+    pub rows: Vec<u64>,
+}
+
+impl LoggedPush {
+    /// A dense push.
+    pub fn dense(worker: u32, clock: Clock, grad: Vec<f32>) -> Self {
+        Self { worker, clock, grad, rows: Vec::new() }
+    }
+}
+
+/// A row block's part of a [`Block`]: the rows that exist, and aggregate mode's row
+/// pushes of clocks not yet complete.
+#[derive(Debug)]
+struct RowPart {
+    store: RowStore,
+    pending: BTreeMap<Clock, PendingRows>,
 }
 
 /// One block owned by a server.
@@ -236,6 +269,8 @@ pub struct Block<T> {
     hold_hist: Histogram,
     /// While a migration copies the block: the pushes applied since the snapshot.
     log: Option<Vec<LoggedPush>>,
+    /// A row block's rows (then `values` is empty).
+    rows: Option<Box<RowPart>>,
 }
 
 impl<T> Block<T> {
@@ -254,7 +289,22 @@ impl<T> Block<T> {
             stats: BlockStats::default(),
             hold_hist: Histogram::default(),
             log: None,
+            rows: None,
         })
+    }
+
+    /// A row block ([`BlockKind::Rows`](crate::model::BlockKind)) with no row yet, making
+    /// and updating its rows by `rule` (its table's), expecting pushes from
+    /// `config.workers` workers.
+    pub fn new_rows(spec: BlockSpec, rule: RowRule, config: &ShardConfig) -> Result<Self, CoreError> {
+        let Some((_, _, dim)) = spec.row_range() else { return Err(CoreError::NotRows(spec.id)) };
+        if dim != rule.dim {
+            return Err(CoreError::WrongDim { block: spec.id, expected: dim, got: rule.dim });
+        }
+        let mut block = Self::new(BlockSpec { len: 0, ..spec }, Vec::new(), config)?;
+        block.spec = spec;
+        block.rows = Some(Box::new(RowPart { store: RowStore::new(rule), pending: BTreeMap::new() }));
+        Ok(block)
     }
 
     /// A block arriving by migration: `state` as the old owner sent it, then the pushes it
@@ -262,6 +312,12 @@ impl<T> Block<T> {
     /// state, so a push is applied exactly once). Counters start at zero.
     pub fn from_state(state: BlockState, delta: &[LoggedPush], config: &ShardConfig) -> Result<Self, CoreError> {
         let spec = state.spec;
+        if let Some(rows) = state.rows {
+            return Self::from_row_state(spec, state.clocks, *rows, delta, config);
+        }
+        if spec.is_rows() {
+            return Err(CoreError::NotDense(spec.id));
+        }
         let lens_ok = state.values.len() == spec.len
             && [&state.opt.m, &state.opt.v].iter().all(|v| v.is_empty() || v.len() == spec.len)
             && state.pending.iter().all(|p| p.sum.len() == spec.len && p.count > 0);
@@ -281,7 +337,41 @@ impl<T> Block<T> {
             stats: BlockStats::default(),
             hold_hist: Histogram::default(),
             log: None,
+            rows: None,
         };
+        block.replay(config, delta, &[])?;
+        Ok(block)
+    }
+
+    /// [`Block::from_state`] of a row block.
+    fn from_row_state(
+        spec: BlockSpec,
+        clocks: Clocks,
+        rows: RowState,
+        delta: &[LoggedPush],
+        config: &ShardConfig,
+    ) -> Result<Self, CoreError> {
+        let Some((_, _, dim)) = spec.row_range() else { return Err(CoreError::NotRows(spec.id)) };
+        if rows.rule.dim != dim {
+            return Err(CoreError::WrongDim { block: spec.id, expected: dim, got: rows.rule.dim });
+        }
+        if let Some(row) =
+            rows.ids.iter().chain(rows.pending.iter().flat_map(|p| &p.ids)).find(|r| !spec_has(&spec, **r))
+        {
+            let (start, end, _) = spec.row_range().unwrap_or_default();
+            return Err(CoreError::RowOutOfRange { block: spec.id, row: *row, start, end });
+        }
+        if !clocks.is_consistent() || clocks.workers() != config.workers {
+            return Err(CoreError::UnknownWorker(clocks.workers()));
+        }
+        let (store, pending) = RowStore::from_state(rows).map_err(|_| CoreError::WrongLength {
+            block: spec.id,
+            expected: spec.len,
+            got: 0,
+        })?;
+        let mut block = Self::new_rows(spec, *store.rule(), config)?;
+        block.clocks = clocks;
+        block.rows = Some(Box::new(RowPart { store, pending: pending.into_iter().map(|p| (p.clock, p)).collect() }));
         block.replay(config, delta, &[])?;
         Ok(block)
     }
@@ -292,7 +382,13 @@ impl<T> Block<T> {
     pub fn replay(&mut self, config: &ShardConfig, delta: &[LoggedPush], rejoined: &[u32]) -> Result<(), CoreError> {
         let stats = self.stats;
         for p in delta {
-            if rejoined.contains(&p.worker) {
+            let rejoined = rejoined.contains(&p.worker);
+            if self.rows.is_some() {
+                if rejoined {
+                    self.clocks.skip_to(p.worker, p.clock);
+                }
+                self.push_rows(config, p.worker, p.clock, &p.rows, &p.grad, 0)?;
+            } else if rejoined {
                 self.push_rejoined(config, p.worker, p.clock, &p.grad, 0)?;
             } else {
                 self.push(config, p.worker, p.clock, &p.grad, 0)?;
@@ -320,6 +416,9 @@ impl<T> Block<T> {
     /// Replaces the initial values (the first worker's parameters, broadcast), allowed
     /// only before any push: afterwards the values carry training and stay.
     pub fn set_initial(&mut self, values: &[f32]) -> Result<(), CoreError> {
+        if self.rows.is_some() {
+            return Err(CoreError::NotDense(self.spec.id));
+        }
         if values.len() != self.spec.len {
             return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: values.len() });
         }
@@ -350,6 +449,7 @@ impl<T> Block<T> {
                 .iter()
                 .map(|(clock, (sum, count))| PendingSum { clock: *clock, sum: sum.clone(), count: *count })
                 .collect(),
+            rows: self.rows.as_ref().map(|r| Box::new(r.store.state(r.pending.values().cloned().collect()))),
         }
     }
 
@@ -359,6 +459,15 @@ impl<T> Block<T> {
             + self.opt.m.len()
             + self.opt.v.len()
             + self.pending.values().map(|(s, _)| s.len()).sum::<usize>()
+            + self
+                .rows
+                .as_ref()
+                .map_or(0, |r| r.store.state_len() + r.pending.values().map(|p| p.grads.len()).sum::<usize>())
+    }
+
+    /// A row block's rows (`None` for a dense block).
+    pub fn rows(&self) -> Option<&RowStore> {
+        self.rows.as_ref().map(|r| &r.store)
     }
 
     /// The pushes applied since [`Block::snapshot`]; logging stops (also to abandon a
@@ -425,6 +534,9 @@ impl<T> Block<T> {
     /// for a duplicate (dropped), `Ok(true)` for one it applies, else its error. A
     /// primary checks a push with it before it forwards the push to its backups.
     pub fn check_push(&self, worker: u32, clock: Clock, len: usize, rejoined: bool) -> Result<bool, CoreError> {
+        if self.rows.is_some() {
+            return Err(CoreError::NotDense(self.spec.id));
+        }
         if len != self.spec.len {
             return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: len });
         }
@@ -442,6 +554,9 @@ impl<T> Block<T> {
         grad: &[f32],
         now_us: u64,
     ) -> Result<Vec<Answer<T>>, CoreError> {
+        if self.rows.is_some() {
+            return Err(CoreError::NotDense(self.spec.id));
+        }
         if grad.len() != self.spec.len {
             return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: grad.len() });
         }
@@ -451,7 +566,7 @@ impl<T> Block<T> {
         self.stats.pushes += 1;
         self.stats.bytes_in += self.spec.bytes() as u64;
         if let Some(log) = &mut self.log {
-            log.push(LoggedPush { worker, clock, grad: grad.to_vec() });
+            log.push(LoggedPush::dense(worker, clock, grad.to_vec()));
         }
         self.stats.max_lead = self.stats.max_lead.max(self.clocks.lead().into());
         let opt = config.optimizer;
@@ -480,6 +595,127 @@ impl<T> Block<T> {
         now_us: u64,
         rng: &mut impl Rng,
     ) -> Result<Option<Answer<T>>, CoreError> {
+        if self.rows.is_some() {
+            return Err(CoreError::NotDense(self.spec.id));
+        }
+        self.pull_inner(config, token, worker, clock, None, now_us, rng)
+    }
+
+    /// Why rows `ids` with `grads` (`None`: a pull) do not fit this block: not a row
+    /// block, a row outside its range, a gradient that is not `ids.len() x dim`.
+    pub fn check_rows(&self, ids: &[u64], grads: Option<usize>) -> Result<(), CoreError> {
+        let Some((start, end, dim)) = self.spec.row_range() else { return Err(CoreError::NotRows(self.spec.id)) };
+        if let Some(row) = ids.iter().find(|r| !(start..end).contains(*r)) {
+            return Err(CoreError::RowOutOfRange { block: self.spec.id, row: *row, start, end });
+        }
+        if let Some(len) = grads
+            && len != ids.len() * dim as usize
+        {
+            return Err(CoreError::WrongLength { block: self.spec.id, expected: ids.len() * dim as usize, got: len });
+        }
+        Ok(())
+    }
+
+    /// What [`Block::push_rows`] would say about a row push, without changing anything
+    /// (as [`Block::check_push`]).
+    pub fn check_push_rows(
+        &self,
+        worker: u32,
+        clock: Clock,
+        ids: &[u64],
+        grads: usize,
+        rejoined: bool,
+    ) -> Result<bool, CoreError> {
+        self.check_rows(ids, Some(grads))?;
+        self.clocks.check(self.spec.id, worker, clock, rejoined)
+    }
+
+    /// A worker pushed the gradient `grads` (`ids.len() x dim`) of rows `ids` at clock
+    /// `clock` (an empty push: no row of this block was touched, the clock still counts).
+    /// Applied (or buffered in aggregate mode) exactly once, duplicates in `ids` summed;
+    /// returns the held pulls it releases. A duplicate push changes nothing.
+    pub fn push_rows(
+        &mut self,
+        config: &ShardConfig,
+        worker: u32,
+        clock: Clock,
+        ids: &[u64],
+        grads: &[f32],
+        now_us: u64,
+    ) -> Result<Vec<Answer<T>>, CoreError> {
+        self.check_rows(ids, Some(grads.len()))?;
+        if !self.clocks.record(self.spec.id, worker, clock)? {
+            return Ok(Vec::new());
+        }
+        self.stats.pushes += 1;
+        self.stats.bytes_in += (grads.len() * 4 + ids.len() * 8) as u64;
+        self.stats.rows += ids.len() as u64;
+        if let Some(log) = &mut self.log {
+            log.push(LoggedPush { worker, clock, grad: grads.to_vec(), rows: ids.to_vec() });
+        }
+        self.stats.max_lead = self.stats.max_lead.max(self.clocks.lead().into());
+        let Some(part) = self.rows.as_mut() else { return Err(CoreError::NotRows(self.spec.id)) };
+        if config.optimizer.aggregate {
+            let p = part.pending.entry(clock).or_insert_with(|| PendingRows {
+                clock,
+                ids: Vec::new(),
+                grads: Vec::new(),
+                count: 0,
+            });
+            p.ids.extend_from_slice(ids);
+            p.grads.extend_from_slice(grads);
+            p.count += 1;
+            self.apply_complete_clocks(config.optimizer);
+        } else {
+            part.store.step(ids, grads, 1.0);
+        }
+        Ok(self.release(config.sync, now_us))
+    }
+
+    /// [`Block::push_rows`] from a worker that rejoined (as [`Block::push_rejoined`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_rows_rejoined(
+        &mut self,
+        config: &ShardConfig,
+        worker: u32,
+        clock: Clock,
+        ids: &[u64],
+        grads: &[f32],
+        now_us: u64,
+    ) -> Result<Vec<Answer<T>>, CoreError> {
+        self.check_rows(ids, Some(grads.len()))?;
+        self.clocks.skip_to(worker, clock);
+        self.push_rows(config, worker, clock, ids, grads, now_us)
+    }
+
+    /// A worker asks for rows `ids` of this row block at clock `clock`: answered now (the
+    /// rows in the order asked), or held by the sync policy as [`Block::pull`] is.
+    #[allow(clippy::too_many_arguments)]
+    pub fn pull_rows(
+        &mut self,
+        config: &ShardConfig,
+        token: T,
+        worker: u32,
+        clock: Clock,
+        ids: Arc<[u64]>,
+        now_us: u64,
+        rng: &mut impl Rng,
+    ) -> Result<Option<Answer<T>>, CoreError> {
+        self.check_rows(&ids, None)?;
+        self.pull_inner(config, token, worker, clock, Some(ids), now_us, rng)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pull_inner(
+        &mut self,
+        config: &ShardConfig,
+        token: T,
+        worker: u32,
+        clock: Clock,
+        rows: Option<Arc<[u64]>>,
+        now_us: u64,
+        rng: &mut impl Rng,
+    ) -> Result<Option<Answer<T>>, CoreError> {
         if worker >= self.clocks.workers() {
             return Err(CoreError::UnknownWorker(worker));
         }
@@ -491,10 +727,10 @@ impl<T> Block<T> {
         };
         match config.sync.on_pull(&view, rng) {
             Verdict::Hold { until } => {
-                self.held.hold(HeldPull { token, worker, clock, until, since_us: now_us });
+                self.held.hold(HeldPull { token, worker, clock, rows, until, since_us: now_us });
                 Ok(None)
             }
-            Verdict::Answer => Ok(Some(self.answer(config.sync, token, worker, clock, None))),
+            Verdict::Answer => Ok(Some(self.answer(config.sync, token, worker, clock, rows, None))),
         }
     }
 
@@ -537,6 +773,15 @@ impl<T> Block<T> {
 
     fn apply_complete_clocks(&mut self, opt: OptimizerConfig) {
         let done = self.clocks.done();
+        if let Some(part) = self.rows.as_mut() {
+            while let Some(entry) = part.pending.first_entry() {
+                if *entry.key() >= done {
+                    break;
+                }
+                let p = entry.remove();
+                part.store.step(&p.ids, &p.grads, 1.0 / p.count as f32);
+            }
+        }
         while let Some(entry) = self.pending.first_entry() {
             if *entry.key() >= done {
                 break;
@@ -558,23 +803,43 @@ impl<T> Block<T> {
             .into_iter()
             .map(|h| {
                 let waited = now_us.saturating_sub(h.since_us);
-                self.answer(sync, h.token, h.worker, h.clock, Some(waited))
+                self.answer(sync, h.token, h.worker, h.clock, h.rows, Some(waited))
             })
             .collect()
     }
 
-    fn answer(&mut self, sync: SyncPolicy, token: T, worker: u32, clock: Clock, held_us: Option<u64>) -> Answer<T> {
+    fn answer(
+        &mut self,
+        sync: SyncPolicy,
+        token: T,
+        worker: u32,
+        clock: Clock,
+        rows: Option<Arc<[u64]>>,
+        held_us: Option<u64>,
+    ) -> Answer<T> {
         let done = self.clocks.done();
         debug_assert!(!sync.violates_bound(clock, done), "pull({clock}) answered while done = {done} under {sync}");
         self.stats.pulls += 1;
-        self.stats.bytes_out += self.spec.bytes() as u64;
+        let values = match (&rows, &self.rows) {
+            (Some(ids), Some(part)) => {
+                self.stats.rows += ids.len() as u64;
+                Arc::new(part.store.gather(ids))
+            }
+            _ => Arc::clone(&self.values),
+        };
+        self.stats.bytes_out += values.len() as u64 * 4;
         if let Some(us) = held_us {
             self.stats.pulls_held += 1;
             self.stats.hold_us += us;
             self.hold_hist.record(us);
         }
-        Answer { token, worker, clock, done, held_us, values: Arc::clone(&self.values) }
+        Answer { token, worker, clock, done, held_us, values, rows }
     }
+}
+
+/// Whether row block `spec` holds row `row`.
+fn spec_has(spec: &BlockSpec, row: u64) -> bool {
+    spec.row_range().is_some_and(|(start, end, _)| (start..end).contains(&row))
 }
 
 #[cfg(test)]
@@ -596,7 +861,7 @@ mod tests {
     }
 
     fn block(len: usize, cfg: &ShardConfig) -> Block<u32> {
-        Block::new(BlockSpec { id: 0, tensor: 0, offset: 0, len }, vec![0.0; len], cfg).unwrap()
+        Block::new(BlockSpec::dense(0, 0, 0, len), vec![0.0; len], cfg).unwrap()
     }
 
     #[test]
@@ -668,7 +933,7 @@ mod tests {
     #[test]
     fn initial_values_are_set_only_before_the_first_push() {
         let cfg = config(SyncPolicy::Asp, false, 1);
-        let spec = BlockSpec { id: 0, tensor: 0, offset: 0, len: 2 };
+        let spec = BlockSpec::dense(0, 0, 0, 2);
         let mut b: Block<u32> = Block::new(spec, vec![0.0; 2], &cfg).unwrap();
         b.set_initial(&[1.0, 2.0]).unwrap();
         assert_eq!(b.values().as_slice(), &[1.0, 2.0]);
@@ -687,7 +952,7 @@ mod tests {
     }
 
     fn spec(len: usize) -> BlockSpec {
-        BlockSpec { id: 7, tensor: 1, offset: 12, len }
+        BlockSpec::dense(7, 1, 12, len)
     }
 
     /// A gradient that differs per (worker, clock) and is not a round number, so that the
@@ -775,7 +1040,7 @@ mod tests {
         let log = old.take_log();
         // A delta that repeats a push (of the snapshot, then of the delta) applies it once.
         let mut doubled = log.clone();
-        doubled.insert(0, LoggedPush { worker: 0, clock: 0, grad: grad(0, 0, 3) });
+        doubled.insert(0, LoggedPush::dense(0, 0, grad(0, 0, 3)));
         doubled.push(log[0].clone());
         let mut new: Block<u32> = Block::from_state(snapshot.clone(), &doubled, &cfg).unwrap();
         assert_eq!(fingerprint(&mut new), fingerprint(&mut old));
@@ -842,13 +1107,7 @@ mod tests {
         b.push(&cfg, 0, 2, &[0.5, 0.25], 0).unwrap();
         b.push(&cfg, 0, 3, &[1.5, 2.5], 0).unwrap();
         let log = b.take_log();
-        assert_eq!(
-            log,
-            [
-                LoggedPush { worker: 0, clock: 2, grad: vec![0.5, 0.25] },
-                LoggedPush { worker: 0, clock: 3, grad: vec![1.5, 2.5] }
-            ]
-        );
+        assert_eq!(log, [LoggedPush::dense(0, 2, vec![0.5, 0.25]), LoggedPush::dense(0, 3, vec![1.5, 2.5])]);
         // Abandoned (or finished): later pushes are not logged.
         b.push(&cfg, 0, 4, &[1.0, 1.0], 0).unwrap();
         assert!(b.take_log().is_empty());
@@ -897,9 +1156,9 @@ mod tests {
         }
         // A delta that does not fit: wrong gradient length, unknown worker, clock gap.
         let bad_deltas = [
-            (LoggedPush { worker: 1, clock: 1, grad: vec![1.0; 2] }, "length"),
-            (LoggedPush { worker: 2, clock: 0, grad: vec![1.0; 3] }, "worker"),
-            (LoggedPush { worker: 1, clock: 3, grad: vec![1.0; 3] }, "gap"),
+            (LoggedPush::dense(1, 1, vec![1.0; 2]), "length"),
+            (LoggedPush::dense(2, 0, vec![1.0; 3]), "worker"),
+            (LoggedPush::dense(1, 3, vec![1.0; 3]), "gap"),
         ];
         for (p, what) in bad_deltas {
             let err = Block::<u32>::from_state(good.clone(), &[p], &cfg).unwrap_err();
@@ -910,6 +1169,132 @@ mod tests {
             };
             assert!(ok, "{what}: {err:?}");
         }
+    }
+
+    // Row blocks.
+
+    fn row_block(cfg: &ShardConfig, optimizer: crate::rows::SparseOptimizer) -> Block<u32> {
+        let rule = RowRule { dim: 2, init: crate::rows::RowInit::Constant(1.0), key: 3, optimizer };
+        Block::new_rows(BlockSpec::rows(4, 0, 10, 20, 2), rule, cfg).unwrap()
+    }
+
+    fn sgd(lr: f64) -> crate::rows::SparseOptimizer {
+        crate::rows::SparseOptimizer::Sgd { lr }
+    }
+
+    #[test]
+    fn a_row_pull_waits_under_bsp_and_answers_the_rows_in_the_order_asked() {
+        let cfg = config(SyncPolicy::Bsp, false, 2);
+        let mut b = row_block(&cfg, sgd(1.0));
+        let ids: Arc<[u64]> = Arc::from(vec![12, 11, 12]);
+        let a = b.pull_rows(&cfg, 1, 0, 0, ids.clone(), 0, &mut rng()).unwrap().unwrap();
+        assert_eq!(*a.values, vec![1.0; 6]);
+        assert_eq!(a.rows.as_deref(), Some(&[12, 11, 12][..]));
+        // Worker 0 pushes clock 0 (row 12 twice: summed) and pulls clock 1: held for worker 1.
+        b.push_rows(&cfg, 0, 0, &[12, 12], &[0.5, 0.0, 0.25, 1.0], 1).unwrap();
+        assert!(b.pull_rows(&cfg, 2, 0, 1, ids, 2, &mut rng()).unwrap().is_none());
+        // Worker 1's empty push completes clock 0 and releases the pull.
+        let released = b.push_rows(&cfg, 1, 0, &[], &[], 5).unwrap();
+        assert_eq!(released.len(), 1);
+        assert_eq!((released[0].token, released[0].held_us), (2, Some(3)));
+        assert_eq!(*released[0].values, vec![0.25, 0.0, 1.0, 1.0, 0.25, 0.0]);
+        assert_eq!(b.rows().unwrap().rows(), 1, "only the pushed row exists");
+        assert_eq!(b.stats().pushes, 2);
+    }
+
+    #[test]
+    fn aggregate_row_steps_take_the_mean_over_the_clocks_pushes() {
+        let cfg = config(SyncPolicy::Bsp, true, 2);
+        let mut b = row_block(&cfg, sgd(1.0));
+        b.push_rows(&cfg, 0, 0, &[10, 11], &[2.0, 2.0, 4.0, 4.0], 0).unwrap();
+        assert_eq!(b.rows().unwrap().rows(), 0, "buffered until the clock completes");
+        b.push_rows(&cfg, 1, 0, &[11], &[2.0, 0.0], 0).unwrap();
+        // Row 10: (2 + nothing) / 2 = 1; row 11: (4 + 2) / 2 = 3 and (4 + 0) / 2 = 2.
+        let a = b.pull_rows(&cfg, 0, 0, 1, Arc::from(vec![10, 11]), 0, &mut rng()).unwrap().unwrap();
+        assert_eq!(*a.values, vec![0.0, 0.0, -2.0, -1.0]);
+        assert_eq!(b.rows().unwrap().steps(), 1);
+    }
+
+    #[test]
+    fn row_and_dense_operations_are_refused_on_the_other_kind() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let mut rows = row_block(&cfg, sgd(1.0));
+        assert_eq!(rows.push(&cfg, 0, 0, &[1.0; 20], 0).unwrap_err(), CoreError::NotDense(4));
+        assert_eq!(rows.pull(&cfg, 0, 0, 0, 0, &mut rng()).unwrap_err(), CoreError::NotDense(4));
+        assert_eq!(rows.set_initial(&[0.0; 20]).unwrap_err(), CoreError::NotDense(4));
+        assert_eq!(rows.check_push(0, 0, 20, false).unwrap_err(), CoreError::NotDense(4));
+        let out = rows.push_rows(&cfg, 0, 0, &[9], &[1.0, 1.0], 0).unwrap_err();
+        assert_eq!(out, CoreError::RowOutOfRange { block: 4, row: 9, start: 10, end: 20 });
+        assert!(rows.pull_rows(&cfg, 0, 0, 0, Arc::from(vec![20]), 0, &mut rng()).is_err());
+        let short = rows.push_rows(&cfg, 0, 0, &[10], &[1.0], 0).unwrap_err();
+        assert!(matches!(short, CoreError::WrongLength { block: 4, expected: 2, got: 1 }), "{short:?}");
+        assert_eq!(rows.clocks().pushed(0), Some(0), "nothing refused counted");
+        let mut dense = block(2, &cfg);
+        assert_eq!(dense.push_rows(&cfg, 0, 0, &[0], &[1.0], 0).unwrap_err(), CoreError::NotRows(0));
+        assert!(matches!(
+            dense.pull_rows(&cfg, 0, 0, 0, Arc::from(vec![0]), 0, &mut rng()),
+            Err(CoreError::NotRows(0))
+        ));
+    }
+
+    #[test]
+    fn a_row_block_rebuilt_from_snapshot_and_log_is_identical() {
+        use crate::rows::SparseOptimizer;
+        for opt in [
+            sgd(0.1),
+            SparseOptimizer::adagrad(0.1),
+            SparseOptimizer::sparse_adam(0.1),
+            SparseOptimizer::lazy_adam(0.1),
+        ] {
+            for aggregate in [false, true] {
+                let cfg = ShardConfig { sync: SyncPolicy::Ssp(2), ..config(SyncPolicy::Ssp(2), aggregate, 3) };
+                let mut old = row_block(&cfg, opt);
+                let g = |w: u32, t: u32| grad(w, t, 4);
+                for (w, t) in [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1)] {
+                    old.push_rows(&cfg, w, t, &[10 + w as u64, 15], &g(w, t), 0).unwrap();
+                }
+                let snapshot = old.snapshot();
+                assert!(snapshot.values.is_empty() && snapshot.rows.is_some());
+                for (w, t) in [(2, 1), (0, 2), (0, 2), (1, 2)] {
+                    old.push_rows(&cfg, w, t, &[19, 15], &g(w, t), 0).unwrap();
+                }
+                old.push_rows(&cfg, 2, 2, &[], &[], 0).unwrap();
+                let log = old.take_log();
+                assert_eq!(log.len(), 4, "the duplicate is not logged");
+                assert_eq!(log[3].rows, Vec::<u64>::new());
+                let bytes = postcard::to_allocvec(&snapshot).unwrap();
+                let snapshot: BlockState = postcard::from_bytes(&bytes).unwrap();
+                let mut new: Block<u32> = Block::from_state(snapshot, &log, &cfg).unwrap();
+                assert_eq!(new.state(), old.state(), "{opt:?} aggregate={aggregate}");
+                for (w, t) in [(0, 3), (1, 3), (2, 3)] {
+                    old.push_rows(&cfg, w, t, &[11], &g(w, t)[..2], 0).unwrap();
+                    new.push_rows(&cfg, w, t, &[11], &g(w, t)[..2], 0).unwrap();
+                }
+                assert_eq!(new.state(), old.state(), "{opt:?} aggregate={aggregate}, later");
+                assert_eq!(new.state_len(), old.state().state_len());
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_state_that_does_not_fit_its_block_is_refused() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let mut b = row_block(&cfg, sgd(1.0));
+        b.push_rows(&cfg, 0, 0, &[10], &[1.0, 1.0], 0).unwrap();
+        let good = b.state();
+        assert!(Block::<u32>::from_state(good.clone(), &[], &cfg).is_ok());
+        let mut outside = good.clone();
+        outside.rows.as_mut().unwrap().ids[0] = 25;
+        assert!(matches!(Block::<u32>::from_state(outside, &[], &cfg), Err(CoreError::RowOutOfRange { row: 25, .. })));
+        let mut short = good.clone();
+        short.rows.as_mut().unwrap().values.pop();
+        assert!(Block::<u32>::from_state(short, &[], &cfg).is_err());
+        let mut dense_spec = good.clone();
+        dense_spec.spec = BlockSpec::dense(4, 0, 0, 20);
+        assert!(Block::<u32>::from_state(dense_spec, &[], &cfg).is_err());
+        let mut no_rows = good;
+        no_rows.rows = None;
+        assert_eq!(Block::<u32>::from_state(no_rows, &[], &cfg).unwrap_err(), CoreError::NotDense(4));
     }
 
     #[test]
@@ -940,7 +1325,7 @@ mod tests {
         values.extend(state.values.iter().flat_map(|x| x.to_le_bytes()));
         assert!(bytes.windows(values.len()).any(|w| w == values), "{bytes:02x?}");
         // And a logged push.
-        let p = LoggedPush { worker: 2, clock: 9, grad: vec![f32::NEG_INFINITY, 1e-40] };
+        let p = LoggedPush::dense(2, 9, vec![f32::NEG_INFINITY, 1e-40]);
         let back: LoggedPush = postcard::from_bytes(&postcard::to_allocvec(&p).unwrap()).unwrap();
         assert_eq!((back.worker, back.clock, bits(&back.grad)), (2, 9, bits(&p.grad)));
     }
@@ -981,8 +1366,7 @@ pub(crate) mod sim {
             workers,
         };
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let mut b: Block<(u32, Clock)> =
-            Block::new(BlockSpec { id: 0, tensor: 0, offset: 0, len: 1 }, vec![0.0], &cfg).unwrap();
+        let mut b: Block<(u32, Clock)> = Block::new(BlockSpec::dense(0, 0, 0, 1), vec![0.0], &cfg).unwrap();
         let mut out = Outcome::default();
         // Phase 0: must pull, 1: pull held, 2: pull answered, may push.
         let mut next = vec![0u32; workers as usize];

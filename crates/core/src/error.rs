@@ -59,4 +59,32 @@ pub enum CoreError {
         /// Why it was refused, with the accepted forms.
         why: String,
     },
+    /// A row id outside the row range of the block it was sent to.
+    #[error("row {row} is not in block {block}, which holds rows {start}..{end}")]
+    RowOutOfRange {
+        /// The block.
+        block: BlockId,
+        /// The row asked for.
+        row: u64,
+        /// The block's first row.
+        start: u64,
+        /// One past its last row.
+        end: u64,
+    },
+    /// A row push whose rows are not the table's width.
+    #[error("block {block} holds rows of {expected} values, the push carries rows of {got}")]
+    WrongDim {
+        /// The block.
+        block: BlockId,
+        /// The table's dim.
+        expected: u32,
+        /// What arrived.
+        got: u32,
+    },
+    /// A row operation (PullRows, PushRows) on a block of a dense tensor.
+    #[error("block {0} is a slice of a dense tensor: pull and push it whole (Pull, Push), not by rows")]
+    NotRows(BlockId),
+    /// A dense operation (Pull, Push, PushPull, Init) on a block of an embedding table.
+    #[error("block {0} is a range of a table's rows: pull and push it by rows (PullRows, PushRows)")]
+    NotDense(BlockId),
 }

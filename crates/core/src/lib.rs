@@ -5,9 +5,10 @@
 //! socket, a thread or the system clock, so every policy is testable in microseconds and
 //! a simulator can drive the same code.
 //!
-//! - [`model`]: tensors, blocks and deterministic initial values.
+//! - [`model`]: tensors, tables, blocks and deterministic initial values.
 //! - [`placement`]: which server owns which block (`range`, `hash`, `roundrobin`, `bestfit`).
 //! - [`optimizer`]: server-side SGD, momentum and Adam, with state that lives with a block.
+//! - [`rows`]: embedding tables' rows, created lazily, and the sparse optimizers.
 //! - [`sync`]: the synchronization policies and the clock bookkeeping they decide on.
 //! - [`adaptive`]: per-server tuning of the staleness bound.
 //! - [`load`]: per-server service-rate estimates with a confidence (PSLD's measurements).
@@ -24,6 +25,7 @@ pub mod load;
 pub mod model;
 pub mod optimizer;
 pub mod placement;
+pub mod rows;
 pub mod stats;
 pub mod sync;
 

@@ -1,14 +1,18 @@
-//! The model as the parameter server sees it: named dense f32 tensors, cut into blocks.
+//! The model as the parameter server sees it: named dense f32 tensors and embedding
+//! tables, cut into blocks.
 //!
 //! A block is the unit of placement, synchronization state, load accounting and
-//! migration. Blocks are numbered densely from 0 in tensor order, so a block id is also
-//! an index into [`Partition::blocks`].
+//! migration: a slice of a dense tensor, or a range of a table's rows
+//! ([`BlockKind::Rows`]). Blocks are numbered densely from 0, the tensors' blocks in
+//! tensor order, then the tables' in table order, so a block id is also an index into
+//! [`Partition::blocks`].
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::CoreError;
 use crate::optimizer::TensorOptimizer;
+use crate::rows::{RowInit, RowRule, SparseOptimizer, row_key};
 
 /// Dense index of a block, unique within one model.
 pub type BlockId = u32;
@@ -52,23 +56,108 @@ impl TensorSpec {
     }
 }
 
-/// A contiguous slice `[offset, offset + len)` of one tensor.
+/// One embedding table of the model: `rows x dim` f32 values, pulled and pushed by row
+/// ids (`PullRows`, `PushRows`), its rows created on the server when first pushed to.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TableSpec {
+    /// Unique name among tensors and tables, e.g. `emb.user`.
+    pub name: String,
+    /// Rows (ids `0..rows`).
+    pub rows: u64,
+    /// Values per row.
+    pub dim: u32,
+    /// How a row's initial values are drawn (seeded by the job's seed, the table's name
+    /// and the row id).
+    pub init: RowInit,
+    /// The table's update rule on sparse gradients.
+    pub optimizer: SparseOptimizer,
+}
+
+impl TableSpec {
+    /// A table of `rows x dim` with `torch.nn.Embedding`'s N(0, 1) rows and SGD at lr 0.01.
+    pub fn new(name: impl Into<String>, rows: u64, dim: u32) -> Self {
+        Self { name: name.into(), rows, dim, init: RowInit::default(), optimizer: SparseOptimizer::default() }
+    }
+
+    /// This table with rows drawn by `init`.
+    pub fn with_init(self, init: RowInit) -> Self {
+        Self { init, ..self }
+    }
+
+    /// This table updated by `optimizer`.
+    pub fn with_optimizer(self, optimizer: SparseOptimizer) -> Self {
+        Self { optimizer, ..self }
+    }
+
+    /// Rows per block when blocks hold at most `block_bytes`: `block_bytes / (dim * 4)`,
+    /// at least 1.
+    pub fn rows_per_block(&self, block_bytes: usize) -> u64 {
+        (block_bytes as u64 / (u64::from(self.dim) * 4).max(1)).max(1)
+    }
+}
+
+/// What a block holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BlockKind {
+    /// A slice `[offset, offset + len)` of dense tensor `tensor` (pulled and pushed whole).
+    Dense,
+    /// Rows of table `tensor` (its index in [`Partition::tables`]), `dim` values each,
+    /// pulled and pushed by row id: rows `offset / dim .. (offset + len) / dim`
+    /// ([`BlockSpec::row_range`]).
+    Rows {
+        /// Values per row.
+        dim: u32,
+    },
+}
+
+/// One block: a contiguous slice of a tensor, or a range of a table's rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockSpec {
     /// Dense block id.
     pub id: BlockId,
-    /// Index of the tensor in the model's tensor list.
+    /// Index of the tensor in the model's tensor list (of the table in its table list
+    /// for a row block).
     pub tensor: u32,
-    /// First element of the tensor held by this block.
+    /// First element of the tensor held by this block (for a row block, `start * dim`).
     pub offset: usize,
-    /// Number of f32 elements.
+    /// Number of f32 elements (for a row block, `(end - start) * dim`: what it holds once
+    /// every row exists; placement and load weigh blocks by it).
     pub len: usize,
+    /// Dense slice or row range.
+    pub kind: BlockKind,
 }
 
 impl BlockSpec {
-    /// Size in bytes of the block's values.
+    /// A slice `[offset, offset + len)` of tensor `tensor`.
+    pub fn dense(id: BlockId, tensor: u32, offset: usize, len: usize) -> Self {
+        Self { id, tensor, offset, len, kind: BlockKind::Dense }
+    }
+
+    /// Rows `[start, end)` of table `table`, `dim` values each.
+    pub fn rows(id: BlockId, table: u32, start: u64, end: u64, dim: u32) -> Self {
+        let len = (end - start) as usize * dim as usize;
+        Self { id, tensor: table, offset: start as usize * dim as usize, len, kind: BlockKind::Rows { dim } }
+    }
+
+    /// Size in bytes of the block's values (a row block's once every row exists).
     pub fn bytes(&self) -> usize {
         self.len * 4
+    }
+
+    /// True for a range of a table's rows.
+    pub fn is_rows(&self) -> bool {
+        matches!(self.kind, BlockKind::Rows { .. })
+    }
+
+    /// A row block's rows `[start, end)` and values per row; `None` for a dense block.
+    pub fn row_range(&self) -> Option<(u64, u64, u32)> {
+        match self.kind {
+            BlockKind::Rows { dim } => {
+                let d = u64::from(dim.max(1));
+                Some((self.offset as u64 / d, (self.offset + self.len) as u64 / d, dim))
+            }
+            BlockKind::Dense => None,
+        }
     }
 }
 
@@ -77,7 +166,9 @@ impl BlockSpec {
 pub struct Partition {
     /// The tensors, in the order the user registered them.
     pub tensors: Vec<TensorSpec>,
-    /// The blocks, `blocks[i].id == i`, in tensor order.
+    /// The embedding tables, in the order the user registered them.
+    pub tables: Vec<TableSpec>,
+    /// The blocks, `blocks[i].id == i`: the tensors' in tensor order, then the tables'.
     pub blocks: Vec<BlockSpec>,
     /// Each tensor's own optimizer (`optimizers[t]`), or none: then the job's. Empty when
     /// no tensor has one.
@@ -87,8 +178,20 @@ pub struct Partition {
 impl Partition {
     /// Cuts `tensors` into blocks of at most `block_bytes` bytes (at least one f32).
     pub fn new(tensors: Vec<TensorSpec>, block_bytes: usize) -> Result<Self, CoreError> {
-        if tensors.is_empty() {
-            return Err(CoreError::InvalidModel("the model has no tensor".into()));
+        Self::with_tables(tensors, Vec::new(), block_bytes)
+    }
+
+    /// Cuts `tensors` into blocks of at most `block_bytes` bytes (at least one f32), then
+    /// `tables` into row ranges of [`TableSpec::rows_per_block`] rows. Names are unique
+    /// among tensors and tables; a table has rows and a dim; the model has at least one
+    /// tensor or table.
+    pub fn with_tables(
+        tensors: Vec<TensorSpec>,
+        tables: Vec<TableSpec>,
+        block_bytes: usize,
+    ) -> Result<Self, CoreError> {
+        if tensors.is_empty() && tables.is_empty() {
+            return Err(CoreError::InvalidModel("the model has no tensor and no table".into()));
         }
         let max_len = (block_bytes / 4).max(1);
         let mut blocks = Vec::new();
@@ -104,11 +207,69 @@ impl Partition {
                 let len = max_len.min(spec.len() - offset);
                 let id = BlockId::try_from(blocks.len())
                     .map_err(|_| CoreError::InvalidModel("more than 2^32 blocks".into()))?;
-                blocks.push(BlockSpec { id, tensor: t as u32, offset, len });
+                blocks.push(BlockSpec::dense(id, t as u32, offset, len));
                 offset += len;
             }
         }
-        Ok(Self { tensors, blocks, optimizers: Vec::new() })
+        for (t, table) in tables.iter().enumerate() {
+            if tensors.iter().any(|o| o.name == table.name) || tables[..t].iter().any(|o| o.name == table.name) {
+                return Err(CoreError::InvalidModel(format!("table name {:?} is used twice", table.name)));
+            }
+            if table.rows == 0 || table.dim == 0 {
+                return Err(CoreError::InvalidModel(format!(
+                    "table {:?} has {} rows of {} values: both must be at least 1",
+                    table.name, table.rows, table.dim
+                )));
+            }
+            if table.rows.checked_mul(u64::from(table.dim)).is_none_or(|n| usize::try_from(n).is_err()) {
+                return Err(CoreError::InvalidModel(format!("table {:?} is too large", table.name)));
+            }
+            table.init.validate()?;
+            table.optimizer.validate()?;
+            let per = table.rows_per_block(block_bytes);
+            let mut start = 0;
+            while start < table.rows {
+                let end = table.rows.min(start.saturating_add(per));
+                let id = BlockId::try_from(blocks.len())
+                    .map_err(|_| CoreError::InvalidModel("more than 2^32 blocks".into()))?;
+                blocks.push(BlockSpec::rows(id, t as u32, start, end, table.dim));
+                start = end;
+            }
+        }
+        Ok(Self { tensors, tables, blocks, optimizers: Vec::new() })
+    }
+
+    /// The table with this name and its index, if the model has one.
+    pub fn table(&self, name: &str) -> Option<(u32, &TableSpec)> {
+        self.tables.iter().enumerate().find(|(_, t)| t.name == name).map(|(i, t)| (i as u32, t))
+    }
+
+    /// The blocks of table `table`, in row order.
+    pub fn table_blocks(&self, table: u32) -> impl Iterator<Item = &BlockSpec> {
+        self.blocks.iter().filter(move |b| b.is_rows() && b.tensor == table)
+    }
+
+    /// The block of table `table` that holds row `row`, if the table has that row.
+    pub fn row_block(&self, table: u32, row: u64) -> Option<&BlockSpec> {
+        let first = self.blocks.iter().position(|b| b.is_rows() && b.tensor == table)?;
+        let spec = self.tables.get(table as usize)?;
+        if row >= spec.rows {
+            return None;
+        }
+        // Every block of a table but its last holds rows_per_block rows.
+        let (start, end, _) = self.blocks[first].row_range()?;
+        self.blocks.get(first + ((row - start) / (end - start)) as usize)
+    }
+
+    /// How row block `id` makes and updates its rows (its table's dim, initializer and
+    /// optimizer, keyed by the job's `seed`); `None` for a dense block.
+    pub fn row_rule(&self, id: BlockId, seed: u64) -> Result<Option<RowRule>, CoreError> {
+        let block = self.block(id)?;
+        if !block.is_rows() {
+            return Ok(None);
+        }
+        let t = &self.tables[block.tensor as usize];
+        Ok(Some(RowRule { dim: t.dim, init: t.init, key: row_key(seed, &t.name), optimizer: t.optimizer }))
     }
 
     /// This partition with per-tensor optimizers: `optimizers` is empty or has one entry
@@ -147,7 +308,7 @@ impl Partition {
         Ok(())
     }
 
-    /// Total number of f32 values in the model.
+    /// Total number of f32 values of the model's dense tensors.
     pub fn total_len(&self) -> usize {
         self.tensors.iter().map(TensorSpec::len).sum()
     }
@@ -159,8 +320,12 @@ impl Partition {
 
     /// Deterministic initial values of one block: depends only on `seed`, the tensor's
     /// name and init, and the element index, never on how the tensor is cut.
+    /// A row block has no dense values: empty (its rows come from [`Partition::row_rule`]).
     pub fn init_values(&self, id: BlockId, seed: u64) -> Result<Vec<f32>, CoreError> {
         let block = *self.block(id)?;
+        if block.is_rows() {
+            return Ok(Vec::new());
+        }
         let spec = &self.tensors[block.tensor as usize];
         Ok(match spec.init {
             Init::Zeros => vec![0.0; block.len],
@@ -225,6 +390,52 @@ mod tests {
         assert!(Partition::new(vec![], 16).is_err());
         assert!(Partition::new(vec![tensor("a", 0, Init::Zeros)], 16).is_err());
         assert!(Partition::new(vec![tensor("a", 1, Init::Zeros), tensor("a", 1, Init::Zeros)], 16).is_err());
+    }
+
+    #[test]
+    fn tables_are_cut_into_row_ranges_after_the_tensors() {
+        let tables = vec![TableSpec::new("emb", 10, 2), TableSpec::new("small", 1, 100)];
+        let p = Partition::with_tables(vec![tensor("w", 5, Init::Zeros)], tables, 16).unwrap();
+        // 16 bytes hold 2 rows of 2 f32; a row of 100 f32 is one block on its own.
+        let kinds: Vec<_> = p.blocks.iter().map(|b| (b.id, b.tensor, b.kind)).collect();
+        let rows = |dim| BlockKind::Rows { dim };
+        assert_eq!(kinds[..3], [(0, 0, BlockKind::Dense), (1, 0, BlockKind::Dense), (2, 0, rows(2))]);
+        assert_eq!(kinds[6..], [(6, 0, rows(2)), (7, 1, rows(100))]);
+        assert_eq!(p.blocks[2].row_range(), Some((0, 2, 2)));
+        assert_eq!(p.blocks[6].row_range(), Some((8, 10, 2)));
+        assert_eq!(p.blocks[7].row_range(), Some((0, 1, 100)));
+        assert_eq!(p.blocks[0].row_range(), None);
+        assert_eq!(p.blocks[3].len, 4);
+        assert_eq!(p.blocks[7].bytes(), 400);
+        assert_eq!(p.row_block(0, 9).unwrap().id, 6);
+        assert_eq!(p.row_block(0, 4).unwrap().id, 4);
+        assert!(p.row_block(0, 10).is_none());
+        assert_eq!(p.table_blocks(0).count(), 5);
+        assert_eq!(p.table("small").unwrap().0, 1);
+        assert!(p.row_rule(0, 1).unwrap().is_none());
+        assert_eq!(p.row_rule(7, 1).unwrap().unwrap().dim, 100);
+        assert!(p.init_values(3, 1).unwrap().is_empty());
+    }
+
+    #[test]
+    fn refuses_duplicate_and_empty_tables() {
+        let w = || vec![tensor("w", 5, Init::Zeros)];
+        let dup = vec![TableSpec::new("e", 4, 2), TableSpec::new("e", 4, 2)];
+        assert!(Partition::with_tables(w(), dup, 16).is_err());
+        assert!(Partition::with_tables(w(), vec![TableSpec::new("w", 4, 2)], 16).is_err());
+        assert!(Partition::with_tables(w(), vec![TableSpec::new("e", 0, 2)], 16).is_err());
+        assert!(Partition::with_tables(w(), vec![TableSpec::new("e", 4, 0)], 16).is_err());
+        let bad = TableSpec::new("e", 4, 2).with_optimizer(SparseOptimizer::Sgd { lr: f64::NAN });
+        assert!(Partition::with_tables(w(), vec![bad], 16).is_err());
+        // Tables alone make a model.
+        assert!(Partition::with_tables(vec![], vec![TableSpec::new("e", 4, 2)], 16).is_ok());
+    }
+
+    #[test]
+    fn a_table_of_ten_million_rows_is_a_list_of_ranges() {
+        let p = Partition::with_tables(vec![], vec![TableSpec::new("big", 10_000_000, 64)], 4 << 20).unwrap();
+        assert_eq!(p.blocks.len(), 611);
+        assert_eq!(p.row_block(0, 9_999_999).unwrap().id, 610);
     }
 
     #[test]

@@ -89,7 +89,12 @@ pub fn frame_bytes(msg: &Message) -> u64 {
         Message::Push { values, .. }
         | Message::PullReply { values, .. }
         | Message::Init { values, .. }
-        | Message::PushPull { values, .. } => values.as_bytes().len(),
+        | Message::PushPull { values, .. }
+        | Message::PullRowsReply { values, .. } => values.as_bytes().len(),
+        Message::PullRows { ids, .. } => ids.as_bytes().len(),
+        Message::PushRows { ids, grads, .. } => {
+            elasticps_wire::PUSH_ROWS_PREFIX + ids.as_bytes().len() + grads.as_bytes().len()
+        }
         Message::Forward { values, .. } => elasticps_wire::FORWARD_PREFIX + values.as_bytes().len(),
         Message::PushAck { .. } | Message::Pull { .. } => 0,
         Message::Control(_) | Message::Error(_) => msg.encode_payload().map_or(0, |b| b.len()),

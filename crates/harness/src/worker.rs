@@ -451,7 +451,11 @@ impl WorkerRole {
                 self.plan = Some(plan.with_fusion(self.work.fuse).with_window(self.work.window));
                 self.stage = Stage::Defining;
                 let tensors = self.work.tensors.clone();
-                self.call_scheduler(out, DEFINE, Control::DefineModel { tensors, optimizers: Vec::new() }.into());
+                self.call_scheduler(
+                    out,
+                    DEFINE,
+                    Control::DefineModel { tensors, optimizers: Vec::new(), tables: Vec::new() }.into(),
+                );
             }
             (DEFINE, Message::Control(Control::Layout(layout))) => {
                 self.install(out, layout);

@@ -71,7 +71,7 @@ mod harness {
         fn worker() -> Self {
             Self::new(vec![Control::RegisterWorker.into()], |m| match m {
                 Message::Control(Control::Welcome { .. }) => {
-                    vec![Control::DefineModel { tensors: model(), optimizers: Vec::new() }.into()]
+                    vec![Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() }.into()]
                 }
                 _ => Vec::new(),
             })

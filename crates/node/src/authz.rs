@@ -102,6 +102,8 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("Pull", Receiver::Server, &[Wrk]),
     ("PushPull", Receiver::Server, &[Wrk]),
     ("Init", Receiver::Server, &[Wrk]),
+    ("PullRows", Receiver::Server, &[Wrk]),
+    ("PushRows", Receiver::Server, &[Wrk]),
     ("SetOptimizer", Receiver::Server, &[Wrk]),
     ("BlockSnapshot", Receiver::Server, &[Srv]),
     ("BlockDelta", Receiver::Server, &[Srv]),
@@ -136,7 +138,19 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
 
 /// Every message name: the control variants, then the data kinds.
 pub fn all_names() -> impl Iterator<Item = &'static str> {
-    Control::NAMES.into_iter().chain(["Push", "PushAck", "Pull", "PullReply", "Error", "Init", "PushPull", "Forward"])
+    Control::NAMES.into_iter().chain([
+        "Push",
+        "PushAck",
+        "Pull",
+        "PullReply",
+        "Error",
+        "Init",
+        "PushPull",
+        "Forward",
+        "PullRows",
+        "PullRowsReply",
+        "PushRows",
+    ])
 }
 
 /// A message's name in the table: its control variant's, or its data kind's.
@@ -151,6 +165,9 @@ pub fn name_of(msg: &Message) -> &'static str {
         Message::Init { .. } => "Init",
         Message::PushPull { .. } => "PushPull",
         Message::Forward { .. } => "Forward",
+        Message::PullRows { .. } => "PullRows",
+        Message::PullRowsReply { .. } => "PullRowsReply",
+        Message::PushRows { .. } => "PushRows",
     }
 }
 

@@ -33,8 +33,8 @@ use elasticps_node::scheduler::{self, JobConfig, SavedState, Scheduler};
 use elasticps_node::server::{self, Owned, Phase, Server, Slot};
 use elasticps_wire::{
     Assignment, CheckpointPlan, ClusterStatus, Control, Credential, ErrorCode, ErrorReply, HostOffer, Injection, KeyId,
-    Layout, Message, MigrationReport, NodeRole, PeerRole, ScaleRequest, ServerAddr, ServerLoad, ServerStats, Values,
-    WorkerLoad,
+    Layout, Message, MigrationReport, NodeRole, PeerRole, RowIds, ScaleRequest, ServerAddr, ServerLoad, ServerStats,
+    Values, WorkerLoad,
 };
 use proptest::prelude::*;
 
@@ -159,7 +159,7 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
         "Welcome" => {
             Control::Welcome { node_id: 0, num_workers: 2, num_servers: 3, credential: cred(PeerRole::Worker, 0) }
         }
-        "DefineModel" => Control::DefineModel { tensors: model(), optimizers: vec![] },
+        "DefineModel" => Control::DefineModel { tensors: model(), optimizers: vec![], tables: Vec::new() },
         "GetLayout" => Control::GetLayout,
         "Layout" => Control::Layout(Layout {
             partition: m.partition.clone(),
@@ -167,7 +167,7 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
             servers: m.servers(),
             seed: 7,
         }),
-        "Assign" => Control::Assign(m.assignment(ME)),
+        "Assign" => Control::Assign(Box::new(m.assignment(ME))),
         "AssignDone" => Control::AssignDone { server_id: server },
         "Heartbeat" => Control::Heartbeat,
         "WorkerDone" => Control::WorkerDone { rank },
@@ -187,11 +187,9 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
         }),
         "Migrate" => Control::Migrate { block: 0, to: 1, to_addr: "addr1".into(), epoch: 9 },
         "BlockSnapshot" => Control::BlockSnapshot { epoch: MOVE_EPOCH, state: m.states[1].clone() },
-        "BlockDelta" => Control::BlockDelta {
-            block: 1,
-            epoch: MOVE_EPOCH,
-            pushes: vec![LoggedPush { worker: 0, clock: 0, grad: vec![0.25; LEN] }],
-        },
+        "BlockDelta" => {
+            Control::BlockDelta { block: 1, epoch: MOVE_EPOCH, pushes: vec![LoggedPush::dense(0, 0, vec![0.25; LEN])] }
+        }
         "MigrateDone" => Control::MigrateDone(report),
         "ServerLoad" => Control::ServerLoad(ServerLoad { server_id: server, ..Default::default() }),
         "WorkerLoad" => Control::WorkerLoad(WorkerLoad { rank, clock, ..Default::default() }),
@@ -212,7 +210,7 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
         "Replicate" => Control::Replicate {
             block: 2,
             init: false,
-            push: LoggedPush { worker: rank.min(WORKERS - 1), clock, grad: vec![0.5; LEN] },
+            push: LoggedPush::dense(rank.min(WORKERS - 1), clock, vec![0.5; LEN]),
         },
         "Replicas" => Control::Replicas { placement: m.placement.clone(), servers: m.servers() },
         "ReplicaSnapshot" => Control::ReplicaSnapshot(m.states[2].clone()),
@@ -245,6 +243,17 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
         "Forward" => {
             let worker = rank.min(WORKERS - 1);
             return Message::Forward { block: 2, clock, worker, init: false, values: values(0.5) };
+        }
+        "PullRows" => return Message::PullRows { block: 0, clock, ids: RowIds::from_vec(vec![0]) },
+        "PullRowsReply" => return Message::PullRowsReply { block: 0, clock, values: values(1.0) },
+        "PushRows" => {
+            return Message::PushRows {
+                block: 0,
+                clock,
+                dim: 1,
+                ids: RowIds::from_vec(vec![0]),
+                grads: Values::from_vec(vec![0.5]),
+            };
         }
         other => panic!("no sample of message {other}: add one (every kind of authz::all_names has one)"),
     };
@@ -474,7 +483,10 @@ impl World {
             credential: cred(PeerRole::Server, ME),
         };
         s.handle(0, server::Event::FromScheduler { request_id: call, msg: welcome.into() });
-        s.handle(0, server::Event::FromScheduler { request_id: 0, msg: Control::Assign(m.assignment(ME)).into() });
+        s.handle(
+            0,
+            server::Event::FromScheduler { request_id: 0, msg: Control::Assign(Box::new(m.assignment(ME))).into() },
+        );
         let replicas = Control::Replicas { placement: m.placement.clone(), servers: m.servers() };
         s.handle(0, server::Event::FromScheduler { request_id: 0, msg: replicas.into() });
         for (conn, key, role, id) in [
@@ -550,7 +562,7 @@ impl World {
                 "{r:?}"
             );
         }
-        recv(&mut m, SCHED_W[0], Control::DefineModel { tensors: model(), optimizers: vec![] });
+        recv(&mut m, SCHED_W[0], Control::DefineModel { tensors: model(), optimizers: vec![], tables: Vec::new() });
         for (id, conn) in SCHED_S.into_iter().enumerate() {
             recv(&mut m, conn, Control::AssignDone { server_id: id as u32 });
         }
@@ -766,11 +778,7 @@ impl World {
 
     fn forged(&mut self, forgery: Forgery, alt: bool) {
         let what = format!("forged: {forgery:?}");
-        let push = |block, v| Control::Replicate {
-            block,
-            init: false,
-            push: LoggedPush { worker: 0, clock: 0, grad: vec![v; LEN] },
-        };
+        let push = |block, v| Control::Replicate { block, init: false, push: LoggedPush::dense(0, 0, vec![v; LEN]) };
         let hello = |credential| Message::from(Control::Hello { credential });
         let anon = |w: &mut World, key| {
             let conn = w.fresh_conn();
@@ -799,7 +807,7 @@ impl World {
                     .server
                     .handle(self.now_us, server::Event::Received { conn: S1, request_id: rid, msg: snapshot });
                 assert_eq!(server_replies(&r, S1, rid), [&Message::Control(Control::Ok)], "{what}: the real snapshot");
-                let pushes = vec![LoggedPush { worker: 0, clock: 0, grad: vec![100.0; LEN] }];
+                let pushes = vec![LoggedPush::dense(0, 0, vec![100.0; LEN])];
                 let msg = Control::BlockDelta { block: 1, epoch, pushes }.into();
                 self.forged_to_server(S2, msg, forbidden, false, &what)
             }
@@ -891,7 +899,7 @@ fn every_message_from_every_class_to_every_receiver_is_refused_exactly_where_the
     }
     // Coverage: every kind, from every class, to both receivers; every row of the table.
     let names: Vec<&str> = authz::all_names().collect();
-    assert_eq!(names.len(), Control::NAMES.len() + 8, "all_names: every control variant and the 8 data kinds");
+    assert_eq!(names.len(), Control::NAMES.len() + 11, "all_names: every control variant and the 11 data kinds");
     for to in [Receiver::Server, Receiver::Scheduler] {
         for &class in classes_of(to) {
             for name in &names {

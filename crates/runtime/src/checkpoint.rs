@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! DIR/ckpt-0000000040/block-000003.bin   postcard(BlockState), written by its server
-//! DIR/ckpt-0000000040/MANIFEST.json      {"version":1,"clock":40,"blocks":[{block,file,len,crc32}]}
+//! DIR/ckpt-0000000040/MANIFEST.json      {"version":2,"clock":40,"blocks":[{block,file,len,crc32}]}
 //! ```
 //!
 //! Every file is written to a temporary name, fsynced, renamed into place, and its
@@ -27,7 +27,7 @@ use crate::error::{Result, RuntimeError};
 /// Complete checkpoints kept in a directory.
 pub const KEEP: usize = 2;
 /// The manifest's format version.
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const MANIFEST: &str = "MANIFEST.json";
 
 /// `MANIFEST.json`; its entries are the wire's, field for field.
@@ -174,7 +174,7 @@ mod tests {
     use super::*;
 
     fn state(id: u32, done: u32) -> BlockState {
-        let spec = BlockSpec { id, tensor: 0, offset: id as usize * 2, len: 2 };
+        let spec = BlockSpec::dense(id, 0, id as usize * 2, 2);
         let opt = OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 };
         let config = ShardConfig { sync: SyncPolicy::Bsp, optimizer: opt, workers: 1 };
         let mut b: Block<()> = Block::new(spec, vec![0.0; 2], &config).unwrap();

@@ -6,7 +6,7 @@
 //! their fields without a protocol version bump. docs/PROTOCOL.md lists the indices.
 
 use elasticps_core::block::{BlockState, BlockStats, LoggedPush, ShardConfig};
-use elasticps_core::model::{BlockId, Partition, TensorSpec};
+use elasticps_core::model::{BlockId, Partition, TableSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::{Placement, ServerId};
 use serde::{Deserialize, Serialize};
@@ -47,6 +47,9 @@ pub enum Control {
         /// Each tensor's own optimizer (a PyTorch parameter group's hyperparameters), or
         /// none (the job's `--optimizer`, `--lr`); empty when no tensor has one.
         optimizers: Vec<Option<TensorOptimizer>>,
+        /// The embedding tables, in order (their blocks follow the tensors'); empty for a
+        /// dense model.
+        tables: Vec<TableSpec>,
     },
     /// Tag 4: Node -> scheduler: send me the current layout. Reply: [`Control::Layout`]
     /// (or an `Error` with `NotReady` before the model is defined and assigned).
@@ -55,7 +58,7 @@ pub enum Control {
     Layout(Layout),
     /// Tag 6: Scheduler -> server: the blocks to hold and how to treat them.
     /// Reply: [`Control::AssignDone`].
-    Assign(Assignment),
+    Assign(Box<Assignment>),
     /// Tag 7: Server -> scheduler: the assignment is in place, the server serves its blocks.
     AssignDone {
         /// The server that took the assignment.
@@ -558,6 +561,34 @@ pub struct ServerLoad {
     pub rx_bps: f64,
     /// The data frames `rx_bps` was measured from.
     pub rx_frames: u32,
+    /// Each row block held here that was pushed or pulled in the interval: its requests
+    /// and rows (what a hot row range costs, which its nominal size does not say).
+    pub row_blocks: Vec<RowBlockLoad>,
+}
+
+/// One row block's traffic over a load interval: part of [`ServerLoad`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowBlockLoad {
+    /// The block.
+    pub block: BlockId,
+    /// Row pushes applied (empty ones too; duplicates not).
+    pub pushes: u64,
+    /// Row pulls answered.
+    pub pulls: u64,
+    /// Rows pushed and pulled.
+    pub rows: u64,
+    /// Payload bytes of the pushes (ids and gradients).
+    pub bytes_in: u64,
+    /// Payload bytes of the pull replies.
+    pub bytes_out: u64,
+}
+
+impl RowBlockLoad {
+    /// What a worker pushes to the block per push on average, bytes (at least 1): the
+    /// block's weight in the load model, as a dense block's is its size.
+    pub fn push_bytes(&self) -> u64 {
+        self.bytes_in.checked_div(self.pushes).unwrap_or(1).max(1)
+    }
 }
 
 /// What one server cost one worker over a stats interval.

@@ -203,7 +203,7 @@ impl Codec {
     /// shared bytes, not a copy. [`WireError::TooLarge`] if the payload exceeds this
     /// codec's limit.
     ///
-    /// A Forward's prefix and values are copied into one payload here; the data path uses
+    /// A Forward's (or PushRows') prefix and values are copied into one payload here; the data path uses
     /// [`Codec::encode_parts`] to write them apart.
     pub fn encode(&self, request_id: u64, msg: &Message) -> Result<([u8; HEADER_LEN], Bytes), WireError> {
         let (head, prefix, payload) = self.encode_parts(request_id, msg)?;
@@ -211,7 +211,8 @@ impl Codec {
     }
 
     /// The frame of `msg` as its 32 header bytes, the bytes before its values (a
-    /// Forward's 8-byte prefix, else `None`) and its values' own bytes (no copy), to be
+    /// Forward's or PushRows' 8-byte prefix, else `None`) and its values' own bytes (no
+    /// copy, except a PushRows' ids and gradients, joined in one buffer), to be
     /// written one after the other. [`WireError::TooLarge`] if the payload exceeds this
     /// codec's limit.
     #[allow(clippy::type_complexity)]

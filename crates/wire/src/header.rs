@@ -23,7 +23,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 /// Length of the frame header in bytes.
 pub const HEADER_LEN: usize = 32;
 /// The protocol version this crate speaks (header byte 4).
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 /// The four magic bytes that open every frame: `EPS1`.
 pub const MAGIC: [u8; 4] = *b"EPS1";
 /// Default limit on `payload_len`: 64 MiB.
@@ -60,11 +60,23 @@ pub enum Kind {
     /// was received: an 8-byte prefix (the worker's rank, the init flag) then the f32
     /// little-endian gradient; answered `Ok` (docs/PROTOCOL.md §12).
     Forward = 9,
+    /// Worker -> server: rows of the row block `block` for iteration `clock`; payload the
+    /// row ids, u64 little-endian (global row ids of the table). Answered
+    /// `PullRowsReply` (the sync policy may hold it, as a `Pull`'s).
+    PullRows = 10,
+    /// Server -> worker: the rows a `PullRows` asked for, in the order asked, `ids x dim`
+    /// f32 little-endian.
+    PullRowsReply = 11,
+    /// Worker -> server: the gradient of some rows of the row block `block` at `clock`:
+    /// `count` u32, `dim` u32, `count` u64 row ids, then `count x dim` f32, all
+    /// little-endian; an empty one (count 0) still counts for the clock. Answered
+    /// `PushAck`.
+    PushRows = 12,
 }
 
 impl Kind {
     /// Every kind, in wire order.
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 12] = [
         Kind::Control,
         Kind::Push,
         Kind::PushAck,
@@ -74,6 +86,9 @@ impl Kind {
         Kind::Init,
         Kind::PushPull,
         Kind::Forward,
+        Kind::PullRows,
+        Kind::PullRowsReply,
+        Kind::PushRows,
     ];
 
     /// The kind with this wire value, if any.
@@ -88,21 +103,25 @@ impl Kind {
             7 => Some(Kind::Init),
             8 => Some(Kind::PushPull),
             9 => Some(Kind::Forward),
+            10 => Some(Kind::PullRows),
+            11 => Some(Kind::PullRowsReply),
+            12 => Some(Kind::PushRows),
             _ => None,
         }
     }
 
     /// True for the kinds whose payload is a run of little-endian f32 (Push, PullReply,
-    /// Init, PushPull).
+    /// Init, PushPull, PullRowsReply).
     pub fn carries_f32(self) -> bool {
-        matches!(self, Kind::Push | Kind::PullReply | Kind::Init | Kind::PushPull)
+        matches!(self, Kind::Push | Kind::PullReply | Kind::Init | Kind::PushPull | Kind::PullRowsReply)
     }
 
-    /// True for the kinds whose payload is whole 4-byte words (the f32 kinds, and
-    /// Forward: its 8-byte prefix, then f32 values), so a reader may read it into an
-    /// aligned `Vec<f32>` and keep the values aligned.
+    /// True for the kinds whose payload is whole 4-byte words (the f32 kinds; Forward: its
+    /// 8-byte prefix, then f32 values; PullRows: u64 ids; PushRows: its 8-byte prefix, u64
+    /// ids, f32 values), so a reader may read it into an aligned `Vec<f32>` and keep the
+    /// values aligned.
     pub fn carries_words(self) -> bool {
-        self.carries_f32() || self == Kind::Forward
+        self.carries_f32() || matches!(self, Kind::Forward | Kind::PullRows | Kind::PushRows)
     }
 
     /// True for the kinds whose payload must be empty (PushAck, Pull).
@@ -142,6 +161,9 @@ impl fmt::Display for Kind {
             Kind::Init => "Init",
             Kind::PushPull => "PushPull",
             Kind::Forward => "Forward",
+            Kind::PullRows => "PullRows",
+            Kind::PullRowsReply => "PullRowsReply",
+            Kind::PushRows => "PushRows",
         })
     }
 }

@@ -62,8 +62,8 @@ pub mod values;
 
 pub use control::{
     Assignment, CheckpointEntry, CheckpointPlan, ClusterStatus, Control, HeldBlock, HostOffer, Injection, Layout,
-    MigrationReport, NodeRole, Restore, ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats, ServerStatus,
-    WorkerLoad, WorkerStatus,
+    MigrationReport, NodeRole, Restore, RowBlockLoad, ScaleRequest, ServerAddr, ServerLoad, ServerSample, ServerStats,
+    ServerStatus, WorkerLoad, WorkerStatus,
 };
 pub use credential::{Credential, PeerRole};
 pub use error::{ErrorCode, ErrorReply, WireError};
@@ -73,5 +73,5 @@ pub use header::{
     CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
     checksum,
 };
-pub use message::Message;
-pub use values::Values;
+pub use message::{Message, PUSH_ROWS_PREFIX};
+pub use values::{RowIds, Values};

@@ -5,7 +5,11 @@ use bytes::Bytes;
 use crate::control::Control;
 use crate::error::{ErrorReply, WireError};
 use crate::header::{FORWARD_PREFIX, FrameHeader, Kind};
-use crate::values::Values;
+use crate::values::{RowIds, Values};
+
+/// Bytes before the row ids of a PushRows payload: the row count (u32) and the values
+/// per row (u32), little-endian.
+pub const PUSH_ROWS_PREFIX: usize = 8;
 
 /// One typed message: what a frame (header + payload) means.
 ///
@@ -20,6 +24,9 @@ use crate::values::Values;
 /// | Init      | block, 0     | f32 little-endian, `len % 4 == 0` |
 /// | PushPull  | set          | f32 little-endian, `len % 4 == 0` |
 /// | Forward   | set          | worker u32, init u32 (0/1), then f32 little-endian |
+/// | PullRows  | set          | row ids, u64 little-endian, `len % 8 == 0` |
+/// | PullRowsReply | set      | f32 little-endian, the rows in the order asked |
+/// | PushRows  | set          | count u32, dim u32, count u64 ids, count x dim f32 |
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
     /// A control-plane message.
@@ -95,6 +102,44 @@ pub enum Message {
         /// The gradient (or initial values).
         values: Values,
     },
+    /// Worker -> server: rows `ids` (global row ids of the block's table, each in the
+    /// block's range; repeats allowed) of row block `block` for iteration `clock`. The
+    /// sync policy may hold it as a `Pull`. Answered `PullRowsReply`, `Moved` or an
+    /// `Error` (docs/PROTOCOL.md §6.12).
+    PullRows {
+        /// Block id (a row block).
+        block: u32,
+        /// The worker's iteration.
+        clock: u32,
+        /// The rows asked for.
+        ids: RowIds,
+    },
+    /// Server -> worker: the rows a `PullRows` asked for, in the order asked
+    /// (`ids.len() x dim` values).
+    PullRowsReply {
+        /// Block id.
+        block: u32,
+        /// The clock of the pull this answers.
+        clock: u32,
+        /// The rows, one after the other.
+        values: Values,
+    },
+    /// Worker -> server: the gradient of rows `ids` of row block `block` at clock `clock`
+    /// (`grads` is `ids.len() x dim`; a row named twice gets the sum). An empty push (no
+    /// id) still counts for the clock: a worker pushes to every block of a table on every
+    /// clock. Answered `PushAck`, `Moved` or an `Error`.
+    PushRows {
+        /// Block id (a row block).
+        block: u32,
+        /// The worker's iteration.
+        clock: u32,
+        /// Values per row (the table's dim; any value when `ids` is empty).
+        dim: u32,
+        /// The rows.
+        ids: RowIds,
+        /// Their gradients, row after row.
+        grads: Values,
+    },
 }
 
 impl Message {
@@ -110,13 +155,24 @@ impl Message {
             Message::Init { .. } => Kind::Init,
             Message::PushPull { .. } => Kind::PushPull,
             Message::Forward { .. } => Kind::Forward,
+            Message::PullRows { .. } => Kind::PullRows,
+            Message::PullRowsReply { .. } => Kind::PullRowsReply,
+            Message::PushRows { .. } => Kind::PushRows,
         }
     }
 
     /// True for the requests a worker sends about one block's data (Push, Pull, Init,
-    /// PushPull): what a server counts as data-plane work.
+    /// PushPull, PullRows, PushRows): what a server counts as data-plane work.
     pub fn is_data_request(&self) -> bool {
-        matches!(self, Message::Push { .. } | Message::Pull { .. } | Message::Init { .. } | Message::PushPull { .. })
+        matches!(
+            self,
+            Message::Push { .. }
+                | Message::Pull { .. }
+                | Message::Init { .. }
+                | Message::PushPull { .. }
+                | Message::PullRows { .. }
+                | Message::PushRows { .. }
+        )
     }
 
     /// The `(block, clock)` header fields of this message: `(0, 0)` for Control and Error.
@@ -128,7 +184,10 @@ impl Message {
             | Message::Pull { block, clock }
             | Message::PullReply { block, clock, .. }
             | Message::PushPull { block, clock, .. }
-            | Message::Forward { block, clock, .. } => (*block, *clock),
+            | Message::Forward { block, clock, .. }
+            | Message::PullRows { block, clock, .. }
+            | Message::PullRowsReply { block, clock, .. }
+            | Message::PushRows { block, clock, .. } => (*block, *clock),
             Message::Init { block, .. } => (*block, 0),
         }
     }
@@ -144,9 +203,11 @@ impl Message {
         Ok(joined(prefix, payload))
     }
 
-    /// The payload as written: the bytes before the values (a Forward's 8-byte prefix;
-    /// `None` for every other kind), then the payload bytes proper (the values' own
-    /// shared bytes for the f32 kinds and Forward: no copy).
+    /// The payload as written: the bytes before the values (a Forward's or PushRows'
+    /// 8-byte prefix; `None` for every other kind), then the payload bytes proper (the
+    /// values' own shared bytes for the f32 kinds, Forward and PullRows: no copy; a
+    /// PushRows' ids and gradients joined in one buffer). A PushRows whose gradients are
+    /// not `ids x dim` values is refused.
     pub fn payload_parts(&self) -> Result<(Option<[u8; FORWARD_PREFIX]>, Bytes), WireError> {
         Ok(match self {
             Message::Forward { worker, init, values, .. } => {
@@ -160,7 +221,28 @@ impl Message {
             Message::Push { values, .. }
             | Message::PullReply { values, .. }
             | Message::Init { values, .. }
-            | Message::PushPull { values, .. } => (None, values.as_bytes().clone()),
+            | Message::PushPull { values, .. }
+            | Message::PullRowsReply { values, .. } => (None, values.as_bytes().clone()),
+            Message::PullRows { ids, .. } => (None, ids.as_bytes().clone()),
+            Message::PushRows { dim, ids, grads, .. } => {
+                let count = u32::try_from(ids.len()).map_err(|_| WireError::BadPayload {
+                    kind: Kind::PushRows,
+                    why: format!("{} row ids do not fit a u32 count", ids.len()),
+                })?;
+                let want = ids.len() as u64 * u64::from(*dim);
+                if (count > 0 || !grads.is_empty()) && grads.len() as u64 != want {
+                    return Err(WireError::BadPayload {
+                        kind: Kind::PushRows,
+                        why: format!("{count} rows of {dim} values need {want} gradient values, not {}", grads.len()),
+                    });
+                }
+                let mut prefix = [0u8; PUSH_ROWS_PREFIX];
+                prefix[..4].copy_from_slice(&count.to_le_bytes());
+                prefix[4..].copy_from_slice(&dim.to_le_bytes());
+                // The ids and the gradients in one buffer (a copy of both).
+                let body = [&ids.as_bytes()[..], &grads.as_bytes()[..]].concat();
+                (Some(prefix), Bytes::from(body))
+            }
             Message::PushAck { .. } | Message::Pull { .. } => (None, Bytes::new()),
         })
     }
@@ -208,6 +290,30 @@ impl Message {
                 let values = Values::from_le_bytes(payload.slice(FORWARD_PREFIX..))?;
                 Message::Forward { block, clock, worker, init, values }
             }
+            Kind::PullRows => {
+                let ids = RowIds::from_le_bytes(payload)
+                    .ok_or_else(|| bad(format!("{} bytes are not whole u64 row ids", h.payload_len)))?;
+                Message::PullRows { block, clock, ids }
+            }
+            Kind::PullRowsReply => Message::PullRowsReply { block, clock, values: Values::from_le_bytes(payload)? },
+            Kind::PushRows => {
+                let word = |i: usize| u32::from_le_bytes([payload[i], payload[i + 1], payload[i + 2], payload[i + 3]]);
+                let (count, dim) = (word(0), word(4));
+                let id_bytes = u64::from(count) * 8;
+                // u128: count x dim x 4 overflows u64 for the largest u32s.
+                let want = PUSH_ROWS_PREFIX as u128 + u128::from(id_bytes) + u128::from(count) * u128::from(dim) * 4;
+                if want != payload.len() as u128 {
+                    return Err(bad(format!(
+                        "{count} rows of {dim} values take {want} bytes with the prefix, the frame has {}",
+                        payload.len()
+                    )));
+                }
+                let split = PUSH_ROWS_PREFIX + id_bytes as usize;
+                let ids = RowIds::from_le_bytes(payload.slice(PUSH_ROWS_PREFIX..split))
+                    .ok_or_else(|| bad("row ids are not whole u64".into()))?;
+                let grads = Values::from_le_bytes(payload.slice(split..))?;
+                Message::PushRows { block, clock, dim, ids, grads }
+            }
         })
     }
 }
@@ -225,9 +331,18 @@ impl From<ErrorReply> for Message {
 }
 
 /// The payload-length rules that can be checked from the header alone: f32 kinds carry
-/// a multiple of 4 bytes, Forward its 8-byte prefix and a multiple of 4, PushAck and
-/// Pull nothing.
+/// a multiple of 4 bytes, Forward and PushRows their 8-byte prefix and a multiple of 4,
+/// PullRows a multiple of 8, PushAck and Pull nothing.
 pub(crate) fn check_payload_len(kind: Kind, len: u32) -> Result<(), WireError> {
+    if kind == Kind::PushRows && (len < PUSH_ROWS_PREFIX as u32 || !len.is_multiple_of(4)) {
+        return Err(WireError::BadPayload {
+            kind,
+            why: format!("{len} bytes are not the {PUSH_ROWS_PREFIX}-byte prefix and whole words"),
+        });
+    }
+    if kind == Kind::PullRows && !len.is_multiple_of(8) {
+        return Err(WireError::BadPayload { kind, why: format!("{len} bytes are not whole u64 row ids") });
+    }
     if kind == Kind::Forward && (len < FORWARD_PREFIX as u32 || !len.is_multiple_of(4)) {
         return Err(WireError::BadPayload {
             kind,

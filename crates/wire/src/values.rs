@@ -135,6 +135,86 @@ impl From<&[f32]> for Values {
     }
 }
 
+/// Row ids of a row request (PullRows, PushRows): u64 little-endian bytes in a [`Bytes`],
+/// shared without copying like [`Values`].
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct RowIds(Bytes);
+
+/// Owner of a `Vec<u64>` that `Bytes::from_owner` can view as bytes.
+struct IdsOwner(Vec<u64>);
+
+impl AsRef<[u8]> for IdsOwner {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+impl RowIds {
+    /// Takes ownership of `ids` without copying.
+    pub fn from_vec(ids: Vec<u64>) -> Self {
+        RowIds(Bytes::from_owner(IdsOwner(ids)))
+    }
+
+    /// Copies `ids` (one memcpy).
+    pub fn from_slice(ids: &[u64]) -> Self {
+        RowIds(Bytes::copy_from_slice(bytemuck::cast_slice(ids)))
+    }
+
+    /// Wraps little-endian u64 bytes without copying (they need not be 8-aligned);
+    /// `None` unless `b.len()` is a multiple of 8.
+    pub fn from_le_bytes(b: Bytes) -> Option<Self> {
+        b.len().is_multiple_of(8).then_some(RowIds(b))
+    }
+
+    /// Number of ids.
+    pub fn len(&self) -> usize {
+        self.0.len() / 8
+    }
+
+    /// True if there is no id.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The id at `i` (panics past the end, like a slice).
+    pub fn get(&self, i: usize) -> u64 {
+        let b = &self.0[i * 8..i * 8 + 8];
+        u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+    }
+
+    /// The ids in order.
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        self.0.chunks_exact(8).map(|b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+    }
+
+    /// The ids as a vector (a copy).
+    pub fn to_vec(&self) -> Vec<u64> {
+        self.iter().collect()
+    }
+
+    /// The little-endian bytes (`8 * len()` of them).
+    pub fn as_bytes(&self) -> &Bytes {
+        &self.0
+    }
+}
+
+impl From<Vec<u64>> for RowIds {
+    fn from(v: Vec<u64>) -> Self {
+        RowIds::from_vec(v)
+    }
+}
+
+impl fmt::Debug for RowIds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let head: Vec<u64> = self.iter().take(8).collect();
+        write!(f, "RowIds(len={}, {head:?}", self.len())?;
+        if self.len() > 8 {
+            f.write_str(" ...")?;
+        }
+        f.write_str(")")
+    }
+}
+
 impl fmt::Debug for Values {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const SHOWN: usize = 8;

@@ -212,7 +212,7 @@ mod common {
     pub fn arb_block_state() -> impl Strategy<Value = BlockState> {
         (any::<u32>(), any::<u32>(), 0..1000usize, 0..24usize, 0..4u32)
             .prop_flat_map(|(id, tensor, offset, len, workers)| {
-                let spec = BlockSpec { id, tensor, offset, len };
+                let spec = BlockSpec::dense(id, tensor, offset, len);
                 let buf = prop_oneof![Just(Vec::new()), arb_f32s(len)];
                 let opt = (any::<u64>(), buf.clone(), buf).prop_map(|(steps, m, v)| OptState { steps, m, v });
                 let pending = prop::collection::vec(
@@ -225,13 +225,20 @@ mod common {
                 );
                 (Just(spec), arb_f32s(len), opt, arb_clocks(workers), pending)
             })
-            .prop_map(|(spec, values, opt, clocks, pending)| BlockState { spec, values, opt, clocks, pending })
+            .prop_map(|(spec, values, opt, clocks, pending)| BlockState {
+                spec,
+                values,
+                opt,
+                clocks,
+                pending,
+                rows: None,
+            })
     }
 
     fn arb_logged_push() -> impl Strategy<Value = LoggedPush> {
         (any::<u32>(), any::<u32>(), 0..24usize)
             .prop_flat_map(|(worker, clock, len)| (Just(worker), Just(clock), arb_f32s(len)))
-            .prop_map(|(worker, clock, grad)| LoggedPush { worker, clock, grad })
+            .prop_map(|(worker, clock, grad)| LoggedPush::dense(worker, clock, grad))
     }
 
     fn arb_migration_report() -> impl Strategy<Value = MigrationReport> {
@@ -269,6 +276,7 @@ mod common {
                     bytes,
                     rx_bps,
                     rx_frames,
+                    row_blocks: vec![RowBlockLoad { block: blocks, pushes: 3, pulls: 2, rows: 9, bytes_in, bytes_out }],
                 }
             },
         )
@@ -358,10 +366,10 @@ mod common {
                 }
             ),
             (arb_tensors(), prop::collection::vec(prop::option::of(arb_tensor_optimizer()), 0..3))
-                .prop_map(|(tensors, optimizers)| Control::DefineModel { tensors, optimizers }),
+                .prop_map(|(tensors, optimizers)| Control::DefineModel { tensors, optimizers, tables: Vec::new() }),
             Just(Control::GetLayout),
             arb_layout().prop_map(Control::Layout),
-            arb_assignment().prop_map(Control::Assign),
+            arb_assignment().prop_map(|a| Control::Assign(Box::new(a))),
             any::<u32>().prop_map(|server_id| Control::AssignDone { server_id }),
             Just(Control::Heartbeat),
             any::<u32>().prop_map(|rank| Control::WorkerDone { rank }),
@@ -529,6 +537,27 @@ mod common {
                     Message::Forward { block, clock, worker, init, values }
                 }
             ),
+            (any::<u32>(), any::<u32>(), prop::collection::vec(any::<u64>(), 0..8))
+                .prop_map(|(block, clock, ids)| Message::PullRows { block, clock, ids: RowIds::from_vec(ids) }),
+            (any::<u32>(), any::<u32>(), arb_values()).prop_map(|(block, clock, values)| Message::PullRowsReply {
+                block,
+                clock,
+                values
+            }),
+            (any::<u32>(), any::<u32>(), 1..4u32, prop::collection::vec(any::<u64>(), 0..5)).prop_flat_map(
+                |(block, clock, dim, ids)| {
+                    let n = ids.len() * dim as usize;
+                    (Just((block, clock, dim, ids)), arb_f32s(n)).prop_map(|((block, clock, dim, ids), grads)| {
+                        Message::PushRows {
+                            block,
+                            clock,
+                            dim,
+                            ids: RowIds::from_vec(ids),
+                            grads: Values::from_vec(grads),
+                        }
+                    })
+                }
+            ),
         ]
     }
 }
@@ -641,7 +670,7 @@ mod roundtrip {
         /// fields and payload reach the payload decoders (postcard on garbage) without panic.
         #[test]
         fn random_sealed_frames_never_panic(
-            kind in 0..10u8,
+            kind in 0..14u8,
             flags in prop::sample::select(vec![0u16, 0, 0, 1, 0x8000]),
             fields in any::<(u64, u32, u32)>(),
             payload in prop::collection::vec(any::<u8>(), 0..128),
@@ -733,10 +762,10 @@ mod invalid {
     }
 
     #[test]
-    fn versions_1_2_and_4() {
-        // Version 1 had no backup lists in its placements, version 2 no credentials
-        // (PROTOCOL.md §2).
-        for v in [1, 2, 4] {
+    fn versions_1_2_3_and_5() {
+        // Version 1 had no backup lists in its placements, version 2 no credentials,
+        // version 3 no embedding tables (PROTOCOL.md §2).
+        for v in [1, 2, 3, 5] {
             let err = refuse(edited(4..5, &[v]));
             assert_eq!(err, WireError::BadVersion { got: v });
             assert_eq!(err.code(), ErrorCode::BadVersion);
@@ -749,7 +778,7 @@ mod invalid {
 
     #[test]
     fn unknown_kinds() {
-        for k in [0u8, 10, 99, 255] {
+        for k in [0u8, 13, 99, 255] {
             let err = refuse(edited(5..6, &[k]));
             assert_eq!(err, WireError::UnknownKind { got: k });
             assert_eq!(err.code(), ErrorCode::UnknownKind);
@@ -758,6 +787,49 @@ mod invalid {
         for k in Kind::ALL {
             assert_eq!(Kind::try_from(u8::from(k)), Ok(k));
         }
+    }
+
+    #[test]
+    fn row_frames_whose_lengths_do_not_add_up_are_refused() {
+        // From the header: PullRows not whole u64s, PushRows shorter than its prefix or not
+        // whole words.
+        for (kind, len) in [(Kind::PullRows, 4u32), (Kind::PullRows, 12), (Kind::PushRows, 4), (Kind::PushRows, 10)] {
+            let mut bad = edited(5..6, &[kind as u8]);
+            bad[24..28].copy_from_slice(&len.to_le_bytes());
+            reseal(&mut bad, SECRET);
+            assert!(matches!(refuse(bad), WireError::BadPayload { kind: k, .. } if k == kind), "{kind} {len}");
+        }
+        // From the payload: a count and dim that do not match the bytes.
+        let msg = Message::PushRows {
+            block: 1,
+            clock: 2,
+            dim: 2,
+            ids: RowIds::from_vec(vec![4]),
+            grads: Values::from_vec(vec![0.5, 0.25]),
+        };
+        let (head, payload) = codec().encode(3, &msg).unwrap();
+        let h = codec().decode_header(&head).unwrap();
+        assert_eq!(Message::decode(&h, payload.clone()).unwrap(), msg);
+        for (at, word) in [(0, 2u32), (4, 3), (4, u32::MAX), (0, u32::MAX)] {
+            let mut p = payload.to_vec();
+            p[at..at + 4].copy_from_slice(&word.to_le_bytes());
+            let err = Message::decode(&h, p.into()).unwrap_err();
+            assert!(matches!(err, WireError::BadPayload { kind: Kind::PushRows, .. }), "{err}");
+            assert_eq!(err.code(), ErrorCode::Malformed);
+        }
+        // An encoder refuses gradients that are not ids x dim.
+        let wrong = Message::PushRows {
+            block: 1,
+            clock: 2,
+            dim: 2,
+            ids: RowIds::from_vec(vec![4, 5]),
+            grads: Values::from_vec(vec![0.5, 0.25]),
+        };
+        assert!(matches!(codec().encode(3, &wrong), Err(WireError::BadPayload { kind: Kind::PushRows, .. })));
+        let ids = RowIds::from_vec(vec![3, 1 << 63]);
+        assert_eq!(ids.to_vec(), vec![3, 1 << 63]);
+        assert_eq!((ids.len(), ids.get(1)), (2, 1 << 63));
+        assert_eq!(format!("{ids:?}"), "RowIds(len=2, [3, 9223372036854775808])");
     }
 
     #[test]
@@ -805,7 +877,7 @@ mod invalid {
         assert_eq!(hex(&payload), "02 00 00 00 00 00 00 00 00 00 80 3f 00 00 00 c0");
         assert_eq!(
             hex(&head),
-            "45 50 53 31 03 09 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 10 00 00 00 fc 4c bf f6"
+            "45 50 53 31 04 09 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 10 00 00 00 8b 7b a7 c7"
         );
         let h = Codec::default().decode_header(&head).unwrap();
         assert_eq!((h.kind, h.request_id, h.block, h.clock, h.payload_len), (Kind::Forward, 8, 3, 5, 16));
@@ -967,7 +1039,7 @@ mod invalid {
     /// `BlockSnapshot { epoch: 7, state }` of a one-value block, by hand, with the f32
     /// byte strings given: values, then the optimizer's `m` and `v`.
     fn snapshot_bytes(values: &[u8], m: &[u8], v: &[u8]) -> Vec<u8> {
-        let mut p = vec![18, 7, 0, 0, 0, 1]; // tag 18, epoch 7, spec { id 0, tensor 0, offset 0, len 1 }
+        let mut p = vec![18, 7, 0, 0, 0, 1, 0]; // tag 18, epoch 7, spec { id 0, tensor 0, offset 0, len 1, Dense }
         let bytes = |p: &mut Vec<u8>, f: &[u8]| {
             p.push(f.len() as u8);
             p.extend_from_slice(f);
@@ -976,7 +1048,7 @@ mod invalid {
         p.push(0); // opt.steps
         bytes(&mut p, m);
         bytes(&mut p, v);
-        p.extend_from_slice(&[1, 0, 1, 1, 0]); // clocks { pushed [0], active [true] }, pending []
+        p.extend_from_slice(&[1, 0, 1, 1, 0, 0]); // clocks { pushed [0], active [true] }, pending [], rows None
         p
     }
 
@@ -990,11 +1062,12 @@ mod invalid {
         // The hand-made bytes are right when the lengths are.
         let one = [0, 0, 0x80, 0x3f];
         let state = BlockState {
-            spec: BlockSpec { id: 0, tensor: 0, offset: 0, len: 1 },
+            spec: BlockSpec::dense(0, 0, 0, 1),
             values: vec![1.0],
             opt: OptState { steps: 0, m: vec![1.0], v: vec![] },
             clocks: Clocks::new(1),
             pending: vec![],
+            rows: None,
         };
         let good = snapshot_bytes(&one, &one, &[]);
         assert_eq!(postcard::to_allocvec(&Control::BlockSnapshot { epoch: 7, state: state.clone() }).unwrap(), good);
@@ -1021,18 +1094,14 @@ mod invalid {
 
         // A pending sum and a logged push, too.
         let mut p = snapshot_bytes(&one, &[], &[]);
-        p.pop();
-        p.extend_from_slice(&[1, 0, 3, 0, 0, 0x80, 1]); // pending [{ clock 0, sum: 3 bytes, count 1 }]
+        p.truncate(p.len() - 2);
+        p.extend_from_slice(&[1, 0, 3, 0, 0, 0x80, 1, 0]); // pending [{ clock 0, sum: 3 bytes, count 1 }], rows None
         refused(p, "3 bytes of a pending sum");
-        let delta = Control::BlockDelta {
-            block: 3,
-            epoch: 2,
-            pushes: vec![LoggedPush { worker: 1, clock: 5, grad: vec![1.0] }],
-        };
+        let delta = Control::BlockDelta { block: 3, epoch: 2, pushes: vec![LoggedPush::dense(1, 5, vec![1.0])] };
         let mut p = postcard::to_allocvec(&delta).unwrap();
-        assert_eq!(p, [19, 3, 2, 1, 1, 5, 4, 0, 0, 0x80, 0x3f]);
+        assert_eq!(p, [19, 3, 2, 1, 1, 5, 4, 0, 0, 0x80, 0x3f, 0]);
         p[6] = 3;
-        p.pop();
+        p.remove(10);
         refused(p, "3 bytes of a gradient");
     }
 
@@ -1107,10 +1176,10 @@ mod golden {
         pinned(
             "Pull header (empty secret)",
             &head,
-            "45 50 53 31 03 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 23 63 af 41",
+            "45 50 53 31 04 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 54 54 b7 70",
         );
-        assert_eq!(checksum(&head, b""), 0x41af_6323);
-        assert!(doc().contains("0x41af6323"));
+        assert_eq!(checksum(&head, b""), 0x70b7_5454);
+        assert!(doc().contains("0x70b75454"));
     }
 
     #[test]
@@ -1120,10 +1189,10 @@ mod golden {
         pinned(
             "Pull header (secret s3cret)",
             &head,
-            "45 50 53 31 03 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 2f 46 0b d0",
+            "45 50 53 31 04 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 17 ef 29 65",
         );
-        assert_eq!(checksum(&head, b"s3cret"), 0xd00b_462f);
-        assert!(doc().contains("0xd00b462f"));
+        assert_eq!(checksum(&head, b"s3cret"), 0x6529_ef17);
+        assert!(doc().contains("0x6529ef17"));
     }
 
     #[test]
@@ -1133,7 +1202,7 @@ mod golden {
         pinned(
             "Push header",
             &head,
-            "45 50 53 31 03 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 97 49 4e 15",
+            "45 50 53 31 04 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 e0 7e 56 24",
         );
         pinned("Push payload", &payload, "00 00 80 3f 00 00 00 c0");
     }
@@ -1145,9 +1214,55 @@ mod golden {
         pinned(
             "PushPull header",
             &head,
-            "45 50 53 31 03 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 58 d9 61 f8",
+            "45 50 53 31 04 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 2f ee 79 c9",
         );
         pinned("PushPull payload", &payload, "00 00 80 3f 00 00 00 c0");
+    }
+
+    #[test]
+    fn pull_rows_frames() {
+        let msg = Message::PullRows { block: 3, clock: 5, ids: RowIds::from_vec(vec![7, 1 << 40]) };
+        let (head, payload) = Codec::default().encode(8, &msg).unwrap();
+        pinned(
+            "PullRows header",
+            &head,
+            "45 50 53 31 04 0a 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 10 00 00 00 b6 42 42 b1",
+        );
+        pinned("PullRows payload", &payload, "07 00 00 00 00 00 00 00 00 00 00 00 00 01 00 00");
+        let reply = Message::PullRowsReply { block: 3, clock: 5, values: Values::from_vec(vec![1.0, -2.0]) };
+        let (head, payload) = Codec::default().encode(8, &reply).unwrap();
+        pinned(
+            "PullRowsReply header",
+            &head,
+            "45 50 53 31 04 0b 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 12 d7 9c bf",
+        );
+        pinned("PullRowsReply payload", &payload, "00 00 80 3f 00 00 00 c0");
+    }
+
+    #[test]
+    fn push_rows_frame() {
+        let msg = Message::PushRows {
+            block: 3,
+            clock: 5,
+            dim: 1,
+            ids: RowIds::from_vec(vec![7, 9]),
+            grads: Values::from_vec(vec![1.0, -2.0]),
+        };
+        let (head, payload) = Codec::default().encode(8, &msg).unwrap();
+        pinned(
+            "PushRows header",
+            &head,
+            "45 50 53 31 04 0c 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 20 00 00 00 6d c8 a3 ac",
+        );
+        pinned(
+            "PushRows payload",
+            &payload,
+            "02 00 00 00 01 00 00 00 07 00 00 00 00 00 00 00 09 00 00 00 00 00 00 00 00 00 80 3f 00 00 00 c0",
+        );
+        // An empty push: the count 0 and the dim, nothing else.
+        let empty = Message::PushRows { block: 3, clock: 5, dim: 1, ids: RowIds::default(), grads: Values::default() };
+        let (_, payload) = Codec::default().encode(8, &empty).unwrap();
+        pinned("empty PushRows payload", &payload, "00 00 00 00 01 00 00 00");
     }
 
     #[test]
@@ -1158,7 +1273,7 @@ mod golden {
         pinned(
             "Hello header",
             &head,
-            "45 50 53 31 03 01 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 24 00 00 00 ce 30 2f f3",
+            "45 50 53 31 04 01 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 24 00 00 00 f6 99 0d 46",
         );
         pinned(
             "Hello payload",
@@ -1174,7 +1289,7 @@ mod golden {
         pinned(
             "Error header",
             &head,
-            "45 50 53 31 03 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 c7 a3 0e a5",
+            "45 50 53 31 04 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 b0 94 16 94",
         );
         pinned("Error payload", &payload, "05 0a 6e 6f 20 62 6c 6f 63 6b 20 39");
     }
@@ -1210,15 +1325,11 @@ mod golden {
             &postcard::to_allocvec(&migrate).unwrap(),
             "11 03 01 0d 31 30 2e 30 2e 30 2e 36 3a 37 30 30 31 02",
         );
-        let delta = Control::BlockDelta {
-            block: 3,
-            epoch: 2,
-            pushes: vec![LoggedPush { worker: 1, clock: 5, grad: vec![1.0, -2.0] }],
-        };
+        let delta = Control::BlockDelta { block: 3, epoch: 2, pushes: vec![LoggedPush::dense(1, 5, vec![1.0, -2.0])] };
         pinned(
             "BlockDelta example",
             &postcard::to_allocvec(&delta).unwrap(),
-            "13 03 02 01 01 05 08 00 00 80 3f 00 00 00 c0",
+            "13 03 02 01 01 05 08 00 00 80 3f 00 00 00 c0 00",
         );
     }
 
@@ -1235,7 +1346,7 @@ mod golden {
         pinned(
             "Layout example",
             &postcard::to_allocvec(&layout).unwrap(),
-            "05 02 01 77 02 02 03 01 00 00 80 bf 00 00 80 3f 01 62 01 03 00 03 00 00 00 04 01 00 04 02 02 01 00 03 00 01 03 00 00 01 00 02 00 03 68 3a 31 01 03 68 3a 32 2a",
+            "05 02 01 77 02 02 03 01 00 00 80 bf 00 00 80 3f 01 62 01 03 00 00 03 00 00 00 04 00 01 00 04 02 00 02 01 00 03 00 00 01 03 00 00 01 00 02 00 03 68 3a 31 01 03 68 3a 32 2a",
         );
     }
 

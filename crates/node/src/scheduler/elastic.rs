@@ -170,7 +170,9 @@ impl Elastic {
         self.log.started_unix_ms = unix_ms;
     }
 
-    /// The model is placed: block sizes in bytes, indexed by block id.
+    /// The model is placed: block sizes in bytes, indexed by block id (a row block's
+    /// nominal size, every row of its range, until its server reports its traffic:
+    /// [`Elastic::server_load`]).
     pub fn model_placed(&mut self, sizes: Vec<u64>) {
         self.sizes = sizes;
     }
@@ -295,7 +297,17 @@ impl Elastic {
     /// The live workers are the job's workers less those that finished, not those that have
     /// reported so far (the first reports, from one worker, would make every rate W times
     /// too high and the model's spread grow until it trusted nothing).
+    ///
+    /// A row block's weight in the model (its entry in the sizes the balancer plans with)
+    /// becomes what a worker pushed to it per push over the interval
+    /// ([`RowBlockLoad::push_bytes`](elasticps_wire::RowBlockLoad::push_bytes)), as its server reports it: a hot row
+    /// range weighs what its traffic costs, a cold one little, whatever their ranges.
     pub fn server_load(&mut self, load: ServerLoad, now_us: u64) {
+        for r in load.row_blocks.iter().filter(|r| r.pushes > 0) {
+            if let Some(size) = self.sizes.get_mut(r.block as usize) {
+                *size = r.push_bytes();
+            }
+        }
         if load.rx_frames > 0 && load.rx_bps > 0.0 && self.states.contains_key(&load.server_id) {
             if !self.rates_from_servers {
                 self.rates_from_servers = true;
@@ -923,6 +935,23 @@ mod tests {
         assert!(p.owners.iter().all(|o| *o != 1));
         assert!(e.removed().contains(&1));
         assert!(e.lost(1, 200), "its connection closing is expected");
+    }
+
+    #[test]
+    fn a_row_block_weighs_what_its_pushes_carry_once_its_server_reports_them() {
+        let mut e = Elastic::new(BalanceMode::Psld, 2, 2, 2);
+        e.registered(0, true, 0);
+        e.model_placed(vec![4096; 4]);
+        let rows =
+            |block, pushes, bytes_in| elasticps_wire::RowBlockLoad { block, pushes, bytes_in, ..Default::default() };
+        let load =
+            ServerLoad { server_id: 0, row_blocks: vec![rows(2, 4, 4000), rows(3, 4, 40)], ..Default::default() };
+        e.server_load(load, 1_000_000);
+        assert_eq!(e.sizes, vec![4096, 4096, 1000, 10], "the hot range weighs 100x the cold one");
+        // A block with pulls only keeps its last weight.
+        let load = ServerLoad { server_id: 0, row_blocks: vec![rows(2, 0, 0)], ..Default::default() };
+        e.server_load(load, 2_000_000);
+        assert_eq!(e.sizes[2], 1000);
     }
 
     #[test]

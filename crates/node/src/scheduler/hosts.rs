@@ -724,7 +724,7 @@ mod scheduler_tests {
         recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.2:7100".into() });
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
-        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new() });
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
         recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
         recv(&mut m, 20, 0, Control::AssignDone { server_id: 1 });
         assert_eq!(m.waiting_for(), None);

@@ -3,7 +3,7 @@
 //! server its `Assign`; workers wait for the layout until every server holds its blocks.
 //! Also the start clock and tensor optimizers changed while training runs.
 
-use elasticps_core::model::{Partition, TensorSpec};
+use elasticps_core::model::{Partition, TableSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::placement::Placement;
 use elasticps_wire::{Assignment, Control, ErrorCode, Layout, ServerAddr};
@@ -15,8 +15,8 @@ impl Scheduler {
     pub(super) fn on_layout(&mut self, call: Caller, control: Control, out: &mut Vec<Action>) {
         let (conn, request_id) = (call.conn, call.request_id);
         match (control, call.role) {
-            (Control::DefineModel { tensors, optimizers }, Some(Role::Worker(rank))) => {
-                if let Err(message) = self.define(tensors, optimizers, rank) {
+            (Control::DefineModel { tensors, optimizers, tables }, Some(Role::Worker(rank))) => {
+                if let Err(message) = self.define(tensors, optimizers, tables, rank) {
                     call.refuse(out, ErrorCode::BadRequest, message);
                     return;
                 }
@@ -74,22 +74,27 @@ impl Scheduler {
         &mut self,
         tensors: Vec<TensorSpec>,
         optimizers: Vec<Option<TensorOptimizer>>,
+        tables: Vec<TableSpec>,
         rank: u32,
     ) -> Result<(), String> {
         match &self.partition {
-            Some(p) if p.tensors == tensors => Ok(()),
+            Some(p) if p.tensors == tensors && p.tables == tables => Ok(()),
             Some(p) => Err(format!(
-                "worker {rank} defined a model that differs from the one already defined ({} tensors, first {:?}; got {} tensors)",
+                "worker {rank} defined a model that differs from the one already defined ({} tensors, first {:?}, \
+                 {} tables; got {} tensors, {} tables)",
                 p.tensors.len(),
                 p.tensors.first().map(|t| &t.name),
-                tensors.len()
+                p.tables.len(),
+                tensors.len(),
+                tables.len()
             )),
             None => {
-                let p = Partition::new(tensors, self.config.block_bytes)
+                let p = Partition::with_tables(tensors, tables, self.config.block_bytes)
                     .and_then(|p| p.with_optimizers(optimizers))
                     .map_err(|e| e.to_string())?;
                 tracing::info!(
                     tensors = p.tensors.len(),
+                    tables = p.tables.len(),
                     blocks = p.blocks.len(),
                     values = p.total_len(),
                     "model defined"
@@ -142,7 +147,7 @@ impl Scheduler {
         if let Some(plan) = &self.config.checkpoint {
             out.push(Action::Send { conn, request_id: 0, msg: Control::Checkpointing(plan.clone()).into() });
         }
-        out.push(Action::Send { conn, request_id: 0, msg: Control::Assign(a).into() });
+        out.push(Action::Send { conn, request_id: 0, msg: Control::Assign(Box::new(a)).into() });
         if let Some(msg) = self.replicas_message() {
             out.push(Action::Send { conn, request_id: 0, msg });
         }
@@ -204,7 +209,8 @@ mod tests {
     fn layout_is_answered_once_every_server_holds_its_blocks() {
         let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
-        let a = recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new() });
+        let a =
+            recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
         assert!(a.is_empty(), "no servers yet: {a:?}");
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
         let a = recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
@@ -232,7 +238,7 @@ mod tests {
         let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);
         let sgd = TensorOptimizer { kind: OptimizerKind::Sgd, lr: 0.1, weight_decay: 0.0 };
-        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: vec![Some(sgd)] });
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: vec![Some(sgd)], tables: Vec::new() });
         let slower = TensorOptimizer { lr: 0.01, ..sgd };
         let a = recv(&mut m, 1, 3, Control::SetOptimizer { tensor: 0, optimizer: slower });
         assert_eq!(a, vec![Action::Send { conn: 1, request_id: 3, msg: Control::Ok.into() }]);

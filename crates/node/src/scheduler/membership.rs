@@ -417,10 +417,10 @@ mod tests {
         recv(&mut m, 2, 1, Control::RegisterWorker);
         let a = recv(&mut m, 3, 1, Control::RegisterWorker);
         assert!(a.contains(&Action::Close(3)));
-        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new() });
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
         let mut other = model();
         other[0].shape = vec![9];
-        let a = recv(&mut m, 2, 2, Control::DefineModel { tensors: other, optimizers: Vec::new() });
+        let a = recv(&mut m, 2, 2, Control::DefineModel { tensors: other, optimizers: Vec::new(), tables: Vec::new() });
         assert!(matches!(sent_to(&a, 2)[0], Message::Error(e) if e.message.contains("differs")));
     }
 

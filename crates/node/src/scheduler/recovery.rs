@@ -24,7 +24,7 @@ use super::elastic::Order;
 use super::{Action, BalanceLog, Caller, ConnId, JobConfig, Node, Role, Scheduler};
 
 /// The saved state's format version.
-pub const STATE_VERSION: u32 = 1;
+pub const STATE_VERSION: u32 = 2;
 
 /// How long a recovered scheduler waits for the known servers and workers to reattach, µs.
 pub const RECOVER_WAIT_US: u64 = 60_000_000;
@@ -579,7 +579,7 @@ mod tests {
         recv(&mut m, 1, 1, Control::RegisterWorker);
         recv(&mut m, 2, 1, Control::RegisterWorker);
         let tensors = vec![TensorSpec { name: "w".into(), shape: vec![16], init: Init::Zeros }];
-        recv(&mut m, 1, 2, Control::DefineModel { tensors, optimizers: Vec::new() });
+        recv(&mut m, 1, 2, Control::DefineModel { tensors, optimizers: Vec::new(), tables: Vec::new() });
         recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
         recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
         recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });

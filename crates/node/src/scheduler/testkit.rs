@@ -93,7 +93,7 @@ pub fn running(config: JobConfig, len: usize) -> Scheduler {
     recv(&mut m, 1, 1, Control::RegisterWorker);
     recv(&mut m, 2, 1, Control::RegisterWorker);
     let tensors = vec![TensorSpec { name: "w".into(), shape: vec![len], init: Init::Zeros }];
-    recv(&mut m, 1, 2, Control::DefineModel { tensors, optimizers: Vec::new() });
+    recv(&mut m, 1, 2, Control::DefineModel { tensors, optimizers: Vec::new(), tables: Vec::new() });
     recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
     recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
     recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });

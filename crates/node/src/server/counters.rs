@@ -65,6 +65,8 @@ pub(super) struct Counters {
     pub migrations_out: u64,
     /// The link's rate, from data frames that arrived back to back.
     pub capacity: super::capacity::Capacity,
+    /// Each row block's counters at the last report (its traffic since is reported).
+    pub rows_seen: std::collections::BTreeMap<elasticps_core::model::BlockId, BlockStats>,
 }
 
 /// Counters summed over a server's blocks.

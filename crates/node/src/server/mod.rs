@@ -17,14 +17,15 @@
 //! `RegisterServer` call, so a harness drives a server from birth.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use elasticps_core::block::{Answer, Block, BlockState};
 use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
 use elasticps_core::sync::{Clock, SyncPolicy};
 use elasticps_wire::{
-    Assignment, CheckpointEntry, CheckpointPlan, Control, Credential, ErrorCode, KeyId, Message, PeerRole, ServerLoad,
-    ServerStats, Values,
+    Assignment, CheckpointEntry, CheckpointPlan, Control, Credential, ErrorCode, KeyId, Message, PeerRole,
+    RowBlockLoad, RowIds, ServerLoad, ServerStats, Values,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -613,13 +614,34 @@ impl Server {
     /// The load since the last call (counters reset), over `interval_us`.
     pub fn take_load(&mut self, interval_us: u64) -> ServerLoad {
         let (mut blocks, mut bytes) = (0, 0);
-        for slot in self.slots.values() {
+        let mut row_blocks = Vec::new();
+        let mut rows_seen = BTreeMap::new();
+        for (id, slot) in &self.slots {
             if let Slot::Owned(o) = slot {
                 blocks += 1;
                 bytes += o.block.spec().bytes() as u64;
+                if o.block.spec().is_rows() {
+                    let now = *o.block.stats();
+                    // A block that arrived again since counts from zero.
+                    let before = self.counters.rows_seen.get(id).filter(|b| b.pushes <= now.pushes).copied();
+                    let before = before.unwrap_or_default();
+                    let load = RowBlockLoad {
+                        block: *id,
+                        pushes: now.pushes - before.pushes,
+                        pulls: now.pulls.saturating_sub(before.pulls),
+                        rows: now.rows.saturating_sub(before.rows),
+                        bytes_in: now.bytes_in.saturating_sub(before.bytes_in),
+                        bytes_out: now.bytes_out.saturating_sub(before.bytes_out),
+                    };
+                    if load.pushes + load.pulls > 0 {
+                        row_blocks.push(load);
+                    }
+                    rows_seen.insert(*id, now);
+                }
             }
         }
         let c = &mut self.counters;
+        c.rows_seen = rows_seen;
         // Spins of the injected interference on several threads overlap: the busy time an
         // interval can hold back is at most the interval.
         let rx = c.capacity.take(c.busy_us.min(interval_us));
@@ -635,6 +657,7 @@ impl Server {
             bytes,
             rx_bps: rx.map_or(0.0, |m| m.bps),
             rx_frames: rx.map_or(0, |m| m.frames),
+            row_blocks,
         }
     }
 
@@ -728,12 +751,18 @@ impl Server {
                 Some(self.take_delta(now_us, c.server().unwrap_or(u32::MAX), block, epoch, &pushes, out))
             }
             Message::Control(Control::Replicate { block, init, push }) => {
-                let fwd =
-                    replica::Fwd { worker: push.worker, clock: push.clock, init, values: Values::from_vec(push.grad) };
+                let rows = Some(RowIds::from_vec(push.rows));
+                let fwd = replica::Fwd {
+                    worker: push.worker,
+                    clock: push.clock,
+                    init,
+                    values: Values::from_vec(push.grad),
+                    rows,
+                };
                 self.take_replicated(now_us, (conn, request_id), block, fwd, out)
             }
             Message::Forward { block, clock, worker, init, values } => {
-                let fwd = replica::Fwd { worker, clock, init, values };
+                let fwd = replica::Fwd { worker, clock, init, values, rows: None };
                 self.take_replicated(now_us, (conn, request_id), block, fwd, out)
             }
             Message::Control(Control::ReplicaSnapshot(state)) => Some(self.take_replica_snapshot(now_us, state, out)),
@@ -748,6 +777,12 @@ impl Server {
             }
             Message::Init { block, values } => {
                 self.serve(now_us, rank, token(block), Request::Init { values }, true, out)
+            }
+            Message::PullRows { block, clock, ids } => {
+                self.serve(now_us, rank, token(block), Request::PullRows { clock, ids }, true, out)
+            }
+            Message::PushRows { block, clock, dim, ids, grads } => {
+                self.serve(now_us, rank, token(block), Request::PushRows { clock, dim, ids, grads }, true, out)
             }
             Message::Control(Control::SetOptimizer { tensor, optimizer }) => match self.shard.as_mut() {
                 None => Some(Refusal::NotReady.reply(0)),
@@ -849,7 +884,7 @@ impl Server {
         }
         let done = o.block.done();
         let pulled = match &request {
-            Request::Pull { clock } => Some(*clock),
+            Request::Pull { clock } | Request::PullRows { clock, .. } => Some(*clock),
             // The pull of the next clock (the last clock has none: refused below).
             Request::PushPull { clock, .. } => clock.checked_add(1),
             _ => None,
@@ -861,7 +896,8 @@ impl Server {
             return Some(error(ErrorCode::BadRequest, refused));
         }
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return None };
-        if let Request::Push { clock, .. } | Request::PushPull { clock, .. } = &request
+        if let Request::Push { clock, .. } | Request::PushPull { clock, .. } | Request::PushRows { clock, .. } =
+            &request
             && next_checkpoint(self.checkpoint.as_ref(), done).is_some_and(|c| *clock >= c)
         {
             o.checkpoint_parked.push(Parked { rank, to, request });
@@ -877,7 +913,12 @@ impl Server {
         } else {
             replica::carried(rank, &request).filter(|f| {
                 if f.init {
-                    !matches!(o.phase, Phase::Copying { .. }) && f.values.len() == o.block.spec().len
+                    !matches!(o.phase, Phase::Copying { .. })
+                        && !o.block.spec().is_rows()
+                        && f.values.len() == o.block.spec().len
+                } else if let Request::PushRows { dim, ids, grads, .. } = &request {
+                    check_dim(&o.block, *dim, ids.len()).is_ok()
+                        && o.block.check_push_rows(rank, f.clock, &ids.to_vec(), grads.len(), rejoined).is_ok()
                 } else {
                     o.block.check_push(rank, f.clock, f.values.len(), rejoined).is_ok()
                 }
@@ -955,6 +996,41 @@ impl Server {
                 }
                 let mut coin = StdRng::seed_from_u64(pull_coin_seed(shard.seed, rank, clock));
                 let pulled = o.block.pull(&shard.effective(), to, rank, clock, now_us, &mut coin);
+                let refused = match pulled {
+                    Ok(answer) => {
+                        answers.extend(answer);
+                        None
+                    }
+                    Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
+                };
+                self.answer_pulls(answers, out);
+                refused
+            }
+            Request::PushRows { clock, dim, ids, grads } => {
+                self.counters.bytes_in += (ids.as_bytes().len() + grads.as_bytes().len()) as u64;
+                let config = shard.config_for(o.block.spec());
+                let pushed = check_dim(&o.block, dim, ids.len()).and_then(|()| {
+                    let push_rows = if rejoined { Block::push_rows_rejoined } else { Block::push_rows };
+                    push_rows(&mut o.block, &config, rank, clock, &ids.to_vec(), &grads.to_f32s(), now_us)
+                });
+                match pushed {
+                    Ok(answers) => {
+                        self.answer_pulls(answers, out);
+                        Some(Message::PushAck { block, clock })
+                    }
+                    Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
+                }
+            }
+            Request::PullRows { clock, ids } => {
+                // As a Pull: a rejoined worker's pull says where it goes on from; one coin
+                // per pull request.
+                let mut answers = Vec::new();
+                if rejoined && o.block.spec().is_rows() {
+                    answers = o.block.skip_to(&shard.config_for(o.block.spec()), rank, clock, now_us);
+                }
+                let mut coin = StdRng::seed_from_u64(pull_coin_seed(shard.seed, rank, clock));
+                let ids: Arc<[u64]> = ids.iter().collect();
+                let pulled = o.block.pull_rows(&shard.effective(), to, rank, clock, ids, now_us, &mut coin);
                 let refused = match pulled {
                     Ok(answer) => {
                         answers.extend(answer);
@@ -1052,8 +1128,12 @@ impl Server {
                 out.push(Action::Trace(t));
             }
             self.counters.bytes_out += a.values.len() as u64 * 4;
-            let msg =
-                Message::PullReply { block: a.token.block, clock: a.clock, values: Values::from_shared(a.values) };
+            let (block, clock, values) = (a.token.block, a.clock, Values::from_shared(a.values));
+            let msg = if a.rows.is_some() {
+                Message::PullRowsReply { block, clock, values }
+            } else {
+                Message::PullReply { block, clock, values }
+            };
             out.push(Action::Reply { conn: a.token.conn, request_id: a.token.request_id, msg });
         }
     }
@@ -1078,7 +1158,7 @@ impl Server {
             return;
         }
         match msg {
-            Message::Control(Control::Assign(a)) => self.assign(now_us, a, out),
+            Message::Control(Control::Assign(a)) => self.assign(now_us, *a, out),
             Message::Control(Control::Migrate { block, to, to_addr, epoch }) => {
                 self.migrate_out(now_us, block, to, to_addr, epoch, out)
             }
@@ -1143,8 +1223,11 @@ impl Server {
         let built: Result<(), elasticps_core::CoreError> = (|| {
             for b in a.placement.blocks_of(a.server_id) {
                 let spec = *a.partition.block(b)?;
-                let values = a.partition.init_values(b, a.seed)?;
-                slots.insert(b, Slot::Owned(Owned::serving(Block::new(spec, values, &a.config)?, 0)));
+                let block = match a.partition.row_rule(b, a.seed)? {
+                    Some(rule) => Block::new_rows(spec, rule, &a.config)?,
+                    None => Block::new(spec, a.partition.init_values(b, a.seed)?, &a.config)?,
+                };
+                slots.insert(b, Slot::Owned(Owned::serving(block, 0)));
             }
             Ok(())
         })();
@@ -1450,6 +1533,17 @@ pub(super) fn next_checkpoint(plan: Option<&CheckpointPlan>, done: Clock) -> Opt
         return None;
     }
     (done / every).checked_add(1)?.checked_mul(every)
+}
+
+/// Why a row push of `count` rows of `dim` values does not fit `block`: not a row block,
+/// or another width than its table's (an empty push may say any width).
+fn check_dim(block: &Block<Token>, dim: u32, count: usize) -> Result<(), elasticps_core::CoreError> {
+    let spec = block.spec();
+    let Some((_, _, d)) = spec.row_range() else { return Err(elasticps_core::CoreError::NotRows(spec.id)) };
+    if count > 0 && dim != d {
+        return Err(elasticps_core::CoreError::WrongDim { block: spec.id, expected: d, got: dim });
+    }
+    Ok(())
 }
 
 /// The seed of the coin of worker `rank`'s pull(clock): the same on every server.

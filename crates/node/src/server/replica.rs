@@ -18,11 +18,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use elasticps_core::block::{Block, BlockState};
+use elasticps_core::CoreError;
+use elasticps_core::block::{Answer, Block, BlockState, LoggedPush};
 use elasticps_core::model::BlockId;
 use elasticps_core::placement::{Placement, ServerId};
 use elasticps_core::sync::Clock;
-use elasticps_wire::{CheckpointPlan, Control, ErrorCode, Message, ServerAddr, Values};
+use elasticps_wire::{CheckpointPlan, Control, ErrorCode, Message, RowIds, ServerAddr, Values};
 
 use super::{Action, Call, ConnId, Exit, Owned, Phase, Refusal, Server, Slot, Token, error};
 
@@ -74,6 +75,43 @@ pub(super) struct Fwd {
     pub init: bool,
     /// The gradient or the initial values.
     pub values: Values,
+    /// A row push's rows (`values` then holds their gradients); `None` for a dense push.
+    /// A row push goes to the backups as `Replicate` (postcard), not `Forward`.
+    pub rows: Option<RowIds>,
+}
+
+impl Fwd {
+    /// Applies this push to `block` (a row push if the block is a row block), as the
+    /// primary did: the held pulls it releases, or why it does not fit.
+    fn push_into(
+        &self,
+        block: &mut Block<Token>,
+        config: &elasticps_core::block::ShardConfig,
+        rejoined: bool,
+        now_us: u64,
+    ) -> Result<Vec<Answer<Token>>, CoreError> {
+        let grad = self.values.to_f32s();
+        if block.spec().is_rows() {
+            let ids = self.rows.as_ref().map(RowIds::to_vec).unwrap_or_default();
+            let push = if rejoined { Block::push_rows_rejoined } else { Block::push_rows };
+            push(block, config, self.worker, self.clock, &ids, &grad, now_us)
+        } else {
+            let push = if rejoined { Block::push_rejoined } else { Block::push };
+            push(block, config, self.worker, self.clock, &grad, now_us)
+        }
+    }
+
+    /// The message that carries it to a backup of `block`.
+    fn message(&self, block: BlockId) -> Message {
+        let Fwd { worker, clock, init, values, rows } = self.clone();
+        match rows {
+            Some(ids) => {
+                let push = LoggedPush { worker, clock, grad: values.to_f32s().into_owned(), rows: ids.to_vec() };
+                Control::Replicate { block, init: false, push }.into()
+            }
+            None => Message::Forward { block, clock, worker, init, values },
+        }
+    }
 }
 
 /// A backup's copy of a block, and its state when it last reached a checkpoint clock.
@@ -102,8 +140,7 @@ impl HeldCopy {
         }
         let before = copy.done();
         let config = shard.config_for(copy.spec());
-        let push_fn = if rejoined.contains(&push.worker) { Block::push_rejoined } else { Block::push };
-        if let Err(e) = push_fn(copy, &config, push.worker, push.clock, &push.values.to_f32s(), now_us) {
+        if let Err(e) = push.push_into(copy, &config, rejoined.contains(&push.worker), now_us) {
             return error(ErrorCode::BadRequest, e.to_string());
         }
         if let Some(c) = super::next_checkpoint(plan, before).filter(|c| *c == copy.done()) {
@@ -212,9 +249,7 @@ impl Server {
             let call = match addr {
                 Some(addr) if !idle_stale || self.resync(now_us, block, backup, out).is_some() => {
                     let call = self.call(Call::Replicate { block, backup });
-                    let Fwd { worker, clock, init, values } = push.clone();
-                    let msg = Message::Forward { block, clock, worker, init, values };
-                    out.push(Action::ToServer { call, server: backup, addr, msg });
+                    out.push(Action::ToServer { call, server: backup, addr, msg: push.message(block) });
                     Some(call)
                 }
                 _ => None,
@@ -412,7 +447,7 @@ impl Server {
                 let _ = o.block.set_initial(&push.values.to_f32s());
                 Vec::new()
             } else {
-                o.block.push(&config, push.worker, push.clock, &push.values.to_f32s(), now_us).unwrap_or_default()
+                push.push_into(&mut o.block, &config, false, now_us).unwrap_or_default()
             };
             self.answer_pulls(answers, out);
             return Some(Control::Ok.into());
@@ -577,7 +612,16 @@ pub(super) fn carried(rank: u32, request: &super::Request) -> Option<Fwd> {
     let (init, clock, values): (bool, u32, &Values) = match request {
         super::Request::Push { clock, values } | super::Request::PushPull { clock, values } => (false, *clock, values),
         super::Request::Init { values } => (true, 0, values),
-        super::Request::Pull { .. } => return None,
+        super::Request::PushRows { clock, ids, grads, .. } => {
+            return Some(Fwd {
+                worker: rank,
+                clock: *clock,
+                init: false,
+                values: grads.clone(),
+                rows: Some(ids.clone()),
+            });
+        }
+        super::Request::Pull { .. } | super::Request::PullRows { .. } => return None,
     };
-    Some(Fwd { worker: rank, clock, init, values: values.clone() })
+    Some(Fwd { worker: rank, clock, init, values: values.clone(), rows: None })
 }

@@ -8,7 +8,7 @@ use elasticps_core::block::Block;
 use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
 use elasticps_core::sync::Clock;
-use elasticps_wire::{MigrationReport, Values};
+use elasticps_wire::{MigrationReport, RowIds, Values};
 
 use crate::ConnId;
 
@@ -54,6 +54,25 @@ pub enum Request {
     Init {
         /// The values.
         values: Values,
+    },
+    /// Rows `ids` of a row block at clock `clock` (held like a `Pull`).
+    PullRows {
+        /// The clock.
+        clock: Clock,
+        /// The rows asked for.
+        ids: RowIds,
+    },
+    /// The gradient of rows `ids` of a row block at clock `clock` (empty: the clock
+    /// counts, nothing is applied).
+    PushRows {
+        /// The clock.
+        clock: Clock,
+        /// Values per row, as the worker says.
+        dim: u32,
+        /// The rows.
+        ids: RowIds,
+        /// Their gradients.
+        grads: Values,
     },
 }
 

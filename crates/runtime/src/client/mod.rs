@@ -222,9 +222,11 @@ impl Client {
         optimizers: Vec<Option<TensorOptimizer>>,
     ) -> Result<&[TensorSpec]> {
         let reply = self
-            .call_scheduler(Control::DefineModel { tensors, optimizers }.into(), CALL_TIMEOUT, || {
-                "the scheduler to place the model (every server must join and load its blocks)".into()
-            })
+            .call_scheduler(
+                Control::DefineModel { tensors, optimizers, tables: Vec::new() }.into(),
+                CALL_TIMEOUT,
+                || "the scheduler to place the model (every server must join and load its blocks)".into(),
+            )
             .await?;
         self.install_layout(reply, false).await?;
         Ok(self.layout.as_ref().map(|l| &l.partition.tensors[..]).unwrap_or_default())
