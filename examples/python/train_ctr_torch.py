@@ -77,11 +77,14 @@ class DLRM(torch.nn.Module):
         return self.top(torch.cat([vecs[0], dots], 1)).squeeze(1)
 
 
+#: The tables' initial values: uniform in +-0.05 (the servers draw elasticps's rows from it).
+TABLE_INIT = {"kind": "uniform", "low": -0.05, "high": 0.05}
+
+
 def init_table(weight: torch.Tensor) -> None:
-    """The tables' initial values in --local: uniform in +-0.05 (elasticps tables draw
-    theirs on the servers, from the same distribution)."""
+    """The tables' initial values in --local (TABLE_INIT)."""
     with torch.no_grad():
-        weight.uniform_(-0.05, 0.05)
+        weight.uniform_(TABLE_INIT["low"], TABLE_INIT["high"])
 
 
 def local_embedding(rows: int, dim: int) -> torch.nn.Module:
@@ -152,7 +155,7 @@ def train_distributed(args, sizes, train, test) -> None:
     ids, dense, labels = (a[shard] for a in train)
     torch.manual_seed(args.seed)  # the same initial dense model everywhere (rank 0's wins anyway)
     table_opt = ept.table_optimizer(args.table_optimizer, lr=args.table_lr)
-    model = DLRM(sizes, args.dim, lambda rows, dim: ept.Embedding(rows, dim, optimizer=table_opt))
+    model = DLRM(sizes, args.dim, lambda rows, dim: ept.Embedding(rows, dim, optimizer=table_opt, init=TABLE_INIT))
     opt = ept.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=args.lr), model.named_parameters(), tables=ept.named_tables(model)
     )

@@ -46,7 +46,8 @@ def table_optimizer(kind: Union[str, type], lr: float, **hyper) -> dict:
     """A table's server-side optimizer (a dict for ``Embedding(optimizer=...)`` and
     ``Worker.register_model(optimizers=...)``).
 
-    ``kind``: ``"sgd"``, ``"adagrad"`` (``eps`` 1e-10, ``initial_accumulator_value`` 0),
+    ``kind``: ``"sgd"``, ``"adagrad"`` (``lr_decay`` 0, ``eps`` 1e-10,
+    ``initial_accumulator_value`` 0),
     ``"sparse_adam"`` (``betas`` (0.9, 0.999), ``eps`` 1e-8; torch.optim.SparseAdam's
     semantics) or ``"lazy_adam"`` (the same, with each row's own step count), or the torch
     class ``torch.optim.SGD``, ``torch.optim.Adagrad``, ``torch.optim.SparseAdam``. Defaults
@@ -65,7 +66,7 @@ def table_optimizer(kind: Union[str, type], lr: float, **hyper) -> dict:
     spec: dict = {"kind": kind, "lr": float(lr)}
     allowed = {
         "sgd": {},
-        "adagrad": {"eps": 1e-10, "initial_accumulator_value": 0.0},
+        "adagrad": {"lr_decay": 0.0, "eps": 1e-10, "initial_accumulator_value": 0.0},
         "sparse_adam": {"betas": (0.9, 0.999), "eps": 1e-8},
         "lazy_adam": {"betas": (0.9, 0.999), "eps": 1e-8},
     }[kind]
@@ -116,7 +117,9 @@ class _Table(torch.nn.Module):
     """What Embedding and EmbeddingBag share: the table's shape, its optimizer, and the
     forward pass's pull of the rows a batch uses."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, optimizer: Optional[dict]) -> None:
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, optimizer: Optional[dict], init: Optional[dict]
+    ) -> None:
         super().__init__()
         if int(num_embeddings) < 1 or int(embedding_dim) < 1:
             raise ValueError(
@@ -128,6 +131,12 @@ class _Table(torch.nn.Module):
         if optimizer is not None and not isinstance(optimizer, dict):
             raise TypeError("elasticps.torch: a table's optimizer is a dict (elasticps.torch.table_optimizer(...))")
         self.optimizer = optimizer
+        if init is not None and not isinstance(init, dict):
+            raise TypeError(
+                "elasticps.torch: a table's init is a dict: {'kind': 'normal', 'mean': 0.0, 'std': 1.0}, "
+                "{'kind': 'uniform', 'low': -0.1, 'high': 0.1} or {'kind': 'constant', 'value': 0.0}"
+            )
+        self.init = init
         self._binding: Optional[_Binding] = None
 
     def _bind(self, binding: Optional[_Binding]) -> None:
@@ -184,9 +193,12 @@ class Embedding(_Table):
     """``torch.nn.Embedding`` whose table lives on the servers (see the module's doc).
 
     ``optimizer``: the table's server-side optimizer (``table_optimizer(...)``); default:
-    the ``table_optimizer`` given to ``DistributedOptimizer``, else the job's. ``sparse`` is
-    accepted and ignored (the gradient is always a set of rows); ``scale_grad_by_freq`` is
-    torch's.
+    the ``table_optimizer`` given to ``DistributedOptimizer``, else SGD with lr 0.01.
+    ``init``: how the servers draw a row's first values (a dict: ``{"kind": "normal",
+    "mean": 0.0, "std": 1.0}``, torch's default; ``{"kind": "uniform", "low": -0.1,
+    "high": 0.1}``; ``{"kind": "constant", "value": 0.0}``), seeded by the job's seed, the
+    table's name and the row id. ``sparse`` is accepted and ignored (the gradient is always
+    a set of rows); ``scale_grad_by_freq`` is torch's.
     """
 
     def __init__(
@@ -201,9 +213,10 @@ class Embedding(_Table):
         _weight: Optional[torch.Tensor] = None,
         *,
         optimizer: Optional[dict] = None,
+        init: Optional[dict] = None,
     ) -> None:
         _refuse("Embedding", padding_idx, max_norm, _weight)
-        super().__init__(num_embeddings, embedding_dim, optimizer)
+        super().__init__(num_embeddings, embedding_dim, optimizer, init)
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -214,7 +227,7 @@ class Embedding(_Table):
 class EmbeddingBag(_Table):
     """``torch.nn.EmbeddingBag`` whose table lives on the servers (see the module's doc):
     ``mode`` "sum", "mean" or "max", ``offsets``, ``per_sample_weights`` and
-    ``include_last_offset`` as in torch."""
+    ``include_last_offset`` as in torch; ``optimizer`` and ``init`` as ``Embedding``'s."""
 
     def __init__(
         self,
@@ -230,11 +243,12 @@ class EmbeddingBag(_Table):
         padding_idx: Optional[int] = None,
         *,
         optimizer: Optional[dict] = None,
+        init: Optional[dict] = None,
     ) -> None:
         _refuse("EmbeddingBag", padding_idx, max_norm, _weight)
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"elasticps.torch: EmbeddingBag mode must be 'sum', 'mean' or 'max', got {mode!r}")
-        super().__init__(num_embeddings, embedding_dim, optimizer)
+        super().__init__(num_embeddings, embedding_dim, optimizer, init)
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
         self.mode = mode
         self.include_last_offset = bool(include_last_offset)
@@ -294,9 +308,12 @@ class TableSync:
     def names(self) -> List[str]:
         return [name for name, _ in self.tables]
 
-    def shapes(self) -> Dict[str, Tuple[int, int]]:
-        """``tables=`` of ``register_model``."""
-        return {name: (t.num_embeddings, t.embedding_dim) for name, t in self.tables}
+    def shapes(self) -> Dict[str, tuple]:
+        """``tables=`` of ``register_model``: (rows, dim), or (rows, dim, init)."""
+        return {
+            name: (t.num_embeddings, t.embedding_dim) + ((t.init,) if t.init is not None else ())
+            for name, t in self.tables
+        }
 
     def optimizers(self) -> Dict[str, dict]:
         """The tables' entries of ``register_model``'s ``optimizers``."""
@@ -317,11 +334,8 @@ class TableSync:
         handles = []
         for name, t in self.tables:
             ids, grads = t._binding.take_gradient(t.embedding_dim)
-            w = t._binding.worker
-            if hasattr(w, "push_rows_async"):
-                handles.append((w.push_rows_async(clock, name, ids, grads), (ids, grads)))
-            else:
-                w.push_rows(clock, name, ids, grads)
+            # The arrays are copied by the call: the handle is all there is to wait for.
+            handles.append(t._binding.worker.push_rows_async(clock, name, ids, grads))
         return handles
 
     def forget(self) -> None:

@@ -245,7 +245,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         try:
             for h in self._handles.values():
                 h.wait()
-            for h, _ in rows:
+            for h in rows:
                 h.wait()
         finally:
             self._handles.clear()
