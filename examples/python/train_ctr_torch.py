@@ -24,7 +24,7 @@ in a barrier, rank 0 evaluates the final model on the test log, prints ``test au
 and logs ``auc=``. ``--local`` prints ``local test auc 0.XXXX``. The AUC is the rank
 statistic (ctr.auc), checked in python/tests/test_examples.py against a pairwise count.
 
-``--quick`` (the CI form) trains 1 epoch on 24,000 examples and tests on 8,000; it runs
+``--quick`` (the CI form) trains 1 epoch on 60,000 examples and tests on 10,000; it runs
 in well under a minute on 2 cores.
 """
 
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         "--table-optimizer", choices=["sparse_adam", "adagrad"], default="adagrad", help="the tables' optimizer (default adagrad)"
     )
     p.add_argument("--table-lr", type=float, default=0.05, help="the tables' lr (default 0.05)")
-    p.add_argument("--quick", action="store_true", help="the CI form: 24,000 examples, 1 epoch, 8,000 to test")
+    p.add_argument("--quick", action="store_true", help="the CI form: 60,000 examples, 1 epoch, 10,000 to test")
     p.add_argument("--local", action="store_true", help="train with plain local torch instead (no elasticps)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, the model and the data order (default 0)")
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     if args.quick:
-        args.examples, args.test_examples, args.epochs = 24_000, 8_000, 1
+        args.examples, args.test_examples, args.epochs = 60_000, 10_000, 1
     if min(args.examples, args.test_examples, args.epochs, args.batch_size, args.dim, args.threads) < 1:
         p.error("--examples, --test-examples, --epochs, --batch-size, --dim and --threads must be at least 1")
     if args.rows_scale <= 0:

@@ -134,12 +134,12 @@ def test_ctr_click_log_is_zipf_and_planted():
 CTR = EXAMPLES / "train_ctr_torch.py"
 #: How far the CTR example's AUC under elasticps (2 workers, ssp:2: two shards, each
 #: worker's own data order, stale reads) may be from plain local torch's on the same data,
-#: batches and epochs (measured: see the test's printout; issue 21's target is 0.005).
-CTR_AUC_TOLERANCE = 0.02
+#: batches and epochs: issue 21's target, 0.005 (measured: 0.0004 and 0.0005 apart in two runs).
+CTR_AUC_TOLERANCE = 0.005
 
 
 def auc_of(text, label):
-    found = [float(m.group(1)) for m in re.finditer(rf"^{label} (\d\.\d+)$", text, re.M)]
+    found = [float(m.group(1)) for m in re.finditer(rf"^(?:\[worker \d+\] )?{label} (\d\.\d+)$", text, re.M)]
     assert len(found) == 1, f"expected one {label!r} line: {text}"
     return found[0]
 
