@@ -847,8 +847,12 @@ impl Round {
         for r in &self.requests[p.first as usize..(p.first + p.len) as usize] {
             let b = r.todo.block;
             match r.outcome {
+                // A row block's `len` is its whole range, not the rows a push carried:
+                // row pushes are left out of the push rate (the servers count their rows).
                 Outcome::Acked => {
-                    push_bytes += b.len as u64 * 4;
+                    if !self.rows {
+                        push_bytes += b.len as u64 * 4;
+                    }
                     if r.todo.pull {
                         to_pull.push(Todo { block: b, push: false, pull: true });
                     }

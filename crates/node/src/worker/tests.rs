@@ -910,8 +910,10 @@ fn a_row_push_goes_to_every_block_of_the_table_and_a_row_pull_only_to_the_wanted
         reply(&mut r, 1, *tag, &ack(*b)).unwrap();
     }
     assert!(r.is_done());
-    // The dense push of the clock counts the iteration, not the row round.
+    // The dense push of the clock counts the iteration, not the row round; and a row
+    // block's range is not what a push carried: no push rate from row pushes.
     assert!(r.iteration().is_none());
+    assert_eq!(r.push_load().count(), 0);
     w.finish(2, r);
 
     // Pull: only the blocks holding rows asked for; the reply's length is the rows'.
