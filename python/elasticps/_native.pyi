@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 _F32 = npt.NDArray[np.float32]
+_I64 = npt.NDArray[np.int64]
 
 class _Optimizer(TypedDict, total=False):
     """A server-side optimizer: ``kind`` ("sgd", "momentum", "adam", "adamw") and ``lr``
@@ -26,6 +27,29 @@ class _Optimizer(TypedDict, total=False):
     betas: Tuple[float, float]
     eps: float
     weight_decay: float
+
+class _TableOptimizer(TypedDict, total=False):
+    """A table's server-side optimizer: ``kind`` ("sgd", "adagrad", "sparse_adam",
+    "lazy_adam") and ``lr`` are required; ``lr_decay``, ``initial_accumulator_value``
+    (adagrad), ``betas`` (the Adams) and ``eps`` are optional, torch's defaults."""
+
+    kind: str
+    lr: float
+    lr_decay: float
+    initial_accumulator_value: float
+    betas: Tuple[float, float]
+    eps: float
+
+class _RowInit(TypedDict, total=False):
+    """A table's row initializer: ``kind`` "normal" (``mean``, ``std``), "uniform"
+    (``low``, ``high``) or "constant" (``value``)."""
+
+    kind: str
+    mean: float
+    std: float
+    low: float
+    high: float
+    value: float
 
 class ElasticpsError(RuntimeError):
     """An elasticps operation failed; the message names the server, block and clock involved."""
@@ -67,13 +91,34 @@ class Worker:
     def tensor_names(self) -> list[str]:
         """The model's tensor names, in order (empty before ``register_model``)."""
 
+    def table_names(self) -> list[str]:
+        """The model's table names, in order (empty before ``register_model``)."""
+
     def register_model(
-        self, tensors: Mapping[str, _F32], optimizers: Optional[Mapping[str, _Optimizer]] = None
+        self,
+        tensors: Mapping[str, _F32],
+        optimizers: Optional[Mapping[str, Union[_Optimizer, _TableOptimizer]]] = None,
+        tables: Optional[Mapping[str, Union[Tuple[int, int], Tuple[int, int, _RowInit]]]] = None,
     ) -> None:
-        """Defines the model from ``tensors`` (name -> array, in order) and waits until every
-        server holds its blocks; the parameters of clock ``start_clock`` are written into
-        the arrays in place. ``optimizers`` maps tensor names to server-side optimizers;
-        tensors not named use the job's ``--optimizer`` and ``--lr``."""
+        """Defines the model from ``tensors`` (name -> array, in order) and ``tables``
+        (name -> ``(rows, dim)`` or ``(rows, dim, init)``: embedding tables whose rows the
+        servers create on first use) and waits until every server holds its blocks; the
+        parameters of clock ``start_clock`` are written into the arrays in place.
+        ``optimizers`` maps tensor and table names to server-side optimizers; tensors not
+        named use the job's ``--optimizer`` and ``--lr``, tables SGD with lr 0.01."""
+
+    def pull_rows(self, clock: int, name: str, ids: _I64, out: _F32) -> None:
+        """Pulls rows ``ids`` (1-D int64, each in ``0..rows``) of table ``name`` at clock
+        ``clock`` into ``out`` (float32, ``(len(ids), dim)``), in the order asked. A bad
+        dtype, shape, table name or id raises ``TypeError`` or ``ValueError``."""
+
+    def push_rows(self, clock: int, name: str, ids: _I64, grads: _F32) -> None:
+        """Pushes the gradient rows ``grads`` (float32, ``(len(ids), dim)``) of rows ``ids``
+        of table ``name`` at clock ``clock`` (duplicates summed). Push every table once per
+        clock, with no ids for a table the step did not touch."""
+
+    def push_rows_async(self, clock: int, name: str, ids: _I64, grads: _F32) -> Handle:
+        """Starts ``push_rows`` and returns at once; the arrays are copied first."""
 
     def pull(self, clock: int, out: Mapping[str, _F32]) -> None:
         """Pulls the parameters of clock ``clock`` into the arrays of ``out`` (every tensor

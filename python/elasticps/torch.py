@@ -42,6 +42,17 @@ clock and apply nothing, so its momentum or Adam state does not move, as torch s
 (``zero_grad(set_to_none=False)`` leaves zeros instead, which are pushed and stepped on,
 as torch steps on them.)
 
+Embedding tables live on the servers (``elasticps.torch.Embedding`` and ``EmbeddingBag``,
+drop-in for torch's with ``sparse=True``; ``elasticps.embedding`` explains them): a forward
+pass pulls only the rows its batch uses, and ``step()`` pushes their gradients beside the
+dense ones::
+
+    model.emb = elasticps.torch.Embedding(10**6, 64)
+    opt = elasticps.torch.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-3), model.named_parameters(),
+        tables=elasticps.torch.named_tables(model),
+        table_optimizer=elasticps.torch.table_optimizer("adagrad", lr=0.05))
+
 Supported: ``torch.optim.SGD`` (with or without momentum; ``dampening=0``,
 ``nesterov=False``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (decoupled weight
 decay; also ``Adam(decoupled_weight_decay=True)``), with ``amsgrad=False``, and
@@ -56,8 +67,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 import elasticps
+from elasticps.embedding import Embedding, EmbeddingBag, TableSync, named_tables, table_optimizer
 
-__all__ = ["DistributedOptimizer", "server_optimizer"]
+__all__ = ["DistributedOptimizer", "Embedding", "EmbeddingBag", "named_tables", "server_optimizer", "table_optimizer"]
 
 
 def server_optimizer(optimizer: torch.optim.Optimizer, group: dict) -> dict:
@@ -106,8 +118,13 @@ def _adam(name: str, group: dict, lr: float, wd: float, decoupled: bool) -> dict
 class _DistributedOptimizer(torch.optim.Optimizer):
     """The methods mixed into a subclass of the user's optimizer class."""
 
-    def __init__(self, params, defaults, named_parameters, worker, push_on_backward, backward_passes_per_step):
+    def __init__(
+        self, params, defaults, named_parameters, worker, push_on_backward, backward_passes_per_step, tables=None
+    ):
         super(self.__class__, self).__init__(params)
+        # Embedding tables on the servers (elasticps.embedding), checked before anything
+        # is registered.
+        self._tables: TableSync = tables if tables is not None else TableSync(None, None)
         # The wrapped optimizer's defaults (its constructor's arguments), not the class's.
         self.defaults = dict(defaults)
         self._worker = worker if worker is not None else elasticps.worker()
@@ -148,8 +165,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in g["params"]:
                 specs[self._names[id(p)]] = spec
         values = {name: self._param_buffer(name, p, fill=True) for name, p in self._params}
-        self._worker.register_model(values, optimizers=specs)
-        self._sent = dict(specs)
+        if self._tables.tables:
+            clash = sorted(set(values) & set(self._tables.names()))
+            if clash:
+                raise ValueError(f"elasticps.torch: {clash} name both a parameter and a table")
+            specs.update(self._tables.optimizers())
+            self._worker.register_model(values, optimizers=specs, tables=self._tables.shapes())
+            self._tables.bind(self._worker, lambda: self._clock)
+        else:
+            self._worker.register_model(values, optimizers=specs)
+        self._sent = {name: spec for name, spec in specs.items() if name in values}
         for name, p in self._params:
             self._param_from_buffer(name, p)
         # A resumed job goes on from its checkpoint's clock (register_model pulled it).
@@ -238,14 +263,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for name, p in self._params:
             if name not in self._handles:
                 self._push(name, p)
+        rows = self._tables.push(self._clock)
         try:
             for h in self._handles.values():
+                h.wait()
+            for h in rows:
                 h.wait()
         finally:
             self._handles.clear()
             self._keep.clear()
             self._counts.clear()
             self._step_started = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients, and forgets the rows the tables pulled since the last step."""
+        self._tables.forget()
+        super(self.__class__, self).zero_grad(set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -279,6 +312,8 @@ def DistributedOptimizer(
     worker: Optional["elasticps.Worker"] = None,
     push_on_backward: bool = True,
     backward_passes_per_step: int = 1,
+    tables: Optional[Iterable[Tuple[str, torch.nn.Module]]] = None,
+    table_optimizer: Optional[dict] = None,
 ) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so that the servers run it (see the module's doc).
 
@@ -288,7 +323,11 @@ def DistributedOptimizer(
     ``worker.start_clock``). ``worker``: default ``elasticps.init()``'s. ``push_on_backward``:
     push each gradient during backward (default), or only in ``step()`` (to clip or
     otherwise change gradients first). ``backward_passes_per_step``: gradients accumulate
-    over this many backward passes before they are pushed.
+    over this many backward passes before they are pushed. ``tables``:
+    ``elasticps.torch.named_tables(model)``, the model's ``Embedding`` and ``EmbeddingBag``
+    tables (they live on the servers; each step pushes the rows its forward passes pulled,
+    see ``elasticps.embedding``); ``table_optimizer``: the optimizer of the tables that
+    name none (``elasticps.torch.table_optimizer(...)``; default: the job's).
 
     The result is an instance of a subclass of ``optimizer``'s class, so that learning-rate
     schedulers accept it; its ``param_groups`` are the ones a scheduler changes.
@@ -297,7 +336,14 @@ def DistributedOptimizer(
         raise TypeError(f"elasticps.torch: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     for g in optimizer.param_groups:
         server_optimizer(optimizer, g)
+    table_sync = TableSync(tables, table_optimizer)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(
-        optimizer.param_groups, optimizer.defaults, named_parameters, worker, push_on_backward, backward_passes_per_step
+        optimizer.param_groups,
+        optimizer.defaults,
+        named_parameters,
+        worker,
+        push_on_backward,
+        backward_passes_per_step,
+        table_sync,
     )

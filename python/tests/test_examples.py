@@ -7,9 +7,10 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from conftest import REPO, worker_env
+from conftest import REPO, elasticps_bin, worker_env
 
 EXAMPLES = REPO / "examples" / "python"
 
@@ -67,4 +68,107 @@ def test_train_mnist_torch_needs_a_scheduler_or_local():
     p = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_mnist_torch.py")], env=env, capture_output=True, text=True, timeout=60
     )
+    assert p.returncode == 2 and "elasticps launch" in p.stderr and "--local" in p.stderr
+
+
+def ctr_module():
+    """examples/python/ctr.py (the CTR example's data and AUC), imported from its folder."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import ctr
+
+    return ctr
+
+
+def pairwise_auc(labels, scores):
+    """AUC by brute force: over every (positive, negative) pair, 1 if the positive scores
+    higher, 1/2 on a tie."""
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ctr_auc_is_the_pairwise_count(seed):
+    ctr = ctr_module()
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 300))
+    labels = rng.random(n) < 0.3
+    labels[:2] = [True, False]  # both classes
+    # Few distinct scores on some seeds, so that ties are common.
+    scores = rng.integers(0, 4, n).astype(np.float64) if seed % 2 else rng.normal(size=n)
+    assert ctr.auc(labels.astype(np.float32), scores) == pytest.approx(pairwise_auc(labels, scores), abs=1e-12)
+
+
+def test_ctr_auc_edge_cases():
+    ctr = ctr_module()
+    assert ctr.auc([1, 0, 1, 0], [0.9, 0.1, 0.8, 0.2]) == 1.0
+    assert ctr.auc([1, 0, 1, 0], [0.1, 0.9, 0.2, 0.8]) == 0.0
+    assert ctr.auc([1, 0, 1, 0], [0.5, 0.5, 0.5, 0.5]) == 0.5
+    assert np.isnan(ctr.auc([1, 1], [0.1, 0.2]))
+
+
+def test_ctr_click_log_is_zipf_and_planted():
+    ctr = ctr_module()
+    sizes = ctr.table_sizes()
+    assert len(sizes) == 26 and sizes[0] == 1000 and sizes[-1] == 1_000_000
+    assert ctr.table_sizes(10.0)[-1] == 10_000_000
+    ids, dense, labels = ctr.click_log(0, 20_000, sizes)
+    assert ids.dtype == np.int64 and ids.shape == (20_000, 26) and dense.shape == (20_000, 13)
+    assert (ids >= 0).all() and (ids < np.array(sizes)).all()
+    # Zipf with exponent 1.1: id 0 of the largest table is about 8% of its draws, id 1
+    # about half as frequent (2^-1.1), and most of the table is never drawn.
+    counts = np.bincount(ids[:, -1], minlength=sizes[-1])
+    assert 0.05 < counts[0] / 20_000 < 0.12
+    assert 0.35 < counts[1] / counts[0] < 0.6
+    assert (counts > 0).sum() < 20_000
+    # The labels follow the planted model: its own logit ranks them well.
+    assert 0.15 < labels.mean() < 0.5
+    assert ctr.auc(labels, ctr.planted_logit(0, ids, dense)) > 0.75
+    # The same seed draws the same log (every worker and --local see the same examples).
+    again = ctr.click_log(0, 20_000, sizes)
+    assert all(np.array_equal(a, b) for a, b in zip((ids, dense, labels), again))
+
+
+CTR = EXAMPLES / "train_ctr_torch.py"
+#: How far the CTR example's AUC under elasticps (2 workers, ssp:2: two shards, each
+#: worker's own data order, stale reads) may be from plain local torch's on the same data,
+#: batches and epochs: issue 21's target, 0.005 (measured: 0.0004 and 0.0005 apart in two runs).
+CTR_AUC_TOLERANCE = 0.005
+
+
+def auc_of(text, label):
+    found = [float(m.group(1)) for m in re.finditer(rf"^(?:\[worker \d+\] )?{label} (\d\.\d+)$", text, re.M)]
+    assert len(found) == 1, f"expected one {label!r} line: {text}"
+    return found[0]
+
+
+@pytest.mark.deadline(300)
+def test_train_ctr_torch_quick_under_launch_learns_as_well_as_local_torch():
+    env = worker_env()
+    env.pop("ELASTICPS_SCHEDULER", None)
+    local = subprocess.run(
+        [sys.executable, str(CTR), "--local", "--quick"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert local.returncode == 0, local.stderr[-3000:]
+    local_auc = auc_of(local.stdout, "local test auc")
+    out = subprocess.run(
+        [elasticps_bin(), "launch", "--quiet", "--workers", "2", "--sync", "ssp:2", "--", sys.executable, str(CTR), "--quick"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    auc = auc_of(out.stdout, "test auc")
+    print(f"ctr --quick: elasticps ssp:2, 2 workers: auc {auc:.4f}; plain local torch: auc {local_auc:.4f}")
+    assert auc > 0.6 and local_auc > 0.6
+    assert abs(auc - local_auc) <= CTR_AUC_TOLERANCE
+
+
+def test_train_ctr_torch_needs_a_scheduler_or_local():
+    env = worker_env()
+    env.pop("ELASTICPS_SCHEDULER", None)
+    p = subprocess.run([sys.executable, str(CTR)], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "elasticps launch" in p.stderr and "--local" in p.stderr

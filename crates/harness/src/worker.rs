@@ -321,6 +321,16 @@ impl WorkerRole {
                             let g = (self.work.grad)(rank, clock, block.id);
                             Message::PushPull { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
                         }
+                        // The harness's workers start no row round (`Worker::start_rows`);
+                        // a row op would be an empty push or pull of the block.
+                        Op::PushRows(clock) => Message::PushRows {
+                            block: block.id,
+                            clock,
+                            dim: block.row_range().map_or(1, |(_, _, dim)| dim),
+                            ids: Default::default(),
+                            grads: Values::from_vec(Vec::new()),
+                        },
+                        Op::PullRows(clock) => Message::PullRows { block: block.id, clock, ids: Default::default() },
                     };
                     let conn = self.servers.get(&server).copied();
                     if !conn.is_some_and(|conn| out.send(conn, tag, msg)) {

@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use elasticps_core::model::TensorSpec;
+use elasticps_core::model::{TableSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_runtime::client::{Client, ClientOptions};
@@ -28,6 +28,7 @@ pub enum Cmd {
     Register {
         tensors: Vec<TensorSpec>,
         optimizers: Vec<Option<TensorOptimizer>>,
+        tables: Vec<TableSpec>,
         init: Vec<Src>,
         start: Clock,
         pull: Vec<Dst>,
@@ -43,6 +44,11 @@ pub enum Cmd {
         ticket: Ticket,
         done: Reply<()>,
     },
+    /// Pull rows `ids` of table `table` at `clock`; replies with the rows, in the order
+    /// asked.
+    PullRows { clock: Clock, table: u32, ids: Vec<u64>, ticket: Ticket, done: Reply<Vec<f32>> },
+    /// Push the gradient rows `grads` of rows `ids` of table `table` at `clock`.
+    PushRows { clock: Clock, table: u32, ids: Vec<u64>, grads: Vec<f32>, ticket: Ticket, done: Reply<()> },
     /// A tensor's new optimizer.
     SetOptimizer { tensor: u32, optimizer: TensorOptimizer, done: Reply<()> },
     /// Wait for every worker.
@@ -106,9 +112,33 @@ pub async fn run(
                 drop(keep);
                 let _ = done.send(Err(cancel::interrupted("the call")));
             }
-            Cmd::Register { tensors, optimizers, init, start, pull, keep, ticket, done } => {
+            Cmd::PullRows { ticket, done, .. } if !ticket.start() => {
+                let _ = done.send(Err(cancel::interrupted("pull_rows")));
+            }
+            Cmd::PushRows { ticket, done, .. } if !ticket.start() => {
+                let _ = done.send(Err(cancel::interrupted("push_rows")));
+            }
+            Cmd::PullRows { clock, table, ids, ticket, done } => {
+                let what = format!("pull_rows(clock {clock}) of table {table}");
                 let r = tokio::select! {
-                    r = register(&mut client, tensors, optimizers, &init, start, &pull) => {
+                    r = pull_rows(&mut client, clock, table, &ids) => r,
+                    () = ticket.stopped() => Err(cancel::interrupted(&what)),
+                };
+                let _ = done.send(r.map_err(|e| format!("elasticps: worker {} {what} failed: {e}", client.rank())));
+            }
+            Cmd::PushRows { clock, table, ids, grads, ticket, done } => {
+                let what = format!("push_rows(clock {clock}) of table {table}");
+                let started = Instant::now();
+                let r = tokio::select! {
+                    r = client.push_rows(clock, table, &ids, &grads) => r.map_err(|e| e.to_string()),
+                    () = ticket.stopped() => Err(cancel::interrupted(&what)),
+                };
+                stats.tally.communicated(started.elapsed(), &client.last_waits().per_server);
+                let _ = done.send(r.map_err(|e| format!("elasticps: worker {} {what} failed: {e}", client.rank())));
+            }
+            Cmd::Register { tensors, optimizers, tables, init, start, pull, keep, ticket, done } => {
+                let r = tokio::select! {
+                    r = register(&mut client, tensors, optimizers, tables, &init, start, &pull) => {
                         r.map_err(|e| format!("elasticps: register_model failed: {e}"))
                     }
                     () = ticket.stopped() => Err(cancel::interrupted("register_model")),
@@ -188,11 +218,12 @@ async fn register(
     client: &mut Client,
     tensors: Vec<TensorSpec>,
     optimizers: Vec<Option<TensorOptimizer>>,
+    tables: Vec<TableSpec>,
     init: &[Src],
     start: Clock,
     pull: &[Dst],
 ) -> elasticps_runtime::Result<()> {
-    client.register_model_with(tensors, optimizers).await?;
+    client.register_model_with_tables(tensors, optimizers, tables).await?;
     if client.rejoined() {
         // Restarted with its rank: the others trained on; pull where the job is.
         // SAFETY: as below; Python waits for this command before touching the arrays.
@@ -238,6 +269,14 @@ async fn round(
     let r = client.round_tensors(push, pull).await;
     stats.tally.communicated(started.elapsed(), &client.last_waits().per_server);
     r.map_err(|e| format!("elasticps: worker {} {} failed: {e}", client.rank(), what(push_clock, pull_clock)))
+}
+
+/// Pulls rows `ids` of table `table` at `clock`: the rows, in the order asked.
+async fn pull_rows(client: &mut Client, clock: Clock, table: u32, ids: &[u64]) -> Result<Vec<f32>, String> {
+    let dim = client.layout().and_then(|l| l.partition.tables.get(table as usize)).map_or(0, |t| t.dim as usize);
+    let mut out = vec![0.0; ids.len() * dim];
+    client.pull_rows(clock, table, ids, &mut out).await.map_err(|e| e.to_string())?;
+    Ok(out)
 }
 
 /// A round's name in errors: `push(clock 3) + pull(clock 4)`.

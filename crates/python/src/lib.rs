@@ -19,6 +19,7 @@ mod actor;
 mod arrays;
 mod cancel;
 mod events;
+mod rows;
 mod runtime;
 mod stats;
 mod worker;

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::actor::{self, Cmd};
 use crate::arrays::{self, Checked, Dst, Keep, Src};
 use crate::cancel::{self, Ticket};
+use crate::rows::{self, Table};
 use crate::runtime::{self, Interrupted, wait, wait_call};
 use crate::stats::RunStats;
 use crate::{ElasticpsError, events};
@@ -37,6 +38,11 @@ pub struct Worker {
     /// The model's tensors, once registered: name -> (index, length).
     tensors: HashMap<String, (usize, usize)>,
     names: Vec<String>,
+    /// The model's embedding tables, once registered: name -> index, rows, dim.
+    tables: HashMap<String, Table>,
+    table_names: Vec<String>,
+    /// register_model succeeded.
+    registered: bool,
     finished: bool,
     /// Where the worker's Prometheus metrics are served, if they are.
     metrics_addr: Option<String>,
@@ -155,6 +161,9 @@ impl Worker {
             tx: ManuallyDrop::new(tx),
             tensors: HashMap::new(),
             names: Vec::new(),
+            tables: HashMap::new(),
+            table_names: Vec::new(),
+            registered: false,
             finished: false,
         })
     }
@@ -174,11 +183,31 @@ impl Worker {
 
     /// The index and length of tensor `name`.
     fn tensor(&self, name: &str) -> PyResult<(usize, usize)> {
-        if self.names.is_empty() {
+        if !self.registered {
             return Err(ElasticpsError::new_err("elasticps: call register_model first"));
         }
         self.tensors.get(name).copied().ok_or_else(|| {
-            PyKeyError::new_err(format!("elasticps: the model has no tensor {name:?} (it has {:?})", self.names))
+            let table = if self.tables.contains_key(name) {
+                " (it is a table: use pull_rows and push_rows)".to_string()
+            } else {
+                String::new()
+            };
+            PyKeyError::new_err(format!("elasticps: the model has no tensor {name:?}{table} (it has {:?})", self.names))
+        })
+    }
+
+    /// Table `name`: its index, rows and dim; `ValueError` for a name that is not one.
+    fn table(&self, name: &str) -> PyResult<Table> {
+        if !self.registered {
+            return Err(ElasticpsError::new_err("elasticps: call register_model first"));
+        }
+        self.tables.get(name).copied().ok_or_else(|| {
+            let tensor =
+                if self.tensors.contains_key(name) { " (it is a dense tensor: use pull and push)" } else { "" };
+            PyValueError::new_err(format!(
+                "elasticps: the model has no table {name:?}{tensor} (its tables: {:?})",
+                self.table_names
+            ))
         })
     }
 
@@ -219,6 +248,23 @@ impl Worker {
             read.push(checked);
         }
         Ok((src, read))
+    }
+
+    /// Checks and copies a row push's arrays and queues it.
+    fn start_push_rows(
+        &self,
+        clock: Clock,
+        name: &str,
+        ids: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+    ) -> PyResult<(oneshot::Receiver<Result<(), String>>, Ticket)> {
+        let table = self.table(name)?;
+        let ids = rows::ids(ids, name, table)?;
+        let grads = rows::grads(grads, name, ids.len(), table)?;
+        let ticket = Ticket::new();
+        let rx =
+            self.send(|done| Cmd::PushRows { clock, table: table.index, ids, grads, ticket: ticket.clone(), done })?;
+        Ok((rx, ticket))
     }
 
     /// Queues a round; its reply comes on the receiver, and the ticket cancels it.
@@ -268,6 +314,11 @@ impl Worker {
         self.names.clone()
     }
 
+    /// The model's table names, in order (empty before `register_model`).
+    fn table_names(&self) -> Vec<String> {
+        self.table_names.clone()
+    }
+
     /// Defines the model from `tensors` (a dict name -> float32 ndarray, in order) and
     /// waits until every server holds its blocks. In a fresh job rank 0's values become
     /// every worker's initial parameters; in a resumed job (`start_clock > 0`) the
@@ -276,18 +327,33 @@ impl Worker {
     /// `optimizers` maps tensor names to server-side optimizers (dicts with `kind`
     /// "sgd", "momentum", "adam" or "adamw", `lr`, and `momentum`, `betas`, `eps`,
     /// `weight_decay`); tensors not named use the job's `--optimizer` and `--lr`.
-    #[pyo3(signature = (tensors, optimizers=None))]
+    /// `tables` declares embedding tables, name -> `(rows, dim)` or `(rows, dim, init)`
+    /// (`init` a dict: `kind` "normal" with `mean`, `std`; "uniform" with `low`, `high`;
+    /// "constant" with `value`; default N(0, 1), torch.nn.Embedding's): the servers
+    /// create a row when it is first used. A table's optimizer is named in `optimizers`
+    /// too (`kind` "sgd", "adagrad", "sparse_adam" or "lazy_adam"; default sgd with lr
+    /// 0.01). No table values are sent: its rows are read with `pull_rows`.
+    #[pyo3(signature = (tensors, optimizers=None, tables=None))]
     fn register_model(
         &mut self,
         py: Python<'_>,
         tensors: &Bound<'_, PyDict>,
         optimizers: Option<&Bound<'_, PyDict>>,
+        tables: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        if !self.names.is_empty() {
+        if self.registered {
             return Err(ElasticpsError::new_err("elasticps: register_model was already called"));
         }
-        if tensors.is_empty() {
-            return Err(PyValueError::new_err("elasticps: register_model needs at least one tensor"));
+        let mut table_specs = Vec::new();
+        for (k, v) in tables.into_iter().flat_map(|t| t.iter()) {
+            let name: String = k.extract().map_err(|_| PyTypeError::new_err("elasticps: table names must be str"))?;
+            if tensors.contains(&name)? {
+                return Err(PyValueError::new_err(format!("elasticps: {name:?} names both a tensor and a table")));
+            }
+            table_specs.push(rows::parse_table(name, &v)?);
+        }
+        if tensors.is_empty() && table_specs.is_empty() {
+            return Err(PyValueError::new_err("elasticps: register_model needs at least one tensor or table"));
         }
         let mut specs = Vec::with_capacity(tensors.len());
         let mut checked = Vec::with_capacity(tensors.len());
@@ -313,9 +379,13 @@ impl Worker {
             opts = vec![None; specs.len()];
             for (k, v) in optimizers.iter() {
                 let name: String = k.extract()?;
+                if let Some(table) = table_specs.iter_mut().find(|t| t.name == name) {
+                    table.optimizer = rows::parse_sparse_optimizer(&v, &name)?;
+                    continue;
+                }
                 let t = specs.iter().position(|s| s.name == name).ok_or_else(|| {
                     PyKeyError::new_err(format!(
-                        "elasticps: optimizers names {name:?}, which is not a tensor of the model"
+                        "elasticps: optimizers names {name:?}, which is not a tensor or table of the model"
                     ))
                 })?;
                 opts[t] = Some(parse_optimizer(&v, &name)?);
@@ -323,11 +393,17 @@ impl Worker {
         }
         let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
         let lens: Vec<usize> = specs.iter().map(TensorSpec::len).collect();
+        let tables: Vec<(String, Table)> = table_specs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), Table { index: i as u32, rows: t.rows, dim: t.dim as usize }))
+            .collect();
         let start = self.start_clock;
         let ticket = Ticket::new();
         let rx = self.send(|done| Cmd::Register {
             tensors: specs,
             optimizers: opts,
+            tables: table_specs,
             init,
             start,
             pull,
@@ -338,7 +414,60 @@ impl Worker {
         wait_call(py, "registering the model", rx, &ticket)?;
         self.tensors = names.iter().cloned().zip(lens).enumerate().map(|(i, (n, l))| (n, (i, l))).collect();
         self.names = names;
+        self.table_names = tables.iter().map(|(n, _)| n.clone()).collect();
+        self.tables = tables.into_iter().collect();
+        self.registered = true;
         Ok(())
+    }
+
+    /// Pulls rows `ids` (a 1-D int64 array, each in `0..rows`; repeats allowed) of table
+    /// `name` at clock `clock` into `out` (float32, shape `(len(ids), dim)`, C-contiguous),
+    /// row after row in the order asked. Each server holds the pull as its sync policy
+    /// says. Bad arguments raise `TypeError` or `ValueError` before anything is sent.
+    fn pull_rows(
+        &self,
+        py: Python<'_>,
+        clock: Clock,
+        name: &str,
+        ids: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let table = self.table(name)?;
+        let ids = rows::ids(ids, name, table)?;
+        let out = rows::out(out, name, ids.len(), table)?;
+        let ticket = Ticket::new();
+        let rx = self.send(|done| Cmd::PullRows { clock, table: table.index, ids, ticket: ticket.clone(), done })?;
+        let got = wait_call(py, &format!("worker {} pulls rows of {name:?} at clock {clock}", self.rank), rx, &ticket)?;
+        rows::fill(&out, &got)
+    }
+
+    /// Pushes the gradient rows `grads` (float32, `(len(ids), dim)`) of rows `ids` (1-D
+    /// int64) of table `name` at clock `clock`; a row named twice gets the sum. Push every
+    /// table once per clock, with empty `ids` and `grads` of shape `(0, dim)` for a table
+    /// the step did not touch: every row range counts the clock.
+    fn push_rows(
+        &self,
+        py: Python<'_>,
+        clock: Clock,
+        name: &str,
+        ids: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (rx, ticket) = self.start_push_rows(clock, name, ids, grads)?;
+        wait_call(py, &format!("worker {} pushes rows of {name:?} at clock {clock}", self.rank), rx, &ticket)
+    }
+
+    /// Starts `push_rows` and returns at once (the arrays are copied first: they may be
+    /// changed right away).
+    fn push_rows_async(
+        &self,
+        clock: Clock,
+        name: &str,
+        ids: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+    ) -> PyResult<Handle> {
+        let (rx, ticket) = self.start_push_rows(clock, name, ids, grads)?;
+        Ok(Handle::new(rx, ticket, format!("push_rows(clock {clock}) of {name:?}"), self.pid))
     }
 
     /// Pulls the parameters of clock `clock` into the arrays of `out` (a dict name ->
@@ -441,7 +570,9 @@ impl Worker {
     fn __repr__(&self) -> String {
         let resumed =
             if self.start_clock > 0 { format!(", resumed at clock {}", self.start_clock) } else { String::new() };
-        format!("<elasticps.Worker rank {} of {}, {} tensors{resumed}>", self.rank, self.size, self.names.len())
+        let tables =
+            if self.table_names.is_empty() { String::new() } else { format!(", {} tables", self.table_names.len()) };
+        format!("<elasticps.Worker rank {} of {}, {} tensors{tables}{resumed}>", self.rank, self.size, self.names.len())
     }
 }
 

@@ -94,33 +94,48 @@ pub enum Op {
     /// `PushPull { block, clock, values }`: the block's slice of the gradient of `clock`
     /// and the pull of `clock + 1`, whose `PullReply` values go into the pulled tensor.
     PushPull(Clock),
+    /// `PushRows { block, clock, dim, ids, grads }`: the gradient rows of a row block's
+    /// range (none: an empty push, which still counts for the clock).
+    PushRows(Clock),
+    /// `PullRows { block, clock, ids }`: the rows of a row block's range that the caller
+    /// asked for, answered `PullRowsReply`.
+    PullRows(Clock),
 }
 
 impl Op {
     /// The verb and clock that errors and timeouts name: `push(clock 3)`, `init(clock 0)`,
-    /// `pull(clock 4)`, `push_pull(clock 3)` (the push's clock).
+    /// `pull(clock 4)`, `push_pull(clock 3)` (the push's clock), `push_rows(clock 3)`,
+    /// `pull_rows(clock 4)`.
     pub fn verb_clock(self) -> (&'static str, Clock) {
         match self {
             Op::Push(clock) => ("push", clock),
             Op::Init => ("init", 0),
             Op::Pull(clock) => ("pull", clock),
             Op::PushPull(clock) => ("push_pull", clock),
+            Op::PushRows(clock) => ("push_rows", clock),
+            Op::PullRows(clock) => ("pull_rows", clock),
         }
     }
 
-    /// True for a push or an init (answered `PushAck`).
+    /// True for a push, an init or a row push (answered `PushAck`).
     pub fn is_push(self) -> bool {
-        matches!(self, Op::Push(_) | Op::Init)
+        matches!(self, Op::Push(_) | Op::Init | Op::PushRows(_))
     }
 
-    /// True for the requests that carry tensor values (a push, an init, a push_pull).
+    /// True for the requests that carry values (a push, an init, a push_pull, a row push).
     pub fn carries_values(self) -> bool {
-        !matches!(self, Op::Pull(_))
+        !matches!(self, Op::Pull(_) | Op::PullRows(_))
     }
 
-    /// True for the requests answered by a `PullReply` (a pull, a push_pull).
+    /// True for the requests answered by a `PullReply` (a pull, a push_pull) or a
+    /// `PullRowsReply` (a row pull).
     pub fn is_pull(self) -> bool {
-        matches!(self, Op::Pull(_) | Op::PushPull(_))
+        matches!(self, Op::Pull(_) | Op::PushPull(_) | Op::PullRows(_))
+    }
+
+    /// True for the requests about a row block's rows (PushRows, PullRows).
+    pub fn is_rows(self) -> bool {
+        matches!(self, Op::PushRows(_) | Op::PullRows(_))
     }
 }
 
@@ -131,6 +146,17 @@ impl From<PushOp> for Op {
             PushOp::Init => Op::Init,
         }
     }
+}
+
+/// What a row round does with one table ([`Worker::start_rows`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowsOp {
+    /// Push the gradient rows of this clock: one `PushRows` to every block of the table,
+    /// an empty one where no row was touched, so that each row range counts every
+    /// worker's clock and the sync policy keeps its meaning per block.
+    Push(Clock),
+    /// Pull rows at this clock: one `PullRows` to each block holding a row asked for.
+    Pull(Clock),
 }
 
 /// What a runtime hands a round ([`Round::handle`]).
@@ -285,6 +311,35 @@ impl Worker {
             pull,
             iteration,
         )?;
+        Ok((round, actions))
+    }
+
+    /// Starts a row round over `layout` for table `table` (its index among the model's
+    /// tables): [`RowsOp::Push`] sends to every block of the table, [`RowsOp::Pull`] to the
+    /// blocks `wanted` says hold rows asked for. The runtime puts into each request the
+    /// ids (and gradient rows) of its block's range, and reads the rows out of each
+    /// `PullRowsReply`; the plan follows `Moved`, windows and deadlines as for tensors.
+    /// A row round counts no iteration (the dense push of the same clock does). An
+    /// unknown table is refused.
+    pub fn start_rows(
+        &mut self,
+        now_us: u64,
+        layout: &Layout,
+        table: u32,
+        op: RowsOp,
+        wanted: &dyn Fn(&BlockSpec) -> bool,
+    ) -> Result<(Round, Vec<Action>)> {
+        if table as usize >= layout.partition.tables.len() {
+            return Err(crate::NodeError::Refused(format!(
+                "table {table}: the model has {} tables",
+                layout.partition.tables.len()
+            )));
+        }
+        self.seq = self.seq.wrapping_add(1);
+        let mut round = self.spare.take().unwrap_or_default();
+        round.hints = std::mem::take(&mut self.hints);
+        let actions =
+            round.begin_rows(self.seq, self.rank, self.timeout_us, self.window, now_us, layout, (table, op), wanted)?;
         Ok((round, actions))
     }
 

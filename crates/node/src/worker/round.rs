@@ -10,7 +10,7 @@ use elasticps_core::sync::Clock;
 use elasticps_wire::{Control, ErrorReply, Kind, Layout, Message};
 
 use super::window::Window;
-use super::{Action, Iteration, MAX_LAYOUT_REFRESHES, MOVED_BACKOFF_US, Op, PushOp, RoundEvent, Tag};
+use super::{Action, Iteration, MAX_LAYOUT_REFRESHES, MOVED_BACKOFF_US, Op, PushOp, RoundEvent, RowsOp, Tag};
 use crate::{NodeError, Result};
 
 /// What a server answered a request of the round, as the plan needs it.
@@ -32,6 +32,12 @@ pub enum Answer<'a> {
         /// Values in the reply.
         len: usize,
     },
+    /// A row pull answered with this many values (the runtime checks them against the
+    /// rows it asked for).
+    RowsPulled {
+        /// Values in the reply.
+        len: usize,
+    },
     /// Anything else: a protocol error.
     Other(Kind),
 }
@@ -44,6 +50,7 @@ impl<'a> Answer<'a> {
             Message::Control(Control::Moved { owner, epoch, .. }) => Answer::Moved { owner: *owner, epoch: *epoch },
             Message::PushAck { .. } => Answer::Acked,
             Message::PullReply { values, .. } => Answer::Pulled { len: values.len() },
+            Message::PullRowsReply { values, .. } => Answer::RowsPulled { len: values.len() },
             other => Answer::Other(other.kind()),
         }
     }
@@ -54,6 +61,7 @@ impl<'a> Answer<'a> {
             Answer::Moved { .. } => "Moved".into(),
             Answer::Acked => "PushAck".into(),
             Answer::Pulled { len } => format!("PullReply of {len} values"),
+            Answer::RowsPulled { len } => format!("PullRowsReply of {len} values"),
             Answer::Other(kind) => format!("{kind:?}"),
         }
     }
@@ -134,6 +142,8 @@ pub struct Round {
     /// A block pushed and pulled goes as one push_pull (fusion on, and the pull is of the
     /// clock after the push's).
     fuse: bool,
+    /// A row round: its pushes are `PushRows`, its pulls `PullRows` ([`RowsOp`]).
+    rows: bool,
     push: Option<PushOp>,
     pull: Option<Clock>,
     started_us: u64,
@@ -186,6 +196,7 @@ impl Default for Round {
             rank: 0,
             timeout_us: 0,
             fuse: false,
+            rows: false,
             push: None,
             pull: None,
             started_us: 0,
@@ -231,13 +242,91 @@ impl Round {
         pull: Option<(Clock, &[bool])>,
         iteration: Option<Iteration>,
     ) -> Result<Vec<Action>> {
-        self.seq = seq;
-        self.rank = rank;
-        self.timeout_us = timeout_us;
+        self.reset(seq, rank, timeout_us, window, now_us, layout, iteration);
+        self.rows = false;
         self.push = push.map(|(op, _)| op);
         self.pull = pull.map(|(clock, _)| clock);
         self.fuse = fuse
             && matches!((self.push, self.pull), (Some(PushOp::Grad(t)), Some(next)) if t.checked_add(1) == Some(next));
+        let has = |mask: Option<&[bool]>, t: u32| mask.is_some_and(|m| m.get(t as usize).copied().unwrap_or(false));
+        let (push_mask, pull_mask) = (push.map(|(_, m)| m), pull.map(|(_, m)| m));
+        let mut todo = std::mem::take(&mut self.scratch);
+        todo.clear();
+        // A row block's `tensor` is its table's index: a tensor round leaves them out.
+        todo.extend(
+            layout
+                .partition
+                .blocks
+                .iter()
+                .filter(|b| !b.is_rows())
+                .map(|b| Todo { block: *b, push: has(push_mask, b.tensor), pull: has(pull_mask, b.tensor) })
+                .filter(|t| t.push || t.pull),
+        );
+        self.first_phases(now_us, todo)
+    }
+
+    /// Resets this (possibly recycled) round for a row round of one table and plans its
+    /// phases (see [`super::Worker::start_rows`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn begin_rows(
+        &mut self,
+        seq: u32,
+        rank: u32,
+        timeout_us: u64,
+        window: usize,
+        now_us: u64,
+        layout: &Layout,
+        (table, op): (u32, RowsOp),
+        wanted: &dyn Fn(&BlockSpec) -> bool,
+    ) -> Result<Vec<Action>> {
+        self.reset(seq, rank, timeout_us, window, now_us, layout, None);
+        self.rows = true;
+        self.fuse = false;
+        let (push, pull) = match op {
+            RowsOp::Push(clock) => (Some(PushOp::Grad(clock)), None),
+            RowsOp::Pull(clock) => (None, Some(clock)),
+        };
+        self.push = push;
+        self.pull = pull;
+        let mut todo = std::mem::take(&mut self.scratch);
+        todo.clear();
+        todo.extend(
+            layout
+                .partition
+                .blocks
+                .iter()
+                .filter(|b| b.is_rows() && b.tensor == table)
+                .map(|b| Todo { block: *b, push: push.is_some(), pull: pull.is_some() && wanted(b) })
+                .filter(|t| t.push || t.pull),
+        );
+        self.first_phases(now_us, todo)
+    }
+
+    /// Plans the first phases of `todo` (given back as scratch afterwards).
+    fn first_phases(&mut self, now_us: u64, mut todo: Vec<Todo>) -> Result<Vec<Action>> {
+        let mut out = Vec::new();
+        let planned = self.plan(now_us, &mut todo, &mut out);
+        self.scratch = todo;
+        planned?;
+        self.prune();
+        Ok(out)
+    }
+
+    /// Forgets the last round's requests, phases and chase; takes `layout`'s owners.
+    #[allow(clippy::too_many_arguments)]
+    fn reset(
+        &mut self,
+        seq: u32,
+        rank: u32,
+        timeout_us: u64,
+        window: usize,
+        now_us: u64,
+        layout: &Layout,
+        iteration: Option<Iteration>,
+    ) {
+        self.seq = seq;
+        self.rank = rank;
+        self.timeout_us = timeout_us;
         self.started_us = now_us;
         self.iteration = iteration;
         self.set_layout(layout);
@@ -255,24 +344,6 @@ impl Round {
         self.lost.clear();
         self.waits.clear();
         self.push_load.clear();
-        let has = |mask: Option<&[bool]>, t: u32| mask.is_some_and(|m| m.get(t as usize).copied().unwrap_or(false));
-        let (push_mask, pull_mask) = (push.map(|(_, m)| m), pull.map(|(_, m)| m));
-        let mut todo = std::mem::take(&mut self.scratch);
-        todo.clear();
-        todo.extend(
-            layout
-                .partition
-                .blocks
-                .iter()
-                .map(|b| Todo { block: *b, push: has(push_mask, b.tensor), pull: has(pull_mask, b.tensor) })
-                .filter(|t| t.push || t.pull),
-        );
-        let mut out = Vec::new();
-        let planned = self.plan(now_us, &mut todo, &mut out);
-        self.scratch = todo;
-        planned?;
-        self.prune();
-        Ok(out)
     }
 
     /// Hands the round what happened at `now_us` (see [`RoundEvent`]) and returns what the
@@ -413,7 +484,9 @@ impl Round {
                 }
             }
             (Answer::Acked, false) => Outcome::Acked,
-            (Answer::Pulled { len }, true) if len == b.len => {
+            // A row reply's length is the rows asked for: the runtime checks it.
+            (Answer::RowsPulled { .. }, true) if self.rows => Outcome::Pulled,
+            (Answer::Pulled { len }, true) if len == b.len && !self.rows => {
                 if matches!(op, Op::PushPull(_)) {
                     Outcome::Fused
                 } else {
@@ -421,7 +494,11 @@ impl Round {
                 }
             }
             (other, pull) => {
-                let wanted = if pull { format!("PullReply of {} values", b.len) } else { "PushAck".to_string() };
+                let wanted = match (pull, self.rows) {
+                    (true, true) => "PullRowsReply".to_string(),
+                    (true, false) => format!("PullReply of {} values", b.len),
+                    (false, _) => "PushAck".to_string(),
+                };
                 return Err(NodeError::Protocol {
                     peer: format!("server {}", phase.owner),
                     what: format!("expected {wanted}, got {}", other.describe()),
@@ -665,6 +742,13 @@ impl Round {
 
     /// What request `t` sends in a push phase (`push_phase`) or a pull phase.
     fn op(&self, push_phase: bool, t: &Todo) -> Op {
+        if self.rows {
+            return match (push_phase, self.push, self.pull) {
+                (true, Some(PushOp::Grad(clock)), _) => Op::PushRows(clock),
+                (_, _, Some(clock)) => Op::PullRows(clock),
+                _ => Op::PullRows(0),
+            };
+        }
         match (push_phase, self.push, self.pull) {
             (true, Some(PushOp::Grad(clock)), _) if self.fuse && t.push && t.pull => Op::PushPull(clock),
             (true, Some(op), _) => op.into(),
@@ -763,8 +847,12 @@ impl Round {
         for r in &self.requests[p.first as usize..(p.first + p.len) as usize] {
             let b = r.todo.block;
             match r.outcome {
+                // A row block's `len` is its whole range, not the rows a push carried:
+                // row pushes are left out of the push rate (the servers count their rows).
                 Outcome::Acked => {
-                    push_bytes += b.len as u64 * 4;
+                    if !self.rows {
+                        push_bytes += b.len as u64 * 4;
+                    }
                     if r.todo.pull {
                         to_pull.push(Todo { block: b, push: false, pull: true });
                     }

@@ -606,6 +606,7 @@ mod schedules {
                                 prop_assert_eq!(acked[block.id as usize], 0, "push_pull after the push was acked");
                             }
                             Op::Init => prop_assert!(false, "no init in this round"),
+                            Op::PushRows(_) | Op::PullRows(_) => prop_assert!(false, "a row op in a tensor round"),
                         }
                         if !c.fuse {
                             prop_assert!(!matches!(op, Op::PushPull(_)), "push_pull without fusion");
@@ -877,4 +878,95 @@ fn poll_timeout_is_the_oldest_requests_deadline_and_its_timeout_names_the_wait()
     let (r, first) = worker().start(0, &l, None, None).unwrap();
     assert!(first.is_empty() && r.is_done());
     assert_eq!(r.poll_timeout(), None);
+}
+
+/// A model of one dense tensor of 4 values (block 0) and one table of 10 rows of 2
+/// values, cut into blocks of 2 rows (blocks 1..=5): blocks on servers 0 and 1 in turn.
+fn table_layout() -> Layout {
+    use elasticps_core::model::TableSpec;
+    let tensors = vec![TensorSpec { name: "w".into(), shape: vec![4], init: Init::Zeros }];
+    let partition = Partition::with_tables(tensors, vec![TableSpec::new("emb", 10, 2)], 16).unwrap();
+    let owners = (0..partition.blocks.len() as u32).map(|b| b % 2).collect();
+    Layout {
+        partition,
+        placement: Placement::new(1, owners),
+        servers: (0..2).map(|id| ServerAddr { id, addr: format!("s{id}") }).collect(),
+        seed: 0,
+    }
+}
+
+#[test]
+fn a_row_push_goes_to_every_block_of_the_table_and_a_row_pull_only_to_the_wanted_ones() {
+    let l = table_layout();
+    let mut w = worker();
+    // Push: every block of table 0 (1..=5), even those no row of which was touched.
+    let (mut r, actions) = w.start_rows(0, &l, 0, RowsOp::Push(3), &|_| false).unwrap();
+    let s = sends(&actions);
+    let mut blocks: Vec<u32> = s.iter().map(|(_, _, b, _)| *b).collect();
+    blocks.sort_unstable();
+    assert_eq!(blocks, [1, 2, 3, 4, 5]);
+    assert!(s.iter().all(|(_, server, b, op)| *op == Op::PushRows(3) && *server == b % 2));
+    for (tag, _, b, _) in &s {
+        reply(&mut r, 1, *tag, &ack(*b)).unwrap();
+    }
+    assert!(r.is_done());
+    // The dense push of the clock counts the iteration, not the row round; and a row
+    // block's range is not what a push carried: no push rate from row pushes.
+    assert!(r.iteration().is_none());
+    assert_eq!(r.push_load().count(), 0);
+    w.finish(2, r);
+
+    // Pull: only the blocks holding rows asked for; the reply's length is the rows'.
+    let (mut r, actions) =
+        w.start_rows(3, &l, 0, RowsOp::Pull(4), &|b| b.row_range().is_some_and(|(s, _, _)| s == 4 || s == 8)).unwrap();
+    let s = sends(&actions);
+    assert_eq!(
+        s.iter().map(|(_, _, b, op)| (*b, *op)).collect::<Vec<_>>(),
+        [(3, Op::PullRows(4)), (5, Op::PullRows(4))]
+    );
+    for (tag, _, b, _) in &s {
+        let msg = Message::PullRowsReply { block: *b, clock: 4, values: Values::from_vec(vec![1.0; 2]) };
+        reply(&mut r, 4, *tag, &msg).unwrap();
+    }
+    assert!(r.is_done());
+}
+
+#[test]
+fn a_tensor_round_leaves_the_tables_blocks_out() {
+    let l = table_layout();
+    let mut w = worker();
+    // Table 0's blocks have `tensor == 0`, as tensor 0's: a push of tensor 0 must not
+    // send them.
+    let (_, actions) = w.start(0, &l, Some((PushOp::Grad(0), &[true])), None).unwrap();
+    let mut blocks: Vec<u32> = sends(&actions).iter().map(|(_, _, b, _)| *b).collect();
+    blocks.sort_unstable();
+    assert_eq!(blocks, [0]);
+}
+
+#[test]
+fn a_moved_row_block_is_resent_to_its_new_owner() {
+    let l = table_layout();
+    let mut w = worker();
+    let (mut r, actions) = w.start_rows(0, &l, 0, RowsOp::Pull(0), &|b| b.id == 3).unwrap();
+    let s = sends(&actions);
+    assert_eq!(s.len(), 1);
+    let (tag, server, block, _) = s[0];
+    assert_eq!((server, block), (1, 3));
+    let moved = Message::Control(Control::Moved { block: 3, owner: 0, epoch: 2 });
+    let more = sends(&reply(&mut r, 1, tag, &moved).unwrap());
+    assert_eq!(more.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), [(0, 3, Op::PullRows(0))]);
+    let msg = Message::PullRowsReply { block: 3, clock: 0, values: Values::from_vec(vec![0.0; 4]) };
+    reply(&mut r, 2, more[0].0, &msg).unwrap();
+    assert!(r.is_done());
+}
+
+#[test]
+fn a_row_round_of_an_unknown_table_is_refused_and_a_timeout_names_pull_rows() {
+    let l = table_layout();
+    let mut w = worker();
+    assert!(matches!(w.start_rows(0, &l, 1, RowsOp::Pull(0), &|_| true), Err(NodeError::Refused(_))));
+    let (mut r, _) = w.start_rows(0, &l, 0, RowsOp::Pull(7), &|b| b.id == 2).unwrap();
+    let at = r.poll_timeout().unwrap();
+    let e = timeout(&mut r, at).unwrap_err().to_string();
+    assert!(e.contains("pull_rows(clock 7) of block 2"), "{e}");
 }

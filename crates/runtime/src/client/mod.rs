@@ -24,17 +24,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use elasticps_core::model::TensorSpec;
+use elasticps_core::model::{TableSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_node::timing::REQUEST_TIMEOUT_US;
-use elasticps_node::worker::{PushOp, Worker};
+use elasticps_node::worker::{PushOp, RowsOp, Worker};
 use elasticps_wire::{Codec, Control, Credential, Layout, Message};
 
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 
 mod round;
+mod rows;
 mod server_conn;
 use crate::session::{DEFAULT_SCHEDULER_RETRY, EndWatch, Notifications, SchedLink};
 use crate::{CALL_TIMEOUT, Micros, STATS_INTERVAL};
@@ -221,12 +222,22 @@ impl Client {
         tensors: Vec<TensorSpec>,
         optimizers: Vec<Option<TensorOptimizer>>,
     ) -> Result<&[TensorSpec]> {
+        self.register_model_with_tables(tensors, optimizers, Vec::new()).await
+    }
+
+    /// As [`Client::register_model_with`], with embedding tables (their rows pulled and
+    /// pushed by id: [`Client::pull_rows`], [`Client::push_rows`]). The tables' names are
+    /// unique among the tensors' and theirs.
+    pub async fn register_model_with_tables(
+        &mut self,
+        tensors: Vec<TensorSpec>,
+        optimizers: Vec<Option<TensorOptimizer>>,
+        tables: Vec<TableSpec>,
+    ) -> Result<&[TensorSpec]> {
         let reply = self
-            .call_scheduler(
-                Control::DefineModel { tensors, optimizers, tables: Vec::new() }.into(),
-                CALL_TIMEOUT,
-                || "the scheduler to place the model (every server must join and load its blocks)".into(),
-            )
+            .call_scheduler(Control::DefineModel { tensors, optimizers, tables }.into(), CALL_TIMEOUT, || {
+                "the scheduler to place the model (every server must join and load its blocks)".into()
+            })
             .await?;
         self.install_layout(reply, false).await?;
         Ok(self.layout.as_ref().map(|l| &l.partition.tensors[..]).unwrap_or_default())
@@ -357,6 +368,39 @@ impl Client {
             self.check_shapes("pull", params.iter().map(|p| p.as_ref().map(|p| p.len())))?;
         }
         self.round(push.map(|(c, g)| (PushOp::Grad(c), g)), pull).await
+    }
+
+    /// The model's table `name`: its index (what [`Client::pull_rows`] and
+    /// [`Client::push_rows`] take) and spec.
+    pub fn table(&self, name: &str) -> Option<(u32, &TableSpec)> {
+        self.layout.as_ref()?.partition.table(name)
+    }
+
+    /// Pulls rows `ids` of table `table` (its index) at clock `clock` into `out`, row after
+    /// row in the order asked (`ids.len() x dim` values; an id asked twice gets its row
+    /// twice). One `PullRows` per block holding some of the ids, all servers at once; each
+    /// server holds it as its sync policy says, as a pull. An id past the table's rows or
+    /// an `out` of the wrong length is refused ([`RuntimeError::Usage`]) before anything
+    /// is sent.
+    pub async fn pull_rows(&mut self, clock: Clock, table: u32, ids: &[u64], out: &mut [f32]) -> Result<()> {
+        let layout = self.current_layout()?;
+        let (payloads, mut sink) = rows::pull_plan(&layout.partition, table, ids, out)?;
+        if payloads.by_block.is_empty() {
+            return Ok(());
+        }
+        self.rows_round(table, RowsOp::Pull(clock), &payloads, Some(&mut sink)).await
+    }
+
+    /// Pushes the gradient rows `grads` (`ids.len() x dim`, row after row) of rows `ids`
+    /// of table `table` at clock `clock`: one `PushRows` to every block of the table, with
+    /// the rows of its range, or none (an empty push still counts the clock there, so the
+    /// sync policy keeps its meaning per block). A row named twice is summed by its
+    /// server. Call it once per table and clock, with no ids for a table the step did not
+    /// touch.
+    pub async fn push_rows(&mut self, clock: Clock, table: u32, ids: &[u64], grads: &[f32]) -> Result<()> {
+        let layout = self.current_layout()?;
+        let payloads = rows::push_plan(&layout.partition, table, ids, grads)?;
+        self.rows_round(table, RowsOp::Push(clock), &payloads, None).await
     }
 
     /// Tells the scheduler this worker is done. Servers stop waiting for it.

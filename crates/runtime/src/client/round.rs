@@ -14,11 +14,12 @@ use std::time::Duration;
 use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
 use elasticps_node::NodeError;
-use elasticps_node::worker::{Action, Answer, Op, PushOp, Round, RoundEvent};
+use elasticps_node::worker::{Action, Answer, Op, PushOp, Round, RoundEvent, RowsOp};
 use elasticps_wire::{Control, FrameHeader, Kind, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
+use super::rows::{RowPayloads, RowSink};
 use super::server_conn::{self, ServerConn, WriteJob, Written};
 use super::{Client, Waits};
 use crate::CALL_TIMEOUT;
@@ -37,16 +38,11 @@ impl Client {
         mut pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
     ) -> Result<()> {
         let layout = self.current_layout()?;
-        // A round that failed half-way left requests on some connections: their late
-        // replies must not be taken for this round's, so those connections start afresh.
-        self.servers.retain(|_, c| {
-            c.start_round();
-            c.is_idle()
-        });
+        self.fresh_connections();
         let push_mask: Vec<bool> = push.map_or_else(Vec::new, |(_, g)| g.iter().map(Option::is_some).collect());
         let pull_mask: Vec<bool> =
             pull.as_ref().map_or_else(Vec::new, |(_, p)| p.iter().map(Option::is_some).collect());
-        let (mut plan, actions) = self
+        let (plan, actions) = self
             .worker
             .start(
                 self.clock.now(),
@@ -59,6 +55,47 @@ impl Client {
             m.iteration(it.clock, it.since_last_us.map(Duration::from_micros));
         }
         let grads = push.map_or(&[][..], |(_, g)| g);
+        self.drive(plan, actions, Source::Tensors(grads), Sink::Tensors(&mut pull)).await
+    }
+
+    /// A row round of table `table` ([`RowsOp`]): `payloads` holds the request of each
+    /// block to send to (every block of the table for a push, those holding rows asked
+    /// for a pull), `sink` where a pull's rows go. The plan decides what goes where and
+    /// when, as for tensors.
+    pub(super) async fn rows_round(
+        &mut self,
+        table: u32,
+        op: RowsOp,
+        payloads: &RowPayloads,
+        sink: Option<&mut RowSink<'_>>,
+    ) -> Result<()> {
+        let layout = self.current_layout()?;
+        self.fresh_connections();
+        let wanted = |b: &BlockSpec| payloads.by_block.contains_key(&b.id);
+        let (plan, actions) =
+            self.worker.start_rows(self.clock.now(), &layout, table, op, &wanted).map_err(from_node)?;
+        self.drive(plan, actions, Source::Rows(payloads), Sink::Rows(sink)).await
+    }
+
+    /// A round that failed half-way left requests on some connections: their late
+    /// replies must not be taken for the next round's, so those connections start afresh.
+    fn fresh_connections(&mut self) {
+        self.servers.retain(|_, c| {
+            c.start_round();
+            c.is_idle()
+        });
+    }
+
+    /// Carries out a planned round: writes its sends (values from `source`), reads the
+    /// replies (pulled values into `sink`), fetches the layout when asked, until the plan
+    /// is done; then records the waits and sends the load report when one is due.
+    async fn drive<'g>(
+        &mut self,
+        mut plan: Round,
+        actions: Vec<Action>,
+        source: Source<'g>,
+        mut sink: Sink<'_, '_, '_, '_>,
+    ) -> Result<()> {
         let mut writes = FuturesUnordered::new();
         let mut todo = VecDeque::from(actions);
         // One timer for the whole round, set to the plan's poll_timeout (`armed`).
@@ -76,7 +113,7 @@ impl Client {
                             batch.push((tag, Sent { server, block, op }));
                             todo.pop_front();
                         }
-                        let (jobs, unreachable) = self.start_writes(batch, grads)?;
+                        let (jobs, unreachable) = self.start_writes(batch, source)?;
                         writes.extend(jobs.into_iter().map(server_conn::run_write));
                         for server in unreachable {
                             todo.extend(self.hand(&mut plan, RoundEvent::ServerLost { server })?);
@@ -124,7 +161,7 @@ impl Client {
                     }
                     self.drop_server(server, e, &mut plan)?
                 }
-                Event::Header(server, Ok(Some(header))) => self.on_header(server, header, &mut plan, &mut pull).await?,
+                Event::Header(server, Ok(Some(header))) => self.on_header(server, header, &mut plan, &mut sink).await?,
                 Event::Header(server, Ok(None)) => {
                     let closed = RuntimeError::Closed(format!("server {server}"));
                     self.drop_server(server, closed, &mut plan)?
@@ -164,7 +201,7 @@ impl Client {
         server: u32,
         header: FrameHeader,
         plan: &mut Round,
-        pull: &mut Option<(Clock, &mut [Option<&mut [f32]>])>,
+        sink: &mut Sink<'_, '_, '_, '_>,
     ) -> Result<Vec<Action>> {
         let Some(conn) = self.servers.get_mut(&server) else {
             return Ok(Vec::new());
@@ -182,8 +219,12 @@ impl Client {
                 Err(e) => self.drop_server(server, e, plan),
             };
         };
-        // Where a pull reply of the expected length goes: the block's range of its tensor.
         let b = sent.block;
+        if let Sink::Rows(rows) = sink {
+            return self.on_rows_header(server, header, tag, sent, rows.as_deref_mut(), plan).await;
+        }
+        let Sink::Tensors(pull) = sink else { return Ok(Vec::new()) };
+        // Where a pull reply of the expected length goes: the block's range of its tensor.
         let dest = match (header.kind, pull.as_mut()) {
             (Kind::PullReply, Some((_, params))) if sent.op.is_pull() && header.payload_len as usize == b.len * 4 => {
                 params
@@ -218,12 +259,55 @@ impl Client {
         self.hand(plan, RoundEvent::Answer { tag, answer })
     }
 
+    /// A reply's header came from `server` for request `tag` of a row round: reads it, puts
+    /// a `PullRowsReply`'s rows where they were asked for (its length must be the rows the
+    /// request asked times the dim), and hands the answer to the plan.
+    async fn on_rows_header(
+        &mut self,
+        server: u32,
+        header: FrameHeader,
+        tag: u64,
+        sent: Sent,
+        rows: Option<&mut RowSink<'_>>,
+        plan: &mut Round,
+    ) -> Result<Vec<Action>> {
+        let Some(conn) = self.servers.get_mut(&server) else {
+            return Ok(Vec::new());
+        };
+        let msg = match conn.reader.payload(&header).await {
+            Ok(msg) => {
+                conn.pending.remove(&header.request_id);
+                msg
+            }
+            Err(e) => return self.drop_server(server, e, plan),
+        };
+        let b = sent.block;
+        if let (Message::PullRowsReply { values, .. }, Op::PullRows(_)) = (&msg, sent.op) {
+            let want = rows.as_ref().and_then(|r| r.expected_len(b.id));
+            if want != Some(values.len()) {
+                return Err(RuntimeError::Protocol {
+                    peer: format!("server {server}"),
+                    what: format!(
+                        "answered pull_rows of block {} with {} values, {} were asked for",
+                        b.id,
+                        values.len(),
+                        want.unwrap_or(0)
+                    ),
+                });
+            }
+            if let Some(rows) = rows {
+                rows.scatter(b.id, &values.to_vec());
+            }
+        }
+        self.hand(plan, RoundEvent::Answer { tag, answer: Answer::of(&msg) })
+    }
+
     /// Starts the writes of a round's requests, one vectored write per server: a push,
     /// push_pull or init straight from the caller's gradient slice (no copy of the values),
-    /// a pull as its header.
+    /// a pull as its header, a row request with its block's payload.
     /// Returns the writes, and the servers of the requests that have no connection (lost,
     /// or unreachable at the last layout: handed to the plan as lost).
-    fn start_writes<'g>(&mut self, batch: Vec<(u64, Sent)>, grads: &[Option<&'g [f32]>]) -> Result<Started<'g>> {
+    fn start_writes<'g>(&mut self, batch: Vec<(u64, Sent)>, source: Source<'g>) -> Result<Started<'g>> {
         let mut jobs = Vec::new();
         let mut unreachable = Vec::new();
         let mut servers: Vec<u32> = batch.iter().map(|(_, s)| s.server).collect();
@@ -238,6 +322,10 @@ impl Client {
             let mut frames = Vec::new();
             for &(tag, sent) in mine {
                 let b = sent.block;
+                let grads = match source {
+                    Source::Tensors(grads) => grads,
+                    Source::Rows(_) => &[][..],
+                };
                 let values = || match grads.get(b.tensor as usize) {
                     Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok(&grad[b.offset..b.offset + b.len]),
                     // No gradient for the tensor: an empty push to each of its blocks.
@@ -246,16 +334,25 @@ impl Client {
                         Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id)))
                     }
                 };
-                let (kind, clock, values) = match sent.op {
-                    Op::Push(clock) => (Kind::Push, clock, values()?),
-                    Op::Init => (Kind::Init, 0, values()?),
+                let row_payload = || match source {
+                    Source::Rows(p) => p.by_block.get(&b.id).map(Vec::as_slice).ok_or_else(|| {
+                        RuntimeError::Usage(format!("no rows of table {} for block {}", b.tensor, b.id))
+                    }),
+                    Source::Tensors(_) => {
+                        Err(RuntimeError::Usage(format!("a row request of block {} in a tensor round", b.id)))
+                    }
+                };
+                let (kind, clock, bytes): (Kind, Clock, &'g [u8]) = match sent.op {
+                    Op::Push(clock) => (Kind::Push, clock, bytemuck::cast_slice(values()?)),
+                    Op::Init => (Kind::Init, 0, bytemuck::cast_slice(values()?)),
                     Op::Pull(clock) => (Kind::Pull, clock, &[][..]),
-                    Op::PushPull(clock) => (Kind::PushPull, clock, values()?),
+                    Op::PushPull(clock) => (Kind::PushPull, clock, bytemuck::cast_slice(values()?)),
+                    Op::PushRows(clock) => (Kind::PushRows, clock, row_payload()?),
+                    Op::PullRows(clock) => (Kind::PullRows, clock, row_payload()?),
                 };
                 let id = self.next_request;
                 self.next_request += 1;
                 let Some(conn) = self.servers.get_mut(&server) else { break };
-                let bytes: &'g [u8] = bytemuck::cast_slice(values);
                 frames.push((conn.writer().tensor_header(kind, id, b.id, clock, bytes.len())?, bytes));
                 conn.pending.insert(id, (tag, sent));
             }
@@ -336,6 +433,21 @@ impl Client {
 /// What [`Client::start_writes`] started: the writes, and the servers of the requests
 /// that found no connection.
 type Started<'g> = (Vec<WriteJob<'g>>, Vec<u32>);
+
+/// Where a round's sent values come from: the caller's gradient slices (a tensor round),
+/// or each block's row payload (a row round).
+#[derive(Clone, Copy)]
+enum Source<'g> {
+    Tensors(&'g [Option<&'g [f32]>]),
+    Rows(&'g RowPayloads),
+}
+
+/// Where a round's pulled values go: the caller's tensors at the pull's clock, or the
+/// rows' places (a row pull; `None` for a row push).
+enum Sink<'s, 'a, 'b, 'r> {
+    Tensors(&'s mut Option<(Clock, &'a mut [Option<&'b mut [f32]>])>),
+    Rows(Option<&'s mut RowSink<'r>>),
+}
 
 /// What a round's wait ended with.
 enum Event {
