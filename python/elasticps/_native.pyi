@@ -112,12 +112,14 @@ class Worker:
         ``clock`` into ``out`` (float32, ``(len(ids), dim)``), in the order asked. A bad
         dtype, shape, table name or id raises ``TypeError`` or ``ValueError``."""
 
-    def push_rows(self, clock: int, name: str, ids: _I64, grads: _F32) -> None:
+    def push_rows(self, clock: int, name: str, ids: Optional[_I64], grads: Optional[_F32]) -> None:
         """Pushes the gradient rows ``grads`` (float32, ``(len(ids), dim)``) of rows ``ids``
         of table ``name`` at clock ``clock`` (duplicates summed). Push every table once per
-        clock, with no ids for a table the step did not touch."""
+        clock: with no ids for a table the step used without touching a row, and with
+        ``ids=None, grads=None`` for a table the step did not use (no optimizer step, as
+        torch skips a parameter whose ``grad`` is None)."""
 
-    def push_rows_async(self, clock: int, name: str, ids: _I64, grads: _F32) -> Handle:
+    def push_rows_async(self, clock: int, name: str, ids: Optional[_I64], grads: Optional[_F32]) -> Handle:
         """Starts ``push_rows`` and returns at once; the arrays are copied first."""
 
     def pull(self, clock: int, out: Mapping[str, _F32]) -> None:

@@ -93,9 +93,11 @@ class _Binding:
         self.clock = clock  # a callable: the optimizer's current clock
         self.pulled: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (unique ids, leaf rows)
 
-    def take_gradient(self, dim: int) -> Tuple[np.ndarray, np.ndarray]:
+    def take_gradient(self, dim: int) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
         """This step's row gradients: unique ids (int64) and their summed rows (float32),
-        then forgets the step's pulls. Rows that got no gradient are left out."""
+        then forgets the step's pulls. Rows that got no gradient are left out; ``(None,
+        None)`` when no pull of the step got one (the table was not used: torch's ``grad
+        is None``, so the servers take no optimizer step for it)."""
         ids, grads = [], []
         for u, leaf in self.pulled:
             if leaf.grad is not None:
@@ -103,7 +105,7 @@ class _Binding:
                 grads.append(leaf.grad)
         self.pulled.clear()
         if not ids:
-            return np.empty(0, np.int64), np.empty((0, dim), np.float32)
+            return None, None
         if len(ids) == 1:
             u, g = ids[0], grads[0]
         else:

@@ -226,12 +226,6 @@ def test_an_embedding_module_refuses_what_it_cannot_do(cluster):
     w.finish()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a table untouched by a whole step gets empty pushes (sync needs them), which the servers count as "
-    "a SparseAdam step; torch skips the step of a parameter without gradient (issue 21: needs a 'table not "
-    "touched' push on the server side)",
-)
 @pytest.mark.cluster(**JOB)
 def test_a_table_untouched_in_some_steps_matches_torch_sparse_adam(cluster):
     w = cluster.connect()

@@ -48,7 +48,8 @@ pub enum Cmd {
     /// asked.
     PullRows { clock: Clock, table: u32, ids: Vec<u64>, ticket: Ticket, done: Reply<Vec<f32>> },
     /// Push the gradient rows `grads` of rows `ids` of table `table` at `clock`.
-    PushRows { clock: Clock, table: u32, ids: Vec<u64>, grads: Vec<f32>, ticket: Ticket, done: Reply<()> },
+    /// `grads` `None`: the table got no gradient this clock.
+    PushRows { clock: Clock, table: u32, ids: Vec<u64>, grads: Option<Vec<f32>>, ticket: Ticket, done: Reply<()> },
     /// A tensor's new optimizer.
     SetOptimizer { tensor: u32, optimizer: TensorOptimizer, done: Reply<()> },
     /// Wait for every worker.
@@ -130,7 +131,12 @@ pub async fn run(
                 let what = format!("push_rows(clock {clock}) of table {table}");
                 let started = Instant::now();
                 let r = tokio::select! {
-                    r = client.push_rows(clock, table, &ids, &grads) => r.map_err(|e| e.to_string()),
+                    r = async {
+                        match &grads {
+                            Some(grads) => client.push_rows(clock, table, &ids, grads).await,
+                            None => client.push_rows_none(clock, table).await,
+                        }
+                    } => r.map_err(|e| e.to_string()),
                     () = ticket.stopped() => Err(cancel::interrupted(&what)),
                 };
                 stats.tally.communicated(started.elapsed(), &client.last_waits().per_server);

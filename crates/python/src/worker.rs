@@ -259,8 +259,19 @@ impl Worker {
         grads: &Bound<'_, PyAny>,
     ) -> PyResult<(oneshot::Receiver<Result<(), String>>, Ticket)> {
         let table = self.table(name)?;
-        let ids = rows::ids(ids, name, table)?;
-        let grads = rows::grads(grads, name, ids.len(), table)?;
+        let (ids, grads) = if grads.is_none() {
+            // No gradient for the table this step (torch's `grad is None`).
+            if !ids.is_none() {
+                return Err(PyValueError::new_err(format!(
+                    "elasticps: push_rows of {name:?} without grads (None: the table got no gradient) takes ids=None"
+                )));
+            }
+            (Vec::new(), None)
+        } else {
+            let ids = rows::ids(ids, name, table)?;
+            let grads = rows::grads(grads, name, ids.len(), table)?;
+            (ids, Some(grads))
+        };
         let ticket = Ticket::new();
         let rx =
             self.send(|done| Cmd::PushRows { clock, table: table.index, ids, grads, ticket: ticket.clone(), done })?;
@@ -444,7 +455,10 @@ impl Worker {
     /// Pushes the gradient rows `grads` (float32, `(len(ids), dim)`) of rows `ids` (1-D
     /// int64) of table `name` at clock `clock`; a row named twice gets the sum. Push every
     /// table once per clock, with empty `ids` and `grads` of shape `(0, dim)` for a table
-    /// the step did not touch: every row range counts the clock.
+    /// the step used but whose rows here it did not touch (the optimizer still steps, as
+    /// torch's does), and `ids=None, grads=None` for a table the step did not use at all
+    /// (no step, as torch skips a parameter whose `grad` is None): every row range counts
+    /// the clock either way.
     fn push_rows(
         &self,
         py: Python<'_>,

@@ -1238,8 +1238,7 @@ mod golden {
         assert_eq!((hex(&payload), &head[24..28]), ("02 00 00 00 00 00 00 00".to_string(), &[8, 0, 0, 0][..]));
         assert_eq!(Message::decode(&Codec::default().decode_header(&head).unwrap(), payload).unwrap(), fwd);
         // In a migration's delta: an empty f32 byte string.
-        let delta =
-            Control::BlockDelta { block: 3, epoch: 2, pushes: vec![LoggedPush::dense(1, 5, vec![])] };
+        let delta = Control::BlockDelta { block: 3, epoch: 2, pushes: vec![LoggedPush::dense(1, 5, vec![])] };
         pinned("BlockDelta without a gradient", &postcard::to_allocvec(&delta).unwrap(), "13 03 02 01 01 05 00 00");
     }
 

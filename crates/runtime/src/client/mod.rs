@@ -403,6 +403,16 @@ impl Client {
         self.rows_round(table, RowsOp::Push(clock), &payloads, None).await
     }
 
+    /// Pushes "no gradient" for table `table` at clock `clock` (the table was not used in
+    /// the step: PyTorch's `grad is None`): every block of the table counts the clock and
+    /// takes no optimizer step, where [`Client::push_rows`] with no id is a step that
+    /// touched no row.
+    pub async fn push_rows_none(&mut self, clock: Clock, table: u32) -> Result<()> {
+        let layout = self.current_layout()?;
+        let payloads = rows::no_gradient_plan(&layout.partition, table)?;
+        self.rows_round(table, RowsOp::Push(clock), &payloads, None).await
+    }
+
     /// Tells the scheduler this worker is done. Servers stop waiting for it.
     pub async fn finish(self) -> Result<()> {
         let reply = self

@@ -347,7 +347,11 @@ impl Client {
                     Op::Init => (Kind::Init, 0, bytemuck::cast_slice(values()?)),
                     Op::Pull(clock) => (Kind::Pull, clock, &[][..]),
                     Op::PushPull(clock) => (Kind::PushPull, clock, bytemuck::cast_slice(values()?)),
-                    Op::PushRows(clock) => (Kind::PushRows, clock, row_payload()?),
+                    // No gradient for the table this clock: an empty Push.
+                    Op::PushRows(clock) => match row_payload()? {
+                        [] => (Kind::Push, clock, &[][..]),
+                        rows => (Kind::PushRows, clock, rows),
+                    },
                     Op::PullRows(clock) => (Kind::PullRows, clock, row_payload()?),
                 };
                 let id = self.next_request;

@@ -14,7 +14,7 @@ use crate::error::{Result, RuntimeError};
 #[derive(Debug, Default)]
 pub(super) struct RowPayloads {
     /// Block id -> the payload: a pull's unique ids (u64 LE), or a push's count, dim, ids
-    /// and gradient rows.
+    /// and gradient rows; empty for a push without a gradient (sent as an empty `Push`).
     pub(super) by_block: HashMap<u32, Vec<u8>>,
 }
 
@@ -152,6 +152,18 @@ pub(super) fn push_plan(partition: &Partition, table: u32, ids: &[u64], grads: &
         payloads.by_block.insert(b.id, bytes);
     }
     Ok(payloads)
+}
+
+/// The push of a table that got no gradient this clock (a torch parameter whose `grad`
+/// is None): an empty payload for every block of the table, which goes out as an empty
+/// `Push` (docs/PROTOCOL.md §4): the clock counts and no optimizer step is taken, where an
+/// empty `PushRows` is a step that touched no row of the block.
+pub(super) fn no_gradient_plan(partition: &Partition, table: u32) -> Result<RowPayloads> {
+    if partition.tables.get(table as usize).is_none() {
+        return Err(RuntimeError::Usage(format!("push_rows: the model has no table {table}")));
+    }
+    let by_block = partition.table_blocks(table).map(|b| (b.id, Vec::new())).collect();
+    Ok(RowPayloads { by_block })
 }
 
 #[cfg(test)]
