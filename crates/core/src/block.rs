@@ -397,11 +397,7 @@ impl<T> Block<T> {
         if !clocks.is_consistent() || clocks.workers() != config.workers {
             return Err(CoreError::UnknownWorker(clocks.workers()));
         }
-        let (store, pending) = RowStore::from_state(rows).map_err(|_| CoreError::WrongLength {
-            block: spec.id,
-            expected: spec.len,
-            got: 0,
-        })?;
+        let (store, pending) = RowStore::from_state(spec.id, rows)?;
         let mut block = Self::new_rows(spec, *store.rule(), config)?;
         block.clocks = clocks;
         block.rows = Some(Box::new(RowPart { store, pending: pending.into_iter().map(|p| (p.clock, p)).collect() }));

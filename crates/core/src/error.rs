@@ -59,6 +59,15 @@ pub enum CoreError {
         /// Why it was refused, with the accepted forms.
         why: String,
     },
+    /// A row block's state (from a migration, a replica or a checkpoint) that does not
+    /// hold together.
+    #[error("the row state of block {block} is malformed: {why}")]
+    BadRowState {
+        /// The block.
+        block: BlockId,
+        /// What does not fit.
+        why: String,
+    },
     /// A row id outside the row range of the block it was sent to.
     #[error("row {row} is not in block {block}, which holds rows {start}..{end}")]
     RowOutOfRange {

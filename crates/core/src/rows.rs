@@ -29,7 +29,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::CoreError;
-use crate::model::fnv1a;
+use crate::model::{BlockId, fnv1a};
 
 /// How a table's rows get their initial values. Each row's values depend only on the
 /// job's seed, the table's name and the row id ([`RowInit::fill`]).
@@ -465,8 +465,9 @@ impl RowStore {
     }
 
     /// The store a [`RowState`] describes, and its aggregate sums; refused (naming what)
-    /// when its lengths do not fit or a row repeats.
-    pub fn from_state(state: RowState) -> Result<(Self, Vec<PendingRows>), String> {
+    /// when its lengths do not fit or a row repeats (`block`: whose state it is, for the error).
+    pub fn from_state(block: BlockId, state: RowState) -> Result<(Self, Vec<PendingRows>), CoreError> {
+        let bad = |why: String| CoreError::BadRowState { block, why };
         let dim = state.rule.dim as usize;
         let n = state.ids.len();
         let per = state.rule.optimizer.state_per_value();
@@ -477,15 +478,15 @@ impl RowStore {
             || state.v.len() != if per >= 2 { n * dim } else { 0 }
             || state.row_steps.len() != if lazy { n } else { 0 }
         {
-            return Err(format!("a row state of {n} rows of {dim} values has buffers of other lengths"));
+            return Err(bad(format!("{n} rows of {dim} values, and buffers of other lengths")));
         }
         if let Some(p) = state.pending.iter().find(|p| p.grads.len() != p.ids.len() * dim || p.count == 0) {
-            return Err(format!("the pending rows of clock {} do not fit rows of {dim} values", p.clock));
+            return Err(bad(format!("the pending rows of clock {} do not fit rows of {dim} values", p.clock)));
         }
         let mut index = HashMap::with_capacity(n);
         for (slot, id) in state.ids.iter().enumerate() {
             if index.insert(*id, slot as u32).is_some() {
-                return Err(format!("row {id} appears twice in a row state"));
+                return Err(bad(format!("row {id} appears twice")));
             }
         }
         let store = Self {
@@ -724,17 +725,17 @@ mod tests {
             s.step(&[5, 1], &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 1.0);
             let pending = vec![PendingRows { clock: 2, ids: vec![7], grads: vec![1.0; 3], count: 1 }];
             let state = s.state(pending.clone());
-            let (mut back, p) = RowStore::from_state(state.clone()).unwrap();
+            let (mut back, p) = RowStore::from_state(0, state.clone()).unwrap();
             assert_eq!(p, pending);
             s.step(&[1], &[1.0; 3], 0.5);
             back.step(&[1], &[1.0; 3], 0.5);
             assert_eq!(s.state(vec![]), back.state(vec![]), "{opt:?}");
             let mut bad = state.clone();
             bad.values.pop();
-            assert!(RowStore::from_state(bad).is_err());
+            assert!(RowStore::from_state(0, bad).is_err());
             let mut dup = state;
             dup.ids[1] = dup.ids[0];
-            assert!(RowStore::from_state(dup).is_err());
+            assert!(RowStore::from_state(0, dup).is_err());
         }
     }
 
