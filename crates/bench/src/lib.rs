@@ -12,6 +12,9 @@
 //!
 //! - [`transport`]: push/pull throughput and latency of the parameter server against the
 //!   same bytes over plain TCP socket pairs (`elasticps bench transport`).
+//! - [`sparse`]: embedding tables' `pull_rows`/`push_rows` against dense pulls/pushes of
+//!   the same bytes, and the server's RSS for a 10^7-row table with 10^5 rows touched
+//!   (`elasticps bench sparse`).
 //! - [`sink`]: the raw TCP peer of that comparison, a separate process
 //!   (`elasticps bench tcp-sink`, hidden) so both sides pay the same process costs.
 //! - [`pipeline`]: the one pipeline of every benchmark.
@@ -55,6 +58,7 @@ pub mod plots;
 pub mod roles;
 pub mod sim;
 pub mod sink;
+pub mod sparse;
 pub mod straggler;
 pub mod sync;
 pub mod transient;
@@ -67,6 +71,8 @@ pub use error::{BenchError, Result};
 pub enum BenchCmd {
     /// Push/pull throughput and latency against raw TCP.
     Transport(transport::TransportCmd),
+    /// Embedding tables: pull_rows/push_rows against dense pulls/pushes of the same bytes, and a 10^7-row table's RSS for the rows touched.
+    Sparse(sparse::SparseCmd),
     /// The raw TCP peer of `bench transport` (started by it; not for direct use).
     #[command(hide = true)]
     TcpSink(sink::SinkCmd),
@@ -90,6 +96,7 @@ pub async fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Transport(cmd) => execute(transport::TransportBench::new(cmd)?).await,
         BenchCmd::TcpSink(cmd) => sink::run(cmd).await,
+        BenchCmd::Sparse(cmd) => execute(sparse::SparseBench::new(cmd)?).await,
         BenchCmd::Sync(cmd) => execute(sync::SyncBench::new(cmd)?).await,
         BenchCmd::Straggler(cmd) => execute(straggler::StragglerBench::new(cmd)?).await,
         BenchCmd::Sim(cmd) => execute(sim::SimBench::new(cmd)).await,

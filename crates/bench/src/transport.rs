@@ -123,7 +123,7 @@ fn parse_topology(s: &str) -> Result<Topology, String> {
     }
 }
 
-fn parse_size(s: &str) -> Result<usize, String> {
+pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
     let lower = t.to_ascii_lowercase();
     let (num, mult) = if let Some(n) = lower.strip_suffix("kib").or_else(|| lower.strip_suffix('k')) {
@@ -477,7 +477,7 @@ async fn start_cluster(
 }
 
 /// Runs `fut` unless a node of the cluster fails first.
-async fn guarded<T>(
+pub(crate) async fn guarded<T>(
     cluster: &mut Cluster,
     fut: impl std::future::Future<Output = crate::Result<T>>,
 ) -> crate::Result<T> {
