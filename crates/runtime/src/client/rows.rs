@@ -143,11 +143,10 @@ pub(super) fn push_plan(partition: &Partition, table: u32, ids: &[u64], grads: &
         for &i in &order[a..z] {
             bytes.extend_from_slice(&ids[i as usize].to_le_bytes());
         }
+        // A row at a time (little-endian is the wire's and every target's order).
         for &i in &order[a..z] {
             let at = i as usize * dim;
-            for v in &grads[at..at + dim] {
-                bytes.extend_from_slice(&v.to_le_bytes());
-            }
+            bytes.extend_from_slice(bytemuck::cast_slice(&grads[at..at + dim]));
         }
         payloads.by_block.insert(b.id, bytes);
     }
