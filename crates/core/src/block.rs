@@ -243,6 +243,77 @@ impl BlockState {
     }
 }
 
+impl BlockState {
+    /// The states of the two halves of a row block split at row `at`
+    /// ([`crate::model::Partition::split_rows`]): `left` and `right` are the new blocks'
+    /// specs. Each half has the rows of its range with their optimizer state, and both
+    /// keep the whole clock state and step count (each push the block took counts as
+    /// taken by both), so a resent push is a duplicate on either half. Aggregate sums are
+    /// cut by row, each half keeping the count of pushes. Refused for a dense state and
+    /// halves that do not cut this block's range at one row.
+    pub fn split_rows(self, left: BlockSpec, right: BlockSpec) -> Result<(BlockState, BlockState), CoreError> {
+        let id = self.spec.id;
+        let (Some((start, end, dim)), Some((ls, le, ld)), Some((rs, re, rd))) =
+            (self.spec.row_range(), left.row_range(), right.row_range())
+        else {
+            return Err(CoreError::NotRows(id));
+        };
+        if ls != start || re != end || le != rs || ls >= le || rs >= re || ld != dim || rd != dim {
+            return Err(CoreError::BadRowState {
+                block: id,
+                why: format!("rows {ls}..{le} and {rs}..{re} do not cut its rows {start}..{end} in two"),
+            });
+        }
+        let Some(rows) = self.rows else { return Err(CoreError::NotRows(id)) };
+        let rows = *rows;
+        let d = dim as usize;
+        let lazy = !rows.row_steps.is_empty();
+        let cut = |spec: BlockSpec| {
+            let keep = |r: &u64| spec_has(&spec, *r);
+            let mut half = RowState {
+                rule: rows.rule,
+                steps: rows.steps,
+                ids: Vec::new(),
+                values: Vec::new(),
+                m: Vec::new(),
+                v: Vec::new(),
+                row_steps: Vec::new(),
+                pending: Vec::new(),
+            };
+            for (slot, row) in rows.ids.iter().enumerate().filter(|(_, r)| keep(r)) {
+                half.ids.push(*row);
+                half.values.extend_from_slice(&rows.values[slot * d..][..d]);
+                if !rows.m.is_empty() {
+                    half.m.extend_from_slice(&rows.m[slot * d..][..d]);
+                }
+                if !rows.v.is_empty() {
+                    half.v.extend_from_slice(&rows.v[slot * d..][..d]);
+                }
+                if lazy {
+                    half.row_steps.push(rows.row_steps[slot]);
+                }
+            }
+            for p in &rows.pending {
+                let mut part = PendingRows { clock: p.clock, ids: Vec::new(), grads: Vec::new(), count: p.count };
+                for (k, row) in p.ids.iter().enumerate().filter(|(_, r)| keep(r)) {
+                    part.ids.push(*row);
+                    part.grads.extend_from_slice(&p.grads[k * d..][..d]);
+                }
+                half.pending.push(part);
+            }
+            BlockState {
+                spec,
+                values: Vec::new(),
+                opt: OptState::default(),
+                clocks: self.clocks.clone(),
+                pending: Vec::new(),
+                rows: Some(Box::new(half)),
+            }
+        };
+        Ok((cut(left), cut(right)))
+    }
+}
+
 /// Aggregate mode: the sum of the pushes of one clock received so far, and how many.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PendingSum {
@@ -1627,6 +1698,113 @@ mod proptests {
             (0u32..4, 0.0f64..=1.0).prop_map(|(s, p)| SyncPolicy::Pssp { s, p }),
             (0u32..4).prop_map(SyncPolicy::Dpssp),
         ]
+    }
+
+    /// Two workers push rows of a row block (rows 10..20 of a table of 20 rows, dim 2) in
+    /// the order `order` (each entry: which worker pushes its next clock, with the next
+    /// rows of `rows`); before push `before` the block is split at row `at`
+    /// ([`Partition::split_rows`](crate::model::Partition::split_rows),
+    /// [`BlockState::split_rows`](super::BlockState::split_rows)), the last push taken
+    /// before is resent to both halves (a duplicate there), and each later push goes to
+    /// both halves, each with the rows of its range (an empty push where it has none), as
+    /// a worker that learned the split sends it. Returns every row as the whole block ends
+    /// and as the halves end.
+    pub(super) fn split_run(
+        aggregate: bool,
+        optimizer: crate::rows::SparseOptimizer,
+        order: &[bool],
+        rows: &[Vec<u64>],
+        before: usize,
+        at: u64,
+    ) -> (Vec<f32>, Vec<f32>) {
+        use super::*;
+        use crate::model::{Partition, TableSpec};
+        use crate::rows::RowInit;
+        let cfg = ShardConfig {
+            sync: SyncPolicy::Asp,
+            optimizer: crate::optimizer::OptimizerConfig {
+                kind: crate::optimizer::OptimizerKind::Sgd,
+                lr: 1.0,
+                aggregate,
+                weight_decay: 0.0,
+            },
+            workers: 2,
+        };
+        let table = TableSpec::new("t", 20, 2).with_init(RowInit::Constant(1.0)).with_optimizer(optimizer);
+        let mut partition = Partition::with_tables(vec![], vec![table], 80).unwrap();
+        let rule = partition.row_rule(1, 3).unwrap().unwrap();
+        let mut whole = Block::<u32>::new_rows(partition.blocks[1], rule, &cfg).unwrap();
+        let mut halves: Vec<Block<u32>> = Vec::new();
+        let mut clocks = [0u32; 2];
+        let mut last: Option<(u32, u32, Vec<u64>, Vec<f32>)> = None;
+        for k in 0..=order.len() {
+            if k == before {
+                let ids = partition.split_rows(1, at).unwrap();
+                let [l, r] = ids.map(|b| partition.blocks[b as usize]);
+                let (l, r) = whole.state().split_rows(l, r).unwrap();
+                halves = vec![Block::from_state(l, &[], &cfg).unwrap(), Block::from_state(r, &[], &cfg).unwrap()];
+                if let Some((w, c, ids, grads)) = &last {
+                    for half in &mut halves {
+                        let (ids, grads) = in_range(half.spec(), ids, grads);
+                        let steps = half.rows().map(|r| r.steps());
+                        half.push_rows(&cfg, *w, *c, &ids, &grads, 0).unwrap();
+                        assert_eq!(half.rows().map(|r| r.steps()), steps, "a resend is a duplicate");
+                    }
+                }
+            }
+            let Some(w) = order.get(k).map(|w| usize::from(*w)) else { break };
+            let ids = &rows[k % rows.len()];
+            let grads: Vec<f32> = ids.iter().flat_map(|r| [*r as f32 * 0.125, -0.25]).collect();
+            whole.push_rows(&cfg, w as u32, clocks[w], ids, &grads, 0).unwrap();
+            last = Some((w as u32, clocks[w], ids.clone(), grads.clone()));
+            for half in &mut halves {
+                let (ids, grads) = in_range(half.spec(), ids, &grads);
+                half.push_rows(&cfg, w as u32, clocks[w], &ids, &grads, 0).unwrap();
+            }
+            clocks[w] += 1;
+        }
+        assert_eq!(partition.check_tables(), Ok(()));
+        let all: Vec<u64> = (10..20).collect();
+        let mut split = halves[0].rows().unwrap().gather(&(10..at).collect::<Vec<_>>());
+        split.extend(halves[1].rows().unwrap().gather(&(at..20).collect::<Vec<_>>()));
+        (whole.rows().unwrap().gather(&all), split)
+    }
+
+    /// The ids of `ids` in `spec`'s range and their gradients.
+    fn in_range(spec: &crate::model::BlockSpec, ids: &[u64], grads: &[f32]) -> (Vec<u64>, Vec<f32>) {
+        let (start, end, _) = spec.row_range().unwrap();
+        let keep: Vec<usize> = (0..ids.len()).filter(|i| (start..end).contains(&ids[*i])).collect();
+        (keep.iter().map(|i| ids[*i]).collect(), keep.iter().flat_map(|i| grads[i * 2..i * 2 + 2].to_vec()).collect())
+    }
+
+    fn any_sparse() -> impl Strategy<Value = crate::rows::SparseOptimizer> {
+        use crate::rows::SparseOptimizer;
+        prop_oneof![
+            Just(SparseOptimizer::Sgd { lr: 0.5 }),
+            Just(SparseOptimizer::adagrad(0.5)),
+            Just(SparseOptimizer::sparse_adam(0.1)),
+            Just(SparseOptimizer::lazy_adam(0.1)),
+        ]
+    }
+
+    proptest! {
+        /// A row block split at any row, at any point of two workers' pushes (repeated
+        /// rows, empty pushes, aggregate or not, every sparse optimizer), ends with exactly
+        /// the rows the unsplit block ends with, and a push taken before the split and
+        /// resent to the halves is a duplicate on both.
+        #[test]
+        fn a_split_row_block_ends_with_the_rows_of_the_unsplit_one(
+            aggregate in any::<bool>(),
+            optimizer in any_sparse(),
+            order in proptest::collection::vec(any::<bool>(), 1..16),
+            rows in proptest::collection::vec(proptest::collection::vec(10u64..20, 0..4), 1..6),
+            before in 0usize..16,
+            at in 11u64..20,
+        ) {
+            let before = before.min(order.len());
+            let (whole, split) = split_run(aggregate, optimizer, &order, &rows, before, at);
+            prop_assert_eq!(whole, split);
+        }
     }
 
     proptest! {

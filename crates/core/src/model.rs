@@ -149,6 +149,12 @@ impl BlockSpec {
         matches!(self.kind, BlockKind::Rows { .. })
     }
 
+    /// True for a row block that was split into two others ([`Partition::split_rows`]):
+    /// it holds no row, and its id answers no request.
+    pub fn is_retired(&self) -> bool {
+        self.is_rows() && self.len == 0
+    }
+
     /// A row block's rows `[start, end)` and values per row; `None` for a dense block.
     pub fn row_range(&self) -> Option<(u64, u64, u32)> {
         match self.kind {
@@ -244,21 +250,70 @@ impl Partition {
         self.tables.iter().enumerate().find(|(_, t)| t.name == name).map(|(i, t)| (i as u32, t))
     }
 
-    /// The blocks of table `table`, in row order.
-    pub fn table_blocks(&self, table: u32) -> impl Iterator<Item = &BlockSpec> {
-        self.blocks.iter().filter(move |b| b.is_rows() && b.tensor == table)
+    /// The live blocks of table `table` (not split into others), in row order: together
+    /// they cover its rows `0..rows` without overlap.
+    pub fn table_blocks(&self, table: u32) -> Vec<&BlockSpec> {
+        let mut blocks: Vec<&BlockSpec> =
+            self.blocks.iter().filter(|b| b.is_rows() && b.tensor == table && !b.is_retired()).collect();
+        blocks.sort_by_key(|b| b.offset);
+        blocks
     }
 
     /// The block of table `table` that holds row `row`, if the table has that row.
     pub fn row_block(&self, table: u32, row: u64) -> Option<&BlockSpec> {
-        let first = self.blocks.iter().position(|b| b.is_rows() && b.tensor == table)?;
         let spec = self.tables.get(table as usize)?;
         if row >= spec.rows {
             return None;
         }
-        // Every block of a table but its last holds rows_per_block rows.
-        let (start, end, _) = self.blocks[first].row_range()?;
-        self.blocks.get(first + ((row - start) / (end - start)) as usize)
+        let blocks = self.table_blocks(table);
+        let at = blocks.partition_point(|b| b.row_range().is_some_and(|(_, end, _)| end <= row));
+        blocks.get(at).copied()
+    }
+
+    /// Splits row block `block` (rows `s..e`) at row `at` (`s < at < e`): two new blocks,
+    /// ids `blocks.len()` (rows `s..at`) and the next (rows `at..e`), take its place, and
+    /// `block` is retired ([`BlockSpec::is_retired`]: no rows, kept so that ids stay
+    /// dense and stable). Returns the two new ids. Refused for a dense, retired or unknown
+    /// block, and for `at` outside `s + 1 ..= e - 1`.
+    pub fn split_rows(&mut self, block: BlockId, at: u64) -> Result<[BlockId; 2], CoreError> {
+        let spec = *self.block(block)?;
+        let Some((start, end, dim)) = spec.row_range().filter(|_| !spec.is_retired()) else {
+            return Err(CoreError::NotRows(block));
+        };
+        if at <= start || at >= end {
+            return Err(CoreError::RowOutOfRange { block, row: at, start: start + 1, end });
+        }
+        let first = BlockId::try_from(self.blocks.len())
+            .ok()
+            .filter(|f| f.checked_add(1).is_some())
+            .ok_or_else(|| CoreError::InvalidModel("more than 2^32 blocks".into()))?;
+        self.blocks.push(BlockSpec::rows(first, spec.tensor, start, at, dim));
+        self.blocks.push(BlockSpec::rows(first + 1, spec.tensor, at, end, dim));
+        self.blocks[block as usize].len = 0;
+        debug_assert_eq!(self.check_tables(), Ok(()));
+        Ok([first, first + 1])
+    }
+
+    /// The invariant of tables: the live blocks of every table cover its rows exactly once,
+    /// in order. The first table that breaks it, as an error.
+    pub fn check_tables(&self) -> Result<(), String> {
+        for (t, spec) in self.tables.iter().enumerate() {
+            let mut next = 0;
+            for b in self.table_blocks(t as u32) {
+                let (start, end, _) = b.row_range().unwrap_or_default();
+                if start != next || end <= start {
+                    return Err(format!(
+                        "table {:?}: block {} holds rows {start}..{end}, expected from {next}",
+                        spec.name, b.id
+                    ));
+                }
+                next = end;
+            }
+            if next != spec.rows {
+                return Err(format!("table {:?}: its blocks end at row {next}, not {}", spec.name, spec.rows));
+            }
+        }
+        Ok(())
     }
 
     /// Row ids of table `table` grouped by the block that holds them: every block of the
@@ -269,15 +324,14 @@ impl Partition {
         let spec = self.tables.get(table as usize).ok_or_else(|| {
             CoreError::InvalidModel(format!("table {table} does not exist: the model has {} tables", self.tables.len()))
         })?;
-        let blocks: Vec<&BlockSpec> = self.table_blocks(table).collect();
-        let (start, end, _) = blocks.first().and_then(|b| b.row_range()).unwrap_or((0, 1, 1));
-        let per = (end - start).max(1);
+        let blocks = self.table_blocks(table);
+        let ends: Vec<u64> = blocks.iter().map(|b| b.row_range().map_or(0, |(_, end, _)| end)).collect();
         let mut out: Vec<(BlockId, Vec<usize>)> = blocks.iter().map(|b| (b.id, Vec::new())).collect();
         for (i, row) in ids.iter().enumerate() {
             if *row >= spec.rows {
                 return Err(CoreError::NoSuchRow { table: spec.name.clone(), row: *row, rows: spec.rows });
             }
-            out[(row / per) as usize].1.push(i);
+            out[ends.partition_point(|end| end <= row)].1.push(i);
         }
         Ok(out)
     }
@@ -431,7 +485,7 @@ mod tests {
         assert_eq!(p.row_block(0, 9).unwrap().id, 6);
         assert_eq!(p.row_block(0, 4).unwrap().id, 4);
         assert!(p.row_block(0, 10).is_none());
-        assert_eq!(p.table_blocks(0).count(), 5);
+        assert_eq!(p.table_blocks(0).len(), 5);
         assert_eq!(p.table("small").unwrap().0, 1);
         assert!(p.row_rule(0, 1).unwrap().is_none());
         assert_eq!(p.row_rule(7, 1).unwrap().unwrap().dim, 100);
@@ -443,6 +497,32 @@ mod tests {
         let past = p.rows_by_block(0, &[10]).unwrap_err();
         assert_eq!(past.to_string(), "table \"emb\" has rows 0..10, not row 10");
         assert!(p.rows_by_block(2, &[0]).is_err());
+    }
+
+    #[test]
+    fn a_split_row_block_is_retired_and_its_halves_cover_its_rows() {
+        let mut p =
+            Partition::with_tables(vec![tensor("w", 5, Init::Zeros)], vec![TableSpec::new("emb", 10, 2)], 16).unwrap();
+        // Blocks 2..=6 hold rows 0..2, 2..4, ..., 8..10; split block 3 (rows 2..4) at row 3.
+        assert_eq!(p.split_rows(3, 3).unwrap(), [7, 8]);
+        assert!(p.blocks[3].is_retired() && !p.blocks[7].is_retired());
+        assert_eq!((p.blocks[7].row_range(), p.blocks[8].row_range()), (Some((2, 3, 2)), Some((3, 4, 2))));
+        let live: Vec<BlockId> = p.table_blocks(0).iter().map(|b| b.id).collect();
+        assert_eq!(live, [2, 7, 8, 4, 5, 6]);
+        assert_eq!(p.row_block(0, 3).unwrap().id, 8);
+        assert_eq!(p.row_block(0, 9).unwrap().id, 6);
+        let by = p.rows_by_block(0, &[3, 2, 9]).unwrap();
+        assert_eq!(by, vec![(2, vec![]), (7, vec![1]), (8, vec![0]), (4, vec![]), (5, vec![]), (6, vec![2])]);
+        assert_eq!(p.check_tables(), Ok(()));
+        // A retired, dense or unknown block, or a cut at an end of the range: refused.
+        assert!(p.split_rows(3, 3).is_err());
+        assert!(p.split_rows(0, 1).is_err());
+        assert!(p.split_rows(99, 1).is_err());
+        assert!(p.split_rows(7, 2).is_err() && p.split_rows(7, 3).is_err());
+        assert_eq!(p.blocks.len(), 9, "a refused split changes nothing");
+        // A table whose blocks leave a gap breaks the invariant.
+        p.blocks[8].len = 0;
+        assert!(p.check_tables().unwrap_err().contains("expected from 3"));
     }
 
     #[test]

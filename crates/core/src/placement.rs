@@ -35,6 +35,9 @@ pub enum PlacementKind {
     Skewed(ServerId),
 }
 
+/// The owner of a retired block ([`crate::model::BlockSpec::is_retired`]): no server.
+pub const RETIRED: ServerId = ServerId::MAX;
+
 /// The share of the model's bytes `skewed:IDX` puts on server IDX (at least).
 pub const SKEWED_SHARE: f64 = 0.7;
 
@@ -257,9 +260,34 @@ impl Placement {
         Ok(())
     }
 
-    /// The owner of `block`.
+    /// The owner of `block` (none for a retired block).
     pub fn owner(&self, block: BlockId) -> Option<ServerId> {
-        self.owners.get(block as usize).copied()
+        self.owners.get(block as usize).copied().filter(|o| *o != RETIRED)
+    }
+
+    /// Row block `block` was split into the next two ids ([`Partition::split_rows`]): both
+    /// halves get its owner and backups, `block` is retired (owned by [`RETIRED`]), and
+    /// the epoch goes up by one. Returns the two new ids. Refused for an unknown or
+    /// retired block, and unless the placement covers exactly the blocks before the split.
+    pub fn split(&mut self, block: BlockId, blocks_before: usize) -> Result<[BlockId; 2], CoreError> {
+        let owner = self.owner(block).ok_or(CoreError::UnknownBlock(block))?;
+        if self.owners.len() != blocks_before {
+            return Err(CoreError::InvalidModel(format!(
+                "the placement has {} blocks, the model {blocks_before}",
+                self.owners.len()
+            )));
+        }
+        let first = blocks_before as BlockId;
+        self.owners.extend([owner, owner]);
+        if !self.backups.is_empty() {
+            let backups = self.backups[block as usize].clone();
+            self.backups.extend([backups.clone(), backups]);
+            self.backups[block as usize].clear();
+        }
+        self.owners[block as usize] = RETIRED;
+        self.epoch += 1;
+        debug_assert_eq!(self.check_copies(), Ok(()));
+        Ok([first, first + 1])
     }
 
     /// The blocks owned by `server`, in id order.
@@ -401,5 +429,18 @@ mod tests {
         let err = Placement::initial(PlacementKind::Skewed(4), &p, 4).unwrap_err();
         assert!(matches!(err, CoreError::UnknownServer { server: 4, servers: 4, .. }), "{err}");
         assert!(err.to_string().contains("servers 0..4"), "{err}");
+    }
+
+    #[test]
+    fn a_split_block_is_retired_and_its_halves_keep_its_owner_and_backups() {
+        let mut pl = Placement::new(3, vec![0, 1, 0]).with_replicas(2, 2).unwrap();
+        assert_eq!(pl.split(1, 3).unwrap(), [3, 4]);
+        assert_eq!(pl.epoch, 4);
+        assert_eq!((pl.owner(1), pl.owner(3), pl.owner(4)), (None, Some(1), Some(1)));
+        assert_eq!((pl.backups_of(3), pl.backups_of(4), pl.backups_of(1)), (&[0][..], &[0][..], &[][..]));
+        assert_eq!(pl.blocks_of(1).collect::<Vec<_>>(), [3, 4]);
+        assert_eq!(pl.check_copies(), Ok(()));
+        assert!(pl.split(1, 5).is_err(), "a retired block");
+        assert!(pl.split(0, 3).is_err(), "the model has other blocks than the placement");
     }
 }

@@ -89,7 +89,7 @@ fn split<'p>(
     ids: &'p [u64],
     order: &'p [u32],
 ) -> impl Iterator<Item = (&'p BlockSpec, usize, usize)> + 'p {
-    partition.table_blocks(table).filter_map(move |b| {
+    partition.table_blocks(table).into_iter().filter_map(move |b| {
         let (start, end, _) = b.row_range()?;
         let a = order.partition_point(|&i| ids[i as usize] < start);
         let z = order.partition_point(|&i| ids[i as usize] < end);
@@ -161,7 +161,7 @@ pub(super) fn no_gradient_plan(partition: &Partition, table: u32) -> Result<RowP
     if partition.tables.get(table as usize).is_none() {
         return Err(RuntimeError::Usage(format!("push_rows: the model has no table {table}")));
     }
-    let by_block = partition.table_blocks(table).map(|b| (b.id, Vec::new())).collect();
+    let by_block = partition.table_blocks(table).into_iter().map(|b| (b.id, Vec::new())).collect();
     Ok(RowPayloads { by_block })
 }
 
