@@ -468,6 +468,7 @@ fn time_balancer(servers: u32, stragglers: &[ServerId], calls: usize) -> Result<
         load: &load,
         iter_us: Some(1e6),
         busy: false,
+        splittable: &std::collections::BTreeMap::new(),
     };
     let params = BalanceParams::new(servers, servers);
     let fresh = Balancer::new(params);
@@ -515,6 +516,7 @@ fn describe(decisions: &[Decision]) -> String {
         Some(Decision::ScaleOut { why }) => format!("scale out ({why})"),
         Some(Decision::ScaleIn { server, why }) => format!("scale in server {server} ({why})"),
         Some(Decision::Keep { server, why }) => format!("keep server {server} ({why})"),
+        Some(Decision::Split { block, at, .. }) => format!("split block {block} at row {at}"),
     }
 }
 

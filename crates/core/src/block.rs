@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::CoreError;
 use crate::model::BlockSpec;
 use crate::optimizer::{OptState, OptimizerConfig};
-use crate::rows::{PendingRows, RowRule, RowState, RowStore};
+use crate::rows::{PendingRows, RowHistogram, RowRule, RowState, RowStore};
 use crate::stats::Histogram;
 use rand::Rng;
 
@@ -356,6 +356,8 @@ impl LoggedPush {
 struct RowPart {
     store: RowStore,
     pending: BTreeMap<Clock, PendingRows>,
+    /// Where the pushes since the block came here fell: its split point.
+    hist: RowHistogram,
 }
 
 /// One block owned by a server.
@@ -401,13 +403,14 @@ impl<T> Block<T> {
     /// and updating its rows by `rule` (its table's), expecting pushes from
     /// `config.workers` workers.
     pub fn new_rows(spec: BlockSpec, rule: RowRule, config: &ShardConfig) -> Result<Self, CoreError> {
-        let Some((_, _, dim)) = spec.row_range() else { return Err(CoreError::NotRows(spec.id)) };
+        let Some((start, end, dim)) = spec.row_range() else { return Err(CoreError::NotRows(spec.id)) };
         if dim != rule.dim {
             return Err(CoreError::WrongDim { block: spec.id, expected: dim, got: rule.dim });
         }
         let mut block = Self::new(BlockSpec { len: 0, ..spec }, Vec::new(), config)?;
         block.spec = spec;
-        block.rows = Some(Box::new(RowPart { store: RowStore::new(rule), pending: BTreeMap::new() }));
+        let hist = RowHistogram::new(start, end);
+        block.rows = Some(Box::new(RowPart { store: RowStore::new(rule), pending: BTreeMap::new(), hist }));
         Ok(block)
     }
 
@@ -471,7 +474,10 @@ impl<T> Block<T> {
         let (store, pending) = RowStore::from_state(spec.id, rows)?;
         let mut block = Self::new_rows(spec, *store.rule(), config)?;
         block.clocks = clocks;
-        block.rows = Some(Box::new(RowPart { store, pending: pending.into_iter().map(|p| (p.clock, p)).collect() }));
+        if let Some(part) = block.rows.as_mut() {
+            part.store = store;
+            part.pending = pending.into_iter().map(|p| (p.clock, p)).collect();
+        }
         block.replay(config, delta, &[])?;
         Ok(block)
     }
@@ -563,6 +569,13 @@ impl<T> Block<T> {
                 .rows
                 .as_ref()
                 .map_or(0, |r| r.store.state_len() + r.pending.values().map(|p| p.grads.len()).sum::<usize>())
+    }
+
+    /// Where to split this row block so that each half takes about half of the rows
+    /// pushed to it since it came here ([`RowHistogram::split_at`]); `None` for a dense
+    /// block, one not pushed yet, or a single row.
+    pub fn split_hint(&self) -> Option<u64> {
+        self.rows.as_ref().and_then(|r| r.hist.split_at())
     }
 
     /// A row block's rows (`None` for a dense block).
@@ -770,6 +783,7 @@ impl<T> Block<T> {
         }
         self.stats.max_lead = self.stats.max_lead.max(self.clocks.lead().into());
         let Some(part) = self.rows.as_mut() else { return Err(CoreError::NotRows(self.spec.id)) };
+        part.hist.record(ids);
         if config.optimizer.aggregate {
             let p = part.pending.entry(clock).or_insert_with(|| PendingRows {
                 clock,

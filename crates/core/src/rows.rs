@@ -523,6 +523,64 @@ pub fn coalesce(ids: &[u64], grads: &[f32], dim: usize) -> (Vec<u64>, Vec<f32>) 
     (rows, sums)
 }
 
+/// Buckets of a [`RowHistogram`] (fewer for a range of fewer rows).
+pub const HISTOGRAM_BUCKETS: u64 = 64;
+
+/// Where a row block's pushed rows fall, in up to [`HISTOGRAM_BUCKETS`] equal buckets of
+/// its range: what the server reports as the row to split a hot block at
+/// ([`RowHistogram::split_at`]), so that each half carries about half of its traffic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowHistogram {
+    start: u64,
+    end: u64,
+    width: u64,
+    counts: Vec<u64>,
+}
+
+impl RowHistogram {
+    /// An empty histogram of rows `start..end`.
+    pub fn new(start: u64, end: u64) -> Self {
+        let span = end.saturating_sub(start).max(1);
+        let width = span.div_ceil(HISTOGRAM_BUCKETS);
+        Self { start, end, width, counts: vec![0; span.div_ceil(width) as usize] }
+    }
+
+    /// Counts the rows of one push (a row named twice counts twice: it was sent twice).
+    pub fn record(&mut self, ids: &[u64]) {
+        for id in ids {
+            if let Some(c) = id.checked_sub(self.start).and_then(|o| self.counts.get_mut((o / self.width) as usize)) {
+                *c += 1;
+            }
+        }
+    }
+
+    /// Rows counted.
+    pub fn total(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+
+    /// The bucket boundary strictly inside the range that cuts the counted rows closest
+    /// to half and half (ties to the lower row), or `None` with nothing counted or a
+    /// range of one row.
+    pub fn split_at(&self) -> Option<u64> {
+        let total = self.total();
+        if total == 0 || self.end <= self.start + 1 {
+            return None;
+        }
+        let mut best: Option<(u64, u64)> = None;
+        let mut below = 0;
+        for (k, c) in self.counts.iter().enumerate().take(self.counts.len() - 1) {
+            below += c;
+            let at = self.start + (k as u64 + 1) * self.width;
+            let off = (2 * below).abs_diff(total);
+            if at < self.end && best.is_none_or(|(o, _)| off < o) {
+                best = Some((off, at));
+            }
+        }
+        best.map(|(_, at)| at)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -746,5 +804,30 @@ mod tests {
         s.step(&ids, &vec![0.1; ids.len() * 64], 1.0);
         assert_eq!(s.rows(), 1000);
         assert_eq!(s.state_len(), 1000 * 64 * 3);
+    }
+
+    #[test]
+    fn a_histogram_splits_where_half_of_the_rows_pushed_fall_on_each_side() {
+        // 640 rows in 64 buckets of 10.
+        let mut h = RowHistogram::new(1000, 1640);
+        assert_eq!(h.split_at(), None);
+        h.record(&[1000, 1001, 1005, 1012, 1012, 1639]);
+        // Three rows below 1010, three at or past it.
+        assert_eq!(h.split_at(), Some(1010));
+        // All in the first bucket: the cut isolates it.
+        let mut hot = RowHistogram::new(0, 100_000);
+        hot.record(&[0, 1, 2, 3, 7]);
+        assert_eq!(hot.split_at(), Some(1563));
+        // A range of two rows cuts between them; one row cannot be cut.
+        let mut two = RowHistogram::new(5, 7);
+        two.record(&[6, 6]);
+        assert_eq!(two.split_at(), Some(6));
+        let mut one = RowHistogram::new(5, 6);
+        one.record(&[5]);
+        assert_eq!(one.split_at(), None);
+        // Rows outside the range are not counted.
+        let mut out = RowHistogram::new(10, 20);
+        out.record(&[3, 25]);
+        assert_eq!(out.total(), 0);
     }
 }

@@ -128,6 +128,7 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("GetStartClock", Receiver::Scheduler, &[Wrk, Srv]),
     ("AssignDone", Receiver::Scheduler, &[Srv]),
     ("MigrateDone", Receiver::Scheduler, &[Srv]),
+    ("SplitDone", Receiver::Scheduler, &[Srv]),
     ("ServerLoad", Receiver::Scheduler, &[Srv]),
     ("CheckpointWritten", Receiver::Scheduler, &[Srv]),
     ("WorkerAdded", Receiver::Scheduler, &[Srv]),

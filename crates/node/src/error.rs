@@ -29,6 +29,14 @@ pub enum NodeError {
         /// What happened.
         what: String,
     },
+    /// A row block the round sends to was split while it ran (the refreshed layout has
+    /// two blocks in its place): the caller plans the row round again from that layout.
+    /// The requests the blocks already took are duplicates there, and change nothing.
+    #[error("row block {block} was split while the round ran: plan the row round again")]
+    Recut {
+        /// The block that was split.
+        block: u32,
+    },
     /// A wait ran out of time: a request unanswered past its deadline.
     #[error("timed out after {:.1} s: {what}", *.after_us as f64 / 1e6)]
     Timeout {

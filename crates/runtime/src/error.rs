@@ -37,6 +37,12 @@ pub enum RuntimeError {
     /// A peer closed the connection.
     #[error("{0} closed the connection")]
     Closed(String),
+    /// A row block was split while a row round ran: the caller plans it again.
+    #[error("row block {block} was split while the round ran")]
+    Recut {
+        /// The block that was split.
+        block: u32,
+    },
     /// A wait ran out of time.
     #[error("timed out after {:.1} s: {what}", .after.as_secs_f64())]
     Timeout {

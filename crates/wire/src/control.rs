@@ -318,6 +318,33 @@ pub enum Control {
         /// The event line, as the node printed it.
         line: String,
     },
+    /// Tag 46: Scheduler -> server, request id 0: split row block `block` at row `at`
+    /// into the model's next two block ids (`elasticps_core::model::Partition::split_rows`)
+    /// at placement `epoch`. Its owner splits it in place, answers requests naming `block`
+    /// from then on `Moved` to no server
+    /// ([`RETIRED`](elasticps_core::placement::RETIRED), `u32::MAX`) at `epoch`, and reports with
+    /// [`Control::SplitDone`]; every other server, told once the split is recorded,
+    /// follows it in its model and placement.
+    SplitBlock {
+        /// The row block.
+        block: BlockId,
+        /// The first row of the second half.
+        at: u64,
+        /// The placement epoch after the split.
+        epoch: u64,
+    },
+    /// Tag 47: Server -> scheduler, request id 0: the split of `SplitBlock` was done
+    /// (`error` None) or refused, and why (migrating, checkpoint pending, backups).
+    SplitDone {
+        /// The row block.
+        block: BlockId,
+        /// The row it was split at.
+        at: u64,
+        /// The epoch of the `SplitBlock`.
+        epoch: u64,
+        /// Why it was not split, if it was not.
+        error: Option<String>,
+    },
 }
 
 impl Control {
@@ -370,11 +397,13 @@ impl Control {
             Control::StartNode { .. } => "StartNode",
             Control::NodeExited { .. } => "NodeExited",
             Control::HostEvent { .. } => "HostEvent",
+            Control::SplitBlock { .. } => "SplitBlock",
+            Control::SplitDone { .. } => "SplitDone",
         }
     }
 
     /// Every variant's name, in tag order ([`Control::name`] of tag `i` is `NAMES[i]`).
-    pub const NAMES: [&'static str; 46] = [
+    pub const NAMES: [&'static str; 48] = [
         "RegisterServer",
         "RegisterWorker",
         "Welcome",
@@ -421,6 +450,8 @@ impl Control {
         "StartNode",
         "NodeExited",
         "HostEvent",
+        "SplitBlock",
+        "SplitDone",
     ];
 }
 
@@ -581,6 +612,9 @@ pub struct RowBlockLoad {
     pub bytes_in: u64,
     /// Payload bytes of the pull replies.
     pub bytes_out: u64,
+    /// The row to split the block at so that each half takes about half of the rows
+    /// pushed to it since it came to this server; 0 for none.
+    pub split_at: u64,
 }
 
 impl RowBlockLoad {

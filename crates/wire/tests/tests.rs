@@ -70,6 +70,8 @@ mod common {
             Control::StartNode { .. } => 43,
             Control::NodeExited { .. } => 44,
             Control::HostEvent { .. } => 45,
+            Control::SplitBlock { .. } => 46,
+            Control::SplitDone { .. } => 47,
         }
     }
 
@@ -276,7 +278,15 @@ mod common {
                     bytes,
                     rx_bps,
                     rx_frames,
-                    row_blocks: vec![RowBlockLoad { block: blocks, pushes: 3, pulls: 2, rows: 9, bytes_in, bytes_out }],
+                    row_blocks: vec![RowBlockLoad {
+                        block: blocks,
+                        pushes: 3,
+                        pulls: 2,
+                        rows: 9,
+                        bytes_in,
+                        bytes_out,
+                        split_at: 7,
+                    }],
                 }
             },
         )
@@ -460,6 +470,9 @@ mod common {
             (any::<(u32, bool)>(), ".{0,20}", prop::option::of(any::<u32>()))
                 .prop_map(|((slot, ok), status, rank)| Control::NodeExited { slot, ok, status, rank }),
             ".{0,40}".prop_map(|line| Control::HostEvent { line }),
+            any::<(u32, u64, u64)>().prop_map(|(block, at, epoch)| Control::SplitBlock { block, at, epoch }),
+            (any::<(u32, u64, u64)>(), prop::option::of(".{0,20}"))
+                .prop_map(|((block, at, epoch), error)| Control::SplitDone { block, at, epoch, error }),
         ]
     }
 

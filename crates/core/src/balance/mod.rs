@@ -38,6 +38,12 @@
 //!    times it compares the predicted max service time instead. After a revert no
 //!    scale-out for [`REVERT_HOLDOFF_US`] (60 s), doubling with each consecutive revert up
 //!    to 16x; a `Keep` resets the doubling.
+//!
+//!    **2b. Split.** In the steady phase, a row block that the server holding it reports a
+//!    split point for (`View::splittable`) and whose size is above `(1 + threshold)`
+//!    times the fair share, `total bytes / servers`, is split there
+//!    ([`Decision::Split`], [`split::heavy_row_block`]): no placement can balance it
+//!    whole. The heaviest first, one per step; a split restarts no cool-down.
 //! 3. **Cool-down.** Nothing else until the cool-down has passed.
 //! 4. **Confidence gate.** Nothing until every server in `servers` that owns at least
 //!    [`FEW_BYTES`] of the mean has an estimate with confidence >= [`MIN_CONFIDENCE`] (0.5;
@@ -101,6 +107,7 @@ mod explore;
 mod loads;
 pub mod scale_in;
 pub mod scale_out;
+pub mod split;
 #[cfg(test)]
 mod tests;
 
@@ -228,6 +235,9 @@ pub struct View<'a> {
     pub iter_us: Option<f64>,
     /// Migrations queued or in flight: decide nothing.
     pub busy: bool,
+    /// Row blocks that may be split, each with the row its server reports to split it at
+    /// (rule 2b, [`split::heavy_row_block`]).
+    pub splittable: &'a BTreeMap<BlockId, u64>,
 }
 
 /// What the balancer wants done.
@@ -249,6 +259,16 @@ pub enum Decision {
     ScaleIn {
         /// The server to remove.
         server: ServerId,
+        /// Why, for the event log.
+        why: String,
+    },
+    /// Split row block `block` at row `at` into two blocks on its owner (rule 2b), which
+    /// later moves may place apart.
+    Split {
+        /// The row block.
+        block: BlockId,
+        /// The first row of the second half.
+        at: u64,
         /// Why, for the event log.
         why: String,
     },
@@ -410,7 +430,10 @@ impl Balancer {
         };
         match decision {
             Some(d) => {
-                self.quiet_since = Some(now);
+                // A split moves no byte and leaves every rate as it was: no cool-down.
+                if !matches!(d, Decision::Split { .. }) {
+                    self.quiet_since = Some(now);
+                }
                 vec![d]
             }
             None => Vec::new(),
@@ -441,10 +464,16 @@ impl Balancer {
         self.quiet_since.is_none_or(|t| now >= t.saturating_add(self.params.cooldown_us))
     }
 
-    /// The steady phase: rules 3 to 9 in order, the first that decides wins.
+    /// The steady phase: rule 2b, then rules 3 to 9 in order, the first that decides wins.
     fn steady(&mut self, round: &Round) -> Option<Decision> {
-        let Round { view, loads, .. } = *round;
+        let Round { view, loads, servers, .. } = *round;
         let now = view.now_us;
+        // Rule 2b: a row block too heavy for any one server.
+        if let Some(d) =
+            split::heavy_row_block(view.placement, view.sizes, servers, view.splittable, self.params.threshold)
+        {
+            return Some(d);
+        }
         // Rule 3: the cool-down.
         if !self.cooled(now) {
             return None;

@@ -223,6 +223,7 @@ impl Sim {
             load: &self.load,
             iter_us: (!self.no_iter).then_some(iter_us),
             busy,
+            splittable: &BTreeMap::new(),
         });
         assert!(!busy || decisions.is_empty(), "decided while busy: {decisions:?}");
         assert!(decisions.len() <= 1);
@@ -272,6 +273,7 @@ impl Sim {
                     self.stopping = Some(*server);
                 }
                 Decision::Keep { .. } => {}
+                Decision::Split { block, .. } => panic!("split of block {block} with nothing splittable"),
             }
             self.log.push((now, d));
         }
@@ -558,7 +560,16 @@ fn waits_for_confidence_and_cooldown() {
     let servers = [0, 1];
     let mut b = Balancer::new(BalanceParams::new(2, 4));
     let step = |b: &mut Balancer, load: &LoadModel, now_us, busy| {
-        b.step(&View { now_us, placement: &p, sizes: &sizes, servers: &servers, load, iter_us: None, busy })
+        b.step(&View {
+            now_us,
+            placement: &p,
+            sizes: &sizes,
+            servers: &servers,
+            load,
+            iter_us: None,
+            busy,
+            splittable: &BTreeMap::new(),
+        })
     };
     // No samples: nothing, even with a badly skewed placement.
     let mut load = LoadModel::new(3 * S);
@@ -603,6 +614,7 @@ fn gives_up_a_scale_out_whose_server_never_joins() {
             load: &load,
             iter_us: Some(1e5),
             busy: false,
+            splittable: &BTreeMap::new(),
         })
     };
     let d = step(&mut b, 0);

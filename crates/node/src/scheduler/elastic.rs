@@ -58,6 +58,8 @@ impl ServerState {
 pub(super) enum Order {
     /// Ask `from` to move `block` to `to`; the placement becomes `epoch`.
     Migrate { block: u32, from: ServerId, to: ServerId, epoch: u64 },
+    /// Ask `owner` to split row block `block` at row `at`; the placement becomes `epoch`.
+    Split { block: u32, at: u64, owner: ServerId, epoch: u64 },
     /// Start one more server through the launcher.
     StartServer,
     /// Tell this (drained) server to stop.
@@ -67,12 +69,25 @@ pub(super) enum Order {
     Settle { block: u32, to: ServerId, epoch: u64, owner: ServerId },
 }
 
+/// A split asked of a row block's owner, until its `SplitDone`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Splitting {
+    block: u32,
+    at: u64,
+    owner: ServerId,
+    epoch: u64,
+    started_us: u64,
+}
+
 /// Who asked for a server that has not registered yet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Requester {
     Balancer,
     Operator,
 }
+
+/// A table is split into at most this many live blocks.
+pub const MAX_TABLE_BLOCKS: usize = 64;
 
 /// Most samples one server report gives the load model (one per data frame).
 pub const RX_SAMPLES: u32 = 8;
@@ -86,6 +101,10 @@ pub(super) struct Elastic {
     queue: VecDeque<Move>,
     /// The migration under way: the move, when it started, the epoch it leads to.
     in_flight: Option<(Move, u64, u64)>,
+    /// The split under way (one at a time, and never beside a migration).
+    splitting: Option<Splitting>,
+    /// The row to split each row block at, as its server last reported it.
+    split_hints: BTreeMap<u32, u64>,
     states: BTreeMap<ServerId, ServerState>,
     /// Servers asked of the launcher that have not registered yet, with when.
     requested: VecDeque<(Requester, u64)>,
@@ -149,6 +168,8 @@ impl Elastic {
             sizes: Vec::new(),
             queue: VecDeque::new(),
             in_flight: None,
+            splitting: None,
+            split_hints: BTreeMap::new(),
             states: BTreeMap::new(),
             requested: VecDeque::new(),
             joining_by: BTreeMap::new(),
@@ -307,6 +328,9 @@ impl Elastic {
             if let Some(size) = self.sizes.get_mut(r.block as usize) {
                 *size = r.push_bytes();
             }
+            if r.split_at > 0 {
+                self.split_hints.insert(r.block, r.split_at);
+            }
         }
         if load.rx_frames > 0 && load.rx_bps > 0.0 && self.states.contains_key(&load.server_id) {
             if !self.rates_from_servers {
@@ -406,6 +430,57 @@ impl Elastic {
         (true, orders)
     }
 
+    /// `server`'s `SplitDone` for the split at `epoch` of `block` at `at`: true if it is the
+    /// split under way and it was done (the caller records it: [`Elastic::split_recorded`]).
+    pub fn split_done(
+        &mut self,
+        server: ServerId,
+        (block, at, epoch): (u32, u64, u64),
+        error: Option<&str>,
+        now_us: u64,
+    ) -> bool {
+        let ours = self.splitting.is_some_and(|s| (s.block, s.at, s.owner, s.epoch) == (block, at, server, epoch));
+        if !ours {
+            tracing::warn!(server, block, at, epoch, "a SplitDone of no split under way");
+            return false;
+        }
+        self.splitting = None;
+        self.split_hints.remove(&block);
+        match error {
+            Some(e) => {
+                self.event(now_us, "split-refused", Some(server), format!("block {block} at row {at}: {e}"));
+                false
+            }
+            None => true,
+        }
+    }
+
+    /// Row block `block` is now `halves` (split on its owner, recorded in the placement):
+    /// each half weighs half of it until its server reports its traffic.
+    pub fn split_recorded(&mut self, block: u32, at: u64, halves: [u32; 2], now_us: u64) {
+        let size = self.sizes.get(block as usize).copied().unwrap_or(0);
+        let len = self.sizes.len().max(halves[1] as usize + 1);
+        self.sizes.resize(len, 0);
+        for h in halves {
+            self.sizes[h as usize] = size.div_ceil(2);
+        }
+        if let Some(s) = self.sizes.get_mut(block as usize) {
+            *s = 0;
+        }
+        let why = format!("row block {block} split at row {at} into blocks {} and {}", halves[0], halves[1]);
+        self.event(now_us, "split", None, why);
+    }
+
+    /// A split ended (done, refused, or not ours): the next migration may start.
+    pub fn on_split_end(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
+        self.next_migration(placement, now_us)
+    }
+
+    /// The row to split each row block at, as its server last reported it.
+    pub fn split_hints(&self) -> &BTreeMap<u32, u64> {
+        &self.split_hints
+    }
+
     /// An operator's scaling request. `can_launch`: the scheduler has a launcher.
     pub fn scale(
         &mut self,
@@ -478,15 +553,22 @@ impl Elastic {
     pub fn next_deadline_us(&self) -> u64 {
         let round = self.last_sample_us.saturating_add(BALANCE_EVERY_US);
         let migration = self.in_flight.map(|(_, started, _)| started.saturating_add(MIGRATION_TIMEOUT_US) + 1);
+        let split = self.splitting.map(|s| s.started_us.saturating_add(MIGRATION_TIMEOUT_US) + 1);
         let join = self.requested.front().map(|(_, at)| at.saturating_add(JOIN_TIMEOUT_US) + 1);
-        [migration, join].into_iter().flatten().fold(round, u64::min)
+        [migration, split, join].into_iter().flatten().fold(round, u64::min)
     }
 
     /// Time passed (a deadline of [`Elastic::next_deadline_us`], or later): write off a
     /// lost migration or server; every [`BALANCE_EVERY_US`] sample the timeline and let
     /// the balancer decide; move on.
-    pub fn on_timeout(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
+    pub fn on_timeout(&mut self, placement: &Placement, splittable: &BTreeMap<u32, u64>, now_us: u64) -> Vec<Order> {
         let mut out = Vec::new();
+        if let Some(sp) = self.splitting
+            && now_us.saturating_sub(sp.started_us) > MIGRATION_TIMEOUT_US
+        {
+            tracing::warn!(block = sp.block, owner = sp.owner, "split never reported; written off");
+            self.splitting = None;
+        }
         if let Some((m, started, epoch)) = self.in_flight
             && now_us.saturating_sub(started) > MIGRATION_TIMEOUT_US
         {
@@ -514,16 +596,18 @@ impl Elastic {
                 servers: self.points(placement, now_us),
             };
             self.log.timeline.push(sample);
-            out.extend(self.decide(placement, now_us));
+            out.extend(self.decide(placement, splittable, now_us));
         }
         out.extend(self.next_migration(placement, now_us));
         out
     }
 
-    /// The balancer's decisions, turned into orders.
-    fn decide(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
+    /// The balancer's decisions, turned into orders. `splittable`: the row blocks that
+    /// may be split, each with the row to split it at.
+    fn decide(&mut self, placement: &Placement, splittable: &BTreeMap<u32, u64>, now_us: u64) -> Vec<Order> {
         let serving = self.serving();
         let busy = self.in_flight.is_some()
+            || self.splitting.is_some()
             || !self.queue.is_empty()
             || self.requested.iter().any(|(r, _)| *r == Requester::Operator)
             || self.states.values().any(|s| matches!(s, ServerState::Joining | ServerState::Draining));
@@ -539,6 +623,7 @@ impl Elastic {
             load: &self.load,
             iter_us: self.iter_us,
             busy,
+            splittable,
         };
         let decisions = balancer.step(&view);
         let mut out = Vec::new();
@@ -562,6 +647,13 @@ impl Elastic {
                     tracing::info!(server, %why, "balancer keeps the new server");
                     self.event(now_us, "kept", Some(server), why);
                 }
+                Decision::Split { block, at, why } => {
+                    let Some(owner) = placement.owner(block) else { continue };
+                    tracing::info!(block, at, owner, %why, "balancer splits a row block");
+                    let epoch = placement.epoch.saturating_add(1);
+                    self.splitting = Some(Splitting { block, at, owner, epoch, started_us: now_us });
+                    out.push(Order::Split { block, at, owner, epoch });
+                }
             }
         }
         out
@@ -579,7 +671,7 @@ impl Elastic {
                 self.queue.extend(balance::drain(placement, &self.sizes, *id, &serving, &rates));
             }
         }
-        if self.in_flight.is_none() {
+        if self.in_flight.is_none() && self.splitting.is_none() {
             while let Some(m) = self.queue.pop_front() {
                 let valid = placement.owner(m.block) == Some(m.from)
                     && m.from != m.to
@@ -808,6 +900,13 @@ impl Scheduler {
                 }
                 self.carry_out(orders, out);
             }
+            (Control::SplitDone { block, at, epoch, error }, Some(Role::Server(id))) => {
+                if self.elastic.split_done(id, (block, at, epoch), error.as_deref(), self.now_us) {
+                    self.record_split(id, (block, at, epoch), out);
+                }
+                let orders = self.placement.as_ref().map(|p| self.elastic.on_split_end(p, self.now_us));
+                self.carry_out(orders.unwrap_or_default(), out);
+            }
             (Control::Scale(req), _) => {
                 let Some(placement) = self.placement.as_ref().filter(|_| self.layout_ready) else {
                     call.refuse(out, ErrorCode::NotReady, "the job is not running yet: no model is placed".into());
@@ -822,6 +921,55 @@ impl Scheduler {
                 }
             }
             (other, _) => call.refuse_now(out, other),
+        }
+    }
+
+    /// The row blocks the balancer may split now, each with the row its server reported
+    /// to split it at: a live row block with that row inside its range, in a table of
+    /// fewer than [`MAX_TABLE_BLOCKS`] blocks. None in a job with replicas or checkpoints
+    /// (their copies and files are per block id, and are not split).
+    pub(super) fn splittable(&self) -> BTreeMap<u32, u64> {
+        let Some(p) = self.partition.as_ref() else { return BTreeMap::new() };
+        if self.config.replicas > 1 || self.config.checkpoint.is_some() {
+            return BTreeMap::new();
+        }
+        let inside = |block: u32, at: u64| {
+            p.block(block).ok().filter(|b| !b.is_retired()).and_then(|b| b.row_range()).is_some_and(|(s, e, _)| {
+                s < at && at < e && p.table_blocks(p.blocks[block as usize].tensor).len() < MAX_TABLE_BLOCKS
+            })
+        };
+        self.elastic.split_hints().iter().filter(|(b, at)| inside(**b, **at)).map(|(b, at)| (*b, *at)).collect()
+    }
+
+    /// The owner `owner` split row block `block` at row `at` (`SplitDone` at `epoch`):
+    /// the model and placement say so from now on (the epoch goes up), and every other
+    /// server is told to follow.
+    fn record_split(&mut self, owner: ServerId, (block, at, epoch): (u32, u64, u64), out: &mut Vec<Action>) {
+        let (Some(partition), Some(placement)) = (self.partition.as_mut(), self.placement.as_mut()) else { return };
+        let before = partition.blocks.len();
+        let halves = match partition.split_rows(block, at) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::error!(block, at, error = %e, "a split the owner did cannot be recorded");
+                return;
+            }
+        };
+        if let Err(e) = placement.split(block, before) {
+            tracing::error!(block, at, error = %e, "a split the owner did cannot be placed");
+            return;
+        }
+        placement.epoch = placement.epoch.max(epoch);
+        tracing::info!(block, at, owner, epoch = placement.epoch, ?halves, "row block split recorded");
+        self.elastic.split_recorded(block, at, halves, self.now_us);
+        let others: Vec<ConnId> = self
+            .servers
+            .iter()
+            .enumerate()
+            .filter(|(id, (c, _))| *id as u32 != owner && self.nodes.contains_key(c))
+            .map(|(_, (c, _))| *c)
+            .collect();
+        for conn in others {
+            out.push(Action::Send { conn, request_id: 0, msg: Control::SplitBlock { block, at, epoch }.into() });
         }
     }
 
@@ -849,6 +997,15 @@ impl Scheduler {
                     tracing::info!(block, from, to, epoch, "migration starts");
                     let msg = Control::Migrate { block, to, to_addr: to_addr.clone(), epoch }.into();
                     out.push(Action::Send { conn: *conn, request_id: 0, msg });
+                }
+                Order::Split { block, at, owner, epoch } => {
+                    let Some((conn, _)) = self.servers.get(owner as usize) else { continue };
+                    tracing::info!(block, at, owner, epoch, "split starts");
+                    out.push(Action::Send {
+                        conn: *conn,
+                        request_id: 0,
+                        msg: Control::SplitBlock { block, at, epoch }.into(),
+                    });
                 }
                 Order::StartServer => match self.hosts.as_mut() {
                     None => out.push(Action::StartServer),

@@ -605,11 +605,12 @@ impl Scheduler {
             self.maybe_end(out);
         }
         self.recovery_timeout(out);
-        if self.layout_ready
-            && let Some(placement) = self.placement.as_ref()
-        {
-            let orders = self.elastic.on_timeout(placement, now_us);
-            self.carry_out(orders, out);
+        if self.layout_ready {
+            let splittable = self.splittable();
+            if let Some(placement) = self.placement.as_ref() {
+                let orders = self.elastic.on_timeout(placement, &splittable, now_us);
+                self.carry_out(orders, out);
+            }
         }
         if now_us.saturating_sub(self.last_wait_log_us) >= WAIT_REPORT_EVERY_US {
             self.last_wait_log_us = now_us;
@@ -681,9 +682,11 @@ impl Scheduler {
             | Control::GetStartClock
             | Control::SetOptimizer { .. } => self.on_layout(call, control, out),
             Control::Barrier => self.on_barrier(call, control, out),
-            Control::ServerLoad(_) | Control::WorkerLoad(_) | Control::MigrateDone(_) | Control::Scale(_) => {
-                self.on_elastic(call, control, out)
-            }
+            Control::ServerLoad(_)
+            | Control::WorkerLoad(_)
+            | Control::MigrateDone(_)
+            | Control::SplitDone { .. }
+            | Control::Scale(_) => self.on_elastic(call, control, out),
             Control::CheckpointWritten { .. } => self.on_checkpoint(call, control, out),
             Control::GetStatus => call.reply(out, Control::Status(self.status()).into()),
             other => call.refuse_now(out, other),

@@ -8,7 +8,7 @@ use elasticps_core::adaptive::Adaptive;
 use elasticps_core::block::{BlockStats, ShardConfig};
 use elasticps_core::model::{BlockId, BlockSpec, Partition};
 use elasticps_core::optimizer::TensorOptimizer;
-use elasticps_core::placement::{Placement, ServerId};
+use elasticps_core::placement::{Placement, RETIRED, ServerId};
 use elasticps_core::sync::SyncPolicy;
 use elasticps_wire::{Assignment, Control, ErrorCode, ErrorReply, Message};
 
@@ -115,8 +115,30 @@ impl Shard {
     pub fn refusal(&self, block: BlockId) -> Refusal {
         match self.placement.owner(block) {
             Some(owner) => Refusal::Moved { owner, epoch: self.placement.epoch },
+            // A split block: no server holds it; the layout has its halves.
+            None if self.partition.block(block).is_ok_and(|b| b.is_retired()) => {
+                Refusal::Moved { owner: RETIRED, epoch: self.placement.epoch }
+            }
             None => Refusal::Unknown { blocks: self.partition.blocks.len() },
         }
+    }
+
+    /// The model and placement after row block `block` is split at row `at`
+    /// ([`Partition::split_rows`], [`Placement::split`]) at placement `epoch` (or later),
+    /// and the two new ids; this shard is left as it is (the caller takes both once
+    /// everything else of the split is done).
+    pub fn split(
+        &self,
+        block: BlockId,
+        at: u64,
+        epoch: u64,
+    ) -> Result<(Partition, Placement, [BlockId; 2]), CoreError> {
+        let (mut partition, mut placement) = (self.partition.clone(), self.placement.clone());
+        let before = partition.blocks.len();
+        let ids = partition.split_rows(block, at)?;
+        placement.split(block, before)?;
+        placement.epoch = placement.epoch.max(epoch);
+        Ok((partition, placement, ids))
     }
 
     /// Records in this server's placement that `block` is now owned by `owner` at `epoch`.

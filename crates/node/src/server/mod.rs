@@ -12,6 +12,7 @@
 //! - [`counters`]: stats, metrics snapshot, load.
 //! - [`capacity`]: the link's rate, from the time data frames take to arrive.
 //! - [`replica`](self): `--replicas`, the primary's forwarding and the backups' copies.
+//! - [`split`](self): a hot row block split in two in place.
 //!
 //! Registration is part of the state machine: [`Server::start`] returns the
 //! `RegisterServer` call, so a harness drives a server from birth.
@@ -36,6 +37,7 @@ pub mod counters;
 mod migrate;
 mod replica;
 pub mod slot;
+mod split;
 
 pub use config::{Refusal, Shard, error};
 pub use counters::{ServerSnapshot, staleness_bound};
@@ -642,6 +644,7 @@ impl Server {
                         rows: now.rows.saturating_sub(before.rows),
                         bytes_in: now.bytes_in.saturating_sub(before.bytes_in),
                         bytes_out: now.bytes_out.saturating_sub(before.bytes_out),
+                        split_at: o.block.split_hint().unwrap_or(0),
                     };
                     if load.pushes + load.pulls > 0 {
                         row_blocks.push(load);
@@ -1204,6 +1207,9 @@ impl Server {
             }
             Message::Control(Control::Settled { block, epoch, owner }) => {
                 self.settled(now_us, block, epoch, owner, out)
+            }
+            Message::Control(Control::SplitBlock { block, at, epoch }) => {
+                self.split_block(now_us, block, at, epoch, out)
             }
             Message::Control(Control::Replicas { placement, servers }) => {
                 self.replicas_changed(now_us, placement, servers, out)

@@ -909,14 +909,15 @@ mod rows {
         push_rows(&mut s, 1, 0, 2, 2, 0, &[], &[]);
         pull_rows(&mut s, 1, 0, 3, 1, 1, &[0]);
         let load = s.take_load(1_000_000);
-        let b1 = RowBlockLoad { block: 1, pushes: 1, pulls: 1, rows: 4, bytes_in: 3 * 8 + 6 * 4, bytes_out: 8 };
+        let b1 =
+            RowBlockLoad { block: 1, pushes: 1, pulls: 1, rows: 4, bytes_in: 3 * 8 + 6 * 4, bytes_out: 8, split_at: 1 };
         let b2 = RowBlockLoad { block: 2, pushes: 1, ..Default::default() };
         assert_eq!(load.row_blocks, vec![b1, b2]);
         assert_eq!(b1.push_bytes(), 48);
         // Counted since the last report only; a block with no traffic is left out.
         push_rows(&mut s, 2, 0, 4, 1, 1, &[1], &[1.0; 2]);
         let load = s.take_load(1_000_000);
-        let b1 = RowBlockLoad { block: 1, pushes: 1, pulls: 0, rows: 1, bytes_in: 16, bytes_out: 0 };
+        let b1 = RowBlockLoad { block: 1, pushes: 1, pulls: 0, rows: 1, bytes_in: 16, bytes_out: 0, split_at: 1 };
         assert_eq!(load.row_blocks, vec![b1]);
     }
 
@@ -1185,5 +1186,152 @@ mod rows {
         ) {
             exactly_once(&ops, &rows_of_push)?;
         }
+    }
+
+    /// Splits block 1 (rows 0..2) of server 0 at row 1 while two workers push rows 0 and 1
+    /// (each push at most twice: `dup` resends an acknowledged one, as after a lost ack):
+    /// each `op` is a push (or its resend) of worker 0 or 1, or the split's next step
+    /// (the owner splits; then the scheduler records it and the workers' layouts show
+    /// the halves, blocks 5 and 6). A push answered `Moved` to no server is sent again to
+    /// the halves once the layout has them. At the end every push is acknowledged, the
+    /// old id is answered `Moved` to no server, and each row holds the exact sum of the
+    /// gradients pushed to it, once.
+    fn split_exactly_once(ops: &[u8], rows_of_push: &[Vec<u64>], dup: &[bool]) -> Result<(), TestCaseError> {
+        use elasticps_core::placement::RETIRED;
+        let mut s = table_server(0, SyncPolicy::Asp);
+        let mut expected = [0.5f32; 4];
+        // 0: not split; 1: split on the owner; 2: recorded, the layout has the halves.
+        let mut split = 0;
+        // Per worker: its next clock, the push not yet acknowledged everywhere, and
+        // whether it is the resend of an acknowledged one.
+        let mut clocks = [0u32; 2];
+        type Push = (Vec<u64>, Vec<f32>, bool);
+        let mut pending: [Option<Push>; 2] = [None, None];
+        let (mut pushes, mut req) = (0usize, 100u64);
+        let total = ops.len() + 80;
+        for i in 0..total {
+            let now = i as u64;
+            let op = ops.get(i).copied().unwrap_or((i % 3) as u8) % 3;
+            if op == 2 {
+                if split == 0 {
+                    let msg = Control::SplitBlock { block: 1, at: 1, epoch: 2 }.into();
+                    let acts = s.handle(now, Event::FromScheduler { request_id: 0, msg });
+                    let done = acts.iter().any(|a| {
+                        matches!(
+                            a,
+                            Action::ToScheduler { msg: Message::Control(Control::SplitDone { error: None, .. }), .. }
+                        )
+                    });
+                    prop_assert!(done, "the owner splits and reports: {:?}", acts);
+                }
+                split = (split + 1).min(2);
+                continue;
+            }
+            let w = op as usize;
+            if pending[w].is_none() {
+                if clocks[w] >= 6 {
+                    continue;
+                }
+                let ids = rows_of_push[pushes % rows_of_push.len()].clone();
+                let grads: Vec<f32> = ids.iter().flat_map(|r| [0.25 * (*r as f32 + 1.0), -0.5]).collect();
+                for (r, g) in ids.iter().zip(grads.chunks(2)) {
+                    expected[(*r as usize) * 2] -= g[0];
+                    expected[(*r as usize) * 2 + 1] -= g[1];
+                }
+                pending[w] = Some((ids, grads, false));
+                pushes += 1;
+            }
+            let Some((ids, grads, resend)) = pending[w].clone() else { continue };
+            // The push's requests by the worker's layout: block 1, or the two halves.
+            let parts: Vec<(u32, Vec<u64>, Vec<f32>)> = if split < 2 {
+                vec![(1, ids.clone(), grads.clone())]
+            } else {
+                [(5u32, 0u64..1), (6, 1..2)]
+                    .into_iter()
+                    .map(|(b, range)| {
+                        let keep: Vec<usize> = (0..ids.len()).filter(|k| range.contains(&ids[*k])).collect();
+                        (
+                            b,
+                            keep.iter().map(|k| ids[*k]).collect(),
+                            keep.iter().flat_map(|k| grads[k * 2..k * 2 + 2].to_vec()).collect(),
+                        )
+                    })
+                    .collect()
+            };
+            let mut all_acked = true;
+            for (block, ids, grads) in parts {
+                req += 1;
+                let acts = push_rows(&mut s, now, w as u32, req, block, clocks[w], &ids, &grads);
+                match &replies(&acts)[..] {
+                    [(_, r, Message::PushAck { .. })] if *r == req => {}
+                    [(_, r, Message::Control(Control::Moved { owner: RETIRED, epoch: 2, .. }))] if *r == req => {
+                        prop_assert_eq!(block, 1, "only the old id is retired");
+                        all_acked = false;
+                    }
+                    other => prop_assert!(false, "worker {} push to block {}: {:?}", w, block, other),
+                }
+            }
+            if all_acked {
+                let again = !resend && dup.get(pushes % dup.len().max(1)).copied().unwrap_or(false);
+                pending[w] = if again { Some((ids, grads, true)) } else { None };
+                if !again {
+                    clocks[w] += 1;
+                }
+            }
+        }
+        prop_assert_eq!(split, 2, "the split happened");
+        prop_assert!(clocks == [6, 6] && pending.iter().all(Option::is_none), "every push acknowledged: {:?}", clocks);
+        let r = pull_rows(&mut s, total as u64, 0, 1, 1, 0, &[0]);
+        prop_assert_eq!(replies(&r), vec![(1, 1, Control::Moved { block: 1, owner: RETIRED, epoch: 2 }.into())]);
+        prop_assert_eq!(
+            rows_of(&pull_rows(&mut s, total as u64, 0, 2, 5, 0, &[0])),
+            vec![(1, 2, expected[..2].to_vec())]
+        );
+        prop_assert_eq!(
+            rows_of(&pull_rows(&mut s, total as u64, 0, 3, 6, 0, &[1])),
+            vec![(1, 3, expected[2..].to_vec())]
+        );
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, ..Default::default() })]
+
+        /// Any interleaving of two workers' row pushes (repeated rows, empty pushes,
+        /// resends after a lost ack or after `Moved`) with the split of their block:
+        /// every push applied exactly once, on the half that holds its row.
+        #[test]
+        fn a_row_block_split_while_workers_push_applies_every_push_exactly_once(
+            ops in proptest::collection::vec(0u8..3, 0..40),
+            rows_of_push in proptest::collection::vec(proptest::collection::vec(0u64..2, 0..3), 1..6),
+            dup in proptest::collection::vec(proptest::bool::ANY, 1..6),
+        ) {
+            split_exactly_once(&ops, &rows_of_push, &dup)?;
+        }
+    }
+
+    #[test]
+    fn a_split_is_refused_for_a_dense_block_and_followed_by_the_other_servers() {
+        let mut s = table_server(0, SyncPolicy::Asp);
+        let msg = Control::SplitBlock { block: 0, at: 1, epoch: 2 }.into();
+        let acts = s.handle(0, Event::FromScheduler { request_id: 0, msg });
+        let refused = acts.iter().find_map(|a| match a {
+            Action::ToScheduler { msg: Message::Control(Control::SplitDone { error: Some(e), .. }), .. } => {
+                Some(e.clone())
+            }
+            _ => None,
+        });
+        assert!(refused.is_some_and(|e| e.contains("not rows") || e.contains("block 0")), "{acts:?}");
+        assert!(matches!(s.slot(0), Some(Slot::Owned(_))), "the dense block is served as before");
+        // Server 1 does not hold block 1: it follows the split in its model and placement.
+        let mut other = table_server(B, SyncPolicy::Asp);
+        let msg = Control::SplitBlock { block: 1, at: 1, epoch: 2 }.into();
+        assert!(other.handle(0, Event::FromScheduler { request_id: 0, msg }).is_empty());
+        let shard = other.shard().expect("assigned");
+        assert_eq!(
+            (shard.partition.blocks.len(), shard.placement.owner(5), shard.placement.owner(1)),
+            (7, Some(0), None)
+        );
+        assert_eq!(shard.placement.epoch, 2);
     }
 }

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use elasticps_core::CoreError;
 use elasticps_core::model::BlockSpec;
+use elasticps_core::placement::RETIRED;
 use elasticps_core::sync::Clock;
 use elasticps_wire::{Control, ErrorReply, Kind, Layout, Message};
 
@@ -295,7 +296,7 @@ impl Round {
                 .partition
                 .blocks
                 .iter()
-                .filter(|b| b.is_rows() && b.tensor == table)
+                .filter(|b| b.is_rows() && !b.is_retired() && b.tensor == table)
                 .map(|b| Todo { block: *b, push: push.is_some(), pull: pull.is_some() && wanted(b) })
                 .filter(|t| t.push || t.pull),
         );
@@ -766,6 +767,10 @@ impl Round {
         let mut result = Ok(());
         for t in todo.drain(..) {
             match self.owners.get(t.block.id as usize) {
+                Some(&RETIRED) => {
+                    result = Err(NodeError::Recut { block: t.block.id });
+                    break;
+                }
                 Some(owner) => grouped.push((*owner, t)),
                 None => {
                     result = Err(CoreError::UnknownBlock(t.block.id).into());

@@ -1,7 +1,7 @@
 //! The round driven by hand: replies and layouts fed in, actions checked.
 
 use elasticps_core::model::{Init, Partition, TensorSpec};
-use elasticps_core::placement::Placement;
+use elasticps_core::placement::{Placement, RETIRED};
 use elasticps_wire::{Control, ErrorCode, ErrorReply, Layout, Message, ServerAddr, Values};
 
 use super::*;
@@ -969,4 +969,35 @@ fn a_row_round_of_an_unknown_table_is_refused_and_a_timeout_names_pull_rows() {
     let at = r.poll_timeout().unwrap();
     let e = timeout(&mut r, at).unwrap_err().to_string();
     assert!(e.contains("pull_rows(clock 7) of block 2"), "{e}");
+}
+
+#[test]
+fn a_row_round_whose_block_was_split_asks_to_be_planned_again() {
+    let l = table_layout();
+    let mut w = worker();
+    let (mut r, actions) = w.start_rows(0, &l, 0, RowsOp::Push(0), &|_| true).unwrap();
+    let s = sends(&actions);
+    let (tag, _, _, _) = *s.iter().find(|(_, _, b, _)| *b == 3).unwrap();
+    // The owner split block 3: Moved to no server at epoch 2, and a refresh.
+    let moved = Message::Control(Control::Moved { block: 3, owner: RETIRED, epoch: 2 });
+    let a = reply(&mut r, 1, tag, &moved).unwrap();
+    assert!(a.contains(&Action::RefreshLayout), "{a:?}");
+    // The scheduler has not recorded it yet: the same layout, the round waits.
+    assert!(r.handle(2, RoundEvent::Layout(&l)).unwrap().is_empty());
+    // After a moment it sends again to the owner, which answers Moved again.
+    let at = r.poll_timeout().unwrap();
+    let again = sends(&r.handle(at, RoundEvent::Timeout).unwrap());
+    assert_eq!(again.iter().map(|(_, s, b, _)| (*s, *b)).collect::<Vec<_>>(), [(1, 3)]);
+    assert_eq!(reply(&mut r, at, again[0].0, &moved).unwrap(), [Action::RefreshLayout]);
+    // Recorded: block 3 is retired, its rows 4 and 5 are blocks 6 and 7.
+    let mut split = l.clone();
+    let halves = split.partition.split_rows(3, 5).unwrap();
+    assert_eq!(split.placement.split(3, 6).unwrap(), halves);
+    let e = r.handle(at + 1, RoundEvent::Layout(&split)).unwrap_err();
+    assert!(matches!(e, NodeError::Recut { block: 3 }), "{e}");
+    // Planned again from that layout, the push goes to the halves.
+    let (_, actions) = w.start_rows(at + 2, &split, 0, RowsOp::Push(0), &|_| true).unwrap();
+    let mut blocks: Vec<u32> = sends(&actions).iter().map(|(_, _, b, _)| *b).collect();
+    blocks.sort_unstable();
+    assert_eq!(blocks, [1, 2, 4, 5, 6, 7]);
 }

@@ -383,12 +383,20 @@ impl Client {
     /// an `out` of the wrong length is refused ([`RuntimeError::Usage`]) before anything
     /// is sent.
     pub async fn pull_rows(&mut self, clock: Clock, table: u32, ids: &[u64], out: &mut [f32]) -> Result<()> {
-        let layout = self.current_layout()?;
-        let (payloads, mut sink) = rows::pull_plan(&layout.partition, table, ids, out)?;
-        if payloads.by_block.is_empty() {
-            return Ok(());
+        for _ in 0..MAX_RECUTS {
+            let layout = self.current_layout()?;
+            let (payloads, mut sink) = rows::pull_plan(&layout.partition, table, ids, out)?;
+            if payloads.by_block.is_empty() {
+                return Ok(());
+            }
+            match self.rows_round(table, RowsOp::Pull(clock), &payloads, Some(&mut sink)).await {
+                Err(RuntimeError::Recut { block }) => {
+                    tracing::debug!(rank = self.rank, table, block, "pull_rows again")
+                }
+                done => return done,
+            }
         }
-        self.rows_round(table, RowsOp::Pull(clock), &payloads, Some(&mut sink)).await
+        Err(recut_too_often("pull_rows", table))
     }
 
     /// Pushes the gradient rows `grads` (`ids.len() x dim`, row after row) of rows `ids`
@@ -398,9 +406,7 @@ impl Client {
     /// server. Call it once per table and clock, with no ids for a table the step did not
     /// touch.
     pub async fn push_rows(&mut self, clock: Clock, table: u32, ids: &[u64], grads: &[f32]) -> Result<()> {
-        let layout = self.current_layout()?;
-        let payloads = rows::push_plan(&layout.partition, table, ids, grads)?;
-        self.rows_round(table, RowsOp::Push(clock), &payloads, None).await
+        self.push_rows_of(clock, table, |p| rows::push_plan(p, table, ids, grads)).await
     }
 
     /// Pushes "no gradient" for table `table` at clock `clock` (the table was not used in
@@ -408,9 +414,28 @@ impl Client {
     /// takes no optimizer step, where [`Client::push_rows`] with no id is a step that
     /// touched no row.
     pub async fn push_rows_none(&mut self, clock: Clock, table: u32) -> Result<()> {
-        let layout = self.current_layout()?;
-        let payloads = rows::no_gradient_plan(&layout.partition, table)?;
-        self.rows_round(table, RowsOp::Push(clock), &payloads, None).await
+        self.push_rows_of(clock, table, |p| rows::no_gradient_plan(p, table)).await
+    }
+
+    /// A row push whose payloads `plan` makes from the current model: made again and
+    /// sent again (the blocks that took it answer duplicates) when a block of the table
+    /// was split while it ran.
+    async fn push_rows_of(
+        &mut self,
+        clock: Clock,
+        table: u32,
+        plan: impl Fn(&elasticps_core::model::Partition) -> Result<rows::RowPayloads>,
+    ) -> Result<()> {
+        for _ in 0..MAX_RECUTS {
+            let payloads = plan(&self.current_layout()?.partition)?;
+            match self.rows_round(table, RowsOp::Push(clock), &payloads, None).await {
+                Err(RuntimeError::Recut { block }) => {
+                    tracing::debug!(rank = self.rank, table, block, "push_rows again")
+                }
+                done => return done,
+            }
+        }
+        Err(recut_too_often("push_rows", table))
     }
 
     /// Tells the scheduler this worker is done. Servers stop waiting for it.
@@ -521,6 +546,17 @@ fn pushed_len(grad: Option<&[f32]>) -> Option<usize> {
 
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// A row round is planned again at most this many times for blocks split while it ran.
+const MAX_RECUTS: u32 = 16;
+
+/// A row round whose blocks kept being split under it.
+fn recut_too_often(verb: &str, table: u32) -> RuntimeError {
+    RuntimeError::Protocol {
+        peer: "servers".into(),
+        what: format!("{verb} of table {table}: its blocks were split under {MAX_RECUTS} rounds running"),
+    }
 }
 
 #[cfg(test)]

@@ -479,6 +479,7 @@ pub(super) fn from_node(e: NodeError) -> RuntimeError {
         NodeError::Protocol { peer, what } => RuntimeError::Protocol { peer, what },
         NodeError::Refused(what) => RuntimeError::Protocol { peer: "servers".into(), what },
         NodeError::Timeout { what, after_us } => RuntimeError::Timeout { what, after: Duration::from_micros(after_us) },
+        NodeError::Recut { block } => RuntimeError::Recut { block },
     }
 }
 

@@ -1,0 +1,103 @@
+//! Splitting a hot row block in place (docs/PROTOCOL.md, `SplitBlock`; DESIGN.md §4).
+//!
+//! The owner cuts the block's state in two at a row ([`BlockState::split_rows`](elasticps_core::block::BlockState::split_rows): each half
+//! keeps its rows with their optimizer state and the whole clock state, so a push the
+//! block took is a duplicate on either half), serves the halves under the model's next
+//! two ids, and answers every request for the old id (and the pulls it held) `Moved` to
+//! no server at the split's epoch: the worker refreshes its layout and sends the row
+//! round again to the halves. It reports with `SplitDone`; every other server learns of
+//! the recorded split from the scheduler and follows it in its model and placement. All
+//! or nothing: a refused split changes nothing.
+
+use elasticps_core::block::Block;
+use elasticps_core::model::BlockId;
+use elasticps_core::placement::RETIRED;
+use elasticps_wire::Control;
+
+use super::{Action, Owned, Parked, Phase, Request, Server, Slot};
+
+impl Server {
+    /// `SplitBlock { block, at, epoch }` from the scheduler: split it if it is served
+    /// here (and report), or follow the split recorded elsewhere.
+    pub(super) fn split_block(&mut self, now_us: u64, block: BlockId, at: u64, epoch: u64, out: &mut Vec<Action>) {
+        let Some(shard) = self.shard.as_mut() else { return };
+        let me = shard.id;
+        if !matches!(self.slots.get(&block), Some(Slot::Owned(_))) {
+            if shard.partition.block(block).is_ok_and(|b| b.is_retired()) {
+                return;
+            }
+            match shard.split(block, at, epoch) {
+                Ok((partition, placement, halves)) => {
+                    tracing::debug!(server = me, block, at, epoch, ?halves, "a row block split elsewhere");
+                    shard.partition = partition;
+                    shard.placement = placement;
+                }
+                Err(e) => {
+                    tracing::warn!(server = me, block, at, epoch, error = %e, "split of another server not followed")
+                }
+            }
+            return;
+        }
+        let error = self.split_here(now_us, block, at, epoch, out).err();
+        if let Some(e) = &error {
+            tracing::warn!(server = me, block, at, error = %e, "split refused");
+        }
+        out.push(Action::ToScheduler { request_id: 0, msg: Control::SplitDone { block, at, epoch, error }.into() });
+    }
+
+    /// The owner's split of `block` at row `at`; why not, if it cannot (nothing changed).
+    fn split_here(
+        &mut self,
+        now_us: u64,
+        block: BlockId,
+        at: u64,
+        epoch: u64,
+        out: &mut Vec<Action>,
+    ) -> Result<(), String> {
+        let Some(shard) = self.shard.as_ref() else { return Err("no blocks assigned yet".into()) };
+        let Some(Slot::Owned(o)) = self.slots.get(&block) else {
+            return Err(format!("block {block} is not served here"));
+        };
+        if !matches!(o.phase, Phase::Serving) {
+            return Err(format!("block {block} is migrating"));
+        }
+        if !o.checkpoint_parked.is_empty() {
+            return Err(format!("pushes to block {block} wait for a checkpoint"));
+        }
+        if !shard.placement.backups_of(block).is_empty() {
+            return Err(format!("block {block} has backups: a replicated block is not split"));
+        }
+        let (partition, placement, [left, right]) = shard.split(block, at, epoch).map_err(|e| e.to_string())?;
+        let (ls, rs) =
+            (*partition.block(left).map_err(|e| e.to_string())?, *partition.block(right).map_err(|e| e.to_string())?);
+        let (lc, rc) = (shard.config_for(&ls), shard.config_for(&rs));
+        let halves = o
+            .block
+            .state()
+            .split_rows(ls, rs)
+            .and_then(|(l, r)| Ok((Block::from_state(l, &[], &lc)?, Block::from_state(r, &[], &rc)?)));
+        let (l, r) = halves.map_err(|e| e.to_string())?;
+        // Nothing can fail from here on.
+        let Some(Slot::Owned(mut old)) = self.slots.insert(block, Slot::Gone { owner: RETIRED, epoch }) else {
+            return Ok(());
+        };
+        self.slots.insert(left, Slot::Owned(Owned::new(l, epoch, Phase::Serving)));
+        self.slots.insert(right, Slot::Owned(Owned::new(r, epoch, Phase::Serving)));
+        self.counters.rows_seen.remove(&block);
+        if let Some(shard) = self.shard.as_mut() {
+            shard.partition = partition;
+            shard.placement = placement;
+        }
+        let held: Vec<Parked> = old
+            .block
+            .take_held()
+            .into_iter()
+            .map(|(to, rank, clock)| Parked { rank, to, request: Request::Pull { clock } })
+            .collect();
+        tracing::info!(server = self.id, block, at, epoch, left, right, held = held.len(), "row block split");
+        // The pulls it held are answered `Moved` to no server: their workers pull again
+        // from the halves.
+        self.serve_parked(now_us, held, out);
+        Ok(())
+    }
+}
