@@ -15,6 +15,8 @@
 //! - [`sparse`]: embedding tables' `pull_rows`/`push_rows` against dense pulls/pushes of
 //!   the same bytes, and the server's RSS for a 10^7-row table with 10^5 rows touched
 //!   (`elasticps bench sparse`).
+//! - [`hot_rows`]: Zipf row ids under static placement and psld, which splits the hot
+//!   row block (`elasticps bench hot-rows`).
 //! - [`sink`]: the raw TCP peer of that comparison, a separate process
 //!   (`elasticps bench tcp-sink`, hidden) so both sides pay the same process costs.
 //! - [`pipeline`]: the one pipeline of every benchmark.
@@ -51,6 +53,7 @@ pub mod chaos;
 pub mod checks;
 mod error;
 pub mod hosts;
+pub mod hot_rows;
 pub mod job;
 pub mod machine;
 pub mod pipeline;
@@ -73,6 +76,8 @@ pub enum BenchCmd {
     Transport(transport::TransportCmd),
     /// Embedding tables: pull_rows/push_rows against dense pulls/pushes of the same bytes, and a 10^7-row table's RSS for the rows touched.
     Sparse(sparse::SparseCmd),
+    /// Zipf row ids on an embedding table: static vs PSLD, which splits the hot row block and moves the pieces; every push applied exactly once.
+    HotRows(hot_rows::HotRowsCmd),
     /// The raw TCP peer of `bench transport` (started by it; not for direct use).
     #[command(hide = true)]
     TcpSink(sink::SinkCmd),
@@ -97,6 +102,7 @@ pub async fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Transport(cmd) => execute(transport::TransportBench::new(cmd)?).await,
         BenchCmd::TcpSink(cmd) => sink::run(cmd).await,
         BenchCmd::Sparse(cmd) => execute(sparse::SparseBench::new(cmd)?).await,
+        BenchCmd::HotRows(cmd) => execute(hot_rows::HotRowsBench::new(cmd)?).await,
         BenchCmd::Sync(cmd) => execute(sync::SyncBench::new(cmd)?).await,
         BenchCmd::Straggler(cmd) => execute(straggler::StragglerBench::new(cmd)?).await,
         BenchCmd::Sim(cmd) => execute(sim::SimBench::new(cmd)).await,
