@@ -32,7 +32,7 @@ use elasticps_core::model::TableSpec;
 use elasticps_core::placement::PlacementKind;
 use elasticps_core::rows::{RowInit, SparseOptimizer};
 use elasticps_launch::args::{JobArgs, NetArgs};
-use elasticps_launch::process::{Cluster, NodeEvent};
+use elasticps_launch::process::Cluster;
 use elasticps_report::table::markdown_table;
 use elasticps_runtime::client::{Client, ClientOptions};
 use elasticps_wire::Codec;
@@ -42,6 +42,7 @@ use crate::checks::{Check, Target, checks_and_targets_markdown};
 use crate::error::Context as _;
 use crate::pipeline::{Bench, Written};
 use crate::roles;
+use crate::sparse::wind_down;
 use crate::transport::guarded;
 
 /// Values per row.
@@ -110,8 +111,8 @@ impl Plan {
         crate::error::ensure_flags!((64..=1 << 24).contains(&cmd.rows), "--rows must be from 64 to 2^24");
         crate::error::ensure_flags!((1..=1 << 20).contains(&cmd.batch), "--batch must be from 1 to 2^20");
         crate::error::ensure_flags!(cmd.exponent > 0.0 && cmd.exponent <= 4.0, "--exponent must be in (0, 4]");
-        crate::error::ensure_flags!(seconds >= 2.0 && seconds <= 3600.0, "--seconds must be from 2 to 3600");
-        crate::error::ensure_flags!(cmd.mbps > 0.0, "--mbps must be positive");
+        crate::error::ensure_flags!((2.0..=3600.0).contains(&seconds), "--seconds must be from 2 to 3600");
+        crate::error::ensure_flags!(cmd.mbps.is_finite() && cmd.mbps >= 1.0, "--mbps must be at least 1");
         crate::error::ensure_flags!(
             cmd.block_bytes >= DIM as usize * 4 && cmd.block_bytes.is_multiple_of(DIM as usize * 4),
             "--block-bytes must be a whole number of 256-byte rows"
@@ -195,10 +196,7 @@ impl Bench for HotRowsBench {
     async fn run(&self) -> crate::Result<Body> {
         let (cmd, plan) = (&self.cmd, &self.plan);
         cmd.net.install()?;
-        let log_dir = match &cmd.out {
-            Some(dir) => dir.join("logs"),
-            None => std::env::temp_dir().join(format!("elasticps-bench-{}", std::process::id())),
-        };
+        let log_dir = crate::log_dir(cmd.out.as_deref());
         let driver = crate::multi_thread_runtime(2)?;
         let cdf = Arc::new(zipf_cdf(plan.rows, plan.exponent));
         let result = async {
@@ -358,18 +356,7 @@ async fn run_mode(
     })
     .await
     .with_context(|| tag.clone());
-    let _ = tokio::time::timeout(Duration::from_secs(10), async {
-        while !cluster.all_exited() {
-            match cluster.next().await {
-                Some(NodeEvent::Exited { node, status }) if !status.success() => {
-                    tracing::warn!("{}", cluster.failure(node, status));
-                }
-                None => break,
-                _ => {}
-            }
-        }
-    })
-    .await;
+    wind_down(&mut cluster).await;
     result
 }
 

@@ -112,6 +112,15 @@ pub async fn run(cmd: BenchCmd) -> Result<()> {
     }
 }
 
+/// Where a benchmark's nodes write their logs: `out/logs`, or a directory of this process
+/// in the system's temporary directory.
+pub(crate) fn log_dir(out: Option<&std::path::Path>) -> std::path::PathBuf {
+    match out {
+        Some(dir) => dir.join("logs"),
+        None => std::env::temp_dir().join(format!("elasticps-bench-{}", std::process::id())),
+    }
+}
+
 /// A tokio runtime with `threads` worker threads, like the one every role process runs
 /// on (`main.rs` gives the launcher-style commands, `bench` among them, a single thread).
 pub fn multi_thread_runtime(threads: usize) -> Result<tokio::runtime::Runtime> {

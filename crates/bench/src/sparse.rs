@@ -199,10 +199,7 @@ impl Bench for SparseBench {
     async fn run(&self) -> crate::Result<Body> {
         let (cmd, plan) = (&self.cmd, &self.plan);
         cmd.net.install()?;
-        let log_dir = match &cmd.out {
-            Some(dir) => dir.join("logs"),
-            None => std::env::temp_dir().join(format!("elasticps-bench-{}", std::process::id())),
-        };
+        let log_dir = crate::log_dir(cmd.out.as_deref());
         let driver = crate::multi_thread_runtime(2)?;
         let result = async {
             let mut rows = Vec::new();
@@ -254,7 +251,7 @@ async fn start_cluster(
 }
 
 /// Waits (at most 10 s) for every node to exit after the worker finished.
-async fn wind_down(cluster: &mut Cluster) {
+pub(crate) async fn wind_down(cluster: &mut Cluster) {
     let _ = tokio::time::timeout(Duration::from_secs(10), async {
         while !cluster.all_exited() {
             match cluster.next().await {

@@ -301,10 +301,7 @@ impl Bench for TransportBench {
         let (cmd, plan) = (&self.cmd, &self.plan);
         // The in-process workers dial as the cluster's nodes do (TLS with --tls-*).
         cmd.net.install()?;
-        let log_dir = match &cmd.out {
-            Some(dir) => dir.join("logs"),
-            None => std::env::temp_dir().join(format!("elasticps-bench-{}", std::process::id())),
-        };
+        let log_dir = crate::log_dir(cmd.out.as_deref());
         let driver = crate::multi_thread_runtime(plan.driver_threads)?;
         let result = measure_all(&driver, plan, &cmd.net, &log_dir).await;
         // Dropping a runtime blocks; this is an async context.
