@@ -81,4 +81,4 @@ pub use net::{
 };
 pub use queue::EventQueue;
 pub use server::{BoundViolation, ServerModel, ServerRole};
-pub use worker::{Stage, TrainingLoop, WorkerRecord, WorkerRole};
+pub use worker::{Stage, TableTraining, TrainingLoop, WorkerRecord, WorkerRole};

@@ -11,11 +11,13 @@
 //! and the requests' deadlines: this adapter writes every send it is given and wakes the
 //! round at its `poll_timeout`, as the runtime's round loop does. The gradients are a
 //! function of (rank, clock, block) chosen by the run, so a test knows the exact final
-//! parameters.
+//! parameters. With a [`TableTraining`], each iteration's tensor round is followed by a
+//! row round that pushes gradient rows to an embedding table (every block of it, as the
+//! client's `push_rows`), planned again when a block of the table is split under it.
 
 use std::collections::BTreeMap;
 
-use elasticps_core::model::{BlockId, TensorSpec};
+use elasticps_core::model::{BlockId, TableSpec, TensorSpec};
 use elasticps_core::sync::Clock;
 use elasticps_wire::{Control, Credential, Layout, Message, Values};
 
@@ -23,8 +25,9 @@ use crate::cluster::{Outbox, Role};
 use crate::link::SchedLink;
 use crate::net::{LostWhy, NodeId};
 use elasticps_node::ConnId;
+use elasticps_node::NodeError;
 use elasticps_node::session::{self, REATTACH_ID};
-use elasticps_node::worker::{Action, Op, PushOp, Round, RoundEvent, Worker};
+use elasticps_node::worker::{Action, Op, PushOp, Round, RoundEvent, RowsOp, Worker};
 
 pub use elasticps_node::timing::WORKER_STATS_US;
 
@@ -64,6 +67,22 @@ pub struct TrainingLoop {
     /// run exercises pushes without a gradient through migrations, replicas and
     /// checkpoints.
     pub zero_as_no_gradient: bool,
+    /// An embedding table trained beside the tensors, if any.
+    pub table: Option<TableTraining>,
+}
+
+/// An embedding table a [`TrainingLoop`] trains: after the tensor round of clock t, a row
+/// round pushes, to every block of the table, the gradient rows of `ids(rank, t)` (sorted,
+/// no duplicates) that fall in its range, every value of row `r` being `grad(rank, t, r)`.
+/// A test knows the exact final rows.
+#[derive(Clone, Debug)]
+pub struct TableTraining {
+    /// The table (the model's only one).
+    pub spec: TableSpec,
+    /// The rows a worker's step touches.
+    pub ids: fn(u32, Clock) -> Vec<u64>,
+    /// Every value of the gradient of `(rank, clock, row)`.
+    pub grad: fn(u32, Clock, u64) -> f32,
 }
 
 impl std::fmt::Debug for TrainingLoop {
@@ -90,6 +109,8 @@ pub enum Stage {
     Computing(u32),
     /// In the round of iteration t.
     Communicating(u32),
+    /// In the row round of iteration t (after its tensor round).
+    PushingRows(u32),
     /// Waiting for the scheduler to acknowledge WorkerDone.
     Finishing,
     /// Done.
@@ -115,6 +136,8 @@ pub struct WorkerRecord {
     pub pushes_acked: u64,
     /// Layout refreshes over the run.
     pub refreshes: u64,
+    /// Row rounds planned again because a block of the table was split under them.
+    pub recuts: u64,
 }
 
 /// A simulated worker process.
@@ -280,6 +303,39 @@ impl WorkerRole {
         }
     }
 
+    /// Starts the row round of the current stage ([`TableTraining`]).
+    fn start_rows(&mut self, out: &mut Outbox<'_>) {
+        let (Some(plan), Some(layout), Stage::PushingRows(t)) = (self.plan.as_mut(), self.layout.as_ref(), &self.stage)
+        else {
+            return;
+        };
+        match plan.start_rows(out.now_us(), layout, 0, RowsOp::Push(*t), &|_| true) {
+            Ok((round, actions)) => {
+                self.round = Some(round);
+                self.on_round_result(out, Ok(actions));
+            }
+            Err(e) => self.fail(out, e.to_string()),
+        }
+    }
+
+    /// A block of the table was split under the row round: as the client does, the
+    /// connections with requests of it in flight start afresh (their late replies are
+    /// not the next round's), and the round is planned again from the refreshed layout
+    /// (what blocks already took are duplicates there).
+    fn recut(&mut self, out: &mut Outbox<'_>) {
+        let Some(round) = self.round.take() else { return };
+        let busy: Vec<u32> = self.servers.keys().copied().filter(|id| round.in_flight_to(*id) > 0).collect();
+        for id in busy {
+            if let Some(conn) = self.servers.remove(&id) {
+                out.close(conn);
+            }
+        }
+        if let Some(layout) = self.layout.clone() {
+            self.install(out, layout);
+        }
+        self.start_rows(out);
+    }
+
     /// Starts the round of the current stage.
     fn start_round(&mut self, out: &mut Outbox<'_>) {
         let (Some(plan), Some(layout)) = (self.plan.as_mut(), self.layout.as_ref()) else { return };
@@ -321,15 +377,7 @@ impl WorkerRole {
                             let g = (self.work.grad)(rank, clock, block.id);
                             Message::PushPull { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
                         }
-                        // The harness's workers start no row round (`Worker::start_rows`);
-                        // a row op would be an empty push or pull of the block.
-                        Op::PushRows(clock) => Message::PushRows {
-                            block: block.id,
-                            clock,
-                            dim: block.row_range().map_or(1, |(_, _, dim)| dim),
-                            ids: Default::default(),
-                            grads: Values::from_vec(Vec::new()),
-                        },
+                        Op::PushRows(clock) => self.row_push(rank, clock, &block),
                         Op::PullRows(clock) => Message::PullRows { block: block.id, clock, ids: Default::default() },
                     };
                     let conn = self.servers.get(&server).copied();
@@ -369,6 +417,28 @@ impl WorkerRole {
         self.on_round_result(out, result);
     }
 
+    /// The `PushRows` of row block `block` at `clock`: the step's rows in its range
+    /// ([`TableTraining`]), or none.
+    fn row_push(&self, rank: u32, clock: Clock, block: &elasticps_core::model::BlockSpec) -> Message {
+        let (start, end, dim) = block.row_range().unwrap_or((0, 0, 1));
+        let rows: Vec<u64> = match &self.work.table {
+            Some(t) => (t.ids)(rank, clock).into_iter().filter(|r| (start..end).contains(r)).collect(),
+            None => Vec::new(),
+        };
+        let grad = self.work.table.as_ref().map(|t| t.grad);
+        let grads: Vec<f32> = rows
+            .iter()
+            .flat_map(|r| std::iter::repeat_n(grad.map_or(0.0, |g| g(rank, clock, *r)), dim as usize))
+            .collect();
+        Message::PushRows {
+            block: block.id,
+            clock,
+            dim,
+            ids: elasticps_wire::RowIds::from_vec(rows),
+            grads: Values::from_vec(grads),
+        }
+    }
+
     /// A gradient of `len` values `g` for `block` (shared with the last one if equal).
     fn gradient(&mut self, block: u32, len: usize, g: f32) -> Values {
         if self.work.zero_as_no_gradient && g == 0.0 {
@@ -390,6 +460,11 @@ impl WorkerRole {
 
     fn on_round_result(&mut self, out: &mut Outbox<'_>, result: elasticps_node::Result<Vec<Action>>) {
         match result {
+            Err(NodeError::Recut { block }) if matches!(self.stage, Stage::PushingRows(_)) => {
+                tracing::debug!(rank = ?self.rank, block, "row round planned again after a split");
+                self.record.recuts += 1;
+                self.recut(out);
+            }
             Ok(actions) => {
                 self.carry_out(out, actions);
                 if matches!(self.stage, Stage::Failed(_)) {
@@ -433,7 +508,11 @@ impl WorkerRole {
                     self.call_scheduler(out, DONE, Control::WorkerDone { rank }.into());
                 }
             }
-            Stage::Communicating(t) => {
+            Stage::Communicating(t) if self.work.table.is_some() => {
+                self.stage = Stage::PushingRows(t);
+                self.start_rows(out);
+            }
+            Stage::Communicating(t) | Stage::PushingRows(t) => {
                 self.record.comm_us.push(now - self.round_started_us);
                 self.record.iteration_ends_us.push(now);
                 if t + 1 < self.work.iterations {
@@ -469,10 +548,11 @@ impl WorkerRole {
                 self.plan = Some(plan.with_fusion(self.work.fuse).with_window(self.work.window));
                 self.stage = Stage::Defining;
                 let tensors = self.work.tensors.clone();
+                let tables = self.work.table.iter().map(|t| t.spec.clone()).collect();
                 self.call_scheduler(
                     out,
                     DEFINE,
-                    Control::DefineModel { tensors, optimizers: Vec::new(), tables: Vec::new() }.into(),
+                    Control::DefineModel { tensors, optimizers: Vec::new(), tables }.into(),
                 );
             }
             (DEFINE, Message::Control(Control::Layout(layout))) => {

@@ -341,6 +341,7 @@ fn training(case: &Case) -> impl FnMut(u32) -> TrainingLoop + 'static {
         fuse,
         window: elasticps_node::timing::DEFAULT_WINDOW,
         zero_as_no_gradient: true,
+        table: None,
     }
 }
 
@@ -850,7 +851,10 @@ fn crash_and_rejoin(case: &Case, crash_us: u64, victim: usize, host: Option<usiz
         return Ok(false);
     }
     let Some((node, w)) = sim.workers().nth(victim) else { return Ok(false) };
-    let (Some(rank), Stage::Computing(_) | Stage::Communicating(_)) = (w.rank(), w.stage()) else { return Ok(false) };
+    let (Some(rank), Stage::Computing(_) | Stage::Communicating(_) | Stage::PushingRows(_)) = (w.rank(), w.stage())
+    else {
+        return Ok(false);
+    };
     if let Some(server) = host {
         let Some((s, role)) = sim.servers().nth(server) else { return Ok(false) };
         if role.exit().is_some() || role.server().and_then(|s| s.shard()).is_none() {
@@ -1459,4 +1463,178 @@ fn the_restart_schedules_kill_running_schedulers_and_workers_iterate_meanwhile()
     }
     assert!(crashed >= 40, "only {crashed} of 60 schedules killed the scheduler of a running job");
     assert!(iterated * 10 >= crashed * 9, "workers iterated while the scheduler was down in {iterated} of {crashed}");
+}
+
+// ---- hot rows (issue 21) -------------------------------------------------------------
+
+/// Rows and values per row of the hot-row runs' table, in blocks of [`ROWS_PER_BLOCK`].
+const TABLE_ROWS: u64 = 64;
+const TABLE_DIM: u32 = 2;
+const ROWS_PER_BLOCK: u64 = 8;
+
+/// The rows worker `rank` pushes at `clock`: rows 0 to 5 always (the hot rows, all in the
+/// table's first block: more than 60% of the load, which even 2 servers cannot balance
+/// whole) and up to two of the other 58.
+fn hot_ids(rank: u32, clock: Clock) -> Vec<u64> {
+    let mut ids = vec![0, 1, 2, 3, 4, 5];
+    for k in 0..2u64 {
+        ids.push(6 + mix((u64::from(rank) << 40) ^ (u64::from(clock) << 8) ^ k) % (TABLE_ROWS - 6));
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// Integer row gradients (some negative): every sum is exact in f32.
+fn row_grad(rank: u32, clock: Clock, row: u64) -> f32 {
+    ((u64::from(rank) * 7 + u64::from(clock) * 3 + row) % 9) as f32 - 4.0
+}
+
+/// A job training a table whose first block is hot, under psld (which splits it and moves
+/// the pieces), with a bandwidth-capped server.
+#[derive(Clone, Debug)]
+pub struct HotCase {
+    /// Seed of the network's jitter and the compute times.
+    pub seed: u64,
+    /// Servers (the job neither grows nor shrinks).
+    pub servers: u32,
+    /// Workers.
+    pub workers: u32,
+    /// Sync policy of every server.
+    pub sync: SyncPolicy,
+    /// Iterations per worker.
+    pub iterations: u32,
+    /// Server 0's cap, bytes per second each way.
+    pub cap_bps: u64,
+    /// Extra delay per message, uniform in `[0, jitter_us]`.
+    pub jitter_us: u64,
+}
+
+fn hot_case() -> impl Strategy<Value = HotCase> {
+    (any::<u64>(), 2u32..=4, 1u32..=3, sync(), 30u32..=50, 20_000u64..=200_000, 0u64..=200).prop_map(
+        |(seed, servers, workers, sync, iterations, cap_bps, jitter_us)| HotCase {
+            seed,
+            servers,
+            workers,
+            sync,
+            iterations,
+            cap_bps,
+            jitter_us,
+        },
+    )
+}
+
+/// Runs `c` and checks it as a user would: the job ends well with every iteration run, the
+/// table's live blocks cover its rows once, its first block was split, and every row on
+/// the owner the scheduler names holds exactly minus the sum of the gradients pushed to
+/// it (SGD, lr 1, from 0): each push applied once across the splits and migrations.
+/// Returns the splits and the migrations of row blocks.
+fn run_hot(c: &HotCase) -> Result<(usize, u64), TestCaseError> {
+    let job = JobConfig {
+        servers: c.servers,
+        workers: c.workers,
+        block_bytes: (ROWS_PER_BLOCK * u64::from(TABLE_DIM) * 4) as usize,
+        placement: PlacementKind::BestFit,
+        shard: ShardConfig {
+            sync: c.sync,
+            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 },
+            workers: c.workers,
+        },
+        server_sync: Vec::new(),
+        seed: c.seed,
+        inject: vec![(0, Injection { bandwidth_bps: c.cap_bps, interference: 1.0, at_us: 0 })],
+        balance: BalanceMode::Psld,
+        max_servers: c.servers,
+        min_servers: c.servers,
+        checkpoint: None,
+        rejoin_wait_us: 0,
+        replicas: 1,
+    };
+    let mut setup = JobSetup::new(ClusterConfig { seed: c.seed, jitter_us: c.jitter_us, ..ClusterConfig::new(job) });
+    setup.server_model = ServerModel { apply_bps: 0, check_bound: true };
+    let (seed, iterations) = (c.seed, c.iterations);
+    let table = elasticps_core::model::TableSpec::new("emb", TABLE_ROWS, TABLE_DIM)
+        .with_init(elasticps_core::rows::RowInit::Constant(0.0))
+        .with_optimizer(elasticps_core::rows::SparseOptimizer::Sgd { lr: 1.0 });
+    let mut sim = SimJob::new(setup, move |_| TrainingLoop {
+        tensors: vec![TensorSpec { name: "w".into(), shape: vec![BLOCK_LEN], init: Init::Zeros }],
+        iterations,
+        compute_us: Box::new(move |rank, t| 100_000 + mix(seed ^ (u64::from(rank) << 32) ^ u64::from(t)) % 50_000),
+        grad,
+        timeout_us: 300_000_000,
+        fuse: true,
+        window: elasticps_node::timing::DEFAULT_WINDOW,
+        zero_as_no_gradient: false,
+        table: Some(elasticps_harness::TableTraining { spec: table.clone(), ids: hot_ids, grad: row_grad }),
+    });
+    let end = sim.run(HORIZON_US, MAX_EVENTS);
+    let end = end.ok_or_else(|| TestCaseError::fail("the job did not end"))?;
+    prop_assert!(end.ok, "the job failed: {}", end.reason);
+    for (_, w) in sim.workers() {
+        prop_assert_eq!(w.record().iteration_ends_us.len() as u32, c.iterations, "worker {:?}", w.rank());
+    }
+    let sched = sim.cluster().scheduler();
+    let (partition, placement) = match (sched.partition(), sched.placement()) {
+        (Some(p), Some(pl)) => (p, pl),
+        _ => return Err(TestCaseError::fail("the scheduler placed no model")),
+    };
+    prop_assert_eq!(partition.check_tables(), Ok(()));
+    let splits = partition.blocks.iter().filter(|b| b.is_retired()).count();
+    prop_assert!(splits >= 1, "the hot block was never split");
+    let mut moved = 0;
+    for b in partition.table_blocks(0) {
+        let (start, end, _) = b.row_range().unwrap_or_default();
+        let owner = placement.owner(b.id).ok_or_else(|| TestCaseError::fail(format!("block {} has no owner", b.id)))?;
+        let server = sim.servers().filter_map(|(_, r)| r.server()).find(|s| s.id() == Some(owner));
+        let Some(Slot::Owned(o)) = server.and_then(|s| s.slot(b.id)) else {
+            return Err(TestCaseError::fail(format!("server {owner} does not hold block {}", b.id)));
+        };
+        if o.epoch > 0 {
+            moved += 1;
+        }
+        let rows: Vec<u64> = (start..end).collect();
+        let got = o.block.rows().map(|r| r.gather(&rows)).unwrap_or_default();
+        for (row, values) in rows.iter().zip(got.chunks_exact(TABLE_DIM as usize)) {
+            let want: f32 = -(0..c.workers)
+                .flat_map(|rank| (0..c.iterations).map(move |t| (rank, t)))
+                .filter(|(rank, t)| hot_ids(*rank, *t).contains(row))
+                .map(|(rank, t)| row_grad(rank, t, *row))
+                .sum::<f32>();
+            prop_assert!(
+                values.iter().all(|v| *v == want),
+                "row {} (block {}): {:?}, want {}",
+                row,
+                b.id,
+                values,
+                want
+            );
+        }
+    }
+    Ok((splits, moved))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(64), max_shrink_iters: 500, ..ProptestConfig::default() })]
+
+    /// psld splits the hot row block and moves the pieces while the workers push rows
+    /// (under every sync policy, with jitter and a capped server): every row exact.
+    #[test]
+    fn the_balancer_splitting_and_moving_a_hot_row_block_keeps_every_row_exact(c in hot_case()) {
+        run_hot(&c)?;
+    }
+}
+
+#[test]
+fn a_hot_row_run_splits_and_moves_row_blocks() {
+    let c = HotCase {
+        seed: 7,
+        servers: 3,
+        workers: 2,
+        sync: SyncPolicy::Ssp(1),
+        iterations: 40,
+        cap_bps: 50_000,
+        jitter_us: 50,
+    };
+    let (splits, moved) = run_hot(&c).expect("exact");
+    assert!(splits >= 1 && moved >= 1, "{splits} splits, {moved} row blocks moved");
 }

@@ -431,6 +431,7 @@ mod job {
             fuse: i % 2 == 0,
             window,
             zero_as_no_gradient: false,
+            table: None,
         }
     }
 

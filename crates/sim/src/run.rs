@@ -107,6 +107,7 @@ fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> Training
         // node layer (issue 22). The harness's tests do run with the window.
         window: usize::MAX,
         zero_as_no_gradient: false,
+        table: None,
     }
 }
 
@@ -165,7 +166,7 @@ fn stall_report(sim: &SimJob, limit_s: f64) -> String {
     let mut stages: BTreeMap<String, u32> = BTreeMap::new();
     for (_, w) in sim.workers() {
         let stage = match w.stage() {
-            Stage::Computing(_) | Stage::Communicating(_) => "training".to_string(),
+            Stage::Computing(_) | Stage::Communicating(_) | Stage::PushingRows(_) => "training".to_string(),
             other => format!("{other:?}"),
         };
         *stages.entry(stage).or_default() += 1;

@@ -402,6 +402,11 @@ impl Scheduler {
         self
     }
 
+    /// The model's blocks once defined (with every split recorded).
+    pub fn partition(&self) -> Option<&elasticps_core::model::Partition> {
+        self.partition.as_ref()
+    }
+
     /// The placement as the scheduler records it (once the model is placed): who owns
     /// each block, and the epoch.
     pub fn placement(&self) -> Option<&Placement> {
