@@ -561,19 +561,27 @@ impl RowHistogram {
 
     /// The bucket boundary strictly inside the range that cuts the counted rows closest
     /// to half and half (ties to the lower row), or `None` with nothing counted or a
-    /// range of one row.
+    /// range of one row. When every counted row is in one bucket, no boundary divides
+    /// them: the cut is at that bucket's edge, so that the half holding it is narrower
+    /// (its start if it is not the first bucket, else its end), and a later split of that
+    /// half cuts it finer.
     pub fn split_at(&self) -> Option<u64> {
         let total = self.total();
         if total == 0 || self.end <= self.start + 1 {
             return None;
         }
+        let boundary = |k: usize| self.start + k as u64 * self.width;
+        let inside = |at: u64| at > self.start && at < self.end;
+        if let Some(k) = self.counts.iter().position(|c| *c == total) {
+            return [boundary(k), boundary(k + 1)].into_iter().find(|at| inside(*at));
+        }
         let mut best: Option<(u64, u64)> = None;
         let mut below = 0;
         for (k, c) in self.counts.iter().enumerate().take(self.counts.len() - 1) {
             below += c;
-            let at = self.start + (k as u64 + 1) * self.width;
+            let at = boundary(k + 1);
             let off = (2 * below).abs_diff(total);
-            if at < self.end && best.is_none_or(|(o, _)| off < o) {
+            if inside(at) && best.is_none_or(|(o, _)| off < o) {
                 best = Some((off, at));
             }
         }
@@ -825,6 +833,14 @@ mod tests {
         let mut one = RowHistogram::new(5, 6);
         one.record(&[5]);
         assert_eq!(one.split_at(), None);
+        // All in one bucket past the first: the cut is at its start (the half holding it
+        // is the narrower one, and a later split of it cuts it finer).
+        let mut late = RowHistogram::new(0, 640);
+        late.record(&[305, 301, 309]);
+        assert_eq!(late.split_at(), Some(300));
+        let mut last = RowHistogram::new(0, 640);
+        last.record(&[639]);
+        assert_eq!(last.split_at(), Some(630));
         // Rows outside the range are not counted.
         let mut out = RowHistogram::new(10, 20);
         out.record(&[3, 25]);

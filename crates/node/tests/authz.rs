@@ -233,7 +233,7 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
         "StartNode" => Control::StartNode { slot: 0, role: NodeRole::Server, workers: 2 },
         "NodeExited" => Control::NodeExited { slot: 999, ok: true, status: "exit status: 0".into(), rank: None },
         "HostEvent" => Control::HostEvent { line: "{\"event\":\"sample\"}".into() },
-        "SplitBlock" => Control::SplitBlock { block: 1, at: 1, epoch: MOVE_EPOCH },
+        "SplitBlock" => Control::SplitBlock { block: 1, at: 1, epoch: MOVE_EPOCH, recorded: true },
         "SplitDone" => Control::SplitDone { block: 1, at: 1, epoch: MOVE_EPOCH, error: None },
         "Push" => return Message::Push { block: 0, clock, values: values(0.5) },
         "PushAck" => return Message::PushAck { block: 0, clock },

@@ -320,11 +320,12 @@ pub enum Control {
     },
     /// Tag 46: Scheduler -> server, request id 0: split row block `block` at row `at`
     /// into the model's next two block ids (`elasticps_core::model::Partition::split_rows`)
-    /// at placement `epoch`. Its owner splits it in place, answers requests naming `block`
-    /// from then on `Moved` to no server
-    /// ([`RETIRED`](elasticps_core::placement::RETIRED), `u32::MAX`) at `epoch`, and reports with
-    /// [`Control::SplitDone`]; every other server, told once the split is recorded,
-    /// follows it in its model and placement.
+    /// at placement `epoch`. Not `recorded`: to the block's owner, which splits it in
+    /// place, answers requests naming `block` from then on `Moved` to no server
+    /// ([`RETIRED`](elasticps_core::placement::RETIRED), `u32::MAX`) at `epoch`, and
+    /// reports with [`Control::SplitDone`] (also when it cannot). `recorded`: to every
+    /// other server once the scheduler recorded the split; it follows it in its model and
+    /// placement.
     SplitBlock {
         /// The row block.
         block: BlockId,
@@ -332,6 +333,8 @@ pub enum Control {
         at: u64,
         /// The placement epoch after the split.
         epoch: u64,
+        /// The scheduler recorded the split (a notification to follow it).
+        recorded: bool,
     },
     /// Tag 47: Server -> scheduler, request id 0: the split of `SplitBlock` was done
     /// (`error` None) or refused, and why (migrating, checkpoint pending, backups).

@@ -470,7 +470,12 @@ mod common {
             (any::<(u32, bool)>(), ".{0,20}", prop::option::of(any::<u32>()))
                 .prop_map(|((slot, ok), status, rank)| Control::NodeExited { slot, ok, status, rank }),
             ".{0,40}".prop_map(|line| Control::HostEvent { line }),
-            any::<(u32, u64, u64)>().prop_map(|(block, at, epoch)| Control::SplitBlock { block, at, epoch }),
+            any::<(u32, u64, u64, bool)>().prop_map(|(block, at, epoch, recorded)| Control::SplitBlock {
+                block,
+                at,
+                epoch,
+                recorded
+            }),
             (any::<(u32, u64, u64)>(), prop::option::of(".{0,20}"))
                 .prop_map(|((block, at, epoch), error)| Control::SplitDone { block, at, epoch, error }),
         ]

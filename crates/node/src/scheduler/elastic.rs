@@ -445,7 +445,6 @@ impl Elastic {
             return false;
         }
         self.splitting = None;
-        self.split_hints.remove(&block);
         match error {
             Some(e) => {
                 self.event(now_us, "split-refused", Some(server), format!("block {block} at row {at}: {e}"));
@@ -458,6 +457,7 @@ impl Elastic {
     /// Row block `block` is now `halves` (split on its owner, recorded in the placement):
     /// each half weighs half of it until its server reports its traffic.
     pub fn split_recorded(&mut self, block: u32, at: u64, halves: [u32; 2], now_us: u64) {
+        self.split_hints.remove(&block);
         let size = self.sizes.get(block as usize).copied().unwrap_or(0);
         let len = self.sizes.len().max(halves[1] as usize + 1);
         self.sizes.resize(len, 0);
@@ -901,7 +901,12 @@ impl Scheduler {
                 self.carry_out(orders, out);
             }
             (Control::SplitDone { block, at, epoch, error }, Some(Role::Server(id))) => {
-                if self.elastic.split_done(id, (block, at, epoch), error.as_deref(), self.now_us) {
+                let ours = self.elastic.split_done(id, (block, at, epoch), error.as_deref(), self.now_us);
+                // The owner's report of a split it did is the record, even of a split no
+                // longer awaited here (written off after its timeout): its server answers
+                // the old id `Moved` to no server from then on.
+                let owns = self.placement.as_ref().and_then(|p| p.owner(block)) == Some(id);
+                if ours || (error.is_none() && owns) {
                     self.record_split(id, (block, at, epoch), out);
                 }
                 let orders = self.placement.as_ref().map(|p| self.elastic.on_split_end(p, self.now_us));
@@ -945,20 +950,20 @@ impl Scheduler {
     /// the model and placement say so from now on (the epoch goes up), and every other
     /// server is told to follow.
     fn record_split(&mut self, owner: ServerId, (block, at, epoch): (u32, u64, u64), out: &mut Vec<Action>) {
-        let (Some(partition), Some(placement)) = (self.partition.as_mut(), self.placement.as_mut()) else { return };
+        let (Some(partition), Some(placement)) = (self.partition.as_ref(), self.placement.as_ref()) else { return };
+        // Both or neither.
+        let (mut partition, mut placement) = (partition.clone(), placement.clone());
         let before = partition.blocks.len();
-        let halves = match partition.split_rows(block, at) {
+        let halves = match partition.split_rows(block, at).and_then(|h| placement.split(block, before).map(|_| h)) {
             Ok(h) => h,
             Err(e) => {
-                tracing::error!(block, at, error = %e, "a split the owner did cannot be recorded");
+                tracing::error!(block, at, owner, error = %e, "a split the owner reports cannot be recorded");
                 return;
             }
         };
-        if let Err(e) = placement.split(block, before) {
-            tracing::error!(block, at, error = %e, "a split the owner did cannot be placed");
-            return;
-        }
         placement.epoch = placement.epoch.max(epoch);
+        self.partition = Some(partition);
+        let placement = self.placement.insert(placement);
         tracing::info!(block, at, owner, epoch = placement.epoch, ?halves, "row block split recorded");
         self.elastic.split_recorded(block, at, halves, self.now_us);
         let others: Vec<ConnId> = self
@@ -969,7 +974,8 @@ impl Scheduler {
             .map(|(_, (c, _))| *c)
             .collect();
         for conn in others {
-            out.push(Action::Send { conn, request_id: 0, msg: Control::SplitBlock { block, at, epoch }.into() });
+            let msg = Control::SplitBlock { block, at, epoch, recorded: true }.into();
+            out.push(Action::Send { conn, request_id: 0, msg });
         }
     }
 
@@ -1004,7 +1010,7 @@ impl Scheduler {
                     out.push(Action::Send {
                         conn: *conn,
                         request_id: 0,
-                        msg: Control::SplitBlock { block, at, epoch }.into(),
+                        msg: Control::SplitBlock { block, at, epoch, recorded: false }.into(),
                     });
                 }
                 Order::StartServer => match self.hosts.as_mut() {
@@ -1222,5 +1228,74 @@ mod scheduler_tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(m.balance_log().migrations.len(), 1);
+    }
+
+    /// A psld job of one tensor (block 0) and a table of 16 rows x 1 in blocks of 4 rows
+    /// (1..=4); blocks 0..=2 on server 0 (connection 10), 3 and 4 on server 1 (11).
+    fn table_job() -> super::super::Scheduler {
+        use elasticps_core::model::{Init, TableSpec, TensorSpec};
+        let config = JobConfig { balance: elasticps_core::balance::BalanceMode::Psld, ..config() };
+        let mut m = super::super::Scheduler::new(config, 10_000_000);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        let tensors = vec![TensorSpec { name: "w".into(), shape: vec![4], init: Init::Zeros }];
+        let tables = vec![TableSpec::new("emb", 16, 1)];
+        recv(&mut m, 1, 2, Control::DefineModel { tensors, optimizers: Vec::new(), tables });
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
+        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+        recv(&mut m, 11, 0, Control::AssignDone { server_id: 1 });
+        assert_eq!(m.placement().map(|p| p.owners.clone()), Some(vec![0, 0, 0, 1, 1]));
+        m
+    }
+
+    fn split_block_sent(a: &[Action], conn: u64) -> Vec<(u32, u64, bool)> {
+        sent_to(a, conn)
+            .into_iter()
+            .filter_map(|m| match m {
+                Message::Control(Control::SplitBlock { block, at, recorded, .. }) => Some((*block, *at, *recorded)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_heavy_row_block_is_split_on_its_owner_then_recorded_and_told_to_the_others() {
+        let mut m = table_job();
+        let epoch = m.placement().map(|p| p.epoch).unwrap();
+        // Block 1 carries nearly all the load, and its server says where to cut it.
+        let rows = |block, bytes_in, split_at| elasticps_wire::RowBlockLoad {
+            block,
+            pushes: 10,
+            bytes_in,
+            split_at,
+            ..Default::default()
+        };
+        let load = elasticps_wire::ServerLoad {
+            server_id: 0,
+            row_blocks: vec![rows(1, 10_000, 2), rows(2, 10, 0)],
+            ..Default::default()
+        };
+        recv(&mut m, 10, 0, Control::ServerLoad(load));
+        let a = m.handle(2_000_000, Event::Timeout);
+        assert_eq!(split_block_sent(&a, 10), [(1, 2, false)], "{a:?}");
+        // Nothing else starts while the split runs; the owner reports it done.
+        let a = recv(&mut m, 10, 0, Control::SplitDone { block: 1, at: 2, epoch: epoch + 1, error: None });
+        assert_eq!(split_block_sent(&a, 11), [(1, 2, true)], "the other server follows");
+        assert!(split_block_sent(&a, 10).is_empty(), "the owner did it");
+        let (p, pl) = (m.partition().unwrap(), m.placement().unwrap());
+        assert_eq!(
+            (p.blocks.len(), pl.owner(5), pl.owner(6), pl.owner(1), pl.epoch),
+            (7, Some(0), Some(0), None, epoch + 1)
+        );
+        assert_eq!(p.check_tables(), Ok(()));
+        // A report from a server that does not own the block changes nothing; an owner's
+        // report of a split no longer awaited (written off) is the record.
+        recv(&mut m, 10, 0, Control::SplitDone { block: 3, at: 10, epoch: epoch + 2, error: None });
+        assert_eq!(m.partition().unwrap().blocks.len(), 7);
+        let a = recv(&mut m, 11, 0, Control::SplitDone { block: 3, at: 10, epoch: epoch + 2, error: None });
+        assert_eq!(split_block_sent(&a, 10), [(3, 10, true)]);
+        assert_eq!(m.partition().unwrap().blocks.len(), 9);
+        assert_eq!(m.placement().unwrap().owner(8), Some(1));
     }
 }

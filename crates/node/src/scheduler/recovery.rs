@@ -473,6 +473,9 @@ impl Scheduler {
         let mut changed = false;
         for block in 0..placement.owners.len() as u32 {
             let recorded = placement.owners[block as usize];
+            if recorded == elasticps_core::placement::RETIRED {
+                continue; // a row block split in two: its halves are checked as blocks
+            }
             let here = holders.get(&block).map_or(&[][..], Vec::as_slice);
             if here.iter().any(|(s, _, _)| *s == recorded) {
                 continue; // the placement's owner holds it (an arrived copy is settled below)

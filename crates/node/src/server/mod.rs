@@ -1208,8 +1208,8 @@ impl Server {
             Message::Control(Control::Settled { block, epoch, owner }) => {
                 self.settled(now_us, block, epoch, owner, out)
             }
-            Message::Control(Control::SplitBlock { block, at, epoch }) => {
-                self.split_block(now_us, block, at, epoch, out)
+            Message::Control(Control::SplitBlock { block, at, epoch, recorded }) => {
+                self.split_block(now_us, (block, at, epoch), recorded, out)
             }
             Message::Control(Control::Replicas { placement, servers }) => {
                 self.replicas_changed(now_us, placement, servers, out)

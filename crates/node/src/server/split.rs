@@ -17,32 +17,44 @@ use elasticps_wire::Control;
 use super::{Action, Owned, Parked, Phase, Request, Server, Slot};
 
 impl Server {
-    /// `SplitBlock { block, at, epoch }` from the scheduler: split it if it is served
-    /// here (and report), or follow the split recorded elsewhere.
-    pub(super) fn split_block(&mut self, now_us: u64, block: BlockId, at: u64, epoch: u64, out: &mut Vec<Action>) {
-        let Some(shard) = self.shard.as_mut() else { return };
-        let me = shard.id;
-        if !matches!(self.slots.get(&block), Some(Slot::Owned(_))) {
-            if shard.partition.block(block).is_ok_and(|b| b.is_retired()) {
-                return;
-            }
-            match shard.split(block, at, epoch) {
-                Ok((partition, placement, halves)) => {
-                    tracing::debug!(server = me, block, at, epoch, ?halves, "a row block split elsewhere");
-                    shard.partition = partition;
-                    shard.placement = placement;
-                }
-                Err(e) => {
-                    tracing::warn!(server = me, block, at, epoch, error = %e, "split of another server not followed")
-                }
-            }
-            return;
+    /// `SplitBlock` from the scheduler: not `recorded`, split the block if it is served
+    /// here and report either way; `recorded`, follow the split another server did.
+    pub(super) fn split_block(
+        &mut self,
+        now_us: u64,
+        (block, at, epoch): (BlockId, u64, u64),
+        recorded: bool,
+        out: &mut Vec<Action>,
+    ) {
+        if recorded {
+            return self.follow_split(block, at, epoch);
         }
-        let error = self.split_here(now_us, block, at, epoch, out).err();
+        let error = match self.slots.get(&block) {
+            Some(Slot::Owned(_)) => self.split_here(now_us, block, at, epoch, out).err(),
+            Some(Slot::Gone { owner: RETIRED, .. }) => Some(format!("block {block} was split here already")),
+            _ => Some(format!("block {block} is not served here")),
+        };
         if let Some(e) = &error {
-            tracing::warn!(server = me, block, at, error = %e, "split refused");
+            tracing::warn!(server = self.id, block, at, error = %e, "split refused");
         }
         out.push(Action::ToScheduler { request_id: 0, msg: Control::SplitDone { block, at, epoch, error }.into() });
+    }
+
+    /// The scheduler recorded the split of `block` at `at` on its owner: this server's
+    /// model and placement follow (once; a block split already is left as it is).
+    fn follow_split(&mut self, block: BlockId, at: u64, epoch: u64) {
+        let Some(shard) = self.shard.as_mut() else { return };
+        if shard.partition.block(block).is_ok_and(|b| b.is_retired()) {
+            return;
+        }
+        match shard.split(block, at, epoch) {
+            Ok((partition, placement, halves)) => {
+                tracing::debug!(server = shard.id, block, at, epoch, ?halves, "a row block split elsewhere");
+                shard.partition = partition;
+                shard.placement = placement;
+            }
+            Err(e) => tracing::warn!(server = shard.id, block, at, epoch, error = %e, "a recorded split not followed"),
+        }
     }
 
     /// The owner's split of `block` at row `at`; why not, if it cannot (nothing changed).

@@ -1214,7 +1214,7 @@ mod rows {
             let op = ops.get(i).copied().unwrap_or((i % 3) as u8) % 3;
             if op == 2 {
                 if split == 0 {
-                    let msg = Control::SplitBlock { block: 1, at: 1, epoch: 2 }.into();
+                    let msg = Control::SplitBlock { block: 1, at: 1, epoch: 2, recorded: false }.into();
                     let acts = s.handle(now, Event::FromScheduler { request_id: 0, msg });
                     let done = acts.iter().any(|a| {
                         matches!(
@@ -1311,22 +1311,36 @@ mod rows {
     }
 
     #[test]
-    fn a_split_is_refused_for_a_dense_block_and_followed_by_the_other_servers() {
+    fn a_split_is_refused_unless_served_here_and_followed_by_the_other_servers() {
         let mut s = table_server(0, SyncPolicy::Asp);
-        let msg = Control::SplitBlock { block: 0, at: 1, epoch: 2 }.into();
-        let acts = s.handle(0, Event::FromScheduler { request_id: 0, msg });
-        let refused = acts.iter().find_map(|a| match a {
-            Action::ToScheduler { msg: Message::Control(Control::SplitDone { error: Some(e), .. }), .. } => {
-                Some(e.clone())
-            }
-            _ => None,
-        });
-        assert!(refused.is_some_and(|e| e.contains("not rows") || e.contains("block 0")), "{acts:?}");
+        let refusal = |s: &mut Server, block: u32, recorded: bool| {
+            let msg = Control::SplitBlock { block, at: 1, epoch: 2, recorded }.into();
+            let acts = s.handle(0, Event::FromScheduler { request_id: 0, msg });
+            acts.iter()
+                .find_map(|a| match a {
+                    Action::ToScheduler { msg: Message::Control(Control::SplitDone { error, .. }), .. } => {
+                        Some(error.clone().unwrap_or_default())
+                    }
+                    _ => None,
+                })
+                .unwrap_or_else(|| panic!("no SplitDone: {acts:?}"))
+        };
+        // A dense block, and a row block of another server: refused, nothing changed.
+        assert!(refusal(&mut s, 0, false).contains("block 0"));
         assert!(matches!(s.slot(0), Some(Slot::Owned(_))), "the dense block is served as before");
-        // Server 1 does not hold block 1: it follows the split in its model and placement.
+        assert!(refusal(&mut s, 3, false).contains("block 3 is not served here"));
+        assert_eq!(s.shard().map(|sh| sh.partition.blocks.len()), Some(5));
+        // Split here; asked again (its report lost), it says so instead of following.
+        assert_eq!(refusal(&mut s, 1, false), "");
+        assert!(refusal(&mut s, 1, false).contains("split here already"));
+        assert_eq!(s.shard().map(|sh| sh.partition.blocks.len()), Some(7));
+        // Server 1 does not hold block 1: told the split is recorded, it follows it in its
+        // model and placement, once, and says nothing.
         let mut other = table_server(B, SyncPolicy::Asp);
-        let msg = Control::SplitBlock { block: 1, at: 1, epoch: 2 }.into();
-        assert!(other.handle(0, Event::FromScheduler { request_id: 0, msg }).is_empty());
+        for _ in 0..2 {
+            let msg = Control::SplitBlock { block: 1, at: 1, epoch: 2, recorded: true }.into();
+            assert!(other.handle(0, Event::FromScheduler { request_id: 0, msg }).is_empty());
+        }
         let shard = other.shard().expect("assigned");
         assert_eq!(
             (shard.partition.blocks.len(), shard.placement.owner(5), shard.placement.owner(1)),
