@@ -34,7 +34,7 @@ use elasticps_core::rows::{RowInit, SparseOptimizer};
 use elasticps_launch::args::{JobArgs, NetArgs};
 use elasticps_launch::process::Cluster;
 use elasticps_report::table::markdown_table;
-use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_runtime::client::Client;
 use elasticps_wire::Codec;
 use serde::Serialize;
 
@@ -42,7 +42,7 @@ use crate::checks::{Check, Target, checks_and_targets_markdown};
 use crate::error::Context as _;
 use crate::pipeline::{Bench, Written};
 use crate::roles;
-use crate::sparse::wind_down;
+use crate::sparse::{connect, wind_down};
 use crate::transport::guarded;
 
 /// Values per row.
@@ -283,10 +283,7 @@ async fn worker(
     until: Instant,
     cdf: Arc<Vec<f64>>,
 ) -> crate::Result<Worked> {
-    let mut opts = ClientOptions::new(addr);
-    opts.codec = codec;
-    opts.request_timeout = Duration::from_secs(60);
-    let mut client = Client::connect(opts).await.context("joining the job")?;
+    let mut client = connect(addr, codec).await?;
     client
         .register_model_with_tables(Vec::new(), Vec::new(), vec![plan.table()])
         .await
@@ -378,11 +375,10 @@ async fn check(plan: &Plan, mode: &str, start: Instant, mut done: Vec<Worked>) -
     let blocks_at_start = plan.rows.div_ceil((plan.block_bytes / (DIM as usize * 4)) as u64) as usize;
     // Every row touched, pulled after every push was acknowledged.
     let touched: Vec<u64> = (0..plan.rows).filter(|r| counts[*r as usize] > 0).collect();
+    let clock = done[0].ends.len() as u32;
     let w0 = &mut done[0].client;
     let (table, _) = w0.table("hot").ok_or_else(|| crate::BenchError::Failed("the table is gone".into()))?;
     let mut values = vec![0f32; touched.len() * DIM as usize];
-    let clock = done[0].ends.len() as u32;
-    let w0 = &mut done[0].client;
     for (ids, out) in touched.chunks(4096).zip(values.chunks_mut(4096 * DIM as usize)) {
         w0.pull_rows(clock, table, ids, out).await.context("pulling the touched rows")?;
     }

@@ -266,7 +266,8 @@ pub(crate) async fn wind_down(cluster: &mut Cluster) {
     .await;
 }
 
-async fn connect(addr: String, codec: Codec) -> crate::Result<Client> {
+/// An in-process worker of the job at `addr` (requests wait up to 60 s).
+pub(crate) async fn connect(addr: String, codec: Codec) -> crate::Result<Client> {
     let mut opts = ClientOptions::new(addr);
     opts.codec = codec;
     opts.request_timeout = Duration::from_secs(60);

@@ -296,6 +296,25 @@ impl Placement {
     }
 }
 
+/// Row block `block` of `partition` split at row `at` ([`Partition::split_rows`]) and
+/// `placement` with it ([`Placement::split`]), its epoch at least `epoch`: new copies of
+/// both and the two new ids, or the error with nothing changed. The one way a split
+/// reaches a model and its placement, on the scheduler and on every server alike.
+pub fn split_row_block(
+    partition: &Partition,
+    placement: &Placement,
+    block: BlockId,
+    at: u64,
+    epoch: u64,
+) -> Result<(Partition, Placement, [BlockId; 2]), CoreError> {
+    let (mut partition, mut placement) = (partition.clone(), placement.clone());
+    let before = partition.blocks.len();
+    let ids = partition.split_rows(block, at)?;
+    placement.split(block, before)?;
+    placement.epoch = placement.epoch.max(epoch);
+    Ok((partition, placement, ids))
+}
+
 /// Block indices, largest block first (ties by id).
 fn largest_first(partition: &Partition) -> Vec<usize> {
     let mut order: Vec<usize> = (0..partition.blocks.len()).collect();

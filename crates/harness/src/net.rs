@@ -82,9 +82,14 @@ impl LinkSpec {
 /// The nominal size of a message on the wire, in bytes: what a link is charged.
 pub type SizeHook = Box<dyn Fn(&Message) -> u64>;
 
-/// The default [`SizeHook`]: the frame's header plus its payload. Tensor payloads cost
-/// nothing to measure; a control message is encoded to learn its length.
+/// The default [`SizeHook`]: the frame's header plus its payload ([`payload_bytes`]).
 pub fn frame_bytes(msg: &Message) -> u64 {
+    HEADER_LEN as u64 + payload_bytes(msg)
+}
+
+/// The payload bytes of `msg`'s frame, as its header's `payload_len` says. Tensor payloads
+/// cost nothing to measure; a control message is encoded to learn its length.
+pub fn payload_bytes(msg: &Message) -> u64 {
     let payload = match msg {
         Message::Push { values, .. }
         | Message::PullReply { values, .. }
@@ -99,7 +104,7 @@ pub fn frame_bytes(msg: &Message) -> u64 {
         Message::PushAck { .. } | Message::Pull { .. } => 0,
         Message::Control(_) | Message::Error(_) => msg.encode_payload().map_or(0, |b| b.len()),
     };
-    (HEADER_LEN + payload) as u64
+    payload as u64
 }
 
 /// A [`SizeHook`] for a simulation that carries tensor sizes, not bytes: a Push,

@@ -314,11 +314,11 @@ impl Role for ServerRole {
             // requests only come on connections already known.
             self.conns.insert(conn);
         }
-        if let (true, Some(server), Message::Push { values, .. } | Message::PushPull { values, .. }) =
-            (data, self.server.as_mut(), &msg)
-        {
-            // What a real server's reader measures: the frame's time on the link.
-            server.arrived(values.as_bytes().len() as u64, out.last_transfer_ns());
+        let payload = if data { crate::net::payload_bytes(&msg) } else { 0 };
+        if let (true, Some(server)) = (payload > 0, self.server.as_mut()) {
+            // What a real server's reader measures of every data frame with a payload
+            // (the runtime's `arrived`): the frame's time on the link.
+            server.arrived(payload, out.last_transfer_ns());
         }
         if data && self.model.apply_bps > 0 {
             return self.data_request(out, conn, request_id, msg);

@@ -421,15 +421,14 @@ impl WorkerRole {
     /// ([`TableTraining`]), or none.
     fn row_push(&self, rank: u32, clock: Clock, block: &elasticps_core::model::BlockSpec) -> Message {
         let (start, end, dim) = block.row_range().unwrap_or((0, 0, 1));
-        let rows: Vec<u64> = match &self.work.table {
-            Some(t) => (t.ids)(rank, clock).into_iter().filter(|r| (start..end).contains(r)).collect(),
-            None => Vec::new(),
+        let (rows, grads): (Vec<u64>, Vec<f32>) = match &self.work.table {
+            Some(t) => {
+                let rows: Vec<u64> = (t.ids)(rank, clock).into_iter().filter(|r| (start..end).contains(r)).collect();
+                let grads = rows.iter().flat_map(|r| std::iter::repeat_n((t.grad)(rank, clock, *r), dim as usize));
+                (rows.clone(), grads.collect())
+            }
+            None => (Vec::new(), Vec::new()),
         };
-        let grad = self.work.table.as_ref().map(|t| t.grad);
-        let grads: Vec<f32> = rows
-            .iter()
-            .flat_map(|r| std::iter::repeat_n(grad.map_or(0.0, |g| g(rank, clock, *r)), dim as usize))
-            .collect();
         Message::PushRows {
             block: block.id,
             clock,

@@ -471,11 +471,6 @@ impl Elastic {
         self.event(now_us, "split", None, why);
     }
 
-    /// A split ended (done, refused, or not ours): the next migration may start.
-    pub fn on_split_end(&mut self, placement: &Placement, now_us: u64) -> Vec<Order> {
-        self.next_migration(placement, now_us)
-    }
-
     /// The row to split each row block at, as its server last reported it.
     pub fn split_hints(&self) -> &BTreeMap<u32, u64> {
         &self.split_hints
@@ -909,7 +904,8 @@ impl Scheduler {
                 if ours || (error.is_none() && owns) {
                     self.record_split(id, (block, at, epoch), out);
                 }
-                let orders = self.placement.as_ref().map(|p| self.elastic.on_split_end(p, self.now_us));
+                // The split is over (done, refused or not awaited): the next migration may start.
+                let orders = self.placement.as_ref().map(|p| self.elastic.next_migration(p, self.now_us));
                 self.carry_out(orders.unwrap_or_default(), out);
             }
             (Control::Scale(req), _) => {
@@ -939,8 +935,9 @@ impl Scheduler {
             return BTreeMap::new();
         }
         let inside = |block: u32, at: u64| {
-            p.block(block).ok().filter(|b| !b.is_retired()).and_then(|b| b.row_range()).is_some_and(|(s, e, _)| {
-                s < at && at < e && p.table_blocks(p.blocks[block as usize].tensor).len() < MAX_TABLE_BLOCKS
+            p.block(block).ok().filter(|b| !b.is_retired()).is_some_and(|b| {
+                b.row_range().is_some_and(|(s, e, _)| s < at && at < e)
+                    && p.table_blocks(b.tensor).len() < MAX_TABLE_BLOCKS
             })
         };
         self.elastic.split_hints().iter().filter(|(b, at)| inside(**b, **at)).map(|(b, at)| (*b, *at)).collect()
@@ -951,17 +948,14 @@ impl Scheduler {
     /// server is told to follow.
     fn record_split(&mut self, owner: ServerId, (block, at, epoch): (u32, u64, u64), out: &mut Vec<Action>) {
         let (Some(partition), Some(placement)) = (self.partition.as_ref(), self.placement.as_ref()) else { return };
-        // Both or neither.
-        let (mut partition, mut placement) = (partition.clone(), placement.clone());
-        let before = partition.blocks.len();
-        let halves = match partition.split_rows(block, at).and_then(|h| placement.split(block, before).map(|_| h)) {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::error!(block, at, owner, error = %e, "a split the owner reports cannot be recorded");
-                return;
-            }
-        };
-        placement.epoch = placement.epoch.max(epoch);
+        let (partition, placement, halves) =
+            match elasticps_core::placement::split_row_block(partition, placement, block, at, epoch) {
+                Ok(split) => split,
+                Err(e) => {
+                    tracing::error!(block, at, owner, error = %e, "a split the owner reports cannot be recorded");
+                    return;
+                }
+            };
         self.partition = Some(partition);
         let placement = self.placement.insert(placement);
         tracing::info!(block, at, owner, epoch = placement.epoch, ?halves, "row block split recorded");

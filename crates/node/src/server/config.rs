@@ -123,24 +123,6 @@ impl Shard {
         }
     }
 
-    /// The model and placement after row block `block` is split at row `at`
-    /// ([`Partition::split_rows`], [`Placement::split`]) at placement `epoch` (or later),
-    /// and the two new ids; this shard is left as it is (the caller takes both once
-    /// everything else of the split is done).
-    pub fn split(
-        &self,
-        block: BlockId,
-        at: u64,
-        epoch: u64,
-    ) -> Result<(Partition, Placement, [BlockId; 2]), CoreError> {
-        let (mut partition, mut placement) = (self.partition.clone(), self.placement.clone());
-        let before = partition.blocks.len();
-        let ids = partition.split_rows(block, at)?;
-        placement.split(block, before)?;
-        placement.epoch = placement.epoch.max(epoch);
-        Ok((partition, placement, ids))
-    }
-
     /// Records in this server's placement that `block` is now owned by `owner` at `epoch`.
     pub fn set_owner(&mut self, block: BlockId, owner: ServerId, epoch: u64) {
         if let Some(before) = self.placement.owner(block).filter(|b| *b != owner) {

@@ -11,7 +11,7 @@
 
 use elasticps_core::block::Block;
 use elasticps_core::model::BlockId;
-use elasticps_core::placement::RETIRED;
+use elasticps_core::placement::{RETIRED, split_row_block};
 use elasticps_wire::Control;
 
 use super::{Action, Owned, Parked, Phase, Request, Server, Slot};
@@ -47,7 +47,7 @@ impl Server {
         if shard.partition.block(block).is_ok_and(|b| b.is_retired()) {
             return;
         }
-        match shard.split(block, at, epoch) {
+        match split_row_block(&shard.partition, &shard.placement, block, at, epoch) {
             Ok((partition, placement, halves)) => {
                 tracing::debug!(server = shard.id, block, at, epoch, ?halves, "a row block split elsewhere");
                 shard.partition = partition;
@@ -79,7 +79,8 @@ impl Server {
         if !shard.placement.backups_of(block).is_empty() {
             return Err(format!("block {block} has backups: a replicated block is not split"));
         }
-        let (partition, placement, [left, right]) = shard.split(block, at, epoch).map_err(|e| e.to_string())?;
+        let (partition, placement, [left, right]) =
+            split_row_block(&shard.partition, &shard.placement, block, at, epoch).map_err(|e| e.to_string())?;
         let (ls, rs) =
             (*partition.block(left).map_err(|e| e.to_string())?, *partition.block(right).map_err(|e| e.to_string())?);
         let (lc, rc) = (shard.config_for(&ls), shard.config_for(&rs));

@@ -383,20 +383,7 @@ impl Client {
     /// an `out` of the wrong length is refused ([`RuntimeError::Usage`]) before anything
     /// is sent.
     pub async fn pull_rows(&mut self, clock: Clock, table: u32, ids: &[u64], out: &mut [f32]) -> Result<()> {
-        for _ in 0..MAX_RECUTS {
-            let layout = self.current_layout()?;
-            let (payloads, mut sink) = rows::pull_plan(&layout.partition, table, ids, out)?;
-            if payloads.by_block.is_empty() {
-                return Ok(());
-            }
-            match self.rows_round(table, RowsOp::Pull(clock), &payloads, Some(&mut sink)).await {
-                Err(RuntimeError::Recut { block }) => {
-                    tracing::debug!(rank = self.rank, table, block, "pull_rows again")
-                }
-                done => return done,
-            }
-        }
-        Err(recut_too_often("pull_rows", table))
+        self.rows_call(clock, table, RowCall::Pull { ids, out }).await
     }
 
     /// Pushes the gradient rows `grads` (`ids.len() x dim`, row after row) of rows `ids`
@@ -406,7 +393,7 @@ impl Client {
     /// server. Call it once per table and clock, with no ids for a table the step did not
     /// touch.
     pub async fn push_rows(&mut self, clock: Clock, table: u32, ids: &[u64], grads: &[f32]) -> Result<()> {
-        self.push_rows_of(clock, table, |p| rows::push_plan(p, table, ids, grads)).await
+        self.rows_call(clock, table, RowCall::Push { ids, grads }).await
     }
 
     /// Pushes "no gradient" for table `table` at clock `clock` (the table was not used in
@@ -414,28 +401,44 @@ impl Client {
     /// takes no optimizer step, where [`Client::push_rows`] with no id is a step that
     /// touched no row.
     pub async fn push_rows_none(&mut self, clock: Clock, table: u32) -> Result<()> {
-        self.push_rows_of(clock, table, |p| rows::no_gradient_plan(p, table)).await
+        self.rows_call(clock, table, RowCall::NoGradient).await
     }
 
-    /// A row push whose payloads `plan` makes from the current model: made again and
-    /// sent again (the blocks that took it answer duplicates) when a block of the table
-    /// was split while it ran.
-    async fn push_rows_of(
-        &mut self,
-        clock: Clock,
-        table: u32,
-        plan: impl Fn(&elasticps_core::model::Partition) -> Result<rows::RowPayloads>,
-    ) -> Result<()> {
+    /// One row operation of table `table` at `clock`, planned from the current model and,
+    /// when a block of the table was split while it ran, planned and sent again from the
+    /// refreshed one (the blocks that took it answer duplicates), at most [`MAX_RECUTS`]
+    /// times.
+    async fn rows_call(&mut self, clock: Clock, table: u32, mut call: RowCall<'_>) -> Result<()> {
         for _ in 0..MAX_RECUTS {
-            let payloads = plan(&self.current_layout()?.partition)?;
-            match self.rows_round(table, RowsOp::Push(clock), &payloads, None).await {
+            let layout = self.current_layout()?;
+            let done = match &mut call {
+                RowCall::Pull { ids, out } => {
+                    let (payloads, mut sink) = rows::pull_plan(&layout.partition, table, ids, out)?;
+                    if payloads.by_block.is_empty() {
+                        return Ok(());
+                    }
+                    self.rows_round(table, RowsOp::Pull(clock), &payloads, Some(&mut sink)).await
+                }
+                RowCall::Push { ids, grads } => {
+                    let payloads = rows::push_plan(&layout.partition, table, ids, grads)?;
+                    self.rows_round(table, RowsOp::Push(clock), &payloads, None).await
+                }
+                RowCall::NoGradient => {
+                    let payloads = rows::no_gradient_plan(&layout.partition, table)?;
+                    self.rows_round(table, RowsOp::Push(clock), &payloads, None).await
+                }
+            };
+            match done {
                 Err(RuntimeError::Recut { block }) => {
-                    tracing::debug!(rank = self.rank, table, block, "push_rows again")
+                    tracing::debug!(rank = self.rank, table, block, "row round again")
                 }
                 done => return done,
             }
         }
-        Err(recut_too_often("push_rows", table))
+        Err(RuntimeError::Protocol {
+            peer: "servers".into(),
+            what: format!("a row round of table {table}: its blocks were split under {MAX_RECUTS} rounds running"),
+        })
     }
 
     /// Tells the scheduler this worker is done. Servers stop waiting for it.
@@ -551,12 +554,14 @@ fn micros(d: Duration) -> u64 {
 /// A row round is planned again at most this many times for blocks split while it ran.
 const MAX_RECUTS: u32 = 16;
 
-/// A row round whose blocks kept being split under it.
-fn recut_too_often(verb: &str, table: u32) -> RuntimeError {
-    RuntimeError::Protocol {
-        peer: "servers".into(),
-        what: format!("{verb} of table {table}: its blocks were split under {MAX_RECUTS} rounds running"),
-    }
+/// What [`Client::rows_call`] does with a table's rows.
+enum RowCall<'a> {
+    /// Pull rows `ids` into `out`.
+    Pull { ids: &'a [u64], out: &'a mut [f32] },
+    /// Push the gradient rows `grads` of rows `ids`.
+    Push { ids: &'a [u64], grads: &'a [f32] },
+    /// Push "no gradient".
+    NoGradient,
 }
 
 #[cfg(test)]
