@@ -2,10 +2,12 @@
 //!
 //! It does what the runtime's server does with sockets and tokio: one connection to the
 //! scheduler, calls to other servers for migrations (a lost connection fails them), a
-//! ticker, and the straggler injection of its assignment (a bandwidth cap on its link,
-//! from `at_us` after the assignment). Optionally it models the server's CPU as one FIFO
-//! queue: a push takes its nominal bytes over [`ServerModel::apply_bps`] (times the
-//! injection's interference factor), and the replies of a data request leave when the
+//! ticker, and the straggler injection of its assignment (a bandwidth cap on its link and
+//! an interference factor on its CPU, from `at_us` after the assignment, for
+//! [`ServerModel::injection_lasts_us`] if that is set). Optionally it models the server's
+//! CPU as one FIFO queue: a push takes its nominal bytes over [`ServerModel::apply_bps`]
+//! (times the injection's interference factor while it is on), and the replies of a data
+//! request leave when the
 //! CPU is done with it. The state machine itself takes each request as it arrives: what
 //! others can observe (the replies) comes out in FIFO completion order, as from a busy
 //! server, without an event per request.
@@ -31,6 +33,7 @@ use elasticps_node::session::{self, REATTACH_ID};
 const TIMEOUT: u64 = 0;
 const INJECT: u64 = 1;
 const SESSION: u64 = 2;
+const HEAL: u64 = 3;
 
 /// Request id of the `Hello` that opens a connection to another server.
 const HELLO: u64 = u64::MAX - 1;
@@ -42,6 +45,9 @@ pub struct ServerModel {
     pub apply_bps: u64,
     /// Check every answered pull against the sync policy's bound (keeps a trace).
     pub check_bound: bool,
+    /// A straggler injection ends this long after it started, µs: the link and the CPU
+    /// are the server's own again (`None`: it lasts to the end).
+    pub injection_lasts_us: Option<u64>,
 }
 
 /// A pull answered while the sync policy forbade it.
@@ -72,6 +78,9 @@ pub struct ServerRole {
     /// Replies of the step under way leave no earlier than this.
     reply_at_us: u64,
     injection: Injection,
+    /// The injection is on: the link it replaced (`Some`, a bandwidth cap) or `None`
+    /// (interference only); `None` outside: not started, or over.
+    injected: Option<Option<LinkSpec>>,
     violations: Vec<BoundViolation>,
     exit: Option<Exit>,
     weigh: crate::job::Weigh,
@@ -105,6 +114,7 @@ impl ServerRole {
             busy_until_us: 0,
             reply_at_us: 0,
             injection: Injection::default(),
+            injected: None,
             violations: Vec::new(),
             exit: None,
             weigh,
@@ -168,7 +178,7 @@ impl ServerRole {
         }
         if let Event::FromScheduler { msg: Message::Control(Control::Assign(a)), .. } = &event {
             self.injection = a.inject;
-            if a.inject.bandwidth_bps > 0 {
+            if a.inject.bandwidth_bps > 0 || a.inject.interference > 1.0 {
                 out.wake_at(out.now_us() + a.inject.at_us, INJECT);
             }
         }
@@ -270,7 +280,7 @@ impl ServerRole {
         {
             return 0;
         }
-        let factor = f64::from(self.injection.interference.max(1.0));
+        let factor = if self.injected.is_some() { f64::from(self.injection.interference.max(1.0)) } else { 1.0 };
         let bytes = (self.weigh)(msg) as f64;
         (bytes * 1e6 / self.model.apply_bps as f64 * factor) as u64
     }
@@ -350,9 +360,21 @@ impl Role for ServerRole {
                 self.wake.fired(out);
                 self.step(out, Event::Timeout);
             }
-            INJECT => {
+            INJECT if self.injected.is_none() => {
                 let bps = self.injection.bandwidth_bps;
-                out.set_my_link(LinkSpec { up_bps: bps, down_bps: bps, ..out.my_link() });
+                let before = (bps > 0).then(|| out.my_link());
+                if bps > 0 {
+                    out.set_my_link(LinkSpec { up_bps: bps, down_bps: bps, ..out.my_link() });
+                }
+                self.injected = Some(before);
+                if let Some(lasts) = self.model.injection_lasts_us {
+                    out.wake_at(out.now_us() + lasts, HEAL);
+                }
+            }
+            HEAL => {
+                if let Some(Some(link)) = self.injected.take() {
+                    out.set_my_link(link);
+                }
             }
             _ => {}
         }

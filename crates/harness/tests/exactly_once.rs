@@ -356,7 +356,7 @@ fn job_with_retry(case: &Case, job: JobConfig, trace: bool, retry_us: u64) -> (S
     let mut setup =
         JobSetup::new(ClusterConfig { seed: case.seed, jitter_us: case.jitter_us, ..ClusterConfig::new(job) });
     setup.scheduler_retry_us = retry_us;
-    setup.server_model = ServerModel { apply_bps: 0, check_bound: true };
+    setup.server_model = ServerModel { apply_bps: 0, check_bound: true, ..ServerModel::default() };
     if case.psld.is_some() {
         // Tensor payloads weigh 64 KB, so that a capped server is slow.
         let weigh: Weigh = Rc::new(|m: &Message| match m {
@@ -1551,7 +1551,7 @@ fn run_hot(c: &HotCase) -> Result<(usize, usize), TestCaseError> {
         replicas: 1,
     };
     let mut setup = JobSetup::new(ClusterConfig { seed: c.seed, jitter_us: c.jitter_us, ..ClusterConfig::new(job) });
-    setup.server_model = ServerModel { apply_bps: 0, check_bound: true };
+    setup.server_model = ServerModel { apply_bps: 0, check_bound: true, ..ServerModel::default() };
     // A pushed row weighs 16 KB on the links (a real row of 4,096 dims), so that the
     // rows' traffic, not the frames' headers, loads the servers and the capped one is slow.
     let weigh: Weigh = Rc::new(|m: &Message| match m {

@@ -450,7 +450,7 @@ mod job {
     fn trains_to_the_exact_parameters(window: usize) {
         let iterations = 6;
         let mut setup = JobSetup::new(ClusterConfig::new(job(2, 3, SyncPolicy::Ssp(1))));
-        setup.server_model = ServerModel { apply_bps: 0, check_bound: true };
+        setup.server_model = ServerModel { apply_bps: 0, check_bound: true, ..ServerModel::default() };
         let mut sim = SimJob::new(setup, training_with_window(iterations, window));
         let end = sim.run(600_000_000, 10_000_000).expect("the job ends");
         assert!(end.ok, "{end:?}");

@@ -42,9 +42,17 @@ pub struct SimArgs {
     /// keeps the simulated model under 8,192 values).
     #[arg(long, default_value_t = 0)]
     pub scale: u64,
-    /// Seed of the simulation (delays, coins): one seed, one run.
+    /// Seed of the simulation (delays, coins, link jitter): one seed, one run.
     #[arg(long = "sim-seed", default_value_t = 1)]
     pub sim_seed: u64,
+    /// Noisy links: every message takes an extra delay drawn uniformly from 0 to this many
+    /// microseconds (each connection stays FIFO, as TCP is).
+    #[arg(long = "jitter-us", default_value_t = 0)]
+    pub jitter_us: u64,
+    /// A straggler that recovers: --server-bandwidth and --server-interference end this
+    /// many seconds after they started (at --straggler-at); without it they last to the end.
+    #[arg(long = "straggler-for", value_name = "SECONDS")]
+    pub straggler_for_s: Option<f64>,
     /// Give up when the simulated job has not ended after this many simulated seconds.
     #[arg(long = "time-limit-s", default_value_t = 3600.0)]
     pub time_limit_s: f64,
@@ -74,6 +82,11 @@ impl SimCmd {
             if !value.is_finite() || value < min {
                 return Err(SimError::Usage(format!("{flag} must be a finite number above {min}, got {value}")));
             }
+        }
+        if let Some(s) = self.sim.straggler_for_s
+            && !(s.is_finite() && s > 0.0)
+        {
+            return Err(SimError::Usage(format!("--straggler-for must be a positive number of seconds, got {s}")));
         }
         if self.run.metrics {
             return Err(SimError::Usage("--metrics: a simulated job has no endpoints to scrape".into()));

@@ -68,6 +68,8 @@ pub fn report(cmd: &SimCmd, out: &SimOutcome) -> Report {
         "apply_mbps": cmd.sim.apply_mbps,
         "scale": out.model.scale,
         "sim_seed": cmd.sim.sim_seed,
+        "jitter_us": cmd.sim.jitter_us,
+        "straggler_for_s": cmd.sim.straggler_for_s,
         "sim_wall_s": out.wall_s,
         "sim_events": out.events,
     });

@@ -45,13 +45,18 @@ pub fn simulate(cmd: &SimCmd) -> Result<SimOutcome> {
 
     let mut cluster = ClusterConfig::new(job);
     cluster.seed = cmd.sim.sim_seed;
+    cluster.jitter_us = cmd.sim.jitter_us;
     cluster.balance_budget_bytes = Some((BalanceParams::new(1, 1).budget_bytes / model.scale).max(4));
     let mut setup = JobSetup::new(cluster);
     let latency_us = cmd.sim.latency_us.round() as u64;
     let link = LinkSpec { latency_us, ..LinkSpec::default() }.capped_mbps(cmd.sim.link_mbps);
     setup.server_link = link;
     setup.worker_link = link;
-    setup.server_model = ServerModel { apply_bps: (cmd.sim.apply_mbps * 1e6) as u64, check_bound: false };
+    setup.server_model = ServerModel {
+        apply_bps: (cmd.sim.apply_mbps * 1e6) as u64,
+        check_bound: false,
+        injection_lasts_us: cmd.sim.straggler_for_s.map(|s| (s * 1e6).round() as u64),
+    };
     let weighing = model.clone();
     setup.weigh = Rc::new(move |m| weighing.nominal_bytes(m));
 
@@ -229,6 +234,30 @@ mod tests {
         // bsp waits for each iteration's slowest worker, so it is slower than asp.
         let bsp = simulate(&cmd(&[&flags[2..], &["--sync", "bsp"]].concat())).unwrap();
         assert!(bsp.iterations_per_s < 0.9 * out.iterations_per_s, "bsp {bsp:?} vs asp {out:?}");
+    }
+
+    #[test]
+    fn a_straggler_starts_and_ends_when_told_and_links_can_be_noisy() {
+        let rate = |flags: &[&str]| simulate(&cmd(flags)).unwrap().iterations_per_s;
+        let healthy = rate(&[]);
+        // Server 0 at 5% of the link: 3 workers x 3.4 MB each way per iteration.
+        let capped = rate(&["--server-bandwidth", "0=62.5"]);
+        assert!(capped < 0.3 * healthy, "capped {capped} vs healthy {healthy}");
+        // Capped for the first half second only: most of the run at full speed.
+        let recovered = rate(&["--server-bandwidth", "0=62.5", "--straggler-for", "0.5"]);
+        assert!(recovered > 2.0 * capped && recovered < 0.95 * healthy, "{recovered} vs {capped}, {healthy}");
+        // CPU interference starts at --straggler-at too: after the job's end, it never does.
+        assert_eq!(rate(&["--server-interference", "0=20", "--straggler-at", "1000"]), healthy);
+        let slow_cpu = rate(&["--server-interference", "0=20"]);
+        assert!(slow_cpu < 0.8 * healthy, "interference {slow_cpu} vs healthy {healthy}");
+        let cpu_recovered = rate(&["--server-interference", "0=20", "--straggler-for", "0.1"]);
+        assert!(cpu_recovered > slow_cpu, "{cpu_recovered} vs {slow_cpu}");
+        // Jitter slows the rounds; one seed is one run.
+        let noisy = rate(&["--jitter-us", "2000"]);
+        assert!(noisy < healthy, "noisy {noisy} vs {healthy}");
+        assert_eq!(rate(&["--jitter-us", "2000"]), noisy);
+        assert_ne!(rate(&["--jitter-us", "2000", "--sim-seed", "2"]), noisy);
+        assert!(cmd(&["--straggler-for", "0"]).validate().is_err());
     }
 
     #[test]
