@@ -47,6 +47,52 @@ pub const JUMP: f64 = 3.0;
 /// Distinct instants a server's samples must come from before a jump can restart it.
 pub const JUMP_REPORTS: u64 = 4;
 
+/// A link sample whose frames average less than this share of the job's mean block
+/// bytes measures per-request costs, not the link: it is not taken ([`link_rate`]).
+pub const MIN_FRAME_SHARE: f64 = 0.25;
+
+/// A link sample in which the fixed cost of its requests takes more than this share of
+/// the time measures that cost, not the link: it is not taken ([`link_rate`]).
+pub const MAX_FIXED_SHARE: f64 = 0.5;
+
+/// What a server measured of its link over one interval (its load report's data frames).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkSample {
+    /// Payload bytes of the data frames.
+    pub bytes: u64,
+    /// Data frames.
+    pub frames: u32,
+    /// The rate measured: the bytes over the frames' time (on the link, or in the server's
+    /// hands if that was longer), bytes/s.
+    pub bps: f64,
+}
+
+/// **The fixed cost per request.** A server's time per interval is
+/// `frames * fixed_s + bytes / rate`: a frame costs its handling (a system call, a
+/// lookup, a reply) whatever its size, and its bytes at the link's rate. The rate of a
+/// sample is its bytes over the time left once the frames' fixed cost is taken out.
+///
+/// A sample that cannot measure the rate gives `None`, so the server's rate stays
+/// *unknown* (or what earlier, measurable samples said), never low: frames that average
+/// less than [`MIN_FRAME_SHARE`] of `mean_block_bytes` (the job's mean block size), or a
+/// fixed cost over [`MAX_FIXED_SHARE`] of the time. A server holding one bias vector
+/// would otherwise look hundreds of times slower than its link.
+pub fn link_rate(sample: LinkSample, fixed_s: f64, mean_block_bytes: f64) -> Option<f64> {
+    let LinkSample { bytes, frames, bps } = sample;
+    if frames == 0 || bytes == 0 || !(bps.is_finite() && bps > 0.0) {
+        return None;
+    }
+    if (bytes as f64 / f64::from(frames)) < MIN_FRAME_SHARE * mean_block_bytes {
+        return None;
+    }
+    let seconds = bytes as f64 / bps;
+    let fixed = f64::from(frames) * fixed_s.max(0.0);
+    if fixed > MAX_FIXED_SHARE * seconds {
+        return None;
+    }
+    Some(bytes as f64 / (seconds - fixed))
+}
+
 /// Service-rate estimates of every server that has samples.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoadModel {
@@ -259,6 +305,25 @@ mod tests {
         }
         m.observe(1, 4 * MB, us(4 * MB, 20e6), S);
         assert_eq!(m.estimate(1, S).unwrap().samples, 9);
+    }
+
+    #[test]
+    fn a_link_sample_of_small_frames_or_mostly_fixed_cost_measures_no_rate() {
+        let mean_block = 4.0 * MB as f64;
+        // 10 frames of 4 MB at 100 MB/s: 0.4 s, of which 10 x 1 ms fixed: the link's 102.6 MB/s.
+        let big = LinkSample { bytes: 40 * MB, frames: 10, bps: 100e6 };
+        let r = link_rate(big, 1e-3, mean_block).unwrap();
+        assert!((r - 40e6 / 0.39).abs() < 1.0, "{r}");
+        assert_eq!(link_rate(big, 0.0, mean_block), Some(100e6));
+        // One bias vector of 248 bytes a frame: too small to say anything of the link.
+        let bias = LinkSample { bytes: 2480, frames: 10, bps: 5e6 };
+        assert_eq!(link_rate(bias, 0.0, mean_block), None);
+        // Frames large enough, but their fixed cost is most of the time.
+        let tiny_job = 1000.0;
+        assert_eq!(link_rate(LinkSample { bytes: 10_000, frames: 10, bps: 10e6 }, 600e-6, tiny_job), None);
+        assert!(link_rate(LinkSample { bytes: 10_000, frames: 10, bps: 10e6 }, 10e-6, tiny_job).is_some());
+        // Nothing measured.
+        assert_eq!(link_rate(LinkSample { bytes: 0, frames: 0, bps: 0.0 }, 0.0, 1.0), None);
     }
 
     #[test]

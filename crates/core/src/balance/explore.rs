@@ -1,32 +1,38 @@
-//! Rule 9, **explore**: a server whose estimate is uncertain (none, low confidence, stale,
-//! or too few bytes to say much) gets the smallest block of the server with the largest
-//! service time, so that fresh samples come in, if the source stays measurable (keeps
-//! [`FEW_BYTES`] of the mean); probes of one server back off. A probe is
+//! Rule 9, **explore**: a server measured slower than the median whose estimate is
+//! uncertain (low confidence, stale, or too few bytes to say much) gets the smallest
+//! block of the server with the largest service time, so that fresh samples come in, if
+//! the source stays measurable (keeps [`FEW_BYTES`] of the mean); probes of one server
+//! back off. A server with no estimate is not probed: it runs at the median rate, so the
+//! rules may load it, and their verdict measures it. A probe is judged like any round
+//! (rule 2): it predicts no gain, and one that slowed iterations is undone. A probe is
 //! the one move exempt from the rank rule ([`Loads::ranks_above`]): it goes where the
 //! model has no trustworthy rank, to get one. Post-condition ([`probed`]): one move of a
 //! non-empty block, from its owner, onto the uncertain server.
 
 use super::loads::{Loads, moved, size_of};
 use super::{
-    Balancer, Decision, FEW_BYTES, MIN_CONFIDENCE, Move, PROBE_INTERVAL_US, PROBE_MAX_INTERVAL_US, Probe, STALE_US,
+    Balancer, FEW_BYTES, MIN_CONFIDENCE, Move, PROBE_INTERVAL_US, PROBE_MAX_INTERVAL_US, Probe, Proposal, STALE_US,
     View,
 };
 use crate::placement::{Placement, ServerId};
 
 impl Balancer {
     /// Rule 9: a small move onto an uncertain server.
-    pub(super) fn probe(&mut self, view: &View, loads: &Loads, total: u64) -> Option<Decision> {
+    pub(super) fn probe(&mut self, view: &View, loads: &Loads) -> Option<Proposal> {
         let now = view.now_us;
         let n = loads.ids.len();
+        let total: u64 = loads.bytes.iter().sum();
         let mean_bytes = total as f64 / n as f64;
+        let median_rate = crate::stats::median(&loads.rate).unwrap_or(0.0);
         let uncertain: Vec<bool> = (0..n)
             .map(|i| {
                 let owns = loads.bytes[i];
-                (owns as f64) < FEW_BYTES * mean_bytes
-                    || view
-                        .load
-                        .estimate(loads.ids[i], now)
-                        .is_none_or(|e| e.confidence < MIN_CONFIDENCE || (owns > 0 && e.age_us > STALE_US))
+                view.load.estimate(loads.ids[i], now).is_some_and(|e| {
+                    e.bps < median_rate
+                        && ((owns as f64) < FEW_BYTES * mean_bytes
+                            || e.confidence < MIN_CONFIDENCE
+                            || (owns > 0 && e.age_us > STALE_US))
+                })
             })
             .collect();
         // Reset the backoff of servers that are clearly in use again.
@@ -65,7 +71,10 @@ impl Balancer {
             );
             let moves = vec![Move { block, from, to: id }];
             debug_assert_eq!(probed(view.placement, view.sizes, &moves, id), Ok(()), "probe: {moves:?}");
-            return Some(Decision::Migrate {
+            let max = loads.max_time();
+            return Some(Proposal {
+                max_before: max,
+                max_after: max,
                 moves,
                 why: format!(
                     "probe server {id}: uncertain estimate, {} bytes; block {block} ({} bytes) from server {from}",

@@ -11,6 +11,16 @@ use crate::model::BlockId;
 use crate::placement::{Placement, ServerId};
 use crate::stats::median;
 
+/// Moves ruled out for a while after a verdict undid a round (rule 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Tabu {
+    /// No block moves off this server: moving load off it did not pay (it was not the
+    /// bottleneck the model took it for).
+    From(ServerId),
+    /// No block moves onto this server: a probe onto it slowed the job.
+    Onto(ServerId),
+}
+
 /// Relative tolerance of "strictly lower" comparisons of service times.
 pub(super) const EPS: f64 = 1e-9;
 
@@ -49,6 +59,8 @@ pub(super) struct Loads {
     pub(super) hi: Vec<f64>,
     /// Bytes each owns.
     pub(super) bytes: Vec<u64>,
+    /// Moves no rule makes now (rule 2).
+    tabu: BTreeSet<Tabu>,
 }
 
 impl Loads {
@@ -72,7 +84,18 @@ impl Loads {
                 bytes[i] = bytes[i].saturating_add(sizes.get(block).copied().unwrap_or(0));
             }
         }
-        Self { ids, lo: rate.clone(), hi: rate.clone(), rate, bytes }
+        Self { ids, lo: rate.clone(), hi: rate.clone(), rate, bytes, tabu: BTreeSet::new() }
+    }
+
+    /// The same loads with moves that no rule may make now (rule 2).
+    pub(super) fn with_tabu(mut self, tabu: BTreeSet<Tabu>) -> Self {
+        self.tabu = tabu;
+        self
+    }
+
+    /// True if moving a block from `from` onto `to` is ruled out now.
+    pub(super) fn is_tabu(&self, from: ServerId, to: ServerId) -> bool {
+        self.tabu.contains(&Tabu::From(from)) || self.tabu.contains(&Tabu::Onto(to))
     }
 
     /// The same loads with each rate's uncertainty: `rse[server]`, the relative standard
@@ -178,7 +201,7 @@ pub(super) fn greedy(
             let Some(&block) = set.first() else { continue };
             let t_from = (loads.bytes[src] - size) as f64 / loads.rate[src];
             for dst in (0..n).filter(|&d| d != src && only_to.is_none_or(|o| o == d)) {
-                if !loads.ranks_above(src, dst, size) {
+                if !loads.ranks_above(src, dst, size) || loads.is_tabu(loads.ids[src], loads.ids[dst]) {
                     continue;
                 }
                 let t_to = loads.time_with(dst, size);
@@ -235,10 +258,6 @@ pub(super) fn size_of(sizes: &[u64], block: BlockId) -> u64 {
     sizes.get(block as usize).copied().unwrap_or(0)
 }
 
-/// The mean of `values`; `None` if empty.
-pub(super) fn mean(values: &[f64]) -> Option<f64> {
-    if values.is_empty() { None } else { Some(values.iter().sum::<f64>() / values.len() as f64) }
-}
 
 /// The post-condition every plan meets (checked after each phase in debug builds): each
 /// block moves at most once, from its owner, to another server of `to`; the placement

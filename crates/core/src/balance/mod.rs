@@ -96,7 +96,7 @@
 //! `loads` the shared [`service_times`], the greedy best fit and the plan check every
 //! phase starts from.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::load::LoadModel;
 use crate::model::BlockId;
@@ -110,12 +110,14 @@ pub mod scale_out;
 pub mod split;
 #[cfg(test)]
 mod tests;
+pub mod verdict;
 
 pub use exploit::{rebalance, stragglers};
-use loads::Loads;
+use loads::{Loads, Tabu};
 pub use loads::{RANK_Z, service_times};
 pub use scale_in::drain;
 pub use scale_out::fill;
+pub use verdict::{Verdict, Window};
 
 /// Least confidence of every block owner's estimate before anything is decided.
 pub const MIN_CONFIDENCE: f64 = 0.5;
@@ -141,8 +143,13 @@ pub const MAX_HOLDOFF_DOUBLINGS: u32 = 4;
 pub const TRIAL_SETTLE_US: u64 = 2_000_000;
 /// The budget of one round grows by `budget_bytes` per this many servers ([`BalanceParams::budget`]).
 pub const BUDGET_SERVERS: usize = 16;
-/// Number of recent iteration times averaged into the baseline of a scale-out.
+/// Number of recent steps whose iteration times make the baseline of a decision.
 pub const BASELINE_STEPS: usize = 10;
+/// Steps of baseline a decision needs before it is made (so that it can be judged).
+pub const VERDICT_MIN_STEPS: usize = 5;
+/// A migration round must be predicted to save this share of the iteration time (when
+/// the job reports one): a smaller gain would not show in the verdict's measurement.
+pub const MIN_ITER_GAIN: f64 = 0.05;
 
 /// Tuning of the balancer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -231,8 +238,12 @@ pub struct View<'a> {
     pub servers: &'a [ServerId],
     /// The rate estimates.
     pub load: &'a LoadModel,
-    /// Mean worker iteration time over the last interval, µs.
+    /// Mean time of the iterations the workers completed since the last step, µs
+    /// (`None`: none completed, or the job reports no iteration times).
     pub iter_us: Option<f64>,
+    /// Iterations the workers completed since the last step (summed over workers): with
+    /// none, a stall, the time since the last completed one counts ([`Window`]).
+    pub iterations: u64,
     /// Migrations queued or in flight: decide nothing.
     pub busy: bool,
     /// Row blocks that may be split, each with the row its server reports to split it at
@@ -272,6 +283,9 @@ pub enum Decision {
         /// Why, for the event log.
         why: String,
     },
+    /// The verdict on an earlier decision (rule 2), for the report; a revert comes with
+    /// it as a `Migrate` (or `ScaleIn`).
+    Judged(Verdict),
     /// Verdict of a scale-out trial: the scaled-out server stays.
     Keep {
         /// The server that stays.
@@ -287,11 +301,50 @@ enum Phase {
     /// No scale-out under way.
     Steady,
     /// Asked for a server at `asked_us`, waiting for [`Balancer::joined`].
-    AwaitJoin { asked_us: u64, baseline: Option<f64>, predicted: f64 },
+    AwaitJoin { asked_us: u64, baseline: Baseline, predicted: f64 },
     /// The server joined; the next step gives it its load.
-    Filling { server: ServerId, joined_us: u64, baseline: Option<f64>, predicted: f64 },
-    /// The server has its load; measuring from `start_us`.
-    Trial { server: ServerId, start_us: u64, baseline: Option<f64>, predicted: f64, samples: Vec<f64> },
+    Filling { server: ServerId, joined_us: u64, baseline: Baseline, predicted: f64 },
+    /// The server has its load; measuring in `window`.
+    Trial { server: ServerId, baseline: Baseline, predicted: f64, window: Window },
+    /// A migration round (or a probe) under judgement (rule 2).
+    Judging(Box<Judging>),
+}
+
+/// The window before a decision: its mean iteration time (µs), the relative standard
+/// error of that mean, and when the decision was made. `mean_us` is `None` when the job
+/// reported no iteration time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Baseline {
+    mean_us: Option<f64>,
+    rse: f64,
+    decided_us: u64,
+}
+
+/// A migration round awaiting its verdict.
+#[derive(Clone, Debug, PartialEq)]
+struct Judging {
+    /// The moves, to undo.
+    moves: Vec<Move>,
+    /// What was decided, for the record.
+    what: String,
+    /// A probe (rule 9), not a round of moves off the bottleneck.
+    probe: bool,
+    baseline: Baseline,
+    /// Max service time before the round and predicted after, s (the model's view).
+    max_before: f64,
+    max_after: f64,
+    /// Measuring since the round finished (`None` while it runs).
+    window: Option<Window>,
+}
+
+/// A plan of moves a rule proposes, with the model's prediction.
+#[derive(Clone, Debug, PartialEq)]
+struct Proposal {
+    moves: Vec<Move>,
+    why: String,
+    /// Max service time before and predicted after, s.
+    max_before: f64,
+    max_after: f64,
 }
 
 /// What the rules of one steady step read: the view, the serving servers (sorted, no
@@ -319,8 +372,15 @@ pub struct Balancer {
     phase: Phase,
     /// The last busy step or decision: the cool-down counts from here.
     quiet_since: Option<u64>,
-    /// Iteration times seen since the last busy step.
-    iters: VecDeque<f64>,
+    /// Iteration times seen since the last busy step (the last [`BASELINE_STEPS`]).
+    baseline: Window,
+    /// Consecutive reverted migration rounds: the cool-down is doubled this many times.
+    backoff: u32,
+    /// Moves ruled out by a revert (rule 2), until the time given.
+    tabu: BTreeMap<Tabu, u64>,
+    /// The job has reported a completed iteration: from then on, a step without one is
+    /// a stall ([`Window`]), not a job without iteration times.
+    iterating: bool,
     /// Since when each server has been idle (service time below IDLE_FRACTION of the max).
     idle_since: BTreeMap<ServerId, u64>,
     probes: BTreeMap<ServerId, Probe>,
@@ -337,7 +397,10 @@ impl Balancer {
             params,
             phase: Phase::Steady,
             quiet_since: None,
-            iters: VecDeque::new(),
+            baseline: Window::starting(0),
+            backoff: 0,
+            tabu: BTreeMap::new(),
+            iterating: false,
             idle_since: BTreeMap::new(),
             probes: BTreeMap::new(),
             scale_out_after_us: 0,
@@ -377,41 +440,30 @@ impl Balancer {
         let now = view.now_us;
         if view.busy {
             self.quiet_since = Some(now);
-            self.iters.clear();
+            self.baseline = Window::starting(now);
             self.idle_since.clear();
-            if let Phase::Trial { start_us, samples, .. } = &mut self.phase {
-                *start_us = now;
-                samples.clear();
+            match &mut self.phase {
+                Phase::Trial { window, .. } => *window = Window::starting(now.saturating_add(TRIAL_SETTLE_US)),
+                Phase::Judging(j) => j.window = None,
+                _ => {}
             }
             return Vec::new();
         }
-        if let Some(it) = view.iter_us.filter(|i| i.is_finite() && *i > 0.0) {
-            self.iters.push_back(it);
-            if self.iters.len() > BASELINE_STEPS {
-                self.iters.pop_front();
-            }
-        }
+        self.iterating |= view.iterations > 0 && view.iter_us.is_some();
+        self.baseline.push(now, view.iterations, view.iter_us);
+        self.baseline.keep_last(BASELINE_STEPS);
+        self.tabu.retain(|_, until| *until > now);
         let mut servers = view.servers.to_vec();
         servers.sort_unstable();
         servers.dedup();
-        // A server holding less than FEW_BYTES of the mean is measured on small frames,
-        // whose time says little: it is taken as no faster than the median of the others
-        // (a slow estimate stands: a straggler that gave its blocks away stays one).
-        let mut rates = view.load.rates(now);
-        let held = Loads::new(view.placement, view.sizes, &servers, &rates);
-        let few = FEW_BYTES * held.bytes.iter().sum::<u64>() as f64 / held.ids.len().max(1) as f64;
-        let is_few = |id: &ServerId| held.index(*id).is_none_or(|i| (held.bytes[i] as f64) < few);
-        let measured: Vec<f64> = rates.iter().filter(|(id, _)| !is_few(id)).map(|(_, r)| *r).collect();
-        if let Some(cap) = crate::stats::median(&measured) {
-            for (id, r) in rates.iter_mut() {
-                if is_few(id) && *r > cap {
-                    *r = cap;
-                }
-            }
-        }
+        // The model holds only samples that measured a link (`load::link_rate`): a server
+        // without one runs at the median rate, neither slow nor fast, and a straggler that
+        // gave its blocks away keeps the rate it was measured at.
+        let rates = view.load.rates(now);
         let spread: BTreeMap<ServerId, f64> =
             rates.keys().filter_map(|&id| view.load.estimate(id, now).map(|e| (id, e.rse))).collect();
-        let loads = Loads::new(view.placement, view.sizes, &servers, &rates).with_spread(&spread);
+        let tabu: BTreeSet<Tabu> = self.tabu.keys().copied().collect();
+        let loads = Loads::new(view.placement, view.sizes, &servers, &rates).with_spread(&spread).with_tabu(tabu);
         self.track_idle(&loads, now);
 
         let decision = match self.phase.clone() {
@@ -426,7 +478,8 @@ impl Balancer {
             Phase::Filling { server, joined_us, baseline, predicted } => {
                 self.filling(view, &servers, &rates, (server, joined_us, baseline, predicted))
             }
-            Phase::Trial { server, .. } => self.trial(view, &servers, &loads, server),
+            Phase::Trial { server, .. } => return self.trial(view, &servers, &loads, server),
+            Phase::Judging(_) => return self.judge(view, &servers, &loads),
         };
         match decision {
             Some(d) => {
@@ -438,6 +491,30 @@ impl Balancer {
             }
             None => Vec::new(),
         }
+    }
+
+    /// The baseline of a decision made now: the window since the last busy step.
+    fn baseline(&self, now: u64) -> Baseline {
+        Baseline { mean_us: self.mean_us(&self.baseline), rse: self.baseline.rse(), decided_us: now }
+    }
+
+    /// A window's mean iteration time, if the job reports iteration times at all.
+    fn mean_us(&self, window: &Window) -> Option<f64> {
+        window.mean_us().filter(|_| self.iterating)
+    }
+
+    /// A proposal becomes a decision under judgement (rule 2).
+    fn propose(&mut self, now: u64, p: Proposal) -> Decision {
+        self.phase = Phase::Judging(Box::new(Judging {
+            moves: p.moves.clone(),
+            what: p.why.clone(),
+            probe: p.max_before == p.max_after,
+            baseline: self.baseline(now),
+            max_before: p.max_before,
+            max_after: p.max_after,
+            window: None,
+        }));
+        Decision::Migrate { moves: p.moves, why: p.why }
     }
 
     /// Updates since when each server has been idle.
@@ -460,8 +537,13 @@ impl Balancer {
         self.scale_out_after_us = now.saturating_add(REVERT_HOLDOFF_US << doublings);
     }
 
+    /// The cool-down, doubled for each consecutive revert (rule 2).
+    fn cooldown_us(&self) -> u64 {
+        self.params.cooldown_us << self.backoff.min(MAX_HOLDOFF_DOUBLINGS)
+    }
+
     fn cooled(&self, now: u64) -> bool {
-        self.quiet_since.is_none_or(|t| now >= t.saturating_add(self.params.cooldown_us))
+        self.quiet_since.is_none_or(|t| now >= t.saturating_add(self.cooldown_us()))
     }
 
     /// The steady phase: rule 2b, then rules 3 to 9 in order, the first that decides wins.
@@ -488,9 +570,13 @@ impl Balancer {
                 return None;
             }
         }
+        // Rule 2 needs a window before the decision to judge it by.
+        if self.baseline.len() < VERDICT_MIN_STEPS {
+            return None;
+        }
         let straggling = stragglers(&loads.times(), self.params.threshold);
-        if let Some(d) = self.exploit_stragglers(round, &straggling) {
-            return Some(d);
+        if let Some(p) = self.exploit_stragglers(round, &straggling) {
+            return Some(self.propose(now, p));
         }
         if let Some(d) = self.scale_out(round) {
             return Some(d);
@@ -498,10 +584,11 @@ impl Balancer {
         if let Some(d) = self.scale_in(round) {
             return Some(d);
         }
-        if let Some(d) = self.exploit_imbalance(round, &straggling) {
-            return Some(d);
+        if let Some(p) = self.exploit_imbalance(round, &straggling) {
+            return Some(self.propose(now, p));
         }
-        self.probe(view, loads, total)
+        let p = self.probe(view, loads)?;
+        Some(self.propose(now, p))
     }
 }
 

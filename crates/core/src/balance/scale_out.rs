@@ -6,8 +6,9 @@
 
 use std::collections::BTreeMap;
 
-use super::loads::{EPS, Loads, greedy, mean, moved, size_of};
-use super::{BASELINE_STEPS, BalanceParams, Balancer, Decision, Move, Phase, Round, TRIAL_SETTLE_US, View, rebalance};
+use super::loads::{EPS, Loads, greedy, moved, size_of};
+use super::verdict::{Verdict, WINDOW_ITERATIONS, Window};
+use super::{Baseline, BalanceParams, Balancer, Decision, Move, Phase, Round, TRIAL_SETTLE_US, View, rebalance};
 use crate::placement::{Placement, ServerId};
 use crate::stats::median;
 
@@ -46,8 +47,7 @@ impl Balancer {
             let median_rate = median(&loads.rate).unwrap_or(1.0);
             let target = total as f64 / (n as f64 * median_rate);
             if best > (1.0 + self.params.threshold) * target {
-                let baseline =
-                    mean(self.iters.iter().rev().take(BASELINE_STEPS).copied().collect::<Vec<_>>().as_slice());
+                let baseline = self.baseline(now);
                 self.phase = Phase::AwaitJoin { asked_us: now, baseline, predicted: best };
                 return Some(Decision::ScaleOut {
                     why: format!(
@@ -67,7 +67,7 @@ impl Balancer {
         view: &View,
         servers: &[ServerId],
         rates: &BTreeMap<ServerId, f64>,
-        (server, joined_us, baseline, predicted): (ServerId, u64, Option<f64>, f64),
+        (server, joined_us, baseline, predicted): (ServerId, u64, Baseline, f64),
     ) -> Option<Decision> {
         let now = view.now_us;
         if servers.binary_search(&server).is_err() {
@@ -87,53 +87,73 @@ impl Balancer {
             });
         }
         let bytes: u64 = moves.iter().map(|m| size_of(view.sizes, m.block)).sum();
-        self.phase = Phase::Trial { server, start_us: now, baseline, predicted, samples: Vec::new() };
+        let window = Window::starting(now.saturating_add(TRIAL_SETTLE_US));
+        self.phase = Phase::Trial { server, baseline, predicted, window };
         Some(Decision::Migrate {
             why: format!("fill new server {server}: {} blocks, {bytes} bytes", moves.len()),
             moves,
         })
     }
 
+    /// The trial of a scale-out (rule 2): kept if the mean iteration time improved by
+    /// `keep_gain`, a stall counting its elapsed time ([`Window`]); without iteration
+    /// times, if the max service time fell that much below the prediction it was asked
+    /// with. Returns the verdict and the decision it implies.
     pub(super) fn trial(
         &mut self,
         view: &View,
         servers: &[ServerId],
         loads: &Loads,
         server: ServerId,
-    ) -> Option<Decision> {
+    ) -> Vec<Decision> {
         let now = view.now_us;
-        let Phase::Trial { start_us, baseline, predicted, samples, .. } = &mut self.phase else { return None };
+        let Phase::Trial { baseline, predicted, window, .. } = &mut self.phase else { return Vec::new() };
         if servers.binary_search(&server).is_err() {
             // It left (failed or removed by someone else): the trial is void.
             self.phase = Phase::Steady;
-            return None;
+            return Vec::new();
         }
-        if now >= start_us.saturating_add(TRIAL_SETTLE_US)
-            && let Some(it) = view.iter_us.filter(|i| i.is_finite() && *i > 0.0)
-        {
-            samples.push(it);
+        window.push(now, view.iterations, view.iter_us);
+        let least = baseline.mean_us.map_or(0, |b| (WINDOW_ITERATIONS * b) as u64);
+        if now < window.start_us().saturating_add(self.params.trial_us.max(least)) {
+            return Vec::new();
         }
-        if now < start_us.saturating_add(self.params.trial_us) {
-            return None;
-        }
-        let (gain, basis) = match (*baseline, mean(samples)) {
-            (Some(before), Some(after)) => {
-                ((before - after) / before, format!("mean iteration {:.1} ms -> {:.1} ms", before / 1e3, after / 1e3))
-            }
+        let after = window.mean_us().filter(|_| self.iterating);
+        let (gain, before_ms, after_ms, basis) = match (baseline.mean_us, after) {
+            (Some(before), Some(after)) => (
+                (before - after) / before,
+                Some(before / 1e3),
+                Some(after / 1e3),
+                format!("mean iteration {:.1} ms -> {:.1} ms", before / 1e3, after / 1e3),
+            ),
             _ => {
                 let after = loads.max_time();
                 let gain = if *predicted > 0.0 { (*predicted - after) / *predicted } else { 0.0 };
-                (gain, format!("predicted max service time {:.1} ms -> {:.1} ms", *predicted * 1e3, after * 1e3))
+                (gain, None, None, format!("predicted max service time {:.1} ms -> {:.1} ms", *predicted * 1e3, after * 1e3))
             }
         };
+        let kept = gain >= self.params.keep_gain;
+        let verdict = Verdict {
+            decided_us: baseline.decided_us,
+            judged_us: now,
+            what: format!("scale-out: server {server}"),
+            moves: 0,
+            predicted_gain: self.params.keep_gain,
+            measured_gain: gain,
+            before_ms,
+            after_ms,
+            kept,
+        };
         self.phase = Phase::Steady;
-        if gain >= self.params.keep_gain {
+        let action = if kept {
             self.reverts = 0;
-            Some(Decision::Keep { server, why: format!("scale-out kept: {basis} ({:+.1}%)", -gain * 100.0) })
+            Decision::Keep { server, why: format!("scale-out kept: {basis} ({:+.1}%)", -gain * 100.0) }
         } else {
             self.revert_holdoff(now);
-            Some(Decision::ScaleIn { server, why: format!("scale-out reverted: {basis} ({:+.1}%)", -gain * 100.0) })
-        }
+            Decision::ScaleIn { server, why: format!("scale-out reverted: {basis} ({:+.1}%)", -gain * 100.0) }
+        };
+        self.quiet_since = Some(now);
+        vec![Decision::Judged(verdict), action]
     }
 }
 

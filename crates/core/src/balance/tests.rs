@@ -222,11 +222,12 @@ impl Sim {
             servers: &self.servers,
             load: &self.load,
             iter_us: (!self.no_iter).then_some(iter_us),
+            iterations: if self.no_iter { 0 } else { u64::from(self.workers) * (1e6 / iter_us).max(1.0) as u64 },
             busy,
             splittable: &BTreeMap::new(),
         });
         assert!(!busy || decisions.is_empty(), "decided while busy: {decisions:?}");
-        assert!(decisions.len() <= 1);
+        assert!(decisions.len() <= 2, "{decisions:?}");
         // Migrations queued last second finish now.
         if busy {
             let moves = std::mem::take(&mut self.pending);
@@ -272,7 +273,7 @@ impl Sim {
                     self.pending.extend(moves);
                     self.stopping = Some(*server);
                 }
-                Decision::Keep { .. } => {}
+                Decision::Keep { .. } | Decision::Judged(_) => {}
                 Decision::Split { block, .. } => panic!("split of block {block} with nothing splittable"),
             }
             self.log.push((now, d));
@@ -333,16 +334,10 @@ fn no_thrash_violation(
             *v += sizes[b];
         }
     }
-    // A server holding less than FEW_BYTES of the mean runs no faster than the median of
-    // the others; one without an estimate at the median of all.
-    let few = FEW_BYTES * bytes.values().sum::<u64>() as f64 / bytes.len() as f64;
-    let held = bytes.clone();
-    let is_few = |s: ServerId| (held[&s] as f64) < few;
+    // A server without an estimate runs at the median rate of those with one.
     let estimate = |s: ServerId| load.estimate(s, now).map(|e| e.bps);
-    let cap = median(servers.iter().filter(|&&s| !is_few(s)).filter_map(|&s| estimate(s)).collect());
-    let capped = |s: ServerId| estimate(s).map(|r| if is_few(s) { cap.map_or(r, |c| r.min(c)) } else { r });
-    let median_rate = median(servers.iter().filter_map(|&s| capped(s)).collect()).unwrap_or(1.0);
-    let rates: BTreeMap<ServerId, f64> = servers.iter().map(|&s| (s, capped(s).unwrap_or(median_rate))).collect();
+    let median_rate = median(servers.iter().filter_map(|&s| estimate(s)).collect()).unwrap_or(1.0);
+    let rates: BTreeMap<ServerId, f64> = servers.iter().map(|&s| (s, estimate(s).unwrap_or(median_rate))).collect();
     let rate = |s: ServerId| rates[&s];
     let spread = |s: ServerId| load.estimate(s, now).map_or(0.0, |e| (RANK_Z * e.rse).clamp(0.0, 0.9));
     let max_time =
@@ -353,7 +348,7 @@ fn no_thrash_violation(
         let size = sizes[m.block as usize];
         let to = (bytes[&m.to] + size) as f64 / (rate(m.to) * (1.0 - spread(m.to)));
         let from = bytes[&m.from] as f64 / (rate(m.from) * (1.0 + spread(m.from)));
-        if to >= from && !why.starts_with("probe") {
+        if to >= from && !exempt(why) {
             return Some(format!(
                 "{m:?} ({why}) goes onto a server ranked at or below its source: {to:.6} s >= {from:.6} s"
             ));
@@ -364,12 +359,18 @@ fn no_thrash_violation(
     }
     let after = max_time(&bytes);
     let gain = before - after;
-    if !why.starts_with("probe")
+    if !exempt(why)
         && (gain < params.min_gain * before * (1.0 - 1e-9) || gain * params.horizon_iters <= cost)
     {
         return Some(format!("{moves:?} ({why}) does not pay: max {before:.6} s -> {after:.6} s, cost {cost:.6} s"));
     }
     None
+}
+
+/// Probes (they go where the model has no rank yet) and reverts (they restore the
+/// placement a verdict found better) are exempt from the no-thrash rules.
+fn exempt(why: &str) -> bool {
+    why.starts_with("probe") || why.starts_with("revert")
 }
 
 fn base(rate: f64) -> impl Fn(ServerId, u64) -> f64 {
@@ -425,14 +426,20 @@ fn slow_one(max: u32) -> Sim {
 
 /// The decisions of a scale-out trial: (ScaleOut time, fill, verdict).
 fn trial(sim: &Sim) -> (u64, Vec<Move>, (u64, Decision)) {
-    let i = sim.log.iter().position(|(_, d)| matches!(d, Decision::ScaleOut { .. })).expect("no scale-out");
+    let i = sim
+        .log
+        .iter()
+        .position(|(_, d)| matches!(d, Decision::ScaleOut { .. }))
+        .unwrap_or_else(|| panic!("no scale-out: {:#?}", sim.log));
     let t_out = sim.log[i].0;
     for (_, d) in &sim.log[..i] {
-        assert!(matches!(d, Decision::Migrate { .. }), "before the scale-out: {d:?}");
+        assert!(matches!(d, Decision::Migrate { .. } | Decision::Judged(_)), "before the scale-out: {d:?}");
     }
     let Decision::Migrate { moves, why } = &sim.log[i + 1].1 else { panic!("no fill: {:?}", sim.log) };
     assert!(why.starts_with("fill"), "{why}");
-    (t_out, moves.clone(), sim.log[i + 2].clone())
+    // The verdict's record, then what it decided.
+    assert!(matches!(&sim.log[i + 2].1, Decision::Judged(v) if v.what.starts_with("scale-out")), "{:?}", sim.log);
+    (t_out, moves.clone(), sim.log[i + 3].clone())
 }
 
 #[test]
@@ -517,7 +524,7 @@ fn scenario_f_empty_server_is_scaled_in_above_min_servers() {
 fn scenario_f_empty_server_at_min_servers_is_not_scaled_in_but_used() {
     let mut sim = with_empty_server(4);
     sim.run_until(60 * S);
-    assert!(sim.log.iter().all(|(_, d)| matches!(d, Decision::Migrate { .. })), "{:?}", sim.log);
+    assert!(sim.log.iter().all(|(_, d)| matches!(d, Decision::Migrate { .. } | Decision::Judged(_))), "{:?}", sim.log);
     assert_eq!(sim.servers, vec![0, 1, 2, 3]);
     assert_eq!(count(&sim.placement, 3), 6, "{:?}", sim.placement);
 }
@@ -567,6 +574,7 @@ fn waits_for_confidence_and_cooldown() {
             servers: &servers,
             load,
             iter_us: None,
+            iterations: 0,
             busy,
             splittable: &BTreeMap::new(),
         })
@@ -580,16 +588,19 @@ fn waits_for_confidence_and_cooldown() {
     for _ in 0..4 {
         load.observe(0, 8 * MIB, 80_000, S);
     }
-    // Busy: nothing, and the cool-down restarts.
+    // Busy: nothing, and the cool-down restarts; a decision also waits for
+    // VERDICT_MIN_STEPS steps of baseline to be judged by (rule 2).
     assert!(step(&mut b, &load, S, true).is_empty());
-    assert!(step(&mut b, &load, 3 * S, false).is_empty());
-    let d = step(&mut b, &load, 4 * S, false);
+    for now in 2..=5 {
+        assert!(step(&mut b, &load, now * S, false).is_empty(), "at {now} s");
+    }
+    let d = step(&mut b, &load, 6 * S, false);
     assert!(
         matches!(d.as_slice(), [Decision::Migrate { moves, .. }] if moves.len() == 4 && moves.iter().all(|m| m.to == 1)),
         "{d:?}"
     );
     // Right after a decision: cool-down again.
-    assert!(step(&mut b, &load, 5 * S, false).is_empty());
+    assert!(step(&mut b, &load, 7 * S, false).is_empty());
 }
 
 #[test]
@@ -613,23 +624,29 @@ fn gives_up_a_scale_out_whose_server_never_joins() {
             servers: &servers,
             load: &load,
             iter_us: Some(1e5),
+            iterations: 10,
             busy: false,
             splittable: &BTreeMap::new(),
         })
     };
-    let d = step(&mut b, 0);
+    // The first steps make the baseline a decision is judged by (rule 2).
+    let t0 = (VERDICT_MIN_STEPS as u64 - 1) * S;
+    for now in (0..t0).step_by(S as usize) {
+        assert!(step(&mut b, now).is_empty(), "decided at {now} without a baseline");
+    }
+    let d = step(&mut b, t0);
     assert!(matches!(d.as_slice(), [Decision::ScaleOut { .. }]), "{d:?}");
     assert!(b.awaiting_join());
-    for now in (S..=31 * S).step_by(S as usize) {
+    for now in (t0 + S..=t0 + 31 * S).step_by(S as usize) {
         assert!(step(&mut b, now).is_empty(), "decided while waiting for the server");
     }
     assert!(!b.awaiting_join());
     // Held off after giving up, then asks again.
-    for now in (32 * S..91 * S).step_by(S as usize) {
+    for now in (t0 + 32 * S..t0 + 91 * S).step_by(S as usize) {
         let d = step(&mut b, now);
         assert!(d.iter().all(|d| !matches!(d, Decision::ScaleOut { .. })), "{d:?} at {now}");
     }
-    assert!(matches!(step(&mut b, 91 * S).as_slice(), [Decision::ScaleOut { .. }]));
+    assert!(matches!(step(&mut b, t0 + 91 * S).as_slice(), [Decision::ScaleOut { .. }]));
     // A late or unexpected join of another server is ignored outside a scale-out.
     let mut idle = Balancer::new(BalanceParams::new(1, 4));
     idle.joined(9, 0);
@@ -730,7 +747,8 @@ mod proptests {
         }
 
         /// A job with no straggler (every server as fast, noisy samples, the blocks
-        /// placed best fit) gets at most 2 moves in 5 minutes.
+        /// placed best fit) gets at most 2 moves in 5 minutes, besides the moves back of a
+        /// verdict, and every round that moved is judged (rule 2).
         #[test]
         fn a_job_without_a_straggler_gets_at_most_two_moves(
             job in job(Just(vec![100.0])),
@@ -738,8 +756,12 @@ mod proptests {
             let (n, blocks) = (job.0, &job.1);
             let sizes: Vec<u64> = blocks.iter().map(|&(size, _)| size).collect();
             let sim = run(&job, Some(best_fit(n, &sizes)), 300);
-            let moves: usize = sim.migrations().iter().map(|(_, m, _)| m.len()).sum();
+            let rounds: Vec<_> = sim.migrations().into_iter().filter(|(_, _, why)| !why.starts_with("revert")).collect();
+            let moves: usize = rounds.iter().map(|(_, m, _)| m.len()).sum();
             prop_assert!(moves <= 2, "{} moves: {:?}", moves, sim.log);
+            let judged = sim.log.iter().filter(|(_, d)| matches!(d, Decision::Judged(_))).count();
+            let late = rounds.iter().filter(|(t, _, _)| *t + 30 * S > 300 * S).count();
+            prop_assert!(judged + late >= rounds.len(), "a round without a verdict: {:?}", sim.log);
             prop_assert!(sim.violations.is_empty(), "{:?}", sim.violations);
         }
 
