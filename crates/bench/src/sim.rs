@@ -34,6 +34,9 @@
 //! It writes `bench-sim.json` (every row), `bench-sim.md` (the tables, the check, the
 //! targets) and `sim.png` (iterations/s against workers per policy, log x) into `--out`,
 //! and prints the Markdown.
+//!
+//! `--suite` runs the balancer's suite of seeded random jobs instead of the parts
+//! ([`crate::suite`]).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -97,9 +100,25 @@ pub struct SimBenchCmd {
     /// run are skipped.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub parts: Option<Vec<Part>>,
-    /// Write bench-sim.json, bench-sim.md, sim.png and the cross-check's reports here.
-    #[arg(long, default_value = "reports/bench-sim")]
-    pub out: PathBuf,
+    /// Run the balancer's suite of seeded random jobs instead of the parts: static, psld
+    /// and the no-straggler ceiling of each (with --quick: a fixed list of seeds and the
+    /// regression seeds of crates/bench/suite-regressions.txt).
+    #[arg(long)]
+    pub suite: bool,
+    /// The suite's scenarios (default 200).
+    #[arg(long, value_name = "N", requires = "suite")]
+    pub seeds: Option<u64>,
+    /// The suite's first seed (default 1).
+    #[arg(long, value_name = "S", requires = "suite")]
+    pub seed_start: Option<u64>,
+    /// Scenarios the suite simulates at once, each on its own thread.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "suite")]
+    pub jobs: usize,
+    /// Write bench-sim.json, bench-sim.md, sim.png and the cross-check's reports here
+    /// (default reports/bench-sim; with --suite, bench-suite.json and bench-suite.md,
+    /// default reports/bench-suite).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// Transport settings of the cross-check's real cluster.
     #[command(flatten)]
     pub net: NetArgs,
@@ -310,7 +329,7 @@ fn sim_machine() -> SimArgs {
 
 /// The job every row of the benchmark varies: bsp, sgd 0.01, bestfit placement, 20 ms of
 /// compute, requests that give up after 60 s.
-fn job_spec(workers: u32, servers: u32, profile: Profile, iterations: u32) -> TrainSpec {
+pub(crate) fn job_spec(workers: u32, servers: u32, profile: Profile, iterations: u32) -> TrainSpec {
     TrainSpec {
         job: JobArgs {
             servers,
@@ -327,6 +346,28 @@ fn job_spec(workers: u32, servers: u32, profile: Profile, iterations: u32) -> Tr
             ..DataArgs::default()
         },
     }
+}
+
+/// The `elasticps sim` flags of `machine` that differ from the sim's defaults.
+pub(crate) fn machine_flags(machine: &SimArgs) -> Vec<String> {
+    let d = sim_defaults();
+    let mut f = Vec::new();
+    let mut flag = |name: &str, differs: bool, value: String| {
+        if differs {
+            f.extend([format!("--{name}"), value]);
+        }
+    };
+    flag("latency-us", machine.latency_us != d.latency_us, machine.latency_us.to_string());
+    flag("link-mbps", machine.link_mbps != d.link_mbps, machine.link_mbps.to_string());
+    flag("apply-mbps", machine.apply_mbps != d.apply_mbps, machine.apply_mbps.to_string());
+    flag("scale", machine.scale != d.scale, machine.scale.to_string());
+    flag("sim-seed", machine.sim_seed != d.sim_seed, machine.sim_seed.to_string());
+    flag("jitter-us", machine.jitter_us != d.jitter_us, machine.jitter_us.to_string());
+    if let Some(s) = machine.straggler_for_s {
+        flag("straggler-for", true, s.to_string());
+    }
+    flag("time-limit-s", machine.time_limit_s != d.time_limit_s, machine.time_limit_s.to_string());
+    f
 }
 
 /// `k` straggler ids spread evenly over `servers` servers (0, servers/k, 2 servers/k...).
@@ -467,11 +508,16 @@ fn time_balancer(servers: u32, stragglers: &[ServerId], calls: usize) -> Result<
         servers: &ids,
         load: &load,
         iter_us: Some(1e6),
+        iterations: u64::from(servers),
         busy: false,
         splittable: &std::collections::BTreeMap::new(),
     };
     let params = BalanceParams::new(servers, servers);
-    let fresh = Balancer::new(params);
+    // The steps before the timed one make the baseline a decision is judged by.
+    let mut fresh = Balancer::new(params);
+    for k in (1..elasticps_core::balance::VERDICT_MIN_STEPS as u64).rev() {
+        fresh.step(&View { now_us: view.now_us - k * 1_000_000, ..view });
+    }
     let mut step_ms = Vec::with_capacity(calls);
     let mut decision = String::from("nothing");
     for _ in 0..calls.max(1) {
@@ -517,6 +563,7 @@ fn describe(decisions: &[Decision]) -> String {
         Some(Decision::ScaleIn { server, why }) => format!("scale in server {server} ({why})"),
         Some(Decision::Keep { server, why }) => format!("keep server {server} ({why})"),
         Some(Decision::Split { block, at, .. }) => format!("split block {block} at row {at}"),
+        Some(Decision::Judged(v)) => format!("verdict: {} ({})", if v.kept { "kept" } else { "reverted" }, shorten(&v.what)),
     }
 }
 
@@ -591,7 +638,7 @@ pub fn within_tolerance(ratio: f64) -> bool {
 /// (measured 1.04 and 1.00); with every server at 50 MB/s, 4 workers measured 0.94.
 async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool, fuse: bool) -> Result<CrossCheck> {
     let spec = plan.cross_spec(workers, fuse);
-    let dir = cmd.out.join("runs").join(format!("cross-real-{workers}w{}", if fuse { "-fused" } else { "" }));
+    let dir = bench_sim_out(cmd).join("runs").join(format!("cross-real-{workers}w{}", if fuse { "-fused" } else { "" }));
     let t = Instant::now();
     let real = run_and_write(&spec, &cmd.net, &dir, false).await.context("the cross-check's real run")?;
     let real_wall = t.elapsed().as_secs_f64();
@@ -641,13 +688,19 @@ pub struct Body {
 pub struct SimBench {
     cmd: SimBenchCmd,
     plan: Plan,
+    out: PathBuf,
 }
 
 impl SimBench {
     /// The plan of `cmd`.
     pub fn new(cmd: SimBenchCmd) -> Self {
-        SimBench { plan: Plan::new(&cmd), cmd }
+        SimBench { plan: Plan::new(&cmd), out: bench_sim_out(&cmd), cmd }
     }
+}
+
+/// The parts' `--out`.
+fn bench_sim_out(cmd: &SimBenchCmd) -> PathBuf {
+    cmd.out.clone().unwrap_or_else(|| PathBuf::from("reports/bench-sim"))
 }
 
 impl Bench for SimBench {
@@ -655,7 +708,7 @@ impl Bench for SimBench {
     type Body = Body;
 
     fn out(&self) -> Option<&Path> {
-        Some(&self.cmd.out)
+        Some(&self.out)
     }
 
     async fn run(&self) -> Result<Body> {

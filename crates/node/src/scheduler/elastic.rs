@@ -7,14 +7,14 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use elasticps_core::balance::{self, BalanceParams, Balancer, Decision, Move, View};
-use elasticps_core::load::LoadModel;
+use elasticps_core::load::{LinkSample, LoadModel, MIN_FRAME_SHARE, link_rate};
 use elasticps_core::placement::{Placement, ServerId};
 use elasticps_wire::{
     ClusterStatus, Control, ErrorCode, MigrationReport, ScaleRequest, ServerLoad, ServerStatus, WorkerLoad,
     WorkerStatus,
 };
 
-use super::history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+use super::history::{BalanceLog, DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
 use super::hosts::start_node;
 use super::{Action, Caller, ConnId, Role, Scheduler};
 use elasticps_core::balance::BalanceMode;
@@ -115,7 +115,14 @@ pub(super) struct Elastic {
     workers: BTreeMap<u32, WorkerStatus>,
     /// Iterations and their summed time reported since the last timeline sample.
     window: (u64, u64),
+    /// The mean time of the iterations of the last interval (`None`: none completed).
     iter_us: Option<f64>,
+    /// The iterations completed in the last interval.
+    iterations: u64,
+    /// Per server whose data frames are small (below `load::MIN_FRAME_SHARE` of the mean
+    /// block), the handling time of one request it last reported (busy time over
+    /// requests): the job's fixed cost per request is the least of them.
+    request_us: BTreeMap<ServerId, f64>,
     last_sample_us: u64,
     migrations: u32,
     log: BalanceLog,
@@ -178,6 +185,8 @@ impl Elastic {
             rates_from_servers: false,
             window: (0, 0),
             iter_us: None,
+            iterations: 0,
+            request_us: BTreeMap::new(),
             last_sample_us: 0,
             migrations: 0,
             log: BalanceLog { mode: mode.to_string(), ..Default::default() },
@@ -245,6 +254,7 @@ impl Elastic {
     /// or it was still joining (owning nothing: a failed scale-out).
     pub fn lost(&mut self, id: ServerId, now_us: u64) -> bool {
         self.load.remove(id);
+        self.request_us.remove(&id);
         match self.states.get(&id) {
             Some(ServerState::Removed) => true,
             Some(ServerState::Joining) => {
@@ -269,6 +279,7 @@ impl Elastic {
         now_us: u64,
     ) -> Vec<Order> {
         self.load.remove(id);
+        self.request_us.remove(&id);
         self.states.insert(id, ServerState::Removed);
         self.joining_by.remove(&id);
         self.queue.retain(|m| m.from != id && m.to != id);
@@ -332,6 +343,13 @@ impl Elastic {
                 self.split_hints.insert(r.block, r.split_at);
             }
         }
+        let mean_block = self.sizes.iter().sum::<u64>() as f64 / self.sizes.len().max(1) as f64;
+        let small_frames =
+            load.rx_frames > 0 && (load.bytes_in as f64 / f64::from(load.rx_frames)) < MIN_FRAME_SHARE * mean_block;
+        if small_frames && load.requests > 0 {
+            // Where frames are small, handling a request is all fixed cost.
+            self.request_us.insert(load.server_id, load.busy_us as f64 / load.requests as f64);
+        }
         if load.rx_frames > 0 && load.rx_bps > 0.0 && self.states.contains_key(&load.server_id) {
             if !self.rates_from_servers {
                 self.rates_from_servers = true;
@@ -340,15 +358,27 @@ impl Elastic {
             let done = self.workers.values().filter(|w| w.done).count() as u32;
             let live = self.workers.len().max(self.job_workers as usize) as u32;
             let workers = live.saturating_sub(done).max(1);
+            // The fixed cost of a request: the least handling time per request of the
+            // servers with small frames (0 while there is none: then it is negligible
+            // beside the frames that matter).
+            let fixed_s = self.request_us.values().copied().fold(f64::INFINITY, f64::min) / 1e6;
+            let fixed_s = if fixed_s.is_finite() { fixed_s } else { 0.0 };
+            let sample = LinkSample { bytes: load.bytes_in, frames: load.rx_frames, bps: load.rx_bps };
+            let rate = link_rate(sample, fixed_s, mean_block);
             tracing::debug!(
                 server = load.server_id,
                 rx_bps = load.rx_bps,
                 frames = load.rx_frames,
                 workers,
+                fixed_s,
+                rate,
                 "link rate"
             );
-            for _ in 0..load.rx_frames.min(RX_SAMPLES) {
-                self.load.observe_rate(load.server_id, load.rx_bps / workers as f64, now_us);
+            // A sample too small to measure the link leaves the server's rate as it was.
+            if let Some(rate) = rate {
+                for _ in 0..load.rx_frames.min(RX_SAMPLES) {
+                    self.load.observe_rate(load.server_id, rate / workers as f64, now_us);
+                }
             }
         }
         self.server_loads.insert(load.server_id, load);
@@ -581,9 +611,10 @@ impl Elastic {
         }
         if now_us.saturating_sub(self.last_sample_us) >= BALANCE_EVERY_US {
             self.last_sample_us = now_us;
-            if self.window.0 > 0 {
-                self.iter_us = Some(self.window.1 as f64 / self.window.0 as f64);
-            }
+            // An interval in which no iteration completed has no iteration time: the
+            // balancer counts it as a stall (`balance::Window`), never as the last one.
+            self.iterations = self.window.0;
+            self.iter_us = (self.window.0 > 0).then(|| self.window.1 as f64 / self.window.0 as f64);
             self.window = (0, 0);
             let sample = LoadSample {
                 t_s: now_us as f64 / 1e6,
@@ -617,6 +648,7 @@ impl Elastic {
             servers: &serving,
             load: &self.load,
             iter_us: self.iter_us,
+            iterations: self.iterations,
             busy,
             splittable,
         };
@@ -637,6 +669,10 @@ impl Elastic {
                 Decision::ScaleIn { server, why } => {
                     tracing::info!(server, %why, "balancer scales in");
                     out.extend(self.drain(server, placement, now_us, why));
+                }
+                Decision::Judged(v) => {
+                    tracing::info!(kept = v.kept, what = %v.what, predicted = v.predicted_gain, measured = v.measured_gain, "balancer verdict");
+                    self.log.decisions.push(DecisionRecord::of(&v));
                 }
                 Decision::Keep { server, why } => {
                     tracing::info!(server, %why, "balancer keeps the new server");

@@ -17,6 +17,10 @@ pub struct BalanceLog {
     pub scaling: Vec<ScaleEvent>,
     /// One sample per stats interval once training runs.
     pub timeline: Vec<LoadSample>,
+    /// Every judged decision of the balancer: what it predicted, what was measured,
+    /// kept or reverted (DESIGN.md §4, the verdict loop).
+    #[serde(default)]
+    pub decisions: Vec<DecisionRecord>,
     /// Seconds since the scheduler started at which the last migration or scaling
     /// decision ended (`None`: the placement never changed).
     pub settled_s: Option<f64>,
@@ -43,6 +47,51 @@ pub struct MigrationEvent {
     pub held: u32,
     /// Why it failed (`None`: it succeeded).
     pub error: Option<String>,
+}
+
+/// The verdict on one decision of the balancer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecisionRecord {
+    /// When it was decided, seconds since the scheduler started.
+    pub at_s: f64,
+    /// When it was judged.
+    pub judged_s: f64,
+    /// What was decided and why.
+    pub what: String,
+    /// Blocks it moved.
+    pub moves: usize,
+    /// The share of the iteration time it was predicted to save.
+    pub predicted_gain: f64,
+    /// The share measured (negative: it cost).
+    pub measured_gain: f64,
+    /// Mean iteration time before it, ms (`None`: judged by the load model).
+    pub before_ms: Option<f64>,
+    /// Mean iteration time after it, ms.
+    pub after_ms: Option<f64>,
+    /// `kept` or `reverted`.
+    pub verdict: String,
+}
+
+impl DecisionRecord {
+    /// The record of a balancer's verdict (its times in µs since the scheduler started).
+    pub fn of(v: &elasticps_core::balance::Verdict) -> Self {
+        Self {
+            at_s: v.decided_us as f64 / 1e6,
+            judged_s: v.judged_us as f64 / 1e6,
+            what: v.what.clone(),
+            moves: v.moves,
+            predicted_gain: v.predicted_gain,
+            measured_gain: v.measured_gain,
+            before_ms: v.before_ms,
+            after_ms: v.after_ms,
+            verdict: if v.kept { "kept" } else { "reverted" }.into(),
+        }
+    }
+
+    /// True if the decision was kept.
+    pub fn kept(&self) -> bool {
+        self.verdict == "kept"
+    }
 }
 
 /// One scaling event.
