@@ -1155,7 +1155,14 @@ mod tests {
         let mut e = Elastic::new(BalanceMode::Psld, 2, 2, 4);
         e.registered(0, true, 0);
         let server =
-            |t: u64| ServerLoad { server_id: 0, rx_bps: 400e6, rx_frames: 8, interval_us: t, ..Default::default() };
+            |t: u64| ServerLoad {
+                server_id: 0,
+                rx_bps: 400e6,
+                rx_frames: 8,
+                bytes_in: 8 << 20,
+                interval_us: t,
+                ..Default::default()
+            };
         e.worker_load(WorkerLoad { rank: 0, ..Default::default() }, 0);
         for t in 1..=4 {
             if t == 3 {
@@ -1174,6 +1181,45 @@ mod tests {
         e.server_load(server(1_000_000), 30_000_000);
         let est = e.load.estimate(0, 30_000_000).expect("an estimate");
         assert!(est.bps > 150e6, "{est:?}");
+    }
+    #[test]
+    fn a_server_of_small_frames_gets_no_rate_and_gives_the_fixed_cost_per_request() {
+        // Blocks of 4 MiB and one of 248 bytes; server 1 holds the small one.
+        let mut e = Elastic::new(BalanceMode::Psld, 2, 2, 1);
+        e.model_placed(vec![4 << 20, 4 << 20, 248]);
+        e.registered(0, true, 0);
+        e.registered(1, true, 0);
+        let big = ServerLoad {
+            server_id: 0,
+            rx_bps: 100e6,
+            rx_frames: 10,
+            bytes_in: 40 << 20,
+            requests: 20,
+            busy_us: 20_000,
+            interval_us: 1_000_000,
+            ..Default::default()
+        };
+        // 10 frames of 248 bytes, 50 us of handling each: 2.5 MB/s, all of it fixed cost.
+        let small = ServerLoad {
+            server_id: 1,
+            rx_bps: 2480.0 / 500e-6,
+            rx_frames: 10,
+            bytes_in: 2480,
+            requests: 10,
+            busy_us: 500,
+            interval_us: 1_000_000,
+            ..Default::default()
+        };
+        for t in 1..=4 {
+            e.server_load(small.clone(), t * 1_000_000);
+            e.server_load(big.clone(), t * 1_000_000);
+        }
+        assert_eq!(e.load.estimate(1, 4_000_000), None, "248-byte frames measure no link");
+        assert_eq!(e.request_us.get(&1), Some(&50.0));
+        // Server 0's 10 frames cost 0.5 ms of fixed cost out of 419 ms: its link rate.
+        let est = e.load.estimate(0, 4_000_000).expect("an estimate");
+        let seconds = (40 << 20) as f64 / 100e6;
+        assert!((est.bps - (40 << 20) as f64 / (seconds - 10.0 * 50e-6)).abs() < 1.0, "{est:?}");
     }
 }
 
