@@ -45,9 +45,12 @@
 //!    ([`Decision::Split`], [`split::heavy_row_block`]): no placement can balance it
 //!    whole. The heaviest first, one per step; a split restarts no cool-down.
 //! 3. **Cool-down.** Nothing else until the cool-down has passed.
-//! 4. **Confidence gate.** Nothing until every server in `servers` that owns at least
-//!    [`FEW_BYTES`] of the mean has an estimate with confidence >= [`MIN_CONFIDENCE`] (0.5;
-//!    see [`crate::load`]).
+//! 4. **Confidence gate.** Nothing until every server in `servers` whose blocks are
+//!    large enough to measure its link (on average at least
+//!    [`MIN_FRAME_SHARE`](crate::load::MIN_FRAME_SHARE) of the job's mean block, as
+//!    [`crate::load::link_rate`] requires of a sample) has an estimate with confidence
+//!    >= [`MIN_CONFIDENCE`] (0.5; see [`crate::load`]). The others have an unknown rate
+//!    and run at the median one.
 //! 5. **Exploit.** If some server is a straggler, [`rebalance`] within
 //!    [`BalanceParams::budget`] (64 MiB per started [`BUDGET_SERVERS`] servers), by the rank
 //!    rule, and emit `Migrate` only if the max service time drops by `min_gain` (10%)
@@ -98,7 +101,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::load::LoadModel;
+use crate::load::{LoadModel, MIN_FRAME_SHARE};
 use crate::model::BlockId;
 use crate::placement::{Placement, ServerId};
 
@@ -564,9 +567,18 @@ impl Balancer {
         if total == 0 {
             return None;
         }
-        // Rule 4: the confidence gate.
+        // Rule 4: the confidence gate, over the servers whose frames can measure a link
+        // (`load::link_rate`); the others run at the median rate.
+        let mean_block = total as f64 / view.placement.owners.len().max(1) as f64;
+        let mut blocks = vec![0u64; loads.ids.len()];
+        for owner in &view.placement.owners {
+            if let Some(i) = loads.index(*owner) {
+                blocks[i] += 1;
+            }
+        }
         for (i, &id) in loads.ids.iter().enumerate() {
-            if loads.bytes[i] > 0 && view.load.estimate(id, now).is_none_or(|e| e.confidence < MIN_CONFIDENCE) {
+            let measurable = blocks[i] > 0 && loads.bytes[i] as f64 / blocks[i] as f64 >= MIN_FRAME_SHARE * mean_block;
+            if measurable && view.load.estimate(id, now).is_none_or(|e| e.confidence < MIN_CONFIDENCE) {
                 return None;
             }
         }

@@ -367,6 +367,20 @@ fn no_thrash_violation(
     None
 }
 
+impl Decision {
+    /// `why` of a decision that has one (empty otherwise).
+    fn why(&self) -> String {
+        match self {
+            Decision::Migrate { why, .. }
+            | Decision::ScaleOut { why }
+            | Decision::ScaleIn { why, .. }
+            | Decision::Split { why, .. }
+            | Decision::Keep { why, .. } => why.clone(),
+            Decision::Judged(v) => v.what.clone(),
+        }
+    }
+}
+
 /// Probes (they go where the model has no rank yet) and reverts (they restore the
 /// placement a verdict found better) are exempt from the no-thrash rules.
 fn exempt(why: &str) -> bool {
@@ -765,6 +779,51 @@ mod proptests {
             prop_assert!(sim.violations.is_empty(), "{:?}", sim.violations);
         }
 
+        /// Rule 2 on any cluster, placement, rates and noise, in a job bound by its
+        /// workers (the iteration time is fixed, so no move can pay): every round of moves
+        /// is judged a loss and reverted, the revert moves exactly its blocks back, no
+        /// block moves off the round's sources for REVERT_HOLDOFF_US after the verdict,
+        /// and no other round comes before the doubled cool-down has passed.
+        #[test]
+        fn a_round_that_did_not_pay_is_reverted_and_not_retried_before_its_hold_off(
+            job in job(proptest::collection::vec(10.0f64..200.0, 8)),
+            iter_ms in 50.0f64..500.0,
+        ) {
+            let (n, blocks, rates, noise, workers, seed) = job.clone();
+            let sizes: Vec<u64> = blocks.iter().map(|&(size, _)| size).collect();
+            let owners = blocks.iter().map(|&(_, o)| (o as u32) % n).collect();
+            let truth = move |s: ServerId, _| rates[s as usize % rates.len()] * MB;
+            let mut sim = Sim::with_blocks(n, n, n, sizes, owners, truth);
+            (sim.noise, sim.workers, sim.rng) = (noise, workers, StdRng::seed_from_u64(seed));
+            sim.iter_fixed = Some(iter_ms * 1e3);
+            sim.run_until(300 * S);
+            let cooldown = BalanceParams::new(n, n).cooldown_us;
+            for (i, (t, d)) in sim.log.iter().enumerate() {
+                let Decision::Migrate { moves, why } = d else { continue };
+                if exempt(why) {
+                    continue;
+                }
+                let Some(j) = sim.log.iter().position(|(_, d)| matches!(d, Decision::Judged(v) if v.decided_us == *t)) else {
+                    // Decided too late in the run to be judged.
+                    prop_assert!(*t + 30 * S > 300 * S, "no verdict on {:?}: {:?}", d, sim.log);
+                    continue;
+                };
+                let (judged, Decision::Judged(v)) = &sim.log[j] else { unreachable!() };
+                prop_assert!(!v.kept, "a round that could not pay was kept: {:?}", v);
+                let back: Vec<Move> = moves.iter().rev().map(|m| Move { block: m.block, from: m.to, to: m.from }).collect();
+                prop_assert_eq!(&sim.log[j + 1], &(*judged, Decision::Migrate { moves: back, why: sim.log[j + 1].1.why() }));
+                let sources: BTreeSet<ServerId> = moves.iter().map(|m| m.from).collect();
+                for (u, later) in &sim.log[j + 2..] {
+                    if let Decision::Migrate { moves: again, why } = later && !why.starts_with("probe") {
+                        prop_assert!(*u >= *judged + 2 * cooldown, "a round {} s after a revert: {:?}", (*u - *judged) / S, sim.log);
+                        if *u < *judged + REVERT_HOLDOFF_US {
+                            prop_assert!(again.iter().all(|m| !sources.contains(&m.from)), "retried at {}: {:?} after {:?}", u, later, sim.log[i]);
+                        }
+                    }
+                }
+            }
+        }
+
         #[test]
         fn rebalance_keeps_owners_valid_and_never_raises_the_max(
             (servers, p, sizes, rates) in cluster(),
@@ -814,4 +873,70 @@ mod proptests {
             prop_assert!(max_time(&after, &sizes, &all, &rates) <= before * (1.0 + 1e-12));
         }
     }
+}
+
+#[test]
+fn a_server_holding_one_small_block_is_never_a_straggler_nor_ranked_below_a_capped_one() {
+    // Servers 0..=2 hold three 4 MiB blocks each, server 0 behind a 25 MB/s cap, 1 and 2
+    // at 100 MB/s; server 3 holds one 248-byte bias vector. Every report goes through
+    // `load::link_rate`, as the scheduler feeds them, with a fixed cost of 50 us a
+    // request: server 3's frames take 50 us for 248 bytes (2.5 MB/s as raw rate).
+    let mut sizes = vec![4 * MIB; 9];
+    sizes.push(248);
+    let owners: Vec<ServerId> = (0..9).map(|b| b / 3).chain([3]).collect();
+    let placement = Placement::new(1, owners);
+    let mean_block = sizes.iter().sum::<u64>() as f64 / sizes.len() as f64;
+    let link = |bytes: u64, frames: u32, link_bps: f64| crate::load::LinkSample {
+        bytes,
+        frames,
+        bps: bytes as f64 / (bytes as f64 / link_bps + f64::from(frames) * 50e-6),
+    };
+    let mut load = LoadModel::new(3 * S);
+    let mut b = Balancer::new(BalanceParams::new(4, 4));
+    let servers = [0, 1, 2, 3];
+    let mut decisions = Vec::new();
+    for t in 0..12 {
+        let now = t * S;
+        for (s, bps) in [(0, 25.0 * MB), (1, 100.0 * MB), (2, 100.0 * MB)] {
+            if let Some(r) = crate::load::link_rate(link(12 * MIB, 3, bps), 50e-6, mean_block) {
+                for _ in 0..3 {
+                    load.observe_rate(s, r, now);
+                }
+            }
+        }
+        let small = link(248, 1, 100.0 * MB);
+        assert!(small.bps < 5.0 * MB, "the raw rate of 248 bytes is the fixed cost's: {small:?}");
+        if let Some(r) = crate::load::link_rate(small, 50e-6, mean_block) {
+            load.observe_rate(3, r, now);
+        }
+        assert_eq!(load.estimate(3, now), None, "248-byte frames measure no link");
+        let rates = load.rates(now);
+        let times = service_times(&placement, &sizes, &servers, &rates);
+        assert!(!stragglers(&times, 0.2).contains(&3), "server 3 flagged at {t} s: {times:?}");
+        assert_eq!(stragglers(&times, 0.2), vec![0], "{times:?}");
+        let d = b.step(&View {
+            now_us: now,
+            placement: &placement,
+            sizes: &sizes,
+            servers: &servers,
+            load: &load,
+            iter_us: Some(500_000.0),
+            iterations: 2,
+            busy: false,
+            splittable: &BTreeMap::new(),
+        });
+        decisions.extend(d);
+    }
+    // The capped server's blocks go where the model ranks them faster, server 3 among
+    // them (it runs at the median rate and holds next to nothing); no large block goes
+    // onto the capped server.
+    let moves: Vec<Move> = decisions
+        .iter()
+        .flat_map(|d| match d {
+            Decision::Migrate { moves, .. } => moves.clone(),
+            _ => Vec::new(),
+        })
+        .collect();
+    assert!(moves.iter().all(|m| m.to != 0 || sizes[m.block as usize] < MIB), "{decisions:?}");
+    assert!(moves.iter().any(|m| m.from == 0 && m.to == 3), "server 3 ranked below the capped server 0: {decisions:?}");
 }
