@@ -592,10 +592,12 @@ pub fn print_cluster_summary(job: &JobArgs, report: &Report) {
             .iter()
             .map(|e| format!("{} {}", e.action, e.server.map_or("-".into(), |s| s.to_string())))
             .collect();
+        let kept = log.decisions.iter().filter(|d| d.kept()).count();
         println!(
-            "balance {}: {} migrations ({mb:.1} MB moved, longest freeze {freeze:.1} ms), scaling: {}",
+            "balance {}: {} migrations ({mb:.1} MB moved, longest freeze {freeze:.1} ms), verdicts: {kept} kept, {} reverted, scaling: {}",
             log.mode,
             done.len(),
+            log.decisions.len() - kept,
             if scaling.is_empty() { "none".to_string() } else { scaling.join(", ") }
         );
     }

@@ -9,7 +9,11 @@
 //!    migration is a grey cross).
 //! 2. *estimated service time per iteration per server* (ms), the balancer's view; points
 //!    where a server was flagged as a straggler are circled.
-//! 3. *mean worker iteration time* (ms) over each stats interval.
+//! 3. *mean worker iteration time* (ms) over each stats interval, with the balancer's
+//!    verdicts (`balance.decisions`) at the time each was judged, at the iteration time
+//!    measured after the decision: a green triangle for a decision kept, a red cross for
+//!    one reverted, labelled with the change of the iteration time measured and the one
+//!    predicted (percent; negative is faster).
 //!
 //! Scaling events are dashed vertical lines through all three panels, labelled with their
 //! action and server at the top of the first. The time of `settled_s` is a dotted line.
@@ -262,13 +266,37 @@ fn iteration_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>
         .iter()
         .filter_map(|s| s.iter_ms.filter(|v| v.is_finite() && s.t_s.is_finite()).map(|v| (s.t_s, v)))
         .collect();
-    let max = points.iter().map(|p| p.1).fold(0.0, f64::max);
+    let verdicts: Vec<(f64, f64, bool, String)> = log
+        .decisions
+        .iter()
+        .filter(|d| d.judged_s.is_finite())
+        .map(|d| {
+            let at = d.after_ms.filter(|v| v.is_finite()).unwrap_or(0.0);
+            // The change of the iteration time: negative is faster.
+            let label = format!("{:+.0}% (predicted {:+.0}%)", -d.measured_gain * 100.0, -d.predicted_gain * 100.0);
+            (d.judged_s, at, d.kept(), label)
+        })
+        .collect();
+    let max = points.iter().map(|p| p.1).chain(verdicts.iter().map(|v| v.1)).fold(0.0, f64::max);
     let hi = y_top(max, 1.0);
-    let mut chart = chart(area, "mean worker iteration time (ms)", "ms", time, hi, true)?;
+    let mut chart = chart(area, "mean worker iteration time (ms); verdicts: kept (green), reverted (red)", "ms", time, hi, true)?;
     let color = RGBColor(40, 40, 40);
     chart
         .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)).point_size(2))
         .map_err(plot_err)?;
+    let (kept, reverted) = (RGBColor(30, 140, 60), RGBColor(200, 30, 30));
+    let label = TextStyle::from((FONT, 12).into_font()).color(&BLACK).pos(Pos::new(HPos::Left, VPos::Bottom));
+    for (at, ms, ok, text) in &verdicts {
+        let mark = if *ok {
+            chart.draw_series(std::iter::once(TriangleMarker::new((*at, *ms), 8, kept.filled())))
+        } else {
+            chart.draw_series(std::iter::once(Cross::new((*at, *ms), 7, reverted.stroke_width(3))))
+        };
+        mark.map_err(plot_err)?;
+        chart
+            .draw_series(std::iter::once(EmptyElement::at((*at, *ms)) + Text::new(text.clone(), (6, -6), label.clone())))
+            .map_err(plot_err)?;
+    }
     scaling_lines(&mut chart, log, hi, false)?;
     if points.is_empty() {
         no_data(&chart, "no iteration times recorded")?;
@@ -325,7 +353,7 @@ fn no_data(chart: &Chart<'_, '_>, message: &str) -> Result<()> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
-    use elasticps_runtime::scheduler::{LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+    use elasticps_runtime::scheduler::{DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
 
     /// 4 servers; server 1 straggles from 5 s, the balancer moves 6 blocks off it, scales
     /// out at 20 s (server 4 joins), and settles at 24 s.
@@ -398,6 +426,30 @@ pub mod tests {
             scaling: vec![ev(20.0, "scale-out", None), ev(21.0, "joined", Some(4)), ev(30.0, "kept", Some(4))],
             timeline,
             settled_s: Some(24.0),
+            decisions: vec![
+                DecisionRecord {
+                    at_s: 10.0,
+                    judged_s: 19.0,
+                    what: "straggler [1]".into(),
+                    moves: 6,
+                    predicted_gain: 0.5,
+                    measured_gain: 0.4,
+                    before_ms: Some(200.0),
+                    after_ms: Some(120.0),
+                    verdict: "kept".into(),
+                },
+                DecisionRecord {
+                    at_s: 32.0,
+                    judged_s: 40.0,
+                    what: "probe server 1".into(),
+                    moves: 1,
+                    predicted_gain: 0.0,
+                    measured_gain: -0.1,
+                    before_ms: Some(120.0),
+                    after_ms: Some(132.0),
+                    verdict: "reverted".into(),
+                },
+            ],
         }
     }
 

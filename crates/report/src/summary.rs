@@ -209,6 +209,29 @@ fn balance(md: &mut String, log: &BalanceLog) {
                 writeln!(md, "- **First / last migration:** {} s / {} s", fixed(first.at_s, 1), fixed(last.at_s, 1));
         }
     }
+    if !log.decisions.is_empty() {
+        let kept = log.decisions.iter().filter(|d| d.kept()).count();
+        let list: Vec<String> = log
+            .decisions
+            .iter()
+            .map(|d| {
+                format!(
+                    "{} at {} s ({} blocks: predicted {:+.1}%, measured {:+.1}%)",
+                    d.verdict,
+                    fixed(d.judged_s, 1),
+                    d.moves,
+                    -d.predicted_gain * 100.0,
+                    -d.measured_gain * 100.0
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            md,
+            "- **Verdicts** (iteration time, negative is faster): {kept} kept, {} reverted: {}",
+            log.decisions.len() - kept,
+            list.join("; ")
+        );
+    }
     let _ = writeln!(
         md,
         "- **Settled:** {}",

@@ -44,7 +44,7 @@ mod testkit;
 
 pub use elasticps_core::balance::BalanceMode;
 pub use end::CLOSING_WAIT_US;
-pub use history::{BalanceLog, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+pub use history::{BalanceLog, DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
 pub use membership::REGISTER_WITHIN_US;
 pub use recovery::{RECOVER_WAIT_US, STATE_VERSION, SavedState, reattach_message};
 

@@ -13,8 +13,8 @@ use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc};
 
 pub use elasticps_node::scheduler::{
-    Action, BalanceLog, BalanceMode, ConnId, Event, JobConfig, LoadSample, MigrationEvent, ScaleEvent, Scheduler,
-    ServerPoint,
+    Action, BalanceLog, BalanceMode, ConnId, DecisionRecord, Event, JobConfig, LoadSample, MigrationEvent, ScaleEvent,
+    Scheduler, ServerPoint,
 };
 
 use crate::accept::{self, Accepted, Acceptor};
