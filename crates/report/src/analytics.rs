@@ -514,6 +514,7 @@ mod tests {
             ],
             timeline: Vec::new(),
             settled_s: Some(20.0),
+            decisions: Vec::new(),
         };
         let report = report(workers, Some(log));
         let r = BalanceNumbers::of(&report, Window::Balanced, 0.0);
