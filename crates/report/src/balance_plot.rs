@@ -279,7 +279,8 @@ fn iteration_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>
         .collect();
     let max = points.iter().map(|p| p.1).chain(verdicts.iter().map(|v| v.1)).fold(0.0, f64::max);
     let hi = y_top(max, 1.0);
-    let mut chart = chart(area, "mean worker iteration time (ms); verdicts: kept (green), reverted (red)", "ms", time, hi, true)?;
+    let mut chart =
+        chart(area, "mean worker iteration time (ms); verdicts: kept (green), reverted (red)", "ms", time, hi, true)?;
     let color = RGBColor(40, 40, 40);
     chart
         .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(2)).point_size(2))
@@ -294,7 +295,9 @@ fn iteration_panel(area: &Area<'_>, log: &BalanceLog, time: std::ops::Range<f64>
         };
         mark.map_err(plot_err)?;
         chart
-            .draw_series(std::iter::once(EmptyElement::at((*at, *ms)) + Text::new(text.clone(), (6, -6), label.clone())))
+            .draw_series(std::iter::once(
+                EmptyElement::at((*at, *ms)) + Text::new(text.clone(), (6, -6), label.clone()),
+            ))
             .map_err(plot_err)?;
     }
     scaling_lines(&mut chart, log, hi, false)?;

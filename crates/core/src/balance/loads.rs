@@ -258,7 +258,6 @@ pub(super) fn size_of(sizes: &[u64], block: BlockId) -> u64 {
     sizes.get(block as usize).copied().unwrap_or(0)
 }
 
-
 /// The post-condition every plan meets (checked after each phase in debug builds): each
 /// block moves at most once, from its owner, to another server of `to`; the placement
 /// after the moves changes exactly the moved blocks (no block lost, none moved by

@@ -5,10 +5,11 @@
 //! Each server `j` serves the pushes of a worker at a rate `r_j` (bytes/s, estimated by
 //! [`LoadModel`]). Its *service time* per iteration is `T_j = bytes of its blocks / r_j`,
 //! and a synchronous round waits for the slowest server, so the goal is to minimise
-//! `max_j T_j`. A server without an estimate is assumed to run at the median rate of the
-//! others (optimistic: it is then tried rather than shunned); one that holds less than
-//! [`FEW_BYTES`] of the mean is measured on small frames and taken as no faster than the
-//! median of the others.
+//! `max_j T_j`. The model holds only samples that measured a link
+//! ([`crate::load::link_rate`]: the fixed cost of a request taken out, small frames not
+//! taken), so a server without an estimate has an *unknown* rate and is assumed to run at
+//! the median rate of the others (neither a straggler nor shunned: it is then tried, and
+//! the verdict of rule 2 measures it).
 //!
 //! **The rank rule** (no thrash): no move goes onto a server the model ranks at or below its
 //! source, that is one that, holding the block, would not finish before the source does now
@@ -27,14 +28,26 @@
 //! 1. **Busy.** While migrations are queued or in flight (`View::busy`) nothing is
 //!    decided, and the cool-down (`cooldown_us`, 3 s) restarts: it counts from the end of
 //!    the last migration round, or from the last decision if no busy step was seen.
-//! 2. **Scale-out trial.** After [`Decision::ScaleOut`] the balancer waits for
+//! 2. **Verdicts** ([`verdict`]). After a migration round or a probe the balancer decides
+//!    nothing else until its verdict: from [`TRIAL_SETTLE_US`] after the round finished,
+//!    for `trial_us` (8 s, or 3 iterations if longer), it measures the iteration time and
+//!    compares it with the window before ([`Window`]: a stall counts its elapsed time). It
+//!    returns [`Decision::Judged`] with the record; a round that did not pay
+//!    ([`verdict::pays`]) is undone by a `Migrate` back (why `revert (...)`), the cool-down
+//!    doubles, and the round's sources give no block for [`REVERT_HOLDOFF_US`] (doubling).
+//!    No rule decides before [`VERDICT_MIN_STEPS`] steps since the last busy one (the
+//!    window before), and no round predicted to save less than [`MIN_ITER_GAIN`] of the
+//!    iteration time is proposed.
+//!
+//!    **Scale-out trial.** After [`Decision::ScaleOut`] the balancer waits for
 //!    [`Balancer::joined`] and decides nothing else (it gives up after `join_timeout_us`,
 //!    30 s, which counts as a revert). The next step emits a `Migrate` with [`fill`]. Once
 //!    that has finished and `trial_us` (8 s) has passed, it compares the mean `iter_us` of
 //!    the trial (steps at least [`TRIAL_SETTLE_US`] after the fill finished) with the
 //!    baseline (mean of the last [`BASELINE_STEPS`] `iter_us` before the scale-out, since
 //!    the last busy step): improved by `keep_gain` (5%) or more -> [`Decision::Keep`],
-//!    otherwise [`Decision::ScaleIn`] of the new server (a revert). Without iteration
+//!    otherwise [`Decision::ScaleIn`] of the new server (a revert), each after a
+//!    [`Decision::Judged`]; a stall counts as in rule 2. Without iteration
 //!    times it compares the predicted max service time instead. After a revert no
 //!    scale-out for [`REVERT_HOLDOFF_US`] (60 s), doubling with each consecutive revert up
 //!    to 16x; a `Keep` resets the doubling.
@@ -48,9 +61,9 @@
 //! 4. **Confidence gate.** Nothing until every server in `servers` whose blocks are
 //!    large enough to measure its link (on average at least
 //!    [`MIN_FRAME_SHARE`](crate::load::MIN_FRAME_SHARE) of the job's mean block, as
-//!    [`crate::load::link_rate`] requires of a sample) has an estimate with confidence
-//!    >= [`MIN_CONFIDENCE`] (0.5; see [`crate::load`]). The others have an unknown rate
-//!    and run at the median one.
+//!    [`crate::load::link_rate`] requires of a sample) has an estimate with a confidence
+//!    of at least [`MIN_CONFIDENCE`] (0.5; see [`crate::load`]). The others have an
+//!    unknown rate and run at the median one.
 //! 5. **Exploit.** If some server is a straggler, [`rebalance`] within
 //!    [`BalanceParams::budget`] (64 MiB per started [`BUDGET_SERVERS`] servers), by the rank
 //!    rule, and emit `Migrate` only if the max service time drops by `min_gain` (10%)
@@ -71,10 +84,11 @@
 //!    `total bytes / Σ rates`, by more than `threshold` (no server straggles but one has
 //!    too little, e.g. a straggler that recovered), the exploit of rule 5 with the same
 //!    gain and cost tests.
-//! 9. **Explore (re-probe).** A server is *uncertain* if it has no estimate, its
-//!    confidence is below [`MIN_CONFIDENCE`], it owns blocks but has had no sample for
-//!    [`STALE_US`] (5 s), or it owns less than [`FEW_BYTES`] (10%) of the mean bytes per
-//!    server (its samples, if any, say little). The first uncertain server (in id order)
+//! 9. **Explore (re-probe).** A server is *uncertain* if its estimate is below the
+//!    median rate and it is in doubt: its confidence is below [`MIN_CONFIDENCE`], it owns
+//!    blocks but has had no sample for [`STALE_US`] (5 s), or it owns less than
+//!    [`FEW_BYTES`] (10%) of the mean bytes per server (a straggler that gave its blocks
+//!    away). A server without an estimate is not probed: it runs at the median rate. The first uncertain server (in id order)
 //!    whose probe time has come gets the smallest block of the server with the largest
 //!    service time, so that fresh samples come in (unless that would leave the source with
 //!    less than [`FEW_BYTES`] of the mean): a recovered straggler wins its blocks back

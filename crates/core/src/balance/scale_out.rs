@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use super::loads::{EPS, Loads, greedy, moved, size_of};
 use super::verdict::{Verdict, WINDOW_ITERATIONS, Window};
-use super::{Baseline, BalanceParams, Balancer, Decision, Move, Phase, Round, TRIAL_SETTLE_US, View, rebalance};
+use super::{BalanceParams, Balancer, Baseline, Decision, Move, Phase, Round, TRIAL_SETTLE_US, View, rebalance};
 use crate::placement::{Placement, ServerId};
 use crate::stats::median;
 
@@ -129,7 +129,12 @@ impl Balancer {
             _ => {
                 let after = loads.max_time();
                 let gain = if *predicted > 0.0 { (*predicted - after) / *predicted } else { 0.0 };
-                (gain, None, None, format!("predicted max service time {:.1} ms -> {:.1} ms", *predicted * 1e3, after * 1e3))
+                (
+                    gain,
+                    None,
+                    None,
+                    format!("predicted max service time {:.1} ms -> {:.1} ms", *predicted * 1e3, after * 1e3),
+                )
             }
         };
         let kept = gain >= self.params.keep_gain;

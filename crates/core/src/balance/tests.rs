@@ -359,9 +359,7 @@ fn no_thrash_violation(
     }
     let after = max_time(&bytes);
     let gain = before - after;
-    if !exempt(why)
-        && (gain < params.min_gain * before * (1.0 - 1e-9) || gain * params.horizon_iters <= cost)
-    {
+    if !exempt(why) && (gain < params.min_gain * before * (1.0 - 1e-9) || gain * params.horizon_iters <= cost) {
         return Some(format!("{moves:?} ({why}) does not pay: max {before:.6} s -> {after:.6} s, cost {cost:.6} s"));
     }
     None

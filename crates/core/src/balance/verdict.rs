@@ -34,9 +34,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::loads::{Loads, Tabu};
-use super::{
-    Balancer, Decision, MAX_HOLDOFF_DOUBLINGS, Move, Phase, REVERT_HOLDOFF_US, TRIAL_SETTLE_US, View,
-};
+use super::{Balancer, Decision, MAX_HOLDOFF_DOUBLINGS, Move, Phase, REVERT_HOLDOFF_US, TRIAL_SETTLE_US, View};
 use crate::placement::ServerId;
 
 /// Share of the predicted gain a decision must show to be kept (within the noise).

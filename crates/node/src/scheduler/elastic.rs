@@ -1154,15 +1154,14 @@ mod tests {
         // spread stays 0 (dividing by the workers heard from so far gave 4x, then 1x).
         let mut e = Elastic::new(BalanceMode::Psld, 2, 2, 4);
         e.registered(0, true, 0);
-        let server =
-            |t: u64| ServerLoad {
-                server_id: 0,
-                rx_bps: 400e6,
-                rx_frames: 8,
-                bytes_in: 8 << 20,
-                interval_us: t,
-                ..Default::default()
-            };
+        let server = |t: u64| ServerLoad {
+            server_id: 0,
+            rx_bps: 400e6,
+            rx_frames: 8,
+            bytes_in: 8 << 20,
+            interval_us: t,
+            ..Default::default()
+        };
         e.worker_load(WorkerLoad { rank: 0, ..Default::default() }, 0);
         for t in 1..=4 {
             if t == 3 {
