@@ -3,36 +3,52 @@
 //! A test bed of 5 "hosts" (network namespaces on a bridge, `scripts/testnet`, needs root):
 //!
 //! - host 1 (`P1`) is the rendezvous: its launch runs the scheduler and the 2 workers;
-//! - hosts 2, 3 and 4 run one server each; host 2's link is capped with `tc tbf` in both
-//!   directions (`--cap-mbit`);
+//! - hosts 2, 3 and 4 run one server each; host 2 is the one a row disturbs;
 //! - host 5 (`P5`) is a spare: it joins after the job started, so it starts nothing, and
 //!   brings 2 server slots for a scale-out.
 //!
-//! One invocation measures, side by side: (1) the raw TCP rate over the capped link, each
-//! direction (`bench tcp-sink` on host 1, `bench tcp-rate` on host 2: plain sockets, no
-//! framing), (2) the job with `--balance static`, (3) the job with `--balance psld
-//! --max-servers 3` (psld may scale out onto the spare). Both jobs: the same model
-//! (`synthetic:resnet56` by default), bsp, sgd, bestfit placement, 4 MiB blocks; the psld run
-//! has more iterations (it needs time to detect and settle; the numbers are rates).
+//! One invocation runs several rows on the same bed, one condition each ([`Condition`]):
+//!
+//! - **a cap** per rate of `--caps-mbit` (default 50 and 400; `--quick`: 100 only): host
+//!   2's link capped with `tc tbf` in both directions; the row first measures the raw TCP
+//!   rate over the capped link, each direction (`bench tcp-sink` on host 1, `bench
+//!   tcp-rate` on host 2: plain sockets, no framing);
+//! - **a busy neighbour** (full form; `--neighbour false` leaves it out, `--neighbour` adds
+//!   it to `--quick`): no cap; a busy loop (`sh -c 'while :; do :; done'`, one process,
+//!   pinned nowhere: the hosts share the machine's cores anyway) runs on host 2 for both
+//!   runs of the row, started and stopped by PID by the benchmark, so the noise of a shared
+//!   cluster is there and there is no straggler to find.
+//!
+//! Each row runs the job with `--balance static`, then with `--balance psld --max-servers
+//! 4` (psld may scale out onto the spare). Both jobs: the same model (`synthetic:resnet56`
+//! by default), bsp, sgd, bestfit placement, 4 MiB blocks; in a capped row the psld run has
+//! more iterations (it needs time to detect and settle; the numbers are rates), in the
+//! neighbour row both runs have the same number, so their whole runs compare.
 //!
 //! Every job's five launches start through `testnet exec`, each once the one before joined
 //! (so the spare joins after the job started and takes no first node); every wait has a
 //! timeout that names what it waits for. The bed is torn down at the end, on error and on
-//! Ctrl-C or SIGTERM ([`Bed`]'s `Drop`: every process it started, and every process left in
-//! its namespaces, is stopped by PID, then `testnet down`).
+//! Ctrl-C or SIGTERM ([`Bed`]'s `Drop`: every process it started, the neighbour included,
+//! and every process left in its namespaces, is stopped by PID, then `testnet down`).
 //!
 //! The numbers per job, from the rendezvous launch's `report.json`: samples/s over the whole
 //! run (the report's own), and the rate after the balancer settled (psld) or after every
 //! worker's first iteration (static), as `bench straggler` measures it
-//! ([`crate::straggler::measure`]); psld's migrations and scaling events; which host each
-//! server ran on (the scheduler's `server joined ... addr=` lines), so a scale-out server on
-//! the spare shows. The link bound: static placement leaves about a third of the model on
+//! ([`crate::straggler::measure`]); psld's migrations (and how many moved a block back to a
+//! server it had been on), its judged decisions (`balance.decisions`: kept or reverted,
+//! predicted and measured gain) and its scaling events; which host each server ran on (the
+//! scheduler's `server joined ... addr=` lines), so a scale-out server on the spare shows.
+//! The link bound of a capped row: static placement leaves about a third of the model on
 //! the capped server, which both workers push and pull across its link every iteration.
 //!
-//! Checks (fail the command): every run completes; the cap is in effect (raw TCP at most
-//! 1.2 x the cap); full form: psld >= 2.0 x static samples/s (after settling); `--quick`:
-//! psld >= [`QUICK_NOISE`] x static (not slower beyond noise).
+//! Checks (fail the command): every run completes; in every capped row the cap is in effect
+//! (raw TCP at most 1.2 x the cap); full form: psld >= [`FULL_RATIO`] x static samples/s
+//! (after settling) in the [`CHECKED_CAP_MBIT`] mbit row; `--quick`: psld >= [`QUICK_NOISE`]
+//! x static in its capped row (not slower beyond noise). The issue's targets
+//! ([`CAP_TARGETS`], [`NEIGHBOUR_RATIO`] with at most [`NEIGHBOUR_MIGRATIONS`] migrations,
+//! a scale-out onto the spare) are reported, met or missed.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -40,9 +56,9 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use elasticps_core::stats::ratio;
-use elasticps_report::Report;
 use elasticps_report::table::{fixed, markdown_table};
-use serde::Serialize;
+use elasticps_report::{BalanceLog, Report};
+use serde::{Deserialize, Serialize};
 use tokio::process::{Child, Command};
 
 use crate::checks::{Check, Target, checks_and_targets_markdown};
@@ -60,30 +76,49 @@ use elasticps_train::ModelKind;
 /// `--quick`: psld must reach this share of static's samples/s (a run-to-run swing of the
 /// capped link; psld cannot beat the link bound here, see the module docs).
 pub const QUICK_NOISE: f64 = 0.8;
-/// The full form's check: psld / static samples/s.
+/// The full form's check: psld / static samples/s (after settling) in the
+/// [`CHECKED_CAP_MBIT`] row.
 pub const FULL_RATIO: f64 = 2.0;
+/// The capped row the full form's check applies to, mbit/s (skipped without one).
+pub const CHECKED_CAP_MBIT: u32 = 50;
+/// The issue's targets per cap: (mbit/s, psld / static samples/s after settling).
+pub const CAP_TARGETS: [(u32, f64); 2] = [(50, 2.0), (400, 1.5)];
+/// The issue's target with the busy neighbour and no cap: psld / static samples/s (whole
+/// runs of the same length: the cost of every move counts)...
+pub const NEIGHBOUR_RATIO: f64 = 0.97;
+/// ... with at most this many migrations.
+pub const NEIGHBOUR_MIGRATIONS: usize = 3;
 /// The rendezvous port on host 1.
 const RDZV_PORT: u16 = 29400;
 /// Hosts of the bed.
 const HOSTS: usize = 5;
+/// The bed host (0-based) a row disturbs: capped, or the busy neighbour's.
+const DISTURBED: usize = 1;
+/// The busy neighbour's command.
+const BUSY_LOOP: [&str; 3] = ["sh", "-c", "while :; do :; done"];
 
 /// `elasticps bench hosts`.
 #[derive(Args, Clone, Debug)]
 pub struct HostsBenchCmd {
-    /// The short form (under 2 minutes in a debug build): fewer iterations, a 100 mbit cap;
-    /// checks psld >= 0.8 x static instead of 2.0 x.
+    /// The short form (about 15 s in a debug build): one row, host 2 capped at 100 mbit,
+    /// fewer iterations; checks psld >= 0.8 x static instead of 2.0 x.
     #[arg(long)]
     pub quick: bool,
     /// Write bench-hosts.json, bench-hosts.md and every run's reports and logs here.
     #[arg(long, default_value = "target/bench-hosts")]
     pub out: PathBuf,
-    /// Cap of host 2's link, mbit/s each way [default: 50; quick: 100].
-    #[arg(long)]
-    pub cap_mbit: Option<u32>,
-    /// Iterations per worker of the static run [default: 40; quick: 16].
+    /// Caps of host 2's link, mbit/s each way, one row each [default: 50,400; quick: 100].
+    #[arg(long, alias = "cap-mbit", value_delimiter = ',', num_args = 1..)]
+    pub caps_mbit: Option<Vec<u32>>,
+    /// The busy-neighbour row (no cap, a busy loop on host 2) [default: full form yes,
+    /// quick no; `--neighbour` alone: yes].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub neighbour: Option<bool>,
+    /// Iterations per worker of every static run [default: per cap 40 x cap/50 within 40..200,
+    /// neighbour 400; quick: 16, neighbour 40].
     #[arg(long)]
     pub static_iterations: Option<u32>,
-    /// Iterations per worker of the psld run [default: 120; quick: 40].
+    /// Iterations per worker of every psld run [default: capped 900, neighbour 400; quick: 40].
     #[arg(long)]
     pub psld_iterations: Option<u32>,
     /// The workers' model.
@@ -95,7 +130,7 @@ pub struct HostsBenchCmd {
     /// Seconds of each raw TCP direction.
     #[arg(long, default_value_t = 3.0)]
     pub tcp_secs: f64,
-    /// The bed's prefix (namespaces PREFIX1..PREFIX3; at most 6 characters).
+    /// The bed's prefix (namespaces PREFIX1..PREFIX5; at most 6 characters).
     #[arg(long, default_value = "ebh")]
     pub prefix: String,
     /// The test bed script [default: scripts/testnet here, or beside the executable's repository].
@@ -157,16 +192,64 @@ pub async fn tcp_rate(cmd: TcpRateCmd) -> Result<()> {
     Ok(())
 }
 
+/// What a row of the benchmark does to host 2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Condition {
+    /// Its link capped at this many mbit/s each way.
+    Cap(u32),
+    /// No cap; a busy loop runs there for both runs of the row.
+    Neighbour,
+}
+
+impl Condition {
+    /// The row's directory under `runs/`.
+    fn label(self) -> String {
+        match self {
+            Condition::Cap(mbit) => format!("cap{mbit}"),
+            Condition::Neighbour => "neighbour".into(),
+        }
+    }
+
+    /// The row's name in the tables.
+    fn describe(self) -> String {
+        match self {
+            Condition::Cap(mbit) => format!("{mbit} Mbit/s cap"),
+            Condition::Neighbour => "busy neighbour, no cap".into(),
+        }
+    }
+
+    /// The issue's psld / static target of a capped row, if it has one.
+    fn target(self) -> Option<f64> {
+        match self {
+            Condition::Cap(mbit) => CAP_TARGETS.iter().find(|(m, _)| *m == mbit).map(|(_, r)| *r),
+            Condition::Neighbour => Some(NEIGHBOUR_RATIO),
+        }
+    }
+}
+
+/// One row of the plan: a condition and the iterations of its two runs.
+#[derive(Clone, Copy, Debug, Serialize)]
+struct RowPlan {
+    condition: Condition,
+    static_iterations: u32,
+    psld_iterations: u32,
+}
+
+impl RowPlan {
+    fn iterations(&self, mode: Mode) -> u32 {
+        if mode == Mode::Psld { self.psld_iterations } else { self.static_iterations }
+    }
+}
+
 /// What is run, resolved from the flags.
 #[derive(Clone, Debug, Serialize)]
 struct Plan {
     quick: bool,
-    cap_mbit: u32,
+    rows: Vec<RowPlan>,
     model: String,
     compute_ms: f64,
     batch_size: u32,
-    static_iterations: u32,
-    psld_iterations: u32,
     tcp_secs: f64,
     prefix: String,
     /// The workers' model, typed.
@@ -176,22 +259,46 @@ struct Plan {
 
 impl Plan {
     fn new(cmd: &HostsBenchCmd) -> Result<Self> {
-        let (cap, st, ps) = if cmd.quick { (100, 16, 40) } else { (50, 40, 900) };
+        let quick = cmd.quick;
+        let caps = cmd.caps_mbit.clone().unwrap_or_else(|| if quick { vec![100] } else { vec![50, 400] });
+        crate::error::ensure_flags!(caps.iter().all(|c| *c >= 1), "--caps-mbit: every cap must be at least 1");
+        let mut distinct = caps.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        crate::error::ensure_flags!(distinct.len() == caps.len(), "--caps-mbit: a cap is given twice");
+        let mut rows: Vec<RowPlan> = caps
+            .iter()
+            .map(|&c| RowPlan {
+                condition: Condition::Cap(c),
+                static_iterations: cmd.static_iterations.unwrap_or(if quick {
+                    16
+                } else {
+                    (40u32.saturating_mul(c) / 50).clamp(40, 200)
+                }),
+                psld_iterations: cmd.psld_iterations.unwrap_or(if quick { 40 } else { 900 }),
+            })
+            .collect();
+        if cmd.neighbour.unwrap_or(!quick) {
+            let n = if quick { 40 } else { 400 };
+            rows.push(RowPlan {
+                condition: Condition::Neighbour,
+                static_iterations: cmd.static_iterations.unwrap_or(n),
+                psld_iterations: cmd.psld_iterations.unwrap_or(n),
+            });
+        }
         let plan = Plan {
-            quick: cmd.quick,
-            cap_mbit: cmd.cap_mbit.unwrap_or(cap),
+            quick,
+            rows,
             model: cmd.model.clone(),
             compute_ms: cmd.compute_ms,
             batch_size: 32,
-            static_iterations: cmd.static_iterations.unwrap_or(st),
-            psld_iterations: cmd.psld_iterations.unwrap_or(ps),
             tcp_secs: cmd.tcp_secs,
             prefix: cmd.prefix.clone(),
             model_kind: cmd.model.parse().map_err(|e: elasticps_train::TrainError| BenchError::Flags(e.to_string()))?,
         };
-        crate::error::ensure_flags!(plan.cap_mbit >= 1, "--cap-mbit must be at least 1");
+        crate::error::ensure_flags!(!plan.rows.is_empty(), "nothing to run: no cap and no neighbour");
         crate::error::ensure_flags!(
-            plan.static_iterations >= 4 && plan.psld_iterations >= 4,
+            plan.rows.iter().all(|r| r.static_iterations >= 4 && r.psld_iterations >= 4),
             "a run needs at least 4 iterations per worker"
         );
         crate::error::ensure_flags!(plan.tcp_secs > 0.2 && plan.tcp_secs <= 60.0, "--tcp-secs must be in (0.2, 60]");
@@ -204,9 +311,10 @@ impl Plan {
         Ok(plan)
     }
 
-    /// The job of `mode`: the same on every host (the launch sets the servers and workers
-    /// from each host's slots; the scheduler takes the rendezvous host's).
-    fn spec(&self, mode: Mode) -> TrainSpec {
+    /// The job of `mode` with `iterations` per worker: the same on every host (the launch
+    /// sets the servers and workers from each host's slots; the scheduler takes the
+    /// rendezvous host's).
+    fn spec(&self, mode: Mode, iterations: u32) -> TrainSpec {
         let job = JobArgs {
             optimizer: OptimizerKind::Sgd,
             lr: 0.01,
@@ -218,7 +326,7 @@ impl Plan {
         let data = DataArgs {
             model: self.model_kind,
             compute_ms: self.compute_ms,
-            iterations: Some(self.iterations(mode)),
+            iterations: Some(iterations),
             batch_size: self.batch_size as usize,
             request_timeout_s: 60,
             ..DataArgs::default()
@@ -226,15 +334,16 @@ impl Plan {
         TrainSpec { job, data }
     }
 
-    fn iterations(&self, mode: Mode) -> u32 {
-        if mode == Mode::Psld { self.psld_iterations } else { self.static_iterations }
-    }
-
     /// How long a whole job may take: a generous bound on the capped link's time (two
-    /// models each way per iteration at half the cap) plus startup.
-    fn job_timeout(&self, mode: Mode, model_mb: f64) -> Duration {
-        let per_iter = 2.0 * 2.0 * model_mb * 8.0 / f64::from(self.cap_mbit) + 0.2;
-        Duration::from_secs_f64(60.0 + f64::from(self.iterations(mode)) * per_iter)
+    /// models each way per iteration at half the cap; an uncapped row counts as 1000 mbit)
+    /// plus startup.
+    fn job_timeout(row: &RowPlan, mode: Mode, model_mb: f64) -> Duration {
+        let mbit = match row.condition {
+            Condition::Cap(mbit) => f64::from(mbit),
+            Condition::Neighbour => 1000.0,
+        };
+        let per_iter = 2.0 * 2.0 * model_mb * 8.0 / mbit + 0.2;
+        Duration::from_secs_f64(60.0 + f64::from(row.iterations(mode)) * per_iter)
     }
 }
 
@@ -258,7 +367,7 @@ struct Bed {
 }
 
 impl Bed {
-    /// `testnet up 3 --prefix P`.
+    /// `testnet up 5 --prefix P`.
     fn up(testnet: &Path, prefix: &str) -> Result<Bed> {
         let out = std::process::Command::new(testnet)
             .args(["up", &HOSTS.to_string(), "--prefix", prefix])
@@ -273,7 +382,7 @@ impl Bed {
             out.status,
             String::from_utf8_lossy(&out.stderr).trim()
         );
-        let roles = ["rendezvous", "capped", "spare"];
+        let roles = ["rendezvous, workers", "server, capped or busy neighbour", "server", "server", "spare"];
         for (i, line) in String::from_utf8_lossy(&out.stdout).lines().enumerate() {
             let mut words = line.split_whitespace();
             if let (Some(name), Some(ip)) = (words.next(), words.next()) {
@@ -411,11 +520,50 @@ pub struct ServerHost {
     pub initial: bool,
 }
 
+/// One judged decision of the balancer, as report.json's `balance.decisions` has it. Read
+/// leniently: a report without the list (an older scheduler) has none, and a field a
+/// record lacks reads as its default.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Judged {
+    /// When it was decided, seconds since the scheduler started.
+    pub at_s: f64,
+    /// When it was judged.
+    pub judged_s: f64,
+    /// What was decided and why.
+    pub what: String,
+    /// Blocks it moved.
+    pub moves: usize,
+    /// The share of the iteration time it was predicted to save.
+    pub predicted_gain: f64,
+    /// The share measured (negative: it cost).
+    pub measured_gain: f64,
+    /// Mean iteration time before it, ms.
+    pub before_ms: Option<f64>,
+    /// Mean iteration time after it, ms.
+    pub after_ms: Option<f64>,
+    /// `kept` or `reverted`.
+    pub verdict: String,
+}
+
+impl Judged {
+    /// The decisions of a report.json, `[]` when it has none.
+    fn of(report: &serde_json::Value) -> Vec<Judged> {
+        report
+            .get("balance")
+            .and_then(|b| b.get("decisions"))
+            .and_then(|d| serde_json::from_value(d.clone()).ok())
+            .unwrap_or_default()
+    }
+}
+
 /// One job's results.
 #[derive(Clone, Debug, Serialize)]
 pub struct HostsRun {
     /// How it balanced.
     pub mode: Mode,
+    /// Iterations per worker.
+    pub iterations: u32,
     /// The job's flags (the launch takes its job's, the workers its data's).
     pub flags: Vec<String>,
     /// Why it failed (`None`: it completed).
@@ -428,8 +576,108 @@ pub struct HostsRun {
     pub model_bytes: u64,
     /// Which host each server ran on.
     pub servers: Vec<ServerHost>,
+    /// Successful migrations that moved a block back to a server it had been on before
+    /// (a reverted round, or a bounce).
+    pub moved_back: usize,
+    /// The balancer's judged decisions.
+    pub decisions: Vec<Judged>,
     /// The straggler benchmark's numbers of the run (window, migrations, scaling...).
     pub run: Option<RunResult>,
+}
+
+impl HostsRun {
+    /// Decisions kept and reverted.
+    fn verdicts(&self) -> (usize, usize) {
+        let kept = self.decisions.iter().filter(|d| d.verdict == "kept").count();
+        let reverted = self.decisions.iter().filter(|d| d.verdict == "reverted").count();
+        (kept, reverted)
+    }
+
+    /// Successful migrations.
+    fn migrations(&self) -> usize {
+        self.run.as_ref().map_or(0, |x| x.balance().migrations)
+    }
+
+    /// Its scaling events, `action server at s; ...`, or `none`.
+    fn scaling(&self) -> String {
+        let Some(x) = self.run.as_ref() else { return "-".into() };
+        if x.balance().scaling.is_empty() {
+            return "none".into();
+        }
+        x.balance()
+            .scaling
+            .iter()
+            .map(|e| format!("{} {} at {:.1} s", e.action, e.server.map_or("-".into(), |v| v.to_string()), e.at_s))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+}
+
+/// What the busy neighbour took while it ran.
+#[derive(Clone, Debug, Serialize)]
+pub struct NeighbourLoad {
+    /// Its PID.
+    pub pid: Option<u32>,
+    /// How long it ran, s.
+    pub wall_s: f64,
+    /// Its CPU time over the machine's (all cores), from /proc (`None`: not readable).
+    pub machine_share: Option<f64>,
+    /// Cores it kept busy on average.
+    pub cores: Option<f64>,
+    /// What went wrong with it (`None`: it ran throughout and was stopped).
+    pub error: Option<String>,
+}
+
+/// One row: a condition, its raw link, its two runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// What host 2 had.
+    pub condition: Condition,
+    /// The raw TCP rate over the capped link (none without a cap).
+    pub tcp: Vec<TcpRate>,
+    /// Why measuring it failed.
+    pub tcp_error: Option<String>,
+    /// The busy neighbour of the row.
+    pub neighbour: Option<NeighbourLoad>,
+    /// Static, then psld.
+    pub runs: Vec<HostsRun>,
+}
+
+impl Row {
+    /// The completed run of `mode`.
+    fn find(&self, mode: Mode) -> Option<&HostsRun> {
+        self.runs.iter().find(|r| r.mode == mode && r.error.is_none())
+    }
+
+    /// The rates psld and static are compared on: after settling in a capped row (the
+    /// balancer's result), whole runs in the neighbour row (the cost of every move counts).
+    fn compared(&self, r: &HostsRun) -> f64 {
+        match self.condition {
+            Condition::Cap(_) => r.settled_samples_per_sec,
+            Condition::Neighbour => r.samples_per_sec,
+        }
+    }
+
+    /// psld's and static's compared rates, when both completed.
+    fn pair(&self) -> Option<(f64, f64)> {
+        Some((self.compared(self.find(Mode::Psld)?), self.compared(self.find(Mode::Static)?)))
+    }
+
+    /// `psld vs static (ratio); whole runs ... ` for the checks and targets.
+    fn versus(&self) -> String {
+        match (self.find(Mode::Psld), self.find(Mode::Static)) {
+            (Some(p), Some(s)) => format!(
+                "{:.1} vs {:.1} samples/s after settling ({}); whole runs {:.1} vs {:.1} ({})",
+                p.settled_samples_per_sec,
+                s.settled_samples_per_sec,
+                ratio(p.settled_samples_per_sec, s.settled_samples_per_sec),
+                p.samples_per_sec,
+                s.samples_per_sec,
+                ratio(p.samples_per_sec, s.samples_per_sec)
+            ),
+            _ => "a run failed".into(),
+        }
+    }
 }
 
 /// What the bed measured (the body of bench-hosts.json).
@@ -437,9 +685,7 @@ pub struct HostsRun {
 pub struct Body {
     plan: Plan,
     bed: Vec<BedHost>,
-    tcp: Vec<TcpRate>,
-    tcp_error: Option<String>,
-    runs: Vec<HostsRun>,
+    rows: Vec<Row>,
 }
 
 /// Finds the testnet script: the flag, `scripts/testnet` here, or in the repository the
@@ -492,19 +738,20 @@ impl Bench for HostsBench {
         let exe = std::env::current_exe()?.display().to_string();
         eprintln!("bench hosts: test bed {}1..{}{HOSTS} via {}", plan.prefix, plan.prefix, self.testnet.display());
         let bed = Bed::up(&self.testnet, &plan.prefix)?;
-        // Ctrl-C or SIGTERM: the body stops where it is, and the bed is torn down below.
+        // Ctrl-C or SIGTERM: the body stops where it is (a running neighbour is stopped as
+        // it is dropped), and the bed is torn down below.
         let body = measure_all(&bed, plan, &self.cmd.out, &exe);
         let result = tokio::select! {
             r = body => r,
             how = stop_signal() => Err(BenchError::Failed(format!("stopped by {how}: the test bed is torn down"))),
         };
+        let hosts = bed.hosts.clone();
         drop(bed);
-        let (tcp, tcp_error, runs, bed) = result?;
-        Ok(Body { plan: plan.clone(), bed, tcp, tcp_error, runs })
+        Ok(Body { plan: plan.clone(), bed: hosts, rows: result? })
     }
 
     fn verdicts(&self, body: &Body) -> (Vec<Check>, Vec<Target>) {
-        (checks(&body.plan, &body.tcp, &body.runs), targets(&body.runs))
+        (checks(&body.plan, &body.rows), targets(&body.rows))
     }
 
     fn markdown(&self, written: &Written<Body>) -> String {
@@ -524,48 +771,148 @@ async fn stop_signal() -> &'static str {
     }
 }
 
-type Measured = (Vec<TcpRate>, Option<String>, Vec<HostsRun>, Vec<BedHost>);
-
-/// Caps host 2, measures the raw link, runs static then psld.
-async fn measure_all(bed: &Bed, plan: &Plan, out: &Path, exe: &str) -> Result<Measured> {
-    bed.testnet(&["cap", &bed.hosts[1].name, &plan.cap_mbit.to_string()])?;
+/// Runs every row of the plan on the bed.
+async fn measure_all(bed: &Bed, plan: &Plan, out: &Path, exe: &str) -> Result<Vec<Row>> {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let secret = format!("bench-hosts-{}-{nanos}", std::process::id());
     let runs_dir = out.join("runs");
     let _ = std::fs::remove_dir_all(&runs_dir);
     std::fs::create_dir_all(&runs_dir)?;
+    let mut rows = Vec::new();
+    for row in &plan.rows {
+        rows.push(measure_row(bed, plan, row, &runs_dir, exe, &secret).await?);
+    }
+    Ok(rows)
+}
 
-    eprint!("bench hosts: raw TCP over the {} mbit link ... ", plan.cap_mbit);
-    let (tcp, tcp_error) = match raw_tcp(bed, plan, &runs_dir, exe, &secret).await {
-        Ok(t) => {
-            let s: Vec<String> = t.iter().map(|r| format!("{:?} {:.1}", r.direction, r.mbit_per_s)).collect();
-            eprintln!("{} Mbit/s", s.join(", "));
-            (t, None)
+/// One row: caps host 2 and measures the raw link (or uncaps it and starts the busy
+/// neighbour), runs static then psld, stops the neighbour.
+async fn measure_row(bed: &Bed, plan: &Plan, row: &RowPlan, runs_dir: &Path, exe: &str, secret: &str) -> Result<Row> {
+    let dir = runs_dir.join(row.condition.label());
+    std::fs::create_dir_all(&dir)?;
+    let host = bed.hosts[DISTURBED].name.clone();
+    let mut out = Row { condition: row.condition, tcp: Vec::new(), tcp_error: None, neighbour: None, runs: Vec::new() };
+    let mut neighbour = match row.condition {
+        Condition::Cap(mbit) => {
+            bed.testnet(&["cap", &host, &mbit.to_string()])?;
+            eprint!("bench hosts: raw TCP over the {mbit} mbit link ... ");
+            match raw_tcp(bed, plan, &dir, exe, secret).await {
+                Ok(t) => {
+                    let s: Vec<String> = t.iter().map(|r| format!("{:?} {:.1}", r.direction, r.mbit_per_s)).collect();
+                    eprintln!("{} Mbit/s", s.join(", "));
+                    out.tcp = t;
+                }
+                Err(e) => {
+                    eprintln!("FAILED: {e}");
+                    out.tcp_error = Some(e.to_string());
+                }
+            }
+            None
         }
-        Err(e) => {
-            eprintln!("FAILED: {e}");
-            (Vec::new(), Some(e.to_string()))
+        Condition::Neighbour => {
+            bed.testnet(&["uncap", &host])?;
+            let n = Neighbour::start(bed, &dir.join("neighbour.log"), secret)?;
+            eprintln!("bench hosts: busy neighbour on {host}: pid {}", n.pid.map_or("?".into(), |p| p.to_string()));
+            Some(n)
         }
     };
-    let mut runs = Vec::new();
     for mode in [Mode::Static, Mode::Psld] {
-        eprint!("bench hosts: {} ({} iterations per worker) ... ", mode.name(), plan.iterations(mode));
+        eprint!(
+            "bench hosts: {}, {} ({} iterations per worker) ... ",
+            row.condition.describe(),
+            mode.name(),
+            row.iterations(mode)
+        );
         let t = Instant::now();
-        let r = one_job(bed, plan, &runs_dir, exe, &secret, mode).await;
+        let r = one_job(bed, plan, row, &dir, exe, secret, mode).await;
         match &r.error {
-            None => eprintln!(
-                "{:.1} s: {:.1} samples/s ({:.1} after settling), {} migrations, {} scaling events",
-                t.elapsed().as_secs_f64(),
-                r.samples_per_sec,
-                r.settled_samples_per_sec,
-                r.run.as_ref().map_or(0, |x| x.balance().migrations),
-                r.run.as_ref().map_or(0, |x| x.balance().scaling.len())
-            ),
+            None => {
+                let (kept, reverted) = r.verdicts();
+                eprintln!(
+                    "{:.1} s: {:.1} samples/s ({:.1} after settling), {} migrations, {kept} kept and {reverted} \
+                     reverted decisions, {} scaling events",
+                    t.elapsed().as_secs_f64(),
+                    r.samples_per_sec,
+                    r.settled_samples_per_sec,
+                    r.migrations(),
+                    r.run.as_ref().map_or(0, |x| x.balance().scaling.len())
+                )
+            }
             Some(e) => eprintln!("FAILED after {:.1} s: {e}", t.elapsed().as_secs_f64()),
         }
-        runs.push(r);
+        out.runs.push(r);
     }
-    Ok((tcp, tcp_error, runs, bed.hosts.clone()))
+    if let Some(n) = neighbour.take() {
+        let load = n.stop().await;
+        eprintln!(
+            "bench hosts: busy neighbour stopped after {:.1} s, {} cores busy{}",
+            load.wall_s,
+            load.cores.map_or("?".into(), |c| format!("{c:.2}")),
+            load.error.as_deref().map_or(String::new(), |e| format!(" ({e})"))
+        );
+        out.neighbour = Some(load);
+    }
+    Ok(out)
+}
+
+/// The busy neighbour of a row: a busy loop on host 2, stopped by PID by [`Neighbour::stop`]
+/// or, on an error or a signal, when dropped (and by the bed's teardown, which knows its PID).
+struct Neighbour {
+    child: Child,
+    pid: Option<u32>,
+    started: Instant,
+    /// Its own and the machine's CPU ticks at the start.
+    ticks: Option<(u64, u64)>,
+}
+
+impl Neighbour {
+    fn start(bed: &Bed, log: &Path, secret: &str) -> Result<Neighbour> {
+        let argv: Vec<String> = BUSY_LOOP.map(String::from).to_vec();
+        let child = bed.spawn(DISTURBED, &argv, log, secret)?;
+        let pid = child.id();
+        Ok(Neighbour { child, pid, started: Instant::now(), ticks: pid.and_then(Self::ticks) })
+    }
+
+    /// utime + stime of `pid`, and the machine's total ticks (all cores).
+    fn ticks(pid: u32) -> Option<(u64, u64)> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // After "pid (comm)": state is the first field, utime and stime the 12th and 13th.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let own = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        Some((own, crate::machine::CpuSample::now()?.total))
+    }
+
+    /// Stops it (SIGKILL, reaped within 5 s) and says what it took.
+    async fn stop(mut self) -> NeighbourLoad {
+        let wall_s = self.started.elapsed().as_secs_f64();
+        let mut error = match self.child.try_wait() {
+            Ok(Some(status)) => Some(format!("it exited early with {status}")),
+            Ok(None) => None,
+            Err(e) => Some(format!("cannot wait for it: {e}")),
+        };
+        let end = self.pid.and_then(Self::ticks);
+        let share = match (self.ticks, end) {
+            (Some((own0, all0)), Some((own1, all1))) if all1 > all0 => {
+                Some(own1.saturating_sub(own0) as f64 / (all1 - all0) as f64)
+            }
+            _ => None,
+        };
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        if error.is_none() {
+            let _ = self.child.start_kill();
+            if let Err(e) = wait_for(&mut self.child, Duration::from_secs(5), "the busy neighbour").await {
+                error = Some(e.to_string());
+            }
+        }
+        NeighbourLoad { pid: self.pid, wall_s, machine_share: share, cores: share.map(|s| s * cores), error }
+    }
+}
+
+impl Drop for Neighbour {
+    fn drop(&mut self) {
+        // Stopped already (a no-op then), or dropped on an error or a signal.
+        let _ = self.child.start_kill();
+    }
 }
 
 /// Waits for `child` at most `within`, naming `what` when it does not end.
@@ -645,25 +992,38 @@ async fn raw_tcp(bed: &Bed, plan: &Plan, dir: &Path, exe: &str, secret: &str) ->
     result
 }
 
-/// One job on the bed: three launches, the report of the rendezvous one.
-async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &str, mode: Mode) -> HostsRun {
-    let spec = plan.spec(mode);
-    let dir = runs_dir.join(mode.name());
+/// One job on the bed: five launches, the report of the rendezvous one.
+async fn one_job(
+    bed: &Bed,
+    plan: &Plan,
+    row: &RowPlan,
+    row_dir: &Path,
+    exe: &str,
+    secret: &str,
+    mode: Mode,
+) -> HostsRun {
+    let spec = plan.spec(mode, row.iterations(mode));
+    let dir = row_dir.join(mode.name());
     let mut run = HostsRun {
         mode,
+        iterations: row.iterations(mode),
         flags: spec.flags(),
         error: None,
         samples_per_sec: f64::NAN,
         settled_samples_per_sec: f64::NAN,
         model_bytes: 0,
         servers: Vec::new(),
+        moved_back: 0,
+        decisions: Vec::new(),
         run: None,
     };
-    match job(bed, &spec, &dir, exe, secret, plan.job_timeout(mode, 4.0)).await {
-        Ok(report) => {
+    match job(bed, &spec, &dir, exe, secret, Plan::job_timeout(row, mode, 4.0)).await {
+        Ok((report, decisions)) => {
             run.samples_per_sec = report.samples_per_sec;
             run.model_bytes = report.servers.iter().map(|s| s.bytes).sum();
             run.servers = server_hosts(&dir.join("h1/logs/scheduler.log"), &bed.hosts);
+            run.moved_back = report.balance.as_ref().map_or(0, moved_back);
+            run.decisions = decisions;
             let r = measure(&report, spec.flags(), mode, 0.0);
             run.settled_samples_per_sec = r.balance().iters_per_s * f64::from(plan.batch_size);
             run.run = Some(r);
@@ -675,8 +1035,15 @@ async fn one_job(bed: &Bed, plan: &Plan, runs_dir: &Path, exe: &str, secret: &st
 
 /// Runs `spec` on the bed: a launch per host, each given `spec`'s flags (its job's to the
 /// launch, its data's to the workers); the whole job within `within` (a model of up to 4 MB:
-/// the bound is generous).
-async fn job(bed: &Bed, spec: &TrainSpec, dir: &Path, exe: &str, secret: &str, within: Duration) -> Result<Report> {
+/// the bound is generous); the report of the rendezvous launch and its judged decisions.
+async fn job(
+    bed: &Bed,
+    spec: &TrainSpec,
+    dir: &Path,
+    exe: &str,
+    secret: &str,
+    within: Duration,
+) -> Result<(Report, Vec<Judged>)> {
     std::fs::create_dir_all(dir)?;
     let rdzv = format!("{}:{RDZV_PORT}", bed.hosts[0].ip);
     let launch = |host: usize, layout: &[&str]| -> Vec<String> {
@@ -768,7 +1135,10 @@ async fn job(bed: &Bed, spec: &TrainSpec, dir: &Path, exe: &str, secret: &str, w
     }
     let path = dir.join("h1/report.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    let report: Report = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    Ok((report, Judged::of(&value)))
 }
 
 /// The scheduler's `server joined server=N addr=IP:PORT initial=B` lines, with the bed host
@@ -795,8 +1165,18 @@ fn server_hosts(log: &Path, hosts: &[BedHost]) -> Vec<ServerHost> {
         .collect()
 }
 
-fn find(runs: &[HostsRun], mode: Mode) -> Option<&HostsRun> {
-    runs.iter().find(|r| r.mode == mode && r.error.is_none())
+/// Successful migrations that moved a block to a server it had been on before.
+fn moved_back(log: &BalanceLog) -> usize {
+    let mut owners: HashMap<u32, Vec<u32>> = HashMap::new();
+    let mut back = 0;
+    for m in log.migrations.iter().filter(|m| m.error.is_none()) {
+        let had = owners.entry(m.block).or_insert_with(|| vec![m.from]);
+        if had.contains(&m.to) {
+            back += 1;
+        }
+        had.push(m.to);
+    }
+    back
 }
 
 /// The slower direction of the raw link, Mbit/s.
@@ -813,98 +1193,213 @@ fn link_bound(plan: &Plan, tcp: &[TcpRate], model_bytes: u64) -> Option<f64> {
     (model_bytes > 0).then(|| raw * 1e6 / 8.0 / per_iter * 2.0 * f64::from(plan.batch_size))
 }
 
-fn checks(plan: &Plan, tcp: &[TcpRate], runs: &[HostsRun]) -> Vec<Check> {
-    let failed: Vec<&str> = runs.iter().filter(|r| r.error.is_some()).map(|r| r.mode.name()).collect();
+fn checks(plan: &Plan, rows: &[Row]) -> Vec<Check> {
+    let runs = rows.iter().map(|r| r.runs.len()).sum::<usize>();
+    let failed: Vec<String> = rows
+        .iter()
+        .flat_map(|row| {
+            row.runs
+                .iter()
+                .filter(|r| r.error.is_some())
+                .map(|r| format!("{} {}", row.condition.describe(), r.mode.name()))
+        })
+        .collect();
     let mut out = vec![Check {
         what: "every run completes".into(),
-        measured: if failed.is_empty() {
-            format!("{} runs", runs.len())
-        } else {
-            format!("failed: {}", failed.join(", "))
-        },
-        pass: Some(failed.is_empty() && runs.len() == 2),
+        measured: if failed.is_empty() { format!("{runs} runs") } else { format!("failed: {}", failed.join(", ")) },
+        pass: Some(failed.is_empty() && runs == 2 * rows.len()),
     }];
-    out.push(Check {
-        what: format!("the cap is in effect: raw TCP over host 2's link <= 1.2 x {} mbit", plan.cap_mbit),
-        measured: match raw_mbit(tcp) {
-            Some(_) => tcp
-                .iter()
-                .map(|t| format!("{:?} {:.1} Mbit/s", t.direction, t.mbit_per_s))
-                .collect::<Vec<_>>()
-                .join(", "),
-            None => "not measured".into(),
-        },
-        pass: Some(
-            tcp.len() == 2 && tcp.iter().all(|t| t.mbit_per_s > 0.0 && t.mbit_per_s <= 1.2 * f64::from(plan.cap_mbit)),
-        ),
-    });
-    let (need, what) = if plan.quick {
-        (QUICK_NOISE, format!("quick: psld samples/s >= {QUICK_NOISE} x static (not slower beyond noise)"))
+    for row in rows {
+        let Condition::Cap(mbit) = row.condition else { continue };
+        out.push(Check {
+            what: format!("the cap is in effect: raw TCP over host 2's link <= 1.2 x {mbit} mbit"),
+            measured: match raw_mbit(&row.tcp) {
+                Some(_) => row
+                    .tcp
+                    .iter()
+                    .map(|t| format!("{:?} {:.1} Mbit/s", t.direction, t.mbit_per_s))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                None => "not measured".into(),
+            },
+            pass: Some(
+                row.tcp.len() == 2
+                    && row.tcp.iter().all(|t| t.mbit_per_s > 0.0 && t.mbit_per_s <= 1.2 * f64::from(mbit)),
+            ),
+        });
+    }
+    // The quick form's check is on its (first) capped row, the full form's on the 50 mbit one.
+    let (row, need, what) = if plan.quick {
+        let row = rows.iter().find(|r| matches!(r.condition, Condition::Cap(_)));
+        let cap = row.map_or("no".into(), |r| r.condition.describe());
+        (row, QUICK_NOISE, format!("quick, {cap}: psld samples/s >= {QUICK_NOISE} x static (not slower beyond noise)"))
     } else {
-        (FULL_RATIO, format!("psld samples/s >= {FULL_RATIO} x static"))
+        let row = rows.iter().find(|r| r.condition == Condition::Cap(CHECKED_CAP_MBIT));
+        (row, FULL_RATIO, format!("{CHECKED_CAP_MBIT} Mbit/s cap: psld samples/s >= {FULL_RATIO} x static"))
     };
-    let (p, s) = (find(runs, Mode::Psld), find(runs, Mode::Static));
     out.push(Check {
         what: format!("{what}, after settling"),
-        measured: match (p, s) {
-            (Some(p), Some(s)) => format!(
-                "{:.1} vs {:.1} ({}); whole runs {:.1} vs {:.1} ({})",
-                p.settled_samples_per_sec,
-                s.settled_samples_per_sec,
-                ratio(p.settled_samples_per_sec, s.settled_samples_per_sec),
-                p.samples_per_sec,
-                s.samples_per_sec,
-                ratio(p.samples_per_sec, s.samples_per_sec)
-            ),
-            _ => "a run failed".into(),
-        },
-        pass: Some(
-            matches!((p, s), (Some(p), Some(s)) if p.settled_samples_per_sec >= need * s.settled_samples_per_sec),
-        ),
+        measured: row.map_or_else(|| "no such row".into(), Row::versus),
+        pass: row.map(|r| matches!(r.pair(), Some((p, s)) if p >= need * s)),
     });
     out
 }
 
-fn targets(runs: &[HostsRun]) -> Vec<Target> {
-    let p = find(runs, Mode::Psld);
-    let spare_out = p.map(|p| p.servers.iter().filter(|s| !s.initial && s.host.ends_with('5')).count());
-    let scale_outs =
-        p.and_then(|p| p.run.as_ref()).map(|r| r.balance().scaling.iter().filter(|e| e.action == "scale-out").count());
-    vec![Target {
-        what: "psld scales out onto the spare host (host 5)".into(),
-        measured: match (spare_out, scale_outs) {
-            (Some(n), Some(k)) => format!("{k} scale-out events; {n} servers started on host 5"),
-            _ => "the psld run failed".into(),
-        },
-        met: spare_out.map(|n| n > 0),
-    }]
+fn targets(rows: &[Row]) -> Vec<Target> {
+    let mut out = Vec::new();
+    for row in rows {
+        let Some(need) = row.condition.target() else { continue };
+        let target = match row.condition {
+            Condition::Cap(mbit) => Target {
+                what: format!("{mbit} Mbit/s cap: psld >= {need} x static samples/s after settling"),
+                measured: row.versus(),
+                met: row.pair().map(|(p, s)| p >= need * s),
+            },
+            Condition::Neighbour => {
+                let p = row.find(Mode::Psld);
+                let migrations = p.map(HostsRun::migrations);
+                let verdicts = p.map(HostsRun::verdicts);
+                Target {
+                    what: format!(
+                        "busy neighbour, no cap: psld >= {need} x static samples/s (whole runs) with <= \
+                         {NEIGHBOUR_MIGRATIONS} migrations"
+                    ),
+                    measured: match (row.pair(), migrations, verdicts) {
+                        (Some((ps, st)), Some(m), Some((kept, reverted))) => format!(
+                            "{ps:.1} vs {st:.1} samples/s ({}); {m} migrations; {kept} decisions kept, {reverted} \
+                             reverted; after settling {}",
+                            ratio(ps, st),
+                            row.find(Mode::Psld).zip(row.find(Mode::Static)).map_or("-".into(), |(p, s)| ratio(
+                                p.settled_samples_per_sec,
+                                s.settled_samples_per_sec
+                            ))
+                        ),
+                        _ => "a run failed".into(),
+                    },
+                    met: row.pair().zip(migrations).map(|((p, s), m)| p >= need * s && m <= NEIGHBOUR_MIGRATIONS),
+                }
+            }
+        };
+        out.push(target);
+    }
+    let capped: Vec<&Row> = rows.iter().filter(|r| matches!(r.condition, Condition::Cap(_))).collect();
+    if !capped.is_empty() {
+        let per_row: Vec<(String, Option<(usize, usize)>)> = capped
+            .iter()
+            .map(|row| {
+                let p = row.find(Mode::Psld);
+                let spare = p.map(|p| p.servers.iter().filter(|s| !s.initial && s.host.ends_with('5')).count());
+                let outs = p
+                    .and_then(|p| p.run.as_ref())
+                    .map(|r| r.balance().scaling.iter().filter(|e| e.action == "scale-out").count());
+                (row.condition.describe(), outs.zip(spare))
+            })
+            .collect();
+        out.push(Target {
+            what: "psld scales out onto the spare host (host 5) when a link is capped".into(),
+            measured: per_row
+                .iter()
+                .map(|(what, n)| match n {
+                    Some((k, n)) => format!("{what}: {k} scale-out events, {n} servers started on host 5"),
+                    None => format!("{what}: the psld run failed"),
+                })
+                .collect::<Vec<_>>()
+                .join("; "),
+            met: per_row
+                .iter()
+                .any(|(_, n)| n.is_some())
+                .then(|| per_row.iter().any(|(_, n)| n.is_some_and(|(_, n)| n > 0))),
+        });
+    }
+    out
 }
 
 fn render(out: &Written<Body>) -> String {
     let mut s = String::new();
     let p = &out.body.plan;
+    let rows_text: Vec<String> = p
+        .rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{} (static {} and psld {} iterations per worker)",
+                r.condition.describe(),
+                r.static_iterations,
+                r.psld_iterations
+            )
+        })
+        .collect();
     s.push_str(&format!(
-        "\n`bench hosts`{}: 5 namespace hosts (host 1 rendezvous: the 2 workers; hosts 2-4: a server each, host 2's \
-         link capped at {} mbit each way; host 5: spare, 2 server slots), {}, {} ms compute, bsp, sgd, bestfit, 4 MiB \
-         blocks; static {} and psld (--max-servers 4) {} iterations per worker.\n\n",
+        "\n`bench hosts`{}: 5 namespace hosts (host 1 rendezvous: the 2 workers; hosts 2-4: a server each; host 5: \
+         spare, 2 server slots), {}, {} ms compute, batch {}, bsp, sgd, bestfit, 4 MiB blocks, psld with \
+         --max-servers 4. Rows, each on host 2: {}. A cap is `tc tbf` on host 2's link each way; the busy \
+         neighbour is `{}` on host 2 for both runs of its row.\n\n",
         if p.quick { " --quick" } else { "" },
-        p.cap_mbit,
         p.model,
         p.compute_ms,
-        p.static_iterations,
-        p.psld_iterations
+        p.batch_size,
+        rows_text.join("; "),
+        BUSY_LOOP.join(" ")
     ));
     s.push_str(&out.machine.markdown(out.took_s).replacen(", loopback;", ", namespace hosts on a bridge;", 1));
     s.push('\n');
-    let raw = raw_mbit(&out.body.tcp);
-    let tcp_cell = if out.body.tcp.is_empty() {
-        format!("failed: {}", out.body.tcp_error.as_deref().unwrap_or("?"))
-    } else {
-        out.body.tcp.iter().map(|t| format!("{:?} {:.1}", t.direction, t.mbit_per_s)).collect::<Vec<_>>().join(" / ")
-    };
-    let st = find(&out.body.runs, Mode::Static);
+
+    // Side by side: one line per row.
     let headers = [
+        "condition",
+        "compared on",
+        "static samples/s",
+        "psld samples/s",
+        "psld/static",
+        "target",
+        "migrations (moved back)",
+        "verdicts kept / reverted",
+        "scaling events",
+    ];
+    let lines: Vec<Vec<String>> = out
+        .body
+        .rows
+        .iter()
+        .map(|row| {
+            let (st, ps) = (row.find(Mode::Static), row.find(Mode::Psld));
+            let on = match row.condition {
+                Condition::Cap(_) => "after settling",
+                Condition::Neighbour => "whole runs",
+            };
+            let target = match (row.condition.target(), row.pair()) {
+                (None, _) => "-".into(),
+                (Some(t), None) => format!(">= {t}x: -"),
+                (Some(t), Some((p, s))) => {
+                    let mut met = p >= t * s;
+                    if row.condition == Condition::Neighbour {
+                        met &= ps.is_some_and(|r| r.migrations() <= NEIGHBOUR_MIGRATIONS);
+                    }
+                    format!(">= {t}x: {}", if met { "met" } else { "missed" })
+                }
+            };
+            vec![
+                row.condition.describe(),
+                on.into(),
+                st.map_or("failed".into(), |r| fixed(row.compared(r), 1)),
+                ps.map_or("failed".into(), |r| fixed(row.compared(r), 1)),
+                row.pair().map_or("-".into(), |(p, s)| ratio(p, s)),
+                target,
+                ps.map_or("-".into(), |r| format!("{} ({})", r.migrations(), r.moved_back)),
+                ps.map_or("-".into(), |r| {
+                    let (k, v) = r.verdicts();
+                    format!("{k} / {v}")
+                }),
+                ps.map_or("-".into(), HostsRun::scaling),
+            ]
+        })
+        .collect();
+    s.push_str(&markdown_table(&headers, &lines));
+
+    // Every run.
+    let headers = [
+        "condition",
         "mode",
+        "iterations",
         "samples/s",
         "samples/s after settling",
         "vs static",
@@ -912,18 +1407,29 @@ fn render(out: &Written<Body>) -> String {
         "raw TCP Mbit/s (capped link)",
         "window from s",
         "migrations",
+        "moved back",
         "MB moved",
+        "verdicts kept / reverted",
         "scaling events",
         "servers (host)",
         "wall s",
     ];
-    let rows: Vec<Vec<String>> = out
-        .body
-        .runs
-        .iter()
-        .map(|r| {
+    let mut lines: Vec<Vec<String>> = Vec::new();
+    for row in &out.body.rows {
+        let tcp_cell = match row.condition {
+            Condition::Neighbour => "no cap".into(),
+            Condition::Cap(_) if row.tcp.is_empty() => {
+                format!("failed: {}", row.tcp_error.as_deref().unwrap_or("?"))
+            }
+            Condition::Cap(_) => {
+                row.tcp.iter().map(|t| format!("{:?} {:.1}", t.direction, t.mbit_per_s)).collect::<Vec<_>>().join(" / ")
+            }
+        };
+        let st = row.find(Mode::Static);
+        for r in &row.runs {
             if r.error.is_some() {
-                return vec![r.mode.name().into(), "failed (below)".into()];
+                lines.push(vec![row.condition.describe(), r.mode.name().into(), "failed (below)".into()]);
+                continue;
             }
             let x = r.run.as_ref();
             let vs = match (r.mode, st) {
@@ -934,40 +1440,25 @@ fn render(out: &Written<Body>) -> String {
                 ),
                 _ => "-".into(),
             };
-            let scaling = x.map_or("-".into(), |x| {
-                if x.balance().scaling.is_empty() {
-                    "none".into()
-                } else {
-                    x.balance()
-                        .scaling
-                        .iter()
-                        .map(|e| {
-                            format!(
-                                "{} {} at {:.1} s",
-                                e.action,
-                                e.server.map_or("-".into(), |v| v.to_string()),
-                                e.at_s
-                            )
-                        })
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                }
-            });
             let servers = r
                 .servers
                 .iter()
                 .map(|h| format!("{} {}{}", h.server, h.host, if h.initial { "" } else { " (new)" }))
                 .collect::<Vec<_>>()
                 .join(", ");
-            vec![
+            let (kept, reverted) = r.verdicts();
+            lines.push(vec![
+                row.condition.describe(),
                 r.mode.name().into(),
+                r.iterations.to_string(),
                 fixed(r.samples_per_sec, 1),
                 fixed(r.settled_samples_per_sec, 1),
                 vs,
-                link_bound(p, &out.body.tcp, r.model_bytes).map_or("-".into(), |b| fixed(b, 1)),
+                link_bound(p, &row.tcp, r.model_bytes).map_or("-".into(), |b| fixed(b, 1)),
                 tcp_cell.clone(),
                 x.map_or("-".into(), |x| fixed(x.balance().window_from_s, 1)),
-                x.map_or("-".into(), |x| x.balance().migrations.to_string()),
+                r.migrations().to_string(),
+                r.moved_back.to_string(),
                 x.map_or("-".into(), |x| {
                     if x.balance().migrations == 0 {
                         "-".into()
@@ -975,23 +1466,66 @@ fn render(out: &Written<Body>) -> String {
                         fixed(x.balance().bytes_moved as f64 / 1e6, 1)
                     }
                 }),
-                scaling,
+                if r.mode == Mode::Psld { format!("{kept} / {reverted}") } else { "-".into() },
+                r.scaling(),
                 servers,
                 x.map_or("-".into(), |x| fixed(x.wall_s, 1)),
-            ]
-        })
-        .collect();
-    s.push_str(&markdown_table(&headers, &rows));
-    if let Some(raw) = raw {
-        s.push_str(&format!(
-            "\nRaw TCP over the capped link: {raw:.1} Mbit/s (the slower direction); the link bound is static's: that \
-             rate / (2 workers x a third of the model's bytes) iterations per second, of 2 x {} samples (bestfit \
-             leaves about a third of the model on the capped server).\n",
-            p.batch_size
-        ));
+            ]);
+        }
     }
-    for r in out.body.runs.iter().filter(|r| r.error.is_some()) {
-        s.push_str(&format!("\n{} failed: {}\n", r.mode.name(), r.error.as_deref().unwrap_or("")));
+    s.push('\n');
+    s.push_str(&markdown_table(&headers, &lines));
+    s.push_str(&format!(
+        "\nThe link bound is static's: the raw TCP rate over the capped link (the slower direction) / (2 workers x a \
+         third of the model's bytes) iterations per second, of 2 x {} samples (bestfit leaves about a third of the \
+         model on the capped server). \"Moved back\": migrations that returned a block to a server it had been on \
+         (a reverted round, or a bounce).\n",
+        p.batch_size
+    ));
+    for row in &out.body.rows {
+        if let Some(n) = &row.neighbour {
+            s.push_str(&format!(
+                "\nThe busy neighbour (pid {}) ran {:.1} s and kept {} cores busy ({} of the machine){}.\n",
+                n.pid.map_or("?".into(), |p| p.to_string()),
+                n.wall_s,
+                n.cores.map_or("?".into(), |c| format!("{c:.2}")),
+                n.machine_share.map_or("?".into(), |m| format!("{:.0}%", 100.0 * m)),
+                n.error.as_deref().map_or(String::new(), |e| format!("; {e}"))
+            ));
+        }
+    }
+    // The balancer's judged decisions, per psld run.
+    for row in &out.body.rows {
+        let Some(ps) = row.find(Mode::Psld) else { continue };
+        if ps.decisions.is_empty() {
+            s.push_str(&format!("\n{}, psld: no judged decisions in its report.\n", row.condition.describe()));
+            continue;
+        }
+        s.push_str(&format!("\n{}, psld's judged decisions:\n\n", row.condition.describe()));
+        for d in &ps.decisions {
+            s.push_str(&format!(
+                "- {:.1} s -> {:.1} s, {} ({} moves): predicted {:+.1}%, measured {:+.1}% ({} -> {} ms): {}\n",
+                d.at_s,
+                d.judged_s,
+                d.what,
+                d.moves,
+                100.0 * d.predicted_gain,
+                100.0 * d.measured_gain,
+                d.before_ms.map_or("-".into(), |v| fixed(v, 1)),
+                d.after_ms.map_or("-".into(), |v| fixed(v, 1)),
+                d.verdict
+            ));
+        }
+    }
+    for row in &out.body.rows {
+        for r in row.runs.iter().filter(|r| r.error.is_some()) {
+            s.push_str(&format!(
+                "\n{}, {} failed: {}\n",
+                row.condition.describe(),
+                r.mode.name(),
+                r.error.as_deref().unwrap_or("")
+            ));
+        }
     }
     s.push_str(&checks_and_targets_markdown(&out.checks, &out.targets));
     s
@@ -1000,6 +1534,22 @@ fn render(out: &Written<Body>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn cmd(quick: bool) -> HostsBenchCmd {
+        HostsBenchCmd {
+            quick,
+            out: "x".into(),
+            caps_mbit: None,
+            neighbour: None,
+            static_iterations: None,
+            psld_iterations: None,
+            model: "synthetic:resnet56".into(),
+            compute_ms: 20.0,
+            tcp_secs: 3.0,
+            prefix: "ebh".into(),
+            testnet: None,
+        }
+    }
 
     #[test]
     fn server_hosts_read_the_schedulers_join_lines() {
@@ -1023,21 +1573,72 @@ mod tests {
     }
 
     #[test]
+    fn the_rows_of_each_form() {
+        let quick = Plan::new(&cmd(true)).unwrap();
+        let rows: Vec<_> = quick.rows.iter().map(|r| (r.condition, r.static_iterations, r.psld_iterations)).collect();
+        assert_eq!(rows, [(Condition::Cap(100), 16, 40)]);
+        let full = Plan::new(&cmd(false)).unwrap();
+        let rows: Vec<_> = full.rows.iter().map(|r| (r.condition, r.static_iterations, r.psld_iterations)).collect();
+        assert_eq!(
+            rows,
+            [(Condition::Cap(50), 40, 900), (Condition::Cap(400), 200, 900), (Condition::Neighbour, 400, 400)]
+        );
+        let one =
+            Plan::new(&HostsBenchCmd { caps_mbit: Some(vec![70]), neighbour: Some(false), ..cmd(false) }).unwrap();
+        assert_eq!(one.rows.len(), 1);
+        assert_eq!((one.rows[0].condition, one.rows[0].static_iterations), (Condition::Cap(70), 56));
+        assert!(Plan::new(&HostsBenchCmd { caps_mbit: Some(vec![50, 50]), ..cmd(false) }).is_err());
+        assert_eq!(Condition::Cap(400).target(), Some(1.5));
+        assert_eq!(Condition::Cap(100).target(), None);
+    }
+
+    #[test]
+    fn the_caps_flag_takes_a_list_and_its_old_name() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            cmd: HostsBenchCmd,
+        }
+        let caps = |args: &[&str]| Cli::try_parse_from(args).unwrap().cmd.caps_mbit;
+        assert_eq!(caps(&["x", "--caps-mbit", "50,400"]), Some(vec![50, 400]));
+        assert_eq!(caps(&["x", "--cap-mbit", "100"]), Some(vec![100]));
+        let neighbour = |args: &[&str]| Cli::try_parse_from(args).unwrap().cmd.neighbour;
+        assert_eq!(neighbour(&["x", "--neighbour"]), Some(true));
+        assert_eq!(neighbour(&["x", "--neighbour", "false"]), Some(false));
+        assert_eq!(neighbour(&["x"]), None);
+    }
+
+    #[test]
+    fn decisions_read_leniently_and_moves_back_count() {
+        let old: serde_json::Value = serde_json::json!({"balance": {"mode": "psld", "migrations": []}});
+        assert!(Judged::of(&old).is_empty());
+        let new = serde_json::json!({"balance": {"decisions": [
+            {"at_s": 10.0, "what": "migrate", "predicted_gain": 0.4, "measured_gain": 0.5, "verdict": "kept"},
+            {"at_s": 20.0, "verdict": "reverted"}
+        ]}});
+        let d = Judged::of(&new);
+        assert_eq!(d.len(), 2);
+        assert_eq!((d[0].verdict.as_str(), d[0].moves, d[1].predicted_gain), ("kept", 0, 0.0));
+        let m = |block, from, to| elasticps_runtime::scheduler::MigrationEvent {
+            at_s: 0.0,
+            block,
+            from,
+            to,
+            bytes: 1,
+            freeze_ms: 0.0,
+            total_ms: 0.0,
+            held: 0,
+            error: None,
+        };
+        let log =
+            BalanceLog { migrations: vec![m(1, 0, 1), m(2, 0, 2), m(1, 1, 0), m(2, 2, 3)], ..BalanceLog::default() };
+        assert_eq!(moved_back(&log), 1);
+    }
+
+    #[test]
     fn the_link_bound_is_a_third_of_the_model_per_worker_and_iteration() {
-        let plan = Plan::new(&HostsBenchCmd {
-            quick: true,
-            out: "x".into(),
-            cap_mbit: None,
-            static_iterations: None,
-            psld_iterations: None,
-            model: "synthetic:resnet56".into(),
-            compute_ms: 20.0,
-            tcp_secs: 3.0,
-            prefix: "ebh".into(),
-            testnet: None,
-        })
-        .unwrap();
-        assert_eq!((plan.cap_mbit, plan.static_iterations, plan.psld_iterations), (100, 16, 40));
+        let plan = Plan::new(&cmd(true)).unwrap();
         let tcp = [
             TcpRate { direction: Direction::Up, bytes: 0, secs: 1.0, mbit_per_s: 80.0 },
             TcpRate { direction: Direction::Down, bytes: 0, secs: 1.0, mbit_per_s: 100.0 },
