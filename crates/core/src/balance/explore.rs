@@ -10,6 +10,7 @@
 //! non-empty block, from its owner, onto the uncertain server.
 
 use super::loads::{Loads, moved, size_of};
+use super::verdict;
 use super::{
     Balancer, FEW_BYTES, MIN_CONFIDENCE, Move, PROBE_INTERVAL_US, PROBE_MAX_INTERVAL_US, Probe, Proposal, STALE_US,
     View,
@@ -24,6 +25,9 @@ impl Balancer {
         let total: u64 = loads.bytes.iter().sum();
         let mean_bytes = total as f64 / n as f64;
         let median_rate = crate::stats::median(&loads.rate).unwrap_or(0.0);
+        // A server is pushed to once an iteration: in a slow job, samples are that far apart.
+        let iteration = self.mean_us(&self.baseline).unwrap_or(0.0);
+        let stale_us = STALE_US.max((verdict::WINDOW_ITERATIONS * iteration) as u64);
         let uncertain: Vec<bool> = (0..n)
             .map(|i| {
                 let owns = loads.bytes[i];
@@ -31,7 +35,7 @@ impl Balancer {
                     e.bps < median_rate
                         && ((owns as f64) < FEW_BYTES * mean_bytes
                             || e.confidence < MIN_CONFIDENCE
-                            || (owns > 0 && e.age_us > STALE_US))
+                            || (owns > 0 && e.age_us > stale_us))
                 })
             })
             .collect();

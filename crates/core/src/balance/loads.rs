@@ -19,6 +19,12 @@ pub(super) enum Tabu {
     From(ServerId),
     /// No block moves onto this server: a probe onto it slowed the job.
     Onto(ServerId),
+    /// No block moves off this server onto one of unknown rate: such a move did not pay
+    /// (its destination was slower than the median it was taken at, or the source was
+    /// not the bottleneck; moves onto servers the model knows may still pay).
+    FromOntoUnknown(ServerId),
+    /// No block moves off the first server onto the second.
+    Pair(ServerId, ServerId),
 }
 
 /// Relative tolerance of "strictly lower" comparisons of service times.
@@ -61,6 +67,8 @@ pub(super) struct Loads {
     pub(super) bytes: Vec<u64>,
     /// Moves no rule makes now (rule 2).
     tabu: BTreeSet<Tabu>,
+    /// Servers whose rate is unknown (no estimate: they run at the median rate).
+    unknown: BTreeSet<ServerId>,
 }
 
 impl Loads {
@@ -84,7 +92,8 @@ impl Loads {
                 bytes[i] = bytes[i].saturating_add(sizes.get(block).copied().unwrap_or(0));
             }
         }
-        Self { ids, lo: rate.clone(), hi: rate.clone(), rate, bytes, tabu: BTreeSet::new() }
+        let unknown = ids.iter().copied().filter(|s| valid(s).is_none()).collect();
+        Self { ids, lo: rate.clone(), hi: rate.clone(), rate, bytes, tabu: BTreeSet::new(), unknown }
     }
 
     /// The same loads with moves that no rule may make now (rule 2).
@@ -95,7 +104,10 @@ impl Loads {
 
     /// True if moving a block from `from` onto `to` is ruled out now.
     pub(super) fn is_tabu(&self, from: ServerId, to: ServerId) -> bool {
-        self.tabu.contains(&Tabu::From(from)) || self.tabu.contains(&Tabu::Onto(to))
+        self.tabu.contains(&Tabu::From(from))
+            || self.tabu.contains(&Tabu::Onto(to))
+            || self.tabu.contains(&Tabu::Pair(from, to))
+            || (self.tabu.contains(&Tabu::FromOntoUnknown(from)) && self.unknown.contains(&to))
     }
 
     /// The same loads with each rate's uncertainty: `rse[server]`, the relative standard

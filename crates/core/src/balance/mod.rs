@@ -346,6 +346,8 @@ struct Judging {
     what: String,
     /// A probe (rule 9), not a round of moves off the bottleneck.
     probe: bool,
+    /// Destinations the model had no rate for when it decided (taken at the median).
+    unknown: BTreeSet<ServerId>,
     baseline: Baseline,
     /// Max service time before the round and predicted after, s (the model's view).
     max_before: f64,
@@ -468,7 +470,10 @@ impl Balancer {
         }
         self.iterating |= view.iterations > 0 && view.iter_us.is_some();
         self.baseline.push(now, view.iterations, view.iter_us);
-        self.baseline.keep_last(BASELINE_STEPS);
+        // The window before spans BASELINE_STEPS steps, or WINDOW_ITERATIONS iterations of
+        // a slow job.
+        let span = self.baseline.completed_mean_us().map_or(0.0, |m| verdict::WINDOW_ITERATIONS * m);
+        self.baseline.keep_last(BASELINE_STEPS, span as u64);
         self.tabu.retain(|_, until| *until > now);
         let mut servers = view.servers.to_vec();
         servers.sort_unstable();
@@ -521,11 +526,14 @@ impl Balancer {
     }
 
     /// A proposal becomes a decision under judgement (rule 2).
-    fn propose(&mut self, now: u64, p: Proposal) -> Decision {
+    fn propose(&mut self, view: &View, p: Proposal) -> Decision {
+        let now = view.now_us;
+        let unknown = p.moves.iter().map(|m| m.to).filter(|&s| view.load.estimate(s, now).is_none()).collect();
         self.phase = Phase::Judging(Box::new(Judging {
             moves: p.moves.clone(),
             what: p.why.clone(),
             probe: p.max_before == p.max_after,
+            unknown,
             baseline: self.baseline(now),
             max_before: p.max_before,
             max_after: p.max_after,
@@ -596,13 +604,15 @@ impl Balancer {
                 return None;
             }
         }
-        // Rule 2 needs a window before the decision to judge it by.
-        if self.baseline.len() < VERDICT_MIN_STEPS {
+        // Rule 2 needs a window before the decision to judge it by: steps, and in a job
+        // that reports iterations, two steps at which some completed (one iteration of a
+        // slow job would not say how long iterations take).
+        if self.baseline.len() < VERDICT_MIN_STEPS || (self.iterating && self.baseline.progress_steps() < 2) {
             return None;
         }
         let straggling = stragglers(&loads.times(), self.params.threshold);
         if let Some(p) = self.exploit_stragglers(round, &straggling) {
-            return Some(self.propose(now, p));
+            return Some(self.propose(view, p));
         }
         if let Some(d) = self.scale_out(round) {
             return Some(d);
@@ -611,10 +621,10 @@ impl Balancer {
             return Some(d);
         }
         if let Some(p) = self.exploit_imbalance(round, &straggling) {
-            return Some(self.propose(now, p));
+            return Some(self.propose(view, p));
         }
         let p = self.probe(view, loads)?;
-        Some(self.propose(now, p))
+        Some(self.propose(view, p))
     }
 }
 

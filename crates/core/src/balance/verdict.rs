@@ -23,7 +23,11 @@
 //!   times). For [`super::REVERT_HOLDOFF_US`], doubling the same way, no rule moves a
 //!   block off the sources of a reverted round (they were not the bottleneck the model
 //!   took them for: another of their blocks would fail the same way), nor onto the server
-//!   of a reverted probe (it is slow); probes themselves go on at their own intervals. A
+//!   of a reverted probe (it is slow). A reverted move onto a server whose rate was
+//!   unknown when it was decided bans only moves from its source onto that server and
+//!   onto servers still of unknown rate (it may have failed for its destination, taken at
+//!   the median rate, not for its source: the model knows the destination now, and may
+//!   find a better one); probes themselves go on at their own intervals. A
 //!   kept round resets the doubling and lifts the bans onto its destinations (the model
 //!   ranks them right again, as for a straggler that recovered).
 //! - **Without iteration times** the verdict falls back on the model: the max service
@@ -82,13 +86,30 @@ impl Window {
         self.steps.push((now_us, iterations, mean.unwrap_or(0.0)));
     }
 
-    /// Keeps only the last `steps` steps (the window slides).
-    pub fn keep_last(&mut self, steps: usize) {
-        if self.steps.len() > steps {
-            let cut = self.steps.len() - steps;
+    /// Keeps the last `steps` steps, and more while they are within `span_us` of the
+    /// last one (the window slides; a slow job's window spans several iterations).
+    pub fn keep_last(&mut self, steps: usize, span_us: u64) {
+        let Some(&(last, _, _)) = self.steps.last() else { return };
+        let from = last.saturating_sub(span_us);
+        let old = self.steps.len().saturating_sub(steps);
+        let cut = self.steps[..old].iter().take_while(|s| s.0 < from).count();
+        if cut > 0 {
             self.start_us = self.steps[cut - 1].0;
             self.steps.drain(..cut);
         }
+    }
+
+    /// The mean time of the iterations completed in the window, µs (no stall counted;
+    /// `None` if none completed).
+    pub fn completed_mean_us(&self) -> Option<f64> {
+        let done: u64 = self.steps.iter().map(|s| s.1).sum();
+        let sum: f64 = self.steps.iter().map(|s| s.1 as f64 * s.2).sum();
+        (done > 0).then(|| sum / done as f64)
+    }
+
+    /// Steps at which iterations completed.
+    pub fn progress_steps(&self) -> usize {
+        self.steps.iter().filter(|s| s.1 > 0).count()
     }
 
     /// Steps in the window.
@@ -190,8 +211,18 @@ impl Balancer {
         let holdoff = REVERT_HOLDOFF_US << self.backoff.min(MAX_HOLDOFF_DOUBLINGS);
         self.backoff = self.backoff.saturating_add(1);
         for m in &j.moves {
-            let tabu = if j.probe { Tabu::Onto(m.to) } else { Tabu::From(m.from) };
-            self.tabu.insert(tabu, now.saturating_add(holdoff));
+            // A probe's server is slow; a move onto a server of unknown rate (taken at the
+            // median) may have failed for that server, not for its source; else the
+            // source was not the bottleneck.
+            let until = now.saturating_add(holdoff);
+            if j.probe {
+                self.tabu.insert(Tabu::Onto(m.to), until);
+            } else if j.unknown.contains(&m.to) {
+                self.tabu.insert(Tabu::FromOntoUnknown(m.from), until);
+                self.tabu.insert(Tabu::Pair(m.from, m.to), until);
+            } else {
+                self.tabu.insert(Tabu::From(m.from), until);
+            }
         }
         let back: Vec<Move> = j
             .moves
@@ -277,10 +308,18 @@ mod tests {
         assert_eq!(w.mean_us(), Some(175.0));
         assert!(w.rse() > 0.0);
         w.push(3 * S, 2, Some(300.0));
-        w.keep_last(2);
+        w.keep_last(2, 0);
         assert_eq!(w.len(), 2);
         assert_eq!(w.start_us(), S);
         assert_eq!(w.mean_us(), Some(240.0));
+        assert_eq!(w.completed_mean_us(), Some(240.0));
+        assert_eq!(w.progress_steps(), 2);
+        // A span longer than the steps keeps them all.
+        w.push(4 * S, 1, Some(300.0));
+        w.keep_last(1, 10 * S);
+        assert_eq!(w.len(), 3);
+        w.keep_last(1, S);
+        assert_eq!(w.len(), 2);
     }
 
     #[test]
