@@ -335,6 +335,8 @@ struct Baseline {
     mean_us: Option<f64>,
     rse: f64,
     decided_us: u64,
+    /// The share of the iteration time a scale-out decided then was predicted to save.
+    predicted_gain: f64,
 }
 
 /// A migration round awaiting its verdict.
@@ -517,7 +519,12 @@ impl Balancer {
 
     /// The baseline of a decision made now: the window since the last busy step.
     fn baseline(&self, now: u64) -> Baseline {
-        Baseline { mean_us: self.mean_us(&self.baseline), rse: self.baseline.rse(), decided_us: now }
+        Baseline {
+            mean_us: self.mean_us(&self.baseline),
+            rse: self.baseline.rse(),
+            decided_us: now,
+            predicted_gain: 0.0,
+        }
     }
 
     /// A window's mean iteration time, if the job reports iteration times at all.

@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 
 use super::loads::{EPS, Loads, greedy, moved, size_of};
 use super::verdict::{Verdict, WINDOW_ITERATIONS, Window};
-use super::{BalanceParams, Balancer, Baseline, Decision, Move, Phase, Round, TRIAL_SETTLE_US, View, rebalance};
+use super::{
+    BalanceParams, Balancer, Baseline, Decision, MIN_ITER_GAIN, Move, Phase, Round, TRIAL_SETTLE_US, View, rebalance,
+};
 use crate::placement::{Placement, ServerId};
 use crate::stats::median;
 
@@ -46,8 +48,17 @@ impl Balancer {
             let best = rebalance(view.placement, view.sizes, servers, rates, &unlimited).max_after;
             let median_rate = median(&loads.rate).unwrap_or(1.0);
             let target = total as f64 / (n as f64 * median_rate);
+            // What one more server at the median rate could save at most: the max service
+            // time now down to the balanced one of n + 1 servers. Not worth a server (nor
+            // a trial whose noise decides) below MIN_ITER_GAIN of the iteration time.
+            let gain_s = (loads.max_time() - total as f64 / ((n + 1) as f64 * median_rate)).max(0.0);
+            let iteration = self.mean_us(&self.baseline);
+            if iteration.is_some_and(|it| gain_s * 1e6 < MIN_ITER_GAIN * it) {
+                return None;
+            }
             if best > (1.0 + self.params.threshold) * target {
-                let baseline = self.baseline(now);
+                let mut baseline = self.baseline(now);
+                baseline.predicted_gain = iteration.map_or(0.0, |it| gain_s * 1e6 / it);
                 self.phase = Phase::AwaitJoin { asked_us: now, baseline, predicted: best };
                 return Some(Decision::ScaleOut {
                     why: format!(
@@ -143,7 +154,7 @@ impl Balancer {
             judged_us: now,
             what: format!("scale-out: server {server}"),
             moves: 0,
-            predicted_gain: self.params.keep_gain,
+            predicted_gain: baseline.predicted_gain,
             measured_gain: gain,
             before_ms,
             after_ms,

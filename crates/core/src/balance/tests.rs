@@ -812,7 +812,7 @@ mod proptests {
                 prop_assert_eq!(&sim.log[j + 1], &(*judged, Decision::Migrate { moves: back, why: sim.log[j + 1].1.why() }));
                 let pairs: BTreeSet<(ServerId, ServerId)> = moves.iter().map(|m| (m.from, m.to)).collect();
                 for (u, later) in &sim.log[j + 2..] {
-                    if let Decision::Migrate { moves: again, why } = later && !why.starts_with("probe") {
+                    if let Decision::Migrate { moves: again, why } = later && !exempt(why) {
                         prop_assert!(*u >= *judged + 2 * cooldown, "a round {} s after a revert: {:?}", (*u - *judged) / S, sim.log);
                         if *u < *judged + REVERT_HOLDOFF_US {
                             prop_assert!(
