@@ -548,7 +548,7 @@ pub struct Judged {
 
 impl Judged {
     /// The decisions of a report.json, `[]` when it has none.
-    fn of(report: &serde_json::Value) -> Vec<Judged> {
+    pub(crate) fn of(report: &serde_json::Value) -> Vec<Judged> {
         report
             .get("balance")
             .and_then(|b| b.get("decisions"))

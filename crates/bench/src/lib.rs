@@ -33,6 +33,9 @@
 //! - [`sim`]: `elasticps sim` at 1,000 workers x 100 servers, the balancer's decision time,
 //!   static vs PSLD and the sync policies at scale, and a cross-check of the sim against
 //!   real processes (`elasticps bench sim`); [`plots::sim`] draws its `sim.png`.
+//! - [`suite`]: the balancer on seeded random simulated jobs, static vs psld vs the
+//!   no-straggler ceiling, every model, 3 to 1,000 servers, no, one or many stragglers,
+//!   noise (`elasticps bench sim --suite`).
 //! - [`chaos`]: servers killed and a worker restarted under load with `--replicas 2`:
 //!   detection, recovery, iteration spikes, exact final parameters, the cost of replicas
 //!   (`elasticps bench chaos`).
@@ -63,6 +66,7 @@ pub mod sim;
 pub mod sink;
 pub mod sparse;
 pub mod straggler;
+pub mod suite;
 pub mod sync;
 pub mod transient;
 pub mod transport;
@@ -85,7 +89,7 @@ pub enum BenchCmd {
     Sync(sync::SyncBenchCmd),
     /// A straggling server under static placement and under the PSLD balancer: it/s, settling, migration spikes.
     Straggler(straggler::StragglerBenchCmd),
-    /// The simulator: 1,000 x 100 wall time, balancer decision time, psld and sync policies at scale, sim vs real processes.
+    /// The simulator: 1,000 x 100 wall time, balancer decision time, psld and sync policies at scale, sim vs real processes; with --suite, the balancer on seeded random jobs.
     Sim(sim::SimBenchCmd),
     /// Failures under load with --replicas 2: servers killed with kill -9, a worker restarted; detection, recovery, spikes, the cost of replicas.
     Chaos(chaos::ChaosCmd),
@@ -105,6 +109,7 @@ pub async fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::HotRows(cmd) => execute(hot_rows::HotRowsBench::new(cmd)?).await,
         BenchCmd::Sync(cmd) => execute(sync::SyncBench::new(cmd)?).await,
         BenchCmd::Straggler(cmd) => execute(straggler::StragglerBench::new(cmd)?).await,
+        BenchCmd::Sim(cmd) if cmd.suite => execute(suite::SuiteBench::new(cmd)?).await,
         BenchCmd::Sim(cmd) => execute(sim::SimBench::new(cmd)).await,
         BenchCmd::Chaos(cmd) => execute(chaos::ChaosBench::new(cmd)?).await,
         BenchCmd::Hosts(cmd) => execute(hosts::HostsBench::new(cmd)?).await,

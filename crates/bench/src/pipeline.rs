@@ -36,6 +36,12 @@ pub trait Bench {
     /// The Markdown the command prints and writes.
     fn markdown(&self, written: &Written<Self::Body>) -> String;
 
+    /// The command's failure when a check failed (default: how many failed; a benchmark
+    /// may name what failed, e.g. the suite's seeds).
+    fn failure(&self, checks: &[Check]) -> crate::Result<()> {
+        ensure_no_check_failed(checks)
+    }
+
     /// Draws the figures into `dir`; returns their file names.
     fn plots(&self, _written: &Written<Self::Body>, _dir: &Path) -> crate::Result<Vec<String>> {
         Ok(Vec::new())
@@ -99,7 +105,7 @@ pub async fn execute<B: Bench>(bench: B) -> crate::Result<()> {
         }
         println!("\nwritten to {} ({})", out.display(), files.join(", "));
     }
-    ensure_no_check_failed(&written.checks)
+    bench.failure(&written.checks)
 }
 
 /// Draws the figure `name` into `dir` with `draw`; returns its name.

@@ -563,7 +563,9 @@ fn describe(decisions: &[Decision]) -> String {
         Some(Decision::ScaleIn { server, why }) => format!("scale in server {server} ({why})"),
         Some(Decision::Keep { server, why }) => format!("keep server {server} ({why})"),
         Some(Decision::Split { block, at, .. }) => format!("split block {block} at row {at}"),
-        Some(Decision::Judged(v)) => format!("verdict: {} ({})", if v.kept { "kept" } else { "reverted" }, shorten(&v.what)),
+        Some(Decision::Judged(v)) => {
+            format!("verdict: {} ({})", if v.kept { "kept" } else { "reverted" }, shorten(&v.what))
+        }
     }
 }
 
@@ -638,7 +640,8 @@ pub fn within_tolerance(ratio: f64) -> bool {
 /// (measured 1.04 and 1.00); with every server at 50 MB/s, 4 workers measured 0.94.
 async fn cross_check(plan: &Plan, cmd: &SimBenchCmd, workers: u32, checked: bool, fuse: bool) -> Result<CrossCheck> {
     let spec = plan.cross_spec(workers, fuse);
-    let dir = bench_sim_out(cmd).join("runs").join(format!("cross-real-{workers}w{}", if fuse { "-fused" } else { "" }));
+    let dir =
+        bench_sim_out(cmd).join("runs").join(format!("cross-real-{workers}w{}", if fuse { "-fused" } else { "" }));
     let t = Instant::now();
     let real = run_and_write(&spec, &cmd.net, &dir, false).await.context("the cross-check's real run")?;
     let real_wall = t.elapsed().as_secs_f64();
