@@ -58,12 +58,11 @@
 //!    ([`Decision::Split`], [`split::heavy_row_block`]): no placement can balance it
 //!    whole. The heaviest first, one per step; a split restarts no cool-down.
 //! 3. **Cool-down.** Nothing else until the cool-down has passed.
-//! 4. **Confidence gate.** Nothing until every server in `servers` whose blocks are
-//!    large enough to measure its link (on average at least
-//!    [`MIN_FRAME_SHARE`](crate::load::MIN_FRAME_SHARE) of the job's mean block, as
-//!    [`crate::load::link_rate`] requires of a sample) has an estimate with a confidence
-//!    of at least [`MIN_CONFIDENCE`] (0.5; see [`crate::load`]). The others have an
-//!    unknown rate and run at the median one.
+//! 4. **Confidence gate.** Nothing until some server in `servers` has an estimate and
+//!    every one that has an estimate and owns bytes has a confidence of at least
+//!    [`MIN_CONFIDENCE`] (0.5; see [`crate::load`]). The model takes only samples that
+//!    measured a link ([`crate::load::link_rate`]): a server without an estimate has an
+//!    unknown rate and runs at the median one, and does not hold the gate.
 //! 5. **Exploit.** If some server is a straggler, [`rebalance`] within
 //!    [`BalanceParams::budget`] (64 MiB per started [`BUDGET_SERVERS`] servers), by the rank
 //!    rule, and emit `Migrate` only if the max service time drops by `min_gain` (10%)
@@ -115,7 +114,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::load::{LoadModel, MIN_FRAME_SHARE};
+use crate::load::LoadModel;
 use crate::model::BlockId;
 use crate::placement::{Placement, ServerId};
 
@@ -596,20 +595,19 @@ impl Balancer {
         if total == 0 {
             return None;
         }
-        // Rule 4: the confidence gate, over the servers whose frames can measure a link
-        // (`load::link_rate`); the others run at the median rate.
-        let mean_block = total as f64 / view.placement.owners.len().max(1) as f64;
-        let mut blocks = vec![0u64; loads.ids.len()];
-        for owner in &view.placement.owners {
-            if let Some(i) = loads.index(*owner) {
-                blocks[i] += 1;
+        // Rule 4: the confidence gate, over the servers with an estimate (the model holds
+        // only samples that measured a link, `load::link_rate`; the others run at the
+        // median rate), and nothing before the first.
+        let mut measured = 0;
+        for (i, &id) in loads.ids.iter().enumerate() {
+            match view.load.estimate(id, now) {
+                Some(e) if loads.bytes[i] > 0 && e.confidence < MIN_CONFIDENCE => return None,
+                Some(_) => measured += 1,
+                None => {}
             }
         }
-        for (i, &id) in loads.ids.iter().enumerate() {
-            let measurable = blocks[i] > 0 && loads.bytes[i] as f64 / blocks[i] as f64 >= MIN_FRAME_SHARE * mean_block;
-            if measurable && view.load.estimate(id, now).is_none_or(|e| e.confidence < MIN_CONFIDENCE) {
-                return None;
-            }
+        if measured == 0 {
+            return None;
         }
         // Rule 2 needs a window before the decision to judge it by: steps, and in a job
         // that reports iterations, two steps at which some completed (one iteration of a
