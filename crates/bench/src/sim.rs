@@ -507,7 +507,8 @@ fn time_balancer(servers: u32, stragglers: &[ServerId], calls: usize) -> Result<
         sizes: &sizes,
         servers: &ids,
         load: &load,
-        iter_us: Some(1e6),
+        // Iterations as short as the stragglers' service time: a move's gain shows in them.
+        iter_us: Some(1e3),
         iterations: u64::from(servers),
         busy: false,
         splittable: &std::collections::BTreeMap::new(),
