@@ -514,9 +514,10 @@ fn time_balancer(servers: u32, stragglers: &[ServerId], calls: usize) -> Result<
         splittable: &std::collections::BTreeMap::new(),
     };
     let params = BalanceParams::new(servers, servers);
-    // The steps before the timed one make the baseline a decision is judged by.
+    // The steps before the timed one make the baseline a decision is judged by, and the
+    // stragglers last long enough to be relieved.
     let mut fresh = Balancer::new(params);
-    for k in (1..elasticps_core::balance::VERDICT_MIN_STEPS as u64).rev() {
+    for k in (1..=elasticps_core::balance::STRAGGLE_MIN_US / 1_000_000).rev() {
         fresh.step(&View { now_us: view.now_us - k * 1_000_000, ..view });
     }
     let mut step_ms = Vec::with_capacity(calls);

@@ -135,6 +135,11 @@ pub use scale_in::drain;
 pub use scale_out::fill;
 pub use verdict::{Verdict, Window};
 
+/// A straggler is relieved (rule 5) once it has straggled this long, or
+/// [`verdict::WINDOW_ITERATIONS`] iterations if longer: a round takes about as long, and
+/// one made for a straggler that is gone by its end is a loss, and its revert another.
+pub const STRAGGLE_MIN_US: u64 = 10_000_000;
+
 /// Least confidence of every block owner's estimate before anything is decided.
 pub const MIN_CONFIDENCE: f64 = 0.5;
 /// A server that owns blocks and has had no sample for this long is uncertain.
@@ -403,6 +408,8 @@ pub struct Balancer {
     iterating: bool,
     /// Since when each server has been idle (service time below IDLE_FRACTION of the max).
     idle_since: BTreeMap<ServerId, u64>,
+    /// Since when each server has been a straggler, without a break.
+    straggling_since: BTreeMap<ServerId, u64>,
     probes: BTreeMap<ServerId, Probe>,
     /// No scale-out before this time.
     scale_out_after_us: u64,
@@ -422,6 +429,7 @@ impl Balancer {
             tabu: BTreeMap::new(),
             iterating: false,
             idle_since: BTreeMap::new(),
+            straggling_since: BTreeMap::new(),
             probes: BTreeMap::new(),
             scale_out_after_us: 0,
             reverts: 0,
@@ -488,6 +496,11 @@ impl Balancer {
         let tabu: BTreeSet<Tabu> = self.tabu.keys().copied().collect();
         let loads = Loads::new(view.placement, view.sizes, &servers, &rates).with_spread(&spread).with_tabu(tabu);
         self.track_idle(&loads, now);
+        let straggling = stragglers(&loads.times(), self.params.threshold);
+        self.straggling_since.retain(|id, _| straggling.contains(id));
+        for id in straggling {
+            self.straggling_since.entry(id).or_insert(now);
+        }
 
         let decision = match self.phase.clone() {
             Phase::Steady => self.steady(&Round { view, servers: &servers, rates: &rates, loads: &loads }),
@@ -616,6 +629,13 @@ impl Balancer {
             return None;
         }
         let straggling = stragglers(&loads.times(), self.params.threshold);
+        // A straggler is relieved once it has lasted: until then no rule acts.
+        let iteration = self.mean_us(&self.baseline).unwrap_or(0.0);
+        let least = STRAGGLE_MIN_US.max((verdict::WINDOW_ITERATIONS * iteration) as u64);
+        let lasting = |id: &ServerId| self.straggling_since.get(id).is_some_and(|&t| now >= t.saturating_add(least));
+        if !straggling.is_empty() && !straggling.iter().any(lasting) {
+            return None;
+        }
         if let Some(p) = self.exploit_stragglers(round, &straggling) {
             return Some(self.propose(view, p));
         }

@@ -48,10 +48,11 @@ impl Balancer {
             let best = rebalance(view.placement, view.sizes, servers, rates, &unlimited).max_after;
             let median_rate = median(&loads.rate).unwrap_or(1.0);
             let target = total as f64 / (n as f64 * median_rate);
-            // What one more server at the median rate could save at most: the max service
-            // time now down to the balanced one of n + 1 servers. Not worth a server (nor
-            // a trial whose noise decides) below MIN_ITER_GAIN of the iteration time.
-            let gain_s = (loads.max_time() - total as f64 / ((n + 1) as f64 * median_rate)).max(0.0);
+            // What one more server at the median rate would save: the max service time now
+            // against the one after its fill. Not worth a server (nor a trial whose noise
+            // decides) below MIN_ITER_GAIN of the iteration time: blocks too coarse for the
+            // fill to lower the max gain nothing.
+            let gain_s = (loads.max_time() - filled_max(view, servers, rates, median_rate)).max(0.0);
             let iteration = self.mean_us(&self.baseline);
             if iteration.is_some_and(|it| gain_s * 1e6 < MIN_ITER_GAIN * it) {
                 return None;
@@ -171,6 +172,22 @@ impl Balancer {
         self.quiet_since = Some(now);
         vec![Decision::Judged(verdict), action]
     }
+}
+
+/// The max service time after [`fill`] of one more server running at `rate`.
+fn filled_max(view: &View, servers: &[ServerId], rates: &BTreeMap<ServerId, f64>, rate: f64) -> f64 {
+    let new = servers.iter().copied().max().map_or(0, |m| m.saturating_add(1));
+    let mut rates = rates.clone();
+    rates.insert(new, rate);
+    let moves = fill(view.placement, view.sizes, new, servers, &rates);
+    let mut after = view.placement.clone();
+    for m in &moves {
+        // `fill` moves blocks from their owners (its post-condition): this cannot fail.
+        let _ = after.apply(m.block, m.to, after.epoch);
+    }
+    let mut all = servers.to_vec();
+    all.push(new);
+    Loads::new(&after, view.sizes, &all, &rates).max_time()
 }
 
 /// The post-condition of [`fill`]: every move goes from its owner onto `new_server` (see

@@ -400,7 +400,11 @@ fn scenario_a_bandwidth_straggler_is_relieved_then_settles() {
     }
     let (last, _, _) = migrations.last().unwrap();
     assert!(*last < 20 * S, "still moving at {last}: {:?}", sim.log);
-    assert!(sim.decisions(20 * S, 100 * S).is_empty(), "no settling: {:?}", sim.log);
+    assert!(
+        sim.decisions(25 * S, 100 * S).iter().all(|d| matches!(d, Decision::Judged(v) if v.kept)),
+        "no settling: {:?}",
+        sim.log
+    );
     let n1 = count(&sim.placement, 1);
     assert!((1..=3).contains(&n1), "server 1 should keep about a quarter share: {n1}");
 }
@@ -426,7 +430,8 @@ fn scenario_c_reacts_after_a_straggler_appears_not_before() {
     sim.run_until(90 * S);
     assert!(sim.decisions(0, 30 * S).is_empty(), "{:?}", sim.log);
     let (t, moves, _) = sim.migrations().first().copied().expect("no reaction");
-    assert!((30 * S..40 * S).contains(&t), "reacted at {t}");
+    // Within STRAGGLE_MIN_US and a few seconds to be sure of the change.
+    assert!((30 * S + STRAGGLE_MIN_US..50 * S).contains(&t), "reacted at {t}");
     assert!(moves.iter().all(|m| m.from == 2));
     assert!(count(&sim.placement, 2) < 6);
 }
@@ -547,7 +552,7 @@ fn scenario_g_recovered_straggler_is_probed_and_wins_its_blocks_back() {
     sim.run_until(150 * S);
     // While slow it holds at most a probe block.
     for (t, counts) in &sim.history {
-        if (8 * S..60 * S).contains(t) {
+        if (8 * S + STRAGGLE_MIN_US..60 * S).contains(t) {
             assert!(counts[&1] <= 1, "at {t}: {counts:?}");
         }
     }
@@ -603,23 +608,26 @@ fn waits_for_confidence_and_cooldown() {
     // Busy: nothing, and the cool-down restarts; a decision also waits for
     // VERDICT_MIN_STEPS steps of baseline to be judged by (rule 2).
     assert!(step(&mut b, &load, S, true).is_empty());
-    for now in 2..=5 {
+    // And server 0 has straggled since the first step for STRAGGLE_MIN_US.
+    let decide = STRAGGLE_MIN_US / S;
+    for now in 2..decide {
         assert!(step(&mut b, &load, now * S, false).is_empty(), "at {now} s");
     }
-    let d = step(&mut b, &load, 6 * S, false);
+    let d = step(&mut b, &load, decide * S, false);
     assert!(
         matches!(d.as_slice(), [Decision::Migrate { moves, .. }] if moves.len() == 4 && moves.iter().all(|m| m.to == 1)),
         "{d:?}"
     );
     // Right after a decision: cool-down again.
-    assert!(step(&mut b, &load, 7 * S, false).is_empty());
+    assert!(step(&mut b, &load, (decide + 1) * S, false).is_empty());
 }
 
 #[test]
 fn gives_up_a_scale_out_whose_server_never_joins() {
-    // Servers 0 and 2 fast and loaded, server 1 twenty times slower and empty.
-    let sizes = vec![MIB; 4];
-    let p = Placement::new(1, vec![0, 0, 2, 2]);
+    // Servers 0 and 2 fast and loaded, server 1 twenty times slower and empty: one more
+    // server would take a block of each.
+    let sizes = vec![MIB; 8];
+    let p = Placement::new(1, vec![0, 0, 0, 0, 2, 2, 2, 2]);
     let servers = [0, 1, 2];
     let mut load = LoadModel::new(3 * S);
     for _ in 0..8 {
