@@ -511,6 +511,7 @@ fn time_balancer(servers: u32, stragglers: &[ServerId], calls: usize) -> Result<
         iter_us: Some(1e3),
         iterations: u64::from(servers),
         busy: false,
+        migration_us: None,
         splittable: &std::collections::BTreeMap::new(),
     };
     let params = BalanceParams::new(servers, servers);

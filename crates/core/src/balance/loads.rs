@@ -184,12 +184,13 @@ impl Loads {
 /// The greedy of [`rebalance`] and [`fill`]: moves off the max server, onto servers the
 /// model ranks above it ([`Loads::ranks_above`]; with point rates that is a move that
 /// lowers `max(T_from, T_to)` below the current `T_from`), the move with the smallest
-/// pair max first; `only_to` restricts the destination.
+/// pair max first; `only_to` restricts the destination; at most `max_moves` moves.
 pub(super) fn greedy(
     loads: &mut Loads,
     owned: &mut [BTreeMap<u64, BTreeSet<BlockId>>],
     only_to: Option<usize>,
     budget: u64,
+    max_moves: usize,
 ) -> Vec<Move> {
     let mut moves = Vec::new();
     let mut used = 0u64;
@@ -200,6 +201,9 @@ pub(super) fn greedy(
         a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2)).then(a.3.cmp(&b.3)) == Ordering::Less
     };
     while let Some(src) = loads.argmax(None) {
+        if moves.len() >= max_moves {
+            break;
+        }
         let t_src = loads.time(src);
         if t_src <= 0.0 || Some(src) == only_to {
             break;

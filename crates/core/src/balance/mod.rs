@@ -135,6 +135,13 @@ pub use scale_in::drain;
 pub use scale_out::fill;
 pub use verdict::{Verdict, Window};
 
+/// A round of moves lasts about this long at most, or [`verdict::WINDOW_ITERATIONS`]
+/// iterations if longer: it has as many moves as migrations take in that time
+/// ([`View::migration_us`]).
+pub const ROUND_US: u64 = 10_000_000;
+/// Moves of a round before any migration was seen to take its time.
+pub const FIRST_ROUND_MOVES: usize = 16;
+
 /// A straggler is relieved (rule 5) once it has straggled this long, or
 /// [`verdict::WINDOW_ITERATIONS`] iterations if longer: a round takes about as long, and
 /// one made for a straggler that is gone by its end is a loss, and its revert another.
@@ -267,6 +274,9 @@ pub struct View<'a> {
     pub iterations: u64,
     /// Migrations queued or in flight: decide nothing.
     pub busy: bool,
+    /// How long a migration has been taking, µs (the mean of the last ones; `None`
+    /// before any): a round has as many moves as fit in [`ROUND_US`].
+    pub migration_us: Option<f64>,
     /// Row blocks that may be split, each with the row its server reports to split it at
     /// (rule 2b, [`split::heavy_row_block`]).
     pub splittable: &'a BTreeMap<BlockId, u64>,

@@ -30,7 +30,7 @@ pub fn fill(
     let mut loads = Loads::new(placement, sizes, &all, rates);
     let Some(dst) = loads.index(new_server) else { return Vec::new() };
     let mut owned = loads.owned_blocks(placement, sizes);
-    let moves = greedy(&mut loads, &mut owned, Some(dst), u64::MAX);
+    let moves = greedy(&mut loads, &mut owned, Some(dst), u64::MAX, usize::MAX);
     debug_assert_eq!(filled(placement, sizes, new_server, &all, rates, &moves), Ok(()), "fill: {moves:?}");
     moves
 }

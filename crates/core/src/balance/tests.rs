@@ -224,6 +224,7 @@ impl Sim {
             iter_us: (!self.no_iter).then_some(iter_us),
             iterations: if self.no_iter { 0 } else { u64::from(self.workers) * (1e6 / iter_us).max(1.0) as u64 },
             busy,
+            migration_us: None,
             splittable: &BTreeMap::new(),
         });
         assert!(!busy || decisions.is_empty(), "decided while busy: {decisions:?}");
@@ -593,6 +594,7 @@ fn waits_for_confidence_and_cooldown() {
             iter_us: None,
             iterations: 0,
             busy,
+            migration_us: None,
             splittable: &BTreeMap::new(),
         })
     };
@@ -646,6 +648,7 @@ fn gives_up_a_scale_out_whose_server_never_joins() {
             iter_us: Some(1e5),
             iterations: 10,
             busy: false,
+            migration_us: None,
             splittable: &BTreeMap::new(),
         })
     };
@@ -932,6 +935,7 @@ fn a_server_holding_one_small_block_is_never_a_straggler_nor_ranked_below_a_capp
             iter_us: Some(500_000.0),
             iterations: 2,
             busy: false,
+            migration_us: None,
             splittable: &BTreeMap::new(),
         });
         decisions.extend(d);

@@ -89,6 +89,9 @@ enum Requester {
 /// A table is split into at most this many live blocks.
 pub const MAX_TABLE_BLOCKS: usize = 64;
 
+/// Migrations whose mean time tells the balancer how long the next will take.
+pub const MIGRATION_SAMPLES: usize = 16;
+
 /// Most samples one server report gives the load model (one per data frame).
 pub const RX_SAMPLES: u32 = 8;
 
@@ -637,6 +640,7 @@ impl Elastic {
             || !self.queue.is_empty()
             || self.requested.iter().any(|(r, _)| *r == Requester::Operator)
             || self.states.values().any(|s| matches!(s, ServerState::Joining | ServerState::Draining));
+        let migration_us = self.migration_us();
         let Some(balancer) = self.balancer.as_mut() else { return Vec::new() };
         if self.sizes.is_empty() {
             return Vec::new();
@@ -650,6 +654,7 @@ impl Elastic {
             iter_us: self.iter_us,
             iterations: self.iterations,
             busy,
+            migration_us,
             splittable,
         };
         let decisions = balancer.step(&view);
@@ -688,6 +693,21 @@ impl Elastic {
             }
         }
         out
+    }
+
+    /// How long the last [`MIGRATION_SAMPLES`] migrations that succeeded took, on average,
+    /// µs (`None` before any).
+    fn migration_us(&self) -> Option<f64> {
+        let last: Vec<f64> = self
+            .log
+            .migrations
+            .iter()
+            .rev()
+            .filter(|m| m.error.is_none())
+            .take(MIGRATION_SAMPLES)
+            .map(|m| m.total_ms * 1e3)
+            .collect();
+        (!last.is_empty()).then(|| last.iter().sum::<f64>() / last.len() as f64)
     }
 
     /// Starts the next queued migration if none is in flight; stops drained servers.
