@@ -58,7 +58,7 @@ use clap::{Args, ValueEnum};
 use elasticps_core::stats::ratio;
 use elasticps_report::table::{fixed, markdown_table};
 use elasticps_report::{BalanceLog, Report};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tokio::process::{Child, Command};
 
 use crate::checks::{Check, Target, checks_and_targets_markdown};
@@ -520,41 +520,17 @@ pub struct ServerHost {
     pub initial: bool,
 }
 
-/// One judged decision of the balancer, as report.json's `balance.decisions` has it. Read
-/// leniently: a report without the list (an older scheduler) has none, and a field a
-/// record lacks reads as its default.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-#[serde(default)]
-pub struct Judged {
-    /// When it was decided, seconds since the scheduler started.
-    pub at_s: f64,
-    /// When it was judged.
-    pub judged_s: f64,
-    /// What was decided and why.
-    pub what: String,
-    /// Blocks it moved.
-    pub moves: usize,
-    /// The share of the iteration time it was predicted to save.
-    pub predicted_gain: f64,
-    /// The share measured (negative: it cost).
-    pub measured_gain: f64,
-    /// Mean iteration time before it, ms.
-    pub before_ms: Option<f64>,
-    /// Mean iteration time after it, ms.
-    pub after_ms: Option<f64>,
-    /// `kept` or `reverted`.
-    pub verdict: String,
-}
+/// One judged decision of the balancer, as report.json's `balance.decisions` has it.
+pub use elasticps_runtime::scheduler::DecisionRecord as Judged;
 
-impl Judged {
-    /// The decisions of a report.json, `[]` when it has none.
-    pub(crate) fn of(report: &serde_json::Value) -> Vec<Judged> {
-        report
-            .get("balance")
-            .and_then(|b| b.get("decisions"))
-            .and_then(|d| serde_json::from_value(d.clone()).ok())
-            .unwrap_or_default()
-    }
+/// The decisions of a report.json, `[]` when it has none (an older scheduler's report);
+/// a field a record lacks reads as its default.
+pub(crate) fn judged(report: &serde_json::Value) -> Vec<Judged> {
+    report
+        .get("balance")
+        .and_then(|b| b.get("decisions"))
+        .and_then(|d| serde_json::from_value(d.clone()).ok())
+        .unwrap_or_default()
 }
 
 /// One job's results.
@@ -1138,7 +1114,7 @@ async fn job(
     let report: Report = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    Ok((report, Judged::of(&value)))
+    Ok((report, judged(&value)))
 }
 
 /// The scheduler's `server joined server=N addr=IP:PORT initial=B` lines, with the bed host
@@ -1612,12 +1588,12 @@ mod tests {
     #[test]
     fn decisions_read_leniently_and_moves_back_count() {
         let old: serde_json::Value = serde_json::json!({"balance": {"mode": "psld", "migrations": []}});
-        assert!(Judged::of(&old).is_empty());
+        assert!(judged(&old).is_empty());
         let new = serde_json::json!({"balance": {"decisions": [
             {"at_s": 10.0, "what": "migrate", "predicted_gain": 0.4, "measured_gain": 0.5, "verdict": "kept"},
             {"at_s": 20.0, "verdict": "reverted"}
         ]}});
-        let d = Judged::of(&new);
+        let d = judged(&new);
         assert_eq!(d.len(), 2);
         assert_eq!((d[0].verdict.as_str(), d[0].moves, d[1].predicted_gain), ("kept", 0, 0.0));
         let m = |block, from, to| elasticps_runtime::scheduler::MigrationEvent {

@@ -55,7 +55,7 @@ use serde::Serialize;
 
 use crate::checks::{Check, Target};
 use crate::error::{Context as _, ensure_flags, ensure_measured};
-use crate::hosts::Judged;
+use crate::hosts::judged;
 use crate::job::{TrainSpec, sim_defaults};
 use crate::pipeline::{Bench, Written};
 use crate::sim::{SimBenchCmd, job_spec, machine_flags};
@@ -516,10 +516,10 @@ pub struct Verdicts {
 }
 
 /// The verdicts of `balance.decisions` in `report` (a report.json, read leniently as
-/// `bench hosts` reads it: [`Judged::of`]), if it has that list.
+/// `bench hosts` reads it: [`judged`](crate::hosts::judged)), if it has that list.
 pub fn read_verdicts(report: &serde_json::Value) -> Option<Verdicts> {
     report.get("balance")?.get("decisions")?;
-    let decisions = Judged::of(report);
+    let decisions = judged(report);
     let said = |word: &str| decisions.iter().filter(|d| d.verdict.eq_ignore_ascii_case(word)).count();
     Some(Verdicts { decisions: decisions.len(), kept: said("kept"), reverted: said("reverted") })
 }

@@ -742,11 +742,12 @@ fn ops(
 }
 
 /// `--balance psld` with one capped server, long enough for the balancer to act (a
-/// sample a second, a cooldown of 3 s), a few operator moves and drops on top.
+/// sample a second, a straggler relieved once it lasted 10 s, a verdict 10 s after a round,
+/// a scale-out's trial of 8 s), a few operator moves and drops on top.
 pub fn psld_case() -> impl Strategy<Value = Case> {
     (
         shape(),
-        14u32..=24,
+        60u32..=100,
         200_000u64..=300_000,
         1u64..=100_000,
         0u64..=60,
@@ -1188,7 +1189,9 @@ fn the_schedules_exercise_migrations_drops_held_pulls_and_scaling() {
     }
     println!("psld: {psld:?}");
     assert!(psld.migrations > psld.moves_accepted + 30, "{psld:?}");
-    assert!(psld.scale_outs > 5 && psld.drained > 5, "{psld:?}");
+    // Scale-outs: the operators' and the balancer's (which asks for a server only when a
+    // fill would save 5% of the iteration time, so compute-bound cases ask for none).
+    assert!(psld.scale_outs >= 5 && psld.drained > 5, "{psld:?}");
 }
 
 // ---- regressions ---------------------------------------------------------------------
@@ -1597,8 +1600,14 @@ fn run_hot(c: &HotCase) -> Result<(usize, usize), TestCaseError> {
     for b in partition.table_blocks(0) {
         let (start, end, _) = b.row_range().unwrap_or_default();
         let owner = placement.owner(b.id).ok_or_else(|| TestCaseError::fail(format!("block {} has no owner", b.id)))?;
-        let server = sim.servers().filter_map(|(_, r)| r.server()).find(|s| s.id() == Some(owner));
-        let Some(Slot::Owned(o)) = server.and_then(|s| s.slot(b.id)) else {
+        let server = |id: u32| sim.servers().filter_map(|(_, r)| r.server()).find(|s| s.id() == Some(id));
+        // A migration that handed the block over as the job ended, before the scheduler
+        // recorded it: the old owner's slot names the new one, as its `Moved` would.
+        let slot = match server(owner).and_then(|s| s.slot(b.id)) {
+            Some(Slot::Gone { owner: to, .. }) => server(*to).and_then(|s| s.slot(b.id)),
+            other => other,
+        };
+        let Some(Slot::Owned(o)) = slot else {
             return Err(TestCaseError::fail(format!("server {owner} does not hold block {}", b.id)));
         };
         let rows: Vec<u64> = (start..end).collect();

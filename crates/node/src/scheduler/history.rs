@@ -49,8 +49,10 @@ pub struct MigrationEvent {
     pub error: Option<String>,
 }
 
-/// The verdict on one decision of the balancer.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The verdict on one decision of the balancer. Read leniently: a field a record lacks
+/// reads as its default.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct DecisionRecord {
     /// When it was decided, seconds since the scheduler started.
     pub at_s: f64,
