@@ -268,8 +268,14 @@ impl ServerRole {
     /// replies leave when it is done.
     fn data_request(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
         let start = self.busy_until_us.max(out.now_us());
-        self.busy_until_us = start + self.cost_us(&msg);
+        let cost = self.cost_us(&msg);
+        self.busy_until_us = start + cost;
         self.reply_at_us = self.busy_until_us;
+        if let Some(server) = self.server.as_mut() {
+            // The time the modelled CPU spends on it, as a real server's runtime charges
+            // its handling time: a CPU slowed by interference shows in the server's rate.
+            server.charge(cost, 0);
+        }
         self.step(out, Event::Received { conn, request_id, msg });
         self.reply_at_us = 0;
     }
