@@ -68,12 +68,17 @@
 //!    rule, and emit `Migrate` only if the max service time drops by `min_gain` (10%)
 //!    or more AND the gain over `horizon_iters` (50) iterations,
 //!    `(max_before - max_after) * horizon_iters` seconds, exceeds the migration cost,
-//!    `Σ bytes / min(rate of source, rate of destination)` seconds.
+//!    `Σ bytes / min(rate of source, rate of destination)` seconds. No rule acts while
+//!    a straggler has lasted less than [`STRAGGLE_MIN_US`] (or 3 iterations). The round
+//!    carries out the plan's first moves, as many as fit in [`ROUND_US`] (or 3
+//!    iterations) at [`View::migration_us`] a move (an iteration before any was seen,
+//!    at most [`FIRST_ROUND_MOVES`]); the next rounds do the rest.
 //! 6. **Scale out.** If `servers.len() < max_servers`, no hold-off runs, and even the best
 //!    unbudgeted [`rebalance`] leaves `max T > (1 + threshold) * target`, where the target
 //!    `total bytes / (n * median rate)` is the max service time of `n` servers all as fast
-//!    as the median one with the load spread evenly: rebalancing cannot reach the target,
-//!    so emit `ScaleOut` (the baseline is remembered) and run the trial of rule 2.
+//!    as the median one with the load spread evenly: rebalancing cannot reach the target
+//!    (and the fill of one more server at the median rate would save [`MIN_ITER_GAIN`] of
+//!    the iteration time), so emit `ScaleOut` (the baseline is remembered) and run the trial of rule 2.
 //! 7. **Scale in.** If `servers.len() > max(min_servers, 1)`: a server that owns no block,
 //!    or whose service time has been below [`IDLE_FRACTION`] (10%) of the max for
 //!    [`IDLE_US`] (10 s), is drained and stopped (`ScaleIn`) if draining it raises the
