@@ -10,7 +10,6 @@
 //! non-empty block, from its owner, onto the uncertain server.
 
 use super::loads::{Loads, moved, size_of};
-use super::verdict;
 use super::{
     Balancer, FEW_BYTES, MIN_CONFIDENCE, Move, PROBE_INTERVAL_US, PROBE_MAX_INTERVAL_US, Probe, Proposal, STALE_US,
     View,
@@ -26,8 +25,7 @@ impl Balancer {
         let mean_bytes = total as f64 / n as f64;
         let median_rate = crate::stats::median(&loads.rate).unwrap_or(0.0);
         // A server is pushed to once an iteration: in a slow job, samples are that far apart.
-        let iteration = self.mean_us(&self.baseline).unwrap_or(0.0);
-        let stale_us = STALE_US.max((verdict::WINDOW_ITERATIONS * iteration) as u64);
+        let stale_us = self.baseline(now).span_us(STALE_US);
         let uncertain: Vec<bool> = (0..n)
             .map(|i| {
                 let owns = loads.bytes[i];
@@ -77,6 +75,7 @@ impl Balancer {
             debug_assert_eq!(probed(view.placement, view.sizes, &moves, id), Ok(()), "probe: {moves:?}");
             let max = loads.max_time();
             return Some(Proposal {
+                probe: true,
                 max_before: max,
                 max_after: max,
                 moves,

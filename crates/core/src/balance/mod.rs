@@ -358,6 +358,14 @@ struct Baseline {
     predicted_gain: f64,
 }
 
+impl Baseline {
+    /// `floor_us`, or [`verdict::WINDOW_ITERATIONS`] iterations of this baseline if longer:
+    /// how long the window after a decision lasts.
+    fn span_us(&self, floor_us: u64) -> u64 {
+        floor_us.max(self.mean_us.map_or(0, |m| (verdict::WINDOW_ITERATIONS * m) as u64))
+    }
+}
+
 /// A migration round awaiting its verdict.
 #[derive(Clone, Debug, PartialEq)]
 struct Judging {
@@ -385,6 +393,8 @@ struct Proposal {
     /// Max service time before and predicted after, s.
     max_before: f64,
     max_after: f64,
+    /// A probe (rule 9): it predicts no gain.
+    probe: bool,
 }
 
 /// What the rules of one steady step read: the view, the serving servers (sorted, no
@@ -395,6 +405,8 @@ struct Round<'a> {
     servers: &'a [ServerId],
     rates: &'a BTreeMap<ServerId, f64>,
     loads: &'a Loads,
+    /// The stragglers among `loads` ([`stragglers`]).
+    straggling: &'a [ServerId],
 }
 
 /// Probe bookkeeping of one server.
@@ -513,12 +525,14 @@ impl Balancer {
         self.track_idle(&loads, now);
         let straggling = stragglers(&loads.times(), self.params.threshold);
         self.straggling_since.retain(|id, _| straggling.contains(id));
-        for id in straggling {
+        for &id in &straggling {
             self.straggling_since.entry(id).or_insert(now);
         }
 
         let decision = match self.phase.clone() {
-            Phase::Steady => self.steady(&Round { view, servers: &servers, rates: &rates, loads: &loads }),
+            Phase::Steady => {
+                self.steady(&Round { view, servers: &servers, rates: &rates, loads: &loads, straggling: &straggling })
+            }
             Phase::AwaitJoin { asked_us, .. } => {
                 if now.saturating_sub(asked_us) > self.params.join_timeout_us {
                     self.phase = Phase::Steady;
@@ -566,7 +580,7 @@ impl Balancer {
         self.phase = Phase::Judging(Box::new(Judging {
             moves: p.moves.clone(),
             what: p.why.clone(),
-            probe: p.max_before == p.max_after,
+            probe: p.probe,
             unknown,
             baseline: self.baseline(now),
             max_before: p.max_before,
@@ -643,15 +657,14 @@ impl Balancer {
         if self.baseline.len() < VERDICT_MIN_STEPS || (self.iterating && self.baseline.progress_steps() < 2) {
             return None;
         }
-        let straggling = stragglers(&loads.times(), self.params.threshold);
+        let straggling = round.straggling;
         // A straggler is relieved once it has lasted: until then no rule acts.
-        let iteration = self.mean_us(&self.baseline).unwrap_or(0.0);
-        let least = STRAGGLE_MIN_US.max((verdict::WINDOW_ITERATIONS * iteration) as u64);
+        let least = self.baseline(now).span_us(STRAGGLE_MIN_US);
         let lasting = |id: &ServerId| self.straggling_since.get(id).is_some_and(|&t| now >= t.saturating_add(least));
         if !straggling.is_empty() && !straggling.iter().any(lasting) {
             return None;
         }
-        if let Some(p) = self.exploit_stragglers(round, &straggling) {
+        if let Some(p) = self.exploit_stragglers(round) {
             return Some(self.propose(view, p));
         }
         if let Some(d) = self.scale_out(round) {
@@ -660,7 +673,7 @@ impl Balancer {
         if let Some(d) = self.scale_in(round) {
             return Some(d);
         }
-        if let Some(p) = self.exploit_imbalance(round, &straggling) {
+        if let Some(p) = self.exploit_imbalance(round) {
             return Some(self.propose(view, p));
         }
         let p = self.probe(view, loads)?;

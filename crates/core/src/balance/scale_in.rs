@@ -45,7 +45,7 @@ impl Balancer {
     /// Rule 7: an idle server whose load the others absorb is drained and stopped.
     /// Candidates from the smallest service time, ties to the highest id (the newest).
     pub(super) fn scale_in(&self, round: &Round) -> Option<Decision> {
-        let Round { view, servers, rates, loads } = *round;
+        let Round { view, servers, rates, loads, .. } = *round;
         let now = view.now_us;
         let n = loads.ids.len();
         if n <= (self.params.min_servers.max(1)) as usize {

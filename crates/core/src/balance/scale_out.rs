@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use super::loads::{EPS, Loads, greedy, moved, size_of};
-use super::verdict::{Verdict, WINDOW_ITERATIONS, Window};
+use super::verdict::{Verdict, Window};
 use super::{
     BalanceParams, Balancer, Baseline, Decision, MIN_ITER_GAIN, Move, Phase, Round, TRIAL_SETTLE_US, View, rebalance,
 };
@@ -39,7 +39,7 @@ impl Balancer {
     /// Rule 6: rebalancing cannot reach the target `total bytes / (n * median rate)`, so
     /// ask for one more server (and remember the baseline of its trial).
     pub(super) fn scale_out(&mut self, round: &Round) -> Option<Decision> {
-        let Round { view, servers, rates, loads } = *round;
+        let Round { view, servers, rates, loads, .. } = *round;
         let now = view.now_us;
         let n = loads.ids.len();
         if n < self.params.max_servers as usize && now >= self.scale_out_after_us {
@@ -126,8 +126,7 @@ impl Balancer {
             return Vec::new();
         }
         window.push(now, view.iterations, view.iter_us);
-        let least = baseline.mean_us.map_or(0, |b| (WINDOW_ITERATIONS * b) as u64);
-        if now < window.start_us().saturating_add(self.params.trial_us.max(least)) {
+        if now < window.start_us().saturating_add(baseline.span_us(self.params.trial_us)) {
             return Vec::new();
         }
         let after = window.mean_us().filter(|_| self.iterating);

@@ -168,8 +168,7 @@ impl Balancer {
         let Phase::Judging(j) = &mut self.phase else { return Vec::new() };
         let window = j.window.get_or_insert_with(|| Window::starting(now.saturating_add(TRIAL_SETTLE_US)));
         window.push(now, view.iterations, view.iter_us);
-        let least = j.baseline.mean_us.map_or(0, |b| (WINDOW_ITERATIONS * b) as u64);
-        if now < window.start_us().saturating_add(self.params.trial_us.max(least)) {
+        if now < window.start_us().saturating_add(j.baseline.span_us(self.params.trial_us)) {
             return Vec::new();
         }
         let Phase::Judging(j) = std::mem::replace(&mut self.phase, Phase::Steady) else { return Vec::new() };
