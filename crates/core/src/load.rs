@@ -67,6 +67,14 @@ pub struct LinkSample {
     pub bps: f64,
 }
 
+impl LinkSample {
+    /// True if the frames average less than [`MIN_FRAME_SHARE`] of `mean_block_bytes`
+    /// (the job's mean block): they measure per-request costs, not the link.
+    pub fn small_frames(&self, mean_block_bytes: f64) -> bool {
+        self.frames > 0 && (self.bytes as f64 / f64::from(self.frames)) < MIN_FRAME_SHARE * mean_block_bytes
+    }
+}
+
 /// **The fixed cost per request.** A server's time per interval is
 /// `frames * fixed_s + bytes / rate`: a frame costs its handling (a system call, a
 /// lookup, a reply) whatever its size, and its bytes at the link's rate. The rate of a
@@ -82,7 +90,7 @@ pub fn link_rate(sample: LinkSample, fixed_s: f64, mean_block_bytes: f64) -> Opt
     if frames == 0 || bytes == 0 || !(bps.is_finite() && bps > 0.0) {
         return None;
     }
-    if (bytes as f64 / f64::from(frames)) < MIN_FRAME_SHARE * mean_block_bytes {
+    if sample.small_frames(mean_block_bytes) {
         return None;
     }
     let seconds = bytes as f64 / bps;

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use elasticps_core::balance::{self, BalanceParams, Balancer, Decision, Move, View};
-use elasticps_core::load::{LinkSample, LoadModel, MIN_FRAME_SHARE, link_rate};
+use elasticps_core::load::{LinkSample, LoadModel, link_rate};
 use elasticps_core::placement::{Placement, ServerId};
 use elasticps_wire::{
     ClusterStatus, Control, ErrorCode, MigrationReport, ScaleRequest, ServerLoad, ServerStatus, WorkerLoad,
@@ -122,8 +122,8 @@ pub(super) struct Elastic {
     iter_us: Option<f64>,
     /// The iterations completed in the last interval.
     iterations: u64,
-    /// Per server whose data frames are small (below `load::MIN_FRAME_SHARE` of the mean
-    /// block), the handling time of one request it last reported (busy time over
+    /// Per server whose data frames are small (`load::LinkSample::small_frames`), the
+    /// handling time of one request it last reported (busy time over
     /// requests): the job's fixed cost per request is the least of them.
     request_us: BTreeMap<ServerId, f64>,
     last_sample_us: u64,
@@ -347,9 +347,8 @@ impl Elastic {
             }
         }
         let mean_block = self.sizes.iter().sum::<u64>() as f64 / self.sizes.len().max(1) as f64;
-        let small_frames =
-            load.rx_frames > 0 && (load.bytes_in as f64 / f64::from(load.rx_frames)) < MIN_FRAME_SHARE * mean_block;
-        if small_frames && load.requests > 0 {
+        let sample = LinkSample { bytes: load.bytes_in, frames: load.rx_frames, bps: load.rx_bps };
+        if sample.small_frames(mean_block) && load.requests > 0 {
             // Where frames are small, handling a request is all fixed cost.
             self.request_us.insert(load.server_id, load.busy_us as f64 / load.requests as f64);
         }
@@ -366,7 +365,6 @@ impl Elastic {
             // beside the frames that matter).
             let fixed_s = self.request_us.values().copied().fold(f64::INFINITY, f64::min) / 1e6;
             let fixed_s = if fixed_s.is_finite() { fixed_s } else { 0.0 };
-            let sample = LinkSample { bytes: load.bytes_in, frames: load.rx_frames, bps: load.rx_bps };
             let rate = link_rate(sample, fixed_s, mean_block);
             tracing::debug!(
                 server = load.server_id,
