@@ -21,6 +21,7 @@ pub mod balance;
 pub mod block;
 pub mod error;
 pub mod f32s;
+pub mod ids;
 pub mod load;
 pub mod model;
 pub mod optimizer;

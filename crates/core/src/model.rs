@@ -14,8 +14,7 @@ use crate::CoreError;
 use crate::optimizer::TensorOptimizer;
 use crate::rows::{RowInit, RowRule, SparseOptimizer, row_key};
 
-/// Dense index of a block, unique within one model.
-pub type BlockId = u32;
+pub use crate::ids::{BlockId, fnv1a};
 
 /// How a tensor's initial values are drawn on the server that owns it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -431,16 +430,6 @@ impl Partition {
             }
         })
     }
-}
-
-/// FNV-1a hash (stable across runs and platforms, unlike `DefaultHasher`).
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
 }
 
 #[cfg(test)]

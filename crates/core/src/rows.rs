@@ -29,7 +29,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
 
 use crate::CoreError;
-use crate::model::{BlockId, fnv1a};
+use crate::ids::{BlockId, fnv1a};
 
 /// How a table's rows get their initial values. Each row's values depend only on the
 /// job's seed, the table's name and the row id ([`RowInit::fill`]).
