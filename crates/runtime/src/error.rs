@@ -81,7 +81,7 @@ pub enum RuntimeError {
     #[error("tls {part} file {path}: {what}")]
     TlsSetup {
         /// Which file.
-        part: crate::tls::TlsPart,
+        part: TlsPart,
         /// Its path.
         path: String,
         /// What is wrong with it.
@@ -122,3 +122,24 @@ impl RuntimeError {
 
 /// Result alias of the runtime.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// Which of the three PEM files a setup error is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsPart {
+    /// This node's certificate chain (`--tls-cert`).
+    Cert,
+    /// This node's private key (`--tls-key`).
+    Key,
+    /// The cluster's CA certificates (`--tls-ca`).
+    Ca,
+}
+
+impl std::fmt::Display for TlsPart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TlsPart::Cert => "certificate",
+            TlsPart::Key => "private key",
+            TlsPart::Ca => "CA certificates",
+        })
+    }
+}

@@ -27,7 +27,7 @@ use elasticps_wire::ServerStats;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::RuntimeError;
-use crate::scheduler::BalanceLog;
+use elasticps_node::scheduler::BalanceLog;
 
 /// The variable that names the file descriptor a launched worker writes its events to.
 pub const EVENTS_FD_VAR: &str = "ELASTICPS_EVENTS_FD";

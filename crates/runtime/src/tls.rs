@@ -39,31 +39,11 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
+pub use crate::error::TlsPart;
 use crate::error::{Result, RuntimeError};
 
 /// First byte of a TLS handshake record (a ClientHello starts with it).
 pub const TLS_HANDSHAKE_RECORD: u8 = 0x16;
-
-/// Which of the three PEM files a setup error is about.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TlsPart {
-    /// This node's certificate chain (`--tls-cert`).
-    Cert,
-    /// This node's private key (`--tls-key`).
-    Key,
-    /// The cluster's CA certificates (`--tls-ca`).
-    Ca,
-}
-
-impl std::fmt::Display for TlsPart {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            TlsPart::Cert => "certificate",
-            TlsPart::Key => "private key",
-            TlsPart::Ca => "CA certificates",
-        })
-    }
-}
 
 /// A node's TLS settings: the acceptor's and the dialer's rustls configurations, built from
 /// one certificate, its key and the cluster's CA.

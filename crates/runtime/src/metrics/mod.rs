@@ -33,7 +33,7 @@ use tokio::sync::watch;
 
 pub use http::{CONTENT_TYPE, MAX_CONNECTIONS, MAX_REQUEST_BYTES, MetricsEndpoint, READ_TIMEOUT};
 
-use crate::scheduler::BalanceLog;
+use elasticps_node::scheduler::BalanceLog;
 
 /// Something an endpoint can serve: a node's metrics in the OpenMetrics text format.
 pub trait Scrape: Send + Sync + 'static {
@@ -483,9 +483,9 @@ mod tests {
     use elasticps_core::stats::Histogram as LogHistogram;
 
     use super::*;
-    use crate::scheduler::ScaleEvent;
     use elasticps_core::block::BlockStats;
     use elasticps_core::sync::SyncPolicy;
+    use elasticps_node::scheduler::ScaleEvent;
 
     struct Fixed(Mutex<ServerSnapshot>);
 
