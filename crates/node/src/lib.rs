@@ -28,6 +28,7 @@
 
 pub mod authz;
 pub mod error;
+pub mod events;
 pub mod scheduler;
 pub mod server;
 pub mod session;

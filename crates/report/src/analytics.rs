@@ -457,7 +457,7 @@ pub fn window_rate(iters: &[Iterations], from: f64) -> (f64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use elasticps_runtime::scheduler::{MigrationEvent, ScaleEvent};
+    use elasticps_node::scheduler::{MigrationEvent, ScaleEvent};
 
     /// A worker whose iterations last `ms`, starting at `start`.
     fn worker(rank: u32, start: f64, ms: &[f32]) -> WorkerReport {

@@ -356,7 +356,7 @@ fn no_data(chart: &Chart<'_, '_>, message: &str) -> Result<()> {
 #[cfg(test)]
 pub mod tests {
     use super::*;
-    use elasticps_runtime::scheduler::{DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+    use elasticps_node::scheduler::{DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
 
     /// 4 servers; server 1 straggles from 5 s, the balancer moves 6 blocks off it, scales
     /// out at 20 s (server 4 joins), and settles at 24 s.

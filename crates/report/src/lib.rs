@@ -52,9 +52,9 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::Path;
 
-pub use elasticps_runtime::events::WorkerReport;
-use elasticps_runtime::events::f64_or_nan;
-pub use elasticps_runtime::scheduler::{BalanceLog, ServerPoint};
+pub use elasticps_node::events::WorkerReport;
+use elasticps_node::events::f64_or_nan;
+pub use elasticps_node::scheduler::{BalanceLog, ServerPoint};
 use serde::{Deserialize, Serialize};
 
 /// File name of the machine-readable report inside the report directory.
