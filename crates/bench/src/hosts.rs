@@ -1030,6 +1030,10 @@ async fn job(
         a.extend(layout.iter().map(|s| s.to_string()));
         a.extend(["--report".to_string(), dir.join(&name).display().to_string()]);
         a.extend(spec.job.to_flags());
+        if !spec.job.aggregate {
+            // launch aggregates under bsp by default; the bench measures per-push steps.
+            a.push("--no-aggregate".into());
+        }
         a.extend(
             ["--request-timeout-s", "60", "--end-timeout-s", "30", "--join-timeout-s", "60", "--"].map(String::from),
         );

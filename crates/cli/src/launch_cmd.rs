@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use clap::Args;
 
+use elasticps_core::sync::SyncPolicy;
 use elasticps_launch::args::{JobArgs, NetArgs, RunArgs};
 use elasticps_launch::hosts::{HostArgs, HostOutcome, HostSpec, run_host};
 use elasticps_launch::process::shell_words;
@@ -56,13 +57,36 @@ pub struct LaunchCmd {
     /// exits without finishing leaves the scheduler waiting).
     #[arg(long, env = "ELASTICPS_END_TIMEOUT", default_value_t = elasticps_launch::runner::JOB_END_TIMEOUT.as_secs_f64())]
     pub end_timeout_s: f64,
+    /// Keep ps-lite's arithmetic under bsp: every worker's push is an optimizer step of its
+    /// own (2 steps per clock with 2 workers). By default a `launch` job whose servers all
+    /// run bsp takes DDP's arithmetic instead, as if `--aggregate` were given: one step per
+    /// clock with the mean of the workers' gradients, so a DDP script moved here follows the
+    /// same loss curve. The default holds for every launch job, whatever its command: which
+    /// arithmetic a job gets never depends on guessing what the command is (`train` and the
+    /// roles keep per-push steps unless given `--aggregate`).
+    #[arg(long, env = "ELASTICPS_NO_AGGREGATE", conflicts_with = "aggregate")]
+    pub no_aggregate: bool,
     /// The worker command and its arguments, after `--` (e.g. `-- python train.py --epochs 2`).
     #[arg(last = true, required = true, value_name = "CMD")]
     pub command: Vec<String>,
 }
 
+impl LaunchCmd {
+    /// The command with launch's default arithmetic applied to its job: under bsp on
+    /// every server, one step per clock with the mean of the workers' pushes (DDP's),
+    /// unless `--no-aggregate`.
+    pub fn with_default_arithmetic(mut self) -> Self {
+        let bsp = |p: &SyncPolicy| *p == SyncPolicy::Bsp;
+        if !self.no_aggregate && bsp(&self.job.sync) && self.job.server_sync.iter().all(|(_, p)| bsp(p)) {
+            self.job.aggregate = true;
+        }
+        self
+    }
+}
+
 /// `elasticps launch`: run, print the summary, write the report.
 pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
+    let cmd = cmd.with_default_arithmetic();
     let mut env = Vec::new();
     if let Some(s) = cmd.request_timeout_s {
         env.push(("ELASTICPS_REQUEST_TIMEOUT".to_string(), s.to_string()));
@@ -189,6 +213,22 @@ mod tests {
         assert_eq!(c.job.lr, 0.001);
         let err = parse(&["--workers", "2"]).expect_err("a missing command is refused").to_string();
         assert!(err.contains("required") && err.contains("CMD"), "{err}");
+    }
+
+    #[test]
+    fn launch_takes_ddps_arithmetic_under_bsp_unless_told_otherwise() {
+        let aggregate = |args: &[&str]| {
+            let all: Vec<&str> = args.iter().copied().chain(["--", "python", "train.py"]).collect();
+            parse(&all).unwrap().with_default_arithmetic().job.aggregate
+        };
+        assert!(aggregate(&[]), "bsp by default: one step per clock with the mean, as DDP");
+        assert!(aggregate(&["--aggregate"]));
+        assert!(!aggregate(&["--no-aggregate"]), "ps-lite's per-push steps on request");
+        assert!(!aggregate(&["--sync", "ssp:2"]), "the default is bsp's alone");
+        assert!(!aggregate(&["--server-sync", "1=asp"]), "a server that is not bsp keeps per-push steps");
+        assert!(aggregate(&["--sync", "ssp:2", "--aggregate"]), "an explicit --aggregate holds everywhere");
+        let both = parse(&["--aggregate", "--no-aggregate", "--", "python"]).expect_err("contradictory");
+        assert!(both.to_string().contains("cannot be used with"), "{both}");
     }
 
     #[test]

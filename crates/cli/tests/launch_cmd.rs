@@ -104,7 +104,8 @@ fn launch_runs_the_worker_role_as_the_command_and_reports_both_workers() {
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "launch failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("test accuracy") && stdout.contains("after 30 steps per worker"), "{stdout}");
-    assert!(stdout.contains("2 servers, 2 workers, bsp"), "{stdout}");
+    // launch's default under bsp is DDP's arithmetic: the scheduler got --aggregate.
+    assert!(stdout.contains("2 servers, 2 workers, bsp --aggregate: "), "{stdout}");
     assert!(!stdout.contains("sent no final report"), "{stdout}");
     // The worker role's log lines (stderr) are forwarded, prefixed with the spawn index.
     for i in 0..2 {
@@ -120,6 +121,7 @@ fn launch_runs_the_worker_role_as_the_command_and_reports_both_workers() {
     assert!(report["test_accuracy"].as_f64().is_some_and(|a| a > 0.3), "{}", report["test_accuracy"]);
     assert_eq!(report["config"]["command"], format!("{BIN} worker --iterations 30 --eval-every 0"));
     assert_eq!(report["config"]["workers"], 2);
+    assert_eq!(report["config"]["aggregate"], true, "launch aggregates under bsp by default");
     // Both workers' pushes reached both servers: 2 pushes of every block per iteration.
     let servers = report["servers"].as_array().expect("servers");
     assert_eq!(servers.len(), 2);

@@ -563,7 +563,9 @@ pub fn assemble_report(o: &RunOutcome, config: serde_json::Value, test_accuracy:
         config,
         test_accuracy,
         test_loss,
-        samples_per_sec: if train_s > 0.0 { samples as f64 / train_s } else { 0.0 },
+        // Unknown (NaN, "unknown" in the summary, null in report.json) when no worker
+        // reported a sample: a script that logged no `samples` did not train zero.
+        samples_per_sec: if train_s > 0.0 && samples > 0 { samples as f64 / train_s } else { f64::NAN },
         wall_s: o.wall.as_secs_f64(),
         iterations,
         servers,
@@ -577,9 +579,16 @@ pub fn assemble_report(o: &RunOutcome, config: serde_json::Value, test_accuracy:
 pub fn print_cluster_summary(job: &JobArgs, report: &Report) {
     let held: u64 = report.servers.iter().map(|s| s.pulls_held).sum();
     let hold_ms: f64 = report.servers.iter().map(|s| s.hold_ms).sum();
+    let sync = if job.aggregate { format!("{} --aggregate", job.sync) } else { job.sync.to_string() };
+    // NaN: no worker reported a sample (a script that logged no `samples`).
+    let rate = if report.samples_per_sec.is_finite() {
+        format!("{:.0}", report.samples_per_sec)
+    } else {
+        "unknown".to_string()
+    };
     println!(
-        "{} servers, {} workers, {}: {:.0} samples/s, wall {:.1} s, pulls held {} ({:.1} ms in total)",
-        job.servers, job.workers, job.sync, report.samples_per_sec, report.wall_s, held, hold_ms
+        "{} servers, {} workers, {sync}: {rate} samples/s, wall {:.1} s, pulls held {held} ({hold_ms:.1} ms in total)",
+        job.servers, job.workers, report.wall_s
     );
     if let Some(log) = &report.balance
         && (log.mode != "static" || !log.migrations.is_empty())
