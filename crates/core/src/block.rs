@@ -599,6 +599,29 @@ impl<T> Block<T> {
         &self.values
     }
 
+    /// The optimizer state of a dense block (steps, momentum or Adam's moments).
+    pub fn opt_state(&self) -> Result<&OptState, CoreError> {
+        if self.rows.is_some() {
+            return Err(CoreError::NotDense(self.spec.id));
+        }
+        Ok(&self.opt)
+    }
+
+    /// Replaces the optimizer state of a dense block (a PyTorch optimizer's
+    /// `load_state_dict`). `m` and `v` are each empty (no state) or as long as the block.
+    pub fn set_opt_state(&mut self, state: OptState) -> Result<(), CoreError> {
+        if self.rows.is_some() {
+            return Err(CoreError::NotDense(self.spec.id));
+        }
+        for got in [state.m.len(), state.v.len()] {
+            if got != 0 && got != self.spec.len {
+                return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got });
+            }
+        }
+        self.opt = state;
+        Ok(())
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> &BlockStats {
         &self.stats

@@ -105,6 +105,8 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("PullRows", Receiver::Server, &[Wrk]),
     ("PushRows", Receiver::Server, &[Wrk]),
     ("SetOptimizer", Receiver::Server, &[Wrk]),
+    ("GetOptState", Receiver::Server, &[Wrk]),
+    ("SetOptState", Receiver::Server, &[Wrk]),
     ("BlockSnapshot", Receiver::Server, &[Srv]),
     ("BlockDelta", Receiver::Server, &[Srv]),
     ("Replicate", Receiver::Server, &[Srv]),

@@ -23,7 +23,7 @@
 
 use elasticps_core::block::{Block, BlockState, LoggedPush, ShardConfig};
 use elasticps_core::model::{BlockId, Init, Partition, TensorSpec};
-use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind, TensorOptimizer};
+use elasticps_core::optimizer::{OptState, OptimizerConfig, OptimizerKind, TensorOptimizer};
 use elasticps_core::placement::{Placement, PlacementKind, ServerId};
 use elasticps_core::sync::{Clock, SyncPolicy};
 use elasticps_node::ConnId;
@@ -235,6 +235,9 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
         "HostEvent" => Control::HostEvent { line: "{\"event\":\"sample\"}".into() },
         "SplitBlock" => Control::SplitBlock { block: 1, at: 1, epoch: MOVE_EPOCH, recorded: true },
         "SplitDone" => Control::SplitDone { block: 1, at: 1, epoch: MOVE_EPOCH, error: None },
+        "GetOptState" => Control::GetOptState { block: 0 },
+        "OptState" => Control::OptState { block: 0, state: OptState::default() },
+        "SetOptState" => Control::SetOptState { block: 0, state: OptState::default() },
         "Push" => return Message::Push { block: 0, clock, values: values(0.5) },
         "PushAck" => return Message::PushAck { block: 0, clock },
         "Pull" => return Message::Pull { block: 0, clock },

@@ -7,7 +7,7 @@
 
 use elasticps_core::block::{BlockState, BlockStats, LoggedPush, ShardConfig};
 use elasticps_core::model::{BlockId, Partition, TableSpec, TensorSpec};
-use elasticps_core::optimizer::TensorOptimizer;
+use elasticps_core::optimizer::{OptState, TensorOptimizer};
 use elasticps_core::placement::{Placement, ServerId};
 use serde::{Deserialize, Serialize};
 
@@ -348,6 +348,29 @@ pub enum Control {
         /// Why it was not split, if it was not.
         error: Option<String>,
     },
+    /// Tag 48: Worker -> server (data connection): the optimizer state of dense block
+    /// `block` (a PyTorch optimizer's `state_dict`). Reply: [`Control::OptState`],
+    /// `Moved` if the server does not serve the block, or an `Error` (a row block).
+    GetOptState {
+        /// The block.
+        block: BlockId,
+    },
+    /// Tag 49: Server -> worker: the optimizer state of `block` answering `GetOptState`.
+    OptState {
+        /// The block.
+        block: BlockId,
+        /// Steps taken, momentum or first moment, second moment.
+        state: OptState,
+    },
+    /// Tag 50: Worker -> server (data connection): replace the optimizer state of dense
+    /// block `block` (a PyTorch optimizer's `load_state_dict`). Reply: `Ok`, `Moved` if the
+    /// server does not serve the block, or an `Error` (a row block, wrong lengths).
+    SetOptState {
+        /// The block.
+        block: BlockId,
+        /// Its new optimizer state: `m` and `v` empty or as long as the block.
+        state: OptState,
+    },
 }
 
 impl Control {
@@ -402,11 +425,14 @@ impl Control {
             Control::HostEvent { .. } => "HostEvent",
             Control::SplitBlock { .. } => "SplitBlock",
             Control::SplitDone { .. } => "SplitDone",
+            Control::GetOptState { .. } => "GetOptState",
+            Control::OptState { .. } => "OptState",
+            Control::SetOptState { .. } => "SetOptState",
         }
     }
 
     /// Every variant's name, in tag order ([`Control::name`] of tag `i` is `NAMES[i]`).
-    pub const NAMES: [&'static str; 48] = [
+    pub const NAMES: [&'static str; 51] = [
         "RegisterServer",
         "RegisterWorker",
         "Welcome",
@@ -455,6 +481,9 @@ impl Control {
         "HostEvent",
         "SplitBlock",
         "SplitDone",
+        "GetOptState",
+        "OptState",
+        "SetOptState",
     ];
 }
 

@@ -72,6 +72,9 @@ mod common {
             Control::HostEvent { .. } => 45,
             Control::SplitBlock { .. } => 46,
             Control::SplitDone { .. } => 47,
+            Control::GetOptState { .. } => 48,
+            Control::OptState { .. } => 49,
+            Control::SetOptState { .. } => 50,
         }
     }
 
@@ -207,6 +210,14 @@ mod common {
                 }
                 c
             })
+    }
+
+    /// Any optimizer state (moments empty or of one length).
+    pub fn arb_opt_state() -> impl Strategy<Value = OptState> {
+        (any::<u64>(), 0..24usize).prop_flat_map(|(steps, len)| {
+            let buf = prop_oneof![Just(Vec::new()), arb_f32s(len)];
+            (buf.clone(), buf).prop_map(move |(m, v)| OptState { steps, m, v })
+        })
     }
 
     /// A consistent block state: values, optimizer buffers (empty, or one value per
@@ -478,6 +489,9 @@ mod common {
             }),
             (any::<(u32, u64, u64)>(), prop::option::of(".{0,20}"))
                 .prop_map(|((block, at, epoch), error)| Control::SplitDone { block, at, epoch, error }),
+            any::<u32>().prop_map(|block| Control::GetOptState { block }),
+            (any::<u32>(), arb_opt_state()).prop_map(|(block, state)| Control::OptState { block, state }),
+            (any::<u32>(), arb_opt_state()).prop_map(|(block, state)| Control::SetOptState { block, state }),
         ]
     }
 

@@ -35,6 +35,7 @@ pub mod capacity;
 pub mod config;
 pub mod counters;
 mod migrate;
+mod opt_state;
 mod replica;
 pub mod slot;
 mod split;
@@ -807,6 +808,10 @@ impl Server {
                     Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
                 },
             },
+            Message::Control(Control::GetOptState { block }) => Some(self.opt_state_request(rank, block, None)),
+            Message::Control(Control::SetOptState { block, state }) => {
+                Some(self.opt_state_request(rank, block, Some(state)))
+            }
             other => {
                 // The table allows what this match does not take: refused, nothing changed.
                 Some(error(

@@ -1349,3 +1349,39 @@ mod rows {
         assert_eq!(shard.placement.epoch, 2);
     }
 }
+
+/// The answer to a worker's `GetOptState` or `SetOptState` of `block`.
+fn opt_call(s: &mut Server, req: u64, msg: Control) -> Message {
+    let r = s.handle(0, Event::Received { conn: 1, request_id: req, msg: msg.into() });
+    let got = replies(&r);
+    assert_eq!(got.len(), 1, "one reply in {r:?}");
+    got[0].2.clone()
+}
+
+#[test]
+fn a_worker_reads_and_replaces_a_blocks_optimizer_state() {
+    use elasticps_core::optimizer::OptState;
+    let mut s = server(0, SyncPolicy::Asp);
+    push(&mut s, 0, 0, 1, 0, 0, 1.0);
+    push(&mut s, 0, 1, 1, 0, 0, 1.0);
+    let get = |s: &mut Server, req| opt_call(s, req, Control::GetOptState { block: 0 });
+    // Two pushes, two SGD steps, no moments.
+    assert_eq!(
+        get(&mut s, 2),
+        Control::OptState { block: 0, state: OptState { steps: 2, m: vec![], v: vec![] } }.into()
+    );
+    let state = OptState { steps: 7, m: vec![0.5; LEN], v: vec![0.25; LEN] };
+    let set = opt_call(&mut s, 3, Control::SetOptState { block: 0, state: state.clone() });
+    assert_eq!(set, Control::Ok.into());
+    assert_eq!(get(&mut s, 4), Control::OptState { block: 0, state: state.clone() }.into());
+    // A state of another length is refused and changes nothing.
+    let bad = OptState { steps: 1, m: vec![1.0; LEN + 1], v: vec![] };
+    let refused = opt_call(&mut s, 5, Control::SetOptState { block: 0, state: bad });
+    assert!(matches!(&refused, Message::Error(e) if e.code == ErrorCode::BadRequest), "{refused:?}");
+    assert_eq!(get(&mut s, 6), Control::OptState { block: 0, state }.into());
+    // Another server's block: Moved to its owner.
+    assert_eq!(
+        opt_call(&mut s, 7, Control::GetOptState { block: 1 }),
+        Control::Moved { block: 1, owner: 1, epoch: 1 }.into()
+    );
+}

@@ -34,6 +34,7 @@ use elasticps_wire::{Codec, Control, Credential, Layout, Message};
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 
+mod opt_state;
 mod round;
 mod rows;
 mod server_conn;
