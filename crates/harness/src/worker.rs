@@ -621,8 +621,9 @@ impl Role for WorkerRole {
         match &msg {
             Message::PushAck { .. } => self.record.pushes_acked += 1,
             Message::PullReply { .. } => {
-                // A push_pull's reply acknowledges its push too.
-                if matches!(round.op_of(request_id), Some(Op::PushPull(_))) {
+                // A push_pull's reply acknowledges its push too, unless its push was
+                // acknowledged on its own (its pull held).
+                if matches!(round.op_of(request_id), Some(Op::PushPull(_))) && !round.is_held(request_id) {
                     self.record.pushes_acked += 1;
                 }
                 self.record.pulls_answered += 1;

@@ -474,3 +474,4 @@ mod job {
 }
 
 mod exactly_once;
+mod window;

@@ -812,6 +812,7 @@ impl Server {
             Message::Control(Control::SetOptState { block, state }) => {
                 Some(self.opt_state_request(rank, block, Some(state)))
             }
+            Message::Control(Control::SetValues { block, values }) => Some(self.set_values_request(rank, block, &values)),
             other => {
                 // The table allows what this match does not take: refused, nothing changed.
                 Some(error(
@@ -1087,7 +1088,10 @@ impl Server {
             Request::PushPull { clock, values } => {
                 // The push exactly as a Push (a duplicate is dropped by the clock state), then
                 // the pull of the next clock exactly as a Pull: answered now or held, with the
-                // same coin. Its reply (under the request's id) acknowledges the push.
+                // same coin. Its `PullReply` (under the request's id) acknowledges the push;
+                // a held pull's push is acknowledged at once on its own (`PushAck` under the
+                // same id, the `PullReply` later), so that the worker's window never fills
+                // with held pulls while its other pushes wait (issue 33).
                 let Some(next) = clock.checked_add(1) else {
                     return Some(error(ErrorCode::BadRequest, format!("push_pull of block {block} at the last clock")));
                 };
@@ -1099,15 +1103,16 @@ impl Server {
                 };
                 let mut coin = StdRng::seed_from_u64(pull_coin_seed(shard.seed, rank, next));
                 let pulled = o.block.pull(&shard.effective(), to, rank, next, now_us, &mut coin);
-                let refused = match pulled {
-                    Ok(answer) => {
-                        answers.extend(answer);
+                let reply = match pulled {
+                    Ok(Some(answer)) => {
+                        answers.push(answer);
                         None
                     }
+                    Ok(None) => Some(Message::PushAck { block, clock }),
                     Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
                 };
                 self.answer_pulls(answers, out);
-                refused
+                reply
             }
         };
         self.checkpoint_if_due(now_us, block, done, out);

@@ -23,10 +23,15 @@
 //! ```
 //!
 //! The window: a round emits a [`Action::Send`] only while fewer than
-//! [`Worker::with_window`] requests of it are in flight to that server; the others wait in
-//! the round, in the order planned, and go out as answers come back (a runtime writes
-//! every send it is given). Each request sent must be answered within the request
-//! timeout; [`Round::poll_timeout`] is the oldest one's deadline.
+//! [`Worker::with_window`] requests of it are in flight to that server, counted apart for
+//! the requests that carry a push and those that only pull; the others wait in the round,
+//! in the order planned, and go out as answers come back (a runtime writes every send it
+//! is given). A push_pull whose pull the server holds is acknowledged on its own (a
+//! `PushAck`, then its `PullReply` under the same id: [`Op::ends_with`]) and leaves the
+//! window then, so a held pull never takes the room of a push that other workers' held
+//! pulls wait for (the deadlock of issue 33, see `window.rs`). Each request sent must be
+//! answered within the request timeout, a held one too; [`Round::poll_timeout`] is the
+//! oldest one's deadline.
 //!
 //! Per server, a round is a push phase (all pushes of that server's blocks in flight at
 //! once) and then, once that server acknowledged them all, a pull phase for those blocks
@@ -53,7 +58,7 @@ use std::collections::BTreeMap;
 
 use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Layout, Message, WorkerLoad};
+use elasticps_wire::{Kind, Layout, Message, WorkerLoad};
 
 pub use load::{Iteration, LoadReport};
 pub use round::{Answer, Round};
@@ -131,6 +136,14 @@ impl Op {
     /// `PullRowsReply` (a row pull).
     pub fn is_pull(self) -> bool {
         matches!(self, Op::Pull(_) | Op::PushPull(_) | Op::PullRows(_))
+    }
+
+    /// True if a reply of `kind` ends request `op` (no other reply comes under its id).
+    /// False only for a push_pull's `PushAck`: the server acknowledged its push on its own
+    /// and holds its pull, whose `PullReply` (or `Moved`, or `Error`) follows under the
+    /// same id; the round no longer counts it in the window meanwhile.
+    pub fn ends_with(self, kind: Kind) -> bool {
+        !(matches!(self, Op::PushPull(_)) && kind == Kind::PushAck)
     }
 
     /// True for the requests about a row block's rows (PushRows, PullRows).

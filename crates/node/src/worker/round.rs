@@ -83,6 +83,10 @@ enum Outcome {
     Queued,
     /// Sent, no reply yet.
     Waiting,
+    /// A push_pull whose server acknowledged its push on its own (`PushAck`) and holds its
+    /// pull: it waits for its `PullReply` (its deadline stays) but no longer counts in its
+    /// server's window.
+    Held,
     /// Not sent: a block only pulled, in a push phase; pulled once the phase ends.
     Carried,
     /// Push acknowledged.
@@ -107,6 +111,8 @@ struct Request {
     todo: Todo,
     phase: u32,
     outcome: Outcome,
+    /// Its push was acknowledged on its own (a held push_pull): a resend only pulls.
+    pushed: bool,
 }
 
 /// One server's pushes (or, if none, pulls) in flight at once: requests
@@ -383,7 +389,8 @@ impl Round {
     /// Keeps the window's oldest deadline one of a request still waiting for its answer.
     fn prune(&mut self) {
         let requests = &self.requests;
-        self.window.prune(|i| requests.get(i as usize).is_some_and(|r| r.outcome == Outcome::Waiting));
+        self.window
+            .prune(|i| requests.get(i as usize).is_some_and(|r| matches!(r.outcome, Outcome::Waiting | Outcome::Held)));
     }
 
     /// The iteration this round counted (a round pushing a new clock), for metrics.
@@ -485,6 +492,10 @@ impl Round {
                 }
             }
             (Answer::Acked, false) => Outcome::Acked,
+            // The push of a push_pull acknowledged on its own: its pull is held.
+            (Answer::Acked, true) if matches!(op, Op::PushPull(_)) && request.outcome == Outcome::Waiting => {
+                return Ok(self.hold(now_us, index));
+            }
             // A row reply's length is the rows asked for: the runtime checks it.
             (Answer::RowsPulled { .. }, true) if self.rows => Outcome::Pulled,
             (Answer::Pulled { len }, true) if len == b.len && !self.rows => {
@@ -507,6 +518,26 @@ impl Round {
             }
         };
         self.settle(now_us, index, outcome)
+    }
+
+    /// A push_pull's server acknowledged its push and holds its pull: the request leaves
+    /// its server's window (the next one queued there goes out) and waits for its
+    /// `PullReply` (see [`super::window`]).
+    fn hold(&mut self, now_us: u64, index: usize) -> Vec<Action> {
+        let r = &mut self.requests[index];
+        r.outcome = Outcome::Held;
+        r.pushed = true;
+        let owner = self.phases[r.phase as usize].owner;
+        match self.window.release(now_us, owner, false) {
+            Some(next) => vec![self.send(next as usize)],
+            None => Vec::new(),
+        }
+    }
+
+    /// True if request `tag` is a push_pull whose push was acknowledged on its own and
+    /// whose pull the server holds (its `PullReply` still to come).
+    pub fn is_held(&self, tag: Tag) -> bool {
+        self.waiting(tag).is_some_and(|i| self.requests[i].outcome == Outcome::Held)
     }
 
     /// What request `tag` of this round asks, while it waits for its reply.
@@ -545,7 +576,9 @@ impl Round {
             .requests
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.outcome == Outcome::Waiting && self.phases[r.phase as usize].owner == server)
+            .filter(|(_, r)| {
+                matches!(r.outcome, Outcome::Waiting | Outcome::Held) && self.phases[r.phase as usize].owner == server
+            })
             .map(|(i, _)| i)
             .collect();
         // The window forgot them: settling them frees no room (a request planned while
@@ -553,7 +586,7 @@ impl Round {
         for &index in &lost {
             self.requests[index].outcome = Outcome::Queued;
         }
-        lost.extend(queued.iter().map(|i| *i as usize));
+        lost.extend(queued.into_iter().map(|i| i as usize));
         let mut out = Vec::new();
         // One refresh for all of them, unless one is already under way (it may predate
         // the loss: they wait for the next, as moved blocks do).
@@ -561,7 +594,7 @@ impl Round {
         let mut result = Ok(());
         for index in lost {
             // Each settles once: a request answered meanwhile is no longer queued or waiting.
-            if matches!(self.requests[index].outcome, Outcome::Waiting | Outcome::Queued) {
+            if matches!(self.requests[index].outcome, Outcome::Waiting | Outcome::Held | Outcome::Queued) {
                 match self.lose(now_us, index) {
                     Ok(more) => out.extend(more),
                     Err(e) => {
@@ -609,7 +642,9 @@ impl Round {
         self.requests
             .iter()
             .enumerate()
-            .filter(move |(_, r)| r.outcome == Outcome::Waiting && self.phases[r.phase as usize].owner == server)
+            .filter(move |(_, r)| {
+                matches!(r.outcome, Outcome::Waiting | Outcome::Held) && self.phases[r.phase as usize].owner == server
+            })
             .map(move |(i, _)| seq | i as u64)
     }
 
@@ -617,7 +652,7 @@ impl Round {
     fn waiting(&self, tag: Tag) -> Option<usize> {
         let index = (tag & u64::from(u32::MAX)) as usize;
         let r = self.requests.get(index)?;
-        (tag >> 32 == u64::from(self.seq) && r.outcome == Outcome::Waiting).then_some(index)
+        (tag >> 32 == u64::from(self.seq) && matches!(r.outcome, Outcome::Waiting | Outcome::Held)).then_some(index)
     }
 
     /// Request `index` (sent or queued) came out as `outcome`; ends its phase if it was
@@ -628,22 +663,26 @@ impl Round {
     /// other requests may be pulls the sync policy holds until other workers push, and
     /// those workers may wait for this very resend (a deadlock across workers).
     fn settle(&mut self, now_us: u64, index: usize, outcome: Outcome) -> Result<Vec<Action>> {
-        let Request { todo, phase, outcome: was } = self.requests[index];
+        let Request { todo, phase, outcome: was, pushed } = self.requests[index];
         self.requests[index].outcome = outcome;
         self.pending -= 1;
         let p = &mut self.phases[phase as usize];
         p.pending -= 1;
-        let (owner, push_phase, phase_over) = (p.owner, p.push, p.pending == 0);
+        let (owner, phase_over, sent_push) = (p.owner, p.pending == 0, p.push);
+        // A resend pushes only what was not acknowledged yet.
+        let push_phase = sent_push && !pushed;
+        let pulls = !self.op(sent_push, &todo).carries_values();
         let mut out = Vec::new();
         match was {
             Outcome::Waiting => {
-                if let Some(next) = self.window.release(now_us, owner) {
+                if let Some(next) = self.window.release(now_us, owner, pulls) {
                     out.push(self.send(next as usize));
                 }
             }
             Outcome::Queued => {
-                self.window.unqueue(owner, index as u32);
+                self.window.unqueue(owner, pulls, index as u32);
             }
+            // A held pull left the window when it was held.
             _ => {}
         }
         if outcome == Outcome::Redirected {
@@ -815,7 +854,7 @@ impl Round {
                 return Err(NodeError::Refused("a round of more than 2^32 requests".into()));
             }
             let outcome = if send { Outcome::Queued } else { Outcome::Carried };
-            self.requests.push(Request { todo: *t, phase, outcome });
+            self.requests.push(Request { todo: *t, phase, outcome, pushed: false });
             if send {
                 pending += 1;
                 self.pending += 1;
@@ -825,7 +864,10 @@ impl Round {
         self.phases.push(Phase { owner, push, first, len, pending, started_us: now_us });
         // Each request goes out now if its server's window has room, or waits in its queue.
         for index in first..first + len {
-            if self.requests[index as usize].outcome == Outcome::Queued && self.window.admit(now_us, owner, index) {
+            let pulls = !self.op(push, &self.requests[index as usize].todo).carries_values();
+            if self.requests[index as usize].outcome == Outcome::Queued
+                && self.window.admit(now_us, owner, pulls, index)
+            {
                 out.push(self.send(index as usize));
             }
         }
@@ -870,6 +912,7 @@ impl Round {
                 | Outcome::Lost
                 | Outcome::Pulled
                 | Outcome::Waiting
+                | Outcome::Held
                 | Outcome::Queued => {}
             }
         }

@@ -620,8 +620,19 @@ mod schedules {
                 }
             }
             for s in 0..c.servers {
+                // The window of each lane: requests that carry a push, requests that pull.
+                for pulls in [false, true] {
+                    let n = in_flight.iter().filter(|f| f.1 == s && f.3.carries_values() != pulls).count();
+                    prop_assert!(
+                        n <= c.window,
+                        "{} requests in flight to server {} (pulls {}), window {}",
+                        n,
+                        s,
+                        pulls,
+                        c.window
+                    );
+                }
                 let n = in_flight.iter().filter(|f| f.1 == s).count();
-                prop_assert!(n <= c.window, "{} requests in flight to server {}, window {}", n, s, c.window);
                 prop_assert_eq!(n, r.in_flight_to(s), "the round counts what is in flight");
             }
             if in_flight.is_empty() {
@@ -722,11 +733,18 @@ fn a_fused_round_sends_one_push_pull_per_block_pushed_and_pulled() {
         vec![(0, 0, Op::PushPull(3)), (0, 2, Op::Push(3)), (1, 1, Op::PushPull(3))],
         "fused where pushed and pulled, a plain push where only pushed, the pull-only block waits"
     );
-    // A PushAck does not answer a push_pull; its PullReply does, and settles it.
+    // A PushAck to a push_pull says its pull is held: the request leaves the window and
+    // waits for its PullReply, which settles it; a second PushAck is a protocol error.
     let (mut other, sent) =
         fused().start(10, &l, Some((PushOp::Grad(3), &[true, true, false])), Some((4, &[true, false, true]))).unwrap();
-    let err = reply(&mut other, 15, sends(&sent)[0].0, &ack(0)).unwrap_err();
+    let tag = sends(&sent)[0].0;
+    assert!(reply(&mut other, 15, tag, &ack(0)).unwrap().is_empty());
+    assert!(other.is_held(tag) && other.op_of(tag) == Some(Op::PushPull(3)), "held, still waiting");
+    assert_eq!(other.in_flight_to(0), 1, "only block 2's push is in flight to server 0");
+    assert_eq!(other.poll_timeout(), Some(10 + TIMEOUT_US), "a held pull keeps its deadline");
+    let err = reply(&mut other, 16, tag, &ack(0)).unwrap_err();
     assert_eq!(err.to_string(), "protocol error with server 0: expected PullReply of 2 values, got PushAck");
+    assert!(!Op::PushPull(3).ends_with(Kind::PushAck) && Op::PushPull(3).ends_with(Kind::PullReply));
     assert_eq!(r.op_of(first[0].0), Some(Op::PushPull(3)));
     assert!(reply(&mut r, 20, first[0].0, &pulled(0, 2)).unwrap().is_empty(), "server 0 still has block 2's push");
     assert_eq!(r.op_of(first[0].0), None, "answered");
@@ -1000,4 +1018,39 @@ fn a_row_round_whose_block_was_split_asks_to_be_planned_again() {
     let mut blocks: Vec<u32> = sends(&actions).iter().map(|(_, _, b, _)| *b).collect();
     blocks.sort_unstable();
     assert_eq!(blocks, [1, 2, 4, 5, 6, 7]);
+}
+
+/// Issue 33: a held pull leaves the window. Two workers order server 0's blocks 0 and 1
+/// differently, each with a window of 1: each one's first push_pull is held until the other
+/// pushes that block. The PushAck of a held push_pull lets the second one out, so each
+/// worker's push reaches the server and both pulls are released.
+#[test]
+fn a_held_push_pull_leaves_the_window_so_the_next_push_goes_out() {
+    let l = layout(&[4], 2, vec![0, 0], 1, 1);
+    let mut w = fused().with_window(1);
+    let (mut r, first) = w.start(10, &l, Some((PushOp::Grad(3), &[true])), Some((4, &[true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(first.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::PushPull(3))]);
+    assert_eq!(r.queued(), 1, "block 1 waits for room");
+    // Block 0's pull is held: its push is acknowledged on its own, and block 1 goes out.
+    let next = sends(&reply(&mut r, 20, first[0].0, &ack(0)).unwrap());
+    assert_eq!(next.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 1, Op::PushPull(3))]);
+    assert_eq!((r.in_flight_to(0), r.queued()), (1, 0));
+    assert!(reply(&mut r, 30, next[0].0, &pulled(1, 2)).unwrap().is_empty());
+    assert!(!r.is_done(), "block 0's pull is still held");
+    assert!(reply(&mut r, 40, first[0].0, &pulled(0, 2)).unwrap().is_empty());
+    assert!(r.is_done());
+}
+
+/// A held push_pull whose block then moves is resent as a pull only: its push was
+/// acknowledged.
+#[test]
+fn a_held_push_pull_that_moves_is_resent_as_a_pull() {
+    let l = layout(&[4], 2, vec![0, 0], 1, 2);
+    let mut w = fused();
+    let (mut r, first) = w.start(10, &l, Some((PushOp::Grad(3), &[true])), Some((4, &[true]))).unwrap();
+    let first = sends(&first);
+    assert!(reply(&mut r, 20, first[0].0, &ack(0)).unwrap().is_empty());
+    let resent = sends(&reply(&mut r, 30, first[0].0, &moved_to(0, 1, 2)).unwrap());
+    assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Pull(4))]);
 }

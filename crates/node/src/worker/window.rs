@@ -1,7 +1,22 @@
 //! A round's request window per server and its requests' deadlines: at most `limit`
-//! requests in flight to one server (the others wait in that server's queue, in the order
-//! planned, and go out as answers free room), and the deadline of each request sent (its
-//! send time plus the request timeout), oldest first.
+//! requests in flight to one server in each of two lanes (the others wait in their lane's
+//! queue, in the order planned, and go out as answers free room), and the deadline of
+//! each request sent (its send time plus the request timeout), oldest first.
+//!
+//! The two lanes of a server are its requests that carry a push (push, init, push_pull,
+//! row push) and those that only pull (pull, row pull). A push is never queued behind a
+//! pull: a pull may be held by the sync policy until other workers push, and those
+//! workers' pushes must never wait for room behind their own held pulls (issue 33: two
+//! workers that order one server's blocks differently would each fill the window with
+//! held requests waiting for pushes the other queued). A push_pull whose pull the server
+//! holds is acknowledged on its own (`PushAck`, then its `PullReply`): the round then
+//! calls [`Window::release`] for it while it still waits for its pull, so a held pull
+//! never counts against the window; its deadline stays.
+//!
+//! So the window bounds what it is for, the bytes a worker has in flight to one server and
+//! the requests a server must read and answer at once from one connection, and a server
+//! holds at most one pull per block per connection for a worker's round (the server's
+//! own bound on held pulls per connection is apart from the window).
 //!
 //! It names requests by their index in the round; [`super::Round`] owns it and decides
 //! what a request's answer means.
@@ -22,7 +37,8 @@ struct Lane {
 pub(super) struct Window {
     limit: usize,
     timeout_us: u64,
-    /// Per server id.
+    /// Per server id, two lanes: `2 * id` for the requests that carry a push, `2 * id + 1`
+    /// for those that only pull ([`Window::lane`]).
     lanes: Vec<Lane>,
     /// (deadline, request index) of every request sent, in send order (so by deadline:
     /// every request waits the same timeout). Answered requests are dropped from the
@@ -46,20 +62,21 @@ impl Window {
         self.queued = 0;
     }
 
-    fn lane(&mut self, server: u32) -> &mut Lane {
-        let s = server as usize;
+    /// The lane of `server`'s requests that only pull (`pulls`) or carry a push.
+    fn lane(&mut self, server: u32, pulls: bool) -> &mut Lane {
+        let s = server as usize * 2 + usize::from(pulls);
         if self.lanes.len() <= s {
             self.lanes.resize_with(s + 1, Lane::default);
         }
         &mut self.lanes[s]
     }
 
-    /// Request `index` to `server` is planned at `now_us`: true if it goes out now (it
-    /// counts in flight from now, its deadline set), false if it waits in the server's
-    /// queue for room.
-    pub(super) fn admit(&mut self, now_us: u64, server: u32, index: u32) -> bool {
+    /// Request `index` to `server` (one that only pulls if `pulls`) is planned at
+    /// `now_us`: true if it goes out now (it counts in flight from now, its deadline set),
+    /// false if it waits in its lane's queue for room.
+    pub(super) fn admit(&mut self, now_us: u64, server: u32, pulls: bool, index: u32) -> bool {
         let limit = self.limit;
-        let lane = self.lane(server);
+        let lane = self.lane(server, pulls);
         if lane.in_flight >= limit {
             lane.queued.push_back(index);
             self.queued += 1;
@@ -74,11 +91,11 @@ impl Window {
         self.deadlines.push_back((now_us.saturating_add(self.timeout_us), index));
     }
 
-    /// A request in flight to `server` was answered (or lost) at `now_us`: the next
-    /// request queued for that server, if any, goes out now (counted in flight, its
-    /// deadline set).
-    pub(super) fn release(&mut self, now_us: u64, server: u32) -> Option<u32> {
-        let lane = self.lane(server);
+    /// A request in flight to `server` (in the lane `pulls` names) was answered, lost, or
+    /// its pull is held, at `now_us`: the next request queued in that lane, if any, goes
+    /// out now (counted in flight, its deadline set).
+    pub(super) fn release(&mut self, now_us: u64, server: u32, pulls: bool) -> Option<u32> {
+        let lane = self.lane(server, pulls);
         lane.in_flight = lane.in_flight.saturating_sub(1);
         let next = lane.queued.pop_front()?;
         lane.in_flight += 1;
@@ -88,27 +105,34 @@ impl Window {
     }
 
     /// The connection to `server` is gone: nothing is in flight there any more, and the
-    /// requests queued for it are returned (in the order planned), to be lost.
-    pub(super) fn drop_server(&mut self, server: u32) -> VecDeque<u32> {
-        let lane = self.lane(server);
-        lane.in_flight = 0;
-        let queued = std::mem::take(&mut lane.queued);
+    /// requests queued for it (both lanes) are returned in the order planned, to be lost.
+    pub(super) fn drop_server(&mut self, server: u32) -> Vec<u32> {
+        let mut queued = Vec::new();
+        for pulls in [false, true] {
+            let lane = self.lane(server, pulls);
+            lane.in_flight = 0;
+            queued.extend(std::mem::take(&mut lane.queued));
+        }
         self.queued -= queued.len();
+        // Indices are in the order the round planned them.
+        queued.sort_unstable();
         queued
     }
 
-    /// Takes request `index` out of `server`'s queue; false if it was not queued there.
-    pub(super) fn unqueue(&mut self, server: u32, index: u32) -> bool {
-        let lane = self.lane(server);
+    /// Takes request `index` out of `server`'s queue (in the lane `pulls` names); false if
+    /// it was not queued there.
+    pub(super) fn unqueue(&mut self, server: u32, pulls: bool, index: u32) -> bool {
+        let lane = self.lane(server, pulls);
         let Some(at) = lane.queued.iter().position(|i| *i == index) else { return false };
         lane.queued.remove(at);
         self.queued -= 1;
         true
     }
 
-    /// Requests in flight to `server`.
+    /// Requests in flight to `server` (both lanes; a held pull is not in flight).
     pub(super) fn in_flight_to(&self, server: u32) -> usize {
-        self.lanes.get(server as usize).map_or(0, |l| l.in_flight)
+        let s = server as usize * 2;
+        self.lanes.get(s..(s + 2).min(self.lanes.len())).map_or(0, |l| l.iter().map(|l| l.in_flight).sum())
     }
 
     /// Requests in flight over every server.

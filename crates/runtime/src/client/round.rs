@@ -246,7 +246,10 @@ impl Client {
         };
         let msg = match read {
             Ok(msg) => {
-                conn.pending.remove(&header.request_id);
+                // A held push_pull's PushAck: its PullReply follows under the same id.
+                if sent.op.ends_with(header.kind) {
+                    conn.pending.remove(&header.request_id);
+                }
                 msg
             }
             // Unanswered after all: the connection is lost, with this request on it.
