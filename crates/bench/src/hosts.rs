@@ -1079,21 +1079,40 @@ async fn job(
         Ok::<_, BenchError>(String::new())
     }
     .await;
-    // A failed start stops what was started (the bed's teardown would too, at the end).
-    let stop = |children: &mut Vec<(Child, String)>| {
-        for (c, _) in children.iter_mut() {
-            if let Some(pid) = c.id() {
-                let _ = std::process::Command::new("kill").args(["-s", "TERM", &pid.to_string()]).status();
-            }
-        }
-    };
     if let Err(e) = started {
-        stop(&mut children);
+        stop_all(&mut children);
         for (c, what) in children.iter_mut() {
             let _ = wait_for(c, Duration::from_secs(10), what).await;
         }
         return Err(e);
     }
+    if let Err(e) = wait_all(&mut children, &logs, within).await {
+        stop_all(&mut children);
+        return Err(e);
+    }
+    let path = dir.join("h1/report.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let report: Report = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    Ok((report, judged(&value)))
+}
+
+/// Asks every launch to stop (the bed's teardown would end them too, at the end).
+fn stop_all(children: &mut [(Child, String)]) {
+    children.iter().for_each(|(c, _)| terminate(c));
+}
+
+/// Sends SIGTERM to `child` if it still runs.
+fn terminate(child: &Child) {
+    if let Some(pid) = child.id() {
+        let _ = std::process::Command::new("kill").args(["-s", "TERM", &pid.to_string()]).status();
+    }
+}
+
+/// Waits for every launch to exit within `within` of now (at least 5 s each); an error
+/// names each launch that failed or did not exit, with the tail of its log.
+async fn wait_all(children: &mut [(Child, String)], logs: &[PathBuf], within: Duration) -> Result<()> {
     let deadline = Instant::now() + within;
     let mut failures = Vec::new();
     for (i, (c, what)) in children.iter_mut().enumerate() {
@@ -1103,22 +1122,11 @@ async fn job(
             Ok(s) => failures.push(format!("{what} exited with {s}; {}", tail(&logs[i]))),
             Err(e) => {
                 failures.push(format!("{e}; {}", tail(&logs[i])));
-                if let Some(pid) = c.id() {
-                    let _ = std::process::Command::new("kill").args(["-s", "TERM", &pid.to_string()]).status();
-                }
+                terminate(c);
             }
         }
     }
-    if !failures.is_empty() {
-        stop(&mut children);
-        return Err(BenchError::Failed(failures.join("; ")));
-    }
-    let path = dir.join("h1/report.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let report: Report = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    Ok((report, judged(&value)))
+    if failures.is_empty() { Ok(()) } else { Err(BenchError::Failed(failures.join("; "))) }
 }
 
 /// The scheduler's `server joined server=N addr=IP:PORT initial=B` lines, with the bed host
