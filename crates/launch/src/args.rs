@@ -56,7 +56,7 @@ pub struct NetArgs {
     /// every connection is mutual TLS 1.3 (the HMAC handshake runs inside it); all three
     /// or none. One certificate serves both ends: its extended key usage, if any, must
     /// allow serverAuth and clientAuth. Peers' chains are checked against --tls-ca, not
-    /// their names (README, "TLS").
+    /// their names (docs/MANUAL.md, "TLS").
     #[arg(long, env = "ELASTICPS_TLS_CERT", value_name = "PEM")]
     pub tls_cert: Option<PathBuf>,
     /// TLS: the private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
@@ -265,7 +265,7 @@ pub struct JobArgs {
     #[arg(long, env = "ELASTICPS_WORKERS", default_value_t = 2)]
     pub workers: u32,
     /// Synchronization policy of every server: bsp, asp, ssp:S, lazy:S, pssp:S:P,
-    /// dpssp:S, adaptive or adaptive:MIN:MAX (see README, "Sync semantics").
+    /// dpssp:S, adaptive or adaptive:MIN:MAX (see docs/MANUAL.md, "How it works").
     #[arg(long, env = "ELASTICPS_SYNC", default_value = "bsp", value_parser = parse_core::<SyncPolicy>)]
     pub sync: SyncPolicy,
     /// Override the sync policy of one server: IDX=POLICY (repeatable, e.g.
@@ -359,7 +359,7 @@ pub struct JobArgs {
     pub replicas: u32,
     /// Keep the scheduler's recoverable state (membership, model, placement, history) in
     /// DIR, rewritten atomically when it changes; a scheduler restarted on the same address
-    /// with the same DIR recovers the job and its nodes reattach (README, "Scheduler
+    /// with the same DIR recovers the job and its nodes reattach (docs/MANUAL.md, "Scheduler
     /// restart").
     #[arg(long, env = "ELASTICPS_STATE_DIR", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,

@@ -10,7 +10,7 @@
 //! - [`SchedulerMetrics`]: set by the scheduler on its timeouts from its membership state.
 //!
 //! Names start with `elasticps_` and carry their unit (`_seconds`, `_bytes`, `_total`);
-//! README.md ("Metrics") lists them.
+//! docs/MANUAL.md ("Metrics") lists them.
 
 mod http;
 
