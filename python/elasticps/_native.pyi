@@ -160,3 +160,8 @@ def connect(scheduler: Optional[str] = None) -> Worker:
 
 def log_event(rank: int, step: int, metrics: Mapping[str, Union[int, float]]) -> None:
     """Writes a ``log`` event (``elasticps.log(**metrics)``) for the launcher."""
+
+def cli_main(argv: list[str], self_command: list[str]) -> int:
+    """Runs the ``elasticps`` command (``argv[0]`` is the program's name) with the GIL
+    released and returns its exit status; ``self_command`` starts this program again
+    (``[sys.executable, "-m", "elasticps"]``), for the nodes a launcher starts."""

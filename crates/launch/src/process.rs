@@ -9,12 +9,13 @@
 //! (`ELASTICPS_EVENTS_FD=3`) for its events; its stdout and stderr are free for the user:
 //! every line is forwarded ([`NodeEvent::Output`]) and written to the node's log.
 
+use std::ffi::OsString;
 use std::io::Write as _;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
@@ -68,9 +69,42 @@ pub const EVENTS_FD: i32 = 3;
 /// may hold its pipes open).
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The command that starts this program again, when its executable is not `elasticps`
+/// ([`set_self_command`]).
+static SELF_COMMAND: OnceLock<Vec<OsString>> = OnceLock::new();
+
+/// Declares how this program starts itself: a program and its leading arguments (the
+/// Python package's entry sets `[sys.executable, "-m", "elasticps"]`, since its executable
+/// is the interpreter). Without it, the nodes are this process's own executable. Set once,
+/// before any node starts; false if it was already set.
+pub fn set_self_command(argv: Vec<OsString>) -> bool {
+    !argv.is_empty() && SELF_COMMAND.set(argv).is_ok()
+}
+
+/// How this program's roles start: a program, and the arguments before the role's own
+/// (`elasticps`, or `python -m elasticps` under the Python package).
+#[derive(Clone, Debug)]
+struct SelfCommand {
+    program: PathBuf,
+    lead: Vec<OsString>,
+}
+
+impl SelfCommand {
+    /// The command [`set_self_command`] declared, else this process's executable.
+    fn get() -> Result<Self> {
+        match SELF_COMMAND.get().and_then(|argv| argv.split_first()) {
+            Some((program, lead)) => Ok(Self { program: program.into(), lead: lead.to_vec() }),
+            None => Ok(Self {
+                program: std::env::current_exe().map_err(|e| LaunchError::io("finding the elasticps binary", e))?,
+                lead: Vec::new(),
+            }),
+        }
+    }
+}
+
 /// The processes of one local job.
 pub struct Cluster {
-    exe: PathBuf,
+    exe: SelfCommand,
     log_dir: PathBuf,
     nodes: Vec<Node>,
     tx: mpsc::UnboundedSender<NodeEvent>,
@@ -83,7 +117,7 @@ impl Cluster {
     pub fn new(log_dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(log_dir)
             .map_err(|e| LaunchError::io(format!("creating the log directory {}", log_dir.display()), e))?;
-        let exe = std::env::current_exe().map_err(|e| LaunchError::io("finding the elasticps binary", e))?;
+        let exe = SelfCommand::get()?;
         let (tx, rx) = mpsc::unbounded_channel();
         Ok(Self { exe, log_dir: log_dir.to_path_buf(), nodes: Vec::new(), tx, rx })
     }
@@ -94,7 +128,7 @@ impl Cluster {
         let log = self.log_dir.join(format!("{}.log", name.replace(' ', "-")));
         let mut child = role_command(&self.exe, args, env, &log)?
             .spawn()
-            .map_err(|e| LaunchError::io(format!("starting {name} ({})", self.exe.display()), e))?;
+            .map_err(|e| LaunchError::io(format!("starting {name} ({})", self.exe.program.display()), e))?;
         let pid = child.id();
         let stdout = child
             .stdout
@@ -447,10 +481,16 @@ pub fn shell_words(argv: &[String]) -> String {
 
 /// `elasticps ARGS... --events` with stdout piped (the event stream), stderr into `log`,
 /// and death with the thread that spawns it (Linux `PR_SET_PDEATHSIG`).
-fn role_command(exe: &Path, args: &[String], env: &[(&str, &str)], log: &Path) -> Result<Command> {
+fn role_command(exe: &SelfCommand, args: &[String], env: &[(&str, &str)], log: &Path) -> Result<Command> {
     let stderr = std::fs::File::create(log).map_err(|e| LaunchError::io(format!("creating {}", log.display()), e))?;
-    let mut cmd = Command::new(exe);
-    cmd.args(args).arg("--events").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(stderr).kill_on_drop(true);
+    let mut cmd = Command::new(&exe.program);
+    cmd.args(&exe.lead)
+        .args(args)
+        .arg("--events")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .kill_on_drop(true);
     // Every child would bind the same metrics address: each gets its own flag instead.
     cmd.env_remove("ELASTICPS_METRICS_LISTEN");
     // A role prints its events on the stdout we read, even if this launcher was itself
@@ -474,7 +514,7 @@ fn role_command(exe: &Path, args: &[String], env: &[(&str, &str)], log: &Path) -
 /// host, logs them into `log_dir` and forwards their event lines (their final counters)
 /// to this process's stdout, where `elasticps train` reads them.
 pub struct ServerLauncher {
-    exe: PathBuf,
+    exe: SelfCommand,
     log_dir: PathBuf,
     /// Transport flags for the servers.
     args: Vec<String>,
@@ -504,7 +544,7 @@ impl ServerLauncher {
     pub fn new(log_dir: &Path, args: Vec<String>, env: Vec<(String, String)>) -> Result<Self> {
         std::fs::create_dir_all(log_dir)
             .map_err(|e| LaunchError::io(format!("creating the log directory {}", log_dir.display()), e))?;
-        let exe = std::env::current_exe().map_err(|e| LaunchError::io("finding the elasticps binary", e))?;
+        let exe = SelfCommand::get()?;
         Ok(Self { exe, log_dir: log_dir.to_path_buf(), args, env, started: 0, running: Arc::default() })
     }
 

@@ -18,6 +18,7 @@
 mod actor;
 mod arrays;
 mod cancel;
+mod cli;
 mod events;
 mod rows;
 mod runtime;
@@ -138,6 +139,7 @@ fn log_event(rank: u32, step: u64, metrics: &Bound<'_, PyDict>) -> PyResult<()> 
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(connect, m)?)?;
     m.add_function(wrap_pyfunction!(log_event, m)?)?;
+    m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;
     m.add_class::<worker::Worker>()?;
     m.add_class::<worker::Handle>()?;
     m.add("ElasticpsError", m.py().get_type::<ElasticpsError>())?;
