@@ -607,6 +607,19 @@ impl<T> Block<T> {
         Ok(&self.opt)
     }
 
+    /// Overwrites the values of a dense block (a PyTorch model's buffers, which one
+    /// worker computes and every worker pulls), leaving its optimizer and clock state alone.
+    pub fn set_values(&mut self, values: &[f32]) -> Result<(), CoreError> {
+        if self.rows.is_some() {
+            return Err(CoreError::NotDense(self.spec.id));
+        }
+        if values.len() != self.spec.len {
+            return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: values.len() });
+        }
+        Arc::make_mut(&mut self.values).copy_from_slice(values);
+        Ok(())
+    }
+
     /// Replaces the optimizer state of a dense block (a PyTorch optimizer's
     /// `load_state_dict`). `m` and `v` are each empty (no state) or as long as the block.
     pub fn set_opt_state(&mut self, state: OptState) -> Result<(), CoreError> {

@@ -107,6 +107,7 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("SetOptimizer", Receiver::Server, &[Wrk]),
     ("GetOptState", Receiver::Server, &[Wrk]),
     ("SetOptState", Receiver::Server, &[Wrk]),
+    ("SetValues", Receiver::Server, &[Wrk]),
     ("BlockSnapshot", Receiver::Server, &[Srv]),
     ("BlockDelta", Receiver::Server, &[Srv]),
     ("Replicate", Receiver::Server, &[Srv]),

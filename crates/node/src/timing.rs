@@ -28,6 +28,9 @@ pub const WORKER_STATS_US: u64 = 1_000_000;
 pub const FIRST_BACKOFF_US: u64 = 100_000;
 /// The longest wait between two redials of the scheduler, µs.
 pub const MAX_BACKOFF_US: u64 = 2_000_000;
+/// A worker's change of a block that is migrating (`SetValues`, `SetOptState`: refused
+/// `NotReady`) is sent again after this long, µs, for at most [`CALL_TIMEOUT_US`].
+pub const BLOCK_BUSY_RETRY_US: u64 = 20_000;
 
 /// How long one request of a worker's round (a push, a pull: a held pull waits for the
 /// slowest worker, so this is generous) may wait for its server by default, µs.

@@ -238,6 +238,7 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
         "GetOptState" => Control::GetOptState { block: 0 },
         "OptState" => Control::OptState { block: 0, state: OptState::default() },
         "SetOptState" => Control::SetOptState { block: 0, state: OptState::default() },
+        "SetValues" => Control::SetValues { block: 0, values: vec![0.0; 4] },
         "Push" => return Message::Push { block: 0, clock, values: values(0.5) },
         "PushAck" => return Message::PushAck { block: 0, clock },
         "Pull" => return Message::Pull { block: 0, clock },

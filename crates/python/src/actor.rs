@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::time::Instant;
 
 use elasticps_core::model::{TableSpec, TensorSpec};
-use elasticps_core::optimizer::TensorOptimizer;
+use elasticps_core::optimizer::{OptState, TensorOptimizer};
 use elasticps_core::sync::Clock;
 use elasticps_runtime::client::{Client, ClientOptions};
 use elasticps_runtime::metrics::MetricsEndpoint;
@@ -52,6 +52,12 @@ pub enum Cmd {
     PushRows { clock: Clock, table: u32, ids: Vec<u64>, grads: Option<Vec<f32>>, ticket: Ticket, done: Reply<()> },
     /// A tensor's new optimizer.
     SetOptimizer { tensor: u32, optimizer: TensorOptimizer, done: Reply<()> },
+    /// A tensor's optimizer state on the servers.
+    GetOptState { tensor: u32, done: Reply<OptState> },
+    /// Replace a tensor's optimizer state on the servers.
+    SetOptState { tensor: u32, state: OptState, done: Reply<()> },
+    /// Overwrite a tensor's values on the servers.
+    SetValues { tensor: u32, values: Vec<f32>, done: Reply<()> },
     /// Wait for every worker.
     Barrier { done: Reply<()> },
     /// Tell the scheduler this worker is done; the task ends. Replies with the run's numbers.
@@ -203,6 +209,18 @@ pub async fn run(
             Cmd::SetOptimizer { tensor, optimizer, done } => {
                 let r = client.set_optimizer(tensor, optimizer).await;
                 let _ = done.send(r.map_err(|e| format!("elasticps: set_optimizer failed: {e}")));
+            }
+            Cmd::GetOptState { tensor, done } => {
+                let r = client.opt_state(tensor).await;
+                let _ = done.send(r.map_err(|e| format!("elasticps: optimizer_state failed: {e}")));
+            }
+            Cmd::SetOptState { tensor, state, done } => {
+                let r = client.set_opt_state(tensor, &state).await;
+                let _ = done.send(r.map_err(|e| format!("elasticps: set_optimizer_state failed: {e}")));
+            }
+            Cmd::SetValues { tensor, values, done } => {
+                let r = client.set_values(tensor, &values).await;
+                let _ = done.send(r.map_err(|e| format!("elasticps: set_values failed: {e}")));
             }
             Cmd::Barrier { done } => {
                 let _ = done.send(client.barrier().await.map_err(|e| format!("elasticps: barrier failed: {e}")));

@@ -133,6 +133,11 @@ impl<'py> Checked<'py> {
         Ok(Self { array: checked(obj, name, len, true)?, label, writes: true })
     }
 
+    /// A copy of the array's values (C-contiguous: checked).
+    pub fn to_vec(&self) -> PyResult<Vec<f32>> {
+        Ok(self.array.try_readonly()?.as_slice()?.to_vec())
+    }
+
     /// The bytes the array's buffer covers (C-contiguous: `nbytes` from its first value).
     fn bytes(&self) -> std::ops::Range<usize> {
         let start = self.array.data() as usize;

@@ -5,10 +5,11 @@ use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 
 use elasticps_core::model::{Init, TensorSpec};
-use elasticps_core::optimizer::{OptimizerKind, TensorOptimizer};
+use elasticps_core::optimizer::{OptState, OptimizerKind, TensorOptimizer};
 use elasticps_core::sync::Clock;
 use elasticps_runtime::client::ClientOptions;
 use elasticps_runtime::metrics::{MetricsEndpoint, WorkerMetrics};
+use numpy::PyArray1;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -560,6 +561,63 @@ impl Worker {
         let optimizer = parse_optimizer(optimizer, name)?;
         let rx = self.send(|done| Cmd::SetOptimizer { tensor: t as u32, optimizer, done })?;
         wait(py, &format!("setting the optimizer of {name:?}"), rx)
+    }
+
+    /// The server-side optimizer state of tensor `name` (what a PyTorch optimizer's
+    /// `state_dict` carries): a dict with `steps` (optimizer steps taken), `m` (the
+    /// momentum buffer or Adam's first moment) and `v` (Adam's second moment), each a
+    /// float32 array of the tensor's size, or None when the optimizer keeps none or took
+    /// no step yet. Ask between steps (after `pull`): under bsp every push of the clocks
+    /// before is applied then.
+    fn optimizer_state<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
+        let (t, _) = self.tensor(name)?;
+        let rx = self.send(|done| Cmd::GetOptState { tensor: t as u32, done })?;
+        let state: OptState = wait(py, &format!("the servers to send the optimizer state of {name:?}"), rx)?;
+        let out = PyDict::new(py);
+        out.set_item("steps", state.steps)?;
+        let array = |v: Vec<f32>| -> PyResult<Py<PyAny>> {
+            Ok(if v.is_empty() { py.None() } else { PyArray1::from_vec(py, v).into_any().unbind() })
+        };
+        out.set_item("m", array(state.m)?)?;
+        out.set_item("v", array(state.v)?)?;
+        Ok(out)
+    }
+
+    /// Replaces the server-side optimizer state of tensor `name` (a PyTorch optimizer's
+    /// `load_state_dict`): `steps` taken, and `m`, `v` as `optimizer_state` returns them
+    /// (float32 arrays of the tensor's size, or None for no state). Refused while the
+    /// tensor's blocks migrate, and in a job with `--replicas`.
+    #[pyo3(signature = (name, steps, m=None, v=None))]
+    fn set_optimizer_state(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        steps: u64,
+        m: Option<&Bound<'_, PyAny>>,
+        v: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (t, len) = self.tensor(name)?;
+        let values = |what: &str, a: Option<&Bound<'_, PyAny>>| -> PyResult<Vec<f32>> {
+            let Some(a) = a.filter(|a| !a.is_none()) else { return Ok(Vec::new()) };
+            let label = format!("{what} of {name:?}");
+            let checked = arrays::Checked::read(a, name, label, len)?;
+            checked.to_vec()
+        };
+        let state = OptState { steps, m: values("m", m)?, v: values("v", v)? };
+        let rx = self.send(|done| Cmd::SetOptState { tensor: t as u32, state, done })?;
+        wait(py, &format!("the servers to take the optimizer state of {name:?}"), rx)
+    }
+
+    /// Overwrites the values of tensor `name` on the servers with `values` (a float32
+    /// array of the tensor's size), leaving its optimizer and clock state alone: one
+    /// worker's buffers (BatchNorm's running statistics) that every worker pulls. Call it
+    /// before the push of the clock whose pulls must see the values (under bsp every
+    /// pull of the next clock then does). Refused in a job with `--replicas`.
+    fn set_values(&self, py: Python<'_>, name: &str, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (t, len) = self.tensor(name)?;
+        let values = arrays::Checked::read(values, name, format!("values of {name:?}"), len)?.to_vec()?;
+        let rx = self.send(|done| Cmd::SetValues { tensor: t as u32, values, done })?;
+        wait(py, &format!("the servers to take the values of {name:?}"), rx)
     }
 
     /// Waits until every worker still in the job called `barrier`.

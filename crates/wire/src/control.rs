@@ -371,6 +371,16 @@ pub enum Control {
         /// Its new optimizer state: `m` and `v` empty or as long as the block.
         state: OptState,
     },
+    /// Tag 51: Worker -> server (data connection): overwrite the values of dense block
+    /// `block` (a PyTorch model's buffers: rank 0 writes them before its push of the clock,
+    /// every worker pulls them). Reply: `Ok`, `Moved`, or an `Error`.
+    SetValues {
+        /// The block.
+        block: BlockId,
+        /// Its new values, as many as the block holds.
+        #[serde(with = "elasticps_core::f32s")]
+        values: Vec<f32>,
+    },
 }
 
 impl Control {
@@ -428,11 +438,12 @@ impl Control {
             Control::GetOptState { .. } => "GetOptState",
             Control::OptState { .. } => "OptState",
             Control::SetOptState { .. } => "SetOptState",
+            Control::SetValues { .. } => "SetValues",
         }
     }
 
     /// Every variant's name, in tag order ([`Control::name`] of tag `i` is `NAMES[i]`).
-    pub const NAMES: [&'static str; 51] = [
+    pub const NAMES: [&'static str; 52] = [
         "RegisterServer",
         "RegisterWorker",
         "Welcome",
@@ -484,6 +495,7 @@ impl Control {
         "GetOptState",
         "OptState",
         "SetOptState",
+        "SetValues",
     ];
 }
 

@@ -75,6 +75,7 @@ mod common {
             Control::GetOptState { .. } => 48,
             Control::OptState { .. } => 49,
             Control::SetOptState { .. } => 50,
+            Control::SetValues { .. } => 51,
         }
     }
 
@@ -492,6 +493,7 @@ mod common {
             any::<u32>().prop_map(|block| Control::GetOptState { block }),
             (any::<u32>(), arb_opt_state()).prop_map(|(block, state)| Control::OptState { block, state }),
             (any::<u32>(), arb_opt_state()).prop_map(|(block, state)| Control::SetOptState { block, state }),
+            (any::<u32>(), arb_f32s(8)).prop_map(|(block, values)| Control::SetValues { block, values }),
         ]
     }
 

@@ -1381,6 +1381,11 @@ fn a_worker_reads_and_replaces_a_blocks_optimizer_state() {
     let refused = opt_call(&mut s, 5, Control::SetOptState { block: 0, state: bad });
     assert!(matches!(&refused, Message::Error(e) if e.code == ErrorCode::BadRequest), "{refused:?}");
     assert_eq!(get(&mut s, 6), Control::OptState { block: 0, state }.into());
+    // Values overwritten, the optimizer state left alone; a pull answers them.
+    let set = opt_call(&mut s, 8, Control::SetValues { block: 0, values: vec![3.0; LEN] });
+    assert_eq!(set, Control::Ok.into());
+    assert_eq!(pulled(&pull(&mut s, 0, 0, 9, 0, 1)), vec![(1, 9, vec![3.0; LEN])]);
+    assert!(matches!(get(&mut s, 10), Message::Control(Control::OptState { state: OptState { steps: 7, .. }, .. })));
     // Another server's block: Moved to its owner.
     assert_eq!(
         opt_call(&mut s, 7, Control::GetOptState { block: 1 }),

@@ -1,10 +1,14 @@
-//! A tensor's optimizer state on the servers (`GetOptState`, `SetOptState`,
-//! docs/PROTOCOL.md §6.13): what a PyTorch optimizer's `state_dict` and
-//! `load_state_dict` carry. Outside a round: one call per block of the tensor.
+//! A tensor's optimizer state on the servers (`GetOptState`, `SetOptState`), and its
+//! values overwritten (`SetValues`) (docs/PROTOCOL.md §6.13): what a PyTorch optimizer's
+//! `state_dict` and `load_state_dict` carry, and a model's buffers. Outside a round: one
+//! call per block of the tensor.
 
 use elasticps_core::model::BlockSpec;
 use elasticps_core::optimizer::OptState;
-use elasticps_wire::{Control, Message};
+use std::time::Duration;
+
+use elasticps_node::timing::BLOCK_BUSY_RETRY_US;
+use elasticps_wire::{Control, ErrorCode, Message};
 
 use super::Client;
 use crate::CALL_TIMEOUT;
@@ -12,6 +16,8 @@ use crate::error::{Result, RuntimeError};
 
 /// Layout refreshes a call follows (`Moved`) before it gives up.
 const MOVES: usize = 8;
+/// How long a call waits before it asks a migrating block again.
+const RETRY: Duration = Duration::from_micros(BLOCK_BUSY_RETRY_US);
 
 impl Client {
     /// The optimizer state of tensor `tensor` (its index in the model): its steps, and its
@@ -54,6 +60,27 @@ impl Client {
         Ok(())
     }
 
+    /// Overwrites the values of tensor `tensor` on its servers (a model's buffers: call it
+    /// before the push of the clock whose pulls must see them).
+    pub async fn set_values(&mut self, tensor: u32, values: &[f32]) -> Result<()> {
+        let blocks = self.tensor_blocks(tensor)?;
+        let len: usize = blocks.iter().map(|b| b.len).sum();
+        if values.len() != len {
+            return Err(RuntimeError::Usage(format!(
+                "set_values of tensor {tensor} has {} values, the tensor {len}",
+                values.len()
+            )));
+        }
+        for b in &blocks {
+            let part = values[b.offset..b.offset + b.len].to_vec();
+            match self.block_call(b.id, Control::SetValues { block: b.id, values: part }).await? {
+                Message::Control(Control::Ok) => {}
+                other => return Err(RuntimeError::unexpected(&format!("the owner of block {}", b.id), "Ok", &other)),
+            }
+        }
+        Ok(())
+    }
+
     /// The dense blocks of tensor `tensor`, in offset order.
     fn tensor_blocks(&self, tensor: u32) -> Result<Vec<BlockSpec>> {
         let layout = self.current_layout()?;
@@ -71,9 +98,12 @@ impl Client {
     }
 
     /// Sends `msg` about `block` to its owner and returns the reply, following `Moved`
-    /// with a layout refresh (at most [`MOVES`] times).
+    /// with a layout refresh (at most [`MOVES`] times) and waiting out a migration
+    /// (`NotReady`, retried every [`RETRY`] for at most [`CALL_TIMEOUT`]).
     async fn block_call(&mut self, block: u32, msg: Control) -> Result<Message> {
-        for _ in 0..MOVES {
+        let deadline = tokio::time::Instant::now() + CALL_TIMEOUT;
+        let mut moves = 0;
+        loop {
             let layout = self.current_layout()?;
             let owner = layout.placement.owner(block).ok_or_else(|| RuntimeError::Protocol {
                 peer: "scheduler".into(),
@@ -84,8 +114,9 @@ impl Client {
             let name = format!("server {owner}");
             let conn = self.conn(owner)?.ok_or_else(|| RuntimeError::Closed(name.clone()))?;
             let what = || format!("{name} to answer {} of block {block}", msg.name());
-            match conn.call(id, Message::from(msg.clone()), CALL_TIMEOUT, what).await? {
-                Message::Control(Control::Moved { .. }) => {
+            match conn.call(id, Message::from(msg.clone()), CALL_TIMEOUT, what).await {
+                Ok(Message::Control(Control::Moved { .. })) if moves < MOVES => {
+                    moves += 1;
                     let reply = self
                         .call_scheduler(Control::GetLayout.into(), CALL_TIMEOUT, || {
                             "the scheduler to send the layout".into()
@@ -93,13 +124,15 @@ impl Client {
                         .await?;
                     self.install_layout(reply, false).await?;
                 }
-                reply => return Ok(reply),
+                Err(RuntimeError::Remote { reply, .. })
+                    if reply.code == ErrorCode::NotReady && tokio::time::Instant::now() < deadline =>
+                {
+                    tracing::debug!(rank = self.rank, block, why = %reply.message, "block busy; asking again");
+                    tokio::time::sleep(RETRY).await;
+                }
+                other => return other,
             }
         }
-        Err(RuntimeError::Protocol {
-            peer: "servers".into(),
-            what: format!("block {block} moved {MOVES} times while its optimizer state was asked"),
-        })
     }
 }
 
