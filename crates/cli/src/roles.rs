@@ -28,7 +28,9 @@ pub struct SchedulerCmd {
     /// Transport settings.
     #[command(flatten)]
     pub net: NetArgs,
-    /// Give up if the cluster is not complete within this many seconds.
+    /// Give up if the cluster is not complete within this many seconds of the first
+    /// worker's registration (of the start while servers or hosts are missing: a worker's
+    /// own start, importing torch and building its model, does not count).
     #[arg(long, env = "ELASTICPS_JOIN_TIMEOUT", default_value_t = 300)]
     pub join_timeout_s: u64,
     /// How to start servers when the job scales out: `local` (processes on this host) or

@@ -73,7 +73,9 @@ pub struct HostArgs {
     #[arg(long)]
     pub node_name: Option<String>,
     /// Give up, naming what never came, if the job has not assembled within this many
-    /// seconds (hosts, servers, workers); also how long a host waits for the rendezvous.
+    /// seconds (hosts and servers: of the start; workers: of the first worker's
+    /// registration, so a script's start does not count); also how long a host waits for
+    /// the rendezvous.
     #[arg(long, env = "ELASTICPS_JOIN_TIMEOUT", default_value_t = 300)]
     pub join_timeout_s: u64,
 }

@@ -297,9 +297,12 @@ pub struct Scheduler {
     registering: BTreeSet<(u64, ConnId)>,
     /// When the scheduler last handled [`Event::Timeout`] (µs).
     checked_us: Option<u64>,
-    /// `--join-timeout-s` (µs since the start), until it was checked once: a job that has
-    /// not assembled by then ends, saying what it waits for.
+    /// `--join-timeout-s` (µs), until it was checked once: a job that has not assembled
+    /// that long after its first worker registered ends, saying what it waits for
+    /// ([`Scheduler::join_deadline_us`]).
     join_timeout_us: Option<u64>,
+    /// When the first worker registered (µs): the join timeout counts from it.
+    first_worker_us: Option<u64>,
     /// Connections closed for not registering: what they sent before the close reached
     /// the runtime is dropped (it must not be taken as from a fresh connection).
     shut: BTreeSet<ConnId>,
@@ -344,6 +347,7 @@ impl Scheduler {
             registering: BTreeSet::new(),
             checked_us: None,
             join_timeout_us: None,
+            first_worker_us: None,
             shut: BTreeSet::new(),
             secret: Vec::new(),
             job: 0,
@@ -376,10 +380,28 @@ impl Scheduler {
     }
 
     /// Ends a job that has not assembled (every server and worker, or every host, joined)
-    /// within `us` of the start (`--join-timeout-s`), telling everyone that came why.
+    /// within `us` (`--join-timeout-s`) of its first worker's registration, telling
+    /// everyone that came why ([`Scheduler::join_deadline_us`]).
     pub fn with_join_timeout(mut self, us: u64) -> Self {
         self.join_timeout_us = Some(us);
         self
+    }
+
+    /// When the job must have assembled: the join timeout after the first worker
+    /// registered. Before any has, the join timeout after the start while hosts or servers
+    /// are still missing, and no deadline once only workers are: a worker's process may
+    /// take its time to start (importing torch, building its model) before it registers,
+    /// and the launcher watches it meanwhile.
+    fn join_deadline_us(&self) -> Option<u64> {
+        let join = self.join_timeout_us?;
+        match self.first_worker_us {
+            Some(first) => Some(first.saturating_add(join)),
+            None => {
+                let hosts_in = self.hosts.as_ref().and_then(hosts::Hosts::waiting_for).is_none();
+                let only_workers_missing = hosts_in && self.servers.len() as u32 >= self.config.servers;
+                (!only_workers_missing).then_some(join)
+            }
+        }
     }
 
     /// Says whether the runtime can start servers ([`Action::StartServer`]).
@@ -467,6 +489,9 @@ impl Scheduler {
         }
         self.dispatch(event, out);
         self.forget_registered();
+        if self.first_worker_us.is_none() && !self.workers.is_empty() {
+            self.first_worker_us = Some(self.now_us);
+        }
     }
 
     /// When the scheduler next has something to do without a message (µs, its clock):
@@ -503,8 +528,8 @@ impl Scheduler {
         if let Some(deadline) = self.register_deadline_us() {
             at(deadline);
         }
-        if let Some(join) = self.join_timeout_us {
-            at(join.saturating_add(1));
+        if let Some(deadline) = self.join_deadline_us() {
+            at(deadline.saturating_add(1));
         }
         if let Some(since) = self.awaiting_rejoin_since {
             at(since.saturating_add(self.config.rejoin_wait_us));
@@ -591,10 +616,11 @@ impl Scheduler {
     fn on_timeout(&mut self, out: &mut Vec<Action>) {
         let now_us = self.now_us;
         self.checked_us = Some(now_us);
-        if let Some(join) = self.join_timeout_us.filter(|j| now_us > *j) {
+        if let Some(join) = self.join_timeout_us.filter(|_| self.join_deadline_us().is_some_and(|d| now_us > d)) {
             self.join_timeout_us = None;
             if let Some(what) = self.waiting_for() {
-                let reason = format!("the job did not assemble within {} s: {what}", join / 1_000_000);
+                let since = if self.first_worker_us.is_some() { " of its first worker's registration" } else { "" };
+                let reason = format!("the job did not assemble within {} s{since}: {what}", join / 1_000_000);
                 tracing::error!(%reason, "the job ends");
                 return self.finish(false, reason, out);
             }
@@ -751,14 +777,14 @@ mod tests {
         let mut m = Scheduler::new(config(), 10_000_000).with_join_timeout(8_000_000);
         m.handle(7, Event::Connected { conn: 5, peer: "10.0.0.1".into(), key: KeyId::Cluster });
         recv(&mut m, 5, 1, Control::RegisterWorker);
-        // The wait report at 5 s, then the join timeout, just past it.
+        // The wait report at 5 s, then the join timeout, just past 8 s after the worker came.
         assert_eq!(m.poll_timeout(), Some(WAIT_REPORT_EVERY_US));
         assert!(!m.handle(WAIT_REPORT_EVERY_US, Event::Timeout).iter().any(|a| matches!(a, Action::Finish { .. })));
-        assert_eq!(m.poll_timeout(), Some(8_000_001));
-        let a = m.handle(8_000_001, Event::Timeout);
+        assert_eq!(m.poll_timeout(), Some(8_000_008));
+        let a = m.handle(8_000_008, Event::Timeout);
         let told = a.iter().any(|x| {
             matches!(x, Action::Send { conn: 5, msg: Message::Control(Control::Shutdown { reason }), .. }
-                if reason.starts_with("the job did not assemble within 8 s: "))
+                if reason.starts_with("the job did not assemble within 8 s of its first worker's registration: "))
         });
         assert!(told, "the worker that came hears why: {a:?}");
         assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: false, .. })), "{a:?}");
@@ -766,5 +792,26 @@ mod tests {
         let mut m = running(config(), 24).with_join_timeout(1);
         let a = m.handle(BALANCE_EVERY_US, Event::Timeout);
         assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "{a:?}");
+    }
+
+    #[test]
+    fn the_join_timeout_counts_from_the_first_workers_registration_not_from_the_start() {
+        let mut m = Scheduler::new(config(), 60_000_000).with_join_timeout(8_000_000);
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        // A missing server is waited for from the start.
+        assert_eq!(m.join_deadline_us(), Some(8_000_000));
+        recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
+        // Only the workers are missing: their scripts import torch and build their models.
+        assert_eq!(m.join_deadline_us(), None);
+        let a = m.handle(20_000_000, Event::Timeout);
+        assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "20 s of a script's start: {a:?}");
+        m.handle(30_000_000, Event::Connected { conn: 1, peer: "10.0.0.1".into(), key: KeyId::Cluster });
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        assert_eq!(m.join_deadline_us(), Some(38_000_000), "8 s from the first worker's registration");
+        let a = m.handle(37_000_000, Event::Timeout);
+        assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "{a:?}");
+        assert!(m.poll_timeout().is_some_and(|t| t <= 38_000_001), "{:?}", m.poll_timeout());
+        let a = m.handle(38_000_001, Event::Timeout);
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: false, .. })), "the second worker never came: {a:?}");
     }
 }
