@@ -586,7 +586,16 @@ impl WorkerRole {
                 let result = round.handle(out.now_us(), RoundEvent::Layout(layout));
                 self.on_round_result(out, result);
             }
-            (0, _) => {}
+            (0, msg) => {
+                // A failover: the lost servers are closed connections, whose host may be
+                // silent (no close would come).
+                for id in session::servers_lost(&msg, self.servers.keys().copied()) {
+                    if let Some(conn) = self.servers.remove(&id) {
+                        out.close(conn);
+                    }
+                    self.hand(out, RoundEvent::ServerLost { server: id });
+                }
+            }
             (id, other) => self.fail(out, format!("the scheduler answered call {id} with {:?}", other.kind())),
         }
     }

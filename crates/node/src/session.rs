@@ -314,6 +314,16 @@ impl Session {
     }
 }
 
+/// The servers among `connected` that a notification of the scheduler says are lost:
+/// after a failover it sends every worker `Replicas`, which lists the servers still in the
+/// job. A worker treats each one it is connected to and that is not listed as a closed
+/// connection (what it did not answer goes to the owner named by a refreshed layout): the
+/// lost server's host may be silent, and no close would ever come.
+pub fn servers_lost(msg: &Message, connected: impl IntoIterator<Item = u32>) -> Vec<u32> {
+    let Message::Control(Control::Replicas { servers, .. }) = msg else { return Vec::new() };
+    connected.into_iter().filter(|id| !servers.iter().any(|s| s.id == *id)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use elasticps_wire::{Credential, ErrorCode, ErrorReply, PeerRole};

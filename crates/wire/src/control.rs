@@ -241,7 +241,9 @@ pub enum Control {
     /// Tag 37: Scheduler -> every server (request id 0): who holds which copy now, after a
     /// failover (a lost server's primaries promoted to their first backup) or a rebuilt
     /// copy. A server serves the blocks it was promoted for, and a primary sends its state
-    /// ([`Control::ReplicaSnapshot`]) to each new backup.
+    /// ([`Control::ReplicaSnapshot`]) to each new backup. Also Scheduler -> every worker
+    /// (request id 0) when a server is lost: the servers it does not list are gone, their
+    /// connections are taken as closed (a lost host may be silent).
     Replicas {
         /// The placement with its backups.
         placement: Placement,

@@ -384,6 +384,7 @@ impl Scheduler {
                     self.rebuild_copies();
                     self.broadcast_replicas(out);
                 }
+                self.tell_workers_of_failover(out);
             }
             Role::Server(id) if self.config.replicas > 1 => self.failover(id, why, silent_us, out),
             Role::Server(id) => {

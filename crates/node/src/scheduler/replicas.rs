@@ -31,6 +31,20 @@ impl Scheduler {
         }
     }
 
+    /// Sends `Replicas` to every worker once a server is lost (failed over, or removed and
+    /// gone): a worker's requests to it, whose host may have gone silent (no close ever
+    /// reaches the worker), go to the owners of a refreshed layout at once instead of
+    /// waiting out their deadlines ([`crate::session::servers_lost`]).
+    pub(super) fn tell_workers_of_failover(&self, out: &mut Vec<Action>) {
+        let Some(layout) = self.layout() else { return };
+        let msg: Message = Control::Replicas { placement: layout.placement, servers: layout.servers }.into();
+        for (conn, n) in self.nodes.iter() {
+            if matches!(n.role, Role::Worker(_)) {
+                out.push(Action::Send { conn: *conn, request_id: 0, msg: msg.clone() });
+            }
+        }
+    }
+
     /// Keeps every block at `replicas - 1` backups on serving servers: a backup on a
     /// server that drains (or left) is dropped, and a block short of backups gets new
     /// ones on the serving servers with the fewest copies that hold none of it (and are
@@ -108,6 +122,7 @@ impl Scheduler {
                 let orders = self.elastic.failed(id, &detection, promoted.len(), placement, self.now_us);
                 self.rebuild_copies();
                 self.broadcast_replicas(out);
+                self.tell_workers_of_failover(out);
                 self.carry_out(orders, out);
             }
         }

@@ -518,6 +518,9 @@ struct Ending {
     reason: Option<String>,
     /// The connection closed and every notification before it was read.
     closed: bool,
+    /// The scheduler's latest failover notice (`Replicas`): the servers it does not list
+    /// are lost ([`elasticps_node::session::servers_lost`]).
+    failover: Option<Arc<Message>>,
 }
 
 /// Reads the scheduler's notifications into `tell`: its `Shutdown`, then the link's end.
@@ -526,6 +529,9 @@ async fn watch_ending(mut notes: Notifications, end: EndWatch, tell: tokio::sync
         if let Message::Control(Control::Shutdown { reason }) = msg {
             tracing::info!(%reason, "scheduler ends the job");
             tell.send_modify(|e| e.reason = Some(reason));
+        } else if let Message::Control(Control::Replicas { .. }) = &msg {
+            tracing::info!("a server failed over: requests to it go to the promoted owners");
+            tell.send_modify(|e| e.failover = Some(Arc::new(msg)));
         }
     }
     // Every notification the scheduler sent before the link ended has been read.

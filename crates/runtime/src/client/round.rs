@@ -152,6 +152,7 @@ impl Client {
                     Event::Header(server, got)
                 }
                 () = &mut sleep => Event::Timer,
+                Ok(()) = self.ending.changed() => Event::Failover,
             };
             let more = match event {
                 Event::Wrote((_, _, None | Some(Ok(())))) => Vec::new(),
@@ -167,6 +168,7 @@ impl Client {
                     self.drop_server(server, closed, &mut plan)?
                 }
                 Event::Header(server, Err(e)) => self.drop_server(server, e, &mut plan)?,
+                Event::Failover => self.drop_failed_over(&mut plan)?,
                 Event::Timer => {
                     armed = None;
                     match wake {
@@ -405,6 +407,18 @@ impl Client {
         self.hand(plan, RoundEvent::ServerLost { server })
     }
 
+    /// After a failover, the servers the scheduler no longer lists are lost as a closed
+    /// connection is: their host may be silent, and no close would ever come.
+    fn drop_failed_over(&mut self, plan: &mut Round) -> Result<Vec<Action>> {
+        let Some(notice) = self.ending.borrow_and_update().failover.clone() else { return Ok(Vec::new()) };
+        let mut todo = Vec::new();
+        for server in elasticps_node::session::servers_lost(&notice, self.servers.keys().copied()) {
+            let lost = RuntimeError::Closed(format!("server {server}: lost, its blocks failed over"));
+            todo.extend(self.drop_server(server, lost, plan)?);
+        }
+        Ok(todo)
+    }
+
     /// Connects to the layout's new servers (Hello) and drops those that left it. During a
     /// round (`in_round`) a server that cannot be reached is left out: the requests the plan
     /// sends it come back lost, and the plan refreshes the layout again.
@@ -464,6 +478,8 @@ enum Event {
     Header(u32, Result<Option<FrameHeader>>),
     /// The plan's poll_timeout came.
     Timer,
+    /// The scheduler's link said something about the job (a failover, its end).
+    Failover,
 }
 
 /// One request in flight: who waits on whom for what.
