@@ -51,6 +51,14 @@ class _RowInit(TypedDict, total=False):
     high: float
     value: float
 
+class _OptState(TypedDict):
+    """A tensor's server-side optimizer state: ``steps`` taken, ``m`` and ``v`` (None when
+    the optimizer keeps none or took no step yet)."""
+
+    steps: int
+    m: Optional[_F32]
+    v: Optional[_F32]
+
 class ElasticpsError(RuntimeError):
     """An elasticps operation failed; the message names the server, block and clock involved."""
 
@@ -146,6 +154,24 @@ class Worker:
     def set_optimizer(self, name: str, optimizer: _Optimizer) -> None:
         """Gives tensor ``name`` a new server-side optimizer; every push sent after this
         returns uses it."""
+
+    def optimizer_state(self, name: str) -> _OptState:
+        """The server-side optimizer state of tensor ``name`` (what a PyTorch optimizer's
+        ``state_dict`` carries): ``steps`` taken, ``m`` (momentum buffer or Adam's first
+        moment) and ``v`` (Adam's second moment), each a float32 array of the tensor's size
+        or None. Ask between steps (after ``pull``)."""
+
+    def set_optimizer_state(
+        self, name: str, steps: int, m: Optional[_F32] = None, v: Optional[_F32] = None
+    ) -> None:
+        """Replaces the server-side optimizer state of tensor ``name`` (a PyTorch
+        optimizer's ``load_state_dict``). Refused in a job with ``--replicas``."""
+
+    def set_values(self, name: str, values: _F32) -> None:
+        """Overwrites the values of tensor ``name`` on the servers, leaving its optimizer
+        and clock state alone (one worker's buffers that every worker pulls). Call it
+        before the push of the clock whose pulls must see them. Refused in a job with
+        ``--replicas``."""
 
     def barrier(self) -> None:
         """Waits until every worker still in the job called ``barrier``."""

@@ -7,12 +7,16 @@ gets no gradient on some steps); what the servers cannot run is a TypeError."""
 from __future__ import annotations
 
 import copy
+import io
+import json
 
 import numpy as np
 import pytest
 import torch
 
+import elasticps
 import elasticps.torch as ept
+from conftest import Cluster, read_line
 
 #: A hang fails fast: every test here takes seconds.
 pytestmark = pytest.mark.deadline(30)
@@ -261,9 +265,16 @@ def test_gradients_are_pushed_during_backward(cluster):
     w = cluster.connect()
     model = mlp()
     opt = ept.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), worker=w)
-    x, y = batches(1)[0]
+    data = batches(2)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    # The first step holds its pushes until step() (it finds out whether the loop changes
+    # gradients after backward); this one does not, so the next pushes during backward.
     opt.zero_grad()
-    torch.nn.CrossEntropyLoss()(model(x), y).backward()
+    loss_fn(model(data[0][0]), data[0][1]).backward()
+    assert opt._handles == {}
+    opt.step()
+    opt.zero_grad()
+    loss_fn(model(data[1][0]), data[1][1]).backward()
     # Every parameter's push started from its hook, before step().
     assert sorted(opt._handles) == sorted(n for n, _ in model.named_parameters())
     before = [p.detach().clone() for p in model.parameters()]
@@ -272,3 +283,178 @@ def test_gradients_are_pushed_during_backward(cluster):
     for p, b, g in zip(model.parameters(), before, grads):
         np.testing.assert_allclose(p.detach().numpy(), (b - 0.1 * g).numpy(), atol=1e-7)
     w.finish()
+
+
+# -- issue 34: clipping, buffers, optimizer state ----------------------------------------
+
+
+def train_clipped_to_zero(model, opt, data, *, horovod=False):
+    """Steps on `data` with every gradient clipped to zero between backward and step
+    (DDP's loop, or Horovod's synchronize/skip_synchronize)."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        if horovod:
+            opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.0)
+        if horovod:
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+
+
+@pytest.mark.parametrize("horovod", [False, True], ids=["ddp_loop", "synchronize"])
+@pytest.mark.cluster(**dict(JOB, aggregate=True))
+def test_clipping_to_zero_leaves_the_weights_unchanged(cluster, horovod):
+    w = cluster.connect()
+    initial = mlp()
+    model = copy.deepcopy(initial)
+    # Default push_on_backward=True; several steps, so that a loop whose clipping was not
+    # noticed would push during backward after the first.
+    opt = ept.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(), worker=w)
+    train_clipped_to_zero(model, opt, batches(5), horovod=horovod)
+    assert opt.clock == 5
+    assert max_diff(model, initial) == 0.0
+    # The same loop unclipped moves the weights: the clipping is what kept them.
+    train(model, opt, batches(1))
+    assert max_diff(model, initial) > 1e-3
+    w.finish()
+
+
+@pytest.mark.cluster(**JOB)
+def test_a_gradient_changed_after_its_push_left_raises(cluster):
+    w = cluster.connect()
+    model = mlp()
+    opt = ept.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), worker=w)
+    data = batches(2)
+    train(model, opt, data[:1])  # no clipping: the next step pushes during backward
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    torch.nn.CrossEntropyLoss()(model(data[1][0]), data[1][1]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.0)
+    with pytest.raises(elasticps.ElasticpsError, match="push_on_backward=False"):
+        opt.step()
+    # Nothing was pulled into the model.
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    w.finish()
+
+
+#: A worker process with a BatchNorm model: each rank trains on its own data (so its
+#: running statistics differ), then prints its rank, its buffers after `steps` steps, and
+#: rank 0 also the buffers its own forward passes computed before the last step's pull.
+BN_WORKER = r"""
+import json, sys
+import torch
+import elasticps, elasticps.torch
+steps, broadcast = int(sys.argv[1]), sys.argv[2] == "1"
+torch.set_num_threads(1)
+w = elasticps.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+opt = elasticps.torch.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), broadcast_buffers=broadcast)
+loss_fn = torch.nn.CrossEntropyLoss()
+for step in range(steps):
+    g = torch.Generator().manual_seed(1000 * w.rank + step)
+    x, y = 3 * w.rank + torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    own = {n: b.tolist() for n, b in model.named_buffers()}
+    opt.step()
+bufs = {n: b.tolist() for n, b in model.named_buffers()}
+print(json.dumps({"rank": w.rank, "buffers": bufs, "own": own}), flush=True)
+elasticps.finish()
+"""
+
+
+def bn_buffers(cluster, steps: int, broadcast: bool) -> dict:
+    """Rank -> what BN_WORKER printed, from two worker processes."""
+    procs = [cluster.spawn_worker(BN_WORKER, str(steps), "1" if broadcast else "0") for _ in range(2)]
+    out = {}
+    for p in procs:
+        got = json.loads(read_line(p, 50, "a BatchNorm worker's buffers"))
+        out[got["rank"]] = got
+    for p in procs:
+        assert cluster.wait_exit(p, 20, "a BatchNorm worker") == 0
+    return out
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.cluster(workers=2, servers=2, sync="bsp", aggregate=True, block_bytes=256)
+def test_batchnorm_running_stats_are_rank_0s_on_every_rank(cluster):
+    got = bn_buffers(cluster, 3, True)
+    zero, one = got[0], got[1]
+    assert set(zero["buffers"]) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    # Equal on every rank, and what rank 0's forward passes computed.
+    assert zero["buffers"] == one["buffers"]
+    np.testing.assert_array_equal(np.array(zero["buffers"]["1.running_mean"]), np.array(zero["own"]["1.running_mean"]))
+    assert zero["buffers"]["1.num_batches_tracked"] == 3
+    # The ranks' own statistics differ (their data does): the broadcast is what made them equal.
+    assert zero["own"]["1.running_mean"] != one["own"]["1.running_mean"]
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.cluster(workers=2, servers=2, sync="bsp", aggregate=True, block_bytes=256)
+def test_broadcast_buffers_false_keeps_each_ranks_own(cluster):
+    got = bn_buffers(cluster, 2, False)
+    assert got[0]["buffers"]["1.running_mean"] != got[1]["buffers"]["1.running_mean"]
+    assert got[1]["buffers"] == got[1]["own"]
+
+
+def adam(ps):
+    return torch.optim.Adam(ps, lr=1e-2, betas=(0.8, 0.99))
+
+
+def train_steps(cluster_or_worker, model, data, *, state=None):
+    """Trains `model` with Adam through a worker of `cluster_or_worker` on `data`; loads
+    `state` (an `opt.state_dict()`) first if given. Returns the optimizer."""
+    opt = ept.DistributedOptimizer(adam(model.parameters()), model.named_parameters(), worker=cluster_or_worker)
+    if state is not None:
+        opt.load_state_dict(state)
+    train(model, opt, data)
+    return opt
+
+
+@pytest.mark.deadline(60)
+@pytest.mark.cluster(**dict(JOB, aggregate=True))
+def test_state_dict_round_trips_adams_moments_into_a_new_job(cluster, tmp_path):
+    data = batches(10)
+    model = mlp()
+    w = cluster.connect()
+    opt = train_steps(w, model, data[:5])
+    # A torch-style checkpoint, through torch.save.
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    ck = torch.load(io.BytesIO(buf.getvalue()))
+    state = ck["opt"]["state"]
+    assert sorted(state) == list(range(len(list(model.parameters()))))
+    assert set(state[0]) == {"step", "exp_avg", "exp_avg_sq"} and int(state[0]["step"]) == 5
+    # The state is torch's: plain local Adam on the same batches holds the same moments.
+    local = mlp()
+    local_opt = adam(local.parameters())
+    train(local, local_opt, data[:5])
+    for i, p in enumerate(local.parameters()):
+        np.testing.assert_allclose(state[i]["exp_avg"].numpy(), local_opt.state[p]["exp_avg"].numpy(), atol=1e-7)
+    # No interruption: five more steps in this job.
+    train(model, opt, data[5:])
+    w.finish()
+
+    # A new job, resumed from the checkpoint: the same five steps end at the same weights.
+    resumed, fresh = mlp(seed=5), mlp(seed=5)
+    resumed.load_state_dict(ck["model"])
+    fresh.load_state_dict(ck["model"])
+    for state, target in ((ck["opt"], resumed), (None, fresh)):
+        job = Cluster(tmp_path / ("resumed" if state else "fresh"), dict(JOB, aggregate=True))
+        (tmp_path / ("resumed" if state else "fresh")).mkdir()
+        try:
+            job.start()
+            w2 = job.connect()
+            train_steps(w2, target, data[5:], state=state)
+            w2.finish()
+        finally:
+            job.stop()
+    assert max_diff(resumed, model) <= 1e-7
+    # Without the moments (a fresh Adam) the same steps end elsewhere.
+    assert max_diff(fresh, model) > 1e-4
