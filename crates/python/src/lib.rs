@@ -2,7 +2,8 @@
 //! worker client ([`elasticps_runtime::client::Client`]) behind a numpy API.
 //!
 //! - [`worker`]: `Worker` (register_model, pull, push, push_pull, the asynchronous forms,
-//!   set_optimizer, barrier, finish) and `Handle`.
+//!   set_optimizer, optimizer_state, set_optimizer_state, set_values, barrier, finish) and
+//!   `Handle`.
 //! - [`actor`]: the task that owns the client on the runtime and batches pushes queued
 //!   back to back.
 //! - [`arrays`]: borrowing numpy buffers without a copy (float32, C-contiguous only).
