@@ -310,3 +310,32 @@ exec {BIN} worker --iterations 1000000 --eval-every 0"#
     assert!(err.contains(&named), "{err}");
     assert_all_gone(&kids);
 }
+
+#[test]
+fn a_job_without_a_report_removes_its_logs_if_it_succeeds_and_keeps_them_saying_where_if_it_fails() {
+    let dir = common::temp_dir("launch-logs");
+    let tmp = dir.join("tmp");
+    std::fs::create_dir_all(&tmp).expect("creating TMPDIR");
+    let left =
+        || -> Vec<PathBuf> { std::fs::read_dir(&tmp).expect("TMPDIR").map(|e| e.expect("entry").path()).collect() };
+
+    let mut ok =
+        launch(&["--", BIN, "worker", "--model", "synthetic:resnet56", "--compute-ms", "1", "--iterations", "5"]);
+    ok.env("TMPDIR", &tmp);
+    let out = run_to_end(ok, Duration::from_secs(120));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "launch failed:\n{err}");
+    assert_eq!(left(), Vec::<PathBuf>::new(), "a job that succeeded leaves no logs behind");
+
+    let worker = script(&dir, "fails.sh", "echo 'giving up' >&2\nexit 3").display().to_string();
+    let mut failed = launch(&["--", &worker]);
+    failed.env("TMPDIR", &tmp);
+    let out = run_to_end(failed, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    let kept = left();
+    assert_eq!(kept.len(), 1, "the failed job's log directory: {kept:?}");
+    assert!(err.contains(&format!("every node's log is kept in {}", kept[0].display())), "{err}");
+    let log = std::fs::read_to_string(kept[0].join("worker-0.log")).expect("worker 0's log");
+    assert!(log.contains("giving up"), "{log}");
+}

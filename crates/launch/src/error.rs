@@ -37,6 +37,14 @@ pub enum LaunchError {
         /// The error that came first.
         cause: Box<LaunchError>,
     },
+    /// A job without a report directory failed: its nodes' logs are kept in `dir`.
+    #[error("{cause}\nevery node's log is kept in {}", dir.display())]
+    LogsKept {
+        /// Why the job failed.
+        cause: Box<LaunchError>,
+        /// The temporary log directory, `$TMPDIR/elasticps-PID`.
+        dir: std::path::PathBuf,
+    },
     /// Writing the report failed.
     #[error(transparent)]
     Report(#[from] ReportError),

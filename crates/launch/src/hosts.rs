@@ -186,6 +186,13 @@ fn host_name(h: &HostArgs, ip: IpAddr) -> String {
 
 /// Runs this host's part of the job until the scheduler ends it.
 pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
+    let logs = crate::runner::LogDir::new(spec.report);
+    let result = run_host_in(spec, logs.path()).await;
+    logs.close(result)
+}
+
+/// [`run_host`], this host's nodes' logs in `log_dir`.
+async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome> {
     let h = spec.hosts;
     let rdzv = rendezvous(h)?;
     let ip = addr::advertise_ip(rdzv.addr, h.advertise.as_deref(), h.interface.as_deref())?;
@@ -209,12 +216,8 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
             "--restart-servers needs --replicas 2 or more (without a backup, a lost server's blocks are gone)".into(),
         ));
     }
-    let log_dir = match spec.report {
-        Some(dir) => dir.join("logs"),
-        None => std::env::temp_dir().join(format!("elasticps-{}", std::process::id())),
-    };
     let mut signals = Signals::new()?;
-    let mut cluster = Cluster::new(&log_dir)?;
+    let mut cluster = Cluster::new(log_dir)?;
     let secret = spec.net.role_env();
     let started = Instant::now();
     let join_timeout = Duration::from_secs(h.join_timeout_s);

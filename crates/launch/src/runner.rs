@@ -6,7 +6,7 @@
 //! when the job does not end within [`JobSpec::end_timeout`] after the last worker exited.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -55,7 +55,7 @@ pub struct JobSpec<'a> {
     /// Transport settings of every node.
     pub net: &'a NetArgs,
     /// The report directory: the nodes' logs go into its `logs/` (a temporary directory
-    /// otherwise).
+    /// otherwise, removed if the job succeeds).
     pub report: Option<&'a Path>,
     /// Do not draw progress bars.
     pub quiet: bool,
@@ -177,25 +177,71 @@ impl Signals {
 /// How long a failed or interrupted job waits for the processes it killed to be reaped.
 pub(crate) const REAP_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Where a job's nodes write their logs: the report's `logs/`, kept; or, without a report,
+/// `$TMPDIR/elasticps-PID/`, which a job that succeeds removes and a failed one keeps,
+/// its error saying where.
+pub(crate) struct LogDir {
+    path: PathBuf,
+    temporary: bool,
+}
+
+impl LogDir {
+    /// The log directory of a job whose report goes to `report`, if any.
+    pub(crate) fn new(report: Option<&Path>) -> Self {
+        match report {
+            Some(dir) => Self { path: dir.join("logs"), temporary: false },
+            None => Self {
+                path: std::env::temp_dir().join(format!("elasticps-{}", std::process::id())),
+                temporary: true,
+            },
+        }
+    }
+
+    /// Its path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The job is over with `result`: a temporary directory is removed if it succeeded,
+    /// and named in the error if it failed after a node started.
+    pub(crate) fn close<T>(self, result: Result<T>) -> Result<T> {
+        if !self.temporary || !self.path.exists() {
+            return result;
+        }
+        match result {
+            Ok(v) => {
+                if let Err(e) = std::fs::remove_dir_all(&self.path) {
+                    tracing::warn!(dir = %self.path.display(), error = %e, "cannot remove the job's logs");
+                }
+                Ok(v)
+            }
+            Err(cause) => Err(LaunchError::LogsKept { cause: Box::new(cause), dir: self.path }),
+        }
+    }
+}
+
 /// Runs one job on a local cluster and collects its events.
 pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
+    let logs = LogDir::new(spec.report);
+    let result = run_job_in(spec, logs.path()).await;
+    logs.close(result)
+}
+
+/// [`run_job`], the nodes' logs in `log_dir`.
+async fn run_job_in(spec: &JobSpec<'_>, log_dir: &Path) -> Result<RunOutcome> {
     // A wrong job flag is refused here, before any process starts.
     spec.job.job_config()?;
     spec.net.tls()?;
     if let Workers::Command { argv, .. } = &spec.workers {
         crate::process::check_program(argv)?;
     }
-    let log_dir = match spec.report {
-        Some(dir) => dir.join("logs"),
-        None => std::env::temp_dir().join(format!("elasticps-{}", std::process::id())),
-    };
     if spec.restart_servers > 0 && spec.job.replicas < 2 {
         return Err(LaunchError::Flags(
             "--restart-servers needs --replicas 2 or more (without a backup, a lost server's blocks are gone)".into(),
         ));
     }
     let mut signals = Signals::new()?;
-    let mut cluster = Cluster::new(&log_dir)?;
+    let mut cluster = Cluster::new(log_dir)?;
     let env = spec.net.role_env();
     let started = Instant::now();
 
