@@ -190,10 +190,9 @@ impl LogDir {
     pub(crate) fn new(report: Option<&Path>) -> Self {
         match report {
             Some(dir) => Self { path: dir.join("logs"), temporary: false },
-            None => Self {
-                path: std::env::temp_dir().join(format!("elasticps-{}", std::process::id())),
-                temporary: true,
-            },
+            None => {
+                Self { path: std::env::temp_dir().join(format!("elasticps-{}", std::process::id())), temporary: true }
+            }
         }
     }
 
