@@ -848,6 +848,9 @@ impl Elastic {
 /// A migration as saved: (block, from, to, epoch).
 pub(super) type SavedMove = (u32, ServerId, ServerId, u64);
 
+/// A split as saved: (block, at, owner, epoch).
+pub(super) type SavedSplit = (u32, u64, ServerId, u64);
+
 /// What of the elastic state survives a scheduler restart: server states, the migration in
 /// flight, the migration count, the history.
 pub(super) type SavedElastic = (Vec<(ServerId, String)>, Option<SavedMove>, u32, BalanceLog);
@@ -893,6 +896,11 @@ impl Elastic {
     }
 
     /// The migration in flight, if any: (block, from, to, epoch).
+    /// The split asked of an owner and not reported yet: (block, at, owner, epoch).
+    pub(super) fn split_in_flight(&self) -> Option<SavedSplit> {
+        self.splitting.map(|s| (s.block, s.at, s.owner, s.epoch))
+    }
+
     pub(super) fn in_flight(&self) -> Option<SavedMove> {
         self.in_flight.map(|(m, _, epoch)| (m.block, m.from, m.to, epoch))
     }
@@ -1000,7 +1008,7 @@ impl Scheduler {
     /// The owner `owner` split row block `block` at row `at` (`SplitDone` at `epoch`):
     /// the model and placement say so from now on (the epoch goes up), and every other
     /// server is told to follow.
-    fn record_split(&mut self, owner: ServerId, (block, at, epoch): (u32, u64, u64), out: &mut Vec<Action>) {
+    pub(super) fn record_split(&mut self, owner: ServerId, (block, at, epoch): (u32, u64, u64), out: &mut Vec<Action>) {
         let (Some(partition), Some(placement)) = (self.partition.as_ref(), self.placement.as_ref()) else { return };
         let (partition, placement, halves) =
             match elasticps_core::placement::split_row_block(partition, placement, block, at, epoch) {
@@ -1390,5 +1398,54 @@ mod scheduler_tests {
         assert_eq!(split_block_sent(&a, 10), [(3, 10, true)]);
         assert_eq!(m.partition().unwrap().blocks.len(), 9);
         assert_eq!(m.placement().unwrap().owner(8), Some(1));
+    }
+
+    /// Issue 33: the scheduler dies between `SplitBlock` and `SplitDone` (a notification,
+    /// lost with it). The restarted one learns the split from the halves its owner holds
+    /// when it reattaches, records it and tells the other server; the job goes on.
+    #[test]
+    fn a_scheduler_restarted_between_split_block_and_split_done_records_the_split_from_the_owner() {
+        use elasticps_wire::{Credential, HeldBlock, PeerRole};
+        let mut m = table_job();
+        let epoch = m.placement().map(|p| p.epoch).unwrap();
+        let rows =
+            elasticps_wire::RowBlockLoad { block: 1, pushes: 10, bytes_in: 10_000, split_at: 2, ..Default::default() };
+        recv(
+            &mut m,
+            10,
+            0,
+            Control::ServerLoad(elasticps_wire::ServerLoad {
+                server_id: 0,
+                row_blocks: vec![rows],
+                ..Default::default()
+            }),
+        );
+        let a = m.handle(2_000_000, Event::Timeout);
+        assert_eq!(split_block_sent(&a, 10), [(1, 2, false)], "{a:?}");
+        // The state as the runtime wrote it before sending SplitBlock, through JSON.
+        let json = serde_json::to_string(&m.saved_state()).unwrap();
+        let config = JobConfig { balance: elasticps_core::balance::BalanceMode::Psld, ..config() };
+        let mut r = super::super::Scheduler::recover(config, serde_json::from_str(&json).unwrap(), 10_000_000).unwrap();
+        let reattach = |r: &mut super::super::Scheduler, conn, server_id: u32, blocks: &[u32], at_epoch: u64| {
+            let blocks = blocks
+                .iter()
+                .map(|&block| HeldBlock { block, epoch: if block > 4 { at_epoch } else { 0 }, arrived: false })
+                .collect();
+            let credential = Credential::issue(b"", 0, PeerRole::Server, server_id);
+            recv(
+                r,
+                conn,
+                1,
+                Control::ReattachServer { server_id, credential, data_addr: format!("s{server_id}"), blocks },
+            )
+        };
+        // The owner split block 1 into 5 and 6 before the restart.
+        reattach(&mut r, 30, 0, &[0, 2, 5, 6], epoch + 1);
+        let a = reattach(&mut r, 31, 1, &[3, 4], epoch + 1);
+        assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "the job goes on: {a:?}");
+        assert_eq!(split_block_sent(&a, 31), [(1, 2, true)], "the other server follows: {a:?}");
+        let (p, pl) = (r.partition().unwrap(), r.placement().unwrap());
+        assert_eq!((p.blocks.len(), pl.owner(5), pl.owner(6), pl.owner(1)), (7, Some(0), Some(0), None));
+        assert!(!r.recovering());
     }
 }

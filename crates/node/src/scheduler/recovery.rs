@@ -77,6 +77,12 @@ pub struct SavedState {
     /// credentials of the nodes that reattach with it.
     #[serde(default)]
     pub job: u64,
+    /// The split asked of a row block's owner and not reported yet: (block, at, owner,
+    /// epoch). Saved before the owner is asked: its `SplitDone` (a notification) dies with
+    /// the scheduler, and the recovered one learns the split from the halves the owner
+    /// holds when it reattaches.
+    #[serde(default)]
+    pub split: Option<(u32, u64, ServerId, u64)>,
 }
 
 /// A recovered scheduler waiting for its nodes.
@@ -97,6 +103,8 @@ pub(super) struct Recovering {
     /// The job ended (every worker done) before every server was back: how, told to the
     /// servers once they are.
     finish: Option<(bool, String)>,
+    /// The split in flight at the restart ([`SavedState::split`]).
+    split: Option<(u32, u64, ServerId, u64)>,
 }
 
 impl Scheduler {
@@ -149,6 +157,7 @@ impl Scheduler {
             last_checkpoint: self.last_checkpoint,
             checkpoints: self.checkpoints.iter().map(|(c, b)| (*c, b.values().cloned().collect())).collect(),
             job: self.job,
+            split: self.elastic.split_in_flight(),
         }
     }
 
@@ -174,6 +183,7 @@ impl Scheduler {
         }
         let (states, migration, migrations, log) = self.elastic.saved();
         (states, migration, migrations, log.migrations.len(), log.scaling.len()).hash(&mut h);
+        self.elastic.split_in_flight().hash(&mut h);
         h.finish()
     }
 
@@ -202,6 +212,7 @@ impl Scheduler {
         s.failed_workers = saved.failed_workers;
         s.rejoin_clocks = saved.rejoin_clocks;
         s.job = saved.job;
+        let split = saved.split;
         if let Some(p) = &saved.partition {
             s.elastic.model_placed(p.blocks.iter().map(|b| b.bytes() as u64).collect());
         }
@@ -230,7 +241,7 @@ impl Scheduler {
         s.layout_ready = false;
         let finished = s.finished_workers.iter().copied().filter(|r| !s.failed_workers.contains_key(r)).collect();
         s.recovering =
-            Some(Recovering { servers, workers, finished, held: BTreeMap::new(), since_us: None, finish: None });
+            Some(Recovering { servers, workers, finished, held: BTreeMap::new(), since_us: None, finish: None, split });
         Ok(s)
     }
 
@@ -433,8 +444,33 @@ impl Scheduler {
 
     /// Every server is back: check the placement against what they hold (they win), finish
     /// or keep the migration that was in flight, then serve the layout again.
+    /// The split in flight at the restart: if its owner holds a half, it split (its
+    /// `SplitDone` was lost with the scheduler): recorded as that `SplitDone` would have.
+    /// Otherwise it did not, and the block is still one.
+    fn recover_split(&mut self, held: &BTreeMap<ServerId, Vec<HeldBlock>>, out: &mut Vec<Action>) {
+        let Some((block, at, owner, epoch)) = self.recovering.as_mut().and_then(|r| r.split.take()) else { return };
+        let (Some(partition), Some(placement)) = (self.partition.as_ref(), self.placement.as_ref()) else { return };
+        let Ok((_, _, halves)) = elasticps_core::placement::split_row_block(partition, placement, block, at, epoch)
+        else {
+            return;
+        };
+        if held.get(&owner).is_some_and(|h| h.iter().any(|b| halves.contains(&b.block))) {
+            tracing::info!(
+                block,
+                at,
+                owner,
+                epoch,
+                "the split in flight at the restart was done by its owner: recorded"
+            );
+            self.record_split(owner, (block, at, epoch), out);
+        } else {
+            tracing::warn!(block, at, owner, epoch, "the split in flight at the restart was not done");
+        }
+    }
+
     fn reconcile(&mut self, out: &mut Vec<Action>) {
         let held = self.recovering.as_mut().map(|r| std::mem::take(&mut r.held)).unwrap_or_default();
+        self.recover_split(&held, out);
         let Some(mut placement) = self.placement.take() else {
             self.recovering = None;
             self.finish(false, "the saved state has no placement".into(), out);
