@@ -458,3 +458,28 @@ def test_state_dict_round_trips_adams_moments_into_a_new_job(cluster, tmp_path):
     assert max_diff(resumed, model) <= 1e-7
     # Without the moments (a fresh Adam) the same steps end elsewhere.
     assert max_diff(fresh, model) > 1e-4
+
+
+@pytest.mark.cluster(**dict(JOB, aggregate=True))
+def test_a_momentum_state_dict_resumes_in_plain_torch(cluster):
+    # torch's own format: plain torch.optim.SGD loads it and goes on as the servers do.
+    make = OPTIMIZERS["momentum"]
+    data = batches(10)
+    model = mlp()
+    w = cluster.connect()
+    opt = ept.DistributedOptimizer(make(model.parameters()), model.named_parameters(), worker=w)
+    train(model, opt, data[:5])
+    sd = opt.state_dict()
+    assert len(sd["state"]) == 6 and all(set(s) == {"momentum_buffer"} for s in sd["state"].values())
+    at5 = copy.deepcopy(model)
+    train(model, opt, data[5:])
+    w.finish()
+    local = copy.deepcopy(at5)
+    local_opt = make(local.parameters())
+    local_opt.load_state_dict(sd)
+    train(local, local_opt, data[5:])
+    assert max_diff(local, model) < TOLERANCE
+    # Without the momentum buffers plain torch ends elsewhere.
+    fresh = copy.deepcopy(at5)
+    train(fresh, make(fresh.parameters()), data[5:])
+    assert max_diff(fresh, model) > 1e-3
