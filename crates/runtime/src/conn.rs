@@ -335,9 +335,23 @@ pub struct Writer {
     broken: AtomicBool,
     /// The socket takes vectored writes.
     vectored: bool,
+    /// Batches the writer task wrote, and whether it ended: what [`Writer::flushed`] waits on.
+    progress: tokio::sync::watch::Sender<(u64, bool)>,
 }
 
 impl Writer {
+    /// Waits until every frame queued so far is written and flushed into the socket, or
+    /// the writer task ended (the socket failed): the outcome a driver waits for before
+    /// it exits after its last answers.
+    pub async fn flushed(&self) {
+        let mut progress = self.progress.subscribe();
+        while self.queued.load(Ordering::Acquire) > 0 && !progress.borrow_and_update().1 {
+            if progress.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// The codec of the connection (to encode headers for [`Writer::write_frame`]).
     pub fn codec(&self) -> &Codec {
         &self.codec
@@ -466,8 +480,13 @@ pub fn split_shaped(
         shaper: shaper.clone(),
         queued: AtomicUsize::new(0),
         broken: AtomicBool::new(false),
+        progress: tokio::sync::watch::Sender::new((0, false)),
     });
-    tokio::spawn(write_loop(writer.clone(), rx));
+    let task = writer.clone();
+    tokio::spawn(async move {
+        write_loop(task.clone(), rx).await;
+        task.progress.send_modify(|p| p.1 = true);
+    });
     let reader = FrameReader {
         inner: BufReader::with_capacity(BUF, r),
         codec,
@@ -539,6 +558,7 @@ async fn write_loop(writer: Arc<Writer>, mut rx: mpsc::UnboundedReceiver<Outgoin
         }
         batch.clear();
         writer.queued.fetch_sub(taken, Ordering::AcqRel);
+        writer.progress.send_modify(|p| p.0 = p.0.wrapping_add(1));
         if let Err(e) = result {
             tracing::debug!(peer = %writer.peer, error = %e, "writer stops");
             return;
@@ -639,6 +659,29 @@ mod tests {
         let took = t.elapsed();
         assert!(took >= expected && took < bound, "writing took {took:?}");
         assert!(shaper.take_shaped_us() >= 2 * expected.as_micros() as u64 - 10_000);
+    }
+
+    /// Issue 33: a driver that exits after its last answers waits for them to be written
+    /// (`flushed`), not for a fixed time.
+    #[tokio::test]
+    async fn flushed_returns_once_every_queued_frame_is_written() {
+        let shaper = Shaper::new();
+        shaper.configure(&Injection { bandwidth_bps: 1_000_000, interference: 0.0, at_us: 0 });
+        let ((_a_in, a_out), (mut b_in, _b_out)) = pair(Some(shaper)).await;
+        for _ in 0..4 {
+            a_out.send((1, push(25_000))).unwrap();
+        }
+        let reader = tokio::spawn(async move {
+            for _ in 0..4 {
+                b_in.next().await.unwrap().unwrap();
+            }
+        });
+        let t = Instant::now();
+        tokio::time::timeout(Duration::from_secs(10), a_out.writer().flushed()).await.expect("the 4 frames written");
+        // 400 KB at 1 MB/s, less the 64 KiB burst: the frames were still queued at first.
+        assert!(t.elapsed() >= Duration::from_millis(250), "flushed after {:?}", t.elapsed());
+        assert_eq!(a_out.writer().queued.load(Ordering::Acquire), 0);
+        tokio::time::timeout(Duration::from_secs(10), reader).await.expect("the peer reads the 4 frames").unwrap();
     }
 
     #[tokio::test]

@@ -413,7 +413,7 @@ impl Client {
         let Some(notice) = self.ending.borrow_and_update().failover.clone() else { return Ok(Vec::new()) };
         let mut todo = Vec::new();
         for server in elasticps_node::session::servers_lost(&notice, self.servers.keys().copied()) {
-            let lost = RuntimeError::Closed(format!("server {server}: lost, its blocks failed over"));
+            let lost = RuntimeError::Closed(format!("server {server} (lost: its blocks failed over)"));
             todo.extend(self.drop_server(server, lost, plan)?);
         }
         Ok(todo)

@@ -27,6 +27,9 @@ pub mod state;
 /// How long a scheduler of a job across hosts waits, once the job is over, for the
 /// agents to relay their nodes' last events and leave.
 const AGENT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the scheduler waits, at its end, for its last answers to be written (a peer
+/// that reads nothing can hold a socket full: the wait is bounded, and says so).
+const LAST_WRITES_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One connection as the actor sees it: where to send, and how to close it. The reader
 /// task holds a clone of the outbox too, so dropping ours alone does not close anything:
@@ -260,9 +263,17 @@ pub async fn run_with(
             tracing::error!("a checkpoint manifest was still being written after 30 s");
         }
     }
-    // Let the writer tasks deliver the Shutdown messages before the process exits.
-    drop(conns);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The last answers (the Shutdown messages) are in the sockets before the process
+    // exits: each connection's writer says when everything queued is flushed.
+    let writers: Vec<_> = conns.drain().map(|(_, h)| h.out.writer().clone()).collect();
+    let flushed = futures::future::join_all(writers.iter().map(|w| w.flushed()));
+    if tokio::time::timeout(LAST_WRITES_TIMEOUT, flushed).await.is_err() {
+        tracing::warn!(
+            connections = writers.len(),
+            timeout_s = LAST_WRITES_TIMEOUT.as_secs(),
+            "the scheduler exits before its last answers to the nodes were written"
+        );
+    }
     outcome
 }
 
