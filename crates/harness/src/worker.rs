@@ -27,7 +27,7 @@ use crate::net::{LostWhy, NodeId};
 use elasticps_node::ConnId;
 use elasticps_node::NodeError;
 use elasticps_node::session::{self, REATTACH_ID};
-use elasticps_node::worker::{Action, Op, PushOp, Round, RoundEvent, RowsOp, Worker};
+use elasticps_node::worker::{self, Action, HelloAnswer, Op, PushOp, Round, RoundEvent, RowsOp, Worker};
 
 pub use elasticps_node::timing::WORKER_STATS_US;
 
@@ -35,6 +35,8 @@ pub use elasticps_node::timing::WORKER_STATS_US;
 const SESSION: u64 = 0;
 const COMPUTE_DONE: u64 = 1;
 const WAKE: u64 = 2;
+/// Say Hello again to server `id`: this plus `id`.
+const HELLO_AGAIN: u64 = 1 << 32;
 
 /// Request ids on the scheduler's connection (the plan's tags are >= 2^32).
 const REGISTER: u64 = 1;
@@ -140,6 +142,13 @@ pub struct WorkerRecord {
     pub recuts: u64,
 }
 
+/// A server connection whose `Hello` is not accepted yet.
+#[derive(Debug)]
+struct Hello {
+    first_us: u64,
+    held: Vec<(u64, Message)>,
+}
+
 /// A simulated worker process.
 pub struct WorkerRole {
     work: TrainingLoop,
@@ -154,6 +163,11 @@ pub struct WorkerRole {
     plan: Option<Worker>,
     layout: Option<Layout>,
     servers: BTreeMap<u32, ConnId>,
+    /// Servers whose `Hello` is not accepted yet: when it was first said, and the requests
+    /// for them held back until then (the runtime's client connects before it writes).
+    hellos: BTreeMap<u32, Hello>,
+    /// Row rounds of the current call planned again after a split ([`worker::replan_rows`]).
+    row_recuts: u32,
     /// The round's wake-up timer is set for this time (a later `poll_timeout` is set when
     /// it fires).
     armed: Option<u64>,
@@ -192,6 +206,8 @@ impl WorkerRole {
             plan: None,
             layout: None,
             servers: BTreeMap::new(),
+            hellos: BTreeMap::new(),
+            row_recuts: 0,
             armed: None,
             departed: false,
             round: None,
@@ -275,6 +291,7 @@ impl WorkerRole {
             let conn = out.connect(node);
             out.send(conn, HELLO, Control::Hello { credential: credential.clone() }.into());
             self.servers.insert(s.id, conn);
+            self.hellos.insert(s.id, Hello { first_us: out.now_us(), held: Vec::new() });
         }
         self.layout = Some(layout);
         self.drop_departed(out);
@@ -299,6 +316,7 @@ impl WorkerRole {
                 continue;
             }
             self.servers.remove(&id);
+            self.hellos.remove(&id);
             out.close(conn);
         }
     }
@@ -318,14 +336,20 @@ impl WorkerRole {
         }
     }
 
-    /// A block of the table was split under the row round: as the client does, the
-    /// connections with requests of it in flight start afresh (their late replies are
-    /// not the next round's), and the round is planned again from the refreshed layout
-    /// (what blocks already took are duplicates there).
+    /// A block of the table was split under the row round: the connections with requests
+    /// of it in flight start afresh (their late replies are not the next round's, the
+    /// runtime's rule too), and the round is planned again from the refreshed layout (what
+    /// blocks already took are duplicates there), as often as
+    /// [`worker::replan_rows`] allows.
     fn recut(&mut self, out: &mut Outbox<'_>) {
+        self.row_recuts += 1;
+        if let Err(e) = worker::replan_rows(0, self.row_recuts) {
+            return self.fail(out, e.to_string());
+        }
         let Some(round) = self.round.take() else { return };
         let busy: Vec<u32> = self.servers.keys().copied().filter(|id| round.in_flight_to(*id) > 0).collect();
         for id in busy {
+            self.hellos.remove(&id);
             if let Some(conn) = self.servers.remove(&id) {
                 out.close(conn);
             }
@@ -380,6 +404,10 @@ impl WorkerRole {
                         Op::PushRows(clock) => self.row_push(rank, clock, &block),
                         Op::PullRows(clock) => Message::PullRows { block: block.id, clock, ids: Default::default() },
                     };
+                    if let Some(hello) = self.hellos.get_mut(&server) {
+                        hello.held.push((tag, msg));
+                        continue;
+                    }
                     let conn = self.servers.get(&server).copied();
                     if !conn.is_some_and(|conn| out.send(conn, tag, msg)) {
                         // Closed (or never connected): the plan resends after a refresh.
@@ -509,6 +537,7 @@ impl WorkerRole {
             }
             Stage::Communicating(t) if self.work.table.is_some() => {
                 self.stage = Stage::PushingRows(t);
+                self.row_recuts = 0;
                 self.start_rows(out);
             }
             Stage::Communicating(t) | Stage::PushingRows(t) => {
@@ -523,6 +552,30 @@ impl WorkerRole {
                 }
             }
             _ => {}
+        }
+    }
+
+    /// A server answered `Hello` on `conn`: what it means is the node layer's rule
+    /// ([`worker::hello_answer`]); once accepted, the requests held back for it go out.
+    fn on_hello_answer(&mut self, out: &mut Outbox<'_>, conn: ConnId, msg: &Message) {
+        let Some(id) = self.servers.iter().find(|(_, c)| **c == conn).map(|(id, _)| *id) else { return };
+        let Some(hello) = self.hellos.get(&id) else { return };
+        match worker::hello_answer(id, msg, out.now_us().saturating_sub(hello.first_us)) {
+            HelloAnswer::Accepted => {
+                for (tag, msg) in self.hellos.remove(&id).map(|h| h.held).unwrap_or_default() {
+                    out.send(conn, tag, msg);
+                }
+            }
+            HelloAnswer::Again { after_us } => out.wake_at(out.now_us() + after_us, HELLO_AGAIN + u64::from(id)),
+            HelloAnswer::Refused(e) => self.fail(out, e.to_string()),
+        }
+    }
+
+    /// Says `Hello` again to server `id`, if it still waits for one.
+    fn hello_again(&mut self, out: &mut Outbox<'_>, id: u32) {
+        let (Some(conn), Some(credential)) = (self.servers.get(&id), self.credential.clone()) else { return };
+        if self.hellos.contains_key(&id) {
+            out.send(*conn, HELLO, Control::Hello { credential }.into());
         }
     }
 
@@ -618,11 +671,13 @@ impl Role for WorkerRole {
         if self.link.is(conn) {
             return self.on_scheduler_message(out, request_id, msg);
         }
-        if request_id == HELLO {
-            if !matches!(msg, Message::Control(Control::Ok)) {
-                self.fail(out, format!("a server refused Hello: {:?}", msg.kind()));
-            }
+        if !self.servers.values().any(|c| *c == conn) {
+            // A connection this worker closed (a lost or departed server): what was still
+            // on its way is never read, as a runtime's dropped connection's.
             return;
+        }
+        if request_id == HELLO {
+            return self.on_hello_answer(out, conn, &msg);
         }
         let Some(round) = self.round.as_mut() else {
             return self.fail(out, format!("a reply ({:?}) arrived outside a round", msg.kind()));
@@ -658,6 +713,7 @@ impl Role for WorkerRole {
         // stale layout still named): what it did not answer goes, after a layout refresh,
         // to the owner named then; a later layout naming it connects again.
         self.servers.remove(&id);
+        self.hellos.remove(&id);
         self.hand(out, RoundEvent::ServerLost { server: id });
     }
 
@@ -682,6 +738,7 @@ impl Role for WorkerRole {
                     _ => self.arm(out),
                 }
             }
+            again if again >= HELLO_AGAIN => self.hello_again(out, (again - HELLO_AGAIN) as u32),
             _ => {}
         }
     }

@@ -105,12 +105,11 @@ fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> Training
         grad: |_, _, _| 1.0,
         timeout_us: cmd.data.request_timeout().as_micros() as u64,
         fuse: !cmd.data.no_fuse,
-        // Not the client's window: the simulated links have no socket buffers, so a
-        // window of 32 makes a round with more blocks per server 1.4x slower in the sim
-        // than in real processes (`bench sim`'s cross-check fell from 1.00 to 0.72 with
-        // it); the sim keeps the unbounded round it had before the window moved into the
-        // node layer (issue 22). The harness's tests do run with the window.
-        window: usize::MAX,
+        // The client's window, so that the sim shows a deadlock or a stall where real
+        // processes would have one (issue 33). It once made sim rounds slower than real
+        // ones: held push_pulls kept their room, so a worker waited for the slowest worker
+        // before sending the rest of a server's blocks; a held pull now leaves the window.
+        window: elasticps_node::timing::DEFAULT_WINDOW,
         zero_as_no_gradient: false,
         table: None,
     }

@@ -279,7 +279,7 @@ impl Server {
         let Some(shard) = self.shard.as_mut() else { return };
         shard.set_owner(block, to, epoch);
         let Some(Slot::Owned(mut o)) = self.slots.insert(block, Slot::Gone { owner: to, epoch }) else { return };
-        self.handed_over(block, to, epoch, out);
+        let answered = self.handed_over(block, to, epoch, out);
         self.counters.migrations_out += 1;
         self.counters.departed.merge(o.block.stats());
         self.counters.departed_hold.merge(o.block.hold_histogram());
@@ -306,7 +306,10 @@ impl Server {
             out.push(Action::Reply { conn: p.to.conn, request_id: p.to.request_id, msg: moved.clone().into() });
         }
         for (t, _, _) in o.block.take_held() {
-            out.push(Action::Reply { conn: t.conn, request_id: t.request_id, msg: moved.clone().into() });
+            // A held push_pull whose gated PushAck became `Moved` is answered already.
+            if !answered.contains(&(t.conn, t.request_id)) {
+                out.push(Action::Reply { conn: t.conn, request_id: t.request_id, msg: moved.clone().into() });
+            }
         }
     }
 

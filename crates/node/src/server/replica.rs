@@ -361,22 +361,33 @@ impl Server {
     }
 
     /// `block` was handed over to `owner` at `epoch` (a migration): this server no longer
-    /// forwards its pushes. A reply still waiting for a backup becomes `Moved`: the push
-    /// went along with the block, and the worker's resend reaches the new owner, which
-    /// drops it as a duplicate but forwards it to the backups (so a backup that missed it
-    /// gets it) and acknowledges it once they have it.
-    pub(super) fn handed_over(&mut self, block: BlockId, owner: ServerId, epoch: u64, out: &mut Vec<Action>) {
+    /// forwards its pushes. A request whose reply still waits for a backup is answered
+    /// `Moved`, once (a held push_pull's stashed `PushAck` and its pull's answer are one
+    /// request): the push went along with the block, and the worker's resend reaches the
+    /// new owner, which drops it as a duplicate but forwards it to the backups (so a backup
+    /// that missed it gets it) and acknowledges it once they have it. Returns the requests
+    /// answered, which the caller does not answer again (a held pull among them).
+    pub(super) fn handed_over(
+        &mut self,
+        block: BlockId,
+        owner: ServerId,
+        epoch: u64,
+        out: &mut Vec<Action>,
+    ) -> Vec<(ConnId, u64)> {
         let r = &mut self.replication;
         r.stale.retain(|(b, _), _| *b != block);
         let keys: Vec<(ConnId, u64)> = r.gates.iter().filter(|(_, g)| g.block == block).map(|(k, _)| *k).collect();
+        let mut answered = Vec::new();
         for key in keys {
-            if let Some(g) = r.gates.remove(&key) {
+            if let Some(g) = r.gates.remove(&key)
+                && !g.stashed.is_empty()
+            {
                 let moved = Control::Moved { block, owner, epoch };
-                for _ in g.stashed {
-                    out.push(Action::Reply { conn: key.0, request_id: key.1, msg: moved.clone().into() });
-                }
+                out.push(Action::Reply { conn: key.0, request_id: key.1, msg: moved.into() });
+                answered.push(key);
             }
         }
+        answered
     }
 
     /// On tick: stale backups whose retry time came get a snapshot.

@@ -49,7 +49,10 @@
 //!
 //! - [`Round`]: one round's plan (`round.rs`), with its window and deadlines (`window.rs`).
 //! - [`LoadReport`]: iterations and per-server costs, reported every stats interval.
+//! - [`hello_answer`], [`replan_rows`]: the connection rules every driver of a worker
+//!   follows (`NotReady` to `Hello`, a row round planned again after a split).
 
+mod conn;
 mod load;
 mod round;
 mod window;
@@ -60,6 +63,7 @@ use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
 use elasticps_wire::{Kind, Layout, Message, WorkerLoad};
 
+pub use conn::{HelloAnswer, MAX_RECUTS, hello_answer, replan_rows};
 pub use load::{Iteration, LoadReport};
 pub use round::{Answer, Round};
 

@@ -407,10 +407,11 @@ impl Client {
 
     /// One row operation of table `table` at `clock`, planned from the current model and,
     /// when a block of the table was split while it ran, planned and sent again from the
-    /// refreshed one (the blocks that took it answer duplicates), at most [`MAX_RECUTS`]
-    /// times.
+    /// refreshed one (the blocks that took it answer duplicates), as often as
+    /// [`elasticps_node::worker::replan_rows`] allows.
     async fn rows_call(&mut self, clock: Clock, table: u32, mut call: RowCall<'_>) -> Result<()> {
-        for _ in 0..MAX_RECUTS {
+        let mut recuts = 0;
+        loop {
             let layout = self.current_layout()?;
             let done = match &mut call {
                 RowCall::Pull { ids, out } => {
@@ -431,15 +432,13 @@ impl Client {
             };
             match done {
                 Err(RuntimeError::Recut { block }) => {
+                    recuts += 1;
+                    elasticps_node::worker::replan_rows(table, recuts).map_err(round::from_node)?;
                     tracing::debug!(rank = self.rank, table, block, "row round again")
                 }
                 done => return done,
             }
         }
-        Err(RuntimeError::Protocol {
-            peer: "servers".into(),
-            what: format!("a row round of table {table}: its blocks were split under {MAX_RECUTS} rounds running"),
-        })
     }
 
     /// Tells the scheduler this worker is done. Servers stop waiting for it.
@@ -557,9 +556,6 @@ fn pushed_len(grad: Option<&[f32]>) -> Option<usize> {
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
-
-/// A row round is planned again at most this many times for blocks split while it ran.
-const MAX_RECUTS: u32 = 16;
 
 /// What [`Client::rows_call`] does with a table's rows.
 enum RowCall<'a> {

@@ -18,7 +18,7 @@ use futures::future::{AbortHandle, AbortRegistration, Abortable};
 use super::round::Sent;
 use crate::conn::{self, FrameReader, Outbox, Writer};
 use crate::error::{Result, RuntimeError};
-use elasticps_node::worker::Tag;
+use elasticps_node::worker::{self, HelloAnswer, Tag};
 
 /// One server's connection, and the requests of the round in flight on it.
 pub(super) struct ServerConn {
@@ -48,24 +48,20 @@ impl ServerConn {
         let name = format!("server {}", s.id);
         let (reader, out) = conn::connect(&s.addr, codec, name.clone()).await?;
         let mut conn = ServerConn { name, serial, reader, out, pending: HashMap::new(), writes: Vec::new() };
-        // A server the layout names may not have taken its own Welcome yet (it comes on
-        // its scheduler connection, this Hello on another): it answers `NotReady`, "say
-        // Hello again later", and the Hello is said again after the first backoff.
+        // What the answer means is the node layer's rule (`NotReady`: say Hello again).
         let started = std::time::Instant::now();
         loop {
             let hello = Control::Hello { credential: credential.clone() }.into();
             let what = format!("{} to accept Hello", conn.name);
-            match conn.call(hello_id, hello, crate::CALL_TIMEOUT, || what).await {
-                Ok(Message::Control(Control::Ok)) => return Ok(conn),
-                Ok(other) => return Err(RuntimeError::unexpected(&conn.name, "Ok", &other)),
-                Err(RuntimeError::Remote { reply, .. })
-                    if reply.code == elasticps_wire::ErrorCode::NotReady && started.elapsed() < crate::CALL_TIMEOUT =>
-                {
-                    let backoff = Duration::from_micros(elasticps_node::timing::FIRST_BACKOFF_US);
-                    tracing::debug!(server = %conn.name, "server not registered yet; saying Hello again");
-                    tokio::time::sleep(backoff).await;
-                }
+            let reply = match conn.call(hello_id, hello, crate::CALL_TIMEOUT, || what).await {
+                Ok(reply) => reply,
+                Err(RuntimeError::Remote { reply, .. }) => Message::Error(reply),
                 Err(e) => return Err(e),
+            };
+            match worker::hello_answer(s.id, &reply, started.elapsed().as_micros() as u64) {
+                HelloAnswer::Accepted => return Ok(conn),
+                HelloAnswer::Again { after_us } => tokio::time::sleep(Duration::from_micros(after_us)).await,
+                HelloAnswer::Refused(e) => return Err(super::round::from_node(e)),
             }
         }
     }
