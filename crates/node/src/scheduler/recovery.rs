@@ -402,9 +402,12 @@ impl Scheduler {
         }
     }
 
+    /// The end waits for the servers still to reattach, and, for [`FINISHED_GRACE_US`],
+    /// for the workers: those that finished before the restart (for their `WorkerDone`'s
+    /// answer) and those still redialling (a recovery that fails: they hear why).
     fn end_must_wait(&self, r: &Recovering) -> bool {
         let in_grace = r.since_us.is_none_or(|since| self.now_us < since.saturating_add(FINISHED_GRACE_US));
-        !r.servers.is_empty() || (!r.finished.is_empty() && in_grace)
+        !r.servers.is_empty() || ((!r.finished.is_empty() || !r.workers.is_empty()) && in_grace)
     }
 
     /// Ends the job whose end was deferred ([`Scheduler::defer_finish`]) once it need not
@@ -524,7 +527,8 @@ impl Scheduler {
                     "after the scheduler's restart no server serves block {block} (the placement says server {recorded})"
                 );
                 self.placement = Some(placement);
-                self.recovering = None;
+                // The end waits for the workers still to reattach (a grace), so that they
+                // hear this reason rather than find no scheduler ([`Scheduler::defer_finish`]).
                 self.finish(false, reason, out);
                 return;
             };
@@ -792,6 +796,31 @@ mod tests {
             _ => None,
         });
         assert!(ended.is_some_and(|r| r.contains("servers {1} did not reattach within 60 s")), "{a:?}");
+    }
+
+    /// Issue 33: a recovery that fails (no server serves a block) does not end the job
+    /// before the workers still redialling came back: a worker that reattaches within the
+    /// grace hears the reason (`Shutdown`), instead of finding no scheduler for its whole
+    /// retry window and reporting that the scheduler did not come back.
+    #[test]
+    fn a_failed_recovery_tells_its_reason_to_the_workers_that_reattach_within_the_grace() {
+        let m = running();
+        let mut r = Scheduler::recover(config(), through_disk(&m), 10_000_000).unwrap();
+        r.handle(0, Event::Timeout);
+        reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (1, 0, false)]);
+        // Server 1 lost block 3.
+        let a = reattach_server(&mut r, 31, 1, "s1", &[(2, 0, false)]);
+        assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "the end waits for the workers: {a:?}");
+        let a = recv(&mut r, 21, 1, Control::ReattachWorker { rank: 0, credential: cred(PeerRole::Worker, 0) });
+        assert!(matches!(sent_to(&a, 21)[..], [Message::Control(Control::Welcome { .. })]), "{a:?}");
+        let a = r.handle(FINISHED_GRACE_US, Event::Timeout);
+        let told = |conn| {
+            sent_to(&a, conn).iter().any(|x| {
+                matches!(x, Message::Control(Control::Shutdown { reason }) if reason.contains("no server serves block 3"))
+            })
+        };
+        assert!(told(21) && told(30), "the worker and the servers hear why: {a:?}");
+        assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: false, .. })), "{a:?}");
     }
 
     #[test]
