@@ -18,8 +18,11 @@ rank's start to the last rank's end), the time to a fixed test accuracy (rank 0'
 parameters are copied every few steps inside the timed loop and evaluated after it), the
 test accuracy after the same number of samples (rank 0's final parameters; under
 elasticps pulled after every worker pushed its last step), and the ratios elasticps/DDP of
-the row's group (same model, hosts and stragglers). ``--out DIR`` also gets
-``vs-ddp.json`` and ``vs-ddp.md``.
+the row's group (same model, hosts and stragglers); also each step's mean time in forward
+and backward and in ``optimizer.step()``, and across the capped hosts the bytes their links
+carried per step (their tbf counters). ``--out DIR`` also gets ``vs-ddp.json``,
+``vs-ddp.md`` and every run's log and ranks' results (a worker given ``--trace`` records
+every step's phase stamps there, to line them up with a link's byte counters).
 
 The ``elasticps`` binary is ``--elasticps PATH``, else ``$ELASTICPS_BIN``, else
 ``elasticps`` on PATH, else the repository's target/release or target/debug build. The
