@@ -130,7 +130,11 @@ elasticps.finish()
 
 
 @pytest.mark.deadline(300)
-def test_a_host_killed_mid_run_fails_over_restarts_its_worker_and_loses_no_push(tmp_path):
+@pytest.mark.parametrize("kill_at", ["step 0", "step 50"], ids=["early", "mid-run"])
+def test_a_host_killed_mid_run_fails_over_restarts_its_worker_and_loses_no_push(tmp_path, kill_at):
+    """The host of rank 3's worker and a server is lost mid-run, or early (issue 33: within
+    the first clocks, its link down too, the workers waited 300 s for the lost server until
+    the scheduler told them of the failover)."""
     require_root()
     script = tmp_path / "exact_worker.py"
     script.write_text(EXACT_WORKER)
@@ -138,26 +142,28 @@ def test_a_host_killed_mid_run_fails_over_restarts_its_worker_and_loses_no_push(
     final = tmp_path / "final.json"
     with testbed(4, "ephk") as hosts:
         logs = [tmp_path / f"{h.name}.log" for h in hosts]
-        flags = ["--sync", "bsp", "--optimizer", "sgd", "--lr", "1", "--replicas", "2", "--restart-workers", "1",
-                 "--block-bytes", "32"]
+        # Per-push steps (--no-aggregate): each push of 1.0 counts once in the values.
+        flags = ["--sync", "bsp", "--no-aggregate", "--optimizer", "sgd", "--lr", "1", "--replicas", "2",
+                 "--restart-workers", "1", "--block-bytes", "32"]
         procs = []
         for i, h in enumerate(hosts):
             report = ["--report", str(tmp_path / "report")] if i == 0 else []
             procs.append(launch_on(h, hosts[0], "4", flags + report, [sys.executable, str(script), str(steps), str(final)], logs[i]))
         victim, vlog = hosts[3], logs[3]
         deadline = time.monotonic() + 120
-        while "step 50" not in vlog.read_text():
-            assert time.monotonic() < deadline, "host 4's worker did not reach step 50 in 120 s:\n" + show(logs)
+        while kill_at not in vlog.read_text():
+            assert time.monotonic() < deadline, f"host 4's worker did not reach {kill_at} in 120 s:\n" + show(logs)
             assert procs[3].poll() is None, show(logs)
-            time.sleep(0.2)
-        # The host dies: its launch and everything under it, and its link.
+            time.sleep(0.01 if kill_at == "step 0" else 0.2)
+        # The host dies: its link, then its launch and everything under it (its peers see
+        # silence, no close).
+        victim.link(False)
         os.killpg(procs[3].pid, signal.SIGKILL)
         for pid in descendants(procs[3].pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        victim.link(False)
         codes = wait_all(procs[:3], logs[:3], 240)
         assert codes == [0, 0, 0], show(logs)
         report = json.loads((tmp_path / "report" / "report.json").read_text())
