@@ -76,6 +76,23 @@ pub struct Joined {
     pub start_clock: Clock,
 }
 
+/// Why a worker could not join the job of the scheduler at `scheduler`; when nothing
+/// listens there (a script started outside `elasticps launch`), how to run it.
+fn cannot_join(scheduler: &str, e: &elasticps_runtime::RuntimeError) -> String {
+    match e {
+        elasticps_runtime::RuntimeError::Io { source, .. }
+            if source.kind() == std::io::ErrorKind::ConnectionRefused =>
+        {
+            format!(
+                "elasticps: no elasticps scheduler at {scheduler} (connection refused); run the script under \
+                 `elasticps launch --workers N -- python script.py`, or set ELASTICPS_SCHEDULER=HOST:PORT to a \
+                 running scheduler's address"
+            )
+        }
+        _ => format!("elasticps: cannot join the job: {e}"),
+    }
+}
+
 /// Connects, asks the job's first clock, then serves commands until `Finish` or until
 /// every sender is gone. The metrics endpoint, if any, serves as long as this task runs.
 pub async fn run(
@@ -84,10 +101,11 @@ pub async fn run(
     ready: Reply<Joined>,
     mut rx: mpsc::UnboundedReceiver<Cmd>,
 ) {
+    let scheduler = opts.scheduler.clone();
     let mut client = match Client::connect(opts).await {
         Ok(c) => c,
         Err(e) => {
-            let _ = ready.send(Err(format!("elasticps: cannot join the job: {e}")));
+            let _ = ready.send(Err(cannot_join(&scheduler, &e)));
             return;
         }
     };
