@@ -1054,3 +1054,25 @@ fn a_held_push_pull_that_moves_is_resent_as_a_pull() {
     let resent = sends(&reply(&mut r, 30, first[0].0, &moved_to(0, 1, 2)).unwrap());
     assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(1, 0, Op::Pull(4))]);
 }
+
+/// A push never waits behind a pull for room in its server's window: unfused, with a
+/// window of 1, server 0's pull of block 0 is in flight (the sync policy may hold it until
+/// other workers push), and block 1, moved to server 0, must still have its push sent there
+/// at once (other workers' held pulls may wait for it).
+#[test]
+fn a_push_does_not_wait_behind_a_pull_for_room() {
+    let l = layout(&[4], 2, vec![0, 1], 1, 2);
+    let mut w = worker().with_window(1);
+    let (mut r, first) = w.start(10, &l, Some((PushOp::Grad(3), &[true])), Some((4, &[true]))).unwrap();
+    let first = sends(&first);
+    assert_eq!(
+        first.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(),
+        vec![(0, 0, Op::Push(3)), (1, 1, Op::Push(3))]
+    );
+    let pull = sends(&reply(&mut r, 20, first[0].0, &ack(0)).unwrap());
+    assert_eq!(pull.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 0, Op::Pull(4))]);
+    // Block 1 moved to server 0: its push goes there now, beside the pull in flight.
+    let resent = sends(&reply(&mut r, 30, first[1].0, &moved_to(1, 0, 2)).unwrap());
+    assert_eq!(resent.iter().map(|(_, s, b, op)| (*s, *b, *op)).collect::<Vec<_>>(), vec![(0, 1, Op::Push(3))]);
+    assert_eq!(r.in_flight_to(0), 2);
+}
