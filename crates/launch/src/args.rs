@@ -280,7 +280,9 @@ pub struct JobArgs {
     #[arg(long, env = "ELASTICPS_LR", default_value_t = 0.001)]
     pub lr: f32,
     /// Sum the pushes of one clock from every worker and take one step with their mean
-    /// (exact BSP, like BytePS); by default every push is applied as it arrives.
+    /// (exact BSP, like BytePS, and DDP's arithmetic). `train` and the roles apply every
+    /// push as it arrives unless this is set; `launch` sets it when every server runs bsp
+    /// (`--no-aggregate` keeps per-push steps).
     #[arg(long, env = "ELASTICPS_AGGREGATE")]
     pub aggregate: bool,
     /// Initial placement of blocks: bestfit (size-balanced), range (ps-lite), hash
