@@ -105,11 +105,13 @@ fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> Training
         grad: |_, _, _| 1.0,
         timeout_us: cmd.data.request_timeout().as_micros() as u64,
         fuse: !cmd.data.no_fuse,
-        // The client's window, so that the sim shows a deadlock or a stall where real
-        // processes would have one (issue 33). It once made sim rounds slower than real
-        // ones: held push_pulls kept their room, so a worker waited for the slowest worker
-        // before sending the rest of a server's blocks; a held pull now leaves the window.
-        window: elasticps_node::timing::DEFAULT_WINDOW,
+        // Not yet the client's window (issue 33, left open): with it, `bench sim --quick`'s
+        // cross-check of the unfused round ("push, then pull", resnet50, 4 MiB blocks)
+        // falls to 0.68 of the real processes' it/s (1.20 vs 1.77; 1.01 unbounded), while
+        // the fused round stays at 0.96. The window's deadlock is fixed in the node layer
+        // and proven on the harness with the window (`window::the_window_never_deadlocks`);
+        // what the simulated links lack against real sockets is still to be found.
+        window: usize::MAX,
         zero_as_no_gradient: false,
         table: None,
     }
