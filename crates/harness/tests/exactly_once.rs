@@ -1878,12 +1878,10 @@ fn an_asp_worker_restarted_before_its_hosts_failover_is_detected_pushes_each_clo
 
 /// Found by the host proptest with operator moves (seed kept): a block moved three times
 /// while its backup's host was lost silently; the surviving worker's round fails with
-/// "reply to no request of this round" after a held push_pull is answered `Moved` and
-/// resent. It fails with or without the failover notice (checked by leaving
-/// `tell_workers_of_failover` out): the request window's part of issue 33, not the lost
-/// host's.
+/// "reply to no request of this round" after a held push_pull was answered `Moved` twice
+/// (once for its stashed `PushAck`, once for its held pull) when its block was handed over
+/// under replicas; the server now answers it once (`node::server::replica`).
 #[test]
-#[ignore = "the request window's resend after a move (issue 33, the window's part)"]
 fn a_held_push_pull_moved_while_its_backup_is_lost_is_answered_once() {
     let mv = |at_us, block, to| Op::Scale { at_us, req: ScaleRequest::MoveBlock { block, to } };
     let c = Case {
