@@ -12,13 +12,10 @@ use std::rc::Rc;
 use elasticps_wire::Message;
 
 use crate::cluster::{Cluster, ClusterConfig, Outbox, Role, Stop};
-use crate::net::{LinkSpec, LostWhy, NodeId, NodeKind};
+use crate::net::{LinkSpec, LostWhy, NodeId, NodeKind, Weigh};
 use crate::server::{ServerModel, ServerRole};
 use crate::worker::{TrainingLoop, WorkerRole};
 use elasticps_node::ConnId;
-
-/// What a message weighs on the wire, bytes (the sim's scale; the frame's size by default).
-pub type Weigh = Rc<dyn Fn(&Message) -> u64>;
 
 /// One node of a simulated job. (Roles sit in the cluster's table once each and never
 /// move, so the variants' sizes do not matter.)

@@ -74,10 +74,10 @@ pub mod wake;
 pub mod worker;
 
 pub use cluster::{Cluster, ClusterConfig, Outbox, Role, SchedulerRole, Stop};
-pub use job::{JobEnd, JobRole, JobSetup, SimJob, Weigh};
+pub use job::{JobEnd, JobRole, JobSetup, SimJob};
 pub use net::{
-    Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind, NodeTraffic, SizeHook, TraceEntry, frame_bytes,
-    nominal_sizes, transfer_ns,
+    Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind, NodeTraffic, SizeHook, TraceEntry, Weigh,
+    frame_bytes, nominal_sizes, transfer_ns,
 };
 pub use queue::EventQueue;
 pub use server::{BoundViolation, ServerModel, ServerRole};

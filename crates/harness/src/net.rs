@@ -19,6 +19,10 @@ use elasticps_wire::{HEADER_LEN, Message, Values};
 use crate::queue::EventQueue;
 use elasticps_node::ConnId;
 
+/// What a message weighs on the wire, bytes (the sim's scale; the frame's size by default:
+/// [`frame_bytes`]).
+pub type Weigh = std::rc::Rc<dyn Fn(&Message) -> u64>;
+
 /// A node of the simulated cluster: an index into the network's node table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct NodeId(pub u32);

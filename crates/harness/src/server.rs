@@ -23,7 +23,7 @@ use elasticps_wire::{CheckpointEntry, Control, Injection, Message};
 
 use crate::cluster::{Outbox, Role};
 use crate::link::SchedLink;
-use crate::net::{LinkSpec, LostWhy, NodeId};
+use crate::net::{LinkSpec, LostWhy, NodeId, Weigh};
 use crate::wake::Wake;
 use elasticps_node::ConnId;
 use elasticps_node::server::{Action, Event, Exit, PullTrace, Server};
@@ -83,7 +83,7 @@ pub struct ServerRole {
     injected: Option<Option<LinkSpec>>,
     violations: Vec<BoundViolation>,
     exit: Option<Exit>,
-    weigh: crate::job::Weigh,
+    weigh: Weigh,
     /// The checkpoint states this server took, in order: (clock, state).
     checkpoints: Vec<(Clock, BlockState)>,
     /// Events the runtime would feed back after I/O (a checkpoint written), fed after
@@ -103,7 +103,7 @@ impl std::fmt::Debug for ServerRole {
 
 impl ServerRole {
     /// A server with `model`; `weigh` tells what a push weighs (the sim's scale).
-    pub fn new(model: ServerModel, weigh: crate::job::Weigh) -> Self {
+    pub fn new(model: ServerModel, weigh: Weigh) -> Self {
         Self {
             model,
             server: None,

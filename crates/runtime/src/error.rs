@@ -120,6 +120,23 @@ impl RuntimeError {
     }
 }
 
+/// The node layer's refusals and failures, as the runtime's errors (with the same messages).
+impl From<elasticps_node::NodeError> for RuntimeError {
+    fn from(e: elasticps_node::NodeError) -> Self {
+        use elasticps_node::NodeError;
+        match e {
+            NodeError::Core(e) => RuntimeError::Core(e),
+            NodeError::Remote { peer, reply } => RuntimeError::Remote { peer, reply },
+            NodeError::Protocol { peer, what } => RuntimeError::Protocol { peer, what },
+            NodeError::Refused(what) => RuntimeError::Protocol { peer: "servers".into(), what },
+            NodeError::Timeout { what, after_us } => {
+                RuntimeError::Timeout { what, after: Duration::from_micros(after_us) }
+            }
+            NodeError::Recut { block } => RuntimeError::Recut { block },
+        }
+    }
+}
+
 /// Result alias of the runtime.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 

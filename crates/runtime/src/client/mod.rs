@@ -433,7 +433,7 @@ impl Client {
             match done {
                 Err(RuntimeError::Recut { block }) => {
                     recuts += 1;
-                    elasticps_node::worker::replan_rows(table, recuts).map_err(round::from_node)?;
+                    elasticps_node::worker::replan_rows(table, recuts).map_err(RuntimeError::from)?;
                     tracing::debug!(rank = self.rank, table, block, "row round again")
                 }
                 done => return done,

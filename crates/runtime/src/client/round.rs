@@ -13,14 +13,13 @@ use std::time::Duration;
 
 use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
-use elasticps_node::NodeError;
 use elasticps_node::worker::{Action, Answer, Op, PushOp, Round, RoundEvent, RowsOp};
 use elasticps_wire::{Control, FrameHeader, Kind, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
 use super::rows::{RowPayloads, RowSink};
-use super::server_conn::{self, ServerConn, WriteJob, Written};
+use super::server_conn::{self, Sent, ServerConn, WriteJob, Written};
 use super::{Client, Waits};
 use crate::CALL_TIMEOUT;
 use crate::error::{Result, RuntimeError};
@@ -50,7 +49,7 @@ impl Client {
                 push.map(|(op, _)| (op, &push_mask[..])),
                 pull.as_ref().map(|(clock, _)| (*clock, &pull_mask[..])),
             )
-            .map_err(from_node)?;
+            .map_err(RuntimeError::from)?;
         if let (Some(m), Some(it)) = (&self.opts.metrics, plan.iteration()) {
             m.iteration(it.clock, it.since_last_us.map(Duration::from_micros));
         }
@@ -73,7 +72,7 @@ impl Client {
         self.fresh_connections();
         let wanted = |b: &BlockSpec| payloads.by_block.contains_key(&b.id);
         let (plan, actions) =
-            self.worker.start_rows(self.clock.now(), &layout, table, op, &wanted).map_err(from_node)?;
+            self.worker.start_rows(self.clock.now(), &layout, table, op, &wanted).map_err(RuntimeError::from)?;
         self.drive(plan, actions, Source::Rows(payloads), Sink::Rows(sink)).await
     }
 
@@ -193,7 +192,7 @@ impl Client {
 
     /// Hands the plan `event`, now.
     fn hand(&self, plan: &mut Round, event: RoundEvent<'_>) -> Result<Vec<Action>> {
-        plan.handle(self.clock.now(), event).map_err(from_node)
+        plan.handle(self.clock.now(), event).map_err(RuntimeError::from)
     }
 
     /// A reply's header came from `server`: reads its payload (a pull's values straight
@@ -480,26 +479,6 @@ enum Event {
     Timer,
     /// The scheduler's link said something about the job (a failover, its end).
     Failover,
-}
-
-/// One request in flight: who waits on whom for what.
-#[derive(Clone, Copy)]
-pub(super) struct Sent {
-    server: u32,
-    block: BlockSpec,
-    op: Op,
-}
-
-/// The plan's refusals and failures, as the runtime's errors (with the same messages).
-pub(super) fn from_node(e: NodeError) -> RuntimeError {
-    match e {
-        NodeError::Core(e) => RuntimeError::Core(e),
-        NodeError::Remote { peer, reply } => RuntimeError::Remote { peer, reply },
-        NodeError::Protocol { peer, what } => RuntimeError::Protocol { peer, what },
-        NodeError::Refused(what) => RuntimeError::Protocol { peer: "servers".into(), what },
-        NodeError::Timeout { what, after_us } => RuntimeError::Timeout { what, after: Duration::from_micros(after_us) },
-        NodeError::Recut { block } => RuntimeError::Recut { block },
-    }
 }
 
 /// A round that waits for replies with none in flight (a bug in the plan, not a hang).

@@ -15,10 +15,10 @@ use std::time::Duration;
 use elasticps_wire::{Codec, Control, Credential, FrameHeader, HEADER_LEN, Message, ServerAddr};
 use futures::future::{AbortHandle, AbortRegistration, Abortable};
 
-use super::round::Sent;
 use crate::conn::{self, FrameReader, Outbox, Writer};
 use crate::error::{Result, RuntimeError};
-use elasticps_node::worker::{self, HelloAnswer, Tag};
+use elasticps_core::model::BlockSpec;
+use elasticps_node::worker::{self, HelloAnswer, Op, Tag};
 
 /// One server's connection, and the requests of the round in flight on it.
 pub(super) struct ServerConn {
@@ -61,7 +61,7 @@ impl ServerConn {
             match worker::hello_answer(s.id, &reply, started.elapsed().as_micros() as u64) {
                 HelloAnswer::Accepted => return Ok(conn),
                 HelloAnswer::Again { after_us } => tokio::time::sleep(Duration::from_micros(after_us)).await,
-                HelloAnswer::Refused(e) => return Err(super::round::from_node(e)),
+                HelloAnswer::Refused(e) => return Err(RuntimeError::from(e)),
             }
         }
     }
@@ -170,4 +170,15 @@ pub(super) fn poll_any_header(
         }
     }
     Poll::Pending
+}
+
+/// One request in flight: who waits on whom for what.
+#[derive(Clone, Copy)]
+pub(super) struct Sent {
+    /// The server asked.
+    pub(super) server: u32,
+    /// The block asked for.
+    pub(super) block: BlockSpec,
+    /// What was asked.
+    pub(super) op: Op,
 }
