@@ -812,7 +812,9 @@ impl Server {
             Message::Control(Control::SetOptState { block, state }) => {
                 Some(self.opt_state_request(rank, block, Some(state)))
             }
-            Message::Control(Control::SetValues { block, values }) => Some(self.set_values_request(rank, block, &values)),
+            Message::Control(Control::SetValues { block, values }) => {
+                Some(self.set_values_request(rank, block, &values))
+            }
             other => {
                 // The table allows what this match does not take: refused, nothing changed.
                 Some(error(
