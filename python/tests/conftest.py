@@ -316,6 +316,15 @@ def local_accuracy() -> float:
     return accuracy(out.stdout, "local test accuracy")
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (exists and is not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def descendants(pid: int) -> set[int]:
     """Every process below `pid` (by /proc's parent links)."""
     children: dict[int, list[int]] = {}

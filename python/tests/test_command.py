@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MNIST, accuracy, descendants
+from conftest import MNIST, accuracy, alive, descendants
 
 
 def command() -> str:
@@ -26,14 +26,6 @@ def command() -> str:
 def clean_env() -> dict:
     """This environment without the variables of a launch (the tests may run under one)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("ELASTICPS_")}
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.deadline(150)

@@ -17,19 +17,11 @@ from conftest import elasticps_bin as binary
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "workers" / "numpy_worker.py"
-from conftest import EPOCHS, MNIST, accuracy, descendants  # noqa: E402
+from conftest import EPOCHS, MNIST, accuracy, alive, descendants  # noqa: E402
 
 
 def launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([binary(), "launch", "--quiet", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.deadline(300)
