@@ -50,6 +50,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "python"))  # mnist: the bundled subset's loader
 sys.path.insert(0, str(REPO / "python" / "tests"))  # testnet: the namespace hosts
 
+from testnet import CAN_DIE_WITH_PARENT, die_with_parent  # noqa: E402
+
 #: Every rank's batch.
 BATCH = 32
 #: Adam's learning rate, for both systems.
@@ -270,7 +272,16 @@ def run_procs(argvs: Sequence[Sequence[str]], log: Path, timeout_s: float, env: 
     with open(log, "w") as f:
         try:
             for argv in argvs:
-                procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env))
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env=env,
+                        preexec_fn=die_with_parent if CAN_DIE_WITH_PARENT else None,
+                    )
+                )
             deadline = time.monotonic() + timeout_s
             while any(p.poll() is None for p in procs):
                 if any(p.returncode not in (None, 0) for p in procs):

@@ -22,7 +22,6 @@ fixture starts is killed by PID at teardown, and on Linux also dies with the tes
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import pytest
+from testnet import CAN_DIE_WITH_PARENT, die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,27 +64,6 @@ def elasticps_bin() -> str:
             returncode=2,
         )
     return str(path)
-
-
-def _load_prctl():
-    """libc's prctl, loaded here in the parent: the child between fork and exec must not
-    load libraries (another thread may hold the loader's lock at fork time)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    return prctl
-
-
-_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the test process dies (Linux)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _flags(options: Dict[str, object]) -> List[str]:
@@ -142,7 +121,7 @@ class Cluster:
         kw.setdefault("stdout", log)
         try:
             p = subprocess.Popen(
-                args, stderr=log, preexec_fn=_die_with_parent if _PRCTL is not None else None, **kw
+                args, stderr=log, preexec_fn=die_with_parent if CAN_DIE_WITH_PARENT else None, **kw
             )
         finally:
             log.close()

@@ -21,9 +21,11 @@ private ``/etc/hosts``; ``/sys`` is not remounted (see ``scripts/testnet``).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
@@ -57,6 +59,30 @@ def _testnet(*args: str, capture: bool = False) -> str:
     return r.stdout if capture else ""
 
 
+def _load_prctl():
+    """libc's prctl, loaded here in the parent: the child between fork and exec must not
+    load libraries (another thread may hold the loader's lock at fork time)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    return prctl
+
+
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+#: Whether ``die_with_parent`` works here (Linux).
+CAN_DIE_WITH_PARENT = _PRCTL is not None
+
+
+def die_with_parent() -> None:
+    """A ``preexec_fn``: in the child before exec, ask for SIGKILL when the process that
+    started it dies (Linux), so not even a killed test or benchmark leaves an orphan."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
 class Host:
     """One namespace host of a test bed."""
 
@@ -76,6 +102,8 @@ class Host:
         """Start ``argv`` on this host. Its PID is the command's own (exec chain), and it
         leads a new session, so ``os.killpg(p.pid, sig)`` reaches all it started."""
         kw.setdefault("start_new_session", True)
+        if CAN_DIE_WITH_PARENT:
+            kw.setdefault("preexec_fn", die_with_parent)
         p = subprocess.Popen(self.argv(argv), **kw)
         self._procs.append(p)
         return p
