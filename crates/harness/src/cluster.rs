@@ -5,7 +5,7 @@ use elasticps_wire::{CheckpointEntry, Message};
 
 use crate::net::{Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind};
 use elasticps_node::ConnId;
-use elasticps_node::scheduler::{Action, Event, JobConfig, SavedState, Scheduler};
+use elasticps_node::scheduler::{Action, Event, JobConfig, Persisted, SavedState, Scheduler};
 
 /// A role on the simulated network: a small adapter that feeds a state machine the
 /// events the network delivers and carries its actions out through the [`Outbox`].
@@ -209,7 +209,7 @@ pub struct SchedulerRole {
     manifests: Vec<(u32, Vec<CheckpointEntry>)>,
     /// The state as the runtime's `--state-dir` would hold it (with its version), kept
     /// once [`Cluster::keep_scheduler_state`] asked for it.
-    saved: Option<(u64, SavedState)>,
+    saved: Option<(Persisted, SavedState)>,
 }
 
 impl SchedulerRole {
@@ -223,13 +223,12 @@ impl SchedulerRole {
         self.saved.as_ref().map(|(_, s)| s)
     }
 
-    /// Saves the state if it changed, as the runtime does before it carries out a step's
-    /// actions.
+    /// Before a step's actions are carried out: the state, if kept and [`Persisted::due`].
     fn save(&mut self) {
-        let Some((version, _)) = &self.saved else { return };
-        let now = self.scheduler.state_version();
-        if *version != now {
-            self.saved = Some((now, self.scheduler.saved_state()));
+        let Some((persisted, state)) = &mut self.saved else { return };
+        if let Some((version, due)) = persisted.due(&self.scheduler) {
+            *state = due;
+            persisted.written(version);
         }
     }
 
@@ -407,7 +406,7 @@ impl<R: Role> Cluster<R> {
     /// `--state-dir`), for [`Cluster::restart_scheduler`].
     pub fn keep_scheduler_state(&mut self) {
         let s = &mut self.scheduler;
-        s.saved = Some((s.scheduler.state_version(), s.scheduler.saved_state()));
+        s.saved = Some((Persisted::of(&s.scheduler), s.scheduler.saved_state()));
     }
 
     /// Starts the scheduler again (crashed before, [`Cluster::crash`]) from its saved
@@ -423,7 +422,7 @@ impl<R: Role> Cluster<R> {
         self.net.revive(self.sched);
         let mut role = SchedulerRole::new(scheduler);
         role.manifests = std::mem::take(&mut self.scheduler.manifests);
-        role.saved = Some((role.scheduler.state_version(), saved.1));
+        role.saved = Some((Persisted::of(&role.scheduler), saved.1));
         self.scheduler = role;
         let mut out = Outbox { net: &mut self.net, me: self.sched, scheduler: self.sched, signals: &mut self.signals };
         // Its clock starts where the network's is (the runtime's starts at 0 with it).

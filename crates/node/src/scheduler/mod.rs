@@ -46,7 +46,7 @@ pub use elasticps_core::balance::BalanceMode;
 pub use end::CLOSING_WAIT_US;
 pub use history::{BalanceLog, DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
 pub use membership::REGISTER_WITHIN_US;
-pub use recovery::{RECOVER_WAIT_US, STATE_VERSION, SavedState, reattach_message};
+pub use recovery::{Persisted, RECOVER_WAIT_US, STATE_VERSION, SavedState, reattach_message};
 
 use elastic::Elastic;
 use elasticps_wire::{

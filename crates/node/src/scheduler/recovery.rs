@@ -161,8 +161,8 @@ impl Scheduler {
         }
     }
 
-    /// A digest of the saved state that changes whenever it does: the runtime writes the
-    /// state only when this changed since its last write.
+    /// A digest of the saved state that changes whenever it does: the state is written
+    /// only when this changed since its last write ([`Persisted`]).
     pub fn state_version(&self) -> u64 {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         self.servers.iter().for_each(|(_, a)| a.hash(&mut h));
@@ -591,6 +591,34 @@ pub fn reattach_message(server: &crate::server::Server, data_addr: &str) -> Opti
         })
         .collect();
     Some(Control::ReattachServer { server_id, credential, data_addr: data_addr.to_string(), blocks })
+}
+
+/// What of a scheduler's state is on disk: the one rule of when to save it, which both
+/// drivers follow. Before a step's actions are carried out, [`Persisted::due`] gives the
+/// state to write if it changed since the last write; the driver writes it and reports
+/// the outcome with [`Persisted::written`] (a failed write is reported by not calling it,
+/// so the next step tries again).
+#[derive(Clone, Copy, Debug)]
+pub struct Persisted {
+    written: u64,
+}
+
+impl Persisted {
+    /// `scheduler`'s state as it is now is on disk (just loaded, or just written).
+    pub fn of(scheduler: &Scheduler) -> Self {
+        Self { written: scheduler.state_version() }
+    }
+
+    /// The state to write, with its version, if it changed since the last write.
+    pub fn due(&self, scheduler: &Scheduler) -> Option<(u64, SavedState)> {
+        let version = scheduler.state_version();
+        (version != self.written).then(|| (version, scheduler.saved_state()))
+    }
+
+    /// The state of `version` ([`Persisted::due`]) is on disk.
+    pub fn written(&mut self, version: u64) {
+        self.written = version;
+    }
 }
 
 #[cfg(test)]

@@ -135,7 +135,7 @@ pub async fn run_with(
     let state =
         base.with_launcher(launcher.is_some()).with_clock_origin(origin).with_credentials(opts.codec.secret(), job);
     if let Some(d) = saved.as_mut() {
-        d.loaded(state.state_version());
+        d.loaded(&state);
     }
     let mut conns: HashMap<ConnId, Handle> = HashMap::new();
     let mut state = state.with_join_timeout(u64::try_from(opts.join_timeout.as_micros()).unwrap_or(u64::MAX));
@@ -172,7 +172,7 @@ pub async fn run_with(
         let actions = state.handle(now_us(), event);
         if let Some(d) = saved.as_mut() {
             // On disk before any node hears of the change.
-            match d.save_if_changed(state.state_version(), || state.saved_state()) {
+            match d.save_if_changed(&state) {
                 Ok(true) => tracing::debug!(state = %d.path().display(), "scheduler state saved"),
                 Ok(false) => {}
                 Err(e) => tracing::error!(error = %e, "scheduler state not saved"),

@@ -5,24 +5,24 @@
 
 use std::path::{Path, PathBuf};
 
-use elasticps_node::scheduler::SavedState;
+use elasticps_node::scheduler::{Persisted, SavedState, Scheduler};
 
 use crate::error::{Result, RuntimeError};
 
 /// The file under the state directory.
 pub const STATE_FILE: &str = "scheduler-state.json";
 
-/// A state directory and the version of the state last written there.
+/// A state directory and what of the state is there (`None`: nothing yet).
 #[derive(Debug)]
 pub struct StateDir {
     path: PathBuf,
-    written: Option<u64>,
+    persisted: Option<Persisted>,
 }
 
 impl StateDir {
     /// The state file of directory `dir`.
     pub fn new(dir: &Path) -> Self {
-        Self { path: dir.join(STATE_FILE), written: None }
+        Self { path: dir.join(STATE_FILE), persisted: None }
     }
 
     /// The state file's path.
@@ -43,23 +43,27 @@ impl StateDir {
         })
     }
 
-    /// Marks `version` as on disk already (the state just loaded).
-    pub fn loaded(&mut self, version: u64) {
-        self.written = Some(version);
+    /// Marks `scheduler`'s state as on disk already (the state just loaded).
+    pub fn loaded(&mut self, scheduler: &Scheduler) {
+        self.persisted = Some(Persisted::of(scheduler));
     }
 
-    /// Writes `state()` if `version` differs from the last one written; returns whether it
-    /// wrote.
-    pub fn save_if_changed(&mut self, version: u64, state: impl FnOnce() -> SavedState) -> Result<bool> {
-        if self.written == Some(version) {
-            return Ok(false);
-        }
-        let bytes = serde_json::to_vec(&state()).map_err(|e| RuntimeError::State {
+    /// Writes `scheduler`'s state if it changed since the last write ([`Persisted::due`]);
+    /// returns whether it wrote.
+    pub fn save_if_changed(&mut self, scheduler: &Scheduler) -> Result<bool> {
+        let (version, state) = match &self.persisted {
+            Some(p) => match p.due(scheduler) {
+                Some(due) => due,
+                None => return Ok(false),
+            },
+            None => (scheduler.state_version(), scheduler.saved_state()),
+        };
+        let bytes = serde_json::to_vec(&state).map_err(|e| RuntimeError::State {
             path: self.path.display().to_string(),
             what: format!("cannot encode the state: {e}"),
         })?;
         crate::durable::write_atomic(&self.path, &bytes)?;
-        self.written = Some(version);
+        self.persisted.get_or_insert(Persisted::of(scheduler)).written(version);
         Ok(true)
     }
 
