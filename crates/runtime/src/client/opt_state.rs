@@ -49,15 +49,12 @@ impl Client {
                 )));
             }
         }
-        for b in &blocks {
+        self.change_blocks(&blocks, |b| {
             let slice = |v: &Vec<f32>| if v.is_empty() { Vec::new() } else { v[b.offset..b.offset + b.len].to_vec() };
             let part = OptState { steps: state.steps, m: slice(&state.m), v: slice(&state.v) };
-            match self.block_call(b.id, Control::SetOptState { block: b.id, state: part }).await? {
-                Message::Control(Control::Ok) => {}
-                other => return Err(RuntimeError::unexpected(&format!("the owner of block {}", b.id), "Ok", &other)),
-            }
-        }
-        Ok(())
+            Control::SetOptState { block: b.id, state: part }
+        })
+        .await
     }
 
     /// Overwrites the values of tensor `tensor` on its servers (a model's buffers: call it
@@ -71,9 +68,18 @@ impl Client {
                 values.len()
             )));
         }
-        for b in &blocks {
-            let part = values[b.offset..b.offset + b.len].to_vec();
-            match self.block_call(b.id, Control::SetValues { block: b.id, values: part }).await? {
+        self.change_blocks(&blocks, |b| Control::SetValues {
+            block: b.id,
+            values: values[b.offset..b.offset + b.len].to_vec(),
+        })
+        .await
+    }
+
+    /// Sends each block's change (`change(block)`) to its owner, one after the other; each
+    /// must be answered `Ok`.
+    async fn change_blocks(&mut self, blocks: &[BlockSpec], change: impl Fn(&BlockSpec) -> Control) -> Result<()> {
+        for b in blocks {
+            match self.block_call(b.id, change(b)).await? {
                 Message::Control(Control::Ok) => {}
                 other => return Err(RuntimeError::unexpected(&format!("the owner of block {}", b.id), "Ok", &other)),
             }
