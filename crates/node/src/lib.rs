@@ -22,6 +22,7 @@
 //!   scheduler with backoff, the reattach, the calls made again (in the order made).
 //! - [`authz`]: who may send what to whom (docs/PROTOCOL.md §7.1), checked by the
 //!   scheduler and the servers before a message changes anything.
+//! - [`machine`]: the [`Machine`] trait every role above is written on.
 //! - [`timing`]: every timing constant (heartbeats, failure timeouts, backoff, the
 //!   window, request and periodic deadlines), defined once for the runtime and the
 //!   harness alike.
@@ -29,6 +30,7 @@
 pub mod authz;
 pub mod error;
 pub mod events;
+pub mod machine;
 pub mod scheduler;
 pub mod server;
 pub mod session;
@@ -36,6 +38,7 @@ pub mod timing;
 pub mod worker;
 
 pub use error::{NodeError, Result};
+pub use machine::Machine;
 
 /// Identifies one connection as a node sees it (one TCP connection in the runtime, one
 /// simulated link in the harness).
