@@ -185,6 +185,10 @@ def worker_main(args) -> int:
         out["curve"] = curve
     Path(args.result, f"rank{rank}.json").write_text(json.dumps(out))
     if args.system == "ddp":
+        # Both ranks leave their last collective before either tears gloo down: a rank
+        # torn down while its peer still talks aborts ("terminate called without an
+        # active exception").
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     else:
         elasticps.finish()

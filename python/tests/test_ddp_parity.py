@@ -59,7 +59,14 @@ for step in range(steps):
     opt.step()
     print(json.dumps({"rank": rank, "step": step, "loss": loss.item()}), flush=True)
 if mode == "ddp":
+    # Both ranks leave their last collective before either tears gloo down, and the
+    # process ends without running gloo's destructors again: a rank torn down while
+    # its peer still talks aborts with "terminate called without an active exception".
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    import os
+    os._exit(0)
 else:
     elasticps.finish()
 """
