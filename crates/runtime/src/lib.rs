@@ -44,6 +44,7 @@ pub mod server;
 pub mod session;
 pub mod shaping;
 pub mod tally;
+pub mod timer;
 pub mod tls;
 
 pub use error::{Result, RuntimeError};

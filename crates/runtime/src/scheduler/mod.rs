@@ -17,10 +17,13 @@ pub use elasticps_node::scheduler::{
     Scheduler, ServerPoint,
 };
 
+use crate::Micros;
 use crate::accept::{self, Accepted, Acceptor};
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
 use crate::metrics::SchedulerMetrics;
+use crate::timer::Timer;
+use elasticps_node::Machine;
 
 pub mod state;
 
@@ -96,7 +99,7 @@ pub async fn run(opts: SchedulerOptions, on_bound: impl FnOnce(SocketAddr)) -> R
 /// balancing history too.
 pub async fn run_with(
     opts: SchedulerOptions,
-    mut launcher: Option<Box<dyn Launcher>>,
+    launcher: Option<Box<dyn Launcher>>,
     on_bound: impl FnOnce(SocketAddr),
 ) -> Result<JobEnd> {
     let listener = TcpListener::bind(&opts.listen)
@@ -106,175 +109,211 @@ pub async fn run_with(
     on_bound(bound);
     let (events_tx, mut events) = mpsc::unbounded_channel::<(Event, Option<Handle>)>();
     let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), opts.frame_timeout, events_tx));
-
-    // The scheduler's clock: µs since `started`, on tokio's clock (its deadlines too).
-    let started = tokio::time::Instant::now();
-    let now_us = || started.elapsed().as_micros() as u64;
-    let origin =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
-    let mut saved = opts.state_dir.as_deref().map(state::StateDir::new);
-    let heartbeat_us = elasticps_node::timing::heartbeat_timeout_us(opts.job.replicas);
-    let base = match saved.as_ref().map(state::StateDir::load).transpose()?.flatten() {
-        Some(s) => {
-            let path = saved.as_ref().map_or_else(String::new, |d| d.path().display().to_string());
-            let recovered = Scheduler::recover(opts.job.clone(), s, heartbeat_us)
-                .map_err(|what| RuntimeError::State { path: path.clone(), what })?;
-            tracing::info!(state = %path, "scheduler restarted from its saved state");
-            recovered
-        }
-        None => Scheduler::new(opts.job.clone(), heartbeat_us),
-    };
-    let base = match opts.hosts.clone() {
-        Some(h) => base.with_hosts(h),
-        None => base,
-    };
-    let job = {
-        use rand::{RngCore, SeedableRng};
-        rand::rngs::StdRng::from_os_rng().next_u64()
-    };
-    let state =
-        base.with_launcher(launcher.is_some()).with_clock_origin(origin).with_credentials(opts.codec.secret(), job);
-    if let Some(d) = saved.as_mut() {
-        d.loaded(&state);
+    let mut driver = Driver::open(&opts, launcher, bound)?;
+    let outcome = driver.run(&mut events).await;
+    if outcome.is_ok() {
+        driver.drain_agents(&mut events).await;
     }
-    let mut conns: HashMap<ConnId, Handle> = HashMap::new();
-    let mut state = state.with_join_timeout(u64::try_from(opts.join_timeout.as_micros()).unwrap_or(u64::MAX));
-    // One timer: the scheduler's next deadline.
-    let wake_at = |state: &Scheduler| {
-        let at_us = state.poll_timeout()?;
-        // A deadline past what the clock can name is a year away, as good as never.
-        let far = || tokio::time::Instant::now() + Duration::from_secs(365 * 86_400);
-        Some(started.checked_add(Duration::from_micros(at_us)).unwrap_or_else(far))
-    };
-    let mut deadline = wake_at(&state);
-    let timer = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now));
-    tokio::pin!(timer);
-    // Manifest writes under way (awaited before the scheduler returns).
-    let mut manifests = Vec::new();
-    let outcome = loop {
-        let event = tokio::select! {
-            e = events.recv() => match e {
-                Some((event, handle)) => {
-                    if let (Event::Received { conn, .. }, Some(h)) = (&event, handle) {
-                        conns.entry(*conn).or_insert(h);
-                    }
-                    event
-                }
-                None => break Err(RuntimeError::Protocol { peer: "scheduler".into(), what: "accept loop ended".into() }),
-            },
-            _ = &mut timer, if deadline.is_some() => Event::Timeout,
+    accept.abort();
+    driver.close().await;
+    outcome
+}
+
+/// The scheduler's driver: its machine, the connections, the timer, the state directory
+/// and the effects under way. It decides nothing: every event goes to the machine, and
+/// every action comes out as I/O.
+struct Driver<'a> {
+    opts: &'a SchedulerOptions,
+    state: Scheduler,
+    saved: Option<state::StateDir>,
+    launcher: Option<Box<dyn Launcher>>,
+    bound: SocketAddr,
+    conns: HashMap<ConnId, Handle>,
+    timer: Timer,
+    /// Manifest writes under way (awaited before the scheduler returns).
+    manifests: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl<'a> Driver<'a> {
+    /// The scheduler's machine: recovered from `--state-dir` when it holds a saved state,
+    /// new otherwise.
+    fn open(opts: &'a SchedulerOptions, launcher: Option<Box<dyn Launcher>>, bound: SocketAddr) -> Result<Self> {
+        let origin =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        let mut saved = opts.state_dir.as_deref().map(state::StateDir::new);
+        let heartbeat_us = elasticps_node::timing::heartbeat_timeout_us(opts.job.replicas);
+        let base = match saved.as_ref().map(state::StateDir::load).transpose()?.flatten() {
+            Some(s) => {
+                let path = saved.as_ref().map_or_else(String::new, |d| d.path().display().to_string());
+                let recovered = Scheduler::recover(opts.job.clone(), s, heartbeat_us)
+                    .map_err(|what| RuntimeError::State { path: path.clone(), what })?;
+                tracing::info!(state = %path, "scheduler restarted from its saved state");
+                recovered
+            }
+            None => Scheduler::new(opts.job.clone(), heartbeat_us),
         };
+        let base = match opts.hosts.clone() {
+            Some(h) => base.with_hosts(h),
+            None => base,
+        };
+        let job = {
+            use rand::{RngCore, SeedableRng};
+            rand::rngs::StdRng::from_os_rng().next_u64()
+        };
+        let state = base
+            .with_launcher(launcher.is_some())
+            .with_clock_origin(origin)
+            .with_credentials(opts.codec.secret(), job)
+            .with_join_timeout(u64::try_from(opts.join_timeout.as_micros()).unwrap_or(u64::MAX));
+        if let Some(d) = saved.as_mut() {
+            d.loaded(&state);
+        }
+        let mut timer = Timer::new(Micros::new());
+        timer.arm(state.poll_timeout());
+        let conns = HashMap::new();
+        Ok(Self { opts, state, saved, launcher, bound, conns, timer, manifests: Vec::new() })
+    }
+
+    /// Hands the machine every event and the timer's wake-ups until it finishes the job.
+    async fn run(&mut self, events: &mut mpsc::UnboundedReceiver<(Event, Option<Handle>)>) -> Result<JobEnd> {
+        loop {
+            let event = tokio::select! {
+                e = events.recv() => match e {
+                    Some((event, handle)) => {
+                        if let (Event::Connected { conn, .. }, Some(h)) = (&event, handle) {
+                            self.conns.insert(*conn, h);
+                        }
+                        event
+                    }
+                    None => return Err(RuntimeError::Protocol { peer: "scheduler".into(), what: "accept loop ended".into() }),
+                },
+                () = self.timer.fired() => Event::Timeout,
+            };
+            if let Some((ok, reason)) = self.step(event) {
+                tracing::info!(ok, %reason, "job over");
+                if let Some(d) = &self.saved {
+                    d.remove();
+                }
+                return if ok {
+                    Ok(JobEnd { reason, balance: self.state.balance_log().clone() })
+                } else {
+                    Err(RuntimeError::Shutdown(reason))
+                };
+            }
+        }
+    }
+
+    /// One event through the machine: its state saved (on disk before any node hears of
+    /// the change), then its actions carried out. Returns how the job ended, if it did.
+    fn step(&mut self, event: Event) -> Option<(bool, String)> {
         if let Event::Lost { conn, .. } = &event {
-            conns.remove(conn);
+            self.conns.remove(conn);
         }
         let timeout = matches!(event, Event::Timeout);
-        let mut finished = None;
-        let actions = state.handle(now_us(), event);
-        if let Some(d) = saved.as_mut() {
-            // On disk before any node hears of the change.
-            match d.save_if_changed(&state) {
+        let mut actions = Vec::new();
+        Machine::handle(&mut self.state, self.timer.now_us(), event, &mut actions);
+        if let Some(d) = self.saved.as_mut() {
+            match d.save_if_changed(&self.state) {
                 Ok(true) => tracing::debug!(state = %d.path().display(), "scheduler state saved"),
                 Ok(false) => {}
                 Err(e) => tracing::error!(error = %e, "scheduler state not saved"),
             }
         }
+        let mut finished = None;
         for action in actions {
-            match action {
-                Action::Send { conn, request_id, msg } => {
-                    if let Some(h) = conns.get(&conn) {
-                        let _ = h.out.send((request_id, msg));
-                    }
-                }
-                Action::Close(conn) => {
-                    if let Some(h) = conns.remove(&conn) {
-                        h.close.notify_one();
-                    }
-                }
-                Action::StartServer => match launcher.as_mut() {
-                    Some(l) => {
-                        if let Err(e) = l.start_server(&bound.to_string()) {
-                            tracing::error!(error = %e, "could not start a server");
-                        }
-                    }
-                    None => tracing::warn!("a server was to be started, but this scheduler has no launcher"),
-                },
-                Action::Relay(line) => match &opts.relay {
-                    Some(relay) => relay.emit_line(&line),
-                    None => tracing::debug!(%line, "a relayed event with nowhere to go"),
-                },
-                Action::Waiting(what) => {
-                    if let Some(relay) = &opts.relay {
-                        relay.emit(&crate::events::Event::Waiting { what });
-                    }
-                }
-                Action::WriteManifest { dir, clock, blocks } => {
-                    // Small, but a disk write: off the actor's task.
-                    manifests.push(tokio::task::spawn_blocking(move || {
-                        match crate::checkpoint::write_manifest(std::path::Path::new(&dir), clock, &blocks) {
-                            Ok(path) => tracing::info!(clock, manifest = %path.display(), "checkpoint written"),
-                            Err(e) => tracing::error!(clock, error = %e, "checkpoint manifest not written"),
-                        }
-                    }));
-                }
-                Action::Finish { ok, reason } => finished = Some((ok, reason)),
+            if let Some(end) = self.carry_out(action) {
+                finished = Some(end);
             }
         }
-        if let Some(m) = opts.metrics.as_ref().filter(|_| timeout) {
-            m.update(&state.status(), state.balance_log());
+        if let Some(m) = self.opts.metrics.as_ref().filter(|_| timeout) {
+            m.update(&self.state.status(), self.state.balance_log());
         }
-        let next = wake_at(&state);
-        if timeout || next != deadline {
-            deadline = next;
-            if let Some(at) = deadline {
-                timer.as_mut().reset(at);
+        self.timer.arm(self.state.poll_timeout());
+        finished
+    }
+
+    /// One action as I/O; `Finish` is returned, not carried out.
+    fn carry_out(&mut self, action: Action) -> Option<(bool, String)> {
+        match action {
+            Action::Send { conn, request_id, msg } => {
+                if let Some(h) = self.conns.get(&conn) {
+                    let _ = h.out.send((request_id, msg));
+                }
             }
-        }
-        if let Some((ok, reason)) = finished {
-            tracing::info!(ok, %reason, "job over");
-            if let Some(d) = &saved {
-                d.remove();
+            Action::Close(conn) => {
+                if let Some(h) = self.conns.remove(&conn) {
+                    h.close.notify_one();
+                }
             }
-            break if ok {
-                Ok(JobEnd { reason, balance: state.balance_log().clone() })
-            } else {
-                Err(RuntimeError::Shutdown(reason))
-            };
+            Action::StartServer => match self.launcher.as_mut() {
+                Some(l) => {
+                    if let Err(e) = l.start_server(&self.bound.to_string()) {
+                        tracing::error!(error = %e, "could not start a server");
+                    }
+                }
+                None => tracing::warn!("a server was to be started, but this scheduler has no launcher"),
+            },
+            Action::Relay(line) => match &self.opts.relay {
+                Some(relay) => relay.emit_line(&line),
+                None => tracing::debug!(%line, "a relayed event with nowhere to go"),
+            },
+            Action::Waiting(what) => {
+                if let Some(relay) = &self.opts.relay {
+                    relay.emit(&crate::events::Event::Waiting { what });
+                }
+            }
+            Action::WriteManifest { dir, clock, blocks } => {
+                // Small, but a disk write: off the actor's task.
+                self.manifests.push(tokio::task::spawn_blocking(move || {
+                    match crate::checkpoint::write_manifest(std::path::Path::new(&dir), clock, &blocks) {
+                        Ok(path) => tracing::info!(clock, manifest = %path.display(), "checkpoint written"),
+                        Err(e) => tracing::error!(clock, error = %e, "checkpoint manifest not written"),
+                    }
+                }));
+            }
+            Action::Finish { ok, reason } => return Some((ok, reason)),
         }
-    };
-    if let (Ok(_), Some(relay)) = (&outcome, &opts.relay) {
-        // Host agents relay their nodes' last events (a server's counters) as those exit.
+        None
+    }
+
+    /// Host agents relay their nodes' last events (a server's counters) as those exit:
+    /// a job across hosts waits a bounded time for them to arrive and the agents to leave.
+    async fn drain_agents(&mut self, events: &mut mpsc::UnboundedReceiver<(Event, Option<Handle>)>) {
+        let Some(relay) = &self.opts.relay else { return };
         let deadline = tokio::time::Instant::now() + AGENT_DRAIN_TIMEOUT;
-        while !conns.is_empty() {
+        while !self.conns.is_empty() {
             match tokio::time::timeout_at(deadline, events.recv()).await {
                 Ok(Some((Event::Received { msg: Message::Control(Control::HostEvent { line }), .. }, _))) => {
                     relay.emit_line(&line)
                 }
                 Ok(Some((Event::Lost { conn, .. }, _))) => {
-                    conns.remove(&conn);
+                    self.conns.remove(&conn);
                 }
                 Ok(Some(_)) => {}
                 Ok(None) | Err(_) => break,
             }
         }
     }
-    accept.abort();
-    for write in manifests {
-        if tokio::time::timeout(Duration::from_secs(30), write).await.is_err() {
-            tracing::error!("a checkpoint manifest was still being written after 30 s");
+
+    /// Waits, bounded, for the manifest writes and for the last answers (the `Shutdown`
+    /// messages) to be in the sockets before the process exits: each connection's writer
+    /// says when everything queued is flushed.
+    async fn close(mut self) {
+        for write in self.manifests {
+            if tokio::time::timeout(Duration::from_secs(30), write).await.is_err() {
+                tracing::error!("a checkpoint manifest was still being written after 30 s");
+            }
+        }
+        let writers: Vec<_> = self.conns.drain().map(|(_, h)| h.out.writer().clone()).collect();
+        let flushed = futures::future::join_all(writers.iter().map(|w| w.flushed()));
+        if tokio::time::timeout(LAST_WRITES_TIMEOUT, flushed).await.is_err() {
+            tracing::warn!(
+                connections = writers.len(),
+                timeout_s = LAST_WRITES_TIMEOUT.as_secs(),
+                "the scheduler exits before its last answers to the nodes were written"
+            );
         }
     }
-    // The last answers (the Shutdown messages) are in the sockets before the process
-    // exits: each connection's writer says when everything queued is flushed.
-    let writers: Vec<_> = conns.drain().map(|(_, h)| h.out.writer().clone()).collect();
-    let flushed = futures::future::join_all(writers.iter().map(|w| w.flushed()));
-    if tokio::time::timeout(LAST_WRITES_TIMEOUT, flushed).await.is_err() {
-        tracing::warn!(
-            connections = writers.len(),
-            timeout_s = LAST_WRITES_TIMEOUT.as_secs(),
-            "the scheduler exits before its last answers to the nodes were written"
-        );
-    }
-    outcome
 }
 
 async fn accept_loop(
@@ -297,13 +336,15 @@ async fn accept_loop(
             else {
                 return;
             };
-            let connected = Event::Connected { conn, peer: addr.ip().to_canonical().to_string(), key };
-            if events.send((connected, None)).is_err() {
-                return;
-            }
             let (mut reader, out) = conn::split(stream, codec.for_key(key), peer);
             reader.set_stall_timeout(stall);
             let close = Arc::new(Notify::new());
+            // The handle goes with `Connected`: the machine may answer or close a
+            // connection that never sends a frame (PROTOCOL.md §8).
+            let connected = Event::Connected { conn, peer: addr.ip().to_canonical().to_string(), key };
+            if events.send((connected, Some(Handle { out: out.clone(), close: close.clone() }))).is_err() {
+                return;
+            }
             let why = loop {
                 let next = tokio::select! {
                     biased;
@@ -313,8 +354,7 @@ async fn accept_loop(
                 match next {
                     Ok(Some((header, msg))) => {
                         let event = Event::Received { conn, request_id: header.request_id, msg };
-                        let handle = Handle { out: out.clone(), close: close.clone() };
-                        if events.send((event, Some(handle))).is_err() {
+                        if events.send((event, None)).is_err() {
                             return;
                         }
                     }

@@ -27,6 +27,7 @@ use crate::error::{Result, RuntimeError};
 use crate::metrics::{ServerMetrics, ServerSnapshot, ServerSource};
 use crate::session::{Reattach, SchedLink};
 use crate::shaping::Shaper;
+use crate::timer::Timer;
 use crate::{CALL_TIMEOUT, Micros, timeout};
 
 mod links;
@@ -108,6 +109,10 @@ fn with_port(advertise: &str, port: u16) -> String {
     }
 }
 
+/// How long a server waits, at its end, for its last answers (`Moved`, `Shutdown`) to be
+/// written (a peer that reads nothing can hold a socket full: the wait is bounded).
+const LAST_WRITES_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Runs a server until the scheduler shuts the job down; returns its final counters.
 pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     let listener = TcpListener::bind(&opts.listen)
@@ -115,70 +120,38 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
         .map_err(|e| RuntimeError::io(format!("binding the server's listen address {}", opts.listen), e))?;
     let bound = listener.local_addr().map_err(|e| RuntimeError::io("reading the bound address", e))?;
     let data_addr = opts.advertise.as_deref().map_or_else(|| bound.to_string(), |a| with_port(a, bound.port()));
-    let trace = match &opts.trace {
-        Some(path) => Some(Mutex::new(std::io::BufWriter::new(
-            std::fs::File::create(path)
-                .map_err(|e| RuntimeError::io(format!("creating trace {}", path.display()), e))?,
-        ))),
-        None => None,
-    };
-    // The reattach introduces the server with its blocks at the time (its state).
-    let me: Arc<OnceLock<Weak<Io>>> = Arc::default();
-    let reattach: Reattach = {
-        let (me, data_addr) = (me.clone(), data_addr.clone());
-        Box::new(move || {
-            let io = me.get()?.upgrade()?;
-            elasticps_node::scheduler::reattach_message(&lock(&io.server), &data_addr).map(Message::from)
-        })
-    };
-    let retry_us = u64::try_from(opts.scheduler_retry.as_micros()).unwrap_or(u64::MAX);
-    let config = SessionConfig { retry_us, heartbeats: true };
-    let (sched, mut notes) = SchedLink::connect(&opts.scheduler, opts.codec.clone(), config, reattach).await?;
-    let io = Arc::new(Io {
-        server: Mutex::new(
-            Server::new(data_addr.clone())
-                .with_trace(trace.is_some())
-                .with_secret(opts.codec.secret())
-                .with_max_clock_lead(opts.max_clock_lead)
-                .with_max_payload(opts.codec.max_payload()),
-        ),
-        clock: Micros::new(),
-        codec: opts.codec.clone(),
-        frame_timeout: opts.frame_timeout,
-        shaper: Shaper::new(),
-        sched,
-        wake_us: AtomicU64::new(u64::MAX),
-        rearm: Notify::new(),
-        conns: Mutex::new(HashMap::new()),
-        next_conn: AtomicU64::new(1),
-        links: Links::default(),
-        trace,
-        exit: Mutex::new(None),
-        exited: Notify::new(),
-    });
-    let _ = me.set(Arc::downgrade(&io));
+    let (io, notes) = Io::open(&opts, data_addr).await?;
     let start = lock(&io.server).start(io.clock.now());
     io.apply(start);
-
     let accept = tokio::spawn(accept_loop(listener, io.clone()));
-    let sleep = tokio::time::sleep(Duration::ZERO);
-    tokio::pin!(sleep);
+    let result = drive(&io, notes, opts.metrics.as_ref()).await;
+    accept.abort();
+    io.close().await;
+    result?;
+    let stats = lock(&io.server).stats();
+    Ok(stats)
+}
+
+/// The server's main task: the scheduler's messages and the machine's deadlines, until
+/// the machine exits (frames from workers and servers are stepped by their readers).
+async fn drive(
+    io: &Arc<Io>,
+    mut notes: tokio::sync::mpsc::UnboundedReceiver<Message>,
+    metrics: Option<&Arc<ServerMetrics>>,
+) -> Result<()> {
+    let mut timer = Timer::new(io.clock);
     let mut attached = false;
     let mut scheduler_open = true;
-    let result = loop {
+    loop {
         if let Some(exit) = lock(&io.exit).take() {
-            break match exit {
+            return match exit {
                 Exit::Shutdown { .. } => Ok(()),
                 Exit::Failed { reason } => Err(RuntimeError::Protocol { peer: "scheduler".into(), what: reason }),
             };
         }
-        // Sleep until the state machine's next deadline.
         let deadline = lock(&io.server).poll_timeout();
         io.wake_us.store(deadline.unwrap_or(u64::MAX), Ordering::Relaxed);
-        if let Some(at) = deadline {
-            let now = io.clock.now();
-            sleep.as_mut().reset(tokio::time::Instant::now() + Duration::from_micros(at.saturating_sub(now)));
-        }
+        timer.arm(deadline);
         tokio::select! {
             note = notes.recv(), if scheduler_open => match note {
                 Some(msg) => {
@@ -191,10 +164,10 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
                 // server still finishes.
                 None => match io.sched.end().flatten() {
                     None => scheduler_open = false,
-                    Some(why) => break Err(RuntimeError::SchedulerLost(why)),
+                    Some(why) => return Err(RuntimeError::SchedulerLost(why)),
                 },
             },
-            () = &mut sleep, if deadline.is_some() => {
+            () = timer.fired() => {
                 let shaped = io.shaper.take_shaped_us();
                 lock(&io.server).charge(0, shaped);
                 io.step(Event::Timeout, false);
@@ -202,23 +175,82 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
             _ = io.rearm.notified() => {}
             _ = io.exited.notified() => {}
         }
-        if !attached && let (Some(m), Some(id)) = (&opts.metrics, lock(&io.server).id()) {
+        if !attached && let (Some(m), Some(id)) = (metrics, lock(&io.server).id()) {
             m.attach(id, Arc::new(Source(io.clone())));
             attached = true;
         }
-    };
-    accept.abort();
-    // Let the writer tasks deliver the last answers (Moved, Shutdown) first.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    if let Some(t) = &io.trace {
-        let _ = lock(t).flush();
     }
-    result?;
-    let stats = lock(&io.server).stats();
-    Ok(stats)
 }
 
 impl Io {
+    /// The server's shared state, its link to the scheduler open (the scheduler's own
+    /// messages come out of the returned channel).
+    async fn open(
+        opts: &ServerOptions,
+        data_addr: String,
+    ) -> Result<(Arc<Self>, tokio::sync::mpsc::UnboundedReceiver<Message>)> {
+        let trace = match &opts.trace {
+            Some(path) => Some(Mutex::new(std::io::BufWriter::new(
+                std::fs::File::create(path)
+                    .map_err(|e| RuntimeError::io(format!("creating trace {}", path.display()), e))?,
+            ))),
+            None => None,
+        };
+        // The reattach introduces the server with its blocks at the time (its state).
+        let me: Arc<OnceLock<Weak<Io>>> = Arc::default();
+        let reattach: Reattach = {
+            let (me, data_addr) = (me.clone(), data_addr.clone());
+            Box::new(move || {
+                let io = me.get()?.upgrade()?;
+                elasticps_node::scheduler::reattach_message(&lock(&io.server), &data_addr).map(Message::from)
+            })
+        };
+        let retry_us = u64::try_from(opts.scheduler_retry.as_micros()).unwrap_or(u64::MAX);
+        let config = SessionConfig { retry_us, heartbeats: true };
+        let (sched, notes) = SchedLink::connect(&opts.scheduler, opts.codec.clone(), config, reattach).await?;
+        let io = Arc::new(Io {
+            server: Mutex::new(
+                Server::new(data_addr)
+                    .with_trace(trace.is_some())
+                    .with_secret(opts.codec.secret())
+                    .with_max_clock_lead(opts.max_clock_lead)
+                    .with_max_payload(opts.codec.max_payload()),
+            ),
+            clock: Micros::new(),
+            codec: opts.codec.clone(),
+            frame_timeout: opts.frame_timeout,
+            shaper: Shaper::new(),
+            sched,
+            wake_us: AtomicU64::new(u64::MAX),
+            rearm: Notify::new(),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            links: Links::default(),
+            trace,
+            exit: Mutex::new(None),
+            exited: Notify::new(),
+        });
+        let _ = me.set(Arc::downgrade(&io));
+        Ok((io, notes))
+    }
+
+    /// Waits, bounded, for the last answers (`Moved`, `Shutdown`) to be in the sockets,
+    /// then flushes the trace.
+    async fn close(&self) {
+        let writers: Vec<_> = lock(&self.conns).values().map(|out| out.writer().clone()).collect();
+        let flushed = futures::future::join_all(writers.iter().map(|w| w.flushed()));
+        if tokio::time::timeout(LAST_WRITES_TIMEOUT, flushed).await.is_err() {
+            tracing::warn!(
+                connections = writers.len(),
+                timeout_s = LAST_WRITES_TIMEOUT.as_secs(),
+                "the server exits before its last answers were written"
+            );
+        }
+        if let Some(t) = &self.trace {
+            let _ = lock(t).flush();
+        }
+    }
+
     /// One event through the state machine; a data request's time is charged (and
     /// multiplied by the injected interference) before its answers go out.
     fn step(self: &Arc<Self>, ev: Event, data: bool) {
