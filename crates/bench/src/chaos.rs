@@ -251,17 +251,9 @@ async fn chaos(
     let job = JobArgs { rejoin_wait_s: 60.0, ..job_args(SERVERS, 2, 256) };
     let mut cluster = Cluster::new(log_dir)?;
     let addr = roles::scheduler(&mut cluster, &job, net, "chaos scheduler", &[]).await?;
-    // Server node -> its data address (chosen here, so that status rows map to processes).
-    let mut servers: BTreeMap<usize, String> = BTreeMap::new();
-    let mut spawned = 0;
-    let mut spawn_server = |cluster: &mut Cluster| -> crate::Result<(usize, String)> {
-        let listen = free_addr()?;
-        spawned += 1;
-        Ok((roles::server(cluster, &addr, &listen, net, &format!("chaos server {}", spawned - 1), &[])?, listen))
-    };
+    let mut servers = Servers { scheduler: addr.clone(), net, spawned: 0, by_node: BTreeMap::new() };
     for _ in 0..SERVERS {
-        let (node, listen) = spawn_server(&mut cluster)?;
-        servers.insert(node, listen);
+        servers.spawn(&mut cluster)?;
     }
     let mut status = StatusPoller { addr: addr.clone(), codec: net.codec(), peer: None };
 
@@ -269,18 +261,7 @@ async fn chaos(
         Arc::new(Shared { stop_at: AtomicU32::new(u32::MAX), die: AtomicU32::new(u32::MAX), ..Default::default() });
     let mut tasks: Vec<tokio::task::JoinHandle<crate::Result<WorkerEnd>>> =
         (0..WORKERS).map(|_| tokio::spawn(worker(addr.clone(), None, shared.clone()))).collect();
-
-    // Training runs: wait for every worker's first iterations.
-    let started = Instant::now();
-    while shared.iterations.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|v| v.len() >= 10).count()
-        < WORKERS as usize
-    {
-        if started.elapsed() > Duration::from_secs(60) {
-            return Err(BenchError::Failed("the workers did not run 10 iterations within 60 s".into()));
-        }
-        drain(&mut cluster);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_first_iterations(&shared, &mut cluster).await?;
     let t0 = Instant::now();
     let mut failures = Vec::new();
     let mut rng = seed;
@@ -298,78 +279,28 @@ async fn chaos(
             tasks.push(tokio::spawn(worker(addr.clone(), Some(WORKERS - 1), shared.clone())));
             failures.push(measure(&shared, "worker", None, at, None).await);
         }
-        // A random live server, by its status row.
-        let st = status.get().await?;
-        let live: Vec<(u32, String)> =
-            st.servers.iter().filter(|s| s.state == "serving").map(|s| (s.id, s.addr.clone())).collect();
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let Some((id, victim_addr)) = live.get((rng >> 33) as usize % live.len().max(1)).cloned() else {
-            return Err(BenchError::Failed("no server is serving".into()));
-        };
-        let Some((&node, _)) = servers.iter().find(|(_, a)| **a == victim_addr) else {
-            return Err(BenchError::Failed(format!("server {id} at {victim_addr} is not one this bench started")));
-        };
-        let at = Instant::now();
-        cluster.kill(node);
-        servers.remove(&node);
-        let (again, listen) = spawn_server(&mut cluster)?;
-        servers.insert(again, listen);
-        let mut detected = None;
-        while detected.is_none() && at.elapsed() < Duration::from_secs(30) {
-            let st = status.get().await?;
-            if st.servers.iter().any(|s| s.id == id && s.state == "gone") {
-                detected = Some(at.elapsed());
-            }
-            drain(&mut cluster);
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        let detected = detected.ok_or_else(|| BenchError::Failed(format!("server {id}'s loss not seen in 30 s")))?;
-        failures.push(measure(&shared, "server", Some(id), at, Some(detected)).await);
-        let f = failures.last().expect("just pushed");
+        let f = kill_a_server(&mut cluster, &mut servers, &mut status, &shared, rng >> 33).await?;
         println!(
             "  {:>5.1} s: {} {} killed: detected in {:.0} ms, every worker iterates again after {:.0} ms, spike {:.0} ms ({:.1}x)",
             f.at_s,
             f.kind,
-            id,
+            f.server.unwrap_or_default(),
             f.detection_ms.unwrap_or(0.0),
             f.recovery_ms,
             f.spike_ms,
             f.spike_ratio
         );
+        failures.push(f);
     }
     // The end: every worker stops at the same clock, a few after the latest.
     let latest = shared.acked.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(_, t)| *t).max().unwrap_or(0);
     shared.stop_at.store(latest + 5, Ordering::SeqCst);
-    let mut finals = BTreeMap::new();
-    for t in tasks {
-        let joined = tokio::select! {
-            r = tokio::time::timeout(Duration::from_secs(120), t) => r,
-            () = sleep_draining(&mut cluster, Duration::from_secs(120)) => {
-                return Err(BenchError::Failed("the workers did not finish".into()));
-            }
-        };
-        match joined?? {
-            Ok((rank, Some(params))) => {
-                finals.insert(rank, params);
-            }
-            Ok((_, None)) => {}
-            Err(e) => return Err(e),
-        }
-    }
+    let finals = join_workers(tasks, &mut cluster).await?;
     cluster.stop(Duration::from_secs(10)).await;
 
     let acked = shared.acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let expected: Vec<Vec<f32>> = (0..4)
-        .map(|k| {
-            let mut v = vec![0.0f32; LEN];
-            for (rank, t) in &acked {
-                for (x, g) in v.iter_mut().zip(gradient(*rank, *t, k)) {
-                    *x -= g;
-                }
-            }
-            v
-        })
-        .collect();
+    let expected = expected_values(&acked);
     let exact = finals.len() == WORKERS as usize && finals.values().all(|p| *p == expected);
     let iterations = (0..WORKERS).map(|r| acked.iter().filter(|(rank, _)| *rank == r).count() as u32).collect();
     let median_iteration_ms = median_before(&shared, t0).as_secs_f64() * 1e3;
@@ -382,6 +313,115 @@ async fn chaos(
         push_16mib_r2_ms: 0.0,
         replicas_cost: 0.0,
     })
+}
+
+/// The chaos run's servers: started here with addresses chosen here, so that status
+/// rows map to processes.
+struct Servers<'a> {
+    scheduler: String,
+    net: &'a NetArgs,
+    spawned: usize,
+    /// Server process (cluster node) -> its data address.
+    by_node: BTreeMap<usize, String>,
+}
+
+impl Servers<'_> {
+    /// Starts one more server.
+    fn spawn(&mut self, cluster: &mut Cluster) -> crate::Result<()> {
+        let listen = free_addr()?;
+        let name = format!("chaos server {}", self.spawned);
+        self.spawned += 1;
+        let node = roles::server(cluster, &self.scheduler, &listen, self.net, &name, &[])?;
+        self.by_node.insert(node, listen);
+        Ok(())
+    }
+}
+
+/// Training runs: waits (at most 60 s) for every worker's first 10 iterations.
+async fn wait_for_first_iterations(shared: &Shared, cluster: &mut Cluster) -> crate::Result<()> {
+    let started = Instant::now();
+    while shared.iterations.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|v| v.len() >= 10).count()
+        < WORKERS as usize
+    {
+        if started.elapsed() > Duration::from_secs(60) {
+            return Err(BenchError::Failed("the workers did not run 10 iterations within 60 s".into()));
+        }
+        drain(cluster);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// Kills the live server that `pick` chooses among the serving ones (by its status row),
+/// starts a fresh one, and measures the failure once the scheduler saw it gone.
+async fn kill_a_server(
+    cluster: &mut Cluster,
+    servers: &mut Servers<'_>,
+    status: &mut StatusPoller,
+    shared: &Shared,
+    pick: u64,
+) -> crate::Result<Failure> {
+    let st = status.get().await?;
+    let live: Vec<(u32, String)> =
+        st.servers.iter().filter(|s| s.state == "serving").map(|s| (s.id, s.addr.clone())).collect();
+    let Some((id, victim_addr)) = live.get(pick as usize % live.len().max(1)).cloned() else {
+        return Err(BenchError::Failed("no server is serving".into()));
+    };
+    let Some((&node, _)) = servers.by_node.iter().find(|(_, a)| **a == victim_addr) else {
+        return Err(BenchError::Failed(format!("server {id} at {victim_addr} is not one this bench started")));
+    };
+    let at = Instant::now();
+    cluster.kill(node);
+    servers.by_node.remove(&node);
+    servers.spawn(cluster)?;
+    let mut detected = None;
+    while detected.is_none() && at.elapsed() < Duration::from_secs(30) {
+        let st = status.get().await?;
+        if st.servers.iter().any(|s| s.id == id && s.state == "gone") {
+            detected = Some(at.elapsed());
+        }
+        drain(cluster);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let detected = detected.ok_or_else(|| BenchError::Failed(format!("server {id}'s loss not seen in 30 s")))?;
+    Ok(measure(shared, "server", Some(id), at, Some(detected)).await)
+}
+
+/// Waits (at most 120 s) for every worker task; the final values of those that ran to
+/// the end, by rank.
+async fn join_workers(
+    tasks: Vec<tokio::task::JoinHandle<crate::Result<WorkerEnd>>>,
+    cluster: &mut Cluster,
+) -> crate::Result<BTreeMap<u32, Vec<Vec<f32>>>> {
+    let mut finals = BTreeMap::new();
+    for t in tasks {
+        let joined = tokio::select! {
+            r = tokio::time::timeout(Duration::from_secs(120), t) => r,
+            () = sleep_draining(cluster, Duration::from_secs(120)) => {
+                return Err(BenchError::Failed("the workers did not finish".into()));
+            }
+        };
+        if let (rank, Some(params)) = joined??? {
+            finals.insert(rank, params);
+        }
+    }
+    Ok(finals)
+}
+
+/// What every tensor must hold after exactly the acknowledged pushes (SGD with lr 1 from
+/// zero: minus the sum of their gradients).
+fn expected_values(acked: &[(u32, u32)]) -> Vec<Vec<f32>> {
+    (0..4)
+        .map(|k| {
+            let mut v = vec![0.0f32; LEN];
+            for (rank, t) in acked {
+                for (x, g) in v.iter_mut().zip(gradient(*rank, *t, k)) {
+                    *x -= g;
+                }
+            }
+            v
+        })
+        .collect()
 }
 
 /// The cost of a failure at `at`: when every worker iterated again, and the longest

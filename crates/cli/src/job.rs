@@ -26,6 +26,77 @@ enum Workload {
     Synthetic { grads: GradientSource },
 }
 
+impl Workload {
+    /// The worker's workload and how many iterations it runs: the MLP on this rank's
+    /// shard of `data` (every worker runs as many iterations as the smallest shard
+    /// feeds), or the synthetic profile's gradients.
+    fn new(
+        d: &DataArgs,
+        data: Option<(Dataset, Dataset)>,
+        tensors: &[elasticps_core::model::TensorSpec],
+        rank: u32,
+        world: u32,
+    ) -> anyhow::Result<(Self, u32)> {
+        Ok(match data {
+            Some((train, test)) => {
+                let per_worker = train.len() / world as usize;
+                anyhow::ensure!(per_worker > 0, "{} training examples cannot feed {world} workers", train.len());
+                let full_batches = (per_worker / d.batch_size).max(1);
+                let iterations = d.iterations.unwrap_or((d.epochs * full_batches) as u32);
+                let batches = Batcher::new(
+                    train.shard(rank as usize, world as usize),
+                    d.batch_size,
+                    d.data_seed + u64::from(rank),
+                )?;
+                (Workload::Mlp { mlp: Mlp::default(), batches, test }, iterations)
+            }
+            None => {
+                let grads = GradientSource::new(tensors, d.data_seed + u64::from(rank));
+                (Workload::Synthetic { grads }, d.iterations.unwrap_or(200))
+            }
+        })
+    }
+
+    /// Iteration `t`'s gradient on `params` into `grads`, its compute time and straggler
+    /// delay spent; returns the samples it took and its loss. Rank 0 evaluates the MLP
+    /// every `--eval-every` iterations first.
+    #[allow(clippy::too_many_arguments)]
+    async fn gradient(
+        &mut self,
+        d: &DataArgs,
+        t: u32,
+        rank: u32,
+        params: &[Vec<f32>],
+        grads: &mut [Vec<f32>],
+        draw: elasticps_train::Draw,
+        emitter: &Emitter,
+    ) -> (u64, f32) {
+        match self {
+            Workload::Mlp { mlp, batches, test } => {
+                if rank == 0 && d.eval_every > 0 && t.is_multiple_of(d.eval_every) {
+                    let e = mlp.evaluate(&as_slices(params), test);
+                    tracing::info!(rank, iteration = t, accuracy = e.accuracy, loss = e.loss, "test evaluation");
+                    emitter.emit(&Event::Eval { rank, iteration: t, accuracy: e.accuracy, loss: e.loss });
+                }
+                let batch = next_full_batch(batches);
+                let samples = batch.y.len() as u64;
+                let loss = mlp.loss_and_grad_into(&as_slices(params), batch.x, batch.y, grads);
+                if draw.delay_ms > 0.0 {
+                    tokio::time::sleep(Duration::from_secs_f64(draw.delay_ms / 1e3)).await;
+                }
+                (samples, loss)
+            }
+            Workload::Synthetic { grads: source } => {
+                source.next(grads);
+                // Compute time as a sleep (like a GPU step: it does not load the CPU),
+                // with +-10% seeded jitter, and the straggler delays in the same sleep.
+                tokio::time::sleep(Duration::from_secs_f64((draw.compute_ms + draw.delay_ms) / 1e3)).await;
+                (d.batch_size as u64, 0.0)
+            }
+        }
+    }
+}
+
 /// Runs one worker's whole job against the scheduler at `scheduler`.
 pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Emitter) -> anyhow::Result<()> {
     anyhow::ensure!(d.batch_size > 0, "--batch-size must be at least 1");
@@ -44,22 +115,7 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
     // 0, or the clock of the checkpoint the job resumed from.
     let start = client.start_clock().await.context("asking the scheduler for the first clock")?;
 
-    let (mut work, iterations) = match data {
-        Some((train, test)) => {
-            // Every worker runs the same number of iterations, from the smallest shard.
-            let per_worker = train.len() / world as usize;
-            anyhow::ensure!(per_worker > 0, "{} training examples cannot feed {world} workers", train.len());
-            let full_batches = (per_worker / d.batch_size).max(1);
-            let iterations = d.iterations.unwrap_or((d.epochs * full_batches) as u32);
-            let batches =
-                Batcher::new(train.shard(rank as usize, world as usize), d.batch_size, d.data_seed + u64::from(rank))?;
-            (Workload::Mlp { mlp: Mlp::default(), batches, test }, iterations)
-        }
-        None => {
-            let grads = GradientSource::new(&tensors, d.data_seed + u64::from(rank));
-            (Workload::Synthetic { grads }, d.iterations.unwrap_or(200))
-        }
-    };
+    let (mut work, iterations) = Workload::new(d, data, &tensors, rank, world)?;
     // The compute time and the straggler delays of every iteration, as the sim draws them.
     let mut delays = d.delays(rank)?;
 
@@ -83,29 +139,9 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
     stats.start();
     for t in start..iterations {
         let draw = delays.next(t);
-        match &mut work {
-            Workload::Mlp { mlp, batches, test } => {
-                if rank == 0 && d.eval_every > 0 && t % d.eval_every == 0 {
-                    let e = mlp.evaluate(&as_slices(&params), test);
-                    tracing::info!(rank, iteration = t, accuracy = e.accuracy, loss = e.loss, "test evaluation");
-                    emitter.emit(&Event::Eval { rank, iteration: t, accuracy: e.accuracy, loss: e.loss });
-                }
-                let batch = next_full_batch(batches);
-                samples += batch.y.len() as u64;
-                loss = mlp.loss_and_grad_into(&as_slices(&params), batch.x, batch.y, &mut grads);
-            }
-            Workload::Synthetic { grads: source } => {
-                source.next(&mut grads);
-                samples += d.batch_size as u64;
-                loss = 0.0;
-                // Compute time as a sleep (like a GPU step: it does not load the CPU),
-                // with +-10% seeded jitter, and the straggler delays in the same sleep.
-                tokio::time::sleep(Duration::from_secs_f64((draw.compute_ms + draw.delay_ms) / 1e3)).await;
-            }
-        }
-        if matches!(work, Workload::Mlp { .. }) && draw.delay_ms > 0.0 {
-            tokio::time::sleep(Duration::from_secs_f64(draw.delay_ms / 1e3)).await;
-        }
+        let (n, l) = work.gradient(d, t, rank, &params, &mut grads, draw, &emitter).await;
+        samples += n;
+        loss = l;
         let comm = Instant::now();
         // The last iteration of worker 0 also pulls the final model (clock `iterations`).
         if t + 1 < iterations || rank == 0 {
