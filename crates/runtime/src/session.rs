@@ -21,6 +21,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::Micros;
 use crate::conn::{self, Outbox};
 use crate::error::{Result, RuntimeError};
+use crate::timer::Timer;
+use elasticps_node::Machine;
 
 /// How long a node retries a lost scheduler by default (`--scheduler-retry-s`).
 pub const DEFAULT_SCHEDULER_RETRY: Duration = Duration::from_secs(60);
@@ -80,7 +82,7 @@ impl SchedLink {
             dialling: None,
             waiters: HashMap::new(),
             notes: notes_tx,
-            clock: Micros::new(),
+            timer: Timer::new(Micros::new()),
         };
         let task = tokio::spawn(driver.run(cmd_rx, ended_tx));
         let link = SchedLink { cmds, ended, next_id: Arc::new(AtomicU64::new(1)), driver: task.abort_handle() };
@@ -185,20 +187,14 @@ struct Driver {
     /// The node's calls waiting for their answers, by request id.
     waiters: HashMap<u64, oneshot::Sender<Message>>,
     notes: mpsc::UnboundedSender<Message>,
-    clock: Micros,
+    timer: Timer,
 }
 
 impl Driver {
     async fn run(mut self, mut cmds: mpsc::UnboundedReceiver<Command>, ended: watch::Sender<Ended>) {
-        let sleep = tokio::time::sleep(Duration::ZERO);
-        tokio::pin!(sleep);
         let mut actions = Vec::new();
         loop {
-            let wake = self.session.poll_timeout();
-            if let Some(at) = wake {
-                let now = self.clock.now();
-                sleep.as_mut().reset(tokio::time::Instant::now() + Duration::from_micros(at.saturating_sub(now)));
-            }
+            self.timer.arm(self.session.poll_timeout());
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     // Every handle on the link is gone: the node is done with it.
@@ -243,7 +239,7 @@ impl Driver {
                         }
                     }
                 }
-                () = &mut sleep, if wake.is_some() => self.step(Event::Timeout, &mut actions),
+                () = self.timer.fired() => self.step(Event::Timeout, &mut actions),
             }
             for action in actions.drain(..) {
                 match action {
@@ -269,8 +265,7 @@ impl Driver {
     }
 
     fn step(&mut self, event: Event<'_>, actions: &mut Vec<Action>) {
-        let now = self.clock.now();
-        self.session.handle_into(now, event, actions);
+        Machine::handle(&mut self.session, self.timer.now_us(), event, actions);
     }
 }
 
