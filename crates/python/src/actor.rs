@@ -99,14 +99,33 @@ pub async fn run(
     opts: ClientOptions,
     _metrics: Option<MetricsEndpoint>,
     ready: Reply<Joined>,
-    mut rx: mpsc::UnboundedReceiver<Cmd>,
+    rx: mpsc::UnboundedReceiver<Cmd>,
 ) {
+    let Some(client) = join(opts, ready).await else { return };
+    let mut actor = Actor { client, stats: RunStats::default(), rx, next: None };
+    while let Some(cmd) = actor.next_cmd().await {
+        if let Some(done) = actor.execute(cmd).await {
+            let Actor { client, mut stats, .. } = actor;
+            let rank = client.rank();
+            let r = client.finish().await;
+            stats.finish(rank);
+            let _ = done.send(r.map(|()| stats).map_err(|e| format!("elasticps: finish failed: {e}")));
+            return;
+        }
+    }
+    // Every handle is gone without finish(): leave the job as a finished worker would.
+    let _ = actor.client.finish().await;
+}
+
+/// Joins the job and tells Python (through `ready`) the worker's rank, the number of
+/// workers and the first clock; `None` (Python told why) if it could not.
+async fn join(opts: ClientOptions, ready: Reply<Joined>) -> Option<Client> {
     let scheduler = opts.scheduler.clone();
     let mut client = match Client::connect(opts).await {
         Ok(c) => c,
         Err(e) => {
             let _ = ready.send(Err(cannot_join(&scheduler, &e)));
-            return;
+            return None;
         }
     };
     let start_clock = match client.start_clock().await {
@@ -114,20 +133,35 @@ pub async fn run(
         Err(e) => {
             let _ = ready.send(Err(format!("elasticps: cannot ask the scheduler for the job's first clock: {e}")));
             let _ = client.finish().await;
-            return;
+            return None;
         }
     };
     let _ = ready.send(Ok(Joined { rank: client.rank(), size: client.num_workers(), start_clock }));
-    let mut stats = RunStats::default();
-    let mut next: Option<Cmd> = None;
-    loop {
-        let cmd = match next.take() {
-            Some(c) => c,
-            None => match rx.recv().await {
-                Some(c) => c,
-                None => break,
-            },
-        };
+    Some(client)
+}
+
+/// The task's state: the client, the run's numbers, the commands, and one command taken
+/// off the queue while gathering pushes that did not belong to them.
+struct Actor {
+    client: Client,
+    stats: RunStats,
+    rx: mpsc::UnboundedReceiver<Cmd>,
+    next: Option<Cmd>,
+}
+
+impl Actor {
+    /// The next command; `None` once every sender is gone.
+    async fn next_cmd(&mut self) -> Option<Cmd> {
+        match self.next.take() {
+            Some(c) => Some(c),
+            None => self.rx.recv().await,
+        }
+    }
+
+    /// Carries out one command and replies to it; `Finish` is handed back (its reply),
+    /// for [`run`] to end the client with.
+    async fn execute(&mut self, cmd: Cmd) -> Option<Reply<RunStats>> {
+        let client = &mut self.client;
         match cmd {
             // A command Python cancelled while it was queued (Ctrl-C) never runs; one that
             // runs is dropped, with every borrow of its arrays, when Python asks it to
@@ -146,7 +180,7 @@ pub async fn run(
             Cmd::PullRows { clock, table, ids, ticket, done } => {
                 let what = format!("pull_rows(clock {clock}) of table {table}");
                 let r = tokio::select! {
-                    r = pull_rows(&mut client, clock, table, &ids) => r,
+                    r = pull_rows(client, clock, table, &ids) => r,
                     () = ticket.stopped() => Err(cancel::interrupted(&what)),
                 };
                 let _ = done.send(r.map_err(|e| format!("elasticps: worker {} {what} failed: {e}", client.rank())));
@@ -163,12 +197,12 @@ pub async fn run(
                     } => r.map_err(|e| e.to_string()),
                     () = ticket.stopped() => Err(cancel::interrupted(&what)),
                 };
-                stats.tally.communicated(started.elapsed(), &client.last_waits().per_server);
+                self.stats.tally.communicated(started.elapsed(), &client.last_waits().per_server);
                 let _ = done.send(r.map_err(|e| format!("elasticps: worker {} {what} failed: {e}", client.rank())));
             }
             Cmd::Register { tensors, optimizers, tables, init, start, pull, keep, ticket, done } => {
                 let r = tokio::select! {
-                    r = register(&mut client, tensors, optimizers, tables, &init, start, &pull) => {
+                    r = register(client, tensors, optimizers, tables, &init, start, &pull) => {
                         r.map_err(|e| format!("elasticps: register_model failed: {e}"))
                     }
                     () = ticket.stopped() => Err(cancel::interrupted("register_model")),
@@ -177,53 +211,27 @@ pub async fn run(
                 let _ = done.send(r);
             }
             Cmd::Round { push: Some((clock, grads)), pull: None, keep, ticket, done } => {
-                // Gather the pushes queued right behind this one (same clock, other tensors).
-                let mut grads = grads;
-                let mut keeps = vec![keep];
-                let mut tickets = vec![ticket];
-                let mut dones = vec![done];
-                let mut tensors: BTreeSet<usize> = grads.iter().map(|(t, _)| *t).collect();
-                while let Ok(more) = rx.try_recv() {
-                    match more {
-                        Cmd::Round { push: Some((c, g)), pull: None, keep, ticket, done }
-                            if c == clock && g.iter().all(|(t, _)| !tensors.contains(t)) =>
-                        {
-                            if !ticket.start() {
-                                drop(keep);
-                                let _ = done.send(Err(cancel::interrupted(&format!("push(clock {c})"))));
-                                continue;
-                            }
-                            tensors.extend(g.iter().map(|(t, _)| *t));
-                            grads.extend(g);
-                            keeps.push(keep);
-                            tickets.push(ticket);
-                            dones.push(done);
-                        }
-                        other => {
-                            next = Some(other);
-                            break;
-                        }
-                    }
-                }
-                // Ctrl-C in any wait of the batch stops all of it (they share one round).
-                let r = tokio::select! {
-                    r = round(&mut client, &mut stats, Some((clock, grads)), None) => r,
-                    () = cancel::any_stopped(&tickets) => Err(cancel::interrupted(&format!("push(clock {clock})"))),
-                };
-                drop(keeps);
-                for done in dones {
-                    let _ = done.send(r.clone());
-                }
+                self.pushes(clock, grads, keep, ticket, done).await;
             }
             Cmd::Round { push, pull, keep, ticket, done } => {
                 let what = what(push.as_ref().map(|(c, _)| *c), pull.as_ref().map(|(c, _)| *c));
                 let r = tokio::select! {
-                    r = round(&mut client, &mut stats, push, pull) => r,
+                    r = round(client, &mut self.stats, push, pull) => r,
                     () = ticket.stopped() => Err(cancel::interrupted(&what)),
                 };
                 drop(keep);
                 let _ = done.send(r);
             }
+            Cmd::Finish { done } => return Some(done),
+            other => self.control(other).await,
+        }
+        None
+    }
+
+    /// The commands that only talk to the servers' or the scheduler's control path.
+    async fn control(&mut self, cmd: Cmd) {
+        let client = &mut self.client;
+        match cmd {
             Cmd::SetOptimizer { tensor, optimizer, done } => {
                 let r = client.set_optimizer(tensor, optimizer).await;
                 let _ = done.send(r.map_err(|e| format!("elasticps: set_optimizer failed: {e}")));
@@ -243,17 +251,50 @@ pub async fn run(
             Cmd::Barrier { done } => {
                 let _ = done.send(client.barrier().await.map_err(|e| format!("elasticps: barrier failed: {e}")));
             }
-            Cmd::Finish { done } => {
-                let rank = client.rank();
-                let r = client.finish().await;
-                stats.finish(rank);
-                let _ = done.send(r.map(|()| stats).map_err(|e| format!("elasticps: finish failed: {e}")));
-                return;
-            }
+            _ => unreachable!("execute carries out the data path's commands and Finish"),
         }
     }
-    // Every handle is gone without finish(): leave the job as a finished worker would.
-    let _ = client.finish().await;
+
+    /// A push of `clock`, with the pushes queued right behind it (same clock, other
+    /// tensors) gathered into one round; every one of them gets the round's reply.
+    async fn pushes(&mut self, clock: Clock, grads: Vec<(usize, Src)>, keep: Keep, ticket: Ticket, done: Reply<()>) {
+        let mut grads = grads;
+        let mut keeps = vec![keep];
+        let mut tickets = vec![ticket];
+        let mut dones = vec![done];
+        let mut tensors: BTreeSet<usize> = grads.iter().map(|(t, _)| *t).collect();
+        while let Ok(more) = self.rx.try_recv() {
+            match more {
+                Cmd::Round { push: Some((c, g)), pull: None, keep, ticket, done }
+                    if c == clock && g.iter().all(|(t, _)| !tensors.contains(t)) =>
+                {
+                    if !ticket.start() {
+                        drop(keep);
+                        let _ = done.send(Err(cancel::interrupted(&format!("push(clock {c})"))));
+                        continue;
+                    }
+                    tensors.extend(g.iter().map(|(t, _)| *t));
+                    grads.extend(g);
+                    keeps.push(keep);
+                    tickets.push(ticket);
+                    dones.push(done);
+                }
+                other => {
+                    self.next = Some(other);
+                    break;
+                }
+            }
+        }
+        // Ctrl-C in any wait of the batch stops all of it (they share one round).
+        let r = tokio::select! {
+            r = round(&mut self.client, &mut self.stats, Some((clock, grads)), None) => r,
+            () = cancel::any_stopped(&tickets) => Err(cancel::interrupted(&format!("push(clock {clock})"))),
+        };
+        drop(keeps);
+        for done in dones {
+            let _ = done.send(r.clone());
+        }
+    }
 }
 
 async fn register(
