@@ -1846,13 +1846,13 @@ fn a_silent_host_lost_at_clock_2_fails_over_and_no_worker_waits_for_it() {
     assert_eq!(lose_host(&c, host), Ok(true));
 }
 
-/// Found by the host proptest (its seed, taken out of the regressions file to keep the
-/// suite green): under asp, a silent host's worker restarted before the failover was
-/// detected rejoins at clock 0 (the lost server's blocks give no clock); the value of
-/// block 0 then matches no exactly-once history of rank 0's two lives. Not fixed
-/// (issue 33, left for the quorum/rejoin rules).
+/// Found by the host proptest (seed kept): under asp, a silent host's worker restarted
+/// before the failover was detected rejoined at clock 0: the lost primary never answered
+/// `AddWorker` and the backup, answering for the blocks it owned (none), gave no clock; its
+/// promoted copy then dropped the new life's pushes as duplicates of clocks the first life
+/// never pushed. The scheduler now asks the servers again once the failover promoted them
+/// (`scheduler::membership`), and the worker goes on past every clock its blocks hold.
 #[test]
-#[ignore = "a rejoin that races a failover under asp: not exactly once (issue 33, open)"]
 fn an_asp_worker_restarted_before_its_hosts_failover_is_detected_pushes_each_clock_once() {
     let c = Case {
         seed: 13609043084709450473,

@@ -20,8 +20,9 @@ pub const REGISTER_WITHIN_US: u64 = 10_000_000;
 pub(super) struct Rejoin {
     pub(super) conn: ConnId,
     request_id: u64,
-    /// Servers (by id) that have not answered `AddWorker` yet.
-    waiting: BTreeSet<u32>,
+    /// Servers (by id) asked to take the rank back, with how many of their answers
+    /// (`WorkerAdded`) are still to come.
+    waiting: BTreeMap<u32, u32>,
     /// The largest next clock they answered (`None` before one with a block answered).
     clock: Option<u32>,
 }
@@ -311,9 +312,9 @@ impl Scheduler {
             })
             .collect();
         tracing::info!(rank, servers = live.len(), "a restarted worker rejoins");
-        let mut waiting = BTreeSet::new();
+        let mut waiting = BTreeMap::new();
         for (id, server) in live {
-            waiting.insert(id);
+            waiting.insert(id, 1);
             out.push(Action::Send { conn: server, request_id: 0, msg: Control::AddWorker { rank }.into() });
         }
         self.rejoining.insert(rank, Rejoin { conn, request_id, waiting, clock: None });
@@ -325,7 +326,12 @@ impl Scheduler {
     /// to answer welcomes the worker.
     pub(super) fn worker_added(&mut self, rank: u32, server: u32, clock: u32, out: &mut Vec<Action>) {
         let Some(r) = self.rejoining.get_mut(&rank) else { return };
-        r.waiting.remove(&server);
+        if let btree_map::Entry::Occupied(mut left) = r.waiting.entry(server) {
+            *left.get_mut() -= 1;
+            if *left.get() == 0 {
+                left.remove();
+            }
+        }
         // A server with none of the blocks answers u32::MAX.
         if clock != u32::MAX {
             r.clock = r.clock.max(Some(clock));
@@ -363,17 +369,45 @@ impl Scheduler {
         self.maybe_end(out);
     }
 
+    /// The node on `conn` is lost (`why`): what follows from it, and the rejoins that
+    /// waited for it.
     pub(super) fn on_lost(&mut self, conn: ConnId, why: &str, out: &mut Vec<Action>) {
         let Some(node) = self.nodes.remove(&conn) else { return };
         let silent_us = self.now_us.saturating_sub(node.last_seen_us);
+        self.lose_node(node.role, why, silent_us, out);
         if let Role::Server(id) = node.role {
-            // A restarted worker waits for no server that left.
+            // A restarted worker waits for no server that left. Its blocks failed over to
+            // backups whose servers answered for the blocks they owned then, not for these
+            // copies: they are asked again (after the `Replicas` promoting them), so that
+            // its new life starts past every clock these blocks hold from its first.
             let ranks: Vec<u32> = self.rejoining.keys().copied().collect();
             for rank in ranks {
-                self.worker_added(rank, id, u32::MAX, out);
+                if let Some(r) = self.rejoining.get_mut(&rank) {
+                    r.waiting.remove(&id);
+                }
+                if self.config.replicas > 1 {
+                    self.ask_to_add(rank, out);
+                }
+                self.worker_added(rank, u32::MAX, u32::MAX, out);
             }
         }
-        match node.role {
+    }
+
+    /// Asks every live server (again) to take `rank` back ([`Control::AddWorker`]), and
+    /// waits for these answers too.
+    fn ask_to_add(&mut self, rank: u32, out: &mut Vec<Action>) {
+        let Some(r) = self.rejoining.get_mut(&rank) else { return };
+        for (conn, n) in self.nodes.iter() {
+            if let Role::Server(id) = n.role {
+                *r.waiting.entry(id).or_default() += 1;
+                out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::AddWorker { rank }.into() });
+            }
+        }
+    }
+
+    /// What follows from losing the node `role`, silent for `silent_us`.
+    fn lose_node(&mut self, role: Role, why: &str, silent_us: u64, out: &mut Vec<Action>) {
+        match role {
             Role::Server(id) if self.elastic.lost(id, self.now_us) => {
                 tracing::info!(server = id, %why, "a removed server left");
                 // Its backup copies (a drained server backs up blocks it does not own).
@@ -513,6 +547,27 @@ mod tests {
         assert!(refused(&recv(&mut m, 6, 1, Control::RejoinWorker { rank: 0 }), 6), "rank 0 finished");
         let a = recv(&mut m, 5, 5, Control::WorkerDone { rank: 1 });
         assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })), "{a:?}");
+    }
+
+    #[test]
+    fn a_rejoin_waiting_for_a_lost_primary_asks_the_promoted_backup_again_for_its_clock() {
+        // Replicas 2: block 0 on server 0 backed up on server 1, block 1 the other way.
+        let mut m = running(JobConfig { replicas: 2, ..config() }, 8);
+        step(&mut m, Event::Lost { conn: 2, why: "closed".into() });
+        recv(&mut m, 5, 1, Control::RejoinWorker { rank: 1 });
+        // Server 1 answers for the block it owns; server 0 (silent) is lost before it answers.
+        assert!(recv(&mut m, 11, 0, Control::WorkerAdded { rank: 1, clock: 2 }).is_empty());
+        let a = step(&mut m, Event::Lost { conn: 10, why: "no heartbeat".into() });
+        let to_11 = sent_to(&a, 11);
+        let promoted = to_11.iter().position(|m| matches!(m, Message::Control(Control::Replicas { .. })));
+        let asked = to_11.iter().position(|m| matches!(m, Message::Control(Control::AddWorker { rank: 1 })));
+        assert!(promoted.is_some_and(|p| asked.is_some_and(|q| p < q)), "asked again after its promotion: {a:?}");
+        assert!(sent_to(&a, 5).is_empty(), "no welcome before the promoted copy's clock is known: {a:?}");
+        // Its promoted copy holds 6 clocks of rank 1's first life: the new life starts there.
+        let a = recv(&mut m, 11, 0, Control::WorkerAdded { rank: 1, clock: 6 });
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::Welcome { node_id: 1, .. })]), "{a:?}");
+        let a = recv(&mut m, 5, 2, Control::GetStartClock);
+        assert!(matches!(sent_to(&a, 5)[..], [Message::Control(Control::StartClock { clock: 6 })]), "{a:?}");
     }
 
     #[test]
