@@ -646,6 +646,8 @@ impl WorkerRole {
                     if let Some(conn) = self.servers.remove(&id) {
                         out.close(conn);
                     }
+                    // Its Hello is never answered: nothing waits behind it any more.
+                    self.hellos.remove(&id);
                     self.hand(out, RoundEvent::ServerLost { server: id });
                 }
             }
