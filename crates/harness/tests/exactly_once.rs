@@ -864,7 +864,7 @@ fn crash_and_rejoin(case: &Case, crash_us: u64, victim: usize, host: Option<usiz
         sim.cluster_mut().crash(s, true);
     }
     sim.cluster_mut().crash(node, true);
-    let again = sim.restart_worker(rank, training(case)(rank));
+    sim.restart_worker(rank, training(case)(rank));
     let left = MAX_EVENTS.saturating_sub(sim.cluster().events());
     let Some(end) = sim.run(HORIZON_US, left) else {
         let stages: Vec<_> = sim.workers().map(|(_, w)| (w.rank(), w.stage().clone())).collect();
@@ -873,14 +873,32 @@ fn crash_and_rejoin(case: &Case, crash_us: u64, victim: usize, host: Option<usiz
     if !end.ok {
         return Err(format!("the job failed: {}", end.reason));
     }
-    for (n, w) in sim.workers().filter(|(n, _)| *n != node) {
+    check_rejoined(case, &sim, &[(node, rank)])?;
+    Ok(true)
+}
+
+/// The end of a job whose workers `restarted` ((old node, rank)) were killed and started
+/// again with their ranks, as a user checks it: every other worker ran every iteration,
+/// each restarted one from the clock it rejoined at to the end, no pull was answered
+/// against the sync policy's bound, and every block holds each rank's pushes once
+/// ([`rejoined_pushes_exact`]).
+fn check_rejoined(case: &Case, sim: &SimJob, restarted: &[(NodeId, u32)]) -> Result<(), String> {
+    let mut starts = Vec::new();
+    for (_, w) in sim.workers().filter(|(n, _)| !restarted.iter().any(|(old, _)| old == n)) {
+        let again = w.rank().filter(|r| restarted.iter().any(|(_, rank)| rank == r));
         let ran = w.record().iteration_ends_us.len() as u32;
-        let want = if n == again { case.iterations - w.start_clock().min(case.iterations) } else { case.iterations };
+        let want = match again {
+            Some(rank) => {
+                starts.push((rank, w.start_clock()));
+                case.iterations - w.start_clock().min(case.iterations)
+            }
+            None => case.iterations,
+        };
         if *w.stage() != Stage::Done || ran != want {
             return Err(format!(
                 "worker {:?} (restarted: {}) ended {:?} after {ran} of {want} iterations",
                 w.rank(),
-                n == again,
+                again.is_some(),
                 w.stage()
             ));
         }
@@ -890,38 +908,41 @@ fn crash_and_rejoin(case: &Case, crash_us: u64, victim: usize, host: Option<usiz
             return Err(format!("pulls answered against the bound: {:?}", s.violations()));
         }
     }
-    let start = sim.workers().find(|(n, _)| *n == again).map_or(0, |(_, w)| w.start_clock());
-    rejoined_pushes_exact(case, &sim, rank, start)?;
-    Ok(true)
+    rejoined_pushes_exact(case, sim, &starts)
 }
 
-/// Every block holds the restarted `rank`'s pushes exactly once: a prefix of its first
+/// Every block holds each restarted rank's pushes exactly once: a prefix of its first
 /// life's clocks (it may have died with a round half sent, so blocks may differ there)
-/// and every clock of its second life, from `start` on, on every block alike. Checked
-/// for SGD applied push by push (aggregate steps depend on who was in the quorum).
-fn rejoined_pushes_exact(case: &Case, sim: &SimJob, rank: u32, start: Clock) -> Result<(), String> {
+/// and every clock of its second life, from its `start` on, on every block alike; every
+/// other rank's every clock. `restarted`: (rank, start). Checked for SGD applied push by
+/// push (aggregate steps depend on who was in the quorum).
+fn rejoined_pushes_exact(case: &Case, sim: &SimJob, restarted: &[(u32, Clock)]) -> Result<(), String> {
     if case.aggregate {
         return Ok(());
     }
     let placement = sim.cluster().scheduler().placement().ok_or("the scheduler placed no model")?;
+    let again = |r: u32| restarted.iter().any(|(rank, _)| *rank == r);
     for b in 0..case.blocks() {
         let Some(owner) = placement.owner(b) else { continue };
         let served = sim.servers().filter_map(|(_, r)| r.server()).find(|s| s.id() == Some(owner));
         let Some(Slot::Owned(o)) = served.and_then(|s| s.slot(b)) else { continue };
         let others: f32 = (0..case.workers)
-            .filter(|r| *r != rank)
+            .filter(|r| !again(*r))
             .flat_map(|r| (0..case.iterations).map(move |t| grad(r, t, b)))
             .sum();
-        let second: f32 = (start..case.iterations).map(|t| grad(rank, t, b)).sum();
+        let second: f32 =
+            restarted.iter().flat_map(|(rank, start)| (*start..case.iterations).map(|t| grad(*rank, t, b))).sum();
+        // Every sum of one prefix of each restarted rank's first life.
+        let mut firsts = vec![0.0f32];
+        for (rank, start) in restarted {
+            let prefixes: Vec<f32> = (0..=*start).map(|k| (0..k).map(|t| grad(*rank, t, b)).sum()).collect();
+            firsts = firsts.iter().flat_map(|f| prefixes.iter().map(move |p| f + p)).collect();
+        }
         let got = o.block.values()[0];
-        let fits = (0..=start).any(|k| {
-            let first: f32 = (0..k).map(|t| grad(rank, t, b)).sum();
-            got == -(others + first + second)
-        });
-        if !fits {
+        if !firsts.iter().any(|first| got == -(others + first + second)) {
             return Err(format!(
-                "block {b} holds {got}: not the other workers' pushes, a prefix of rank {rank}'s first life \
-                 and its every clock from {start} on, each once"
+                "block {b} holds {got}: not the other workers' pushes, a prefix of the first life of each of \
+                 {restarted:?} (rank, start) and its every clock from its start on, each once"
             ));
         }
     }
@@ -1715,7 +1736,7 @@ fn a_scheduler_restarted_between_split_block_and_split_done_lets_the_hot_row_job
     assert!(splits >= 1, "{splits} splits");
 }
 
-// ---- a host lost early (issue 33) ------------------------------------------------------
+// ---- a host lost at any moment (issue 33) ----------------------------------------------
 
 /// A host of the job: one worker and one server (by spawn order), lost together.
 #[derive(Clone, Copy, Debug)]
@@ -1724,19 +1745,101 @@ pub struct Host {
     pub worker: usize,
     /// The server on it (by spawn order).
     pub server: usize,
-    /// The clock the host's worker is at when the host is lost (its iterations done).
+    /// The clock the host's worker is at when the host is lost (its iterations done), or
+    /// from which on the host waits for its [`Moment`].
     pub at_clock: u32,
     /// The host's link goes down with it: its peers see no close, only silence.
     pub silent: bool,
     /// How long after the loss its worker is started again elsewhere, µs.
     pub restart_after_us: u64,
+    /// What the job is doing when the host is lost.
+    pub moment: Moment,
 }
 
-/// Runs `case` (with `--replicas 2`, the scheduler waiting for the restarted worker) until
-/// `host`'s worker finished `host.at_clock` iterations, loses the host (its worker and its
-/// server at once, as a kill -9 of its namespace does), starts the worker again elsewhere
-/// `host.restart_after_us` later with its rank, and checks the job as
-/// [`crash_and_rejoin`] does. `Ok(false)` if the host's nodes were not running then.
+/// What the job is doing when a host is lost (seen in the machines' state, event by event,
+/// once the host's worker reached [`Host::at_clock`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Moment {
+    /// Nothing in particular: at once.
+    Clock,
+    /// A block migrates: the host's server is its old owner (`Host::server` even) or its
+    /// new one (odd).
+    Migrating,
+    /// Another worker, killed and restarted, rejoins: the scheduler waits for the servers
+    /// to take its rank back (the host's server among them).
+    Rejoining,
+    /// A checkpoint is under way: a server wrote the state of a clock whose manifest the
+    /// scheduler has not completed (a job without checkpoints: at once).
+    Checkpointing,
+}
+
+fn moment() -> impl Strategy<Value = Moment> {
+    prop_oneof![Just(Moment::Clock), Just(Moment::Migrating), Just(Moment::Rejoining), Just(Moment::Checkpointing)]
+}
+
+/// Runs `sim` one delivery at a time until `seen` holds (true) or the job ends or the
+/// event budget is used up (false).
+fn run_until(sim: &mut SimJob, mut seen: impl FnMut(&SimJob) -> bool) -> bool {
+    while !seen(sim) {
+        if sim.run(HORIZON_US, 1).is_some() || sim.cluster().events() >= MAX_EVENTS {
+            return false;
+        }
+    }
+    true
+}
+
+/// Whether worker `node` runs an iteration (registered, not done).
+fn training_now(sim: &SimJob, node: NodeId) -> bool {
+    sim.workers().any(|(n, w)| n == node && matches!(w.stage(), Stage::Computing(_) | Stage::Communicating(_)))
+}
+
+/// Waits for `host.moment` and returns the server node lost with the host, or `None` if
+/// the moment never came. With [`Moment::Rejoining`], the worker killed and restarted
+/// first is added to `restarted` as (its old node, its rank).
+fn reach_moment(case: &Case, sim: &mut SimJob, host: Host, restarted: &mut Vec<(NodeId, u32)>) -> Option<NodeId> {
+    let nth = |sim: &SimJob, i: usize| sim.servers().nth(i).map(|(n, _)| n);
+    match host.moment {
+        Moment::Clock => nth(sim, host.server),
+        Moment::Checkpointing if case.checkpoint_every == 0 => nth(sim, host.server),
+        Moment::Migrating => {
+            let migrating = |sim: &SimJob| migration_in(sim, Step::Snapshot).or_else(|| migration_in(sim, Step::Delta));
+            if !run_until(sim, |sim| migrating(sim).is_some()) {
+                return None;
+            }
+            let (from, to, _) = migrating(sim)?;
+            Some(if host.server.is_multiple_of(2) { from } else { to })
+        }
+        Moment::Checkpointing => {
+            let under_way = |sim: &SimJob| {
+                let completed = sim.cluster().scheduler_role().manifests().last().map_or(0, |(c, _)| *c);
+                sim.servers().any(|(n, s)| {
+                    sim.cluster().network().is_alive(n) && s.checkpoints().iter().any(|(c, _)| *c > completed)
+                })
+            };
+            run_until(sim, under_way).then(|| nth(sim, host.server))?
+        }
+        Moment::Rejoining => {
+            let other = (host.worker + 1) % case.workers as usize;
+            let (node, w) = sim.workers().nth(other)?;
+            let rank = w.rank()?;
+            if !training_now(sim, node) {
+                return None;
+            }
+            sim.cluster_mut().crash(node, true);
+            sim.restart_worker(rank, training(case)(rank));
+            restarted.push((node, rank));
+            let rejoining = |sim: &SimJob| sim.cluster().scheduler().rejoining().any(|r| r == rank);
+            run_until(sim, rejoining).then(|| nth(sim, host.server))?
+        }
+    }
+}
+
+/// Runs `case` (with `--replicas 2`, the scheduler waiting for restarted workers) until
+/// `host`'s worker finished `host.at_clock` iterations and the job is at `host.moment`,
+/// loses the host (its worker and its server at once, as a kill -9 of its namespace does),
+/// starts the worker again elsewhere `host.restart_after_us` later with its rank, and
+/// checks the job as [`crash_and_rejoin`] does. `Ok(false)` if the host's nodes were not
+/// running then, or the moment never came.
 fn lose_host(case: &Case, host: Host) -> Result<bool, String> {
     let job = JobConfig { rejoin_wait_us: 60_000_000, replicas: 2, ..case.job() };
     let (mut sim, _) = job_of(case, job, false);
@@ -1751,20 +1854,25 @@ fn lose_host(case: &Case, host: Host) -> Result<bool, String> {
         }
     };
     let (node, Some(rank)) = victim else { return Ok(false) };
-    if sim.workers().any(|(n, w)| n == node && !matches!(w.stage(), Stage::Computing(_) | Stage::Communicating(_))) {
+    let mut restarted = Vec::new();
+    let Some(s) = reach_moment(case, &mut sim, host, &mut restarted) else { return Ok(false) };
+    if !training_now(&sim, node) {
         return Ok(false);
     }
-    let Some((s, role)) = sim.servers().nth(host.server) else { return Ok(false) };
-    if role.exit().is_some() || role.server().and_then(|s| s.shard()).is_none() {
+    let serving = sim.servers().find(|(n, _)| *n == s).is_some_and(|(_, role)| {
+        role.exit().is_none() && role.server().and_then(|s| s.shard()).is_some() && sim.cluster().network().is_alive(s)
+    });
+    if !serving {
         return Ok(false);
     }
     sim.cluster_mut().crash(s, !host.silent);
     sim.cluster_mut().crash(node, !host.silent);
+    restarted.push((node, rank));
     let now = sim.cluster().network().now_us();
     if let Some(end) = sim.run(now + host.restart_after_us, MAX_EVENTS) {
         return Err(format!("the job ended before the lost worker was started again: {end:?}"));
     }
-    let again = sim.restart_worker(rank, training(case)(rank));
+    sim.restart_worker(rank, training(case)(rank));
     let left = MAX_EVENTS.saturating_sub(sim.cluster().events());
     let Some(end) = sim.run(HORIZON_US, left) else {
         let stages: Vec<_> = sim.workers().map(|(_, w)| (w.rank(), w.stage().clone())).collect();
@@ -1774,48 +1882,71 @@ fn lose_host(case: &Case, host: Host) -> Result<bool, String> {
         let stages: Vec<_> = sim.workers().map(|(_, w)| (w.rank(), w.stage().clone(), w.start_clock())).collect();
         return Err(format!("the job failed: {} (workers {stages:?})", end.reason));
     }
-    for (n, w) in sim.workers().filter(|(n, _)| *n != node) {
-        let ran = w.record().iteration_ends_us.len() as u32;
-        let want = if n == again { case.iterations - w.start_clock().min(case.iterations) } else { case.iterations };
-        if *w.stage() != Stage::Done || ran != want {
-            return Err(format!(
-                "worker {:?} (restarted: {}) ended {:?} after {ran} of {want} iterations",
-                w.rank(),
-                n == again,
-                w.stage()
-            ));
-        }
-    }
-    let start = sim.workers().find(|(n, _)| *n == again).map_or(0, |(_, w)| w.start_clock());
-    rejoined_pushes_exact(case, &sim, rank, start)?;
+    check_rejoined(case, &sim, &restarted)?;
     Ok(true)
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases(200), ..ProptestConfig::default() })]
 
-    /// Issue 33: a host (a worker and a server) lost at clock 1 to 3, `--replicas 2`, the
-    /// worker restarted elsewhere: the job finishes, exact.
+    /// Issue 33: a host (a worker and a server) lost at clock 0 to 6, `--replicas 2`, the
+    /// worker restarted elsewhere, while the operator moves blocks and scales: at once, in
+    /// the middle of a migration (its old owner's host or its new one's), while another
+    /// restarted worker rejoins, or while a checkpoint is under way. The job finishes, exact.
     #[test]
     fn a_host_lost_early_fails_over_and_its_restarted_worker_finishes_exactly(
         c in case(false),
-        at_clock in 1u32..=6,
+        at_clock in 0u32..=6,
         worker in 0usize..4,
         server in 0usize..4,
         silent in any::<bool>(),
         restart_after_us in 0u64..3_000_000,
+        moment in moment(),
     ) {
-        // No operator moves: a held push_pull's resend after a move, with a backup lost,
-        // fails the round on the window's own bug (see
-        // `a_held_push_pull_moved_while_its_backup_is_lost_is_answered_once`).
-        let c = Case { ops: Vec::new(), ..c };
-        let host = Host { worker: worker % c.workers as usize, server: server % c.servers as usize, at_clock, silent, restart_after_us };
+        let c = Case { ops: c.ops.iter().filter(|op| matches!(op, Op::Scale { .. })).copied().collect(), ..c };
+        let host = Host {
+            worker: worker % c.workers as usize,
+            server: server % c.servers as usize,
+            at_clock,
+            silent,
+            restart_after_us,
+            moment,
+        };
         match lose_host(&c, host) {
             // A scale-in may have left a block of the lost server with no other copy.
             Err(e) if e.contains("had no other copy") => {}
             Err(e) => return Err(TestCaseError::fail(format!("{e} ({host:?})"))),
             Ok(_) => {}
         }
+    }
+}
+
+/// The host proptest's moments are reached: most cases with moves see a migration, most
+/// with checkpoints one under way, most a worker rejoining, and the host is then lost.
+#[test]
+fn the_host_schedules_lose_hosts_mid_migration_mid_rejoin_and_mid_checkpoint() {
+    let cases = sample(case(false), 60);
+    for moment in [Moment::Migrating, Moment::Rejoining, Moment::Checkpointing] {
+        let mut lost = 0;
+        for (i, c) in cases.iter().enumerate() {
+            let c =
+                Case { ops: c.ops.iter().filter(|op| matches!(op, Op::Scale { .. })).copied().collect(), ..c.clone() };
+            let host = Host {
+                worker: 0,
+                server: i % c.servers as usize,
+                at_clock: 1,
+                silent: i.is_multiple_of(2),
+                restart_after_us: 500_000,
+                moment,
+            };
+            match lose_host(&c, host) {
+                Ok(true) => lost += 1,
+                Ok(false) => {}
+                Err(e) if e.contains("had no other copy") => {}
+                Err(e) => panic!("{e}: {c:?} {host:?}"),
+            }
+        }
+        assert!(lost >= 20, "{moment:?}: only {lost} of 60 schedules lost a host then");
     }
 }
 
@@ -1842,7 +1973,8 @@ fn a_silent_host_lost_at_clock_2_fails_over_and_no_worker_waits_for_it() {
         replicas: 1,
         ops: vec![],
     };
-    let host = Host { worker: 1, server: 1, at_clock: 2, silent: true, restart_after_us: 2_158_383 };
+    let host =
+        Host { worker: 1, server: 1, at_clock: 2, silent: true, restart_after_us: 2_158_383, moment: Moment::Clock };
     assert_eq!(lose_host(&c, host), Ok(true));
 }
 
@@ -1872,7 +2004,8 @@ fn an_asp_worker_restarted_before_its_hosts_failover_is_detected_pushes_each_clo
         replicas: 1,
         ops: vec![],
     };
-    let host = Host { worker: 0, server: 1, at_clock: 5, silent: true, restart_after_us: 1_763_788 };
+    let host =
+        Host { worker: 0, server: 1, at_clock: 5, silent: true, restart_after_us: 1_763_788, moment: Moment::Clock };
     assert_eq!(lose_host(&c, host), Ok(true));
 }
 
@@ -1910,6 +2043,7 @@ fn a_held_push_pull_moved_while_its_backup_is_lost_is_answered_once() {
             mv(1430, 1, 3),
         ],
     };
-    let host = Host { worker: 1, server: 1, at_clock: 1, silent: true, restart_after_us: 690_226 };
+    let host =
+        Host { worker: 1, server: 1, at_clock: 1, silent: true, restart_after_us: 690_226, moment: Moment::Clock };
     assert_eq!(lose_host(&c, host), Ok(true));
 }

@@ -435,6 +435,12 @@ impl Scheduler {
         self.placement.as_ref()
     }
 
+    /// The ranks of the restarted workers that asked to rejoin and are not welcomed yet
+    /// (some server has not taken them back).
+    pub fn rejoining(&self) -> impl Iterator<Item = u32> + '_ {
+        self.rejoining.keys().copied()
+    }
+
     /// The balancing history so far (migrations, scaling, load timeline).
     pub fn balance_log(&self) -> &BalanceLog {
         self.elastic.log()
