@@ -1105,7 +1105,7 @@ fn the_server_crash_schedules_kill_serving_servers() {
     assert!(crashed >= 60, "only {crashed} of 100 schedules killed a serving server");
 }
 
-fn sample(strategy: impl Strategy<Value = Case>, n: usize) -> Vec<Case> {
+fn sample<T: std::fmt::Debug>(strategy: impl Strategy<Value = T>, n: usize) -> Vec<T> {
     let mut runner = TestRunner::deterministic();
     (0..n).map(|_| strategy.new_tree(&mut runner).expect("a case").current()).collect()
 }
@@ -1548,18 +1548,141 @@ fn hot_case() -> impl Strategy<Value = HotCase> {
     )
 }
 
+/// What happens to a hot-row job while it runs, and when.
+#[derive(Clone, Copy, Debug)]
+pub enum HotFault {
+    /// Nothing.
+    None,
+    /// The scheduler (keeping its state) is killed at the moment and started again 1 s
+    /// later.
+    RestartScheduler(HotMoment),
+    /// Worker `n` (by spawn order) is killed at the moment and started again with its rank
+    /// at once (as a launcher's `--restart-workers` does).
+    KillWorker(HotMoment, usize),
+}
+
+/// A moment of a hot-row job, seen in the machines' state event by event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HotMoment {
+    /// Worker 0 finished this many iterations.
+    Clock(u32),
+    /// The scheduler saved a split it asked of an owner that has not split yet
+    /// (`SplitBlock` on its way).
+    SplitAsked,
+    /// The owner split the block; the scheduler has not heard its `SplitDone`.
+    SplitUnheard,
+    /// A row block migrates.
+    MigratingRows,
+}
+
+fn hot_moment() -> impl Strategy<Value = HotMoment> {
+    prop_oneof![
+        (0u32..30).prop_map(HotMoment::Clock),
+        Just(HotMoment::SplitAsked),
+        Just(HotMoment::SplitUnheard),
+        Just(HotMoment::MigratingRows),
+    ]
+}
+
+/// Whether `sim` is at `moment`.
+fn at_hot_moment(sim: &SimJob, moment: HotMoment) -> bool {
+    let split_owner_done = |sim: &SimJob| {
+        let (block, _, owner, _) = sim.cluster().scheduler().saved_state().split?;
+        let server = sim.servers().filter_map(|(_, r)| r.server()).find(|s| s.id() == Some(owner));
+        Some(!matches!(server.and_then(|s| s.slot(block)), Some(Slot::Owned(_))))
+    };
+    match moment {
+        HotMoment::Clock(n) => {
+            sim.workers().next().is_some_and(|(_, w)| w.record().iteration_ends_us.len() as u32 >= n)
+        }
+        HotMoment::SplitAsked => split_owner_done(sim) == Some(false),
+        HotMoment::SplitUnheard => split_owner_done(sim) == Some(true),
+        HotMoment::MigratingRows => {
+            let rows = |b: BlockId| {
+                sim.cluster().scheduler().partition().and_then(|p| p.block(b).ok()).is_some_and(|b| b.is_rows())
+            };
+            [Step::Snapshot, Step::Delta].into_iter().any(|step| {
+                migration_in(sim, step).is_some_and(|(from, _, _)| {
+                    sim.servers().filter(|(n, _)| *n == from).filter_map(|(_, r)| r.server()).any(|s| {
+                        s.owned().into_iter().any(|b| {
+                            rows(b) && matches!(s.slot(b), Some(Slot::Owned(o)) if !matches!(o.phase, Phase::Serving))
+                        })
+                    })
+                })
+            })
+        }
+    }
+}
+
 /// Runs `c` and checks it as a user would: the job ends well with every iteration run, the
 /// table's live blocks cover its rows once, its first block was split, and every row on
 /// the owner the scheduler names holds exactly minus the sum of the gradients pushed to
 /// it (SGD, lr 1, from 0): each push applied once across the splits and migrations.
 /// Returns the splits and the migrations of row blocks that completed.
 fn run_hot(c: &HotCase) -> Result<(usize, usize), TestCaseError> {
-    run_hot_with(c, false)
+    run_hot_with(c, HotFault::None).map(|r| r.expect("no fault, no moment to miss"))
 }
 
-/// [`run_hot`]; with `restart_in_split`, the scheduler (keeping its state) is killed right
-/// after it asked the owner to split (before its `SplitDone`) and started again 1 s later.
-fn run_hot_with(c: &HotCase, restart_in_split: bool) -> Result<(usize, usize), TestCaseError> {
+/// Carries `fault` out on `sim` once its moment comes: `Ok(None)` if it never came, else
+/// the worker restarted (its old node and its rank), if any.
+fn hot_fault(sim: &mut SimJob, c: &HotCase, fault: HotFault) -> Result<Option<Option<(NodeId, u32)>>, TestCaseError> {
+    match fault {
+        HotFault::None => Ok(Some(None)),
+        HotFault::RestartScheduler(moment) => {
+            // Once training started (a scheduler killed before every server held its
+            // blocks is not recovered: the job is started again).
+            let training = |sim: &SimJob| sim.cluster().scheduler().waiting_for().is_none();
+            if !run_until(sim, |sim| training(sim) && at_hot_moment(sim, moment)) {
+                return Ok(None);
+            }
+            let sched = sim.cluster().scheduler_node();
+            sim.cluster_mut().crash(sched, true);
+            let now = sim.cluster().network().now_us();
+            prop_assert!(sim.run(now + 1_000_000, MAX_EVENTS).is_none(), "the job ended while its scheduler was down");
+            sim.cluster_mut().restart_scheduler().map_err(TestCaseError::fail)?;
+            Ok(Some(None))
+        }
+        HotFault::KillWorker(moment, n) => {
+            let victim = n % c.workers as usize;
+            let running = |sim: &SimJob| {
+                sim.workers().nth(victim).is_some_and(|(node, w)| w.rank().is_some() && training_now(sim, node))
+            };
+            if !run_until(sim, |sim| at_hot_moment(sim, moment) && running(sim)) {
+                return Ok(None);
+            }
+            let Some((node, Some(rank))) = sim.workers().nth(victim).map(|(n, w)| (n, w.rank())) else {
+                return Ok(None);
+            };
+            sim.cluster_mut().crash(node, true);
+            sim.restart_worker(rank, hot_training(c)(rank));
+            Ok(Some(Some((node, rank))))
+        }
+    }
+}
+
+/// The training loop of every worker of a hot-row job `c`: a small dense tensor and the
+/// table, whose rows [`hot_ids`] picks.
+fn hot_training(c: &HotCase) -> impl FnMut(u32) -> TrainingLoop + 'static {
+    let (seed, iterations) = (c.seed, c.iterations);
+    let table = elasticps_core::model::TableSpec::new("emb", TABLE_ROWS, TABLE_DIM)
+        .with_init(elasticps_core::rows::RowInit::Constant(0.0))
+        .with_optimizer(elasticps_core::rows::SparseOptimizer::Sgd { lr: 1.0 });
+    move |_| TrainingLoop {
+        tensors: vec![TensorSpec { name: "w".into(), shape: vec![BLOCK_LEN], init: Init::Zeros }],
+        iterations,
+        compute_us: Box::new(move |rank, t| 100_000 + mix(seed ^ (u64::from(rank) << 32) ^ u64::from(t)) % 50_000),
+        grad,
+        timeout_us: 300_000_000,
+        fuse: true,
+        window: elasticps_node::timing::DEFAULT_WINDOW,
+        zero_as_no_gradient: false,
+        table: Some(elasticps_harness::TableTraining { spec: table.clone(), ids: hot_ids, grad: row_grad }),
+    }
+}
+
+/// [`run_hot`] with `fault` at its moment; `Ok(None)` if the moment never came.
+fn run_hot_with(c: &HotCase, fault: HotFault) -> Result<Option<(usize, usize)>, TestCaseError> {
+    let kills_worker = matches!(fault, HotFault::KillWorker(..));
     let job = JobConfig {
         servers: c.servers,
         workers: c.workers,
@@ -1577,7 +1700,8 @@ fn run_hot_with(c: &HotCase, restart_in_split: bool) -> Result<(usize, usize), T
         max_servers: c.servers,
         min_servers: c.servers,
         checkpoint: None,
-        rejoin_wait_us: 0,
+        // The scheduler waits for a restarted worker even if the others finish first.
+        rejoin_wait_us: if kills_worker { 60_000_000 } else { 0 },
         replicas: 1,
     };
     let mut setup = JobSetup::new(ClusterConfig { seed: c.seed, jitter_us: c.jitter_us, ..ClusterConfig::new(job) });
@@ -1589,49 +1713,30 @@ fn run_hot_with(c: &HotCase, restart_in_split: bool) -> Result<(usize, usize), T
         other => frame_bytes(other),
     });
     setup.weigh = weigh;
-    if restart_in_split {
+    if matches!(fault, HotFault::RestartScheduler(_)) {
         setup.scheduler_retry_us = SCHEDULER_RETRY_US;
     }
-    let (seed, iterations) = (c.seed, c.iterations);
-    let table = elasticps_core::model::TableSpec::new("emb", TABLE_ROWS, TABLE_DIM)
-        .with_init(elasticps_core::rows::RowInit::Constant(0.0))
-        .with_optimizer(elasticps_core::rows::SparseOptimizer::Sgd { lr: 1.0 });
-    let mut sim = SimJob::new(setup, move |_| TrainingLoop {
-        tensors: vec![TensorSpec { name: "w".into(), shape: vec![BLOCK_LEN], init: Init::Zeros }],
-        iterations,
-        compute_us: Box::new(move |rank, t| 100_000 + mix(seed ^ (u64::from(rank) << 32) ^ u64::from(t)) % 50_000),
-        grad,
-        timeout_us: 300_000_000,
-        fuse: true,
-        window: elasticps_node::timing::DEFAULT_WINDOW,
-        zero_as_no_gradient: false,
-        table: Some(elasticps_harness::TableTraining { spec: table.clone(), ids: hot_ids, grad: row_grad }),
-    });
-    if restart_in_split {
+    let mut sim = SimJob::new(setup, hot_training(c));
+    if matches!(fault, HotFault::RestartScheduler(_)) {
         sim.cluster_mut().keep_scheduler_state();
-        // Event by event until the owner split a block the saved state says it was asked
-        // to split (its SplitDone not heard yet).
-        let split_unheard = |sim: &SimJob| {
-            let Some((block, _, owner, _)) = sim.cluster().scheduler().saved_state().split else { return false };
-            let server = sim.servers().filter_map(|(_, r)| r.server()).find(|s| s.id() == Some(owner));
-            !matches!(server.and_then(|s| s.slot(block)), Some(Slot::Owned(_)))
-        };
-        while !split_unheard(&sim) {
-            prop_assert!(sim.run(HORIZON_US, 1).is_none(), "the job ended before any split");
-            prop_assert!(sim.cluster().events() < MAX_EVENTS, "no split");
-        }
-        let sched = sim.cluster().scheduler_node();
-        sim.cluster_mut().crash(sched, true);
-        let now = sim.cluster().network().now_us();
-        prop_assert!(sim.run(now + 1_000_000, MAX_EVENTS).is_none(), "the job ended while its scheduler was down");
-        sim.cluster_mut().restart_scheduler().map_err(TestCaseError::fail)?;
     }
+    let Some(restarted) = hot_fault(&mut sim, c, fault)? else { return Ok(None) };
     let left = MAX_EVENTS.saturating_sub(sim.cluster().events());
     let end = sim.run(HORIZON_US, left);
     let end = end.ok_or_else(|| TestCaseError::fail("the job did not end"))?;
     prop_assert!(end.ok, "the job failed: {}", end.reason);
-    for (_, w) in sim.workers() {
-        prop_assert_eq!(w.record().iteration_ends_us.len() as u32, c.iterations, "worker {:?}", w.rank());
+    // The restarted worker (rank, start): its first life's node is gone.
+    let mut again = None;
+    for (n, w) in sim.workers().filter(|(n, _)| restarted.is_none_or(|(old, _)| old != *n)) {
+        let restarted_rank = restarted.map(|(_, rank)| rank).filter(|r| w.rank() == Some(*r));
+        let want = match restarted_rank {
+            Some(rank) => {
+                again = Some((rank, w.start_clock()));
+                c.iterations - w.start_clock().min(c.iterations)
+            }
+            None => c.iterations,
+        };
+        prop_assert_eq!(w.record().iteration_ends_us.len() as u32, want, "worker {:?} ({:?})", w.rank(), n);
     }
     let sched = sim.cluster().scheduler();
     let (partition, placement) = match (sched.partition(), sched.placement()) {
@@ -1664,22 +1769,30 @@ fn run_hot_with(c: &HotCase, restart_in_split: bool) -> Result<(usize, usize), T
         let got = o.block.rows().ok_or_else(|| TestCaseError::fail(format!("block {} has no rows", b.id)))?;
         let got = got.gather(&rows);
         for (row, values) in rows.iter().zip(got.chunks_exact(TABLE_DIM as usize)) {
-            let want: f32 = -(0..c.workers)
-                .flat_map(|rank| (0..c.iterations).map(move |t| (rank, t)))
-                .filter(|(rank, t)| hot_ids(*rank, *t).contains(row))
-                .map(|(rank, t)| row_grad(rank, t, *row))
-                .sum::<f32>();
+            // The pushes of `rank` over `clocks` to this row.
+            let pushed = |rank: u32, clocks: std::ops::Range<Clock>| -> f32 {
+                clocks.filter(|t| hot_ids(rank, *t).contains(row)).map(|t| row_grad(rank, t, *row)).sum()
+            };
+            let others: f32 =
+                (0..c.workers).filter(|r| again.is_none_or(|(a, _)| a != *r)).map(|r| pushed(r, 0..c.iterations)).sum();
+            // A restarted rank: a prefix of its first life, then every clock from its start on.
+            let wants: Vec<f32> = match again {
+                None => vec![-others],
+                Some((rank, start)) => {
+                    (0..=start).map(|k| -(others + pushed(rank, 0..k) + pushed(rank, start..c.iterations))).collect()
+                }
+            };
             prop_assert!(
-                values.iter().all(|v| *v == want),
-                "row {} (block {}): {:?}, want {}",
+                wants.iter().any(|want| values.iter().all(|v| v == want)),
+                "row {} (block {}): {:?}, want one of {:?}",
                 row,
                 b.id,
                 values,
-                want
+                wants
             );
         }
     }
-    Ok((splits, moved))
+    Ok(Some((splits, moved)))
 }
 
 proptest! {
@@ -1711,11 +1824,28 @@ fn a_hot_row_run_splits_and_moves_row_blocks() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases(16), max_shrink_iters: 100, ..ProptestConfig::default() })]
 
-    /// Issue 33: a scheduler killed between `SplitBlock` and `SplitDone` of any split, under
-    /// every sync policy, recovers the job: every row exact.
+    /// Issue 33: a scheduler killed at any moment of a hot-row job (at a clock, with a
+    /// split asked and not done yet, with the split done and its `SplitDone` unheard, or
+    /// while a row block migrates), under every sync policy, recovers the job: every row
+    /// exact.
     #[test]
-    fn a_scheduler_restarted_between_split_block_and_split_done_recovers_under_any_schedule(c in hot_case()) {
-        run_hot_with(&c, true)?;
+    fn a_scheduler_restarted_between_split_block_and_split_done_recovers_under_any_schedule(
+        c in hot_case(),
+        moment in hot_moment(),
+    ) {
+        run_hot_with(&c, HotFault::RestartScheduler(moment))?;
+    }
+
+    /// Issue 33: a worker killed at any moment of a hot-row job (at a clock, during a
+    /// split, while a row block migrates) and restarted with its rank rejoins: the job
+    /// finishes and every row holds each push once.
+    #[test]
+    fn a_worker_killed_during_a_split_or_a_row_migration_rejoins_and_every_row_is_exact(
+        c in hot_case(),
+        moment in hot_moment(),
+        victim in 0usize..3,
+    ) {
+        run_hot_with(&c, HotFault::KillWorker(moment, victim))?;
     }
 }
 
@@ -1732,8 +1862,29 @@ fn a_scheduler_restarted_between_split_block_and_split_done_lets_the_hot_row_job
         cap_bps: 300_000,
         jitter_us: 50,
     };
-    let (splits, _) = run_hot_with(&c, true).expect("exact");
-    assert!(splits >= 1, "{splits} splits");
+    for moment in [HotMoment::SplitAsked, HotMoment::SplitUnheard] {
+        let (splits, _) = run_hot_with(&c, HotFault::RestartScheduler(moment)).expect("exact").expect("a split");
+        assert!(splits >= 1, "{splits} splits");
+    }
+}
+
+/// Issue 33: a worker killed while the owner splits the hot block (`SplitBlock` sent, no
+/// `SplitDone` heard) rejoins, and every row holds each of its pushes once.
+#[test]
+fn a_worker_killed_mid_split_rejoins_and_the_hot_row_job_finishes_exactly() {
+    let c = HotCase {
+        seed: 7,
+        servers: 3,
+        workers: 2,
+        sync: SyncPolicy::Ssp(1),
+        iterations: 80,
+        cap_bps: 300_000,
+        jitter_us: 50,
+    };
+    for moment in [HotMoment::SplitAsked, HotMoment::SplitUnheard] {
+        let (splits, _) = run_hot_with(&c, HotFault::KillWorker(moment, 1)).expect("exact").expect("a split");
+        assert!(splits >= 1, "{splits} splits");
+    }
 }
 
 // ---- a host lost at any moment (issue 33) ----------------------------------------------
@@ -1790,7 +1941,9 @@ fn run_until(sim: &mut SimJob, mut seen: impl FnMut(&SimJob) -> bool) -> bool {
 
 /// Whether worker `node` runs an iteration (registered, not done).
 fn training_now(sim: &SimJob, node: NodeId) -> bool {
-    sim.workers().any(|(n, w)| n == node && matches!(w.stage(), Stage::Computing(_) | Stage::Communicating(_)))
+    sim.workers().any(|(n, w)| {
+        n == node && matches!(w.stage(), Stage::Computing(_) | Stage::Communicating(_) | Stage::PushingRows(_))
+    })
 }
 
 /// Waits for `host.moment` and returns the server node lost with the host, or `None` if
@@ -2046,4 +2199,22 @@ fn a_held_push_pull_moved_while_its_backup_is_lost_is_answered_once() {
     let host =
         Host { worker: 1, server: 1, at_clock: 1, silent: true, restart_after_us: 690_226, moment: Moment::Clock };
     assert_eq!(lose_host(&c, host), Ok(true));
+}
+
+/// The hot-row fault schedules reach their moments: most jobs see a split asked and a split
+/// unheard, some a row block migrating (not every job moves one), and the fault then
+/// strikes.
+#[test]
+fn the_hot_row_schedules_strike_mid_split_and_mid_row_migration() {
+    let cases = sample(hot_case(), 16);
+    for (moment, least) in [(HotMoment::SplitAsked, 12), (HotMoment::SplitUnheard, 12), (HotMoment::MigratingRows, 5)] {
+        let mut struck = 0;
+        for (i, c) in cases.iter().enumerate() {
+            let fault = if i % 2 == 0 { HotFault::RestartScheduler(moment) } else { HotFault::KillWorker(moment, i) };
+            if run_hot_with(c, fault).unwrap_or_else(|e| panic!("{e}: {c:?} {fault:?}")).is_some() {
+                struck += 1;
+            }
+        }
+        assert!(struck >= least, "{moment:?}: only {struck} of 16 hot-row jobs were struck then");
+    }
 }
