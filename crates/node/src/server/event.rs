@@ -50,8 +50,9 @@ pub enum Event {
         /// The answer, or why there is none.
         reply: Result<Message, String>,
     },
-    /// The deadline of [`Server::poll_timeout`] came (load reports, adaptive staleness,
-    /// migration step deadlines, replica resyncs, long holds, a drained server's linger).
+    /// The deadline of [`Server::poll_timeout`](super::Server::poll_timeout) came (load
+    /// reports, adaptive staleness, migration step deadlines, replica resyncs, long holds,
+    /// a drained server's linger).
     Timeout,
     /// The runtime wrote a block of a checkpoint ([`Action::Checkpoint`]): its entry for
     /// the manifest, or why it could not.
@@ -105,7 +106,7 @@ pub enum Action {
         msg: Message,
     },
     /// An answered pull, for the runtime's `--trace` file (only if enabled with
-    /// [`Server::with_trace`]).
+    /// [`Server::with_trace`](super::Server::with_trace)).
     Trace(PullTrace),
     /// Write `state`, block `state.spec.id` at checkpoint `clock`, into the checkpoint
     /// directory (durably: fsync before the answer), then answer with
