@@ -14,10 +14,37 @@ use elasticps_core::placement::ServerId;
 use elasticps_wire::{Control, ErrorCode, Message, MigrationReport};
 
 use super::{
-    Action, Call, FrozenStep, Incoming, Outgoing, Owned, Parked, Phase, Refusal, STEP_TIMEOUT_US, Server, Slot, error,
+    Action, Call, FrozenStep, Outgoing, Owned, Parked, Phase, Refusal, Request, STEP_TIMEOUT_US, Server, Slot, error,
+    not_taken,
 };
 
+/// The snapshot of a block on its way here (a migration's step 2), until its delta.
+#[derive(Debug)]
+pub(super) struct Incoming {
+    /// The server that sent it: the delta must come from it too.
+    from: ServerId,
+    /// The placement epoch the block is to have here.
+    epoch: u64,
+    /// The block's state.
+    state: BlockState,
+}
+
 impl Server {
+    /// New owner: a step of a migration from server `from` (a snapshot, or the delta).
+    pub(super) fn on_migration(
+        &mut self,
+        now_us: u64,
+        from: ServerId,
+        control: Control,
+        out: &mut Vec<Action>,
+    ) -> Message {
+        match control {
+            Control::BlockSnapshot { epoch, state } => self.take_snapshot(from, epoch, state),
+            Control::BlockDelta { block, epoch, pushes } => self.take_delta(now_us, from, block, epoch, &pushes, out),
+            other => not_taken(&other.into()),
+        }
+    }
+
     /// The scheduler asked to move `block` to `to`: snapshot it and send the snapshot.
     pub(super) fn migrate_out(
         &mut self,
@@ -423,7 +450,7 @@ impl Server {
             again.extend(stale.block.take_held().into_iter().map(|(to, rank, clock)| Parked {
                 rank,
                 to,
-                request: super::Request::Pull { clock },
+                request: Request::pull(clock),
             }));
             self.serve_parked(now_us, again, out);
         }

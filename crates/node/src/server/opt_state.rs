@@ -9,9 +9,30 @@ use elasticps_core::optimizer::OptState;
 use elasticps_wire::{Control, ErrorCode, Message};
 
 use super::config::{Refusal, error};
-use super::{Phase, Server, Slot, Token};
+use super::{Phase, Server, Slot, Token, not_taken};
 
 impl Server {
+    /// A worker's message about a tensor's optimizer or a block's optimizer state or
+    /// values: its answer.
+    pub(super) fn on_tensor(&mut self, rank: u32, control: Control) -> Message {
+        match control {
+            Control::SetOptimizer { tensor, optimizer } => {
+                let Some(shard) = self.shard.as_mut() else { return Refusal::NotReady.reply(0) };
+                match shard.set_optimizer(tensor, optimizer) {
+                    Ok(()) => {
+                        tracing::info!(server = shard.id, rank, tensor, ?optimizer, "tensor optimizer set");
+                        Control::Ok.into()
+                    }
+                    Err(e) => error(ErrorCode::BadRequest, e.to_string()),
+                }
+            }
+            Control::GetOptState { block } => self.opt_state_request(rank, block, None),
+            Control::SetOptState { block, state } => self.opt_state_request(rank, block, Some(state)),
+            Control::SetValues { block, values } => self.set_values_request(rank, block, &values),
+            other => not_taken(&other.into()),
+        }
+    }
+
     /// The answer to `GetOptState` (`set` None) or `SetOptState` of `block` from worker
     /// `rank`: the state, `Ok`, `Moved` (not served here), or an error naming why.
     pub(super) fn opt_state_request(&mut self, rank: u32, block: BlockId, set: Option<OptState>) -> Message {

@@ -25,7 +25,8 @@ use elasticps_core::placement::{Placement, ServerId};
 use elasticps_core::sync::Clock;
 use elasticps_wire::{CheckpointPlan, Control, ErrorCode, Message, RowIds, ServerAddr, Values};
 
-use super::{Action, Call, ConnId, Exit, Owned, Phase, Refusal, Server, Slot, Token, error};
+use super::request::{Op, Request};
+use super::{Action, Call, ConnId, Exit, Owned, Phase, Refusal, Server, Slot, Token, error, not_taken};
 
 /// How long a primary waits before it sends a fresh snapshot to a backup whose last
 /// forward or snapshot failed, µs.
@@ -143,7 +144,7 @@ impl HeldCopy {
         if let Err(e) = push.push_into(copy, &config, rejoined.contains(&push.worker), now_us) {
             return error(ErrorCode::BadRequest, e.to_string());
         }
-        if let Some(c) = super::next_checkpoint(plan, before).filter(|c| *c == copy.done()) {
+        if let Some(c) = super::checkpoint::next_checkpoint(plan, before).filter(|c| *c == copy.done()) {
             self.checkpoint = Some((c, copy.state()));
         }
         Control::Ok.into()
@@ -427,6 +428,31 @@ impl Server {
         }
     }
 
+    /// Backup: a message of a block's primary (a forwarded push or init, or the block's
+    /// whole state); answered `None` while the push waits for the block's state.
+    pub(super) fn on_replica(
+        &mut self,
+        now_us: u64,
+        from: (ConnId, u64),
+        msg: Message,
+        out: &mut Vec<Action>,
+    ) -> Option<Message> {
+        match msg {
+            Message::Control(Control::Replicate { block, init, push }) => {
+                let rows = Some(RowIds::from_vec(push.rows));
+                let fwd =
+                    Fwd { worker: push.worker, clock: push.clock, init, values: Values::from_vec(push.grad), rows };
+                self.take_replicated(now_us, from, block, fwd, out)
+            }
+            Message::Forward { block, clock, worker, init, values } => {
+                let fwd = Fwd { worker, clock, init, values, rows: None };
+                self.take_replicated(now_us, from, block, fwd, out)
+            }
+            Message::Control(Control::ReplicaSnapshot(state)) => Some(self.take_replica_snapshot(now_us, state, out)),
+            other => Some(not_taken(&other)),
+        }
+    }
+
     /// Backup: a forwarded push (or init) for `block`. Answered `Ok` once applied; one that
     /// arrives before the block's first snapshot waits for it.
     pub(super) fn take_replicated(
@@ -619,20 +645,11 @@ fn serves(slot: &Slot) -> bool {
 
 /// The push a request carries, as a backup replays it (`None` for a pull): the bytes
 /// received, shared (no copy).
-pub(super) fn carried(rank: u32, request: &super::Request) -> Option<Fwd> {
-    let (init, clock, values): (bool, u32, &Values) = match request {
-        super::Request::Push { clock, values } | super::Request::PushPull { clock, values } => (false, *clock, values),
-        super::Request::Init { values } => (true, 0, values),
-        super::Request::PushRows { clock, ids, grads, .. } => {
-            return Some(Fwd {
-                worker: rank,
-                clock: *clock,
-                init: false,
-                values: grads.clone(),
-                rows: Some(ids.clone()),
-            });
-        }
-        super::Request::Pull { .. } | super::Request::PullRows { .. } => return None,
+pub(super) fn carried(rank: u32, request: &Request) -> Option<Fwd> {
+    let (init, clock, values) = match &request.op {
+        Op::Push { clock, values } | Op::PushPull { clock, values } => (false, *clock, values),
+        Op::Init { values } => (true, 0, values),
+        Op::Pull { .. } => return None,
     };
-    Some(Fwd { worker: rank, clock, init, values: values.clone(), rows: None })
+    Some(Fwd { worker: rank, clock, init, values: values.clone(), rows: request.rows().cloned() })
 }

@@ -7,9 +7,9 @@
 use elasticps_core::block::Block;
 use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
-use elasticps_core::sync::Clock;
-use elasticps_wire::{MigrationReport, RowIds, Values};
+use elasticps_wire::MigrationReport;
 
+use super::request::Request;
 use crate::ConnId;
 
 /// Where the answer to a data request goes: the connection and the request id (and the
@@ -22,58 +22,6 @@ pub struct Token {
     pub request_id: u64,
     /// The block asked for.
     pub block: BlockId,
-}
-
-/// A data request for one block.
-#[derive(Clone, Debug)]
-pub enum Request {
-    /// A gradient of clock `clock`.
-    Push {
-        /// The clock.
-        clock: Clock,
-        /// The gradient.
-        values: Values,
-    },
-    /// The values at clock `clock`.
-    Pull {
-        /// The clock.
-        clock: Clock,
-    },
-    /// A gradient of clock `clock` and the pull of `clock + 1`, answered by that pull's
-    /// reply. Parked whole while the block is frozen (nothing applied: a `Moved` for it
-    /// means the push was not applied here). Once the push is applied, the pull may be held
-    /// like any other; a handover answers it `Moved`, and the push travels with the block,
-    /// so the resent request's push is a duplicate the new owner drops.
-    PushPull {
-        /// The gradient's clock.
-        clock: Clock,
-        /// The gradient.
-        values: Values,
-    },
-    /// The block's initial values (the first worker's parameters), before any push.
-    Init {
-        /// The values.
-        values: Values,
-    },
-    /// Rows `ids` of a row block at clock `clock` (held like a `Pull`).
-    PullRows {
-        /// The clock.
-        clock: Clock,
-        /// The rows asked for.
-        ids: RowIds,
-    },
-    /// The gradient of rows `ids` of a row block at clock `clock` (empty: the clock
-    /// counts, nothing is applied).
-    PushRows {
-        /// The clock.
-        clock: Clock,
-        /// Values per row, as the worker says.
-        dim: u32,
-        /// The rows.
-        ids: RowIds,
-        /// Their gradients.
-        grads: Values,
-    },
 }
 
 /// A request that waits: its block is frozen for a handover, arrived and not settled, or

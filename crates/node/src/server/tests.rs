@@ -904,6 +904,28 @@ mod rows {
         assert_eq!(replies(&acts), vec![(1, 7, Control::Moved { block: 3, owner: 1, epoch: 1 }.into())]);
     }
 
+    /// A restarted worker goes on from the clock its other blocks reached: its row push of
+    /// a later clock than this block's next for it is applied (the clocks between are
+    /// skipped), and completes the clock a held pull waits for.
+    #[test]
+    fn a_rejoined_workers_row_push_past_its_next_clock_is_applied_and_releases_the_held_pull() {
+        let mut s = table_server(0, SyncPolicy::Bsp);
+        let sched = |s: &mut Server, msg: Control| s.handle(1, Event::FromScheduler { request_id: 0, msg: msg.into() });
+        sched(&mut s, Control::RemoveWorker { rank: 1 });
+        for t in 0..3 {
+            assert!(acked(&push_rows(&mut s, 2, 0, 10 + u64::from(t), 1, t, &[0], &[1.0, 1.0]), 1, 10 + u64::from(t)));
+        }
+        // Taken back at clock 3 here; another block had gone on to 5.
+        sched(&mut s, Control::AddWorker { rank: 1 });
+        for t in 3..6 {
+            assert!(acked(&push_rows(&mut s, 3, 0, 10 + u64::from(t), 1, t, &[0], &[1.0, 1.0]), 1, 10 + u64::from(t)));
+        }
+        assert!(rows_of(&pull_rows(&mut s, 4, 0, 20, 1, 6, &[0])).is_empty(), "bsp holds pull(6) for worker 1");
+        let a = push_rows(&mut s, 5, 1, 30, 1, 5, &[0], &[2.0, 2.0]);
+        assert!(acked(&a, 2, 30), "applied, not refused as a clock gap: {a:?}");
+        assert_eq!(rows_of(&a), vec![(1, 20, vec![-7.5, -7.5])], "six pushes of worker 0 and worker 1's");
+    }
+
     #[test]
     fn the_load_report_counts_each_row_blocks_requests_and_rows() {
         let mut s = table_server(0, SyncPolicy::Asp);
