@@ -1,13 +1,16 @@
 //! `elasticps launch --nnodes MIN[:MAX] --rdzv HOST:PORT -- CMD`, run on every host of a
 //! job (torchrun's shape). Every launch is its host's agent: it joins the job with its
-//! slots ([`Control::JoinHost`]), starts the servers and workers the scheduler tells it to
-//! ([`Control::StartNode`]), reports their exits, relays their events, and sends a
-//! heartbeat every 500 ms. The launch whose host owns the `--rdzv` address also runs the
-//! scheduler there, and builds the job's report from the scheduler's event stream (where
-//! the agents' relayed events arrive).
+//! slots ([`elasticps_wire::Control::JoinHost`]), starts the servers and workers the
+//! scheduler tells it to within those slots, reports their exits, relays their events,
+//! and heartbeats. The launch whose host owns the `--rdzv` address also runs the scheduler
+//! there, and builds the job's report from the scheduler's event stream (where the agents'
+//! relayed events arrive).
 //!
-//! What to start where, and what a lost host means, is decided by the scheduler
-//! (`elasticps_node::scheduler::hosts`); this module only moves processes and messages.
+//! Every rule of the agent (when to dial, join, start, refuse, report, heartbeat, give up,
+//! end) is [`elasticps_node::agent::Agent`]'s; what to start where, and what a lost host
+//! means, is the scheduler's (`elasticps_node::scheduler::hosts`). This module is the
+//! agent's tokio driver: it reads the flags, dials, writes and reads frames, spawns and
+//! watches processes, and sleeps until the agent's `poll_timeout()`.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};

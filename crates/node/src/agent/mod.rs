@@ -10,7 +10,7 @@
 //!   [`Session::dialling`]: the dial, the backoff and the heartbeats are its rules.
 //! - **Start nodes within its slots.** A `StartNode` starts a node only in a slot that
 //!   runs nothing here, and only while fewer nodes of its kind run than the host offered
-//!   slots for ([`slots`]). Beyond its slots the order is refused with the reply a node
+//!   slots for (`slots`). Beyond its slots the order is refused with the reply a node
 //!   that could not start gets (`NodeExited { ok: false }` naming why): the scheduler frees
 //!   the slot and may start the node elsewhere. A slot that already runs a node here keeps
 //!   it: the duplicate order is logged and answered with nothing, since `NodeExited` would
