@@ -3,8 +3,9 @@
 //! doubling to 2 s, [`crate::timing`]), for how long, how the node introduces itself again
 //! (a reattach), and which calls are made again on the new connection, in which order.
 //!
-//! Every role drives one: the runtime's server, worker client and host agent over TCP
-//! (`elasticps_runtime::session`), the harness's roles over simulated links. It follows
+//! Every role drives one: the runtime's server and worker client over TCP
+//! (`elasticps_runtime::session`), the host agent inside its machine
+//! ([`crate::agent`], from [`Session::dialling`]), the harness's roles over simulated links. It follows
 //! the time contract of every node machine ([`crate`] docs): [`Session::handle`] takes an
 //! event with the time and returns actions; [`Session::poll_timeout`] says when it next
 //! wants [`Event::Timeout`].
