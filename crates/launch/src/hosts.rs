@@ -20,14 +20,16 @@ use std::time::Duration;
 use clap::Args;
 use elasticps_node::agent::{Agent, AgentConfig, Effect, Failure, Input, NodeKind, Outcome, Spawn};
 use elasticps_node::timing;
+use elasticps_runtime::Micros;
 use elasticps_runtime::conn::{self, Outbox};
+use elasticps_runtime::timer::Timer;
 use elasticps_wire::{Codec, HostOffer, Message};
 use tokio::sync::mpsc;
 
 use crate::addr;
 use crate::args::{JobArgs, NetArgs};
 use crate::process::{Cluster, NodeEvent};
-use crate::runner::{Bars, REAP_TIMEOUT, Recorder, RunOutcome, ScrapeList, Signals, sleep_until, worker_env};
+use crate::runner::{Bars, REAP_TIMEOUT, Recorder, RunOutcome, ScrapeList, Signals, worker_env};
 use crate::{LaunchError, Result};
 
 /// The flags of a launch that is one host of a job.
@@ -279,7 +281,7 @@ async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome>
         None
     };
     let bars = Bars::new(spec.quiet);
-    let started = tokio::time::Instant::now();
+    let timer = Timer::new(Micros::new());
     let mut driver = Driver {
         spec,
         agent: Agent::new(host.agent(spec), 0),
@@ -291,7 +293,7 @@ async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome>
         dialling: None,
         bars: &bars,
         rec: Recorder::new(&bars),
-        started,
+        timer,
     };
     let result = driver.run(&mut signals).await;
     bars.clear();
@@ -350,7 +352,8 @@ struct Driver<'a> {
     dialling: Option<std::pin::Pin<Box<dyn std::future::Future<Output = elasticps_runtime::Result<Link>> + Send>>>,
     bars: &'a Bars,
     rec: Recorder<'a>,
-    started: tokio::time::Instant,
+    /// The agent's clock, and its wake-up at the agent's `poll_timeout()`.
+    timer: Timer,
 }
 
 impl Driver<'_> {
@@ -369,12 +372,12 @@ impl Driver<'_> {
     }
 
     fn now_us(&self) -> u64 {
-        self.started.elapsed().as_micros() as u64
+        self.timer.now_us()
     }
 
     /// Waits for the next input, or for the agent's deadline.
     async fn wait(&mut self, signals: &mut Signals) -> Woken {
-        let wake = self.agent.poll_timeout().map(|us| self.started + Duration::from_micros(us));
+        self.timer.arm(self.agent.poll_timeout());
         tokio::select! {
             frame = async { self.link.as_mut().expect("guarded").1.recv().await }, if self.link.is_some() => {
                 frame.map_or(Woken::Closed, |(id, msg)| Woken::Frame(id, msg))
@@ -384,7 +387,7 @@ impl Driver<'_> {
             }
             ev = self.cluster.next() => Woken::Node(ev),
             how = signals.recv() => Woken::Signal(how),
-            () = sleep_until(wake) => Woken::Timeout,
+            () = self.timer.fired() => Woken::Timeout,
         }
     }
 
@@ -428,7 +431,7 @@ impl Driver<'_> {
             NodeEvent::Line { node, event } if Some(node) == self.scheduler => {
                 // The rendezvous host records the job's events as they come back from
                 // the scheduler (the agents relay theirs there).
-                self.rec.event(self.started.elapsed().as_secs_f64(), event);
+                self.rec.event(self.now_us() as f64 / 1e6, event);
                 None
             }
             NodeEvent::Line { node, event } => Some(Input::Line { node, event }),
@@ -472,7 +475,7 @@ impl Driver<'_> {
                 queue.extend(more);
             }
             Effect::Show(event) => {
-                self.rec.event(self.started.elapsed().as_secs_f64(), event);
+                self.rec.event(self.now_us() as f64 / 1e6, event);
             }
             Effect::Say { line, error } => self.bars.println(error, &line),
             Effect::Exit(outcome) => return Some(outcome),
@@ -507,7 +510,7 @@ impl Driver<'_> {
         let why = match outcome {
             Outcome::JobOver => {
                 let mut out = std::mem::take(&mut self.rec.out);
-                out.wall = self.started.elapsed();
+                out.wall = Duration::from_micros(self.now_us());
                 return Ok(HostOutcome::Job(Box::new(out)));
             }
             Outcome::Left(reason) => return Ok(HostOutcome::Left(reason)),
