@@ -1,40 +1,36 @@
 //! `elasticps launch --nnodes MIN[:MAX] --rdzv HOST:PORT -- CMD`, run on every host of a
 //! job (torchrun's shape). Every launch is its host's agent: it joins the job with its
-//! slots ([`Control::JoinHost`]), starts the servers and workers the scheduler tells it to
-//! ([`Control::StartNode`]), reports their exits, relays their events, and sends a
-//! heartbeat every 500 ms. The launch whose host owns the `--rdzv` address also runs the
-//! scheduler there, and builds the job's report from the scheduler's event stream (where
-//! the agents' relayed events arrive).
+//! slots ([`elasticps_wire::Control::JoinHost`]), starts the servers and workers the
+//! scheduler tells it to within those slots, reports their exits, relays their events,
+//! and heartbeats. The launch whose host owns the `--rdzv` address also runs the scheduler
+//! there, and builds the job's report from the scheduler's event stream (where the agents'
+//! relayed events arrive).
 //!
-//! What to start where, and what a lost host means, is decided by the scheduler
-//! (`elasticps_node::scheduler::hosts`); this module only moves processes and messages.
+//! Every rule of the agent (when to dial, join, start, refuse, report, heartbeat, give up,
+//! end) is [`elasticps_node::agent::Agent`]'s; what to start where, and what a lost host
+//! means, is the scheduler's (`elasticps_node::scheduler::hosts`). This module is the
+//! agent's tokio driver: it reads the flags, dials, writes and reads frames, spawns and
+//! watches processes, and sleeps until the agent's `poll_timeout()`.
 
-use std::collections::BTreeMap;
+use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Args;
-use elasticps_runtime::events::Event;
-use elasticps_runtime::peer::Peer;
-use elasticps_wire::{Control, HostOffer, Message, NodeRole};
+use elasticps_node::agent::{Agent, AgentConfig, Effect, Failure, Input, NodeKind, Outcome, Spawn};
+use elasticps_node::timing;
+use elasticps_runtime::Micros;
+use elasticps_runtime::conn::{self, Outbox};
+use elasticps_runtime::timer::Timer;
+use elasticps_wire::{Codec, HostOffer, Message};
+use tokio::sync::mpsc;
 
 use crate::addr;
 use crate::args::{JobArgs, NetArgs};
 use crate::process::{Cluster, NodeEvent};
-use crate::runner::{
-    Bars, REAP_TIMEOUT, RESTART_REJOIN_WAIT_S, Recorder, RunOutcome, ScrapeList, Signals, sleep_until, worker_env,
-};
+use crate::runner::{Bars, REAP_TIMEOUT, Recorder, RunOutcome, ScrapeList, Signals, worker_env};
 use crate::{LaunchError, Result};
-use elasticps_node::timing;
-
-/// How often an agent tells the scheduler it is alive (the scheduler loses a host after
-/// 2 s of silence): every node's heartbeat period.
-const AGENT_HEARTBEAT: Duration = Duration::from_micros(timing::HEARTBEAT_EVERY_US);
-/// How often a launch that waits for the scheduler says so.
-const WAIT_REPORT_EVERY: Duration = Duration::from_secs(5);
-/// How long the scheduler may take to answer `JoinHost`.
-const JOIN_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The flags of a launch that is one host of a job.
 #[derive(Args, Clone, Debug, Default)]
@@ -134,12 +130,6 @@ pub enum HostOutcome {
     Left(String),
 }
 
-/// A node this host runs.
-struct Local {
-    slot: u32,
-    rank: Option<u32>,
-}
-
 /// The job's size and the rendezvous, from the flags (and Slurm's environment).
 struct Rendezvous {
     addr: SocketAddr,
@@ -191,38 +181,51 @@ pub async fn run_host(spec: &HostSpec<'_>) -> Result<HostOutcome> {
     logs.close(result)
 }
 
-/// [`run_host`], this host's nodes' logs in `log_dir`.
-async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome> {
-    let h = spec.hosts;
-    let rdzv = rendezvous(h)?;
-    let ip = addr::advertise_ip(rdzv.addr, h.advertise.as_deref(), h.interface.as_deref())?;
-    // On one machine, hosts on loopback addresses (127.0.0.1, 127.0.0.2) lead only if
-    // they advertise the rendezvous address itself.
-    let leads = rdzv.addr.ip() == ip || (!rdzv.addr.ip().is_loopback() && addr::is_local(rdzv.addr.ip()));
-    let name = host_name(h, ip);
-    // The scheduler learns the job's size from the hosts' offers once MIN joined; its
-    // flags carry a size that passes their checks until then.
-    let mut job = spec.job.clone();
-    job.servers = (rdzv.min * h.servers_per_node)
-        .min(job.max_servers.unwrap_or(u32::MAX))
-        .max(job.min_servers.unwrap_or(1))
-        .max(1);
-    job.workers = (rdzv.min * h.workers_per_node).max(1);
-    job.job_config()?;
-    spec.net.tls()?;
-    crate::process::check_program(spec.command)?;
-    if spec.restart_servers > 0 && job.replicas < 2 {
-        return Err(LaunchError::Flags(
-            "--restart-servers needs --replicas 2 or more (without a backup, a lost server's blocks are gone)".into(),
-        ));
-    }
-    let mut signals = Signals::new()?;
-    let mut cluster = Cluster::new(log_dir)?;
-    let secret = spec.net.role_env();
-    let started = Instant::now();
-    let join_timeout = Duration::from_secs(h.join_timeout_s);
+/// What the flags say about this host, checked before anything starts.
+struct Host {
+    rdzv: Rendezvous,
+    /// The address this host's nodes advertise.
+    ip: IpAddr,
+    /// This host runs the scheduler.
+    leads: bool,
+    name: String,
+    /// The job's flags, sized by the first MIN hosts' offers.
+    job: JobArgs,
+}
 
-    let scheduler = if leads {
+impl Host {
+    fn new(spec: &HostSpec<'_>) -> Result<Self> {
+        let h = spec.hosts;
+        let rdzv = rendezvous(h)?;
+        let ip = addr::advertise_ip(rdzv.addr, h.advertise.as_deref(), h.interface.as_deref())?;
+        // On one machine, hosts on loopback addresses (127.0.0.1, 127.0.0.2) lead only if
+        // they advertise the rendezvous address itself.
+        let leads = rdzv.addr.ip() == ip || (!rdzv.addr.ip().is_loopback() && addr::is_local(rdzv.addr.ip()));
+        let name = host_name(h, ip);
+        // The scheduler learns the job's size from the hosts' offers once MIN joined; its
+        // flags carry a size that passes their checks until then.
+        let mut job = spec.job.clone();
+        job.servers = (rdzv.min * h.servers_per_node)
+            .min(job.max_servers.unwrap_or(u32::MAX))
+            .max(job.min_servers.unwrap_or(1))
+            .max(1);
+        job.workers = (rdzv.min * h.workers_per_node).max(1);
+        job.job_config()?;
+        spec.net.tls()?;
+        crate::process::check_program(spec.command)?;
+        if spec.restart_servers > 0 && job.replicas < 2 {
+            return Err(LaunchError::Flags(
+                "--restart-servers needs --replicas 2 or more (without a backup, a lost server's blocks are gone)"
+                    .into(),
+            ));
+        }
+        Ok(Self { rdzv, ip, leads, name, job })
+    }
+
+    /// The flags of the scheduler the rendezvous host runs.
+    fn scheduler_args(&self, spec: &HostSpec<'_>, log_dir: &Path) -> Vec<String> {
+        let h = spec.hosts;
+        let (rdzv, job) = (&self.rdzv, &self.job);
         let mut args = vec!["scheduler".to_string(), "--listen".into(), rdzv.addr.to_string(), "--launcher".into()];
         args.extend(["none".into(), "--nnodes".into(), format!("{}:{}", rdzv.min, rdzv.max)]);
         args.extend(["--restart-workers".into(), spec.restart_workers.to_string()]);
@@ -231,267 +234,299 @@ async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome>
         args.push(log_dir.display().to_string());
         args.extend(job.to_flags());
         if spec.restart_workers > 0 && job.rejoin_wait_s == 0.0 {
-            args.extend(["--rejoin-wait-s".into(), RESTART_REJOIN_WAIT_S.to_string()]);
+            args.extend(["--rejoin-wait-s".into(), (timing::RESTART_REJOIN_WAIT_US / 1_000_000).to_string()]);
         }
         args.extend(spec.net.to_flags());
+        args
+    }
+
+    /// The agent's settings: its offer, from the flags.
+    fn agent(&self, spec: &HostSpec<'_>) -> AgentConfig {
+        let h = spec.hosts;
+        let offer = HostOffer {
+            name: self.name.clone(),
+            addr: self.ip.to_string(),
+            servers: h.servers_per_node,
+            workers: h.workers_per_node,
+            server_slots: h.server_slots.unwrap_or(h.servers_per_node + 1),
+            worker_slots: h.worker_slots.unwrap_or(h.workers_per_node + 1),
+        };
+        AgentConfig {
+            name: self.name.clone(),
+            rdzv: self.rdzv.addr.to_string(),
+            offer,
+            leads: self.leads,
+            join_timeout_us: h.join_timeout_s.saturating_mul(1_000_000),
+            end_timeout_us: spec.end_timeout.as_micros() as u64,
+        }
+    }
+}
+
+/// [`run_host`], this host's nodes' logs in `log_dir`.
+async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome> {
+    let host = Host::new(spec)?;
+    let mut signals = Signals::new()?;
+    let mut cluster = Cluster::new(log_dir)?;
+    let secret = spec.net.role_env();
+    let scheduler = if host.leads {
+        let args = host.scheduler_args(spec, log_dir);
         let mut scrape = ScrapeList::new(false, 0);
         if let Err(e) = crate::runner::start_scheduler(&mut cluster, &args, &secret, &mut signals, &mut scrape).await {
             cluster.stop(REAP_TIMEOUT).await;
             return Err(e);
         }
-        println!("host {name} ({ip}) runs the scheduler at {}", rdzv.addr);
+        println!("host {} ({}) runs the scheduler at {}", host.name, host.ip, host.rdzv.addr);
         Some(0)
     } else {
         None
     };
-
-    let rdzv_s = rdzv.addr.to_string();
-    let peer = match dial(&rdzv_s, spec, &name, join_timeout, &mut signals).await {
-        Ok(p) => p,
-        Err(e) => {
-            cluster.stop(REAP_TIMEOUT).await;
-            return Err(e);
-        }
-    };
-    let (peer, mut notes) = peer;
-    let offer = HostOffer {
-        name: name.clone(),
-        addr: ip.to_string(),
-        servers: h.servers_per_node,
-        workers: h.workers_per_node,
-        server_slots: h.server_slots.unwrap_or(h.servers_per_node + 1),
-        worker_slots: h.worker_slots.unwrap_or(h.workers_per_node + 1),
-    };
-    let joined = peer
-        .call(Control::JoinHost(offer).into(), JOIN_CALL_TIMEOUT, || {
-            format!("host {name} waits for the scheduler at {rdzv_s} to answer its JoinHost")
-        })
-        .await;
-    let host_id = match joined {
-        Ok(Message::Control(Control::HostWelcome { host })) => host,
-        Ok(other) => {
-            cluster.stop(REAP_TIMEOUT).await;
-            return Err(LaunchError::Flags(format!(
-                "the scheduler at {rdzv_s} answered JoinHost with {:?}",
-                other.kind()
-            )));
-        }
-        Err(cause) => {
-            cluster.stop(REAP_TIMEOUT).await;
-            return Err(LaunchError::Scheduler {
-                what: format!("host {name} ({ip}) could not join the job at {rdzv_s}"),
-                cause,
-            });
-        }
-    };
-    println!("host {name} ({ip}) joined the job at {rdzv_s} as host {host_id}");
-
     let bars = Bars::new(spec.quiet);
-    let mut rec = Recorder::new(&bars);
-    let mut locals: BTreeMap<usize, Local> = BTreeMap::new();
-    let mut workers_started = 0u32;
-    let mut peer = Some(peer);
-    let mut notes_open = true;
-    let mut over: Option<String> = None;
-    let mut end_by: Option<tokio::time::Instant> = None;
-    let mut heartbeat = tokio::time::interval(AGENT_HEARTBEAT);
-    let fail = |cluster: &mut Cluster, bars: &Bars, e: LaunchError| {
-        bars.clear();
-        cluster.kill_all();
-        Err(e)
+    let timer = Timer::new(Micros::new());
+    let mut driver = Driver {
+        spec,
+        agent: Agent::new(host.agent(spec), 0),
+        host: &host,
+        cluster,
+        scheduler,
+        scheduler_status: None,
+        link: None,
+        dialling: None,
+        bars: &bars,
+        rec: Recorder::new(&bars),
+        timer,
     };
-    loop {
-        tokio::select! {
-            note = notes.recv(), if notes_open => match note {
-                Some(Message::Control(Control::StartNode { slot, role, workers })) => {
-                    let spawned = match role {
-                        NodeRole::Server => {
-                            let mut args = vec!["server".to_string(), "--scheduler".into(), rdzv_s.clone()];
-                            args.extend(["--listen".into(), SocketAddr::new(ip, 0).to_string()]);
-                            args.extend(spec.net.to_flags());
-                            cluster.spawn(&format!("server slot {slot}"), &args, &secret)
-                        }
-                        NodeRole::Worker { rank } => {
-                            let sized = JobArgs { workers, ..job.clone() };
-                            let mut env = worker_env(&sized, spec.net, &rdzv_s, workers_started);
-                            workers_started += 1;
-                            if let Some(r) = rank {
-                                env.push(("ELASTICPS_RANK".into(), r.to_string()));
-                            }
-                            env.extend(spec.env.iter().cloned());
-                            let label = match rank {
-                                Some(r) => format!("worker slot {slot} (rank {r})"),
-                                None => format!("worker slot {slot}"),
-                            };
-                            cluster.spawn_command(&label, spec.command, &env)
-                        }
-                    };
-                    match spawned {
-                        Ok(node) => {
-                            let rank = match role { NodeRole::Worker { rank } => rank, NodeRole::Server => None };
-                            locals.insert(node, Local { slot, rank });
-                        }
-                        Err(e) => {
-                            bars.println(true, &format!("host {name}: cannot start slot {slot}: {e}"));
-                            if let Some(p) = &peer {
-                                let _ = p.notify(Control::NodeExited { slot, ok: false, status: e.to_string(), rank: None }.into());
-                            }
-                        }
-                    }
-                }
-                Some(Message::Control(Control::Shutdown { reason })) => {
-                    tracing::info!(%reason, "the scheduler ended the job");
-                    over = Some(reason);
-                    end_by = Some(tokio::time::Instant::now() + spec.end_timeout);
-                    if locals.is_empty() {
-                        peer = None;
-                        if scheduler.is_none() {
-                            break;
-                        }
-                    }
-                }
-                Some(other) => tracing::debug!(kind = ?other.kind(), "agent ignores a notification"),
-                None => {
-                    notes_open = false;
-                    if over.is_none() && scheduler.is_none() {
-                        return fail(&mut cluster, &bars, LaunchError::NodeFailed(format!(
-                            "host {name} lost the scheduler at {rdzv_s}: its connection closed before the job ended \
-                             (the rendezvous host or its launch is gone); this host's nodes were stopped"
-                        )));
-                    }
-                }
-            },
-            ev = cluster.next() => {
-                let t_s = started.elapsed().as_secs_f64();
-                match ev {
-                    None => break,
-                    Some(NodeEvent::Line { node, event }) if Some(node) == scheduler => {
-                        rec.event(t_s, event);
-                    }
-                    Some(NodeEvent::Line { node, event }) => {
-                        if let (Some(l), Some(r)) = (locals.get_mut(&node), rank_of(&event)) {
-                            l.rank = Some(r);
-                        }
-                        if matches!(event, Event::Metrics { .. } | Event::Listening { .. }) {
-                            continue;
-                        }
-                        if let Ok(line) = serde_json::to_string(&event) {
-                            relay(&peer, line);
-                        }
-                        if scheduler.is_none() {
-                            // The rendezvous host records the job's events as they come
-                            // back from the scheduler; here, this host's bars.
-                            rec.event(t_s, event);
-                        }
-                    }
-                    Some(NodeEvent::Output { node, line, stderr }) => {
-                        bars.println(stderr, &format!("[{name} {}] {line}", cluster.name(node)));
-                    }
-                    Some(NodeEvent::Exited { node, status }) if Some(node) == scheduler => {
-                        if !status.success() {
-                            let e = cluster.failure(node, status);
-                            return fail(&mut cluster, &bars, e.then("the job failed; every node of this host was stopped"));
-                        }
-                        bars.clear();
-                        cluster.stop(REAP_TIMEOUT).await;
-                        let mut out = rec.out;
-                        out.wall = started.elapsed();
-                        return Ok(HostOutcome::Job(Box::new(out)));
-                    }
-                    Some(NodeEvent::Exited { node, status }) => {
-                        let Some(l) = locals.remove(&node) else { continue };
-                        if !status.success() && over.is_none() {
-                            bars.println(true, &format!("[{name} {}] exited with {status}", cluster.name(node)));
-                        }
-                        if let Some(p) = &peer {
-                            let msg = Control::NodeExited { slot: l.slot, ok: status.success(), status: status.to_string(), rank: l.rank };
-                            let _ = p.notify(msg.into());
-                        }
-                        if over.is_some() && locals.is_empty() {
-                            // Closes the agent's connection: the scheduler stops waiting for it.
-                            peer = None;
-                            if scheduler.is_none() {
-                                break;
-                            }
-                        }
-                    }
-                }
-            },
-            _ = heartbeat.tick() => {
-                if let Some(p) = &peer {
-                    let _ = p.notify(Control::Heartbeat.into());
-                }
-            }
-            how = signals.recv() => {
-                bars.clear();
-                cluster.stop(REAP_TIMEOUT).await;
-                return Err(LaunchError::Stopped(how));
-            }
-            _ = sleep_until(end_by) => {
-                let left = cluster.running().join(", ");
-                let e = LaunchError::Timeout(format!(
-                    "the job is over ({}), but these nodes of host {name} did not exit within {:.0} s: {left}",
-                    over.as_deref().unwrap_or("?"),
-                    spec.end_timeout.as_secs_f64()
-                ));
-                return fail(&mut cluster, &bars, e);
-            }
-        }
-    }
+    let result = driver.run(&mut signals).await;
     bars.clear();
-    cluster.stop(REAP_TIMEOUT).await;
-    Ok(HostOutcome::Left(over.unwrap_or_else(|| "the scheduler closed the connection".into())))
+    driver.cluster.stop(REAP_TIMEOUT).await;
+    result
 }
 
-/// Relays a node's event line to the scheduler.
-fn relay(peer: &Option<Peer>, line: String) {
-    if let Some(p) = peer {
-        let _ = p.notify(Control::HostEvent { line }.into());
-    }
-}
+/// The scheduler's connection: its writer, and its frames as a reader task reads them
+/// (the channel closes with the connection).
+type Link = (Outbox, mpsc::UnboundedReceiver<(u64, Message)>);
 
-/// The rank an event names, if any.
-fn rank_of(event: &Event) -> Option<u32> {
-    match event {
-        Event::Progress { rank, .. } | Event::Eval { rank, .. } | Event::Log { rank, .. } => Some(*rank),
-        Event::WorkerDone(w) => Some(w.rank),
-        _ => None,
-    }
-}
-
-/// Dials the rendezvous until it answers, with backoff (100 ms doubling to 2 s), saying
-/// every 5 s what it waits for, for at most `within`.
-async fn dial(
-    rdzv: &str,
-    spec: &HostSpec<'_>,
-    name: &str,
-    within: Duration,
-    signals: &mut Signals,
-) -> Result<(Peer, elasticps_runtime::peer::Notifications)> {
-    let start = Instant::now();
-    let mut backoff = timing::FIRST_BACKOFF_US;
-    let mut said = Instant::now();
-    loop {
-        let err = match Peer::connect(rdzv, spec.net.codec(), "scheduler").await {
-            Ok(p) => return Ok(p),
-            Err(e) => e,
-        };
-        if start.elapsed() >= within {
-            return Err(LaunchError::Timeout(format!(
-                "host {name} could not reach the scheduler at {rdzv} within {} s ({err}): is `elasticps launch` \
-                 running on the rendezvous host, with the same --rdzv, and is the port open?",
-                within.as_secs()
-            )));
+/// Connects to the scheduler and starts the task that reads the connection's frames.
+async fn open(addr: String, codec: Codec) -> elasticps_runtime::Result<Link> {
+    let (mut reader, out) = conn::connect(&addr, codec, "scheduler".into()).await?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            match reader.next().await {
+                Ok(Some((header, msg))) => {
+                    if tx.send((header.request_id, msg)).is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "scheduler connection failed");
+                    return;
+                }
+            }
         }
-        if said.elapsed() >= WAIT_REPORT_EVERY {
-            said = Instant::now();
-            println!("host {name} waits for the scheduler at {rdzv} ({err})");
+    });
+    Ok((out, rx))
+}
+
+/// What woke the driver.
+enum Woken {
+    Frame(u64, Message),
+    Closed,
+    Dialled(elasticps_runtime::Result<Link>),
+    Node(Option<NodeEvent>),
+    Signal(&'static str),
+    Timeout,
+}
+
+/// The tokio driver of this host's [`Agent`]: it moves frames, processes and time, and
+/// carries out what the agent says.
+struct Driver<'a> {
+    spec: &'a HostSpec<'a>,
+    host: &'a Host,
+    agent: Agent,
+    cluster: Cluster,
+    /// The scheduler process (the rendezvous host), and how it exited.
+    scheduler: Option<usize>,
+    scheduler_status: Option<std::process::ExitStatus>,
+    link: Option<Link>,
+    dialling: Option<std::pin::Pin<Box<dyn std::future::Future<Output = elasticps_runtime::Result<Link>> + Send>>>,
+    bars: &'a Bars,
+    rec: Recorder<'a>,
+    /// The agent's clock, and its wake-up at the agent's `poll_timeout()`.
+    timer: Timer,
+}
+
+impl Driver<'_> {
+    async fn run(&mut self, signals: &mut Signals) -> Result<HostOutcome> {
+        let mut effects = Vec::new();
+        loop {
+            let woken = self.wait(signals).await;
+            self.feed(woken, &mut effects)?;
+            let mut queue: VecDeque<Effect> = effects.drain(..).collect();
+            while let Some(effect) = queue.pop_front() {
+                if let Some(outcome) = self.carry_out(effect, &mut queue) {
+                    return self.outcome(outcome);
+                }
+            }
         }
+    }
+
+    fn now_us(&self) -> u64 {
+        self.timer.now_us()
+    }
+
+    /// Waits for the next input, or for the agent's deadline.
+    async fn wait(&mut self, signals: &mut Signals) -> Woken {
+        self.timer.arm(self.agent.poll_timeout());
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_micros(backoff)) => {}
-            how = signals.recv() => return Err(LaunchError::Stopped(how)),
+            frame = async { self.link.as_mut().expect("guarded").1.recv().await }, if self.link.is_some() => {
+                frame.map_or(Woken::Closed, |(id, msg)| Woken::Frame(id, msg))
+            }
+            dialled = async { self.dialling.as_mut().expect("guarded").await }, if self.dialling.is_some() => {
+                Woken::Dialled(dialled)
+            }
+            ev = self.cluster.next() => Woken::Node(ev),
+            how = signals.recv() => Woken::Signal(how),
+            () = self.timer.fired() => Woken::Timeout,
         }
-        backoff = timing::next_backoff_us(backoff);
+    }
+
+    /// Hands the agent what happened.
+    fn feed(&mut self, woken: Woken, out: &mut Vec<Effect>) -> Result<()> {
+        let now = self.now_us();
+        let input = match woken {
+            Woken::Frame(request_id, msg) => {
+                self.agent.handle_into(now, Input::Frame { request_id, msg: &msg }, out);
+                return Ok(());
+            }
+            Woken::Closed => {
+                self.link = None;
+                Input::Lost { why: "the connection closed".into() }
+            }
+            Woken::Dialled(dialled) => {
+                self.dialling = None;
+                match dialled {
+                    Ok(link) => {
+                        self.link = Some(link);
+                        Input::Dialled
+                    }
+                    Err(e) => Input::DialFailed { why: e.to_string() },
+                }
+            }
+            Woken::Node(Some(ev)) => match self.node_event(ev) {
+                Some(input) => input,
+                None => return Ok(()),
+            },
+            Woken::Node(None) => return Err(LaunchError::NodeFailed("the launch lost track of its nodes".into())),
+            Woken::Signal(how) => return Err(LaunchError::Stopped(how)),
+            Woken::Timeout => Input::Timeout,
+        };
+        self.agent.handle_into(now, input, out);
+        Ok(())
+    }
+
+    /// What a node's event is to the agent, if anything.
+    fn node_event(&mut self, ev: NodeEvent) -> Option<Input<'static>> {
+        match ev {
+            NodeEvent::Line { node, event } if Some(node) == self.scheduler => {
+                // The rendezvous host records the job's events as they come back from
+                // the scheduler (the agents relay theirs there).
+                self.rec.event(self.now_us() as f64 / 1e6, event);
+                None
+            }
+            NodeEvent::Line { node, event } => Some(Input::Line { node, event }),
+            NodeEvent::Output { node, line, stderr } => {
+                self.bars.println(stderr, &format!("[{} {}] {line}", self.host.name, self.cluster.name(node)));
+                None
+            }
+            NodeEvent::Exited { node, status } if Some(node) == self.scheduler => {
+                self.scheduler_status = Some(status);
+                Some(Input::SchedulerExited { ok: status.success() })
+            }
+            NodeEvent::Exited { node, status } => {
+                Some(Input::Exited { node, ok: status.success(), status: status.to_string() })
+            }
+        }
+    }
+
+    /// Carries out one effect; the inputs it makes go back to the agent, their effects
+    /// onto `queue`. The outcome, once the agent is done.
+    fn carry_out(&mut self, effect: Effect, queue: &mut VecDeque<Effect>) -> Option<Outcome> {
+        match effect {
+            Effect::Dial => {
+                self.link = None;
+                let (addr, codec) = (self.host.rdzv.addr.to_string(), self.spec.net.codec());
+                self.dialling = Some(Box::pin(open(addr, codec)));
+            }
+            Effect::Send { request_id, msg } => {
+                if let Some((out, _)) = &self.link {
+                    let _ = out.send((request_id, msg));
+                }
+            }
+            // The writer ends: the connection closes, the scheduler stops waiting for it.
+            Effect::Close => self.link = None,
+            Effect::Spawn(spawn) => {
+                let input = match self.spawn(&spawn) {
+                    Ok(node) => Input::Spawned { slot: spawn.slot, node },
+                    Err(e) => Input::SpawnFailed { slot: spawn.slot, why: e.to_string() },
+                };
+                let mut more = Vec::new();
+                self.agent.handle_into(self.now_us(), input, &mut more);
+                queue.extend(more);
+            }
+            Effect::Show(event) => {
+                self.rec.event(self.now_us() as f64 / 1e6, event);
+            }
+            Effect::Say { line, error } => self.bars.println(error, &line),
+            Effect::Exit(outcome) => return Some(outcome),
+        }
+        None
+    }
+
+    /// Starts the node of `spawn`: a server, or a copy of the worker command.
+    fn spawn(&mut self, spawn: &Spawn) -> Result<usize> {
+        let rdzv = self.host.rdzv.addr.to_string();
+        match spawn.node {
+            NodeKind::Server => {
+                let mut args = vec!["server".to_string(), "--scheduler".into(), rdzv];
+                args.extend(["--listen".into(), SocketAddr::new(self.host.ip, 0).to_string()]);
+                args.extend(self.spec.net.to_flags());
+                self.cluster.spawn(&spawn.label, &args, &self.spec.net.role_env())
+            }
+            NodeKind::Worker { rank, workers, local } => {
+                let sized = JobArgs { workers, ..self.host.job.clone() };
+                let mut env = worker_env(&sized, self.spec.net, &rdzv, local);
+                if let Some(r) = rank {
+                    env.push(("ELASTICPS_RANK".into(), r.to_string()));
+                }
+                env.extend(self.spec.env.iter().cloned());
+                self.cluster.spawn_command(&spawn.label, self.spec.command, &env)
+            }
+        }
+    }
+
+    /// The launch's result from the agent's outcome.
+    fn outcome(&mut self, outcome: Outcome) -> Result<HostOutcome> {
+        let why = match outcome {
+            Outcome::JobOver => {
+                let mut out = std::mem::take(&mut self.rec.out);
+                out.wall = Duration::from_micros(self.now_us());
+                return Ok(HostOutcome::Job(Box::new(out)));
+            }
+            Outcome::Left(reason) => return Ok(HostOutcome::Left(reason)),
+            Outcome::Failed { failure, why } => (failure, why),
+        };
+        Err(match why {
+            (Failure::Unreachable | Failure::JoinTimeout | Failure::EndTimeout, why) => LaunchError::Timeout(why),
+            (Failure::Refused, why) => LaunchError::Flags(why),
+            (Failure::SchedulerLost, why) => LaunchError::NodeFailed(why),
+            (Failure::SchedulerFailed, why) => match (self.scheduler, self.scheduler_status) {
+                (Some(node), Some(status)) => {
+                    self.cluster.failure(node, status).then("the job failed; every node of this host was stopped")
+                }
+                _ => LaunchError::NodeFailed(why),
+            },
+        })
     }
 }
 

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
+use elasticps_node::timing;
 use elasticps_report::{CurvePoint, Report, ServerReport, WorkerReport};
 use elasticps_runtime::events::Event;
 use elasticps_runtime::scheduler::BalanceLog;
@@ -23,9 +24,6 @@ use crate::{LaunchError, Result};
 /// How long the scheduler and the servers may take, by default, to end the job once every
 /// worker has exited (the scheduler ends it when every worker called `finish`).
 pub const JOB_END_TIMEOUT: Duration = Duration::from_secs(45);
-/// With `--restart-workers`, how long the scheduler waits for a restarted worker to
-/// rejoin once every other worker is done, seconds.
-pub const RESTART_REJOIN_WAIT_S: u32 = 60;
 /// How long the scheduler may take to report its address.
 const SCHEDULER_START_TIMEOUT: Duration = Duration::from_secs(20);
 /// Keys of a `log` event that the runner reads itself; every other key is kept in the
@@ -174,8 +172,9 @@ impl Signals {
     }
 }
 
-/// How long a failed or interrupted job waits for the processes it killed to be reaped.
-pub(crate) const REAP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a failed or interrupted job waits for the processes it killed to be reaped
+/// ([`timing::REAP_TIMEOUT_US`]).
+pub(crate) const REAP_TIMEOUT: Duration = Duration::from_micros(timing::REAP_TIMEOUT_US);
 
 /// Where a job's nodes write their logs: the report's `logs/`, kept; or, without a report,
 /// `$TMPDIR/elasticps-PID/`, which a job that succeeds removes and a failed one keeps,
@@ -253,7 +252,7 @@ async fn run_job_in(spec: &JobSpec<'_>, log_dir: &Path) -> Result<RunOutcome> {
     args.extend(spec.job.to_flags());
     if spec.restart_workers > 0 && spec.job.rejoin_wait_s == 0.0 {
         // A worker being restarted may come back after the others finished.
-        args.extend(["--rejoin-wait-s".into(), RESTART_REJOIN_WAIT_S.to_string()]);
+        args.extend(["--rejoin-wait-s".into(), (timing::RESTART_REJOIN_WAIT_US / 1_000_000).to_string()]);
     }
     args.extend(spec.net.to_flags());
     args.extend(metrics_flags.iter().cloned());

@@ -20,6 +20,9 @@
 //!   its load report.
 //! - [`session`]: every node's link to the scheduler: heartbeats, the redial of a lost
 //!   scheduler with backoff, the reattach, the calls made again (in the order made).
+//! - [`agent`]: the host agent of a job across hosts (`elasticps launch --rdzv`): its
+//!   join, the nodes it starts within its slots, their exits and events, its heartbeat,
+//!   a lost scheduler, the end wait.
 //! - [`authz`]: who may send what to whom (docs/PROTOCOL.md §7.1), checked by the
 //!   scheduler and the servers before a message changes anything.
 //! - [`machine`]: the [`Machine`] trait every role above is written on.
@@ -27,6 +30,7 @@
 //!   window, request and periodic deadlines), defined once for the runtime and the
 //!   harness alike.
 
+pub mod agent;
 pub mod authz;
 pub mod error;
 pub mod events;

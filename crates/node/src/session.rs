@@ -3,8 +3,9 @@
 //! doubling to 2 s, [`crate::timing`]), for how long, how the node introduces itself again
 //! (a reattach), and which calls are made again on the new connection, in which order.
 //!
-//! Every role drives one: the runtime's server, worker client and host agent over TCP
-//! (`elasticps_runtime::session`), the harness's roles over simulated links. It follows
+//! Every role drives one: the runtime's server and worker client over TCP
+//! (`elasticps_runtime::session`), the host agent inside its machine
+//! ([`crate::agent`], from [`Session::dialling`]), the harness's roles over simulated links. It follows
 //! the time contract of every node machine ([`crate`] docs): [`Session::handle`] takes an
 //! event with the time and returns actions; [`Session::poll_timeout`] says when it next
 //! wants [`Event::Timeout`].
@@ -132,6 +133,9 @@ pub struct Session {
     shutdown: bool,
     /// The next heartbeat, once welcomed (with heartbeats on).
     next_heartbeat_us: Option<u64>,
+    /// How long the first connection is dialled, µs, for a session made by
+    /// [`Session::dialling`] (until its first welcome; then `config.retry_us`).
+    first_window_us: u64,
 }
 
 impl Session {
@@ -145,7 +149,18 @@ impl Session {
             welcomed: false,
             shutdown: false,
             next_heartbeat_us: None,
+            first_window_us: config.retry_us,
         }
+    }
+
+    /// A session with no connection yet (a host agent's): it asks for a dial at once,
+    /// then after each failure with the backoff, for at most `within_us` from `now_us`.
+    /// The driver introduces the node on each connection with request id
+    /// [`REATTACH_ID`] (the agent's `JoinHost`); its welcome opens the link. A loss after
+    /// that follows `config.retry_us`.
+    pub fn dialling(config: SessionConfig, now_us: u64, within_us: u64) -> Self {
+        let state = State::Backoff { since_us: now_us, at_us: now_us, delay_us: FIRST_BACKOFF_US, attempt: 1 };
+        Self { state, first_window_us: within_us, ..Self::new(config) }
     }
 
     /// True once the link is over.
@@ -192,7 +207,7 @@ impl Session {
             Event::Received { request_id, msg } => {
                 self.unanswered.remove(&request_id);
                 match msg {
-                    Message::Control(Control::Welcome { .. }) if !self.welcomed => {
+                    msg if is_welcome(msg) && !self.welcomed => {
                         self.welcomed = true;
                         if self.config.heartbeats {
                             self.next_heartbeat_us = Some(now_us);
@@ -220,7 +235,8 @@ impl Session {
 
     /// The end of the retry window of a loss at `since_us`.
     fn window_end(&self, since_us: u64) -> u64 {
-        since_us.saturating_add(self.config.retry_us)
+        let window = if self.welcomed { self.config.retry_us } else { self.first_window_us };
+        since_us.saturating_add(window)
     }
 
     fn over(&mut self, reason: Option<String>, out: &mut Vec<Action>) {
@@ -243,15 +259,20 @@ impl Session {
             // The answer to a reattach given up on (the connection is gone since).
             return;
         };
-        if !matches!(msg, Message::Control(Control::Welcome { .. })) {
+        if !is_welcome(msg) {
             let why = match msg {
                 Message::Error(e) => e.message.clone(),
                 other => format!("{:?}", other.kind()),
             };
             return self.over(Some(format!("the restarted scheduler refused this node: {why}")), out);
         }
-        tracing::info!(attempt, calls = self.unanswered.len(), "reattached to the restarted scheduler");
+        if self.welcomed {
+            tracing::info!(attempt, calls = self.unanswered.len(), "reattached to the restarted scheduler");
+        } else {
+            tracing::info!(attempt, "welcomed by the scheduler on its first connection");
+        }
         self.state = State::Open;
+        self.welcomed = true;
         // Calls in flight when the scheduler was lost are made again, in the order made.
         for (request_id, msg) in &self.unanswered {
             tracing::info!(request_id, "a scheduler call made again after the reattach");
@@ -302,7 +323,7 @@ impl Session {
             State::Backoff { since_us, .. } | State::Dialling { since_us, .. }
                 if now_us >= self.window_end(since_us) =>
             {
-                let secs = self.config.retry_us as f64 / 1e6;
+                let secs = (self.window_end(since_us) - since_us) as f64 / 1e6;
                 self.over(Some(format!("the scheduler did not come back within {secs:.0} s")), out);
             }
             State::Backoff { since_us, at_us, delay_us, attempt } if now_us >= at_us => {
@@ -312,6 +333,12 @@ impl Session {
             State::Backoff { .. } | State::Dialling { .. } | State::Over => {}
         }
     }
+}
+
+/// True if `msg` accepts the node: a `Welcome` (a server, a worker) or a `HostWelcome`
+/// (a host agent).
+fn is_welcome(msg: &Message) -> bool {
+    matches!(msg, Message::Control(Control::Welcome { .. } | Control::HostWelcome { .. }))
 }
 
 /// The servers among `connected` that a notification of the scheduler says are lost:

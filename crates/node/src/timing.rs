@@ -1,4 +1,4 @@
-//! Every timing constant of the roles' links, defined once: the runtime
+//! Every timing constant of the roles' links and of the host agent, defined once: the runtime
 //! (`elasticps-runtime`) and the deterministic harness ([`crate::harness`]) both use these,
 //! so the proptests run with the heartbeats, timeouts, ticks and backoff that production
 //! runs. The roles' own deadlines (a migration step, a drained server's linger, a
@@ -47,6 +47,17 @@ pub const CONNECT_TIMEOUT_US: u64 = 10_000_000;
 /// How long a started frame may go without a byte before its peer is dropped, µs
 /// (`--frame-timeout-s`).
 pub const FRAME_STALL_TIMEOUT_US: u64 = 30_000_000;
+
+/// How long a host agent waits for the scheduler to answer its `JoinHost` once a
+/// connection is up, µs.
+pub const JOIN_CALL_TIMEOUT_US: u64 = 30_000_000;
+/// With `--restart-workers`, how long the scheduler of a launched job waits for a
+/// restarted worker to rejoin once every other worker is done, µs (its `--rejoin-wait-s`
+/// when the flag is not given).
+pub const RESTART_REJOIN_WAIT_US: u64 = 60_000_000;
+/// How long a launch that failed or was interrupted waits for the processes it killed to
+/// be reaped, µs.
+pub const REAP_TIMEOUT_US: u64 = 5_000_000;
 
 /// The scheduler's heartbeat timeout for a job of `replicas` copies per block.
 pub fn heartbeat_timeout_us(replicas: u32) -> u64 {
