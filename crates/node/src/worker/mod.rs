@@ -52,6 +52,8 @@
 //! - [`hello_answer`], [`replan_rows`]: the connection rules every driver of a worker
 //!   follows (`NotReady` to `Hello`, a row round planned again after a split).
 
+mod call;
+mod client;
 mod conn;
 mod load;
 mod round;
@@ -63,6 +65,8 @@ use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
 use elasticps_wire::{Kind, Layout, Message, WorkerLoad};
 
+pub use call::{MAX_MOVES, Target};
+pub use client::{Client, Effect, Event as ClientEvent, Finished, HELLO_ID};
 pub use conn::{HelloAnswer, MAX_RECUTS, hello_answer, replan_rows};
 pub use load::{Iteration, LoadReport};
 pub use round::{Answer, Round};
