@@ -298,7 +298,8 @@ impl Client {
     }
 
     /// A round or call left unfinished: the connections it waits on are closed (their
-    /// late replies are not the next one's) and dialled again.
+    /// late replies are not the next one's) and dialled again. A server without a
+    /// connection is dialled by the next layout that lists it (or by a call to it).
     fn abandon(&mut self, out: &mut Vec<Effect>) {
         let mut busy: Vec<u32> = Vec::new();
         if let Some(round) = self.round.take() {
@@ -311,25 +312,28 @@ impl Client {
             if let Some(c) = self.conns.remove(&server) {
                 tracing::debug!(server, "a request left unanswered: its connection starts afresh");
                 out.push(Effect::Close { conn: c.id });
+                self.dial(server, c.addr, out);
             }
         }
-        self.connect_listed(out);
     }
 
     /// Dials every server of the layout that has no connection.
     fn connect_listed(&mut self, out: &mut Vec<Effect>) {
         let Some(layout) = self.layout.clone() else { return };
         for s in &layout.servers {
-            if let Some(c) = self.conns.get_mut(&s.id) {
-                c.departing = false;
-                continue;
+            match self.conns.get_mut(&s.id) {
+                Some(c) => c.departing = false,
+                None => self.dial(s.id, s.addr.clone(), out),
             }
-            self.dialled += 1;
-            let id = (self.dialled << 32) | ConnId::from(s.id);
-            let conn = Conn { id, addr: s.addr.clone(), state: State::Dialling, held: Vec::new(), departing: false };
-            self.conns.insert(s.id, conn);
-            out.push(Effect::Dial { conn: id, server: s.id, addr: s.addr.clone() });
         }
+    }
+
+    /// Opens a new connection to `server` at `addr`.
+    fn dial(&mut self, server: u32, addr: String, out: &mut Vec<Effect>) {
+        self.dialled += 1;
+        let id = (self.dialled << 32) | ConnId::from(server);
+        out.push(Effect::Dial { conn: id, server, addr: addr.clone() });
+        self.conns.insert(server, Conn { id, addr, state: State::Dialling, held: Vec::new(), departing: false });
     }
 
     /// Installs `layout`: closes the connections of replaced servers (lost), marks those
@@ -385,7 +389,8 @@ impl Client {
     }
 
     /// Server `server`'s connection is gone: the call waiting on it fails, the round
-    /// resends what it left unanswered after a layout refresh.
+    /// resends what it left unanswered after a layout refresh (which dials the server
+    /// again if it still lists it).
     fn lost(&mut self, now_us: u64, server: u32, out: &mut Vec<Effect>) {
         if self.call.as_ref().and_then(Call::awaits).is_some_and(|(_, s)| s == server) {
             let call = self.call.take().map(|c| c.describe(server)).unwrap_or_default();
@@ -480,7 +485,11 @@ impl Client {
         self.next_call_id = if self.next_call_id >= u64::from(u32::MAX) { HELLO_ID + 1 } else { request_id + 1 };
         call.stage = CallStage::Sent { request_id, server, sent_us: now_us };
         let msg = Message::from(call.msg.clone());
-        self.connect_listed(out);
+        if !self.conns.contains_key(&server)
+            && let Some(s) = layout.servers.iter().find(|s| s.id == server)
+        {
+            self.dial(server, s.addr.clone(), out);
+        }
         match self.conns.get_mut(&server) {
             Some(c) if c.state == State::Ready => out.push(Effect::Send { conn: c.id, request_id, msg }),
             Some(c) => c.held.push(Held::Call { request_id, msg }),
@@ -622,3 +631,7 @@ impl crate::Machine for Client {
         hello.into_iter().chain(call).chain(round).min()
     }
 }
+
+#[cfg(test)]
+#[path = "client_tests.rs"]
+mod tests;
