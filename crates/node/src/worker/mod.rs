@@ -47,6 +47,10 @@
 //! has the same epoch (the server answered before the scheduler published the move) the
 //! plan first waits a little (its [`Round::poll_timeout`]).
 //!
+//! - [`Client`]: the worker's client as one machine (`client.rs`): its connections to the
+//!   servers (dial, `Hello`, stale ones dropped), the layout it installs, the round below
+//!   run inside it, and the calls outside a round with their retries ([`Target`],
+//!   `call.rs`). The runtime's client and the harness's worker only drive it.
 //! - [`Round`]: one round's plan (`round.rs`), with its window and deadlines (`window.rs`).
 //! - [`LoadReport`]: iterations and per-server costs, reported every stats interval.
 //! - [`hello_answer`], [`replan_rows`]: the connection rules every driver of a worker
