@@ -1,33 +1,34 @@
-//! The worker's adapter: a training loop on the real round plan ([`Worker`], [`Round`]).
+//! The worker's driver: a training loop on the worker's client machine
+//! ([`Client`]: its connections, layout, `Hello`, the round with its window and deadlines).
 //!
-//! It does what the runtime's `Client` and the `elasticps worker` loop do: register,
-//! define the model, connect to the servers of the layout (Hello), pull clock 0, then per
-//! iteration compute (a modelled time) and push the gradients of clock t while pulling
-//! clock t + 1, fused into one push_pull per block if [`TrainingLoop::fuse`] (the last
-//! iteration of workers other than rank 0 only pushes), tell the
-//! scheduler it is done. Its link to the scheduler is a [`Session`] (heartbeats, redial,
-//! reattach, calls made again), as the runtime's client's. `Moved` blocks are chased through
-//! layout refreshes by the plan, which also keeps the window ([`TrainingLoop::window`])
-//! and the requests' deadlines: this adapter writes every send it is given and wakes the
-//! round at its `poll_timeout`, as the runtime's round loop does. The gradients are a
-//! function of (rank, clock, block) chosen by the run, so a test knows the exact final
-//! parameters. With a [`TableTraining`], each iteration's tensor round is followed by a
-//! row round that pushes gradient rows to an embedding table (every block of it, as the
-//! client's `push_rows`), planned again when a block of the table is split under it.
+//! It does what the `elasticps worker` loop does over the runtime's `Client`: register,
+//! define the model, pull clock 0, then per iteration compute (a modelled time) and push
+//! the gradients of clock t while pulling clock t + 1, fused into one push_pull per block
+//! if [`TrainingLoop::fuse`] (the last iteration of workers other than rank 0 only
+//! pushes), tell the scheduler it is done. Its link to the scheduler is a
+//! [`session::Session`] (heartbeats, redial, reattach, calls made again). Every rule of
+//! the worker's connections is the client machine's: this driver only dials and writes
+//! on simulated links what it is told, hands back frames, closes and timeouts, and wakes
+//! the machine at its `poll_timeout`, as the runtime's driver does on sockets. The
+//! gradients are a function of (rank, clock, block) chosen by the run, so a test knows
+//! the exact final parameters. With a [`TableTraining`], each iteration's tensor round is
+//! followed by a row round that pushes gradient rows to an embedding table (every block
+//! of it, as the client's `push_rows`), planned again when a block of the table is split
+//! under it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 
 use elasticps_core::model::{BlockId, TableSpec, TensorSpec};
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Control, Credential, Layout, Message, Values};
+use elasticps_wire::{Control, Credential, Message, Values};
 
 use crate::cluster::{Outbox, Role};
 use crate::link::SchedLink;
 use crate::net::{LostWhy, NodeId};
-use elasticps_node::ConnId;
-use elasticps_node::NodeError;
 use elasticps_node::session::{self, REATTACH_ID};
-use elasticps_node::worker::{self, Action, HelloAnswer, Op, PushOp, Round, RoundEvent, RowsOp, Worker};
+use elasticps_node::worker::{Client, ClientEvent, Effect, Finished, Op, PushOp, RowsOp, Worker};
+use elasticps_node::{ConnId, Machine};
 
 pub use elasticps_node::timing::WORKER_STATS_US;
 
@@ -35,8 +36,6 @@ pub use elasticps_node::timing::WORKER_STATS_US;
 const SESSION: u64 = 0;
 const COMPUTE_DONE: u64 = 1;
 const WAKE: u64 = 2;
-/// Say Hello again to server `id`: this plus `id`.
-const HELLO_AGAIN: u64 = 1 << 32;
 
 /// Request ids on the scheduler's connection (the plan's tags are >= 2^32).
 const REGISTER: u64 = 1;
@@ -44,8 +43,6 @@ const DEFINE: u64 = 2;
 const DONE: u64 = 3;
 const START: u64 = 4;
 const FIRST_LAYOUT_CALL: u64 = 16;
-/// Request id of Hello on a server's connection.
-const HELLO: u64 = 1;
 
 /// What the simulated training loop does.
 pub struct TrainingLoop {
@@ -142,13 +139,6 @@ pub struct WorkerRecord {
     pub recuts: u64,
 }
 
-/// A server connection whose `Hello` is not accepted yet.
-#[derive(Debug)]
-struct Hello {
-    first_us: u64,
-    held: Vec<(u64, Message)>,
-}
-
 /// A simulated worker process.
 pub struct WorkerRole {
     work: TrainingLoop,
@@ -160,21 +150,14 @@ pub struct WorkerRole {
     rejoin: Option<u32>,
     /// The first clock (0; a rejoined worker's is the scheduler's answer).
     start: Clock,
-    plan: Option<Worker>,
-    layout: Option<Layout>,
-    servers: BTreeMap<u32, ConnId>,
-    /// Servers whose `Hello` is not accepted yet: when it was first said, and the requests
-    /// for them held back until then (the runtime's client connects before it writes).
-    hellos: BTreeMap<u32, Hello>,
-    /// Row rounds of the current call planned again after a split ([`worker::replan_rows`]).
-    row_recuts: u32,
-    /// The round's wake-up timer is set for this time (a later `poll_timeout` is set when
-    /// it fires).
+    /// The client machine: connections, layout, `Hello`, the round ([`Client`]).
+    client: Option<Client>,
+    /// The client's connections and the simulated links carrying them, both ways.
+    links: BTreeMap<ConnId, ConnId>,
+    by_link: HashMap<ConnId, ConnId>,
+    /// The wake-up timer is set for this time (a later `poll_timeout` is set when it
+    /// fires).
     armed: Option<u64>,
-    /// Some server left the layout while requests to it were in flight: close its
-    /// connection once they are answered (at the end of the round).
-    departed: bool,
-    round: Option<Round>,
     all: Vec<bool>,
     next_call: u64,
     round_started_us: u64,
@@ -203,14 +186,10 @@ impl WorkerRole {
             credential: None,
             rejoin: None,
             start: 0,
-            plan: None,
-            layout: None,
-            servers: BTreeMap::new(),
-            hellos: BTreeMap::new(),
-            row_recuts: 0,
+            client: None,
+            links: BTreeMap::new(),
+            by_link: HashMap::new(),
             armed: None,
-            departed: false,
-            round: None,
             all,
             next_call: FIRST_LAYOUT_CALL,
             round_started_us: 0,
@@ -221,7 +200,7 @@ impl WorkerRole {
     }
 
     /// A lost scheduler is redialled for `us`: the worker reattaches (`ReattachWorker`)
-    /// and makes its unanswered calls again, as the runtime's client does ([`Session`]).
+    /// and makes its unanswered calls again, as every node's [`session::Session`] does.
     /// Its data traffic goes on meanwhile.
     pub fn with_scheduler_retry(mut self, us: u64) -> Self {
         self.link = SchedLink::new(us, SESSION);
@@ -271,7 +250,8 @@ impl WorkerRole {
         }
         tracing::debug!(rank = ?self.rank, %why, "simulated worker fails");
         self.stage = Stage::Failed(why);
-        for conn in self.link.conn().into_iter().chain(std::mem::take(&mut self.servers).into_values()) {
+        self.by_link.clear();
+        for conn in self.link.conn().into_iter().chain(std::mem::take(&mut self.links).into_values()) {
             out.close(conn);
         }
     }
@@ -280,89 +260,112 @@ impl WorkerRole {
         self.session(out, session::Event::Send { request_id, msg });
     }
 
-    /// Connects to the layout's new servers and drops the ones that left it.
-    fn install(&mut self, out: &mut Outbox<'_>, layout: Layout) {
-        let Some(credential) = self.credential.clone() else { return };
-        for s in &layout.servers {
-            if self.servers.contains_key(&s.id) {
-                continue;
-            }
-            let Some(node) = NodeId::from_addr(&s.addr) else { continue };
-            let conn = out.connect(node);
-            out.send(conn, HELLO, Control::Hello { credential: credential.clone() }.into());
-            self.servers.insert(s.id, conn);
-            self.hellos.insert(s.id, Hello { first_us: out.now_us(), held: Vec::new() });
-        }
-        self.layout = Some(layout);
-        self.drop_departed(out);
+    /// Hands the client `event` now and carries out what it asks.
+    fn drive(&mut self, out: &mut Outbox<'_>, event: ClientEvent<'_>) {
+        let Some(client) = self.client.as_mut() else { return };
+        let mut effects = Vec::new();
+        client.handle(out.now_us(), event, &mut effects);
+        self.carry_out(out, effects);
     }
 
-    /// Closes the connections of servers that left the layout, but not while requests
-    /// to them are in flight: as the runtime's client, whose dropped connection still
-    /// reads the answers (a drained server answers its parked requests `Moved`).
-    fn drop_departed(&mut self, out: &mut Outbox<'_>) {
-        let Some(layout) = self.layout.as_ref() else { return };
-        let round = self.round.as_ref();
-        let gone: Vec<(u32, ConnId)> = self
-            .servers
-            .iter()
-            .filter(|(id, _)| !layout.servers.iter().any(|s| s.id == **id))
-            .map(|(id, conn)| (*id, *conn))
-            .collect();
-        self.departed = false;
-        for (id, conn) in gone {
-            if round.is_some_and(|r| r.in_flight_to(id) > 0) {
-                self.departed = true;
-                continue;
+    /// Carries out the client's effects: dials and writes on simulated links (a write on
+    /// a closed link is that connection closed), asks the scheduler for layouts, and
+    /// moves the training loop on when a round ends.
+    fn carry_out(&mut self, out: &mut Outbox<'_>, effects: Vec<Effect>) {
+        let mut todo = VecDeque::from(effects);
+        while let Some(effect) = todo.pop_front() {
+            if matches!(self.stage, Stage::Done | Stage::Failed(_)) {
+                return;
             }
-            self.servers.remove(&id);
-            self.hellos.remove(&id);
-            out.close(conn);
+            let mut closed = None;
+            match effect {
+                Effect::Dial { conn, addr, .. } => match NodeId::from_addr(&addr) {
+                    Some(node) => {
+                        let link = out.connect(node);
+                        self.links.insert(conn, link);
+                        self.by_link.insert(link, conn);
+                        let Some(client) = self.client.as_mut() else { return };
+                        let mut more = Vec::new();
+                        client.handle(out.now_us(), ClientEvent::Dialled { conn }, &mut more);
+                        todo.extend(more);
+                    }
+                    None => closed = Some(conn),
+                },
+                Effect::Send { conn, request_id, msg } => {
+                    if !self.links.get(&conn).is_some_and(|l| out.send(*l, request_id, msg)) {
+                        closed = Some(conn);
+                    }
+                }
+                Effect::Request { conn, tag, block, op, .. } => {
+                    let msg = self.message(&block, op);
+                    if !self.links.get(&conn).is_some_and(|l| out.send(*l, tag, msg)) {
+                        closed = Some(conn);
+                    }
+                }
+                Effect::Close { conn } => {
+                    if let Some(link) = self.links.remove(&conn) {
+                        self.by_link.remove(&link);
+                        out.close(link);
+                    }
+                }
+                Effect::RefreshLayout => {
+                    self.record.refreshes += 1;
+                    let id = self.next_call;
+                    self.next_call += 1;
+                    self.call_scheduler(out, id, Control::GetLayout.into());
+                }
+                Effect::RoundDone(finished) => self.round_done(out, finished),
+                Effect::Replan { .. } => {
+                    self.record.recuts += 1;
+                    self.start_rows(out);
+                }
+                Effect::Answered(_) => {}
+                Effect::Failed(e) => self.fail(out, e.to_string()),
+            }
+            if let Some(conn) = closed {
+                if let Some(link) = self.links.remove(&conn) {
+                    self.by_link.remove(&link);
+                }
+                let Some(client) = self.client.as_mut() else { return };
+                let mut more = Vec::new();
+                client.handle(out.now_us(), ClientEvent::Closed { conn }, &mut more);
+                todo.extend(more);
+            }
+        }
+        self.arm(out);
+    }
+
+    /// The message of a round's request: `op` of `block`, with this worker's gradient.
+    fn message(&mut self, block: &elasticps_core::model::BlockSpec, op: Op) -> Message {
+        let rank = self.rank.unwrap_or(0);
+        match op {
+            Op::Push(clock) => {
+                let g = (self.work.grad)(rank, clock, block.id);
+                Message::Push { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
+            }
+            Op::Init => Message::Init { block: block.id, values: Values::from_vec(vec![0.0; block.len]) },
+            Op::Pull(clock) => Message::Pull { block: block.id, clock },
+            Op::PushPull(clock) => {
+                let g = (self.work.grad)(rank, clock, block.id);
+                Message::PushPull { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
+            }
+            Op::PushRows(clock) => self.row_push(rank, clock, block),
+            Op::PullRows(clock) => Message::PullRows { block: block.id, clock, ids: Default::default() },
         }
     }
 
     /// Starts the row round of the current stage ([`TableTraining`]).
     fn start_rows(&mut self, out: &mut Outbox<'_>) {
-        let (Some(plan), Some(layout), Stage::PushingRows(t)) = (self.plan.as_mut(), self.layout.as_ref(), &self.stage)
-        else {
-            return;
-        };
-        match plan.start_rows(out.now_us(), layout, 0, RowsOp::Push(*t), &|_| true) {
-            Ok((round, actions)) => {
-                self.round = Some(round);
-                self.on_round_result(out, Ok(actions));
-            }
+        let (Some(client), Stage::PushingRows(t)) = (self.client.as_mut(), &self.stage) else { return };
+        let mut effects = Vec::new();
+        match client.start_rows(out.now_us(), 0, RowsOp::Push(*t), &|_| true, &mut effects) {
+            Ok(()) => self.carry_out(out, effects),
             Err(e) => self.fail(out, e.to_string()),
         }
     }
 
-    /// A block of the table was split under the row round: the connections with requests
-    /// of it in flight start afresh (their late replies are not the next round's, the
-    /// runtime's rule too), and the round is planned again from the refreshed layout (what
-    /// blocks already took are duplicates there), as often as
-    /// [`worker::replan_rows`] allows.
-    fn recut(&mut self, out: &mut Outbox<'_>) {
-        self.row_recuts += 1;
-        if let Err(e) = worker::replan_rows(0, self.row_recuts) {
-            return self.fail(out, e.to_string());
-        }
-        let Some(round) = self.round.take() else { return };
-        let busy: Vec<u32> = self.servers.keys().copied().filter(|id| round.in_flight_to(*id) > 0).collect();
-        for id in busy {
-            self.hellos.remove(&id);
-            if let Some(conn) = self.servers.remove(&id) {
-                out.close(conn);
-            }
-        }
-        if let Some(layout) = self.layout.clone() {
-            self.install(out, layout);
-        }
-        self.start_rows(out);
-    }
-
     /// Starts the round of the current stage.
     fn start_round(&mut self, out: &mut Outbox<'_>) {
-        let (Some(plan), Some(layout)) = (self.plan.as_mut(), self.layout.as_ref()) else { return };
         let (push, pull) = match self.stage {
             Stage::Starting => (None, Some(self.start)),
             Stage::Communicating(t) => {
@@ -371,78 +374,24 @@ impl WorkerRole {
             }
             _ => return,
         };
+        let Some(client) = self.client.as_mut() else { return };
         self.round_started_us = out.now_us();
         let all = &self.all[..];
-        match plan.start(out.now_us(), layout, push.map(|p| (p, all)), pull.map(|c| (c, all))) {
-            Ok((round, actions)) => {
-                self.round = Some(round);
-                self.on_round_result(out, Ok(actions));
-            }
+        let mut effects = Vec::new();
+        match client.start(out.now_us(), push.map(|p| (p, all)), pull.map(|c| (c, all)), &mut effects) {
+            Ok(_) => self.carry_out(out, effects),
             Err(e) => self.fail(out, e.to_string()),
         }
     }
 
-    /// Writes the round's sends (a send to a server without a connection, or whose
-    /// connection is closed, is handed back as that server lost) and asks for layouts.
-    fn carry_out(&mut self, out: &mut Outbox<'_>, actions: Vec<Action>) {
-        let rank = self.rank.unwrap_or(0);
-        let mut todo = std::collections::VecDeque::from(actions);
-        while let Some(action) = todo.pop_front() {
-            match action {
-                Action::Send { tag, server, block, op } => {
-                    let msg = match op {
-                        Op::Push(clock) => {
-                            let g = (self.work.grad)(rank, clock, block.id);
-                            Message::Push { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
-                        }
-                        Op::Init => Message::Init { block: block.id, values: Values::from_vec(vec![0.0; block.len]) },
-                        Op::Pull(clock) => Message::Pull { block: block.id, clock },
-                        Op::PushPull(clock) => {
-                            let g = (self.work.grad)(rank, clock, block.id);
-                            Message::PushPull { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
-                        }
-                        Op::PushRows(clock) => self.row_push(rank, clock, &block),
-                        Op::PullRows(clock) => Message::PullRows { block: block.id, clock, ids: Default::default() },
-                    };
-                    if let Some(hello) = self.hellos.get_mut(&server) {
-                        hello.held.push((tag, msg));
-                        continue;
-                    }
-                    let conn = self.servers.get(&server).copied();
-                    if !conn.is_some_and(|conn| out.send(conn, tag, msg)) {
-                        // Closed (or never connected): the plan resends after a refresh.
-                        let Some(round) = self.round.as_mut() else { return };
-                        match round.handle(out.now_us(), RoundEvent::ServerLost { server }) {
-                            Ok(more) => todo.extend(more),
-                            Err(e) => return self.fail(out, e.to_string()),
-                        }
-                    }
-                }
-                Action::RefreshLayout => {
-                    self.record.refreshes += 1;
-                    let id = self.next_call;
-                    self.next_call += 1;
-                    self.call_scheduler(out, id, Control::GetLayout.into());
-                }
-            }
-        }
-    }
-
-    /// Sets the timer for the round's `poll_timeout`, unless one is set for earlier (that
+    /// Sets the timer for the client's `poll_timeout`, unless one is set for earlier (that
     /// one sets the next when it fires).
     fn arm(&mut self, out: &mut Outbox<'_>) {
-        let Some(at) = self.round.as_ref().and_then(Round::poll_timeout) else { return };
+        let Some(at) = self.client.as_ref().and_then(Machine::poll_timeout) else { return };
         if self.armed.is_none_or(|armed| at < armed) {
             self.armed = Some(at);
             out.wake_at(at, WAKE);
         }
-    }
-
-    /// Hands the round `event` now and carries out what it returns.
-    fn hand(&mut self, out: &mut Outbox<'_>, event: RoundEvent<'_>) {
-        let Some(round) = self.round.as_mut() else { return };
-        let result = round.handle(out.now_us(), event);
-        self.on_round_result(out, result);
     }
 
     /// The `PushRows` of row block `block` at `clock`: the step's rows in its range
@@ -485,43 +434,17 @@ impl WorkerRole {
         }
     }
 
-    fn on_round_result(&mut self, out: &mut Outbox<'_>, result: elasticps_node::Result<Vec<Action>>) {
-        match result {
-            Err(NodeError::Recut { block }) if matches!(self.stage, Stage::PushingRows(_)) => {
-                tracing::debug!(rank = ?self.rank, block, "row round planned again after a split");
-                self.record.recuts += 1;
-                self.recut(out);
-            }
-            Ok(actions) => {
-                self.carry_out(out, actions);
-                if matches!(self.stage, Stage::Failed(_)) {
-                    return;
-                }
-                self.arm(out);
-                self.maybe_round_done(out);
-            }
-            Err(e) => self.fail(out, e.to_string()),
-        }
-    }
-
-    fn maybe_round_done(&mut self, out: &mut Outbox<'_>) {
-        if !self.round.as_ref().is_some_and(Round::is_done) {
-            return;
-        }
-        let (Some(round), Some(plan)) = (self.round.take(), self.plan.as_mut()) else { return };
+    /// A round ended: its waits recorded, its load report sent, the training loop on.
+    fn round_done(&mut self, out: &mut Outbox<'_>, finished: Finished) {
         let now = out.now_us();
-        for (server, us) in round.waited() {
+        for (server, us) in finished.waited {
             let w = &mut self.record.wait_us_by_server;
             if w.len() <= server as usize {
                 w.resize(server as usize + 1, 0);
             }
             w[server as usize] += us;
         }
-        let report = plan.finish(now, round);
-        if self.departed {
-            self.drop_departed(out);
-        }
-        if let Some(report) = report {
+        if let Some(report) = finished.report {
             self.call_scheduler(out, 0, Control::WorkerLoad(report).into());
         }
         match self.stage {
@@ -530,14 +453,11 @@ impl WorkerRole {
                 if self.start < self.work.iterations {
                     self.compute(out, self.start);
                 } else {
-                    self.stage = Stage::Finishing;
-                    let rank = self.rank.unwrap_or(0);
-                    self.call_scheduler(out, DONE, Control::WorkerDone { rank }.into());
+                    self.finish(out);
                 }
             }
             Stage::Communicating(t) if self.work.table.is_some() => {
                 self.stage = Stage::PushingRows(t);
-                self.row_recuts = 0;
                 self.start_rows(out);
             }
             Stage::Communicating(t) | Stage::PushingRows(t) => {
@@ -546,37 +466,18 @@ impl WorkerRole {
                 if t + 1 < self.work.iterations {
                     self.compute(out, t + 1);
                 } else {
-                    self.stage = Stage::Finishing;
-                    let rank = self.rank.unwrap_or(0);
-                    self.call_scheduler(out, DONE, Control::WorkerDone { rank }.into());
+                    self.finish(out);
                 }
             }
             _ => {}
         }
     }
 
-    /// A server answered `Hello` on `conn`: what it means is the node layer's rule
-    /// ([`worker::hello_answer`]); once accepted, the requests held back for it go out.
-    fn on_hello_answer(&mut self, out: &mut Outbox<'_>, conn: ConnId, msg: &Message) {
-        let Some(id) = self.servers.iter().find(|(_, c)| **c == conn).map(|(id, _)| *id) else { return };
-        let Some(hello) = self.hellos.get(&id) else { return };
-        match worker::hello_answer(id, msg, out.now_us().saturating_sub(hello.first_us)) {
-            HelloAnswer::Accepted => {
-                for (tag, msg) in self.hellos.remove(&id).map(|h| h.held).unwrap_or_default() {
-                    out.send(conn, tag, msg);
-                }
-            }
-            HelloAnswer::Again { after_us } => out.wake_at(out.now_us() + after_us, HELLO_AGAIN + u64::from(id)),
-            HelloAnswer::Refused(e) => self.fail(out, e.to_string()),
-        }
-    }
-
-    /// Says `Hello` again to server `id`, if it still waits for one.
-    fn hello_again(&mut self, out: &mut Outbox<'_>, id: u32) {
-        let (Some(conn), Some(credential)) = (self.servers.get(&id), self.credential.clone()) else { return };
-        if self.hellos.contains_key(&id) {
-            out.send(*conn, HELLO, Control::Hello { credential }.into());
-        }
+    /// Tells the scheduler this worker is done.
+    fn finish(&mut self, out: &mut Outbox<'_>) {
+        self.stage = Stage::Finishing;
+        let rank = self.rank.unwrap_or(0);
+        self.call_scheduler(out, DONE, Control::WorkerDone { rank }.into());
     }
 
     fn compute(&mut self, out: &mut Outbox<'_>, t: u32) {
@@ -594,10 +495,11 @@ impl WorkerRole {
             return;
         }
         match (request_id, msg) {
-            (REGISTER, Message::Control(Control::Welcome { node_id, .. })) => {
+            (REGISTER, Message::Control(Control::Welcome { node_id, credential, .. })) => {
                 self.rank = Some(node_id);
                 let plan = Worker::new(node_id, self.work.timeout_us, WORKER_STATS_US, out.now_us());
-                self.plan = Some(plan.with_fusion(self.work.fuse).with_window(self.work.window));
+                let plan = plan.with_fusion(self.work.fuse).with_window(self.work.window);
+                self.client = Some(Client::new(plan, credential));
                 self.stage = Stage::Defining;
                 let tensors = self.work.tensors.clone();
                 let tables = self.work.table.iter().map(|t| t.spec.clone()).collect();
@@ -608,7 +510,7 @@ impl WorkerRole {
                 );
             }
             (DEFINE, Message::Control(Control::Layout(layout))) => {
-                self.install(out, layout);
+                self.drive(out, ClientEvent::Layout(Arc::new(layout)));
                 if self.rejoin.is_some() {
                     // Where the job is: the clock to go on from.
                     self.call_scheduler(out, START, Control::GetStartClock.into());
@@ -624,8 +526,9 @@ impl WorkerRole {
             }
             (DONE, _) => {
                 self.stage = Stage::Done;
-                for conn in std::mem::take(&mut self.servers).into_values() {
-                    out.close(conn);
+                self.by_link.clear();
+                for link in std::mem::take(&mut self.links).into_values() {
+                    out.close(link);
                 }
             }
             (0, Message::Control(Control::Shutdown { reason })) => {
@@ -634,23 +537,11 @@ impl WorkerRole {
                 }
             }
             (id, Message::Control(Control::Layout(layout))) if id >= FIRST_LAYOUT_CALL => {
-                self.install(out, layout);
-                let (Some(round), Some(layout)) = (self.round.as_mut(), self.layout.as_ref()) else { return };
-                let result = round.handle(out.now_us(), RoundEvent::Layout(layout));
-                self.on_round_result(out, result);
+                self.drive(out, ClientEvent::Layout(Arc::new(layout)));
             }
-            (0, msg) => {
-                // A failover: the lost servers are closed connections, whose host may be
-                // silent (no close would come).
-                for id in session::servers_lost(&msg, self.servers.keys().copied()) {
-                    if let Some(conn) = self.servers.remove(&id) {
-                        out.close(conn);
-                    }
-                    // Its Hello is never answered: nothing waits behind it any more.
-                    self.hellos.remove(&id);
-                    self.hand(out, RoundEvent::ServerLost { server: id });
-                }
-            }
+            // A failover: the lost servers are closed connections, whose host may be
+            // silent (no close would come).
+            (0, msg) => self.drive(out, ClientEvent::Failover(&msg)),
             (id, other) => self.fail(out, format!("the scheduler answered call {id} with {:?}", other.kind())),
         }
     }
@@ -673,36 +564,31 @@ impl Role for WorkerRole {
         if self.link.is(conn) {
             return self.on_scheduler_message(out, request_id, msg);
         }
-        if !self.servers.values().any(|c| *c == conn) {
+        let Some(&conn) = self.by_link.get(&conn) else {
             // A connection this worker closed (a lost or departed server): what was still
             // on its way is never read, as a runtime's dropped connection's.
             return;
-        }
-        if request_id == HELLO {
-            return self.on_hello_answer(out, conn, &msg);
-        }
-        let Some(round) = self.round.as_mut() else {
-            return self.fail(out, format!("a reply ({:?}) arrived outside a round", msg.kind()));
         };
-        match &msg {
-            Message::PushAck { .. } => self.record.pushes_acked += 1,
-            Message::PullReply { .. } => {
-                // A push_pull's reply acknowledges its push too, unless its push was
-                // acknowledged on its own (its pull held).
-                if matches!(round.op_of(request_id), Some(Op::PushPull(_))) && !round.is_held(request_id) {
-                    self.record.pushes_acked += 1;
+        if let Some(round) = self.client.as_ref().and_then(Client::round) {
+            match &msg {
+                Message::PushAck { .. } => self.record.pushes_acked += 1,
+                Message::PullReply { .. } => {
+                    // A push_pull's reply acknowledges its push too, unless its push was
+                    // acknowledged on its own (its pull held).
+                    if matches!(round.op_of(request_id), Some(Op::PushPull(_))) && !round.is_held(request_id) {
+                        self.record.pushes_acked += 1;
+                    }
+                    self.record.pulls_answered += 1;
                 }
-                self.record.pulls_answered += 1;
+                _ => {}
             }
-            _ => {}
         }
-        self.hand(out, RoundEvent::Reply { tag: request_id, msg: &msg });
+        self.drive(out, ClientEvent::Frame { conn, request_id, msg: &msg });
     }
 
     fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
         if matches!(self.stage, Stage::Done | Stage::Failed(_)) || why == LostWhy::ClosedHere {
-            // ClosedHere: a connection this worker closed itself (a server that left its
-            // layout); nothing is asked of it any more.
+            // ClosedHere: a connection this worker closed itself; nothing is asked of it.
             return;
         }
         if self.link.is(conn) {
@@ -710,13 +596,9 @@ impl Role for WorkerRole {
             tracing::debug!(rank = ?self.rank, ?why, "simulated worker lost the scheduler");
             return self.session(out, session::Event::Lost);
         }
-        let Some(id) = self.servers.iter().find(|(_, c)| **c == conn).map(|(id, _)| *id) else { return };
-        // A server that left (a drained server after its linger, or one this worker's
-        // stale layout still named): what it did not answer goes, after a layout refresh,
-        // to the owner named then; a later layout naming it connects again.
-        self.servers.remove(&id);
-        self.hellos.remove(&id);
-        self.hand(out, RoundEvent::ServerLost { server: id });
+        let Some(conn) = self.by_link.remove(&conn) else { return };
+        self.links.remove(&conn);
+        self.drive(out, ClientEvent::Closed { conn });
     }
 
     fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
@@ -735,12 +617,11 @@ impl Role for WorkerRole {
                 if self.armed.is_some_and(|at| at <= out.now_us()) {
                     self.armed = None;
                 }
-                match self.round.as_ref().and_then(Round::poll_timeout) {
-                    Some(at) if at <= out.now_us() => self.hand(out, RoundEvent::Timeout),
+                match self.client.as_ref().and_then(Machine::poll_timeout) {
+                    Some(at) if at <= out.now_us() => self.drive(out, ClientEvent::Timeout),
                     _ => self.arm(out),
                 }
             }
-            again if again >= HELLO_AGAIN => self.hello_again(out, (again - HELLO_AGAIN) as u32),
             _ => {}
         }
     }

@@ -37,6 +37,9 @@ pub enum NodeError {
         /// The block that was split.
         block: u32,
     },
+    /// A peer's connection closed (or could not be opened) before it answered.
+    #[error("connection closed: {0}")]
+    Closed(String),
     /// A wait ran out of time: a request unanswered past its deadline.
     #[error("timed out after {:.1} s: {what}", *.after_us as f64 / 1e6)]
     Timeout {

@@ -15,9 +15,10 @@
 //!   job; one module per family of messages behind a thin dispatch.
 //! - [`server`]: block slots (serving, copying, frozen, gone), pushes and pulls under
 //!   the sync policy, live migration of a block (both ends), replication, load reports.
-//! - [`worker`]: the worker's round as a plan (which blocks to push and pull where, what
-//!   to resend after `Moved`), its window per server and its requests' deadlines, and
-//!   its load report.
+//! - [`worker`]: the worker's client (its connections, layout, `Hello`, calls and their
+//!   retries) and the round inside it as a plan (which blocks to push and pull where,
+//!   what to resend after `Moved`), its window per server and its requests' deadlines,
+//!   and its load report.
 //! - [`session`]: every node's link to the scheduler: heartbeats, the redial of a lost
 //!   scheduler with backoff, the reattach, the calls made again (in the order made).
 //! - [`agent`]: the host agent of a job across hosts (`elasticps launch --rdzv`): its

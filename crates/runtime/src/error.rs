@@ -133,6 +133,7 @@ impl From<elasticps_node::NodeError> for RuntimeError {
                 RuntimeError::Timeout { what, after: Duration::from_micros(after_us) }
             }
             NodeError::Recut { block } => RuntimeError::Recut { block },
+            NodeError::Closed(peer) => RuntimeError::Closed(peer),
         }
     }
 }

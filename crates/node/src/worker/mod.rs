@@ -47,11 +47,17 @@
 //! has the same epoch (the server answered before the scheduler published the move) the
 //! plan first waits a little (its [`Round::poll_timeout`]).
 //!
+//! - [`Client`]: the worker's client as one machine (`client.rs`): its connections to the
+//!   servers (dial, `Hello`, stale ones dropped), the layout it installs, the round below
+//!   run inside it, and the calls outside a round with their retries ([`Target`],
+//!   `call.rs`). The runtime's client and the harness's worker only drive it.
 //! - [`Round`]: one round's plan (`round.rs`), with its window and deadlines (`window.rs`).
 //! - [`LoadReport`]: iterations and per-server costs, reported every stats interval.
 //! - [`hello_answer`], [`replan_rows`]: the connection rules every driver of a worker
 //!   follows (`NotReady` to `Hello`, a row round planned again after a split).
 
+mod call;
+mod client;
 mod conn;
 mod load;
 mod round;
@@ -63,6 +69,8 @@ use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
 use elasticps_wire::{Kind, Layout, Message, WorkerLoad};
 
+pub use call::{MAX_MOVES, Target};
+pub use client::{Client, Effect, Event as ClientEvent, Finished, HELLO_ID};
 pub use conn::{HelloAnswer, MAX_RECUTS, hello_answer, replan_rows};
 pub use load::{Iteration, LoadReport};
 pub use round::{Answer, Round};

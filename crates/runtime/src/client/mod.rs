@@ -15,10 +15,12 @@
 //! resends only the moved blocks, there at once when it knows that server, else after
 //! refreshing the layout from the scheduler (the plan decides which).
 //!
-//! What a round sends where, when (its window per server, its deadlines), and what it
-//! resends, is the plan of [`elasticps_node::worker`]. This module holds the user's API;
-//! `round.rs` carries a round out (connections, tensor bytes in and out of messages, the
-//! layout refresh), `server_conn.rs` holds one server's connection.
+//! Which servers to connect to, what to say first, what a round sends where and when (its
+//! window per server, its deadlines), what it resends, and how a call outside a round
+//! follows `Moved` and waits out `NotReady`, is the client machine of
+//! [`elasticps_node::worker::Client`]. This module holds the user's API; `round.rs` is
+//! the driver loop that carries the machine's effects out, `frames.rs` the bytes of
+//! requests and replies, `server_conn.rs` one server's connection.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,13 +29,15 @@ use std::time::Duration;
 use elasticps_core::model::{TableSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
+use elasticps_node::ConnId;
 use elasticps_node::timing::REQUEST_TIMEOUT_US;
-use elasticps_node::worker::{PushOp, RowsOp, Worker};
+use elasticps_node::worker::{self, Effect, PushOp, RowsOp, Target, Worker};
 use elasticps_wire::{Codec, Control, Credential, Layout, Message};
 
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 
+mod frames;
 mod opt_state;
 mod round;
 mod rows;
@@ -109,18 +113,17 @@ pub struct Client {
     num_workers: u32,
     opts: ClientOptions,
     sched: SchedLink,
-    /// Shared so that a round can hold it while it mutates the client (cheap clone).
-    layout: Option<Arc<Layout>>,
-    /// The connections to the servers, read and written by the rounds themselves.
-    servers: HashMap<u32, ServerConn>,
-    /// The next request id (unique over every server connection; also their serials).
-    next_request: u64,
+    /// The connections to the servers the machine dialled, read and written by the
+    /// driver loop itself.
+    servers: HashMap<ConnId, ServerConn>,
     /// What the scheduler's connection said about the end of the job (see [`Ending`]).
     ending: tokio::sync::watch::Receiver<Ending>,
     waits: Waits,
-    /// The rounds' plans and the load report (the balancer's measurements).
-    worker: Worker,
-    /// The time handed to the plan.
+    /// The client machine: connections, layout, `Hello`, calls, the round and its plan.
+    machine: worker::Client,
+    /// The machine's effects, reused.
+    effects: Vec<Effect>,
+    /// The time handed to the machine.
     clock: Micros,
 }
 
@@ -163,16 +166,15 @@ impl Client {
             .with_window(opts.window);
         Ok(Client {
             rank,
+            machine: worker::Client::new(worker, credential.clone()),
             credential,
             num_workers,
             opts,
             sched,
-            layout: None,
             servers: HashMap::new(),
-            next_request: 1,
             ending,
             waits: Waits::default(),
-            worker,
+            effects: Vec::new(),
             clock,
         })
     }
@@ -202,7 +204,7 @@ impl Client {
 
     /// The model's layout (tensors, blocks, owners), once registered.
     pub fn layout(&self) -> Option<&Layout> {
-        self.layout.as_deref()
+        self.machine.layout().map(|l| &**l)
     }
 
     /// Time waited per server in the last pull or push.
@@ -240,8 +242,8 @@ impl Client {
                 "the scheduler to place the model (every server must join and load its blocks)".into()
             })
             .await?;
-        self.install_layout(reply, false).await?;
-        Ok(self.layout.as_ref().map(|l| &l.partition.tensors[..]).unwrap_or_default())
+        self.install_layout(reply).await?;
+        Ok(self.layout().map(|l| &l.partition.tensors[..]).unwrap_or_default())
     }
 
     /// The clock this job starts at: 0, or the clock of the checkpoint it resumed from
@@ -288,19 +290,15 @@ impl Client {
     pub async fn set_optimizer(&mut self, tensor: u32, optimizer: TensorOptimizer) -> Result<()> {
         let layout = self.current_layout()?;
         let msg = Message::from(Control::SetOptimizer { tensor, optimizer });
-        let what = |peer: &str| format!("{peer} to take the optimizer of tensor {tensor}");
-        match self.call_scheduler(msg.clone(), CALL_TIMEOUT, || what("the scheduler")).await? {
+        let what = || format!("the scheduler to take the optimizer of tensor {tensor}");
+        match self.call_scheduler(msg, CALL_TIMEOUT, what).await? {
             Message::Control(Control::Ok) => {}
             other => return Err(RuntimeError::unexpected("scheduler", "Ok", &other)),
         }
         for s in &layout.servers {
             let name = format!("server {}", s.id);
-            let id = self.next_request;
-            self.next_request += 1;
-            let conn = self.conn(s.id)?.ok_or_else(|| RuntimeError::Closed(name.clone()))?;
-            match conn.call(id, msg.clone(), CALL_TIMEOUT, || what(&name)).await? {
+            match self.server_call(Target::Server(s.id), Control::SetOptimizer { tensor, optimizer }).await? {
                 Message::Control(Control::Ok) => {}
-                Message::Error(reply) => return Err(RuntimeError::Remote { peer: name, reply }),
                 other => return Err(RuntimeError::unexpected(&name, "Ok", &other)),
             }
         }
@@ -309,7 +307,7 @@ impl Client {
 
     /// Fresh zeroed buffers shaped like the model's tensors, for [`Client::pull`].
     pub fn zeros(&self) -> Vec<Vec<f32>> {
-        self.layout.as_ref().map_or_else(Vec::new, |l| l.partition.tensors.iter().map(|t| vec![0.0; t.len()]).collect())
+        self.layout().map_or_else(Vec::new, |l| l.partition.tensors.iter().map(|t| vec![0.0; t.len()]).collect())
     }
 
     /// Pulls every tensor at clock `clock` into `params` (shaped like [`Client::zeros`]).
@@ -374,7 +372,7 @@ impl Client {
     /// The model's table `name`: its index (what [`Client::pull_rows`] and
     /// [`Client::push_rows`] take) and spec.
     pub fn table(&self, name: &str) -> Option<(u32, &TableSpec)> {
-        self.layout.as_ref()?.partition.table(name)
+        self.layout()?.partition.table(name)
     }
 
     /// Pulls rows `ids` of table `table` (its index) at clock `clock` into `out`, row after
@@ -407,10 +405,9 @@ impl Client {
 
     /// One row operation of table `table` at `clock`, planned from the current model and,
     /// when a block of the table was split while it ran, planned and sent again from the
-    /// refreshed one (the blocks that took it answer duplicates), as often as
-    /// [`elasticps_node::worker::replan_rows`] allows.
+    /// refreshed one (the blocks that took it answer duplicates), as often as the machine
+    /// allows ([`elasticps_node::worker::replan_rows`]).
     async fn rows_call(&mut self, clock: Clock, table: u32, mut call: RowCall<'_>) -> Result<()> {
-        let mut recuts = 0;
         loop {
             let layout = self.current_layout()?;
             let done = match &mut call {
@@ -430,14 +427,10 @@ impl Client {
                     self.rows_round(table, RowsOp::Push(clock), &payloads, None).await
                 }
             };
-            match done {
-                Err(RuntimeError::Recut { block }) => {
-                    recuts += 1;
-                    elasticps_node::worker::replan_rows(table, recuts).map_err(RuntimeError::from)?;
-                    tracing::debug!(rank = self.rank, table, block, "row round again")
-                }
-                done => return done,
+            if done? {
+                return Ok(());
             }
+            tracing::debug!(rank = self.rank, table, "row round again");
         }
     }
 
@@ -473,7 +466,7 @@ impl Client {
 
     /// The layout, or the error for a client that has not registered the model.
     fn current_layout(&self) -> Result<Arc<Layout>> {
-        self.layout.clone().ok_or_else(|| RuntimeError::Usage("register_model first".into()))
+        self.machine.layout().cloned().ok_or_else(|| RuntimeError::Usage("register_model first".into()))
     }
 
     /// Checks (without allocating: this is on every push and pull) that `lens` has one

@@ -5,19 +5,11 @@
 
 use elasticps_core::model::BlockSpec;
 use elasticps_core::optimizer::OptState;
-use std::time::Duration;
-
-use elasticps_node::timing::BLOCK_BUSY_RETRY_US;
-use elasticps_wire::{Control, ErrorCode, Message};
+use elasticps_node::worker::Target;
+use elasticps_wire::{Control, Message};
 
 use super::Client;
-use crate::CALL_TIMEOUT;
 use crate::error::{Result, RuntimeError};
-
-/// Layout refreshes a call follows (`Moved`) before it gives up.
-const MOVES: usize = 8;
-/// How long a call waits before it asks a migrating block again.
-const RETRY: Duration = Duration::from_micros(BLOCK_BUSY_RETRY_US);
 
 impl Client {
     /// The optimizer state of tensor `tensor` (its index in the model): its steps, and its
@@ -103,42 +95,11 @@ impl Client {
         Ok(blocks)
     }
 
-    /// Sends `msg` about `block` to its owner and returns the reply, following `Moved`
-    /// with a layout refresh (at most [`MOVES`] times) and waiting out a migration
-    /// (`NotReady`, retried every [`RETRY`] for at most [`CALL_TIMEOUT`]).
+    /// Sends `msg` about `block` to its owner and returns the reply: the machine follows
+    /// `Moved` with a layout refresh and waits out a migration (`NotReady`)
+    /// ([`elasticps_node::worker::Target`]).
     async fn block_call(&mut self, block: u32, msg: Control) -> Result<Message> {
-        let deadline = tokio::time::Instant::now() + CALL_TIMEOUT;
-        let mut moves = 0;
-        loop {
-            let layout = self.current_layout()?;
-            let owner = layout.placement.owner(block).ok_or_else(|| RuntimeError::Protocol {
-                peer: "scheduler".into(),
-                what: format!("the layout places block {block} on no server"),
-            })?;
-            let id = self.next_request;
-            self.next_request += 1;
-            let name = format!("server {owner}");
-            let conn = self.conn(owner)?.ok_or_else(|| RuntimeError::Closed(name.clone()))?;
-            let what = || format!("{name} to answer {} of block {block}", msg.name());
-            match conn.call(id, Message::from(msg.clone()), CALL_TIMEOUT, what).await {
-                Ok(Message::Control(Control::Moved { .. })) if moves < MOVES => {
-                    moves += 1;
-                    let reply = self
-                        .call_scheduler(Control::GetLayout.into(), CALL_TIMEOUT, || {
-                            "the scheduler to send the layout".into()
-                        })
-                        .await?;
-                    self.install_layout(reply, false).await?;
-                }
-                Err(RuntimeError::Remote { reply, .. })
-                    if reply.code == ErrorCode::NotReady && tokio::time::Instant::now() < deadline =>
-                {
-                    tracing::debug!(rank = self.rank, block, why = %reply.message, "block busy; asking again");
-                    tokio::time::sleep(RETRY).await;
-                }
-                other => return other,
-            }
-        }
+        self.server_call(Target::Block(block), msg).await
     }
 }
 

@@ -1,119 +1,62 @@
 //! A worker's connection to one server, written and read by the task of the worker's own
-//! round: no reader task and no channel between the socket and the round, and a pull
-//! reply goes from the socket straight into the caller's tensor
+//! driver loop (`round.rs`): no reader task and no channel between the socket and the
+//! round, and a pull reply goes from the socket straight into the caller's tensor
 //! ([`crate::conn::FrameReader::payload_into`]).
 //!
-//! Nothing reads the connection between rounds: a server only answers requests, and a
-//! connection that closed meanwhile is found by the next round, which resends what it
-//! left unanswered (the plan's `on_lost`).
+//! Which connections exist, what is said on them first (`Hello`) and when one is dropped
+//! is the client machine's ([`elasticps_node::worker::Client`]); this only holds the
+//! socket, the round's requests in flight on it (where their replies go), and its writes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
-use elasticps_wire::{Codec, Control, Credential, FrameHeader, HEADER_LEN, Message, ServerAddr};
+use elasticps_wire::{Codec, FrameHeader, HEADER_LEN, Message};
 use futures::future::{AbortHandle, AbortRegistration, Abortable};
 
 use crate::conn::{self, FrameReader, Outbox, Writer};
-use crate::error::{Result, RuntimeError};
+use crate::error::Result;
 use elasticps_core::model::BlockSpec;
-use elasticps_node::worker::{self, HelloAnswer, Op, Tag};
+use elasticps_node::ConnId;
+use elasticps_node::worker::{Op, Tag};
 
-/// One server's connection, and the requests of the round in flight on it.
+/// One server's connection, and the round's requests in flight on it.
 pub(super) struct ServerConn {
     /// "server N", for errors.
     pub(super) name: String,
-    /// Tells this connection from a later one to the same server (a write that ends after
-    /// its connection was dropped is ignored).
-    pub(super) serial: u64,
     pub(super) reader: FrameReader,
     out: Outbox,
-    /// Requests in flight, by request id (unique in the client, not only here).
-    pub(super) pending: HashMap<u64, (Tag, Sent)>,
+    /// The round's requests in flight, by tag (their request id).
+    pub(super) pending: HashMap<Tag, Sent>,
     /// This connection's writes in flight, aborted when it is dropped.
     writes: Vec<AbortHandle>,
 }
 
 impl ServerConn {
-    /// Connects to server `s`, which must accept this worker's `Hello` (request id
-    /// `hello_id`).
-    pub(super) async fn connect(
-        s: &ServerAddr,
-        codec: Codec,
-        credential: &Credential,
-        serial: u64,
-        hello_id: u64,
-    ) -> Result<Self> {
-        let name = format!("server {}", s.id);
-        let (reader, out) = conn::connect(&s.addr, codec, name.clone()).await?;
-        let mut conn = ServerConn { name, serial, reader, out, pending: HashMap::new(), writes: Vec::new() };
-        // What the answer means is the node layer's rule (`NotReady`: say Hello again).
-        let started = std::time::Instant::now();
-        loop {
-            let hello = Control::Hello { credential: credential.clone() }.into();
-            let what = format!("{} to accept Hello", conn.name);
-            let reply = match conn.call(hello_id, hello, crate::CALL_TIMEOUT, || what).await {
-                Ok(reply) => reply,
-                Err(RuntimeError::Remote { reply, .. }) => Message::Error(reply),
-                Err(e) => return Err(e),
-            };
-            match worker::hello_answer(s.id, &reply, started.elapsed().as_micros() as u64) {
-                HelloAnswer::Accepted => return Ok(conn),
-                HelloAnswer::Again { after_us } => tokio::time::sleep(Duration::from_micros(after_us)).await,
-                HelloAnswer::Refused(e) => return Err(RuntimeError::from(e)),
-            }
-        }
+    /// Opens a connection to server `server` at `addr` (no `Hello`: the machine says it).
+    pub(super) async fn connect(server: u32, addr: &str, codec: Codec) -> Result<Self> {
+        let name = format!("server {server}");
+        let (reader, out) = conn::connect(addr, codec, name.clone()).await?;
+        Ok(ServerConn { name, reader, out, pending: HashMap::new(), writes: Vec::new() })
     }
 
-    /// True if no request of an earlier round waits for its reply here (a round that
-    /// failed half-way leaves some: their late replies would be taken for this round's).
-    pub(super) fn is_idle(&self) -> bool {
-        self.pending.is_empty()
-    }
-
-    /// Forgets the writes of earlier rounds (a round ends once its writes did, or drops
-    /// them when it fails): only the new round's are aborted with the connection.
-    pub(super) fn start_round(&mut self) {
+    /// Forgets the writes of earlier runs (a run ends once its writes did, or drops them
+    /// when it fails): only the new run's are aborted with the connection.
+    pub(super) fn start_run(&mut self) {
         self.writes.clear();
     }
 
-    /// Sends `msg` as request `id` and reads this connection until its reply, at most
-    /// `timeout` (`what` names the wait); outside a round only. An `Error` frame comes
-    /// back as [`RuntimeError::Remote`].
-    pub(super) async fn call(
-        &mut self,
-        id: u64,
-        msg: Message,
-        timeout: Duration,
-        what: impl FnOnce() -> String,
-    ) -> Result<Message> {
-        let name = self.name.clone();
-        let exchange = async {
-            self.out.send_all_now(vec![(id, msg)]).await?;
-            loop {
-                let Some((header, reply)) = self.reader.next().await? else {
-                    return Err(RuntimeError::Closed(name.clone()));
-                };
-                if header.request_id == id {
-                    return Ok(reply);
-                }
-                tracing::warn!(peer = %name, id = header.request_id, "reply to no request");
-            }
-        };
-        match tokio::time::timeout(timeout, exchange).await {
-            Ok(Ok(Message::Error(reply))) => Err(RuntimeError::Remote { peer: self.name.clone(), reply }),
-            Ok(reply) => reply,
-            Err(_) => Err(RuntimeError::Timeout { what: what(), after: timeout }),
-        }
+    /// Writes `msg` as request `id`, now.
+    pub(super) async fn send(&self, id: u64, msg: Message) -> Result<()> {
+        self.out.send_all_now(vec![(id, msg)]).await
     }
 
-    /// A write of `frames` on this connection, for the round to drive among its other
+    /// A write of `frames` on connection `conn`, for the loop to drive among its other
     /// events; it is aborted if the connection is dropped first.
-    pub(super) fn write<'g>(&mut self, server: u32, frames: Vec<([u8; HEADER_LEN], &'g [u8])>) -> WriteJob<'g> {
+    pub(super) fn write<'g>(&mut self, conn: ConnId, frames: Vec<([u8; HEADER_LEN], &'g [u8])>) -> WriteJob<'g> {
         let (handle, abort) = AbortHandle::new_pair();
         self.writes.push(handle);
-        WriteJob { server, serial: self.serial, writer: self.out.writer().clone(), frames, abort }
+        WriteJob { conn, writer: self.out.writer().clone(), frames, abort }
     }
 
     /// The connection's writer (to encode headers).
@@ -130,34 +73,33 @@ impl Drop for ServerConn {
     }
 }
 
-/// A write the round drives ([`ServerConn::write`]).
+/// A write the loop drives ([`ServerConn::write`]).
 pub(super) struct WriteJob<'g> {
-    server: u32,
-    serial: u64,
+    conn: ConnId,
     writer: Arc<Writer>,
     frames: Vec<([u8; HEADER_LEN], &'g [u8])>,
     abort: AbortRegistration,
 }
 
-/// How a [`WriteJob`] ended: its server, its connection's serial, and the write's result
-/// (`None`: aborted, its connection is gone).
-pub(super) type Written = (u32, u64, Option<Result<()>>);
+/// How a [`WriteJob`] ended: its connection, and the write's result (`None`: aborted,
+/// its connection is gone).
+pub(super) type Written = (ConnId, Option<Result<()>>);
 
 /// Carries out a write (one vectored write of every frame, from the caller's slices).
 pub(super) async fn run_write(job: WriteJob<'_>) -> Written {
-    let WriteJob { server, serial, writer, frames, abort } = job;
+    let WriteJob { conn, writer, frames, abort } = job;
     let result = Abortable::new(writer.write_frames(&frames), abort).await.ok();
-    (server, serial, result)
+    (conn, result)
 }
 
 /// Polls every connection for its next frame header, starting at the `start`-th (so that
 /// a busy server does not keep the others waiting): the first that has one, with its
-/// server's id, or the error (or `None`: closed) of one that failed.
+/// connection, or the error (or `None`: closed) of one that failed.
 pub(super) fn poll_any_header(
-    servers: &mut HashMap<u32, ServerConn>,
+    servers: &mut HashMap<ConnId, ServerConn>,
     start: usize,
     cx: &mut Context<'_>,
-) -> Poll<(u32, Result<Option<FrameHeader>>)> {
+) -> Poll<(ConnId, Result<Option<FrameHeader>>)> {
     let start = if servers.is_empty() { 0 } else { start % servers.len() };
     for from_start in [true, false] {
         for (i, (id, conn)) in servers.iter_mut().enumerate() {

@@ -1,0 +1,226 @@
+//! The bytes of the worker's requests and replies: a round's requests written from the
+//! caller's slices (a push's values with no copy), the replies read (a pull's values
+//! straight into the caller's tensor, a row pull's rows where they were asked for), and
+//! the other frames decoded for the client machine. A closed connection is handed back
+//! to the machine ([`ClientEvent::Closed`]).
+
+use std::collections::VecDeque;
+
+use elasticps_core::sync::Clock;
+use elasticps_node::ConnId;
+use elasticps_node::worker::{Answer, ClientEvent, Effect, Op, Tag};
+use elasticps_wire::{FrameHeader, Kind, Message};
+
+use super::Client;
+use super::rows::{RowPayloads, RowSink};
+use super::server_conn::{Sent, WriteJob};
+use crate::error::{Result, RuntimeError};
+
+/// Where a round's sent values come from: the caller's gradient slices (a tensor round),
+/// or each block's row payload (a row round).
+#[derive(Clone, Copy)]
+pub(super) enum Source<'g> {
+    Tensors(&'g [Option<&'g [f32]>]),
+    Rows(&'g RowPayloads),
+}
+
+/// Where a round's pulled values go: the caller's tensors at the pull's clock, or the
+/// rows' places (a row pull; `None` for a row push), or nowhere (a call).
+pub(super) enum Sink<'s, 'a, 'b, 'r> {
+    Tensors(&'s mut Option<(Clock, &'a mut [Option<&'b mut [f32]>])>),
+    Rows(Option<&'s mut RowSink<'r>>),
+    None,
+}
+
+impl Client {
+    /// Connection `conn` failed (`why`): dropped, and handed to the machine as closed.
+    /// After the scheduler's `Shutdown` a lost request is the job's end instead.
+    pub(super) fn closed(&mut self, conn: ConnId, why: RuntimeError, todo: &mut VecDeque<Effect>) -> Result<()> {
+        let Some(c) = self.servers.remove(&conn) else { return Ok(()) };
+        if c.pending.is_empty() {
+            // Nothing was lost (a server that left the job closes its connections).
+            tracing::debug!(rank = self.rank, peer = %c.name, error = %why, "idle server connection closed");
+        } else if self.shutting_down() {
+            return Err(self.explain(RuntimeError::Closed(c.name.clone())));
+        } else {
+            tracing::warn!(rank = self.rank, peer = %c.name, error = %why, "server connection lost; resending after a layout refresh");
+        }
+        self.feed(ClientEvent::Closed { conn }, todo);
+        Ok(())
+    }
+
+    /// A frame's header came on `conn`: reads its payload (a pull's values straight into
+    /// the caller's tensor) and hands the answer, or the decoded frame, to the machine.
+    pub(super) async fn on_header(
+        &mut self,
+        conn: ConnId,
+        header: FrameHeader,
+        sink: &mut Sink<'_, '_, '_, '_>,
+        todo: &mut VecDeque<Effect>,
+    ) -> Result<()> {
+        let Some(c) = self.servers.get_mut(&conn) else { return Ok(()) };
+        // The request stays pending until its payload is read: a run dropped half-way
+        // through the read leaves the connection mid-frame, and the machine closes the
+        // connections an unfinished round waits on.
+        let Some(&sent) = c.pending.get(&header.request_id) else {
+            // A Hello's or a call's answer, or a reply no round waits for: decoded.
+            return match c.reader.payload(&header).await {
+                Ok(msg) => {
+                    self.feed(ClientEvent::Frame { conn, request_id: header.request_id, msg: &msg }, todo);
+                    Ok(())
+                }
+                Err(e) => self.closed(conn, e, todo),
+            };
+        };
+        let tag = header.request_id;
+        let b = sent.block;
+        if let Sink::Rows(rows) = sink {
+            return self.on_rows_header(conn, header, sent, rows.as_deref_mut(), todo).await;
+        }
+        // Where a pull reply of the expected length goes: the block's range of its tensor.
+        let dest = match (header.kind, sink) {
+            (Kind::PullReply, Sink::Tensors(Some((_, params))))
+                if sent.op.is_pull() && header.payload_len as usize == b.len * 4 =>
+            {
+                params
+                    .get_mut(b.tensor as usize)
+                    .and_then(Option::as_mut)
+                    .and_then(|p| p.get_mut(b.offset..b.offset + b.len))
+            }
+            _ => None,
+        };
+        let read = match dest {
+            Some(dest) => c.reader.payload_into(&header, bytemuck::cast_slice_mut(dest)).await.map(|()| {
+                #[cfg(target_endian = "big")]
+                for v in dest.iter_mut() {
+                    *v = f32::from_bits(u32::from_le(v.to_bits()));
+                }
+                None
+            }),
+            None => c.reader.payload(&header).await.map(Some),
+        };
+        let msg = match read {
+            Ok(msg) => {
+                // A held push_pull's PushAck: its PullReply follows under the same id.
+                if sent.op.ends_with(header.kind) {
+                    c.pending.remove(&tag);
+                }
+                msg
+            }
+            // Unanswered after all: the connection is lost, with this request on it.
+            Err(e) => return self.closed(conn, e, todo),
+        };
+        let answer = match &msg {
+            Some(msg) => Answer::of(msg),
+            None => Answer::Pulled { len: b.len },
+        };
+        self.feed(ClientEvent::Answer { tag, answer }, todo);
+        Ok(())
+    }
+
+    /// A reply of a row round's request came on `conn`: reads it, puts a
+    /// `PullRowsReply`'s rows where they were asked for (its length must be the rows the
+    /// request asked times the dim), and hands the answer to the machine.
+    async fn on_rows_header(
+        &mut self,
+        conn: ConnId,
+        header: FrameHeader,
+        sent: Sent,
+        rows: Option<&mut RowSink<'_>>,
+        todo: &mut VecDeque<Effect>,
+    ) -> Result<()> {
+        let Some(c) = self.servers.get_mut(&conn) else { return Ok(()) };
+        let msg = match c.reader.payload(&header).await {
+            Ok(msg) => {
+                c.pending.remove(&header.request_id);
+                msg
+            }
+            Err(e) => return self.closed(conn, e, todo),
+        };
+        let b = sent.block;
+        if let (Message::PullRowsReply { values, .. }, Op::PullRows(_)) = (&msg, sent.op) {
+            let want = rows.as_ref().and_then(|r| r.expected_len(b.id));
+            if want != Some(values.len()) {
+                return Err(RuntimeError::Protocol {
+                    peer: format!("server {}", sent.server),
+                    what: format!(
+                        "answered pull_rows of block {} with {} values, {} were asked for",
+                        b.id,
+                        values.len(),
+                        want.unwrap_or(0)
+                    ),
+                });
+            }
+            if let Some(rows) = rows {
+                rows.scatter(b.id, &values.to_vec());
+            }
+        }
+        self.feed(ClientEvent::Answer { tag: header.request_id, answer: Answer::of(&msg) }, todo);
+        Ok(())
+    }
+
+    /// Starts the writes of a batch of requests, one vectored write per connection (into
+    /// `jobs`): a push, push_pull or init straight from the caller's gradient slice (no
+    /// copy of the values), a pull as its header, a row request with its block's payload.
+    /// A connection that is gone is handed to the machine as closed.
+    pub(super) fn start_writes<'g>(
+        &mut self,
+        batch: Vec<(ConnId, Tag, Sent)>,
+        source: Source<'g>,
+        jobs: &mut Vec<WriteJob<'g>>,
+        todo: &mut VecDeque<Effect>,
+    ) -> Result<()> {
+        let mut conns: Vec<ConnId> = batch.iter().map(|(c, ..)| *c).collect();
+        conns.sort_unstable();
+        conns.dedup();
+        for conn in conns {
+            let Some(c) = self.servers.get_mut(&conn) else {
+                self.feed(ClientEvent::Closed { conn }, todo);
+                continue;
+            };
+            let mut frames = Vec::new();
+            for &(_, tag, sent) in batch.iter().filter(|(c, ..)| *c == conn) {
+                let (kind, clock, bytes) = request_bytes(source, sent)?;
+                frames.push((c.writer().tensor_header(kind, tag, sent.block.id, clock, bytes.len())?, bytes));
+                c.pending.insert(tag, sent);
+            }
+            jobs.push(c.write(conn, frames));
+        }
+        Ok(())
+    }
+}
+
+/// The frame kind, clock and payload of request `sent`, its values from `source`.
+fn request_bytes<'g>(source: Source<'g>, sent: Sent) -> Result<(Kind, Clock, &'g [u8])> {
+    let b = sent.block;
+    let grads = match source {
+        Source::Tensors(grads) => grads,
+        Source::Rows(_) => &[][..],
+    };
+    let values = || match grads.get(b.tensor as usize) {
+        Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok(&grad[b.offset..b.offset + b.len]),
+        // No gradient for the tensor: an empty push to each of its blocks.
+        Some(Some([])) => Ok(&[][..]),
+        _ => Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id))),
+    };
+    let row_payload = || match source {
+        Source::Rows(p) => p
+            .by_block
+            .get(&b.id)
+            .map(Vec::as_slice)
+            .ok_or_else(|| RuntimeError::Usage(format!("no rows of table {} for block {}", b.tensor, b.id))),
+        Source::Tensors(_) => Err(RuntimeError::Usage(format!("a row request of block {} in a tensor round", b.id))),
+    };
+    Ok(match sent.op {
+        Op::Push(clock) => (Kind::Push, clock, bytemuck::cast_slice(values()?)),
+        Op::Init => (Kind::Init, 0, bytemuck::cast_slice(values()?)),
+        Op::Pull(clock) => (Kind::Pull, clock, &[][..]),
+        Op::PushPull(clock) => (Kind::PushPull, clock, bytemuck::cast_slice(values()?)),
+        // No gradient for the table this clock: an empty Push.
+        Op::PushRows(clock) => match row_payload()? {
+            [] => (Kind::Push, clock, &[][..]),
+            rows => (Kind::PushRows, clock, rows),
+        },
+        Op::PullRows(clock) => (Kind::PullRows, clock, row_payload()?),
+    })
+}
