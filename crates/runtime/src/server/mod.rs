@@ -8,7 +8,6 @@
 //! straggler ([`crate::shaping::Shaper`]) slows the server's sockets and, after a data
 //! request, spins `FACTOR - 1` times the time its `step` took.
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,7 +21,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
 use crate::accept::{self, Acceptor};
-use crate::conn::{self, Outbox};
+use crate::conn;
 use crate::error::{Result, RuntimeError};
 use crate::metrics::{ServerMetrics, ServerSnapshot, ServerSource};
 use crate::session::{Reattach, SchedLink};
@@ -31,10 +30,12 @@ use crate::timer::Timer;
 use crate::{CALL_TIMEOUT, Micros, timeout};
 
 mod links;
+mod replies;
 
 pub use elasticps_node::server::MAX_CLOCK_LEAD;
 
 use links::Links;
+use replies::Replies;
 
 /// How to start a server.
 #[derive(Clone, Debug)]
@@ -77,8 +78,8 @@ struct Io {
     /// a step on another task that moves it earlier says so through `rearm`.
     wake_us: AtomicU64,
     rearm: Notify,
-    /// Outboxes of the open data connections.
-    conns: Mutex<HashMap<u64, Outbox>>,
+    /// The open data connections' replies, in the order the machine emitted them.
+    replies: Replies,
     next_conn: AtomicU64,
     /// Connections to other servers, by data address.
     links: Links,
@@ -223,7 +224,7 @@ impl Io {
             sched,
             wake_us: AtomicU64::new(u64::MAX),
             rearm: Notify::new(),
-            conns: Mutex::new(HashMap::new()),
+            replies: Replies::default(),
             next_conn: AtomicU64::new(1),
             links: Links::default(),
             trace,
@@ -237,7 +238,7 @@ impl Io {
     /// Waits, bounded, for the last answers (`Moved`, `Shutdown`) to be in the sockets,
     /// then flushes the trace.
     async fn close(&self) {
-        let writers: Vec<_> = lock(&self.conns).values().map(|out| out.writer().clone()).collect();
+        let writers = self.replies.writers();
         let flushed = futures::future::join_all(writers.iter().map(|w| w.flushed()));
         if tokio::time::timeout(LAST_WRITES_TIMEOUT, flushed).await.is_err() {
             tracing::warn!(
@@ -254,15 +255,17 @@ impl Io {
     /// One event through the state machine; a data request's time is charged (and
     /// multiplied by the injected interference) before its answers go out.
     fn step(self: &Arc<Self>, ev: Event, data: bool) {
-        let actions = self.decide(ev, data);
+        let actions = self.decide(ev, data, None);
         self.apply(actions);
     }
 
     /// The state machine's actions for one event (the lock held only for the step).
-    /// Messages to other servers are handed to their links before the lock is released,
-    /// so each link carries them in the order they were decided (a backup's snapshot
-    /// before the pushes forwarded after it).
-    fn decide(self: &Arc<Self>, ev: Event, data: bool) -> Vec<Action> {
+    /// Messages to other servers are handed to their links, and replies to their
+    /// connections ([`Replies`]; those to `on`, the connection whose reader task steps,
+    /// held for it to write), before the lock is released: each link and connection
+    /// carries them in the order they were decided (a backup's snapshot before the
+    /// pushes forwarded after it; a held push_pull's `PushAck` before its `PullReply`).
+    fn decide(self: &Arc<Self>, ev: Event, data: bool, on: Option<u64>) -> Vec<Action> {
         let mut server = lock(&self.server);
         let started = Instant::now();
         let mut actions = server.handle(self.clock.now(), ev);
@@ -284,6 +287,7 @@ impl Io {
             self.rearm.notify_one();
         }
         self.send_to_servers(&mut actions);
+        self.route_replies(on, &mut actions);
         if data {
             let spent = started.elapsed();
             server.charge(spent.as_micros() as u64, 0);
@@ -296,6 +300,23 @@ impl Io {
             }
         }
         actions
+    }
+
+    /// Hands the replies in `actions` to their connections, in order, and takes them out:
+    /// those to `on` are held for its reader task.
+    fn route_replies(&self, on: Option<u64>, actions: &mut Vec<Action>) {
+        actions.retain_mut(|a| match a {
+            Action::Reply { conn, request_id, msg } => {
+                let reply = (*request_id, std::mem::replace(msg, Message::Control(Control::Ok)));
+                if on == Some(*conn) {
+                    self.replies.hold(*conn, reply);
+                } else {
+                    self.replies.send(*conn, reply);
+                }
+                false
+            }
+            _ => true,
+        });
     }
 
     /// Hands the messages to other servers in `actions` to their links, in order, and
@@ -312,17 +333,13 @@ impl Io {
     }
 
     /// [`Io::step`] for a frame that arrived on connection `conn`: the replies to `conn`
-    /// are handed back (in order) for its reader task to write itself, with no hop to
-    /// the writer task; every other action is carried out as usual. True if the state
-    /// machine closes `conn` (its reader task writes the replies, then stops).
-    fn step_on(self: &Arc<Self>, conn: u64, ev: Event, data: bool, own: &mut Vec<(u64, Message)>) -> bool {
-        let mut actions = self.decide(ev, data);
+    /// are held (in order) for its reader task to write itself, with no hop to the
+    /// writer task ([`Replies`]); every other action is carried out as usual. True if the
+    /// state machine closes `conn` (its reader task writes the replies, then stops).
+    fn step_on(self: &Arc<Self>, conn: u64, ev: Event, data: bool) -> bool {
+        let mut actions = self.decide(ev, data, Some(conn));
         let mut close = false;
         actions.retain_mut(|a| match a {
-            Action::Reply { conn: c, request_id, msg } if *c == conn => {
-                own.push((*request_id, std::mem::replace(msg, Message::Control(Control::Ok))));
-                false
-            }
             Action::Close { conn: c } if *c == conn => {
                 close = true;
                 false
@@ -336,11 +353,8 @@ impl Io {
     fn apply(self: &Arc<Self>, actions: Vec<Action>) {
         for action in actions {
             match action {
-                Action::Reply { conn, request_id, msg } => {
-                    if let Some(out) = lock(&self.conns).get(&conn) {
-                        let _ = out.send((request_id, msg));
-                    }
-                }
+                // Routed in `decide`, in the order the state machine emitted them.
+                Action::Reply { .. } => {}
                 Action::ToScheduler { request_id: 0, msg } => {
                     let _ = self.sched.notify(msg);
                 }
@@ -371,9 +385,7 @@ impl Io {
                     });
                 }
                 // Closed by its reader task, which takes it from `step_on`.
-                Action::Close { conn } => {
-                    lock(&self.conns).remove(&conn);
-                }
+                Action::Close { conn } => self.replies.close(conn),
                 Action::Exit(exit) => {
                     *lock(&self.exit) = Some(exit);
                     self.exited.notify_one();
@@ -418,10 +430,9 @@ async fn serve_connection(stream: crate::tls::Stream, key: KeyId, peer: String, 
     let conn = io.next_conn.fetch_add(1, Ordering::Relaxed);
     let (mut reader, out) = conn::split_shaped(stream, io.codec.for_key(key), peer.clone(), Some(io.shaper.clone()));
     reader.set_stall_timeout(io.frame_timeout);
-    lock(&io.conns).insert(conn, out.clone());
+    io.replies.open(conn, out.clone());
     io.step(Event::Opened { conn, key }, false);
     let mut introduced = false;
-    let mut own = Vec::new();
     loop {
         let frame = if introduced {
             reader.next().await
@@ -432,9 +443,7 @@ async fn serve_connection(stream: crate::tls::Stream, key: KeyId, peer: String, 
             Ok(Some(f)) => f,
             Ok(None) => break,
             Err(e) => {
-                if !own.is_empty() {
-                    let _ = out.send_all_now(std::mem::take(&mut own)).await;
-                }
+                let _ = io.replies.flush(conn, false).await;
                 tracing::warn!(peer = %peer, error = %e, "closing connection");
                 if let RuntimeError::Wire { source, .. } = &e {
                     let reply = elasticps_wire::ErrorReply { code: source.code(), message: source.to_string() };
@@ -451,10 +460,10 @@ async fn serve_connection(stream: crate::tls::Stream, key: KeyId, peer: String, 
         if data && header.payload_len > 0 {
             lock(&io.server).arrived(u64::from(header.payload_len), reader.last_payload_ns());
         }
-        let close = io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data, &mut own);
+        let close = io.step_on(conn, Event::Received { conn, request_id: header.request_id, msg }, data);
         if close {
             // A credential that does not hold: the refusal goes out, then the connection closes.
-            let _ = out.send_all_now(std::mem::take(&mut own)).await;
+            let _ = io.replies.flush(conn, false).await;
             tracing::warn!(peer = %peer, "connection closed: its Hello was refused");
             break;
         }
@@ -467,19 +476,17 @@ async fn serve_connection(stream: crate::tls::Stream, key: KeyId, peer: String, 
         // blocks): one write answers them all. A capped server hands them to the writer
         // task instead, so that waiting in the outgoing bucket never stops this task from
         // reading (the two directions of a NIC are shaped, and overlap, independently).
-        if !own.is_empty() && io.shaper.caps_bandwidth() {
-            for reply in own.drain(..) {
-                let _ = out.send(reply);
-            }
-        } else if !own.is_empty()
-            && !reader.has_buffered()
-            && let Err(e) = out.send_all_now(std::mem::take(&mut own)).await
+        if io.shaper.caps_bandwidth() {
+            let _ = io.replies.flush(conn, true).await;
+        } else if !reader.has_buffered()
+            && io.replies.holds(conn)
+            && let Err(e) = io.replies.flush(conn, false).await
         {
             tracing::debug!(peer = %peer, error = %e, "replies not written");
         }
         introduced = introduced || lock(&io.server).introduced(conn);
     }
-    lock(&io.conns).remove(&conn);
+    io.replies.close(conn);
     io.step(Event::Closed { conn }, false);
 }
 
