@@ -15,6 +15,11 @@
 //! between two iterations, which is what the servers and the scheduler see of a kill -9);
 //! the scheduler and the servers are processes of this binary.
 
+// Sleeps here decide nothing of the job under test: the benchmark paces itself (its workers'
+// simulated compute, polls of the scheduler's status and of its own counters, the spike window
+// it measures).
+#![allow(clippy::disallowed_methods)]
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -104,6 +104,9 @@ pub async fn status(cmd: StatusCmd) -> anyhow::Result<()> {
 }
 
 /// `--watch`: prints the status every `every` until the scheduler goes away.
+// The sleep paces an operator's display (`--watch`'s interval), a rule of no process,
+// so clippy.toml's ban does not apply.
+#[allow(clippy::disallowed_methods)]
 async fn watch(cmd: &StatusCmd, peer: &Peer, mut notes: Notifications, every: Duration) -> anyhow::Result<()> {
     let clear = !cmd.json && std::io::stdout().is_terminal();
     let mut first = true;

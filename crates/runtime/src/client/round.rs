@@ -27,6 +27,7 @@ use super::server_conn::{self, Sent, ServerConn, WriteJob, Written};
 use super::{Client, Waits};
 use crate::CALL_TIMEOUT;
 use crate::error::{Result, RuntimeError};
+use crate::timer::Timer;
 
 /// How a run of the loop ended.
 pub(super) enum Outcome {
@@ -156,9 +157,8 @@ impl Client {
         let mut writes = FuturesUnordered::new();
         let mut todo = VecDeque::from(effects);
         let mut outcome = None;
-        // One timer for the whole run, set to the machine's poll_timeout (`armed`).
-        let sleep = tokio::time::sleep(self.opts.request_timeout);
-        tokio::pin!(sleep);
+        // One timer for the whole run, armed at the machine's poll_timeout (`armed`).
+        let mut timer = Timer::new(self.clock);
         let mut armed = None;
         let mut turn = 0usize;
         loop {
@@ -178,10 +178,8 @@ impl Client {
                 return Err(stalled());
             }
             if wake != armed {
-                // No wake-up: only writes to wait for.
-                let after = wake
-                    .map_or(self.opts.request_timeout, |at| Duration::from_micros(at.saturating_sub(self.clock.now())));
-                sleep.as_mut().reset(tokio::time::Instant::now() + after);
+                // No wake-up (`None`): only writes to wait for, the timer stays quiet.
+                timer.arm(wake);
                 armed = wake;
             }
             turn = turn.wrapping_add(1);
@@ -190,7 +188,7 @@ impl Client {
                 (conn, got) = std::future::poll_fn(|cx| server_conn::poll_any_header(&mut self.servers, turn, cx)) => {
                     Event::Header(conn, got)
                 }
-                () = &mut sleep => Event::Timer,
+                () = timer.fired() => Event::Timer,
                 Ok(()) = self.ending.changed() => Event::Failover,
             };
             match event {
@@ -209,9 +207,7 @@ impl Client {
                 }
                 Event::Timer => {
                     armed = None;
-                    if wake.is_some() {
-                        self.feed(ClientEvent::Timeout, &mut todo);
-                    }
+                    self.feed(ClientEvent::Timeout, &mut todo);
                 }
             }
         }

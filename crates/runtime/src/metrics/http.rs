@@ -79,7 +79,7 @@ async fn accept_loop(listener: TcpListener, metrics: Arc<dyn Scrape>) {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "metrics accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                crate::accept::after_failed_accept().await;
             }
         }
     }
