@@ -14,9 +14,12 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use elasticps_node::timing;
-use elasticps_report::{CurvePoint, Report, ServerReport, WorkerReport};
+use elasticps_report::CurvePoint;
+/// What a run produced and its report live below the I/O crates, in `elasticps-run`
+/// (the sim fills the same [`RunOutcome`]); they are re-exported here.
+pub use elasticps_run::outcome::{Restart, RunOutcome, ServerExit};
+pub use elasticps_run::report::{assemble_report, job_config_json, print_cluster_summary};
 use elasticps_runtime::events::Event;
-use elasticps_runtime::scheduler::BalanceLog;
 
 use crate::args::{DataArgs, JobArgs, NetArgs};
 use crate::process::{Cluster, NodeEvent};
@@ -71,53 +74,6 @@ pub struct JobSpec<'a> {
     pub restart_workers: u32,
     /// With replicas: start a new server when one dies, at most this many times in all.
     pub restart_servers: u32,
-}
-
-/// Everything a local run produced.
-#[derive(Debug, Default)]
-pub struct RunOutcome {
-    /// Wall time from the first spawn to the last exit.
-    pub wall: Duration,
-    /// Final numbers of each rank.
-    pub workers: BTreeMap<u32, WorkerReport>,
-    /// Final counters of each server.
-    pub servers: BTreeMap<u32, elasticps_wire::ServerStats>,
-    /// Loss and accuracy points over time.
-    pub curve: Vec<CurvePoint>,
-    /// The last evaluation of the lowest rank that evaluated: (accuracy, loss; NaN if
-    /// not logged).
-    pub final_eval: Option<(f32, f32)>,
-    /// The scheduler's balancing history.
-    pub balance: Option<BalanceLog>,
-    /// Workers the launcher restarted (`--restart-workers`).
-    pub restarts: Vec<Restart>,
-    /// Servers that died while the job went on (`--replicas`), and whether a new one was
-    /// started for each (`--restart-servers`).
-    pub server_exits: Vec<ServerExit>,
-}
-
-/// A server that died in a job with replicas (its blocks failed over to their backups).
-#[derive(Clone, Debug)]
-pub struct ServerExit {
-    /// Its spawn index (`server I`).
-    pub index: u32,
-    /// When it exited, seconds since the launch.
-    pub t_s: f64,
-    /// How it exited.
-    pub status: String,
-    /// A new server was started in its place.
-    pub replaced: bool,
-}
-
-/// A worker that died and was restarted with its rank.
-#[derive(Clone, Debug)]
-pub struct Restart {
-    /// Its rank.
-    pub rank: u32,
-    /// When it died, seconds since the launch.
-    pub t_s: f64,
-    /// How it exited.
-    pub status: String,
 }
 
 /// The environment of a user's worker command, spawn index `local_rank`, in a job whose
@@ -655,113 +611,6 @@ pub(crate) async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
-    }
-}
-
-/// The flags of the job itself in report.json's `config` (train and launch add theirs).
-pub fn job_config_json(job: &JobArgs) -> serde_json::Map<String, serde_json::Value> {
-    let value = serde_json::json!({
-        "servers": job.servers,
-        "workers": job.workers,
-        "sync": job.sync.to_string(),
-        "optimizer": job.optimizer.to_string(),
-        "lr": job.lr.to_string().parse::<f64>().unwrap_or(f64::NAN),
-        "aggregate": job.aggregate,
-        "placement": job.placement.to_string(),
-        "block_bytes": job.block_bytes,
-        "seed": job.seed,
-        "server_sync": job.server_sync.iter().map(|(i, p)| format!("{i}={p}")).collect::<Vec<_>>(),
-        "server_bandwidth": job.server_bandwidth.iter().map(|(i, mbps)| format!("{i}={mbps}")).collect::<Vec<_>>(),
-        "server_interference": job.server_interference.iter().map(|(i, f)| format!("{i}={f}")).collect::<Vec<_>>(),
-        "straggler_at": job.straggler_at,
-        "balance": job.balance.to_string(),
-        "max_servers": job.max_servers.unwrap_or(job.servers),
-        "min_servers": job.min_servers.unwrap_or(job.servers),
-    });
-    match value {
-        serde_json::Value::Object(map) => map,
-        _ => serde_json::Map::new(),
-    }
-}
-
-/// The report of a run, with the caller's `config` and final test evaluation.
-pub fn assemble_report(o: &RunOutcome, config: serde_json::Value, test_accuracy: f64, test_loss: f64) -> Report {
-    let workers: Vec<WorkerReport> = o.workers.values().cloned().collect();
-    let samples: u64 = workers.iter().map(|w| w.samples).sum();
-    let train_s = workers.iter().map(|w| w.train_s).fold(0.0, f64::max);
-    // Without any worker's final report, the furthest step it logged.
-    let iterations = workers
-        .iter()
-        .map(|w| w.iterations)
-        .max()
-        .unwrap_or_else(|| o.curve.iter().map(|p| p.iteration).max().unwrap_or(0));
-    let servers = o
-        .servers
-        .values()
-        .map(|s| ServerReport {
-            id: s.server_id,
-            sync: s.sync.clone(),
-            blocks: s.blocks,
-            bytes: s.bytes,
-            pushes: s.totals.pushes,
-            pulls: s.totals.pulls,
-            pulls_held: s.totals.pulls_held,
-            hold_ms: s.totals.hold_us as f64 / 1e3,
-            hold_p99_ms: s.hold_p99_us as f64 / 1e3,
-            releases: s.totals.releases,
-            max_lead: s.totals.max_lead,
-        })
-        .collect();
-    Report {
-        config,
-        test_accuracy,
-        test_loss,
-        // Unknown (NaN, "unknown" in the summary, null in report.json) when no worker
-        // reported a sample: a script that logged no `samples` did not train zero.
-        samples_per_sec: if train_s > 0.0 && samples > 0 { samples as f64 / train_s } else { f64::NAN },
-        wall_s: o.wall.as_secs_f64(),
-        iterations,
-        servers,
-        workers,
-        curve: o.curve.clone(),
-        balance: o.balance.clone(),
-    }
-}
-
-/// Prints the lines after the headline: throughput and holds, then the balancing.
-pub fn print_cluster_summary(job: &JobArgs, report: &Report) {
-    let held: u64 = report.servers.iter().map(|s| s.pulls_held).sum();
-    let hold_ms: f64 = report.servers.iter().map(|s| s.hold_ms).sum();
-    let sync = if job.aggregate { format!("{} --aggregate", job.sync) } else { job.sync.to_string() };
-    // NaN: no worker reported a sample (a script that logged no `samples`).
-    let rate = if report.samples_per_sec.is_finite() {
-        format!("{:.0}", report.samples_per_sec)
-    } else {
-        "unknown".to_string()
-    };
-    println!(
-        "{} servers, {} workers, {sync}: {rate} samples/s, wall {:.1} s, pulls held {held} ({hold_ms:.1} ms in total)",
-        job.servers, job.workers, report.wall_s
-    );
-    if let Some(log) = &report.balance
-        && (log.mode != "static" || !log.migrations.is_empty())
-    {
-        let done: Vec<_> = log.migrations.iter().filter(|m| m.error.is_none()).collect();
-        let mb: f64 = done.iter().map(|m| m.bytes as f64).sum::<f64>() / 1e6;
-        let freeze = done.iter().map(|m| m.freeze_ms).fold(0.0, f64::max);
-        let scaling: Vec<String> = log
-            .scaling
-            .iter()
-            .map(|e| format!("{} {}", e.action, e.server.map_or("-".into(), |s| s.to_string())))
-            .collect();
-        let kept = log.decisions.iter().filter(|d| d.kept()).count();
-        println!(
-            "balance {}: {} migrations ({mb:.1} MB moved, longest freeze {freeze:.1} ms), verdicts: {kept} kept, {} reverted, scaling: {}",
-            log.mode,
-            done.len(),
-            log.decisions.len() - kept,
-            if scaling.is_empty() { "none".to_string() } else { scaling.join(", ") }
-        );
     }
 }
 
