@@ -15,15 +15,16 @@ use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use elasticps_node::timing;
 use elasticps_report::CurvePoint;
-/// What a run produced and its report live below the I/O crates, in `elasticps-run`
-/// (the sim fills the same [`RunOutcome`]); they are re-exported here.
-pub use elasticps_run::outcome::{Restart, RunOutcome, ServerExit};
-pub use elasticps_run::report::{assemble_report, job_config_json, print_cluster_summary};
 use elasticps_runtime::events::Event;
 
 use crate::args::{DataArgs, JobArgs, NetArgs};
 use crate::process::{Cluster, NodeEvent};
 use crate::{LaunchError, Result};
+
+// What a run produced and its report live below the I/O crates, in `elasticps-run` (the
+// sim fills the same `RunOutcome`); re-exported here for the launcher's callers.
+pub use elasticps_run::outcome::{Restart, RunOutcome, ServerExit};
+pub use elasticps_run::report::{assemble_report, job_config_json, print_cluster_summary};
 
 /// How long the scheduler and the servers may take, by default, to end the job once every
 /// worker has exited (the scheduler ends it when every worker called `finish`).

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use elasticps_report::{BalanceLog, CurvePoint, WorkerReport};
 
-/// Everything a local run produced.
+/// Everything a run produced, real (the launcher's nodes) or simulated (the sim's harness).
 #[derive(Debug, Default)]
 pub struct RunOutcome {
     /// Wall time from the first spawn to the last exit.

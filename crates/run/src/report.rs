@@ -112,3 +112,47 @@ pub fn print_cluster_summary(job: &JobArgs, report: &Report) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use elasticps_report::CurvePoint;
+
+    use super::*;
+    use crate::tally::Tally;
+
+    fn point(rank: u32, iteration: u64) -> CurvePoint {
+        CurvePoint { t_s: 0.0, iteration, rank, loss: Some(1.0), test_accuracy: None, metrics: Default::default() }
+    }
+
+    #[test]
+    fn a_run_without_final_reports_counts_the_furthest_step_logged_at_an_unknown_rate() {
+        let o =
+            RunOutcome { curve: vec![point(0, 3), point(1, 7)], wall: Duration::from_secs(2), ..RunOutcome::default() };
+        let r = assemble_report(&o, serde_json::Value::Null, f64::NAN, f64::NAN);
+        assert_eq!((r.iterations, r.wall_s), (7, 2.0));
+        assert!(r.samples_per_sec.is_nan(), "no worker reported a sample: {}", r.samples_per_sec);
+    }
+
+    #[test]
+    fn the_rate_is_every_sample_over_the_slowest_workers_time() {
+        let mut o = RunOutcome::default();
+        for (rank, samples, train_s) in [(0, 300, 2.0), (1, 100, 4.0)] {
+            let mut t = Tally::default();
+            t.iteration(Duration::from_millis(5));
+            o.workers.insert(rank, t.report(rank, samples, 0.5, train_s));
+        }
+        let r = assemble_report(&o, serde_json::Value::Null, 0.9, 0.1);
+        assert_eq!((r.samples_per_sec, r.iterations, r.workers.len()), (100.0, 1, 2));
+        assert_eq!((r.test_accuracy, r.test_loss), (0.9, 0.1));
+    }
+
+    #[test]
+    fn the_job_config_names_the_server_bounds_even_when_not_given() {
+        let job = JobArgs { servers: 3, ..JobArgs::default() };
+        let c = job_config_json(&job);
+        assert_eq!((c["max_servers"].as_u64(), c["min_servers"].as_u64()), (Some(3), Some(3)));
+        assert_eq!(c["sync"].as_str(), Some(job.sync.to_string().as_str()));
+    }
+}
