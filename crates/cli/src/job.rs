@@ -9,8 +9,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use elasticps_run::tally::Tally;
 use elasticps_runtime::client::{Client, ClientOptions};
-use elasticps_runtime::tally::Tally;
 use elasticps_train::synthetic::{GradientSource, ModelKind};
 use elasticps_train::{Batcher, Dataset, Mlp, as_slices, load};
 

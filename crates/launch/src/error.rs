@@ -70,6 +70,15 @@ impl LaunchError {
     }
 }
 
+/// A job flag `elasticps-run` refused is a refused flag here too.
+impl From<elasticps_run::RunError> for LaunchError {
+    fn from(e: elasticps_run::RunError) -> Self {
+        match e {
+            elasticps_run::RunError::Flags(why) => LaunchError::Flags(why),
+        }
+    }
+}
+
 /// Result alias of the launch crate.
 pub type Result<T, E = LaunchError> = std::result::Result<T, E>;
 

@@ -7,19 +7,24 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use elasticps_node::timing;
-use elasticps_report::{CurvePoint, Report, ServerReport, WorkerReport};
+use elasticps_report::CurvePoint;
 use elasticps_runtime::events::Event;
-use elasticps_runtime::scheduler::BalanceLog;
 
 use crate::args::{DataArgs, JobArgs, NetArgs};
 use crate::process::{Cluster, NodeEvent};
 use crate::{LaunchError, Result};
+
+// What a run produced and its report live below the I/O crates, in `elasticps-run` (the
+// sim fills the same `RunOutcome`); re-exported here for the launcher's callers.
+pub use elasticps_run::outcome::{Restart, RunOutcome, ServerExit};
+pub use elasticps_run::report::{assemble_report, job_config_json, print_cluster_summary};
 
 /// How long the scheduler and the servers may take, by default, to end the job once every
 /// worker has exited (the scheduler ends it when every worker called `finish`).
@@ -70,53 +75,6 @@ pub struct JobSpec<'a> {
     pub restart_workers: u32,
     /// With replicas: start a new server when one dies, at most this many times in all.
     pub restart_servers: u32,
-}
-
-/// Everything a local run produced.
-#[derive(Debug, Default)]
-pub struct RunOutcome {
-    /// Wall time from the first spawn to the last exit.
-    pub wall: Duration,
-    /// Final numbers of each rank.
-    pub workers: BTreeMap<u32, WorkerReport>,
-    /// Final counters of each server.
-    pub servers: BTreeMap<u32, elasticps_wire::ServerStats>,
-    /// Loss and accuracy points over time.
-    pub curve: Vec<CurvePoint>,
-    /// The last evaluation of the lowest rank that evaluated: (accuracy, loss; NaN if
-    /// not logged).
-    pub final_eval: Option<(f32, f32)>,
-    /// The scheduler's balancing history.
-    pub balance: Option<BalanceLog>,
-    /// Workers the launcher restarted (`--restart-workers`).
-    pub restarts: Vec<Restart>,
-    /// Servers that died while the job went on (`--replicas`), and whether a new one was
-    /// started for each (`--restart-servers`).
-    pub server_exits: Vec<ServerExit>,
-}
-
-/// A server that died in a job with replicas (its blocks failed over to their backups).
-#[derive(Clone, Debug)]
-pub struct ServerExit {
-    /// Its spawn index (`server I`).
-    pub index: u32,
-    /// When it exited, seconds since the launch.
-    pub t_s: f64,
-    /// How it exited.
-    pub status: String,
-    /// A new server was started in its place.
-    pub replaced: bool,
-}
-
-/// A worker that died and was restarted with its rank.
-#[derive(Clone, Debug)]
-pub struct Restart {
-    /// Its rank.
-    pub rank: u32,
-    /// When it died, seconds since the launch.
-    pub t_s: f64,
-    /// How it exited.
-    pub status: String,
 }
 
 /// The environment of a user's worker command, spawn index `local_rank`, in a job whose
@@ -227,7 +185,30 @@ pub async fn run_job(spec: &JobSpec<'_>) -> Result<RunOutcome> {
 
 /// [`run_job`], the nodes' logs in `log_dir`.
 async fn run_job_in(spec: &JobSpec<'_>, log_dir: &Path) -> Result<RunOutcome> {
-    // A wrong job flag is refused here, before any process starts.
+    check_spec(spec)?;
+    let mut signals = Signals::new()?;
+    let mut cluster = Cluster::new(log_dir)?;
+    let started = Instant::now();
+    let metrics_flags: Vec<String> =
+        if spec.metrics { vec!["--metrics-listen".into(), "127.0.0.1:0".into()] } else { Vec::new() };
+    let mut scrape = ScrapeList::new(spec.metrics, 1 + spec.job.servers as usize + spec.job.workers as usize);
+    let env = spec.net.role_env();
+    let args = scheduler_args(spec, log_dir, &metrics_flags);
+    let addr = match start_scheduler(&mut cluster, &args, &env, &mut signals, &mut scrape).await {
+        Ok(addr) => addr,
+        Err(e) => {
+            cluster.stop(REAP_TIMEOUT).await;
+            return Err(e);
+        }
+    };
+    let mut nodes = Nodes::new(spec, addr, env, metrics_flags);
+    nodes.start(&mut cluster).await?;
+    let mut watch = Watch { spec, cluster: &mut cluster, signals: &mut signals, scrape: &mut scrape, nodes, started };
+    watch.run().await
+}
+
+/// Refuses a wrong job flag, before any process starts.
+fn check_spec(spec: &JobSpec<'_>) -> Result<()> {
     spec.job.job_config()?;
     spec.net.tls()?;
     if let Workers::Command { argv, .. } = &spec.workers {
@@ -238,15 +219,11 @@ async fn run_job_in(spec: &JobSpec<'_>, log_dir: &Path) -> Result<RunOutcome> {
             "--restart-servers needs --replicas 2 or more (without a backup, a lost server's blocks are gone)".into(),
         ));
     }
-    let mut signals = Signals::new()?;
-    let mut cluster = Cluster::new(log_dir)?;
-    let env = spec.net.role_env();
-    let started = Instant::now();
+    Ok(())
+}
 
-    let metrics_flags: Vec<String> =
-        if spec.metrics { vec!["--metrics-listen".into(), "127.0.0.1:0".into()] } else { Vec::new() };
-    let mut scrape = ScrapeList::new(spec.metrics, 1 + spec.job.servers as usize + spec.job.workers as usize);
-
+/// The scheduler's command line: its role, a free port, the logs, the job and the transport.
+fn scheduler_args(spec: &JobSpec<'_>, log_dir: &Path, metrics_flags: &[String]) -> Vec<String> {
     let mut args = vec!["scheduler".to_string(), "--listen".into(), "127.0.0.1:0".into(), "--log-dir".into()];
     args.push(log_dir.display().to_string());
     args.extend(spec.job.to_flags());
@@ -256,46 +233,107 @@ async fn run_job_in(spec: &JobSpec<'_>, log_dir: &Path) -> Result<RunOutcome> {
     }
     args.extend(spec.net.to_flags());
     args.extend(metrics_flags.iter().cloned());
-    let addr = match start_scheduler(&mut cluster, &args, &env, &mut signals, &mut scrape).await {
-        Ok(addr) => addr,
-        Err(e) => {
-            cluster.stop(REAP_TIMEOUT).await;
-            return Err(e);
+    args
+}
+
+/// The servers and workers of a local job whose scheduler listens at `addr`: how each is
+/// started (and restarted), and which node is which.
+struct Nodes<'s, 'a> {
+    spec: &'s JobSpec<'a>,
+    addr: String,
+    env: Vec<(&'static str, &'a str)>,
+    metrics_flags: Vec<String>,
+    /// Server node -> spawn index.
+    servers: BTreeMap<usize, u32>,
+    /// Worker node -> (spawn index, rank once an event named it).
+    workers: BTreeMap<usize, (u32, Option<u32>)>,
+    /// The spawn index of the next server started in a lost one's place.
+    next_server: u32,
+    server_restarts_left: u32,
+    worker_restarts_left: u32,
+}
+
+/// What became of a node that exited, for the runner's loop.
+enum Exit {
+    /// A worker was restarted with its rank.
+    Restarted,
+    /// The node is gone; `last_worker` if it was the last worker running.
+    Gone {
+        /// Every worker has now exited.
+        last_worker: bool,
+    },
+}
+
+impl<'s, 'a> Nodes<'s, 'a> {
+    fn new(spec: &'s JobSpec<'a>, addr: String, env: Vec<(&'static str, &'a str)>, metrics_flags: Vec<String>) -> Self {
+        Self {
+            spec,
+            addr,
+            env,
+            metrics_flags,
+            servers: BTreeMap::new(),
+            workers: BTreeMap::new(),
+            next_server: spec.job.servers,
+            server_restarts_left: spec.restart_servers,
+            worker_restarts_left: spec.restart_workers,
         }
-    };
-    let spawn_server = |cluster: &mut Cluster, i: u32| -> Result<usize> {
-        let mut args =
-            vec!["server".to_string(), "--scheduler".into(), addr.clone(), "--listen".into(), "127.0.0.1:0".into()];
-        args.extend(spec.net.to_flags());
-        args.extend(metrics_flags.iter().cloned());
-        args.extend(spec.extra_server_args.iter().map(|a| a.replace("{i}", &i.to_string())));
-        cluster.spawn(&format!("server {i}"), &args, &env)
-    };
-    // Server node -> spawn index.
-    let mut server_nodes: BTreeMap<usize, u32> = BTreeMap::new();
-    for i in 0..spec.job.servers {
-        server_nodes.insert(spawn_server(&mut cluster, i)?, i);
     }
-    let mut next_server = spec.job.servers;
-    let mut server_restarts_left = spec.restart_servers;
-    let spawn_worker = |cluster: &mut Cluster, i: u32, rank: Option<u32>| -> Result<usize> {
+
+    /// Starts the job's servers, then its workers (a worker that cannot start stops every
+    /// node started so far).
+    async fn start(&mut self, cluster: &mut Cluster) -> Result<()> {
+        for i in 0..self.spec.job.servers {
+            let node = self.spawn_server(cluster, i)?;
+            self.servers.insert(node, i);
+        }
+        for i in 0..self.spec.job.workers {
+            match self.spawn_worker(cluster, i, None) {
+                Ok(node) => self.workers.insert(node, (i, None)),
+                Err(e) => {
+                    cluster.stop(REAP_TIMEOUT).await;
+                    return Err(e.then("every node started so far was stopped"));
+                }
+            };
+        }
+        Ok(())
+    }
+
+    /// Starts server `i` (this binary's `server` role); returns its node.
+    fn spawn_server(&self, cluster: &mut Cluster, i: u32) -> Result<usize> {
+        let spec = self.spec;
+        let mut args = vec![
+            "server".to_string(),
+            "--scheduler".into(),
+            self.addr.clone(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+        ];
+        args.extend(spec.net.to_flags());
+        args.extend(self.metrics_flags.iter().cloned());
+        args.extend(spec.extra_server_args.iter().map(|a| a.replace("{i}", &i.to_string())));
+        cluster.spawn(&format!("server {i}"), &args, &self.env)
+    }
+
+    /// Starts worker `i`, restarted as `rank` if given; returns its node.
+    fn spawn_worker(&self, cluster: &mut Cluster, i: u32, rank: Option<u32>) -> Result<usize> {
+        let spec = self.spec;
         let name = match rank {
             None => format!("worker {i}"),
             Some(r) => format!("worker {i} (restarted as rank {r})"),
         };
         match &spec.workers {
             Workers::Role(data) => {
-                let mut args = vec!["worker".to_string(), "--scheduler".into(), addr.clone()];
+                let mut args = vec!["worker".to_string(), "--scheduler".into(), self.addr.clone()];
                 args.extend(data.to_flags());
                 args.extend(spec.net.to_flags());
-                args.extend(metrics_flags.iter().cloned());
+                args.extend(self.metrics_flags.iter().cloned());
                 if let Some(r) = rank {
                     args.extend(["--rank".into(), r.to_string()]);
                 }
-                cluster.spawn(&name, &args, &env)
+                cluster.spawn(&name, &args, &self.env)
             }
             Workers::Command { argv, env: extra } => {
-                let mut env = worker_env(spec.job, spec.net, &addr, i);
+                let mut env = worker_env(spec.job, spec.net, &self.addr, i);
                 if spec.metrics {
                     env.push(("ELASTICPS_METRICS_LISTEN".into(), "127.0.0.1:0".into()));
                 }
@@ -306,132 +344,160 @@ async fn run_job_in(spec: &JobSpec<'_>, log_dir: &Path) -> Result<RunOutcome> {
                 cluster.spawn_command(&name, argv, &env)
             }
         }
-    };
-    // Worker node -> (spawn index, rank once an event named it).
-    let mut worker_nodes: BTreeMap<usize, (u32, Option<u32>)> = BTreeMap::new();
-    for i in 0..spec.job.workers {
-        match spawn_worker(&mut cluster, i, None) {
-            Ok(node) => worker_nodes.insert(node, (i, None)),
-            Err(e) => {
-                cluster.stop(REAP_TIMEOUT).await;
-                return Err(e.then("every node started so far was stopped"));
-            }
-        };
     }
-    let mut restarts_left = spec.restart_workers;
 
-    let bars = Bars::new(spec.quiet);
-    let mut rec = Recorder::new(&bars);
-    let mut end_by = None;
-    loop {
-        let next = tokio::select! {
-            ev = cluster.next() => ev,
-            how = signals.recv() => {
-                bars.clear();
-                cluster.stop(REAP_TIMEOUT).await;
-                return Err(LaunchError::Stopped(how));
-            }
-            _ = sleep_until(end_by) => {
-                bars.clear();
-                let left = cluster.running().join(", ");
-                cluster.stop(REAP_TIMEOUT).await;
-                return Err(LaunchError::Timeout(format!(
-                    "every worker exited, but the job did not end within {:.0} s (still running: {left}); a worker \
-                     that exits without finishing leaves the scheduler waiting for it",
-                    spec.end_timeout.as_secs_f64()
-                )));
-            }
+    /// Node `node` exited with `status`, `t_s` seconds into the run: a dead worker is
+    /// restarted with its rank (`--restart-workers`), a dead server's blocks fail over
+    /// (`--replicas`, replaced with `--restart-servers`), any other failure fails the job.
+    /// An error is the job's: the caller stops every node.
+    fn exited(
+        &mut self,
+        cluster: &mut Cluster,
+        bars: &Bars,
+        out: &mut RunOutcome,
+        node: usize,
+        status: ExitStatus,
+        t_s: f64,
+    ) -> Result<Exit> {
+        let rank = self.workers.get(&node).and_then(|(_, r)| *r);
+        if !status.success()
+            && self.worker_restarts_left > 0
+            && let (Some(rank), Some((i, _))) = (rank, self.workers.remove(&node))
+        {
+            self.worker_restarts_left -= 1;
+            let line = format!(
+                "[{}] exited with {status}; restarting it as rank {rank} ({} restarts left)",
+                cluster.name(node),
+                self.worker_restarts_left
+            );
+            bars.println(true, &line);
+            out.restarts.push(Restart { rank, t_s, status: status.to_string() });
+            let again = self
+                .spawn_worker(cluster, i, Some(rank))
+                .map_err(|e| e.then("the worker could not be restarted; every other node was stopped"))?;
+            self.workers.insert(again, (i, Some(rank)));
+            return Ok(Exit::Restarted);
+        }
+        if !status.success()
+            && self.spec.job.replicas > 1
+            && let Some(index) = self.servers.remove(&node)
+        {
+            let replaced = self.server_lost(cluster, bars, node, status)?;
+            out.server_exits.push(ServerExit { index, t_s, status: status.to_string(), replaced });
+            return Ok(Exit::Gone { last_worker: false });
+        }
+        if !status.success() {
+            return Err(cluster.failure(node, status).then("the job failed; every other node was stopped"));
+        }
+        Ok(Exit::Gone { last_worker: self.workers.remove(&node).is_some() && self.workers.is_empty() })
+    }
+
+    /// Server node `node` died in a job with replicas: its blocks fail over to their
+    /// backups, and a new server takes its place while restarts are left; returns whether
+    /// one did.
+    fn server_lost(&mut self, cluster: &mut Cluster, bars: &Bars, node: usize, status: ExitStatus) -> Result<bool> {
+        let replaced = self.server_restarts_left > 0;
+        let line = if replaced {
+            self.server_restarts_left -= 1;
+            format!(
+                "[{}] exited with {status}; its blocks fail over to their backups; starting server {} in its place \
+                 ({} restarts left)",
+                cluster.name(node),
+                self.next_server,
+                self.server_restarts_left
+            )
+        } else {
+            format!("[{}] exited with {status}; its blocks fail over to their backups", cluster.name(node))
         };
-        let t_s = started.elapsed().as_secs_f64();
-        match next {
-            None => break,
-            Some(NodeEvent::Exited { node, status }) => {
-                let rank = worker_nodes.get(&node).and_then(|(_, r)| *r);
-                if !status.success()
-                    && restarts_left > 0
-                    && let (Some(rank), Some((i, _))) = (rank, worker_nodes.remove(&node))
-                {
-                    restarts_left -= 1;
-                    let line = format!(
-                        "[{}] exited with {status}; restarting it as rank {rank} ({restarts_left} restarts left)",
-                        cluster.name(node)
-                    );
-                    bars.println(true, &line);
-                    rec.out.restarts.push(Restart { rank, t_s, status: status.to_string() });
-                    match spawn_worker(&mut cluster, i, Some(rank)) {
-                        Ok(again) => worker_nodes.insert(again, (i, Some(rank))),
+        bars.println(true, &line);
+        if replaced {
+            let again = self
+                .spawn_server(cluster, self.next_server)
+                .map_err(|e| e.then("no server could be started in its place; every node was stopped"))?;
+            self.servers.insert(again, self.next_server);
+            self.next_server += 1;
+        }
+        Ok(replaced)
+    }
+}
+
+/// A started job, watched to its end: its nodes' events, the user's signals, and the
+/// deadline for the job to end once every worker exited.
+struct Watch<'c, 's, 'a> {
+    spec: &'s JobSpec<'a>,
+    cluster: &'c mut Cluster,
+    signals: &'c mut Signals,
+    scrape: &'c mut ScrapeList,
+    nodes: Nodes<'s, 'a>,
+    started: Instant,
+}
+
+impl Watch<'_, '_, '_> {
+    /// Records every event until every node exited; stops every node when one fails, on a
+    /// signal, or when the job does not end within [`JobSpec::end_timeout`] after the last
+    /// worker exited.
+    async fn run(&mut self) -> Result<RunOutcome> {
+        let bars = Bars::new(self.spec.quiet);
+        let mut rec = Recorder::new(&bars);
+        let mut end_by = None;
+        loop {
+            let next = tokio::select! {
+                ev = self.cluster.next() => ev,
+                how = self.signals.recv() => {
+                    bars.clear();
+                    self.cluster.stop(REAP_TIMEOUT).await;
+                    return Err(LaunchError::Stopped(how));
+                }
+                _ = sleep_until(end_by) => {
+                    bars.clear();
+                    let left = self.cluster.running().join(", ");
+                    self.cluster.stop(REAP_TIMEOUT).await;
+                    return Err(LaunchError::Timeout(format!(
+                        "every worker exited, but the job did not end within {:.0} s (still running: {left}); a \
+                         worker that exits without finishing leaves the scheduler waiting for it",
+                        self.spec.end_timeout.as_secs_f64()
+                    )));
+                }
+            };
+            let t_s = self.started.elapsed().as_secs_f64();
+            match next {
+                None => break,
+                Some(NodeEvent::Exited { node, status }) => {
+                    match self.nodes.exited(self.cluster, &bars, &mut rec.out, node, status, t_s) {
+                        Ok(Exit::Restarted) => continue,
+                        Ok(Exit::Gone { last_worker }) => {
+                            if last_worker {
+                                end_by = Some(tokio::time::Instant::now() + self.spec.end_timeout);
+                            }
+                        }
                         Err(e) => {
                             bars.clear();
-                            cluster.stop(REAP_TIMEOUT).await;
-                            return Err(e.then("the worker could not be restarted; every other node was stopped"));
+                            self.cluster.stop(REAP_TIMEOUT).await;
+                            return Err(e);
                         }
-                    };
-                    continue;
-                }
-                if !status.success()
-                    && spec.job.replicas > 1
-                    && let Some(index) = server_nodes.remove(&node)
-                {
-                    // Its blocks fail over to their backups: the job goes on.
-                    let replaced = server_restarts_left > 0;
-                    let line = if replaced {
-                        server_restarts_left -= 1;
-                        format!(
-                            "[{}] exited with {status}; its blocks fail over to their backups; starting server \
-                             {next_server} in its place ({server_restarts_left} restarts left)",
-                            cluster.name(node)
-                        )
-                    } else {
-                        format!("[{}] exited with {status}; its blocks fail over to their backups", cluster.name(node))
-                    };
-                    bars.println(true, &line);
-                    rec.out.server_exits.push(ServerExit { index, t_s, status: status.to_string(), replaced });
-                    if replaced {
-                        match spawn_server(&mut cluster, next_server) {
-                            Ok(again) => server_nodes.insert(again, next_server),
-                            Err(e) => {
-                                bars.clear();
-                                cluster.stop(REAP_TIMEOUT).await;
-                                return Err(e.then("no server could be started in its place; every node was stopped"));
-                            }
-                        };
-                        next_server += 1;
                     }
-                    if cluster.all_exited() {
+                    if self.cluster.all_exited() {
                         break;
                     }
-                    continue;
                 }
-                if !status.success() {
-                    bars.clear();
-                    let err = cluster.failure(node, status);
-                    cluster.stop(REAP_TIMEOUT).await;
-                    return Err(err.then("the job failed; every other node was stopped"));
+                Some(NodeEvent::Output { node, line, stderr }) => {
+                    bars.println(stderr, &format!("[{}] {line}", self.cluster.name(node)));
                 }
-                if worker_nodes.remove(&node).is_some() && worker_nodes.is_empty() {
-                    end_by = Some(tokio::time::Instant::now() + spec.end_timeout);
-                }
-                if cluster.all_exited() {
-                    break;
-                }
-            }
-            Some(NodeEvent::Output { node, line, stderr }) => {
-                bars.println(stderr, &format!("[{}] {line}", cluster.name(node)));
-            }
-            Some(NodeEvent::Line { event: Event::Metrics { node, addr }, .. }) => scrape.add(node, addr),
-            Some(NodeEvent::Line { node, event }) => {
-                if let Some(rank) = rec.event(t_s, event)
-                    && let Some((_, r)) = worker_nodes.get_mut(&node)
-                {
-                    *r = Some(rank);
+                Some(NodeEvent::Line { event: Event::Metrics { node, addr }, .. }) => self.scrape.add(node, addr),
+                Some(NodeEvent::Line { node, event }) => {
+                    if let Some(rank) = rec.event(t_s, event)
+                        && let Some((_, r)) = self.nodes.workers.get_mut(&node)
+                    {
+                        *r = Some(rank);
+                    }
                 }
             }
         }
+        bars.clear();
+        let mut out = rec.out;
+        out.wall = self.started.elapsed();
+        Ok(out)
     }
-    bars.clear();
-    let mut out = rec.out;
-    out.wall = started.elapsed();
-    Ok(out)
 }
 
 /// Turns the event lines of a job's nodes into its [`RunOutcome`], and moves the progress
@@ -549,113 +615,6 @@ pub(crate) async fn sleep_until(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
-    }
-}
-
-/// The flags of the job itself in report.json's `config` (train and launch add theirs).
-pub fn job_config_json(job: &JobArgs) -> serde_json::Map<String, serde_json::Value> {
-    let value = serde_json::json!({
-        "servers": job.servers,
-        "workers": job.workers,
-        "sync": job.sync.to_string(),
-        "optimizer": job.optimizer.to_string(),
-        "lr": job.lr.to_string().parse::<f64>().unwrap_or(f64::NAN),
-        "aggregate": job.aggregate,
-        "placement": job.placement.to_string(),
-        "block_bytes": job.block_bytes,
-        "seed": job.seed,
-        "server_sync": job.server_sync.iter().map(|(i, p)| format!("{i}={p}")).collect::<Vec<_>>(),
-        "server_bandwidth": job.server_bandwidth.iter().map(|(i, mbps)| format!("{i}={mbps}")).collect::<Vec<_>>(),
-        "server_interference": job.server_interference.iter().map(|(i, f)| format!("{i}={f}")).collect::<Vec<_>>(),
-        "straggler_at": job.straggler_at,
-        "balance": job.balance.to_string(),
-        "max_servers": job.max_servers.unwrap_or(job.servers),
-        "min_servers": job.min_servers.unwrap_or(job.servers),
-    });
-    match value {
-        serde_json::Value::Object(map) => map,
-        _ => serde_json::Map::new(),
-    }
-}
-
-/// The report of a run, with the caller's `config` and final test evaluation.
-pub fn assemble_report(o: &RunOutcome, config: serde_json::Value, test_accuracy: f64, test_loss: f64) -> Report {
-    let workers: Vec<WorkerReport> = o.workers.values().cloned().collect();
-    let samples: u64 = workers.iter().map(|w| w.samples).sum();
-    let train_s = workers.iter().map(|w| w.train_s).fold(0.0, f64::max);
-    // Without any worker's final report, the furthest step it logged.
-    let iterations = workers
-        .iter()
-        .map(|w| w.iterations)
-        .max()
-        .unwrap_or_else(|| o.curve.iter().map(|p| p.iteration).max().unwrap_or(0));
-    let servers = o
-        .servers
-        .values()
-        .map(|s| ServerReport {
-            id: s.server_id,
-            sync: s.sync.clone(),
-            blocks: s.blocks,
-            bytes: s.bytes,
-            pushes: s.totals.pushes,
-            pulls: s.totals.pulls,
-            pulls_held: s.totals.pulls_held,
-            hold_ms: s.totals.hold_us as f64 / 1e3,
-            hold_p99_ms: s.hold_p99_us as f64 / 1e3,
-            releases: s.totals.releases,
-            max_lead: s.totals.max_lead,
-        })
-        .collect();
-    Report {
-        config,
-        test_accuracy,
-        test_loss,
-        // Unknown (NaN, "unknown" in the summary, null in report.json) when no worker
-        // reported a sample: a script that logged no `samples` did not train zero.
-        samples_per_sec: if train_s > 0.0 && samples > 0 { samples as f64 / train_s } else { f64::NAN },
-        wall_s: o.wall.as_secs_f64(),
-        iterations,
-        servers,
-        workers,
-        curve: o.curve.clone(),
-        balance: o.balance.clone(),
-    }
-}
-
-/// Prints the lines after the headline: throughput and holds, then the balancing.
-pub fn print_cluster_summary(job: &JobArgs, report: &Report) {
-    let held: u64 = report.servers.iter().map(|s| s.pulls_held).sum();
-    let hold_ms: f64 = report.servers.iter().map(|s| s.hold_ms).sum();
-    let sync = if job.aggregate { format!("{} --aggregate", job.sync) } else { job.sync.to_string() };
-    // NaN: no worker reported a sample (a script that logged no `samples`).
-    let rate = if report.samples_per_sec.is_finite() {
-        format!("{:.0}", report.samples_per_sec)
-    } else {
-        "unknown".to_string()
-    };
-    println!(
-        "{} servers, {} workers, {sync}: {rate} samples/s, wall {:.1} s, pulls held {held} ({hold_ms:.1} ms in total)",
-        job.servers, job.workers, report.wall_s
-    );
-    if let Some(log) = &report.balance
-        && (log.mode != "static" || !log.migrations.is_empty())
-    {
-        let done: Vec<_> = log.migrations.iter().filter(|m| m.error.is_none()).collect();
-        let mb: f64 = done.iter().map(|m| m.bytes as f64).sum::<f64>() / 1e6;
-        let freeze = done.iter().map(|m| m.freeze_ms).fold(0.0, f64::max);
-        let scaling: Vec<String> = log
-            .scaling
-            .iter()
-            .map(|e| format!("{} {}", e.action, e.server.map_or("-".into(), |s| s.to_string())))
-            .collect();
-        let kept = log.decisions.iter().filter(|d| d.kept()).count();
-        println!(
-            "balance {}: {} migrations ({mb:.1} MB moved, longest freeze {freeze:.1} ms), verdicts: {kept} kept, {} reverted, scaling: {}",
-            log.mode,
-            done.len(),
-            log.decisions.len() - kept,
-            if scaling.is_empty() { "none".to_string() } else { scaling.join(", ") }
-        );
     }
 }
 

@@ -1,9 +1,9 @@
 //! What a Python worker measures of its own run, for the launcher's report: the
-//! runtime's [`Tally`], with iterations told apart by clock, since a backward pass
+//! run crate's [`Tally`], with iterations told apart by clock, since a backward pass
 //! pushes one clock tensor by tensor in many rounds.
 
 use elasticps_core::sync::Clock;
-use elasticps_runtime::tally::Tally;
+use elasticps_run::tally::Tally;
 
 /// A worker's numbers so far.
 #[derive(Clone, Debug, Default)]

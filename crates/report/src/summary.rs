@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 
 use elasticps_core::stats::median;
+use elasticps_node::scheduler::MigrationEvent;
 
 use super::table::markdown_table;
 use super::{BALANCE_PNG, BalanceLog, CURVES_PNG, REPORT_JSON, Report};
@@ -168,6 +169,15 @@ fn balance(md: &mut String, log: &BalanceLog) {
 
 ",
     );
+    migrations(md, log);
+    md.push('\n');
+    scaling_events(md, log);
+    last_sample(md, log);
+}
+
+/// The section's list: mode, migrations and their times, verdicts, settling time, the
+/// first failed migrations.
+fn migrations(md: &mut String, log: &BalanceLog) {
     let ok: Vec<_> = log.migrations.iter().filter(|m| m.error.is_none()).collect();
     let failed = log.migrations.len() - ok.len();
     let bytes: u64 = ok.iter().map(|m| m.bytes).sum();
@@ -190,48 +200,9 @@ fn balance(md: &mut String, log: &BalanceLog) {
             fixed(median(&total).unwrap_or(f64::NAN), 1),
             fixed(max(&total), 1)
         );
-        let mut moves: Vec<((u32, u32), (usize, u64))> = Vec::new();
-        for m in &ok {
-            match moves.iter_mut().find(|(k, _)| *k == (m.from, m.to)) {
-                Some((_, (n, b))) => {
-                    *n += 1;
-                    *b += m.bytes;
-                }
-                None => moves.push(((m.from, m.to), (1, m.bytes))),
-            }
-        }
-        moves.sort_by_key(|(k, _)| *k);
-        let list: Vec<String> =
-            moves.iter().map(|((f, t), (n, b))| format!("{f} -> {t}: {n} ({})", human_bytes(*b))).collect();
-        let _ = writeln!(md, "- **Moves by server:** {}", list.join(", "));
-        if let (Some(first), Some(last)) = (ok.first(), ok.last()) {
-            let _ =
-                writeln!(md, "- **First / last migration:** {} s / {} s", fixed(first.at_s, 1), fixed(last.at_s, 1));
-        }
+        moves_by_server(md, &ok);
     }
-    if !log.decisions.is_empty() {
-        let kept = log.decisions.iter().filter(|d| d.kept()).count();
-        let list: Vec<String> = log
-            .decisions
-            .iter()
-            .map(|d| {
-                format!(
-                    "{} at {} s ({} blocks: predicted {:+.1}%, measured {:+.1}%)",
-                    d.verdict,
-                    fixed(d.judged_s, 1),
-                    d.moves,
-                    -d.predicted_gain * 100.0,
-                    -d.measured_gain * 100.0
-                )
-            })
-            .collect();
-        let _ = writeln!(
-            md,
-            "- **Verdicts** (iteration time, negative is faster): {kept} kept, {} reverted: {}",
-            log.decisions.len() - kept,
-            list.join("; ")
-        );
-    }
+    verdicts(md, log);
     let _ = writeln!(
         md,
         "- **Settled:** {}",
@@ -258,8 +229,61 @@ fn balance(md: &mut String, log: &BalanceLog) {
             .collect();
         let _ = writeln!(md, "- **Failed migrations** (first {}): {}", errors.len(), errors.join("; "));
     }
-    md.push('\n');
+}
 
+/// The successful migrations `ok` (at least one) by (from, to) server, then when the
+/// first and the last happened.
+fn moves_by_server(md: &mut String, ok: &[&MigrationEvent]) {
+    let mut moves: Vec<((u32, u32), (usize, u64))> = Vec::new();
+    for m in ok {
+        match moves.iter_mut().find(|(k, _)| *k == (m.from, m.to)) {
+            Some((_, (n, b))) => {
+                *n += 1;
+                *b += m.bytes;
+            }
+            None => moves.push(((m.from, m.to), (1, m.bytes))),
+        }
+    }
+    moves.sort_by_key(|(k, _)| *k);
+    let list: Vec<String> =
+        moves.iter().map(|((f, t), (n, b))| format!("{f} -> {t}: {n} ({})", human_bytes(*b))).collect();
+    let _ = writeln!(md, "- **Moves by server:** {}", list.join(", "));
+    if let (Some(first), Some(last)) = (ok.first(), ok.last()) {
+        let _ = writeln!(md, "- **First / last migration:** {} s / {} s", fixed(first.at_s, 1), fixed(last.at_s, 1));
+    }
+}
+
+/// The balancer's verdicts on its decisions (kept or reverted, predicted and measured
+/// gain), if it judged any.
+fn verdicts(md: &mut String, log: &BalanceLog) {
+    if log.decisions.is_empty() {
+        return;
+    }
+    let kept = log.decisions.iter().filter(|d| d.kept()).count();
+    let list: Vec<String> = log
+        .decisions
+        .iter()
+        .map(|d| {
+            format!(
+                "{} at {} s ({} blocks: predicted {:+.1}%, measured {:+.1}%)",
+                d.verdict,
+                fixed(d.judged_s, 1),
+                d.moves,
+                -d.predicted_gain * 100.0,
+                -d.measured_gain * 100.0
+            )
+        })
+        .collect();
+    let _ = writeln!(
+        md,
+        "- **Verdicts** (iteration time, negative is faster): {kept} kept, {} reverted: {}",
+        log.decisions.len() - kept,
+        list.join("; ")
+    );
+}
+
+/// The scaling events, as a table (or a line saying there were none).
+fn scaling_events(md: &mut String, log: &BalanceLog) {
     if log.scaling.is_empty() {
         md.push_str("No scaling events.\n\n");
     } else {
@@ -279,7 +303,11 @@ fn balance(md: &mut String, log: &BalanceLog) {
         md.push_str(&markdown_table(&["at s", "action", "server", "reason"], &rows));
         md.push('\n');
     }
+}
 
+/// The servers at the last sample of the load timeline, as a table, and a link to
+/// `balance.png` (or a line saying no timeline was recorded).
+fn last_sample(md: &mut String, log: &BalanceLog) {
     if let Some(last) = log.timeline.last() {
         let _ = writeln!(md, "Servers at the last sample ({} s):\n", fixed(last.t_s, 1));
         let rows: Vec<Vec<String>> = last
@@ -415,4 +443,91 @@ mod tests {
         assert!(md.contains("25.00%"), "{md}");
         assert!(md.contains("0.2500"), "{md}");
     }
+
+    /// Every part of the balance section: migrations (one failed), moves by server,
+    /// a verdict, a scaling event, the servers at the last sample.
+    #[test]
+    fn the_balance_section_lists_migrations_verdicts_scaling_and_the_last_sample() {
+        use elasticps_node::scheduler::{DecisionRecord, LoadSample, ScaleEvent, ServerPoint};
+        let migration = |at_s: f64, block, from, to, error: Option<&str>| MigrationEvent {
+            at_s,
+            block,
+            from,
+            to,
+            bytes: 1 << 20,
+            freeze_ms: at_s,
+            total_ms: 10.0 * at_s,
+            held: 0,
+            error: error.map(str::to_string),
+        };
+        let server = |id, rate_bps, straggler| ServerPoint {
+            id,
+            blocks: 3,
+            bytes: 3 << 20,
+            rate_bps,
+            confidence: 1.0,
+            in_mbps: 0.0,
+            out_mbps: 0.0,
+            queued_ms_per_s: 0.0,
+            service_ms: 2.5,
+            straggler,
+        };
+        let log = BalanceLog {
+            mode: "psld".into(),
+            started_unix_ms: 0.0,
+            migrations: vec![
+                migration(1.0, 4, 0, 1, None),
+                migration(2.0, 5, 0, 1, None),
+                migration(3.0, 6, 1, 2, None),
+                migration(4.0, 7, 0, 2, Some("the new owner is gone")),
+            ],
+            scaling: vec![ScaleEvent { at_s: 5.0, action: "add".into(), server: Some(2), reason: "slow".into() }],
+            timeline: vec![LoadSample {
+                t_s: 6.0,
+                iter_ms: None,
+                servers: vec![server(0, 0.0, true), server(1, 5e6, false)],
+            }],
+            decisions: vec![DecisionRecord {
+                judged_s: 3.5,
+                moves: 2,
+                predicted_gain: 0.2,
+                measured_gain: 0.1,
+                verdict: "kept".into(),
+                ..DecisionRecord::default()
+            }],
+            settled_s: Some(5.5),
+        };
+        let mut md = String::new();
+        balance(&mut md, &log);
+        assert_eq!(md, EXPECTED_BALANCE);
+    }
+
+    const EXPECTED_BALANCE: &str = concat!(
+        "## Balance\n",
+        "\n",
+        "- **Mode:** psld\n",
+        "- **Migrations:** 3 (1 more failed), 3.00 MiB moved\n",
+        "- **Block frozen:** p50 2.00 ms, max 3.00 ms; **request to handover:** p50 20.0 ms, max 30.0 ms\n",
+        "- **Moves by server:** 0 -> 1: 2 (2.00 MiB), 1 -> 2: 1 (1.00 MiB)\n",
+        "- **First / last migration:** 1.0 s / 3.0 s\n",
+        "- **Verdicts** (iteration time, negative is faster): 1 kept, 0 reverted: kept at 3.5 s (2 blocks: predicted -20.0%, measured -10.0%)\n",
+        "- **Settled:** 5.5 s after the scheduler started (the last migration or scaling decision)\n",
+        "- **Failed migrations** (first 1): block 7 0 -> 2 at 4.0 s: the new owner is gone\n",
+        "\n",
+        "Scaling events:\n",
+        "\n",
+        "| at s | action | server | reason |\n",
+        "|-----:|:-------|-------:|:-------|\n",
+        "|  5.0 | add    |      2 | slow   |\n",
+        "\n",
+        "Servers at the last sample (6.0 s):\n",
+        "\n",
+        "| id | blocks |    bytes | rate     | service ms | straggler |\n",
+        "|---:|-------:|---------:|:---------|:-----------|:----------|\n",
+        "|  0 |      3 | 3.00 MiB | -        | -          | yes       |\n",
+        "|  1 |      3 | 3.00 MiB | 5.0 MB/s | 2.5        |           |\n",
+        "\n",
+        "![load balance](balance.png)\n",
+        "\n",
+    );
 }

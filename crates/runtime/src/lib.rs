@@ -19,7 +19,6 @@
 //!   server's sockets, CPU interference), as in PSLD.
 //! - [`events`]: the JSON lines nodes write for a launcher (progress, logged metrics,
 //!   final reports), to stdout or to the launcher's pipe.
-//! - [`tally`]: a worker's iteration and communication times, for its final report.
 //! - [`client`]: the worker library a user's training loop calls: `pull(t)`, `push(t)`.
 //! - [`metrics`]: Prometheus metrics of every role and the endpoint serving them.
 //!
@@ -43,7 +42,6 @@ pub mod scheduler;
 pub mod server;
 pub mod session;
 pub mod shaping;
-pub mod tally;
 pub mod timer;
 pub mod tls;
 

@@ -1,7 +1,7 @@
 //! `elasticps sim`'s flags: the same job flags as `train`, plus the simulated machine.
 
 use clap::Args;
-use elasticps_launch::args::{DataArgs, JobArgs, RunArgs};
+use elasticps_run::args::{DataArgs, JobArgs, RunArgs};
 use elasticps_train::synthetic::ModelKind;
 
 use crate::{Result, SimError};

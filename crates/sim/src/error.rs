@@ -11,7 +11,7 @@ pub enum SimError {
     Core(#[from] elasticps_core::CoreError),
     /// The job's flags were refused.
     #[error(transparent)]
-    Launch(#[from] elasticps_launch::LaunchError),
+    Run(#[from] elasticps_run::RunError),
     /// The simulated job did not end as a job must: it failed, or stalled.
     #[error("the simulated job {0}")]
     Job(String),

@@ -22,8 +22,8 @@ pub use args::{SimArgs, SimCmd};
 pub use error::{Result, SimError};
 pub use run::{SimOutcome, simulate};
 
-use elasticps_launch::runner::{assemble_report, job_config_json, print_cluster_summary};
 use elasticps_report::Report;
+use elasticps_run::report::{assemble_report, job_config_json, print_cluster_summary};
 
 /// `elasticps sim`: simulate, print the papers' metrics, write the report.
 pub fn run(cmd: &SimCmd) -> Result<SimOutcome> {

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use elasticps_core::balance::BalanceParams;
 use elasticps_harness::{ClusterConfig, JobSetup, LinkSpec, ServerModel, SimJob, Stage, TrainingLoop};
-use elasticps_launch::runner::RunOutcome;
-use elasticps_runtime::tally::Tally;
+use elasticps_run::outcome::RunOutcome;
+use elasticps_run::tally::Tally;
 use elasticps_train::Delays;
 use elasticps_wire::ServerStats;
 

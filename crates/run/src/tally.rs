@@ -1,6 +1,6 @@
 //! What a worker measures of its own run, for the launcher's report
 //! ([`WorkerReport`]): every iteration's duration, the time spent communicating, and the
-//! time each server took. The Rust worker role and the Python client both use it.
+//! time each server took. The Rust worker role, the Python client and the sim use it.
 //!
 //! Iteration k lasts from the end of iteration k - 1 (or from [`Tally::start`]) to
 //! [`Tally::iteration_ends`], so the durations tile the training loop without gaps:
@@ -10,8 +10,7 @@
 use std::time::{Duration, Instant};
 
 use elasticps_core::stats::Histogram;
-
-use crate::events::WorkerReport;
+use elasticps_node::events::WorkerReport;
 
 /// Per-iteration timings of one worker.
 #[derive(Clone, Debug)]
