@@ -627,44 +627,65 @@ impl Network {
         true
     }
 
-    /// Queues `item` at `node`'s uplink on connection `k`, and serves the link if free.
+    /// Offers `item` to `node`'s uplink on connection `k`: it goes on the link now if the
+    /// link is free and nothing waits, else it waits its turn ([`Port`]) and an event
+    /// frees the link when its message is through.
     fn queue_up(&mut self, node: NodeId, k: Key, item: Outgoing) {
-        if self.nodes[node.0 as usize].up.push(k, item) {
-            self.serve_uplink(node);
+        let port = &mut self.nodes[node.0 as usize].up;
+        match port.offer(self.now_ns, k, item) {
+            Some(item) => {
+                self.put_up(node, k, item);
+            }
+            None => {
+                if let Some(at) = port.wake_at() {
+                    self.queue.push(at, Ev::UpFree { node });
+                }
+            }
         }
     }
 
-    /// Puts the next message waiting at `node`'s free uplink on it ([`Port`]): it leaves
-    /// once all of it is out, and the link is free then. Messages of connections gone
-    /// meanwhile are lost without taking the link; a close leaves without taking it.
+    /// Puts the next messages waiting at `node`'s free uplink on it, until one takes it.
     fn serve_uplink(&mut self, node: NodeId) {
         while let Some((k, item)) = self.nodes[node.0 as usize].up.next() {
-            let (conn, end) = unkey(k);
-            let slot = match item {
-                Outgoing::Message(slot) => slot,
-                Outgoing::Fin => {
-                    let to_end = 1 - end;
-                    let left = self.now_ns + self.latency_ns(conn);
-                    let last = &mut self.conns[conn as usize].last_arrival_ns[to_end as usize];
-                    let arrival = left.max(*last);
-                    *last = arrival;
-                    self.queue.push(arrival, Ev::Fin { conn, to_end });
-                    continue;
-                }
-            };
-            if !self.conns[conn as usize].alive || !self.is_alive(node) {
-                self.take_flight(slot);
-                self.stats.lost += 1;
-                continue;
+            if self.put_up(node, k, item) {
+                return;
             }
-            let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);
-            let n = &mut self.nodes[node.0 as usize];
-            let done = self.now_ns + transfer_ns(bytes, n.link.up_bps);
-            n.up.occupy(k, done);
-            self.queue.push(done, Ev::UpFree { node });
-            self.travel(conn, end, slot, done);
-            return;
         }
+    }
+
+    /// `item` of connection `k` goes on `node`'s free uplink: a message occupies it until
+    /// all of it is out, and leaves then (true); a close leaves at once without taking it,
+    /// and a message of a connection gone meanwhile is lost (false).
+    fn put_up(&mut self, node: NodeId, k: Key, item: Outgoing) -> bool {
+        let (conn, end) = unkey(k);
+        let slot = match item {
+            Outgoing::Message(slot) => slot,
+            Outgoing::Fin => {
+                let to_end = 1 - end;
+                let left = self.now_ns + self.latency_ns(conn);
+                let last = &mut self.conns[conn as usize].last_arrival_ns[to_end as usize];
+                let arrival = left.max(*last);
+                *last = arrival;
+                self.queue.push(arrival, Ev::Fin { conn, to_end });
+                return false;
+            }
+        };
+        if !self.conns[conn as usize].alive || !self.is_alive(node) {
+            self.take_flight(slot);
+            self.stats.lost += 1;
+            return false;
+        }
+        let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);
+        let n = &mut self.nodes[node.0 as usize];
+        let done = self.now_ns + transfer_ns(bytes, n.link.up_bps);
+        // Only a link others wait for needs an event when it is free again.
+        let wake = n.up.waiting();
+        n.up.occupy(k, done, wake);
+        if wake {
+            self.queue.push(done, Ev::UpFree { node });
+        }
+        self.travel(conn, end, slot, done);
+        true
     }
 
     /// The one-way latency of `conn`: its own, or the larger of its ends'.
@@ -840,8 +861,10 @@ impl Network {
                     self.stats.lost += 1;
                     return None;
                 }
-                if self.nodes[to.0 as usize].down.push(key(conn, to_end), slot) {
-                    self.serve_downlink(to);
+                // Else it waits its turn: the message on the link frees it when delivered.
+                let k = key(conn, to_end);
+                if let Some(slot) = self.nodes[to.0 as usize].down.offer(self.now_ns, k, slot) {
+                    self.put_down(to, k, slot);
                 }
                 None
             }
@@ -913,23 +936,31 @@ impl Network {
         }
     }
 
-    /// Puts the next message waiting at `node`'s free downlink on it ([`Port`]); messages
-    /// of connections gone meanwhile are lost without taking the link.
+    /// Puts the next messages waiting at `node`'s free downlink on it, until one takes it.
     fn serve_downlink(&mut self, node: NodeId) {
         while let Some((k, slot)) = self.nodes[node.0 as usize].down.next() {
-            let (conn, end) = unkey(k);
-            if !self.conns[conn as usize].alive {
-                self.take_flight(slot);
-                self.stats.lost += 1;
-                continue;
+            if self.put_down(node, k, slot) {
+                return;
             }
-            let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);
-            let n = &mut self.nodes[node.0 as usize];
-            let done = self.now_ns + transfer_ns(bytes, n.link.down_bps);
-            n.down.occupy(k, done);
-            self.queue.push(done, Ev::Deliver { conn, to_end: end, slot, shaped: true });
-            return;
         }
+    }
+
+    /// Message `slot` of connection `k` goes on `node`'s free downlink and is delivered
+    /// when all of it is in, which frees the link (true); a message of a connection gone
+    /// meanwhile is lost without taking it (false).
+    fn put_down(&mut self, node: NodeId, k: Key, slot: u32) -> bool {
+        let (conn, end) = unkey(k);
+        if !self.conns[conn as usize].alive {
+            self.take_flight(slot);
+            self.stats.lost += 1;
+            return false;
+        }
+        let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);
+        let n = &mut self.nodes[node.0 as usize];
+        let done = self.now_ns + transfer_ns(bytes, n.link.down_bps);
+        n.down.occupy(k, done, true);
+        self.queue.push(done, Ev::Deliver { conn, to_end: end, slot, shaped: true });
+        true
     }
 
     fn lost(&mut self, conn: u32, end: u8, why: LostWhy) -> Option<Delivery> {

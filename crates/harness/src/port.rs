@@ -10,6 +10,7 @@
 //! the whole backlog.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 
 /// A connection's end as a port knows it: `conn * 2 + end`.
 pub(crate) type Key = u64;
@@ -24,23 +25,77 @@ pub(crate) fn unkey(key: Key) -> (u32, u8) {
     ((key / 2) as u32, (key % 2) as u8)
 }
 
+/// Hashes a [`Key`] with one multiplication: keys are small integers, nobody chooses them
+/// against the map, and every message that waits costs a lookup or two (the default,
+/// SipHash, is made for the opposite).
+#[derive(Clone, Copy, Debug, Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(self.0.rotate_left(8) ^ u64::from(*b));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.0 = x.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 /// A shared link direction: per-connection queues of `T` served in turn.
 #[derive(Debug)]
 pub(crate) struct Port<T> {
-    queues: HashMap<Key, VecDeque<T>>,
+    queues: HashMap<Key, VecDeque<T>, BuildHasherDefault<KeyHasher>>,
     /// Connections with something waiting, in turn order.
     turns: VecDeque<Key>,
     /// The connection whose message is on the link, and when the link is free again.
     busy: Option<(Key, u64)>,
+    /// An event frees the link when its message is through ([`Port::free`]). Without one,
+    /// a link whose message is through is free (nothing waited when it went on).
+    wake: bool,
 }
 
 impl<T> Default for Port<T> {
     fn default() -> Self {
-        Self { queues: HashMap::new(), turns: VecDeque::new(), busy: None }
+        Self { queues: HashMap::default(), turns: VecDeque::new(), busy: None, wake: false }
     }
 }
 
 impl<T> Port<T> {
+    /// Offers `item` of connection `key` at `now`: if the link is free and nothing waits,
+    /// it is given back (the caller puts it on the link: [`Port::occupy`]); else it waits
+    /// in its connection's queue (and the caller makes sure an event frees the link:
+    /// [`Port::wake_at`]).
+    pub(crate) fn offer(&mut self, now: u64, key: Key, item: T) -> Option<T> {
+        if let Some((_, until)) = self.busy
+            && until <= now
+            && !self.wake
+        {
+            self.busy = None;
+        }
+        if self.busy.is_none() && self.turns.is_empty() {
+            return Some(item);
+        }
+        self.push(key, item);
+        None
+    }
+
+    /// When an event must free the link (its message's end), if messages wait and none is
+    /// due yet; the caller schedules it and calls [`Port::free`] then.
+    pub(crate) fn wake_at(&mut self) -> Option<u64> {
+        let (_, until) = self.busy?;
+        if self.wake || self.turns.is_empty() {
+            return None;
+        }
+        self.wake = true;
+        Some(until)
+    }
+
     /// Queues `item` on connection `key`'s queue; true if the link is free (the caller
     /// then puts the next message on it: [`Port::next`]).
     pub(crate) fn push(&mut self, key: Key, item: T) -> bool {
@@ -50,6 +105,11 @@ impl<T> Port<T> {
             self.turns.push_back(key);
         }
         self.busy.is_none()
+    }
+
+    /// Whether messages wait (a message going on the link then needs a wake event).
+    pub(crate) fn waiting(&self) -> bool {
+        !self.turns.is_empty()
     }
 
     /// The next message in turn, taken off its queue (its connection goes to the back of
@@ -69,14 +129,17 @@ impl<T> Port<T> {
         None
     }
 
-    /// Connection `key`'s message is on the link until `until_ns`.
-    pub(crate) fn occupy(&mut self, key: Key, until_ns: u64) {
+    /// Connection `key`'s message is on the link until `until_ns` (`wake`: an event frees
+    /// the link then, whatever waits).
+    pub(crate) fn occupy(&mut self, key: Key, until_ns: u64, wake: bool) {
         self.busy = Some((key, until_ns));
+        self.wake = wake;
     }
 
-    /// The link is free again.
+    /// The link is free again (its wake event).
     pub(crate) fn free(&mut self) {
         self.busy = None;
+        self.wake = false;
     }
 
     /// When the link is free again, if connection `key` still has a message on it or
@@ -106,7 +169,7 @@ mod tests {
             assert!(port.push(a, ("a", i)), "the link is free");
         }
         let (k, first) = port.next().unwrap();
-        port.occupy(k, 10);
+        port.occupy(k, 10, true);
         assert!(!port.push(b, ("b", 0)), "the link is busy");
         assert_eq!((port.holds(a), port.holds(b), port.holds(key(3, 0))), (Some(10), Some(10), None));
         port.free();
@@ -117,5 +180,25 @@ mod tests {
         // b's one message waits behind one of a's, not behind a's whole backlog.
         assert_eq!(order, [("a", 0), ("a", 1), ("b", 0), ("a", 2)]);
         assert!(port.drain(a).is_empty());
+    }
+
+    #[test]
+    fn a_free_link_takes_an_offer_at_once_and_a_busy_one_asks_for_a_wake_once() {
+        let mut port = Port::default();
+        let (a, b) = (key(1, 0), key(2, 0));
+        assert_eq!(port.offer(0, a, 1), Some(1), "free: on the link now");
+        port.occupy(a, 10, port.waiting());
+        assert_eq!(port.offer(5, b, 2), None, "busy until 10: it waits");
+        assert_eq!(port.wake_at(), Some(10));
+        assert_eq!(port.offer(6, a, 3), None);
+        assert_eq!(port.wake_at(), None, "one wake is due already");
+        port.free();
+        assert_eq!(port.next(), Some((b, 2)));
+        port.occupy(b, 20, port.waiting());
+        assert_eq!(port.next(), Some((a, 3)));
+        port.occupy(a, 30, port.waiting());
+        // Nothing waited when it went on: once it is through, the link is free without
+        // an event.
+        assert_eq!(port.offer(30, b, 4), Some(4));
     }
 }
