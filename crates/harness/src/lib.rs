@@ -15,8 +15,9 @@
 //!   FIFO, so one seed is one run.
 //! - [`net`]: [`Network`]: nodes ([`NodeId`]), connections ([`ConnId`](elasticps_node::ConnId),
 //!   one per ordered pair as the roles see them), per-node latency and upload/download
-//!   bandwidth, FIFO links, the nominal size of a message ([`SizeHook`]), connection
-//!   drops, crashes, jitter, a digest of the run.
+//!   bandwidth shared by a node's connections in turn (`port`, as the real shaper shares
+//!   it), FIFO connections, the nominal size of a message ([`SizeHook`]), connection drops,
+//!   crashes, jitter, a digest of the run.
 //! - [`cluster`]: [`Cluster`]: the scheduler ([`SchedulerRole`]) and the roles, each a
 //!   small [`Role`] adapter that handles deliveries and acts through an [`Outbox`]
 //!   (send, close, connect, timers, ask for a server, finish).
@@ -68,6 +69,7 @@ pub mod cluster;
 pub mod job;
 pub mod link;
 pub mod net;
+mod port;
 pub mod queue;
 pub mod server;
 pub mod wake;

@@ -2,9 +2,11 @@
 //! bandwidth, seeded faults, and the virtual clock they all run on.
 //!
 //! A message of B nominal bytes sent at `now` from node A on a connection to node B:
-//! 1. leaves when A's uplink is free and occupies it for B / up(A);
+//! 1. waits in its connection's queue at A's uplink, which serves A's connections in
+//!    turn, one whole message each ([`Port`]), and occupies it for B / up(A);
 //! 2. travels the connection's latency (plus a seeded jitter, if any);
-//! 3. queues on B's downlink and occupies it for B / down(B);
+//! 3. waits in its connection's queue at B's downlink, served the same way, and occupies
+//!    it for B / down(B);
 //! 4. is delivered. Every connection is FIFO in each direction (TCP): jitter never
 //!    reorders a link.
 //!
@@ -16,6 +18,7 @@ use rand::{Rng, SeedableRng};
 
 use elasticps_wire::{HEADER_LEN, Message, Values};
 
+use crate::port::{Key, Port, key, unkey};
 use crate::queue::EventQueue;
 use elasticps_node::ConnId;
 
@@ -222,10 +225,19 @@ struct NodeState {
     kind: NodeKind,
     link: LinkSpec,
     alive: bool,
-    up_free_ns: u64,
-    down_free_ns: u64,
+    /// Its limited uplink: messages (slots) and closes waiting to leave.
+    up: Port<Outgoing>,
+    /// Its limited downlink: messages (slots) arrived and waiting to come in.
+    down: Port<u32>,
     conns: Vec<ConnId>,
     traffic: NodeTraffic,
+}
+
+/// What waits at a node's uplink: a message (its slot), or a close sent after them.
+#[derive(Debug)]
+enum Outgoing {
+    Message(u32),
+    Fin,
 }
 
 #[derive(Debug)]
@@ -238,6 +250,9 @@ struct Conn {
     latency_ns: Option<u64>,
     /// The latest arrival scheduled toward end i, to keep each direction FIFO.
     last_arrival_ns: [u64; 2],
+    /// End i's messages sent to leave later (a busy CPU's replies) leave no earlier than
+    /// this, to keep the connection FIFO.
+    hold_until_ns: [u64; 2],
 }
 
 /// A message on its way; the events refer to it by slot, so it is moved once in and
@@ -289,12 +304,17 @@ impl From<Compact> for Message {
 
 #[derive(Debug)]
 enum Ev {
+    /// A message sent to leave later joins its sender's (limited) uplink.
+    Leave { conn: u32, from_end: u8, item: Outgoing },
+    /// A node's (limited) uplink is free again.
+    UpFree { node: NodeId },
     /// A message reaches the receiver's (limited) downlink.
     Arrive { conn: u32, to_end: u8, slot: u32 },
-    /// A message is handed to the receiver.
-    Deliver { conn: u32, to_end: u8, slot: u32 },
+    /// A message is handed to the receiver (`shaped`: it comes off its limited downlink,
+    /// which is free from now).
+    Deliver { conn: u32, to_end: u8, slot: u32, shaped: bool },
     /// A graceful close reaches end `to_end` (after what was sent before it).
-    Fin { conn: u32, to_end: u8, downlink_done: bool },
+    Fin { conn: u32, to_end: u8 },
     /// A node learns a connection is gone.
     Lost { conn: u32, end: u8, why: LostWhy },
     /// A node's timer.
@@ -371,6 +391,7 @@ impl Network {
                 alive: false,
                 latency_ns: None,
                 last_arrival_ns: [0; 2],
+                hold_until_ns: [0; 2],
             }],
             queue: EventQueue::new(),
             in_flight: Vec::new(),
@@ -414,8 +435,8 @@ impl Network {
             kind,
             link,
             alive: true,
-            up_free_ns: 0,
-            down_free_ns: 0,
+            up: Port::default(),
+            down: Port::default(),
             conns: Vec::new(),
             traffic: NodeTraffic::default(),
         });
@@ -459,7 +480,14 @@ impl Network {
     pub fn connect(&mut self, a: NodeId, b: NodeId) -> ConnId {
         let id = self.conns.len() as ConnId;
         let alive = self.is_alive(a) && self.is_alive(b);
-        self.conns.push(Conn { ends: [a, b], open: [alive; 2], alive, latency_ns: None, last_arrival_ns: [0; 2] });
+        self.conns.push(Conn {
+            ends: [a, b],
+            open: [alive; 2],
+            alive,
+            latency_ns: None,
+            last_arrival_ns: [0; 2],
+            hold_until_ns: [0; 2],
+        });
         for n in [a, b] {
             if let Some(n) = self.nodes.get_mut(n.0 as usize) {
                 n.conns.push(id);
@@ -560,8 +588,7 @@ impl Network {
         if !c.alive || !c.open[end] || !self.nodes[from.0 as usize].alive {
             return false;
         }
-        let to_end = 1 - end;
-        let to = c.ends[to_end];
+        let to = c.ends[1 - end];
         let bytes = (self.size_of)(&msg);
         let now = self.now_ns.max(at_ns);
         // The scheduler's connections carry small control frames and are not shaped (the
@@ -570,25 +597,12 @@ impl Network {
         let control = self.nodes[from.0 as usize].kind == NodeKind::Scheduler
             || self.nodes[to.0 as usize].kind == NodeKind::Scheduler;
         let sender = &mut self.nodes[from.0 as usize];
-        let left = if sender.link.up_bps == 0 || control {
-            now
-        } else {
-            let done = sender.up_free_ns.max(now) + transfer_ns(bytes, sender.link.up_bps);
-            sender.up_free_ns = done;
-            done
-        };
         sender.traffic.bytes_up += bytes;
-        let from_lat = sender.link.latency_us;
-        let receiver = &self.nodes[to.0 as usize];
-        let limited_down = receiver.link.down_bps != 0 && !control;
-        let c = &mut self.conns[conn as usize];
-        let latency = c.latency_ns.unwrap_or_else(|| from_lat.max(receiver.link.latency_us) * 1_000);
-        let jitter = if self.jitter_ns == 0 { 0 } else { self.rng.random_range(0..=self.jitter_ns) };
-        let arrival = (left + latency + jitter).max(c.last_arrival_ns[to_end]);
-        c.last_arrival_ns[to_end] = arrival;
+        let (conn, end) = (conn as u32, end as u8);
+        let k = key(conn, end);
+        let shaped = (sender.link.up_bps != 0 && !control) || sender.up.holds(k).is_some();
         self.stats.sent += 1;
         self.stats.bytes += bytes;
-        let (conn, to_end) = (conn as u32, to_end as u8);
         let flight = InFlight { request_id, bytes, msg: msg.into() };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
@@ -600,9 +614,105 @@ impl Network {
                 (self.in_flight.len() - 1) as u32
             }
         };
-        let ev = if limited_down { Ev::Arrive { conn, to_end, slot } } else { Ev::Deliver { conn, to_end, slot } };
-        self.queue.push(arrival, ev);
+        let hold = &mut self.conns[conn as usize].hold_until_ns[end as usize];
+        if !shaped {
+            self.travel(conn, end, slot, now);
+        } else if now > self.now_ns || *hold > self.now_ns {
+            *hold = (*hold).max(now);
+            let at = *hold;
+            self.queue.push(at, Ev::Leave { conn, from_end: end, item: Outgoing::Message(slot) });
+        } else {
+            self.queue_up(from, k, Outgoing::Message(slot));
+        }
         true
+    }
+
+    /// Offers `item` to `node`'s uplink on connection `k`: it goes on the link now if the
+    /// link is free and nothing waits, else it waits its turn ([`Port`]) and an event
+    /// frees the link when its message is through.
+    fn queue_up(&mut self, node: NodeId, k: Key, item: Outgoing) {
+        let port = &mut self.nodes[node.0 as usize].up;
+        match port.offer(self.now_ns, k, item) {
+            Some(item) => {
+                self.put_up(node, k, item);
+            }
+            None => {
+                if let Some(at) = port.wake_at() {
+                    self.queue.push(at, Ev::UpFree { node });
+                }
+            }
+        }
+    }
+
+    /// Puts the next messages waiting at `node`'s free uplink on it, until one takes it.
+    fn serve_uplink(&mut self, node: NodeId) {
+        while let Some((k, item)) = self.nodes[node.0 as usize].up.next() {
+            if self.put_up(node, k, item) {
+                return;
+            }
+        }
+    }
+
+    /// `item` of connection `k` goes on `node`'s free uplink: a message occupies it until
+    /// all of it is out, and leaves then (true); a close leaves at once without taking it,
+    /// and a message of a connection gone meanwhile is lost (false).
+    fn put_up(&mut self, node: NodeId, k: Key, item: Outgoing) -> bool {
+        let (conn, end) = unkey(k);
+        let slot = match item {
+            Outgoing::Message(slot) => slot,
+            Outgoing::Fin => {
+                let to_end = 1 - end;
+                let left = self.now_ns + self.latency_ns(conn);
+                let last = &mut self.conns[conn as usize].last_arrival_ns[to_end as usize];
+                let arrival = left.max(*last);
+                *last = arrival;
+                self.queue.push(arrival, Ev::Fin { conn, to_end });
+                return false;
+            }
+        };
+        if !self.conns[conn as usize].alive || !self.is_alive(node) {
+            self.take_flight(slot);
+            self.stats.lost += 1;
+            return false;
+        }
+        let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);
+        let n = &mut self.nodes[node.0 as usize];
+        let done = self.now_ns + transfer_ns(bytes, n.link.up_bps);
+        // Only a link others wait for needs an event when it is free again.
+        let wake = n.up.waiting();
+        n.up.occupy(k, done, wake);
+        if wake {
+            self.queue.push(done, Ev::UpFree { node });
+        }
+        self.travel(conn, end, slot, done);
+        true
+    }
+
+    /// The one-way latency of `conn`: its own, or the larger of its ends'.
+    fn latency_ns(&self, conn: u32) -> u64 {
+        let c = &self.conns[conn as usize];
+        let l = |n: NodeId| self.nodes[n.0 as usize].link.latency_us;
+        c.latency_ns.unwrap_or_else(|| l(c.ends[0]).max(l(c.ends[1])) * 1_000)
+    }
+
+    /// Message `slot`, all out of end `from_end` of `conn` at `left_ns`, travels the
+    /// latency (and a jitter) to the other end's downlink, or to the node if that is not
+    /// limited; never before what was sent before it on the connection.
+    fn travel(&mut self, conn: u32, from_end: u8, slot: u32, left_ns: u64) {
+        let to_end = 1 - from_end;
+        let latency = self.latency_ns(conn);
+        let jitter = if self.jitter_ns == 0 { 0 } else { self.rng.random_range(0..=self.jitter_ns) };
+        let c = &mut self.conns[conn as usize];
+        let arrival = (left_ns + latency + jitter).max(c.last_arrival_ns[to_end as usize]);
+        c.last_arrival_ns[to_end as usize] = arrival;
+        let [from, to] = if from_end == 0 { c.ends } else { [c.ends[1], c.ends[0]] };
+        let control = [from, to].iter().any(|n| self.nodes[n.0 as usize].kind == NodeKind::Scheduler);
+        let ev = if self.nodes[to.0 as usize].link.down_bps != 0 && !control {
+            Ev::Arrive { conn, to_end, slot }
+        } else {
+            Ev::Deliver { conn, to_end, slot, shaped: false }
+        };
+        self.queue.push(arrival, ev);
     }
 
     fn take_flight(&mut self, slot: u32) -> Option<InFlight> {
@@ -622,18 +732,15 @@ impl Network {
             return;
         }
         c.open[end] = false;
-        let to_end = 1 - end;
-        let peer = c.ends[to_end];
-        let latency = c.latency_ns.unwrap_or_else(|| {
-            let l = |n: NodeId| self.nodes[n.0 as usize].link.latency_us;
-            l(node).max(l(peer)) * 1_000
-        });
-        let left = self.nodes[node.0 as usize].up_free_ns.max(now);
-        let arrival = (left + latency).max(c.last_arrival_ns[to_end]);
-        c.last_arrival_ns[to_end] = arrival;
-        let conn = conn as u32;
-        self.queue.push(now, Ev::Lost { conn, end: end as u8, why: LostWhy::ClosedHere });
-        self.queue.push(arrival, Ev::Fin { conn, to_end: to_end as u8, downlink_done: false });
+        let (conn, end) = (conn as u32, end as u8);
+        let hold = c.hold_until_ns[end as usize];
+        self.queue.push(now, Ev::Lost { conn, end, why: LostWhy::ClosedHere });
+        // After what this end sent before.
+        if hold > now {
+            self.queue.push(hold, Ev::Leave { conn, from_end: end, item: Outgoing::Fin });
+        } else {
+            self.queue_up(node, key(conn, end), Outgoing::Fin);
+        }
     }
 
     /// A fault: the network drops `conn`. What is in flight on it is lost, and both
@@ -648,7 +755,24 @@ impl Network {
             return;
         }
         c.alive = false;
+        let ends = c.ends;
+        let mut waiting = Vec::new();
+        for (end, node) in ends.iter().enumerate() {
+            let k = key(conn as u32, end as u8);
+            if let Some(n) = self.nodes.get_mut(node.0 as usize) {
+                waiting.extend(n.up.drain(k).into_iter().filter_map(|o| match o {
+                    Outgoing::Message(slot) => Some(slot),
+                    Outgoing::Fin => None,
+                }));
+                waiting.extend(n.down.drain(k));
+            }
+        }
+        for slot in waiting {
+            self.take_flight(slot);
+            self.stats.lost += 1;
+        }
         let now = self.now_ns;
+        let c = &mut self.conns[conn as usize];
         for end in 0..2 {
             if !std::mem::take(&mut c.open[end]) || Some(c.ends[end]) == crashed {
                 continue;
@@ -719,16 +843,37 @@ impl Network {
 
     fn handle(&mut self, ev: Ev) -> Option<Delivery> {
         match ev {
-            Ev::Arrive { conn, to_end, slot } => {
-                let to = self.conns[conn as usize].ends[to_end as usize];
-                let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);
-                let n = &mut self.nodes[to.0 as usize];
-                let done = n.down_free_ns.max(self.now_ns) + transfer_ns(bytes, n.link.down_bps);
-                n.down_free_ns = done;
-                self.queue.push(done, Ev::Deliver { conn, to_end, slot });
+            Ev::Leave { conn, from_end, item } => {
+                let node = self.conns[conn as usize].ends[from_end as usize];
+                self.queue_up(node, key(conn, from_end), item);
                 None
             }
-            Ev::Deliver { conn, to_end, slot } => {
+            Ev::UpFree { node } => {
+                self.nodes[node.0 as usize].up.free();
+                self.serve_uplink(node);
+                None
+            }
+            Ev::Arrive { conn, to_end, slot } => {
+                let c = &self.conns[conn as usize];
+                let to = c.ends[to_end as usize];
+                if !c.alive {
+                    self.take_flight(slot);
+                    self.stats.lost += 1;
+                    return None;
+                }
+                // Else it waits its turn: the message on the link frees it when delivered.
+                let k = key(conn, to_end);
+                if let Some(slot) = self.nodes[to.0 as usize].down.offer(self.now_ns, k, slot) {
+                    self.put_down(to, k, slot);
+                }
+                None
+            }
+            Ev::Deliver { conn, to_end, slot, shaped } => {
+                if shaped {
+                    let to = self.conns[conn as usize].ends[to_end as usize];
+                    self.nodes[to.0 as usize].down.free();
+                    self.serve_downlink(to);
+                }
                 let InFlight { request_id, bytes, msg } = self.take_flight(slot)?;
                 let msg = Message::from(msg);
                 let c = &self.conns[conn as usize];
@@ -758,16 +903,15 @@ impl Network {
                 }
                 Some(Delivery::Message { node: to, conn, request_id, msg })
             }
-            Ev::Fin { conn, to_end, downlink_done } => {
+            Ev::Fin { conn, to_end } => {
                 let c = &self.conns[conn as usize];
                 let to = c.ends[to_end as usize];
                 if !c.alive {
                     return None;
                 }
-                // Behind whatever already waits on the receiver's downlink.
-                let n = &self.nodes[to.0 as usize];
-                if !downlink_done && n.link.down_bps != 0 && n.down_free_ns > self.now_ns {
-                    self.queue.push(n.down_free_ns, Ev::Fin { conn, to_end, downlink_done: true });
+                // Behind what this connection still has on the receiver's downlink.
+                if let Some(free_ns) = self.nodes[to.0 as usize].down.holds(key(conn, to_end)) {
+                    self.queue.push(free_ns, Ev::Fin { conn, to_end });
                     return None;
                 }
                 let c = &mut self.conns[conn as usize];
@@ -790,6 +934,33 @@ impl Network {
                 Some(Delivery::Timer { node, token })
             }
         }
+    }
+
+    /// Puts the next messages waiting at `node`'s free downlink on it, until one takes it.
+    fn serve_downlink(&mut self, node: NodeId) {
+        while let Some((k, slot)) = self.nodes[node.0 as usize].down.next() {
+            if self.put_down(node, k, slot) {
+                return;
+            }
+        }
+    }
+
+    /// Message `slot` of connection `k` goes on `node`'s free downlink and is delivered
+    /// when all of it is in, which frees the link (true); a message of a connection gone
+    /// meanwhile is lost without taking it (false).
+    fn put_down(&mut self, node: NodeId, k: Key, slot: u32) -> bool {
+        let (conn, end) = unkey(k);
+        if !self.conns[conn as usize].alive {
+            self.take_flight(slot);
+            self.stats.lost += 1;
+            return false;
+        }
+        let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);
+        let n = &mut self.nodes[node.0 as usize];
+        let done = self.now_ns + transfer_ns(bytes, n.link.down_bps);
+        n.down.occupy(k, done, true);
+        self.queue.push(done, Ev::Deliver { conn, to_end: end, slot, shaped: true });
+        true
     }
 
     fn lost(&mut self, conn: u32, end: u8, why: LostWhy) -> Option<Delivery> {
@@ -862,6 +1033,30 @@ mod tests {
         assert_eq!(transfer_ns(1_000, 1_000_000), 1_000_000);
         assert_eq!(transfer_ns(32, 1_250_000_000), 26); // 25.6 ns rounded up
         assert_eq!(transfer_ns(u64::MAX / 4, 1 << 40), ((u128::from(u64::MAX / 4) * 1_000_000_000) >> 40) as u64 + 1);
+    }
+
+    #[test]
+    fn a_connection_backlog_delays_another_connections_message_by_one_message_not_all() {
+        let mut net = Network::new(1);
+        net.set_size_hook(|m| if let Message::Push { block, .. } = m { 1_000 * u64::from(*block) + 32 } else { 32 });
+        // A server whose uplink and downlink carry 1 MB/s: a message of block 1 takes ~1 ms.
+        let slow = LinkSpec { latency_us: 0, up_bps: 1_000_000, down_bps: 1_000_000 };
+        let s = net.add_node(NodeKind::Server(0), slow);
+        let (a, b) = (net.add_node(NodeKind::Worker(0), slow), net.add_node(NodeKind::Worker(1), slow));
+        let (ca, cb) = (net.connect(a, s), net.connect(b, s));
+        for _ in 0..10 {
+            net.send(s, ca, 0, push(1, 0)); // 10 replies to a: 10 ms of the server's uplink
+            net.send(a, ca, 0, push(1, 1)); // 10 pushes of a: 10 ms of the server's downlink
+        }
+        net.send(s, cb, 0, push(0, 2)); // then an ack to b
+        net.send(b, cb, 0, push(0, 3)); // and a pull of b
+        let got = drain(&mut net);
+        let at = |node: u32, clock: u32| got.iter().find(|d| d.1 == node && d.4 == clock).map(|d| d.0);
+        // Each waits for the one message on the link, not for a's ten.
+        assert!(at(b.0, 2).unwrap() < 2_200_000, "{got:?}");
+        assert!(at(s.0, 3).unwrap() < 2_200_000, "{got:?}");
+        // Each connection stays FIFO, and a's messages all arrive.
+        assert_eq!(got.iter().filter(|d| d.2 == ca).count(), 20);
     }
 
     #[test]

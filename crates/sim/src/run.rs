@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use elasticps_core::balance::BalanceParams;
 use elasticps_harness::{ClusterConfig, JobSetup, LinkSpec, ServerModel, SimJob, Stage, TrainingLoop};
+use elasticps_node::timing::DEFAULT_WINDOW;
 use elasticps_run::outcome::RunOutcome;
 use elasticps_run::tally::Tally;
 use elasticps_train::Delays;
@@ -33,8 +34,14 @@ pub struct SimOutcome {
     pub iterations_per_s: f64,
 }
 
-/// Runs the job `cmd` describes on the harness.
+/// Runs the job `cmd` describes on the harness, its workers with the client's window
+/// ([`DEFAULT_WINDOW`]).
 pub fn simulate(cmd: &SimCmd) -> Result<SimOutcome> {
+    simulate_with_window(cmd, DEFAULT_WINDOW)
+}
+
+/// [`simulate`] with a window of `window` requests per server (the tests' smaller ones).
+fn simulate_with_window(cmd: &SimCmd, window: usize) -> Result<SimOutcome> {
     cmd.validate()?;
     let wall = Instant::now();
     let tensors = cmd.tensors()?;
@@ -61,7 +68,7 @@ pub fn simulate(cmd: &SimCmd) -> Result<SimOutcome> {
     setup.weigh = Rc::new(move |m| weighing.nominal_bytes(m));
 
     let iterations = cmd.data.iterations.unwrap_or(200);
-    let mut sim = SimJob::new(setup, |_| training_loop(cmd, &model, iterations));
+    let mut sim = SimJob::new(setup, |_| training_loop(cmd, &model, iterations, window));
     let limit_us = (cmd.sim.time_limit_s * 1e6) as u64;
     let end = sim.run(limit_us, u64::MAX);
     let events = sim.cluster().events();
@@ -86,8 +93,9 @@ pub fn simulate(cmd: &SimCmd) -> Result<SimOutcome> {
 
 /// The training loop of every simulated worker: `train`'s synthetic loop (compute time
 /// +-10% seeded jitter, `--worker-delay` and `--worker-jitter` stragglers, drawn by the
-/// same [`Delays`] as a real worker's), gradients of ones.
-fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> TrainingLoop {
+/// same [`Delays`] as a real worker's), gradients of ones, `window` requests in flight to
+/// a server at most.
+fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32, window: usize) -> TrainingLoop {
     let data = cmd.data.clone();
     // `SimCmd::validate` checked that every rank's draws can be made.
     let mut delays: BTreeMap<u32, Option<Delays>> = BTreeMap::new();
@@ -105,13 +113,15 @@ fn training_loop(cmd: &SimCmd, model: &ScaledModel, iterations: u32) -> Training
         grad: |_, _, _| 1.0,
         timeout_us: cmd.data.request_timeout().as_micros() as u64,
         fuse: !cmd.data.no_fuse,
-        // Not yet the client's window (issue 33, left open): with it, `bench sim --quick`'s
-        // cross-check of the unfused round ("push, then pull", resnet50, 4 MiB blocks)
-        // falls to 0.68 of the real processes' it/s (1.20 vs 1.77; 1.01 unbounded), while
-        // the fused round stays at 0.96. The window's deadlock is fixed in the node layer
-        // and proven on the harness with the window (`window::the_window_never_deadlocks`);
-        // what the simulated links lack against real sockets is still to be found.
-        window: usize::MAX,
+        // The client's window (issue 33): the sim shows a window deadlock where production
+        // would have one. It costs the simulated round nothing since the simulated links
+        // serve their connections in turn, as the real shaper does (`port` in the harness):
+        // one connection's backlog (a server's replies to one worker) no longer delays
+        // another's `PushAck` that frees that worker's window. `bench sim --quick`'s
+        // cross-check (resnet50, 4 MiB blocks, 2 workers): push, then pull 1.513 it/s
+        // against the real processes' 1.729 (0.875; 1.20 with the window on FIFO links),
+        // push_pull 1.422 against 1.423 (0.999). The same with an unbounded window.
+        window,
         zero_as_no_gradient: false,
         table: None,
     }
@@ -259,6 +269,37 @@ mod tests {
         assert_eq!(rate(&["--jitter-us", "2000"]), noisy);
         assert_ne!(rate(&["--jitter-us", "2000", "--sim-seed", "2"]), noisy);
         assert!(cmd(&["--straggler-for", "0"]).validate().is_err());
+    }
+
+    /// Issue 33's command that deadlocked real processes (servers at 20 MB/s, one at 5,
+    /// psld with a fifth server to add, 4 workers under bsp, small blocks), with 4 KiB
+    /// blocks and 100 iterations: psld moves blocks off the slow server and adds one while
+    /// the workers train, each worker learning of a move at its own moment (so they order
+    /// a server's blocks differently), with far more blocks per server than the window.
+    /// The sim runs the client's window: the job finishes at a window of 1 and at the
+    /// client's, fused or not. With held pulls counting against the window (mutation:
+    /// `Round::hold` in `elasticps_node::worker::round` no longer releases the window for
+    /// a push_pull whose pull the server holds) a worker times out at both windows.
+    #[test]
+    fn the_window_never_deadlocks_while_psld_moves_blocks_and_adds_a_server() {
+        let mut job = vec!["sim", "--model", "synthetic:resnet56", "--iterations", "100", "--request-timeout-s", "10"];
+        job.extend(["--servers", "4", "--workers", "4", "--sync", "bsp", "--block-bytes", "4096"]);
+        job.extend(["--balance", "psld", "--max-servers", "5", "--time-limit-s", "600"]);
+        for cap in ["0=20", "1=5", "2=20", "3=20", "4=20"] {
+            job.extend(["--server-bandwidth", cap]);
+        }
+        for window in [1, DEFAULT_WINDOW] {
+            for fuse in [&[][..], &["--no-fuse"]] {
+                let c = Cli::try_parse_from([&job[..], fuse].concat()).unwrap().cmd;
+                let case = format!("window {window} {fuse:?}");
+                let out = simulate_with_window(&c, window).unwrap_or_else(|e| panic!("{case}: {e}"));
+                assert!(out.model.blocks() > 5 * window, "{case}: {} blocks", out.model.blocks());
+                let balance = out.run.balance.as_ref().unwrap();
+                assert!(!balance.migrations.is_empty(), "{case}: no block moved");
+                assert_eq!(out.run.servers.len(), 5, "{case}: no server added");
+                assert!(out.run.workers.values().all(|w| w.iterations == 100), "{case}: {:?}", out.run.workers);
+            }
+        }
     }
 
     #[test]
