@@ -175,9 +175,23 @@ async fn hot_worker(addr: String, stop: Arc<AtomicBool>, steps: Arc<AtomicU32>) 
 /// its `SplitBlock` maybe sent, its `SplitDone` never heard) and started again on the same
 /// `--state-dir` recovers the job: the workers go on over the split table and every row
 /// ends holding exactly its pushes.
+///
+/// Whether the kill lands inside the split is a race the test cannot steer (the owner's
+/// `SplitDone` may be heard and saved first): each run checks the job exact, and the
+/// scenario is run again, up to 4 times, until one kill landed inside the split.
 #[test]
 fn a_scheduler_killed_right_after_split_starts_recovers_the_hot_row_job_exactly() {
-    let dir = common::scratch_dir("scheduler-restart-split");
+    for attempt in 0..4 {
+        if kill_in_a_split(attempt) {
+            return;
+        }
+    }
+    panic!("in 4 runs the scheduler was never killed inside the split");
+}
+
+/// One run of the scenario above, checked exact; true if the kill landed inside the split.
+fn kill_in_a_split(attempt: u32) -> bool {
+    let dir = common::scratch_dir(&format!("scheduler-restart-split-{attempt}"));
     let state = dir.join("state");
     let s = state.to_str().unwrap();
     let addr = common::free_local_addr();
@@ -237,7 +251,11 @@ fn a_scheduler_killed_right_after_split_starts_recovers_the_hot_row_job_exactly(
     let log = restarted.log();
     assert!(log.contains("scheduler restarted from its saved state"), "{}", restarted.log_tail(30));
     let recorded = "the split in flight at the restart was done by its owner: recorded";
-    assert!(log.contains(recorded), "killed outside the split\n{}", restarted.log_tail(30));
+    if !log.contains(recorded) {
+        eprintln!("run {attempt}: the scheduler was killed outside the split; again");
+        let _ = std::fs::remove_dir_all(&dir);
+        return false;
+    }
     assert!(live > (TABLE_ROWS / ROWS_PER_BLOCK) as usize, "the table was split: {live} live blocks");
     eprintln!(
         "scheduler killed in a split: step {at_kill} at the kill, {} live blocks at the end, {}",
@@ -245,4 +263,5 @@ fn a_scheduler_killed_right_after_split_starts_recovers_the_hot_row_job_exactly(
         log.lines().find(|l| l.contains("the split in flight")).unwrap_or_default()
     );
     let _ = std::fs::remove_dir_all(&dir);
+    true
 }
