@@ -671,8 +671,7 @@ impl Network {
             }
         };
         if !self.conns[conn as usize].alive || !self.is_alive(node) {
-            self.take_flight(slot);
-            self.stats.lost += 1;
+            self.lose_flight(slot);
             return false;
         }
         let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);
@@ -719,6 +718,12 @@ impl Network {
         let f = self.in_flight.get_mut(slot as usize)?.take();
         self.free_slots.push(slot);
         f
+    }
+
+    /// Message `slot` is lost on the way (its connection or a node is gone).
+    fn lose_flight(&mut self, slot: u32) {
+        self.take_flight(slot);
+        self.stats.lost += 1;
     }
 
     /// `node` closes `conn` gracefully: it learns at once ([`LostWhy::ClosedHere`]) and
@@ -768,8 +773,7 @@ impl Network {
             }
         }
         for slot in waiting {
-            self.take_flight(slot);
-            self.stats.lost += 1;
+            self.lose_flight(slot);
         }
         let now = self.now_ns;
         let c = &mut self.conns[conn as usize];
@@ -857,8 +861,7 @@ impl Network {
                 let c = &self.conns[conn as usize];
                 let to = c.ends[to_end as usize];
                 if !c.alive {
-                    self.take_flight(slot);
-                    self.stats.lost += 1;
+                    self.lose_flight(slot);
                     return None;
                 }
                 // Else it waits its turn: the message on the link frees it when delivered.
@@ -951,8 +954,7 @@ impl Network {
     fn put_down(&mut self, node: NodeId, k: Key, slot: u32) -> bool {
         let (conn, end) = unkey(k);
         if !self.conns[conn as usize].alive {
-            self.take_flight(slot);
-            self.stats.lost += 1;
+            self.lose_flight(slot);
             return false;
         }
         let bytes = self.in_flight[slot as usize].as_ref().map_or(0, |f| f.bytes);

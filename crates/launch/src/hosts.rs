@@ -21,10 +21,8 @@ use clap::Args;
 use elasticps_node::agent::{Agent, AgentConfig, Effect, Failure, Input, NodeKind, Outcome, Spawn};
 use elasticps_node::timing;
 use elasticps_runtime::Micros;
-use elasticps_runtime::conn::{self, Outbox};
 use elasticps_runtime::timer::Timer;
-use elasticps_wire::{Codec, HostOffer, Message};
-use tokio::sync::mpsc;
+use elasticps_wire::{HostOffer, Message};
 
 use crate::addr;
 use crate::args::{JobArgs, NetArgs};
@@ -301,32 +299,8 @@ async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome>
     result
 }
 
-/// The scheduler's connection: its writer, and its frames as a reader task reads them
-/// (the channel closes with the connection).
-type Link = (Outbox, mpsc::UnboundedReceiver<(u64, Message)>);
-
-/// Connects to the scheduler and starts the task that reads the connection's frames.
-async fn open(addr: String, codec: Codec) -> elasticps_runtime::Result<Link> {
-    let (mut reader, out) = conn::connect(&addr, codec, "scheduler".into()).await?;
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        loop {
-            match reader.next().await {
-                Ok(Some((header, msg))) => {
-                    if tx.send((header.request_id, msg)).is_err() {
-                        return;
-                    }
-                }
-                Ok(None) => return,
-                Err(e) => {
-                    tracing::warn!(error = %e, "scheduler connection failed");
-                    return;
-                }
-            }
-        }
-    });
-    Ok((out, rx))
-}
+/// The scheduler's connection ([`elasticps_runtime::session::open`]).
+type Link = elasticps_runtime::session::Conn;
 
 /// What woke the driver.
 enum Woken {
@@ -456,7 +430,7 @@ impl Driver<'_> {
             Effect::Dial => {
                 self.link = None;
                 let (addr, codec) = (self.host.rdzv.addr.to_string(), self.spec.net.codec());
-                self.dialling = Some(Box::pin(open(addr, codec)));
+                self.dialling = Some(Box::pin(async move { elasticps_runtime::session::open(&addr, codec).await }));
             }
             Effect::Send { request_id, msg } => {
                 if let Some((out, _)) = &self.link {

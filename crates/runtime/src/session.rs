@@ -150,10 +150,11 @@ impl SchedLink {
 
 /// A connection to the scheduler: its writer, and its frames as a reader task reads them
 /// (the channel closes with the connection).
-type Conn = (Outbox, mpsc::UnboundedReceiver<(u64, Message)>);
+pub type Conn = (Outbox, mpsc::UnboundedReceiver<(u64, Message)>);
 
-/// Connects and starts the task that reads the connection's frames.
-async fn open(addr: &str, codec: Codec) -> Result<Conn> {
+/// Connects to the scheduler at `addr` and starts the task that reads the connection's
+/// frames (every node's session, and the host agent's driver).
+pub async fn open(addr: &str, codec: Codec) -> Result<Conn> {
     let (mut reader, out) = conn::connect(addr, codec, "scheduler".into()).await?;
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {

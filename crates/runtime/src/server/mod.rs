@@ -479,7 +479,6 @@ async fn serve_connection(stream: crate::tls::Stream, key: KeyId, peer: String, 
         if io.shaper.caps_bandwidth() {
             let _ = io.replies.flush(conn, true).await;
         } else if !reader.has_buffered()
-            && io.replies.holds(conn)
             && let Err(e) = io.replies.flush(conn, false).await
         {
             tracing::debug!(peer = %peer, error = %e, "replies not written");

@@ -76,11 +76,6 @@ impl Replies {
         }
     }
 
-    /// True if `conn`'s reader task holds replies to write.
-    pub(super) fn holds(&self, conn: u64) -> bool {
-        self.lock().get(&conn).is_some_and(|o| !o.held.is_empty())
-    }
-
     /// Writes the replies held for `conn` from the calling (reader) task, with those that
     /// join them meanwhile, until none is left. With `queue`, they go to the writer task
     /// instead (a capped server's reader must never wait in its outgoing bucket).
@@ -133,9 +128,7 @@ mod tests {
         // another task's step releases that pull before the reader task writes.
         replies.hold(1, (7, Message::PushAck { block: 0, clock: 3 }));
         replies.send(1, (7, Message::PullReply { block: 0, clock: 4, values: Values::from_vec(vec![1.0; 4]) }));
-        assert!(replies.holds(1));
         replies.flush(1, false).await.unwrap();
-        assert!(!replies.holds(1));
         // With nothing held, a reply goes to the writer task at once.
         replies.send(1, (8, Message::PushAck { block: 0, clock: 4 }));
         let mut got = Vec::new();
