@@ -6,6 +6,7 @@
 //! - [`handshake`]: the HMAC-SHA256 challenge-response that opens every connection.
 //! - [`tls`]: optional mutual TLS 1.3 (rustls) under the handshake, and the stream that
 //!   is either plain TCP or TLS.
+//! - [`driver`]: the one event loop every machine runs in ([`driver::drive`]), each in its [`driver::World`].
 //! - [`conn`]: framed I/O on a connection (read header, then payload straight into
 //!   an aligned `Vec<f32>`; one writer task per connection).
 //! - [`pool`]: recycled buffers for large tensor payloads.
@@ -31,6 +32,7 @@ pub mod accept;
 pub mod checkpoint;
 pub mod client;
 pub mod conn;
+pub mod driver;
 pub mod durable;
 pub mod error;
 pub mod events;
