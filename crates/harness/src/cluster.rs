@@ -245,6 +245,7 @@ impl SchedulerRole {
     fn step(&mut self, out: &mut Outbox<'_>, event: Event) {
         let actions = self.scheduler.handle(out.now_us(), event);
         self.save();
+        let mut written = Vec::new();
         for action in actions {
             match action {
                 Action::Send { conn, request_id, msg } => {
@@ -253,9 +254,16 @@ impl SchedulerRole {
                 Action::Close(conn) => out.close(conn),
                 Action::StartServer => out.start_server(),
                 Action::Relay(_) | Action::Waiting(_) => {}
-                Action::WriteManifest { clock, blocks, .. } => self.manifests.push((clock, blocks)),
+                Action::WriteManifest { clock, blocks, .. } => {
+                    self.manifests.push((clock, blocks));
+                    written.push(clock);
+                }
                 Action::Finish { ok, reason } => out.finish(ok, reason),
             }
+        }
+        // A manifest is on disk as soon as it is asked for: its outcome comes straight back.
+        for clock in written {
+            self.step(out, Event::ManifestWritten { clock, error: None });
         }
         self.arm(out);
     }

@@ -9,7 +9,8 @@
 //! from the [`Notifications`] channel, which closes when the link is over;
 //! [`SchedLink::end`] then says why.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -20,6 +21,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::Micros;
 use crate::conn::{self, Outbox};
+use crate::driver::World;
 use crate::error::{Result, RuntimeError};
 use crate::timer::Timer;
 use elasticps_node::Machine;
@@ -74,7 +76,6 @@ impl SchedLink {
         let (notes_tx, notes) = mpsc::unbounded_channel();
         let (ended_tx, ended) = watch::channel(None);
         let driver = Driver {
-            session: Session::new(config),
             addr: addr.to_string(),
             codec,
             reattach,
@@ -82,9 +83,10 @@ impl SchedLink {
             dialling: None,
             waiters: HashMap::new(),
             notes: notes_tx,
-            timer: Timer::new(Micros::new()),
+            cmds: cmd_rx,
+            ended: ended_tx,
         };
-        let task = tokio::spawn(driver.run(cmd_rx, ended_tx));
+        let task = tokio::spawn(driver.run(Session::new(config)));
         let link = SchedLink { cmds, ended, next_id: Arc::new(AtomicU64::new(1)), driver: task.abort_handle() };
         Ok((link, notes))
     }
@@ -176,9 +178,8 @@ pub async fn open(addr: &str, codec: Codec) -> Result<Conn> {
     Ok((out, rx))
 }
 
-/// The driver task's state.
+/// The session's world: its connection, a dial under way, and the node's calls.
 struct Driver {
-    session: Session,
     addr: String,
     codec: Codec,
     reattach: Reattach,
@@ -188,85 +189,128 @@ struct Driver {
     /// The node's calls waiting for their answers, by request id.
     waiters: HashMap<u64, oneshot::Sender<Message>>,
     notes: mpsc::UnboundedSender<Message>,
-    timer: Timer,
+    cmds: mpsc::UnboundedReceiver<Command>,
+    ended: watch::Sender<Ended>,
+}
+
+/// What woke the session's driver.
+enum Woken {
+    /// The node asked something (`None`: every handle on the link is gone).
+    Command(Option<Command>),
+    /// A frame from the scheduler (`None`: the connection closed).
+    Frame(Option<(u64, Message)>),
+    /// The dial's outcome.
+    Dialled(Result<Conn>),
 }
 
 impl Driver {
-    async fn run(mut self, mut cmds: mpsc::UnboundedReceiver<Command>, ended: watch::Sender<Ended>) {
-        let mut actions = Vec::new();
-        loop {
-            self.timer.arm(self.session.poll_timeout());
-            tokio::select! {
-                cmd = cmds.recv() => match cmd {
-                    // Every handle on the link is gone: the node is done with it.
-                    None => return,
-                    Some(Command::Call { request_id, msg, reply }) => {
-                        self.waiters.insert(request_id, reply);
-                        self.step(Event::Send { request_id, msg }, &mut actions);
-                    }
-                    Some(Command::Notify(msg)) => self.step(Event::Send { request_id: 0, msg }, &mut actions),
-                    Some(Command::Forget(request_id)) => {
-                        self.waiters.remove(&request_id);
-                        self.step(Event::Forget { request_id }, &mut actions);
-                    }
-                },
-                frame = async { self.conn.as_mut().expect("guarded").1.recv().await }, if self.conn.is_some() => {
-                    match frame {
-                        Some((request_id, msg)) => {
-                            self.step(Event::Received { request_id, msg: &msg }, &mut actions);
-                            match request_id {
-                                0 => { let _ = self.notes.send(msg); }
-                                REATTACH_ID => {}
-                                id => if let Some(w) = self.waiters.remove(&id) { let _ = w.send(msg); },
-                            }
-                        }
-                        None => {
-                            self.conn = None;
-                            self.step(Event::Lost, &mut actions);
-                        }
-                    }
-                }
-                dialled = async { self.dialling.as_mut().expect("guarded").await }, if self.dialling.is_some() => {
-                    self.dialling = None;
-                    match dialled.map(|conn| ((self.reattach)(), conn)) {
-                        Ok((Some(hello), conn)) => {
-                            let _ = conn.0.send((REATTACH_ID, hello));
-                            self.conn = Some(conn);
-                        }
-                        Ok((None, _)) => self.step(Event::Lost, &mut actions),
-                        Err(e) => {
-                            tracing::debug!(addr = %self.addr, error = %e, "dialling the scheduler failed");
-                            self.step(Event::Lost, &mut actions);
-                        }
-                    }
-                }
-                () = self.timer.fired() => self.step(Event::Timeout, &mut actions),
+    async fn run(mut self, mut session: Session) {
+        let mut timer = Timer::new(Micros::new());
+        crate::driver::drive(&mut session, &mut self, &mut timer, VecDeque::new()).await
+    }
+}
+
+impl World<Session> for Driver {
+    type Woken = Woken;
+    type End = ();
+
+    async fn wait(&mut self) -> Woken {
+        tokio::select! {
+            cmd = self.cmds.recv() => Woken::Command(cmd),
+            frame = async { self.conn.as_mut().expect("guarded").1.recv().await }, if self.conn.is_some() => {
+                Woken::Frame(frame)
             }
-            for action in actions.drain(..) {
-                match action {
-                    Action::Send { request_id, msg } => {
-                        if let Some((out, _)) = &self.conn {
-                            let _ = out.send((request_id, msg));
-                        }
-                    }
-                    Action::Dial { attempt } => {
-                        tracing::info!(attempt, addr = %self.addr, "dialling the scheduler again");
-                        self.conn = None;
-                        let (addr, codec) = (self.addr.clone(), self.codec.clone());
-                        self.dialling = Some(Box::pin(async move { open(&addr, codec).await }));
-                    }
-                    Action::Over { reason } => {
-                        // The waiting calls fail (`Closed`), the notifications channel closes.
-                        let _ = ended.send(Some(reason));
-                        return;
-                    }
-                }
+            dialled = async { self.dialling.as_mut().expect("guarded").await }, if self.dialling.is_some() => {
+                Woken::Dialled(dialled)
             }
         }
     }
 
-    fn step(&mut self, event: Event<'_>, actions: &mut Vec<Action>) {
-        Machine::handle(&mut self.session, self.timer.now_us(), event, actions);
+    fn feed(
+        &mut self,
+        session: &mut Session,
+        now: u64,
+        woken: Option<Woken>,
+        out: &mut Vec<Action>,
+    ) -> ControlFlow<()> {
+        let event = match woken {
+            None => Event::Timeout,
+            // Every handle on the link is gone: the node is done with it.
+            Some(Woken::Command(None)) => return ControlFlow::Break(()),
+            Some(Woken::Command(Some(Command::Call { request_id, msg, reply }))) => {
+                self.waiters.insert(request_id, reply);
+                Event::Send { request_id, msg }
+            }
+            Some(Woken::Command(Some(Command::Notify(msg)))) => Event::Send { request_id: 0, msg },
+            Some(Woken::Command(Some(Command::Forget(request_id)))) => {
+                self.waiters.remove(&request_id);
+                Event::Forget { request_id }
+            }
+            Some(Woken::Frame(Some((request_id, msg)))) => {
+                Machine::handle(session, now, Event::Received { request_id, msg: &msg }, out);
+                match request_id {
+                    0 => {
+                        let _ = self.notes.send(msg);
+                    }
+                    REATTACH_ID => {}
+                    id => {
+                        if let Some(w) = self.waiters.remove(&id) {
+                            let _ = w.send(msg);
+                        }
+                    }
+                }
+                return ControlFlow::Continue(());
+            }
+            Some(Woken::Frame(None)) => {
+                self.conn = None;
+                Event::Lost
+            }
+            Some(Woken::Dialled(dialled)) => {
+                self.dialling = None;
+                match dialled.map(|conn| ((self.reattach)(), conn)) {
+                    Ok((Some(hello), conn)) => {
+                        let _ = conn.0.send((REATTACH_ID, hello));
+                        self.conn = Some(conn);
+                        return ControlFlow::Continue(());
+                    }
+                    Ok((None, _)) => Event::Lost,
+                    Err(e) => {
+                        tracing::debug!(addr = %self.addr, error = %e, "dialling the scheduler failed");
+                        Event::Lost
+                    }
+                }
+            }
+        };
+        Machine::handle(session, now, event, out);
+        ControlFlow::Continue(())
+    }
+
+    async fn carry_out(
+        &mut self,
+        _session: &mut Session,
+        _now: u64,
+        action: Action,
+        _queue: &mut VecDeque<Action>,
+    ) -> ControlFlow<()> {
+        match action {
+            Action::Send { request_id, msg } => {
+                if let Some((out, _)) = &self.conn {
+                    let _ = out.send((request_id, msg));
+                }
+            }
+            Action::Dial { attempt } => {
+                tracing::info!(attempt, addr = %self.addr, "dialling the scheduler again");
+                self.conn = None;
+                let (addr, codec) = (self.addr.clone(), self.codec.clone());
+                self.dialling = Some(Box::pin(async move { open(&addr, codec).await }));
+            }
+            Action::Over { reason } => {
+                // The waiting calls fail (`Closed`), the notifications channel closes.
+                let _ = self.ended.send(Some(reason));
+                return ControlFlow::Break(());
+            }
+        }
+        ControlFlow::Continue(())
     }
 }
 

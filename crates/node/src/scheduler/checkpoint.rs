@@ -33,7 +33,23 @@ impl Scheduler {
         let blocks: Vec<CheckpointEntry> = self.checkpoints.remove(&clock).unwrap_or_default().into_values().collect();
         self.checkpoints.retain(|c, _| *c > clock);
         self.last_checkpoint = Some(clock);
-        tracing::info!(clock, blocks = blocks.len(), dir = %plan.dir, "checkpoint complete");
+        self.manifests_pending.insert(clock);
+        tracing::info!(clock, blocks = blocks.len(), dir = %plan.dir, "checkpoint written by the servers; its manifest next");
         out.push(Action::WriteManifest { dir: plan.dir.clone(), clock, blocks });
+    }
+
+    /// The outcome of a manifest write: the checkpoint is complete, or (the error logged)
+    /// it is not and a lost server's message names the one before it.
+    pub(super) fn manifest_written(&mut self, clock: u32, error: Option<String>) {
+        self.manifests_pending.remove(&clock);
+        match error {
+            None => {
+                tracing::info!(clock, "checkpoint complete");
+                self.complete_checkpoint = self.complete_checkpoint.max(Some(clock));
+            }
+            Some(error) => {
+                tracing::error!(clock, %error, "checkpoint manifest not written: the checkpoint is incomplete")
+            }
+        }
     }
 }

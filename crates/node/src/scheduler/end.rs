@@ -70,9 +70,10 @@ impl Scheduler {
         }
         let servers: BTreeSet<ConnId> =
             self.nodes.iter().filter(|(_, n)| matches!(n.role, Role::Server(_))).map(|(c, _)| *c).collect();
-        if self.config.checkpoint.is_some() && !servers.is_empty() {
+        if self.config.checkpoint.is_some() && (!servers.is_empty() || !self.manifests_pending.is_empty()) {
             // A checkpoint of the last clocks may still be on its way to disk: its manifest
-            // is written once the servers report it, so wait for them to leave.
+            // is written once the servers report it, so wait for them to leave and for
+            // every manifest ordered to be written.
             tracing::info!(servers = servers.len(), "the job is over; waiting for the servers' last checkpoint writes");
             self.closing = Some(Closing { ok, reason, until_us: self.now_us + CLOSING_WAIT_US, servers });
             return;
@@ -104,10 +105,17 @@ impl Scheduler {
                 }
             }
             Event::Timeout => {}
+            Event::ManifestWritten { clock, error } => self.manifest_written(clock, error),
         }
-        if let Some(c) = self.closing.take_if(|c| c.servers.is_empty() || self.now_us >= c.until_us) {
+        let pending = &self.manifests_pending;
+        if let Some(c) =
+            self.closing.take_if(|c| (c.servers.is_empty() && pending.is_empty()) || self.now_us >= c.until_us)
+        {
             if !c.servers.is_empty() {
                 tracing::warn!(servers = c.servers.len(), "servers still running after the checkpoint wait");
+            }
+            if !pending.is_empty() {
+                tracing::warn!(clocks = ?pending, "checkpoint manifests still being written after the wait");
             }
             out.push(Action::Finish { ok: c.ok, reason: c.reason });
             self.over = true;

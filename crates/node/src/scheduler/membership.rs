@@ -423,7 +423,7 @@ impl Scheduler {
             Role::Server(id) if self.config.replicas > 1 => self.failover(id, why, silent_us, out),
             Role::Server(id) => {
                 let addr = self.servers.get(id as usize).map_or("", |(_, a)| a.as_str());
-                let resume = match (&self.config.checkpoint, self.last_checkpoint) {
+                let resume = match (&self.config.checkpoint, self.complete_checkpoint) {
                     (Some(plan), Some(clock)) => {
                         format!("; resume from its latest checkpoint (clock {clock}) with --resume {}", plan.dir)
                     }

@@ -140,6 +140,14 @@ pub enum Event {
     /// The deadline [`Scheduler::poll_timeout`] named was reached: the driver hands this
     /// in at that time (or later), with no fixed period of its own.
     Timeout,
+    /// The outcome of [`Action::WriteManifest`]: checkpoint `clock` is complete (`error`
+    /// `None`), or its manifest could not be written.
+    ManifestWritten {
+        /// The checkpoint's clock.
+        clock: u32,
+        /// Why the manifest is not on disk, if it is not.
+        error: Option<String>,
+    },
 }
 
 /// What the runtime must do.
@@ -165,7 +173,7 @@ pub enum Action {
     /// while it assembles): the launch that runs the scheduler prints it.
     Waiting(String),
     /// Every block of checkpoint `clock` is on disk: write its manifest (atomically), which
-    /// makes the checkpoint complete.
+    /// makes the checkpoint complete. Its outcome comes back as [`Event::ManifestWritten`].
     WriteManifest {
         /// The checkpoint directory.
         dir: String,
@@ -281,8 +289,12 @@ pub struct Scheduler {
     can_launch: bool,
     /// Checkpoints under way: clock -> the blocks written so far.
     checkpoints: BTreeMap<u32, BTreeMap<BlockId, CheckpointEntry>>,
-    /// The latest checkpoint whose manifest was written (or the one resumed from).
+    /// The latest checkpoint whose manifest was ordered written (or the one resumed from).
     last_checkpoint: Option<u32>,
+    /// The latest checkpoint whose manifest is on disk (or the one resumed from).
+    complete_checkpoint: Option<u32>,
+    /// Manifests ordered written whose outcome has not come back: the job ends after them.
+    manifests_pending: BTreeSet<u32>,
     /// A restarted scheduler waiting for its nodes to reattach ([`Scheduler::recover`]).
     recovering: Option<recovery::Recovering>,
     /// The job's hosts, when it spans hosts (`--nnodes`).
@@ -340,6 +352,8 @@ impl Scheduler {
             can_launch: false,
             checkpoints: BTreeMap::new(),
             last_checkpoint: config.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map(|r| r.clock),
+            complete_checkpoint: config.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map(|r| r.clock),
+            manifests_pending: BTreeSet::new(),
             recovering: None,
             hosts: None,
             peers: BTreeMap::new(),
@@ -613,6 +627,7 @@ impl Scheduler {
                 }
             }
             Event::Timeout => self.on_timeout(out),
+            Event::ManifestWritten { clock, error } => self.manifest_written(clock, error),
         }
     }
 

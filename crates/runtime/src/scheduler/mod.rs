@@ -3,8 +3,9 @@
 //! forwards them as events; one timer, reset to the machine's `poll_timeout` after every
 //! event, hands it `Event::Timeout`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ pub use elasticps_node::scheduler::{
 use crate::Micros;
 use crate::accept::{self, Accepted, Acceptor};
 use crate::conn::{self, Outbox};
+use crate::driver::World;
 use crate::error::{Result, RuntimeError};
 use crate::metrics::SchedulerMetrics;
 use crate::timer::Timer;
@@ -107,37 +109,56 @@ pub async fn run_with(
         .map_err(|e| RuntimeError::io(format!("binding the scheduler's listen address {}", opts.listen), e))?;
     let bound = listener.local_addr().map_err(|e| RuntimeError::io("reading the bound address", e))?;
     on_bound(bound);
-    let (events_tx, mut events) = mpsc::unbounded_channel::<(Event, Option<Handle>)>();
-    let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), opts.frame_timeout, events_tx));
-    let mut driver = Driver::open(&opts, launcher, bound)?;
-    let outcome = driver.run(&mut events).await;
+    let (events_tx, events) = mpsc::unbounded_channel::<(Event, Option<Handle>)>();
+    let accept = tokio::spawn(accept_loop(listener, opts.codec.clone(), opts.frame_timeout, events_tx.clone()));
+    let (mut driver, mut machine) = Driver::open(&opts, launcher, bound, events_tx, events)?;
+    let mut timer = Timer::new(Micros::new());
+    let outcome = match crate::driver::drive(&mut machine, &mut driver, &mut timer, VecDeque::new()).await {
+        Ok((ok, reason)) => {
+            tracing::info!(ok, %reason, "job over");
+            if let Some(d) = &driver.saved {
+                d.remove();
+            }
+            if ok {
+                Ok(JobEnd { reason, balance: machine.balance_log().clone() })
+            } else {
+                Err(RuntimeError::Shutdown(reason))
+            }
+        }
+        Err(e) => Err(e),
+    };
     if outcome.is_ok() {
-        driver.drain_agents(&mut events).await;
+        driver.drain_agents().await;
     }
     accept.abort();
     driver.close().await;
     outcome
 }
 
-/// The scheduler's driver: its machine, the connections, the timer, the state directory
-/// and the effects under way. It decides nothing: every event goes to the machine, and
-/// every action comes out as I/O.
+/// The scheduler's world: the connections, the state directory, the launcher. It decides
+/// nothing: every event goes to the machine, and every action comes out as I/O.
 struct Driver<'a> {
     opts: &'a SchedulerOptions,
-    state: Scheduler,
     saved: Option<state::StateDir>,
     launcher: Option<Box<dyn Launcher>>,
     bound: SocketAddr,
     conns: HashMap<ConnId, Handle>,
-    timer: Timer,
-    /// Manifest writes under way (awaited before the scheduler returns).
-    manifests: Vec<tokio::task::JoinHandle<()>>,
+    /// Every connection's events, and the outcomes of the manifest writes.
+    events: mpsc::UnboundedReceiver<(Event, Option<Handle>)>,
+    /// Where a manifest write's outcome goes.
+    outcomes: mpsc::UnboundedSender<(Event, Option<Handle>)>,
 }
 
 impl<'a> Driver<'a> {
-    /// The scheduler's machine: recovered from `--state-dir` when it holds a saved state,
-    /// new otherwise.
-    fn open(opts: &'a SchedulerOptions, launcher: Option<Box<dyn Launcher>>, bound: SocketAddr) -> Result<Self> {
+    /// The scheduler's world and its machine: recovered from `--state-dir` when it holds
+    /// a saved state, new otherwise.
+    fn open(
+        opts: &'a SchedulerOptions,
+        launcher: Option<Box<dyn Launcher>>,
+        bound: SocketAddr,
+        outcomes: mpsc::UnboundedSender<(Event, Option<Handle>)>,
+        events: mpsc::UnboundedReceiver<(Event, Option<Handle>)>,
+    ) -> Result<(Self, Scheduler)> {
         let origin =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
         let mut saved = opts.state_dir.as_deref().map(state::StateDir::new);
@@ -160,80 +181,20 @@ impl<'a> Driver<'a> {
             use rand::{RngCore, SeedableRng};
             rand::rngs::StdRng::from_os_rng().next_u64()
         };
-        let state = base
+        let machine = base
             .with_launcher(launcher.is_some())
             .with_clock_origin(origin)
             .with_credentials(opts.codec.secret(), job)
             .with_join_timeout(u64::try_from(opts.join_timeout.as_micros()).unwrap_or(u64::MAX));
         if let Some(d) = saved.as_mut() {
-            d.loaded(&state);
+            d.loaded(&machine);
         }
-        let mut timer = Timer::new(Micros::new());
-        timer.arm(state.poll_timeout());
-        let conns = HashMap::new();
-        Ok(Self { opts, state, saved, launcher, bound, conns, timer, manifests: Vec::new() })
-    }
-
-    /// Hands the machine every event and the timer's wake-ups until it finishes the job.
-    async fn run(&mut self, events: &mut mpsc::UnboundedReceiver<(Event, Option<Handle>)>) -> Result<JobEnd> {
-        loop {
-            let event = tokio::select! {
-                e = events.recv() => match e {
-                    Some((event, handle)) => {
-                        if let (Event::Connected { conn, .. }, Some(h)) = (&event, handle) {
-                            self.conns.insert(*conn, h);
-                        }
-                        event
-                    }
-                    None => return Err(RuntimeError::Protocol { peer: "scheduler".into(), what: "accept loop ended".into() }),
-                },
-                () = self.timer.fired() => Event::Timeout,
-            };
-            if let Some((ok, reason)) = self.step(event) {
-                tracing::info!(ok, %reason, "job over");
-                if let Some(d) = &self.saved {
-                    d.remove();
-                }
-                return if ok {
-                    Ok(JobEnd { reason, balance: self.state.balance_log().clone() })
-                } else {
-                    Err(RuntimeError::Shutdown(reason))
-                };
-            }
-        }
-    }
-
-    /// One event through the machine: its state saved (on disk before any node hears of
-    /// the change), then its actions carried out. Returns how the job ended, if it did.
-    fn step(&mut self, event: Event) -> Option<(bool, String)> {
-        if let Event::Lost { conn, .. } = &event {
-            self.conns.remove(conn);
-        }
-        let timeout = matches!(event, Event::Timeout);
-        let mut actions = Vec::new();
-        Machine::handle(&mut self.state, self.timer.now_us(), event, &mut actions);
-        if let Some(d) = self.saved.as_mut() {
-            match d.save_if_changed(&self.state) {
-                Ok(true) => tracing::debug!(state = %d.path().display(), "scheduler state saved"),
-                Ok(false) => {}
-                Err(e) => tracing::error!(error = %e, "scheduler state not saved"),
-            }
-        }
-        let mut finished = None;
-        for action in actions {
-            if let Some(end) = self.carry_out(action) {
-                finished = Some(end);
-            }
-        }
-        if let Some(m) = self.opts.metrics.as_ref().filter(|_| timeout) {
-            m.update(&self.state.status(), self.state.balance_log());
-        }
-        self.timer.arm(self.state.poll_timeout());
-        finished
+        let driver = Self { opts, saved, launcher, bound, conns: HashMap::new(), events, outcomes };
+        Ok((driver, machine))
     }
 
     /// One action as I/O; `Finish` is returned, not carried out.
-    fn carry_out(&mut self, action: Action) -> Option<(bool, String)> {
+    fn act(&mut self, action: Action) -> Option<(bool, String)> {
         match action {
             Action::Send { conn, request_id, msg } => {
                 if let Some(h) = self.conns.get(&conn) {
@@ -263,13 +224,18 @@ impl<'a> Driver<'a> {
                 }
             }
             Action::WriteManifest { dir, clock, blocks } => {
-                // Small, but a disk write: off the actor's task.
-                self.manifests.push(tokio::task::spawn_blocking(move || {
-                    match crate::checkpoint::write_manifest(std::path::Path::new(&dir), clock, &blocks) {
-                        Ok(path) => tracing::info!(clock, manifest = %path.display(), "checkpoint written"),
-                        Err(e) => tracing::error!(clock, error = %e, "checkpoint manifest not written"),
-                    }
-                }));
+                // Small, but a disk write: off the driver's task; its outcome comes back.
+                let outcomes = self.outcomes.clone();
+                tokio::task::spawn_blocking(move || {
+                    let error = match crate::checkpoint::write_manifest(std::path::Path::new(&dir), clock, &blocks) {
+                        Ok(path) => {
+                            tracing::info!(clock, manifest = %path.display(), "checkpoint manifest written");
+                            None
+                        }
+                        Err(e) => Some(e.to_string()),
+                    };
+                    let _ = outcomes.send((Event::ManifestWritten { clock, error }, None));
+                });
             }
             Action::Finish { ok, reason } => return Some((ok, reason)),
         }
@@ -278,11 +244,11 @@ impl<'a> Driver<'a> {
 
     /// Host agents relay their nodes' last events (a server's counters) as those exit:
     /// a job across hosts waits a bounded time for them to arrive and the agents to leave.
-    async fn drain_agents(&mut self, events: &mut mpsc::UnboundedReceiver<(Event, Option<Handle>)>) {
+    async fn drain_agents(&mut self) {
         let Some(relay) = &self.opts.relay else { return };
         let deadline = tokio::time::Instant::now() + AGENT_DRAIN_TIMEOUT;
         while !self.conns.is_empty() {
-            match tokio::time::timeout_at(deadline, events.recv()).await {
+            match tokio::time::timeout_at(deadline, self.events.recv()).await {
                 Ok(Some((Event::Received { msg: Message::Control(Control::HostEvent { line }), .. }, _))) => {
                     relay.emit_line(&line)
                 }
@@ -295,15 +261,10 @@ impl<'a> Driver<'a> {
         }
     }
 
-    /// Waits, bounded, for the manifest writes and for the last answers (the `Shutdown`
-    /// messages) to be in the sockets before the process exits: each connection's writer
-    /// says when everything queued is flushed.
+    /// Waits, bounded, for the last answers (the `Shutdown` messages) to be in the
+    /// sockets before the process exits: each connection's writer says when everything
+    /// queued is flushed. (The machine waited for the manifest writes.)
     async fn close(mut self) {
-        for write in self.manifests {
-            if tokio::time::timeout(Duration::from_secs(30), write).await.is_err() {
-                tracing::error!("a checkpoint manifest was still being written after 30 s");
-            }
-        }
         let writers: Vec<_> = self.conns.drain().map(|(_, h)| h.out.writer().clone()).collect();
         let flushed = futures::future::join_all(writers.iter().map(|w| w.flushed()));
         if tokio::time::timeout(LAST_WRITES_TIMEOUT, flushed).await.is_err() {
@@ -313,6 +274,78 @@ impl<'a> Driver<'a> {
                 "the scheduler exits before its last answers to the nodes were written"
             );
         }
+    }
+}
+
+/// What woke the scheduler's driver: a connection's event or a manifest's outcome
+/// (`None`: the accept loop ended).
+type Woken = Option<(Event, Option<Handle>)>;
+
+impl World<Scheduler> for Driver<'_> {
+    type Woken = Woken;
+    type End = Result<(bool, String)>;
+
+    async fn wait(&mut self) -> Woken {
+        self.events.recv().await
+    }
+
+    /// The event to the machine, then its state saved (on disk before any node hears of
+    /// the change: the effects are carried out after this).
+    fn feed(
+        &mut self,
+        machine: &mut Scheduler,
+        now: u64,
+        woken: Option<Woken>,
+        out: &mut Vec<Action>,
+    ) -> ControlFlow<Self::End> {
+        let event = match woken {
+            None => Event::Timeout,
+            Some(None) => {
+                let what = "accept loop ended".into();
+                return ControlFlow::Break(Err(RuntimeError::Protocol { peer: "scheduler".into(), what }));
+            }
+            Some(Some((event, handle))) => {
+                match (&event, handle) {
+                    (Event::Connected { conn, .. }, Some(h)) => {
+                        self.conns.insert(*conn, h);
+                    }
+                    (Event::Lost { conn, .. }, _) => {
+                        self.conns.remove(conn);
+                    }
+                    _ => {}
+                }
+                event
+            }
+        };
+        let timeout = matches!(event, Event::Timeout);
+        Machine::handle(machine, now, event, out);
+        if let Some(d) = self.saved.as_mut() {
+            match d.save_if_changed(machine) {
+                Ok(true) => tracing::debug!(state = %d.path().display(), "scheduler state saved"),
+                Ok(false) => {}
+                Err(e) => tracing::error!(error = %e, "scheduler state not saved"),
+            }
+        }
+        if let Some(m) = self.opts.metrics.as_ref().filter(|_| timeout) {
+            m.update(&machine.status(), machine.balance_log());
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// One action as I/O; at `Finish`, the actions decided with it are carried out too,
+    /// then the run ends.
+    async fn carry_out(
+        &mut self,
+        _machine: &mut Scheduler,
+        _now: u64,
+        action: Action,
+        queue: &mut VecDeque<Action>,
+    ) -> ControlFlow<Self::End> {
+        let Some(end) = self.act(action) else { return ControlFlow::Continue(()) };
+        for rest in queue.drain(..) {
+            self.act(rest);
+        }
+        ControlFlow::Break(Ok(end))
     }
 }
 

@@ -8,12 +8,16 @@
 //! straggler ([`crate::shaping::Shaper`]) slows the server's sockets and, after a data
 //! request, spins `FACTOR - 1` times the time its `step` took.
 
+use std::collections::VecDeque;
+use std::convert::Infallible;
 use std::io::Write;
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use elasticps_node::Machine;
 use elasticps_node::server::{Action, Event, Exit, Server};
 use elasticps_node::session::SessionConfig;
 use elasticps_wire::{Codec, Control, KeyId, Message, ServerStats};
@@ -22,6 +26,7 @@ use tokio::sync::Notify;
 
 use crate::accept::{self, Acceptor};
 use crate::conn;
+use crate::driver::World;
 use crate::error::{Result, RuntimeError};
 use crate::metrics::{ServerMetrics, ServerSnapshot, ServerSource};
 use crate::session::{Reattach, SchedLink};
@@ -137,48 +142,120 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
 /// the machine exits (frames from workers and servers are stepped by their readers).
 async fn drive(
     io: &Arc<Io>,
-    mut notes: tokio::sync::mpsc::UnboundedReceiver<Message>,
+    notes: tokio::sync::mpsc::UnboundedReceiver<Message>,
     metrics: Option<&Arc<ServerMetrics>>,
 ) -> Result<()> {
+    let mut world = Main { io: io.clone(), notes, metrics, attached: false, scheduler_open: true };
     let mut timer = Timer::new(io.clock);
-    let mut attached = false;
-    let mut scheduler_open = true;
-    loop {
-        if let Some(exit) = lock(&io.exit).take() {
-            return match exit {
-                Exit::Shutdown { .. } => Ok(()),
-                Exit::Failed { reason } => Err(RuntimeError::Protocol { peer: "scheduler".into(), what: reason }),
-            };
-        }
-        let deadline = lock(&io.server).poll_timeout();
-        io.wake_us.store(deadline.unwrap_or(u64::MAX), Ordering::Relaxed);
-        timer.arm(deadline);
+    crate::driver::drive(&mut Shared(io.clone()), &mut world, &mut timer, VecDeque::new()).await
+}
+
+/// The server's machine as its main task runs it: shared with the connections' reader
+/// tasks, which step it too ([`Io::step_on`]), so its effects are carried out under its
+/// lock ([`Io::step`]: in the order it decided them) and none comes out to the loop.
+struct Shared(Arc<Io>);
+
+impl Machine for Shared {
+    type Input<'a> = Event;
+    type Output = std::convert::Infallible;
+
+    fn handle(&mut self, _now_us: u64, input: Event, _out: &mut Vec<Self::Output>) {
+        self.0.step(input, false);
+    }
+
+    /// The machine's deadline, published for the reader tasks: a step on one of them
+    /// that moves it earlier wakes the main task ([`Io::decide`]).
+    fn poll_timeout(&self) -> Option<u64> {
+        let deadline = lock(&self.0.server).poll_timeout();
+        self.0.wake_us.store(deadline.unwrap_or(u64::MAX), Ordering::Relaxed);
+        deadline
+    }
+}
+
+/// The main task's world: the scheduler's notifications, and the wake-ups of the other
+/// tasks (a deadline moved earlier, the machine's exit).
+struct Main<'a> {
+    io: Arc<Io>,
+    notes: tokio::sync::mpsc::UnboundedReceiver<Message>,
+    metrics: Option<&'a Arc<ServerMetrics>>,
+    attached: bool,
+    scheduler_open: bool,
+}
+
+/// What woke the server's main task.
+enum Woken {
+    /// The scheduler's notification (`None`: the link is over).
+    Note(Option<Message>),
+    /// Another task moved the deadline earlier, or the machine exited.
+    Rearm,
+}
+
+impl World<Shared> for Main<'_> {
+    type Woken = Woken;
+    type End = Result<()>;
+
+    async fn wait(&mut self) -> Woken {
         tokio::select! {
-            note = notes.recv(), if scheduler_open => match note {
-                Some(msg) => {
-                    if let Message::Control(Control::Assign(a)) = &msg {
-                        io.shaper.configure(&a.inject);
-                    }
-                    io.step(Event::FromScheduler { request_id: 0, msg }, false);
-                }
-                // The link is over. After `Shutdown` the scheduler may close first; the
-                // server still finishes.
-                None => match io.sched.end().flatten() {
-                    None => scheduler_open = false,
-                    Some(why) => return Err(RuntimeError::SchedulerLost(why)),
-                },
-            },
-            () = timer.fired() => {
-                let shaped = io.shaper.take_shaped_us();
-                lock(&io.server).charge(0, shaped);
-                io.step(Event::Timeout, false);
-            }
-            _ = io.rearm.notified() => {}
-            _ = io.exited.notified() => {}
+            note = self.notes.recv(), if self.scheduler_open => Woken::Note(note),
+            _ = self.io.rearm.notified() => Woken::Rearm,
+            _ = self.io.exited.notified() => Woken::Rearm,
         }
-        if !attached && let (Some(m), Some(id)) = (metrics, lock(&io.server).id()) {
-            m.attach(id, Arc::new(Source(io.clone())));
-            attached = true;
+    }
+
+    fn feed(
+        &mut self,
+        machine: &mut Shared,
+        now: u64,
+        woken: Option<Woken>,
+        out: &mut Vec<Infallible>,
+    ) -> ControlFlow<Result<()>> {
+        match woken {
+            None => {
+                let shaped = self.io.shaper.take_shaped_us();
+                lock(&self.io.server).charge(0, shaped);
+                machine.handle(now, Event::Timeout, out);
+            }
+            Some(Woken::Note(Some(msg))) => {
+                if let Message::Control(Control::Assign(a)) = &msg {
+                    self.io.shaper.configure(&a.inject);
+                }
+                machine.handle(now, Event::FromScheduler { request_id: 0, msg }, out);
+            }
+            // The link is over. After `Shutdown` the scheduler may close first; the
+            // server still finishes.
+            Some(Woken::Note(None)) => match self.io.sched.end().flatten() {
+                None => self.scheduler_open = false,
+                Some(why) => return ControlFlow::Break(Err(RuntimeError::SchedulerLost(why))),
+            },
+            Some(Woken::Rearm) => {}
+        }
+        if !self.attached
+            && let (Some(m), Some(id)) = (self.metrics, lock(&self.io.server).id())
+        {
+            m.attach(id, Arc::new(Source(self.io.clone())));
+            self.attached = true;
+        }
+        ControlFlow::Continue(())
+    }
+
+    async fn carry_out(
+        &mut self,
+        _machine: &mut Shared,
+        _now: u64,
+        effect: Infallible,
+        _queue: &mut VecDeque<Infallible>,
+    ) -> ControlFlow<Result<()>> {
+        match effect {}
+    }
+
+    /// The machine's exit ends the run.
+    fn settled(&mut self, _machine: &Shared) -> ControlFlow<Result<()>> {
+        match lock(&self.io.exit).take() {
+            None => ControlFlow::Continue(()),
+            Some(Exit::Shutdown { .. }) => ControlFlow::Break(Ok(())),
+            Some(Exit::Failed { reason }) => {
+                ControlFlow::Break(Err(RuntimeError::Protocol { peer: "scheduler".into(), what: reason }))
+            }
         }
     }
 }
