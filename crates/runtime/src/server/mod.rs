@@ -182,7 +182,8 @@ struct Main<'a> {
     scheduler_open: bool,
 }
 
-/// What woke the server's main task.
+/// What woke the server's main task (rare and short-lived: not boxed).
+#[allow(clippy::large_enum_variant)]
 enum Woken {
     /// The scheduler's notification (`None`: the link is over).
     Note(Option<Message>),
