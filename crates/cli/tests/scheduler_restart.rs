@@ -114,6 +114,66 @@ fn a_scheduler_killed_and_restarted_with_its_state_dir_lets_the_job_complete_exa
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A scheduler restarted on a state file that does not parse cannot recover the job: the
+/// servers and workers redialling it hear why within seconds (not after their 60 s retry
+/// window, saying only that it did not come back), and every process exits, failed,
+/// naming the state file.
+#[test]
+fn a_scheduler_that_cannot_recover_tells_every_node_why_within_seconds() {
+    let dir = common::scratch_dir("scheduler-unrecoverable");
+    let state = dir.join("state");
+    let s = state.to_str().unwrap();
+    let addr = common::free_local_addr();
+    let mut sched = start_scheduler("scheduler", &addr, s);
+    let mut servers: Vec<Proc> = (0..2).map(|_| common::start_server(&addr, &[])).collect();
+    let clocks: Arc<Vec<AtomicU32>> = Arc::new((0..WORKERS).map(|_| AtomicU32::new(0)).collect());
+    let rt = common::tokio_rt();
+    let progress = clocks.clone();
+    let workers = rt.block_on(async {
+        cluster::spawn_workers(WORKERS, &addr, &model(), move |mut c| async move {
+            let rank = c.rank();
+            let mut params = cluster::pulled(&mut c, 0).await;
+            for t in 0..CLOCKS {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                let grads = models::gradients(&model(), gradient, rank, t);
+                if let Err(e) = c.push_pull(t, &grads, &mut params).await {
+                    return e.to_string();
+                }
+                progress[rank as usize].store(t + 1, Ordering::SeqCst);
+            }
+            "every clock done: the job did not fail".to_string()
+        })
+    });
+    let slowest = || clocks.iter().map(|c| c.load(Ordering::SeqCst)).min().unwrap_or(0);
+    let reached = common::poll_until(Duration::from_secs(60), || (slowest() >= 5).then_some(()));
+    assert!(reached.is_some(), "the workers did not reach clock 5 within 60 s\n{}", sched.log_tail(20));
+    sched.kill();
+    let file = state.join("scheduler-state.json");
+    std::fs::write(&file, b"{ not json").unwrap();
+    let started = Instant::now();
+    let mut restarted = start_scheduler("restarted scheduler", &addr, s);
+    let status = restarted.wait_exit(Duration::from_secs(60)).expect("the restarted scheduler exits within 60 s");
+    assert!(!status.success(), "a scheduler that cannot recover fails\n{}", restarted.log_tail(20));
+    assert!(restarted.log().contains("could not recover"), "{}", restarted.log_tail(20));
+    for server in &mut servers {
+        let status = server.wait_exit(Duration::from_secs(60)).expect("each server exits");
+        assert!(!status.success(), "{}", server.log_tail(20));
+        assert!(
+            server.log().contains("could not recover the job") && server.log().contains("scheduler-state.json"),
+            "the server says why, naming the state file\n{}",
+            server.log_tail(20)
+        );
+    }
+    let told_in = started.elapsed();
+    for why in rt.block_on(common::join_workers(workers)) {
+        assert!(why.contains("could not recover the job"), "each worker says why: {why}");
+    }
+    // Well within the nodes' 60 s retry window (the scheduler says so for 10 s).
+    assert!(told_in < Duration::from_secs(50), "every node told and gone in {told_in:?}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"{ not json", "the state is left as it was, for the operator");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 // ---- killed in a split ----------------------------------------------------------------
 
 /// Rows of the hot-row job's table, values per row, rows per block (8 blocks of 2 KiB).

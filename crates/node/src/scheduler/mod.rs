@@ -285,6 +285,9 @@ pub struct Scheduler {
     last_wait_log_us: u64,
     heartbeat_timeout_us: u64,
     over: bool,
+    /// A restarted scheduler that could not recover its saved state, saying so
+    /// ([`Scheduler::unrecoverable`]).
+    unrecoverable: Option<recovery::Unrecoverable>,
     elastic: Elastic,
     can_launch: bool,
     /// Checkpoints under way: clock -> the blocks written so far.
@@ -348,6 +351,7 @@ impl Scheduler {
             last_wait_log_us: 0,
             heartbeat_timeout_us,
             over: false,
+            unrecoverable: None,
             elastic: Elastic::new(config.balance, config.min_servers, config.max_servers, config.workers),
             can_launch: false,
             checkpoints: BTreeMap::new(),
@@ -507,6 +511,10 @@ impl Scheduler {
         if self.over {
             return;
         }
+        if self.unrecoverable.is_some() {
+            self.refuse_unrecoverable(event, out);
+            return;
+        }
         self.dispatch(event, out);
         self.forget_registered();
         if self.first_worker_us.is_none() && !self.workers.is_empty() {
@@ -530,6 +538,9 @@ impl Scheduler {
         }
         if let Some(c) = &self.closing {
             return Some(c.until_us);
+        }
+        if let Some(u) = &self.unrecoverable {
+            return Some(u.until_us.unwrap_or(self.now_us));
         }
         let mut soonest: Option<u64> = None;
         let mut at = |deadline: u64| {

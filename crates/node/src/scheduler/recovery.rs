@@ -35,6 +35,19 @@ pub const RECOVER_WAIT_US: u64 = 60_000_000;
 /// 2 s) to hear it, µs.
 pub const FINISHED_GRACE_US: u64 = 5_000_000;
 
+/// How long a restarted scheduler that could not recover its saved state stays up to say
+/// why, µs: every node redialling it (its backoff is at most 2 s) hears the reason,
+/// where it would otherwise redial a closed port for its whole retry window.
+pub const UNRECOVERABLE_WAIT_US: u64 = 10_000_000;
+
+/// A restarted scheduler that could not recover: why, and until when it says so.
+#[derive(Debug)]
+pub(super) struct Unrecoverable {
+    why: String,
+    /// Set at the first event (the machine's first `now`).
+    pub(super) until_us: Option<u64>,
+}
+
 /// The scheduler's recoverable state (serialized as JSON by the runtime).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SavedState {
@@ -243,6 +256,40 @@ impl Scheduler {
         s.recovering =
             Some(Recovering { servers, workers, finished, held: BTreeMap::new(), since_us: None, finish: None, split });
         Ok(s)
+    }
+
+    /// A restarted scheduler whose saved state could not be recovered (`why`): for
+    /// [`UNRECOVERABLE_WAIT_US`] it answers every call with `ShuttingDown` naming `why`
+    /// and closes the connection (a node's session ends with it), then ends the job,
+    /// failed, with `why`. Its saved state is left as it is, for the operator.
+    pub fn unrecoverable(config: JobConfig, why: String, heartbeat_timeout_us: u64) -> Self {
+        let mut s = Self::new(config, heartbeat_timeout_us);
+        tracing::error!(%why, "the scheduler could not recover; it says so to every node for a while, then exits");
+        s.unrecoverable = Some(Unrecoverable { why, until_us: None });
+        s
+    }
+
+    /// [`Scheduler::unrecoverable`]'s rules.
+    pub(super) fn refuse_unrecoverable(&mut self, event: super::Event, out: &mut Vec<Action>) {
+        let now_us = self.now_us;
+        let Some(u) = self.unrecoverable.as_mut() else { return };
+        let until_us = *u.until_us.get_or_insert(now_us + UNRECOVERABLE_WAIT_US);
+        match event {
+            super::Event::Received { conn, request_id, .. } => {
+                let message = format!("the scheduler could not recover the job: {}", u.why);
+                let reply = elasticps_wire::ErrorReply { code: ErrorCode::ShuttingDown, message };
+                out.push(Action::Send { conn, request_id, msg: elasticps_wire::Message::Error(reply) });
+                out.push(Action::Close(conn));
+            }
+            super::Event::Timeout if now_us >= until_us => {
+                out.push(Action::Finish {
+                    ok: false,
+                    reason: format!("the scheduler could not recover the job: {}", u.why),
+                });
+                self.over = true;
+            }
+            _ => {}
+        }
     }
 
     /// True while a recovered scheduler waits for its servers.
@@ -634,6 +681,36 @@ mod tests {
         elasticps_wire::Credential::issue(b"", 0, role, id)
     }
     use crate::scheduler::Event;
+
+    /// A scheduler that could not recover answers every node's reattach with why (its
+    /// session ends with the reason, not after its whole retry window), closes the
+    /// connection, and ends the job, failed, once its wait is over.
+    #[test]
+    fn an_unrecoverable_scheduler_tells_every_node_why_then_ends_the_job() {
+        let mut m = Scheduler::unrecoverable(config(), "state.json: not JSON".into(), 10_000_000);
+        assert!(m.handle(5, Event::Timeout).is_empty(), "its first event starts the wait");
+        assert_eq!(m.poll_timeout(), Some(5 + UNRECOVERABLE_WAIT_US));
+        let reattach = Control::ReattachServer {
+            server_id: 0,
+            credential: cred(PeerRole::Server, 0),
+            data_addr: "s0".into(),
+            blocks: Vec::new(),
+        };
+        m.handle(6, Event::Connected { conn: 3, peer: "10.0.0.2".into(), key: elasticps_wire::KeyId::Cluster });
+        let a = m.handle(7, Event::Received { conn: 3, request_id: 9, msg: reattach.into() });
+        let [Action::Send { conn: 3, request_id: 9, msg: Message::Error(e) }, Action::Close(3)] = &a[..] else {
+            panic!("the reattach refused and the connection closed: {a:?}")
+        };
+        assert_eq!(e.code, ErrorCode::ShuttingDown);
+        assert!(e.message.contains("state.json: not JSON"), "{}", e.message);
+        assert!(m.handle(4 + UNRECOVERABLE_WAIT_US, Event::Timeout).is_empty(), "not before its wait is over");
+        let a = m.handle(5 + UNRECOVERABLE_WAIT_US, Event::Timeout);
+        assert!(
+            matches!(&a[..], [Action::Finish { ok: false, reason }] if reason.contains("not JSON")),
+            "the job ends, failed, saying why: {a:?}"
+        );
+        assert_eq!(m.poll_timeout(), None);
+    }
 
     /// The shared job with plain bsp on both servers and a learning rate of 1.
     fn config() -> JobConfig {

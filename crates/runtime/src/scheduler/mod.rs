@@ -163,13 +163,24 @@ impl<'a> Driver<'a> {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e3);
         let mut saved = opts.state_dir.as_deref().map(state::StateDir::new);
         let heartbeat_us = elasticps_node::timing::heartbeat_timeout_us(opts.job.replicas);
-        let base = match saved.as_ref().map(state::StateDir::load).transpose()?.flatten() {
-            Some(s) => {
-                let path = saved.as_ref().map_or_else(String::new, |d| d.path().display().to_string());
-                let recovered = Scheduler::recover(opts.job.clone(), s, heartbeat_us)
-                    .map_err(|what| RuntimeError::State { path: path.clone(), what })?;
+        let path = saved.as_ref().map_or_else(String::new, |d| d.path().display().to_string());
+        let recovered = match saved.as_ref().map(state::StateDir::load).transpose() {
+            Ok(Some(Some(s))) => Some(
+                Scheduler::recover(opts.job.clone(), s, heartbeat_us)
+                    .map_err(|what| RuntimeError::State { path: path.clone(), what }.to_string()),
+            ),
+            Ok(_) => None,
+            Err(e) => Some(Err(e.to_string())),
+        };
+        let base = match recovered {
+            Some(Ok(recovered)) => {
                 tracing::info!(state = %path, "scheduler restarted from its saved state");
                 recovered
+            }
+            Some(Err(why)) => {
+                // The nodes redialling hear why; the state stays on disk as it is.
+                saved = None;
+                Scheduler::unrecoverable(opts.job.clone(), why, heartbeat_us)
             }
             None => Scheduler::new(opts.job.clone(), heartbeat_us),
         };
