@@ -1,6 +1,8 @@
 //! The end of the job: it ends once every worker left (well if none was lost, else after
 //! waiting for lost ones to rejoin), or when it cannot go on. Every node and host agent
-//! is told; a job with checkpoints then waits for its servers' last checkpoint writes.
+//! is told; a job with checkpoints then waits for its servers' last checkpoint writes and
+//! its manifests, and a job across hosts for its agents to relay their nodes' last
+//! events (a server's counters, for the report) and leave.
 
 use std::collections::BTreeSet;
 
@@ -12,13 +14,20 @@ use super::{Action, ConnId, Event, Role, Scheduler, hosts};
 /// checkpoint writes and leave, µs.
 pub const CLOSING_WAIT_US: u64 = 30_000_000;
 
-/// The end of a job with checkpoints: how it ended, and the servers not gone yet.
+/// How long a job across hosts (without checkpoints) waits after `Shutdown` for its
+/// agents to relay their nodes' last events and leave, µs.
+pub const AGENTS_WAIT_US: u64 = 10_000_000;
+
+/// The end of a job that waits after `Shutdown`: how it ended, and who is not gone yet.
 #[derive(Debug)]
 pub(super) struct Closing {
     ok: bool,
     reason: String,
     pub(super) until_us: u64,
+    /// Servers whose last checkpoint writes are awaited (a job with checkpoints).
     servers: BTreeSet<ConnId>,
+    /// Host agents still relaying their nodes' last events.
+    agents: BTreeSet<ConnId>,
 }
 
 impl Scheduler {
@@ -68,14 +77,23 @@ impl Scheduler {
                 msg: Control::Shutdown { reason: reason.clone() }.into(),
             });
         }
-        let servers: BTreeSet<ConnId> =
-            self.nodes.iter().filter(|(_, n)| matches!(n.role, Role::Server(_))).map(|(c, _)| *c).collect();
-        if self.config.checkpoint.is_some() && (!servers.is_empty() || !self.manifests_pending.is_empty()) {
-            // A checkpoint of the last clocks may still be on its way to disk: its manifest
-            // is written once the servers report it, so wait for them to leave and for
-            // every manifest ordered to be written.
-            tracing::info!(servers = servers.len(), "the job is over; waiting for the servers' last checkpoint writes");
-            self.closing = Some(Closing { ok, reason, until_us: self.now_us + CLOSING_WAIT_US, servers });
+        // A checkpoint of the last clocks may still be on its way to disk: its manifest is
+        // written once the servers report it, so wait for them to leave and for every
+        // manifest ordered to be written.
+        let servers: BTreeSet<ConnId> = match self.config.checkpoint {
+            Some(_) => self.nodes.iter().filter(|(_, n)| matches!(n.role, Role::Server(_))).map(|(c, _)| *c).collect(),
+            None => BTreeSet::new(),
+        };
+        let agents: BTreeSet<ConnId> = agents.into_iter().collect();
+        let checkpoints = !servers.is_empty() || !self.manifests_pending.is_empty();
+        if checkpoints || !agents.is_empty() {
+            tracing::info!(
+                servers = servers.len(),
+                agents = agents.len(),
+                "the job is over; waiting for the last checkpoint writes and the hosts' last events"
+            );
+            let until_us = self.now_us + if checkpoints { CLOSING_WAIT_US } else { AGENTS_WAIT_US };
+            self.closing = Some(Closing { ok, reason, until_us, servers, agents });
             return;
         }
         out.push(Action::Finish { ok, reason });
@@ -91,6 +109,11 @@ impl Scheduler {
             {
                 self.checkpoint_written(clock, blocks, out)
             }
+            Event::Received { conn, msg: Message::Control(Control::HostEvent { line }), .. }
+                if self.closing.as_ref().is_some_and(|c| c.agents.contains(&conn)) =>
+            {
+                out.push(Action::Relay(line))
+            }
             Event::Received { conn, request_id, .. } if request_id != 0 => {
                 // A call after the end (an operator's request, say) learns that it is over.
                 let reason = self.closing.as_ref().map_or_else(String::new, |c| c.reason.clone());
@@ -102,17 +125,24 @@ impl Scheduler {
                 self.nodes.remove(&conn);
                 if let Some(c) = self.closing.as_mut() {
                     c.servers.remove(&conn);
+                    c.agents.remove(&conn);
                 }
             }
             Event::Timeout => {}
             Event::ManifestWritten { clock, error } => self.manifest_written(clock, error),
         }
         let pending = &self.manifests_pending;
-        if let Some(c) =
-            self.closing.take_if(|c| (c.servers.is_empty() && pending.is_empty()) || self.now_us >= c.until_us)
-        {
+        if let Some(c) = self.closing.take_if(|c| {
+            (c.servers.is_empty() && c.agents.is_empty() && pending.is_empty()) || self.now_us >= c.until_us
+        }) {
             if !c.servers.is_empty() {
                 tracing::warn!(servers = c.servers.len(), "servers still running after the checkpoint wait");
+            }
+            if !c.agents.is_empty() {
+                tracing::warn!(
+                    agents = c.agents.len(),
+                    "host agents still connected after the wait for their last events"
+                );
             }
             if !pending.is_empty() {
                 tracing::warn!(clocks = ?pending, "checkpoint manifests still being written after the wait");

@@ -749,4 +749,43 @@ mod scheduler_tests {
         let a = recv(&mut m, 1, 3, Control::WorkerDone { rank: 0 });
         assert!(starts(&a, 100).is_empty());
     }
+
+    /// A job across hosts that is over tells its agents, relays the last events they
+    /// send (their servers' counters, for the report) and ends once they left, or after
+    /// [`AGENTS_WAIT_US`](crate::scheduler::end::AGENTS_WAIT_US) for one that stays.
+    #[test]
+    fn a_job_across_hosts_ends_after_its_agents_relayed_their_last_events_and_left() {
+        for stays in [false, true] {
+            let hosts = HostsConfig { min_hosts: 1, max_hosts: 1, restart_workers: 0, restart_servers: 0 };
+            let mut m = Scheduler::new(config(), 2_000_000).with_hosts(hosts);
+            join(&mut m, 100, "a", "10.0.0.1", 2, 2);
+            for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.1"), (1, "10.0.0.1"), (2, "10.0.0.1")] {
+                step(&mut m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
+            }
+            recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
+            recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.1:7101".into() });
+            recv(&mut m, 1, 1, Control::RegisterWorker);
+            recv(&mut m, 2, 1, Control::RegisterWorker);
+            recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
+            recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+            recv(&mut m, 20, 0, Control::AssignDone { server_id: 1 });
+            recv(&mut m, 1, 3, Control::WorkerDone { rank: 0 });
+            let a = recv(&mut m, 2, 3, Control::WorkerDone { rank: 1 });
+            assert!(
+                matches!(sent_to(&a, 100)[..], [Message::Control(Control::Shutdown { .. })]),
+                "the agent is told: {a:?}"
+            );
+            assert!(!a.iter().any(|x| matches!(x, Action::Finish { .. })), "not before the agent left: {a:?}");
+            let line = r#"{"event":"server_stats"}"#.to_string();
+            let a = recv(&mut m, 100, 0, Control::HostEvent { line: line.clone() });
+            assert_eq!(a, [Action::Relay(line)], "its last events are relayed");
+            let a = if stays {
+                let at = m.poll_timeout().expect("a bounded wait");
+                m.handle(at, Event::Timeout)
+            } else {
+                step(&mut m, Event::Lost { conn: 100, why: "closed".into() })
+            };
+            assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })), "stays {stays}: {a:?}");
+        }
+    }
 }

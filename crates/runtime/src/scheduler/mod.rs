@@ -9,7 +9,7 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
-use elasticps_wire::{Codec, Control, Message};
+use elasticps_wire::{Codec, Message};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, mpsc};
 
@@ -29,9 +29,6 @@ use elasticps_node::Machine;
 
 pub mod state;
 
-/// How long a scheduler of a job across hosts waits, once the job is over, for the
-/// agents to relay their nodes' last events and leave.
-const AGENT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the scheduler waits, at its end, for its last answers to be written (a peer
 /// that reads nothing can hold a socket full: the wait is bounded, and says so).
 const LAST_WRITES_TIMEOUT: Duration = Duration::from_secs(5);
@@ -127,9 +124,6 @@ pub async fn run_with(
         }
         Err(e) => Err(e),
     };
-    if outcome.is_ok() {
-        driver.drain_agents().await;
-    }
     accept.abort();
     driver.close().await;
     outcome
@@ -251,25 +245,6 @@ impl<'a> Driver<'a> {
             Action::Finish { ok, reason } => return Some((ok, reason)),
         }
         None
-    }
-
-    /// Host agents relay their nodes' last events (a server's counters) as those exit:
-    /// a job across hosts waits a bounded time for them to arrive and the agents to leave.
-    async fn drain_agents(&mut self) {
-        let Some(relay) = &self.opts.relay else { return };
-        let deadline = tokio::time::Instant::now() + AGENT_DRAIN_TIMEOUT;
-        while !self.conns.is_empty() {
-            match tokio::time::timeout_at(deadline, self.events.recv()).await {
-                Ok(Some((Event::Received { msg: Message::Control(Control::HostEvent { line }), .. }, _))) => {
-                    relay.emit_line(&line)
-                }
-                Ok(Some((Event::Lost { conn, .. }, _))) => {
-                    self.conns.remove(&conn);
-                }
-                Ok(Some(_)) => {}
-                Ok(None) | Err(_) => break,
-            }
-        }
     }
 
     /// Waits, bounded, for the last answers (the `Shutdown` messages) to be in the
