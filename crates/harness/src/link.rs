@@ -81,6 +81,9 @@ impl SchedLink {
                     self.conn = None;
                     return Some(reason);
                 }
+                // The roles here make their calls with `Send`: their machines keep the
+                // deadlines (a server's registration, a worker's layout).
+                Action::Expired { .. } => {}
             }
         }
         self.wake.arm(out, self.session.poll_timeout(), self.token);

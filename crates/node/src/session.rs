@@ -67,8 +67,18 @@ pub enum Event<'a> {
         /// The message.
         msg: &'a Message,
     },
-    /// The node gave up waiting for the answer to `request_id` (its own timeout): it is
-    /// not made again after a reattach.
+    /// The node makes a call that fails unanswered after `within_us`
+    /// ([`Action::Expired`]): [`Event::Send`] with a deadline.
+    Call {
+        /// The call's id (> 0).
+        request_id: u64,
+        /// The message.
+        msg: Message,
+        /// How long the node waits for its answer, µs.
+        within_us: u64,
+    },
+    /// The node gave up waiting for the answer to `request_id`: it is not made again
+    /// after a reattach.
     Forget {
         /// The call.
         request_id: u64,
@@ -97,6 +107,14 @@ pub enum Action {
     Dial {
         /// 1 for the first attempt after a loss.
         attempt: u32,
+    },
+    /// The call `request_id` ([`Event::Call`]) was not answered within `after_us`: it
+    /// fails, and is not made again.
+    Expired {
+        /// The call.
+        request_id: u64,
+        /// How long it waited, µs.
+        after_us: u64,
     },
     /// The link is over: `None` after the scheduler's `Shutdown`, else why. The node
     /// sends nothing more; calls still unanswered fail.
@@ -127,6 +145,9 @@ pub struct Session {
     state: State,
     /// Calls not answered yet, by request id (the order they were made in).
     unanswered: BTreeMap<u64, Message>,
+    /// The calls made with a deadline ([`Event::Call`]): when each expires, and after how
+    /// long (µs). A node has a few calls at a time: scanned, not indexed.
+    deadlines: BTreeMap<u64, (u64, u64)>,
     /// The scheduler accepted this node (a `Welcome` came): a loss is redialled from now.
     welcomed: bool,
     /// The scheduler said `Shutdown`.
@@ -146,6 +167,7 @@ impl Session {
             config,
             state: State::Open,
             unanswered: BTreeMap::new(),
+            deadlines: BTreeMap::new(),
             welcomed: false,
             shutdown: false,
             next_heartbeat_us: None,
@@ -179,14 +201,16 @@ impl Session {
     }
 
     /// When the session next wants [`Event::Timeout`] (absolute µs): the next heartbeat,
-    /// the next dial, or the end of the retry window.
+    /// the next dial, the end of the retry window, or a call's deadline.
     pub fn poll_timeout(&self) -> Option<u64> {
-        match self.state {
+        let link = match self.state {
             State::Open => self.next_heartbeat_us,
             State::Backoff { since_us, at_us, .. } => Some(at_us.min(self.window_end(since_us))),
             State::Dialling { since_us, .. } => Some(self.window_end(since_us)),
-            State::Over => None,
-        }
+            State::Over => return None,
+        };
+        let call = self.deadlines.values().map(|(at, _)| *at).min();
+        link.into_iter().chain(call).min()
     }
 
     /// One event at `now_us`; the actions are appended to `out`.
@@ -203,9 +227,14 @@ impl Session {
                     out.push(Action::Send { request_id, msg });
                 }
             }
+            Event::Call { request_id, msg, within_us } => {
+                self.deadlines.insert(request_id, (now_us.saturating_add(within_us), within_us));
+                self.handle_into(now_us, Event::Send { request_id, msg }, out);
+            }
             Event::Received { request_id: REATTACH_ID, msg } => self.on_reattach(now_us, msg, out),
             Event::Received { request_id, msg } => {
                 self.unanswered.remove(&request_id);
+                self.deadlines.remove(&request_id);
                 match msg {
                     msg if is_welcome(msg) && !self.welcomed => {
                         self.welcomed = true;
@@ -220,6 +249,7 @@ impl Session {
             }
             Event::Forget { request_id } => {
                 self.unanswered.remove(&request_id);
+                self.deadlines.remove(&request_id);
             }
             Event::Lost => self.on_lost(now_us, out),
             Event::Timeout => self.on_timeout(now_us, out),
@@ -242,6 +272,7 @@ impl Session {
     fn over(&mut self, reason: Option<String>, out: &mut Vec<Action>) {
         self.state = State::Over;
         self.next_heartbeat_us = None;
+        self.deadlines.clear();
         out.push(Action::Over { reason });
     }
 
@@ -318,6 +349,14 @@ impl Session {
     }
 
     fn on_timeout(&mut self, now_us: u64, out: &mut Vec<Action>) {
+        let expired: Vec<(u64, u64)> =
+            self.deadlines.iter().filter(|(_, (at, _))| *at <= now_us).map(|(id, (_, after))| (*id, *after)).collect();
+        for (request_id, after_us) in expired {
+            tracing::debug!(request_id, after_ms = after_us / 1000, "a scheduler call expired unanswered");
+            self.deadlines.remove(&request_id);
+            self.unanswered.remove(&request_id);
+            out.push(Action::Expired { request_id, after_us });
+        }
         match self.state {
             State::Open => self.heartbeat(now_us, out),
             State::Backoff { since_us, .. } | State::Dialling { since_us, .. }
@@ -374,6 +413,39 @@ mod tests {
         assert_eq!(s.handle(0, Event::Send { request_id: 1, msg: Control::RegisterWorker.into() }).len(), 1);
         s.handle(0, Event::Received { request_id: 1, msg: &welcome() });
         s
+    }
+
+    /// A call made with a deadline fails at it, answered or not made again after; one
+    /// answered in time never expires; a loss and reattach between do not move it.
+    #[test]
+    fn a_call_unanswered_within_its_deadline_expires_once_and_is_not_made_again() {
+        let config = SessionConfig { retry_us: RETRY, heartbeats: false };
+        let within = 10 * FIRST_BACKOFF_US;
+        let mut s = welcomed(config);
+        let a = s.handle(10, Event::Call { request_id: 2, msg: call(2), within_us: within });
+        assert_eq!(sends(&a), [2]);
+        s.handle(10, Event::Call { request_id: 3, msg: call(3), within_us: 1 });
+        s.handle(10, Event::Received { request_id: 3, msg: &Control::Ok.into() });
+        assert_eq!(s.poll_timeout(), Some(10 + within), "the open call's deadline");
+        // Lost and reattached before the deadline: made again, its deadline unchanged.
+        s.handle(1_000, Event::Lost);
+        let dial = s.poll_timeout().unwrap();
+        assert!(dial < 10 + within);
+        assert_eq!(s.handle(dial, Event::Timeout), [Action::Dial { attempt: 1 }]);
+        let a = s.handle(dial, Event::Received { request_id: REATTACH_ID, msg: &welcome() });
+        assert_eq!(sends(&a), [2], "made again after the reattach");
+        assert_eq!(s.poll_timeout(), Some(10 + within));
+        assert!(s.handle(9 + within, Event::Timeout).is_empty(), "not before its deadline");
+        let a = s.handle(10 + within, Event::Timeout);
+        assert_eq!(a, [Action::Expired { request_id: 2, after_us: within }]);
+        assert_eq!(s.unanswered().count(), 0, "forgotten");
+        let t = 11 + within;
+        s.handle(t, Event::Lost);
+        let dial = s.poll_timeout().unwrap();
+        s.handle(dial, Event::Timeout);
+        let a = s.handle(dial, Event::Received { request_id: REATTACH_ID, msg: &welcome() });
+        assert!(sends(&a).is_empty(), "an expired call is not made again: {a:?}");
+        assert_eq!(s.poll_timeout(), None, "nothing left to wake for");
     }
 
     fn sends(actions: &[Action]) -> Vec<u64> {
@@ -632,6 +704,9 @@ mod tests {
                         dialling = true;
                     }
                     Action::Over { .. } => over = true,
+                    Action::Expired { request_id, .. } => {
+                        return Err(format!("call {request_id} expired: none has a deadline"));
+                    }
                 }
             }
             if over {

@@ -340,6 +340,8 @@ impl Agent {
                     out.push(Effect::Dial);
                 }
                 session::Action::Over { reason } => self.link_over(now_us, reason, out),
+                // The agent makes no call with a deadline.
+                session::Action::Expired { .. } => {}
             }
         }
     }
