@@ -40,9 +40,8 @@ pub type Reattach = Box<dyn Fn() -> Option<Message> + Send + Sync>;
 
 /// What the node asks of its driver task.
 enum Command {
-    Call { request_id: u64, msg: Message, reply: oneshot::Sender<Message> },
+    Call { request_id: u64, msg: Message, within: Duration, what: String, reply: oneshot::Sender<Result<Message>> },
     Notify(Message),
-    Forget(u64),
 }
 
 /// How the link ended: `None` while it lives, `Some(None)` after the scheduler's
@@ -101,22 +100,16 @@ impl SchedLink {
     }
 
     /// A call, answered by the scheduler's reply as it is (an `Error` reply included),
-    /// within `timeout`. A call unanswered when the scheduler is lost is made again
-    /// after the reattach; it fails (`Closed`) only when the link is over.
+    /// within `timeout` (the session machine's deadline: `Timeout`, saying `what`). A call
+    /// unanswered when the scheduler is lost is made again after the reattach; it fails
+    /// (`Closed`) when the link is over.
     pub async fn request(&self, msg: Message, timeout: Duration, what: impl FnOnce() -> String) -> Result<Message> {
         let request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, rx) = oneshot::channel();
-        self.cmds
-            .send(Command::Call { request_id, msg, reply })
-            .map_err(|_| RuntimeError::Closed("scheduler".into()))?;
-        match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(msg)) => Ok(msg),
-            Ok(Err(_)) => Err(RuntimeError::Closed("scheduler".into())),
-            Err(_) => {
-                let _ = self.cmds.send(Command::Forget(request_id));
-                Err(RuntimeError::Timeout { what: what(), after: timeout })
-            }
-        }
+        let call = Command::Call { request_id, msg, within: timeout, what: what(), reply };
+        self.cmds.send(call).map_err(|_| RuntimeError::Closed("scheduler".into()))?;
+        // The session's deadline answers it if the scheduler does not ([`Action::Expired`]).
+        rx.await.unwrap_or_else(|_| Err(RuntimeError::Closed("scheduler".into())))
     }
 
     /// [`SchedLink::request`], with an `Error` reply as [`RuntimeError::Remote`].
@@ -186,8 +179,8 @@ struct Driver {
     conn: Option<Conn>,
     /// A dial under way ([`Action::Dial`]).
     dialling: Option<std::pin::Pin<Box<dyn std::future::Future<Output = Result<Conn>> + Send>>>,
-    /// The node's calls waiting for their answers, by request id.
-    waiters: HashMap<u64, oneshot::Sender<Message>>,
+    /// The node's calls waiting for their answers, by request id, with what they wait for.
+    waiters: HashMap<u64, (oneshot::Sender<Result<Message>>, String)>,
     notes: mpsc::UnboundedSender<Message>,
     cmds: mpsc::UnboundedReceiver<Command>,
     ended: watch::Sender<Ended>,
@@ -237,15 +230,11 @@ impl World<Session> for Driver {
             None => Event::Timeout,
             // Every handle on the link is gone: the node is done with it.
             Some(Woken::Command(None)) => return ControlFlow::Break(()),
-            Some(Woken::Command(Some(Command::Call { request_id, msg, reply }))) => {
-                self.waiters.insert(request_id, reply);
-                Event::Send { request_id, msg }
+            Some(Woken::Command(Some(Command::Call { request_id, msg, within, what, reply }))) => {
+                self.waiters.insert(request_id, (reply, what));
+                Event::Call { request_id, msg, within_us: u64::try_from(within.as_micros()).unwrap_or(u64::MAX) }
             }
             Some(Woken::Command(Some(Command::Notify(msg)))) => Event::Send { request_id: 0, msg },
-            Some(Woken::Command(Some(Command::Forget(request_id)))) => {
-                self.waiters.remove(&request_id);
-                Event::Forget { request_id }
-            }
             Some(Woken::Frame(Some((request_id, msg)))) => {
                 Machine::handle(session, now, Event::Received { request_id, msg: &msg }, out);
                 match request_id {
@@ -254,8 +243,8 @@ impl World<Session> for Driver {
                     }
                     REATTACH_ID => {}
                     id => {
-                        if let Some(w) = self.waiters.remove(&id) {
-                            let _ = w.send(msg);
+                        if let Some((w, _)) = self.waiters.remove(&id) {
+                            let _ = w.send(Ok(msg));
                         }
                     }
                 }
@@ -304,6 +293,11 @@ impl World<Session> for Driver {
                 let (addr, codec) = (self.addr.clone(), self.codec.clone());
                 self.dialling = Some(Box::pin(async move { open(&addr, codec).await }));
             }
+            Action::Expired { request_id, after_us } => {
+                if let Some((w, what)) = self.waiters.remove(&request_id) {
+                    let _ = w.send(Err(RuntimeError::Timeout { what, after: Duration::from_micros(after_us) }));
+                }
+            }
             Action::Over { reason } => {
                 // The waiting calls fail (`Closed`), the notifications channel closes.
                 let _ = self.ended.send(Some(reason));
@@ -321,6 +315,42 @@ mod tests {
     use elasticps_wire::{Control, Credential, PeerRole};
 
     use super::*;
+
+    /// A call the scheduler never answers fails at the session machine's deadline, saying
+    /// what it waited for; the link stays up for the next call.
+    #[tokio::test]
+    async fn a_call_left_unanswered_fails_at_its_deadline_saying_what_it_waited_for() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+        let c2 = codec.clone();
+        // Answers every call but the first (a scheduler that lost it).
+        let scheduler = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            crate::handshake::accept(&mut stream, b"", "worker", Duration::from_secs(5)).await.unwrap();
+            let (mut reader, out) = conn::split(stream, c2, "worker".into());
+            let mut first = true;
+            while let Ok(Some((header, _))) = reader.next().await {
+                if !std::mem::take(&mut first) {
+                    out.send((header.request_id, Control::Ok.into())).unwrap();
+                }
+            }
+        });
+        let config = SessionConfig { retry_us: 0, heartbeats: false };
+        let (link, _notes) = SchedLink::connect(&addr, codec, config, Box::new(|| None)).await.unwrap();
+        let started = Instant::now();
+        let call = link.call(Control::Barrier.into(), Duration::from_millis(300), || "the barrier".into());
+        let lost = tokio::time::timeout(Duration::from_secs(10), call).await.expect("the call failed within 10 s");
+        assert!(
+            matches!(&lost, Err(RuntimeError::Timeout { what, after }) if what == "the barrier" && after.as_millis() == 300),
+            "{lost:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "bounded by the deadline");
+        let next = link.call(Control::Barrier.into(), Duration::from_secs(5), || "the second barrier".into()).await;
+        assert!(matches!(next, Ok(Message::Control(Control::Ok))), "{next:?}");
+        link.close();
+        scheduler.abort();
+    }
 
     /// A scheduler that accepts one connection, answers its first call with `Welcome`,
     /// then closes it and never comes back: the link redials until its window ends.
