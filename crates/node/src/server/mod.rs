@@ -266,8 +266,10 @@ impl Server {
 
     /// When the server next wants [`Event::Timeout`] (absolute µs): the earliest of the
     /// registration's deadline, the next load report and wait log, the earliest deadline
-    /// of a call in flight (to another server, or a migration's record), a replica's resync, and (after `Shutdown`) the end of the wait for
-    /// migrations or of a drained server's linger. `None` once exited.
+    /// of a call in flight (to another server, or a migration's record at the scheduler:
+    /// O(log n), the first of `call_deadlines`), a replica's resync, and (after
+    /// `Shutdown`) the end of the wait for migrations or of a drained server's linger.
+    /// `None` once exited.
     pub fn poll_timeout(&self) -> Option<u64> {
         if self.exited {
             return None;
