@@ -217,9 +217,6 @@ impl ServerRole {
                     self.conns.remove(&conn);
                     out.close(conn);
                 }
-                // The forwards before it are on their links: the server applies its push
-                // next (another event that comes first applies it before itself).
-                Action::Continue => self.later.push(Event::Continue),
                 Action::Exit(exit) => {
                     for conn in std::mem::take(&mut self.conns) {
                         out.close(conn);

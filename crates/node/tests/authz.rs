@@ -666,11 +666,7 @@ impl World {
     fn send_to_server(&mut self, conn: ConnId, msg: Message, verdict: Verdict, what: &str) {
         let rid = self.request();
         let (state, whole) = (ServerState::of(&self.server), format!("{:?}", self.server));
-        let mut acts = self.server.handle(self.now_us, server::Event::Received { conn, request_id: rid, msg });
-        // As a runtime does: a push forwarded to the backups is applied at once after.
-        if acts.contains(&server::Action::Continue) {
-            acts.extend(self.server.handle(self.now_us, server::Event::Continue));
-        }
+        let acts = self.server.handle(self.now_us, server::Event::Received { conn, request_id: rid, msg });
         let replies = server_replies(&acts, conn, rid);
         let refused = match verdict {
             Verdict::Allowed => {

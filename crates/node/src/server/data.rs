@@ -18,34 +18,20 @@ use super::replica::{self, Fwd};
 use super::request::{Op, Request, Sender, What};
 use super::{Action, Owned, Parked, Phase, Refusal, Server, Shard, Slot, Token, error};
 
-/// A data request forwarded to the backups, to be applied here at
-/// [`Event::Continue`](super::Event::Continue).
-#[derive(Debug)]
-pub(super) struct Deferred {
-    from: Sender,
-    to: Token,
-    request: Request,
-    /// The block's `done` when it came (its checkpoint is due from it).
-    done: Clock,
-}
-
 impl Server {
     /// A data request: answered now (the reply returned), later (a held pull: `None`,
     /// the answer comes from a push), or parked while its block is frozen.
     ///
-    /// A push to a block with backups is forwarded to them first, then applied here:
-    /// with `defer`, at [`Event::Continue`](super::Event::Continue) (the request is
-    /// deferred and [`Action::Continue`] emitted, so the runtime sends the forwards before
-    /// this server spends the time to apply the push, and the backups apply it while it
-    /// does); its reply waits for both. Requests replayed from a parked list are applied
-    /// at once.
+    /// A push to a block with backups is forwarded to them first, then applied here in
+    /// the same step: the forwards come first among the actions, so a runtime that hands
+    /// them to their links first has the backups apply the push while this server does.
+    /// Its reply waits for both.
     pub(super) fn serve(
         &mut self,
         now_us: u64,
         rank: u32,
         to: Token,
         request: Request,
-        defer: bool,
         out: &mut Vec<Action>,
     ) -> Option<Message> {
         let block = to.block;
@@ -88,13 +74,6 @@ impl Server {
         let forward = if shard.placement.backups_of(block).is_empty() { None } else { forwarded(o, from, &request) };
         if let Some(f) = forward {
             self.forward(now_us, to, f, out);
-            if defer {
-                if self.deferred.is_empty() {
-                    out.push(Action::Continue);
-                }
-                self.deferred.push_back(Deferred { from, to, request, done });
-                return None;
-            }
         }
         self.apply_request(now_us, from, to, request, done, out)
     }
@@ -113,16 +92,6 @@ impl Server {
         if o.block.done() != before {
             self.answer_pulls(answers, out);
             self.checkpoint_if_due(now_us, block, before, out);
-        }
-    }
-
-    /// Applies the requests deferred by [`Server::serve`], in order, and sends their
-    /// replies (held back by their gates until the backups answered).
-    pub(super) fn apply_deferred(&mut self, now_us: u64, out: &mut Vec<Action>) {
-        while let Some(Deferred { from, to, request, done }) = self.deferred.pop_front() {
-            if let Some(msg) = self.apply_request(now_us, from, to, request, done, out) {
-                out.push(Action::Reply { conn: to.conn, request_id: to.request_id, msg });
-            }
         }
     }
 

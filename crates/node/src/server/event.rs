@@ -42,8 +42,10 @@ pub enum Event {
         /// The message.
         msg: Message,
     },
-    /// The answer of another server to a migration step this server sent, or its failure
-    /// (connection failed, timed out).
+    /// The answer of another server to a call this server sent ([`Action::ToServer`]),
+    /// or why the link has none (the connection failed). A call nothing answers is
+    /// failed by the server itself at its deadline ([`super::STEP_TIMEOUT_US`]); an
+    /// answer that comes after is ignored.
     FromServer {
         /// The call ([`Action::ToServer`]) answered.
         call: u64,
@@ -51,7 +53,7 @@ pub enum Event {
         reply: Result<Message, String>,
     },
     /// The deadline of [`Server::poll_timeout`](super::Server::poll_timeout) came (load
-    /// reports, adaptive staleness, migration step deadlines, replica resyncs, long holds,
+    /// reports, adaptive staleness, the deadlines of calls, replica resyncs, long holds,
     /// a drained server's linger).
     Timeout,
     /// The runtime wrote a block of a checkpoint ([`Action::Checkpoint`]): its entry for
@@ -67,10 +69,6 @@ pub enum Event {
     /// The runtime read the blocks of the checkpoint the job resumes from
     /// ([`Action::Restore`]), or why it could not.
     Restored(Result<Vec<BlockState>, String>),
-    /// The runtime carried out the actions before an [`Action::Continue`] (the pushes
-    /// forwarded to the backups are on their links): the server applies what it
-    /// deferred. Any other event does that first too, so nothing waits for this one.
-    Continue,
 }
 
 /// What the runtime must do.
@@ -94,7 +92,9 @@ pub enum Action {
         /// The message.
         msg: Message,
     },
-    /// A migration step to another server, answered by [`Event::FromServer`] with `call`.
+    /// A call to another server (a migration step, a push forwarded to a backup, a
+    /// backup's snapshot), answered by [`Event::FromServer`] with `call`. The driver need
+    /// not time it out: the server fails it at its deadline.
     ToServer {
         /// The call's id.
         call: u64,
@@ -135,11 +135,6 @@ pub enum Action {
     },
     /// Stop.
     Exit(Exit),
-    /// Hand the messages to other servers decided so far to their links, then give the
-    /// server [`Event::Continue`] at once: a primary forwards a push to its backups
-    /// before it applies it, so that the backups apply it while it does (docs/PROTOCOL.md
-    /// §12). Emitted at most once per event, after the forwards.
-    Continue,
 }
 
 /// One answered pull, as the `--trace` file records it.

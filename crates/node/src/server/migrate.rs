@@ -4,8 +4,8 @@
 //! snapshot, freeze the block (requests are parked), send the logged pushes (or a fresh
 //! snapshot when the log outweighs the state), report to the scheduler, and once it has
 //! updated the placement answer the parked requests and held pulls `Moved`. Every step
-//! has a deadline ([`STEP_TIMEOUT_US`], checked on `Tick`); a failed step abandons the
-//! migration and serves the parked requests here. New owner: keep the snapshot, build the
+//! is a call with the deadline of every call ([`super::STEP_TIMEOUT_US`]); a failed or
+//! overdue step abandons the migration and serves the parked requests here. New owner: keep the snapshot, build the
 //! block from it and the replayed pushes (the clock state drops duplicates), serve it.
 
 use elasticps_core::block::{Block, BlockState, LoggedPush};
@@ -14,8 +14,7 @@ use elasticps_core::placement::ServerId;
 use elasticps_wire::{Control, ErrorCode, Message, MigrationReport};
 
 use super::{
-    Action, Call, FrozenStep, Outgoing, Owned, Parked, Phase, Refusal, Request, STEP_TIMEOUT_US, Server, Slot, error,
-    not_taken,
+    Action, Call, FrozenStep, Outgoing, Owned, Parked, Phase, Refusal, Request, Server, Slot, error, not_taken,
 };
 
 /// The snapshot of a block on its way here (a migration's step 2), until its delta.
@@ -72,19 +71,11 @@ impl Server {
             out.push(Action::ToScheduler { request_id: 0, msg: Control::MigrateDone(report).into() });
             return;
         }
-        let call = self.call(Call::Migration(block));
+        let call = self.call(now_us, Call::Migration(block));
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return };
         let state = o.block.snapshot();
         report.bytes += state.state_len() as u64 * 4;
-        let migration = Outgoing {
-            to,
-            to_addr: to_addr.clone(),
-            epoch,
-            call,
-            deadline_us: now_us + STEP_TIMEOUT_US,
-            started_us: now_us,
-            report,
-        };
+        let migration = Outgoing { to, to_addr: to_addr.clone(), epoch, call, started_us: now_us, report };
         o.phase = Phase::Copying { out: migration };
         out.push(Action::ToServer {
             call,
@@ -102,7 +93,7 @@ impl Server {
         reply: Result<Message, String>,
         out: &mut Vec<Action>,
     ) {
-        let block = match self.calls.remove(&call) {
+        let block = match self.end_call(call) {
             Some(Call::Migration(block)) => block,
             Some(what @ (Call::Replicate { .. } | Call::ReplicaSync { .. })) => {
                 return self.replica_answered(now_us, call, what, reply, out);
@@ -130,9 +121,8 @@ impl Server {
         if let Some(e) = failure {
             return self.fail(now_us, block, e, out);
         }
-        let next = self.call(Call::Migration(block));
+        let next = self.call(now_us, Call::Migration(block));
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return };
-        let deadline_us = now_us + STEP_TIMEOUT_US;
         match std::mem::replace(&mut o.phase, Phase::Serving) {
             Phase::Copying { out: mut m } => {
                 // Freeze: from now on requests are parked.
@@ -151,7 +141,6 @@ impl Server {
                     (FrozenStep::Delta, Control::BlockDelta { block, epoch: m.epoch, pushes })
                 };
                 m.call = next;
-                m.deadline_us = deadline_us;
                 let to_send = Action::ToServer { call: next, server: m.to, addr: m.to_addr.clone(), msg: msg.into() };
                 let parked = std::mem::take(&mut o.checkpoint_parked);
                 o.phase = Phase::Frozen { out: m, parked, since_us: now_us, step };
@@ -159,7 +148,6 @@ impl Server {
             }
             Phase::Frozen { out: mut m, parked, since_us, step: FrozenStep::Snapshot } => {
                 m.call = next;
-                m.deadline_us = deadline_us;
                 let msg = Control::BlockDelta { block, epoch: m.epoch, pushes: Vec::new() };
                 out.push(Action::ToServer { call: next, server: m.to, addr: m.to_addr.clone(), msg: msg.into() });
                 o.phase = Phase::Frozen { out: m, parked, since_us, step: FrozenStep::Delta };
@@ -169,7 +157,6 @@ impl Server {
                 m.report.total_us = now_us.saturating_sub(m.started_us);
                 m.report.freeze_us = now_us.saturating_sub(since_us);
                 m.call = next;
-                m.deadline_us = deadline_us;
                 out.push(Action::ToScheduler { request_id: next, msg: Control::MigrateDone(m.report.clone()).into() });
                 o.phase = Phase::Frozen { out: m, parked, since_us, step: FrozenStep::Recording };
             }
@@ -202,65 +189,55 @@ impl Server {
         self.finish_handover(block, to, epoch, out);
     }
 
-    /// The deadlines of the migrations out under way (copying or frozen).
-    pub(super) fn step_deadlines(&self) -> impl Iterator<Item = u64> + '_ {
-        self.slots.values().filter_map(|s| match s {
-            Slot::Owned(Owned { phase: Phase::Copying { out: m } | Phase::Frozen { out: m, .. }, .. }) => {
-                Some(m.deadline_us)
+    /// The step of the migration of `block` in call `call` got no answer within `after`
+    /// seconds: a step to the new owner fails as its link failing would (the migration is
+    /// abandoned); the scheduler's silence after the new owner took the block is not a
+    /// failure (the job ends with a stuck scheduler), and the handover completes.
+    pub(super) fn migration_overdue(
+        &mut self,
+        now_us: u64,
+        block: BlockId,
+        call: u64,
+        after: u64,
+        out: &mut Vec<Action>,
+    ) {
+        let step = match self.slots.get(&block) {
+            Some(Slot::Owned(Owned { phase: Phase::Copying { out: m }, .. })) if m.call == call => {
+                Some((m.to, m.epoch, None))
+            }
+            Some(Slot::Owned(Owned { phase: Phase::Frozen { out: m, step, .. }, .. })) if m.call == call => {
+                Some((m.to, m.epoch, Some(*step)))
             }
             _ => None,
-        })
-    }
-
-    /// Steps past their deadline: a step to the new owner fails the migration; the
-    /// scheduler's silence after the new owner took the block is not a failure (the job
-    /// ends with a stuck scheduler), and the handover completes.
-    pub(super) fn check_deadlines(&mut self, now_us: u64, out: &mut Vec<Action>) {
-        let late: Vec<(BlockId, FrozenStepOrCopy)> = self
-            .slots
-            .iter()
-            .filter_map(|(b, s)| match s {
-                Slot::Owned(Owned { phase: Phase::Copying { out: m }, .. }) if now_us >= m.deadline_us => {
-                    Some((*b, FrozenStepOrCopy::Copy))
-                }
-                Slot::Owned(Owned { phase: Phase::Frozen { out: m, step, .. }, .. }) if now_us >= m.deadline_us => {
-                    Some((*b, FrozenStepOrCopy::Frozen(*step)))
-                }
-                _ => None,
-            })
-            .collect();
-        for (block, step) in late {
-            let after = STEP_TIMEOUT_US as f64 / 1e6;
-            let Some(Slot::Owned(Owned { phase: Phase::Frozen { out: m, .. } | Phase::Copying { out: m }, .. })) =
-                self.slots.get(&block)
-            else {
-                continue;
-            };
-            let (to, epoch, call) = (m.to, m.epoch, m.call);
-            self.calls.remove(&call);
-            let what = match step {
-                FrozenStepOrCopy::Copy => format!("server {to} to take the snapshot of block {block}"),
-                FrozenStepOrCopy::Frozen(FrozenStep::Snapshot) => {
-                    format!("server {to} to take the frozen state of block {block}")
-                }
-                FrozenStepOrCopy::Frozen(FrozenStep::Delta) => {
-                    format!("server {to} to take the last updates of block {block}")
-                }
-                FrozenStepOrCopy::Frozen(FrozenStep::Recording) => {
-                    let from = self.id.unwrap_or(u32::MAX);
-                    // The new owner serves the block; the scheduler is gone or stuck, and the
-                    // job ends with it. Answering Moved is still right.
-                    tracing::warn!(
-                        server = from,
-                        block,
-                        "the scheduler did not confirm a migration: timed out after {after:.1} s: server {from} waits for the scheduler to record block {block} on server {to}"
-                    );
-                    self.finish_handover(block, to, epoch, out);
-                    continue;
-                }
-            };
-            self.fail(now_us, block, format!("timed out after {after:.1} s: {what}"), out);
-        }
+        };
+        let what = match step {
+            None => {
+                self.end_call(call);
+                return;
+            }
+            Some((to, _, None)) => format!("server {to} did not answer the snapshot of block {block} within {after} s"),
+            Some((to, _, Some(FrozenStep::Snapshot))) => {
+                format!("server {to} did not answer the frozen state of block {block} within {after} s")
+            }
+            Some((to, _, Some(FrozenStep::Delta))) => {
+                format!("server {to} did not answer the last updates of block {block} within {after} s")
+            }
+            Some((to, epoch, Some(FrozenStep::Recording))) => {
+                // The new owner serves the block; the scheduler is gone or stuck, and the
+                // job ends with it. Answering Moved is still right.
+                let from = self.id.unwrap_or(u32::MAX);
+                tracing::warn!(
+                    server = from,
+                    block,
+                    to,
+                    after_s = after,
+                    "the scheduler did not confirm a migration in time: the block is handed over"
+                );
+                self.end_call(call);
+                return self.finish_handover(block, to, epoch, out);
+            }
+        };
+        self.step_answered(now_us, call, Err(what), out);
     }
 
     /// `Shutdown` arrived: the scheduler said its last word (its answer to a
@@ -280,7 +257,7 @@ impl Server {
             .collect();
         for (block, to, epoch, call) in recording {
             tracing::warn!(server = self.id, block, to, "the scheduler shut down before it confirmed a migration");
-            self.calls.remove(&call);
+            self.end_call(call);
             self.finish_handover(block, to, epoch, out);
         }
     }
@@ -342,10 +319,16 @@ impl Server {
 
     /// A failed migration: unfreeze, stop logging, serve what was parked.
     fn abandon(&mut self, now_us: u64, block: BlockId, out: &mut Vec<Action>) {
-        let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return };
-        if let Phase::Copying { out: m } | Phase::Frozen { out: m, .. } = &o.phase {
-            self.calls.remove(&m.call);
+        let call = match self.slots.get(&block) {
+            Some(Slot::Owned(Owned { phase: Phase::Copying { out: m } | Phase::Frozen { out: m, .. }, .. })) => {
+                Some(m.call)
+            }
+            _ => None,
+        };
+        if let Some(call) = call {
+            self.end_call(call);
         }
+        let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return };
         o.block.take_log();
         let parked = match std::mem::replace(&mut o.phase, Phase::Serving) {
             Phase::Frozen { parked, .. } => parked,
@@ -356,7 +339,7 @@ impl Server {
 
     pub(super) fn serve_parked(&mut self, now_us: u64, parked: Vec<Parked>, out: &mut Vec<Action>) {
         for Parked { rank, to, request } in parked {
-            if let Some(msg) = self.serve(now_us, rank, to, request, false, out) {
+            if let Some(msg) = self.serve(now_us, rank, to, request, out) {
                 out.push(Action::Reply { conn: to.conn, request_id: to.request_id, msg });
             }
         }
@@ -440,7 +423,8 @@ impl Server {
             // A copy from a handover whose acknowledgement was lost: its held pulls (and
             // anything parked) are decided again on the block as it is now.
             if let Phase::Copying { out: m } | Phase::Frozen { out: m, .. } = &stale.phase {
-                self.calls.remove(&m.call);
+                let call = m.call;
+                self.end_call(call);
             }
             let mut again: Vec<Parked> = match std::mem::replace(&mut stale.phase, Phase::Serving) {
                 Phase::Frozen { parked, .. } | Phase::Arrived { parked, .. } => parked,
@@ -500,11 +484,4 @@ impl Server {
         }
         self.serve_parked(now_us, parked, out);
     }
-}
-
-/// Which step is late.
-#[derive(Clone, Copy)]
-enum FrozenStepOrCopy {
-    Copy,
-    Frozen(FrozenStep),
 }

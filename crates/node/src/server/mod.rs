@@ -32,7 +32,7 @@
 //! Registration is part of the state machine: [`Server::start`] returns the
 //! `RegisterServer` call, so a harness drives a server from birth.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 use elasticps_core::block::Block;
 use elasticps_core::model::BlockId;
@@ -74,7 +74,9 @@ pub use crate::ConnId;
 
 /// How often a server reports its load and evaluates its adaptive policy, µs.
 pub const STATS_INTERVAL_US: u64 = 1_000_000;
-/// How long each step of a migration may take, µs.
+/// How long another server may take to answer a call (a migration step, a forwarded
+/// push, a backup's snapshot), and the scheduler to record a migration, µs: the one
+/// deadline of every call in flight ([`Server::poll_timeout`]).
 pub const STEP_TIMEOUT_US: u64 = 30_000_000;
 /// How long the scheduler may take to accept this server, µs.
 pub const REGISTER_TIMEOUT_US: u64 = 120_000_000;
@@ -108,6 +110,14 @@ enum Call {
     ReplicaSync { block: BlockId, backup: ServerId },
 }
 
+/// A call in flight: what it is for and when the server stops waiting for it (`None`:
+/// registration, whose deadline is the server's own).
+#[derive(Clone, Copy, Debug)]
+struct Pending {
+    what: Call,
+    deadline_us: Option<u64>,
+}
+
 /// The server's state.
 #[derive(Debug)]
 pub struct Server {
@@ -137,7 +147,11 @@ pub struct Server {
     added_workers: Vec<u32>,
     counters: Counters,
     conns: BTreeMap<ConnId, Conn>,
-    calls: BTreeMap<u64, Call>,
+    /// The calls in flight, by id.
+    calls: BTreeMap<u64, Pending>,
+    /// Their deadlines, earliest first: `(deadline_us, call)`. On [`Event::Timeout`] every
+    /// call past its deadline is failed, as its link failing would.
+    call_deadlines: BTreeSet<(u64, u64)>,
     next_call: u64,
     next_stats_us: u64,
     last_report_us: u64,
@@ -155,9 +169,6 @@ pub struct Server {
     checkpoint_writes: u32,
     /// `--replicas`: backup copies held here, and the pushes waiting for backups.
     replication: replica::Replication,
-    /// Data requests whose push was forwarded to the backups and is applied at
-    /// [`Event::Continue`] (or before any other event), in arrival order.
-    deferred: VecDeque<data::Deferred>,
     /// At least the number of pulls held here: the exact count when last counted, plus
     /// every pull that reached a policy since (held pulls come from those alone). The
     /// bounds on held pulls are counted exactly only once it reaches them, so a pull
@@ -186,6 +197,7 @@ impl Server {
             counters: Counters::default(),
             conns: BTreeMap::new(),
             calls: BTreeMap::new(),
+            call_deadlines: BTreeSet::new(),
             next_call: 1,
             next_stats_us: 0,
             last_report_us: 0,
@@ -197,7 +209,6 @@ impl Server {
             restoring: None,
             checkpoint_writes: 0,
             replication: replica::Replication::default(),
-            deferred: VecDeque::new(),
             held_at_most: std::cell::Cell::new(0),
         }
     }
@@ -239,7 +250,7 @@ impl Server {
         self.next_stats_us = now_us;
         self.next_wait_log_us = now_us + WAIT_LOG_EVERY_US;
         self.register_deadline_us = Some(now_us + REGISTER_TIMEOUT_US);
-        let call = self.call(Call::Register);
+        let call = self.call(now_us, Call::Register);
         vec![Action::ToScheduler {
             request_id: call,
             msg: Control::RegisterServer { data_addr: self.data_addr.clone() }.into(),
@@ -254,9 +265,11 @@ impl Server {
     }
 
     /// When the server next wants [`Event::Timeout`] (absolute µs): the earliest of the
-    /// registration's deadline, the next load report and wait log, a migration step's
-    /// deadline, a replica's resync, and (after `Shutdown`) the end of the wait for
-    /// migrations or of a drained server's linger. `None` once exited.
+    /// registration's deadline, the next load report and wait log, the earliest deadline
+    /// of a call in flight (to another server, or a migration's record at the scheduler:
+    /// O(log n), the first of `call_deadlines`), a replica's resync, and (after
+    /// `Shutdown`) the end of the wait for migrations or of a drained server's linger.
+    /// `None` once exited.
     pub fn poll_timeout(&self) -> Option<u64> {
         if self.exited {
             return None;
@@ -265,7 +278,7 @@ impl Server {
         [self.register_deadline_us, Some(self.next_stats_us), Some(self.next_wait_log_us), stopping]
             .into_iter()
             .flatten()
-            .chain(self.step_deadlines())
+            .chain(self.call_deadlines.first().map(|(at, _)| *at))
             .chain(self.replication.next_resync_us())
             .min()
     }
@@ -278,8 +291,6 @@ impl Server {
         }
 
         let from = out.len();
-        // What an earlier event forwarded and deferred is applied before anything else.
-        self.apply_deferred(now_us, out);
         // The drivers skip poll_timeout after a data request: it never moves a deadline
         // earlier (checked here in debug builds).
         let data_before = match &ev {
@@ -299,7 +310,6 @@ impl Server {
             Event::Timeout => self.on_timeout(now_us, out),
             Event::CheckpointWritten { clock, block, result } => self.checkpoint_written(clock, block, result, out),
             Event::Restored(states) => self.restored(now_us, states, out),
-            Event::Continue => {}
         }
         if self.stopping.is_some() {
             self.try_exit(now_us, out);
@@ -383,11 +393,55 @@ impl Server {
 
     // ---- internals --------------------------------------------------------------------
 
-    fn call(&mut self, what: Call) -> u64 {
+    /// A new call for `what`, made at `now_us`: a call to another server (or a
+    /// migration's record at the scheduler) fails at `now_us + STEP_TIMEOUT_US` if
+    /// nothing answered it.
+    fn call(&mut self, now_us: u64, what: Call) -> u64 {
         let id = self.next_call;
         self.next_call += 1;
-        self.calls.insert(id, what);
+        let deadline_us = match what {
+            Call::Register => None,
+            Call::Migration(_) | Call::Replicate { .. } | Call::ReplicaSync { .. } => Some(now_us + STEP_TIMEOUT_US),
+        };
+        if let Some(at) = deadline_us {
+            self.call_deadlines.insert((at, id));
+        }
+        self.calls.insert(id, Pending { what, deadline_us });
         id
+    }
+
+    /// Call `call` is over (answered, failed, or no longer waited for): what it was for.
+    fn end_call(&mut self, call: u64) -> Option<Call> {
+        let p = self.calls.remove(&call)?;
+        if let Some(at) = p.deadline_us {
+            self.call_deadlines.remove(&(at, call));
+        }
+        Some(p.what)
+    }
+
+    /// The calls past their deadline at `now_us`, each failed as if its link had said so
+    /// ([`Event::FromServer`] with an error naming the server and the step).
+    fn calls_overdue(&mut self, now_us: u64, out: &mut Vec<Action>) {
+        while let Some(&(at, call)) = self.call_deadlines.first()
+            && at <= now_us
+        {
+            self.call_deadlines.pop_first();
+            let Some(what) = self.calls.get(&call).map(|p| p.what) else { continue };
+            let after = STEP_TIMEOUT_US / 1_000_000;
+            match what {
+                Call::Register => {}
+                Call::Migration(block) => self.migration_overdue(now_us, block, call, after, out),
+                Call::Replicate { block, backup } => {
+                    let e =
+                        format!("server {backup} did not answer a forwarded push of block {block} within {after} s");
+                    self.step_answered(now_us, call, Err(e), out);
+                }
+                Call::ReplicaSync { block, backup } => {
+                    let e = format!("server {backup} did not answer the state of block {block} within {after} s");
+                    self.step_answered(now_us, call, Err(e), out);
+                }
+            }
+        }
     }
 
     /// A frame from a data connection: refused if its sender may not send it, else to the
@@ -400,7 +454,7 @@ impl Server {
         }
         let rank = c.rank().unwrap_or(u32::MAX);
         let answer = match Request::of(msg) {
-            Ok((block, request)) => self.serve(now_us, rank, Token { conn, request_id, block }, request, true, out),
+            Ok((block, request)) => self.serve(now_us, rank, Token { conn, request_id, block }, request, out),
             Err(Message::Control(Control::Hello { credential })) => self.hello(conn, request_id, c, credential, out),
             Err(Message::Control(Control::GetStats)) => {
                 let sid = self.shard.as_ref().map_or(u32::MAX, |s| s.id);
@@ -429,7 +483,7 @@ impl Server {
 
     fn scheduler_said(&mut self, now_us: u64, request_id: u64, msg: Message, out: &mut Vec<Action>) {
         if request_id != 0 {
-            match self.calls.remove(&request_id) {
+            match self.end_call(request_id) {
                 Some(Call::Register) => self.welcome(msg, out),
                 Some(Call::Migration(block)) => self.recorded(now_us, block, request_id, msg, out),
                 Some(Call::Replicate { .. } | Call::ReplicaSync { .. }) | None => {
@@ -499,7 +553,7 @@ impl Server {
             self.next_wait_log_us = now_us + WAIT_LOG_EVERY_US;
             self.log_waits(now_us);
         }
-        self.check_deadlines(now_us, out);
+        self.calls_overdue(now_us, out);
         self.resync_due(now_us, out);
     }
 }

@@ -249,7 +249,7 @@ impl Server {
             let idle_stale = matches!(self.replication.stale.get(&(block, backup)), Some(s) if s.in_flight.is_none());
             let call = match addr {
                 Some(addr) if !idle_stale || self.resync(now_us, block, backup, out).is_some() => {
-                    let call = self.call(Call::Replicate { block, backup });
+                    let call = self.call(now_us, Call::Replicate { block, backup });
                     out.push(Action::ToServer { call, server: backup, addr, msg: push.message(block) });
                     Some(call)
                 }
@@ -281,7 +281,7 @@ impl Server {
             Some(Slot::Owned(o)) if matches!(o.phase, Phase::Serving | Phase::Copying { .. }) => o.block.state(),
             _ => return None,
         };
-        let call = self.call(Call::ReplicaSync { block, backup });
+        let call = self.call(now_us, Call::ReplicaSync { block, backup });
         let r = &mut self.replication;
         let s = r.stale.entry((block, backup)).or_default();
         s.in_flight = Some(call);
@@ -618,14 +618,14 @@ impl Server {
         let calls: Vec<u64> = self
             .calls
             .iter()
-            .filter(|(_, c)| {
-                matches!(c, Call::Replicate { block: b, backup: s } | Call::ReplicaSync { block: b, backup: s }
-                    if *b == block && *s == backup)
+            .filter(|(_, p)| {
+                matches!(p.what, Call::Replicate { block: b, backup: s } | Call::ReplicaSync { block: b, backup: s }
+                    if b == block && s == backup)
             })
             .map(|(id, _)| *id)
             .collect();
         for call in calls {
-            self.calls.remove(&call);
+            self.end_call(call);
             self.replication.release(call, out);
         }
         if let Some(s) = self.replication.stale.remove(&(block, backup)) {

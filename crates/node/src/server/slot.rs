@@ -134,10 +134,9 @@ pub struct Outgoing {
     pub to_addr: String,
     /// The placement epoch once it is done.
     pub epoch: u64,
-    /// The call id of the step in flight (to the new owner, or to the scheduler).
+    /// The call id of the step in flight (to the new owner, or to the scheduler); its
+    /// deadline is the server's, as every call's.
     pub call: u64,
-    /// When the step in flight fails if not answered (the server's clock, µs).
-    pub deadline_us: u64,
     /// When the migration started.
     pub started_us: u64,
     /// The report for the scheduler, filled in as the steps go.

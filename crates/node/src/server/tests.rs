@@ -231,7 +231,7 @@ fn a_failed_step_serves_the_parked_requests_here() {
     // A late answer to the abandoned step changes nothing.
     assert!(a.handle(6, Event::FromServer { call: delta.0, reply: Ok(Control::Ok.into()) }).is_empty());
 
-    // A step nobody answers fails at its deadline, checked on Tick.
+    // A step nobody answers fails at its deadline, the call's, as its link failing would.
     let again = migrate(&mut a, 10, 3);
     assert!(
         a.handle(10 + STEP_TIMEOUT_US - 1, Event::Timeout)
@@ -239,7 +239,7 @@ fn a_failed_step_serves_the_parked_requests_here() {
             .all(|x| !matches!(x, Action::ToScheduler { msg: Message::Control(Control::MigrateDone(_)), .. }))
     );
     let (_, report) = migrate_done(&a.handle(10 + STEP_TIMEOUT_US, Event::Timeout));
-    assert_eq!(report.error.as_deref(), Some("timed out after 30.0 s: server 1 to take the snapshot of block 0"));
+    assert_eq!(report.error.as_deref(), Some("server 1 did not answer the snapshot of block 0 within 30 s"));
     assert_eq!(phase(&a), "serving");
     assert!(
         a.handle(10 + STEP_TIMEOUT_US, Event::FromServer { call: again.0, reply: Ok(Control::Ok.into()) }).is_empty()
@@ -264,7 +264,7 @@ fn a_lost_acknowledgement_never_leaves_two_copies_serving() {
     assert_eq!(deliver(&mut b, 4, delta), Control::Ok.into(), "b holds a copy at epoch 2");
     // The acknowledgement is lost: a's step times out and it keeps serving the block.
     let (_, report) = migrate_done(&a.handle(3 + STEP_TIMEOUT_US, Event::Timeout));
-    assert!(report.error.unwrap().contains("to take the last updates of block 0"));
+    assert!(report.error.unwrap().contains("server 1 did not answer the last updates of block 0 within 30 s"));
     assert_eq!(phase(&a), "serving");
     let t = 10 + STEP_TIMEOUT_US;
     // A worker with an old layout pushes and pulls at b's copy: parked, not served.
@@ -706,35 +706,27 @@ fn a_push_is_forwarded_as_the_received_bytes_before_it_is_applied_and_acknowledg
     let values = Values::from_vec(vec![3.0; LEN]);
     let msg = Message::Push { block: 0, clock: 0, values: values.clone() };
     let acts = primary.handle(2, Event::Received { conn: 1, request_id: 5, msg });
-    // First the forward (a data frame of the very bytes received), then Continue; the
-    // push is not applied yet and nothing is answered.
-    let [Action::ToServer { call, msg: forward, .. }, Action::Continue] = &acts[..] else {
-        panic!("the forward, then Continue: {acts:?}")
-    };
+    // First the forward (a data frame of the very bytes received), then the push is
+    // applied in the same step; nothing is answered before the backup.
+    let [Action::ToServer { call, msg: forward, .. }] = &acts[..] else { panic!("the forward alone: {acts:?}") };
     let Message::Forward { block: 0, clock: 0, worker: 0, init: false, values: sent } = forward else {
         panic!("a Forward frame: {forward:?}")
     };
     assert_eq!(sent.as_bytes().as_ptr(), values.as_bytes().as_ptr(), "the received bytes, not a copy");
-    assert_eq!(values_of(&primary, 0), vec![0.0; LEN], "not applied before the forward went out");
-    // The backup applies it while the primary does.
+    assert_eq!(values_of(&primary, 0), vec![-3.0; LEN], "applied in the same step");
     let r = backup.handle(3, Event::Received { conn: 9, request_id: 2, msg: forward.clone() });
     assert_eq!(replies(&r), vec![(9, 2, Control::Ok.into())]);
     assert_eq!(backup.backup_copy(0).map(|b| b.values().to_vec()), Some(vec![-3.0; LEN]));
-    let acts = primary.handle(3, Event::Continue);
-    assert_eq!(values_of(&primary, 0), vec![-3.0; LEN], "applied at Continue");
-    assert!(replies(&acts).is_empty(), "applied, but the backup has not answered: {acts:?}");
     let acts = primary.handle(4, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
     assert_eq!(replies(&acts), vec![(1, 5, Message::PushAck { block: 0, clock: 0 })]);
 
-    // The backup's answer before Continue (a driver that did not give it): the push is
-    // applied first, then acknowledged, once.
+    // Another push: applied, and acknowledged once the backup answered, once.
     let acts = push(&mut primary, 5, 1, 6, 0, 0, 1.0);
     let [(call, _, forward)] = &to_servers(&acts)[..] else { panic!("one forward: {acts:?}") };
     backup.handle(5, Event::Received { conn: 9, request_id: 3, msg: forward.clone() });
     let acts = primary.handle(6, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
     assert_eq!(values_of(&primary, 0), vec![-4.0; LEN]);
     assert_eq!(replies(&acts), vec![(2, 6, Message::PushAck { block: 0, clock: 0 })]);
-    assert!(replies(&primary.handle(7, Event::Continue)).is_empty(), "nothing left to apply or answer");
 
     // A retried push (the worker lost the ack): forwarded again, dropped as a duplicate on
     // both copies, acknowledged again.
@@ -742,7 +734,6 @@ fn a_push_is_forwarded_as_the_received_bytes_before_it_is_applied_and_acknowledg
     let [(call, _, forward)] = &to_servers(&acts)[..] else { panic!("one forward: {acts:?}") };
     let r = backup.handle(8, Event::Received { conn: 9, request_id: 4, msg: forward.clone() });
     assert_eq!(replies(&r), vec![(9, 4, Control::Ok.into())]);
-    primary.handle(8, Event::Continue);
     let acts = primary.handle(9, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
     assert_eq!(replies(&acts), vec![(1, 7, Message::PushAck { block: 0, clock: 0 })]);
     assert_eq!(values_of(&primary, 0), vec![-4.0; LEN], "applied once");
@@ -750,7 +741,7 @@ fn a_push_is_forwarded_as_the_received_bytes_before_it_is_applied_and_acknowledg
 
     // A push the primary refuses (a clock gap) is not forwarded: refused at once.
     let acts = push(&mut primary, 10, 0, 8, 0, 5, 1.0);
-    assert!(to_servers(&acts).is_empty() && !acts.contains(&Action::Continue), "{acts:?}");
+    assert!(to_servers(&acts).is_empty(), "{acts:?}");
     assert!(matches!(&replies(&acts)[..], [(1, 8, Message::Error(e))] if e.code == ErrorCode::BadRequest));
 }
 
@@ -760,7 +751,6 @@ fn a_stale_backups_snapshot_is_followed_by_the_push_it_does_not_hold() {
     // A forward fails: the backup is stale, with no snapshot in flight until the retry.
     let acts = push(&mut primary, 2, 0, 5, 0, 0, 1.0);
     let [(call, _, _)] = &to_servers(&acts)[..] else { panic!("one forward: {acts:?}") };
-    primary.handle(2, Event::Continue);
     primary.handle(3, Event::FromServer { call: *call, reply: Err("connection reset".into()) });
     // The next push: the snapshot goes first (the state before this push: the forward
     // goes out before the apply), and the push behind it.
@@ -770,7 +760,6 @@ fn a_stale_backups_snapshot_is_followed_by_the_push_it_does_not_hold() {
     let Message::Control(Control::ReplicaSnapshot(state)) = snapshot else { panic!("{snapshot:?}") };
     assert_eq!(state.values, vec![-1.0; LEN], "the state before the push");
     assert!(matches!(forward, Message::Forward { worker: 1, clock: 0, .. }), "{forward:?}");
-    primary.handle(4, Event::Continue);
     assert_eq!(values_of(&primary, 0), vec![-3.0; LEN]);
     // The backup takes both, in order: its copy ends as the primary's.
     backup.handle(5, Event::Received { conn: 9, request_id: 2, msg: snapshot.clone() });
@@ -783,6 +772,41 @@ fn a_stale_backups_snapshot_is_followed_by_the_push_it_does_not_hold() {
     assert_eq!(replies(&acts), vec![(1, 5, Message::PushAck { block: 0, clock: 0 })]);
     let acts = primary.handle(7, Event::FromServer { call: *fwd, reply: Ok(Control::Ok.into()) });
     assert_eq!(replies(&acts), vec![(2, 6, Message::PushAck { block: 0, clock: 0 })]);
+}
+
+#[test]
+fn a_forward_its_backup_never_answers_fails_at_the_calls_deadline_and_its_push_waits_for_a_snapshot() {
+    let (mut primary, _backup) = replicated_pair();
+    // The load reports tick at 1 + k s: none at the forward's deadline (2 + 30 s).
+    primary.handle(1, Event::Timeout);
+    let acts = push(&mut primary, 2, 0, 5, 0, 0, 3.0);
+    let [(call, _, _)] = &to_servers(&acts)[..] else { panic!("one forward: {acts:?}") };
+    assert!(replies(&acts).is_empty(), "the PushAck waits for the backup: {acts:?}");
+    // As a driver that wakes the server at each poll_timeout, and nothing else happens:
+    // the backup never answers. The server fails the forward at its deadline (as a
+    // failed link would: the backup is stale) and sends the backup its state
+    // RESYNC_EVERY_US later; the PushAck waits for that snapshot.
+    let deadline = 2 + STEP_TIMEOUT_US;
+    let mut now = 2;
+    let mut wakes = 0;
+    let (at, sync) = loop {
+        // A wake at or before `now` means "now" (the helper's server never ticked yet).
+        now = primary.poll_timeout().expect("the server waits for something").max(now);
+        wakes += 1;
+        assert!(wakes < 1_000, "the server wakes at {now} again and again");
+        assert!(now <= deadline + replica::RESYNC_EVERY_US, "no snapshot to the stale backup by {now}");
+        let acts = primary.handle(now, Event::Timeout);
+        assert!(replies(&acts).is_empty(), "the PushAck waits: {acts:?}");
+        if let Some((sync, _, Message::Control(Control::ReplicaSnapshot(state)))) = to_servers(&acts).first().cloned() {
+            assert_eq!(state.values, vec![-3.0; LEN], "the snapshot holds the push");
+            break (now, sync);
+        }
+    };
+    assert_eq!(at, deadline + replica::RESYNC_EVERY_US, "failed at the call's deadline, not at a later tick");
+    // The forward's late answer is ignored: the push still waits for the snapshot.
+    assert!(primary.handle(at, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) }).is_empty());
+    let acts = primary.handle(at + 1, Event::FromServer { call: sync, reply: Ok(Control::Ok.into()) });
+    assert_eq!(replies(&acts), vec![(1, 5, Message::PushAck { block: 0, clock: 0 })]);
 }
 
 #[test]
@@ -1074,7 +1098,6 @@ mod rows {
         assert_eq!(replies(&r), vec![(9, 2, Control::Ok.into())]);
         let copy = backup.backup_copy(1).and_then(|b| b.rows()).map(|r| r.gather(&[1]));
         assert_eq!(copy, Some(vec![-0.5, -1.5]), "the copy has the push");
-        primary.handle(3, Event::Continue);
         let acts = primary.handle(4, Event::FromServer { call: *call, reply: Ok(Control::Ok.into()) });
         assert_eq!(replies(&acts), vec![(1, 5, Message::PushAck { block: 1, clock: 0 })]);
     }

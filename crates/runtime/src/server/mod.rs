@@ -347,13 +347,6 @@ impl Io {
         let mut server = lock(&self.server);
         let started = Instant::now();
         let mut actions = server.handle(self.clock.now(), ev);
-        // A push forwarded to its backups: the forwards go to their links now (their
-        // tasks write them while this one applies the push), then the push is applied.
-        while let Some(at) = actions.iter().position(|a| matches!(a, Action::Continue)) {
-            actions.remove(at);
-            self.send_to_servers(&mut actions);
-            server.handle_into(self.clock.now(), Event::Continue, &mut actions);
-        }
         // A deadline earlier than the main loop sleeps until (a migration step's, a
         // resync's) wakes it. Only control events set those: a data request (the push and
         // pull path) never moves a deadline earlier, so it skips poll_timeout's scan.
@@ -437,9 +430,8 @@ impl Io {
                     let _ = self.sched.notify(msg);
                 }
                 Action::ToScheduler { request_id, msg } => self.call_scheduler(request_id, msg),
-                // Sent in `decide`, in the order the state machine emitted them; `decide`
-                // also answers every Continue.
-                Action::ToServer { .. } | Action::Continue => {}
+                // Sent in `decide`, in the order the state machine emitted them.
+                Action::ToServer { .. } => {}
                 Action::Trace(t) => {
                     if let Some(trace) = &self.trace {
                         let _ = writeln!(lock(trace), "{}", t.json());
