@@ -10,10 +10,12 @@
 //! end) is [`elasticps_node::agent::Agent`]'s; what to start where, and what a lost host
 //! means, is the scheduler's (`elasticps_node::scheduler::hosts`). This module is the
 //! agent's tokio driver: it reads the flags, dials, writes and reads frames, spawns and
-//! watches processes, and sleeps until the agent's `poll_timeout()`.
+//! watches processes; [`elasticps_runtime::driver::drive`] runs the agent in it and
+//! sleeps until the agent's `poll_timeout()`.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
+use std::ops::ControlFlow;
 use std::path::Path;
 use std::time::Duration;
 
@@ -21,6 +23,7 @@ use clap::Args;
 use elasticps_node::agent::{Agent, AgentConfig, Effect, Failure, Input, NodeKind, Outcome, Spawn};
 use elasticps_node::timing;
 use elasticps_runtime::Micros;
+use elasticps_runtime::driver::{self, World};
 use elasticps_runtime::timer::Timer;
 use elasticps_wire::{HostOffer, Message};
 
@@ -279,79 +282,63 @@ async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome>
         None
     };
     let bars = Bars::new(spec.quiet);
-    let timer = Timer::new(Micros::new());
-    let mut driver = Driver {
+    let clock = Micros::new();
+    let mut agent = Agent::new(host.agent(spec), 0);
+    let mut world = Driver {
         spec,
-        agent: Agent::new(host.agent(spec), 0),
         host: &host,
         cluster,
         scheduler,
         scheduler_status: None,
         link: None,
         dialling: None,
+        signals: &mut signals,
         bars: &bars,
         rec: Recorder::new(&bars),
-        timer,
+        clock,
     };
-    let result = driver.run(&mut signals).await;
+    let result = driver::drive(&mut agent, &mut world, &mut Timer::new(clock), VecDeque::new()).await;
     bars.clear();
-    driver.cluster.stop(REAP_TIMEOUT).await;
+    world.cluster.stop(REAP_TIMEOUT).await;
     result
 }
 
 /// The scheduler's connection ([`elasticps_runtime::session::open`]).
 type Link = elasticps_runtime::session::Conn;
 
-/// What woke the driver.
+/// What woke the driver (its timer aside: [`driver::drive`] waits for that).
 enum Woken {
     Frame(u64, Message),
     Closed,
     Dialled(elasticps_runtime::Result<Link>),
     Node(Option<NodeEvent>),
     Signal(&'static str),
-    Timeout,
 }
 
-/// The tokio driver of this host's [`Agent`]: it moves frames, processes and time, and
-/// carries out what the agent says.
+/// The world of this host's [`Agent`], run by [`driver::drive`]: it moves frames and
+/// processes, and carries out what the agent says.
 struct Driver<'a> {
     spec: &'a HostSpec<'a>,
     host: &'a Host,
-    agent: Agent,
     cluster: Cluster,
     /// The scheduler process (the rendezvous host), and how it exited.
     scheduler: Option<usize>,
     scheduler_status: Option<std::process::ExitStatus>,
     link: Option<Link>,
     dialling: Option<std::pin::Pin<Box<dyn std::future::Future<Output = elasticps_runtime::Result<Link>> + Send>>>,
+    signals: &'a mut Signals,
     bars: &'a Bars,
     rec: Recorder<'a>,
-    /// The agent's clock, and its wake-up at the agent's `poll_timeout()`.
-    timer: Timer,
+    /// The agent's clock.
+    clock: Micros,
 }
 
-impl Driver<'_> {
-    async fn run(&mut self, signals: &mut Signals) -> Result<HostOutcome> {
-        let mut effects = Vec::new();
-        loop {
-            let woken = self.wait(signals).await;
-            self.feed(woken, &mut effects)?;
-            let mut queue: VecDeque<Effect> = effects.drain(..).collect();
-            while let Some(effect) = queue.pop_front() {
-                if let Some(outcome) = self.carry_out(effect, &mut queue) {
-                    return self.outcome(outcome);
-                }
-            }
-        }
-    }
+impl World<Agent> for Driver<'_> {
+    type Woken = Woken;
+    type End = Result<HostOutcome>;
 
-    fn now_us(&self) -> u64 {
-        self.timer.now_us()
-    }
-
-    /// Waits for the next input, or for the agent's deadline.
-    async fn wait(&mut self, signals: &mut Signals) -> Woken {
-        self.timer.arm(self.agent.poll_timeout());
+    /// Waits for the next frame, dial, node event or signal.
+    async fn wait(&mut self) -> Woken {
         tokio::select! {
             frame = async { self.link.as_mut().expect("guarded").1.recv().await }, if self.link.is_some() => {
                 frame.map_or(Woken::Closed, |(id, msg)| Woken::Frame(id, msg))
@@ -360,24 +347,28 @@ impl Driver<'_> {
                 Woken::Dialled(dialled)
             }
             ev = self.cluster.next() => Woken::Node(ev),
-            how = signals.recv() => Woken::Signal(how),
-            () = self.timer.fired() => Woken::Timeout,
+            how = self.signals.recv() => Woken::Signal(how),
         }
     }
 
-    /// Hands the agent what happened.
-    fn feed(&mut self, woken: Woken, out: &mut Vec<Effect>) -> Result<()> {
-        let now = self.now_us();
+    /// Hands the agent what happened (`None`: its timeout).
+    async fn feed(
+        &mut self,
+        agent: &mut Agent,
+        now: u64,
+        woken: Option<Woken>,
+        out: &mut Vec<Effect>,
+    ) -> ControlFlow<Result<HostOutcome>> {
         let input = match woken {
-            Woken::Frame(request_id, msg) => {
-                self.agent.handle_into(now, Input::Frame { request_id, msg: &msg }, out);
-                return Ok(());
+            Some(Woken::Frame(request_id, msg)) => {
+                agent.handle_into(now, Input::Frame { request_id, msg: &msg }, out);
+                return ControlFlow::Continue(());
             }
-            Woken::Closed => {
+            Some(Woken::Closed) => {
                 self.link = None;
                 Input::Lost { why: "the connection closed".into() }
             }
-            Woken::Dialled(dialled) => {
+            Some(Woken::Dialled(dialled)) => {
                 self.dialling = None;
                 match dialled {
                     Ok(link) => {
@@ -387,16 +378,62 @@ impl Driver<'_> {
                     Err(e) => Input::DialFailed { why: e.to_string() },
                 }
             }
-            Woken::Node(Some(ev)) => match self.node_event(ev) {
+            Some(Woken::Node(Some(ev))) => match self.node_event(ev) {
                 Some(input) => input,
-                None => return Ok(()),
+                None => return ControlFlow::Continue(()),
             },
-            Woken::Node(None) => return Err(LaunchError::NodeFailed("the launch lost track of its nodes".into())),
-            Woken::Signal(how) => return Err(LaunchError::Stopped(how)),
-            Woken::Timeout => Input::Timeout,
+            Some(Woken::Node(None)) => {
+                return ControlFlow::Break(Err(LaunchError::NodeFailed("the launch lost track of its nodes".into())));
+            }
+            Some(Woken::Signal(how)) => return ControlFlow::Break(Err(LaunchError::Stopped(how))),
+            None => Input::Timeout,
         };
-        self.agent.handle_into(now, input, out);
-        Ok(())
+        agent.handle_into(now, input, out);
+        ControlFlow::Continue(())
+    }
+
+    /// Carries out one effect; the inputs it makes go back to the agent, their effects
+    /// onto `queue`. The launch's result, once the agent is done.
+    async fn carry_out(
+        &mut self,
+        agent: &mut Agent,
+        _now: u64,
+        effect: Effect,
+        queue: &mut VecDeque<Effect>,
+    ) -> ControlFlow<Result<HostOutcome>> {
+        match effect {
+            Effect::Dial => {
+                self.link = None;
+                let (addr, codec) = (self.host.rdzv.addr.to_string(), self.spec.net.codec());
+                self.dialling = Some(Box::pin(async move { elasticps_runtime::session::open(&addr, codec).await }));
+            }
+            Effect::Send { request_id, msg } => {
+                if let Some((out, _)) = &self.link {
+                    let _ = out.send((request_id, msg));
+                }
+            }
+            // The writer ends: the connection closes, the scheduler stops waiting for it.
+            Effect::Close => self.link = None,
+            Effect::Spawn(spawn) => {
+                let input = match self.spawn(&spawn) {
+                    Ok(node) => Input::Spawned { slot: spawn.slot, node },
+                    Err(e) => Input::SpawnFailed { slot: spawn.slot, why: e.to_string() },
+                };
+                driver::feed_back(agent, self.now_us(), input, queue);
+            }
+            Effect::Show(event) => {
+                self.rec.event(self.now_us() as f64 / 1e6, event);
+            }
+            Effect::Say { line, error } => self.bars.println(error, &line),
+            Effect::Exit(outcome) => return ControlFlow::Break(self.outcome(outcome)),
+        }
+        ControlFlow::Continue(())
+    }
+}
+
+impl Driver<'_> {
+    fn now_us(&self) -> u64 {
+        self.clock.now()
     }
 
     /// What a node's event is to the agent, if anything.
@@ -421,40 +458,6 @@ impl Driver<'_> {
                 Some(Input::Exited { node, ok: status.success(), status: status.to_string() })
             }
         }
-    }
-
-    /// Carries out one effect; the inputs it makes go back to the agent, their effects
-    /// onto `queue`. The outcome, once the agent is done.
-    fn carry_out(&mut self, effect: Effect, queue: &mut VecDeque<Effect>) -> Option<Outcome> {
-        match effect {
-            Effect::Dial => {
-                self.link = None;
-                let (addr, codec) = (self.host.rdzv.addr.to_string(), self.spec.net.codec());
-                self.dialling = Some(Box::pin(async move { elasticps_runtime::session::open(&addr, codec).await }));
-            }
-            Effect::Send { request_id, msg } => {
-                if let Some((out, _)) = &self.link {
-                    let _ = out.send((request_id, msg));
-                }
-            }
-            // The writer ends: the connection closes, the scheduler stops waiting for it.
-            Effect::Close => self.link = None,
-            Effect::Spawn(spawn) => {
-                let input = match self.spawn(&spawn) {
-                    Ok(node) => Input::Spawned { slot: spawn.slot, node },
-                    Err(e) => Input::SpawnFailed { slot: spawn.slot, why: e.to_string() },
-                };
-                let mut more = Vec::new();
-                self.agent.handle_into(self.now_us(), input, &mut more);
-                queue.extend(more);
-            }
-            Effect::Show(event) => {
-                self.rec.event(self.now_us() as f64 / 1e6, event);
-            }
-            Effect::Say { line, error } => self.bars.println(error, &line),
-            Effect::Exit(outcome) => return Some(outcome),
-        }
-        None
     }
 
     /// Starts the node of `spawn`: a server, or a copy of the worker command.

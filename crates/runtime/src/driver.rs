@@ -30,14 +30,16 @@ pub trait World<M: Machine> {
     fn wait(&mut self) -> impl Future<Output = Self::Woken>;
 
     /// Hands the machine what woke the loop (`None`: its `poll_timeout` came), appending
-    /// its effects to `out`; `Break` ends the run.
+    /// its effects to `out`; `Break` ends the run. Outside the select, so nothing cancels
+    /// it: a world may first finish reading what woke it (a frame's payload after the
+    /// header [`World::wait`] read, straight into the caller's buffer).
     fn feed(
         &mut self,
         machine: &mut M,
         now_us: u64,
         woken: Option<Self::Woken>,
         out: &mut Vec<M::Output>,
-    ) -> ControlFlow<Self::End>;
+    ) -> impl Future<Output = ControlFlow<Self::End>>;
 
     /// Carries out one effect (the next ones wait in `queue`, in order; a world may take
     /// several at once, as one write). An outcome known at once goes back to the machine
@@ -98,7 +100,7 @@ pub async fn drive<M: Machine, W: World<M>>(
                 None
             }
         };
-        if let ControlFlow::Break(end) = world.feed(machine, timer.now_us(), woken, &mut out) {
+        if let ControlFlow::Break(end) = world.feed(machine, timer.now_us(), woken, &mut out).await {
             return end;
         }
         queue.extend(out.drain(..));
@@ -172,7 +174,13 @@ mod tests {
             }
         }
 
-        fn feed(&mut self, m: &mut Counter, now: u64, woken: Option<u32>, out: &mut Vec<Effect>) -> ControlFlow<u32> {
+        async fn feed(
+            &mut self,
+            m: &mut Counter,
+            now: u64,
+            woken: Option<u32>,
+            out: &mut Vec<Effect>,
+        ) -> ControlFlow<u32> {
             m.handle(now, woken.map_or(Input::Timeout, Input::Said), out);
             ControlFlow::Continue(())
         }

@@ -4,14 +4,12 @@
 //! the other frames decoded for the client machine. A closed connection is handed back
 //! to the machine ([`ClientEvent::Closed`]).
 
-use std::collections::VecDeque;
-
 use elasticps_core::sync::Clock;
 use elasticps_node::ConnId;
-use elasticps_node::worker::{Answer, ClientEvent, Effect, Op, Tag};
+use elasticps_node::worker::{self, Answer, ClientEvent, Effect, Op, Tag};
 use elasticps_wire::{FrameHeader, Kind, Message};
 
-use super::Client;
+use super::round::Links;
 use super::rows::{RowPayloads, RowSink};
 use super::server_conn::{Sent, WriteJob};
 use crate::error::{Result, RuntimeError};
@@ -32,20 +30,26 @@ pub(super) enum Sink<'s, 'a, 'b, 'r> {
     None,
 }
 
-impl Client {
+impl Links<'_> {
     /// Connection `conn` failed (`why`): dropped, and handed to the machine as closed.
     /// After the scheduler's `Shutdown` a lost request is the job's end instead.
-    pub(super) fn closed(&mut self, conn: ConnId, why: RuntimeError, todo: &mut VecDeque<Effect>) -> Result<()> {
+    pub(super) fn closed(
+        &mut self,
+        machine: &mut worker::Client,
+        conn: ConnId,
+        why: RuntimeError,
+        out: &mut Vec<Effect>,
+    ) -> Result<()> {
         let Some(c) = self.servers.remove(&conn) else { return Ok(()) };
         if c.pending.is_empty() {
             // Nothing was lost (a server that left the job closes its connections).
             tracing::debug!(rank = self.rank, peer = %c.name, error = %why, "idle server connection closed");
         } else if self.shutting_down() {
-            return Err(self.explain(RuntimeError::Closed(c.name.clone())));
+            return Err(super::explain(self.ending, RuntimeError::Closed(c.name.clone())));
         } else {
             tracing::warn!(rank = self.rank, peer = %c.name, error = %why, "server connection lost; resending after a layout refresh");
         }
-        self.feed(ClientEvent::Closed { conn }, todo);
+        self.feed(machine, ClientEvent::Closed { conn }, out);
         Ok(())
     }
 
@@ -53,10 +57,11 @@ impl Client {
     /// the caller's tensor) and hands the answer, or the decoded frame, to the machine.
     pub(super) async fn on_header(
         &mut self,
+        machine: &mut worker::Client,
         conn: ConnId,
         header: FrameHeader,
         sink: &mut Sink<'_, '_, '_, '_>,
-        todo: &mut VecDeque<Effect>,
+        out: &mut Vec<Effect>,
     ) -> Result<()> {
         let Some(c) = self.servers.get_mut(&conn) else { return Ok(()) };
         // The request stays pending until its payload is read: a run dropped half-way
@@ -66,16 +71,16 @@ impl Client {
             // A Hello's or a call's answer, or a reply no round waits for: decoded.
             return match c.reader.payload(&header).await {
                 Ok(msg) => {
-                    self.feed(ClientEvent::Frame { conn, request_id: header.request_id, msg: &msg }, todo);
+                    self.feed(machine, ClientEvent::Frame { conn, request_id: header.request_id, msg: &msg }, out);
                     Ok(())
                 }
-                Err(e) => self.closed(conn, e, todo),
+                Err(e) => self.closed(machine, conn, e, out),
             };
         };
         let tag = header.request_id;
         let b = sent.block;
         if let Sink::Rows(rows) = sink {
-            return self.on_rows_header(conn, header, sent, rows.as_deref_mut(), todo).await;
+            return self.on_rows_header(machine, conn, header, sent, rows.as_deref_mut(), out).await;
         }
         // Where a pull reply of the expected length goes: the block's range of its tensor.
         let dest = match (header.kind, sink) {
@@ -108,13 +113,13 @@ impl Client {
                 msg
             }
             // Unanswered after all: the connection is lost, with this request on it.
-            Err(e) => return self.closed(conn, e, todo),
+            Err(e) => return self.closed(machine, conn, e, out),
         };
         let answer = match &msg {
             Some(msg) => Answer::of(msg),
             None => Answer::Pulled { len: b.len },
         };
-        self.feed(ClientEvent::Answer { tag, answer }, todo);
+        self.feed(machine, ClientEvent::Answer { tag, answer }, out);
         Ok(())
     }
 
@@ -123,11 +128,12 @@ impl Client {
     /// request asked times the dim), and hands the answer to the machine.
     async fn on_rows_header(
         &mut self,
+        machine: &mut worker::Client,
         conn: ConnId,
         header: FrameHeader,
         sent: Sent,
         rows: Option<&mut RowSink<'_>>,
-        todo: &mut VecDeque<Effect>,
+        out: &mut Vec<Effect>,
     ) -> Result<()> {
         let Some(c) = self.servers.get_mut(&conn) else { return Ok(()) };
         let msg = match c.reader.payload(&header).await {
@@ -135,7 +141,7 @@ impl Client {
                 c.pending.remove(&header.request_id);
                 msg
             }
-            Err(e) => return self.closed(conn, e, todo),
+            Err(e) => return self.closed(machine, conn, e, out),
         };
         let b = sent.block;
         if let (Message::PullRowsReply { values, .. }, Op::PullRows(_)) = (&msg, sent.op) {
@@ -155,7 +161,7 @@ impl Client {
                 rows.scatter(b.id, &values.to_vec());
             }
         }
-        self.feed(ClientEvent::Answer { tag: header.request_id, answer: Answer::of(&msg) }, todo);
+        self.feed(machine, ClientEvent::Answer { tag: header.request_id, answer: Answer::of(&msg) }, out);
         Ok(())
     }
 
@@ -165,17 +171,18 @@ impl Client {
     /// A connection that is gone is handed to the machine as closed.
     pub(super) fn start_writes<'g>(
         &mut self,
+        machine: &mut worker::Client,
         batch: Vec<(ConnId, Tag, Sent)>,
         source: Source<'g>,
         jobs: &mut Vec<WriteJob<'g>>,
-        todo: &mut VecDeque<Effect>,
+        out: &mut Vec<Effect>,
     ) -> Result<()> {
         let mut conns: Vec<ConnId> = batch.iter().map(|(c, ..)| *c).collect();
         conns.sort_unstable();
         conns.dedup();
         for conn in conns {
             let Some(c) = self.servers.get_mut(&conn) else {
-                self.feed(ClientEvent::Closed { conn }, todo);
+                self.feed(machine, ClientEvent::Closed { conn }, out);
                 continue;
             };
             let mut frames = Vec::new();

@@ -19,8 +19,9 @@
 //! window per server, its deadlines), what it resends, and how a call outside a round
 //! follows `Moved` and waits out `NotReady`, is the client machine of
 //! [`elasticps_node::worker::Client`]. This module holds the user's API; `round.rs` is
-//! the driver loop that carries the machine's effects out, `frames.rs` the bytes of
-//! requests and replies, `server_conn.rs` one server's connection.
+//! the machine's world in [`crate::driver::drive`] (it carries the machine's effects
+//! out), `frames.rs` the bytes of requests and replies, `server_conn.rs` one server's
+//! connection.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,7 +32,7 @@ use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_node::ConnId;
 use elasticps_node::timing::REQUEST_TIMEOUT_US;
-use elasticps_node::worker::{self, Effect, PushOp, RowsOp, Target, Worker};
+use elasticps_node::worker::{self, PushOp, RowsOp, Target, Worker};
 use elasticps_wire::{Codec, Control, Credential, Layout, Message};
 
 use crate::error::{Result, RuntimeError};
@@ -114,15 +115,13 @@ pub struct Client {
     opts: ClientOptions,
     sched: SchedLink,
     /// The connections to the servers the machine dialled, read and written by the
-    /// driver loop itself.
+    /// driver loop itself (`round.rs`).
     servers: HashMap<ConnId, ServerConn>,
     /// What the scheduler's connection said about the end of the job (see [`Ending`]).
     ending: tokio::sync::watch::Receiver<Ending>,
     waits: Waits,
     /// The client machine: connections, layout, `Hello`, calls, the round and its plan.
     machine: worker::Client,
-    /// The machine's effects, reused.
-    effects: Vec<Effect>,
     /// The time handed to the machine.
     clock: Micros,
 }
@@ -174,7 +173,6 @@ impl Client {
             servers: HashMap::new(),
             ending,
             waits: Waits::default(),
-            effects: Vec::new(),
             clock,
         })
     }
@@ -445,23 +443,9 @@ impl Client {
         reply.map(|_| ())
     }
 
-    /// Whether the scheduler said the job ends (closed server connections are expected).
-    fn shutting_down(&self) -> bool {
-        self.ending.borrow().reason.is_some()
-    }
-
-    /// A call to the scheduler. When its connection closed, the error is the job's end as
-    /// the scheduler explained it: its `Shutdown` may still be on its way to the task that
-    /// reads notifications, so this waits (briefly) until that task read everything.
+    /// A call to the scheduler ([`call_scheduler`]).
     async fn call_scheduler(&self, msg: Message, timeout: Duration, what: impl FnOnce() -> String) -> Result<Message> {
-        match self.sched.call(msg, timeout, what).await {
-            Err(e @ RuntimeError::Closed(_)) => {
-                let mut ending = self.ending.clone();
-                let _ = tokio::time::timeout(NOTES_DRAIN, ending.wait_for(|e| e.closed)).await;
-                Err(self.explain(e))
-            }
-            other => other,
-        }
+        call_scheduler(&self.sched, &self.ending, msg, timeout, what).await
     }
 
     /// The layout, or the error for a client that has not registered the model.
@@ -493,13 +477,34 @@ impl Client {
         }
         Ok(())
     }
+}
 
-    /// A lost server connection is explained by the scheduler's shutdown, if there was one.
-    fn explain(&self, e: RuntimeError) -> RuntimeError {
-        match (&e, self.ending.borrow().reason.clone()) {
-            (RuntimeError::Closed(_), Some(reason)) => RuntimeError::Shutdown(reason),
-            _ => e,
+/// A call to the scheduler. When its connection closed, the error is the job's end as the
+/// scheduler explained it (`ending`): its `Shutdown` may still be on its way to the task
+/// that reads notifications, so this waits (briefly) until that task read everything.
+async fn call_scheduler(
+    sched: &SchedLink,
+    ending: &tokio::sync::watch::Receiver<Ending>,
+    msg: Message,
+    timeout: Duration,
+    what: impl FnOnce() -> String,
+) -> Result<Message> {
+    match sched.call(msg, timeout, what).await {
+        Err(e @ RuntimeError::Closed(_)) => {
+            let mut drained = ending.clone();
+            let _ = tokio::time::timeout(NOTES_DRAIN, drained.wait_for(|e| e.closed)).await;
+            Err(explain(ending, e))
         }
+        other => other,
+    }
+}
+
+/// A lost server connection is explained by the scheduler's shutdown (`ending`), if there
+/// was one.
+fn explain(ending: &tokio::sync::watch::Receiver<Ending>, e: RuntimeError) -> RuntimeError {
+    match (&e, ending.borrow().reason.clone()) {
+        (RuntimeError::Closed(_), Some(reason)) => RuntimeError::Shutdown(reason),
+        _ => e,
     }
 }
 

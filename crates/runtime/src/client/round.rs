@@ -1,35 +1,39 @@
-//! The driver loop: carries out the effects of the worker's client machine
-//! ([`elasticps_node::worker::Client`]) over the client's server connections.
+//! The world of the worker's client machine ([`elasticps_node::worker::Client`]) over the
+//! client's server connections, run by [`crate::driver::drive`].
 //!
 //! The machine decides everything (which servers to dial, what to say first, what to
 //! send where and when, how many requests may be in flight to one server, how long each
-//! may wait, what to resend, which connections to drop); this loop only dials, writes
+//! may wait, what to resend, which connections to drop); this world only dials, writes
 //! what it is told (a push's values straight from the caller's gradient slice), reads
 //! the replies (a pull's values straight into the caller's tensor), fetches the layout
-//! when asked, hands every event back ([`ClientEvent`]), and sleeps until the machine's
-//! `poll_timeout`.
+//! when asked, and hands every event back ([`ClientEvent`]); the loop sleeps until the
+//! machine's `poll_timeout`.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
-use elasticps_node::worker::{ClientEvent, Effect, Finished, PushOp, RowsOp, Target};
+use elasticps_node::worker::{self, ClientEvent, Effect, Finished, PushOp, RowsOp, Target};
 use elasticps_node::{ConnId, Machine};
-use elasticps_wire::{Control, FrameHeader, Layout, Message};
+use elasticps_wire::{Codec, Control, FrameHeader, Layout, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
 use super::frames::{Sink, Source};
 use super::rows::{RowPayloads, RowSink};
 use super::server_conn::{self, Sent, ServerConn, WriteJob, Written};
-use super::{Client, Waits};
-use crate::CALL_TIMEOUT;
+use super::{Client, Ending, Waits};
+use crate::driver::{self, World};
 use crate::error::{Result, RuntimeError};
+use crate::session::SchedLink;
 use crate::timer::Timer;
+use crate::{CALL_TIMEOUT, Micros};
 
-/// How a run of the loop ended.
+/// How a run ended.
 pub(super) enum Outcome {
     /// The round is done.
     Round(Finished),
@@ -134,147 +138,244 @@ impl Client {
         }
     }
 
-    /// Hands the machine `event` now; its effects join `todo`.
-    pub(super) fn feed(&mut self, event: ClientEvent<'_>, todo: &mut VecDeque<Effect>) {
-        self.machine.handle(self.clock.now(), event, &mut self.effects);
-        todo.extend(self.effects.drain(..));
-    }
-
-    /// Carries out `effects` and what follows them, until the machine says how the run
-    /// ends (its writes done) or, with `settle`, until nothing is left to carry out:
-    /// writes its sends (values from `source`), reads the replies (pulled values into
-    /// `sink`), fetches the layout when asked, wakes the machine at its `poll_timeout`.
+    /// Runs the machine from `effects` in [`driver::drive`], in a [`Wire`]: until it says
+    /// how the run ends (its writes done) or, with `settle`, until nothing is left to
+    /// carry out. Sent values come from `source`, pulled values go into `sink`.
     async fn run<'g>(
         &mut self,
         effects: Vec<Effect>,
         source: Source<'g>,
-        mut sink: Sink<'_, '_, '_, '_>,
+        sink: Sink<'_, '_, '_, '_>,
         settle: bool,
     ) -> Result<Outcome> {
         for conn in self.servers.values_mut() {
             conn.start_run();
         }
-        let mut writes = FuturesUnordered::new();
-        let mut todo = VecDeque::from(effects);
-        let mut outcome = None;
-        // One timer for the whole run, armed at the machine's poll_timeout (`armed`).
+        let mut wire = Wire {
+            links: Links { rank: self.rank, servers: &mut self.servers, ending: &mut self.ending, clock: self.clock },
+            codec: &self.opts.codec,
+            sched: &self.sched,
+            writes: FuturesUnordered::new(),
+            start_write: server_conn::run_write,
+            source,
+            sink,
+            outcome: None,
+            settle,
+            turn: 0,
+        };
+        // One timer for the whole run, armed at the machine's poll_timeout.
         let mut timer = Timer::new(self.clock);
-        let mut armed = None;
-        let mut turn = 0usize;
-        loop {
-            let mut jobs = Vec::new();
-            let carried = self.carry_out(&mut todo, &mut jobs, source, &mut outcome).await;
-            writes.extend(jobs.into_iter().map(server_conn::run_write));
-            carried?;
-            if writes.is_empty() {
-                match outcome.take() {
-                    Some(outcome) => return Ok(outcome),
-                    None if settle => return Ok(Outcome::Settled),
-                    None => {}
-                }
+        driver::drive(&mut self.machine, &mut wire, &mut timer, VecDeque::from(effects)).await
+    }
+}
+
+/// What a run reads, writes and tells the machine about besides its own writes: the
+/// client's server connections and the scheduler's word on the job's end, borrowed from
+/// the [`Client`] beside its machine.
+pub(super) struct Links<'c> {
+    /// This worker's rank, for logs.
+    pub(super) rank: u32,
+    /// The connections to the servers the machine dialled.
+    pub(super) servers: &'c mut HashMap<ConnId, ServerConn>,
+    /// What the scheduler's connection said about the end of the job.
+    pub(super) ending: &'c mut tokio::sync::watch::Receiver<Ending>,
+    /// The time handed to the machine.
+    pub(super) clock: Micros,
+}
+
+impl Links<'_> {
+    /// Hands the machine `event` now; its effects join `out`.
+    pub(super) fn feed(&self, machine: &mut worker::Client, event: ClientEvent<'_>, out: &mut Vec<Effect>) {
+        machine.handle(self.clock.now(), event, out);
+    }
+
+    /// Whether the scheduler said the job ends (closed server connections are expected).
+    pub(super) fn shutting_down(&self) -> bool {
+        self.ending.borrow().reason.is_some()
+    }
+
+    /// The scheduler's latest failover notice, once, handed to the machine.
+    fn failover(&mut self, machine: &mut worker::Client, out: &mut Vec<Effect>) {
+        let Some(notice) = self.ending.borrow_and_update().failover.clone() else { return };
+        tracing::info!(rank = self.rank, "a server failed over: requests to it go to the promoted owners");
+        self.feed(machine, ClientEvent::Failover(&notice), out);
+    }
+}
+
+/// The world of one run of the client machine ([`Client::run`]): its [`Links`], its
+/// writes in flight, where sent values come from and pulled ones go, and how it ends.
+struct Wire<'c, 'g, 's, 'a, 'b, 'r, W> {
+    links: Links<'c>,
+    codec: &'c Codec,
+    sched: &'c SchedLink,
+    /// The writes in flight (one per connection and batch of requests).
+    writes: FuturesUnordered<W>,
+    /// Makes a write of a job ([`server_conn::run_write`]).
+    start_write: fn(WriteJob<'g>) -> W,
+    source: Source<'g>,
+    sink: Sink<'s, 'a, 'b, 'r>,
+    /// How the run ends, once the machine said it (its writes may still be in flight).
+    outcome: Option<Outcome>,
+    /// End once every effect is carried out (a layout installed outside a round).
+    settle: bool,
+    /// Which connection's header is polled first ([`server_conn::poll_any_header`]).
+    turn: usize,
+}
+
+/// What woke a run (the machine's timeout aside: [`driver::drive`] waits for that).
+enum Woken {
+    /// A write finished (or failed).
+    Wrote(Written),
+    /// A connection's next frame header came (or it failed or closed: `None`).
+    Header(ConnId, Result<Option<FrameHeader>>),
+    /// The scheduler's link said something about the job (a failover, its end).
+    Failover,
+}
+
+impl<W: Future<Output = Written>> World<worker::Client> for Wire<'_, '_, '_, '_, '_, '_, W> {
+    type Woken = Woken;
+    type End = Result<Outcome>;
+
+    /// Waits for a write to finish, a frame header, or word of a failover.
+    async fn wait(&mut self) -> Woken {
+        self.turn = self.turn.wrapping_add(1);
+        let (turn, servers) = (self.turn, &mut *self.links.servers);
+        tokio::select! {
+            Some(written) = self.writes.next(), if !self.writes.is_empty() => Woken::Wrote(written),
+            (conn, got) = std::future::poll_fn(|cx| server_conn::poll_any_header(servers, turn, cx)) => {
+                Woken::Header(conn, got)
             }
-            let wake = self.machine.poll_timeout();
-            if wake.is_none() && writes.is_empty() && outcome.is_none() {
-                return Err(stalled());
-            }
-            if wake != armed {
-                // No wake-up (`None`): only writes to wait for, the timer stays quiet.
-                timer.arm(wake);
-                armed = wake;
-            }
-            turn = turn.wrapping_add(1);
-            let event = tokio::select! {
-                Some(written) = writes.next(), if !writes.is_empty() => Event::Wrote(written),
-                (conn, got) = std::future::poll_fn(|cx| server_conn::poll_any_header(&mut self.servers, turn, cx)) => {
-                    Event::Header(conn, got)
-                }
-                () = timer.fired() => Event::Timer,
-                Ok(()) = self.ending.changed() => Event::Failover,
-            };
-            match event {
-                Event::Wrote((_, None | Some(Ok(())))) => {}
-                Event::Wrote((conn, Some(Err(e)))) => self.closed(conn, e, &mut todo)?,
-                Event::Header(conn, Ok(Some(header))) => self.on_header(conn, header, &mut sink, &mut todo).await?,
-                Event::Header(conn, Ok(None)) => {
-                    let name = self.servers.get(&conn).map_or_else(String::new, |c| c.name.clone());
-                    self.closed(conn, RuntimeError::Closed(name), &mut todo)?
-                }
-                Event::Header(conn, Err(e)) => self.closed(conn, e, &mut todo)?,
-                Event::Failover => {
-                    let Some(notice) = self.ending.borrow_and_update().failover.clone() else { continue };
-                    tracing::info!(rank = self.rank, "a server failed over: requests to it go to the promoted owners");
-                    self.feed(ClientEvent::Failover(&notice), &mut todo);
-                }
-                Event::Timer => {
-                    armed = None;
-                    self.feed(ClientEvent::Timeout, &mut todo);
-                }
-            }
+            Ok(()) = self.links.ending.changed() => Woken::Failover,
         }
     }
 
-    /// Carries out the machine's effects in order, feeding their outcomes back: dials,
-    /// writes (a batch of requests as one write per connection, into `jobs`), drops,
-    /// layout fetches; notes how the run ends in `outcome`.
-    async fn carry_out<'g>(
+    /// Hands the machine what came: a frame (its payload read first, a pull's values
+    /// into the sink), a lost connection, a failover, or its timeout (`None`).
+    async fn feed(
         &mut self,
-        todo: &mut VecDeque<Effect>,
-        jobs: &mut Vec<WriteJob<'g>>,
-        source: Source<'g>,
-        outcome: &mut Option<Outcome>,
-    ) -> Result<()> {
-        while let Some(effect) = todo.pop_front() {
-            match effect {
-                Effect::Request { conn, tag, server, block, op } => {
-                    // This request and every one right behind it: one write per connection.
-                    let mut batch = vec![(conn, tag, Sent { server, block, op })];
-                    while let Some(&Effect::Request { conn, tag, server, block, op }) = todo.front() {
-                        batch.push((conn, tag, Sent { server, block, op }));
-                        todo.pop_front();
-                    }
-                    self.start_writes(batch, source, jobs, todo)?;
-                }
-                Effect::Dial { conn, server, addr } => {
-                    match ServerConn::connect(server, &addr, self.opts.codec.clone()).await {
-                        Ok(c) => {
-                            self.servers.insert(conn, c);
-                            self.feed(ClientEvent::Dialled { conn }, todo);
-                        }
-                        Err(e @ (RuntimeError::Closed(_) | RuntimeError::Io { .. })) => {
-                            tracing::warn!(rank = self.rank, server, %addr, error = %e, "server unreachable");
-                            self.feed(ClientEvent::Closed { conn }, todo);
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
-                Effect::Send { conn, request_id, msg } => {
-                    let sent = match self.servers.get(&conn) {
-                        Some(c) => c.send(request_id, msg).await,
-                        None => Err(RuntimeError::Closed(format!("connection {conn}"))),
-                    };
-                    if let Err(e) = sent {
-                        self.closed(conn, e, todo)?;
-                    }
-                }
-                Effect::Close { conn } => drop(self.servers.remove(&conn)),
-                Effect::RefreshLayout => {
-                    let layout = self.fetch_layout().await?;
-                    self.feed(ClientEvent::Layout(layout), todo);
-                }
-                Effect::RoundDone(finished) => *outcome = Some(Outcome::Round(finished)),
-                Effect::Replan { .. } => *outcome = Some(Outcome::Replan),
-                Effect::Answered(msg) => *outcome = Some(Outcome::Answered(msg)),
-                Effect::Failed(e) => return Err(self.explain(e.into())),
+        machine: &mut worker::Client,
+        now_us: u64,
+        woken: Option<Woken>,
+        out: &mut Vec<Effect>,
+    ) -> ControlFlow<Result<Outcome>> {
+        let links = &mut self.links;
+        let fed = match woken {
+            None => {
+                machine.handle(now_us, ClientEvent::Timeout, out);
+                Ok(())
             }
+            Some(Woken::Wrote((_, None | Some(Ok(()))))) => Ok(()),
+            Some(Woken::Wrote((conn, Some(Err(e))))) => links.closed(machine, conn, e, out),
+            Some(Woken::Header(conn, Ok(Some(header)))) => {
+                links.on_header(machine, conn, header, &mut self.sink, out).await
+            }
+            Some(Woken::Header(conn, Ok(None))) => {
+                let name = links.servers.get(&conn).map_or_else(String::new, |c| c.name.clone());
+                links.closed(machine, conn, RuntimeError::Closed(name), out)
+            }
+            Some(Woken::Header(conn, Err(e))) => links.closed(machine, conn, e, out),
+            Some(Woken::Failover) => {
+                links.failover(machine, out);
+                Ok(())
+            }
+        };
+        go_on(fed)
+    }
+
+    /// Carries out one effect (a request with the requests right behind it, as one write
+    /// per connection), feeding its outcome back.
+    async fn carry_out(
+        &mut self,
+        machine: &mut worker::Client,
+        _now_us: u64,
+        effect: Effect,
+        queue: &mut VecDeque<Effect>,
+    ) -> ControlFlow<Result<Outcome>> {
+        let mut more = Vec::new();
+        let carried = self.carry_out_into(machine, effect, queue, &mut more).await;
+        queue.extend(more);
+        go_on(carried)
+    }
+
+    /// Once every effect is carried out: the run's outcome when its writes are done
+    /// (with `settle`, when there is nothing left), or the error of a run that would wait
+    /// with nothing in flight and no timer (a bug in the machine, not a hang).
+    fn settled(&mut self, machine: &worker::Client) -> ControlFlow<Result<Outcome>> {
+        if !self.writes.is_empty() {
+            return ControlFlow::Continue(());
+        }
+        match self.outcome.take() {
+            Some(outcome) => ControlFlow::Break(Ok(outcome)),
+            None if self.settle => ControlFlow::Break(Ok(Outcome::Settled)),
+            None if machine.poll_timeout().is_none() => ControlFlow::Break(Err(stalled())),
+            None => ControlFlow::Continue(()),
+        }
+    }
+}
+
+impl<'g, W: Future<Output = Written>> Wire<'_, 'g, '_, '_, '_, '_, W> {
+    /// Carries out `effect` (taking the requests right behind it from `queue`): dials,
+    /// writes, drops, layout fetches; the machine's effects in answer go to `more`; notes
+    /// how the run ends.
+    async fn carry_out_into(
+        &mut self,
+        machine: &mut worker::Client,
+        effect: Effect,
+        queue: &mut VecDeque<Effect>,
+        more: &mut Vec<Effect>,
+    ) -> Result<()> {
+        let links = &mut self.links;
+        match effect {
+            Effect::Request { conn, tag, server, block, op } => {
+                // This request and every one right behind it: one write per connection.
+                let mut batch = vec![(conn, tag, Sent { server, block, op })];
+                while let Some(&Effect::Request { conn, tag, server, block, op }) = queue.front() {
+                    batch.push((conn, tag, Sent { server, block, op }));
+                    queue.pop_front();
+                }
+                let mut jobs = Vec::new();
+                let started = links.start_writes(machine, batch, self.source, &mut jobs, more);
+                self.writes.extend(jobs.into_iter().map(self.start_write));
+                started?;
+            }
+            Effect::Dial { conn, server, addr } => match ServerConn::connect(server, &addr, self.codec.clone()).await {
+                Ok(c) => {
+                    links.servers.insert(conn, c);
+                    links.feed(machine, ClientEvent::Dialled { conn }, more);
+                }
+                Err(e @ (RuntimeError::Closed(_) | RuntimeError::Io { .. })) => {
+                    tracing::warn!(rank = links.rank, server, %addr, error = %e, "server unreachable");
+                    links.feed(machine, ClientEvent::Closed { conn }, more);
+                }
+                Err(e) => return Err(e),
+            },
+            Effect::Send { conn, request_id, msg } => {
+                let sent = match links.servers.get(&conn) {
+                    Some(c) => c.send(request_id, msg).await,
+                    None => Err(RuntimeError::Closed(format!("connection {conn}"))),
+                };
+                if let Err(e) = sent {
+                    links.closed(machine, conn, e, more)?;
+                }
+            }
+            Effect::Close { conn } => drop(links.servers.remove(&conn)),
+            Effect::RefreshLayout => {
+                let layout = self.fetch_layout().await?;
+                self.links.feed(machine, ClientEvent::Layout(layout), more);
+            }
+            Effect::RoundDone(finished) => self.outcome = Some(Outcome::Round(finished)),
+            Effect::Replan { .. } => self.outcome = Some(Outcome::Replan),
+            Effect::Answered(msg) => self.outcome = Some(Outcome::Answered(msg)),
+            Effect::Failed(e) => return Err(super::explain(self.links.ending, e.into())),
         }
         Ok(())
     }
 
     /// The scheduler's current layout.
     async fn fetch_layout(&mut self) -> Result<Arc<Layout>> {
-        let reply = self
-            .call_scheduler(Control::GetLayout.into(), CALL_TIMEOUT, || "the scheduler to send the layout".into())
-            .await?;
+        let what = || "the scheduler to send the layout".into();
+        let reply =
+            super::call_scheduler(self.sched, self.links.ending, Control::GetLayout.into(), CALL_TIMEOUT, what).await?;
         match reply {
             Message::Control(Control::Layout(l)) => Ok(Arc::new(l)),
             other => Err(RuntimeError::unexpected("scheduler", "Layout", &other)),
@@ -282,16 +383,12 @@ impl Client {
     }
 }
 
-/// What a run's wait ended with.
-enum Event {
-    /// A write finished (or failed).
-    Wrote(Written),
-    /// A connection's next frame header came (or it failed or closed: `None`).
-    Header(ConnId, Result<Option<FrameHeader>>),
-    /// The machine's poll_timeout came.
-    Timer,
-    /// The scheduler's link said something about the job (a failover, its end).
-    Failover,
+/// The loop goes on after `Ok`, ends with the error.
+fn go_on(done: Result<()>) -> ControlFlow<Result<Outcome>> {
+    match done {
+        Ok(()) => ControlFlow::Continue(()),
+        Err(e) => ControlFlow::Break(Err(e)),
+    }
 }
 
 /// A run that waits with nothing in flight and no timer (a bug in the machine, not a

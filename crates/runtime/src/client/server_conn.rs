@@ -1,5 +1,5 @@
 //! A worker's connection to one server, written and read by the task of the worker's own
-//! driver loop (`round.rs`): no reader task and no channel between the socket and the
+//! driver loop (`round.rs`, in [`crate::driver::drive`]): no reader task and no channel between the socket and the
 //! round, and a pull reply goes from the socket straight into the caller's tensor
 //! ([`crate::conn::FrameReader::payload_into`]).
 //!
