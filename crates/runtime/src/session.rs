@@ -219,7 +219,7 @@ impl World<Session> for Driver {
         }
     }
 
-    fn feed(
+    async fn feed(
         &mut self,
         session: &mut Session,
         now: u64,

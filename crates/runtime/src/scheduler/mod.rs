@@ -277,7 +277,7 @@ impl World<Scheduler> for Driver<'_> {
 
     /// The event to the machine, then its state saved (on disk before any node hears of
     /// the change: the effects are carried out after this).
-    fn feed(
+    async fn feed(
         &mut self,
         machine: &mut Scheduler,
         now: u64,

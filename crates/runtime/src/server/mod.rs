@@ -203,7 +203,7 @@ impl World<Shared> for Main<'_> {
         }
     }
 
-    fn feed(
+    async fn feed(
         &mut self,
         machine: &mut Shared,
         now: u64,
