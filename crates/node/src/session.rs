@@ -77,12 +77,6 @@ pub enum Event<'a> {
         /// How long the node waits for its answer, µs.
         within_us: u64,
     },
-    /// The node gave up waiting for the answer to `request_id`: it is not made again
-    /// after a reattach.
-    Forget {
-        /// The call.
-        request_id: u64,
-    },
     /// The scheduler's connection closed, or a dial asked for by [`Action::Dial`] did not
     /// connect.
     Lost,
@@ -246,10 +240,6 @@ impl Session {
                     Message::Control(Control::Shutdown { .. }) if request_id == 0 => self.shutdown = true,
                     _ => {}
                 }
-            }
-            Event::Forget { request_id } => {
-                self.unanswered.remove(&request_id);
-                self.deadlines.remove(&request_id);
             }
             Event::Lost => self.on_lost(now_us, out),
             Event::Timeout => self.on_timeout(now_us, out),
@@ -535,15 +525,6 @@ mod tests {
         let mut s = welcomed(SessionConfig { retry_us: RETRY, heartbeats: true });
         s.handle(1, Event::Received { request_id: 0, msg: &Control::Shutdown { reason: "done".into() }.into() });
         assert_eq!(s.handle(2, Event::Lost), [Action::Over { reason: None }]);
-    }
-
-    #[test]
-    fn a_forgotten_call_is_not_made_again() {
-        let mut s = welcomed(SessionConfig { retry_us: RETRY, heartbeats: false });
-        s.handle(0, Event::Send { request_id: 2, msg: call(2) });
-        s.handle(0, Event::Send { request_id: 3, msg: call(3) });
-        s.handle(1, Event::Forget { request_id: 2 });
-        assert_eq!(s.unanswered().map(|(id, _)| id).collect::<Vec<_>>(), [3]);
     }
 
     /// What a driver does to the link, in any order (the proptest's alphabet).

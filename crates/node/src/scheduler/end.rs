@@ -100,8 +100,10 @@ impl Scheduler {
         self.over = true;
     }
 
-    /// After `Shutdown` in a job with checkpoints: only checkpoint reports and servers
-    /// leaving count, until every server left or the wait is over.
+    /// After `Shutdown`, in a job with checkpoints or across hosts: only checkpoint
+    /// reports, manifests written, the agents' last events and servers and agents leaving
+    /// count, until every server and agent left and every manifest is written, or the
+    /// wait is over.
     pub(super) fn step_closing(&mut self, event: Event, out: &mut Vec<Action>) {
         match event {
             Event::Received { conn, msg: Message::Control(Control::CheckpointWritten { clock, blocks }), .. }

@@ -19,7 +19,8 @@
 //! - [`hosts`]: the hosts of a job that spans them, their slots, where a node starts,
 //!   and a lost host.
 //! - [`checkpoint`](self): the checkpoint writes the servers report, and the manifest.
-//! - [`end`](self): when the job ends, and its closing wait for the last checkpoint.
+//! - [`end`](self): when the job ends, and its closing wait for the last checkpoint
+//!   writes, the manifests and the host agents' last events.
 //! - [`BalanceLog`]: the history of migrations, scaling events and load, for reports.
 
 use std::collections::{BTreeMap, BTreeSet};

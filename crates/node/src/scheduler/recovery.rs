@@ -167,7 +167,7 @@ impl Scheduler {
             migration,
             migrations,
             balance,
-            last_checkpoint: self.last_checkpoint,
+            last_checkpoint: self.complete_checkpoint,
             checkpoints: self.checkpoints.iter().map(|(c, b)| (*c, b.values().cloned().collect())).collect(),
             job: self.job,
             split: self.elastic.split_in_flight(),
@@ -186,7 +186,7 @@ impl Scheduler {
         self.placement.as_ref().map(|p| (p.epoch, &p.owners)).hash(&mut h);
         self.layout_ready.hash(&mut h);
         self.recovering.is_some().hash(&mut h);
-        self.last_checkpoint.hash(&mut h);
+        self.complete_checkpoint.hash(&mut h);
         for (c, b) in &self.checkpoints {
             (c, b.len()).hash(&mut h);
         }
@@ -232,6 +232,7 @@ impl Scheduler {
         s.partition = saved.partition;
         s.placement = saved.placement;
         s.last_checkpoint = saved.last_checkpoint.or(s.last_checkpoint);
+        s.complete_checkpoint = saved.last_checkpoint.or(s.complete_checkpoint);
         s.checkpoints =
             saved.checkpoints.into_iter().map(|(c, b)| (c, b.into_iter().map(|e| (e.block, e)).collect())).collect();
         s.elastic.restore(&saved.server_states, saved.migration, saved.migrations, saved.balance, 0);

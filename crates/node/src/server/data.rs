@@ -22,10 +22,9 @@ impl Server {
     /// A data request: answered now (the reply returned), later (a held pull: `None`,
     /// the answer comes from a push), or parked while its block is frozen.
     ///
-    /// A push to a block with backups is forwarded to them first, then applied here in
-    /// the same step: the forwards come first among the actions, so a runtime that hands
-    /// them to their links first has the backups apply the push while this server does.
-    /// Its reply waits for both.
+    /// A push to a block with backups is forwarded to them, then applied here in the same
+    /// step: the forwards come first among the actions, and leave once the step returns
+    /// (after the apply). Its reply waits for both.
     pub(super) fn serve(
         &mut self,
         now_us: u64,

@@ -1,7 +1,7 @@
-//! The scheduler role: one actor task owns the scheduler's state machine
-//! ([`elasticps_node::scheduler::Scheduler`]); one task per connection reads frames and
-//! forwards them as events; one timer, reset to the machine's `poll_timeout` after every
-//! event, hands it `Event::Timeout`.
+//! The scheduler role: one task runs the scheduler's state machine
+//! ([`elasticps_node::scheduler::Scheduler`]) in [`crate::driver::drive`], its timer at
+//! the machine's `poll_timeout`; one task per connection reads frames and forwards them
+//! as events, and a manifest write's outcome comes back the same way.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -263,16 +263,20 @@ impl<'a> Driver<'a> {
     }
 }
 
-/// What woke the scheduler's driver: a connection's event or a manifest's outcome
-/// (`None`: the accept loop ended).
-type Woken = Option<(Event, Option<Handle>)>;
+/// What woke the scheduler's driver: a connection's event (with its handle, when it
+/// opens) or a manifest's outcome.
+type Woken = (Event, Option<Handle>);
 
 impl World<Scheduler> for Driver<'_> {
     type Woken = Woken;
     type End = Result<(bool, String)>;
 
     async fn wait(&mut self) -> Woken {
-        self.events.recv().await
+        match self.events.recv().await {
+            Some(woken) => woken,
+            // Never: this driver holds a sender itself (for the manifests' outcomes).
+            None => std::future::pending().await,
+        }
     }
 
     /// The event to the machine, then its state saved (on disk before any node hears of
@@ -286,11 +290,7 @@ impl World<Scheduler> for Driver<'_> {
     ) -> ControlFlow<Self::End> {
         let event = match woken {
             None => Event::Timeout,
-            Some(None) => {
-                let what = "accept loop ended".into();
-                return ControlFlow::Break(Err(RuntimeError::Protocol { peer: "scheduler".into(), what }));
-            }
-            Some(Some((event, handle))) => {
+            Some((event, handle)) => {
                 match (&event, handle) {
                     (Event::Connected { conn, .. }, Some(h)) => {
                         self.conns.insert(*conn, h);

@@ -16,6 +16,7 @@
 //! and [`MAX_IN_FLIGHT`] answers waited for (it takes no more messages until one comes).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use elasticps_node::server::Event;
@@ -77,11 +78,13 @@ impl Links {
 /// The link to `addr`: writes each message in turn (dialing when there is no open
 /// connection) and hands each answer, or why there is none, to the state machine.
 async fn run(io: Arc<Io>, addr: String, mut rx: mpsc::Receiver<Outgoing>) {
-    let mut peer: Option<Peer> = None;
+    // The connection, and whether its `Hello` was refused (then the next message dials
+    // again and says `Hello` anew: a peer not registered yet refuses it).
+    let mut peer: Option<(Peer, Arc<AtomicBool>)> = None;
     let in_flight = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     while let Some((call, server, msg)) = rx.recv().await {
         let name = format!("server {server}");
-        if peer.as_ref().is_none_or(Peer::is_closed) {
+        if peer.as_ref().is_none_or(|(p, refused)| p.is_closed() || refused.load(Ordering::Relaxed)) {
             match open(&io, &addr, &name).await {
                 Ok(p) => peer = Some(p),
                 Err(e) => {
@@ -91,7 +94,7 @@ async fn run(io: Arc<Io>, addr: String, mut rx: mpsc::Receiver<Outgoing>) {
                 }
             }
         }
-        let Some(p) = &peer else { continue };
+        let Some((p, _)) = &peer else { continue };
         // Bounded: a peer that answers nothing stops this link here, not its memory.
         let Ok(permit) = in_flight.clone().acquire_owned().await else { return };
         let what = kind_of(&msg);
@@ -129,24 +132,28 @@ fn fail_queued(io: &Arc<Io>, rx: &mut mpsc::Receiver<Outgoing>, call: u64, e: &s
 /// this server is (`Hello` with its credential): the receiver takes migration steps and
 /// copies from a proven server only. The `Hello` is not waited for: the receiver reads
 /// the connection in order, so it takes the `Hello` before the messages behind it, and
-/// a refused one shows in their answers.
-async fn open(io: &Arc<Io>, addr: &str, name: &str) -> Result<Peer, String> {
+/// a refused one shows in their answers; the returned flag is set then, and the link
+/// dials again for its next message.
+async fn open(io: &Arc<Io>, addr: &str, name: &str) -> Result<(Peer, Arc<AtomicBool>), String> {
     let credential = lock(&io.server).credential().cloned();
     let Some(credential) = credential else { return Err("this server is not registered yet".into()) };
     let (p, _notes) =
         Peer::connect_shaped(addr, io.codec.clone(), name, Some(io.shaper.clone())).await.map_err(|e| e.to_string())?;
     let hello = p.send_request(Control::Hello { credential }.into()).map_err(|e| e.to_string())?;
     let (name, addr) = (name.to_string(), addr.to_string());
+    let refused = Arc::new(AtomicBool::new(false));
+    let flag = refused.clone();
     // Lives as long as the connection at most: its answer, or the connection's end.
     tokio::spawn(async move {
         match hello.await {
             Ok(Message::Control(Control::Ok)) | Err(_) => {}
             Ok(other) => {
-                tracing::warn!(peer = %name, addr, answer = ?other.kind(), "a server refused this server's hello")
+                tracing::warn!(peer = %name, addr, answer = ?other.kind(), "a server refused this server's hello");
+                flag.store(true, Ordering::Relaxed);
             }
         }
     });
-    Ok(p)
+    Ok((p, refused))
 }
 
 /// The message's name, for errors.

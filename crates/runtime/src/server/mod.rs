@@ -166,8 +166,12 @@ impl Machine for Shared {
     /// The machine's deadline, published for the reader tasks: a step on one of them
     /// that moves it earlier wakes the main task ([`Io::decide`]).
     fn poll_timeout(&self) -> Option<u64> {
-        let deadline = lock(&self.0.server).poll_timeout();
+        // Published under the lock: a step on another task after it sees this deadline,
+        // and wakes the main task if it moves it earlier.
+        let server = lock(&self.0.server);
+        let deadline = server.poll_timeout();
         self.0.wake_us.store(deadline.unwrap_or(u64::MAX), Ordering::Relaxed);
+        drop(server);
         deadline
     }
 }
