@@ -40,8 +40,16 @@ pub type Reattach = Box<dyn Fn() -> Option<Message> + Send + Sync>;
 
 /// What the node asks of its driver task.
 enum Command {
-    Call { request_id: u64, msg: Message, within: Duration, what: String, reply: oneshot::Sender<Result<Message>> },
+    Call {
+        request_id: u64,
+        msg: Message,
+        within: Duration,
+        what: String,
+        reply: oneshot::Sender<Result<Message>>,
+    },
     Notify(Message),
+    /// Answer once everything sent so far is written to the socket.
+    Flush(oneshot::Sender<()>),
 }
 
 /// How the link ended: `None` while it lives, `Some(None)` after the scheduler's
@@ -118,6 +126,17 @@ impl SchedLink {
             Message::Error(reply) => Err(RuntimeError::Remote { peer: "scheduler".into(), reply }),
             other => Ok(other),
         }
+    }
+
+    /// Waits, at most `within`, until everything sent on the link so far is written to
+    /// its socket: a node's last notifications (a server's `CheckpointWritten`) are not
+    /// lost when its process exits right after. False if they were not in time.
+    pub async fn flushed(&self, within: Duration) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self.cmds.send(Command::Flush(tx)).is_err() {
+            return false;
+        }
+        matches!(tokio::time::timeout(within, rx).await, Ok(Ok(())))
     }
 
     /// True once the link is over.
@@ -235,6 +254,17 @@ impl World<Session> for Driver {
                 Event::Call { request_id, msg, within_us: u64::try_from(within.as_micros()).unwrap_or(u64::MAX) }
             }
             Some(Woken::Command(Some(Command::Notify(msg)))) => Event::Send { request_id: 0, msg },
+            Some(Woken::Command(Some(Command::Flush(done)))) => {
+                // Off the loop: the writer task says when its queue is written.
+                if let Some((out, _)) = &self.conn {
+                    let writer = out.writer().clone();
+                    tokio::spawn(async move {
+                        writer.flushed().await;
+                        let _ = done.send(());
+                    });
+                }
+                return ControlFlow::Continue(());
+            }
             Some(Woken::Frame(Some((request_id, msg)))) => {
                 Machine::handle(session, now, Event::Received { request_id, msg: &msg }, out);
                 match request_id {

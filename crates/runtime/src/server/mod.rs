@@ -132,6 +132,11 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     let accept = tokio::spawn(accept_loop(listener, io.clone()));
     let result = drive(&io, notes, opts.metrics.as_ref()).await;
     accept.abort();
+    // Its last notifications to the scheduler (a checkpoint's `CheckpointWritten`) are
+    // written before the process exits.
+    if !io.sched.is_over() && !io.sched.flushed(LAST_WRITES_TIMEOUT).await {
+        tracing::warn!("the server exits before its last messages to the scheduler were written");
+    }
     io.close().await;
     result?;
     let stats = lock(&io.server).stats();
