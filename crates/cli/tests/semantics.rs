@@ -137,6 +137,9 @@ fn push_pulls_larger_than_the_socket_buffers_come_back_exact() {
         let tasks = cluster::spawn_workers(2, &addr, &models::zeros(&[("w", LEN)]), move |mut c| async move {
             let mut params = cluster::pulled(&mut c, 0).await;
             assert!(params[0].iter().all(|v| *v == 0.0), "the first pull holds the zeros");
+            // No worker pushes before every worker pulled (a push of clock 0 is applied at
+            // once: a later first pull would hold it).
+            c.barrier().await.expect("the barrier after the first pulls");
             let rank = c.rank();
             for t in 0..T {
                 let g: Vec<f32> = (0..LEN).map(|i| grad(rank, t, i)).collect();
