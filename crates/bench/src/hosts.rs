@@ -546,8 +546,13 @@ pub struct HostsRun {
     pub error: Option<String>,
     /// The report's samples/s (whole run).
     pub samples_per_sec: f64,
-    /// Samples/s after the settle (psld) or the warm-up iteration (static).
+    /// Samples/s after the settle (psld) or the warm-up iteration (static); the whole run's
+    /// when the balancer moved so late that no window is left ([`Self::settled_too_late`]).
     pub settled_samples_per_sec: f64,
+    /// The balancer moved in the last iterations, so no window was left after its settle:
+    /// [`Self::settled_samples_per_sec`] is the whole run's, which counts the unbalanced start
+    /// against psld (a comparison on it only gets harder).
+    pub settled_too_late: bool,
     /// The bytes of the model, from the report's servers.
     pub model_bytes: u64,
     /// Which host each server ran on.
@@ -643,8 +648,9 @@ impl Row {
     fn versus(&self) -> String {
         match (self.find(Mode::Psld), self.find(Mode::Static)) {
             (Some(p), Some(s)) => format!(
-                "{:.1} vs {:.1} samples/s after settling ({}); whole runs {:.1} vs {:.1} ({})",
+                "{:.1}{} vs {:.1} samples/s after settling ({}); whole runs {:.1} vs {:.1} ({})",
                 p.settled_samples_per_sec,
+                if p.settled_too_late { " (whole run: settled too late)" } else { "" },
                 s.settled_samples_per_sec,
                 ratio(p.settled_samples_per_sec, s.settled_samples_per_sec),
                 p.samples_per_sec,
@@ -989,6 +995,7 @@ async fn one_job(
         error: None,
         samples_per_sec: f64::NAN,
         settled_samples_per_sec: f64::NAN,
+        settled_too_late: false,
         model_bytes: 0,
         servers: Vec::new(),
         moved_back: 0,
@@ -1003,7 +1010,9 @@ async fn one_job(
             run.moved_back = report.balance.as_ref().map_or(0, moved_back);
             run.decisions = decisions;
             let r = measure(&report, spec.flags(), mode, 0.0);
-            run.settled_samples_per_sec = r.balance().iters_per_s * f64::from(plan.batch_size);
+            let settled = r.balance().iters_per_s * f64::from(plan.batch_size);
+            run.settled_too_late = !settled.is_finite();
+            run.settled_samples_per_sec = if run.settled_too_late { report.samples_per_sec } else { settled };
             run.run = Some(r);
         }
         Err(e) => run.error = Some(format!("{e} (logs under {})", dir.display())),
