@@ -31,7 +31,7 @@ use elasticps_core::placement::PlacementKind;
 use elasticps_launch::args::{JobArgs, NetArgs};
 use elasticps_launch::process::Cluster;
 use elasticps_runtime::client::{Client, ClientOptions};
-use elasticps_runtime::peer::Peer;
+use elasticps_runtime::session::SchedLink;
 use elasticps_wire::{ClusterStatus, Control, Message};
 use serde::Serialize;
 
@@ -520,7 +520,7 @@ fn job_args(servers: u32, replicas: u32, block_bytes: usize) -> JobArgs {
 struct StatusPoller {
     addr: String,
     codec: elasticps_wire::Codec,
-    peer: Option<Peer>,
+    peer: Option<SchedLink>,
 }
 
 impl StatusPoller {
@@ -529,7 +529,7 @@ impl StatusPoller {
         for _ in 0..2 {
             let peer = match self.peer.take() {
                 Some(p) => p,
-                None => Peer::connect(&self.addr, self.codec.clone(), "scheduler").await?.0,
+                None => SchedLink::operator(&self.addr, self.codec.clone()).await?.0,
             };
             let call =
                 peer.call(Control::GetStatus.into(), Duration::from_secs(10), || "the scheduler's status".into());

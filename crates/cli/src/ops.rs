@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use elasticps_runtime::RuntimeError;
-use elasticps_runtime::peer::{Notifications, Peer};
+use elasticps_runtime::session::{Notifications, SchedLink};
 use elasticps_wire::{ClusterStatus, Codec, Control, Message, ScaleRequest};
 
 use elasticps_launch::args::NetArgs;
@@ -107,7 +107,7 @@ pub async fn status(cmd: StatusCmd) -> anyhow::Result<()> {
 // The sleep paces an operator's display (`--watch`'s interval), a rule of no process,
 // so clippy.toml's ban does not apply.
 #[allow(clippy::disallowed_methods)]
-async fn watch(cmd: &StatusCmd, peer: &Peer, mut notes: Notifications, every: Duration) -> anyhow::Result<()> {
+async fn watch(cmd: &StatusCmd, peer: &SchedLink, mut notes: Notifications, every: Duration) -> anyhow::Result<()> {
     let clear = !cmd.json && std::io::stdout().is_terminal();
     let mut first = true;
     loop {
@@ -168,8 +168,8 @@ fn print(text: &str) {
 }
 
 /// Opens a control connection to the scheduler.
-async fn connect(addr: &str, codec: Codec) -> anyhow::Result<(Peer, Notifications)> {
-    Peer::connect(addr, codec, "the scheduler").await.map_err(|e| {
+async fn connect(addr: &str, codec: Codec) -> anyhow::Result<(SchedLink, Notifications)> {
+    SchedLink::operator(addr, codec).await.map_err(|e| {
         let why = match e {
             RuntimeError::Io { source, .. } => source.to_string(),
             RuntimeError::Timeout { after, .. } => format!("no connection within {:.0} s", after.as_secs_f64()),
@@ -180,7 +180,7 @@ async fn connect(addr: &str, codec: Codec) -> anyhow::Result<(Peer, Notification
 }
 
 /// Asks for the cluster's status.
-async fn get_status(peer: &Peer, addr: &str) -> anyhow::Result<ClusterStatus> {
+async fn get_status(peer: &SchedLink, addr: &str) -> anyhow::Result<ClusterStatus> {
     match ask(peer, addr, Control::GetStatus, "the status").await? {
         Control::Status(s) => Ok(s),
         other => bail!("the scheduler at {addr} answered GetStatus with {}", variant(&other)),
@@ -188,7 +188,7 @@ async fn get_status(peer: &Peer, addr: &str) -> anyhow::Result<ClusterStatus> {
 }
 
 /// Sends a scale request; returns what to tell the operator.
-async fn request_scale(peer: &Peer, addr: &str, req: ScaleRequest) -> anyhow::Result<String> {
+async fn request_scale(peer: &SchedLink, addr: &str, req: ScaleRequest) -> anyhow::Result<String> {
     match ask(peer, addr, Control::Scale(req), "the scale request").await? {
         Control::Ok => Ok(match req {
             ScaleRequest::AddServer => "scale-out requested".to_string(),
@@ -200,7 +200,7 @@ async fn request_scale(peer: &Peer, addr: &str, req: ScaleRequest) -> anyhow::Re
 }
 
 /// One request to the scheduler; errors say what went wrong in operator terms.
-async fn ask(peer: &Peer, addr: &str, msg: Control, what: &str) -> anyhow::Result<Control> {
+async fn ask(peer: &SchedLink, addr: &str, msg: Control, what: &str) -> anyhow::Result<Control> {
     let reply = peer.call(msg.into(), ANSWER_TIMEOUT, || format!("the scheduler at {addr} to answer")).await;
     match reply {
         Ok(Message::Control(c)) => Ok(c),

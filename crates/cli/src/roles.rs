@@ -115,16 +115,14 @@ pub struct WorkerCmd {
     pub rank: Option<u32>,
 }
 
-/// How long a role's metrics event waits for the node to register (then it is not printed).
-const METRICS_EVENT_WAIT: Duration = elasticps_runtime::CALL_TIMEOUT;
-
 /// Binds `--metrics-listen` for `metrics`; the endpoint serves until dropped.
 async fn serve_metrics(listen: &str, metrics: Arc<dyn Scrape>) -> anyhow::Result<MetricsEndpoint> {
     MetricsEndpoint::bind(listen, metrics).await.with_context(|| format!("--metrics-listen {listen}"))
 }
 
 /// The metrics event of a node, once `registered` says its id (a server's id and a
-/// worker's rank are known only once the scheduler accepted it).
+/// worker's rank are known only once the scheduler accepted it; a node that never
+/// registers fails on its own, and prints none).
 fn emit_metrics_when<F>(emitter: Emitter, role: &'static str, addr: SocketAddr, registered: F)
 where
     F: std::future::Future<Output = Option<u32>> + Send + 'static,
@@ -132,7 +130,7 @@ where
     tokio::spawn(async move {
         match registered.await {
             Some(id) => emitter.emit(&Event::Metrics { node: format!("{role} {id}"), addr: addr.to_string() }),
-            None => tracing::warn!(role, "no metrics event: the node did not register in time"),
+            None => tracing::warn!(role, "no metrics event: the node's metrics closed before it registered"),
         }
     });
 }
@@ -239,7 +237,7 @@ pub async fn server(cmd: ServerCmd) -> anyhow::Result<()> {
     if let (Some(listen), Some(m)) = (&cmd.metrics_listen, &metrics) {
         let e = serve_metrics(listen, m.clone()).await?;
         let m = m.clone();
-        emit_metrics_when(emitter.clone(), "server", e.addr(), async move { m.registered(METRICS_EVENT_WAIT).await });
+        emit_metrics_when(emitter.clone(), "server", e.addr(), async move { m.registered().await });
         _endpoint = Some(e);
     }
     let advertise = advertised(&cmd.scheduler, &cmd.listen, cmd.advertise)?;
@@ -282,9 +280,7 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
         let m = WorkerMetrics::new();
         let e = serve_metrics(listen, m.clone()).await?;
         let registered = m.clone();
-        emit_metrics_when(emitter.clone(), "worker", e.addr(), async move {
-            registered.registered(METRICS_EVENT_WAIT).await
-        });
+        emit_metrics_when(emitter.clone(), "worker", e.addr(), async move { registered.registered().await });
         opts.metrics = Some(m);
         _endpoint = Some(e);
     }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use elasticps_core::model::TensorSpec;
-use elasticps_runtime::peer::Peer;
+use elasticps_runtime::session::SchedLink;
 use elasticps_wire::{Codec, Control, Message, ScaleRequest};
 
 use crate::common::cluster::{self, Cluster, JobSpec};
@@ -64,9 +64,9 @@ async fn keep_moving(addr: String, servers: u32, blocks: u32, stop: Arc<AtomicBo
 }
 
 /// A connection to the scheduler, as `elasticps scale` opens one.
-async fn operator(addr: &str) -> Peer {
+async fn operator(addr: &str) -> SchedLink {
     let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
-    Peer::connect(addr, codec, "scheduler").await.expect("operator connects").0
+    SchedLink::operator(addr, codec).await.expect("operator connects").0
 }
 
 /// Sends one scale request; panics unless the scheduler accepts it.

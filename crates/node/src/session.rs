@@ -144,8 +144,8 @@ pub struct Session {
     deadlines: BTreeMap<u64, (u64, u64)>,
     /// The scheduler accepted this node (a `Welcome` came): a loss is redialled from now.
     welcomed: bool,
-    /// The scheduler said `Shutdown`.
-    shutdown: bool,
+    /// The scheduler said `Shutdown`, with this reason.
+    shutdown: Option<String>,
     /// The next heartbeat, once welcomed (with heartbeats on).
     next_heartbeat_us: Option<u64>,
     /// How long the first connection is dialled, µs, for a session made by
@@ -163,7 +163,7 @@ impl Session {
             unanswered: BTreeMap::new(),
             deadlines: BTreeMap::new(),
             welcomed: false,
-            shutdown: false,
+            shutdown: None,
             next_heartbeat_us: None,
             first_window_us: config.retry_us,
         }
@@ -237,13 +237,21 @@ impl Session {
                             self.heartbeat(now_us, out);
                         }
                     }
-                    Message::Control(Control::Shutdown { .. }) if request_id == 0 => self.shutdown = true,
+                    Message::Control(Control::Shutdown { reason }) if request_id == 0 => {
+                        self.shutdown = Some(reason.clone());
+                    }
                     _ => {}
                 }
             }
             Event::Lost => self.on_lost(now_us, out),
             Event::Timeout => self.on_timeout(now_us, out),
         }
+    }
+
+    /// The reason of the scheduler's `Shutdown`, once it came: a link over with no reason
+    /// ([`Action::Over`]) ended with it.
+    pub fn shutdown_reason(&self) -> Option<&str> {
+        self.shutdown.as_deref()
     }
 
     /// [`Session::handle_into`] into a new vector.
@@ -307,7 +315,7 @@ impl Session {
 
     fn on_lost(&mut self, now_us: u64, out: &mut Vec<Action>) {
         match self.state {
-            State::Open if self.shutdown => self.over(None, out),
+            State::Open if self.shutdown.is_some() => self.over(None, out),
             State::Open if !self.welcomed => {
                 self.over(Some("the scheduler closed the connection before it accepted this node".into()), out)
             }

@@ -7,7 +7,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use elasticps_wire::{Codec, Message};
 use tokio::sync::{mpsc, oneshot};
@@ -74,22 +73,6 @@ impl Peer {
     /// Sends a notification (request id 0); nothing answers it.
     pub fn notify(&self, msg: Message) -> Result<()> {
         self.out.send((0, msg)).map_err(|_| RuntimeError::Closed(self.name.to_string()))
-    }
-
-    /// Sends `msg` and waits for the reply, at most `timeout`; `what` says what is
-    /// waited for in the timeout error. An `Error` frame comes back as
-    /// [`RuntimeError::Remote`].
-    pub async fn call(&self, msg: Message, timeout: Duration, what: impl FnOnce() -> String) -> Result<Message> {
-        let rx = self.send_request(msg)?;
-        let reply = match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(_)) => return Err(RuntimeError::Closed(self.name.to_string())),
-            Err(_) => return Err(RuntimeError::Timeout { what: what(), after: timeout }),
-        };
-        match reply {
-            Message::Error(reply) => Err(RuntimeError::Remote { peer: self.name.to_string(), reply }),
-            other => Ok(other),
-        }
     }
 
     /// Sends `msg` as a request (through the writer task) and returns the receiver of

@@ -52,9 +52,26 @@ enum Command {
     Flush(oneshot::Sender<()>),
 }
 
-/// How the link ended: `None` while it lives, `Some(None)` after the scheduler's
-/// `Shutdown`, `Some(Some(why))` otherwise.
-pub type Ended = Option<Option<String>>;
+/// How the link ended: `None` while it lives.
+pub type Ended = Option<LinkEnd>;
+
+/// How a link to the scheduler ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinkEnd {
+    /// The scheduler ended the job (its `Shutdown`), for this reason.
+    Shutdown(String),
+    /// The scheduler was lost, or refused this node: why.
+    Lost(String),
+}
+
+impl LinkEnd {
+    /// The reason, either way.
+    pub fn reason(&self) -> &str {
+        match self {
+            LinkEnd::Shutdown(r) | LinkEnd::Lost(r) => r,
+        }
+    }
+}
 
 /// Watches how the link ends ([`SchedLink::end_watch`]), without keeping it alive.
 pub type EndWatch = watch::Receiver<Ended>;
@@ -96,6 +113,14 @@ impl SchedLink {
         let task = tokio::spawn(driver.run(Session::new(config)));
         let link = SchedLink { cmds, ended, next_id: Arc::new(AtomicU64::new(1)), driver: task.abort_handle() };
         Ok((link, notes))
+    }
+
+    /// An operator tool's link (`elasticps status`, `scale`): one connection, no
+    /// heartbeats, no redial (a lost scheduler ends it); its calls have the session's
+    /// deadlines like every node's.
+    pub async fn operator(addr: &str, codec: Codec) -> Result<(SchedLink, Notifications)> {
+        let config = SessionConfig { retry_us: 0, heartbeats: false };
+        SchedLink::connect(addr, codec, config, Box::new(|| None)).await
     }
 
     /// Sends a notification (dropped while the scheduler is being dialled again: a later
@@ -144,8 +169,8 @@ impl SchedLink {
         self.ended.borrow().is_some()
     }
 
-    /// Why the link ended: `None` while it lives, `Some(None)` after the scheduler's
-    /// `Shutdown`, `Some(Some(why))` otherwise.
+    /// How the link ended: `None` while it lives. Set before the link's waiting calls
+    /// fail, so a call that failed `Closed` finds here why.
     pub fn end(&self) -> Ended {
         self.ended.borrow().clone()
     }
@@ -306,7 +331,7 @@ impl World<Session> for Driver {
 
     async fn carry_out(
         &mut self,
-        _session: &mut Session,
+        session: &mut Session,
         _now: u64,
         action: Action,
         _queue: &mut VecDeque<Action>,
@@ -330,7 +355,11 @@ impl World<Session> for Driver {
             }
             Action::Over { reason } => {
                 // The waiting calls fail (`Closed`), the notifications channel closes.
-                let _ = self.ended.send(Some(reason));
+                let end = match reason {
+                    Some(why) => LinkEnd::Lost(why),
+                    None => LinkEnd::Shutdown(session.shutdown_reason().unwrap_or("the job ended").to_string()),
+                };
+                let _ = self.ended.send(Some(end));
                 return ControlFlow::Break(());
             }
         }
@@ -416,7 +445,7 @@ mod tests {
             tokio::time::timeout(Duration::from_secs(5), notes.recv()).await.unwrap().is_none(),
             "closed at the end"
         );
-        assert_eq!(link.end(), Some(Some("the scheduler did not come back within 1 s".into())));
+        assert_eq!(link.end(), Some(LinkEnd::Lost("the scheduler did not come back within 1 s".into())));
         assert!(started.elapsed() < Duration::from_secs(5), "bounded by the window");
         // The dials that connected nowhere made no reattach message.
         assert_eq!(attempts.load(Ordering::Relaxed), 0);

@@ -4,14 +4,18 @@
 //! the other frames decoded for the client machine. A closed connection is handed back
 //! to the machine ([`ClientEvent::Closed`]).
 
+use std::collections::HashMap;
+
 use elasticps_core::sync::Clock;
 use elasticps_node::ConnId;
+use elasticps_node::Machine;
 use elasticps_node::worker::{self, Answer, ClientEvent, Effect, Op, Tag};
 use elasticps_wire::{FrameHeader, Kind, Message};
 
-use super::round::Links;
+use super::Ending;
 use super::rows::{RowPayloads, RowSink};
-use super::server_conn::{Sent, WriteJob};
+use super::server_conn::{Sent, ServerConn, WriteJob};
+use crate::Micros;
 use crate::error::{Result, RuntimeError};
 
 /// Where a round's sent values come from: the caller's gradient slices (a tensor round),
@@ -28,6 +32,39 @@ pub(super) enum Sink<'s, 'a, 'b, 'r> {
     Tensors(&'s mut Option<(Clock, &'a mut [Option<&'b mut [f32]>])>),
     Rows(Option<&'s mut RowSink<'r>>),
     None,
+}
+
+/// What a run reads, writes and tells the machine about besides its own writes: the
+/// client's server connections and the scheduler's word on the job's end, borrowed from
+/// the [`Client`] beside its machine.
+pub(super) struct Links<'c> {
+    /// This worker's rank, for logs.
+    pub(super) rank: u32,
+    /// The connections to the servers the machine dialled.
+    pub(super) servers: &'c mut HashMap<ConnId, ServerConn>,
+    /// What the scheduler's connection said about the end of the job.
+    pub(super) ending: &'c mut tokio::sync::watch::Receiver<Ending>,
+    /// The time handed to the machine.
+    pub(super) clock: Micros,
+}
+
+impl Links<'_> {
+    /// Hands the machine `event` now; its effects join `out`.
+    pub(super) fn feed(&self, machine: &mut worker::Client, event: ClientEvent<'_>, out: &mut Vec<Effect>) {
+        machine.handle(self.clock.now(), event, out);
+    }
+
+    /// Whether the scheduler said the job ends (closed server connections are expected).
+    pub(super) fn shutting_down(&self) -> bool {
+        self.ending.borrow().reason.is_some()
+    }
+
+    /// The scheduler's latest failover notice, once, handed to the machine.
+    pub(super) fn failover(&mut self, machine: &mut worker::Client, out: &mut Vec<Effect>) {
+        let Some(notice) = self.ending.borrow_and_update().failover.clone() else { return };
+        tracing::info!(rank = self.rank, "a server failed over: requests to it go to the promoted owners");
+        self.feed(machine, ClientEvent::Failover(&notice), out);
+    }
 }
 
 impl Links<'_> {

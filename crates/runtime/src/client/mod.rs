@@ -445,7 +445,7 @@ impl Client {
 
     /// A call to the scheduler ([`call_scheduler`]).
     async fn call_scheduler(&self, msg: Message, timeout: Duration, what: impl FnOnce() -> String) -> Result<Message> {
-        call_scheduler(&self.sched, &self.ending, msg, timeout, what).await
+        call_scheduler(&self.sched, msg, timeout, what).await
     }
 
     /// The layout, or the error for a client that has not registered the model.
@@ -480,22 +480,17 @@ impl Client {
 }
 
 /// A call to the scheduler. When its connection closed, the error is the job's end as the
-/// scheduler explained it (`ending`): its `Shutdown` may still be on its way to the task
-/// that reads notifications, so this waits (briefly) until that task read everything.
+/// link recorded it before failing the call (the scheduler's `Shutdown` reason, or why it
+/// was lost).
 async fn call_scheduler(
     sched: &SchedLink,
-    ending: &tokio::sync::watch::Receiver<Ending>,
     msg: Message,
     timeout: Duration,
     what: impl FnOnce() -> String,
 ) -> Result<Message> {
-    match sched.call(msg, timeout, what).await {
-        Err(e @ RuntimeError::Closed(_)) => {
-            let mut drained = ending.clone();
-            let _ = tokio::time::timeout(NOTES_DRAIN, drained.wait_for(|e| e.closed)).await;
-            Err(explain(ending, e))
-        }
-        other => other,
+    match (sched.call(msg, timeout, what).await, sched.end()) {
+        (Err(RuntimeError::Closed(_)), Some(end)) => Err(RuntimeError::Shutdown(end.reason().to_string())),
+        (result, _) => result,
     }
 }
 
@@ -513,8 +508,6 @@ fn explain(ending: &tokio::sync::watch::Receiver<Ending>, e: RuntimeError) -> Ru
 struct Ending {
     /// The reason of the scheduler's `Shutdown`, once it came.
     reason: Option<String>,
-    /// The connection closed and every notification before it was read.
-    closed: bool,
     /// The scheduler's latest failover notice (`Replicas`): the servers it does not list
     /// are lost ([`elasticps_node::session::servers_lost`]).
     failover: Option<Arc<Message>>,
@@ -532,17 +525,13 @@ async fn watch_ending(mut notes: Notifications, end: EndWatch, tell: tokio::sync
         }
     }
     // Every notification the scheduler sent before the link ended has been read.
-    let why = end.borrow().clone().flatten();
+    let why = end.borrow().as_ref().map(|end| end.reason().to_string());
     tell.send_modify(|e| {
         if e.reason.is_none() {
             e.reason = why;
         }
-        e.closed = true;
     });
 }
-
-/// How long a failed scheduler call waits for the notifications read before the close.
-const NOTES_DRAIN: Duration = Duration::from_secs(1);
 
 /// A duration in the plan's microseconds.
 /// The length a push's shape check compares with its tensor's: `None` (not checked) for a

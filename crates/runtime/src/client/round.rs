@@ -9,7 +9,7 @@
 //! when asked, and hands every event back ([`ClientEvent`]); the loop sleeps until the
 //! machine's `poll_timeout`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -23,15 +23,15 @@ use elasticps_wire::{Codec, Control, FrameHeader, Layout, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
-use super::frames::{Sink, Source};
+use super::frames::{Links, Sink, Source};
 use super::rows::{RowPayloads, RowSink};
 use super::server_conn::{self, Sent, ServerConn, WriteJob, Written};
-use super::{Client, Ending, Waits};
+use super::{Client, Waits};
+use crate::CALL_TIMEOUT;
 use crate::driver::{self, World};
 use crate::error::{Result, RuntimeError};
 use crate::session::SchedLink;
 use crate::timer::Timer;
-use crate::{CALL_TIMEOUT, Micros};
 
 /// How a run ended.
 pub(super) enum Outcome {
@@ -166,39 +166,6 @@ impl Client {
         // One timer for the whole run, armed at the machine's poll_timeout.
         let mut timer = Timer::new(self.clock);
         driver::drive(&mut self.machine, &mut wire, &mut timer, VecDeque::from(effects)).await
-    }
-}
-
-/// What a run reads, writes and tells the machine about besides its own writes: the
-/// client's server connections and the scheduler's word on the job's end, borrowed from
-/// the [`Client`] beside its machine.
-pub(super) struct Links<'c> {
-    /// This worker's rank, for logs.
-    pub(super) rank: u32,
-    /// The connections to the servers the machine dialled.
-    pub(super) servers: &'c mut HashMap<ConnId, ServerConn>,
-    /// What the scheduler's connection said about the end of the job.
-    pub(super) ending: &'c mut tokio::sync::watch::Receiver<Ending>,
-    /// The time handed to the machine.
-    pub(super) clock: Micros,
-}
-
-impl Links<'_> {
-    /// Hands the machine `event` now; its effects join `out`.
-    pub(super) fn feed(&self, machine: &mut worker::Client, event: ClientEvent<'_>, out: &mut Vec<Effect>) {
-        machine.handle(self.clock.now(), event, out);
-    }
-
-    /// Whether the scheduler said the job ends (closed server connections are expected).
-    pub(super) fn shutting_down(&self) -> bool {
-        self.ending.borrow().reason.is_some()
-    }
-
-    /// The scheduler's latest failover notice, once, handed to the machine.
-    fn failover(&mut self, machine: &mut worker::Client, out: &mut Vec<Effect>) {
-        let Some(notice) = self.ending.borrow_and_update().failover.clone() else { return };
-        tracing::info!(rank = self.rank, "a server failed over: requests to it go to the promoted owners");
-        self.feed(machine, ClientEvent::Failover(&notice), out);
     }
 }
 
@@ -374,8 +341,7 @@ impl<'g, W: Future<Output = Written>> Wire<'_, 'g, '_, '_, '_, '_, W> {
     /// The scheduler's current layout.
     async fn fetch_layout(&mut self) -> Result<Arc<Layout>> {
         let what = || "the scheduler to send the layout".into();
-        let reply =
-            super::call_scheduler(self.sched, self.links.ending, Control::GetLayout.into(), CALL_TIMEOUT, what).await?;
+        let reply = super::call_scheduler(self.sched, Control::GetLayout.into(), CALL_TIMEOUT, what).await?;
         match reply {
             Message::Control(Control::Layout(l)) => Ok(Arc::new(l)),
             other => Err(RuntimeError::unexpected("scheduler", "Layout", &other)),

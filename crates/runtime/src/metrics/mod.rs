@@ -41,11 +41,12 @@ pub trait Scrape: Send + Sync + 'static {
     fn encode(&self, out: &mut String) -> std::fmt::Result;
 }
 
-/// Waits at most `timeout` until the node registered; returns its id (server id or
-/// worker rank), or `None` if it did not register in time.
-async fn wait_node(node: &watch::Sender<Option<u32>>, timeout: Duration) -> Option<u32> {
+/// Waits until the node registered; returns its id (server id or worker rank). No
+/// deadline: a node that never registers fails on its own (its scheduler calls have
+/// theirs), and the process ends with this wait.
+async fn wait_node(node: &watch::Sender<Option<u32>>) -> Option<u32> {
     let mut rx = node.subscribe();
-    let id = tokio::time::timeout(timeout, rx.wait_for(Option::is_some)).await.ok()?.ok()?;
+    let id = rx.wait_for(Option::is_some).await.ok()?;
     *id
 }
 
@@ -88,9 +89,9 @@ impl ServerMetrics {
         self.node.send_replace(Some(id));
     }
 
-    /// Waits at most `timeout` until a server is attached; returns its id.
-    pub async fn registered(&self, timeout: Duration) -> Option<ServerId> {
-        wait_node(&self.node, timeout).await
+    /// Waits until a server is attached; returns its id.
+    pub async fn registered(&self) -> Option<ServerId> {
+        wait_node(&self.node).await
     }
 
     /// The counters as the next scrape shows them.
@@ -298,9 +299,9 @@ impl WorkerMetrics {
         self.node.send_replace(Some(rank));
     }
 
-    /// Waits at most `timeout` until the worker registered; returns its rank.
-    pub async fn registered(&self, timeout: Duration) -> Option<u32> {
-        wait_node(&self.node, timeout).await
+    /// Waits until the worker registered; returns its rank.
+    pub async fn registered(&self) -> Option<u32> {
+        wait_node(&self.node).await
     }
 
     /// A round pushes `clock`; `since_last` is the time since the previous push round.
@@ -604,9 +605,10 @@ mod tests {
         assert_eq!(sample(&t, r#"elasticps_worker_wait_seconds_total{server="0"}"#), Some(0.01), "{t}");
         assert_eq!(sample(&t, r#"elasticps_worker_wait_seconds_total{server="2"}"#), Some(0.25), "{t}");
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        assert_eq!(rt.block_on(m.registered(Duration::from_secs(1))), Some(3));
+        assert_eq!(rt.block_on(m.registered()), Some(3));
         let fresh = WorkerMetrics::new();
-        assert_eq!(rt.block_on(fresh.registered(Duration::from_millis(20))), None, "times out");
+        let waited = rt.block_on(async { tokio::time::timeout(Duration::from_millis(20), fresh.registered()).await });
+        assert!(waited.is_err(), "an unregistered worker has no rank: {waited:?}");
         assert_eq!(sample(&text(fresh.as_ref()), "elasticps_worker_iterations_total"), Some(0.0), "registries apart");
     }
 

@@ -29,7 +29,7 @@ use crate::conn;
 use crate::driver::World;
 use crate::error::{Result, RuntimeError};
 use crate::metrics::{ServerMetrics, ServerSnapshot, ServerSource};
-use crate::session::{Reattach, SchedLink};
+use crate::session::{LinkEnd, Reattach, SchedLink};
 use crate::shaping::Shaper;
 use crate::timer::Timer;
 use crate::{CALL_TIMEOUT, Micros, timeout};
@@ -233,9 +233,9 @@ impl World<Shared> for Main<'_> {
             }
             // The link is over. After `Shutdown` the scheduler may close first; the
             // server still finishes.
-            Some(Woken::Note(None)) => match self.io.sched.end().flatten() {
-                None => self.scheduler_open = false,
-                Some(why) => return ControlFlow::Break(Err(RuntimeError::SchedulerLost(why))),
+            Some(Woken::Note(None)) => match self.io.sched.end() {
+                Some(LinkEnd::Lost(why)) => return ControlFlow::Break(Err(RuntimeError::SchedulerLost(why))),
+                _ => self.scheduler_open = false,
             },
             Some(Woken::Rearm) => {}
         }
