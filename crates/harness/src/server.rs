@@ -15,7 +15,7 @@
 //! It also checks, on every answered pull, the bound of the sync policy the server runs
 //! ([`SyncPolicy::violates_bound`], the one place that rule lives).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use elasticps_core::block::BlockState;
 use elasticps_core::sync::{Clock, SyncPolicy};
@@ -25,9 +25,10 @@ use crate::cluster::{Outbox, Role};
 use crate::link::SchedLink;
 use crate::net::{LinkSpec, LostWhy, NodeId, Weigh};
 use crate::wake::Wake;
-use elasticps_node::ConnId;
+use elasticps_node::link::{self, Links, Tag};
 use elasticps_node::server::{Action, Event, Exit, PullTrace, Server};
 use elasticps_node::session::{self, REATTACH_ID};
+use elasticps_node::{ConnId, Machine};
 
 /// Timer tokens of the server adapter.
 const TIMEOUT: u64 = 0;
@@ -65,10 +66,9 @@ pub struct BoundViolation {
 pub struct ServerRole {
     model: ServerModel,
     server: Option<Server>,
-    /// Connections this server opened to other servers, by address.
-    peers: BTreeMap<String, ConnId>,
-    /// Calls in flight to other servers: (connection, call id; the call id is the request id).
-    calls: BTreeSet<(ConnId, u64)>,
+    /// The links to other servers (the node layer's machine: connections, `Hello`, calls
+    /// in flight); a call's id is its request id.
+    links: Links,
     /// Every connection this server has (to close them when it exits).
     conns: BTreeSet<ConnId>,
     /// The buffer the state machine's actions go to (reused: no allocation per event).
@@ -107,8 +107,7 @@ impl ServerRole {
         Self {
             model,
             server: None,
-            peers: BTreeMap::new(),
-            calls: BTreeSet::new(),
+            links: Links::new(),
             conns: BTreeSet::new(),
             actions: Vec::new(),
             busy_until_us: 0,
@@ -202,7 +201,7 @@ impl ServerRole {
                     out.send_at(conn, request_id, msg, self.reply_at_us);
                 }
                 Action::ToScheduler { request_id, msg } => self.session(out, session::Event::Send { request_id, msg }),
-                Action::ToServer { call, addr, msg, .. } => self.call_server(out, call, &addr, msg),
+                Action::ToServer { call, server, addr, msg } => self.call_server(out, call, server, &addr, msg),
                 Action::Trace(t) => self.check(out.now_us(), t),
                 Action::Checkpoint { clock, state, .. } => {
                     let block = state.spec.id;
@@ -228,29 +227,46 @@ impl ServerRole {
         }
     }
 
-    fn call_server(&mut self, out: &mut Outbox<'_>, call: u64, addr: &str, msg: Message) {
-        let conn = match (self.peers.get(addr), NodeId::from_addr(addr)) {
-            (Some(conn), _) => *conn,
-            (None, Some(node)) => {
-                let conn = out.connect(node);
-                self.peers.insert(addr.to_string(), conn);
-                self.conns.insert(conn);
-                // Who this server is, before any step (the receiver takes them from a
-                // proven server only).
-                if let Some(credential) = self.server.as_ref().and_then(Server::credential).cloned() {
-                    out.send(conn, HELLO, Control::Hello { credential }.into());
+    fn call_server(&mut self, out: &mut Outbox<'_>, call: u64, server: u32, addr: &str, msg: Message) {
+        let credential = self.server.as_ref().and_then(Server::credential).cloned();
+        self.link(out, link::Input::Send { call, server, addr, msg, credential: credential.as_ref() });
+    }
+
+    /// Hands the links' machine `input` and carries out its effects on the simulated
+    /// network: a dial connects at once (or fails for an address no simulated server
+    /// has), a send that finds its connection closed is a loss, an answer goes to the
+    /// server machine.
+    fn link(&mut self, out: &mut Outbox<'_>, input: link::Input<'_>) {
+        let mut effects = Vec::new();
+        self.links.handle(out.now_us(), input, &mut effects);
+        for effect in effects {
+            match effect {
+                link::Effect::Dial { addr } => match NodeId::from_addr(&addr) {
+                    Some(node) => {
+                        let conn = out.connect(node);
+                        self.conns.insert(conn);
+                        self.link(out, link::Input::Dialled { addr: &addr, conn });
+                    }
+                    None => {
+                        let why = format!("no simulated server at {addr}");
+                        self.link(out, link::Input::DialFailed { addr: &addr, why });
+                    }
+                },
+                link::Effect::Send { conn, tag, msg } => {
+                    let request_id = match tag {
+                        Tag::Hello => HELLO,
+                        Tag::Call(call) => call,
+                    };
+                    if !out.send(conn, request_id, msg) {
+                        self.link(out, link::Input::Lost { conn, why: "the connection is closed".into() });
+                    }
                 }
-                conn
+                link::Effect::Close { conn } => {
+                    self.conns.remove(&conn);
+                    out.close(conn);
+                }
+                link::Effect::Answered { call, reply } => self.step(out, Event::FromServer { call, reply }),
             }
-            (None, None) => {
-                let reply = Err(format!("no simulated server at {addr}"));
-                return self.step(out, Event::FromServer { call, reply });
-            }
-        };
-        self.calls.insert((conn, call));
-        if !out.send(conn, call, msg) {
-            self.calls.remove(&(conn, call));
-            self.step(out, Event::FromServer { call, reply: Err(format!("connection to {addr} is closed")) });
         }
     }
 
@@ -314,12 +330,9 @@ impl Role for ServerRole {
             }
             return self.step(out, Event::FromScheduler { request_id, msg });
         }
-        if self.calls.remove(&(conn, request_id)) {
-            return self.step(out, Event::FromServer { call: request_id, reply: Ok(msg) });
-        }
-        if request_id == HELLO && self.peers.values().any(|c| *c == conn) {
-            // The answer to this server's own Hello: a refusal shows in the steps' answers.
-            return;
+        if self.links.owns(conn) {
+            let tag = if request_id == HELLO { Tag::Hello } else { Tag::Call(request_id) };
+            return self.link(out, link::Input::Answered { conn, tag, msg });
         }
         let data = msg.is_data_request();
         if !data {
@@ -347,11 +360,8 @@ impl Role for ServerRole {
             tracing::debug!(?why, "simulated server lost the scheduler");
             return self.session(out, session::Event::Lost);
         }
-        self.peers.retain(|_, c| *c != conn);
-        let failed: Vec<u64> = self.calls.iter().filter(|(c, _)| *c == conn).map(|(_, call)| *call).collect();
-        self.calls.retain(|(c, _)| *c != conn);
-        for call in failed {
-            self.step(out, Event::FromServer { call, reply: Err(format!("connection lost ({why:?})")) });
+        if self.links.owns(conn) {
+            self.link(out, link::Input::Lost { conn, why: format!("connection lost ({why:?})") });
         }
         self.step(out, Event::Closed { conn });
     }

@@ -24,6 +24,9 @@
 //! - [`agent`]: the host agent of a job across hosts (`elasticps launch --rdzv`): its
 //!   join, the nodes it starts within its slots, their exits and events, its heartbeat,
 //!   a lost scheduler, the end wait.
+//! - [`link`]: a server's links to the other servers: one connection per address, its
+//!   `Hello` first, calls in order, a failed dial or a lost connection failing its calls,
+//!   the bounds on what a silent peer can hold.
 //! - [`authz`]: who may send what to whom (docs/PROTOCOL.md §7.1), checked by the
 //!   scheduler and the servers before a message changes anything.
 //! - [`machine`]: the [`Machine`] trait every role above is written on.
@@ -35,6 +38,7 @@ pub mod agent;
 pub mod authz;
 pub mod error;
 pub mod events;
+pub mod link;
 pub mod machine;
 pub mod scheduler;
 pub mod server;

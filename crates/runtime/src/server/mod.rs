@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use elasticps_node::Machine;
 use elasticps_node::server::{Action, Event, Exit, Server};
 use elasticps_node::session::SessionConfig;
-use elasticps_wire::{Codec, Control, KeyId, Message, ServerStats};
+use elasticps_wire::{Codec, Control, Credential, KeyId, Message, ServerStats};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
@@ -366,7 +366,7 @@ impl Io {
             self.wake_us.store(at, Ordering::Relaxed);
             self.rearm.notify_one();
         }
-        self.send_to_servers(&mut actions);
+        self.send_to_servers(&mut actions, server.credential());
         self.route_replies(on, &mut actions);
         if data {
             let spent = started.elapsed();
@@ -400,12 +400,12 @@ impl Io {
     }
 
     /// Hands the messages to other servers in `actions` to their links, in order, and
-    /// takes them out.
-    fn send_to_servers(self: &Arc<Self>, actions: &mut Vec<Action>) {
+    /// takes them out; a new connection says `Hello` with `credential` (this server's).
+    fn send_to_servers(self: &Arc<Self>, actions: &mut Vec<Action>, credential: Option<&Credential>) {
         actions.retain_mut(|a| match a {
             Action::ToServer { call, server, addr, msg } => {
                 let msg = std::mem::replace(msg, Message::Control(Control::Ok));
-                self.links.send(self, *call, *server, addr, msg);
+                self.links.send(self, *call, *server, addr, msg, credential);
                 false
             }
             _ => true,
