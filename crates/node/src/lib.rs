@@ -24,6 +24,10 @@
 //! - [`agent`]: the host agent of a job across hosts (`elasticps launch --rdzv`): its
 //!   join, the nodes it starts within its slots, their exits and events, its heartbeat,
 //!   a lost scheduler, the end wait.
+//! - [`launcher`]: the local job runner (`elasticps train`, `elasticps launch` on one
+//!   host): the scheduler first and its start deadline, then the servers and workers,
+//!   dead workers restarted with their ranks, dead servers failed over and replaced, the
+//!   end wait after the last worker, a signal.
 //! - [`authz`]: who may send what to whom (docs/PROTOCOL.md §7.1), checked by the
 //!   scheduler and the servers before a message changes anything.
 //! - [`machine`]: the [`Machine`] trait every role above is written on.
@@ -35,6 +39,7 @@ pub mod agent;
 pub mod authz;
 pub mod error;
 pub mod events;
+pub mod launcher;
 pub mod machine;
 pub mod scheduler;
 pub mod server;
