@@ -271,8 +271,8 @@ async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome>
     let secret = spec.net.role_env();
     let scheduler = if host.leads {
         let args = host.scheduler_args(spec, log_dir);
-        let mut scrape = ScrapeList::new(false, 0);
-        if let Err(e) = crate::runner::start_scheduler(&mut cluster, &args, &secret, &mut signals, &mut scrape).await {
+        let scrape = ScrapeList::new(false, 0);
+        if let Err(e) = crate::runner::start_scheduler(&mut cluster, &args, &secret, &mut signals, scrape).await {
             cluster.stop(REAP_TIMEOUT).await;
             return Err(e);
         }

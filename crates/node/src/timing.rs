@@ -58,6 +58,9 @@ pub const RESTART_REJOIN_WAIT_US: u64 = 60_000_000;
 /// How long the scheduler of a local job may take to report its address once started, µs
 /// ([`crate::launcher`]).
 pub const SCHEDULER_START_TIMEOUT_US: u64 = 20_000_000;
+/// How long the scheduler and the servers of a local job may take, by default, to end the
+/// job once every worker has exited, µs (`--end-timeout-s`; [`crate::launcher`]'s end wait).
+pub const JOB_END_TIMEOUT_US: u64 = 45_000_000;
 /// How long a launch that failed or was interrupted waits for the processes it killed to
 /// be reaped, µs.
 pub const REAP_TIMEOUT_US: u64 = 5_000_000;
