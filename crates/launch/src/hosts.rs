@@ -29,8 +29,9 @@ use elasticps_wire::{HostOffer, Message};
 
 use crate::addr;
 use crate::args::{JobArgs, NetArgs};
+use crate::console::{Bars, Recorder, ScrapeList};
 use crate::process::{Cluster, NodeEvent};
-use crate::runner::{Bars, REAP_TIMEOUT, Recorder, RunOutcome, ScrapeList, Signals, worker_env};
+use crate::runner::{REAP_TIMEOUT, RunOutcome, Signals, worker_env};
 use crate::{LaunchError, Result};
 
 /// The flags of a launch that is one host of a job.
