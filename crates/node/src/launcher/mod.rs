@@ -222,6 +222,8 @@ enum Phase {
 pub struct Launcher {
     config: LauncherConfig,
     phase: Phase,
+    /// The scheduler's process, once it started.
+    scheduler: Option<NodeId>,
     /// Every node running: its label.
     running: BTreeMap<NodeId, String>,
     /// Server node -> spawn index.
@@ -243,6 +245,7 @@ impl Launcher {
     pub fn new(config: LauncherConfig) -> Self {
         Self {
             phase: Phase::Idle,
+            scheduler: None,
             running: BTreeMap::new(),
             servers: BTreeMap::new(),
             workers: BTreeMap::new(),
@@ -308,7 +311,7 @@ impl Launcher {
                 self.spawn(Spawn::named(NodeKind::Scheduler), out);
             }
             Phase::Starting { by_us: Some(by) } if now_us >= by => {
-                let node = self.running.keys().next().copied().unwrap_or_default();
+                let Some(node) = self.scheduler else { return };
                 let why = format!(
                     "the scheduler did not report its address within {} s",
                     SCHEDULER_START_TIMEOUT_US / 1_000_000
@@ -333,7 +336,7 @@ impl Launcher {
 
     /// The scheduler listens: the servers are started, then the workers.
     fn listening(&mut self, node: NodeId, addr: String, out: &mut Vec<Effect>) {
-        if !matches!(self.phase, Phase::Starting { .. }) || !self.running.contains_key(&node) {
+        if !matches!(self.phase, Phase::Starting { .. }) || self.scheduler != Some(node) {
             return;
         }
         tracing::info!(%addr, "the scheduler listens");
@@ -368,7 +371,10 @@ impl Launcher {
         tracing::debug!(node, label = %spawn.label, "a node started");
         self.running.insert(node, spawn.label);
         match spawn.node {
-            NodeKind::Scheduler => self.phase = Phase::Starting { by_us: Some(now_us + SCHEDULER_START_TIMEOUT_US) },
+            NodeKind::Scheduler => {
+                self.scheduler = Some(node);
+                self.phase = Phase::Starting { by_us: Some(now_us + SCHEDULER_START_TIMEOUT_US) };
+            }
             NodeKind::Server { index } => {
                 self.servers.insert(node, index);
                 self.start_next(Some(spawn.node), out);
