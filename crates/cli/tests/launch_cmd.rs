@@ -336,6 +336,9 @@ fn a_job_without_a_report_removes_its_logs_if_it_succeeds_and_keeps_them_saying_
     let kept = left();
     assert_eq!(kept.len(), 1, "the failed job's log directory: {kept:?}");
     assert!(err.contains(&format!("every node's log is kept in {}", kept[0].display())), "{err}");
-    let log = std::fs::read_to_string(kept[0].join("worker-0.log")).expect("worker 0's log");
-    assert!(log.contains("giving up"), "{log}");
+    // Both workers fail: whichever exits first fails the job (the other may be killed
+    // before it writes a line), and its log is kept.
+    let logs: Vec<String> =
+        ["worker-0.log", "worker-1.log"].iter().filter_map(|f| std::fs::read_to_string(kept[0].join(f)).ok()).collect();
+    assert!(logs.iter().any(|log| log.contains("giving up")), "{logs:?}");
 }

@@ -29,8 +29,9 @@ use elasticps_wire::{HostOffer, Message};
 
 use crate::addr;
 use crate::args::{JobArgs, NetArgs};
+use crate::console::{Bars, Recorder, ScrapeList};
 use crate::process::{Cluster, NodeEvent};
-use crate::runner::{Bars, REAP_TIMEOUT, Recorder, RunOutcome, ScrapeList, Signals, worker_env};
+use crate::runner::{REAP_TIMEOUT, RunOutcome, Signals, worker_env};
 use crate::{LaunchError, Result};
 
 /// The flags of a launch that is one host of a job.
@@ -271,8 +272,8 @@ async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome>
     let secret = spec.net.role_env();
     let scheduler = if host.leads {
         let args = host.scheduler_args(spec, log_dir);
-        let mut scrape = ScrapeList::new(false, 0);
-        if let Err(e) = crate::runner::start_scheduler(&mut cluster, &args, &secret, &mut signals, &mut scrape).await {
+        let scrape = ScrapeList::new(false, 0);
+        if let Err(e) = crate::runner::start_scheduler(&mut cluster, &args, &secret, &mut signals, scrape).await {
             cluster.stop(REAP_TIMEOUT).await;
             return Err(e);
         }

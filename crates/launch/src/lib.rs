@@ -2,6 +2,8 @@
 //! `launch`, the roles) and the benchmarks (`elasticps-bench`, which run many train jobs):
 //!
 //! - [`args`]: the job's flags, shared by the roles (each with an `ELASTICPS_*` variable).
+//! - [`console`]: the progress bars, the events recorded into a run's outcome, the
+//!   metrics scrape list.
 //! - [`process`]: a local cluster of processes (spawn, supervise, kill), and the
 //!   scheduler's [`process::ServerLauncher`].
 //! - [`runner`]: one local job: the nodes, progress bars, events into a
@@ -14,6 +16,7 @@
 
 pub mod addr;
 pub mod args;
+pub mod console;
 mod error;
 pub mod hosts;
 pub mod process;

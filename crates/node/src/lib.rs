@@ -27,6 +27,10 @@
 //! - [`link`]: a server's links to the other servers: one connection per address, its
 //!   `Hello` first, calls in order, a failed dial or a lost connection failing its calls,
 //!   the bounds on what a silent peer can hold.
+//! - [`launcher`]: the local job runner (`elasticps train`, `elasticps launch` on one
+//!   host): the scheduler first and its start deadline, then the servers and workers,
+//!   dead workers restarted with their ranks, dead servers failed over and replaced, the
+//!   end wait after the last worker, a signal.
 //! - [`authz`]: who may send what to whom (docs/PROTOCOL.md §7.1), checked by the
 //!   scheduler and the servers before a message changes anything.
 //! - [`machine`]: the [`Machine`] trait every role above is written on.
@@ -39,6 +43,7 @@ pub mod authz;
 pub mod error;
 pub mod events;
 pub mod link;
+pub mod launcher;
 pub mod machine;
 pub mod scheduler;
 pub mod server;

@@ -75,3 +75,16 @@ impl Machine for crate::session::Session {
         crate::session::Session::poll_timeout(self)
     }
 }
+
+impl Machine for crate::launcher::Launcher {
+    type Input<'a> = crate::launcher::Input;
+    type Output = crate::launcher::Effect;
+
+    fn handle(&mut self, now_us: u64, input: Self::Input<'_>, out: &mut Vec<Self::Output>) {
+        self.handle_into(now_us, input, out)
+    }
+
+    fn poll_timeout(&self) -> Option<u64> {
+        crate::launcher::Launcher::poll_timeout(self)
+    }
+}

@@ -55,6 +55,12 @@ pub const JOIN_CALL_TIMEOUT_US: u64 = 30_000_000;
 /// restarted worker to rejoin once every other worker is done, µs (its `--rejoin-wait-s`
 /// when the flag is not given).
 pub const RESTART_REJOIN_WAIT_US: u64 = 60_000_000;
+/// How long the scheduler of a local job may take to report its address once started, µs
+/// ([`crate::launcher`]).
+pub const SCHEDULER_START_TIMEOUT_US: u64 = 20_000_000;
+/// How long the scheduler and the servers of a local job may take, by default, to end the
+/// job once every worker has exited, µs (`--end-timeout-s`; [`crate::launcher`]'s end wait).
+pub const JOB_END_TIMEOUT_US: u64 = 45_000_000;
 /// How long a launch that failed or was interrupted waits for the processes it killed to
 /// be reaped, µs.
 pub const REAP_TIMEOUT_US: u64 = 5_000_000;
