@@ -65,6 +65,7 @@
 //! assert_eq!(cluster.network().now_us(), 1_000);
 //! ```
 
+pub mod agent;
 pub mod cluster;
 pub mod job;
 pub mod link;
@@ -75,8 +76,9 @@ pub mod server;
 pub mod wake;
 pub mod worker;
 
+pub use agent::AgentRole;
 pub use cluster::{Cluster, ClusterConfig, Outbox, Role, SchedulerRole, Stop};
-pub use job::{JobEnd, JobRole, JobSetup, SimJob};
+pub use job::{HostSpec, JobEnd, JobRole, JobSetup, SimJob};
 pub use net::{
     Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind, NodeTraffic, SizeHook, TraceEntry, Weigh,
     frame_bytes, nominal_sizes, transfer_ns,
