@@ -573,7 +573,7 @@ impl Scheduler {
 
     /// A host left the job: its servers and workers are lost with it (servers fail over
     /// with replicas), and what can be started again elsewhere is.
-    pub(super) fn host_lost(&mut self, lost: LostHost, out: &mut Vec<Action>) {
+    pub(super) fn host_lost(&mut self, mut lost: LostHost, out: &mut Vec<Action>) {
         let why = format!("host {} lost: {}", lost.label, lost.why);
         self.elastic.event(
             self.now_us,
@@ -595,6 +595,8 @@ impl Scheduler {
         if self.over {
             return;
         }
+        // A worker whose `WorkerDone` was taken is done, though its process had not exited.
+        lost.ranks.retain(|r| !self.finished_workers.contains(r) || self.failed_workers.contains_key(r));
         let Some(hosts) = self.hosts.as_mut() else { return };
         let r = hosts.replace(&lost);
         out.extend(r.starts.into_iter().map(|s| start_node(s, self.config.workers)));
@@ -818,6 +820,33 @@ mod scheduler_tests {
         // The job goes on; at the end every agent is told.
         let a = recv(&mut m, 1, 3, Control::WorkerDone { rank: 0 });
         assert!(starts(&a, 100).is_empty());
+    }
+
+    /// Found by the harness's host proptest (issue 33): a host lost after the scheduler
+    /// took its worker's `WorkerDone` (the process not exited yet) had that finished rank
+    /// started again elsewhere, spending a restart on a worker whose rejoin is refused.
+    #[test]
+    fn a_host_lost_after_its_worker_finished_does_not_start_it_again() {
+        let hosts = HostsConfig { min_hosts: 3, max_hosts: 3, restart_workers: 1, restart_servers: 0 };
+        let mut m = Scheduler::new(JobConfig { replicas: 2, ..config() }, 2_000_000).with_hosts(hosts);
+        join(&mut m, 100, "a", "10.0.0.1", 1, 1);
+        join(&mut m, 200, "b", "10.0.0.2", 1, 1);
+        join(&mut m, 300, "spare", "10.0.0.3", 0, 0);
+        for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.2"), (1, "10.0.0.1"), (2, "10.0.0.2")] {
+            step(&mut m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
+        }
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
+        recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.2:7100".into() });
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
+        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+        recv(&mut m, 20, 0, Control::AssignDone { server_id: 1 });
+        recv(&mut m, 2, 3, Control::WorkerDone { rank: 1 });
+        let a = step(&mut m, Event::Lost { conn: 200, why: "the peer crashed".into() });
+        let started: Vec<_> = [100, 300].iter().flat_map(|c| starts(&a, *c)).collect();
+        assert!(started.is_empty(), "finished rank 1 is not started again: {a:?}");
+        assert!(m.placement().unwrap().owners.iter().all(|o| *o == 0), "server 1's blocks failed over");
     }
 
     /// A job across hosts that is over tells its agents, relays the last events they
