@@ -248,7 +248,9 @@ impl SimJob {
             };
             let role = JobRole::Agent(AgentRole::new(config, job.cluster.network().now_us()));
             let agent = job.cluster.add_on(Some(&ip), NodeKind::Other(i as u32), LinkSpec::default(), role);
-            job.hosted.as_mut().map(|h| h.agents.push(agent));
+            if let Some(h) = job.hosted.as_mut() {
+                h.agents.push(agent);
+            }
         }
         job
     }
@@ -330,19 +332,21 @@ impl SimJob {
             }
         };
         self.cluster.watch_exit(node);
-        self.hosted.as_mut().map(|h| h.started_by.insert(node, agent));
+        if let Some(h) = self.hosted.as_mut() {
+            h.started_by.insert(node, agent);
+        }
         let input = Input::Spawned { slot: spawn.slot, node: node.0 as usize };
-        self.to_agent(agent, input);
+        self.tell_agent(agent, input);
     }
 
     /// A node an agent started exited: its agent learns it (unless it is gone too).
     fn exited(&mut self, node: NodeId, ok: bool, status: String) {
         if let Some(agent) = self.started_by(node) {
-            self.to_agent(agent, Input::Exited { node: node.0 as usize, ok, status });
+            self.tell_agent(agent, Input::Exited { node: node.0 as usize, ok, status });
         }
     }
 
-    fn to_agent(&mut self, agent: NodeId, input: Input<'_>) {
+    fn tell_agent(&mut self, agent: NodeId, input: Input<'_>) {
         self.cluster.with_role(agent, |role, out| {
             if let JobRole::Agent(a) = role {
                 a.input(out, input);

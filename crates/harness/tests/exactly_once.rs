@@ -975,8 +975,8 @@ proptest! {
 
 /// The hosts of a job of `case` across hosts: host `i` starts server `i` and worker `i`
 /// (those the case has), with one slot of each kind, and a spare host starts nothing and
-/// offers two server slots and one worker slot (room for a restarted worker, a replaced
-/// server, a scale-out).
+/// offers two slots of each kind (room for two restarted workers, a replaced server, a
+/// scale-out).
 fn hosts_of(case: &Case) -> Vec<HostSpec> {
     let n = case.servers.max(case.workers);
     let host = |i: u32| HostSpec {
@@ -986,7 +986,7 @@ fn hosts_of(case: &Case) -> Vec<HostSpec> {
         worker_slots: 1,
     };
     let mut hosts: Vec<HostSpec> = (0..n).map(host).collect();
-    hosts.push(HostSpec { servers: 0, workers: 0, server_slots: 2, worker_slots: 1 });
+    hosts.push(HostSpec { servers: 0, workers: 0, server_slots: 2, worker_slots: 2 });
     hosts
 }
 
@@ -1001,47 +1001,111 @@ pub struct HostLoss {
     pub silent: bool,
     /// `--restart-servers`.
     pub restart_servers: u32,
+    /// What the job is doing when the host is lost (from `at` on).
+    pub moment: Moment,
+}
+
+/// The workers of the host of `agent` that a loss takes, as they are now: (node, rank);
+/// rank `u32::MAX` for one that had not registered (no worker of the job has that rank,
+/// so only its node is left out of the checks). One that finished is not taken.
+fn workers_of(sim: &SimJob, agent: NodeId) -> Vec<(NodeId, u32)> {
+    sim.workers()
+        .filter(|(n, w)| sim.started_by(*n) == Some(agent) && !matches!(w.stage(), Stage::Done))
+        .map(|(n, w)| (n, w.rank().unwrap_or(u32::MAX)))
+        .collect()
+}
+
+/// The hosts lost so far (their agents) and the workers they took: (node, rank).
+#[derive(Default)]
+struct Lost {
+    agents: Vec<NodeId>,
+    workers: Vec<(NodeId, u32)>,
+}
+
+impl Lost {
+    /// Loses the host of `agent` now, as a kill of everything in its namespace.
+    fn host(&mut self, sim: &mut SimJob, agent: NodeId, silent: bool) {
+        self.workers.extend(workers_of(sim, agent));
+        self.agents.push(agent);
+        sim.lose_host(agent, !silent);
+    }
+}
+
+/// Runs `sim` from `at_us` until `loss.moment`, then loses its host (for
+/// [`Moment::Rejoining`], another host first, then `loss.host` while the first one's
+/// worker rejoins). `false` if the moment never came.
+fn lose_at_moment(case: &Case, sim: &mut SimJob, loss: HostLoss, at_us: u64, lost: &mut Lost) -> bool {
+    if sim.run(at_us, MAX_EVENTS).is_some() {
+        return false;
+    }
+    let agent = |sim: &SimJob, i: usize| sim.agents().nth(i).map(|(n, _)| n);
+    let Some(mut victim) = agent(sim, loss.host) else { return false };
+    match loss.moment {
+        Moment::Clock => {}
+        Moment::Migrating => {
+            let migrating = |sim: &SimJob| migration_in(sim, Step::Snapshot).or_else(|| migration_in(sim, Step::Delta));
+            if !run_until(sim, |sim| migrating(sim).is_some()) {
+                return false;
+            }
+            let Some((from, to, _)) = migrating(sim) else { return false };
+            let server = if loss.host.is_multiple_of(2) { from } else { to };
+            let Some(a) = sim.started_by(server) else { return false };
+            victim = a;
+        }
+        Moment::Checkpointing => {
+            let under_way = |sim: &SimJob| {
+                let completed = sim.cluster().scheduler_role().manifests().last().map_or(0, |(c, _)| *c);
+                let alive = |n| sim.cluster().network().is_alive(n);
+                sim.servers().any(|(n, s)| alive(n) && s.checkpoints().iter().any(|(c, _)| *c > completed))
+            };
+            if case.checkpoint_every > 0 && !run_until(sim, under_way) {
+                return false;
+            }
+        }
+        Moment::Rejoining => {
+            let hosts = case.servers.min(case.workers) as usize;
+            let Some(first) = agent(sim, (loss.host + 1) % hosts) else { return false };
+            lost.host(sim, first, loss.silent);
+            let rejoining = |sim: &SimJob| sim.cluster().scheduler().rejoining().next().is_some();
+            if !run_until(sim, rejoining) {
+                return false;
+            }
+        }
+    }
+    lost.host(sim, victim, loss.silent);
+    true
 }
 
 /// Runs `case` across [`hosts_of`] its hosts, as `elasticps launch --rdzv` runs it
-/// (`--replicas 2`, `--restart-workers 1`, the launch's rejoin wait), and loses `loss.host`
-/// at once, its agent and every node it started, at `loss.at` of the run's window. The
-/// scheduler's host rules and the agents do the rest: the lost worker's rank restarts on
-/// the spare host, the lost server's blocks fail over. Checked as [`crash_and_rejoin`]
-/// checks a restarted worker: the job ends well, every other worker ran every iteration,
-/// the restarted one from where it rejoined, every block holds each rank's pushes once.
-/// `Ok(false)` if the job ended before the moment came.
+/// (`--replicas 2`, `--restart-workers 2`, the launch's rejoin wait), and loses a host at
+/// once, its agent and every node it started, at `loss.at` of the run's window after the
+/// rendezvous, then at `loss.moment` ([`lose_at_moment`]). The scheduler's host rules and
+/// the agents do the rest: the lost worker's rank restarts on the spare host, the lost
+/// server's blocks fail over. Checked as [`crash_and_rejoin`] checks a restarted worker:
+/// the job ends well, every other worker ran every iteration, the restarted one from
+/// where it rejoined, every block holds each rank's pushes once. `Ok(false)` if the job
+/// ended before the moment came.
 fn lose_a_host(case: &Case, loss: HostLoss) -> Result<bool, String> {
     let case = Case { replicas: 2, ..case.clone() };
     let job = JobConfig { rejoin_wait_us: elasticps_node::timing::RESTART_REJOIN_WAIT_US, ..case.job() };
     let hosts = hosts_of(&case);
     let n = hosts.len() as u32;
-    let config = HostsConfig { min_hosts: n, max_hosts: n, restart_workers: 1, restart_servers: loss.restart_servers };
+    let config = HostsConfig { min_hosts: n, max_hosts: n, restart_workers: 2, restart_servers: loss.restart_servers };
     let mut sim = SimJob::across_hosts(setup_of(&case, job, 0), config, &hosts, training(&case));
     add_operator(&case, &mut sim);
     // The rendezvous: once the hosts joined, their agents start the job's nodes. (A host
     // lost before it joined is waited for: the job needs MIN hosts.)
     let started = |sim: &SimJob| sim.workers().count() as u32 == case.workers;
     if !run_until(&mut sim, started) {
-        return Err(format!(
-            "the hosts' agents did not start the job's nodes: {:?}",
-            sim.cluster().scheduler().waiting_for()
-        ));
+        let waits = sim.cluster().scheduler().waiting_for();
+        return Err(format!("the hosts' agents did not start the job's nodes: {waits:?}"));
     }
     let window = u64::from(case.iterations) * (case.compute_us.0 + case.compute_us.1 / 2) + 2_000;
-    let crash_us = sim.cluster().network().now_us() + (window as f64 * loss.at) as u64;
-    if sim.run(crash_us, MAX_EVENTS).is_some() {
+    let at_us = sim.cluster().network().now_us() + (window as f64 * loss.at) as u64;
+    let mut lost = Lost::default();
+    if !lose_at_moment(&case, &mut sim, loss, at_us, &mut lost) {
         return Ok(false);
     }
-    let agent = sim.agents().nth(loss.host).map(|(n, _)| n).ok_or("no such host")?;
-    // The host's worker as it was: a rank not done yet must come back (unless the
-    // scheduler took its `WorkerDone` before the loss: then it is done).
-    let lost: Vec<(NodeId, u32)> = sim
-        .workers()
-        .filter(|(n, w)| sim.started_by(*n) == Some(agent) && !matches!(w.stage(), Stage::Done))
-        .filter_map(|(n, w)| Some((n, w.rank()?)))
-        .collect();
-    sim.lose_host(agent, !loss.silent);
     let left = MAX_EVENTS.saturating_sub(sim.cluster().events());
     let stages = |sim: &SimJob| -> Vec<_> {
         sim.workers().map(|(n, w)| (n, sim.started_by(n), w.rank(), w.stage().clone(), w.start_clock())).collect()
@@ -1053,31 +1117,25 @@ fn lose_a_host(case: &Case, loss: HostLoss) -> Result<bool, String> {
         let servers: Vec<_> = sim.servers().map(|(n, s)| (n, sim.started_by(n), s.exit().cloned())).collect();
         return Err(format!("the job failed: {} (workers {:?}, servers {servers:?})", end.reason, stages(&sim)));
     }
-    for (old, rank) in &lost {
-        let again = sim.workers().find(|(n, w)| n != old && w.rank() == Some(*rank)).map(|(n, _)| n);
+    for (old, rank) in lost.workers.iter().filter(|(_, r)| *r != u32::MAX) {
+        // A worker whose `WorkerDone` the scheduler took before the loss is done.
         let finishing = sim.workers().any(|(n, w)| n == *old && *w.stage() == Stage::Finishing);
-        if again.and_then(|n| sim.started_by(n)).is_none_or(|a| a == agent) && !finishing {
+        let again = sim.workers().find(|(n, w)| n != old && w.rank() == Some(*rank)).map(|(n, _)| n);
+        if again.and_then(|n| sim.started_by(n)).is_none_or(|a| lost.agents.contains(&a)) && !finishing {
             return Err(format!("rank {rank} was not started again by another host's agent: {:?}", stages(&sim)));
         }
     }
-    // The host's workers that had not registered are gone with it (rank u32::MAX: no
-    // worker of the job has it, so only their nodes are left out of the checks).
-    let unregistered = sim.workers().filter(|(n, w)| sim.started_by(*n) == Some(agent) && w.rank().is_none());
-    let gone: Vec<(NodeId, u32)> = lost.iter().copied().chain(unregistered.map(|(n, _)| (n, u32::MAX))).collect();
-    check_rejoined(&case, &sim, &gone).map_err(|e| format!("{e}; workers {:?}", stages(&sim)))?;
+    check_rejoined(&case, &sim, &lost.workers).map_err(|e| format!("{e}; workers {:?}", stages(&sim)))?;
     Ok(true)
 }
 
 /// A random [`HostLoss`] for a job of `case`'s shape: a host that starts a server and a
-/// worker, at any moment of the run (and a little after: the job may run late).
+/// worker, at any moment of the run (and a little after: the job may run late), or at the
+/// first migration, rejoin or checkpoint after that moment.
 fn host_loss(servers: u32, workers: u32) -> impl Strategy<Value = HostLoss> {
     let hosts = servers.min(workers) as usize;
-    (0..hosts, 0.0f64..1.1, any::<bool>(), 0u32..=1).prop_map(|(host, at, silent, restart_servers)| HostLoss {
-        host,
-        at,
-        silent,
-        restart_servers,
-    })
+    (0..hosts, 0.0f64..1.1, any::<bool>(), 0u32..=1, moment())
+        .prop_map(|(host, at, silent, restart_servers, moment)| HostLoss { host, at, silent, restart_servers, moment })
 }
 
 /// [`case`] with its operator's requests (no drops), and a host loss for it.
@@ -1090,20 +1148,21 @@ fn host_case() -> impl Strategy<Value = (Case, HostLoss)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(200), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(400), ..ProptestConfig::default() })]
 
     /// Issue 33, item 4: a job across simulated hosts (one agent per host, the real
-    /// `agent::Agent`, the scheduler's host rules), `--replicas 2`, `--restart-workers 1`,
+    /// `agent::Agent`, the scheduler's host rules), `--replicas 2`, `--restart-workers 2`,
     /// while the operator moves blocks and scales; a whole host (its agent, its server and
-    /// its worker) lost at any moment. Nothing is restarted by hand: the scheduler tells
-    /// the spare host's agent to start the lost rank, and fails the lost server's blocks
-    /// over. The job completes, and every block holds each rank's pushes once.
+    /// its worker) lost at any moment after the rendezvous, mid-migration (its old owner's
+    /// host or its new one's), mid-checkpoint, or while another lost host's worker rejoins.
+    /// Nothing is restarted by hand: the scheduler tells the spare host's agent to start
+    /// the lost ranks, and fails the lost servers' blocks over. The job completes, and
+    /// every block holds each rank's pushes once.
     #[test]
     fn a_host_lost_at_any_moment_fails_over_and_the_scheduler_restarts_its_worker_on_a_spare_host(
         (c, loss) in host_case(),
     ) {
         match lose_a_host(&c, loss) {
-            // A scale-in may have left a block of the lost server with no other copy.
             // A scale-in may have left a block of the lost server with no other copy; a
             // server lost before every server held its blocks ends the job (the
             // scheduler's rule).
@@ -1156,7 +1215,8 @@ fn a_host_lost_before_its_nodes_registered_has_them_started_on_the_spare_and_the
         ],
     };
     for restart_servers in [0, 1] {
-        let loss = HostLoss { host: 1, at: 0.005644232393975993, silent: false, restart_servers };
+        let loss =
+            HostLoss { host: 1, at: 0.005644232393975993, silent: false, restart_servers, moment: Moment::Clock };
         match lose_a_host(&c, loss) {
             Ok(lost) => assert!(lost, "{loss:?}"),
             // Without a server restart, the job cannot start without the lost server.
