@@ -26,6 +26,7 @@ use elasticps_harness::{
     Weigh, frame_bytes,
 };
 use elasticps_node::ConnId;
+use elasticps_node::agent::Outcome;
 use elasticps_node::scheduler::JobConfig;
 use elasticps_node::scheduler::hosts::HostsConfig;
 use elasticps_node::server::{Exit, FrozenStep, Phase, Slot};
@@ -1126,6 +1127,22 @@ fn lose_a_host(case: &Case, loss: HostLoss) -> Result<bool, String> {
         }
     }
     check_rejoined(&case, &sim, &lost.workers).map_err(|e| format!("{e}; workers {:?}", stages(&sim)))?;
+    // Every host left: its agent saw each of its nodes exit and closed its connection.
+    let now = sim.cluster().network().now_us();
+    sim.run(now + 60_000_000, MAX_EVENTS);
+    for (agent, role) in sim.agents().filter(|(a, _)| !lost.agents.contains(a)) {
+        if !matches!(role.outcome(), Some(Outcome::Left(_))) {
+            let servers: Vec<_> = sim
+                .servers()
+                .map(|(n, s)| (n, sim.started_by(n), s.exit().cloned(), sim.cluster().network().is_alive(n)))
+                .collect();
+            return Err(format!(
+                "the agent {agent:?} ended {:?}; workers {:?} servers {servers:?}",
+                role.outcome(),
+                stages(&sim)
+            ));
+        }
+    }
     Ok(true)
 }
 
