@@ -1,10 +1,14 @@
 //! A cluster on the simulated network: the real [`Scheduler`] and any number of roles
 //! plugged in through [`Role`], driven by one event loop on virtual time.
 
-use elasticps_wire::{CheckpointEntry, Message};
+use std::collections::{BTreeSet, VecDeque};
+
+use elasticps_wire::{CheckpointEntry, KeyId, Message};
 
 use crate::net::{Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind};
 use elasticps_node::ConnId;
+use elasticps_node::agent::Spawn;
+use elasticps_node::scheduler::hosts::HostsConfig;
 use elasticps_node::scheduler::{Action, Event, JobConfig, Persisted, SavedState, Scheduler};
 
 /// A role on the simulated network: a small adapter that feeds a state machine the
@@ -25,6 +29,11 @@ pub trait Role {
     fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
         let _ = (out, token);
     }
+    /// Whether the process exited, as its host's agent would see it: `Some((ok,
+    /// status))` once it did (for a node watched with [`Cluster::watch_exit`]).
+    fn exit_status(&self) -> Option<(bool, String)> {
+        None
+    }
 }
 
 impl<R: Role + ?Sized> Role for Box<R> {
@@ -39,6 +48,9 @@ impl<R: Role + ?Sized> Role for Box<R> {
     }
     fn on_timer(&mut self, out: &mut Outbox<'_>, token: u64) {
         (**self).on_timer(out, token)
+    }
+    fn exit_status(&self) -> Option<(bool, String)> {
+        (**self).exit_status()
     }
 }
 
@@ -66,6 +78,16 @@ impl Outbox<'_> {
     /// This node.
     pub fn me(&self) -> NodeId {
         self.me
+    }
+
+    /// The address this node serves at ([`Network::addr`]).
+    pub fn my_addr(&self) -> String {
+        self.net.addr(self.me)
+    }
+
+    /// The IP address of `node`'s simulated host, if it runs on one ([`Network::ip`]).
+    pub fn ip_of(&self, node: NodeId) -> Option<String> {
+        self.net.ip(node).map(str::to_string)
     }
 
     /// The scheduler's node (connect to it to register).
@@ -124,6 +146,11 @@ impl Outbox<'_> {
         self.signals.start_requests += 1;
     }
 
+    /// Asks the cluster's owner to start a node for this host agent ([`Stop::Spawn`]).
+    pub fn spawn(&mut self, spawn: Spawn) {
+        self.signals.spawns.push_back((self.me, spawn));
+    }
+
     /// Ends the run ([`Stop::Finished`]); the first call wins.
     pub fn finish(&mut self, ok: bool, reason: String) {
         self.signals.finished.get_or_insert((ok, reason));
@@ -133,6 +160,10 @@ impl Outbox<'_> {
 #[derive(Debug, Default)]
 struct Signals {
     start_requests: u32,
+    /// Nodes host agents asked for: (the agent, what to start).
+    spawns: VecDeque<(NodeId, Spawn)>,
+    /// Watched nodes that exited: (node, ok, status).
+    exits: VecDeque<(NodeId, bool, String)>,
     finished: Option<(bool, String)>,
     finish_reported: bool,
 }
@@ -152,6 +183,24 @@ pub enum Stop {
     /// The scheduler asked for a server ([`Action::StartServer`]): add one with
     /// [`Cluster::add`] (or don't) and call `run` again. One per request.
     StartServer,
+    /// A host agent asked for a node ([`Outbox::spawn`]): start it and hand the agent
+    /// its outcome, then call `run` again. One per request.
+    Spawn {
+        /// The agent's node.
+        agent: NodeId,
+        /// What to start.
+        spawn: Spawn,
+    },
+    /// A node watched with [`Cluster::watch_exit`] exited (or was killed): tell its
+    /// host's agent, then call `run` again.
+    Exited {
+        /// The node.
+        node: NodeId,
+        /// Status 0.
+        ok: bool,
+        /// How it ended, in words.
+        status: String,
+    },
     /// The virtual time limit was reached.
     Until,
     /// The event budget was used up.
@@ -177,6 +226,9 @@ pub struct ClusterConfig {
     pub scheduler_link: LinkSpec,
     /// The balancer's budget per round, bytes (its default if `None`).
     pub balance_budget_bytes: Option<u64>,
+    /// A job across hosts (`launch --nnodes MIN:MAX --rdzv`): the scheduler's host rules,
+    /// with host agents joining it; `None`: the nodes are started by the cluster's owner.
+    pub hosts: Option<HostsConfig>,
 }
 
 impl ClusterConfig {
@@ -191,6 +243,19 @@ impl ClusterConfig {
             can_launch: false,
             scheduler_link: LinkSpec::default(),
             balance_budget_bytes: None,
+            hosts: None,
+        }
+    }
+
+    /// The scheduler `self` describes, deciding at most `can_launch` starts.
+    fn scheduler(&self, scheduler: Scheduler) -> Scheduler {
+        let mut scheduler = scheduler.with_launcher(self.can_launch);
+        if let Some(bytes) = self.balance_budget_bytes {
+            scheduler = scheduler.with_balance_budget(bytes);
+        }
+        match &self.hosts {
+            Some(hosts) => scheduler.with_hosts(hosts.clone()),
+            None => scheduler,
         }
     }
 }
@@ -210,12 +275,15 @@ pub struct SchedulerRole {
     /// The state as the runtime's `--state-dir` would hold it (with its version), kept
     /// once [`Cluster::keep_scheduler_state`] asked for it.
     saved: Option<(Persisted, SavedState)>,
+    /// Connections from nodes on simulated hosts the scheduler was told of
+    /// ([`Event::Connected`] with their host's address), until they are lost.
+    announced: BTreeSet<ConnId>,
 }
 
 impl SchedulerRole {
     /// Wraps `scheduler`.
     pub fn new(scheduler: Scheduler) -> Self {
-        Self { scheduler, timer: None, tokens: 0, manifests: Vec::new(), saved: None }
+        Self { scheduler, timer: None, tokens: 0, manifests: Vec::new(), saved: None, announced: BTreeSet::new() }
     }
 
     /// The state last saved ([`Cluster::keep_scheduler_state`]).
@@ -287,10 +355,18 @@ impl Role for SchedulerRole {
     }
 
     fn on_message(&mut self, out: &mut Outbox<'_>, conn: ConnId, request_id: u64, msg: Message) {
+        // A node on a simulated host: the scheduler learns the address it came from, as
+        // the runtime tells it a connection's peer address once its handshake is done.
+        if let Some(peer) = out.peer(conn).and_then(|n| out.ip_of(n))
+            && self.announced.insert(conn)
+        {
+            self.step(out, Event::Connected { conn, peer, key: KeyId::Cluster });
+        }
         self.step(out, Event::Received { conn, request_id, msg });
     }
 
     fn on_lost(&mut self, out: &mut Outbox<'_>, conn: ConnId, why: LostWhy) {
+        self.announced.remove(&conn);
         self.step(out, Event::Lost { conn, why: why.as_str().to_string() });
     }
 
@@ -319,6 +395,8 @@ pub struct Cluster<R: Role = Box<dyn Role>> {
     roles: Vec<Option<R>>,
     signals: Signals,
     events: u64,
+    /// Nodes whose exit is reported ([`Stop::Exited`]), until it is.
+    watched: BTreeSet<NodeId>,
 }
 
 impl<R: Role> std::fmt::Debug for Cluster<R> {
@@ -333,11 +411,7 @@ impl<R: Role> Cluster<R> {
         let mut net = Network::new(config.seed);
         net.set_jitter_us(config.jitter_us);
         let sched = net.add_node(NodeKind::Scheduler, config.scheduler_link);
-        let mut scheduler =
-            Scheduler::new(config.job.clone(), config.heartbeat_timeout_us).with_launcher(config.can_launch);
-        if let Some(bytes) = config.balance_budget_bytes {
-            scheduler = scheduler.with_balance_budget(bytes);
-        }
+        let scheduler = config.scheduler(Scheduler::new(config.job.clone(), config.heartbeat_timeout_us));
         let mut cluster = Self {
             net,
             scheduler: SchedulerRole::new(scheduler),
@@ -346,6 +420,7 @@ impl<R: Role> Cluster<R> {
             roles: Vec::new(),
             signals: Signals::default(),
             events: 0,
+            watched: BTreeSet::new(),
         };
         let mut out = Outbox { net: &mut cluster.net, me: sched, scheduler: sched, signals: &mut cluster.signals };
         cluster.scheduler.on_start(&mut out);
@@ -379,7 +454,16 @@ impl<R: Role> Cluster<R> {
 
     /// Adds a node running `role` with `link`, and starts it ([`Role::on_start`]) now.
     pub fn add(&mut self, kind: NodeKind, link: LinkSpec, role: R) -> NodeId {
+        self.add_on(None, kind, link, role)
+    }
+
+    /// [`Cluster::add`] on the simulated host of IP address `ip`, if any
+    /// ([`Network::set_ip`]).
+    pub fn add_on(&mut self, ip: Option<&str>, kind: NodeKind, link: LinkSpec, role: R) -> NodeId {
         let id = self.net.add_node(kind, link);
+        if let Some(ip) = ip {
+            self.net.set_ip(id, ip);
+        }
         let i = id.0 as usize;
         if self.roles.len() <= i {
             self.roles.resize_with(i + 1, || None);
@@ -405,9 +489,32 @@ impl<R: Role> Cluster<R> {
         self.roles.iter().enumerate().filter_map(|(i, r)| Some((NodeId(i as u32), r.as_ref()?)))
     }
 
-    /// A fault: `node` crashes ([`Network::crash`]).
+    /// A fault: `node` crashes ([`Network::crash`]). A watched node's exit is reported
+    /// as a kill ([`Stop::Exited`]).
     pub fn crash(&mut self, node: NodeId, peers_notice: bool) {
         self.net.crash(node, peers_notice);
+        if self.watched.remove(&node) {
+            self.signals.exits.push_back((node, false, "killed by signal 9".into()));
+        }
+    }
+
+    /// From now on `node`'s exit ([`Role::exit_status`]) is reported once, as
+    /// [`Stop::Exited`]: a process its host's agent started.
+    pub fn watch_exit(&mut self, node: NodeId) {
+        self.watched.insert(node);
+    }
+
+    /// Calls `f` with `node`'s role and its [`Outbox`] now (an input from the cluster's
+    /// owner, such as an agent's spawned node); `None` if `node` has no role or crashed.
+    pub fn with_role<T>(&mut self, node: NodeId, f: impl FnOnce(&mut R, &mut Outbox<'_>) -> T) -> Option<T> {
+        if !self.net.is_alive(node) {
+            return None;
+        }
+        let role = self.roles.get_mut(node.0 as usize)?.as_mut()?;
+        let mut out = Outbox { net: &mut self.net, me: node, scheduler: self.sched, signals: &mut self.signals };
+        let result = f(role, &mut out);
+        self.check_exit(node);
+        Some(result)
     }
 
     /// From now on the scheduler's state is saved whenever it changes (the runtime's
@@ -422,11 +529,7 @@ impl<R: Role> Cluster<R> {
     pub fn restart_scheduler(&mut self) -> Result<(), String> {
         let saved = self.scheduler.saved.clone().ok_or("no scheduler state was kept (keep_scheduler_state)")?;
         let c = &self.config;
-        let mut scheduler =
-            Scheduler::recover(c.job.clone(), saved.1.clone(), c.heartbeat_timeout_us)?.with_launcher(c.can_launch);
-        if let Some(bytes) = c.balance_budget_bytes {
-            scheduler = scheduler.with_balance_budget(bytes);
-        }
+        let scheduler = c.scheduler(Scheduler::recover(c.job.clone(), saved.1.clone(), c.heartbeat_timeout_us)?);
         self.net.revive(self.sched);
         let mut role = SchedulerRole::new(scheduler);
         role.manifests = std::mem::take(&mut self.scheduler.manifests);
@@ -481,7 +584,10 @@ impl<R: Role> Cluster<R> {
             s.start_requests -= 1;
             return Some(Stop::StartServer);
         }
-        None
+        if let Some((agent, spawn)) = s.spawns.pop_front() {
+            return Some(Stop::Spawn { agent, spawn });
+        }
+        s.exits.pop_front().map(|(node, ok, status)| Stop::Exited { node, ok, status })
     }
 
     fn dispatch(&mut self, d: Delivery) {
@@ -493,6 +599,18 @@ impl<R: Role> Cluster<R> {
             deliver(&mut self.scheduler, &mut out, d);
         } else if let Some(Some(role)) = self.roles.get_mut(node.0 as usize) {
             deliver(role, &mut out, d);
+            self.check_exit(node);
+        }
+    }
+
+    /// A watched node that exited is reported ([`Stop::Exited`]).
+    fn check_exit(&mut self, node: NodeId) {
+        if !self.watched.contains(&node) {
+            return;
+        }
+        if let Some((ok, status)) = self.role(node).and_then(Role::exit_status) {
+            self.watched.remove(&node);
+            self.signals.exits.push_back((node, ok, status));
         }
     }
 }

@@ -6,11 +6,21 @@
 //! cluster to the end of the job, starting a server whenever the scheduler asks for one
 //! (scale-out), and lets the `Shutdown` messages land. Test drivers (an operator sending
 //! `Scale` requests, say) plug in as [`JobRole::Driver`].
+//!
+//! [`SimJob::across_hosts`] runs a job across simulated hosts instead, as `elasticps
+//! launch --nnodes MIN:MAX --rdzv` does: one host agent per host ([`AgentRole`], the real
+//! [`elasticps_node::agent::Agent`]), each on its own IP address, and the scheduler's host
+//! rules decide what starts where. The job only carries out the agents' spawns (a server
+//! or a worker on that host) and hands each agent its nodes' exits.
 
+use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use elasticps_wire::Message;
+use elasticps_node::agent::{AgentConfig, Input, NodeKind as Spawned, Spawn};
+use elasticps_node::scheduler::hosts::HostsConfig;
+use elasticps_wire::{HostOffer, Message};
 
+use crate::agent::AgentRole;
 use crate::cluster::{Cluster, ClusterConfig, Outbox, Role, Stop};
 use crate::net::{LinkSpec, LostWhy, NodeId, NodeKind, Weigh};
 use crate::server::{ServerModel, ServerRole};
@@ -28,6 +38,8 @@ pub enum JobRole {
     Worker(WorkerRole),
     /// A test driver (an operator, a fault injector).
     Driver(Box<dyn Role>),
+    /// A host's agent (a job across hosts).
+    Agent(AgentRole),
 }
 
 impl std::fmt::Debug for dyn Role {
@@ -42,6 +54,7 @@ impl Role for JobRole {
             JobRole::Server(r) => r.on_start(out),
             JobRole::Worker(r) => r.on_start(out),
             JobRole::Driver(r) => r.on_start(out),
+            JobRole::Agent(r) => r.on_start(out),
         }
     }
 
@@ -50,6 +63,7 @@ impl Role for JobRole {
             JobRole::Server(r) => r.on_message(out, conn, request_id, msg),
             JobRole::Worker(r) => r.on_message(out, conn, request_id, msg),
             JobRole::Driver(r) => r.on_message(out, conn, request_id, msg),
+            JobRole::Agent(r) => r.on_message(out, conn, request_id, msg),
         }
     }
 
@@ -58,6 +72,7 @@ impl Role for JobRole {
             JobRole::Server(r) => r.on_lost(out, conn, why),
             JobRole::Worker(r) => r.on_lost(out, conn, why),
             JobRole::Driver(r) => r.on_lost(out, conn, why),
+            JobRole::Agent(r) => r.on_lost(out, conn, why),
         }
     }
 
@@ -66,6 +81,16 @@ impl Role for JobRole {
             JobRole::Server(r) => r.on_timer(out, token),
             JobRole::Worker(r) => r.on_timer(out, token),
             JobRole::Driver(r) => r.on_timer(out, token),
+            JobRole::Agent(r) => r.on_timer(out, token),
+        }
+    }
+
+    fn exit_status(&self) -> Option<(bool, String)> {
+        match self {
+            JobRole::Server(r) => r.exit_status(),
+            JobRole::Worker(r) => r.exit_status(),
+            JobRole::Driver(r) => r.exit_status(),
+            JobRole::Agent(r) => r.exit_status(),
         }
     }
 }
@@ -119,13 +144,51 @@ pub struct JobEnd {
     pub at_us: u64,
 }
 
+/// One simulated host of a job across hosts: what it starts at the rendezvous and what
+/// it offers (its agent's [`HostOffer`], `--servers-per-node`, `--worker-slots`, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostSpec {
+    /// Servers it starts at the rendezvous.
+    pub servers: u32,
+    /// Workers it starts at the rendezvous.
+    pub workers: u32,
+    /// Servers it runs at most.
+    pub server_slots: u32,
+    /// Workers it runs at most.
+    pub worker_slots: u32,
+}
+
+impl HostSpec {
+    /// The IP address of the `i`-th simulated host: `10.0.<i / 200>.<i % 200 + 1>`.
+    pub fn ip(i: usize) -> String {
+        format!("10.0.{}.{}", i / 200, i % 200 + 1)
+    }
+}
+
+/// The agents of a job across hosts, and what they started.
+struct Hosted {
+    /// Every host's agent, in host order.
+    agents: Vec<NodeId>,
+    /// The agent that started each node.
+    started_by: BTreeMap<NodeId, NodeId>,
+    /// What a worker runs, by its rank (restarted) or its spawn order (first start).
+    training: Box<dyn FnMut(u32) -> TrainingLoop>,
+}
+
 /// A job on the harness.
-#[derive(Debug)]
 pub struct SimJob {
     cluster: Cluster<JobRole>,
     setup: JobSetup,
     servers: Vec<NodeId>,
     workers: Vec<NodeId>,
+    hosted: Option<Hosted>,
+}
+
+impl std::fmt::Debug for SimJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let agents = self.hosted.as_ref().map(|h| h.agents.clone());
+        f.debug_struct("SimJob").field("cluster", &self.cluster).field("agents", &agents).finish()
+    }
 }
 
 impl SimJob {
@@ -135,7 +198,7 @@ impl SimJob {
         let mut cluster = Cluster::new(ClusterConfig { can_launch: true, ..setup.cluster.clone() });
         let weigh = setup.weigh.clone();
         cluster.network_mut().set_size_hook(move |m| weigh(m));
-        let mut job = Self { cluster, setup, servers: Vec::new(), workers: Vec::new() };
+        let mut job = Self { cluster, setup, servers: Vec::new(), workers: Vec::new(), hosted: None };
         for _ in 0..job.setup.cluster.job.servers {
             job.add_server();
         }
@@ -147,16 +210,148 @@ impl SimJob {
         job
     }
 
+    /// A job across `hosts` simulated hosts, as `launch --rdzv` runs it: the scheduler with
+    /// the host rules of `config`, and one agent per host (host `i` at [`HostSpec::ip`]),
+    /// which join it. Nothing else starts until the scheduler tells the agents to: the
+    /// job's size comes from the hosts' offers. A worker runs `training(i)`, `i` its spawn
+    /// order, or its rank when it restarts.
+    pub fn across_hosts(
+        setup: JobSetup,
+        config: HostsConfig,
+        hosts: &[HostSpec],
+        training: impl FnMut(u32) -> TrainingLoop + 'static,
+    ) -> Self {
+        let cluster_config = ClusterConfig { can_launch: false, hosts: Some(config), ..setup.cluster.clone() };
+        let mut cluster = Cluster::new(cluster_config);
+        let weigh = setup.weigh.clone();
+        cluster.network_mut().set_size_hook(move |m| weigh(m));
+        let hosted = Hosted { agents: Vec::new(), started_by: BTreeMap::new(), training: Box::new(training) };
+        let mut job = Self { cluster, setup, servers: Vec::new(), workers: Vec::new(), hosted: Some(hosted) };
+        let rdzv = job.cluster.scheduler_node().addr();
+        for (i, h) in hosts.iter().enumerate() {
+            let (name, ip) = (format!("host{i}"), HostSpec::ip(i));
+            let offer = HostOffer {
+                name: name.clone(),
+                addr: ip.clone(),
+                servers: h.servers,
+                workers: h.workers,
+                server_slots: h.server_slots,
+                worker_slots: h.worker_slots,
+            };
+            let config = AgentConfig {
+                name,
+                rdzv: rdzv.clone(),
+                offer,
+                leads: false,
+                join_timeout_us: 60_000_000,
+                end_timeout_us: 30_000_000,
+            };
+            let role = JobRole::Agent(AgentRole::new(config, job.cluster.network().now_us()));
+            let agent = job.cluster.add_on(Some(&ip), NodeKind::Other(i as u32), LinkSpec::default(), role);
+            if let Some(h) = job.hosted.as_mut() {
+                h.agents.push(agent);
+            }
+        }
+        job
+    }
+
     /// Adds a server (a scale-out, or a replacement).
     pub fn add_server(&mut self) -> NodeId {
+        self.add_server_on(None)
+    }
+
+    /// [`SimJob::add_server`] on the simulated host of IP address `ip`, if any.
+    fn add_server_on(&mut self, ip: Option<&str>) -> NodeId {
         let i = self.servers.len() as u32;
         let role = JobRole::Server(
             ServerRole::new(self.setup.server_model, self.setup.weigh.clone())
                 .with_scheduler_retry(self.setup.scheduler_retry_us),
         );
-        let node = self.cluster.add(NodeKind::Server(i), self.setup.server_link, role);
+        let node = self.cluster.add_on(ip, NodeKind::Server(i), self.setup.server_link, role);
         self.servers.push(node);
         node
+    }
+
+    /// Adds a worker on the simulated host of IP address `ip`, if any: a new one, or one
+    /// restarted that rejoins as `rank`.
+    fn add_worker_on(&mut self, ip: Option<&str>, work: TrainingLoop, rank: Option<u32>) -> NodeId {
+        let role = match rank {
+            Some(rank) => WorkerRole::rejoining(work, rank),
+            None => WorkerRole::new(work),
+        };
+        let role = JobRole::Worker(role.with_scheduler_retry(self.setup.scheduler_retry_us));
+        let i = rank.unwrap_or(self.workers.len() as u32);
+        let node = self.cluster.add_on(ip, NodeKind::Worker(i), self.setup.worker_link, role);
+        self.workers.push(node);
+        node
+    }
+
+    /// Every host's agent (a job across hosts), in host order.
+    pub fn agents(&self) -> impl Iterator<Item = (NodeId, &AgentRole)> {
+        let agents = self.hosted.as_ref().map_or(&[][..], |h| &h.agents[..]);
+        agents.iter().filter_map(|n| match self.cluster.role(*n) {
+            Some(JobRole::Agent(a)) => Some((*n, a)),
+            _ => None,
+        })
+    }
+
+    /// The agent that started `node` (a job across hosts).
+    pub fn started_by(&self, node: NodeId) -> Option<NodeId> {
+        self.hosted.as_ref()?.started_by.get(&node).copied()
+    }
+
+    /// A whole host lost at once, as a kill of everything in its network namespace: its
+    /// agent and every node it started crash; with `peers_notice` their connections
+    /// reset (the peers learn it now), else their peers only notice the silence.
+    pub fn lose_host(&mut self, agent: NodeId, peers_notice: bool) {
+        let nodes: Vec<NodeId> = self
+            .hosted
+            .as_ref()
+            .map(|h| h.started_by.iter().filter(|(_, a)| **a == agent).map(|(n, _)| *n).collect())
+            .unwrap_or_default();
+        self.cluster.crash(agent, peers_notice);
+        for node in nodes {
+            if self.cluster.network().is_alive(node) {
+                self.cluster.crash(node, peers_notice);
+            }
+        }
+    }
+
+    /// A host agent's spawn: the node starts on its host, and the agent learns it.
+    fn spawn(&mut self, agent: NodeId, spawn: Spawn) {
+        let Some(hosted) = self.hosted.as_mut() else { return };
+        let ip = self.cluster.network().ip(agent).map(str::to_string);
+        if !self.cluster.network().is_alive(agent) {
+            return; // the host is gone: nothing starts there
+        }
+        let node = match spawn.node {
+            Spawned::Server => self.add_server_on(ip.as_deref()),
+            Spawned::Worker { rank, .. } => {
+                let work = (hosted.training)(rank.unwrap_or(self.workers.len() as u32));
+                self.add_worker_on(ip.as_deref(), work, rank)
+            }
+        };
+        self.cluster.watch_exit(node);
+        if let Some(h) = self.hosted.as_mut() {
+            h.started_by.insert(node, agent);
+        }
+        let input = Input::Spawned { slot: spawn.slot, node: node.0 as usize };
+        self.tell_agent(agent, input);
+    }
+
+    /// A node an agent started exited: its agent learns it (unless it is gone too).
+    fn exited(&mut self, node: NodeId, ok: bool, status: String) {
+        if let Some(agent) = self.started_by(node) {
+            self.tell_agent(agent, Input::Exited { node: node.0 as usize, ok, status });
+        }
+    }
+
+    fn tell_agent(&mut self, agent: NodeId, input: Input<'_>) {
+        self.cluster.with_role(agent, |role, out| {
+            if let JobRole::Agent(a) = role {
+                a.input(out, input);
+            }
+        });
     }
 
     /// Adds a worker restarted after it was lost: it rejoins as `rank` and runs `training`
@@ -206,22 +401,34 @@ impl SimJob {
     /// end, the `Shutdown` messages are delivered before this returns.
     pub fn run(&mut self, until_us: u64, max_events: u64) -> Option<JobEnd> {
         let mut budget = max_events;
+        match self.run_serving(until_us, &mut budget) {
+            Stop::Finished { ok, reason } => {
+                let at_us = self.cluster.network().now_us();
+                // Let the Shutdown messages land (servers exit, drained ones linger, agents
+                // see their nodes exit and leave).
+                let settle = at_us.saturating_add(1_000_000);
+                self.run_serving(settle, &mut budget);
+                Some(JobEnd { ok, reason, at_us })
+            }
+            _ => None,
+        }
+    }
+
+    /// Runs the cluster until `until_us`, out of `budget` deliveries, carrying out what it
+    /// asks of its owner (a server for a scale-out, an agent's spawn, an exit for an agent);
+    /// returns the first other [`Stop`].
+    fn run_serving(&mut self, until_us: u64, budget: &mut u64) -> Stop {
         loop {
             let before = self.cluster.events();
-            let stop = self.cluster.run(until_us, budget);
-            budget = budget.saturating_sub(self.cluster.events() - before);
+            let stop = self.cluster.run(until_us, *budget);
+            *budget = budget.saturating_sub(self.cluster.events() - before);
             match stop {
                 Stop::StartServer => {
                     self.add_server();
                 }
-                Stop::Finished { ok, reason } => {
-                    let at_us = self.cluster.network().now_us();
-                    // Let the Shutdown messages land (servers exit, drained ones linger).
-                    let settle = at_us.saturating_add(1_000_000);
-                    self.cluster.run(settle, budget);
-                    return Some(JobEnd { ok, reason, at_us });
-                }
-                Stop::Until | Stop::Events | Stop::Idle => return None,
+                Stop::Spawn { agent, spawn } => self.spawn(agent, spawn),
+                Stop::Exited { node, ok, status } => self.exited(node, ok, status),
+                other => return other,
             }
         }
     }

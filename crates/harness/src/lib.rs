@@ -26,6 +26,11 @@
 //!   scheduler on the simulated network (both adapters'); [`wake`]: one timer per machine's
 //!   `poll_timeout()`; [`job`]: a whole job ([`SimJob`]) from birth
 //!   to its end, what the proptests and `elasticps sim` run.
+//! - [`agent`]: the host agent's adapter ([`AgentRole`], the real
+//!   [`Agent`](elasticps_node::agent::Agent)): [`SimJob::across_hosts`] runs a job across
+//!   simulated hosts, each on its own IP address, as `elasticps launch --rdzv` does; the
+//!   scheduler's host rules decide what starts where and what restarts after a host is
+//!   lost ([`SimJob::lose_host`]).
 //!
 //! A role plugs in like this (the server's and the worker's adapters look the same):
 //!
@@ -65,6 +70,7 @@
 //! assert_eq!(cluster.network().now_us(), 1_000);
 //! ```
 
+pub mod agent;
 pub mod cluster;
 pub mod job;
 pub mod link;
@@ -75,8 +81,9 @@ pub mod server;
 pub mod wake;
 pub mod worker;
 
+pub use agent::AgentRole;
 pub use cluster::{Cluster, ClusterConfig, Outbox, Role, SchedulerRole, Stop};
-pub use job::{JobEnd, JobRole, JobSetup, SimJob};
+pub use job::{HostSpec, JobEnd, JobRole, JobSetup, SimJob};
 pub use net::{
     Delivery, LinkSpec, LostWhy, NetStats, Network, NodeId, NodeKind, NodeTraffic, SizeHook, TraceEntry, Weigh,
     frame_bytes, nominal_sizes, transfer_ns,

@@ -37,9 +37,15 @@ impl NodeId {
         format!("sim:{}", self.0)
     }
 
-    /// The node an address of [`NodeId::addr`]'s form names, if it is one.
+    /// The node an address names, if it is one: `sim:<index>` ([`NodeId::addr`]), or
+    /// `<ip>:<index>`, the address of a node on a simulated host ([`Network::addr`]).
     pub fn from_addr(addr: &str) -> Option<NodeId> {
-        addr.strip_prefix("sim:")?.parse().ok().map(NodeId)
+        if let Some(index) = addr.strip_prefix("sim:") {
+            return index.parse().ok().map(NodeId);
+        }
+        let (ip, index) = addr.rsplit_once(':')?;
+        ip.trim_matches(['[', ']']).parse::<std::net::IpAddr>().ok()?;
+        index.parse().ok().map(NodeId)
     }
 }
 
@@ -231,6 +237,8 @@ struct NodeState {
     down: Port<u32>,
     conns: Vec<ConnId>,
     traffic: NodeTraffic,
+    /// The IP address of its simulated host, if it runs on one.
+    ip: Option<String>,
 }
 
 /// What waits at a node's uplink: a message (its slot), or a close sent after them.
@@ -439,8 +447,31 @@ impl Network {
             down: Port::default(),
             conns: Vec::new(),
             traffic: NodeTraffic::default(),
+            ip: None,
         });
         NodeId(self.nodes.len() as u32 - 1)
+    }
+
+    /// Puts `node` on the simulated host of IP address `ip`: its connections come from
+    /// that address, and it serves at [`Network::addr`] `<ip>:<index>`.
+    pub fn set_ip(&mut self, node: NodeId, ip: &str) {
+        if let Some(n) = self.nodes.get_mut(node.0 as usize) {
+            n.ip = Some(ip.to_string());
+        }
+    }
+
+    /// The IP address of `node`'s simulated host, if it runs on one.
+    pub fn ip(&self, node: NodeId) -> Option<&str> {
+        self.nodes.get(node.0 as usize)?.ip.as_deref()
+    }
+
+    /// The address `node` serves at: `<ip>:<index>` on a simulated host, else
+    /// [`NodeId::addr`]; [`NodeId::from_addr`] reads both back.
+    pub fn addr(&self, node: NodeId) -> String {
+        match self.ip(node) {
+            Some(ip) => format!("{ip}:{}", node.0),
+            None => node.addr(),
+        }
     }
 
     /// Changes a node's link from now on (a straggler appears or goes away).

@@ -134,7 +134,7 @@ impl ServerRole {
     /// An event of the scheduler's link ([`SchedLink`]); a link that ends without a
     /// `Shutdown` ends the server, as a runtime's server exits.
     fn session(&mut self, out: &mut Outbox<'_>, event: session::Event<'_>) {
-        let addr = out.me().addr();
+        let addr = out.my_addr();
         let server = self.server.as_ref();
         let hello = || server.and_then(|s| elasticps_node::scheduler::reattach_message(s, &addr)).map(Message::from);
         let ended = self.link.handle(out, event, hello);
@@ -306,10 +306,17 @@ impl ServerRole {
 }
 
 impl Role for ServerRole {
+    fn exit_status(&self) -> Option<(bool, String)> {
+        match self.exit.as_ref()? {
+            Exit::Shutdown { .. } => Some((true, "exit status 0".into())),
+            Exit::Failed { reason } => Some((false, format!("exit status 1: {reason}"))),
+        }
+    }
+
     fn on_start(&mut self, out: &mut Outbox<'_>) {
         let sched = self.link.connect(out);
         self.conns.insert(sched);
-        let mut server = Server::new(out.me().addr()).with_trace(self.model.check_bound);
+        let mut server = Server::new(out.my_addr()).with_trace(self.model.check_bound);
         let mut actions = server.start(out.now_us());
         let next = server.poll_timeout();
         self.server = Some(server);

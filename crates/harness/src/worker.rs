@@ -548,6 +548,14 @@ impl WorkerRole {
 }
 
 impl Role for WorkerRole {
+    fn exit_status(&self) -> Option<(bool, String)> {
+        match &self.stage {
+            Stage::Done => Some((true, "exit status 0".into())),
+            Stage::Failed(why) => Some((false, format!("exit status 1: {why}"))),
+            _ => None,
+        }
+    }
+
     fn on_start(&mut self, out: &mut Outbox<'_>) {
         self.link.connect(out);
         let hello = match self.rejoin {

@@ -22,11 +22,13 @@ use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
 use elasticps_core::placement::PlacementKind;
 use elasticps_core::sync::{Clock, SyncPolicy};
 use elasticps_harness::{
-    ClusterConfig, JobEnd, JobSetup, LostWhy, NodeId, Outbox, Role, ServerModel, SimJob, Stage, TrainingLoop, Weigh,
-    frame_bytes,
+    ClusterConfig, HostSpec, JobEnd, JobSetup, LostWhy, NodeId, Outbox, Role, ServerModel, SimJob, Stage, TrainingLoop,
+    Weigh, frame_bytes,
 };
 use elasticps_node::ConnId;
+use elasticps_node::agent::Outcome;
 use elasticps_node::scheduler::JobConfig;
+use elasticps_node::scheduler::hosts::HostsConfig;
 use elasticps_node::server::{Exit, FrozenStep, Phase, Slot};
 use elasticps_wire::{CheckpointPlan, Control, ErrorCode, Injection, Message, ScaleRequest};
 use proptest::prelude::*;
@@ -353,6 +355,15 @@ fn job_of(case: &Case, job: JobConfig, trace: bool) -> (SimJob, Rc<RefCell<Vec<S
 
 /// [`job_of`], servers and workers redialling a lost scheduler for `retry_us`.
 fn job_with_retry(case: &Case, job: JobConfig, trace: bool, retry_us: u64) -> (SimJob, Rc<RefCell<Vec<Sent>>>) {
+    let mut sim = SimJob::new(setup_of(case, job, retry_us), training(case));
+    sim.cluster_mut().network_mut().set_trace(trace);
+    let log = add_operator(case, &mut sim);
+    (sim, log)
+}
+
+/// How the job of `case` (run as `job` says) is set up on the harness, servers and
+/// workers redialling a lost scheduler for `retry_us`.
+fn setup_of(case: &Case, job: JobConfig, retry_us: u64) -> JobSetup {
     let mut setup =
         JobSetup::new(ClusterConfig { seed: case.seed, jitter_us: case.jitter_us, ..ClusterConfig::new(job) });
     setup.scheduler_retry_us = retry_us;
@@ -365,8 +376,11 @@ fn job_with_retry(case: &Case, job: JobConfig, trace: bool, retry_us: u64) -> (S
         });
         setup.weigh = weigh;
     }
-    let mut sim = SimJob::new(setup, training(case));
-    sim.cluster_mut().network_mut().set_trace(trace);
+    setup
+}
+
+/// Adds the operator of `case` to `sim`: its requests are logged in the returned list.
+fn add_operator(case: &Case, sim: &mut SimJob) -> Rc<RefCell<Vec<Sent>>> {
     let log = Rc::new(RefCell::new(Vec::new()));
     let plan: Vec<(u64, ScaleRequest)> = case
         .ops
@@ -377,7 +391,7 @@ fn job_with_retry(case: &Case, job: JobConfig, trace: bool, retry_us: u64) -> (S
         })
         .collect();
     sim.add_driver(Box::new(Operator { plan, conn: None, log: log.clone() }));
-    (sim, log)
+    log
 }
 
 /// [`run`], keeping the network's trace of every delivery if `trace`.
@@ -841,13 +855,9 @@ proptest! {
 /// the restarted one ran from the clock it rejoined at to the end, and no pull was
 /// answered against the sync policy's bound. `Ok(false)` if the victim was not running
 /// then (not registered yet, or done).
-///
-/// `host`: a server (by spawn order) dies with the worker, as when their host is lost
-/// (the case runs with `--replicas 2` then, so its blocks fail over).
-fn crash_and_rejoin(case: &Case, crash_us: u64, victim: usize, host: Option<usize>) -> Result<bool, String> {
+fn crash_and_rejoin(case: &Case, crash_us: u64, victim: usize) -> Result<bool, String> {
     // The scheduler waits for the restarted worker even if the others finish first.
-    let replicas = if host.is_some() { 2 } else { case.replicas };
-    let (mut sim, _) = job_of(case, JobConfig { rejoin_wait_us: 60_000_000, replicas, ..case.job() }, false);
+    let (mut sim, _) = job_of(case, JobConfig { rejoin_wait_us: 60_000_000, ..case.job() }, false);
     if sim.run(crash_us, MAX_EVENTS).is_some() {
         return Ok(false);
     }
@@ -856,13 +866,6 @@ fn crash_and_rejoin(case: &Case, crash_us: u64, victim: usize, host: Option<usiz
     else {
         return Ok(false);
     };
-    if let Some(server) = host {
-        let Some((s, role)) = sim.servers().nth(server) else { return Ok(false) };
-        if role.exit().is_some() || role.server().and_then(|s| s.shard()).is_none() {
-            return Ok(false);
-        }
-        sim.cluster_mut().crash(s, true);
-    }
     sim.cluster_mut().crash(node, true);
     sim.restart_worker(rank, training(case)(rank));
     let left = MAX_EVENTS.saturating_sub(sim.cluster().events());
@@ -963,35 +966,278 @@ proptest! {
         let c = Case { ops: c.ops.iter().filter(|op| matches!(op, Op::Scale { .. })).copied().collect(), ..c };
         let window = u64::from(c.iterations) * (c.compute_us.0 + c.compute_us.1 / 2);
         let crash_us = 1_000 + (window as f64 * at) as u64;
-        if let Err(e) = crash_and_rejoin(&c, crash_us, victim % c.workers as usize, None) {
+        if let Err(e) = crash_and_rejoin(&c, crash_us, victim % c.workers as usize) {
             return Err(TestCaseError::fail(format!("{e} (crash at {crash_us} us)")));
         }
     }
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(200), ..ProptestConfig::default() })]
+// ---- hosts and their agents ------------------------------------------------------------
 
-    /// Issue 20's flaky host test, in the harness: a host lost with a server and a worker
-    /// on it (`--replicas 2`), the worker restarted with its rank elsewhere. The job
-    /// completes and every block holds each of the worker's pushes at most once, every
-    /// clock of its new life on every block.
-    #[test]
-    fn a_host_lost_with_a_server_and_a_worker_fails_over_and_the_restarted_worker_loses_no_push(
-        c in case(false),
-        at in 0.05f64..0.9,
-        victim in 0usize..4,
-        server in 0usize..4,
-    ) {
+/// The hosts of a job of `case` across hosts: host `i` starts server `i` and worker `i`
+/// (those the case has), with one slot of each kind, and a spare host starts nothing and
+/// offers two slots of each kind (room for two restarted workers, a replaced server, a
+/// scale-out).
+fn hosts_of(case: &Case) -> Vec<HostSpec> {
+    let n = case.servers.max(case.workers);
+    let host = |i: u32| HostSpec {
+        servers: u32::from(i < case.servers),
+        workers: u32::from(i < case.workers),
+        server_slots: 1,
+        worker_slots: 1,
+    };
+    let mut hosts: Vec<HostSpec> = (0..n).map(host).collect();
+    hosts.push(HostSpec { servers: 0, workers: 0, server_slots: 2, worker_slots: 2 });
+    hosts
+}
+
+/// A whole host lost at a moment of a job across hosts.
+#[derive(Clone, Copy, Debug)]
+pub struct HostLoss {
+    /// The host (one that starts a server and a worker).
+    pub host: usize,
+    /// When, as a fraction of the run's window (from the first delivery on).
+    pub at: f64,
+    /// Its nodes' peers see no close, only silence (a machine that vanishes).
+    pub silent: bool,
+    /// `--restart-servers`.
+    pub restart_servers: u32,
+    /// What the job is doing when the host is lost (from `at` on).
+    pub moment: Moment,
+}
+
+/// The workers of the host of `agent` that a loss takes, as they are now: (node, rank);
+/// rank `u32::MAX` for one that had not registered (no worker of the job has that rank,
+/// so only its node is left out of the checks). One that finished is not taken.
+fn workers_of(sim: &SimJob, agent: NodeId) -> Vec<(NodeId, u32)> {
+    sim.workers()
+        .filter(|(n, w)| sim.started_by(*n) == Some(agent) && !matches!(w.stage(), Stage::Done))
+        .map(|(n, w)| (n, w.rank().unwrap_or(u32::MAX)))
+        .collect()
+}
+
+/// The hosts lost so far (their agents) and the workers they took: (node, rank).
+#[derive(Default)]
+struct Lost {
+    agents: Vec<NodeId>,
+    workers: Vec<(NodeId, u32)>,
+}
+
+impl Lost {
+    /// Loses the host of `agent` now, as a kill of everything in its namespace.
+    fn host(&mut self, sim: &mut SimJob, agent: NodeId, silent: bool) {
+        self.workers.extend(workers_of(sim, agent));
+        self.agents.push(agent);
+        sim.lose_host(agent, !silent);
+    }
+}
+
+/// Runs `sim` from `at_us` until `loss.moment`, then loses its host (for
+/// [`Moment::Rejoining`], another host first, then `loss.host` while the first one's
+/// worker rejoins). `false` if the moment never came.
+fn lose_at_moment(case: &Case, sim: &mut SimJob, loss: HostLoss, at_us: u64, lost: &mut Lost) -> bool {
+    if sim.run(at_us, MAX_EVENTS).is_some() {
+        return false;
+    }
+    let agent = |sim: &SimJob, i: usize| sim.agents().nth(i).map(|(n, _)| n);
+    let Some(mut victim) = agent(sim, loss.host) else { return false };
+    match loss.moment {
+        Moment::Clock => {}
+        Moment::Migrating => {
+            let migrating = |sim: &SimJob| migration_in(sim, Step::Snapshot).or_else(|| migration_in(sim, Step::Delta));
+            if !run_until(sim, |sim| migrating(sim).is_some()) {
+                return false;
+            }
+            let Some((from, to, _)) = migrating(sim) else { return false };
+            let server = if loss.host.is_multiple_of(2) { from } else { to };
+            let Some(a) = sim.started_by(server) else { return false };
+            victim = a;
+        }
+        Moment::Checkpointing => {
+            let under_way = |sim: &SimJob| {
+                let completed = sim.cluster().scheduler_role().manifests().last().map_or(0, |(c, _)| *c);
+                let alive = |n| sim.cluster().network().is_alive(n);
+                sim.servers().any(|(n, s)| alive(n) && s.checkpoints().iter().any(|(c, _)| *c > completed))
+            };
+            if case.checkpoint_every > 0 && !run_until(sim, under_way) {
+                return false;
+            }
+        }
+        Moment::Rejoining => {
+            let hosts = case.servers.min(case.workers) as usize;
+            let Some(first) = agent(sim, (loss.host + 1) % hosts) else { return false };
+            lost.host(sim, first, loss.silent);
+            let rejoining = |sim: &SimJob| sim.cluster().scheduler().rejoining().next().is_some();
+            if !run_until(sim, rejoining) {
+                return false;
+            }
+        }
+    }
+    lost.host(sim, victim, loss.silent);
+    true
+}
+
+/// Runs `case` across [`hosts_of`] its hosts, as `elasticps launch --rdzv` runs it
+/// (`--replicas 2`, `--restart-workers 2`, the launch's rejoin wait), and loses a host at
+/// once, its agent and every node it started, at `loss.at` of the run's window after the
+/// rendezvous, then at `loss.moment` ([`lose_at_moment`]). The scheduler's host rules and
+/// the agents do the rest: the lost worker's rank restarts on the spare host, the lost
+/// server's blocks fail over. Checked as [`crash_and_rejoin`] checks a restarted worker:
+/// the job ends well, every other worker ran every iteration, the restarted one from
+/// where it rejoined, every block holds each rank's pushes once. `Ok(false)` if the job
+/// ended before the moment came.
+fn lose_a_host(case: &Case, loss: HostLoss) -> Result<bool, String> {
+    let case = Case { replicas: 2, ..case.clone() };
+    let job = JobConfig { rejoin_wait_us: elasticps_node::timing::RESTART_REJOIN_WAIT_US, ..case.job() };
+    let hosts = hosts_of(&case);
+    let n = hosts.len() as u32;
+    let config = HostsConfig { min_hosts: n, max_hosts: n, restart_workers: 2, restart_servers: loss.restart_servers };
+    let mut sim = SimJob::across_hosts(setup_of(&case, job, 0), config, &hosts, training(&case));
+    add_operator(&case, &mut sim);
+    // The rendezvous: once the hosts joined, their agents start the job's nodes. (A host
+    // lost before it joined is waited for: the job needs MIN hosts.)
+    let started = |sim: &SimJob| sim.workers().count() as u32 == case.workers;
+    if !run_until(&mut sim, started) {
+        let waits = sim.cluster().scheduler().waiting_for();
+        return Err(format!("the hosts' agents did not start the job's nodes: {waits:?}"));
+    }
+    let window = u64::from(case.iterations) * (case.compute_us.0 + case.compute_us.1 / 2) + 2_000;
+    let at_us = sim.cluster().network().now_us() + (window as f64 * loss.at) as u64;
+    let mut lost = Lost::default();
+    if !lose_at_moment(&case, &mut sim, loss, at_us, &mut lost) {
+        return Ok(false);
+    }
+    let left = MAX_EVENTS.saturating_sub(sim.cluster().events());
+    let stages = |sim: &SimJob| -> Vec<_> {
+        sim.workers().map(|(n, w)| (n, sim.started_by(n), w.rank(), w.stage().clone(), w.start_clock())).collect()
+    };
+    let Some(end) = sim.run(HORIZON_US, left) else {
+        return Err(format!("the job did not end: workers (node, agent, rank, stage, start) {:?}", stages(&sim)));
+    };
+    if !end.ok {
+        let servers: Vec<_> = sim.servers().map(|(n, s)| (n, sim.started_by(n), s.exit().cloned())).collect();
+        return Err(format!("the job failed: {} (workers {:?}, servers {servers:?})", end.reason, stages(&sim)));
+    }
+    for (old, rank) in lost.workers.iter().filter(|(_, r)| *r != u32::MAX) {
+        // A worker whose `WorkerDone` the scheduler took before the loss is done.
+        let finishing = sim.workers().any(|(n, w)| n == *old && *w.stage() == Stage::Finishing);
+        let again = sim.workers().find(|(n, w)| n != old && w.rank() == Some(*rank)).map(|(n, _)| n);
+        if again.and_then(|n| sim.started_by(n)).is_none_or(|a| lost.agents.contains(&a)) && !finishing {
+            return Err(format!("rank {rank} was not started again by another host's agent: {:?}", stages(&sim)));
+        }
+    }
+    check_rejoined(&case, &sim, &lost.workers).map_err(|e| format!("{e}; workers {:?}", stages(&sim)))?;
+    // Every host left: its agent saw each of its nodes exit and closed its connection.
+    let now = sim.cluster().network().now_us();
+    sim.run(now + 60_000_000, MAX_EVENTS);
+    for (agent, role) in sim.agents().filter(|(a, _)| !lost.agents.contains(a)) {
+        if !matches!(role.outcome(), Some(Outcome::Left(_))) {
+            let servers: Vec<_> = sim
+                .servers()
+                .map(|(n, s)| (n, sim.started_by(n), s.exit().cloned(), sim.cluster().network().is_alive(n)))
+                .collect();
+            return Err(format!(
+                "the agent {agent:?} ended {:?}; workers {:?} servers {servers:?}",
+                role.outcome(),
+                stages(&sim)
+            ));
+        }
+    }
+    Ok(true)
+}
+
+/// A random [`HostLoss`] for a job of `case`'s shape: a host that starts a server and a
+/// worker, at any moment of the run (and a little after: the job may run late), or at the
+/// first migration, rejoin or checkpoint after that moment.
+fn host_loss(servers: u32, workers: u32) -> impl Strategy<Value = HostLoss> {
+    let hosts = servers.min(workers) as usize;
+    (0..hosts, 0.0f64..1.1, any::<bool>(), 0u32..=1, moment())
+        .prop_map(|(host, at, silent, restart_servers, moment)| HostLoss { host, at, silent, restart_servers, moment })
+}
+
+/// [`case`] with its operator's requests (no drops), and a host loss for it.
+fn host_case() -> impl Strategy<Value = (Case, HostLoss)> {
+    case(false).prop_flat_map(|c| {
         let c = Case { ops: c.ops.iter().filter(|op| matches!(op, Op::Scale { .. })).copied().collect(), ..c };
-        let window = u64::from(c.iterations) * (c.compute_us.0 + c.compute_us.1 / 2);
-        let crash_us = 1_000 + (window as f64 * at) as u64;
-        let (victim, server) = (victim % c.workers as usize, server % c.servers as usize);
-        match crash_and_rejoin(&c, crash_us, victim, Some(server)) {
-            // A scale-in may have left a block of the lost server with no other copy.
-            Err(e) if e.contains("had no other copy") => {}
-            Err(e) => return Err(TestCaseError::fail(format!("{e} (worker {victim} and server {server} crashed at {crash_us} us)"))),
+        let loss = host_loss(c.servers, c.workers);
+        (Just(c), loss)
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(400), ..ProptestConfig::default() })]
+
+    /// Issue 33, item 4: a job across simulated hosts (one agent per host, the real
+    /// `agent::Agent`, the scheduler's host rules), `--replicas 2`, `--restart-workers 2`,
+    /// while the operator moves blocks and scales; a whole host (its agent, its server and
+    /// its worker) lost at any moment after the rendezvous, mid-migration (its old owner's
+    /// host or its new one's), mid-checkpoint, or while another lost host's worker rejoins.
+    /// Nothing is restarted by hand: the scheduler tells the spare host's agent to start
+    /// the lost ranks, and fails the lost servers' blocks over. The job completes, and
+    /// every block holds each rank's pushes once.
+    #[test]
+    fn a_host_lost_at_any_moment_fails_over_and_the_scheduler_restarts_its_worker_on_a_spare_host(
+        (c, loss) in host_case(),
+    ) {
+        match lose_a_host(&c, loss) {
+            // A scale-in may have left a block of the lost server with no other copy; a
+            // server lost before every server held its blocks ends the job (the
+            // scheduler's rule).
+            Err(e) if e.contains("had no other copy") || e.contains("gone before training started") => {}
+            Err(e) => return Err(TestCaseError::fail(format!("{e} ({loss:?})"))),
             Ok(_) => {}
+        }
+    }
+}
+
+/// The first case the agent-driven host proptest found (seed kept): host 1 lost just after
+/// its agent started its server and its worker, before they registered. The scheduler knew
+/// no rank for the worker and started nothing in its place: the job waited forever for its
+/// second worker. Now a worker with no rank and a server start on the spare host.
+#[test]
+fn a_host_lost_before_its_nodes_registered_has_them_started_on_the_spare_and_the_job_finishes() {
+    use ScaleRequest::{AddServer, MoveBlock, RemoveServer};
+    let scale = |at_us, req| Op::Scale { at_us, req };
+    let c = Case {
+        seed: 12042966238672276348,
+        servers: 2,
+        max_servers: 4,
+        workers: 2,
+        tensors: vec![2],
+        placement: PlacementKind::Range,
+        sync: SyncPolicy::Ssp(2),
+        aggregate: false,
+        iterations: 4,
+        compute_us: (638, 3283),
+        jitter_us: 41,
+        psld: None,
+        fuse: true,
+        checkpoint_every: 0,
+        replicas: 1,
+        ops: vec![
+            scale(7689, RemoveServer(2)),
+            scale(5294, MoveBlock { block: 0, to: 3 }),
+            scale(9084, MoveBlock { block: 0, to: 3 }),
+            scale(9172, AddServer),
+            scale(1388, MoveBlock { block: 1, to: 2 }),
+            scale(2234, MoveBlock { block: 0, to: 2 }),
+            scale(4281, RemoveServer(1)),
+            scale(7597, MoveBlock { block: 2, to: 4 }),
+            scale(10485, MoveBlock { block: 1, to: 2 }),
+            scale(11049, MoveBlock { block: 2, to: 3 }),
+            scale(9142, MoveBlock { block: 1, to: 4 }),
+            scale(2866, RemoveServer(2)),
+            scale(1889, MoveBlock { block: 0, to: 4 }),
+            scale(3517, MoveBlock { block: 1, to: 1 }),
+        ],
+    };
+    for restart_servers in [0, 1] {
+        let loss =
+            HostLoss { host: 1, at: 0.005644232393975993, silent: false, restart_servers, moment: Moment::Clock };
+        match lose_a_host(&c, loss) {
+            Ok(lost) => assert!(lost, "{loss:?}"),
+            // Without a server restart, the job cannot start without the lost server.
+            Err(e) => assert!(restart_servers == 0 && e.contains("gone before training started"), "{e}"),
         }
     }
 }
@@ -1082,7 +1328,7 @@ fn the_rejoin_schedules_kill_running_workers() {
         .filter(|(i, c)| {
             let window = u64::from(c.iterations) * (c.compute_us.0 + c.compute_us.1 / 2);
             let crash_us = 1_000 + window * (1 + *i as u64 % 8) / 10;
-            crash_and_rejoin(c, crash_us, i % c.workers as usize, None).expect("the rejoin property holds")
+            crash_and_rejoin(c, crash_us, i % c.workers as usize).expect("the rejoin property holds")
         })
         .count();
     assert!(crashed >= 60, "only {crashed} of 100 schedules killed a running worker");

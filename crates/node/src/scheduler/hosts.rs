@@ -78,6 +78,21 @@ pub struct LostHost {
     pub servers: Vec<u32>,
     /// Workers (ranks) that ran on it.
     pub ranks: Vec<u32>,
+    /// Servers started on it that had not registered yet.
+    pub unnamed_servers: u32,
+    /// Workers started on it that had not registered yet.
+    pub unnamed_workers: u32,
+}
+
+/// What [`Hosts::replace`] starts in place of a lost host's nodes, and what it cannot.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Replacements {
+    /// The nodes to start.
+    pub starts: Vec<Start>,
+    /// The nodes not started again, in words.
+    pub missed: Vec<String>,
+    /// True if a node that had not registered yet is among them: the job lacks it.
+    pub unnamed_missed: bool,
 }
 
 #[derive(Debug)]
@@ -292,9 +307,9 @@ impl Hosts {
         Ok(start)
     }
 
-    fn start_worker(&mut self, rank: u32) -> Result<Start, String> {
+    fn start_worker(&mut self, rank: Option<u32>) -> Result<Start, String> {
         let host = pick_host(&self.rooms(Kind::Worker), None).ok_or_else(|| self.no_room(Kind::Worker))?;
-        let start = self.open(host, Kind::Worker, Some(rank));
+        let start = self.open(host, Kind::Worker, rank);
         self.check();
         Ok(start)
     }
@@ -347,19 +362,20 @@ impl Hosts {
             return None;
         }
         let start = match kind {
-            Kind::Worker => self.restart_worker(node?),
+            Kind::Worker => self.restart_worker(Some(node?)),
             Kind::Server => self.replace_server(),
         };
         start.map_err(|e| tracing::warn!(error = %e, "a node exited and cannot be started again")).ok().flatten()
     }
 
-    fn restart_worker(&mut self, rank: u32) -> Result<Option<Start>, String> {
+    /// Starts a worker again, with its rank if it had registered, within the budget.
+    fn restart_worker(&mut self, rank: Option<u32>) -> Result<Option<Start>, String> {
         if self.worker_restarts_left == 0 {
             return Ok(None);
         }
         let start = self.start_worker(rank)?;
         self.worker_restarts_left -= 1;
-        tracing::info!(rank, host = %self.label(start.host), left = self.worker_restarts_left, "worker restarts");
+        tracing::info!(?rank, host = %self.label(start.host), left = self.worker_restarts_left, "worker restarts");
         Ok(Some(start))
     }
 
@@ -402,40 +418,58 @@ impl Hosts {
 
     fn lose(&mut self, host: HostId, why: String) -> LostHost {
         self.hosts[host as usize].lost = true;
-        let (mut servers, mut ranks) = (Vec::new(), Vec::new());
+        let (mut servers, mut ranks, mut unnamed_servers, mut unnamed_workers) = (Vec::new(), Vec::new(), 0, 0);
         for s in self.slots.values_mut().filter(|s| s.host == host && s.running) {
             s.running = false;
             match (s.kind, s.node) {
                 (Kind::Server, Some(id)) => servers.push(id),
                 (Kind::Worker, Some(rank)) => ranks.push(rank),
-                _ => {}
+                (Kind::Server, None) => unnamed_servers += 1,
+                (Kind::Worker, None) => unnamed_workers += 1,
             }
         }
         let label = self.label(host);
-        tracing::warn!(host = %label, %why, ?servers, ?ranks, "host lost");
-        LostHost { host, conn: self.hosts[host as usize].conn, label, why, servers, ranks }
+        tracing::warn!(host = %label, %why, ?servers, ?ranks, unnamed_servers, unnamed_workers, "host lost");
+        let conn = self.hosts[host as usize].conn;
+        LostHost { host, conn, label, why, servers, ranks, unnamed_servers, unnamed_workers }
     }
 
-    /// What to start in place of a lost host's nodes: its workers with their ranks, and
-    /// servers in place of its servers, on hosts with room and within the budgets. The
-    /// nodes that cannot be started again are named in the returned messages.
-    pub fn replace(&mut self, lost: &LostHost) -> (Vec<Start>, Vec<String>) {
-        let (mut starts, mut missed) = (Vec::new(), Vec::new());
-        for &rank in &lost.ranks {
-            match self.restart_worker(rank) {
-                Ok(Some(s)) => starts.push(s),
-                Ok(None) => missed.push(format!("worker {rank}: no restarts left (--restart-workers)")),
-                Err(e) => missed.push(format!("worker {rank}: {e}")),
-            }
+    /// What to start in place of a lost host's nodes: its workers with their ranks (and
+    /// those that had not registered yet, with none), and servers in place of its servers,
+    /// on hosts with room and within the budgets. The nodes that cannot be started again
+    /// are named in the returned messages.
+    pub fn replace(&mut self, lost: &LostHost) -> Replacements {
+        let mut r = Replacements::default();
+        let unnamed = (0..lost.unnamed_workers).map(|_| None);
+        for rank in lost.ranks.iter().copied().map(Some).chain(unnamed) {
+            let name = rank.map_or_else(|| "a worker that had not registered".to_string(), |r| format!("worker {r}"));
+            let why = match self.restart_worker(rank) {
+                Ok(Some(s)) => {
+                    r.starts.push(s);
+                    continue;
+                }
+                Ok(None) => "no restarts left (--restart-workers)".to_string(),
+                Err(e) => e,
+            };
+            r.unnamed_missed |= rank.is_none();
+            r.missed.push(format!("{name}: {why}"));
         }
-        for &id in &lost.servers {
-            match self.replace_server() {
-                Ok(Some(s)) => starts.push(s),
-                Ok(None) => {}
-                Err(e) => missed.push(format!("a server in place of server {id}: {e}")),
-            }
+        let unnamed = (0..lost.unnamed_servers).map(|_| None);
+        for id in lost.servers.iter().copied().map(Some).chain(unnamed) {
+            let name = id.map_or_else(|| "a server that had not registered".to_string(), |i| format!("server {i}"));
+            let why = match self.replace_server() {
+                Ok(Some(s)) => {
+                    r.starts.push(s);
+                    continue;
+                }
+                Ok(None) if id.is_some() => continue,
+                Ok(None) => "no restarts left (--restart-servers)".to_string(),
+                Err(e) => e,
+            };
+            r.unnamed_missed |= id.is_none();
+            r.missed.push(format!("a server in place of {name}: {why}"));
         }
-        (starts, missed)
+        r
     }
 
     /// What the rendezvous waits for, in words, or `None` once the job's nodes started.
@@ -539,7 +573,7 @@ impl Scheduler {
 
     /// A host left the job: its servers and workers are lost with it (servers fail over
     /// with replicas), and what can be started again elsewhere is.
-    pub(super) fn host_lost(&mut self, lost: LostHost, out: &mut Vec<Action>) {
+    pub(super) fn host_lost(&mut self, mut lost: LostHost, out: &mut Vec<Action>) {
         let why = format!("host {} lost: {}", lost.label, lost.why);
         self.elastic.event(
             self.now_us,
@@ -561,14 +595,24 @@ impl Scheduler {
         if self.over {
             return;
         }
+        // A worker whose `WorkerDone` was taken is done, though its process had not exited.
+        lost.ranks.retain(|r| !self.finished_workers.contains(r) || self.failed_workers.contains_key(r));
         let Some(hosts) = self.hosts.as_mut() else { return };
-        let (starts, missed) = hosts.replace(&lost);
-        out.extend(starts.into_iter().map(|s| start_node(s, self.config.workers)));
-        for m in missed {
+        let r = hosts.replace(&lost);
+        out.extend(r.starts.into_iter().map(|s| start_node(s, self.config.workers)));
+        for m in &r.missed {
             tracing::warn!(host = %lost.label, "not started again: {m}");
         }
         if hosts.agents().is_empty() {
             self.finish(false, format!("{why}; no host is left in the job"), out);
+        } else if r.unnamed_missed && !self.layout_ready {
+            // The job waits for nodes that will never register.
+            let missed = r.missed.join("; ");
+            self.finish(
+                false,
+                format!("{why}: its nodes that had not registered are gone before training started: {missed}"),
+                out,
+            );
         }
     }
 }
@@ -672,14 +716,42 @@ mod tests {
         assert_eq!(lost.len(), 1);
         assert_eq!((lost[0].host, &lost[0].servers, &lost[0].ranks), (1, &vec![1], &vec![1]));
         assert!(lost[0].why.contains("no heartbeat"), "{}", lost[0].why);
-        let (starts, missed) = h.replace(&lost[0]);
-        assert_eq!(starts.len(), 2, "{starts:?} {missed:?}");
-        assert!(starts.iter().all(|s| s.host == 0));
-        assert!(starts.iter().any(|s| s.role == NodeRole::Worker { rank: Some(1) }));
+        let r = h.replace(&lost[0]);
+        assert_eq!(r.starts.len(), 2, "{r:?}");
+        assert!(r.starts.iter().all(|s| s.host == 0));
+        assert!(r.starts.iter().any(|s| s.role == NodeRole::Worker { rank: Some(1) }));
         // The budgets are spent: a second failure is not restarted.
         assert_eq!(h.exited(1, 0, false, Some(0)), None);
         assert!(h.connection_lost(1, "eof").is_some());
         assert!(h.agents().is_empty());
+    }
+
+    /// Found by the harness's host proptest (issue 33): a host lost after its agent
+    /// started its nodes but before they registered took a worker the job waits for; it
+    /// was never started again (it had no rank), and the job hung.
+    #[test]
+    fn a_host_lost_before_its_nodes_registered_has_them_started_again_elsewhere() {
+        let mut h = Hosts::new(config(3, 3));
+        h.join(1, offer("a", "10.0.0.1", 1, 1), 0).unwrap();
+        h.join(2, offer("b", "10.0.0.2", 1, 1), 0).unwrap();
+        h.join(3, HostOffer { servers: 0, workers: 0, ..offer("spare", "10.0.0.3", 0, 0) }, 0).unwrap();
+        h.initial();
+        h.server_registered(0, "10.0.0.1:1", None);
+        h.worker_registered(0, Some("10.0.0.1"));
+        let lost = h.connection_lost(2, "eof").unwrap();
+        assert_eq!((lost.unnamed_servers, lost.unnamed_workers, lost.ranks.len()), (1, 1, 0));
+        let r = h.replace(&lost);
+        let roles: Vec<_> = r.starts.iter().map(|s| s.role).collect();
+        assert_eq!(roles, [NodeRole::Worker { rank: None }, NodeRole::Server], "{r:?}");
+        assert!(r.starts.iter().all(|s| s.host != 1), "not on the lost host: {r:?}");
+        assert!(!r.unnamed_missed);
+        // No restarts left: what is missed is said, and that the job lacks it.
+        let lost = h.connection_lost(1, "eof").unwrap();
+        assert_eq!((lost.unnamed_servers, lost.unnamed_workers), (1, 1), "the restarted ones had not registered");
+        let r = h.replace(&lost);
+        assert!(r.starts.is_empty() && r.unnamed_missed, "{r:?}");
+        let said = |what: &str| r.missed.iter().any(|m| m.contains("had not registered") && m.contains(what));
+        assert!(said("--restart-workers") && said("--restart-servers"), "{r:?}");
     }
 }
 
@@ -748,6 +820,33 @@ mod scheduler_tests {
         // The job goes on; at the end every agent is told.
         let a = recv(&mut m, 1, 3, Control::WorkerDone { rank: 0 });
         assert!(starts(&a, 100).is_empty());
+    }
+
+    /// Found by the harness's host proptest (issue 33): a host lost after the scheduler
+    /// took its worker's `WorkerDone` (the process not exited yet) had that finished rank
+    /// started again elsewhere, spending a restart on a worker whose rejoin is refused.
+    #[test]
+    fn a_host_lost_after_its_worker_finished_does_not_start_it_again() {
+        let hosts = HostsConfig { min_hosts: 3, max_hosts: 3, restart_workers: 1, restart_servers: 0 };
+        let mut m = Scheduler::new(JobConfig { replicas: 2, ..config() }, 2_000_000).with_hosts(hosts);
+        join(&mut m, 100, "a", "10.0.0.1", 1, 1);
+        join(&mut m, 200, "b", "10.0.0.2", 1, 1);
+        join(&mut m, 300, "spare", "10.0.0.3", 0, 0);
+        for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.2"), (1, "10.0.0.1"), (2, "10.0.0.2")] {
+            step(&mut m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
+        }
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
+        recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.2:7100".into() });
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
+        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+        recv(&mut m, 20, 0, Control::AssignDone { server_id: 1 });
+        recv(&mut m, 2, 3, Control::WorkerDone { rank: 1 });
+        let a = step(&mut m, Event::Lost { conn: 200, why: "the peer crashed".into() });
+        let started: Vec<_> = [100, 300].iter().flat_map(|c| starts(&a, *c)).collect();
+        assert!(started.is_empty(), "finished rank 1 is not started again: {a:?}");
+        assert!(m.placement().unwrap().owners.iter().all(|o| *o == 0), "server 1's blocks failed over");
     }
 
     /// A job across hosts that is over tells its agents, relays the last events they
