@@ -776,6 +776,22 @@ mod scheduler_tests {
         assert!(m.handle(WAIT_REPORT_EVERY_US + 500_000, Event::Timeout).is_empty(), "once per 5 s");
     }
 
+    /// Servers 0 and 1 (connections 10 and 20, at `data`) and workers 0 and 1 (connections 1
+    /// and 2) connect from `ips` (server i and worker i from `ips[i]`) and register; worker
+    /// 0 defines the model and both servers take their blocks: the job runs.
+    fn register_two_and_two(m: &mut Scheduler, ips: [&str; 2], data: [&str; 2]) {
+        for (conn, ip) in [(10, ips[0]), (20, ips[1]), (1, ips[0]), (2, ips[1])] {
+            step(m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
+        }
+        recv(m, 10, 1, Control::RegisterServer { data_addr: data[0].into() });
+        recv(m, 20, 1, Control::RegisterServer { data_addr: data[1].into() });
+        recv(m, 1, 1, Control::RegisterWorker);
+        recv(m, 2, 1, Control::RegisterWorker);
+        recv(m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
+        recv(m, 10, 0, Control::AssignDone { server_id: 0 });
+        recv(m, 20, 0, Control::AssignDone { server_id: 1 });
+    }
+
     #[test]
     fn a_job_across_hosts_starts_its_nodes_there_and_a_lost_host_fails_over_and_restarts_its_worker() {
         let hosts = HostsConfig { min_hosts: 2, max_hosts: 3, restart_workers: 1, restart_servers: 0 };
@@ -789,16 +805,7 @@ mod scheduler_tests {
         assert_eq!(starts(&a, 100), [elasticps_wire::NodeRole::Server, worker]);
         assert_eq!(starts(&a, 200), [elasticps_wire::NodeRole::Server, worker]);
         // The nodes register from their hosts; the job runs.
-        for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.2"), (1, "10.0.0.1"), (2, "10.0.0.2")] {
-            step(&mut m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
-        }
-        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
-        recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.2:7100".into() });
-        recv(&mut m, 1, 1, Control::RegisterWorker);
-        recv(&mut m, 2, 1, Control::RegisterWorker);
-        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
-        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
-        recv(&mut m, 20, 0, Control::AssignDone { server_id: 1 });
+        register_two_and_two(&mut m, ["10.0.0.1", "10.0.0.2"], ["10.0.0.1:7100", "10.0.0.2:7100"]);
         assert_eq!(m.waiting_for(), None);
         // Host b goes silent: after 2 s it is lost, its server fails over, its worker
         // restarts with its rank on host a.
@@ -832,16 +839,7 @@ mod scheduler_tests {
         join(&mut m, 100, "a", "10.0.0.1", 1, 1);
         join(&mut m, 200, "b", "10.0.0.2", 1, 1);
         join(&mut m, 300, "spare", "10.0.0.3", 0, 0);
-        for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.2"), (1, "10.0.0.1"), (2, "10.0.0.2")] {
-            step(&mut m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
-        }
-        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
-        recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.2:7100".into() });
-        recv(&mut m, 1, 1, Control::RegisterWorker);
-        recv(&mut m, 2, 1, Control::RegisterWorker);
-        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
-        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
-        recv(&mut m, 20, 0, Control::AssignDone { server_id: 1 });
+        register_two_and_two(&mut m, ["10.0.0.1", "10.0.0.2"], ["10.0.0.1:7100", "10.0.0.2:7100"]);
         recv(&mut m, 2, 3, Control::WorkerDone { rank: 1 });
         let a = step(&mut m, Event::Lost { conn: 200, why: "the peer crashed".into() });
         let started: Vec<_> = [100, 300].iter().flat_map(|c| starts(&a, *c)).collect();
@@ -858,16 +856,7 @@ mod scheduler_tests {
             let hosts = HostsConfig { min_hosts: 1, max_hosts: 1, restart_workers: 0, restart_servers: 0 };
             let mut m = Scheduler::new(config(), 2_000_000).with_hosts(hosts);
             join(&mut m, 100, "a", "10.0.0.1", 2, 2);
-            for (conn, ip) in [(10, "10.0.0.1"), (20, "10.0.0.1"), (1, "10.0.0.1"), (2, "10.0.0.1")] {
-                step(&mut m, Event::Connected { conn, peer: ip.into(), key: KeyId::Cluster });
-            }
-            recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "10.0.0.1:7100".into() });
-            recv(&mut m, 20, 1, Control::RegisterServer { data_addr: "10.0.0.1:7101".into() });
-            recv(&mut m, 1, 1, Control::RegisterWorker);
-            recv(&mut m, 2, 1, Control::RegisterWorker);
-            recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
-            recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
-            recv(&mut m, 20, 0, Control::AssignDone { server_id: 1 });
+            register_two_and_two(&mut m, ["10.0.0.1", "10.0.0.1"], ["10.0.0.1:7100", "10.0.0.1:7101"]);
             recv(&mut m, 1, 3, Control::WorkerDone { rank: 0 });
             let a = recv(&mut m, 2, 3, Control::WorkerDone { rank: 1 });
             assert!(
