@@ -268,6 +268,19 @@ fn a_command_that_cannot_start_is_a_clear_error_before_any_process_starts() {
     assert!(err.contains("required") && err.contains("<CMD>"), "{err}");
 }
 
+/// Issue 35 (secure by default): a launch across hosts without a cluster secret refuses to
+/// start, saying what to set, before it dials or listens anywhere.
+#[test]
+fn a_launch_across_hosts_without_a_secret_refuses_to_start_saying_what_to_set() {
+    let started = Instant::now();
+    let out =
+        run_to_end(launch(&["--nnodes", "2", "--rdzv", "127.0.0.1:29499", "--", "true"]), Duration::from_secs(20));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("a job across hosts needs a cluster secret") && err.contains("ELASTICPS_SECRET"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5), "refused before any wait: {:?}", started.elapsed());
+}
+
 #[test]
 fn workers_that_exit_without_joining_end_the_launch_after_the_end_timeout() {
     let dir = common::temp_dir("launch-nojoin");

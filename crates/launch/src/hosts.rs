@@ -198,6 +198,15 @@ struct Host {
 impl Host {
     fn new(spec: &HostSpec<'_>) -> Result<Self> {
         let h = spec.hosts;
+        if spec.net.secret.is_empty() {
+            // Across hosts the rendezvous listens on the network: with the empty secret,
+            // anyone who reaches it could join the job, or speak as any of its nodes.
+            return Err(LaunchError::Flags(
+                "a job across hosts needs a cluster secret: set ELASTICPS_SECRET (or --secret) to the same value on \
+                 every host, e.g. `export ELASTICPS_SECRET=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n')`"
+                    .into(),
+            ));
+        }
         let rdzv = rendezvous(h)?;
         let ip = addr::advertise_ip(rdzv.addr, h.advertise.as_deref(), h.interface.as_deref())?;
         // On one machine, hosts on loopback addresses (127.0.0.1, 127.0.0.2) lead only if
