@@ -64,6 +64,9 @@ STRAGGLE_S = (0.1, 0.3)
 CAP_MBIT = 500
 #: Ports of the capped bed: torch's rendezvous and elasticps's.
 DDP_PORT, EPS_PORT = 29500, 29400
+# The cluster secret of the launches across the capped hosts (a launch across hosts refuses
+# to start without one); one per benchmark run.
+EPS_SECRET = os.urandom(16).hex()
 #: Once one process of a run failed, how long the others may take to end.
 FAIL_GRACE_S = 20.0
 #: The namespace bed's prefix (scripts/testnet).
@@ -262,6 +265,7 @@ def two_host_procs(args, hosts, model: str, system: str, straggle: bool, result:
         else:
             servers = 1 if (i == 0 or SYSTEMS[system][2] == 2) else 0
             argv = [args.binary, "launch", "--nnodes", "2", "--rdzv", f"{a.ip}:{EPS_PORT}", "--node-name", h.name]
+            argv += ["--secret", EPS_SECRET]
             argv += ["--servers-per-node", str(servers), "--workers-per-node", "1", *eps_flags(system)]
             argv += ["--", sys.executable, *py]
         out.append(h.argv(argv))
