@@ -16,6 +16,9 @@ use crate::common::{self, models};
 
 const WORKERS: u32 = 2;
 const NO_LAUNCHER: &[&str] = &["--launcher", "none"];
+/// No launcher, and an operator may remove servers down to 1 (`--min-servers` is
+/// `--servers` by default).
+const REMOVABLE: &[&str] = &["--launcher", "none", "--min-servers", "1"];
 const LEN: usize = 40;
 
 fn model() -> Vec<TensorSpec> {
@@ -187,7 +190,7 @@ fn a_removed_server_drains_first_and_loses_nothing() {
         })
     }
     let pace = Duration::from_millis(5);
-    let (_, job) = run_while("ssp:1", (3, NO_LAUNCHER), CLOCKS, (pace, pace), remove);
+    let (_, job) = run_while("ssp:1", (3, REMOVABLE), CLOCKS, (pace, pace), remove);
     // Server 1 (the second to register) stopped by itself, cleanly, before the others.
     let (balance, pushes) = collect(job);
     let actions: Vec<&str> =
@@ -221,7 +224,7 @@ fn workers_that_compute_long_between_rounds_find_the_blocks_of_a_removed_server(
     }
     let pace = Duration::from_millis(150);
     let started = Instant::now();
-    let (_, job) = run_while("bsp", (3, NO_LAUNCHER), CLOCKS, (pace, pace), remove);
+    let (_, job) = run_while("bsp", (3, REMOVABLE), CLOCKS, (pace, pace), remove);
     let (balance, pushes) = collect(job);
     assert!(started.elapsed() < Duration::from_secs(30), "no worker waited for a timeout");
     let actions: Vec<&str> =

@@ -170,7 +170,7 @@ impl Case {
             inject,
             balance: if self.psld.is_some() { BalanceMode::Psld } else { BalanceMode::Static },
             max_servers: self.max_servers,
-            min_servers: if self.psld.is_some() { 1 } else { self.servers },
+            min_servers: 1,
             checkpoint: (self.checkpoint_every > 0).then(|| CheckpointPlan {
                 dir: "memory".into(),
                 every: self.checkpoint_every,

@@ -120,10 +120,10 @@ pub struct JobArgs {
     /// stragglers, scale servers out and in between --min-servers and --max-servers).
     #[arg(long, env = "ELASTICPS_BALANCE", default_value = "static")]
     pub balance: BalanceMode,
-    /// Most servers the balancer may scale out to [default: --servers].
+    /// Most servers the balancer or an operator's add-server may scale out to [default: --servers].
     #[arg(long, env = "ELASTICPS_MAX_SERVERS")]
     pub max_servers: Option<u32>,
-    /// Fewest servers the balancer may scale in to [default: --servers].
+    /// Fewest servers the balancer or an operator's remove-server may scale in to [default: --servers].
     #[arg(long, env = "ELASTICPS_MIN_SERVERS")]
     pub min_servers: Option<u32>,
     /// Write a checkpoint of every block here (a directory every server and the

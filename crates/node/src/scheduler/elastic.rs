@@ -130,6 +130,9 @@ pub(super) struct Elastic {
     migrations: u32,
     log: BalanceLog,
     max_servers: u32,
+    /// Fewest servers serving (`--min-servers`): an operator's `RemoveServer` never goes
+    /// below it, as the balancer's scale-in does not.
+    min_servers: u32,
     /// Workers the job runs (its configuration): the divisor of a server's link rate
     /// until some finish.
     job_workers: u32,
@@ -159,6 +162,7 @@ impl Elastic {
     /// when its hosts joined, before any server registered).
     pub fn set_bounds(&mut self, min_servers: u32, max_servers: u32) {
         self.max_servers = max_servers;
+        self.min_servers = min_servers;
         if let Some(b) = &self.balancer {
             self.balancer = Some(Balancer::new(BalanceParams { min_servers, max_servers, ..*b.params() }));
         }
@@ -194,6 +198,7 @@ impl Elastic {
             migrations: 0,
             log: BalanceLog { mode: mode.to_string(), ..Default::default() },
             max_servers,
+            min_servers,
             job_workers,
         }
     }
@@ -539,8 +544,16 @@ impl Elastic {
                     Some(s) => return Err(format!("server {id} is {}, not serving", s.name())),
                     None => return Err(format!("there is no server {id}")),
                 }
-                if self.serving().len() <= 1 {
+                let serving = self.serving().len() as u32;
+                if serving <= 1 {
                     return Err(format!("server {id} is the last one serving: it cannot be removed"));
+                }
+                if serving <= self.min_servers {
+                    return Err(format!(
+                        "the job runs {serving} servers and may not go below {} (--min-servers {}): \
+                         start it with a lower --min-servers to remove one",
+                        self.min_servers, self.min_servers
+                    ));
                 }
                 Ok(self.drain(id, placement, now_us, "operator: remove-server".into()))
             }
@@ -1113,6 +1126,24 @@ mod tests {
 
     fn placement(owners: Vec<u32>) -> Placement {
         Placement::new(1, owners)
+    }
+
+    #[test]
+    fn remove_server_never_goes_below_min_servers() {
+        let p = placement(vec![0, 1, 2, 0, 1, 2]);
+        let mut e = Elastic::new(BalanceMode::Static, 3, 3, 2);
+        e.model_placed(vec![16; 6]);
+        for id in 0..3 {
+            e.registered(id, true, 0);
+        }
+        let err = e.scale(ScaleRequest::RemoveServer(1), &p, false, 10).expect_err("3 servers, --min-servers 3");
+        assert!(err.contains("--min-servers 3") && err.contains("runs 3 servers"), "{err}");
+        assert_eq!(e.serving(), [0, 1, 2], "nothing drains");
+        // A job across hosts learns its bounds late: they hold from then on.
+        e.set_bounds(2, 3);
+        assert!(e.scale(ScaleRequest::RemoveServer(1), &p, false, 10).is_ok());
+        let err = e.scale(ScaleRequest::RemoveServer(2), &p, false, 11).expect_err("2 serving, --min-servers 2");
+        assert!(err.contains("--min-servers 2"), "{err}");
     }
 
     #[test]
