@@ -4,7 +4,9 @@
 //!
 //! The contract with a worker command (the Python package and `elasticps worker` keep it):
 //!
-//! - its environment adds `ELASTICPS_SCHEDULER=HOST:PORT`, `ELASTICPS_SECRET`,
+//! - its environment adds `ELASTICPS_SCHEDULER=HOST:PORT`, `ELASTICPS_WORKER_SECRET` (a
+//!   worker secret of its own: `--worker-secret`, or one derived from the cluster secret;
+//!   `ELASTICPS_SECRET` is empty, so a script never holds the cluster secret),
 //!   `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_WORKERS=N`, `ELASTICPS_LOCAL_RANK=I` (its spawn
 //!   index; the scheduler still assigns the rank), `ELASTICPS_EVENTS_FD=3`, and
 //!   `ELASTICPS_REQUEST_TIMEOUT` when `--request-timeout-s` is given, and
@@ -86,7 +88,15 @@ impl LaunchCmd {
 
 /// `elasticps launch`: run, print the summary, write the report.
 pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
-    let cmd = cmd.with_default_arithmetic();
+    let mut cmd = cmd.with_default_arithmetic();
+    // The scripts hold a worker secret of their own, never the cluster secret.
+    if cmd.net.secure_for_scripts(cmd.hosts.spans_hosts()) && !cmd.run.quiet {
+        println!(
+            "note: no --secret given: the job's nodes use a cluster secret drawn for it, and the scripts a worker \
+             secret of their own; launch with --secret (ELASTICPS_SECRET) to reach the job with `elasticps status` \
+             or `elasticps scale`"
+        );
+    }
     let mut env = Vec::new();
     if let Some(s) = cmd.request_timeout_s {
         env.push(("ELASTICPS_REQUEST_TIMEOUT".to_string(), s.to_string()));

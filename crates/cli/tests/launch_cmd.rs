@@ -281,6 +281,42 @@ fn a_launch_across_hosts_without_a_secret_refuses_to_start_saying_what_to_set() 
     assert!(started.elapsed() < Duration::from_secs(5), "refused before any wait: {:?}", started.elapsed());
 }
 
+/// Issue 35 (secure by default): a launched script holds a worker secret of its own and
+/// never the cluster secret, whether the user gave a cluster secret or none, and trains
+/// with it. (A worker-secret connection cannot be a server: `trust.rs`.)
+#[test]
+fn a_launched_script_holds_a_worker_secret_of_its_own_and_never_the_cluster_secret() {
+    let dir = common::temp_dir("launch-secrets");
+    let body = format!(
+        "echo \"cluster=[$ELASTICPS_SECRET] worker=[$ELASTICPS_WORKER_SECRET]\"\nexec {BIN} worker --iterations 5 --eval-every 0"
+    );
+    let worker = script(&dir, "worker.sh", &body).display().to_string();
+    let derived = elasticps_wire::credential::derived_worker_secret(b"the-cluster-s3cret");
+    for given in [true, false] {
+        let mut args = vec!["--workers", "1", "--servers", "1"];
+        if given {
+            args.extend(["--secret", "the-cluster-s3cret"]);
+        }
+        args.extend(["--", &worker]);
+        let mut cmd = common::bin_command(&["launch"]);
+        cmd.args(&args);
+        let out = run_to_end(cmd, Duration::from_secs(60));
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "given {given}: the script trains with its worker secret:\n{stdout}\n{stderr}");
+        assert!(stdout.contains("after 5 steps per worker"), "{stdout}");
+        let line = stdout.lines().find(|l| l.contains("cluster=[")).unwrap_or_else(|| panic!("{stdout}"));
+        assert!(line.contains("cluster=[]"), "given {given}: the script saw a cluster secret: {line}");
+        let ws = line.split("worker=[").nth(1).and_then(|r| r.strip_suffix(']')).unwrap_or_else(|| panic!("{line}"));
+        assert_eq!(ws.len(), 64, "a worker secret of its own: {line}");
+        assert_eq!(ws == derived, given, "derived from the given cluster secret, else from a drawn one: {line}");
+        assert_eq!(
+            stdout.contains("note: no --secret given"),
+            !given,
+            "the note says how to reach the job with operator tools:\n{stdout}"
+        );
+    }
+}
+
 #[test]
 fn workers_that_exit_without_joining_end_the_launch_after_the_end_timeout() {
     let dir = common::temp_dir("launch-nojoin");

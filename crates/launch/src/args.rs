@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
+use rand::{RngCore, SeedableRng};
 
 use crate::LaunchError;
 use elasticps_runtime::RuntimeError;
@@ -107,6 +108,30 @@ impl NetArgs {
             }
             _ => Ok(()),
         }
+    }
+
+    /// These settings for a launch of the user's own scripts (`elasticps launch`): the
+    /// scripts hold a worker secret of their own, never the cluster secret.
+    /// - Without `--worker-secret`, it is derived from the cluster secret
+    ///   ([`elasticps_wire::credential::derived_worker_secret`]): every host of a job
+    ///   derives the same one.
+    /// - Without a cluster secret on one host, the job's nodes get a random one (a worker
+    ///   secret beside the empty cluster secret would protect nothing). Across hosts the
+    ///   secret is left empty: the launch then refuses to start, saying what to set.
+    ///
+    /// Returns whether the cluster secret was drawn here (operator tools cannot reach the
+    /// job without it).
+    pub fn secure_for_scripts(&mut self, spans_hosts: bool) -> bool {
+        let drawn = self.secret.is_empty() && !spans_hosts;
+        if drawn {
+            let mut bytes = [0u8; 16];
+            rand::rngs::StdRng::from_os_rng().fill_bytes(&mut bytes);
+            self.secret = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        }
+        if self.worker_secret().is_none() && !self.secret.is_empty() {
+            self.worker_secret = Some(elasticps_wire::credential::derived_worker_secret(self.secret.as_bytes()));
+        }
+        drawn
     }
 
     /// The codec a worker dials with: the worker secret's when it has one and no cluster
@@ -254,6 +279,41 @@ mod tests {
         assert_eq!(alone.worker_codec().key(), elasticps_wire::KeyId::Worker, "a worker dials with it alone");
         let same = parse(&["--secret", "s", "--worker-secret", "s"]);
         assert!(same.check_worker_secret().unwrap_err().to_string().contains("must differ"));
+    }
+
+    #[test]
+    fn a_launch_gives_its_scripts_a_worker_secret_and_never_the_cluster_secret() {
+        #[derive(Parser, Debug)]
+        struct Net {
+            #[command(flatten)]
+            net: NetArgs,
+        }
+        let parse = |f: &[&str]| Net::try_parse_from(std::iter::once("x").chain(f.iter().copied())).unwrap().net;
+        let get = |env: &[(String, String)], k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let job = JobArgs::default();
+        // A cluster secret alone: the scripts get the worker secret derived from it.
+        let mut given = parse(&["--secret", "cluster"]);
+        assert!(!given.secure_for_scripts(true));
+        assert!(given.check_worker_secret().is_ok());
+        let env = crate::runner::worker_env(&job, &given, "h:1", 0);
+        assert_eq!(get(&env, "ELASTICPS_SECRET").as_deref(), Some(""), "the script never sees the cluster secret");
+        let derived = elasticps_wire::credential::derived_worker_secret(b"cluster");
+        assert_eq!(get(&env, "ELASTICPS_WORKER_SECRET"), Some(derived));
+        // The user's own worker secret is kept.
+        let mut own = parse(&["--secret", "cluster", "--worker-secret", "mine"]);
+        own.secure_for_scripts(false);
+        assert_eq!(own.worker_secret(), Some("mine"));
+        // No secret on one host: a random cluster secret, a worker secret derived from it.
+        let (mut a, mut b) = (parse(&[]), parse(&[]));
+        assert!(a.secure_for_scripts(false) && b.secure_for_scripts(false));
+        assert_eq!(a.secret.len(), 32);
+        assert_ne!(a.secret, b.secret, "drawn per job");
+        assert!(a.check_worker_secret().is_ok());
+        assert_eq!(get(&crate::runner::worker_env(&job, &a, "h:1", 0), "ELASTICPS_SECRET").as_deref(), Some(""));
+        // No secret across hosts: left empty, for the launch to refuse.
+        let mut hosts = parse(&[]);
+        assert!(!hosts.secure_for_scripts(true));
+        assert_eq!((hosts.secret.as_str(), hosts.worker_secret()), ("", None));
     }
 
     #[test]

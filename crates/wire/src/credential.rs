@@ -116,9 +116,31 @@ impl Credential {
     }
 }
 
+/// The domain of a worker secret derived from the cluster secret.
+const WORKER_SECRET_DOMAIN: &[u8] = b"elasticps worker secret";
+
+/// The worker secret a launch derives from the cluster `secret` when it is given none
+/// (`--worker-secret`): `HMAC-SHA256(secret, "elasticps worker secret")` in lowercase hex.
+/// Every host of a job derives the same one, and a holder of it cannot go back to the
+/// cluster secret.
+pub fn derived_worker_secret(secret: &[u8]) -> String {
+    let mut m = Hmac::<Sha256>::new_from_slice(secret).unwrap_or_else(|_| unreachable!("hmac keys have any length"));
+    m.update(WORKER_SECRET_DOMAIN);
+    m.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_derived_worker_secret_is_the_same_for_one_secret_and_differs_from_it() {
+        let ws = derived_worker_secret(b"cluster");
+        assert_eq!(ws, derived_worker_secret(b"cluster"), "every host derives the same one");
+        assert_ne!(ws, derived_worker_secret(b"cluster2"));
+        assert_eq!(ws.len(), 64);
+        assert!(!ws.contains("cluster"));
+    }
 
     #[test]
     fn a_credential_binds_job_role_and_id() {
