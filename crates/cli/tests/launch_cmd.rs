@@ -317,6 +317,96 @@ fn a_launched_script_holds_a_worker_secret_of_its_own_and_never_the_cluster_secr
     }
 }
 
+/// Accepts one connection on `listener` within 30 s and runs the acceptor's side of the
+/// handshake with `secret` (a scheduler's, as the agent's rendezvous expects).
+fn accept_as_scheduler(listener: &std::net::TcpListener, secret: &[u8]) -> std::net::TcpStream {
+    use elasticps_wire::handshake::{HELLO_LEN, NONCE_LEN, PROOF_LEN, ServerHandshake};
+    use std::io::{Read, Write};
+    listener.set_nonblocking(true).expect("nonblocking listener");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut s = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("the agent did not dial the rendezvous within 30 s: {e}"),
+        }
+    };
+    s.set_nonblocking(false).expect("blocking stream");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("read timeout");
+    let mut hello = [0u8; HELLO_LEN];
+    s.read_exact(&mut hello).expect("the agent's hello");
+    let (server, reply) = ServerHandshake::new(secret, [7u8; NONCE_LEN]).on_hello(&hello).expect("a valid hello");
+    s.write_all(&reply).expect("our hello");
+    let mut proof = [0u8; PROOF_LEN];
+    s.read_exact(&mut proof).expect("the agent's proof");
+    let (verdict, accepted) = server.on_proof(&proof);
+    s.write_all(&verdict).expect("the verdict");
+    accepted.expect("the agent proved the cluster secret");
+    s
+}
+
+/// Issue 35: a host agent starts at most the slots it offered, one process per slot,
+/// whatever it is told. A hand-written scheduler (the cluster secret's holder) welcomes
+/// an agent that offered 1 server and 1 worker slot and sends it 16 `StartNode` orders:
+/// 2 processes start, and each order past the slots is reported `NodeExited { ok: false }`
+/// naming the bound.
+#[test]
+fn sixteen_start_orders_to_a_two_slot_agent_start_two_processes() {
+    use elasticps_wire::{Codec, Control, DEFAULT_MAX_PAYLOAD, Message, NodeRole};
+    const SECRET: &str = "agent-s3cret";
+    let codec = Codec::new(SECRET.as_bytes(), DEFAULT_MAX_PAYLOAD);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let rdzv = listener.local_addr().expect("its address").to_string();
+    let mut cmd = common::bin_command(&["launch", "--quiet"]);
+    cmd.args(["--nnodes", "2", "--rdzv", &rdzv, "--advertise", "127.0.0.2", "--secret", SECRET]);
+    cmd.args(["--servers-per-node", "1", "--workers-per-node", "1", "--server-slots", "1", "--worker-slots", "1"]);
+    cmd.args(["--join-timeout-s", "60", "--", "sleep", "30"]);
+    let mut job = Running::start(cmd);
+    let mut s = accept_as_scheduler(&listener, SECRET.as_bytes());
+    let (h, join) = match common::read_reply(&mut s, &codec, Duration::from_secs(10)) {
+        common::Reply::Frame(h, Message::Control(Control::JoinHost(offer))) => (h, offer),
+        other => panic!("expected the agent's JoinHost, got {other:?}"),
+    };
+    assert_eq!((join.server_slots, join.worker_slots), (1, 1), "{join:?}");
+    common::write_frame(&mut s, &codec, h.request_id, &Control::HostWelcome { host: 1 }.into()).expect("welcome");
+    for slot in 0..16u32 {
+        let role = if slot % 2 == 0 { NodeRole::Server } else { NodeRole::Worker { rank: Some(slot) } };
+        let order = Control::StartNode { slot, role, workers: 2 };
+        common::write_frame(&mut s, &codec, 0, &order.into()).expect("an order");
+    }
+    // Each order past the slots comes back refused, naming the bound.
+    let mut refused = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while refused.len() < 14 && Instant::now() < deadline {
+        match common::read_reply(&mut s, &codec, Duration::from_millis(500)) {
+            common::Reply::Frame(_, Message::Control(Control::NodeExited { slot, ok: false, status, .. })) => {
+                assert!(status.contains("this host offered 1"), "slot {slot}: {status}");
+                refused.push(slot);
+            }
+            common::Reply::Frame(..) | common::Reply::TimedOut => {}
+            other => panic!("the agent's connection ended: {other:?}"),
+        }
+    }
+    refused.sort();
+    assert_eq!(refused, (2..16).collect::<Vec<u32>>(), "the first server and worker orders take the two slots");
+    // One process per slot: the server and the worker, nothing more.
+    std::thread::sleep(Duration::from_millis(500));
+    let kids = common::children(job.child.id());
+    let (sleeps, servers) = (
+        kids.iter().filter(|(_, c)| c.starts_with("sleep")).count(),
+        kids.iter().filter(|(_, c)| c.contains(" server")).count(),
+    );
+    assert_eq!((servers, sleeps), (1, 1), "processes the agent started: {kids:?}");
+    drop(s);
+    common::send_signal(job.child.id(), libc::SIGINT);
+    let pids = kids.clone();
+    let (status, _) = job.wait(Duration::from_secs(30));
+    assert!(!status.success(), "the scheduler went away: the host's launch fails");
+    assert_all_gone(&pids);
+}
+
 #[test]
 fn workers_that_exit_without_joining_end_the_launch_after_the_end_timeout() {
     let dir = common::temp_dir("launch-nojoin");
