@@ -134,6 +134,7 @@ const SERVER_ROLE: &[u8] = b"elasticps server";
 /// The dialer's side, before the acceptor's hello.
 #[derive(Clone)]
 pub struct ClientHandshake {
+    key: KeyId,
     secret: Vec<u8>,
     nonce_c: [u8; NONCE_LEN],
 }
@@ -153,12 +154,20 @@ impl ClientHandshake {
 
     /// [`ClientHandshake::start`] with the secret of `key` (the worker secret, say).
     pub fn start_with(key: KeyId, secret: &[u8], nonce: [u8; NONCE_LEN]) -> (Self, [u8; HELLO_LEN]) {
-        (Self { secret: secret.to_vec(), nonce_c: nonce }, hello(key, &nonce))
+        (Self { key, secret: secret.to_vec(), nonce_c: nonce }, hello(key, &nonce))
     }
 
-    /// The acceptor's hello: the proof to send.
+    /// The acceptor's hello: the proof to send. A hello of another key id than this
+    /// side's is refused: the acceptor must echo it.
     pub fn on_hello(self, m: &[u8; HELLO_LEN]) -> Result<(ClientAwaitingVerdict, [u8; PROOF_LEN]), WireError> {
-        let (_, nonce_s) = parse_hello(m)?;
+        let (key, nonce_s) = parse_hello(m)?;
+        if key != self.key {
+            return Err(WireError::BadHandshake(format!(
+                "the acceptor's hello names key id {}, not this dialer's {}",
+                key.byte(),
+                self.key.byte()
+            )));
+        }
         let proof = mac(&self.secret, CLIENT_ROLE, &self.nonce_c, &nonce_s).finalize().into_bytes().into();
         let expected = mac(&self.secret, SERVER_ROLE, &self.nonce_c, &nonce_s).finalize().into_bytes().into();
         Ok((ClientAwaitingVerdict { expected }, proof))
@@ -251,6 +260,14 @@ impl ServerAwaitingProof {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dialer_refuses_a_hello_that_does_not_echo_its_key_id() {
+        let (client, _) = ClientHandshake::start_with(KeyId::Worker, b"w", [1; NONCE_LEN]);
+        let err = client.clone().on_hello(&hello(KeyId::Cluster, &[2; NONCE_LEN])).err().expect("refused");
+        assert!(err.to_string().contains("names key id 0, not this dialer's 1"), "{err}");
+        assert!(client.on_hello(&hello(KeyId::Worker, &[2; NONCE_LEN])).is_ok());
+    }
 
     /// Runs a whole handshake: (the acceptor's result, the dialer's result).
     fn run(client_secret: &[u8], server_secret: &[u8]) -> (Result<(), WireError>, Result<(), WireError>) {
