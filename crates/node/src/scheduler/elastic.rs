@@ -1321,7 +1321,7 @@ mod scheduler_tests {
 
     #[test]
     fn a_removed_server_leaving_does_not_end_the_job_and_status_shows_it_gone() {
-        let mut m = running(config(), 8);
+        let mut m = running(JobConfig { min_servers: 1, ..config() }, 8);
         // Server 1 owns block 1 (range over 2 blocks): removing it moves that block first.
         let a = recv(&mut m, 50, 1, Control::Scale(ScaleRequest::RemoveServer(1)));
         let report = a.iter().find_map(|x| match x {
