@@ -430,15 +430,22 @@ fn the_scheduler_survives_garbage_and_a_job_still_completes() {
     let (mut sched, addr) =
         start_scheduler(&["--servers", "2", "--workers", "1", "--secret", SECRET, "--join-timeout-s", "60"]);
     let garbage_round = |when: &str| {
-        for bad in bad_frames() {
+        for mut bad in bad_frames() {
+            if bad.name == "a frame truncated in its payload" {
+                // A data frame from a connection that has not registered: refused from
+                // its header, before its payload (PROTOCOL.md §2, check 8).
+                (bad.expect, bad.mentions, bad.request_id) = (Some(ErrorCode::Forbidden), "only control frames", 49);
+            }
             check_refused(&addr, &bad);
         }
-        // A well-formed frame that is not a control message: refused and closed.
+        // A well-formed frame that is not a control message: refused (from its header, the
+        // connection has not registered) and closed.
         let mut s = connect_raw(&addr, SECRET.as_bytes());
         write_frame(&mut s, &codec(), 9, &Message::Pull { block: 0, clock: 0 }).expect("send");
         match read_reply(&mut s, &codec(), REPLY_TIMEOUT) {
             Reply::Frame(h, Message::Error(e)) => {
-                assert_eq!((e.code, h.request_id), (ErrorCode::BadRequest, 9), "{when}: {e}");
+                assert_eq!((e.code, h.request_id), (ErrorCode::Forbidden, 9), "{when}: {e}");
+                assert!(e.message.contains("only control frames"), "{when}: {e}");
             }
             other => panic!("{when}: a Pull sent to the scheduler: {other:?}"),
         }

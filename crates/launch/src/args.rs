@@ -39,6 +39,11 @@ pub struct NetArgs {
     /// secret cannot take the places of authenticated ones.
     #[arg(long, env = "ELASTICPS_MAX_HANDSHAKES", value_name = "N", default_value_t = 1024, value_parser = at_least_one)]
     pub max_handshakes: usize,
+    /// Most memory, in MiB, that partial frames (payloads whose last byte has not come)
+    /// may hold in a node at once: a frame that would pass it takes the place of the
+    /// partial frames that went longest without a byte, whose connections are closed.
+    #[arg(long, env = "ELASTICPS_MAX_PARTIAL_MIB", value_name = "MIB", default_value_t = 1024, value_parser = at_least_one)]
+    pub max_partial_mib: usize,
     /// A second secret for workers only: schedulers and servers given it also accept
     /// workers that prove it, and a worker given it (and no --secret) dials with it. A
     /// worker-secret connection can register only as a worker and prove only a worker's
@@ -203,6 +208,7 @@ impl NetArgs {
         elasticps_runtime::tls::install(tls);
         elasticps_runtime::accept::set_max_connections(self.max_connections);
         elasticps_runtime::accept::set_max_handshakes(self.max_handshakes);
+        elasticps_runtime::partial::set_max_partial_bytes((self.max_partial_mib as u64).saturating_mul(1 << 20));
         Ok(())
     }
 
@@ -235,6 +241,8 @@ impl NetArgs {
             self.max_connections.to_string(),
             "--max-handshakes".into(),
             self.max_handshakes.to_string(),
+            "--max-partial-mib".into(),
+            self.max_partial_mib.to_string(),
             "--scheduler-retry-s".into(),
             self.scheduler_retry_s.to_string(),
         ];

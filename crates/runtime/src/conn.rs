@@ -37,9 +37,9 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use crate::error::{Result, RuntimeError};
-use crate::pool;
 use crate::shaping::Shaper;
 use crate::tls::{ReadHalf, Stream, WriteHalf};
+use crate::{partial, pool};
 
 /// A frame to send: request id and message.
 pub type Outgoing = (u64, Message);
@@ -49,6 +49,36 @@ const BUF: usize = 256 * 1024;
 /// Payloads up to this size are copied into the writer task's batch; larger ones are
 /// written from their own memory (vectored write).
 const COPY_MAX: usize = 16 * 1024;
+
+/// The most payload a frame may carry on a server's data connection before its `Hello`
+/// was taken (and then only a control frame): the largest legitimate one is a `Hello`
+/// with its credential, under 200 bytes (docs/PROTOCOL.md §2, check 8).
+pub const PRE_HELLO_MAX_PAYLOAD: u32 = 64 << 10;
+
+/// The most payload a frame may carry on a scheduler's connection before it registered
+/// (and then only a control frame): the largest legitimate one is a restarted scheduler's
+/// `ReattachServer`, whose list of held blocks takes about 6 bytes a block, so this
+/// leaves room for some 170,000 blocks (docs/PROTOCOL.md §2, check 8).
+pub const UNREGISTERED_MAX_PAYLOAD: u32 = 1 << 20;
+
+/// Whether a connection's peer said who it is (a server took its `Hello`, the scheduler
+/// its registration); shared by the driver, which learns it from its machine, and the
+/// connection's [`FrameReader`], which until then takes only small control frames
+/// ([`FrameReader::restrict_until`]). Cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct Identified(Arc<AtomicBool>);
+
+impl Identified {
+    /// The peer said who it is: its frames are no longer restricted.
+    pub fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// Whether [`Identified::set`] was called.
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
 
 /// How long a frame that began may go without a byte before its peer is dropped.
 pub const FRAME_STALL_TIMEOUT: std::time::Duration =
@@ -68,6 +98,8 @@ pub struct FrameReader {
     head_filled: usize,
     /// How long the last payload [`FrameReader::payload`] read took, ns.
     last_payload_ns: u64,
+    /// Until the peer is identified, the most payload a (control) frame may carry.
+    unidentified: Option<(Identified, u32)>,
 }
 
 impl FrameReader {
@@ -86,6 +118,15 @@ impl FrameReader {
     /// How long a started frame may go without a byte ([`FRAME_STALL_TIMEOUT`] unless set).
     pub fn set_stall_timeout(&mut self, after: std::time::Duration) {
         self.stall_timeout = after;
+    }
+
+    /// Until `identified` is set, this reader refuses from its header, before a byte of
+    /// payload is read, any frame but a control (or error) frame of at most `max_payload`
+    /// bytes ([`PRE_HELLO_MAX_PAYLOAD`] on a server, [`UNREGISTERED_MAX_PAYLOAD`] on the
+    /// scheduler): a peer that has not said who it is cannot make the node reserve a data
+    /// frame's buffer.
+    pub fn restrict_until(&mut self, identified: Identified, max_payload: u32) {
+        self.unidentified = Some((identified, max_payload));
     }
 
     /// Renames the peer once it said who it is.
@@ -160,15 +201,20 @@ impl FrameReader {
     pub async fn payload(&mut self, header: &FrameHeader) -> Result<Message> {
         let started = std::time::Instant::now();
         let len = header.payload_len as usize;
+        // The buffer counts against the node's budget for partial frames until its last
+        // byte came (crate::partial): a frame that would pass it evicts the ones that
+        // went longest without a byte.
+        let reservation = (len > 0).then(|| partial::reserve(len as u64));
         let payload = if header.kind.carries_words() && len.is_multiple_of(4) {
             let mut v = pool::payload_buffer(len / 4);
-            self.read_rest(bytemuck::cast_slice_mut(&mut v)).await?;
+            self.read_rest_of(bytemuck::cast_slice_mut(&mut v), reservation.as_ref()).await?;
             pool::pooled_values(v).into_bytes()
         } else {
             let mut b = BytesMut::zeroed(len);
-            self.read_rest(&mut b).await?;
+            self.read_rest_of(&mut b, reservation.as_ref()).await?;
             b.freeze()
         };
+        drop(reservation);
         self.shaped_in(len).await;
         self.last_payload_ns = started.elapsed().as_nanos() as u64;
         Message::decode(header, payload).map_err(|source| self.wire_err(source))
@@ -219,6 +265,13 @@ impl FrameReader {
         match self.codec.decode_header(&head) {
             Ok(h) => {
                 self.request_id = h.request_id;
+                if let Some((identified, max)) = &self.unidentified
+                    && !identified.is_set()
+                    && (!matches!(h.kind, Kind::Control | Kind::Error) || h.payload_len > *max)
+                {
+                    let source = WireError::Unidentified { kind: h.kind, len: h.payload_len, max: *max };
+                    return Err(self.wire_err(source));
+                }
                 Ok(h)
             }
             Err(source) => {
@@ -235,9 +288,36 @@ impl FrameReader {
     /// the stall timeout ([`FrameReader::set_stall_timeout`]) is dropped (a stalled frame
     /// must not hold a connection, its task and its buffer forever).
     async fn read_rest(&mut self, buf: &mut [u8]) -> Result<()> {
+        self.read_rest_of(buf, None).await
+    }
+
+    /// [`FrameReader::read_rest`] of a payload that holds `reservation` in the node's
+    /// budget for partial frames: every read marks progress, and an eviction (a frame
+    /// that needed the room) drops the peer.
+    async fn read_rest_of(&mut self, buf: &mut [u8], reservation: Option<&partial::Reservation>) -> Result<()> {
         let mut filled = 0;
         while filled < buf.len() {
-            let n = match tokio::time::timeout(self.stall_timeout, self.inner.read(&mut buf[filled..])).await {
+            let read = tokio::time::timeout(self.stall_timeout, self.inner.read(&mut buf[filled..]));
+            let read = match reservation {
+                None => read.await,
+                Some(r) => tokio::select! {
+                    biased;
+                    () = r.evicted() => {
+                        let max_mib = partial::max_partial_bytes() >> 20;
+                        return Err(RuntimeError::Dropped {
+                            peer: self.peer.clone(),
+                            why: format!(
+                                "its partial frame ({filled} of {} payload bytes came) was the one that went longest \
+                                 without a byte when the node's partial frames filled their budget of {max_mib} MiB \
+                                 (--max-partial-mib)",
+                                buf.len()
+                            ),
+                        });
+                    }
+                    read = read => read,
+                },
+            };
+            let n = match read {
                 Ok(Ok(0)) => return Err(self.io_err(std::io::ErrorKind::UnexpectedEof.into())),
                 Ok(Ok(n)) => n,
                 Ok(Err(e)) => return Err(self.io_err(e)),
@@ -253,6 +333,9 @@ impl FrameReader {
                 }
             };
             filled += n;
+            if let Some(r) = reservation {
+                r.progressed();
+            }
         }
         Ok(())
     }
@@ -497,6 +580,7 @@ pub fn split_shaped(
         head: [0; HEADER_LEN],
         head_filled: 0,
         last_payload_ns: 0,
+        unidentified: None,
     };
     (reader, Outbox { tx, writer })
 }

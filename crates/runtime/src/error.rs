@@ -37,6 +37,15 @@ pub enum RuntimeError {
     /// A peer closed the connection.
     #[error("{0} closed the connection")]
     Closed(String),
+    /// This node dropped a peer to bound what peers can make it hold (the memory of
+    /// partial frames, docs/PROTOCOL.md §8).
+    #[error("dropped {peer}: {why}")]
+    Dropped {
+        /// The peer.
+        peer: String,
+        /// Which bound, and why this peer.
+        why: String,
+    },
     /// A row block was split while a row round ran: the caller plans it again.
     #[error("row block {block} was split while the round ran")]
     Recut {

@@ -10,6 +10,7 @@
 //! - [`conn`]: framed I/O on a connection (read header, then payload straight into
 //!   an aligned `Vec<f32>`; one writer task per connection).
 //! - [`pool`]: recycled buffers for large tensor payloads.
+//! - [`partial`]: the node's budget for the memory of partial frames.
 //! - [`peer`]: request/response multiplexing for the asking side of a connection.
 //! - [`session`]: a node's connection to the scheduler, carried out as
 //!   [`elasticps_node::session::Session`] decides (heartbeats, redial, reattach, calls made again).
@@ -38,6 +39,7 @@ pub mod error;
 pub mod events;
 pub mod handshake;
 pub mod metrics;
+pub mod partial;
 pub mod peer;
 pub mod pool;
 pub mod scheduler;

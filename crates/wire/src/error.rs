@@ -89,6 +89,23 @@ pub enum WireError {
     /// another job ([`crate::credential`]).
     #[error("bad credential: {0}")]
     BadCredential(String),
+    /// A frame refused from its header because the connection has not said who it is yet
+    /// (no `Hello` taken by a server, no registration with the scheduler): until then a
+    /// connection may send only control frames of at most `max` payload bytes
+    /// (docs/PROTOCOL.md §2, check 8).
+    #[error("{}", if *kind == Kind::Control || *kind == Kind::Error {
+        format!("a {kind:?} frame of {len} bytes before this connection said who it is (a server's Hello, a registration with the scheduler): at most {max} bytes until then")
+    } else {
+        format!("a {kind:?} frame before this connection said who it is (a server's Hello, a registration with the scheduler): only control frames until then")
+    })]
+    Unidentified {
+        /// The frame's kind.
+        kind: Kind,
+        /// Its payload length.
+        len: u32,
+        /// The most a control frame may carry until then.
+        max: u32,
+    },
 }
 
 impl WireError {
@@ -104,6 +121,8 @@ impl WireError {
             WireError::BadPayload { .. } | WireError::NotF32 { .. } | WireError::Postcard(_) => ErrorCode::Malformed,
             WireError::NoHandshake { .. } | WireError::BadHandshake(_) => ErrorCode::Malformed,
             WireError::Unauthenticated { .. } | WireError::BadCredential(_) => ErrorCode::Unauthenticated,
+            WireError::Unidentified { kind: Kind::Control | Kind::Error, .. } => ErrorCode::TooLarge,
+            WireError::Unidentified { .. } => ErrorCode::Forbidden,
         }
     }
 

@@ -15,6 +15,23 @@ use super::{Action, Caller, ConnId, Node, Role, Scheduler};
 /// meanwhile.
 pub const REGISTER_WITHIN_US: u64 = 10_000_000;
 
+/// At most this many connections wait to register at once (authenticated, not yet a
+/// server, a worker, a rejoining worker or a host agent; an operator tool's connection
+/// counts too). One more takes the place of the oldest of them, which is told why and
+/// closed ([`Scheduler::with_max_unregistered`] changes it).
+///
+/// Why the oldest goes rather than the newcomer: a newcomer refused would lock every
+/// honest late joiner (a restarted worker, a late host agent, `elasticps status`) out for
+/// as long as a flood stands, while an honest peer registers one round trip after its
+/// handshake, so it is evicted only if this many connections open within that round
+/// trip. Registered nodes never count: a flood of silent connections cannot take a
+/// registered node's place, nor, since it evicts itself long before the acceptor's
+/// `--max-connections` (4,096), keep a new node from registering. An operator tool's
+/// question (`GetStatus`, `Scale`) renews its place as it renews its registration wait,
+/// so `elasticps status --watch` stays unless this many connections open between two of
+/// its polls; it does not count apart, since any holder of the worker secret can ask it.
+pub const MAX_UNREGISTERED: usize = 1024;
+
 /// A restarted worker waiting for the servers to take its rank back.
 #[derive(Debug)]
 pub(super) struct Rejoin {
@@ -155,13 +172,60 @@ impl Scheduler {
         call.reply(out, self.welcome(PeerRole::Worker, rank));
     }
 
-    /// Connection `conn` opened with handshake `key`: it has [`REGISTER_WITHIN_US`] to
-    /// register.
-    pub(super) fn connection_opened(&mut self, conn: ConnId, key: KeyId) {
+    /// Connection `conn` opened with handshake `key` (right after its handshake, whether
+    /// or not it ever sends a frame): it has [`REGISTER_WITHIN_US`] to register, and a
+    /// place among the [`MAX_UNREGISTERED`] connections that wait to (the oldest of them
+    /// is closed if every place is taken).
+    pub(super) fn connection_opened(&mut self, conn: ConnId, key: KeyId, out: &mut Vec<Action>) {
         if let Some((_, since)) = self.opened.insert(conn, (key, self.now_us)) {
             self.registering.remove(&(since, conn));
         }
+        self.make_room_to_register(out);
         self.registering.insert((self.now_us, conn));
+    }
+
+    /// Frees a place for one more connection waiting to register when all
+    /// `max_unregistered` are taken: closes the oldest that has not registered, telling it
+    /// why ([`MAX_UNREGISTERED`]). (Registered ones left the places as they registered,
+    /// [`Scheduler::forget_if_registered`].)
+    fn make_room_to_register(&mut self, out: &mut Vec<Action>) {
+        while self.registering.len() >= self.max_unregistered {
+            let Some((since, conn)) = self.registering.pop_first() else { break };
+            if !self.waits_to_register(since, conn) {
+                continue;
+            }
+            let max = self.max_unregistered;
+            let waited_ms = self.now_us.saturating_sub(since) / 1_000;
+            tracing::warn!(
+                conn,
+                max_unregistered = max,
+                waited_ms,
+                "connection dropped: the oldest of the connections that have not registered when every place was taken"
+            );
+            let message = format!(
+                "closed: {max} connections were waiting to register with the scheduler (its bound on unregistered \
+                 connections) and this one was the oldest; register (RegisterServer, RegisterWorker, JoinHost, ...) \
+                 right after the handshake"
+            );
+            let msg = Message::Error(ErrorReply { code: ErrorCode::BadRequest, message });
+            out.push(Action::Send { conn, request_id: 0, msg });
+            out.push(Action::Close(conn));
+            self.connection_closed(conn);
+            self.shut.insert(conn);
+        }
+    }
+
+    /// Whether the entry (`since`, `conn`) of the connections waiting to register still
+    /// stands: that connection is open, waits since `since`, and has not registered.
+    fn waits_to_register(&self, since: u64, conn: ConnId) -> bool {
+        self.opened.get(&conn).is_some_and(|(_, s)| *s == since) && !self.registered(conn)
+    }
+
+    /// Whether connection `conn` registered (as a server, a worker, a rejoining worker or
+    /// a host agent): the runtime lets such a connection send frames of any kind and size
+    /// (docs/PROTOCOL.md §8); before, only small control frames.
+    pub fn is_registered(&self, conn: ConnId) -> bool {
+        self.registered(conn)
     }
 
     /// Connection `conn` closed.
@@ -187,12 +251,22 @@ impl Scheduler {
             || self.hosts.as_ref().is_some_and(|h| h.is_agent(conn))
     }
 
+    /// Connection `conn` sent a message: if it registered with it, it leaves the
+    /// connections waiting to register (a registration comes only in a message from its
+    /// own connection), so that these hold no registered one.
+    pub(super) fn forget_if_registered(&mut self, conn: ConnId) {
+        if let Some((_, since)) = self.opened.get(&conn)
+            && self.registered(conn)
+        {
+            self.registering.remove(&(*since, conn));
+        }
+    }
+
     /// Drops the connections that registered from the front of those that may not have:
     /// the first left is the next to be closed for not registering.
     pub(super) fn forget_registered(&mut self) {
         while let Some(&(since, conn)) = self.registering.first() {
-            let current = self.opened.get(&conn).is_some_and(|(_, s)| *s == since);
-            if current && !self.registered(conn) {
+            if self.waits_to_register(since, conn) {
                 break;
             }
             self.registering.pop_first();
@@ -446,7 +520,88 @@ impl Scheduler {
 mod tests {
     use super::super::testkit::*;
     use super::super::{Action, Event, JobConfig, Scheduler};
-    use elasticps_wire::{Control, Message};
+    use super::MAX_UNREGISTERED;
+    use elasticps_wire::{Control, ErrorCode, KeyId, Message};
+
+    /// Connection `conn` completes its handshake at `now_us` (with the worker secret).
+    fn open(m: &mut Scheduler, now_us: u64, conn: u64) -> Vec<Action> {
+        m.handle(now_us, Event::Connected { conn, peer: "10.0.0.9".into(), key: KeyId::Worker })
+    }
+
+    /// The connections an action list closes.
+    fn closed(a: &[Action]) -> Vec<u64> {
+        a.iter().filter_map(|x| if let Action::Close(c) = x { Some(*c) } else { None }).collect()
+    }
+
+    #[test]
+    fn one_connection_more_than_the_unregistered_bound_takes_the_place_of_the_oldest_and_nodes_never_count() {
+        assert_eq!(MAX_UNREGISTERED, 1024);
+        let mut m = Scheduler::new(config(), 60_000_000).with_max_unregistered(3);
+        // Two workers registered: they hold no place among the unregistered.
+        open(&mut m, 1, 1);
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        open(&mut m, 2, 2);
+        recv(&mut m, 2, 1, Control::RegisterWorker);
+        assert!(m.is_registered(1) && m.is_registered(2));
+        // Three silent connections take the three places, evicting no one.
+        for (t, conn) in [(3, 100), (4, 101), (5, 102)] {
+            assert!(closed(&open(&mut m, t, conn)).is_empty(), "room for {conn}");
+        }
+        assert!(!m.is_registered(100));
+        // A fourth: the oldest silent one (100) goes, told why; no worker does.
+        let a = open(&mut m, 6, 103);
+        assert_eq!(closed(&a), [100], "{a:?}");
+        let told = sent_to(&a, 100);
+        assert!(
+            matches!(told[..], [Message::Error(e)] if e.code == ErrorCode::BadRequest && e.message.contains("3 connections were waiting to register")),
+            "{told:?}"
+        );
+        // What the evicted one sent before the close reached the runtime is dropped.
+        assert!(recv(&mut m, 100, 1, Control::RegisterWorker).is_empty());
+        // A late joiner connects under the flood and registers: the oldest silent one
+        // made room for it, and once registered it holds no place.
+        let a = m.handle(7, Event::Connected { conn: 104, peer: "10.0.0.2".into(), key: KeyId::Cluster });
+        assert_eq!(closed(&a), [101], "{a:?}");
+        let a = recv(&mut m, 104, 1, Control::RegisterServer { data_addr: "s0".into() });
+        assert!(matches!(sent_to(&a, 104)[..], [Message::Control(Control::Welcome { .. })]), "{a:?}");
+        assert!(m.is_registered(104), "a server is registered");
+        // It left the places: one is free (102 and 103 hold the others).
+        assert!(closed(&open(&mut m, 8, 105)).is_empty(), "a registered server holds no place");
+        let a = open(&mut m, 9, 106);
+        assert_eq!(closed(&a), [102], "{a:?}");
+    }
+
+    #[test]
+    fn an_operator_question_renews_its_place_among_the_unregistered() {
+        let mut m = Scheduler::new(config(), 60_000_000).with_max_unregistered(2);
+        open(&mut m, 1, 50);
+        open(&mut m, 2, 51);
+        // The older connection asks (as `elasticps status --watch` polls): 51 is now the oldest.
+        let a = m.handle(3, Event::Received { conn: 50, request_id: 1, msg: Control::GetStatus.into() });
+        assert!(matches!(sent_to(&a, 50)[..], [Message::Control(Control::Status(_))]), "{a:?}");
+        let a = open(&mut m, 4, 52);
+        assert_eq!(closed(&a), [51], "{a:?}");
+    }
+
+    #[test]
+    fn a_connection_that_never_sends_a_frame_is_closed_at_its_registration_deadline() {
+        let mut m = Scheduler::new(config(), 60_000_000);
+        open(&mut m, 5, 7);
+        let at = m.poll_timeout().unwrap();
+        let mut a = Vec::new();
+        let mut t = at;
+        // The wait reports come first; bounded.
+        for _ in 0..5 {
+            a = m.handle(t, Event::Timeout);
+            if !closed(&a).is_empty() {
+                break;
+            }
+            t = m.poll_timeout().unwrap();
+        }
+        assert_eq!(t, 5 + super::REGISTER_WITHIN_US + 1);
+        assert_eq!(closed(&a), [7], "{a:?}");
+        assert!(matches!(sent_to(&a, 7)[..], [Message::Error(e)] if e.message.contains("did not register")), "{a:?}");
+    }
 
     #[test]
     fn refuses_extra_nodes_and_a_different_model() {

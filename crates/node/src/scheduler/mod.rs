@@ -46,7 +46,7 @@ mod testkit;
 pub use elasticps_core::balance::BalanceMode;
 pub use end::CLOSING_WAIT_US;
 pub use history::{BalanceLog, DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
-pub use membership::REGISTER_WITHIN_US;
+pub use membership::{MAX_UNREGISTERED, REGISTER_WITHIN_US};
 pub use recovery::{Persisted, RECOVER_WAIT_US, STATE_VERSION, SavedState, reattach_message};
 
 use elastic::Elastic;
@@ -311,6 +311,8 @@ pub struct Scheduler {
     /// The open connections that may not have registered yet, by when they opened (or
     /// last asked an operator's question); registered ones leave from the front.
     registering: BTreeSet<(u64, ConnId)>,
+    /// At most this many connections wait to register at once ([`MAX_UNREGISTERED`]).
+    max_unregistered: usize,
     /// When the scheduler last handled [`Event::Timeout`] (µs).
     checked_us: Option<u64>,
     /// `--join-timeout-s` (µs), until it was checked once: a job that has not assembled
@@ -364,6 +366,7 @@ impl Scheduler {
             peers: BTreeMap::new(),
             opened: BTreeMap::new(),
             registering: BTreeSet::new(),
+            max_unregistered: MAX_UNREGISTERED,
             checked_us: None,
             join_timeout_us: None,
             first_worker_us: None,
@@ -421,6 +424,13 @@ impl Scheduler {
                 (!only_workers_missing).then_some(join)
             }
         }
+    }
+
+    /// At most `n` connections (at least 1) wait to register at once instead of
+    /// [`MAX_UNREGISTERED`]; one more takes the place of the oldest.
+    pub fn with_max_unregistered(mut self, n: usize) -> Self {
+        self.max_unregistered = n.max(1);
+        self
     }
 
     /// Says whether the runtime can start servers ([`Action::StartServer`]).
@@ -516,7 +526,14 @@ impl Scheduler {
             self.refuse_unrecoverable(event, out);
             return;
         }
+        let from = match &event {
+            Event::Received { conn, .. } => Some(*conn),
+            _ => None,
+        };
         self.dispatch(event, out);
+        if let Some(conn) = from {
+            self.forget_if_registered(conn);
+        }
         self.forget_registered();
         if self.first_worker_us.is_none() && !self.workers.is_empty() {
             self.first_worker_us = Some(self.now_us);
@@ -609,7 +626,7 @@ impl Scheduler {
         match event {
             Event::Connected { conn, peer, key } => {
                 self.peers.insert(conn, peer);
-                self.connection_opened(conn, key);
+                self.connection_opened(conn, key, out);
             }
             Event::Received { conn, request_id, msg } => {
                 self.nodes.heard(conn, self.now_us);

@@ -41,6 +41,10 @@ const LAST_WRITES_TIMEOUT: Duration = Duration::from_secs(5);
 struct Handle {
     out: Outbox,
     close: Arc<Notify>,
+    /// Set once the machine says the connection registered: its reader then takes frames
+    /// of any kind and size (before, only control frames up to
+    /// [`conn::UNREGISTERED_MAX_PAYLOAD`]).
+    identified: conn::Identified,
 }
 
 /// How to start a scheduler.
@@ -288,9 +292,13 @@ impl World<Scheduler> for Driver<'_> {
         woken: Option<Woken>,
         out: &mut Vec<Action>,
     ) -> ControlFlow<Self::End> {
+        let mut heard = None;
         let event = match woken {
             None => Event::Timeout,
             Some((event, handle)) => {
+                if let Event::Received { conn, .. } = &event {
+                    heard = Some(*conn);
+                }
                 match (&event, handle) {
                     (Event::Connected { conn, .. }, Some(h)) => {
                         self.conns.insert(*conn, h);
@@ -305,6 +313,15 @@ impl World<Scheduler> for Driver<'_> {
         };
         let timeout = matches!(event, Event::Timeout);
         Machine::handle(machine, now, event, out);
+        // Before the answers go out: a node that registered may send its next frame (a
+        // large `DefineModel`, say) as soon as it hears its `Welcome`.
+        if let Some(conn) = heard
+            && let Some(h) = self.conns.get(&conn)
+            && !h.identified.is_set()
+            && machine.is_registered(conn)
+        {
+            h.identified.set();
+        }
         if let Some(d) = self.saved.as_mut() {
             match d.save_if_changed(machine) {
                 Ok(true) => tracing::debug!(state = %d.path().display(), "scheduler state saved"),
@@ -357,11 +374,13 @@ async fn accept_loop(
             };
             let (mut reader, out) = conn::split(stream, codec.for_key(key), peer);
             reader.set_stall_timeout(stall);
+            let identified = conn::Identified::default();
+            reader.restrict_until(identified.clone(), conn::UNREGISTERED_MAX_PAYLOAD);
             let close = Arc::new(Notify::new());
             // The handle goes with `Connected`: the machine may answer or close a
             // connection that never sends a frame (PROTOCOL.md §8).
             let connected = Event::Connected { conn, peer: addr.ip().to_canonical().to_string(), key };
-            if events.send((connected, Some(Handle { out: out.clone(), close: close.clone() }))).is_err() {
+            if events.send((connected, Some(Handle { out: out.clone(), close: close.clone(), identified }))).is_err() {
                 return;
             }
             let why = loop {
