@@ -13,7 +13,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use elasticps_core::block::{BlockState, LoggedPush};
-use elasticps_core::optimizer::OptState;
+use elasticps_core::optimizer::{OptState, OptimizerKind, TensorOptimizer};
 use elasticps_core::sync::Clocks;
 use elasticps_wire::{
     ClusterStatus, Codec, Control, Credential, DEFAULT_MAX_PAYLOAD, ErrorCode, KeyId, Message, PeerRole, ScaleRequest,
@@ -164,6 +164,26 @@ fn a_replicate_on_a_worker_connection_is_forbidden_and_the_real_push_is_applied(
     // Clock t: the values the forgeries did not change, then the real push, applied.
     job.round("three forged Replicates of clock t");
     job.round("the real push of clock t");
+    finish(job, true);
+}
+
+/// A worker's `SetOptimizer` straight to a server, skipping the scheduler (issue 35): every
+/// server refuses it (`Forbidden`, saying it goes to the scheduler), logs it, and changes
+/// nothing: the next rounds' values are exact with the job's learning rate.
+#[test]
+fn a_set_optimizer_straight_to_a_server_is_forbidden_and_changes_nothing() {
+    let mut job = Job::start(shape());
+    job.round("start");
+    let optimizer = TensorOptimizer { kind: OptimizerKind::Sgd, lr: 100.0, weight_decay: 0.0 };
+    for s in 0..job.addrs.len() as u32 {
+        let mut conn = job.as_worker(s);
+        let m = call(&mut conn, &codec(), 2, &Control::SetOptimizer { tensor: 0, optimizer }.into());
+        let what = format!("SetOptimizer to server {s}");
+        assert_refused(&m, ErrorCode::Forbidden, &["worker 0", "SetOptimizer", "goes to the scheduler"], &what);
+        logged(|| job.server_log(s), &["forbidden message refused", "SetOptimizer"], &what);
+    }
+    job.round("after the refused SetOptimizers");
+    job.round("one more");
     finish(job, true);
 }
 

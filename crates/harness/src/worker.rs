@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use elasticps_core::model::{BlockId, TableSpec, TensorSpec};
+use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_wire::{Control, Credential, Message, Values};
 
@@ -42,6 +43,7 @@ const REGISTER: u64 = 1;
 const DEFINE: u64 = 2;
 const DONE: u64 = 3;
 const START: u64 = 4;
+const SET_OPTIMIZER: u64 = 5;
 const FIRST_LAYOUT_CALL: u64 = 16;
 
 /// What the simulated training loop does.
@@ -137,6 +139,8 @@ pub struct WorkerRecord {
     pub refreshes: u64,
     /// Row rounds planned again because a block of the table was split under them.
     pub recuts: u64,
+    /// `SetOptimizer` calls the scheduler answered `Ok` (every live server applied them).
+    pub optimizers_set: u64,
 }
 
 /// A simulated worker process.
@@ -205,6 +209,13 @@ impl WorkerRole {
     pub fn with_scheduler_retry(mut self, us: u64) -> Self {
         self.link = SchedLink::new(us, SESSION);
         self
+    }
+
+    /// Sends `SetOptimizer` of `tensor` to the scheduler (alone; it sends it on to every
+    /// server); its `Ok` counts in [`WorkerRecord::optimizers_set`], an error fails the
+    /// worker.
+    pub fn set_optimizer(&mut self, out: &mut Outbox<'_>, tensor: u32, optimizer: TensorOptimizer) {
+        self.call_scheduler(out, SET_OPTIMIZER, Control::SetOptimizer { tensor, optimizer }.into());
     }
 
     /// An event of the scheduler's link ([`SchedLink`]); a link that ends without a
@@ -524,6 +535,7 @@ impl WorkerRole {
                 self.stage = Stage::Starting;
                 self.start_round(out);
             }
+            (SET_OPTIMIZER, Message::Control(Control::Ok)) => self.record.optimizers_set += 1,
             (DONE, _) => {
                 self.stage = Stage::Done;
                 self.by_link.clear();

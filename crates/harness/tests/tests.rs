@@ -447,6 +447,46 @@ mod job {
         trains_to_the_exact_parameters(1);
     }
 
+    /// Two ssp workers at different clocks set one tensor's optimizer at once: both go
+    /// through the scheduler, both are answered, and every server ends with the scheduler's
+    /// record (the later set), which the layout shows.
+    #[test]
+    fn concurrent_optimizer_sets_reach_every_server_in_the_schedulers_order() {
+        use elasticps_core::optimizer::TensorOptimizer;
+        use elasticps_harness::JobRole;
+        let mut setup = JobSetup::new(ClusterConfig::new(job(2, 2, SyncPolicy::Ssp(3))));
+        setup.server_model = ServerModel { apply_bps: 0, check_bound: true, ..ServerModel::default() };
+        let mut sim = SimJob::new(setup, training_with_window(30, elasticps_node::timing::DEFAULT_WINDOW));
+        let mut until = 0;
+        while sim.workers().any(|(_, w)| w.record().iteration_ends_us.len() < 3) {
+            until += 2_000;
+            assert!(sim.run(until, 10_000_000).is_none(), "the job ended before the sets");
+            assert!(until < 60_000_000, "training did not start");
+        }
+        let sgd = |lr| TensorOptimizer { kind: OptimizerKind::Sgd, lr, weight_decay: 0.0 };
+        let workers: Vec<_> = sim.workers().map(|(n, _)| n).collect();
+        for (node, lr) in workers.iter().zip([0.5, 0.25]) {
+            sim.cluster_mut().with_role(*node, |role, out| match role {
+                JobRole::Worker(w) => w.set_optimizer(out, 0, sgd(lr)),
+                _ => panic!("not a worker"),
+            });
+        }
+        let end = sim.run(600_000_000, 10_000_000).expect("the job ends");
+        assert!(end.ok, "{end:?}");
+        for (_, w) in sim.workers() {
+            assert_eq!(w.record().optimizers_set, 1, "each set answered once");
+        }
+        let recorded = sim.cluster().scheduler().partition().and_then(|p| p.optimizer(0)).copied();
+        assert_eq!(recorded, Some(sgd(0.25)), "the scheduler recorded the later set last");
+        let mut servers = 0;
+        for (_, s) in sim.servers() {
+            let shard = s.server().and_then(|s| s.shard()).expect("an assigned server");
+            assert_eq!(shard.tensor_optimizers.first().copied().flatten(), recorded, "server {}", shard.id);
+            servers += 1;
+        }
+        assert_eq!(servers, 2);
+    }
+
     fn trains_to_the_exact_parameters(window: usize) {
         let iterations = 6;
         let mut setup = JobSetup::new(ClusterConfig::new(job(2, 3, SyncPolicy::Ssp(1))));

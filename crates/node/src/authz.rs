@@ -27,11 +27,17 @@ pub enum Class {
     Server,
     /// `agent`: a host agent (it sent `JoinHost`).
     Agent,
+    /// `scheduler`: the scheduler, on the control connection a server opened to it. No
+    /// connection to a data port or to the scheduler is of this class: a row that lists
+    /// only it says that a server takes the message from the scheduler alone, so anyone
+    /// else's on a data connection is `Forbidden`.
+    Scheduler,
 }
 
 impl Class {
     /// Every class, in the table's order.
-    pub const ALL: [Class; 5] = [Class::Anon, Class::AnonWorker, Class::Worker, Class::Server, Class::Agent];
+    pub const ALL: [Class; 6] =
+        [Class::Anon, Class::AnonWorker, Class::Worker, Class::Server, Class::Agent, Class::Scheduler];
 
     /// The class of a connection with this handshake key and (proven) role.
     pub fn of(key: KeyId, proven: Option<PeerRole>) -> Class {
@@ -51,6 +57,7 @@ impl Class {
             Class::Worker => "worker",
             Class::Server => "server",
             Class::Agent => "agent",
+            Class::Scheduler => "scheduler",
         }
     }
 
@@ -90,7 +97,7 @@ pub enum Verdict {
     NotTaken,
 }
 
-use Class::{Agent, Anon, AnonWorker as AnonW, Server as Srv, Worker as Wrk};
+use Class::{Agent, Anon, AnonWorker as AnonW, Scheduler as Sched, Server as Srv, Worker as Wrk};
 
 /// The authorization table: (message, receiver, the classes it is taken from). A pair
 /// not listed is not taken.
@@ -104,7 +111,7 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("Init", Receiver::Server, &[Wrk]),
     ("PullRows", Receiver::Server, &[Wrk]),
     ("PushRows", Receiver::Server, &[Wrk]),
-    ("SetOptimizer", Receiver::Server, &[Wrk]),
+    ("SetOptimizer", Receiver::Server, &[Sched]),
     ("GetOptState", Receiver::Server, &[Wrk]),
     ("SetOptState", Receiver::Server, &[Wrk]),
     ("SetValues", Receiver::Server, &[Wrk]),
@@ -135,6 +142,7 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("ServerLoad", Receiver::Scheduler, &[Srv]),
     ("CheckpointWritten", Receiver::Scheduler, &[Srv]),
     ("WorkerAdded", Receiver::Scheduler, &[Srv]),
+    ("OptimizerSet", Receiver::Scheduler, &[Srv]),
     ("Heartbeat", Receiver::Scheduler, &[Wrk, Srv, Agent]),
     ("NodeExited", Receiver::Scheduler, &[Agent]),
     ("HostEvent", Receiver::Scheduler, &[Agent]),
@@ -253,5 +261,9 @@ mod tests {
         assert_eq!(check(Receiver::Server, Class::AnonWorker, "BlockSnapshot"), Verdict::Forbidden);
         assert_eq!(check(Receiver::Scheduler, Class::AnonWorker, "RegisterServer"), Verdict::Forbidden);
         assert_eq!(check(Receiver::Scheduler, Class::Server, "WorkerDone"), Verdict::Forbidden);
+        // A tensor's optimizer goes to the scheduler, which sends it on to every server.
+        assert_eq!(check(Receiver::Server, Class::Worker, "SetOptimizer"), Verdict::Forbidden);
+        assert_eq!(check(Receiver::Scheduler, Class::Worker, "SetOptimizer"), Verdict::Allowed);
+        assert_eq!(check(Receiver::Scheduler, Class::Worker, "OptimizerSet"), Verdict::Forbidden);
     }
 }

@@ -159,10 +159,13 @@ pub enum Control {
     /// [`Control::Ok`] once each worker not done or removed has sent `Barrier` (its
     /// next barrier then starts a new round).
     Barrier,
-    /// Tag 27: Worker -> scheduler, then worker -> every server on its data connection:
-    /// tensor `tensor` now uses `optimizer` (a learning-rate schedule's step, say). Reply:
-    /// [`Control::Ok`] once recorded (the scheduler keeps it for servers that join later;
-    /// a server applies it to every push that arrives after it on any connection).
+    /// Tag 27: Worker -> scheduler only: tensor `tensor` now uses `optimizer` (a
+    /// learning-rate schedule's step, say). The scheduler records it (servers that join
+    /// later get it in their `Assign`) and sends it on to every live server (scheduler ->
+    /// server on the server's control connection, request id 0), each of which applies it
+    /// to every push that arrives after it and answers [`Control::OptimizerSet`]. Reply to
+    /// the worker: [`Control::Ok`] once every live server applied it. A server refuses it
+    /// on a data connection (`Forbidden`).
     SetOptimizer {
         /// Index of the tensor in the model.
         tensor: u32,
@@ -383,6 +386,14 @@ pub enum Control {
         #[serde(with = "elasticps_core::f32s")]
         values: Vec<f32>,
     },
+    /// Tag 52: Server -> scheduler (notification), after the scheduler's `SetOptimizer`
+    /// (sent to every server, request id 0, in the order the scheduler recorded them): this
+    /// server applied it (or holds no blocks yet: its `Assign` carries the record). The
+    /// scheduler answers the worker's `SetOptimizer` once every live server sent this.
+    OptimizerSet {
+        /// The tensor whose optimizer was set.
+        tensor: u32,
+    },
 }
 
 impl Control {
@@ -441,11 +452,12 @@ impl Control {
             Control::OptState { .. } => "OptState",
             Control::SetOptState { .. } => "SetOptState",
             Control::SetValues { .. } => "SetValues",
+            Control::OptimizerSet { .. } => "OptimizerSet",
         }
     }
 
     /// Every variant's name, in tag order ([`Control::name`] of tag `i` is `NAMES[i]`).
-    pub const NAMES: [&'static str; 52] = [
+    pub const NAMES: [&'static str; 53] = [
         "RegisterServer",
         "RegisterWorker",
         "Welcome",
@@ -498,6 +510,7 @@ impl Control {
         "OptState",
         "SetOptState",
         "SetValues",
+        "OptimizerSet",
     ];
 }
 

@@ -76,6 +76,7 @@ mod common {
             Control::OptState { .. } => 49,
             Control::SetOptState { .. } => 50,
             Control::SetValues { .. } => 51,
+            Control::OptimizerSet { .. } => 52,
         }
     }
 
@@ -494,6 +495,7 @@ mod common {
             (any::<u32>(), arb_opt_state()).prop_map(|(block, state)| Control::OptState { block, state }),
             (any::<u32>(), arb_opt_state()).prop_map(|(block, state)| Control::SetOptState { block, state }),
             (any::<u32>(), arb_f32s(8)).prop_map(|(block, values)| Control::SetValues { block, values }),
+            any::<u32>().prop_map(|tensor| Control::OptimizerSet { tensor }),
         ]
     }
 

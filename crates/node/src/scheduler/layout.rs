@@ -1,7 +1,7 @@
 //! The model and its layout: a worker defines the model (its tensors and their
 //! optimizers), the scheduler places its blocks once the servers registered and sends each
 //! server its `Assign`; workers wait for the layout until every server holds its blocks.
-//! Also the start clock and tensor optimizers changed while training runs.
+//! Also the start clock.
 
 use std::collections::BTreeSet;
 
@@ -13,7 +13,7 @@ use elasticps_wire::{Assignment, Control, ErrorCode, Layout, ServerAddr};
 use super::{Action, Caller, ConnId, Role, Scheduler};
 
 impl Scheduler {
-    /// `DefineModel`, `GetLayout`, `AssignDone`, `GetStartClock`, `SetOptimizer`.
+    /// `DefineModel`, `GetLayout`, `AssignDone`, `GetStartClock`.
     pub(super) fn on_layout(&mut self, call: Caller, control: Control, out: &mut Vec<Action>) {
         let (conn, request_id) = (call.conn, call.request_id);
         match (control, call.role) {
@@ -53,19 +53,6 @@ impl Scheduler {
                     tracing::info!(servers = self.config.servers, "every server holds its blocks: training can start");
                     self.layout_ready = true;
                     self.answer_layout_waiters(out);
-                }
-            }
-            (Control::SetOptimizer { tensor, optimizer }, Some(Role::Worker(rank))) => {
-                let Some(partition) = self.partition.as_mut() else {
-                    call.refuse(out, ErrorCode::NotReady, "no model is defined yet".into());
-                    return;
-                };
-                match partition.set_optimizer(tensor, optimizer) {
-                    Ok(()) => {
-                        tracing::info!(rank, tensor, ?optimizer, "tensor optimizer set");
-                        call.reply(out, Control::Ok.into());
-                    }
-                    Err(e) => call.refuse(out, ErrorCode::BadRequest, e.to_string()),
                 }
             }
             (other, _) => call.refuse_now(out, other),

@@ -447,6 +447,7 @@ impl Scheduler {
     /// waited for it.
     pub(super) fn on_lost(&mut self, conn: ConnId, why: &str, out: &mut Vec<Action>) {
         let Some(node) = self.nodes.remove(&conn) else { return };
+        self.optimizer_node_lost(conn, node.role, out);
         let silent_us = self.now_us.saturating_sub(node.last_seen_us);
         self.lose_node(node.role, why, silent_us, out);
         if let Role::Server(id) = node.role {

@@ -11,7 +11,9 @@
 //!   done; a node lost; connections that never register.
 //! - [`barrier`](self): workers waiting in a `Barrier`.
 //! - [`layout`](self): the model's definition, its placement and `Assign`s, the layout
-//!   workers wait for, the start clock, tensor optimizers.
+//!   workers wait for, the start clock.
+//! - [`optimizers`](self): a tensor's optimizer changed while training runs, recorded and
+//!   sent to every server; the worker is answered once they all applied it.
 //! - [`replicas`](self): the backup copies of every block, and a lost server's failover.
 //! - [`elastic`](self): which servers are live, draining or on trial; the one migration
 //!   at a time; the balancer's orders, load reports and operator `Scale` requests.
@@ -38,6 +40,7 @@ mod history;
 pub mod hosts;
 mod layout;
 mod membership;
+mod optimizers;
 mod recovery;
 mod replicas;
 #[cfg(test)]
@@ -47,6 +50,7 @@ pub use elasticps_core::balance::BalanceMode;
 pub use end::CLOSING_WAIT_US;
 pub use history::{BalanceLog, DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
 pub use membership::{MAX_UNREGISTERED, REGISTER_WITHIN_US};
+pub use optimizers::MAX_PENDING_SETS_PER_WORKER;
 pub use recovery::{Persisted, RECOVER_WAIT_US, STATE_VERSION, SavedState, reattach_message};
 
 use elastic::Elastic;
@@ -324,6 +328,8 @@ pub struct Scheduler {
     /// Connections closed for not registering: what they sent before the close reached
     /// the runtime is dropped (it must not be taken as from a fresh connection).
     shut: BTreeSet<ConnId>,
+    /// Workers' `SetOptimizer` calls waiting for the servers to apply them.
+    optimizer_sets: optimizers::OptimizerSets,
     /// The cluster secret the credentials are made with.
     secret: Vec<u8>,
     /// This job's id in its credentials.
@@ -371,6 +377,7 @@ impl Scheduler {
             join_timeout_us: None,
             first_worker_us: None,
             shut: BTreeSet::new(),
+            optimizer_sets: optimizers::OptimizerSets::default(),
             secret: Vec::new(),
             job: 0,
             config,
@@ -757,11 +764,17 @@ impl Scheduler {
             | Control::Heartbeat
             | Control::WorkerDone { .. } => self.on_membership(call, control, out),
             Control::ReattachServer { .. } | Control::ReattachWorker { .. } => self.on_reattach(call, control, out),
-            Control::DefineModel { .. }
-            | Control::GetLayout
-            | Control::AssignDone { .. }
-            | Control::GetStartClock
-            | Control::SetOptimizer { .. } => self.on_layout(call, control, out),
+            Control::DefineModel { .. } | Control::GetLayout | Control::AssignDone { .. } | Control::GetStartClock => {
+                self.on_layout(call, control, out)
+            }
+            Control::SetOptimizer { tensor, optimizer } => match call.role {
+                Some(Role::Worker(rank)) => self.set_optimizer(call, rank, tensor, optimizer, out),
+                _ => call.refuse_now(out, Control::SetOptimizer { tensor, optimizer }),
+            },
+            Control::OptimizerSet { tensor } => match call.role {
+                Some(Role::Server(id)) => self.optimizer_set(id, tensor, out),
+                _ => call.refuse_now(out, control),
+            },
             Control::Barrier => self.on_barrier(call, control, out),
             Control::ServerLoad(_)
             | Control::WorkerLoad(_)

@@ -345,6 +345,7 @@ impl Scheduler {
         out.push(Action::Send { conn, request_id, msg: self.welcome(PeerRole::Server, server_id) });
         if self.recovering.as_ref().is_some_and(|r| r.servers.is_empty()) {
             self.reconcile(out);
+            self.release_deferred_sets(out);
         }
         Ok(())
     }
@@ -827,6 +828,26 @@ mod tests {
         let a = recv(&mut r, 22, 5, Control::WorkerDone { rank: 0 });
         assert!(a.iter().any(|x| matches!(x, Action::Finish { ok: true, .. })), "{a:?}");
         assert!(sent_to(&a, 30).iter().any(|x| matches!(x, Message::Control(Control::Shutdown { .. }))));
+    }
+
+    #[test]
+    fn a_set_optimizer_made_again_after_a_restart_waits_for_every_server_to_reattach() {
+        use elasticps_core::optimizer::{OptimizerKind, TensorOptimizer};
+        let mut r = Scheduler::recover(config(), through_disk(&running()), 10_000_000).unwrap();
+        let slower = TensorOptimizer { kind: OptimizerKind::Sgd, lr: 0.01, weight_decay: 0.0 };
+        recv(&mut r, 21, 1, Control::ReattachWorker { rank: 1, credential: cred(PeerRole::Worker, 1) });
+        // The worker's call in flight at the restart, made again: held, not refused.
+        assert!(recv(&mut r, 21, 2, Control::SetOptimizer { tensor: 0, optimizer: slower }).is_empty());
+        reattach_server(&mut r, 30, 0, "s0", &[(0, 0, false), (1, 0, false)]);
+        let a = reattach_server(&mut r, 31, 1, "s1", &[(2, 0, false), (3, 0, false)]);
+        for server in [30, 31] {
+            let sent = sent_to(&a, server);
+            assert!(sent.contains(&&Control::SetOptimizer { tensor: 0, optimizer: slower }.into()), "{a:?}");
+        }
+        recv(&mut r, 30, 0, Control::OptimizerSet { tensor: 0 });
+        let a = recv(&mut r, 31, 0, Control::OptimizerSet { tensor: 0 });
+        assert_eq!(sent_to(&a, 21), [&Message::from(Control::Ok)]);
+        assert_eq!(r.partition().unwrap().optimizer(0), Some(&slower));
     }
 
     #[test]

@@ -50,7 +50,13 @@ impl Server {
         let forbidden = match authz::check(Receiver::Server, c.class(), name) {
             Verdict::Allowed => self.sender_may_not(c, msg),
             Verdict::Forbidden => {
-                let hint = if c.proven.is_none() { " (say Hello with a credential first)" } else { "" };
+                let hint = if authz::check(Receiver::Server, Class::Scheduler, name) == Verdict::Allowed {
+                    " (it goes to the scheduler, which sends it on to every server)"
+                } else if c.proven.is_none() {
+                    " (say Hello with a credential first)"
+                } else {
+                    ""
+                };
                 Some(format!(
                     "{} may not send {name} to a server{hint} (docs/PROTOCOL.md §7.1); nothing changed",
                     proven()

@@ -468,10 +468,7 @@ impl Server {
                 | Message::Control(Control::Replicate { .. } | Control::ReplicaSnapshot(_))),
             ) => self.on_replica(now_us, (conn, request_id), msg, out),
             Err(Message::Control(
-                control @ (Control::SetOptimizer { .. }
-                | Control::GetOptState { .. }
-                | Control::SetOptState { .. }
-                | Control::SetValues { .. }),
+                control @ (Control::GetOptState { .. } | Control::SetOptState { .. } | Control::SetValues { .. }),
             )) => Some(self.on_tensor(rank, control)),
             // The table allows what this match does not take: refused, nothing changed.
             Err(other) => Some(not_taken(&other)),
@@ -495,6 +492,10 @@ impl Server {
         if let Message::Control(Control::AddWorker { rank }) = msg {
             // Answered even while shutting down: a restarted worker waits for every server.
             return self.add_worker(rank, out);
+        }
+        if let Message::Control(Control::SetOptimizer { tensor, optimizer }) = msg {
+            // Answered even while shutting down: a worker waits for every server.
+            return self.scheduler_set_optimizer(tensor, optimizer, out);
         }
         if self.stopping.is_some() {
             // Shutting down: the scheduler said its last word.

@@ -1,31 +1,37 @@
 //! A worker reads or replaces a block's optimizer state (`GetOptState`, `SetOptState`),
 //! or overwrites its values (`SetValues`) (docs/PROTOCOL.md §6.13): what a PyTorch
-//! optimizer's `state_dict` and `load_state_dict` carry, and a model's buffers.
+//! optimizer's `state_dict` and `load_state_dict` carry, and a model's buffers. A tensor's
+//! optimizer changes only by the scheduler's `SetOptimizer`, which every server applies.
 
 use elasticps_core::CoreError;
 use elasticps_core::block::Block;
 use elasticps_core::model::BlockId;
-use elasticps_core::optimizer::OptState;
+use elasticps_core::optimizer::{OptState, TensorOptimizer};
 use elasticps_wire::{Control, ErrorCode, Message};
 
 use super::config::{Refusal, error};
-use super::{Phase, Server, Slot, Token, not_taken};
+use super::{Action, Phase, Server, Slot, Token, not_taken};
 
 impl Server {
-    /// A worker's message about a tensor's optimizer or a block's optimizer state or
-    /// values: its answer.
+    /// The scheduler's `SetOptimizer` (a worker's, recorded; sent to every server in the
+    /// order recorded): applied to every push that arrives after it, and answered
+    /// [`Control::OptimizerSet`] (also with no blocks yet: the `Assign` to come carries
+    /// the scheduler's record; and when it cannot be applied, which the scheduler's own
+    /// check of the same model makes impossible, logged).
+    pub(super) fn scheduler_set_optimizer(&mut self, tensor: u32, optimizer: TensorOptimizer, out: &mut Vec<Action>) {
+        match self.shard.as_mut().map(|shard| (shard.id, shard.set_optimizer(tensor, optimizer))) {
+            Some((server, Ok(()))) => tracing::info!(server, tensor, ?optimizer, "tensor optimizer set"),
+            Some((server, Err(e))) => {
+                tracing::error!(server, tensor, error = %e, "the scheduler's tensor optimizer not applied")
+            }
+            None => tracing::debug!(server = self.id, tensor, "tensor optimizer set before the assignment"),
+        }
+        out.push(Action::ToScheduler { request_id: 0, msg: Control::OptimizerSet { tensor }.into() });
+    }
+
+    /// A worker's message about a block's optimizer state or values: its answer.
     pub(super) fn on_tensor(&mut self, rank: u32, control: Control) -> Message {
         match control {
-            Control::SetOptimizer { tensor, optimizer } => {
-                let Some(shard) = self.shard.as_mut() else { return Refusal::NotReady.reply(0) };
-                match shard.set_optimizer(tensor, optimizer) {
-                    Ok(()) => {
-                        tracing::info!(server = shard.id, rank, tensor, ?optimizer, "tensor optimizer set");
-                        Control::Ok.into()
-                    }
-                    Err(e) => error(ErrorCode::BadRequest, e.to_string()),
-                }
-            }
             Control::GetOptState { block } => self.opt_state_request(rank, block, None),
             Control::SetOptState { block, state } => self.opt_state_request(rank, block, Some(state)),
             Control::SetValues { block, values } => self.set_values_request(rank, block, &values),

@@ -1406,6 +1406,40 @@ fn opt_call(s: &mut Server, req: u64, msg: Control) -> Message {
 }
 
 #[test]
+fn a_server_takes_a_tensors_optimizer_from_the_scheduler_alone() {
+    use elasticps_core::optimizer::TensorOptimizer;
+    let slower = TensorOptimizer { kind: OptimizerKind::Sgd, lr: 0.5, weight_decay: 0.0 };
+    let set = Control::SetOptimizer { tensor: 0, optimizer: slower };
+    let applied = |acts: &[Action]| {
+        acts.iter().any(|a| {
+            matches!(
+                a,
+                Action::ToScheduler { request_id: 0, msg: Message::Control(Control::OptimizerSet { tensor: 0 }) }
+            )
+        })
+    };
+    let mut s = server(0, SyncPolicy::Asp);
+    // A worker's, on its data connection: refused, saying where it goes; nothing changed.
+    let refused = opt_call(&mut s, 1, set.clone());
+    assert!(
+        matches!(&refused, Message::Error(e) if e.code == ErrorCode::Forbidden && e.message.contains("goes to the scheduler")),
+        "{refused:?}"
+    );
+    push(&mut s, 0, 0, 2, 0, 0, 1.0);
+    assert_eq!(pulled(&pull(&mut s, 0, 0, 3, 0, 1)), vec![(1, 3, vec![-1.0; LEN])], "lr 1 still");
+    // The scheduler's: applied to the next push, and answered.
+    let acts = s.handle(0, Event::FromScheduler { request_id: 0, msg: set.clone().into() });
+    assert!(applied(&acts), "{acts:?}");
+    push(&mut s, 0, 0, 4, 0, 1, 1.0);
+    assert_eq!(pulled(&pull(&mut s, 0, 0, 5, 0, 2)), vec![(1, 5, vec![-1.5; LEN])], "lr 0.5 now");
+    // A server with no blocks yet answers too (its Assign carries the scheduler's record).
+    let mut late = Server::new("addr9".to_string());
+    late.start(0);
+    late.handle(0, Event::FromScheduler { request_id: 1, msg: welcome_of(0) });
+    assert!(applied(&late.handle(0, Event::FromScheduler { request_id: 0, msg: set.into() })));
+}
+
+#[test]
 fn a_worker_reads_and_replaces_a_blocks_optimizer_state() {
     use elasticps_core::optimizer::OptState;
     let mut s = server(0, SyncPolicy::Asp);

@@ -1,8 +1,8 @@
 //! A worker's call to one server outside a round (`GetOptState`, `SetOptState`,
-//! `SetValues` to a block's owner, `SetOptimizer` to every server): where it goes, what
-//! its answer means (`Moved`: after a layout refresh, to the new owner, at most
-//! [`MAX_MOVES`] times; `NotReady`, a migrating block: again after
-//! [`BLOCK_BUSY_RETRY_US`], for at most [`CALL_TIMEOUT_US`]), and its deadline.
+//! `SetValues` to a block's owner): where it goes, what its answer means (`Moved`: after
+//! a layout refresh, to the new owner, at most [`MAX_MOVES`] times; `NotReady`, a
+//! migrating block: again after [`BLOCK_BUSY_RETRY_US`], for at most
+//! [`CALL_TIMEOUT_US`]), and its deadline.
 
 use elasticps_wire::{Control, ErrorCode, Layout, Message};
 

@@ -32,7 +32,7 @@ use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
 use elasticps_node::ConnId;
 use elasticps_node::timing::REQUEST_TIMEOUT_US;
-use elasticps_node::worker::{self, PushOp, RowsOp, Target, Worker};
+use elasticps_node::worker::{self, PushOp, RowsOp, Worker};
 use elasticps_wire::{Codec, Control, Credential, Layout, Message};
 
 use crate::error::{Result, RuntimeError};
@@ -283,24 +283,16 @@ impl Client {
     }
 
     /// Gives tensor `tensor` (its index in the model) a new optimizer, e.g. the learning
-    /// rate of a schedule's next step: recorded by the scheduler (for servers that join
-    /// later), then by every server, before this returns; every push sent after it uses it.
+    /// rate of a schedule's next step: the scheduler records it (for servers that join
+    /// later, and the layout), sends it on to every server and answers once every live
+    /// server applied it; every push sent after this returns uses it.
     pub async fn set_optimizer(&mut self, tensor: u32, optimizer: TensorOptimizer) -> Result<()> {
-        let layout = self.current_layout()?;
         let msg = Message::from(Control::SetOptimizer { tensor, optimizer });
-        let what = || format!("the scheduler to take the optimizer of tensor {tensor}");
+        let what = || format!("every server to take the optimizer of tensor {tensor} (through the scheduler)");
         match self.call_scheduler(msg, CALL_TIMEOUT, what).await? {
-            Message::Control(Control::Ok) => {}
-            other => return Err(RuntimeError::unexpected("scheduler", "Ok", &other)),
+            Message::Control(Control::Ok) => Ok(()),
+            other => Err(RuntimeError::unexpected("scheduler", "Ok", &other)),
         }
-        for s in &layout.servers {
-            let name = format!("server {}", s.id);
-            match self.server_call(Target::Server(s.id), Control::SetOptimizer { tensor, optimizer }).await? {
-                Message::Control(Control::Ok) => {}
-                other => return Err(RuntimeError::unexpected(&name, "Ok", &other)),
-            }
-        }
-        Ok(())
     }
 
     /// Fresh zeroed buffers shaped like the model's tensors, for [`Client::pull`].
