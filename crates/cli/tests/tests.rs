@@ -15,4 +15,5 @@ mod metrics;
 mod migration;
 mod scheduler_restart;
 mod semantics;
+mod server_bounds;
 mod trust;
