@@ -17,4 +17,5 @@ mod migration;
 mod scheduler_bounds;
 mod scheduler_restart;
 mod semantics;
+mod server_bounds;
 mod trust;

@@ -115,48 +115,57 @@ struct HeldPull<T> {
     /// The `done` clock that releases it.
     until: Clock,
     since_us: u64,
+    /// Its place in the order the pulls were held: released pulls are answered in it.
+    seq: u64,
 }
 
-/// A block's held pulls, with what the hot path asks of them kept at hand: the smallest
-/// `until` (a push that does not reach it releases nothing, without a scan) and how many
-/// are held per clock (a pull asks whether one of its clock is held). At 1,000 workers a
-/// scan per push or pull would dominate.
+/// A block's held pulls, with what the hot path asks of them kept at hand: the pulls by
+/// the `done` clock that releases them (a push that releases nothing looks at one key,
+/// and one that releases some takes out those alone: with 1,000,000 pulls held far ahead,
+/// an honest worker's push costs no scan of them) and how many are held per clock (a pull
+/// asks whether one of its clock is held). At 1,000 workers a scan per push or pull would
+/// dominate.
 #[derive(Debug)]
 struct HeldPulls<T> {
-    pulls: Vec<HeldPull<T>>,
-    /// `min(until)` over `pulls`; `Clock::MAX` when empty.
-    min_until: Clock,
+    /// By `until`, each in the order held.
+    by_until: BTreeMap<Clock, Vec<HeldPull<T>>>,
+    len: usize,
     per_clock: BTreeMap<Clock, u32>,
+    next_seq: u64,
 }
 
 impl<T> HeldPulls<T> {
     fn new() -> Self {
-        Self { pulls: Vec::new(), min_until: Clock::MAX, per_clock: BTreeMap::new() }
+        Self { by_until: BTreeMap::new(), len: 0, per_clock: BTreeMap::new(), next_seq: 0 }
     }
 
     fn len(&self) -> usize {
-        self.pulls.len()
+        self.len
     }
 
-    fn hold(&mut self, pull: HeldPull<T>) {
-        self.min_until = self.min_until.min(pull.until);
+    fn hold(&mut self, mut pull: HeldPull<T>) {
+        pull.seq = self.next_seq;
+        self.next_seq += 1;
         *self.per_clock.entry(pull.clock).or_default() += 1;
-        self.pulls.push(pull);
+        self.by_until.entry(pull.until).or_default().push(pull);
+        self.len += 1;
     }
 
     fn any_at(&self, clock: Clock) -> bool {
         self.per_clock.contains_key(&clock)
     }
 
-    fn oldest(&self) -> Option<&HeldPull<T>> {
-        self.pulls.iter().min_by_key(|h| h.since_us)
+    fn iter(&self) -> impl Iterator<Item = &HeldPull<T>> {
+        self.by_until.values().flatten()
     }
 
-    /// Takes out the pulls for which `keep` is false.
-    fn take_unless(&mut self, keep: impl Fn(&HeldPull<T>) -> bool) -> Vec<HeldPull<T>> {
-        let (kept, taken): (Vec<_>, Vec<_>) = self.pulls.drain(..).partition(|h| keep(h));
-        self.pulls = kept;
-        self.min_until = self.pulls.iter().map(|h| h.until).min().unwrap_or(Clock::MAX);
+    fn oldest(&self) -> Option<&HeldPull<T>> {
+        self.iter().min_by_key(|h| (h.since_us, h.seq))
+    }
+
+    /// Counts `taken` out, and returns them in the order they were held.
+    fn taken(&mut self, mut taken: Vec<HeldPull<T>>) -> Vec<HeldPull<T>> {
+        self.len -= taken.len();
         for h in &taken {
             if let std::collections::btree_map::Entry::Occupied(mut e) = self.per_clock.entry(h.clock) {
                 *e.get_mut() -= 1;
@@ -165,15 +174,34 @@ impl<T> HeldPulls<T> {
                 }
             }
         }
+        taken.sort_unstable_by_key(|h| h.seq);
         taken
     }
 
-    /// The pulls `done` releases.
+    /// Takes out the pulls for which `keep` is false (a scan of every pull held).
+    fn take_unless(&mut self, keep: impl Fn(&HeldPull<T>) -> bool) -> Vec<HeldPull<T>> {
+        let mut taken = Vec::new();
+        self.by_until.retain(|_, pulls| {
+            let (kept, out): (Vec<_>, Vec<_>) = pulls.drain(..).partition(|h| keep(h));
+            *pulls = kept;
+            taken.extend(out);
+            !pulls.is_empty()
+        });
+        self.taken(taken)
+    }
+
+    /// The pulls `done` releases: those alone are looked at.
     fn take_ready(&mut self, done: Clock) -> Vec<HeldPull<T>> {
-        if done < self.min_until {
-            return Vec::new();
+        let mut ready = Vec::new();
+        while let Some(e) = self.by_until.first_entry()
+            && *e.key() <= done
+        {
+            ready.extend(e.remove());
         }
-        self.take_unless(|h| done < h.until)
+        if ready.is_empty() {
+            return ready;
+        }
+        self.taken(ready)
     }
 }
 
@@ -660,9 +688,16 @@ impl<T> Block<T> {
         self.held.len()
     }
 
-    /// Number of pulls currently held whose token matches `pred`.
-    pub fn held_matching(&self, pred: &dyn Fn(&T) -> bool) -> usize {
-        self.held.pulls.iter().filter(|h| pred(&h.token)).count()
+    /// The tokens of the pulls currently held (in no particular order).
+    pub fn held_tokens(&self) -> impl Iterator<Item = &T> {
+        self.held.iter().map(|h| &h.token)
+    }
+
+    /// Drops the held pulls whose token matches `pred`, unanswered (their connection
+    /// closed: nobody waits for the answer), and returns how many. A scan of the pulls
+    /// held here; releases nothing (`done` does not move).
+    pub fn drop_held(&mut self, pred: impl Fn(&T) -> bool) -> usize {
+        self.held.take_unless(|h| !pred(&h.token)).len()
     }
 
     /// What the oldest held pull waits for, for logs: (worker and clock of that pull,
@@ -892,7 +927,7 @@ impl<T> Block<T> {
         };
         match config.sync.on_pull(&view, rng) {
             Verdict::Hold { until } => {
-                self.held.hold(HeldPull { token, worker, clock, rows, until, since_us: now_us });
+                self.held.hold(HeldPull { token, worker, clock, rows, until, since_us: now_us, seq: 0 });
                 Ok(None)
             }
             Verdict::Answer => Ok(Some(self.answer(config.sync, token, worker, clock, rows, None))),
@@ -900,14 +935,15 @@ impl<T> Block<T> {
     }
 
     /// Takes a worker out of the quorum (it died or left) and returns the pulls that no
-    /// longer have to wait for it.
-    pub fn remove_worker(&mut self, config: &ShardConfig, worker: u32, now_us: u64) -> Vec<Answer<T>> {
+    /// longer have to wait for it, and the tokens of the removed worker's own held pulls,
+    /// dropped unanswered.
+    pub fn remove_worker(&mut self, config: &ShardConfig, worker: u32, now_us: u64) -> (Vec<Answer<T>>, Vec<T>) {
         self.clocks.remove_worker(worker);
-        self.held.take_unless(|h| h.worker != worker);
+        let dropped = self.held.take_unless(|h| h.worker != worker).into_iter().map(|h| h.token).collect();
         if config.optimizer.aggregate {
             self.apply_complete_clocks(config.optimizer);
         }
-        self.release(config.sync, now_us)
+        (self.release(config.sync, now_us), dropped)
     }
 
     /// Takes a removed worker back into the quorum ([`Clocks::add_worker`]); returns the
@@ -1162,13 +1198,41 @@ mod tests {
     }
 
     #[test]
+    fn dropped_held_pulls_are_never_answered_and_the_others_are_released_in_the_order_held() {
+        let cfg = config(SyncPolicy::Ssp(0), false, 2);
+        let mut b = block(1, &cfg);
+        // Held for clock 0 (pull 1: until 1) and clock 1 (pull 2: until 2), interleaved.
+        for (token, clock) in [(10, 2), (11, 1), (12, 2), (13, 1), (14, 1)] {
+            assert!(b.pull(&cfg, token, 0, clock, 0, &mut rng()).unwrap().is_none());
+        }
+        assert_eq!(b.drop_held(|t| *t == 11 || *t == 12), 2);
+        assert_eq!(b.drop_held(|t| *t == 99), 0);
+        assert_eq!(b.held(), 3);
+        let mut left: Vec<u32> = b.held_tokens().copied().collect();
+        left.sort_unstable();
+        assert_eq!(left, vec![10, 13, 14]);
+        b.push(&cfg, 0, 0, &[1.0], 1).unwrap();
+        b.push(&cfg, 0, 1, &[1.0], 1).unwrap();
+        // Worker 1 goes on from clock 2: done 2 at once, both clocks' pulls come out, in
+        // the order they were held.
+        let released = b.skip_to(&cfg, 1, 2, 2);
+        assert_eq!(released.iter().map(|a| a.token).collect::<Vec<_>>(), vec![10, 13, 14]);
+        assert_eq!((b.held(), b.held_tokens().count()), (0, 0));
+        // A worker's own held pulls are dropped when it is removed, and named.
+        assert!(b.pull(&cfg, 20, 1, 3, 3, &mut rng()).unwrap().is_none());
+        let (answers, dropped) = b.remove_worker(&cfg, 1, 4);
+        assert!(answers.is_empty());
+        assert_eq!((dropped, b.held()), (vec![20], 0));
+    }
+
+    #[test]
     fn removing_a_worker_releases_what_waited_for_it() {
         let cfg = config(SyncPolicy::Ssp(1), true, 2);
         let mut b = block(1, &cfg);
         b.push(&cfg, 0, 0, &[4.0], 0).unwrap();
         b.push(&cfg, 0, 1, &[4.0], 0).unwrap();
         assert!(b.pull(&cfg, 7, 0, 2, 0, &mut rng()).unwrap().is_none());
-        let released = b.remove_worker(&cfg, 1, 5);
+        let (released, _) = b.remove_worker(&cfg, 1, 5);
         assert_eq!(released.len(), 1);
         assert_eq!(**b.values(), vec![-8.0]);
     }

@@ -53,10 +53,8 @@ impl Server {
         let Some(shard) = self.shard.as_ref() else { return Some(Refusal::NotReady.reply(block)) };
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return None };
         let done = o.block.done();
-        if let Some(clock) = request.pulled()
-            && let Some(refused) = self.pull_bound(to.conn, block, clock, done)
-        {
-            tracing::warn!(server = shard.id, rank, block, %refused, "pull refused");
+        if let Some(refused) = self.request_bound(to.conn, block, &request, done) {
+            tracing::warn!(server = shard.id, rank, block, %refused, "request refused");
             return Some(error(ErrorCode::BadRequest, refused));
         }
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return None };
@@ -117,6 +115,7 @@ impl Server {
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return Some(shard.refusal(block).reply(block)) };
         let Request { what, op } = request;
         let mut answers = Vec::new();
+        let mut held = false;
         let reply = match op {
             Op::Init { .. } if matches!(o.phase, Phase::Copying { .. }) => Some(error(
                 ErrorCode::NotReady,
@@ -146,6 +145,7 @@ impl Server {
                 }
                 match pull(&mut o.block, shard, from.rank, to, &what, clock, now_us) {
                     Ok(answer) => {
+                        held = answer.is_none();
                         answers.extend(answer);
                         None
                     }
@@ -167,11 +167,17 @@ impl Server {
                         answers.push(answer);
                         None
                     }
-                    Ok(None) => Some(Message::PushAck { block, clock }),
+                    Ok(None) => {
+                        held = true;
+                        Some(Message::PushAck { block, clock })
+                    }
                     Err(e) => Some(error(ErrorCode::BadRequest, e.to_string())),
                 }
             }
         };
+        if held {
+            self.held_pull(to);
+        }
         self.answer_pulls(answers, out);
         self.checkpoint_if_due(now_us, block, done, out);
         reply

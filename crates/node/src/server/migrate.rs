@@ -310,6 +310,7 @@ impl Server {
             out.push(Action::Reply { conn: p.to.conn, request_id: p.to.request_id, msg: moved.clone().into() });
         }
         for (t, _, _) in o.block.take_held() {
+            self.held.let_go(&t);
             // A held push_pull whose gated PushAck became `Moved` is answered already.
             if !answered.contains(&(t.conn, t.request_id)) {
                 out.push(Action::Reply { conn: t.conn, request_id: t.request_id, msg: moved.clone().into() });
@@ -431,11 +432,9 @@ impl Server {
                 _ => Vec::new(),
             };
             again.append(&mut stale.checkpoint_parked);
-            again.extend(stale.block.take_held().into_iter().map(|(to, rank, clock)| Parked {
-                rank,
-                to,
-                request: Request::pull(clock),
-            }));
+            let held = stale.block.take_held();
+            held.iter().for_each(|(to, _, _)| self.held.let_go(to));
+            again.extend(held.into_iter().map(|(to, rank, clock)| Parked { rank, to, request: Request::pull(clock) }));
             self.serve_parked(now_us, again, out);
         }
         Control::Ok.into()

@@ -169,11 +169,9 @@ pub struct Server {
     checkpoint_writes: u32,
     /// `--replicas`: backup copies held here, and the pushes waiting for backups.
     replication: replica::Replication,
-    /// At least the number of pulls held here: the exact count when last counted, plus
-    /// every pull that reached a policy since (held pulls come from those alone). The
-    /// bounds on held pulls are counted exactly only once it reaches them, so a pull
-    /// costs no scan of the blocks.
-    held_at_most: std::cell::Cell<usize>,
+    /// The pulls held here, in all and per connection: the bounds on held pulls cost a
+    /// pull O(1), and a closed connection's pulls are found without a scan.
+    held: holds::HeldCount,
 }
 
 impl Server {
@@ -209,7 +207,7 @@ impl Server {
             restoring: None,
             checkpoint_writes: 0,
             replication: replica::Replication::default(),
-            held_at_most: std::cell::Cell::new(0),
+            held: holds::HeldCount::default(),
         }
     }
 
@@ -302,9 +300,7 @@ impl Server {
                 self.conns.insert(conn, Conn { key, proven: None });
             }
             Event::Received { conn, request_id, msg } => self.received(now_us, conn, request_id, msg, out),
-            Event::Closed { conn } => {
-                self.conns.remove(&conn);
-            }
+            Event::Closed { conn } => self.conn_closed(conn),
             Event::FromScheduler { request_id, msg } => self.scheduler_said(now_us, request_id, msg, out),
             Event::FromServer { call, reply } => self.step_answered(now_us, call, reply, out),
             Event::Timeout => self.on_timeout(now_us, out),
@@ -315,6 +311,14 @@ impl Server {
             self.try_exit(now_us, out);
         }
         self.gate_replies(from, out);
+        // Every event keeps the counts of held pulls equal to the blocks' (checked while a
+        // recount is cheap).
+        #[cfg(test)]
+        if self.held.total() <= 4_096
+            && let Err(e) = self.recount()
+        {
+            panic!("{e}");
+        }
         if let (Some(before), Some(after)) = (data_before, self.poll_timeout()) {
             debug_assert!(
                 before.is_some_and(|b| after >= b),

@@ -18,7 +18,10 @@ impl Server {
             if let Slot::Owned(o) = slot {
                 let config = shard.config_for(o.block.spec());
                 before.push((*id, o.block.done()));
-                answers.extend(o.block.remove_worker(&config, rank, now_us));
+                let (released, dropped) = o.block.remove_worker(&config, rank, now_us);
+                answers.extend(released);
+                // The removed worker's own held pulls: nobody waits for them.
+                dropped.iter().for_each(|t| self.held.let_go(t));
             }
         }
         for copy in self.replication.copies_mut() {

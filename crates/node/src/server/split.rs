@@ -105,7 +105,10 @@ impl Server {
             .block
             .take_held()
             .into_iter()
-            .map(|(to, rank, clock)| Parked { rank, to, request: Request::pull(clock) })
+            .map(|(to, rank, clock)| {
+                self.held.let_go(&to);
+                Parked { rank, to, request: Request::pull(clock) }
+            })
             .collect();
         tracing::info!(server = self.id, block, at, epoch, left, right, held = held.len(), "row block split");
         // The pulls it held are answered `Moved` to no server: their workers pull again

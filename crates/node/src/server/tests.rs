@@ -51,15 +51,19 @@ fn assignment(id: ServerId, sync: SyncPolicy) -> Assignment {
 /// Server `id`, registered and assigned (block 0 on server 0, block 1 on server 1), with
 /// workers 0 and 1 said Hello on connections 1 and 2.
 fn server(id: ServerId, sync: SyncPolicy) -> Server {
-    let mut s = Server::new(format!("addr{id}")).with_trace(true);
+    server_of(Server::new(format!("addr{id}")).with_trace(true), assignment(id, sync))
+}
+
+/// [`server`] from `s`, assigned `a`.
+fn server_of(mut s: Server, a: Assignment) -> Server {
+    let id = a.server_id;
     let start = s.start(0);
     assert!(matches!(
         &start[..],
         [Action::ToScheduler { request_id: 1, msg: Message::Control(Control::RegisterServer { .. }) }]
     ));
     s.handle(0, Event::FromScheduler { request_id: 1, msg: welcome_of(id) });
-    let acts = s
-        .handle(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(Box::new(assignment(id, sync))).into() });
+    let acts = s.handle(0, Event::FromScheduler { request_id: 0, msg: Control::Assign(Box::new(a)).into() });
     assert!(
         acts.iter().any(|a| matches!(a, Action::ToScheduler { msg: Message::Control(Control::AssignDone { .. }), .. }))
     );
@@ -678,6 +682,281 @@ fn held_pulls_past_the_bound_per_connection_are_refused_and_a_release_makes_room
     assert_eq!(pulled(&released).len(), MAX_HELD_PER_CONN + 1);
     assert_eq!(pulled(&pull(&mut s, 3, 0, 9, 0, 1)).len(), 1, "clock 1 is answered at once now");
     assert!(replies(&pull(&mut s, 3, 0, 10, 0, 2)).is_empty(), "and clock 2 is held again, under the bound");
+}
+
+/// The one error in `acts`, to (`conn`, `req`).
+fn refusal(acts: &[Action], conn: ConnId, req: u64) -> String {
+    match &replies(acts)[..] {
+        [(c, r, Message::Error(e))] if (*c, *r) == (conn, req) && e.code == ErrorCode::BadRequest => e.message.clone(),
+        other => panic!("one BadRequest to {conn}/{req}: {other:?}"),
+    }
+}
+
+#[test]
+fn a_closed_connections_held_pulls_are_dropped_and_its_bound_is_free_again() {
+    let mut s = server(0, SyncPolicy::Bsp);
+    // Worker 0's honest pull of clock 1 on its connection, and a second connection of
+    // worker 0 filled to its bound with pulls of clock 1: every one held for clock 0.
+    assert!(replies(&pull(&mut s, 1, 0, 1, 0, 1)).is_empty());
+    introduce(&mut s, 3, PeerRole::Worker, 0);
+    let far = |s: &mut Server, conn: ConnId, req: u64| {
+        s.handle(1, Event::Received { conn, request_id: req, msg: Message::Pull { block: 0, clock: 1 } })
+    };
+    for req in 0..MAX_HELD_PER_CONN as u64 {
+        assert!(replies(&far(&mut s, 3, req)).is_empty(), "pull {req} is held");
+    }
+    assert!(refusal(&far(&mut s, 3, 1 << 20), 3, 1 << 20).contains("(MAX_HELD_PER_CONN 65536)"));
+    assert_eq!((s.held.total(), s.held.of_conn(3)), (MAX_HELD_PER_CONN + 1, MAX_HELD_PER_CONN));
+    // Closed: its pulls leave the block and the count, and are never answered.
+    assert!(s.handle(2, Event::Closed { conn: 3 }).is_empty());
+    assert_eq!((s.held.total(), s.held.of_conn(3)), (1, 0));
+    assert_eq!(s.recount(), Ok(()));
+    let Some(Slot::Owned(o)) = s.slot(0) else { panic!("block 0 is here") };
+    assert_eq!(o.block.held(), 1);
+    // A new connection of the same worker may hold as many again.
+    introduce(&mut s, 4, PeerRole::Worker, 0);
+    for req in 0..MAX_HELD_PER_CONN as u64 {
+        assert!(replies(&far(&mut s, 4, req)).is_empty(), "pull {req} is held again");
+    }
+    s.handle(3, Event::Closed { conn: 4 });
+    // Clock 0 complete: the honest pull alone is answered.
+    push(&mut s, 4, 0, 7, 0, 0, 1.0);
+    let released = push(&mut s, 4, 1, 8, 0, 0, 1.0);
+    assert_eq!(pulled(&released).iter().map(|(c, r, _)| (*c, *r)).collect::<Vec<_>>(), vec![(1, 1)]);
+    assert_eq!((s.held.total(), s.recount()), (0, Ok(())));
+}
+
+#[test]
+fn the_bound_per_server_is_reached_and_a_push_still_releases_only_what_it_releases() {
+    let mut s = server(0, SyncPolicy::Bsp);
+    // 16 connections of worker 0 hold 65,536 pulls each, far ahead (clock 900).
+    let conns = (MAX_HELD_PER_SERVER / MAX_HELD_PER_CONN) as ConnId;
+    let started = std::time::Instant::now();
+    for c in 0..conns {
+        introduce(&mut s, 10 + c, PeerRole::Worker, 0);
+        for req in 0..MAX_HELD_PER_CONN as u64 {
+            let msg = Message::Pull { block: 0, clock: 900 };
+            let r = s.handle(1, Event::Received { conn: 10 + c, request_id: req, msg });
+            assert!(r.is_empty(), "pull {req} on {c} is held: {r:?}");
+        }
+    }
+    let per_pull = started.elapsed() / MAX_HELD_PER_SERVER as u32;
+    println!("held {MAX_HELD_PER_SERVER} pulls, {per_pull:?} per pull (a test build)");
+    assert_eq!(s.held.total(), MAX_HELD_PER_SERVER);
+    // One more, on a connection of its own, is refused by the bound per server.
+    introduce(&mut s, 9, PeerRole::Worker, 1);
+    let r = pull(&mut s, 2, 1, 5, 0, 1);
+    assert!(refusal(&r, 2, 5).contains("(MAX_HELD_PER_SERVER 1048576)"), "{r:?}");
+    // The honest workers' pushes are acknowledged (a pull is refused while the server is
+    // full, whether or not it would be held).
+    for clock in 0..3 {
+        assert!(acked(&push(&mut s, 3, 0, 100 + u64::from(clock), 0, clock, 1.0), 1, 100 + u64::from(clock)));
+        assert!(acked(&push(&mut s, 3, 1, 200 + u64::from(clock), 0, clock, 1.0), 2, 200 + u64::from(clock)));
+    }
+    assert!(refusal(&pull(&mut s, 4, 0, 300, 0, 3), 1, 300).contains("MAX_HELD_PER_SERVER"));
+    // Closing the connections frees the bound.
+    for c in 0..conns {
+        s.handle(5, Event::Closed { conn: 10 + c });
+    }
+    assert_eq!(s.held.total(), 0);
+    assert_eq!(pulled(&pull(&mut s, 6, 0, 301, 0, 3)).len(), 1, "answered at once");
+    assert!(replies(&pull(&mut s, 6, 1, 6, 0, 4)).is_empty(), "held again, under the bound");
+    assert_eq!(s.recount(), Ok(()));
+}
+
+/// Server 0 with `aggregate` on, `--max-clock-lead 3`.
+fn aggregate_server(sync: SyncPolicy) -> Server {
+    let mut a = assignment(0, sync);
+    a.config.optimizer.aggregate = true;
+    server_of(Server::new("addr0").with_max_clock_lead(3), a)
+}
+
+fn pending_sums(s: &Server) -> usize {
+    let Some(Slot::Owned(o)) = s.slot(0) else { panic!("block 0 is here") };
+    o.block.state().pending.len()
+}
+
+#[test]
+fn under_aggregate_a_push_past_the_clock_lead_is_refused_and_changes_nothing() {
+    let mut s = aggregate_server(SyncPolicy::Bsp);
+    // done 0: clocks 0 to 3 are within the lead, each keeps a sum.
+    for clock in 0..4 {
+        assert!(acked(&push(&mut s, 1, 0, u64::from(clock), 0, clock, 1.0), 1, u64::from(clock)));
+    }
+    let r = push(&mut s, 1, 0, 9, 0, 4, 1.0);
+    let e = refusal(&r, 1, 9);
+    assert!(e.contains("a push of block 0 at clock 4") && e.contains("(--max-clock-lead 3)"), "{e}");
+    assert_eq!(pending_sums(&s), 4, "nothing of it applied");
+    // The connection goes on: worker 1 completes clock 0, and the same push is taken.
+    assert!(acked(&push(&mut s, 1, 1, 10, 0, 0, 1.0), 2, 10));
+    assert!(acked(&push(&mut s, 1, 0, 11, 0, 4, 1.0), 1, 11));
+    assert_eq!(pending_sums(&s), 4, "clocks 1 to 4");
+    // A push_pull past the lead is refused too (its pull first under bsp: the same rule).
+    let msg = Message::PushPull { block: 0, clock: 5, values: Values::from_vec(vec![1.0; LEN]) };
+    let e = refusal(&s.handle(2, Event::Received { conn: 1, request_id: 12, msg }), 1, 12);
+    assert!(e.contains("a pull of block 0 at clock 6") && e.contains("(--max-clock-lead 3)"), "{e}");
+    assert_eq!(pending_sums(&s), 4);
+
+    // Under asp the pulls are not bounded, the pushes under aggregate are.
+    let mut s = aggregate_server(SyncPolicy::Asp);
+    for clock in 0..4 {
+        assert!(acked(&push(&mut s, 1, 0, u64::from(clock), 0, clock, 1.0), 1, u64::from(clock)));
+    }
+    let msg = Message::PushPull { block: 0, clock: 4, values: Values::from_vec(vec![1.0; LEN]) };
+    let e = refusal(&s.handle(2, Event::Received { conn: 1, request_id: 12, msg }), 1, 12);
+    assert!(e.contains("a push of block 0 at clock 4") && e.contains("(--max-clock-lead 3)"), "{e}");
+    assert_eq!(pending_sums(&s), 4);
+
+    // Without aggregate a push keeps no sum: not bounded.
+    let mut s = server_of(Server::new("addr0").with_max_clock_lead(3), assignment(0, SyncPolicy::Asp));
+    for clock in 0..10 {
+        assert!(acked(&push(&mut s, 1, 0, u64::from(clock), 0, clock, 1.0), 1, u64::from(clock)));
+    }
+}
+
+/// One step of [`counts_follow_every_path`].
+#[derive(Clone, Copy, Debug)]
+enum HeldOp {
+    /// Worker `rank` pulls `ahead` clocks past block 0's done clock, on its own connection
+    /// or on extra connection `slot` (if open).
+    Pull { rank: u32, slot: Option<usize>, ahead: u32 },
+    /// Worker `rank` pushes its next clock (fused with the pull of the one after).
+    Push { rank: u32, fused: bool },
+    /// Extra connection `slot` closes (if open) or opens (if closed) and says Hello.
+    Toggle { slot: usize },
+    /// The scheduler removes worker `rank` from the quorums, or takes it back.
+    Quorum { rank: u32 },
+    /// Block 0's migration to server 1 goes one step on (`fail`: the step fails).
+    Migrate { fail: bool },
+}
+
+fn held_op() -> impl proptest::strategy::Strategy<Value = HeldOp> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (0u32..2, proptest::option::of(0usize..3), 0u32..4)
+            .prop_map(|(rank, slot, ahead)| HeldOp::Pull { rank, slot, ahead }),
+        3 => (0u32..2, any::<bool>()).prop_map(|(rank, fused)| HeldOp::Push { rank, fused }),
+        2 => (0usize..3).prop_map(|slot| HeldOp::Toggle { slot }),
+        1 => (0u32..2).prop_map(|rank| HeldOp::Quorum { rank }),
+        1 => any::<bool>().prop_map(|fail| HeldOp::Migrate { fail }),
+    ]
+}
+
+/// Drives server 0 (bsp or ssp:1) through `ops` and checks after each that its counts of
+/// held pulls equal a recount over its blocks, and that no closed connection has a pull
+/// held.
+fn counts_follow_every_path(sync: SyncPolicy, ops: &[HeldOp]) -> Result<(), proptest::test_runner::TestCaseError> {
+    use proptest::prelude::prop_assert_eq;
+    let (mut a, mut b) = (server(0, sync), server(B, sync));
+    let mut next = [0u32; 2];
+    let mut removed = [false; 2];
+    let mut extra: [Option<ConnId>; 3] = [None; 3];
+    let mut next_conn: ConnId = 10;
+    let mut migration: (u8, Option<(u64, Message)>) = (0, None);
+    for (now, op) in ops.iter().enumerate() {
+        let now = now as u64 + 1;
+        let req = 1000 + now;
+        match *op {
+            HeldOp::Pull { rank, slot, ahead } => {
+                let conn = match slot {
+                    Some(i) => match extra[i] {
+                        Some(c) => c,
+                        None => continue,
+                    },
+                    None => ConnId::from(rank) + 1,
+                };
+                let done = match a.slot(0) {
+                    Some(Slot::Owned(o)) => o.block.done(),
+                    _ => 0,
+                };
+                let msg = Message::Pull { block: 0, clock: done.saturating_add(ahead) };
+                a.handle(now, Event::Received { conn, request_id: req, msg });
+            }
+            HeldOp::Push { rank, fused } => {
+                let (block, clock, values) = (0, next[rank as usize], Values::from_vec(vec![1.0; LEN]));
+                let msg = if fused {
+                    Message::PushPull { block, clock, values }
+                } else {
+                    Message::Push { block, clock, values }
+                };
+                let r = a.handle(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg });
+                let took = replies(&r).iter().any(|(c, q, m)| {
+                    (*c, *q) == (ConnId::from(rank) + 1, req)
+                        && matches!(m, Message::PushAck { .. } | Message::PullReply { .. })
+                });
+                if took {
+                    next[rank as usize] += 1;
+                }
+            }
+            HeldOp::Toggle { slot } => match extra[slot].take() {
+                Some(c) => {
+                    a.handle(now, Event::Closed { conn: c });
+                }
+                None => {
+                    next_conn += 1;
+                    introduce(&mut a, next_conn, PeerRole::Worker, slot as u32 % 2);
+                    extra[slot] = Some(next_conn);
+                }
+            },
+            HeldOp::Quorum { rank } => {
+                let msg =
+                    if removed[rank as usize] { Control::AddWorker { rank } } else { Control::RemoveWorker { rank } };
+                removed[rank as usize] ^= true;
+                a.handle(now, Event::FromScheduler { request_id: 0, msg: msg.into() });
+            }
+            HeldOp::Migrate { fail } => match migration {
+                (0, _) => migration = (1, Some(migrate(&mut a, now, 2))),
+                (1, Some(snapshot)) => {
+                    let reply = if fail { Err("lost".to_string()) } else { Ok(deliver(&mut b, now, snapshot.clone())) };
+                    let r = a.handle(now, Event::FromServer { call: snapshot.0, reply });
+                    migration = if fail { (4, None) } else { (2, Some(to_server(&r))) };
+                }
+                (2, Some(delta)) => {
+                    let reply = if fail { Err("lost".to_string()) } else { Ok(deliver(&mut b, now, delta.clone())) };
+                    let r = a.handle(now, Event::FromServer { call: delta.0, reply });
+                    let done = r.iter().any(|x| {
+                        matches!(x, Action::ToScheduler { msg: Message::Control(Control::MigrateDone(_)), .. })
+                    });
+                    migration = match (fail, done) {
+                        (true, _) => (4, None),
+                        // Pushes logged meanwhile: another delta.
+                        (false, false) => (2, Some(to_server(&r))),
+                        (false, true) => (3, Some((migrate_done(&r).0, Control::Ok.into()))),
+                    };
+                }
+                (3, Some((call, msg))) => {
+                    a.handle(now, Event::FromScheduler { request_id: call, msg });
+                    migration = (4, None);
+                }
+                _ => {}
+            },
+        }
+        prop_assert_eq!(a.recount(), Ok(()), "after {:?}", op);
+    }
+    // Every extra connection closes: nothing of theirs is held or counted.
+    for c in extra.into_iter().flatten() {
+        a.handle(ops.len() as u64 + 2, Event::Closed { conn: c });
+    }
+    prop_assert_eq!(a.recount(), Ok(()));
+    for c in 10..=next_conn {
+        prop_assert_eq!(a.held.of_conn(c), 0);
+    }
+    Ok(())
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, ..Default::default() })]
+
+    /// Any interleaving of held pulls (far ahead), pushes that release some, connections
+    /// closed and opened, workers removed and taken back and a migration (handed over or
+    /// failed) keeps the counts of held pulls equal to a recount over the blocks.
+    #[test]
+    fn held_pull_counts_follow_pulls_pushes_closes_quorums_and_migrations(
+        ops in proptest::collection::vec(held_op(), 0..60),
+        ssp in proptest::bool::ANY,
+    ) {
+        counts_follow_every_path(if ssp { SyncPolicy::Ssp(1) } else { SyncPolicy::Bsp }, &ops)?;
+    }
 }
 
 /// The primary and its backup of block 0 after the backup's first snapshot, both ways
