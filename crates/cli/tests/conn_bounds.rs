@@ -105,3 +105,30 @@ fn sixty_four_stalled_64_mib_frames_stay_within_the_partial_frame_budget() {
     job.round("the attackers left");
     job.finish(true);
 }
+
+/// Before its `Hello` is taken, a connection to a server may send small control frames
+/// alone: a data frame's header, and a control frame's above 64 KiB, are refused from the
+/// header (no payload byte follows), the connection closed, and the job goes on exactly.
+#[test]
+fn a_data_frame_before_hello_is_refused_from_its_header() {
+    use elasticps_wire::ErrorCode;
+    let job = Job::start(Shape::new(SECRET));
+    let codec = job.codec();
+    for (kind, len, code, words) in [
+        (Kind::Push, DEFAULT_MAX_PAYLOAD, ErrorCode::Forbidden, "only control frames"),
+        (Kind::Control, 1 << 20, ErrorCode::TooLarge, "at most 65536 bytes"),
+    ] {
+        let mut s = connect_raw(&job.addrs[0], SECRET.as_bytes());
+        let head = codec.encode_header(&FrameHeader { kind, request_id: 9, block: 0, clock: 0, payload_len: len });
+        s.write_all(&head).expect("the header");
+        match read_reply(&mut s, &codec, Duration::from_secs(5)) {
+            Reply::Frame(h, Message::Error(e)) => {
+                assert_eq!((h.request_id, e.code), (9, code), "{kind:?}: {e:?}");
+                assert!(e.message.contains(words), "{kind:?}: {}", e.message);
+            }
+            other => panic!("a {kind:?} header of {len} bytes before Hello: expected an Error, got {other:?}"),
+        }
+        assert!(matches!(read_reply(&mut s, &codec, Duration::from_secs(5)), Reply::Eof | Reply::Reset), "closed");
+    }
+    job.finish(true);
+}

@@ -509,6 +509,10 @@ async fn serve_connection(stream: crate::tls::Stream, key: KeyId, peer: String, 
     let conn = io.next_conn.fetch_add(1, Ordering::Relaxed);
     let (mut reader, out) = conn::split_shaped(stream, io.codec.for_key(key), peer.clone(), Some(io.shaper.clone()));
     reader.set_stall_timeout(io.frame_timeout);
+    // Until its Hello is taken, a connection may send small control frames alone: a data
+    // frame, or a larger one, is refused from its header (PROTOCOL.md §2, check 8).
+    let identified = conn::Identified::default();
+    reader.restrict_until(identified.clone(), conn::PRE_HELLO_MAX_PAYLOAD);
     io.replies.open(conn, out.clone());
     io.step(Event::Opened { conn, key }, false);
     let mut introduced = false;
@@ -562,7 +566,10 @@ async fn serve_connection(stream: crate::tls::Stream, key: KeyId, peer: String, 
         {
             tracing::debug!(peer = %peer, error = %e, "replies not written");
         }
-        introduced = introduced || lock(&io.server).introduced(conn);
+        if !introduced && lock(&io.server).introduced(conn) {
+            introduced = true;
+            identified.set();
+        }
     }
     io.replies.close(conn);
     io.step(Event::Closed { conn }, false);
