@@ -1,0 +1,3 @@
+//! Integration tests of elasticps-runtime, one module per subject.
+
+mod protocol_bounds;
