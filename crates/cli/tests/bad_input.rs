@@ -183,12 +183,15 @@ fn bad_frames() -> Vec<Bad> {
             request_id: 48,
         },
         Bad {
+            // A data frame from a connection that has not said who it is: refused from
+            // its header, before its payload (PROTOCOL.md §2, check 8), on a server as on
+            // the scheduler.
             name: "a frame truncated in its payload",
             bytes: truncated,
             half_close: true,
-            expect: None,
-            mentions: "",
-            request_id: 0,
+            expect: Some(ErrorCode::Forbidden),
+            mentions: "only control frames",
+            request_id: 49,
         },
         Bad {
             name: "a truncated header",
@@ -430,12 +433,7 @@ fn the_scheduler_survives_garbage_and_a_job_still_completes() {
     let (mut sched, addr) =
         start_scheduler(&["--servers", "2", "--workers", "1", "--secret", SECRET, "--join-timeout-s", "60"]);
     let garbage_round = |when: &str| {
-        for mut bad in bad_frames() {
-            if bad.name == "a frame truncated in its payload" {
-                // A data frame from a connection that has not registered: refused from
-                // its header, before its payload (PROTOCOL.md §2, check 8).
-                (bad.expect, bad.mentions, bad.request_id) = (Some(ErrorCode::Forbidden), "only control frames", 49);
-            }
+        for bad in bad_frames() {
             check_refused(&addr, &bad);
         }
         // A well-formed frame that is not a control message: refused (from its header, the
@@ -788,6 +786,12 @@ fn max_connections_closes_a_connection_over_the_bound_and_logs_it() {
         "2",
     ]);
     let mut held = vec![connect_raw(&addr, SECRET.as_bytes()), connect_raw(&addr, SECRET.as_bytes())];
+    // A connection takes its place once its handshake is done, a moment after the dialer
+    // read its verdict: an answer on each proves both hold theirs.
+    for (i, s) in held.iter_mut().enumerate() {
+        let (_, m) = call_raw(s, &codec(), 1, &Control::GetStatus.into());
+        assert!(matches!(m, Message::Control(Control::Status(_))), "held connection {i} is served: {m:?}");
+    }
     // Its handshake has places of its own (--max-handshakes); past it, no place is left.
     let mut over = connect_unauthenticated(&addr);
     handshake_raw(&mut over, SECRET.as_bytes()).expect("the handshake itself is not bounded by --max-connections");
@@ -799,7 +803,7 @@ fn max_connections_closes_a_connection_over_the_bound_and_logs_it() {
         other => panic!("the third connection must be closed at once, got {other:?}"),
     }
     // The held connections still work; freeing one makes room again.
-    let (_, m) = call_raw(&mut held[0], &codec(), 1, &Control::GetStatus.into());
+    let (_, m) = call_raw(&mut held[0], &codec(), 2, &Control::GetStatus.into());
     assert!(matches!(m, Message::Control(Control::Status(_))), "a connection under the bound is served: {m:?}");
     held.pop();
     let again = poll_until(REPLY_TIMEOUT, || {
