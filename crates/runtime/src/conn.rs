@@ -203,8 +203,11 @@ impl FrameReader {
         let len = header.payload_len as usize;
         // The buffer counts against the node's budget for partial frames until its last
         // byte came (crate::partial): a frame that would pass it evicts the ones that
-        // went longest without a byte.
-        let reservation = (len > 0).then(|| partial::reserve(len as u64));
+        // went longest without a byte. A payload already whole in the read buffer (most
+        // small frames) is copied out at once, without waiting for a byte: it holds no
+        // reservation.
+        let waits = len > self.inner.buffer().len();
+        let reservation = waits.then(|| partial::reserve(len as u64));
         let payload = if header.kind.carries_words() && len.is_multiple_of(4) {
             let mut v = pool::payload_buffer(len / 4);
             self.read_rest_of(bytemuck::cast_slice_mut(&mut v), reservation.as_ref()).await?;
