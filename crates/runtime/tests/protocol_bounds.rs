@@ -18,7 +18,7 @@ fn count(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -28,9 +28,9 @@ fn count(n: u64) -> String {
 
 /// A size in bytes as the document writes it: `64 KiB`, `1,024 MiB`.
 fn bytes(n: u64) -> String {
-    if n >= 1 << 20 && n % (1 << 20) == 0 {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
         format!("{} MiB", count(n >> 20))
-    } else if n % 1024 == 0 {
+    } else if n.is_multiple_of(1024) {
         format!("{} KiB", count(n >> 10))
     } else {
         count(n)
