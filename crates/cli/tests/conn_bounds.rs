@@ -119,16 +119,7 @@ fn a_data_frame_before_hello_is_refused_from_its_header() {
         (Kind::Control, 1 << 20, ErrorCode::TooLarge, "at most 65536 bytes"),
     ] {
         let mut s = connect_raw(&job.addrs[0], SECRET.as_bytes());
-        let head = codec.encode_header(&FrameHeader { kind, request_id: 9, block: 0, clock: 0, payload_len: len });
-        s.write_all(&head).expect("the header");
-        match read_reply(&mut s, &codec, Duration::from_secs(5)) {
-            Reply::Frame(h, Message::Error(e)) => {
-                assert_eq!((h.request_id, e.code), (9, code), "{kind:?}: {e:?}");
-                assert!(e.message.contains(words), "{kind:?}: {}", e.message);
-            }
-            other => panic!("a {kind:?} header of {len} bytes before Hello: expected an Error, got {other:?}"),
-        }
-        assert!(matches!(read_reply(&mut s, &codec, Duration::from_secs(5)), Reply::Eof | Reply::Reset), "closed");
+        assert_refused_from_header(&mut s, &codec, (kind, len), code, words);
     }
     job.finish(true);
 }

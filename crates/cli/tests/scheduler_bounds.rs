@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use elasticps_wire::{Codec, Control, DEFAULT_MAX_PAYLOAD, ErrorCode, FrameHeader, HostOffer, KeyId, Kind, Message};
+use elasticps_wire::{Codec, Control, DEFAULT_MAX_PAYLOAD, ErrorCode, HostOffer, KeyId, Kind, Message};
 
 use crate::common::tiny::{Job, Shape};
 use crate::common::*;
@@ -210,17 +210,7 @@ fn an_unregistered_connections_data_frame_is_refused_from_its_header() {
         (Kind::Control, 2 << 20, ErrorCode::TooLarge, "at most 1048576 bytes"),
     ] {
         let mut s = connect_raw_with(&job.sched_addr, KeyId::Worker, WORKER_SECRET.as_bytes());
-        let head = codec.encode_header(&FrameHeader { kind, request_id: 9, block: 0, clock: 0, payload_len: len });
-        std::io::Write::write_all(&mut s, &head).expect("the header");
-        // No payload byte follows: the refusal comes from the header alone.
-        match read_reply(&mut s, &codec, Duration::from_secs(5)) {
-            Reply::Frame(h, Message::Error(e)) => {
-                assert_eq!((h.request_id, e.code), (9, code), "{kind:?}: {e:?}");
-                assert!(e.message.contains(words), "{kind:?}: {}", e.message);
-            }
-            other => panic!("a {kind:?} header of {len} bytes before registering: expected an Error, got {other:?}"),
-        }
-        assert!(matches!(read_reply(&mut s, &codec, Duration::from_secs(5)), Reply::Eof | Reply::Reset), "closed");
+        assert_refused_from_header(&mut s, &codec, (kind, len), code, words);
     }
     job.finish(true);
 }

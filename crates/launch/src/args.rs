@@ -262,15 +262,24 @@ mod tests {
 
     use super::*;
 
+    #[derive(Parser, Debug)]
+    struct Net {
+        #[command(flatten)]
+        net: NetArgs,
+    }
+
+    /// The transport settings of these flags.
+    fn parse(flags: &[&str]) -> NetArgs {
+        Net::try_parse_from(std::iter::once("x").chain(flags.iter().copied())).unwrap().net
+    }
+
+    /// The value of variable `k` in `env`.
+    fn get(env: &[(String, String)], k: &str) -> Option<String> {
+        env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
     #[test]
     fn a_worker_secret_goes_to_the_script_alone_and_needs_a_cluster_secret_of_its_own() {
-        #[derive(Parser, Debug)]
-        struct Net {
-            #[command(flatten)]
-            net: NetArgs,
-        }
-        let parse = |f: &[&str]| Net::try_parse_from(std::iter::once("x").chain(f.iter().copied())).unwrap().net;
-        let get = |env: &[(String, String)], k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
         let job = JobArgs::default();
         let both = parse(&["--secret", "cluster", "--worker-secret", "workers"]);
         assert!(both.check_worker_secret().is_ok());
@@ -291,13 +300,6 @@ mod tests {
 
     #[test]
     fn a_launch_gives_its_scripts_a_worker_secret_and_never_the_cluster_secret() {
-        #[derive(Parser, Debug)]
-        struct Net {
-            #[command(flatten)]
-            net: NetArgs,
-        }
-        let parse = |f: &[&str]| Net::try_parse_from(std::iter::once("x").chain(f.iter().copied())).unwrap().net;
-        let get = |env: &[(String, String)], k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
         let job = JobArgs::default();
         // A cluster secret alone: the scripts get the worker secret derived from it.
         let mut given = parse(&["--secret", "cluster"]);
@@ -326,11 +328,6 @@ mod tests {
 
     #[test]
     fn the_frame_timeout_is_a_positive_number_of_seconds_and_reaches_child_processes() {
-        #[derive(Parser, Debug)]
-        struct Net {
-            #[command(flatten)]
-            net: NetArgs,
-        }
         let parse = |f: &[&str]| Net::try_parse_from(std::iter::once("x").chain(f.iter().copied())).map(|n| n.net);
         assert_eq!(parse(&[]).unwrap().frame_timeout(), std::time::Duration::from_secs(30));
         let n = parse(&["--frame-timeout-s", "2.5"]).unwrap();

@@ -528,6 +528,29 @@ pub fn read_reply(s: &mut TcpStream, codec: &Codec, timeout: Duration) -> Reply 
     }
 }
 
+/// Sends the header of a `kind` frame of `len` payload bytes on `s` (request id 9) and no
+/// byte of its payload: the peer must refuse it from the header alone, with an `Error`
+/// of `code` whose message mentions `words`, then close the connection (PROTOCOL.md §2,
+/// check 8).
+pub fn assert_refused_from_header(
+    s: &mut TcpStream,
+    codec: &Codec,
+    (kind, len): (elasticps_wire::Kind, u32),
+    code: elasticps_wire::ErrorCode,
+    words: &str,
+) {
+    let head = codec.encode_header(&FrameHeader { kind, request_id: 9, block: 0, clock: 0, payload_len: len });
+    s.write_all(&head).expect("the header");
+    match read_reply(s, codec, Duration::from_secs(5)) {
+        Reply::Frame(h, Message::Error(e)) => {
+            assert_eq!((h.request_id, e.code), (9, code), "{kind:?}: {e:?}");
+            assert!(e.message.contains(words), "{kind:?}: {}", e.message);
+        }
+        other => panic!("a {kind:?} header of {len} bytes: expected an Error from its header, got {other:?}"),
+    }
+    assert!(matches!(read_reply(s, codec, Duration::from_secs(5)), Reply::Eof | Reply::Reset), "closed");
+}
+
 /// Sends `msg` and reads the next frame, which must be a valid one; returns it.
 pub fn call_raw(s: &mut TcpStream, codec: &Codec, request_id: u64, msg: &Message) -> (FrameHeader, Message) {
     write_frame(s, codec, request_id, msg).unwrap_or_else(|e| panic!("sending {:?}: {e}", msg.kind()));
