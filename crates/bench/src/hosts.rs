@@ -28,13 +28,13 @@
 //! Every job's five launches start through `testnet exec`, each once the one before joined
 //! (so the spare joins after the job started and takes no first node); every wait has a
 //! timeout that names what it waits for. The bed is torn down at the end, on error and on
-//! Ctrl-C or SIGTERM ([`Bed`]'s `Drop`: every process it started, the neighbour included,
+//! Ctrl-C or SIGTERM (`Bed`'s `Drop`: every process it started, the neighbour included,
 //! and every process left in its namespaces, is stopped by PID, then `testnet down`).
 //!
 //! The numbers per job, from the rendezvous launch's `report.json`: samples/s over the whole
 //! run (the report's own), and the rate after the balancer settled (psld) or after every
 //! worker's first iteration (static), as `bench straggler` measures it
-//! ([`crate::straggler::measure`]); psld's migrations (and how many moved a block back to a
+//! (`crate::straggler::measure`); psld's migrations (and how many moved a block back to a
 //! server it had been on), its judged decisions (`balance.decisions`: kept or reverted,
 //! predicted and measured gain) and its scaling events; which host each server ran on (the
 //! scheduler's `server joined ... addr=` lines), so a scale-out server on the spare shows.

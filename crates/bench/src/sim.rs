@@ -1,7 +1,7 @@
 //! `elasticps bench sim`: what `elasticps sim` can do at scale, and how far to trust it.
 //!
 //! Every simulated row is an `elasticps sim` job described by the flags a user would type
-//! ([`sim_cmd`] parses them into the sim's command, as `train`'s flags are parsed for the
+//! (`sim_cmd` parses them into the sim's command, as `train`'s flags are parsed for the
 //! other benchmarks); each row prints its flags. Five parts:
 //!
 //! 1. **scale**: 1,000 workers x 100 servers, `synthetic:resnet50`, bsp, 100 iterations:
@@ -28,7 +28,7 @@
 //!    make the 1,000-worker one bound by the servers' links, so the table shows both.
 //! 5. **cross-check**: one job both the sim and real processes run (`bench straggler`'s
 //!    scenario a at 2 workers: 4 servers capped at 200 MB/s, server 1 at 50 MB/s), run
-//!    with [`run_train`] and with the sim on the same flags. The check (fails the command,
+//!    with `run_train` and with the sim on the same flags. The check (fails the command,
 //!    in `--quick` too): the sim's iterations/s within 15% of the real run's.
 //!
 //! It writes `bench-sim.json` (every row), `bench-sim.md` (the tables, the check, the
@@ -223,7 +223,7 @@ impl Plan {
 }
 
 /// One job of part 3: workers x servers, `stragglers` of them capped at a quarter of the
-/// sim's link ([`straggler_ids`]), iterations per worker.
+/// sim's link (`straggler_ids`), iterations per worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct PsldJob {
     /// Workers.

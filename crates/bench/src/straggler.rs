@@ -29,7 +29,7 @@
 //! (they are 2-4x slower per iteration and need no settling): the numbers are rates.
 //!
 //! Numbers per run, from every worker's per-iteration times (`WorkerReport::iter_ms`, with
-//! its wall-clock start) lined up with the scheduler's [`BalanceLog`]:
+//! its wall-clock start) lined up with the scheduler's `BalanceLog`:
 //!
 //! - **settle**: the end of the last migration or scaling event of the balancer, ignoring
 //!   probe moves (a migration of less than [`PROBE_BYTES`] does not delay it) and the

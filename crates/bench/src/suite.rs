@@ -516,7 +516,7 @@ pub struct Verdicts {
 }
 
 /// The verdicts of `balance.decisions` in `report` (a report.json, read leniently as
-/// `bench hosts` reads it: [`judged`](crate::hosts::judged)), if it has that list.
+/// `bench hosts` reads it: `judged`), if it has that list.
 pub fn read_verdicts(report: &serde_json::Value) -> Option<Verdicts> {
     report.get("balance")?.get("decisions")?;
     let decisions = judged(report);

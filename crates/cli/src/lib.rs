@@ -8,12 +8,12 @@
 //! and servers and runs the user's own training command as the workers; `sim` runs a job
 //! on the deterministic harness (virtual time, simulated links); `bench` measures.
 //!
-//! - [`roles`]: the role commands.
-//! - [`job`]: the worker's training loop (MLP or synthetic model, straggler injection).
-//! - [`train`]: the main job: run, print, write its report.
-//! - [`launch_cmd`]: `elasticps launch -- CMD`, the user's command as the workers.
-//! - [`ops`]: `status` and `scale`, against a running job's scheduler.
-//! - [`events`]: the JSON lines roles print for the launcher.
+//! - `roles`: the role commands.
+//! - `job`: the worker's training loop (MLP or synthetic model, straggler injection).
+//! - `train`: the main job: run, print, write its report.
+//! - `launch_cmd`: `elasticps launch -- CMD`, the user's command as the workers.
+//! - `ops`: `status` and `scale`, against a running job's scheduler.
+//! - `events`: the JSON lines roles print for the launcher.
 //!
 //! The libraries beneath it: `elasticps-launch` (the job's flags, the local processes, the
 //! job runner that `train`, `launch` and the benchmarks share), `elasticps-report`

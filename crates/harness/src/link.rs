@@ -1,5 +1,5 @@
 //! A simulated node's link to the scheduler: the node layer's
-//! [`Session`](elasticps_node::session::Session) carried out on the simulated network, as
+//! [`Session`] carried out on the simulated network, as
 //! `elasticps_runtime::session::SchedLink` carries it out over TCP. The server's and the
 //! worker's adapters each own one.
 

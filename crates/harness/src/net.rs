@@ -3,7 +3,7 @@
 //!
 //! A message of B nominal bytes sent at `now` from node A on a connection to node B:
 //! 1. waits in its connection's queue at A's uplink, which serves A's connections in
-//!    turn, one whole message each ([`Port`]), and occupies it for B / up(A);
+//!    turn, one whole message each (`Port`), and occupies it for B / up(A);
 //! 2. travels the connection's latency (plus a seeded jitter, if any);
 //! 3. waits in its connection's queue at B's downlink, served the same way, and occupies
 //!    it for B / down(B);

@@ -125,7 +125,7 @@ impl ServerRole {
     }
 
     /// A lost scheduler is redialled for `us` and the server reattaches to it
-    /// (`ReattachServer`), as the runtime's server does ([`Session`]).
+    /// (`ReattachServer`), as the runtime's server does ([`Session`](elasticps_node::session::Session)).
     pub fn with_scheduler_retry(mut self, us: u64) -> Self {
         self.link = SchedLink::new(us, SESSION);
         self

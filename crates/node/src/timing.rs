@@ -1,5 +1,5 @@
 //! Every timing constant of the roles' links and of the host agent, defined once: the runtime
-//! (`elasticps-runtime`) and the deterministic harness ([`crate::harness`]) both use these,
+//! (`elasticps-runtime`) and the deterministic harness (`crate::harness`) both use these,
 //! so the proptests run with the heartbeats, timeouts, ticks and backoff that production
 //! runs. The roles' own deadlines (a migration step, a drained server's linger, a
 //! registration) sit beside their state machines: [`crate::server`]'s `*_US` constants.

@@ -1,17 +1,17 @@
 //! The native half of the `elasticps` Python package (`elasticps._native`): the Rust
 //! worker client ([`elasticps_runtime::client::Client`]) behind a numpy API.
 //!
-//! - [`worker`]: `Worker` (register_model, pull, push, push_pull, the asynchronous forms,
+//! - `worker`: `Worker` (register_model, pull, push, push_pull, the asynchronous forms,
 //!   set_optimizer, optimizer_state, set_optimizer_state, set_values, barrier, finish) and
 //!   `Handle`.
-//! - [`actor`]: the task that owns the client on the runtime and batches pushes queued
+//! - `actor`: the task that owns the client on the runtime and batches pushes queued
 //!   back to back.
-//! - [`arrays`]: borrowing numpy buffers without a copy (float32, C-contiguous only).
-//! - [`runtime`]: one process-wide tokio runtime, the fork guard, waiting with the GIL
+//! - `arrays`: borrowing numpy buffers without a copy (float32, C-contiguous only).
+//! - `runtime`: one process-wide tokio runtime, the fork guard, waiting with the GIL
 //!   released and Ctrl-C let through.
-//! - [`cancel`]: a command that borrows arrays is cancelled on Ctrl-C and waited out, so
+//! - `cancel`: a command that borrows arrays is cancelled on Ctrl-C and waited out, so
 //!   that Python never gets an array back while the client still uses it.
-//! - [`events`], [`stats`]: what a worker reports to `elasticps launch`.
+//! - `events`, `stats`: what a worker reports to `elasticps launch`.
 //!
 //! The Python side (`python/elasticps/`) adds the process's default worker and
 //! `elasticps.torch.DistributedOptimizer`.

@@ -14,7 +14,7 @@
 //! * the training curve: timestamped [`CurvePoint`]s carrying a worker's
 //!   training loss and/or a test-accuracy measurement.
 //!
-//! [`write`] turns a report into three files in the report directory:
+//! [`write()`] turns a report into three files in the report directory:
 //!
 //! | file          | content                                                    |
 //! |---------------|------------------------------------------------------------|

@@ -65,6 +65,7 @@ pub struct JobArgs {
     /// Server-side optimizer: sgd, momentum[:BETA], adam or adamw (the job's weight decay is
     /// 0: AdamW's decay comes with a per-tensor optimizer, e.g. from PyTorch).
     #[arg(long, env = "ELASTICPS_OPTIMIZER", default_value = "adam", value_parser = parse_core::<OptimizerKind>)]
+    #[allow(rustdoc::broken_intra_doc_links)] // `momentum[:BETA]` is the flag's syntax, shown by --help
     pub optimizer: OptimizerKind,
     /// Learning rate of the server-side optimizer.
     #[arg(long, env = "ELASTICPS_LR", default_value_t = 0.001)]

@@ -11,7 +11,7 @@
 //!
 //! - [`args`]: the flags (`train`'s job flags plus the simulated machine).
 //! - [`model`]: the scaled model and what a message weighs.
-//! - [`run`]: one simulated job and its outcome, in the shape of a real run's.
+//! - [`run()`]: one simulated job and its outcome, in the shape of a real run's.
 
 pub mod args;
 pub mod error;

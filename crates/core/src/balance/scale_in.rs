@@ -1,6 +1,6 @@
 //! Rule 7, **scale in**: a server that owns nothing, or has been idle for [`IDLE_US`], is
 //! [`drain`]ed and stopped if the others absorb its load without raising the max service
-//! time by more than [`SCALE_IN_MAX_RAISE`]. Post-condition of the drain ([`drained`]):
+//! time by more than [`SCALE_IN_MAX_RAISE`]. Post-condition of the drain (`drained`):
 //! the drained server owns nothing, every block went to one of the others, none was lost.
 
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
 //! Rule 6, **scale out**, and its trial (rule 2): when even an unbudgeted rebalance
 //! cannot bring the max service time near the target, ask for a server; once it joined,
 //! [`fill`] it; after the trial, keep it or revert. Post-condition of the fill
-//! ([`filled`]): every move goes onto the new server, from its owner, and the max service
+//! (`filled`): every move goes onto the new server, from its owner, and the max service
 //! time is not worse.
 
 use std::collections::BTreeMap;

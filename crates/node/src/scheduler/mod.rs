@@ -410,7 +410,7 @@ impl Scheduler {
 
     /// Ends a job that has not assembled (every server and worker, or every host, joined)
     /// within `us` (`--join-timeout-s`) of its first worker's registration, telling
-    /// everyone that came why ([`Scheduler::join_deadline_us`]).
+    /// everyone that came why (`Scheduler::join_deadline_us`).
     pub fn with_join_timeout(mut self, us: u64) -> Self {
         self.join_timeout_us = Some(us);
         self

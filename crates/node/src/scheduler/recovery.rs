@@ -260,7 +260,7 @@ impl Scheduler {
     }
 
     /// A restarted scheduler whose saved state could not be recovered (`why`): for
-    /// [`UNRECOVERABLE_WAIT_US`] it answers every call with `ShuttingDown` naming `why`
+    /// `UNRECOVERABLE_WAIT_US` it answers every call with `ShuttingDown` naming `why`
     /// and closes the connection (a node's session ends with it), then ends the job,
     /// failed, with `why`. Its saved state is left as it is, for the operator.
     pub fn unrecoverable(config: JobConfig, why: String, heartbeat_timeout_us: u64) -> Self {

@@ -1,7 +1,7 @@
 //! The server role's I/O around its state machine ([`elasticps_node::server::Server`]):
 //! the data listener and one reader task per connection turning frames into events, the
 //! scheduler's connection, a ticker, one ordered link to each other server for
-//! migration steps and replication ([`links`]), the straggler shaper, the `--trace` writer and the metrics source.
+//! migration steps and replication (`links`), the straggler shaper, the `--trace` writer and the metrics source.
 //!
 //! The state machine sits behind one mutex; each event is one short `step` under it,
 //! and the actions it returns are carried out after the lock is released. An injected
