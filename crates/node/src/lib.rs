@@ -48,6 +48,7 @@ pub mod machine;
 pub mod scheduler;
 pub mod server;
 pub mod session;
+pub mod throttle;
 pub mod timing;
 pub mod worker;
 

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use elasticps_node::link::{MAX_IN_FLIGHT, MAX_QUEUED};
 use elasticps_node::scheduler::{MAX_PENDING_SETS_PER_WORKER, MAX_UNREGISTERED, REGISTER_WITHIN_US};
 use elasticps_node::server::{MAX_CLOCK_LEAD, MAX_HELD_PER_CONN, MAX_HELD_PER_SERVER};
+use elasticps_node::throttle::{LOGGED_PER_WINDOW, WINDOW_US};
 use elasticps_runtime::accept::{MAX_CONNECTIONS, MAX_HANDSHAKES};
 use elasticps_runtime::conn::{PRE_HELLO_MAX_PAYLOAD, UNREGISTERED_MAX_PAYLOAD};
 use elasticps_runtime::partial::MAX_PARTIAL_BYTES;
@@ -57,6 +58,7 @@ fn constants() -> BTreeMap<&'static str, String> {
         ("MAX_IN_FLIGHT", count(MAX_IN_FLIGHT as u64)),
         ("metrics::MAX_CONNECTIONS", count(elasticps_runtime::metrics::MAX_CONNECTIONS as u64)),
         ("metrics::MAX_REQUEST_BYTES", bytes(elasticps_runtime::metrics::MAX_REQUEST_BYTES as u64)),
+        ("LOGGED_PER_WINDOW", format!("{} per {} s", count(u64::from(LOGGED_PER_WINDOW)), WINDOW_US / 1_000_000)),
     ])
 }
 

@@ -43,7 +43,7 @@ impl Conn {
 impl Server {
     /// The refusal of `msg` on connection `conn` (`c`), if its sender may not send it:
     /// by the authorization table (docs/PROTOCOL.md §7.1), or by a check beyond it.
-    pub(super) fn refused(&self, conn: ConnId, c: &Conn, msg: &Message) -> Option<Message> {
+    pub(super) fn refused(&self, now_us: u64, conn: ConnId, c: &Conn, msg: &Message) -> Option<Message> {
         let name = authz::name_of(msg);
         // Named only in a refusal (no allocation on the data path).
         let proven = || authz::proven_name(c.proven, c.key);
@@ -65,12 +65,16 @@ impl Server {
             Verdict::NotTaken => {
                 let what = format!("a server does not take {name} messages (docs/PROTOCOL.md §7.1)");
                 // Well-formed but out of turn: refuse it and keep the connection (PROTOCOL.md §7).
-                tracing::warn!(server = self.id, conn, %what, "request refused");
+                if self.refusal_log.admit(now_us) {
+                    tracing::warn!(server = self.id, conn, %what, "request refused");
+                }
                 return Some(error(ErrorCode::BadRequest, what));
             }
         };
         let refused = forbidden?;
-        tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(msg), proven = %proven(), %refused, "forbidden message refused");
+        if self.refusal_log.admit(now_us) {
+            tracing::warn!(server = self.id, conn, message = name, claimed = %authz::claimed(msg), proven = %proven(), %refused, "forbidden message refused");
+        }
         Some(error(ErrorCode::Forbidden, refused))
     }
 
@@ -78,6 +82,7 @@ impl Server {
     /// credential is refused (and the connection closed if it does not hold at all).
     pub(super) fn hello(
         &mut self,
+        now_us: u64,
         conn: ConnId,
         request_id: u64,
         c: Conn,
@@ -92,7 +97,9 @@ impl Server {
             }
             Err((code, message)) => {
                 let proven = authz::proven_name(c.proven, c.key);
-                tracing::warn!(server = self.id, conn, claimed = %credential, %proven, %message, "hello refused");
+                if self.refusal_log.admit(now_us) {
+                    tracing::warn!(server = self.id, conn, claimed = %credential, %proven, %message, "hello refused");
+                }
                 out.push(Action::Reply { conn, request_id, msg: error(code, message) });
                 if code == ErrorCode::Unauthenticated {
                     self.conns.remove(&conn);

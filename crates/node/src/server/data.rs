@@ -41,7 +41,9 @@ impl Server {
             Some(Slot::Gone { .. }) | None => return Some(shard.refusal(block).reply(block)),
         };
         if let Some(refused) = reply_too_large(&o.block, &request, self.max_payload) {
-            tracing::warn!(server = shard.id, rank, block, %refused, "row pull refused");
+            if self.refusal_log.admit(now_us) {
+                tracing::warn!(server = shard.id, rank, block, %refused, "row pull refused");
+            }
             return Some(error(ErrorCode::BadRequest, refused));
         }
         if let Phase::Frozen { parked, .. } | Phase::Arrived { parked, .. } = &mut o.phase {
@@ -54,7 +56,9 @@ impl Server {
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return None };
         let done = o.block.done();
         if let Some(refused) = self.request_bound(to.conn, block, &request, done) {
-            tracing::warn!(server = shard.id, rank, block, %refused, "request refused");
+            if self.refusal_log.admit(now_us) {
+                tracing::warn!(server = shard.id, rank, block, %refused, "request refused");
+            }
             return Some(error(ErrorCode::BadRequest, refused));
         }
         let Some(Slot::Owned(o)) = self.slots.get_mut(&block) else { return None };

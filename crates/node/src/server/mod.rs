@@ -158,6 +158,8 @@ pub struct Server {
     next_wait_log_us: u64,
     /// When the last data request arrived.
     last_request_us: u64,
+    /// The log budget of the refusals peers cause (`crate::throttle`).
+    refusal_log: crate::throttle::Throttle,
     stopping: Option<Stopping>,
     exited: bool,
     /// The job's checkpoints (from `Checkpointing`), if it has any.
@@ -201,6 +203,7 @@ impl Server {
             last_report_us: 0,
             next_wait_log_us: 0,
             last_request_us: 0,
+            refusal_log: Default::default(),
             stopping: None,
             exited: false,
             checkpoint: None,
@@ -453,13 +456,15 @@ impl Server {
     fn received(&mut self, now_us: u64, conn: ConnId, request_id: u64, msg: Message, out: &mut Vec<Action>) {
         let c = *self.conns.entry(conn).or_default();
         let reply = |msg| Action::Reply { conn, request_id, msg };
-        if let Some(refused) = self.refused(conn, &c, &msg) {
+        if let Some(refused) = self.refused(now_us, conn, &c, &msg) {
             return out.push(reply(refused));
         }
         let rank = c.rank().unwrap_or(u32::MAX);
         let answer = match Request::of(msg) {
             Ok((block, request)) => self.serve(now_us, rank, Token { conn, request_id, block }, request, out),
-            Err(Message::Control(Control::Hello { credential })) => self.hello(conn, request_id, c, credential, out),
+            Err(Message::Control(Control::Hello { credential })) => {
+                self.hello(now_us, conn, request_id, c, credential, out)
+            }
             Err(Message::Control(Control::GetStats)) => {
                 let sid = self.shard.as_ref().map_or(u32::MAX, |s| s.id);
                 Some(Control::Stats(self.stats_as(sid)).into())
