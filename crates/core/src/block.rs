@@ -5,7 +5,7 @@
 //! no clock of its own); the pulls that can be answered come back as [`Answer`]s, which
 //! the runtime sends. `T` is the runtime's opaque handle for where to send an answer.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -293,50 +293,13 @@ impl BlockState {
             });
         }
         let Some(rows) = self.rows else { return Err(CoreError::NotRows(id)) };
-        let rows = *rows;
-        let d = dim as usize;
-        let lazy = !rows.row_steps.is_empty();
-        let cut = |spec: BlockSpec| {
-            let keep = |r: &u64| spec_has(&spec, *r);
-            let mut half = RowState {
-                rule: rows.rule,
-                steps: rows.steps,
-                ids: Vec::new(),
-                values: Vec::new(),
-                m: Vec::new(),
-                v: Vec::new(),
-                row_steps: Vec::new(),
-                pending: Vec::new(),
-            };
-            for (slot, row) in rows.ids.iter().enumerate().filter(|(_, r)| keep(r)) {
-                half.ids.push(*row);
-                half.values.extend_from_slice(&rows.values[slot * d..][..d]);
-                if !rows.m.is_empty() {
-                    half.m.extend_from_slice(&rows.m[slot * d..][..d]);
-                }
-                if !rows.v.is_empty() {
-                    half.v.extend_from_slice(&rows.v[slot * d..][..d]);
-                }
-                if lazy {
-                    half.row_steps.push(rows.row_steps[slot]);
-                }
-            }
-            for p in &rows.pending {
-                let mut part = PendingRows { clock: p.clock, ids: Vec::new(), grads: Vec::new(), count: p.count };
-                for (k, row) in p.ids.iter().enumerate().filter(|(_, r)| keep(r)) {
-                    part.ids.push(*row);
-                    part.grads.extend_from_slice(&p.grads[k * d..][..d]);
-                }
-                half.pending.push(part);
-            }
-            BlockState {
-                spec,
-                values: Vec::new(),
-                opt: OptState::default(),
-                clocks: self.clocks.clone(),
-                pending: Vec::new(),
-                rows: Some(Box::new(half)),
-            }
+        let cut = |spec: BlockSpec| BlockState {
+            spec,
+            values: Vec::new(),
+            opt: OptState::default(),
+            clocks: self.clocks.clone(),
+            pending: Vec::new(),
+            rows: Some(Box::new(rows.part(|r| spec.holds(r)))),
         };
         Ok((cut(left), cut(right)))
     }
@@ -490,9 +453,7 @@ impl<T> Block<T> {
         if rows.rule.dim != dim {
             return Err(CoreError::WrongDim { block: spec.id, expected: dim, got: rows.rule.dim });
         }
-        if let Some(row) =
-            rows.ids.iter().chain(rows.pending.iter().flat_map(|p| &p.ids)).find(|r| !spec_has(&spec, **r))
-        {
+        if let Some(row) = rows.ids.iter().chain(rows.pending.iter().flat_map(|p| &p.ids)).find(|r| !spec.holds(**r)) {
             let (start, end, _) = spec.row_range().unwrap_or_default();
             return Err(CoreError::RowOutOfRange { block: spec.id, row: *row, start, end });
         }
@@ -609,6 +570,20 @@ impl<T> Block<T> {
     /// A row block's rows (`None` for a dense block).
     pub fn rows(&self) -> Option<&RowStore> {
         self.rows.as_ref().map(|r| &r.store)
+    }
+
+    /// A page of this row block's rows changed since step `since` ([`RowStore::export`]);
+    /// refused for a dense block.
+    pub fn export_rows(
+        &mut self,
+        since: Option<u64>,
+        after: Option<u64>,
+        max_rows: usize,
+    ) -> Result<crate::rows::RowExport, CoreError> {
+        match self.rows.as_mut() {
+            Some(part) => part.store.export(since, after, max_rows),
+            None => Err(CoreError::NotRows(self.spec.id)),
+        }
     }
 
     /// The pushes applied since [`Block::snapshot`]; logging stops (also to abandon a
@@ -804,7 +779,7 @@ impl<T> Block<T> {
     /// block, a row outside its range, a gradient that is not `ids.len() x dim`.
     pub fn check_rows(&self, ids: &[u64], grads: Option<usize>) -> Result<(), CoreError> {
         let Some((start, end, dim)) = self.spec.row_range() else { return Err(CoreError::NotRows(self.spec.id)) };
-        if let Some(row) = ids.iter().find(|r| !(start..end).contains(*r)) {
+        if let Some(row) = ids.iter().find(|r| !self.spec.holds(**r)) {
             return Err(CoreError::RowOutOfRange { block: self.spec.id, row: *row, start, end });
         }
         if let Some(len) = grads
@@ -854,7 +829,8 @@ impl<T> Block<T> {
         }
         self.stats.max_lead = self.stats.max_lead.max(self.clocks.lead().into());
         let Some(part) = self.rows.as_mut() else { return Err(CoreError::NotRows(self.spec.id)) };
-        part.hist.record(ids);
+        let spec = self.spec;
+        part.hist.record(ids.iter().map(|r| spec.position(*r)));
         if config.optimizer.aggregate {
             let p = part.pending.entry(clock).or_insert_with(|| PendingRows {
                 clock,
@@ -868,6 +844,7 @@ impl<T> Block<T> {
             self.apply_complete_clocks(config.optimizer);
         } else {
             part.store.step(ids, grads, 1.0);
+            part.store.enforce(|_| false);
         }
         Ok(self.release(config.sync, now_us))
     }
@@ -982,6 +959,11 @@ impl<T> Block<T> {
                 let p = entry.remove();
                 part.store.step(&p.ids, &p.grads, 1.0 / p.count as f32);
             }
+            if part.store.is_limited() {
+                // The rows of clocks not complete yet are the targets of pushes in flight.
+                let pending: HashSet<u64> = part.pending.values().flat_map(|p| p.ids.iter().copied()).collect();
+                part.store.enforce(|id| pending.contains(&id));
+            }
         }
         while let Some(entry) = self.pending.first_entry() {
             if *entry.key() >= done {
@@ -1026,10 +1008,10 @@ impl<T> Block<T> {
         let done = self.clocks.done();
         debug_assert!(!sync.violates_bound(clock, done), "pull({clock}) answered while done = {done} under {sync}");
         self.stats.pulls += 1;
-        let values = match (&rows, &self.rows) {
+        let values = match (&rows, &mut self.rows) {
             (Some(ids), Some(part)) => {
                 self.stats.rows += ids.len() as u64;
-                Arc::new(part.store.gather(ids))
+                Arc::new(part.store.pull(ids))
             }
             _ => Arc::clone(&self.values),
         };
@@ -1041,11 +1023,6 @@ impl<T> Block<T> {
         }
         Answer { token, worker, clock, done, held_us, values, rows }
     }
-}
-
-/// Whether row block `spec` holds row `row`.
-fn spec_has(spec: &BlockSpec, row: u64) -> bool {
-    spec.row_range().is_some_and(|(start, end, _)| (start..end).contains(&row))
 }
 
 #[cfg(test)]
@@ -1494,7 +1471,13 @@ mod tests {
     // Row blocks.
 
     fn row_block(cfg: &ShardConfig, optimizer: crate::rows::SparseOptimizer) -> Block<u32> {
-        let rule = RowRule { dim: 2, init: crate::rows::RowInit::Constant(1.0), key: 3, optimizer };
+        let rule = RowRule {
+            dim: 2,
+            init: crate::rows::RowInit::Constant(1.0),
+            key: 3,
+            optimizer,
+            limits: Default::default(),
+        };
         Block::new_rows(BlockSpec::rows(4, 0, 10, 20, 2), rule, cfg).unwrap()
     }
 

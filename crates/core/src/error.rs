@@ -68,6 +68,18 @@ pub enum CoreError {
         /// What does not fit.
         why: String,
     },
+    /// An export asked for the rows changed since a step older than the evicted keys
+    /// the block still remembers.
+    #[error(
+        "cannot export the changes since step {since}: keys evicted before step {forgotten} are forgotten; take a full \
+         export (without --since)"
+    )]
+    ExportTooOld {
+        /// The step asked.
+        since: u64,
+        /// The step of the newest evicted key forgotten.
+        forgotten: u64,
+    },
     /// A row id outside the row range of the block it was sent to.
     #[error("row {row} is not in block {block}, which holds rows {start}..{end}")]
     RowOutOfRange {

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::CoreError;
 use crate::optimizer::TensorOptimizer;
-use crate::rows::{RowInit, RowRule, SparseOptimizer, row_key};
+use crate::rows::{KEY_POSITIONS, RowInit, RowLimits, RowRule, SparseOptimizer, key_position, row_key};
 
 pub use crate::ids::{BlockId, fnv1a};
 
@@ -55,13 +55,31 @@ impl TensorSpec {
     }
 }
 
+/// How a table's rows are named.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TableKeys {
+    /// Row ids `0..rows`, cut into row ranges of at most `block_bytes`.
+    #[default]
+    Indexed,
+    /// Any u64 key (a hashed feature id). The key space is cut into `ranges` equal ranges
+    /// of [`key_position`]s (a hash of the key, so that sequential keys spread), each
+    /// range a block ([`BlockKind::Keys`]).
+    Hashed {
+        /// Ranges the table starts with (1..=65,536); psld splits hot ones further.
+        ranges: u32,
+    },
+}
+
+/// Most ranges a hashed table may start with.
+pub const MAX_KEY_RANGES: u32 = 1 << 16;
+
 /// One embedding table of the model: `rows x dim` f32 values, pulled and pushed by row
 /// ids (`PullRows`, `PushRows`), its rows created on the server when first pushed to.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TableSpec {
     /// Unique name among tensors and tables, e.g. `emb.user`.
     pub name: String,
-    /// Rows (ids `0..rows`).
+    /// Rows (ids `0..rows`); a hashed table's positions, [`KEY_POSITIONS`].
     pub rows: u64,
     /// Values per row.
     pub dim: u32,
@@ -70,12 +88,40 @@ pub struct TableSpec {
     pub init: RowInit,
     /// The table's update rule on sparse gradients.
     pub optimizer: SparseOptimizer,
+    /// Indexed rows or hashed keys.
+    pub keys: TableKeys,
+    /// Its memory bound (`max_rows` per server, as the job starts), expiry and admission.
+    pub limits: RowLimits,
 }
 
 impl TableSpec {
     /// A table of `rows x dim` with `torch.nn.Embedding`'s N(0, 1) rows and SGD at lr 0.01.
     pub fn new(name: impl Into<String>, rows: u64, dim: u32) -> Self {
-        Self { name: name.into(), rows, dim, init: RowInit::default(), optimizer: SparseOptimizer::default() }
+        Self {
+            name: name.into(),
+            rows,
+            dim,
+            init: RowInit::default(),
+            optimizer: SparseOptimizer::default(),
+            keys: TableKeys::Indexed,
+            limits: RowLimits::default(),
+        }
+    }
+
+    /// A table keyed by any u64, `dim` values per row, starting as `ranges` key ranges
+    /// ([`TableKeys::Hashed`]), with [`TableSpec::new`]'s initializer and optimizer.
+    pub fn hashed(name: impl Into<String>, dim: u32, ranges: u32) -> Self {
+        Self { keys: TableKeys::Hashed { ranges }, ..Self::new(name, KEY_POSITIONS, dim) }
+    }
+
+    /// This table with its rows bounded, expired or admitted by `limits`.
+    pub fn with_limits(self, limits: RowLimits) -> Self {
+        Self { limits, ..self }
+    }
+
+    /// True for a table keyed by any u64.
+    pub fn is_hashed(&self) -> bool {
+        matches!(self.keys, TableKeys::Hashed { .. })
     }
 
     /// This table with rows drawn by `init`.
@@ -104,6 +150,13 @@ pub enum BlockKind {
     /// pulled and pushed by row id: rows `offset / dim .. (offset + len) / dim`
     /// ([`BlockSpec::row_range`]).
     Rows {
+        /// Values per row.
+        dim: u32,
+    },
+    /// Keys of hashed table `tensor` whose [`key_position`] falls in positions
+    /// `offset / dim .. (offset + len) / dim`, `dim` values each: a row block in every
+    /// other respect.
+    Keys {
         /// Values per row.
         dim: u32,
     },
@@ -138,14 +191,36 @@ impl BlockSpec {
         Self { id, tensor: table, offset: start as usize * dim as usize, len, kind: BlockKind::Rows { dim } }
     }
 
+    /// The keys of hashed table `table` whose positions are `[start, end)`, `dim` values each.
+    pub fn keys(id: BlockId, table: u32, start: u64, end: u64, dim: u32) -> Self {
+        Self { kind: BlockKind::Keys { dim }, ..Self::rows(id, table, start, end, dim) }
+    }
+
+    /// A block of the same table and kind as this one (row block), over `[start, end)`.
+    pub fn with_range(&self, id: BlockId, start: u64, end: u64) -> Self {
+        let dim = self.row_range().map_or(1, |(_, _, d)| d);
+        Self { kind: self.kind, ..Self::rows(id, self.tensor, start, end, dim) }
+    }
+
+    /// Where key or row `id` falls in this block's table: its [`key_position`] in a
+    /// hashed table, the row itself otherwise.
+    pub fn position(&self, id: u64) -> u64 {
+        if matches!(self.kind, BlockKind::Keys { .. }) { key_position(id) } else { id }
+    }
+
+    /// Whether this row block holds row or key `id`.
+    pub fn holds(&self, id: u64) -> bool {
+        self.row_range().is_some_and(|(start, end, _)| (start..end).contains(&self.position(id)))
+    }
+
     /// Size in bytes of the block's values (a row block's once every row exists).
     pub fn bytes(&self) -> usize {
         self.len * 4
     }
 
-    /// True for a range of a table's rows.
+    /// True for a range of a table's rows (or keys).
     pub fn is_rows(&self) -> bool {
-        matches!(self.kind, BlockKind::Rows { .. })
+        matches!(self.kind, BlockKind::Rows { .. } | BlockKind::Keys { .. })
     }
 
     /// True for a row block that was split into two others ([`Partition::split_rows`]):
@@ -157,7 +232,7 @@ impl BlockSpec {
     /// A row block's rows `[start, end)` and values per row; `None` for a dense block.
     pub fn row_range(&self) -> Option<(u64, u64, u32)> {
         match self.kind {
-            BlockKind::Rows { dim } => {
+            BlockKind::Rows { dim } | BlockKind::Keys { dim } => {
                 let d = u64::from(dim.max(1));
                 Some((self.offset as u64 / d, (self.offset + self.len) as u64 / d, dim))
             }
@@ -178,6 +253,9 @@ pub struct Partition {
     /// Each tensor's own optimizer (`optimizers[t]`), or none: then the job's. Empty when
     /// no tensor has one.
     pub optimizers: Vec<Option<TensorOptimizer>>,
+    /// The servers the job started with: a table's bound per server becomes each block's
+    /// share of `max_rows x servers` ([`Partition::row_rule`]).
+    pub servers: u32,
 }
 
 impl Partition {
@@ -231,17 +309,36 @@ impl Partition {
             }
             table.init.validate()?;
             table.optimizer.validate()?;
-            let per = table.rows_per_block(block_bytes);
+            let (per, hashed) = match table.keys {
+                TableKeys::Indexed => (table.rows_per_block(block_bytes), false),
+                TableKeys::Hashed { ranges } => {
+                    if table.rows != KEY_POSITIONS || ranges == 0 || ranges > MAX_KEY_RANGES {
+                        return Err(CoreError::InvalidModel(format!(
+                            "hashed table {:?}: {ranges} ranges over {} positions (1..={MAX_KEY_RANGES} ranges over \
+                             {KEY_POSITIONS})",
+                            table.name, table.rows
+                        )));
+                    }
+                    (KEY_POSITIONS.div_ceil(u64::from(ranges)), true)
+                }
+            };
             let mut start = 0;
             while start < table.rows {
                 let end = table.rows.min(start.saturating_add(per));
                 let id = BlockId::try_from(blocks.len())
                     .map_err(|_| CoreError::InvalidModel("more than 2^32 blocks".into()))?;
-                blocks.push(BlockSpec::rows(id, t as u32, start, end, table.dim));
+                let make = if hashed { BlockSpec::keys } else { BlockSpec::rows };
+                blocks.push(make(id, t as u32, start, end, table.dim));
                 start = end;
             }
         }
-        Ok(Self { tensors, tables, blocks, optimizers: Vec::new() })
+        Ok(Self { tensors, tables, blocks, optimizers: Vec::new(), servers: 1 })
+    }
+
+    /// This partition for a job of `servers` servers at its start (at least 1): what a
+    /// table's bound per server is multiplied by.
+    pub fn with_servers(self, servers: u32) -> Self {
+        Self { servers: servers.max(1), ..self }
     }
 
     /// The table with this name and its index, if the model has one.
@@ -258,9 +355,10 @@ impl Partition {
         blocks
     }
 
-    /// The block of table `table` that holds row `row`, if the table has that row.
+    /// The block of table `table` that holds row (or key) `row`, if the table has that row.
     pub fn row_block(&self, table: u32, row: u64) -> Option<&BlockSpec> {
         let spec = self.tables.get(table as usize)?;
+        let row = if spec.is_hashed() { key_position(row) } else { row };
         if row >= spec.rows {
             return None;
         }
@@ -286,8 +384,9 @@ impl Partition {
             .ok()
             .filter(|f| f.checked_add(1).is_some())
             .ok_or_else(|| CoreError::InvalidModel("more than 2^32 blocks".into()))?;
-        self.blocks.push(BlockSpec::rows(first, spec.tensor, start, at, dim));
-        self.blocks.push(BlockSpec::rows(first + 1, spec.tensor, at, end, dim));
+        debug_assert!(dim > 0);
+        self.blocks.push(spec.with_range(first, start, at));
+        self.blocks.push(spec.with_range(first + 1, at, end));
         self.blocks[block as usize].len = 0;
         debug_assert_eq!(self.check_tables(), Ok(()));
         Ok([first, first + 1])
@@ -326,11 +425,13 @@ impl Partition {
         let blocks = self.table_blocks(table);
         let ends: Vec<u64> = blocks.iter().map(|b| b.row_range().map_or(0, |(_, end, _)| end)).collect();
         let mut out: Vec<(BlockId, Vec<usize>)> = blocks.iter().map(|b| (b.id, Vec::new())).collect();
+        let hashed = spec.is_hashed();
         for (i, row) in ids.iter().enumerate() {
-            if *row >= spec.rows {
+            let at = if hashed { key_position(*row) } else { *row };
+            if at >= spec.rows {
                 return Err(CoreError::NoSuchRow { table: spec.name.clone(), row: *row, rows: spec.rows });
             }
-            out[ends.partition_point(|end| end <= row)].1.push(i);
+            out[ends.partition_point(|end| *end <= at)].1.push(i);
         }
         Ok(out)
     }
@@ -343,7 +444,18 @@ impl Partition {
             return Ok(None);
         }
         let t = &self.tables[block.tensor as usize];
-        Ok(Some(RowRule { dim: t.dim, init: t.init, key: row_key(seed, &t.name), optimizer: t.optimizer }))
+        let (start, end, _) = block.row_range().unwrap_or_default();
+        // The block's share of the table's bound over the servers the job started with.
+        let max_rows = match t.limits.max_rows {
+            0 => 0,
+            per_server => {
+                let total = u128::from(per_server) * u128::from(self.servers.max(1));
+                let share = (total * u128::from(end - start)).div_ceil(u128::from(t.rows.max(1)));
+                u64::try_from(share).unwrap_or(u64::MAX).max(1)
+            }
+        };
+        let limits = RowLimits { max_rows, ..t.limits };
+        Ok(Some(RowRule { dim: t.dim, init: t.init, key: row_key(seed, &t.name), optimizer: t.optimizer, limits }))
     }
 
     /// This partition with per-tensor optimizers: `optimizers` is empty or has one entry

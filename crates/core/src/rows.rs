@@ -23,7 +23,7 @@
 //!   of this block (an empty push).
 //! - `lazy_adam`: the same with a step count per row (only the touched rows step).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::{Deserialize, Serialize};
@@ -96,6 +96,91 @@ impl RowInit {
             RowInit::Constant(_) => unreachable!("handled above"),
         }
     }
+}
+
+/// Positions of a hashed table's key space: a key's [`key_position`] is below it.
+pub const KEY_POSITIONS: u64 = 1 << 32;
+
+/// Where key `id` of a hashed table falls: the top 32 bits of a 64-bit mix of it
+/// (splitmix64's finalizer, a bijection), so that sequential and clustered ids spread
+/// over every range.
+pub fn key_position(id: u64) -> u64 {
+    let mut z = id.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) >> 32
+}
+
+/// Which rows a bounded table evicts first.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Eviction {
+    /// The least recently pushed (ties: the least pushed, then the lower key).
+    #[default]
+    Lru,
+    /// The least pushed (ties: the least recently pushed, then the lower key).
+    Lfu,
+}
+
+/// How a table's rows are bounded: a memory bound and what it evicts first, an expiry in
+/// steps, and admission. The default bounds nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowLimits {
+    /// At most this many rows (0: no bound). A [`crate::model::TableSpec`]'s is per
+    /// server as the job starts; a [`RowRule`]'s is its block's share of that times the
+    /// servers ([`crate::model::Partition::row_rule`]).
+    pub max_rows: u64,
+    /// What goes first once `max_rows` is passed.
+    pub eviction: Eviction,
+    /// A row not pushed for more than this many steps of its table is evicted (0: never).
+    pub ttl_steps: u64,
+    /// A key gets a row at its `admit_after`-th push (0 or 1: at its first). Before, a
+    /// pull reads its initial values and its gradients are dropped.
+    pub admit_after: u32,
+}
+
+/// A bound block evicts down to `max_rows - max_rows / EVICT_SLACK` at once, so that
+/// choosing the rows (a linear pass) is paid once per that many new rows.
+pub const EVICT_SLACK: u64 = 16;
+/// An expiry is swept every `ttl_steps / TTL_SWEEPS` steps (at least every step).
+pub const TTL_SWEEPS: u64 = 8;
+/// Keys counted for admission per block and generation: when one generation holds this
+/// many, it becomes the old one and the older is forgotten (at most twice this many
+/// counters per block).
+pub const ADMISSION_CANDIDATES: usize = 1 << 16;
+/// Evicted keys remembered per block for exports, at least (else twice the block's
+/// bound): an export since a step older than the oldest forgotten one is refused.
+pub const MIN_TOMBSTONES: usize = 1 << 16;
+
+/// What a row store did to its rows, counted since it came to this server (not carried
+/// by migration).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowCounters {
+    /// Rows created.
+    pub created: u64,
+    /// Rows evicted by the memory bound.
+    pub evicted: u64,
+    /// Rows evicted by the expiry.
+    pub expired: u64,
+    /// Gradients of rows not admitted yet, dropped.
+    pub refused_grads: u64,
+    /// Reads of rows that do not exist (answered with initial values, nothing stored).
+    pub init_reads: u64,
+}
+
+/// Rows of a store changed since an export, as [`RowStore::export`] reads them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RowExport {
+    /// The block's step count when this export's first page was read: what the next
+    /// export asks changes since.
+    pub steps: u64,
+    /// Keys, ascending, each past the page's `after`.
+    pub ids: Vec<u64>,
+    /// Their values, `ids.len() * dim`.
+    pub values: Vec<f32>,
+    /// Keys evicted since, that exist no more (the first page only).
+    pub deleted: Vec<u64>,
+    /// More rows follow past the last of `ids`.
+    pub more: bool,
 }
 
 /// The key a table's rows are seeded with: the job's seed and the table's name.
@@ -222,17 +307,35 @@ pub struct RowRule {
     pub key: u64,
     /// The update rule.
     pub optimizer: SparseOptimizer,
+    /// This block's bound, expiry and admission.
+    pub limits: RowLimits,
 }
 
 /// The rows of one row block that exist (were pushed to), with their optimizer state.
-/// Memory is proportional to the rows touched, not to the range.
+/// Memory is proportional to the rows touched, not to the range, and bounded by the
+/// rule's [`RowLimits`].
 #[derive(Clone, Debug)]
 pub struct RowStore {
     rule: RowRule,
     /// Row id -> slot.
     index: HashMap<u64, u32>,
-    /// Slot -> row id, in creation order.
+    /// Slot -> row id.
     ids: Vec<u64>,
+    /// The step that last pushed each row.
+    last: Vec<u64>,
+    /// Pushes of each row since its creation.
+    hits: Vec<u32>,
+    /// The step that created each row.
+    born: Vec<u64>,
+    /// Admission: pushes counted of keys without a row, this generation and the last.
+    candidates: [HashMap<u64, u32>; 2],
+    /// Keys evicted that an export may have held, with the step that evicted them.
+    tombstones: VecDeque<(u64, u64)>,
+    /// The step of the newest tombstone dropped (exports since before it are refused).
+    forgotten: u64,
+    /// The step at which an export last read this block.
+    exported_at: u64,
+    counters: RowCounters,
     /// `ids.len() * dim` values.
     values: Vec<f32>,
     /// Adagrad's accumulator, or Adam's first moment (`ids.len() * dim`, else empty).
@@ -266,8 +369,73 @@ pub struct RowState {
     pub v: Vec<f32>,
     /// Lazy Adam's step per row, or empty.
     pub row_steps: Vec<u64>,
+    /// The step that last pushed each row.
+    pub last: Vec<u64>,
+    /// Pushes of each row since its creation.
+    pub hits: Vec<u32>,
+    /// The step that created each row.
+    pub born: Vec<u64>,
+    /// Admission counters, this generation's then the last's: (key, pushes).
+    pub candidates: [Vec<(u64, u32)>; 2],
+    /// Keys evicted that an export may hold, oldest first: (key, step).
+    pub tombstones: Vec<(u64, u64)>,
+    /// The step of the newest tombstone dropped.
+    pub forgotten: u64,
+    /// The step at which an export last read the block.
+    pub exported_at: u64,
     /// Aggregate mode: the row pushes of clocks not yet complete.
     pub pending: Vec<PendingRows>,
+}
+
+impl RowState {
+    /// The part of this state whose rows `keep` holds: every row's values and
+    /// bookkeeping, admission counters, tombstones and pending gradients (each pending
+    /// clock keeps its count of pushes); step counts as they are.
+    pub fn part(&self, keep: impl Fn(u64) -> bool) -> RowState {
+        let d = self.rule.dim as usize;
+        let mut half = RowState {
+            rule: self.rule,
+            steps: self.steps,
+            ids: Vec::new(),
+            values: Vec::new(),
+            m: Vec::new(),
+            v: Vec::new(),
+            row_steps: Vec::new(),
+            last: Vec::new(),
+            hits: Vec::new(),
+            born: Vec::new(),
+            candidates: self.candidates.clone().map(|c| c.into_iter().filter(|(k, _)| keep(*k)).collect()),
+            tombstones: self.tombstones.iter().filter(|(k, _)| keep(*k)).copied().collect(),
+            forgotten: self.forgotten,
+            exported_at: self.exported_at,
+            pending: Vec::new(),
+        };
+        for (slot, row) in self.ids.iter().enumerate().filter(|(_, r)| keep(**r)) {
+            half.ids.push(*row);
+            half.values.extend_from_slice(&self.values[slot * d..][..d]);
+            if !self.m.is_empty() {
+                half.m.extend_from_slice(&self.m[slot * d..][..d]);
+            }
+            if !self.v.is_empty() {
+                half.v.extend_from_slice(&self.v[slot * d..][..d]);
+            }
+            if !self.row_steps.is_empty() {
+                half.row_steps.push(self.row_steps[slot]);
+            }
+            half.last.push(self.last[slot]);
+            half.hits.push(self.hits[slot]);
+            half.born.push(self.born[slot]);
+        }
+        for p in &self.pending {
+            let mut part = PendingRows { clock: p.clock, ids: Vec::new(), grads: Vec::new(), count: p.count };
+            for (k, row) in p.ids.iter().enumerate().filter(|(_, r)| keep(**r)) {
+                part.ids.push(*row);
+                part.grads.extend_from_slice(&p.grads[k * d..][..d]);
+            }
+            half.pending.push(part);
+        }
+        half
+    }
 }
 
 /// Aggregate mode: the row pushes of one clock received so far, concatenated, and how many
@@ -297,7 +465,37 @@ impl RowStore {
             v: Vec::new(),
             row_steps: Vec::new(),
             steps: 0,
+            last: Vec::new(),
+            hits: Vec::new(),
+            born: Vec::new(),
+            candidates: [HashMap::new(), HashMap::new()],
+            tombstones: VecDeque::new(),
+            forgotten: 0,
+            exported_at: 0,
+            counters: RowCounters::default(),
         }
+    }
+
+    /// Whether the rule bounds, expires or admits rows (else [`RowStore::enforce`] has
+    /// nothing to do).
+    pub fn is_limited(&self) -> bool {
+        let l = self.rule.limits;
+        l.max_rows > 0 || l.ttl_steps > 0
+    }
+
+    /// What this store did to its rows since it came here.
+    pub fn counters(&self) -> RowCounters {
+        self.counters
+    }
+
+    /// Keys counted for admission (both generations).
+    pub fn candidates(&self) -> usize {
+        self.candidates.iter().map(HashMap::len).sum()
+    }
+
+    /// Whether row `row` exists.
+    pub fn contains(&self, row: u64) -> bool {
+        self.index.contains_key(&row)
     }
 
     /// The rule.
@@ -345,6 +543,13 @@ impl RowStore {
         out
     }
 
+    /// [`RowStore::gather`] for a worker's pull: the reads of rows that do not exist are
+    /// counted ([`RowCounters::init_reads`]).
+    pub fn pull(&mut self, ids: &[u64]) -> Vec<f32> {
+        self.counters.init_reads += ids.iter().filter(|r| !self.index.contains_key(r)).count() as u64;
+        self.gather(ids)
+    }
+
     /// The slot of row `row`, created with its initial values and fresh optimizer state.
     fn slot(&mut self, row: u64) -> usize {
         if let Some(&slot) = self.index.get(&row) {
@@ -354,6 +559,10 @@ impl RowStore {
         let slot = self.ids.len();
         self.index.insert(row, slot as u32);
         self.ids.push(row);
+        self.last.push(self.steps);
+        self.hits.push(0);
+        self.born.push(self.steps);
+        self.counters.created += 1;
         self.values.resize(self.values.len() + dim, 0.0);
         self.rule.init.fill(self.rule.key, row, &mut self.values[slot * dim..]);
         match self.rule.optimizer {
@@ -376,18 +585,25 @@ impl RowStore {
     /// in the order given, except for SGD, which takes them in turn as torch does), scaled
     /// by `scale` (1, or the mean's `1 / pushes` of aggregate
     /// mode), applied to the rows `ids`. An empty gradient still counts as a step of the
-    /// table. The caller checked the lengths.
+    /// table. A key without a row gets one only at its `admit_after`-th push (a push
+    /// naming it twice counts once); until then its gradients are dropped and counted.
+    /// The caller checked the lengths; it then calls [`RowStore::enforce`].
     pub fn step(&mut self, ids: &[u64], grads: &[f32], scale: f32) {
         let dim = self.dim();
         debug_assert_eq!(ids.len() * dim, grads.len());
         self.steps = self.steps.saturating_add(1);
+        let refused = self.admit(ids);
         if let SparseOptimizer::Sgd { lr } = self.rule.optimizer {
             // torch's `p.add_(g, alpha=-lr)` of an uncoalesced sparse gradient: every
             // (row, gradient) in the order given, a repeated row once per occurrence.
             let alpha = -lr as f32;
             for (row, g) in ids.iter().zip(grads.chunks_exact(dim.max(1))) {
-                let at = self.slot(*row) * dim;
-                let p = &mut self.values[at..at + dim];
+                if refused.contains(row) {
+                    self.counters.refused_grads += 1;
+                    continue;
+                }
+                let slot = self.touch(*row);
+                let p = &mut self.values[slot * dim..][..dim];
                 p.iter_mut().zip(g).for_each(|(p, g)| *p += alpha * (g * scale));
             }
             return;
@@ -395,13 +611,195 @@ impl RowStore {
         let (rows, summed) = coalesce(ids, grads, dim);
         let mut g = vec![0.0f32; dim];
         for (k, row) in rows.iter().enumerate() {
+            if refused.contains(row) {
+                self.counters.refused_grads += ids.iter().filter(|r| *r == row).count() as u64;
+                continue;
+            }
             g.copy_from_slice(&summed[k * dim..][..dim]);
             if scale != 1.0 {
                 g.iter_mut().for_each(|x| *x *= scale);
             }
-            let slot = self.slot(*row);
+            let slot = self.touch(*row);
             self.apply(slot, &g);
         }
+    }
+
+    /// The slot of row `row` (created if new), marked pushed by this step.
+    fn touch(&mut self, row: u64) -> usize {
+        let slot = self.slot(row);
+        self.last[slot] = self.steps;
+        self.hits[slot] = self.hits[slot].saturating_add(1);
+        slot
+    }
+
+    /// Counts one push of every key of `ids` without a row; the keys that are not
+    /// admitted by it (empty when the rule admits at the first push).
+    fn admit(&mut self, ids: &[u64]) -> HashSet<u64> {
+        let mut refused = HashSet::new();
+        let need = self.rule.limits.admit_after;
+        if need <= 1 {
+            return refused;
+        }
+        let mut seen = HashSet::new();
+        for &id in ids {
+            if self.index.contains_key(&id) || !seen.insert(id) {
+                continue;
+            }
+            let [current, previous] = &mut self.candidates;
+            let count = current.remove(&id).or_else(|| previous.remove(&id)).unwrap_or(0) + 1;
+            if count >= need {
+                continue;
+            }
+            if current.len() >= ADMISSION_CANDIDATES {
+                // A new generation: the keys counted two generations ago are forgotten.
+                *previous = std::mem::take(current);
+            }
+            self.candidates[0].insert(id, count);
+            refused.insert(id);
+        }
+        refused
+    }
+
+    /// Applies the rule's expiry (every `ttl_steps / TTL_SWEEPS` steps) and bound: rows
+    /// not pushed for more than `ttl_steps` go, and past `max_rows` the rows the
+    /// eviction policy puts first go until `max_rows - max_rows / EVICT_SLACK` remain.
+    /// Never a row this step pushed, nor one `protected` names (the target of a push
+    /// not applied yet). Returns the rows removed.
+    pub fn enforce(&mut self, protected: impl Fn(u64) -> bool) -> u64 {
+        if !self.is_limited() {
+            return 0;
+        }
+        let RowLimits { max_rows, eviction, ttl_steps, .. } = self.rule.limits;
+        let now = self.steps;
+        let mut victims: Vec<usize> = Vec::new();
+        if ttl_steps > 0 && now.is_multiple_of((ttl_steps / TTL_SWEEPS).max(1)) {
+            victims.extend((0..self.ids.len()).filter(|&s| now - self.last[s] > ttl_steps && !protected(self.ids[s])));
+            self.counters.expired += victims.len() as u64;
+            self.remove(&mut victims);
+        }
+        let rows = self.ids.len() as u64;
+        if max_rows > 0 && rows > max_rows {
+            let excess = (rows - (max_rows - max_rows / EVICT_SLACK)) as usize;
+            let mut free: Vec<usize> =
+                (0..self.ids.len()).filter(|&s| self.last[s] < now && !protected(self.ids[s])).collect();
+            let key = |s: &usize| match eviction {
+                Eviction::Lru => (self.last[*s], u64::from(self.hits[*s]), self.ids[*s]),
+                Eviction::Lfu => (u64::from(self.hits[*s]), self.last[*s], self.ids[*s]),
+            };
+            if free.len() > excess {
+                free.select_nth_unstable_by_key(excess, key);
+                free.truncate(excess);
+            }
+            self.counters.evicted += free.len() as u64;
+            victims = free;
+            self.remove(&mut victims);
+        }
+        debug_assert!(self.check().is_ok(), "{:?}", self.check());
+        self.counters.evicted + self.counters.expired
+    }
+
+    /// Removes the rows in `slots` (distinct), remembering for exports the keys an
+    /// export may have held (created no later than the last export read this block).
+    fn remove(&mut self, slots: &mut [usize]) {
+        let dim = self.dim();
+        let keep = if self.rule.limits.max_rows > 0 {
+            MIN_TOMBSTONES.max(2 * self.rule.limits.max_rows as usize)
+        } else {
+            MIN_TOMBSTONES
+        };
+        // Highest slot first: each swap_remove moves the last row, never one still to go.
+        slots.sort_unstable_by(|a, b| b.cmp(a));
+        for &slot in slots.iter() {
+            let id = self.ids[slot];
+            if self.born[slot] <= self.exported_at {
+                self.tombstones.push_back((id, self.steps));
+                if self.tombstones.len() > keep
+                    && let Some((_, step)) = self.tombstones.pop_front()
+                {
+                    self.forgotten = step;
+                }
+            }
+            self.index.remove(&id);
+            let last = self.ids.len() - 1;
+            for buf in [&mut self.values, &mut self.m, &mut self.v] {
+                if !buf.is_empty() {
+                    buf.copy_within(last * dim..(last + 1) * dim, slot * dim);
+                    buf.truncate(last * dim);
+                }
+            }
+            if !self.row_steps.is_empty() {
+                self.row_steps.swap_remove(slot);
+            }
+            self.ids.swap_remove(slot);
+            self.last.swap_remove(slot);
+            self.hits.swap_remove(slot);
+            self.born.swap_remove(slot);
+            if slot < last {
+                self.index.insert(self.ids[slot], slot as u32);
+            }
+        }
+    }
+
+    /// The invariant of the store: every buffer fits its rows, and the index names every
+    /// row at its slot. What breaks it, as an error.
+    pub fn check(&self) -> Result<(), String> {
+        let (n, dim) = (self.ids.len(), self.dim());
+        let per = self.rule.optimizer.state_per_value();
+        let lens = [
+            (self.values.len(), n * dim),
+            (self.m.len(), if per >= 1 { n * dim } else { 0 }),
+            (self.v.len(), if per >= 2 { n * dim } else { 0 }),
+            (self.last.len(), n),
+            (self.hits.len(), n),
+            (self.born.len(), n),
+        ];
+        if lens.iter().any(|(got, want)| got != want) || self.index.len() != n {
+            return Err(format!("{n} rows: buffers of {lens:?}, an index of {}", self.index.len()));
+        }
+        match self.ids.iter().enumerate().find(|(s, id)| self.index.get(id) != Some(&(*s as u32))) {
+            Some((s, id)) => Err(format!("row {id} at slot {s} is indexed at {:?}", self.index.get(id))),
+            None => Ok(()),
+        }
+    }
+
+    /// The rows changed since step `since` (every row for `None`), past key `after`, at
+    /// most `max_rows` of them in ascending key order; on the first page (`after` is
+    /// `None`), the keys evicted since `since` that exist no more. Reading a first page
+    /// marks the block exported at its current step. Refused for a `since` older than
+    /// the tombstones this store still remembers.
+    pub fn export(&mut self, since: Option<u64>, after: Option<u64>, max_rows: usize) -> Result<RowExport, CoreError> {
+        if let Some(s) = since
+            && s < self.forgotten
+        {
+            return Err(CoreError::ExportTooOld { since: s, forgotten: self.forgotten });
+        }
+        let changed = |s: usize| since.is_none_or(|t| self.last[s] > t);
+        let mut slots: Vec<usize> =
+            (0..self.ids.len()).filter(|&s| changed(s) && after.is_none_or(|a| self.ids[s] > a)).collect();
+        slots.sort_unstable_by_key(|&s| self.ids[s]);
+        let more = slots.len() > max_rows;
+        slots.truncate(max_rows);
+        let dim = self.dim();
+        let mut out = RowExport { steps: self.steps, more, ..RowExport::default() };
+        for s in slots {
+            out.ids.push(self.ids[s]);
+            out.values.extend_from_slice(&self.values[s * dim..][..dim]);
+        }
+        if after.is_none() {
+            if let Some(s) = since {
+                let mut deleted: Vec<u64> = self
+                    .tombstones
+                    .iter()
+                    .filter(|(id, step)| *step > s && !self.index.contains_key(id))
+                    .map(|(id, _)| *id)
+                    .collect();
+                deleted.sort_unstable();
+                deleted.dedup();
+                out.deleted = deleted;
+            }
+            self.exported_at = self.exported_at.max(self.steps);
+        }
+        Ok(out)
     }
 
     fn apply(&mut self, slot: usize, g: &[f32]) {
@@ -460,6 +858,17 @@ impl RowStore {
             m: self.m.clone(),
             v: self.v.clone(),
             row_steps: self.row_steps.clone(),
+            last: self.last.clone(),
+            hits: self.hits.clone(),
+            born: self.born.clone(),
+            candidates: self.candidates.clone().map(|c| {
+                let mut c: Vec<(u64, u32)> = c.into_iter().collect();
+                c.sort_unstable();
+                c
+            }),
+            tombstones: self.tombstones.iter().copied().collect(),
+            forgotten: self.forgotten,
+            exported_at: self.exported_at,
             pending,
         }
     }
@@ -477,8 +886,17 @@ impl RowStore {
             || state.m.len() != if per >= 1 { n * dim } else { 0 }
             || state.v.len() != if per >= 2 { n * dim } else { 0 }
             || state.row_steps.len() != if lazy { n } else { 0 }
+            || state.last.len() != n
+            || state.hits.len() != n
+            || state.born.len() != n
         {
             return Err(bad(format!("{n} rows of {dim} values, and buffers of other lengths")));
+        }
+        if state.last.iter().chain(&state.born).any(|s| *s > state.steps) || state.exported_at > state.steps {
+            return Err(bad(format!("a row or an export dated past the block's step {}", state.steps)));
+        }
+        if state.candidates.iter().any(|c| c.len() > ADMISSION_CANDIDATES) {
+            return Err(bad(format!("more than {ADMISSION_CANDIDATES} admission counters in a generation")));
         }
         if let Some(p) = state.pending.iter().find(|p| p.grads.len() != p.ids.len() * dim || p.count == 0) {
             return Err(bad(format!("the pending rows of clock {} do not fit rows of {dim} values", p.clock)));
@@ -498,6 +916,14 @@ impl RowStore {
             v: state.v,
             row_steps: state.row_steps,
             steps: state.steps,
+            last: state.last,
+            hits: state.hits,
+            born: state.born,
+            candidates: state.candidates.map(|c| c.into_iter().collect()),
+            tombstones: state.tombstones.into(),
+            forgotten: state.forgotten,
+            exported_at: state.exported_at,
+            counters: RowCounters::default(),
         };
         Ok((store, state.pending))
     }
@@ -545,9 +971,10 @@ impl RowHistogram {
         Self { start, end, width, counts: vec![0; span.div_ceil(width) as usize] }
     }
 
-    /// Counts the rows of one push (a row named twice counts twice: it was sent twice).
-    pub fn record(&mut self, ids: &[u64]) {
-        for id in ids {
+    /// Counts the rows of one push by their positions (a row named twice counts twice: it
+    /// was sent twice).
+    pub fn record(&mut self, positions: impl IntoIterator<Item = u64>) {
+        for id in positions {
             if let Some(c) = id.checked_sub(self.start).and_then(|o| self.counts.get_mut((o / self.width) as usize)) {
                 *c += 1;
             }
@@ -594,7 +1021,7 @@ mod tests {
     use super::*;
 
     fn rule(dim: u32, optimizer: SparseOptimizer) -> RowRule {
-        RowRule { dim, init: RowInit::Constant(0.5), key: 7, optimizer }
+        RowRule { dim, init: RowInit::Constant(0.5), key: 7, optimizer, limits: RowLimits::default() }
     }
 
     #[test]
@@ -605,6 +1032,7 @@ mod tests {
             init,
             key: row_key(1, "emb"),
             optimizer: SparseOptimizer::Sgd { lr: 1.0 },
+            limits: RowLimits::default(),
         });
         let before = s.gather(&[10, 3, 10]);
         assert_eq!(s.rows(), 0, "a pull creates nothing");
@@ -819,31 +1247,31 @@ mod tests {
         // 640 rows in 64 buckets of 10.
         let mut h = RowHistogram::new(1000, 1640);
         assert_eq!(h.split_at(), None);
-        h.record(&[1000, 1001, 1005, 1012, 1012, 1639]);
+        h.record([1000, 1001, 1005, 1012, 1012, 1639]);
         // Three rows below 1010, three at or past it.
         assert_eq!(h.split_at(), Some(1010));
         // All in the first bucket: the cut isolates it.
         let mut hot = RowHistogram::new(0, 100_000);
-        hot.record(&[0, 1, 2, 3, 7]);
+        hot.record([0, 1, 2, 3, 7]);
         assert_eq!(hot.split_at(), Some(1563));
         // A range of two rows cuts between them; one row cannot be cut.
         let mut two = RowHistogram::new(5, 7);
-        two.record(&[6, 6]);
+        two.record([6, 6]);
         assert_eq!(two.split_at(), Some(6));
         let mut one = RowHistogram::new(5, 6);
-        one.record(&[5]);
+        one.record([5]);
         assert_eq!(one.split_at(), None);
         // All in one bucket past the first: the cut is at its start (the half holding it
         // is the narrower one, and a later split of it cuts it finer).
         let mut late = RowHistogram::new(0, 640);
-        late.record(&[305, 301, 309]);
+        late.record([305, 301, 309]);
         assert_eq!(late.split_at(), Some(300));
         let mut last = RowHistogram::new(0, 640);
-        last.record(&[639]);
+        last.record([639]);
         assert_eq!(last.split_at(), Some(630));
         // Rows outside the range are not counted.
         let mut out = RowHistogram::new(10, 20);
-        out.record(&[3, 25]);
+        out.record([3, 25]);
         assert_eq!(out.total(), 0);
     }
 }

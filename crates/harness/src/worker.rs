@@ -408,10 +408,10 @@ impl WorkerRole {
     /// The `PushRows` of row block `block` at `clock`: the step's rows in its range
     /// ([`TableTraining`]), or none.
     fn row_push(&self, rank: u32, clock: Clock, block: &elasticps_core::model::BlockSpec) -> Message {
-        let (start, end, dim) = block.row_range().unwrap_or((0, 0, 1));
+        let dim = block.row_range().map_or(1, |(_, _, d)| d);
         let (rows, grads): (Vec<u64>, Vec<f32>) = match &self.work.table {
             Some(t) => {
-                let rows: Vec<u64> = (t.ids)(rank, clock).into_iter().filter(|r| (start..end).contains(r)).collect();
+                let rows: Vec<u64> = (t.ids)(rank, clock).into_iter().filter(|r| block.holds(*r)).collect();
                 let grads = rows.iter().flat_map(|r| std::iter::repeat_n((t.grad)(rank, clock, *r), dim as usize));
                 (rows.clone(), grads.collect())
             }

@@ -4,8 +4,8 @@
 //! the table's range, rows float32 `(len(ids), dim)` and C-contiguous. Anything else is a
 //! `TypeError` or `ValueError` that says what is wrong; the worker stays usable.
 
-use elasticps_core::model::TableSpec;
-use elasticps_core::rows::{RowInit, SparseOptimizer};
+use elasticps_core::model::{MAX_KEY_RANGES, TableSpec};
+use elasticps_core::rows::{Eviction, RowInit, RowLimits, SparseOptimizer};
 use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -20,6 +20,8 @@ pub struct Table {
     pub rows: u64,
     /// Values per row.
     pub dim: usize,
+    /// Keyed by any int64 (taken as its u64 bits) rather than `0..rows`.
+    pub hashed: bool,
 }
 
 /// A float read from `d[key]`, or `default` when it is absent (`None`: required).
@@ -109,11 +111,28 @@ fn parse_init(spec: &Bound<'_, PyAny>, name: &str) -> PyResult<RowInit> {
     Ok(init)
 }
 
-/// A table spec from `tables[name]`: `(rows, dim)` or `(rows, dim, init)`.
+/// An int read from `d[key]`, or `default` when it is absent or None.
+fn get_u64(d: &Bound<'_, PyDict>, what: &str, key: &str, default: u64) -> PyResult<u64> {
+    match d.get_item(key)? {
+        Some(v) if !v.is_none() => v
+            .extract::<u64>()
+            .map_err(|_| PyValueError::new_err(format!("elasticps: {what}: {key} must be an int >= 0, got {v}"))),
+        _ => Ok(default),
+    }
+}
+
+/// A table spec from `tables[name]`: `(rows, dim)` or `(rows, dim, init)`, or a dict:
+/// `dim` (required), `rows` (an indexed table) or `keys="hashed"` with `ranges`
+/// (default 16), `init`, and the limits `max_rows` (per server), `eviction` ("lru" or
+/// "lfu"), `ttl_steps`, `admit_after`.
 pub fn parse_table(name: String, spec: &Bound<'_, PyAny>) -> PyResult<TableSpec> {
+    if let Ok(d) = spec.cast::<PyDict>() {
+        return parse_table_dict(name, d);
+    }
     let shape_err = || {
         PyTypeError::new_err(format!(
-            "elasticps: tables[{name:?}] must be (rows, dim) or (rows, dim, init), two positive ints and a dict"
+            "elasticps: tables[{name:?}] must be (rows, dim) or (rows, dim, init), two positive ints and a dict, or a \
+             dict with \"dim\""
         ))
     };
     let t = spec.cast::<PyTuple>().map_err(|_| shape_err())?;
@@ -122,11 +141,7 @@ pub fn parse_table(name: String, spec: &Bound<'_, PyAny>) -> PyResult<TableSpec>
     }
     let rows: i64 = t.get_item(0)?.extract().map_err(|_| shape_err())?;
     let dim: i64 = t.get_item(1)?.extract().map_err(|_| shape_err())?;
-    if rows < 1 || dim < 1 || dim > i64::from(u32::MAX) {
-        return Err(PyValueError::new_err(format!(
-            "elasticps: table {name:?} has {rows} rows of {dim} values: both must be at least 1"
-        )));
-    }
+    check_shape(&name, rows, dim)?;
     let init = if t.len() == 3 { Some(parse_init(&t.get_item(2)?, &name)?) } else { None };
     let table = TableSpec::new(name, rows as u64, dim as u32);
     Ok(match init {
@@ -135,7 +150,89 @@ pub fn parse_table(name: String, spec: &Bound<'_, PyAny>) -> PyResult<TableSpec>
     })
 }
 
-/// The ids of a row call: a 1-D int64 numpy array, each in `0..table.rows`.
+fn check_shape(name: &str, rows: i64, dim: i64) -> PyResult<()> {
+    if rows < 1 || dim < 1 || dim > i64::from(u32::MAX) {
+        return Err(PyValueError::new_err(format!(
+            "elasticps: table {name:?} has {rows} rows of {dim} values: both must be at least 1"
+        )));
+    }
+    Ok(())
+}
+
+/// [`parse_table`]'s dict form.
+fn parse_table_dict(name: String, d: &Bound<'_, PyDict>) -> PyResult<TableSpec> {
+    let what = format!("tables[{name:?}]");
+    const KNOWN: [&str; 9] =
+        ["dim", "rows", "keys", "ranges", "init", "max_rows", "eviction", "ttl_steps", "admit_after"];
+    for k in d.keys() {
+        let k: String =
+            k.extract().map_err(|_| PyTypeError::new_err(format!("elasticps: {what}: keys must be str")))?;
+        if !KNOWN.contains(&k.as_str()) {
+            return Err(PyValueError::new_err(format!("elasticps: {what}: unknown key {k:?} (known: {KNOWN:?})")));
+        }
+    }
+    let dim = get_u64(d, &what, "dim", 0)?;
+    let keys: String = match d.get_item("keys")? {
+        Some(k) => k.extract().map_err(|_| PyTypeError::new_err(format!("elasticps: {what}: keys must be a str")))?,
+        None => "indexed".into(),
+    };
+    let table = match keys.as_str() {
+        "hashed" => {
+            if d.contains("rows")? {
+                return Err(PyValueError::new_err(format!("elasticps: {what}: a hashed table has no rows")));
+            }
+            let ranges = get_u64(d, &what, "ranges", 16)?;
+            if dim < 1 || dim > u64::from(u32::MAX) || ranges < 1 || ranges > u64::from(MAX_KEY_RANGES) {
+                return Err(PyValueError::new_err(format!(
+                    "elasticps: {what}: dim {dim} and ranges {ranges}: dim must be at least 1, ranges in \
+                     1..={MAX_KEY_RANGES}"
+                )));
+            }
+            TableSpec::hashed(name.clone(), dim as u32, ranges as u32)
+        }
+        "indexed" => {
+            let rows = get_u64(d, &what, "rows", 0)?;
+            check_shape(&name, i64::try_from(rows).unwrap_or(0), i64::try_from(dim).unwrap_or(0))?;
+            TableSpec::new(name.clone(), rows, dim as u32)
+        }
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "elasticps: {what}: keys must be \"indexed\" or \"hashed\", got {other:?}"
+            )));
+        }
+    };
+    let eviction = match d.get_item("eviction")? {
+        None => Eviction::Lru,
+        Some(e) => match e.extract::<String>().ok().as_deref() {
+            Some("lru") => Eviction::Lru,
+            Some("lfu") => Eviction::Lfu,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "elasticps: {what}: eviction must be \"lru\" or \"lfu\", got {e}"
+                )));
+            }
+        },
+    };
+    let admit_after = get_u64(d, &what, "admit_after", 0)?;
+    let limits = RowLimits {
+        max_rows: get_u64(d, &what, "max_rows", 0)?,
+        eviction,
+        ttl_steps: get_u64(d, &what, "ttl_steps", 0)?,
+        admit_after: u32::try_from(admit_after)
+            .map_err(|_| PyValueError::new_err(format!("elasticps: {what}: admit_after {admit_after} is too large")))?,
+    };
+    let table = table.with_limits(limits);
+    Ok(match d.get_item("init")? {
+        Some(init) if !init.is_none() => {
+            let init = parse_init(&init, &name)?;
+            table.with_init(init)
+        }
+        _ => table,
+    })
+}
+
+/// The ids of a row call: a 1-D int64 numpy array, each in `0..table.rows` (any value
+/// for a hashed table, taken as its u64 bits).
 pub fn ids(obj: &Bound<'_, PyAny>, name: &str, table: Table) -> PyResult<Vec<u64>> {
     let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
         PyTypeError::new_err(format!("elasticps: ids of table {name:?} must be a numpy array of int64"))
@@ -153,7 +250,7 @@ pub fn ids(obj: &Bound<'_, PyAny>, name: &str, table: Table) -> PyResult<Vec<u64
     let view = ro.as_array();
     let mut out = Vec::with_capacity(view.len());
     for &id in view.iter() {
-        if id < 0 || id as u64 >= table.rows {
+        if !table.hashed && (id < 0 || id as u64 >= table.rows) {
             return Err(PyValueError::new_err(format!(
                 "elasticps: id {id} is out of range: table {name:?} has {} rows",
                 table.rows

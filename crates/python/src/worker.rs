@@ -408,7 +408,9 @@ impl Worker {
         let tables: Vec<(String, Table)> = table_specs
             .iter()
             .enumerate()
-            .map(|(i, t)| (t.name.clone(), Table { index: i as u32, rows: t.rows, dim: t.dim as usize }))
+            .map(|(i, t)| {
+                (t.name.clone(), Table { index: i as u32, rows: t.rows, dim: t.dim as usize, hashed: t.is_hashed() })
+            })
             .collect();
         let start = self.start_clock;
         let ticket = Ticket::new();

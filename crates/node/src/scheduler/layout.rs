@@ -79,6 +79,7 @@ impl Scheduler {
             )),
             None => {
                 let p = Partition::with_tables(tensors, tables, self.config.block_bytes)
+                    .map(|p| p.with_servers(self.config.servers))
                     .and_then(|p| p.with_optimizers(optimizers))
                     .map_err(|e| e.to_string())?;
                 tracing::info!(

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 use elasticps_core::model::{BlockSpec, Partition};
+use elasticps_core::rows::key_position;
 use elasticps_wire::PUSH_ROWS_PREFIX;
 
 use crate::error::{Result, RuntimeError};
@@ -59,12 +60,23 @@ fn table_shape(partition: &Partition, table: u32) -> Result<(u64, usize)> {
         .ok_or_else(|| RuntimeError::Usage(format!("table {table}: the model has {} tables", partition.tables.len())))
 }
 
+/// Where table `table` places a row or key: its [`key_position`] in a hashed table, the row
+/// itself otherwise.
+fn placer(partition: &Partition, table: u32) -> fn(u64) -> u64 {
+    match partition.tables.get(table as usize) {
+        Some(t) if t.is_hashed() => key_position,
+        _ => std::convert::identity,
+    }
+}
+
 /// Checks the ids against the table's rows and `values` (the rows out, or the gradients
-/// in) against `ids.len() x dim`; returns the positions sorted by id and the dim.
+/// in) against `ids.len() x dim`; returns the positions in `ids` sorted by where the
+/// table places them (then by id), and the dim.
 fn check(partition: &Partition, what: &str, table: u32, ids: &[u64], values: usize) -> Result<(Vec<u32>, usize)> {
     let (rows, dim) = table_shape(partition, table)?;
     let name = &partition.tables[table as usize].name;
-    if let Some(bad) = ids.iter().find(|id| **id >= rows) {
+    let place = placer(partition, table);
+    if let Some(bad) = ids.iter().find(|id| place(**id) >= rows) {
         return Err(RuntimeError::Usage(format!(
             "{what}: row id {bad} is out of range: table {name:?} has {rows} rows"
         )));
@@ -78,21 +90,28 @@ fn check(partition: &Partition, what: &str, table: u32, ids: &[u64], values: usi
     }
     let n = u32::try_from(ids.len()).map_err(|_| RuntimeError::Usage(format!("{what}: more than 2^32 ids")))?;
     let mut order: Vec<u32> = (0..n).collect();
-    order.sort_by_key(|&i| ids[i as usize]);
+    if !partition.tables[table as usize].is_hashed() {
+        order.sort_by_key(|&i| ids[i as usize]);
+    } else {
+        let keys: Vec<(u64, u64)> = ids.iter().map(|id| (place(*id), *id)).collect();
+        order.sort_by_key(|&i| keys[i as usize]);
+    }
     Ok((order, dim))
 }
 
-/// The blocks of `table` with the range of `order` (sorted by id) whose ids each holds.
+/// The blocks of `table` with the range of `order` (sorted as [`check`] sorts) whose ids
+/// each holds.
 fn split<'p>(
     partition: &'p Partition,
     table: u32,
     ids: &'p [u64],
     order: &'p [u32],
 ) -> impl Iterator<Item = (&'p BlockSpec, usize, usize)> + 'p {
+    let place = placer(partition, table);
     partition.table_blocks(table).into_iter().filter_map(move |b| {
         let (start, end, _) = b.row_range()?;
-        let a = order.partition_point(|&i| ids[i as usize] < start);
-        let z = order.partition_point(|&i| ids[i as usize] < end);
+        let a = order.partition_point(|&i| place(ids[i as usize]) < start);
+        let z = order.partition_point(|&i| place(ids[i as usize]) < end);
         Some((b, a, z))
     })
 }
