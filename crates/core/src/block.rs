@@ -1874,6 +1874,88 @@ mod proptests {
         (keep.iter().map(|i| ids[*i]).collect(), keep.iter().flat_map(|i| grads[i * 2..i * 2 + 2].to_vec()).collect())
     }
 
+    /// Two workers push keys of one bounded key-range block under aggregate mode and asp
+    /// (`order`: which worker pushes its next clock, with keys `keys[k]` and integer
+    /// gradients), so that clocks wait for the slower worker with their keys in flight.
+    /// Fails when a key of a clock in flight that had a row when pushed has none before
+    /// its clock applies, or when a row present does not hold exactly the mean gradients
+    /// of the clocks applied since it was created.
+    pub(super) fn bounded_aggregate_run(
+        max_rows: u64,
+        admit_after: u32,
+        order: &[bool],
+        keys: &[Vec<(u64, i8)>],
+    ) -> Result<(), String> {
+        use super::*;
+        use crate::model::{Partition, TableSpec};
+        use crate::rows::{RowInit, RowLimits};
+        use std::collections::HashMap;
+        let cfg = ShardConfig {
+            sync: SyncPolicy::Asp,
+            optimizer: crate::optimizer::OptimizerConfig {
+                kind: crate::optimizer::OptimizerKind::Sgd,
+                lr: 1.0,
+                aggregate: true,
+                weight_decay: 0.0,
+            },
+            workers: 2,
+        };
+        let limits = RowLimits { max_rows, admit_after, ..RowLimits::default() };
+        let table = TableSpec::hashed("t", 1, 1)
+            .with_init(RowInit::Constant(0.0))
+            .with_optimizer(crate::rows::SparseOptimizer::Sgd { lr: 1.0 })
+            .with_limits(limits);
+        let partition = Partition::with_tables(vec![], vec![table], 80).unwrap();
+        let rule = partition.row_rule(0, 3).unwrap().unwrap();
+        let mut block = Block::<u32>::new_rows(partition.blocks[0], rule, &cfg).unwrap();
+        let mut clocks = [0u32; 2];
+        // Clock -> (key -> summed gradient, keys that had a row when pushed).
+        let mut flight: BTreeMap<u32, (HashMap<u64, f32>, Vec<u64>)> = BTreeMap::new();
+        let mut model: HashMap<u64, f32> = HashMap::new();
+        let rows = |b: &Block<u32>| b.rows().unwrap().clone();
+        for (k, w) in order.iter().map(|w| usize::from(*w)).enumerate() {
+            let push = &keys[k % keys.len()];
+            let (ids, grads): (Vec<u64>, Vec<f32>) = push.iter().map(|(id, g)| (*id, f32::from(*g))).unzip();
+            let before = rows(&block);
+            let clock = clocks[w];
+            let entry = flight.entry(clock).or_default();
+            for (id, g) in ids.iter().zip(&grads) {
+                *entry.0.entry(*id).or_insert(0.0) += g;
+                if before.contains(*id) {
+                    entry.1.push(*id);
+                }
+            }
+            block.push_rows(&cfg, w as u32, clock, &ids, &grads, 0).map_err(|e| e.to_string())?;
+            clocks[w] += 1;
+            let after = rows(&block);
+            let done = clocks[0].min(clocks[1]);
+            let applied: Vec<u32> = flight.range(..done).map(|(c, _)| *c).collect();
+            let mut touched = HashMap::new();
+            for c in applied {
+                for (id, g) in flight.remove(&c).unwrap().0 {
+                    *touched.entry(id).or_insert(0.0) += g / 2.0;
+                }
+            }
+            for (id, g) in &touched {
+                let base = if before.contains(*id) { model.get(id).copied().unwrap_or(0.0) } else { 0.0 };
+                model.insert(*id, base + g);
+            }
+            model.retain(|id, _| after.contains(*id));
+            for (c, (_, present)) in &flight {
+                if let Some(id) = present.iter().find(|id| !after.contains(**id)) {
+                    return Err(format!("key {id} of clock {c}, in flight, lost its row"));
+                }
+            }
+            for (id, v) in &model {
+                let got = after.gather(&[*id])[0];
+                if got != -v {
+                    return Err(format!("key {id} holds {got}, its pushes since its creation {}", -v));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn any_sparse() -> impl Strategy<Value = crate::rows::SparseOptimizer> {
         use crate::rows::SparseOptimizer;
         prop_oneof![
@@ -1882,6 +1964,20 @@ mod proptests {
             Just(SparseOptimizer::sparse_adam(0.1)),
             Just(SparseOptimizer::lazy_adam(0.1)),
         ]
+    }
+
+    proptest! {
+        /// A bounded key-range block under aggregate mode never evicts a row that a clock
+        /// in flight pushes to, and every row holds exactly its pushes since its creation.
+        #[test]
+        fn a_bounded_block_keeps_the_rows_of_pushes_in_flight(
+            max_rows in 1u64..5,
+            admit_after in 0u32..3,
+            order in proptest::collection::vec(any::<bool>(), 1..40),
+            keys in proptest::collection::vec(proptest::collection::vec((0u64..10, -3i8..4), 0..5), 1..8),
+        ) {
+            prop_assert_eq!(bounded_aggregate_run(max_rows, admit_after, &order, &keys), Ok(()));
+        }
     }
 
     proptest! {

@@ -569,6 +569,48 @@ mod tests {
     }
 
     #[test]
+    fn a_hashed_table_is_cut_into_key_ranges_that_route_any_u64() {
+        use crate::rows::{KEY_POSITIONS, RowLimits, key_position};
+        let limits = RowLimits { max_rows: 1000, ..RowLimits::default() };
+        let table = TableSpec::hashed("h", 4, 8).with_limits(limits);
+        let mut p = Partition::with_tables(vec![tensor("w", 5, Init::Zeros)], vec![table], 16).unwrap().with_servers(2);
+        let keys: Vec<&BlockSpec> = p.table_blocks(0);
+        assert_eq!(keys.len(), 8);
+        assert!(keys.iter().all(|b| matches!(b.kind, BlockKind::Keys { dim: 4 })));
+        assert_eq!(keys[7].row_range(), Some((7 * KEY_POSITIONS / 8, KEY_POSITIONS, 4)));
+        assert_eq!(p.check_tables(), Ok(()));
+        // Any u64, sequential or not, goes to the block whose positions hold it.
+        let ids: Vec<u64> = (0..64).chain([u64::MAX, 1 << 63, 12_345_678_901]).collect();
+        let groups = p.rows_by_block(0, &ids).unwrap();
+        let mut seen = 0;
+        for (block, at) in &groups {
+            let spec = p.blocks[*block as usize];
+            for i in at {
+                assert!(spec.holds(ids[*i]), "key {} in block {block}", ids[*i]);
+                assert_eq!(p.row_block(0, ids[*i]).unwrap().id, *block);
+            }
+            seen += at.len();
+        }
+        assert_eq!(seen, ids.len());
+        assert!(groups.iter().filter(|(_, at)| !at.is_empty()).count() >= 6, "64 sequential keys spread");
+        // Each range's bound is its share of 1000 rows per server x 2 servers.
+        assert_eq!(p.row_rule(keys[0].id, 1).unwrap().unwrap().limits.max_rows, 250);
+        // A split keeps the kind: its halves hold keys by position.
+        let first = keys[0].id;
+        let at = KEY_POSITIONS / 32;
+        let [l, r] = p.split_rows(first, at).unwrap();
+        assert!(matches!(p.blocks[l as usize].kind, BlockKind::Keys { .. }));
+        let low = (0u64..).find(|k| key_position(*k) < at).unwrap();
+        assert!(p.blocks[l as usize].holds(low) && !p.blocks[r as usize].holds(low));
+        assert_eq!(p.row_rule(l, 1).unwrap().unwrap().limits.max_rows, 63);
+        assert_eq!(p.check_tables(), Ok(()));
+        // Out of range: a hashed table refuses 0 ranges and more than MAX_KEY_RANGES.
+        for ranges in [0, MAX_KEY_RANGES + 1] {
+            assert!(Partition::with_tables(vec![], vec![TableSpec::hashed("h", 4, ranges)], 16).is_err());
+        }
+    }
+
+    #[test]
     fn tables_are_cut_into_row_ranges_after_the_tensors() {
         let tables = vec![TableSpec::new("emb", 10, 2), TableSpec::new("small", 1, 100)];
         let p = Partition::with_tables(vec![tensor("w", 5, Init::Zeros)], tables, 16).unwrap();

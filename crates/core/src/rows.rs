@@ -1233,6 +1233,256 @@ mod tests {
         }
     }
 
+    fn limited(dim: u32, limits: RowLimits) -> RowStore {
+        RowStore::new(RowRule { limits, ..rule(dim, SparseOptimizer::Sgd { lr: 1.0 }) })
+    }
+
+    /// One push of gradient 1 to each of `keys`, then the rule's limits.
+    fn push(s: &mut RowStore, keys: &[u64]) {
+        s.step(keys, &vec![1.0; keys.len() * s.dim()], 1.0);
+        s.enforce(|_| false);
+    }
+
+    #[test]
+    fn a_bound_evicts_the_least_recently_pushed_down_to_its_slack() {
+        let mut s = limited(1, RowLimits { max_rows: 16, ..RowLimits::default() });
+        for k in 0..16 {
+            push(&mut s, &[k]);
+        }
+        push(&mut s, &[0]);
+        assert_eq!((s.rows(), s.counters().evicted), (16, 0), "at the bound nothing goes");
+        push(&mut s, &[100]);
+        // 17 rows: down to 16 - 16/16 = 15, the two least recently pushed (1 and 2) go.
+        assert_eq!(s.rows(), 15);
+        assert_eq!(s.counters().evicted, 2);
+        assert!(!s.contains(1) && !s.contains(2));
+        assert!(s.contains(0) && s.contains(100) && s.contains(3));
+        // An evicted row comes back from its initializer.
+        assert_eq!(s.gather(&[1, 0]), vec![0.5, 0.5 - 2.0]);
+    }
+
+    #[test]
+    fn lfu_evicts_the_least_pushed_first() {
+        let mut s = limited(1, RowLimits { max_rows: 4, eviction: Eviction::Lfu, ..RowLimits::default() });
+        push(&mut s, &[7, 8, 9, 10]);
+        push(&mut s, &[7, 9, 10]);
+        push(&mut s, &[9]);
+        // 8 was pushed once, 7 and 10 twice, 9 three times; 11 is new this step.
+        push(&mut s, &[11]);
+        assert_eq!(s.rows(), 4, "5 rows, evicted down to 4 - 4/16 = 4");
+        assert!(!s.contains(8));
+        let mut l = limited(1, RowLimits { max_rows: 4, eviction: Eviction::Lru, ..RowLimits::default() });
+        push(&mut l, &[7, 8, 9, 10]);
+        push(&mut l, &[7, 9, 10]);
+        push(&mut l, &[9]);
+        push(&mut l, &[8]);
+        push(&mut l, &[11]);
+        // Under LRU the oldest push goes: 7 and 10 were last pushed at step 2, 7 < 10.
+        assert!(l.contains(8) && !l.contains(7) && l.contains(10));
+    }
+
+    #[test]
+    fn a_row_not_pushed_for_ttl_steps_expires() {
+        let mut s = limited(1, RowLimits { ttl_steps: 4, ..RowLimits::default() });
+        push(&mut s, &[1]);
+        push(&mut s, &[2]);
+        for _ in 0..3 {
+            push(&mut s, &[]);
+        }
+        // Step 5: row 1 last pushed at step 1 (4 steps ago) stays; at step 6 it goes.
+        assert!(s.contains(1));
+        push(&mut s, &[]);
+        assert!(!s.contains(1) && s.contains(2));
+        push(&mut s, &[]);
+        assert!(!s.contains(2));
+        assert_eq!(s.counters().expired, 2);
+        assert_eq!(s.counters().evicted, 0);
+    }
+
+    #[test]
+    fn a_key_gets_a_row_at_its_nth_push_and_its_gradients_before_are_dropped() {
+        let mut s = limited(1, RowLimits { admit_after: 3, ..RowLimits::default() });
+        // A push naming a key twice counts once.
+        s.step(&[5, 5], &[1.0, 1.0], 1.0);
+        push(&mut s, &[5]);
+        assert!(!s.contains(5));
+        assert_eq!(s.gather(&[5]), vec![0.5], "a pull reads the initializer");
+        assert_eq!(s.counters().refused_grads, 3);
+        s.step(&[5, 6], &[2.0, 1.0], 1.0);
+        // The third push created the row and applied its gradient alone.
+        assert_eq!(s.gather(&[5]), vec![0.5 - 2.0]);
+        assert!(!s.contains(6));
+        assert_eq!(s.candidates(), 1);
+        assert_eq!(s.counters().created, 1);
+    }
+
+    #[test]
+    fn neither_a_row_pushed_this_step_nor_a_protected_one_is_evicted() {
+        let mut s = limited(1, RowLimits { max_rows: 2, ..RowLimits::default() });
+        s.step(&[1, 2, 3, 4], &[1.0; 4], 1.0);
+        assert_eq!(s.enforce(|_| false), 0, "every row was pushed by this step");
+        assert_eq!(s.rows(), 4);
+        s.step(&[], &[], 1.0);
+        s.enforce(|k| k != 4);
+        assert_eq!(s.rows(), 3, "only the unprotected row may go");
+        assert!(!s.contains(4));
+        s.enforce(|_| false);
+        assert_eq!(s.rows(), 2);
+    }
+
+    #[test]
+    fn an_export_pages_the_rows_changed_since_a_step_and_names_the_evicted_keys() {
+        let mut s = limited(2, RowLimits { max_rows: 4, ..RowLimits::default() });
+        push(&mut s, &[30, 10, 20]);
+        let first = s.export(None, None, 2).unwrap();
+        assert_eq!((first.ids.clone(), first.more, first.steps), (vec![10, 20], true, 1));
+        assert_eq!(first.values, vec![-0.5; 4]);
+        let rest = s.export(None, Some(20), 2).unwrap();
+        assert_eq!((rest.ids, rest.more), (vec![30], false));
+        // Two steps later: 10 is pushed again, 40 and 50 are new; the bound evicts 20 and
+        // 30 (pushed at step 1, no later). 20 and 30 were exported: they are named.
+        push(&mut s, &[10, 40]);
+        push(&mut s, &[50, 60]);
+        let delta = s.export(Some(first.steps), None, 100).unwrap();
+        assert_eq!(delta.ids, vec![10, 40, 50, 60]);
+        assert_eq!(delta.deleted, vec![20, 30]);
+        // Rows created and evicted between two exports are not named.
+        push(&mut s, &[70, 80]);
+        push(&mut s, &[90, 91]);
+        let next = s.export(Some(delta.steps), None, 100).unwrap();
+        assert_eq!(next.ids, vec![70, 80, 90, 91]);
+        assert_eq!(next.deleted, vec![10, 40, 50, 60]);
+        assert!(s.check().is_ok());
+    }
+
+    #[test]
+    fn an_export_since_a_forgotten_step_is_refused() {
+        let mut s = limited(1, RowLimits { max_rows: 1, ..RowLimits::default() });
+        push(&mut s, &[0]);
+        s.export(None, None, 10).unwrap();
+        // Export before each eviction, so that every evicted key is remembered.
+        for k in 1..=(MIN_TOMBSTONES as u64 + 1) {
+            push(&mut s, &[k]);
+            s.export(Some(s.steps()), None, 0).unwrap();
+        }
+        let err = s.export(Some(1), None, 10).unwrap_err();
+        assert!(matches!(err, CoreError::ExportTooOld { since: 1, .. }), "{err}");
+        assert!(s.export(Some(s.steps()), None, 10).is_ok());
+    }
+
+    #[test]
+    fn a_limited_store_survives_its_state_and_its_parts() {
+        let limits = RowLimits { max_rows: 8, eviction: Eviction::Lfu, ttl_steps: 5, admit_after: 2 };
+        let mut s = RowStore::new(RowRule { limits, ..rule(2, SparseOptimizer::lazy_adam(0.1)) });
+        for k in 0..12u64 {
+            s.step(&[k, k + 1, 3], &[0.25; 6], 1.0);
+            s.enforce(|_| false);
+            if k == 4 {
+                s.export(None, None, 100).unwrap();
+            }
+        }
+        let state = s.state(Vec::new());
+        let (mut back, _) = RowStore::from_state(0, state.clone()).unwrap();
+        assert_eq!(back.state(Vec::new()), state);
+        for t in [&mut s, &mut back] {
+            t.step(&[20, 3, 11], &[1.0; 6], 1.0);
+            t.enforce(|_| false);
+        }
+        assert_eq!(s.state(Vec::new()), back.state(Vec::new()), "the same steps on both give the same state");
+        let (odd, even) = (state.part(|k| k % 2 == 1), state.part(|k| k % 2 == 0));
+        assert_eq!(odd.ids.len() + even.ids.len(), state.ids.len());
+        assert!(odd.ids.iter().all(|k| k % 2 == 1));
+        assert!(odd.candidates.iter().flatten().all(|(k, _)| k % 2 == 1));
+        RowStore::from_state(0, odd).unwrap();
+        RowStore::from_state(0, even).unwrap();
+        let mut bad = state;
+        bad.last[0] = bad.steps + 1;
+        assert!(RowStore::from_state(0, bad).is_err());
+    }
+
+    #[test]
+    fn key_positions_spread_sequential_keys_over_the_key_space() {
+        let ranges = 16u64;
+        let mut counts = vec![0u32; ranges as usize];
+        for id in 0..16_000u64 {
+            let at = key_position(id);
+            assert!(at < KEY_POSITIONS);
+            counts[(at / (KEY_POSITIONS / ranges)) as usize] += 1;
+        }
+        assert!(counts.iter().all(|c| (800..1200).contains(c)), "{counts:?}");
+        assert_ne!(key_position(u64::MAX), key_position(0));
+    }
+
+    proptest::proptest! {
+        /// Any mix of pushes, migrations (the state rebuilt) and splits (the state cut in
+        /// two by key) under any limits: every row present holds exactly its pushes since
+        /// its last creation, and a row pushed by a step is never evicted by it.
+        #[test]
+        fn a_limited_store_holds_exactly_the_pushes_since_each_rows_creation(
+            max_rows in 0u64..6,
+            lfu in proptest::bool::ANY,
+            ttl_steps in 0u64..5,
+            admit_after in 0u32..3,
+            ops in proptest::collection::vec((0u8..10, proptest::collection::vec((0u64..12, 1i8..4), 0..6)), 1..40),
+        ) {
+            let eviction = if lfu { Eviction::Lfu } else { Eviction::Lru };
+            let limits = RowLimits { max_rows, eviction, ttl_steps, admit_after };
+            let mut stores = vec![RowStore::new(RowRule { limits, ..rule(1, SparseOptimizer::Sgd { lr: 1.0 }) })];
+            // Key -> the sum of its gradients since its row was created (None: no row).
+            let mut model: HashMap<u64, f32> = HashMap::new();
+            for (op, pushes) in ops {
+                match op {
+                    0 => {
+                        let moved = stores.iter().map(|s| RowStore::from_state(0, s.state(Vec::new())).unwrap().0).collect();
+                        stores = moved;
+                    }
+                    1 if stores.len() == 1 => {
+                        let state = stores[0].state(Vec::new());
+                        stores = vec![
+                            RowStore::from_state(0, state.part(|k| k % 2 == 0)).unwrap().0,
+                            RowStore::from_state(0, state.part(|k| k % 2 == 1)).unwrap().0,
+                        ];
+                    }
+                    _ => {
+                        let parts = stores.len();
+                        for (part, store) in stores.iter_mut().enumerate() {
+                            let mine = |k: u64| parts == 1 || k % 2 == part as u64;
+                            let (ids, grads): (Vec<u64>, Vec<f32>) =
+                                pushes.iter().filter(|(k, _)| mine(*k)).map(|(k, g)| (*k, f32::from(*g))).unzip();
+                            let before: HashSet<u64> = ids.iter().copied().filter(|k| store.contains(*k)).collect();
+                            store.step(&ids, &grads, 1.0);
+                            store.enforce(|_| false);
+                            for k in &before {
+                                proptest::prop_assert!(store.contains(*k), "row {} pushed by this step was evicted", k);
+                            }
+                            for (k, g) in ids.iter().zip(&grads) {
+                                if store.contains(*k) {
+                                    *model.entry(*k).or_insert(0.0) += g;
+                                }
+                            }
+                        }
+                    }
+                }
+                let parts = stores.len();
+                for k in 0..12u64 {
+                    let store = &stores[if parts == 1 { 0 } else { (k % 2) as usize }];
+                    if !store.contains(k) {
+                        model.remove(&k);
+                        continue;
+                    }
+                    let want = 0.5 - model.get(&k).copied().unwrap_or(0.0);
+                    proptest::prop_assert_eq!(store.gather(&[k]), vec![want], "row {}", k);
+                }
+                for s in &stores {
+                    proptest::prop_assert!(s.check().is_ok());
+                    if max_rows > 0 {
+                        proptest::prop_assert!(s.rows() as u64 <= max_rows.max(6), "{} rows", s.rows());
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn memory_follows_the_rows_touched() {
         let mut s = RowStore::new(rule(64, SparseOptimizer::sparse_adam(0.01)));
