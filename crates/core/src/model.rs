@@ -70,6 +70,10 @@ pub enum TableKeys {
     },
 }
 
+/// The rows a hashed table's whole key space weighs in placement before any server
+/// reports its rows ([`BlockSpec::bytes`]).
+pub const KEY_RANGE_NOMINAL_ROWS: u64 = 1 << 16;
+
 /// Most ranges a hashed table may start with.
 pub const MAX_KEY_RANGES: u32 = 1 << 16;
 
@@ -213,9 +217,19 @@ impl BlockSpec {
         self.row_range().is_some_and(|(start, end, _)| (start..end).contains(&self.position(id)))
     }
 
-    /// Size in bytes of the block's values (a row block's once every row exists).
+    /// Size in bytes of the block's values (a row block's once every row exists). A key
+    /// range has no such size: until its server reports its rows, it weighs its share of
+    /// [`KEY_RANGE_NOMINAL_ROWS`] rows for the whole key space.
     pub fn bytes(&self) -> usize {
-        self.len * 4
+        match self.kind {
+            BlockKind::Keys { dim } => {
+                let width = (self.len / dim.max(1) as usize) as u64;
+                let rows =
+                    (u128::from(width) * u128::from(KEY_RANGE_NOMINAL_ROWS) / u128::from(KEY_POSITIONS)) as usize;
+                rows.max(1) * dim as usize * 4
+            }
+            _ => self.len * 4,
+        }
     }
 
     /// True for a range of a table's rows (or keys).
@@ -593,6 +607,8 @@ mod tests {
         }
         assert_eq!(seen, ids.len());
         assert!(groups.iter().filter(|(_, at)| !at.is_empty()).count() >= 6, "64 sequential keys spread");
+        // Until its rows are reported, a range weighs its share of 2^16 rows.
+        assert_eq!(keys[0].bytes(), (1 << 13) * 4 * 4);
         // Each range's bound is its share of 1000 rows per server x 2 servers.
         assert_eq!(p.row_rule(keys[0].id, 1).unwrap().unwrap().limits.max_rows, 250);
         // A split keeps the kind: its halves hold keys by position.

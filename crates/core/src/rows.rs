@@ -524,30 +524,44 @@ impl RowStore {
     }
 
     /// The current values of row `row` (its initial ones if it was never pushed to) into
-    /// `out` (`dim` values).
-    pub fn read(&self, row: u64, out: &mut [f32]) {
+    /// `out` (`dim` values); false if the row does not exist.
+    pub fn read(&self, row: u64, out: &mut [f32]) -> bool {
         let dim = self.dim();
         match self.index.get(&row) {
-            Some(&slot) => out.copy_from_slice(&self.values[slot as usize * dim..][..dim]),
-            None => self.rule.init.fill(self.rule.key, row, out),
+            Some(&slot) => {
+                out.copy_from_slice(&self.values[slot as usize * dim..][..dim]);
+                true
+            }
+            None => {
+                self.rule.init.fill(self.rule.key, row, out);
+                false
+            }
         }
+    }
+
+    /// The rows `ids`, in that order, `ids.len() * dim` values, and how many of them do
+    /// not exist.
+    fn read_all(&self, ids: &[u64]) -> (Vec<f32>, u64) {
+        let dim = self.dim();
+        let mut out = vec![0.0; ids.len() * dim];
+        let mut missing = 0;
+        for (row, chunk) in ids.iter().zip(out.chunks_exact_mut(dim.max(1))) {
+            missing += u64::from(!self.read(*row, chunk));
+        }
+        (out, missing)
     }
 
     /// The rows `ids`, in that order, `ids.len() * dim` values.
     pub fn gather(&self, ids: &[u64]) -> Vec<f32> {
-        let dim = self.dim();
-        let mut out = vec![0.0; ids.len() * dim];
-        for (row, chunk) in ids.iter().zip(out.chunks_exact_mut(dim.max(1))) {
-            self.read(*row, chunk);
-        }
-        out
+        self.read_all(ids).0
     }
 
     /// [`RowStore::gather`] for a worker's pull: the reads of rows that do not exist are
     /// counted ([`RowCounters::init_reads`]).
     pub fn pull(&mut self, ids: &[u64]) -> Vec<f32> {
-        self.counters.init_reads += ids.iter().filter(|r| !self.index.contains_key(r)).count() as u64;
-        self.gather(ids)
+        let (out, missing) = self.read_all(ids);
+        self.counters.init_reads += missing;
+        out
     }
 
     /// The slot of row `row`, created with its initial values and fresh optimizer state.
@@ -598,7 +612,7 @@ impl RowStore {
             // (row, gradient) in the order given, a repeated row once per occurrence.
             let alpha = -lr as f32;
             for (row, g) in ids.iter().zip(grads.chunks_exact(dim.max(1))) {
-                if refused.contains(row) {
+                if !refused.is_empty() && refused.contains(row) {
                     self.counters.refused_grads += 1;
                     continue;
                 }
@@ -611,7 +625,7 @@ impl RowStore {
         let (rows, summed) = coalesce(ids, grads, dim);
         let mut g = vec![0.0f32; dim];
         for (k, row) in rows.iter().enumerate() {
-            if refused.contains(row) {
+            if !refused.is_empty() && refused.contains(row) {
                 self.counters.refused_grads += ids.iter().filter(|r| *r == row).count() as u64;
                 continue;
             }
