@@ -685,6 +685,7 @@ impl RowStore {
         }
         let RowLimits { max_rows, eviction, ttl_steps, .. } = self.rule.limits;
         let now = self.steps;
+        let before = self.ids.len();
         let mut victims: Vec<usize> = Vec::new();
         if ttl_steps > 0 && now.is_multiple_of((ttl_steps / TTL_SWEEPS).max(1)) {
             victims.extend((0..self.ids.len()).filter(|&s| now - self.last[s] > ttl_steps && !protected(self.ids[s])));
@@ -708,8 +709,9 @@ impl RowStore {
             victims = free;
             self.remove(&mut victims);
         }
-        debug_assert!(self.check().is_ok(), "{:?}", self.check());
-        self.counters.evicted + self.counters.expired
+        let removed = before - self.ids.len();
+        debug_assert!(removed == 0 || self.check().is_ok(), "{:?}", self.check());
+        removed as u64
     }
 
     /// Removes the rows in `slots` (distinct), remembering for exports the keys an
@@ -1337,7 +1339,7 @@ mod tests {
         assert_eq!(s.enforce(|_| false), 0, "every row was pushed by this step");
         assert_eq!(s.rows(), 4);
         s.step(&[], &[], 1.0);
-        s.enforce(|k| k != 4);
+        assert_eq!(s.enforce(|k| k != 4), 1);
         assert_eq!(s.rows(), 3, "only the unprotected row may go");
         assert!(!s.contains(4));
         s.enforce(|_| false);
