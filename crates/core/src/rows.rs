@@ -321,12 +321,8 @@ pub struct RowStore {
     index: HashMap<u64, u32>,
     /// Slot -> row id.
     ids: Vec<u64>,
-    /// The step that last pushed each row.
-    last: Vec<u64>,
-    /// Pushes of each row since its creation.
-    hits: Vec<u32>,
-    /// The step that created each row.
-    born: Vec<u64>,
+    /// Each row's bookkeeping (one entry per slot, so that a push touches one cache line).
+    meta: Vec<RowMeta>,
     /// Admission: pushes counted of keys without a row, this generation and the last.
     candidates: [HashMap<u64, u32>; 2],
     /// Keys evicted that an export may have held, with the step that evicted them.
@@ -346,6 +342,17 @@ pub struct RowStore {
     row_steps: Vec<u64>,
     /// Steps of the table this block took (Adagrad's and SparseAdam's `step`).
     steps: u64,
+}
+
+/// When a row was created and last pushed, and how often.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RowMeta {
+    /// The step that last pushed it.
+    last: u64,
+    /// The step that created it.
+    born: u64,
+    /// Pushes since its creation.
+    hits: u32,
 }
 
 /// A row store as it travels (migration, checkpoint, replica copy): every field, rows in
@@ -465,9 +472,7 @@ impl RowStore {
             v: Vec::new(),
             row_steps: Vec::new(),
             steps: 0,
-            last: Vec::new(),
-            hits: Vec::new(),
-            born: Vec::new(),
+            meta: Vec::new(),
             candidates: [HashMap::new(), HashMap::new()],
             tombstones: VecDeque::new(),
             forgotten: 0,
@@ -573,9 +578,7 @@ impl RowStore {
         let slot = self.ids.len();
         self.index.insert(row, slot as u32);
         self.ids.push(row);
-        self.last.push(self.steps);
-        self.hits.push(0);
-        self.born.push(self.steps);
+        self.meta.push(RowMeta { last: self.steps, born: self.steps, hits: 0 });
         self.counters.created += 1;
         self.values.resize(self.values.len() + dim, 0.0);
         self.rule.init.fill(self.rule.key, row, &mut self.values[slot * dim..]);
@@ -641,8 +644,9 @@ impl RowStore {
     /// The slot of row `row` (created if new), marked pushed by this step.
     fn touch(&mut self, row: u64) -> usize {
         let slot = self.slot(row);
-        self.last[slot] = self.steps;
-        self.hits[slot] = self.hits[slot].saturating_add(1);
+        let meta = &mut self.meta[slot];
+        meta.last = self.steps;
+        meta.hits = meta.hits.saturating_add(1);
         slot
     }
 
@@ -688,7 +692,9 @@ impl RowStore {
         let before = self.ids.len();
         let mut victims: Vec<usize> = Vec::new();
         if ttl_steps > 0 && now.is_multiple_of((ttl_steps / TTL_SWEEPS).max(1)) {
-            victims.extend((0..self.ids.len()).filter(|&s| now - self.last[s] > ttl_steps && !protected(self.ids[s])));
+            victims.extend(
+                (0..self.ids.len()).filter(|&s| now - self.meta[s].last > ttl_steps && !protected(self.ids[s])),
+            );
             self.counters.expired += victims.len() as u64;
             self.remove(&mut victims);
         }
@@ -696,10 +702,10 @@ impl RowStore {
         if max_rows > 0 && rows > max_rows {
             let excess = (rows - (max_rows - max_rows / EVICT_SLACK)) as usize;
             let mut free: Vec<usize> =
-                (0..self.ids.len()).filter(|&s| self.last[s] < now && !protected(self.ids[s])).collect();
+                (0..self.ids.len()).filter(|&s| self.meta[s].last < now && !protected(self.ids[s])).collect();
             let key = |s: &usize| match eviction {
-                Eviction::Lru => (self.last[*s], u64::from(self.hits[*s]), self.ids[*s]),
-                Eviction::Lfu => (u64::from(self.hits[*s]), self.last[*s], self.ids[*s]),
+                Eviction::Lru => (self.meta[*s].last, u64::from(self.meta[*s].hits), self.ids[*s]),
+                Eviction::Lfu => (u64::from(self.meta[*s].hits), self.meta[*s].last, self.ids[*s]),
             };
             if free.len() > excess {
                 free.select_nth_unstable_by_key(excess, key);
@@ -727,7 +733,7 @@ impl RowStore {
         slots.sort_unstable_by(|a, b| b.cmp(a));
         for &slot in slots.iter() {
             let id = self.ids[slot];
-            if self.born[slot] <= self.exported_at {
+            if self.meta[slot].born <= self.exported_at {
                 self.tombstones.push_back((id, self.steps));
                 if self.tombstones.len() > keep
                     && let Some((_, step)) = self.tombstones.pop_front()
@@ -747,9 +753,7 @@ impl RowStore {
                 self.row_steps.swap_remove(slot);
             }
             self.ids.swap_remove(slot);
-            self.last.swap_remove(slot);
-            self.hits.swap_remove(slot);
-            self.born.swap_remove(slot);
+            self.meta.swap_remove(slot);
             if slot < last {
                 self.index.insert(self.ids[slot], slot as u32);
             }
@@ -765,9 +769,7 @@ impl RowStore {
             (self.values.len(), n * dim),
             (self.m.len(), if per >= 1 { n * dim } else { 0 }),
             (self.v.len(), if per >= 2 { n * dim } else { 0 }),
-            (self.last.len(), n),
-            (self.hits.len(), n),
-            (self.born.len(), n),
+            (self.meta.len(), n),
         ];
         if lens.iter().any(|(got, want)| got != want) || self.index.len() != n {
             return Err(format!("{n} rows: buffers of {lens:?}, an index of {}", self.index.len()));
@@ -789,7 +791,7 @@ impl RowStore {
         {
             return Err(CoreError::ExportTooOld { since: s, forgotten: self.forgotten });
         }
-        let changed = |s: usize| since.is_none_or(|t| self.last[s] > t);
+        let changed = |s: usize| since.is_none_or(|t| self.meta[s].last > t);
         let mut slots: Vec<usize> =
             (0..self.ids.len()).filter(|&s| changed(s) && after.is_none_or(|a| self.ids[s] > a)).collect();
         slots.sort_unstable_by_key(|&s| self.ids[s]);
@@ -874,9 +876,9 @@ impl RowStore {
             m: self.m.clone(),
             v: self.v.clone(),
             row_steps: self.row_steps.clone(),
-            last: self.last.clone(),
-            hits: self.hits.clone(),
-            born: self.born.clone(),
+            last: self.meta.iter().map(|m| m.last).collect(),
+            hits: self.meta.iter().map(|m| m.hits).collect(),
+            born: self.meta.iter().map(|m| m.born).collect(),
             candidates: self.candidates.clone().map(|c| {
                 let mut c: Vec<(u64, u32)> = c.into_iter().collect();
                 c.sort_unstable();
@@ -932,9 +934,7 @@ impl RowStore {
             v: state.v,
             row_steps: state.row_steps,
             steps: state.steps,
-            last: state.last,
-            hits: state.hits,
-            born: state.born,
+            meta: (0..n).map(|s| RowMeta { last: state.last[s], born: state.born[s], hits: state.hits[s] }).collect(),
             candidates: state.candidates.map(|c| c.into_iter().collect()),
             tombstones: state.tombstones.into(),
             forgotten: state.forgotten,
