@@ -217,14 +217,15 @@ class _Table(torch.nn.Module):
         """Pulls the rows of the ids in ``input``: (rows of the unique ids, a leaf that
         requires grad when grad is enabled; the inverse index, shaped like ``input``)."""
         b = self._binding
+        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
+            got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
+            where = f"{b.name}: " if b is not None else f"{type(self).__name__}: "
+            raise TypeError(f"elasticps.torch: {where}ids must be an int64 or int32 tensor, got {got}")
         if b is None:
             raise RuntimeError(
                 f"elasticps.torch: this {type(self).__name__} is not registered: pass "
                 "tables=elasticps.torch.named_tables(model) to DistributedOptimizer"
             )
-        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
-            got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
-            raise TypeError(f"elasticps.torch: {b.name}: ids must be an int64 or int32 tensor, got {got}")
         ids = input.detach().to("cpu", torch.int64)
         if self.hashed is None and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
