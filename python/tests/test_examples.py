@@ -213,5 +213,5 @@ def test_train_stream_ctr_quick_learns_under_a_bound():
     stored = float(re.search(r"rows stored ~(\d+) per table", out.stdout).group(1))
     print(f"stream --quick: auc {auc:.4f}, {seen:.0f} distinct ids seen, ~{stored:.0f} rows stored")
     assert auc > 0.55
-    # The bound holds (the count is estimated from a sample of 4096 ids: 20% slack).
-    assert 0 < stored <= 1.2 * max_rows * servers < seen
+    # The bound holds (the count is estimated from a sample of 4096 ids: 30% slack).
+    assert 0 < stored <= 1.3 * max_rows * servers < seen
