@@ -145,6 +145,8 @@ def train(args) -> None:
             last.append((labels, torch.sigmoid(logits.detach()).numpy()))
         if (step + 1) % LOG_EVERY == 0 or step + 1 == args.steps:
             elasticps.log(step=step + 1, total=args.steps, loss=loss.item(), samples=(step + 1) * args.batch_size)
+            if args.progress and rank == 0:
+                print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
     train_s = time.monotonic() - started
     progressive = ctr.auc(np.concatenate([a for a, _ in last]), np.concatenate([b for _, b in last]))
     print(f"rank {rank}: {args.steps} steps of {args.batch_size} in {train_s:.1f} s", flush=True)
@@ -182,6 +184,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--table-lr", type=float, default=0.05, help="the tables' Adagrad lr (default 0.05)")
     p.add_argument("--test-examples", type=int, default=20_000, help="held-out examples (default 20,000)")
     p.add_argument("--sketch", type=int, default=4096, help="ids in the distinct-id sketch (default 4096)")
+    p.add_argument("--progress", action="store_true", help="rank 0 prints a line every 50 steps")
     p.add_argument("--quick", action="store_true", help="the CI form: 150 steps of 256, 10^6 distinct ids")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the stream and the model (default 0)")
