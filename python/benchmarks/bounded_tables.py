@@ -73,17 +73,14 @@ class Run:
     wall_s: float = 0.0
     error: Optional[str] = None
 
-    def rss_at(self, fraction: float, steps: int = 0) -> Optional[int]:
+    def rss_at(self, fraction: float, steps: int) -> Optional[int]:
         """The servers' summed RSS at the first sample once training reached ``fraction``
-        of ``steps`` (1.0: the last sample)."""
-        if not self.rss:
-            return None
-        if fraction >= 1.0:
-            return self.rss[-1][2]
+        of ``steps`` (1.0: the last step, before the servers let go of their tables as the
+        job finishes), or None."""
         return next((kb for _, step, kb in self.rss if step >= fraction * steps), None)
 
     def growth(self, warmup: float, steps: int) -> Optional[float]:
-        start, end = self.rss_at(warmup, steps), self.rss_at(1.0)
+        start, end = self.rss_at(warmup, steps), self.rss_at(1.0, steps)
         return None if not start or end is None else end / start - 1.0
 
 
@@ -195,7 +192,7 @@ def report(runs: Dict[str, Run], args) -> Tuple[str, bool]:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs.values():
-        start, end = r.rss_at(args.warmup, args.steps), r.rss_at(1.0)
+        start, end = r.rss_at(args.warmup, args.steps), r.rss_at(1.0, args.steps)
         g = r.growth(args.warmup, args.steps)
         lines.append(
             f"| {r.name} | `{' '.join(r.flags) or '(none)'}` | {fmt(r.rows, ',.0f')} | {fmt(r.seen, ',.0f')} | "
@@ -213,14 +210,15 @@ def report(runs: Dict[str, Run], args) -> Tuple[str, bool]:
     check("bounded: servers' RSS growth after warm-up", g and 100 * g, None if g is None else g <= RSS_GROWTH_MAX, "<= +10 %", "+.1f")
     gu = u.growth(args.warmup, args.steps)
     check("unbounded: the same (for comparison)", gu and 100 * gu, None, "-", "+.1f")
-    if u.rss and b.rss:
-        check("unbounded / bounded servers' RSS at the end", u.rss_at(1.0) / b.rss_at(1.0), None, "-", ".2f")
+    ends = {n: r.rss_at(1.0, args.steps) for n, r in runs.items()}
+    if ends["unbounded"] and ends["bounded"]:
+        check("unbounded / bounded servers' RSS at the end", ends["unbounded"] / ends["bounded"], None, "-", ".2f")
     d = None if b.test_auc is None or u.test_auc is None else b.test_auc - u.test_auc
     check("bounded - unbounded test AUC", d, None if d is None else abs(d) <= BOUND_AUC_MAX, "within 0.005", "+.4f")
     ratio = None if not a.rows or u.rows is None else u.rows / a.rows
     check("unbounded / admit rows stored", ratio, None if ratio is None else ratio >= ADMIT_RATIO_MIN, ">= 3", ".2f")
-    if u.rss and a.rss:
-        check("unbounded / admit servers' RSS at the end", u.rss_at(1.0) / a.rss_at(1.0), None, "-", ".2f")
+    if ends["unbounded"] and ends["admit"]:
+        check("unbounded / admit servers' RSS at the end", ends["unbounded"] / ends["admit"], None, "-", ".2f")
     d2 = None if a.test_auc is None or u.test_auc is None else a.test_auc - u.test_auc
     check("admit - unbounded test AUC", d2, None if d2 is None else abs(d2) <= ADMIT_AUC_MAX, "within 0.003", "+.4f")
     lines += ["", "| ratio | value | target | |", "|---|---:|---|---|"] + checks
@@ -246,7 +244,16 @@ def main(argv=None) -> int:
     p.add_argument("--elasticps", help="the elasticps binary")
     p.add_argument("--out", help="a directory for bounded-tables.json and the runs' logs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", help="print the report of an earlier run's bounded-tables.json instead")
     args = p.parse_args(argv)
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        for key in ("warmup", "steps"):
+            setattr(args, key, saved["args"][key])
+        runs = {n: Run(**{k: (v if k != "rss" else [tuple(x) for x in v]) for k, v in r.items()}) for n, r in saved["runs"].items()}
+        text, ok = report(runs, args)
+        print(text)
+        return 0 if ok else 1
     quick = args.quick
     args.steps = args.steps or (400 if quick else 6000)
     args.batch_size = args.batch_size or (256 if quick else 1024)
@@ -272,7 +279,7 @@ def main(argv=None) -> int:
         run_job(binary, r, common, args, out / f"{r.name}.log")
         print(
             f"  {r.name}: test auc {fmt(r.test_auc, '.4f')}, rows stored ~{fmt(r.rows, ',.0f')}, "
-            f"servers' RSS {fmt(r.rss_at(1.0) and r.rss_at(1.0) / 1024, '.0f')} MB, {r.wall_s:.0f} s"
+            f"servers' RSS {fmt((r.rss_at(1.0, args.steps) or 0) / 1024, '.0f')} MB, {r.wall_s:.0f} s"
             + (f" ({r.error})" if r.error else ""),
             flush=True,
         )
