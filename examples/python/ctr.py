@@ -13,7 +13,7 @@ numpy only: shared by the example and its tests (python/tests/test_examples.py).
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -108,3 +108,103 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     ranks = np.empty(scores.size)
     ranks[order] = np.repeat(avg, ends - starts)
     return float((ranks[labels].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
+
+
+# -- A drifting stream of hashed feature ids (train_stream_ctr.py) ----------------------
+
+#: Fields (categorical features) of the stream's examples.
+STREAM_FIELDS = 8
+#: Probability that a draw takes an older generation of its slot (the fade of old items).
+STREAM_FADE = 0.3
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer of uint64 values (a bijection)."""
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+class ClickStream:
+    """An endless click stream whose id population drifts, as a recommender's does.
+
+    Each example has ``fields`` categorical features, each a hashed 64-bit id (any int64
+    value, negative ones included). A field's ids live in ``live`` slots with Zipf
+    popularity (exponent ``zipf``: slot 0 is the hottest). A slot holds one item at a
+    time, replaced by a new item every ``life`` steps or so (each slot with its own period,
+    from 0.5 to 1.5 times ``life``, and phase): new items appear at every popularity, and
+    a draw takes the slot's previous items with probability ``STREAM_FADE`` each (1, 2, ...
+    generations back), so an old item fades rather than vanishes. Over ``steps`` steps a
+    field's slots hold about ``live * (steps / life + 1)`` items: ``for_distinct`` picks
+    ``life`` for a total number of distinct ids over the run.
+
+    Labels come from a hidden model: a logistic function of per-item weights and of dot
+    products of per-item planted vectors between pairs of fields, all a hash of (seed,
+    field, item), so a new item brings new values that a model must learn. The examples
+    of step ``step`` are a pure function of (seed, step, part, rank): every process sees
+    the same stream, and ``part=1`` draws a test set from the same population.
+    """
+
+    def __init__(self, seed: int = 0, live: int = 100_000, life: float = 200.0, fields: int = STREAM_FIELDS, zipf: float = ZIPF):
+        if live < 1 or life <= 0 or fields < 2:
+            raise ValueError("ClickStream: live >= 1, life > 0 and fields >= 2")
+        self.seed, self.live, self.life, self.fields, self.zipf = seed, int(live), float(life), int(fields), zipf
+
+    @classmethod
+    def for_distinct(cls, distinct_ids: int, steps: int, live: Optional[int] = None, **kw) -> "ClickStream":
+        """A stream whose slots hold about ``distinct_ids`` items (all fields) over ``steps``
+        steps: ``live`` slots per field (default: a tenth of a field's share, at least 1000),
+        ``life`` set to match."""
+        fields = kw.get("fields", STREAM_FIELDS)
+        per_field = max(1, distinct_ids // fields)
+        live = live or max(1000, per_field // 10)
+        items_per_slot = max(per_field / live, 1.0 + 1e-9)
+        life = steps / (items_per_slot - 1.0) if items_per_slot > 1.0 else 1e12
+        return cls(live=live, life=max(life, 1.0), **kw)
+
+    def items(self, field: int, slots: np.ndarray, step: int, back: np.ndarray) -> np.ndarray:
+        """The item (slot, generation) keys of ``slots`` at ``step``, ``back`` generations back."""
+        u = planted_uniform(self.seed, 1000 + field, slots, 0)  # [-1, 1): the slot's period and phase
+        period = self.life * (1.0 + 0.5 * u)
+        phase = (u + 1.0) * 0.5 * period * 7.0
+        gen = np.floor((step + phase) / period).astype(np.int64) - back
+        return slots.astype(np.uint64) << np.uint64(24) ^ gen.astype(np.uint64)
+
+    def ids(self, field: int, items: np.ndarray) -> np.ndarray:
+        """The hashed 64-bit ids (int64) of ``items`` of ``field``."""
+        salt = np.uint64((self.seed * 0x100000001B3 + field * 0x9E3779B1 + 17) & 0xFFFFFFFFFFFFFFFF)
+        return _mix(items ^ salt).view(np.int64)
+
+    def batch(self, step: int, n: int, part: int = 0, rank: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+        """``n`` examples of step ``step``: ids (n, fields) int64 and labels (n,) float32."""
+        rng = np.random.default_rng([self.seed, part, rank, step])
+        ids = np.empty((n, self.fields), np.int64)
+        items = []
+        for f in range(self.fields):
+            slots = zipf_ids(rng, self.live, n, self.zipf)
+            back = rng.geometric(1.0 - STREAM_FADE, n) - 1
+            it = self.items(f, slots, step, back)
+            items.append(it)
+            ids[:, f] = self.ids(f, it)
+        p = 1.0 / (1.0 + np.exp(-self.logit(items)))
+        return ids, (rng.random(n) < p).astype(np.float32)
+
+    def logit(self, items: List[np.ndarray]) -> np.ndarray:
+        """The hidden model's logit of examples given their items per field."""
+        first = sum(planted_uniform(self.seed, f, it, 0) for f, it in enumerate(items))
+        first = first / np.sqrt(self.fields / 3.0)
+        vecs = [np.stack([planted_uniform(self.seed, f, it, 1 + k) for k in range(PLANTED_DIM)], 1) for f, it in enumerate(items)]
+        half = self.fields // 2
+        pairs = sum((vecs[f] * vecs[f + half]).sum(1) for f in range(half)) / np.sqrt(half * PLANTED_DIM / 9.0)
+        return -1.0 + 1.5 * first + 1.0 * pairs
+
+
+def stream_batches(seed: int, distinct_ids: int, steps: int, batch_size: int, part: int = 0, rank: int = 0):
+    """The stream's batches for a run: ``(step, ids, labels)`` for ``step`` in ``0..steps``,
+    from ``ClickStream.for_distinct(distinct_ids, steps)``."""
+    stream = ClickStream.for_distinct(distinct_ids, steps, seed=seed)
+    for step in range(steps):
+        ids, labels = stream.batch(step, batch_size, part, rank)
+        yield step, ids, labels

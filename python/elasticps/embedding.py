@@ -19,6 +19,22 @@ every row range. The table's server-side optimizer (``table_optimizer``) applies
 row's gradient as torch's sparse optimizers do: ``SparseAdam``, ``Adagrad`` on sparse
 gradients, ``SGD``.
 
+Hashed tables (``HashEmbedding`` and ``HashEmbeddingBag``, recommendation models' feature
+tables): no row count; the ids are any int64 values (hashed 64-bit feature ids, negative
+ones too, each taken as its 64 bits), and the servers cut the table's key space into
+``ranges`` key ranges by a hash of the id, each range a block. Rows are created on first
+push; the table may be bounded (``max_rows`` per server, ``eviction`` "lru" or "lfu"),
+expire rows not pushed for ``ttl_steps`` steps of the table, and create a row only at a
+key's ``admit_after``-th push (before, a pull reads the row's initial values and its
+gradients are dropped). An evicted or expired row comes back from its initializer::
+
+    model.user = elasticps.torch.HashEmbeddingBag(
+        16, mode="sum", max_rows=10**6, eviction="lru", ttl_steps=100_000, admit_after=2)
+    model.user(torch.tensor([-8071772395398164521, 42, 42]), torch.tensor([0, 1]))
+
+They share the pull and push path above with ``Embedding`` and ``EmbeddingBag`` (they are
+subclasses of them), and take the same ``optimizer`` and ``init``.
+
 Not supported (``ValueError``): ``padding_idx`` and ``max_norm`` (both write the weights
 from the forward pass), ``_weight`` (the servers initialize the rows).
 """
@@ -31,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Embedding", "EmbeddingBag", "named_tables", "table_optimizer"]
+__all__ = ["Embedding", "EmbeddingBag", "HashEmbedding", "HashEmbeddingBag", "named_tables", "table_optimizer"]
 
 #: Table optimizers the servers run, with their torch counterparts.
 TABLE_OPTIMIZERS = {
@@ -115,21 +131,69 @@ class _Binding:
         return u.numpy(), g.detach().contiguous().numpy()
 
 
+#: Eviction policies of a bounded hashed table.
+EVICTIONS = ("lru", "lfu")
+#: Most key ranges a hashed table may be cut into (the servers' bound).
+MAX_KEY_RANGES = 1 << 16
+
+
+def _count(cls: str, what: str, value, least: int, most: Optional[int] = None) -> int:
+    """An int argument, checked: ``least`` up to ``most``; bools, floats and strings refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"elasticps.torch: {cls}({what}=...) must be an int, got {value!r}")
+    value = int(value)
+    if value < least or (most is not None and value > most):
+        bound = f"in {least}..={most}" if most is not None else f"at least {least}"
+        raise ValueError(f"elasticps.torch: {cls}({what}={value}) must be {bound}")
+    return value
+
+
+def hashed_table_spec(
+    cls: str,
+    ranges: int = 16,
+    max_rows: Optional[int] = None,
+    eviction: str = "lru",
+    ttl_steps: Optional[int] = None,
+    admit_after: Optional[int] = None,
+) -> dict:
+    """A hashed table's keys and limits, checked, as ``register_model``'s table dict takes
+    them (``None``: no bound, no expiry, a row at the first push)."""
+    if not isinstance(eviction, str) or eviction not in EVICTIONS:
+        raise ValueError(f"elasticps.torch: {cls}(eviction={eviction!r}): eviction must be 'lru' or 'lfu'")
+    spec = {"keys": "hashed", "ranges": _count(cls, "ranges", ranges, 1, MAX_KEY_RANGES), "eviction": eviction}
+    for key, value in (("max_rows", max_rows), ("ttl_steps", ttl_steps), ("admit_after", admit_after)):
+        spec[key] = 0 if value is None else _count(cls, key, value, 0)
+    return spec
+
+
 class _Table(torch.nn.Module):
-    """What Embedding and EmbeddingBag share: the table's shape, its optimizer, and the
-    forward pass's pull of the rows a batch uses."""
+    """What every table module shares: the table's shape (rows, or a hashed key space),
+    its optimizer, and the forward pass's pull of the rows a batch uses."""
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, optimizer: Optional[dict], init: Optional[dict]
+        self,
+        num_embeddings: Optional[int],
+        embedding_dim: int,
+        optimizer: Optional[dict],
+        init: Optional[dict],
+        hashed: Optional[dict] = None,
     ) -> None:
         super().__init__()
-        if int(num_embeddings) < 1 or int(embedding_dim) < 1:
+        cls = type(self).__name__
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, (int, np.integer)):
+            raise TypeError(f"elasticps.torch: {cls}: embedding_dim must be an int, got {embedding_dim!r}")
+        if hashed is None and (int(num_embeddings) < 1 or int(embedding_dim) < 1):
             raise ValueError(
                 f"elasticps.torch: a table needs at least one row and one dimension, got "
                 f"{num_embeddings} x {embedding_dim}"
             )
-        self.num_embeddings = int(num_embeddings)
+        if hashed is not None and int(embedding_dim) < 1:
+            raise ValueError(f"elasticps.torch: {cls} needs at least one dimension, got {embedding_dim}")
+        #: Rows (ids ``0..num_embeddings``); None for a hashed table (any int64 id).
+        self.num_embeddings = None if hashed is not None else int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
+        #: A hashed table's keys and limits (``register_model``'s table dict), else None.
+        self.hashed = hashed
         if optimizer is not None and not isinstance(optimizer, dict):
             raise TypeError("elasticps.torch: a table's optimizer is a dict (elasticps.torch.table_optimizer(...))")
         self.optimizer = optimizer
@@ -153,15 +217,17 @@ class _Table(torch.nn.Module):
         """Pulls the rows of the ids in ``input``: (rows of the unique ids, a leaf that
         requires grad when grad is enabled; the inverse index, shaped like ``input``)."""
         b = self._binding
+        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64, torch.int32):
+            got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
+            where = f"{b.name}: " if b is not None else f"{type(self).__name__}: "
+            raise TypeError(f"elasticps.torch: {where}ids must be an int64 or int32 tensor, got {got}")
         if b is None:
             raise RuntimeError(
                 f"elasticps.torch: this {type(self).__name__} is not registered: pass "
                 "tables=elasticps.torch.named_tables(model) to DistributedOptimizer"
             )
-        if input.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"elasticps.torch: {b.name}: ids must be int64 or int32, got {input.dtype}")
         ids = input.detach().to("cpu", torch.int64)
-        if ids.numel():
+        if self.hashed is None and ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= self.num_embeddings:
                 bad = lo if lo < 0 else hi
@@ -177,8 +243,23 @@ class _Table(torch.nn.Module):
             return rows.to(device), inverse.to(device)
         return rows, inverse
 
+    def spec(self):
+        """The table as ``register_model``'s ``tables`` takes it: ``(rows, dim)`` or
+        ``(rows, dim, init)``, or a hashed table's dict."""
+        if self.hashed is not None:
+            out = dict(self.hashed, dim=self.embedding_dim)
+            if self.init is not None:
+                out["init"] = self.init
+            return out
+        return (self.num_embeddings, self.embedding_dim) + ((self.init,) if self.init is not None else ())
+
     def extra_repr(self) -> str:
         name = f", name={self.table_name!r}" if self.table_name else ""
+        if self.hashed is not None:
+            h = self.hashed
+            limits = "".join(f", {k}={h[k]}" for k in ("max_rows", "ttl_steps", "admit_after") if h[k])
+            evict = f", eviction={h['eviction']!r}" if h["max_rows"] else ""
+            return f"{self.embedding_dim}, ranges={h['ranges']}{limits}{evict}{name}"
         return f"{self.num_embeddings}, {self.embedding_dim}{name}"
 
 
@@ -248,8 +329,7 @@ class EmbeddingBag(_Table):
         init: Optional[dict] = None,
     ) -> None:
         _refuse("EmbeddingBag", padding_idx, max_norm, _weight)
-        if mode not in ("sum", "mean", "max"):
-            raise ValueError(f"elasticps.torch: EmbeddingBag mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        _check_mode("EmbeddingBag", mode)
         super().__init__(num_embeddings, embedding_dim, optimizer, init)
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
         self.mode = mode
@@ -273,10 +353,77 @@ class EmbeddingBag(_Table):
         )
 
 
+def _check_mode(cls: str, mode: str) -> None:
+    if mode not in ("sum", "mean", "max"):
+        raise ValueError(f"elasticps.torch: {cls} mode must be 'sum', 'mean' or 'max', got {mode!r}")
+
+
+class HashEmbedding(Embedding):
+    """An ``Embedding`` keyed by any int64 id (hashed feature ids), whose rows the servers
+    create on first push, optionally bounded (see the module's doc). Its forward is
+    ``Embedding``'s: ``emb(ids)`` with ids an int64 tensor of any values and shape.
+
+    ``embedding_dim``: values per row. ``ranges``: key ranges (blocks) the key space is cut
+    into (default 16; more spread a table over more servers). ``max_rows``: at most this
+    many rows per server (default None: no bound), past it the rows ``eviction`` puts first
+    go: ``"lru"`` (least recently pushed, default) or ``"lfu"`` (least pushed).
+    ``ttl_steps``: a row not pushed for more than this many steps of the table goes
+    (default None: never). ``admit_after``: a key gets a row at its ``admit_after``-th push
+    (default None: at its first). ``optimizer``, ``init`` and ``scale_grad_by_freq`` as
+    ``Embedding``'s. ``num_embeddings`` is None.
+    """
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        *,
+        ranges: int = 16,
+        max_rows: Optional[int] = None,
+        eviction: str = "lru",
+        ttl_steps: Optional[int] = None,
+        admit_after: Optional[int] = None,
+        optimizer: Optional[dict] = None,
+        init: Optional[dict] = None,
+        scale_grad_by_freq: bool = False,
+    ) -> None:
+        spec = hashed_table_spec("HashEmbedding", ranges, max_rows, eviction, ttl_steps, admit_after)
+        _Table.__init__(self, None, embedding_dim, optimizer, init, hashed=spec)
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
+
+
+class HashEmbeddingBag(EmbeddingBag):
+    """An ``EmbeddingBag`` keyed by any int64 id: ``HashEmbedding``'s table (``ranges``,
+    ``max_rows``, ``eviction``, ``ttl_steps``, ``admit_after``, ``optimizer``, ``init``)
+    with ``EmbeddingBag``'s forward (``mode`` "sum", "mean" or "max", ``offsets``,
+    ``per_sample_weights``, ``include_last_offset``)."""
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        *,
+        mode: str = "mean",
+        ranges: int = 16,
+        max_rows: Optional[int] = None,
+        eviction: str = "lru",
+        ttl_steps: Optional[int] = None,
+        admit_after: Optional[int] = None,
+        optimizer: Optional[dict] = None,
+        init: Optional[dict] = None,
+        scale_grad_by_freq: bool = False,
+        include_last_offset: bool = False,
+    ) -> None:
+        _check_mode("HashEmbeddingBag", mode)
+        spec = hashed_table_spec("HashEmbeddingBag", ranges, max_rows, eviction, ttl_steps, admit_after)
+        _Table.__init__(self, None, embedding_dim, optimizer, init, hashed=spec)
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
+        self.mode = mode
+        self.include_last_offset = bool(include_last_offset)
+
+
 def named_tables(module: torch.nn.Module, prefix: str = "") -> Iterator[Tuple[str, _Table]]:
-    """Every Embedding and EmbeddingBag of ``module`` with its name on the servers: the
-    module's name plus ``.weight``, what ``named_parameters`` calls the same table in a
-    plain torch model (``tables.3.weight``)."""
+    """Every Embedding, EmbeddingBag, HashEmbedding and HashEmbeddingBag of ``module`` with
+    its name on the servers: the module's name plus ``.weight``, what ``named_parameters``
+    calls the same table in a plain torch model (``tables.3.weight``)."""
     for name, m in module.named_modules(prefix=prefix):
         if isinstance(m, _Table):
             yield (f"{name}.weight" if name else "weight"), m
@@ -293,7 +440,7 @@ class TableSync:
             if not isinstance(t, _Table):
                 raise TypeError(
                     f"elasticps.torch: table {name!r} is a {type(t).__name__}, not an "
-                    "elasticps.torch.Embedding or EmbeddingBag"
+                    "elasticps.torch.Embedding, EmbeddingBag, HashEmbedding or HashEmbeddingBag"
                 )
             if name in seen:
                 raise ValueError(f"elasticps.torch: table name {name!r} is used twice")
@@ -311,11 +458,9 @@ class TableSync:
         return [name for name, _ in self.tables]
 
     def shapes(self) -> Dict[str, tuple]:
-        """``tables=`` of ``register_model``: (rows, dim), or (rows, dim, init)."""
-        return {
-            name: (t.num_embeddings, t.embedding_dim) + ((t.init,) if t.init is not None else ())
-            for name, t in self.tables
-        }
+        """``tables=`` of ``register_model``: (rows, dim), (rows, dim, init), or a hashed
+        table's dict."""
+        return {name: t.spec() for name, t in self.tables}
 
     def optimizers(self) -> Dict[str, dict]:
         """The tables' entries of ``register_model``'s ``optimizers``."""

@@ -99,6 +99,10 @@ dense ones::
         tables=elasticps.torch.named_tables(model),
         table_optimizer=elasticps.torch.table_optimizer("adagrad", lr=0.05))
 
+Tables keyed by hashed 64-bit feature ids, growing while they train, are
+``elasticps.torch.HashEmbedding(dim, max_rows=..., eviction="lru", ttl_steps=...,
+admit_after=...)`` and ``HashEmbeddingBag`` (ids any int64; bounded per server).
+
 Supported: ``torch.optim.SGD`` (with or without momentum; ``dampening=0``,
 ``nesterov=False``), ``torch.optim.Adam`` and ``torch.optim.AdamW`` (decoupled weight
 decay; also ``Adam(decoupled_weight_decay=True)``), with ``amsgrad=False``, and
@@ -116,9 +120,26 @@ import numpy as np
 import torch
 
 import elasticps
-from elasticps.embedding import Embedding, EmbeddingBag, TableSync, named_tables, table_optimizer
+from elasticps.embedding import (
+    Embedding,
+    EmbeddingBag,
+    HashEmbedding,
+    HashEmbeddingBag,
+    TableSync,
+    named_tables,
+    table_optimizer,
+)
 
-__all__ = ["DistributedOptimizer", "Embedding", "EmbeddingBag", "named_tables", "server_optimizer", "table_optimizer"]
+__all__ = [
+    "DistributedOptimizer",
+    "Embedding",
+    "EmbeddingBag",
+    "HashEmbedding",
+    "HashEmbeddingBag",
+    "named_tables",
+    "server_optimizer",
+    "table_optimizer",
+]
 
 
 def server_optimizer(optimizer: torch.optim.Optimizer, group: dict) -> dict:
@@ -582,8 +603,9 @@ def DistributedOptimizer(
 
     ``backward_passes_per_step``: gradients accumulate over this many backward passes
     before they are pushed. ``tables``: ``elasticps.torch.named_tables(model)``, the
-    model's ``Embedding`` and ``EmbeddingBag`` tables (they live on the servers; each step
-    pushes the rows its forward passes pulled, see ``elasticps.embedding``);
+    model's ``Embedding``, ``EmbeddingBag``, ``HashEmbedding`` and ``HashEmbeddingBag``
+    tables (they live on the servers; each step pushes the rows its forward passes
+    pulled, see ``elasticps.embedding``);
     ``table_optimizer``: the optimizer of the tables that name none
     (``elasticps.torch.table_optimizer(...)``; default: the job's).
 

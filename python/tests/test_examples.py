@@ -172,3 +172,46 @@ def test_train_ctr_torch_needs_a_scheduler_or_local():
     env.pop("ELASTICPS_SCHEDULER", None)
     p = subprocess.run([sys.executable, str(CTR)], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "elasticps launch" in p.stderr and "--local" in p.stderr
+
+
+def test_click_stream_drifts_with_zipf_popularity_and_planted_labels():
+    ctr = ctr_module()
+    stream = ctr.ClickStream.for_distinct(10**6, 1000, seed=1)
+    ids, labels = stream.batch(0, 20_000)
+    assert ids.dtype == np.int64 and ids.shape == (20_000, ctr.STREAM_FIELDS) and labels.shape == (20_000,)
+    assert (ids < 0).any() and (ids > 0).any(), "hashed ids span the int64 range"
+    again = stream.batch(0, 20_000)
+    assert np.array_equal(ids, again[0]) and np.array_equal(labels, again[1])
+    # Zipf: the hottest id of a field is drawn far more often than a uniform draw would.
+    _, counts = np.unique(ids[:, 0], return_counts=True)
+    assert counts.max() > 200 and (counts == 1).sum() > 1000
+    # Drift: later steps draw many ids never drawn at step 0, and fewer of step 0's.
+    near, far = stream.batch(5, 20_000)[0][:, 0], stream.batch(900, 20_000)[0][:, 0]
+    first = set(ids[:, 0].tolist())
+    share = [np.isin(x, list(first)).mean() for x in (near, far)]
+    assert share[0] > share[1] + 0.1, f"share of step 0's ids at steps 5 and 900: {share}"
+    # The labels follow the hidden model.
+    items = [stream.items(f, ctr.zipf_ids(np.random.default_rng(2), stream.live, 20_000), 0, np.zeros(20_000, np.int64)) for f in range(stream.fields)]
+    assert ctr.auc((np.random.default_rng(3).random(20_000) < 1 / (1 + np.exp(-stream.logit(items)))), stream.logit(items)) > 0.75
+    assert 0.1 < labels.mean() < 0.6
+
+
+STREAM = EXAMPLES / "train_stream_ctr.py"
+
+
+@pytest.mark.deadline(120)
+def test_train_stream_ctr_quick_learns_under_a_bound():
+    env = worker_env()
+    env.pop("ELASTICPS_SCHEDULER", None)
+    max_rows, servers = 5000, 2
+    argv = [elasticps_bin(), "launch", "--quiet", "--workers", "1", "--servers", str(servers), "--", sys.executable]
+    argv += [str(STREAM), "--quick", "--max-rows", str(max_rows), "--admit-after", "2", "--ttl-steps", "100", "--ranges", "8"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    auc = auc_of(out.stdout, "test auc")
+    seen = float(re.search(r"distinct ids seen ~(\d+)", out.stdout).group(1))
+    stored = float(re.search(r"rows stored ~(\d+) per table", out.stdout).group(1))
+    print(f"stream --quick: auc {auc:.4f}, {seen:.0f} distinct ids seen, ~{stored:.0f} rows stored")
+    assert auc > 0.55
+    # The bound holds (the count is estimated from a sample of 4096 ids: 30% slack).
+    assert 0 < stored <= 1.3 * max_rows * servers < seen
