@@ -13,7 +13,7 @@ use elasticps_wire::{Assignment, Control, ErrorCode, Layout, ServerAddr};
 use super::{Action, Caller, ConnId, Role, Scheduler};
 
 impl Scheduler {
-    /// `DefineModel`, `GetLayout`, `AssignDone`, `GetStartClock`.
+    /// `DefineModel`, `GetLayout` (also an operator tool's), `AssignDone`, `GetStartClock`.
     pub(super) fn on_layout(&mut self, call: Caller, control: Control, out: &mut Vec<Action>) {
         let (conn, request_id) = (call.conn, call.request_id);
         match (control, call.role) {
@@ -33,7 +33,8 @@ impl Scheduler {
                 };
                 call.reply(out, Control::StartClock { clock: rejoined.unwrap_or(self.start_clock()) }.into())
             }
-            (Control::GetLayout, Some(_)) => {
+            // A node's, or an operator tool's (`elasticps export`, not registered).
+            (Control::GetLayout, _) => {
                 if self.partition.is_none() {
                     call.refuse(out, ErrorCode::NotReady, "no model is defined yet".into());
                     return;
