@@ -8,7 +8,7 @@
 //! exported again from scratch at its owner in a fresh layout (its halves, for a split
 //! one), a bounded number of times.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Component, Path, PathBuf};
 use std::time::Duration;
 
