@@ -298,7 +298,9 @@ impl Exporter {
         let (link, _notes) = SchedLink::operator(addr, self.codec.clone())
             .await
             .with_context(|| format!("cannot reach the scheduler at {addr}"))?;
-        let reply = link.call(Control::GetLayout.into(), LAYOUT_TIMEOUT, || format!("the scheduler at {addr} to send the layout")).await;
+        let reply = link
+            .call(Control::GetLayout.into(), LAYOUT_TIMEOUT, || format!("the scheduler at {addr} to send the layout"))
+            .await;
         link.close();
         match reply {
             Ok(Message::Control(Control::Layout(l))) => Ok(l),
@@ -426,7 +428,8 @@ impl Exporter {
         };
         let request_id = self.next_request;
         self.next_request += 1;
-        let reply = match self.call(owner, &addr, request_id, Control::ExportBlock { block, since, after }.into()).await {
+        let reply = match self.call(owner, &addr, request_id, Control::ExportBlock { block, since, after }.into()).await
+        {
             Ok(m) => m,
             Err(e) => {
                 // The connection failed (the server left, or closed an idle connection):
@@ -436,7 +439,9 @@ impl Exporter {
             }
         };
         match reply {
-            Message::Control(Control::ExportedBlock { block: got, steps, ids, values, deleted, more }) if got == block => {
+            Message::Control(Control::ExportedBlock { block: got, steps, ids, values, deleted, more })
+                if got == block =>
+            {
                 Ok(Ok(Page { steps, ids, values, deleted, more }))
             }
             Message::Control(Control::Moved { owner: to, epoch, .. }) => {
@@ -445,7 +450,9 @@ impl Exporter {
             Message::Error(e) if e.code == ErrorCode::NotReady => {
                 Ok(Err(Retry::Later(format!("server {owner}: {}", e.message))))
             }
-            Message::Error(e) => bail!("server {owner} at {addr} refused to export block {block}: {} ({:?})", e.message, e.code),
+            Message::Error(e) => {
+                bail!("server {owner} at {addr} refused to export block {block}: {} ({:?})", e.message, e.code)
+            }
             other => bail!("server {owner} at {addr} answered ExportBlock of block {block} with {other:?}"),
         }
     }
@@ -453,7 +460,8 @@ impl Exporter {
     /// Sends `msg` to server `id` (connecting first if needed) and waits for its reply.
     async fn call(&mut self, id: ServerId, addr: &str, request_id: u64, msg: Message) -> anyhow::Result<Message> {
         if self.conns.get(&id).is_none_or(|(a, _, _)| a != addr) {
-            let (reader, out) = elasticps_runtime::conn::connect(addr, self.codec.clone(), format!("server {id}")).await?;
+            let (reader, out) =
+                elasticps_runtime::conn::connect(addr, self.codec.clone(), format!("server {id}")).await?;
             self.conns.insert(id, (addr.to_string(), reader, out));
         }
         let Some((_, reader, out)) = self.conns.get_mut(&id) else { bail!("no connection to server {id}") };
@@ -512,7 +520,12 @@ mod tests {
 
     #[test]
     fn a_blocks_since_is_its_own_steps_or_the_block_it_was_split_from() {
-        let prev = TableEntry { name: "emb".into(), dim: 2, hashed: true, shards: vec![shard(1, 0, 10, 7), shard(2, 10, 20, 3)] };
+        let prev = TableEntry {
+            name: "emb".into(),
+            dim: 2,
+            hashed: true,
+            shards: vec![shard(1, 0, 10, 7), shard(2, 10, 20, 3)],
+        };
         let block = |id, s, e| BlockSpec::keys(id, 0, s, e, 2);
         assert_eq!(since_of(&prev, &block(1, 0, 10)), Some(7));
         assert_eq!(since_of(&prev, &block(5, 10, 15)), Some(3), "a half of block 2");

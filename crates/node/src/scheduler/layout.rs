@@ -236,6 +236,26 @@ mod tests {
     }
 
     #[test]
+    fn an_operator_gets_the_layout_without_registering() {
+        // `elasticps export`: an unregistered connection asks, and waits for the layout
+        // as a worker would.
+        let mut m = Scheduler::new(config(), 10_000_000);
+        let none = recv(&mut m, 50, 1, Control::GetLayout);
+        assert!(
+            matches!(&sent_to(&none, 50)[..], [Message::Error(e)] if e.code == elasticps_wire::ErrorCode::NotReady),
+            "no model yet: {none:?}"
+        );
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
+        assert!(recv(&mut m, 50, 2, Control::GetLayout).is_empty(), "no servers yet");
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
+        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+        let a = recv(&mut m, 11, 0, Control::AssignDone { server_id: 1 });
+        assert!(matches!(&sent_to(&a, 50)[..], [Message::Control(Control::Layout(_))]), "{a:?}");
+    }
+
+    #[test]
     fn tensor_optimizers_are_defined_with_the_model_and_changed_later() {
         let mut m = Scheduler::new(config(), 10_000_000);
         recv(&mut m, 1, 1, Control::RegisterWorker);

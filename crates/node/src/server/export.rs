@@ -54,13 +54,29 @@ impl Server {
                 return error(ErrorCode::BadRequest, message);
             }
             let values = values.as_ref().clone();
-            return Control::ExportedBlock { block, steps: 0, ids: Vec::new(), values, deleted: Vec::new(), more: false }
-                .into();
+            return Control::ExportedBlock {
+                block,
+                steps: 0,
+                ids: Vec::new(),
+                values,
+                deleted: Vec::new(),
+                more: false,
+            }
+            .into();
         };
         match o.block.export_rows(since, after, page_rows(dim, max_payload)) {
             Ok(page) => {
                 if after.is_none() {
-                    tracing::debug!(server = shard.id, block, ?since, steps = page.steps, rows = page.ids.len(), deleted = page.deleted.len(), more = page.more, "block exported");
+                    tracing::debug!(
+                        server = shard.id,
+                        block,
+                        ?since,
+                        steps = page.steps,
+                        rows = page.ids.len(),
+                        deleted = page.deleted.len(),
+                        more = page.more,
+                        "block exported"
+                    );
                 }
                 Control::ExportedBlock {
                     block,
@@ -157,7 +173,13 @@ mod tests {
     /// Worker 0 pushes gradient `g` (both values) to each of `keys` of block 1.
     fn push(s: &mut Server, clock: u32, keys: &[u64], g: f32) {
         let grads = vec![g; keys.len() * 2];
-        let msg = Message::PushRows { block: 1, clock, dim: 2, ids: RowIds::from_slice(keys), grads: Values::from_vec(grads) };
+        let msg = Message::PushRows {
+            block: 1,
+            clock,
+            dim: 2,
+            ids: RowIds::from_slice(keys),
+            grads: Values::from_vec(grads),
+        };
         let got = ask(s, 1, msg);
         assert!(matches!(got, Message::PushAck { .. }), "{got:?}");
     }
