@@ -33,9 +33,12 @@ import threading
 from typing import Optional
 
 from ._native import ElasticpsError, Handle, Worker, connect, log_event
+from .export import ExportError, load_export
 
 __all__ = [
     "ElasticpsError",
+    "ExportError",
+    "load_export",
     "Handle",
     "Worker",
     "init",

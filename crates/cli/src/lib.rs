@@ -13,6 +13,7 @@
 //! - `train`: the main job: run, print, write its report.
 //! - `launch_cmd`: `elasticps launch -- CMD`, the user's command as the workers.
 //! - `ops`: `status` and `scale`, against a running job's scheduler.
+//! - `export`: `elasticps export`, a running job's values for serving (docs/EXPORT.md).
 //! - `events`: the JSON lines roles print for the launcher.
 //!
 //! The libraries beneath it: `elasticps-launch` (the job's flags, the local processes, the
@@ -21,6 +22,7 @@
 //! this binary only parses its flags and calls it).
 
 mod events;
+mod export;
 mod job;
 mod launch_cmd;
 mod ops;
@@ -62,6 +64,9 @@ enum Command {
     Status(ops::StatusCmd),
     /// Ask a running job's scheduler to add a server, drain and remove one, or move a block.
     Scale(ops::ScaleCmd),
+    /// Write a running job's values for serving: every row changed since the last export
+    /// (`--since`) and the dense tensors, as a manifest and binary shards (docs/EXPORT.md).
+    Export(export::ExportCmd),
 }
 
 /// Runs the `elasticps` command with `args` (the program's name first, as
@@ -111,6 +116,7 @@ where
             Command::Sim(cmd) => elasticps_sim::run(&cmd).map(|_| ()).map_err(Into::into),
             Command::Status(cmd) => ops::status(cmd).await,
             Command::Scale(cmd) => ops::scale(cmd).await,
+            Command::Export(cmd) => export::export(cmd).await,
         }
     });
     // A host that outlives the call (the Python interpreter) does not flush Rust's stdout.

@@ -127,11 +127,11 @@ fn bad_frames() -> Vec<Bad> {
             request_id: 41,
         },
         Bad {
-            name: "protocol version 5 (a newer node)",
+            name: "protocol version 6 (a newer node)",
             bytes: raw_header(VERSION + 1, Kind::Control as u8, 0, 42, 0, secret).to_vec(),
             half_close: false,
             expect: Some(ErrorCode::BadVersion),
-            mentions: "version 4",
+            mentions: "version 5",
             request_id: 0,
         },
         Bad {

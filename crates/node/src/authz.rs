@@ -115,6 +115,7 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("GetOptState", Receiver::Server, &[Wrk]),
     ("SetOptState", Receiver::Server, &[Wrk]),
     ("SetValues", Receiver::Server, &[Wrk]),
+    ("ExportBlock", Receiver::Server, &[Anon, AnonW, Wrk]),
     ("BlockSnapshot", Receiver::Server, &[Srv]),
     ("BlockDelta", Receiver::Server, &[Srv]),
     ("Replicate", Receiver::Server, &[Srv]),
@@ -134,7 +135,7 @@ pub const TABLE: &[(&str, Receiver, &[Class])] = &[
     ("SetOptimizer", Receiver::Scheduler, &[Wrk]),
     ("WorkerDone", Receiver::Scheduler, &[Wrk]),
     ("WorkerLoad", Receiver::Scheduler, &[Wrk]),
-    ("GetLayout", Receiver::Scheduler, &[Wrk, Srv]),
+    ("GetLayout", Receiver::Scheduler, &[Anon, AnonW, Wrk, Srv]),
     ("GetStartClock", Receiver::Scheduler, &[Wrk, Srv]),
     ("AssignDone", Receiver::Scheduler, &[Srv]),
     ("MigrateDone", Receiver::Scheduler, &[Srv]),
@@ -265,5 +266,22 @@ mod tests {
         assert_eq!(check(Receiver::Server, Class::Worker, "SetOptimizer"), Verdict::Forbidden);
         assert_eq!(check(Receiver::Scheduler, Class::Worker, "SetOptimizer"), Verdict::Allowed);
         assert_eq!(check(Receiver::Scheduler, Class::Worker, "OptimizerSet"), Verdict::Forbidden);
+    }
+
+    #[test]
+    fn an_export_is_read_by_an_operator_or_a_worker_and_written_by_no_one() {
+        // `elasticps export` with the cluster secret, with the worker secret (a launched
+        // script's), or a worker's own connection: it reads what a worker may pull.
+        for c in [Class::Anon, Class::AnonWorker, Class::Worker] {
+            assert_eq!(check(Receiver::Server, c, "ExportBlock"), Verdict::Allowed, "{c:?}");
+            assert_eq!(check(Receiver::Scheduler, c, "GetLayout"), Verdict::Allowed, "{c:?}");
+        }
+        // Another server has no business exporting, and the reply is taken from no one.
+        assert_eq!(check(Receiver::Server, Class::Server, "ExportBlock"), Verdict::Forbidden);
+        assert_eq!(check(Receiver::Server, Class::Scheduler, "ExportBlock"), Verdict::Forbidden);
+        assert_eq!(check(Receiver::Scheduler, Class::Anon, "ExportBlock"), Verdict::NotTaken);
+        for c in Class::ALL {
+            assert_eq!(check(Receiver::Server, c, "ExportedBlock"), Verdict::NotTaken, "{c:?}");
+        }
     }
 }

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use elasticps_node::link::{MAX_IN_FLIGHT, MAX_QUEUED};
 use elasticps_node::scheduler::{MAX_PENDING_SETS_PER_WORKER, MAX_UNREGISTERED, REGISTER_WITHIN_US};
+use elasticps_node::server::export::{EXPORT_PAGE_BYTES, EXPORT_PAGE_ROWS};
 use elasticps_node::server::{MAX_CLOCK_LEAD, MAX_HELD_PER_CONN, MAX_HELD_PER_SERVER};
 use elasticps_node::throttle::{LOGGED_PER_WINDOW, WINDOW_US};
 use elasticps_runtime::accept::{MAX_CONNECTIONS, MAX_HANDSHAKES};
@@ -58,6 +59,8 @@ fn constants() -> BTreeMap<&'static str, String> {
         ("MAX_IN_FLIGHT", count(MAX_IN_FLIGHT as u64)),
         ("metrics::MAX_CONNECTIONS", count(elasticps_runtime::metrics::MAX_CONNECTIONS as u64)),
         ("metrics::MAX_REQUEST_BYTES", bytes(elasticps_runtime::metrics::MAX_REQUEST_BYTES as u64)),
+        ("EXPORT_PAGE_ROWS", count(EXPORT_PAGE_ROWS as u64)),
+        ("EXPORT_PAGE_BYTES", bytes(EXPORT_PAGE_BYTES as u64)),
         ("LOGGED_PER_WINDOW", format!("{} per {} s", count(u64::from(LOGGED_PER_WINDOW)), WINDOW_US / 1_000_000)),
     ])
 }

@@ -394,6 +394,41 @@ pub enum Control {
         /// The tensor whose optimizer was set.
         tensor: u32,
     },
+    /// Tag 53: Operator or worker -> server (data connection), `elasticps export`: one page
+    /// of block `block` for serving. A row block answers its rows pushed after its step
+    /// `since` (all rows with `None`), in ascending id order, starting after id `after`
+    /// (`None`: the first page); a dense block answers its whole values. Reply:
+    /// [`Control::ExportedBlock`], `Moved` if the server does not own the block (to no
+    /// server, [`RETIRED`](elasticps_core::placement::RETIRED), once it was split), or an
+    /// `Error` with `BadRequest` (`since` is older than the evictions the block still
+    /// remembers: take a full export).
+    ExportBlock {
+        /// The block.
+        block: BlockId,
+        /// The block's `steps` of the previous export (`ExportedBlock::steps`), or none
+        /// for every row.
+        since: Option<u64>,
+        /// The last id of the previous page, or none for the first page.
+        after: Option<u64>,
+    },
+    /// Tag 54: Server -> asker: one page of [`Control::ExportBlock`], at most
+    /// `EXPORT_PAGE_ROWS` rows and about `EXPORT_PAGE_BYTES` of values (node crate).
+    ExportedBlock {
+        /// The block.
+        block: BlockId,
+        /// The block's step count when the first page was read: the `since` of the next
+        /// export of this block (repeated on every page; 0 for a dense block).
+        steps: u64,
+        /// The rows' ids, ascending (empty for a dense block).
+        ids: Vec<u64>,
+        /// Their values, row-major (`ids.len() * dim`), or a dense block's whole values.
+        #[serde(with = "elasticps_core::f32s")]
+        values: Vec<f32>,
+        /// Keys evicted since `since` that no longer exist (first page only).
+        deleted: Vec<u64>,
+        /// More pages follow: ask again with `after` set to the last id of this one.
+        more: bool,
+    },
 }
 
 impl Control {
@@ -453,11 +488,13 @@ impl Control {
             Control::SetOptState { .. } => "SetOptState",
             Control::SetValues { .. } => "SetValues",
             Control::OptimizerSet { .. } => "OptimizerSet",
+            Control::ExportBlock { .. } => "ExportBlock",
+            Control::ExportedBlock { .. } => "ExportedBlock",
         }
     }
 
     /// Every variant's name, in tag order ([`Control::name`] of tag `i` is `NAMES[i]`).
-    pub const NAMES: [&'static str; 53] = [
+    pub const NAMES: [&'static str; 55] = [
         "RegisterServer",
         "RegisterWorker",
         "Welcome",
@@ -511,6 +548,8 @@ impl Control {
         "SetOptState",
         "SetValues",
         "OptimizerSet",
+        "ExportBlock",
+        "ExportedBlock",
     ];
 }
 

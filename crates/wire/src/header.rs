@@ -23,7 +23,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 /// Length of the frame header in bytes.
 pub const HEADER_LEN: usize = 32;
 /// The protocol version this crate speaks (header byte 4).
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 /// The four magic bytes that open every frame: `EPS1`.
 pub const MAGIC: [u8; 4] = *b"EPS1";
 /// Default limit on `payload_len`: 64 MiB.

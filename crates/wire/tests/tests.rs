@@ -77,6 +77,8 @@ mod common {
             Control::SetOptState { .. } => 50,
             Control::SetValues { .. } => 51,
             Control::OptimizerSet { .. } => 52,
+            Control::ExportBlock { .. } => 53,
+            Control::ExportedBlock { .. } => 54,
         }
     }
 
@@ -803,10 +805,11 @@ mod invalid {
     }
 
     #[test]
-    fn versions_1_2_3_and_5() {
+    fn versions_1_to_4_and_6() {
         // Version 1 had no backup lists in its placements, version 2 no credentials,
-        // version 3 no embedding tables (PROTOCOL.md §2).
-        for v in [1, 2, 3, 5] {
+        // version 3 no embedding tables, version 4 no hashed tables nor exports
+        // (PROTOCOL.md §2).
+        for v in [1, 2, 3, 4, 6] {
             let err = refuse(edited(4..5, &[v]));
             assert_eq!(err, WireError::BadVersion { got: v });
             assert_eq!(err.code(), ErrorCode::BadVersion);
@@ -918,7 +921,7 @@ mod invalid {
         assert_eq!(hex(&payload), "02 00 00 00 00 00 00 00 00 00 80 3f 00 00 00 c0");
         assert_eq!(
             hex(&head),
-            "45 50 53 31 04 09 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 10 00 00 00 8b 7b a7 c7"
+            "45 50 53 31 05 09 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 10 00 00 00 ac 1e 82 46"
         );
         let h = Codec::default().decode_header(&head).unwrap();
         assert_eq!((h.kind, h.request_id, h.block, h.clock, h.payload_len), (Kind::Forward, 8, 3, 5, 16));
@@ -1217,10 +1220,10 @@ mod golden {
         pinned(
             "Pull header (empty secret)",
             &head,
-            "45 50 53 31 04 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 54 54 b7 70",
+            "45 50 53 31 05 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 73 31 92 f1",
         );
-        assert_eq!(checksum(&head, b""), 0x70b7_5454);
-        assert!(doc().contains("0x70b75454"));
+        assert_eq!(checksum(&head, b""), 0xf192_3173);
+        assert!(doc().contains("0xf1923173"));
     }
 
     #[test]
@@ -1230,10 +1233,10 @@ mod golden {
         pinned(
             "Pull header (secret s3cret)",
             &head,
-            "45 50 53 31 04 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 17 ef 29 65",
+            "45 50 53 31 05 04 00 00 07 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 1f 0c 49 59",
         );
-        assert_eq!(checksum(&head, b"s3cret"), 0x6529_ef17);
-        assert!(doc().contains("0x6529ef17"));
+        assert_eq!(checksum(&head, b"s3cret"), 0x5949_0c1f);
+        assert!(doc().contains("0x59490c1f"));
     }
 
     #[test]
@@ -1243,7 +1246,7 @@ mod golden {
         pinned(
             "Push header",
             &head,
-            "45 50 53 31 04 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 e0 7e 56 24",
+            "45 50 53 31 05 02 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 c7 1b 73 a5",
         );
         pinned("Push payload", &payload, "00 00 80 3f 00 00 00 c0");
     }
@@ -1258,7 +1261,7 @@ mod golden {
         pinned(
             "Push without a gradient",
             &head,
-            "45 50 53 31 04 02 00 00 09 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 49 6d 85 84",
+            "45 50 53 31 05 02 00 00 09 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 00 00 00 00 6e 08 a0 05",
         );
         let h = Codec::default().decode_header(&head).unwrap();
         let back = Message::decode(&h, payload.clone()).unwrap();
@@ -1296,7 +1299,7 @@ mod golden {
         pinned(
             "PushPull header",
             &head,
-            "45 50 53 31 04 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 2f ee 79 c9",
+            "45 50 53 31 05 08 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 08 8b 5c 48",
         );
         pinned("PushPull payload", &payload, "00 00 80 3f 00 00 00 c0");
     }
@@ -1308,7 +1311,7 @@ mod golden {
         pinned(
             "PullRows header",
             &head,
-            "45 50 53 31 04 0a 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 10 00 00 00 b6 42 42 b1",
+            "45 50 53 31 05 0a 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 10 00 00 00 91 27 67 30",
         );
         pinned("PullRows payload", &payload, "07 00 00 00 00 00 00 00 00 00 00 00 00 01 00 00");
         let reply = Message::PullRowsReply { block: 3, clock: 5, values: Values::from_vec(vec![1.0, -2.0]) };
@@ -1316,7 +1319,7 @@ mod golden {
         pinned(
             "PullRowsReply header",
             &head,
-            "45 50 53 31 04 0b 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 12 d7 9c bf",
+            "45 50 53 31 05 0b 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 08 00 00 00 35 b2 b9 3e",
         );
         pinned("PullRowsReply payload", &payload, "00 00 80 3f 00 00 00 c0");
     }
@@ -1334,7 +1337,7 @@ mod golden {
         pinned(
             "PushRows header",
             &head,
-            "45 50 53 31 04 0c 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 20 00 00 00 6d c8 a3 ac",
+            "45 50 53 31 05 0c 00 00 08 00 00 00 00 00 00 00 03 00 00 00 05 00 00 00 20 00 00 00 4a ad 86 2d",
         );
         pinned(
             "PushRows payload",
@@ -1355,7 +1358,7 @@ mod golden {
         pinned(
             "Hello header",
             &head,
-            "45 50 53 31 04 01 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 24 00 00 00 f6 99 0d 46",
+            "45 50 53 31 05 01 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 24 00 00 00 fe 7a 6d 7a",
         );
         pinned(
             "Hello payload",
@@ -1371,7 +1374,7 @@ mod golden {
         pinned(
             "Error header",
             &head,
-            "45 50 53 31 04 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 b0 94 16 94",
+            "45 50 53 31 05 06 00 00 08 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 0c 00 00 00 97 f1 33 15",
         );
         pinned("Error payload", &payload, "05 0a 6e 6f 20 62 6c 6f 63 6b 20 39");
     }

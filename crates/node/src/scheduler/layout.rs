@@ -13,7 +13,7 @@ use elasticps_wire::{Assignment, Control, ErrorCode, Layout, ServerAddr};
 use super::{Action, Caller, ConnId, Role, Scheduler};
 
 impl Scheduler {
-    /// `DefineModel`, `GetLayout`, `AssignDone`, `GetStartClock`.
+    /// `DefineModel`, `GetLayout` (also an operator tool's), `AssignDone`, `GetStartClock`.
     pub(super) fn on_layout(&mut self, call: Caller, control: Control, out: &mut Vec<Action>) {
         let (conn, request_id) = (call.conn, call.request_id);
         match (control, call.role) {
@@ -33,7 +33,8 @@ impl Scheduler {
                 };
                 call.reply(out, Control::StartClock { clock: rejoined.unwrap_or(self.start_clock()) }.into())
             }
-            (Control::GetLayout, Some(_)) => {
+            // A node's, or an operator tool's (`elasticps export`, not registered).
+            (Control::GetLayout, _) => {
                 if self.partition.is_none() {
                     call.refuse(out, ErrorCode::NotReady, "no model is defined yet".into());
                     return;
@@ -232,6 +233,26 @@ mod tests {
             m.waiting_for(),
             Some("scheduler waits for 2 servers and 2 workers to register (has 2 servers, 1 workers)".into())
         );
+    }
+
+    #[test]
+    fn an_operator_gets_the_layout_without_registering() {
+        // `elasticps export`: an unregistered connection asks, and waits for the layout
+        // as a worker would.
+        let mut m = Scheduler::new(config(), 10_000_000);
+        let none = recv(&mut m, 50, 1, Control::GetLayout);
+        assert!(
+            matches!(&sent_to(&none, 50)[..], [Message::Error(e)] if e.code == elasticps_wire::ErrorCode::NotReady),
+            "no model yet: {none:?}"
+        );
+        recv(&mut m, 1, 1, Control::RegisterWorker);
+        recv(&mut m, 1, 2, Control::DefineModel { tensors: model(), optimizers: Vec::new(), tables: Vec::new() });
+        assert!(recv(&mut m, 50, 2, Control::GetLayout).is_empty(), "no servers yet");
+        recv(&mut m, 10, 1, Control::RegisterServer { data_addr: "s0".into() });
+        recv(&mut m, 11, 1, Control::RegisterServer { data_addr: "s1".into() });
+        recv(&mut m, 10, 0, Control::AssignDone { server_id: 0 });
+        let a = recv(&mut m, 11, 0, Control::AssignDone { server_id: 1 });
+        assert!(matches!(&sent_to(&a, 50)[..], [Message::Control(Control::Layout(_))]), "{a:?}");
     }
 
     #[test]

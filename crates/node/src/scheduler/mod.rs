@@ -617,8 +617,9 @@ impl Scheduler {
             if self.shut.contains(conn) {
                 return;
             }
-            if matches!(msg, Message::Control(Control::GetStatus | Control::Scale(_))) {
-                // An operator tool (`elasticps status --watch`) stays while it keeps asking.
+            if matches!(msg, Message::Control(Control::GetStatus | Control::Scale(_) | Control::GetLayout)) {
+                // An operator tool (`elasticps status --watch`, `export`) stays while it
+                // keeps asking.
                 self.still_asking(*conn);
             }
             if let Some(refused) = self.forbidden(*conn, msg) {

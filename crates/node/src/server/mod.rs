@@ -24,6 +24,7 @@
 //! - [`quorum`](self): workers removed from and taken back into every quorum.
 //! - [`checkpoint`](self): when a block's state goes to disk.
 //! - [`opt_state`](self): a tensor's optimizer, a block's optimizer state and values.
+//! - [`export`]: a page of a block for `elasticps export`.
 //! - [`stop`](self): after `Shutdown`, the waits and the exit.
 //! - [`config`]: the shard's configuration, the adaptive policy, tensor optimizers.
 //! - [`counters`] and [`report`](self): stats, metrics snapshot, load.
@@ -47,6 +48,7 @@ pub mod config;
 pub mod counters;
 mod data;
 mod event;
+pub mod export;
 mod holds;
 mod migrate;
 mod opt_state;
@@ -479,6 +481,9 @@ impl Server {
             Err(Message::Control(
                 control @ (Control::GetOptState { .. } | Control::SetOptState { .. } | Control::SetValues { .. }),
             )) => Some(self.on_tensor(rank, control)),
+            Err(Message::Control(Control::ExportBlock { block, since, after })) => {
+                Some(self.export_request(block, since, after))
+            }
             // The table allows what this match does not take: refused, nothing changed.
             Err(other) => Some(not_taken(&other)),
         };
