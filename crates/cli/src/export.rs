@@ -393,16 +393,19 @@ impl Exporter {
             };
             if after.is_none() {
                 rows.steps = page.steps;
-                rows.deleted = page.deleted;
             }
-            if page.ids.last().is_some_and(|last| after.is_some_and(|a| *last <= a))
+            let past = |k: &u64| after.is_none_or(|a| *k > a);
+            if !page.ids.iter().chain(&page.deleted).all(past)
                 || page.ids.windows(2).any(|w| w[0] >= w[1])
+                || page.deleted.windows(2).any(|w| w[0] >= w[1])
             {
-                bail!("block {}: a page whose ids are not ascending past {after:?}", b.id);
+                bail!("block {}: a page whose keys are not ascending past {after:?}", b.id);
             }
-            after = page.ids.last().copied().or(after);
+            // Rows and deleted keys are paged together, by key.
+            after = page.ids.last().into_iter().chain(page.deleted.last()).max().copied().or(after);
             rows.ids.extend(page.ids);
             rows.values.extend(page.values);
+            rows.deleted.extend(page.deleted);
             if !page.more {
                 return Ok(Ok(rows));
             }

@@ -177,9 +177,9 @@ pub struct RowExport {
     pub ids: Vec<u64>,
     /// Their values, `ids.len() * dim`.
     pub values: Vec<f32>,
-    /// Keys evicted since, that exist no more (the first page only).
+    /// Keys evicted since, that exist no more, past `after` (ascending).
     pub deleted: Vec<u64>,
-    /// More rows follow past the last of `ids`.
+    /// More rows or deleted keys follow past the last of this page.
     pub more: bool,
 }
 
@@ -780,43 +780,48 @@ impl RowStore {
         }
     }
 
-    /// The rows changed since step `since` (every row for `None`), past key `after`, at
-    /// most `max_rows` of them in ascending key order; on the first page (`after` is
-    /// `None`), the keys evicted since `since` that exist no more. Reading a first page
-    /// marks the block exported at its current step. Refused for a `since` older than
-    /// the tombstones this store still remembers.
+    /// A page of the rows changed since step `since` (every row for `None`) and, with a
+    /// `since`, of the keys evicted since that exist no more: their keys past `after`, in
+    /// ascending order, at most `max_rows` rows and deleted keys together. Reading a page
+    /// marks the block exported at its current step (so that a later eviction of a row
+    /// this page may hold is remembered). Refused for a `since` older than the evicted
+    /// keys this store still remembers.
     pub fn export(&mut self, since: Option<u64>, after: Option<u64>, max_rows: usize) -> Result<RowExport, CoreError> {
         if let Some(s) = since
             && s < self.forgotten
         {
             return Err(CoreError::ExportTooOld { since: s, forgotten: self.forgotten });
         }
-        let changed = |s: usize| since.is_none_or(|t| self.meta[s].last > t);
-        let mut slots: Vec<usize> =
-            (0..self.ids.len()).filter(|&s| changed(s) && after.is_none_or(|a| self.ids[s] > a)).collect();
-        slots.sort_unstable_by_key(|&s| self.ids[s]);
-        let more = slots.len() > max_rows;
-        slots.truncate(max_rows);
+        let past = |id: u64| after.is_none_or(|a| id > a);
+        // (key, its slot, or None for a key evicted since `since`).
+        let mut page: Vec<(u64, Option<usize>)> = (0..self.ids.len())
+            .filter(|&s| since.is_none_or(|t| self.meta[s].last > t) && past(self.ids[s]))
+            .map(|s| (self.ids[s], Some(s)))
+            .collect();
+        if let Some(s) = since {
+            page.extend(
+                self.tombstones
+                    .iter()
+                    .filter(|(id, step)| *step > s && past(*id) && !self.index.contains_key(id))
+                    .map(|(id, _)| (*id, None)),
+            );
+        }
+        page.sort_unstable();
+        page.dedup();
+        let more = page.len() > max_rows;
+        page.truncate(max_rows);
         let dim = self.dim();
         let mut out = RowExport { steps: self.steps, more, ..RowExport::default() };
-        for s in slots {
-            out.ids.push(self.ids[s]);
-            out.values.extend_from_slice(&self.values[s * dim..][..dim]);
-        }
-        if after.is_none() {
-            if let Some(s) = since {
-                let mut deleted: Vec<u64> = self
-                    .tombstones
-                    .iter()
-                    .filter(|(id, step)| *step > s && !self.index.contains_key(id))
-                    .map(|(id, _)| *id)
-                    .collect();
-                deleted.sort_unstable();
-                deleted.dedup();
-                out.deleted = deleted;
+        for (id, slot) in page {
+            match slot {
+                Some(s) => {
+                    out.ids.push(id);
+                    out.values.extend_from_slice(&self.values[s * dim..][..dim]);
+                }
+                None => out.deleted.push(id),
             }
-            self.exported_at = self.exported_at.max(self.steps);
         }
+        self.exported_at = self.exported_at.max(self.steps);
         Ok(out)
     }
 
@@ -1362,6 +1367,19 @@ mod tests {
         let delta = s.export(Some(first.steps), None, 100).unwrap();
         assert_eq!(delta.ids, vec![10, 40, 50, 60]);
         assert_eq!(delta.deleted, vec![20, 30]);
+        // Paged two keys at a time, rows and deleted keys together, by key.
+        let (mut ids, mut deleted, mut after) = (Vec::new(), Vec::new(), None);
+        loop {
+            let page = s.export(Some(first.steps), after, 2).unwrap();
+            assert!(page.ids.len() + page.deleted.len() <= 2);
+            after = page.ids.iter().chain(&page.deleted).max().copied();
+            ids.extend(page.ids);
+            deleted.extend(page.deleted);
+            if !page.more {
+                break;
+            }
+        }
+        assert_eq!((ids, deleted), (delta.ids.clone(), delta.deleted.clone()));
         // Rows created and evicted between two exports are not named.
         push(&mut s, &[70, 80]);
         push(&mut s, &[90, 91]);

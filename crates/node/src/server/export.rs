@@ -19,9 +19,9 @@ pub const EXPORT_PAGE_ROWS: usize = 65_536;
 /// rows per page for wide rows; at least one row).
 pub const EXPORT_PAGE_BYTES: usize = 8 << 20;
 
-/// Rows per page for rows of `dim` values, with replies of at most `max_payload` bytes:
-/// within [`EXPORT_PAGE_ROWS`] and [`EXPORT_PAGE_BYTES`] (half the payload limit if that
-/// is smaller, leaving room for the first page's deleted keys), at least 1.
+/// Rows (and deleted keys, 8 bytes each, fewer than a row's) per page for rows of `dim`
+/// values, with replies of at most `max_payload` bytes: within [`EXPORT_PAGE_ROWS`] and
+/// [`EXPORT_PAGE_BYTES`] (half the payload limit if that is smaller), at least 1.
 pub fn page_rows(dim: u32, max_payload: u64) -> usize {
     let row_bytes = 8 + 4 * u64::from(dim.max(1));
     let budget = (EXPORT_PAGE_BYTES as u64).min(max_payload / 2);
