@@ -24,7 +24,7 @@
 //!
 //! `--keys` (issue 36) runs the same on a hashed table ([`TableSpec::hashed`]) of as many
 //! key ranges as the indexed table has blocks: the id of Zipf rank `k` is a random-looking
-//! 64-bit key whose [`key_position`] is where row `k` falls in the indexed table, scaled
+//! 64-bit key whose [`key_position`](elasticps_core::rows::key_position) is where row `k` falls in the indexed table, scaled
 //! to the key space ([`rank_key`]), so the hot keys fall in the first key range as the hot
 //! rows fall in the first row block, and psld splits and moves that range.
 
@@ -36,7 +36,7 @@ use clap::Args;
 use elasticps_core::balance::BalanceMode;
 use elasticps_core::model::TableSpec;
 use elasticps_core::placement::PlacementKind;
-use elasticps_core::rows::{KEY_POSITIONS, RowInit, SparseOptimizer, key_position};
+use elasticps_core::rows::{KEY_POSITIONS, RowInit, SparseOptimizer};
 use elasticps_launch::args::{JobArgs, NetArgs};
 use elasticps_launch::process::Cluster;
 use elasticps_report::table::markdown_table;
@@ -285,7 +285,8 @@ fn inverse(m: u64) -> u64 {
     x
 }
 
-/// The key of Zipf rank `k` of `rows`: the 64-bit key whose [`key_position`] is
+/// The key of Zipf rank `k` of `rows`: the 64-bit key whose
+/// [`key_position`](elasticps_core::rows::key_position) is
 /// `k * KEY_POSITIONS / rows` plus a pseudo-random offset under the next rank's (the
 /// mix of `key_position` inverted), so the ranks keep their order in the key space.
 fn rank_key(k: u64, rows: u64) -> u64 {
@@ -571,6 +572,8 @@ fn render(out: &Written<Body>) -> String {
 
 #[cfg(test)]
 mod tests {
+    use elasticps_core::rows::key_position;
+
     use super::*;
 
     #[test]

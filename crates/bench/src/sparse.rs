@@ -321,7 +321,13 @@ async fn throughput(
     let n = size / ROW_BYTES;
     Ok(vec![
         Row { size, op: "pull", rows: None, ratio: None, measured: pull.clone() },
-        Row { size, op: "pull_rows", rows: Some(n), ratio: Some(ratio(&pull_rows, &pull)), measured: pull_rows },
+        Row {
+            size,
+            op: "pull_rows",
+            rows: Some(n),
+            ratio: Some(ratio(&pull_rows, &pull)),
+            measured: pull_rows.clone(),
+        },
         Row { size, op: "push", rows: None, ratio: None, measured: push.clone() },
         Row {
             size,

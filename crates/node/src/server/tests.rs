@@ -1842,6 +1842,14 @@ mod rows {
         observe(&s, &mut expect)?;
         let r = pull_rows(&mut s, total as u64, 0, 1, 1, 0, &keys[..1]);
         prop_assert_eq!(replies(&r), vec![(1, 1, Control::Moved { block: 1, owner: RETIRED, epoch: 2 }.into())]);
+        // Each half is bounded by its share of the table's bound, as the model gives it.
+        for half in [5, 6] {
+            let Some(Slot::Owned(o)) = s.slot(half) else { panic!("half {half} is not served") };
+            let got = o.block.rows().map(|r| r.rule().limits.max_rows);
+            let want =
+                s.shard().and_then(|sh| sh.partition.row_rule(half, 0).ok().flatten()).map(|r| r.limits.max_rows);
+            prop_assert_eq!(got, want, "the bound of half {}", half);
+        }
         let values = expect.values();
         for (k, key) in keys.iter().enumerate() {
             let half = if table.position(*key) < at { 5 } else { 6 };
