@@ -21,6 +21,12 @@
 //! migrations). The issue's target, psld at least 1.5x static in steps per second, is
 //! reported on the second halves, never enforced. `--quick` (CI) runs 10 s per mode and
 //! checks the exactly-once property of both runs and that psld split the hot block.
+//!
+//! `--keys` (issue 36) runs the same on a hashed table ([`TableSpec::hashed`]) of as many
+//! key ranges as the indexed table has blocks: the id of Zipf rank `k` is a random-looking
+//! 64-bit key whose [`key_position`](elasticps_core::rows::key_position) is where row `k` falls in the indexed table, scaled
+//! to the key space ([`rank_key`]), so the hot keys fall in the first key range as the hot
+//! rows fall in the first row block, and psld splits and moves that range.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,7 +36,7 @@ use clap::Args;
 use elasticps_core::balance::BalanceMode;
 use elasticps_core::model::TableSpec;
 use elasticps_core::placement::PlacementKind;
-use elasticps_core::rows::{RowInit, SparseOptimizer};
+use elasticps_core::rows::{KEY_POSITIONS, RowInit, SparseOptimizer};
 use elasticps_launch::args::{JobArgs, NetArgs};
 use elasticps_launch::process::Cluster;
 use elasticps_report::table::markdown_table;
@@ -81,6 +87,10 @@ pub struct HotRowsCmd {
     /// Bytes of a row block (1 MiB: 4,096 rows).
     #[arg(long, default_value_t = 1 << 20)]
     pub block_bytes: usize,
+    /// A hashed table keyed by random 64-bit keys, one key range per block of the
+    /// indexed table, instead of the indexed table.
+    #[arg(long)]
+    pub keys: bool,
     /// Write bench-hot-rows.json, bench-hot-rows.md and the nodes' logs here.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -101,6 +111,7 @@ struct Plan {
     seconds: f64,
     mbps: f64,
     block_bytes: usize,
+    keys: bool,
 }
 
 impl Plan {
@@ -127,13 +138,28 @@ impl Plan {
             seconds,
             mbps: cmd.mbps,
             block_bytes: cmd.block_bytes,
+            keys: cmd.keys,
         })
     }
 
+    /// Blocks of the table as the job starts (row blocks, or key ranges).
+    fn blocks_at_start(&self) -> u64 {
+        self.rows.div_ceil((self.block_bytes / (DIM as usize * 4)) as u64)
+    }
+
     fn table(&self) -> TableSpec {
-        TableSpec::new("hot", self.rows, DIM)
-            .with_init(RowInit::Constant(0.0))
-            .with_optimizer(SparseOptimizer::Sgd { lr: 1.0 })
+        let table = if self.keys {
+            let ranges = u32::try_from(self.blocks_at_start()).unwrap_or(u32::MAX);
+            TableSpec::hashed("hot", DIM, ranges)
+        } else {
+            TableSpec::new("hot", self.rows, DIM)
+        };
+        table.with_init(RowInit::Constant(0.0)).with_optimizer(SparseOptimizer::Sgd { lr: 1.0 })
+    }
+
+    /// The id each Zipf rank is sent as: the row itself, or [`rank_key`].
+    fn ids(&self) -> Vec<u64> {
+        (0..self.rows).map(|k| if self.keys { rank_key(k, self.rows) } else { k }).collect()
     }
 }
 
@@ -241,6 +267,40 @@ fn zipf_cdf(rows: u64, exponent: f64) -> Vec<f64> {
     cdf
 }
 
+/// `y = x ^ (x >> s)` solved for `x`.
+fn unxorshift(y: u64, s: u32) -> u64 {
+    let mut x = y;
+    for _ in 0..64 / s + 1 {
+        x = y ^ (x >> s);
+    }
+    x
+}
+
+/// The inverse of odd `m` modulo 2^64 (Newton's iteration: each step doubles the bits).
+fn inverse(m: u64) -> u64 {
+    let mut x = m;
+    for _ in 0..5 {
+        x = x.wrapping_mul(2u64.wrapping_sub(m.wrapping_mul(x)));
+    }
+    x
+}
+
+/// The key of Zipf rank `k` of `rows`: the 64-bit key whose
+/// [`key_position`](elasticps_core::rows::key_position) is
+/// `k * KEY_POSITIONS / rows` plus a pseudo-random offset under the next rank's (the
+/// mix of `key_position` inverted), so the ranks keep their order in the key space.
+fn rank_key(k: u64, rows: u64) -> u64 {
+    let slot = KEY_POSITIONS / rows.max(1);
+    let mut d = Draws(k ^ 0xfeed);
+    let pos = k * slot + (d.next() * slot as f64) as u64 % slot.max(1);
+    let low = (d.next() * (1u64 << 32) as f64) as u64;
+    let mixed = (pos << 32) | low;
+    // key_position: z = id + G; z = (z ^ z >> 30) * M1; z = (z ^ z >> 27) * M2; mixed = z ^ z >> 31.
+    let z = unxorshift(mixed, 31).wrapping_mul(inverse(0x94d0_49bb_1331_11eb));
+    let z = unxorshift(z, 27).wrapping_mul(inverse(0xbf58_476d_1ce4_e5b9));
+    unxorshift(z, 30).wrapping_sub(0x9e37_79b9_7f4a_7c15)
+}
+
 /// A fixed stream of uniform draws in [0, 1) (splitmix64).
 struct Draws(u64);
 
@@ -294,17 +354,19 @@ async fn worker(
     let (table, _) =
         client.table("hot").ok_or_else(|| crate::BenchError::Failed("the table is not in the layout".into()))?;
     let mut draws = Draws(0x5eed ^ (rank << 32));
+    let keys = plan.ids();
     let mut counts = vec![0u32; plan.rows as usize];
     let (mut ends, mut rows, mut out) = (Vec::new(), 0u64, Vec::new());
     let mut clock = 0;
     while Instant::now() < until {
-        let ids = step_ids(&cdf, plan.batch, &mut draws);
+        let ranks = step_ids(&cdf, plan.batch, &mut draws);
+        let ids: Vec<u64> = ranks.iter().map(|k| keys[*k as usize]).collect();
         out.resize(ids.len() * DIM as usize, 0.0);
         client.pull_rows(clock, table, &ids, &mut out).await.with_context(|| format!("pull_rows at clock {clock}"))?;
         let grads = vec![1.0f32; ids.len() * DIM as usize];
         client.push_rows(clock, table, &ids, &grads).await.with_context(|| format!("push_rows at clock {clock}"))?;
-        for id in &ids {
-            counts[*id as usize] += 1;
+        for k in &ranks {
+            counts[*k as usize] += 1;
         }
         rows += ids.len() as u64;
         clock += 1;
@@ -375,14 +437,16 @@ async fn check(plan: &Plan, mode: &str, start: Instant, mut done: Vec<Worked>) -
     let steps = ends.len() as u64;
     let late = ends.iter().filter(|e| **e > half).count() as f64 / (secs / 2.0);
     let rows: u64 = done.iter().map(|w| w.rows).sum();
-    let blocks_at_start = plan.rows.div_ceil((plan.block_bytes / (DIM as usize * 4)) as u64) as usize;
+    let blocks_at_start = plan.blocks_at_start() as usize;
     // Every row touched, pulled after every push was acknowledged.
     let touched: Vec<u64> = (0..plan.rows).filter(|r| counts[*r as usize] > 0).collect();
+    let keys = plan.ids();
+    let touched_ids: Vec<u64> = touched.iter().map(|k| keys[*k as usize]).collect();
     let clock = done[0].ends.len() as u32;
     let w0 = &mut done[0].client;
     let (table, _) = w0.table("hot").ok_or_else(|| crate::BenchError::Failed("the table is gone".into()))?;
     let mut values = vec![0f32; touched.len() * DIM as usize];
-    for (ids, out) in touched.chunks(4096).zip(values.chunks_mut(4096 * DIM as usize)) {
+    for (ids, out) in touched_ids.chunks(4096).zip(values.chunks_mut(4096 * DIM as usize)) {
         w0.pull_rows(clock, table, ids, out).await.context("pulling the touched rows")?;
     }
     let rows_wrong = touched
@@ -478,6 +542,13 @@ fn render(out: &Written<Body>) -> String {
         .collect();
     let p = &out.body.plan;
     let mut s = out.heading("bench hot-rows");
+    if p.keys {
+        s.push_str(&format!(
+            "Keyed: a hashed table of {} key ranges, the Zipf ranks sent as random 64-bit keys whose positions \
+             keep the ranks' order (the hot keys in the first range); the rest as below.\n\n",
+            p.blocks_at_start()
+        ));
+    }
     s.push_str(&format!(
         "{} servers capped at {} Mbit/s each way, {} in-process workers, asp; one table of {} rows x {DIM} in \
          blocks of {} rows, best fit (the job's default: block k on server k mod servers); {} Zipf({}) ids a step; {} s per mode.\n\n",
@@ -501,7 +572,24 @@ fn render(out: &Written<Body>) -> String {
 
 #[cfg(test)]
 mod tests {
+    use elasticps_core::rows::key_position;
+
     use super::*;
+
+    #[test]
+    fn a_ranks_key_falls_where_its_row_falls_in_the_key_space() {
+        let rows = 1 << 16;
+        let keys: Vec<u64> = (0..rows).map(|k| rank_key(k, rows)).collect();
+        for (k, key) in keys.iter().enumerate() {
+            assert_eq!(key_position(*key) >> 16, k as u64, "rank {k}: key {key:#x}");
+        }
+        // Random-looking 64-bit keys, every one distinct.
+        assert!(keys.iter().filter(|k| **k > 1 << 63).count() > 30_000);
+        let mut sorted = keys.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), keys.len());
+    }
 
     #[test]
     fn zipf_ids_are_in_range_and_the_first_rows_are_the_hottest() {

@@ -293,15 +293,25 @@ impl BlockState {
             });
         }
         let Some(rows) = self.rows else { return Err(CoreError::NotRows(id)) };
-        let cut = |spec: BlockSpec| BlockState {
-            spec,
-            values: Vec::new(),
-            opt: OptState::default(),
-            clocks: self.clocks.clone(),
-            pending: Vec::new(),
-            rows: Some(Box::new(rows.part(|r| spec.holds(r)))),
+        let cut = |spec: BlockSpec, (s, e): (u64, u64)| {
+            let mut part = rows.part(|r| spec.holds(r));
+            // Each half bounds its rows by its share of the block's bound, as
+            // `Partition::row_rule` gives each block its share of the table's.
+            let max = part.rule.limits.max_rows;
+            if max > 0 {
+                let share = (u128::from(max) * u128::from(e - s)).div_ceil(u128::from(end - start));
+                part.rule.limits.max_rows = u64::try_from(share).unwrap_or(u64::MAX).max(1);
+            }
+            BlockState {
+                spec,
+                values: Vec::new(),
+                opt: OptState::default(),
+                clocks: self.clocks.clone(),
+                pending: Vec::new(),
+                rows: Some(Box::new(part)),
+            }
         };
-        Ok((cut(left), cut(right)))
+        Ok((cut(left, (ls, le)), cut(right, (rs, re))))
     }
 }
 

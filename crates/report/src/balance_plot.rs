@@ -391,6 +391,7 @@ pub mod tests {
                         queued_ms_per_s: 0.0,
                         service_ms,
                         straggler: id == 1 && (3..14).contains(&t),
+                        rows: None,
                     }
                 })
                 .collect();

@@ -326,10 +326,39 @@ fn last_sample(md: &mut String, log: &BalanceLog) {
             .collect();
         md.push_str(&markdown_table(&["id", "blocks", "bytes", "rate", "service ms", "straggler"], &rows));
         md.push('\n');
+        row_blocks(md, &last.servers);
         let _ = writeln!(md, "![load balance]({BALANCE_PNG})\n");
     } else {
         md.push_str("_no load timeline recorded_\n\n");
     }
+}
+
+/// The servers' embedding rows at the last sample (what their row blocks hold, and what
+/// they evicted, expired, refused and read uninitialized over the job), as a table; nothing
+/// when no server reported a row block.
+fn row_blocks(md: &mut String, servers: &[elasticps_node::scheduler::ServerPoint]) {
+    let rows: Vec<Vec<String>> = servers
+        .iter()
+        .filter_map(|s| {
+            let r = s.rows?;
+            Some(vec![
+                s.id.to_string(),
+                r.live_rows.to_string(),
+                human_bytes(r.live_bytes),
+                r.evicted.to_string(),
+                r.expired.to_string(),
+                r.refused_grads.to_string(),
+                r.init_reads.to_string(),
+            ])
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    md.push_str("Embedding rows (live at the last sample; the counts over the job):\n\n");
+    let headers = ["id", "live rows", "live bytes", "evicted", "expired", "refused gradients", "init reads"];
+    md.push_str(&markdown_table(&headers, &rows));
+    md.push('\n');
 }
 
 /// The largest finite value (NaN for none).
@@ -471,6 +500,7 @@ mod tests {
             queued_ms_per_s: 0.0,
             service_ms: 2.5,
             straggler,
+            rows: None,
         };
         let log = BalanceLog {
             mode: "psld".into(),
@@ -500,6 +530,45 @@ mod tests {
         let mut md = String::new();
         balance(&mut md, &log);
         assert_eq!(md, EXPECTED_BALANCE);
+    }
+
+    #[test]
+    fn the_servers_embedding_rows_are_listed_only_when_some_server_reported_rows() {
+        use elasticps_node::scheduler::{ServerPoint, ServerRows};
+        let point = |id, rows| ServerPoint {
+            id,
+            blocks: 1,
+            bytes: 0,
+            rate_bps: 0.0,
+            confidence: 0.0,
+            in_mbps: 0.0,
+            out_mbps: 0.0,
+            queued_ms_per_s: 0.0,
+            service_ms: 0.0,
+            straggler: false,
+            rows,
+        };
+        let mut md = String::new();
+        row_blocks(&mut md, &[point(0, None)]);
+        assert_eq!(md, "");
+        let r = ServerRows {
+            live_rows: 4096,
+            live_bytes: 1 << 20,
+            evicted: 17,
+            expired: 3,
+            refused_grads: 9,
+            init_reads: 250,
+        };
+        row_blocks(&mut md, &[point(0, None), point(1, Some(r))]);
+        assert!(
+            md.contains("| id | live rows | live bytes | evicted | expired | refused gradients | init reads |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("|  1 |      4096 |   1.00 MiB |      17 |       3 |                 9 |        250 |"),
+            "{md}"
+        );
+        assert!(!md.contains("|  0 |"), "{md}");
     }
 
     const EXPECTED_BALANCE: &str = concat!(

@@ -713,6 +713,19 @@ pub struct RowBlockLoad {
     /// The row to split the block at so that each half takes about half of the rows
     /// pushed to it since it came to this server; 0 for none.
     pub split_at: u64,
+    /// Rows that exist in the block now (created and not evicted): its memory, with
+    /// [`RowBlockLoad::row_bytes`] a row.
+    pub live_rows: u64,
+    /// Bytes one live row holds: its values and its optimizer state.
+    pub row_bytes: u64,
+    /// Rows the block's memory bound evicted over the interval.
+    pub evicted: u64,
+    /// Rows the block's expiry (TTL) evicted over the interval.
+    pub expired: u64,
+    /// Gradients of keys not admitted yet, dropped over the interval.
+    pub refused_grads: u64,
+    /// Reads of rows that did not exist (answered with initial values) over the interval.
+    pub init_reads: u64,
 }
 
 impl RowBlockLoad {
@@ -720,6 +733,11 @@ impl RowBlockLoad {
     /// block's weight in the load model, as a dense block's is its size.
     pub fn push_bytes(&self) -> u64 {
         self.bytes_in.checked_div(self.pushes).unwrap_or(1).max(1)
+    }
+
+    /// Bytes the block's live rows hold now (`live_rows * row_bytes`).
+    pub fn live_bytes(&self) -> u64 {
+        self.live_rows.saturating_mul(self.row_bytes)
     }
 }
 

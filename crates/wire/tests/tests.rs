@@ -301,6 +301,12 @@ mod common {
                         bytes_in,
                         bytes_out,
                         split_at: 7,
+                        live_rows: requests,
+                        row_bytes: 264,
+                        evicted: busy_us,
+                        expired: 5,
+                        refused_grads: shaped_us,
+                        init_reads: 11,
                     }],
                 }
             },

@@ -14,7 +14,7 @@ use elasticps_wire::{
     WorkerStatus,
 };
 
-use super::history::{BalanceLog, DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+use super::history::{BalanceLog, DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint, ServerRows};
 use super::hosts::start_node;
 use super::{Action, Caller, ConnId, Role, Scheduler};
 use elasticps_core::balance::BalanceMode;
@@ -95,6 +95,25 @@ pub const MIGRATION_SAMPLES: usize = 16;
 /// Most samples one server report gives the load model (one per data frame).
 pub const RX_SAMPLES: u32 = 8;
 
+/// Iterations over which a row block's memory is amortized in its weight
+/// ([`row_block_weight`]). 50 (the balancer's horizon) hid a hot block of a small table
+/// (6 rows of 8 dims a push) behind its cold neighbours' 64 live rows, and psld no longer
+/// split it (cli test `scheduler_restart`): memory counts once a range holds more than
+/// about 1,000 pushes' worth of rows.
+pub const ROW_MEMORY_HORIZON: u64 = 1000;
+
+/// A row block's weight in the load model, bytes per iteration: what a worker pushes to
+/// it per push ([`RowBlockLoad::push_bytes`](elasticps_wire::RowBlockLoad::push_bytes)),
+/// plus its live rows' bytes over [`ROW_MEMORY_HORIZON`] iterations. Traffic decides
+/// while the rows are few (a hot range is split and moved as before); a range whose live
+/// rows grow past about 1,000 pushes' worth weighs its memory, so it is split and moved
+/// before its server fills up. Not `max(push, memory)`: every range of a trained table
+/// holds far more than one push, so its memory would hide the traffic the balancer
+/// relieves (docs/BENCHMARKS.md, key-range tables).
+pub fn row_block_weight(r: &elasticps_wire::RowBlockLoad) -> u64 {
+    r.push_bytes().saturating_add(r.live_bytes() / ROW_MEMORY_HORIZON)
+}
+
 /// The elastic part of the scheduler's state.
 pub(super) struct Elastic {
     mode: BalanceMode,
@@ -113,6 +132,8 @@ pub(super) struct Elastic {
     requested: VecDeque<(Requester, u64)>,
     joining_by: BTreeMap<ServerId, Requester>,
     server_loads: BTreeMap<ServerId, ServerLoad>,
+    /// Each server's row blocks, from its load reports (the job report's).
+    server_rows: BTreeMap<ServerId, ServerRows>,
     /// The load model is fed by the servers' own rates ([`Elastic::server_load`]).
     rates_from_servers: bool,
     workers: BTreeMap<u32, WorkerStatus>,
@@ -188,6 +209,7 @@ impl Elastic {
             requested: VecDeque::new(),
             joining_by: BTreeMap::new(),
             server_loads: BTreeMap::new(),
+            server_rows: BTreeMap::new(),
             workers: BTreeMap::new(),
             rates_from_servers: false,
             window: (0, 0),
@@ -339,13 +361,15 @@ impl Elastic {
     /// too high and the model's spread grow until it trusted nothing).
     ///
     /// A row block's weight in the model (its entry in the sizes the balancer plans with)
-    /// becomes what a worker pushed to it per push over the interval
-    /// ([`RowBlockLoad::push_bytes`](elasticps_wire::RowBlockLoad::push_bytes)), as its server reports it: a hot row
-    /// range weighs what its traffic costs, a cold one little, whatever their ranges.
+    /// becomes [`row_block_weight`]: what a worker pushed to it per push over the interval,
+    /// plus the memory of its live rows amortized over the balancer's horizon, as its
+    /// server reports them: a hot row range weighs what its traffic costs, a cold one
+    /// little, whatever their ranges, and a range whose rows keep growing comes to weigh
+    /// its memory.
     pub fn server_load(&mut self, load: ServerLoad, now_us: u64) {
         for r in load.row_blocks.iter().filter(|r| r.pushes > 0) {
             if let Some(size) = self.sizes.get_mut(r.block as usize) {
-                *size = r.push_bytes();
+                *size = row_block_weight(r);
             }
             if r.split_at > 0 {
                 self.split_hints.insert(r.block, r.split_at);
@@ -386,6 +410,10 @@ impl Elastic {
                     self.load.observe_rate(load.server_id, rate / workers as f64, now_us);
                 }
             }
+        }
+        if !load.row_blocks.is_empty() {
+            let rows = self.server_rows.entry(load.server_id).or_default();
+            *rows = rows.reported(&load.row_blocks);
         }
         self.server_loads.insert(load.server_id, load);
     }
@@ -788,6 +816,7 @@ impl Elastic {
                     // Without any rate the model's times are relative: not worth plotting.
                     service_ms: if rates.is_empty() { 0.0 } else { times.get(id).map_or(0.0, |t| t * 1e3) },
                     straggler: !rates.is_empty() && stragglers.contains(id),
+                    rows: self.server_rows.get(id).copied(),
                 }
             })
             .collect()
@@ -1202,6 +1231,39 @@ mod tests {
         let load = ServerLoad { server_id: 0, row_blocks: vec![rows(2, 0, 0)], ..Default::default() };
         e.server_load(load, 2_000_000);
         assert_eq!(e.sizes[2], 1000);
+    }
+
+    #[test]
+    fn a_row_block_weighs_its_live_rows_over_the_horizon_beside_its_traffic() {
+        let mut e = Elastic::new(BalanceMode::Psld, 2, 2, 2);
+        e.registered(0, true, 0);
+        e.model_placed(vec![4096; 4]);
+        let rows = |block, bytes_in, live_rows| elasticps_wire::RowBlockLoad {
+            block,
+            pushes: 1,
+            bytes_in,
+            live_rows,
+            row_bytes: 256,
+            ..Default::default()
+        };
+        // Few rows: traffic decides. A range of 4,096 live rows (1 MiB) each, one hot
+        // (400 kB a push), one cold (40 kB): the hot one still weighs about 7x the cold
+        // one (the same memory does not hide the traffic, as max(push, memory) would).
+        let load = ServerLoad {
+            server_id: 0,
+            row_blocks: vec![rows(2, 400_000, 4096), rows(3, 40_000, 4096)],
+            ..Default::default()
+        };
+        e.server_load(load, 1_000_000);
+        let mem = 4096 * 256 / ROW_MEMORY_HORIZON;
+        assert_eq!(e.sizes[2..], [400_000 + mem, 40_000 + mem]);
+        assert!(e.sizes[2] > 6 * e.sizes[3], "{:?}", e.sizes);
+        // A cold range whose rows grew to 10^7 (2.56 GB) weighs its memory: 2.6 MB an
+        // iteration, more than the hot one, so the balancer splits and moves it.
+        let load = ServerLoad { server_id: 0, row_blocks: vec![rows(3, 40_000, 10_000_000)], ..Default::default() };
+        e.server_load(load, 2_000_000);
+        assert_eq!(e.sizes[3], 40_000 + 2_560_000_000 / ROW_MEMORY_HORIZON);
+        assert!(e.sizes[3] > 6 * e.sizes[2], "{:?}", e.sizes);
     }
 
     #[test]

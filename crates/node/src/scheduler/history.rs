@@ -150,4 +150,41 @@ pub struct ServerPoint {
     pub service_ms: f64,
     /// Flagged as a straggler.
     pub straggler: bool,
+    /// Its row blocks, as it reported them (`None`: it reported none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<ServerRows>,
+}
+
+/// A server's row blocks in a [`ServerPoint`]: what they hold, from its last load report,
+/// and what they did, summed over its load reports since the job started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerRows {
+    /// Rows that exist in its row blocks.
+    pub live_rows: u64,
+    /// Bytes they hold (values and optimizer state).
+    pub live_bytes: u64,
+    /// Rows evicted by a memory bound.
+    pub evicted: u64,
+    /// Rows evicted by an expiry (TTL).
+    pub expired: u64,
+    /// Gradients of keys not admitted yet, dropped.
+    pub refused_grads: u64,
+    /// Reads of rows that did not exist (answered with initial values).
+    pub init_reads: u64,
+}
+
+impl ServerRows {
+    /// This server's rows after the load report of row blocks `blocks`: what they hold
+    /// now, and their counters added to the sums.
+    pub fn reported(self, blocks: &[elasticps_wire::RowBlockLoad]) -> Self {
+        let sum = |f: fn(&elasticps_wire::RowBlockLoad) -> u64| blocks.iter().map(f).sum::<u64>();
+        Self {
+            live_rows: sum(|b| b.live_rows),
+            live_bytes: sum(|b| b.live_bytes()),
+            evicted: self.evicted + sum(|b| b.evicted),
+            expired: self.expired + sum(|b| b.expired),
+            refused_grads: self.refused_grads + sum(|b| b.refused_grads),
+            init_reads: self.init_reads + sum(|b| b.init_reads),
+        }
+    }
 }

@@ -48,7 +48,7 @@ mod testkit;
 
 pub use elasticps_core::balance::BalanceMode;
 pub use end::CLOSING_WAIT_US;
-pub use history::{BalanceLog, DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint};
+pub use history::{BalanceLog, DecisionRecord, LoadSample, MigrationEvent, ScaleEvent, ServerPoint, ServerRows};
 pub use membership::{MAX_UNREGISTERED, REGISTER_WITHIN_US};
 pub use optimizers::MAX_PENDING_SETS_PER_WORKER;
 pub use recovery::{Persisted, RECOVER_WAIT_US, STATE_VERSION, SavedState, reattach_message};

@@ -138,6 +138,7 @@ impl Server {
         self.added_workers.clear();
         self.counters.departed = Default::default();
         self.counters.departed_hold = Default::default();
+        self.counters.departed_rows = Default::default();
         self.last_report_us = now_us;
         let server_id = self.id.unwrap_or(a.server_id);
         out.push(Action::ToScheduler { request_id: 0, msg: Control::AssignDone { server_id }.into() });

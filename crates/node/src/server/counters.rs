@@ -2,6 +2,7 @@
 
 use elasticps_core::block::BlockStats;
 use elasticps_core::placement::ServerId;
+use elasticps_core::rows::RowCounters;
 use elasticps_core::stats::Histogram;
 use elasticps_core::sync::SyncPolicy;
 
@@ -27,6 +28,8 @@ pub struct ServerSnapshot {
     pub migrations_in: u64,
     /// Blocks handed over to another server.
     pub migrations_out: u64,
+    /// Its row blocks' live rows and row counters.
+    pub rows: RowTotals,
 }
 
 /// The staleness bound a policy enforces now, as `elasticps_server_staleness_bound`
@@ -66,7 +69,28 @@ pub(super) struct Counters {
     /// The link's rate, from data frames that arrived back to back.
     pub capacity: super::capacity::Capacity,
     /// Each row block's counters at the last report (its traffic since is reported).
-    pub rows_seen: std::collections::BTreeMap<elasticps_core::model::BlockId, BlockStats>,
+    pub rows_seen: std::collections::BTreeMap<elasticps_core::model::BlockId, (BlockStats, RowCounters)>,
+    /// Row counters of row blocks that left this server (migrated away or split).
+    pub departed_rows: RowCounters,
+}
+
+/// `into += from`, counter by counter.
+pub(super) fn add_rows(into: &mut RowCounters, from: &RowCounters) {
+    into.created += from.created;
+    into.evicted += from.evicted;
+    into.expired += from.expired;
+    into.refused_grads += from.refused_grads;
+    into.init_reads += from.init_reads;
+}
+
+/// What a server's row blocks hold and did, as its metrics show it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowTotals {
+    /// Rows that exist in the row blocks it owns now.
+    pub live_rows: u64,
+    /// What its row blocks did since they came here (counted on even after they left):
+    /// rows created, evicted by the bound, expired, gradients refused, reads of absent rows.
+    pub counters: RowCounters,
 }
 
 /// Counters summed over a server's blocks.
@@ -76,6 +100,7 @@ pub(super) struct Sum {
     pub bytes: u64,
     pub totals: BlockStats,
     pub hold: Histogram,
+    pub rows: RowTotals,
 }
 
 #[cfg(test)]

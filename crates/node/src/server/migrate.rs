@@ -287,6 +287,9 @@ impl Server {
         self.counters.migrations_out += 1;
         self.counters.departed.merge(o.block.stats());
         self.counters.departed_hold.merge(o.block.hold_histogram());
+        if let Some(r) = o.block.rows() {
+            super::counters::add_rows(&mut self.counters.departed_rows, &r.counters());
+        }
         if let Phase::Frozen { out: m, .. } = &o.phase {
             let r = &m.report;
             tracing::info!(

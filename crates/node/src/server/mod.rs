@@ -61,7 +61,7 @@ mod split;
 mod stop;
 
 pub use config::{Refusal, Shard, error};
-pub use counters::{ServerSnapshot, staleness_bound};
+pub use counters::{RowTotals, ServerSnapshot, staleness_bound};
 pub use data::pull_coin_seed;
 pub use event::{Action, Event, Exit, PullTrace};
 pub use request::{Op, Request, Sender, What};

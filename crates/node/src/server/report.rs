@@ -4,9 +4,10 @@
 use std::collections::BTreeMap;
 
 use elasticps_core::placement::ServerId;
+use elasticps_core::rows::RowStore;
 use elasticps_wire::{RowBlockLoad, ServerLoad, ServerStats};
 
-use super::counters::Sum;
+use super::counters::{Sum, add_rows};
 use super::{Server, ServerSnapshot, Shard, Slot, staleness_bound};
 
 impl Server {
@@ -32,6 +33,7 @@ impl Server {
             hold: c.hold.buckets().to_vec(),
             migrations_in: self.counters.migrations_in,
             migrations_out: self.counters.migrations_out,
+            rows: c.rows,
         }
     }
 
@@ -46,9 +48,16 @@ impl Server {
                 bytes += o.block.spec().bytes() as u64;
                 if o.block.spec().is_rows() {
                     let now = *o.block.stats();
+                    let store = o.block.rows();
+                    let rows_now = store.map(RowStore::counters).unwrap_or_default();
                     // A block that arrived again since counts from zero.
-                    let before = self.counters.rows_seen.get(id).filter(|b| b.pushes <= now.pushes).copied();
-                    let before = before.unwrap_or_default();
+                    let (before, rows_before) = self
+                        .counters
+                        .rows_seen
+                        .get(id)
+                        .filter(|b| b.0.pushes <= now.pushes)
+                        .copied()
+                        .unwrap_or_default();
                     let load = RowBlockLoad {
                         block: *id,
                         pushes: now.pushes - before.pushes,
@@ -57,11 +66,17 @@ impl Server {
                         bytes_in: now.bytes_in.saturating_sub(before.bytes_in),
                         bytes_out: now.bytes_out.saturating_sub(before.bytes_out),
                         split_at: o.block.split_hint().unwrap_or(0),
+                        live_rows: store.map_or(0, |r| r.rows() as u64),
+                        row_bytes: store.map_or(0, row_bytes),
+                        evicted: rows_now.evicted.saturating_sub(rows_before.evicted),
+                        expired: rows_now.expired.saturating_sub(rows_before.expired),
+                        refused_grads: rows_now.refused_grads.saturating_sub(rows_before.refused_grads),
+                        init_reads: rows_now.init_reads.saturating_sub(rows_before.init_reads),
                     };
-                    if load.pushes + load.pulls > 0 {
+                    if load.pushes + load.pulls + load.live_rows > 0 {
                         row_blocks.push(load);
                     }
-                    rows_seen.insert(*id, now);
+                    rows_seen.insert(*id, (now, rows_now));
                 }
             }
         }
@@ -87,7 +102,7 @@ impl Server {
     }
 
     pub(super) fn stats_as(&self, id: ServerId) -> ServerStats {
-        let Sum { blocks, bytes, totals, hold } = self.sum();
+        let Sum { blocks, bytes, totals, hold, .. } = self.sum();
         let sync = self.shard.as_ref().map_or_else(String::new, Shard::policy_name);
         ServerStats { server_id: id, sync, blocks, bytes, totals, hold_p99_us: hold.quantile(0.99) }
     }
@@ -104,10 +119,20 @@ impl Server {
                 c.hold.merge(o.block.hold_histogram());
                 c.blocks += 1;
                 c.bytes += o.block.spec().bytes() as u64;
+                if let Some(r) = o.block.rows() {
+                    c.rows.live_rows += r.rows() as u64;
+                    add_rows(&mut c.rows.counters, &r.counters());
+                }
             }
         }
         c.totals.merge(&self.counters.departed);
         c.hold.merge(&self.counters.departed_hold);
+        add_rows(&mut c.rows.counters, &self.counters.departed_rows);
         c
     }
+}
+
+/// Bytes one live row of `store` holds: its values and its optimizer's state (f32 each).
+fn row_bytes(store: &RowStore) -> u64 {
+    (store.dim() * (1 + store.rule().optimizer.state_per_value()) * 4) as u64
 }

@@ -97,6 +97,10 @@ impl Server {
         self.slots.insert(left, Slot::Owned(Owned::new(l, epoch, Phase::Serving)));
         self.slots.insert(right, Slot::Owned(Owned::new(r, epoch, Phase::Serving)));
         self.counters.rows_seen.remove(&block);
+        // The halves count from zero: what the block did stays counted here.
+        if let Some(r) = old.block.rows() {
+            super::counters::add_rows(&mut self.counters.departed_rows, &r.counters());
+        }
         if let Some(shard) = self.shard.as_mut() {
             shard.partition = partition;
             shard.placement = placement;

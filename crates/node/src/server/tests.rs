@@ -1118,11 +1118,78 @@ mod rows {
     /// Dense block 0 ("w", LEN values) and table "emb" (8 rows of 2, Constant 0.5, SGD lr
     /// 1) in blocks 1..=4 of 2 rows each; server 0 holds blocks 0..=2, server 1 the rest.
     fn table_assignment(id: ServerId, sync: SyncPolicy) -> Assignment {
+        table_assignment_of(id, sync, Table::Indexed)
+    }
+
+    /// The table of the exactly-once runs: indexed rows, or a hashed table's key ranges.
+    #[derive(Clone, Copy, Debug)]
+    enum Table {
+        /// "emb" of [`table_assignment`]: rows 0 and 1 in block 1, split at row 1.
+        Indexed,
+        /// "emb" hashed into 4 key ranges (blocks 1..=4, Constant 0, SGD lr 1), at most
+        /// `max_rows` rows per server (0: no bound; the job has 1 server as far as the
+        /// bound goes, so block 1's share is a quarter, each half of it an eighth). Its
+        /// keys: two random 64-bit keys in each half of block 1's positions, from `seed`.
+        Keys { max_rows: u64, seed: u64 },
+    }
+
+    impl Table {
+        /// The table's spec.
+        fn spec(self) -> TableSpec {
+            match self {
+                Table::Indexed => TableSpec::new("emb", 8, 2).with_init(RowInit::Constant(0.5)),
+                Table::Keys { max_rows, .. } => TableSpec::hashed("emb", 2, 4)
+                    .with_init(RowInit::Constant(0.0))
+                    .with_limits(elasticps_core::rows::RowLimits { max_rows, ..Default::default() }),
+            }
+            .with_optimizer(SparseOptimizer::Sgd { lr: 1.0 })
+        }
+
+        /// A row's initial values.
+        fn init(self) -> f32 {
+            if matches!(self, Table::Indexed) { 0.5 } else { 0.0 }
+        }
+
+        /// Where block 1 is split: row 1, or the middle of its key positions.
+        fn split_at(self) -> u64 {
+            if matches!(self, Table::Indexed) { 1 } else { elasticps_core::rows::KEY_POSITIONS / 8 }
+        }
+
+        /// Where a key falls in the table (the row, or its key position).
+        fn position(self, key: u64) -> u64 {
+            if matches!(self, Table::Indexed) { key } else { elasticps_core::rows::key_position(key) }
+        }
+
+        /// The rows or keys the workers push, all in block 1, some in each half of it.
+        fn keys(self) -> Vec<u64> {
+            let Table::Keys { seed, .. } = self else { return vec![0, 1] };
+            let (at, end) = (self.split_at(), 2 * self.split_at());
+            let mut z = seed;
+            let mut candidates = std::iter::from_fn(|| {
+                z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                let mut x = z;
+                x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                Some(x ^ (x >> 31))
+            });
+            let mut low = Vec::new();
+            let mut high = Vec::new();
+            while low.len() < 2 || high.len() < 2 {
+                let k = candidates.next().unwrap_or_default();
+                let pos = self.position(k);
+                if pos < at && low.len() < 2 && !low.contains(&k) {
+                    low.push(k);
+                } else if (at..end).contains(&pos) && high.len() < 2 && !high.contains(&k) {
+                    high.push(k);
+                }
+            }
+            low.into_iter().chain(high).collect()
+        }
+    }
+
+    fn table_assignment_of(id: ServerId, sync: SyncPolicy, table: Table) -> Assignment {
         let tensors = vec![TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Constant(0.0) }];
-        let table = TableSpec::new("emb", 8, 2)
-            .with_init(RowInit::Constant(0.5))
-            .with_optimizer(SparseOptimizer::Sgd { lr: 1.0 });
-        let partition = Partition::with_tables(tensors, vec![table], LEN * 4).unwrap();
+        let partition = Partition::with_tables(tensors, vec![table.spec()], LEN * 4).unwrap();
         assert_eq!(partition.blocks.len(), 5);
         let placement = Placement::initial(PlacementKind::Range, &partition, 2).unwrap();
         assert_eq!((placement.owner(1), placement.owner(3)), (Some(0), Some(1)));
@@ -1130,10 +1197,14 @@ mod rows {
     }
 
     fn table_server(id: ServerId, sync: SyncPolicy) -> Server {
+        table_server_of(id, sync, Table::Indexed)
+    }
+
+    fn table_server_of(id: ServerId, sync: SyncPolicy, table: Table) -> Server {
         let mut s = Server::new(format!("addr{id}"));
         s.start(0);
         s.handle(0, Event::FromScheduler { request_id: 1, msg: welcome_of(id) });
-        let msg = Control::Assign(Box::new(table_assignment(id, sync))).into();
+        let msg = Control::Assign(Box::new(table_assignment_of(id, sync, table))).into();
         let acts = s.handle(0, Event::FromScheduler { request_id: 0, msg });
         assert!(
             acts.iter()
@@ -1236,16 +1307,63 @@ mod rows {
         push_rows(&mut s, 1, 0, 2, 2, 0, &[], &[]);
         pull_rows(&mut s, 1, 0, 3, 1, 1, &[0]);
         let load = s.take_load(1_000_000);
-        let b1 =
-            RowBlockLoad { block: 1, pushes: 1, pulls: 1, rows: 4, bytes_in: 3 * 8 + 6 * 4, bytes_out: 8, split_at: 1 };
-        let b2 = RowBlockLoad { block: 2, pushes: 1, ..Default::default() };
+        // Rows 0 and 1 live in block 1, 8 bytes each (2 values, SGD keeps no state).
+        let b1 = RowBlockLoad {
+            block: 1,
+            pushes: 1,
+            pulls: 1,
+            rows: 4,
+            bytes_in: 3 * 8 + 6 * 4,
+            bytes_out: 8,
+            split_at: 1,
+            live_rows: 2,
+            row_bytes: 8,
+            ..Default::default()
+        };
+        let b2 = RowBlockLoad { block: 2, pushes: 1, row_bytes: 8, ..Default::default() };
         assert_eq!(load.row_blocks, vec![b1, b2]);
-        assert_eq!(b1.push_bytes(), 48);
-        // Counted since the last report only; a block with no traffic is left out.
+        assert_eq!((b1.push_bytes(), b1.live_bytes()), (48, 16));
+        // Counted since the last report only; a block with no traffic and no row is left out.
         push_rows(&mut s, 2, 0, 4, 1, 1, &[1], &[1.0; 2]);
         let load = s.take_load(1_000_000);
-        let b1 = RowBlockLoad { block: 1, pushes: 1, pulls: 0, rows: 1, bytes_in: 16, bytes_out: 0, split_at: 1 };
+        let b1 = RowBlockLoad {
+            block: 1,
+            pushes: 1,
+            rows: 1,
+            bytes_in: 16,
+            split_at: 1,
+            live_rows: 2,
+            row_bytes: 8,
+            ..Default::default()
+        };
         assert_eq!(load.row_blocks, vec![b1]);
+    }
+
+    /// Mutation: reporting a block's row counters since it came here instead of over the
+    /// interval fails the second report; dropping `live_rows` fails both.
+    #[test]
+    fn the_load_report_and_metrics_carry_a_bounded_key_ranges_live_rows_and_evictions() {
+        let table = Table::Keys { max_rows: 8, seed: 7 };
+        let keys = table.keys();
+        let mut s = table_server_of(0, SyncPolicy::Asp, table);
+        // Block 1 may hold 2 rows: 3 keys pushed at once stay (never a row of this step),
+        // the 4th evicts two of them.
+        push_rows(&mut s, 1, 0, 1, 1, 0, &keys[..3], &[1.0; 6]);
+        push_rows(&mut s, 1, 0, 2, 1, 1, &keys[3..], &[1.0; 2]);
+        pull_rows(&mut s, 1, 0, 3, 1, 2, &keys);
+        let load = s.take_load(1_000_000);
+        let b1 = load.row_blocks.iter().find(|b| b.block == 1).copied().unwrap_or_default();
+        assert_eq!((b1.live_rows, b1.evicted, b1.expired, b1.init_reads), (2, 2, 0, 2), "{b1:?}");
+        let m = s.metrics_snapshot().rows;
+        assert_eq!((m.live_rows, m.counters.created, m.counters.evicted, m.counters.init_reads), (2, 4, 2, 2));
+        pull_rows(&mut s, 2, 0, 4, 1, 2, &keys[..1]);
+        let load = s.take_load(1_000_000);
+        let b1 = load.row_blocks.iter().find(|b| b.block == 1).copied().unwrap_or_default();
+        assert_eq!(
+            (b1.live_rows, b1.evicted, b1.init_reads),
+            (2, 0, u64::from(present(&s, 1, keys[0]) == Some(false))),
+            "{b1:?}"
+        );
     }
 
     #[test]
@@ -1391,29 +1509,104 @@ mod rows {
         owner: ServerId,
     }
 
+    /// What each row of an exactly-once run must hold: its initial values less the
+    /// gradients acknowledged since it was last created. A bound may evict a row between
+    /// any two events: a row seen absent after an event starts again from its initializer.
+    struct Expect {
+        table: Table,
+        keys: Vec<u64>,
+        /// Per key, the gradients acknowledged since its row was last created.
+        acc: Vec<[f32; 2]>,
+        /// Per key, whether its row existed at the last observation.
+        seen: Vec<bool>,
+        /// Rows evicted or expired at the last observation, over the servers.
+        evictions: u64,
+    }
+
+    impl Expect {
+        fn new(table: Table) -> Self {
+            let keys = table.keys();
+            Self { table, acc: vec![[0.0; 2]; keys.len()], seen: vec![false; keys.len()], evictions: 0, keys }
+        }
+
+        /// Gradient `n` of a push, for each of its rows (integers: sums are exact).
+        fn grads(ids: &[u64], n: usize) -> Vec<f32> {
+            ids.iter().flat_map(|_| [n as f32, -2.0 * n as f32]).collect()
+        }
+
+        /// A push of `ids` was acknowledged: applied, once.
+        fn acked(&mut self, ids: &[u64], grads: &[f32]) {
+            for (id, g) in ids.iter().zip(grads.chunks(2)) {
+                let k = self.keys.iter().position(|k| k == id).expect("a key of the run");
+                self.acc[k][0] += g[0];
+                self.acc[k][1] += g[1];
+            }
+        }
+
+        /// After an event: `present(key)` says whether its row exists where it is served,
+        /// `servers` hold the table. A row may vanish only if a bound evicted rows in the
+        /// event (the servers' metrics count it): else it was lost.
+        fn observe(&mut self, present: impl Fn(u64) -> bool, servers: &[&Server]) -> Result<(), TestCaseError> {
+            let evictions =
+                servers.iter().map(|s| s.metrics_snapshot().rows.counters).map(|c| c.evicted + c.expired).sum::<u64>();
+            for (k, key) in self.keys.iter().enumerate() {
+                let now = present(*key);
+                prop_assert!(
+                    now || !self.seen[k] || evictions > self.evictions,
+                    "the row of key {} ({:#x}) vanished with no eviction",
+                    k,
+                    key
+                );
+                if !now {
+                    self.acc[k] = [0.0; 2];
+                }
+                self.seen[k] = now;
+            }
+            self.evictions = evictions;
+            Ok(())
+        }
+
+        /// The values a pull of every key must answer.
+        fn values(&self) -> Vec<f32> {
+            let init = self.table.init();
+            self.acc.iter().flat_map(|a| [init - a[0], init - a[1]]).collect()
+        }
+    }
+
+    /// Whether `key`'s row exists in block `block` of `s`; `None` if the block is not owned there.
+    fn present(s: &Server, block: u32, key: u64) -> Option<bool> {
+        match s.slot(block) {
+            Some(Slot::Owned(o)) => Some(o.block.rows().is_some_and(|r| r.contains(key))),
+            _ => None,
+        }
+    }
+
     /// Drives block 1 of the table from server 0 to server 1 while two workers push rows:
     /// each `op` is a push of worker 0 or 1 (or its resend after `Moved`), or the next step
     /// of the migration. At the end every push is acknowledged and every row holds the
-    /// exact sum of the gradients pushed to it, once, on the new owner.
-    fn exactly_once(ops: &[u8], rows_of_push: &[Vec<u64>]) -> Result<(), TestCaseError> {
-        let mut servers = [table_server(0, SyncPolicy::Asp), table_server(B, SyncPolicy::Asp)];
+    /// exact sum of the gradients pushed to it since it was last created (a bound evicts
+    /// rows on both servers meanwhile), once, on the new owner.
+    fn exactly_once(table: Table, ops: &[u8], rows_of_push: &[Vec<u64>]) -> Result<(), TestCaseError> {
+        let mut servers = [table_server_of(0, SyncPolicy::Asp, table), table_server_of(B, SyncPolicy::Asp, table)];
         let mut workers: Vec<RowWorker> = (0..2).map(|_| RowWorker { clock: 0, waiting: None, owner: 0 }).collect();
-        let mut expected = [0.5f32; 4];
+        let mut expect = Expect::new(table);
+        let keys = expect.keys.clone();
         let mut step = 0;
         let mut in_flight: Option<(u64, Message)> = None;
         let mut record_call = 0;
         let mut next_req = 100u64;
         let mut pushes = 0usize;
         // The replies to the workers among `acts` of server `from`.
-        let take = |acts: &[Action], workers: &mut Vec<RowWorker>| {
+        let take = |acts: &[Action], workers: &mut Vec<RowWorker>, expect: &mut Expect| {
             for (conn, req, msg) in replies(acts) {
                 let w = &mut workers[(conn - 1) as usize];
-                let Some((id, _, _, _)) = &w.waiting else { continue };
+                let Some((id, _, ids, grads)) = &w.waiting else { continue };
                 if *id != req {
                     continue;
                 }
                 match msg {
                     Message::PushAck { .. } => {
+                        expect.acked(ids, grads);
                         w.waiting = None;
                         w.clock += 1;
                     }
@@ -1422,8 +1615,14 @@ mod rows {
                 }
             }
         };
+        // Block 1's rows where they are served: on the old owner while it holds the block.
+        let observe = |servers: &[Server; 2], expect: &mut Expect| {
+            let present = |k| present(&servers[0], 1, k).or_else(|| present(&servers[1], 1, k)).unwrap_or(false);
+            expect.observe(present, &[&servers[0], &servers[1]])
+        };
         let total = ops.len() + 60;
         for i in 0..total {
+            observe(&servers, &mut expect)?;
             let op = ops.get(i).copied().unwrap_or((i % 3) as u8) % 3;
             if op < 2 {
                 let w = op as usize;
@@ -1434,13 +1633,12 @@ mod rows {
                     Some((_, _, ids, grads)) => (next_req, ids.clone(), grads.clone()),
                     None if worker.clock >= 6 => continue,
                     None => {
-                        let ids = rows_of_push[pushes % rows_of_push.len()].clone();
-                        let grads: Vec<f32> = ids.iter().flat_map(|r| [0.25 * (*r as f32 + 1.0), -0.5]).collect();
-                        for (r, g) in ids.iter().zip(grads.chunks(2)) {
-                            expected[(*r as usize) * 2] -= g[0];
-                            expected[(*r as usize) * 2 + 1] -= g[1];
-                        }
+                        let ids: Vec<u64> = rows_of_push[pushes % rows_of_push.len()]
+                            .iter()
+                            .map(|i| keys[*i as usize % keys.len()])
+                            .collect();
                         pushes += 1;
+                        let grads = Expect::grads(&ids, pushes);
                         (next_req, ids, grads)
                     }
                 };
@@ -1449,7 +1647,7 @@ mod rows {
                 worker.waiting = Some((req, to, ids.clone(), grads.clone()));
                 let clock = worker.clock;
                 let acts = push_rows(&mut servers[to as usize], i as u64, w as u32, req, 1, clock, &ids, &grads);
-                take(&acts, &mut workers);
+                take(&acts, &mut workers, &mut expect);
                 continue;
             }
             let now = i as u64;
@@ -1466,7 +1664,7 @@ mod rows {
                     let ok = deliver(b, now, sent.clone());
                     prop_assert_eq!(&ok, &Message::from(Control::Ok));
                     let acts = a.handle(now, Event::FromServer { call: sent.0, reply: Ok(ok) });
-                    take(&acts, &mut workers);
+                    take(&acts, &mut workers, &mut expect);
                     let done = acts.iter().any(|a| {
                         matches!(a, Action::ToScheduler { msg: Message::Control(Control::MigrateDone(_)), .. })
                     });
@@ -1480,12 +1678,12 @@ mod rows {
                 }
                 3 => {
                     let acts = a.handle(now, Event::FromScheduler { request_id: record_call, msg: Control::Ok.into() });
-                    take(&acts, &mut workers);
+                    take(&acts, &mut workers, &mut expect);
                 }
                 4 => {
                     let settled = Control::Settled { block: 1, epoch: 2, owner: B }.into();
                     let acts = b.handle(now, Event::FromScheduler { request_id: 0, msg: settled });
-                    take(&acts, &mut workers);
+                    take(&acts, &mut workers, &mut expect);
                 }
                 _ => {}
             }
@@ -1495,22 +1693,38 @@ mod rows {
         for (w, worker) in workers.iter().enumerate() {
             prop_assert!(worker.waiting.is_none(), "worker {} has an unacknowledged push", w);
         }
-        let got = rows_of(&pull_rows(&mut servers[1], total as u64, 0, 1, 1, 0, &[0, 1]));
-        prop_assert_eq!(got, vec![(1, 1, expected.to_vec())]);
+        observe(&servers, &mut expect)?;
+        prop_assert!(present(&servers[1], 1, keys[0]).is_some(), "the new owner serves the block");
+        let got = rows_of(&pull_rows(&mut servers[1], total as u64, 0, 1, 1, 0, &keys));
+        prop_assert_eq!(got, vec![(1, 1, expect.values())]);
         Ok(())
+    }
+
+    /// The tables the exactly-once runs cover: indexed rows, and a hashed table's key
+    /// range with random 64-bit keys, unbounded or bounded to 2 rows a block (4 keys, so
+    /// rows are evicted and created again while the block migrates or splits).
+    fn tables() -> impl proptest::strategy::Strategy<Value = Table> {
+        use proptest::prelude::{Just, Strategy, any};
+        proptest::prop_oneof![
+            Just(Table::Indexed),
+            any::<u64>().prop_map(|seed| Table::Keys { max_rows: 0, seed }),
+            any::<u64>().prop_map(|seed| Table::Keys { max_rows: 8, seed }),
+        ]
     }
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, ..Default::default() })]
 
         /// Any interleaving of two workers' row pushes (repeated rows, empty pushes, resends
-        /// after Moved) with the steps of a migration: every push applied exactly once.
+        /// after Moved) with the steps of a migration, of indexed rows or of random keys
+        /// (bounded or not): every push applied exactly once.
         #[test]
         fn a_migrating_row_block_applies_every_row_push_exactly_once(
+            table in tables(),
             ops in proptest::collection::vec(0u8..3, 0..40),
-            rows_of_push in proptest::collection::vec(proptest::collection::vec(0u64..2, 0..3), 1..6),
+            rows_of_push in proptest::collection::vec(proptest::collection::vec(0u64..4, 0..3), 1..6),
         ) {
-            exactly_once(&ops, &rows_of_push)?;
+            exactly_once(table, &ops, &rows_of_push)?;
         }
     }
 
@@ -1522,10 +1736,24 @@ mod rows {
     /// the halves once the layout has them. At the end every push is acknowledged, the
     /// old id is answered `Moved` to no server, and each row holds the exact sum of the
     /// gradients pushed to it, once.
-    fn split_exactly_once(ops: &[u8], rows_of_push: &[Vec<u64>], dup: &[bool]) -> Result<(), TestCaseError> {
+    fn split_exactly_once(
+        table: Table,
+        ops: &[u8],
+        rows_of_push: &[Vec<u64>],
+        dup: &[bool],
+    ) -> Result<(), TestCaseError> {
         use elasticps_core::placement::RETIRED;
-        let mut s = table_server(0, SyncPolicy::Asp);
-        let mut expected = [0.5f32; 4];
+        let mut s = table_server_of(0, SyncPolicy::Asp, table);
+        let mut expect = Expect::new(table);
+        let keys = expect.keys.clone();
+        let at = table.split_at();
+        // Where a key's row is served: block 1, or the half that holds it.
+        let observe = |s: &Server, expect: &mut Expect| {
+            let present = |k| {
+                present(s, 1, k).or_else(|| present(s, if table.position(k) < at { 5 } else { 6 }, k)).unwrap_or(false)
+            };
+            expect.observe(present, &[s])
+        };
         // 0: not split; 1: split on the owner; 2: recorded, the layout has the halves.
         let mut split = 0;
         // Per worker: its next clock, the push not yet acknowledged everywhere, and
@@ -1537,10 +1765,11 @@ mod rows {
         let total = ops.len() + 80;
         for i in 0..total {
             let now = i as u64;
+            observe(&s, &mut expect)?;
             let op = ops.get(i).copied().unwrap_or((i % 3) as u8) % 3;
             if op == 2 {
                 if split == 0 {
-                    let msg = Control::SplitBlock { block: 1, at: 1, epoch: 2, recorded: false }.into();
+                    let msg = Control::SplitBlock { block: 1, at, epoch: 2, recorded: false }.into();
                     let acts = s.handle(now, Event::FromScheduler { request_id: 0, msg });
                     let done = acts.iter().any(|a| {
                         matches!(
@@ -1558,24 +1787,22 @@ mod rows {
                 if clocks[w] >= 6 {
                     continue;
                 }
-                let ids = rows_of_push[pushes % rows_of_push.len()].clone();
-                let grads: Vec<f32> = ids.iter().flat_map(|r| [0.25 * (*r as f32 + 1.0), -0.5]).collect();
-                for (r, g) in ids.iter().zip(grads.chunks(2)) {
-                    expected[(*r as usize) * 2] -= g[0];
-                    expected[(*r as usize) * 2 + 1] -= g[1];
-                }
-                pending[w] = Some((ids, grads, false));
+                let ids: Vec<u64> =
+                    rows_of_push[pushes % rows_of_push.len()].iter().map(|i| keys[*i as usize % keys.len()]).collect();
                 pushes += 1;
+                let grads = Expect::grads(&ids, pushes);
+                pending[w] = Some((ids, grads, false));
             }
             let Some((ids, grads, resend)) = pending[w].clone() else { continue };
             // The push's requests by the worker's layout: block 1, or the two halves.
             let parts: Vec<(u32, Vec<u64>, Vec<f32>)> = if split < 2 {
                 vec![(1, ids.clone(), grads.clone())]
             } else {
-                [(5u32, 0u64..1), (6, 1..2)]
+                [(5u32, 0u64..at), (6, at..2 * at)]
                     .into_iter()
                     .map(|(b, range)| {
-                        let keep: Vec<usize> = (0..ids.len()).filter(|k| range.contains(&ids[*k])).collect();
+                        let keep: Vec<usize> =
+                            (0..ids.len()).filter(|k| range.contains(&table.position(ids[*k]))).collect();
                         (
                             b,
                             keep.iter().map(|k| ids[*k]).collect(),
@@ -1589,7 +1816,12 @@ mod rows {
                 req += 1;
                 let acts = push_rows(&mut s, now, w as u32, req, block, clocks[w], &ids, &grads);
                 match &replies(&acts)[..] {
-                    [(_, r, Message::PushAck { .. })] if *r == req => {}
+                    // A resend of an acknowledged push is acknowledged and dropped.
+                    [(_, r, Message::PushAck { .. })] if *r == req => {
+                        if !resend {
+                            expect.acked(&ids, &grads);
+                        }
+                    }
                     [(_, r, Message::Control(Control::Moved { owner: RETIRED, epoch: 2, .. }))] if *r == req => {
                         prop_assert_eq!(block, 1, "only the old id is retired");
                         all_acked = false;
@@ -1607,16 +1839,29 @@ mod rows {
         }
         prop_assert_eq!(split, 2, "the split happened");
         prop_assert!(clocks == [6, 6] && pending.iter().all(Option::is_none), "every push acknowledged: {:?}", clocks);
-        let r = pull_rows(&mut s, total as u64, 0, 1, 1, 0, &[0]);
+        observe(&s, &mut expect)?;
+        let r = pull_rows(&mut s, total as u64, 0, 1, 1, 0, &keys[..1]);
         prop_assert_eq!(replies(&r), vec![(1, 1, Control::Moved { block: 1, owner: RETIRED, epoch: 2 }.into())]);
-        prop_assert_eq!(
-            rows_of(&pull_rows(&mut s, total as u64, 0, 2, 5, 0, &[0])),
-            vec![(1, 2, expected[..2].to_vec())]
-        );
-        prop_assert_eq!(
-            rows_of(&pull_rows(&mut s, total as u64, 0, 3, 6, 0, &[1])),
-            vec![(1, 3, expected[2..].to_vec())]
-        );
+        // Each half is bounded by its share of the table's bound, as the model gives it.
+        for half in [5, 6] {
+            let Some(Slot::Owned(o)) = s.slot(half) else { panic!("half {half} is not served") };
+            let got = o.block.rows().map(|r| r.rule().limits.max_rows);
+            let want =
+                s.shard().and_then(|sh| sh.partition.row_rule(half, 0).ok().flatten()).map(|r| r.limits.max_rows);
+            prop_assert_eq!(got, want, "the bound of half {}", half);
+        }
+        let values = expect.values();
+        for (k, key) in keys.iter().enumerate() {
+            let half = if table.position(*key) < at { 5 } else { 6 };
+            prop_assert_eq!(
+                rows_of(&pull_rows(&mut s, total as u64, 0, 2 + k as u64, half, 0, &[*key])),
+                vec![(1, 2 + k as u64, values[k * 2..k * 2 + 2].to_vec())],
+                "key {} ({:#x}) on block {}",
+                k,
+                key,
+                half
+            );
+        }
         Ok(())
     }
 
@@ -1628,11 +1873,12 @@ mod rows {
         /// every push applied exactly once, on the half that holds its row.
         #[test]
         fn a_row_block_split_while_workers_push_applies_every_push_exactly_once(
+            table in tables(),
             ops in proptest::collection::vec(0u8..3, 0..40),
-            rows_of_push in proptest::collection::vec(proptest::collection::vec(0u64..2, 0..3), 1..6),
+            rows_of_push in proptest::collection::vec(proptest::collection::vec(0u64..4, 0..3), 1..6),
             dup in proptest::collection::vec(proptest::bool::ANY, 1..6),
         ) {
-            split_exactly_once(&ops, &rows_of_push, &dup)?;
+            split_exactly_once(table, &ops, &rows_of_push, &dup)?;
         }
     }
 

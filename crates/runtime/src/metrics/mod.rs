@@ -137,6 +137,11 @@ impl ServerCollector {
             (&mut t.bytes_out, l.bytes_out),
             (&mut s.migrations_in, last.migrations_in),
             (&mut s.migrations_out, last.migrations_out),
+            (&mut s.rows.counters.created, last.rows.counters.created),
+            (&mut s.rows.counters.evicted, last.rows.counters.evicted),
+            (&mut s.rows.counters.expired, last.rows.counters.expired),
+            (&mut s.rows.counters.refused_grads, last.rows.counters.refused_grads),
+            (&mut s.rows.counters.init_reads, last.rows.counters.init_reads),
         ] {
             *v = (*v).max(prev);
         }
@@ -193,10 +198,24 @@ impl Collector for ServerCollector {
             let m = enc.encode_descriptor(name, help, unit.as_ref(), MetricType::Counter)?;
             encode_counter(m, value)?;
         }
-        let more: [(&str, &str, u64); 3] = [
+        let r = &s.rows.counters;
+        let more: [(&str, &str, u64); 8] = [
             ("elasticps_server_sync_releases", "Times held pulls were released (sync events).", t.releases),
             ("elasticps_server_migrations_in", "Blocks that arrived here by live migration.", s.migrations_in),
             ("elasticps_server_migrations_out", "Blocks handed over to another server.", s.migrations_out),
+            ("elasticps_server_rows_created", "Embedding rows created in this server's row blocks.", r.created),
+            ("elasticps_server_rows_evicted", "Embedding rows evicted by a table's memory bound.", r.evicted),
+            ("elasticps_server_rows_expired", "Embedding rows evicted by a table's expiry (TTL).", r.expired),
+            (
+                "elasticps_server_row_grads_refused",
+                "Row gradients dropped because their key was not admitted yet.",
+                r.refused_grads,
+            ),
+            (
+                "elasticps_server_row_init_reads",
+                "Reads of rows that did not exist, answered with initial values.",
+                r.init_reads,
+            ),
         ];
         for (name, help, value) in more {
             let m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
@@ -209,8 +228,14 @@ impl Collector for ServerCollector {
             MetricType::Histogram,
         )?;
         m.encode_histogram::<NoLabelSet>(t.hold_us as f64 / 1e6, s.hold.iter().sum(), &hold_buckets(&s.hold), None)?;
-        let gauges: [(&str, &str, Option<Unit>, i64); 3] = [
+        let gauges: [(&str, &str, Option<Unit>, i64); 4] = [
             ("elasticps_server_blocks", "Blocks this server owns now.", None, s.blocks.into()),
+            (
+                "elasticps_server_live_rows",
+                "Embedding rows that exist in the row blocks this server owns now.",
+                None,
+                s.rows.live_rows as i64,
+            ),
             ("elasticps_server_owned", "Bytes of parameters this server owns now.", Some(Unit::Bytes), s.bytes as i64),
             (
                 "elasticps_server_staleness_bound",
@@ -485,8 +510,10 @@ mod tests {
 
     use super::*;
     use elasticps_core::block::BlockStats;
+    use elasticps_core::rows::RowCounters;
     use elasticps_core::sync::SyncPolicy;
     use elasticps_node::scheduler::ScaleEvent;
+    use elasticps_node::server::RowTotals;
 
     struct Fixed(Mutex<ServerSnapshot>);
 
@@ -535,6 +562,10 @@ mod tests {
             hold: hold.buckets().to_vec(),
             migrations_in: 1,
             migrations_out: 2,
+            rows: RowTotals {
+                live_rows: 12,
+                counters: RowCounters { created: 20, evicted: 6, expired: 2, refused_grads: 5, init_reads: 7 },
+            },
         };
         let source = Arc::new(Fixed(Mutex::new(snap.clone())));
         m.attach(1, source.clone());
@@ -547,6 +578,12 @@ mod tests {
             ("elasticps_server_received_bytes_total", 640.0),
             ("elasticps_server_migrations_in_total", 1.0),
             ("elasticps_server_migrations_out_total", 2.0),
+            ("elasticps_server_rows_created_total", 20.0),
+            ("elasticps_server_rows_evicted_total", 6.0),
+            ("elasticps_server_rows_expired_total", 2.0),
+            ("elasticps_server_row_grads_refused_total", 5.0),
+            ("elasticps_server_row_init_reads_total", 7.0),
+            ("elasticps_server_live_rows", 12.0),
             ("elasticps_server_blocks", 4.0),
             ("elasticps_server_owned_bytes", 64.0),
             ("elasticps_server_staleness_bound", 3.0),
@@ -565,9 +602,12 @@ mod tests {
 
         // A snapshot that counts less (a block counted twice a moment ago) does not
         // lower any counter; gauges follow the source.
+        let rows = RowTotals { live_rows: 3, counters: RowCounters { evicted: 1, ..snap.rows.counters } };
         *lock(&source.0) =
-            ServerSnapshot { totals: BlockStats { pushes: 7, ..snap.totals }, blocks: 2, hold: vec![1], ..snap };
+            ServerSnapshot { totals: BlockStats { pushes: 7, ..snap.totals }, blocks: 2, hold: vec![1], rows, ..snap };
         let t = text(m.as_ref());
+        assert_eq!(sample(&t, "elasticps_server_rows_evicted_total"), Some(6.0), "{t}");
+        assert_eq!(sample(&t, "elasticps_server_live_rows"), Some(3.0), "{t}");
         assert_eq!(sample(&t, "elasticps_server_pushes_total"), Some(10.0), "{t}");
         assert_eq!(sample(&t, "elasticps_server_pull_hold_seconds_count"), Some(4.0), "{t}");
         assert_eq!(sample(&t, r#"elasticps_server_pull_hold_seconds_bucket{le="+Inf"}"#), Some(4.0), "{t}");
