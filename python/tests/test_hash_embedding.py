@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import elasticps.torch as ept
+from table_optimizers import TABLE_OPTIMIZERS
 
 #: A hang fails fast: every test here takes seconds.
 pytestmark = pytest.mark.deadline(60)
@@ -53,17 +54,6 @@ def batches(seed=3):
     return out
 
 
-TABLE_OPTIMIZERS = {
-    "sgd": (lambda ps: torch.optim.SGD(ps, lr=0.2), ept.table_optimizer("sgd", lr=0.2)),
-    "adagrad": (
-        lambda ps: torch.optim.Adagrad(ps, lr=0.3, initial_accumulator_value=0.1, eps=1e-8),
-        ept.table_optimizer(torch.optim.Adagrad, lr=0.3, initial_accumulator_value=0.1, eps=1e-8),
-    ),
-    "sparse_adam": (
-        lambda ps: torch.optim.SparseAdam(ps, lr=0.05, betas=(0.8, 0.95)),
-        ept.table_optimizer(torch.optim.SparseAdam, lr=0.05, betas=(0.8, 0.95)),
-    ),
-}
 
 
 def pull(w, clock, name, keys, dim=DIM):
