@@ -151,6 +151,10 @@ class Worker:
         """Starts pulling tensor ``name`` at clock ``clock`` into ``out`` and returns at
         once. Do not read ``out`` before the handle's ``wait()`` returned."""
 
+    def set_wire_dtype(self, name: str, dtype: str) -> None:
+        """Tensor ``name``'s gradients and pulled values travel in ``dtype`` from now on:
+        ``"f32"``, ``"bf16"`` or ``"fp16"``. The servers keep float32 values."""
+
     def set_optimizer(self, name: str, optimizer: _Optimizer) -> None:
         """Gives tensor ``name`` a new server-side optimizer; every push sent after this
         returns uses it."""

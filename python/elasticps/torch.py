@@ -131,6 +131,7 @@ from elasticps.embedding import (
 )
 
 __all__ = [
+    "Compression",
     "DistributedOptimizer",
     "Embedding",
     "EmbeddingBag",
@@ -244,11 +245,45 @@ def _flat(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     return None if t is None else t.detach().to("cpu", torch.float32).reshape(-1).contiguous().numpy()
 
 
+class Compression:
+    """How a ``DistributedOptimizer``'s gradients and pulled parameters travel (Horovod's
+    ``hvd.Compression``, BytePS's ``compression=``): ``Compression.none`` (float32, the
+    default), ``Compression.bf16`` or ``Compression.fp16`` (half the bytes each way; the
+    servers keep float32 parameters and optimizer state, and the initial values travel
+    exact). The job's default is ``elasticps launch --wire-dtype``."""
+
+    none: "Compression"
+    bf16: "Compression"
+    fp16: "Compression"
+
+    def __init__(self, wire: str):
+        if wire not in ("f32", "bf16", "fp16"):
+            raise ValueError(f"elasticps.torch: unknown compression wire dtype {wire!r}: use f32, bf16 or fp16")
+        self.wire = wire
+
+    def __repr__(self) -> str:
+        return f"Compression({self.wire!r})"
+
+
+Compression.none = Compression("f32")
+Compression.bf16 = Compression("bf16")
+Compression.fp16 = Compression("fp16")
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """The methods mixed into a subclass of the user's optimizer class."""
 
     def __init__(
-        self, params, defaults, named_parameters, worker, push_on_backward, backward_passes_per_step, tables, buffers
+        self,
+        params,
+        defaults,
+        named_parameters,
+        worker,
+        push_on_backward,
+        backward_passes_per_step,
+        tables,
+        buffers,
+        compression,
     ):
         super(self.__class__, self).__init__(params)
         # Embedding tables on the servers (elasticps.embedding), checked before anything
@@ -272,6 +307,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._host_grad[name] = torch.empty(p.shape, dtype=torch.float32, pin_memory=True)
         self._buffers: Optional[_Buffers] = buffers if buffers else None
         self._register()
+        if compression is not None:
+            for name, _ in self._params:
+                self._worker.set_wire_dtype(name, compression.wire)
         # A resumed job goes on from its checkpoint's clock (register_model pulled it).
         self._clock = int(self._worker.start_clock)
         self._handles: Dict[str, "elasticps.Handle"] = {}
@@ -581,6 +619,7 @@ def DistributedOptimizer(
     table_optimizer: Optional[dict] = None,
     broadcast_buffers: bool = True,
     model: Optional[torch.nn.Module] = None,
+    compression: Optional[Compression] = None,
 ) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so that the servers run it (see the module's doc).
 
@@ -614,12 +653,18 @@ def DistributedOptimizer(
     says how). The module is ``model``, or the one ``named_parameters`` came from;
     ``False``: each rank keeps its own.
 
+    ``compression``: how the gradients and pulled parameters travel
+    (``elasticps.torch.Compression.bf16``, ``.fp16``, ``.none``); default: the job's
+    (``elasticps launch --wire-dtype``). Buffers travel exact.
+
     The result is an instance of a subclass of ``optimizer``'s class, so that learning-rate
     schedulers accept it; its ``param_groups`` are the ones a scheduler changes;
     ``state_dict()`` and ``load_state_dict()`` carry the servers' optimizer state.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"elasticps.torch: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if compression is not None and not isinstance(compression, Compression):
+        raise TypeError(f"elasticps.torch: compression must be an elasticps.torch.Compression, got {compression!r}")
     for g in optimizer.param_groups:
         server_optimizer(optimizer, g)
     table_sync = TableSync(tables, table_optimizer)
@@ -635,4 +680,5 @@ def DistributedOptimizer(
         backward_passes_per_step,
         table_sync,
         buffers,
+        compression,
     )

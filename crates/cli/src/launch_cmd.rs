@@ -11,7 +11,8 @@
 //!   index; the scheduler still assigns the rank), `ELASTICPS_EVENTS_FD=3`, and
 //!   `ELASTICPS_REQUEST_TIMEOUT` when `--request-timeout-s` is given, and
 //!   `ELASTICPS_WORKER_JITTER=P:MS` when `--worker-jitter` is (`elasticps worker` reads it;
-//!   a script of the user's may);
+//!   a script of the user's may), and `ELASTICPS_WIRE_DTYPE` when `--wire-dtype` is (the
+//!   Python package and `elasticps worker` read it);
 //! - it writes JSON event lines ([`crate::events::Event`]: `log`, `progress`, `eval`,
 //!   `worker_done`) to file descriptor 3, a pipe to the launcher;
 //! - its stdout and stderr are the user's: every line is printed on the launcher's
@@ -48,6 +49,11 @@ pub struct LaunchCmd {
     /// `elasticps worker` then sleeps MS ms with probability P after each iteration).
     #[arg(long, value_name = "P:MS", value_parser = parse_jitter)]
     pub worker_jitter: Option<elasticps_train::Jitter>,
+    /// The dtype the workers' gradients and pulled values travel in (f32, bf16, fp16),
+    /// passed to them as ELASTICPS_WIRE_DTYPE; `DistributedOptimizer(compression=...)`
+    /// overrides it per optimizer.
+    #[arg(long, env = "ELASTICPS_WIRE_DTYPE", value_parser = parse_dtype)]
+    pub wire_dtype: Option<elasticps_core::dtype::Dtype>,
     /// Report, progress bars, metrics.
     #[command(flatten)]
     pub run: RunArgs,
@@ -103,6 +109,9 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
     }
     if let Some(j) = cmd.worker_jitter {
         env.push(("ELASTICPS_WORKER_JITTER".to_string(), j.to_string()));
+    }
+    if let Some(d) = cmd.wire_dtype {
+        env.push(("ELASTICPS_WIRE_DTYPE".to_string(), d.to_string()));
     }
     let end_timeout = Duration::try_from_secs_f64(cmd.end_timeout_s)
         .map_err(|_| anyhow::anyhow!("--end-timeout-s must be a non-negative number of seconds"))?;
@@ -197,6 +206,10 @@ pub fn build_report(cmd: &LaunchCmd, o: &RunOutcome) -> Report {
 
 fn parse_jitter(s: &str) -> Result<elasticps_train::Jitter, String> {
     s.parse().map_err(|e: elasticps_train::TrainError| e.to_string())
+}
+
+fn parse_dtype(s: &str) -> Result<elasticps_core::dtype::Dtype, String> {
+    s.parse().map_err(|e: elasticps_core::CoreError| e.to_string())
 }
 
 #[cfg(test)]

@@ -85,8 +85,14 @@ fn bad_frames() -> Vec<Bad> {
 
     let mut garbage = noise(64, 0x5eed);
     garbage[0] = b'X'; // never the magic, whatever the noise
-    let oversized =
-        c.encode_header(&FrameHeader { kind: Kind::Push, request_id: 41, block: 0, clock: 0, payload_len: 1 << 30 });
+    let oversized = c.encode_header(&FrameHeader {
+        kind: Kind::Push,
+        request_id: 41,
+        block: 0,
+        clock: 0,
+        payload_len: 1 << 30,
+        flags: elasticps_wire::Flags::default(),
+    });
     let (wrong_secret_head, wrong_secret_payload) =
         Codec::new(b"not the secret", DEFAULT_MAX_PAYLOAD).encode(44, &hello).expect("hello");
     let mut trailing = hello_head.to_vec();
@@ -102,8 +108,14 @@ fn bad_frames() -> Vec<Bad> {
         secret,
     ));
     let truncated = {
-        let head =
-            c.encode_header(&FrameHeader { kind: Kind::Push, request_id: 49, block: 0, clock: 0, payload_len: 64 });
+        let head = c.encode_header(&FrameHeader {
+            kind: Kind::Push,
+            request_id: 49,
+            block: 0,
+            clock: 0,
+            payload_len: 64,
+            flags: elasticps_wire::Flags::default(),
+        });
         let mut v = head.to_vec();
         v.extend_from_slice(&[0u8; 20]); // 20 of the 64 announced bytes, then end of stream
         v
@@ -368,7 +380,8 @@ fn a_request_for_a_missing_block_gets_unknown_block_and_the_connection_stays_usa
         assert!(matches!(m, Message::Control(Control::Ok)), "Hello: {m:?}");
 
         for (id, block) in [(2, 9_999u32), (3, u32::MAX)] {
-            let (h, m) = call_raw(&mut conn, &k, id, &Message::Pull { block, clock: 0 });
+            let (h, m) =
+                call_raw(&mut conn, &k, id, &Message::Pull { block, clock: 0, reply: elasticps_wire::Dtype::F32 });
             match m {
                 Message::Error(e) => {
                     assert_eq!(e.code, ErrorCode::UnknownBlock, "pull of block {block}: {e}");
@@ -388,7 +401,8 @@ fn a_request_for_a_missing_block_gets_unknown_block_and_the_connection_stays_usa
         // The same connection still works: a pull of an owned block...
         let b = owned[0];
         let (_, off, len) = c.blocks[b as usize];
-        let (h, m) = call_raw(&mut conn, &k, 5, &Message::Pull { block: b, clock: 0 });
+        let (h, m) =
+            call_raw(&mut conn, &k, 5, &Message::Pull { block: b, clock: 0, reply: elasticps_wire::Dtype::F32 });
         match m {
             Message::PullReply { block, clock: 0, values } if block == b => {
                 let want = c.expected[c.blocks[b as usize].0][off..off + len].to_vec();
@@ -397,7 +411,8 @@ fn a_request_for_a_missing_block_gets_unknown_block_and_the_connection_stays_usa
             other => panic!("pull of owned block {b} after UnknownBlock: {other:?}"),
         }
         // ...a block of the other server is Moved, not unknown...
-        let (h, m) = call_raw(&mut conn, &k, 6, &Message::Pull { block: foreign, clock: 0 });
+        let (h, m) =
+            call_raw(&mut conn, &k, 6, &Message::Pull { block: foreign, clock: 0, reply: elasticps_wire::Dtype::F32 });
         assert_eq!(h.request_id, 6);
         assert_eq!(
             m,
@@ -439,7 +454,8 @@ fn the_scheduler_survives_garbage_and_a_job_still_completes() {
         // A well-formed frame that is not a control message: refused (from its header, the
         // connection has not registered) and closed.
         let mut s = connect_raw(&addr, SECRET.as_bytes());
-        write_frame(&mut s, &codec(), 9, &Message::Pull { block: 0, clock: 0 }).expect("send");
+        write_frame(&mut s, &codec(), 9, &Message::Pull { block: 0, clock: 0, reply: elasticps_wire::Dtype::F32 })
+            .expect("send");
         match read_reply(&mut s, &codec(), REPLY_TIMEOUT) {
             Reply::Frame(h, Message::Error(e)) => {
                 assert_eq!((e.code, h.request_id), (ErrorCode::Forbidden, 9), "{when}: {e}");
@@ -510,6 +526,7 @@ fn spam_once(addr: &str, cases: &[Bad], i: usize) -> Result<(), String> {
             block: 0,
             clock: 0,
             payload_len: u32::MAX,
+            flags: elasticps_wire::Flags::default(),
         });
         s.write_all(&head).map_err(|e| format!("sending an oversized header to {addr}: {e}"))?;
         let chunk = noise(64 << 10, i as u64);
@@ -559,6 +576,7 @@ fn garbage_sent_to_a_servers_port_mid_training_does_not_stop_that_training_run()
                 block: 0,
                 clock: 0,
                 payload_len: 1 << 30,
+                flags: elasticps_wire::Flags::default(),
             }))
             .expect("oversized");
         stalled.push((partial, unread));
@@ -863,7 +881,12 @@ fn row_requests_are_served_and_bad_ones_refused_on_a_connection_that_stays_usabl
     let hello = Control::Hello { credential }.into();
     assert_eq!(call_raw(&mut data, &c, 1, &hello).1, Control::Ok.into());
 
-    let pull_rows = |clock, ids: &[u64]| Message::PullRows { block: 1, clock, ids: RowIds::from_slice(ids) };
+    let pull_rows = |clock, ids: &[u64]| Message::PullRows {
+        block: 1,
+        clock,
+        ids: RowIds::from_slice(ids),
+        reply: elasticps_wire::Dtype::F32,
+    };
     let push_rows = |dim, ids: &[u64], grads: &[f32]| Message::PushRows {
         block: 1,
         clock: 0,
@@ -885,8 +908,14 @@ fn row_requests_are_served_and_bad_ones_refused_on_a_connection_that_stays_usabl
     }
     refused(&mut data, 3, pull_rows(0, &[0, 5]), "row 5 is not in block 1, which holds rows 0..2");
     refused(&mut data, 4, push_rows(1, &[0, 1], &[1.0, 1.0]), "the push carries rows of 1");
-    refused(&mut data, 5, Message::Pull { block: 1, clock: 0 }, "is a range of a table's rows");
-    let dense = Message::PullRows { block: 0, clock: 0, ids: RowIds::from_slice(&[0]) };
+    refused(
+        &mut data,
+        5,
+        Message::Pull { block: 1, clock: 0, reply: elasticps_wire::Dtype::F32 },
+        "is a range of a table's rows",
+    );
+    let dense =
+        Message::PullRows { block: 0, clock: 0, ids: RowIds::from_slice(&[0]), reply: elasticps_wire::Dtype::F32 };
     if layout.placement.owner(0) == Some(owner) {
         refused(&mut data, 6, dense, "is a slice of a dense tensor");
     }

@@ -61,6 +61,7 @@ fn sixty_four_stalled_64_mib_frames_stay_within_the_partial_frame_budget() {
             block: 0,
             clock: 1_000,
             payload_len: DEFAULT_MAX_PAYLOAD,
+            flags: elasticps_wire::Flags::default(),
         });
         // A write fails once the server dropped this frame for a newer one.
         match s.write_all(&head).and_then(|()| s.write_all(&payload)) {

@@ -132,7 +132,9 @@ fn held_pulls_of_a_closed_connection_are_dropped_and_honest_rounds_do_not_slow()
     let far = job.clock + 990;
     let attacker = std::thread::spawn(move || {
         let started = Instant::now();
-        let pulls = |n: usize| std::iter::repeat_n(Message::Pull { block: b, clock: far }, n);
+        let pulls = |n: usize| {
+            std::iter::repeat_n(Message::Pull { block: b, clock: far, reply: elasticps_wire::Dtype::F32 }, n)
+        };
         let mut a = hello_conn(&addr, &hello);
         let first = flood(&mut a, pulls(57_344), PACE);
         drop(a);

@@ -217,7 +217,8 @@ fn a_backup_refuses_copies_from_a_worker_and_serves_exact_values_once_promoted()
     victim.kill();
     job.round("the primary was killed");
     job.round("the backup was promoted");
-    let m = call(&mut conn, &codec(), 4, &Message::Pull { block: b, clock: job.clock });
+    let m =
+        call(&mut conn, &codec(), 4, &Message::Pull { block: b, clock: job.clock, reply: elasticps_wire::Dtype::F32 });
     match m {
         Message::PullReply { block, values, .. } => {
             assert_eq!((block, values.to_vec()), (b, job.block_values(b)), "the promoted backup's values")
@@ -257,7 +258,8 @@ fn a_snapshot_or_delta_without_hello_is_forbidden_and_parks_nothing() {
     let m = call(&mut conn, &codec(), 2, &snapshot.into());
     assert_refused(&m, ErrorCode::Forbidden, &["worker 0", "BlockSnapshot"], "BlockSnapshot from a worker");
     // Nothing parked: the block is the other server's, said at once.
-    let m = call(&mut conn, &codec(), 3, &Message::Pull { block: b, clock: job.clock });
+    let m =
+        call(&mut conn, &codec(), 3, &Message::Pull { block: b, clock: job.clock, reply: elasticps_wire::Dtype::F32 });
     assert_eq!(m, Message::Control(Control::Moved { block: b, owner, epoch: job.layout.placement.epoch }));
     job.round("a forged snapshot and delta");
 
@@ -271,7 +273,8 @@ fn a_snapshot_or_delta_without_hello_is_forbidden_and_parks_nothing() {
     });
     assert!(moved.is_some(), "the move of block {b} to server {target} did not complete\n{}", job.sched.log_tail(20));
     job.round("block moved to the server that refused the forged snapshot");
-    let m = call(&mut conn, &codec(), 4, &Message::Pull { block: b, clock: job.clock });
+    let m =
+        call(&mut conn, &codec(), 4, &Message::Pull { block: b, clock: job.clock, reply: elasticps_wire::Dtype::F32 });
     match m {
         Message::PullReply { block, values, .. } => {
             assert_eq!((block, values.to_vec()), (b, job.block_values(b)), "block {b} on its new owner")
@@ -359,16 +362,28 @@ fn a_far_future_pull_is_a_bad_request_naming_the_bound_and_the_connection_stays_
     let b = 0;
     let s = job.owner(b);
     let mut conn = job.as_worker(s);
-    let m = call(&mut conn, &codec(), 2, &Message::Pull { block: b, clock: u32::MAX });
+    let m =
+        call(&mut conn, &codec(), 2, &Message::Pull { block: b, clock: u32::MAX, reply: elasticps_wire::Dtype::F32 });
     assert_refused(&m, ErrorCode::BadRequest, &["--max-clock-lead", "1000"], "pull(2^32-1)");
     let len = job.blocks[b as usize].2;
-    let push_pull = Message::PushPull { block: b, clock: u32::MAX - 1, values: Values::from_vec(vec![100.0; len]) };
+    let push_pull = Message::PushPull {
+        block: b,
+        clock: u32::MAX - 1,
+        values: Values::from_vec(vec![100.0; len]),
+        reply: elasticps_wire::Dtype::F32,
+    };
     let m = call(&mut conn, &codec(), 3, &push_pull);
     assert_refused(&m, ErrorCode::BadRequest, &["--max-clock-lead"], "push_pull(2^32-2)");
-    let m = call(&mut conn, &codec(), 4, &Message::Pull { block: b, clock: job.clock + 1001 });
+    let m = call(
+        &mut conn,
+        &codec(),
+        4,
+        &Message::Pull { block: b, clock: job.clock + 1001, reply: elasticps_wire::Dtype::F32 },
+    );
     assert_refused(&m, ErrorCode::BadRequest, &["--max-clock-lead"], "pull(done + 1001)");
     // Usable: a pull of the current clock is answered with the exact values.
-    match call(&mut conn, &codec(), 5, &Message::Pull { block: b, clock: job.clock }) {
+    match call(&mut conn, &codec(), 5, &Message::Pull { block: b, clock: job.clock, reply: elasticps_wire::Dtype::F32 })
+    {
         Message::PullReply { values, .. } => assert_eq!(values.to_vec(), job.block_values(b)),
         other => panic!("a pull of the current clock after the refusals: {other:?}"),
     }

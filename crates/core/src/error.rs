@@ -118,4 +118,7 @@ pub enum CoreError {
     /// A dense operation (Pull, Push, PushPull, Init) on a block of an embedding table.
     #[error("block {0} is a range of a table's rows: pull and push it by rows (PullRows, PushRows)")]
     NotDense(BlockId),
+    /// A wire dtype name that is not f32, bf16 or fp16.
+    #[error("unknown wire dtype {0:?}: use f32, bf16 or fp16")]
+    BadDtype(String),
 }

@@ -13,12 +13,14 @@
 //! - [`adaptive`]: per-server tuning of the staleness bound.
 //! - [`load`]: per-server service-rate estimates with a confidence (PSLD's measurements).
 //! - [`balance`]: the PSLD balancer: block moves, probes, scale-out trials and scale-in.
+//! - [`dtype`]: the wire's value types (f32, bf16, fp16) and their conversions.
 //! - [`block`]: the per-block state machine a server runs (values, optimizer, clocks,
 //!   held pulls, counters).
 
 pub mod adaptive;
 pub mod balance;
 pub mod block;
+pub mod dtype;
 pub mod error;
 pub mod f32s;
 pub mod ids;

@@ -16,7 +16,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use elasticps_wire::{HEADER_LEN, Message, Values};
+use elasticps_wire::{Dtype, HEADER_LEN, Message, Values};
 
 use crate::port::{Key, Port, key, unkey};
 use crate::queue::EventQueue;
@@ -108,12 +108,12 @@ pub fn payload_bytes(msg: &Message) -> u64 {
         | Message::PullReply { values, .. }
         | Message::Init { values, .. }
         | Message::PushPull { values, .. }
-        | Message::PullRowsReply { values, .. } => values.as_bytes().len(),
+        | Message::PullRowsReply { values, .. } => values.wire_len(),
         Message::PullRows { ids, .. } => ids.as_bytes().len(),
         Message::PushRows { ids, grads, .. } => {
             elasticps_wire::PUSH_ROWS_PREFIX + ids.as_bytes().len() + grads.as_bytes().len()
         }
-        Message::Forward { values, .. } => elasticps_wire::FORWARD_PREFIX + values.as_bytes().len(),
+        Message::Forward { values, .. } => elasticps_wire::FORWARD_PREFIX + values.wire_len(),
         Message::PushAck { .. } | Message::Pull { .. } => 0,
         Message::Control(_) | Message::Error(_) => msg.encode_payload().map_or(0, |b| b.len()),
     };
@@ -272,15 +272,15 @@ struct InFlight {
     msg: Compact,
 }
 
-/// A message packed for the slab: the data-plane kinds inline (a slab entry of 64 bytes instead of
+/// A message packed for the slab: the data-plane kinds inline (a slab entry of 72 bytes instead of
 /// [`Message`]'s 200, which the control messages need), the rest boxed.
 #[derive(Debug)]
 enum Compact {
     Push { block: u32, clock: u32, values: Values },
     PushAck { block: u32, clock: u32 },
-    Pull { block: u32, clock: u32 },
+    Pull { block: u32, clock: u32, reply: Dtype },
     PullReply { block: u32, clock: u32, values: Values },
-    PushPull { block: u32, clock: u32, values: Values },
+    PushPull { block: u32, clock: u32, values: Values, reply: Dtype },
     Other(Box<Message>),
 }
 
@@ -289,9 +289,9 @@ impl From<Message> for Compact {
         match m {
             Message::Push { block, clock, values } => Compact::Push { block, clock, values },
             Message::PushAck { block, clock } => Compact::PushAck { block, clock },
-            Message::Pull { block, clock } => Compact::Pull { block, clock },
+            Message::Pull { block, clock, reply } => Compact::Pull { block, clock, reply },
             Message::PullReply { block, clock, values } => Compact::PullReply { block, clock, values },
-            Message::PushPull { block, clock, values } => Compact::PushPull { block, clock, values },
+            Message::PushPull { block, clock, values, reply } => Compact::PushPull { block, clock, values, reply },
             other => Compact::Other(Box::new(other)),
         }
     }
@@ -302,9 +302,9 @@ impl From<Compact> for Message {
         match c {
             Compact::Push { block, clock, values } => Message::Push { block, clock, values },
             Compact::PushAck { block, clock } => Message::PushAck { block, clock },
-            Compact::Pull { block, clock } => Message::Pull { block, clock },
+            Compact::Pull { block, clock, reply } => Message::Pull { block, clock, reply },
             Compact::PullReply { block, clock, values } => Message::PullReply { block, clock, values },
-            Compact::PushPull { block, clock, values } => Message::PushPull { block, clock, values },
+            Compact::PushPull { block, clock, values, reply } => Message::PushPull { block, clock, values, reply },
             Compact::Other(m) => *m,
         }
     }
@@ -1015,14 +1015,14 @@ mod tests {
 
     #[test]
     fn a_packed_message_is_small_and_unpacks_to_itself() {
-        assert!(std::mem::size_of::<InFlight>() <= 64, "{}", std::mem::size_of::<InFlight>());
+        assert!(std::mem::size_of::<InFlight>() <= 72, "{}", std::mem::size_of::<InFlight>());
         for m in [
             push(3, 4),
             Message::PushAck { block: 1, clock: 2 },
-            Message::Pull { block: 1, clock: 2 },
+            Message::Pull { block: 1, clock: 2, reply: Dtype::F32 },
             Message::PullReply { block: 1, clock: 2, values: Values::from_vec(vec![1.0]) },
             Message::Init { block: 1, values: Values::from_vec(vec![1.0]) },
-            Message::PushPull { block: 1, clock: 2, values: Values::from_vec(vec![1.0]) },
+            Message::PushPull { block: 1, clock: 2, values: Values::from_vec(vec![1.0]), reply: Dtype::F32 },
             elasticps_wire::Control::Heartbeat.into(),
         ] {
             assert_eq!(Message::from(Compact::from(m.clone())), m);
@@ -1095,15 +1095,15 @@ mod tests {
     #[test]
     fn the_default_size_is_the_frame_and_nominal_sizes_charge_a_block_its_bytes() {
         assert_eq!(frame_bytes(&push(0, 0)), 32 + 4);
-        assert_eq!(frame_bytes(&Message::Pull { block: 0, clock: 0 }), 32);
+        assert_eq!(frame_bytes(&Message::Pull { block: 0, clock: 0, reply: Dtype::F32 }), 32);
         let hb: Message = elasticps_wire::Control::Heartbeat.into();
         assert_eq!(frame_bytes(&hb), 32 + hb.encode_payload().unwrap().len() as u64);
         let hook = nominal_sizes(vec![4_000_000, 512]);
         assert_eq!(hook(&push(0, 0)), 32 + 4_000_000);
         assert_eq!(hook(&Message::PullReply { block: 1, clock: 0, values: Values::from_vec(vec![1.0]) }), 32 + 512);
         assert_eq!(hook(&push(7, 0)), 36, "a block the hook does not know costs its frame");
-        assert_eq!(hook(&Message::Pull { block: 0, clock: 0 }), 32);
-        let fused = Message::PushPull { block: 0, clock: 0, values: Values::from_vec(vec![1.0]) };
+        assert_eq!(hook(&Message::Pull { block: 0, clock: 0, reply: Dtype::F32 }), 32);
+        let fused = Message::PushPull { block: 0, clock: 0, values: Values::from_vec(vec![1.0]), reply: Dtype::F32 };
         assert_eq!((frame_bytes(&fused), hook(&fused)), (36, 32 + 4_000_000), "a push_pull carries the gradient");
     }
 

@@ -355,13 +355,20 @@ impl WorkerRole {
                 Message::Push { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
             }
             Op::Init => Message::Init { block: block.id, values: Values::from_vec(vec![0.0; block.len]) },
-            Op::Pull(clock) => Message::Pull { block: block.id, clock },
+            Op::Pull(clock) => Message::Pull { block: block.id, clock, reply: elasticps_wire::Dtype::F32 },
             Op::PushPull(clock) => {
                 let g = (self.work.grad)(rank, clock, block.id);
-                Message::PushPull { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
+                Message::PushPull {
+                    block: block.id,
+                    clock,
+                    values: self.gradient(block.id, block.len, g),
+                    reply: elasticps_wire::Dtype::F32,
+                }
             }
             Op::PushRows(clock) => self.row_push(rank, clock, block),
-            Op::PullRows(clock) => Message::PullRows { block: block.id, clock, ids: Default::default() },
+            Op::PullRows(clock) => {
+                Message::PullRows { block: block.id, clock, ids: Default::default(), reply: elasticps_wire::Dtype::F32 }
+            }
         }
     }
 

@@ -251,16 +251,25 @@ fn sample(name: &str, own: Own, m: &Model) -> Message {
         },
         "Push" => return Message::Push { block: 0, clock, values: values(0.5) },
         "PushAck" => return Message::PushAck { block: 0, clock },
-        "Pull" => return Message::Pull { block: 0, clock },
+        "Pull" => return Message::Pull { block: 0, clock, reply: elasticps_wire::Dtype::F32 },
         "PullReply" => return Message::PullReply { block: 0, clock, values: values(1.0) },
         "Error" => return Message::Error(ErrorReply { code: ErrorCode::NotReady, message: "a sample".into() }),
         "Init" => return Message::Init { block: 0, values: values(1.0) },
-        "PushPull" => return Message::PushPull { block: 0, clock, values: values(0.5) },
+        "PushPull" => {
+            return Message::PushPull { block: 0, clock, values: values(0.5), reply: elasticps_wire::Dtype::F32 };
+        }
         "Forward" => {
             let worker = rank.min(WORKERS - 1);
             return Message::Forward { block: 2, clock, worker, init: false, values: values(0.5) };
         }
-        "PullRows" => return Message::PullRows { block: 0, clock, ids: RowIds::from_vec(vec![0]) },
+        "PullRows" => {
+            return Message::PullRows {
+                block: 0,
+                clock,
+                ids: RowIds::from_vec(vec![0]),
+                reply: elasticps_wire::Dtype::F32,
+            };
+        }
         "PullRowsReply" => return Message::PullRowsReply { block: 0, clock, values: values(1.0) },
         "PushRows" => {
             return Message::PushRows {

@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
+use elasticps_core::dtype::Dtype;
 use elasticps_core::model::{TableSpec, TensorSpec};
 use elasticps_core::optimizer::{OptState, TensorOptimizer};
 use elasticps_core::sync::Clock;
@@ -52,6 +53,8 @@ pub enum Cmd {
     PushRows { clock: Clock, table: u32, ids: Vec<u64>, grads: Option<Vec<f32>>, ticket: Ticket, done: Reply<()> },
     /// A tensor's new optimizer.
     SetOptimizer { tensor: u32, optimizer: TensorOptimizer, done: Reply<()> },
+    /// The dtype a tensor's pushes and pull replies travel in from now on.
+    SetWireDtype { tensor: u32, dtype: Dtype, done: Reply<()> },
     /// A tensor's optimizer state on the servers.
     GetOptState { tensor: u32, done: Reply<OptState> },
     /// Replace a tensor's optimizer state on the servers.
@@ -232,6 +235,10 @@ impl Actor {
     async fn control(&mut self, cmd: Cmd) {
         let client = &mut self.client;
         match cmd {
+            Cmd::SetWireDtype { tensor, dtype, done } => {
+                client.set_wire_dtype(tensor, dtype);
+                let _ = done.send(Ok(()));
+            }
             Cmd::SetOptimizer { tensor, optimizer, done } => {
                 let r = client.set_optimizer(tensor, optimizer).await;
                 let _ = done.send(r.map_err(|e| format!("elasticps: set_optimizer failed: {e}")));

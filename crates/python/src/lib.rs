@@ -55,7 +55,8 @@ fn env_number<T: std::str::FromStr>(name: &str, default: T) -> PyResult<T> {
 /// Connects to the scheduler (`scheduler`, else `ELASTICPS_SCHEDULER`, else
 /// 127.0.0.1:7000) with the transport settings of the roles' environment variables
 /// (`ELASTICPS_SECRET`, or `ELASTICPS_WORKER_SECRET` alone for a worker that holds only the
-/// worker secret, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`, and TLS from
+/// worker secret, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`, `ELASTICPS_WIRE_DTYPE`
+/// (f32, bf16, fp16: the job's dtype on the wire), and TLS from
 /// `ELASTICPS_TLS_CERT`, `ELASTICPS_TLS_KEY`, `ELASTICPS_TLS_CA`), joins the
 /// job and returns the worker. `ELASTICPS_METRICS_LISTEN=HOST:PORT` serves its Prometheus
 /// metrics there. `ELASTICPS_RANK=R` (the launcher's `--restart-workers` sets it) rejoins
@@ -84,6 +85,12 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     opts.codec =
         elasticps_wire::Codec::for_worker(secret.as_bytes(), worker_secret.as_deref().map(str::as_bytes), max_payload);
     opts.request_timeout = Duration::from_secs(request_timeout_s.max(1));
+    if let Ok(v) = std::env::var("ELASTICPS_WIRE_DTYPE")
+        && !v.is_empty()
+    {
+        opts.wire_dtype =
+            v.parse().map_err(|e| PyValueError::new_err(format!("elasticps: ELASTICPS_WIRE_DTYPE: {e}")))?;
+    }
     // Set by the launcher's --restart-workers: rejoin as this rank.
     opts.rank = match std::env::var("ELASTICPS_RANK") {
         Ok(v) => Some(

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 
+use elasticps_core::dtype::Dtype;
 use elasticps_core::model::{Init, TensorSpec};
 use elasticps_core::optimizer::{OptState, OptimizerKind, TensorOptimizer};
 use elasticps_core::sync::Clock;
@@ -553,6 +554,16 @@ impl Worker {
         let dst = arrays::destination(out, name, len, &mut keep)?;
         let (rx, ticket) = self.round(None, Some((clock, vec![(t, dst)])), keep)?;
         Ok(Handle::new(rx, ticket, format!("pull(clock {clock}) of {name:?}"), self.pid))
+    }
+
+    /// Tensor `name`'s gradients and pulled values travel in `dtype` from now on: "f32",
+    /// "bf16" or "fp16" (`DistributedOptimizer(compression=...)`; the job's default is
+    /// `ELASTICPS_WIRE_DTYPE`). The servers keep float32 values and optimizer state.
+    fn set_wire_dtype(&self, py: Python<'_>, name: &str, dtype: &str) -> PyResult<()> {
+        let (t, _) = self.tensor(name)?;
+        let dtype: Dtype = dtype.parse().map_err(|e| PyValueError::new_err(format!("elasticps: {e}")))?;
+        let rx = self.send(|done| Cmd::SetWireDtype { tensor: t as u32, dtype, done })?;
+        wait(py, &format!("setting the wire dtype of {name:?}"), rx)
     }
 
     /// Gives tensor `name` a new server-side optimizer (a dict as in `register_model`),

@@ -12,6 +12,7 @@ use clap::Args;
 use crate::RunError;
 use crate::error::ensure_flags;
 use elasticps_core::block::ShardConfig;
+use elasticps_core::dtype::Dtype;
 use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
 use elasticps_core::placement::PlacementKind;
 use elasticps_core::sync::SyncPolicy;
@@ -445,6 +446,10 @@ pub struct DataArgs {
     /// the server acknowledged the pushes) instead of one push_pull: to compare.
     #[arg(long = "no-fuse")]
     pub no_fuse: bool,
+    /// The dtype gradients and pulled values travel in: f32, bf16 or fp16 (servers keep
+    /// f32 values and optimizer state; initial values travel as f32).
+    #[arg(long, env = "ELASTICPS_WIRE_DTYPE", default_value = "f32", value_parser = parse_core::<Dtype>)]
+    pub wire_dtype: Dtype,
 }
 
 /// The data a command line with none of these flags describes (clap's defaults; a test
@@ -465,6 +470,7 @@ impl Default for DataArgs {
             data_seed: 7,
             request_timeout_s: 300,
             no_fuse: false,
+            wire_dtype: Dtype::F32,
         }
     }
 }
@@ -509,6 +515,9 @@ impl DataArgs {
         }
         if self.no_fuse {
             f.push("--no-fuse".into());
+        }
+        if self.wire_dtype != Dtype::F32 {
+            f.extend(["--wire-dtype".into(), self.wire_dtype.to_string()]);
         }
         f
     }
@@ -792,6 +801,7 @@ mod tests {
             data_seed: 9,
             request_timeout_s: 60,
             no_fuse: true,
+            wire_dtype: Dtype::Bf16,
         };
         assert_eq!(data(&d.to_flags().iter().map(String::as_str).collect::<Vec<_>>()).unwrap(), d);
         let defaults = DataArgs::default();

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 
 use bytes::{Bytes, BytesMut};
-use elasticps_wire::{Codec, FrameHeader, HEADER_LEN, Kind, Message, WireError};
+use elasticps_wire::{Codec, Flags, FrameHeader, HEADER_LEN, Kind, Message, WireError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -468,13 +468,14 @@ impl Writer {
         block: u32,
         clock: u32,
         payload_len: usize,
+        flags: Flags,
     ) -> Result<[u8; HEADER_LEN]> {
         let max = self.codec.max_payload();
         let len = u32::try_from(payload_len).ok().filter(|l| *l <= max).ok_or_else(|| RuntimeError::Wire {
             peer: self.peer.clone(),
             source: WireError::TooLarge { len: payload_len as u64, max },
         })?;
-        Ok(self.codec.encode_header(&FrameHeader { kind, request_id, block, clock, payload_len: len }))
+        Ok(self.codec.encode_header(&FrameHeader { kind, request_id, block, clock, payload_len: len, flags }))
     }
 
     /// Writes one frame, header then payload, with vectored writes from this task and
@@ -778,13 +779,22 @@ mod tests {
         let small = [1.5f32; 3];
         let w = b_out.writer();
         let frames = [
-            (w.tensor_header(Kind::Push, 7, 1, 2, big.len() * 4).unwrap(), bytemuck::cast_slice::<f32, u8>(&big)),
-            (w.tensor_header(Kind::Pull, 8, 3, 4, 0).unwrap(), &[][..]),
-            (w.tensor_header(Kind::Init, 9, 5, 0, 12).unwrap(), bytemuck::cast_slice::<f32, u8>(&small)),
+            (
+                w.tensor_header(Kind::Push, 7, 1, 2, big.len() * 4, Flags::default()).unwrap(),
+                bytemuck::cast_slice::<f32, u8>(&big),
+            ),
+            (w.tensor_header(Kind::Pull, 8, 3, 4, 0, Default::default()).unwrap(), &[][..]),
+            (
+                w.tensor_header(Kind::Init, 9, 5, 0, 12, Default::default()).unwrap(),
+                bytemuck::cast_slice::<f32, u8>(&small),
+            ),
         ];
         w.write_frames(&frames).await.unwrap();
         b_out.send((10, push(4))).unwrap();
-        b_out.send_all_now(vec![(11, Message::Pull { block: 6, clock: 1 })]).await.unwrap();
+        b_out
+            .send_all_now(vec![(11, Message::Pull { block: 6, clock: 1, reply: elasticps_wire::Dtype::F32 })])
+            .await
+            .unwrap();
         let mut got = Vec::new();
         for _ in 0..5 {
             let (h, msg) = tokio::time::timeout(Duration::from_secs(10), a_in.next())
@@ -795,11 +805,11 @@ mod tests {
             got.push((h.request_id, msg));
         }
         assert!(matches!(&got[0], (7, Message::Push { block: 1, clock: 2, values }) if values.to_vec() == big));
-        assert_eq!(got[1], (8, Message::Pull { block: 3, clock: 4 }));
+        assert_eq!(got[1], (8, Message::Pull { block: 3, clock: 4, reply: elasticps_wire::Dtype::F32 }));
         assert!(matches!(&got[2], (9, Message::Init { block: 5, values }) if values.to_vec() == small));
         // The queued frame leaves before the direct one written after it.
         assert_eq!(got[3].0, 10);
-        assert_eq!(got[4], (11, Message::Pull { block: 6, clock: 1 }));
+        assert_eq!(got[4], (11, Message::Pull { block: 6, clock: 1, reply: elasticps_wire::Dtype::F32 }));
     }
 
     #[tokio::test]
@@ -818,6 +828,7 @@ mod tests {
             block: 2,
             clock: 5,
             payload_len: payload.len() as u32,
+            flags: elasticps_wire::Flags::default(),
         });
         // Half a header, then a poll that another event cancels: nothing read is lost.
         raw.write_all(&head[..HEADER_LEN / 2]).await.unwrap();
@@ -852,17 +863,17 @@ mod tests {
         // Far more than the socket buffers hold, and nobody reads: the write cannot finish.
         let huge = vec![0u8; 64 << 20];
         let w = b_out.writer();
-        let head = w.tensor_header(Kind::Push, 1, 0, 0, huge.len()).unwrap();
+        let head = w.tensor_header(Kind::Push, 1, 0, 0, huge.len(), Flags::default()).unwrap();
         let cut = tokio::time::timeout(Duration::from_millis(200), w.write_frame(&head, &huge)).await;
         assert!(cut.is_err(), "the write should still be blocked");
-        let again = w.write_frame(&w.tensor_header(Kind::Pull, 2, 0, 0, 0).unwrap(), &[]).await;
+        let again = w.write_frame(&w.tensor_header(Kind::Pull, 2, 0, 0, 0, Default::default()).unwrap(), &[]).await;
         assert!(matches!(again, Err(RuntimeError::Closed(_))), "{again:?}");
     }
 
     #[tokio::test]
     async fn a_frame_over_the_limit_is_refused_before_writing() {
         let ((_a_in, _a_out), (_b_in, b_out)) = pair(None).await;
-        let err = b_out.writer().tensor_header(Kind::Push, 1, 0, 0, (64 << 20) + 4).unwrap_err();
+        let err = b_out.writer().tensor_header(Kind::Push, 1, 0, 0, (64 << 20) + 4, Flags::default()).unwrap_err();
         assert!(matches!(err, RuntimeError::Wire { source: WireError::TooLarge { .. }, .. }), "{err:?}");
     }
 

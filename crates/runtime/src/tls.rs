@@ -424,7 +424,7 @@ mod tests {
         let big: Vec<f32> = (0..(1 << 18)).map(|i| i as f32).collect(); // 1 MiB
         b_out.send((1, Message::Push { block: 3, clock: 7, values: Values::from_vec(big.clone()) })).unwrap();
         let w = b_out.writer();
-        let head = w.tensor_header(elasticps_wire::Kind::Push, 2, 4, 8, 12).unwrap();
+        let head = w.tensor_header(elasticps_wire::Kind::Push, 2, 4, 8, 12, Default::default()).unwrap();
         w.write_frame(&head, bytemuck::cast_slice(&[1.0f32, 2.0, 3.0])).await.unwrap();
         // The direct write may overtake the queued frame: take them in any order.
         let mut got = Vec::new();

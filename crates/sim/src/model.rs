@@ -131,7 +131,12 @@ mod tests {
             let push = Message::Push { block: b as u32, clock: 0, values: values.clone() };
             assert_eq!(m.nominal_bytes(&push), HEADER_LEN as u64 + nominal.blocks[b].bytes() as u64, "block {b}");
             // A fused push_pull carries the same gradient: the links are charged for it too.
-            let push_pull = Message::PushPull { block: b as u32, clock: 0, values: values.clone() };
+            let push_pull = Message::PushPull {
+                block: b as u32,
+                clock: 0,
+                values: values.clone(),
+                reply: elasticps_wire::Dtype::F32,
+            };
             assert_eq!(m.nominal_bytes(&push_pull), m.nominal_bytes(&push), "push_pull of block {b}");
             let reply = Message::PullReply { block: b as u32, clock: 1, values };
             assert_eq!(m.nominal_bytes(&reply), m.nominal_bytes(&push), "pull reply of block {b}");

@@ -5,6 +5,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use elasticps_core::dtype::Dtype;
+
 use crate::header::Kind;
 
 /// Why a frame or message was refused.
@@ -32,8 +34,12 @@ pub enum WireError {
         /// The kind byte that arrived.
         got: u8,
     },
-    /// Reserved flag bits were set.
-    #[error("reserved flags {got:#06x} are set (must be 0)")]
+    /// Flags a frame of its kind cannot carry: a reserved bit, dtype code 3, a reply
+    /// dtype on a frame that asks for no values, a sparse bit on a frame that is not a
+    /// gradient (docs/PROTOCOL.md §3).
+    #[error(
+        "flags {got:#06x} are not valid for this kind of frame (bits 0-1: the values' dtype, 2-3: the reply's, 4: sparse)"
+    )]
     BadFlags {
         /// The flags that arrived.
         got: u16,
@@ -57,11 +63,20 @@ pub enum WireError {
         /// What is wrong with it.
         why: String,
     },
-    /// A byte buffer whose length is not a multiple of 4 cannot hold f32 values.
-    #[error("{len} bytes are not a whole number of f32 values")]
+    /// A byte buffer whose length is not a multiple of its dtype's width cannot hold
+    /// values of that dtype.
+    #[error("{len} bytes are not a whole number of {dtype} values")]
     NotF32 {
         /// The buffer length in bytes.
         len: usize,
+        /// The dtype the frame's flags announce.
+        dtype: Dtype,
+    },
+    /// A sparse payload whose count, positions and values do not add up.
+    #[error("bad sparse payload: {why}")]
+    BadSparse {
+        /// What is wrong.
+        why: String,
     },
     /// A Control or Error payload that postcard could not decode (or encode).
     #[error("postcard: {0}")]
@@ -118,7 +133,10 @@ impl WireError {
             WireError::BadFlags { .. } => ErrorCode::Malformed,
             WireError::TooLarge { .. } => ErrorCode::TooLarge,
             WireError::BadChecksum => ErrorCode::BadChecksum,
-            WireError::BadPayload { .. } | WireError::NotF32 { .. } | WireError::Postcard(_) => ErrorCode::Malformed,
+            WireError::BadPayload { .. }
+            | WireError::NotF32 { .. }
+            | WireError::BadSparse { .. }
+            | WireError::Postcard(_) => ErrorCode::Malformed,
             WireError::NoHandshake { .. } | WireError::BadHandshake(_) => ErrorCode::Malformed,
             WireError::Unauthenticated { .. } | WireError::BadCredential(_) => ErrorCode::Unauthenticated,
             WireError::Unidentified { kind: Kind::Control | Kind::Error, .. } => ErrorCode::TooLarge,

@@ -10,8 +10,8 @@ use zerocopy::little_endian::{U16, U32, U64};
 use crate::error::WireError;
 use crate::handshake::KeyId;
 use crate::header::{
-    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
-    checksum,
+    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, Flags, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader,
+    VERSION, checksum,
 };
 use crate::message::{Message, check_payload_len};
 
@@ -108,7 +108,7 @@ impl Codec {
         self.max_payload
     }
 
-    /// The 32 header bytes of `h`: magic, version, zero flags, and the checksum over the
+    /// The 32 header bytes of `h`: magic, version, its flags, and the checksum over the
     /// rest with this codec's secret. Does not check the payload limit ([`Codec::encode`]
     /// does).
     pub fn encode_header(&self, h: &FrameHeader) -> [u8; HEADER_LEN] {
@@ -116,7 +116,7 @@ impl Codec {
             magic: MAGIC,
             version: VERSION,
             kind: h.kind as u8,
-            flags: U16::new(0),
+            flags: U16::new(h.flags.bits()),
             request_id: U64::new(h.request_id),
             block: U32::new(h.block),
             clock: U32::new(h.clock),
@@ -149,20 +149,19 @@ impl Codec {
             return Err(WireError::BadChecksum);
         }
         let kind = Kind::from_u8(raw.kind).ok_or(WireError::UnknownKind { got: raw.kind })?;
-        if raw.flags.get() != 0 {
-            return Err(WireError::BadFlags { got: raw.flags.get() });
-        }
+        let flags = Flags::parse(kind, raw.flags.get())?;
         let payload_len = raw.payload_len.get();
         if payload_len > self.max_payload {
             return Err(WireError::TooLarge { len: u64::from(payload_len), max: self.max_payload });
         }
-        check_payload_len(kind, payload_len)?;
+        check_payload_len(kind, flags, payload_len)?;
         Ok(FrameHeader {
             kind,
             request_id: raw.request_id.get(),
             block: raw.block.get(),
             clock: raw.clock.get(),
             payload_len,
+            flags,
         })
     }
 
@@ -227,7 +226,7 @@ impl Codec {
             return Err(WireError::TooLarge { len, max: self.max_payload });
         }
         let (block, clock) = msg.block_clock();
-        let h = FrameHeader { kind: msg.kind(), request_id, block, clock, payload_len: len as u32 };
+        let h = FrameHeader { kind: msg.kind(), request_id, block, clock, payload_len: len as u32, flags: msg.flags() };
         Ok((self.encode_header(&h), prefix, payload))
     }
 

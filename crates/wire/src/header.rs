@@ -6,7 +6,7 @@
 //! | 0   | 4    | magic       | `b"EPS1"` |
 //! | 4   | 1    | version     | [`VERSION`] |
 //! | 5   | 1    | kind        | [`Kind`] as u8 |
-//! | 6   | 2    | flags       | 0 (reserved) |
+//! | 6   | 2    | flags       | [`Flags`]: the values' dtype, the reply's dtype, sparse |
 //! | 8   | 8    | request_id  | chosen by the requester, echoed in the reply |
 //! | 16  | 4    | block       | block id (0 for Control/Error) |
 //! | 20  | 4    | clock       | iteration clock (0 for Control/Error) |
@@ -17,6 +17,7 @@
 
 use std::fmt;
 
+use elasticps_core::dtype::Dtype;
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
@@ -168,10 +169,59 @@ impl fmt::Display for Kind {
     }
 }
 
+/// A frame's flags (header bytes 6-7, little-endian u16):
+///
+/// | bits | field | on |
+/// |------|-------|----|
+/// | 0-1  | `dtype`: the payload values' [`Dtype`] code (0 f32, 1 bf16, 2 fp16) | Push, PullReply, Init, PushPull, Forward, PullRowsReply, PushRows |
+/// | 2-3  | `reply`: the dtype the reply's values should travel in | Pull, PushPull, PullRows |
+/// | 4    | `sparse`: the payload is a sparse gradient (count, positions, values) | Push, PushPull, Forward |
+/// | 5-15 | reserved, 0 | |
+///
+/// A field a kind does not carry must be 0 (f32, not sparse).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Flags {
+    /// The dtype of the payload's values.
+    pub dtype: Dtype,
+    /// The dtype the requester wants the reply's values in.
+    pub reply: Dtype,
+    /// The payload is a sparse gradient.
+    pub sparse: bool,
+}
+
+impl Flags {
+    const SPARSE: u16 = 1 << 4;
+
+    /// The u16 on the wire.
+    pub fn bits(self) -> u16 {
+        self.dtype.code() | (self.reply.code() << 2) | if self.sparse { Flags::SPARSE } else { 0 }
+    }
+
+    /// The flags of a `kind` frame, checked: [`WireError::BadFlags`](crate::WireError::BadFlags)
+    /// for a reserved bit, an unknown dtype code, or a field the kind does not carry.
+    pub fn parse(kind: Kind, bits: u16) -> Result<Flags, crate::WireError> {
+        let bad = crate::WireError::BadFlags { got: bits };
+        let dtype = Dtype::from_code(bits & 3).ok_or(bad.clone())?;
+        let reply = Dtype::from_code((bits >> 2) & 3).ok_or(bad.clone())?;
+        let sparse = bits & Flags::SPARSE != 0;
+        let carries_values = kind.carries_f32() || matches!(kind, Kind::Forward | Kind::PushRows);
+        let asks_values = matches!(kind, Kind::Pull | Kind::PushPull | Kind::PullRows);
+        let gradient = matches!(kind, Kind::Push | Kind::PushPull | Kind::Forward);
+        if bits >> 5 != 0
+            || (dtype != Dtype::F32 && !carries_values)
+            || (reply != Dtype::F32 && !asks_values)
+            || (sparse && !gradient)
+        {
+            return Err(bad);
+        }
+        Ok(Flags { dtype, reply, sparse })
+    }
+}
+
 /// A validated frame header: the fields a receiver acts on.
 ///
-/// Magic, version, flags and checksum are not kept: [`Codec`](crate::Codec) writes and
-/// checks them.
+/// Magic, version and checksum are not kept: [`Codec`](crate::Codec) writes and checks
+/// them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FrameHeader {
     /// What the payload is.
@@ -184,6 +234,8 @@ pub struct FrameHeader {
     pub clock: u32,
     /// Number of payload bytes that follow the header.
     pub payload_len: u32,
+    /// The payload's dtype, the reply's dtype, sparse.
+    pub flags: Flags,
 }
 
 impl FrameHeader {
@@ -207,7 +259,7 @@ pub struct RawHeader {
     pub version: u8,
     /// Frame kind as u8.
     pub kind: u8,
-    /// Reserved, 0.
+    /// [`Flags::bits`].
     pub flags: U16,
     /// Request id.
     pub request_id: U64,

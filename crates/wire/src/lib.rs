@@ -66,12 +66,14 @@ pub use control::{
     ServerStatus, WorkerLoad, WorkerStatus,
 };
 pub use credential::{Credential, PeerRole};
+/// The dtype of a payload's values (f32, bf16, fp16), defined with its conversions in `elasticps_core`.
+pub use elasticps_core::dtype::Dtype;
 pub use error::{ErrorCode, ErrorReply, WireError};
 pub use frame::Codec;
 pub use handshake::KeyId;
 pub use header::{
-    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader, VERSION,
-    checksum,
+    CHECKSUM_OFFSET, DEFAULT_MAX_PAYLOAD, FORWARD_PREFIX, Flags, FrameHeader, HEADER_LEN, Kind, MAGIC, RawHeader,
+    VERSION, checksum,
 };
 pub use message::{Message, PUSH_ROWS_PREFIX};
 pub use values::{RowIds, Values};

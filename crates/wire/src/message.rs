@@ -4,7 +4,9 @@ use bytes::Bytes;
 
 use crate::control::Control;
 use crate::error::{ErrorReply, WireError};
-use crate::header::{FORWARD_PREFIX, FrameHeader, Kind};
+use elasticps_core::dtype::Dtype;
+
+use crate::header::{FORWARD_PREFIX, Flags, FrameHeader, Kind};
 use crate::values::{RowIds, Values};
 
 /// Bytes before the row ids of a PushRows payload: the row count (u32) and the values
@@ -54,6 +56,8 @@ pub enum Message {
         block: u32,
         /// The worker's iteration.
         clock: u32,
+        /// The dtype the reply's values travel in (flags bits 2-3).
+        reply: Dtype,
     },
     /// Server -> worker: the values of `block` answering a pull at `clock`.
     PullReply {
@@ -85,6 +89,8 @@ pub enum Message {
         clock: u32,
         /// The gradient.
         values: Values,
+        /// The dtype the reply's values travel in (flags bits 2-3).
+        reply: Dtype,
     },
     /// Primary -> backup server: a push (`init` false) or an init (`init` true, `clock`
     /// 0) of `block` that worker `worker` sent the primary, forwarded as it came: the
@@ -113,6 +119,8 @@ pub enum Message {
         clock: u32,
         /// The rows asked for.
         ids: RowIds,
+        /// The dtype the reply's values travel in (flags bits 2-3).
+        reply: Dtype,
     },
     /// Server -> worker: the rows a `PullRows` asked for, in the order asked
     /// (`ids.len() x dim` values).
@@ -181,7 +189,7 @@ impl Message {
             Message::Control(_) | Message::Error(_) => (0, 0),
             Message::Push { block, clock, .. }
             | Message::PushAck { block, clock }
-            | Message::Pull { block, clock }
+            | Message::Pull { block, clock, .. }
             | Message::PullReply { block, clock, .. }
             | Message::PushPull { block, clock, .. }
             | Message::Forward { block, clock, .. }
@@ -190,6 +198,31 @@ impl Message {
             | Message::PushRows { block, clock, .. } => (*block, *clock),
             Message::Init { block, .. } => (*block, 0),
         }
+    }
+
+    /// The header flags of this message: its values' dtype and sparseness, the dtype its
+    /// reply is asked in.
+    pub fn flags(&self) -> Flags {
+        let mut f = Flags::default();
+        match self {
+            Message::Push { values, .. }
+            | Message::PullReply { values, .. }
+            | Message::Init { values, .. }
+            | Message::Forward { values, .. }
+            | Message::PullRowsReply { values, .. }
+            | Message::PushRows { grads: values, .. } => {
+                f.dtype = values.dtype();
+                f.sparse = values.is_sparse();
+            }
+            Message::PushPull { values, reply, .. } => {
+                f.dtype = values.dtype();
+                f.sparse = values.is_sparse();
+                f.reply = *reply;
+            }
+            Message::Pull { reply, .. } | Message::PullRows { reply, .. } => f.reply = *reply,
+            Message::Control(_) | Message::Error(_) | Message::PushAck { .. } => {}
+        }
+        f
     }
 
     /// The payload bytes of this message: the shared f32 bytes for Push, PullReply, Init
@@ -214,7 +247,7 @@ impl Message {
                 let mut prefix = [0u8; FORWARD_PREFIX];
                 prefix[..4].copy_from_slice(&worker.to_le_bytes());
                 prefix[4..].copy_from_slice(&u32::from(*init).to_le_bytes());
-                (Some(prefix), values.as_bytes().clone())
+                (Some(prefix), values.wire_bytes())
             }
             Message::Control(c) => (None, Bytes::from(postcard::to_allocvec(c)?)),
             Message::Error(e) => (None, Bytes::from(postcard::to_allocvec(e)?)),
@@ -222,7 +255,7 @@ impl Message {
             | Message::PullReply { values, .. }
             | Message::Init { values, .. }
             | Message::PushPull { values, .. }
-            | Message::PullRowsReply { values, .. } => (None, values.as_bytes().clone()),
+            | Message::PullRowsReply { values, .. } => (None, values.wire_bytes()),
             Message::PullRows { ids, .. } => (None, ids.as_bytes().clone()),
             Message::PushRows { dim, ids, grads, .. } => {
                 let count = u32::try_from(ids.len()).map_err(|_| WireError::BadPayload {
@@ -264,18 +297,25 @@ impl Message {
                 payload.len()
             )));
         }
-        check_payload_len(kind, h.payload_len)?;
-        let (block, clock) = (h.block, h.clock);
+        check_payload_len(kind, h.flags, h.payload_len)?;
+        let (block, clock, reply) = (h.block, h.clock, h.flags.reply);
+        let values = |b: Bytes| {
+            if h.flags.sparse {
+                Values::from_sparse_wire(b, h.flags.dtype)
+            } else {
+                Values::from_wire(b, h.flags.dtype)
+            }
+        };
         Ok(match kind {
             Kind::Control => Message::Control(decode_postcard(kind, &payload)?),
             Kind::Error => Message::Error(decode_postcard(kind, &payload)?),
-            Kind::Push => Message::Push { block, clock, values: Values::from_le_bytes(payload)? },
-            Kind::PullReply => Message::PullReply { block, clock, values: Values::from_le_bytes(payload)? },
+            Kind::Push => Message::Push { block, clock, values: values(payload)? },
+            Kind::PullReply => Message::PullReply { block, clock, values: values(payload)? },
             Kind::PushAck => Message::PushAck { block, clock },
-            Kind::Pull => Message::Pull { block, clock },
+            Kind::Pull => Message::Pull { block, clock, reply },
             Kind::Init if clock != 0 => return Err(bad(format!("an Init frame carries clock 0, not {clock}"))),
-            Kind::Init => Message::Init { block, values: Values::from_le_bytes(payload)? },
-            Kind::PushPull => Message::PushPull { block, clock, values: Values::from_le_bytes(payload)? },
+            Kind::Init => Message::Init { block, values: values(payload)? },
+            Kind::PushPull => Message::PushPull { block, clock, values: values(payload)?, reply },
             Kind::Forward => {
                 let word = |i: usize| u32::from_le_bytes([payload[i], payload[i + 1], payload[i + 2], payload[i + 3]]);
                 let (worker, flag) = (word(0), word(4));
@@ -287,21 +327,23 @@ impl Message {
                 if init && clock != 0 {
                     return Err(bad(format!("a forwarded Init carries clock 0, not {clock}")));
                 }
-                let values = Values::from_le_bytes(payload.slice(FORWARD_PREFIX..))?;
+                let values = values(payload.slice(FORWARD_PREFIX..))?;
                 Message::Forward { block, clock, worker, init, values }
             }
             Kind::PullRows => {
                 let ids = RowIds::from_le_bytes(payload)
                     .ok_or_else(|| bad(format!("{} bytes are not whole u64 row ids", h.payload_len)))?;
-                Message::PullRows { block, clock, ids }
+                Message::PullRows { block, clock, ids, reply }
             }
-            Kind::PullRowsReply => Message::PullRowsReply { block, clock, values: Values::from_le_bytes(payload)? },
+            Kind::PullRowsReply => Message::PullRowsReply { block, clock, values: values(payload)? },
             Kind::PushRows => {
                 let word = |i: usize| u32::from_le_bytes([payload[i], payload[i + 1], payload[i + 2], payload[i + 3]]);
                 let (count, dim) = (word(0), word(4));
                 let id_bytes = u64::from(count) * 8;
+                let width = h.flags.dtype.width() as u128;
                 // u128: count x dim x 4 overflows u64 for the largest u32s.
-                let want = PUSH_ROWS_PREFIX as u128 + u128::from(id_bytes) + u128::from(count) * u128::from(dim) * 4;
+                let want =
+                    PUSH_ROWS_PREFIX as u128 + u128::from(id_bytes) + u128::from(count) * u128::from(dim) * width;
                 if want != payload.len() as u128 {
                     return Err(bad(format!(
                         "{count} rows of {dim} values take {want} bytes with the prefix, the frame has {}",
@@ -311,7 +353,7 @@ impl Message {
                 let split = PUSH_ROWS_PREFIX + id_bytes as usize;
                 let ids = RowIds::from_le_bytes(payload.slice(PUSH_ROWS_PREFIX..split))
                     .ok_or_else(|| bad("row ids are not whole u64".into()))?;
-                let grads = Values::from_le_bytes(payload.slice(split..))?;
+                let grads = values(payload.slice(split..))?;
                 Message::PushRows { block, clock, dim, ids, grads }
             }
         })
@@ -330,30 +372,27 @@ impl From<ErrorReply> for Message {
     }
 }
 
-/// The payload-length rules that can be checked from the header alone: f32 kinds carry
-/// a multiple of 4 bytes, Forward and PushRows their 8-byte prefix and a multiple of 4,
-/// PullRows a multiple of 8, PushAck and Pull nothing.
-pub(crate) fn check_payload_len(kind: Kind, len: u32) -> Result<(), WireError> {
-    if kind == Kind::PushRows && (len < PUSH_ROWS_PREFIX as u32 || !len.is_multiple_of(4)) {
-        return Err(WireError::BadPayload {
-            kind,
-            why: format!("{len} bytes are not the {PUSH_ROWS_PREFIX}-byte prefix and whole words"),
-        });
+/// The payload-length rules that can be checked from the header alone: values are whole
+/// values of the flags' dtype (4 or 2 bytes; a sparse payload is checked when decoded),
+/// Forward and PushRows carry their 8-byte prefix first, PullRows whole u64 ids, PushAck
+/// and Pull nothing.
+pub(crate) fn check_payload_len(kind: Kind, flags: Flags, len: u32) -> Result<(), WireError> {
+    let width = flags.dtype.width() as u32;
+    let bad = |why: String| Err(WireError::BadPayload { kind, why });
+    if kind == Kind::PushRows && (len < PUSH_ROWS_PREFIX as u32 || !len.is_multiple_of(width)) {
+        return bad(format!("{len} bytes are not the {PUSH_ROWS_PREFIX}-byte prefix and whole {} values", flags.dtype));
     }
     if kind == Kind::PullRows && !len.is_multiple_of(8) {
-        return Err(WireError::BadPayload { kind, why: format!("{len} bytes are not whole u64 row ids") });
+        return bad(format!("{len} bytes are not whole u64 row ids"));
     }
-    if kind == Kind::Forward && (len < FORWARD_PREFIX as u32 || !len.is_multiple_of(4)) {
-        return Err(WireError::BadPayload {
-            kind,
-            why: format!("{len} bytes are not the {FORWARD_PREFIX}-byte prefix and whole f32 values"),
-        });
+    if kind == Kind::Forward && (len < FORWARD_PREFIX as u32 || (!flags.sparse && !len.is_multiple_of(width))) {
+        return bad(format!("{len} bytes are not the {FORWARD_PREFIX}-byte prefix and whole {} values", flags.dtype));
     }
-    if kind.carries_f32() && !len.is_multiple_of(4) {
-        return Err(WireError::BadPayload { kind, why: format!("{len} bytes are not a whole number of f32 values") });
+    if kind.carries_f32() && !flags.sparse && !len.is_multiple_of(width) {
+        return bad(format!("{len} bytes are not a whole number of {} values", flags.dtype));
     }
     if kind.is_empty_payload() && len != 0 {
-        return Err(WireError::BadPayload { kind, why: format!("must be empty, has {len} bytes") });
+        return bad(format!("must be empty, has {len} bytes"));
     }
     Ok(())
 }

@@ -1,11 +1,13 @@
-//! [`Values`]: an f32 tensor payload held as little-endian bytes and shared without
-//! copying.
+//! [`Values`]: a tensor payload (f32, bf16 or fp16, dense or sparse) held as
+//! little-endian bytes and shared without copying.
 
 use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
+
+use elasticps_core::dtype::Dtype;
 
 use crate::WireError;
 
@@ -15,12 +17,26 @@ compile_error!(
      big-endian targets are not supported"
 );
 
-/// An f32 tensor payload (Push, PullReply, Init and PushPull frames): little-endian bytes in a [`Bytes`],
-/// so cloning it, sending it and slicing it never copy the values.
+/// A tensor payload (Push, PullReply, Init, PushPull, Forward, PullRowsReply, PushRows'
+/// gradients): values of one [`Dtype`] as little-endian bytes in a [`Bytes`], so cloning
+/// it, sending it and slicing it never copy them; and, for a sparse gradient (a top-k
+/// push), the u32 positions in the block that the values are for.
 ///
-/// Equality compares bytes, so NaN payloads compare equal to themselves bit for bit.
+/// Built from f32s it is f32 ([`Values::from_vec`] and friends: no conversion, no copy);
+/// [`Values::encoded`] and [`Values::sparse`] convert. Readers get f32s whatever the
+/// dtype ([`Values::to_f32s`], [`Values::copy_into`]): servers keep f32 master values.
+///
+/// Equality compares dtype and bytes, so NaN payloads compare equal to themselves bit for bit.
 #[derive(Clone, Default, PartialEq, Eq, Hash)]
-pub struct Values(Bytes);
+pub struct Values {
+    /// The payload as on the wire: the values; or, sparse, the count, the positions and
+    /// the values.
+    bytes: Bytes,
+    dtype: Dtype,
+    /// Where the values start in `bytes`: 0 for a dense payload, after the count and the
+    /// positions (at least 4) for a sparse one.
+    values_at: u32,
+}
 
 /// Owner of a `Vec<f32>` that `Bytes::from_owner` can view as bytes.
 struct VecOwner(Vec<f32>);
@@ -43,69 +59,153 @@ impl AsRef<[u8]> for SharedOwner {
 impl Values {
     /// Takes ownership of `v` without copying: the bytes point into the vector's buffer.
     pub fn from_vec(v: Vec<f32>) -> Self {
-        Values(Bytes::from_owner(VecOwner(v)))
+        Values::f32_bytes(Bytes::from_owner(VecOwner(v)))
     }
 
     /// Shares `v` without copying: the bytes point into the vector's buffer and keep the
     /// `Arc` alive. (A server answers pulls from copy-on-write `Arc<Vec<f32>>` blocks.)
     pub fn from_shared(v: Arc<Vec<f32>>) -> Self {
-        Values(Bytes::from_owner(SharedOwner(v)))
+        Values::f32_bytes(Bytes::from_owner(SharedOwner(v)))
     }
 
     /// Copies `s` (one memcpy).
     pub fn from_slice(s: &[f32]) -> Self {
-        Values(Bytes::copy_from_slice(bytemuck::cast_slice(s)))
+        Values::f32_bytes(Bytes::copy_from_slice(bytemuck::cast_slice(s)))
+    }
+
+    /// `s` converted to `dtype` (f32: one memcpy).
+    pub fn encoded(s: &[f32], dtype: Dtype) -> Self {
+        match dtype {
+            Dtype::F32 => Values::from_slice(s),
+            _ => Values { bytes: Bytes::from(dtype.encode(s)), dtype, values_at: 0 },
+        }
+    }
+
+    /// A sparse payload: `values[i]` (converted to `dtype`) is for position `indices[i]`
+    /// of the block. Whether the positions are ascending and in the block is the
+    /// receiver's check (`elasticps_core`'s sparse gradient).
+    ///
+    /// # Panics
+    ///
+    /// If `indices` and `values` differ in length (a caller's bug, not input).
+    pub fn sparse(indices: &[u32], values: &[f32], dtype: Dtype) -> Self {
+        assert_eq!(indices.len(), values.len(), "Values::sparse: one position per value");
+        let n = u32::try_from(indices.len()).expect("Values::sparse: at most u32::MAX positions");
+        let mut bytes = Vec::with_capacity(4 + indices.len() * (4 + dtype.width()));
+        bytes.extend_from_slice(&n.to_le_bytes());
+        bytes.extend_from_slice(bytemuck::cast_slice(indices));
+        dtype.encode_into(values, &mut bytes);
+        Values { values_at: 4 + 4 * n, bytes: bytes.into(), dtype }
+    }
+
+    fn f32_bytes(bytes: Bytes) -> Self {
+        Values { bytes, dtype: Dtype::F32, values_at: 0 }
     }
 
     /// Wraps little-endian f32 bytes without copying; [`WireError::NotF32`] unless
     /// `b.len()` is a multiple of 4. The bytes need not be 4-aligned.
     pub fn from_le_bytes(b: Bytes) -> Result<Self, WireError> {
-        if !b.len().is_multiple_of(4) {
-            return Err(WireError::NotF32 { len: b.len() });
-        }
-        Ok(Values(b))
+        Values::from_wire(b, Dtype::F32)
     }
 
-    /// Number of f32 values.
+    /// Wraps little-endian values of `dtype` without copying; [`WireError::NotF32`]
+    /// (naming the dtype) unless `b.len()` is a multiple of its width.
+    pub fn from_wire(b: Bytes, dtype: Dtype) -> Result<Self, WireError> {
+        if !b.len().is_multiple_of(dtype.width()) {
+            return Err(WireError::NotF32 { len: b.len(), dtype });
+        }
+        Ok(Values { bytes: b, dtype, values_at: 0 })
+    }
+
+    /// Reads a sparse payload: a u32 count n, n u32 positions, then n values of `dtype`,
+    /// all little-endian (docs/PROTOCOL.md §3.1).
+    pub fn from_sparse_wire(b: Bytes, dtype: Dtype) -> Result<Self, WireError> {
+        let bad = |why: String| WireError::BadSparse { why };
+        let Some(head) = b.first_chunk::<4>() else {
+            return Err(bad(format!("{} bytes hold no count", b.len())));
+        };
+        let n = u32::from_le_bytes(*head) as u64;
+        let want = 4 + n * 4 + n * dtype.width() as u64;
+        if want != b.len() as u64 {
+            return Err(bad(format!(
+                "{n} {dtype} values and their positions take {want} bytes, the payload has {}",
+                b.len()
+            )));
+        }
+        Ok(Values { values_at: 4 + n as u32 * 4, bytes: b, dtype })
+    }
+
+    /// The dtype the values travel in.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Number of values carried (for a sparse payload, how many positions it names).
     pub fn len(&self) -> usize {
-        self.0.len() / 4
+        self.as_bytes().len() / self.dtype.width()
     }
 
     /// True if there is no value.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.as_bytes().is_empty()
     }
 
-    /// The little-endian bytes (`4 * len()` of them).
-    pub fn as_bytes(&self) -> &Bytes {
-        &self.0
+    /// True for a sparse payload ([`Values::sparse`]).
+    pub fn is_sparse(&self) -> bool {
+        self.values_at > 0
     }
 
-    /// The little-endian bytes, by value.
+    /// A sparse payload's positions (a copy; `None` for a dense one).
+    pub fn indices(&self) -> Option<Vec<u32>> {
+        self.is_sparse().then(|| {
+            self.bytes[4..self.values_at as usize]
+                .chunks_exact(4)
+                .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                .collect()
+        })
+    }
+
+    /// The values' little-endian bytes, in their dtype (a sparse payload's values only).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[self.values_at as usize..]
+    }
+
+    /// The values' bytes, by value (no copy).
     pub fn into_bytes(self) -> Bytes {
-        self.0
+        self.bytes.slice(self.values_at as usize..)
     }
 
-    /// The values as a slice: borrowed when the bytes are 4-aligned (always, for values
-    /// built from a `Vec<f32>`), copied otherwise (e.g. a payload split out of a read
-    /// buffer at an odd offset).
+    /// The payload as it is written (no copy): the values; or, sparse, the count, the
+    /// positions and the values.
+    pub fn wire_bytes(&self) -> Bytes {
+        self.bytes.clone()
+    }
+
+    /// Bytes of [`Values::wire_bytes`].
+    pub fn wire_len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The values as f32s: borrowed when they are f32 and 4-aligned (always, for values
+    /// built from a `Vec<f32>`), converted or copied otherwise.
     pub fn to_f32s(&self) -> Cow<'_, [f32]> {
-        match bytemuck::try_cast_slice::<u8, f32>(&self.0) {
-            Ok(s) => Cow::Borrowed(s),
-            Err(_) => {
-                let mut v = vec![0.0f32; self.len()];
-                self.copy_into(&mut v);
-                Cow::Owned(v)
-            }
+        if self.dtype == Dtype::F32
+            && let Ok(s) = bytemuck::try_cast_slice::<u8, f32>(self.as_bytes())
+        {
+            return Cow::Borrowed(s);
         }
+        let mut v = vec![0.0f32; self.len()];
+        self.copy_into(&mut v);
+        Cow::Owned(v)
     }
 
-    /// The values in a new vector (one memcpy).
+    /// The values in a new vector, as f32s.
     pub fn to_vec(&self) -> Vec<f32> {
         self.to_f32s().into_owned()
     }
 
-    /// Copies the values into `dst` with one memcpy, whatever the alignment of the bytes.
+    /// Copies the values into `dst` as f32s (f32: one memcpy, whatever the alignment of
+    /// the bytes; bf16, fp16: converted).
     ///
     /// # Panics
     ///
@@ -113,7 +213,7 @@ impl Values {
     /// wrong length is a `BadRequest`, not a crash).
     pub fn copy_into(&self, dst: &mut [f32]) {
         assert_eq!(dst.len(), self.len(), "Values::copy_into: destination length differs");
-        bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(&self.0);
+        self.dtype.decode_into(self.as_bytes(), dst);
     }
 }
 
@@ -218,9 +318,11 @@ impl fmt::Debug for RowIds {
 impl fmt::Debug for Values {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const SHOWN: usize = 8;
-        let head: Vec<f32> =
-            self.0.chunks_exact(4).take(SHOWN).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        write!(f, "Values(len={}, {head:?}", self.len())?;
+        let n = self.len().min(SHOWN);
+        let mut head = vec![0.0f32; n];
+        self.dtype.decode_into(&self.as_bytes()[..n * self.dtype.width()], &mut head);
+        let sparse = if self.is_sparse() { " sparse" } else { "" };
+        write!(f, "Values(len={}, {}{sparse}, {head:?}", self.len(), self.dtype)?;
         if self.len() > SHOWN {
             f.write_str("...")?;
         }
@@ -275,7 +377,10 @@ mod tests {
 
     #[test]
     fn rejects_lengths_that_are_not_whole_f32s() {
-        assert_eq!(Values::from_le_bytes(Bytes::from_static(&[0; 7])), Err(WireError::NotF32 { len: 7 }));
+        assert_eq!(
+            Values::from_le_bytes(Bytes::from_static(&[0; 7])),
+            Err(WireError::NotF32 { len: 7, dtype: Dtype::F32 })
+        );
         assert!(Values::from_le_bytes(Bytes::new()).unwrap().is_empty());
     }
 
@@ -288,6 +393,6 @@ mod tests {
     #[test]
     fn debug_shows_length_and_head() {
         let s = format!("{:?}", Values::from_slice(&[1.0; 10]));
-        assert!(s.starts_with("Values(len=10, [1.0"), "{s}");
+        assert!(s.starts_with("Values(len=10, f32, [1.0"), "{s}");
     }
 }

@@ -97,12 +97,30 @@ mod common {
         any::<u32>().prop_map(f32::from_bits)
     }
 
+    pub fn arb_dtype() -> impl Strategy<Value = Dtype> {
+        prop::sample::select(Dtype::ALL.to_vec())
+    }
+
+    /// Dense values of any dtype, built every way.
     pub fn arb_values() -> impl Strategy<Value = Values> {
-        (prop::collection::vec(any_bits_f32(), 0..64), 0..3u8).prop_map(|(v, how)| match how {
+        (prop::collection::vec(any_bits_f32(), 0..64), 0..4u8, arb_dtype()).prop_map(|(v, how, dtype)| match how {
             0 => Values::from_vec(v),
             1 => Values::from_shared(std::sync::Arc::new(v)),
-            _ => Values::from_slice(&v),
+            2 => Values::from_slice(&v),
+            _ => Values::encoded(&v, dtype),
         })
+    }
+
+    /// A gradient: dense values of any dtype, or a sparse one (any positions: whether
+    /// they fit the block is the server's check, not the decoder's).
+    pub fn arb_gradient() -> impl Strategy<Value = Values> {
+        prop_oneof![
+            arb_values(),
+            (prop::collection::vec((any::<u32>(), any_bits_f32()), 0..32), arb_dtype()).prop_map(|(pairs, dtype)| {
+                let (idx, v): (Vec<u32>, Vec<f32>) = pairs.into_iter().unzip();
+                Values::sparse(&idx, &v, dtype)
+            }),
+        ]
     }
 
     fn arb_init() -> impl Strategy<Value = Init> {
@@ -570,24 +588,29 @@ mod common {
     pub fn arb_message() -> impl Strategy<Value = Message> {
         prop_oneof![
             arb_control().prop_map(Message::Control),
-            (any::<u32>(), any::<u32>(), arb_values())
+            (any::<u32>(), any::<u32>(), arb_gradient())
                 .prop_map(|(block, clock, values)| { Message::Push { block, clock, values } }),
             any::<(u32, u32)>().prop_map(|(block, clock)| Message::PushAck { block, clock }),
-            any::<(u32, u32)>().prop_map(|(block, clock)| Message::Pull { block, clock }),
+            (any::<(u32, u32)>(), arb_dtype()).prop_map(|((block, clock), reply)| Message::Pull {
+                block,
+                clock,
+                reply
+            }),
             (any::<u32>(), any::<u32>(), arb_values())
                 .prop_map(|(block, clock, values)| { Message::PullReply { block, clock, values } }),
             (arb_error_code(), ".{0,40}").prop_map(|(code, message)| Message::Error(ErrorReply { code, message })),
             (any::<u32>(), arb_values()).prop_map(|(block, values)| Message::Init { block, values }),
-            (any::<u32>(), any::<u32>(), arb_values())
-                .prop_map(|(block, clock, values)| { Message::PushPull { block, clock, values } }),
-            (any::<u32>(), any::<u32>(), any::<u32>(), any::<bool>(), arb_values()).prop_map(
+            (any::<u32>(), any::<u32>(), arb_gradient(), arb_dtype())
+                .prop_map(|(block, clock, values, reply)| { Message::PushPull { block, clock, values, reply } }),
+            (any::<u32>(), any::<u32>(), any::<u32>(), any::<bool>(), arb_gradient()).prop_map(
                 |(block, clock, worker, init, values)| {
                     let clock = if init { 0 } else { clock };
                     Message::Forward { block, clock, worker, init, values }
                 }
             ),
-            (any::<u32>(), any::<u32>(), prop::collection::vec(any::<u64>(), 0..8))
-                .prop_map(|(block, clock, ids)| Message::PullRows { block, clock, ids: RowIds::from_vec(ids) }),
+            (any::<u32>(), any::<u32>(), prop::collection::vec(any::<u64>(), 0..8), arb_dtype()).prop_map(
+                |(block, clock, ids, reply)| Message::PullRows { block, clock, ids: RowIds::from_vec(ids), reply }
+            ),
             (any::<u32>(), any::<u32>(), arb_values()).prop_map(|(block, clock, values)| Message::PullRowsReply {
                 block,
                 clock,
@@ -774,7 +797,7 @@ mod invalid {
     }
 
     fn pull_header() -> [u8; HEADER_LEN] {
-        codec().encode(9, &Message::Pull { block: 1, clock: 2 }).unwrap().0
+        codec().encode(9, &Message::Pull { block: 1, clock: 2, reply: Dtype::F32 }).unwrap().0
     }
 
     /// A header with one byte range replaced and the checksum made right again.
@@ -797,7 +820,17 @@ mod invalid {
     #[test]
     fn the_untouched_header_is_valid() {
         let h = codec().decode_header(&pull_header()).unwrap();
-        assert_eq!(h, FrameHeader { kind: Kind::Pull, request_id: 9, block: 1, clock: 2, payload_len: 0 });
+        assert_eq!(
+            h,
+            FrameHeader {
+                kind: Kind::Pull,
+                request_id: 9,
+                block: 1,
+                clock: 2,
+                payload_len: 0,
+                flags: Flags::default()
+            }
+        );
     }
 
     #[test]
@@ -896,7 +929,7 @@ mod invalid {
     #[test]
     fn a_push_pull_frame_carries_the_gradient_and_the_push_clock() {
         let values = Values::from_vec(vec![1.0, -2.0]);
-        let msg = Message::PushPull { block: 3, clock: 5, values: values.clone() };
+        let msg = Message::PushPull { block: 3, clock: 5, values: values.clone(), reply: Dtype::F32 };
         let (head, payload) = Codec::default().encode(8, &msg).unwrap();
         // Kind 8, block 3, clock 5 (the push's), 8 payload bytes: the gradient as in a Push.
         assert_eq!((head[5], &head[16..28]), (8, &[3, 0, 0, 0, 5, 0, 0, 0, 8, 0, 0, 0][..]));
@@ -955,6 +988,64 @@ mod invalid {
         let empty = Message::Forward { block: 1, clock: 1, worker: 0, init: false, values: Values::default() };
         let (eh, ep) = Codec::default().encode(1, &empty).unwrap();
         assert_eq!(Message::decode(&Codec::default().decode_header(&eh).unwrap(), ep).unwrap(), empty);
+    }
+
+    #[test]
+    fn flags_are_checked_against_the_kind() {
+        let ok = |kind, bits| Flags::parse(kind, bits).unwrap();
+        let bad = |kind, bits| {
+            assert_eq!(Flags::parse(kind, bits), Err(WireError::BadFlags { got: bits }), "{kind} {bits:#x}")
+        };
+        assert_eq!(ok(Kind::Push, 1), Flags { dtype: Dtype::Bf16, ..Flags::default() });
+        assert_eq!(ok(Kind::Pull, 2 << 2), Flags { reply: Dtype::F16, ..Flags::default() });
+        assert_eq!(
+            ok(Kind::PushPull, 1 | (1 << 2) | (1 << 4)),
+            Flags { dtype: Dtype::Bf16, reply: Dtype::Bf16, sparse: true }
+        );
+        assert!(ok(Kind::Forward, 1 << 4).sparse);
+        bad(Kind::Push, 3); // dtype code 3
+        bad(Kind::Pull, 3 << 2);
+        bad(Kind::Pull, 1); // a Pull carries no values
+        bad(Kind::Push, 1 << 2); // a Push asks for none
+        bad(Kind::Init, 1 << 4); // an Init is not a gradient
+        bad(Kind::PullReply, 1 << 4);
+        bad(Kind::Control, 1);
+        bad(Kind::Push, 1 << 5); // reserved
+        for kind in Kind::ALL {
+            assert_eq!(ok(kind, 0), Flags::default());
+        }
+    }
+
+    #[test]
+    fn sparse_payloads_must_add_up() {
+        let c = Codec::default();
+        let msg = Message::Push { block: 1, clock: 2, values: Values::sparse(&[1, 5], &[0.5, -2.0], Dtype::Bf16) };
+        let (head, payload) = c.encode(3, &msg).unwrap();
+        assert_eq!(payload.len(), 4 + 2 * 4 + 2 * 2, "count, two positions, two bf16s");
+        let h = c.decode_header(&head).unwrap();
+        assert_eq!(Message::decode(&h, payload.clone()).unwrap(), msg);
+        // One byte short, and a count that claims more than the payload holds.
+        let short = FrameHeader { payload_len: h.payload_len - 2, ..h };
+        assert!(matches!(
+            Message::decode(&short, payload.slice(..payload.len() - 2)),
+            Err(WireError::BadSparse { .. })
+        ));
+        let mut lying = payload.to_vec();
+        lying[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(Message::decode(&h, lying.into()), Err(WireError::BadSparse { .. })));
+        let empty = FrameHeader { payload_len: 0, ..h };
+        assert!(matches!(Message::decode(&empty, Bytes::new()), Err(WireError::BadSparse { .. })));
+        // An odd number of bf16 bytes is refused from the header alone.
+        let odd = FrameHeader {
+            kind: Kind::PullReply,
+            flags: Flags { dtype: Dtype::Bf16, ..Flags::default() },
+            payload_len: 3,
+            ..h
+        };
+        let mut raw = c.encode_header(&odd);
+        assert!(matches!(c.decode_header(&raw), Err(WireError::BadPayload { kind: Kind::PullReply, .. })));
+        raw[6] = 0;
+        assert!(c.decode_header(&raw).is_err(), "the checksum covers the flags");
     }
 
     #[test]
@@ -1022,7 +1113,14 @@ mod invalid {
         assert!(matches!(err, WireError::BadPayload { kind: Kind::Push, .. }), "{err}");
         assert_eq!(err.code(), ErrorCode::Malformed);
         // Message::decode checks it as well, for headers it did not validate itself.
-        let fh = FrameHeader { kind: Kind::PullReply, request_id: 1, block: 0, clock: 0, payload_len: 7 };
+        let fh = FrameHeader {
+            kind: Kind::PullReply,
+            request_id: 1,
+            block: 0,
+            clock: 0,
+            payload_len: 7,
+            flags: Flags::default(),
+        };
         let err = Message::decode(&fh, Bytes::from_static(&[0; 7])).unwrap_err();
         assert!(matches!(err, WireError::BadPayload { kind: Kind::PullReply, .. }), "{err}");
     }
@@ -1034,19 +1132,33 @@ mod invalid {
             h[24..28].copy_from_slice(&4u32.to_le_bytes());
             reseal(&mut h, SECRET);
             assert!(matches!(refuse(h), WireError::BadPayload { kind: k, .. } if k == kind));
-            let fh = FrameHeader { kind, request_id: 1, block: 0, clock: 0, payload_len: 4 };
+            let fh = FrameHeader { kind, request_id: 1, block: 0, clock: 0, payload_len: 4, flags: Flags::default() };
             assert!(matches!(Message::decode(&fh, Bytes::from_static(&[0; 4])), Err(WireError::BadPayload { .. })));
         }
     }
 
     #[test]
     fn payload_length_must_match_the_header() {
-        let fh = FrameHeader { kind: Kind::Push, request_id: 1, block: 0, clock: 0, payload_len: 8 };
+        let fh = FrameHeader {
+            kind: Kind::Push,
+            request_id: 1,
+            block: 0,
+            clock: 0,
+            payload_len: 8,
+            flags: Flags::default(),
+        };
         assert!(matches!(Message::decode(&fh, Bytes::from_static(&[0; 4])), Err(WireError::BadPayload { .. })));
     }
 
     fn control_header(len: usize) -> FrameHeader {
-        FrameHeader { kind: Kind::Control, request_id: 1, block: 0, clock: 0, payload_len: len as u32 }
+        FrameHeader {
+            kind: Kind::Control,
+            request_id: 1,
+            block: 0,
+            clock: 0,
+            payload_len: len as u32,
+            flags: Flags::default(),
+        }
     }
 
     #[test]
@@ -1173,7 +1285,7 @@ mod invalid {
         let (head, payload) = codec().encode(5, &Message::Error(reply.clone())).unwrap();
         let h = codec().decode_header(&head).unwrap();
         assert_eq!(Message::decode(&h, payload).unwrap(), Message::Error(reply));
-        assert_eq!(WireError::NotF32 { len: 3 }.code(), ErrorCode::Malformed);
+        assert_eq!(WireError::NotF32 { len: 3, dtype: Dtype::F32 }.code(), ErrorCode::Malformed);
         assert_eq!(WireError::Postcard("x".into()).code(), ErrorCode::Malformed);
     }
 
@@ -1188,7 +1300,10 @@ mod invalid {
             "bad magic [47, 45, 54, 20]: not an elasticps frame (expected \"EPS1\")"
         );
         assert_eq!(WireError::UnknownKind { got: 99 }.to_string(), "unknown frame kind 99");
-        assert_eq!(WireError::BadFlags { got: 1 }.to_string(), "reserved flags 0x0001 are set (must be 0)");
+        assert_eq!(
+            WireError::BadFlags { got: 1 }.to_string(),
+            "flags 0x0001 are not valid for this kind of frame (bits 0-1: the values' dtype, 2-3: the reply's, 4: sparse)"
+        );
         assert_eq!(
             WireError::BadPayload { kind: Kind::Pull, why: "must be empty, has 4 bytes".into() }.to_string(),
             "bad Pull payload: must be empty, has 4 bytes"
@@ -1221,7 +1336,8 @@ mod golden {
 
     #[test]
     fn pull_header_empty_secret() {
-        let (head, payload) = Codec::default().encode(7, &Message::Pull { block: 3, clock: 5 }).unwrap();
+        let (head, payload) =
+            Codec::default().encode(7, &Message::Pull { block: 3, clock: 5, reply: Dtype::F32 }).unwrap();
         assert!(payload.is_empty());
         pinned(
             "Pull header (empty secret)",
@@ -1235,7 +1351,7 @@ mod golden {
     #[test]
     fn pull_header_with_secret() {
         let codec = Codec::new(b"s3cret", DEFAULT_MAX_PAYLOAD);
-        let (head, _) = codec.encode(7, &Message::Pull { block: 3, clock: 5 }).unwrap();
+        let (head, _) = codec.encode(7, &Message::Pull { block: 3, clock: 5, reply: Dtype::F32 }).unwrap();
         pinned(
             "Pull header (secret s3cret)",
             &head,
@@ -1300,7 +1416,8 @@ mod golden {
 
     #[test]
     fn push_pull_frame() {
-        let msg = Message::PushPull { block: 3, clock: 5, values: Values::from_vec(vec![1.0, -2.0]) };
+        let msg =
+            Message::PushPull { block: 3, clock: 5, values: Values::from_vec(vec![1.0, -2.0]), reply: Dtype::F32 };
         let (head, payload) = Codec::default().encode(8, &msg).unwrap();
         pinned(
             "PushPull header",
@@ -1312,7 +1429,7 @@ mod golden {
 
     #[test]
     fn pull_rows_frames() {
-        let msg = Message::PullRows { block: 3, clock: 5, ids: RowIds::from_vec(vec![7, 1 << 40]) };
+        let msg = Message::PullRows { block: 3, clock: 5, ids: RowIds::from_vec(vec![7, 1 << 40]), reply: Dtype::F32 };
         let (head, payload) = Codec::default().encode(8, &msg).unwrap();
         pinned(
             "PullRows header",

@@ -539,7 +539,14 @@ pub fn assert_refused_from_header(
     code: elasticps_wire::ErrorCode,
     words: &str,
 ) {
-    let head = codec.encode_header(&FrameHeader { kind, request_id: 9, block: 0, clock: 0, payload_len: len });
+    let head = codec.encode_header(&FrameHeader {
+        kind,
+        request_id: 9,
+        block: 0,
+        clock: 0,
+        payload_len: len,
+        flags: elasticps_wire::Flags::default(),
+    });
     s.write_all(&head).expect("the header");
     match read_reply(s, codec, Duration::from_secs(5)) {
         Reply::Frame(h, Message::Error(e)) => {

@@ -9,7 +9,7 @@ use std::collections::hash_map::Entry;
 use elasticps_core::block::Answer;
 use elasticps_core::model::BlockId;
 use elasticps_core::sync::{Clock, SyncPolicy};
-use elasticps_wire::{Message, Values};
+use elasticps_wire::{Dtype, Message, Values};
 
 use super::request::Request;
 use super::{Action, LONG_HOLD_US, MAX_HELD_PER_CONN, MAX_HELD_PER_SERVER, Phase, PullTrace, Server, Slot, Token};
@@ -211,8 +211,12 @@ impl Server {
                 };
                 out.push(Action::Trace(t));
             }
-            self.counters.bytes_out += a.values.len() as u64 * 4;
-            let (block, clock, values) = (a.token.block, a.clock, Values::from_shared(a.values));
+            let values = match a.token.reply {
+                Dtype::F32 => Values::from_shared(a.values),
+                dtype => Values::encoded(&a.values, dtype),
+            };
+            self.counters.bytes_out += values.wire_len() as u64;
+            let (block, clock) = (a.token.block, a.clock);
             let msg = if a.rows.is_some() {
                 Message::PullRowsReply { block, clock, values }
             } else {

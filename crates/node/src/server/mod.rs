@@ -463,7 +463,9 @@ impl Server {
         }
         let rank = c.rank().unwrap_or(u32::MAX);
         let answer = match Request::of(msg) {
-            Ok((block, request)) => self.serve(now_us, rank, Token { conn, request_id, block }, request, out),
+            Ok((block, reply, request)) => {
+                self.serve(now_us, rank, Token { conn, request_id, block, reply }, request, out)
+            }
             Err(Message::Control(Control::Hello { credential })) => {
                 self.hello(now_us, conn, request_id, c, credential, out)
             }

@@ -5,7 +5,7 @@
 
 use elasticps_core::model::BlockId;
 use elasticps_core::sync::Clock;
-use elasticps_wire::{Message, RowIds, Values};
+use elasticps_wire::{Dtype, Message, RowIds, Values};
 
 /// The part of a block a request touches.
 #[derive(Clone, Debug)]
@@ -81,21 +81,28 @@ impl Request {
         Self { what: What::Tensor, op: Op::Pull { clock } }
     }
 
-    /// The data request `msg` is, with its block; any other message back as it came.
+    /// The data request `msg` is, with its block and the dtype its answer's values are
+    /// asked in (f32 for a request answered without values); any other message back as
+    /// it came.
     #[allow(clippy::result_large_err)] // the message as it came, moved once, never stored
-    pub fn of(msg: Message) -> Result<(BlockId, Self), Message> {
-        let (block, what, op) = match msg {
-            Message::Push { block, clock, values } => (block, What::Tensor, Op::Push { clock, values }),
-            Message::Pull { block, clock } => (block, What::Tensor, Op::Pull { clock }),
-            Message::PushPull { block, clock, values } => (block, What::Tensor, Op::PushPull { clock, values }),
-            Message::Init { block, values } => (block, What::Tensor, Op::Init { values }),
-            Message::PullRows { block, clock, ids } => (block, What::Rows { ids, dim: 0 }, Op::Pull { clock }),
+    pub fn of(msg: Message) -> Result<(BlockId, Dtype, Self), Message> {
+        let f32 = Dtype::F32;
+        let (block, reply, what, op) = match msg {
+            Message::Push { block, clock, values } => (block, f32, What::Tensor, Op::Push { clock, values }),
+            Message::Pull { block, clock, reply } => (block, reply, What::Tensor, Op::Pull { clock }),
+            Message::PushPull { block, clock, values, reply } => {
+                (block, reply, What::Tensor, Op::PushPull { clock, values })
+            }
+            Message::Init { block, values } => (block, f32, What::Tensor, Op::Init { values }),
+            Message::PullRows { block, clock, ids, reply } => {
+                (block, reply, What::Rows { ids, dim: 0 }, Op::Pull { clock })
+            }
             Message::PushRows { block, clock, dim, ids, grads } => {
-                (block, What::Rows { ids, dim }, Op::Push { clock, values: grads })
+                (block, f32, What::Rows { ids, dim }, Op::Push { clock, values: grads })
             }
             other => return Err(other),
         };
-        Ok((block, Self { what, op }))
+        Ok((block, reply, Self { what, op }))
     }
 
     /// The clock it pushes (a push's, a push_pull's), if it pushes one.
@@ -137,17 +144,19 @@ mod tests {
         let ids = || RowIds::from_vec(vec![3]);
         let cases = [
             (Message::Push { block: 1, clock: 4, values: v() }, Some(4), None),
-            (Message::Pull { block: 1, clock: 4 }, None, Some(4)),
-            (Message::PushPull { block: 1, clock: 4, values: v() }, Some(4), Some(5)),
-            (Message::PushPull { block: 1, clock: u32::MAX, values: v() }, Some(u32::MAX), None),
+            (Message::Pull { block: 1, clock: 4, reply: Dtype::Bf16 }, None, Some(4)),
+            (Message::PushPull { block: 1, clock: 4, values: v(), reply: Dtype::Bf16 }, Some(4), Some(5)),
+            (Message::PushPull { block: 1, clock: u32::MAX, values: v(), reply: Dtype::Bf16 }, Some(u32::MAX), None),
             (Message::Init { block: 1, values: v() }, None, None),
-            (Message::PullRows { block: 1, clock: 4, ids: ids() }, None, Some(4)),
+            (Message::PullRows { block: 1, clock: 4, ids: ids(), reply: Dtype::Bf16 }, None, Some(4)),
             (Message::PushRows { block: 1, clock: 4, dim: 1, ids: ids(), grads: v() }, Some(4), None),
         ];
         for (msg, pushed, pulled) in cases {
             let rows = matches!(msg, Message::PullRows { .. } | Message::PushRows { .. });
-            let (block, r) = Request::of(msg).expect("a data request");
+            let asks = matches!(msg, Message::Pull { .. } | Message::PushPull { .. } | Message::PullRows { .. });
+            let (block, reply, r) = Request::of(msg).expect("a data request");
             assert_eq!((block, r.pushed(), r.pulled(), r.rows().is_some()), (1, pushed, pulled, rows));
+            assert_eq!(reply, if asks { Dtype::Bf16 } else { Dtype::F32 }, "the reply's dtype is the request's");
         }
         assert!(Request::of(Message::PushAck { block: 1, clock: 0 }).is_err(), "a reply is no request");
     }

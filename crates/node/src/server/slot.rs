@@ -7,7 +7,7 @@
 use elasticps_core::block::Block;
 use elasticps_core::model::BlockId;
 use elasticps_core::placement::ServerId;
-use elasticps_wire::MigrationReport;
+use elasticps_wire::{Dtype, MigrationReport};
 
 use super::request::Request;
 use crate::ConnId;
@@ -22,6 +22,8 @@ pub struct Token {
     pub request_id: u64,
     /// The block asked for.
     pub block: BlockId,
+    /// The dtype the answer's values travel in (the request's flags).
+    pub reply: Dtype,
 }
 
 /// A request that waits: its block is frozen for a handover, arrived and not settled, or

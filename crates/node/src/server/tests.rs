@@ -90,7 +90,11 @@ fn push(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32, g
 fn pull(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32) -> Vec<Action> {
     s.handle(
         now,
-        Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg: Message::Pull { block, clock } },
+        Event::Received {
+            conn: ConnId::from(rank) + 1,
+            request_id: req,
+            msg: Message::Pull { block, clock, reply: elasticps_wire::Dtype::F32 },
+        },
     )
 }
 
@@ -451,7 +455,8 @@ fn a_move_the_new_owner_takes_after_shutdown_completes_at_once() {
 }
 
 fn push_pull(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32, g: f32) -> Vec<Action> {
-    let msg = Message::PushPull { block, clock, values: Values::from_vec(vec![g; LEN]) };
+    let msg =
+        Message::PushPull { block, clock, values: Values::from_vec(vec![g; LEN]), reply: elasticps_wire::Dtype::F32 };
     s.handle(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg })
 }
 
@@ -481,7 +486,12 @@ fn a_push_pull_applies_the_push_then_pulls_the_next_clock_under_the_policy() {
     assert!(matches!(&replies(&gap)[..], [(1, 15, Message::Error(e))] if e.message.contains("clock")), "{gap:?}");
     let last = push_pull(&mut a, 6, 0, 16, 0, u32::MAX, 1.0);
     assert!(matches!(&replies(&last)[..], [(1, 16, Message::Error(e))] if e.message.contains("last clock")));
-    let msg = Message::PushPull { block: 0, clock: 2, values: Values::from_vec(vec![1.0; LEN]) };
+    let msg = Message::PushPull {
+        block: 0,
+        clock: 2,
+        values: Values::from_vec(vec![1.0; LEN]),
+        reply: elasticps_wire::Dtype::F32,
+    };
     let stranger = a.handle(7, Event::Received { conn: 9, request_id: 17, msg });
     assert!(matches!(&replies(&stranger)[..], [(9, 17, Message::Error(_))]));
     assert_eq!(a.metrics_snapshot().totals.pushes, 4, "nothing refused was applied");
@@ -700,7 +710,14 @@ fn a_closed_connections_held_pulls_are_dropped_and_its_bound_is_free_again() {
     assert!(replies(&pull(&mut s, 1, 0, 1, 0, 1)).is_empty());
     introduce(&mut s, 3, PeerRole::Worker, 0);
     let far = |s: &mut Server, conn: ConnId, req: u64| {
-        s.handle(1, Event::Received { conn, request_id: req, msg: Message::Pull { block: 0, clock: 1 } })
+        s.handle(
+            1,
+            Event::Received {
+                conn,
+                request_id: req,
+                msg: Message::Pull { block: 0, clock: 1, reply: elasticps_wire::Dtype::F32 },
+            },
+        )
     };
     for req in 0..MAX_HELD_PER_CONN as u64 {
         assert!(replies(&far(&mut s, 3, req)).is_empty(), "pull {req} is held");
@@ -735,7 +752,7 @@ fn the_bound_per_server_is_reached_and_a_push_still_releases_only_what_it_releas
     for c in 0..conns {
         introduce(&mut s, 10 + c, PeerRole::Worker, 0);
         for req in 0..MAX_HELD_PER_CONN as u64 {
-            let msg = Message::Pull { block: 0, clock: 900 };
+            let msg = Message::Pull { block: 0, clock: 900, reply: elasticps_wire::Dtype::F32 };
             let r = s.handle(1, Event::Received { conn: 10 + c, request_id: req, msg });
             assert!(r.is_empty(), "pull {req} on {c} is held: {r:?}");
         }
@@ -792,7 +809,12 @@ fn under_aggregate_a_push_past_the_clock_lead_is_refused_and_changes_nothing() {
     assert!(acked(&push(&mut s, 1, 0, 11, 0, 4, 1.0), 1, 11));
     assert_eq!(pending_sums(&s), 4, "clocks 1 to 4");
     // A push_pull past the lead is refused too (its pull first under bsp: the same rule).
-    let msg = Message::PushPull { block: 0, clock: 5, values: Values::from_vec(vec![1.0; LEN]) };
+    let msg = Message::PushPull {
+        block: 0,
+        clock: 5,
+        values: Values::from_vec(vec![1.0; LEN]),
+        reply: elasticps_wire::Dtype::F32,
+    };
     let e = refusal(&s.handle(2, Event::Received { conn: 1, request_id: 12, msg }), 1, 12);
     assert!(e.contains("a pull of block 0 at clock 6") && e.contains("(--max-clock-lead 3)"), "{e}");
     assert_eq!(pending_sums(&s), 4);
@@ -802,7 +824,12 @@ fn under_aggregate_a_push_past_the_clock_lead_is_refused_and_changes_nothing() {
     for clock in 0..4 {
         assert!(acked(&push(&mut s, 1, 0, u64::from(clock), 0, clock, 1.0), 1, u64::from(clock)));
     }
-    let msg = Message::PushPull { block: 0, clock: 4, values: Values::from_vec(vec![1.0; LEN]) };
+    let msg = Message::PushPull {
+        block: 0,
+        clock: 4,
+        values: Values::from_vec(vec![1.0; LEN]),
+        reply: elasticps_wire::Dtype::F32,
+    };
     let e = refusal(&s.handle(2, Event::Received { conn: 1, request_id: 12, msg }), 1, 12);
     assert!(e.contains("a push of block 0 at clock 4") && e.contains("(--max-clock-lead 3)"), "{e}");
     assert_eq!(pending_sums(&s), 4);
@@ -869,13 +896,14 @@ fn counts_follow_every_path(sync: SyncPolicy, ops: &[HeldOp]) -> Result<(), prop
                     Some(Slot::Owned(o)) => o.block.done(),
                     _ => 0,
                 };
-                let msg = Message::Pull { block: 0, clock: done.saturating_add(ahead) };
+                let msg =
+                    Message::Pull { block: 0, clock: done.saturating_add(ahead), reply: elasticps_wire::Dtype::F32 };
                 a.handle(now, Event::Received { conn, request_id: req, msg });
             }
             HeldOp::Push { rank, fused } => {
                 let (block, clock, values) = (0, next[rank as usize], Values::from_vec(vec![1.0; LEN]));
                 let msg = if fused {
-                    Message::PushPull { block, clock, values }
+                    Message::PushPull { block, clock, values, reply: elasticps_wire::Dtype::F32 }
                 } else {
                     Message::Push { block, clock, values }
                 };
@@ -1218,7 +1246,7 @@ mod rows {
     }
 
     fn pull_rows(s: &mut Server, now: u64, rank: u32, req: u64, block: u32, clock: u32, ids: &[u64]) -> Vec<Action> {
-        let msg = Message::PullRows { block, clock, ids: RowIds::from_slice(ids) };
+        let msg = Message::PullRows { block, clock, ids: RowIds::from_slice(ids), reply: elasticps_wire::Dtype::F32 };
         s.handle(now, Event::Received { conn: ConnId::from(rank) + 1, request_id: req, msg })
     }
 

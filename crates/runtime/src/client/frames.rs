@@ -6,11 +6,12 @@
 
 use std::collections::HashMap;
 
+use elasticps_core::model::BlockSpec;
 use elasticps_core::sync::Clock;
 use elasticps_node::ConnId;
 use elasticps_node::Machine;
 use elasticps_node::worker::{self, Answer, ClientEvent, Effect, Op, Tag};
-use elasticps_wire::{FrameHeader, Kind, Message};
+use elasticps_wire::{Dtype, Flags, FrameHeader, Kind, Message};
 
 use super::Ending;
 use super::rows::{RowPayloads, RowSink};
@@ -22,8 +23,58 @@ use crate::error::{Result, RuntimeError};
 /// or each block's row payload (a row round).
 #[derive(Clone, Copy)]
 pub(super) enum Source<'g> {
-    Tensors(&'g [Option<&'g [f32]>]),
+    Tensors(&'g Tensors<'g>),
     Rows(&'g RowPayloads),
+}
+
+/// A tensor round's gradients and how each tensor travels: f32 straight from the
+/// caller's slice, or converted once per push into `coded`.
+#[derive(Default)]
+pub(super) struct Tensors<'g> {
+    /// The caller's gradients, one entry per tensor (or none: a round without pushes).
+    grads: &'g [Option<&'g [f32]>],
+    /// The wire dtype of each tensor (its pushes, and the replies its pulls ask for).
+    dtypes: Vec<Dtype>,
+    /// A pushed tensor's gradient in its dtype, where that is not f32.
+    coded: Vec<Option<Vec<u8>>>,
+}
+
+impl<'g> Tensors<'g> {
+    /// `grads` (one entry per tensor, or none) to travel in `dtypes` (one per tensor of
+    /// the model): each gradient in a reduced dtype is converted here, once.
+    pub(super) fn new(grads: &'g [Option<&'g [f32]>], dtypes: Vec<Dtype>) -> Self {
+        let coded = grads
+            .iter()
+            .enumerate()
+            .map(|(t, g)| match (g, dtypes.get(t)) {
+                (Some(g), Some(&d)) if d != Dtype::F32 => Some(d.encode(g)),
+                _ => None,
+            })
+            .collect();
+        Tensors { grads, dtypes, coded }
+    }
+
+    /// The dtype tensor `t` travels in.
+    fn dtype(&self, t: u32) -> Dtype {
+        self.dtypes.get(t as usize).copied().unwrap_or_default()
+    }
+
+    /// The bytes block `b` pushes: its range of its tensor's gradient, in the tensor's
+    /// dtype (empty for a tensor without a gradient this step).
+    fn block_bytes(&self, b: &BlockSpec) -> Result<(&[u8], Dtype)> {
+        let t = b.tensor as usize;
+        match (self.grads.get(t), self.coded.get(t)) {
+            (Some(Some(grad)), _) if grad.is_empty() => Ok((&[][..], Dtype::F32)),
+            (Some(Some(grad)), Some(Some(coded))) if b.offset + b.len <= grad.len() => {
+                let w = self.dtype(b.tensor).width();
+                Ok((&coded[b.offset * w..(b.offset + b.len) * w], self.dtype(b.tensor)))
+            }
+            (Some(Some(grad)), _) if b.offset + b.len <= grad.len() => {
+                Ok((bytemuck::cast_slice(&grad[b.offset..b.offset + b.len]), Dtype::F32))
+            }
+            _ => Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id))),
+        }
+    }
 }
 
 /// Where a round's pulled values go: the caller's tensors at the pull's clock, or the
@@ -120,9 +171,12 @@ impl Links<'_> {
             return self.on_rows_header(machine, conn, header, sent, rows.as_deref_mut(), out).await;
         }
         // Where a pull reply of the expected length goes: the block's range of its tensor.
+        let dtype = header.flags.dtype;
         let dest = match (header.kind, sink) {
             (Kind::PullReply, Sink::Tensors(Some((_, params))))
-                if sent.op.is_pull() && header.payload_len as usize == b.len * 4 =>
+                if sent.op.is_pull()
+                    && !header.flags.sparse
+                    && header.payload_len as usize == b.len * dtype.width() =>
             {
                 params
                     .get_mut(b.tensor as usize)
@@ -132,13 +186,23 @@ impl Links<'_> {
             _ => None,
         };
         let read = match dest {
-            Some(dest) => c.reader.payload_into(&header, bytemuck::cast_slice_mut(dest)).await.map(|()| {
-                #[cfg(target_endian = "big")]
-                for v in dest.iter_mut() {
-                    *v = f32::from_bits(u32::from_le(v.to_bits()));
-                }
-                None
-            }),
+            Some(dest) if dtype == Dtype::F32 => {
+                c.reader.payload_into(&header, bytemuck::cast_slice_mut(dest)).await.map(|()| {
+                    #[cfg(target_endian = "big")]
+                    for v in dest.iter_mut() {
+                        *v = f32::from_bits(u32::from_le(v.to_bits()));
+                    }
+                    None
+                })
+            }
+            // A reduced dtype: read, then widened into the tensor.
+            Some(dest) => {
+                let mut bytes = vec![0u8; header.payload_len as usize];
+                c.reader.payload_into(&header, &mut bytes).await.map(|()| {
+                    dtype.decode_into(&bytes, dest);
+                    None
+                })
+            }
             None => c.reader.payload(&header).await.map(Some),
         };
         let msg = match read {
@@ -224,8 +288,8 @@ impl Links<'_> {
             };
             let mut frames = Vec::new();
             for &(_, tag, sent) in batch.iter().filter(|(c, ..)| *c == conn) {
-                let (kind, clock, bytes) = request_bytes(source, sent)?;
-                frames.push((c.writer().tensor_header(kind, tag, sent.block.id, clock, bytes.len())?, bytes));
+                let (kind, clock, bytes, flags) = request_bytes(source, sent)?;
+                frames.push((c.writer().tensor_header(kind, tag, sent.block.id, clock, bytes.len(), flags)?, bytes));
                 c.pending.insert(tag, sent);
             }
             jobs.push(c.write(conn, frames));
@@ -234,19 +298,18 @@ impl Links<'_> {
     }
 }
 
-/// The frame kind, clock and payload of request `sent`, its values from `source`.
-fn request_bytes<'g>(source: Source<'g>, sent: Sent) -> Result<(Kind, Clock, &'g [u8])> {
+/// The frame kind, clock, payload and flags of request `sent`, its values from `source`.
+fn request_bytes<'g>(source: Source<'g>, sent: Sent) -> Result<(Kind, Clock, &'g [u8], Flags)> {
     let b = sent.block;
-    let grads = match source {
-        Source::Tensors(grads) => grads,
-        Source::Rows(_) => &[][..],
+    let tensors = |what: &str| match source {
+        Source::Tensors(t) => Ok(t),
+        Source::Rows(_) => Err(RuntimeError::Usage(format!("a {what} of block {} in a row round", b.id))),
     };
-    let values = || match grads.get(b.tensor as usize) {
-        Some(Some(grad)) if b.offset + b.len <= grad.len() => Ok(&grad[b.offset..b.offset + b.len]),
-        // No gradient for the tensor: an empty push to each of its blocks.
-        Some(Some([])) => Ok(&[][..]),
-        _ => Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id))),
+    let pushed = |what: &str| -> Result<(&'g [u8], Flags)> {
+        let (bytes, dtype) = tensors(what)?.block_bytes(&b)?;
+        Ok((bytes, Flags { dtype, ..Flags::default() }))
     };
+    let reply = |what: &str| -> Result<Dtype> { Ok(tensors(what)?.dtype(b.tensor)) };
     let row_payload = || match source {
         Source::Rows(p) => p
             .by_block
@@ -255,16 +318,32 @@ fn request_bytes<'g>(source: Source<'g>, sent: Sent) -> Result<(Kind, Clock, &'g
             .ok_or_else(|| RuntimeError::Usage(format!("no rows of table {} for block {}", b.tensor, b.id))),
         Source::Tensors(_) => Err(RuntimeError::Usage(format!("a row request of block {} in a tensor round", b.id))),
     };
+    let f32s = Flags::default();
     Ok(match sent.op {
-        Op::Push(clock) => (Kind::Push, clock, bytemuck::cast_slice(values()?)),
-        Op::Init => (Kind::Init, 0, bytemuck::cast_slice(values()?)),
-        Op::Pull(clock) => (Kind::Pull, clock, &[][..]),
-        Op::PushPull(clock) => (Kind::PushPull, clock, bytemuck::cast_slice(values()?)),
+        Op::Push(clock) => {
+            let (bytes, flags) = pushed("push")?;
+            (Kind::Push, clock, bytes, flags)
+        }
+        // Initial values travel exact.
+        Op::Init => match source {
+            Source::Tensors(t) => match t.grads.get(b.tensor as usize) {
+                Some(Some(v)) if b.offset + b.len <= v.len() => {
+                    (Kind::Init, 0, bytemuck::cast_slice(&v[b.offset..b.offset + b.len]), f32s)
+                }
+                _ => return Err(RuntimeError::Usage(format!("no values of tensor {} for block {}", b.tensor, b.id))),
+            },
+            Source::Rows(_) => return Err(RuntimeError::Usage(format!("an init of block {} in a row round", b.id))),
+        },
+        Op::Pull(clock) => (Kind::Pull, clock, &[][..], Flags { reply: reply("pull")?, ..f32s }),
+        Op::PushPull(clock) => {
+            let (bytes, flags) = pushed("push_pull")?;
+            (Kind::PushPull, clock, bytes, Flags { reply: reply("push_pull")?, ..flags })
+        }
         // No gradient for the table this clock: an empty Push.
         Op::PushRows(clock) => match row_payload()? {
-            [] => (Kind::Push, clock, &[][..]),
-            rows => (Kind::PushRows, clock, rows),
+            [] => (Kind::Push, clock, &[][..], f32s),
+            rows => (Kind::PushRows, clock, rows, f32s),
         },
-        Op::PullRows(clock) => (Kind::PullRows, clock, row_payload()?),
+        Op::PullRows(clock) => (Kind::PullRows, clock, row_payload()?, f32s),
     })
 }

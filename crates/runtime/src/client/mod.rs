@@ -33,7 +33,7 @@ use elasticps_core::sync::Clock;
 use elasticps_node::ConnId;
 use elasticps_node::timing::REQUEST_TIMEOUT_US;
 use elasticps_node::worker::{self, PushOp, RowsOp, Worker};
-use elasticps_wire::{Codec, Control, Credential, Layout, Message};
+use elasticps_wire::{Codec, Control, Credential, Dtype, Layout, Message};
 
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
@@ -79,6 +79,10 @@ pub struct ClientOptions {
     /// How long to retry a lost scheduler connection (a scheduler restarted with
     /// `--state-dir`) before the job is given up; zero: never.
     pub scheduler_retry: Duration,
+    /// The dtype every tensor's pushes and pull replies travel in (`--wire-dtype`),
+    /// unless [`Client::set_wire_dtype`] chose another for it. Servers keep f32 values;
+    /// initial values always travel as f32.
+    pub wire_dtype: Dtype,
 }
 
 impl ClientOptions {
@@ -93,6 +97,7 @@ impl ClientOptions {
             fuse: true,
             rank: None,
             scheduler_retry: DEFAULT_SCHEDULER_RETRY,
+            wire_dtype: Dtype::F32,
         }
     }
 }
@@ -124,6 +129,8 @@ pub struct Client {
     machine: worker::Client,
     /// The time handed to the machine.
     clock: Micros,
+    /// The dtype of each tensor on the wire, where it is not [`ClientOptions::wire_dtype`].
+    wire: HashMap<u32, Dtype>,
 }
 
 impl Client {
@@ -174,6 +181,7 @@ impl Client {
             ending,
             waits: Waits::default(),
             clock,
+            wire: HashMap::new(),
         })
     }
 
@@ -293,6 +301,17 @@ impl Client {
             Message::Control(Control::Ok) => Ok(()),
             other => Err(RuntimeError::unexpected("scheduler", "Ok", &other)),
         }
+    }
+
+    /// Tensor `tensor`'s pushes and pull replies travel in `dtype` from now on (Horovod's
+    /// `compression=`, per tensor); the job's [`ClientOptions::wire_dtype`] otherwise.
+    pub fn set_wire_dtype(&mut self, tensor: u32, dtype: Dtype) {
+        self.wire.insert(tensor, dtype);
+    }
+
+    /// The dtype tensor `tensor` travels in.
+    pub fn wire_dtype(&self, tensor: u32) -> Dtype {
+        self.wire.get(&tensor).copied().unwrap_or(self.opts.wire_dtype)
     }
 
     /// Fresh zeroed buffers shaped like the model's tensors, for [`Client::pull`].

@@ -23,7 +23,7 @@ use elasticps_wire::{Codec, Control, FrameHeader, Layout, Message};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
-use super::frames::{Links, Sink, Source};
+use super::frames::{Links, Sink, Source, Tensors};
 use super::rows::{RowPayloads, RowSink};
 use super::server_conn::{self, Sent, ServerConn, WriteJob, Written};
 use super::{Client, Waits};
@@ -69,7 +69,9 @@ impl Client {
             m.iteration(it.clock, it.since_last_us.map(Duration::from_micros));
         }
         let grads = push.map_or(&[][..], |(_, g)| g);
-        match self.run(effects, Source::Tensors(grads), Sink::Tensors(&mut pull), false).await? {
+        let tensors = self.layout().map_or(0, |l| l.partition.tensors.len() as u32);
+        let tensors = Tensors::new(grads, (0..tensors).map(|t| self.wire_dtype(t)).collect());
+        match self.run(effects, Source::Tensors(&tensors), Sink::Tensors(&mut pull), false).await? {
             Outcome::Round(finished) => {
                 self.round_done(finished);
                 Ok(())
@@ -107,7 +109,7 @@ impl Client {
     pub(super) async fn server_call(&mut self, target: Target, msg: Control) -> Result<Message> {
         let mut effects = Vec::new();
         self.machine.call(self.clock.now(), target, msg, &mut effects);
-        match self.run(effects, Source::Tensors(&[]), Sink::None, false).await? {
+        match self.run(effects, Source::Tensors(&Tensors::default()), Sink::None, false).await? {
             Outcome::Answered(msg) => Ok(msg),
             _ => Err(unexpected_outcome()),
         }
@@ -122,7 +124,7 @@ impl Client {
         };
         let mut effects = Vec::new();
         self.machine.handle(self.clock.now(), ClientEvent::Layout(layout), &mut effects);
-        self.run(effects, Source::Tensors(&[]), Sink::None, true).await.map(|_| ())
+        self.run(effects, Source::Tensors(&Tensors::default()), Sink::None, true).await.map(|_| ())
     }
 
     /// Records a finished round's waits and sends its load report when one is due.
