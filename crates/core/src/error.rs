@@ -118,4 +118,16 @@ pub enum CoreError {
     /// A dense operation (Pull, Push, PushPull, Init) on a block of an embedding table.
     #[error("block {0} is a range of a table's rows: pull and push it by rows (PullRows, PushRows)")]
     NotDense(BlockId),
+    /// A sparse gradient ([`Gradient::Sparse`](crate::block::Gradient::Sparse)) that does
+    /// not fit its block: no index, indices not strictly ascending or past the block's
+    /// end, or not one value per index.
+    #[error("block {block} holds {len} values; its sparse gradient is refused: {why}")]
+    BadSparse {
+        /// The block.
+        block: BlockId,
+        /// Its length.
+        len: usize,
+        /// What does not fit.
+        why: String,
+    },
 }

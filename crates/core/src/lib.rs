@@ -13,12 +13,14 @@
 //! - [`adaptive`]: per-server tuning of the staleness bound.
 //! - [`load`]: per-server service-rate estimates with a confidence (PSLD's measurements).
 //! - [`balance`]: the PSLD balancer: block moves, probes, scale-out trials and scale-in.
+//! - [`compress`]: top-k and random-k gradients with error feedback (the worker's side).
 //! - [`block`]: the per-block state machine a server runs (values, optimizer, clocks,
 //!   held pulls, counters).
 
 pub mod adaptive;
 pub mod balance;
 pub mod block;
+pub mod compress;
 pub mod error;
 pub mod f32s;
 pub mod ids;

@@ -101,6 +101,41 @@ impl OptimizerConfig {
         step(self.kind, self.lr, self.weight_decay, w, state, grad);
     }
 
+    /// Whether a sparse gradient steps only the elements it names: plain SGD without
+    /// weight decay (and a finite learning rate, so that `lr * 0.0` is 0). Every other
+    /// rule moves every element even where the gradient is zero (momentum and Adam's
+    /// moments decay, weight decay shrinks every weight).
+    pub fn steps_sparse(&self) -> bool {
+        self.kind == OptimizerKind::Sgd && self.weight_decay == 0.0 && self.lr.is_finite()
+    }
+
+    /// Applies one step with the sparse gradient `values` at `indices` (strictly
+    /// ascending, each below `w.len()`, checked by the caller: `Gradient::check`), exactly
+    /// as [`step`] with the dense gradient that is zero elsewhere, bit for bit: where
+    /// [`steps_sparse`](Self::steps_sparse), `w[i] -= lr * g` at the indices alone (and
+    /// the step counted), O(indices); otherwise densified into a scratch vector for the
+    /// dense step, O(w.len()).
+    pub fn step_sparse(&self, w: &mut [f32], state: &mut OptState, indices: &[u32], values: &[f32]) {
+        debug_assert_eq!(indices.len(), values.len());
+        debug_assert!(
+            indices.windows(2).all(|p| p[0] < p[1]) && indices.last().is_none_or(|i| (*i as usize) < w.len())
+        );
+        if self.steps_sparse() {
+            // `step`'s SGD at a zero gradient is `w -= lr * 0.0`, which leaves `w` as it is.
+            state.steps = state.steps.saturating_add(1);
+            for (i, g) in indices.iter().zip(values) {
+                let w = &mut w[*i as usize];
+                *w -= self.lr * g;
+            }
+        } else {
+            let mut dense = vec![0.0; w.len()];
+            for (i, g) in indices.iter().zip(values) {
+                dense[*i as usize] = *g;
+            }
+            self.step(w, state, &dense);
+        }
+    }
+
     /// This configuration with a tensor's own rule, learning rate and weight decay.
     pub fn with(self, t: &TensorOptimizer) -> Self {
         Self { kind: t.kind, lr: t.lr, weight_decay: t.weight_decay, aggregate: self.aggregate }
