@@ -1905,27 +1905,40 @@ mod tests {
         }
     }
 
-    /// Apply cost of a 1% sparse push against a dense push on a block of 1M elements
+    /// Apply cost of a 1% sparse push against a dense push on a block of 1M elements, one
+    /// worker (each push completes its clock), the median and the fastest of 41 pushes
     /// (`cargo nextest run -p elasticps-core --release --run-ignored only sparse_apply_cost
     /// --no-capture`).
     #[test]
     #[ignore = "a measurement, not a test"]
     fn sparse_apply_cost() {
+        use crate::compress::{ErrorFeedback, Sparsifier};
+        use std::time::{Duration, Instant};
         const LEN: usize = 1 << 20;
-        const ROUNDS: u32 = 50;
+        const ROUNDS: u32 = 41;
+        let summary = |mut t: Vec<Duration>| {
+            t.sort_unstable();
+            format!("median {:>9.1?}, fastest {:>9.1?}", t[t.len() / 2], t[0])
+        };
         let grad: Vec<f32> = (0..LEN).map(|i| (i as f32 * 0.37).sin()).collect();
-        let mut ef = crate::compress::ErrorFeedback::new(crate::compress::Sparsifier::TopK { ratio: 0.01 }, 1);
-        let started = std::time::Instant::now();
-        let sent = ef.compress(&grad);
-        let compress = started.elapsed();
-        let mut rk = crate::compress::ErrorFeedback::new(crate::compress::Sparsifier::RandomK { ratio: 0.01 }, 1);
-        let started = std::time::Instant::now();
-        rk.compress(&grad);
-        let compress_random = started.elapsed();
-        println!(
-            "compress 1M, 1%: top-k {compress:?}, random-k {compress_random:?} (first call, allocations included)"
-        );
-        for (name, kind) in [("sgd", OptimizerKind::Sgd), ("momentum", OptimizerKind::Momentum { beta: 0.9 })] {
+        for sparsifier in [Sparsifier::TopK { ratio: 0.01 }, Sparsifier::RandomK { ratio: 0.01 }] {
+            let mut ef = ErrorFeedback::new(sparsifier, 1);
+            let times = (0..ROUNDS)
+                .map(|_| {
+                    let started = Instant::now();
+                    std::hint::black_box(ef.compress(&grad));
+                    started.elapsed()
+                })
+                .collect();
+            println!("compress {sparsifier} of 1M: {}", summary(times));
+        }
+        let sent = ErrorFeedback::new(Sparsifier::TopK { ratio: 0.01 }, 1).compress(&grad);
+        let kinds = [
+            ("sgd", OptimizerKind::Sgd),
+            ("momentum", OptimizerKind::Momentum { beta: 0.9 }),
+            ("adam", OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }),
+        ];
+        for (name, kind) in kinds {
             for aggregate in [false, true] {
                 let cfg = ShardConfig {
                     sync: SyncPolicy::Asp,
@@ -1933,17 +1946,20 @@ mod tests {
                     workers: 1,
                 };
                 let mut b: Block<u32> = Block::new(spec(LEN), vec![0.0; LEN], &cfg).unwrap();
-                let started = std::time::Instant::now();
-                for t in 0..ROUNDS {
-                    b.push(&cfg, 0, t, &grad, 0).unwrap();
-                }
-                let dense = started.elapsed() / ROUNDS;
-                let started = std::time::Instant::now();
-                for t in ROUNDS..2 * ROUNDS {
-                    b.push_gradient(&cfg, 0, t, sent.as_gradient(), 0).unwrap();
-                }
-                let sparse = started.elapsed() / ROUNDS;
-                println!("{name} aggregate={aggregate}: dense push {dense:?}, 1% sparse push {sparse:?}");
+                let mut clock = 0;
+                let mut time = |b: &mut Block<u32>, grad: Gradient<'_>| {
+                    let started = Instant::now();
+                    b.push_gradient(&cfg, 0, clock, grad, 0).unwrap();
+                    clock += 1;
+                    started.elapsed()
+                };
+                let dense: Vec<Duration> = (0..ROUNDS).map(|_| time(&mut b, Gradient::Dense(&grad))).collect();
+                let sparse: Vec<Duration> = (0..ROUNDS).map(|_| time(&mut b, sent.as_gradient())).collect();
+                println!(
+                    "{name:>8} aggregate={aggregate:<5}: dense push {}; 1% sparse push {}",
+                    summary(dense),
+                    summary(sparse)
+                );
             }
         }
     }
