@@ -348,6 +348,45 @@ mod tests {
     }
 
     #[test]
+    fn a_sparse_step_over_many_chunks_is_the_dense_step_with_zeros_bit_for_bit() {
+        // Three chunks and a part, indices in each (at both ends of a chunk too) and
+        // none in the second: a chunk must not keep the previous chunk's gradient.
+        let len = 3 * SPARSE_CHUNK + 5;
+        let indices: Vec<u32> = [0, 7, SPARSE_CHUNK - 1, 2 * SPARSE_CHUNK, 3 * SPARSE_CHUNK + 4]
+            .iter()
+            .map(|i| *i as u32)
+            .collect();
+        let values = [0.5, -1.25, 3.0, -0.75, 2.0];
+        let mut dense = vec![0.0; len];
+        for (i, v) in indices.iter().zip(&values) {
+            dense[*i as usize] = *v;
+        }
+        let kinds = [
+            (OptimizerKind::Sgd, 0.0),
+            (OptimizerKind::Sgd, 0.1),
+            (OptimizerKind::Momentum { beta: 0.9 }, 0.01),
+            (OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, 0.01),
+            (OptimizerKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, 0.1),
+        ];
+        for (kind, weight_decay) in kinds {
+            let cfg = OptimizerConfig { kind, lr: 0.1, aggregate: false, weight_decay };
+            let init: Vec<f32> = (0..len).map(|i| (i as f32 * 0.01).cos()).collect();
+            let (mut a, mut b) = (init.clone(), init);
+            let (mut sa, mut sb) = (OptState::default(), OptState::default());
+            for _ in 0..3 {
+                cfg.step_sparse(&mut a, &mut sa, &indices, &values);
+                cfg.step(&mut b, &mut sb, &dense);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&a) == bits(&b), "{kind} wd={weight_decay}: weights differ");
+            assert!(
+                (sa.steps, bits(&sa.m), bits(&sa.v)) == (sb.steps, bits(&sb.m), bits(&sb.v)),
+                "{kind} wd={weight_decay}: state differs"
+            );
+        }
+    }
+
+    #[test]
     fn sgd_and_momentum_steps_are_exact() {
         let mut w = vec![1.0, 2.0];
         let mut st = OptState::default();
