@@ -352,10 +352,8 @@ mod tests {
         // Three chunks and a part, indices in each (at both ends of a chunk too) and
         // none in the second: a chunk must not keep the previous chunk's gradient.
         let len = 3 * SPARSE_CHUNK + 5;
-        let indices: Vec<u32> = [0, 7, SPARSE_CHUNK - 1, 2 * SPARSE_CHUNK, 3 * SPARSE_CHUNK + 4]
-            .iter()
-            .map(|i| *i as u32)
-            .collect();
+        let indices: Vec<u32> =
+            [0, 7, SPARSE_CHUNK - 1, 2 * SPARSE_CHUNK, 3 * SPARSE_CHUNK + 4].iter().map(|i| *i as u32).collect();
         let values = [0.5, -1.25, 3.0, -0.75, 2.0];
         let mut dense = vec![0.0; len];
         for (i, v) in indices.iter().zip(&values) {
