@@ -123,6 +123,24 @@ impl SparseGrad {
         Gradient::Sparse { indices: &self.indices, values: &self.values }
     }
 
+    /// The part of it in elements `offset..offset + len` (a block of its tensor), indices
+    /// rebased to the block's first element. A block none of whose elements was picked
+    /// gets index 0 with value 0.0: the zero gradient, so the block still takes the step
+    /// the dense gradient would give it (momentum and Adam move at a zero gradient; a
+    /// sparse gradient without an index is refused, [`Gradient::check`]). Binary search:
+    /// O(log n + what it takes).
+    pub fn block(&self, offset: usize, len: usize) -> SparseGrad {
+        let start = self.indices.partition_point(|i| (*i as usize) < offset);
+        let end = self.indices.partition_point(|i| (*i as usize) < offset + len);
+        if start == end {
+            return SparseGrad { indices: vec![0], values: vec![0.0] };
+        }
+        SparseGrad {
+            indices: self.indices[start..end].iter().map(|i| i - offset as u32).collect(),
+            values: self.values[start..end].to_vec(),
+        }
+    }
+
     /// The dense gradient it stands for: zeros but at its indices.
     pub fn densify(&self, len: usize) -> Vec<f32> {
         let mut dense = vec![0.0; len];
@@ -320,6 +338,21 @@ mod tests {
         assert_eq!(ef.compress(&[1.0, 2.0]).indices, vec![1]);
         let mut empty = ErrorFeedback::new(Sparsifier::RandomK { ratio: 0.5 }, 0);
         assert_eq!(empty.compress(&[]), SparseGrad::default(), "an empty tensor sends nothing");
+    }
+
+    #[test]
+    fn a_block_s_part_is_rebased_and_a_block_without_a_pick_gets_the_zero_gradient() {
+        let g = SparseGrad { indices: vec![1, 4, 5, 9], values: vec![1.0, 2.0, 3.0, 4.0] };
+        assert_eq!(g.block(0, 4), SparseGrad { indices: vec![1], values: vec![1.0] });
+        assert_eq!(g.block(4, 4), SparseGrad { indices: vec![0, 1], values: vec![2.0, 3.0] });
+        assert_eq!(g.block(8, 2), SparseGrad { indices: vec![1], values: vec![4.0] });
+        assert_eq!(g.block(6, 2), SparseGrad { indices: vec![0], values: vec![0.0] });
+        // The parts of blocks that cut the tensor densify to the tensor's dense gradient.
+        let parts: Vec<f32> = [(0, 4), (4, 4), (8, 2)].iter().flat_map(|(o, l)| g.block(*o, *l).densify(*l)).collect();
+        assert_eq!(parts, g.densify(10));
+        for (o, l) in [(0, 4), (4, 4), (6, 2), (8, 2)] {
+            assert_eq!(g.block(o, l).as_gradient().check(0, l), Ok(()));
+        }
     }
 
     fn any_sparsifier() -> impl Strategy<Value = Sparsifier> {

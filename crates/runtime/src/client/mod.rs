@@ -27,6 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use elasticps_core::compress::Sparsifier;
 use elasticps_core::model::{TableSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
@@ -38,6 +39,7 @@ use elasticps_wire::{Codec, Control, Credential, Layout, Message};
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 
+mod compress;
 mod frames;
 mod opt_state;
 mod round;
@@ -79,6 +81,10 @@ pub struct ClientOptions {
     /// How long to retry a lost scheduler connection (a scheduler restarted with
     /// `--state-dir`) before the job is given up; zero: never.
     pub scheduler_retry: Duration,
+    /// Compress every tensor's gradient (`topk:0.01`, `randomk:0.01`) with error
+    /// feedback: what is not sent joins the tensor's next gradient (`compress.rs`).
+    /// `None` (the default): gradients are pushed whole.
+    pub compress: Option<Sparsifier>,
 }
 
 impl ClientOptions {
@@ -93,6 +99,7 @@ impl ClientOptions {
             fuse: true,
             rank: None,
             scheduler_retry: DEFAULT_SCHEDULER_RETRY,
+            compress: None,
         }
     }
 }
@@ -124,6 +131,8 @@ pub struct Client {
     machine: worker::Client,
     /// The time handed to the machine.
     clock: Micros,
+    /// Gradient compression with its residuals ([`ClientOptions::compress`]).
+    compression: Option<compress::Compression>,
 }
 
 impl Client {
@@ -165,6 +174,7 @@ impl Client {
             .with_window(opts.window);
         Ok(Client {
             rank,
+            compression: opts.compress.map(|s| compress::Compression::new(s, rank)),
             machine: worker::Client::new(worker, credential.clone()),
             credential,
             num_workers,
@@ -241,6 +251,9 @@ impl Client {
             })
             .await?;
         self.install_layout(reply).await?;
+        if let Some(c) = &mut self.compression {
+            c.reset();
+        }
         Ok(self.layout().map(|l| &l.partition.tensors[..]).unwrap_or_default())
     }
 
