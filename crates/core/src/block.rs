@@ -797,7 +797,7 @@ impl<T> Block<T> {
     /// Why `grad` does not fit this block: a gradient for a row block, or one that does
     /// not fit a dense block's length ([`Gradient::check`]).
     fn check_dense(&self, grad: Gradient<'_>) -> Result<(), CoreError> {
-        if self.rows.is_some() && grad != Gradient::None {
+        if self.rows.is_some() && !matches!(grad, Gradient::None) {
             return Err(CoreError::NotDense(self.spec.id));
         }
         grad.check(self.spec.id, self.spec.len)
@@ -857,7 +857,7 @@ impl<T> Block<T> {
         if opt.aggregate {
             let len = self.spec.len;
             let (sum, count) = self.pending.entry(clock).or_insert_with(|| (Vec::new(), 0));
-            if grad != Gradient::None && sum.is_empty() {
+            if !matches!(grad, Gradient::None) && sum.is_empty() {
                 sum.resize(len, 0.0);
             }
             match grad {
