@@ -11,7 +11,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::CoreError;
-use crate::model::BlockSpec;
+use crate::model::{BlockId, BlockSpec};
 use crate::optimizer::{OptState, OptimizerConfig};
 use crate::rows::{PendingRows, RowHistogram, RowRule, RowState, RowStore};
 use crate::stats::Histogram;
@@ -206,13 +206,23 @@ impl<T> HeldPulls<T> {
 }
 
 /// What one push carries for its block. On the wire (a `Push`, `PushPull` or `Forward`
-/// payload, a [`LoggedPush`]) a gradient is its values, and no gradient is an empty
+/// payload, a [`LoggedPush`]) a dense gradient is its values, and no gradient is an empty
 /// payload ([`Gradient::from_payload`]): blocks are never empty, so the two cannot be
-/// confused.
+/// confused. A sparse gradient ([`crate::compress`]) carries its indices beside its values.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Gradient<'a> {
     /// One value per element of the block.
     Dense(&'a [f32]),
+    /// The gradient at some elements, zero at the others (a worker's top-k or random-k,
+    /// [`crate::compress::SparseGrad`]): applied as the dense gradient with zeros elsewhere
+    /// would be, bit for bit, without densifying the block where that can be
+    /// ([`Block::push_gradient`]). Checked by [`Gradient::check`].
+    Sparse {
+        /// Strictly ascending, each below the block's length, at least one.
+        indices: &'a [u32],
+        /// One per index.
+        values: &'a [f32],
+    },
     /// No gradient this clock (a parameter unused in the forward pass, PyTorch's
     /// `p.grad is None`; a table block a worker touched no row of): the push counts for
     /// the clock (sync policies, the exactly-once clock state, logs, replicas) and applies
@@ -226,11 +236,46 @@ impl<'a> Gradient<'a> {
         if values.is_empty() { Gradient::None } else { Gradient::Dense(values) }
     }
 
-    /// The payload that carries it (empty for [`Gradient::None`]).
+    /// The values it carries: a dense gradient's, a sparse one's (one per index), empty
+    /// for [`Gradient::None`].
     pub const fn payload(self) -> &'a [f32] {
         match self {
-            Gradient::Dense(g) => g,
+            Gradient::Dense(g) | Gradient::Sparse { values: g, .. } => g,
             Gradient::None => &[],
+        }
+    }
+
+    /// Why it does not fit block `block` of `len` elements: a dense gradient of another
+    /// length ([`CoreError::WrongLength`]); a sparse one without an index, with indices not
+    /// strictly ascending or past the end, or not one value per index
+    /// ([`CoreError::BadSparse`]). Linear in what it carries; never panics.
+    pub fn check(self, block: BlockId, len: usize) -> Result<(), CoreError> {
+        match self {
+            Gradient::None => Ok(()),
+            Gradient::Dense(g) if g.len() == len => Ok(()),
+            Gradient::Dense(g) => Err(CoreError::WrongLength { block, expected: len, got: g.len() }),
+            Gradient::Sparse { indices, values } => {
+                let bad = |why: String| Err(CoreError::BadSparse { block, len, why });
+                if indices.len() != values.len() {
+                    return bad(format!("{} indices but {} values", indices.len(), values.len()));
+                }
+                if indices.is_empty() {
+                    return bad("no index (a push without a gradient carries no payload)".into());
+                }
+                if let Some(at) = indices.windows(2).position(|w| w[0] >= w[1]) {
+                    return bad(format!(
+                        "index {} at position {} does not follow {} (indices must be strictly ascending)",
+                        indices[at + 1],
+                        at + 1,
+                        indices[at]
+                    ));
+                }
+                // Ascending: the last is the largest.
+                match indices.last() {
+                    Some(last) if *last as usize >= len => bad(format!("index {last} is past the end")),
+                    _ => Ok(()),
+                }
+            }
         }
     }
 }
@@ -336,11 +381,13 @@ pub struct LoggedPush {
     pub worker: u32,
     /// The clock it pushed.
     pub clock: Clock,
-    /// The gradient (for a row push, `rows.len() x dim`); empty for a push without one
-    /// ([`Gradient::None`]).
+    /// The gradient (for a row push, `rows.len() x dim`; for a sparse push, one value per
+    /// index); empty for a push without one ([`Gradient::None`]).
     #[serde(with = "crate::f32s")]
     pub grad: Vec<f32>,
-    /// A row push's row ids (empty for a dense push, and for an empty row push).
+    /// A row push's row ids (empty for an empty row push); for a push to a dense block,
+    /// empty for a dense gradient and a sparse gradient's indices ([`Gradient::Sparse`],
+    /// kept sparse: a 1% push logs 1% of the block).
     pub rows: Vec<u64>,
 }
 
@@ -348,6 +395,15 @@ impl LoggedPush {
     /// A dense push.
     pub fn dense(worker: u32, clock: Clock, grad: Vec<f32>) -> Self {
         Self { worker, clock, grad, rows: Vec::new() }
+    }
+
+    /// A push of `grad` to a dense block, as logged: dense, sparse or none.
+    pub fn of(worker: u32, clock: Clock, grad: Gradient<'_>) -> Self {
+        let rows = match grad {
+            Gradient::Sparse { indices, .. } => indices.iter().map(|i| u64::from(*i)).collect(),
+            Gradient::Dense(_) | Gradient::None => Vec::new(),
+        };
+        Self { worker, clock, grad: grad.payload().to_vec(), rows }
     }
 }
 
@@ -493,10 +549,19 @@ impl<T> Block<T> {
                     self.clocks.skip_to(p.worker, p.clock);
                 }
                 self.push_rows(config, p.worker, p.clock, &p.rows, &p.grad, 0)?;
-            } else if rejoined {
-                self.push_rejoined(config, p.worker, p.clock, &p.grad, 0)?;
             } else {
-                self.push(config, p.worker, p.clock, &p.grad, 0)?;
+                // A sparse push's indices (an index past u32 is past the end of any block,
+                // and refused as such).
+                let indices: Vec<u32> = p.rows.iter().map(|i| u32::try_from(*i).unwrap_or(u32::MAX)).collect();
+                let grad = if p.rows.is_empty() {
+                    Gradient::from_payload(&p.grad)
+                } else {
+                    Gradient::Sparse { indices: &indices, values: &p.grad }
+                };
+                if rejoined {
+                    self.clocks.skip_to(p.worker, p.clock);
+                }
+                self.push_gradient(config, p.worker, p.clock, grad, 0)?;
             }
         }
         self.stats = stats;
@@ -702,7 +767,8 @@ impl<T> Block<T> {
     /// of `len` values from `worker` at `clock`, without changing anything: `Ok(false)`
     /// for a duplicate (dropped), `Ok(true)` for one it applies, else its error. A
     /// primary checks a push with it before it forwards the push to its backups. `len` 0
-    /// is a push without a gradient ([`Gradient::None`]).
+    /// is a push without a gradient ([`Gradient::None`]). A sparse push is checked with
+    /// [`Block::check_gradient`].
     pub fn check_push(&self, worker: u32, clock: Clock, len: usize, rejoined: bool) -> Result<bool, CoreError> {
         if len == 0 {
             // No gradient: any block takes it.
@@ -712,6 +778,29 @@ impl<T> Block<T> {
             return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: len });
         }
         self.clocks.check(self.spec.id, worker, clock, rejoined)
+    }
+
+    /// [`Block::check_push`] of any gradient, a sparse one included: what
+    /// [`Block::push_gradient`] would say, without changing anything (its indices are
+    /// checked, [`Gradient::check`]).
+    pub fn check_gradient(
+        &self,
+        worker: u32,
+        clock: Clock,
+        grad: Gradient<'_>,
+        rejoined: bool,
+    ) -> Result<bool, CoreError> {
+        self.check_dense(grad)?;
+        self.clocks.check(self.spec.id, worker, clock, rejoined)
+    }
+
+    /// Why `grad` does not fit this block: a gradient for a row block, or one that does
+    /// not fit a dense block's length ([`Gradient::check`]).
+    fn check_dense(&self, grad: Gradient<'_>) -> Result<(), CoreError> {
+        if self.rows.is_some() && !matches!(grad, Gradient::None) {
+            return Err(CoreError::NotDense(self.spec.id));
+        }
+        grad.check(self.spec.id, self.spec.len)
     }
 
     /// A worker pushed clock `clock`, with `grad` its payload: the gradient, or empty for
@@ -730,41 +819,87 @@ impl<T> Block<T> {
         grad: &[f32],
         now_us: u64,
     ) -> Result<Vec<Answer<T>>, CoreError> {
-        let gradient = Gradient::from_payload(grad);
-        if let Gradient::Dense(g) = gradient {
-            if self.rows.is_some() {
-                return Err(CoreError::NotDense(self.spec.id));
-            }
-            if g.len() != self.spec.len {
-                return Err(CoreError::WrongLength { block: self.spec.id, expected: self.spec.len, got: g.len() });
-            }
-        }
+        self.push_gradient(config, worker, clock, Gradient::from_payload(grad), now_us)
+    }
+
+    /// [`Block::push`] of any gradient. A sparse one ([`Gradient::Sparse`], checked first:
+    /// a malformed one is refused, [`CoreError::BadSparse`]) is applied as the dense
+    /// gradient with zeros elsewhere would be, bit for bit, and costs what it carries
+    /// where it can: in aggregate mode it is added into the clock's sum at its indices
+    /// alone (the sum is allocated once per clock, as for dense pushes); otherwise plain
+    /// SGD without weight decay updates its indices alone
+    /// ([`OptimizerConfig::step_sparse`]). Every other rule (momentum, Adam, AdamW, any
+    /// weight decay) moves every element even where the gradient is zero, so the push is
+    /// densified into a scratch vector and takes the dense step. A migration logs it
+    /// sparse ([`LoggedPush::of`]).
+    pub fn push_gradient(
+        &mut self,
+        config: &ShardConfig,
+        worker: u32,
+        clock: Clock,
+        grad: Gradient<'_>,
+        now_us: u64,
+    ) -> Result<Vec<Answer<T>>, CoreError> {
+        self.check_dense(grad)?;
         if !self.clocks.record(self.spec.id, worker, clock)? {
             return Ok(Vec::new());
         }
         self.stats.pushes += 1;
-        self.stats.bytes_in += std::mem::size_of_val(grad) as u64;
+        self.stats.bytes_in += match grad {
+            Gradient::Sparse { indices, values } => std::mem::size_of_val(indices) + std::mem::size_of_val(values),
+            Gradient::Dense(_) | Gradient::None => std::mem::size_of_val(grad.payload()),
+        } as u64;
         if let Some(log) = &mut self.log {
-            log.push(LoggedPush::dense(worker, clock, grad.to_vec()));
+            log.push(LoggedPush::of(worker, clock, grad));
         }
         self.stats.max_lead = self.stats.max_lead.max(self.clocks.lead().into());
         let opt = config.optimizer;
         if opt.aggregate {
+            let len = self.spec.len;
             let (sum, count) = self.pending.entry(clock).or_insert_with(|| (Vec::new(), 0));
-            if let Gradient::Dense(g) = gradient {
-                if sum.is_empty() {
-                    sum.resize(g.len(), 0.0);
+            if !matches!(grad, Gradient::None) && sum.is_empty() {
+                sum.resize(len, 0.0);
+            }
+            match grad {
+                Gradient::Dense(g) => {
+                    for (s, g) in sum.iter_mut().zip(g) {
+                        *s += g;
+                    }
                 }
-                for (s, g) in sum.iter_mut().zip(g) {
-                    *s += g;
+                Gradient::Sparse { indices, values } => {
+                    // The sum starts at +0.0 and never becomes -0.0, so `s + 0.0` is `s`
+                    // bit for bit: skipping the zeros is exactly the dense sum.
+                    for (i, g) in indices.iter().zip(values) {
+                        sum[*i as usize] += g;
+                    }
                 }
+                Gradient::None => {}
             }
             *count += 1;
             self.apply_complete_clocks(opt);
-        } else if let Gradient::Dense(g) = gradient {
-            opt.step(Arc::make_mut(&mut self.values).as_mut_slice(), &mut self.opt, g);
+        } else {
+            let w = Arc::make_mut(&mut self.values).as_mut_slice();
+            match grad {
+                Gradient::Dense(g) => opt.step(w, &mut self.opt, g),
+                Gradient::Sparse { indices, values } => opt.step_sparse(w, &mut self.opt, indices, values),
+                Gradient::None => {}
+            }
         }
         Ok(self.release(config.sync, now_us))
+    }
+
+    /// [`Block::push_gradient`] from a worker that rejoined (as [`Block::push_rejoined`]).
+    pub fn push_gradient_rejoined(
+        &mut self,
+        config: &ShardConfig,
+        worker: u32,
+        clock: Clock,
+        grad: Gradient<'_>,
+        now_us: u64,
+    ) -> Result<Vec<Answer<T>>, CoreError> {
+        self.check_dense(grad)?;
+        self.clocks.skip_to(worker, clock);
+        self.push_gradient(config, worker, clock, grad, now_us)
     }
 
     /// A worker asks for the values at clock `clock`. Returns the answer now, or `None`
@@ -1641,6 +1776,192 @@ mod tests {
         let p = LoggedPush::dense(2, 9, vec![f32::NEG_INFINITY, 1e-40]);
         let back: LoggedPush = postcard::from_bytes(&postcard::to_allocvec(&p).unwrap()).unwrap();
         assert_eq!((back.worker, back.clock, bits(&back.grad)), (2, 9, bits(&p.grad)));
+    }
+
+    // Sparse gradients (top-k, random-k).
+
+    fn sparse<'a>(indices: &'a [u32], values: &'a [f32]) -> Gradient<'a> {
+        Gradient::Sparse { indices, values }
+    }
+
+    #[test]
+    fn a_malformed_sparse_gradient_is_refused_and_changes_nothing() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let mut b = block(4, &cfg);
+        let bad: [(&[u32], &[f32], &str); 6] = [
+            (&[2, 1], &[1.0, 1.0], "does not follow"),
+            (&[1, 1], &[1.0, 1.0], "does not follow"),
+            (&[0, 4], &[1.0, 1.0], "past the end"),
+            (&[u32::MAX], &[1.0], "past the end"),
+            (&[0, 1], &[1.0], "2 indices but 1 values"),
+            (&[], &[], "no index"),
+        ];
+        for (indices, values, why) in bad {
+            for e in [
+                b.check_gradient(0, 0, sparse(indices, values), false),
+                b.push_gradient(&cfg, 0, 0, sparse(indices, values), 0).map(|_| true),
+            ] {
+                match e {
+                    Err(CoreError::BadSparse { block: 0, len: 4, why: w }) => {
+                        assert!(w.contains(why), "{indices:?}: {w}")
+                    }
+                    other => panic!("{indices:?} {values:?}: {other:?}"),
+                }
+            }
+        }
+        assert_eq!((b.stats().pushes, b.clocks().pushed(0), bits(b.values())), (0, Some(0), bits(&[0.0; 4])));
+        // A good one is taken at clock 0, and a row block refuses a sparse gradient.
+        assert_eq!(b.check_gradient(0, 0, sparse(&[0, 3], &[1.0, 2.0]), false), Ok(true));
+        b.push_gradient(&cfg, 0, 0, sparse(&[0, 3], &[1.0, 2.0]), 0).unwrap();
+        assert_eq!(**b.values(), vec![-1.0, 0.0, 0.0, -2.0]);
+        assert_eq!(b.stats().bytes_in, 16, "two indices and two values");
+        let rows = row_block(&cfg, sgd(1.0));
+        assert_eq!(rows.check_gradient(0, 0, sparse(&[0], &[1.0]), false), Err(CoreError::NotDense(rows.spec().id)));
+    }
+
+    #[test]
+    fn a_sparse_push_is_logged_sparse_and_replayed_by_the_new_owner() {
+        let cfg = opt_config(OptimizerKind::Sgd, false, 2);
+        let mut old: Block<u32> = Block::new(spec(6), vec![1.0; 6], &cfg).unwrap();
+        let snapshot = old.snapshot();
+        old.push_gradient(&cfg, 0, 0, sparse(&[1, 4], &[0.5, -2.0]), 0).unwrap();
+        old.push_gradient_rejoined(&cfg, 1, 3, sparse(&[5], &[4.0]), 0).unwrap();
+        let log = old.take_log();
+        assert_eq!((log[0].rows.as_slice(), log[0].grad.as_slice()), ([1, 4].as_slice(), [0.5, -2.0].as_slice()));
+        // Worker 1 rejoined: its logged push skips to clock 3 on the new owner too.
+        let mut new: Block<u32> = Block::from_state(snapshot, &[], &cfg).unwrap();
+        new.replay(&cfg, &log, &[1]).unwrap();
+        assert_eq!(fingerprint(&mut new), fingerprint(&mut old));
+        assert_eq!(**new.values(), vec![1.0, 1.0 - 0.01 * 0.5, 1.0, 1.0, 1.0 + 0.01 * 2.0, 1.0 - 0.01 * 4.0]);
+        // A logged index past u32 is refused, not truncated.
+        let huge = LoggedPush { worker: 0, clock: 0, grad: vec![1.0], rows: vec![u64::from(u32::MAX) + 2] };
+        let err = Block::<u32>::from_state(old.state(), &[huge], &cfg).unwrap_err();
+        assert!(matches!(err, CoreError::BadSparse { .. }), "{err}");
+    }
+
+    fn any_kind() -> impl proptest::strategy::Strategy<Value = (OptimizerKind, f32)> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just((OptimizerKind::Sgd, 0.0)),
+            Just((OptimizerKind::Sgd, 0.01)),
+            Just((OptimizerKind::Momentum { beta: 0.9 }, 0.0)),
+            Just((OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, 0.0)),
+            Just((OptimizerKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, 0.1)),
+        ]
+    }
+
+    proptest::proptest! {
+        /// A sparse push applies exactly, bit for bit, what the dense push with zeros
+        /// elsewhere applies (values, optimizer state, aggregate sums, clocks), for every
+        /// rule, aggregate or not, with pushes without a gradient between, and through a
+        /// migration at any point (the sparse block's pushes logged sparse and replayed).
+        #[test]
+        fn a_sparse_push_applies_exactly_what_the_dense_push_with_zeros_applies(
+            (kind, weight_decay) in any_kind(),
+            aggregate in proptest::bool::ANY,
+            len in 1usize..9,
+            pushes in proptest::collection::vec(
+                (proptest::bool::ANY, proptest::collection::vec(proptest::option::of(-4.0f32..4.0), 8)),
+                1..16,
+            ),
+            migrate_at in 0usize..16,
+        ) {
+            let cfg = ShardConfig {
+                optimizer: OptimizerConfig { kind, lr: 0.125, aggregate, weight_decay },
+                ..opt_config(kind, aggregate, 2)
+            };
+            let init: Vec<f32> = (0..len).map(|i| i as f32 * 0.3 - 1.0).collect();
+            let mut sparse_block: Block<u32> = Block::new(spec(len), init.clone(), &cfg).unwrap();
+            let mut dense_block: Block<u32> = Block::new(spec(len), init, &cfg).unwrap();
+            let mut clocks = [0u32; 2];
+            let mut snapshot = None;
+            for (k, (second, entries)) in pushes.iter().enumerate() {
+                if k == migrate_at {
+                    snapshot = Some(sparse_block.snapshot());
+                }
+                let w = usize::from(*second);
+                let mut indices: Vec<u32> = (0..len as u32).filter(|i| entries[*i as usize].is_some()).collect();
+                if indices.is_empty() {
+                    // Every fifth empty choice is a push without a gradient on both.
+                    if k % 5 == 4 {
+                        sparse_block.push_gradient(&cfg, w as u32, clocks[w], Gradient::None, 0).unwrap();
+                        dense_block.push(&cfg, w as u32, clocks[w], &[], 0).unwrap();
+                        clocks[w] += 1;
+                        continue;
+                    }
+                    indices.push(0);
+                }
+                let values: Vec<f32> = indices.iter().map(|i| entries[*i as usize].unwrap_or(-0.0)).collect();
+                let g = crate::compress::SparseGrad { indices, values };
+                sparse_block.push_gradient(&cfg, w as u32, clocks[w], g.as_gradient(), 0).unwrap();
+                dense_block.push(&cfg, w as u32, clocks[w], &g.densify(len), 0).unwrap();
+                clocks[w] += 1;
+            }
+            if let Some(snapshot) = snapshot {
+                let log = sparse_block.take_log();
+                sparse_block = Block::from_state(snapshot, &log, &cfg).unwrap();
+            }
+            proptest::prop_assert_eq!(fingerprint(&mut sparse_block), fingerprint(&mut dense_block));
+        }
+    }
+
+    /// Apply cost of a 1% sparse push against a dense push on a block of 1M elements, one
+    /// worker (each push completes its clock), the median and the fastest of 41 pushes
+    /// (`cargo nextest run -p elasticps-core --release --run-ignored only sparse_apply_cost
+    /// --no-capture`).
+    #[test]
+    #[ignore = "a measurement, not a test"]
+    fn sparse_apply_cost() {
+        use crate::compress::{ErrorFeedback, Sparsifier};
+        use std::time::{Duration, Instant};
+        const LEN: usize = 1 << 20;
+        const ROUNDS: u32 = 41;
+        let summary = |mut t: Vec<Duration>| {
+            t.sort_unstable();
+            format!("median {:>9.1?}, fastest {:>9.1?}", t[t.len() / 2], t[0])
+        };
+        let grad: Vec<f32> = (0..LEN).map(|i| (i as f32 * 0.37).sin()).collect();
+        for sparsifier in [Sparsifier::TopK { ratio: 0.01 }, Sparsifier::RandomK { ratio: 0.01 }] {
+            let mut ef = ErrorFeedback::new(sparsifier, 1);
+            let times = (0..ROUNDS)
+                .map(|_| {
+                    let started = Instant::now();
+                    std::hint::black_box(ef.compress(&grad));
+                    started.elapsed()
+                })
+                .collect();
+            println!("compress {sparsifier} of 1M: {}", summary(times));
+        }
+        let sent = ErrorFeedback::new(Sparsifier::TopK { ratio: 0.01 }, 1).compress(&grad);
+        let kinds = [
+            ("sgd", OptimizerKind::Sgd),
+            ("momentum", OptimizerKind::Momentum { beta: 0.9 }),
+            ("adam", OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }),
+        ];
+        for (name, kind) in kinds {
+            for aggregate in [false, true] {
+                let cfg = ShardConfig {
+                    sync: SyncPolicy::Asp,
+                    optimizer: OptimizerConfig { kind, lr: 0.01, aggregate, weight_decay: 0.0 },
+                    workers: 1,
+                };
+                let mut b: Block<u32> = Block::new(spec(LEN), vec![0.0; LEN], &cfg).unwrap();
+                let mut clock = 0;
+                let mut time = |b: &mut Block<u32>, grad: Gradient<'_>| {
+                    let started = Instant::now();
+                    b.push_gradient(&cfg, 0, clock, grad, 0).unwrap();
+                    clock += 1;
+                    started.elapsed()
+                };
+                let dense: Vec<Duration> = (0..ROUNDS).map(|_| time(&mut b, Gradient::Dense(&grad))).collect();
+                let sparse: Vec<Duration> = (0..ROUNDS).map(|_| time(&mut b, sent.as_gradient())).collect();
+                println!(
+                    "{name:>8} aggregate={aggregate:<5}: dense push {}; 1% sparse push {}",
+                    summary(dense),
+                    summary(sparse)
+                );
+            }
+        }
     }
 }
 

@@ -121,4 +121,16 @@ pub enum CoreError {
     /// A wire dtype name that is not f32, bf16 or fp16.
     #[error("unknown wire dtype {0:?}: use f32, bf16 or fp16")]
     BadDtype(String),
+    /// A sparse gradient ([`Gradient::Sparse`](crate::block::Gradient::Sparse)) that does
+    /// not fit its block: no index, indices not strictly ascending or past the block's
+    /// end, or not one value per index.
+    #[error("block {block} holds {len} values; its sparse gradient is refused: {why}")]
+    BadSparse {
+        /// The block.
+        block: BlockId,
+        /// Its length.
+        len: usize,
+        /// What does not fit.
+        why: String,
+    },
 }

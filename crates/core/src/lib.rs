@@ -14,6 +14,7 @@
 //! - [`load`]: per-server service-rate estimates with a confidence (PSLD's measurements).
 //! - [`balance`]: the PSLD balancer: block moves, probes, scale-out trials and scale-in.
 //! - [`dtype`]: the wire's value types (f32, bf16, fp16) and their conversions.
+//! - [`compress`]: top-k and random-k gradients with error feedback (the worker's side).
 //! - [`block`]: the per-block state machine a server runs (values, optimizer, clocks,
 //!   held pulls, counters).
 
@@ -21,6 +22,7 @@ pub mod adaptive;
 pub mod balance;
 pub mod block;
 pub mod dtype;
+pub mod compress;
 pub mod error;
 pub mod f32s;
 pub mod ids;

@@ -101,6 +101,38 @@ impl OptimizerConfig {
         step(self.kind, self.lr, self.weight_decay, w, state, grad);
     }
 
+    /// Whether a sparse gradient steps only the elements it names: plain SGD without
+    /// weight decay (and a finite learning rate, so that `lr * 0.0` is 0). Every other
+    /// rule moves every element even where the gradient is zero (momentum and Adam's
+    /// moments decay, weight decay shrinks every weight).
+    pub fn steps_sparse(&self) -> bool {
+        self.kind == OptimizerKind::Sgd && self.weight_decay == 0.0 && self.lr.is_finite()
+    }
+
+    /// Applies one step with the sparse gradient `values` at `indices` (strictly
+    /// ascending, each below `w.len()`, checked by the caller: `Gradient::check`), exactly
+    /// as [`step`] with the dense gradient that is zero elsewhere, bit for bit: where
+    /// [`steps_sparse`](Self::steps_sparse), `w[i] -= lr * g` at the indices alone (and
+    /// the step counted), O(indices); otherwise the dense step over every element, the
+    /// gradient densified a chunk at a time into a buffer on the stack (no copy of the
+    /// whole gradient is allocated), O(w.len()).
+    pub fn step_sparse(&self, w: &mut [f32], state: &mut OptState, indices: &[u32], values: &[f32]) {
+        debug_assert_eq!(indices.len(), values.len());
+        debug_assert!(
+            indices.windows(2).all(|p| p[0] < p[1]) && indices.last().is_none_or(|i| (*i as usize) < w.len())
+        );
+        if self.steps_sparse() {
+            // `step`'s SGD at a zero gradient is `w -= lr * 0.0`, which leaves `w` as it is.
+            state.steps = state.steps.saturating_add(1);
+            for (i, g) in indices.iter().zip(values) {
+                let w = &mut w[*i as usize];
+                *w -= self.lr * g;
+            }
+        } else {
+            step_densified(self.kind, self.lr, self.weight_decay, w, state, indices, values);
+        }
+    }
+
     /// This configuration with a tensor's own rule, learning rate and weight decay.
     pub fn with(self, t: &TensorOptimizer) -> Self {
         Self { kind: t.kind, lr: t.lr, weight_decay: t.weight_decay, aggregate: self.aggregate }
@@ -169,57 +201,129 @@ pub struct OptState {
 /// `c1 = 1 - beta1^t`, `c2 = 1 - beta2^t` computed in f64 and rounded to f32.
 pub fn step(kind: OptimizerKind, lr: f32, wd: f32, w: &mut [f32], state: &mut OptState, grad: &[f32]) {
     debug_assert_eq!(w.len(), grad.len());
-    state.steps = state.steps.saturating_add(1);
-    let decayed = |w: f32, g: f32| if wd == 0.0 { g } else { g + wd * w };
-    match kind {
-        OptimizerKind::Sgd => {
-            for (w, g) in w.iter_mut().zip(grad) {
-                *w -= lr * decayed(*w, *g);
-            }
-        }
-        OptimizerKind::Momentum { beta } => {
-            state.m.resize(w.len(), 0.0);
-            for ((w, g), m) in w.iter_mut().zip(grad).zip(state.m.iter_mut()) {
-                *m = beta * *m + decayed(*w, *g);
-                *w -= lr * *m;
-            }
-        }
-        OptimizerKind::Adam { beta1, beta2, eps } => adam(beta1, beta2, eps, lr, w, state, grad, decayed),
-        OptimizerKind::AdamW { beta1, beta2, eps } => {
-            if wd != 0.0 {
-                // torch: `param.mul_(1 - lr * weight_decay)`, the factor a Python float.
-                let shrink = (1.0 - f64::from(lr) * f64::from(wd)) as f32;
-                w.iter_mut().for_each(|w| *w *= shrink);
-            }
-            adam(beta1, beta2, eps, lr, w, state, grad, |_, g| g);
-        }
-    }
+    let rule = StepRule::begin(kind, lr, wd, w.len(), state);
+    rule.apply(w, &mut state.m, &mut state.v, grad);
 }
 
-/// Adam's moments and update, on the gradient `decayed(w, g)` of each element.
-#[allow(clippy::too_many_arguments)]
-fn adam(
-    beta1: f32,
-    beta2: f32,
-    eps: f32,
+/// Elements per chunk of a sparse gradient densified for a dense step
+/// ([`OptimizerConfig::step_sparse`]): 16 KiB of stack.
+const SPARSE_CHUNK: usize = 4096;
+
+/// [`step`] with the sparse gradient `values` at `indices` (checked by the caller), for
+/// the rules that move every element: densified chunk by chunk into a buffer on the stack,
+/// each chunk stepped as [`step`] steps it, so the arithmetic is [`step`]'s, bit for bit.
+fn step_densified(
+    kind: OptimizerKind,
     lr: f32,
+    wd: f32,
     w: &mut [f32],
     state: &mut OptState,
-    grad: &[f32],
-    decayed: impl Fn(f32, f32) -> f32,
+    indices: &[u32],
+    values: &[f32],
 ) {
-    state.m.resize(w.len(), 0.0);
-    state.v.resize(w.len(), 0.0);
-    let t = state.steps.min(i32::MAX as u64) as i32;
-    let c1 = 1.0 - f64::from(beta1).powi(t);
-    let c2 = 1.0 - f64::from(beta2).powi(t);
-    let step = (f64::from(lr) / c1) as f32;
-    let c2_sqrt = c2.sqrt() as f32;
-    for (((w, g), m), v) in w.iter_mut().zip(grad).zip(state.m.iter_mut()).zip(state.v.iter_mut()) {
-        let g = decayed(*w, *g);
-        *m += (1.0 - beta1) * (g - *m);
-        *v = beta2 * *v + (1.0 - beta2) * g * g;
-        *w -= step * *m / (v.sqrt() / c2_sqrt + eps);
+    let rule = StepRule::begin(kind, lr, wd, w.len(), state);
+    let mut buf = [0f32; SPARSE_CHUNK];
+    let mut next = 0;
+    for (c, w) in w.chunks_mut(SPARSE_CHUNK).enumerate() {
+        let (start, len) = (c * SPARSE_CHUNK, w.len());
+        let grad = &mut buf[..len];
+        grad.fill(0.0);
+        while let Some(i) = indices.get(next).map(|i| *i as usize)
+            && i < start + len
+        {
+            grad[i - start] = values[next];
+            next += 1;
+        }
+        rule.apply(w, part(&mut state.m, start, len), part(&mut state.v, start, len), grad);
+    }
+    debug_assert_eq!(next, indices.len(), "an index past the end");
+}
+
+/// `v[start..start + len]`, or `v` itself when empty (state a rule does not keep).
+fn part(v: &mut [f32], start: usize, len: usize) -> &mut [f32] {
+    if v.is_empty() { v } else { &mut v[start..start + len] }
+}
+
+/// One step of a rule, its constants computed once (the step count, Adam's bias
+/// corrections), applied to the elements slice by slice ([`StepRule::apply`]): each
+/// element's arithmetic depends on that element alone.
+struct StepRule {
+    kind: OptimizerKind,
+    lr: f32,
+    wd: f32,
+    /// Adam: `lr / c1` and `sqrt(c2)`, rounded to f32.
+    adam: (f32, f32),
+}
+
+impl StepRule {
+    /// Counts the step and sizes the state the rule keeps for `len` elements.
+    fn begin(kind: OptimizerKind, lr: f32, wd: f32, len: usize, state: &mut OptState) -> Self {
+        state.steps = state.steps.saturating_add(1);
+        let mut adam = (0.0, 0.0);
+        match kind {
+            OptimizerKind::Sgd => {}
+            OptimizerKind::Momentum { .. } => state.m.resize(len, 0.0),
+            OptimizerKind::Adam { beta1, beta2, .. } | OptimizerKind::AdamW { beta1, beta2, .. } => {
+                state.m.resize(len, 0.0);
+                state.v.resize(len, 0.0);
+                let t = state.steps.min(i32::MAX as u64) as i32;
+                let c1 = 1.0 - f64::from(beta1).powi(t);
+                let c2 = 1.0 - f64::from(beta2).powi(t);
+                adam = ((f64::from(lr) / c1) as f32, c2.sqrt() as f32);
+            }
+        }
+        Self { kind, lr, wd, adam }
+    }
+
+    /// The step on elements `w` with their state `m` and `v` (each as long as `w`, or
+    /// empty where the rule keeps none) and gradient `grad`.
+    fn apply(&self, w: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32]) {
+        let (lr, wd) = (self.lr, self.wd);
+        let decayed = |w: f32, g: f32| if wd == 0.0 { g } else { g + wd * w };
+        match self.kind {
+            OptimizerKind::Sgd => {
+                for (w, g) in w.iter_mut().zip(grad) {
+                    *w -= lr * decayed(*w, *g);
+                }
+            }
+            OptimizerKind::Momentum { beta } => {
+                for ((w, g), m) in w.iter_mut().zip(grad).zip(m.iter_mut()) {
+                    *m = beta * *m + decayed(*w, *g);
+                    *w -= lr * *m;
+                }
+            }
+            OptimizerKind::Adam { beta1, beta2, eps } => self.adam(beta1, beta2, eps, w, m, v, grad, decayed),
+            OptimizerKind::AdamW { beta1, beta2, eps } => {
+                if wd != 0.0 {
+                    // torch: `param.mul_(1 - lr * weight_decay)`, the factor a Python float.
+                    let shrink = (1.0 - f64::from(lr) * f64::from(wd)) as f32;
+                    w.iter_mut().for_each(|w| *w *= shrink);
+                }
+                self.adam(beta1, beta2, eps, w, m, v, grad, |_, g| g);
+            }
+        }
+    }
+
+    /// Adam's moments and update, on the gradient `decayed(w, g)` of each element.
+    #[allow(clippy::too_many_arguments)]
+    fn adam(
+        &self,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        w: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        grad: &[f32],
+        decayed: impl Fn(f32, f32) -> f32,
+    ) {
+        let (step, c2_sqrt) = self.adam;
+        for (((w, g), m), v) in w.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let g = decayed(*w, *g);
+            *m += (1.0 - beta1) * (g - *m);
+            *v = beta2 * *v + (1.0 - beta2) * g * g;
+            *w -= step * *m / (v.sqrt() / c2_sqrt + eps);
+        }
     }
 }
 
@@ -240,6 +344,43 @@ mod tests {
         );
         for s in ["sgd", "momentum", "adam", "adamw"] {
             assert_eq!(s.parse::<OptimizerKind>().unwrap().to_string(), s);
+        }
+    }
+
+    #[test]
+    fn a_sparse_step_over_many_chunks_is_the_dense_step_with_zeros_bit_for_bit() {
+        // Three chunks and a part, indices in each (at both ends of a chunk too) and
+        // none in the second: a chunk must not keep the previous chunk's gradient.
+        let len = 3 * SPARSE_CHUNK + 5;
+        let indices: Vec<u32> =
+            [0, 7, SPARSE_CHUNK - 1, 2 * SPARSE_CHUNK, 3 * SPARSE_CHUNK + 4].iter().map(|i| *i as u32).collect();
+        let values = [0.5, -1.25, 3.0, -0.75, 2.0];
+        let mut dense = vec![0.0; len];
+        for (i, v) in indices.iter().zip(&values) {
+            dense[*i as usize] = *v;
+        }
+        let kinds = [
+            (OptimizerKind::Sgd, 0.0),
+            (OptimizerKind::Sgd, 0.1),
+            (OptimizerKind::Momentum { beta: 0.9 }, 0.01),
+            (OptimizerKind::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, 0.01),
+            (OptimizerKind::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8 }, 0.1),
+        ];
+        for (kind, weight_decay) in kinds {
+            let cfg = OptimizerConfig { kind, lr: 0.1, aggregate: false, weight_decay };
+            let init: Vec<f32> = (0..len).map(|i| (i as f32 * 0.01).cos()).collect();
+            let (mut a, mut b) = (init.clone(), init);
+            let (mut sa, mut sb) = (OptState::default(), OptState::default());
+            for _ in 0..3 {
+                cfg.step_sparse(&mut a, &mut sa, &indices, &values);
+                cfg.step(&mut b, &mut sb, &dense);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(bits(&a) == bits(&b), "{kind} wd={weight_decay}: weights differ");
+            assert!(
+                (sa.steps, bits(&sa.m), bits(&sa.v)) == (sb.steps, bits(&sb.m), bits(&sb.v)),
+                "{kind} wd={weight_decay}: state differs"
+            );
         }
     }
 

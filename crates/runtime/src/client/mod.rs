@@ -27,6 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use elasticps_core::compress::Sparsifier;
 use elasticps_core::model::{TableSpec, TensorSpec};
 use elasticps_core::optimizer::TensorOptimizer;
 use elasticps_core::sync::Clock;
@@ -38,6 +39,7 @@ use elasticps_wire::{Codec, Control, Credential, Dtype, Layout, Message};
 use crate::error::{Result, RuntimeError};
 use crate::metrics::WorkerMetrics;
 
+mod compress;
 mod frames;
 mod opt_state;
 mod round;
@@ -83,6 +85,10 @@ pub struct ClientOptions {
     /// unless [`Client::set_wire_dtype`] chose another for it. Servers keep f32 values;
     /// initial values always travel as f32.
     pub wire_dtype: Dtype,
+    /// Compress every tensor's gradient (`topk:0.01`, `randomk:0.01`) with error
+    /// feedback: what is not sent joins the tensor's next gradient (`compress.rs`).
+    /// `None` (the default): gradients are pushed whole.
+    pub compress: Option<Sparsifier>,
 }
 
 impl ClientOptions {
@@ -98,6 +104,7 @@ impl ClientOptions {
             rank: None,
             scheduler_retry: DEFAULT_SCHEDULER_RETRY,
             wire_dtype: Dtype::F32,
+            compress: None,
         }
     }
 }
@@ -131,6 +138,8 @@ pub struct Client {
     clock: Micros,
     /// The dtype of each tensor on the wire, where it is not [`ClientOptions::wire_dtype`].
     wire: HashMap<u32, Dtype>,
+    /// Gradient compression with its residuals ([`ClientOptions::compress`]).
+    compression: Option<compress::Compression>,
 }
 
 impl Client {
@@ -172,6 +181,7 @@ impl Client {
             .with_window(opts.window);
         Ok(Client {
             rank,
+            compression: opts.compress.map(|s| compress::Compression::new(s, rank)),
             machine: worker::Client::new(worker, credential.clone()),
             credential,
             num_workers,
@@ -249,6 +259,9 @@ impl Client {
             })
             .await?;
         self.install_layout(reply).await?;
+        if let Some(c) = &mut self.compression {
+            c.reset();
+        }
         Ok(self.layout().map(|l| &l.partition.tensors[..]).unwrap_or_default())
     }
 

@@ -1,0 +1,116 @@
+//! A worker with gradient compression (`ClientOptions::compress`) against an in-process
+//! scheduler and two servers: what the servers apply is what the worker's error feedback
+//! sent, and sent plus residual is every gradient.
+
+use std::time::Duration;
+
+use elasticps_core::block::ShardConfig;
+use elasticps_core::compress::{ErrorFeedback, Sparsifier};
+use elasticps_core::model::{Init, TensorSpec};
+use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+use elasticps_core::placement::PlacementKind;
+use elasticps_core::sync::SyncPolicy;
+use elasticps_runtime::client::{Client, ClientOptions};
+use elasticps_runtime::scheduler::{self, JobConfig, SchedulerOptions};
+use elasticps_runtime::server::{self, ServerOptions};
+use elasticps_wire::Codec;
+
+/// Elements of the one tensor: two blocks of 4 (16-byte blocks), one per server.
+const LEN: usize = 8;
+
+/// Gradient of clock `t`: small integers, so every sum is exact.
+fn grad(t: u32) -> Vec<f32> {
+    (0..LEN).map(|i| (((t as usize * 5 + i * 3) % 7) as f32) - 3.0).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_push_applies_what_the_error_feedback_sent() {
+    let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+    let job = JobConfig {
+        servers: 2,
+        workers: 1,
+        block_bytes: 16,
+        placement: PlacementKind::RoundRobin,
+        shard: ShardConfig {
+            sync: SyncPolicy::Bsp,
+            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 },
+            workers: 1,
+        },
+        seed: 1,
+        server_sync: Vec::new(),
+        inject: Vec::new(),
+        balance: Default::default(),
+        max_servers: 2,
+        min_servers: 2,
+        checkpoint: None,
+        rejoin_wait_us: 0,
+        replicas: 1,
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let sched_opts = SchedulerOptions {
+        listen: "127.0.0.1:0".into(),
+        job,
+        codec: codec.clone(),
+        frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
+        join_timeout: Duration::from_secs(30),
+        metrics: None,
+        state_dir: None,
+        hosts: None,
+        relay: None,
+    };
+    let scheduler = tokio::spawn(scheduler::run(sched_opts, move |addr| {
+        let _ = tx.send(addr);
+    }));
+    let addr = rx.await.unwrap().to_string();
+    for _ in 0..2 {
+        let opts = ServerOptions {
+            scheduler: addr.clone(),
+            listen: "127.0.0.1:0".into(),
+            advertise: None,
+            codec: codec.clone(),
+            frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
+            trace: None,
+            metrics: None,
+            scheduler_retry: Duration::ZERO,
+            max_clock_lead: server::MAX_CLOCK_LEAD,
+        };
+        tokio::spawn(server::run(opts));
+    }
+    let sparsifier = Sparsifier::TopK { ratio: 0.25 };
+    let mut opts = ClientOptions::new(addr);
+    opts.compress = Some(sparsifier);
+    opts.scheduler_retry = Duration::ZERO;
+    let run = async {
+        let mut client = Client::connect(opts).await.unwrap();
+        client
+            .register_model(vec![TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Zeros }])
+            .await
+            .unwrap();
+        // The worker's error feedback, replayed here (top-k draws nothing at random).
+        let mut mirror = ErrorFeedback::new(sparsifier, 0);
+        let mut sent = vec![0f32; LEN];
+        let mut pushed = vec![0f32; LEN];
+        let mut params = client.zeros();
+        for t in 0..6 {
+            let g = grad(t);
+            client.push_pull(t, std::slice::from_ref(&g), &mut params).await.unwrap();
+            let s = mirror.compress(&g);
+            assert_eq!(s.indices.len(), 2, "top-k of 25% of 8");
+            for (i, v) in s.indices.iter().zip(&s.values) {
+                sent[*i as usize] += v;
+            }
+            for (p, g) in pushed.iter_mut().zip(&g) {
+                *p += g;
+            }
+            let expected: Vec<f32> = sent.iter().map(|s| -s).collect();
+            assert_eq!(params[0], expected, "clock {t}: the servers applied what was sent");
+            for i in 0..LEN {
+                assert_eq!(sent[i] + mirror.residual()[i], pushed[i]);
+            }
+        }
+        assert_ne!(sent, pushed, "compression held some gradient back");
+        client.finish().await.unwrap();
+    };
+    tokio::time::timeout(Duration::from_secs(60), run).await.expect("the job ends within a minute");
+    scheduler.abort();
+}
