@@ -151,9 +151,11 @@ class Worker:
         """Starts pulling tensor ``name`` at clock ``clock`` into ``out`` and returns at
         once. Do not read ``out`` before the handle's ``wait()`` returned."""
 
-    def set_wire_dtype(self, name: str, dtype: str) -> None:
-        """Tensor ``name``'s gradients and pulled values travel in ``dtype`` from now on:
-        ``"f32"``, ``"bf16"`` or ``"fp16"``. The servers keep float32 values."""
+    def set_compression(self, name: str, dtype: str, sparsify: Optional[str] = None) -> None:
+        """Tensor ``name``'s gradients and pulled values travel in ``dtype`` from now on
+        (``"f32"``, ``"bf16"`` or ``"fp16"``), its gradients compressed by ``sparsify``
+        (``"topk:0.01"``, ``"randomk:0.01"``, with error feedback; None: whole). The
+        servers keep float32 values."""
 
     def set_optimizer(self, name: str, optimizer: _Optimizer) -> None:
         """Gives tensor ``name`` a new server-side optimizer; every push sent after this

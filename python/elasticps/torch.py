@@ -247,22 +247,39 @@ def _flat(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
 
 class Compression:
     """How a ``DistributedOptimizer``'s gradients and pulled parameters travel (Horovod's
-    ``hvd.Compression``, BytePS's ``compression=``): ``Compression.none`` (float32, the
-    default), ``Compression.bf16`` or ``Compression.fp16`` (half the bytes each way; the
-    servers keep float32 parameters and optimizer state, and the initial values travel
-    exact). The job's default is ``elasticps launch --wire-dtype``."""
+    ``hvd.Compression``, BytePS's ``compression=``):
+
+    - ``Compression.none`` (float32), ``Compression.bf16``, ``Compression.fp16``: half the
+      bytes each way; the servers keep float32 parameters and optimizer state, and the
+      initial values travel exact;
+    - ``Compression.topk(0.01)``, ``Compression.randomk(0.01)``: each gradient's largest
+      (or random) 1% of entries, with error feedback: what is not sent is kept and added
+      to the next step's gradient (``wire=`` also picks their dtype).
+
+    The job's default is ``elasticps launch --wire-dtype`` and ``--compress``."""
 
     none: "Compression"
     bf16: "Compression"
     fp16: "Compression"
 
-    def __init__(self, wire: str):
+    def __init__(self, wire: str = "f32", sparsify: Optional[str] = None):
         if wire not in ("f32", "bf16", "fp16"):
             raise ValueError(f"elasticps.torch: unknown compression wire dtype {wire!r}: use f32, bf16 or fp16")
         self.wire = wire
+        self.sparsify = sparsify
+
+    @staticmethod
+    def topk(ratio: float, wire: str = "f32") -> "Compression":
+        """Each gradient's ``ratio`` largest-magnitude entries, with error feedback."""
+        return Compression(wire, f"topk:{float(ratio)!r}")
+
+    @staticmethod
+    def randomk(ratio: float, wire: str = "f32") -> "Compression":
+        """``ratio`` of each gradient's entries drawn at random, with error feedback."""
+        return Compression(wire, f"randomk:{float(ratio)!r}")
 
     def __repr__(self) -> str:
-        return f"Compression({self.wire!r})"
+        return f"Compression({self.wire!r}, {self.sparsify!r})"
 
 
 Compression.none = Compression("f32")
@@ -309,7 +326,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._register()
         if compression is not None:
             for name, _ in self._params:
-                self._worker.set_wire_dtype(name, compression.wire)
+                self._worker.set_compression(name, compression.wire, compression.sparsify)
+        if self._buffers is not None:
+            # Buffers (BatchNorm's statistics) travel exact, whatever the job's default.
+            self._worker.set_compression(BUFFERS, "f32", None)
         # A resumed job goes on from its checkpoint's clock (register_model pulled it).
         self._clock = int(self._worker.start_clock)
         self._handles: Dict[str, "elasticps.Handle"] = {}
@@ -654,8 +674,8 @@ def DistributedOptimizer(
     ``False``: each rank keeps its own.
 
     ``compression``: how the gradients and pulled parameters travel
-    (``elasticps.torch.Compression.bf16``, ``.fp16``, ``.none``); default: the job's
-    (``elasticps launch --wire-dtype``). Buffers travel exact.
+    (``elasticps.torch.Compression.bf16``, ``.fp16``, ``.topk(0.01)``, ``.none``); default:
+    the job's (``elasticps launch --wire-dtype``, ``--compress``). Buffers travel exact.
 
     The result is an instance of a subclass of ``optimizer``'s class, so that learning-rate
     schedulers accept it; its ``param_groups`` are the ones a scheduler changes;

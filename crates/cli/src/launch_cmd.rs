@@ -11,8 +11,9 @@
 //!   index; the scheduler still assigns the rank), `ELASTICPS_EVENTS_FD=3`, and
 //!   `ELASTICPS_REQUEST_TIMEOUT` when `--request-timeout-s` is given, and
 //!   `ELASTICPS_WORKER_JITTER=P:MS` when `--worker-jitter` is (`elasticps worker` reads it;
-//!   a script of the user's may), and `ELASTICPS_WIRE_DTYPE` when `--wire-dtype` is (the
-//!   Python package and `elasticps worker` read it);
+//!   a script of the user's may), `ELASTICPS_WIRE_DTYPE` when `--wire-dtype` is and
+//!   `ELASTICPS_COMPRESS` when `--compress` is (the Python package and `elasticps worker`
+//!   read them);
 //! - it writes JSON event lines ([`crate::events::Event`]: `log`, `progress`, `eval`,
 //!   `worker_done`) to file descriptor 3, a pipe to the launcher;
 //! - its stdout and stderr are the user's: every line is printed on the launcher's
@@ -54,6 +55,11 @@ pub struct LaunchCmd {
     /// overrides it per optimizer.
     #[arg(long, env = "ELASTICPS_WIRE_DTYPE", value_parser = parse_dtype)]
     pub wire_dtype: Option<elasticps_core::dtype::Dtype>,
+    /// Compress every gradient with error feedback (`topk:0.01`, `randomk:0.01`), passed
+    /// to the workers as ELASTICPS_COMPRESS; `DistributedOptimizer(compression=...)`
+    /// overrides it per optimizer.
+    #[arg(long, env = "ELASTICPS_COMPRESS", value_parser = parse_sparsifier)]
+    pub compress: Option<elasticps_core::compress::Sparsifier>,
     /// Report, progress bars, metrics.
     #[command(flatten)]
     pub run: RunArgs,
@@ -112,6 +118,9 @@ pub async fn launch(cmd: LaunchCmd) -> anyhow::Result<()> {
     }
     if let Some(d) = cmd.wire_dtype {
         env.push(("ELASTICPS_WIRE_DTYPE".to_string(), d.to_string()));
+    }
+    if let Some(c) = cmd.compress {
+        env.push(("ELASTICPS_COMPRESS".to_string(), c.to_string()));
     }
     let end_timeout = Duration::try_from_secs_f64(cmd.end_timeout_s)
         .map_err(|_| anyhow::anyhow!("--end-timeout-s must be a non-negative number of seconds"))?;
@@ -209,6 +218,10 @@ fn parse_jitter(s: &str) -> Result<elasticps_train::Jitter, String> {
 }
 
 fn parse_dtype(s: &str) -> Result<elasticps_core::dtype::Dtype, String> {
+    s.parse().map_err(|e: elasticps_core::CoreError| e.to_string())
+}
+
+fn parse_sparsifier(s: &str) -> Result<elasticps_core::compress::Sparsifier, String> {
     s.parse().map_err(|e: elasticps_core::CoreError| e.to_string())
 }
 

@@ -272,6 +272,7 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
     opts.request_timeout = cmd.data.request_timeout();
     opts.fuse = !cmd.data.no_fuse;
     opts.wire_dtype = cmd.data.wire_dtype;
+    opts.compress = cmd.data.compress;
     opts.rank = cmd.rank;
     opts.scheduler_retry = cmd.net.scheduler_retry();
     // Started by `elasticps launch`, events go to its pipe (ELASTICPS_EVENTS_FD).

@@ -21,8 +21,8 @@
 pub mod adaptive;
 pub mod balance;
 pub mod block;
-pub mod dtype;
 pub mod compress;
+pub mod dtype;
 pub mod error;
 pub mod f32s;
 pub mod ids;

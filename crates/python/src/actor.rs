@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
+use elasticps_core::compress::Sparsifier;
 use elasticps_core::dtype::Dtype;
 use elasticps_core::model::{TableSpec, TensorSpec};
 use elasticps_core::optimizer::{OptState, TensorOptimizer};
@@ -53,8 +54,9 @@ pub enum Cmd {
     PushRows { clock: Clock, table: u32, ids: Vec<u64>, grads: Option<Vec<f32>>, ticket: Ticket, done: Reply<()> },
     /// A tensor's new optimizer.
     SetOptimizer { tensor: u32, optimizer: TensorOptimizer, done: Reply<()> },
-    /// The dtype a tensor's pushes and pull replies travel in from now on.
-    SetWireDtype { tensor: u32, dtype: Dtype, done: Reply<()> },
+    /// How a tensor's pushes and pull replies travel from now on: their dtype, and the
+    /// gradient's sparsifier (`None`: pushed whole).
+    SetCompression { tensor: u32, dtype: Dtype, sparsifier: Option<Sparsifier>, done: Reply<()> },
     /// A tensor's optimizer state on the servers.
     GetOptState { tensor: u32, done: Reply<OptState> },
     /// Replace a tensor's optimizer state on the servers.
@@ -235,8 +237,9 @@ impl Actor {
     async fn control(&mut self, cmd: Cmd) {
         let client = &mut self.client;
         match cmd {
-            Cmd::SetWireDtype { tensor, dtype, done } => {
+            Cmd::SetCompression { tensor, dtype, sparsifier, done } => {
                 client.set_wire_dtype(tensor, dtype);
+                client.set_sparsifier(tensor, sparsifier);
                 let _ = done.send(Ok(()));
             }
             Cmd::SetOptimizer { tensor, optimizer, done } => {

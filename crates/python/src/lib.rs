@@ -56,7 +56,8 @@ fn env_number<T: std::str::FromStr>(name: &str, default: T) -> PyResult<T> {
 /// 127.0.0.1:7000) with the transport settings of the roles' environment variables
 /// (`ELASTICPS_SECRET`, or `ELASTICPS_WORKER_SECRET` alone for a worker that holds only the
 /// worker secret, `ELASTICPS_MAX_FRAME_MIB`, `ELASTICPS_REQUEST_TIMEOUT`, `ELASTICPS_WIRE_DTYPE`
-/// (f32, bf16, fp16: the job's dtype on the wire), and TLS from
+/// (f32, bf16, fp16: the job's dtype on the wire), `ELASTICPS_COMPRESS` (`topk:0.01`,
+/// `randomk:0.01`: the job's gradient compression), and TLS from
 /// `ELASTICPS_TLS_CERT`, `ELASTICPS_TLS_KEY`, `ELASTICPS_TLS_CA`), joins the
 /// job and returns the worker. `ELASTICPS_METRICS_LISTEN=HOST:PORT` serves its Prometheus
 /// metrics there. `ELASTICPS_RANK=R` (the launcher's `--restart-workers` sets it) rejoins

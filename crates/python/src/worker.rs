@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 
+use elasticps_core::compress::Sparsifier;
 use elasticps_core::dtype::Dtype;
 use elasticps_core::model::{Init, TensorSpec};
 use elasticps_core::optimizer::{OptState, OptimizerKind, TensorOptimizer};
@@ -556,14 +557,20 @@ impl Worker {
         Ok(Handle::new(rx, ticket, format!("pull(clock {clock}) of {name:?}"), self.pid))
     }
 
-    /// Tensor `name`'s gradients and pulled values travel in `dtype` from now on: "f32",
-    /// "bf16" or "fp16" (`DistributedOptimizer(compression=...)`; the job's default is
-    /// `ELASTICPS_WIRE_DTYPE`). The servers keep float32 values and optimizer state.
-    fn set_wire_dtype(&self, py: Python<'_>, name: &str, dtype: &str) -> PyResult<()> {
+    /// Tensor `name`'s gradients and pulled values travel in `dtype` from now on ("f32",
+    /// "bf16" or "fp16"), its gradients compressed by `sparsify` ("topk:0.01",
+    /// "randomk:0.01", with error feedback; None: pushed whole)
+    /// (`DistributedOptimizer(compression=...)`; the job's defaults are
+    /// `ELASTICPS_WIRE_DTYPE` and `ELASTICPS_COMPRESS`). The servers keep float32 values
+    /// and optimizer state.
+    #[pyo3(signature = (name, dtype, sparsify=None))]
+    fn set_compression(&self, py: Python<'_>, name: &str, dtype: &str, sparsify: Option<&str>) -> PyResult<()> {
         let (t, _) = self.tensor(name)?;
-        let dtype: Dtype = dtype.parse().map_err(|e| PyValueError::new_err(format!("elasticps: {e}")))?;
-        let rx = self.send(|done| Cmd::SetWireDtype { tensor: t as u32, dtype, done })?;
-        wait(py, &format!("setting the wire dtype of {name:?}"), rx)
+        let bad = |e: elasticps_core::CoreError| PyValueError::new_err(format!("elasticps: {e}"));
+        let dtype: Dtype = dtype.parse().map_err(bad)?;
+        let sparsifier = sparsify.map(str::parse::<Sparsifier>).transpose().map_err(bad)?;
+        let rx = self.send(|done| Cmd::SetCompression { tensor: t as u32, dtype, sparsifier, done })?;
+        wait(py, &format!("setting the compression of {name:?}"), rx)
     }
 
     /// Gives tensor `name` a new server-side optimizer (a dict as in `register_model`),

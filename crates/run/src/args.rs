@@ -12,6 +12,7 @@ use clap::Args;
 use crate::RunError;
 use crate::error::ensure_flags;
 use elasticps_core::block::ShardConfig;
+use elasticps_core::compress::Sparsifier;
 use elasticps_core::dtype::Dtype;
 use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
 use elasticps_core::placement::PlacementKind;
@@ -450,6 +451,11 @@ pub struct DataArgs {
     /// f32 values and optimizer state; initial values travel as f32).
     #[arg(long, env = "ELASTICPS_WIRE_DTYPE", default_value = "f32", value_parser = parse_core::<Dtype>)]
     pub wire_dtype: Dtype,
+    /// Compress every gradient with error feedback: `topk:RATIO` (the largest RATIO of
+    /// each tensor's entries) or `randomk:RATIO`; what is not sent joins the next step's
+    /// gradient.
+    #[arg(long, env = "ELASTICPS_COMPRESS", value_parser = parse_core::<Sparsifier>)]
+    pub compress: Option<Sparsifier>,
 }
 
 /// The data a command line with none of these flags describes (clap's defaults; a test
@@ -471,6 +477,7 @@ impl Default for DataArgs {
             request_timeout_s: 300,
             no_fuse: false,
             wire_dtype: Dtype::F32,
+            compress: None,
         }
     }
 }
@@ -518,6 +525,9 @@ impl DataArgs {
         }
         if self.wire_dtype != Dtype::F32 {
             f.extend(["--wire-dtype".into(), self.wire_dtype.to_string()]);
+        }
+        if let Some(c) = self.compress {
+            f.extend(["--compress".into(), c.to_string()]);
         }
         f
     }
@@ -802,6 +812,7 @@ mod tests {
             request_timeout_s: 60,
             no_fuse: true,
             wire_dtype: Dtype::Bf16,
+            compress: Some("topk:0.01".parse().unwrap()),
         };
         assert_eq!(data(&d.to_flags().iter().map(String::as_str).collect::<Vec<_>>()).unwrap(), d);
         let defaults = DataArgs::default();

@@ -23,8 +23,9 @@ fn grad(t: u32) -> Vec<f32> {
     (0..LEN).map(|i| (((t as usize * 5 + i * 3) % 7) as f32) - 3.0).collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_compressed_push_applies_what_the_error_feedback_sent() {
+/// An in-process scheduler and two servers (SGD, lr 1, asp-free bsp, one worker); the
+/// scheduler's address and task.
+async fn cluster() -> (String, tokio::task::JoinHandle<elasticps_runtime::Result<String>>) {
     let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
     let job = JobConfig {
         servers: 2,
@@ -76,6 +77,12 @@ async fn a_compressed_push_applies_what_the_error_feedback_sent() {
         };
         tokio::spawn(server::run(opts));
     }
+    (addr, scheduler)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_push_applies_what_the_error_feedback_sent() {
+    let (addr, scheduler) = cluster().await;
     let sparsifier = Sparsifier::TopK { ratio: 0.25 };
     let mut opts = ClientOptions::new(addr);
     opts.compress = Some(sparsifier);
@@ -109,6 +116,39 @@ async fn a_compressed_push_applies_what_the_error_feedback_sent() {
             }
         }
         assert_ne!(sent, pushed, "compression held some gradient back");
+        client.finish().await.unwrap();
+    };
+    tokio::time::timeout(Duration::from_secs(60), run).await.expect("the job ends within a minute");
+    scheduler.abort();
+}
+
+/// A job on bf16: the servers add the bf16 gradients in f32, and a pull brings their
+/// values back rounded to bf16 (1/3 is not a bf16: every step shows it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bf16_pushes_and_pulls_round_at_the_edges_and_the_servers_add_in_f32() {
+    use elasticps_wire::Dtype;
+    let (addr, scheduler) = cluster().await;
+    let mut opts = ClientOptions::new(addr);
+    opts.wire_dtype = Dtype::Bf16;
+    opts.scheduler_retry = Duration::ZERO;
+    let run = async {
+        let mut client = Client::connect(opts).await.unwrap();
+        client
+            .register_model(vec![TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Zeros }])
+            .await
+            .unwrap();
+        let mut server = [0f32; LEN];
+        let mut params = client.zeros();
+        for t in 0..4 {
+            let g: Vec<f32> = (0..LEN).map(|i| (t * 8 + i as u32 + 1) as f32 / 3.0).collect();
+            client.push_pull(t, std::slice::from_ref(&g), &mut params).await.unwrap();
+            for (s, g) in server.iter_mut().zip(&g) {
+                *s -= Dtype::Bf16.round(*g);
+            }
+            let want: Vec<f32> = server.iter().map(|v| Dtype::Bf16.round(*v)).collect();
+            assert_eq!(params[0], want, "clock {t}: bf16 of the f32 sum of bf16 gradients");
+        }
+        assert!(server.iter().any(|v| Dtype::Bf16.round(*v) != *v), "the test needs sums that are not bf16");
         client.finish().await.unwrap();
     };
     tokio::time::timeout(Duration::from_secs(60), run).await.expect("the job ends within a minute");

@@ -76,4 +76,4 @@ pub use header::{
     VERSION, checksum,
 };
 pub use message::{Message, PUSH_ROWS_PREFIX};
-pub use values::{RowIds, Values};
+pub use values::{Decoded, RowIds, Values};

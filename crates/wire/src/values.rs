@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use elasticps_core::block::Gradient;
 use elasticps_core::dtype::Dtype;
 
 use crate::WireError;
@@ -214,6 +215,31 @@ impl Values {
     pub fn copy_into(&self, dst: &mut [f32]) {
         assert_eq!(dst.len(), self.len(), "Values::copy_into: destination length differs");
         self.dtype.decode_into(self.as_bytes(), dst);
+    }
+}
+
+/// A gradient payload read as f32s ([`Values::gradient`]): the values and, for a sparse
+/// one, their positions; [`Decoded::gradient`] is what a block applies.
+#[derive(Debug)]
+pub struct Decoded<'a> {
+    values: Cow<'a, [f32]>,
+    indices: Option<Vec<u32>>,
+}
+
+impl Decoded<'_> {
+    /// The gradient: sparse, dense, or none (an empty dense payload).
+    pub fn gradient(&self) -> Gradient<'_> {
+        match &self.indices {
+            Some(indices) => Gradient::Sparse { indices, values: &self.values },
+            None => Gradient::from_payload(&self.values),
+        }
+    }
+}
+
+impl Values {
+    /// The payload read as a gradient (f32s, converted from its dtype where need be).
+    pub fn gradient(&self) -> Decoded<'_> {
+        Decoded { values: self.to_f32s(), indices: self.indices() }
     }
 }
 

@@ -213,7 +213,7 @@ fn forwarded(o: &Owned, from: Sender, request: &Request) -> Option<Fwd> {
         check_dim(&o.block, *dim, ids.len()).is_ok()
             && o.block.check_push_rows(from.rank, f.clock, &ids.to_vec(), f.values.len(), from.rejoined).is_ok()
     } else {
-        o.block.check_push(from.rank, f.clock, f.values.len(), from.rejoined).is_ok()
+        o.block.check_gradient(from.rank, f.clock, f.values.gradient().gradient(), from.rejoined).is_ok()
     };
     fits.then_some(f)
 }
@@ -224,7 +224,7 @@ fn push_bytes(what: &What, values: &Values) -> u64 {
         What::Rows { ids, .. } => ids.as_bytes().len(),
         What::Tensor => 0,
     };
-    (ids + values.as_bytes().len()) as u64
+    (ids + values.wire_len()) as u64
 }
 
 /// Applies a push of `values` at `clock` to `block` (a rejoined worker's skips the clocks
@@ -240,8 +240,8 @@ fn push(
 ) -> Result<Vec<Answer<Token>>, CoreError> {
     match what {
         What::Tensor => {
-            let push = if from.rejoined { Block::push_rejoined } else { Block::push };
-            push(block, config, from.rank, clock, &values.to_f32s(), now_us)
+            let push = if from.rejoined { Block::push_gradient_rejoined } else { Block::push_gradient };
+            push(block, config, from.rank, clock, values.gradient().gradient(), now_us)
         }
         What::Rows { ids, dim } => {
             check_dim(block, *dim, ids.len())?;

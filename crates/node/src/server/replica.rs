@@ -91,14 +91,14 @@ impl Fwd {
         rejoined: bool,
         now_us: u64,
     ) -> Result<Vec<Answer<Token>>, CoreError> {
-        let grad = self.values.to_f32s();
+        let grad = self.values.gradient();
         if block.spec().is_rows() {
             let ids = self.rows.as_ref().map(RowIds::to_vec).unwrap_or_default();
             let push = if rejoined { Block::push_rows_rejoined } else { Block::push_rows };
-            push(block, config, self.worker, self.clock, &ids, &grad, now_us)
+            push(block, config, self.worker, self.clock, &ids, grad.gradient().payload(), now_us)
         } else {
-            let push = if rejoined { Block::push_rejoined } else { Block::push };
-            push(block, config, self.worker, self.clock, &grad, now_us)
+            let push = if rejoined { Block::push_gradient_rejoined } else { Block::push_gradient };
+            push(block, config, self.worker, self.clock, grad.gradient(), now_us)
         }
     }
 

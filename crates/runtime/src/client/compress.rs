@@ -1,28 +1,47 @@
-//! The worker's gradient compression ([`super::ClientOptions::compress`]): each tensor's
-//! gradient goes through that tensor's error feedback ([`ErrorFeedback`]) and comes out
-//! as the [`SparseGrad`] to push, its residual kept here for the tensor's next gradient.
-//!
-//! The wire does not carry sparse values yet: a round sends each compressed gradient
-//! densified ([`SparseGrad::densify`]), which the servers apply exactly as they would
-//! apply its sparse form (`Block::push_gradient`, bit for bit), so the training is the
-//! compressed one already and only the bytes saved are still to come (the todo in
-//! `round.rs`).
+//! The worker's gradient compression ([`super::ClientOptions::compress`],
+//! [`super::Client::set_sparsifier`]): each compressed tensor's gradient goes through that
+//! tensor's error feedback ([`ErrorFeedback`]) and comes out as the [`SparseGrad`] to
+//! push (each block its part, as a sparse payload: `frames.rs`), its residual kept here
+//! for the tensor's next gradient.
+
+use std::collections::HashMap;
 
 use elasticps_core::compress::{ErrorFeedback, SparseGrad, Sparsifier};
 
-/// One worker's error feedback, one per tensor, created on the tensor's first gradient.
+/// One worker's error feedback, one per compressed tensor, created on the tensor's first
+/// gradient.
 #[derive(Debug)]
 pub(super) struct Compression {
-    sparsifier: Sparsifier,
+    /// The job's sparsifier (`--compress`), for the tensors not set apart.
+    default: Option<Sparsifier>,
+    /// Tensors whose sparsifier was chosen for them (`None`: pushed whole).
+    chosen: HashMap<usize, Option<Sparsifier>>,
     rank: u32,
     feedback: Vec<Option<ErrorFeedback>>,
 }
 
 impl Compression {
-    /// Compression by `sparsifier` for worker `rank` (random-k's seed is the rank's and
-    /// the tensor's: workers draw different indices).
-    pub(super) fn new(sparsifier: Sparsifier, rank: u32) -> Self {
-        Self { sparsifier, rank, feedback: Vec::new() }
+    /// Compression by `sparsifier` (none: only the tensors [`Compression::set`] chooses)
+    /// for worker `rank` (random-k's seed is the rank's and the tensor's: workers draw
+    /// different indices).
+    pub(super) fn new(sparsifier: Option<Sparsifier>, rank: u32) -> Self {
+        Self { default: sparsifier, chosen: HashMap::new(), rank, feedback: Vec::new() }
+    }
+
+    /// Tensor `tensor` is compressed by `sparsifier` from now on (`None`: pushed whole);
+    /// a changed sparsifier starts from an empty residual.
+    pub(super) fn set(&mut self, tensor: usize, sparsifier: Option<Sparsifier>) {
+        if self.sparsifier(tensor) != sparsifier
+            && let Some(f) = self.feedback.get_mut(tensor)
+        {
+            *f = None;
+        }
+        self.chosen.insert(tensor, sparsifier);
+    }
+
+    /// The sparsifier of tensor `tensor`, if it is compressed.
+    pub(super) fn sparsifier(&self, tensor: usize) -> Option<Sparsifier> {
+        self.chosen.get(&tensor).copied().unwrap_or(self.default)
     }
 
     /// Forgets every residual (a model registered anew).
@@ -45,13 +64,15 @@ impl Compression {
         if self.feedback.len() < grads.len() {
             self.feedback.resize_with(grads.len(), || None);
         }
-        let (sparsifier, rank) = (self.sparsifier, self.rank);
+        let rank = self.rank;
+        let sparsifiers: Vec<Option<Sparsifier>> = (0..grads.len()).map(|t| self.sparsifier(t)).collect();
         grads
             .iter()
             .zip(&mut self.feedback)
+            .zip(sparsifiers)
             .enumerate()
-            .map(|(t, (grad, feedback))| {
-                let grad = grad.filter(|g| !g.is_empty())?;
+            .map(|(t, ((grad, feedback), sparsifier))| {
+                let (grad, sparsifier) = (grad.filter(|g| !g.is_empty())?, sparsifier?);
                 let feedback = feedback.get_or_insert_with(|| ErrorFeedback::new(sparsifier, seed(rank, t)));
                 Some(feedback.compress(grad))
             })
@@ -70,7 +91,7 @@ mod tests {
 
     #[test]
     fn each_tensor_keeps_its_own_residual_and_a_tensor_without_a_gradient_keeps_it() {
-        let mut c = Compression::new(Sparsifier::TopK { ratio: 0.5 }, 3);
+        let mut c = Compression::new(Some(Sparsifier::TopK { ratio: 0.5 }), 3);
         let out = c.compress(&[Some(&[1.0, -4.0, 2.0, 0.5][..]), None, Some(&[3.0, 1.0][..])]);
         assert_eq!(out[0], Some(SparseGrad { indices: vec![1, 2], values: vec![-4.0, 2.0] }));
         assert_eq!(out[1], None);
@@ -88,9 +109,24 @@ mod tests {
     }
 
     #[test]
+    fn a_tensor_set_apart_follows_its_own_sparsifier() {
+        let mut c = Compression::new(None, 0);
+        let g = [1.0, -4.0, 2.0, 0.5];
+        assert_eq!(c.compress(&[Some(&g[..]), Some(&g[..])]), vec![None, None], "nothing compressed by default");
+        c.set(1, Some(Sparsifier::TopK { ratio: 0.25 }));
+        let out = c.compress(&[Some(&g[..]), Some(&g[..])]);
+        assert_eq!(out, vec![None, Some(SparseGrad { indices: vec![1], values: vec![-4.0] })]);
+        // A new sparsifier starts from an empty residual; none pushes whole again.
+        c.set(1, Some(Sparsifier::TopK { ratio: 0.5 }));
+        assert!(c.residual(1).is_empty());
+        c.set(1, None);
+        assert_eq!(c.compress(&[None, Some(&g[..])]), vec![None, None]);
+    }
+
+    #[test]
     fn workers_and_tensors_draw_different_random_indices() {
         let draw = |rank| {
-            let mut c = Compression::new(Sparsifier::RandomK { ratio: 0.1 }, rank);
+            let mut c = Compression::new(Some(Sparsifier::RandomK { ratio: 0.1 }), rank);
             let g = vec![1.0; 100];
             c.compress(&[Some(&g[..]), Some(&g[..])]).into_iter().map(|s| s.unwrap().indices).collect::<Vec<_>>()
         };

@@ -6,12 +6,14 @@
 
 use std::collections::HashMap;
 
-use elasticps_core::model::BlockSpec;
+use bytes::Bytes;
+use elasticps_core::compress::SparseGrad;
+use elasticps_core::model::{BlockId, BlockSpec};
 use elasticps_core::sync::Clock;
 use elasticps_node::ConnId;
 use elasticps_node::Machine;
 use elasticps_node::worker::{self, Answer, ClientEvent, Effect, Op, Tag};
-use elasticps_wire::{Dtype, Flags, FrameHeader, Kind, Message};
+use elasticps_wire::{Dtype, Flags, FrameHeader, Kind, Message, Values};
 
 use super::Ending;
 use super::rows::{RowPayloads, RowSink};
@@ -28,30 +30,49 @@ pub(super) enum Source<'g> {
 }
 
 /// A tensor round's gradients and how each tensor travels: f32 straight from the
-/// caller's slice, or converted once per push into `coded`.
+/// caller's slice, or converted once per push into `coded`, or compressed (top-k,
+/// random-k: each block's part as a sparse payload in `sparse`).
 #[derive(Default)]
 pub(super) struct Tensors<'g> {
     /// The caller's gradients, one entry per tensor (or none: a round without pushes).
     grads: &'g [Option<&'g [f32]>],
     /// The wire dtype of each tensor (its pushes, and the replies its pulls ask for).
     dtypes: Vec<Dtype>,
-    /// A pushed tensor's gradient in its dtype, where that is not f32.
+    /// A pushed tensor's gradient in its dtype, where that is not f32 and it is dense.
     coded: Vec<Option<Vec<u8>>>,
+    /// The sparse payload of each block of a compressed tensor (wire bytes: count,
+    /// positions, values in the tensor's dtype).
+    sparse: HashMap<BlockId, Bytes>,
 }
 
 impl<'g> Tensors<'g> {
     /// `grads` (one entry per tensor, or none) to travel in `dtypes` (one per tensor of
-    /// the model): each gradient in a reduced dtype is converted here, once.
-    pub(super) fn new(grads: &'g [Option<&'g [f32]>], dtypes: Vec<Dtype>) -> Self {
+    /// the model), the tensors in `sparse` (`sparse[t]`, from the error feedback) as each
+    /// of their `blocks`' part: each payload is built here, once.
+    pub(super) fn new(
+        grads: &'g [Option<&'g [f32]>],
+        dtypes: Vec<Dtype>,
+        sparse: &[Option<SparseGrad>],
+        blocks: &[BlockSpec],
+    ) -> Self {
+        let dtype = |t: usize| dtypes.get(t).copied().unwrap_or_default();
+        let compressed = |t: usize| sparse.get(t).and_then(Option::as_ref);
         let coded = grads
             .iter()
             .enumerate()
-            .map(|(t, g)| match (g, dtypes.get(t)) {
-                (Some(g), Some(&d)) if d != Dtype::F32 => Some(d.encode(g)),
+            .map(|(t, g)| match g {
+                Some(g) if dtype(t) != Dtype::F32 && compressed(t).is_none() => Some(dtype(t).encode(g)),
                 _ => None,
             })
             .collect();
-        Tensors { grads, dtypes, coded }
+        let sparse = blocks
+            .iter()
+            .filter_map(|b| {
+                let part = compressed(b.tensor as usize)?.block(b.offset, b.len);
+                Some((b.id, Values::sparse(&part.indices, &part.values, dtype(b.tensor as usize)).wire_bytes()))
+            })
+            .collect();
+        Tensors { grads, dtypes, coded, sparse }
     }
 
     /// The dtype tensor `t` travels in.
@@ -61,16 +82,20 @@ impl<'g> Tensors<'g> {
 
     /// The bytes block `b` pushes: its range of its tensor's gradient, in the tensor's
     /// dtype (empty for a tensor without a gradient this step).
-    fn block_bytes(&self, b: &BlockSpec) -> Result<(&[u8], Dtype)> {
+    fn block_bytes(&self, b: &BlockSpec) -> Result<(&[u8], Flags)> {
         let t = b.tensor as usize;
+        let dense = |bytes, dtype| Ok((bytes, Flags { dtype, ..Flags::default() }));
+        if let Some(sparse) = self.sparse.get(&b.id) {
+            return Ok((&sparse[..], Flags { dtype: self.dtype(b.tensor), sparse: true, ..Flags::default() }));
+        }
         match (self.grads.get(t), self.coded.get(t)) {
-            (Some(Some(grad)), _) if grad.is_empty() => Ok((&[][..], Dtype::F32)),
+            (Some(Some(grad)), _) if grad.is_empty() => dense(&[][..], Dtype::F32),
             (Some(Some(grad)), Some(Some(coded))) if b.offset + b.len <= grad.len() => {
                 let w = self.dtype(b.tensor).width();
-                Ok((&coded[b.offset * w..(b.offset + b.len) * w], self.dtype(b.tensor)))
+                dense(&coded[b.offset * w..(b.offset + b.len) * w], self.dtype(b.tensor))
             }
             (Some(Some(grad)), _) if b.offset + b.len <= grad.len() => {
-                Ok((bytemuck::cast_slice(&grad[b.offset..b.offset + b.len]), Dtype::F32))
+                dense(bytemuck::cast_slice(&grad[b.offset..b.offset + b.len]), Dtype::F32)
             }
             _ => Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id))),
         }
@@ -305,10 +330,7 @@ fn request_bytes<'g>(source: Source<'g>, sent: Sent) -> Result<(Kind, Clock, &'g
         Source::Tensors(t) => Ok(t),
         Source::Rows(_) => Err(RuntimeError::Usage(format!("a {what} of block {} in a row round", b.id))),
     };
-    let pushed = |what: &str| -> Result<(&'g [u8], Flags)> {
-        let (bytes, dtype) = tensors(what)?.block_bytes(&b)?;
-        Ok((bytes, Flags { dtype, ..Flags::default() }))
-    };
+    let pushed = |what: &str| -> Result<(&'g [u8], Flags)> { tensors(what)?.block_bytes(&b) };
     let reply = |what: &str| -> Result<Dtype> { Ok(tensors(what)?.dtype(b.tensor)) };
     let row_payload = || match source {
         Source::Rows(p) => p

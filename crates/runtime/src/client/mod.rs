@@ -138,8 +138,9 @@ pub struct Client {
     clock: Micros,
     /// The dtype of each tensor on the wire, where it is not [`ClientOptions::wire_dtype`].
     wire: HashMap<u32, Dtype>,
-    /// Gradient compression with its residuals ([`ClientOptions::compress`]).
-    compression: Option<compress::Compression>,
+    /// Gradient compression with its residuals ([`ClientOptions::compress`],
+    /// [`Client::set_sparsifier`]).
+    compression: compress::Compression,
 }
 
 impl Client {
@@ -181,7 +182,7 @@ impl Client {
             .with_window(opts.window);
         Ok(Client {
             rank,
-            compression: opts.compress.map(|s| compress::Compression::new(s, rank)),
+            compression: compress::Compression::new(opts.compress, rank),
             machine: worker::Client::new(worker, credential.clone()),
             credential,
             num_workers,
@@ -259,9 +260,7 @@ impl Client {
             })
             .await?;
         self.install_layout(reply).await?;
-        if let Some(c) = &mut self.compression {
-            c.reset();
-        }
+        self.compression.reset();
         Ok(self.layout().map(|l| &l.partition.tensors[..]).unwrap_or_default())
     }
 
@@ -320,6 +319,13 @@ impl Client {
     /// `compression=`, per tensor); the job's [`ClientOptions::wire_dtype`] otherwise.
     pub fn set_wire_dtype(&mut self, tensor: u32, dtype: Dtype) {
         self.wire.insert(tensor, dtype);
+    }
+
+    /// Tensor `tensor`'s gradients are compressed by `sparsifier` (top-k, random-k, with
+    /// error feedback) from now on; `None`: pushed whole. The job's
+    /// [`ClientOptions::compress`] otherwise.
+    pub fn set_sparsifier(&mut self, tensor: u32, sparsifier: Option<Sparsifier>) {
+        self.compression.set(tensor as usize, sparsifier);
     }
 
     /// The dtype tensor `tensor` travels in.

@@ -55,32 +55,11 @@ impl Client {
         push: Option<(PushOp, &[Option<&[f32]>])>,
         mut pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
     ) -> Result<()> {
-        // Gradient compression: each tensor's gradient through its error feedback.
-        // TODO(issue 37, wire): send each block's part (`SparseGrad::block`) as a sparse
-        // `Values` (u32 indices beside the values) once the wire carries them; until then
-        // the compressed gradient goes out densified, which the servers apply as its sparse
-        // form, bit for bit: the same training, without the bytes saved.
-        let compressed: Option<Vec<Option<Vec<f32>>>> = match (push, self.compression.as_mut()) {
-            (Some((PushOp::Grad(_), grads)), Some(c)) => Some(
-                c.compress(grads)
-                    .into_iter()
-                    .zip(grads)
-                    .map(|(sparse, grad)| match (sparse, grad) {
-                        (Some(sparse), Some(grad)) => Some(sparse.densify(grad.len())),
-                        // Not in the round, or pushed without a gradient: as it was.
-                        (_, grad) => grad.map(<[f32]>::to_vec),
-                    })
-                    .collect(),
-            ),
-            _ => None,
-        };
-        let dense: Vec<Option<&[f32]>>;
-        let push = match &compressed {
-            Some(owned) => {
-                dense = owned.iter().map(Option::as_deref).collect();
-                push.map(|(op, _)| (op, &dense[..]))
-            }
-            None => push,
+        // Gradient compression: each tensor's gradient through its error feedback; each
+        // block gets its part as a sparse payload.
+        let sparse = match push {
+            Some((PushOp::Grad(_), grads)) => self.compression.compress(grads),
+            _ => Vec::new(),
         };
         let push_mask: Vec<bool> = push.map_or_else(Vec::new, |(_, g)| g.iter().map(Option::is_some).collect());
         let pull_mask: Vec<bool> =
@@ -96,8 +75,9 @@ impl Client {
             m.iteration(it.clock, it.since_last_us.map(Duration::from_micros));
         }
         let grads = push.map_or(&[][..], |(_, g)| g);
-        let tensors = self.layout().map_or(0, |l| l.partition.tensors.len() as u32);
-        let tensors = Tensors::new(grads, (0..tensors).map(|t| self.wire_dtype(t)).collect());
+        let blocks = self.layout().map_or(&[][..], |l| &l.partition.blocks[..]);
+        let dtypes = (0..self.layout().map_or(0, |l| l.partition.tensors.len() as u32)).map(|t| self.wire_dtype(t));
+        let tensors = Tensors::new(grads, dtypes.collect(), &sparse, blocks);
         match self.run(effects, Source::Tensors(&tensors), Sink::Tensors(&mut pull), false).await? {
             Outcome::Round(finished) => {
                 self.round_done(finished);
