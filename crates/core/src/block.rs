@@ -539,9 +539,11 @@ impl<T> Block<T> {
 
     /// Replays the pushes `delta` of a migration in order (duplicates dropped). A push of
     /// a worker in `rejoined` past its next clock skips it there ([`Block::push_rejoined`]).
-    /// The counters stay as they were: the pushes were counted by the old owner.
+    /// The counters stay as they were, the rows' too (created, evicted): the pushes were
+    /// counted by the old owner.
     pub fn replay(&mut self, config: &ShardConfig, delta: &[LoggedPush], rejoined: &[u32]) -> Result<(), CoreError> {
         let stats = self.stats;
+        let row_counters = self.rows.as_ref().map(|r| r.store.counters());
         for p in delta {
             let rejoined = rejoined.contains(&p.worker);
             if self.rows.is_some() {
@@ -565,6 +567,9 @@ impl<T> Block<T> {
             }
         }
         self.stats = stats;
+        if let (Some(part), Some(counters)) = (self.rows.as_mut(), row_counters) {
+            part.store.restore_counters(counters);
+        }
         Ok(())
     }
 
@@ -1722,6 +1727,32 @@ mod tests {
                 assert_eq!(new.state_len(), old.state().state_len());
             }
         }
+    }
+
+    /// The old owner counted the rows its logged pushes created and evicted: a block
+    /// rebuilt from its snapshot and log counts none of them again (nor later than that).
+    /// Mutation: `replay` keeping the block's stats but not its row counters fails it.
+    #[test]
+    fn a_replayed_delta_does_not_count_its_rows_again() {
+        let cfg = config(SyncPolicy::Asp, false, 1);
+        let mut old = row_block(&cfg, sgd(1.0));
+        if let Some(part) = old.rows.as_mut() {
+            let rule =
+                RowRule { limits: crate::rows::RowLimits { max_rows: 1, ..Default::default() }, ..*part.store.rule() };
+            part.store = crate::rows::RowStore::new(rule);
+        }
+        old.push_rows(&cfg, 0, 0, &[10], &[1.0, 1.0], 0).unwrap();
+        let snapshot = old.snapshot();
+        for (t, row) in [(1, 11), (2, 12)] {
+            old.push_rows(&cfg, 0, t, &[row], &[1.0, 1.0], 0).unwrap();
+        }
+        let counted = old.rows().map(|r| (r.counters().created, r.counters().evicted));
+        assert_eq!(counted, Some((3, 2)), "each logged push created a row and evicted the one before");
+        let mut new: Block<u32> = Block::from_state(snapshot, &old.take_log(), &cfg).unwrap();
+        assert_eq!(new.state(), old.state());
+        assert_eq!(new.rows().map(|r| r.counters()), Some(crate::rows::RowCounters::default()));
+        new.push_rows(&cfg, 0, 3, &[13], &[1.0, 1.0], 0).unwrap();
+        assert_eq!(new.rows().map(|r| (r.counters().created, r.counters().evicted)), Some((1, 1)), "its own push");
     }
 
     #[test]

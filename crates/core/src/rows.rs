@@ -493,6 +493,12 @@ impl RowStore {
         self.counters
     }
 
+    /// Puts back counters taken before pushes that were counted elsewhere (a migration's
+    /// delta, counted by the old owner: [`crate::block::Block::replay`]).
+    pub(crate) fn restore_counters(&mut self, counters: RowCounters) {
+        self.counters = counters;
+    }
+
     /// Keys counted for admission (both generations).
     pub fn candidates(&self) -> usize {
         self.candidates.iter().map(HashMap::len).sum()

@@ -1137,7 +1137,7 @@ fn a_push_without_a_gradient_is_acknowledged_counts_for_the_clock_and_applies_no
 /// and replicated like dense blocks.
 mod rows {
     use elasticps_core::model::TableSpec;
-    use elasticps_core::rows::{RowInit, SparseOptimizer};
+    use elasticps_core::rows::{RowInit, RowRule, RowStore, SparseOptimizer};
     use elasticps_wire::{RowBlockLoad, RowIds};
     use proptest::prelude::{TestCaseError, prop_assert, prop_assert_eq};
 
@@ -1540,6 +1540,13 @@ mod rows {
     /// What each row of an exactly-once run must hold: its initial values less the
     /// gradients acknowledged since it was last created. A bound may evict a row between
     /// any two events: a row seen absent after an event starts again from its initializer.
+    ///
+    /// One event may apply several pushes (the requests parked while the block moved,
+    /// served once it is settled), and a bound may evict a row in it that a later push of
+    /// the same event creates again: seen present before and after, it holds only the
+    /// later push. With `reference`, the rows one block fed the acknowledged pushes in
+    /// their order would hold (eviction is a function of the block's state and its pushes,
+    /// so a migrated block holds the same rows), the model knows each push's evictions.
     struct Expect {
         table: Table,
         keys: Vec<u64>,
@@ -1549,12 +1556,20 @@ mod rows {
         seen: Vec<bool>,
         /// Rows evicted or expired at the last observation, over the servers.
         evictions: u64,
+        /// The block's rows as one store that never moved takes the acknowledged pushes.
+        reference: Option<RowStore>,
     }
 
     impl Expect {
         fn new(table: Table) -> Self {
             let keys = table.keys();
-            Self { table, acc: vec![[0.0; 2]; keys.len()], seen: vec![false; keys.len()], evictions: 0, keys }
+            let n = keys.len();
+            Self { table, acc: vec![[0.0; 2]; n], seen: vec![false; n], evictions: 0, keys, reference: None }
+        }
+
+        /// [`Expect::new`] with a reference store of the block's rule.
+        fn with_reference(table: Table, rule: RowRule) -> Self {
+            Self { reference: Some(RowStore::new(rule)), ..Self::new(table) }
         }
 
         /// Gradient `n` of a push, for each of its rows (integers: sums are exact).
@@ -1562,12 +1577,22 @@ mod rows {
             ids.iter().flat_map(|_| [n as f32, -2.0 * n as f32]).collect()
         }
 
-        /// A push of `ids` was acknowledged: applied, once.
+        /// A push of `ids` was acknowledged: applied, once (and, with a reference, the
+        /// rows its step evicted start again).
         fn acked(&mut self, ids: &[u64], grads: &[f32]) {
             for (id, g) in ids.iter().zip(grads.chunks(2)) {
                 let k = self.keys.iter().position(|k| k == id).expect("a key of the run");
                 self.acc[k][0] += g[0];
                 self.acc[k][1] += g[1];
+            }
+            if let Some(r) = &mut self.reference {
+                r.step(ids, grads, 1.0);
+                r.enforce(|_| false);
+                for (acc, key) in self.acc.iter_mut().zip(&self.keys) {
+                    if !r.contains(*key) {
+                        *acc = [0.0; 2];
+                    }
+                }
             }
         }
 
@@ -1585,6 +1610,9 @@ mod rows {
                     k,
                     key
                 );
+                if let Some(r) = &self.reference {
+                    prop_assert_eq!(now, r.contains(*key), "key {}: a row where the reference has one", k);
+                }
                 if !now {
                     self.acc[k] = [0.0; 2];
                 }
@@ -1617,7 +1645,11 @@ mod rows {
     fn exactly_once(table: Table, ops: &[u8], rows_of_push: &[Vec<u64>]) -> Result<(), TestCaseError> {
         let mut servers = [table_server_of(0, SyncPolicy::Asp, table), table_server_of(B, SyncPolicy::Asp, table)];
         let mut workers: Vec<RowWorker> = (0..2).map(|_| RowWorker { clock: 0, waiting: None, owner: 0 }).collect();
-        let mut expect = Expect::new(table);
+        let rule = match servers[0].slot(1) {
+            Some(Slot::Owned(o)) => o.block.rows().map(|r| *r.rule()),
+            _ => None,
+        };
+        let mut expect = Expect::with_reference(table, rule.expect("block 1 is a row block on server 0"));
         let keys = expect.keys.clone();
         let mut step = 0;
         let mut in_flight: Option<(u64, Message)> = None;
