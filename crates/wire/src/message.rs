@@ -273,7 +273,7 @@ impl Message {
                 prefix[..4].copy_from_slice(&count.to_le_bytes());
                 prefix[4..].copy_from_slice(&dim.to_le_bytes());
                 // The ids and the gradients in one buffer (a copy of both).
-                let body = [&ids.as_bytes()[..], &grads.as_bytes()[..]].concat();
+                let body = [&ids.as_bytes()[..], grads.as_bytes()].concat();
                 (Some(prefix), Bytes::from(body))
             }
             Message::PushAck { .. } | Message::Pull { .. } => (None, Bytes::new()),

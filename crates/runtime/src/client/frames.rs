@@ -89,7 +89,7 @@ impl<'g> Tensors<'g> {
             return Ok((&sparse[..], Flags { dtype: self.dtype(b.tensor), sparse: true, ..Flags::default() }));
         }
         match (self.grads.get(t), self.coded.get(t)) {
-            (Some(Some(grad)), _) if grad.is_empty() => dense(&[][..], Dtype::F32),
+            (Some(Some([])), _) => dense(&[][..], Dtype::F32),
             (Some(Some(grad)), Some(Some(coded))) if b.offset + b.len <= grad.len() => {
                 let w = self.dtype(b.tensor).width();
                 dense(&coded[b.offset * w..(b.offset + b.len) * w], self.dtype(b.tensor))
