@@ -71,16 +71,24 @@ EPS_SECRET = os.urandom(16).hex()
 FAIL_GRACE_S = 20.0
 #: The namespace bed's prefix (scripts/testnet).
 BED = "epvd"
-#: The systems: a name, and for elasticps the sync policy, --aggregate and the servers.
+#: The systems: a name, and for elasticps the sync policy, --aggregate, the servers and
+#: further launch flags (how the gradients travel).
 SYSTEMS = {
     "ddp": None,
-    "bsp-agg/1": ("bsp", True, 1),
-    "bsp-agg/2": ("bsp", True, 2),
-    "ssp:2/2": ("ssp:2", False, 2),
-    "asp/2": ("asp", False, 2),
+    "bsp-agg/1": ("bsp", True, 1, []),
+    "bsp-agg/2": ("bsp", True, 2, []),
+    "ssp:2/2": ("ssp:2", False, 2, []),
+    "asp/2": ("asp", False, 2, []),
     # ssp:2 with DDP's arithmetic (one step per clock on the mean), not in the default set
-    "ssp:2-agg/2": ("ssp:2", True, 2),
+    "ssp:2-agg/2": ("ssp:2", True, 2, []),
+    # Fewer bytes on the wire (issue 37), not in the default set: bf16 pushes and pulls,
+    # top-k 1% with error feedback, and both.
+    "bf16/2": ("bsp", True, 2, ["--wire-dtype", "bf16"]),
+    "topk1%/2": ("bsp", True, 2, ["--compress", "topk:0.01"]),
+    "topk1%-bf16/2": ("bsp", True, 2, ["--compress", "topk:0.01", "--wire-dtype", "bf16"]),
 }
+#: The uncompressed system a compressed one is compared with (its "x f32" column).
+F32_OF = {"bf16/2": "bsp-agg/2", "topk1%/2": "bsp-agg/2", "topk1%-bf16/2": "bsp-agg/2"}
 #: The systems run by default.
 DEFAULT_SYSTEMS = "ddp,bsp-agg/1,bsp-agg/2,ssp:2/2,asp/2"
 
@@ -212,6 +220,7 @@ class Row:
     samples_s: float = float("nan")
     accuracy: float = float("nan")
     to_target_s: Optional[float] = None
+    to_target_step: Optional[int] = None
     first_loss: float = float("nan")
     last_loss: float = float("nan")
     wall_s: float = float("nan")
@@ -240,8 +249,8 @@ def worker_argv(args, model: str, system: str, straggle: bool, result: Path) -> 
 
 
 def eps_flags(system: str) -> List[str]:
-    sync, aggregate, _ = SYSTEMS[system]
-    return ["--quiet", "--sync", sync, "--join-timeout-s", "120"] + (["--aggregate"] if aggregate else [])
+    sync, aggregate, _, extra = SYSTEMS[system]
+    return ["--quiet", "--sync", sync, "--join-timeout-s", "120"] + (["--aggregate"] if aggregate else []) + extra
 
 
 def one_host_procs(args, model: str, system: str, straggle: bool, result: Path) -> List[List[str]]:
@@ -324,7 +333,8 @@ def collect(row: Row, result: Path, target: float) -> None:
     row.last_loss = sum(tail) / len(tail)
     for key in ("forward_backward_ms", "step_ms"):
         row.extra[key] = sum(r[key] for r in ranks) / 2
-    row.to_target_s = next((elapsed for _, elapsed, acc in zero["curve"] if acc >= target), None)
+    reached = next(((step, elapsed) for step, elapsed, acc in zero["curve"] if acc >= target), None)
+    row.to_target_step, row.to_target_s = reached if reached else (None, None)
 
 
 def run_row(args, row: Row, hosts, work: Path) -> Row:
@@ -378,7 +388,13 @@ def table(rows: List[Row], targets: Dict[str, float]) -> str:
     head = "| model | hosts | stragglers | system | samples/s | x DDP | time to target | test accuracy | loss first -> last | fwd+bwd, step() ms | link MB/step |"
     lines = [head, "|" + "---|" * 11]
     for r in rows:
-        tgt = f"{fmt(r.to_target_s, '.1f')} s" if r.to_target_s is not None else f"not reached ({100 * targets[r.model]:.0f}%)"
+        tgt = (
+            f"{fmt(r.to_target_s, '.1f')} s, step {r.to_target_step}"
+            if r.to_target_s is not None
+            else f"not reached ({100 * targets[r.model]:.0f}%)"
+        )
+        if "x_f32" in r.extra:
+            tgt += f"; x f32 {r.extra['x_f32']:.2f}"
         lines.append(
             f"| {r.model} | {r.hosts} | {'0.2 x 100-300 ms' if r.stragglers else 'none'} | {r.system} | "
             f"{fmt(r.samples_s, '.0f')} | {fmt(r.ratio, '.2f')}x | {tgt} | {fmt(100 * r.accuracy, '.2f')}% | "
@@ -425,8 +441,12 @@ def driver_main(args) -> int:
                                   f"accuracy {fmt(100 * row.accuracy, '.2f')}%, wall {row.wall_s:.1f} s"
                                   + (f" FAILED: {row.error}" if row.error else ""), flush=True)
                         base = group[0].samples_s
+                        by_name = {r.system: r for r in group}
                         for r in group:
                             r.ratio = r.samples_s / base if base == base and base > 0 else None
+                            f32 = by_name.get(F32_OF.get(r.system, ""))
+                            if f32 is not None and f32.samples_s > 0:
+                                r.extra["x_f32"] = r.samples_s / f32.samples_s
                         rows += group
     md = table(rows, args.target)
     print(md)

@@ -80,19 +80,22 @@ async fn cluster() -> (String, tokio::task::JoinHandle<elasticps_runtime::Result
     (addr, scheduler)
 }
 
+/// A worker of `opts` with the one tensor registered.
+async fn worker(mut opts: ClientOptions) -> Client {
+    opts.scheduler_retry = Duration::ZERO;
+    let mut client = Client::connect(opts).await.unwrap();
+    client.register_model(vec![TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Zeros }]).await.unwrap();
+    client
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compressed_push_applies_what_the_error_feedback_sent() {
     let (addr, scheduler) = cluster().await;
     let sparsifier = Sparsifier::TopK { ratio: 0.25 };
     let mut opts = ClientOptions::new(addr);
     opts.compress = Some(sparsifier);
-    opts.scheduler_retry = Duration::ZERO;
     let run = async {
-        let mut client = Client::connect(opts).await.unwrap();
-        client
-            .register_model(vec![TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Zeros }])
-            .await
-            .unwrap();
+        let mut client = worker(opts).await;
         // The worker's error feedback, replayed here (top-k draws nothing at random).
         let mut mirror = ErrorFeedback::new(sparsifier, 0);
         let mut sent = vec![0f32; LEN];
@@ -130,13 +133,8 @@ async fn bf16_pushes_and_pulls_round_at_the_edges_and_the_servers_add_in_f32() {
     let (addr, scheduler) = cluster().await;
     let mut opts = ClientOptions::new(addr);
     opts.wire_dtype = Dtype::Bf16;
-    opts.scheduler_retry = Duration::ZERO;
     let run = async {
-        let mut client = Client::connect(opts).await.unwrap();
-        client
-            .register_model(vec![TensorSpec { name: "w".into(), shape: vec![LEN], init: Init::Zeros }])
-            .await
-            .unwrap();
+        let mut client = worker(opts).await;
         let mut server = [0f32; LEN];
         let mut params = client.zeros();
         for t in 0..4 {
