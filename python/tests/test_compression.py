@@ -97,11 +97,17 @@ def test_bf16_training_is_the_local_bf16_reference(cluster):
         assert torch.equal(p, p.to(torch.bfloat16).float()), "pulled parameters are bf16 values"
 
 
+@pytest.mark.parametrize("how", ["argument", "environment"])
 @pytest.mark.cluster(**JOB)
-def test_topk_training_is_the_local_error_feedback_reference(cluster):
+def test_topk_training_is_the_local_error_feedback_reference(cluster, how, monkeypatch):
     data, initial = batches(STEPS), mlp()
     # Every tensor of the model has a multiple of 4 entries: k is exactly a quarter.
-    remote = through_cluster(cluster, initial, data, ept.Compression.topk(0.25))
+    if how == "environment":
+        # What `elasticps launch --compress topk:0.25` gives its scripts.
+        monkeypatch.setenv("ELASTICPS_COMPRESS", "topk:0.25")
+        remote = through_cluster(cluster, initial, data, None)
+    else:
+        remote = through_cluster(cluster, initial, data, ept.Compression.topk(0.25))
     want = reference(initial, data, TopK(0.25))
     assert max_diff(remote, want) < 1e-6
     exact = reference(initial, data, _Exact())

@@ -86,12 +86,10 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     opts.codec =
         elasticps_wire::Codec::for_worker(secret.as_bytes(), worker_secret.as_deref().map(str::as_bytes), max_payload);
     opts.request_timeout = Duration::from_secs(request_timeout_s.max(1));
-    if let Ok(v) = std::env::var("ELASTICPS_WIRE_DTYPE")
-        && !v.is_empty()
-    {
-        opts.wire_dtype =
-            v.parse().map_err(|e| PyValueError::new_err(format!("elasticps: ELASTICPS_WIRE_DTYPE: {e}")))?;
+    if let Some(dtype) = env_parsed("ELASTICPS_WIRE_DTYPE")? {
+        opts.wire_dtype = dtype;
     }
+    opts.compress = env_parsed("ELASTICPS_COMPRESS")?;
     // Set by the launcher's --restart-workers: rejoin as this rank.
     opts.rank = match std::env::var("ELASTICPS_RANK") {
         Ok(v) => Some(
@@ -103,6 +101,17 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
     };
     let metrics_listen = std::env::var("ELASTICPS_METRICS_LISTEN").ok().filter(|s| !s.is_empty());
     worker::Worker::connect(py, opts, metrics_listen)
+}
+
+/// Environment variable `name` parsed (a wire dtype, a sparsifier), if set and not empty;
+/// a `ValueError` naming it if it does not parse.
+fn env_parsed<T: std::str::FromStr<Err = elasticps_core::CoreError>>(name: &str) -> PyResult<Option<T>> {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => {
+            v.parse().map(Some).map_err(|e| PyValueError::new_err(format!("elasticps: {name}={v:?}: {e}")))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// TLS from `ELASTICPS_TLS_CERT`, `ELASTICPS_TLS_KEY` and `ELASTICPS_TLS_CA` (set by
