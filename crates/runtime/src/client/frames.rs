@@ -94,10 +94,15 @@ impl<'g> Tensors<'g> {
                 let w = self.dtype(b.tensor).width();
                 dense(&coded[b.offset * w..(b.offset + b.len) * w], self.dtype(b.tensor))
             }
-            (Some(Some(grad)), _) if b.offset + b.len <= grad.len() => {
-                dense(bytemuck::cast_slice(&grad[b.offset..b.offset + b.len]), Dtype::F32)
-            }
-            _ => Err(RuntimeError::Usage(format!("no values of tensor {} to push to block {}", b.tensor, b.id))),
+            _ => dense(bytemuck::cast_slice(self.f32_block(b)?), Dtype::F32),
+        }
+    }
+
+    /// Block `b`'s range of its tensor's values as the caller gave them (f32).
+    fn f32_block(&self, b: &BlockSpec) -> Result<&[f32]> {
+        match self.grads.get(b.tensor as usize) {
+            Some(Some(v)) if b.offset + b.len <= v.len() => Ok(&v[b.offset..b.offset + b.len]),
+            _ => Err(RuntimeError::Usage(format!("no values of tensor {} for block {}", b.tensor, b.id))),
         }
     }
 }
@@ -347,15 +352,7 @@ fn request_bytes<'g>(source: Source<'g>, sent: Sent) -> Result<(Kind, Clock, &'g
             (Kind::Push, clock, bytes, flags)
         }
         // Initial values travel exact.
-        Op::Init => match source {
-            Source::Tensors(t) => match t.grads.get(b.tensor as usize) {
-                Some(Some(v)) if b.offset + b.len <= v.len() => {
-                    (Kind::Init, 0, bytemuck::cast_slice(&v[b.offset..b.offset + b.len]), f32s)
-                }
-                _ => return Err(RuntimeError::Usage(format!("no values of tensor {} for block {}", b.tensor, b.id))),
-            },
-            Source::Rows(_) => return Err(RuntimeError::Usage(format!("an init of block {} in a row round", b.id))),
-        },
+        Op::Init => (Kind::Init, 0, bytemuck::cast_slice(tensors("init")?.f32_block(&b)?), f32s),
         Op::Pull(clock) => (Kind::Pull, clock, &[][..], Flags { reply: reply("pull")?, ..f32s }),
         Op::PushPull(clock) => {
             let (bytes, flags) = pushed("push_pull")?;
