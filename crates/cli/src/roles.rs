@@ -275,6 +275,8 @@ pub async fn worker(cmd: WorkerCmd) -> anyhow::Result<()> {
     opts.compress = cmd.data.compress;
     opts.rank = cmd.rank;
     opts.scheduler_retry = cmd.net.scheduler_retry();
+    // Set by `elasticps launch` on a job across hosts: one push per host.
+    opts.group = elasticps_runtime::client::GroupOptions::from_env()?;
     // Started by `elasticps launch`, events go to its pipe (ELASTICPS_EVENTS_FD).
     let emitter = Emitter::from_env(cmd.events)?;
     let mut _endpoint = None;

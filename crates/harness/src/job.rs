@@ -245,6 +245,8 @@ impl SimJob {
                 leads: false,
                 join_timeout_us: 60_000_000,
                 end_timeout_us: 30_000_000,
+                // The harness runs no host group (one push per host): its workers push alone.
+                host_groups: false,
             };
             let role = JobRole::Agent(AgentRole::new(config, job.cluster.network().now_us()));
             let agent = job.cluster.add_on(Some(&ip), NodeKind::Other(i as u32), LinkSpec::default(), role);

@@ -16,7 +16,7 @@
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::ops::ControlFlow;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Args;
@@ -76,12 +76,24 @@ pub struct HostArgs {
     /// the rendezvous.
     #[arg(long, env = "ELASTICPS_JOIN_TIMEOUT", default_value_t = 300)]
     pub join_timeout_s: u64,
+    /// Every worker pushes its own gradient and pulls its own values. By default, on a
+    /// job across hosts, the workers a host starts with the job (--workers-per-node > 1)
+    /// push once per host: one of them sums their gradients and pushes the sum, and hands
+    /// the others the values it pulled (docs/MANUAL.md, "One push per host").
+    #[arg(long)]
+    pub no_host_aggregation: bool,
 }
 
 impl HostArgs {
     /// True if this launch is one host of a job that spans hosts.
     pub fn spans_hosts(&self) -> bool {
         self.rdzv.is_some() || self.nnodes.is_some()
+    }
+
+    /// True if this host's workers push once per host: a job that may span more than one
+    /// host, without `--no-host-aggregation`.
+    pub fn host_groups(&self) -> bool {
+        !self.no_host_aggregation && self.nnodes.map_or(self.rdzv.is_some(), |(_, max)| max > 1)
     }
 }
 
@@ -269,6 +281,7 @@ impl Host {
             leads: self.leads,
             join_timeout_us: h.join_timeout_s.saturating_mul(1_000_000),
             end_timeout_us: spec.end_timeout.as_micros() as u64,
+            host_groups: h.host_groups(),
         }
     }
 }
@@ -293,7 +306,9 @@ async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome>
     };
     let bars = Bars::new(spec.quiet);
     let clock = Micros::new();
-    let mut agent = Agent::new(host.agent(spec), 0);
+    let config = host.agent(spec);
+    let group_dir = if config.host_groups && config.offer.workers > 1 { Some(GroupDir::new()?) } else { None };
+    let mut agent = Agent::new(config, 0);
     let mut world = Driver {
         spec,
         host: &host,
@@ -306,6 +321,7 @@ async fn run_host_in(spec: &HostSpec<'_>, log_dir: &Path) -> Result<HostOutcome>
         bars: &bars,
         rec: Recorder::new(&bars),
         clock,
+        group_dir: group_dir.as_ref().map(|d| d.0.clone()),
     };
     let result = driver::drive(&mut agent, &mut world, &mut Timer::new(clock), VecDeque::new()).await;
     bars.clear();
@@ -341,6 +357,31 @@ struct Driver<'a> {
     rec: Recorder<'a>,
     /// The agent's clock.
     clock: Micros,
+    /// The directory of this host's group of workers, if they push once per host.
+    group_dir: Option<PathBuf>,
+}
+
+/// A host group's private directory (`ELASTICPS_HOST_GROUP`): made for the launch
+/// (mode 0700), removed with it.
+struct GroupDir(PathBuf);
+
+impl GroupDir {
+    fn new() -> Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = std::env::temp_dir().join(format!("elasticps-host-group-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| LaunchError::io(format!("cannot make the host group's directory {}", dir.display()), e))?;
+        Ok(GroupDir(dir))
+    }
+}
+
+impl Drop for GroupDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 impl World<Agent> for Driver<'_> {
@@ -480,11 +521,17 @@ impl Driver<'_> {
                 args.extend(self.spec.net.to_flags());
                 self.cluster.spawn(&spawn.label, &args, &self.spec.net.role_env())
             }
-            NodeKind::Worker { rank, workers, local } => {
+            NodeKind::Worker { rank, workers, local, group } => {
                 let sized = JobArgs { workers, ..self.host.job.clone() };
                 let mut env = worker_env(&sized, self.spec.net, &rdzv, local);
                 if let Some(r) = rank {
                     env.push(("ELASTICPS_RANK".into(), r.to_string()));
+                }
+                if let (Some(seat), Some(dir)) = (group, &self.group_dir) {
+                    use elasticps_runtime::client::group_vars as v;
+                    env.push((v::DIR.into(), dir.display().to_string()));
+                    env.push((v::SIZE.into(), seat.size.to_string()));
+                    env.push((v::RANK.into(), seat.rank.to_string()));
                 }
                 env.extend(self.spec.env.iter().cloned());
                 self.cluster.spawn_command(&spawn.label, self.spec.command, &env)

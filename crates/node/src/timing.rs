@@ -48,6 +48,17 @@ pub const CONNECT_TIMEOUT_US: u64 = 10_000_000;
 /// (`--frame-timeout-s`).
 pub const FRAME_STALL_TIMEOUT_US: u64 = 30_000_000;
 
+/// How long a member of a host group (one push per host, [`crate::worker::group`])
+/// waits for its leader to listen and take its `JoinGroup`, µs.
+pub const GROUP_JOIN_TIMEOUT_US: u64 = 60_000_000;
+/// How long a host group's leader waits for a member's gradient before it goes on
+/// without that member, µs: a request's timeout, as a held pull waits for the slowest
+/// worker.
+pub const GROUP_GATHER_TIMEOUT_US: u64 = REQUEST_TIMEOUT_US;
+/// How long a host group's leader, once its own work is done, waits for its members to
+/// take their last values and leave, µs.
+pub const GROUP_END_TIMEOUT_US: u64 = 60_000_000;
+
 /// How long a host agent waits for the scheduler to answer its `JoinHost` once a
 /// connection is up, µs.
 pub const JOIN_CALL_TIMEOUT_US: u64 = 30_000_000;

@@ -62,7 +62,9 @@ fn env_number<T: std::str::FromStr>(name: &str, default: T) -> PyResult<T> {
 /// job and returns the worker. `ELASTICPS_METRICS_LISTEN=HOST:PORT` serves its Prometheus
 /// metrics there. `ELASTICPS_RANK=R` (the launcher's `--restart-workers` sets it) rejoins
 /// the job as rank R, a worker restarted after it was lost: its `start_clock` is where the
-/// job is.
+/// job is. `ELASTICPS_HOST_GROUP`, `ELASTICPS_HOST_GROUP_SIZE` and `ELASTICPS_HOST_GROUP_RANK`
+/// (set by `elasticps launch` on a job across hosts) put it in its host's group: one push
+/// per host.
 #[pyfunction]
 #[pyo3(signature = (scheduler=None))]
 fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker> {
@@ -90,6 +92,9 @@ fn connect(py: Python<'_>, scheduler: Option<String>) -> PyResult<worker::Worker
         opts.wire_dtype = dtype;
     }
     opts.compress = env_parsed("ELASTICPS_COMPRESS")?;
+    // Set by `elasticps launch` on a job across hosts: one push per host.
+    opts.group = elasticps_runtime::client::GroupOptions::from_env()
+        .map_err(|e| PyValueError::new_err(format!("elasticps: {e}")))?;
     // Set by the launcher's --restart-workers: rejoin as this rank.
     opts.rank = match std::env::var("ELASTICPS_RANK") {
         Ok(v) => Some(

@@ -4,16 +4,11 @@
 
 use std::time::Duration;
 
-use elasticps_core::block::ShardConfig;
 use elasticps_core::compress::{ErrorFeedback, Sparsifier};
 use elasticps_core::model::{Init, TensorSpec};
-use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
-use elasticps_core::placement::PlacementKind;
-use elasticps_core::sync::SyncPolicy;
 use elasticps_runtime::client::{Client, ClientOptions};
-use elasticps_runtime::scheduler::{self, JobConfig, SchedulerOptions};
-use elasticps_runtime::server::{self, ServerOptions};
-use elasticps_wire::Codec;
+
+use crate::testkit::cluster;
 
 /// Elements of the one tensor: two blocks of 4 (16-byte blocks), one per server.
 const LEN: usize = 8;
@@ -21,63 +16,6 @@ const LEN: usize = 8;
 /// Gradient of clock `t`: small integers, so every sum is exact.
 fn grad(t: u32) -> Vec<f32> {
     (0..LEN).map(|i| (((t as usize * 5 + i * 3) % 7) as f32) - 3.0).collect()
-}
-
-/// An in-process scheduler and two servers (SGD, lr 1, asp-free bsp, one worker); the
-/// scheduler's address and task.
-async fn cluster() -> (String, tokio::task::JoinHandle<elasticps_runtime::Result<String>>) {
-    let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
-    let job = JobConfig {
-        servers: 2,
-        workers: 1,
-        block_bytes: 16,
-        placement: PlacementKind::RoundRobin,
-        shard: ShardConfig {
-            sync: SyncPolicy::Bsp,
-            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 },
-            workers: 1,
-        },
-        seed: 1,
-        server_sync: Vec::new(),
-        inject: Vec::new(),
-        balance: Default::default(),
-        max_servers: 2,
-        min_servers: 2,
-        checkpoint: None,
-        rejoin_wait_us: 0,
-        replicas: 1,
-    };
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let sched_opts = SchedulerOptions {
-        listen: "127.0.0.1:0".into(),
-        job,
-        codec: codec.clone(),
-        frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
-        join_timeout: Duration::from_secs(30),
-        metrics: None,
-        state_dir: None,
-        hosts: None,
-        relay: None,
-    };
-    let scheduler = tokio::spawn(scheduler::run(sched_opts, move |addr| {
-        let _ = tx.send(addr);
-    }));
-    let addr = rx.await.unwrap().to_string();
-    for _ in 0..2 {
-        let opts = ServerOptions {
-            scheduler: addr.clone(),
-            listen: "127.0.0.1:0".into(),
-            advertise: None,
-            codec: codec.clone(),
-            frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
-            trace: None,
-            metrics: None,
-            scheduler_retry: Duration::ZERO,
-            max_clock_lead: server::MAX_CLOCK_LEAD,
-        };
-        tokio::spawn(server::run(opts));
-    }
-    (addr, scheduler)
 }
 
 /// A worker of `opts` with the one tensor registered.
@@ -90,7 +28,7 @@ async fn worker(mut opts: ClientOptions) -> Client {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compressed_push_applies_what_the_error_feedback_sent() {
-    let (addr, scheduler) = cluster().await;
+    let (addr, scheduler) = cluster(1, false).await;
     let sparsifier = Sparsifier::TopK { ratio: 0.25 };
     let mut opts = ClientOptions::new(addr);
     opts.compress = Some(sparsifier);
@@ -130,7 +68,7 @@ async fn a_compressed_push_applies_what_the_error_feedback_sent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bf16_pushes_and_pulls_round_at_the_edges_and_the_servers_add_in_f32() {
     use elasticps_wire::Dtype;
-    let (addr, scheduler) = cluster().await;
+    let (addr, scheduler) = cluster(1, false).await;
     let mut opts = ClientOptions::new(addr);
     opts.wire_dtype = Dtype::Bf16;
     let run = async {

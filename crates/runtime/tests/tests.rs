@@ -1,4 +1,6 @@
 //! Integration tests of elasticps-runtime, one module per subject.
 
 mod compression;
+mod host_groups;
 mod protocol_bounds;
+mod testkit;

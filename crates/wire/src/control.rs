@@ -429,6 +429,14 @@ pub enum Control {
         /// More pages follow: ask again with `after` set to the last id of this one.
         more: bool,
     },
+    /// Tag 55: Worker -> its host group's leader, first on the group's loopback
+    /// connection (one push per host, docs/PROTOCOL.md §9): "I am local rank
+    /// `local_rank` of this host's group". Reply: [`Control::Ok`], or an `Error` and a
+    /// closed connection.
+    JoinGroup {
+        /// Its local rank, `1..` the group's size (0 is the leader).
+        local_rank: u32,
+    },
 }
 
 impl Control {
@@ -437,6 +445,7 @@ impl Control {
         match self {
             Control::RegisterServer { .. } => "RegisterServer",
             Control::RegisterWorker => "RegisterWorker",
+            Control::JoinGroup { .. } => "JoinGroup",
             Control::Welcome { .. } => "Welcome",
             Control::DefineModel { .. } => "DefineModel",
             Control::GetLayout => "GetLayout",

@@ -79,6 +79,7 @@ mod common {
             Control::OptimizerSet { .. } => 52,
             Control::ExportBlock { .. } => 53,
             Control::ExportedBlock { .. } => 54,
+            Control::JoinGroup { .. } => 55,
         }
     }
 

@@ -64,6 +64,10 @@ pub struct AgentConfig {
     pub join_timeout_us: u64,
     /// How long the nodes may take to exit once the job is over, µs.
     pub end_timeout_us: u64,
+    /// One push per host ([`crate::worker::group`]): the workers this host starts when
+    /// the job starts form a group, if they are more than one. The launch says it for a
+    /// job across hosts unless `--no-host-aggregation`; never on one host.
+    pub host_groups: bool,
 }
 
 /// What happened.
@@ -151,7 +155,21 @@ pub enum NodeKind {
         workers: u32,
         /// The workers this host started before it (the command's local rank).
         local: u32,
+        /// Its seat in the host group, if it has one: the first workers a host starts
+        /// that are not restarts, as many as it starts with the job, form its group (with
+        /// [`AgentConfig::host_groups`] and more than one of them); a restarted worker
+        /// pushes alone.
+        group: Option<GroupSeat>,
     },
+}
+
+/// A worker's seat in its host's group ([`crate::worker::group`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupSeat {
+    /// Its rank in the group: 0 leads.
+    pub rank: u32,
+    /// Workers in the group.
+    pub size: u32,
 }
 
 /// What the driver does.
@@ -244,6 +262,9 @@ pub struct Agent {
     session: Session,
     phase: Phase,
     slots: Slots,
+    /// Workers started so far that were not restarts (the next one's seat in the host
+    /// group).
+    fresh_started: u32,
     /// Workers started so far (the next one's local rank).
     workers_started: u32,
     /// The scheduler's `Shutdown` reason, once the job is over.
@@ -266,6 +287,7 @@ impl Agent {
             phase: Phase::Joining { answer_by_us: None, last_error: None, next_say_us: now_us + WAIT_REPORT_EVERY_US },
             slots,
             workers_started: 0,
+            fresh_started: 0,
             over: None,
             end_by_us: None,
             config,
@@ -471,7 +493,15 @@ impl Agent {
                     NodeRole::Server => NodeKind::Server,
                     NodeRole::Worker { rank } => {
                         self.workers_started += 1;
-                        NodeKind::Worker { rank, workers, local: self.workers_started - 1 }
+                        let local = self.workers_started - 1;
+                        let size = self.config.offer.workers;
+                        let mut group = None;
+                        if rank.is_none() {
+                            self.fresh_started += 1;
+                            let seat = GroupSeat { rank: self.fresh_started - 1, size };
+                            group = (self.config.host_groups && size > 1 && seat.rank < size).then_some(seat);
+                        }
+                        NodeKind::Worker { rank, workers, local, group }
                     }
                 };
                 out.push(Effect::Spawn(Spawn { slot, label: slots::label(slot, role), node }));

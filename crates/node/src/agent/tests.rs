@@ -34,6 +34,7 @@ fn config(leads: bool) -> AgentConfig {
         leads,
         join_timeout_us: JOIN_TIMEOUT_US,
         end_timeout_us: END_US,
+        host_groups: false,
     }
 }
 
@@ -66,7 +67,11 @@ fn says(effects: &[Effect]) -> Vec<String> {
 
 /// An agent that joined at time 0 (dialled, `JoinHost` answered by `HostWelcome`).
 fn joined(leads: bool) -> Agent {
-    let mut a = Agent::new(config(leads), 0);
+    joined_with(config(leads))
+}
+
+fn joined_with(config: AgentConfig) -> Agent {
+    let mut a = Agent::new(config, 0);
     assert_eq!(a.poll_timeout(), Some(0), "it dials at once");
     assert!(matches!(a.handle(0, Input::Timeout)[..], [Effect::Dial]));
     let e = a.handle(0, Input::Dialled);
@@ -237,11 +242,43 @@ fn a_duplicate_order_for_a_running_slot_starts_nothing_and_reports_nothing() {
     assert_eq!(says(&e), ["host a refuses to start worker slot 7 (rank 0): slot 7 already runs worker slot 7 here"]);
 }
 
+/// One push per host: the workers a host starts when the job starts form its group (their
+/// seats: rank in the group, its size); a restarted worker and any worker past them push alone,
+/// and nothing is grouped without `host_groups` or with one worker a host.
+#[test]
+fn the_workers_a_host_starts_with_the_job_form_its_group_and_a_restarted_one_does_not() {
+    let group_of = |host_groups: bool, workers: u32, orders: &[Option<u32>]| -> Vec<Option<(u32, u32)>> {
+        let mut a = joined_with(AgentConfig {
+            host_groups,
+            offer: offer("10.0.0.2", 1, workers, workers + 2),
+            ..config(false)
+        });
+        orders
+            .iter()
+            .enumerate()
+            .map(|(i, rank)| {
+                let e = order(&mut a, 1 + i as u64, 10 + i as u32, NodeRole::Worker { rank: *rank }, i);
+                match &spawns(&e)[..] {
+                    [Spawn { node: NodeKind::Worker { group, .. }, .. }] => group.map(|g| (g.rank, g.size)),
+                    other => panic!("{other:?}"),
+                }
+            })
+            .collect()
+    };
+    assert_eq!(group_of(true, 2, &[None, None, Some(3)]), [Some((0, 2)), Some((1, 2)), None]);
+    assert_eq!(group_of(true, 2, &[Some(3), None, None]), [None, Some((0, 2)), Some((1, 2))], "after a restart");
+    assert_eq!(group_of(false, 2, &[None, None]), [None, None]);
+    assert_eq!(group_of(true, 1, &[None]), [None]);
+}
+
 #[test]
 fn exits_are_reported_with_the_rank_the_events_named_and_events_are_relayed() {
     let mut a = joined(false);
     let e = order(&mut a, 1, 4, NodeRole::Worker { rank: None }, 0);
-    assert!(matches!(&spawns(&e)[..], [Spawn { node: NodeKind::Worker { rank: None, workers: 4, local: 0 }, .. }]));
+    assert!(matches!(
+        &spawns(&e)[..],
+        [Spawn { node: NodeKind::Worker { rank: None, workers: 4, local: 0, group: None }, .. }]
+    ));
     let progress = Event::Progress { rank: 2, iteration: 1, total: 9, loss: 0.5 };
     let e = a.handle(2, Input::Line { node: 0, event: progress });
     assert!(

@@ -51,6 +51,7 @@
 //!   servers (dial, `Hello`, stale ones dropped), the layout it installs, the round below
 //!   run inside it, and the calls outside a round with their retries ([`Target`],
 //!   `call.rs`). The runtime's client and the harness's worker only drive it.
+//! - [`group`]: one push per host: the leader of a host's workers sums their gradients.
 //! - [`Round`]: one round's plan (`round.rs`), with its window and deadlines (`window.rs`).
 //! - [`LoadReport`]: iterations and per-server costs, reported every stats interval.
 //! - [`hello_answer`], [`replan_rows`]: the connection rules every driver of a worker
@@ -59,6 +60,7 @@
 mod call;
 mod client;
 mod conn;
+pub mod group;
 mod load;
 mod round;
 mod window;

@@ -41,6 +41,7 @@ use crate::metrics::WorkerMetrics;
 
 mod compress;
 mod frames;
+mod group;
 mod opt_state;
 mod round;
 mod rows;
@@ -48,6 +49,7 @@ mod server_conn;
 use crate::session::{DEFAULT_SCHEDULER_RETRY, EndWatch, Notifications, SchedLink};
 use crate::{CALL_TIMEOUT, Micros, STATS_INTERVAL};
 use elasticps_node::session::SessionConfig;
+pub use group::{GroupOptions, vars as group_vars};
 use server_conn::ServerConn;
 
 /// Requests of a round in flight to one server, by default ([`ClientOptions::window`]):
@@ -89,6 +91,10 @@ pub struct ClientOptions {
     /// feedback: what is not sent joins the tensor's next gradient (`compress.rs`).
     /// `None` (the default): gradients are pushed whole.
     pub compress: Option<Sparsifier>,
+    /// This worker's host group (one push per host: the leader, local rank 0, pushes the
+    /// sum of the group's gradients; [`GroupOptions::from_env`], set by `elasticps
+    /// launch` on a job across hosts). `None` (the default): it pushes its own.
+    pub group: Option<GroupOptions>,
 }
 
 impl ClientOptions {
@@ -105,6 +111,7 @@ impl ClientOptions {
             scheduler_retry: DEFAULT_SCHEDULER_RETRY,
             wire_dtype: Dtype::F32,
             compress: None,
+            group: None,
         }
     }
 }
@@ -141,6 +148,8 @@ pub struct Client {
     /// Gradient compression with its residuals ([`ClientOptions::compress`],
     /// [`Client::set_sparsifier`]).
     compression: compress::Compression,
+    /// This worker's part in its host group, once its first round started it.
+    group: Option<group::Group>,
 }
 
 impl Client {
@@ -193,6 +202,7 @@ impl Client {
             waits: Waits::default(),
             clock,
             wire: HashMap::new(),
+            group: None,
         })
     }
 
@@ -463,7 +473,8 @@ impl Client {
     }
 
     /// Tells the scheduler this worker is done. Servers stop waiting for it.
-    pub async fn finish(self) -> Result<()> {
+    pub async fn finish(mut self) -> Result<()> {
+        self.end_group().await;
         let reply = self
             .call_scheduler(Control::WorkerDone { rank: self.rank }.into(), CALL_TIMEOUT, || {
                 "the scheduler to acknowledge WorkerDone".into()

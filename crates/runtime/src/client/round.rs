@@ -50,7 +50,7 @@ impl Client {
     /// then, once the block's server acknowledged all of this round's pushes, the pull
     /// (if any), or both in one push_pull ([`super::ClientOptions::fuse`]); a block whose
     /// server answered `Moved` is resent after a layout refresh.
-    pub(super) async fn round(
+    pub(super) async fn round_direct(
         &mut self,
         push: Option<(PushOp, &[Option<&[f32]>])>,
         mut pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
