@@ -86,9 +86,21 @@ SYSTEMS = {
     "bf16/2": ("bsp", True, 2, ["--wire-dtype", "bf16"]),
     "topk1%/2": ("bsp", True, 2, ["--compress", "topk:0.01"]),
     "topk1%-bf16/2": ("bsp", True, 2, ["--compress", "topk:0.01", "--wire-dtype", "bf16"]),
+    # Two workers on each host (issue 37), not in the default set: DDP, elasticps with
+    # every worker pushing its own, and elasticps pushing once per host (the default
+    # across hosts: one worker of each host sums the host's gradients).
+    "ddp/2x2": None,
+    "bsp-agg/2x2": ("bsp", True, 2, ["--no-host-aggregation"]),
+    "host-agg/2x2": ("bsp", True, 2, []),
 }
-#: The uncompressed system a compressed one is compared with (its "x f32" column).
-F32_OF = {"bf16/2": "bsp-agg/2", "topk1%/2": "bsp-agg/2", "topk1%-bf16/2": "bsp-agg/2"}
+#: Workers per host of a system, where not 1.
+PER_HOST = {"ddp/2x2": 2, "bsp-agg/2x2": 2, "host-agg/2x2": 2}
+#: The DDP run a system's "x DDP" compares with, where not "ddp" (the same ranks).
+DDP_OF = {"bsp-agg/2x2": "ddp/2x2", "host-agg/2x2": "ddp/2x2"}
+#: The system another is compared with in its "x f32" column (compression: the same job
+#: uncompressed), and what that column is called where not "f32".
+F32_OF = {"bf16/2": "bsp-agg/2", "topk1%/2": "bsp-agg/2", "topk1%-bf16/2": "bsp-agg/2", "host-agg/2x2": "bsp-agg/2x2"}
+BASE_NAME = {"host-agg/2x2": "separate"}
 #: The systems run by default.
 DEFAULT_SYSTEMS = "ddp,bsp-agg/1,bsp-agg/2,ssp:2/2,asp/2"
 
@@ -242,10 +254,19 @@ def elasticps_binary(flag: Optional[str]) -> str:
 
 
 def worker_argv(args, model: str, system: str, straggle: bool, result: Path) -> List[str]:
-    argv = [str(Path(__file__).resolve()), "worker", "--system", "ddp" if system == "ddp" else "eps", "--model", model]
+    argv = [str(Path(__file__).resolve()), "worker", "--system", "ddp" if is_ddp(system) else "eps", "--model", model]
     argv += ["--steps", str(args.steps[model]), "--snap-every", str(args.snap_every), "--seed", str(args.seed)]
     argv += ["--result", str(result)]
     return argv + (["--straggle"] if straggle else [])
+
+
+def is_ddp(system: str) -> bool:
+    return SYSTEMS[system] is None
+
+
+def ranks_of(system: str) -> int:
+    """Ranks of a run: two hosts' (or one host's as many)."""
+    return 2 * PER_HOST.get(system, 1)
 
 
 def eps_flags(system: str) -> List[str]:
@@ -256,10 +277,11 @@ def eps_flags(system: str) -> List[str]:
 def one_host_procs(args, model: str, system: str, straggle: bool, result: Path) -> List[List[str]]:
     """The command lines of a run on this host."""
     py = [sys.executable, *worker_argv(args, model, system, straggle, result)]
-    if system == "ddp":
-        return [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *py[1:]]]
+    n = str(ranks_of(system))
+    if is_ddp(system):
+        return [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", n, *py[1:]]]
     servers = SYSTEMS[system][2]
-    return [[args.binary, "launch", "--workers", "2", "--servers", str(servers), *eps_flags(system), "--", *py]]
+    return [[args.binary, "launch", "--workers", n, "--servers", str(servers), *eps_flags(system), "--", *py]]
 
 
 def two_host_procs(args, hosts, model: str, system: str, straggle: bool, result: Path) -> List[List[str]]:
@@ -268,14 +290,15 @@ def two_host_procs(args, hosts, model: str, system: str, straggle: bool, result:
     a = hosts[0]
     out = []
     for i, h in enumerate(hosts):
-        if system == "ddp":
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+        per_host = str(PER_HOST.get(system, 1))
+        if is_ddp(system):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", per_host]
             argv += ["--node-rank", str(i), "--master-addr", a.ip, "--master-port", str(DDP_PORT), *py]
         else:
             servers = 1 if (i == 0 or SYSTEMS[system][2] == 2) else 0
             argv = [args.binary, "launch", "--nnodes", "2", "--rdzv", f"{a.ip}:{EPS_PORT}", "--node-name", h.name]
             argv += ["--secret", EPS_SECRET]
-            argv += ["--servers-per-node", str(servers), "--workers-per-node", "1", *eps_flags(system)]
+            argv += ["--servers-per-node", str(servers), "--workers-per-node", per_host, *eps_flags(system)]
             argv += ["--", sys.executable, *py]
         out.append(h.argv(argv))
     return out
@@ -321,18 +344,19 @@ def run_procs(argvs: Sequence[Sequence[str]], log: Path, timeout_s: float, env: 
 def collect(row: Row, result: Path, target: float) -> None:
     """Fills a row from its ranks' result files."""
     ranks = [json.loads(p.read_text()) for p in sorted(result.glob("rank*.json"))]
-    if len(ranks) != 2:
-        row.error = row.error or f"{len(ranks)} of 2 ranks wrote results"
+    n = ranks_of(row.system)
+    if len(ranks) != n:
+        row.error = row.error or f"{len(ranks)} of {n} ranks wrote results"
         return
     span = max(r["t1"] for r in ranks) - min(r["t0"] for r in ranks)
     row.samples_s = sum(r["samples"] for r in ranks) / span
     zero = next(r for r in ranks if r["rank"] == 0)
     row.accuracy = zero["accuracy"]
-    row.first_loss = sum(r["losses"][0] for r in ranks) / 2
+    row.first_loss = sum(r["losses"][0] for r in ranks) / n
     tail = [v for r in ranks for v in r["losses"][-10:]]
     row.last_loss = sum(tail) / len(tail)
     for key in ("forward_backward_ms", "step_ms"):
-        row.extra[key] = sum(r[key] for r in ranks) / 2
+        row.extra[key] = sum(r[key] for r in ranks) / n
     reached = next(((step, elapsed) for step, elapsed, acc in zero["curve"] if acc >= target), None)
     row.to_target_step, row.to_target_s = reached if reached else (None, None)
 
@@ -394,7 +418,7 @@ def table(rows: List[Row], targets: Dict[str, float]) -> str:
             else f"not reached ({100 * targets[r.model]:.0f}%)"
         )
         if "x_f32" in r.extra:
-            tgt += f"; x f32 {r.extra['x_f32']:.2f}"
+            tgt += f"; x {BASE_NAME.get(r.system, 'f32')} {r.extra['x_f32']:.2f}"
         lines.append(
             f"| {r.model} | {r.hosts} | {'0.2 x 100-300 ms' if r.stragglers else 'none'} | {r.system} | "
             f"{fmt(r.samples_s, '.0f')} | {fmt(r.ratio, '.2f')}x | {tgt} | {fmt(100 * r.accuracy, '.2f')}% | "
@@ -440,9 +464,10 @@ def driver_main(args) -> int:
                             print(f"  {model} {row.hosts} stragglers={straggle} {system}: {fmt(row.samples_s, '.0f')} samples/s, "
                                   f"accuracy {fmt(100 * row.accuracy, '.2f')}%, wall {row.wall_s:.1f} s"
                                   + (f" FAILED: {row.error}" if row.error else ""), flush=True)
-                        base = group[0].samples_s
                         by_name = {r.system: r for r in group}
                         for r in group:
+                            ddp = by_name.get(DDP_OF.get(r.system, "ddp"))
+                            base = ddp.samples_s if ddp is not None else float("nan")
                             r.ratio = r.samples_s / base if base == base and base > 0 else None
                             f32 = by_name.get(F32_OF.get(r.system, ""))
                             if f32 is not None and f32.samples_s > 0:

@@ -112,6 +112,7 @@ n = int(os.environ["ELASTICPS_WORKERS"])
 params = {f"w{r}": np.zeros(16, np.float32) for r in range(n)}
 w.register_model(params)
 start = w.start_clock
+print(f"rank {w.rank} host group rank {os.environ.get('ELASTICPS_HOST_GROUP_RANK', '-')}", flush=True)
 if "ELASTICPS_RANK" in os.environ:
     w.pull(start, params)
     print(f"restarted rank {w.rank} at clock {start} holds {json.dumps(params[f'w{w.rank}'].tolist())}", flush=True)
@@ -188,6 +189,75 @@ def test_a_host_killed_mid_run_fails_over_restarts_its_worker_and_loses_no_push(
                 assert got == [h - (steps - clock) for h in held], (r, got, restarted[0])
             else:
                 assert got == [-float(steps)] * 16, (r, got[:3])
+
+
+def check_exact(values: dict, restarted: List[str], workers: int, steps: int) -> None:
+    """Every rank's pushes counted once: a rank that ran to the end pushed 1.0 at every
+    clock; a restarted one ("restarted rank R at clock C holds H") pushed some clocks in
+    its first life (a round it died in may have reached one block of w{R} and not the
+    other: --block-bytes 32 cuts it in two) and every clock from C on in its second."""
+    lives = {}
+    for line in restarted:
+        words = line.split()
+        rank, clock = int(words[words.index("rank") + 1]), int(words[words.index("clock") + 1])
+        lives[rank] = (clock, json.loads(line.split(" holds ", 1)[1]))
+    for r in range(workers):
+        got = values[f"w{r}"]
+        if r in lives:
+            clock, held = lives[r]
+            assert all(h == int(h) and -clock <= h <= 0 for h in held), (r, clock, held)
+            assert got == [h - (steps - clock) for h in held], (r, got, clock, held)
+        else:
+            assert got == [-float(steps)] * 16, (r, got[:3])
+
+
+@pytest.mark.deadline(300)
+def test_one_push_per_host_survives_a_host_lost_mid_run_and_loses_no_push(tmp_path):
+    """Issue 37: two hosts with two workers each push once per host (the default across
+    hosts: host group rank 0 sums its host's gradients and pushes the sum; the other
+    pushes no gradient and takes the leader's values). Host 2 and everything on it is lost
+    mid-run with --replicas 2 --restart-workers: its two workers restart on host 1, each
+    pushing alone, the servers fail over, and every push of every rank counts exactly
+    once."""
+    require_root()
+    script = tmp_path / "exact_worker.py"
+    script.write_text(EXACT_WORKER)
+    steps, workers = 300, 4
+    final = tmp_path / "final.json"
+    with testbed(2, "ephg") as hosts:
+        logs = [tmp_path / f"{h.name}.log" for h in hosts]
+        flags = ["--sync", "bsp", "--no-aggregate", "--optimizer", "sgd", "--lr", "1", "--replicas", "2",
+                 "--restart-workers", "2", "--block-bytes", "32", "--workers-per-node", "2", "--worker-slots", "4"]
+        procs = []
+        for i, h in enumerate(hosts):
+            report = ["--report", str(tmp_path / "report")] if i == 0 else []
+            procs.append(launch_on(h, hosts[0], "2", flags + report, [sys.executable, str(script), str(steps), str(final)], logs[i]))
+        victim, vlog = hosts[1], logs[1]
+        deadline = time.monotonic() + 120
+        while "step 50" not in vlog.read_text():
+            assert time.monotonic() < deadline, "host 2's workers did not reach step 50 in 120 s:\n" + show(logs)
+            assert procs[1].poll() is None, show(logs)
+            time.sleep(0.2)
+        victim.link(False)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        for pid in descendants(procs[1].pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        codes = wait_all(procs[:1], logs[:1], 240)
+        assert codes == [0], show(logs)
+        text = "\n".join(log.read_text() for log in logs)
+        # Both hosts' first workers sat in their host's group; the restarted ones alone.
+        seats = sorted(l.split("host group rank ")[1].strip() for l in text.splitlines() if "host group rank" in l)
+        assert seats == ["-", "-", "0", "0", "1", "1"], show(logs)
+        restarted = [l for l in logs[0].read_text().splitlines() if "restarted rank" in l]
+        assert len(restarted) == 2, show(logs)
+        report = json.loads((tmp_path / "report" / "report.json").read_text())
+        events = report["balance"]["scaling"]
+        assert any(e["action"] == "host-lost" and victim.name in e["reason"] for e in events), events
+        print("; ".join(restarted))
+        check_exact(json.loads(final.read_text()), restarted, workers, steps)
 
 
 @pytest.mark.deadline(120)
