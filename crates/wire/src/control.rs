@@ -430,7 +430,7 @@ pub enum Control {
         more: bool,
     },
     /// Tag 55: Worker -> its host group's leader, first on the group's loopback
-    /// connection (one push per host, docs/PROTOCOL.md §9): "I am local rank
+    /// connection (one push per host, docs/PROTOCOL.md §6.15): "I am local rank
     /// `local_rank` of this host's group". Reply: [`Control::Ok`], or an `Error` and a
     /// closed connection.
     JoinGroup {
