@@ -1039,6 +1039,9 @@ async fn job(
             .map(String::from)
             .to_vec();
         a.extend(layout.iter().map(|s| s.to_string()));
+        // Each worker pushes its own, as when these figures were first measured: the bench
+        // compares static and psld under one link's cap, not one push per host.
+        a.push("--no-host-aggregation".into());
         a.extend(["--report".to_string(), dir.join(&name).display().to_string()]);
         a.extend(spec.job.to_flags());
         if !spec.job.aggregate {

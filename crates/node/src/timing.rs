@@ -51,6 +51,9 @@ pub const FRAME_STALL_TIMEOUT_US: u64 = 30_000_000;
 /// How long a member of a host group (one push per host, [`crate::worker::group`])
 /// waits for its leader to listen and take its `JoinGroup`, µs.
 pub const GROUP_JOIN_TIMEOUT_US: u64 = 60_000_000;
+/// How often a member of a host group looks for its leader's address until it is written,
+/// µs.
+pub const GROUP_ADDRESS_POLL_US: u64 = 20_000;
 /// How long a host group's leader waits for a member's gradient before it goes on
 /// without that member, µs: a request's timeout, as a held pull waits for the slowest
 /// worker.

@@ -106,7 +106,10 @@ fn every_bound_of_the_table_is_the_constant_it_names() {
         if names.is_empty() {
             // A bound the job itself sets (a host agent's slots, a host group's size) has
             // no constant.
-            assert!(bound.contains("host agent") || bound.contains("host group"), "the row `{bound}` names no constant");
+            assert!(
+                bound.contains("host agent") || bound.contains("host group"),
+                "the row `{bound}` names no constant"
+            );
             continue;
         }
         for name in names {

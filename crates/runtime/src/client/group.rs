@@ -22,7 +22,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use elasticps_core::sync::Clock;
 use elasticps_node::ConnId;
-use elasticps_node::timing::GROUP_JOIN_TIMEOUT_US;
+use elasticps_node::timing::{GROUP_ADDRESS_POLL_US, GROUP_JOIN_TIMEOUT_US};
 use elasticps_node::worker::PushOp;
 use elasticps_node::worker::group::{Effect, Input, Leader};
 use elasticps_wire::{Codec, Control, Dtype, ErrorCode, ErrorReply, KeyId, Message, Values};
@@ -84,7 +84,7 @@ pub(super) enum Group {
     /// Local rank 0: sums the group's gradients, shares what it pulled.
     Leader(LeaderHandle),
     /// Any other: its link to the leader.
-    Member(MemberLink),
+    Member(Box<MemberLink>),
 }
 
 impl Group {
@@ -94,16 +94,20 @@ impl Group {
         if opts.local_rank == 0 {
             LeaderHandle::start(opts, codec, lens).await.map(Group::Leader)
         } else {
-            MemberLink::join(opts, codec).await.map(Group::Member)
+            MemberLink::join(opts, codec).await.map(|m| Group::Member(Box::new(m)))
         }
     }
 }
+
+/// The members' gradients of a gather: member by member in local rank order, tensor by
+/// tensor as asked (empty: none).
+type Gathered = Vec<Vec<Vec<f32>>>;
 
 /// What the client asks of the leader's task.
 enum Command {
     /// The leader's round pushes `tensors` at `clock`: the members' gradients of them
     /// (member by member in local rank order, tensor by tensor as listed; empty: none).
-    Gather { clock: Clock, tensors: Vec<u32>, reply: oneshot::Sender<Vec<Vec<Vec<f32>>>> },
+    Gather { clock: Clock, tensors: Vec<u32>, reply: oneshot::Sender<Gathered> },
     /// The leader pulled these values at `clock`.
     Publish { clock: Clock, values: Vec<(u32, Bytes)> },
     /// The leader's work is done: end once the members left.
@@ -150,7 +154,7 @@ impl LeaderHandle {
     }
 
     /// The members' gradients of `tensors` at `clock` (see [`Command::Gather`]).
-    pub(super) async fn gather(&self, clock: Clock, tensors: Vec<u32>) -> Result<Vec<Vec<Vec<f32>>>> {
+    pub(super) async fn gather(&self, clock: Clock, tensors: Vec<u32>) -> Result<Gathered> {
         let (reply, rx) = oneshot::channel();
         self.commands.send(Command::Gather { clock, tensors, reply }).map_err(|_| gone())?;
         rx.await.map_err(|_| gone())
@@ -216,7 +220,7 @@ struct LeaderWorld {
     /// Each tensor's length: a member's gradient is of it, or empty.
     lens: Vec<usize>,
     /// The leader's round waiting for the members' gradients.
-    gathering: Option<(Vec<u32>, oneshot::Sender<Vec<Vec<Vec<f32>>>>)>,
+    gathering: Option<(Vec<u32>, oneshot::Sender<Gathered>)>,
     /// The leader's end wait.
     ending: Option<oneshot::Sender<Vec<u32>>>,
     accept: tokio::task::JoinHandle<()>,
@@ -411,11 +415,15 @@ impl MemberLink {
         let wait = Duration::from_micros(GROUP_JOIN_TIMEOUT_US);
         let path = opts.dir.join("leader");
         let what = format!("{LEADER} to write its address to {}", path.display());
+        let mut timer = Timer::new(Micros::new());
         let addr = crate::timeout(wait, what, async {
             loop {
                 match std::fs::read_to_string(&path) {
                     Ok(a) if !a.is_empty() => return Ok(a),
-                    _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                    _ => {
+                        timer.arm(Some(timer.now_us() + GROUP_ADDRESS_POLL_US));
+                        timer.fired().await;
+                    }
                 }
             }
         })
@@ -468,7 +476,7 @@ impl MemberLink {
         let asks: Vec<(u64, Message)> = params
             .iter()
             .enumerate()
-            .filter(|(t, p)| p.is_some() && !self.replies.get(&(*t as u32)).is_some_and(|(c, _)| *c >= clock))
+            .filter(|(t, p)| p.is_some() && self.replies.get(&(*t as u32)).is_none_or(|(c, _)| *c < clock))
             .map(|(t, _)| (0, Message::Pull { block: t as u32, clock, reply: Dtype::F32 }))
             .collect();
         self.outbox.send_all_now(asks).await?;
