@@ -140,6 +140,7 @@ impl LeaderHandle {
             grads: HashMap::new(),
             values: vec![None; tensors as usize],
             lens,
+            size,
             gathering: None,
             ending: None,
             accept,
@@ -219,6 +220,8 @@ struct LeaderWorld {
     values: Vec<Option<(Clock, Bytes)>>,
     /// Each tensor's length: a member's gradient is of it, or empty.
     lens: Vec<usize>,
+    /// Workers in the group, the leader included.
+    size: u32,
     /// The leader's round waiting for the members' gradients.
     gathering: Option<(Vec<u32>, oneshot::Sender<Gathered>)>,
     /// The leader's end wait.
@@ -279,7 +282,17 @@ impl World<Leader> for LeaderWorld {
                 Input::Ending
             }
             Some(Woken::Event(Event::Connected { conn, outbox })) => {
-                self.conns.insert(conn, outbox);
+                // At most one connection per seat: a connection past them is closed (its
+                // outbox dropped) before it can say anything.
+                if self.conns.len() + 1 < self.size as usize {
+                    self.conns.insert(conn, outbox);
+                } else {
+                    tracing::warn!(conn, size = self.size, "host group leader: a connection past the group's size, closed");
+                }
+                return ControlFlow::Continue(());
+            }
+            Some(Woken::Event(Event::Frame { conn, .. })) if !self.conns.contains_key(&conn) => {
+                // A connection closed or refused: what it still sends is not read.
                 return ControlFlow::Continue(());
             }
             Some(Woken::Event(Event::Frame { conn, msg: None })) => {
@@ -355,7 +368,14 @@ async fn accept_loop(listener: TcpListener, codec: Codec, size: u32, events: mps
     let handshakes = Arc::new(tokio::sync::Semaphore::new(size as usize));
     let mut next: ConnId = 1;
     loop {
-        let Ok((mut tcp, peer)) = listener.accept().await else { continue };
+        let (mut tcp, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Members that have not joined yet time out naming the leader.
+                tracing::error!(error = %e, "host group leader: accepting failed; no more members");
+                return;
+            }
+        };
         let Ok(permit) = handshakes.clone().try_acquire_owned() else {
             tracing::warn!(%peer, "host group leader: too many connections in their handshake; refused");
             continue;

@@ -21,7 +21,8 @@
 //! [`elasticps_node::worker::Client`]. This module holds the user's API; `round.rs` is
 //! the machine's world in [`crate::driver::drive`] (it carries the machine's effects
 //! out), `frames.rs` the bytes of requests and replies, `server_conn.rs` one server's
-//! connection.
+//! connection, `group.rs` one push per host (a host group's leader sums its members'
+//! gradients before the round and hands them its pulled values after it).
 
 use std::collections::HashMap;
 use std::sync::Arc;
