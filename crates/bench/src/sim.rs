@@ -513,6 +513,8 @@ fn time_balancer(servers: u32, stragglers: &[ServerId], calls: usize) -> Result<
         busy: false,
         migration_us: None,
         splittable: &std::collections::BTreeMap::new(),
+        wire: &[],
+        fixed_share: &std::collections::BTreeMap::new(),
     };
     let params = BalanceParams::new(servers, servers);
     // The steps before the timed one make the baseline a decision is judged by, and the
@@ -566,6 +568,9 @@ fn describe(decisions: &[Decision]) -> String {
         Some(Decision::ScaleIn { server, why }) => format!("scale in server {server} ({why})"),
         Some(Decision::Keep { server, why }) => format!("keep server {server} ({why})"),
         Some(Decision::Split { block, at, .. }) => format!("split block {block} at row {at}"),
+        Some(Decision::Wire { blocks, dtype, why }) => {
+            format!("send {} blocks in {} ({})", blocks.len(), dtype.name(), shorten(why))
+        }
         Some(Decision::Judged(v)) => {
             format!("verdict: {} ({})", if v.kept { "kept" } else { "reverted" }, shorten(&v.what))
         }
