@@ -73,6 +73,19 @@
 //!    carries out the plan's first moves, as many as fit in [`ROUND_US`] (or 3
 //!    iterations) at [`View::migration_us`] a move (an iteration before any was seen,
 //!    at most [`FIRST_ROUND_MOVES`]); the next rounds do the rest.
+//!
+//!    **5c. Compress** (opt-in, [`BalanceParams::compress`], `--balance-compress bf16`;
+//!    [`wire`]). The model counts each block's bytes on the wire ([`View::wire`],
+//!    [`wire_sizes`]) and servers measure their rates in wire bytes. The worst lasting
+//!    straggler whose time is bytes over its link (the share of its measured time its
+//!    handling takes, [`View::fixed_share`], at most [`wire::MAX_FIXED_SHARE`]) gets all
+//!    its blocks sent in the narrower dtype ([`Decision::Wire`]) instead of the round of
+//!    rule 5 when that is predicted to bring the max service time at least as low
+//!    (`T_j` after = `max(narrow bytes / rate, fixed share * T_j)`), by the gain tests
+//!    of rule 5 (no migration cost). Judged by rule 2 like a round: a revert sets the
+//!    blocks back to f32, doubles the cool-down and holds that server's compression off
+//!    for [`REVERT_HOLDOFF_US`], doubling. Like a round, it excludes every other decision
+//!    while it is judged.
 //! 6. **Scale out.** If `servers.len() < max_servers`, no hold-off runs, and even the best
 //!    unbudgeted [`rebalance`] leaves `max T > (1 + threshold) * target`, where the target
 //!    `total bytes / (n * median rate)` is the max service time of `n` servers all as fast
@@ -109,7 +122,8 @@
 //!
 //! Like quickwit's scheduling `solve`, the step runs in phases and each phase's plan is
 //! checked after it (in debug builds, so in every test): [`Balancer::step`] and the
-//! control-loop types are here; [`exploit`] holds rules 5 and 8 with [`rebalance`] and
+//! control-loop types are here; [`wire`] rule 5c with [`compress_plan`] (check: only the
+//! straggler's blocks, each wider than the dtype, max not worse); [`exploit`] holds rules 5 and 8 with [`rebalance`] and
 //! [`stragglers`] (check: no block lost, budget kept, max service time not worse);
 //! `explore` rule 9 (check: one real move onto the uncertain server); [`scale_out`] rule 6,
 //! the trial of rule 2 and [`fill`] (check: moves only onto the new server, max not

@@ -1498,6 +1498,76 @@ mod scheduler_tests {
         assert_eq!(m.balance_log().migrations.len(), 1);
     }
 
+    /// A psld job of two blocks, server 1's link half as fast as server 0's, fed a minute
+    /// of load reports: the layouts the scheduler pushed to the workers unasked, with the
+    /// epoch before.
+    fn capped_link_job(compress: Option<elasticps_core::dtype::Dtype>) -> (Vec<(u64, elasticps_wire::Layout)>, u64) {
+        use elasticps_wire::{ServerLoad, WorkerLoad};
+        let config =
+            JobConfig { balance: elasticps_core::balance::BalanceMode::Psld, balance_compress: compress, ..config() };
+        let mut m = running(config, 8);
+        assert_eq!(m.placement().map(|p| p.owners.clone()), Some(vec![0, 1]));
+        let epoch = m.placement().map_or(0, |p| p.epoch);
+        let mut pushed = Vec::new();
+        for t in 1..=60u64 {
+            let now = t * 1_000_000;
+            for (conn, server_id, rx_bps) in [(10, 0, 1600.0), (11, 1, 800.0)] {
+                // Eight 16-byte frames a second, at the link's rate; 1 ms of handling.
+                let load = ServerLoad {
+                    server_id,
+                    interval_us: 1_000_000,
+                    bytes_in: 128,
+                    requests: 8,
+                    busy_us: 1_000,
+                    rx_bps,
+                    rx_frames: 8,
+                    blocks: 1,
+                    bytes: 16,
+                    ..Default::default()
+                };
+                m.handle(now, Event::Received { conn, request_id: 0, msg: Control::ServerLoad(load).into() });
+            }
+            // Iterations as long as the slower server's frames take: 20 ms, 10 once halved.
+            let narrow = pushed.last().is_some_and(|(_, l): &(u64, elasticps_wire::Layout)| !l.wire.is_empty());
+            let iter_us = if narrow { 10_000 } else { 20_000 };
+            for (conn, rank) in [(1, 0), (2, 1)] {
+                let w = WorkerLoad {
+                    rank,
+                    clock: t as u32 * 50,
+                    iterations: 50,
+                    iter_us: 50 * iter_us,
+                    per_server: vec![],
+                };
+                m.handle(now, Event::Received { conn, request_id: 0, msg: Control::WorkerLoad(w).into() });
+            }
+            let a = m.handle(now, Event::Timeout);
+            for conn in [1, 2] {
+                for msg in sent_to(&a, conn) {
+                    if let Message::Control(Control::Layout(l)) = msg {
+                        pushed.push((conn, l.clone()));
+                    }
+                }
+            }
+        }
+        (pushed, epoch)
+    }
+
+    #[test]
+    fn a_compression_bumps_the_epoch_and_is_pushed_to_every_worker_only_with_the_flag() {
+        use elasticps_core::dtype::Dtype;
+        let (pushed, epoch) = capped_link_job(Some(Dtype::Bf16));
+        assert!(pushed.len() >= 2, "{pushed:?}");
+        let ((w0, first), (w1, second)) = (&pushed[0], &pushed[1]);
+        assert_eq!((*w0, *w1), (1, 2), "every worker");
+        assert_eq!(first, second);
+        assert_eq!(first.wire, vec![Dtype::F32, Dtype::Bf16], "server 1's block in bf16");
+        assert_eq!(first.placement.epoch, epoch + 1, "the epoch goes up");
+        assert_eq!(first.placement.owners, vec![0, 1], "nothing moved");
+        // Without --balance-compress the same job gets no compression, and no layout.
+        let (none, _) = capped_link_job(None);
+        assert!(none.is_empty(), "{none:?}");
+    }
+
     /// A psld job of one tensor (block 0) and a table of 16 rows x 1 in blocks of 4 rows
     /// (1..=4); blocks 0..=2 on server 0 (connection 10), 3 and 4 on server 1 (11).
     fn table_job() -> super::super::Scheduler {
