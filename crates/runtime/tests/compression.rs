@@ -26,12 +26,8 @@ fn grad(t: u32) -> Vec<f32> {
 /// An in-process scheduler and two servers (SGD, lr 1, asp-free bsp, one worker); the
 /// scheduler's address and task.
 async fn cluster() -> (String, tokio::task::JoinHandle<elasticps_runtime::Result<String>>) {
-    cluster_of(job()).await
-}
-
-/// The job of [`cluster`]: one tensor of [`LEN`] in blocks of 16 bytes, static.
-fn job() -> JobConfig {
-    JobConfig {
+    let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+    let job = JobConfig {
         servers: 2,
         workers: 1,
         block_bytes: 16,
@@ -51,12 +47,7 @@ fn job() -> JobConfig {
         checkpoint: None,
         rejoin_wait_us: 0,
         replicas: 1,
-    }
-}
-
-/// An in-process scheduler of `job` and its two servers.
-async fn cluster_of(job: JobConfig) -> (String, tokio::task::JoinHandle<elasticps_runtime::Result<String>>) {
-    let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+    };
     let (tx, rx) = tokio::sync::oneshot::channel();
     let sched_opts = SchedulerOptions {
         listen: "127.0.0.1:0".into(),
@@ -170,20 +161,11 @@ async fn bf16_pushes_and_pulls_round_at_the_edges_and_the_servers_add_in_f32() {
 /// master value, and the pull brings that back rounded to bf16; block 0 stays exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_the_balancer_marks_bf16_travels_bf16_both_ways() {
-    use elasticps_core::balance::BalanceMode;
     use elasticps_wire::{Dtype, Injection};
     // Two blocks of 1,024 values: 4 KiB a frame, 10 ms on server 0's link, 20 ms on 1's.
     const N: usize = 2048;
     let cap = |bps| Injection { bandwidth_bps: bps, interference: 1.0, at_us: 0 };
-    let job = JobConfig {
-        block_bytes: 4096,
-        placement: PlacementKind::Range,
-        balance: BalanceMode::Psld,
-        balance_compress: Some(Dtype::Bf16),
-        inject: vec![(0, cap(400_000)), (1, cap(200_000))],
-        ..job()
-    };
-    let (addr, scheduler) = cluster_of(job).await;
+    let (addr, scheduler) = capped_cluster(vec![(0, cap(400_000)), (1, cap(200_000))]).await;
     let mut opts = ClientOptions::new(addr);
     opts.scheduler_retry = Duration::ZERO;
     let run = async {
@@ -223,4 +205,73 @@ async fn a_block_the_balancer_marks_bf16_travels_bf16_both_ways() {
     };
     tokio::time::timeout(Duration::from_secs(90), run).await.expect("the balancer compresses block 1 within 90 s");
     scheduler.abort();
+}
+
+/// An in-process psld scheduler (`--balance-compress bf16`, SGD, lr 1, bsp, one worker,
+/// blocks of 4 KiB placed by range) and two servers injected with `inject`; the
+/// scheduler's address and task.
+async fn capped_cluster(
+    inject: Vec<(u32, elasticps_wire::Injection)>,
+) -> (String, tokio::task::JoinHandle<elasticps_runtime::Result<String>>) {
+    use elasticps_core::balance::BalanceMode;
+    use elasticps_core::block::ShardConfig;
+    use elasticps_core::optimizer::{OptimizerConfig, OptimizerKind};
+    use elasticps_core::placement::PlacementKind;
+    use elasticps_core::sync::SyncPolicy;
+    use elasticps_runtime::scheduler::{self, JobConfig, SchedulerOptions};
+    use elasticps_runtime::server::{self, ServerOptions};
+    use elasticps_wire::{Codec, Dtype};
+    let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+    let job = JobConfig {
+        servers: 2,
+        workers: 1,
+        block_bytes: 4096,
+        placement: PlacementKind::Range,
+        shard: ShardConfig {
+            sync: SyncPolicy::Bsp,
+            optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 1.0, aggregate: false, weight_decay: 0.0 },
+            workers: 1,
+        },
+        seed: 1,
+        server_sync: Vec::new(),
+        inject,
+        balance: BalanceMode::Psld,
+        balance_compress: Some(Dtype::Bf16),
+        max_servers: 2,
+        min_servers: 2,
+        checkpoint: None,
+        rejoin_wait_us: 0,
+        replicas: 1,
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let sched_opts = SchedulerOptions {
+        listen: "127.0.0.1:0".into(),
+        job,
+        codec: codec.clone(),
+        frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
+        join_timeout: Duration::from_secs(30),
+        metrics: None,
+        state_dir: None,
+        hosts: None,
+        relay: None,
+    };
+    let scheduler = tokio::spawn(scheduler::run(sched_opts, move |addr| {
+        let _ = tx.send(addr);
+    }));
+    let addr = rx.await.unwrap().to_string();
+    for _ in 0..2 {
+        let opts = ServerOptions {
+            scheduler: addr.clone(),
+            listen: "127.0.0.1:0".into(),
+            advertise: None,
+            codec: codec.clone(),
+            frame_timeout: elasticps_runtime::conn::FRAME_STALL_TIMEOUT,
+            trace: None,
+            metrics: None,
+            scheduler_retry: Duration::ZERO,
+            max_clock_lead: server::MAX_CLOCK_LEAD,
+        };
+        tokio::spawn(server::run(opts));
+    }
+    (addr, scheduler)
 }
