@@ -40,6 +40,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         server_sync: Vec::new(), // every server runs the job's policy
         inject: Vec::new(),
         balance: Default::default(),
+        balance_compress: None, // psld never narrows a block's wire dtype (--balance-compress)
         max_servers: 2,
         min_servers: 2,
         checkpoint: None,  // no checkpoints (--checkpoint-dir)

@@ -14,10 +14,11 @@
 //!    1,000 servers, 10 of them 4x slower in the load model), the median of 20 calls.
 //!    Target (reported): <= 10 ms.
 //! 3. **psld**: 100 workers x 100 servers, 5 of them capped at a quarter of the sim's
-//!    link (and, full form, 1,000 workers x 200 servers with 10 capped), four runs each:
-//!    `--balance static`, `psld` (no scale-out), the same job with no server capped
-//!    (the ceiling), and psld with no server capped (does it leave a healthy job
-//!    alone?). Iterations/s over the whole run, over each worker's second half (after the
+//!    link (and, full form, 1,000 workers x 200 servers with 10 capped), five runs each:
+//!    `--balance static`, `psld` (no scale-out), `psld --balance-compress bf16` (the
+//!    balancer may compress a capped server's blocks instead of moving them), the same
+//!    job with no server capped (the ceiling), and psld with no server capped (does it
+//!    leave a healthy job alone?). Iterations/s over the whole run, over each worker's second half (after the
 //!    balancer settled), and in each tenth of the run (how long psld takes to converge);
 //!    the migrations. The check (fails the command, in `--quick` too): psld >= 2x static
 //!    over the whole run at 100 servers.
@@ -185,6 +186,7 @@ impl Plan {
         };
         spec.job = JobArgs {
             balance: run.balance(),
+            balance_compress: (run == PsldRun::Compress).then_some(elasticps_core::dtype::Dtype::Bf16),
             max_servers: Some(job.servers),
             min_servers: Some(job.servers),
             server_bandwidth: caps,
@@ -264,22 +266,26 @@ pub enum PsldRun {
     Ceiling,
     /// No server capped, psld: it should change nothing.
     Healthy,
+    /// Capped servers, `--balance psld --balance-compress bf16`: the balancer may send a
+    /// capped server's blocks in bf16 instead of moving them (rule 5c).
+    Compress,
 }
 
 impl PsldRun {
     /// Every run, in table order.
-    pub const ALL: [PsldRun; 4] = [PsldRun::Static, PsldRun::Psld, PsldRun::Ceiling, PsldRun::Healthy];
+    pub const ALL: [PsldRun; 5] =
+        [PsldRun::Static, PsldRun::Psld, PsldRun::Compress, PsldRun::Ceiling, PsldRun::Healthy];
 
     /// Whether the job's stragglers are capped in this run.
     pub fn capped(self) -> bool {
-        matches!(self, PsldRun::Static | PsldRun::Psld)
+        matches!(self, PsldRun::Static | PsldRun::Psld | PsldRun::Compress)
     }
 
     /// The run's `--balance`.
     pub fn balance(self) -> BalanceMode {
         match self {
             PsldRun::Static | PsldRun::Ceiling => BalanceMode::Static,
-            PsldRun::Psld | PsldRun::Healthy => BalanceMode::Psld,
+            PsldRun::Psld | PsldRun::Healthy | PsldRun::Compress => BalanceMode::Psld,
         }
     }
 
@@ -290,6 +296,7 @@ impl PsldRun {
             PsldRun::Psld => "psld",
             PsldRun::Ceiling => "no straggler (ceiling)",
             PsldRun::Healthy => "psld, no straggler",
+            PsldRun::Compress => "psld + compress bf16",
         }
     }
 }
@@ -513,6 +520,8 @@ fn time_balancer(servers: u32, stragglers: &[ServerId], calls: usize) -> Result<
         busy: false,
         migration_us: None,
         splittable: &std::collections::BTreeMap::new(),
+        wire: &[],
+        fixed_share: &std::collections::BTreeMap::new(),
     };
     let params = BalanceParams::new(servers, servers);
     // The steps before the timed one make the baseline a decision is judged by, and the
@@ -566,6 +575,9 @@ fn describe(decisions: &[Decision]) -> String {
         Some(Decision::ScaleIn { server, why }) => format!("scale in server {server} ({why})"),
         Some(Decision::Keep { server, why }) => format!("keep server {server} ({why})"),
         Some(Decision::Split { block, at, .. }) => format!("split block {block} at row {at}"),
+        Some(Decision::Wire { blocks, dtype, why }) => {
+            format!("send {} blocks in {} ({})", blocks.len(), dtype.name(), shorten(why))
+        }
         Some(Decision::Judged(v)) => {
             format!("verdict: {} ({})", if v.kept { "kept" } else { "reverted" }, shorten(&v.what))
         }
@@ -958,7 +970,7 @@ fn render_psld(rows: &[PsldRow], job: PsldJob) -> String {
          workers of 1 / mean iteration time over each worker's second half of iterations (after the balancer \
          settled), without the last one; of ceiling: that against the no-straggler run's.\n\n",
     );
-    for run in [PsldRun::Static, PsldRun::Psld, PsldRun::Ceiling] {
+    for run in [PsldRun::Static, PsldRun::Psld, PsldRun::Compress, PsldRun::Ceiling] {
         if let Some(r) = psld_row(rows, job, run) {
             let tenths: Vec<String> = r.by_tenth.iter().map(|v| format!("{v:.0}")).collect();
             s.push_str(&format!("- {} it/s by tenth of the run: {}\n", run.label(), tenths.join(", ")));
@@ -1172,11 +1184,12 @@ mod tests {
             for &job in &plan.psld_jobs {
                 for run in PsldRun::ALL {
                     let s = plan.psld_spec(job, run).sim_cmd(sim_defaults());
-                    let psld = matches!(run, PsldRun::Psld | PsldRun::Healthy);
+                    let psld = matches!(run, PsldRun::Psld | PsldRun::Healthy | PsldRun::Compress);
                     assert_eq!(s.job.balance == BalanceMode::Psld, psld);
+                    assert_eq!(s.job.balance_compress.is_some(), run == PsldRun::Compress);
                     assert_eq!(s.job.max_servers, Some(job.servers));
                     let capped: Vec<u32> = s.job.server_bandwidth.iter().map(|(i, _)| *i).collect();
-                    if matches!(run, PsldRun::Static | PsldRun::Psld) {
+                    if run.capped() {
                         assert_eq!(capped, straggler_ids(job.servers, job.stragglers));
                     } else {
                         assert!(capped.is_empty());

@@ -44,7 +44,7 @@
 //! #     servers: 1, workers: 1, block_bytes: 16, placement: PlacementKind::Range,
 //! #     shard: ShardConfig { sync: SyncPolicy::Bsp, workers: 1,
 //! #         optimizer: OptimizerConfig { kind: OptimizerKind::Sgd, lr: 0.1, aggregate: false, weight_decay: 0.0 } },
-//! #     server_sync: vec![], seed: 1, inject: vec![], balance: Default::default(), max_servers: 1, min_servers: 1,
+//! #     server_sync: vec![], seed: 1, inject: vec![], balance: Default::default(), balance_compress: None, max_servers: 1, min_servers: 1,
 //! #     checkpoint: None, rejoin_wait_us: 0, replicas: 1 };
 //!
 //! /// Registers as a worker and remembers its rank.

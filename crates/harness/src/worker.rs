@@ -346,23 +346,33 @@ impl WorkerRole {
         self.arm(out);
     }
 
-    /// The message of a round's request: `op` of `block`, with this worker's gradient.
+    /// The message of a round's request: `op` of `block`, with this worker's gradient, in
+    /// the block's wire dtype as the layout names it (f32 unless the balancer narrowed it).
     fn message(&mut self, block: &elasticps_core::model::BlockSpec, op: Op) -> Message {
         let rank = self.rank.unwrap_or(0);
+        let dtype = self
+            .client
+            .as_ref()
+            .and_then(Client::layout)
+            .map_or_else(Default::default, |l| elasticps_core::balance::wire::dtype_of(&l.wire, block.id));
+        let narrow = |values: Values| match dtype {
+            elasticps_wire::Dtype::F32 => values,
+            d => Values::encoded(&values.to_f32s(), d),
+        };
         match op {
             Op::Push(clock) => {
                 let g = (self.work.grad)(rank, clock, block.id);
-                Message::Push { block: block.id, clock, values: self.gradient(block.id, block.len, g) }
+                Message::Push { block: block.id, clock, values: narrow(self.gradient(block.id, block.len, g)) }
             }
             Op::Init => Message::Init { block: block.id, values: Values::from_vec(vec![0.0; block.len]) },
-            Op::Pull(clock) => Message::Pull { block: block.id, clock, reply: elasticps_wire::Dtype::F32 },
+            Op::Pull(clock) => Message::Pull { block: block.id, clock, reply: dtype },
             Op::PushPull(clock) => {
                 let g = (self.work.grad)(rank, clock, block.id);
                 Message::PushPull {
                     block: block.id,
                     clock,
-                    values: self.gradient(block.id, block.len, g),
-                    reply: elasticps_wire::Dtype::F32,
+                    values: narrow(self.gradient(block.id, block.len, g)),
+                    reply: dtype,
                 }
             }
             Op::PushRows(clock) => self.row_push(rank, clock, block),
@@ -557,6 +567,18 @@ impl WorkerRole {
             }
             (id, Message::Control(Control::Layout(layout))) if id >= FIRST_LAYOUT_CALL => {
                 self.drive(out, ClientEvent::Layout(Arc::new(layout)));
+            }
+            // The balancer changed the wire dtype of blocks (--balance-compress): a newer
+            // layout, sent unasked.
+            (0, Message::Control(Control::Layout(layout))) => {
+                let newer = self
+                    .client
+                    .as_ref()
+                    .and_then(Client::layout)
+                    .is_none_or(|l| l.placement.epoch < layout.placement.epoch);
+                if newer {
+                    self.drive(out, ClientEvent::Layout(Arc::new(layout)));
+                }
             }
             // A failover: the lost servers are closed connections, whose host may be
             // silent (no close would come).

@@ -80,6 +80,7 @@ impl WindowCase {
             seed: self.seed,
             inject: Vec::new(),
             balance: Default::default(),
+            balance_compress: None,
             max_servers: self.servers + 2,
             min_servers: self.servers,
             checkpoint: None,

@@ -86,6 +86,7 @@ pub enum Event<'a> {
 
 /// What the driver does.
 #[derive(Clone, Debug, PartialEq)]
+#[allow(clippy::large_enum_variant)] // one at a time, never stored
 pub enum Action {
     /// Write `msg` with `request_id` on the scheduler's connection.
     Send {

@@ -123,6 +123,11 @@ pub struct JobArgs {
     /// stragglers, scale servers out and in between --min-servers and --max-servers).
     #[arg(long, env = "ELASTICPS_BALANCE", default_value = "static")]
     pub balance: BalanceMode,
+    /// With --balance psld: the dtype (bf16 or fp16) the balancer may send a
+    /// bandwidth-bound straggler's blocks in instead of moving them, kept only if the
+    /// iteration time improves. It changes those blocks' arithmetic: off unless given.
+    #[arg(long, env = "ELASTICPS_BALANCE_COMPRESS", value_name = "DTYPE", value_parser = parse_core::<Dtype>)]
+    pub balance_compress: Option<Dtype>,
     /// Most servers the balancer or an operator's add-server may scale out to [default: --servers].
     #[arg(long, env = "ELASTICPS_MAX_SERVERS")]
     pub max_servers: Option<u32>,
@@ -180,6 +185,7 @@ impl Default for JobArgs {
             server_interference: Vec::new(),
             straggler_at: 0.0,
             balance: BalanceMode::default(),
+            balance_compress: None,
             max_servers: None,
             min_servers: None,
             checkpoint_dir: None,
@@ -219,6 +225,10 @@ impl JobArgs {
         ensure_flags!(min_servers >= 1, "--min-servers must be at least 1");
         ensure_flags!(min_servers <= servers, "--min-servers {min_servers} is above --servers {servers}");
         ensure_flags!(self.replicas >= 1, "--replicas must be at least 1 (the primary copy)");
+        if let Some(d) = self.balance_compress {
+            ensure_flags!(d != Dtype::F32, "--balance-compress takes bf16 or fp16 (f32 compresses nothing)");
+            ensure_flags!(self.balance == BalanceMode::Psld, "--balance-compress {d} needs --balance psld");
+        }
         ensure_flags!(
             self.replicas <= servers,
             "--replicas {} needs at least {} servers (each copy of a block on its own server); the job has {servers}",
@@ -262,6 +272,7 @@ impl JobArgs {
             server_sync: self.server_sync.clone(),
             inject: self.injections(max_servers)?,
             balance: self.balance,
+            balance_compress: self.balance_compress,
             max_servers,
             min_servers,
             checkpoint,
@@ -332,6 +343,9 @@ impl JobArgs {
             "--balance".into(),
             self.balance.to_string(),
         ]);
+        if let Some(d) = self.balance_compress {
+            f.extend(["--balance-compress".into(), d.to_string()]);
+        }
         if let Some(n) = self.max_servers {
             f.extend(["--max-servers".into(), n.to_string()]);
         }
@@ -668,6 +682,9 @@ mod tests {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
         let err = |flags: &[&str]| config(flags).unwrap_err().to_string();
+        assert!(err(&["--balance-compress", "bf16"]).contains("needs --balance psld"));
+        assert!(err(&["--balance", "psld", "--balance-compress", "f32"]).contains("bf16 or fp16"));
+        assert_eq!(config(&["--balance", "psld"]).unwrap().balance_compress, None, "off by default");
         assert!(err(&["--servers", "2", "--max-servers", "1"]).contains("--max-servers 1 is below --servers 2"));
         assert!(err(&["--servers", "2", "--min-servers", "3"]).contains("--min-servers 3 is above --servers 2"));
         assert!(err(&["--min-servers", "0"]).contains("--min-servers must be at least 1"));
@@ -701,6 +718,8 @@ mod tests {
             "1.25",
             "--balance",
             "psld",
+            "--balance-compress",
+            "bf16",
             "--max-servers",
             "6",
             "--min-servers",
@@ -713,6 +732,7 @@ mod tests {
         assert_eq!(format!("{:?}", again.job_config().unwrap()), format!("{:?}", original.job_config().unwrap()));
         let c = again.job_config().unwrap();
         assert_eq!((c.balance, c.max_servers, c.min_servers), (BalanceMode::Psld, 6, 2));
+        assert_eq!(c.balance_compress, Some(Dtype::Bf16));
         assert_eq!(c.placement, PlacementKind::Skewed(1));
         assert_eq!(c.inject.len(), 3);
 
@@ -786,6 +806,7 @@ mod tests {
             server_interference: vec![(1, 32.0)],
             straggler_at: 8.5,
             balance: BalanceMode::Psld,
+            balance_compress: None,
             max_servers: Some(5),
             min_servers: Some(4),
             checkpoint_dir: Some("ckpt".into()),

@@ -116,6 +116,7 @@ mod tests {
             seed: 1,
             inject: Vec::new(),
             balance: Default::default(),
+            balance_compress: None,
             max_servers: 3,
             min_servers: 3,
             checkpoint: None,

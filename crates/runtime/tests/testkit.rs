@@ -10,15 +10,10 @@ use elasticps_runtime::scheduler::{self, JobConfig, SchedulerOptions};
 use elasticps_runtime::server::{self, ServerOptions};
 use elasticps_wire::Codec;
 
-/// An in-process scheduler and two servers (SGD, lr 1, bsp, `workers` workers, the
-/// clock's pushes summed into one step when `aggregate`, 16-byte blocks placed round
-/// robin); the scheduler's address and task.
-pub async fn cluster(
-    workers: u32,
-    aggregate: bool,
-) -> (String, tokio::task::JoinHandle<elasticps_runtime::Result<String>>) {
-    let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
-    let job = JobConfig {
+/// A job of two servers (SGD, lr 1, bsp, `workers` workers, the clock's pushes summed
+/// into one step when `aggregate`, 16-byte blocks placed round robin).
+pub fn job(workers: u32, aggregate: bool) -> JobConfig {
+    JobConfig {
         servers: 2,
         workers,
         block_bytes: 16,
@@ -32,12 +27,29 @@ pub async fn cluster(
         server_sync: Vec::new(),
         inject: Vec::new(),
         balance: Default::default(),
+        balance_compress: None,
         max_servers: 2,
         min_servers: 2,
         checkpoint: None,
         rejoin_wait_us: 0,
         replicas: 1,
-    };
+    }
+}
+
+/// An in-process scheduler of [`job`]'s cluster and two servers; the scheduler's address
+/// and task.
+pub async fn cluster(
+    workers: u32,
+    aggregate: bool,
+) -> (String, tokio::task::JoinHandle<elasticps_runtime::Result<String>>) {
+    start(job(workers, aggregate)).await
+}
+
+/// An in-process scheduler of `job` and its servers (as many as `job.servers`); the
+/// scheduler's address and task.
+pub async fn start(job: JobConfig) -> (String, tokio::task::JoinHandle<elasticps_runtime::Result<String>>) {
+    let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+    let servers = job.servers;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let sched_opts = SchedulerOptions {
         listen: "127.0.0.1:0".into(),
@@ -54,7 +66,7 @@ pub async fn cluster(
         let _ = tx.send(addr);
     }));
     let addr = rx.await.unwrap().to_string();
-    for _ in 0..2 {
+    for _ in 0..servers {
         let opts = ServerOptions {
             scheduler: addr.clone(),
             listen: "127.0.0.1:0".into(),

@@ -73,23 +73,25 @@ impl ScaledModel {
 
     /// The bytes a message stands for on the wire: its header, plus the values it carries at
     /// their block's nominal size (a push or a fused push_pull, a pull reply, a migrating block's
-    /// state and log).
+    /// state and log), each value in its payload's dtype (2 bytes in bf16, 4 in f32).
     pub fn nominal_bytes(&self, msg: &Message) -> u64 {
         let nominal = |block: u32, values: u64| match self.blocks.get(block as usize) {
             Some((n, s)) if *s > 0 => values * n / s,
             _ => values * self.scale,
         };
         HEADER_LEN as u64
-            + 4 * match msg {
+            + match msg {
                 Message::Push { block, values, .. }
                 | Message::PushPull { block, values, .. }
                 | Message::PullReply { block, values, .. }
-                | Message::Init { block, values } => nominal(*block, values.len() as u64),
+                | Message::Init { block, values } => {
+                    values.dtype().width() as u64 * nominal(*block, values.len() as u64)
+                }
                 Message::Control(Control::BlockSnapshot { state, .. }) => {
-                    nominal(state.spec.id, state.state_len() as u64)
+                    4 * nominal(state.spec.id, state.state_len() as u64)
                 }
                 Message::Control(Control::BlockDelta { block, pushes, .. }) => {
-                    nominal(*block, pushes.iter().map(|p| p.grad.len() as u64).sum())
+                    4 * nominal(*block, pushes.iter().map(|p| p.grad.len() as u64).sum())
                 }
                 _ => 0,
             }

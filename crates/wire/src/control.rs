@@ -6,6 +6,7 @@
 //! their fields without a protocol version bump. docs/PROTOCOL.md lists the indices.
 
 use elasticps_core::block::{BlockState, BlockStats, LoggedPush, ShardConfig};
+use elasticps_core::dtype::Dtype;
 use elasticps_core::model::{BlockId, Partition, TableSpec, TensorSpec};
 use elasticps_core::optimizer::{OptState, TensorOptimizer};
 use elasticps_core::placement::{Placement, ServerId};
@@ -861,6 +862,19 @@ pub struct Layout {
     pub servers: Vec<ServerAddr>,
     /// Seed of the deterministic initial values.
     pub seed: u64,
+    /// The wire dtype of each block, indexed by block id, as the balancer chose it
+    /// (`--balance-compress`); a block past the end travels as its tensor's own choice.
+    /// Empty (every block as its tensor's) is not encoded, so such a layout's bytes are
+    /// those of a layout without the field, and one that ends before it decodes empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "trailing_dtypes")]
+    pub wire: Vec<Dtype>,
+}
+
+/// `Layout::wire`, the last field of the last value of its frame: a payload that ends
+/// before it (a layout without compressed blocks, or from a node before the field) gives
+/// none, so that no block is narrowed by mistake.
+fn trailing_dtypes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Dtype>, D::Error> {
+    Ok(Vec::<Dtype>::deserialize(d).unwrap_or_default())
 }
 
 /// A server's id and the address of its data listener.

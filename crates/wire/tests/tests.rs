@@ -165,8 +165,16 @@ mod common {
 
     fn arb_layout() -> impl Strategy<Value = Layout> {
         arb_partition()
-            .prop_flat_map(|p| (arb_placement(&p), Just(p), arb_addrs(), any::<u64>()))
-            .prop_map(|(placement, partition, servers, seed)| Layout { partition, placement, servers, seed })
+            .prop_flat_map(|p| {
+                (arb_placement(&p), Just(p), arb_addrs(), any::<u64>(), prop::collection::vec(arb_dtype(), 0..4))
+            })
+            .prop_map(|(placement, partition, servers, seed, wire)| Layout {
+                partition,
+                placement,
+                servers,
+                seed,
+                wire,
+            })
     }
 
     fn arb_shard_config() -> impl Strategy<Value = ShardConfig> {
@@ -1551,12 +1559,21 @@ mod golden {
         let partition = Partition::new(tensors, 16).unwrap();
         let placement = Placement::initial(PlacementKind::RoundRobin, &partition, 2).unwrap();
         let servers = vec![ServerAddr { id: 0, addr: "h:1".into() }, ServerAddr { id: 1, addr: "h:2".into() }];
-        let layout = Control::Layout(Layout { partition, placement, servers, seed: 42 });
+        let layout = Layout { partition, placement, servers, seed: 42, wire: Vec::new() };
+        let bytes = postcard::to_allocvec(&Control::Layout(layout.clone())).unwrap();
         pinned(
             "Layout example",
-            &postcard::to_allocvec(&layout).unwrap(),
+            &bytes,
             "05 02 01 77 02 02 03 01 00 00 80 bf 00 00 80 3f 01 62 01 03 00 00 03 00 00 00 04 00 01 00 04 02 00 02 01 00 03 00 00 01 01 03 00 00 01 00 02 00 03 68 3a 31 01 03 68 3a 32 2a",
         );
+        // Block 1 in bf16 (the balancer's --balance-compress): the list follows the seed.
+        // A layout without it, as every layout before the field, decodes with none.
+        let narrowed = Layout { wire: vec![Dtype::F32, Dtype::Bf16], ..layout.clone() };
+        let with = postcard::to_allocvec(&Control::Layout(narrowed.clone())).unwrap();
+        assert_eq!(with[..bytes.len()], bytes[..]);
+        assert_eq!(with[bytes.len()..], [0x02, 0x00, 0x01]);
+        assert_eq!(postcard::from_bytes::<Control>(&with).unwrap(), Control::Layout(narrowed));
+        assert_eq!(postcard::from_bytes::<Control>(&bytes).unwrap(), Control::Layout(layout.clone()));
     }
 
     #[test]

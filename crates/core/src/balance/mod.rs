@@ -73,6 +73,19 @@
 //!    carries out the plan's first moves, as many as fit in [`ROUND_US`] (or 3
 //!    iterations) at [`View::migration_us`] a move (an iteration before any was seen,
 //!    at most [`FIRST_ROUND_MOVES`]); the next rounds do the rest.
+//!
+//!    **5c. Compress** (opt-in, [`BalanceParams::compress`], `--balance-compress bf16`;
+//!    [`wire`]). The model counts each block's bytes on the wire ([`View::wire`],
+//!    [`wire_sizes`]) and servers measure their rates in wire bytes. The worst lasting
+//!    straggler whose time is bytes over its link (the share of its measured time its
+//!    handling takes, [`View::fixed_share`], at most [`wire::MAX_FIXED_SHARE`]) gets all
+//!    its blocks sent in the narrower dtype ([`Decision::Wire`]) instead of the round of
+//!    rule 5 when that is predicted to bring the max service time at least as low
+//!    (`T_j` after = `max(narrow bytes / rate, fixed share * T_j)`), by the gain tests
+//!    of rule 5 (no migration cost). Judged by rule 2 like a round: a revert sets the
+//!    blocks back to f32, doubles the cool-down and holds that server's compression off
+//!    for [`REVERT_HOLDOFF_US`], doubling. Like a round, it excludes every other decision
+//!    while it is judged.
 //! 6. **Scale out.** If `servers.len() < max_servers`, no hold-off runs, and even the best
 //!    unbudgeted [`rebalance`] leaves `max T > (1 + threshold) * target`, where the target
 //!    `total bytes / (n * median rate)` is the max service time of `n` servers all as fast
@@ -109,7 +122,8 @@
 //!
 //! Like quickwit's scheduling `solve`, the step runs in phases and each phase's plan is
 //! checked after it (in debug builds, so in every test): [`Balancer::step`] and the
-//! control-loop types are here; [`exploit`] holds rules 5 and 8 with [`rebalance`] and
+//! control-loop types are here; [`wire`] rule 5c with [`compress_plan`] (check: only the
+//! straggler's blocks, each wider than the dtype, max not worse); [`exploit`] holds rules 5 and 8 with [`rebalance`] and
 //! [`stragglers`] (check: no block lost, budget kept, max service time not worse);
 //! `explore` rule 9 (check: one real move onto the uncertain server); [`scale_out`] rule 6,
 //! the trial of rule 2 and [`fill`] (check: moves only onto the new server, max not
@@ -119,6 +133,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::dtype::Dtype;
 use crate::load::LoadModel;
 use crate::model::BlockId;
 use crate::placement::{Placement, ServerId};
@@ -132,6 +147,7 @@ pub mod split;
 #[cfg(test)]
 mod tests;
 pub mod verdict;
+pub mod wire;
 
 pub use exploit::{rebalance, stragglers};
 use loads::{Loads, Tabu};
@@ -139,6 +155,7 @@ pub use loads::{RANK_Z, service_times};
 pub use scale_in::drain;
 pub use scale_out::fill;
 pub use verdict::{Verdict, Window};
+pub use wire::{Compression, compress_plan, wire_sizes};
 
 /// A round of moves lasts about this long at most, or [`verdict::WINDOW_ITERATIONS`]
 /// iterations if longer: it has as many moves as migrations take in that time
@@ -208,6 +225,9 @@ pub struct BalanceParams {
     pub keep_gain: f64,
     /// Give up waiting for a requested server after this; default 30 s.
     pub join_timeout_us: u64,
+    /// Rule 5c (`--balance-compress`): the dtype a bandwidth-bound straggler's blocks may
+    /// be sent in instead of being moved; `None` (the default): never.
+    pub compress: Option<Dtype>,
 }
 
 impl BalanceParams {
@@ -232,6 +252,7 @@ impl BalanceParams {
             trial_us: 8_000_000,
             keep_gain: 0.05,
             join_timeout_us: 30_000_000,
+            compress: None,
         }
     }
 }
@@ -285,6 +306,14 @@ pub struct View<'a> {
     /// Row blocks that may be split, each with the row its server reports to split it at
     /// (rule 2b, [`split::heavy_row_block`]).
     pub splittable: &'a BTreeMap<BlockId, u64>,
+    /// The wire dtype of each block, indexed by block id (f32 past the end: an empty
+    /// slice is every block in f32). The model counts a block's bytes on the wire
+    /// ([`wire_sizes`]).
+    pub wire: &'a [Dtype],
+    /// Per server, the share of its measured time that bytes do not cost (its handling
+    /// time over the longer of that and its frames' time on the link): rule 5c compresses
+    /// only a server with a low one. A server without an entry is not compressed.
+    pub fixed_share: &'a BTreeMap<ServerId, f64>,
 }
 
 /// What the balancer wants done.
@@ -322,6 +351,16 @@ pub enum Decision {
     /// The verdict on an earlier decision (rule 2), for the report; a revert comes with
     /// it as a `Migrate` (or `ScaleIn`).
     Judged(Verdict),
+    /// Send these blocks in `dtype` from now on (rule 5c; `F32` undoes a compression): the
+    /// layout names each block's wire dtype, and its epoch goes up.
+    Wire {
+        /// The blocks, each at most once.
+        blocks: Vec<BlockId>,
+        /// Their wire dtype.
+        dtype: Dtype,
+        /// Why, for the event log.
+        why: String,
+    },
     /// Verdict of a scale-out trial: the scaled-out server stays.
     Keep {
         /// The server that stays.
@@ -383,6 +422,9 @@ struct Judging {
     max_after: f64,
     /// Measuring since the round finished (`None` while it runs).
     window: Option<Window>,
+    /// A compression (rule 5c) instead of moves: the server and the blocks it set to a
+    /// narrower dtype, to set back to f32 on a revert.
+    compress: Option<(ServerId, Vec<BlockId>)>,
 }
 
 /// A plan of moves a rule proposes, with the model's prediction.
@@ -442,6 +484,8 @@ pub struct Balancer {
     scale_out_after_us: u64,
     /// Consecutive reverted scale-outs.
     reverts: u32,
+    /// Per server, no compression (rule 5c) before this time, and its reverts so far.
+    compress_after_us: BTreeMap<ServerId, (u64, u32)>,
 }
 
 impl Balancer {
@@ -460,6 +504,7 @@ impl Balancer {
             probes: BTreeMap::new(),
             scale_out_after_us: 0,
             reverts: 0,
+            compress_after_us: BTreeMap::new(),
         }
     }
 
@@ -492,6 +537,15 @@ impl Balancer {
     /// Called about once a second. Returns what to do now (often nothing, at most one
     /// decision).
     pub fn step(&mut self, view: &View) -> Vec<Decision> {
+        // Every rule plans with the blocks' bytes on the wire (rule 5c).
+        let (sizes, narrow);
+        let view = if view.wire.iter().any(|d| *d != Dtype::F32) {
+            sizes = wire_sizes(view.sizes, view.wire);
+            narrow = View { sizes: &sizes, ..*view };
+            &narrow
+        } else {
+            view
+        };
         let now = view.now_us;
         if view.busy {
             self.quiet_since = Some(now);
@@ -575,6 +629,13 @@ impl Balancer {
 
     /// A proposal becomes a decision under judgement (rule 2).
     fn propose(&mut self, view: &View, p: Proposal) -> Decision {
+        let moves = p.moves.clone();
+        let why = self.propose_with(view, p, None);
+        Decision::Migrate { moves, why }
+    }
+
+    /// The judging phase of a proposal (of moves, or of the compression `compress`).
+    fn propose_with(&mut self, view: &View, p: Proposal, compress: Option<(ServerId, Vec<BlockId>)>) -> String {
         let now = view.now_us;
         let unknown = p.moves.iter().map(|m| m.to).filter(|&s| view.load.estimate(s, now).is_none()).collect();
         self.phase = Phase::Judging(Box::new(Judging {
@@ -586,8 +647,9 @@ impl Balancer {
             max_before: p.max_before,
             max_after: p.max_after,
             window: None,
+            compress,
         }));
-        Decision::Migrate { moves: p.moves, why: p.why }
+        p.why
     }
 
     /// Updates since when each server has been idle.
@@ -664,7 +726,12 @@ impl Balancer {
         if !straggling.is_empty() && !straggling.iter().any(lasting) {
             return None;
         }
-        if let Some(p) = self.exploit_stragglers(round) {
+        // Rule 5, or 5c where compressing the straggler does at least as well.
+        let round_plan = self.exploit_stragglers(round);
+        if let Some(c) = self.compress(round, round_plan.as_ref()) {
+            return Some(self.propose_compress(view, c));
+        }
+        if let Some(p) = round_plan {
             return Some(self.propose(view, p));
         }
         if let Some(d) = self.scale_out(round) {

@@ -145,6 +145,13 @@ struct Sim {
     history: Vec<(u64, BTreeMap<ServerId, usize>)>,
     /// Every broken no-thrash rule seen in a decision ([`no_thrash_violation`]).
     violations: Vec<String>,
+    /// The wire dtype of each block (rule 5c; empty: all f32).
+    wire: Vec<Dtype>,
+    /// Handling time per iteration of a server, s, whatever its bytes (its CPU or its
+    /// fixed cost per request): its time is the longer of that and its bytes' time.
+    cpu_s: BTreeMap<ServerId, f64>,
+    /// The true iteration time of each tick, µs.
+    iters: Vec<f64>,
 }
 
 impl Sim {
@@ -183,15 +190,41 @@ impl Sim {
             log: Vec::new(),
             history: Vec::new(),
             violations: Vec::new(),
+            wire: Vec::new(),
+            cpu_s: BTreeMap::new(),
+            iters: Vec::new(),
         }
     }
 
+    /// Bytes each server owns on the wire (its blocks' sizes in their wire dtypes).
     fn owned_bytes(&self) -> BTreeMap<ServerId, u64> {
+        let sizes = wire_sizes(&self.sizes, &self.wire);
         let mut bytes = BTreeMap::new();
+        for (b, &o) in self.placement.owners.iter().enumerate() {
+            *bytes.entry(o).or_insert(0) += sizes[b];
+        }
+        bytes
+    }
+
+    /// The iteration time of the placement now, all in f32, with no decision made: call
+    /// it before the run for static's, µs.
+    fn static_iter_us(&self) -> f64 {
+        let mut bytes: BTreeMap<ServerId, u64> = BTreeMap::new();
         for (b, &o) in self.placement.owners.iter().enumerate() {
             *bytes.entry(o).or_insert(0) += self.sizes[b];
         }
-        bytes
+        let max_t = bytes.iter().map(|(&s, &b)| (b as f64 / (self.rate)(s, 0)).max(self.cpu(s))).fold(0.0, f64::max);
+        self.iter_fixed.unwrap_or(20_000.0 + max_t * 1e6)
+    }
+
+    fn cpu(&self, s: ServerId) -> f64 {
+        self.cpu_s.get(&s).copied().unwrap_or(0.0)
+    }
+
+    /// Mean true iteration time of the ticks from `from` on, µs.
+    fn mean_iter_from(&self, from: u64) -> f64 {
+        let tail = &self.iters[(from / S) as usize..];
+        tail.iter().sum::<f64>() / tail.len() as f64
     }
 
     fn tick(&mut self) {
@@ -205,15 +238,24 @@ impl Sim {
         }
         let owned = self.owned_bytes();
         let mut max_t: f64 = 0.0;
+        let mut fixed_share = BTreeMap::new();
         for (&s, &bytes) in &owned {
             let truth = (self.rate)(s, now);
-            max_t = max_t.max(bytes as f64 / truth);
+            let cpu = self.cpu(s);
+            let t = (bytes as f64 / truth).max(cpu);
+            max_t = max_t.max(t);
+            if t > 0.0 {
+                fixed_share.insert(s, cpu / t);
+            }
             for _ in 0..self.workers {
                 let r = truth * (1.0 + self.noise * (2.0 * self.rng.random::<f64>() - 1.0));
-                self.load.observe(s, bytes, (bytes as f64 / r * 1e6).round() as u64, now);
+                // The server measures its bytes over the longer of their time and its CPU's.
+                let us = (bytes as f64 / r).max(cpu) * 1e6;
+                self.load.observe(s, bytes, us.round() as u64, now);
             }
         }
         let iter_us = self.iter_fixed.unwrap_or(20_000.0 + max_t * 1e6);
+        self.iters.push(iter_us);
         let busy = !self.pending.is_empty() || self.stopping.is_some();
         let decisions = self.balancer.step(&View {
             now_us: now,
@@ -226,6 +268,8 @@ impl Sim {
             busy,
             migration_us: None,
             splittable: &BTreeMap::new(),
+            wire: &self.wire,
+            fixed_share: &fixed_share,
         });
         assert!(!busy || decisions.is_empty(), "decided while busy: {decisions:?}");
         assert!(decisions.len() <= 2, "{decisions:?}");
@@ -275,6 +319,12 @@ impl Sim {
                     self.stopping = Some(*server);
                 }
                 Decision::Keep { .. } | Decision::Judged(_) => {}
+                Decision::Wire { blocks, dtype, .. } => {
+                    self.wire.resize(self.sizes.len(), Dtype::F32);
+                    for &b in blocks {
+                        self.wire[b as usize] = *dtype;
+                    }
+                }
                 Decision::Split { block, .. } => panic!("split of block {block} with nothing splittable"),
             }
             self.log.push((now, d));
@@ -374,6 +424,7 @@ impl Decision {
             | Decision::ScaleOut { why }
             | Decision::ScaleIn { why, .. }
             | Decision::Split { why, .. }
+            | Decision::Wire { why, .. }
             | Decision::Keep { why, .. } => why.clone(),
             Decision::Judged(v) => v.what.clone(),
         }
@@ -600,6 +651,8 @@ fn waits_for_confidence_and_cooldown() {
             busy,
             migration_us: None,
             splittable: &BTreeMap::new(),
+            wire: &[],
+            fixed_share: &BTreeMap::new(),
         })
     };
     // No samples: nothing, even with a badly skewed placement.
@@ -654,6 +707,8 @@ fn gives_up_a_scale_out_whose_server_never_joins() {
             busy: false,
             migration_us: None,
             splittable: &BTreeMap::new(),
+            wire: &[],
+            fixed_share: &BTreeMap::new(),
         })
     };
     // The first steps make the baseline a decision is judged by (rule 2).
@@ -678,6 +733,103 @@ fn gives_up_a_scale_out_whose_server_never_joins() {
     let mut idle = Balancer::new(BalanceParams::new(1, 4));
     idle.joined(9, 0);
     assert_eq!(idle.trial_server(), None);
+}
+
+/// Rule 5c's cluster: three servers with one 4 MiB block each, server 1's link capped
+/// to half the others' rate: moving its block elsewhere only moves the straggler (no
+/// move is ranked above it), so psld alone cannot help it.
+fn capped_link(compress: Option<Dtype>) -> Sim {
+    let rate = |s, _| if s == 1 { 50.0 * MB } else { 100.0 * MB };
+    let mut sim = Sim::with_blocks(3, 3, 3, vec![4 * MIB; 3], vec![0, 1, 2], rate);
+    sim.balancer = Balancer::new(BalanceParams { compress, ..BalanceParams::new(3, 3) });
+    sim
+}
+
+fn wires(sim: &Sim) -> Vec<(u64, &Vec<BlockId>, Dtype)> {
+    sim.log
+        .iter()
+        .filter_map(|(t, d)| match d {
+            Decision::Wire { blocks, dtype, .. } => Some((*t, blocks, *dtype)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn scenario_h_a_bandwidth_bound_straggler_is_compressed_and_the_iteration_time_improves() {
+    let mut sim = capped_link(Some(Dtype::Bf16));
+    let fixed = sim.static_iter_us();
+    sim.run_until(120 * S);
+    let w = wires(&sim);
+    assert_eq!(w.len(), 1, "one compression, kept: {:?}", sim.log);
+    assert_eq!((w[0].1, w[0].2), (&vec![1], Dtype::Bf16));
+    assert!(
+        sim.log.iter().any(|(_, d)| matches!(d, Decision::Judged(v) if v.kept && v.what.starts_with("compress"))),
+        "{:?}",
+        sim.log
+    );
+    let Some(Decision::Judged(v)) = sim.log.iter().map(|(_, d)| d).find(|d| matches!(d, Decision::Judged(_))) else {
+        unreachable!()
+    };
+    assert!(v.predicted_gain > 0.2 && v.measured_gain > 0.2, "{v:?}");
+    assert_eq!(sim.wire[1], Dtype::Bf16);
+    assert!(sim.migrations().is_empty(), "nothing moved: {:?}", sim.log);
+    // Static: 20 ms + 4 MiB at 50 MB/s (104 ms); compressed: 20 ms + 2 MiB at 50 MB/s.
+    let after = sim.mean_iter_from(60 * S);
+    assert!(after < 0.7 * fixed, "static {fixed} us, psld with compression {after} us");
+}
+
+#[test]
+fn scenario_h_nothing_is_compressed_without_the_flag() {
+    let mut sim = capped_link(None);
+    let fixed = sim.static_iter_us();
+    sim.run_until(120 * S);
+    assert!(wires(&sim).is_empty(), "{:?}", sim.log);
+    assert!(sim.wire.is_empty());
+    assert!(sim.mean_iter_from(60 * S) <= fixed * 1.0001, "never slower than static");
+}
+
+#[test]
+fn scenario_h_a_cpu_bound_straggler_is_not_compressed() {
+    // Server 1's link is as fast as the others', but it spends 90 ms an iteration handling
+    // requests whatever their bytes: compressing them would not shorten that.
+    let mut sim = capped_link(Some(Dtype::Bf16));
+    sim.rate = Box::new(|_, _| 100.0 * MB);
+    sim.cpu_s.insert(1, 0.09);
+    sim.run_until(120 * S);
+    assert!(wires(&sim).is_empty(), "{:?}", sim.log);
+}
+
+#[test]
+fn scenario_h_a_compression_that_did_not_pay_is_reverted_and_backs_off() {
+    // A job bound by its workers (fixed iteration time): the compression cannot pay.
+    let mut sim = capped_link(Some(Dtype::Bf16));
+    sim.iter_fixed = Some(200_000.0);
+    sim.run_until(400 * S);
+    let w = wires(&sim);
+    assert!(w.len() >= 4, "compressed, reverted, and again after the hold-off: {:?}", sim.log);
+    for pair in w.chunks(2) {
+        assert_eq!(pair[0].2, Dtype::Bf16, "{w:?}");
+        if let Some(back) = pair.get(1) {
+            assert_eq!((back.1, back.2), (pair[0].1, Dtype::F32), "the revert sets the same blocks back: {w:?}");
+        }
+    }
+    let verdicts: Vec<&Verdict> = sim
+        .log
+        .iter()
+        .filter_map(|(_, d)| match d {
+            Decision::Judged(v) => Some(v),
+            _ => None,
+        })
+        .collect();
+    assert!(verdicts.iter().all(|v| !v.kept), "{verdicts:?}");
+    // The second try waits out REVERT_HOLDOFF_US after the first revert; the third twice that.
+    let (first_revert, second, second_revert, third) = (w[1].0, w[2].0, w[3].0, w.get(4).map(|x| x.0));
+    assert!(second >= first_revert + REVERT_HOLDOFF_US, "{w:?}");
+    if let Some(third) = third {
+        assert!(third >= second_revert + 2 * REVERT_HOLDOFF_US, "{w:?}");
+    }
+    assert!(sim.mean_iter_from(0) <= 200_000.0 * 1.0001);
 }
 
 mod proptests {
@@ -840,6 +992,39 @@ mod proptests {
             }
         }
 
+        /// Rule 5c on any cluster, placement, rates, noise and handling times, with
+        /// `--balance-compress bf16`: the job never ends slower than static placement
+        /// (the last minute's median iteration time within MAX_LOSS of static's), and
+        /// every compression is judged.
+        #[test]
+        fn with_compression_psld_is_never_slower_than_static(
+            job in job(proptest::collection::vec(10.0f64..200.0, 8)),
+            cpu in proptest::collection::vec(proptest::option::of(0.0f64..0.2), 8),
+        ) {
+            let (n, blocks, rates, noise, workers, seed) = job.clone();
+            let sizes: Vec<u64> = blocks.iter().map(|&(size, _)| size).collect();
+            let owners = blocks.iter().map(|&(_, o)| (o as u32) % n).collect();
+            let truth = move |s: ServerId, _| rates[s as usize % rates.len()] * MB;
+            let mut sim = Sim::with_blocks(n, n, n, sizes, owners, truth);
+            (sim.noise, sim.workers, sim.rng) = (noise, workers, StdRng::seed_from_u64(seed));
+            sim.balancer = Balancer::new(BalanceParams { compress: Some(Dtype::Bf16), ..BalanceParams::new(n, n) });
+            sim.cpu_s = (0..n).filter_map(|s| cpu[s as usize].map(|c| (s, c))).collect();
+            let fixed = sim.static_iter_us();
+            sim.run_until(240 * S);
+            // The median of the last minute: a trial in it (a probe onto a slow server) is
+            // judged and undone within it.
+            let mut end = sim.iters[180..].to_vec();
+            end.sort_by(f64::total_cmp);
+            let end = end[end.len() / 2];
+            prop_assert!(end <= fixed * (1.0 + verdict::MAX_LOSS), "static {} us, psld {} us: {:?}", fixed, end, sim.log);
+            for (t, d) in &sim.log {
+                if let Decision::Wire { dtype: Dtype::Bf16, .. } = d {
+                    let judged = sim.log.iter().any(|(_, d)| matches!(d, Decision::Judged(v) if v.decided_us == *t));
+                    prop_assert!(judged || *t + 30 * S > 240 * S, "no verdict on {:?}", d);
+                }
+            }
+        }
+
         #[test]
         fn rebalance_keeps_owners_valid_and_never_raises_the_max(
             (servers, p, sizes, rates) in cluster(),
@@ -941,6 +1126,8 @@ fn a_server_holding_one_small_block_is_never_a_straggler_nor_ranked_below_a_capp
             busy: false,
             migration_us: None,
             splittable: &BTreeMap::new(),
+            wire: &[],
+            fixed_share: &BTreeMap::new(),
         });
         decisions.extend(d);
     }

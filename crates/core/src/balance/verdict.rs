@@ -1,5 +1,6 @@
 //! Rule 2, **the verdict loop**: the load model predicts, the workers' measured iteration
 //! time decides. Every decision that changes the placement (a migration round, a probe, a
+//! compression of a server's blocks, rule 5c, undone by setting them back to f32, a
 //! scale-out) is measured over a window of iteration times before it and one after it,
 //! and is kept only if it paid; what did not pay is undone and backs off.
 //!
@@ -190,7 +191,7 @@ impl Balancer {
             decided_us: j.baseline.decided_us,
             judged_us: now,
             what: j.what.clone(),
-            moves: j.moves.len(),
+            moves: j.compress.as_ref().map_or(j.moves.len(), |(_, blocks)| blocks.len()),
             predicted_gain: predicted,
             measured_gain: measured,
             before_ms,
@@ -203,6 +204,9 @@ impl Balancer {
             // straggler that recovered): the moves onto it ruled out earlier are allowed.
             self.backoff = 0;
             self.tabu.retain(|t, _| !j.moves.iter().any(|m| *t == Tabu::Onto(m.to)));
+            if let Some((server, _)) = &j.compress {
+                self.compress_after_us.remove(server);
+            }
             return vec![Decision::Judged(verdict)];
         }
         // Undo: every moved block still where the round put it goes back, and the same
@@ -238,6 +242,15 @@ impl Balancer {
             noise * 100.0
         );
         let mut out = vec![Decision::Judged(verdict)];
+        if let Some((server, blocks)) = j.compress {
+            // A compression that did not pay: its blocks back to f32, and that server not
+            // compressed again for the hold-off, doubling with each revert.
+            let reverts = self.compress_after_us.get(&server).map_or(0, |h| h.1).saturating_add(1);
+            let until = now.saturating_add(REVERT_HOLDOFF_US << (reverts - 1).min(MAX_HOLDOFF_DOUBLINGS));
+            self.compress_after_us.insert(server, (until, reverts));
+            out.push(Decision::Wire { blocks, dtype: crate::dtype::Dtype::F32, why });
+            return out;
+        }
         if !back.is_empty() {
             out.push(Decision::Migrate { moves: back, why });
         }

@@ -368,6 +368,7 @@ fn job() -> scheduler::JobConfig {
         server_sync: Vec::new(),
         inject: Vec::new(),
         balance: Default::default(),
+        balance_compress: None,
         max_servers: 4,
         min_servers: 1,
         checkpoint: None,

@@ -7,10 +7,11 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use elasticps_core::balance::{self, BalanceParams, Balancer, Decision, Move, View};
+use elasticps_core::dtype::Dtype;
 use elasticps_core::load::{LinkSample, LoadModel, link_rate};
 use elasticps_core::placement::{Placement, ServerId};
 use elasticps_wire::{
-    ClusterStatus, Control, ErrorCode, MigrationReport, ScaleRequest, ServerLoad, ServerStatus, WorkerLoad,
+    ClusterStatus, Control, ErrorCode, Message, MigrationReport, ScaleRequest, ServerLoad, ServerStatus, WorkerLoad,
     WorkerStatus,
 };
 
@@ -67,6 +68,9 @@ pub(super) enum Order {
     /// Tell `to`, the new owner of `block`'s migration at `epoch`, who owns the block now
     /// (itself if the move was recorded, the old owner if it failed or was written off).
     Settle { block: u32, to: ServerId, epoch: u64, owner: ServerId },
+    /// The wire dtypes of blocks changed ([`Elastic::wire`], rule 5c): the placement's
+    /// epoch goes up and every worker gets the new layout.
+    Wire,
 }
 
 /// A split asked of a row block's owner, until its `SplitDone`.
@@ -157,6 +161,13 @@ pub(super) struct Elastic {
     /// Workers the job runs (its configuration): the divisor of a server's link rate
     /// until some finish.
     job_workers: u32,
+    /// The wire dtype of each block, by block id (f32 past the end), as the balancer's
+    /// rule 5c set it (`--balance-compress`).
+    wire: Vec<Dtype>,
+    /// Per server, the share of its last measured time its handling took (busy time over
+    /// the longer of that and its frames' time on the link): what compressing its bytes
+    /// cannot shorten (rule 5c).
+    fixed_share: BTreeMap<ServerId, f64>,
 }
 
 impl std::fmt::Debug for Elastic {
@@ -222,7 +233,24 @@ impl Elastic {
             max_servers,
             min_servers,
             job_workers,
+            wire: Vec::new(),
+            fixed_share: BTreeMap::new(),
         }
+    }
+
+    /// The balancer may send a bandwidth-bound straggler's blocks in `dtype` instead of
+    /// moving them (`--balance-compress`; rule 5c); `None`: never.
+    pub fn set_compress(&mut self, dtype: Option<Dtype>) {
+        if let Some(b) = &self.balancer {
+            self.balancer = Some(Balancer::new(BalanceParams { compress: dtype, ..*b.params() }));
+        }
+    }
+
+    /// The wire dtype of each block the balancer narrowed, by block id (f32 past the end;
+    /// empty while every block travels as its tensor chooses).
+    pub fn wire(&self) -> &[Dtype] {
+        let narrowed = self.wire.iter().rposition(|d| *d != Dtype::F32).map_or(0, |i| i + 1);
+        &self.wire[..narrowed]
     }
 
     /// When the scheduler's clock started, in ms since the Unix epoch.
@@ -284,6 +312,7 @@ impl Elastic {
     /// or it was still joining (owning nothing: a failed scale-out).
     pub fn lost(&mut self, id: ServerId, now_us: u64) -> bool {
         self.load.remove(id);
+        self.fixed_share.remove(&id);
         self.request_us.remove(&id);
         match self.states.get(&id) {
             Some(ServerState::Removed) => true,
@@ -309,6 +338,7 @@ impl Elastic {
         now_us: u64,
     ) -> Vec<Order> {
         self.load.remove(id);
+        self.fixed_share.remove(&id);
         self.request_us.remove(&id);
         self.states.insert(id, ServerState::Removed);
         self.joining_by.remove(&id);
@@ -377,6 +407,13 @@ impl Elastic {
         }
         let mean_block = self.sizes.iter().sum::<u64>() as f64 / self.sizes.len().max(1) as f64;
         let sample = LinkSample { bytes: load.bytes_in, frames: load.rx_frames, bps: load.rx_bps };
+        // The rate is over the longer of the frames' time and the handling time: the share
+        // of it the handling took is what no narrower dtype shortens (rule 5c).
+        if load.rx_frames > 0 && load.rx_bps > 0.0 && load.bytes_in > 0 {
+            let seconds = load.bytes_in as f64 / load.rx_bps;
+            let share = (load.busy_us as f64 / 1e6 / seconds).clamp(0.0, 1.0);
+            self.fixed_share.insert(load.server_id, share);
+        }
         if sample.small_frames(mean_block) && load.requests > 0 {
             // Where frames are small, handling a request is all fixed cost.
             self.request_us.insert(load.server_id, load.busy_us as f64 / load.requests as f64);
@@ -695,6 +732,8 @@ impl Elastic {
             busy,
             migration_us,
             splittable,
+            wire: &self.wire,
+            fixed_share: &self.fixed_share,
         };
         let decisions = balancer.step(&view);
         let mut out = Vec::new();
@@ -721,6 +760,20 @@ impl Elastic {
                 Decision::Keep { server, why } => {
                     tracing::info!(server, %why, "balancer keeps the new server");
                     self.event(now_us, "kept", Some(server), why);
+                }
+                Decision::Wire { blocks, dtype, why } => {
+                    tracing::info!(blocks = blocks.len(), dtype = dtype.name(), %why, "balancer sets the wire dtype of blocks");
+                    if let Some(&last) = blocks.iter().max() {
+                        let len = self.wire.len().max(last as usize + 1);
+                        self.wire.resize(len, Dtype::F32);
+                    }
+                    for &b in &blocks {
+                        self.wire[b as usize] = dtype;
+                    }
+                    let server = blocks.first().and_then(|&b| placement.owner(b));
+                    let action = if dtype == Dtype::F32 { "decompress" } else { "compress" };
+                    self.event(now_us, action, server, why);
+                    out.push(Order::Wire);
                 }
                 Decision::Split { block, at, why } => {
                     let Some(owner) = placement.owner(block) else { continue };
@@ -1077,6 +1130,26 @@ impl Scheduler {
         }
     }
 
+    /// The balancer changed the wire dtype of blocks (rule 5c): the placement's epoch goes
+    /// up and every worker is sent the layout (request id 0), whose `wire` its client
+    /// follows from its next round; servers decode any dtype and need not know.
+    fn publish_wire(&mut self, out: &mut Vec<Action>) {
+        let Some(placement) = self.placement.as_mut() else { return };
+        placement.epoch = placement.epoch.saturating_add(1);
+        let Some(layout) = self.layout() else { return };
+        tracing::info!(
+            epoch = layout.placement.epoch,
+            narrowed = layout.wire.len(),
+            "wire dtypes published to the workers"
+        );
+        let msg: Message = Control::Layout(layout).into();
+        for (conn, n) in self.nodes.iter() {
+            if matches!(n.role, Role::Worker(_)) {
+                out.push(Action::Send { conn: *conn, request_id: 0, msg: msg.clone() });
+            }
+        }
+    }
+
     /// Turns elasticity orders into actions; then keeps the copies on serving servers
     /// (a server that starts draining hands its backups on, one that joined takes those a
     /// lost server left short).
@@ -1130,6 +1203,7 @@ impl Scheduler {
                         out.push(Action::Send { conn: *conn, request_id: 0, msg: Control::Shutdown { reason }.into() });
                     }
                 }
+                Order::Wire => self.publish_wire(out),
                 Order::Settle { block, to, epoch, owner } => {
                     // The new owner first; then every other server, whose placement then
                     // names the block's owner (a server takes a block's snapshot from the
@@ -1422,6 +1496,76 @@ mod scheduler_tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(m.balance_log().migrations.len(), 1);
+    }
+
+    /// A psld job of two blocks, server 1's link half as fast as server 0's, fed a minute
+    /// of load reports: the layouts the scheduler pushed to the workers unasked, with the
+    /// epoch before.
+    fn capped_link_job(compress: Option<elasticps_core::dtype::Dtype>) -> (Vec<(u64, elasticps_wire::Layout)>, u64) {
+        use elasticps_wire::{ServerLoad, WorkerLoad};
+        let config =
+            JobConfig { balance: elasticps_core::balance::BalanceMode::Psld, balance_compress: compress, ..config() };
+        let mut m = running(config, 8);
+        assert_eq!(m.placement().map(|p| p.owners.clone()), Some(vec![0, 1]));
+        let epoch = m.placement().map_or(0, |p| p.epoch);
+        let mut pushed = Vec::new();
+        for t in 1..=60u64 {
+            let now = t * 1_000_000;
+            for (conn, server_id, rx_bps) in [(10, 0, 1600.0), (11, 1, 800.0)] {
+                // Eight 16-byte frames a second, at the link's rate; 1 ms of handling.
+                let load = ServerLoad {
+                    server_id,
+                    interval_us: 1_000_000,
+                    bytes_in: 128,
+                    requests: 8,
+                    busy_us: 1_000,
+                    rx_bps,
+                    rx_frames: 8,
+                    blocks: 1,
+                    bytes: 16,
+                    ..Default::default()
+                };
+                m.handle(now, Event::Received { conn, request_id: 0, msg: Control::ServerLoad(load).into() });
+            }
+            // Iterations as long as the slower server's frames take: 20 ms, 10 once halved.
+            let narrow = pushed.last().is_some_and(|(_, l): &(u64, elasticps_wire::Layout)| !l.wire.is_empty());
+            let iter_us = if narrow { 10_000 } else { 20_000 };
+            for (conn, rank) in [(1, 0), (2, 1)] {
+                let w = WorkerLoad {
+                    rank,
+                    clock: t as u32 * 50,
+                    iterations: 50,
+                    iter_us: 50 * iter_us,
+                    per_server: vec![],
+                };
+                m.handle(now, Event::Received { conn, request_id: 0, msg: Control::WorkerLoad(w).into() });
+            }
+            let a = m.handle(now, Event::Timeout);
+            for conn in [1, 2] {
+                for msg in sent_to(&a, conn) {
+                    if let Message::Control(Control::Layout(l)) = msg {
+                        pushed.push((conn, l.clone()));
+                    }
+                }
+            }
+        }
+        (pushed, epoch)
+    }
+
+    #[test]
+    fn a_compression_bumps_the_epoch_and_is_pushed_to_every_worker_only_with_the_flag() {
+        use elasticps_core::dtype::Dtype;
+        let (pushed, epoch) = capped_link_job(Some(Dtype::Bf16));
+        assert!(pushed.len() >= 2, "{pushed:?}");
+        let ((w0, first), (w1, second)) = (&pushed[0], &pushed[1]);
+        assert_eq!((*w0, *w1), (1, 2), "every worker");
+        assert_eq!(first, second);
+        assert_eq!(first.wire, vec![Dtype::F32, Dtype::Bf16], "server 1's block in bf16");
+        assert_eq!(first.placement.epoch, epoch + 1, "the epoch goes up");
+        assert_eq!(first.placement.owners, vec![0, 1], "nothing moved");
+        // Without --balance-compress the same job gets no compression, and no layout.
+        let (none, _) = capped_link_job(None);
+        assert!(none.is_empty(), "{none:?}");
     }
 
     /// A psld job of one tensor (block 0) and a table of 16 rows x 1 in blocks of 4 rows

@@ -185,6 +185,7 @@ impl Scheduler {
                 .map(|(id, (_, addr))| ServerAddr { id: id as u32, addr: addr.clone() })
                 .collect(),
             seed: self.config.seed,
+            wire: self.elastic.wire().to_vec(),
         })
     }
 

@@ -28,6 +28,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use elasticps_core::block::ShardConfig;
+use elasticps_core::dtype::Dtype;
 use elasticps_core::model::{BlockId, Partition};
 use elasticps_core::placement::{Placement, PlacementKind};
 use elasticps_core::sync::SyncPolicy;
@@ -84,6 +85,10 @@ pub struct JobConfig {
     pub inject: Vec<(u32, Injection)>,
     /// Whether the scheduler moves blocks and scales servers while training runs.
     pub balance: BalanceMode,
+    /// The dtype psld may send a bandwidth-bound straggler's blocks in instead of moving
+    /// them (`--balance-compress`; it changes the training arithmetic, so only when
+    /// asked); `None`: never.
+    pub balance_compress: Option<Dtype>,
     /// The balancer may scale out up to this many servers (at least `servers`).
     pub max_servers: u32,
     /// The balancer may scale in down to this many servers (at most `servers`).
@@ -115,6 +120,7 @@ impl JobConfig {
 
 /// Something that happened at the scheduler.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one at a time, never stored
 pub enum Event {
     /// A message arrived on a connection.
     Received {
@@ -361,7 +367,11 @@ impl Scheduler {
             heartbeat_timeout_us,
             over: false,
             unrecoverable: None,
-            elastic: Elastic::new(config.balance, config.min_servers, config.max_servers, config.workers),
+            elastic: {
+                let mut e = Elastic::new(config.balance, config.min_servers, config.max_servers, config.workers);
+                e.set_compress(config.balance_compress);
+                e
+            },
             can_launch: false,
             checkpoints: BTreeMap::new(),
             last_checkpoint: config.checkpoint.as_ref().and_then(|p| p.resume.as_ref()).map(|r| r.clock),

@@ -26,6 +26,7 @@ pub fn config() -> JobConfig {
         server_sync: vec![(1, SyncPolicy::Ssp(2))],
         inject: Vec::new(),
         balance: Default::default(),
+        balance_compress: None,
         max_servers: 2,
         min_servers: 2,
         checkpoint: None,

@@ -403,6 +403,26 @@ fn a_drained_server_lingers_until_its_connections_close() {
     assert!(matches!(&d.handle(REGISTER_TIMEOUT_US, Event::Timeout)[..], [Action::Exit(Exit::Failed { .. })]));
 }
 
+/// The load model plans with wire bytes (the balancer's rule 5c halves a compressed
+/// block's bytes): a bf16 push counts its 2 bytes a value in the load report, as the
+/// link carried them, not the 4 of the f32s it is widened to.
+#[test]
+fn a_load_report_counts_the_bytes_a_push_carried_on_the_wire() {
+    let mut a = server(0, SyncPolicy::Asp);
+    let values = Values::encoded(&[1.0; LEN], elasticps_wire::Dtype::Bf16);
+    let msg = Message::Push { block: 0, clock: 0, values };
+    a.handle(10, Event::Received { conn: 1, request_id: 1, msg });
+    let r = a.handle(STATS_INTERVAL_US, Event::Timeout);
+    let load = r
+        .iter()
+        .find_map(|x| match x {
+            Action::ToScheduler { request_id: 0, msg: Message::Control(Control::ServerLoad(l)) } => Some(l.clone()),
+            _ => None,
+        })
+        .expect("a load report");
+    assert_eq!((load.requests, load.bytes_in), (1, 2 * LEN as u64));
+}
+
 #[test]
 fn the_timeout_sends_load_reports_and_poll_timeout_names_the_next_one() {
     let mut a = server(0, SyncPolicy::Asp);

@@ -21,6 +21,7 @@ fn layout(owners: Vec<u32>, addrs: &[(u32, &str)]) -> Arc<Layout> {
         placement: Placement::new(1, owners),
         servers: addrs.iter().map(|(id, a)| ServerAddr { id: *id, addr: a.to_string() }).collect(),
         seed: 0,
+        wire: Vec::new(),
     })
 }
 

@@ -24,6 +24,7 @@ fn layout(lens: &[usize], block_len: usize, owners: Vec<u32>, epoch: u64, server
         placement: Placement::new(epoch, owners),
         servers: (0..servers).map(|id| ServerAddr { id, addr: format!("s{id}") }).collect(),
         seed: 0,
+        wire: Vec::new(),
     }
 }
 
@@ -910,6 +911,7 @@ fn table_layout() -> Layout {
         placement: Placement::new(1, owners),
         servers: (0..2).map(|id| ServerAddr { id, addr: format!("s{id}") }).collect(),
         seed: 0,
+        wire: Vec::new(),
     }
 }
 

@@ -41,8 +41,13 @@ pub(super) struct Tensors<'g> {
     /// A pushed tensor's gradient in its dtype, where that is not f32 and it is dense.
     coded: Vec<Option<Vec<u8>>>,
     /// The sparse payload of each block of a compressed tensor (wire bytes: count,
-    /// positions, values in the tensor's dtype).
+    /// positions, values in the block's dtype).
     sparse: HashMap<BlockId, Bytes>,
+    /// The blocks the layout sends in a dtype narrower than their tensor's (the balancer's
+    /// `--balance-compress`), with that dtype ([`Tensors::with_block_dtypes`]).
+    narrow: HashMap<BlockId, Dtype>,
+    /// Each such block's dense gradient in its dtype, built once per round.
+    narrow_coded: HashMap<BlockId, Vec<u8>>,
 }
 
 impl<'g> Tensors<'g> {
@@ -72,12 +77,48 @@ impl<'g> Tensors<'g> {
                 Some((b.id, Values::sparse(&part.indices, &part.values, dtype(b.tensor as usize)).wire_bytes()))
             })
             .collect();
-        Tensors { grads, dtypes, coded, sparse }
+        Tensors { grads, dtypes, coded, sparse, narrow: HashMap::new(), narrow_coded: HashMap::new() }
+    }
+
+    /// The same round with each of `blocks`' wire dtype from the layout (`wire[block]`,
+    /// f32 past its end): a block travels in it, both ways, where it is narrower than its
+    /// tensor's own choice; its payload (from `sparse`, as for [`Tensors::new`], or its
+    /// dense gradient) is built here, once.
+    pub(super) fn with_block_dtypes(
+        mut self,
+        blocks: &[BlockSpec],
+        wire: &[Dtype],
+        sparse: &[Option<SparseGrad>],
+    ) -> Self {
+        for b in blocks {
+            let Some(&d) = wire.get(b.id as usize) else { continue };
+            if d.width() >= self.dtype(b.tensor).width() {
+                continue;
+            }
+            self.narrow.insert(b.id, d);
+            let t = b.tensor as usize;
+            if let Some(part) = sparse.get(t).and_then(Option::as_ref) {
+                let part = part.block(b.offset, b.len);
+                self.sparse.insert(b.id, Values::sparse(&part.indices, &part.values, d).wire_bytes());
+            } else if let Some(Some(g)) = self.grads.get(t)
+                && b.offset + b.len <= g.len()
+                && !g.is_empty()
+            {
+                self.narrow_coded.insert(b.id, d.encode(&g[b.offset..b.offset + b.len]));
+            }
+        }
+        self
     }
 
     /// The dtype tensor `t` travels in.
     fn dtype(&self, t: u32) -> Dtype {
         self.dtypes.get(t as usize).copied().unwrap_or_default()
+    }
+
+    /// The dtype block `b` travels in, both ways: the layout's for it where that is
+    /// narrower than its tensor's, else its tensor's.
+    fn block_dtype(&self, b: &BlockSpec) -> Dtype {
+        self.narrow.get(&b.id).copied().unwrap_or_else(|| self.dtype(b.tensor))
     }
 
     /// The bytes block `b` pushes: its range of its tensor's gradient, in the tensor's
@@ -86,7 +127,10 @@ impl<'g> Tensors<'g> {
         let t = b.tensor as usize;
         let dense = |bytes, dtype| Ok((bytes, Flags { dtype, ..Flags::default() }));
         if let Some(sparse) = self.sparse.get(&b.id) {
-            return Ok((&sparse[..], Flags { dtype: self.dtype(b.tensor), sparse: true, ..Flags::default() }));
+            return Ok((&sparse[..], Flags { dtype: self.block_dtype(b), sparse: true, ..Flags::default() }));
+        }
+        if let Some(coded) = self.narrow_coded.get(&b.id) {
+            return dense(&coded[..], self.block_dtype(b));
         }
         match (self.grads.get(t), self.coded.get(t)) {
             (Some(Some([])), _) => dense(&[][..], Dtype::F32),
@@ -336,7 +380,7 @@ fn request_bytes<'g>(source: Source<'g>, sent: Sent) -> Result<(Kind, Clock, &'g
         Source::Rows(_) => Err(RuntimeError::Usage(format!("a {what} of block {} in a row round", b.id))),
     };
     let pushed = |what: &str| -> Result<(&'g [u8], Flags)> { tensors(what)?.block_bytes(&b) };
-    let reply = |what: &str| -> Result<Dtype> { Ok(tensors(what)?.dtype(b.tensor)) };
+    let reply = |what: &str| -> Result<Dtype> { Ok(tensors(what)?.block_dtype(&b)) };
     let row_payload = || match source {
         Source::Rows(p) => p
             .by_block

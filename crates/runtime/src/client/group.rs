@@ -200,7 +200,7 @@ enum Event {
     /// A member's connection passed the handshake.
     Connected { conn: ConnId, outbox: Outbox },
     /// A frame from a member's connection, or its end (`None`).
-    Frame { conn: ConnId, msg: Option<Message> },
+    Frame { conn: ConnId, msg: Option<Box<Message>> },
 }
 
 /// What woke the leader's world.
@@ -287,7 +287,11 @@ impl World<Leader> for LeaderWorld {
                 if self.conns.len() + 1 < self.size as usize {
                     self.conns.insert(conn, outbox);
                 } else {
-                    tracing::warn!(conn, size = self.size, "host group leader: a connection past the group's size, closed");
+                    tracing::warn!(
+                        conn,
+                        size = self.size,
+                        "host group leader: a connection past the group's size, closed"
+                    );
                 }
                 return ControlFlow::Continue(());
             }
@@ -300,7 +304,7 @@ impl World<Leader> for LeaderWorld {
                 self.grads.retain(|(c, _), _| *c != conn);
                 Input::Closed { conn }
             }
-            Some(Woken::Event(Event::Frame { conn, msg: Some(msg) })) => match msg {
+            Some(Woken::Event(Event::Frame { conn, msg: Some(msg) })) => match *msg {
                 Message::Control(Control::JoinGroup { local_rank }) => Input::Join { conn, local: local_rank },
                 Message::Push { block, clock, values } => {
                     let len = self.lens.get(block as usize).copied().unwrap_or(0);
@@ -400,7 +404,7 @@ async fn accept_loop(listener: TcpListener, codec: Codec, size: u32, events: mps
             }
             loop {
                 let msg = match reader.next().await {
-                    Ok(Some((_, msg))) => Some(msg),
+                    Ok(Some((_, msg))) => Some(Box::new(msg)),
                     Ok(None) => None,
                     Err(e) => {
                         tracing::warn!(error = %e, "host group leader: a member's connection failed");

@@ -553,6 +553,9 @@ struct Ending {
     /// The scheduler's latest failover notice (`Replicas`): the servers it does not list
     /// are lost ([`elasticps_node::session::servers_lost`]).
     failover: Option<Arc<Message>>,
+    /// The latest layout the scheduler sent unasked (the balancer changed the wire dtype
+    /// of blocks): installed before the next round if newer (`round.rs`).
+    layout: Option<Arc<Layout>>,
 }
 
 /// Reads the scheduler's notifications into `tell`: its `Shutdown`, then the link's end.
@@ -564,6 +567,8 @@ async fn watch_ending(mut notes: Notifications, end: EndWatch, tell: tokio::sync
         } else if let Message::Control(Control::Replicas { .. }) = &msg {
             tracing::info!("a server failed over: requests to it go to the promoted owners");
             tell.send_modify(|e| e.failover = Some(Arc::new(msg)));
+        } else if let Message::Control(Control::Layout(layout)) = msg {
+            tell.send_modify(|e| e.layout = Some(Arc::new(layout)));
         }
     }
     // Every notification the scheduler sent before the link ended has been read.

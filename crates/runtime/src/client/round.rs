@@ -55,6 +55,7 @@ impl Client {
         push: Option<(PushOp, &[Option<&[f32]>])>,
         mut pull: Option<(Clock, &mut [Option<&mut [f32]>])>,
     ) -> Result<()> {
+        self.follow_pushed_layout().await?;
         // Gradient compression: each tensor's gradient through its error feedback; each
         // block gets its part as a sparse payload.
         let sparse = match push {
@@ -77,7 +78,8 @@ impl Client {
         let grads = push.map_or(&[][..], |(_, g)| g);
         let blocks = self.layout().map_or(&[][..], |l| &l.partition.blocks[..]);
         let dtypes = (0..self.layout().map_or(0, |l| l.partition.tensors.len() as u32)).map(|t| self.wire_dtype(t));
-        let tensors = Tensors::new(grads, dtypes.collect(), &sparse, blocks);
+        let wire = self.layout().map_or(&[][..], |l| &l.wire[..]);
+        let tensors = Tensors::new(grads, dtypes.collect(), &sparse, blocks).with_block_dtypes(blocks, wire, &sparse);
         match self.run(effects, Source::Tensors(&tensors), Sink::Tensors(&mut pull), false).await? {
             Outcome::Round(finished) => {
                 self.round_done(finished);
@@ -132,6 +134,19 @@ impl Client {
         let mut effects = Vec::new();
         self.machine.handle(self.clock.now(), ClientEvent::Layout(layout), &mut effects);
         self.run(effects, Source::Tensors(&Tensors::default()), Sink::None, true).await.map(|_| ())
+    }
+
+    /// Installs the layout the scheduler sent unasked (the balancer changed the wire dtype
+    /// of blocks, `--balance-compress`) if it is newer than the machine's: from this round
+    /// on, those blocks travel in it.
+    async fn follow_pushed_layout(&mut self) -> Result<()> {
+        let pushed = self.ending.borrow().layout.clone();
+        let Some(layout) = pushed else { return Ok(()) };
+        if self.layout().is_none_or(|l| l.placement.epoch >= layout.placement.epoch) {
+            return Ok(());
+        }
+        tracing::debug!(epoch = layout.placement.epoch, narrowed = layout.wire.len(), "layout pushed by the scheduler");
+        self.install_layout(Message::Control(Control::Layout((*layout).clone()))).await
     }
 
     /// Records a finished round's waits and sends its load report when one is due.
