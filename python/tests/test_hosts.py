@@ -53,8 +53,40 @@ def wait_all(procs: List[subprocess.Popen], logs: List[Path], timeout: float) ->
     return codes
 
 
+def lose(host: Host, launch: subprocess.Popen) -> None:
+    """The host dies: its link, then its launch and everything under it (its peers see
+    silence, no close)."""
+    host.link(False)
+    os.killpg(launch.pid, signal.SIGKILL)
+    for pid in descendants(launch.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def show(logs: List[Path]) -> str:
     return "\n".join(f"--- {l.name}\n{l.read_text()[-4000:]}" for l in logs)
+
+
+def check_exact(values: dict, restarted: List[str], workers: int, steps: int) -> None:
+    """Every rank's pushes counted once: a rank that ran to the end pushed 1.0 at every
+    clock; a restarted one ("restarted rank R at clock C holds H") pushed some clocks in
+    its first life (a round it died in may have reached one block of w{R} and not the
+    other: --block-bytes 32 cuts it in two) and every clock from C on in its second."""
+    lives = {}
+    for line in restarted:
+        words = line.split()
+        rank, clock = int(words[words.index("rank") + 1]), int(words[words.index("clock") + 1])
+        lives[rank] = (clock, json.loads(line.split(" holds ", 1)[1]))
+    for r in range(workers):
+        got = values[f"w{r}"]
+        if r in lives:
+            clock, held = lives[r]
+            assert all(h == int(h) and -clock <= h <= 0 for h in held), (r, clock, held)
+            assert got == [h - (steps - clock) for h in held], (r, got, clock, held)
+        else:
+            assert got == [-float(steps)] * 16, (r, got[:3])
 
 
 @pytest.mark.deadline(420)
@@ -156,15 +188,7 @@ def test_a_host_killed_mid_run_fails_over_restarts_its_worker_and_loses_no_push(
             assert time.monotonic() < deadline, f"host 4's worker did not reach {kill_at} in 120 s:\n" + show(logs)
             assert procs[3].poll() is None, show(logs)
             time.sleep(0.01 if kill_at == "step 0" else 0.2)
-        # The host dies: its link, then its launch and everything under it (its peers see
-        # silence, no close).
-        victim.link(False)
-        os.killpg(procs[3].pid, signal.SIGKILL)
-        for pid in descendants(procs[3].pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        lose(victim, procs[3])
         codes = wait_all(procs[:3], logs[:3], 240)
         assert codes == [0, 0, 0], show(logs)
         report = json.loads((tmp_path / "report" / "report.json").read_text())
@@ -174,41 +198,8 @@ def test_a_host_killed_mid_run_fails_over_restarts_its_worker_and_loses_no_push(
         assert any(e["action"] == "failover" for e in events), events
         restarted = [l for log in logs[:3] for l in log.read_text().splitlines() if "restarted rank" in l]
         assert len(restarted) == 1, show(logs)
-        words = restarted[0].split()
-        rank, clock = int(words[words.index("rank") + 1]), int(words[words.index("clock") + 1])
-        held = json.loads(restarted[0].split(" holds ", 1)[1])
-        values = json.loads(final.read_text())
         print(f"{lost[0]['reason']}; {restarted[0]}")
-        for r in range(4):
-            got = values[f"w{r}"]
-            if r == rank:
-                # Its first life pushed some clocks before the kill (a round it died in may
-                # have reached one block and not the other: --block-bytes 32 cuts w{r} in
-                # two), its second every clock from `clock` on, on every block: each once.
-                assert all(h == int(h) and -clock <= h <= 0 for h in held), restarted[0]
-                assert got == [h - (steps - clock) for h in held], (r, got, restarted[0])
-            else:
-                assert got == [-float(steps)] * 16, (r, got[:3])
-
-
-def check_exact(values: dict, restarted: List[str], workers: int, steps: int) -> None:
-    """Every rank's pushes counted once: a rank that ran to the end pushed 1.0 at every
-    clock; a restarted one ("restarted rank R at clock C holds H") pushed some clocks in
-    its first life (a round it died in may have reached one block of w{R} and not the
-    other: --block-bytes 32 cuts it in two) and every clock from C on in its second."""
-    lives = {}
-    for line in restarted:
-        words = line.split()
-        rank, clock = int(words[words.index("rank") + 1]), int(words[words.index("clock") + 1])
-        lives[rank] = (clock, json.loads(line.split(" holds ", 1)[1]))
-    for r in range(workers):
-        got = values[f"w{r}"]
-        if r in lives:
-            clock, held = lives[r]
-            assert all(h == int(h) and -clock <= h <= 0 for h in held), (r, clock, held)
-            assert got == [h - (steps - clock) for h in held], (r, got, clock, held)
-        else:
-            assert got == [-float(steps)] * 16, (r, got[:3])
+        check_exact(json.loads(final.read_text()), restarted, 4, steps)
 
 
 @pytest.mark.deadline(300)
@@ -238,13 +229,7 @@ def test_one_push_per_host_survives_a_host_lost_mid_run_and_loses_no_push(tmp_pa
             assert time.monotonic() < deadline, "host 2's workers did not reach step 50 in 120 s:\n" + show(logs)
             assert procs[1].poll() is None, show(logs)
             time.sleep(0.2)
-        victim.link(False)
-        os.killpg(procs[1].pid, signal.SIGKILL)
-        for pid in descendants(procs[1].pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        lose(victim, procs[1])
         codes = wait_all(procs[:1], logs[:1], 240)
         assert codes == [0], show(logs)
         text = "\n".join(log.read_text() for log in logs)

@@ -902,13 +902,20 @@ mod proptests {
         owners
     }
 
-    fn run(job: &Job, owners: Option<Vec<ServerId>>, seconds: u64) -> Sim {
+    /// The simulated cluster of `job`, its blocks on `owners` (else where the job put
+    /// them), not yet run.
+    fn sim_of(job: &Job, owners: Option<Vec<ServerId>>) -> Sim {
         let (n, blocks, rates, noise, workers, seed) = job.clone();
         let sizes: Vec<u64> = blocks.iter().map(|&(size, _)| size).collect();
         let owners = owners.unwrap_or_else(|| blocks.iter().map(|&(_, o)| (o as u32) % n).collect());
         let truth = move |s: ServerId, _| rates[s as usize % rates.len()] * MB;
         let mut sim = Sim::with_blocks(n, n, n, sizes, owners, truth);
         (sim.noise, sim.workers, sim.rng) = (noise, workers, StdRng::seed_from_u64(seed));
+        sim
+    }
+
+    fn run(job: &Job, owners: Option<Vec<ServerId>>, seconds: u64) -> Sim {
+        let mut sim = sim_of(job, owners);
         sim.run_until(seconds * S);
         sim
     }
@@ -954,12 +961,8 @@ mod proptests {
             job in job(proptest::collection::vec(10.0f64..200.0, 8)),
             iter_ms in 50.0f64..500.0,
         ) {
-            let (n, blocks, rates, noise, workers, seed) = job.clone();
-            let sizes: Vec<u64> = blocks.iter().map(|&(size, _)| size).collect();
-            let owners = blocks.iter().map(|&(_, o)| (o as u32) % n).collect();
-            let truth = move |s: ServerId, _| rates[s as usize % rates.len()] * MB;
-            let mut sim = Sim::with_blocks(n, n, n, sizes, owners, truth);
-            (sim.noise, sim.workers, sim.rng) = (noise, workers, StdRng::seed_from_u64(seed));
+            let n = job.0;
+            let mut sim = sim_of(&job, None);
             sim.iter_fixed = Some(iter_ms * 1e3);
             sim.run_until(300 * S);
             let cooldown = BalanceParams::new(n, n).cooldown_us;
@@ -1001,12 +1004,8 @@ mod proptests {
             job in job(proptest::collection::vec(10.0f64..200.0, 8)),
             cpu in proptest::collection::vec(proptest::option::of(0.0f64..0.2), 8),
         ) {
-            let (n, blocks, rates, noise, workers, seed) = job.clone();
-            let sizes: Vec<u64> = blocks.iter().map(|&(size, _)| size).collect();
-            let owners = blocks.iter().map(|&(_, o)| (o as u32) % n).collect();
-            let truth = move |s: ServerId, _| rates[s as usize % rates.len()] * MB;
-            let mut sim = Sim::with_blocks(n, n, n, sizes, owners, truth);
-            (sim.noise, sim.workers, sim.rng) = (noise, workers, StdRng::seed_from_u64(seed));
+            let n = job.0;
+            let mut sim = sim_of(&job, None);
             sim.balancer = Balancer::new(BalanceParams { compress: Some(Dtype::Bf16), ..BalanceParams::new(n, n) });
             sim.cpu_s = (0..n).filter_map(|s| cpu[s as usize].map(|c| (s, c))).collect();
             let fixed = sim.static_iter_us();

@@ -403,6 +403,17 @@ fn a_drained_server_lingers_until_its_connections_close() {
     assert!(matches!(&d.handle(REGISTER_TIMEOUT_US, Event::Timeout)[..], [Action::Exit(Exit::Failed { .. })]));
 }
 
+/// The load report among a server's actions.
+fn load_report(actions: &[Action]) -> elasticps_wire::ServerLoad {
+    actions
+        .iter()
+        .find_map(|x| match x {
+            Action::ToScheduler { request_id: 0, msg: Message::Control(Control::ServerLoad(l)) } => Some(l.clone()),
+            _ => None,
+        })
+        .expect("a load report")
+}
+
 /// The load model plans with wire bytes (the balancer's rule 5c halves a compressed
 /// block's bytes): a bf16 push counts its 2 bytes a value in the load report, as the
 /// link carried them, not the 4 of the f32s it is widened to.
@@ -413,13 +424,7 @@ fn a_load_report_counts_the_bytes_a_push_carried_on_the_wire() {
     let msg = Message::Push { block: 0, clock: 0, values };
     a.handle(10, Event::Received { conn: 1, request_id: 1, msg });
     let r = a.handle(STATS_INTERVAL_US, Event::Timeout);
-    let load = r
-        .iter()
-        .find_map(|x| match x {
-            Action::ToScheduler { request_id: 0, msg: Message::Control(Control::ServerLoad(l)) } => Some(l.clone()),
-            _ => None,
-        })
-        .expect("a load report");
+    let load = load_report(&r);
     assert_eq!((load.requests, load.bytes_in), (1, 2 * LEN as u64));
 }
 
@@ -429,13 +434,7 @@ fn the_timeout_sends_load_reports_and_poll_timeout_names_the_next_one() {
     push(&mut a, 10, 0, 1, 0, 0, 1.0);
     a.charge(70, 5);
     let r = a.handle(STATS_INTERVAL_US, Event::Timeout);
-    let load = r
-        .iter()
-        .find_map(|x| match x {
-            Action::ToScheduler { request_id: 0, msg: Message::Control(Control::ServerLoad(l)) } => Some(l.clone()),
-            _ => None,
-        })
-        .expect("a load report");
+    let load = load_report(&r);
     assert_eq!((load.requests, load.bytes_in, load.busy_us, load.shaped_us, load.blocks), (1, 16, 70, 5, 1));
     // Heartbeats are the session's (crate::session), not the server's.
     assert!(!r.iter().any(|x| matches!(x, Action::ToScheduler { msg: Message::Control(Control::Heartbeat), .. })));
