@@ -233,13 +233,7 @@ impl Leader {
         match input {
             Input::Join { conn, local } => self.join(conn, local, out),
             Input::Gradient { conn, tensor, clock } => {
-                let Some(m) = self.members.get_mut(&conn) else {
-                    return refuse(out, conn, "a gradient before JoinGroup".into());
-                };
-                if tensor >= self.tensors {
-                    let why = format!("tensor {tensor} is not in the model ({} tensors)", self.tensors);
-                    return self.drop_member(conn, why, out);
-                }
+                let Some(m) = self.member_of(conn, tensor, "a gradient", out) else { return };
                 if let Some(held) = m.grads.get(&tensor) {
                     let why = format!(
                         "a second gradient of tensor {tensor} (clock {clock}) before the first (clock {held}) was summed"
@@ -250,18 +244,13 @@ impl Leader {
                 self.try_gather(now_us, out);
             }
             Input::Wants { conn, tensor, clock } => {
-                let Some(m) = self.members.get_mut(&conn) else {
-                    return refuse(out, conn, "a request for values before JoinGroup".into());
-                };
-                if tensor >= self.tensors {
-                    let why = format!("tensor {tensor} is not in the model ({} tensors)", self.tensors);
-                    return self.drop_member(conn, why, out);
-                }
+                let in_hand = self.published.get(tensor as usize).copied().flatten().is_some_and(|p| p >= clock);
+                let Some(m) = self.member_of(conn, tensor, "a request for values", out) else { return };
                 if m.wants.contains_key(&tensor) {
                     let why = format!("a second request for tensor {tensor} before the first was answered");
                     return self.drop_member(conn, why, out);
                 }
-                if self.published[tensor as usize].is_some_and(|p| p >= clock) {
+                if in_hand {
                     out.push(Effect::Send { conn, tensor });
                 } else {
                     m.wants.insert(tensor, clock);
@@ -351,6 +340,21 @@ impl Leader {
             self.over = true;
             out.push(Effect::Over { left });
         }
+    }
+
+    /// The member of `conn`, if it joined and `tensor` is in the model; otherwise
+    /// refuses what it sent (`what`), or drops it.
+    fn member_of(&mut self, conn: ConnId, tensor: u32, what: &str, out: &mut Vec<Effect>) -> Option<&mut Member> {
+        if !self.members.contains_key(&conn) {
+            refuse(out, conn, format!("{what} before JoinGroup"));
+            return None;
+        }
+        if tensor >= self.tensors {
+            let why = format!("tensor {tensor} is not in the model ({} tensors)", self.tensors);
+            self.drop_member(conn, why, out);
+            return None;
+        }
+        self.members.get_mut(&conn)
     }
 
     fn join(&mut self, conn: ConnId, local: u32, out: &mut Vec<Effect>) {
