@@ -571,14 +571,7 @@ impl WorkerRole {
             // The balancer changed the wire dtype of blocks (--balance-compress): a newer
             // layout, sent unasked.
             (0, Message::Control(Control::Layout(layout))) => {
-                let newer = self
-                    .client
-                    .as_ref()
-                    .and_then(Client::layout)
-                    .is_none_or(|l| l.placement.epoch < layout.placement.epoch);
-                if newer {
-                    self.drive(out, ClientEvent::Layout(Arc::new(layout)));
-                }
+                self.drive(out, ClientEvent::LayoutPushed(Arc::new(layout)));
             }
             // A failover: the lost servers are closed connections, whose host may be
             // silent (no close would come).

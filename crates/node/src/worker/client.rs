@@ -42,6 +42,10 @@ pub const HELLO_ID: u64 = 1;
 pub enum Event<'a> {
     /// The scheduler's layout (the answer to `DefineModel` or to [`Effect::RefreshLayout`]).
     Layout(Arc<Layout>),
+    /// A layout the scheduler sent unasked (the balancer changed the wire dtype of blocks,
+    /// `--balance-compress`): installed as [`Event::Layout`] if its epoch is newer than the
+    /// installed one's, else ignored (an older push overtaken by a refresh).
+    LayoutPushed(Arc<Layout>),
     /// The connection of [`Effect::Dial`] is open.
     Dialled {
         /// The connection.
@@ -588,6 +592,11 @@ impl crate::Machine for Client {
 
     fn handle(&mut self, now_us: u64, input: Event<'_>, out: &mut Vec<Effect>) {
         match input {
+            Event::LayoutPushed(layout) => {
+                if self.layout.as_ref().is_none_or(|l| l.placement.epoch < layout.placement.epoch) {
+                    self.handle(now_us, Event::Layout(layout), out);
+                }
+            }
             Event::Layout(layout) => {
                 self.install(now_us, layout.clone(), out);
                 if self.call.as_ref().is_some_and(|c| c.stage == CallStage::Refreshing) {

@@ -193,3 +193,24 @@ fn a_call_to_a_migrating_block_is_sent_again_until_answered_within_the_call_time
     let [Effect::Failed(e)] = &out[..] else { panic!("{out:?}") };
     assert_eq!(e.to_string(), "server 0 answered NotReady: not yet");
 }
+
+/// A layout the scheduler pushes unasked (the balancer narrowed blocks' wire dtype) is
+/// installed only if its epoch is newer than the installed one: a push overtaken by a
+/// newer layout changes nothing.
+#[test]
+fn a_pushed_layout_is_installed_only_when_newer() {
+    let mut c = client();
+    let at = |epoch: u64, addr: &str| {
+        let mut l = (*layout(vec![0], &[(0, addr)])).clone();
+        l.placement.epoch = epoch;
+        Arc::new(l)
+    };
+    handle(&mut c, 0, Event::Layout(at(5, "a:1")));
+    for (epoch, installed) in [(4, 5), (5, 5), (6, 6)] {
+        handle(&mut c, 1, Event::LayoutPushed(at(epoch, "a:1")));
+        assert_eq!(c.layout().map(|l| l.placement.epoch), Some(installed), "a push of epoch {epoch}");
+    }
+    // Installed as any layout is: a server at a new address is dialled.
+    let e = handle(&mut c, 2, Event::LayoutPushed(at(7, "b:2")));
+    assert_eq!(dials(&e).len(), 1, "{e:?}");
+}

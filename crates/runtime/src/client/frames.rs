@@ -44,7 +44,7 @@ pub(super) struct Tensors<'g> {
     /// positions, values in the block's dtype).
     sparse: HashMap<BlockId, Bytes>,
     /// The blocks the layout sends in a dtype narrower than their tensor's (the balancer's
-    /// `--balance-compress`), with that dtype ([`Tensors::with_block_dtypes`]).
+    /// `--balance-compress`), with that dtype ([`Tensors::new`]).
     narrow: HashMap<BlockId, Dtype>,
     /// Each such block's dense gradient in its dtype, built once per round.
     narrow_coded: HashMap<BlockId, Vec<u8>>,
@@ -53,15 +53,30 @@ pub(super) struct Tensors<'g> {
 impl<'g> Tensors<'g> {
     /// `grads` (one entry per tensor, or none) to travel in `dtypes` (one per tensor of
     /// the model), the tensors in `sparse` (`sparse[t]`, from the error feedback) as each
-    /// of their `blocks`' part: each payload is built here, once.
+    /// of their `blocks`' part, and each block in its layout dtype (`wire[block]`, f32
+    /// past its end: the balancer's `--balance-compress`) where that is narrower than its
+    /// tensor's, both ways: each payload is built here, once.
     pub(super) fn new(
         grads: &'g [Option<&'g [f32]>],
         dtypes: Vec<Dtype>,
         sparse: &[Option<SparseGrad>],
         blocks: &[BlockSpec],
+        wire: &[Dtype],
     ) -> Self {
         let dtype = |t: usize| dtypes.get(t).copied().unwrap_or_default();
         let compressed = |t: usize| sparse.get(t).and_then(Option::as_ref);
+        // Nothing to look at while no block is narrowed (the common case: a hot path).
+        let narrow: HashMap<BlockId, Dtype> = match wire.is_empty() {
+            true => HashMap::new(),
+            false => blocks
+                .iter()
+                .filter_map(|b| {
+                    let d = *wire.get(b.id as usize)?;
+                    (d.width() < dtype(b.tensor as usize).width()).then_some((b.id, d))
+                })
+                .collect(),
+        };
+        let block_dtype = |b: &BlockSpec| narrow.get(&b.id).copied().unwrap_or_else(|| dtype(b.tensor as usize));
         let coded = grads
             .iter()
             .enumerate()
@@ -74,40 +89,19 @@ impl<'g> Tensors<'g> {
             .iter()
             .filter_map(|b| {
                 let part = compressed(b.tensor as usize)?.block(b.offset, b.len);
-                Some((b.id, Values::sparse(&part.indices, &part.values, dtype(b.tensor as usize)).wire_bytes()))
+                Some((b.id, Values::sparse(&part.indices, &part.values, block_dtype(b)).wire_bytes()))
             })
             .collect();
-        Tensors { grads, dtypes, coded, sparse, narrow: HashMap::new(), narrow_coded: HashMap::new() }
-    }
-
-    /// The same round with each of `blocks`' wire dtype from the layout (`wire[block]`,
-    /// f32 past its end): a block travels in it, both ways, where it is narrower than its
-    /// tensor's own choice; its payload (from `sparse`, as for [`Tensors::new`], or its
-    /// dense gradient) is built here, once.
-    pub(super) fn with_block_dtypes(
-        mut self,
-        blocks: &[BlockSpec],
-        wire: &[Dtype],
-        sparse: &[Option<SparseGrad>],
-    ) -> Self {
-        for b in blocks {
-            let Some(&d) = wire.get(b.id as usize) else { continue };
-            if d.width() >= self.dtype(b.tensor).width() {
-                continue;
-            }
-            self.narrow.insert(b.id, d);
-            let t = b.tensor as usize;
-            if let Some(part) = sparse.get(t).and_then(Option::as_ref) {
-                let part = part.block(b.offset, b.len);
-                self.sparse.insert(b.id, Values::sparse(&part.indices, &part.values, d).wire_bytes());
-            } else if let Some(Some(g)) = self.grads.get(t)
-                && b.offset + b.len <= g.len()
-                && !g.is_empty()
-            {
-                self.narrow_coded.insert(b.id, d.encode(&g[b.offset..b.offset + b.len]));
-            }
-        }
-        self
+        let narrow_coded = blocks
+            .iter()
+            .filter(|b| narrow.contains_key(&b.id) && compressed(b.tensor as usize).is_none())
+            .filter_map(|b| {
+                let g = grads.get(b.tensor as usize).copied().flatten()?;
+                let range = b.offset..b.offset + b.len;
+                (!g.is_empty() && range.end <= g.len()).then(|| (b.id, block_dtype(b).encode(&g[range])))
+            })
+            .collect();
+        Tensors { grads, dtypes, coded, sparse, narrow, narrow_coded }
     }
 
     /// The dtype tensor `t` travels in.

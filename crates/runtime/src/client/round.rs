@@ -79,7 +79,7 @@ impl Client {
         let blocks = self.layout().map_or(&[][..], |l| &l.partition.blocks[..]);
         let dtypes = (0..self.layout().map_or(0, |l| l.partition.tensors.len() as u32)).map(|t| self.wire_dtype(t));
         let wire = self.layout().map_or(&[][..], |l| &l.wire[..]);
-        let tensors = Tensors::new(grads, dtypes.collect(), &sparse, blocks).with_block_dtypes(blocks, wire, &sparse);
+        let tensors = Tensors::new(grads, dtypes.collect(), &sparse, blocks, wire);
         match self.run(effects, Source::Tensors(&tensors), Sink::Tensors(&mut pull), false).await? {
             Outcome::Round(finished) => {
                 self.round_done(finished);
@@ -136,17 +136,17 @@ impl Client {
         self.run(effects, Source::Tensors(&Tensors::default()), Sink::None, true).await.map(|_| ())
     }
 
-    /// Installs the layout the scheduler sent unasked (the balancer changed the wire dtype
-    /// of blocks, `--balance-compress`) if it is newer than the machine's: from this round
-    /// on, those blocks travel in it.
+    /// Hands the machine the layout the scheduler sent unasked (the balancer changed the
+    /// wire dtype of blocks, `--balance-compress`), which it installs if newer than its
+    /// own: from this round on, those blocks travel in it.
     async fn follow_pushed_layout(&mut self) -> Result<()> {
-        let pushed = self.ending.borrow().layout.clone();
-        let Some(layout) = pushed else { return Ok(()) };
-        if self.layout().is_none_or(|l| l.placement.epoch >= layout.placement.epoch) {
+        let Some(layout) = self.ending.borrow().layout.clone() else { return Ok(()) };
+        let mut effects = Vec::new();
+        self.machine.handle(self.clock.now(), ClientEvent::LayoutPushed(layout), &mut effects);
+        if effects.is_empty() {
             return Ok(());
         }
-        tracing::debug!(epoch = layout.placement.epoch, narrowed = layout.wire.len(), "layout pushed by the scheduler");
-        self.install_layout(Message::Control(Control::Layout((*layout).clone()))).await
+        self.run(effects, Source::Tensors(&Tensors::default()), Sink::None, true).await.map(|_| ())
     }
 
     /// Records a finished round's waits and sends its load report when one is due.
