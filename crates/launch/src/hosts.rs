@@ -463,8 +463,13 @@ impl World<Agent> for Driver<'_> {
                     let _ = out.send((request_id, msg));
                 }
             }
-            // The writer ends: the connection closes, the scheduler stops waiting for it.
-            Effect::Close => self.link = None,
+            // The writer ends once the last frames (a server's counters, the nodes' exits)
+            // are written: the connection closes, the scheduler stops waiting for it.
+            Effect::Close => {
+                if let Some(link) = self.link.take() {
+                    elasticps_runtime::session::close(link).await;
+                }
+            }
             Effect::Spawn(spawn) => {
                 let input = match self.spawn(&spawn) {
                     Ok(node) => Input::Spawned { slot: spawn.slot, node },

@@ -356,6 +356,27 @@ impl FrameReader {
     }
 }
 
+/// How long a process waits, at its end, for its last frames to be written (a peer that
+/// reads nothing can hold a socket full: the wait is bounded, and says so).
+pub const LAST_WRITES_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Waits, at most [`LAST_WRITES_TIMEOUT`], until every frame queued so far on `writers`
+/// is written into its socket: a process's last frames are not lost when it exits right
+/// after. Logs `who` and what was not written in time, and returns false then.
+pub async fn flush_last_writes(writers: &[Arc<Writer>], who: &str) -> bool {
+    let flushed = futures::future::join_all(writers.iter().map(|w| w.flushed()));
+    let in_time = tokio::time::timeout(LAST_WRITES_TIMEOUT, flushed).await.is_ok();
+    if !in_time {
+        tracing::warn!(
+            who,
+            connections = writers.len(),
+            timeout_s = LAST_WRITES_TIMEOUT.as_secs(),
+            "exiting before the last frames were written"
+        );
+    }
+    in_time
+}
+
 /// Sender side of a connection's writer task (cheap to clone); every clone shares the
 /// connection's [`Writer`]. The writer task ends when every clone is dropped (or the
 /// socket fails), and then shuts the socket down.

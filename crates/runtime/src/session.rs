@@ -215,6 +215,14 @@ pub async fn open(addr: &str, codec: Codec) -> Result<Conn> {
     Ok((out, rx))
 }
 
+/// Closes a connection [`open`] made once everything sent on it is written (bounded by
+/// [`conn::LAST_WRITES_TIMEOUT`]): the last frames of a process that exits right after
+/// (a host agent's relayed events and its nodes' exits) are not lost.
+pub async fn close(conn: Conn) {
+    let (out, _frames) = conn;
+    conn::flush_last_writes(&[out.writer().clone()], "scheduler connection").await;
+}
+
 /// The session's world: its connection, a dial under way, and the node's calls.
 struct Driver {
     addr: String,
@@ -409,6 +417,43 @@ mod tests {
         assert!(matches!(next, Ok(Message::Control(Control::Ok))), "{next:?}");
         link.close();
         scheduler.abort();
+    }
+
+    /// What was sent on a connection before [`close`] is written, even by a process whose
+    /// runtime ends right after: the agent's one-thread runtime runs the writer task only
+    /// while `close` waits for it.
+    #[test]
+    fn a_closed_connection_writes_what_was_sent_on_it_before_it_ends() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let codec = Codec::new(b"", elasticps_wire::DEFAULT_MAX_PAYLOAD);
+        let c2 = codec.clone();
+        // The scheduler: counts the frames it reads until the connection closes.
+        let scheduler = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                listener.set_nonblocking(true).unwrap();
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                let (mut stream, _) = listener.accept().await.unwrap();
+                crate::handshake::accept(&mut stream, b"", "agent", Duration::from_secs(5)).await.unwrap();
+                let (mut reader, _out) = conn::split(stream, c2, "agent".into());
+                let mut frames = 0;
+                while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(10), reader.next()).await.unwrap() {
+                    frames += 1;
+                }
+                frames
+            })
+        });
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let conn = open(&addr, codec).await.unwrap();
+            for _ in 0..3 {
+                conn.0.send((0, Control::HostEvent { line: "{}".into() }.into())).unwrap();
+            }
+            close(conn).await;
+        });
+        drop(rt);
+        assert_eq!(scheduler.join().unwrap(), 3, "every frame sent before the close arrived");
     }
 
     /// A scheduler that accepts one connection, answers its first call with `Welcome`,

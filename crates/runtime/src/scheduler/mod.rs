@@ -29,10 +29,6 @@ use elasticps_node::Machine;
 
 pub mod state;
 
-/// How long the scheduler waits, at its end, for its last answers to be written (a peer
-/// that reads nothing can hold a socket full: the wait is bounded, and says so).
-const LAST_WRITES_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// One connection as the actor sees it: where to send, and how to close it. The reader
 /// task holds a clone of the outbox too, so dropping ours alone does not close anything:
 /// `close` makes the reader task stop, which drops the last outbox, and the writer task
@@ -256,14 +252,7 @@ impl<'a> Driver<'a> {
     /// queued is flushed. (The machine waited for the manifest writes.)
     async fn close(mut self) {
         let writers: Vec<_> = self.conns.drain().map(|(_, h)| h.out.writer().clone()).collect();
-        let flushed = futures::future::join_all(writers.iter().map(|w| w.flushed()));
-        if tokio::time::timeout(LAST_WRITES_TIMEOUT, flushed).await.is_err() {
-            tracing::warn!(
-                connections = writers.len(),
-                timeout_s = LAST_WRITES_TIMEOUT.as_secs(),
-                "the scheduler exits before its last answers to the nodes were written"
-            );
-        }
+        crate::conn::flush_last_writes(&writers, "scheduler").await;
     }
 }
 

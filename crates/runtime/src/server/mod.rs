@@ -115,10 +115,6 @@ fn with_port(advertise: &str, port: u16) -> String {
     }
 }
 
-/// How long a server waits, at its end, for its last answers (`Moved`, `Shutdown`) to be
-/// written (a peer that reads nothing can hold a socket full: the wait is bounded).
-const LAST_WRITES_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// Runs a server until the scheduler shuts the job down; returns its final counters.
 pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     let listener = TcpListener::bind(&opts.listen)
@@ -134,7 +130,7 @@ pub async fn run(opts: ServerOptions) -> Result<ServerStats> {
     accept.abort();
     // Its last notifications to the scheduler (a checkpoint's `CheckpointWritten`) are
     // written before the process exits.
-    if !io.sched.is_over() && !io.sched.flushed(LAST_WRITES_TIMEOUT).await {
+    if !io.sched.is_over() && !io.sched.flushed(crate::conn::LAST_WRITES_TIMEOUT).await {
         tracing::warn!("the server exits before its last messages to the scheduler were written");
     }
     io.close().await;
@@ -325,15 +321,7 @@ impl Io {
     /// Waits, bounded, for the last answers (`Moved`, `Shutdown`) to be in the sockets,
     /// then flushes the trace.
     async fn close(&self) {
-        let writers = self.replies.writers();
-        let flushed = futures::future::join_all(writers.iter().map(|w| w.flushed()));
-        if tokio::time::timeout(LAST_WRITES_TIMEOUT, flushed).await.is_err() {
-            tracing::warn!(
-                connections = writers.len(),
-                timeout_s = LAST_WRITES_TIMEOUT.as_secs(),
-                "the server exits before its last answers were written"
-            );
-        }
+        crate::conn::flush_last_writes(&self.replies.writers(), "server").await;
         if let Some(t) = &self.trace {
             let _ = lock(t).flush();
         }
