@@ -648,7 +648,7 @@ impl Network {
         let hold = &mut self.conns[conn as usize].hold_until_ns[end as usize];
         if !shaped {
             self.travel(conn, end, slot, now);
-        } else if now > self.now_ns || *hold > self.now_ns {
+        } else if now > self.now_ns || waits_to_leave(*hold, self.now_ns) {
             *hold = (*hold).max(now);
             let at = *hold;
             self.queue.push(at, Ev::Leave { conn, from_end: end, item: Outgoing::Message(slot) });
@@ -772,7 +772,7 @@ impl Network {
         let hold = c.hold_until_ns[end as usize];
         self.queue.push(now, Ev::Lost { conn, end, why: LostWhy::ClosedHere });
         // After what this end sent before.
-        if hold > now {
+        if waits_to_leave(hold, now) {
             self.queue.push(hold, Ev::Leave { conn, from_end: end, item: Outgoing::Fin });
         } else {
             self.queue_up(node, key(conn, end), Outgoing::Fin);
@@ -1009,6 +1009,14 @@ impl Network {
     }
 }
 
+/// True while a message an end sent may still wait to leave: its `Leave` is at `hold`
+/// (0: none yet), maybe at this very time and not handled yet. What the end sends next
+/// queues behind it (an event at `hold` or later, FIFO among equal times), so each end of
+/// a connection stays FIFO.
+fn waits_to_leave(hold_ns: u64, now_ns: u64) -> bool {
+    hold_ns != 0 && hold_ns >= now_ns
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1122,6 +1130,27 @@ mod tests {
         assert_eq!(net.peer(a, c1), Some(b));
         assert_eq!(net.peer(b, c2), Some(a));
         assert_eq!(NodeId::from_addr(&b.addr()), Some(b));
+    }
+
+    /// Found by `bench sim --suite` (seed 11): a busy server's `PushAck` leaves at the end
+    /// of its CPU time, 1 us ahead; the pull's reply, sent in that very microsecond by an
+    /// event scheduled before the ack's departure, overtook it, and the worker failed with
+    /// "reply to no request of this round". What an end sent leaves in the order sent.
+    #[test]
+    fn a_message_sent_while_an_earlier_one_waits_to_leave_at_this_very_time_leaves_after_it() {
+        let mut net = Network::new(1);
+        let shaped = LinkSpec { latency_us: 5, up_bps: 1_000_000_000, down_bps: 0 };
+        let s = net.add_node(NodeKind::Server(0), shaped);
+        let w = net.add_node(NodeKind::Worker(0), LinkSpec::default());
+        let c = net.connect(w, s);
+        // Scheduled first: the event at 10 us on which the server sends its second message.
+        net.set_timer(s, 10, 0);
+        assert!(net.send_at(s, c, 0, push(0, 1), 10_000)); // leaves at 10 us (a busy CPU)
+        assert!(matches!(net.next_event(), Some(Delivery::Timer { .. })));
+        assert_eq!(net.now_ns(), 10_000);
+        assert!(net.send_at(s, c, 0, push(0, 2), 0)); // now, in the same microsecond
+        let clocks: Vec<u32> = drain(&mut net).iter().map(|d| d.4).collect();
+        assert_eq!(clocks, [1, 2], "the second message overtook the first");
     }
 
     #[test]

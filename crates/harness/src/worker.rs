@@ -259,7 +259,7 @@ impl WorkerRole {
         if matches!(self.stage, Stage::Done | Stage::Failed(_)) {
             return;
         }
-        tracing::debug!(rank = ?self.rank, %why, "simulated worker fails");
+        tracing::warn!(rank = ?self.rank, %why, "simulated worker fails");
         self.stage = Stage::Failed(why);
         self.by_link.clear();
         for conn in self.link.conn().into_iter().chain(std::mem::take(&mut self.links).into_values()) {
