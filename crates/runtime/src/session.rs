@@ -420,8 +420,8 @@ mod tests {
     }
 
     /// What was sent on a connection before [`close`] is written, even by a process whose
-    /// runtime ends right after: the agent's one-thread runtime runs the writer task only
-    /// while `close` waits for it.
+    /// runtime ends right after (a host agent's last `HostEvent`s): a one-thread runtime
+    /// runs the connection's writer task only while `close` waits for it.
     #[test]
     fn a_closed_connection_writes_what_was_sent_on_it_before_it_ends() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
