@@ -29,6 +29,7 @@ wraps a torch optimizer.
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 from typing import Optional
 
@@ -61,7 +62,8 @@ def init(scheduler: Optional[str] = None) -> Worker:
     ``scheduler`` is ``host:port``; by default ``ELASTICPS_SCHEDULER`` (set by
     ``elasticps launch``), else ``127.0.0.1:7000``. Calling ``init`` again returns the same
     worker. A script that ends without ``finish()`` finishes at interpreter exit, so the
-    job does not count it as lost.
+    job does not count it as lost; one that an exception ends does not (the job counts it
+    lost, and ``--restart-workers`` starts it again).
     """
     global _default, _steps
     with _lock:
@@ -69,7 +71,7 @@ def init(scheduler: Optional[str] = None) -> Worker:
             _default = connect(scheduler)
             # A resumed job's log steps go on from its checkpoint's clock.
             _steps = int(_default.start_clock)
-            atexit.register(finish)
+            atexit.register(_finish_at_exit)
         return _default
 
 
@@ -99,6 +101,20 @@ def start_clock() -> int:
 def finish() -> None:
     """Tells the job this worker is done and reports its run to the launcher."""
     if _default is not None:
+        _default.finish()
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit, finishes the worker the script did not finish, unless an
+    exception ended the script (the interpreter printed it, and set ``sys.last_value``):
+    that worker failed, and finishing it would count it done, so the job would neither
+    restart it nor fail, and its pushes would silently stop. It leaves unfinished instead
+    (``Worker.abandon``), and the job counts it lost, as a killed worker."""
+    if _default is None:
+        return
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        _default.abandon()
+    else:
         _default.finish()
 
 

@@ -186,6 +186,12 @@ class Worker:
         """Tells the scheduler this worker is done and reports the run to the launcher.
         Later calls do nothing."""
 
+    def abandon(self) -> None:
+        """Leaves the job unfinished, as a failed worker: the scheduler counts it lost (and
+        ``--restart-workers`` starts it again) rather than done. Called at interpreter exit
+        when an exception ended the script. Later calls, and ``finish`` after it, do
+        nothing."""
+
 def connect(scheduler: Optional[str] = None) -> Worker:
     """Joins the job of the scheduler at ``scheduler`` (``host:port``; default
     ``ELASTICPS_SCHEDULER``, else 127.0.0.1:7000) and returns the worker."""

@@ -144,7 +144,7 @@ n = int(os.environ["ELASTICPS_WORKERS"])
 params = {f"w{r}": np.zeros(16, np.float32) for r in range(n)}
 w.register_model(params)
 start = w.start_clock
-print(f"rank {w.rank} host group rank {os.environ.get('ELASTICPS_HOST_GROUP_RANK', '-')}", flush=True)
+print(f"pid {os.getpid()} rank {w.rank} host group rank {os.environ.get('ELASTICPS_HOST_GROUP_RANK', '-')}", flush=True)
 if "ELASTICPS_RANK" in os.environ:
     w.pull(start, params)
     print(f"restarted rank {w.rank} at clock {start} holds {json.dumps(params[f'w{w.rank}'].tolist())}", flush=True)
@@ -242,6 +242,40 @@ def test_one_push_per_host_survives_a_host_lost_mid_run_and_loses_no_push(tmp_pa
         events = report["balance"]["scaling"]
         assert any(e["action"] == "host-lost" and victim.name in e["reason"] for e in events), events
         print("; ".join(restarted))
+        check_exact(json.loads(final.read_text()), restarted, workers, steps)
+
+
+@pytest.mark.deadline(300)
+def test_a_host_groups_leader_killed_alone_restarts_it_and_its_member_and_loses_no_push(tmp_path):
+    """Only host 2's group leader is killed mid-run (its host and member live on). The
+    member's next round fails (its leader is gone) and the exception leaves the job
+    without WorkerDone, so the job counts it lost, not done: both are restarted, each
+    pushing alone, and every push of every rank counts exactly once. Before, the member
+    finished at interpreter exit: never restarted, its pushes stopped counting, and the
+    job ended 0."""
+    require_root()
+    script = tmp_path / "exact_worker.py"
+    script.write_text(EXACT_WORKER)
+    steps, workers = 300, 4
+    final = tmp_path / "final.json"
+    with testbed(2, "ephl") as hosts:
+        logs = [tmp_path / f"{h.name}.log" for h in hosts]
+        flags = ["--sync", "bsp", "--no-aggregate", "--optimizer", "sgd", "--lr", "1", "--replicas", "2",
+                 "--restart-workers", "2", "--block-bytes", "32", "--workers-per-node", "2", "--worker-slots", "4"]
+        procs = [launch_on(h, hosts[0], "2", flags, [sys.executable, str(script), str(steps), str(final)], log)
+                 for h, log in zip(hosts, logs)]
+        deadline = time.monotonic() + 120
+        while "step 50" not in logs[1].read_text():
+            assert time.monotonic() < deadline, "host 2's workers did not reach step 50 in 120 s:\n" + show(logs)
+            time.sleep(0.2)
+        seated = [l.split() for l in logs[1].read_text().splitlines() if "host group rank 0" in l]
+        assert len(seated) == 1, show(logs)
+        os.kill(int(seated[0][seated[0].index("pid") + 1]), signal.SIGKILL)
+        codes = wait_all(procs, logs, 240)
+        assert codes == [0, 0], show(logs)
+        text = "\n".join(log.read_text() for log in logs)
+        restarted = [l for l in text.splitlines() if "restarted rank" in l]
+        assert len(restarted) == 2, show(logs)
         check_exact(json.loads(final.read_text()), restarted, workers, steps)
 
 

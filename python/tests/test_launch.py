@@ -154,3 +154,39 @@ def test_a_python_worker_that_dies_is_restarted_with_its_rank_and_the_job_comple
     assert "restarting it as rank 1" in out.stderr, out.stderr[-3000:]
     m = re.search(r"rank 1 starts at (\d+) restarted True", out.stdout)
     assert m and int(m.group(1)) >= 30, out.stdout[-2000:]
+
+
+@pytest.mark.parametrize("restarts", [0, 1], ids=["no-restart", "restarted"])
+def test_a_script_that_raises_is_not_counted_finished(tmp_path, restarts):
+    # Rank 1's script raises at step 30 of its first life. The exception escapes it, so
+    # the interpreter's exit leaves the job without WorkerDone (`Worker.abandon`; a script
+    # that ends well finishes at exit): the job counts the worker lost, not done. Without a
+    # restart the job fails naming it; with one, it is started again and the job
+    # completes. Before, it counted as finished: the launcher failed the job instead of
+    # restarting it, and across hosts it was never restarted and its pushes silently
+    # stopped counting (the job ended 0).
+    script = tmp_path / "raises_once.py"
+    script.write_text(
+        "import os, numpy as np, elasticps\n"
+        "w = elasticps.init()\n"
+        "p = {'w': np.zeros(64, np.float32)}\n"
+        "w.register_model(p)\n"
+        "restarted = 'ELASTICPS_RANK' in os.environ\n"
+        "print(f'rank {w.rank} starts at {w.start_clock} restarted {restarted}', flush=True)\n"
+        "for t in range(w.start_clock, 100):\n"
+        "    if w.rank == 1 and not restarted and t == 30:\n"
+        "        raise RuntimeError('the data loader broke')\n"
+        "    w.push_pull(t, {'w': np.full(64, 0.01, np.float32)}, p)\n"
+        "    elasticps.log(step=t + 1, total=100, loss=float(p['w'][0]))\n"
+    )
+    out = launch(["--workers", "2", "--sync", "bsp", "--restart-workers", str(restarts), "--",
+                  sys.executable, str(script)], timeout=180)
+    text = out.stdout[-2000:] + out.stderr[-3000:]
+    assert "RuntimeError: the data loader broke" in out.stderr, text
+    if restarts:
+        assert out.returncode == 0, text
+        assert "restarting it as rank 1" in out.stderr, text
+        assert re.search(r"rank 1 starts at (\d+) restarted True", out.stdout), text
+    else:
+        assert out.returncode != 0, text
+        assert "the job ended without worker 1" in out.stderr, text

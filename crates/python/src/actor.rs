@@ -67,6 +67,10 @@ pub enum Cmd {
     Barrier { done: Reply<()> },
     /// Tell the scheduler this worker is done; the task ends. Replies with the run's numbers.
     Finish { done: Reply<RunStats> },
+    /// Leave the job without telling the scheduler it is done (an exception ended the
+    /// script): the task ends and its connections close, so the scheduler counts the
+    /// worker lost, as a killed one, and `--restart-workers` starts it again.
+    Abandon,
 }
 
 /// What joining the job tells Python: the worker's rank, the number of workers and the
@@ -109,6 +113,10 @@ pub async fn run(
     let Some(client) = join(opts, ready).await else { return };
     let mut actor = Actor { client, stats: RunStats::default(), rx, next: None };
     while let Some(cmd) = actor.next_cmd().await {
+        if let Cmd::Abandon = cmd {
+            tracing::warn!(rank = actor.client.rank(), "the script failed: the worker leaves the job unfinished");
+            return;
+        }
         if let Some(done) = actor.execute(cmd).await {
             let Actor { client, mut stats, .. } = actor;
             let rank = client.rank();
@@ -228,6 +236,8 @@ impl Actor {
                 let _ = done.send(r);
             }
             Cmd::Finish { done } => return Some(done),
+            // Handled by `run`, before a command is executed.
+            Cmd::Abandon => {}
             other => self.control(other).await,
         }
         None

@@ -659,6 +659,18 @@ impl Worker {
         Ok(())
     }
 
+    /// Leaves the job unfinished, as a failed worker: no `WorkerDone`, so the scheduler
+    /// counts this worker lost (and `--restart-workers` starts it again) rather than done.
+    /// `elasticps` calls it at interpreter exit when an exception ended the script. Later
+    /// calls, and `finish` after it, do nothing.
+    fn abandon(&mut self) -> PyResult<()> {
+        runtime::check_not_forked(self.pid)?;
+        if !std::mem::replace(&mut self.finished, true) {
+            let _ = self.tx.send(Cmd::Abandon);
+        }
+        Ok(())
+    }
+
     fn __repr__(&self) -> String {
         let resumed =
             if self.start_clock > 0 { format!(", resumed at clock {}", self.start_clock) } else { String::new() };
