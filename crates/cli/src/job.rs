@@ -109,6 +109,7 @@ pub async fn run(scheduler: &str, d: &DataArgs, opts: ClientOptions, emitter: Em
     };
     let mut client = Client::connect(opts).await.with_context(|| format!("joining the job at {scheduler}"))?;
     let (rank, world) = (client.rank(), client.num_workers());
+    emitter.emit(&Event::Joined { rank });
     let tensors = match d.model {
         ModelKind::Mlp => Mlp::default().tensor_specs(),
         ModelKind::Synthetic(p) => p.tensors(),

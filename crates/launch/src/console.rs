@@ -30,10 +30,11 @@ impl<'b> Recorder<'b> {
     }
 
     /// Records one event, `t_s` seconds into the run; returns the rank of the worker that
-    /// sent it, if it is a worker's progress.
+    /// sent it, if it is a worker's joining or progress.
     pub fn event(&mut self, t_s: f64, event: Event) -> Option<u32> {
         let mut named = None;
         match event {
+            Event::Joined { rank } => named = Some(rank),
             Event::Progress { rank, iteration, total, loss } => {
                 named = Some(rank);
                 self.bars.update(rank, iteration.into(), Some(total.into()), Some(f64::from(loss)));

@@ -35,6 +35,12 @@ pub enum Event {
         /// The bound address.
         addr: String,
     },
+    /// A worker joined the job as `rank`: the launcher that started its process learns
+    /// the rank to restart it with, before the worker logs anything.
+    Joined {
+        /// Worker rank.
+        rank: u32,
+    },
     /// A worker's progress.
     Progress {
         /// Worker rank.

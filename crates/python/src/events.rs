@@ -27,6 +27,11 @@ fn emit(event: &Event) {
     emitter.emit(event);
 }
 
+/// This worker joined the job as `rank` (the launcher restarts it with that rank).
+pub fn joined(rank: u32) {
+    emit(&Event::Joined { rank });
+}
+
 /// Where this worker serves its Prometheus metrics.
 pub fn metrics(rank: u32, addr: &str) {
     emit(&Event::Metrics { node: format!("worker {rank}"), addr: addr.to_string() });

@@ -152,6 +152,7 @@ impl Worker {
         rt.spawn(actor::run(opts, endpoint, ready, rx));
         let actor::Joined { rank, size, start_clock } =
             wait(py, &format!("joining the job of the scheduler at {scheduler}"), joined)?;
+        events::joined(rank);
         if let Some(addr) = &metrics_addr {
             events::metrics(rank, addr);
         }

@@ -9,6 +9,7 @@
 //!
 //! ```text
 //! {"event":"listening","addr":"127.0.0.1:7000"}
+//! {"event":"joined","rank":0}
 //! {"event":"progress","rank":0,"iteration":10,"total":600,"loss":0.31}
 //! {"event":"log","rank":0,"step":10,"metrics":{"loss":0.31,"accuracy":0.97,"total":600}}
 //! {"event":"worker_done","rank":0,"iterations":600,...}

@@ -659,7 +659,9 @@ impl crate::Machine for Agent {
 /// The rank an event names, if any.
 fn rank_of(event: &Event) -> Option<u32> {
     match event {
-        Event::Progress { rank, .. } | Event::Eval { rank, .. } | Event::Log { rank, .. } => Some(*rank),
+        Event::Joined { rank } | Event::Progress { rank, .. } | Event::Eval { rank, .. } | Event::Log { rank, .. } => {
+            Some(*rank)
+        }
         Event::WorkerDone(w) => Some(w.rank),
         _ => None,
     }

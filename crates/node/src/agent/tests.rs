@@ -271,6 +271,18 @@ fn the_workers_a_host_starts_with_the_job_form_its_group_and_a_restarted_one_doe
     assert_eq!(group_of(true, 1, &[None]), [None]);
 }
 
+/// A worker that dies before it logged anything is reported with the rank it joined as
+/// (its `joined` line), so the scheduler can restart it with that rank.
+#[test]
+fn a_worker_that_dies_before_it_logs_is_reported_with_the_rank_it_joined_as() {
+    let mut a = joined(false);
+    order(&mut a, 1, 4, NodeRole::Worker { rank: None }, 0);
+    a.handle(2, Input::Line { node: 0, event: Event::Joined { rank: 3 } });
+    let e = a.handle(3, Input::Exited { node: 0, ok: false, status: "exit status: 1".into() });
+    let exited = Control::NodeExited { slot: 4, ok: false, status: "exit status: 1".into(), rank: Some(3) };
+    assert_eq!(sent(&e), [(0, control(exited))]);
+}
+
 #[test]
 fn exits_are_reported_with_the_rank_the_events_named_and_events_are_relayed() {
     let mut a = joined(false);
