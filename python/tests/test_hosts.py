@@ -202,6 +202,27 @@ def test_a_host_killed_mid_run_fails_over_restarts_its_worker_and_loses_no_push(
         check_exact(json.loads(final.read_text()), restarted, 4, steps)
 
 
+def start_two_groups_of_two(tmp_path: Path, hosts: Sequence[Host], steps: int, final: Path):
+    """EXACT_WORKER on two hosts of two workers each, one push per host (the default
+    across hosts), with --replicas 2 --restart-workers 2; returns once host 2's workers
+    reached step 50: the launches and their logs (host 1's launch writes the report)."""
+    script = tmp_path / "exact_worker.py"
+    script.write_text(EXACT_WORKER)
+    logs = [tmp_path / f"{h.name}.log" for h in hosts]
+    flags = ["--sync", "bsp", "--no-aggregate", "--optimizer", "sgd", "--lr", "1", "--replicas", "2",
+             "--restart-workers", "2", "--block-bytes", "32", "--workers-per-node", "2", "--worker-slots", "4"]
+    procs = []
+    for i, h in enumerate(hosts):
+        report = ["--report", str(tmp_path / "report")] if i == 0 else []
+        procs.append(launch_on(h, hosts[0], "2", flags + report, [sys.executable, str(script), str(steps), str(final)], logs[i]))
+    deadline = time.monotonic() + 120
+    while "step 50" not in logs[1].read_text():
+        assert time.monotonic() < deadline, "host 2's workers did not reach step 50 in 120 s:\n" + show(logs)
+        assert procs[1].poll() is None, show(logs)
+        time.sleep(0.2)
+    return procs, logs
+
+
 @pytest.mark.deadline(300)
 def test_one_push_per_host_survives_a_host_lost_mid_run_and_loses_no_push(tmp_path):
     """Issue 37: two hosts with two workers each push once per host (the default across
@@ -211,24 +232,11 @@ def test_one_push_per_host_survives_a_host_lost_mid_run_and_loses_no_push(tmp_pa
     pushing alone, the servers fail over, and every push of every rank counts exactly
     once."""
     require_root()
-    script = tmp_path / "exact_worker.py"
-    script.write_text(EXACT_WORKER)
     steps, workers = 300, 4
     final = tmp_path / "final.json"
     with testbed(2, "ephg") as hosts:
-        logs = [tmp_path / f"{h.name}.log" for h in hosts]
-        flags = ["--sync", "bsp", "--no-aggregate", "--optimizer", "sgd", "--lr", "1", "--replicas", "2",
-                 "--restart-workers", "2", "--block-bytes", "32", "--workers-per-node", "2", "--worker-slots", "4"]
-        procs = []
-        for i, h in enumerate(hosts):
-            report = ["--report", str(tmp_path / "report")] if i == 0 else []
-            procs.append(launch_on(h, hosts[0], "2", flags + report, [sys.executable, str(script), str(steps), str(final)], logs[i]))
-        victim, vlog = hosts[1], logs[1]
-        deadline = time.monotonic() + 120
-        while "step 50" not in vlog.read_text():
-            assert time.monotonic() < deadline, "host 2's workers did not reach step 50 in 120 s:\n" + show(logs)
-            assert procs[1].poll() is None, show(logs)
-            time.sleep(0.2)
+        procs, logs = start_two_groups_of_two(tmp_path, hosts, steps, final)
+        victim = hosts[1]
         lose(victim, procs[1])
         codes = wait_all(procs[:1], logs[:1], 240)
         assert codes == [0], show(logs)
@@ -254,20 +262,10 @@ def test_a_host_groups_leader_killed_alone_restarts_it_and_its_member_and_loses_
     finished at interpreter exit: never restarted, its pushes stopped counting, and the
     job ended 0."""
     require_root()
-    script = tmp_path / "exact_worker.py"
-    script.write_text(EXACT_WORKER)
     steps, workers = 300, 4
     final = tmp_path / "final.json"
     with testbed(2, "ephl") as hosts:
-        logs = [tmp_path / f"{h.name}.log" for h in hosts]
-        flags = ["--sync", "bsp", "--no-aggregate", "--optimizer", "sgd", "--lr", "1", "--replicas", "2",
-                 "--restart-workers", "2", "--block-bytes", "32", "--workers-per-node", "2", "--worker-slots", "4"]
-        procs = [launch_on(h, hosts[0], "2", flags, [sys.executable, str(script), str(steps), str(final)], log)
-                 for h, log in zip(hosts, logs)]
-        deadline = time.monotonic() + 120
-        while "step 50" not in logs[1].read_text():
-            assert time.monotonic() < deadline, "host 2's workers did not reach step 50 in 120 s:\n" + show(logs)
-            time.sleep(0.2)
+        procs, logs = start_two_groups_of_two(tmp_path, hosts, steps, final)
         seated = [l.split() for l in logs[1].read_text().splitlines() if "host group rank 0" in l]
         assert len(seated) == 1, show(logs)
         os.kill(int(seated[0][seated[0].index("pid") + 1]), signal.SIGKILL)
