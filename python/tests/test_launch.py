@@ -131,9 +131,11 @@ def test_a_script_that_forgets_finish_still_ends_the_job_cleanly(tmp_path):
     assert out.stdout.count("trained") == 2
 
 
-def test_a_python_worker_that_dies_is_restarted_with_its_rank_and_the_job_completes(tmp_path):
-    # Rank 1 dies at step 30 of its first life (kill -9 would do the same); the launcher
-    # restarts it with ELASTICPS_RANK=1, and it goes on from where the job is.
+def dies_once(tmp_path: Path, death: str, steps: int, logs: bool) -> Path:
+    """A worker script whose rank 1 dies by `death` at step 30 of its first life (a
+    restarted one has ELASTICPS_RANK) and says where each life starts; `logs`: it logs
+    every step (the launcher's progress bars)."""
+    log = f"    elasticps.log(step=t + 1, total={steps}, loss=float(p['w'][0]))\n" if logs else ""
     script = tmp_path / "dies_once.py"
     script.write_text(
         "import os, numpy as np, elasticps\n"
@@ -142,13 +144,20 @@ def test_a_python_worker_that_dies_is_restarted_with_its_rank_and_the_job_comple
         "w.register_model(p)\n"
         "restarted = 'ELASTICPS_RANK' in os.environ\n"
         "print(f'rank {w.rank} starts at {w.start_clock} restarted {restarted}', flush=True)\n"
-        "for t in range(w.start_clock, 200):\n"
+        f"for t in range(w.start_clock, {steps}):\n"
         "    if w.rank == 1 and not restarted and t == 30:\n"
-        "        os._exit(9)\n"
+        f"        {death}\n"
         "    w.push_pull(t, {'w': np.full(64, 0.01, np.float32)}, p)\n"
-        "    elasticps.log(step=t + 1, total=200, loss=float(p['w'][0]))\n"
+        f"{log}"
         "elasticps.finish()\n"
     )
+    return script
+
+
+def test_a_python_worker_that_dies_is_restarted_with_its_rank_and_the_job_completes(tmp_path):
+    # Rank 1 dies at step 30 of its first life (kill -9 would do the same); the launcher
+    # restarts it with ELASTICPS_RANK=1, and it goes on from where the job is.
+    script = dies_once(tmp_path, "os._exit(9)", steps=200, logs=True)
     out = launch(["--workers", "2", "--sync", "ssp:2", "--restart-workers", "1", "--", sys.executable, str(script)], timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "restarting it as rank 1" in out.stderr, out.stderr[-3000:]
@@ -166,19 +175,7 @@ def test_a_script_that_raises_is_not_counted_finished(tmp_path, restarts):
     # restarting it, and across hosts it was never restarted and its pushes silently
     # stopped counting (the job ended 0). The script logs nothing: the launcher learns
     # its rank from its `joined` event line.
-    script = tmp_path / "raises_once.py"
-    script.write_text(
-        "import os, numpy as np, elasticps\n"
-        "w = elasticps.init()\n"
-        "p = {'w': np.zeros(64, np.float32)}\n"
-        "w.register_model(p)\n"
-        "restarted = 'ELASTICPS_RANK' in os.environ\n"
-        "print(f'rank {w.rank} starts at {w.start_clock} restarted {restarted}', flush=True)\n"
-        "for t in range(w.start_clock, 100):\n"
-        "    if w.rank == 1 and not restarted and t == 30:\n"
-        "        raise RuntimeError('the data loader broke')\n"
-        "    w.push_pull(t, {'w': np.full(64, 0.01, np.float32)}, p)\n"
-    )
+    script = dies_once(tmp_path, "raise RuntimeError('the data loader broke')", steps=100, logs=False)
     out = launch(["--workers", "2", "--sync", "bsp", "--restart-workers", str(restarts), "--",
                   sys.executable, str(script)], timeout=180)
     text = out.stdout[-2000:] + out.stderr[-3000:]
