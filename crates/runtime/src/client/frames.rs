@@ -76,7 +76,6 @@ impl<'g> Tensors<'g> {
                 })
                 .collect(),
         };
-        let block_dtype = |b: &BlockSpec| narrow.get(&b.id).copied().unwrap_or_else(|| dtype(b.tensor as usize));
         let coded = grads
             .iter()
             .enumerate()
@@ -85,23 +84,21 @@ impl<'g> Tensors<'g> {
                 _ => None,
             })
             .collect();
-        let sparse = blocks
-            .iter()
-            .filter_map(|b| {
-                let part = compressed(b.tensor as usize)?.block(b.offset, b.len);
-                Some((b.id, Values::sparse(&part.indices, &part.values, block_dtype(b)).wire_bytes()))
-            })
-            .collect();
-        let narrow_coded = blocks
-            .iter()
-            .filter(|b| narrow.contains_key(&b.id) && compressed(b.tensor as usize).is_none())
-            .filter_map(|b| {
-                let g = grads.get(b.tensor as usize).copied().flatten()?;
-                let range = b.offset..b.offset + b.len;
-                (!g.is_empty() && range.end <= g.len()).then(|| (b.id, block_dtype(b).encode(&g[range])))
-            })
-            .collect();
-        Tensors { grads, dtypes, coded, sparse, narrow, narrow_coded }
+        let mut tensors =
+            Tensors { grads, dtypes, coded, sparse: HashMap::new(), narrow, narrow_coded: HashMap::new() };
+        for b in blocks {
+            if let Some(part) = compressed(b.tensor as usize).map(|s| s.block(b.offset, b.len)) {
+                let payload = Values::sparse(&part.indices, &part.values, tensors.block_dtype(b)).wire_bytes();
+                tensors.sparse.insert(b.id, payload);
+            } else if let Some(&d) = tensors.narrow.get(&b.id)
+                && let Some(Some(g)) = grads.get(b.tensor as usize)
+                && !g.is_empty()
+                && b.offset + b.len <= g.len()
+            {
+                tensors.narrow_coded.insert(b.id, d.encode(&g[b.offset..b.offset + b.len]));
+            }
+        }
+        tensors
     }
 
     /// The dtype tensor `t` travels in.

@@ -235,6 +235,13 @@ impl LeaderWorld {
             let _ = o.send((0, msg));
         }
     }
+
+    /// A member's connection is gone (closed, or refused): its outbox and its gradients
+    /// in hand with it.
+    fn forget(&mut self, conn: ConnId) {
+        self.conns.remove(&conn);
+        self.grads.retain(|(c, _), _| *c != conn);
+    }
 }
 
 impl World<Leader> for LeaderWorld {
@@ -262,9 +269,10 @@ impl World<Leader> for LeaderWorld {
             None => Input::Timeout,
             Some(Woken::Command(None)) => return ControlFlow::Break(()),
             Some(Woken::Command(Some(Command::Gather { clock, tensors, reply }))) => {
-                self.gathering = Some((tensors, reply));
-                let tensors = self.gathering.as_ref().map(|g| g.0.clone()).unwrap_or_default();
+                // Its effects (`Gathered`, at once if every gradient is in hand) are carried
+                // out after this.
                 machine.handle_into(now_us, Input::Gather { clock, tensors: &tensors }, out);
+                self.gathering = Some((tensors, reply));
                 return ControlFlow::Continue(());
             }
             Some(Woken::Command(Some(Command::Publish { clock, values }))) => {
@@ -300,8 +308,7 @@ impl World<Leader> for LeaderWorld {
                 return ControlFlow::Continue(());
             }
             Some(Woken::Event(Event::Frame { conn, msg: None })) => {
-                self.conns.remove(&conn);
-                self.grads.retain(|(c, _), _| *c != conn);
+                self.forget(conn);
                 Input::Closed { conn }
             }
             Some(Woken::Event(Event::Frame { conn, msg: Some(msg) })) => match *msg {
@@ -336,8 +343,7 @@ impl World<Leader> for LeaderWorld {
                 self.send(conn, Message::Error(ErrorReply::new(ErrorCode::BadRequest, why)));
                 // Dropping the outbox ends the writer once the error is written; the
                 // reader ends with the connection.
-                self.conns.remove(&conn);
-                self.grads.retain(|(c, _), _| *c != conn);
+                self.forget(conn);
             }
             Effect::Gathered { clock: _, members } => {
                 if let Some((tensors, reply)) = self.gathering.take() {
